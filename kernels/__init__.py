@@ -1,0 +1,1 @@
+"""Triton kernels and custom ops of FEPLB (imported as ``feplb.kernels``)."""

@@ -1,0 +1,1 @@
+"""CPU planning for FEPLB, numpy only (imported as ``feplb.sched``)."""

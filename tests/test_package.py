@@ -1,0 +1,43 @@
+"""The package layout: three rooms in one namespace, and the room rules of ../shared/design/style.md."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_rooms_map_into_feplb_namespace():
+    import feplb.kernels
+    import feplb.sched
+
+    assert feplb.kernels.__name__ == "feplb.kernels"
+    assert feplb.sched.__name__ == "feplb.sched"
+
+
+def test_stdlib_sched_is_not_shadowed():
+    import sched
+
+    assert hasattr(sched, "scheduler"), f"'import sched' found {sched.__file__}, not the standard library's"
+
+
+@pytest.mark.parametrize("room", ["feplb.sched"])
+def test_sched_imports_without_torch(room):
+    # A meta-path blocker makes any import of torch fail: the planning room must not need it.
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ImportError('torch is blocked in this test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"import importlib, pkgutil\nm = importlib.import_module({room!r})\n"
+        "for info in pkgutil.iter_modules(m.__path__):\n"
+        f"    importlib.import_module({room!r} + '.' + info.name)\n"
+        "print('ok')\n"
+    )
+    proc = _run(code)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
