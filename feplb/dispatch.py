@@ -1,0 +1,153 @@
+"""Autograd functions of the two-phase dispatch: every communication step is differentiable, so backward mirrors
+forward by construction (gradients of moved rows return home, weight gradients computed on a helper return to the
+owner's ``.grad`` through the same path, exactly once).
+
+* ``all_to_all_rows``: phase-1 rows to the experts' home ranks (backward: the reverse all-to-all).
+* ``exchange``: flat buffers between arbitrary ranks of the EP group (phase-2 rows, results and weight copies);
+  pairs inside a node go through the copy path, pairs across nodes through the transport.
+
+Both are collective: every rank calls them in the same order. Their backward is collective too, so every rank must
+reach it: ``exchange`` always returns a tensor that callers feed into the rest of the graph (at least an empty slice
+of it), and takes an input that requires grad whenever autograd is recording (an empty slice of the layer's rows).
+
+Legend: M rows sent, R rows received, D row width, N elements of a flat buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from feplb.copy_engine import CopyEngine
+from feplb.transport import Transport, guard
+
+__all__ = ["PeerComm", "all_to_all_rows", "exchange"]
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MD: torch.Tensor, transport: Transport, send_splits: tuple, recv_splits: tuple):
+        ctx.transport, ctx.send_splits, ctx.recv_splits = transport, send_splits, recv_splits
+        return transport.all_to_all(x_MD, send_splits, recv_splits)
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor):
+        grad_MD = ctx.transport.all_to_all(grad_RD.contiguous(), ctx.recv_splits, ctx.send_splits)
+        return grad_MD, None, None, None
+
+
+def all_to_all_rows(x_MD: torch.Tensor, transport: Transport, send_splits: Sequence[int],
+                    recv_splits: Sequence[int]) -> torch.Tensor:
+    """Differentiable all-to-all of rows.
+
+    Args:
+        x_MD: [M, D] rows grouped by destination rank; send_splits: W row counts (sum M).
+        recv_splits: W row counts expected from each rank.
+    Returns:
+        recv_RD: [R, D], rank s's rows in block s.
+    """
+    return _AllToAllRows.apply(x_MD, transport, tuple(int(s) for s in send_splits),
+                               tuple(int(s) for s in recv_splits))
+
+
+@dataclass
+class PeerComm:
+    """Routes flat buffers between ranks of the EP group: node peers through ``copy``, other ranks through
+    ``transport`` (an all-to-all over the whole group, used only when ``cross_node`` is set for that call)."""
+
+    transport: Transport
+    copy: CopyEngine
+    gpus_per_node: int
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    def node_of(self, r: int) -> int:
+        return r // self.gpus_per_node
+
+    def run(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int], *, cross_node: bool, dtype: torch.dtype,
+            device: torch.device, op: str, intra_node: bool = True) -> dict[int, torch.Tensor]:
+        """Send 1-D ``send[dst]`` to each EP rank dst; return {src: 1-D buffer of recv_numel[src] elements}."""
+        me, g = self.rank, self.gpus_per_node
+        base = self.node_of(me) * g
+        out: dict[int, torch.Tensor] = {}
+        local_send = {p - base: t for p, t in send.items() if self.node_of(p) == self.node_of(me)}
+        local_recv = {q - base: n for q, n in recv_numel.items() if self.node_of(q) == self.node_of(me)}
+        if intra_node and g > 1:
+            got = self.copy.exchange(local_send, local_recv, dtype=dtype, device=device, op=op)
+            out.update({q + base: t for q, t in got.items()})
+        elif local_send or local_recv:
+            raise ValueError(f"{op}: intra-node traffic without a copy path call")
+        remote_send = {p: t for p, t in send.items() if self.node_of(p) != self.node_of(me)}
+        remote_recv = {q: n for q, n in recv_numel.items() if self.node_of(q) != self.node_of(me)}
+        if cross_node:
+            w = self.transport.world_size
+            send_splits = [remote_send[p].numel() if p in remote_send else 0 for p in range(w)]
+            recv_splits = [int(remote_recv.get(q, 0)) for q in range(w)]
+            parts = [remote_send[p].reshape(-1).to(dtype) for p in range(w) if p in remote_send]
+            flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+            with guard(f"{op} (cross-node part)", self.transport.group):
+                got_flat = self.transport.all_to_all(flat, send_splits, recv_splits)
+            start = 0
+            for q in range(w):
+                if q in remote_recv:
+                    out[q] = got_flat[start:start + recv_splits[q]]
+                start += recv_splits[q]
+        elif remote_send or remote_recv:
+            raise ValueError(f"{op}: cross-node traffic but cross_node=False")
+        return out
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, flat_send: torch.Tensor, comm: PeerComm, send_layout: tuple, recv_layout: tuple,
+                cross_node: bool, intra_node: bool, op: str):
+        ctx.comm, ctx.send_layout, ctx.recv_layout = comm, send_layout, recv_layout
+        ctx.cross_node, ctx.intra_node, ctx.op = cross_node, intra_node, op
+        return _run_layout(comm, flat_send, send_layout, recv_layout, cross_node, intra_node, op)
+
+    @staticmethod
+    def backward(ctx, grad_recv: torch.Tensor):
+        grad_send = _run_layout(ctx.comm, grad_recv.contiguous(), ctx.recv_layout, ctx.send_layout, ctx.cross_node,
+                                ctx.intra_node, f"{ctx.op}, backward")
+        return grad_send, None, None, None, None, None, None
+
+
+def _run_layout(comm: PeerComm, flat: torch.Tensor, send_layout: tuple, recv_layout: tuple, cross_node: bool,
+                intra_node: bool, op: str) -> torch.Tensor:
+    send, start = {}, 0
+    for peer, n in send_layout:
+        send[peer] = flat[start:start + n]
+        start += n
+    if start != flat.numel():
+        raise ValueError(f"{op}: send layout covers {start} elements but the buffer has {flat.numel()}")
+    recv_numel = dict(recv_layout)
+    got = comm.run(send, recv_numel, cross_node=cross_node, dtype=flat.dtype, device=flat.device, op=op,
+                   intra_node=intra_node)
+    parts = [got[q] for q, n in recv_layout]
+    for (q, n), t in zip(recv_layout, parts, strict=True):
+        if t.numel() != n:
+            raise RuntimeError(f"{op}: expected {n} elements from rank {q}, got {t.numel()}")
+    return torch.cat(parts) if parts else flat.new_empty(0)
+
+
+def exchange(flat_send: torch.Tensor, comm: PeerComm, send_layout: Sequence[tuple[int, int]],
+             recv_layout: Sequence[tuple[int, int]], *, cross_node: bool, intra_node: bool = True,
+             op: str = "exchange") -> torch.Tensor:
+    """Differentiable exchange of flat buffers with arbitrary EP ranks.
+
+    Args:
+        flat_send: 1-D [N_send], the blocks for each destination concatenated in ``send_layout`` order.
+        send_layout: ((dst rank, elements), ...) with distinct dst; recv_layout: ((src rank, elements), ...).
+        cross_node: whether any rank of the group exchanges across nodes in this call (globally agreed).
+        intra_node: whether the node's copy path is called (every rank of the node must agree).
+    Returns:
+        1-D [N_recv], the blocks from each source concatenated in ``recv_layout`` order.
+    """
+    if dist.get_world_size(comm.transport.group) == 1:
+        return flat_send[:0]
+    return _Exchange.apply(flat_send, comm, tuple(send_layout), tuple(recv_layout), cross_node, intra_node, op)

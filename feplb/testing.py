@@ -1,0 +1,138 @@
+"""Run a function on W gloo processes and collect what each returns (tests, benchmarks, examples).
+
+``run_dist(fn, world_size, *args)`` spawns ``world_size`` fresh processes, joins them into one gloo process group on
+a free local port with a collective timeout, calls ``fn(rank, world_size, *args)`` in each, and returns the list of
+results in rank order. An exception in any rank is re-raised in the caller with that rank's traceback; a process
+that does not finish within ``timeout_s`` is killed and reported, so a communication bug fails instead of hanging.
+
+``fn`` is located in the children by its source file and name, so it may live in a pytest module imported with
+``--import-mode=importlib`` (which is not importable by module name); it must be defined at module level.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import inspect
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["DistError", "free_port", "run_dist"]
+
+
+class DistError(RuntimeError):
+    """A rank of a ``run_dist`` job raised, crashed or timed out."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load(file: str, qualname: str) -> Callable:
+    module_name = f"_feplb_dist_{abs(hash(file))}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, file)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {file!r}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _child(rank: int, world_size: int, port: int, file: str, qualname: str, args: tuple, collective_timeout_s: float,
+           threads: int, env: dict, results: Any) -> None:
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        try:
+            fn = _load(file, qualname)
+            out = fn(rank, world_size, *args)
+            results.put((rank, True, out))
+        finally:
+            # A rank that failed must not wait on peers in a teardown barrier.
+            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0, collective_timeout_s: float = 30.0,
+             threads: int = 1, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return the results in rank order.
+
+    Args:
+        fn: a module-level function; its return value must be picklable (tensors are fine).
+        world_size: number of processes (ranks).
+        timeout_s: wall-clock limit for the whole job; stragglers are killed and a ``DistError`` names them.
+        collective_timeout_s: ``init_process_group(timeout=...)``: any collective that waits longer raises.
+        threads: ``torch.set_num_threads`` in every child (keep 1 on small machines).
+        env: extra environment variables for the children.
+    Raises:
+        DistError: a rank raised (its traceback is in the message), died, or did not finish in time.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    file = inspect.getsourcefile(fn)
+    if file is None or "<locals>" in fn.__qualname__:
+        raise ValueError(f"fn must be a module-level function defined in a file, got {fn!r}")
+    child_env = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "OMP_NUM_THREADS": str(threads)}
+    child_env.update(env or {})
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, os.path.abspath(file), fn.__qualname__, args,
+                                               collective_timeout_s, threads, child_env, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outs: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outs) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, out = results.get(timeout=min(remaining, 0.5))
+                outs[rank] = (ok, out)
+            except queue.Empty:
+                # A child killed by a signal never reports; stop waiting for it once it is gone.
+                dead = [r for r, p in enumerate(procs) if r not in outs and not p.is_alive() and p.exitcode != 0]
+                if dead and results.empty():
+                    time.sleep(0.2)
+                    if results.empty():
+                        for r in dead:
+                            outs[r] = (False, f"process exited with code {procs[r].exitcode} without reporting")
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    errors = [f"rank {r}: {out}" for r, (ok, out) in sorted(outs.items()) if not ok]
+    missing = [r for r in range(world_size) if r not in outs]
+    if missing:
+        errors.append(f"ranks {missing} did not finish within {timeout_s:.0f} s (killed)")
+    if errors:
+        raise DistError("run_dist failed:\n" + "\n".join(errors))
+    return [outs[r][1] for r in range(world_size)]

@@ -1,0 +1,214 @@
+"""Phase-1 transports: the EP all-to-all of rows and the small collectives the layer needs.
+
+One interface, two implementations:
+
+* ``TorchTransport``: ``torch.distributed`` (gloo on CPU tensors, NCCL on CUDA tensors).
+* ``NvshmemTransport``: nvshmem4py symmetric buffers, one on-stream put per peer and a barrier on the stream;
+  CUDA only, import-guarded (``pip install 'feplb[nvshmem]'``).
+
+Every blocking call runs under ``guard(op)``, which turns a backend timeout into a ``TimeoutError`` naming the
+operation and the rank, so a peer that dies or stalls fails the step with a readable message instead of hanging
+(the timeout itself is the process group's, set by ``init_process_group(timeout=...)``).
+
+Legend: W ranks in the group, E experts, M rows sent by this rank, R rows received, D row width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["NVSHMEM_HINT", "NvshmemTransport", "TorchTransport", "Transport", "guard", "make_transport"]
+
+NVSHMEM_HINT = "the nvshmem transport needs nvshmem4py and a CUDA GPU: pip install 'feplb[nvshmem]'"
+
+_TIMEOUT_MARKERS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer")
+
+
+@contextlib.contextmanager
+def guard(op: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Re-raise a communication failure inside the block as ``TimeoutError`` (stall) or ``RuntimeError`` (peer gone)
+    whose message names ``op`` and this rank."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc).lower()
+        if not any(m in text for m in _TIMEOUT_MARKERS):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else -1
+        size = dist.get_world_size(group) if dist.is_initialized() else -1
+        kind = TimeoutError if ("timed out" in text or "timeout" in text) else RuntimeError
+        raise kind(f"feplb: {op} failed on global rank {rank} (group of {size}): a peer died or stalled "
+                   f"past the process group's timeout; backend said: {str(exc).splitlines()[0][:300]}") from exc
+
+
+class Transport:
+    """Collectives over one EP process group. All methods are collective: every rank of the group calls them in the
+    same order with matching arguments."""
+
+    name = "abstract"
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("feplb: torch.distributed is not initialised; call init_process_group first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def all_gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """counts_E int64 [E] on this rank -> counts_WE int64 [W, E] (row s from rank s), on counts_E's device."""
+        with guard("all_gather of expert counts", self.group):
+            return all_gather_stack(counts_E.to(torch.int64).contiguous(), self.group)
+
+    def all_to_all(self, send_MD: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
+        """Rows send_MD[sum(send_splits[:d]) : ...] go to rank d; returns recv_RD with rank s's rows at block s.
+
+        Args:
+            send_MD: [M, D] rows grouped by destination rank (any dtype).
+            send_splits: W ints summing to M.  recv_splits: W ints, rows coming from each rank.
+        """
+        raise NotImplementedError
+
+    def all_reduce_min(self, flags: torch.Tensor, group: dist.ProcessGroup | None, op: str) -> torch.Tensor:
+        """Elementwise MIN of a small int64 CPU tensor over ``group`` (agreement on readiness/consistency)."""
+        out = flags.clone()
+        with guard(op, group):
+            dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group)
+        return out
+
+    def check_same(self, blob: bytes, what: str) -> None:
+        """Raise ValueError on every rank unless ``blob`` is byte-identical on all ranks (one all_gather of a hash)."""
+        digest = int.from_bytes(hashlib.sha256(blob).digest()[:7], "little")
+        mine = torch.tensor([digest], dtype=torch.int64)
+        dev = _collective_device(self.group)
+        with guard(f"consistency check of {what}", self.group):
+            allh = all_gather_stack(mine.to(dev), self.group).reshape(-1).cpu()
+        bad = [r for r in range(self.world_size) if int(allh[r]) != digest]
+        if bad:
+            raise ValueError(f"feplb: {what} differs across ranks: rank {self.rank} disagrees with ranks {bad}; "
+                             "every rank of the EP group must build the layer with the same config")
+
+
+def all_gather_stack(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[*S] on every rank -> [W, *S] stacked in group-rank order (works on gloo and NCCL)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    return torch.stack(parts)
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+class TorchTransport(Transport):
+    """``torch.distributed.all_to_all_single``: gloo for CPU tensors, NCCL for CUDA tensors."""
+
+    name = "torch"
+
+    def all_to_all(self, send_MD: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
+        send_splits, recv_splits = [int(s) for s in send_splits], [int(s) for s in recv_splits]
+        if sum(send_splits) != send_MD.shape[0]:
+            raise ValueError(f"send_splits sum to {sum(send_splits)} but send_MD has {send_MD.shape[0]} rows")
+        recv = send_MD.new_empty((sum(recv_splits), *send_MD.shape[1:]))
+        with guard("phase-1 all_to_all of rows", self.group):
+            dist.all_to_all_single(recv, send_MD.contiguous(), recv_splits, send_splits, group=self.group)
+        return recv
+
+
+class NvshmemTransport(Transport):
+    """All-to-all through nvshmem4py symmetric memory: each rank puts its block for rank d straight into d's
+    receive buffer at the offset every rank computes from the all-gathered splits, then a barrier on the stream.
+
+    The symmetric buffer grows (collectively, by the same rule on every rank) when a micro-batch needs more rows;
+    rows are never dropped. CUDA only.
+    """
+
+    name = "nvshmem"
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        super().__init__(group)
+        try:
+            import nvshmem.core as nvshmem  # type: ignore[import-not-found]
+        except ImportError as exc:
+            raise ImportError(NVSHMEM_HINT) from exc
+        if not torch.cuda.is_available():
+            raise RuntimeError(NVSHMEM_HINT)
+        if group is not None and dist.get_world_size(group) != dist.get_world_size():
+            raise ValueError("feplb: the nvshmem transport spans the whole world; pass group=None")
+        self._nv = nvshmem
+        self._init_nvshmem()
+        self._buf: torch.Tensor | None = None   # flat uint8 symmetric receive buffer
+
+    def _init_nvshmem(self) -> None:
+        nv = self._nv
+        from cuda.core.experimental import Device  # type: ignore[import-not-found]
+
+        dev = Device(torch.cuda.current_device())
+        dev.set_current()
+        uid = nv.get_unique_id(empty=self.rank != 0)
+        if self.rank == 0:
+            uid = nv.get_unique_id()
+        # The unique id is a small byte blob; share it over the existing process group.
+        blob = [bytes(uid._data.view("int8").tobytes()) if self.rank == 0 else None]
+        with guard("nvshmem bootstrap (broadcast of the unique id)", self.group):
+            dist.broadcast_object_list(blob, src=0, group=self.group)
+        if self.rank != 0:
+            import numpy as np
+
+            uid._data.view("int8")[:] = np.frombuffer(blob[0], dtype="int8")
+        nv.init(device=dev, uid=uid, rank=self.rank, nranks=self.world_size, initializer_method="uid")
+
+    def _ensure(self, nbytes: int) -> torch.Tensor:
+        if self._buf is None or self._buf.numel() < nbytes:
+            if self._buf is not None:
+                self._nv.free_tensor(self._buf)
+            cap = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
+            self._buf = self._nv.interop.torch.empty((cap,), dtype=torch.uint8)
+        return self._buf
+
+    def all_to_all(self, send_MD: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
+        if not send_MD.is_cuda:
+            raise ValueError(f"the nvshmem transport moves CUDA tensors only, got a tensor on {send_MD.device}")
+        nv = self._nv
+        send_splits, recv_splits = [int(s) for s in send_splits], [int(s) for s in recv_splits]
+        row_bytes = math.prod(send_MD.shape[1:]) * send_MD.element_size()
+        # Every rank needs the same buffer size (symmetric allocation): the max over ranks of rows received.
+        need = torch.tensor([sum(recv_splits)], dtype=torch.int64, device=send_MD.device)
+        with guard("nvshmem all_to_all: receive-size agreement", self.group):
+            dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
+        buf = self._ensure(int(need.item()) * row_bytes)
+        # My block inside rank d's buffer starts after the rows that ranks < me send to d; that is d's recv prefix,
+        # which I learn from d's recv_splits via one all_gather of the split matrix.
+        splits = torch.tensor(send_splits, dtype=torch.int64, device=send_MD.device)
+        with guard("nvshmem all_to_all: split exchange", self.group):
+            all_splits = all_gather_stack(splits, self.group).cpu()
+        stream = torch.cuda.current_stream()
+        src = send_MD.contiguous().view(torch.uint8).reshape(-1)
+        start = 0
+        for d in range(self.world_size):
+            n = send_splits[d] * row_bytes
+            if n:
+                off = int(all_splits[: self.rank, d].sum()) * row_bytes
+                nv.put(buf[off: off + n], src[start: start + n], remote_pe=d, stream=stream)
+            start += n
+        nv.barrier(nv.Teams.TEAM_WORLD, stream=stream)
+        total = sum(recv_splits)
+        out = buf[: total * row_bytes].clone().view(send_MD.dtype).reshape(total, *send_MD.shape[1:])
+        # The buffer is reused by the next call; no rank may overwrite it before everyone copied out.
+        nv.barrier(nv.Teams.TEAM_WORLD, stream=stream)
+        return out
+
+
+def make_transport(name: str, group: dist.ProcessGroup | None = None) -> Transport:
+    """'torch' -> TorchTransport, 'nvshmem' -> NvshmemTransport (ImportError with the install hint if missing)."""
+    if name == "torch":
+        return TorchTransport(group)
+    if name == "nvshmem":
+        return NvshmemTransport(group)
+    raise ValueError(f"transport must be 'torch' or 'nvshmem', got {name!r}")
