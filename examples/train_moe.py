@@ -1,0 +1,699 @@
+"""Train a small decoder-only MoE transformer under expert parallelism, with FEPLB balancing its MoE layers.
+
+CPU demo (4 gloo processes modelled as 2 nodes of 2 GPUs; a few minutes on a laptop)::
+
+    torchrun --standalone --nproc-per-node 4 examples/train_moe.py --gpus-per-node 2 --out runs/demo
+
+GPUs (one node of 8)::
+
+    torchrun --nproc-per-node 8 examples/train_moe.py --device cuda --transport nvshmem --out runs/gpu
+
+Every rank reads its own slice of the text (data parallel over the expert-parallel group). Attention, embedding,
+norm and router weights are replicated: their gradients are averaged over the world by one explicit all-reduce per
+step. Expert weights are sharded (each rank owns ``E / W`` experts) and are never all-reduced: the all-to-all
+backward already brings every rank's gradient to the expert's owner. The script writes ``report.json``, plots and
+``report.md`` to ``--out`` and a per-rank checkpoint that ``--resume`` continues from, step for step.
+
+Shape legend: B sequences per rank, S sequence length, T = B*S tokens per rank, D hidden, V vocabulary (256 byte
+values), L MoE layers, W ranks (modelled GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report as report_mod  # noqa: E402  (the sibling module; this file runs as a script, not a package)
+
+VOCAB = 256
+CKPT_DIR = "checkpoint"
+CKPT_POINTER = "latest.json"
+STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+class UsageError(Exception):
+    """Bad input the user can fix: printed as one message, then the script exits with status 2."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line and configuration
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that decides the training trajectory; its hash guards ``--resume``.
+
+    ``steps``, ``out``, logging and checkpoint cadence and the transport are left out on purpose: they change how
+    long or where the run goes, never what a given step computes.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    experts: int
+    top_k: int
+    dyn: int
+    policy: str
+    gpus_per_node: int
+    world_size: int
+    batch: int
+    seq_len: int
+    lr: float
+    warmup: int
+    weight_decay: float
+    clip: float
+    seed: int
+    device: str
+    text: str
+    text_bytes: int
+    corpus_sha256: str
+
+    def __post_init__(self) -> None:
+        positive = ("layers", "hidden", "heads", "ffn", "experts", "top_k", "gpus_per_node", "world_size", "batch",
+                    "seq_len", "text_bytes")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise UsageError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
+        if self.top_k > self.experts:
+            raise UsageError(f"--top-k {self.top_k} exceeds --experts {self.experts}")
+        if self.world_size % self.gpus_per_node:
+            raise UsageError(
+                f"--gpus-per-node {self.gpus_per_node} does not divide the world size {self.world_size} "
+                f"(torchrun --nproc-per-node x nodes); nodes must be whole")
+        if self.experts % self.world_size:
+            raise UsageError(
+                f"--experts {self.experts} is not divisible by the world size {self.world_size}: every rank must own "
+                f"the same number of experts (choose --experts as a multiple of {self.world_size})")
+        if not 0 <= self.dyn <= self.experts // self.world_size:
+            raise UsageError(
+                f"--dyn {self.dyn}: expected 0..{self.experts // self.world_size} (the experts each rank owns, "
+                f"--experts {self.experts} / world size {self.world_size})")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UsageError(f"--lr: expected a positive finite number, got {self.lr}")
+        if self.warmup < 0 or self.weight_decay < 0 or self.clip < 0:
+            raise UsageError("--warmup, --weight-decay and --clip must be >= 0")
+
+    def digest(self) -> str:
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Train a small MoE transformer with FEPLB load balancing (run under torchrun).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    run = p.add_argument_group("run")
+    run.add_argument("--steps", type=int, default=150, help="total optimizer steps (a resumed run continues to this)")
+    run.add_argument("--out", type=Path, default=Path("runs/demo"), help="directory for the report and checkpoint")
+    run.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    run.add_argument("--log-every", type=int, default=10, help="steps between log lines")
+    run.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints (and one at the end)")
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    run.add_argument("--transport", choices=("torch", "nvshmem"), default="torch",
+                     help="how MoE rows travel between ranks (nvshmem needs CUDA and nvshmem4py)")
+    run.add_argument("--seed", type=int, default=0)
+    bal = p.add_argument_group("balancing")
+    bal.add_argument("--policy", default="feplb",
+                     help="balancing policy of every MoE layer; 'none' is plain expert parallelism")
+    bal.add_argument("--gpus-per-node", type=int, default=None,
+                     help="ranks per (modelled) node; balancing moves work only inside a node "
+                          "(default: torchrun's --nproc-per-node)")
+    bal.add_argument("--dyn", type=int, default=None,
+                     help="dynamic experts per rank, which may run on another rank of the node "
+                          "(default: min(4, experts per rank))")
+    model = p.add_argument_group("model")
+    model.add_argument("--layers", type=int, default=4)
+    model.add_argument("--hidden", type=int, default=128)
+    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--ffn", type=int, default=128, help="hidden size of each expert's SwiGLU")
+    model.add_argument("--experts", type=int, default=16)
+    model.add_argument("--top-k", type=int, default=2)
+    data = p.add_argument_group("data and optimizer")
+    data.add_argument("--text", type=Path, default=None,
+                      help="a text file or a directory of them (default: this Python's standard-library source)")
+    data.add_argument("--text-bytes", type=int, default=4 << 20, help="bytes of text to read, split over the ranks")
+    data.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    data.add_argument("--seq-len", type=int, default=128)
+    data.add_argument("--lr", type=float, default=3e-3)
+    data.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up, then constant")
+    data.add_argument("--weight-decay", type=float, default=0.01)
+    data.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Distributed helpers
+
+
+def init_distributed(device: str) -> tuple[int, int, int]:
+    """Join the torchrun group (or form a group of one when started as a plain script); returns rank, world, local."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: this torch build or machine has no CUDA device")
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), local_rank
+
+
+def agree(error: str | None) -> str | None:
+    """Share each rank's error (or None) so that all ranks stop together instead of hanging in a collective."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    for rank, err in enumerate(errors):
+        if err is not None:
+            return err if dist.get_world_size() == 1 else f"(rank {rank}) {err}"
+    return None
+
+
+def collective_check(fn, *args, **kwargs):
+    """Run ``fn`` on every rank; if it raises UsageError/OSError on any rank, raise UsageError on all of them."""
+    result, error = None, None
+    try:
+        result = fn(*args, **kwargs)
+    except UsageError as exc:
+        error = str(exc)
+    err = agree(error)
+    if err is not None:
+        raise UsageError(err)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data: bytes of real text, one contiguous slice per rank, B parallel streams per slice
+
+
+def read_corpus(text: Path | None, budget: int) -> tuple[bytes, str]:
+    """Read up to ``budget`` bytes of text, in a deterministic order; returns the bytes and a description."""
+    if text is None:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        label = f"Python {sys.version.split()[0]} standard-library source ({root})"
+        suffixes = (".py",)
+    else:
+        root, label, suffixes = text, str(text), None
+        if not root.exists():
+            raise UsageError(f"--text {text}: no such file or directory")
+    chunks, total = [], 0
+    try:
+        if root.is_file():
+            with open(root, "rb") as f:
+                chunks.append(f.read(budget))
+            total = len(chunks[0])
+        else:
+            for dirpath, dirnames, filenames in os.walk(root):
+                # Sorting in place fixes the walk order, so every machine with the same files reads the same bytes.
+                dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_SKIP_DIRS and not d.startswith("."))
+                for name in sorted(filenames):
+                    if name.startswith(".") or (suffixes and not name.endswith(suffixes)):
+                        continue
+                    path = Path(dirpath) / name
+                    if not path.is_file():
+                        continue
+                    with open(path, "rb") as f:
+                        data = f.read(budget - total)
+                    chunks.append(data)
+                    total += len(data)
+                    if total >= budget:
+                        break
+                if total >= budget:
+                    break
+    except OSError as exc:
+        raise UsageError(f"--text {root}: cannot read the text ({type(exc).__name__}: {exc})") from exc
+    corpus = b"".join(chunks)
+    if not corpus:
+        raise UsageError(f"--text {root}: found no text to train on")
+    return corpus, label
+
+
+class ByteStreams:
+    """Rank ``rank``'s slice of the corpus as B contiguous streams; step ``i`` reads window ``i`` of every stream.
+
+    The data position is just the step index, so a checkpoint's step restores it exactly.
+    """
+
+    def __init__(self, corpus: bytes, *, rank: int, world: int, batch: int, seq_len: int, device: torch.device):
+        need = world * batch * (seq_len + 2)
+        if len(corpus) < need:
+            raise UsageError(
+                f"--text: {len(corpus)} bytes of text, but {world} ranks x --batch {batch} x (--seq-len {seq_len} + 2)"
+                f" needs at least {need}; give more text (--text, --text-bytes) or lower --batch / --seq-len")
+        per_rank = len(corpus) // world
+        mine = np.frombuffer(corpus, dtype=np.uint8)[rank * per_rank:(rank + 1) * per_rank]
+        self.stream_len = per_rank // batch
+        self.streams_BL = torch.from_numpy(mine[:batch * self.stream_len].astype(np.int64)).view(batch, -1)
+        self.seq_len, self.device = seq_len, device
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-byte targets of step ``step``: two int64 tensors [B, S]."""
+        span = self.stream_len - self.seq_len - 1
+        start = (step * self.seq_len) % span
+        window_BS1 = self.streams_BL[:, start:start + self.seq_len + 1]
+        return window_BS1[:, :-1].to(self.device), window_BS1[:, 1:].to(self.device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then a FEPLB MoE layer in place of the MLP."""
+
+    def __init__(self, cfg: TrainConfig, moe_config, group) -> None:
+        super().__init__()
+        import feplb
+
+        self.heads = cfg.heads
+        self.norm1 = nn.RMSNorm(cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.norm2 = nn.RMSNorm(cfg.hidden)
+        self.moe = feplb.MoELayer(moe_config, group)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        q, k, v = self.qkv(self.norm1(x_BSD)).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        attn_BSD = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, D)
+        x_BSD = x_BSD + self.proj(attn_BSD)
+        return x_BSD + self.moe(self.norm2(x_BSD))
+
+
+class MoETransformer(nn.Module):
+    """Byte-level decoder-only transformer; ``forward`` maps int64 ids [B, S] to logits [B, S, V]."""
+
+    def __init__(self, cfg: TrainConfig, moe_config, group) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, cfg.hidden)
+        self.pos = nn.Parameter(torch.zeros(cfg.seq_len, cfg.hidden))
+        self.blocks = nn.ModuleList(Block(cfg, moe_config, group) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.hidden)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.pos, std=0.02)
+        for blk in self.blocks:
+            nn.init.normal_(blk.qkv.weight, std=0.02)
+            # Residual outputs start small (GPT-2's scaling), which keeps early steps stable without tuning.
+            nn.init.normal_(blk.proj.weight, std=0.02 / math.sqrt(2 * cfg.layers))
+
+    def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        x_BSD = self.embed(ids_BS) + self.pos[: ids_BS.shape[1]]
+        for blk in self.blocks:
+            x_BSD = blk(x_BSD)
+        return self.norm(x_BSD) @ self.embed.weight.T  # tied input/output embedding
+
+    def moe_layers(self) -> list:
+        return [blk.moe for blk in self.blocks]
+
+
+def split_parameters(model: MoETransformer) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(replicated, expert-sharded) parameters. Expert weights are each MoE layer's w1 and w2."""
+    expert_ids = {id(p) for moe in model.moe_layers() for p in (moe.w1, moe.w2)}
+    replicated = [p for p in model.parameters() if id(p) not in expert_ids]
+    experts = [p for p in model.parameters() if id(p) in expert_ids]
+    return replicated, experts
+
+
+def init_expert_weights(model: MoETransformer, cfg: TrainConfig, rank: int) -> None:
+    """Give every global expert its own initial weights, drawn from (seed, layer, global expert id).
+
+    Without this, ranks seeded alike would start their local shards from identical draws, so expert e on rank 0
+    and expert e on rank 1 would begin as twins; and the start would depend on the world size.
+    """
+    e_local = cfg.experts // cfg.world_size
+    with torch.no_grad():
+        for layer, moe in enumerate(model.moe_layers()):
+            for j in range(e_local):
+                g = torch.Generator().manual_seed((cfg.seed * 1_000_003 + layer) * 1_000_003 + rank * e_local + j)
+                for w in (moe.w1, moe.w2):
+                    fan_in = w.shape[1]
+                    draw = torch.randn(w.shape[1:], generator=g) / math.sqrt(fan_in)
+                    w[j].copy_(draw.to(w.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints: per rank, written atomically, committed by a pointer file once every rank has written
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def rng_state(device: str) -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, device: str) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if device == "cuda":
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(out: Path, *, step: int, cfg: TrainConfig, model, optimizer, history: dict | None,
+                    rank: int, local_rank: int) -> None:
+    """Every rank writes its shard into checkpoint/step_N/; after a barrier, latest.json is switched to step_N.
+
+    A crash at any point leaves latest.json naming the previous complete checkpoint.
+    """
+    step_dir = out / CKPT_DIR / f"step_{step:07d}"
+    step_dir.mkdir(parents=True, exist_ok=True)
+    state = {"step": step, "data_position": step, "config_hash": cfg.digest(), "config": dataclasses.asdict(cfg),
+             "rank": rank, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "rng": rng_state(cfg.device), "history": history}
+    atomic_torch_save(state, step_dir / f"rank{rank}.pt")
+    dist.barrier()
+    if local_rank == 0:  # one writer per node, so a node-local --out works too
+        pointer = {"step": step, "dir": step_dir.name, "config_hash": cfg.digest(), "config": dataclasses.asdict(cfg)}
+        atomic_write_bytes(out / CKPT_DIR / CKPT_POINTER, json.dumps(pointer, indent=1).encode())
+        for old in (out / CKPT_DIR).glob("step_*"):
+            if old.name != step_dir.name:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def read_pointer(out: Path) -> dict | None:
+    path = out / CKPT_DIR / CKPT_POINTER
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--resume: cannot read {path} ({type(exc).__name__}: {exc})") from exc
+
+
+def config_mismatch(saved: dict, cfg: TrainConfig) -> str:
+    now = dataclasses.asdict(cfg)
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
+    return "; ".join(diffs) or "unknown fields"
+
+
+def load_checkpoint(out: Path, cfg: TrainConfig, rank: int) -> dict:
+    pointer = read_pointer(out)
+    if pointer is None:
+        raise UsageError(f"--resume: {out} holds no checkpoint ({out / CKPT_DIR / CKPT_POINTER} is missing)")
+    if pointer.get("config_hash") != cfg.digest():
+        raise UsageError(f"--resume: the checkpoint in {out} was written by a different configuration "
+                         f"({config_mismatch(pointer.get('config', {}), cfg)})")
+    path = out / CKPT_DIR / pointer["dir"] / f"rank{rank}.pt"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise UsageError(f"--resume: cannot load {path} ({type(exc).__name__}: {exc})") from exc
+    if state.get("config_hash") != cfg.digest() or state.get("step") != pointer["step"] or state.get("rank") != rank:
+        raise UsageError(f"--resume: {path} does not belong to this checkpoint (step, rank or configuration differ)")
+    return state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training
+
+
+def check_out_dir(out: Path, resume: bool) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot write there ({type(exc).__name__}: {exc})") from exc
+    pointer = read_pointer(out) if not resume else None
+    if pointer is not None:
+        raise UsageError(f"--out {out} already holds a run (checkpoint at step {pointer.get('step')}); "
+                         f"pass --resume to continue it, or choose another --out")
+
+
+def layer_stats(moes: list) -> dict:
+    """This step's balancing statistics: per-layer lists and means over the layers."""
+    stats = [moe.last_stats for moe in moes]
+    before = [float(s.token_straggler_before) for s in stats]
+    after = [float(s.token_straggler_after) for s in stats]
+    return {
+        "token_straggler_before": sum(before) / len(before),
+        "token_straggler_after": sum(after) / len(after),
+        "rows_moved": int(sum(int(s.rows_moved) for s in stats)),
+        "fell_back": int(sum(bool(s.fell_back) for s in stats)),
+        "layer_straggler_before": before,
+        "layer_straggler_after": after,
+        "loads_before_LW": [[int(v) for v in s.loads_before_W] for s in stats],
+        "loads_after_LW": [[int(v) for v in s.loads_after_W] for s in stats],
+    }
+
+
+def reduce_gradients(replicated: list[nn.Parameter], experts: list[nn.Parameter], loss: torch.Tensor,
+                     world: int, clip: float) -> tuple[float, float]:
+    """Average replicated gradients over the world and scale expert gradients to the same (global-mean) loss.
+
+    One all-reduce carries the replicated gradients, the loss and the expert shards' squared gradient norm, so the
+    clip coefficient is computed from the true global norm on every rank. Returns (global mean loss, grad norm).
+    """
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in replicated]
+    expert_sq = sum((p.grad.double().square().sum() for p in experts if p.grad is not None),
+                    torch.zeros((), dtype=torch.float64, device=loss.device))
+    flat = torch.cat([g.reshape(-1).double() for g in grads]
+                     + [loss.detach().double().reshape(1), expert_sq.reshape(1)])
+    dist.all_reduce(flat)
+    # Each rank's loss is a mean over its own tokens, so the global loss is the mean over ranks: replicated
+    # gradients are divided by W, and so are expert gradients, which the all-to-all backward summed over ranks.
+    offset = 0
+    for p, g in zip(replicated, grads, strict=True):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(g).to(g.dtype) / world
+        offset += n
+    mean_loss = float(flat[offset]) / world
+    for p in experts:
+        if p.grad is not None:
+            p.grad.div_(world)
+    rep_sq = sum(float(p.grad.double().square().sum()) for p in replicated)
+    norm = math.sqrt(rep_sq + float(flat[offset + 1]) / world**2)
+    if clip > 0 and norm > clip:
+        scale = clip / (norm + 1e-6)
+        for p in replicated + experts:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return mean_loss, norm
+
+
+def make_config(args, world: int, corpus_sha: str, text_label: str) -> TrainConfig:
+    experts_per_rank = args.experts // world if world and args.experts % world == 0 else 1
+    dyn = args.dyn if args.dyn is not None else min(4, max(experts_per_rank, 0))
+    gpn = args.gpus_per_node if args.gpus_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return TrainConfig(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn, experts=args.experts,
+        top_k=args.top_k, dyn=dyn, policy=args.policy, gpus_per_node=gpn, world_size=world, batch=args.batch,
+        seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
+        seed=args.seed, device=args.device, text=text_label, text_bytes=args.text_bytes, corpus_sha256=corpus_sha)
+
+
+def make_moe_config(cfg: TrainConfig, transport: str):
+    import feplb
+
+    try:
+        return feplb.FEPLBConfig(hidden=cfg.hidden, ffn=cfg.ffn, num_experts=cfg.experts, top_k=cfg.top_k,
+                                 gpus_per_node=cfg.gpus_per_node, dyn=cfg.dyn, policy=cfg.policy,
+                                 transport=transport)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"MoE layer configuration rejected: {exc}") from exc
+
+
+def train(args: argparse.Namespace) -> Path:
+    if args.steps < 1:
+        raise UsageError(f"--steps: expected a positive integer, got {args.steps}")
+    if args.log_every < 1 or args.ckpt_every < 1:
+        raise UsageError("--log-every and --ckpt-every: expected positive integers")
+    if args.text_bytes < 1:
+        raise UsageError(f"--text-bytes: expected a positive integer, got {args.text_bytes}")
+    rank, world, local_rank = init_distributed(args.device)
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    out: Path = args.out
+
+    collective_check(check_out_dir, out, args.resume)
+    corpus, text_label = collective_check(read_corpus, args.text, args.text_bytes)
+    corpus_sha = hashlib.sha256(corpus).hexdigest()
+    if len(set(gather(corpus_sha))) != 1:  # the same answer on every rank, so all of them stop here together
+        raise UsageError("--text: the ranks read different text; every rank must see the same corpus")
+    cfg = collective_check(make_config, args, world, corpus_sha, text_label)
+    moe_config = collective_check(make_moe_config, cfg, args.transport)
+    data = collective_check(ByteStreams, corpus, rank=rank, world=world, batch=cfg.batch, seq_len=cfg.seq_len,
+                            device=device)
+    del corpus
+
+    torch.manual_seed(cfg.seed)
+    model = MoETransformer(cfg, moe_config, None).to(device)
+    init_expert_weights(model, cfg, rank)
+    for moe in model.moe_layers():
+        moe.refresh_replicas()
+    replicated, experts = split_parameters(model)
+    with torch.no_grad():  # same seed gives the same replicas; the broadcast makes it a guarantee
+        for p in replicated:
+            dist.broadcast(p, src=0)
+    moes = model.moe_layers()
+    decay = [p for p in model.parameters() if p.dim() >= 2 and p is not model.pos]
+    no_decay = [p for p in model.parameters() if not (p.dim() >= 2 and p is not model.pos)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+    start_step, history = 0, {"steps": []}
+    if args.resume:
+        state = collective_check(load_checkpoint, out, cfg, rank)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"], cfg.device)
+        start_step = state["step"]
+        history = state["history"] if rank == 0 else history
+        for moe in moes:
+            moe.refresh_replicas()
+
+    meta = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "world_size": world,
+            "config": dataclasses.asdict(cfg), "config_hash": cfg.digest(), "steps_planned": args.steps,
+            "transport": args.transport, "torch": torch.__version__, "platform": platform_line(device)}
+    tokens_per_step = world * cfg.batch * cfg.seq_len
+    if rank == 0:
+        print(f"feplb demo: {world} ranks = {world // cfg.gpus_per_node} nodes x {cfg.gpus_per_node} GPUs, "
+              f"{cfg.layers} MoE layers x {cfg.experts} experts (top-{cfg.top_k}, {cfg.dyn} dynamic per GPU), "
+              f"policy {cfg.policy!r}, {tokens_per_step} tokens/step, text: {text_label} "
+              f"({cfg.text_bytes} bytes budget)", flush=True)
+        if start_step:
+            print(f"resuming from step {start_step} in {out}", flush=True)
+
+    bar = make_bar(rank, start_step, args.steps)
+    t_run = time.perf_counter()
+    for step in range(start_step, args.steps):
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup) if cfg.warmup else cfg.lr
+        ids_BS, targets_BS = data.batch(step)
+        logits_BSV = model(ids_BS)
+        loss = F.cross_entropy(logits_BSV.reshape(-1, VOCAB), targets_BS.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        for moe in moes:
+            moe.reduce_replica_grads()
+        mean_loss, grad_norm = reduce_gradients(replicated, experts, loss, world, cfg.clip)
+        if not math.isfinite(mean_loss):  # the all-reduced value, so every rank stops at the same step
+            raise RuntimeError(f"the loss became {mean_loss} at step {step + 1}; lower --lr")
+        optimizer.step()
+        for moe in moes:
+            moe.refresh_replicas()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        rec = {"step": step + 1, "loss": mean_loss, "grad_norm": grad_norm, "wall_s": dt,
+               "tokens_per_s": tokens_per_step / dt, **layer_stats(moes)}
+        if rank == 0:
+            history["steps"].append(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{mean_loss:.3f}", straggler=f"{rec['token_straggler_before']:.0f}->"
+                                                               f"{rec['token_straggler_after']:.0f}")
+            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+                bar.write(log_line(rec))
+        if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
+            save_checkpoint(out, step=step + 1, cfg=cfg, model=model, optimizer=optimizer,
+                            history=history if rank == 0 else None, rank=rank, local_rank=local_rank)
+    bar.close()
+    run_s = time.perf_counter() - t_run
+
+    if rank == 0:
+        meta["run_wall_s"] = run_s
+        meta["resumed_from"] = start_step
+        report_mod.write_report(out, meta, history["steps"])
+    dist.barrier()
+    return out / "report.md"
+
+
+def gather(obj) -> list:
+    objs = [None] * dist.get_world_size()
+    dist.all_gather_object(objs, obj)
+    return objs
+
+
+def platform_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"CUDA: {torch.cuda.get_device_name(device)}"
+    return f"CPU: {os.cpu_count()} cores visible, {torch.get_num_threads()} torch thread(s) per rank"
+
+
+def make_bar(rank: int, start: int, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, disable=rank != 0, unit="step", dynamic_ncols=True, file=sys.stderr,
+                mininterval=1.0)
+
+
+def log_line(rec: dict) -> str:
+    per_layer = " ".join(f"{b:.0f}->{a:.0f}" for b, a in zip(rec["layer_straggler_before"],
+                                                          rec["layer_straggler_after"], strict=True))
+    return (f"step {rec['step']:5d}  loss {rec['loss']:.4f}  {rec['tokens_per_s']:8.0f} tok/s  "
+            f"straggler/layer [{per_layer}] tokens  rows moved {rec['rows_moved']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = train(args)
+    except UsageError as exc:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"train_moe.py: error: {exc}", file=sys.stderr, flush=True)
+        code = 2
+    else:
+        if dist.get_rank() == 0:
+            print(f"\nreport: {report}  (plots and report.json next to it)", flush=True)
+        code = 0
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
