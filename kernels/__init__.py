@@ -1,1 +1,25 @@
-"""Triton kernels and custom ops of FEPLB (imported as ``feplb.kernels``)."""
+"""Triton kernels and custom ops of FEPLB (imported as ``feplb.kernels``).
+
+Legend: T tokens, K top-k, M = T*K grouped rows, D hidden, E experts, F ffn, N output features.
+
+Public ops (``torch.library`` custom ops, namespace ``feplb``; CUDA -> Triton, CPU -> pure torch):
+:func:`routing_metadata`, :func:`permute`, :func:`unpermute`, :func:`grouped_mm`, :func:`swiglu`.
+Each kernel's launcher (``*_triton``) and pure-torch twin (``*_ref``) live in its module; :func:`triton_on_cpu`
+makes the ops run the kernels on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).
+"""
+
+from ._triton import HAVE_TRITON, INTERPRET, triton_on_cpu
+from .ops import grouped_mm, permute, routing_metadata, swiglu, unpermute
+from .routing import RoutingMetadata
+
+__all__ = [
+    "HAVE_TRITON",
+    "INTERPRET",
+    "RoutingMetadata",
+    "grouped_mm",
+    "permute",
+    "routing_metadata",
+    "swiglu",
+    "triton_on_cpu",
+    "unpermute",
+]

@@ -1,0 +1,53 @@
+"""Argument checks shared by the launchers, the references and the custom ops.
+
+Every message names the argument, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def check_tensor(name: str, t: object, *, dtypes: Sequence[torch.dtype] | None = None, ndim: int | None = None,
+                 shape: Sequence[int | None] | None = None, contiguous: bool = False) -> torch.Tensor:
+    """Check type, dtype, rank, shape (None = any size) and contiguity of ``t``; return it."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        got = str(t.dtype).removeprefix("torch.")
+        raise TypeError(f"{name}: expected dtype in ({_dtype_names(dtypes)}), got {got}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    if shape is not None and (
+        t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape, strict=True))
+    ):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got shape {list(t.shape)} with strides "
+                         f"{list(t.stride())}; call .contiguous() first")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """All tensors on one device."""
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"expected all tensors on one device, got {devices}")
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value}")
+    return value

@@ -1,0 +1,103 @@
+"""Helpers for the kernel tests: random routings and independent float64 computations of every op.
+
+Test modules get them through the ``kh`` fixture (pytest's importlib mode keeps test modules from importing
+each other).
+"""
+
+from __future__ import annotations
+
+import zlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+TOL = {  # (rtol, atol) of a kernel or a twin against the float64 computation
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+
+
+def random_routing(T: int, K: int, E: int, *, gen: torch.Generator, skew: float = 0.0, used_experts: int | None = None,
+                   ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct top-K expert ids per token, as a router picks them, plus softmax-like gate weights.
+
+    ``skew`` > 0 tilts the choice towards low expert ids (Zipf-like); ``used_experts`` < E leaves the other
+    experts with zero rows. Returns (topk_ids_TK [T, K] of ids_dtype, topk_weights_TK float32 [T, K]).
+    """
+    used = E if used_experts is None else used_experts
+    if not 1 <= K <= used <= E:
+        raise ValueError(f"need 1 <= K <= used_experts <= E, got K={K}, used={used}, E={E}")
+    scores = torch.rand(T, used, generator=gen)
+    if skew > 0:
+        scores = scores * torch.arange(1, used + 1, dtype=torch.float32).pow(-skew)
+    # Spread the used experts over the whole id range so empty experts sit in the middle, not only at the end.
+    id_map = torch.randperm(E, generator=gen)[:used].sort().values
+    ids = id_map[scores.topk(K, dim=1).indices]
+    weights = torch.rand(T, K, generator=gen) + 0.1
+    return ids.to(ids_dtype), weights / weights.sum(1, keepdim=True)
+
+
+def group_ids(offsets_E: torch.Tensor, M: int) -> torch.Tensor:
+    """int64 [M]: the group of every row, from END offsets."""
+    counts = torch.diff(offsets_E.long(), prepend=offsets_E.new_zeros(1).long())
+    return torch.repeat_interleave(torch.arange(offsets_E.shape[0]), counts, output_size=M)
+
+
+def grouped_mm_f64(x_MK, w_EKN, offsets_E):
+    g = group_ids(offsets_E, x_MK.shape[0])
+    return torch.einsum("mk,mkn->mn", x_MK.double(), w_EKN.double()[g])
+
+
+def grouped_mm_dw_f64(x_MK, dy_MN, offsets_E):
+    g = group_ids(offsets_E, x_MK.shape[0])
+    dw = torch.zeros(offsets_E.shape[0], x_MK.shape[1], dy_MN.shape[1], dtype=torch.float64)
+    dw.index_add_(0, g, x_MK.double()[:, :, None] * dy_MN.double()[:, None, :])
+    return dw
+
+
+def routing_f64(topk_ids_TK, E):
+    """(counts, end offsets, src, dst) by explicit Python loops over experts, tokens and k."""
+    T, K = topk_ids_TK.shape
+    ids = topk_ids_TK.tolist()
+    src = [t * K + k for e in range(E) for t in range(T) for k in range(K) if ids[t][k] == e]
+    counts = [sum(row.count(e) for row in ids) for e in range(E)]
+    dst = [0] * (T * K)
+    for m, flat in enumerate(src):
+        dst[flat] = m
+    ends = torch.tensor(counts).cumsum(0) if E else torch.zeros(0)
+    return torch.tensor(counts), ends, torch.tensor(src, dtype=torch.long), torch.tensor(dst).reshape(T, K)
+
+
+def unpermute_f64(y_MD, dst_idx_TK, w_TK):
+    return (w_TK.double()[:, :, None] * y_MD.double()[dst_idx_TK.long()]).sum(1)
+
+
+def swiglu_f64(h_M2F):
+    gate, up = h_M2F.double().chunk(2, dim=1)
+    return gate / (1 + torch.exp(-gate)) * up
+
+
+def poisoned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of t's shape and dtype filled with NaN (or -1 for integers)."""
+    return torch.full_like(t, -1) if not t.is_floating_point() else torch.full_like(t, float("nan"))
+
+
+def close(actual, expected, dtype, scale: float = 1.0) -> None:
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol * scale, atol=atol * scale)
+
+
+@pytest.fixture
+def kh() -> SimpleNamespace:
+    return SimpleNamespace(random_routing=random_routing, group_ids=group_ids, grouped_mm_f64=grouped_mm_f64,
+                           grouped_mm_dw_f64=grouped_mm_dw_f64, routing_f64=routing_f64, unpermute_f64=unpermute_f64,
+                           swiglu_f64=swiglu_f64, poisoned=poisoned, close=close, TOL=TOL)
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A generator seeded from the test id, so every parametrized case draws fresh but reproducible inputs."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))

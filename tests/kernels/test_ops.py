@@ -1,0 +1,134 @@
+"""The public ops on CPU tensors (pure-torch twins behind the custom ops), against float64 computations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import feplb.kernels as fk
+
+ROUTING_CASES = {  # id: (T, K, E, skew, used_experts)
+    "uniform": (37, 4, 8, 0.0, None),
+    "skewed": (50, 2, 6, 1.5, None),
+    "empty-experts": (23, 3, 10, 0.0, 4),
+    "single-expert": (9, 1, 1, 0.0, None),
+    "T0": (0, 2, 5, 0.0, None),
+}
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["ids32", "ids64"])
+@pytest.mark.parametrize("case", list(ROUTING_CASES), ids=list(ROUTING_CASES))
+def test_routing_metadata(case, ids_dtype, gen, kh):
+    T, K, E, skew, used = ROUTING_CASES[case]
+    ids, _ = kh.random_routing(T, K, E, gen=gen, skew=skew, used_experts=used, ids_dtype=ids_dtype)
+    meta = fk.routing_metadata(ids, E)
+    counts, ends, src, dst = kh.routing_f64(ids, E)
+    assert (meta.num_experts, meta.top_k, meta.num_tokens, meta.num_rows) == (E, K, T, T * K)
+    assert all(t.dtype == torch.int32 for t in (meta.counts_E, meta.offsets_E, meta.src_idx_M, meta.dst_idx_TK))
+    assert torch.equal(meta.counts_E.long(), counts)
+    assert torch.equal(meta.offsets_E.long(), ends.long())
+    assert torch.equal(meta.src_idx_M.long(), src)
+    assert torch.equal(meta.dst_idx_TK.long(), dst)
+    # Invariants: every (t, k) row lands exactly once, in its expert's range.
+    assert int(meta.counts_E.sum()) == T * K
+    assert torch.equal(meta.src_idx_M.long()[meta.dst_idx_TK.long().reshape(-1)], torch.arange(T * K))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_permute_unpermute(dtype, gen, kh):
+    T, K, E, D = 29, 3, 7, 24
+    ids, w = kh.random_routing(T, K, E, gen=gen, used_experts=5)
+    meta = fk.routing_metadata(ids, E)
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    x_MD = fk.permute(x, meta)
+    flat_tok = torch.arange(T).repeat_interleave(K)
+    assert torch.equal(x_MD, x[flat_tok[meta.src_idx_M.long()]])
+    # Rows of one expert are contiguous in grouped order.
+    assert torch.equal(ids.reshape(-1)[meta.src_idx_M.long()], kh.group_ids(meta.offsets_E, T * K))
+    y = torch.randn(T * K, D, generator=gen).to(dtype)
+    out = fk.unpermute(y, meta, w)
+    assert out.dtype == dtype
+    kh.close(out, kh.unpermute_f64(y, meta.dst_idx_TK, w), dtype)
+
+
+def test_permute_then_unpermute_restores_tokens(gen, kh):
+    T, K, E, D = 17, 4, 6, 8
+    ids, w = kh.random_routing(T, K, E, gen=gen)
+    meta = fk.routing_metadata(ids, E)
+    x = torch.randn(T, D, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(fk.unpermute(fk.permute(x, meta), meta, w), x * w.double().sum(1, keepdim=True))
+
+
+GMM_CASES = {  # id: (group sizes, K, N)
+    "uniform": ([8, 8, 8], 16, 12),
+    "empty-groups": ([0, 5, 0, 11, 0], 9, 7),
+    "all-empty": ([0, 0], 5, 3),
+    "one-big-group": ([70], 33, 40),
+    "K0": ([3, 4], 0, 5),
+}
+
+
+@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64], ids=["off32", "off64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("case", list(GMM_CASES), ids=list(GMM_CASES))
+def test_grouped_mm_forward(case, dtype, offsets_dtype, gen, kh):
+    sizes, K, N = GMM_CASES[case]
+    offsets = torch.tensor(sizes).cumsum(0).to(offsets_dtype)
+    x = torch.randn(sum(sizes), K, generator=gen).to(dtype)
+    w = torch.randn(len(sizes), K, N, generator=gen).to(dtype)
+    y = fk.grouped_mm(x, w, offsets)
+    assert y.dtype == dtype and y.shape == (sum(sizes), N)
+    kh.close(y, kh.grouped_mm_f64(x, w, offsets), dtype, scale=max(1.0, K**0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu(dtype, gen, kh):
+    h = (torch.randn(13, 2 * 10, generator=gen) * 3).to(dtype)
+    out = fk.swiglu(h)
+    assert out.shape == (13, 10) and out.dtype == dtype
+    kh.close(out, kh.swiglu_f64(h), dtype, scale=4.0)
+
+
+def _expert_block_f64(x, w, w1, w2, ids, E):
+    """The SwiGLU MoE block by per-(token, k) loops in float64: sum_k w_k * (silu(x W1g) * (x W1u)) W2."""
+    T, K = ids.shape
+    F = w2.shape[1]
+    out = torch.zeros(T, x.shape[1], dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            h = x[t].double() @ w1[e].double()
+            a = torch.nn.functional.silu(h[:F]) * h[F:]
+            out[t] += w[t, k].double() * (a @ w2[e].double())
+    return out
+
+
+def test_expert_block_forward_and_gradients(gen, kh):
+    T, K, E, H, F = 11, 2, 5, 6, 4
+    ids, w = kh.random_routing(T, K, E, gen=gen, used_experts=4)
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = w.double().requires_grad_()
+    w1 = (torch.randn(E, H, 2 * F, generator=gen, dtype=torch.float64) / H**0.5).requires_grad_()
+    w2 = (torch.randn(E, F, H, generator=gen, dtype=torch.float64) / F**0.5).requires_grad_()
+
+    def block(x, w, w1, w2):
+        meta = fk.routing_metadata(ids, E)
+        h = fk.grouped_mm(fk.permute(x, meta), w1, meta.offsets_E)
+        return fk.unpermute(fk.grouped_mm(fk.swiglu(h), w2, meta.offsets_E), meta, w)
+
+    out = block(x, w, w1, w2)
+    torch.testing.assert_close(out, _expert_block_f64(x.detach(), w.detach(), w1.detach(), w2.detach(), ids, E))
+    grads = torch.autograd.grad(out.square().sum(), (x, w, w1, w2))
+    expected = torch.autograd.grad(_expert_block_f64(x, w, w1, w2, ids, E).square().sum(), (x, w, w1, w2))
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e)
+    assert torch.autograd.gradcheck(block, (x, w, w1, w2))
+
+
+def test_unpermute_gradient_without_weight_grad(gen, kh):
+    T, K, E, D = 7, 2, 3, 5
+    ids, w = kh.random_routing(T, K, E, gen=gen)
+    meta = fk.routing_metadata(ids, E)
+    y = torch.randn(T * K, D, generator=gen, requires_grad=True)
+    fk.unpermute(y, meta, w).sum().backward()
+    assert torch.equal(y.grad, w.reshape(-1)[meta.src_idx_M.long()][:, None].expand(-1, D))
