@@ -1,0 +1,110 @@
+"""Cost model: expert grouped-GEMM time per GPU, copy times, and bytes per expert weight and per row.
+
+Legend: W GPUs, E experts, H hidden, F expert ffn width. A row is one (token, expert) pair.
+
+Default GEMM table (H200, ``torch._grouped_mm``, 16 experts of the GLM-5 shape H=6144, F=2048, bf16, gate/up +
+SwiGLU + down; shared/design/targets.md): 566 / 585 / 577 / 596 / 603 TFLOP/s at 256 / 512 / 1024 / 2048 / 4096
+rows per expert, i.e. ``rows * 6*H*F / throughput`` = 34.15 / 66.08 / 133.99 / 259.43 / 512.83 us per expert,
+and about 0.42 ms for 16 experts (26.25 us each) at up to 128 rows, where reading the weights is the floor.
+Times for another expert shape scale with ``H * F``. A measured table replaces it through ``from_json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+_DEFAULT_ROWS = (128, 256, 512, 1024, 2048, 4096)
+_DEFAULT_US = (26.25, 34.15, 66.08, 133.99, 259.43, 512.83)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """GEMM time of one expert as a function of its rows, plus copy bandwidths and sizes.
+
+    table_rows / table_us: per-expert forward GEMM time (us) measured at these row counts (ascending, > 0) for an
+        expert of shape (table_hidden, table_ffn). Below table_rows[0] the time is flat (weight-read floor),
+        between points linear, beyond the last point linear with the last slope. Zero rows cost nothing.
+    hidden, ffn, dtype_bytes: the simulated expert's shape and element size (weights 3*H*F, rows H elements).
+    ce_gbps: copy-engine bandwidth between GPUs of a node (GB/s, one way; measured H100 peer copy ~375).
+    net_gbps: per-GPU bandwidth between nodes (GB/s).
+    """
+
+    hidden: int = 6144
+    ffn: int = 2048
+    dtype_bytes: int = 2
+    table_rows: tuple[int, ...] = _DEFAULT_ROWS
+    table_us: tuple[float, ...] = _DEFAULT_US
+    table_hidden: int = 6144
+    table_ffn: int = 2048
+    ce_gbps: float = 375.0
+    net_gbps: float = 50.0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "ffn", "dtype_bytes", "table_hidden", "table_ffn"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"CostModel.{name} must be a positive int, got {v!r}")
+        for name in ("ce_gbps", "net_gbps"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"CostModel.{name} must be a positive number, got {v!r}")
+        rows, us = tuple(int(r) for r in self.table_rows), tuple(float(t) for t in self.table_us)
+        if len(rows) < 2 or len(rows) != len(us):
+            raise ValueError(f"CostModel: table_rows and table_us need the same length >= 2, got {len(rows)} and "
+                             f"{len(us)}")
+        if rows[0] <= 0 or any(b <= a for a, b in zip(rows, rows[1:], strict=False)):
+            raise ValueError(f"CostModel.table_rows must be positive and strictly ascending, got {list(rows)}")
+        if any(not math.isfinite(t) or t <= 0 for t in us) or any(b < a for a, b in zip(us, us[1:], strict=False)):
+            raise ValueError(f"CostModel.table_us must be positive and non-decreasing, got {list(us)}")
+        object.__setattr__(self, "table_rows", rows)
+        object.__setattr__(self, "table_us", us)
+
+    @classmethod
+    def from_json(cls, path: str | Path, **overrides: object) -> CostModel:
+        """Load a measured table: ``{"rows": [...], "us": [...], "hidden": H, "ffn": F}`` (hidden/ffn optional,
+        the shape the table was measured at) plus any other CostModel field."""
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or "rows" not in data or "us" not in data:
+            raise ValueError(f"{path}: a cost table needs keys 'rows' and 'us', got {sorted(data)}")
+        kw: dict[str, object] = {"table_rows": tuple(data.pop("rows")), "table_us": tuple(data.pop("us"))}
+        if "hidden" in data:
+            kw["table_hidden"] = kw["hidden"] = int(data.pop("hidden"))
+        if "ffn" in data:
+            kw["table_ffn"] = kw["ffn"] = int(data.pop("ffn"))
+        kw.update(data)
+        kw.update(overrides)
+        return cls(**kw)
+
+    @property
+    def knee_rows(self) -> int:
+        """Rows below which an expert's GEMM costs the weight-read floor: the smallest chunk worth splitting."""
+        return self.table_rows[0]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of one expert's weights (gate/up H x 2F and down F x H)."""
+        return 3 * self.hidden * self.ffn * self.dtype_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (one token's hidden vector)."""
+        return self.hidden * self.dtype_bytes
+
+    def gemm_us(self, rows: np.ndarray | int) -> np.ndarray:
+        """Forward GEMM time (us, float64) of one expert for each entry of ``rows`` (int array or scalar)."""
+        r = np.asarray(rows, dtype=np.float64)
+        scale = (self.hidden * self.ffn) / (self.table_hidden * self.table_ffn)
+        xs, ys = self.table_rows, self.table_us
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        t = np.interp(r, xs, ys)
+        t = np.where(r > xs[-1], ys[-1] + (r - xs[-1]) * slope, t)
+        return np.where(r > 0, t * scale, 0.0)
+
+    def copy_us(self, nbytes: float, inter_node: bool = False) -> float:
+        """Time (us) to copy ``nbytes`` one way between two GPUs."""
+        return nbytes / ((self.net_gbps if inter_node else self.ce_gbps) * 1e3)

@@ -1,0 +1,219 @@
+"""The plan type: which rows of which experts each GPU computes for one MoE layer and micro-batch.
+
+Legend: W EP ranks, E experts, D dynamic experts per GPU. ``n_e = counts_WE[:, e].sum()`` rows of expert e.
+HOME ORDER of expert e's rows: as they arrive on its home GPU after the phase-1 dispatch, ordered by source rank,
+then by the source's grouped order (token t, then k). Row ranges of a Move index this order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from feplb.sched.topology import Topology
+
+# Base policies whose plans only move dynamic experts, and only inside a node (the FEPLB rule). Peers' policies
+# (fastermoe, eplb) may place rows of any expert on any GPU.
+INTRA_NODE_BASES = frozenset({"feplb", "feplb-split", "lp"})
+
+
+BASE_POLICIES = ("none", "feplb", "feplb-split", "fastermoe", "eplb", "lp")
+DYNAMIC_MODES = ("current", "ema")
+
+
+def parse_policy(policy: str) -> tuple[str, bool, str]:
+    """Split a policy name ``BASE[+place][@current|@ema]`` into (base, placement on, dynamic-set mode).
+
+    ``+place`` adds the slow-timescale cross-node placement from routing history. ``@current`` (default) picks
+    each GPU's dynamic experts from the current micro-batch's counts (their weights move with the rows);
+    ``@ema`` picks them from the EMA of past micro-batches, frozen for a refresh period, with their weights
+    replicated inside the node once per period (per-micro-batch copies are then rows only).
+    """
+    if not isinstance(policy, str):
+        raise TypeError(f"policy must be a str, got {type(policy).__name__}")
+    rest, _, mode = policy.partition("@")
+    mode = mode or "current"
+    base, _, extra = rest.partition("+")
+    if base not in BASE_POLICIES:
+        raise ValueError(f"policy {policy!r}: unknown base policy {base!r}; expected one of {BASE_POLICIES} "
+                         "optionally followed by '+place' and '@current' or '@ema'")
+    if extra not in ("", "place"):
+        raise ValueError(f"policy {policy!r}: unknown modifier '+{extra}'; only '+place' exists")
+    if mode not in DYNAMIC_MODES:
+        raise ValueError(f"policy {policy!r}: unknown dynamic-set mode '@{mode}'; expected one of {DYNAMIC_MODES}")
+    return base, extra == "place", mode
+
+
+def policy_base(policy: str) -> str:
+    """``"feplb-split+place@ema"`` -> ``"feplb-split"``."""
+    return parse_policy(policy)[0]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Move:
+    """Rows ``[row_start, row_end)`` (home order) of ``expert``, at home on ``src``, are computed on ``dst``."""
+
+    expert: int
+    src: int
+    dst: int
+    row_start: int
+    row_end: int
+
+    @property
+    def rows(self) -> int:
+        return self.row_end - self.row_start
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.array(a, dtype=np.int64, copy=True)
+    a.flags.writeable = False
+    return a
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Plan:
+    """A balancing plan for one MoE layer and one micro-batch.
+
+    moves: sorted by (expert, row_start); rows of an expert not covered by a move stay on its home GPU.
+    weight_copies: (expert, src, dst) weights to copy for this micro-batch (dst holds no resident replica).
+    dynamic_WD: int64 [W, D] the dynamic experts of each GPU used by this plan.
+    loads_before_W: int64 [W] rows each GPU computes under plain EP (default homes, no balancing).
+    loads_after_W: int64 [W] rows each GPU computes under this plan.
+    home_E: int64 [E] home GPU of each expert used by this plan (a slow-timescale placement), or None for the
+        default ``e // (E // W)``.
+    rows_from_source: True when every move's rows are computed on the rank they come from, without passing
+        through the home GPU (FasterMoE shadowing); such rows are never copied.
+    """
+
+    policy: str
+    moves: tuple[Move, ...]
+    weight_copies: tuple[tuple[int, int, int], ...]
+    dynamic_WD: np.ndarray
+    loads_before_W: np.ndarray
+    loads_after_W: np.ndarray
+    home_E: np.ndarray | None = None
+    rows_from_source: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, str):
+            raise TypeError(f"Plan.policy must be a str, got {type(self.policy).__name__}")
+        object.__setattr__(self, "moves", tuple(self.moves))
+        object.__setattr__(self, "weight_copies", tuple(tuple(int(v) for v in c) for c in self.weight_copies))
+        for name in ("dynamic_WD", "loads_before_W", "loads_after_W"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
+        if self.home_E is not None:
+            object.__setattr__(self, "home_E", _frozen(self.home_E))
+        if self.dynamic_WD.ndim != 2:
+            raise ValueError(f"Plan.dynamic_WD must be 2-D [W, D], got shape {list(self.dynamic_WD.shape)}")
+
+    def fingerprint(self) -> tuple:
+        """Everything the plan decides, as a hashable tuple: equal fingerprints mean identical plans (e.g. across
+        ranks)."""
+        return (self.policy, tuple((m.expert, m.src, m.dst, m.row_start, m.row_end) for m in self.moves),
+                self.weight_copies, self.dynamic_WD.tobytes(), self.dynamic_WD.shape, self.loads_before_W.tobytes(),
+                self.loads_after_W.tobytes(), None if self.home_E is None else self.home_E.tobytes(),
+                self.rows_from_source)
+
+    @property
+    def rows_moved(self) -> int:
+        """Rows computed away from their home GPU."""
+        return sum(m.row_end - m.row_start for m in self.moves)
+
+    def home_of(self, topo: Topology) -> np.ndarray:
+        """int64 [E]: the home GPU of every expert under this plan."""
+        return topo.default_home_E() if self.home_E is None else self.home_E
+
+    def validate(self, counts_WE: np.ndarray, topo: Topology, state: Any = None) -> None:
+        """Check the plan against the counts it was made from; raise ValueError naming the first violation.
+
+        counts_WE: integer [W, E], rows source rank s sends to expert e.
+        Checks: every row of every expert is computed exactly once (move ranges inside [0, n_e), sorted, not
+        overlapping; the rest stays home); moves start at the expert's home; FEPLB-family plans move only dynamic
+        experts and only inside a node; every (expert, destination) has its weights copied or resident; the
+        recorded loads equal the loads recomputed from the moves.
+        """
+        counts_WE = topo.check_counts(counts_WE)
+        W, E = topo.num_ranks, topo.num_experts
+        n_E = counts_WE.sum(axis=0)
+        home_E = self.home_of(topo)
+        if home_E.shape != (E,):
+            raise ValueError(f"plan.home_E must have shape [{E}], got {list(home_E.shape)}")
+        if state is not None and not np.array_equal(home_E, state.home_E):
+            raise ValueError("plan.home_E differs from the placement held by the policy state")
+        if self.home_E is not None:
+            per_gpu = np.bincount(home_E, minlength=W)
+            if home_E.min() < 0 or home_E.max() >= W or not np.all(per_gpu == topo.experts_per_rank):
+                raise ValueError(f"plan.home_E must put exactly E // W = {topo.experts_per_rank} experts on each GPU")
+        base = policy_base(self.policy)
+        if self.dynamic_WD.shape != (W, topo.dyn):
+            raise ValueError(f"plan.dynamic_WD must have shape [W, dyn] = [{W}, {topo.dyn}], "
+                             f"got {list(self.dynamic_WD.shape)}")
+        for d in range(W):
+            row = [int(e) for e in self.dynamic_WD[d]]
+            if len(set(row)) != len(row):
+                raise ValueError(f"plan.dynamic_WD[{d}] repeats an expert: {row}")
+            for e in row:
+                if not 0 <= e < E or int(home_E[e]) != d:
+                    raise ValueError(f"plan.dynamic_WD[{d}] holds expert {e}, which is not at home on GPU {d}")
+        dynamic = {(int(e), d) for d in range(W) for e in self.dynamic_WD[d]}
+        if base == "none" and self.moves:
+            raise ValueError(f"policy 'none' must not move rows, got {len(self.moves)} moves")
+
+        resident = getattr(state, "resident", frozenset()) if state is not None else frozenset()
+        copies = {(e, dst): src for e, src, dst in self.weight_copies}
+        for e, src, dst in self.weight_copies:
+            if not (0 <= e < E and 0 <= dst < W):
+                raise ValueError(f"weight copy {(e, src, dst)} names an expert or GPU out of range")
+            if src != int(home_E[e]):
+                raise ValueError(f"weight copy {(e, src, dst)} must start at expert {e}'s home GPU {int(home_E[e])}")
+        cum_E = None
+        if self.rows_from_source:
+            cum_E = np.zeros((W + 1, E), dtype=np.int64)
+            np.cumsum(counts_WE, axis=0, out=cum_E[1:])
+
+        loads = np.zeros(W, dtype=np.int64)
+        np.add.at(loads, home_E, n_E)
+        prev: tuple[int, int] = (-1, -1)
+        prev_end = 0
+        for i, m in enumerate(self.moves):
+            if not isinstance(m, Move):
+                raise TypeError(f"plan.moves[{i}] must be a Move, got {type(m).__name__}")
+            e, src, dst, a, b = m.expert, m.src, m.dst, m.row_start, m.row_end
+            if not 0 <= e < E:
+                raise ValueError(f"move {i}: expert {e} out of range [0, {E})")
+            if not 0 <= dst < W:
+                raise ValueError(f"move {i}: destination GPU {dst} out of range [0, {W})")
+            if src != int(home_E[e]):
+                raise ValueError(f"move {i}: src {src} is not expert {e}'s home GPU {int(home_E[e])}")
+            if dst == src:
+                raise ValueError(f"move {i}: expert {e} moves from GPU {src} to itself")
+            if not 0 <= a < b <= int(n_E[e]):
+                raise ValueError(f"move {i}: rows [{a}, {b}) of expert {e} outside [0, {int(n_E[e])}) or empty")
+            if (e, a) <= prev:
+                raise ValueError(f"move {i}: moves must be sorted by (expert, row_start), got {(e, a)} after {prev}")
+            if prev[0] == e and a < prev_end:
+                raise ValueError(f"move {i}: rows [{a}, {b}) of expert {e} overlap a previous move (computed twice)")
+            prev, prev_end = (e, a), b
+            if base in INTRA_NODE_BASES:
+                if src // topo.gpus_per_node != dst // topo.gpus_per_node:
+                    raise ValueError(f"move {i}: policy {self.policy!r} moved expert {e} across nodes "
+                                     f"(GPU {src} -> {dst})")
+                if (e, src) not in dynamic:
+                    raise ValueError(f"move {i}: policy {self.policy!r} moved expert {e}, which is not dynamic "
+                                     f"on GPU {src}")
+            if (e, dst) not in resident and (e, dst) not in copies:
+                raise ValueError(f"move {i}: GPU {dst} computes expert {e} without its weights "
+                                 "(no weight copy and no resident replica)")
+            if cum_E is not None and not (cum_E[dst, e] <= a and b <= cum_E[dst + 1, e]):
+                raise ValueError(f"move {i}: rows [{a}, {b}) of expert {e} do not all come from source rank {dst}")
+            loads[src] -= b - a
+            loads[dst] += b - a
+        before = np.asarray(n_E.reshape(W, topo.experts_per_rank).sum(axis=1), dtype=np.int64)
+        if not np.array_equal(self.loads_before_W, before):
+            raise ValueError(f"plan.loads_before_W {self.loads_before_W.tolist()} != plain-EP loads {before.tolist()}")
+        if not np.array_equal(self.loads_after_W, loads):
+            raise ValueError(f"plan.loads_after_W {self.loads_after_W.tolist()} != loads recomputed from the moves "
+                             f"{loads.tolist()}")

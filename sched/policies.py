@@ -1,0 +1,308 @@
+"""Balancing policies: pure functions of (counts, topology, state) that return a Plan.
+
+Legend: W GPUs, G GPUs per node, E experts, D dynamic experts per GPU, S = E // W expert slots per GPU.
+counts_WE: int [W, E], counts_WE[s, e] = rows source rank s sends to expert e (identical on every rank).
+
+Every policy is deterministic: ties break on (load, GPU id, expert id) explicitly, on integer row counts, so
+every rank derives the same plan from the same counts without talking. The inner loops run over a handful of
+Python ints per node: at this size that is faster than numpy calls.
+
+Policies (``BASE[+place][@current|@ema]``, see ``parse_policy``):
+* ``none``: plain EP.
+* ``feplb``: the paper's greedy. Per node, repeat: take the most loaded GPU, move its busiest dynamic expert
+  whose rows are fewer than the gap to the least loaded GPU there, whole; stop when nothing helps or the gap is
+  at most ``tau`` times the node's mean load.
+* ``feplb-split``: ``feplb``, then split the at-home rows of hot dynamic experts into chunks of at least
+  ``min_chunk`` rows (default: the cost model's knee, below which a GEMM costs its weight-read floor anyway),
+  moving each chunk from the most to the least loaded GPU of the node toward the node's mean.
+* ``lp``: the optimal fractional balance inside each node with the same dynamic set (water-filling, any chunk
+  size): the lower bound for in-node, dynamic-only policies.
+* ``fastermoe``: FasterMoE's shadow experts: the hottest experts, one at a time while the cost model says the
+  broadcast of their weights costs less than the GEMM time it saves on the busiest GPU, are broadcast to every
+  GPU and each source computes its own rows of them.
+* ``eplb``: DeepSeek-EPLB-style redundant experts placed from the load history (see ``PolicyState``), rows of a
+  replicated expert split evenly among its copies.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from feplb.sched.cost import CostModel
+from feplb.sched.plan import BASE_POLICIES, Move, Plan, parse_policy
+from feplb.sched.state import PolicyState, slots_of, top_per_gpu
+from feplb.sched.topology import Topology
+
+POLICIES: tuple[str, ...] = BASE_POLICIES
+
+_DEFAULT_COST = CostModel()
+
+
+@lru_cache(maxsize=64)
+def _default_slots(topo: Topology) -> np.ndarray:
+    return slots_of(topo.default_home_E(), topo)
+
+
+def _check_args(policy: str, topo: Topology, state: PolicyState | None) -> tuple[str, bool, str]:
+    parsed = parse_policy(policy)
+    if not isinstance(topo, Topology):
+        raise TypeError(f"topo must be a Topology, got {type(topo).__name__}")
+    if state is not None:
+        if not isinstance(state, PolicyState):
+            raise TypeError(f"state must be a PolicyState or None, got {type(state).__name__}")
+        if state.topo != topo:
+            raise ValueError(f"state was made for {state.topo}, not {topo}")
+        if state.policy != policy:
+            raise ValueError(f"state was made for policy {state.policy!r}, not {policy!r}")
+    return parsed
+
+
+def _slots(topo: Topology, state: PolicyState | None) -> np.ndarray:
+    return _default_slots(topo) if state is None else state.slots_WS
+
+
+def select_dynamic(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyState | None = None,
+                   ) -> np.ndarray:
+    """The dynamic experts of every GPU for this micro-batch: int64 [W, D], each row in planning order.
+
+    ``@current`` (default): each GPU's D experts with the most rows in counts_WE (int [W, E]), ties to the lower
+    expert id. ``@ema``: the set frozen by the state's last refresh (from the EMA of past micro-batches), or
+    the ``@current`` choice before any history exists.
+    """
+    _, _, mode = _check_args(policy, topo, state)
+    if mode == "ema" and state is not None and state.dynamic_WD is not None:
+        return state.dynamic_WD
+    counts_WE = topo.check_counts(counts_WE)
+    return top_per_gpu(counts_WE.sum(axis=0), _slots(topo, state), topo.dyn)
+
+
+def _hi_lo(L: list[int]) -> tuple[int, int]:
+    hi = lo = 0
+    for i in range(1, len(L)):
+        v = L[i]
+        if v > L[hi]:
+            hi = i
+        elif v < L[lo]:
+            lo = i
+    return hi, lo
+
+
+def _greedy_whole(L: list[int], cand: list[list[tuple[int, int]]], tau_gap: int,
+                  out: list[tuple[int, int, int, int, int]], g0: int, rem: dict[int, int]) -> None:
+    """The paper's greedy on one node. L: loads (mutated); cand[i]: (rows, expert) of GPU i's movable dynamic
+    experts, sorted by (-rows, expert) (consumed). Appends (expert, src, dst, start, end) to out."""
+    while True:
+        hi, lo = _hi_lo(L)
+        gap = L[hi] - L[lo]
+        if gap <= tau_gap:
+            return
+        c = cand[hi]
+        for j in range(len(c)):
+            if c[j][0] < gap:
+                break
+        else:
+            return
+        n, e = c.pop(j)
+        L[hi] -= n
+        L[lo] += n
+        rem[e] = 0
+        out.append((e, g0 + hi, g0 + lo, 0, n))
+
+
+def _chunk(want: int, r: int, m: int, gap: int) -> int:
+    """Size of the piece to move from an expert with r rows left at home: the whole remainder, or a chunk in
+    [m, r - m] (no piece below m rows); strictly below gap so the pair's maximum drops; closest to want."""
+    best = r if r < gap else 0
+    if 2 * m <= r:
+        x = min(max(want, m), r - m)
+        if x < gap and (best == 0 or abs(x - want) < abs(best - want)):
+            best = x
+    return best
+
+
+def _split(L: list[int], own: list[list[int]], rem: dict[int, int], m: int, tau_gap: int,
+           out: list[tuple[int, int, int, int, int]], g0: int) -> None:
+    """Move rows of the most loaded GPU's dynamic experts to the least loaded GPU of the node, toward the node's
+    (integer) mean, in pieces of at least m rows. own[i]: GPU i's dynamic experts; rem[e]: rows of e still at
+    home, rows [0, rem[e]) in home order (pieces are carved from the end)."""
+    G = len(L)
+    target = -(-sum(L) // G)
+    for _ in range(2 * G * (len(own[0]) + 2)):
+        hi, lo = _hi_lo(L)
+        gap = L[hi] - L[lo]
+        if L[hi] <= target or gap <= tau_gap:
+            return
+        want = min(L[hi] - target, target - L[lo])
+        pick = sorted((-rem[e], e) for e in own[hi] if rem[e] > 0)
+        for neg_r, e in pick:
+            x = _chunk(want, -neg_r, m, gap)
+            if x:
+                r = -neg_r
+                rem[e] = r - x
+                L[hi] -= x
+                L[lo] += x
+                out.append((e, g0 + hi, g0 + lo, r - x, r))
+                break
+        else:
+            return
+
+
+def _merge(raw: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+    raw.sort(key=lambda t: (t[0], t[3]))
+    out: list[tuple[int, int, int, int, int]] = []
+    for t in raw:
+        if out and out[-1][0] == t[0] and out[-1][2] == t[2] and out[-1][4] == t[3]:
+            p = out[-1]
+            out[-1] = (p[0], p[1], p[2], p[3], t[4])
+        else:
+            out.append(t)
+    return out
+
+
+def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: frozenset[tuple[int, int]],
+            dyn_WD: np.ndarray, before_W: np.ndarray, after: list[int], home_E: np.ndarray | None,
+            rows_from_source: bool = False, weight_copies: tuple[tuple[int, int, int], ...] | None = None,
+            info: dict | None = None) -> Plan:
+    moves = tuple(Move(expert=e, src=s, dst=d, row_start=a, row_end=b) for e, s, d, a, b in _merge(raw))
+    if weight_copies is None:
+        need = sorted({(m.expert, m.src, m.dst) for m in moves})
+        weight_copies = tuple(c for c in need if (c[0], c[2]) not in resident)
+    return Plan(policy=policy, moves=moves, weight_copies=weight_copies, dynamic_WD=dyn_WD,
+                loads_before_W=before_W, loads_after_W=np.asarray(after, dtype=np.int64), home_E=home_E,
+                rows_from_source=rows_from_source, info=info or {})
+
+
+def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyState | None = None, *,
+              tau: float = 0.01, min_chunk: int | None = None, cost: CostModel | None = None,
+              max_shadow: int | None = None, total_rows: int | None = None) -> Plan:
+    """Plan one MoE layer's micro-batch. Pure and deterministic.
+
+    counts_WE: int [W, E] rows per (source rank, expert); never negative.
+    state: the policy's history (EMA, placement, replicas); None means no history.
+    tau: feplb / feplb-split stop once the node's max-min gap is at most tau x the node's mean load.
+    min_chunk: smallest piece of an expert feplb-split moves (default: ``cost.knee_rows``).
+    cost: the cost model (fastermoe's decision; feplb-split's default min_chunk).
+    max_shadow: at most this many shadowed experts for fastermoe (default: no limit but the cost model's).
+    total_rows: if given, counts_WE.sum() must equal it (the micro-batch's W * T * K rows).
+    """
+    base, place, _ = _check_args(policy, topo, state)
+    counts_WE = topo.check_counts(counts_WE)
+    if total_rows is not None and int(counts_WE.sum()) != total_rows:
+        raise ValueError(f"counts_WE sums to {int(counts_WE.sum())} rows, but the micro-batch has total_rows="
+                         f"{total_rows}")
+    if not (isinstance(tau, (int, float)) and 0 <= tau < float("inf")):
+        raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
+    cost = _DEFAULT_COST if cost is None else cost
+    if min_chunk is None:
+        min_chunk = cost.knee_rows
+    if isinstance(min_chunk, bool) or not isinstance(min_chunk, int) or min_chunk < 1:
+        raise ValueError(f"min_chunk must be an int >= 1, got {min_chunk!r}")
+    W, G, S = topo.num_ranks, topo.gpus_per_node, topo.experts_per_rank
+    n_E = counts_WE.sum(axis=0)
+    slots = _slots(topo, state)
+    before_W = n_E.reshape(W, S).sum(axis=1)
+    home_E = None if (state is None or not place) else state.home_E
+    at_home_W = before_W if home_E is None else n_E[slots].sum(axis=1)
+    dyn_WD = select_dynamic(policy, counts_WE, topo, state)
+    resident = frozenset() if state is None else state.resident
+    L_all = at_home_W.tolist()
+
+    if base == "none":
+        return _finish(policy, [], resident, dyn_WD, before_W, L_all, home_E)
+    if base == "fastermoe":
+        return _fastermoe(policy, counts_WE, n_E, topo, slots, dyn_WD, before_W, home_E, cost, max_shadow)
+    if base == "eplb":
+        return _eplb(policy, n_E, topo, state, slots, dyn_WD, before_W, L_all, home_E)
+
+    n = n_E.tolist()
+    dyn = dyn_WD.tolist()
+    raw: list[tuple[int, int, int, int, int]] = []
+    after: list[int] = []
+    for g0 in range(0, W, G):
+        L = L_all[g0:g0 + G]
+        own = dyn[g0:g0 + G]
+        rem = {e: n[e] for row in own for e in row}
+        tau_gap = int(tau * sum(L) / G)
+        if base in ("feplb", "feplb-split"):
+            cand = [sorted(((n[e], e) for e in row if n[e] > 0), key=lambda t: (-t[0], t[1])) for row in own]
+            _greedy_whole(L, cand, tau_gap, raw, g0, rem)
+        if base == "feplb-split":
+            _split(L, own, rem, min_chunk, tau_gap, raw, g0)
+        elif base == "lp":
+            _split(L, own, rem, 1, 0, raw, g0)
+        after.extend(L)
+    return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E)
+
+
+def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topology, slots: np.ndarray,
+               dyn_WD: np.ndarray, before_W: np.ndarray, home_E: np.ndarray | None, cost: CostModel,
+               max_shadow: int | None) -> Plan:
+    W, E = topo.num_ranks, topo.num_experts
+    home = (home_E if home_E is not None else topo.default_home_E()).tolist()
+    t_E = cost.gemm_us(n_E)
+    t_WE = cost.gemm_us(counts_WE)
+    gemm_W = t_E[slots].sum(axis=1)
+    bcast_us = cost.copy_us(cost.weight_bytes, inter_node=topo.gpus_per_node < W)
+    order = sorted(range(E), key=lambda e: (-int(n_E[e]), e))
+    limit = E if max_shadow is None else max_shadow
+    shadow: list[int] = []
+    comm = 0.0
+    cur = float(gemm_W.max())
+    for e in order[:limit]:
+        if n_E[e] == 0:
+            break
+        # each source computes its own rows of e; the home keeps only its own
+        trial = gemm_W + t_WE[:, e]
+        trial[home[e]] -= t_E[e]
+        new = float(trial.max())
+        if new + bcast_us < cur:
+            shadow.append(e)
+            gemm_W, cur, comm = trial, new, comm + bcast_us
+        else:
+            break
+    cum_WE = np.zeros((W + 1, E), dtype=np.int64)
+    np.cumsum(counts_WE, axis=0, out=cum_WE[1:])
+    raw = []
+    loads = np.zeros(W, dtype=np.int64)
+    np.add.at(loads, np.asarray(home, dtype=np.int64), n_E)
+    copies = []
+    for e in sorted(shadow):
+        h = home[e]
+        for s in range(W):
+            if s == h:
+                continue
+            copies.append((e, h, s))
+            a, b = int(cum_WE[s, e]), int(cum_WE[s + 1, e])
+            if b > a:
+                raw.append((e, h, s, a, b))
+                loads[h] -= b - a
+                loads[s] += b - a
+    info = {"shadowed": tuple(sorted(shadow)), "gemm_us_max": cur, "broadcast_us": comm}
+    return _finish(policy, raw, frozenset(), dyn_WD, before_W, loads.tolist(), home_E, rows_from_source=True,
+                   weight_copies=tuple(copies), info=info)
+
+
+def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | None, slots: np.ndarray,
+          dyn_WD: np.ndarray, before_W: np.ndarray, L: list[int], home_E: np.ndarray | None) -> Plan:
+    replicas = () if state is None else state.replicas
+    home = (home_E if home_E is not None else topo.default_home_E()).tolist()
+    holders: dict[int, list[int]] = {}
+    for e, g in replicas:
+        holders.setdefault(e, []).append(g)
+    raw = []
+    L = list(L)
+    for e in sorted(holders):
+        copies = [home[e], *sorted(holders[e])]
+        q, r = divmod(int(n_E[e]), len(copies))
+        start = q + (r > 0)
+        for i, g in enumerate(copies[1:], start=1):
+            size = q + (i < r)
+            if size:
+                raw.append((e, home[e], g, start, start + size))
+                L[home[e]] -= size
+                L[g] += size
+            start += size
+    resident = frozenset() if state is None else state.resident
+    return _finish(policy, raw, resident, dyn_WD, before_W, L, home_E)

@@ -1,0 +1,136 @@
+"""The immutable history a policy carries from one micro-batch to the next.
+
+Legend: W GPUs, E experts, D dynamic experts per GPU, S = E // W expert slots per GPU.
+All history is kept in integers (a fixed-point EMA) so that every rank derives bit-identical decisions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from feplb.sched.placement import eplb_replicas, place_experts
+from feplb.sched.plan import parse_policy
+from feplb.sched.topology import Topology
+
+EMA_FRAC_BITS = 16  # fixed-point fraction bits of ema_E
+
+
+def _ro(a: np.ndarray) -> np.ndarray:
+    a = np.array(a, dtype=np.int64, copy=True)
+    a.flags.writeable = False
+    return a
+
+
+def slots_of(home_E: np.ndarray, topo: Topology) -> np.ndarray:
+    """int64 [W, S]: the experts at home on each GPU, ascending ids."""
+    return _ro(np.argsort(home_E, kind="stable").reshape(topo.num_ranks, topo.experts_per_rank))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PolicyState:
+    """History of one MoE layer for one policy; ``observe`` returns the next state and never mutates this one.
+
+    topo: the topology. policy: the policy name this state serves (``BASE[+place][@current|@ema]``).
+    refresh_every: micro-batches between slow-timescale refreshes (one optimizer step of micro-batches): the
+        ``@ema`` dynamic set and its in-node weight replicas, EPLB replicas, and the ``+place`` placement.
+    ema_shift: a new micro-batch enters the EMA with weight ``2 ** -ema_shift``.
+    eplb_slots: redundant expert slots per GPU for ``eplb``.
+    Derived fields (step, ema_E, home_E, dynamic_WD, replicas, resident, last_*) are filled by ``observe``.
+    """
+
+    topo: Topology
+    policy: str = "feplb"
+    refresh_every: int = 8
+    ema_shift: int = 2
+    eplb_slots: int = 1
+    step: int = 0
+    ema_E: np.ndarray | None = None          # int64 [E], rows * 2**EMA_FRAC_BITS; None before any observe
+    home_E: np.ndarray | None = None         # int64 [E] home GPU of each expert (default e // S)
+    dynamic_WD: np.ndarray | None = None     # int64 [W, D] frozen dynamic set (@ema), None = pick per micro-batch
+    replicas: tuple[tuple[int, int], ...] = ()   # eplb extra replicas (expert, gpu)
+    resident: frozenset[tuple[int, int]] = frozenset()  # (expert, gpu) weights held on gpu besides its home
+    last_weight_copies: tuple[tuple[int, int, int], ...] = ()  # (expert, src, dst) the last refresh copied
+    last_migrations: tuple[tuple[int, int, int], ...] = ()     # (expert, old home, new home) of the last refresh
+    slots_WS: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.topo, Topology):
+            raise TypeError(f"PolicyState.topo must be a Topology, got {type(self.topo).__name__}")
+        parse_policy(self.policy)
+        for name, lo in (("refresh_every", 1), ("ema_shift", 0), ("eplb_slots", 0), ("step", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"PolicyState.{name} must be an int >= {lo}, got {v!r}")
+        if self.ema_shift > 16:
+            raise ValueError(f"PolicyState.ema_shift must be <= 16, got {self.ema_shift}")
+        home = self.topo.default_home_E() if self.home_E is None else self.home_E
+        object.__setattr__(self, "home_E", _ro(home))
+        if self.ema_E is not None:
+            object.__setattr__(self, "ema_E", _ro(self.ema_E))
+        if self.dynamic_WD is not None:
+            object.__setattr__(self, "dynamic_WD", _ro(self.dynamic_WD))
+        object.__setattr__(self, "slots_WS", slots_of(self.home_E, self.topo))
+
+    @property
+    def ema_rows_E(self) -> np.ndarray:
+        """int64 [E]: the EMA of past per-expert rows, rounded down to whole rows (zeros before any observe)."""
+        if self.ema_E is None:
+            return np.zeros(self.topo.num_experts, dtype=np.int64)
+        return self.ema_E >> EMA_FRAC_BITS
+
+    def observe(self, counts_WE: np.ndarray) -> PolicyState:
+        """Fold one micro-batch's counts (int [W, E]) into the history; refresh slow decisions when due.
+
+        Refreshes happen after the first micro-batch and then every ``refresh_every`` micro-batches.
+        """
+        counts_WE = self.topo.check_counts(counts_WE)
+        x = counts_WE.sum(axis=0) << EMA_FRAC_BITS
+        ema = x if self.ema_E is None else self.ema_E + ((x - self.ema_E) >> self.ema_shift)
+        step = self.step + 1
+        new = replace(self, step=step, ema_E=ema, last_weight_copies=(), last_migrations=())
+        if step == 1 or step % self.refresh_every == 0:
+            new = new._refresh()
+        return new
+
+    def _refresh(self) -> PolicyState:
+        topo = self.topo
+        base, place, mode = parse_policy(self.policy)
+        load = self.ema_E >> EMA_FRAC_BITS if self.ema_E is not None else np.zeros(topo.num_experts, np.int64)
+        home = self.home_E
+        migrations: tuple[tuple[int, int, int], ...] = ()
+        if place:
+            new_home = place_experts(load, topo)
+            migrations = tuple((e, int(home[e]), int(new_home[e])) for e in range(topo.num_experts)
+                               if home[e] != new_home[e])
+            home = new_home
+        dynamic = None
+        replicas: tuple[tuple[int, int], ...] = ()
+        resident: set[tuple[int, int]] = set()
+        if mode == "ema" and base in ("feplb", "feplb-split", "lp"):
+            slots = slots_of(home, topo)
+            dynamic = top_per_gpu(load, slots, topo.dyn)
+            G = topo.gpus_per_node
+            for d in range(topo.num_ranks):
+                n0 = d // G * G
+                for e in dynamic[d]:
+                    resident.update((int(e), g) for g in range(n0, n0 + G) if g != d)
+        if base == "eplb":
+            replicas = eplb_replicas(load, home, topo, self.eplb_slots)
+            resident.update(replicas)
+        resident_f = frozenset(resident)
+        home_list = [int(h) for h in home]
+        copies = tuple(sorted((e, home_list[e], g) for e, g in resident_f - self.resident))
+        return replace(self, home_E=home, dynamic_WD=dynamic, replicas=replicas, resident=resident_f,
+                       last_weight_copies=copies, last_migrations=migrations)
+
+
+def top_per_gpu(value_E: np.ndarray, slots_WS: np.ndarray, k: int) -> np.ndarray:
+    """int64 [W, k]: on each GPU, the k experts of slots_WS with the highest value (ties: lower expert id first).
+
+    value_E: int64 [E]. slots_WS: int64 [W, S], each row in ascending expert id.
+    """
+    vals = value_E[slots_WS]
+    idx = np.argsort(-vals, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(slots_WS, idx, axis=1)

@@ -1,0 +1,80 @@
+"""PolicyState: pure updates, the integer EMA, refresh cadence, placement and replicas."""
+
+import numpy as np
+import pytest
+
+from feplb.sched import PolicyState, Topology, make_plan, place_experts
+from feplb.sched.state import EMA_FRAC_BITS
+
+
+def test_observe_is_pure_and_ema_matches_reference():
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
+    rng = np.random.default_rng(3)
+    s0 = PolicyState(topo=topo, policy="feplb@ema", ema_shift=2)
+    state, ref = s0, None
+    for _ in range(5):
+        c = rng.integers(0, 100, size=(4, 8))
+        state = state.observe(c)
+        x = c.sum(axis=0).astype(np.int64) * 2**EMA_FRAC_BITS
+        ref = x if ref is None else ref + np.floor_divide(x - ref, 4)
+        assert np.array_equal(state.ema_E, ref)
+    assert s0.step == 0 and s0.ema_E is None and state.step == 5
+    assert np.array_equal(state.ema_rows_E, ref // 2**EMA_FRAC_BITS)
+    with pytest.raises(ValueError):
+        state.ema_E[0] = 1
+
+
+def test_refresh_cadence_and_resident_replicas():
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
+    c = np.array([[9, 1, 1, 8, 0, 0, 0, 0]] * 4, dtype=np.int64)
+    s = PolicyState(topo=topo, policy="feplb@ema", refresh_every=3).observe(c)
+    assert s.dynamic_WD.tolist() == [[0], [3], [4], [6]]
+    # dynamic experts are replicated to the other GPU of their node, once
+    assert s.resident == frozenset({(0, 1), (3, 0), (4, 3), (6, 2)})
+    assert s.last_weight_copies == ((0, 0, 1), (3, 1, 0), (4, 2, 3), (6, 3, 2))
+    c2 = np.array([[0, 9, 0, 0, 0, 0, 0, 0]] * 4, dtype=np.int64)
+    s2 = s.observe(c2)  # step 2: no refresh, the set stays
+    assert s2.dynamic_WD.tolist() == s.dynamic_WD.tolist() and s2.last_weight_copies == ()
+    s5 = s2.observe(c2).observe(c2).observe(c2)  # the EMA favours expert 1 from step 4; no refresh until 6
+    assert s5.step == 5 and s5.dynamic_WD[0, 0] == 0
+    s6 = s5.observe(c2)
+    assert s6.dynamic_WD[0, 0] == 1 and (1, 0, 1) in s6.last_weight_copies
+    plan = make_plan("feplb@ema", c, topo, s)
+    assert plan.weight_copies == ()  # rows only: the weights are resident
+    plan.validate(c, topo, s)
+
+
+def test_place_experts_golden_and_balance():
+    topo = Topology(num_ranks=2, gpus_per_node=1, num_experts=4, dyn=1)
+    # 8 -> node 0, 7 -> node 1, 1 -> node 1 (7 < 8), 1 -> node 0 (8 == 8, lower id)
+    assert place_experts(np.array([8, 7, 1, 1]), topo).tolist() == [0, 1, 1, 0]
+    topo = Topology(num_ranks=16, gpus_per_node=8, num_experts=64, dyn=4)
+    load = np.random.default_rng(0).zipf(1.5, size=64).clip(max=10**6).astype(np.int64)
+    home = place_experts(load, topo)
+    assert np.bincount(home, minlength=16).tolist() == [4] * 16
+    node_loads = np.bincount(home // 8, weights=load, minlength=2)
+    default_nodes = np.bincount(np.arange(64) // 32, weights=load, minlength=2)
+    assert node_loads.max() - node_loads.min() <= max(default_nodes.max() - default_nodes.min(), load.max())
+
+
+def test_place_state_and_plan_agree():
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=2)
+    c = np.array([[50, 40, 30, 20, 1, 1, 1, 1]] * 4, dtype=np.int64)
+    s = PolicyState(topo=topo, policy="feplb-split+place").observe(c)
+    assert s.last_migrations and not np.array_equal(s.home_E, topo.default_home_E())
+    plan = make_plan("feplb-split+place", c, topo, s)
+    assert np.array_equal(plan.home_E, s.home_E)
+    plan.validate(c, topo, s)
+    # the two nodes now carry about the same rows (plain EP: 560 vs 16)
+    node = plan.loads_after_W.reshape(2, 2).sum(axis=1)
+    assert abs(int(node[0]) - int(node[1])) <= 4 * 20
+
+
+def test_bad_state_arguments():
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=1)
+    with pytest.raises(ValueError, match="refresh_every"):
+        PolicyState(topo=topo, refresh_every=0)
+    with pytest.raises(ValueError, match="unknown base policy"):
+        PolicyState(topo=topo, policy="magic")
+    with pytest.raises(ValueError, match=r"shape \[W, E\]"):
+        PolicyState(topo=topo).observe(np.zeros((3, 4), dtype=np.int64))
