@@ -67,6 +67,8 @@ class Move:
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
+    if isinstance(a, np.ndarray) and a.dtype == np.int64 and not a.flags.writeable and a.base is None:
+        return a  # already an immutable array that owns its data
     a = np.array(a, dtype=np.int64, copy=True)
     a.flags.writeable = False
     return a
@@ -100,8 +102,10 @@ class Plan:
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
             raise TypeError(f"Plan.policy must be a str, got {type(self.policy).__name__}")
-        object.__setattr__(self, "moves", tuple(self.moves))
-        object.__setattr__(self, "weight_copies", tuple(tuple(int(v) for v in c) for c in self.weight_copies))
+        if type(self.moves) is not tuple:
+            object.__setattr__(self, "moves", tuple(self.moves))
+        if type(self.weight_copies) is not tuple:
+            object.__setattr__(self, "weight_copies", tuple(tuple(int(v) for v in c) for c in self.weight_copies))
         for name in ("dynamic_WD", "loads_before_W", "loads_after_W"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         if self.home_E is not None:

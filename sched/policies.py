@@ -32,7 +32,7 @@ import numpy as np
 
 from feplb.sched.cost import CostModel
 from feplb.sched.plan import BASE_POLICIES, Move, Plan, parse_policy
-from feplb.sched.state import PolicyState, slots_of, top_per_gpu
+from feplb.sched.state import PolicyState, slots_of
 from feplb.sched.topology import Topology
 
 POLICIES: tuple[str, ...] = BASE_POLICIES
@@ -46,7 +46,7 @@ def _default_slots(topo: Topology) -> np.ndarray:
 
 
 def _check_args(policy: str, topo: Topology, state: PolicyState | None) -> tuple[str, bool, str]:
-    parsed = parse_policy(policy)
+    parsed = _parse(policy) if isinstance(policy, str) else parse_policy(policy)
     if not isinstance(topo, Topology):
         raise TypeError(f"topo must be a Topology, got {type(topo).__name__}")
     if state is not None:
@@ -63,19 +63,43 @@ def _slots(topo: Topology, state: PolicyState | None) -> np.ndarray:
     return _default_slots(topo) if state is None else state.slots_WS
 
 
+@lru_cache(maxsize=256)
+def _parse(policy: str) -> tuple[str, bool, str]:
+    return parse_policy(policy)
+
+
+def _top(n_E: np.ndarray, cand_WK: np.ndarray | None, topo: Topology, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k candidates of each GPU with the most rows, ties to the lower expert id, as int64 [W, k] experts and
+    their rows. cand_WK: int64 [W, K] candidate experts, or None for the default slots (n_E reshaped)."""
+    E = topo.num_experts
+    if cand_WK is None:
+        cand_WK = _default_slots(topo)
+        n_WK = n_E.reshape(topo.num_ranks, -1)
+    else:
+        n_WK = n_E[cand_WK]
+    # one integer key per expert orders by (rows descending, id ascending): no float or sort-stability ties
+    keys = np.sort(n_WK * E + (E - 1 - cand_WK), axis=1)[:, : -k - 1 : -1] if k else n_WK[:, :0]
+    return E - 1 - keys % E, keys // E
+
+
+def _dynamic(n_E: np.ndarray, topo: Topology, state: PolicyState | None, mode: str,
+             ) -> tuple[np.ndarray, np.ndarray]:
+    if mode == "ema" and state is not None and state.dynamic_WD is not None:
+        return _top(n_E, state.dynamic_WD, topo, topo.dyn)
+    return _top(n_E, None if state is None else state.slots_WS, topo, topo.dyn)
+
+
 def select_dynamic(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyState | None = None,
                    ) -> np.ndarray:
-    """The dynamic experts of every GPU for this micro-batch: int64 [W, D], each row in planning order.
+    """The dynamic experts of every GPU for this micro-batch: int64 [W, D], each row by (rows desc, id).
 
     ``@current`` (default): each GPU's D experts with the most rows in counts_WE (int [W, E]), ties to the lower
     expert id. ``@ema``: the set frozen by the state's last refresh (from the EMA of past micro-batches), or
     the ``@current`` choice before any history exists.
     """
     _, _, mode = _check_args(policy, topo, state)
-    if mode == "ema" and state is not None and state.dynamic_WD is not None:
-        return state.dynamic_WD
     counts_WE = topo.check_counts(counts_WE)
-    return top_per_gpu(counts_WE.sum(axis=0), _slots(topo, state), topo.dyn)
+    return _dynamic(counts_WE.sum(axis=0), topo, state, mode)[0]
 
 
 def _hi_lo(L: list[int]) -> tuple[int, int]:
@@ -92,9 +116,16 @@ def _hi_lo(L: list[int]) -> tuple[int, int]:
 def _greedy_whole(L: list[int], cand: list[list[tuple[int, int]]], tau_gap: int,
                   out: list[tuple[int, int, int, int, int]], g0: int, rem: dict[int, int]) -> None:
     """The paper's greedy on one node. L: loads (mutated); cand[i]: (rows, expert) of GPU i's movable dynamic
-    experts, sorted by (-rows, expert) (consumed). Appends (expert, src, dst, start, end) to out."""
+    experts, sorted by (-rows, expert) (consumed). Appends (expert, row_start, src, dst, row_end) to out."""
+    G = len(L)
     while True:
-        hi, lo = _hi_lo(L)
+        hi = lo = 0
+        for i in range(1, G):
+            v = L[i]
+            if v > L[hi]:
+                hi = i
+            elif v < L[lo]:
+                lo = i
         gap = L[hi] - L[lo]
         if gap <= tau_gap:
             return
@@ -108,7 +139,7 @@ def _greedy_whole(L: list[int], cand: list[list[tuple[int, int]]], tau_gap: int,
         L[hi] -= n
         L[lo] += n
         rem[e] = 0
-        out.append((e, g0 + hi, g0 + lo, 0, n))
+        out.append((e, 0, g0 + hi, g0 + lo, n))
 
 
 def _chunk(want: int, r: int, m: int, gap: int) -> int:
@@ -143,17 +174,18 @@ def _split(L: list[int], own: list[list[int]], rem: dict[int, int], m: int, tau_
                 rem[e] = r - x
                 L[hi] -= x
                 L[lo] += x
-                out.append((e, g0 + hi, g0 + lo, r - x, r))
+                out.append((e, r - x, g0 + hi, g0 + lo, r))
                 break
         else:
             return
 
 
 def _merge(raw: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
-    raw.sort(key=lambda t: (t[0], t[3]))
+    """Sort (expert, row_start, src, dst, row_end) records and join adjacent pieces bound for the same GPU."""
+    raw.sort()
     out: list[tuple[int, int, int, int, int]] = []
     for t in raw:
-        if out and out[-1][0] == t[0] and out[-1][2] == t[2] and out[-1][4] == t[3]:
+        if out and out[-1][0] == t[0] and out[-1][3] == t[3] and out[-1][4] == t[1]:
             p = out[-1]
             out[-1] = (p[0], p[1], p[2], p[3], t[4])
         else:
@@ -165,7 +197,7 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
             dyn_WD: np.ndarray, before_W: np.ndarray, after: list[int], home_E: np.ndarray | None,
             rows_from_source: bool = False, weight_copies: tuple[tuple[int, int, int], ...] | None = None,
             info: dict | None = None) -> Plan:
-    moves = tuple(Move(expert=e, src=s, dst=d, row_start=a, row_end=b) for e, s, d, a, b in _merge(raw))
+    moves = tuple(Move(expert=e, src=s, dst=d, row_start=a, row_end=b) for e, a, s, d, b in _merge(raw))
     if weight_copies is None:
         need = sorted({(m.expert, m.src, m.dst) for m in moves})
         weight_copies = tuple(c for c in need if (c[0], c[2]) not in resident)
@@ -187,7 +219,7 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     max_shadow: at most this many shadowed experts for fastermoe (default: no limit but the cost model's).
     total_rows: if given, counts_WE.sum() must equal it (the micro-batch's W * T * K rows).
     """
-    base, place, _ = _check_args(policy, topo, state)
+    base, place, mode = _check_args(policy, topo, state)
     counts_WE = topo.check_counts(counts_WE)
     if total_rows is not None and int(counts_WE.sum()) != total_rows:
         raise ValueError(f"counts_WE sums to {int(counts_WE.sum())} rows, but the micro-batch has total_rows="
@@ -201,11 +233,11 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
         raise ValueError(f"min_chunk must be an int >= 1, got {min_chunk!r}")
     W, G, S = topo.num_ranks, topo.gpus_per_node, topo.experts_per_rank
     n_E = counts_WE.sum(axis=0)
-    slots = _slots(topo, state)
     before_W = n_E.reshape(W, S).sum(axis=1)
     home_E = None if (state is None or not place) else state.home_E
+    slots = _slots(topo, state)
     at_home_W = before_W if home_E is None else n_E[slots].sum(axis=1)
-    dyn_WD = select_dynamic(policy, counts_WE, topo, state)
+    dyn_WD, dyn_n_WD = _dynamic(n_E, topo, state, mode)
     resident = frozenset() if state is None else state.resident
     L_all = at_home_W.tolist()
 
@@ -214,19 +246,22 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     if base == "fastermoe":
         return _fastermoe(policy, counts_WE, n_E, topo, slots, dyn_WD, before_W, home_E, cost, max_shadow)
     if base == "eplb":
-        return _eplb(policy, n_E, topo, state, slots, dyn_WD, before_W, L_all, home_E)
+        return _eplb(policy, n_E, topo, state, dyn_WD, before_W, L_all, home_E)
 
-    n = n_E.tolist()
     dyn = dyn_WD.tolist()
+    dyn_n = dyn_n_WD.tolist()
     raw: list[tuple[int, int, int, int, int]] = []
     after: list[int] = []
+    whole = base != "lp"
     for g0 in range(0, W, G):
         L = L_all[g0:g0 + G]
         own = dyn[g0:g0 + G]
-        rem = {e: n[e] for row in own for e in row}
+        rem = {e: r for row, rows in zip(own, dyn_n[g0:g0 + G], strict=True) for e, r in zip(row, rows, strict=True)}
         tau_gap = int(tau * sum(L) / G)
-        if base in ("feplb", "feplb-split"):
-            cand = [sorted(((n[e], e) for e in row if n[e] > 0), key=lambda t: (-t[0], t[1])) for row in own]
+        if whole:
+            # rows are in (rows desc, id asc) order already
+            cand = [[(r, e) for e, r in zip(row, rows, strict=True) if r > 0]
+                    for row, rows in zip(own, dyn_n[g0:g0 + G], strict=True)]
             _greedy_whole(L, cand, tau_gap, raw, g0, rem)
         if base == "feplb-split":
             _split(L, own, rem, min_chunk, tau_gap, raw, g0)
@@ -276,7 +311,7 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
             copies.append((e, h, s))
             a, b = int(cum_WE[s, e]), int(cum_WE[s + 1, e])
             if b > a:
-                raw.append((e, h, s, a, b))
+                raw.append((e, a, h, s, b))
                 loads[h] -= b - a
                 loads[s] += b - a
     info = {"shadowed": tuple(sorted(shadow)), "gemm_us_max": cur, "broadcast_us": comm}
@@ -284,7 +319,7 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
                    weight_copies=tuple(copies), info=info)
 
 
-def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | None, slots: np.ndarray,
+def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | None,
           dyn_WD: np.ndarray, before_W: np.ndarray, L: list[int], home_E: np.ndarray | None) -> Plan:
     replicas = () if state is None else state.replicas
     home = (home_E if home_E is not None else topo.default_home_E()).tolist()
@@ -300,7 +335,7 @@ def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | Non
         for i, g in enumerate(copies[1:], start=1):
             size = q + (i < r)
             if size:
-                raw.append((e, home[e], g, start, start + size))
+                raw.append((e, start, home[e], g, start + size))
                 L[home[e]] -= size
                 L[g] += size
             start += size

@@ -167,7 +167,7 @@ def test_select_dynamic_modes():
     counts = np.array([[1, 5, 5, 0, 9, 0, 3, 3]] * 2, dtype=np.int64)
     assert select_dynamic("feplb", counts, topo).tolist() == [[1, 2], [4, 6]]
     state = PolicyState(topo=topo, policy="feplb@ema").observe(np.array([[9, 0, 0, 1, 0, 0, 0, 5]] * 2))
-    assert select_dynamic("feplb@ema", counts, topo, state).tolist() == [[0, 3], [7, 4]]
+    assert select_dynamic("feplb@ema", counts, topo, state).tolist() == [[0, 3], [4, 7]]  # by current rows
     # no history: the current counts decide
     assert select_dynamic("feplb@ema", counts, topo, PolicyState(topo=topo, policy="feplb@ema")).tolist() == [
         [1, 2], [4, 6]]
