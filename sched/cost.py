@@ -18,6 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from feplb.sched.plan import Plan
+from feplb.sched.topology import Topology
+
 _DEFAULT_ROWS = (128, 256, 512, 1024, 2048, 4096)
 _DEFAULT_US = (26.25, 34.15, 66.08, 133.99, 259.43, 512.83)
 
@@ -104,6 +107,31 @@ class CostModel:
         t = np.interp(r, xs, ys)
         t = np.where(r > xs[-1], ys[-1] + (r - xs[-1]) * slope, t)
         return np.where(r > 0, t * scale, 0.0)
+
+    def gemm_times_W(self, plan: Plan, counts_WE: np.ndarray, topo: Topology) -> np.ndarray:
+        """Per-GPU forward grouped-GEMM time (us, float64 [W]) under ``plan``: every piece of an expert (its rows
+        left at home, each moved range) is one GEMM group on the GPU that computes it.
+
+        counts_WE: int [W, E] rows per (source rank, expert), the counts the plan was made from.
+        """
+        counts_WE = topo.check_counts(counts_WE)
+        n_E = counts_WE.sum(axis=0)
+        left_E = n_E.copy()
+        dst, rows = [], []
+        for m in plan.moves:
+            left_E[m.expert] -= m.row_end - m.row_start
+            dst.append(m.dst)
+            rows.append(m.row_end - m.row_start)
+        t_W = np.bincount(plan.home_of(topo), weights=self.gemm_us(left_E), minlength=topo.num_ranks)
+        if dst:
+            t_W += np.bincount(np.asarray(dst), weights=self.gemm_us(np.asarray(rows)), minlength=topo.num_ranks)
+        return t_W
+
+    def plan_copy_bytes(self, plan: Plan) -> int:
+        """Bytes the plan copies between GPUs this micro-batch: its moved rows (one way; none when rows are
+        computed where they come from) and its weight copies."""
+        rows = 0 if plan.rows_from_source else plan.rows_moved
+        return rows * self.row_bytes + len(plan.weight_copies) * self.weight_bytes
 
     def copy_us(self, nbytes: float, inter_node: bool = False) -> float:
         """Time (us) to copy ``nbytes`` one way between two GPUs."""

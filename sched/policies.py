@@ -153,31 +153,47 @@ def _chunk(want: int, r: int, m: int, gap: int) -> int:
     return best
 
 
-def _split(L: list[int], own: list[list[int]], rem: dict[int, int], m: int, tau_gap: int,
-           out: list[tuple[int, int, int, int, int]], g0: int) -> None:
-    """Move rows of the most loaded GPU's dynamic experts to the least loaded GPU of the node, toward the node's
-    (integer) mean, in pieces of at least m rows. own[i]: GPU i's dynamic experts; rem[e]: rows of e still at
-    home, rows [0, rem[e]) in home order (pieces are carved from the end)."""
+def _split(L: list[int], pieces: list[list[list[int]]], m: int, tau_gap: int) -> None:
+    """Move rows from the most to the least loaded GPU of the node, toward the node's (integer) mean, in pieces of
+    at least m rows (or whole pieces). pieces[i]: [expert, row_start, row_end, home GPU] ranges of dynamic experts
+    that GPU i computes (its own experts' rows at home, and rows it received); a piece shrinks from its end."""
     G = len(L)
     target = -(-sum(L) // G)
-    for _ in range(2 * G * (len(own[0]) + 2)):
-        hi, lo = _hi_lo(L)
+    for _ in range(4 * G * (len(pieces[0]) + 2)):
+        hi = lo = 0
+        for i in range(1, G):
+            v = L[i]
+            if v > L[hi]:
+                hi = i
+            elif v < L[lo]:
+                lo = i
         gap = L[hi] - L[lo]
         if L[hi] <= target or gap <= tau_gap:
             return
         want = min(L[hi] - target, target - L[lo])
-        pick = sorted((-rem[e], e) for e in own[hi] if rem[e] > 0)
-        for neg_r, e in pick:
-            x = _chunk(want, -neg_r, m, gap)
+        mine = pieces[hi]
+        for j in sorted(range(len(mine)), key=lambda j: (mine[j][1] - mine[j][2], mine[j][0], mine[j][1])):
+            p = mine[j]
+            r = p[2] - p[1]
+            x = _chunk(want, r, m, gap)
             if x:
-                r = -neg_r
-                rem[e] = r - x
+                if x == r:
+                    pieces[lo].append(mine.pop(j))
+                else:
+                    p[2] -= x
+                    pieces[lo].append([p[0], p[2], p[2] + x, p[3]])
                 L[hi] -= x
                 L[lo] += x
-                out.append((e, r - x, g0 + hi, g0 + lo, r))
                 break
         else:
             return
+
+
+def _pieces_to_moves(pieces: list[list[list[int]]], g0: int, out: list[tuple[int, int, int, int, int]]) -> None:
+    for i, mine in enumerate(pieces):
+        for e, a, b, h in mine:
+            if h != i:
+                out.append((e, a, g0 + h, g0 + i, b))
 
 
 def _merge(raw: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
@@ -252,21 +268,26 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     dyn_n = dyn_n_WD.tolist()
     raw: list[tuple[int, int, int, int, int]] = []
     after: list[int] = []
-    whole = base != "lp"
     for g0 in range(0, W, G):
         L = L_all[g0:g0 + G]
         own = dyn[g0:g0 + G]
-        rem = {e: r for row, rows in zip(own, dyn_n[g0:g0 + G], strict=True) for e, r in zip(row, rows, strict=True)}
+        own_n = dyn_n[g0:g0 + G]
+        rem = {e: r for row, rows in zip(own, own_n, strict=True) for e, r in zip(row, rows, strict=True)}
         tau_gap = int(tau * sum(L) / G)
-        if whole:
+        whole: list[tuple[int, int, int, int, int]] = []
+        if base != "lp":
             # rows are in (rows desc, id asc) order already
-            cand = [[(r, e) for e, r in zip(row, rows, strict=True) if r > 0]
-                    for row, rows in zip(own, dyn_n[g0:g0 + G], strict=True)]
-            _greedy_whole(L, cand, tau_gap, raw, g0, rem)
-        if base == "feplb-split":
-            _split(L, own, rem, min_chunk, tau_gap, raw, g0)
-        elif base == "lp":
-            _split(L, own, rem, 1, 0, raw, g0)
+            cand = [[(r, e) for e, r in zip(row, rows, strict=True) if r > 0] for row, rows in zip(own, own_n,
+                                                                                                 strict=True)]
+            _greedy_whole(L, cand, tau_gap, whole, g0, rem)
+        if base == "feplb":
+            raw.extend(whole)
+        else:
+            pieces = [[[e, 0, rem[e], i] for e in row if rem[e] > 0] for i, row in enumerate(own)]
+            for e, _, src, dst, n in whole:
+                pieces[dst - g0].append([e, 0, n, src - g0])
+            _split(L, pieces, min_chunk if base == "feplb-split" else 1, tau_gap if base == "feplb-split" else 0)
+            _pieces_to_moves(pieces, g0, raw)
         after.extend(L)
     return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E)
 

@@ -1,0 +1,209 @@
+"""The ``feplb`` command: one entry point whose subcommands register in ``SUBCOMMANDS``.
+
+Each subcommand is a pair (add_arguments(parser), run(args) -> exit code); ``main`` dispatches on the first word.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+SIMULATE_EPILOG = """\
+TRACE forms:
+  PATH.npz                     per-token trace: topk_ids [T, L, K] (+ optional topk_weights[_e4], seq_offsets),
+                               or the FLAME layout prefill_topk_ids [T, L, K]
+  PATH.json[:model=M][:domains=D1,D2,..][:variant=topk|top1]
+                               OLMoE per-domain expert counts (expert_counts_by_domain.json); rank s draws
+                               its rows from domain D[s % len(D)] (multinomial); M in olmoe, olmoe-sft,
+                               olmoe-dpo, mistral
+  synthetic:zipf|dirichlet[:E=128][:K=8][:L=4][:alpha=1.2][:drift=0.1][:seed=0]
+                               seeded synthetic popularity drifting over micro-batches
+POLICY forms: BASE[+place][@current|@ema], BASE in none, feplb, feplb-split, fastermoe, eplb, lp;
+  +place adds the cross-node placement from routing history, refreshed every --refresh-every micro-batches;
+  @ema picks dynamic experts from the history (weights replicated once per refresh) instead of the current
+  micro-batch (weights copied with the rows).
+"""
+
+
+def _positive(v: str) -> int:
+    i = int(v)
+    if i < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return i
+
+
+def _non_negative(v: str) -> int:
+    i = int(v)
+    if i < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return i
+
+
+def _add_simulate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="routing workloads (forms below)")
+    p.add_argument("--ep", type=_positive, default=8, help="EP ranks W (default 8)")
+    p.add_argument("--gpus-per-node", type=_positive, default=8, help="GPUs per node G, divides W (default 8)")
+    p.add_argument("--tokens-per-rank", type=_positive, default=2048, help="tokens per rank per micro-batch S")
+    p.add_argument("--dyn", type=_non_negative, default=4, help="dynamic experts per GPU (default 4)")
+    p.add_argument("--policies", default="none,feplb,feplb-split,fastermoe,eplb,lp",
+                   help="comma-separated policies (default: %(default)s)")
+    p.add_argument("--microbatches", type=_positive, default=32, help="measured micro-batches (default 32)")
+    p.add_argument("--warmup", type=_non_negative, default=8, help="micro-batches that only feed the histories")
+    p.add_argument("--seed", type=_non_negative, default=0, help="seed of the micro-batch sampler")
+    p.add_argument("--refresh-every", type=_positive, default=8,
+                   help="micro-batches between history refreshes (@ema set, eplb replicas, +place placement)")
+    p.add_argument("--eplb-slots", type=_non_negative, default=1, help="eplb redundant expert slots per GPU")
+    p.add_argument("--tau", type=float, default=0.01, help="feplb stops at a node gap <= tau x node mean")
+    p.add_argument("--min-chunk", type=_positive, default=None,
+                   help="feplb-split's smallest piece in rows (default: the cost model's knee)")
+    p.add_argument("--experts", type=_positive, default=None, help="E for npz traces (default: max id + 1)")
+    p.add_argument("--hidden", type=_positive, default=6144, help="expert hidden size for bytes and GEMM times")
+    p.add_argument("--ffn", type=_positive, default=2048, help="expert ffn size for bytes and GEMM times")
+    p.add_argument("--cost-table", default=None, help='measured GEMM table JSON {"rows": [..], "us": [..]}')
+    p.add_argument("--no-validate", action="store_true", help="skip Plan.validate on every plan")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", dest="json_out", default=None, metavar="OUT.json", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="write a plot (straggler per layer, loads)")
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if b < 1000:
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1000
+    return f"{b:.1f} TB"
+
+
+def format_table(title: str, summary: dict[str, dict[str, float]]) -> str:
+    head = (f"{'policy':<22} {'straggler':>10} {'reduction':>9} {'max/mean':>8} {'GEMM ms':>8} {'% ideal':>7} "
+            f"{'plan p50':>9} {'plan p99':>9} {'copies/mb':>10} {'worse':>5}")
+    lines = [title, head, "-" * len(head)]
+    for name, s in summary.items():
+        lines.append(f"{name:<22} {s['token_straggler']:>10.1f} {100 * s['token_straggler_reduction']:>8.1f}% "
+                     f"{s['max_over_mean']:>8.3f} {s['gemm_straggler_ms']:>8.3f} {s['pct_of_ideal']:>7.2f} "
+                     f"{s['planner_us_p50']:>7.1f}us {s['planner_us_p99']:>7.1f}us "
+                     f"{_fmt_bytes(s['ce_bytes_per_microbatch']):>10} {s['worse_than_none']:>5}")
+    return "\n".join(lines)
+
+
+def plot_results(results: list, path: str) -> None:
+    """Token straggler per layer by policy (one panel per workload) and per-GPU loads before/after for the
+    example micro-batch of the first workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(results)
+    fig, axes = plt.subplots(1, n + 1, figsize=(6 * (n + 1), 4.2), squeeze=False)
+    for ax, r in zip(axes[0], results, strict=False):
+        x = range(len(r.layer_names))
+        for policy, m in r.metrics.items():
+            ax.plot(x, m["token_straggler"].mean(axis=1), marker=".", label=policy)
+        ax.set_xticks(list(x), r.layer_names, fontsize=7, rotation=90 if len(r.layer_names) > 12 else 0)
+        ax.set_xlabel("MoE layer")
+        ax.set_ylabel("token straggler (rows, mean over micro-batches)")
+        ax.set_title(r.workload, fontsize=9)
+        ax.set_yscale("symlog", linthresh=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    ex, ax = results[0].example, axes[0][n]
+    policies = list(ex["loads_after"])
+    width = 0.8 / (len(policies) + 1)
+    W = len(ex["loads_before"])
+    ax.bar([d - 0.4 + width / 2 for d in range(W)], ex["loads_before"], width, label="plain EP (before)",
+           color="0.6")
+    for i, p in enumerate(policies):
+        ax.bar([d - 0.4 + width * (i + 1.5) for d in range(W)], ex["loads_after"][p], width, label=p)
+    mean = sum(ex["loads_before"]) / W
+    ax.axhline(mean, color="k", lw=0.8, ls="--", label="mean")
+    ax.set_xlabel("GPU")
+    ax.set_ylabel("rows computed")
+    ax.set_title(f"{results[0].workload}, layer {ex['layer']}, one micro-batch", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from feplb.sched import CostModel
+    from feplb.simulate import SimConfig, simulate, summarize
+    from feplb.traces import load_workload
+
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    cost_kw = {"hidden": args.hidden, "ffn": args.ffn}
+    cost = CostModel.from_json(args.cost_table, **cost_kw) if args.cost_table else CostModel(**cost_kw)
+    config = SimConfig(num_ranks=args.ep, gpus_per_node=args.gpus_per_node, tokens_per_rank=args.tokens_per_rank,
+                       dyn=args.dyn, policies=policies, microbatches=args.microbatches, warmup=args.warmup,
+                       seed=args.seed, refresh_every=args.refresh_every, eplb_slots=args.eplb_slots, tau=args.tau,
+                       min_chunk=args.min_chunk, validate=not args.no_validate, cost=cost)
+    workloads = [load_workload(t, args.experts) for t in args.traces]
+    for w in workloads:
+        config.topology(w.num_experts)  # refuse a bad topology before any work
+    results = []
+    total = len(workloads) * (config.warmup + config.microbatches)
+    with tqdm(total=total, desc="simulate", unit="mb", disable=args.no_progress, file=sys.stderr) as bar:
+        for w in workloads:
+            results.append(simulate(w, config, progress=bar))
+    for r in results:
+        print(format_table(f"\n{r.workload} (E={r.num_experts}, K={r.top_k}, W={config.num_ranks}, "
+                           f"G={config.gpus_per_node}, S={config.tokens_per_rank}, dyn={config.dyn})", r.summary()))
+    summary = summarize(results)
+    if len(results) > 1:
+        print(format_table("\nall workloads", summary))
+    if args.json_out:
+        doc = {"config": {**config.as_dict(), "traces": list(args.traces), "command": "feplb " + shlex.join(args.argv)},
+               "policies": summary,
+               "workloads": {r.workload: {"policies": r.summary(),
+                                          "per_layer_token_straggler": {p: m["token_straggler"].mean(axis=1).tolist()
+                                                                        for p, m in r.metrics.items()},
+                                          "layers": list(r.layer_names), "example": r.example}
+                             for r in results}}
+        Path(args.json_out).write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        plot_results(results, args.plot)
+    return 0
+
+
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
+                             Callable[[argparse.Namespace], int], str]] = {
+    "simulate": ("simulate balancing policies on routing traces", _add_simulate, _run_simulate, SIMULATE_EPILOG),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="feplb", description="FEPLB: MoE load balancing tools")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_, add, run, epilog) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        add(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``feplb`` console script."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return args._run(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"feplb {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""Simulate balancing policies on routing workloads: every policy plans every (layer, micro-batch).
+
+Legend: L layers, M measured micro-batches, W EP ranks, E experts, S tokens per rank, K top-k.
+
+For every micro-batch of a workload (``feplb.traces``) and every layer, each policy plans from the layer's counts
+with its own history (``PolicyState``), the plan is checked (``Plan.validate``), measured, and the history then
+observes the counts. The first ``warmup`` micro-batches only feed the histories. Metrics (``feplb.sched``):
+token straggler ``max - mean`` of per-GPU rows, max/mean, GEMM straggler from the cost model, percent of ideal
+``100 * mean / max``, rows and bytes copied, and planner latency (wall time of ``make_plan``).
+Means run over layers and micro-batches; a reduction is ``1 - mean(policy) / mean(plain EP)``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from feplb.sched import CostModel, PolicyState, Topology, make_plan, parse_policy
+from feplb.sched.metrics import max_over_mean, token_straggler
+
+DEFAULT_POLICIES = ("none", "feplb", "feplb-split", "fastermoe", "eplb", "lp")
+_METRICS = ("token_straggler", "token_straggler_before", "max_over_mean", "gemm_straggler_ms",
+            "gemm_straggler_before_ms", "pct_of_ideal", "rows_moved", "copy_bytes", "planner_us")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """What to simulate: topology, micro-batch size, policies and their options."""
+
+    num_ranks: int = 8
+    gpus_per_node: int = 8
+    tokens_per_rank: int = 2048
+    dyn: int = 4
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    microbatches: int = 32
+    warmup: int = 8
+    seed: int = 0
+    refresh_every: int = 8
+    ema_shift: int = 2
+    eplb_slots: int = 1
+    tau: float = 0.01
+    min_chunk: int | None = None
+    validate: bool = True
+    cost: CostModel = field(default_factory=CostModel)
+
+    def __post_init__(self) -> None:
+        for name, lo in (("num_ranks", 1), ("gpus_per_node", 1), ("tokens_per_rank", 1), ("dyn", 0),
+                         ("microbatches", 1), ("warmup", 0), ("seed", 0), ("refresh_every", 1), ("eplb_slots", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"SimConfig.{name} must be an int >= {lo}, got {v!r}")
+        if not self.policies:
+            raise ValueError("SimConfig.policies must name at least one policy")
+        object.__setattr__(self, "policies", tuple(self.policies))
+        for p in self.policies:
+            parse_policy(p)
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"SimConfig.policies repeats a policy: {self.policies}")
+
+    def topology(self, num_experts: int) -> Topology:
+        return Topology(num_ranks=self.num_ranks, gpus_per_node=self.gpus_per_node, num_experts=num_experts,
+                        dyn=self.dyn)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["policies"] = list(self.policies)
+        d["cost"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.cost).items()}
+        return d
+
+
+@dataclass(kw_only=True)
+class SimResult:
+    """Per-(layer, micro-batch) metrics of every policy on one workload: metrics[policy][name] is float64 [L, M]."""
+
+    workload: str
+    num_experts: int
+    top_k: int
+    layer_names: tuple[str, ...]
+    metrics: dict[str, dict[str, np.ndarray]]
+    example: dict[str, Any]
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return summarize([self])
+
+
+def _percentile(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else float("nan")
+
+
+def summarize(results: list[SimResult]) -> dict[str, dict[str, float]]:
+    """Means over all layers and micro-batches of all results, per policy (the JSON's ``policies``)."""
+    out: dict[str, dict[str, float]] = {}
+    for policy in results[0].metrics:
+        cat = {k: np.concatenate([r.metrics[policy][k].ravel() for r in results]) for k in _METRICS}
+        before, after = cat["token_straggler_before"].mean(), cat["token_straggler"].mean()
+        g_before, g_after = cat["gemm_straggler_before_ms"].mean(), cat["gemm_straggler_ms"].mean()
+        out[policy] = {
+            "token_straggler": float(after),
+            "token_straggler_before": float(before),
+            "token_straggler_reduction": float(1 - after / before) if before > 0 else 0.0,
+            "max_over_mean": float(cat["max_over_mean"].mean()),
+            "gemm_straggler_ms": float(g_after),
+            "gemm_straggler_before_ms": float(g_before),
+            "gemm_straggler_reduction": float(1 - g_after / g_before) if g_before > 0 else 0.0,
+            "pct_of_ideal": float(cat["pct_of_ideal"].mean()),
+            "planner_us_p50": _percentile(cat["planner_us"], 50),
+            "planner_us_p99": _percentile(cat["planner_us"], 99),
+            "ce_bytes_per_microbatch": float(cat["copy_bytes"].mean()),
+            "rows_moved_per_microbatch": float(cat["rows_moved"].mean()),
+            "worse_than_none": int(np.count_nonzero(cat["token_straggler"] > cat["token_straggler_before"])),
+            "samples": int(cat["token_straggler"].size),
+        }
+    return out
+
+
+def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResult:
+    """Run every policy of ``config`` over ``warmup + microbatches`` micro-batches of ``workload``.
+
+    progress: an object with ``update(n)`` (e.g. a tqdm bar) advanced once per micro-batch, or None.
+    """
+    topo = config.topology(workload.num_experts)
+    L, M, W = workload.num_layers, config.microbatches, config.num_ranks
+    cost = config.cost
+    rows_per_rank = config.tokens_per_rank * workload.top_k
+    states = {p: [PolicyState(topo=topo, policy=p, refresh_every=config.refresh_every, ema_shift=config.ema_shift,
+                              eplb_slots=config.eplb_slots) for _ in range(L)] for p in config.policies}
+    metrics = {p: {k: np.zeros((L, M)) for k in _METRICS} for p in config.policies}
+    example: dict[str, Any] = {}
+    gen = workload.microbatches(np.random.default_rng(config.seed), W, config.tokens_per_rank)
+    for step in range(config.warmup + M):
+        counts_LWE = next(gen)
+        sums = counts_LWE.sum(axis=2)
+        if counts_LWE.shape != (L, W, topo.num_experts) or np.any(sums != rows_per_rank):
+            raise ValueError(f"{workload.name}: micro-batch {step} has counts of shape {list(counts_LWE.shape)} "
+                             f"with per-rank sums {np.unique(sums).tolist()}, expected [L, W, E] = "
+                             f"{[L, W, topo.num_experts]} and S * K = {rows_per_rank} rows per rank")
+        m = step - config.warmup
+        for layer in range(L):
+            counts_WE = counts_LWE[layer]
+            loads_after: dict[str, list[int]] = {}
+            for p in config.policies:
+                state = states[p][layer]
+                t0 = time.perf_counter_ns()
+                plan = make_plan(p, counts_WE, topo, state, tau=config.tau, min_chunk=config.min_chunk, cost=cost)
+                t1 = time.perf_counter_ns()
+                if config.validate:
+                    plan.validate(counts_WE, topo, state)
+                new_state = state.observe(counts_WE)
+                states[p][layer] = new_state
+                if m < 0:
+                    continue
+                rec = metrics[p]
+                refresh = len(new_state.last_weight_copies) + len(new_state.last_migrations)
+                g_before = cost.gemm_us(counts_WE.sum(axis=0)).reshape(W, -1).sum(axis=1)
+                g_after = cost.gemm_times_W(plan, counts_WE, topo)
+                rec["token_straggler"][layer, m] = token_straggler(plan.loads_after_W)
+                rec["token_straggler_before"][layer, m] = token_straggler(plan.loads_before_W)
+                rec["max_over_mean"][layer, m] = max_over_mean(plan.loads_after_W)
+                rec["pct_of_ideal"][layer, m] = 100.0 / max_over_mean(plan.loads_after_W)
+                rec["gemm_straggler_ms"][layer, m] = token_straggler(g_after) / 1e3
+                rec["gemm_straggler_before_ms"][layer, m] = token_straggler(g_before) / 1e3
+                rec["rows_moved"][layer, m] = plan.rows_moved
+                rec["copy_bytes"][layer, m] = cost.plan_copy_bytes(plan) + refresh * cost.weight_bytes
+                rec["planner_us"][layer, m] = (t1 - t0) / 1e3
+                loads_after[p] = plan.loads_after_W.tolist()
+            if m == 0:
+                # the example for the plot: first measured micro-batch, the layer where plain EP is worst
+                before = counts_WE.sum(axis=0).reshape(W, -1).sum(axis=1)
+                if not example or token_straggler(before) > example["straggler_before"]:
+                    example.update(layer=workload.layer_names[layer], straggler_before=token_straggler(before),
+                                   loads_before=before.tolist(), loads_after=loads_after)
+        if progress is not None:
+            progress.update(1)
+    return SimResult(workload=workload.name, num_experts=topo.num_experts, top_k=workload.top_k,
+                     layer_names=tuple(workload.layer_names), metrics=metrics, example=example)
