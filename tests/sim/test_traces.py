@@ -1,0 +1,129 @@
+"""Workloads: loaders, refusals, and micro-batch counts against a loop reference."""
+
+import json
+
+import numpy as np
+import pytest
+
+from feplb.traces import (
+    MultinomialWorkload,
+    RoutingTrace,
+    SyntheticWorkload,
+    load_trace,
+    load_workload,
+    trace_counts,
+)
+
+
+def _counts_ref(ids_WSLK, E):
+    W, S, L, K = ids_WSLK.shape
+    out = np.zeros((L, W, E), dtype=np.int64)
+    for w in range(W):
+        for s in range(S):
+            for layer in range(L):
+                for k in range(K):
+                    out[layer, w, ids_WSLK[w, s, layer, k]] += 1
+    return out
+
+
+def test_trace_counts_matches_loops():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 12, size=(3, 5, 2, 4)).astype(np.uint8)
+    assert np.array_equal(trace_counts(ids, 12), _counts_ref(ids, 12))
+
+
+def test_microbatches_are_sample_aligned_slices(tmp_path):
+    rng = np.random.default_rng(1)
+    T, L, K, E = 50, 2, 3, 16
+    ids = rng.integers(0, E, size=(T, L, K)).astype(np.int16)
+    offsets = np.array([0, 7, 20, 33, 50])
+    path = tmp_path / "t.npz"
+    np.savez(path, topk_ids=ids, seq_offsets=offsets, topk_weights_e4=np.full((T, L, K), 2500, np.uint16))
+    trace = load_trace(path)
+    assert trace.num_experts == int(ids.max()) + 1 and trace.topk_weights_TLK[0, 0, 0] == np.float32(0.25)
+    W, S = 3, 9
+    got = trace.microbatches(np.random.default_rng(5), W, S)
+    ref_rng = np.random.default_rng(5)
+    for _ in range(3):
+        first = offsets[:-1][ref_rng.integers(0, 4, size=W)]
+        idx = (first[:, None] + np.arange(S)) % T  # wraps around the end of the trace
+        assert np.array_equal(next(got), _counts_ref(ids[idx], trace.num_experts))
+
+
+def test_flame_layout(flame_path):
+    trace = load_trace(flame_path)
+    assert (trace.num_tokens, trace.num_layers, trace.top_k, trace.num_experts) == (2048, 8, 6, 64)
+    assert trace.layer_names == tuple(str(i) for i in range(2, 10))
+    c = next(trace.microbatches(np.random.default_rng(0), 4, 100))
+    assert c.shape == (8, 4, 64) and np.all(c.sum(axis=2) == 600)
+
+
+@pytest.mark.parametrize(
+    "arrays, match, exc",
+    [
+        ({"topk_ids": np.zeros((4, 2, 2), np.float32)}, "integer dtype, got float32", TypeError),
+        ({"topk_ids": np.zeros((4, 2), np.int64)}, r"shape \[T, L, K\], got \[4, 2\]", ValueError),
+        ({"topk_ids": np.full((4, 2, 2), -1, np.int8)}, "must be >= 0, got -1", ValueError),
+        ({"topk_ids": np.full((4, 2, 2), 64, np.int64)}, "expert id 64 >= num_experts=64", ValueError),
+        ({"ids": np.zeros((4, 2, 2), np.int64)}, "no 'topk_ids' or 'prefill_topk_ids'", ValueError),
+        ({"topk_ids": np.zeros((4, 2, 2), np.int64), "seq_offsets": np.array([0, 3])}, "seq_offsets must rise",
+         ValueError),
+        ({"topk_ids": np.zeros((4, 2, 2), np.int64), "topk_weights": np.zeros((4, 2))}, "gate weights must have",
+         ValueError),
+    ],
+    ids=["float-ids", "2d-ids", "negative-id", "id-too-large", "no-ids", "bad-offsets", "bad-weights"],
+)
+def test_bad_trace_files(tmp_path, arrays, match, exc):
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(exc, match=match):
+        load_trace(path, num_experts=64)
+
+
+def test_missing_file_and_bad_spec(tmp_path):
+    with pytest.raises(FileNotFoundError, match="trace file not found"):
+        load_trace(tmp_path / "nope.npz")
+    with pytest.raises(ValueError, match="unknown trace spec"):
+        load_workload("trace.csv")
+    with pytest.raises(ValueError, match="bad option 'Q=3'"):
+        load_workload("synthetic:zipf:Q=3")
+    with pytest.raises(ValueError, match="'zipf' or 'dirichlet'"):
+        load_workload("synthetic:uniform")
+    with pytest.raises(ValueError, match="top_k=9 exceeds num_experts=8"):
+        load_workload("synthetic:zipf:E=8:K=9")
+
+
+def test_olmoe_domains_per_rank(tmp_path):
+    doc = {"layers": [0, 7], "models": {"m": {"top_k": 2, "topk": {
+        "a": [[10, 0, 0, 0], [0, 5, 0, 0]],
+        "b": [[0, 0, 3, 0], [0, 0, 0, 1]]}}}}
+    path = tmp_path / "counts.json"
+    path.write_text(json.dumps(doc))
+    w = load_workload(f"{path}:model=m:domains=a,b")
+    assert isinstance(w, MultinomialWorkload) and (w.num_experts, w.top_k, w.layer_names) == (4, 2, ("L0", "L7"))
+    c = next(w.microbatches(np.random.default_rng(0), 4, 10))
+    # ranks 0 and 2 draw from domain a, ranks 1 and 3 from domain b; 10 tokens x top-2 = 20 rows each
+    assert c[0, :, 0].tolist() == [20, 0, 20, 0] and c[0, :, 2].tolist() == [0, 20, 0, 20]
+    assert c[1, :, 1].tolist() == [20, 0, 20, 0] and c[1, :, 3].tolist() == [0, 20, 0, 20]
+    with pytest.raises(ValueError, match="unknown domains"):
+        load_workload(f"{path}:model=m:domains=a,zz")
+    with pytest.raises(ValueError, match="unknown model"):
+        load_workload(f"{path}:model=x")
+
+
+def test_synthetic_is_seeded_and_drifts():
+    w = SyntheticWorkload(kind="zipf", num_experts=32, top_k=4, num_layers=2, drift=0.5, seed=3)
+    a = w.microbatches(np.random.default_rng(0), 4, 64)
+    b = w.microbatches(np.random.default_rng(0), 4, 64)
+    first = [next(a) for _ in range(3)]
+    assert all(np.array_equal(x, next(b)) for x in first)
+    assert all(np.all(x.sum(axis=2) == 256) for x in first)
+    # Zipf: the expected share of the most popular expert is far above 1 / E
+    big = next(SyntheticWorkload(num_experts=32, top_k=4, num_layers=1, drift=0.0).microbatches(
+        np.random.default_rng(0), 1, 4096))
+    assert big.max() > 4 * big.mean()
+
+
+def test_routing_trace_validates_directly():
+    with pytest.raises(ValueError, match="top-k K=5 exceeds num_experts=4"):
+        RoutingTrace(name="x", topk_ids_TLK=np.zeros((3, 1, 5), np.int64), num_experts=4)
