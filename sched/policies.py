@@ -117,18 +117,13 @@ def _greedy_whole(L: list[int], cand: list[list[tuple[int, int]]], tau_gap: int,
                   out: list[tuple[int, int, int, int, int]], g0: int, rem: dict[int, int]) -> None:
     """The paper's greedy on one node. L: loads (mutated); cand[i]: (rows, expert) of GPU i's movable dynamic
     experts, sorted by (-rows, expert) (consumed). Appends (expert, row_start, src, dst, row_end) to out."""
-    G = len(L)
     while True:
-        hi = lo = 0
-        for i in range(1, G):
-            v = L[i]
-            if v > L[hi]:
-                hi = i
-            elif v < L[lo]:
-                lo = i
-        gap = L[hi] - L[lo]
+        # first index of the max / min: ties go to the lower GPU id
+        top, bottom = max(L), min(L)
+        gap = top - bottom
         if gap <= tau_gap:
             return
+        hi, lo = L.index(top), L.index(bottom)
         c = cand[hi]
         for j in range(len(c)):
             if c[j][0] < gap:
@@ -160,33 +155,35 @@ def _split(L: list[int], pieces: list[list[list[int]]], m: int, tau_gap: int) ->
     G = len(L)
     target = -(-sum(L) // G)
     for _ in range(4 * G * (len(pieces[0]) + 2)):
-        hi = lo = 0
-        for i in range(1, G):
-            v = L[i]
-            if v > L[hi]:
-                hi = i
-            elif v < L[lo]:
-                lo = i
-        gap = L[hi] - L[lo]
-        if L[hi] <= target or gap <= tau_gap:
+        top, bottom = max(L), min(L)
+        gap = top - bottom
+        if top <= target or gap <= tau_gap:
             return
-        want = min(L[hi] - target, target - L[lo])
+        hi, lo = L.index(top), L.index(bottom)
+        want = min(top - target, target - bottom)
         mine = pieces[hi]
-        for j in sorted(range(len(mine)), key=lambda j: (mine[j][1] - mine[j][2], mine[j][0], mine[j][1])):
-            p = mine[j]
-            r = p[2] - p[1]
-            x = _chunk(want, r, m, gap)
-            if x:
-                if x == r:
-                    pieces[lo].append(mine.pop(j))
-                else:
-                    p[2] -= x
-                    pieces[lo].append([p[0], p[2], p[2] + x, p[3]])
-                L[hi] -= x
-                L[lo] += x
-                break
-        else:
+        # the largest piece first (ties: lower expert id, then lower row); the rest only if it cannot give
+        j, x = -1, 0
+        if mine:
+            k = max(range(len(mine)), key=lambda i: (mine[i][2] - mine[i][1], -mine[i][0], -mine[i][1]))
+            x = _chunk(want, mine[k][2] - mine[k][1], m, gap)
+            j = k
+            if not x:
+                for k in sorted(range(len(mine)), key=lambda i: (mine[i][1] - mine[i][2], mine[i][0], mine[i][1])):
+                    x = _chunk(want, mine[k][2] - mine[k][1], m, gap)
+                    if x:
+                        j = k
+                        break
+        if not x:
             return
+        p = mine[j]
+        if x == p[2] - p[1]:
+            pieces[lo].append(mine.pop(j))
+        else:
+            p[2] -= x
+            pieces[lo].append([p[0], p[2], p[2] + x, p[3]])
+        L[hi] -= x
+        L[lo] += x
 
 
 def _pieces_to_moves(pieces: list[list[list[int]]], g0: int, out: list[tuple[int, int, int, int, int]]) -> None:
@@ -213,7 +210,8 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
             dyn_WD: np.ndarray, before_W: np.ndarray, after: list[int], home_E: np.ndarray | None,
             rows_from_source: bool = False, weight_copies: tuple[tuple[int, int, int], ...] | None = None,
             info: dict | None = None) -> Plan:
-    moves = tuple(Move(expert=e, src=s, dst=d, row_start=a, row_end=b) for e, a, s, d, b in _merge(raw))
+    new = tuple.__new__
+    moves = tuple([new(Move, (e, s, d, a, b)) for e, a, s, d, b in _merge(raw)])
     if weight_copies is None:
         need = sorted({(m.expert, m.src, m.dst) for m in moves})
         weight_copies = tuple(c for c in need if (c[0], c[2]) not in resident)

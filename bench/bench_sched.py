@@ -1,0 +1,46 @@
+"""Planner latency per layer plan (one MoE layer, one micro-batch) on the CPU, next to the ``none`` baseline.
+
+Shapes: (E=128, W=8, G=8, dyn=4) and (E=256, W=64, G=8, dyn=4); counts from a drifting Zipf popularity
+(``synthetic:zipf``, top-8, 2048 tokens per rank), 32 micro-batches cycled. Targets (targets.md): p99 <= 50 us
+and <= 200 us on one core. Run pinned to one core, e.g.
+``taskset -c 1 .venv/bin/pytest bench/bench_sched.py --benchmark-enable --benchmark-json=runs/bench_sched.json``.
+p50 / p99 over single-plan rounds land in each benchmark's ``extra_info``.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from feplb.sched import PolicyState, Topology, make_plan
+from feplb.traces import SyntheticWorkload
+
+SHAPES = {"E128-W8": (128, 8, 8, 50.0), "E256-W64": (256, 64, 8, 200.0)}
+POLICIES = ["none", "feplb", "feplb-split", "feplb-split@ema", "lp", "fastermoe", "eplb", "feplb-split+place"]
+
+
+def _inputs(shape: str, policy: str):
+    E, W, G, _ = SHAPES[shape]
+    topo = Topology(num_ranks=W, gpus_per_node=G, num_experts=E, dyn=4)
+    gen = SyntheticWorkload(kind="zipf", num_experts=E, top_k=8, num_layers=1, alpha=1.0, drift=0.1,
+                            seed=0).microbatches(np.random.default_rng(0), W, 2048)
+    counts = [next(gen)[0] for _ in range(33)]
+    state = PolicyState(topo=topo, policy=policy)
+    for c in counts[:8]:
+        state = state.observe(c)
+    return topo, state, counts[1:]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_planner_latency(benchmark, shape, policy):
+    topo, state, counts = _inputs(shape, policy)
+    cycle = itertools.cycle(counts)
+    benchmark.group = f"planner {shape} dyn=4"
+    benchmark.pedantic(lambda: make_plan(policy, next(cycle), topo, state), rounds=2000, iterations=1,
+                       warmup_rounds=50)
+    make_plan(policy, counts[0], topo, state).validate(counts[0], topo, state)
+    if benchmark.stats is not None:
+        data = np.asarray(benchmark.stats.stats.data) * 1e6
+        benchmark.extra_info.update(p50_us=float(np.percentile(data, 50)), p99_us=float(np.percentile(data, 99)),
+                                    target_p99_us=SHAPES[shape][3])
