@@ -8,7 +8,7 @@ Each kernel's launcher (``*_triton``) and pure-torch twin (``*_ref``) live in it
 makes the ops run the kernels on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).
 """
 
-from ._triton import HAVE_TRITON, INTERPRET, triton_on_cpu
+from ._triton import HAVE_TRITON, INTERPRET, poison_outputs, triton_on_cpu
 from .ops import grouped_mm, permute, routing_metadata, swiglu, unpermute
 from .routing import RoutingMetadata
 
@@ -18,6 +18,7 @@ __all__ = [
     "RoutingMetadata",
     "grouped_mm",
     "permute",
+    "poison_outputs",
     "routing_metadata",
     "swiglu",
     "triton_on_cpu",

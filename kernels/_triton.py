@@ -94,3 +94,25 @@ def check_launch_device(name: str, t: torch.Tensor) -> None:
     if not t.is_cuda and not INTERPRET:
         raise ValueError(f"{name}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
                          f"got a tensor on {t.device}")
+
+
+_poison = False
+
+
+def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate a kernel output: uninitialised, or NaN (-1 for integers) inside :func:`poison_outputs`."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if _poison:
+        out.fill_(float("nan") if out.is_floating_point() else -1)
+    return out
+
+
+@contextlib.contextmanager
+def poison_outputs() -> Iterator[None]:
+    """Fill every output the launchers allocate with NaN (or -1), so an element a kernel never writes fails."""
+    global _poison
+    previous, _poison = _poison, True
+    try:
+        yield
+    finally:
+        _poison = previous

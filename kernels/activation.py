@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, check_tensor
-from ._triton import autotune_configs, check_launch_device, tl, triton
+from ._triton import alloc, autotune_configs, check_launch_device, tl, triton
 
 __all__ = ["check_swiglu_input", "swiglu_bwd_ref", "swiglu_bwd_triton", "swiglu_ref", "swiglu_triton"]
 
@@ -95,7 +95,7 @@ def swiglu_triton(h_M2F: Tensor) -> Tensor:
     check_swiglu_input(h_M2F)
     check_launch_device("swiglu_triton", h_M2F)
     M, F = h_M2F.shape[0], h_M2F.shape[1] // 2
-    out_MF = h_M2F.new_empty(M, F)
+    out_MF = alloc((M, F), h_M2F.dtype, h_M2F.device)
     if M > 0 and F > 0:
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
         _swiglu_kernel[_launch_grid(M, F)](h_M2F, out_MF, M, F, ACC=acc)
@@ -109,7 +109,7 @@ def swiglu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor) -> Tensor:
                  contiguous=True)
     check_launch_device("swiglu_bwd_triton", h_M2F)
     M, F = grad_MF.shape
-    dh_M2F = torch.empty_like(h_M2F)
+    dh_M2F = alloc(tuple(h_M2F.shape), h_M2F.dtype, h_M2F.device)
     if M > 0 and F > 0:
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
         _swiglu_bwd_kernel[_launch_grid(M, F)](grad_MF, h_M2F, dh_M2F, M, F, ACC=acc)

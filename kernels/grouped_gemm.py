@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
-from ._triton import autotune_configs, check_launch_device, tl, triton
+from ._triton import alloc, autotune_configs, check_launch_device, tl, triton
 
 __all__ = [
     "check_grouped_mm_inputs",
@@ -62,7 +62,7 @@ def grouped_mm_ref(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
     """Pure-torch twin: y_MN[rows of group e] = x_MK[rows of group e] @ w_EKN[e]. Returns [M, N] in x's dtype."""
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
     check_offsets_values(offsets_E, x_MK.shape[0])
-    y_MN = x_MK.new_empty(x_MK.shape[0], w_EKN.shape[2])
+    y_MN = alloc((x_MK.shape[0], w_EKN.shape[2]), x_MK.dtype, x_MK.device)
     start = 0
     for e, end in enumerate(offsets_E.tolist()):
         if end > start:
@@ -104,11 +104,15 @@ def check_dw_inputs(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor) -> None:
 
 # ---------------------------------------------------------------------------------------------------- kernels
 
-def _dot_precision(dtype: torch.dtype) -> str | None:
+def _dot_meta(t: Tensor) -> dict:
+    """Compile-time arguments of the dot: accumulator dtype, input precision, interpreter upcast."""
     # fp32 follows torch's own switch (full precision by default); other dtypes take Triton's default.
-    if dtype != torch.float32:
-        return None
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    precision = None
+    if t.dtype == torch.float32:
+        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return dict(ACC=tl.float64 if t.dtype == torch.float64 else tl.float32, DOT_PRECISION=precision,
+                # The interpreter computes bf16 dots wrongly; it gets fp32 tiles (exact products of bf16 values).
+                UPCAST=(not t.is_cuda) and t.dtype == torch.bfloat16)
 
 
 # Hopper: 128-row tiles feed wgmma (one warpgroup per 64 rows); a 64-row config serves small groups.
@@ -125,8 +129,8 @@ _FWD_CONFIGS = autotune_configs(
 @triton.jit
 def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M, N, K, E,
                        stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_ym, stride_yn,
-                       BLOCK_E: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_E: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(M, BLOCK_M) + E
     pid_m = pid % num_m_tiles
@@ -156,12 +160,15 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M, N, K, E,
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = (w_ptr + group.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk
               + offs_n.to(tl.int64)[None, :] * stride_wn)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + offs_k) < K
         a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=ACC)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
@@ -180,7 +187,7 @@ _DW_CONFIGS = autotune_configs(
 @triton.jit
 def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, K, N,
                           stride_xm, stride_xk, stride_dym, stride_dyn, stride_we, stride_wk, stride_wn,
-                          DOT_PRECISION: tl.constexpr,
+                          ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -196,7 +203,7 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, K, N,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_ok = offs_k < K
     n_ok = offs_n < N
-    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=ACC)
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         r_ok = rows < end
@@ -205,7 +212,10 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, K, N,
                      mask=k_ok[:, None] & r_ok[None, :], other=0.0)
         g = tl.load(dy_ptr + rows64[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(xt, g, acc, input_precision=DOT_PRECISION)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            g = g.to(tl.float32)
+        acc = tl.dot(xt, g, acc, input_precision=DOT_PRECISION, out_dtype=ACC)
     dw_ptrs = dw_ptr + group.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
 
@@ -229,7 +239,7 @@ def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_v
     if check_values:
         check_offsets_values(offsets_E, x_MK.shape[0])
     (M, K), (E, _, N) = x_MK.shape, w_EKN.shape
-    y_MN = x_MK.new_empty(M, N)
+    y_MN = alloc((M, N), x_MK.dtype, x_MK.device)
     if M == 0 or N == 0:
         return y_MN
     if K == 0:
@@ -240,7 +250,7 @@ def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_v
 
     _grouped_mm_kernel[grid](x_MK, w_EKN, y_MN, offsets_E, M, N, K, E,
                              x_MK.stride(0), x_MK.stride(1), *w_EKN.stride(), y_MN.stride(0), y_MN.stride(1),
-                             BLOCK_E=triton.next_power_of_2(E), DOT_PRECISION=_dot_precision(x_MK.dtype))
+                             BLOCK_E=triton.next_power_of_2(E), **_dot_meta(x_MK))
     return y_MN
 
 
@@ -259,7 +269,7 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
     if check_values:
         check_offsets_values(offsets_E, x_MK.shape[0])
     (M, K), N, E = x_MK.shape, dy_MN.shape[1], offsets_E.shape[0]
-    dw_EKN = x_MK.new_empty(E, K, N)
+    dw_EKN = alloc((E, K, N), x_MK.dtype, x_MK.device)
     if K == 0 or N == 0:
         return dw_EKN
     if M == 0:
@@ -270,5 +280,5 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
 
     _grouped_mm_dw_kernel[grid](x_MK, dy_MN, dw_EKN, offsets_E, K, N, x_MK.stride(0), x_MK.stride(1),
                                 dy_MN.stride(0), dy_MN.stride(1), *dw_EKN.stride(),
-                                DOT_PRECISION=_dot_precision(x_MK.dtype))
+                                **_dot_meta(x_MK))
     return dw_EKN

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, check_tensor
 from ._triton import use_triton
-from .grouped_mm import (
+from .activation import check_swiglu_input, swiglu_bwd_ref, swiglu_bwd_triton, swiglu_ref, swiglu_triton
+from .grouped_gemm import (
     check_grouped_mm_inputs,
     check_offsets_values,
     grouped_mm_dw_ref,
@@ -24,7 +25,7 @@ from .grouped_mm import (
     grouped_mm_ref,
     grouped_mm_triton,
 )
-from .permute import (
+from .permutation import (
     check_permute_inputs,
     check_unpermute_inputs,
     permute_ref,
@@ -35,7 +36,6 @@ from .permute import (
     unpermute_triton,
 )
 from .routing import RoutingMetadata, check_routing_inputs, routing_metadata_ref, routing_metadata_triton
-from .swiglu import check_swiglu_input, swiglu_bwd_ref, swiglu_bwd_triton, swiglu_ref, swiglu_triton
 
 __all__ = ["grouped_mm", "permute", "routing_metadata", "swiglu", "unpermute"]
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, check_same_device, check_tensor
-from ._triton import autotune_configs, check_launch_device, tl, triton
+from ._triton import alloc, autotune_configs, check_launch_device, tl, triton
 
 __all__ = [
     "check_permute_inputs",
@@ -128,17 +128,17 @@ _UNPERMUTE_CONFIGS = autotune_configs(
 @triton.autotune(configs=_UNPERMUTE_CONFIGS, key=["D", "K"])
 @triton.jit
 def _unpermute_kernel(y_ptr, dst_ptr, w_ptr, out_ptr, T, D, K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                      ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tok_ok = tokens < T
     mask = tok_ok[:, None] & (cols < D)[None, :]
-    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=ACC)
     for k in tl.static_range(K):
         rows = tl.load(dst_ptr + tokens * K + k, mask=tok_ok, other=0).to(tl.int64)
-        vals = tl.load(y_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        vals = tl.load(y_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(ACC)
         if HAS_WEIGHTS:
-            w = tl.load(w_ptr + tokens * K + k, mask=tok_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + tokens * K + k, mask=tok_ok, other=0.0).to(ACC)
             vals = w[:, None] * vals
         acc += vals
     tl.store(out_ptr + tokens.to(tl.int64)[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -153,26 +153,26 @@ _UNPERMUTE_BWD_CONFIGS = autotune_configs(
 @triton.autotune(configs=_UNPERMUTE_BWD_CONFIGS, key=["D", "K"])
 @triton.jit
 def _unpermute_bwd_kernel(grad_ptr, y_ptr, dst_ptr, w_ptr, dy_ptr, dw_ptr, T, D, K: tl.constexpr,
-                          BLOCK_K: tl.constexpr, NEED_DW: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_K: tl.constexpr, NEED_DW: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_D: tl.constexpr):
     # One program owns whole tokens: it reads grad[t] once per D chunk, scatters w*grad to the K grouped rows
     # and reduces <grad[t], y[dst[t, k]]> over all of D without atomics.
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tokens < T
     kcols = tl.arange(0, BLOCK_K)
-    dw_acc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    dw_acc = tl.zeros([BLOCK_T, BLOCK_K], dtype=ACC)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         mask = tok_ok[:, None] & (cols < D)[None, :]
         g = tl.load(grad_ptr + tokens.to(tl.int64)[:, None] * D + cols[None, :], mask=mask, other=0.0)
-        g = g.to(tl.float32)
+        g = g.to(ACC)
         for k in tl.static_range(K):
             rows = tl.load(dst_ptr + tokens * K + k, mask=tok_ok, other=0).to(tl.int64)
-            w = tl.load(w_ptr + tokens * K + k, mask=tok_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + tokens * K + k, mask=tok_ok, other=0.0).to(ACC)
             offs = rows[:, None] * D + cols[None, :]
             tl.store(dy_ptr + offs, (w[:, None] * g).to(dy_ptr.dtype.element_ty), mask=mask)
             if NEED_DW:
-                y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(ACC)
                 part = tl.sum(g * y, axis=1)
                 dw_acc = tl.where(kcols[None, :] == k, dw_acc + part[:, None], dw_acc)
     if NEED_DW:
@@ -181,6 +181,11 @@ def _unpermute_bwd_kernel(grad_ptr, y_ptr, dst_ptr, w_ptr, dy_ptr, dw_ptr, T, D,
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
+
+def _acc(t: Tensor):
+    # fp32 accumulation for every dtype but fp64 (kept so float64 gradchecks see full precision).
+    return tl.float64 if t.dtype == torch.float64 else tl.float32
+
 
 def permute_triton(x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor) -> Tensor:
     """Launcher of the permute kernel: x_MD[m] = x_TD[src_idx_M[m] // K].
@@ -196,7 +201,7 @@ def permute_triton(x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor) -> Tenso
     check_permute_inputs(x_TD, src_idx_M, dst_idx_TK)
     check_launch_device("permute_triton", x_TD)
     M, D = src_idx_M.shape[0], x_TD.shape[1]
-    out_MD = torch.empty(M, D, dtype=x_TD.dtype, device=x_TD.device)
+    out_MD = alloc((M, D), x_TD.dtype, x_TD.device)
     if M > 0 and D > 0:
         def grid(meta):
             return triton.cdiv(M, meta["BLOCK_R"]), triton.cdiv(D, meta["BLOCK_D"])
@@ -220,14 +225,14 @@ def unpermute_triton(y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_w
     check_unpermute_inputs(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
     check_launch_device("unpermute_triton", y_MD)
     (T, K), D = dst_idx_TK.shape, y_MD.shape[1]
-    out_TD = torch.empty(T, D, dtype=y_MD.dtype, device=y_MD.device)
+    out_TD = alloc((T, D), y_MD.dtype, y_MD.device)
     if T > 0 and D > 0:
         def grid(meta):
             return triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"])
 
         w = topk_weights_TK if topk_weights_TK is not None else dst_idx_TK
         _unpermute_kernel[grid](y_MD, dst_idx_TK, w, out_TD, T, D, K=K, HAS_WEIGHTS=topk_weights_TK is not None,
-                                enable_fp_fusion=False)
+                                ACC=_acc(y_MD), enable_fp_fusion=False)
     return out_TD
 
 
@@ -248,9 +253,8 @@ def unpermute_bwd_triton(grad_TD: Tensor, y_MD: Tensor, src_idx_M: Tensor, dst_i
                  contiguous=True)
     check_launch_device("unpermute_bwd_triton", y_MD)
     (T, K), D = dst_idx_TK.shape, y_MD.shape[1]
-    dy_MD = torch.empty_like(y_MD)
-    dw_TK = (torch.empty(T, K, dtype=topk_weights_TK.dtype, device=y_MD.device) if need_dw
-             else topk_weights_TK.new_empty(0))
+    dy_MD = alloc((y_MD.shape[0], D), y_MD.dtype, y_MD.device)
+    dw_TK = alloc((T, K) if need_dw else (0,), topk_weights_TK.dtype, y_MD.device)
     if need_dw and D == 0:
         dw_TK.zero_()
     if T > 0 and D > 0:
@@ -258,5 +262,5 @@ def unpermute_bwd_triton(grad_TD: Tensor, y_MD: Tensor, src_idx_M: Tensor, dst_i
             return (triton.cdiv(T, meta["BLOCK_T"]),)
 
         _unpermute_bwd_kernel[grid](grad_TD, y_MD, dst_idx_TK, topk_weights_TK, dy_MD, dw_TK if need_dw else dy_MD,
-                                    T, D, K=K, BLOCK_K=triton.next_power_of_2(K), NEED_DW=need_dw)
+                                    T, D, K=K, BLOCK_K=triton.next_power_of_2(K), NEED_DW=need_dw, ACC=_acc(y_MD))
     return dy_MD, dw_TK

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ._checks import INDEX_DTYPES, check_positive_int, check_tensor
-from ._triton import check_launch_device, tl, triton
+from ._triton import alloc, check_launch_device, tl, triton
 
 __all__ = ["RoutingMetadata", "check_routing_inputs", "routing_metadata_ref", "routing_metadata_triton"]
 
@@ -147,14 +147,17 @@ def _scatter_kernel(ids_ptr, block_base_ptr, src_ptr, dst_ptr, M, E, BLOCK_M: tl
     tl.store(src_ptr + dst, rows, mask=in_range)
 
 
-def routing_metadata_triton(topk_ids_TK: Tensor, num_experts: int, *, block_m: int | None = None,
-                            check_values: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def routing_metadata_triton(
+    topk_ids_TK: Tensor, num_experts: int, *, block_m: int | None = None, block_e: int | None = None,
+    check_values: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Launcher: validate, allocate, launch the three routing kernels.
 
     Args:
         topk_ids_TK: int32 or int64 [T, K], contiguous, expert ids in [0, num_experts).
         num_experts: E.
         block_m: rows per program (power of two >= 16); default 256 on a GPU, 1024 under the interpreter.
+        block_e: experts per inner step (power of two >= 16); default min(next_pow2(E), 64) on a GPU.
         check_values: check the id range (one device->host sync).
 
     Returns:
@@ -165,20 +168,22 @@ def routing_metadata_triton(topk_ids_TK: Tensor, num_experts: int, *, block_m: i
     check_launch_device("routing_metadata_triton", topk_ids_TK)
     if block_m is None:
         block_m = 256 if topk_ids_TK.is_cuda else 1024
-    if block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"block_m: expected a power of two >= 16, got {block_m}")
+    for name, value in (("block_m", block_m), ("block_e", block_e)):
+        if value is not None and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{name}: expected a power of two >= 16, got {value}")
     T, K = topk_ids_TK.shape
     M, E = T * K, num_experts
     dev = topk_ids_TK.device
-    counts_E = torch.empty(E, dtype=torch.int32, device=dev)
-    offsets_E = torch.empty(E, dtype=torch.int32, device=dev)
-    src_idx_M = torch.empty(M, dtype=torch.int32, device=dev)
-    dst_idx_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
+    counts_E = alloc((E,), torch.int32, dev)
+    offsets_E = alloc((E,), torch.int32, dev)
+    src_idx_M = alloc((M,), torch.int32, dev)
+    dst_idx_TK = alloc((T, K), torch.int32, dev)
     num_blocks = triton.cdiv(M, block_m)
-    block_e_all = triton.next_power_of_2(E)
-    block_e = min(block_e_all, 64 if topk_ids_TK.is_cuda else 1024)
-    block_counts = torch.empty(max(num_blocks, 1), E, dtype=torch.int32, device=dev)
-    block_base = torch.empty_like(block_counts)
+    block_e_all = max(triton.next_power_of_2(E), 16)
+    if block_e is None:
+        block_e = min(block_e_all, 64 if topk_ids_TK.is_cuda else 1024)
+    block_counts = alloc((max(num_blocks, 1), E), torch.int32, dev)
+    block_base = alloc((max(num_blocks, 1), E), torch.int32, dev)
     if num_blocks > 0:
         _block_histogram_kernel[(num_blocks,)](topk_ids_TK, block_counts, M, E, BLOCK_M=block_m, BLOCK_E=block_e)
     _expert_offsets_kernel[(1,)](block_counts, block_base, counts_E, offsets_E, num_blocks, E, BLOCK_E=block_e_all)

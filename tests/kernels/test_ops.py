@@ -34,7 +34,7 @@ def test_routing_metadata(case, ids_dtype, gen, kh):
     assert torch.equal(meta.src_idx_M.long()[meta.dst_idx_TK.long().reshape(-1)], torch.arange(T * K))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_permute_unpermute(dtype, gen, kh):
     T, K, E, D = 29, 3, 7, 24
     ids, w = kh.random_routing(T, K, E, gen=gen, used_experts=5)
@@ -69,7 +69,9 @@ GMM_CASES = {  # id: (group sizes, K, N)
 
 
 @pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64], ids=["off32", "off64"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=["fp32", "bf16", "fp16", "fp64"]
+)
 @pytest.mark.parametrize("case", list(GMM_CASES), ids=list(GMM_CASES))
 def test_grouped_mm_forward(case, dtype, offsets_dtype, gen, kh):
     sizes, K, N = GMM_CASES[case]
@@ -81,7 +83,7 @@ def test_grouped_mm_forward(case, dtype, offsets_dtype, gen, kh):
     kh.close(y, kh.grouped_mm_f64(x, w, offsets), dtype, scale=max(1.0, K**0.5))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_swiglu(dtype, gen, kh):
     h = (torch.randn(13, 2 * 10, generator=gen) * 3).to(dtype)
     out = fk.swiglu(h)

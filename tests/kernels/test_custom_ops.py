@@ -1,0 +1,121 @@
+"""The feplb:: custom ops as torch sees them: opcheck (schema, fake impls, autograd registration), gradcheck in
+float64, and torch.compile(fullgraph=True) of a SwiGLU expert block built from them. Each runs on the pure-torch
+twins (CPU dispatch) and, through ``triton_on_cpu`` under the interpreter, on the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import feplb.kernels as fk
+
+IMPLS = ["torch"]
+if fk.HAVE_TRITON and fk.INTERPRET:
+    IMPLS.append("triton")
+
+
+def impl_context(impl: str):
+    return fk.triton_on_cpu() if impl == "triton" else contextlib.nullcontext()
+
+
+def _problem(gen, kh, *, T=9, K=2, E=4, H=8, F=6, dtype=torch.float64):
+    ids, w = kh.random_routing(T, K, E, gen=gen, used_experts=3)  # one expert left empty
+    x = torch.randn(T, H, generator=gen).to(dtype).requires_grad_()
+    w = w.to(dtype).requires_grad_()
+    w1 = (torch.randn(E, H, 2 * F, generator=gen) / H**0.5).to(dtype).requires_grad_()
+    w2 = (torch.randn(E, F, H, generator=gen) / F**0.5).to(dtype).requires_grad_()
+    return ids, E, x, w, w1, w2
+
+
+def expert_block(x_TH, weights_TK, w1_EH2F, w2_EFH, topk_ids_TK, num_experts: int):
+    meta = fk.routing_metadata(topk_ids_TK, num_experts)
+    h = fk.grouped_mm(fk.permute(x_TH, meta), w1_EH2F, meta.offsets_E)
+    y = fk.grouped_mm(fk.swiglu(h), w2_EFH, meta.offsets_E)
+    return fk.unpermute(y, meta, weights_TK)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_opcheck(impl, gen, kh):
+    ids, E, x, w, w1, _ = _problem(gen, kh)
+    meta = fk.routing_metadata(ids, E)
+    src, dst = meta.src_idx_M, meta.dst_idx_TK
+    x_MD = fk.permute(x, meta).detach().requires_grad_()
+    h = torch.randn(x_MD.shape[0], 12, dtype=torch.float64, generator=gen, requires_grad=True)
+    grad = torch.randn(x.shape, dtype=torch.float64, generator=gen)
+    cases = [
+        (torch.ops.feplb.routing_metadata.default, (ids, E, True)),
+        (torch.ops.feplb.permute.default, (x, src, dst)),
+        (torch.ops.feplb.unpermute.default, (x_MD, src, dst, w)),
+        (torch.ops.feplb.unpermute.default, (x_MD, src, dst, None)),
+        (torch.ops.feplb.unpermute_bwd.default, (grad, x_MD.detach(), src, dst, w.detach(), True)),
+        (torch.ops.feplb.grouped_mm.default, (x_MD, w1, meta.offsets_E, True)),
+        (torch.ops.feplb.grouped_mm.default, (x_MD, w1, meta.offsets_E.long(), False)),
+        (torch.ops.feplb.grouped_mm_dw.default, (x_MD.detach(), h.detach(), meta.offsets_E)),
+        (torch.ops.feplb.swiglu.default, (h,)),
+        (torch.ops.feplb.swiglu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach())),
+    ]
+    with impl_context(impl):
+        for op, args in cases:
+            torch.library.opcheck(op, args)
+
+
+def test_gradcheck_expert_block(gen, kh):
+    ids, E, x, w, w1, w2 = _problem(gen, kh, T=5, H=4, F=3)
+    assert torch.autograd.gradcheck(lambda *a: expert_block(*a, ids, E), (x, w, w1, w2))
+
+
+@pytest.mark.parametrize("op", ["permute", "unpermute", "grouped_mm", "swiglu"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradcheck_ops(impl, op, gen, kh):
+    """Each op's backward in float64; fast mode, because every evaluation runs the interpreter."""
+    ids, E, x, w, w1, _ = _problem(gen, kh, T=5, H=4, F=3)
+    meta = fk.routing_metadata(ids, E)
+    M = meta.num_rows
+    y = torch.randn(M, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    fns = {
+        "permute": (lambda x: fk.permute(x, meta), (x,)),
+        "unpermute": (lambda y, w: fk.unpermute(y, meta, w), (y, w)),
+        "grouped_mm": (lambda y, w1: fk.grouped_mm(y, w1, meta.offsets_E), (y, w1)),
+        "swiglu": (fk.swiglu, (torch.randn(M, 6, dtype=torch.float64, generator=gen, requires_grad=True),)),
+    }
+    fn, args = fns[op]
+    with impl_context(impl):
+        assert torch.autograd.gradcheck(fn, args, fast_mode=impl == "triton")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_match_twin(impl, gen, kh):
+    """fp32 gradients of the whole block on the chosen impl equal float64 autograd within fp32 tolerance."""
+    ids, E, x, w, w1, w2 = _problem(gen, kh, dtype=torch.float32)
+    with impl_context(impl):
+        out = expert_block(x, w, w1, w2, ids, E)
+        grads = torch.autograd.grad(out.square().sum(), (x, w, w1, w2))
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, w, w1, w2)]
+    out64 = expert_block(*leaves64, ids, E)
+    expected = torch.autograd.grad(out64.square().sum(), leaves64)
+    torch.testing.assert_close(out.double(), out64, rtol=1e-5, atol=1e-5)
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-5)
+
+
+# Inductor compiles the graph around the opaque ops; on the CPU it is checked with the twins (the interpreter
+# inside it would only repeat the aot_eager case, slower).
+COMPILE_CASES = [("torch", "aot_eager"), ("torch", "inductor")] + [("triton", "aot_eager")] * ("triton" in IMPLS)
+
+
+@pytest.mark.parametrize(("impl", "backend"), COMPILE_CASES, ids=["-".join(c) for c in COMPILE_CASES])
+def test_torch_compile_fullgraph(impl, backend, gen, kh):
+    ids, E, x, w, w1, w2 = _problem(gen, kh, dtype=torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(expert_block, backend=backend, fullgraph=True)
+    with impl_context(impl):
+        out = compiled(x, w, w1, w2, ids, E)
+        grads = torch.autograd.grad(out.sum(), (x, w, w1, w2))
+        out_eager = expert_block(x, w, w1, w2, ids, E)
+        grads_eager = torch.autograd.grad(out_eager.sum(), (x, w, w1, w2))
+    torch.testing.assert_close(out, out_eager)
+    for g, e in zip(grads, grads_eager, strict=True):
+        torch.testing.assert_close(g, e)

@@ -1,0 +1,195 @@
+"""Triton kernels through their launchers (on a GPU, or on the CPU under TRITON_INTERPRET=1), against their
+pure-torch twins and independent float64 computations. Every output is poisoned with NaN (or -1) before the
+kernel runs, so an element a kernel never writes fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from feplb.kernels import HAVE_TRITON, INTERPRET, poison_outputs
+from feplb.kernels.activation import swiglu_bwd_ref, swiglu_bwd_triton, swiglu_ref, swiglu_triton
+from feplb.kernels.grouped_gemm import grouped_mm_dw_ref, grouped_mm_dw_triton, grouped_mm_ref, grouped_mm_triton
+from feplb.kernels.permutation import (
+    permute_ref,
+    permute_triton,
+    unpermute_bwd_ref,
+    unpermute_bwd_triton,
+    unpermute_ref,
+    unpermute_triton,
+)
+from feplb.kernels.routing import routing_metadata_ref, routing_metadata_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not HAVE_TRITON or (DEVICE == "cpu" and not INTERPRET),
+                                reason="needs Triton and a GPU, or TRITON_INTERPRET=1")
+
+ROUTING_CASES = {  # id: (T, K, E, used_experts, block_m, block_e)
+    "one-block": (40, 4, 8, None, None, None),
+    "many-blocks": (45, 3, 6, None, 16, None),
+    "expert-chunks": (30, 2, 40, 25, 16, 16),
+    "empty-experts": (21, 2, 9, 3, 32, None),
+    "single-expert": (7, 1, 1, None, None, None),
+    "T0": (0, 3, 4, None, None, None),
+}
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["ids32", "ids64"])
+@pytest.mark.parametrize("case", list(ROUTING_CASES), ids=list(ROUTING_CASES))
+def test_routing_metadata_kernels(case, ids_dtype, gen, kh):
+    T, K, E, used, block_m, block_e = ROUTING_CASES[case]
+    ids, _ = kh.random_routing(T, K, E, gen=gen, used_experts=used, ids_dtype=ids_dtype)
+    with poison_outputs():
+        got = routing_metadata_triton(ids.to(DEVICE), E, block_m=block_m, block_e=block_e)
+    for g, r, f in zip(got, routing_metadata_ref(ids, E), kh.routing_f64(ids, E), strict=True):
+        assert g.dtype == torch.int32
+        assert torch.equal(g.cpu(), r)
+        assert torch.equal(g.cpu().long(), f.long())
+
+
+def _routing(T, K, E, gen, kh, used=None):
+    ids, w = kh.random_routing(T, K, E, gen=gen, used_experts=used)
+    _, offsets, src, dst = routing_metadata_ref(ids, E)
+    return offsets, src, dst, w
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+
+
+def assert_same_rounding(actual, expected):
+    """Bit-equal, except that the interpreter rounds fp32 -> bf16 towards zero (a GPU rounds to nearest even),
+    so there bf16 results may differ by one unit in the last place."""
+    if actual.dtype == torch.bfloat16 and actual.device.type == "cpu":
+        torch.testing.assert_close(actual, expected, rtol=2**-7, atol=1e-30)
+    else:
+        assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_permute_unpermute_kernels_bit_exact(dtype, gen, kh):
+    T, K, E, D = 37, 3, 6, 200  # D spans two column blocks with a remainder
+    _, src, dst, w = _routing(T, K, E, gen, kh, used=4)
+    src, dst, w = src.to(DEVICE), dst.to(DEVICE), w.to(DEVICE)
+    x = torch.randn(T, D, generator=gen).to(dtype).to(DEVICE)
+    y = torch.randn(T * K, D, generator=gen).to(dtype).to(DEVICE)
+    with poison_outputs():
+        x_MD = permute_triton(x, src, dst)
+        out = unpermute_triton(y, src, dst, w)
+        out_unweighted = unpermute_triton(y, src, dst, None)
+    # Same reads, same fp32 operation order as the twin: equal to the bit.
+    assert torch.equal(x_MD, permute_ref(x, src, dst))
+    assert_same_rounding(out, unpermute_ref(y, src, dst, w))
+    assert_same_rounding(out_unweighted, unpermute_ref(y, src, dst, None))
+    kh.close(out.cpu(), kh.unpermute_f64(y.cpu(), dst.cpu(), w.cpu()), dtype)
+
+
+@pytest.mark.parametrize("need_dw", [True, False], ids=["dw", "no-dw"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_unpermute_backward_kernel(dtype, need_dw, gen, kh):
+    T, K, E, D = 29, 4, 5, 150
+    _, src, dst, w = _routing(T, K, E, gen, kh)
+    src, dst, w = src.to(DEVICE), dst.to(DEVICE), w.to(DEVICE)
+    y = torch.randn(T * K, D, generator=gen).to(dtype).to(DEVICE)
+    grad = torch.randn(T, D, generator=gen).to(dtype).to(DEVICE)
+    with poison_outputs():
+        dy, dw = unpermute_bwd_triton(grad, y, src, dst, w, need_dw)
+    dy_ref, dw_ref = unpermute_bwd_ref(grad, y, src, dst, w, need_dw)
+    assert_same_rounding(dy, dy_ref)
+    if need_dw:
+        dw_f64 = (grad.cpu().double()[:, None, :] * y.cpu().double()[dst.cpu().long()]).sum(-1)
+        torch.testing.assert_close(dw.cpu().double(), dw_f64, rtol=1e-4, atol=1e-4 * D**0.5)
+        torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-5 * D**0.5)
+    else:
+        assert dw.numel() == 0
+
+
+def test_permute_unpermute_kernels_T0():
+    src, dst = torch.zeros(0, dtype=torch.int32, device=DEVICE), torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)
+    assert permute_triton(torch.zeros(0, 8, device=DEVICE), src, dst).shape == (0, 8)
+    weights = torch.zeros(0, 2, device=DEVICE)
+    assert unpermute_triton(torch.zeros(0, 8, device=DEVICE), src, dst, weights).shape == (0, 8)
+    dy, dw = unpermute_bwd_triton(torch.zeros(0, 8, device=DEVICE), torch.zeros(0, 8, device=DEVICE), src, dst,
+                                  weights, True)
+    assert dy.shape == (0, 8) and dw.shape == (0, 2)
+
+
+GMM_CASES = {  # id: (group sizes, K, N); interpreter tiles are 32 x 32 x 32
+    "multi-tile": ([40, 33, 7], 40, 36),
+    "empty-groups": ([0, 12, 0, 0, 21, 0], 24, 17),
+    "group-larger-than-tiles": ([70], 33, 20),
+    "single-rows": ([1, 1, 0, 1], 16, 16),
+    "M0": ([0, 0, 0], 8, 8),
+    "K0": ([3, 5], 0, 6),
+}
+
+
+def _gmm_inputs(case, dtype, offsets_dtype, gen, layout="contiguous"):
+    sizes, K, N = GMM_CASES[case]
+    M, E = sum(sizes), len(sizes)
+    offsets = torch.tensor(sizes).cumsum(0).to(offsets_dtype).to(DEVICE)
+    x = torch.randn(M, K, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(E, K, N, generator=gen) / max(K, 1) ** 0.5).to(dtype).to(DEVICE)
+    if layout == "strided":
+        # x a column slice of a wider buffer, w stored as [E, N, K] and viewed transposed.
+        x = torch.cat([x, torch.zeros_like(x)], dim=1)[:, :K]
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)
+    return x, w, offsets
+
+
+@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64], ids=["off32", "off64"])
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=[*DTYPE_IDS, "fp64"])
+@pytest.mark.parametrize("case", list(GMM_CASES), ids=list(GMM_CASES))
+def test_grouped_mm_forward_kernel(case, dtype, offsets_dtype, gen, kh):
+    x, w, offsets = _gmm_inputs(case, dtype, offsets_dtype, gen)
+    with poison_outputs():
+        y = grouped_mm_triton(x, w, offsets)
+    expected = kh.grouped_mm_f64(x.cpu(), w.cpu(), offsets.cpu())
+    kh.close(y.cpu(), expected, dtype, scale=2.0)
+    kh.close(y.cpu(), grouped_mm_ref(x, w, offsets).cpu(), dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", ["multi-tile", "empty-groups", "group-larger-than-tiles"])
+def test_grouped_mm_backward_kernels(case, dtype, gen, kh):
+    x, w, offsets = _gmm_inputs(case, dtype, torch.int64, gen)
+    dy = torch.randn(x.shape[0], w.shape[2], generator=gen).to(dtype).to(DEVICE)
+    with poison_outputs():
+        dx = grouped_mm_triton(dy, w.transpose(1, 2), offsets)
+        dw = grouped_mm_dw_triton(x, dy, offsets)
+    dx_f64 = kh.grouped_mm_f64(dy.cpu(), w.cpu().transpose(1, 2), offsets.cpu())
+    dw_f64 = kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu())
+    kh.close(dx.cpu(), dx_f64, dtype, scale=2.0)
+    kh.close(dw.cpu(), dw_f64, dtype, scale=2.0 * x.shape[0] ** 0.5)
+    kh.close(dw.cpu(), grouped_mm_dw_ref(x, dy, offsets).cpu(), dtype, scale=2.0 * x.shape[0] ** 0.5)
+    # Empty groups get a zero gradient, not garbage.
+    empty = torch.diff(offsets.cpu(), prepend=offsets.new_zeros(1).cpu()) == 0
+    assert torch.all(dw.cpu()[empty] == 0)
+
+
+def test_grouped_mm_kernels_strided_inputs(gen, kh):
+    x, w, offsets = _gmm_inputs("multi-tile", torch.float32, torch.int32, gen, layout="strided")
+    assert not x.is_contiguous() and not w.is_contiguous()
+    dy = torch.randn(x.shape[0], w.shape[2], generator=gen).to(DEVICE)[:, :].T.contiguous().T  # column-major
+    with poison_outputs():
+        y = grouped_mm_triton(x, w, offsets)
+        dw = grouped_mm_dw_triton(x, dy, offsets)
+    kh.close(y.cpu(), kh.grouped_mm_f64(x.cpu(), w.cpu(), offsets.cpu()), torch.float32, scale=2.0)
+    kh.close(dw.cpu(), kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu()), torch.float32, scale=20.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_swiglu_kernels(dtype, gen, kh):
+    M, F = 70, 150  # spans row and column blocks with remainders
+    h = (torch.randn(M, 2 * F, generator=gen) * 3).to(dtype).to(DEVICE)
+    g = torch.randn(M, F, generator=gen).to(dtype).to(DEVICE)
+    with poison_outputs():
+        out = swiglu_triton(h)
+        dh = swiglu_bwd_triton(g, h)
+    kh.close(out.cpu(), swiglu_ref(h).cpu(), dtype, scale=4.0)
+    kh.close(out.cpu(), kh.swiglu_f64(h.cpu()), dtype, scale=4.0)
+    kh.close(dh.cpu(), swiglu_bwd_ref(g, h).cpu(), dtype, scale=4.0)
+    h64 = h.cpu().double().requires_grad_()
+    (dh_f64,) = torch.autograd.grad(kh.swiglu_f64(h64), h64, g.cpu().double())
+    kh.close(dh.cpu(), dh_f64, dtype, scale=8.0)
