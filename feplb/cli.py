@@ -109,10 +109,11 @@ def plot_results(results: list, path: str) -> None:
         ax.set_ylabel("token straggler (rows, mean over micro-batches)")
         ax.set_title(r.workload, fontsize=9)
         ax.set_yscale("symlog", linthresh=10)
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     ex, ax = results[0].example, axes[0][n]
-    policies = list(ex["loads_after"])
+    policies = [p for p in ex["loads_after"] if p != "none"]
     width = 0.8 / (len(policies) + 1)
     W = len(ex["loads_before"])
     ax.bar([d - 0.4 + width / 2 for d in range(W)], ex["loads_before"], width, label="plain EP (before)",
@@ -124,7 +125,7 @@ def plot_results(results: list, path: str) -> None:
     ax.set_xlabel("GPU")
     ax.set_ylabel("rows computed")
     ax.set_title(f"{results[0].workload}, layer {ex['layer']}, one micro-batch", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc="lower left", ncol=2, framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

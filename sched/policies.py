@@ -114,7 +114,7 @@ def _hi_lo(L: list[int]) -> tuple[int, int]:
 
 
 def _greedy_whole(L: list[int], cand: list[list[tuple[int, int]]], tau_gap: int,
-                  out: list[tuple[int, int, int, int, int]], g0: int, rem: dict[int, int]) -> None:
+                  out: list[tuple[int, int, int, int, int]], g0: int) -> None:
     """The paper's greedy on one node. L: loads (mutated); cand[i]: (rows, expert) of GPU i's movable dynamic
     experts, sorted by (-rows, expert) (consumed). Appends (expert, row_start, src, dst, row_end) to out."""
     while True:
@@ -131,9 +131,10 @@ def _greedy_whole(L: list[int], cand: list[list[tuple[int, int]]], tau_gap: int,
         else:
             return
         n, e = c.pop(j)
+        if n == 0:  # candidates are sorted by rows: only empty experts are left below the gap
+            return
         L[hi] -= n
         L[lo] += n
-        rem[e] = 0
         out.append((e, 0, g0 + hi, g0 + lo, n))
 
 
@@ -154,7 +155,7 @@ def _split(L: list[int], pieces: list[list[list[int]]], m: int, tau_gap: int) ->
     that GPU i computes (its own experts' rows at home, and rows it received); a piece shrinks from its end."""
     G = len(L)
     target = -(-sum(L) // G)
-    for _ in range(4 * G * (len(pieces[0]) + 2)):
+    for _ in range(4 * G * (max(len(p) for p in pieces) + 2)):
         top, bottom = max(L), min(L)
         gap = top - bottom
         if top <= target or gap <= tau_gap:
@@ -264,24 +265,22 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
 
     dyn = dyn_WD.tolist()
     dyn_n = dyn_n_WD.tolist()
+    # (rows, expert) of each GPU's dynamic experts, already in (rows desc, id asc) order
+    cand_all = [list(zip(rows, row, strict=True)) for row, rows in zip(dyn, dyn_n, strict=True)]
     raw: list[tuple[int, int, int, int, int]] = []
     after: list[int] = []
     for g0 in range(0, W, G):
         L = L_all[g0:g0 + G]
-        own = dyn[g0:g0 + G]
-        own_n = dyn_n[g0:g0 + G]
-        rem = {e: r for row, rows in zip(own, own_n, strict=True) for e, r in zip(row, rows, strict=True)}
         tau_gap = int(tau * sum(L) / G)
         whole: list[tuple[int, int, int, int, int]] = []
         if base != "lp":
-            # rows are in (rows desc, id asc) order already
-            cand = [[(r, e) for e, r in zip(row, rows, strict=True) if r > 0] for row, rows in zip(own, own_n,
-                                                                                                 strict=True)]
-            _greedy_whole(L, cand, tau_gap, whole, g0, rem)
+            _greedy_whole(L, [list(c) for c in cand_all[g0:g0 + G]], tau_gap, whole, g0)
         if base == "feplb":
             raw.extend(whole)
         else:
-            pieces = [[[e, 0, rem[e], i] for e in row if rem[e] > 0] for i, row in enumerate(own)]
+            moved = {t[0] for t in whole}
+            pieces = [[[e, 0, r, i] for r, e in cand if r and e not in moved]
+                      for i, cand in enumerate(cand_all[g0:g0 + G])]
             for e, _, src, dst, n in whole:
                 pieces[dst - g0].append([e, 0, n, src - g0])
             _split(L, pieces, min_chunk if base == "feplb-split" else 1, tau_gap if base == "feplb-split" else 0)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from feplb.sched.placement import eplb_replicas, place_experts
-from feplb.sched.plan import parse_policy
+from feplb.sched.plan import Plan, parse_policy
 from feplb.sched.topology import Topology
 
 EMA_FRAC_BITS = 16  # fixed-point fraction bits of ema_E
@@ -34,7 +34,8 @@ class PolicyState:
 
     topo: the topology. policy: the policy name this state serves (``BASE[+place][@current|@ema]``).
     refresh_every: micro-batches between slow-timescale refreshes (one optimizer step of micro-batches): the
-        ``@ema`` dynamic set and its in-node weight replicas, EPLB replicas, and the ``+place`` placement.
+        ``@ema`` dynamic set (whose weights, once copied to a helper, stay there until the next refresh), EPLB
+        replicas, and the ``+place`` placement.
     ema_shift: a new micro-batch enters the EMA with weight ``2 ** -ema_shift``.
     eplb_slots: redundant expert slots per GPU for ``eplb``.
     Derived fields (step, ema_E, home_E, dynamic_WD, replicas, resident, last_*) are filled by ``observe``.
@@ -80,19 +81,30 @@ class PolicyState:
             return np.zeros(self.topo.num_experts, dtype=np.int64)
         return self.ema_E >> EMA_FRAC_BITS
 
-    def observe(self, counts_WE: np.ndarray) -> PolicyState:
+    def observe(self, counts_WE: np.ndarray, plan: Plan | None = None) -> PolicyState:
         """Fold one micro-batch's counts (int [W, E]) into the history; refresh slow decisions when due.
 
-        Refreshes happen after the first micro-batch and then every ``refresh_every`` micro-batches.
+        plan: the plan executed for these counts. Under ``@ema`` the weights it copied stay resident on their
+        destination until the next refresh (the optimizer step changes the weights), so each (expert, GPU) pair
+        is copied at most once per step. Refreshes happen after the first micro-batch and then every
+        ``refresh_every`` micro-batches (one optimizer step).
         """
         counts_WE = self.topo.check_counts(counts_WE)
         x = counts_WE.sum(axis=0) << EMA_FRAC_BITS
         ema = x if self.ema_E is None else self.ema_E + ((x - self.ema_E) >> self.ema_shift)
         step = self.step + 1
-        new = replace(self, step=step, ema_E=ema, last_weight_copies=(), last_migrations=())
+        resident = self.resident
+        if plan is not None and plan.weight_copies and self._lazy_replicas:
+            resident = resident | {(e, dst) for e, _, dst in plan.weight_copies}
+        new = replace(self, step=step, ema_E=ema, resident=resident, last_weight_copies=(), last_migrations=())
         if step == 1 or step % self.refresh_every == 0:
             new = new._refresh()
         return new
+
+    @property
+    def _lazy_replicas(self) -> bool:
+        base, _, mode = parse_policy(self.policy)
+        return mode == "ema" and base in ("feplb", "feplb-split", "lp")
 
     def _refresh(self) -> PolicyState:
         topo = self.topo
@@ -107,22 +119,15 @@ class PolicyState:
             home = new_home
         dynamic = None
         replicas: tuple[tuple[int, int], ...] = ()
-        resident: set[tuple[int, int]] = set()
-        if mode == "ema" and base in ("feplb", "feplb-split", "lp"):
-            slots = slots_of(home, topo)
-            dynamic = top_per_gpu(load, slots, topo.dyn)
-            G = topo.gpus_per_node
-            for d in range(topo.num_ranks):
-                n0 = d // G * G
-                for e in dynamic[d]:
-                    resident.update((int(e), g) for g in range(n0, n0 + G) if g != d)
+        copies: tuple[tuple[int, int, int], ...] = ()
+        if self._lazy_replicas:
+            # a new step: replicas of the old weights are stale; plans copy what they need again, once
+            dynamic = top_per_gpu(load, slots_of(home, topo), topo.dyn)
         if base == "eplb":
+            # redundant experts are re-synced from their owner after every optimizer step
             replicas = eplb_replicas(load, home, topo, self.eplb_slots)
-            resident.update(replicas)
-        resident_f = frozenset(resident)
-        home_list = [int(h) for h in home]
-        copies = tuple(sorted((e, home_list[e], g) for e, g in resident_f - self.resident))
-        return replace(self, home_E=home, dynamic_WD=dynamic, replicas=replicas, resident=resident_f,
+            copies = tuple(sorted((e, int(home[e]), g) for e, g in replicas))
+        return replace(self, home_E=home, dynamic_WD=dynamic, replicas=replicas, resident=frozenset(replicas),
                        last_weight_copies=copies, last_migrations=migrations)
 
 

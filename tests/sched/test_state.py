@@ -24,24 +24,36 @@ def test_observe_is_pure_and_ema_matches_reference():
         state.ema_E[0] = 1
 
 
-def test_refresh_cadence_and_resident_replicas():
+def test_refresh_cadence_and_weights_once_per_step():
     topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
-    c = np.array([[9, 1, 1, 8, 0, 0, 0, 0]] * 4, dtype=np.int64)
+    c = np.array([[9, 1, 0, 0, 0, 0, 0, 0]] * 4, dtype=np.int64)  # GPU 0: 40 rows, the others none
     s = PolicyState(topo=topo, policy="feplb@ema", refresh_every=3).observe(c)
-    assert s.dynamic_WD.tolist() == [[0], [3], [4], [6]]
-    # dynamic experts are replicated to the other GPU of their node, once
-    assert s.resident == frozenset({(0, 1), (3, 0), (4, 3), (6, 2)})
-    assert s.last_weight_copies == ((0, 0, 1), (3, 1, 0), (4, 2, 3), (6, 3, 2))
+    assert s.dynamic_WD.tolist() == [[0], [2], [4], [6]] and s.resident == frozenset()
+    plan = make_plan("feplb@ema", c, topo, s, tau=0)
+    assert plan.weight_copies == ((0, 0, 1),)  # expert 0 (36 rows) helps inside node 0
+    s2 = s.observe(c, plan)  # step 2: the copied weights stay resident until the step ends
+    assert s2.resident == frozenset({(0, 1)}) and s2.dynamic_WD.tolist() == s.dynamic_WD.tolist()
+    again = make_plan("feplb@ema", c, topo, s2, tau=0)
+    assert again.moves == plan.moves and again.weight_copies == ()  # rows only now
+    again.validate(c, topo, s2)
+    with pytest.raises(ValueError, match="without its weights"):
+        again.validate(c, topo, s)
+    # step 3 ends the optimizer step: stale replicas are dropped; the EMA now favours expert 1 on GPU 0
     c2 = np.array([[0, 9, 0, 0, 0, 0, 0, 0]] * 4, dtype=np.int64)
-    s2 = s.observe(c2)  # step 2: no refresh, the set stays
-    assert s2.dynamic_WD.tolist() == s.dynamic_WD.tolist() and s2.last_weight_copies == ()
-    s5 = s2.observe(c2).observe(c2).observe(c2)  # the EMA favours expert 1 from step 4; no refresh until 6
-    assert s5.step == 5 and s5.dynamic_WD[0, 0] == 0
-    s6 = s5.observe(c2)
-    assert s6.dynamic_WD[0, 0] == 1 and (1, 0, 1) in s6.last_weight_copies
-    plan = make_plan("feplb@ema", c, topo, s)
-    assert plan.weight_copies == ()  # rows only: the weights are resident
-    plan.validate(c, topo, s)
+    s3 = s2.observe(c2, again)
+    assert s3.step == 3 and s3.resident == frozenset()
+    s6 = s3.observe(c2).observe(c2).observe(c2)
+    assert s6.dynamic_WD[0, 0] == 1
+    assert s3.observe(c2).dynamic_WD[0, 0] == s3.dynamic_WD[0, 0]  # no refresh between steps
+
+
+def test_eplb_replicas_resync_every_refresh():
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=2, dyn=1)
+    c = np.array([[5, 1], [5, 1]])
+    s = PolicyState(topo=topo, policy="eplb", refresh_every=2).observe(c)
+    assert s.last_weight_copies == ((0, 0, 1), (1, 1, 0))
+    assert s.observe(c).last_weight_copies == ((0, 0, 1), (1, 1, 0))  # step 2: refresh, re-sync
+    assert s.observe(c).observe(c).last_weight_copies == ()
 
 
 def test_place_experts_golden_and_balance():
