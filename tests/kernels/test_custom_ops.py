@@ -119,3 +119,41 @@ def test_torch_compile_fullgraph(impl, backend, gen, kh):
     torch.testing.assert_close(out, out_eager)
     for g, e in zip(grads, grads_eager, strict=True):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_expert_block_with_no_tokens(impl, gen, kh):
+    ids, E, x, w, w1, w2 = _problem(gen, kh, T=0, dtype=torch.float32)
+    with impl_context(impl), fk.poison_outputs():
+        out = expert_block(x, w, w1, w2, ids, E)
+        grads = torch.autograd.grad(out.sum(), (x, w, w1, w2), allow_unused=True)
+    assert out.shape == (0, x.shape[1])
+    assert grads[0].shape == x.shape and grads[1].shape == w.shape
+    # No rows: the expert weights get an exact zero gradient, not uninitialised memory.
+    assert torch.equal(grads[2], torch.zeros_like(w1)) and torch.equal(grads[3], torch.zeros_like(w2))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("draw", range(4))
+def test_random_shapes(impl, draw, gen, kh):
+    """Random (T, K, E, D, N, dtype, ids/offsets dtype) through routing -> permute -> grouped_mm -> unpermute,
+    against float64 loops; outputs poisoned."""
+    T = int(torch.randint(0, 40, (1,), generator=gen))
+    E = int(torch.randint(1, 9, (1,), generator=gen))
+    K = int(torch.randint(1, E + 1, (1,), generator=gen))
+    used = int(torch.randint(K, E + 1, (1,), generator=gen))
+    D, N = (int(v) for v in torch.randint(1, 48, (2,), generator=gen))
+    dtype = [torch.float32, torch.bfloat16, torch.float16][int(torch.randint(0, 3, (1,), generator=gen))]
+    ids_dtype = [torch.int32, torch.int64][draw % 2]
+    ids, w = kh.random_routing(T, K, E, gen=gen, used_experts=used, ids_dtype=ids_dtype)
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    w1 = (torch.randn(E, D, N, generator=gen) / D**0.5).to(dtype)
+    with impl_context(impl), fk.poison_outputs():
+        meta = fk.routing_metadata(ids, E)
+        offsets = meta.offsets_E.to(ids_dtype)
+        out = fk.unpermute(fk.grouped_mm(fk.permute(x, meta), w1, offsets), meta, w)
+    expected = torch.zeros(T, N, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            expected[t] += float(w[t, k]) * (x[t].double() @ w1[int(ids[t, k])].double())
+    kh.close(out, expected, dtype, scale=4.0)

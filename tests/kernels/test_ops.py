@@ -78,7 +78,8 @@ def test_grouped_mm_forward(case, dtype, offsets_dtype, gen, kh):
     offsets = torch.tensor(sizes).cumsum(0).to(offsets_dtype)
     x = torch.randn(sum(sizes), K, generator=gen).to(dtype)
     w = torch.randn(len(sizes), K, N, generator=gen).to(dtype)
-    y = fk.grouped_mm(x, w, offsets)
+    with fk.poison_outputs():
+        y = fk.grouped_mm(x, w, offsets)
     assert y.dtype == dtype and y.shape == (sum(sizes), N)
     kh.close(y, kh.grouped_mm_f64(x, w, offsets), dtype, scale=max(1.0, K**0.5))
 
