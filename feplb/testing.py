@@ -16,6 +16,7 @@ import importlib.util
 import inspect
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -67,7 +68,9 @@ def _child(rank: int, world_size: int, port: int, file: str, qualname: str, args
         try:
             fn = _load(file, qualname)
             out = fn(rank, world_size, *args)
-            results.put((rank, True, out))
+            # Plain pickle bytes: tensors sent through the queue as shared-memory handles would die with this
+            # process before the parent reads them.
+            results.put((rank, True, pickle.dumps(out)))
         finally:
             # A rank that failed must not wait on peers in a teardown barrier.
             dist.destroy_process_group()
@@ -135,4 +138,40 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
         errors.append(f"ranks {missing} did not finish within {timeout_s:.0f} s (killed)")
     if errors:
         raise DistError("run_dist failed:\n" + "\n".join(errors))
-    return [outs[r][1] for r in range(world_size)]
+    return [pickle.loads(outs[r][1]) for r in range(world_size)]
+
+
+def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: str = "softmax", bias_E=None):
+    """Single-process dense MoE (no dispatch, no kernels), the independent reference of ``MoELayer``.
+
+    Expert selection uses fp32 logits exactly as the layer computes them (so ties resolve the same way); gates
+    and expert math run in x's dtype. Every expert is applied with plain matmuls to the tokens that chose it.
+
+    Args:
+        x_TD: [T, H]; router_EH: [E, H]; w1_EH2F: [E, H, 2F]; w2_EFH: [E, F, H]; bias_E: optional fp32 [E]
+            added to the scores for selection only.
+    Returns:
+        out_TD [T, H] in x's dtype, differentiable w.r.t. every input.
+    """
+    import torch
+
+    F2 = w1_EH2F.shape[-1] // 2
+    logits32 = torch.nn.functional.linear(x_TD.detach().float(), router_EH.detach().float())
+    sel = logits32.softmax(-1) if router == "softmax" else logits32.sigmoid()
+    if bias_E is not None:
+        sel = sel + bias_E
+    ids_TK = sel.topk(top_k, dim=-1).indices
+    logits = x_TD @ router_EH.t()
+    scores = logits.softmax(-1) if router == "softmax" else logits.sigmoid()
+    g_TK = scores.gather(-1, ids_TK)
+    if router == "sigmoid":
+        g_TK = g_TK / g_TK.sum(-1, keepdim=True)
+    out = torch.zeros_like(x_TD)
+    for e in range(w1_EH2F.shape[0]):
+        t_idx, k_idx = torch.nonzero(ids_TK == e, as_tuple=True)
+        if t_idx.numel() == 0:
+            continue
+        h = x_TD[t_idx] @ w1_EH2F[e]
+        y = (torch.nn.functional.silu(h[:, :F2]) * h[:, F2:]) @ w2_EFH[e]
+        out = out.index_add(0, t_idx, g_TK[t_idx, k_idx, None] * y)
+    return out

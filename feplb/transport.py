@@ -65,12 +65,14 @@ class Transport:
         with guard("all_gather of expert counts", self.group):
             return all_gather_stack(counts_E.to(torch.int64).contiguous(), self.group)
 
-    def all_to_all(self, send_MD: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
+    def all_to_all(self, send_MD: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows send_MD[sum(send_splits[:d]) : ...] go to rank d; returns recv_RD with rank s's rows at block s.
 
         Args:
             send_MD: [M, D] rows grouped by destination rank (any dtype).
             send_splits: W ints summing to M.  recv_splits: W ints, rows coming from each rank.
+            out: optional receive buffer with at least R rows (R = sum(recv_splits)); a too-small one raises.
         """
         raise NotImplementedError
 
@@ -94,6 +96,15 @@ class Transport:
                              "every rank of the EP group must build the layer with the same config")
 
 
+def _recv_view(out: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
+    if out is None:
+        return like.new_empty((rows, *like.shape[1:]))
+    if out.shape[0] < rows or out.shape[1:] != like.shape[1:] or out.dtype != like.dtype:
+        raise ValueError(f"receive buffer of shape {list(out.shape)} ({out.dtype}) cannot hold {rows} rows of "
+                         f"{list(like.shape[1:])} ({like.dtype})")
+    return out[:rows]
+
+
 def all_gather_stack(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """[*S] on every rank -> [W, *S] stacked in group-rank order (works on gloo and NCCL)."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
@@ -111,11 +122,11 @@ class TorchTransport(Transport):
 
     name = "torch"
 
-    def all_to_all(self, send_MD: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
+    def all_to_all(self, send_MD, send_splits, recv_splits, out=None):
         send_splits, recv_splits = [int(s) for s in send_splits], [int(s) for s in recv_splits]
         if sum(send_splits) != send_MD.shape[0]:
             raise ValueError(f"send_splits sum to {sum(send_splits)} but send_MD has {send_MD.shape[0]} rows")
-        recv = send_MD.new_empty((sum(recv_splits), *send_MD.shape[1:]))
+        recv = _recv_view(out, send_MD, sum(recv_splits))
         with guard("phase-1 all_to_all of rows", self.group):
             dist.all_to_all_single(recv, send_MD.contiguous(), recv_splits, send_splits, group=self.group)
         return recv
@@ -172,7 +183,7 @@ class NvshmemTransport(Transport):
             self._buf = self._nv.interop.torch.empty((cap,), dtype=torch.uint8)
         return self._buf
 
-    def all_to_all(self, send_MD: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
+    def all_to_all(self, send_MD, send_splits, recv_splits, out=None):
         if not send_MD.is_cuda:
             raise ValueError(f"the nvshmem transport moves CUDA tensors only, got a tensor on {send_MD.device}")
         nv = self._nv
@@ -199,10 +210,11 @@ class NvshmemTransport(Transport):
             start += n
         nv.barrier(nv.Teams.TEAM_WORLD, stream=stream)
         total = sum(recv_splits)
-        out = buf[: total * row_bytes].clone().view(send_MD.dtype).reshape(total, *send_MD.shape[1:])
+        res = _recv_view(out, send_MD, total)
+        res.copy_(buf[: total * row_bytes].view(send_MD.dtype).reshape(total, *send_MD.shape[1:]))
         # The buffer is reused by the next call; no rank may overwrite it before everyone copied out.
         nv.barrier(nv.Teams.TEAM_WORLD, stream=stream)
-        return out
+        return res
 
 
 def make_transport(name: str, group: dist.ProcessGroup | None = None) -> Transport:
