@@ -190,7 +190,7 @@ def _split(L: list[int], pieces: list[list[list[int]]], m: int, tau_gap: int) ->
 def _pieces_to_moves(pieces: list[list[list[int]]], g0: int, out: list[tuple[int, int, int, int, int]]) -> None:
     for i, mine in enumerate(pieces):
         for e, a, b, h in mine:
-            if h != i:
+            if h != i and b > a:
                 out.append((e, a, g0 + h, g0 + i, b))
 
 
@@ -216,8 +216,12 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
     if weight_copies is None:
         need = sorted({(m.expert, m.src, m.dst) for m in moves})
         weight_copies = tuple(c for c in need if (c[0], c[2]) not in resident)
+    after_W = np.asarray(after, dtype=np.int64)
+    for a in (dyn_WD, before_W, after_W):
+        if a.base is None:  # arrays made for this plan alone: freeze in place instead of copying
+            a.flags.writeable = False
     return Plan(policy=policy, moves=moves, weight_copies=weight_copies, dynamic_WD=dyn_WD,
-                loads_before_W=before_W, loads_after_W=np.asarray(after, dtype=np.int64), home_E=home_E,
+                loads_before_W=before_W, loads_after_W=after_W, home_E=home_E,
                 rows_from_source=rows_from_source, info=info or {})
 
 
