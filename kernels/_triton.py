@@ -82,6 +82,16 @@ def autotune_configs(hopper: list[dict], interpreter: dict, *, num_warps: int = 
     return configs
 
 
+def launch(kernel, grid, *args, config: dict | None = None, **kwargs) -> None:
+    """Launch an autotuned kernel; with ``config`` (block sizes, optional num_warps / num_stages), launch its
+    JIT function with exactly that config instead (to test every GPU config under the interpreter, or to time
+    one config)."""
+    if config is None:
+        kernel[grid](*args, **kwargs)
+    else:
+        kernel.fn[grid](*args, **kwargs, **config)
+
+
 def require_triton(where: str) -> None:
     """Raise ImportError with an install hint when a kernel is launched without Triton."""
     if not HAVE_TRITON:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, check_tensor
-from ._triton import alloc, autotune_configs, check_launch_device, tl, triton
+from ._triton import alloc, autotune_configs, check_launch_device, launch, tl, triton
 
 __all__ = ["check_swiglu_input", "swiglu_bwd_ref", "swiglu_bwd_triton", "swiglu_ref", "swiglu_triton"]
 
@@ -46,10 +46,9 @@ def swiglu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor) -> Tensor:
     return torch.cat([d_gate, d_up], dim=1).to(h_M2F.dtype)
 
 
-_CONFIGS = autotune_configs(
-    [dict(BLOCK_R=1, BLOCK_F=2048, num_warps=8), dict(BLOCK_R=4, BLOCK_F=1024, num_warps=8),
-     dict(BLOCK_R=8, BLOCK_F=512, num_warps=4)],
-    dict(BLOCK_R=64, BLOCK_F=128))
+HOPPER_CONFIGS = [dict(BLOCK_R=2, BLOCK_F=2048, num_warps=8), dict(BLOCK_R=4, BLOCK_F=1024, num_warps=8),
+                  dict(BLOCK_R=8, BLOCK_F=512, num_warps=4)]
+_CONFIGS = autotune_configs(HOPPER_CONFIGS, dict(BLOCK_R=64, BLOCK_F=128))
 
 
 @triton.autotune(configs=_CONFIGS, key=["F"])
@@ -90,19 +89,21 @@ def _launch_grid(M: int, F: int):
     return grid
 
 
-def swiglu_triton(h_M2F: Tensor) -> Tensor:
-    """Launcher of the SwiGLU kernel. h float [M, 2F] contiguous -> [M, F] in h's dtype (fp32 math)."""
+def swiglu_triton(h_M2F: Tensor, *, config: dict | None = None) -> Tensor:
+    """Launcher of the SwiGLU kernel. h float [M, 2F] contiguous -> [M, F] in h's dtype (fp32 math).
+
+    ``config``: explicit block sizes instead of the autotuner (see ``_triton.launch``)."""
     check_swiglu_input(h_M2F)
     check_launch_device("swiglu_triton", h_M2F)
     M, F = h_M2F.shape[0], h_M2F.shape[1] // 2
     out_MF = alloc((M, F), h_M2F.dtype, h_M2F.device)
     if M > 0 and F > 0:
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
-        _swiglu_kernel[_launch_grid(M, F)](h_M2F, out_MF, M, F, ACC=acc)
+        launch(_swiglu_kernel, _launch_grid(M, F), h_M2F, out_MF, M, F, ACC=acc, config=config)
     return out_MF
 
 
-def swiglu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor) -> Tensor:
+def swiglu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor, *, config: dict | None = None) -> Tensor:
     """Launcher of the SwiGLU backward: grad [M, F] (h's dtype, contiguous), h [M, 2F] -> dh [M, 2F]."""
     check_swiglu_input(h_M2F)
     check_tensor("grad_MF", grad_MF, dtypes=(h_M2F.dtype,), shape=(h_M2F.shape[0], h_M2F.shape[1] // 2),
@@ -112,5 +113,5 @@ def swiglu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor) -> Tensor:
     dh_M2F = alloc(tuple(h_M2F.shape), h_M2F.dtype, h_M2F.device)
     if M > 0 and F > 0:
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
-        _swiglu_bwd_kernel[_launch_grid(M, F)](grad_MF, h_M2F, dh_M2F, M, F, ACC=acc)
+        launch(_swiglu_bwd_kernel, _launch_grid(M, F), grad_MF, h_M2F, dh_M2F, M, F, ACC=acc, config=config)
     return dh_M2F

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
-from ._triton import alloc, autotune_configs, check_launch_device, tl, triton
+from ._triton import alloc, autotune_configs, check_launch_device, launch, tl, triton
 
 __all__ = [
     "check_grouped_mm_inputs",
@@ -116,13 +116,14 @@ def _dot_meta(t: Tensor) -> dict:
 
 
 # Hopper: 128-row tiles feed wgmma (one warpgroup per 64 rows); a 64-row config serves small groups.
-_FWD_CONFIGS = autotune_configs(
-    [dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-     dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)],
-    dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32))
+FWD_HOPPER_CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+]
+_FWD_CONFIGS = autotune_configs(FWD_HOPPER_CONFIGS, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32))
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["N", "K"])
@@ -175,12 +176,13 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M, N, K, E,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-_DW_CONFIGS = autotune_configs(
-    [dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, num_warps=8, num_stages=4),
-     dict(BLOCK_K=128, BLOCK_N=256, BLOCK_M=64, num_warps=8, num_stages=3),
-     dict(BLOCK_K=64, BLOCK_N=128, BLOCK_M=64, num_warps=4, num_stages=4),
-     dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32, num_warps=4, num_stages=4)],
-    dict(BLOCK_K=32, BLOCK_N=32, BLOCK_M=32))
+DW_HOPPER_CONFIGS = [
+    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, num_warps=8, num_stages=4),
+    dict(BLOCK_K=128, BLOCK_N=256, BLOCK_M=64, num_warps=8, num_stages=3),
+    dict(BLOCK_K=64, BLOCK_N=128, BLOCK_M=64, num_warps=4, num_stages=4),
+    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32, num_warps=4, num_stages=4),
+]
+_DW_CONFIGS = autotune_configs(DW_HOPPER_CONFIGS, dict(BLOCK_K=32, BLOCK_N=32, BLOCK_M=32))
 
 
 @triton.autotune(configs=_DW_CONFIGS, key=["N", "K"])
@@ -222,7 +224,8 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, K, N,
 
 # ---------------------------------------------------------------------------------------------------- launchers
 
-def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_values: bool = True) -> Tensor:
+def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_values: bool = True,
+                      config: dict | None = None) -> Tensor:
     """Launcher of the grouped GEMM: y_MN[rows of group e] = x_MK[rows of group e] @ w_EKN[e].
 
     Args:
@@ -230,6 +233,7 @@ def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_v
         w_EKN: [E, K, N] of x's dtype, any strides (dX passes the transposed weights as a view).
         offsets_E: int32/int64 [E] end offsets, offsets_E[-1] == M.
         check_values: check the offsets' values (one device->host sync on a GPU).
+        config: explicit block sizes instead of the autotuner (see ``_triton.launch``).
 
     Returns:
         y_MN [M, N] in x's dtype, accumulated in fp32.
@@ -248,13 +252,14 @@ def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_v
     def grid(meta):
         return ((triton.cdiv(M, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _grouped_mm_kernel[grid](x_MK, w_EKN, y_MN, offsets_E, M, N, K, E,
-                             x_MK.stride(0), x_MK.stride(1), *w_EKN.stride(), y_MN.stride(0), y_MN.stride(1),
-                             BLOCK_E=triton.next_power_of_2(E), **_dot_meta(x_MK))
+    launch(_grouped_mm_kernel, grid, x_MK, w_EKN, y_MN, offsets_E, M, N, K, E,
+           x_MK.stride(0), x_MK.stride(1), *w_EKN.stride(), y_MN.stride(0), y_MN.stride(1),
+           BLOCK_E=triton.next_power_of_2(E), **_dot_meta(x_MK), config=config)
     return y_MN
 
 
-def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, check_values: bool = True) -> Tensor:
+def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, check_values: bool = True,
+                         config: dict | None = None) -> Tensor:
     """Launcher of the weight gradient: dw_EKN[e] = x_MK[group e]^T @ dy_MN[group e] (zeros for empty groups).
 
     Args:
@@ -278,7 +283,6 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
     def grid(meta):
         return (E * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _grouped_mm_dw_kernel[grid](x_MK, dy_MN, dw_EKN, offsets_E, K, N, x_MK.stride(0), x_MK.stride(1),
-                                dy_MN.stride(0), dy_MN.stride(1), *dw_EKN.stride(),
-                                **_dot_meta(x_MK))
+    launch(_grouped_mm_dw_kernel, grid, x_MK, dy_MN, dw_EKN, offsets_E, K, N, x_MK.stride(0), x_MK.stride(1),
+           dy_MN.stride(0), dy_MN.stride(1), *dw_EKN.stride(), **_dot_meta(x_MK), config=config)
     return dw_EKN

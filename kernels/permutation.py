@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, check_same_device, check_tensor
-from ._triton import alloc, autotune_configs, check_launch_device, tl, triton
+from ._triton import alloc, autotune_configs, check_launch_device, launch, tl, triton
 
 __all__ = [
     "check_permute_inputs",
@@ -101,10 +101,9 @@ def unpermute_bwd_ref(grad_TD: Tensor, y_MD: Tensor, src_idx_M: Tensor, dst_idx_
 
 # ---------------------------------------------------------------------------------------------------- kernels
 
-_PERMUTE_CONFIGS = autotune_configs(
-    [dict(BLOCK_R=1, BLOCK_D=2048, num_warps=8), dict(BLOCK_R=4, BLOCK_D=1024, num_warps=8),
-     dict(BLOCK_R=8, BLOCK_D=512, num_warps=4), dict(BLOCK_R=16, BLOCK_D=256, num_warps=4)],
-    dict(BLOCK_R=64, BLOCK_D=128))
+PERMUTE_HOPPER_CONFIGS = [dict(BLOCK_R=2, BLOCK_D=2048, num_warps=8), dict(BLOCK_R=4, BLOCK_D=1024, num_warps=8),
+                          dict(BLOCK_R=8, BLOCK_D=512, num_warps=4), dict(BLOCK_R=16, BLOCK_D=256, num_warps=4)]
+_PERMUTE_CONFIGS = autotune_configs(PERMUTE_HOPPER_CONFIGS, dict(BLOCK_R=64, BLOCK_D=128))
 
 
 @triton.autotune(configs=_PERMUTE_CONFIGS, key=["D"])
@@ -119,10 +118,9 @@ def _permute_kernel(x_ptr, src_ptr, out_ptr, M, D, K, BLOCK_R: tl.constexpr, BLO
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], vals, mask=mask)
 
 
-_UNPERMUTE_CONFIGS = autotune_configs(
-    [dict(BLOCK_T=1, BLOCK_D=2048, num_warps=8), dict(BLOCK_T=2, BLOCK_D=1024, num_warps=8),
-     dict(BLOCK_T=4, BLOCK_D=512, num_warps=4), dict(BLOCK_T=8, BLOCK_D=256, num_warps=4)],
-    dict(BLOCK_T=32, BLOCK_D=128))
+UNPERMUTE_HOPPER_CONFIGS = [dict(BLOCK_T=2, BLOCK_D=2048, num_warps=8), dict(BLOCK_T=2, BLOCK_D=1024, num_warps=8),
+                            dict(BLOCK_T=4, BLOCK_D=512, num_warps=4), dict(BLOCK_T=8, BLOCK_D=256, num_warps=4)]
+_UNPERMUTE_CONFIGS = autotune_configs(UNPERMUTE_HOPPER_CONFIGS, dict(BLOCK_T=32, BLOCK_D=128))
 
 
 @triton.autotune(configs=_UNPERMUTE_CONFIGS, key=["D", "K"])
@@ -144,10 +142,9 @@ def _unpermute_kernel(y_ptr, dst_ptr, w_ptr, out_ptr, T, D, K: tl.constexpr, HAS
     tl.store(out_ptr + tokens.to(tl.int64)[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_UNPERMUTE_BWD_CONFIGS = autotune_configs(
-    [dict(BLOCK_T=1, BLOCK_D=1024, num_warps=4), dict(BLOCK_T=2, BLOCK_D=1024, num_warps=8),
-     dict(BLOCK_T=4, BLOCK_D=512, num_warps=4)],
-    dict(BLOCK_T=32, BLOCK_D=128))
+UNPERMUTE_BWD_HOPPER_CONFIGS = [dict(BLOCK_T=2, BLOCK_D=512, num_warps=4), dict(BLOCK_T=2, BLOCK_D=1024, num_warps=8),
+                                dict(BLOCK_T=4, BLOCK_D=512, num_warps=4)]
+_UNPERMUTE_BWD_CONFIGS = autotune_configs(UNPERMUTE_BWD_HOPPER_CONFIGS, dict(BLOCK_T=32, BLOCK_D=128))
 
 
 @triton.autotune(configs=_UNPERMUTE_BWD_CONFIGS, key=["D", "K"])
@@ -187,7 +184,7 @@ def _acc(t: Tensor):
     return tl.float64 if t.dtype == torch.float64 else tl.float32
 
 
-def permute_triton(x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor) -> Tensor:
+def permute_triton(x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, *, config: dict | None = None) -> Tensor:
     """Launcher of the permute kernel: x_MD[m] = x_TD[src_idx_M[m] // K].
 
     Args:
@@ -206,11 +203,12 @@ def permute_triton(x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor) -> Tenso
         def grid(meta):
             return triton.cdiv(M, meta["BLOCK_R"]), triton.cdiv(D, meta["BLOCK_D"])
 
-        _permute_kernel[grid](x_TD, src_idx_M, out_MD, M, D, dst_idx_TK.shape[1])
+        launch(_permute_kernel, grid, x_TD, src_idx_M, out_MD, M, D, dst_idx_TK.shape[1], config=config)
     return out_MD
 
 
-def unpermute_triton(y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_weights_TK: Tensor | None) -> Tensor:
+def unpermute_triton(y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_weights_TK: Tensor | None, *,
+                     config: dict | None = None) -> Tensor:
     """Launcher of the unpermute kernel: out_TD[t] = sum_k w[t, k] * y_MD[dst_idx_TK[t, k]].
 
     Args:
@@ -231,13 +229,15 @@ def unpermute_triton(y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_w
             return triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"])
 
         w = topk_weights_TK if topk_weights_TK is not None else dst_idx_TK
-        _unpermute_kernel[grid](y_MD, dst_idx_TK, w, out_TD, T, D, K=K, HAS_WEIGHTS=topk_weights_TK is not None,
-                                ACC=_acc(y_MD), enable_fp_fusion=False)
+        launch(_unpermute_kernel, grid, y_MD, dst_idx_TK, w, out_TD, T, D, K=K,
+               HAS_WEIGHTS=topk_weights_TK is not None, ACC=_acc(y_MD), enable_fp_fusion=False, config=config)
     return out_TD
 
 
-def unpermute_bwd_triton(grad_TD: Tensor, y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor,
-                         topk_weights_TK: Tensor, need_dw: bool) -> tuple[Tensor, Tensor]:
+def unpermute_bwd_triton(
+    grad_TD: Tensor, y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_weights_TK: Tensor, need_dw: bool,
+    *, config: dict | None = None,
+) -> tuple[Tensor, Tensor]:
     """Launcher of the fused unpermute backward (same contract as :func:`unpermute_bwd_ref`).
 
     Args:
@@ -261,6 +261,7 @@ def unpermute_bwd_triton(grad_TD: Tensor, y_MD: Tensor, src_idx_M: Tensor, dst_i
         def grid(meta):
             return (triton.cdiv(T, meta["BLOCK_T"]),)
 
-        _unpermute_bwd_kernel[grid](grad_TD, y_MD, dst_idx_TK, topk_weights_TK, dy_MD, dw_TK if need_dw else dy_MD,
-                                    T, D, K=K, BLOCK_K=triton.next_power_of_2(K), NEED_DW=need_dw, ACC=_acc(y_MD))
+        launch(_unpermute_bwd_kernel, grid, grad_TD, y_MD, dst_idx_TK, topk_weights_TK, dy_MD,
+               dw_TK if need_dw else dy_MD, T, D, K=K, BLOCK_K=triton.next_power_of_2(K), NEED_DW=need_dw,
+               ACC=_acc(y_MD), config=config)
     return dy_MD, dw_TK

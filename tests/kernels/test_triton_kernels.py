@@ -9,9 +9,20 @@ import pytest
 import torch
 
 from feplb.kernels import HAVE_TRITON, INTERPRET, poison_outputs
+from feplb.kernels.activation import HOPPER_CONFIGS as SWIGLU_HOPPER_CONFIGS
 from feplb.kernels.activation import swiglu_bwd_ref, swiglu_bwd_triton, swiglu_ref, swiglu_triton
-from feplb.kernels.grouped_gemm import grouped_mm_dw_ref, grouped_mm_dw_triton, grouped_mm_ref, grouped_mm_triton
+from feplb.kernels.grouped_gemm import (
+    DW_HOPPER_CONFIGS,
+    FWD_HOPPER_CONFIGS,
+    grouped_mm_dw_ref,
+    grouped_mm_dw_triton,
+    grouped_mm_ref,
+    grouped_mm_triton,
+)
 from feplb.kernels.permutation import (
+    PERMUTE_HOPPER_CONFIGS,
+    UNPERMUTE_BWD_HOPPER_CONFIGS,
+    UNPERMUTE_HOPPER_CONFIGS,
     permute_ref,
     permute_triton,
     unpermute_bwd_ref,
@@ -193,3 +204,62 @@ def test_swiglu_kernels(dtype, gen, kh):
     h64 = h.cpu().double().requires_grad_()
     (dh_f64,) = torch.autograd.grad(kh.swiglu_f64(h64), h64, g.cpu().double())
     kh.close(dh.cpu(), dh_f64, dtype, scale=8.0)
+
+
+def _block_shapes(configs):
+    """The distinct tile shapes of a config list (warps and stages change nothing under the interpreter)."""
+    shapes = {tuple((k, v) for k, v in c.items() if k.startswith("BLOCK")) for c in configs}
+    return [dict(s) for s in sorted(shapes)] if INTERPRET else configs
+
+
+def _config_ids(configs):
+    return ["-".join(f"{k.removeprefix('BLOCK_')}{v}" for k, v in c.items()) for c in configs]
+
+
+FWD_CONFIGS, DW_CONFIGS = _block_shapes(FWD_HOPPER_CONFIGS), _block_shapes(DW_HOPPER_CONFIGS)
+
+
+@pytest.mark.parametrize("config", FWD_CONFIGS, ids=_config_ids(FWD_CONFIGS))
+def test_grouped_mm_every_gpu_config(config, gen, kh):
+    """Each autotune config the GPU may pick, run once (under the interpreter here): tiles of 64-256 against
+    groups smaller than, equal to and larger than a tile, and a K that is not a multiple of BLOCK_K."""
+    sizes, K, N = [0, 130, 3, 0, 64], 72, 136
+    offsets = torch.tensor(sizes).cumsum(0).to(DEVICE)
+    x = torch.randn(sum(sizes), K, generator=gen).to(DEVICE)
+    w = (torch.randn(len(sizes), K, N, generator=gen) / K**0.5).to(DEVICE)
+    with poison_outputs():
+        y = grouped_mm_triton(x, w, offsets, config=config)
+    kh.close(y.cpu(), kh.grouped_mm_f64(x.cpu(), w.cpu(), offsets.cpu()), torch.float32, scale=2.0)
+
+
+@pytest.mark.parametrize("config", DW_CONFIGS, ids=_config_ids(DW_CONFIGS))
+def test_grouped_mm_dw_every_gpu_config(config, gen, kh):
+    sizes, K, N = [70, 0, 5, 100], 136, 72
+    offsets = torch.tensor(sizes).cumsum(0).to(DEVICE)
+    x = torch.randn(sum(sizes), K, generator=gen).to(DEVICE)
+    dy = torch.randn(sum(sizes), N, generator=gen).to(DEVICE)
+    with poison_outputs():
+        dw = grouped_mm_dw_triton(x, dy, offsets, config=config)
+    kh.close(dw.cpu(), kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu()), torch.float32, scale=20.0)
+
+
+def test_elementwise_kernels_every_gpu_config(gen, kh):
+    T, K, E, D = 5, 2, 4, 2100  # D not a multiple of any BLOCK_D
+    _, src, dst, w = _routing(T, K, E, gen, kh)
+    src, dst, w = src.to(DEVICE), dst.to(DEVICE), w.to(DEVICE)
+    x = torch.randn(T, D, generator=gen).to(DEVICE)
+    y = torch.randn(T * K, D, generator=gen).to(DEVICE)
+    with poison_outputs():
+        for config in PERMUTE_HOPPER_CONFIGS:
+            assert torch.equal(permute_triton(x, src, dst, config=config), permute_ref(x, src, dst))
+        for config in UNPERMUTE_HOPPER_CONFIGS:
+            assert torch.equal(unpermute_triton(y, src, dst, w, config=config), unpermute_ref(y, src, dst, w))
+        for config in UNPERMUTE_BWD_HOPPER_CONFIGS:
+            dy, dw = unpermute_bwd_triton(x, y, src, dst, w, True, config=config)
+            dy_ref, dw_ref = unpermute_bwd_ref(x, y, src, dst, w, True)
+            assert torch.equal(dy, dy_ref)
+            torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-4)
+        h = torch.randn(T, 2 * D, generator=gen).to(DEVICE)
+        for config in SWIGLU_HOPPER_CONFIGS:
+            kh.close(swiglu_triton(h, config=config).cpu(), kh.swiglu_f64(h.cpu()), torch.float32, scale=4.0)
+            kh.close(swiglu_bwd_triton(x, h, config=config).cpu(), swiglu_bwd_ref(x, h).cpu(), torch.float32)
