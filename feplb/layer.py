@@ -350,7 +350,7 @@ class MoELayer(nn.Module):
         order = static + my_dyn
 
         # Phase 1: rows to their experts' home ranks, then into HOME ORDER (static block first, then dynamic).
-        recv_RD = self._all_to_all_in(x_MD, send_splits, recv_splits)
+        recv_RD = self._all_to_all_in(x_MD, send_splits, recv_splits, loads_before)
         recv_off = np.concatenate([[0], np.cumsum(recv_splits)])
         within = np.concatenate([np.zeros((W, 1), np.int64), np.cumsum(c_WL, axis=1)], axis=1)
         perm = [np.arange(recv_off[s] + within[s, i], recv_off[s] + within[s, i + 1]) for i in order for s in range(W)]
@@ -396,7 +396,7 @@ class MoELayer(nn.Module):
                 plan, fell_back = None, True
             self._last_dyn_WD = dyn_WD
         if self.state is not None:
-            self.state = self.state.observe(counts_WE)
+            self.state = self.state.observe(counts_WE, plan)
         moves = () if plan is None else tuple(m for m in plan.moves if m.row_end > m.row_start)
         for m in moves:
             if m.src != self._home(m.expert):
@@ -425,21 +425,27 @@ class MoELayer(nn.Module):
             recv_grew=stats["recv_grew"], policy=c.policy, dynamic_WD=dyn_WD.tolist())
         return y_back
 
-    def _all_to_all_in(self, x_MD: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    def _all_to_all_in(self, x_MD: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                       recv_W: np.ndarray) -> torch.Tensor:
+        """Phase-1 all-to-all into the layer's receive buffer (``recv_capacity``). Every rank knows every rank's
+        receive size (recv_W, from the all-gathered counts), so an overflow is detected identically everywhere:
+        all ranks grow, or all raise, and none is left waiting in a collective."""
         c = self.config
-        need = int(sum(recv_splits))
         self._recv_grew = False
-        if c.recv_capacity is not None:
-            cap = c.recv_capacity if self._recv_buf is None else self._recv_buf.shape[0]
-            if need > cap:
-                if c.on_overflow == "error":
-                    raise ValueError(f"MoELayer: rank {self.rank} receives {need} rows in phase 1 but recv_capacity "
-                                     f"is {cap}; raise FEPLBConfig.recv_capacity or use on_overflow='grow'")
-                self._recv_grew = self._recv_buf is not None or need > c.recv_capacity
-                cap = max(need, 2 * cap)
-                self._recv_buf = None
-            if self._recv_buf is None:
-                self._recv_buf = x_MD.new_empty((cap, c.hidden))
+        if c.recv_capacity is None:
+            return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits)
+        cap = c.recv_capacity if self._recv_buf is None else self._recv_buf.shape[0]
+        over = [int(w) for w in np.nonzero(recv_W > cap)[0]]
+        if over:
+            if c.on_overflow == "error":
+                raise ValueError(f"MoELayer: phase 1 delivers {int(recv_W.max())} rows to EP rank(s) {over} but "
+                                 f"recv_capacity is {cap} rows; raise FEPLBConfig.recv_capacity or set "
+                                 "on_overflow='grow' (rows are never dropped)")
+            cap = max(int(recv_W.max()), 2 * cap)
+            self._recv_buf = None
+            self._recv_grew = True
+        if self._recv_buf is None:
+            self._recv_buf = x_MD.new_empty((cap, c.hidden))
         return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits, out=self._recv_buf)
 
     def _static_gemm(self, x_SD: torch.Tensor, static: list[int], n_L: np.ndarray) -> torch.Tensor:
@@ -627,9 +633,12 @@ class MoELayer(nn.Module):
         on every rank, from the policy state (``@ema`` dynamic sets, EPLB replicas) or the last micro-batch's
         dynamic experts; experts a plan needs but that hold no replica get their weights copied per micro-batch.
         """
-        if any(w.grad is not None for pair in self._replicas.values() for w in pair):
-            raise RuntimeError("MoELayer.refresh_replicas: replica gradients were not reduced; call "
-                               "reduce_replica_grads() before optimizer.step()")
+        if self._resident:
+            # Agreed over the group, so that no rank enters the refresh exchange while another raises.
+            clean = int(not any(w.grad is not None for pair in self._replicas.values() for w in pair))
+            if int(self.transport.all_reduce_min(torch.tensor([clean]), self.group, "refresh_replicas check")[0]) == 0:
+                raise RuntimeError("MoELayer.refresh_replicas: replica gradients were not reduced on some rank; call "
+                                   "reduce_replica_grads() before optimizer.step()")
         new = self._next_resident()
         r, H, Fd = self.rank, self.config.hidden, self.config.ffn
         w_numel = H * 2 * Fd + Fd * H

@@ -56,14 +56,16 @@ def _load(file: str, qualname: str) -> Callable:
 
 
 def _child(rank: int, world_size: int, port: int, file: str, qualname: str, args: tuple, collective_timeout_s: float,
-           threads: int, env: dict, results: Any) -> None:
+           threads: int, env: dict, results: Any, backend: str) -> None:
     os.environ.update(env)
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
         try:
             fn = _load(file, qualname)
@@ -79,7 +81,7 @@ def _child(rank: int, world_size: int, port: int, file: str, qualname: str, args
 
 
 def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0, collective_timeout_s: float = 30.0,
-             threads: int = 1, env: dict[str, str] | None = None) -> list[Any]:
+             threads: int = 1, env: dict[str, str] | None = None, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return the results in rank order.
 
     Args:
@@ -89,6 +91,7 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
         collective_timeout_s: ``init_process_group(timeout=...)``: any collective that waits longer raises.
         threads: ``torch.set_num_threads`` in every child (keep 1 on small machines).
         env: extra environment variables for the children.
+        backend: "gloo" (CPU tensors) or "nccl" (one GPU per rank, rank % device_count).
     Raises:
         DistError: a rank raised (its traceback is in the message), died, or did not finish in time.
     """
@@ -97,13 +100,18 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
     file = inspect.getsourcefile(fn)
     if file is None or "<locals>" in fn.__qualname__:
         raise ValueError(f"fn must be a module-level function defined in a file, got {fn!r}")
-    child_env = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "OMP_NUM_THREADS": str(threads)}
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    child_env = {"OMP_NUM_THREADS": str(threads)}
+    if "TRITON_INTERPRET" in os.environ:
+        child_env["TRITON_INTERPRET"] = os.environ["TRITON_INTERPRET"]
     child_env.update(env or {})
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world_size, port, os.path.abspath(file), fn.__qualname__, args,
-                                               collective_timeout_s, threads, child_env, results), daemon=True)
+                                               collective_timeout_s, threads, child_env, results, backend),
+                          daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -63,7 +63,8 @@ class Transport:
     def all_gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """counts_E int64 [E] on this rank -> counts_WE int64 [W, E] (row s from rank s), on counts_E's device."""
         with guard("all_gather of expert counts", self.group):
-            return all_gather_stack(counts_E.to(torch.int64).contiguous(), self.group)
+            t = counts_E.to(torch.int64).to(_collective_device(self.group)).contiguous()
+            return all_gather_stack(t, self.group).to(counts_E.device)
 
     def all_to_all(self, send_MD: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,10 +79,10 @@ class Transport:
 
     def all_reduce_min(self, flags: torch.Tensor, group: dist.ProcessGroup | None, op: str) -> torch.Tensor:
         """Elementwise MIN of a small int64 CPU tensor over ``group`` (agreement on readiness/consistency)."""
-        out = flags.clone()
+        out = flags.to(_collective_device(group), copy=True)
         with guard(op, group):
             dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group)
-        return out
+        return out.cpu()
 
     def check_same(self, blob: bytes, what: str) -> None:
         """Raise ValueError on every rank unless ``blob`` is byte-identical on all ranks (one all_gather of a hash)."""

@@ -1,0 +1,146 @@
+"""Bad input and faults on 4 gloo ranks (2 nodes x 2 GPUs): clear errors raised on every rank together, a slow
+planner that makes its node fall back (identical outputs, fell_back=True), receive buffers that grow or fail, stale
+replicas, and a stalled peer that ends in a timeout naming the operation instead of a hang."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from feplb.testing import run_dist
+
+pytestmark = pytest.mark.dist
+
+H, FF, E, K = 16, 32, 8, 2
+
+
+def _catch(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects type and message
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _weights(seed):
+    gen = torch.Generator().manual_seed(seed)
+    router = torch.randn(E, H, generator=gen) / H ** 0.5
+    router[:, 0] = 0.0
+    router[[0, 4], 0] = 4.0     # one hot expert per node: GPU 0's expert 0 and GPU 2's expert 4
+    w1 = torch.randn(E, H, 2 * FF, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, FF, H, generator=gen) / FF ** 0.5
+    xs = [torch.randn(24 + 8 * r, H, generator=gen) for r in range(4)]
+    for x in xs:
+        x[:, 0] = x[:, 0].abs() + 1.0
+    return router, w1, w2, xs
+
+
+def _layer(rank, world, seed, **kw):
+    from feplb import FEPLBConfig, MoELayer
+
+    router, w1, w2, xs = _weights(seed)
+    kw.setdefault("gpus_per_node", 2)
+    cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, min_chunk=2, dyn=2, **kw)
+    layer = MoELayer(cfg)
+    L = E // world
+    with torch.no_grad():
+        layer.router.weight.copy_(router)
+        layer.w1.copy_(w1[rank * L:(rank + 1) * L])
+        layer.w2.copy_(w2[rank * L:(rank + 1) * L])
+    return layer, xs[rank]
+
+
+def _fault_worker(rank, world):
+    from feplb import FEPLBConfig, MoELayer
+
+    res = {}
+    layer, x = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", plan_wait_ms=60_000)
+    ref, _ = _layer(rank, world, 1, policy="none")
+
+    # Bad shapes and dtypes fail locally, before any collective, with the argument named.
+    res["hidden"] = _catch(lambda: layer(torch.randn(4, H + 1)))
+    res["ndim"] = _catch(lambda: layer(torch.randn(H)))
+    res["dtype"] = _catch(lambda: layer(torch.randn(4, H, dtype=torch.float64)))
+
+    # NaN logits on rank 2 only: every rank raises, naming rank 2; the layer stays usable.
+    bad = x.clone()
+    if rank == 2:
+        bad[3, 5] = float("nan")
+    res["nan"] = _catch(lambda: layer(bad))
+    inf = x.clone()
+    if rank == 1:
+        inf[0, 0] = float("inf")
+    res["inf"] = _catch(lambda: layer(inf))
+    with torch.no_grad():
+        res["after_nan_ok"] = torch.allclose(layer(x), ref(x), rtol=1e-5, atol=1e-6)
+
+    # A slow planner on rank 1: node 0 (ranks 0, 1) computes at home, node 1 balances; outputs never change.
+    slow, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", plan_wait_ms=300)
+    if rank == 1:
+        slow.testing_plan_delay_s = 3.0
+    with torch.no_grad():
+        out = slow(x)
+        res["slow_same"] = torch.allclose(out, ref(x), rtol=1e-5, atol=1e-6)
+    res["slow_fell_back"] = slow.last_stats.fell_back
+    res["slow_balanced"] = slow.last_stats.balanced
+
+    # Receive capacity: too small with on_overflow="error" raises everywhere; "grow" grows and stays exact.
+    small, _ = _layer(rank, world, 1, policy="feplb", recv_capacity=4, on_overflow="error", plan_wait_ms=60_000)
+    res["cap_error"] = _catch(lambda: small(x))
+    grow, _ = _layer(rank, world, 1, policy="feplb", recv_capacity=4, on_overflow="grow", plan_wait_ms=60_000,
+                     weights="per-microbatch")
+    with torch.no_grad():
+        res["grow_same"] = torch.allclose(grow(x), ref(x), rtol=1e-5, atol=1e-6)
+    res["grew"] = grow.last_stats.recv_grew
+
+    # Per-step replicas: weights changed without refresh_replicas() -> a clear error on every rank.
+    step, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-step", plan_wait_ms=60_000)
+    with torch.no_grad():
+        step(x)
+    step.refresh_replicas()
+    res["has_replicas"] = len(step._resident) > 0
+    with torch.no_grad():
+        step.w1.mul_(1.0)        # an optimizer step bumps the parameters' versions
+    res["stale"] = _catch(lambda: step(x))
+    step.refresh_replicas()
+    xg = x.clone().requires_grad_(True)
+    step(xg).sum().backward()
+    res["step_moved"] = step.last_stats.rows_moved
+    res["step_copies"] = step.last_stats.weight_copies
+    res["unreduced"] = _catch(step.refresh_replicas)
+    step.reduce_replica_grads()
+    step.refresh_replicas()
+
+    # Configs that differ across ranks: caught at construction, on every rank.
+    ffn = FF + 8 if rank == 3 else FF
+    res["config"] = _catch(lambda: MoELayer(FEPLBConfig(hidden=H, ffn=ffn, num_experts=E, top_k=K,
+                                                        gpus_per_node=2)))
+
+    # A stalled peer (rank 3 stops calling): the others time out naming the operation, no hang.
+    if rank == 3:
+        return res
+    res["stall"] = _catch(lambda: layer(x))
+    return res
+
+
+def test_faults_and_bad_input():
+    results = run_dist(_fault_worker, 4, timeout_s=240, collective_timeout_s=8)
+    for rank, res in enumerate(results):
+        assert res["hidden"].startswith("ValueError") and f"[tokens, {H}]" in res["hidden"], res["hidden"]
+        assert res["ndim"].startswith("ValueError"), res["ndim"]
+        assert res["dtype"].startswith("TypeError") and "float64" in res["dtype"], res["dtype"]
+        assert res["nan"].startswith("ValueError") and "rank(s) [2]" in res["nan"], res["nan"]
+        assert res["inf"].startswith("ValueError") and "rank(s) [1]" in res["inf"], res["inf"]
+        assert res["after_nan_ok"]
+        assert res["slow_same"], f"rank {rank}: output changed by a slow planner"
+        assert res["slow_fell_back"] == (rank < 2), (rank, res["slow_fell_back"])
+        assert res["slow_balanced"] == (rank >= 2), (rank, res["slow_balanced"])
+        assert res["cap_error"].startswith("ValueError") and "recv_capacity" in res["cap_error"], res["cap_error"]
+        assert res["grow_same"] and res["grew"]
+        assert res["has_replicas"] and res["step_moved"] > 0 and res["step_copies"] == 0, res
+        assert res["stale"].startswith("RuntimeError") and "refresh_replicas" in res["stale"], res["stale"]
+        assert res["unreduced"].startswith("RuntimeError") and "reduce_replica_grads" in res["unreduced"]
+        assert res["config"].startswith("ValueError") and "differs across ranks" in res["config"], res["config"]
+        if rank != 3:
+            assert res["stall"] is not None and "all_gather of expert counts" in res["stall"], res["stall"]
+            assert res["stall"].startswith(("TimeoutError", "RuntimeError")), res["stall"]
