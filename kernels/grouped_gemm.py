@@ -117,13 +117,13 @@ def _dot_meta(t: Tensor) -> dict:
 
 # Hopper: 128-row tiles feed wgmma (one warpgroup per 64 rows); a 64-row config serves small groups.
 FWD_HOPPER_CONFIGS = [
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-    dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
 ]
-_FWD_CONFIGS = autotune_configs(FWD_HOPPER_CONFIGS, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32))
+_FWD_CONFIGS = autotune_configs(FWD_HOPPER_CONFIGS, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2))
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["N", "K"])
@@ -131,11 +131,19 @@ _FWD_CONFIGS = autotune_configs(FWD_HOPPER_CONFIGS, dict(BLOCK_M=32, BLOCK_N=32,
 def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M, N, K, E,
                        stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_ym, stride_yn,
                        BLOCK_E: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(M, BLOCK_M) + E
-    pid_m = pid % num_m_tiles
-    pid_n = pid // num_m_tiles
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    # Bands of GROUP_M row tiles, all column tiles of a band before the next: programs running together share
+    # their rows of x and their columns of w in L2, instead of re-reading x once per column tile.
+    tiles_per_band = GROUP_M * num_n_tiles
+    band = pid // tiles_per_band
+    first_m = band * GROUP_M
+    band_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % tiles_per_band) % band_rows
+    pid_n = (pid % tiles_per_band) // band_rows
 
     # Which group owns row tile pid_m: count the groups whose cumulative tile count ends at or before it.
     experts = tl.arange(0, BLOCK_E)
@@ -254,7 +262,7 @@ def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_v
 
     launch(_grouped_mm_kernel, grid, x_MK, w_EKN, y_MN, offsets_E, M, N, K, E,
            x_MK.stride(0), x_MK.stride(1), *w_EKN.stride(), y_MN.stride(0), y_MN.stride(1),
-           BLOCK_E=triton.next_power_of_2(E), **_dot_meta(x_MK), config=config)
+           BLOCK_E=max(triton.next_power_of_2(E), 16), **_dot_meta(x_MK), config=config)
     return y_MN
 
 

@@ -262,6 +262,6 @@ def unpermute_bwd_triton(
             return (triton.cdiv(T, meta["BLOCK_T"]),)
 
         launch(_unpermute_bwd_kernel, grid, grad_TD, y_MD, dst_idx_TK, topk_weights_TK, dy_MD,
-               dw_TK if need_dw else dy_MD, T, D, K=K, BLOCK_K=triton.next_power_of_2(K), NEED_DW=need_dw,
+               dw_TK if need_dw else dy_MD, T, D, K=K, BLOCK_K=max(triton.next_power_of_2(K), 16), NEED_DW=need_dw,
                ACC=_acc(y_MD), config=config)
     return dy_MD, dw_TK
