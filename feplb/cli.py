@@ -102,8 +102,8 @@ def plot_results(results: list, path: str) -> None:
     fig, axes = plt.subplots(1, n + 1, figsize=(6 * (n + 1), 4.2), squeeze=False)
     for ax, r in zip(axes[0], results, strict=False):
         x = range(len(r.layer_names))
-        for policy, m in r.metrics.items():
-            ax.plot(x, m["token_straggler"].mean(axis=1), marker=".", label=policy)
+        for i, (policy, m) in enumerate(r.metrics.items()):
+            ax.plot(x, m["token_straggler"].mean(axis=1), marker=".", label=policy, color=f"C{i % 10}")
         ax.set_xticks(list(x), r.layer_names, fontsize=7, rotation=90 if len(r.layer_names) > 12 else 0)
         ax.set_xlabel("MoE layer")
         ax.set_ylabel("token straggler (rows, mean over micro-batches)")
@@ -113,13 +113,14 @@ def plot_results(results: list, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     ex, ax = results[0].example, axes[0][n]
+    color = {p: f"C{i % 10}" for i, p in enumerate(ex["loads_after"])}
     policies = [p for p in ex["loads_after"] if p != "none"]
     width = 0.8 / (len(policies) + 1)
     W = len(ex["loads_before"])
     ax.bar([d - 0.4 + width / 2 for d in range(W)], ex["loads_before"], width, label="plain EP (before)",
            color="0.6")
     for i, p in enumerate(policies):
-        ax.bar([d - 0.4 + width * (i + 1.5) for d in range(W)], ex["loads_after"][p], width, label=p)
+        ax.bar([d - 0.4 + width * (i + 1.5) for d in range(W)], ex["loads_after"][p], width, label=p, color=color[p])
     mean = sum(ex["loads_before"]) / W
     ax.axhline(mean, color="k", lw=0.8, ls="--", label="mean")
     ax.set_xlabel("GPU")
