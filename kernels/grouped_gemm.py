@@ -8,6 +8,10 @@ inside the kernel from the offsets (a cumulative sum of per-group tile counts), 
 sync: it launches cdiv(M, BLOCK_M) + E row tiles, an upper bound, and the surplus programs return at once. dX
 runs the same kernel on the transposed weights (a strided view, no copy); dW has its own kernel, one program
 per (group, K tile, N tile) looping over the group's rows (an empty group writes zeros).
+
+Loads use plain masked pointers, which also serve the strided (transposed) weights of dX. TMA tensor
+descriptors on Hopper, and a gate/up GEMM with the SwiGLU in its epilogue, are candidates to add once a GPU
+benchmark (bench/bench_kernels.py) shows what they gain over this version.
 """
 
 from __future__ import annotations
@@ -159,7 +163,8 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M, N, K, E,
     is_group = experts == group
     first_tile = tl.sum(tl.where(is_group, tile_ends - tiles, 0), axis=0)
     row_start = tl.sum(tl.where(is_group, starts, 0), axis=0) + (pid_m - first_tile) * BLOCK_M
-    row_end = tl.sum(tl.where(is_group, ends, 0), axis=0)
+    # Bounded by M so that unchecked (check=False) bad offsets can never write outside y.
+    row_end = tl.minimum(tl.sum(tl.where(is_group, ends, 0), axis=0), M)
 
     offs_m = row_start + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -195,7 +200,7 @@ _DW_CONFIGS = autotune_configs(DW_HOPPER_CONFIGS, dict(BLOCK_K=32, BLOCK_N=32, B
 
 @triton.autotune(configs=_DW_CONFIGS, key=["N", "K"])
 @triton.jit
-def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, K, N,
+def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, M, K, N,
                           stride_xm, stride_xk, stride_dym, stride_dyn, stride_we, stride_wk, stride_wn,
                           ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -207,7 +212,7 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, K, N,
     pid_k = rest % k_tiles
     pid_n = rest // k_tiles
     start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int32)
-    end = tl.load(offsets_ptr + group).to(tl.int32)
+    end = tl.minimum(tl.load(offsets_ptr + group).to(tl.int32), M)
 
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -291,6 +296,6 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
     def grid(meta):
         return (E * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    launch(_grouped_mm_dw_kernel, grid, x_MK, dy_MN, dw_EKN, offsets_E, K, N, x_MK.stride(0), x_MK.stride(1),
+    launch(_grouped_mm_dw_kernel, grid, x_MK, dy_MN, dw_EKN, offsets_E, M, K, N, x_MK.stride(0), x_MK.stride(1),
            dy_MN.stride(0), dy_MN.stride(1), *dw_EKN.stride(), **_dot_meta(x_MK), config=config)
     return dw_EKN
