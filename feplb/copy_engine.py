@@ -187,10 +187,11 @@ class CudaCopyEngine(CopyEngine):
         return res
 
 
-def make_copy_engine(device: torch.device, node_group, node_size: int) -> CopyEngine:
-    """The copy path for tensors on ``device``: CUDA peers on GPUs, gloo on CPUs."""
+def make_copy_engine(device: torch.device, node_group, node_size: int, *, use_nvshmem: bool = False) -> CopyEngine:
+    """The copy path for tensors on ``device``: CUDA peers on GPUs (nvshmem4py puts when ``use_nvshmem``, which
+    needs nvshmem initialised, e.g. by ``NvshmemTransport``), gloo on CPUs."""
     if device.type == "cuda":
-        return CudaCopyEngine(node_group, node_size)
+        return CudaCopyEngine(node_group, node_size, use_nvshmem=use_nvshmem)
     if device.type == "cpu":
         return GlooCopyEngine(node_group, node_size)
     raise ValueError(f"no copy path for device type {device.type!r} (expected 'cpu' or 'cuda'); {NVSHMEM_HINT}")

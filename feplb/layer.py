@@ -226,7 +226,7 @@ class MoELayer(nn.Module):
         self.transport.check_same(repr(dataclasses.asdict(c)).encode() + repr((W, c.gpus_per_node)).encode(),
                                   "FEPLBConfig")
         self.node_group, self.node_ranks = make_node_groups(group, c.gpus_per_node)
-        copy = make_copy_engine(device, self.node_group, c.gpus_per_node)
+        copy = make_copy_engine(device, self.node_group, c.gpus_per_node, use_nvshmem=c.transport == "nvshmem")
         self.comm = PeerComm(self.transport, copy, c.gpus_per_node)
         self.state = PolicyState(topo=self.topo, policy=c.policy, refresh_every=c.refresh_every) \
             if self.base != "none" else None
