@@ -1,6 +1,7 @@
 """The feplb:: custom ops as torch sees them: opcheck (schema, fake impls, autograd registration), gradcheck in
 float64, and torch.compile(fullgraph=True) of a SwiGLU expert block built from them. Each runs on the pure-torch
-twins (CPU dispatch) and, through ``triton_on_cpu`` under the interpreter, on the Triton kernels.
+twins (CPU dispatch), through ``triton_on_cpu`` under the interpreter on the Triton kernels, and, where a GPU is
+present, on CUDA tensors (the Triton kernels as dispatched in training).
 """
 
 from __future__ import annotations
@@ -15,19 +16,25 @@ import feplb.kernels as fk
 IMPLS = ["torch"]
 if fk.HAVE_TRITON and fk.INTERPRET:
     IMPLS.append("triton")
+if fk.HAVE_TRITON and torch.cuda.is_available():
+    IMPLS.append("cuda")
 
 
 def impl_context(impl: str):
     return fk.triton_on_cpu() if impl == "triton" else contextlib.nullcontext()
 
 
-def _problem(gen, kh, *, T=9, K=2, E=4, H=8, F=6, dtype=torch.float64):
+def _dev(impl: str) -> str:
+    return "cuda" if impl == "cuda" else "cpu"
+
+
+def _problem(gen, kh, *, T=9, K=2, E=4, H=8, F=6, dtype=torch.float64, device="cpu"):
     ids, w = kh.random_routing(T, K, E, gen=gen, used_experts=3)  # one expert left empty
-    x = torch.randn(T, H, generator=gen).to(dtype).requires_grad_()
-    w = w.to(dtype).requires_grad_()
-    w1 = (torch.randn(E, H, 2 * F, generator=gen) / H**0.5).to(dtype).requires_grad_()
-    w2 = (torch.randn(E, F, H, generator=gen) / F**0.5).to(dtype).requires_grad_()
-    return ids, E, x, w, w1, w2
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    w1 = torch.randn(E, H, 2 * F, generator=gen) / H**0.5
+    w2 = torch.randn(E, F, H, generator=gen) / F**0.5
+    leaves = [t.to(dtype).to(device).requires_grad_() for t in (x, w, w1, w2)]
+    return ids.to(device), E, *leaves
 
 
 def expert_block(x_TH, weights_TK, w1_EH2F, w2_EFH, topk_ids_TK, num_experts: int):
@@ -39,12 +46,12 @@ def expert_block(x_TH, weights_TK, w1_EH2F, w2_EFH, topk_ids_TK, num_experts: in
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_opcheck(impl, gen, kh):
-    ids, E, x, w, w1, _ = _problem(gen, kh)
+    ids, E, x, w, w1, _ = _problem(gen, kh, device=_dev(impl))
     meta = fk.routing_metadata(ids, E)
     src, dst = meta.src_idx_M, meta.dst_idx_TK
     x_MD = fk.permute(x, meta).detach().requires_grad_()
-    h = torch.randn(x_MD.shape[0], 12, dtype=torch.float64, generator=gen, requires_grad=True)
-    grad = torch.randn(x.shape, dtype=torch.float64, generator=gen)
+    h = torch.randn(x_MD.shape[0], 12, dtype=torch.float64, generator=gen).to(x.device).requires_grad_()
+    grad = torch.randn(x.shape, dtype=torch.float64, generator=gen).to(x.device)
     cases = [
         (torch.ops.feplb.routing_metadata.default, (ids, E, True)),
         (torch.ops.feplb.permute.default, (x, src, dst)),
@@ -71,15 +78,15 @@ def test_gradcheck_expert_block(gen, kh):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gradcheck_ops(impl, op, gen, kh):
     """Each op's backward in float64; fast mode, because every evaluation runs the interpreter."""
-    ids, E, x, w, w1, _ = _problem(gen, kh, T=5, H=4, F=3)
+    ids, E, x, w, w1, _ = _problem(gen, kh, T=5, H=4, F=3, device=_dev(impl))
     meta = fk.routing_metadata(ids, E)
     M = meta.num_rows
-    y = torch.randn(M, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    y = torch.randn(M, 4, dtype=torch.float64, generator=gen).to(x.device).requires_grad_()
     fns = {
         "permute": (lambda x: fk.permute(x, meta), (x,)),
         "unpermute": (lambda y, w: fk.unpermute(y, meta, w), (y, w)),
         "grouped_mm": (lambda y, w1: fk.grouped_mm(y, w1, meta.offsets_E), (y, w1)),
-        "swiglu": (fk.swiglu, (torch.randn(M, 6, dtype=torch.float64, generator=gen, requires_grad=True),)),
+        "swiglu": (fk.swiglu, (torch.randn(M, 6, dtype=torch.float64, generator=gen).to(x.device).requires_grad_(),)),
     }
     fn, args = fns[op]
     with impl_context(impl):
@@ -89,26 +96,27 @@ def test_gradcheck_ops(impl, op, gen, kh):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gradients_match_twin(impl, gen, kh):
     """fp32 gradients of the whole block on the chosen impl equal float64 autograd within fp32 tolerance."""
-    ids, E, x, w, w1, w2 = _problem(gen, kh, dtype=torch.float32)
+    ids, E, x, w, w1, w2 = _problem(gen, kh, dtype=torch.float32, device=_dev(impl))
     with impl_context(impl):
         out = expert_block(x, w, w1, w2, ids, E)
         grads = torch.autograd.grad(out.square().sum(), (x, w, w1, w2))
-    leaves64 = [t.detach().double().requires_grad_() for t in (x, w, w1, w2)]
-    out64 = expert_block(*leaves64, ids, E)
+    leaves64 = [t.detach().cpu().double().requires_grad_() for t in (x, w, w1, w2)]
+    out64 = expert_block(*leaves64, ids.cpu(), E)
     expected = torch.autograd.grad(out64.square().sum(), leaves64)
-    torch.testing.assert_close(out.double(), out64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.cpu().double(), out64, rtol=1e-5, atol=1e-5)
     for g, e in zip(grads, expected, strict=True):
-        torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(g.cpu().double(), e, rtol=1e-4, atol=1e-5)
 
 
 # Inductor compiles the graph around the opaque ops; on the CPU it is checked with the twins (the interpreter
 # inside it would only repeat the aot_eager case, slower).
 COMPILE_CASES = [("torch", "aot_eager"), ("torch", "inductor")] + [("triton", "aot_eager")] * ("triton" in IMPLS)
+COMPILE_CASES += [("cuda", "aot_eager"), ("cuda", "inductor")] * ("cuda" in IMPLS)
 
 
 @pytest.mark.parametrize(("impl", "backend"), COMPILE_CASES, ids=["-".join(c) for c in COMPILE_CASES])
 def test_torch_compile_fullgraph(impl, backend, gen, kh):
-    ids, E, x, w, w1, w2 = _problem(gen, kh, dtype=torch.float32)
+    ids, E, x, w, w1, w2 = _problem(gen, kh, dtype=torch.float32, device=_dev(impl))
     torch._dynamo.reset()
     compiled = torch.compile(expert_block, backend=backend, fullgraph=True)
     with impl_context(impl):
@@ -123,7 +131,7 @@ def test_torch_compile_fullgraph(impl, backend, gen, kh):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_expert_block_with_no_tokens(impl, gen, kh):
-    ids, E, x, w, w1, w2 = _problem(gen, kh, T=0, dtype=torch.float32)
+    ids, E, x, w, w1, w2 = _problem(gen, kh, T=0, dtype=torch.float32, device=_dev(impl))
     with impl_context(impl), fk.poison_outputs():
         out = expert_block(x, w, w1, w2, ids, E)
         grads = torch.autograd.grad(out.sum(), (x, w, w1, w2), allow_unused=True)
@@ -148,12 +156,13 @@ def test_random_shapes(impl, draw, gen, kh):
     ids, w = kh.random_routing(T, K, E, gen=gen, used_experts=used, ids_dtype=ids_dtype)
     x = torch.randn(T, D, generator=gen).to(dtype)
     w1 = (torch.randn(E, D, N, generator=gen) / D**0.5).to(dtype)
+    dev = _dev(impl)
     with impl_context(impl), fk.poison_outputs():
-        meta = fk.routing_metadata(ids, E)
+        meta = fk.routing_metadata(ids.to(dev), E)
         offsets = meta.offsets_E.to(ids_dtype)
-        out = fk.unpermute(fk.grouped_mm(fk.permute(x, meta), w1, offsets), meta, w)
+        out = fk.unpermute(fk.grouped_mm(fk.permute(x.to(dev), meta), w1.to(dev), offsets), meta, w.to(dev))
     expected = torch.zeros(T, N, dtype=torch.float64)
     for t in range(T):
         for k in range(K):
             expected[t] += float(w[t, k]) * (x[t].double() @ w1[int(ids[t, k])].double())
-    kh.close(out, expected, dtype, scale=4.0)
+    kh.close(out.cpu(), expected, dtype, scale=4.0)
