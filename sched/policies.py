@@ -31,7 +31,7 @@ from functools import lru_cache
 import numpy as np
 
 from feplb.sched.cost import CostModel
-from feplb.sched.plan import BASE_POLICIES, Move, Plan, parse_policy
+from feplb.sched.plan import BASE_POLICIES, Move, Plan, _frozen, parse_policy
 from feplb.sched.state import PolicyState, slots_of
 from feplb.sched.topology import Topology
 
@@ -68,25 +68,37 @@ def _parse(policy: str) -> tuple[str, bool, str]:
     return parse_policy(policy)
 
 
+@lru_cache(maxsize=64)
+def _default_rev(topo: Topology) -> np.ndarray:
+    rev = (topo.num_experts - 1) - _default_slots(topo)
+    rev.flags.writeable = False
+    return rev
+
+
 def _top(n_E: np.ndarray, cand_WK: np.ndarray | None, topo: Topology, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k candidates of each GPU with the most rows, ties to the lower expert id, as int64 [W, k] experts and
     their rows. cand_WK: int64 [W, K] candidate experts, or None for the default slots (n_E reshaped)."""
     E = topo.num_experts
     if cand_WK is None:
-        cand_WK = _default_slots(topo)
-        n_WK = n_E.reshape(topo.num_ranks, -1)
+        n_WK, rev = n_E.reshape(topo.num_ranks, -1), _default_rev(topo)
     else:
-        n_WK = n_E[cand_WK]
+        n_WK, rev = n_E[cand_WK], (E - 1) - cand_WK
+    if k == 0:
+        empty = np.zeros((topo.num_ranks, 0), dtype=np.int64)
+        return empty, empty.copy()
     # one integer key per expert orders by (rows descending, id ascending): no float or sort-stability ties
-    keys = np.sort(n_WK * E + (E - 1 - cand_WK), axis=1)[:, : -k - 1 : -1] if k else n_WK[:, :0]
-    return E - 1 - keys % E, keys // E
+    keys = n_WK * E
+    keys += rev
+    keys.sort(axis=1)
+    rows, r = np.divmod(keys[:, : -k - 1 : -1], E)
+    return (E - 1) - r, rows
 
 
-def _dynamic(n_E: np.ndarray, topo: Topology, state: PolicyState | None, mode: str,
+def _dynamic(n_E: np.ndarray, topo: Topology, state: PolicyState | None, mode: str, place: bool,
              ) -> tuple[np.ndarray, np.ndarray]:
     if mode == "ema" and state is not None and state.dynamic_WD is not None:
         return _top(n_E, state.dynamic_WD, topo, topo.dyn)
-    return _top(n_E, None if state is None else state.slots_WS, topo, topo.dyn)
+    return _top(n_E, state.slots_WS if (place and state is not None) else None, topo, topo.dyn)
 
 
 def select_dynamic(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyState | None = None,
@@ -97,9 +109,9 @@ def select_dynamic(policy: str, counts_WE: np.ndarray, topo: Topology, state: Po
     expert id. ``@ema``: the set frozen by the state's last refresh (from the EMA of past micro-batches), or
     the ``@current`` choice before any history exists.
     """
-    _, _, mode = _check_args(policy, topo, state)
+    _, place, mode = _check_args(policy, topo, state)
     counts_WE = topo.check_counts(counts_WE)
-    return _dynamic(counts_WE.sum(axis=0), topo, state, mode)[0]
+    return _dynamic(counts_WE.sum(axis=0), topo, state, mode, place)[0]
 
 
 def _hi_lo(L: list[int]) -> tuple[int, int]:
@@ -217,12 +229,11 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
         need = sorted({(m.expert, m.src, m.dst) for m in moves})
         weight_copies = tuple(c for c in need if (c[0], c[2]) not in resident)
     after_W = np.asarray(after, dtype=np.int64)
-    for a in (dyn_WD, before_W, after_W):
-        if a.base is None:  # arrays made for this plan alone: freeze in place instead of copying
-            a.flags.writeable = False
-    return Plan(policy=policy, moves=moves, weight_copies=weight_copies, dynamic_WD=dyn_WD,
-                loads_before_W=before_W, loads_after_W=after_W, home_E=home_E,
-                rows_from_source=rows_from_source, info=info or {})
+    dyn_WD, before_W = _frozen(dyn_WD), _frozen(before_W)
+    after_W.flags.writeable = False
+    return Plan._trusted(policy=policy, moves=moves, weight_copies=weight_copies, dynamic_WD=dyn_WD,
+                         loads_before_W=before_W, loads_after_W=after_W, home_E=home_E,
+                         rows_from_source=rows_from_source, info=info or {})
 
 
 def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyState | None = None, *,
@@ -256,7 +267,7 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     home_E = None if (state is None or not place) else state.home_E
     slots = _slots(topo, state)
     at_home_W = before_W if home_E is None else n_E[slots].sum(axis=1)
-    dyn_WD, dyn_n_WD = _dynamic(n_E, topo, state, mode)
+    dyn_WD, dyn_n_WD = _dynamic(n_E, topo, state, mode, place)
     resident = frozenset() if state is None else state.resident
     L_all = at_home_W.tolist()
 
