@@ -162,11 +162,11 @@ def plot_loads(rec: dict, gpus_per_node: int, path: Path) -> None:
                      fontsize=10)
         if layer % cols == 0:
             ax.set_ylabel("rows computed")
-        if layer == 0:
-            ax.legend(fontsize=8, loc="lower right")
     fig.suptitle(f"Rows each GPU computes at step {rec['step']}, before and after balancing "
                  f"(balancing moves rows only inside a node)", fontsize=11)
+    handles, labels = axes[0][0].get_legend_handles_labels()
     fig.tight_layout()
+    fig.legend(handles, labels, loc="upper center", ncol=3, fontsize=9, bbox_to_anchor=(0.5, 0.0), frameon=False)
     _save_figure(fig, path)
 
 

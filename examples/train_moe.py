@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -41,8 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report as report_mod  # noqa: E402  (the sibling module; this file runs as a script, not a package)
+EXAMPLES_DIR = Path(__file__).resolve().parent
 
 VOCAB = 256
 CKPT_DIR = "checkpoint"
@@ -72,6 +72,9 @@ class TrainConfig:
     ffn: int
     experts: int
     top_k: int
+    router: str
+    bias_rate: float
+    router_lr_scale: float
     dyn: int
     policy: str
     gpus_per_node: int
@@ -112,6 +115,10 @@ class TrainConfig:
                 f"--experts {self.experts} / world size {self.world_size})")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise UsageError(f"--lr: expected a positive finite number, got {self.lr}")
+        if not (self.router_lr_scale >= 0 and math.isfinite(self.router_lr_scale)):
+            raise UsageError(f"--router-lr-scale: expected a finite number >= 0, got {self.router_lr_scale}")
+        if not (self.bias_rate >= 0 and math.isfinite(self.bias_rate)):
+            raise UsageError(f"--bias-rate: expected a finite number >= 0, got {self.bias_rate}")
         if self.warmup < 0 or self.weight_decay < 0 or self.clip < 0:
             raise UsageError("--warmup, --weight-decay and --clip must be >= 0")
 
@@ -125,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small MoE transformer with FEPLB load balancing (run under torchrun).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     run = p.add_argument_group("run")
-    run.add_argument("--steps", type=int, default=150, help="total optimizer steps (a resumed run continues to this)")
+    run.add_argument("--steps", type=int, default=120, help="total optimizer steps (a resumed run continues to this)")
     run.add_argument("--out", type=Path, default=Path("runs/demo"), help="directory for the report and checkpoint")
     run.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     run.add_argument("--log-every", type=int, default=10, help="steps between log lines")
@@ -135,11 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how MoE rows travel between ranks (nvshmem needs CUDA and nvshmem4py)")
     run.add_argument("--seed", type=int, default=0)
     bal = p.add_argument_group("balancing")
-    bal.add_argument("--policy", default="feplb",
-                     help="balancing policy of every MoE layer; 'none' is plain expert parallelism")
+    bal.add_argument("--policy", default="feplb-split",
+                     help="balancing policy of every MoE layer (feplb.sched.POLICIES): 'feplb-split' moves dynamic "
+                          "experts and splits the hottest ones' rows inside a node, 'feplb' is the paper's "
+                          "whole-expert greedy, 'none' is plain expert parallelism")
     bal.add_argument("--gpus-per-node", type=int, default=None,
                      help="ranks per (modelled) node; balancing moves work only inside a node "
                           "(default: torchrun's --nproc-per-node)")
+    bal.add_argument("--plan-wait-ms", type=float, default=None,
+                     help="how long a layer waits for its plan after the static experts' GEMM before it computes "
+                          "at home instead (default: 0 on CUDA, where the plan overlaps the GEMM; 200 on the CPU, "
+                          "where the ranks share cores and the planner thread can be starved)")
     bal.add_argument("--dyn", type=int, default=None,
                      help="dynamic experts per rank, which may run on another rank of the node "
                           "(default: min(4, experts per rank))")
@@ -150,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--ffn", type=int, default=128, help="hidden size of each expert's SwiGLU")
     model.add_argument("--experts", type=int, default=16)
     model.add_argument("--top-k", type=int, default=2)
+    model.add_argument("--router", choices=("softmax", "sigmoid"), default="sigmoid")
+    model.add_argument("--bias-rate", type=float, default=0.01,
+                       help="step of the auxiliary-loss-free expert bias per optimizer step (0 = no bias)")
+    model.add_argument("--router-lr-scale", type=float, default=0.1,
+                       help="router learning rate relative to --lr; a fast router in a tiny model sends every "
+                            "token to one expert within a few steps")
     data = p.add_argument_group("data and optimizer")
     data.add_argument("--text", type=Path, default=None,
                       help="a text file or a directory of them (default: this Python's standard-library source)")
@@ -412,7 +431,9 @@ def save_checkpoint(out: Path, *, step: int, cfg: TrainConfig, model, optimizer,
     step_dir.mkdir(parents=True, exist_ok=True)
     state = {"step": step, "data_position": step, "config_hash": cfg.digest(), "config": dataclasses.asdict(cfg),
              "rank": rank, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "rng": rng_state(cfg.device), "history": history}
+             "rng": rng_state(cfg.device), "history": history,
+             # The layers' planning history (EMA of loads, frozen dynamic sets) lives outside their state_dict.
+             "policy_states": [moe.state for moe in model.moe_layers()]}
     atomic_torch_save(state, step_dir / f"rank{rank}.pt")
     dist.barrier()
     if local_rank == 0:  # one writer per node, so a node-local --out works too
@@ -474,6 +495,37 @@ def check_out_dir(out: Path, resume: bool) -> None:
                          f"pass --resume to continue it, or choose another --out")
 
 
+class ExpertBias:
+    """Auxiliary-loss-free balancing on the slow timescale (as in DeepSeek-V3), one selection bias per expert.
+
+    After every step each layer's bias moves by ``rate`` towards under-used experts (sign of mean load minus the
+    expert's load, over all ranks' tokens). It keeps experts alive without an auxiliary loss; the per-micro-batch
+    imbalance that remains is what FEPLB balances. The bias only selects experts, it never enters the gate weights.
+    """
+
+    def __init__(self, moes: list, rate: float) -> None:
+        self.moes, self.rate = moes, rate
+        self.counts_LE: list[torch.Tensor | None] = [None] * len(moes)
+        if rate > 0:
+            for i, moe in enumerate(moes):
+                moe.register_forward_hook(functools.partial(self._count, i))
+
+    def _count(self, layer: int, moe, inputs: tuple, output) -> None:
+        with torch.no_grad():
+            topk_ids_TK = moe.route(inputs[0].reshape(-1, moe.config.hidden))[0]
+            self.counts_LE[layer] = torch.bincount(topk_ids_TK.reshape(-1), minlength=moe.config.num_experts)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        if self.rate <= 0:
+            return
+        counts_LE = torch.stack(self.counts_LE).double()
+        dist.all_reduce(counts_LE)
+        for moe, counts_E in zip(self.moes, counts_LE, strict=True):
+            step_E = torch.sign(counts_E.mean() - counts_E).to(moe.router_bias.dtype)
+            moe.router_bias.add_(self.rate * step_E)
+
+
 def layer_stats(moes: list) -> dict:
     """This step's balancing statistics: per-layer lists and means over the layers."""
     stats = [moe.last_stats for moe in moes]
@@ -489,6 +541,24 @@ def layer_stats(moes: list) -> dict:
         "loads_before_LW": [[int(v) for v in s.loads_before_W] for s in stats],
         "loads_after_LW": [[int(v) for v in s.loads_after_W] for s in stats],
     }
+
+
+def make_optimizer(model: MoETransformer, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; matrices decay, vectors and the position table do not; routers learn at ``router_lr_scale`` x lr."""
+    routers = {id(moe.router.weight) for moe in model.moe_layers()}
+    groups: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": [], "router": []}
+    for p in model.parameters():
+        if id(p) in routers:
+            groups["router"].append(p)
+        elif p.dim() >= 2 and p is not model.pos:
+            groups["decay"].append(p)
+        else:
+            groups["no_decay"].append(p)
+    return torch.optim.AdamW([
+        {"params": groups["decay"], "weight_decay": cfg.weight_decay, "lr_scale": 1.0},
+        {"params": groups["no_decay"], "weight_decay": 0.0, "lr_scale": 1.0},
+        {"params": groups["router"], "weight_decay": 0.0, "lr_scale": cfg.router_lr_scale},
+    ], lr=cfg.lr, betas=(0.9, 0.95))
 
 
 def reduce_gradients(replicated: list[nn.Parameter], experts: list[nn.Parameter], loss: torch.Tensor,
@@ -531,18 +601,23 @@ def make_config(args, world: int, corpus_sha: str, text_label: str) -> TrainConf
     gpn = args.gpus_per_node if args.gpus_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return TrainConfig(
         layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn, experts=args.experts,
-        top_k=args.top_k, dyn=dyn, policy=args.policy, gpus_per_node=gpn, world_size=world, batch=args.batch,
+        top_k=args.top_k, router=args.router, bias_rate=args.bias_rate,
+        router_lr_scale=args.router_lr_scale, dyn=dyn, policy=args.policy,
+        gpus_per_node=gpn, world_size=world, batch=args.batch,
         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
         seed=args.seed, device=args.device, text=text_label, text_bytes=args.text_bytes, corpus_sha256=corpus_sha)
 
 
-def make_moe_config(cfg: TrainConfig, transport: str):
+def make_moe_config(cfg: TrainConfig, transport: str, plan_wait_ms: float | None):
     import feplb
 
+    if plan_wait_ms is None:
+        plan_wait_ms = 0.0 if cfg.device == "cuda" else 200.0
     try:
         return feplb.FEPLBConfig(hidden=cfg.hidden, ffn=cfg.ffn, num_experts=cfg.experts, top_k=cfg.top_k,
-                                 gpus_per_node=cfg.gpus_per_node, dyn=cfg.dyn, policy=cfg.policy,
-                                 transport=transport)
+                                 router=cfg.router, router_bias=cfg.bias_rate > 0, gpus_per_node=cfg.gpus_per_node,
+                                 dyn=cfg.dyn, policy=cfg.policy, transport=transport,
+                                 plan_wait_ms=plan_wait_ms)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"MoE layer configuration rejected: {exc}") from exc
 
@@ -564,7 +639,7 @@ def train(args: argparse.Namespace) -> Path:
     if len(set(gather(corpus_sha))) != 1:  # the same answer on every rank, so all of them stop here together
         raise UsageError("--text: the ranks read different text; every rank must see the same corpus")
     cfg = collective_check(make_config, args, world, corpus_sha, text_label)
-    moe_config = collective_check(make_moe_config, cfg, args.transport)
+    moe_config = collective_check(make_moe_config, cfg, args.transport, args.plan_wait_ms)
     data = collective_check(ByteStreams, corpus, rank=rank, world=world, batch=cfg.batch, seq_len=cfg.seq_len,
                             device=device)
     del corpus
@@ -579,10 +654,8 @@ def train(args: argparse.Namespace) -> Path:
         for p in replicated:
             dist.broadcast(p, src=0)
     moes = model.moe_layers()
-    decay = [p for p in model.parameters() if p.dim() >= 2 and p is not model.pos]
-    no_decay = [p for p in model.parameters() if not (p.dim() >= 2 and p is not model.pos)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    expert_bias = ExpertBias(moes, cfg.bias_rate)
+    optimizer = make_optimizer(model, cfg)
 
     start_step, history = 0, {"steps": []}
     if args.resume:
@@ -590,6 +663,8 @@ def train(args: argparse.Namespace) -> Path:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"], cfg.device)
+        for moe, policy_state in zip(moes, state["policy_states"], strict=True):
+            moe.state = policy_state
         start_step = state["step"]
         history = state["history"] if rank == 0 else history
         for moe in moes:
@@ -597,7 +672,8 @@ def train(args: argparse.Namespace) -> Path:
 
     meta = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "world_size": world,
             "config": dataclasses.asdict(cfg), "config_hash": cfg.digest(), "steps_planned": args.steps,
-            "transport": args.transport, "torch": torch.__version__, "platform": platform_line(device)}
+            "transport": args.transport, "plan_wait_ms": moe_config.plan_wait_ms, "torch": torch.__version__,
+            "platform": platform_line(device)}
     tokens_per_step = world * cfg.batch * cfg.seq_len
     if rank == 0:
         print(f"feplb demo: {world} ranks = {world // cfg.gpus_per_node} nodes x {cfg.gpus_per_node} GPUs, "
@@ -612,7 +688,7 @@ def train(args: argparse.Namespace) -> Path:
     for step in range(start_step, args.steps):
         t0 = time.perf_counter()
         for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup) if cfg.warmup else cfg.lr
+            group["lr"] = cfg.lr * group["lr_scale"] * (min(1.0, (step + 1) / cfg.warmup) if cfg.warmup else 1.0)
         ids_BS, targets_BS = data.batch(step)
         logits_BSV = model(ids_BS)
         loss = F.cross_entropy(logits_BSV.reshape(-1, VOCAB), targets_BS.reshape(-1))
@@ -624,6 +700,7 @@ def train(args: argparse.Namespace) -> Path:
         if not math.isfinite(mean_loss):  # the all-reduced value, so every rank stops at the same step
             raise RuntimeError(f"the loss became {mean_loss} at step {step + 1}; lower --lr")
         optimizer.step()
+        expert_bias.update()
         for moe in moes:
             moe.refresh_replicas()
         if device.type == "cuda":
@@ -647,9 +724,18 @@ def train(args: argparse.Namespace) -> Path:
     if rank == 0:
         meta["run_wall_s"] = run_s
         meta["resumed_from"] = start_step
-        report_mod.write_report(out, meta, history["steps"])
+        write_report(out, meta, history["steps"])
     dist.barrier()
     return out / "report.md"
+
+
+def write_report(out: Path, meta: dict, steps: list[dict]) -> None:
+    """Rank 0 only: the sibling module report.py (imported here so the other ranks never load matplotlib)."""
+    if str(EXAMPLES_DIR) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES_DIR))
+    import report
+
+    report.write_report(out, meta, steps)
 
 
 def gather(obj) -> list:

@@ -1,0 +1,320 @@
+"""examples/train_moe.py: the demo trains, balances, reports and resumes; bad input stops it with a clear message.
+
+The end-to-end tests launch the script as a user would (torchrun, 4 gloo ranks modelled as 2 nodes x 2 GPUs) with a
+small model; the others load its functions in-process. Shape legend: B sequences, S sequence length, W ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "train_moe.py"
+REPORT_FILES = ("report.json", "report.md", "loss.png", "straggler.png", "loads.png")
+# A model small enough that a 4-rank run is mostly start-up time on two cores, big enough to learn bytes.
+SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn", "64", "--experts", "8", "--batch", "4",
+         "--seq-len", "64", "--text-bytes", "262144", "--warmup", "5", "--log-every", "5"]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is being built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def train_moe():
+    return _load("train_moe")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _load("report")
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RANK", None)
+    return env
+
+
+def _torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(SCRIPT), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _plain(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """One process, no torchrun: the script forms a group of one."""
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    tail = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{tail}"
+
+
+def _steps(out: Path) -> list[dict]:
+    return json.loads((out / "report.json").read_text())["steps"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# End to end
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_demo_trains_balances_and_reports(tmp_path):
+    out = tmp_path / "run"
+    steps = 30
+    proc = _torchrun(4, "--gpus-per-node", "2", "--out", str(out), "--steps", str(steps), *SMALL)
+    _ok(proc)
+    assert f"report: {out / 'report.md'}" in proc.stdout
+
+    for name in REPORT_FILES:
+        assert (out / name).stat().st_size > 0, name
+    for png in ("loss.png", "straggler.png", "loads.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert not list(out.glob(".*.tmp")), "temporary files left behind"
+    doc = json.loads((out / "report.json").read_text())
+    steps_ = doc["steps"]
+    assert [s["step"] for s in steps_] == list(range(1, steps + 1))
+    md = (out / "report.md").read_text()
+    assert all(f"({name})" in md for name in ("loss.png", "straggler.png", "loads.png"))
+
+    losses = [s["loss"] for s in steps_]
+    assert all(math.isfinite(v) for v in losses)
+    assert abs(losses[0] - math.log(256)) < 0.3, "an untrained byte model starts near ln 256"
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0, losses
+
+    rows_per_layer = 4 * 4 * 64 * 2  # W ranks x B x S x top-k
+    for s in steps_:
+        assert s["wall_s"] > 0 and s["rows_moved"] >= 0
+        for before_W, after_W in zip(s["loads_before_LW"], s["loads_after_LW"], strict=True):
+            assert len(before_W) == len(after_W) == 4
+            assert sum(before_W) == sum(after_W) == rows_per_layer, "every row is computed exactly once"
+            # Balancing moves rows only inside a node (ranks 0-1, 2-3): each node's total is unchanged.
+            assert before_W[0] + before_W[1] == after_W[0] + after_W[1]
+        recomputed = np.mean([max(w) - np.mean(w) for w in s["loads_before_LW"]])
+        assert s["token_straggler_before"] == pytest.approx(recomputed)
+        assert s["token_straggler_after"] <= s["token_straggler_before"] + 1e-9, "balancing made a step worse"
+    before = np.mean([s["token_straggler_before"] for s in steps_])
+    after = np.mean([s["token_straggler_after"] for s in steps_])
+    assert after < 0.8 * before, (before, after)
+    assert doc["summary"]["reduction"] == pytest.approx(1 - after / before)
+
+    # A checkpoint from a different configuration is refused, and the run's files stay as they were.
+    pointer = (out / "checkpoint" / "latest.json").read_bytes()
+    report_json = (out / "report.json").read_bytes()
+    proc = _plain("--out", str(out), *SMALL, "--hidden", "32", "--resume", "--steps", str(steps + 5))
+    assert proc.returncode == 2, proc.stderr
+    assert "different configuration" in proc.stderr and "hidden: checkpoint 64, now 32" in proc.stderr, proc.stderr
+    assert (out / "checkpoint" / "latest.json").read_bytes() == pointer
+    assert (out / "report.json").read_bytes() == report_json
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_resume_continues_step_for_step(tmp_path):
+    n = 8
+    common = ["--gpus-per-node", "2", *SMALL, "--log-every", "4"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    _ok(_torchrun(2, "--out", str(full), "--steps", str(2 * n), *common))
+    _ok(_torchrun(2, "--out", str(part), "--steps", str(n), *common))
+    proc = _torchrun(2, "--out", str(part), "--steps", str(2 * n), "--resume", *common)
+    _ok(proc)
+    assert f"resuming from step {n}" in proc.stdout
+    straight, resumed = _steps(full), _steps(part)
+    assert [s["step"] for s in resumed] == list(range(1, 2 * n + 1))
+    assert any(s["rows_moved"] for s in straight[n:]), "the continuation should exercise balancing"
+    for key in ("loss", "grad_norm", "loads_before_LW", "loads_after_LW", "rows_moved"):
+        assert [s[key] for s in resumed] == [s[key] for s in straight], key
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_world_size_the_config_does_not_divide_fails_on_every_rank(tmp_path):
+    out = tmp_path / "run"
+    proc = _torchrun(2, "--gpus-per-node", "2", "--out", str(out), "--steps", "2", *SMALL, "--experts", "3",
+                     timeout=120)
+    assert proc.returncode != 0
+    assert "--experts 3 is not divisible by the world size 2" in proc.stderr, proc.stderr
+    assert not (out / "report.md").exists() and not (out / "checkpoint").exists()
+
+
+@pytest.mark.slow
+def test_missing_text_exits_with_a_message(tmp_path):
+    proc = _plain("--out", str(tmp_path / "a"), "--text", str(tmp_path / "missing.txt"), *SMALL, "--steps", "2")
+    assert proc.returncode == 2, proc.stderr
+    assert f"train_moe.py: error: --text {tmp_path / 'missing.txt'}: no such file or directory" in proc.stderr
+    assert not (tmp_path / "a" / "report.md").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pieces, in-process
+
+
+def test_corpus_is_deterministic_and_respects_the_budget(train_moe):
+    a, label = train_moe.read_corpus(None, 50_000)
+    b, _ = train_moe.read_corpus(None, 50_000)
+    assert a == b and len(a) == 50_000 and "standard-library" in label
+    assert a.startswith(train_moe.read_corpus(None, 1_000)[0])
+
+
+def test_corpus_from_a_directory_reads_sorted_files(train_moe, tmp_path):
+    (tmp_path / "b.txt").write_bytes(b"BBBB")
+    (tmp_path / "a.txt").write_bytes(b"AA")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.txt").write_bytes(b"CCC")
+    data, _ = train_moe.read_corpus(tmp_path, 1 << 20)
+    assert data == b"AABBBBCCC"
+    assert train_moe.read_corpus(tmp_path, 4)[0] == b"AABB"
+
+
+def test_byte_streams_give_each_rank_its_own_next_byte_pairs(train_moe):
+    rng = np.random.default_rng(0)
+    corpus = rng.integers(0, 256, size=40_000, dtype=np.uint8).tobytes()
+    world, B, S = 4, 3, 16
+    seen = []
+    for rank in range(world):
+        data = train_moe.ByteStreams(corpus, rank=rank, world=world, batch=B, seq_len=S, device=torch.device("cpu"))
+        x_BS, y_BS = data.batch(7)
+        again_BS, _ = data.batch(7)
+        assert x_BS.shape == y_BS.shape == (B, S) and x_BS.dtype == torch.int64
+        assert torch.equal(x_BS, again_BS)
+        per_rank = len(corpus) // world
+        for row_S, target_S in zip(x_BS, y_BS, strict=True):
+            text = bytes(row_S.tolist())
+            pos = corpus.find(text, rank * per_rank)
+            assert rank * per_rank <= pos < (rank + 1) * per_rank, "a rank read outside its slice"
+            assert bytes(target_S.tolist()) == corpus[pos + 1:pos + 1 + S]
+        seen.append(x_BS)
+    assert all(not torch.equal(seen[0], other) for other in seen[1:])
+
+
+_BASE = dict(layers=2, hidden=32, heads=4, ffn=32, experts=16, top_k=2, router="sigmoid", bias_rate=1e-3,
+             router_lr_scale=0.1, dyn=2, policy="feplb", gpus_per_node=2, world_size=4, batch=2, seq_len=8, lr=1e-3,
+             warmup=0, weight_decay=0.0, clip=1.0, seed=0, device="cpu", text="t", text_bytes=100, corpus_sha256="x")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"world_size": 4, "experts": 6}, "--experts 6 is not divisible by the world size 4"),
+    ({"world_size": 6, "gpus_per_node": 4, "experts": 12}, "--gpus-per-node 4 does not divide the world size 6"),
+    ({"dyn": 9}, "--dyn 9: expected 0..4"),
+    ({"hidden": 30}, "--hidden 30 is not divisible by --heads 4"),
+    ({"top_k": 17}, "--top-k 17 exceeds --experts 16"),
+    ({"lr": float("nan")}, "--lr"),
+], ids=["experts-vs-world", "node-vs-world", "dyn-too-large", "heads", "top-k", "lr-nan"])
+def test_config_rejects_what_it_cannot_run(train_moe, change, message):
+    base = _BASE
+    train_moe.TrainConfig(**base)
+    with pytest.raises(train_moe.UsageError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        train_moe.TrainConfig(**{**base, **change})
+    assert train_moe.TrainConfig(**base).digest() != train_moe.TrainConfig(**{**base, "seed": 1}).digest()
+
+
+def _fake_steps(rng: np.random.Generator, n: int, layers: int = 2, world: int = 4) -> list[dict]:
+    steps = []
+    for i in range(n):
+        before = rng.integers(0, 100, size=(layers, world)).tolist()
+        after = [sorted(w) for w in before]  # a stand-in plan: same rows, any placement
+        sb = [max(w) - sum(w) / world for w in before]
+        sa = [max(w) - sum(w) / world for w in after]
+        steps.append({"step": i + 1, "loss": 5.0 - 0.1 * i, "grad_norm": 1.0, "wall_s": 0.5, "tokens_per_s": 100.0,
+                      "token_straggler_before": float(np.mean(sb)), "token_straggler_after": float(np.mean(sa)) / 2,
+                      "rows_moved": int(rng.integers(0, 50)), "fell_back": 0, "layer_straggler_before": sb,
+                      "layer_straggler_after": [v / 2 for v in sa], "loads_before_LW": before,
+                      "loads_after_LW": after})
+    return steps
+
+
+def test_report_writes_every_file_and_its_numbers_match_the_steps(report, tmp_path):
+    steps = _fake_steps(np.random.default_rng(1), 30)
+    meta = {"command": "train_moe.py", "world_size": 4, "config": {
+        "gpus_per_node": 2, "layers": 2, "experts": 8, "top_k": 2, "hidden": 64, "ffn": 64, "dyn": 2,
+        "policy": "feplb", "text": "t", "text_bytes": 1, "batch": 1, "seq_len": 1},
+        "platform": "CPU: test", "torch": torch.__version__, "transport": "torch", "resumed_from": 0}
+    summary = report.write_report(tmp_path, meta, steps)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(REPORT_FILES), "exactly the report, no temp files"
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["steps"] == steps and doc["load_bars_step"] == 30
+    before = np.mean([s["token_straggler_before"] for s in steps])
+    after = np.mean([s["token_straggler_after"] for s in steps])
+    assert summary["reduction"] == pytest.approx(1 - after / before)
+    assert summary["loss_first"] == pytest.approx(np.mean([s["loss"] for s in steps[:3]]))
+    assert summary["loss_last"] == pytest.approx(np.mean([s["loss"] for s in steps[-3:]]))
+    md = (tmp_path / "report.md").read_text()
+    assert f"{100 * summary['reduction']:.1f}% lower" in md
+    with pytest.raises(ValueError, match="steps"):
+        report.write_report(tmp_path / "none", meta, [])
+
+
+def test_smoothing_is_a_trailing_mean(report):
+    values = list(np.random.default_rng(2).normal(size=25))
+    got = report.smooth(values, 4)
+    want = [np.mean(values[max(0, i - 3):i + 1]) for i in range(25)]
+    assert got == pytest.approx(want)
+
+
+def test_atomic_save_leaves_the_old_file_when_writing_fails(train_moe, tmp_path):
+    target = tmp_path / "ckpt.pt"
+    train_moe.atomic_torch_save({"step": 1}, target)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(RuntimeError):
+        train_moe.atomic_torch_save({"step": 2, "bad": Unpicklable()}, target)
+    assert torch.load(target, weights_only=False) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def test_out_dir_checks(train_moe, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(train_moe.UsageError, match="--out .*: cannot write there"):
+        train_moe.check_out_dir(blocker / "run", resume=False)
+    run = tmp_path / "run"
+    train_moe.check_out_dir(run, resume=False)
+    assert run.is_dir() and not list(run.iterdir()), "the write test leaves nothing behind"
+    (run / "checkpoint").mkdir()
+    (run / "checkpoint" / "latest.json").write_text(json.dumps({"step": 7}))
+    with pytest.raises(train_moe.UsageError, match="already holds a run \\(checkpoint at step 7\\); pass --resume"):
+        train_moe.check_out_dir(run, resume=False)
+    train_moe.check_out_dir(run, resume=True)
+
+
+def test_resume_refuses_a_missing_or_foreign_checkpoint(train_moe, tmp_path):
+    cfg = train_moe.TrainConfig(**_BASE)
+    with pytest.raises(train_moe.UsageError, match="holds no checkpoint"):
+        train_moe.load_checkpoint(tmp_path, cfg, rank=0)
+    other = train_moe.TrainConfig(**{**_BASE, "experts": 8, "seed": 3})
+    (tmp_path / "checkpoint").mkdir()
+    pointer = {"step": 5, "dir": "step_0000005", "config_hash": other.digest(), "config": dataclasses.asdict(other)}
+    (tmp_path / "checkpoint" / "latest.json").write_text(json.dumps(pointer))
+    with pytest.raises(train_moe.UsageError, match="different configuration .*experts: checkpoint 8, now 16.*seed"):
+        train_moe.load_checkpoint(tmp_path, cfg, rank=0)
+    pointer.update(config_hash=cfg.digest(), config=dataclasses.asdict(cfg))
+    (tmp_path / "checkpoint" / "latest.json").write_text(json.dumps(pointer))
+    with pytest.raises(train_moe.UsageError, match="cannot load"):
+        train_moe.load_checkpoint(tmp_path, cfg, rank=0)
+
+
+def test_text_too_small_for_the_batch_is_refused(train_moe):
+    with pytest.raises(train_moe.UsageError, match="79 bytes of text, .* needs at least 80;"):
+        train_moe.ByteStreams(b"x" * 79, rank=0, world=4, batch=2, seq_len=8, device=torch.device("cpu"))
