@@ -19,7 +19,8 @@ from feplb.sched import PolicyState, Topology, make_plan
 from feplb.traces import SyntheticWorkload
 
 SHAPES = {"E128-W8": (128, 8, 8, 50.0), "E256-W64": (256, 64, 8, 200.0)}
-POLICIES = ["none", "feplb", "feplb-split", "feplb-split@ema", "lp", "fastermoe", "eplb", "feplb-split+place"]
+POLICIES = ["none", "feplb", "feplb-split", "feplb-split@ema", "lp", "fastermoe", "eplb", "feplb-split+place",
+            "feplb[node]", "feplb-split[node]"]
 
 
 def _inputs(shape: str, policy: str):
@@ -37,18 +38,20 @@ def _inputs(shape: str, policy: str):
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_planner_latency(benchmark, shape, policy):
-    topo, state, counts = _inputs(shape, policy)
+    # "NAME[node]": what one rank plans, its own node only (make_plan(..., node=0))
+    name, kw = (policy[:-6], {"node": 0}) if policy.endswith("[node]") else (policy, {})
+    topo, state, counts = _inputs(shape, name)
     cycle = itertools.cycle(counts)
     benchmark.group = f"planner {shape} dyn=4"
-    benchmark.pedantic(lambda: make_plan(policy, next(cycle), topo, state), rounds=2000, iterations=1,
+    benchmark.pedantic(lambda: make_plan(name, next(cycle), topo, state, **kw), rounds=2000, iterations=1,
                        warmup_rounds=50)
-    make_plan(policy, counts[0], topo, state).validate(counts[0], topo, state)
+    make_plan(name, counts[0], topo, state, **kw).validate(counts[0], topo, state)
     if benchmark.stats is not None:
         wall = np.asarray(benchmark.stats.stats.data) * 1e6
         cpu = []
         for c in counts * 30:
             t0 = time.thread_time_ns()
-            make_plan(policy, c, topo, state)
+            make_plan(name, c, topo, state, **kw)
             cpu.append((time.thread_time_ns() - t0) / 1e3)
         benchmark.extra_info.update(p50_us=float(np.percentile(wall, 50)), p99_us=float(np.percentile(wall, 99)),
                                     cpu_p50_us=float(np.percentile(cpu, 50)), cpu_p99_us=float(np.percentile(cpu, 99)),

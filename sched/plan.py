@@ -91,6 +91,8 @@ class Plan:
         default ``e // (E // W)``.
     rows_from_source: True when every move's rows are computed on the rank they come from, without passing
         through the home GPU (FasterMoE shadowing); such rows are never copied.
+    node: the one node this plan covers (``make_plan(..., node=k)``); GPUs of other nodes keep their rows at
+        home in it. None: all nodes.
     """
 
     policy: str
@@ -101,6 +103,7 @@ class Plan:
     loads_after_W: np.ndarray
     home_E: np.ndarray | None = None
     rows_from_source: bool = False
+    node: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -131,7 +134,7 @@ class Plan:
         return (self.policy, tuple((m.expert, m.src, m.dst, m.row_start, m.row_end) for m in self.moves),
                 self.weight_copies, self.dynamic_WD.tobytes(), self.dynamic_WD.shape, self.loads_before_W.tobytes(),
                 self.loads_after_W.tobytes(), None if self.home_E is None else self.home_E.tobytes(),
-                self.rows_from_source)
+                self.rows_from_source, self.node)
 
     @property
     def rows_moved(self) -> int:
@@ -213,6 +216,8 @@ class Plan:
             if prev[0] == e and a < prev_end:
                 raise ValueError(f"move {i}: rows [{a}, {b}) of expert {e} overlap a previous move (computed twice)")
             prev, prev_end = (e, a), b
+            if self.node is not None and not src // topo.gpus_per_node == dst // topo.gpus_per_node == self.node:
+                raise ValueError(f"move {i}: GPU {src} -> {dst} is outside node {self.node}, the node this plan covers")
             if base in INTRA_NODE_BASES:
                 if src // topo.gpus_per_node != dst // topo.gpus_per_node:
                     raise ValueError(f"move {i}: policy {self.policy!r} moved expert {e} across nodes "

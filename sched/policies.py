@@ -222,7 +222,7 @@ def _merge(raw: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, in
 def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: frozenset[tuple[int, int]],
             dyn_WD: np.ndarray, before_W: np.ndarray, after: list[int], home_E: np.ndarray | None,
             rows_from_source: bool = False, weight_copies: tuple[tuple[int, int, int], ...] | None = None,
-            info: dict | None = None) -> Plan:
+            info: dict | None = None, node: int | None = None) -> Plan:
     new = tuple.__new__
     moves = tuple([new(Move, (e, s, d, a, b)) for e, a, s, d, b in _merge(raw)])
     if weight_copies is None:
@@ -233,12 +233,12 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
     after_W.flags.writeable = False
     return Plan._trusted(policy=policy, moves=moves, weight_copies=weight_copies, dynamic_WD=dyn_WD,
                          loads_before_W=before_W, loads_after_W=after_W, home_E=home_E,
-                         rows_from_source=rows_from_source, info=info or {})
+                         rows_from_source=rows_from_source, node=node, info=info or {})
 
 
 def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyState | None = None, *,
               tau: float = 0.01, min_chunk: int | None = None, cost: CostModel | None = None,
-              max_shadow: int | None = None, total_rows: int | None = None) -> Plan:
+              max_shadow: int | None = None, total_rows: int | None = None, node: int | None = None) -> Plan:
     """Plan one MoE layer's micro-batch. Pure and deterministic.
 
     counts_WE: int [W, E] rows per (source rank, expert); never negative.
@@ -248,6 +248,9 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     cost: the cost model (fastermoe's decision; feplb-split's default min_chunk).
     max_shadow: at most this many shadowed experts for fastermoe (default: no limit but the cost model's).
     total_rows: if given, counts_WE.sum() must equal it (the micro-batch's W * T * K rows).
+    node: plan only this node (in-node policies and ``none``): the moves and balanced loads of that node, the other
+        nodes' GPUs left at home. In-node plans of different nodes are independent, so a rank needs only its own
+        node's, identical to that part of the full plan, at a fraction of the cost on many nodes.
     """
     base, place, mode = _check_args(policy, topo, state)
     counts_WE = topo.check_counts(counts_WE)
@@ -262,6 +265,11 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     if isinstance(min_chunk, bool) or not isinstance(min_chunk, int) or min_chunk < 1:
         raise ValueError(f"min_chunk must be an int >= 1, got {min_chunk!r}")
     W, G, S = topo.num_ranks, topo.gpus_per_node, topo.experts_per_rank
+    if node is not None:
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < topo.num_nodes:
+            raise ValueError(f"node must be an int in [0, {topo.num_nodes}), got {node!r}")
+        if base in ("fastermoe", "eplb"):
+            raise ValueError(f"node={node}: policy {policy!r} places rows across nodes and plans all of them")
     n_E = counts_WE.sum(axis=0)
     before_W = n_E.reshape(W, S).sum(axis=1)
     home_E = None if (state is None or not place) else state.home_E
@@ -272,7 +280,7 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     L_all = at_home_W.tolist()
 
     if base == "none":
-        return _finish(policy, [], resident, dyn_WD, before_W, L_all, home_E)
+        return _finish(policy, [], resident, dyn_WD, before_W, L_all, home_E, node=node)
     if base == "fastermoe":
         return _fastermoe(policy, counts_WE, n_E, topo, slots, dyn_WD, before_W, home_E, cost, max_shadow)
     if base == "eplb":
@@ -283,8 +291,8 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     # (rows, expert) of each GPU's dynamic experts, already in (rows desc, id asc) order
     cand_all = [list(zip(rows, row, strict=True)) for row, rows in zip(dyn, dyn_n, strict=True)]
     raw: list[tuple[int, int, int, int, int]] = []
-    after: list[int] = []
-    for g0 in range(0, W, G):
+    after = L_all
+    for g0 in range(0, W, G) if node is None else (node * G,):
         L = L_all[g0:g0 + G]
         tau_gap = int(tau * sum(L) / G)
         whole: list[tuple[int, int, int, int, int]] = []
@@ -300,8 +308,8 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
                 pieces[dst - g0].append([e, 0, n, src - g0])
             _split(L, pieces, min_chunk if base == "feplb-split" else 1, tau_gap if base == "feplb-split" else 0)
             _pieces_to_moves(pieces, g0, raw)
-        after.extend(L)
-    return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E)
+        after[g0:g0 + G] = L
+    return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E, node=node)
 
 
 def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topology, slots: np.ndarray,

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from feplb.sched import (
     POLICIES,
     CostModel,
+    Plan,
     PolicyState,
     Topology,
     make_plan,
@@ -193,3 +194,35 @@ def test_bad_inputs():
         make_plan("feplb-split", counts, topo, min_chunk=0)
     with pytest.raises(TypeError, match="topo must be a Topology"):
         make_plan("feplb", counts, (2, 2, 4))
+
+
+@SETTINGS
+@given(case=CASES)
+def test_node_plans_are_slices_of_the_full_plan(case):
+    topo, counts, _ = _topo_counts(*case)
+    G = topo.gpus_per_node
+    for policy in ("none", "feplb", "feplb-split", "lp"):
+        full = make_plan(policy, counts, topo)
+        for k in range(topo.num_nodes):
+            part = make_plan(policy, counts, topo, node=k)
+            part.validate(counts, topo)
+            assert part.moves == tuple(m for m in full.moves if m.src // G == k)
+            sl = slice(k * G, (k + 1) * G)
+            assert part.loads_after_W[sl].tolist() == full.loads_after_W[sl].tolist()
+            rest = np.ones(topo.num_ranks, bool)
+            rest[sl] = False
+            assert part.loads_after_W[rest].tolist() == part.loads_before_W[rest].tolist()
+
+
+def test_node_option_refusals():
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
+    counts = np.ones((4, 8), dtype=np.int64)
+    with pytest.raises(ValueError, match=r"node must be an int in \[0, 2\)"):
+        make_plan("feplb", counts, topo, node=2)
+    with pytest.raises(ValueError, match="plans all of them"):
+        make_plan("eplb", counts, topo, node=0)
+    plan = make_plan("feplb", counts * np.arange(1, 9), topo, node=1)
+    bad = Plan._trusted(**{**plan.__dict__, "node": 0})
+    if plan.moves:
+        with pytest.raises(ValueError, match="outside node 0"):
+            bad.validate(counts * np.arange(1, 9), topo)
