@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -94,3 +98,25 @@ def test_swiglu_rejects():
         fk.swiglu(torch.randn(3, 5))
     with pytest.raises(ValueError, match="h_M2F.*contiguous"):
         fk.swiglu(torch.randn(6, 4).T)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's messages")
+def test_kernels_refuse_cpu_tensors_without_interpreter():
+    """Without TRITON_INTERPRET, a launcher given CPU tensors and triton_on_cpu() both fail with a clear message."""
+    code = (
+        "import torch, feplb.kernels as fk\n"
+        "from feplb.kernels.permutation import permute_triton\n"
+        "try:\n"
+        "    idx = torch.zeros(2, 1, dtype=torch.int32)\n"
+        "    permute_triton(torch.zeros(2, 4), idx.reshape(2), idx)\n"
+        "except ValueError as e:\n"
+        "    print('launcher:', e)\n"
+        "try:\n"
+        "    fk.triton_on_cpu().__enter__()\n"
+        "except RuntimeError as e:\n"
+        "    print('context:', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300).stdout
+    assert "launcher: permute_triton: Triton kernels need CUDA tensors" in out
+    assert "context: triton_on_cpu() needs Triton and TRITON_INTERPRET=1" in out
