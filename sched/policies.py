@@ -12,9 +12,10 @@ Policies (``BASE[+place][@current|@ema]``, see ``parse_policy``):
 * ``feplb``: the paper's greedy. Per node, repeat: take the most loaded GPU, move its busiest dynamic expert
   whose rows are fewer than the gap to the least loaded GPU there, whole; stop when nothing helps or the gap is
   at most ``tau`` times the node's mean load.
-* ``feplb-split``: ``feplb``, then split the at-home rows of hot dynamic experts into chunks of at least
-  ``min_chunk`` rows (default: the cost model's knee, below which a GEMM costs its weight-read floor anyway),
-  moving each chunk from the most to the least loaded GPU of the node toward the node's mean.
+* ``feplb-split``: ``feplb``, then split rows of dynamic experts (left at home, or already sent to a helper)
+  into chunks of at least ``min_chunk`` rows (default: the cost model's knee, below which a GEMM costs its
+  weight-read floor anyway), moving each chunk from the most to the least loaded GPU of the node toward the
+  node's mean; every chunk is smaller than the gap it closes, so the node's maximum never rises.
 * ``lp``: the optimal fractional balance inside each node with the same dynamic set (water-filling, any chunk
   size): the lower bound for in-node, dynamic-only policies.
 * ``fastermoe``: FasterMoE's shadow experts: the hottest experts, one at a time while the cost model says the
@@ -112,17 +113,6 @@ def select_dynamic(policy: str, counts_WE: np.ndarray, topo: Topology, state: Po
     _, place, mode = _check_args(policy, topo, state)
     counts_WE = topo.check_counts(counts_WE)
     return _dynamic(counts_WE.sum(axis=0), topo, state, mode, place)[0]
-
-
-def _hi_lo(L: list[int]) -> tuple[int, int]:
-    hi = lo = 0
-    for i in range(1, len(L)):
-        v = L[i]
-        if v > L[hi]:
-            hi = i
-        elif v < L[lo]:
-            lo = i
-    return hi, lo
 
 
 def _greedy_whole(L: list[int], cand: list[list[tuple[int, int]]], tau_gap: int,
