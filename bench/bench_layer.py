@@ -1,5 +1,8 @@
 """Forward + backward time of one MoELayer with balancing on vs off, measured in the same process group and run.
 
+Variants: plain EP, ``feplb-split`` with resident replicas (weights once per step), and ``feplb-split`` with the
+weights copied every micro-batch (``copy_bytes`` and ``weight_copies`` show the difference in traffic).
+
 * ``test_layer_cpu_gloo``: 4 gloo processes on the CPU (2 nodes x 2 "GPUs"), a small layer (H=64, F=128, E=16,
   top-2, 256 tokens per rank) on skewed routing. CPU NUMBERS: they show the runtime's overhead and that the
   balanced layer computes the same thing; they say nothing about GPU speed or copy-engine overlap.
@@ -27,6 +30,9 @@ from feplb.testing import run_dist
 SHAPES = {"cpu": dict(hidden=64, ffn=128, num_experts=16, top_k=2, tokens=256, gpus_per_node=2, world=4, iters=8),
           "gpu": dict(hidden=2048, ffn=1024, num_experts=32, top_k=4, tokens=4096, gpus_per_node=8, world=0, iters=20)}
 BALANCED = "feplb-split"
+# name -> (policy, weights mode): plain EP, balanced with resident replicas, balanced with weights per micro-batch
+VARIANTS = {"none": ("none", "per-step"), BALANCED: (BALANCED, "per-step"),
+            f"{BALANCED}/per-microbatch": (BALANCED, "per-microbatch")}
 
 
 def _bench_worker(rank, world, shape, device):
@@ -41,10 +47,10 @@ def _bench_worker(rank, world, shape, device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     dev = torch.device("cpu") if device == "cpu" else torch.device("cuda", torch.cuda.current_device())
     layers = {}
-    for policy in ("none", BALANCED):
+    for name, (policy, weights) in VARIANTS.items():
         torch.manual_seed(0)
-        layers[policy] = MoELayer(FEPLBConfig(policy=policy, dyn=2, dtype=dtype, plan_wait_ms=50.0,
-                                              weights="per-step", **s))
+        layers[name] = MoELayer(FEPLBConfig(policy=policy, dyn=2, dtype=dtype, plan_wait_ms=50.0,
+                                            weights=weights, **s))
     gen = torch.Generator().manual_seed(1)
     router = torch.randn(s["num_experts"], s["hidden"], generator=gen) / s["hidden"] ** 0.5
     router[:, 0] = 0
@@ -81,7 +87,8 @@ def _bench_worker(rank, world, shape, device):
             st = layer.last_stats
             stats[policy] = {"token_straggler_before": st.token_straggler_before,
                              "token_straggler_after": st.token_straggler_after, "rows_moved": st.rows_moved,
-                             "fell_back": st.fell_back, "plan_us": st.plan_us}
+                             "fell_back": st.fell_back, "plan_us": st.plan_us, "copy_bytes": st.copy_bytes,
+                             "weight_copies": st.weight_copies}
     return {p: {"median_ms": float(np.median(v)), "min_ms": float(np.min(v)), **stats[p]} for p, v in times.items()}
 
 
@@ -96,8 +103,9 @@ def _report(benchmark, device, shape, res):
     benchmark.extra_info.update(info)
     print(f"\n[{device.upper()}] MoELayer fwd+bwd, median over iterations (max over ranks):")
     for p, r in res.items():
-        print(f"  {p:12s} {r['median_ms']:8.2f} ms  token straggler {r['token_straggler_before']:.0f} -> "
-              f"{r['token_straggler_after']:.0f}  rows moved {r['rows_moved']}  fell back {r['fell_back']}")
+        print(f"  {p:28s} {r['median_ms']:8.2f} ms  token straggler {r['token_straggler_before']:.0f} -> "
+              f"{r['token_straggler_after']:.0f}  rows moved {r['rows_moved']}  copy {r['copy_bytes'] / 1e6:.2f} MB "
+              f"({r['weight_copies']} weight copies)  fell back {r['fell_back']}")
 
 
 @pytest.mark.dist

@@ -21,7 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -251,7 +250,7 @@ class MoELayer(nn.Module):
         self._last_dyn_WD: np.ndarray | None = None
         self.last_stats: LayerStats | None = None
         self.last_plan = None
-        self._lock = threading.Lock()
+        self.last_plan_inputs = None
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _scope_group(self):
@@ -415,6 +414,7 @@ class MoELayer(nn.Module):
             after[m.src] -= m.rows
             after[m.dst] += m.rows
         self.last_plan = plan
+        self.last_plan_inputs = (counts_WE, state)   # what the plan was made from, for Plan.validate
         self.last_stats = LayerStats(
             loads_before_W=loads_before.tolist(), loads_after_W=after.tolist(),
             token_straggler_before=float(token_straggler(loads_before)),
@@ -449,13 +449,15 @@ class MoELayer(nn.Module):
         return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits, out=self._recv_buf)
 
     def _static_gemm(self, x_SD: torch.Tensor, static: list[int], n_L: np.ndarray) -> torch.Tensor:
+        """The static experts' rows (ascending expert order) through ALL local weights, the other experts given
+        empty groups, so no weight is gathered or copied."""
         if not static:
             return x_SD.new_zeros((0, self.config.hidden)) + x_SD.sum() * 0
-        offs = torch.from_numpy(np.cumsum([int(n_L[i]) for i in static])).to(x_SD.device)
-        if static == list(range(self.num_local)):
-            return expert_mlp(x_SD, self.w1, self.w2, offs)
-        idx = torch.tensor(static, device=x_SD.device)
-        return expert_mlp(x_SD, self.w1.index_select(0, idx), self.w2.index_select(0, idx), offs)
+        rows_L = np.zeros(self.num_local, dtype=np.int64)
+        for i in static:
+            rows_L[i] = n_L[i]
+        offs = torch.from_numpy(np.cumsum(rows_L)).to(x_SD.device)
+        return expert_mlp(x_SD, self.w1, self.w2, offs)
 
     def _plan(self, counts_WE: np.ndarray, state) -> tuple[object, float]:
         delay = self.testing_plan_delay_s
@@ -529,32 +531,37 @@ class MoELayer(nn.Module):
                         received_w[e] = (w1, w2)
                         pos += w_numel
 
-        # Dynamic GEMM: my dynamic experts' rows kept at home, then the rows I compute for others.
-        groups_x, groups_w1, groups_w2, sizes, kept = [], [], [], [], []
+        # Dynamic GEMM: my dynamic experts' rows kept at home (through all local weights, like the static GEMM),
+        # then the rows I compute for others (their weights stacked: replicas or this micro-batch's copies).
+        kept_x, kept, sizes = [], [], []
+        kept_L = np.zeros(L, dtype=np.int64)
         for i in my_dyn:
             e = r * L + i
             moved = sorted((m.row_start, m.row_end) for m in out_moves if m.expert == e)
             for a, b, is_moved in _ranges(moved, int(n_L[i])):
                 if not is_moved:
-                    groups_x.append(h_RD[blk[i] + a:blk[i] + b])
-                    groups_w1.append(self.w1[i])
-                    groups_w2.append(self.w2[i])
+                    kept_x.append(h_RD[blk[i] + a:blk[i] + b])
+                    kept_L[i] += b - a
                     sizes.append(b - a)
                     kept.append((i, a, b))
         n_kept = len(sizes)
+        parts_y = []
+        if kept_x:
+            offs = torch.from_numpy(np.cumsum(kept_L)).to(h_RD.device)
+            parts_y.append(expert_mlp(torch.cat(kept_x), self.w1, self.w2, offs))
+        in_x, in_w1, in_w2 = [], [], []
         for i, m in enumerate(in_moves):
-            groups_x.append(received_rows[i])
+            in_x.append(received_rows[i])
             w1, w2 = received_w[m.expert] if m.expert in received_w else self._replicas[m.expert]
-            groups_w1.append(w1)
-            groups_w2.append(w2)
+            in_w1.append(w1)
+            in_w2.append(w2)
             sizes.append(m.rows)
+        if in_x:
+            offs = torch.from_numpy(np.cumsum(sizes[n_kept:])).to(h_RD.device)
+            parts_y.append(expert_mlp(torch.cat(in_x), torch.stack(in_w1), torch.stack(in_w2), offs))
         if recv1 is not None:
-            groups_x.append(recv1[:0].view(0, H))  # keeps the exchange in the graph on every rank
-        if sizes:
-            offs = torch.from_numpy(np.cumsum(sizes)).to(h_RD.device)
-            y_dyn = expert_mlp(torch.cat(groups_x), torch.stack(groups_w1), torch.stack(groups_w2), offs)
-        else:
-            y_dyn = torch.cat(groups_x)[:0] if groups_x else h_RD[:0]
+            parts_y.append(recv1[:0].view(0, H))  # keeps the exchange in the graph on every rank
+        y_dyn = torch.cat(parts_y) if parts_y else h_RD[:0]
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
         received_res: dict[int, torch.Tensor] = {}

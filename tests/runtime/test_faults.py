@@ -111,6 +111,11 @@ def _fault_worker(rank, world):
     step.reduce_replica_grads()
     step.refresh_replicas()
 
+    # The NVSHMEM transport without nvshmem4py (or without a GPU): the install hint, not an obscure failure.
+    from feplb.transport import make_transport
+
+    res["nvshmem"] = _catch(lambda: make_transport("nvshmem"))
+
     # Configs that differ across ranks: caught at construction, on every rank.
     ffn = FF + 8 if rank == 3 else FF
     res["config"] = _catch(lambda: MoELayer(FEPLBConfig(hidden=H, ffn=ffn, num_experts=E, top_k=K,
@@ -141,6 +146,7 @@ def test_faults_and_bad_input():
         assert res["stale"].startswith("RuntimeError") and "refresh_replicas" in res["stale"], res["stale"]
         assert res["unreduced"].startswith("RuntimeError") and "reduce_replica_grads" in res["unreduced"]
         assert res["config"].startswith("ValueError") and "differs across ranks" in res["config"], res["config"]
+        assert "feplb[nvshmem]" in res["nvshmem"], res["nvshmem"]
         if rank != 3:
             assert res["stall"] is not None and "all_gather of expert counts" in res["stall"], res["stall"]
             assert res["stall"].startswith(("TimeoutError", "RuntimeError")), res["stall"]

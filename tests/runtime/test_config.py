@@ -1,0 +1,59 @@
+"""FEPLBConfig validation and the layer's single-process guards (no process group needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from feplb import FEPLBConfig, LayerStats, MoELayer
+from feplb.transport import NVSHMEM_HINT
+
+BASE = dict(hidden=16, ffn=32, num_experts=8, top_k=2)
+
+
+@pytest.mark.parametrize(("field", "value", "exc", "needle"), [
+    ("hidden", 0, ValueError, "hidden"),
+    ("ffn", -3, ValueError, "ffn"),
+    ("num_experts", 2.5, ValueError, "num_experts"),
+    ("top_k", 9, ValueError, "top_k"),
+    ("router", "relu", ValueError, "router"),
+    ("transport", "mpi", ValueError, "transport"),
+    ("weights", "never", ValueError, "weights"),
+    ("on_overflow", "drop", ValueError, "on_overflow"),
+    ("dtype", torch.int32, TypeError, "dtype"),
+    ("plan_wait_ms", float("nan"), ValueError, "plan_wait_ms"),
+    ("dyn", -1, ValueError, "dyn"),
+    ("policy", "bogus", ValueError, "bogus"),
+    ("policy", "feplb+place", ValueError, "+place"),
+    ("recv_capacity", -1, ValueError, "recv_capacity"),
+    ("min_chunk", 0, ValueError, "min_chunk"),
+], ids=lambda v: str(v))
+def test_config_rejects_bad_values(field, value, exc, needle):
+    with pytest.raises(exc, match=needle.replace("+", r"\+")):
+        FEPLBConfig(**{**BASE, field: value})
+
+
+def test_config_is_frozen_and_kw_only():
+    cfg = FEPLBConfig(**BASE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.hidden = 3
+    with pytest.raises(TypeError):
+        FEPLBConfig(16, 32, 8, 2)
+    assert {f.name for f in dataclasses.fields(LayerStats)} >= {
+        "token_straggler_before", "token_straggler_after", "rows_moved", "copy_bytes", "plan_us", "fell_back",
+        "loads_before_W", "loads_after_W"}
+
+
+def test_layer_needs_a_process_group():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        MoELayer(FEPLBConfig(**BASE))
+    with pytest.raises(TypeError, match="FEPLBConfig"):
+        MoELayer({"hidden": 16})
+
+
+def test_nvshmem_hint_names_the_extra():
+    assert "pip install 'feplb[nvshmem]'" in NVSHMEM_HINT
