@@ -57,6 +57,9 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refresh-every", type=_positive, default=8,
                    help="micro-batches between history refreshes (@ema set, eplb replicas, +place placement)")
     p.add_argument("--eplb-slots", type=_non_negative, default=1, help="eplb redundant expert slots per GPU")
+    p.add_argument("--replicas", choices=("eager", "lazy"), default="eager",
+                   help="@ema weights: 'eager' replicates the dynamic set in the node at each refresh (between steps),"
+                        " 'lazy' copies a weight on first use in the step and keeps it until the step ends")
     p.add_argument("--tau", type=float, default=0.01, help="feplb stops at a node gap <= tau x node mean")
     p.add_argument("--min-chunk", type=_positive, default=None,
                    help="feplb-split's smallest piece in rows (default: the cost model's knee)")
@@ -80,13 +83,15 @@ def _fmt_bytes(b: float) -> str:
 
 def format_table(title: str, summary: dict[str, dict[str, float]]) -> str:
     head = (f"{'policy':<22} {'straggler':>10} {'reduction':>9} {'max/mean':>8} {'GEMM ms':>8} {'% ideal':>7} "
-            f"{'plan p50':>9} {'plan p99':>9} {'copies/mb':>10} {'worse':>5}")
+            f"{'plan p50':>9} {'plan p99':>9} {'copies/mb':>10} {'hidden':>6} {'layer ms':>8} {'speedup':>7} "
+            f"{'worse':>5}")
     lines = [title, head, "-" * len(head)]
     for name, s in summary.items():
         lines.append(f"{name:<22} {s['token_straggler']:>10.1f} {100 * s['token_straggler_reduction']:>8.1f}% "
                      f"{s['max_over_mean']:>8.3f} {s['gemm_straggler_ms']:>8.3f} {s['pct_of_ideal']:>7.2f} "
                      f"{s['planner_us_p50']:>7.1f}us {s['planner_us_p99']:>7.1f}us "
-                     f"{_fmt_bytes(s['ce_bytes_per_microbatch']):>10} {s['worse_than_none']:>5}")
+                     f"{_fmt_bytes(s['ce_bytes_per_microbatch']):>10} {s['pct_hidden']:>5.0f}% "
+                     f"{s['layer_ms']:>8.3f} {s['layer_speedup']:>6.2f}x {s['worse_than_none']:>5}")
     return "\n".join(lines)
 
 
@@ -144,7 +149,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     cost = CostModel.from_json(args.cost_table, **cost_kw) if args.cost_table else CostModel(**cost_kw)
     config = SimConfig(num_ranks=args.ep, gpus_per_node=args.gpus_per_node, tokens_per_rank=args.tokens_per_rank,
                        dyn=args.dyn, policies=policies, microbatches=args.microbatches, warmup=args.warmup,
-                       seed=args.seed, refresh_every=args.refresh_every, eplb_slots=args.eplb_slots, tau=args.tau,
+                       seed=args.seed, refresh_every=args.refresh_every, eplb_slots=args.eplb_slots,
+                       replicas_mode=args.replicas, tau=args.tau,
                        min_chunk=args.min_chunk, validate=not args.no_validate, cost=cost)
     workloads = [load_workload(t, args.experts) for t in args.traces]
     for w in workloads:

@@ -8,7 +8,10 @@ observes the counts. The first ``warmup`` micro-batches only feed the histories.
 token straggler ``max - mean`` of per-GPU rows, max/mean, GEMM straggler from the cost model, percent of ideal
 ``100 * mean / max``, rows and bytes copied, and planner latency of ``make_plan``: the CPU time of the planning
 thread (``planner_us``; what one dedicated core would take, free of waits for a shared CPU) and wall time
-(``planner_wall_us``).
+(``planner_wall_us``); and how often the overlap condition holds (``pct_hidden``: on every GPU, planning time
+plus the plan's copy time fit under the GEMM of its static experts, so balancing costs nothing), and the layer's
+expert time with planning and copies on the critical path (``layer_ms``: per GPU, ``max(static GEMM, plan +
+copies) + the rest of its GEMM``; ``layer_speedup`` against plain EP's busiest GPU).
 Means run over layers and micro-batches; a reduction is ``1 - mean(policy) / mean(plain EP)``.
 """
 
@@ -25,7 +28,8 @@ from feplb.sched.metrics import max_over_mean, token_straggler
 
 DEFAULT_POLICIES = ("none", "feplb", "feplb-split", "fastermoe", "eplb", "lp")
 _METRICS = ("token_straggler", "token_straggler_before", "max_over_mean", "gemm_straggler_ms",
-            "gemm_straggler_before_ms", "pct_of_ideal", "rows_moved", "copy_bytes", "planner_us", "planner_wall_us")
+            "gemm_straggler_before_ms", "pct_of_ideal", "rows_moved", "copy_bytes", "planner_us", "planner_wall_us",
+            "hidden", "layer_ms", "layer_before_ms")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +47,7 @@ class SimConfig:
     refresh_every: int = 8
     ema_shift: int = 2
     eplb_slots: int = 1
+    replicas_mode: str = "eager"
     tau: float = 0.01
     min_chunk: int | None = None
     validate: bool = True
@@ -115,6 +120,9 @@ def summarize(results: list[SimResult]) -> dict[str, dict[str, float]]:
             "ce_bytes_per_microbatch": float(cat["copy_bytes"].mean()),
             "rows_moved_per_microbatch": float(cat["rows_moved"].mean()),
             "worse_than_none": int(np.count_nonzero(cat["token_straggler"] > cat["token_straggler_before"])),
+            "pct_hidden": float(100 * cat["hidden"].mean()),
+            "layer_ms": float(cat["layer_ms"].mean()),
+            "layer_speedup": float(cat["layer_before_ms"].mean() / cat["layer_ms"].mean()),
             "samples": int(cat["token_straggler"].size),
         }
     return out
@@ -130,7 +138,8 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
     cost = config.cost
     rows_per_rank = config.tokens_per_rank * workload.top_k
     states = {p: [PolicyState(topo=topo, policy=p, refresh_every=config.refresh_every, ema_shift=config.ema_shift,
-                              eplb_slots=config.eplb_slots) for _ in range(L)] for p in config.policies}
+                              eplb_slots=config.eplb_slots, replicas_mode=config.replicas_mode)
+                  for _ in range(L)] for p in config.policies}
     metrics = {p: {k: np.zeros((L, M)) for k in _METRICS} for p in config.policies}
     example: dict[str, Any] = {}
     gen = workload.microbatches(np.random.default_rng(config.seed), W, config.tokens_per_rank)
@@ -170,6 +179,14 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
                 rec["copy_bytes"][layer, m] = cost.plan_copy_bytes(plan) + refresh * cost.weight_bytes
                 rec["planner_us"][layer, m] = (c1 - c0) / 1e3
                 rec["planner_wall_us"][layer, m] = (t1 - t0) / 1e3
+                # the overlap condition: planning plus copies fit under the static experts' GEMM on every GPU
+                static_W = cost.static_us_W(plan, counts_WE, topo)
+                ready_W = (c1 - c0) / 1e3 + cost.copy_us_W(plan, topo) if plan.moves else np.zeros(W)
+                rec["hidden"][layer, m] = bool(np.all(ready_W <= static_W))
+                # expert time of the layer with copies and planning on the critical path: each GPU runs its
+                # static experts, waits for the plan and its copies if they are not done yet, then the rest
+                rec["layer_ms"][layer, m] = float(np.max(np.maximum(static_W, ready_W) + g_after - static_W)) / 1e3
+                rec["layer_before_ms"][layer, m] = float(g_before.max()) / 1e3
                 loads_after[p] = plan.loads_after_W.tolist()
             if m == 0:
                 # the example for the plot: first measured micro-batch, the layer where plain EP is worst

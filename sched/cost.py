@@ -133,6 +133,34 @@ class CostModel:
         rows = 0 if plan.rows_from_source else plan.rows_moved
         return rows * self.row_bytes + len(plan.weight_copies) * self.weight_bytes
 
+    def copy_us_W(self, plan: Plan, topo: Topology) -> np.ndarray:
+        """Per-GPU time (us, float64 [W]) of the copies the plan issues: for each GPU the larger of what it sends
+        and what it receives (copy engines run both ways at once), inside a node at ``ce_gbps``, between nodes at
+        ``net_gbps``. Rows computed where they come from (``rows_from_source``) are not copied."""
+        W, G = topo.num_ranks, topo.gpus_per_node
+        out_B = np.zeros((2, W))  # [intra, inter] bytes sent
+        in_B = np.zeros((2, W))
+        if not plan.rows_from_source:
+            for m in plan.moves:
+                k = int(m.src // G != m.dst // G)
+                out_B[k, m.src] += m.rows * self.row_bytes
+                in_B[k, m.dst] += m.rows * self.row_bytes
+        for _, src, dst in plan.weight_copies:
+            k = int(src // G != dst // G)
+            out_B[k, src] += self.weight_bytes
+            in_B[k, dst] += self.weight_bytes
+        both = np.maximum(out_B, in_B)
+        return both[0] / (self.ce_gbps * 1e3) + both[1] / (self.net_gbps * 1e3)
+
+    def static_us_W(self, plan: Plan, counts_WE: np.ndarray, topo: Topology) -> np.ndarray:
+        """Per-GPU GEMM time (us, float64 [W]) of its static experts (at home, not in ``plan.dynamic_WD``): the
+        window that the plan and its copies must fit in to be hidden."""
+        n_E = topo.check_counts(counts_WE).sum(axis=0)
+        t_E = self.gemm_us(n_E)
+        dyn = np.zeros(topo.num_experts, dtype=bool)
+        dyn[plan.dynamic_WD.ravel()] = True
+        return np.bincount(plan.home_of(topo), weights=np.where(dyn, 0.0, t_E), minlength=topo.num_ranks)
+
     def copy_us(self, nbytes: float, inter_node: bool = False) -> float:
         """Time (us) to copy ``nbytes`` one way between two GPUs."""
         return nbytes / ((self.net_gbps if inter_node else self.ce_gbps) * 1e3)

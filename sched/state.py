@@ -38,6 +38,10 @@ class PolicyState:
         replicas, and the ``+place`` placement.
     ema_shift: a new micro-batch enters the EMA with weight ``2 ** -ema_shift``.
     eplb_slots: redundant expert slots per GPU for ``eplb``.
+    replicas_mode: under ``@ema``, "eager" copies every dynamic expert's weights to the other GPUs of its node at
+        each refresh (between optimizer steps, off the micro-batches' critical path; (G - 1) x dyn replicas per
+        GPU and layer), "lazy" copies a weight the first time a plan needs it in the step and keeps it until the
+        step ends (fewer bytes and less memory, but the first copy is on that micro-batch's critical path).
     Derived fields (step, ema_E, home_E, dynamic_WD, replicas, resident, last_*) are filled by ``observe``.
     """
 
@@ -46,6 +50,7 @@ class PolicyState:
     refresh_every: int = 8
     ema_shift: int = 2
     eplb_slots: int = 1
+    replicas_mode: str = "eager"
     step: int = 0
     ema_E: np.ndarray | None = None          # int64 [E], rows * 2**EMA_FRAC_BITS; None before any observe
     home_E: np.ndarray | None = None         # int64 [E] home GPU of each expert (default e // S)
@@ -64,6 +69,8 @@ class PolicyState:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"PolicyState.{name} must be an int >= {lo}, got {v!r}")
+        if self.replicas_mode not in ("eager", "lazy"):
+            raise ValueError(f"PolicyState.replicas_mode must be 'eager' or 'lazy', got {self.replicas_mode!r}")
         if self.ema_shift > 16:
             raise ValueError(f"PolicyState.ema_shift must be <= 16, got {self.ema_shift}")
         home = self.topo.default_home_E() if self.home_E is None else self.home_E
@@ -94,7 +101,7 @@ class PolicyState:
         ema = x if self.ema_E is None else self.ema_E + ((x - self.ema_E) >> self.ema_shift)
         step = self.step + 1
         resident = self.resident
-        if plan is not None and plan.weight_copies and self._lazy_replicas:
+        if plan is not None and plan.weight_copies and self._ema_set and self.replicas_mode == "lazy":
             resident = resident | {(e, dst) for e, _, dst in plan.weight_copies}
         new = replace(self, step=step, ema_E=ema, resident=resident, last_weight_copies=(), last_migrations=())
         if step == 1 or step % self.refresh_every == 0:
@@ -102,7 +109,7 @@ class PolicyState:
         return new
 
     @property
-    def _lazy_replicas(self) -> bool:
+    def _ema_set(self) -> bool:
         base, _, mode = parse_policy(self.policy)
         return mode == "ema" and base in ("feplb", "feplb-split", "lp")
 
@@ -120,14 +127,20 @@ class PolicyState:
         dynamic = None
         replicas: tuple[tuple[int, int], ...] = ()
         copies: tuple[tuple[int, int, int], ...] = ()
-        if self._lazy_replicas:
-            # a new step: replicas of the old weights are stale; plans copy what they need again, once
+        resident: frozenset[tuple[int, int]] = frozenset()
+        if self._ema_set:
+            # a new step: replicas of the old weights are stale
             dynamic = top_per_gpu(load, slots_of(home, topo), topo.dyn)
+            if self.replicas_mode == "eager":
+                G = topo.gpus_per_node
+                resident = frozenset((int(e), g) for d in range(topo.num_ranks) for e in dynamic[d]
+                                     for g in range(d // G * G, d // G * G + G) if g != d)
+                copies = tuple(sorted((e, int(home[e]), g) for e, g in resident))
         if base == "eplb":
             # redundant experts are re-synced from their owner after every optimizer step
             replicas = eplb_replicas(load, home, topo, self.eplb_slots)
             copies = tuple(sorted((e, int(home[e]), g) for e, g in replicas))
-        return replace(self, home_E=home, dynamic_WD=dynamic, replicas=replicas, resident=frozenset(replicas),
+        return replace(self, home_E=home, dynamic_WD=dynamic, replicas=replicas, resident=resident | set(replicas),
                        last_weight_copies=copies, last_migrations=migrations)
 
 

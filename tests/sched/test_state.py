@@ -27,7 +27,7 @@ def test_observe_is_pure_and_ema_matches_reference():
 def test_refresh_cadence_and_weights_once_per_step():
     topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
     c = np.array([[9, 1, 0, 0, 0, 0, 0, 0]] * 4, dtype=np.int64)  # GPU 0: 40 rows, the others none
-    s = PolicyState(topo=topo, policy="feplb@ema", refresh_every=3).observe(c)
+    s = PolicyState(topo=topo, policy="feplb@ema", refresh_every=3, replicas_mode="lazy").observe(c)
     assert s.dynamic_WD.tolist() == [[0], [2], [4], [6]] and s.resident == frozenset()
     plan = make_plan("feplb@ema", c, topo, s, tau=0)
     assert plan.weight_copies == ((0, 0, 1),)  # expert 0 (36 rows) helps inside node 0
@@ -45,6 +45,20 @@ def test_refresh_cadence_and_weights_once_per_step():
     s6 = s3.observe(c2).observe(c2).observe(c2)
     assert s6.dynamic_WD[0, 0] == 1
     assert s3.observe(c2).dynamic_WD[0, 0] == s3.dynamic_WD[0, 0]  # no refresh between steps
+
+
+def test_eager_replicas_fill_the_node_at_each_refresh():
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
+    c = np.array([[9, 1, 0, 0, 0, 0, 0, 0]] * 4, dtype=np.int64)
+    s = PolicyState(topo=topo, policy="feplb-split@ema", refresh_every=2).observe(c)
+    assert s.resident == frozenset({(0, 1), (2, 0), (4, 3), (6, 2)})
+    assert s.last_weight_copies == ((0, 0, 1), (2, 1, 0), (4, 2, 3), (6, 3, 2))
+    plan = make_plan("feplb-split@ema", c, topo, s)
+    assert plan.moves and plan.weight_copies == ()
+    plan.validate(c, topo, s)
+    assert s.observe(c, plan).last_weight_copies == ((0, 0, 1), (2, 1, 0), (4, 2, 3), (6, 3, 2))  # new step
+    with pytest.raises(ValueError, match="replicas_mode"):
+        PolicyState(topo=topo, replicas_mode="sometimes")
 
 
 def test_eplb_replicas_resync_every_refresh():
