@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from feplb.transport import NVSHMEM_HINT, all_gather_stack, guard
+from feplb.transport import NVSHMEM_HINT, all_gather_stack, guard, nv_stream
 
 __all__ = ["CopyEngine", "CudaCopyEngine", "GlooCopyEngine", "make_node_groups"]
 
@@ -132,9 +132,10 @@ class CudaCopyEngine(CopyEngine):
             cap = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
             self._inbox = nv.interop.torch.empty((cap,), dtype=torch.uint8)
         if self._signal is None:
+            # NVSHMEM signals are 64-bit words; the epoch counter never gets near the sign bit.
             self._signal = nv.interop.torch.empty((self.node_size,), dtype=torch.int64)
             self._signal.zero_()
-            nv.barrier(nv.Teams.TEAM_NODE, stream=torch.cuda.current_stream())
+            nv.barrier(nv.Teams.TEAM_NODE, stream=nv_stream(torch.cuda.current_stream()))
         return self._inbox
 
     def exchange(self, send, recv_numel, *, dtype, device, op):
@@ -172,13 +173,14 @@ class CudaCopyEngine(CopyEngine):
                         peer_pe = dist.get_global_rank(self.node_group, p) if self.node_group is not None else p
                         slot = self._signal[self.node_rank: self.node_rank + 1]
                         nv.put_signal(inbox[off: off + src.numel()], src, slot, self._epoch,
-                                      nv.SignalOp.SIGNAL_SET, remote_pe=peer_pe, stream=self.stream)
+                                      nv.SignalOp.SIGNAL_SET, remote_pe=peer_pe, stream=nv_stream(self.stream))
             for q in range(self.node_size):
                 if recv_splits[q]:
-                    nv.signal_wait(self._signal[q: q + 1], self._epoch, nv.ComparisonType.CMP_GE, stream=compute)
+                    nv.signal_wait(self._signal[q: q + 1], self._epoch, nv.ComparisonType.CMP_GE,
+                                   stream=nv_stream(compute))
             out = inbox[: sum(recv_splits) * elem].clone().view(dtype)
             # The inbox is reused by the next exchange: no peer may put into it before this copy-out ran.
-            nv.barrier(nv.Teams.TEAM_NODE, stream=compute)
+            nv.barrier(nv.Teams.TEAM_NODE, stream=nv_stream(compute))
         res, start = {}, 0
         for q in range(self.node_size):
             if recv_splits[q] or q in recv_numel:

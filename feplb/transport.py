@@ -97,6 +97,13 @@ class Transport:
                              "every rank of the EP group must build the layer with the same config")
 
 
+def nv_stream(stream: torch.cuda.Stream):
+    """nvshmem4py takes cuda.core streams: wrap a torch stream's handle (no new stream is created)."""
+    from cuda.core.experimental import Stream  # type: ignore[import-not-found]
+
+    return Stream.from_handle(stream.cuda_stream)
+
+
 def _recv_view(out: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
     if out is None:
         return like.new_empty((rows, *like.shape[1:]))
@@ -200,7 +207,7 @@ class NvshmemTransport(Transport):
         splits = torch.tensor(send_splits, dtype=torch.int64, device=send_MD.device)
         with guard("nvshmem all_to_all: split exchange", self.group):
             all_splits = all_gather_stack(splits, self.group).cpu()
-        stream = torch.cuda.current_stream()
+        stream = nv_stream(torch.cuda.current_stream())
         src = send_MD.contiguous().view(torch.uint8).reshape(-1)
         start = 0
         for d in range(self.world_size):
