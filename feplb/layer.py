@@ -121,7 +121,8 @@ class FEPLBConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LayerStats:
-    """What the last forward did (identical on every rank except ``plan_us``, ``recv_grew``).
+    """What the last forward did. Identical on every rank of a node (``plan_us`` is this rank's); when only some
+    nodes fell back, ``loads_after_W`` of other nodes shows their planned moves.
 
     loads_before_W / loads_after_W: rows each GPU computed without / with this micro-batch's balancing.
     token_straggler_before/after: max - mean of those loads (``feplb.sched.token_straggler``).
