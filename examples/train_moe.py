@@ -123,7 +123,10 @@ class TrainConfig:
             raise UsageError("--warmup, --weight-decay and --clip must be >= 0")
 
     def digest(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        """Hash of the fields that decide the trajectory (the text's description is left out: its bytes' hash is
+        in, so a corpus at another path on another machine still resumes)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "text"}
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -457,7 +460,7 @@ def read_pointer(out: Path) -> dict | None:
 
 def config_mismatch(saved: dict, cfg: TrainConfig) -> str:
     now = dataclasses.asdict(cfg)
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}" for k in now if k != "text" and saved.get(k) != now[k]]
     return "; ".join(diffs) or "unknown fields"
 
 
@@ -629,6 +632,8 @@ def train(args: argparse.Namespace) -> Path:
         raise UsageError("--log-every and --ckpt-every: expected positive integers")
     if args.text_bytes < 1:
         raise UsageError(f"--text-bytes: expected a positive integer, got {args.text_bytes}")
+    if args.transport == "nvshmem" and args.device != "cuda":
+        raise UsageError("--transport nvshmem needs --device cuda (NVSHMEM moves rows between GPUs)")
     rank, world, local_rank = init_distributed(args.device)
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     out: Path = args.out
@@ -769,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = train(args)
     except UsageError as exc:
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
             print(f"train_moe.py: error: {exc}", file=sys.stderr, flush=True)
         code = 2
     else:

@@ -78,10 +78,10 @@ def _steps(out: Path) -> list[dict]:
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_demo_trains_balances_and_reports(tmp_path):
+def test_demo_trains_balances_reports_and_resumes(tmp_path):
     out = tmp_path / "run"
     steps = 30
-    proc = _torchrun(4, "--gpus-per-node", "2", "--out", str(out), "--steps", str(steps), *SMALL)
+    proc = _torchrun(4, "--gpus-per-node", "2", "--out", str(out), "--steps", str(steps), *SMALL, "--ckpt-every", "7")
     _ok(proc)
     assert f"report: {out / 'report.md'}" in proc.stdout
 
@@ -125,24 +125,19 @@ def test_demo_trains_balances_and_reports(tmp_path):
     assert "different configuration" in proc.stderr and "hidden: checkpoint 64, now 32" in proc.stderr, proc.stderr
     assert (out / "checkpoint" / "latest.json").read_bytes() == pointer
     assert (out / "report.json").read_bytes() == report_json
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["latest.json", f"step_{steps:07d}"]
 
-
-@pytest.mark.dist
-@pytest.mark.slow
-def test_resume_continues_step_for_step(tmp_path):
-    n = 8
-    common = ["--gpus-per-node", "2", *SMALL, "--log-every", "4"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    _ok(_torchrun(2, "--out", str(full), "--steps", str(2 * n), *common))
-    _ok(_torchrun(2, "--out", str(part), "--steps", str(n), *common))
-    proc = _torchrun(2, "--out", str(part), "--steps", str(2 * n), "--resume", *common)
+    # Interrupted at step n and resumed to 2n: the same trajectory, step for step, as the run above.
+    n, part = 8, tmp_path / "part"
+    _ok(_torchrun(4, "--gpus-per-node", "2", "--out", str(part), "--steps", str(n), *SMALL))
+    proc = _torchrun(4, "--gpus-per-node", "2", "--out", str(part), "--steps", str(2 * n), "--resume", *SMALL)
     _ok(proc)
     assert f"resuming from step {n}" in proc.stdout
-    straight, resumed = _steps(full), _steps(part)
+    resumed = _steps(part)
     assert [s["step"] for s in resumed] == list(range(1, 2 * n + 1))
-    assert any(s["rows_moved"] for s in straight[n:]), "the continuation should exercise balancing"
+    assert any(s["rows_moved"] for s in resumed[n:]), "the continuation should exercise balancing"
     for key in ("loss", "grad_norm", "loads_before_LW", "loads_after_LW", "rows_moved"):
-        assert [s[key] for s in resumed] == [s[key] for s in straight], key
+        assert [s[key] for s in resumed] == [s[key] for s in steps_[:2 * n]], key
 
 
 @pytest.mark.dist
@@ -222,6 +217,8 @@ _BASE = dict(layers=2, hidden=32, heads=4, ffn=32, experts=16, top_k=2, router="
 def test_config_rejects_what_it_cannot_run(train_moe, change, message):
     base = _BASE
     train_moe.TrainConfig(**base)
+    moved = train_moe.TrainConfig(**{**base, "text": "the same bytes at another path"})
+    assert moved.digest() == train_moe.TrainConfig(**base).digest()
     with pytest.raises(train_moe.UsageError, match=message.replace("(", r"\(").replace(".", r"\.")):
         train_moe.TrainConfig(**{**base, **change})
     assert train_moe.TrainConfig(**base).digest() != train_moe.TrainConfig(**{**base, "seed": 1}).digest()
@@ -318,3 +315,60 @@ def test_resume_refuses_a_missing_or_foreign_checkpoint(train_moe, tmp_path):
 def test_text_too_small_for_the_batch_is_refused(train_moe):
     with pytest.raises(train_moe.UsageError, match="79 bytes of text, .* needs at least 80;"):
         train_moe.ByteStreams(b"x" * 79, rank=0, world=4, batch=2, seq_len=8, device=torch.device("cpu"))
+
+
+def _one_step(rank: int, world: int, ids_NS: torch.Tensor, targets_NS: torch.Tensor, clip: float) -> dict:
+    """One training step of the example's model on ``world`` ranks (rank r takes its share of the N sequences)."""
+    tm = _load("train_moe")
+    N, S = ids_NS.shape
+    cfg = tm.TrainConfig(**{**_BASE, "layers": 2, "hidden": 32, "heads": 2, "ffn": 32, "experts": 4, "dyn": 2,
+                            "policy": "feplb-split", "gpus_per_node": world, "world_size": world,
+                            "batch": N // world, "seq_len": S, "clip": clip, "bias_rate": 0.0})
+    model = tm.MoETransformer(cfg, tm.make_moe_config(cfg, "torch", 1000.0), None)
+    tm.init_expert_weights(model, cfg, rank)
+    replicated, experts = tm.split_parameters(model)
+    expert_ids = {id(p) for p in experts}
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the same replicated weights whatever the world size
+        for _, p in model.named_parameters():
+            if id(p) not in expert_ids:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    for moe in model.moe_layers():
+        moe.refresh_replicas()
+    B = N // world
+    mine = slice(rank * B, (rank + 1) * B)
+    logits_BSV = model(ids_NS[mine])
+    loss = torch.nn.functional.cross_entropy(logits_BSV.reshape(-1, 256), targets_NS[mine].reshape(-1))
+    loss.backward()
+    for moe in model.moe_layers():
+        moe.reduce_replica_grads()
+    mean_loss, norm = tm.reduce_gradients(replicated, experts, loss, world, clip)
+    return {"loss": mean_loss, "norm": norm,
+            "replicated": {n: p.grad.clone() for n, p in model.named_parameters() if id(p) not in expert_ids},
+            "experts": [(moe.w1.grad.clone(), moe.w2.grad.clone()) for moe in model.moe_layers()]}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_expert_parallel_step_equals_one_process_on_all_the_data():
+    """The explicit all-reduce and the expert-gradient scaling make W ranks compute the gradient of the global
+    mean loss: the same gradients as one process with every expert and every rank's tokens."""
+    from feplb.testing import run_dist
+
+    gen = torch.Generator().manual_seed(0)
+    ids_NS = torch.randint(0, 256, (4, 16), generator=gen)
+    targets_NS = torch.randint(0, 256, (4, 16), generator=gen)
+    (ref,) = run_dist(_one_step, 1, ids_NS, targets_NS, 0.0)
+    clip = 1e-3 * ref["norm"]  # far below the norm: clipping must scale by the true global norm
+    ranks = run_dist(_one_step, 2, ids_NS, targets_NS, clip)
+    scale = clip / (ref["norm"] + 1e-6)
+    for out in ranks:
+        assert out["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        assert out["norm"] == pytest.approx(ref["norm"], rel=1e-5)
+        for name, g in ref["replicated"].items():
+            torch.testing.assert_close(out["replicated"][name], g * scale, rtol=1e-4, atol=1e-9, msg=name)
+    for layer, (g1, g2) in enumerate(ref["experts"]):
+        torch.testing.assert_close(torch.cat([r["experts"][layer][0] for r in ranks]), g1 * scale, rtol=1e-4,
+                                   atol=1e-9)
+        torch.testing.assert_close(torch.cat([r["experts"][layer][1] for r in ranks]), g2 * scale, rtol=1e-4,
+                                   atol=1e-9)
