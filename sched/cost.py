@@ -129,18 +129,19 @@ class CostModel:
 
     def plan_copy_bytes(self, plan: Plan) -> int:
         """Bytes the plan copies between GPUs this micro-batch: its moved rows (one way; none when rows are
-        computed where they come from) and its weight copies."""
-        rows = 0 if plan.rows_from_source else plan.rows_moved
+        computed where they come from or dispatched straight to their GPU) and its weight copies."""
+        rows = 0 if (plan.rows_from_source or plan.dispatched) else plan.rows_moved
         return rows * self.row_bytes + len(plan.weight_copies) * self.weight_bytes
 
     def copy_us_W(self, plan: Plan, topo: Topology) -> np.ndarray:
         """Per-GPU time (us, float64 [W]) of the copies the plan issues: for each GPU the larger of what it sends
         and what it receives (copy engines run both ways at once), inside a node at ``ce_gbps``, between nodes at
-        ``net_gbps``. Rows computed where they come from (``rows_from_source``) are not copied."""
+        ``net_gbps``. Rows computed where they come from (``rows_from_source``) or dispatched straight to their GPU
+        (``dispatched``) are not copied."""
         W, G = topo.num_ranks, topo.gpus_per_node
         out_B = np.zeros((2, W))  # [intra, inter] bytes sent
         in_B = np.zeros((2, W))
-        if not plan.rows_from_source:
+        if not (plan.rows_from_source or plan.dispatched):
             for m in plan.moves:
                 k = int(m.src // G != m.dst // G)
                 out_B[k, m.src] += m.rows * self.row_bytes

@@ -91,6 +91,8 @@ class Plan:
         default ``e // (E // W)``.
     rows_from_source: True when every move's rows are computed on the rank they come from, without passing
         through the home GPU (FasterMoE shadowing); such rows are never copied.
+    dispatched: True when the phase-1 dispatch sends each move's rows straight from their sources to the GPU
+        that computes them (EPLB's replicas): no copy from the home GPU.
     node: the one node this plan covers (``make_plan(..., node=k)``); GPUs of other nodes keep their rows at
         home in it. None: all nodes.
     """
@@ -103,6 +105,7 @@ class Plan:
     loads_after_W: np.ndarray
     home_E: np.ndarray | None = None
     rows_from_source: bool = False
+    dispatched: bool = False
     node: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -134,7 +137,7 @@ class Plan:
         return (self.policy, tuple((m.expert, m.src, m.dst, m.row_start, m.row_end) for m in self.moves),
                 self.weight_copies, self.dynamic_WD.tobytes(), self.dynamic_WD.shape, self.loads_before_W.tobytes(),
                 self.loads_after_W.tobytes(), None if self.home_E is None else self.home_E.tobytes(),
-                self.rows_from_source, self.node)
+                self.rows_from_source, self.dispatched, self.node)
 
     @property
     def rows_moved(self) -> int:

@@ -212,7 +212,7 @@ def _merge(raw: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, in
 def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: frozenset[tuple[int, int]],
             dyn_WD: np.ndarray, before_W: np.ndarray, after: list[int], home_E: np.ndarray | None,
             rows_from_source: bool = False, weight_copies: tuple[tuple[int, int, int], ...] | None = None,
-            info: dict | None = None, node: int | None = None) -> Plan:
+            info: dict | None = None, node: int | None = None, dispatched: bool = False) -> Plan:
     new = tuple.__new__
     moves = tuple([new(Move, (e, s, d, a, b)) for e, a, s, d, b in _merge(raw)])
     if weight_copies is None:
@@ -223,7 +223,7 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
     after_W.flags.writeable = False
     return Plan._trusted(policy=policy, moves=moves, weight_copies=weight_copies, dynamic_WD=dyn_WD,
                          loads_before_W=before_W, loads_after_W=after_W, home_E=home_E,
-                         rows_from_source=rows_from_source, node=node, info=info or {})
+                         rows_from_source=rows_from_source, dispatched=dispatched, node=node, info=info or {})
 
 
 def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyState | None = None, *,
@@ -371,4 +371,4 @@ def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | Non
                 L[g] += size
             start += size
     resident = frozenset() if state is None else state.resident
-    return _finish(policy, raw, resident, dyn_WD, before_W, L, home_E)
+    return _finish(policy, raw, resident, dyn_WD, before_W, L, home_E, dispatched=True)

@@ -160,6 +160,7 @@ def test_golden_eplb():
     assert [(m.expert, m.src, m.dst, m.row_start, m.row_end) for m in plan.moves] == [(0, 0, 1, 5, 9),
                                                                                       (1, 1, 0, 2, 3)]
     assert plan.loads_after_W.tolist() == [6, 6] and plan.weight_copies == ()
+    assert plan.dispatched and CostModel().plan_copy_bytes(plan) == 0  # rows go straight to replicas
     plan.validate(counts, topo, state)
 
 
