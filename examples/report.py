@@ -182,7 +182,9 @@ def _md(meta: dict, summary: dict, load_step: int) -> str:
         f"{cfg['gpus_per_node']} GPUs ({meta['platform']}; torch {meta['torch']}, transport {meta['transport']}). "
         f"Model: {cfg['layers']} transformer layers whose MLPs are FEPLB MoE layers, {cfg['experts']} experts, "
         f"top-{cfg['top_k']}, hidden {cfg['hidden']}, expert FFN {cfg['ffn']}, {cfg['dyn']} dynamic experts per GPU, "
-        f"no auxiliary loss; policy `{cfg['policy']}`. Data: {cfg['text']} ({cfg['text_bytes']} bytes, byte-level "
+        f"{cfg.get('router', 'softmax')} router with no auxiliary loss"
+        + (f" (expert selection bias, step {cfg['bias_rate']:g})" if cfg.get("bias_rate") else "")
+        + f"; policy `{cfg['policy']}`. Data: {cfg['text']} ({cfg['text_bytes']} bytes, byte-level "
         f"tokens), {cfg['batch']} x {cfg['seq_len']} tokens per rank per step.",
         "",
         "## Summary",

@@ -50,7 +50,7 @@ CKPT_POINTER = "latest.json"
 STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-class UsageError(Exception):
+class UsageError(ValueError):
     """Bad input the user can fix: printed as one message, then the script exits with status 2."""
 
 
