@@ -81,8 +81,57 @@ def _run_layer(rank, world, cfg_kwargs, routing, seed, microbatches=1):
             "fell_back": s.fell_back, "copies": s.weight_copies}
 
 
+def _run_stack(rank, world, G, seed=300):
+    """Two balanced layers with residuals, h = x + moe1(x); out = h + moe2(h): backward collectives of both
+    layers must interleave identically on every rank."""
+    from feplb import FEPLBConfig, MoELayer
+
+    L = E // world
+    layers = []
+    for j in range(2):
+        router_EH, w1, w2, xs, dys = make_inputs("skewed", seed + j, G)
+        layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2,
+                                     policy="feplb-split", weights="per-microbatch", min_chunk=2,
+                                     plan_wait_ms=60_000))
+        with torch.no_grad():
+            layer.router.weight.copy_(router_EH)
+            layer.w1.copy_(w1[rank * L:(rank + 1) * L])
+            layer.w2.copy_(w2[rank * L:(rank + 1) * L])
+        layers.append(layer)
+    _, _, _, xs, dys = make_inputs("skewed", seed, G)
+    x = xs[rank].clone().requires_grad_(True)
+    h = x + layers[0](x)
+    out = h + layers[1](h)
+    (out * dys[rank]).sum().backward()
+    return {"out": out.detach(), "dx": x.grad, "moved": [lay.last_stats.rows_moved for lay in layers],
+            "dw1": [lay.w1.grad for lay in layers], "drouter": [lay.router.weight.grad for lay in layers]}
+
+
 def _layer_worker(rank, world, cases):
-    return [_run_layer(rank, world, *case) for case in cases]
+    return [_run_layer(rank, world, *case) for case in cases] + [_run_stack(rank, world, cases[0][0]["gpus_per_node"])]
+
+
+def _check_stack(per_rank, G, seed=300):
+    L = E // W
+    params = []
+    for j in range(2):
+        router_EH, w1, w2, _, _ = make_inputs("skewed", seed + j, G)
+        params.append([t.double().requires_grad_(True) for t in (router_EH, w1, w2)])
+    _, _, _, xs, dys = make_inputs("skewed", seed, G)
+    for r, res in enumerate(per_rank):
+        x = xs[r].double().requires_grad_(True)
+        routers = [p[0].detach().clone().requires_grad_(True) for p in params]
+        h = x + dense_moe_reference(x, routers[0], params[0][1], params[0][2], K)
+        out = h + dense_moe_reference(h, routers[1], params[1][1], params[1][2], K)
+        (out * dys[r].double()).sum().backward()
+        _close(res["out"], out.detach(), f"stack rank {r} output", tol=2e-5)
+        _close(res["dx"], x.grad, f"stack rank {r} input grad", tol=2e-5)
+        for j in range(2):
+            _close(res["drouter"][j], routers[j].grad, f"stack rank {r} layer {j} router grad", tol=2e-5)
+    for r, res in enumerate(per_rank):
+        for j in range(2):
+            _close(res["dw1"][j], params[j][1].grad[r * L:(r + 1) * L], f"stack rank {r} layer {j} w1 grad", tol=2e-5)
+    assert sum(per_rank[0]["moved"]) > 0
 
 
 def _dense_in(dtype, routing, seed, G, microbatches, router):
@@ -201,4 +250,5 @@ def test_layer_exact_vs_dense_and_plain_ep(gpus_per_node):
     results = run_dist(_layer_worker, W, cases, timeout_s=300)
     t1 = time.perf_counter()
     _check(results, cases, gpus_per_node)
+    _check_stack([res[-1] for res in results], gpus_per_node)
     print(f"dist {t1 - t0:.1f} s, check {time.perf_counter() - t1:.1f} s")
