@@ -130,20 +130,30 @@ class TrainConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except where the help text already explains a computed one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Train a small MoE transformer with FEPLB load balancing (run under torchrun).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=120, help="total optimizer steps (a resumed run continues to this)")
     run.add_argument("--out", type=Path, default=Path("runs/demo"), help="directory for the report and checkpoint")
     run.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     run.add_argument("--log-every", type=int, default=10, help="steps between log lines")
     run.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints (and one at the end)")
-    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="cpu: one gloo process per modelled GPU; cuda: one GPU per rank, NCCL")
     run.add_argument("--transport", choices=("torch", "nvshmem"), default="torch",
                      help="how MoE rows travel between ranks (nvshmem needs CUDA and nvshmem4py)")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     bal = p.add_argument_group("balancing")
     bal.add_argument("--policy", default="feplb-split",
                      help="balancing policy of every MoE layer (feplb.sched.POLICIES): 'feplb-split' moves dynamic "
@@ -160,13 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="dynamic experts per rank, which may run on another rank of the node "
                           "(default: min(4, experts per rank))")
     model = p.add_argument_group("model")
-    model.add_argument("--layers", type=int, default=4)
-    model.add_argument("--hidden", type=int, default=128)
-    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--layers", type=int, default=4, help="transformer layers, each with a MoE MLP")
+    model.add_argument("--hidden", type=int, default=128, help="model width")
+    model.add_argument("--heads", type=int, default=4, help="attention heads")
     model.add_argument("--ffn", type=int, default=128, help="hidden size of each expert's SwiGLU")
-    model.add_argument("--experts", type=int, default=16)
-    model.add_argument("--top-k", type=int, default=2)
-    model.add_argument("--router", choices=("softmax", "sigmoid"), default="sigmoid")
+    model.add_argument("--experts", type=int, default=16, help="experts per MoE layer (a multiple of the world size)")
+    model.add_argument("--top-k", type=int, default=2, help="experts per token")
+    model.add_argument("--router", choices=("softmax", "sigmoid"), default="sigmoid",
+                       help="gate weights: softmax probabilities, or sigmoids normalised over the top-k")
     model.add_argument("--bias-rate", type=float, default=0.01,
                        help="step of the auxiliary-loss-free expert bias per optimizer step (0 = no bias)")
     model.add_argument("--router-lr-scale", type=float, default=0.1,
