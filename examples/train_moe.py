@@ -223,10 +223,12 @@ def agree(error: str | None) -> str | None:
     """Share each rank's error (or None) so that all ranks stop together instead of hanging in a collective."""
     errors: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
-    for rank, err in enumerate(errors):
-        if err is not None:
-            return err if dist.get_world_size() == 1 else f"(rank {rank}) {err}"
-    return None
+    failed = [(rank, err) for rank, err in enumerate(errors) if err is not None]
+    if not failed:
+        return None
+    rank, err = failed[0]
+    # The rank is worth naming only when the ranks disagree (a file one rank cannot read, say).
+    return err if len(failed) == len(errors) and len({e for _, e in failed}) == 1 else f"(rank {rank}) {err}"
 
 
 def collective_check(fn, *args, **kwargs):
