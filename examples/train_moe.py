@@ -474,7 +474,7 @@ def read_pointer(out: Path) -> dict | None:
 def config_mismatch(saved: dict, cfg: TrainConfig) -> str:
     now = dataclasses.asdict(cfg)
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}" for k in now if k != "text" and saved.get(k) != now[k]]
-    return "; ".join(diffs) or "unknown fields"
+    return "; ".join(diffs) or "every field matches but the hash does not: written by another version of this script"
 
 
 def load_checkpoint(out: Path, cfg: TrainConfig, rank: int) -> dict:
