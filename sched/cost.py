@@ -146,10 +146,17 @@ class CostModel:
                 k = int(m.src // G != m.dst // G)
                 out_B[k, m.src] += m.rows * self.row_bytes
                 in_B[k, m.dst] += m.rows * self.row_bytes
-        for _, src, dst in plan.weight_copies:
+        sent: set[tuple[int, int]] = set()
+        for e, src, dst in plan.weight_copies:
             k = int(src // G != dst // G)
-            out_B[k, src] += self.weight_bytes
             in_B[k, dst] += self.weight_bytes
+            if plan.rows_from_source:
+                # FasterMoE broadcasts a shadowed expert (a pipelined tree): its owner sends it about once per link
+                if (e, k) not in sent:
+                    sent.add((e, k))
+                    out_B[k, src] += self.weight_bytes
+            else:
+                out_B[k, src] += self.weight_bytes
         both = np.maximum(out_B, in_B)
         return both[0] / (self.ce_gbps * 1e3) + both[1] / (self.net_gbps * 1e3)
 
