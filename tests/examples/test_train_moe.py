@@ -323,7 +323,7 @@ def _one_step(rank: int, world: int, ids_NS: torch.Tensor, targets_NS: torch.Ten
     N, S = ids_NS.shape
     cfg = tm.TrainConfig(**{**_BASE, "layers": 2, "hidden": 32, "heads": 2, "ffn": 32, "experts": 4, "dyn": 2,
                             "policy": "feplb-split", "gpus_per_node": world, "world_size": world,
-                            "batch": N // world, "seq_len": S, "clip": clip, "bias_rate": 0.0})
+                            "batch": N // world, "seq_len": S, "clip": clip, "bias_rate": 1e-3})
     model = tm.MoETransformer(cfg, tm.make_moe_config(cfg, "torch", 1000.0), None)
     tm.init_expert_weights(model, cfg, rank)
     replicated, experts = tm.split_parameters(model)
@@ -333,6 +333,8 @@ def _one_step(rank: int, world: int, ids_NS: torch.Tensor, targets_NS: torch.Ten
         for _, p in model.named_parameters():
             if id(p) not in expert_ids:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+        for moe in model.moe_layers():  # every token picks expert 0 (home: rank 0), so balancing has work to do
+            moe.router_bias[0] = 1.0
     for moe in model.moe_layers():
         moe.refresh_replicas()
     B = N // world
@@ -343,7 +345,7 @@ def _one_step(rank: int, world: int, ids_NS: torch.Tensor, targets_NS: torch.Ten
     for moe in model.moe_layers():
         moe.reduce_replica_grads()
     mean_loss, norm = tm.reduce_gradients(replicated, experts, loss, world, clip)
-    return {"loss": mean_loss, "norm": norm,
+    return {"loss": mean_loss, "norm": norm, "rows_moved": sum(moe.last_stats.rows_moved for moe in model.moe_layers()),
             "replicated": {n: p.grad.clone() for n, p in model.named_parameters() if id(p) not in expert_ids},
             "experts": [(moe.w1.grad.clone(), moe.w2.grad.clone()) for moe in model.moe_layers()]}
 
@@ -352,7 +354,8 @@ def _one_step(rank: int, world: int, ids_NS: torch.Tensor, targets_NS: torch.Ten
 @pytest.mark.slow
 def test_expert_parallel_step_equals_one_process_on_all_the_data():
     """The explicit all-reduce and the expert-gradient scaling make W ranks compute the gradient of the global
-    mean loss: the same gradients as one process with every expert and every rank's tokens."""
+    mean loss: the same gradients as one process with every expert and every rank's tokens, with balancing moving
+    rows between the two ranks meanwhile."""
     from feplb.testing import run_dist
 
     gen = torch.Generator().manual_seed(0)
@@ -362,6 +365,7 @@ def test_expert_parallel_step_equals_one_process_on_all_the_data():
     clip = 1e-3 * ref["norm"]  # far below the norm: clipping must scale by the true global norm
     ranks = run_dist(_one_step, 2, ids_NS, targets_NS, clip)
     scale = clip / (ref["norm"] + 1e-6)
+    assert all(r["rows_moved"] > 0 for r in ranks), "balancing should move rows here, or the test shows less"
     for out in ranks:
         assert out["loss"] == pytest.approx(ref["loss"], rel=1e-6)
         assert out["norm"] == pytest.approx(ref["norm"], rel=1e-5)
