@@ -232,7 +232,7 @@ def agree(error: str | None) -> str | None:
 
 
 def collective_check(fn, *args, **kwargs):
-    """Run ``fn`` on every rank; if it raises UsageError/OSError on any rank, raise UsageError on all of them."""
+    """Run ``fn`` on every rank; if it raises UsageError on any rank, raise UsageError on all of them."""
     result, error = None, None
     try:
         result = fn(*args, **kwargs)
@@ -612,8 +612,7 @@ def reduce_gradients(replicated: list[nn.Parameter], experts: list[nn.Parameter]
 
 
 def make_config(args, world: int, corpus_sha: str, text_label: str) -> TrainConfig:
-    experts_per_rank = args.experts // world if world and args.experts % world == 0 else 1
-    dyn = args.dyn if args.dyn is not None else min(4, max(experts_per_rank, 0))
+    dyn = args.dyn if args.dyn is not None else min(4, args.experts // world)
     gpn = args.gpus_per_node if args.gpus_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return TrainConfig(
         layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn, experts=args.experts,
