@@ -199,7 +199,7 @@ def _md(meta: dict, summary: dict, load_step: int) -> str:
         f" -> {s['token_straggler_after']:.1f} ({100 * s['reduction']:.1f}% lower) |",
         f"| max / mean rows per GPU | {s['max_over_mean_before']:.3f} -> {s['max_over_mean_after']:.3f} |",
         f"| rows moved per step (all layers) | {s['rows_moved_per_step']:.0f} |",
-        f"| layer-steps that fell back to computing at home | {s['layers_fell_back']} |",
+        f"| layer-steps in which a node fell back to computing at home (plan late) | {s['layers_fell_back']} |",
         f"| throughput (median) | {s['tokens_per_s_median']:.0f} tokens/s |",
         f"| training time | {s['train_wall_s']:.0f} s |",
         "",

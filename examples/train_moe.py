@@ -542,20 +542,43 @@ class ExpertBias:
             moe.router_bias.add_(self.rate * step_E)
 
 
-def layer_stats(moes: list) -> dict:
-    """This step's balancing statistics: per-layer lists and means over the layers."""
-    stats = [moe.last_stats for moe in moes]
-    before = [float(s.token_straggler_before) for s in stats]
-    after = [float(s.token_straggler_after) for s in stats]
+def node_view(moes: list, rank: int, gpus_per_node: int) -> list[tuple]:
+    """This rank's node's share of each layer's last forward: (loads_before_W, loads_after of the node's GPUs, rows
+    moved out of the node's GPUs, fell back). A layer's stats are exact for the rank's own node; for other nodes they
+    show the planned moves even where that node fell back to computing at home, so each node speaks for itself."""
+    lo = rank // gpus_per_node * gpus_per_node
+    hi = lo + gpus_per_node
+    view = []
+    for moe in moes:
+        stats, plan = moe.last_stats, moe.last_plan
+        moved = 0 if plan is None else sum(m.rows for m in plan.moves if lo <= m.src < hi)
+        view.append(([int(v) for v in stats.loads_before_W], [int(v) for v in stats.loads_after_W[lo:hi]], int(moved),
+                     bool(stats.fell_back)))
+    return view
+
+
+def layer_stats(views: list[list[tuple]], gpus_per_node: int) -> dict:
+    """This step's balancing statistics from every rank's ``node_view``: per-layer lists and means over layers."""
+    from feplb.sched import token_straggler
+
+    firsts = views[::gpus_per_node]  # the first rank of each node speaks for the node
+    before_LW, after_LW, moved, fell_back = [], [], 0, 0
+    for layer in range(len(views[0])):
+        before_LW.append(firsts[0][layer][0])
+        after_LW.append([v for node in firsts for v in node[layer][1]])
+        moved += sum(node[layer][2] for node in firsts)
+        fell_back += any(node[layer][3] for node in firsts)
+    before = [token_straggler(w) for w in before_LW]
+    after = [token_straggler(w) for w in after_LW]
     return {
         "token_straggler_before": sum(before) / len(before),
         "token_straggler_after": sum(after) / len(after),
-        "rows_moved": int(sum(int(s.rows_moved) for s in stats)),
-        "fell_back": int(sum(bool(s.fell_back) for s in stats)),
+        "rows_moved": moved,
+        "fell_back": fell_back,
         "layer_straggler_before": before,
         "layer_straggler_after": after,
-        "loads_before_LW": [[int(v) for v in s.loads_before_W] for s in stats],
-        "loads_after_LW": [[int(v) for v in s.loads_after_W] for s in stats],
+        "loads_before_LW": before_LW,
+        "loads_after_LW": after_LW,
     }
 
 
@@ -724,7 +747,8 @@ def train(args: argparse.Namespace) -> Path:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": mean_loss, "grad_norm": grad_norm, "wall_s": dt,
-               "tokens_per_s": tokens_per_step / dt, **layer_stats(moes)}
+               "tokens_per_s": tokens_per_step / dt,
+               **layer_stats(gather(node_view(moes, rank, cfg.gpus_per_node)), cfg.gpus_per_node)}
         if rank == 0:
             history["steps"].append(rec)
             bar.update(1)

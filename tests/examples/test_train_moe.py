@@ -376,3 +376,19 @@ def test_expert_parallel_step_equals_one_process_on_all_the_data():
                                    atol=1e-9)
         torch.testing.assert_close(torch.cat([r["experts"][layer][1] for r in ranks]), g2 * scale, rtol=1e-4,
                                    atol=1e-9)
+
+
+def test_step_stats_take_each_node_from_its_own_ranks(train_moe):
+    # Layer 0 of a 2 x 2 run: node 0 balanced (rows 30 of GPU 0 moved to GPU 1); node 1 fell back, but its ranks'
+    # stats are the only ones that know it: node 0's ranks still show node 1's planned move.
+    before = [100, 40, 90, 50]
+    node0 = [(before, [70, 70], 30, False)]
+    node1 = [(before, [90, 50], 0, True)]
+    views = [node0, node0, node1, node1]
+    got = train_moe.layer_stats(views, gpus_per_node=2)
+    assert got["loads_before_LW"] == [before]
+    assert got["loads_after_LW"] == [[70, 70, 90, 50]]
+    assert got["rows_moved"] == 30 and got["fell_back"] == 1
+    assert got["token_straggler_before"] == pytest.approx(100 - 70)
+    assert got["token_straggler_after"] == pytest.approx(90 - 70)
+    assert got["layer_straggler_after"] == [pytest.approx(20.0)]
