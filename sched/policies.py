@@ -32,13 +32,15 @@ from functools import lru_cache
 import numpy as np
 
 from feplb.sched.cost import CostModel
-from feplb.sched.plan import BASE_POLICIES, Move, Plan, _frozen, parse_policy
+from feplb.sched.plan import BASE_POLICIES, Move, Plan, parse_policy
 from feplb.sched.state import PolicyState, slots_of
 from feplb.sched.topology import Topology
 
 POLICIES: tuple[str, ...] = BASE_POLICIES
 
 _DEFAULT_COST = CostModel()
+# ufunc reductions called directly: ndarray.sum's Python wrapper costs about a microsecond per call here
+_ADD = np.add.reduce
 
 
 @lru_cache(maxsize=64)
@@ -53,7 +55,7 @@ def _check_args(policy: str, topo: Topology, state: PolicyState | None) -> tuple
     if state is not None:
         if not isinstance(state, PolicyState):
             raise TypeError(f"state must be a PolicyState or None, got {type(state).__name__}")
-        if state.topo != topo:
+        if state.topo is not topo and state.topo != topo:
             raise ValueError(f"state was made for {state.topo}, not {topo}")
         if state.policy != policy:
             raise ValueError(f"state was made for policy {state.policy!r}, not {policy!r}")
@@ -210,17 +212,24 @@ def _merge(raw: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, in
 
 
 def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: frozenset[tuple[int, int]],
-            dyn_WD: np.ndarray, before_W: np.ndarray, after: list[int], home_E: np.ndarray | None,
+            dyn_WD: np.ndarray, before_W: np.ndarray, after: list[int] | np.ndarray, home_E: np.ndarray | None,
             rows_from_source: bool = False, weight_copies: tuple[tuple[int, int, int], ...] | None = None,
             info: dict | None = None, node: int | None = None, dispatched: bool = False) -> Plan:
-    new = tuple.__new__
-    moves = tuple([new(Move, (e, s, d, a, b)) for e, a, s, d, b in _merge(raw)])
+    """dyn_WD, before_W (and ``after`` when an array): read-only int64 arrays that own their data (make_plan
+    freezes them once); ``after`` as a list becomes a new frozen array."""
+    if raw:
+        new = tuple.__new__
+        moves = tuple([new(Move, (e, s, d, a, b)) for e, a, s, d, b in _merge(raw)])
+    else:
+        moves = ()
     if weight_copies is None:
         need = sorted({(m.expert, m.src, m.dst) for m in moves})
         weight_copies = tuple(c for c in need if (c[0], c[2]) not in resident)
-    after_W = np.asarray(after, dtype=np.int64)
-    dyn_WD, before_W = _frozen(dyn_WD), _frozen(before_W)
-    after_W.flags.writeable = False
+    if isinstance(after, np.ndarray):
+        after_W = after
+    else:
+        after_W = np.array(after, dtype=np.int64)
+        after_W.flags.writeable = False
     return Plan._trusted(policy=policy, moves=moves, weight_copies=weight_copies, dynamic_WD=dyn_WD,
                          loads_before_W=before_W, loads_after_W=after_W, home_E=home_E,
                          rows_from_source=rows_from_source, dispatched=dispatched, node=node, info=info or {})
@@ -244,8 +253,11 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     """
     base, place, mode = _check_args(policy, topo, state)
     counts_WE = topo.check_counts(counts_WE)
-    if total_rows is not None and int(counts_WE.sum()) != total_rows:
-        raise ValueError(f"counts_WE sums to {int(counts_WE.sum())} rows, but the micro-batch has total_rows="
+    W, G, S = topo.num_ranks, topo.gpus_per_node, topo.experts_per_rank
+    n_E = _ADD(counts_WE, 0)
+    before_W = _ADD(n_E.reshape(W, S), 1)
+    if total_rows is not None and int(_ADD(before_W)) != total_rows:
+        raise ValueError(f"counts_WE sums to {int(_ADD(before_W))} rows, but the micro-batch has total_rows="
                          f"{total_rows}")
     if not (isinstance(tau, (int, float)) and 0 <= tau < float("inf")):
         raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
@@ -254,46 +266,54 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
         min_chunk = cost.knee_rows
     if isinstance(min_chunk, bool) or not isinstance(min_chunk, int) or min_chunk < 1:
         raise ValueError(f"min_chunk must be an int >= 1, got {min_chunk!r}")
-    W, G, S = topo.num_ranks, topo.gpus_per_node, topo.experts_per_rank
     if node is not None:
         if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < topo.num_nodes:
             raise ValueError(f"node must be an int in [0, {topo.num_nodes}), got {node!r}")
         if base in ("fastermoe", "eplb"):
             raise ValueError(f"node={node}: policy {policy!r} places rows across nodes and plans all of them")
-    n_E = counts_WE.sum(axis=0)
-    before_W = n_E.reshape(W, S).sum(axis=1)
+    # fresh arrays that own their data: frozen in place once, the plan holds them without copies
+    before_W.flags.writeable = False
     home_E = None if (state is None or not place) else state.home_E
-    slots = _slots(topo, state)
-    at_home_W = before_W if home_E is None else n_E[slots].sum(axis=1)
+    if home_E is None:
+        at_home_W = before_W
+    else:
+        at_home_W = _ADD(n_E[state.slots_WS], 1)
+        at_home_W.flags.writeable = False
     dyn_WD, dyn_n_WD = _dynamic(n_E, topo, state, mode, place)
+    dyn_WD.flags.writeable = False
     resident = frozenset() if state is None else state.resident
-    L_all = at_home_W.tolist()
 
     if base == "none":
-        return _finish(policy, [], resident, dyn_WD, before_W, L_all, home_E, node=node)
+        return _finish(policy, [], resident, dyn_WD, before_W, at_home_W, home_E, node=node)
+    L_all = at_home_W.tolist()
     if base == "fastermoe":
-        return _fastermoe(policy, counts_WE, n_E, topo, slots, dyn_WD, before_W, home_E, cost, max_shadow)
+        return _fastermoe(policy, counts_WE, n_E, topo, _slots(topo, state), dyn_WD, before_W, home_E, cost,
+                          max_shadow)
     if base == "eplb":
         return _eplb(policy, n_E, topo, state, dyn_WD, before_W, L_all, home_E)
 
-    dyn = dyn_WD.tolist()
-    dyn_n = dyn_n_WD.tolist()
-    # (rows, expert) of each GPU's dynamic experts, already in (rows desc, id asc) order
-    cand_all = [list(zip(rows, row, strict=True)) for row, rows in zip(dyn, dyn_n, strict=True)]
+    if node is None:
+        g_first, dyn, dyn_n = 0, dyn_WD.tolist(), dyn_n_WD.tolist()
+    else:
+        # one node's rows only: the other nodes' dynamic sets are not needed as Python lists
+        g_first = node * G
+        dyn, dyn_n = dyn_WD[g_first:g_first + G].tolist(), dyn_n_WD[g_first:g_first + G].tolist()
     raw: list[tuple[int, int, int, int, int]] = []
     after = L_all
-    for g0 in range(0, W, G) if node is None else (node * G,):
+    for g0 in range(0, W, G) if node is None else (g_first,):
+        i0 = g0 - g_first
+        # (rows, expert) of each GPU's dynamic experts, already in (rows desc, id asc) order
+        cand = [list(zip(rows, row, strict=True)) for row, rows in zip(dyn[i0:i0 + G], dyn_n[i0:i0 + G], strict=True)]
         L = L_all[g0:g0 + G]
         tau_gap = int(tau * sum(L) / G)
         whole: list[tuple[int, int, int, int, int]] = []
-        if base != "lp":
-            _greedy_whole(L, [list(c) for c in cand_all[g0:g0 + G]], tau_gap, whole, g0)
         if base == "feplb":
-            raw.extend(whole)
+            _greedy_whole(L, cand, tau_gap, raw, g0)
         else:
+            if base != "lp":
+                _greedy_whole(L, [list(c) for c in cand], tau_gap, whole, g0)
             moved = {t[0] for t in whole}
-            pieces = [[[e, 0, r, i] for r, e in cand if r and e not in moved]
-                      for i, cand in enumerate(cand_all[g0:g0 + G])]
+            pieces = [[[e, 0, r, i] for r, e in c if r and e not in moved] for i, c in enumerate(cand)]
             for e, _, src, dst, n in whole:
                 pieces[dst - g0].append([e, 0, n, src - g0])
             _split(L, pieces, min_chunk if base == "feplb-split" else 1, tau_gap if base == "feplb-split" else 0)

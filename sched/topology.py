@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+_INT64 = np.dtype(np.int64)
+_MIN = np.minimum.reduce
+
 
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -90,8 +93,10 @@ class Topology:
         expect = (self.num_ranks, self.num_experts)
         if counts_WE.shape != expect:
             raise ValueError(f"{name} must have shape [W, E] = {list(expect)}, got {list(counts_WE.shape)}")
-        out = np.ascontiguousarray(counts_WE, dtype=np.int64)
-        if out.size and int(out.min()) < 0:
+        # the planner's hot path: an int64 C-contiguous array needs no conversion, one reduction checks the sign
+        out = counts_WE if counts_WE.dtype == _INT64 and counts_WE.flags.c_contiguous else np.ascontiguousarray(
+            counts_WE, dtype=np.int64)
+        if out.size and _MIN(out, None) < 0:
             s, e = np.argwhere(out < 0)[0]
             raise ValueError(f"{name} must be >= 0, got {int(out[s, e])} at [source {s}, expert {e}]")
         return out
