@@ -117,29 +117,33 @@ def select_dynamic(policy: str, counts_WE: np.ndarray, topo: Topology, state: Po
     return _dynamic(counts_WE.sum(axis=0), topo, state, mode, place)[0]
 
 
-def _greedy_whole(L: list[int], cand: list[list[tuple[int, int]]], tau_gap: int,
+def _greedy_whole(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap: int,
                   out: list[tuple[int, int, int, int, int]], g0: int) -> None:
-    """The paper's greedy on one node. L: loads (mutated); cand[i]: (rows, expert) of GPU i's movable dynamic
-    experts, sorted by (-rows, expert) (consumed). Appends (expert, row_start, src, dst, row_end) to out."""
+    """The paper's greedy on one node. L: loads (mutated); ex[i], nx[i]: GPU i's movable dynamic experts and their
+    rows, sorted by (rows desc, expert asc) (both consumed together). Appends (expert, row_start, src, dst,
+    row_end) to out."""
     while True:
         # first index of the max / min: ties go to the lower GPU id
         top, bottom = max(L), min(L)
         gap = top - bottom
         if gap <= tau_gap:
             return
-        hi, lo = L.index(top), L.index(bottom)
-        c = cand[hi]
-        for j in range(len(c)):
-            if c[j][0] < gap:
+        hi = L.index(top)
+        rows = nx[hi]
+        j = 0
+        for n in rows:
+            if n < gap:
                 break
+            j += 1
         else:
             return
-        n, e = c.pop(j)
         if n == 0:  # candidates are sorted by rows: only empty experts are left below the gap
             return
-        L[hi] -= n
-        L[lo] += n
-        out.append((e, 0, g0 + hi, g0 + lo, n))
+        lo = L.index(bottom)
+        del rows[j]
+        L[hi] = top - n
+        L[lo] = bottom + n
+        out.append((ex[hi].pop(j), 0, g0 + hi, g0 + lo, n))
 
 
 def _chunk(want: int, r: int, m: int, gap: int) -> int:
@@ -214,14 +218,24 @@ def _merge(raw: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, in
 def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: frozenset[tuple[int, int]],
             dyn_WD: np.ndarray, before_W: np.ndarray, after: list[int] | np.ndarray, home_E: np.ndarray | None,
             rows_from_source: bool = False, weight_copies: tuple[tuple[int, int, int], ...] | None = None,
-            info: dict | None = None, node: int | None = None, dispatched: bool = False) -> Plan:
+            info: dict | None = None, node: int | None = None, dispatched: bool = False, whole: bool = False,
+            ) -> Plan:
     """dyn_WD, before_W (and ``after`` when an array): read-only int64 arrays that own their data (make_plan
-    freezes them once); ``after`` as a list becomes a new frozen array."""
-    if raw:
-        new = tuple.__new__
-        moves = tuple([new(Move, (e, s, d, a, b)) for e, a, s, d, b in _merge(raw)])
-    else:
+    freezes them once); ``after`` as a list becomes a new frozen array. whole: raw holds whole-expert moves only,
+    each expert at most once, all from row 0 (the feplb greedy)."""
+    new = tuple.__new__
+    if not raw:
         moves = ()
+    elif whole:
+        # at most one move per expert, all from row 0: (expert) alone orders them, nothing to join, and the
+        # (expert, src, dst) weight copies come out sorted and distinct
+        raw.sort()
+        moves = tuple([new(Move, (e, s, d, a, b)) for e, a, s, d, b in raw])
+        if weight_copies is None:
+            weight_copies = tuple([(m[0], m[1], m[2]) for m in moves if (m[0], m[2]) not in resident] if resident
+                                  else [(m[0], m[1], m[2]) for m in moves])
+    else:
+        moves = tuple([new(Move, (e, s, d, a, b)) for e, a, s, d, b in _merge(raw)])
     if weight_copies is None:
         need = sorted({(m.expert, m.src, m.dst) for m in moves})
         weight_copies = tuple(c for c in need if (c[0], c[2]) not in resident)
@@ -302,24 +316,25 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     after = L_all
     for g0 in range(0, W, G) if node is None else (g_first,):
         i0 = g0 - g_first
-        # (rows, expert) of each GPU's dynamic experts, already in (rows desc, id asc) order
-        cand = [list(zip(rows, row, strict=True)) for row, rows in zip(dyn[i0:i0 + G], dyn_n[i0:i0 + G], strict=True)]
+        ex, nx = dyn[i0:i0 + G], dyn_n[i0:i0 + G]
         L = L_all[g0:g0 + G]
         tau_gap = int(tau * sum(L) / G)
-        whole: list[tuple[int, int, int, int, int]] = []
         if base == "feplb":
-            _greedy_whole(L, cand, tau_gap, raw, g0)
+            # the row lists are this call's own (tolist), the greedy may consume them
+            _greedy_whole(L, ex, nx, tau_gap, raw, g0)
         else:
+            whole: list[tuple[int, int, int, int, int]] = []
             if base != "lp":
-                _greedy_whole(L, [list(c) for c in cand], tau_gap, whole, g0)
+                _greedy_whole(L, [list(r) for r in ex], [list(r) for r in nx], tau_gap, whole, g0)
             moved = {t[0] for t in whole}
-            pieces = [[[e, 0, r, i] for r, e in c if r and e not in moved] for i, c in enumerate(cand)]
+            pieces = [[[e, 0, r, i] for e, r in zip(ex[i], nx[i], strict=True) if r and e not in moved]
+                      for i in range(G)]
             for e, _, src, dst, n in whole:
                 pieces[dst - g0].append([e, 0, n, src - g0])
             _split(L, pieces, min_chunk if base == "feplb-split" else 1, tau_gap if base == "feplb-split" else 0)
             _pieces_to_moves(pieces, g0, raw)
         after[g0:g0 + G] = L
-    return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E, node=node)
+    return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E, node=node, whole=base == "feplb")
 
 
 def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topology, slots: np.ndarray,
