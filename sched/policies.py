@@ -174,8 +174,15 @@ def _split(L: list[int], pieces: list[list[list[int]]], m: int, tau_gap: int) ->
         # the largest piece first (ties: lower expert id, then lower row); the rest only if it cannot give
         j, x = -1, 0
         if mine:
-            k = max(range(len(mine)), key=lambda i: (mine[i][2] - mine[i][1], -mine[i][0], -mine[i][1]))
-            x = _chunk(want, mine[k][2] - mine[k][1], m, gap)
+            # the largest piece, ties to the lower (expert, row_start), found without a key function per piece
+            k, q = 0, mine[0]
+            size, e0, a0 = q[2] - q[1], q[0], q[1]
+            for i in range(1, len(mine)):
+                q = mine[i]
+                s = q[2] - q[1]
+                if s > size or (s == size and (q[0] < e0 or (q[0] == e0 and q[1] < a0))):
+                    k, size, e0, a0 = i, s, q[0], q[1]
+            x = _chunk(want, size, m, gap)
             j = k
             if not x:
                 for k in sorted(range(len(mine)), key=lambda i: (mine[i][1] - mine[i][2], mine[i][0], mine[i][1])):
