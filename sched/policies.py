@@ -71,30 +71,24 @@ def _parse(policy: str) -> tuple[str, bool, str]:
     return parse_policy(policy)
 
 
-@lru_cache(maxsize=64)
-def _default_rev(topo: Topology) -> np.ndarray:
-    rev = (topo.num_experts - 1) - _default_slots(topo)
-    rev.flags.writeable = False
-    return rev
-
-
 def _top(n_E: np.ndarray, cand_WK: np.ndarray | None, topo: Topology, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k candidates of each GPU with the most rows, ties to the lower expert id, as int64 [W, k] experts and
-    their rows. cand_WK: int64 [W, K] candidate experts, or None for the default slots (n_E reshaped)."""
+    their rows (fresh arrays). cand_WK: int64 [W, K] candidate experts, or None for the default slots."""
     E = topo.num_experts
-    if cand_WK is None:
-        n_WK, rev = n_E.reshape(topo.num_ranks, -1), _default_rev(topo)
-    else:
-        n_WK, rev = n_E[cand_WK], (E - 1) - cand_WK
     if k == 0:
-        empty = np.zeros((topo.num_ranks, 0), dtype=np.int64)
-        return empty, empty.copy()
-    # one integer key per expert orders by (rows descending, id ascending): no float or sort-stability ties
-    keys = n_WK * E
-    keys += rev
+        return np.zeros((topo.num_ranks, 0), dtype=np.int64), np.zeros((topo.num_ranks, 0), dtype=np.int64)
+    if cand_WK is None:
+        n_WK, ids_WK = n_E.reshape(topo.num_ranks, -1), _default_slots(topo)
+    else:
+        n_WK, ids_WK = n_E[cand_WK], cand_WK
+    # one integer key per expert, id - rows * E, ascending = (rows descending, id ascending): no float or
+    # sort-stability ties; floor division gives back -rows and the id
+    keys = n_WK * -E
+    keys += ids_WK
     keys.sort(axis=1)
-    rows, r = np.divmod(keys[:, : -k - 1 : -1], E)
-    return (E - 1) - r, rows
+    neg_rows, top = np.divmod(keys[:, :k], E)
+    np.negative(neg_rows, out=neg_rows)
+    return top, neg_rows
 
 
 def _dynamic(n_E: np.ndarray, topo: Topology, state: PolicyState | None, mode: str, place: bool,
