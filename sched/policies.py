@@ -41,6 +41,7 @@ POLICIES: tuple[str, ...] = BASE_POLICIES
 _DEFAULT_COST = CostModel()
 # ufunc reductions called directly: ndarray.sum's Python wrapper costs about a microsecond per call here
 _ADD = np.add.reduce
+_MAKE_MOVE = Move._make
 
 
 @lru_cache(maxsize=64)
@@ -73,7 +74,8 @@ def _parse(policy: str) -> tuple[str, bool, str]:
 
 def _top(n_E: np.ndarray, cand_WK: np.ndarray | None, topo: Topology, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k candidates of each GPU with the most rows, ties to the lower expert id, as int64 [W, k] experts and
-    their rows (fresh arrays). cand_WK: int64 [W, K] candidate experts, or None for the default slots."""
+    their rows NEGATED (fresh arrays; only some callers need the rows, they negate them).
+    cand_WK: int64 [W, K] candidate experts, or None for the default slots."""
     E = topo.num_experts
     if k == 0:
         return np.zeros((topo.num_ranks, 0), dtype=np.int64), np.zeros((topo.num_ranks, 0), dtype=np.int64)
@@ -87,7 +89,6 @@ def _top(n_E: np.ndarray, cand_WK: np.ndarray | None, topo: Topology, k: int) ->
     keys += ids_WK
     keys.sort(axis=1)
     neg_rows, top = np.divmod(keys[:, :k], E)
-    np.negative(neg_rows, out=neg_rows)
     return top, neg_rows
 
 
@@ -114,8 +115,8 @@ def select_dynamic(policy: str, counts_WE: np.ndarray, topo: Topology, state: Po
 def _greedy_whole(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap: int,
                   out: list[tuple[int, int, int, int, int]], g0: int) -> None:
     """The paper's greedy on one node. L: loads (mutated); ex[i], nx[i]: GPU i's movable dynamic experts and their
-    rows, sorted by (rows desc, expert asc) (both consumed together). Appends (expert, row_start, src, dst,
-    row_end) to out."""
+    rows, sorted by (rows desc, expert asc) (both consumed together). Appends whole-expert moves as tuples in
+    Move's field order (expert, src, dst, 0, rows) to out."""
     while True:
         # first index of the max / min: ties go to the lower GPU id
         top, bottom = max(L), min(L)
@@ -137,7 +138,7 @@ def _greedy_whole(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_ga
         del rows[j]
         L[hi] = top - n
         L[lo] = bottom + n
-        out.append((ex[hi].pop(j), 0, g0 + hi, g0 + lo, n))
+        out.append((ex[hi].pop(j), g0 + hi, g0 + lo, 0, n))
 
 
 def _chunk(want: int, r: int, m: int, gap: int) -> int:
@@ -223,7 +224,7 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
             ) -> Plan:
     """dyn_WD, before_W (and ``after`` when an array): read-only int64 arrays that own their data (make_plan
     freezes them once); ``after`` as a list becomes a new frozen array. whole: raw holds whole-expert moves only,
-    each expert at most once, all from row 0 (the feplb greedy)."""
+    each expert at most once, all from row 0 (the feplb greedy), as tuples in Move's field order."""
     new = tuple.__new__
     if not raw:
         moves = ()
@@ -231,10 +232,10 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
         # at most one move per expert, all from row 0: (expert) alone orders them, nothing to join, and the
         # (expert, src, dst) weight copies come out sorted and distinct
         raw.sort()
-        moves = tuple([new(Move, (e, s, d, a, b)) for e, a, s, d, b in raw])
+        moves = tuple(map(_MAKE_MOVE, raw))
         if weight_copies is None:
-            weight_copies = tuple([(m[0], m[1], m[2]) for m in moves if (m[0], m[2]) not in resident] if resident
-                                  else [(m[0], m[1], m[2]) for m in moves])
+            weight_copies = tuple([t[:3] for t in raw if (t[0], t[2]) not in resident] if resident
+                                  else [t[:3] for t in raw])
     else:
         moves = tuple([new(Move, (e, s, d, a, b)) for e, a, s, d, b in _merge(raw)])
     if weight_copies is None:
@@ -294,7 +295,7 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     else:
         at_home_W = _ADD(n_E[state.slots_WS], 1)
         at_home_W.flags.writeable = False
-    dyn_WD, dyn_n_WD = _dynamic(n_E, topo, state, mode, place)
+    dyn_WD, neg_dyn_n_WD = _dynamic(n_E, topo, state, mode, place)
     dyn_WD.flags.writeable = False
     resident = frozenset() if state is None else state.resident
 
@@ -307,6 +308,7 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     if base == "eplb":
         return _eplb(policy, n_E, topo, state, dyn_WD, before_W, L_all, home_E)
 
+    dyn_n_WD = np.negative(neg_dyn_n_WD, out=neg_dyn_n_WD)
     if node is None:
         g_first, dyn, dyn_n = 0, dyn_WD.tolist(), dyn_n_WD.tolist()
     else:
@@ -330,7 +332,7 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
             moved = {t[0] for t in whole}
             pieces = [[[e, 0, r, i] for e, r in zip(ex[i], nx[i], strict=True) if r and e not in moved]
                       for i in range(G)]
-            for e, _, src, dst, n in whole:
+            for e, src, dst, _, n in whole:
                 pieces[dst - g0].append([e, 0, n, src - g0])
             _split(L, pieces, min_chunk if base == "feplb-split" else 1, tau_gap if base == "feplb-split" else 0)
             _pieces_to_moves(pieces, g0, raw)
