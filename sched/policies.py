@@ -228,6 +228,8 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
     new = tuple.__new__
     if not raw:
         moves = ()
+        if weight_copies is None:
+            weight_copies = ()
     elif whole:
         # at most one move per expert, all from row 0: (expert) alone orders them, nothing to join, and the
         # (expert, src, dst) weight copies come out sorted and distinct
@@ -238,9 +240,9 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
                                   else [t[:3] for t in raw])
     else:
         moves = tuple([new(Move, (e, s, d, a, b)) for e, a, s, d, b in _merge(raw)])
-    if weight_copies is None:
-        need = sorted({(m.expert, m.src, m.dst) for m in moves})
-        weight_copies = tuple(c for c in need if (c[0], c[2]) not in resident)
+        if weight_copies is None:
+            need = sorted({(e, s, d) for e, _, s, d, _ in raw})
+            weight_copies = tuple([c for c in need if (c[0], c[2]) not in resident] if resident else need)
     if isinstance(after, np.ndarray):
         after_W = after
     else:
