@@ -223,16 +223,16 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
             info: dict | None = None, node: int | None = None, dispatched: bool = False, whole: bool = False,
             ) -> Plan:
     """dyn_WD, before_W (and ``after`` when an array): read-only int64 arrays that own their data (make_plan
-    freezes them once); ``after`` as a list becomes a new frozen array. whole: raw holds whole-expert moves only,
-    each expert at most once, all from row 0 (the feplb greedy), as tuples in Move's field order."""
+    freezes them once); ``after`` as a list becomes a new frozen array. whole: raw holds tuples in Move's field
+    order, at most one per (expert, dst), whose plain sort is the (expert, row_start) order and which have nothing
+    to join (the feplb greedy's whole experts; FasterMoE's per-source ranges)."""
     new = tuple.__new__
     if not raw:
         moves = ()
         if weight_copies is None:
             weight_copies = ()
     elif whole:
-        # at most one move per expert, all from row 0: (expert) alone orders them, nothing to join, and the
-        # (expert, src, dst) weight copies come out sorted and distinct
+        # nothing to join, and the (expert, src, dst) weight copies come out sorted and distinct
         raw.sort()
         moves = tuple(map(_MAKE_MOVE, raw))
         if weight_copies is None:
@@ -305,7 +305,7 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
         return _finish(policy, [], resident, dyn_WD, before_W, at_home_W, home_E, node=node)
     L_all = at_home_W.tolist()
     if base == "fastermoe":
-        return _fastermoe(policy, counts_WE, n_E, topo, _slots(topo, state), dyn_WD, before_W, home_E, cost,
+        return _fastermoe(policy, counts_WE, n_E, topo, _slots(topo, state), dyn_WD, before_W, L_all, home_E, cost,
                           max_shadow)
     if base == "eplb":
         return _eplb(policy, n_E, topo, state, dyn_WD, before_W, L_all, home_E)
@@ -343,15 +343,16 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
 
 
 def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topology, slots: np.ndarray,
-               dyn_WD: np.ndarray, before_W: np.ndarray, home_E: np.ndarray | None, cost: CostModel,
+               dyn_WD: np.ndarray, before_W: np.ndarray, L: list[int], home_E: np.ndarray | None, cost: CostModel,
                max_shadow: int | None) -> Plan:
+    """L: the loads with every expert at home (this plan's placement), a list the function may not keep."""
     W, E = topo.num_ranks, topo.num_experts
     home = (home_E if home_E is not None else topo.default_home_E()).tolist()
     t_E = cost.gemm_us(n_E)
-    t_WE = cost.gemm_us(counts_WE)
     gemm_W = t_E[slots].sum(axis=1)
     bcast_us = cost.copy_us(cost.weight_bytes, inter_node=topo.gpus_per_node < W)
-    order = sorted(range(E), key=lambda e: (-int(n_E[e]), e))
+    # hottest first, ties to the lower id: a stable sort of -rows
+    order = np.argsort(-n_E, kind="stable").tolist()
     limit = E if max_shadow is None else max_shadow
     shadow: list[int] = []
     comm = 0.0
@@ -359,8 +360,9 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
     for e in order[:limit]:
         if n_E[e] == 0:
             break
-        # each source computes its own rows of e; the home keeps only its own
-        trial = gemm_W + t_WE[:, e]
+        # each source computes its own rows of e; the home keeps only its own. The per-source GEMM times of one
+        # column (elementwise, so equal to that column of the full [W, E] table) are all the test needs
+        trial = gemm_W + cost.gemm_us(counts_WE[:, e])
         trial[home[e]] -= t_E[e]
         new = float(trial.max())
         if new + bcast_us < cur:
@@ -368,26 +370,26 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
             gemm_W, cur, comm = trial, new, comm + bcast_us
         else:
             break
-    cum_WE = np.zeros((W + 1, E), dtype=np.int64)
-    np.cumsum(counts_WE, axis=0, out=cum_WE[1:])
     raw = []
-    loads = np.zeros(W, dtype=np.int64)
-    np.add.at(loads, np.asarray(home, dtype=np.int64), n_E)
+    loads = list(L)
     copies = []
     for e in sorted(shadow):
         h = home[e]
-        for s in range(W):
+        b = 0
+        for s, n in enumerate(counts_WE[:, e].tolist()):
+            # rows of source s are [a, b) in home order: sources in rank order
+            a, b = b, b + n
             if s == h:
                 continue
             copies.append((e, h, s))
-            a, b = int(cum_WE[s, e]), int(cum_WE[s + 1, e])
-            if b > a:
-                raw.append((e, a, h, s, b))
-                loads[h] -= b - a
-                loads[s] += b - a
+            if n:
+                # Move's field order; each (expert, dst) once and row_start rising with dst: sorted as required
+                raw.append((e, h, s, a, b))
+                loads[h] -= n
+                loads[s] += n
     info = {"shadowed": tuple(sorted(shadow)), "gemm_us_max": cur, "broadcast_us": comm}
-    return _finish(policy, raw, frozenset(), dyn_WD, before_W, loads.tolist(), home_E, rows_from_source=True,
-                   weight_copies=tuple(copies), info=info)
+    return _finish(policy, raw, frozenset(), dyn_WD, before_W, loads, home_E, rows_from_source=True,
+                   weight_copies=tuple(copies), info=info, whole=True)
 
 
 def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | None,
