@@ -225,7 +225,7 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
     """dyn_WD, before_W (and ``after`` when an array): read-only int64 arrays that own their data (make_plan
     freezes them once); ``after`` as a list becomes a new frozen array. whole: raw holds tuples in Move's field
     order, at most one per (expert, dst), whose plain sort is the (expert, row_start) order and which have nothing
-    to join (the feplb greedy's whole experts; FasterMoE's per-source ranges)."""
+    to join (the feplb greedy's whole experts; FasterMoE's per-source ranges; EPLB's replicas)."""
     new = tuple.__new__
     if not raw:
         moves = ()
@@ -408,9 +408,10 @@ def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | Non
         for i, g in enumerate(copies[1:], start=1):
             size = q + (i < r)
             if size:
-                raw.append((e, start, home[e], g, start + size))
+                # Move's field order; each (expert, dst) once, row_start rising with dst (sorted holders)
+                raw.append((e, home[e], g, start, start + size))
                 L[home[e]] -= size
                 L[g] += size
             start += size
     resident = frozenset() if state is None else state.resident
-    return _finish(policy, raw, resident, dyn_WD, before_W, L, home_E, dispatched=True)
+    return _finish(policy, raw, resident, dyn_WD, before_W, L, home_E, dispatched=True, whole=True)
