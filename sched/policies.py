@@ -204,19 +204,6 @@ def _pieces_to_moves(pieces: list[list[list[int]]], g0: int, out: list[tuple[int
                 out.append((e, a, g0 + h, g0 + i, b))
 
 
-def _merge(raw: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
-    """Sort (expert, row_start, src, dst, row_end) records and join adjacent pieces bound for the same GPU."""
-    raw.sort()
-    out: list[tuple[int, int, int, int, int]] = []
-    for t in raw:
-        if out and out[-1][0] == t[0] and out[-1][3] == t[3] and out[-1][4] == t[1]:
-            p = out[-1]
-            out[-1] = (p[0], p[1], p[2], p[3], t[4])
-        else:
-            out.append(t)
-    return out
-
-
 def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: frozenset[tuple[int, int]],
             dyn_WD: np.ndarray, before_W: np.ndarray, after: list[int] | np.ndarray, home_E: np.ndarray | None,
             rows_from_source: bool = False, weight_copies: tuple[tuple[int, int, int], ...] | None = None,
@@ -239,7 +226,17 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
             weight_copies = tuple([t[:3] for t in raw if (t[0], t[2]) not in resident] if resident
                                   else [t[:3] for t in raw])
     else:
-        moves = tuple([new(Move, (e, s, d, a, b)) for e, a, s, d, b in _merge(raw)])
+        # (expert, row_start, src, dst, row_end) records: sort, join adjacent pieces bound for the same GPU
+        raw.sort()
+        joined: list[Move] = []
+        last = (-1, -1, -1, -1, -1)
+        for e, a, s, d, b in raw:
+            if last[0] == e and last[2] == d and last[4] == a:
+                last = joined[-1] = new(Move, (e, s, d, last[3], b))
+            else:
+                last = new(Move, (e, s, d, a, b))
+                joined.append(last)
+        moves = tuple(joined)
         if weight_copies is None:
             need = sorted({(e, s, d) for e, _, s, d, _ in raw})
             weight_copies = tuple([c for c in need if (c[0], c[2]) not in resident] if resident else need)
