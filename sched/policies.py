@@ -244,7 +244,7 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
         after_W = after
     else:
         after_W = np.array(after, dtype=np.int64)
-        after_W.flags.writeable = False
+        after_W.setflags(write=False)
     return Plan._trusted(policy=policy, moves=moves, weight_copies=weight_copies, dynamic_WD=dyn_WD,
                          loads_before_W=before_W, loads_after_W=after_W, home_E=home_E,
                          rows_from_source=rows_from_source, dispatched=dispatched, node=node, info=info or {})
@@ -287,15 +287,15 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
         if base in ("fastermoe", "eplb"):
             raise ValueError(f"node={node}: policy {policy!r} places rows across nodes and plans all of them")
     # fresh arrays that own their data: frozen in place once, the plan holds them without copies
-    before_W.flags.writeable = False
+    before_W.setflags(write=False)
     home_E = None if (state is None or not place) else state.home_E
     if home_E is None:
         at_home_W = before_W
     else:
         at_home_W = _ADD(n_E[state.slots_WS], 1)
-        at_home_W.flags.writeable = False
+        at_home_W.setflags(write=False)
     dyn_WD, neg_dyn_n_WD = _dynamic(n_E, topo, state, mode, place)
-    dyn_WD.flags.writeable = False
+    dyn_WD.setflags(write=False)
     resident = frozenset() if state is None else state.resident
 
     if base == "none":
