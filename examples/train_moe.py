@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=int, default=120, help="total optimizer steps (a resumed run continues to this)")
     run.add_argument("--out", type=Path, default=Path("runs/demo"), help="directory for the report and checkpoint")
     run.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    run.add_argument("--overwrite", action="store_true",
+                     help="start afresh even if --out holds a run: its checkpoint and report are removed first")
     run.add_argument("--log-every", type=int, default=10, help="steps between log lines")
     run.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints (and one at the end)")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -498,17 +500,27 @@ def load_checkpoint(out: Path, cfg: TrainConfig, rank: int) -> dict:
 # Training
 
 
-def check_out_dir(out: Path, resume: bool) -> None:
+def check_out_dir(out: Path, resume: bool, overwrite: bool = False, remover: bool = True) -> None:
+    """Check that ``out`` is writable and holds no run unless resuming. With ``overwrite`` (and not resuming), the
+    previous run's checkpoint and report files are removed by ``remover`` (one rank; the caller then barriers)."""
+    if resume and overwrite:
+        raise UsageError("--resume and --overwrite exclude each other: continue the run in --out, or replace it")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
             pass
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot write there ({type(exc).__name__}: {exc})") from exc
+    if overwrite:
+        if remover:
+            shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
+            for name in _report_module().FILES:
+                (out / name).unlink(missing_ok=True)
+        return
     pointer = read_pointer(out) if not resume else None
     if pointer is not None:
         raise UsageError(f"--out {out} already holds a run (checkpoint at step {pointer.get('step')}); "
-                         f"pass --resume to continue it, or choose another --out")
+                         f"pass --resume to continue it, --overwrite to replace it, or choose another --out")
 
 
 class ExpertBias:
@@ -673,7 +685,8 @@ def train(args: argparse.Namespace) -> Path:
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     out: Path = args.out
 
-    collective_check(check_out_dir, out, args.resume)
+    collective_check(check_out_dir, out, args.resume, args.overwrite, remover=rank == 0)
+    dist.barrier()  # an --overwrite removal is complete before any rank writes
     corpus, text_label = collective_check(read_corpus, args.text, args.text_bytes)
     corpus_sha = hashlib.sha256(corpus).hexdigest()
     if len(set(gather(corpus_sha))) != 1:  # the same answer on every rank, so all of them stop here together
@@ -770,13 +783,18 @@ def train(args: argparse.Namespace) -> Path:
     return out / "report.md"
 
 
-def write_report(out: Path, meta: dict, steps: list[dict]) -> None:
-    """Rank 0 only: the sibling module report.py (imported here so the other ranks never load matplotlib)."""
+def _report_module():
+    """The sibling module report.py, imported on demand so that ranks which write no report never load matplotlib."""
     if str(EXAMPLES_DIR) not in sys.path:
         sys.path.insert(0, str(EXAMPLES_DIR))
     import report
 
-    report.write_report(out, meta, steps)
+    return report
+
+
+def write_report(out: Path, meta: dict, steps: list[dict]) -> None:
+    """Rank 0 only."""
+    _report_module().write_report(out, meta, steps)
 
 
 def gather(obj) -> list:

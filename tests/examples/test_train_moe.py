@@ -294,6 +294,15 @@ def test_out_dir_checks(train_moe, tmp_path):
     with pytest.raises(train_moe.UsageError, match="already holds a run \\(checkpoint at step 7\\); pass --resume"):
         train_moe.check_out_dir(run, resume=False)
     train_moe.check_out_dir(run, resume=True)
+    with pytest.raises(train_moe.UsageError, match="--resume and --overwrite exclude each other"):
+        train_moe.check_out_dir(run, resume=True, overwrite=True)
+    (run / "report.md").write_text("old report")
+    (run / "notes.txt").write_text("a file of the user's")
+    train_moe.check_out_dir(run, resume=False, overwrite=True, remover=False)
+    assert (run / "report.md").exists(), "only the designated rank removes the previous run"
+    train_moe.check_out_dir(run, resume=False, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"], "the old run is gone, the user's file stays"
+    train_moe.check_out_dir(run, resume=False)
 
 
 def test_resume_refuses_a_missing_or_foreign_checkpoint(train_moe, tmp_path):
