@@ -71,6 +71,15 @@ class CopyEngine:
         """
         raise NotImplementedError
 
+    def _split(self, out: torch.Tensor, recv_splits: list[int], recv_numel: dict[int, int]) -> dict[int, torch.Tensor]:
+        """The flat receive buffer ``out`` (peers in node order) -> {q: its part} for every peer asked for."""
+        res, start = {}, 0
+        for q in range(self.node_size):
+            if recv_splits[q] or q in recv_numel:
+                res[q] = out[start:start + recv_splits[q]]
+            start += recv_splits[q]
+        return res
+
     def _layout(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int]) -> tuple[list[int], list[int]]:
         for p in list(send) + list(recv_numel):
             if not 0 <= p < self.node_size or p == self.node_rank:
@@ -93,12 +102,7 @@ class GlooCopyEngine(CopyEngine):
         out = torch.empty(sum(recv_splits), dtype=dtype, device=device)
         with guard(f"copy path ({op})", self.node_group):
             dist.all_to_all_single(out, flat, recv_splits, send_splits, group=self.node_group)
-        res, start = {}, 0
-        for q in range(self.node_size):
-            if recv_splits[q] or q in recv_numel:
-                res[q] = out[start:start + recv_splits[q]]
-            start += recv_splits[q]
-        return res
+        return self._split(out, recv_splits, recv_numel)
 
 
 class CudaCopyEngine(CopyEngine):
@@ -181,12 +185,7 @@ class CudaCopyEngine(CopyEngine):
             out = inbox[: sum(recv_splits) * elem].clone().view(dtype)
             # The inbox is reused by the next exchange: no peer may put into it before this copy-out ran.
             nv.barrier(nv.Teams.TEAM_NODE, stream=nv_stream(compute))
-        res, start = {}, 0
-        for q in range(self.node_size):
-            if recv_splits[q] or q in recv_numel:
-                res[q] = out[start:start + recv_splits[q]]
-            start += recv_splits[q]
-        return res
+        return self._split(out, recv_splits, recv_numel)
 
 
 def make_copy_engine(device: torch.device, node_group, node_size: int, *, use_nvshmem: bool = False) -> CopyEngine:
