@@ -183,3 +183,18 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
         y = (torch.nn.functional.silu(h[:, :F2]) * h[:, F2:]) @ w2_EFH[e]
         out = out.index_add(0, t_idx, g_TK[t_idx, k_idx, None] * y)
     return out
+
+
+def load_global_weights(layer, router_EH, w1_EH2F, w2_EFH) -> None:
+    """Copy global weights into an EP ``MoELayer``: the router whole, and this rank's shard of the experts.
+
+    Args:
+        router_EH: [E, H]; w1_EH2F: [E, H, 2F]; w2_EFH: [E, F, H] (all E experts, the same on every rank).
+    """
+    import torch
+
+    lo = layer.rank * layer.num_local
+    with torch.no_grad():
+        layer.router.weight.copy_(router_EH)
+        layer.w1.copy_(w1_EH2F[lo:lo + layer.num_local])
+        layer.w2.copy_(w2_EFH[lo:lo + layer.num_local])

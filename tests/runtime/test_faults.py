@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from feplb.testing import run_dist
+from feplb.testing import load_global_weights, run_dist
 
 pytestmark = pytest.mark.dist
 
@@ -42,11 +42,7 @@ def _layer(rank, world, seed, **kw):
     kw.setdefault("gpus_per_node", 2)
     cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, min_chunk=2, dyn=2, **kw)
     layer = MoELayer(cfg)
-    L = E // world
-    with torch.no_grad():
-        layer.router.weight.copy_(router)
-        layer.w1.copy_(w1[rank * L:(rank + 1) * L])
-        layer.w2.copy_(w2[rank * L:(rank + 1) * L])
+    load_global_weights(layer, router, w1, w2)
     return layer, xs[rank]
 
 

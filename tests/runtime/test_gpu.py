@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from feplb.testing import run_dist
+from feplb.testing import load_global_weights, run_dist
 
 pytestmark = [pytest.mark.gpu, pytest.mark.dist]
 
@@ -32,10 +32,7 @@ def _gpu_worker(rank, world, transport):
         router = torch.randn(4 * world, 256, generator=gen) / 16
         router[:, 0] = 0
         router[0, 0] = 3.0
-        with torch.no_grad():
-            layer.router.weight.copy_(router)
-            layer.w1.copy_(w1[4 * rank:4 * rank + 4])
-            layer.w2.copy_(w2[4 * rank:4 * rank + 4])
+        load_global_weights(layer, router, w1, w2)
         x = torch.randn(512, 256, generator=torch.Generator().manual_seed(rank)).cuda()
         x[:, 0] = x[:, 0].abs() + 1
         x.requires_grad_(True)

@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from feplb.testing import dense_moe_reference, run_dist
+from feplb.testing import dense_moe_reference, load_global_weights, run_dist
 
 pytestmark = pytest.mark.dist
 
@@ -55,11 +55,7 @@ def _run_layer(rank, world, cfg_kwargs, routing, seed, microbatches=1):
     router_EH, w1, w2, xs, dys = make_inputs(routing, seed, G, cfg_kwargs.get("router", "softmax"))
     cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, plan_wait_ms=60_000, min_chunk=2, **cfg_kwargs)
     layer = MoELayer(cfg)
-    L = E // world
-    with torch.no_grad():
-        layer.router.weight.copy_(router_EH)
-        layer.w1.copy_(w1[rank * L:(rank + 1) * L])
-        layer.w2.copy_(w2[rank * L:(rank + 1) * L])
+    load_global_weights(layer, router_EH, w1, w2)
     if cfg.weights == "per-step":
         with torch.no_grad():
             layer(xs[rank])            # a micro-batch that tells the layer which experts are dynamic
@@ -86,17 +82,13 @@ def _run_stack(rank, world, G, seed=300):
     layers must interleave identically on every rank."""
     from feplb import FEPLBConfig, MoELayer
 
-    L = E // world
     layers = []
     for j in range(2):
         router_EH, w1, w2, xs, dys = make_inputs("skewed", seed + j, G)
         layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2,
                                      policy="feplb-split", weights="per-microbatch", min_chunk=2,
                                      plan_wait_ms=60_000))
-        with torch.no_grad():
-            layer.router.weight.copy_(router_EH)
-            layer.w1.copy_(w1[rank * L:(rank + 1) * L])
-            layer.w2.copy_(w2[rank * L:(rank + 1) * L])
+        load_global_weights(layer, router_EH, w1, w2)
         layers.append(layer)
     _, _, _, xs, dys = make_inputs("skewed", seed, G)
     x = xs[rank].clone().requires_grad_(True)
