@@ -533,7 +533,7 @@ class MoELayer(nn.Module):
                         pos += w_numel
 
         # Dynamic GEMM: my dynamic experts' rows kept at home (through all local weights, like the static GEMM),
-        # then the rows I compute for others (their weights stacked: replicas or this micro-batch's copies).
+        # then the rows I compute for others.
         kept_x, kept, sizes = [], [], []
         kept_L = np.zeros(L, dtype=np.int64)
         for i in my_dyn:
@@ -550,16 +550,13 @@ class MoELayer(nn.Module):
         if kept_x:
             offs = torch.from_numpy(np.cumsum(kept_L)).to(h_RD.device)
             parts_y.append(expert_mlp(torch.cat(kept_x), self.w1, self.w2, offs))
-        in_x, in_w1, in_w2 = [], [], []
+        # One GEMM pair per hosted piece, over a view of its weights (replica or this micro-batch's copy): stacking
+        # the hosted experts' weights for a single grouped call would copy them on the SMs every micro-batch.
         for i, m in enumerate(in_moves):
-            in_x.append(received_rows[i])
             w1, w2 = received_w[m.expert] if m.expert in received_w else self._replicas[m.expert]
-            in_w1.append(w1)
-            in_w2.append(w2)
+            offs = torch.tensor([m.rows], dtype=torch.int64, device=h_RD.device)
+            parts_y.append(expert_mlp(received_rows[i], w1.unsqueeze(0), w2.unsqueeze(0), offs))
             sizes.append(m.rows)
-        if in_x:
-            offs = torch.from_numpy(np.cumsum(sizes[n_kept:])).to(h_RD.device)
-            parts_y.append(expert_mlp(torch.cat(in_x), torch.stack(in_w1), torch.stack(in_w2), offs))
         if recv1 is not None:
             parts_y.append(recv1[:0].view(0, H))  # keeps the exchange in the graph on every rank
         y_dyn = torch.cat(parts_y) if parts_y else h_RD[:0]
