@@ -552,10 +552,11 @@ class MoELayer(nn.Module):
             parts_y.append(expert_mlp(torch.cat(kept_x), self.w1, self.w2, offs))
         # One GEMM pair per hosted piece, over a view of its weights (replica or this micro-batch's copy): stacking
         # the hosted experts' weights for a single grouped call would copy them on the SMs every micro-batch.
+        # Each piece is one group, so its end offset is its row count (one host-to-device transfer for all).
+        offs_I = torch.tensor([m.rows for m in in_moves], dtype=torch.int64).to(h_RD.device)
         for i, m in enumerate(in_moves):
             w1, w2 = received_w[m.expert] if m.expert in received_w else self._replicas[m.expert]
-            offs = torch.tensor([m.rows], dtype=torch.int64, device=h_RD.device)
-            parts_y.append(expert_mlp(received_rows[i], w1.unsqueeze(0), w2.unsqueeze(0), offs))
+            parts_y.append(expert_mlp(received_rows[i], w1.unsqueeze(0), w2.unsqueeze(0), offs_I[i:i + 1]))
             sizes.append(m.rows)
         if recv1 is not None:
             parts_y.append(recv1[:0].view(0, H))  # keeps the exchange in the graph on every rank
