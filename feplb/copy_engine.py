@@ -1,27 +1,71 @@
-"""Phase-2 copy path: flat buffers between the GPUs of one node, behind one interface.
+"""Phase-2 copy path: flat buffers between the GPUs (or CPU processes) of one node, behind one interface.
 
-* ``GlooCopyEngine`` (CPU tensors): one ``all_to_all_single`` inside the node's gloo subgroup; zero-sized splits for
-  pairs that exchange nothing. This is the CPU stand-in for the copy engines; it runs in CI.
-* ``CudaCopyEngine`` (CUDA tensors): a push over NVLink peers. Each GPU owns a symmetric inbox (nvshmem4py); a
-  sender puts its blocks straight into the peer's inbox with one on-stream ``put_signal`` per peer on a dedicated
-  copy stream, ordered after the producer by an event; the receiver's compute stream waits on the signal, so
-  neither host nor SMs wait or copy. Without nvshmem4py it falls back to ``all_to_all_single`` over NCCL inside
-  the node subgroup, issued on the same dedicated stream (correct, but that copy runs on SMs).
+Engines, by ``make_copy_engine(..., kind=...)``:
+
+* ``"gloo"`` ``GlooCopyEngine`` (CPU tensors): one ``all_to_all_single`` inside the node's gloo subgroup; zero-sized
+  splits for pairs that exchange nothing. Every byte goes through gloo's TCP pairs.
+* ``"shm"`` ``ShmCopyEngine`` (CPU tensors): peer tensors in POSIX shared memory; see the protocol below.
+* ``"ipc"`` ``IpcCopyEngine`` (CUDA tensors): peer tensors shared through CUDA IPC; a sender's writes are
+  ``cudaMemcpyAsync`` calls into the peer's memory on a dedicated copy stream, i.e. copy-engine DMA over NVLink
+  between GPUs, no SM work; ordering across processes by interprocess CUDA events; control plane over gloo.
+* ``"nvshmem"`` ``CudaCopyEngine`` (CUDA tensors): each GPU owns a symmetric inbox (nvshmem4py); a sender puts its
+  blocks straight into the peer's inbox with one on-stream ``put_signal`` per peer on a dedicated copy stream,
+  ordered after the producer by an event; the receiver's compute stream waits on the signal.
+* ``"nccl"`` ``CudaCopyEngine`` without nvshmem: ``all_to_all_single`` over NCCL inside the node subgroup on the
+  dedicated stream (correct, but that copy runs on SMs).
+
+Peer-tensor protocol (``PeerInboxEngine``, shared by ``"shm"`` and ``"ipc"``). Each rank of the node owns an inbox
+that every peer of the node addresses directly. One exchange:
+
+1. all-gather of one small row per rank (its send and receive sizes, element size, argument status) in the node's
+   gloo group. The G x G split matrix gives every sender its offset in every receiver's inbox (blocks ordered by
+   sender rank), lets every rank check the whole exchange, so that bad arguments on one rank raise ValueError on
+   all of them, and is the start barrier: nobody writes exchange n before every rank has read exchange n-1;
+2. growth, when the largest receiver needs more than the inbox holds: every rank derives the same power-of-two
+   capacity from the same matrix, so the node regrows together and nothing is dropped;
+3. writes: each sender copies its block straight into the receiver's inbox;
+4. end of writes: a barrier in the node's gloo group (plus, on CUDA, events that order the copies themselves);
+5. read: each receiver copies its part out (the inbox is reused by the next exchange).
+
+Every wait runs under ``guard``: a peer that stalls or dies fails the step with a ``TimeoutError`` naming it after
+the process group's timeout, instead of hanging.
 
 Every rank of a node calls ``exchange`` in the same order (it is collective inside the node); pairs across nodes are
 never handled here (the layer sends those through the transport).
 
-Legend: G GPUs per node, N elements of a flat buffer.
+Legend: G ranks per node (peers are node ranks 0..G-1), N elements of a flat buffer.
 """
 
 from __future__ import annotations
+
+import contextlib
+import mmap
+import operator
+import os
+import secrets
+import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from feplb.transport import NVSHMEM_HINT, all_gather_stack, guard, nv_stream
 
-__all__ = ["CopyEngine", "CudaCopyEngine", "GlooCopyEngine", "make_node_groups"]
+__all__ = ["COPY_KINDS", "SHM_DIR", "CopyEngine", "CudaCopyEngine", "GlooCopyEngine", "IpcCopyEngine",
+           "PeerInboxEngine", "PeerMemoryUnavailable", "ShmCopyEngine", "make_copy_engine", "make_node_groups"]
+
+COPY_KINDS = ("auto", "gloo", "shm", "nvshmem", "ipc", "nccl")
+# Where ShmCopyEngine puts its inboxes unless told otherwise (a tmpfs shared by the processes of a node).
+SHM_DIR = "/dev/shm"
+_CPU_KINDS = ("gloo", "shm")
+_CUDA_KINDS = ("nvshmem", "ipc", "nccl")
+
+
+class PeerMemoryUnavailable(RuntimeError):
+    """Peer memory (shared memory files or CUDA IPC) could not be set up on some rank of the node.
+
+    Raised on every rank of the node together (the failure is agreed collectively), so a caller may fall back to
+    another engine on all of them."""
 
 
 def make_node_groups(group: dist.ProcessGroup | None, gpus_per_node: int) -> tuple[dist.ProcessGroup | None, list]:
@@ -61,15 +105,30 @@ class CopyEngine:
         self.node_group = node_group
         self.node_size = node_size
         self.node_rank = dist.get_rank(node_group)
+        if dist.get_world_size(node_group) != node_size:
+            raise ValueError(f"node_size ({node_size}) must equal the size of node_group "
+                             f"({dist.get_world_size(node_group)})")
 
     def exchange(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int], *, dtype: torch.dtype,
                  device: torch.device, op: str) -> dict[int, torch.Tensor]:
-        """Send ``send[p]`` (1-D, ``dtype``) to node peer ``p``; receive ``recv_numel[q]`` elements from each q.
+        """Send ``send[p]`` (any shape, converted to 1-D ``dtype``) to node peer ``p``; receive ``recv_numel[q]``
+        elements from each q.
 
-        Returns {q: 1-D tensor of recv_numel[q] elements}. Collective inside the node; ``op`` names the step in
-        timeout errors. A peer may appear in neither dict (nothing exchanged with it).
+        Returns {q: 1-D ``dtype`` tensor of recv_numel[q] elements} for every q in ``recv_numel`` or sending to this
+        rank; the tensors are this rank's own (never views of a buffer the engine reuses). Collective inside the
+        node; ``op`` names the step in timeout errors. A peer may appear in neither dict (nothing exchanged with it).
         """
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the engine holds (shared memory, peer mappings). Idempotent; local to this rank unless the
+        engine's docstring says otherwise. The engine must not be used afterwards."""
+
+    def __enter__(self) -> CopyEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _split(self, out: torch.Tensor, recv_splits: list[int], recv_numel: dict[int, int]) -> dict[int, torch.Tensor]:
         """The flat receive buffer ``out`` (peers in node order) -> {q: its part} for every peer asked for."""
@@ -80,11 +139,25 @@ class CopyEngine:
             start += recv_splits[q]
         return res
 
-    def _layout(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int]) -> tuple[list[int], list[int]]:
+    def _bad_peer(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int]) -> str | None:
+        """Why these arguments are invalid on this rank, or None."""
         for p in list(send) + list(recv_numel):
-            if not 0 <= p < self.node_size or p == self.node_rank:
-                raise ValueError(f"copy-path peer must be another GPU of the node (0..{self.node_size - 1}, "
-                                 f"not {self.node_rank}), got {p}")
+            if not isinstance(p, int) or not 0 <= p < self.node_size or p == self.node_rank:
+                return (f"copy-path peer must be another GPU of the node (0..{self.node_size - 1}, "
+                        f"not {self.node_rank}), got {p!r}")
+        for p, n in recv_numel.items():
+            try:
+                ok = operator.index(n) >= 0
+            except TypeError:
+                ok = False
+            if not ok:
+                return f"recv_numel[{p}] must be an int >= 0, got {n!r}"
+        return None
+
+    def _layout(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int]) -> tuple[list[int], list[int]]:
+        bad = self._bad_peer(send, recv_numel)
+        if bad:
+            raise ValueError(bad)
         send_splits = [send[p].numel() if p in send else 0 for p in range(self.node_size)]
         recv_splits = [int(recv_numel.get(p, 0)) for p in range(self.node_size)]
         return send_splits, recv_splits
@@ -105,10 +178,392 @@ class GlooCopyEngine(CopyEngine):
         return self._split(out, recv_splits, recv_numel)
 
 
-class CudaCopyEngine(CopyEngine):
-    """GPU copy path on a dedicated copy stream (see the module docstring). Untested without a GPU."""
+def _gloo_group(node_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A gloo group over the node's ranks for the control plane: ``node_group`` itself when it already speaks gloo,
+    else a new one created by the node's ranks only (no NCCL kernel ever runs for control)."""
+    if "gloo" in str(dist.get_backend(node_group)):
+        return node_group
+    ranks = dist.get_process_group_ranks(node_group) if node_group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
 
-    name = "cuda"
+
+class PeerInboxEngine(CopyEngine):
+    """The peer-tensor protocol of the module docstring; backends provide the inboxes and the data movement.
+
+    Attributes:
+        capacity: bytes of every rank's inbox (the same on all ranks of the node; a power of two).
+        grows: how many times the inboxes were (re)built, setup included.
+    """
+
+    min_capacity = 1 << 16
+
+    def __init__(self, node_group, node_size: int):
+        super().__init__(node_group, node_size)
+        self.control = _gloo_group(node_group)
+        self.capacity = 0
+        self.grows = 0
+        self._closed = False
+
+    # Backend hooks -------------------------------------------------------------------------------------------------
+    def _open_inboxes(self, capacity: int, op: str) -> None:
+        """Collectively replace every inbox by one of ``capacity`` bytes; every peer's is addressable afterwards."""
+        raise NotImplementedError
+
+    def _check_tensor(self, p: int, t: torch.Tensor) -> str | None:
+        """Why ``send[p]`` cannot be sent by this engine, or None."""
+        return None if isinstance(t, torch.Tensor) else f"send[{p}] must be a tensor, got {type(t).__name__}"
+
+    def _prepare(self, send: dict[int, torch.Tensor], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        return {p: t.reshape(-1) for p, t in send.items()}
+
+    def _write(self, p: int, offset: int, src: torch.Tensor, dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def _writes_done(self) -> None:
+        """Called after this rank's last write of an exchange, before the end barrier."""
+
+    def _read(self, nbytes: int, dtype: torch.dtype, senders: list[int]) -> torch.Tensor:
+        """This rank's first ``nbytes`` inbox bytes as a fresh 1-D ``dtype`` tensor (``senders`` wrote into it)."""
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Drop inboxes and peer mappings (close)."""
+
+    # Protocol -----------------------------------------------------------------------------------------------------
+    def _grow(self, need: int, op: str) -> None:
+        cap = max(self.min_capacity, 1 << (max(need, 1) - 1).bit_length())
+        # A failed growth fails on every rank alike; capacity 0 makes the next exchange retry it everywhere.
+        self.capacity = 0
+        self._open_inboxes(cap, op)
+        self.capacity = cap
+        self.grows += 1
+
+    def _agree(self, send, recv_numel, dtype: torch.dtype, op: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """All-gather of every rank's sizes (the start barrier) and the checks every rank makes alike.
+
+        Returns (send_GG, recv_GG, element size): send_GG[s, r] elements s sends r, recv_GG[r, s] elements r
+        expects from s (int64, CPU)."""
+        g = self.node_size
+        bad = self._bad_peer(send, recv_numel)
+        if bad is None:
+            bad = next((m for p, t in send.items() if (m := self._check_tensor(p, t))), None)
+        if bad is None and not isinstance(dtype, torch.dtype):
+            bad = f"dtype must be a torch.dtype, got {dtype!r}"
+        row = torch.zeros(2 + 2 * g, dtype=torch.int64)
+        if bad is None:
+            row[1] = dtype.itemsize
+            for p, t in send.items():
+                row[2 + p] = t.numel()
+            for q, n in recv_numel.items():
+                row[2 + g + q] = int(n)
+        else:
+            row[0] = 1
+        with guard(f"copy path ({op}): split exchange", self.control):
+            rows = all_gather_stack(row, self.control)
+        if bad is not None:
+            raise ValueError(f"copy path ({op}): {bad}")
+        failed = [r for r in range(g) if rows[r, 0]]
+        if failed:
+            raise ValueError(f"copy path ({op}): node rank(s) {failed} passed invalid arguments (their error says "
+                             "which); no data was exchanged")
+        elems = rows[:, 1].tolist()
+        if len(set(elems)) != 1:
+            raise ValueError(f"copy path ({op}): node ranks disagree on the element size (bytes per rank: {elems}); "
+                             "every rank must pass the same dtype")
+        send_GG, recv_GG = rows[:, 2:2 + g], rows[:, 2 + g:]
+        diff = (send_GG != recv_GG.t()).nonzero().tolist()
+        if diff:
+            s, r = diff[0]
+            raise ValueError(f"copy path ({op}): node rank {s} sends {int(send_GG[s, r])} elements to node rank {r}, "
+                             f"which expects {int(recv_GG[r, s])}; send and recv_numel must match pairwise")
+        return send_GG, recv_GG, dtype.itemsize
+
+    def exchange(self, send, recv_numel, *, dtype, device, op):
+        if self._closed:
+            raise RuntimeError(f"copy path ({op}): the {self.name} engine was closed")
+        me = self.node_rank
+        with torch.no_grad():
+            send_GG, _, elem = self._agree(send, recv_numel, dtype, op)
+            need = int(send_GG.sum(0).max()) * elem
+            if need > self.capacity:
+                self._grow(need, f"copy path ({op}): inbox growth")
+            srcs = self._prepare({p: t for p, t in send.items() if t.numel()}, dtype)
+            # My block in peer p's inbox starts after what lower node ranks send p.
+            offsets = (send_GG[:me].sum(0) * elem).tolist()
+            for p in sorted(srcs):
+                self._write(p, offsets[p], srcs[p], dtype)
+            self._writes_done()
+            with guard(f"copy path ({op}): end of writes", self.control):
+                dist.barrier(group=self.control)
+            recv_splits = send_GG[:, me].tolist()
+            senders = [q for q in range(self.node_size) if recv_splits[q]]
+            out = self._read(sum(recv_splits) * elem, dtype, senders)
+        return self._split(out, recv_splits, recv_numel)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._release()
+            self.capacity = 0
+
+
+def _unlink_all(paths: list[str]) -> None:
+    while paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(paths.pop())
+
+
+class ShmCopyEngine(PeerInboxEngine):
+    """CPU copy path over POSIX shared memory (``/dev/shm``): the peer-tensor protocol with plain ``copy_`` writes.
+
+    Each rank's inbox is a file ``feplb-<job token>-n<node rank>-g<generation>`` in ``shm_dir``, created with
+    O_EXCL (the token is random and agreed in the node group, so concurrent jobs never collide), reserved with
+    ``posix_fallocate`` (a full tmpfs raises a clear error instead of a SIGBUS later), memory-mapped by its owner and
+    by every peer, then unlinked as soon as every peer has mapped it: the memory lives as long as the mappings, and
+    no file outlives setup or growth, even if a process dies later. ``close()`` unmaps; it is local.
+
+    Args:
+        node_group: the node's process group (gloo); node_size: G.
+        shm_dir: a tmpfs directory visible to every process of the node (default: the module's ``SHM_DIR``,
+            ``/dev/shm``).
+    Raises:
+        PeerMemoryUnavailable: on every rank of the node, when some rank cannot create, reserve or map an inbox
+            (e.g. the node's processes do not share ``shm_dir``, or it is full).
+    """
+
+    name = "shm"
+
+    def __init__(self, node_group, node_size: int, *, shm_dir: str | None = None):
+        super().__init__(node_group, node_size)
+        self.shm_dir = SHM_DIR if shm_dir is None else shm_dir
+        self._inbox: torch.Tensor | None = None
+        self._peer_inbox: dict[int, torch.Tensor] = {}
+        self._pending: list[str] = []     # files created by this rank and not unlinked yet
+        self._finalizer = weakref.finalize(self, _unlink_all, self._pending)
+        tokens = [None] * node_size
+        with guard("copy path setup: job token", self.control):
+            dist.all_gather_object(tokens, secrets.token_hex(8), group=self.control)
+        self.token = tokens[0]
+        self._grow(self.min_capacity, "copy path setup")
+
+    def _check_tensor(self, p, t):
+        bad = super()._check_tensor(p, t)
+        if bad is None and t.device.type != "cpu":
+            bad = f"the shm copy path moves CPU tensors, send[{p}] is on {t.device}"
+        return bad
+
+    def _path(self, generation: int) -> str:
+        return os.path.join(self.shm_dir, f"feplb-{self.token}-n{self.node_rank}-g{generation}")
+
+    def _open_inboxes(self, capacity, op):
+        # Every rank has read the previous exchange (start barrier), so the old mappings can go before the new
+        # ones are made: the node never holds both.
+        self._inbox, self._peer_inbox = None, {}
+        path = self._path(self.grows)
+        try:
+            err = None
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                self._pending.append(path)
+                try:
+                    os.posix_fallocate(fd, 0, capacity)
+                    self._inbox = torch.frombuffer(mmap.mmap(fd, capacity), dtype=torch.uint8)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                err = f"cannot create a {capacity}-byte inbox {path!r}: {exc}"
+            names = [None] * self.node_size
+            with guard(f"{op} (inbox names)", self.control):
+                dist.all_gather_object(names, (path, err), group=self.control)
+            self._raise_if_failed(names, "create")
+            err = None
+            for p, (peer_path, _) in enumerate(names):
+                if p == self.node_rank:
+                    continue
+                try:
+                    # No O_CREAT: a peer's file that is not visible here must fail, never become a private one.
+                    fd = os.open(peer_path, os.O_RDWR)
+                    try:
+                        size = os.fstat(fd).st_size
+                        if size != capacity:
+                            raise OSError(f"size {size} instead of {capacity}")
+                        self._peer_inbox[p] = torch.frombuffer(mmap.mmap(fd, capacity), dtype=torch.uint8)
+                    finally:
+                        os.close(fd)
+                except OSError as exc:
+                    err = f"cannot map node rank {p}'s inbox {peer_path!r}: {exc}"
+                    break
+            # Doubles as the barrier after which nobody opens this generation's files any more.
+            status = [None] * self.node_size
+            with guard(f"{op} (inbox mapping)", self.control):
+                dist.all_gather_object(status, (None, err), group=self.control)
+            self._raise_if_failed(status, "map")
+        except BaseException:
+            self._inbox, self._peer_inbox = None, {}
+            raise
+        finally:
+            _unlink_all(self._pending)
+
+    def _raise_if_failed(self, status: list, what: str) -> None:
+        errors = [f"node rank {r}: {e}" for r, (_, e) in enumerate(status) if e]
+        if errors:
+            raise PeerMemoryUnavailable(f"the shm copy path could not {what} its shared-memory inboxes in "
+                                        f"{self.shm_dir!r} (use kind='gloo' if the node's processes do not share "
+                                        f"it, or make it larger): " + "; ".join(errors))
+
+    def _write(self, p, offset, src, dtype):
+        self._peer_inbox[p][offset:offset + src.numel() * dtype.itemsize].view(dtype).copy_(src)
+
+    def _read(self, nbytes, dtype, senders):
+        return self._inbox[:nbytes].view(dtype).clone()
+
+    def _release(self):
+        self._inbox, self._peer_inbox = None, {}
+        self._finalizer()
+
+
+class IpcCopyEngine(PeerInboxEngine):
+    """GPU copy path over CUDA IPC: the peer-tensor protocol with copy-engine writes. Needs a CUDA GPU.
+
+    Each rank's inbox is a CUDA allocation; its storage is shared with every peer through CUDA IPC (torch's
+    ``_share_cuda_`` / ``_new_shared_cuda``, which keep the memory alive while any peer maps it). A sender's writes
+    are ``copy_(non_blocking=True)`` into the peer's inbox view on ``self.stream``, ordered after the producer by an
+    event: between GPUs that is a peer ``cudaMemcpyAsync``, run by a copy engine. Ordering across processes uses
+    two interprocess events per rank: "written", recorded on the sender's copy stream after its writes (the
+    receiver's compute stream waits on it; the end barrier guarantees the record is issued before the wait), and
+    "consumed", recorded on the receiver's compute stream after its copy-out (the sender's copy stream waits on it
+    before writing the next exchange into that inbox). Control plane (sizes, barrier, handles) over gloo.
+    ``close()`` is local.
+
+    Args:
+        node_group: the node's process group (any backend; a gloo group over its ranks is made for control).
+        node_size: G.  device: this rank's GPU (default: the current device).
+    Raises:
+        PeerMemoryUnavailable: on every rank of the node, when some rank cannot share or open an inbox or event.
+    """
+
+    name = "ipc"
+
+    def __init__(self, node_group, node_size: int, device: torch.device | None = None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("the ipc copy path needs a CUDA GPU (use kind='shm' or 'gloo' for CPU tensors)")
+        super().__init__(node_group, node_size)
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None or device.index is None
+                                   else device.index)
+        self.stream = torch.cuda.Stream(self.device)
+        self._inbox: torch.Tensor | None = None
+        self._peer_inbox: dict[int, torch.Tensor] = {}
+        self._written = torch.cuda.Event(interprocess=True)
+        self._consumed = torch.cuda.Event(interprocess=True)
+        self._peer_written: dict[int, torch.cuda.Event] = {}
+        self._peer_consumed: dict[int, torch.cuda.Event] = {}
+        err, mine = None, None
+        try:
+            with torch.cuda.device(self.device):
+                mine = (self.device.index, self._written.ipc_handle(), self._consumed.ipc_handle())
+        except RuntimeError as exc:
+            err = f"cannot share interprocess events: {exc}"
+        events = [None] * node_size
+        with guard("copy path setup: event handles", self.control):
+            dist.all_gather_object(events, (mine, err), group=self.control)
+        self._raise_if_failed(events, "share events")
+        err = None
+        try:
+            for p, ((dev, written, consumed), _) in enumerate(events):
+                if p != self.node_rank:
+                    self._peer_written[p] = torch.cuda.Event.from_ipc_handle(dev, written)
+                    self._peer_consumed[p] = torch.cuda.Event.from_ipc_handle(dev, consumed)
+        except RuntimeError as exc:
+            err = f"cannot open a peer's interprocess events: {exc}"
+        status = [None] * node_size
+        with guard("copy path setup: event handles", self.control):
+            dist.all_gather_object(status, (None, err), group=self.control)
+        self._raise_if_failed(status, "open events")
+        self._grow(self.min_capacity, "copy path setup")
+
+    def _raise_if_failed(self, status: list, what: str) -> None:
+        errors = [f"node rank {r}: {e}" for r, (_, e) in enumerate(status) if e]
+        if errors:
+            raise PeerMemoryUnavailable(f"the ipc copy path could not {what} (CUDA IPC between the node's "
+                                        "processes; use kind='nccl' where it is unavailable): " + "; ".join(errors))
+
+    def _check_tensor(self, p, t):
+        bad = super()._check_tensor(p, t)
+        if bad is None and t.device != self.device:
+            bad = f"the ipc copy path sends tensors on {self.device}, send[{p}] is on {t.device}"
+        return bad
+
+    def _open_inboxes(self, capacity, op):
+        # Copies into the old inboxes (mine from peers, peers' from me) may still run: finish them before the old
+        # mappings go (torch's IPC release only syncs the current stream).
+        self.stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+        self._inbox, self._peer_inbox = None, {}
+        err, handles = None, None
+        try:
+            inbox = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+            storage = inbox.untyped_storage()
+            # One share per peer: each holds its own reference count on this allocation.
+            handles = {p: storage._share_cuda_() for p in range(self.node_size) if p != self.node_rank}
+            self._inbox = inbox
+        except RuntimeError as exc:
+            err = f"cannot share a {capacity}-byte inbox: {exc}"
+        shared = [None] * self.node_size
+        with guard(f"{op} (inbox handles)", self.control):
+            dist.all_gather_object(shared, (handles, err), group=self.control)
+        self._raise_if_failed(shared, "share its inboxes")
+        err = None
+        try:
+            for p, (their, _) in enumerate(shared):
+                if p != self.node_rank:
+                    st = torch.UntypedStorage._new_shared_cuda(*their[self.node_rank])
+                    self._peer_inbox[p] = torch.empty(0, dtype=torch.uint8, device=st.device).set_(
+                        st, 0, (capacity,), (1,))
+        except RuntimeError as exc:
+            err = f"cannot open a peer's inbox: {exc}"
+        status = [None] * self.node_size
+        with guard(f"{op} (inbox mapping)", self.control):
+            dist.all_gather_object(status, (None, err), group=self.control)
+        self._raise_if_failed(status, "open its peers' inboxes")
+
+    def _prepare(self, send, dtype):
+        compute = torch.cuda.current_stream(self.device)
+        # Casts run on the producer's stream, so the copy stream moves bytes only (plain memcpy, no kernel).
+        srcs = {p: t.reshape(-1).to(dtype=dtype).contiguous() for p, t in send.items()}
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        self.stream.wait_event(ready)
+        return srcs
+
+    def _write(self, p, offset, src, dtype):
+        self.stream.wait_event(self._peer_consumed[p])
+        with torch.cuda.stream(self.stream):
+            self._peer_inbox[p][offset:offset + src.numel() * dtype.itemsize].view(dtype).copy_(src,
+                                                                                                non_blocking=True)
+        src.record_stream(self.stream)
+
+    def _writes_done(self):
+        self._written.record(self.stream)
+
+    def _read(self, nbytes, dtype, senders):
+        compute = torch.cuda.current_stream(self.device)
+        for q in senders:
+            compute.wait_event(self._peer_written[q])
+        out = self._inbox[:nbytes].view(dtype).clone()
+        self._consumed.record(compute)
+        return out
+
+    def _release(self):
+        self.stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+        self._inbox, self._peer_inbox = None, {}
+        self._peer_written, self._peer_consumed = {}, {}
+
+
+class CudaCopyEngine(CopyEngine):
+    """GPU copy path on a dedicated copy stream over nvshmem4py (``use_nvshmem``) or NCCL (see the module
+    docstring). ``close()`` frees the nvshmem inbox, which is collective like its allocation. Untested without a
+    GPU."""
 
     def __init__(self, node_group, node_size: int, *, use_nvshmem: bool = True):
         super().__init__(node_group, node_size)
@@ -119,10 +574,10 @@ class CudaCopyEngine(CopyEngine):
         if use_nvshmem:
             try:
                 import nvshmem.core as nv  # type: ignore[import-not-found]
-
-                self._nv = nv
-            except ImportError:
-                self._nv = None
+            except ImportError as exc:
+                raise ImportError(NVSHMEM_HINT) from exc
+            self._nv = nv
+        self.name = "nvshmem" if use_nvshmem else "nccl"
         self._inbox: torch.Tensor | None = None
         self._signal: torch.Tensor | None = None
         self._epoch = 0
@@ -148,7 +603,7 @@ class CudaCopyEngine(CopyEngine):
         ready = torch.cuda.Event()
         ready.record(compute)
         self.stream.wait_event(ready)
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         if self._nv is None:
             with torch.cuda.stream(self.stream):
                 parts = [send[p].reshape(-1).to(dtype) for p in range(self.node_size) if p in send]
@@ -187,12 +642,63 @@ class CudaCopyEngine(CopyEngine):
             nv.barrier(nv.Teams.TEAM_NODE, stream=nv_stream(compute))
         return self._split(out, recv_splits, recv_numel)
 
+    def close(self) -> None:
+        if self._nv is not None:
+            for t in (self._inbox, self._signal):
+                if t is not None:
+                    self._nv.free_tensor(t)
+        self._inbox = self._signal = None
 
-def make_copy_engine(device: torch.device, node_group, node_size: int, *, use_nvshmem: bool = False) -> CopyEngine:
-    """The copy path for tensors on ``device``: CUDA peers on GPUs (nvshmem4py puts when ``use_nvshmem``, which
-    needs nvshmem initialised, e.g. by ``NvshmemTransport``), gloo on CPUs."""
-    if device.type == "cuda":
-        return CudaCopyEngine(node_group, node_size, use_nvshmem=use_nvshmem)
-    if device.type == "cpu":
+
+def _nvshmem_importable() -> bool:
+    try:
+        import nvshmem.core  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_copy_engine(device: torch.device, node_group, node_size: int, *, use_nvshmem: bool = False,
+                     kind: str = "auto") -> CopyEngine:
+    """The copy path for tensors on ``device`` (collective inside the node).
+
+    kind:
+        ``"auto"``: CPU -> ``"shm"``, or ``"gloo"`` (with a warning) when the node's ranks cannot share memory;
+        CUDA -> ``"nvshmem"`` if ``use_nvshmem`` and nvshmem4py imports (it needs nvshmem initialised, e.g. by
+        ``NvshmemTransport``), else ``"ipc"``, or ``"nccl"`` (with a warning) when CUDA IPC fails on the node.
+        ``"gloo"``, ``"shm"``: CPU only.  ``"ipc"``, ``"nvshmem"``, ``"nccl"``: CUDA only. See the module docstring.
+    Raises:
+        ValueError: unknown kind, or one that does not fit ``device``.
+        ImportError: ``"nvshmem"`` without nvshmem4py.  PeerMemoryUnavailable: ``"shm"`` / ``"ipc"`` setup failed.
+    """
+    if kind not in COPY_KINDS:
+        raise ValueError(f"copy path kind must be one of {COPY_KINDS}, got {kind!r}")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"no copy path for device type {device.type!r} (expected 'cpu' or 'cuda'); {NVSHMEM_HINT}")
+    fits = _CPU_KINDS if device.type == "cpu" else _CUDA_KINDS
+    if kind != "auto" and kind not in fits:
+        raise ValueError(f"copy path kind {kind!r} does not move {device.type} tensors; for {device.type} use one of "
+                         f"{('auto', *fits)}")
+    if kind == "gloo":
         return GlooCopyEngine(node_group, node_size)
-    raise ValueError(f"no copy path for device type {device.type!r} (expected 'cpu' or 'cuda'); {NVSHMEM_HINT}")
+    if kind == "shm":
+        return ShmCopyEngine(node_group, node_size)
+    if kind == "nvshmem":
+        return CudaCopyEngine(node_group, node_size, use_nvshmem=True)
+    if kind == "nccl":
+        return CudaCopyEngine(node_group, node_size, use_nvshmem=False)
+    if kind == "ipc":
+        return IpcCopyEngine(node_group, node_size, device)
+    if device.type == "cpu":
+        try:
+            return ShmCopyEngine(node_group, node_size)
+        except PeerMemoryUnavailable as exc:
+            warnings.warn(f"feplb: falling back to the gloo copy path: {exc}", RuntimeWarning, stacklevel=2)
+            return GlooCopyEngine(node_group, node_size)
+    if use_nvshmem and _nvshmem_importable():
+        return CudaCopyEngine(node_group, node_size, use_nvshmem=True)
+    try:
+        return IpcCopyEngine(node_group, node_size, device)
+    except PeerMemoryUnavailable as exc:
+        warnings.warn(f"feplb: falling back to the nccl copy path: {exc}", RuntimeWarning, stacklevel=2)
+        return CudaCopyEngine(node_group, node_size, use_nvshmem=False)
