@@ -1,0 +1,365 @@
+"""Copy path engines (feplb.copy_engine) on 4 gloo processes, as 2 nodes x 2 and as 1 node x 4.
+
+Every rank derives every (source, destination) block of every step from one shared seed, so each checks what it
+receives against what it computes alone; the shm engine is also checked against the gloo engine on the same inputs.
+The CUDA IPC engine runs as 2 processes on one GPU (gloo for control) and is skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import pytest
+import torch
+
+from feplb.testing import run_dist
+
+pytestmark = pytest.mark.dist
+
+SEED = 20261130
+STALL_TIMEOUT_S = 3.0
+# (dtype, largest block in elements): sizes jump up and down so that inboxes grow twice and are then reused.
+STEPS = [(torch.float32, 40), (torch.bfloat16, 3000), (torch.int64, 0), (torch.float32, 40000),
+         (torch.bfloat16, 7), (torch.int64, 70000), (torch.float32, 500), (torch.int64, 9000)]
+
+
+def _gen(*key: int) -> torch.Generator:
+    return torch.Generator().manual_seed(SEED + hash(key) % (1 << 31))
+
+
+def _block(step: int, src: int, dst: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """What node rank ``src`` sends node rank ``dst`` at ``step``: n values that differ from every other block's."""
+    gen = _gen(step, src, dst)
+    if dtype == torch.int64:
+        return torch.randint(-(1 << 40), 1 << 40, (n,), generator=gen)
+    return torch.randn(n, generator=gen).to(dtype)
+
+
+def _plan(step: int, g: int, most: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """splits_GG[s, d] elements s sends d (a third zero, diagonal zero); list_send/list_recv: whether a zero-sized
+    pair is still named in send / recv_numel (absent peers and present-but-empty peers both occur)."""
+    gen = _gen(step, g, -1)
+    splits = torch.randint(0, most + 1, (g, g), generator=gen)
+    splits[torch.rand(g, g, generator=gen) < 0.33] = 0
+    splits.fill_diagonal_(0)
+    return splits, torch.rand(g, g, generator=gen) < 0.5, torch.rand(g, g, generator=gen) < 0.5
+
+
+def _step_args(step: int, me: int, g: int, dtype: torch.dtype, most: int):
+    """(send, recv_numel, expected) of node rank ``me``. Some blocks are sent as non-contiguous views, some as
+    fp32 values cast by the engine."""
+    splits, list_send, list_recv = _plan(step, g, most)
+    send, recv, expect = {}, {}, {}
+    for p in range(g):
+        if p == me:
+            continue
+        n = int(splits[me, p])
+        if n or list_send[me, p]:
+            blk = _block(step, me, p, n, dtype)
+            if (step + p) % 3 == 0:
+                blk = torch.stack([blk, torch.zeros_like(blk)], 1)[:, 0]      # strided view of the same values
+            elif (step + p) % 3 == 1 and dtype == torch.bfloat16:
+                blk = blk.float()                                               # exact in bf16: the cast is lossless
+            send[p] = blk
+        m = int(splits[p, me])
+        if m or list_recv[p, me]:
+            recv[p] = m
+            expect[p] = _block(step, p, me, m, dtype)
+    return send, recv, expect
+
+
+def _same(got: dict, expect: dict, dtype: torch.dtype) -> bool:
+    return sorted(got) == sorted(expect) and all(
+        got[q].dtype == dtype and got[q].dim() == 1 and torch.equal(got[q], expect[q]) for q in expect)
+
+
+def _shm_files(token: str) -> list[str]:
+    return glob.glob(f"/dev/shm/feplb-{token}-*")
+
+
+def _expect_value_error(fn, *needles: str) -> bool:
+    try:
+        fn()
+    except ValueError as exc:
+        return all(n in str(exc) for n in needles)
+    return False
+
+
+def _engine_cases(rank: int, world: int, g: int) -> dict:
+    """Correctness of the shm engine against the seed and against gloo; bad arguments; kinds; shared-memory files."""
+    import torch.distributed as dist
+
+    from feplb import copy_engine as ce
+
+    node_group, node_ranks = ce.make_node_groups(None, g)
+    me = node_ranks.index(rank)
+    cpu = torch.device("cpu")
+    out: dict = {}
+    shm = ce.make_copy_engine(cpu, node_group, g)          # "auto" on CPU
+    gloo = ce.make_copy_engine(cpu, node_group, g, kind="gloo")
+    out["auto_is_shm"] = type(shm) is ce.ShmCopyEngine and shm.name == "shm"
+    out["gloo_kind"] = type(gloo) is ce.GlooCopyEngine
+    tokens = [shm.token]
+    dist.barrier(group=node_group)
+    # Every rank has mapped every inbox once construction returns: no file is left to leak.
+    out["no_files_after_setup"] = _shm_files(shm.token) == []
+
+    # Consecutive exchanges; results of earlier steps are kept and checked again at the end, so a result that
+    # aliases the reused inbox (instead of being copied out) fails.
+    kept, caps, grows = [], [], []
+    for step, (dtype, most) in enumerate(STEPS):
+        send, recv, expect = _step_args(step, me, g, dtype, most)
+        a = shm.exchange(send, recv, dtype=dtype, device=cpu, op=f"step {step}")
+        b = gloo.exchange(send, recv, dtype=dtype, device=cpu, op=f"step {step}")
+        out[f"step{step}_shm"] = _same(a, expect, dtype)
+        out[f"step{step}_gloo"] = _same(b, expect, dtype)
+        kept.append((a, expect, dtype))
+        caps.append(shm.capacity)
+        grows.append(shm.grows)
+    out["kept_intact"] = all(_same(a, e, d) for a, e, d in kept)
+    out["caps"], out["grows"] = caps, grows
+    out["no_files_after_growth"] = _shm_files(shm.token) == []
+
+    # A slow reader and a slow writer: fast ranks rush into the next exchange with new data. A missing start barrier
+    # (writes of n+1 before the reader read n) or end barrier (reads before the writes landed) corrupts the result.
+    slow = _slow_engine(node_group, g, slow_reader=g - 1, slow_writer=0)
+    tokens.append(slow.token)
+    ok = True
+    for step in range(100, 104):
+        send, recv, expect = _step_args(step, me, g, torch.float32, 2000)
+        ok &= _same(slow.exchange(send, recv, dtype=torch.float32, device=cpu, op="slow"), expect, torch.float32)
+    out["slow_peers"] = ok
+    slow.close()
+
+    # Bad arguments on one rank: every rank raises ValueError (nobody waits for a timeout), and the engine goes on.
+    full = {p: torch.ones(2) for p in range(g) if p != me}
+    full_recv = {p: 2 for p in range(g) if p != me}
+    bad_cases = {
+        "self_peer": ({me: torch.ones(2)} if me == 0 else full, full_recv if me != 0 else {}, 0, "another GPU"),
+        "peer_out_of_range": (full, {**full_recv, g: 1} if me == 1 else full_recv, 1, "got " + str(g)),
+        "negative_recv": (full, {**full_recv, (me + 1) % g: -1} if me == 1 else full_recv, 1, "must be an int"),
+        "float_recv": (full, {**full_recv, (me + 1) % g: 2.0} if me == 0 else full_recv, 0, "must be an int"),
+        "not_a_tensor": ({p: [1.0, 2.0] for p in full} if me == 0 else full, full_recv, 0, "must be a tensor"),
+    }
+    for name, (send, recv, culprit, needle) in bad_cases.items():
+        want = needle if me == culprit else f"node rank(s) [{culprit}] passed invalid arguments"
+        out[f"bad_{name}"] = _expect_value_error(
+            lambda s=send, r=recv: shm.exchange(s, r, dtype=torch.float32, device=cpu, op="bad"), want)
+    out["bad_pair_mismatch"] = _expect_value_error(
+        lambda: shm.exchange(full, {**full_recv, 1: 3} if me == 0 else full_recv, dtype=torch.float32, device=cpu,
+                             op="mismatch"), "node rank 1 sends 2 elements to node rank 0, which expects 3")
+    out["bad_dtype_mismatch"] = _expect_value_error(
+        lambda: shm.exchange(full, full_recv, dtype=torch.int64 if me == 0 else torch.float32, device=cpu, op="dt"),
+        "disagree on the element size")
+    got = shm.exchange(full, full_recv, dtype=torch.float32, device=cpu, op="after errors")
+    out["usable_after_errors"] = sorted(got) == sorted(full_recv) and all(torch.equal(t, torch.ones(2))
+                                                                          for t in got.values())
+    out["gloo_self_peer"] = _expect_value_error(
+        lambda: gloo.exchange({me: torch.ones(1)}, {}, dtype=torch.float32, device=cpu, op="g"), "another GPU")
+
+    # Kinds: what does not fit the device is refused before any collective.
+    out["kind_errors"] = [
+        _expect_value_error(lambda k=k: ce.make_copy_engine(cpu, node_group, g, kind=k), k, "does not move cpu")
+        for k in ("ipc", "nvshmem", "nccl")]
+    out["kind_unknown"] = _expect_value_error(lambda: ce.make_copy_engine(cpu, node_group, g, kind="tcp"), "'tcp'")
+    out["kind_meta"] = _expect_value_error(lambda: ce.make_copy_engine(torch.device("meta"), node_group, g), "meta")
+
+    # Processes that do not see each other's files (as in separate /dev/shm namespaces): every rank raises
+    # PeerMemoryUnavailable, no file stays behind, and "auto" falls back to gloo on all of them.
+    private = f"/dev/shm/feplb-test-{shm.token}-{rank}"
+    os.makedirs(private)
+    ce.os = _PeersInvisible()
+    try:
+        try:
+            ce.ShmCopyEngine(node_group, g, shm_dir=private)
+            out["unshared_raises"] = False
+        except ce.PeerMemoryUnavailable as exc:
+            out["unshared_raises"] = "cannot map node rank" in str(exc)
+        ce.SHM_DIR = private
+        with pytest.warns(RuntimeWarning, match="falling back to the gloo copy path"):
+            fb = ce.make_copy_engine(cpu, node_group, g)
+        out["auto_fallback"] = type(fb) is ce.GlooCopyEngine
+        out["unshared_no_files"] = os.listdir(private) == []
+    finally:
+        ce.os, ce.SHM_DIR = os, "/dev/shm"
+        os.rmdir(private)
+    try:
+        ce.ShmCopyEngine(node_group, g, shm_dir="/nonexistent-feplb-dir")
+        out["missing_dir_raises"] = False
+    except ce.PeerMemoryUnavailable as exc:
+        out["missing_dir_raises"] = "cannot create" in str(exc)
+
+    shm.close()
+    shm.close()
+    out["closed_refuses"] = False
+    try:
+        shm.exchange({}, {}, dtype=torch.float32, device=cpu, op="closed")
+    except RuntimeError as exc:
+        out["closed_refuses"] = "closed" in str(exc)
+    # This engine is left open on purpose: process exit must not leave files either.
+    left_open = ce.ShmCopyEngine(node_group, g)
+    left_open.exchange(*_step_args(200, me, g, torch.float32, 30000)[:2], dtype=torch.float32, device=cpu, op="x")
+    tokens.append(left_open.token)
+    if g == 2:
+        out.update(_stall_cases(rank, world, g, node_ranks, me, tokens))
+    out["tokens"] = tokens
+    return out
+
+
+class _PeersInvisible:
+    """Stands in for ``os`` in feplb.copy_engine: opening an existing file (no O_CREAT) fails, as it does for a
+    peer's inbox when the node's processes do not share /dev/shm."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def open(path, flags, *args):
+        if not flags & os.O_CREAT:
+            raise FileNotFoundError(2, "not visible from this process", path)
+        return os.open(path, flags, *args)
+
+
+def _slow_engine(node_group, g: int, *, slow_reader: int, slow_writer: int):
+    """A ShmCopyEngine whose node rank ``slow_writer`` dawdles before each write and ``slow_reader`` before reading."""
+    from feplb.copy_engine import ShmCopyEngine
+
+    class Slow(ShmCopyEngine):
+        def _write(self, p, offset, src, dtype):
+            if self.node_rank == slow_writer:
+                time.sleep(0.05)
+            super()._write(p, offset, src, dtype)
+
+        def _read(self, nbytes, dtype, senders):
+            if self.node_rank == slow_reader:
+                time.sleep(0.1)
+            return super()._read(nbytes, dtype, senders)
+
+    return Slow(node_group, g)
+
+
+def _stall_cases(rank: int, world: int, g: int, node_ranks: list, me: int, tokens: list) -> dict:
+    """Node 0: node rank 1 never calls exchange. Node 1: node rank 1 stalls in its writes. Their partners must get
+    a TimeoutError naming the step, after the group's timeout, and no file may stay behind."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from feplb.copy_engine import ShmCopyEngine
+
+    groups = [dist.new_group(list(range(n * g, (n + 1) * g)), backend="gloo",
+                             timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S)) for n in range(world // g)]
+    group = groups[rank // g]
+    node = rank // g
+
+    class Stalling(ShmCopyEngine):
+        def _write(self, p, offset, src, dtype):
+            if node == 1 and self.node_rank == 1:
+                time.sleep(2 * STALL_TIMEOUT_S)
+                raise _Abandoned
+            super()._write(p, offset, src, dtype)
+
+    eng = Stalling(group, g)
+    tokens.append(eng.token)
+    out = {}
+    send, recv = {1 - me: torch.ones(5)}, {1 - me: 5}
+    if node == 0 and me == 1:
+        time.sleep(2 * STALL_TIMEOUT_S)
+        out["stall"] = "stalled"
+    else:
+        t0 = time.monotonic()
+        try:
+            eng.exchange(send, recv, dtype=torch.float32, device=torch.device("cpu"), op="stall test")
+            out["stall"] = "no error"
+        except _Abandoned:
+            out["stall"] = "stalled"
+        except TimeoutError as exc:
+            where = "split exchange" if node == 0 else "end of writes"
+            out["stall"] = "ok" if f"copy path (stall test): {where}" in str(exc) else str(exc)
+            out["stall_waited_s"] = time.monotonic() - t0
+    eng.close()
+    return out
+
+
+class _Abandoned(Exception):
+    """A stalled rank gives up."""
+
+
+def _expected_caps(g: int) -> list[int]:
+    """Inbox bytes after each step: the smallest power of two >= the largest need so far (at least the minimum)."""
+    from feplb.copy_engine import PeerInboxEngine
+
+    caps, cap = [], PeerInboxEngine.min_capacity
+    for step, (dtype, most) in enumerate(STEPS):
+        need = int(_plan(step, g, most)[0].sum(0).max()) * dtype.itemsize
+        while cap < need:
+            cap *= 2
+        caps.append(cap)
+    return caps
+
+
+@pytest.mark.parametrize("g", [2, 4], ids=["2nodes_x2", "1node_x4"])
+def test_shm_engine(g):
+    results = run_dist(_engine_cases, 4, g, timeout_s=180)
+    caps = _expected_caps(g)
+    assert len(set(caps)) >= 3, caps          # the schedule must make the inboxes grow at least twice
+    # The file-name token is agreed inside a node and differs between nodes.
+    assert len({r["tokens"][0] for r in results}) == 4 // g
+    assert all(results[r]["tokens"][0] == results[r - r % g]["tokens"][0] for r in range(4))
+    for rank, res in enumerate(results):
+        got_caps, grows, tokens = res.pop("caps"), res.pop("grows"), res.pop("tokens")
+        stall, waited = res.pop("stall", None), res.pop("stall_waited_s", None)
+        failed = {k: v for k, v in res.items() if not (all(v) if isinstance(v, list) else v)}
+        assert not failed, (rank, failed)
+        assert got_caps == caps, (rank, got_caps, caps)
+        assert [b - a for a, b in zip(grows, grows[1:], strict=False)] == \
+            [int(b != a) for a, b in zip(caps, caps[1:], strict=False)], (grows, caps)
+        for t in tokens:
+            assert glob.glob(f"/dev/shm/feplb-{t}*") == [], t
+        if g == 2:
+            # Node rank 1 of each node stalls; its partner fails after the group's timeout, naming the step.
+            assert stall == ("stalled" if rank % 2 else "ok"), (rank, stall)
+            if waited is not None:
+                assert 0.8 * STALL_TIMEOUT_S < waited < 4 * STALL_TIMEOUT_S, waited
+
+
+def _ipc_cases(rank: int, world: int) -> dict:
+    """2 processes on GPU 0: the IPC engine against the seed, with a slow producer and a slow consumer."""
+    from feplb.copy_engine import IpcCopyEngine, make_copy_engine
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    eng = make_copy_engine(dev, None, world, kind="ipc")
+    out = {"kind": isinstance(eng, IpcCopyEngine) and eng.name == "ipc"}
+    kept = []
+    for step, (dtype, most) in enumerate(STEPS + STEPS[:3]):
+        send, recv, expect = _step_args(step, rank, world, dtype, most)
+        # The producer writes the send buffers late on the compute stream: the copy stream must wait for it.
+        staged = {p: t.to(dev) for p, t in send.items()}
+        torch.cuda.synchronize()
+        dsend = {p: torch.empty_like(t) for p, t in staged.items()}
+        torch.cuda._sleep(20_000_000)
+        for p, t in staged.items():
+            dsend[p].copy_(t)
+        if rank == 1:
+            # A slow consumer: its copy-out is queued behind this, the peer's next writes must wait for it.
+            torch.cuda._sleep(50_000_000)
+        got = eng.exchange(dsend, recv, dtype=dtype, device=dev, op=f"ipc step {step}")
+        kept.append(({q: t for q, t in got.items()}, expect, dtype))
+    torch.cuda.synchronize()
+    out["steps"] = [_same({q: t.cpu() for q, t in a.items()}, e, d) for a, e, d in kept]
+    out["grows"] = eng.grows
+    eng.close()
+    eng.close()
+    return out
+
+
+@pytest.mark.gpu
+def test_ipc_engine_one_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    results = run_dist(_ipc_cases, 2, timeout_s=300, backend="gloo")
+    for rank, res in enumerate(results):
+        assert res["kind"] and all(res["steps"]) and res["grows"] >= 3, (rank, res)
