@@ -426,8 +426,9 @@ class IpcCopyEngine(PeerInboxEngine):
     """GPU copy path over CUDA IPC: the peer-tensor protocol with copy-engine writes. Needs a CUDA GPU.
 
     Each rank's inbox is a CUDA allocation; its storage is shared with every peer through CUDA IPC (torch's
-    ``_share_cuda_`` / ``_new_shared_cuda``, which keep the memory alive while any peer maps it). A sender's writes
-    are ``copy_(non_blocking=True)`` into the peer's inbox view on ``self.stream``, ordered after the producer by an
+    ``_share_cuda_`` / ``_new_shared_cuda``, which keep the memory alive while any peer maps it); peers map it on
+    their own device, so a peer's view is labelled with the mapping process's device. A sender's writes are
+    ``copy_(non_blocking=True)`` into the peer's inbox view on ``self.stream``, ordered after the producer by an
     event: between GPUs that is a peer ``cudaMemcpyAsync``, run by a copy engine. Ordering across processes uses
     two interprocess events per rank: "written", recorded on the sender's copy stream after its writes (the
     receiver's compute stream waits on it; the end barrier guarantees the record is issued before the wait), and
@@ -469,10 +470,10 @@ class IpcCopyEngine(PeerInboxEngine):
         self._raise_if_failed(events, "share events")
         err = None
         try:
-            for p, ((dev, written, consumed), _) in enumerate(events):
+            for p, ((_, written, consumed), _) in enumerate(events):
                 if p != self.node_rank:
-                    self._peer_written[p] = torch.cuda.Event.from_ipc_handle(dev, written)
-                    self._peer_consumed[p] = torch.cuda.Event.from_ipc_handle(dev, consumed)
+                    self._peer_written[p] = torch.cuda.Event.from_ipc_handle(self.device, written)
+                    self._peer_consumed[p] = torch.cuda.Event.from_ipc_handle(self.device, consumed)
         except RuntimeError as exc:
             err = f"cannot open a peer's interprocess events: {exc}"
         status = [None] * node_size
@@ -494,10 +495,9 @@ class IpcCopyEngine(PeerInboxEngine):
         return bad
 
     def _open_inboxes(self, capacity, op):
-        # Copies into the old inboxes (mine from peers, peers' from me) may still run: finish them before the old
-        # mappings go (torch's IPC release only syncs the current stream).
-        self.stream.synchronize()
-        torch.cuda.current_stream(self.device).synchronize()
+        # Copies into the old inboxes (mine from peers, peers' from me) and copy-outs may still run: finish them
+        # before the old mappings go (torch's IPC release only syncs the current stream). Growth is rare.
+        torch.cuda.synchronize(self.device)
         self._inbox, self._peer_inbox = None, {}
         err, handles = None, None
         try:
@@ -516,7 +516,9 @@ class IpcCopyEngine(PeerInboxEngine):
         try:
             for p, (their, _) in enumerate(shared):
                 if p != self.node_rank:
-                    st = torch.UntypedStorage._new_shared_cuda(*their[self.node_rank])
+                    # Opened on this rank's own device (peer access is enabled as needed): one CUDA context per
+                    # process, and no reliance on the peers numbering devices as this process does.
+                    st = torch.UntypedStorage._new_shared_cuda(self.device.index, *their[self.node_rank][1:])
                     self._peer_inbox[p] = torch.empty(0, dtype=torch.uint8, device=st.device).set_(
                         st, 0, (capacity,), (1,))
         except RuntimeError as exc:
@@ -554,8 +556,7 @@ class IpcCopyEngine(PeerInboxEngine):
         return out
 
     def _release(self):
-        self.stream.synchronize()
-        torch.cuda.current_stream(self.device).synchronize()
+        torch.cuda.synchronize(self.device)
         self._inbox, self._peer_inbox = None, {}
         self._peer_written, self._peer_consumed = {}, {}
 

@@ -122,6 +122,25 @@ def _engine_cases(rank: int, world: int, g: int) -> dict:
     out["caps"], out["grows"] = caps, grows
     out["no_files_after_growth"] = _shm_files(shm.token) == []
 
+    # Through the layer's differentiable exchange (intra-node pairs on shm, the rest on the transport) and back.
+    from feplb.dispatch import PeerComm, exchange
+    from feplb.transport import TorchTransport
+
+    def block(src: int, dst: int) -> torch.Tensor:
+        return _block(50, src, dst, 3 + src + 2 * dst, torch.float32)
+
+    peers = [p for p in range(world) if p != rank]
+    w = torch.zeros(1, requires_grad=True)
+    flat = torch.cat([block(rank, p) for p in peers]) + w
+    got = exchange(flat, PeerComm(TorchTransport(), shm, g), [(p, block(rank, p).numel()) for p in peers],
+                   [(q, block(q, rank).numel()) for q in peers], cross_node=g < world, op="dispatch")
+    out["dispatch"] = torch.equal(got, torch.cat([block(q, rank) for q in peers]))
+    (got * torch.arange(1.0, got.numel() + 1)).sum().backward()
+    # Element i of what I sent lands at position j on its receiver; its gradient is j + 1, computed here alone.
+    want = sum(float(sum(block(q, p).numel() for q in range(world) if q != p and q < rank))
+               * block(rank, p).numel() + block(rank, p).numel() * (block(rank, p).numel() + 1) / 2 for p in peers)
+    out["dispatch_grad"] = float(w.grad) == want
+
     # A slow reader and a slow writer: fast ranks rush into the next exchange with new data. A missing start barrier
     # (writes of n+1 before the reader read n) or end barrier (reads before the writes landed) corrupts the result.
     slow = _slow_engine(node_group, g, slow_reader=g - 1, slow_writer=0)
