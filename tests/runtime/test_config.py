@@ -26,7 +26,7 @@ BASE = dict(hidden=16, ffn=32, num_experts=8, top_k=2)
     ("plan_wait_ms", float("nan"), ValueError, "plan_wait_ms"),
     ("dyn", -1, ValueError, "dyn"),
     ("policy", "bogus", ValueError, "bogus"),
-    ("policy", "feplb+place", ValueError, "+place"),
+    ("policy", "feplb+bogus", ValueError, "+bogus"),
     ("recv_capacity", -1, ValueError, "recv_capacity"),
     ("min_chunk", 0, ValueError, "min_chunk"),
 ], ids=lambda v: str(v))
