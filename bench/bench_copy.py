@@ -1,10 +1,10 @@
 """Copy path exchange time: shared-memory peer tensors (``ShmCopyEngine``) vs gloo (``GlooCopyEngine``), side by side.
 
 ``test_copy_cpu``: 4 CPU processes as one node; every rank sends S bytes (fp32) to each of the 3 others and receives
-3 x S, for S = 1, 16 and 64 MiB. The two engines alternate inside one job on the same inputs (gloo, shm, gloo, ...),
-each exchange timed from a barrier to its return and reduced as the max over ranks; the table gives the median and
-the receive bandwidth per rank (3 x S / time). CPU NUMBERS: they compare two CPU transports on this machine (one
-torch thread per process) and say nothing about GPU copy engines.
+3 x S, for S = 4 KiB, 64 KiB, 1, 16 and 64 MiB. The two engines alternate inside one job on the same inputs (gloo,
+shm, gloo, ...), each exchange timed from a barrier to its return and reduced as the max over ranks; the table gives
+the median and the receive bandwidth per rank (3 x S / time). CPU NUMBERS: they compare two CPU transports on this
+machine (one torch thread per process) and say nothing about GPU copy engines.
 
 With ``--benchmark-disable`` (the default in pyproject) it runs one 64 KiB round as a smoke test. Full run:
 ``.venv/bin/pytest bench/bench_copy.py -s -p no:randomly --benchmark-enable``; results go to
@@ -26,12 +26,16 @@ import torch
 from feplb.testing import run_dist
 
 WORLD = 4
-FULL = dict(sizes_mib=(1, 16, 64), iters=7)
-SMOKE = dict(sizes_mib=(1 / 16,), iters=1)
+FULL = dict(sizes_kib=(4, 64, 1 << 10, 16 << 10, 64 << 10), iters=7)
+SMOKE = dict(sizes_kib=(64,), iters=1)
 ENGINES = ("gloo", "shm")
 
 
-def _bench_worker(rank: int, world: int, sizes_mib: tuple, iters: int) -> dict:
+def _label(kib: int) -> str:
+    return f"{kib >> 10} MiB" if kib >= 1024 else f"{kib} KiB"
+
+
+def _bench_worker(rank: int, world: int, sizes_kib: tuple, iters: int) -> dict:
     import numpy as np
     import torch.distributed as dist
 
@@ -40,15 +44,15 @@ def _bench_worker(rank: int, world: int, sizes_mib: tuple, iters: int) -> dict:
     cpu = torch.device("cpu")
     engines = {k: make_copy_engine(cpu, None, world, kind=k) for k in ENGINES}
     res = {}
-    for mib in sizes_mib:
-        n = int(mib * (1 << 20)) // 4
+    for kib in sizes_kib:
+        n = kib * 1024 // 4
         gen = torch.Generator().manual_seed(rank)
         send = {p: torch.randn(n, generator=gen) for p in range(world) if p != rank}
         recv = {q: n for q in send}
         # Warm-up (the shm inbox grows here), and the two engines must agree before they are timed.
         got = {k: e.exchange(send, recv, dtype=torch.float32, device=cpu, op="warm-up") for k, e in engines.items()}
         if any(not torch.equal(got["gloo"][q], got["shm"][q]) for q in recv):
-            raise AssertionError(f"shm and gloo disagree at {mib} MiB")
+            raise AssertionError(f"shm and gloo disagree at {_label(kib)}")
         times = {k: [] for k in engines}
         for _ in range(iters):
             for k, e in engines.items():
@@ -59,7 +63,7 @@ def _bench_worker(rank: int, world: int, sizes_mib: tuple, iters: int) -> dict:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 times[k].append(float(t))
         recv_bytes = (world - 1) * n * 4
-        res[f"{mib:g} MiB"] = {k: {"median_ms": float(np.median(v)) * 1e3, "min_ms": float(np.min(v)) * 1e3,
+        res[_label(kib)] = {k: {"median_ms": float(np.median(v)) * 1e3, "min_ms": float(np.min(v)) * 1e3,
                                    "recv_GBps": recv_bytes / float(np.median(v)) / 1e9}
                                for k, v in times.items()}
     for e in engines.values():
@@ -71,7 +75,7 @@ def _bench_worker(rank: int, world: int, sizes_mib: tuple, iters: int) -> dict:
 @pytest.mark.slow
 def test_copy_cpu(benchmark):
     cfg = SMOKE if benchmark.disabled else FULL
-    res = run_dist(_bench_worker, WORLD, cfg["sizes_mib"], cfg["iters"], timeout_s=600)[0]
+    res = run_dist(_bench_worker, WORLD, cfg["sizes_kib"], cfg["iters"], timeout_s=600)[0]
     info = {"device": "cpu", "world": WORLD, "threads_per_rank": 1, "iters": cfg["iters"], "results": res,
             "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "")}

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import numbers
 import operator
 import os
 import secrets
@@ -142,7 +143,8 @@ class CopyEngine:
     def _bad_peer(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int]) -> str | None:
         """Why these arguments are invalid on this rank, or None."""
         for p in list(send) + list(recv_numel):
-            if not isinstance(p, int) or not 0 <= p < self.node_size or p == self.node_rank:
+            if not isinstance(p, numbers.Integral) or isinstance(p, bool) or not 0 <= p < self.node_size \
+                    or p == self.node_rank:
                 return (f"copy-path peer must be another GPU of the node (0..{self.node_size - 1}, "
                         f"not {self.node_rank}), got {p!r}")
         for p, n in recv_numel.items():
@@ -191,11 +193,13 @@ class PeerInboxEngine(CopyEngine):
     """The peer-tensor protocol of the module docstring; backends provide the inboxes and the data movement.
 
     Attributes:
+        out_device: where received tensors live.
         capacity: bytes of every rank's inbox (the same on all ranks of the node; a power of two).
         grows: how many times the inboxes were (re)built, setup included.
     """
 
     min_capacity = 1 << 16
+    out_device = torch.device("cpu")
 
     def __init__(self, node_group, node_size: int):
         super().__init__(node_group, node_size)
@@ -284,6 +288,10 @@ class PeerInboxEngine(CopyEngine):
         me = self.node_rank
         with torch.no_grad():
             send_GG, _, elem = self._agree(send, recv_numel, dtype, op)
+            if not send_GG.any():
+                # Every rank sees the same empty matrix: nothing to write, wait for or read.
+                return self._split(torch.empty(0, dtype=dtype, device=self.out_device), [0] * self.node_size,
+                                   recv_numel)
             need = int(send_GG.sum(0).max()) * elem
             if need > self.capacity:
                 self._grow(need, f"copy path ({op}): inbox growth")
@@ -449,8 +457,8 @@ class IpcCopyEngine(PeerInboxEngine):
         if not torch.cuda.is_available():
             raise RuntimeError("the ipc copy path needs a CUDA GPU (use kind='shm' or 'gloo' for CPU tensors)")
         super().__init__(node_group, node_size)
-        self.device = torch.device("cuda", torch.cuda.current_device() if device is None or device.index is None
-                                   else device.index)
+        self.device = self.out_device = torch.device(
+            "cuda", torch.cuda.current_device() if device is None or device.index is None else device.index)
         self.stream = torch.cuda.Stream(self.device)
         self._inbox: torch.Tensor | None = None
         self._peer_inbox: dict[int, torch.Tensor] = {}
