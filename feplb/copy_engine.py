@@ -330,6 +330,10 @@ class ShmCopyEngine(PeerInboxEngine):
     by every peer, then unlinked as soon as every peer has mapped it: the memory lives as long as the mappings, and
     no file outlives setup or growth, even if a process dies later. ``close()`` unmaps; it is local.
 
+    Cost: two small gloo collectives per exchange (sizes, end of writes) where ``GlooCopyEngine`` needs one, then
+    plain memory copies instead of TCP: slower than gloo for small exchanges, faster for large ones
+    (``bench/bench_copy.py``).
+
     Args:
         node_group: the node's process group (gloo); node_size: G.
         shm_dir: a tmpfs directory visible to every process of the node (default: the module's ``SHM_DIR``,
@@ -374,7 +378,10 @@ class ShmCopyEngine(PeerInboxEngine):
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 self._pending.append(path)
                 try:
-                    os.posix_fallocate(fd, 0, capacity)
+                    if hasattr(os, "posix_fallocate"):
+                        os.posix_fallocate(fd, 0, capacity)
+                    else:
+                        os.ftruncate(fd, capacity)
                     self._inbox = torch.frombuffer(mmap.mmap(fd, capacity), dtype=torch.uint8)
                 finally:
                     os.close(fd)
