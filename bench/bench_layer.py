@@ -1,7 +1,9 @@
 """Forward + backward time of one MoELayer with balancing on vs off, measured in the same process group and run.
 
-Variants: plain EP, ``feplb-split`` with resident replicas (weights once per step), and ``feplb-split`` with the
-weights copied every micro-batch (``copy_bytes`` and ``weight_copies`` show the difference in traffic).
+Variants: plain EP; ``feplb-split`` with resident replicas (weights once per step), over the default copy path
+(shared memory on CPUs) and over gloo; ``feplb-split`` with the weights copied every micro-batch (``copy_bytes`` and
+``weight_copies`` show the difference in traffic); ``feplb-split+place`` (placement from routing history, then
+in-node balancing); ``eplb`` (redundant experts, rows dispatched straight to the replicas).
 
 * ``test_layer_cpu_gloo``: 4 gloo processes on the CPU (2 nodes x 2 "GPUs"), a small layer (H=64, F=128, E=16,
   top-2, 256 tokens per rank) on skewed routing. CPU NUMBERS: they show the runtime's overhead and that the
@@ -30,9 +32,12 @@ from feplb.testing import run_dist
 SHAPES = {"cpu": dict(hidden=64, ffn=128, num_experts=16, top_k=2, tokens=256, gpus_per_node=2, world=4, iters=8),
           "gpu": dict(hidden=2048, ffn=1024, num_experts=32, top_k=4, tokens=4096, gpus_per_node=8, world=0, iters=20)}
 BALANCED = "feplb-split"
-# name -> (policy, weights mode): plain EP, balanced with resident replicas, balanced with weights per micro-batch
-VARIANTS = {"none": ("none", "per-step"), BALANCED: (BALANCED, "per-step"),
-            f"{BALANCED}/per-microbatch": (BALANCED, "per-microbatch")}
+# name -> (policy, weights mode, copy path)
+VARIANTS = {"none": ("none", "per-step", "auto"), BALANCED: (BALANCED, "per-step", "auto"),
+            f"{BALANCED}/gloo-copy": (BALANCED, "per-step", "gloo"),
+            f"{BALANCED}/per-microbatch": (BALANCED, "per-microbatch", "auto"),
+            f"{BALANCED}+place": (f"{BALANCED}+place", "per-step", "auto"),
+            "eplb": ("eplb", "per-step", "auto")}
 
 
 def _bench_worker(rank, world, shape, device):
@@ -47,10 +52,12 @@ def _bench_worker(rank, world, shape, device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     dev = torch.device("cpu") if device == "cpu" else torch.device("cuda", torch.cuda.current_device())
     layers = {}
-    for name, (policy, weights) in VARIANTS.items():
+    for name, (policy, weights, copy_path) in VARIANTS.items():
+        if device != "cpu" and copy_path == "gloo":
+            continue
         torch.manual_seed(0)
         layers[name] = MoELayer(FEPLBConfig(policy=policy, dyn=2, dtype=dtype, plan_wait_ms=50.0,
-                                            weights=weights, **s))
+                                            weights=weights, copy_path=copy_path, **s))
     gen = torch.Generator().manual_seed(1)
     router = torch.randn(s["num_experts"], s["hidden"], generator=gen) / s["hidden"] ** 0.5
     router[:, 0] = 0
@@ -88,7 +95,7 @@ def _bench_worker(rank, world, shape, device):
             stats[policy] = {"token_straggler_before": st.token_straggler_before,
                              "token_straggler_after": st.token_straggler_after, "rows_moved": st.rows_moved,
                              "fell_back": st.fell_back, "plan_us": st.plan_us, "copy_bytes": st.copy_bytes,
-                             "weight_copies": st.weight_copies}
+                             "weight_copies": st.weight_copies, "experts_placed": st.experts_placed}
     return {p: {"median_ms": float(np.median(v)), "min_ms": float(np.min(v)), **stats[p]} for p, v in times.items()}
 
 

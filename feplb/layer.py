@@ -883,10 +883,10 @@ class MoELayer(nn.Module):
             if int(self.transport.all_reduce_min(torch.tensor([clean]), self.group, "refresh_replicas check")[0]) == 0:
                 raise RuntimeError("MoELayer.refresh_replicas: replica gradients were not reduced on some rank; call "
                                    "reduce_replica_grads() before optimizer.step()")
-        if self.config.weights != "per-step":
-            return
         if self.state is not None:
             self._adopt(self.state)
+        if self.config.weights != "per-step":
+            return
         resident = self._next_resident()
         pairs = sorted(set(resident) | set(self._bank_pairs()))
         self._resident = resident
