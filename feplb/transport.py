@@ -67,15 +67,30 @@ class Transport:
             return all_gather_stack(t, self.group).to(counts_E.device)
 
     def all_to_all(self, send_MD: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, split_matrix: torch.Tensor | None = None) -> torch.Tensor:
         """Rows send_MD[sum(send_splits[:d]) : ...] go to rank d; returns recv_RD with rank s's rows at block s.
 
         Args:
             send_MD: [M, D] rows grouped by destination rank (any dtype).
             send_splits: W ints summing to M.  recv_splits: W ints, rows coming from each rank.
             out: optional receive buffer with at least R rows (R = sum(recv_splits)); a too-small one raises.
+            split_matrix: optional int64 CPU [W, W], rows rank s sends rank d, identical on every rank (the
+                caller's guarantee, e.g. derived from all-gathered expert counts); transports that would otherwise
+                exchange the splits skip that collective. Row ``rank`` must equal send_splits and column ``rank``
+                recv_splits (checked locally).
         """
         raise NotImplementedError
+
+    def _check_matrix(self, split_matrix: torch.Tensor | None, send_splits: list[int], recv_splits: list[int],
+                      ) -> torch.Tensor | None:
+        if split_matrix is None:
+            return None
+        m = torch.as_tensor(split_matrix, dtype=torch.int64).cpu()
+        W, r = self.world_size, self.rank
+        if m.shape != (W, W) or m[r].tolist() != send_splits or m[:, r].tolist() != recv_splits:
+            raise ValueError(f"split_matrix {list(m.shape)} disagrees with this rank's send/recv splits "
+                             f"(rank {r}: send {send_splits}, recv {recv_splits})")
+        return m
 
     def all_reduce_min(self, flags: torch.Tensor, group: dist.ProcessGroup | None, op: str) -> torch.Tensor:
         """Elementwise MIN of a small int64 CPU tensor over ``group`` (agreement on readiness/consistency)."""
@@ -130,10 +145,11 @@ class TorchTransport(Transport):
 
     name = "torch"
 
-    def all_to_all(self, send_MD, send_splits, recv_splits, out=None):
+    def all_to_all(self, send_MD, send_splits, recv_splits, out=None, split_matrix=None):
         send_splits, recv_splits = [int(s) for s in send_splits], [int(s) for s in recv_splits]
         if sum(send_splits) != send_MD.shape[0]:
             raise ValueError(f"send_splits sum to {sum(send_splits)} but send_MD has {send_MD.shape[0]} rows")
+        self._check_matrix(split_matrix, send_splits, recv_splits)
         recv = _recv_view(out, send_MD, sum(recv_splits))
         with guard("phase-1 all_to_all of rows", self.group):
             dist.all_to_all_single(recv, send_MD.contiguous(), recv_splits, send_splits, group=self.group)
@@ -191,22 +207,24 @@ class NvshmemTransport(Transport):
             self._buf = self._nv.interop.torch.empty((cap,), dtype=torch.uint8)
         return self._buf
 
-    def all_to_all(self, send_MD, send_splits, recv_splits, out=None):
+    def all_to_all(self, send_MD, send_splits, recv_splits, out=None, split_matrix=None):
         if not send_MD.is_cuda:
             raise ValueError(f"the nvshmem transport moves CUDA tensors only, got a tensor on {send_MD.device}")
         nv = self._nv
         send_splits, recv_splits = [int(s) for s in send_splits], [int(s) for s in recv_splits]
+        if sum(send_splits) != send_MD.shape[0]:
+            raise ValueError(f"send_splits sum to {sum(send_splits)} but send_MD has {send_MD.shape[0]} rows")
         row_bytes = math.prod(send_MD.shape[1:]) * send_MD.element_size()
-        # Every rank needs the same buffer size (symmetric allocation): the max over ranks of rows received.
-        need = torch.tensor([sum(recv_splits)], dtype=torch.int64, device=send_MD.device)
-        with guard("nvshmem all_to_all: receive-size agreement", self.group):
-            dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
-        buf = self._ensure(int(need.item()) * row_bytes)
-        # My block inside rank d's buffer starts after the rows that ranks < me send to d; that is d's recv prefix,
-        # which I learn from d's recv_splits via one all_gather of the split matrix.
-        splits = torch.tensor(send_splits, dtype=torch.int64, device=send_MD.device)
-        with guard("nvshmem all_to_all: split exchange", self.group):
-            all_splits = all_gather_stack(splits, self.group).cpu()
+        all_splits = self._check_matrix(split_matrix, send_splits, recv_splits)
+        if all_splits is None:
+            # My block inside rank d's buffer starts after the rows that ranks < me send to d, learnt from one
+            # all_gather of the split matrix (on the control backend's device: gloo keeps it on the host).
+            splits = torch.tensor(send_splits, dtype=torch.int64, device=_collective_device(self.group))
+            with guard("nvshmem all_to_all: split exchange", self.group):
+                all_splits = all_gather_stack(splits, self.group).cpu()
+        # Every rank needs the same buffer size (symmetric allocation): the max over ranks of rows received,
+        # which every rank reads off the same matrix.
+        buf = self._ensure(int(all_splits.sum(0).max()) * row_bytes if all_splits.numel() else 0)
         stream = nv_stream(torch.cuda.current_stream())
         src = send_MD.contiguous().view(torch.uint8).reshape(-1)
         start = 0

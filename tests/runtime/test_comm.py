@@ -39,6 +39,18 @@ def _comm_cases(rank: int, world: int) -> dict:
     want = torch.cat([torch.full((int(splits_WW[rank, d]), 3), float(d + 1)) for d in range(world)])
     out["a2a_grad"] = torch.equal(x.grad, want)
 
+    # A known split matrix (as the layer derives it from the all-gathered counts): same result; a matrix that
+    # disagrees with this rank's splits is refused locally, before any collective.
+    recv_m = tr.all_to_all(data[rank], splits_WW[rank].tolist(), splits_WW[:, rank].tolist(), split_matrix=splits_WW)
+    out["a2a_matrix"] = torch.equal(recv_m, expect)
+    wrong = splits_WW.clone()
+    wrong[rank, (rank + 1) % world] += 1
+    try:
+        tr.all_to_all(data[rank], splits_WW[rank].tolist(), splits_WW[:, rank].tolist(), split_matrix=wrong)
+        out["a2a_matrix_refused"] = False
+    except ValueError as exc:
+        out["a2a_matrix_refused"] = "split_matrix" in str(exc)
+
     # Counts all-gather and the config-consistency check.
     counts = tr.all_gather_counts(torch.arange(5) + rank)
     out["counts"] = torch.equal(counts, torch.arange(5).repeat(world, 1) + torch.arange(world)[:, None])
