@@ -1,5 +1,9 @@
-"""GPU paths of the runtime (NCCL transport, CUDA copy path on a copy stream, NVSHMEM transport): balancing on
-equals balancing off on real GPUs. Skipped without at least 2 CUDA GPUs (and without nvshmem4py for NVSHMEM)."""
+"""GPU paths of the runtime (NCCL transport, CUDA copy paths on a copy stream, NVSHMEM transport): balancing on
+equals balancing off on real GPUs. Skipped without CUDA GPUs (and without nvshmem4py for NVSHMEM).
+
+With one GPU, several processes share it: NCCL refuses that ("Duplicate GPU"), so a gloo group carries the small
+host collectives, NVSHMEM (2 PEs on one GPU, UID bootstrap) carries phase 1, and the copy path is CUDA IPC or
+NVSHMEM. That proves correctness only: processes sharing one GPU time-slice it."""
 
 from __future__ import annotations
 
@@ -17,15 +21,17 @@ needs_2 = pytest.mark.skipif(NGPU < 2, reason="needs at least 2 CUDA GPUs (one r
 HAVE_NVSHMEM = importlib.util.find_spec("nvshmem") is not None
 
 
-def _gpu_worker(rank, world, transport):
+def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto"):
     from feplb import FEPLBConfig, MoELayer
 
+    if one_gpu:
+        torch.cuda.set_device(0)
     out, grads = {}, {}
     for policy in ("none", "feplb-split"):
         torch.manual_seed(0)
         layer = MoELayer(FEPLBConfig(hidden=256, ffn=128, num_experts=4 * world, top_k=2, gpus_per_node=world,
                                      dyn=2, policy=policy, transport=transport, plan_wait_ms=10_000.0, min_chunk=8,
-                                     weights="per-microbatch"))
+                                     weights="per-microbatch", device="cuda", copy_path=copy_path))
         gen = torch.Generator().manual_seed(1)
         w1 = torch.randn(4 * world, 256, 256, generator=gen) / 16
         w2 = torch.randn(4 * world, 128, 256, generator=gen) / 12
@@ -58,4 +64,15 @@ def test_layer_nccl_balanced_equals_plain_ep():
 def test_layer_nvshmem_balanced_equals_plain_ep():
     world = min(NGPU, 4)
     for res in run_dist(_gpu_worker, world, "nvshmem", backend="nccl", timeout_s=300):
+        assert res["ok"] and res["moved"] > 0, res
+
+
+needs_1 = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+
+
+@needs_1
+@pytest.mark.skipif(not HAVE_NVSHMEM, reason="needs nvshmem4py: pip install 'feplb[nvshmem]'")
+@pytest.mark.parametrize("copy_path", ["ipc", "nvshmem"])
+def test_layer_two_processes_one_gpu(copy_path):
+    for res in run_dist(_gpu_worker, 2, "nvshmem", True, copy_path, backend="gloo", timeout_s=300):
         assert res["ok"] and res["moved"] > 0, res
