@@ -15,17 +15,32 @@ Engines, by ``make_copy_engine(..., kind=...)``:
   dedicated stream (correct, but that copy runs on SMs).
 
 Peer-tensor protocol (``PeerInboxEngine``, shared by ``"shm"`` and ``"ipc"``). Each rank of the node owns an inbox
-that every peer of the node addresses directly. One exchange:
+of two halves (parity 0 and 1) that every peer of the node addresses directly; exchange number n (counted alike on
+every rank, exchanges without any traffic in the node excepted) uses half n % 2. One exchange:
 
-1. all-gather of one small row per rank (its send and receive sizes, element size, argument status) in the node's
-   gloo group. The G x G split matrix gives every sender its offset in every receiver's inbox (blocks ordered by
-   sender rank), lets every rank check the whole exchange, so that bad arguments on one rank raise ValueError on
-   all of them, and is the start barrier: nobody writes exchange n before every rank has read exchange n-1;
-2. growth, when the largest receiver needs more than the inbox holds: every rank derives the same power-of-two
-   capacity from the same matrix, so the node regrows together and nothing is dropped;
-3. writes: each sender copies its block straight into the receiver's inbox;
+1. the G x G split matrix (elements each node rank sends each other one), from one of two sources:
+
+   * agreed (``matrix=None``): an all-gather of one small row per rank (its send and receive sizes, element size,
+     argument status) in the node's gloo group; every rank checks the whole exchange, so bad arguments on one rank
+     raise ValueError on all of them;
+   * known (``matrix=`` given, identical on every rank of the node: the caller's guarantee): no collective; each
+     rank checks its own arguments against its row and column, and raises ValueError alone (before any collective:
+     its peers then stop at the end barrier, with a TimeoutError after the group's timeout);
+
+2. growth, when the largest receiver needs more than a half holds: every rank derives the same power-of-two
+   capacity from the same matrix, so the node regrows together (a collective) and nothing is dropped;
+3. writes: each sender copies its block straight into the receiver's inbox half, at the offset the matrix gives
+   (blocks ordered by sender rank);
 4. end of writes: a barrier in the node's gloo group (plus, on CUDA, events that order the copies themselves);
-5. read: each receiver copies its part out (the inbox is reused by the next exchange).
+5. read: each receiver copies its part out (the half is reused two exchanges later).
+
+Why one barrier per exchange suffices (the two halves): a writer enters exchange n+2, and writes into half n % 2,
+only after leaving the end barrier of exchange n+1, which every reader enters only after it finished reading
+exchange n (reads come before ``exchange`` returns); exchange n+1 itself writes into the other half, which nobody
+reads before the end barrier of n+1. Exchange n's reads see all of n's writes because of n's end barrier. So the
+start barrier the all-gather used to provide is not needed, and the known-matrix path costs one control collective.
+The price is memory: every inbox holds two halves, twice the largest exchange's receive size (rounded up to a
+power of two).
 
 Every wait runs under ``guard``: a peer that stalls or dies fails the step with a ``TimeoutError`` naming it after
 the process group's timeout, instead of hanging.
@@ -47,6 +62,7 @@ import secrets
 import warnings
 import weakref
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -111,13 +127,20 @@ class CopyEngine:
                              f"({dist.get_world_size(node_group)})")
 
     def exchange(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int], *, dtype: torch.dtype,
-                 device: torch.device, op: str) -> dict[int, torch.Tensor]:
+                 device: torch.device, op: str, matrix=None) -> dict[int, torch.Tensor]:
         """Send ``send[p]`` (any shape, converted to 1-D ``dtype``) to node peer ``p``; receive ``recv_numel[q]``
         elements from each q.
 
         Returns {q: 1-D ``dtype`` tensor of recv_numel[q] elements} for every q in ``recv_numel`` or sending to this
         rank; the tensors are this rank's own (never views of a buffer the engine reuses). Collective inside the
         node; ``op`` names the step in timeout errors. A peer may appear in neither dict (nothing exchanged with it).
+
+        matrix: optional G x G element counts of the whole exchange (``matrix[i][j]`` elements node rank i sends
+            node rank j; a tuple of tuples or an integer array), identical on every rank of the node, and given on
+            every rank of the node or on none of them (the caller's guarantee). This rank's ``send`` and
+            ``recv_numel`` must match its row and column: a ValueError otherwise, raised on this rank alone before
+            any collective. Peer-tensor engines then skip the size agreement (one control collective per exchange
+            instead of two, see the module docstring); the others only check.
         """
         raise NotImplementedError
 
@@ -156,7 +179,51 @@ class CopyEngine:
                 return f"recv_numel[{p}] must be an int >= 0, got {n!r}"
         return None
 
-    def _layout(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int]) -> tuple[list[int], list[int]]:
+    def _check_tensor(self, p: int, t: torch.Tensor) -> str | None:
+        """Why ``send[p]`` cannot be sent by this engine, or None."""
+        return None if isinstance(t, torch.Tensor) else f"send[{p}] must be a tensor, got {type(t).__name__}"
+
+    def _known_matrix(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int], matrix, dtype: torch.dtype,
+                      op: str) -> np.ndarray:
+        """The caller's split matrix as int64 [G, G] after the local checks (no collective): the arguments, and that
+        this rank's sends are its row and its receives its column."""
+        g, me = self.node_size, self.node_rank
+        bad = self._bad_peer(send, recv_numel)
+        if bad is None:
+            bad = next((m for p, t in send.items() if (m := self._check_tensor(p, t))), None)
+        if bad is None and not isinstance(dtype, torch.dtype):
+            bad = f"dtype must be a torch.dtype, got {dtype!r}"
+        if bad is not None:
+            raise ValueError(f"copy path ({op}): {bad}")
+        try:
+            m = np.asarray(matrix)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"copy path ({op}): matrix must be a {g} x {g} array of element counts: {exc}") from exc
+        if m.shape != (g, g) or not (np.issubdtype(m.dtype, np.integer) or m.dtype == np.bool_ and not m.any()):
+            raise ValueError(f"copy path ({op}): matrix must be a {g} x {g} array of integer element counts, got "
+                             f"shape {m.shape} of {m.dtype}")
+        m = m.astype(np.int64, copy=False)
+        if (m < 0).any() or m.diagonal().any():
+            raise ValueError(f"copy path ({op}): matrix must hold counts >= 0 with a zero diagonal (no rank sends "
+                             f"to itself), got {m.tolist()}")
+        for p in range(g):
+            if p == me:
+                continue
+            n = send[p].numel() if p in send else 0
+            if n != m[me, p]:
+                raise ValueError(f"copy path ({op}): node rank {me} sends {n} elements to node rank {p} but "
+                                 f"matrix[{me}][{p}] is {int(m[me, p])}; send must match this rank's row")
+            n = int(recv_numel.get(p, 0))
+            if n != m[p, me]:
+                raise ValueError(f"copy path ({op}): node rank {me} expects {n} elements from node rank {p} but "
+                                 f"matrix[{p}][{me}] is {int(m[p, me])}; recv_numel must match this rank's column")
+        return m
+
+    def _layout(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int], matrix=None, dtype=None,
+                op: str = "") -> tuple[list[int], list[int]]:
+        if matrix is not None:
+            m = self._known_matrix(send, recv_numel, matrix, dtype, op)
+            return m[self.node_rank].tolist(), m[:, self.node_rank].tolist()
         bad = self._bad_peer(send, recv_numel)
         if bad:
             raise ValueError(bad)
@@ -166,12 +233,13 @@ class CopyEngine:
 
 
 class GlooCopyEngine(CopyEngine):
-    """CPU copy path: ``all_to_all_single`` of flat buffers inside the node's gloo subgroup."""
+    """CPU copy path: ``all_to_all_single`` of flat buffers inside the node's gloo subgroup (one collective per
+    exchange; a known ``matrix`` is only checked)."""
 
     name = "gloo"
 
-    def exchange(self, send, recv_numel, *, dtype, device, op):
-        send_splits, recv_splits = self._layout(send, recv_numel)
+    def exchange(self, send, recv_numel, *, dtype, device, op, matrix=None):
+        send_splits, recv_splits = self._layout(send, recv_numel, matrix, dtype, op)
         parts = [send[p].reshape(-1).to(dtype) for p in range(self.node_size) if p in send]
         flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
         out = torch.empty(sum(recv_splits), dtype=dtype, device=device)
@@ -194,10 +262,13 @@ class PeerInboxEngine(CopyEngine):
 
     Attributes:
         out_device: where received tensors live.
-        capacity: bytes of every rank's inbox (the same on all ranks of the node; a power of two).
+        capacity: bytes one exchange can deliver to a rank, i.e. of each half of every rank's inbox (the same on
+            all ranks of the node; a power of two). Every inbox holds ``PARITIES * capacity`` bytes.
         grows: how many times the inboxes were (re)built, setup included.
+        exchanges: exchanges that used the inboxes so far (the same on all ranks; its parity picks the half).
     """
 
+    PARITIES = 2
     min_capacity = 1 << 16
     out_device = torch.device("cpu")
 
@@ -206,29 +277,34 @@ class PeerInboxEngine(CopyEngine):
         self.control = _gloo_group(node_group)
         self.capacity = 0
         self.grows = 0
+        self.exchanges = 0
         self._closed = False
 
     # Backend hooks -------------------------------------------------------------------------------------------------
     def _open_inboxes(self, capacity: int, op: str) -> None:
-        """Collectively replace every inbox by one of ``capacity`` bytes; every peer's is addressable afterwards."""
+        """Collectively replace every inbox by one of ``PARITIES * capacity`` bytes (half ``h`` starts at byte
+        ``h * capacity``); every peer's is addressable afterwards."""
         raise NotImplementedError
-
-    def _check_tensor(self, p: int, t: torch.Tensor) -> str | None:
-        """Why ``send[p]`` cannot be sent by this engine, or None."""
-        return None if isinstance(t, torch.Tensor) else f"send[{p}] must be a tensor, got {type(t).__name__}"
 
     def _prepare(self, send: dict[int, torch.Tensor], dtype: torch.dtype) -> dict[int, torch.Tensor]:
         return {p: t.reshape(-1) for p, t in send.items()}
 
-    def _write(self, p: int, offset: int, src: torch.Tensor, dtype: torch.dtype) -> None:
+    def _write(self, p: int, parity: int, offset: int, src: torch.Tensor, dtype: torch.dtype) -> None:
+        """Copy ``src`` into half ``parity`` of peer p's inbox, ``offset`` bytes into the half."""
         raise NotImplementedError
 
-    def _writes_done(self) -> None:
-        """Called after this rank's last write of an exchange, before the end barrier."""
+    def _writes_done(self, parity: int) -> None:
+        """Called after this rank's last write of an exchange into half ``parity``, before the end barrier."""
 
-    def _read(self, nbytes: int, dtype: torch.dtype, senders: list[int]) -> torch.Tensor:
-        """This rank's first ``nbytes`` inbox bytes as a fresh 1-D ``dtype`` tensor (``senders`` wrote into it)."""
+    def _read(self, parity: int, nbytes: int, dtype: torch.dtype, senders: list[int]) -> torch.Tensor:
+        """The first ``nbytes`` of half ``parity`` of this rank's inbox as a fresh 1-D ``dtype`` tensor (``senders``
+        wrote into it)."""
         raise NotImplementedError
+
+    def _next_parity(self) -> int:
+        parity = self.exchanges % self.PARITIES
+        self.exchanges += 1
+        return parity
 
     def _release(self) -> None:
         """Drop inboxes and peer mappings (close)."""
@@ -243,7 +319,7 @@ class PeerInboxEngine(CopyEngine):
         self.grows += 1
 
     def _agree(self, send, recv_numel, dtype: torch.dtype, op: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """All-gather of every rank's sizes (the start barrier) and the checks every rank makes alike.
+        """All-gather of every rank's sizes and the checks every rank makes alike (the agreed split matrix).
 
         Returns (send_GG, recv_GG, element size): send_GG[s, r] elements s sends r, recv_GG[r, s] elements r
         expects from s (int64, CPU)."""
@@ -282,30 +358,40 @@ class PeerInboxEngine(CopyEngine):
                              f"which expects {int(recv_GG[r, s])}; send and recv_numel must match pairwise")
         return send_GG, recv_GG, dtype.itemsize
 
-    def exchange(self, send, recv_numel, *, dtype, device, op):
+    def exchange(self, send, recv_numel, *, dtype, device, op, matrix=None):
         if self._closed:
             raise RuntimeError(f"copy path ({op}): the {self.name} engine was closed")
         me = self.node_rank
         with torch.no_grad():
-            send_GG, _, elem = self._agree(send, recv_numel, dtype, op)
+            if matrix is None:
+                send_GG = self._agree(send, recv_numel, dtype, op)[0].numpy()
+            else:
+                send_GG = self._known_matrix(send, recv_numel, matrix, dtype, op)
+            elem = dtype.itemsize
             if not send_GG.any():
-                # Every rank sees the same empty matrix: nothing to write, wait for or read.
+                # Every rank sees the same empty matrix: nothing to write, wait for or read; no half is used.
                 return self._split(torch.empty(0, dtype=dtype, device=self.out_device), [0] * self.node_size,
                                    recv_numel)
             need = int(send_GG.sum(0).max()) * elem
             if need > self.capacity:
+                # Collective, entered by every rank alike (same matrix); it is a full barrier of the node, so the
+                # old inboxes (every read of them done) can go.
                 self._grow(need, f"copy path ({op}): inbox growth")
+            # Ordering (see the module docstring): these writes go into half `parity`, last used by the exchange
+            # before the previous one; every reader finished reading that one before it entered the previous
+            # exchange's end barrier, which this rank has left. No peer reads this half before our end barrier.
+            parity = self._next_parity()
             srcs = self._prepare({p: t for p, t in send.items() if t.numel()}, dtype)
-            # My block in peer p's inbox starts after what lower node ranks send p.
+            # My block in peer p's inbox half starts after what lower node ranks send p.
             offsets = (send_GG[:me].sum(0) * elem).tolist()
             for p in sorted(srcs):
-                self._write(p, offsets[p], srcs[p], dtype)
-            self._writes_done()
+                self._write(p, parity, offsets[p], srcs[p], dtype)
+            self._writes_done(parity)
             with guard(f"copy path ({op}): end of writes", self.control):
                 dist.barrier(group=self.control)
             recv_splits = send_GG[:, me].tolist()
             senders = [q for q in range(self.node_size) if recv_splits[q]]
-            out = self._read(sum(recv_splits) * elem, dtype, senders)
+            out = self._read(parity, sum(recv_splits) * elem, dtype, senders)
         return self._split(out, recv_splits, recv_numel)
 
     def close(self) -> None:
@@ -330,9 +416,10 @@ class ShmCopyEngine(PeerInboxEngine):
     by every peer, then unlinked as soon as every peer has mapped it: the memory lives as long as the mappings, and
     no file outlives setup or growth, even if a process dies later. ``close()`` unmaps; it is local.
 
-    Cost: two small gloo collectives per exchange (sizes, end of writes) where ``GlooCopyEngine`` needs one, then
-    plain memory copies instead of TCP: slower than gloo for small exchanges, faster for large ones
-    (``bench/bench_copy.py``).
+    Cost: two small gloo collectives per exchange (sizes, end of writes), or one (end of writes) when the caller
+    passes the split ``matrix``, where ``GlooCopyEngine`` needs one; then plain memory copies instead of TCP
+    (``bench/bench_copy.py`` compares the three). Memory: each rank's inbox is two halves of ``capacity`` bytes
+    (the module docstring says why), so the node holds ``2 * G * capacity`` bytes of shared memory.
 
     Args:
         node_group: the node's process group (gloo); node_size: G.
@@ -368,9 +455,11 @@ class ShmCopyEngine(PeerInboxEngine):
         return os.path.join(self.shm_dir, f"feplb-{self.token}-n{self.node_rank}-g{generation}")
 
     def _open_inboxes(self, capacity, op):
-        # Every rank has read the previous exchange (start barrier), so the old mappings can go before the new
-        # ones are made: the node never holds both.
+        # Every rank enters growth after its reads of the previous exchanges, and its writes into peers' inboxes
+        # are plain copies that have finished, so its old mappings can go before the new ones are made (a peer
+        # still reading its own inbox keeps its own mapping).
         self._inbox, self._peer_inbox = None, {}
+        nbytes = capacity * self.PARITIES
         path = self._path(self.grows)
         try:
             err = None
@@ -379,14 +468,14 @@ class ShmCopyEngine(PeerInboxEngine):
                 self._pending.append(path)
                 try:
                     if hasattr(os, "posix_fallocate"):
-                        os.posix_fallocate(fd, 0, capacity)
+                        os.posix_fallocate(fd, 0, nbytes)
                     else:
-                        os.ftruncate(fd, capacity)
-                    self._inbox = torch.frombuffer(mmap.mmap(fd, capacity), dtype=torch.uint8)
+                        os.ftruncate(fd, nbytes)
+                    self._inbox = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
                 finally:
                     os.close(fd)
             except OSError as exc:
-                err = f"cannot create a {capacity}-byte inbox {path!r}: {exc}"
+                err = f"cannot create a {nbytes}-byte inbox {path!r}: {exc}"
             names = [None] * self.node_size
             with guard(f"{op} (inbox names)", self.control):
                 dist.all_gather_object(names, (path, err), group=self.control)
@@ -400,9 +489,9 @@ class ShmCopyEngine(PeerInboxEngine):
                     fd = os.open(peer_path, os.O_RDWR)
                     try:
                         size = os.fstat(fd).st_size
-                        if size != capacity:
-                            raise OSError(f"size {size} instead of {capacity}")
-                        self._peer_inbox[p] = torch.frombuffer(mmap.mmap(fd, capacity), dtype=torch.uint8)
+                        if size != nbytes:
+                            raise OSError(f"size {size} instead of {nbytes}")
+                        self._peer_inbox[p] = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
                     finally:
                         os.close(fd)
                 except OSError as exc:
@@ -426,11 +515,13 @@ class ShmCopyEngine(PeerInboxEngine):
                                         f"{self.shm_dir!r} (use kind='gloo' if the node's processes do not share "
                                         f"it, or make it larger): " + "; ".join(errors))
 
-    def _write(self, p, offset, src, dtype):
-        self._peer_inbox[p][offset:offset + src.numel() * dtype.itemsize].view(dtype).copy_(src)
+    def _write(self, p, parity, offset, src, dtype):
+        start = parity * self.capacity + offset
+        self._peer_inbox[p][start:start + src.numel() * dtype.itemsize].view(dtype).copy_(src)
 
-    def _read(self, nbytes, dtype, senders):
-        return self._inbox[:nbytes].view(dtype).clone()
+    def _read(self, parity, nbytes, dtype, senders):
+        start = parity * self.capacity
+        return self._inbox[start:start + nbytes].view(dtype).clone()
 
     def _release(self):
         self._inbox, self._peer_inbox = None, {}
@@ -445,11 +536,15 @@ class IpcCopyEngine(PeerInboxEngine):
     their own device, so a peer's view is labelled with the mapping process's device. A sender's writes are
     ``copy_(non_blocking=True)`` into the peer's inbox view on ``self.stream``, ordered after the producer by an
     event: between GPUs that is a peer ``cudaMemcpyAsync``, run by a copy engine. Ordering across processes uses
-    two interprocess events per rank: "written", recorded on the sender's copy stream after its writes (the
-    receiver's compute stream waits on it; the end barrier guarantees the record is issued before the wait), and
-    "consumed", recorded on the receiver's compute stream after its copy-out (the sender's copy stream waits on it
-    before writing the next exchange into that inbox). Control plane (sizes, barrier, handles) over gloo.
-    ``close()`` is local.
+    two interprocess events per rank and inbox half: "written[h]", recorded on the sender's copy stream after its
+    writes into half h (the receiver's compute stream waits on it; the end barrier guarantees the record is issued
+    before the wait, and the next record of written[h] comes only after the next end barrier, which the receiver
+    enters after issuing its wait), and "consumed[h]", recorded on the receiver's compute stream after its copy-out
+    of half h (the sender's copy stream waits on it before writing into that half two exchanges later: the record
+    was issued before the receiver entered the end barrier in between, and the next record of consumed[h] only
+    comes after the end barrier of that later exchange). So the host barriers order the event calls, and the events
+    order the copies on the devices. Control plane (sizes, barrier, handles) over gloo. ``close()`` is local.
+    Memory: each inbox holds two halves of ``capacity`` bytes of device memory.
 
     Args:
         node_group: the node's process group (any backend; a gloo group over its ranks is made for control).
@@ -469,14 +564,15 @@ class IpcCopyEngine(PeerInboxEngine):
         self.stream = torch.cuda.Stream(self.device)
         self._inbox: torch.Tensor | None = None
         self._peer_inbox: dict[int, torch.Tensor] = {}
-        self._written = torch.cuda.Event(interprocess=True)
-        self._consumed = torch.cuda.Event(interprocess=True)
-        self._peer_written: dict[int, torch.cuda.Event] = {}
-        self._peer_consumed: dict[int, torch.cuda.Event] = {}
+        self._written = [torch.cuda.Event(interprocess=True) for _ in range(self.PARITIES)]
+        self._consumed = [torch.cuda.Event(interprocess=True) for _ in range(self.PARITIES)]
+        self._peer_written: dict[int, list[torch.cuda.Event]] = {}
+        self._peer_consumed: dict[int, list[torch.cuda.Event]] = {}
         err, mine = None, None
         try:
             with torch.cuda.device(self.device):
-                mine = (self.device.index, self._written.ipc_handle(), self._consumed.ipc_handle())
+                mine = (self.device.index, [e.ipc_handle() for e in self._written],
+                        [e.ipc_handle() for e in self._consumed])
         except RuntimeError as exc:
             err = f"cannot share interprocess events: {exc}"
         events = [None] * node_size
@@ -487,8 +583,8 @@ class IpcCopyEngine(PeerInboxEngine):
         try:
             for p, ((_, written, consumed), _) in enumerate(events):
                 if p != self.node_rank:
-                    self._peer_written[p] = torch.cuda.Event.from_ipc_handle(self.device, written)
-                    self._peer_consumed[p] = torch.cuda.Event.from_ipc_handle(self.device, consumed)
+                    self._peer_written[p] = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in written]
+                    self._peer_consumed[p] = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in consumed]
         except RuntimeError as exc:
             err = f"cannot open a peer's interprocess events: {exc}"
         status = [None] * node_size
@@ -516,13 +612,13 @@ class IpcCopyEngine(PeerInboxEngine):
         self._inbox, self._peer_inbox = None, {}
         err, handles = None, None
         try:
-            inbox = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+            inbox = torch.empty(capacity * self.PARITIES, dtype=torch.uint8, device=self.device)
             storage = inbox.untyped_storage()
             # One share per peer: each holds its own reference count on this allocation.
             handles = {p: storage._share_cuda_() for p in range(self.node_size) if p != self.node_rank}
             self._inbox = inbox
         except RuntimeError as exc:
-            err = f"cannot share a {capacity}-byte inbox: {exc}"
+            err = f"cannot share a {capacity * self.PARITIES}-byte inbox: {exc}"
         shared = [None] * self.node_size
         with guard(f"{op} (inbox handles)", self.control):
             dist.all_gather_object(shared, (handles, err), group=self.control)
@@ -535,7 +631,7 @@ class IpcCopyEngine(PeerInboxEngine):
                     # process, and no reliance on the peers numbering devices as this process does.
                     st = torch.UntypedStorage._new_shared_cuda(self.device.index, *their[self.node_rank][1:])
                     self._peer_inbox[p] = torch.empty(0, dtype=torch.uint8, device=st.device).set_(
-                        st, 0, (capacity,), (1,))
+                        st, 0, (capacity * self.PARITIES,), (1,))
         except RuntimeError as exc:
             err = f"cannot open a peer's inbox: {exc}"
         status = [None] * self.node_size
@@ -552,22 +648,24 @@ class IpcCopyEngine(PeerInboxEngine):
         self.stream.wait_event(ready)
         return srcs
 
-    def _write(self, p, offset, src, dtype):
-        self.stream.wait_event(self._peer_consumed[p])
+    def _write(self, p, parity, offset, src, dtype):
+        self.stream.wait_event(self._peer_consumed[p][parity])
+        start = parity * self.capacity + offset
         with torch.cuda.stream(self.stream):
-            self._peer_inbox[p][offset:offset + src.numel() * dtype.itemsize].view(dtype).copy_(src,
-                                                                                                non_blocking=True)
+            self._peer_inbox[p][start:start + src.numel() * dtype.itemsize].view(dtype).copy_(src,
+                                                                                              non_blocking=True)
         src.record_stream(self.stream)
 
-    def _writes_done(self):
-        self._written.record(self.stream)
+    def _writes_done(self, parity):
+        self._written[parity].record(self.stream)
 
-    def _read(self, nbytes, dtype, senders):
+    def _read(self, parity, nbytes, dtype, senders):
         compute = torch.cuda.current_stream(self.device)
         for q in senders:
-            compute.wait_event(self._peer_written[q])
-        out = self._inbox[:nbytes].view(dtype).clone()
-        self._consumed.record(compute)
+            compute.wait_event(self._peer_written[q][parity])
+        start = parity * self.capacity
+        out = self._inbox[start:start + nbytes].view(dtype).clone()
+        self._consumed[parity].record(compute)
         return out
 
     def _release(self):
@@ -578,8 +676,8 @@ class IpcCopyEngine(PeerInboxEngine):
 
 class CudaCopyEngine(CopyEngine):
     """GPU copy path on a dedicated copy stream over nvshmem4py (``use_nvshmem``) or NCCL (see the module
-    docstring). ``close()`` frees the nvshmem inbox, which is collective like its allocation. Untested without a
-    GPU."""
+    docstring). ``close()`` frees the nvshmem inbox, which is collective like its allocation. A known ``matrix``
+    replaces nvshmem's split all-gather; NCCL only checks it. Untested without a GPU."""
 
     def __init__(self, node_group, node_size: int, *, use_nvshmem: bool = True):
         super().__init__(node_group, node_size)
@@ -613,8 +711,8 @@ class CudaCopyEngine(CopyEngine):
             nv.barrier(nv.Teams.TEAM_NODE, stream=nv_stream(torch.cuda.current_stream()))
         return self._inbox
 
-    def exchange(self, send, recv_numel, *, dtype, device, op):
-        send_splits, recv_splits = self._layout(send, recv_numel)
+    def exchange(self, send, recv_numel, *, dtype, device, op, matrix=None):
+        send_splits, recv_splits = self._layout(send, recv_numel, matrix, dtype, op)
         compute = torch.cuda.current_stream()
         ready = torch.cuda.Event()
         ready.record(compute)
@@ -634,9 +732,14 @@ class CudaCopyEngine(CopyEngine):
         else:
             nv = self._nv
             # Inbox layout on peer q: blocks by sender node rank; my block on q starts after what ranks < me send q.
-            all_send = torch.tensor(send_splits, dtype=torch.int64, device=device)
-            with guard(f"copy path ({op}): split exchange", self.node_group):
-                matrix = all_gather_stack(all_send, self.node_group).cpu()
+            if matrix is not None:
+                # Known on every rank (checked against this rank's arguments by _layout): no split exchange. The
+                # inbox reuse is ordered by the nvshmem barrier after the copy-out below, not by this all-gather.
+                matrix = torch.from_numpy(np.asarray(matrix, dtype=np.int64))
+            else:
+                all_send = torch.tensor(send_splits, dtype=torch.int64, device=device)
+                with guard(f"copy path ({op}): split exchange", self.node_group):
+                    matrix = all_gather_stack(all_send, self.node_group).cpu()
             need = int(matrix.sum(0).max()) * elem
             inbox = self._ensure_inbox(need)
             self._epoch += 1

@@ -10,7 +10,11 @@ Both are collective: every rank calls them in the same order. Their backward is 
 reach it: ``exchange`` always returns a tensor that callers feed into the rest of the graph (at least an empty slice
 of it), and takes an input that requires grad whenever autograd is recording (an empty slice of the layer's rows).
 
-Legend: M rows sent, R rows received, D row width, N elements of a flat buffer.
+Both take an optional ``node_matrix``, the G x G element counts that the ranks of the caller's node send each other
+in the call (identical on every rank of the node, given on all of them or none): the copy path then skips its size
+agreement (``CopyEngine.exchange``'s ``matrix``); ``exchange``'s backward passes the transpose.
+
+Legend: M rows sent, R rows received, D row width, N elements of a flat buffer, G GPUs per node.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -72,15 +77,19 @@ class PeerComm:
         return r // self.gpus_per_node
 
     def run(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int], *, cross_node: bool, dtype: torch.dtype,
-            device: torch.device, op: str, intra_node: bool = True) -> dict[int, torch.Tensor]:
-        """Send 1-D ``send[dst]`` to each EP rank dst; return {src: 1-D buffer of recv_numel[src] elements}."""
+            device: torch.device, op: str, intra_node: bool = True, node_matrix=None) -> dict[int, torch.Tensor]:
+        """Send 1-D ``send[dst]`` to each EP rank dst; return {src: 1-D buffer of recv_numel[src] elements}.
+
+        node_matrix: optional G x G elements node rank i of this rank's node sends node rank j in this call (int64
+        array or tuple of tuples; see the module docstring); passed to the copy path, which checks this rank's part
+        of ``send`` and ``recv_numel`` against it."""
         me, g = self.rank, self.gpus_per_node
         base = self.node_of(me) * g
         out: dict[int, torch.Tensor] = {}
         local_send = {p - base: t for p, t in send.items() if self.node_of(p) == self.node_of(me)}
         local_recv = {q - base: n for q, n in recv_numel.items() if self.node_of(q) == self.node_of(me)}
         if intra_node and g > 1:
-            got = self.copy.exchange(local_send, local_recv, dtype=dtype, device=device, op=op)
+            got = self.copy.exchange(local_send, local_recv, dtype=dtype, device=device, op=op, matrix=node_matrix)
             out.update({q + base: t for q, t in got.items()})
         elif local_send or local_recv:
             raise ValueError(f"{op}: intra-node traffic without a copy path call")
@@ -107,20 +116,22 @@ class PeerComm:
 class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat_send: torch.Tensor, comm: PeerComm, send_layout: tuple, recv_layout: tuple,
-                cross_node: bool, intra_node: bool, op: str):
+                cross_node: bool, intra_node: bool, op: str, node_matrix: np.ndarray | None):
         ctx.comm, ctx.send_layout, ctx.recv_layout = comm, send_layout, recv_layout
-        ctx.cross_node, ctx.intra_node, ctx.op = cross_node, intra_node, op
-        return _run_layout(comm, flat_send, send_layout, recv_layout, cross_node, intra_node, op)
+        ctx.cross_node, ctx.intra_node, ctx.op, ctx.node_matrix = cross_node, intra_node, op, node_matrix
+        return _run_layout(comm, flat_send, send_layout, recv_layout, cross_node, intra_node, op, node_matrix)
 
     @staticmethod
     def backward(ctx, grad_recv: torch.Tensor):
+        # Gradients flow back along every pair: what i sent j, j now sends i.
+        back = None if ctx.node_matrix is None else ctx.node_matrix.T
         grad_send = _run_layout(ctx.comm, grad_recv.contiguous(), ctx.recv_layout, ctx.send_layout, ctx.cross_node,
-                                ctx.intra_node, f"{ctx.op}, backward")
-        return grad_send, None, None, None, None, None, None
+                                ctx.intra_node, f"{ctx.op}, backward", back)
+        return grad_send, None, None, None, None, None, None, None
 
 
 def _run_layout(comm: PeerComm, flat: torch.Tensor, send_layout: tuple, recv_layout: tuple, cross_node: bool,
-                intra_node: bool, op: str) -> torch.Tensor:
+                intra_node: bool, op: str, node_matrix: np.ndarray | None = None) -> torch.Tensor:
     send, start = {}, 0
     for peer, n in send_layout:
         send[peer] = flat[start:start + n]
@@ -129,7 +140,7 @@ def _run_layout(comm: PeerComm, flat: torch.Tensor, send_layout: tuple, recv_lay
         raise ValueError(f"{op}: send layout covers {start} elements but the buffer has {flat.numel()}")
     recv_numel = dict(recv_layout)
     got = comm.run(send, recv_numel, cross_node=cross_node, dtype=flat.dtype, device=flat.device, op=op,
-                   intra_node=intra_node)
+                   intra_node=intra_node, node_matrix=node_matrix)
     parts = [got[q] for q, n in recv_layout]
     for (q, n), t in zip(recv_layout, parts, strict=True):
         if t.numel() != n:
@@ -139,7 +150,7 @@ def _run_layout(comm: PeerComm, flat: torch.Tensor, send_layout: tuple, recv_lay
 
 def exchange(flat_send: torch.Tensor, comm: PeerComm, send_layout: Sequence[tuple[int, int]],
              recv_layout: Sequence[tuple[int, int]], *, cross_node: bool, intra_node: bool = True,
-             op: str = "exchange") -> torch.Tensor:
+             op: str = "exchange", node_matrix=None) -> torch.Tensor:
     """Differentiable exchange of flat buffers with arbitrary EP ranks.
 
     Args:
@@ -147,9 +158,13 @@ def exchange(flat_send: torch.Tensor, comm: PeerComm, send_layout: Sequence[tupl
         send_layout: ((dst rank, elements), ...) with distinct dst; recv_layout: ((src rank, elements), ...).
         cross_node: whether any rank of the group exchanges across nodes in this call (globally agreed).
         intra_node: whether the node's copy path is called (every rank of the node must agree).
+        node_matrix: optional G x G elements node rank i of this rank's node sends node rank j (an integer array
+            or tuple of tuples, identical on the node's ranks; see the module docstring); the backward uses its
+            transpose.
     Returns:
         1-D [N_recv], the blocks from each source concatenated in ``recv_layout`` order.
     """
     if dist.get_world_size(comm.transport.group) == 1:
         return flat_send[:0]
-    return _Exchange.apply(flat_send, comm, tuple(send_layout), tuple(recv_layout), cross_node, intra_node, op)
+    nm = None if node_matrix is None else np.asarray(node_matrix)
+    return _Exchange.apply(flat_send, comm, tuple(send_layout), tuple(recv_layout), cross_node, intra_node, op, nm)

@@ -193,6 +193,19 @@ def _digest(obj: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:8], "little") >> 2
 
 
+def _node_matrix(triples, rank: int, gpus_per_node: int) -> np.ndarray:
+    """int64 [G, G]: elements node rank i of ``rank``'s node sends node rank j, from global (src rank, dst rank,
+    elements) triples, identical on every rank; pairs that leave or enter the node are left out (the transport
+    carries them). The copy path then needs no size agreement."""
+    G = gpus_per_node
+    base = rank // G * G
+    m = np.zeros((G, G), dtype=np.int64)
+    for s, d, n in triples:
+        if base <= s < base + G and base <= d < base + G:
+            m[s - base, d - base] += n
+    return m
+
+
 def _ranges(pieces: list[tuple[int, int]], n: int) -> list[tuple[int, int, bool]]:
     """Split [0, n) into (start, end, moved) segments given sorted, disjoint moved ranges."""
     out, cur = [], 0
@@ -684,7 +697,7 @@ class MoELayer(nn.Module):
         cross = any(s // G != d // G for _, s, d in copies)
         intra = any(s // G == node and d // G == node for _, s, d in copies)
         got = exchange(torch.cat(pieces), self.comm, send_layout, recv_layout, cross_node=cross, intra_node=intra,
-                       op=op)
+                       op=op, node_matrix=_node_matrix([(s, d, w_numel) for _, s, d in copies], r, G))
         out, pos = {}, 0
         for q in srcs:
             for e, s, d in copies:
@@ -739,8 +752,10 @@ class MoELayer(nn.Module):
                 n = sum(m.rows for m in in_moves if m.src == q) * H
                 n += sum(w_numel for e, s, d in copies if s == q and d == r)
                 recv_layout.append((q, n))
+            nm = _node_matrix([(m.src, m.dst, m.rows * H) for m in moves] + [(s, d, w_numel) for _, s, d in copies],
+                              r, G)
             recv1 = exchange(torch.cat(pieces), self.comm, send_layout, recv_layout, cross_node=cross,
-                             intra_node=intra, op="phase-2 rows and weights to helpers")
+                             intra_node=intra, op="phase-2 rows and weights to helpers", node_matrix=nm)
             pos = 0
             for q in peers_in:
                 for i, m in enumerate(in_moves):
@@ -799,7 +814,8 @@ class MoELayer(nn.Module):
             recv_layout = [(p, sum(m.rows for m in out_moves if m.dst == p) * H) for p in
                            sorted({m.dst for m in out_moves})]
             recv2 = exchange(torch.cat(pieces), self.comm, send_layout, recv_layout, cross_node=cross,
-                             intra_node=intra, op="phase-2 results home")
+                             intra_node=intra, op="phase-2 results home",
+                             node_matrix=_node_matrix([(m.dst, m.src, m.rows * H) for m in moves], r, G))
             pos = 0
             for p in sorted({m.dst for m in out_moves}):
                 for j, m in enumerate(out_moves):
@@ -954,7 +970,8 @@ class MoELayer(nn.Module):
         intra = any(self._owner(e) // G == node and g // G == node for e, g in pairs)
         got = self.comm.run({p: torch.cat(t) for p, t in send.items()}, recv_numel, cross_node=cross,
                             dtype=self.w1.dtype, device=self.w1.device, op="reduction of replica gradients",
-                            intra_node=intra)
+                            intra_node=intra,
+                            node_matrix=_node_matrix([(g, self._owner(e), w_numel) for e, g in pairs], r, G))
         for w in [w for pair in self._replicas.values() for w in pair] + list(self._bank or ()):
             w.grad = None
         pos: dict[int, int] = {}

@@ -2,7 +2,10 @@
 
 Every rank derives every (source, destination) block of every step from one shared seed, so each checks what it
 receives against what it computes alone; the shm engine is also checked against the gloo engine on the same inputs.
-The CUDA IPC engine runs as 2 processes on one GPU (gloo for control) and is skipped without CUDA.
+The known-matrix path (``matrix=``: one control collective per exchange, two inbox halves) is checked the same way,
+against the agreed path and gloo, with growth and reuse in both halves, and with a slow reader that an engine
+without the two halves corrupts. The CUDA IPC engine runs as 2 processes on one GPU (gloo for control) and is
+skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -246,15 +249,15 @@ def _slow_engine(node_group, g: int, *, slow_reader: int, slow_writer: int):
     from feplb.copy_engine import ShmCopyEngine
 
     class Slow(ShmCopyEngine):
-        def _write(self, p, offset, src, dtype):
+        def _write(self, p, parity, offset, src, dtype):
             if self.node_rank == slow_writer:
                 time.sleep(0.05)
-            super()._write(p, offset, src, dtype)
+            super()._write(p, parity, offset, src, dtype)
 
-        def _read(self, nbytes, dtype, senders):
+        def _read(self, parity, nbytes, dtype, senders):
             if self.node_rank == slow_reader:
                 time.sleep(0.1)
-            return super()._read(nbytes, dtype, senders)
+            return super()._read(parity, nbytes, dtype, senders)
 
     return Slow(node_group, g)
 
@@ -274,11 +277,11 @@ def _stall_cases(rank: int, world: int, g: int, node_ranks: list, me: int, token
     node = rank // g
 
     class Stalling(ShmCopyEngine):
-        def _write(self, p, offset, src, dtype):
+        def _write(self, p, parity, offset, src, dtype):
             if node == 1 and self.node_rank == 1:
                 time.sleep(2 * STALL_TIMEOUT_S)
                 raise _Abandoned
-            super()._write(p, offset, src, dtype)
+            super()._write(p, parity, offset, src, dtype)
 
     eng = Stalling(group, g)
     tokens.append(eng.token)
@@ -304,6 +307,214 @@ def _stall_cases(rank: int, world: int, g: int, node_ranks: list, me: int, token
 
 class _Abandoned(Exception):
     """A stalled rank gives up."""
+
+
+# Two rounds of STEPS (the second 4x larger, so the inboxes grow again), with one small step between them.
+MATRIX_STEPS = STEPS + [(torch.float32, 5)] + [(d, 4 * m) for d, m in STEPS]
+
+
+def _as_matrix(splits: torch.Tensor, step: int):
+    """The forms callers pass: tuple of tuples, int64 numpy array, list of lists."""
+    return (tuple(map(tuple, splits.tolist())), splits.numpy(), splits.tolist())[step % 3]
+
+
+def _full_args(step: int, me: int, g: int, n: int):
+    """Every pair exchanges n fp32 elements that differ from step to step: (send, recv_numel, expected, matrix)."""
+    send = {p: _block(step, me, p, n, torch.float32) for p in range(g) if p != me}
+    expect = {q: _block(step, q, me, n, torch.float32) for q in range(g) if q != me}
+    matrix = [[0 if i == j else n for j in range(g)] for i in range(g)]
+    return send, {q: n for q in expect}, expect, matrix
+
+
+def _matrix_cases(rank: int, world: int, g: int) -> dict:
+    """The known-matrix path of the shm engine against the seed, the agreed path and gloo; its ordering without the
+    start barrier; local argument checks."""
+    import torch.distributed as dist
+
+    from feplb import copy_engine as ce
+    from feplb.dispatch import PeerComm, exchange
+    from feplb.transport import TorchTransport
+
+    class Counting(ce.ShmCopyEngine):
+        """Counts size agreements (all-gathers), which the matrix path must skip."""
+
+        agreements = 0
+
+        def _agree(self, *args):
+            self.agreements += 1
+            return super()._agree(*args)
+
+    node_group, node_ranks = ce.make_node_groups(None, g)
+    me = node_ranks.index(rank)
+    cpu = torch.device("cpu")
+    out: dict = {}
+    fast = Counting(node_group, g)           # matrix on every exchange
+    mixed = ce.ShmCopyEngine(node_group, g)  # matrix on odd steps only: the two paths share the halves
+    gloo = ce.GlooCopyEngine(node_group, g)  # checks the matrix, then ignores it
+    tokens = [fast.token, mixed.token]
+
+    kept, events, last_grow_parity, fillers = [], [], None, 0
+    for step, (dtype, most) in enumerate(MATRIX_STEPS):
+        send, recv, expect = _step_args(step, me, g, dtype, most)
+        splits = _plan(step, g, most)[0]
+        need = int(splits.sum(0).max()) * dtype.itemsize
+        if need > fast.capacity and fast.exchanges % 2 == last_grow_parity:
+            # One small exchange first, so that growth happens in both halves (decided alike on every rank).
+            fs, fr, fe, fm = _full_args(1000 + step, me, g, 3)
+            out[f"filler{step}"] = _same(fast.exchange(fs, fr, dtype=torch.float32, device=cpu, op="filler",
+                                                       matrix=fm), fe, torch.float32)
+            fillers += 1
+        matrix = _as_matrix(splits, step)
+        parity, grows = fast.exchanges % 2, fast.grows
+        a = fast.exchange(send, recv, dtype=dtype, device=cpu, op=f"matrix step {step}", matrix=matrix)
+        b = mixed.exchange(send, recv, dtype=dtype, device=cpu, op=f"mixed step {step}",
+                           matrix=matrix if step % 2 else None)
+        c = gloo.exchange(send, recv, dtype=dtype, device=cpu, op=f"gloo step {step}", matrix=matrix)
+        out[f"step{step}"] = [_same(a, expect, dtype), _same(b, expect, dtype), _same(c, expect, dtype)]
+        if splits.any():
+            grew = fast.grows != grows
+            events.append((parity, grew))
+            if grew:
+                last_grow_parity = parity
+        kept.append((a, expect, dtype))
+    out["kept_intact"] = all(_same(a, e, d) for a, e, d in kept)
+    out["no_agreement"] = fast.agreements == 0
+    out["events"] = events
+    out["fillers"] = fillers
+    out["counter"] = fast.exchanges == len(events) + fillers
+    out["mixed_counter"] = mixed.exchanges == len(events)
+
+    # A slow reader (the last node rank sleeps before reading). Fast ranks rush into the next exchange with new
+    # data: the second half keeps their writes away from what it has not read yet. The same engine writing every
+    # exchange into one half must corrupt it (this is what makes the check above able to fail).
+    class SlowReader(ce.ShmCopyEngine):
+        def _read(self, parity, nbytes, dtype, senders):
+            if self.node_rank == g - 1:
+                time.sleep(0.2)
+            return super()._read(parity, nbytes, dtype, senders)
+
+    class OneHalf(SlowReader):
+        def _next_parity(self):
+            super()._next_parity()
+            return 0
+
+    for name, cls in (("slow_reader", SlowReader), ("one_half", OneHalf)):
+        eng = cls(node_group, g)
+        tokens.append(eng.token)
+        res = []
+        for step in range(300, 304):
+            send, recv, expect, matrix = _full_args(step, me, g, 500)
+            res.append(_same(eng.exchange(send, recv, dtype=torch.float32, device=cpu, op=name, matrix=matrix),
+                             expect, torch.float32))
+        out[name] = res
+        eng.close()
+    # The slow writer and reader of the agreed path's test, on the matrix path with random plans.
+    slow = _slow_engine(node_group, g, slow_reader=g - 1, slow_writer=0)
+    tokens.append(slow.token)
+    ok = True
+    for step in range(100, 104):
+        send, recv, expect = _step_args(step, me, g, torch.float32, 2000)
+        ok &= _same(slow.exchange(send, recv, dtype=torch.float32, device=cpu, op="slow",
+                                  matrix=_plan(step, g, 2000)[0]), expect, torch.float32)
+    out["slow_peers"] = ok
+    slow.close()
+
+    # Arguments against the matrix: ValueError on this rank before any collective. Every rank errs alike here,
+    # except in "alone", where only node rank 0 calls (a collective would leave it waiting for the others).
+    send, recv, _, good = _full_args(400, me, g, 2)
+    off = [row[:] for row in good]
+    off[(me + 1) % g][me] += 1
+    bad_cases = {
+        "row": (send, recv, [[0 if i == j else 1 for j in range(g)] for i in range(g)],
+                f"node rank {me} sends 2 elements to node rank"),
+        "column": (send, recv, off, f"node rank {me} expects 2 elements from node rank {(me + 1) % g}"),
+        "absent_peer": ({p: t for p, t in send.items() if p != (me + 1) % g}, recv, good,
+                        f"sends 0 elements to node rank {(me + 1) % g}"),
+        "shape": (send, recv, [row + [0] for row in good], f"{g} x {g} array"),
+        "floats": (send, recv, [[float(v) for v in row] for row in good], "integer element counts"),
+        "ragged": (send, recv, [good[0], good[1][:1]], "matrix must be"),
+        "diagonal": (send, recv, [[1 if i == j else v for j, v in enumerate(row)] for i, row in enumerate(good)],
+                     "zero diagonal"),
+        "negative": (send, recv, [[-1 if (i, j) == (0, 1) else v for j, v in enumerate(row)]
+                                  for i, row in enumerate(good)], "counts >= 0"),
+        "self_peer": ({**send, me: torch.ones(2)}, recv, good, "another GPU"),
+    }
+    counter = fast.exchanges
+    for name, (s_, r_, m_, needle) in bad_cases.items():
+        t0 = time.monotonic()
+        out[f"bad_{name}"] = _expect_value_error(
+            lambda s_=s_, r_=r_, m_=m_: fast.exchange(s_, r_, dtype=torch.float32, device=cpu, op="bad",
+                                                      matrix=m_), needle)
+        out[f"bad_{name}_fast"] = time.monotonic() - t0 < 1.0
+    out["bad_gloo"] = _expect_value_error(
+        lambda: gloo.exchange(send, recv, dtype=torch.float32, device=cpu, op="bad", matrix=off), "expects 2")
+    if me == 0:
+        out["bad_alone"] = _expect_value_error(
+            lambda: fast.exchange(send, recv, dtype=torch.float32, device=cpu, op="alone", matrix=off), "expects")
+    out["bad_kept_counter"] = fast.exchanges == counter
+    dist.barrier()
+    ok = True
+    for step in (401, 402, 403):
+        s_, r_, e_, m_ = _full_args(step, me, g, 7)
+        ok &= _same(fast.exchange(s_, r_, dtype=torch.float32, device=cpu, op="after", matrix=m_), e_, torch.float32)
+    out["usable_after_errors"] = ok
+
+    # Through dispatch.exchange with the node's matrix, forward and backward (the transpose), against the same
+    # exchange without it.
+    def block(src: int, dst: int) -> torch.Tensor:
+        return _block(50, src, dst, 3 + src + 2 * dst, torch.float32)
+
+    base = rank // g * g
+    node_matrix = [[0 if i == j else block(base + i, base + j).numel() for j in range(g)] for i in range(g)]
+    peers = [p for p in range(world) if p != rank]
+    comm = PeerComm(TorchTransport(), fast, g)
+    grads, gots = [], []
+    for nm in (node_matrix, None):
+        w = torch.zeros(1, requires_grad=True)
+        flat = torch.cat([block(rank, p) for p in peers]) + w
+        agreed, xs = fast.agreements, fast.exchanges
+        got = exchange(flat, comm, [(p, block(rank, p).numel()) for p in peers],
+                       [(q, block(q, rank).numel()) for q in peers], cross_node=g < world, op="dispatch",
+                       node_matrix=nm)
+        (got * torch.arange(1.0, got.numel() + 1)).sum().backward()
+        gots.append(got.detach())
+        grads.append(float(w.grad))
+        out[f"dispatch_agreements_{nm is None}"] = fast.agreements - agreed == (0 if nm is not None else 2)
+        out[f"dispatch_exchanges_{nm is None}"] = fast.exchanges - xs == 2
+    out["dispatch"] = torch.equal(gots[0], torch.cat([block(q, rank) for q in peers])) and torch.equal(*gots)
+    want = sum(float(sum(block(q, p).numel() for q in range(world) if q != p and q < rank))
+               * block(rank, p).numel() + block(rank, p).numel() * (block(rank, p).numel() + 1) / 2 for p in peers)
+    out["dispatch_grad"] = grads == [want, want]
+    bad_nm = [row[:] for row in node_matrix]
+    bad_nm[(me + 1) % g][me] += 1
+    out["dispatch_bad_matrix"] = _expect_value_error(
+        lambda: comm.run({}, {}, cross_node=False, dtype=torch.float32, device=cpu, op="d", node_matrix=bad_nm),
+        "matrix")
+    for e in (fast, mixed):
+        e.close()
+    out["tokens"] = tokens
+    return out
+
+
+@pytest.mark.parametrize("g", [2, 4], ids=["2nodes_x2", "1node_x4"])
+def test_shm_matrix_path(g):
+    results = run_dist(_matrix_cases, 4, g, timeout_s=180)
+    events, fillers = results[0]["events"], results[0]["fillers"]
+    # Growth and reuse both happened in each half (the step list and the fillers make sure of it).
+    assert {p for p, grew in events if grew} == {0, 1}, events
+    assert {p for p, grew in events if not grew} == {0, 1}, events
+    for rank, res in enumerate(results):
+        assert res.pop("events") == events and res.pop("fillers") == fillers, rank
+        tokens, one_half = res.pop("tokens"), res.pop("one_half")
+        failed = {k: v for k, v in res.items() if not (all(v) if isinstance(v, list) else v)}
+        assert not failed, (rank, failed)
+        assert ("bad_alone" in res) == (rank % g == 0)
+        for t in tokens:
+            assert glob.glob(f"/dev/shm/feplb-{t}*") == [], t
+        # One half instead of two: the slow reader reads what the fast ranks wrote for the next exchange.
+        if rank % g == g - 1:
+            assert not all(one_half), one_half
+        assert one_half[-1], one_half      # the last exchange has no successor to overwrite it
 
 
 def _expected_caps(g: int) -> list[int]:
