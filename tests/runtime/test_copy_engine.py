@@ -556,7 +556,8 @@ def test_shm_engine(g):
 
 
 def _ipc_cases(rank: int, world: int) -> dict:
-    """2 processes on GPU 0: the IPC engine against the seed, with a slow producer and a slow consumer."""
+    """2 processes on GPU 0: the IPC engine against the seed, with a slow producer and a slow consumer, on the agreed
+    path (even steps) and the known-matrix path (odd steps), so both inbox halves and their events are reused."""
     from feplb.copy_engine import IpcCopyEngine, make_copy_engine
 
     torch.cuda.set_device(0)
@@ -574,13 +575,25 @@ def _ipc_cases(rank: int, world: int) -> dict:
         for p, t in staged.items():
             dsend[p].copy_(t)
         if rank == 1:
-            # A slow consumer: its copy-out is queued behind this, the peer's next writes must wait for it.
+            # A slow consumer: its copy-out is queued behind this, the peer's next writes into that half must wait.
             torch.cuda._sleep(50_000_000)
-        got = eng.exchange(dsend, recv, dtype=dtype, device=dev, op=f"ipc step {step}")
+        matrix = _plan(step, world, most)[0].numpy() if step % 2 else None
+        got = eng.exchange(dsend, recv, dtype=dtype, device=dev, op=f"ipc step {step}", matrix=matrix)
         kept.append(({q: t for q, t in got.items()}, expect, dtype))
+    # Back-to-back matrix exchanges (no start barrier) behind a slow consumer: only the halves' events keep the
+    # producer's writes off what the consumer has not copied out yet.
+    for step in range(500, 506):
+        send, recv, expect, matrix = _full_args(step, rank, world, 1 << 16)
+        dsend = {p: t.to(dev) for p, t in send.items()}
+        if rank == 1:
+            torch.cuda._sleep(50_000_000)
+        got = eng.exchange(dsend, recv, dtype=torch.float32, device=dev, op=f"ipc matrix {step}", matrix=matrix)
+        kept.append(({q: t for q, t in got.items()}, expect, torch.float32))
     torch.cuda.synchronize()
     out["steps"] = [_same({q: t.cpu() for q, t in a.items()}, e, d) for a, e, d in kept]
     out["grows"] = eng.grows
+    out["exchanges"] = eng.exchanges == 6 + sum(bool(_plan(step, world, most)[0].any())
+                                                for step, (_, most) in enumerate(STEPS + STEPS[:3]))
     eng.close()
     eng.close()
     return out
@@ -592,4 +605,4 @@ def test_ipc_engine_one_gpu():
         pytest.skip("needs a CUDA GPU")
     results = run_dist(_ipc_cases, 2, timeout_s=300, backend="gloo")
     for rank, res in enumerate(results):
-        assert res["kind"] and all(res["steps"]) and res["grows"] >= 3, (rank, res)
+        assert res["kind"] and all(res["steps"]) and res["grows"] >= 3 and res["exchanges"], (rank, res)
