@@ -374,8 +374,8 @@ class PeerInboxEngine(CopyEngine):
                                    recv_numel)
             need = int(send_GG.sum(0).max()) * elem
             if need > self.capacity:
-                # Collective, entered by every rank alike (same matrix); it is a full barrier of the node, so the
-                # old inboxes (every read of them done) can go.
+                # Collective, entered by every rank alike (same matrix). Each rank drops only its own mappings,
+                # after its own reads; a peer still reading keeps its mapping of its own inbox.
                 self._grow(need, f"copy path ({op}): inbox growth")
             # Ordering (see the module docstring): these writes go into half `parity`, last used by the exchange
             # before the previous one; every reader finished reading that one before it entered the previous
