@@ -34,18 +34,23 @@ __all__ = ["PeerComm", "all_to_all_rows", "exchange"]
 
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MD: torch.Tensor, transport: Transport, send_splits: tuple, recv_splits: tuple, out):
+    def forward(ctx, x_MD: torch.Tensor, transport: Transport, send_splits: tuple, recv_splits: tuple, out,
+                split_matrix):
         ctx.transport, ctx.send_splits, ctx.recv_splits = transport, send_splits, recv_splits
-        return transport.all_to_all(x_MD, send_splits, recv_splits, out=out)
+        ctx.split_matrix = split_matrix
+        return transport.all_to_all(x_MD, send_splits, recv_splits, out=out, split_matrix=split_matrix)
 
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
-        grad_MD = ctx.transport.all_to_all(grad_RD.contiguous(), ctx.recv_splits, ctx.send_splits)
-        return grad_MD, None, None, None, None
+        m = ctx.split_matrix
+        grad_MD = ctx.transport.all_to_all(grad_RD.contiguous(), ctx.recv_splits, ctx.send_splits,
+                                           split_matrix=None if m is None else m.t().contiguous())
+        return grad_MD, None, None, None, None, None
 
 
 def all_to_all_rows(x_MD: torch.Tensor, transport: Transport, send_splits: Sequence[int],
-                    recv_splits: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+                    recv_splits: Sequence[int], out: torch.Tensor | None = None,
+                    split_matrix: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable all-to-all of rows.
 
     Args:
@@ -53,11 +58,13 @@ def all_to_all_rows(x_MD: torch.Tensor, transport: Transport, send_splits: Seque
         recv_splits: W row counts expected from each rank.
         out: optional preallocated receive buffer [>= R, D]; the result is a view of its first R rows (valid until
             the buffer's next use, so callers copy it out, e.g. by an index_select).
+        split_matrix: optional int64 CPU [W, W] rows rank s sends rank d, identical on every rank (see
+            ``Transport.all_to_all``); backward uses its transpose.
     Returns:
         recv_RD: [R, D], rank s's rows in block s.
     """
     return _AllToAllRows.apply(x_MD, transport, tuple(int(s) for s in send_splits),
-                               tuple(int(s) for s in recv_splits), out)
+                               tuple(int(s) for s in recv_splits), out, split_matrix)
 
 
 @dataclass

@@ -62,6 +62,9 @@ class FEPLBConfig:
         routing history puts them (weights='per-step' keeps a bank of the placed experts' weights on each GPU,
         refreshed once per step); ``fastermoe`` and ``eplb`` route rows in the phase-1 dispatch as those systems do.
     transport: "torch" (torch.distributed) or "nvshmem" (nvshmem4py, CUDA only).
+    device: where parameters and activations live: "cpu", "cuda" (the current CUDA device), or "auto" (CUDA when
+        the EP group's backend is NCCL or transport="nvshmem", else CPU). "cuda" over a gloo group runs several
+        processes on one GPU (NCCL refuses that): gloo carries the small host collectives, NVSHMEM phase 1.
     copy_path: the in-node copy path (``feplb.copy_engine.make_copy_engine``'s kind): "auto" (CPU: shared memory;
         CUDA: nvshmem4py puts with transport="nvshmem", else CUDA IPC peer copies), "shm" or "gloo" on CPUs,
         "nvshmem", "ipc" or "nccl" (SM copies, a fallback) on GPUs.
@@ -91,6 +94,7 @@ class FEPLBConfig:
     policy: str = "feplb"
     transport: str = "torch"
     copy_path: str = "auto"
+    device: str = "auto"
     weights: str = "per-step"
     refresh_every: int = 8
     plan_wait_ms: float = 0.0
@@ -115,6 +119,8 @@ class FEPLBConfig:
 
         if self.copy_path not in COPY_KINDS:
             raise ValueError(f"FEPLBConfig.copy_path must be one of {COPY_KINDS}, got {self.copy_path!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"FEPLBConfig.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.transport not in ("torch", "nvshmem"):
             raise ValueError(f"FEPLBConfig.transport must be 'torch' or 'nvshmem', got {self.transport!r}")
         if self.weights not in ("per-step", "per-microbatch"):
@@ -271,8 +277,14 @@ class MoELayer(nn.Module):
         self.direct = self.base in _DIRECT_BASES
         self.topo = Topology(num_ranks=W, gpus_per_node=c.gpus_per_node, num_experts=c.num_experts,
                              dyn=min(c.dyn, L) if self.base != "none" else 0)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-            else torch.device("cpu")
+        backend = dist.get_backend(group)
+        on_gpu = c.device == "cuda" or (c.device == "auto" and (backend == "nccl" or c.transport == "nvshmem"))
+        if on_gpu and not torch.cuda.is_available():
+            raise RuntimeError(f"FEPLBConfig.device={c.device!r} (transport {c.transport!r}, backend {backend!r}) "
+                               "needs a CUDA GPU, and none is available")
+        if not on_gpu and backend == "nccl":
+            raise ValueError("FEPLBConfig.device='cpu' cannot run over an NCCL group (NCCL moves CUDA tensors only)")
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.transport = make_transport(c.transport, group)
         # Collective: identical configs everywhere before any other collective of this layer.
         self.transport.check_same(repr(dataclasses.asdict(c)).encode() + repr((W, c.gpus_per_node)).encode(),
@@ -501,7 +513,9 @@ class MoELayer(nn.Module):
         order = static + my_dyn
 
         # Phase 1: rows to their experts' home ranks, then into HOME ORDER (static block first, then dynamic).
-        recv_RD = self._all_to_all_in(x_MD, send_splits, recv_splits, loads_home)
+        # rows source s sends rank d: every rank reads it off the same counts, so no transport agrees on splits
+        split_WW = torch.from_numpy(counts_WS.reshape(W, W, L).sum(axis=2))
+        recv_RD = self._all_to_all_in(x_MD, send_splits, recv_splits, loads_home, split_WW)
         bank_tail, bank_bytes = self._forward_bank(recv_RD)
         recv_off = np.concatenate([[0], np.cumsum(recv_splits)])
         within = np.concatenate([np.zeros((W, 1), np.int64), np.cumsum(c_WL, axis=1)], axis=1)
@@ -553,7 +567,8 @@ class MoELayer(nn.Module):
         y_RD = torch.cat([y_RD, bank_tail.view(0, c.hidden)])
         inv_R = torch.empty_like(perm_R)
         inv_R[perm_R] = torch.arange(perm_R.numel(), device=perm_R.device)
-        y_back = all_to_all_rows(y_RD.index_select(0, inv_R), self.transport, recv_splits, send_splits)
+        y_back = all_to_all_rows(y_RD.index_select(0, inv_R), self.transport, recv_splits, send_splits,
+                                 split_matrix=split_WW.t().contiguous())
         return y_back, plan, plan_us, fell_back, moves, dyn_WD, stats
 
     def _forward_direct(self, x_MD, counts_WE, counts_WS, loads_home, pstate):
@@ -606,14 +621,14 @@ class MoELayer(nn.Module):
         return y_back, plan, plan_us, moves, stats
 
     def _all_to_all_in(self, x_MD: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                       recv_W: np.ndarray) -> torch.Tensor:
+                       recv_W: np.ndarray, split_WW: torch.Tensor | None = None) -> torch.Tensor:
         """Phase-1 all-to-all into the layer's receive buffer (``recv_capacity``). Every rank knows every rank's
         receive size (recv_W, from the all-gathered counts), so an overflow is detected identically everywhere:
         all ranks grow, or all raise, and none is left waiting in a collective."""
         c = self.config
         self._recv_grew = False
         if c.recv_capacity is None:
-            return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits)
+            return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits, split_matrix=split_WW)
         cap = c.recv_capacity if self._recv_buf is None else self._recv_buf.shape[0]
         over = [int(w) for w in np.nonzero(recv_W > cap)[0]]
         if over:
@@ -626,7 +641,8 @@ class MoELayer(nn.Module):
             self._recv_grew = True
         if self._recv_buf is None:
             self._recv_buf = x_MD.new_empty((cap, c.hidden))
-        return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits, out=self._recv_buf)
+        return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits, out=self._recv_buf,
+                               split_matrix=split_WW)
 
     def _static_gemm(self, x_SD: torch.Tensor, static: list[int], n_L: np.ndarray) -> torch.Tensor:
         """The static experts' rows (ascending slot order) through ALL slot weights, the other slots given empty

@@ -28,6 +28,9 @@ BASE = dict(hidden=16, ffn=32, num_experts=8, top_k=2)
     ("policy", "bogus", ValueError, "bogus"),
     ("policy", "feplb+bogus", ValueError, "+bogus"),
     ("recv_capacity", -1, ValueError, "recv_capacity"),
+    ("device", "gpu", ValueError, "device"),
+    ("copy_path", "dma", ValueError, "copy_path"),
+    ("cost", 3.0, TypeError, "cost"),
     ("min_chunk", 0, ValueError, "min_chunk"),
 ], ids=lambda v: str(v))
 def test_config_rejects_bad_values(field, value, exc, needle):

@@ -112,6 +112,11 @@ def _fault_worker(rank, world):
 
     res["nvshmem"] = _catch(lambda: make_transport("nvshmem"))
 
+    # A GPU asked for on a machine without one: a clear error on every rank, before any collective.
+    if not torch.cuda.is_available():
+        res["no_gpu"] = _catch(lambda: MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K,
+                                                            gpus_per_node=2, device="cuda")))
+
     # Configs that differ across ranks: caught at construction, on every rank.
     ffn = FF + 8 if rank == 3 else FF
     res["config"] = _catch(lambda: MoELayer(FEPLBConfig(hidden=H, ffn=ffn, num_experts=E, top_k=K,
@@ -143,6 +148,8 @@ def test_faults_and_bad_input():
         assert res["unreduced"].startswith("RuntimeError") and "reduce_replica_grads" in res["unreduced"]
         assert res["config"].startswith("ValueError") and "differs across ranks" in res["config"], res["config"]
         assert "feplb[nvshmem]" in res["nvshmem"], res["nvshmem"]
+        if "no_gpu" in res:
+            assert res["no_gpu"].startswith("RuntimeError") and "needs a CUDA GPU" in res["no_gpu"], res["no_gpu"]
         if rank != 3:
             assert res["stall"] is not None and "all_gather of expert counts" in res["stall"], res["stall"]
             assert res["stall"].startswith(("TimeoutError", "RuntimeError")), res["stall"]
