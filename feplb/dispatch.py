@@ -35,9 +35,10 @@ __all__ = ["PeerComm", "all_to_all_rows", "exchange"]
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MD: torch.Tensor, transport: Transport, send_splits: tuple, recv_splits: tuple, out,
-                split_matrix):
+                split_matrix, anchor):
         ctx.transport, ctx.send_splits, ctx.recv_splits = transport, send_splits, recv_splits
         ctx.split_matrix = split_matrix
+        ctx.anchor_shape = None if anchor is None else anchor.shape
         return transport.all_to_all(x_MD, send_splits, recv_splits, out=out, split_matrix=split_matrix)
 
     @staticmethod
@@ -45,12 +46,13 @@ class _AllToAllRows(torch.autograd.Function):
         m = ctx.split_matrix
         grad_MD = ctx.transport.all_to_all(grad_RD.contiguous(), ctx.recv_splits, ctx.send_splits,
                                            split_matrix=None if m is None else m.t().contiguous())
-        return grad_MD, None, None, None, None, None
+        grad_anchor = None if ctx.anchor_shape is None else grad_RD.new_zeros(ctx.anchor_shape)
+        return grad_MD, None, None, None, None, None, grad_anchor
 
 
 def all_to_all_rows(x_MD: torch.Tensor, transport: Transport, send_splits: Sequence[int],
                     recv_splits: Sequence[int], out: torch.Tensor | None = None,
-                    split_matrix: torch.Tensor | None = None) -> torch.Tensor:
+                    split_matrix: torch.Tensor | None = None, anchor: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable all-to-all of rows.
 
     Args:
@@ -60,11 +62,13 @@ def all_to_all_rows(x_MD: torch.Tensor, transport: Transport, send_splits: Seque
             the buffer's next use, so callers copy it out, e.g. by an index_select).
         split_matrix: optional int64 CPU [W, W] rows rank s sends rank d, identical on every rank (see
             ``Transport.all_to_all``); backward uses its transpose.
+        anchor: an optional empty tensor that requires grad whenever autograd records on ANY rank: the backward
+            all-to-all (a collective) then runs on every rank even where ``x_MD`` itself needs no gradient.
     Returns:
         recv_RD: [R, D], rank s's rows in block s.
     """
     return _AllToAllRows.apply(x_MD, transport, tuple(int(s) for s in send_splits),
-                               tuple(int(s) for s in recv_splits), out, split_matrix)
+                               tuple(int(s) for s in recv_splits), out, split_matrix, anchor)
 
 
 @dataclass

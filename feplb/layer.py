@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -307,8 +308,14 @@ class MoELayer(nn.Module):
             self.register_buffer("router_bias", torch.zeros(c.num_experts, device=device, dtype=torch.float32))
         else:
             self.router_bias = None
-        # expert -> flat slot (home GPU * L + position among its slots); the dispatch groups rows by slot
-        self.register_buffer("slot_of_E", torch.arange(c.num_experts, device=device), persistent=False)
+        # expert -> flat slot (home GPU * L + position among its slots); the dispatch groups rows by slot. Not a
+        # buffer: data parallelism broadcasts buffers, and each EP group places its experts from its own counts.
+        self._slot_of_E = torch.arange(c.num_experts, device=device)
+        # a zero-size leaf that puts every collective's backward in the graph whenever autograd records
+        self._grad_leaf = torch.zeros(0, device=device, dtype=c.dtype, requires_grad=True)
+        self._generation = 0          # bumped by every refresh_replicas(); a late gradient marks the layer broken
+        self._late_grad = False
+        self._ever_held = False       # some rank has held per-step copies (a global fact: pairs are global)
         with torch.no_grad():
             dist.broadcast(self.router.weight, src=dist.get_global_rank(group, 0) if group is not None else 0,
                            group=group)
@@ -357,7 +364,7 @@ class MoELayer(nn.Module):
         slot_of = np.empty(self.config.num_experts, dtype=np.int64)
         slot_of[self._slots_WS.reshape(-1)] = np.arange(self.config.num_experts)
         with torch.no_grad():
-            self.slot_of_E.copy_(torch.from_numpy(slot_of))
+            self._slot_of_E.copy_(torch.from_numpy(slot_of))
 
     def _bank_pairs(self) -> list[tuple[int, int]]:
         """(expert, home) for every expert computed away from its owner under the current placement."""
@@ -379,7 +386,8 @@ class MoELayer(nn.Module):
         """An empty 1-D tensor that requires grad whenever the layer's rows or expert weights do. Every exchange
         takes one in its input, so that whether its backward runs (a collective) never depends on what this rank
         happens to send: the input is the same everywhere, and under autograd every rank of a node calls it."""
-        return t[:0].reshape(-1) + self.w1.reshape(-1)[:0]
+        a = t[:0].reshape(-1) + self.w1.reshape(-1)[:0]
+        return a + self._grad_leaf if torch.is_grad_enabled() else a
 
     def _has_weights(self, e: int, g: int) -> bool:
         return self._home(e) == g or self._owner(e) == g or (e, g) in self._resident
@@ -405,18 +413,19 @@ class MoELayer(nn.Module):
             w_TK = w_TK / w_TK.sum(-1, keepdim=True).clamp_min(1e-20)
         return topk_ids_TK, w_TK.to(x_TD.dtype), bad
 
-    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+    def _input_problem(self, x: object) -> tuple[type, str] | None:
+        """What is wrong with the input (exception type, message), or None."""
         c = self.config
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"MoELayer input must be a torch.Tensor, got {type(x).__name__}")
+            return TypeError, f"MoELayer input must be a torch.Tensor, got {type(x).__name__}"
         if x.dim() not in (2, 3) or x.shape[-1] != c.hidden:
-            raise ValueError(f"MoELayer input must be [tokens, {c.hidden}] or [batch, seq, {c.hidden}], "
-                             f"got shape {list(x.shape)}")
+            return ValueError, (f"MoELayer input must be [tokens, {c.hidden}] or [batch, seq, {c.hidden}], "
+                                f"got shape {list(x.shape)}")
         if x.dtype != c.dtype:
-            raise TypeError(f"MoELayer input dtype must be {c.dtype} (FEPLBConfig.dtype), got {x.dtype}")
+            return TypeError, f"MoELayer input dtype must be {c.dtype} (FEPLBConfig.dtype), got {x.dtype}"
         if x.device != self.w1.device:
-            raise ValueError(f"MoELayer input is on {x.device} but the layer's experts are on {self.w1.device}")
-        return x.reshape(-1, c.hidden)
+            return ValueError, f"MoELayer input is on {x.device} but the layer's experts are on {self.w1.device}"
+        return None
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -427,25 +436,47 @@ class MoELayer(nn.Module):
         """
         from feplb.kernels import permute, routing_metadata, unpermute
 
-        x_TD = self._check_input(x)
+        problem = self._input_problem(x)
+        if problem is not None:
+            self._dispatch(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
+        x_TD = x.reshape(-1, self.config.hidden)
         topk_ids_TK, w_TK, bad = self.route(x_TD)
         # Rows grouped by SLOT (home GPU, then the expert's place among that GPU's slots): every destination's
         # rows form one block whatever the placement, so phase 1 needs no extra gather.
-        meta = routing_metadata(self.slot_of_E[topk_ids_TK], self.config.num_experts, check=False)
+        meta = routing_metadata(self._slot_of_E[topk_ids_TK], self.config.num_experts, check=False)
         x_MD = permute(x_TD, meta)
         y_MD = self._dispatch(x_MD, meta.counts_E, bad)
         return unpermute(y_MD, meta, w_TK).reshape(x.shape)
 
     @torch.compiler.disable
-    def _dispatch(self, x_MD: torch.Tensor, counts_S: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-        """Grouped rows x_MD [M, H] (by slot, then token, then k) -> expert outputs y_MD [M, H], same order."""
+    def _dispatch(self, x_MD: torch.Tensor | None, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
+                  problem: tuple[type, str] | None = None) -> torch.Tensor:
+        """Grouped rows x_MD [M, H] (by slot, then token, then k) -> expert outputs y_MD [M, H], same order.
+
+        problem: this rank's input is bad (exception type, message): it still joins the counts all-gather, so that
+        every rank raises together instead of leaving its peers waiting in a collective.
+        """
         from feplb.sched.metrics import token_straggler
 
         c, W, L = self.config, self.world_size, self.num_local
         E = c.num_experts
-        flags = torch.cat([counts_S.to(torch.int64).reshape(-1), bad.to(torch.int64).reshape(1)]).cpu()
-        flags = torch.cat([flags, torch.tensor([int(not self._replicas_fresh())])])
+        if torch._C._current_graph_task_id() != -1:
+            # a forward inside a backward pass: activation checkpointing recomputing the layer
+            raise RuntimeError("MoELayer cannot be recomputed by activation checkpointing: its forward is collective "
+                               "and plans from live counts and timing, so a recompute would not repeat it; "
+                               "checkpoint the attention and dense parts around the layer instead")
+        if problem is None:
+            flags = torch.cat([counts_S.to(torch.int64).reshape(-1), bad.to(torch.int64).reshape(1)]).cpu()
+        else:
+            flags = torch.zeros(E + 1, dtype=torch.int64)
+        flags = torch.cat([flags, torch.tensor([int(not self._replicas_fresh()), int(problem is not None)])])
         gathered = self.transport.all_gather_counts(flags).cpu()
+        input_ranks = torch.nonzero(gathered[:, E + 2]).flatten().tolist()
+        if problem is not None:
+            raise problem[0](problem[1])
+        if input_ranks:
+            raise ValueError(f"MoELayer: the input of EP rank(s) {input_ranks} is malformed (see the error there); "
+                             "every rank stops this step")
         bad_ranks = torch.nonzero(gathered[:, E]).flatten().tolist()
         if bad_ranks:
             raise ValueError(f"MoELayer: router logits contain NaN or inf on EP rank(s) {bad_ranks}; "
@@ -472,7 +503,9 @@ class MoELayer(nn.Module):
                 x_MD, counts_WE, counts_WS, loads_home, pstate, want_plan)
 
         self._last_counts_WE = counts_WE
-        if self.state is not None:
+        placed = len(self._bank_pairs())
+        if self.state is not None and self.training:
+            # the history follows training micro-batches only (module.eval() leaves it, and the placement, alone)
             self.state = self.state.observe(counts_WE, plan)
             if c.weights == "per-microbatch":
                 self._adopt(self.state)   # nothing resident to keep consistent: slow decisions apply at once
@@ -490,7 +523,7 @@ class MoELayer(nn.Module):
             balanced=plan is not None, fell_back=fell_back,
             plan_fingerprint=_digest(plan.fingerprint()) if plan is not None else 0,
             recv_grew=self._recv_grew, policy=c.policy, dynamic_WD=dyn_WD.tolist(),
-            experts_placed=len(self._bank_pairs()), rows_at_home_W=loads_home.tolist())
+            experts_placed=placed, rows_at_home_W=loads_home.tolist())
         return y_MD
 
     def _forward_in_node(self, x_MD, counts_WE, counts_WS, loads_home, pstate, want_plan):
@@ -628,7 +661,8 @@ class MoELayer(nn.Module):
         c = self.config
         self._recv_grew = False
         if c.recv_capacity is None:
-            return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits, split_matrix=split_WW)
+            return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits, split_matrix=split_WW,
+                                   anchor=self._anchor(x_MD))
         cap = c.recv_capacity if self._recv_buf is None else self._recv_buf.shape[0]
         over = [int(w) for w in np.nonzero(recv_W > cap)[0]]
         if over:
@@ -642,7 +676,7 @@ class MoELayer(nn.Module):
         if self._recv_buf is None:
             self._recv_buf = x_MD.new_empty((cap, c.hidden))
         return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits, out=self._recv_buf,
-                               split_matrix=split_WW)
+                               split_matrix=split_WW, anchor=self._anchor(x_MD))
 
     def _static_gemm(self, x_SD: torch.Tensor, static: list[int], n_L: np.ndarray) -> torch.Tensor:
         """The static experts' rows (ascending slot order) through ALL slot weights, the other slots given empty
@@ -899,6 +933,40 @@ class MoELayer(nn.Module):
         held = [w for pair in self._replicas.values() for w in pair] + list(self._bank or ())
         return not any(w.grad is not None for w in held)
 
+    def _watch(self, leaf: torch.Tensor) -> torch.Tensor:
+        """A per-step copy's leaf, with a hook that notices a gradient arriving after the copy was replaced (a
+        refresh_replicas() between a forward and its backward would otherwise lose that gradient silently)."""
+        if leaf.requires_grad:
+            gen, me = self._generation, weakref.ref(self)
+
+            def hook(grad: torch.Tensor) -> torch.Tensor:
+                layer = me()
+                if layer is not None and layer._generation != gen:
+                    layer._late_grad = True
+                return grad
+
+            leaf.register_hook(hook)
+        return leaf
+
+    def _agree_step_state(self, what: str) -> None:
+        """Raise on every rank together if some rank's per-step copies lost or kept gradients (collective)."""
+        flags = torch.tensor([int(self._grads_clean()), int(not self._late_grad)])
+        agreed = self.transport.all_reduce_min(flags, self.group, f"{what} check")
+        if int(agreed[1]) == 0:
+            raise RuntimeError(f"MoELayer.{what}: a backward pass ran through expert weight copies that "
+                               "refresh_replicas() had already replaced, so their gradients were lost; call "
+                               "refresh_replicas() only after the backward of every earlier forward")
+        if what == "refresh_replicas" and int(agreed[0]) == 0:
+            raise RuntimeError("MoELayer.refresh_replicas: replica gradients were not reduced on some rank; call "
+                               "reduce_replica_grads() before optimizer.step()")
+
+    def _state_digest(self) -> bytes:
+        st = self.state
+        parts = [repr((st.policy, st.step, st.replicas, sorted(st.resident))).encode()]
+        for a in (st.ema_E, st.home_E, st.dynamic_WD):
+            parts.append(b"-" if a is None else np.ascontiguousarray(a).tobytes())
+        return b"|".join(parts)
+
     @torch.no_grad()
     def refresh_replicas(self) -> None:
         """Adopt the policy's slow decisions and copy the owners' current expert weights to the GPUs that hold
@@ -908,14 +976,17 @@ class MoELayer(nn.Module):
         ``+place`` placement (each GPU then keeps a bank of the experts placed on it), the ``@ema`` dynamic sets
         and EPLB replicas, and the resident replicas chosen from them (or from the last micro-batch's dynamic
         experts); experts a plan needs but that hold no replica get their weights copied per micro-batch.
+
+        Forwards notice weights that changed since the last refresh through the parameters' version counters, which
+        writes through ``.data`` bypass: call this after every change of the weights, however it is made.
         """
-        if self._step_pairs:
+        if self._ever_held:
             # Agreed over the group, so that no rank enters the refresh exchange while another raises.
-            clean = int(self._grads_clean())
-            if int(self.transport.all_reduce_min(torch.tensor([clean]), self.group, "refresh_replicas check")[0]) == 0:
-                raise RuntimeError("MoELayer.refresh_replicas: replica gradients were not reduced on some rank; call "
-                                   "reduce_replica_grads() before optimizer.step()")
+            self._agree_step_state("refresh_replicas")
         if self.state is not None:
+            # e.g. a state restored from a checkpoint: every rank must adopt the same slow decisions
+            self.transport.check_same(self._state_digest(), "the policy state (MoELayer.state)",
+                                      "every rank must restore the same PolicyState (same checkpoint step)")
             self._adopt(self.state)
         if self.config.weights != "per-step":
             return
@@ -926,18 +997,20 @@ class MoELayer(nn.Module):
         self._replicas = {}
         self._bank = None
         self._replica_version = (self.w1._version, self.w2._version)
+        self._generation += 1
+        self._ever_held = self._ever_held or bool(pairs)
         if pairs:
             got, _ = self._copy_weights([(e, self._owner(e), g) for e, g in pairs], self.w1.new_empty(0),
                                         from_owner=True, op="refresh of resident replicas")
             for e, (a, b) in got.items():
                 if e not in self._slot_pos:
-                    self._replicas[e] = (a.clone().requires_grad_(self.w1.requires_grad),
-                                         b.clone().requires_grad_(self.w2.requires_grad))
+                    self._replicas[e] = (self._watch(a.clone().requires_grad_(self.w1.requires_grad)),
+                                         self._watch(b.clone().requires_grad_(self.w2.requires_grad)))
             if not self._own_slots:
                 lo = self.rank * self.num_local
                 ws = [got[e] if e in got else (self.w1[e - lo], self.w2[e - lo]) for e in self._my_slots]
-                self._bank = (torch.stack([a for a, _ in ws]).requires_grad_(self.w1.requires_grad),
-                              torch.stack([b for _, b in ws]).requires_grad_(self.w2.requires_grad))
+                self._bank = (self._watch(torch.stack([a for a, _ in ws]).requires_grad_(self.w1.requires_grad)),
+                              self._watch(torch.stack([b for _, b in ws]).requires_grad_(self.w2.requires_grad)))
         self._slot_w = self._bank if self._bank is not None else (self.w1, self.w2)
 
     @torch.no_grad()
@@ -946,6 +1019,8 @@ class MoELayer(nn.Module):
         ``w1.grad`` / ``w2.grad`` (collective; weights='per-step'). Call once per optimizer step, after the last
         backward and before ``optimizer.step()``.
         """
+        if self._ever_held:
+            self._agree_step_state("reduce_replica_grads")
         if not self._step_pairs:
             return
         r, H, Fd, L, G = self.rank, self.config.hidden, self.config.ffn, self.num_local, self.config.gpus_per_node

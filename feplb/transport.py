@@ -99,7 +99,8 @@ class Transport:
             dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group)
         return out.cpu()
 
-    def check_same(self, blob: bytes, what: str) -> None:
+    def check_same(self, blob: bytes, what: str,
+                   hint: str = "every rank of the EP group must build the layer with the same config") -> None:
         """Raise ValueError on every rank unless ``blob`` is byte-identical on all ranks (one all_gather of a hash)."""
         digest = int.from_bytes(hashlib.sha256(blob).digest()[:7], "little")
         mine = torch.tensor([digest], dtype=torch.int64)
@@ -109,7 +110,7 @@ class Transport:
         bad = [r for r in range(self.world_size) if int(allh[r]) != digest]
         if bad:
             raise ValueError(f"feplb: {what} differs across ranks: rank {self.rank} disagrees with ranks {bad}; "
-                             "every rank of the EP group must build the layer with the same config")
+                             f"{hint}")
 
 
 def nv_stream(stream: torch.cuda.Stream):

@@ -1,0 +1,150 @@
+"""MoELayer in the ways training code uses it, and misuses it, on 4 gloo ranks.
+
+* EP x DP: two EP groups of 2 ranks wrapped in DDP over the data-parallel groups, each EP group placing its experts
+  from its own routing (``+place``): the output equals the dense reference on every replica (DDP broadcasts
+  buffers; the placement must not be one).
+* A rank whose input needs no gradient while its peers' do: the backward collectives still run on every rank.
+* ``module.eval()`` forwards leave the policy history and the placement alone.
+* Misuse gives the same clear error on every rank, never a hang: a malformed input on ONE rank, activation
+  checkpointing around the layer, ``refresh_replicas()`` between a forward and its backward, and a restored
+  policy state that differs across ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from feplb.testing import dense_moe_reference, load_global_weights, run_dist
+
+pytestmark = pytest.mark.dist
+
+H, FF, E, K = 16, 32, 8, 2
+
+
+def _catch(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects type and message
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _weights(seed, hot=(0, 1)):
+    gen = torch.Generator().manual_seed(seed)
+    router = torch.randn(E, H, generator=gen) / H ** 0.5
+    router[:, 0] = 0.0
+    router[list(hot), 0] = 3.0
+    w1 = torch.randn(E, H, 2 * FF, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, FF, H, generator=gen) / FF ** 0.5
+    xs = [torch.randn(16 + 8 * r, H, generator=gen) for r in range(4)]
+    for x in xs:
+        x[:, 0] = x[:, 0].abs() + 1.0
+    return router, w1, w2, xs
+
+
+def _layer(seed, group=None, **kw):
+    from feplb import FEPLBConfig, MoELayer
+
+    router, w1, w2, xs = _weights(seed)
+    kw.setdefault("gpus_per_node", 2)
+    layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, min_chunk=2, dyn=2,
+                                 plan_wait_ms=60_000, **kw), group=group)
+    load_global_weights(layer, router, w1, w2)
+    return layer, router, w1, w2, xs
+
+
+def _close(got, want):
+    return (got.double() - want).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1e-6)
+
+
+def _usage_worker(rank, world):
+    import torch.distributed as dist
+
+    res = {}
+    # EP x DP: EP groups {0,1}, {2,3}; DP groups {0,2}, {1,3}. Replica 1's tokens prefer other experts, so the
+    # two EP groups place their experts differently.
+    eps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    ep, dp, replica = eps[rank // 2], dps[rank % 2], rank // 2
+    layer, router, w1, w2, xs = _layer(10, group=ep, gpus_per_node=1, policy="none+place", weights="per-microbatch",
+                                       refresh_every=1)
+    x = xs[layer.rank].clone()
+    if replica == 1:
+        x[:, 0] = -x[:, 0]
+    with torch.no_grad():
+        layer(x)                 # routing history: the placement is adopted after this micro-batch
+    ddp = torch.nn.parallel.DistributedDataParallel(layer, process_group=dp)
+    y = ddp(x)
+    res["ddp_ok"] = _close(y.detach(), dense_moe_reference(x.double(), router.double(), w1.double(), w2.double(), K))
+    res["home_E"] = layer.home_E.tolist()
+    y.sum().backward()
+
+    # One rank's input needs no gradient, the others' do: everyone finishes its backward.
+    layer, *_, xs = _layer(11, policy="feplb-split", weights="per-microbatch")
+    x = xs[rank].clone().requires_grad_(rank != 1)
+    res["mixed_grad"] = _catch(lambda: layer(x).sum().backward())
+    res["mixed_grad_w1"] = layer.w1.grad is not None
+
+    # eval() forwards do not advance the history or the placement.
+    layer, *_, xs = _layer(12, policy="feplb-split+place", weights="per-microbatch", refresh_every=1)
+    layer.eval()
+    with torch.no_grad():
+        layer(xs[rank])
+    res["eval_step"] = layer.state.step
+    layer.train()
+    with torch.no_grad():
+        layer(xs[rank])
+    res["train_step"] = layer.state.step
+
+    # A malformed input on rank 2 only: rank 2 gets its own error, the others a ValueError naming rank 2.
+    layer, *_, xs = _layer(13, policy="feplb-split")
+    bad = torch.randn(4, H + 1) if rank == 2 else xs[rank]
+    res["bad_one"] = _catch(lambda: layer(bad))
+    res["after_bad_ok"] = _catch(lambda: layer(xs[rank])) is None
+
+    # Activation checkpointing would recompute a collective, timing-dependent forward: refused on every rank.
+    from torch.utils.checkpoint import checkpoint
+
+    x = xs[rank].clone().requires_grad_(True)
+    res["checkpoint"] = _catch(lambda: checkpoint(layer, x, use_reentrant=False).sum().backward())
+
+    # refresh_replicas() between a forward and its backward: the late gradient is noticed, on every rank.
+    layer, *_, xs = _layer(14, policy="feplb-split+place", weights="per-step")
+    with torch.no_grad():
+        layer(xs[rank])
+    layer.refresh_replicas()
+    out = layer(xs[rank].clone().requires_grad_(True))
+    layer.refresh_replicas()
+    out.sum().backward()
+    res["late_grad"] = _catch(layer.reduce_replica_grads)
+
+    # A restored policy state that differs across ranks (rank 0 restored a later step): refused by every rank.
+    layer, *_, xs = _layer(15, policy="feplb-split@ema", weights="per-step")
+    with torch.no_grad():
+        layer(xs[rank])
+    if rank == 0:
+        layer.state = layer.state.observe(np.ones((world, E), dtype=np.int64))
+    res["state_mismatch"] = _catch(layer.refresh_replicas)
+    return res
+
+
+def test_layer_usage_and_misuse():
+    results = run_dist(_usage_worker, 4, timeout_s=300, collective_timeout_s=30)
+    for rank, res in enumerate(results):
+        assert res["ddp_ok"], f"rank {rank}: EP x DP output differs from the dense reference"
+        assert res["mixed_grad"] is None and res["mixed_grad_w1"], res["mixed_grad"]
+        assert res["eval_step"] == 0 and res["train_step"] == 1, (res["eval_step"], res["train_step"])
+        if rank == 2:
+            assert res["bad_one"].startswith("ValueError") and f"[tokens, {H}]" in res["bad_one"], res["bad_one"]
+        else:
+            assert res["bad_one"].startswith("ValueError") and "EP rank(s) [2]" in res["bad_one"], res["bad_one"]
+        assert res["after_bad_ok"]
+        assert res["checkpoint"] and "activation checkpointing" in res["checkpoint"], res["checkpoint"]
+        assert res["late_grad"] and res["late_grad"].startswith("RuntimeError") and \
+            "already replaced" in res["late_grad"], res["late_grad"]
+        assert res["state_mismatch"] and res["state_mismatch"].startswith("ValueError") and \
+            "policy state" in res["state_mismatch"], res["state_mismatch"]
+    # the two EP groups placed their experts differently (else the DDP case proves nothing)
+    assert results[0]["home_E"] != results[2]["home_E"], (results[0]["home_E"], results[2]["home_E"])
