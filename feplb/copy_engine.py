@@ -9,8 +9,10 @@ Engines, by ``make_copy_engine(..., kind=...)``:
   ``cudaMemcpyAsync`` calls into the peer's memory on a dedicated copy stream, i.e. copy-engine DMA over NVLink
   between GPUs, no SM work; ordering across processes by interprocess CUDA events; control plane over gloo.
 * ``"nvshmem"`` ``CudaCopyEngine`` (CUDA tensors): each GPU owns a symmetric inbox (nvshmem4py); a sender puts its
-  blocks straight into the peer's inbox with one on-stream ``put_signal`` per peer on a dedicated copy stream,
-  ordered after the producer by an event; the receiver's compute stream waits on the signal.
+  blocks straight into the peer's inbox with one on-stream ``putmem_signal`` per peer on a dedicated copy stream,
+  ordered after the producer by an event; the receiver's compute stream waits on the signal (nvshmem4py's raw
+  bindings: its high-level calls take only whole nvshmem tensors). One node = the whole job, one GPU per process
+  (signal waits do not exist with several processes on one GPU); the inbox reuse is ordered by ``barrier_all``.
 * ``"nccl"`` ``CudaCopyEngine`` without nvshmem: ``all_to_all_single`` over NCCL inside the node subgroup on the
   dedicated stream (correct, but that copy runs on SMs).
 
@@ -66,7 +68,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from feplb.transport import NVSHMEM_HINT, all_gather_stack, guard, nv_stream
+from feplb.transport import (
+    NVSHMEM_HINT,
+    all_gather_stack,
+    collective_device,
+    guard,
+    nvshmem_modules,
+    nvshmem_shared_gpu,
+)
 
 __all__ = ["COPY_KINDS", "SHM_DIR", "CopyEngine", "CudaCopyEngine", "GlooCopyEngine", "IpcCopyEngine",
            "PeerInboxEngine", "PeerMemoryUnavailable", "ShmCopyEngine", "make_copy_engine", "make_node_groups"]
@@ -684,41 +693,49 @@ class CudaCopyEngine(CopyEngine):
         if not torch.cuda.is_available():
             raise RuntimeError("the CUDA copy path needs a CUDA GPU")
         self.stream = torch.cuda.Stream()
-        self._nv = None
+        self._nv = self._bind = None
         if use_nvshmem:
-            try:
-                import nvshmem.core as nv  # type: ignore[import-not-found]
-            except ImportError as exc:
-                raise ImportError(NVSHMEM_HINT) from exc
-            self._nv = nv
+            self._nv, self._bind = nvshmem_modules()
+            # Symmetric allocations are collective over every PE: the inbox can only grow where all PEs exchange
+            # together, i.e. when the node is the whole job. Several PEs on one GPU (without MPS) cannot wait on
+            # signals at all.
+            if dist.get_world_size(node_group) != dist.get_world_size():
+                raise ValueError("the nvshmem copy path needs the node to be the whole job (its symmetric inbox "
+                                 "grows collectively over every PE); use copy_path='ipc' across several nodes")
+            if nvshmem_shared_gpu(self._nv):
+                raise ValueError("the nvshmem copy path cannot wait on signals with several processes on one GPU "
+                                 "(nvshmem 'limited MPG' mode, no MPS); use copy_path='ipc'")
         self.name = "nvshmem" if use_nvshmem else "nccl"
         self._inbox: torch.Tensor | None = None
         self._signal: torch.Tensor | None = None
         self._epoch = 0
 
     def _ensure_inbox(self, nbytes: int) -> torch.Tensor:
+        """The symmetric inbox of at least ``nbytes`` (collective: every PE asks for the same size, read off the
+        same matrix). Enqueued on the current stream, before anything is put into it."""
         nv = self._nv
+        h = torch.cuda.current_stream().cuda_stream
         if self._inbox is None or self._inbox.numel() < nbytes:
-            # Symmetric allocations are collective; every rank asks for the node-wide max (agreed by the caller).
             if self._inbox is not None:
+                torch.cuda.synchronize()    # no put may still target the old inbox when it is freed
                 nv.free_tensor(self._inbox)
             cap = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
-            self._inbox = nv.interop.torch.empty((cap,), dtype=torch.uint8)
+            self._inbox = nv.interop.torch.tensor((cap,), dtype=torch.uint8)
         if self._signal is None:
-            # NVSHMEM signals are 64-bit words; the epoch counter never gets near the sign bit.
-            self._signal = nv.interop.torch.empty((self.node_size,), dtype=torch.int64)
+            # NVSHMEM signals are 64-bit words (nvshmem memory is not zeroed); the epoch never nears the sign bit.
+            self._signal = nv.interop.torch.tensor((self.node_size,), dtype=torch.int64)
             self._signal.zero_()
-            nv.barrier(nv.Teams.TEAM_NODE, stream=nv_stream(torch.cuda.current_stream()))
+            self._bind.barrier_all_on_stream(h)   # every PE's zeroing lands before any put_signal
         return self._inbox
 
     def exchange(self, send, recv_numel, *, dtype, device, op, matrix=None):
         send_splits, recv_splits = self._layout(send, recv_numel, matrix, dtype, op)
         compute = torch.cuda.current_stream()
-        ready = torch.cuda.Event()
-        ready.record(compute)
-        self.stream.wait_event(ready)
         elem = dtype.itemsize
         if self._nv is None:
+            ready = torch.cuda.Event()
+            ready.record(compute)
+            self.stream.wait_event(ready)
             with torch.cuda.stream(self.stream):
                 parts = [send[p].reshape(-1).to(dtype) for p in range(self.node_size) if p in send]
                 flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
@@ -730,35 +747,50 @@ class CudaCopyEngine(CopyEngine):
             compute.wait_event(done)
             out.record_stream(compute)
         else:
-            nv = self._nv
+            nv, bind = self._nv, self._bind
             # Inbox layout on peer q: blocks by sender node rank; my block on q starts after what ranks < me send q.
             if matrix is not None:
                 # Known on every rank (checked against this rank's arguments by _layout): no split exchange. The
                 # inbox reuse is ordered by the nvshmem barrier after the copy-out below, not by this all-gather.
                 matrix = torch.from_numpy(np.asarray(matrix, dtype=np.int64))
             else:
-                all_send = torch.tensor(send_splits, dtype=torch.int64, device=device)
+                all_send = torch.tensor(send_splits, dtype=torch.int64, device=collective_device(self.node_group))
                 with guard(f"copy path ({op}): split exchange", self.node_group):
                     matrix = all_gather_stack(all_send, self.node_group).cpu()
             need = int(matrix.sum(0).max()) * elem
             inbox = self._ensure_inbox(need)
+            # Recorded after the inbox (and, the first time, the zeroed signals and their barrier) were enqueued:
+            # the puts on the copy stream follow every PE's zeroing.
+            ready = torch.cuda.Event()
+            ready.record(compute)
+            self.stream.wait_event(ready)
             self._epoch += 1
+            set_op, ge = int(nv.SignalOp.SIGNAL_SET), int(nv.ComparisonType.CMP_GE)
+            sig_bytes = self._signal.element_size()
+            srcs = []
             with torch.cuda.stream(self.stream):
                 for p in range(self.node_size):
                     if p in send and send[p].numel():
                         off = int(matrix[: self.node_rank, p].sum()) * elem
                         src = send[p].reshape(-1).to(dtype).contiguous().view(torch.uint8)
+                        srcs.append(src)
                         peer_pe = dist.get_global_rank(self.node_group, p) if self.node_group is not None else p
-                        slot = self._signal[self.node_rank: self.node_rank + 1]
-                        nv.put_signal(inbox[off: off + src.numel()], src, slot, self._epoch,
-                                      nv.SignalOp.SIGNAL_SET, remote_pe=peer_pe, stream=nv_stream(self.stream))
+                        bind.putmem_signal_on_stream(inbox.data_ptr() + off, src.data_ptr(), src.numel(),
+                                                     self._signal.data_ptr() + self.node_rank * sig_bytes,
+                                                     self._epoch, set_op, peer_pe, self.stream.cuda_stream)
+            for src in srcs:
+                src.record_stream(self.stream)   # the caching allocator must not reuse it before the put read it
             for q in range(self.node_size):
                 if recv_splits[q]:
-                    nv.signal_wait(self._signal[q: q + 1], self._epoch, nv.ComparisonType.CMP_GE,
-                                   stream=nv_stream(compute))
+                    bind.signal_wait_until_on_stream(self._signal.data_ptr() + q * sig_bytes, ge, self._epoch,
+                                                     compute.cuda_stream)
             out = inbox[: sum(recv_splits) * elem].clone().view(dtype)
-            # The inbox is reused by the next exchange: no peer may put into it before this copy-out ran.
-            nv.barrier(nv.Teams.TEAM_NODE, stream=nv_stream(compute))
+            # The inbox is reused by the next exchange: no peer may put into it before this copy-out ran, and the
+            # compute stream must not run ahead of the puts reading its send buffers.
+            bind.barrier_all_on_stream(compute.cuda_stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            compute.wait_event(done)
         return self._split(out, recv_splits, recv_numel)
 
     def close(self) -> None:
@@ -783,8 +815,9 @@ def make_copy_engine(device: torch.device, node_group, node_size: int, *, use_nv
 
     kind:
         ``"auto"``: CPU -> ``"shm"``, or ``"gloo"`` (with a warning) when the node's ranks cannot share memory;
-        CUDA -> ``"nvshmem"`` if ``use_nvshmem`` and nvshmem4py imports (it needs nvshmem initialised, e.g. by
-        ``NvshmemTransport``), else ``"ipc"``, or ``"nccl"`` (with a warning) when CUDA IPC fails on the node.
+        CUDA -> ``"nvshmem"`` if ``use_nvshmem``, nvshmem4py imports (it needs nvshmem initialised, e.g. by
+        ``NvshmemTransport``), the node is the whole job and each process has its own GPU; else ``"ipc"``, or
+        ``"nccl"`` (with a warning) when CUDA IPC fails on the node.
         ``"gloo"``, ``"shm"``: CPU only.  ``"ipc"``, ``"nvshmem"``, ``"nccl"``: CUDA only. See the module docstring.
     Raises:
         ValueError: unknown kind, or one that does not fit ``device``.
@@ -814,8 +847,12 @@ def make_copy_engine(device: torch.device, node_group, node_size: int, *, use_nv
         except PeerMemoryUnavailable as exc:
             warnings.warn(f"feplb: falling back to the gloo copy path: {exc}", RuntimeWarning, stacklevel=2)
             return GlooCopyEngine(node_group, node_size)
-    if use_nvshmem and _nvshmem_importable():
-        return CudaCopyEngine(node_group, node_size, use_nvshmem=True)
+    if use_nvshmem and _nvshmem_importable() and dist.get_world_size(node_group) == dist.get_world_size():
+        # one node, one GPU per process: signals work; otherwise (several nodes, or several processes on one GPU
+        # without MPS) the IPC path below serves the node
+        core, _ = nvshmem_modules()
+        if not nvshmem_shared_gpu(core):
+            return CudaCopyEngine(node_group, node_size, use_nvshmem=True)
     try:
         return IpcCopyEngine(node_group, node_size, device)
     except PeerMemoryUnavailable as exc:

@@ -160,7 +160,8 @@ class LayerStats:
     weight_copies: experts' weights copied to a helper this micro-batch. experts_placed: experts whose home is
     not their owner. plan_us: wall time of this rank's planner call (0 when no plan was made).
     balanced: the plan was executed; fell_back: a plan was wanted but not ready in time on some rank of the scope,
-    so every rank there computed at home. plan_fingerprint: hash of the executed plan (equal on every rank).
+    so every rank there computed at home. plan_fingerprint: hash of the executed plan (equal on every rank of the
+    plan's scope; nodes that fell back report 0).
     """
 
     loads_before_W: list[int]
@@ -279,11 +280,11 @@ class MoELayer(nn.Module):
         self.topo = Topology(num_ranks=W, gpus_per_node=c.gpus_per_node, num_experts=c.num_experts,
                              dyn=min(c.dyn, L) if self.base != "none" else 0)
         backend = dist.get_backend(group)
-        on_gpu = c.device == "cuda" or (c.device == "auto" and (backend == "nccl" or c.transport == "nvshmem"))
+        on_gpu = c.device == "cuda" or (c.device == "auto" and ("nccl" in backend or c.transport == "nvshmem"))
         if on_gpu and not torch.cuda.is_available():
             raise RuntimeError(f"FEPLBConfig.device={c.device!r} (transport {c.transport!r}, backend {backend!r}) "
                                "needs a CUDA GPU, and none is available")
-        if not on_gpu and backend == "nccl":
+        if not on_gpu and backend == "nccl":   # (a "cpu:gloo,cuda:nccl" group carries both)
             raise ValueError("FEPLBConfig.device='cpu' cannot run over an NCCL group (NCCL moves CUDA tensors only)")
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.transport = make_transport(c.transport, group)
@@ -576,7 +577,7 @@ class MoELayer(nn.Module):
         if want_plan:
             if x_MD.is_cuda:
                 done = torch.cuda.Event()
-                done.record()
+                done.record(torch.cuda.current_stream(x_MD.device))
                 while not future.done() and not done.query():
                     time.sleep(2e-6)
             try:

@@ -63,7 +63,7 @@ class Transport:
     def all_gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """counts_E int64 [E] on this rank -> counts_WE int64 [W, E] (row s from rank s), on counts_E's device."""
         with guard("all_gather of expert counts", self.group):
-            t = counts_E.to(torch.int64).to(_collective_device(self.group)).contiguous()
+            t = counts_E.to(torch.int64).to(collective_device(self.group)).contiguous()
             return all_gather_stack(t, self.group).to(counts_E.device)
 
     def all_to_all(self, send_MD: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
@@ -94,7 +94,7 @@ class Transport:
 
     def all_reduce_min(self, flags: torch.Tensor, group: dist.ProcessGroup | None, op: str) -> torch.Tensor:
         """Elementwise MIN of a small int64 CPU tensor over ``group`` (agreement on readiness/consistency)."""
-        out = flags.to(_collective_device(group), copy=True)
+        out = flags.to(collective_device(group), copy=True)
         with guard(op, group):
             dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group)
         return out.cpu()
@@ -104,7 +104,7 @@ class Transport:
         """Raise ValueError on every rank unless ``blob`` is byte-identical on all ranks (one all_gather of a hash)."""
         digest = int.from_bytes(hashlib.sha256(blob).digest()[:7], "little")
         mine = torch.tensor([digest], dtype=torch.int64)
-        dev = _collective_device(self.group)
+        dev = collective_device(self.group)
         with guard(f"consistency check of {what}", self.group):
             allh = all_gather_stack(mine.to(dev), self.group).reshape(-1).cpu()
         bad = [r for r in range(self.world_size) if int(allh[r]) != digest]
@@ -113,11 +113,32 @@ class Transport:
                              f"{hint}")
 
 
-def nv_stream(stream: torch.cuda.Stream):
-    """nvshmem4py takes cuda.core streams: wrap a torch stream's handle (no new stream is created)."""
-    from cuda.core.experimental import Stream  # type: ignore[import-not-found]
+def nvshmem_modules():
+    """(nvshmem.core, nvshmem.bindings), or ImportError with the install hint.
 
-    return Stream.from_handle(stream.cuda_stream)
+    The layer calls nvshmem4py's raw bindings (device pointers and stream handles): its high-level calls accept
+    only whole nvshmem-allocated tensors, not the slices and ordinary tensors the exchanges move.
+    """
+    try:
+        import nvshmem.core as core  # type: ignore[import-not-found]
+        from nvshmem import bindings  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise ImportError(NVSHMEM_HINT) from exc
+    return core, bindings
+
+
+def nvshmem_shared_gpu(core) -> bool:
+    """True when several PEs share one GPU without MPS ("limited MPG"): on-stream signal waits and team barriers
+    are unavailable there (nvshmem exits), only puts and ``barrier_all`` work."""
+    return int(core.init_status()) == int(core.InitStatus.STATUS_LIMITED_MPG)
+
+
+def _cuda_core_device(index: int):
+    try:
+        from cuda.core import Device  # type: ignore[import-not-found]
+    except ImportError:
+        from cuda.core.experimental import Device  # type: ignore[import-not-found]
+    return Device(index)
 
 
 def _recv_view(out: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
@@ -136,7 +157,7 @@ def all_gather_stack(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.
     return torch.stack(parts)
 
 
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     backend = dist.get_backend(group)
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
@@ -158,60 +179,74 @@ class TorchTransport(Transport):
 
 
 class NvshmemTransport(Transport):
-    """All-to-all through nvshmem4py symmetric memory: each rank puts its block for rank d straight into d's
-    receive buffer at the offset every rank computes from the all-gathered splits, then a barrier on the stream.
+    """All-to-all through nvshmem4py symmetric memory: each rank stages its rows in a symmetric send buffer (puts
+    to PEs behind a network need a symmetric source), puts its block for rank d straight into d's receive buffer
+    at the offset every rank reads off the split matrix, then a ``barrier_all`` on the stream (the one barrier that
+    also works with several PEs on one GPU).
 
-    The symmetric buffer grows (collectively, by the same rule on every rank) when a micro-batch needs more rows;
-    rows are never dropped. CUDA only.
+    The symmetric buffers grow collectively, by the same rule on every rank (every rank holds the same matrix),
+    when a micro-batch needs more rows; rows are never dropped. CUDA only; ``close()`` frees the buffers and, if this
+    transport initialised nvshmem, finalises it.
     """
 
     name = "nvshmem"
 
     def __init__(self, group: dist.ProcessGroup | None = None):
         super().__init__(group)
-        try:
-            import nvshmem.core as nvshmem  # type: ignore[import-not-found]
-        except ImportError as exc:
-            raise ImportError(NVSHMEM_HINT) from exc
+        self._nv, self._bind = nvshmem_modules()
         if not torch.cuda.is_available():
             raise RuntimeError(NVSHMEM_HINT)
         if group is not None and dist.get_world_size(group) != dist.get_world_size():
             raise ValueError("feplb: the nvshmem transport spans the whole world; pass group=None")
-        self._nv = nvshmem
+        self._owns_init = False
         self._init_nvshmem()
         self._buf: torch.Tensor | None = None   # flat uint8 symmetric receive buffer
+        self._sbuf: torch.Tensor | None = None  # flat uint8 symmetric send buffer, same capacity
 
     def _init_nvshmem(self) -> None:
         nv = self._nv
-        from cuda.core.experimental import Device  # type: ignore[import-not-found]
-
-        dev = Device(torch.cuda.current_device())
+        up = {int(nv.InitStatus.STATUS_IS_INITIALIZED), int(nv.InitStatus.STATUS_LIMITED_MPG),
+              int(nv.InitStatus.STATUS_FULL_MPG)}
+        if int(nv.init_status()) in up:
+            return   # initialised by the application (or another layer): share it
+        dev = _cuda_core_device(torch.cuda.current_device())
         dev.set_current()
-        uid = nv.get_unique_id(empty=self.rank != 0)
+        uid = nv.get_unique_id(empty=True)
         if self.rank == 0:
             uid = nv.get_unique_id()
-        # The unique id is a small byte blob; share it over the existing process group.
-        blob = [bytes(uid._data.view("int8").tobytes()) if self.rank == 0 else None]
+        box = [uid if self.rank == 0 else None]
         with guard("nvshmem bootstrap (broadcast of the unique id)", self.group):
-            dist.broadcast_object_list(blob, src=0, group=self.group)
-        if self.rank != 0:
-            import numpy as np
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                       group=self.group)
+        nv.init(device=dev, uid=box[0], rank=self.rank, nranks=self.world_size, initializer_method="uid")
+        self._owns_init = True
 
-            uid._data.view("int8")[:] = np.frombuffer(blob[0], dtype="int8")
-        nv.init(device=dev, uid=uid, rank=self.rank, nranks=self.world_size, initializer_method="uid")
-
-    def _ensure(self, nbytes: int) -> torch.Tensor:
+    def _ensure(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._buf is None or self._buf.numel() < nbytes:
             if self._buf is not None:
+                # collective like the allocation; no put may still read or write the old buffers
+                torch.cuda.current_stream().synchronize()
                 self._nv.free_tensor(self._buf)
+                self._nv.free_tensor(self._sbuf)
             cap = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
-            self._buf = self._nv.interop.torch.empty((cap,), dtype=torch.uint8)
-        return self._buf
+            self._buf = self._nv.interop.torch.tensor((cap,), dtype=torch.uint8)
+            self._sbuf = self._nv.interop.torch.tensor((cap,), dtype=torch.uint8)
+        return self._buf, self._sbuf
+
+    def close(self) -> None:
+        """Free the symmetric buffers (collective) and finalise nvshmem if this transport initialised it."""
+        if self._buf is not None:
+            torch.cuda.synchronize()
+            self._nv.free_tensor(self._buf)
+            self._nv.free_tensor(self._sbuf)
+            self._buf = self._sbuf = None
+        if self._owns_init:
+            self._nv.finalize()
+            self._owns_init = False
 
     def all_to_all(self, send_MD, send_splits, recv_splits, out=None, split_matrix=None):
         if not send_MD.is_cuda:
             raise ValueError(f"the nvshmem transport moves CUDA tensors only, got a tensor on {send_MD.device}")
-        nv = self._nv
         send_splits, recv_splits = [int(s) for s in send_splits], [int(s) for s in recv_splits]
         if sum(send_splits) != send_MD.shape[0]:
             raise ValueError(f"send_splits sum to {sum(send_splits)} but send_MD has {send_MD.shape[0]} rows")
@@ -220,27 +255,29 @@ class NvshmemTransport(Transport):
         if all_splits is None:
             # My block inside rank d's buffer starts after the rows that ranks < me send to d, learnt from one
             # all_gather of the split matrix (on the control backend's device: gloo keeps it on the host).
-            splits = torch.tensor(send_splits, dtype=torch.int64, device=_collective_device(self.group))
+            splits = torch.tensor(send_splits, dtype=torch.int64, device=collective_device(self.group))
             with guard("nvshmem all_to_all: split exchange", self.group):
                 all_splits = all_gather_stack(splits, self.group).cpu()
-        # Every rank needs the same buffer size (symmetric allocation): the max over ranks of rows received,
+        # Every rank needs the same buffer size (symmetric allocation): the max over ranks of rows sent or received,
         # which every rank reads off the same matrix.
-        buf = self._ensure(int(all_splits.sum(0).max()) * row_bytes if all_splits.numel() else 0)
-        stream = nv_stream(torch.cuda.current_stream())
+        rows = max(int(all_splits.sum(0).max()), int(all_splits.sum(1).max())) if all_splits.numel() else 0
+        buf, sbuf = self._ensure(rows * row_bytes)
+        h = torch.cuda.current_stream().cuda_stream
         src = send_MD.contiguous().view(torch.uint8).reshape(-1)
+        sbuf[: src.numel()].copy_(src)
         start = 0
         for d in range(self.world_size):
             n = send_splits[d] * row_bytes
             if n:
                 off = int(all_splits[: self.rank, d].sum()) * row_bytes
-                nv.put(buf[off: off + n], src[start: start + n], remote_pe=d, stream=stream)
+                self._bind.putmem_on_stream(buf.data_ptr() + off, sbuf.data_ptr() + start, n, d, h)
             start += n
-        nv.barrier(nv.Teams.TEAM_WORLD, stream=stream)
+        self._bind.barrier_all_on_stream(h)
         total = sum(recv_splits)
         res = _recv_view(out, send_MD, total)
         res.copy_(buf[: total * row_bytes].view(send_MD.dtype).reshape(total, *send_MD.shape[1:]))
-        # The buffer is reused by the next call; no rank may overwrite it before everyone copied out.
-        nv.barrier(nv.Teams.TEAM_WORLD, stream=stream)
+        # The buffers are reused by the next call; no rank may overwrite them before everyone copied out.
+        self._bind.barrier_all_on_stream(h)
         return res
 
 

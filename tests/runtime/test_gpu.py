@@ -72,7 +72,7 @@ needs_1 = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 
 @needs_1
 @pytest.mark.skipif(not HAVE_NVSHMEM, reason="needs nvshmem4py: pip install 'feplb[nvshmem]'")
-@pytest.mark.parametrize("copy_path", ["ipc", "nvshmem"])
+@pytest.mark.parametrize("copy_path", ["ipc", "auto"])
 def test_layer_two_processes_one_gpu(copy_path):
     for res in run_dist(_gpu_worker, 2, "nvshmem", True, copy_path, backend="gloo", timeout_s=300):
         assert res["ok"] and res["moved"] > 0, res
