@@ -137,3 +137,103 @@ def test_layer_gpu_nccl(benchmark):
     res = run_dist(_bench_worker, shape["world"], shape, "gpu", timeout_s=600, backend="nccl")[0]
     _report(benchmark, "gpu", shape, res)
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+# ------------------------------------------------------------------------------------------------ real routing
+TRACE_POLICIES = ("none", "feplb", "feplb-split", "feplb-split+place", "eplb")
+TRACE_SHAPE = dict(hidden=64, ffn=128, tokens=512, world=4, gpus_per_node=2, dyn=4, layers=(4, 14, 24), warmup=4,
+                   measured=8)
+
+
+def _trace_ids(trace, world: int, tokens: int, count: int, seed: int = 0):
+    """``count`` micro-batches of real routing: int64 [W, S, L, K] each, every rank S consecutive tokens from a
+    random sample start (as ``feplb.traces`` draws them for the simulator)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    starts = trace.sample_starts()
+    step = np.arange(tokens, dtype=np.int64)
+    for _ in range(count):
+        first = starts[rng.integers(0, starts.size, size=world)]
+        yield trace.topk_ids_TLK[(first[:, None] + step[None, :]) % trace.num_tokens]
+
+
+def _trace_worker(rank, world, path, shape):
+    import numpy as np
+
+    from feplb import FEPLBConfig, MoELayer
+    from feplb.traces import load_trace
+
+    trace = load_trace(path)
+    E, K = trace.num_experts, trace.top_k
+    s = shape
+    mbs = list(_trace_ids(trace, world, s["tokens"], s["warmup"] + s["measured"]))
+    gen = torch.Generator().manual_seed(5)
+    out = {}
+    for layer_idx in s["layers"]:
+        xs = [torch.randn(s["tokens"], s["hidden"], generator=gen) for _ in mbs]
+        gates = [torch.rand(s["tokens"], K, generator=gen) + 0.1 for _ in mbs]
+        ys = {}
+        for policy in TRACE_POLICIES:
+            torch.manual_seed(0)
+            layer = MoELayer(FEPLBConfig(hidden=s["hidden"], ffn=s["ffn"], num_experts=E, top_k=K,
+                                         gpus_per_node=s["gpus_per_node"], dyn=s["dyn"], policy=policy,
+                                         weights="per-microbatch", refresh_every=2, plan_wait_ms=60_000.0))
+            before, after, moved, outs = [], [], [], []
+            for i, ids_WSLK in enumerate(mbs):
+                ids = torch.from_numpy(np.ascontiguousarray(ids_WSLK[rank, :, layer_idx, :])).long()
+                with torch.no_grad():
+                    y = layer(xs[i], routing=(ids, gates[i]))
+                if i >= s["warmup"]:
+                    st = layer.last_stats
+                    before.append(st.token_straggler_before)
+                    after.append(st.token_straggler_after)
+                    moved.append(st.rows_moved)
+                    outs.append(y)
+            ys[policy] = outs
+            err = max(float((a - b).abs().max()) for a, b in zip(outs, ys["none"], strict=True))
+            out[(layer_idx, policy)] = {"before": float(np.mean(before)), "after": float(np.mean(after)),
+                                        "rows_moved": float(np.mean(moved)), "max_abs_diff_vs_none": err}
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_layer_cpu_trace(benchmark):
+    """The MoE layer itself (not the simulator) on real routing: ESFT trace ids fed to ``layer(x, routing=...)`` on
+    4 gloo ranks (2 nodes x 2); token stragglers are device-independent, the outputs equal plain EP's."""
+    from pathlib import Path
+
+    root = Path(os.environ.get("FEPLB_TRACES", Path(__file__).resolve().parents[2] / "shared" / "routing_traces"))
+    path = root / "esft_deepseek_v2_lite" / "esft_vanilla_lite_law.npz"
+    if not path.exists():
+        pytest.skip(f"routing trace not found: {path}")
+    s = TRACE_SHAPE
+    res = run_dist(_trace_worker, s["world"], str(path), s, timeout_s=900)[0]
+    table = {}
+    for policy in TRACE_POLICIES:
+        rows = [res[(layer, policy)] for layer in s["layers"]]
+        before = sum(r["before"] for r in rows) / len(rows)
+        after = sum(r["after"] for r in rows) / len(rows)
+        table[policy] = {"token_straggler_before": before, "token_straggler_after": after,
+                         "reduction": 1 - after / before if before else 0.0,
+                         "rows_moved": sum(r["rows_moved"] for r in rows) / len(rows),
+                         "max_abs_diff_vs_none": max(r["max_abs_diff_vs_none"] for r in rows)}
+    info = {"trace": str(path), "shape": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
+            "results": table, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+            "command": "pytest bench/bench_layer.py -s -p no:randomly -k trace"}
+    os.makedirs("runs", exist_ok=True)
+    with open("runs/bench_layer_trace_cpu.json", "w") as f:
+        json.dump(info, f, indent=1)
+    benchmark.extra_info.update(info)
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    print(f"\nMoELayer on real routing (ESFT law, layers {list(s['layers'])}, EP {s['world']} as "
+          f"{s['world'] // s['gpus_per_node']} nodes x {s['gpus_per_node']}, {s['tokens']} tokens/rank, "
+          f"mean of {s['measured']} micro-batches):")
+    for policy, r in table.items():
+        print(f"  {policy:20s} token straggler {r['token_straggler_before']:7.1f} -> {r['token_straggler_after']:7.1f} "
+              f"({100 * r['reduction']:5.1f}% lower)  rows moved {r['rows_moved']:7.1f}  "
+              f"max |out - plain EP| {r['max_abs_diff_vs_none']:.2e}")
+    for policy, r in table.items():
+        assert r["max_abs_diff_vs_none"] <= 1e-4, (policy, r)
+    assert table["feplb-split"]["token_straggler_after"] < table["feplb-split"]["token_straggler_before"]

@@ -414,6 +414,27 @@ class MoELayer(nn.Module):
             w_TK = w_TK / w_TK.sum(-1, keepdim=True).clamp_min(1e-20)
         return topk_ids_TK, w_TK.to(x_TD.dtype), bad
 
+    def _routing_problem(self, x: torch.Tensor, routing: object) -> tuple[type, str] | None:
+        """What is wrong with routing given to forward() (shapes, dtypes, devices), or None; values are checked
+        on the device, through the counts all-gather."""
+        K = self.config.top_k
+        if not (isinstance(routing, (tuple, list)) and len(routing) == 2
+                and all(isinstance(t, torch.Tensor) for t in routing)):
+            return TypeError, "MoELayer routing must be a pair of tensors (topk_ids [T, K], topk_weights [T, K])"
+        ids, w = routing
+        T = x.numel() // self.config.hidden
+        for name, t in (("topk_ids", ids), ("topk_weights", w)):
+            if t.numel() != T * K or t.shape[-1] != K:
+                return ValueError, (f"MoELayer routing {name} must be [{T}, {K}] (one row of top-{K} per token), "
+                                    f"got shape {list(t.shape)}")
+            if t.device != x.device:
+                return ValueError, f"MoELayer routing {name} is on {t.device}, the input on {x.device}"
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            return TypeError, f"MoELayer routing topk_ids must be an integer tensor, got {ids.dtype}"
+        if not w.is_floating_point():
+            return TypeError, f"MoELayer routing topk_weights must be a floating tensor, got {w.dtype}"
+        return None
+
     def _input_problem(self, x: object) -> tuple[type, str] | None:
         """What is wrong with the input (exception type, message), or None."""
         c = self.config
@@ -429,8 +450,13 @@ class MoELayer(nn.Module):
         return None
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [T, H] or [B, S, H] in ``config.dtype`` -> same shape. Collective over the EP group.
+
+        routing: optional (topk_ids [T, K] integer, topk_weights [T, K] floating) from a router outside the layer
+            (one per token of x, in x's token order); the layer's own router is then skipped and the gradient
+            flows into topk_weights. Ids outside [0, E) or non-finite weights raise on every rank together.
 
         Under ``torch.compile`` the routing and the combine compile; the dispatch in between (communication,
         CPU planning) is excluded with ``torch.compiler.disable``, so the graph breaks exactly there.
@@ -438,10 +464,19 @@ class MoELayer(nn.Module):
         from feplb.kernels import permute, routing_metadata, unpermute
 
         problem = self._input_problem(x)
+        if problem is None and routing is not None:
+            problem = self._routing_problem(x, routing)
         if problem is not None:
             self._dispatch(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
         x_TD = x.reshape(-1, self.config.hidden)
-        topk_ids_TK, w_TK, bad = self.route(x_TD)
+        if routing is None:
+            topk_ids_TK, w_TK, bad = self.route(x_TD)
+        else:
+            ids_TK, w_TK = routing[0].reshape(-1, self.config.top_k), routing[1].reshape(-1, self.config.top_k)
+            E = self.config.num_experts
+            # flags, not a host check: a bad id or weight reaches every rank in the counts all-gather
+            bad = (~torch.isfinite(w_TK).all()).long() + 2 * ((ids_TK < 0) | (ids_TK >= E)).any().long()
+            topk_ids_TK, w_TK = ids_TK.long().clamp(0, E - 1), w_TK.to(x_TD.dtype)
         # Rows grouped by SLOT (home GPU, then the expert's place among that GPU's slots): every destination's
         # rows form one block whatever the placement, so phase 1 needs no extra gather.
         meta = routing_metadata(self._slot_of_E[topk_ids_TK], self.config.num_experts, check=False)
@@ -478,10 +513,14 @@ class MoELayer(nn.Module):
         if input_ranks:
             raise ValueError(f"MoELayer: the input of EP rank(s) {input_ranks} is malformed (see the error there); "
                              "every rank stops this step")
+        id_ranks = torch.nonzero(gathered[:, E] & 2).flatten().tolist()
+        if id_ranks:
+            raise ValueError(f"MoELayer: routing passed to forward() holds expert ids outside [0, {E}) on EP rank(s) "
+                             f"{id_ranks}")
         bad_ranks = torch.nonzero(gathered[:, E]).flatten().tolist()
         if bad_ranks:
-            raise ValueError(f"MoELayer: router logits contain NaN or inf on EP rank(s) {bad_ranks}; "
-                             "check the input and the router weights")
+            raise ValueError(f"MoELayer: router logits (or routing weights) contain NaN or inf on EP rank(s) "
+                             f"{bad_ranks}; check the input and the router weights")
         stale_ranks = torch.nonzero(gathered[:, E + 1]).flatten().tolist()
         if stale_ranks:
             raise RuntimeError(f"MoELayer: expert weights changed since the last refresh_replicas() on EP rank(s) "

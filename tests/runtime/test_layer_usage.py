@@ -5,7 +5,8 @@
   buffers; the placement must not be one).
 * A rank whose input needs no gradient while its peers' do: the backward collectives still run on every rank.
 * ``module.eval()`` forwards leave the policy history and the placement alone.
-* Misuse gives the same clear error on every rank, never a hang: a malformed input on ONE rank, activation
+* Routing from a router outside the layer (``layer(x, routing=(ids, weights))``) equals the layer's own.
+* Misuse gives the same clear error on every rank, never a hang: a malformed input or routing on ONE rank, activation
   checkpointing around the layer, ``refresh_replicas()`` between a forward and its backward, and a restored
   policy state that differs across ranks.
 """
@@ -104,6 +105,23 @@ def _usage_worker(rank, world):
     res["bad_one"] = _catch(lambda: layer(bad))
     res["after_bad_ok"] = _catch(lambda: layer(xs[rank])) is None
 
+    # Routing from a router outside the layer: the layer's own routing passed in gives the same output and router
+    # gradient; an expert id out of range (rank 3) or a wrongly shaped routing (rank 1) raises on every rank.
+    layer, *_, xs = _layer(16, policy="feplb-split")
+    x = xs[rank]
+    out_own = layer(x)
+    out_own.square().sum().backward()
+    g_own, layer.router.weight.grad = layer.router.weight.grad.clone(), None
+    ids, w, _ = layer.route(x)
+    out_ext = layer(x, routing=(ids, w))
+    out_ext.square().sum().backward()
+    res["routing_same"] = torch.equal(out_own, out_ext) and torch.allclose(layer.router.weight.grad, g_own)
+    bad_ids = ids.clone()
+    if rank == 3:
+        bad_ids[0, 0] = E
+    res["routing_bad_id"] = _catch(lambda: layer(x, routing=(bad_ids, w.detach())))
+    res["routing_bad_shape"] = _catch(lambda: layer(x, routing=(ids[:, :1] if rank == 1 else ids, w.detach())))
+
     # Activation checkpointing would recompute a collective, timing-dependent forward: refused on every rank.
     from torch.utils.checkpoint import checkpoint
 
@@ -141,6 +159,12 @@ def test_layer_usage_and_misuse():
         else:
             assert res["bad_one"].startswith("ValueError") and "EP rank(s) [2]" in res["bad_one"], res["bad_one"]
         assert res["after_bad_ok"]
+        assert res["routing_same"], f"rank {rank}: routing passed in differs from the layer's own"
+        assert res["routing_bad_id"].startswith("ValueError") and "outside [0, 8)" in res["routing_bad_id"] and \
+            "rank(s) [3]" in res["routing_bad_id"], res["routing_bad_id"]
+        want = "must be [" if rank == 1 else "EP rank(s) [1]"
+        assert res["routing_bad_shape"].startswith("ValueError") and want in res["routing_bad_shape"], \
+            res["routing_bad_shape"]
         assert res["checkpoint"] and "activation checkpointing" in res["checkpoint"], res["checkpoint"]
         assert res["late_grad"] and res["late_grad"].startswith("RuntimeError") and \
             "already replaced" in res["late_grad"], res["late_grad"]
