@@ -323,6 +323,7 @@ class MoELayer(nn.Module):
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-plan") \
             if self.base != "none" else None
         self._recv_buf: torch.Tensor | None = None
+        self._planning: concurrent.futures.Future | None = None   # the planner thread's latest job
         self._resident: frozenset[tuple[int, int]] = frozenset()   # (expert, gpu) replicas held besides home
         self._replicas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # expert -> leaf (w1, w2) on this rank
         self._bank: tuple[torch.Tensor, torch.Tensor] | None = None  # per-step leaf weights of my slots (placed)
@@ -602,28 +603,34 @@ class MoELayer(nn.Module):
             pos += int(n_L[i])
         n_static = sum(int(n_L[i]) for i in static)
 
-        # Plan on a CPU thread; on a GPU the static GEMM is launched first and runs meanwhile.
+        # Plan on a CPU thread; on a GPU the static GEMM is launched first and runs meanwhile. A planner still busy
+        # with an earlier micro-batch's late plan is not queued behind: this micro-batch computes at home at once.
+        busy = self._planning is not None and not self._planning.done()
         future = None
         if want_plan and x_MD.is_cuda:
             y_static = self._static_gemm(h_RD[:n_static], static, n_L)
-            future = self._executor.submit(self._plan, counts_WE, pstate)
+            if not busy:
+                future = self._planning = self._executor.submit(self._plan, counts_WE, pstate)
         elif want_plan:
-            future = self._executor.submit(self._plan, counts_WE, pstate)
+            if not busy:
+                future = self._planning = self._executor.submit(self._plan, counts_WE, pstate)
             y_static = self._static_gemm(h_RD[:n_static], static, n_L)
         else:
             y_static = self._static_gemm(h_RD[:n_static], static, n_L)
         plan, plan_us, fell_back = None, 0.0, False
         if want_plan:
-            if x_MD.is_cuda:
-                done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(x_MD.device))
-                while not future.done() and not done.query():
-                    time.sleep(2e-6)
-            try:
-                plan, plan_us = future.result(timeout=c.plan_wait_ms / 1e3)
-                ready = 1
-            except concurrent.futures.TimeoutError:
-                ready = 0
+            ready = 0
+            if future is not None:
+                if x_MD.is_cuda:
+                    done = torch.cuda.Event()
+                    done.record(torch.cuda.current_stream(x_MD.device))
+                    while not future.done() and not done.query():
+                        time.sleep(2e-6)
+                try:
+                    plan, plan_us = future.result(timeout=c.plan_wait_ms / 1e3)
+                    ready = 1
+                except concurrent.futures.TimeoutError:
+                    ready = 0
             agreed = self.transport.all_reduce_min(torch.tensor([ready], dtype=torch.int64), self._scope_group(),
                                                    "readiness agreement")
             if int(agreed[0]) == 0:

@@ -71,7 +71,7 @@ def _fault_worker(rank, world):
         res["after_nan_ok"] = torch.allclose(layer(x), ref(x), rtol=1e-5, atol=1e-6)
 
     # A slow planner on rank 1: node 0 (ranks 0, 1) computes at home, node 1 balances; outputs never change.
-    slow, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", plan_wait_ms=300)
+    slow, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", plan_wait_ms=1000)
     if rank == 1:
         slow.testing_plan_delay_s = 3.0
     with torch.no_grad():
@@ -79,6 +79,15 @@ def _fault_worker(rank, world):
         res["slow_same"] = torch.allclose(out, ref(x), rtol=1e-5, atol=1e-6)
     res["slow_fell_back"] = slow.last_stats.fell_back
     res["slow_balanced"] = slow.last_stats.balanced
+    # The next micro-batch, while rank 1's planner is still busy: node 0 computes at home without waiting again.
+    import time
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = slow(x)
+    res["busy_s"] = time.perf_counter() - t0
+    res["busy_same"] = torch.allclose(out, ref(x), rtol=1e-5, atol=1e-6)
+    res["busy_fell_back"] = slow.last_stats.fell_back
 
     # Receive capacity: too small with on_overflow="error" raises everywhere; "grow" grows and stays exact.
     small, _ = _layer(rank, world, 1, policy="feplb", recv_capacity=4, on_overflow="error", plan_wait_ms=60_000)
@@ -141,6 +150,9 @@ def test_faults_and_bad_input():
         assert res["slow_same"], f"rank {rank}: output changed by a slow planner"
         assert res["slow_fell_back"] == (rank < 2), (rank, res["slow_fell_back"])
         assert res["slow_balanced"] == (rank >= 2), (rank, res["slow_balanced"])
+        assert res["busy_same"] and res["busy_fell_back"] == (rank < 2), (rank, res["busy_fell_back"])
+        if rank < 2:   # no second wait of plan_wait_ms (1 s) behind the busy planner
+            assert res["busy_s"] < 0.8, res["busy_s"]
         assert res["cap_error"].startswith("ValueError") and "recv_capacity" in res["cap_error"], res["cap_error"]
         assert res["grow_same"] and res["grew"]
         assert res["has_replicas"] and res["step_moved"] > 0 and res["step_copies"] == 0, res
