@@ -647,6 +647,9 @@ class IpcCopyEngine(PeerInboxEngine):
         with guard(f"{op} (inbox mapping)", self.control):
             dist.all_gather_object(status, (None, err), group=self.control)
         self._raise_if_failed(status, "open its peers' inboxes")
+        # Every peer has dropped its mappings of my previous inbox (before this collective): free it now rather
+        # than at some later IPC release.
+        torch.cuda.ipc_collect()
 
     def _prepare(self, send, dtype):
         compute = torch.cuda.current_stream(self.device)
