@@ -289,7 +289,25 @@ class PeerInboxEngine(CopyEngine):
         self.exchanges = 0
         self._closed = False
 
+    def _agree_setup(self, item: object, err: str | None, stage: str, what: str) -> list:
+        """One setup step's (item, error) from every rank of the node (collective, under ``guard(stage)``).
+
+        Raises PeerMemoryUnavailable on every rank together when any rank failed (``what`` it could not do), so no
+        rank goes on into a collective its peers never reach. Returns the gathered (item, error) pairs.
+        """
+        got = [None] * self.node_size
+        with guard(stage, self.control):
+            dist.all_gather_object(got, (item, err), group=self.control)
+        errors = [f"node rank {r}: {e}" for r, (_, e) in enumerate(got) if e]
+        if errors:
+            raise PeerMemoryUnavailable(self._setup_failure(what) + "; ".join(errors))
+        return got
+
     # Backend hooks -------------------------------------------------------------------------------------------------
+    def _setup_failure(self, what: str) -> str:
+        """The start of the setup error's message: what could not be done, and what to do instead."""
+        raise NotImplementedError
+
     def _open_inboxes(self, capacity: int, op: str) -> None:
         """Collectively replace every inbox by one of ``PARITIES * capacity`` bytes (half ``h`` starts at byte
         ``h * capacity``); every peer's is addressable afterwards."""
@@ -485,10 +503,7 @@ class ShmCopyEngine(PeerInboxEngine):
                     os.close(fd)
             except OSError as exc:
                 err = f"cannot create a {nbytes}-byte inbox {path!r}: {exc}"
-            names = [None] * self.node_size
-            with guard(f"{op} (inbox names)", self.control):
-                dist.all_gather_object(names, (path, err), group=self.control)
-            self._raise_if_failed(names, "create")
+            names = self._agree_setup(path, err, f"{op} (inbox names)", "create")
             err = None
             for p, (peer_path, _) in enumerate(names):
                 if p == self.node_rank:
@@ -507,22 +522,16 @@ class ShmCopyEngine(PeerInboxEngine):
                     err = f"cannot map node rank {p}'s inbox {peer_path!r}: {exc}"
                     break
             # Doubles as the barrier after which nobody opens this generation's files any more.
-            status = [None] * self.node_size
-            with guard(f"{op} (inbox mapping)", self.control):
-                dist.all_gather_object(status, (None, err), group=self.control)
-            self._raise_if_failed(status, "map")
+            self._agree_setup(None, err, f"{op} (inbox mapping)", "map")
         except BaseException:
             self._inbox, self._peer_inbox = None, {}
             raise
         finally:
             _unlink_all(self._pending)
 
-    def _raise_if_failed(self, status: list, what: str) -> None:
-        errors = [f"node rank {r}: {e}" for r, (_, e) in enumerate(status) if e]
-        if errors:
-            raise PeerMemoryUnavailable(f"the shm copy path could not {what} its shared-memory inboxes in "
-                                        f"{self.shm_dir!r} (use kind='gloo' if the node's processes do not share "
-                                        f"it, or make it larger): " + "; ".join(errors))
+    def _setup_failure(self, what: str) -> str:
+        return (f"the shm copy path could not {what} its shared-memory inboxes in {self.shm_dir!r} (use kind='gloo' "
+                f"if the node's processes do not share it, or make it larger): ")
 
     def _write(self, p, parity, offset, src, dtype):
         start = parity * self.capacity + offset
@@ -584,10 +593,7 @@ class IpcCopyEngine(PeerInboxEngine):
                         [e.ipc_handle() for e in self._consumed])
         except RuntimeError as exc:
             err = f"cannot share interprocess events: {exc}"
-        events = [None] * node_size
-        with guard("copy path setup: event handles", self.control):
-            dist.all_gather_object(events, (mine, err), group=self.control)
-        self._raise_if_failed(events, "share events")
+        events = self._agree_setup(mine, err, "copy path setup: event handles", "share events")
         err = None
         try:
             for p, ((_, written, consumed), _) in enumerate(events):
@@ -596,17 +602,12 @@ class IpcCopyEngine(PeerInboxEngine):
                     self._peer_consumed[p] = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in consumed]
         except RuntimeError as exc:
             err = f"cannot open a peer's interprocess events: {exc}"
-        status = [None] * node_size
-        with guard("copy path setup: event handles", self.control):
-            dist.all_gather_object(status, (None, err), group=self.control)
-        self._raise_if_failed(status, "open events")
+        self._agree_setup(None, err, "copy path setup: event handles", "open events")
         self._grow(self.min_capacity, "copy path setup")
 
-    def _raise_if_failed(self, status: list, what: str) -> None:
-        errors = [f"node rank {r}: {e}" for r, (_, e) in enumerate(status) if e]
-        if errors:
-            raise PeerMemoryUnavailable(f"the ipc copy path could not {what} (CUDA IPC between the node's "
-                                        "processes; use kind='nccl' where it is unavailable): " + "; ".join(errors))
+    def _setup_failure(self, what: str) -> str:
+        return (f"the ipc copy path could not {what} (CUDA IPC between the node's processes; use kind='nccl' where "
+                "it is unavailable): ")
 
     def _check_tensor(self, p, t):
         bad = super()._check_tensor(p, t)
@@ -628,10 +629,7 @@ class IpcCopyEngine(PeerInboxEngine):
             self._inbox = inbox
         except RuntimeError as exc:
             err = f"cannot share a {capacity * self.PARITIES}-byte inbox: {exc}"
-        shared = [None] * self.node_size
-        with guard(f"{op} (inbox handles)", self.control):
-            dist.all_gather_object(shared, (handles, err), group=self.control)
-        self._raise_if_failed(shared, "share its inboxes")
+        shared = self._agree_setup(handles, err, f"{op} (inbox handles)", "share its inboxes")
         err = None
         try:
             for p, (their, _) in enumerate(shared):
@@ -643,10 +641,7 @@ class IpcCopyEngine(PeerInboxEngine):
                         st, 0, (capacity * self.PARITIES,), (1,))
         except RuntimeError as exc:
             err = f"cannot open a peer's inbox: {exc}"
-        status = [None] * self.node_size
-        with guard(f"{op} (inbox mapping)", self.control):
-            dist.all_gather_object(status, (None, err), group=self.control)
-        self._raise_if_failed(status, "open its peers' inboxes")
+        self._agree_setup(None, err, f"{op} (inbox mapping)", "open its peers' inboxes")
         # Every peer has dropped its mappings of my previous inbox (before this collective): free it now rather
         # than at some later IPC release.
         torch.cuda.ipc_collect()
