@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DistError", "free_port", "run_dist"]
+__all__ = ["DistError", "dense_moe_reference", "error_of", "free_port", "load_global_weights", "run_dist"]
 
 
 class DistError(RuntimeError):
@@ -198,3 +198,13 @@ def load_global_weights(layer, router_EH, w1_EH2F, w2_EFH) -> None:
         layer.router.weight.copy_(router_EH)
         layer.w1.copy_(w1_EH2F[lo:lo + layer.num_local])
         layer.w2.copy_(w2_EFH[lo:lo + layer.num_local])
+
+
+def error_of(fn: Callable[[], Any]) -> str | None:
+    """Call ``fn()``; return ``"ExceptionType: message"`` if it raised, else None (tests inspect type and message,
+    and a worker keeps going with its remaining collective cases)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the caller inspects type and message
+        return f"{type(exc).__name__}: {exc}"
+    return None

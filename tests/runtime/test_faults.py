@@ -7,19 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from feplb.testing import load_global_weights, run_dist
+from feplb.testing import error_of, load_global_weights, run_dist
 
 pytestmark = pytest.mark.dist
 
 H, FF, E, K = 16, 32, 8, 2
-
-
-def _catch(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects type and message
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def _weights(seed):
@@ -54,19 +46,19 @@ def _fault_worker(rank, world):
     ref, _ = _layer(rank, world, 1, policy="none")
 
     # Bad shapes and dtypes fail locally, before any collective, with the argument named.
-    res["hidden"] = _catch(lambda: layer(torch.randn(4, H + 1)))
-    res["ndim"] = _catch(lambda: layer(torch.randn(H)))
-    res["dtype"] = _catch(lambda: layer(torch.randn(4, H, dtype=torch.float64)))
+    res["hidden"] = error_of(lambda: layer(torch.randn(4, H + 1)))
+    res["ndim"] = error_of(lambda: layer(torch.randn(H)))
+    res["dtype"] = error_of(lambda: layer(torch.randn(4, H, dtype=torch.float64)))
 
     # NaN logits on rank 2 only: every rank raises, naming rank 2; the layer stays usable.
     bad = x.clone()
     if rank == 2:
         bad[3, 5] = float("nan")
-    res["nan"] = _catch(lambda: layer(bad))
+    res["nan"] = error_of(lambda: layer(bad))
     inf = x.clone()
     if rank == 1:
         inf[0, 0] = float("inf")
-    res["inf"] = _catch(lambda: layer(inf))
+    res["inf"] = error_of(lambda: layer(inf))
     with torch.no_grad():
         res["after_nan_ok"] = torch.allclose(layer(x), ref(x), rtol=1e-5, atol=1e-6)
 
@@ -91,7 +83,7 @@ def _fault_worker(rank, world):
 
     # Receive capacity: too small with on_overflow="error" raises everywhere; "grow" grows and stays exact.
     small, _ = _layer(rank, world, 1, policy="feplb", recv_capacity=4, on_overflow="error", plan_wait_ms=60_000)
-    res["cap_error"] = _catch(lambda: small(x))
+    res["cap_error"] = error_of(lambda: small(x))
     grow, _ = _layer(rank, world, 1, policy="feplb", recv_capacity=4, on_overflow="grow", plan_wait_ms=60_000,
                      weights="per-microbatch")
     with torch.no_grad():
@@ -106,35 +98,35 @@ def _fault_worker(rank, world):
     res["has_replicas"] = len(step._resident) > 0
     with torch.no_grad():
         step.w1.mul_(1.0)        # an optimizer step bumps the parameters' versions
-    res["stale"] = _catch(lambda: step(x))
+    res["stale"] = error_of(lambda: step(x))
     step.refresh_replicas()
     xg = x.clone().requires_grad_(True)
     step(xg).sum().backward()
     res["step_moved"] = step.last_stats.rows_moved
     res["step_copies"] = step.last_stats.weight_copies
-    res["unreduced"] = _catch(step.refresh_replicas)
+    res["unreduced"] = error_of(step.refresh_replicas)
     step.reduce_replica_grads()
     step.refresh_replicas()
 
     # The NVSHMEM transport without nvshmem4py (or without a GPU): the install hint, not an obscure failure.
     from feplb.transport import make_transport
 
-    res["nvshmem"] = _catch(lambda: make_transport("nvshmem"))
+    res["nvshmem"] = error_of(lambda: make_transport("nvshmem"))
 
     # A GPU asked for on a machine without one: a clear error on every rank, before any collective.
     if not torch.cuda.is_available():
-        res["no_gpu"] = _catch(lambda: MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K,
+        res["no_gpu"] = error_of(lambda: MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K,
                                                             gpus_per_node=2, device="cuda")))
 
     # Configs that differ across ranks: caught at construction, on every rank.
     ffn = FF + 8 if rank == 3 else FF
-    res["config"] = _catch(lambda: MoELayer(FEPLBConfig(hidden=H, ffn=ffn, num_experts=E, top_k=K,
+    res["config"] = error_of(lambda: MoELayer(FEPLBConfig(hidden=H, ffn=ffn, num_experts=E, top_k=K,
                                                         gpus_per_node=2)))
 
     # A stalled peer (rank 3 stops calling): the others time out naming the operation, no hang.
     if rank == 3:
         return res
-    res["stall"] = _catch(lambda: layer(x))
+    res["stall"] = error_of(lambda: layer(x))
     return res
 
 

@@ -17,19 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from feplb.testing import dense_moe_reference, load_global_weights, run_dist
+from feplb.testing import dense_moe_reference, error_of, load_global_weights, run_dist
 
 pytestmark = pytest.mark.dist
 
 H, FF, E, K = 16, 32, 8, 2
-
-
-def _catch(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects type and message
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def _weights(seed, hot=(0, 1)):
@@ -85,7 +77,7 @@ def _usage_worker(rank, world):
     # One rank's input needs no gradient, the others' do: everyone finishes its backward.
     layer, *_, xs = _layer(11, policy="feplb-split", weights="per-microbatch")
     x = xs[rank].clone().requires_grad_(rank != 1)
-    res["mixed_grad"] = _catch(lambda: layer(x).sum().backward())
+    res["mixed_grad"] = error_of(lambda: layer(x).sum().backward())
     res["mixed_grad_w1"] = layer.w1.grad is not None
 
     # eval() forwards do not advance the history or the placement.
@@ -102,8 +94,8 @@ def _usage_worker(rank, world):
     # A malformed input on rank 2 only: rank 2 gets its own error, the others a ValueError naming rank 2.
     layer, *_, xs = _layer(13, policy="feplb-split")
     bad = torch.randn(4, H + 1) if rank == 2 else xs[rank]
-    res["bad_one"] = _catch(lambda: layer(bad))
-    res["after_bad_ok"] = _catch(lambda: layer(xs[rank])) is None
+    res["bad_one"] = error_of(lambda: layer(bad))
+    res["after_bad_ok"] = error_of(lambda: layer(xs[rank])) is None
 
     # Routing from a router outside the layer: the layer's own routing passed in gives the same output and router
     # gradient; an expert id out of range (rank 3) or a wrongly shaped routing (rank 1) raises on every rank.
@@ -119,14 +111,14 @@ def _usage_worker(rank, world):
     bad_ids = ids.clone()
     if rank == 3:
         bad_ids[0, 0] = E
-    res["routing_bad_id"] = _catch(lambda: layer(x, routing=(bad_ids, w.detach())))
-    res["routing_bad_shape"] = _catch(lambda: layer(x, routing=(ids[:, :1] if rank == 1 else ids, w.detach())))
+    res["routing_bad_id"] = error_of(lambda: layer(x, routing=(bad_ids, w.detach())))
+    res["routing_bad_shape"] = error_of(lambda: layer(x, routing=(ids[:, :1] if rank == 1 else ids, w.detach())))
 
     # Activation checkpointing would recompute a collective, timing-dependent forward: refused on every rank.
     from torch.utils.checkpoint import checkpoint
 
     x = xs[rank].clone().requires_grad_(True)
-    res["checkpoint"] = _catch(lambda: checkpoint(layer, x, use_reentrant=False).sum().backward())
+    res["checkpoint"] = error_of(lambda: checkpoint(layer, x, use_reentrant=False).sum().backward())
 
     # refresh_replicas() between a forward and its backward: the late gradient is noticed, on every rank.
     layer, *_, xs = _layer(14, policy="feplb-split+place", weights="per-step")
@@ -136,7 +128,7 @@ def _usage_worker(rank, world):
     out = layer(xs[rank].clone().requires_grad_(True))
     layer.refresh_replicas()
     out.sum().backward()
-    res["late_grad"] = _catch(layer.reduce_replica_grads)
+    res["late_grad"] = error_of(layer.reduce_replica_grads)
 
     # A restored policy state that differs across ranks (rank 0 restored a later step): refused by every rank.
     layer, *_, xs = _layer(15, policy="feplb-split@ema", weights="per-step")
@@ -144,7 +136,7 @@ def _usage_worker(rank, world):
         layer(xs[rank])
     if rank == 0:
         layer.state = layer.state.observe(np.ones((world, E), dtype=np.int64))
-    res["state_mismatch"] = _catch(layer.refresh_replicas)
+    res["state_mismatch"] = error_of(layer.refresh_replicas)
     return res
 
 
