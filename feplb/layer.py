@@ -214,6 +214,23 @@ def _node_matrix(triples, rank: int, gpus_per_node: int) -> np.ndarray:
     return m
 
 
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation (int64 indices): ``x.index_select(0, perm).index_select(0, _inverse(perm))``
+    is x."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def _loads_after(loads_W: np.ndarray, moves) -> np.ndarray:
+    """Rows each GPU computes once ``moves`` are executed (int64 [W], a new array)."""
+    out = loads_W.copy()
+    for m in moves:
+        out[m.src] -= m.rows
+        out[m.dst] += m.rows
+    return out
+
+
 def _ranges(pieces: list[tuple[int, int]], n: int) -> list[tuple[int, int, bool]]:
     """Split [0, n) into (start, end, moved) segments given sorted, disjoint moved ranges."""
     out, cur = [], 0
@@ -302,6 +319,7 @@ class MoELayer(nn.Module):
         self._plan_state = self.state
 
         H, Fd = c.hidden, c.ffn
+        self._w_numel = H * 2 * Fd + Fd * H   # elements of one expert's (w1, w2)
         self.router = nn.Linear(H, c.num_experts, bias=False, device=device, dtype=c.dtype)
         self.w1 = nn.Parameter(torch.randn(L, H, 2 * Fd, device=device, dtype=c.dtype) / H ** 0.5)
         self.w2 = nn.Parameter(torch.randn(L, Fd, H, device=device, dtype=c.dtype) / Fd ** 0.5)
@@ -357,20 +375,18 @@ class MoELayer(nn.Module):
         home = np.array(home_E, dtype=np.int64)
         self._home_E = home
         self._home_list = home.tolist()
+        # (expert, home) for every expert computed away from its owner under this placement
+        self._placed_pairs = [(e, h) for e, h in enumerate(self._home_list) if h != self._owner(e)]
         self._slots_WS = slots_of(home, self.topo)
         self._my_slots = self._slots_WS[self.rank].tolist()
         self._slot_pos = {e: i for i, e in enumerate(self._my_slots)}
         lo = self.rank * self.num_local
         self._own_slots = self._my_slots == list(range(lo, lo + self.num_local))
-        self._placed = not np.array_equal(home, self.topo.default_home_E())
+        self._placed = bool(self._placed_pairs)
         slot_of = np.empty(self.config.num_experts, dtype=np.int64)
         slot_of[self._slots_WS.reshape(-1)] = np.arange(self.config.num_experts)
         with torch.no_grad():
             self._slot_of_E.copy_(torch.from_numpy(slot_of))
-
-    def _bank_pairs(self) -> list[tuple[int, int]]:
-        """(expert, home) for every expert computed away from its owner under the current placement."""
-        return [(e, h) for e, h in enumerate(self._home_list) if h != self._owner(e)]
 
     def _local_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's weights of expert e (views): a slot of the bank, a resident replica, or its own parameter."""
@@ -390,6 +406,23 @@ class MoELayer(nn.Module):
         happens to send: the input is the same everywhere, and under autograd every rank of a node calls it."""
         a = t[:0].reshape(-1) + self.w1.reshape(-1)[:0]
         return a + self._grad_leaf if torch.is_grad_enabled() else a
+
+    def _traffic(self, pairs) -> tuple[bool, bool]:
+        """(cross_node, intra_node) of (src rank, dst rank) pairs identical on every rank: whether any pair crosses
+        nodes (the transport is called, globally agreed), whether any pair stays inside this rank's node (the copy
+        path is called, agreed inside the node)."""
+        G = self.config.gpus_per_node
+        node = self.rank // G
+        pairs = list(pairs)
+        return (any(s // G != d // G for s, d in pairs),
+                any(s // G == node and d // G == node for s, d in pairs))
+
+    def _stack_slots(self, got: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slot weights stacked ([L, H, 2F], [L, F, H]): received ones from ``got``, its own parameters
+        for the rest."""
+        lo = self.rank * self.num_local
+        ws = [got[e] if e in got else (self.w1[e - lo], self.w2[e - lo]) for e in self._my_slots]
+        return torch.stack([a for a, _ in ws]), torch.stack([b for _, b in ws])
 
     def _has_weights(self, e: int, g: int) -> bool:
         return self._home(e) == g or self._owner(e) == g or (e, g) in self._resident
@@ -544,16 +577,13 @@ class MoELayer(nn.Module):
                 x_MD, counts_WE, counts_WS, loads_home, pstate, want_plan)
 
         self._last_counts_WE = counts_WE
-        placed = len(self._bank_pairs())
+        placed = len(self._placed_pairs)
         if self.state is not None and self.training:
             # the history follows training micro-batches only (module.eval() leaves it, and the placement, alone)
             self.state = self.state.observe(counts_WE, plan)
             if c.weights == "per-microbatch":
                 self._adopt(self.state)   # nothing resident to keep consistent: slow decisions apply at once
-        after = loads_home.copy()
-        for m in moves:
-            after[m.src] -= m.rows
-            after[m.dst] += m.rows
+        after = _loads_after(loads_home, moves)
         self.last_plan = plan
         self.last_plan_inputs = (counts_WE, pstate)   # what the plan was made from, for Plan.validate
         self.last_stats = LayerStats(
@@ -645,16 +675,14 @@ class MoELayer(nn.Module):
         y_RD, stats = self._execute(h_RD, y_static, moves, my_dyn, blk, n_L)
         stats["copy_bytes"] += bank_bytes
         y_RD = torch.cat([y_RD, bank_tail.view(0, c.hidden)])
-        inv_R = torch.empty_like(perm_R)
-        inv_R[perm_R] = torch.arange(perm_R.numel(), device=perm_R.device)
-        y_back = all_to_all_rows(y_RD.index_select(0, inv_R), self.transport, recv_splits, send_splits,
+        y_back = all_to_all_rows(y_RD.index_select(0, _inverse(perm_R)), self.transport, recv_splits, send_splits,
                                  split_matrix=split_WW.t().contiguous())
         return y_back, plan, plan_us, fell_back, moves, dyn_WD, stats
 
     def _forward_direct(self, x_MD, counts_WE, counts_WS, loads_home, pstate):
         """Peers' policies (FasterMoE shadowing, EPLB replicas): plan first, then phase 1 sends every row straight
         to the GPU that computes it (a shadowed expert's rows stay on their source), no phase 2."""
-        c, r, H = self.config, self.rank, self.config.hidden
+        r, H = self.rank, self.config.hidden
         dev = x_MD.device
         plan, plan_us = self._plan(counts_WE, pstate)
         moves = tuple(m for m in plan.moves if m.row_end > m.row_start)
@@ -662,10 +690,7 @@ class MoELayer(nn.Module):
             if m.src != self._home(m.expert):
                 raise RuntimeError(f"plan move {m} does not start at expert {m.expert}'s home GPU")
         lay = direct_layout(counts_WE, self._slots_WS, moves, r)
-        recv_W = loads_home.copy()
-        for m in moves:
-            recv_W[m.src] -= m.rows
-            recv_W[m.dst] += m.rows
+        recv_W = _loads_after(loads_home, moves)   # every rank receives what it computes
         send_idx = None if lay.send_idx is None else torch.from_numpy(lay.send_idx).to(dev)
         x_send = x_MD if send_idx is None else x_MD.index_select(0, send_idx)
         recv = self._all_to_all_in(x_send, lay.send_splits, lay.recv_splits, recv_W)
@@ -688,15 +713,11 @@ class MoELayer(nn.Module):
             pos += m.rows
         parts += [w_tail.view(0, H), bank_tail.view(0, H), self._anchor(h).view(0, H)]
         y = torch.cat(parts)
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.numel(), device=dev)
-        y_back = all_to_all_rows(y.index_select(0, inv), self.transport, lay.recv_splits, lay.send_splits)
+        y_back = all_to_all_rows(y.index_select(0, _inverse(perm)), self.transport, lay.recv_splits, lay.send_splits)
         if send_idx is not None:
-            inv_send = torch.empty_like(send_idx)
-            inv_send[send_idx] = torch.arange(send_idx.numel(), device=dev)
-            y_back = y_back.index_select(0, inv_send)
+            y_back = y_back.index_select(0, _inverse(send_idx))
         elem = x_MD.element_size()
-        w_bytes = (H * 2 * c.ffn + c.ffn * H) * elem
+        w_bytes = self._w_numel * elem
         stats = {"copy_bytes": len(copies) * w_bytes + bank_bytes, "weight_copies": len(copies)}
         return y_back, plan, plan_us, moves, stats
 
@@ -756,17 +777,11 @@ class MoELayer(nn.Module):
         if self.config.weights == "per-step" or not self._placed:
             self._slot_w = self._bank if self._bank is not None else (self.w1, self.w2)
             return anchor[:0].reshape(-1), 0
-        pairs = self._bank_pairs()
+        pairs = self._placed_pairs
         got, tail = self._copy_weights([(e, self._owner(e), h) for e, h in pairs], anchor, from_owner=True,
                                        op="expert weights to their placed homes")
-        if self._own_slots:
-            self._slot_w = (self.w1, self.w2)
-        else:
-            lo = self.rank * self.num_local
-            ws = [got[e] if e in got else (self.w1[e - lo], self.w2[e - lo]) for e in self._my_slots]
-            self._slot_w = (torch.stack([a for a, _ in ws]), torch.stack([b for _, b in ws]))
-        c = self.config
-        return tail, len(pairs) * (c.hidden * 3 * c.ffn) * anchor.element_size()
+        self._slot_w = (self.w1, self.w2) if self._own_slots else self._stack_slots(got)
+        return tail, len(pairs) * self._w_numel * anchor.element_size()
 
     def _copy_weights(self, copies: list[tuple[int, int, int]], anchor: torch.Tensor, *, op: str,
                       from_owner: bool = False) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
@@ -777,7 +792,7 @@ class MoELayer(nn.Module):
         empty = self._anchor(anchor)
         if not copies:
             return {}, empty
-        w_numel = H * 3 * Fd
+        w_numel = self._w_numel
         lo = r * self.num_local
         pieces, send_layout = [empty], []
         for p in sorted({d for _, s, d in copies if s == r}):
@@ -790,9 +805,7 @@ class MoELayer(nn.Module):
             send_layout.append((p, n))
         srcs = sorted({s for _, s, d in copies if d == r})
         recv_layout = [(q, w_numel * sum(1 for _, s, d in copies if s == q and d == r)) for q in srcs]
-        node = r // G
-        cross = any(s // G != d // G for _, s, d in copies)
-        intra = any(s // G == node and d // G == node for _, s, d in copies)
+        cross, intra = self._traffic((s, d) for _, s, d in copies)
         got = exchange(torch.cat(pieces), self.comm, send_layout, recv_layout, cross_node=cross, intra_node=intra,
                        op=op, node_matrix=_node_matrix([(s, d, w_numel) for _, s, d in copies], r, G))
         out, pos = {}, 0
@@ -809,12 +822,10 @@ class MoELayer(nn.Module):
         """Phase 2 and the dynamic GEMM. Returns y_RD [R, H] in the same (home) order as h_RD, and counters."""
         c, r, L, G = self.config, self.rank, self.num_local, self.config.gpus_per_node
         H, Fd = c.hidden, c.ffn
-        node = r // G
         elem = h_RD.element_size()
-        w_numel = H * 2 * Fd + Fd * H
+        w_numel = self._w_numel
         copies = sorted({(m.expert, m.src, m.dst) for m in moves if not self._has_weights(m.expert, m.dst)})
-        cross = any(m.src // G != m.dst // G for m in moves)
-        intra = any(m.src // G == node and m.dst // G == node for m in moves)
+        cross, intra = self._traffic((m.src, m.dst) for m in moves)
         stats = {"copy_bytes": sum(2 * m.rows * H * elem for m in moves) + len(copies) * w_numel * elem,
                  "weight_copies": len(copies)}
 
@@ -1038,7 +1049,7 @@ class MoELayer(nn.Module):
         if self.config.weights != "per-step":
             return
         resident = self._next_resident()
-        pairs = sorted(set(resident) | set(self._bank_pairs()))
+        pairs = sorted(set(resident) | set(self._placed_pairs))
         self._resident = resident
         self._step_pairs = tuple(pairs)
         self._replicas = {}
@@ -1054,10 +1065,9 @@ class MoELayer(nn.Module):
                     self._replicas[e] = (self._watch(a.clone().requires_grad_(self.w1.requires_grad)),
                                          self._watch(b.clone().requires_grad_(self.w2.requires_grad)))
             if not self._own_slots:
-                lo = self.rank * self.num_local
-                ws = [got[e] if e in got else (self.w1[e - lo], self.w2[e - lo]) for e in self._my_slots]
-                self._bank = (self._watch(torch.stack([a for a, _ in ws]).requires_grad_(self.w1.requires_grad)),
-                              self._watch(torch.stack([b for _, b in ws]).requires_grad_(self.w2.requires_grad)))
+                w1, w2 = self._stack_slots(got)
+                self._bank = (self._watch(w1.requires_grad_(self.w1.requires_grad)),
+                              self._watch(w2.requires_grad_(self.w2.requires_grad)))
         self._slot_w = self._bank if self._bank is not None else (self.w1, self.w2)
 
     @torch.no_grad()
@@ -1071,7 +1081,7 @@ class MoELayer(nn.Module):
         if not self._step_pairs:
             return
         r, H, Fd, L, G = self.rank, self.config.hidden, self.config.ffn, self.num_local, self.config.gpus_per_node
-        w_numel = H * 2 * Fd + Fd * H
+        w_numel = self._w_numel
         lo = r * L
         pairs = self._step_pairs
 
@@ -1103,9 +1113,7 @@ class MoELayer(nn.Module):
         for e, g in pairs:
             if self._owner(e) == r:
                 recv_numel[g] = recv_numel.get(g, 0) + w_numel
-        node = r // G
-        cross = any(self._owner(e) // G != g // G for e, g in pairs)
-        intra = any(self._owner(e) // G == node and g // G == node for e, g in pairs)
+        cross, intra = self._traffic((g, self._owner(e)) for e, g in pairs)
         got = self.comm.run({p: torch.cat(t) for p, t in send.items()}, recv_numel, cross_node=cross,
                             dtype=self.w1.dtype, device=self.w1.device, op="reduction of replica gradients",
                             intra_node=intra,
