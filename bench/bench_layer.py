@@ -56,7 +56,7 @@ def _bench_worker(rank, world, shape, device):
         if device != "cpu" and copy_path == "gloo":
             continue
         torch.manual_seed(0)
-        layers[name] = MoELayer(FEPLBConfig(policy=policy, dyn=2, dtype=dtype, plan_wait_ms=50.0,
+        layers[name] = MoELayer(FEPLBConfig(policy=policy, dyn=2, dtype=dtype, plan_wait_ms=50.0, min_straggler_rows=0,
                                             weights=weights, copy_path=copy_path, **s))
     gen = torch.Generator().manual_seed(1)
     router = torch.randn(s["num_experts"], s["hidden"], generator=gen) / s["hidden"] ** 0.5
@@ -178,7 +178,8 @@ def _trace_worker(rank, world, path, shape):
             torch.manual_seed(0)
             layer = MoELayer(FEPLBConfig(hidden=s["hidden"], ffn=s["ffn"], num_experts=E, top_k=K,
                                          gpus_per_node=s["gpus_per_node"], dyn=s["dyn"], policy=policy,
-                                         weights="per-microbatch", refresh_every=2, plan_wait_ms=60_000.0))
+                                         weights="per-microbatch", refresh_every=2, plan_wait_ms=60_000.0,
+                                         min_straggler_rows=0))
             before, after, moved, outs = [], [], [], []
             for i, ids_WSLK in enumerate(mbs):
                 ids = torch.from_numpy(np.ascontiguousarray(ids_WSLK[rank, :, layer_idx, :])).long()

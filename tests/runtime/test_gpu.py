@@ -30,7 +30,8 @@ def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto"):
     for policy in ("none", "feplb-split"):
         torch.manual_seed(0)
         layer = MoELayer(FEPLBConfig(hidden=256, ffn=128, num_experts=4 * world, top_k=2, gpus_per_node=world,
-                                     dyn=2, policy=policy, transport=transport, plan_wait_ms=10_000.0, min_chunk=8,
+                                     dyn=2, policy=policy, transport=transport, plan_wait_ms=10_000.0,
+                                     min_straggler_rows=0, min_chunk=8,
                                      weights="per-microbatch", device="cuda", copy_path=copy_path))
         gen = torch.Generator().manual_seed(1)
         w1 = torch.randn(4 * world, 256, 256, generator=gen) / 16

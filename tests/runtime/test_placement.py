@@ -118,7 +118,8 @@ def _layer(G, seed, **kw):
     from feplb import FEPLBConfig, MoELayer
 
     router, w1, w2, xs, dys = _inputs(seed)
-    cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, plan_wait_ms=60_000, min_chunk=2,
+    cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, plan_wait_ms=60_000,
+                      min_straggler_rows=0, min_chunk=2,
                       dyn=2, **kw)
     layer = MoELayer(cfg)
     load_global_weights(layer, router, w1, w2)
