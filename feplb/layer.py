@@ -462,8 +462,7 @@ class MoELayer(nn.Module):
             h_RD = recv_RD.index_select(0, _to_device(split.home.perm, recv_RD.device))
         job = self._start_phase2(h_RD, counts, split, slot_w, tl) if counts.want_plan else None
         with _span(tl, "static_gemm"):
-            y_static = expert_mlp(h_RD[:split.home.n_static], slot_w[0], slot_w[1],
-                                  _to_device(np.cumsum(split.home.static_L), h_RD.device))
+            y_static = self._static_gemm(h_RD, split.home, slot_w)
         if job is not None:
             job[1].record()
             job[2].set()
@@ -476,6 +475,12 @@ class MoELayer(nn.Module):
                                      split_matrix=split.split_WW.t().contiguous())
         self._bank_bytes = bank_bytes
         return y_back, p2
+
+    def _static_gemm(self, h_RD: torch.Tensor, home: HomeLayout, slot_w) -> torch.Tensor:
+        """Step 6: the static block of home order through all slot weights (the dynamic slots given empty groups,
+        so no weight is gathered)."""
+        return expert_mlp(h_RD[:home.n_static], slot_w[0], slot_w[1], _to_device(np.cumsum(home.static_L),
+                                                                                   h_RD.device))
 
     def _split(self, counts: Counts) -> Split:
         """Step 3: this micro-batch's dynamic experts (before the static GEMM; identical everywhere) and the home
