@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FEPLBConfig", "LayerStats"]
+__all__ = ["FEPLBConfig", "LayerStats", "forward_problem"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -173,3 +173,39 @@ class LayerStats:
     def tokens_per_expert(self) -> list[int]:
         """Rows each expert received in the last forward, over the whole EP group (int per expert)."""
         return [sum(col) for col in zip(*self.counts_WE, strict=True)] if self.counts_WE else []
+
+
+def forward_problem(c: FEPLBConfig, device: torch.device, has_router: bool, x: object, routing: object,
+                    ) -> tuple[type, str] | None:
+    """What is wrong with ``MoELayer.forward``'s arguments on this rank (exception type, message), or None. Values are
+    checked on the device and reach every rank through the counts all-gather."""
+    if not isinstance(x, torch.Tensor):
+        return TypeError, f"MoELayer input must be a torch.Tensor, got {type(x).__name__}"
+    if x.dim() not in (2, 3) or x.shape[-1] != c.hidden:
+        return ValueError, (f"MoELayer input must be [tokens, {c.hidden}] or [batch, seq, {c.hidden}], "
+                            f"got shape {list(x.shape)}")
+    if x.dtype != c.dtype:
+        return TypeError, f"MoELayer input dtype must be {c.dtype} (FEPLBConfig.dtype), got {x.dtype}"
+    if x.device != device:
+        return ValueError, f"MoELayer input is on {x.device} but the layer's experts are on {device}"
+    if routing is None:
+        if not has_router:
+            return ValueError, "MoELayer with router='external' needs routing=(topk_ids, topk_weights)"
+        return None
+    K = c.top_k
+    if not (isinstance(routing, (tuple, list)) and len(routing) == 2
+            and all(isinstance(t, torch.Tensor) for t in routing)):
+        return TypeError, "MoELayer routing must be a pair of tensors (topk_ids [T, K], topk_weights [T, K])"
+    ids, w = routing
+    T = x.numel() // c.hidden
+    for name, t in (("topk_ids", ids), ("topk_weights", w)):
+        if t.numel() != T * K or t.shape[-1] != K:
+            return ValueError, (f"MoELayer routing {name} must be [{T}, {K}] (one row of top-{K} per token), "
+                                f"got shape {list(t.shape)}")
+        if t.device != x.device:
+            return ValueError, f"MoELayer routing {name} is on {t.device}, the input on {x.device}"
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        return TypeError, f"MoELayer routing topk_ids must be an integer tensor, got {ids.dtype}"
+    if not w.is_floating_point():
+        return TypeError, f"MoELayer routing topk_weights must be a floating tensor, got {w.dtype}"
+    return None

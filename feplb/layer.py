@@ -30,13 +30,10 @@ per node, M = T*K rows sent by this rank, R rows at home on this rank after phas
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
-import threading
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,21 +43,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from feplb.balance import Balancer, PlanResult, timed_plan
-from feplb.config import FEPLBConfig, LayerStats
+from feplb.balance import Balancer, timed_plan
+from feplb.config import FEPLBConfig, LayerStats, forward_problem
 from feplb.copy_engine import make_copy_engine, make_node_groups
-from feplb.dispatch import Exchange, PeerComm, all_to_all_rows
+from feplb.direct import forward_direct
+from feplb.dispatch import PeerComm, all_to_all_rows
+from feplb.experts import expert_mlp, span, to_device
 from feplb.layout import (
     DirectLayout,
     HomeLayout,
-    Item,
-    Phase2Layout,
     direct_layout,
     home_layout,
-    inverse,
-    phase2_layout,
 )
-from feplb.replicas import Placement, Replicas
+from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
+from feplb.replicas import Placement, Replicas, state_digest
+from feplb.steps import Counts, Split, read_counts
 from feplb.timeline import Timeline
 from feplb.transport import make_transport
 
@@ -70,66 +67,9 @@ __all__ = ["DirectLayout", "FEPLBConfig", "LayerStats", "MoELayer", "direct_layo
 _DIRECT_BASES = frozenset({"fastermoe", "eplb"})
 
 
-def expert_mlp(x_MH: torch.Tensor, w1_LH2F: torch.Tensor, w2_LFH: torch.Tensor,
-               offsets_L: torch.Tensor) -> torch.Tensor:
-    """SwiGLU experts over grouped rows: grouped_mm(x, w1) -> swiglu -> grouped_mm(., w2).
-
-    x_MH: [M, H]; w1_LH2F: [L, H, 2F]; w2_LFH: [L, F, H]; offsets_L: int32/int64 [L] END offsets. Returns [M, H].
-    """
-    from feplb.kernels import grouped_mm, swiglu
-
-    if w1_LH2F.shape[0] == 0 or x_MH.shape[0] == 0:
-        return x_MH.new_zeros((0, w2_LFH.shape[-1])) + (x_MH.sum() + w1_LH2F.sum() + w2_LFH.sum()) * 0
-    h = grouped_mm(x_MH, w1_LH2F, offsets_L, check=False)
-    return grouped_mm(swiglu(h), w2_LFH, offsets_L, check=False)
-
-
 def _digest(obj: object) -> int:
     """A process-independent 62-bit hash (Python's hash() of bytes is salted per process)."""
     return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:8], "little") >> 2
-
-
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host int64 array on ``device`` without a blocking copy (pinned staging on CUDA)."""
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class Counts:
-    """The all-gathered counts of one forward, read identically on every rank."""
-
-    counts_WS: np.ndarray       # int64 [W, E]: rows source s sends each flat slot
-    counts_WE: np.ndarray       # int64 [W, E]: rows source s sends each expert
-    loads_default_W: np.ndarray  # int64 [W]: rows per GPU with every expert at its owner (plain EP)
-    loads_home_W: np.ndarray    # int64 [W]: rows per GPU with the current placement, before balancing
-    want_plan: bool             # balancing is on and the straggler is worth it (identical everywhere)
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class Split:
-    """Static and dynamic experts of this micro-batch and this rank's home layout."""
-
-    dynamic_WD: np.ndarray      # int64 [W, D]: dynamic experts of every GPU (D = 0 without a plan)
-    home: HomeLayout
-    send_splits: list[int]      # [W] rows this rank sends each rank in phase 1
-    split_WW: torch.Tensor      # int64 CPU [W, W]: rows rank s sends rank d in phase 1
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class Phase2:
-    """The plan as executed by the node, and its copies (issued by the copy thread, finished by the main one)."""
-
-    result: PlanResult
-    fell_back: bool
-    moves: tuple
-    layout: Phase2Layout | None
-    exchange: Exchange | None          # rows to helpers, then the plan's weight copies (w1s, then w2s)
-    spec: tuple                        # per send of this rank: ("rows", start, end) or ("w1" | "w2", expert)
-    pending: concurrent.futures.Future | None
-    copies: tuple                      # the plan's weight copies executed (expert, src, dst)
 
 
 class MoELayer(nn.Module):
@@ -317,41 +257,6 @@ class MoELayer(nn.Module):
             w_TK = w_TK / w_TK.sum(-1, keepdim=True).clamp_min(1e-20)
         return topk_ids_TK, w_TK.to(x_TD.dtype), bad
 
-    def _problem(self, x: object, routing: object) -> tuple[type, str] | None:
-        """What is wrong with forward()'s arguments on this rank (exception type, message), or None. Values are
-        checked on the device and reach every rank through the counts all-gather."""
-        c = self.config
-        if not isinstance(x, torch.Tensor):
-            return TypeError, f"MoELayer input must be a torch.Tensor, got {type(x).__name__}"
-        if x.dim() not in (2, 3) or x.shape[-1] != c.hidden:
-            return ValueError, (f"MoELayer input must be [tokens, {c.hidden}] or [batch, seq, {c.hidden}], "
-                                f"got shape {list(x.shape)}")
-        if x.dtype != c.dtype:
-            return TypeError, f"MoELayer input dtype must be {c.dtype} (FEPLBConfig.dtype), got {x.dtype}"
-        if x.device != self._device:
-            return ValueError, f"MoELayer input is on {x.device} but the layer's experts are on {self._device}"
-        if routing is None:
-            if self.router is None:
-                return ValueError, "MoELayer with router='external' needs routing=(topk_ids, topk_weights)"
-            return None
-        K = c.top_k
-        if not (isinstance(routing, (tuple, list)) and len(routing) == 2
-                and all(isinstance(t, torch.Tensor) for t in routing)):
-            return TypeError, "MoELayer routing must be a pair of tensors (topk_ids [T, K], topk_weights [T, K])"
-        ids, w = routing
-        T = x.numel() // c.hidden
-        for name, t in (("topk_ids", ids), ("topk_weights", w)):
-            if t.numel() != T * K or t.shape[-1] != K:
-                return ValueError, (f"MoELayer routing {name} must be [{T}, {K}] (one row of top-{K} per token), "
-                                    f"got shape {list(t.shape)}")
-            if t.device != x.device:
-                return ValueError, f"MoELayer routing {name} is on {t.device}, the input on {x.device}"
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            return TypeError, f"MoELayer routing topk_ids must be an integer tensor, got {ids.dtype}"
-        if not w.is_floating_point():
-            return TypeError, f"MoELayer routing topk_weights must be a floating tensor, got {w.dtype}"
-        return None
-
     def forward(self, x: torch.Tensor,
                 routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [T, H] or [B, S, H] in ``config.dtype`` (any strides) -> same shape. Collective over the EP group.
@@ -365,7 +270,7 @@ class MoELayer(nn.Module):
         """
         from feplb.kernels import permute, routing_metadata, unpermute
 
-        problem = self._problem(x, routing)
+        problem = forward_problem(self.config, self._device, self.router is not None, x, routing)
         if problem is not None:
             self._experts(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
         c = self.config
@@ -400,10 +305,10 @@ class MoELayer(nn.Module):
                                "checkpoint the attention and dense parts around the layer instead")
         tl = self.last_timeline = Timeline(device_spans=self._device.type == "cuda") if self.config.timeline \
             else None
-        with _span(tl, "counts"):
+        with span(tl, "counts"):
             counts = self._count(counts_S, bad, problem)
         if counts.want_plan and self.direct:
-            y_MD, p2 = self._direct(x_MD, counts, tl)
+            y_MD, p2 = forward_direct(self, x_MD, counts, tl)
         else:
             y_MD, p2 = self._in_node(x_MD, counts, tl)
         self._observe(counts, p2)
@@ -413,62 +318,36 @@ class MoELayer(nn.Module):
     def _count(self, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
                problem: tuple[type, str] | None) -> Counts:
         """All-gather the counts (and every rank's problems); raise on every rank together if any rank has one."""
-        c, W, L = self.config, self.world_size, self.num_local
-        E = c.num_experts
+        E = self.config.num_experts
         if problem is None:
             row = torch.cat([counts_S.to(torch.int64).reshape(-1), bad.to(torch.int64).reshape(1)]).cpu()
         else:
             row = torch.zeros(E + 1, dtype=torch.int64)
         row = torch.cat([row, torch.tensor([int(not self.replicas.fresh()), int(problem is not None)])])
         gathered = self.control.all_gather_counts(row).cpu()
-        input_ranks = torch.nonzero(gathered[:, E + 2]).flatten().tolist()
         if problem is not None:
             raise problem[0](problem[1])
-        if input_ranks:
-            raise ValueError(f"MoELayer: the input of EP rank(s) {input_ranks} is malformed (see the error there); "
-                             "every rank stops this step")
-        id_ranks = torch.nonzero(gathered[:, E] & 2).flatten().tolist()
-        if id_ranks:
-            raise ValueError(f"MoELayer: routing passed to forward() holds expert ids outside [0, {E}) on EP rank(s) "
-                             f"{id_ranks}")
-        bad_ranks = torch.nonzero(gathered[:, E]).flatten().tolist()
-        if bad_ranks:
-            raise ValueError(f"MoELayer: router logits (or routing weights) contain NaN or inf on EP rank(s) "
-                             f"{bad_ranks}; check the input and the router weights")
-        stale_ranks = torch.nonzero(gathered[:, E + 1]).flatten().tolist()
-        if stale_ranks:
-            raise RuntimeError(f"MoELayer: expert weights changed since the last refresh_replicas() on EP rank(s) "
-                               f"{stale_ranks}; call layer.refresh_replicas() after optimizer.step() "
-                               "(weights='per-step'), or layer.attach_optimizer(optimizer) once")
-        from feplb.sched.metrics import token_straggler
-
-        counts_WS = gathered[:, :E].numpy()
-        counts_WE = np.empty_like(counts_WS)
-        counts_WE[:, self.placement.slots_WS.reshape(-1)] = counts_WS
-        loads_home = counts_WS.sum(axis=0).reshape(W, L).sum(axis=1)
-        want = self.base != "none" and W > 1 and token_straggler(loads_home) >= max(self._min_straggler, 1e-9)
-        return Counts(counts_WS=counts_WS, counts_WE=counts_WE,
-                      loads_default_W=counts_WE.sum(axis=0).reshape(W, L).sum(axis=1), loads_home_W=loads_home,
-                      want_plan=want)
+        return read_counts(gathered.numpy(), self.placement.slots_WS,
+                           balance=self.base != "none" and self.world_size > 1, min_straggler=self._min_straggler)
 
     # ------------------------------------------------------------------------------------------------ in node
     def _in_node(self, x_MD: torch.Tensor, counts: Counts, tl: Timeline | None) -> tuple[torch.Tensor, Phase2]:
         """Steps 3-8: phase 1 to the homes, static GEMM beside planning and copies, dynamic GEMM, results home."""
         split = self._split(counts)
-        with _span(tl, "phase1"):
+        with span(tl, "phase1"):
             recv_RD = self._phase1(x_MD, counts, split.send_splits, split.home.recv_splits, split.split_WW)
-        slot_w, bank_tail, bank_bytes = self._slot_weights(recv_RD)
-        with _span(tl, "gather"):
-            h_RD = recv_RD.index_select(0, _to_device(split.home.perm, recv_RD.device))
-        job = self._start_phase2(h_RD, counts, split, slot_w, tl) if counts.want_plan else None
-        with _span(tl, "static_gemm"):
+        slot_w, bank_tail, bank_bytes = self.replicas.forward_slot_weights(self.placement, recv_RD)
+        with span(tl, "gather"):
+            h_RD = recv_RD.index_select(0, to_device(split.home.perm, recv_RD.device))
+        job = start_phase2(self, h_RD, counts, split, slot_w, tl) if counts.want_plan else None
+        with span(tl, "static_gemm"):
             y_static = self._static_gemm(h_RD, split.home, slot_w)
         if job is not None:
             job[1].record()
             job[2].set()
-        p2 = job[0].result() if job is not None else _no_phase2(counts.want_plan)
-        y_RD, tail = self._dynamic_and_return(h_RD, y_static, split, p2, slot_w, tl)
-        with _span(tl, "phase1_reverse"):
+        p2 = job[0].result() if job is not None else no_phase2(counts.want_plan)
+        y_RD, tail = dynamic_and_return(self, h_RD, y_static, split, p2, slot_w, tl)
+        with span(tl, "phase1_reverse"):
             y_back = all_to_all_rows(torch.cat([y_RD, tail.view(0, self.config.hidden),
                                                 bank_tail.view(0, self.config.hidden)]),
                                      self.transport, split.home.recv_splits, split.send_splits,
@@ -479,7 +358,7 @@ class MoELayer(nn.Module):
     def _static_gemm(self, h_RD: torch.Tensor, home: HomeLayout, slot_w) -> torch.Tensor:
         """Step 6: the static block of home order through all slot weights (the dynamic slots given empty groups,
         so no weight is gathered)."""
-        return expert_mlp(h_RD[:home.n_static], slot_w[0], slot_w[1], _to_device(np.cumsum(home.static_L),
+        return expert_mlp(h_RD[:home.n_static], slot_w[0], slot_w[1], to_device(np.cumsum(home.static_L),
                                                                                    h_RD.device))
 
     def _split(self, counts: Counts) -> Split:
@@ -523,235 +402,14 @@ class MoELayer(nn.Module):
         return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits, out=self._recv_buf,
                                split_matrix=split_WW, anchor=anchor)
 
-    def _start_phase2(self, h_RD: torch.Tensor, counts: Counts, split: Split, slot_w, tl):
-        """Step 5: planning on the planner thread, agreement and copies on the copy thread. Returns (the copy job's
-        future, the static GEMM's end event to record, the flag saying it is recorded)."""
-        c = self.config
-        state = self._plan_state
-        plan_f = self._balancer.submit_plan(lambda: self._plan(counts.counts_WE, state, tl))
-        on_gpu = h_RD.is_cuda
-        end = torch.cuda.Event() if on_gpu else _HostEvent()
-        launched = threading.Event()
-        ready, consumer = _handoff(h_RD)
-        static_end = (lambda: launched.is_set() and end.query()) if on_gpu else None
-        job = self._balancer.copier.submit(self._phase2_job, h_RD.detach(), counts, split, slot_w, plan_f,
-                                           static_end, ready, consumer, tl, c)
-        return job, end, launched
-
     def _plan(self, counts_WE: np.ndarray, state, tl: Timeline | None):
         c = self.config
-        with _span(tl, "plan", "planner"):
+        with span(tl, "plan", "planner"):
             return timed_plan(lambda: self._sched.make_plan(c.policy, counts_WE, self.topo, state, tau=c.tau,
                                                             min_chunk=c.min_chunk, cost=self._cost))
 
-    def _phase2_job(self, h_RD, counts: Counts, split: Split, slot_w, plan_f, static_end, ready, consumer, tl, c):
-        """On the copy thread: wait for the plan, agree with the node, lay out and issue the copies."""
-        res = self._balancer.wait_plan(plan_f, static_end)
-        with _span(tl, "agree", "copy"):
-            agreed = self.control.all_reduce_min(torch.tensor([res.ready, int(res.error is None)], dtype=torch.int64),
-                                                 self._scope_group(), "readiness agreement")
-        if int(agreed[1]) == 0:
-            raise RuntimeError(f"MoELayer: the planner failed on a rank of the node ({res.error or 'on another rank'})"
-                               "; every rank of the node stops this step")
-        if int(agreed[0]) == 0:
-            return Phase2(result=res, fell_back=True, moves=(), layout=None, exchange=None, spec=(), pending=None,
-                          copies=())
-        plan = res.plan
-        moves = tuple(m for m in plan.moves if m.row_end > m.row_start)
-        for m in moves:
-            if m.src != int(self.placement.home_E[m.expert]):
-                raise RuntimeError(f"plan move {m} does not start at expert {m.expert}'s home GPU")
-        lay = phase2_layout(split.home, moves, self.placement.slot_pos, self.rank)
-        copies = tuple(plan.weight_copies)
-        H, Fd, n = c.hidden, c.ffn, len(copies)
-        items = [Item(m.src, m.dst, m.rows * H) for m in moves]
-        items += [Item(s, d, H * 2 * Fd) for _, s, d in copies] + [Item(s, d, Fd * H) for _, s, d in copies]
-        ex = Exchange(self.comm, items, dtype=h_RD.dtype, device=h_RD.device, op="phase-2 rows and weights to helpers")
-        spec = {}
-        for j, a, b in lay.out:
-            spec[j] = ("rows", a, b)
-        for k, (e, s, _) in enumerate(copies):
-            if s == self.rank:
-                spec[len(moves) + k], spec[len(moves) + n + k] = ("w1", e), ("w2", e)
-        order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
-        pending = None
-        if ex.active:
-            with _span(tl, "copy_rows", "copy", stream=getattr(self.comm.copy, "stream", None)):
-                got = ex._run(_materialize(order, h_RD, lambda e: self._local_weights(e, slot_w), detach=True),
-                              ready, consumer)
-            pending = concurrent.futures.Future()
-            pending.set_result(got)
-        return Phase2(result=res, fell_back=False, moves=moves, layout=lay, exchange=ex, spec=order, pending=pending,
-                      copies=copies)
-
-    def _dynamic_and_return(self, h_RD, y_static, split: Split, p2: Phase2, slot_w, tl):
-        """Steps 7-8: the dynamic GEMM (kept rows, then hosted rows) and the hosted results back home; returns the
-        results in RECEIVE order (for the reverse all-to-all) and a tail to keep in the graph."""
-        c = self.config
-        H = c.hidden
-        if p2.layout is None:
-            # no moves: the dynamic slots compute at home (the home order's tail), one more grouped launch
-            dyn_L = split.home.n_L - split.home.static_L
-            with _span(tl, "dynamic_gemm"):
-                y_dyn = expert_mlp(h_RD[split.home.n_static:], slot_w[0], slot_w[1],
-                                   _to_device(np.cumsum(dyn_L), h_RD.device)) if dyn_L.any() else h_RD[:0]
-            y_home = torch.cat([y_static, y_dyn])
-            gather = inverse(split.home.perm)
-            return y_home.index_select(0, _to_device(gather, h_RD.device)), self._anchor(h_RD)
-        lay, ex, moves = p2.layout, p2.exchange, p2.moves
-        tail1, got = ex(_materialize(p2.spec, h_RD, lambda e: self._local_weights(e, slot_w)), self._anchor(h_RD),
-                        pending=p2.pending) if ex.active else (self._anchor(h_RD), {})
-        with _span(tl, "dynamic_gemm"):
-            kept = h_RD.index_select(0, _to_device(lay.kept_idx, h_RD.device))
-            y_kept = expert_mlp(kept, slot_w[0], slot_w[1], _to_device(np.cumsum(lay.kept_L), h_RD.device)) \
-                if lay.kept_idx.size else h_RD[:0]
-            y_hosted = self._hosted_gemm(lay.hosted, moves, p2.copies, got, slot_w, h_RD)
-        back = [Item(m.dst, m.src, m.rows * H) for m in moves]
-        rex = Exchange(self.comm, back, dtype=h_RD.dtype, device=h_RD.device, op="phase-2 results home")
-        sends = {j: y_hosted[j] for j in lay.hosted}
-        with _span(tl, "copy_results", "copy"):
-            ready, consumer = _handoff(h_RD)
-            pending = rex.start(rex.sends_of(sends), self._balancer.copier, ready=ready, consumer=consumer) \
-                if rex.active else None
-            tail2, ret = rex(rex.sends_of(sends), self._anchor(y_static), pending=pending)
-        with _span(tl, "assemble"):
-            parts = [y_static, y_kept] + [ret[j].view(-1, H) for j, _, _ in lay.out]
-            y_recv = torch.cat(parts).index_select(0, _to_device(lay.gather, h_RD.device))
-        return y_recv, torch.cat([tail1.reshape(-1), tail2.reshape(-1)])
-
-    def _hosted_gemm(self, hosted: list[int], moves: tuple, copies: tuple, got: dict, slot_w, h_RD,
-                     ) -> dict[int, torch.Tensor]:
-        """The rows this GPU computes for others: one grouped launch per weight bank (the per-step replicas, each
-        source's weight copies received this micro-batch, this rank's own parameters). Returns {move: [rows, H]}."""
-        if not hosted:
-            return {}
-        c = self.config
-        H, Fd = c.hidden, c.ffn
-        n_mv, n_cp = len(moves), len(copies)
-        copy_k = {(e, d): k for k, (e, _, d) in enumerate(copies)}
-        banks: dict[object, tuple] = {}
-        groups: dict[object, list[tuple[int, int]]] = {}
-        for j in hosted:
-            e = moves[j].expert
-            k = copy_k.get((e, self.rank))
-            if k is not None:
-                src = copies[k][1]
-                key = ("copy", src)
-                if key not in banks:
-                    ks = [kk for kk, (_, s, d) in enumerate(copies) if s == src and d == self.rank]
-                    w1 = torch.cat([got[n_mv + kk] for kk in ks]).view(len(ks), H, 2 * Fd) if len(ks) > 1 \
-                        else got[n_mv + ks[0]].view(1, H, 2 * Fd)
-                    w2 = torch.cat([got[n_mv + n_cp + kk] for kk in ks]).view(len(ks), Fd, H) if len(ks) > 1 \
-                        else got[n_mv + n_cp + ks[0]].view(1, Fd, H)
-                    banks[key] = (w1, w2, {copies[kk][0]: i for i, kk in enumerate(ks)})
-            elif e in self.replicas.replica_of:
-                key = "replica"
-                banks[key] = (*self.replicas.replica_bank, self.replicas.replica_of)
-            elif e // self.num_local == self.rank:
-                key = "own"
-                w1, w2 = self.expert_weights()
-                banks[key] = (w1, w2, {self.rank * self.num_local + i: i for i in range(self.num_local)})
-            else:
-                raise RuntimeError(f"MoELayer: GPU {self.rank} computes rows of expert {e} without its weights")
-            groups.setdefault(key, []).append((banks[key][2][e], j))
-        out: dict[int, torch.Tensor] = {}
-        for key, members in groups.items():
-            w1, w2, _ = banks[key]
-            members.sort()
-            rows = [got[j].view(-1, H) for _, j in members]
-            sizes = np.zeros(w1.shape[0], dtype=np.int64)
-            for (i, _), t in zip(members, rows, strict=True):
-                sizes[i] += t.shape[0]
-            y = expert_mlp(torch.cat(rows) if len(rows) > 1 else rows[0], w1, w2,
-                           _to_device(np.cumsum(sizes), h_RD.device))
-            pos = 0
-            for (_, j), t in zip(members, rows, strict=True):
-                out[j] = y[pos:pos + t.shape[0]]
-                pos += t.shape[0]
-        return out
-
     # ------------------------------------------------------------------------------------------------ direct
-    def _direct(self, x_MD: torch.Tensor, counts: Counts, tl: Timeline | None) -> tuple[torch.Tensor, Phase2]:
-        """Peers' policies (FasterMoE shadowing, EPLB replicas): plan first, then phase 1 sends every row straight
-        to the GPU that computes it (a shadowed expert's rows stay on their source), no phase 2."""
-        r, H, Fd = self.rank, self.config.hidden, self.config.ffn
-        dev = x_MD.device
-        with _span(tl, "plan", "compute"):
-            plan, plan_us = self._plan(counts.counts_WE, self._plan_state, None)
-        moves = tuple(m for m in plan.moves if m.row_end > m.row_start)
-        for m in moves:
-            if m.src != int(self.placement.home_E[m.expert]):
-                raise RuntimeError(f"plan move {m} does not start at expert {m.expert}'s home GPU")
-        lay = direct_layout(counts.counts_WE, self.placement.slots_WS, moves, r)
-        recv_W = counts.loads_home_W.copy()
-        for m in moves:
-            recv_W[m.src] -= m.rows
-            recv_W[m.dst] += m.rows
-        send_idx = None if lay.send_idx is None else _to_device(lay.send_idx, dev)
-        x_send = x_MD if send_idx is None else x_MD.index_select(0, send_idx)
-        with _span(tl, "phase1"):
-            recv = self._phase1(x_send, counts, lay.send_splits, lay.recv_splits, None, recv_W)
-        slot_w, bank_tail, bank_bytes = self._slot_weights(recv)
-        h = recv.index_select(0, _to_device(lay.perm, dev))
-        copies = tuple(plan.weight_copies)
-        n = len(copies)
-        items = [Item(s, d, H * 2 * Fd) for _, s, d in copies] + [Item(s, d, Fd * H) for _, s, d in copies]
-        ex = Exchange(self.comm, items, dtype=h.dtype, device=dev, op="weights to helpers")
-        spec = {}
-        for k, (e, s, _) in enumerate(copies):
-            if s == r:
-                spec[k], spec[n + k] = ("w1", e), ("w2", e)
-        order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
-        with _span(tl, "copy_weights", "copy"):
-            tail, got = ex(_materialize(order, h, lambda e: self._local_weights(e, slot_w)), self._anchor(h))
-        n_home = int(lay.kept_L.sum())
-        with _span(tl, "dynamic_gemm"):
-            parts = [expert_mlp(h[:n_home], slot_w[0], slot_w[1], _to_device(np.cumsum(lay.kept_L), dev))]
-            # the hosted rows follow in plan order; _hosted_gemm reads each move's rows from ``rows``
-            rows, pos = {}, n_home
-            for j in lay.hosted:
-                rows[j] = h[pos:pos + moves[j].rows].reshape(-1)
-                pos += moves[j].rows
-            shifted = {k + len(moves): v for k, v in got.items()}
-            y_h = self._hosted_gemm(lay.hosted, moves, copies, {**rows, **shifted}, slot_w, h)
-            parts += [y_h[j] for j in lay.hosted]
-        parts += [tail.view(0, H), bank_tail.view(0, H), self._anchor(h).view(0, H)]
-        y = torch.cat(parts)
-        with _span(tl, "phase1_reverse"):
-            y_back = all_to_all_rows(y.index_select(0, _to_device(inverse(lay.perm), dev)), self.transport,
-                                     lay.recv_splits, lay.send_splits)
-        if send_idx is not None:
-            y_back = y_back.index_select(0, _to_device(inverse(lay.send_idx), dev))
-        self._bank_bytes = bank_bytes
-        res = PlanResult(plan=plan, plan_us=plan_us, ready=1, error=None)
-        return y_back, Phase2(result=res, fell_back=False, moves=moves, layout=None, exchange=ex, spec=order,
-                              pending=None, copies=copies)
-
     # ------------------------------------------------------------------------------------------------ weights
-    def _slot_weights(self, anchor: torch.Tensor):
-        """This forward's weights of this rank's slots ([L, H, 2F], [L, F, H]), a tail to keep in the graph, and
-        the bytes copied for them. With weights='per-microbatch' and experts placed away from their owners, the
-        owners send them now (differentiable)."""
-        placement = self.placement
-        if self.config.weights == "per-step" or not placement.placed_pairs:
-            w = self.replicas.slot_bank if self.replicas.slot_bank is not None else self.expert_weights()
-            return w, anchor[:0].reshape(-1), 0
-        copies = [(e, e // self.num_local, h) for e, h in placement.placed_pairs]
-        items, sends, index = self.replicas.exchange_weights(copies, "expert weights to their homes", from_owner=True)
-        w1, _ = self.expert_weights()
-        ex = Exchange(self.comm, items, dtype=w1.dtype, device=w1.device, op="expert weights to their homes")
-        tail, got = ex(ex.sends_of(sends), self._anchor(anchor))
-        if placement.own_slots:
-            return self.expert_weights(), tail, len(copies) * self._cost_w_numel() * w1.element_size()
-        H, Fd, n = self.config.hidden, self.config.ffn, len(copies)
-        ws = [(got[index[(e, self.rank)]].view(H, 2 * Fd), got[n + index[(e, self.rank)]].view(Fd, H))
-              if e // self.num_local != self.rank else self.replicas.owned(e) for e in placement.my_slots]
-        return ((torch.stack([a for a, _ in ws]), torch.stack([b for _, b in ws])), tail,
-                len(copies) * self._cost_w_numel() * w1.element_size())
-
-    def _cost_w_numel(self) -> int:
-        return 3 * self.config.hidden * self.config.ffn
-
     # ------------------------------------------------------------------------------------------------ stats
     def _scope_group(self):
         return self.node_group if self.in_node_policy else self.group
@@ -774,7 +432,7 @@ class MoELayer(nn.Module):
         elem = torch.empty((), dtype=c.dtype).element_size()
         rows = sum(m.rows for m in p2.moves)
         row_bytes = 0 if (plan is not None and (plan.rows_from_source or plan.dispatched)) else rows * c.hidden * elem
-        w_bytes = len(p2.copies) * self._cost_w_numel() * elem
+        w_bytes = len(p2.copies) * 3 * c.hidden * c.ffn * elem
         self.last_plan = plan
         self.last_plan_inputs = (counts.counts_WE, self._plan_state)
         dyn = np.asarray(plan.dynamic_WD) if plan is not None else np.zeros((self.world_size, 0), np.int64)
@@ -798,26 +456,6 @@ class MoELayer(nn.Module):
         if self.place and not np.array_equal(state.home_E, self.placement.home_E):
             self._set_placement(state.home_E)
 
-    def _agree_step_state(self, what: str) -> None:
-        """Raise on every rank together if some rank's per-step copies lost or kept gradients (collective)."""
-        rep = self.replicas
-        flags = torch.tensor([int(rep.grads_clean()), int(not rep.late_grad)])
-        agreed = self.control.all_reduce_min(flags, self.group, f"{what} check")
-        if int(agreed[1]) == 0:
-            raise RuntimeError(f"MoELayer.{what}: a backward pass ran through expert weight copies that "
-                               "refresh_replicas() had already replaced, so their gradients were lost; call "
-                               "refresh_replicas() only after the backward of every earlier forward")
-        if what == "refresh_replicas" and int(agreed[0]) == 0:
-            raise RuntimeError("MoELayer.refresh_replicas: replica gradients were not reduced on some rank; call "
-                               "reduce_replica_grads() before optimizer.step()")
-
-    def _state_digest(self) -> bytes:
-        st = self.state
-        parts = [repr((st.policy, st.step, st.replicas, sorted(st.resident))).encode()]
-        for a in (st.ema_E, st.home_E, st.dynamic_WD):
-            parts.append(b"-" if a is None else np.ascontiguousarray(a).tobytes())
-        return b"|".join(parts)
-
     @torch.no_grad()
     def refresh_replicas(self) -> None:
         """Adopt the policy's slow decisions and copy the owners' current expert weights to the GPUs that hold
@@ -831,10 +469,10 @@ class MoELayer(nn.Module):
         """
         if self.replicas.ever_held:
             # Agreed over the group, so that no rank enters the refresh exchange while another raises.
-            self._agree_step_state("refresh_replicas")
+            self.replicas.agree("refresh_replicas")
         if self.state is not None:
             # e.g. a state restored from a checkpoint: every rank must adopt the same slow decisions
-            self.control.check_same(self._state_digest(), "the policy state (MoELayer.state)",
+            self.control.check_same(state_digest(self.state), "the policy state (MoELayer.state)",
                                     "every rank must restore the same PolicyState (same checkpoint step)")
             self._adopt(self.state)
         if self.config.weights != "per-step":
@@ -848,7 +486,7 @@ class MoELayer(nn.Module):
         owners' expert gradients (collective; weights='per-step'). Call once per optimizer step, after the last
         backward and before ``optimizer.step()`` (``attach_optimizer`` does it for you)."""
         if self.replicas.ever_held:
-            self._agree_step_state("reduce_replica_grads")
+            self.replicas.agree("reduce_replica_grads")
         self.replicas.reduce_grads(self.placement)
 
     def close(self) -> None:
@@ -870,45 +508,3 @@ class MoELayer(nn.Module):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _HostEvent:
-    """The CPU stand-in for the static GEMM's end event (the CPU copy thread does not watch it)."""
-
-    def record(self) -> None:
-        pass
-
-
-def _no_phase2(wanted: bool) -> Phase2:
-    return Phase2(result=PlanResult(plan=None, plan_us=0.0, ready=0, error=None), fell_back=False, moves=(),
-                  layout=None, exchange=None, spec=(), pending=None, copies=())
-
-
-def _materialize(spec: tuple, h_RD: torch.Tensor, local, detach: bool = False) -> list[torch.Tensor]:
-    """The tensors a send spec names: rows of h_RD ("rows", start, end) or an expert's weights ("w1"/"w2", e)."""
-    out = []
-    for s in spec:
-        if s[0] == "rows":
-            t = h_RD[s[1]:s[2]]
-        else:
-            w1, w2 = local(s[1])
-            t = w1 if s[0] == "w1" else w2
-        t = t.reshape(-1)
-        out.append(t.detach() if detach else t)
-    return out
-
-
-def _handoff(t: torch.Tensor):
-    """(event, stream) for work a worker thread issues for the calling thread's stream: the event the work waits
-    for (recorded now) and the stream that consumes its results; (None, None) on a CPU."""
-    if not t.is_cuda:
-        return None, None
-    ev = torch.cuda.Event()
-    ev.record()
-    return ev, torch.cuda.current_stream()
-
-
-def _span(tl: Timeline | None, name: str, lane: str = "compute", stream=None):
-    import contextlib
-
-    return contextlib.nullcontext() if tl is None else tl.span(name, lane, stream=stream)

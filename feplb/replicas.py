@@ -31,7 +31,7 @@ import torch
 from feplb.dispatch import Exchange
 from feplb.layout import Item
 
-__all__ = ["Placement", "Replicas"]
+__all__ = ["Placement", "Replicas", "state_digest"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -107,17 +107,25 @@ class Replicas:
             leaf.register_hook(hook)
         return leaf
 
+    def agree(self, what: str) -> None:
+        """Raise on every rank together if some rank's per-step copies lost or kept gradients (collective)."""
+        lay = self._layer()
+        flags = torch.tensor([int(self.grads_clean()), int(not self.late_grad)])
+        agreed = lay.control.all_reduce_min(flags, lay.group, f"{what} check")
+        if int(agreed[1]) == 0:
+            raise RuntimeError(f"MoELayer.{what}: a backward pass ran through expert weight copies that "
+                               "refresh_replicas() had already replaced, so their gradients were lost; call "
+                               "refresh_replicas() only after the backward of every earlier forward")
+        if what == "refresh_replicas" and int(agreed[0]) == 0:
+            raise RuntimeError("MoELayer.refresh_replicas: replica gradients were not reduced on some rank; call "
+                               "reduce_replica_grads() before optimizer.step()")
+
     # ------------------------------------------------------------------------------------------------ weights
     def owned(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         lay = self._layer()
         w1, w2 = lay.expert_weights()
         i = e - lay.rank * lay.num_local
         return w1[i], w2[i]
-
-    def slot_weights(self, placement: Placement) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The per-step weights of this rank's slots ([L, H, 2F], [L, F, H]), or None when they are the owner's
-        parameters (no placement) or travel per micro-batch."""
-        return self.slot_bank
 
     def exchange_weights(self, copies: list[tuple[int, int, int]], op: str, *, from_owner: bool,
                          local=None) -> tuple[list[Item], dict[int, torch.Tensor], dict[tuple[int, int], int]]:
@@ -135,6 +143,27 @@ class Replicas:
                 w1, w2 = self.owned(e) if from_owner else local(e)
                 sends[k], sends[n + k] = w1.reshape(-1), w2.reshape(-1)
         return items, sends, index
+
+    def forward_slot_weights(self, placement: Placement, anchor: torch.Tensor):
+        """This forward's weights of this rank's slots ([L, H, 2F], [L, F, H]), a tail to keep in the graph, and
+        the bytes copied for them. With weights='per-microbatch' and experts placed away from their owners, the
+        owners send them now (differentiable)."""
+        lay = self._layer()
+        if lay.config.weights == "per-step" or not placement.placed_pairs:
+            w = self.slot_bank if self.slot_bank is not None else lay.expert_weights()
+            return w, anchor[:0].reshape(-1), 0
+        copies = [(e, e // lay.num_local, h) for e, h in placement.placed_pairs]
+        items, sends, index = self.exchange_weights(copies, "expert weights to their homes", from_owner=True)
+        w1, _ = lay.expert_weights()
+        ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="expert weights to their homes")
+        tail, got = ex(ex.sends_of(sends), lay._anchor(anchor))
+        if placement.own_slots:
+            return lay.expert_weights(), tail, len(copies) * 3 * lay.config.hidden * lay.config.ffn * w1.element_size()
+        H, Fd, n = lay.config.hidden, lay.config.ffn, len(copies)
+        ws = [(got[index[(e, lay.rank)]].view(H, 2 * Fd), got[n + index[(e, lay.rank)]].view(Fd, H))
+              if e // lay.num_local != lay.rank else self.owned(e) for e in placement.my_slots]
+        return ((torch.stack([a for a, _ in ws]), torch.stack([b for _, b in ws])), tail,
+                len(copies) * 3 * lay.config.hidden * lay.config.ffn * w1.element_size())
 
     @torch.no_grad()
     def refresh(self, placement: Placement, resident: frozenset[tuple[int, int]]) -> None:
@@ -222,3 +251,11 @@ class Replicas:
                 w1, w2 = lay.expert_weights()
                 torch.autograd.backward([t for t in (w1, w2) if t.requires_grad],
                                         [a for t, a in ((w1, add1), (w2, add2)) if t.requires_grad])
+
+
+def state_digest(st) -> bytes:
+    """The bytes of a PolicyState's slow decisions (equal on every rank that restored the same state)."""
+    parts = [repr((st.policy, st.step, st.replicas, sorted(st.resident))).encode()]
+    for a in (st.ema_E, st.home_E, st.dynamic_WD):
+        parts.append(b"-" if a is None else np.ascontiguousarray(a).tobytes())
+    return b"|".join(parts)
