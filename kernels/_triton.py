@@ -82,6 +82,81 @@ def autotune_configs(hopper: list[dict], interpreter: dict, *, num_warps: int = 
     return configs
 
 
+SHARED_MEMORY_BYTES = 232_448
+"""Shared memory one block may use on an H100/H200 (sm_90: 227 KiB)."""
+
+
+def rows_bucket(num_rows: int, num_groups: int) -> int:
+    """Autotune key for the rows per group: the next power of two of the mean, clamped to [16, 4096].
+
+    A config tuned at 128 rows per expert is then not reused at 4096. Always a multiple of 16, so the kernels'
+    integer argument that carries it compiles to one specialisation for every bucket.
+    """
+    mean = -(-num_rows // max(num_groups, 1))
+    return min(max(1 << max(mean - 1, 0).bit_length(), 16), 4096)
+
+
+def shared_memory_prune(operand_elems, fallback: list[dict], dtype_arg: str):
+    """An ``early_config_prune`` for an autotuned GEMM: keep the configs whose shared memory fits one block.
+
+    ``operand_elems(meta) -> int``: elements of the two operand tiles of one pipeline stage. A config needs
+    about ``num_stages * operand_elems * itemsize`` bytes (the operand ring; the epilogue reuses it), and is
+    kept when that fits :data:`SHARED_MEMORY_BYTES` for the dtype of argument ``dtype_arg``. When none fits
+    (fp64, say), the fitting configs of ``fallback`` (dicts as in :func:`autotune_configs`) are used instead.
+    ``tests/kernels/hopper_compile.py`` compiles what this keeps and checks the compiler's own figure.
+    """
+
+    def prune(configs, named_args, **_kwargs):
+        itemsize = named_args[dtype_arg].element_size()
+        kept = [c for c in configs if config_shared_bytes(c.kwargs, c.num_stages, operand_elems, itemsize)
+                <= SHARED_MEMORY_BYTES]
+        if kept:
+            return kept
+        return [c for c in autotune_configs(fallback, fallback[0])
+                if config_shared_bytes(c.kwargs, c.num_stages, operand_elems, itemsize) <= SHARED_MEMORY_BYTES]
+
+    return prune
+
+
+def config_shared_bytes(meta: dict, num_stages: int, operand_elems, itemsize: int) -> int:
+    """Estimated shared memory of a GEMM config: ``num_stages`` stages of both operand tiles, plus 1 KiB for
+    the pipeline's barriers (8 bytes a stage on sm_90) and small scratch."""
+    return max(num_stages, 1) * operand_elems(meta) * itemsize + 1024
+
+
+def fitting_configs(configs: list[dict], fallback: list[dict], operand_elems, itemsize: int) -> list[dict]:
+    """The config dicts :func:`shared_memory_prune` keeps on a GPU for operands of ``itemsize`` bytes."""
+    def fits(entry):
+        return config_shared_bytes(entry, entry.get("num_stages", 1), operand_elems, itemsize) <= SHARED_MEMORY_BYTES
+
+    return [c for c in configs if fits(c)] or [c for c in fallback if fits(c)]
+
+
+def num_programs(t: torch.Tensor) -> int:
+    """Programs a persistent kernel launches: one per SM on a GPU; 3 under the interpreter (so that tests see
+    programs loop over several tiles)."""
+    if t.is_cuda:
+        return torch.cuda.get_device_properties(t.device).multi_processor_count
+    return 3
+
+
+def _alloc_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_descriptor_allocator() -> None:
+    """Tensor descriptors made inside a kernel need global scratch memory from Triton's allocator; install a
+    torch allocator unless one is set (Triton's default raises). Triton keeps it in a context variable, so this
+    runs before every launch that needs it (another thread starts with the default)."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except (ImportError, AttributeError):  # pragma: no cover - another Triton layout: set ours
+        pass
+    triton.set_allocator(_alloc_scratch)
+
+
 def launch(kernel, grid, *args, config: dict | None = None, **kwargs) -> None:
     """Launch an autotuned kernel; with ``config`` (block sizes, optional num_warps / num_stages), launch its
     JIT function with exactly that config instead (to test every GPU config under the interpreter, or to time
