@@ -74,8 +74,12 @@ def autotune_configs(hopper: list[dict], interpreter: dict, *, num_warps: int = 
         return []
     if INTERPRET:
         return [triton.Config(dict(interpreter), num_warps=num_warps, num_stages=num_stages)]
+    return _to_configs(hopper, num_warps=num_warps, num_stages=num_stages)
+
+
+def _to_configs(entries: list[dict], *, num_warps: int = 4, num_stages: int = 1) -> list:
     configs = []
-    for entry in hopper:
+    for entry in entries:
         meta = {k: v for k, v in entry.items() if k not in ("num_warps", "num_stages")}
         configs.append(triton.Config(meta, num_warps=entry.get("num_warps", num_warps),
                                      num_stages=entry.get("num_stages", num_stages)))
@@ -96,40 +100,42 @@ def rows_bucket(num_rows: int, num_groups: int) -> int:
     return min(max(1 << max(mean - 1, 0).bit_length(), 16), 4096)
 
 
-def shared_memory_prune(operand_elems, fallback: list[dict], dtype_arg: str):
-    """An ``early_config_prune`` for an autotuned GEMM: keep the configs whose shared memory fits one block.
+def shared_memory_prune(shared_bytes, fallback: list[dict], dtype_arg: str):
+    """An ``early_config_prune`` for an autotuned kernel: keep the configs whose shared memory fits one block.
 
-    ``operand_elems(meta) -> int``: elements of the two operand tiles of one pipeline stage. A config needs
-    about ``num_stages * operand_elems * itemsize`` bytes (the operand ring; the epilogue reuses it), and is
-    kept when that fits :data:`SHARED_MEMORY_BYTES` for the dtype of argument ``dtype_arg``. When none fits
-    (fp64, say), the fitting configs of ``fallback`` (dicts as in :func:`autotune_configs`) are used instead.
-    ``tests/kernels/hopper_compile.py`` compiles what this keeps and checks the compiler's own figure.
+    ``shared_bytes(entry, itemsize) -> int`` estimates a config's shared memory (``entry``: its block sizes
+    plus ``num_stages``) for operands of ``itemsize`` bytes, the itemsize of argument ``dtype_arg``. When no
+    config fits (fp64, say), the fitting configs of ``fallback`` (dicts as in :func:`autotune_configs`) are used
+    instead. ``tests/kernels/hopper_compile.py`` compiles what this keeps and checks the compiler's own figure
+    against the limit and the estimate.
     """
 
     def prune(configs, named_args, **_kwargs):
         itemsize = named_args[dtype_arg].element_size()
-        kept = [c for c in configs if config_shared_bytes(c.kwargs, c.num_stages, operand_elems, itemsize)
-                <= SHARED_MEMORY_BYTES]
-        if kept:
-            return kept
-        return [c for c in autotune_configs(fallback, fallback[0])
-                if config_shared_bytes(c.kwargs, c.num_stages, operand_elems, itemsize) <= SHARED_MEMORY_BYTES]
+
+        def fits(c):
+            return shared_bytes({**c.kwargs, "num_stages": c.num_stages}, itemsize) <= SHARED_MEMORY_BYTES
+
+        return [c for c in configs if fits(c)] or [c for c in _to_configs(fallback) if fits(c)]
 
     return prune
 
 
-def config_shared_bytes(meta: dict, num_stages: int, operand_elems, itemsize: int) -> int:
-    """Estimated shared memory of a GEMM config: ``num_stages`` stages of both operand tiles, plus 1 KiB for
-    the pipeline's barriers (8 bytes a stage on sm_90) and small scratch."""
-    return max(num_stages, 1) * operand_elems(meta) * itemsize + 1024
-
-
-def fitting_configs(configs: list[dict], fallback: list[dict], operand_elems, itemsize: int) -> list[dict]:
+def fitting_configs(configs: list[dict], fallback: list[dict], shared_bytes, itemsize: int) -> list[dict]:
     """The config dicts :func:`shared_memory_prune` keeps on a GPU for operands of ``itemsize`` bytes."""
     def fits(entry):
-        return config_shared_bytes(entry, entry.get("num_stages", 1), operand_elems, itemsize) <= SHARED_MEMORY_BYTES
+        return shared_bytes(entry, itemsize) <= SHARED_MEMORY_BYTES
 
     return [c for c in configs if fits(c)] or [c for c in fallback if fits(c)]
+
+
+def check_config_fits(config: dict | None, shared_bytes, t: torch.Tensor) -> None:
+    """An explicit config for a GPU launch must fit shared memory with ``t``'s operands (ValueError otherwise)."""
+    if config is not None and t.is_cuda:
+        need = shared_bytes(config, t.element_size())
+        if need > SHARED_MEMORY_BYTES:
+            raise ValueError(f"config: {config} needs about {need} bytes of shared memory with {t.dtype} operands, "
+                             f"over the {SHARED_MEMORY_BYTES} of a block; use fewer stages or smaller blocks")
 
 
 def num_programs(t: torch.Tensor) -> int:

@@ -25,6 +25,7 @@ from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 from ._triton import (
     alloc,
     autotune_configs,
+    check_config_fits,
     check_launch_device,
     ensure_descriptor_allocator,
     launch,
@@ -168,12 +169,24 @@ def _band_swizzle(tile, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
     return first_m + (tile % tiles_per_band) % band_rows, (tile % tiles_per_band) // band_rows
 
 
-def _fwd_operand_elems(meta: dict) -> int:
-    return meta["BLOCK_M"] * meta["BLOCK_K"] + meta["BLOCK_K"] * meta["BLOCK_N"]
+def fwd_shared_bytes(entry: dict, itemsize: int) -> int:
+    """Shared memory of a forward / dX config: num_stages stages of an x tile [BLOCK_M, BLOCK_K] and a w tile
+    [BLOCK_K, BLOCK_N] (the epilogue reuses the ring), plus 1 KiB for the pipeline's barriers and scratch."""
+    stages = max(entry.get("num_stages", 1), 1)
+    return stages * (entry["BLOCK_M"] + entry["BLOCK_N"]) * entry["BLOCK_K"] * itemsize + 1024
 
 
-def _dw_operand_elems(meta: dict) -> int:
-    return meta["BLOCK_K"] * meta["BLOCK_M"] + meta["BLOCK_M"] * meta["BLOCK_N"]
+def persistent_shared_bytes(entry: dict, itemsize: int) -> int:
+    """The persistent variant's flattened tile loop keeps the ring alive through the epilogue, whose layout
+    conversion of the [BLOCK_M, BLOCK_N] output tile needs its own buffer (counted whole)."""
+    return fwd_shared_bytes(entry, itemsize) + entry["BLOCK_M"] * entry["BLOCK_N"] * itemsize
+
+
+def dw_shared_bytes(entry: dict, itemsize: int) -> int:
+    """Shared memory of a dW config: num_stages stages of an x^T tile [BLOCK_K, BLOCK_M] and a dy tile
+    [BLOCK_M, BLOCK_N], plus 1 KiB."""
+    stages = max(entry.get("num_stages", 1), 1)
+    return stages * entry["BLOCK_M"] * (entry["BLOCK_K"] + entry["BLOCK_N"]) * itemsize + 1024
 
 
 # Hopper: 128-row tiles feed wgmma (one warpgroup per 64 rows); 64-row configs serve small groups; the
@@ -189,7 +202,7 @@ FWD_HOPPER_CONFIGS = [
 # Used when no config above fits shared memory (fp64: 8-byte operands).
 FWD_FALLBACK_CONFIGS = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)]
 _FWD_CONFIGS = autotune_configs(FWD_HOPPER_CONFIGS, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2))
-_fwd_prune = shared_memory_prune(_fwd_operand_elems, FWD_FALLBACK_CONFIGS, "x_ptr")
+_fwd_prune = shared_memory_prune(fwd_shared_bytes, FWD_FALLBACK_CONFIGS, "x_ptr")
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["N", "K", "M_BUCKET"], prune_configs_by={"early_config_prune": _fwd_prune})
@@ -236,16 +249,17 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M, N, K, E, M_BUCKET,
 
 
 # Persistent TMA variant (16-bit operands on sm_90): 128-row tiles, 3-4 stages; 64-row tiles for small groups.
+# (128x256x64 with 4 stages compiles to 229,408 bytes with the flattened loop: too close to the limit to keep.)
 PERSISTENT_HOPPER_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
     dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
 ]
-PERSISTENT_FALLBACK_CONFIGS = [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)]
+PERSISTENT_FALLBACK_CONFIGS = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)]
 _PERSISTENT_CONFIGS = autotune_configs(PERSISTENT_HOPPER_CONFIGS, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2))
-_persistent_prune = shared_memory_prune(_fwd_operand_elems, PERSISTENT_FALLBACK_CONFIGS, "x_ptr")
+_persistent_prune = shared_memory_prune(persistent_shared_bytes, PERSISTENT_FALLBACK_CONFIGS, "x_ptr")
 
 
 @triton.autotune(configs=_PERSISTENT_CONFIGS, key=["N", "K", "M_BUCKET", "W_K_CONTIGUOUS"],
@@ -257,7 +271,8 @@ def _grouped_mm_persistent_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M, N, K, E, 
                                   DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Persistent variant: NUM_PROGRAMS programs (one per SM) walk the exact tile list, in bands of GROUP_M row
-    tiles; operands come through tensor descriptors (TMA on sm_90).
+    tiles; operands come through tensor descriptors (TMA on sm_90). The tile loop is flattened with the K loop,
+    so the loads of a program's next tile start while it stores the current one.
 
     x [M, K] (unit stride along K) is one descriptor; rows past a group's end are loaded but only feed
     accumulator rows that the store drops, and columns past K load as zeros. w is one 3-D descriptor, [E, K, N]
@@ -276,7 +291,7 @@ def _grouped_mm_persistent_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M, N, K, E, 
     else:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E, K, N], strides=[stride_we, stride_wk, 1],
                                            block_shape=[1, BLOCK_K, BLOCK_N])
-    for tile in tl.range(pid, num_m_tiles * num_n_tiles, NUM_PROGRAMS):
+    for tile in tl.range(pid, num_m_tiles * num_n_tiles, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _band_swizzle(tile, num_m_tiles, num_n_tiles, GROUP_M)
         group, m_tile, row_start, row_end = _locate(pid_m, tile_ends, tiles, experts, starts, ends)
         row_start += m_tile * BLOCK_M
@@ -298,15 +313,18 @@ def _grouped_mm_persistent_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M, N, K, E, 
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
 
 
+# The 3-stage 128x128 tile (97 KiB) lets two programs share an SM, so that one's prologue and epilogue overlap
+# the other's main loop: with 256-512 rows per group a dW program runs only 4-8 steps of its reduction.
 DW_HOPPER_CONFIGS = [
     dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, num_warps=8, num_stages=4),
+    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, num_warps=8, num_stages=3),
     dict(BLOCK_K=128, BLOCK_N=256, BLOCK_M=64, num_warps=8, num_stages=3),
     dict(BLOCK_K=64, BLOCK_N=128, BLOCK_M=64, num_warps=4, num_stages=4),
     dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32, num_warps=4, num_stages=4),
 ]
 DW_FALLBACK_CONFIGS = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_M=32, num_warps=4, num_stages=3)]
 _DW_CONFIGS = autotune_configs(DW_HOPPER_CONFIGS, dict(BLOCK_K=32, BLOCK_N=32, BLOCK_M=32))
-_dw_prune = shared_memory_prune(_dw_operand_elems, DW_FALLBACK_CONFIGS, "x_ptr")
+_dw_prune = shared_memory_prune(dw_shared_bytes, DW_FALLBACK_CONFIGS, "x_ptr")
 
 
 @triton.autotune(configs=_DW_CONFIGS, key=["N", "K", "M_BUCKET", "CHUNK"],
@@ -462,6 +480,7 @@ def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_v
         raise ValueError(f"variant: expected one of {VARIANTS} or None, got {variant!r}")
     elif variant == "persistent" and (why := persistent_unsupported(x_MK, w_EKN)):
         raise ValueError(f"variant: 'persistent' cannot run these operands: {why}")
+    check_config_fits(config, fwd_shared_bytes if variant == "classic" else persistent_shared_bytes, x_MK)
     if check_values:
         check_offsets_values(offsets_E, x_MK.shape[0])
     (M, K), (E, _, N) = x_MK.shape, w_EKN.shape
@@ -536,6 +555,7 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
     if split_rows is not None and (isinstance(split_rows, bool) or not isinstance(split_rows, int)
                                    or split_rows < 1):
         raise ValueError(f"split_rows: expected an int >= 1 or None, got {split_rows!r}")
+    check_config_fits(config, dw_shared_bytes, x_MK)
     if check_values:
         check_offsets_values(offsets_E, x_MK.shape[0])
     (M, K), N, E = x_MK.shape, dy_MN.shape[1], offsets_E.shape[0]

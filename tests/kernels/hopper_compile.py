@@ -92,13 +92,13 @@ DTYPES = {
 PERSISTENT_DTYPES = ("bf16", "fp16")
 
 
-def launchable(configs, fallback, operand_elems, itemsize, all_configs: bool):
+def launchable(configs, fallback, shared_bytes, itemsize, all_configs: bool):
     """The configs the shared-memory prune keeps for this itemsize: all of them with ``--all``, else the first and
     the one needing the most shared memory (the one that would break the limit first)."""
-    kept = _triton.fitting_configs(configs, fallback, operand_elems, itemsize)
+    kept = _triton.fitting_configs(configs, fallback, shared_bytes, itemsize)
     if all_configs or len(kept) <= 2:
         return kept
-    biggest = max(kept, key=lambda c: _triton.config_shared_bytes(c, c["num_stages"], operand_elems, itemsize))
+    biggest = max(kept, key=lambda c: shared_bytes(c, itemsize))
     return [kept[0]] if biggest is kept[0] else [kept[0], biggest]
 
 
@@ -108,11 +108,11 @@ def gemm_jobs(all_configs: bool):
     for dname in dtypes:
         ptr, itemsize, dot = DTYPES[dname]
         ptrs = {"x_ptr": ptr, "w_ptr": ptr, "y_ptr": ptr, "offsets_ptr": "*i32"}
-        for config in launchable(gg.FWD_HOPPER_CONFIGS, gg.FWD_FALLBACK_CONFIGS, gg._fwd_operand_elems, itemsize,
+        for config in launchable(gg.FWD_HOPPER_CONFIGS, gg.FWD_FALLBACK_CONFIGS, gg.fwd_shared_bytes, itemsize,
                                  all_configs):
             meta, options = split(config)
             consts = {**meta, **dot, "BLOCK_E": 16}
-            estimate = _triton.config_shared_bytes(config, config["num_stages"], gg._fwd_operand_elems, itemsize)
+            estimate = gg.fwd_shared_bytes(config, itemsize)
             # Forward: x [M, K] and w [E, K, N] row-major.
             yield dict(name="grouped_mm forward", dtype=dname, estimate=estimate, jit_fn=gg._grouped_mm_kernel,
                        types=ptrs, ones=("stride_xk", "stride_wn", "stride_yn"),
@@ -125,10 +125,9 @@ def gemm_jobs(all_configs: bool):
                        consts=consts, options=options)
         if dname in PERSISTENT_DTYPES:
             for config in launchable(gg.PERSISTENT_HOPPER_CONFIGS, gg.PERSISTENT_FALLBACK_CONFIGS,
-                                     gg._fwd_operand_elems, itemsize, all_configs):
+                                     gg.persistent_shared_bytes, itemsize, all_configs):
                 meta, options = split(config)
-                estimate = _triton.config_shared_bytes(config, config["num_stages"], gg._fwd_operand_elems,
-                                                       itemsize)
+                estimate = gg.persistent_shared_bytes(config, itemsize)
                 for name, w_k_contiguous, one in (("forward", False, "stride_wn"), ("dX", True, "stride_wk")):
                     others = [s for s in ("stride_wk", "stride_wn") if s != one]
                     yield dict(name=f"grouped_mm persistent {name}", dtype=dname, estimate=estimate,
@@ -138,12 +137,11 @@ def gemm_jobs(all_configs: bool):
                                options=options)
         dw_ptrs = {"x_ptr": ptr, "dy_ptr": ptr, "dw_ptr": ptr, "offsets_ptr": "*i32",
                    "part_ptr": "*fp64" if dname == "fp64" else "*fp32"}
-        for config in launchable(gg.DW_HOPPER_CONFIGS, gg.DW_FALLBACK_CONFIGS, gg._dw_operand_elems, itemsize,
+        for config in launchable(gg.DW_HOPPER_CONFIGS, gg.DW_FALLBACK_CONFIGS, gg.dw_shared_bytes, itemsize,
                                  all_configs):
             meta, options = split(config)
             yield dict(name="grouped_mm dW", dtype=dname, jit_fn=gg._grouped_mm_dw_kernel, types=dw_ptrs,
-                       estimate=_triton.config_shared_bytes(config, config["num_stages"], gg._dw_operand_elems,
-                                                            itemsize),
+                       estimate=gg.dw_shared_bytes(config, itemsize),
                        ones=("stride_xk", "stride_dyn", "stride_wn"),
                        div16=("K", "N", "CHUNK", "M_BUCKET", "stride_xm", "stride_dym", "stride_we", "stride_wk"),
                        consts={**meta, **dot, "BLOCK_E": 16}, options=options)
