@@ -3,15 +3,22 @@
 Legend: M rows (grouped by expert), K reduction features, N output features, E groups (experts).
 
 ``offsets_E`` are END offsets (torch._grouped_mm convention): group e owns rows [offsets_E[e-1], offsets_E[e]),
-with offsets_E[-1] == M; empty groups are allowed. The forward kernel maps program ids to (group, row tile)
-inside the kernel from the offsets (a cumulative sum of per-group tile counts), so the launch needs no host
-sync: it launches cdiv(M, BLOCK_M) + E row tiles, an upper bound, and the surplus programs return at once. dX
-runs the same kernel on the transposed weights (a strided view, no copy); dW has its own kernel, one program
-per (group, K tile, N tile) looping over the group's rows (an empty group writes zeros).
+with offsets_E[-1] == M; empty groups are allowed. Kernels map work to groups inside the kernel from the offsets
+(a cumulative sum of per-group tile counts), so no launch needs a host sync. dX runs the forward kernels on the
+transposed weights (a strided view, no copy).
 
-Loads use plain masked pointers, which also serve the strided (transposed) weights of dX. TMA tensor
-descriptors on Hopper, and a gate/up GEMM with the SwiGLU in its epilogue, are candidates to add once a GPU
-benchmark (bench/bench_kernels.py) shows what they gain over this version.
+Forward / dX come in two variants (:func:`choose_variant` picks one per call):
+
+* ``classic``: one program per (row tile, column tile), masked pointer loads (any strides and dtypes); it
+  launches cdiv(M, BLOCK_M) + E row tiles, an upper bound, and the surplus programs return at once.
+* ``persistent``: one program per SM walks the exact tile list in bands of GROUP_M row tiles, operands through
+  tensor descriptors (TMA on sm_90, 128x256x64 tiles with 3 stages among its configs); for bf16/fp16 operands
+  with 16-byte-aligned strides on compute capability >= 9.
+
+dW (x^T dy per group) splits the rows of large groups into chunks whose fp32 partial sums a second kernel adds
+in a fixed order (:func:`dw_split_rows` picks the chunk). Autotune configs are pruned by the shared memory they
+need for the operands' dtype (fp64 and fp32 fall back to smaller tiles), and every autotune key holds the rows per
+group, bucketed to a power of two, so a config tuned at 128 rows per expert is not reused at 4096.
 """
 
 from __future__ import annotations
