@@ -372,9 +372,10 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, part_ptr, offsets_ptr, M, K, N,
         rows = m0 + tl.arange(0, BLOCK_M)
         r_ok = rows < row_hi
         rows64 = rows.to(tl.int64)
-        xt = tl.load(x_ptr + offs_k[:, None] * stride_xk + rows64[None, :] * stride_xm,
+        # 64-bit offsets: with column-major x or dy (stride M along K or N), K * M passes 2**31 at realistic sizes.
+        xt = tl.load(x_ptr + offs_k.to(tl.int64)[:, None] * stride_xk + rows64[None, :] * stride_xm,
                      mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        g = tl.load(dy_ptr + rows64[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+        g = tl.load(dy_ptr + rows64[:, None] * stride_dym + offs_n.to(tl.int64)[None, :] * stride_dyn,
                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             xt = xt.to(tl.float32)
