@@ -9,6 +9,7 @@ without a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -142,8 +143,13 @@ def num_programs(t: torch.Tensor) -> int:
     """Programs a persistent kernel launches: one per SM on a GPU; 3 under the interpreter (so that tests see
     programs loop over several tiles)."""
     if t.is_cuda:
-        return torch.cuda.get_device_properties(t.device).multi_processor_count
+        return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return 3
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _alloc_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
