@@ -35,7 +35,7 @@ POLICY forms: BASE[+place][@current|@ema], BASE in none, feplb, feplb-split, fas
 
 # A per-token trace gathers W x S x L x K expert ids per micro-batch (plus int64 bin indices): past this many bytes
 # a --tokens-per-rank is refused rather than left to exhaust the machine's memory.
-MICROBATCH_BYTES_MAX = 2 << 30
+MICROBATCH_BYTES_MAX = 2_000_000_000
 
 
 class UsageError(ValueError):
