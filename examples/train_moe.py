@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import functools
 import gc
 import hashlib
 import json
@@ -171,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: torchrun's --nproc-per-node)")
     bal.add_argument("--plan-wait-ms", type=float, default=None,
                      help="how long a layer waits for its plan after the static experts' GEMM before it computes "
-                          "at home instead (default: 0 on CUDA, where the plan overlaps the GEMM; 200 on the CPU, "
-                          "where the ranks share cores and the planner thread can be starved)")
+                          "at home instead (default: the layer's: 0 on CUDA, where the plan overlaps the GEMM; on "
+                          "the CPU it waits for the plan)")
     bal.add_argument("--dyn", type=int, default=None,
                      help="dynamic experts per rank, which may run on another rank of the node "
                           "(default: min(4, experts per rank))")
@@ -569,23 +568,14 @@ class ExpertBias:
 
     def __init__(self, moes: list, rate: float) -> None:
         self.moes, self.rate = moes, rate
-        self.counts_LE: list[torch.Tensor | None] = [None] * len(moes)
-        if rate > 0:
-            for i, moe in enumerate(moes):
-                moe.register_forward_hook(functools.partial(self._count, i))
-
-    def _count(self, layer: int, moe, inputs: tuple, output) -> None:
-        with torch.no_grad():
-            topk_ids_TK = moe.route(inputs[0].reshape(-1, moe.config.hidden))[0]
-            self.counts_LE[layer] = torch.bincount(topk_ids_TK.reshape(-1), minlength=moe.config.num_experts)
 
     @torch.no_grad()
     def update(self) -> None:
         if self.rate <= 0:
             return
-        counts_LE = torch.stack(self.counts_LE).double()
-        dist.all_reduce(counts_LE)
-        for moe, counts_E in zip(self.moes, counts_LE, strict=True):
+        # the layer's last forward already all-gathered every rank's per-expert counts
+        for moe in self.moes:
+            counts_E = torch.tensor(moe.last_stats.tokens_per_expert, dtype=torch.float64)
             step_E = torch.sign(counts_E.mean() - counts_E).to(moe.router_bias.dtype)
             moe.router_bias.add_(self.rate * step_E)
 
@@ -698,13 +688,11 @@ def make_config(args, world: int, corpus_sha: str, text_label: str) -> TrainConf
 def make_moe_config(cfg: TrainConfig, transport: str, plan_wait_ms: float | None):
     import feplb
 
-    if plan_wait_ms is None:
-        plan_wait_ms = 0.0 if cfg.device == "cuda" else 200.0
     try:
         return feplb.FEPLBConfig(hidden=cfg.hidden, ffn=cfg.ffn, num_experts=cfg.experts, top_k=cfg.top_k,
                                  router=cfg.router, router_bias=cfg.bias_rate > 0, gpus_per_node=cfg.gpus_per_node,
                                  dyn=cfg.dyn, policy=cfg.policy, transport=transport,
-                                 plan_wait_ms=plan_wait_ms)
+                                 plan_wait_ms=plan_wait_ms, timeline=True)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"MoE layer configuration rejected: {exc}") from exc
 
@@ -821,8 +809,10 @@ def train(args: argparse.Namespace, created: list[Path] | None = None) -> Path:
     if rank == 0:
         meta["run_wall_s"] = run_s
         meta["resumed_from"] = start_step
-        write_report(out, meta, history["steps"])
+        write_report(out, meta, history["steps"], timeline=moes[0].last_timeline.spans())
     dist.barrier()
+    for moe in moes:
+        moe.close()
     return out / "report.md"
 
 
@@ -835,9 +825,9 @@ def _report_module():
     return report
 
 
-def write_report(out: Path, meta: dict, steps: list[dict]) -> None:
+def write_report(out: Path, meta: dict, steps: list[dict], timeline=None) -> None:
     """Rank 0 only."""
-    _report_module().write_report(out, meta, steps)
+    _report_module().write_report(out, meta, steps, timeline)
 
 
 def gather(obj) -> list:

@@ -37,7 +37,7 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     x_send = x_MD if send_idx is None else x_MD.index_select(0, send_idx)
     with span(tl, "phase1"):
         recv = layer._phase1(x_send, counts, lay.send_splits, lay.recv_splits, None, recv_W)
-    slot_w, bank_tail, bank_bytes = layer.replicas.forward_slot_weights(layer.placement, recv)
+    slot_w = layer.replicas.forward_slot_weights(layer.placement, recv)
     h = recv.index_select(0, to_device(lay.perm, dev))
     copies = tuple(plan.weight_copies)
     n = len(copies)
@@ -52,7 +52,7 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
         tail, got = ex(materialize(order, h, lambda e: layer._local_weights(e, slot_w)), layer._anchor(h))
     n_home = int(lay.kept_L.sum())
     with span(tl, "dynamic_gemm"):
-        parts = [expert_mlp(h[:n_home], slot_w[0], slot_w[1], to_device(np.cumsum(lay.kept_L), dev))]
+        parts = [expert_mlp(h[:n_home], slot_w.w1, slot_w.w2, to_device(np.cumsum(lay.kept_L), dev))]
         # the hosted rows follow in plan order; _hosted_gemm reads each move's rows from ``rows``
         rows, pos = {}, n_home
         for j in lay.hosted:
@@ -61,14 +61,13 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
         shifted = {k + len(moves): v for k, v in got.items()}
         y_h = hosted_gemm(layer, lay.hosted, moves, copies, {**rows, **shifted}, slot_w, h)
         parts += [y_h[j] for j in lay.hosted]
-    parts += [tail.view(0, H), bank_tail.view(0, H), layer._anchor(h).view(0, H)]
+    parts += [tail.view(0, H), slot_w.tail.view(0, H), layer._anchor(h).view(0, H)]
     y = torch.cat(parts)
     with span(tl, "phase1_reverse"):
         y_back = all_to_all_rows(y.index_select(0, to_device(inverse(lay.perm), dev)), layer.transport,
                                  lay.recv_splits, lay.send_splits)
     if send_idx is not None:
         y_back = y_back.index_select(0, to_device(inverse(lay.send_idx), dev))
-    layer._bank_bytes = bank_bytes
     res = PlanResult(plan=plan, plan_us=plan_us, ready=1, error=None)
     return y_back, Phase2(result=res, fell_back=False, moves=moves, layout=None, exchange=ex, spec=order,
-                          pending=None, copies=copies)
+                          pending=None, copies=copies, bank_bytes=slot_w.copied_bytes)

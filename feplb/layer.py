@@ -221,7 +221,7 @@ class MoELayer(nn.Module):
         """This rank's weights of expert e (views): a slot, a per-step replica, or its own parameter."""
         i = self.placement.slot_pos.get(e)
         if i is not None:
-            return slot_w[0][i], slot_w[1][i]
+            return slot_w.w1[i], slot_w.w2[i]
         j = self.replicas.replica_of.get(e)
         if j is not None:
             return self.replicas.replica_bank[0][j], self.replicas.replica_bank[1][j]
@@ -336,7 +336,7 @@ class MoELayer(nn.Module):
         split = self._split(counts)
         with span(tl, "phase1"):
             recv_RD = self._phase1(x_MD, counts, split.send_splits, split.home.recv_splits, split.split_WW)
-        slot_w, bank_tail, bank_bytes = self.replicas.forward_slot_weights(self.placement, recv_RD)
+        slot_w = self.replicas.forward_slot_weights(self.placement, recv_RD)
         with span(tl, "gather"):
             h_RD = recv_RD.index_select(0, to_device(split.home.perm, recv_RD.device))
         job = start_phase2(self, h_RD, counts, split, slot_w, tl) if counts.want_plan else None
@@ -349,16 +349,15 @@ class MoELayer(nn.Module):
         y_RD, tail = dynamic_and_return(self, h_RD, y_static, split, p2, slot_w, tl)
         with span(tl, "phase1_reverse"):
             y_back = all_to_all_rows(torch.cat([y_RD, tail.view(0, self.config.hidden),
-                                                bank_tail.view(0, self.config.hidden)]),
+                                                slot_w.tail.view(0, self.config.hidden)]),
                                      self.transport, split.home.recv_splits, split.send_splits,
                                      split_matrix=split.split_WW.t().contiguous())
-        self._bank_bytes = bank_bytes
-        return y_back, p2
+        return y_back, dataclasses.replace(p2, bank_bytes=slot_w.copied_bytes)
 
     def _static_gemm(self, h_RD: torch.Tensor, home: HomeLayout, slot_w) -> torch.Tensor:
         """Step 6: the static block of home order through all slot weights (the dynamic slots given empty groups,
         so no weight is gathered)."""
-        return expert_mlp(h_RD[:home.n_static], slot_w[0], slot_w[1], to_device(np.cumsum(home.static_L),
+        return expert_mlp(h_RD[:home.n_static], slot_w.w1, slot_w.w2, to_device(np.cumsum(home.static_L),
                                                                                    h_RD.device))
 
     def _split(self, counts: Counts) -> Split:
@@ -440,7 +439,7 @@ class MoELayer(nn.Module):
             loads_before_W=counts.loads_default_W.tolist(), loads_after_W=after.tolist(),
             token_straggler_before=float(token_straggler(counts.loads_default_W)),
             token_straggler_after=float(token_straggler(after)), rows_moved=rows,
-            copy_bytes=2 * row_bytes + w_bytes + self._bank_bytes, weight_copies=len(p2.copies),
+            copy_bytes=2 * row_bytes + w_bytes + p2.bank_bytes, weight_copies=len(p2.copies),
             plan_us=p2.result.plan_us, balanced=plan is not None, fell_back=p2.fell_back,
             plan_fingerprint=_digest(plan.fingerprint()) if plan is not None else 0, recv_grew=self._recv_grew,
             policy=c.policy, dynamic_WD=dyn.tolist(), experts_placed=len(self.placement.placed_pairs),

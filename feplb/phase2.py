@@ -41,6 +41,7 @@ class Phase2:
     spec: tuple                        # per send of this rank: ("rows", start, end) or ("w1" | "w2", expert)
     pending: concurrent.futures.Future | None
     copies: tuple                      # the plan's weight copies executed (expert, src, dst)
+    bank_bytes: int = 0                # bytes the owners sent for this rank's slot weights (per-microbatch +place)
 
 
 class _HostEvent:
@@ -135,7 +136,7 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
         # no moves: the dynamic slots compute at home (the home order's tail), one more grouped launch
         dyn_L = split.home.n_L - split.home.static_L
         with span(tl, "dynamic_gemm"):
-            y_dyn = expert_mlp(h_RD[split.home.n_static:], slot_w[0], slot_w[1],
+            y_dyn = expert_mlp(h_RD[split.home.n_static:], slot_w.w1, slot_w.w2,
                                to_device(np.cumsum(dyn_L), h_RD.device)) if dyn_L.any() else h_RD[:0]
         y_home = torch.cat([y_static, y_dyn])
         gather = inverse(split.home.perm)
@@ -145,7 +146,7 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
                     pending=p2.pending) if ex.active else (layer._anchor(h_RD), {})
     with span(tl, "dynamic_gemm"):
         kept = h_RD.index_select(0, to_device(lay.kept_idx, h_RD.device))
-        y_kept = expert_mlp(kept, slot_w[0], slot_w[1], to_device(np.cumsum(lay.kept_L), h_RD.device)) \
+        y_kept = expert_mlp(kept, slot_w.w1, slot_w.w2, to_device(np.cumsum(lay.kept_L), h_RD.device)) \
             if lay.kept_idx.size else h_RD[:0]
         y_hosted = hosted_gemm(layer, lay.hosted, moves, p2.copies, got, slot_w, h_RD)
     back = [Item(m.dst, m.src, m.rows * H) for m in moves]

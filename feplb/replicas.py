@@ -31,7 +31,7 @@ import torch
 from feplb.dispatch import Exchange
 from feplb.layout import Item
 
-__all__ = ["Placement", "Replicas", "state_digest"]
+__all__ = ["Placement", "Replicas", "SlotWeights", "state_digest"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -58,6 +58,16 @@ class Placement:
         placed = tuple((e, int(h)) for e, h in enumerate(home.tolist()) if h != e // L)
         return cls(home_E=home, slots_WS=slots, my_slots=mine, slot_pos={e: i for i, e in enumerate(mine)},
                    slot_of_E=slot_of, placed_pairs=placed, own_slots=mine == tuple(range(rank * L, rank * L + L)))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SlotWeights:
+    """The weights one forward computes this rank's slots with."""
+
+    w1: torch.Tensor      # [L, H, 2F]
+    w2: torch.Tensor      # [L, F, H]
+    tail: torch.Tensor    # empty; keeps the exchange that sent them (if any) in the graph
+    copied_bytes: int     # bytes the owners sent for them this micro-batch
 
 
 class Replicas:
@@ -144,26 +154,27 @@ class Replicas:
                 sends[k], sends[n + k] = w1.reshape(-1), w2.reshape(-1)
         return items, sends, index
 
-    def forward_slot_weights(self, placement: Placement, anchor: torch.Tensor):
-        """This forward's weights of this rank's slots ([L, H, 2F], [L, F, H]), a tail to keep in the graph, and
-        the bytes copied for them. With weights='per-microbatch' and experts placed away from their owners, the
-        owners send them now (differentiable)."""
+    def forward_slot_weights(self, placement: Placement, anchor: torch.Tensor) -> SlotWeights:
+        """This forward's weights of this rank's slots. With weights='per-microbatch' and experts placed away from
+        their owners, the owners send them now (a differentiable exchange hung on ``anchor``)."""
         lay = self._layer()
         if lay.config.weights == "per-step" or not placement.placed_pairs:
-            w = self.slot_bank if self.slot_bank is not None else lay.expert_weights()
-            return w, anchor[:0].reshape(-1), 0
+            w1, w2 = self.slot_bank if self.slot_bank is not None else lay.expert_weights()
+            return SlotWeights(w1=w1, w2=w2, tail=anchor[:0].reshape(-1), copied_bytes=0)
         copies = [(e, e // lay.num_local, h) for e, h in placement.placed_pairs]
         items, sends, index = self.exchange_weights(copies, "expert weights to their homes", from_owner=True)
         w1, _ = lay.expert_weights()
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="expert weights to their homes")
         tail, got = ex(ex.sends_of(sends), lay._anchor(anchor))
-        if placement.own_slots:
-            return lay.expert_weights(), tail, len(copies) * 3 * lay.config.hidden * lay.config.ffn * w1.element_size()
         H, Fd, n = lay.config.hidden, lay.config.ffn, len(copies)
+        nbytes = n * 3 * H * Fd * w1.element_size()
+        if placement.own_slots:
+            own1, own2 = lay.expert_weights()
+            return SlotWeights(w1=own1, w2=own2, tail=tail, copied_bytes=nbytes)
         ws = [(got[index[(e, lay.rank)]].view(H, 2 * Fd), got[n + index[(e, lay.rank)]].view(Fd, H))
               if e // lay.num_local != lay.rank else self.owned(e) for e in placement.my_slots]
-        return ((torch.stack([a for a, _ in ws]), torch.stack([b for _, b in ws])), tail,
-                len(copies) * 3 * lay.config.hidden * lay.config.ffn * w1.element_size())
+        return SlotWeights(w1=torch.stack([a for a, _ in ws]), w2=torch.stack([b for _, b in ws]), tail=tail,
+                           copied_bytes=nbytes)
 
     @torch.no_grad()
     def refresh(self, placement: Placement, resident: frozenset[tuple[int, int]]) -> None:
