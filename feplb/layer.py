@@ -114,8 +114,8 @@ class FEPLBConfig:
         _pos_int("min_straggler_rows", self.min_straggler_rows, 0)
         if self.top_k > self.num_experts:
             raise ValueError(f"FEPLBConfig.top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
-        if self.router not in ("softmax", "sigmoid"):
-            raise ValueError(f"FEPLBConfig.router must be 'softmax' or 'sigmoid', got {self.router!r}")
+        if self.router not in ("softmax", "sigmoid", "external"):
+            raise ValueError(f"FEPLBConfig.router must be 'softmax', 'sigmoid' or 'external', got {self.router!r}")
         from feplb.copy_engine import COPY_KINDS
 
         if self.copy_path not in COPY_KINDS:
@@ -320,9 +320,9 @@ class MoELayer(nn.Module):
 
         H, Fd = c.hidden, c.ffn
         self._w_numel = H * 2 * Fd + Fd * H   # elements of one expert's (w1, w2)
-        self.router = nn.Linear(H, c.num_experts, bias=False, device=device, dtype=c.dtype)
-        self.w1 = nn.Parameter(torch.randn(L, H, 2 * Fd, device=device, dtype=c.dtype) / H ** 0.5)
-        self.w2 = nn.Parameter(torch.randn(L, Fd, H, device=device, dtype=c.dtype) / Fd ** 0.5)
+        if c.router != "external":
+            self.router = nn.Linear(H, c.num_experts, bias=False, device=device, dtype=c.dtype)
+        self._init_experts(L, H, Fd, device, c.dtype)
         if c.router_bias:
             self.register_buffer("router_bias", torch.zeros(c.num_experts, device=device, dtype=torch.float32))
         else:
@@ -335,9 +335,10 @@ class MoELayer(nn.Module):
         self._generation = 0          # bumped by every refresh_replicas(); a late gradient marks the layer broken
         self._late_grad = False
         self._ever_held = False       # some rank has held per-step copies (a global fact: pairs are global)
-        with torch.no_grad():
-            dist.broadcast(self.router.weight, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                           group=group)
+        if c.router != "external":
+            with torch.no_grad():
+                dist.broadcast(self.router.weight, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                               group=group)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-plan") \
             if self.base != "none" else None
         self._recv_buf: torch.Tensor | None = None
@@ -348,11 +349,22 @@ class MoELayer(nn.Module):
         self._step_pairs: tuple[tuple[int, int], ...] = ()   # (expert, gpu != owner) holding per-step copies
         self._replica_version: tuple[int, int] = (-1, -1)
         self._last_counts_WE: np.ndarray | None = None
-        self._slot_w: tuple[torch.Tensor, torch.Tensor] = (self.w1, self.w2)
+        self._slot_w: tuple[torch.Tensor, torch.Tensor] = self._ew()
         self._set_placement(self.topo.default_home_E())
         self.last_stats: LayerStats | None = None
         self.last_plan = None
         self.last_plan_inputs = None
+
+    def _init_experts(self, L: int, H: int, F: int, device, dtype) -> None:
+        self.w1 = nn.Parameter(torch.randn(L, H, 2 * F, device=device, dtype=dtype) / H ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(L, F, H, device=device, dtype=dtype) / F ** 0.5)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w1, self.w2
+
+    def _ew(self) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.enable_grad():
+            return self.expert_weights()
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _scope_group(self):
@@ -397,14 +409,14 @@ class MoELayer(nn.Module):
             return self._replicas[e]
         if self._owner(e) == self.rank:
             i = e - self.rank * self.num_local
-            return self.w1[i], self.w2[i]
+            return self._ew()[0][i], self._ew()[1][i]
         raise RuntimeError(f"MoELayer: GPU {self.rank} holds no weights of expert {e}")
 
     def _anchor(self, t: torch.Tensor) -> torch.Tensor:
         """An empty 1-D tensor that requires grad whenever the layer's rows or expert weights do. Every exchange
         takes one in its input, so that whether its backward runs (a collective) never depends on what this rank
         happens to send: the input is the same everywhere, and under autograd every rank of a node calls it."""
-        a = t[:0].reshape(-1) + self.w1.reshape(-1)[:0]
+        a = t[:0].reshape(-1) + self._ew()[0][:0].reshape(-1)
         return a + self._grad_leaf if torch.is_grad_enabled() else a
 
     def _traffic(self, pairs) -> tuple[bool, bool]:
@@ -421,7 +433,7 @@ class MoELayer(nn.Module):
         """This rank's slot weights stacked ([L, H, 2F], [L, F, H]): received ones from ``got``, its own parameters
         for the rest."""
         lo = self.rank * self.num_local
-        ws = [got[e] if e in got else (self.w1[e - lo], self.w2[e - lo]) for e in self._my_slots]
+        ws = [got[e] if e in got else (self._ew()[0][e - lo], self._ew()[1][e - lo]) for e in self._my_slots]
         return torch.stack([a for a, _ in ws]), torch.stack([b for _, b in ws])
 
     def _has_weights(self, e: int, g: int) -> bool:
@@ -479,8 +491,9 @@ class MoELayer(nn.Module):
                                 f"got shape {list(x.shape)}")
         if x.dtype != c.dtype:
             return TypeError, f"MoELayer input dtype must be {c.dtype} (FEPLBConfig.dtype), got {x.dtype}"
-        if x.device != self.w1.device:
-            return ValueError, f"MoELayer input is on {x.device} but the layer's experts are on {self.w1.device}"
+        w_dev = self._ew()[0].device
+        if x.device != w_dev:
+            return ValueError, f"MoELayer input is on {x.device} but the layer's experts are on {w_dev}"
         return None
 
     # ------------------------------------------------------------------------------------------------ forward
@@ -500,6 +513,8 @@ class MoELayer(nn.Module):
         problem = self._input_problem(x)
         if problem is None and routing is not None:
             problem = self._routing_problem(x, routing)
+        if problem is None and routing is None and self.config.router == "external":
+            problem = ValueError, "MoELayer with router='external' needs routing=(topk_ids, topk_weights)"
         if problem is not None:
             self._dispatch(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
         x_TD = x.reshape(-1, self.config.hidden)
@@ -775,12 +790,12 @@ class MoELayer(nn.Module):
         hangs on ``anchor``, so its backward runs before phase 1's on every rank). Returns (a 1-D empty tail of
         that exchange for the caller to keep in the graph, bytes copied)."""
         if self.config.weights == "per-step" or not self._placed:
-            self._slot_w = self._bank if self._bank is not None else (self.w1, self.w2)
+            self._slot_w = self._bank if self._bank is not None else (self._ew()[0], self._ew()[1])
             return anchor[:0].reshape(-1), 0
         pairs = self._placed_pairs
         got, tail = self._copy_weights([(e, self._owner(e), h) for e, h in pairs], anchor, from_owner=True,
                                        op="expert weights to their placed homes")
-        self._slot_w = (self.w1, self.w2) if self._own_slots else self._stack_slots(got)
+        self._slot_w = (self._ew()[0], self._ew()[1]) if self._own_slots else self._stack_slots(got)
         return tail, len(pairs) * self._w_numel * anchor.element_size()
 
     def _copy_weights(self, copies: list[tuple[int, int, int]], anchor: torch.Tensor, *, op: str,
@@ -799,7 +814,7 @@ class MoELayer(nn.Module):
             n = 0
             for e, s, d in copies:
                 if s == r and d == p:
-                    w1, w2 = (self.w1[e - lo], self.w2[e - lo]) if from_owner else self._local_weights(e)
+                    w1, w2 = (self._ew()[0][e - lo], self._ew()[1][e - lo]) if from_owner else self._local_weights(e)
                     pieces += [w1.reshape(-1), w2.reshape(-1)]
                     n += w_numel
             send_layout.append((p, n))
@@ -956,7 +971,7 @@ class MoELayer(nn.Module):
     def _replicas_fresh(self) -> bool:
         if not self._step_pairs:
             return True
-        return self._replica_version == (self.w1._version, self.w2._version)
+        return self._replica_version == (self._ew()[0]._version, self._ew()[1]._version)
 
     def _adopt(self, state) -> None:
         """Execute the slow decisions of ``state`` from now on (placement, @ema sets, EPLB replicas)."""
@@ -1054,21 +1069,21 @@ class MoELayer(nn.Module):
         self._step_pairs = tuple(pairs)
         self._replicas = {}
         self._bank = None
-        self._replica_version = (self.w1._version, self.w2._version)
+        self._replica_version = (self._ew()[0]._version, self._ew()[1]._version)
         self._generation += 1
         self._ever_held = self._ever_held or bool(pairs)
         if pairs:
-            got, _ = self._copy_weights([(e, self._owner(e), g) for e, g in pairs], self.w1.new_empty(0),
+            got, _ = self._copy_weights([(e, self._owner(e), g) for e, g in pairs], self._ew()[0].new_empty(0),
                                         from_owner=True, op="refresh of resident replicas")
             for e, (a, b) in got.items():
                 if e not in self._slot_pos:
-                    self._replicas[e] = (self._watch(a.clone().requires_grad_(self.w1.requires_grad)),
-                                         self._watch(b.clone().requires_grad_(self.w2.requires_grad)))
+                    self._replicas[e] = (self._watch(a.clone().requires_grad_(self._ew()[0].requires_grad)),
+                                         self._watch(b.clone().requires_grad_(self._ew()[1].requires_grad)))
             if not self._own_slots:
                 w1, w2 = self._stack_slots(got)
-                self._bank = (self._watch(w1.requires_grad_(self.w1.requires_grad)),
-                              self._watch(w2.requires_grad_(self.w2.requires_grad)))
-        self._slot_w = self._bank if self._bank is not None else (self.w1, self.w2)
+                self._bank = (self._watch(w1.requires_grad_(self._ew()[0].requires_grad)),
+                              self._watch(w2.requires_grad_(self._ew()[1].requires_grad)))
+        self._slot_w = self._bank if self._bank is not None else (self._ew()[0], self._ew()[1])
 
     @torch.no_grad()
     def reduce_replica_grads(self) -> None:
@@ -1092,13 +1107,14 @@ class MoELayer(nn.Module):
             g2 = w2.grad if w2.grad is not None else torch.zeros_like(w2)
             return (g1[i], g2[i]) if i is not None else (g1, g2)
 
+        own: list[torch.Tensor] = []
+        own_w = self._ew()
+
         def add_own(e: int, g1: torch.Tensor, g2: torch.Tensor) -> None:
-            if self.w1.grad is None:
-                self.w1.grad = torch.zeros_like(self.w1)
-            if self.w2.grad is None:
-                self.w2.grad = torch.zeros_like(self.w2)
-            self.w1.grad[e - lo] += g1
-            self.w2.grad[e - lo] += g2
+            if not own:
+                own.extend(torch.zeros_like(w) for w in self._ew())
+            own[0][e - lo] += g1
+            own[1][e - lo] += g2
 
         send: dict[int, list[torch.Tensor]] = {}
         for e, g in pairs:
@@ -1115,7 +1131,7 @@ class MoELayer(nn.Module):
                 recv_numel[g] = recv_numel.get(g, 0) + w_numel
         cross, intra = self._traffic((g, self._owner(e)) for e, g in pairs)
         got = self.comm.run({p: torch.cat(t) for p, t in send.items()}, recv_numel, cross_node=cross,
-                            dtype=self.w1.dtype, device=self.w1.device, op="reduction of replica gradients",
+                            dtype=own_w[0].dtype, device=own_w[0].device, op="reduction of replica gradients",
                             intra_node=intra,
                             node_matrix=_node_matrix([(g, self._owner(e), w_numel) for e, g in pairs], r, G))
         for w in [w for pair in self._replicas.values() for w in pair] + list(self._bank or ()):
@@ -1127,6 +1143,9 @@ class MoELayer(nn.Module):
                 buf = got[g]
                 add_own(e, buf[p0:p0 + H * 2 * Fd].view(H, 2 * Fd), buf[p0 + H * 2 * Fd:p0 + w_numel].view(Fd, H))
                 pos[g] = p0 + w_numel
+        if own and own_w[0].requires_grad:
+            with torch.enable_grad():
+                torch.autograd.backward(list(self.expert_weights()), own)
 
 
 @dataclass(frozen=True)
