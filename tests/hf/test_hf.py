@@ -146,6 +146,23 @@ def _check_state_dict(rank, world, arch, model, ids, M) -> dict:
     return out
 
 
+class _OtherLayoutExperts(torch.nn.Module):
+    """An experts module stored the other way round (gate_up_proj [E, H, 2F], down_proj [E, F, H]), or without a
+    gate (up_proj only)."""
+
+    def __init__(self, E: int, H: int, F: int, gated: bool = True):
+        super().__init__()
+        if gated:
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(E, H, 2 * F))
+        else:
+            self.up_proj = torch.nn.Parameter(torch.randn(E, H, F))
+        self.down_proj = torch.nn.Parameter(torch.randn(E, F, H))
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        raise NotImplementedError
+
+
 def _check_errors(rank: int, world: int) -> dict:
     """Experts FEPLB cannot run exactly: the error names the module and the reason, and nothing is replaced."""
     import feplb.hf as fh
@@ -162,6 +179,10 @@ def _check_errors(rank: int, world: int) -> dict:
         out["half_untouched"] = (_experts_names(half) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
                                  and _digest(half.state_dict()) == before)
         out["gpt_oss"] = error_of(lambda: fh.apply(M.make_model("gpt_oss")))
+        other = M.make_model("mixtral")
+        other.model.layers[0].mlp.experts = _OtherLayoutExperts(8, 32, 16)
+        other.model.layers[1].mlp.experts = _OtherLayoutExperts(8, 32, 16, gated=False)
+        out["layouts"] = error_of(lambda: fh.apply(other))
         ok = M.make_model("qwen3_moe")
         out["derived"] = error_of(lambda: fh.apply(ok, top_k=3))
         out["unknown"] = error_of(lambda: fh.apply(ok, polcy="none"))
@@ -275,6 +296,9 @@ def test_unsupported_experts_are_refused_by_name_and_nothing_is_replaced(one_ran
     assert "model.layers.0.mlp.experts" not in err["half"] and "nothing was replaced" in err["half"]
     assert err["half_untouched"]
     assert "model.layers.0.mlp.experts (GptOssExperts): bias terms" in err["gpt_oss"], err["gpt_oss"]
+    assert ("model.layers.0.mlp.experts (_OtherLayoutExperts): weight layout gate_up_proj [8, 32, 32], down_proj "
+            "[8, 16, 32]; expected gate_up_proj [E, 2F, H] and down_proj [E, H, F]") in err["layouts"], err["layouts"]
+    assert "model.layers.1.mlp.experts (_OtherLayoutExperts): no gate_up_proj parameter" in err["layouts"]
     assert err["derived"].startswith("TypeError") and "['top_k'] come from the model" in err["derived"]
     assert err["unknown"].startswith("TypeError") and "unknown FEPLBConfig field(s) ['polcy']" in err["unknown"]
     assert "already replaced them" in err["twice"], err["twice"]
