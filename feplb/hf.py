@@ -196,6 +196,18 @@ def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | Non
                   "device": gu.device.type}
 
 
+def _version_hint() -> str:
+    try:
+        import transformers
+    except ImportError:
+        return " (pip install 'feplb[hf]': transformers >= 5)"
+    major = transformers.__version__.split(".")[0]
+    if major.isdigit() and int(major) < 5:
+        return (f" (transformers {transformers.__version__}: feplb.hf needs >= 5, where every MoE model has one "
+                "experts module; pip install 'feplb[hf]')")
+    return ""
+
+
 def _agree(local: object, group: dist.ProcessGroup | None) -> list:
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, local, group=group)
@@ -249,7 +261,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
         raise ValueError(f"feplb.hf.apply: cannot run these experts modules exactly (nothing was replaced):\n{msg}"
                          + ("" if len(bad) == len(views) else f"\n(on EP rank(s) {bad})"))
     if not found:
-        done = " (feplb.hf.apply already replaced them)" if experts_modules(model) else ""
+        done = " (feplb.hf.apply already replaced them)" if experts_modules(model) else _version_hint()
         raise ValueError(f"feplb.hf.apply: found no experts module in {type(model).__name__}{done}; expected "
                          "modules holding gate_up_proj [E, 2F, H] and down_proj [E, H, F] parameters")
     if any(v[1:] != views[0][1:] for v in views):
