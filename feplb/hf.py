@@ -93,9 +93,10 @@ class FEPLBExperts(MoELayer):
 
 def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules that hold 3-D ``gate_up_proj``, ``up_proj`` or ``down_proj`` parameters of their own: experts
-    modules, supported or not (dense MLPs hold nn.Linear submodules, not such parameters)."""
+    modules, supported or not (dense MLPs hold nn.Linear submodules, not such parameters). A module reachable
+    under several names appears under each, so that every reference to it is replaced."""
     out = []
-    for name, mod in model.named_modules():
+    for name, mod in model.named_modules(remove_duplicate=False):
         if isinstance(mod, FEPLBExperts):
             continue
         own = mod._parameters
@@ -252,7 +253,8 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     # One agreement: every rank raises together, or none does. The weights' checksums catch ranks that built or
     # loaded different models (each rank slices its experts from its own copy).
     with torch.no_grad():
-        sums = [(n, float(m.gate_up_proj.double().sum()), float(m.down_proj.double().sum())) for n, m, _ in plans]
+        sums = [(n, float(m.gate_up_proj.double().sum()).hex(), float(m.down_proj.double().sum()).hex())
+                for n, m, _ in plans]
     mine = (tuple(problems), tuple(n for n, _ in found), tuple(sums))
     views = _agree(mine, group)
     bad = [r for r, v in enumerate(views) if v[0]]
@@ -270,20 +272,23 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
                          "than rank 0; build the same model on every rank (same seed, or load the same checkpoint, "
                          "or broadcast) before apply")
 
-    replaced: list[str] = []
+    # Every config is checked, then every layer built (collective), before the first module is swapped: a bad
+    # override or a layer that cannot be built leaves the model as it was.
+    configs: dict[int, FEPLBConfig] = {}
+    for _, mod, fields_of in plans:
+        if id(mod) not in configs:
+            configs[id(mod)] = FEPLBConfig(**{**fields_of, **config_overrides, "router": "external"})
     made: dict[int, FEPLBExperts] = {}
-    for name, mod, fields_of in plans:
-        new = made.get(id(mod))
-        if new is None:
-            kw = {"device": fields_of.pop("device"), **fields_of, **config_overrides, "router": "external"}
-            new = FEPLBExperts(FEPLBConfig(**kw), group, mod.gate_up_proj, mod.down_proj, name=name)
+    for name, mod, _ in plans:
+        if id(mod) not in made:
+            new = FEPLBExperts(configs[id(mod)], group, mod.gate_up_proj, mod.down_proj, name=name)
             new.train(mod.training)
             new.refresh_replicas()
             made[id(mod)] = new
+    for name, mod, _ in plans:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, new)
-        replaced.append(name)
-    return replaced
+        setattr(model.get_submodule(parent_name), child, made[id(mod)])
+    return [name for name, _, _ in plans]
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

@@ -52,7 +52,9 @@ def _digest(sd: dict) -> str:
 
 
 def _experts_names(model) -> list[str]:
-    return [n for n, m in model.named_modules() if type(m).__name__.endswith("Experts")]
+    """Names of the model's transformers experts modules (not those FEPLB replaced them with)."""
+    return [n for n, m in model.named_modules()
+            if type(m).__name__.endswith("Experts") and type(m).__name__ != "FEPLBExperts"]
 
 
 def _check_arch(rank: int, world: int, arch: str, policy: str, state_dict_checks: bool) -> dict:
@@ -186,7 +188,10 @@ def _check_errors(rank: int, world: int) -> dict:
         ok = M.make_model("qwen3_moe")
         out["derived"] = error_of(lambda: fh.apply(ok, top_k=3))
         out["unknown"] = error_of(lambda: fh.apply(ok, polcy="none"))
+        out["bad_policy"] = error_of(lambda: fh.apply(ok, policy="no-such-policy"))
+        out["bad_policy_untouched"] = len(_experts_names(ok)) == 2
         fh.apply(ok, policy="none")
+        out["applied"] = _experts_names(ok)
         out["twice"] = error_of(lambda: fh.apply(ok))
     else:
         out["indivisible"] = error_of(lambda: fh.apply(M.make_model("mixtral", num_local_experts=6)))
@@ -302,6 +307,8 @@ def test_unsupported_experts_are_refused_by_name_and_nothing_is_replaced(one_ran
     assert err["derived"].startswith("TypeError") and "['top_k'] come from the model" in err["derived"]
     assert err["unknown"].startswith("TypeError") and "unknown FEPLBConfig field(s) ['polcy']" in err["unknown"]
     assert "already replaced them" in err["twice"], err["twice"]
+    assert err["bad_policy"].startswith("ValueError") and "no-such-policy" in err["bad_policy"], err["bad_policy"]
+    assert err["bad_policy_untouched"] and err["applied"] == [], err["applied"]
 
 
 @pytest.mark.slow
