@@ -86,6 +86,7 @@ def _check_arch(rank: int, world: int, arch: str, policy: str, state_dict_checks
     want = ref(input_ids=ids, labels=ids)
     out["logits_rel"] = _rel(got.logits, want.logits)
     out["rows_moved"] = sum(m.last_stats.rows_moved for m in fh.experts_modules(model))
+    out["weight_copies"] = sum(m.last_stats.weight_copies for m in fh.experts_modules(model))
     got.loss.backward()
     want.loss.backward()
     fh.reduce_replica_grads(model)
@@ -260,6 +261,8 @@ def _assert_equivalent(ranks: list[dict], world: int) -> None:
                 assert moved == [0] * world, (arch, policy, moved)
             else:
                 assert all(m > 0 for m in moved), f"{arch}: balancing should move rows here, got {moved}"
+                # the same input as the first step: its dynamic experts are resident, only rows travel
+                assert [res["weight_copies"] for res in per_rank] == [0] * world, (arch, policy)
 
 
 def _assert_state_dict(ranks: list[dict]) -> None:
