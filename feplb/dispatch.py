@@ -26,8 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from feplb.control import guard
 from feplb.copy_engine import CopyEngine
-from feplb.transport import Transport, guard
+from feplb.transport import Transport
 
 __all__ = ["PeerComm", "all_to_all_rows", "exchange"]
 
@@ -87,9 +88,11 @@ class PeerComm:
     def node_of(self, r: int) -> int:
         return r // self.gpus_per_node
 
-    def run(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int], *, cross_node: bool, dtype: torch.dtype,
-            device: torch.device, op: str, intra_node: bool = True, node_matrix=None) -> dict[int, torch.Tensor]:
-        """Send 1-D ``send[dst]`` to each EP rank dst; return {src: 1-D buffer of recv_numel[src] elements}.
+    def run(self, send: dict[int, list[torch.Tensor]], recv_numel: dict[int, int], *, cross_node: bool,
+            dtype: torch.dtype, device: torch.device, op: str, intra_node: bool = True,
+            node_matrix=None) -> dict[int, torch.Tensor]:
+        """Send the pieces ``send[dst]`` (contiguous ``dtype`` tensors, sent back to back) to each EP rank dst;
+        return {src: 1-D buffer of recv_numel[src] elements}.
 
         node_matrix: optional G x G elements node rank i of this rank's node sends node rank j in this call (int64
         array or tuple of tuples; see the module docstring); passed to the copy path, which checks this rank's part
@@ -108,9 +111,9 @@ class PeerComm:
         remote_recv = {q: n for q, n in recv_numel.items() if self.node_of(q) != self.node_of(me)}
         if cross_node:
             w = self.transport.world_size
-            send_splits = [remote_send[p].numel() if p in remote_send else 0 for p in range(w)]
+            send_splits = [sum(t.numel() for t in remote_send.get(p, ())) for p in range(w)]
             recv_splits = [int(remote_recv.get(q, 0)) for q in range(w)]
-            parts = [remote_send[p].reshape(-1).to(dtype) for p in range(w) if p in remote_send]
+            parts = [t.reshape(-1).to(dtype) for p in range(w) for t in remote_send.get(p, ())]
             flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
             with guard(f"{op} (cross-node part)", self.transport.group):
                 got_flat = self.transport.all_to_all(flat, send_splits, recv_splits)
@@ -145,7 +148,7 @@ def _run_layout(comm: PeerComm, flat: torch.Tensor, send_layout: tuple, recv_lay
                 intra_node: bool, op: str, node_matrix: np.ndarray | None = None) -> torch.Tensor:
     send, start = {}, 0
     for peer, n in send_layout:
-        send[peer] = flat[start:start + n]
+        send[peer] = [flat[start:start + n]]
         start += n
     if start != flat.numel():
         raise ValueError(f"{op}: send layout covers {start} elements but the buffer has {flat.numel()}")

@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from feplb.copy_engine import make_copy_engine, make_node_groups
+from feplb.control import Control
+from feplb.copy_engine import make_copy_engine
 from feplb.dispatch import PeerComm, all_to_all_rows, exchange
 from feplb.transport import make_transport
 
@@ -304,13 +305,13 @@ class MoELayer(nn.Module):
         if not on_gpu and backend == "nccl":   # (a "cpu:gloo,cuda:nccl" group carries both)
             raise ValueError("FEPLBConfig.device='cpu' cannot run over an NCCL group (NCCL moves CUDA tensors only)")
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.transport = make_transport(c.transport, group)
+        self.control = Control(group, c.gpus_per_node)
         # Collective: identical configs everywhere before any other collective of this layer.
-        self.transport.check_same(repr(dataclasses.asdict(c)).encode() + repr((W, c.gpus_per_node)).encode(),
-                                  "FEPLBConfig")
-        self.node_group, self.node_ranks = make_node_groups(group, c.gpus_per_node)
-        copy = make_copy_engine(device, self.node_group, c.gpus_per_node, use_nvshmem=c.transport == "nvshmem",
-                                kind=c.copy_path)
+        self.control.check_same(repr(dataclasses.asdict(c)).encode() + repr((W, c.gpus_per_node)).encode(),
+                                "FEPLBConfig", "every rank of the EP group must build the layer with the same config")
+        self.transport = make_transport(c.transport, group, self.control)
+        self.node_group, self.node_ranks = self.control.node_group, self.control.node_ranks
+        copy = make_copy_engine(c.copy_path, device, self.control, transport_kind=c.transport)
         self.comm = PeerComm(self.transport, copy, c.gpus_per_node)
         self.state = PolicyState(topo=self.topo, policy=c.policy, refresh_every=c.refresh_every) \
             if (self.base != "none" or self.place) else None
@@ -355,8 +356,8 @@ class MoELayer(nn.Module):
         self.last_plan_inputs = None
 
     # ------------------------------------------------------------------------------------------------ helpers
-    def _scope_group(self):
-        return self.node_group if self.in_node_policy else self.group
+    def _scope_group(self) -> str:
+        return "node" if self.in_node_policy else "group"
 
     def _owner(self, e: int) -> int:
         return e // self.num_local
@@ -540,7 +541,7 @@ class MoELayer(nn.Module):
         else:
             flags = torch.zeros(E + 1, dtype=torch.int64)
         flags = torch.cat([flags, torch.tensor([int(not self._replicas_fresh()), int(problem is not None)])])
-        gathered = self.transport.all_gather_counts(flags).cpu()
+        gathered = self.control.all_gather(flags, "all_gather of expert counts")
         input_ranks = torch.nonzero(gathered[:, E + 2]).flatten().tolist()
         if problem is not None:
             raise problem[0](problem[1])
@@ -661,8 +662,8 @@ class MoELayer(nn.Module):
                     ready = 1
                 except concurrent.futures.TimeoutError:
                     ready = 0
-            agreed = self.transport.all_reduce_min(torch.tensor([ready], dtype=torch.int64), self._scope_group(),
-                                                   "readiness agreement")
+            agreed = self.control.all_reduce_min(torch.tensor([ready], dtype=torch.int64), self._scope_group(),
+                                                 "readiness agreement")
             if int(agreed[0]) == 0:
                 plan, fell_back = None, True
         moves = () if plan is None else tuple(m for m in plan.moves if m.row_end > m.row_start)
@@ -1009,7 +1010,7 @@ class MoELayer(nn.Module):
     def _agree_step_state(self, what: str) -> None:
         """Raise on every rank together if some rank's per-step copies lost or kept gradients (collective)."""
         flags = torch.tensor([int(self._grads_clean()), int(not self._late_grad)])
-        agreed = self.transport.all_reduce_min(flags, self.group, f"{what} check")
+        agreed = self.control.all_reduce_min(flags, "group", f"{what} check")
         if int(agreed[1]) == 0:
             raise RuntimeError(f"MoELayer.{what}: a backward pass ran through expert weight copies that "
                                "refresh_replicas() had already replaced, so their gradients were lost; call "
@@ -1043,8 +1044,8 @@ class MoELayer(nn.Module):
             self._agree_step_state("refresh_replicas")
         if self.state is not None:
             # e.g. a state restored from a checkpoint: every rank must adopt the same slow decisions
-            self.transport.check_same(self._state_digest(), "the policy state (MoELayer.state)",
-                                      "every rank must restore the same PolicyState (same checkpoint step)")
+            self.control.check_same(self._state_digest(), "the policy state (MoELayer.state)",
+                                    "every rank must restore the same PolicyState (same checkpoint step)")
             self._adopt(self.state)
         if self.config.weights != "per-step":
             return
@@ -1114,7 +1115,7 @@ class MoELayer(nn.Module):
             if self._owner(e) == r:
                 recv_numel[g] = recv_numel.get(g, 0) + w_numel
         cross, intra = self._traffic((g, self._owner(e)) for e, g in pairs)
-        got = self.comm.run({p: torch.cat(t) for p, t in send.items()}, recv_numel, cross_node=cross,
+        got = self.comm.run(send, recv_numel, cross_node=cross,
                             dtype=self.w1.dtype, device=self.w1.device, op="reduction of replica gradients",
                             intra_node=intra,
                             node_matrix=_node_matrix([(g, self._owner(e), w_numel) for e, g in pairs], r, G))
