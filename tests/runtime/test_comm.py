@@ -13,14 +13,14 @@ pytestmark = pytest.mark.dist
 
 
 def _a2a_case(tr, rank: int, world: int, seed: int, device: torch.device) -> dict:
-    """Uneven all-to-all (one rank sends nothing), its backward, the known split matrix and out=, checked against
+    """Uneven all-to-all (rank W/2 sends nothing), its backward, the known split matrix and out=, checked against
     the blocks every rank derives from ``seed``."""
     from feplb.dispatch import all_to_all_rows
 
     out = {}
     gen = torch.Generator().manual_seed(seed)
     splits_WW = torch.randint(0, 4, (world, world), generator=gen)
-    splits_WW[2] = 0
+    splits_WW[world // 2] = 0
     data = [torch.randn(int(splits_WW[s].sum()), 3, generator=gen) for s in range(world)]
     expect = torch.cat([data[s][int(splits_WW[s, :rank].sum()):int(splits_WW[s, :rank + 1].sum())]
                         for s in range(world)])
@@ -130,5 +130,5 @@ def _staged_cases(rank: int, world: int) -> dict:
 def test_torch_transport_gloo_cuda_staged():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    for rank, res in enumerate(run_dist(_staged_cases, 4, timeout_s=300, backend="gloo")):
+    for rank, res in enumerate(run_dist(_staged_cases, 2, timeout_s=300, backend="gloo")):
         assert all(res.values()), (rank, res)

@@ -52,10 +52,10 @@ def _plan(step: int, g: int, most: int) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def _pieces(step: int, src: int, dst: int, blk: torch.Tensor) -> list[torch.Tensor]:
-    """``blk`` cut at 0-2 seeded points (empty pieces included); even-sized pieces sometimes as 2-D views (any
-    contiguous shape is a piece)."""
+    """``blk`` cut at 1-3 seeded points (empty pieces included, when a cut repeats or falls on an end); even-sized
+    pieces sometimes as 2-D views (any contiguous shape is a piece)."""
     gen = _gen(step, src, dst, -2)
-    cuts = sorted(torch.randint(0, blk.numel() + 1, (int(torch.randint(0, 3, (1,), generator=gen)),),
+    cuts = sorted(torch.randint(0, blk.numel() + 1, (int(torch.randint(1, 4, (1,), generator=gen)),),
                                 generator=gen).tolist())
     bounds = [0, *cuts, blk.numel()]
     pieces = [blk[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
@@ -108,6 +108,7 @@ def _engine_cases(rank: int, world: int, g: int) -> dict:
     """Correctness of the shm engine against the seed and against gloo, from the main thread and from a worker
     thread; bad arguments; kinds; shared-memory files."""
     import concurrent.futures
+    import importlib.util
 
     import torch.distributed as dist
 
@@ -254,6 +255,12 @@ def _engine_cases(rank: int, world: int, g: int) -> dict:
     out["kind_transport"] = _expect_value_error(lambda: ce.make_copy_engine("auto", cpu, ctl, transport_kind="mpi"),
                                                 "transport_kind", "'mpi'")
     out["kind_control"] = _expect_value_error(lambda: ce.GlooCopyEngine(None), "control must be")
+    if not torch.cuda.is_available():
+        # The CUDA engines without a GPU (or nvshmem4py): a clear error on this rank, before any collective.
+        for cls in (ce.IpcCopyEngine, ce.NcclCopyEngine):
+            out[f"no_gpu_{cls.name}"] = "needs a CUDA GPU" in str(error_of(lambda c=cls: c(ctl)))
+        if importlib.util.find_spec("nvshmem") is None:
+            out["no_nvshmem"] = "pip install 'feplb[nvshmem]'" in str(error_of(lambda: ce.NvshmemCopyEngine(ctl)))
 
     # Processes that do not see each other's files (as in separate /dev/shm namespaces): every rank raises
     # PeerMemoryUnavailable, no file stays behind, and "auto" falls back to gloo on all of them.
