@@ -12,8 +12,8 @@ Engines, by ``make_copy_engine(kind, device, control)``:
   (``feplb.copy.ipc``).
 * ``"nvshmem"`` ``NvshmemCopyEngine`` (CUDA tensors): on-stream puts with signals into symmetric inboxes
   (nvshmem4py), one node = the whole job, one GPU per process (``feplb.copy.nvshmem``).
-* ``"nccl"`` ``NcclCopyEngine`` (CUDA tensors): ``all_to_all_single`` over NCCL inside the node on the copy
-  stream (correct, but that copy runs on SMs; ``feplb.copy.nccl``).
+* ``"nccl"`` ``NcclCopyEngine`` (CUDA tensors): one ``all_to_all`` over NCCL inside the node on the copy stream
+  (correct, but that copy runs on SMs; ``feplb.copy.nccl``).
 
 Every engine has the interface of ``CopyEngine.exchange`` (``feplb.copy.base``): per-peer lists of pieces in,
 {source: tensor} out, an optional known split matrix, and on CUDA a ``ready`` event the copies wait for and a

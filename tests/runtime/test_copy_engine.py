@@ -6,12 +6,13 @@ checked against the gloo engine on the same inputs, from the main thread and fro
 thread computes. The known-matrix path (``matrix=``: one control collective per exchange, two inbox halves) is
 checked the same way, against the agreed path and gloo, with growth and reuse in both halves, and with a slow
 reader that an engine without the two halves corrupts. The CUDA IPC engine runs as 2 processes on one GPU (gloo
-for control) and is skipped without CUDA.
+for control), the NCCL and NVSHMEM engines with one process per GPU; all skipped without the GPUs they need.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import time
 
@@ -108,7 +109,6 @@ def _engine_cases(rank: int, world: int, g: int) -> dict:
     """Correctness of the shm engine against the seed and against gloo, from the main thread and from a worker
     thread; bad arguments; kinds; shared-memory files."""
     import concurrent.futures
-    import importlib.util
 
     import torch.distributed as dist
 
@@ -744,3 +744,37 @@ def test_ipc_engine_one_gpu():
     for rank, res in enumerate(results):
         assert res["kind"] and res["no_host_sync"] is True and res["no_growth_in_sync_check"], (rank, res)
         assert all(res["steps"]) and res["grows"] >= 3 and res["exchanges"], (rank, res)
+
+
+def _one_gpu_each_cases(rank: int, world: int, kind: str) -> dict:
+    """One GPU per process: the nccl or nvshmem engine against the seed on the agreed and known-matrix paths."""
+    from feplb.control import Control
+    from feplb.copy_engine import make_copy_engine
+    from feplb.transport import make_transport
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ctl = Control(None, world)
+    transport = make_transport("nvshmem" if kind == "nvshmem" else "torch", None, ctl)   # nvshmem: initialises it
+    eng = make_copy_engine(kind, dev, ctl, transport_kind=transport.name)
+    out = {"kind": eng.name == kind, "steps": []}
+    for step, (dtype, most) in enumerate(STEPS + STEPS[:3]):
+        send, recv, expect = _step_args(step, rank, world, dtype, most)
+        dsend = {p: [t.to(dev) for t in ps] for p, ps in send.items()}
+        matrix = _plan(step, world, most)[0].numpy() if step % 2 else None
+        got = eng.exchange(dsend, recv, dtype=dtype, device=dev, op=f"{kind} step {step}", matrix=matrix)
+        out["steps"].append(_same({q: t.cpu() for q, t in got.items()}, expect, dtype))
+    eng.close()
+    transport.close()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["nccl", "nvshmem"])
+def test_cuda_engines_one_gpu_each(kind):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (one process per GPU)")
+    if kind == "nvshmem" and importlib.util.find_spec("nvshmem") is None:
+        pytest.skip("needs nvshmem4py: pip install 'feplb[nvshmem]'")
+    world = min(torch.cuda.device_count(), 4)
+    for rank, res in enumerate(run_dist(_one_gpu_each_cases, world, kind, backend="nccl", timeout_s=300)):
+        assert res["kind"] and all(res["steps"]), (rank, res)
