@@ -44,12 +44,16 @@ class Balancer:
     """The planner and copy threads of one layer.
 
     plan_wait_s: grace after the static GEMM's end before giving up on the plan; None = wait for it (CPU default).
+    device: the layer's device; on CUDA the copy thread makes it its current device (a new thread starts on
+        device 0, whatever the main thread set).
     """
 
-    def __init__(self, *, plan_wait_s: float | None):
+    def __init__(self, *, plan_wait_s: float | None, device: torch.device):
         self.plan_wait_s = plan_wait_s
         self.planner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-plan")
-        self.copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-copy")
+        init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
+        self.copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-copy",
+                                                            initializer=init[0], initargs=init[1])
         self._planning: concurrent.futures.Future | None = None
 
     def submit_plan(self, fn: Callable[[], tuple[Any, float]]) -> concurrent.futures.Future | None:
@@ -91,7 +95,3 @@ def timed_plan(make: Callable[[], Any]) -> tuple[Any, float]:
     t0 = time.perf_counter()
     plan = make()
     return plan, (time.perf_counter() - t0) * 1e6
-
-
-def cuda_event_query(event: torch.cuda.Event | None) -> Callable[[], bool]:
-    return (lambda: True) if event is None else event.query

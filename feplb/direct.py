@@ -9,7 +9,7 @@ import torch
 from feplb.balance import PlanResult
 from feplb.dispatch import Exchange, all_to_all_rows
 from feplb.experts import expert_mlp, span, to_device
-from feplb.layout import Item, direct_layout, inverse
+from feplb.layout import Item, direct_layout, direct_split_matrix, inverse
 from feplb.phase2 import Phase2, hosted_gemm, materialize
 from feplb.steps import Counts
 from feplb.timeline import Timeline
@@ -29,14 +29,12 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
         if m.src != int(layer.placement.home_E[m.expert]):
             raise RuntimeError(f"plan move {m} does not start at expert {m.expert}'s home GPU")
     lay = direct_layout(counts.counts_WE, layer.placement.slots_WS, moves, r)
-    recv_W = counts.loads_home_W.copy()
-    for m in moves:
-        recv_W[m.src] -= m.rows
-        recv_W[m.dst] += m.rows
+    split_WW = torch.from_numpy(direct_split_matrix(counts.counts_WE, layer.placement.slots_WS, moves))
+    recv_W = split_WW.sum(dim=0).numpy()
     send_idx = None if lay.send_idx is None else to_device(lay.send_idx, dev)
     x_send = x_MD if send_idx is None else x_MD.index_select(0, send_idx)
     with span(tl, "phase1"):
-        recv = layer._phase1(x_send, counts, lay.send_splits, lay.recv_splits, None, recv_W)
+        recv = layer._phase1(x_send, counts, lay.send_splits, lay.recv_splits, split_WW, recv_W)
     slot_w = layer.replicas.forward_slot_weights(layer.placement, recv)
     h = recv.index_select(0, to_device(lay.perm, dev))
     copies = tuple(plan.weight_copies)
@@ -49,23 +47,29 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
             spec[k], spec[n + k] = ("w1", e), ("w2", e)
     order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
     with span(tl, "copy_weights", "copy"):
-        tail, got = ex(materialize(order, h, lambda e: layer._local_weights(e, slot_w)), layer._anchor(h))
+        rcv = ex(materialize(order, h, lambda e: layer._local_weights(e, slot_w)), layer._anchor(h))
     n_home = int(lay.kept_L.sum())
+    # the hosted rows follow the kept ones in plan order
+    start, pos = {}, n_home
+    for j in lay.hosted:
+        start[j] = pos
+        pos += moves[j].rows
+    order_of = {j: i for i, j in enumerate(lay.hosted)}
+
+    def rows(js: list[int]) -> torch.Tensor:
+        if all(order_of[b] == order_of[a] + 1 for a, b in zip(js, js[1:], strict=False)):
+            return h[start[js[0]]:start[js[-1]] + moves[js[-1]].rows]
+        return torch.cat([h[start[j]:start[j] + moves[j].rows] for j in js])
+
     with span(tl, "dynamic_gemm"):
         parts = [expert_mlp(h[:n_home], slot_w.w1, slot_w.w2, to_device(np.cumsum(lay.kept_L), dev))]
-        # the hosted rows follow in plan order; _hosted_gemm reads each move's rows from ``rows``
-        rows, pos = {}, n_home
-        for j in lay.hosted:
-            rows[j] = h[pos:pos + moves[j].rows].reshape(-1)
-            pos += moves[j].rows
-        shifted = {k + len(moves): v for k, v in got.items()}
-        y_h = hosted_gemm(layer, lay.hosted, moves, copies, {**rows, **shifted}, slot_w, h)
+        y_h = hosted_gemm(layer, lay.hosted, moves, copies, rows, rcv, 0, dev)
         parts += [y_h[j] for j in lay.hosted]
-    parts += [tail.view(0, H), slot_w.tail.view(0, H), layer._anchor(h).view(0, H)]
+    parts += [rcv.tail.view(0, H), slot_w.tail.view(0, H), layer._anchor(h).view(0, H)]
     y = torch.cat(parts)
     with span(tl, "phase1_reverse"):
         y_back = all_to_all_rows(y.index_select(0, to_device(inverse(lay.perm), dev)), layer.transport,
-                                 lay.recv_splits, lay.send_splits)
+                                 lay.recv_splits, lay.send_splits, split_matrix=split_WW.t().contiguous())
     if send_idx is not None:
         y_back = y_back.index_select(0, to_device(inverse(lay.send_idx), dev))
     res = PlanResult(plan=plan, plan_us=plan_us, ready=1, error=None)

@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from feplb.control import guard
 from feplb.copy_engine import CopyEngine
 from feplb.layout import Item, exchange_layout
-from feplb.transport import Transport, guard
+from feplb.transport import Transport
 
-__all__ = ["Exchange", "PeerComm", "all_to_all_rows"]
+__all__ = ["Exchange", "PeerComm", "Received", "all_to_all_rows"]
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -80,6 +80,13 @@ class PeerComm:
     transport: Transport
     copy: CopyEngine
     gpus_per_node: int
+    _handoff: dict = field(default_factory=dict, repr=False)
+
+    def handoff_stream(self, device: torch.device):
+        """The stream a worker thread hands received tensors to (one per device, created on first use)."""
+        if device not in self._handoff:
+            self._handoff[device] = torch.cuda.Stream(device)
+        return self._handoff[device]
 
     @property
     def rank(self) -> int:
@@ -101,8 +108,8 @@ class PeerComm:
         local_send = {p - base: t for p, t in send.items() if p // g == me // g}
         local_recv = {q - base: n for q, n in recv_numel.items() if q // g == me // g}
         if intra_node and g > 1:
-            got = self.copy.exchange({p: torch.cat([t.reshape(-1) for t in ts]) for p, ts in local_send.items()},
-                                     local_recv, dtype=dtype, device=device, op=op, matrix=node_matrix)
+            got = self.copy.exchange(local_send, local_recv, dtype=dtype, device=device, op=op, matrix=node_matrix,
+                                     ready=ready, consumer=consumer)
             out.update({q + base: t for q, t in got.items()})
         elif local_send or local_recv:
             raise ValueError(f"{op}: intra-node traffic without a copy path call")
@@ -132,7 +139,13 @@ class _ExchangeFn(torch.autograd.Function):
         ctx.ex = ex
         ctx.send_shapes = [t.shape for t in sends]
         ctx.anchor_shape = anchor.shape
-        got = pending.result() if pending is not None else ex._run(list(sends))
+        got, done = pending.result() if pending is not None else ex.issue(list(sends))
+        if done is not None:
+            # issued by another thread for the hand-off stream: this stream waits for the copies, no host wait
+            cur = torch.cuda.current_stream(ex.device)
+            cur.wait_event(done)
+            for t in got.values():
+                t.record_stream(cur)
         return (anchor.new_empty(0),) + tuple(got[q] for q in ex.layout.recv)
 
     @staticmethod
@@ -155,6 +168,29 @@ class _ExchangeFn(torch.autograd.Function):
         return (None, None, torch.zeros(ctx.anchor_shape, dtype=ex.dtype, device=ex.device), *out)
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Received:
+    """What one rank received in an exchange: a 1-D view per item, and each source's whole buffer."""
+
+    tail: torch.Tensor                # empty; keep it in the graph (the exchange's backward is collective)
+    items: dict[int, torch.Tensor]    # item index -> 1-D view of its elements
+    bufs: dict[int, torch.Tensor]     # source rank -> 1-D buffer of its items, in item order
+    at: dict[int, tuple[int, int]]    # item index -> (source rank, offset in that source's buffer)
+
+    def joined(self, ks: Sequence[int]) -> torch.Tensor:
+        """The items ``ks`` back to back (1-D): a view when they lie in order in one source's buffer, else a cat."""
+        if not ks:
+            raise ValueError("joined() needs at least one item")
+        src, start = self.at[ks[0]]
+        end = start
+        for k in ks:
+            q, off = self.at[k]
+            if q != src or off != end:
+                return torch.cat([self.items[k] for k in ks])
+            end = off + self.items[k].numel()
+        return self.bufs[src][start:end]
+
+
 class Exchange:
     """One batched, differentiable exchange between EP ranks (collective; see the module docstring).
 
@@ -167,6 +203,12 @@ class Exchange:
     def __init__(self, comm: PeerComm, items: Sequence[Item], *, dtype: torch.dtype, device: torch.device, op: str):
         self.comm, self.items, self.dtype, self.device, self.op = comm, list(items), dtype, device, op
         self.layout = exchange_layout(self.items, comm.rank, comm.gpus_per_node)
+        self.at: dict[int, tuple[int, int]] = {}
+        for q, ks in self.layout.recv.items():
+            pos = 0
+            for k in ks:
+                self.at[k] = (q, pos)
+                pos += self.items[k].numel
 
     @property
     def active(self) -> bool:
@@ -177,51 +219,49 @@ class Exchange:
         """This rank's send tensors in the exchange's order, from {item index: tensor}."""
         return [by_item[k] for ks in self.layout.send.values() for k in ks]
 
-    def _run(self, sends: list[torch.Tensor], ready=None, consumer=None) -> dict[int, torch.Tensor]:
+    def issue(self, sends: list[torch.Tensor], ready=None, *, handoff: bool = False):
+        """Run the exchange now on this thread, without autograd: ({source: buffer}, the event its hand-off stream
+        recorded after the copies, or None). ready (CUDA): the event the sends depend on. handoff (CUDA): the
+        results are for another thread's stream (a worker issues them): they are handed to the comm's hand-off
+        stream and the returned event says when they are there; else the calling thread's stream waits for them."""
         lay = self.layout
         pieces: dict[int, list[torch.Tensor]] = {}
         it = iter(sends)
         for p, ks in lay.send.items():
             pieces[p] = []
             for k in ks:
-                t = next(it)
+                t = next(it).detach()
                 if t.numel() != self.items[k].numel:
                     raise ValueError(f"{self.op}: item {k} ({self.items[k]}) given {t.numel()} elements")
-                pieces[p].append(t.reshape(-1))
-        return self.comm.run(pieces, lay.recv_numel, cross_node=lay.cross_node, intra_node=lay.intra_node,
-                             dtype=self.dtype, device=self.device, op=self.op, node_matrix=lay.node_matrix,
-                             ready=ready, consumer=consumer)
+                pieces[p].append(t.reshape(-1).contiguous())
+        consumer = self.comm.handoff_stream(self.device) if handoff and self.device.type == "cuda" else None
+        got = self.comm.run(pieces, lay.recv_numel, cross_node=lay.cross_node, intra_node=lay.intra_node,
+                            dtype=self.dtype, device=self.device, op=self.op, node_matrix=lay.node_matrix,
+                            ready=ready, consumer=consumer)
+        done = None
+        if consumer is not None:
+            done = torch.cuda.Event()
+            done.record(consumer)
+        return got, done
 
-    def start(self, sends: list[torch.Tensor], worker: concurrent.futures.Executor | None = None, *,
-              ready=None, consumer=None) -> concurrent.futures.Future:
-        """Run the exchange without autograd, on ``worker`` (or now, when None); finish it with
-        ``self(sends, anchor, pending=<the returned future>)``. The tensors must not change meanwhile."""
-        if worker is None:
-            f: concurrent.futures.Future = concurrent.futures.Future()
-            f.set_result(self._run([t.detach() for t in sends], ready, consumer))
-            return f
-        return worker.submit(self._run, [t.detach() for t in sends], ready, consumer)
+    def start(self, sends: list[torch.Tensor], worker: concurrent.futures.Executor, *,
+              ready=None) -> concurrent.futures.Future:
+        """Issue the exchange on ``worker`` (the copy thread); finish it with ``self(sends, anchor, pending=<the
+        returned future>)``. The tensors must not change meanwhile."""
+        return worker.submit(self.issue, list(sends), ready, handoff=True)
 
     def __call__(self, sends: list[torch.Tensor], anchor: torch.Tensor,
-                 pending: concurrent.futures.Future | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Differentiable exchange: sends in ``sends_of`` order -> (tail, {item index: 1-D received block}).
+                 pending: concurrent.futures.Future | None = None) -> Received:
+        """Differentiable exchange: sends in ``sends_of`` order -> what this rank received.
 
         anchor: an empty tensor requiring grad whenever autograd records (on every rank), so that every rank runs
-        the backward; tail: an empty tensor to keep in the graph. pending: the future of ``start`` with the same
-        sends (the copies already ran, beside the compute)."""
+        the backward. pending: a future of ``(buffers, event)`` from ``start`` or ``issue(..., handoff=True)`` with
+        the same sends (the copies already ran, beside the compute)."""
         if not self.active:
-            return anchor[:0].reshape(-1), {}
+            return Received(tail=anchor[:0].reshape(-1), items={}, bufs={}, at={})
         tail, *bufs = _ExchangeFn.apply(self, pending, anchor, *sends)
         out: dict[int, torch.Tensor] = {}
-        for buf, ks in zip(bufs, self.layout.recv.values(), strict=True):
-            pos = 0
-            for k in ks:
-                n = self.items[k].numel
-                out[k] = buf[pos:pos + n]
-                pos += n
-        return tail, out
-
-
-def node_matrix_of(items: Sequence[Item], rank: int, gpus_per_node: int) -> np.ndarray:
-    """int64 [G, G]: the node traffic of ``items`` for ``rank``'s node (``exchange_layout``'s)."""
-    return exchange_layout(items, rank, gpus_per_node).node_matrix
+        by_src = dict(zip(self.layout.recv, bufs, strict=True))
+        for k, (q, off) in self.at.items():
+            out[k] = by_src[q][off:off + self.items[k].numel]
+        return Received(tail=tail, items=out, bufs=by_src, at=dict(self.at))

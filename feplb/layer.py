@@ -45,7 +45,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from feplb.balance import Balancer, timed_plan
 from feplb.config import FEPLBConfig, LayerStats, forward_problem
-from feplb.copy_engine import make_copy_engine, make_node_groups
+from feplb.control import Control
+from feplb.copy_engine import make_copy_engine
 from feplb.direct import forward_direct
 from feplb.dispatch import PeerComm, all_to_all_rows
 from feplb.experts import expert_mlp, span, to_device
@@ -130,14 +131,14 @@ class MoELayer(nn.Module):
             warnings.warn("FEPLBConfig.dtype=float32 on CUDA: the experts' GEMMs run on FMA units, not tensor cores; "
                           "use dtype=torch.bfloat16", stacklevel=2)
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.transport = make_transport(c.transport, group)
-        self.control = self.transport
+        # Every host control collective (counts, agreements, checks) over gloo, never the device.
+        self.control = Control(group, c.gpus_per_node)
         # Collective: identical configs everywhere before any other collective of this layer.
         self.control.check_same(repr(dataclasses.asdict(c)).encode() + repr((W, c.gpus_per_node)).encode(),
-                                "FEPLBConfig")
-        self.node_group, self.node_ranks = make_node_groups(group, c.gpus_per_node)
-        copy = make_copy_engine(device, self.node_group, c.gpus_per_node, use_nvshmem=c.transport == "nvshmem",
-                                kind=c.copy_path)
+                                "FEPLBConfig", "every rank of the EP group must build the layer with the same config")
+        self.transport = make_transport(c.transport, group, self.control)
+        self.node_ranks = self.control.node_ranks
+        copy = make_copy_engine(c.copy_path, device, self.control, transport_kind=c.transport)
         self.comm = PeerComm(self.transport, copy, c.gpus_per_node)
         self.state = PolicyState(topo=self.topo, policy=c.policy, refresh_every=c.refresh_every) \
             if (self.base != "none" or self.place) else None
@@ -146,7 +147,8 @@ class MoELayer(nn.Module):
         self._plan_state = self.state
         self._min_straggler = c.min_straggler_rows if c.min_straggler_rows is not None else self._cost.knee_rows
         wait = c.plan_wait_ms if c.plan_wait_ms is not None else (0.0 if on_gpu else None)
-        self._balancer = Balancer(plan_wait_s=None if wait is None else wait / 1e3) if self.base != "none" else None
+        self._balancer = Balancer(plan_wait_s=None if wait is None else wait / 1e3, device=device) \
+            if self.base != "none" else None
 
         H, Fd = c.hidden, c.ffn
         self.router = None if c.router == "external" else nn.Linear(H, c.num_experts, bias=False, device=device,
@@ -167,6 +169,7 @@ class MoELayer(nn.Module):
         self._recv_grew = False
         self.replicas = Replicas(self)
         self._attached: set[int] = set()
+        self._hooks: list = []
         self._last_counts_WE: np.ndarray | None = None
         self._set_placement(self.topo.default_home_E())
         me = weakref.ref(self)
@@ -204,8 +207,8 @@ class MoELayer(nn.Module):
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Reduce replica gradients before and refresh the replicas after every ``optimizer.step()`` (per-step
         weights), so no optimizer, fused or not, can leave stale copies behind. Collective at every step."""
-        optimizer.register_step_pre_hook(lambda *_: self.reduce_replica_grads())
-        optimizer.register_step_post_hook(lambda *_: self.refresh_replicas())
+        self._hooks += [optimizer.register_step_pre_hook(lambda *_: self.reduce_replica_grads()),
+                        optimizer.register_step_post_hook(lambda *_: self.refresh_replicas())]
         self._attached.add(id(optimizer))
 
     def _set_placement(self, home_E: np.ndarray) -> None:
@@ -324,7 +327,7 @@ class MoELayer(nn.Module):
         else:
             row = torch.zeros(E + 1, dtype=torch.int64)
         row = torch.cat([row, torch.tensor([int(not self.replicas.fresh()), int(problem is not None)])])
-        gathered = self.control.all_gather_counts(row).cpu()
+        gathered = self.control.all_gather(row, "all_gather of expert counts")
         if problem is not None:
             raise problem[0](problem[1])
         return read_counts(gathered.numpy(), self.placement.slots_WS,
@@ -340,12 +343,13 @@ class MoELayer(nn.Module):
         with span(tl, "gather"):
             h_RD = recv_RD.index_select(0, to_device(split.home.perm, recv_RD.device))
         job = start_phase2(self, h_RD, counts, split, slot_w, tl) if counts.want_plan else None
-        with span(tl, "static_gemm"):
-            y_static = self._static_gemm(h_RD, split.home, slot_w)
-        if job is not None:
-            job[1].record()
-            job[2].set()
-        p2 = job[0].result() if job is not None else no_phase2(counts.want_plan)
+        try:
+            with span(tl, "static_gemm"):
+                y_static = self._static_gemm(h_RD, split.home, slot_w)
+        finally:
+            if job is not None:
+                job.static_launched()   # (also on an error here: the copy thread must not wait for it forever)
+        p2 = job.result() if job is not None else no_phase2()
         y_RD, tail = dynamic_and_return(self, h_RD, y_static, split, p2, slot_w, tl)
         with span(tl, "phase1_reverse"):
             y_back = all_to_all_rows(torch.cat([y_RD, tail.view(0, self.config.hidden),
@@ -410,8 +414,9 @@ class MoELayer(nn.Module):
     # ------------------------------------------------------------------------------------------------ direct
     # ------------------------------------------------------------------------------------------------ weights
     # ------------------------------------------------------------------------------------------------ stats
-    def _scope_group(self):
-        return self.node_group if self.in_node_policy else self.group
+    def _scope_group(self) -> str:
+        """The scope that agrees on a plan's readiness: the node (in-node policies) or the EP group."""
+        return "node" if self.in_node_policy else "group"
 
     def _observe(self, counts: Counts, p2: Phase2) -> None:
         from feplb.sched.metrics import token_straggler
@@ -430,8 +435,11 @@ class MoELayer(nn.Module):
             after[m.dst] += m.rows
         elem = torch.empty((), dtype=c.dtype).element_size()
         rows = sum(m.rows for m in p2.moves)
-        row_bytes = 0 if (plan is not None and (plan.rows_from_source or plan.dispatched)) else rows * c.hidden * elem
-        w_bytes = len(p2.copies) * 3 * c.hidden * c.ffn * elem
+        # counted from the items exchanged: in-node exchanges carry the moves' rows first, then the weights
+        items = p2.exchange.items if p2.exchange is not None else []
+        n_rows = len(p2.moves) if p2.layout is not None else 0
+        row_bytes = sum(it.numel for it in items[:n_rows]) * elem
+        w_bytes = sum(it.numel for it in items[n_rows:]) * elem
         self.last_plan = plan
         self.last_plan_inputs = (counts.counts_WE, self._plan_state)
         dyn = np.asarray(plan.dynamic_WD) if plan is not None else np.zeros((self.world_size, 0), np.int64)
@@ -494,13 +502,13 @@ class MoELayer(nn.Module):
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        self._opt_hook.remove()
+        for h in [self._opt_hook, *self._hooks]:
+            h.remove()
         if self._balancer is not None:
             self._balancer.close()
         self.comm.copy.close()
-        close = getattr(self.transport, "close", None)
-        if close is not None:
-            close()
+        self.transport.close()
+        self.control.close()
 
     def __enter__(self) -> MoELayer:
         return self

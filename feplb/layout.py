@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["DirectLayout", "ExchangeLayout", "HomeLayout", "Item", "Phase2Layout", "direct_layout",
-           "exchange_layout", "home_layout", "inverse", "phase2_layout"]
+           "direct_split_matrix", "exchange_layout", "home_layout", "inverse", "phase2_layout"]
 
 
 def inverse(perm: np.ndarray) -> np.ndarray:
@@ -310,3 +310,22 @@ def direct_layout(counts_WE: np.ndarray, slots_WS: np.ndarray, moves: tuple, ran
     perm_R = np.concatenate(perm) if perm else np.zeros(0, np.int64)
     return DirectLayout(send_idx=send_idx, send_splits=send_splits, recv_splits=recv_splits, perm=perm_R,
                         kept_L=kept_L, hosted=list(to[rank]))
+
+
+def direct_split_matrix(counts_WE: np.ndarray, slots_WS: np.ndarray, moves: tuple) -> np.ndarray:
+    """int64 [W, W]: rows source s sends GPU d in the direct dispatch of ``direct_layout`` (identical on every rank,
+    so the transport needs no size agreement): s's rows of each expert go to its home, except the parts of the
+    expert's home order that a move sends to its destination."""
+    counts_WE = np.asarray(counts_WE, dtype=np.int64)
+    W, E = counts_WE.shape
+    home_E = np.empty(E, dtype=np.int64)
+    home_E[np.asarray(slots_WS).reshape(-1)] = np.repeat(np.arange(W), np.asarray(slots_WS).shape[1])
+    out = np.zeros((W, W), dtype=np.int64)
+    np.add.at(out, (np.repeat(np.arange(W), E), np.tile(home_E, W)), counts_WE.reshape(-1))
+    lo_WE = np.cumsum(counts_WE, axis=0) - counts_WE     # first home-order row of each source, per expert
+    for m in moves:
+        lo, n = lo_WE[:, m.expert], counts_WE[:, m.expert]
+        take = np.clip(np.minimum(lo + n, m.row_end) - np.maximum(lo, m.row_start), 0, None)
+        out[:, m.src] -= take
+        out[:, m.dst] += take
+    return out

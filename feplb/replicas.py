@@ -121,7 +121,7 @@ class Replicas:
         """Raise on every rank together if some rank's per-step copies lost or kept gradients (collective)."""
         lay = self._layer()
         flags = torch.tensor([int(self.grads_clean()), int(not self.late_grad)])
-        agreed = lay.control.all_reduce_min(flags, lay.group, f"{what} check")
+        agreed = lay.control.all_reduce_min(flags, "group", f"{what} check")
         if int(agreed[1]) == 0:
             raise RuntimeError(f"MoELayer.{what}: a backward pass ran through expert weight copies that "
                                "refresh_replicas() had already replaced, so their gradients were lost; call "
@@ -165,7 +165,8 @@ class Replicas:
         items, sends, index = self.exchange_weights(copies, "expert weights to their homes", from_owner=True)
         w1, _ = lay.expert_weights()
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="expert weights to their homes")
-        tail, got = ex(ex.sends_of(sends), lay._anchor(anchor))
+        rcv = ex(ex.sends_of(sends), lay._anchor(anchor))
+        tail, got = rcv.tail, rcv.items
         H, Fd, n = lay.config.hidden, lay.config.ffn, len(copies)
         nbytes = n * 3 * H * Fd * w1.element_size()
         if placement.own_slots:
@@ -196,7 +197,7 @@ class Replicas:
         items, sends, index = self.exchange_weights(copies, "refresh of per-step expert copies", from_owner=True)
         w1, w2 = lay.expert_weights()
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="refresh of per-step expert copies")
-        _, got = ex(ex.sends_of(sends), w1.new_empty(0))
+        got = ex(ex.sends_of(sends), w1.new_empty(0)).items
         H, Fd, n = lay.config.hidden, lay.config.ffn, len(copies)
 
         def received(e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +249,7 @@ class Replicas:
                 g1, g2 = grads_of(e)
                 sends[k] = torch.cat([g1.reshape(-1), g2.reshape(-1)])
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="reduction of replica gradients")
-        _, got = ex(ex.sends_of(sends), w1.new_empty(0))
+        got = ex(ex.sends_of(sends), w1.new_empty(0)).items
         for k, (e, _, o) in enumerate(back):
             if o == r and k in got:
                 add1[e - r * L] += got[k][:H * 2 * Fd].view(H, 2 * Fd)

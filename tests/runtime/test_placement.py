@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from feplb.layer import direct_layout
+from feplb.layout import direct_split_matrix
 from feplb.sched.plan import Move
 from feplb.testing import dense_moe_reference, load_global_weights, run_dist
 
@@ -90,6 +91,9 @@ def test_direct_layout_matches_row_simulation(seed):
         got = [(e, p) for _, e, p in (recv[i] for i in lay.perm)]
         assert got == computed[d], f"rank {d} computes the wrong rows or in the wrong order"
         assert int(lay.kept_L.sum()) + sum(moves[j].rows for j in lay.hosted) == len(recv)
+    # the split matrix every rank derives alike (no size agreement in the transport)
+    split = direct_split_matrix(counts, slots, moves)
+    assert split.tolist() == [lay.send_splits for lay in lays]
 
 
 # ------------------------------------------------------------------------------------------------ the layer

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,9 +80,9 @@ def _timeline(rank, res, tmp):
     if rank == 0:
         trace = to_chrome_trace([tl, tl], f"{tmp}/trace.json")
         res["trace_events"] = len(trace["traceEvents"])
-        res["trace_file"] = json.loads(open(f"{tmp}/trace.json").read())["traceEvents"][0]["ph"]
+        res["trace_file"] = json.loads(Path(tmp, "trace.json").read_text())["traceEvents"][0]["ph"]
         plot(tl.spans(), f"{tmp}/timeline.png")
-        res["png"] = open(f"{tmp}/timeline.png", "rb").read(8)
+        res["png"] = Path(tmp, "timeline.png").read_bytes()[:8]
     layer.close()
 
 
@@ -232,7 +233,7 @@ def test_runtime_schedule_optimizers_inputs_defaults(tmp_path):
     assert results[0]["trace_events"] >= 20 and results[0]["trace_file"] == "X"
     assert results[0]["png"] == b"\x89PNG\r\n\x1a\n"
 
-    for rank, res in enumerate(results):
+    for res in results:
         assert res["routed_ref"] < 1e-5 and res["noncontig"] < 1e-5 and res["noncontig_router"] < 1e-5, res
         assert res["bad_w"] is not None and res["bad_w"].startswith("ValueError") and "[3]" in res["bad_w"], res
         assert res["bad_shape"] is not None and res["bad_shape"].startswith("ValueError"), res["bad_shape"]
