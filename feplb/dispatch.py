@@ -93,7 +93,7 @@ class PeerComm:
         return self.transport.rank
 
     def run(self, send: dict[int, list[torch.Tensor]], recv_numel: dict[int, int], *, cross_node: bool,
-            intra_node: bool, dtype: torch.dtype, device: torch.device, op: str, node_matrix=None,
+            dtype: torch.dtype, device: torch.device, op: str, intra_node: bool = True, node_matrix=None,
             ready=None, consumer=None) -> dict[int, torch.Tensor]:
         """Send the pieces ``send[dst]`` (1-D, back to back) to each EP rank dst; return {src: 1-D buffer of
         recv_numel[src] elements}, buffers this rank owns.

@@ -152,7 +152,8 @@ def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f
     moves, lay, copies, ex, order = laid
     pending = None
     if ex.active:
-        launched.wait()   # (GPU) the copies' hand-off never lands on the compute stream before the static GEMM
+        if h_RD.is_cuda:
+            launched.wait()   # the static GEMM is queued before anything the copies hand to the compute stream
         with span(tl, "copy_rows", "copy", stream=getattr(layer.comm.copy, "stream", None)):
             got = ex.issue(materialize(order, h_RD, lambda e: layer._local_weights(e, slot_w), detach=True), ready,
                            handoff=True)

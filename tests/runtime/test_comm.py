@@ -4,6 +4,7 @@ host memory) as 2 processes on one GPU."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,7 +51,8 @@ def _comm_cases(rank: int, world: int) -> dict:
 
     from feplb.control import Control
     from feplb.copy_engine import GlooCopyEngine
-    from feplb.dispatch import PeerComm, exchange
+    from feplb.dispatch import Exchange, PeerComm
+    from feplb.layout import Item
     from feplb.transport import TorchTransport, make_transport
 
     g = 2
@@ -82,8 +84,12 @@ def _comm_cases(rank: int, world: int) -> dict:
     peers = [p for p in range(world) if p != rank]
     w = torch.zeros(1, requires_grad=True)
     flat = torch.cat([block(rank, p) for p in peers]) + w
-    got = exchange(flat, comm, [(p, block(rank, p).numel()) for p in peers],
-                   [(q, block(q, rank).numel()) for q in peers], cross_node=True, op="test exchange")
+    items = [Item(s, d, block(s, d).numel()) for s in range(world) for d in range(world) if s != d]
+    ex = Exchange(comm, items, dtype=torch.float32, device=torch.device("cpu"), op="test exchange")
+    mine = [k for k, it in enumerate(items) if it.src == rank]
+    cuts = np.cumsum([0] + [items[k].numel for k in mine])
+    rcv = ex(ex.sends_of({k: flat[cuts[i]:cuts[i + 1]] for i, k in enumerate(mine)}), w[:0])
+    got = torch.cat([rcv.items[k] for k, it in enumerate(items) if it.dst == rank])
     out["exchange"] = torch.equal(got, torch.cat([block(q, rank) for q in peers]))
     (got * 2).sum().backward()
     out["exchange_grad"] = float(w.grad) == 2.0 * flat.numel()
@@ -97,7 +103,13 @@ def _comm_cases(rank: int, world: int) -> dict:
     # Intra-node only: the copy path alone.
     node_peer = ctl.node_ranks[1] if rank == ctl.node_ranks[0] else ctl.node_ranks[0]
     t = torch.arange(4.0) + 100 * rank
-    got = exchange(t, comm, [(node_peer, 4)], [(node_peer, 4)], cross_node=False, op="intra")
+    all_pairs = [Item(a, b, 4) for a in range(world) for b in range(world)
+                 if a != b and a // ctl.gpus_per_node == b // ctl.gpus_per_node]
+    ex = Exchange(comm, all_pairs, dtype=torch.float32, device=torch.device("cpu"), op="intra")
+    out["intra_only"] = ex.layout.intra_node and not ex.layout.cross_node
+    k_out = next(k for k, it in enumerate(all_pairs) if it.src == rank)
+    k_in = next(k for k, it in enumerate(all_pairs) if it.dst == rank)
+    got = ex(ex.sends_of({k_out: t}), t[:0]).items[k_in]
     out["intra"] = torch.equal(got, torch.arange(4.0) + 100 * node_peer)
     tr.close()
     dist.barrier()

@@ -16,6 +16,7 @@ import importlib.util
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,7 +157,8 @@ def _engine_cases(rank: int, world: int, g: int) -> dict:
                 out[f"thread{step}_{name}"] = _same(fut.result(timeout=60), expect, torch.float32)
 
     # Through the layer's differentiable exchange (intra-node pairs on shm, the rest on the transport) and back.
-    from feplb.dispatch import PeerComm, exchange
+    from feplb.dispatch import Exchange, PeerComm
+    from feplb.layout import Item
     from feplb.transport import TorchTransport
 
     def block(src: int, dst: int) -> torch.Tensor:
@@ -165,8 +167,12 @@ def _engine_cases(rank: int, world: int, g: int) -> dict:
     peers = [p for p in range(world) if p != rank]
     w = torch.zeros(1, requires_grad=True)
     flat = torch.cat([block(rank, p) for p in peers]) + w
-    got = exchange(flat, PeerComm(TorchTransport(None, ctl), shm, g), [(p, block(rank, p).numel()) for p in peers],
-                   [(q, block(q, rank).numel()) for q in peers], cross_node=g < world, op="dispatch")
+    items = [Item(s, d, block(s, d).numel()) for s in range(world) for d in range(world) if s != d]
+    ex = Exchange(PeerComm(TorchTransport(None, ctl), shm, g), items, dtype=torch.float32, device=cpu, op="dispatch")
+    mine = [k for k, it in enumerate(items) if it.src == rank]
+    cuts = np.cumsum([0] + [items[k].numel for k in mine])
+    rcv = ex(ex.sends_of({k: flat[cuts[i]:cuts[i + 1]] for i, k in enumerate(mine)}), w[:0])
+    got = torch.cat([rcv.items[k] for k, it in enumerate(items) if it.dst == rank])
     out["dispatch"] = torch.equal(got, torch.cat([block(q, rank) for q in peers]))
     (got * torch.arange(1.0, got.numel() + 1)).sum().backward()
     # Element i of what I sent lands at position j on its receiver; its gradient is j + 1, computed here alone.
@@ -412,7 +418,8 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
 
     from feplb import copy_engine as ce
     from feplb.control import Control
-    from feplb.dispatch import PeerComm, exchange
+    from feplb.dispatch import Exchange, PeerComm
+    from feplb.layout import Item
     from feplb.transport import TorchTransport
 
     class Counting(ce.ShmCopyEngine):
@@ -540,8 +547,8 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
         ok &= _same(fast.exchange(s_, r_, dtype=torch.float32, device=cpu, op="after", matrix=m_), e_, torch.float32)
     out["usable_after_errors"] = ok
 
-    # Through dispatch.exchange with the node's matrix, forward and backward (the transpose), against the same
-    # exchange without it.
+    # Through the layer's Exchange (the node's matrix derived from its items: no size agreement), forward and
+    # backward (the transpose), against the same blocks moved by PeerComm.run without a matrix (agreed sizes).
     def block(src: int, dst: int) -> torch.Tensor:
         return _block(50, src, dst, 3 + src + 2 * dst, torch.float32)
 
@@ -549,22 +556,29 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
     node_matrix = [[0 if i == j else block(base + i, base + j).numel() for j in range(g)] for i in range(g)]
     peers = [p for p in range(world) if p != rank]
     comm = PeerComm(TorchTransport(None, ctl), fast, g)
-    grads, gots = [], []
-    for nm in (node_matrix, None):
-        w = torch.zeros(1, requires_grad=True)
-        flat = torch.cat([block(rank, p) for p in peers]) + w
-        agreed, xs = fast.agreements, fast.exchanges
-        got = exchange(flat, comm, [(p, block(rank, p).numel()) for p in peers],
-                       [(q, block(q, rank).numel()) for q in peers], cross_node=g < world, op="dispatch",
-                       node_matrix=nm)
-        (got * torch.arange(1.0, got.numel() + 1)).sum().backward()
-        gots.append(got.detach())
-        grads.append(float(w.grad))
-        out[f"dispatch_agreements_{nm is None}"] = fast.agreements - agreed == (0 if nm is not None else 2)
-        out[f"dispatch_exchanges_{nm is None}"] = fast.exchanges - xs == 2
-    out["dispatch"] = torch.equal(gots[0], torch.cat([block(q, rank) for q in peers])) and torch.equal(*gots)
+    items = [Item(s, d, block(s, d).numel()) for s in range(world) for d in range(world) if s != d]
+    ex = Exchange(comm, items, dtype=torch.float32, device=cpu, op="dispatch")
+    out["dispatch_matrix"] = ex.layout.node_matrix.tolist() == node_matrix
+    w = torch.zeros(1, requires_grad=True)
+    flat = torch.cat([block(rank, p) for p in peers]) + w
+    mine = [k for k, it in enumerate(items) if it.src == rank]
+    cuts = np.cumsum([0] + [items[k].numel for k in mine])
+    agreed, xs = fast.agreements, fast.exchanges
+    rcv = ex(ex.sends_of({k: flat[cuts[i]:cuts[i + 1]] for i, k in enumerate(mine)}), w[:0])
+    got = torch.cat([rcv.items[k] for k, it in enumerate(items) if it.dst == rank])
+    (got * torch.arange(1.0, got.numel() + 1)).sum().backward()
+    out["dispatch_agreements_False"] = fast.agreements - agreed == 0
+    out["dispatch_exchanges_False"] = fast.exchanges - xs == 2
+    agreed, xs = fast.agreements, fast.exchanges
+    plain = comm.run({p: [block(rank, p)] for p in peers}, {q: block(q, rank).numel() for q in peers},
+                     cross_node=g < world, intra_node=True, dtype=torch.float32, device=cpu, op="dispatch, agreed")
+    out["dispatch_agreements_True"] = fast.agreements - agreed == 1
+    out["dispatch_exchanges_True"] = fast.exchanges - xs == 1
+    out["dispatch"] = torch.equal(got.detach(), torch.cat([block(q, rank) for q in peers])) and torch.equal(
+        got.detach(), torch.cat([plain[q] for q in peers]))
     want = sum(float(sum(block(q, p).numel() for q in range(world) if q != p and q < rank))
                * block(rank, p).numel() + block(rank, p).numel() * (block(rank, p).numel() + 1) / 2 for p in peers)
+    grads = [float(w.grad)] * 2
     out["dispatch_grad"] = grads == [want, want]
     bad_nm = [row[:] for row in node_matrix]
     bad_nm[(me + 1) % g][me] += 1
