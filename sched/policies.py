@@ -21,8 +21,9 @@ Policies (``BASE[+place][@current|@ema]``, see ``parse_policy``):
 * ``fastermoe``: FasterMoE's shadow experts: the hottest experts, one at a time while the cost model says the
   broadcast of their weights costs less than the GEMM time it saves on the busiest GPU, are broadcast to every
   GPU and each source computes its own rows of them.
-* ``eplb``: DeepSeek-EPLB-style redundant experts placed from the load history (see ``PolicyState``), rows of a
-  replicated expert split evenly among its copies.
+* ``eplb``: DeepSeek's EPLB: a full physical layout from the load history (``PolicyState``,
+  ``feplb.sched.placement.eplb_layout``): equal slots per GPU, redundant slots to the heaviest experts, balanced
+  packing, hierarchical or global; each expert's rows split evenly among its slots, dispatched straight to them.
 """
 
 from __future__ import annotations
@@ -391,24 +392,47 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
 
 def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | None,
           dyn_WD: np.ndarray, before_W: np.ndarray, L: list[int], home_E: np.ndarray | None) -> Plan:
-    replicas = () if state is None else state.replicas
-    home = (home_E if home_E is not None else topo.default_home_E()).tolist()
-    holders: dict[int, list[int]] = {}
-    for e, g in replicas:
-        holders.setdefault(e, []).append(g)
-    raw = []
-    L = list(L)
-    for e in sorted(holders):
-        copies = [home[e], *sorted(holders[e])]
-        q, r = divmod(int(n_E[e]), len(copies))
-        start = q + (r > 0)
-        for i, g in enumerate(copies[1:], start=1):
-            size = q + (i < r)
-            if size:
-                # Move's field order; each (expert, dst) once, row_start rising with dst (sorted holders)
-                raw.append((e, home[e], g, start, start + size))
-                L[home[e]] -= size
-                L[g] += size
-            start += size
-    resident = frozenset() if state is None else state.resident
-    return _finish(policy, raw, resident, dyn_WD, before_W, L, home_E, dispatched=True, whole=True)
+    """EPLB's physical layout (``PolicyState.layout_WP``, from the load history) executed on this micro-batch: the
+    rows of each expert split evenly among its slots (``n // c`` each; the ``n % c`` rows left over go one by one
+    to the slot whose GPU is least loaded so far, ties to the lower GPU id), the home GPU's share first in home
+    order, then the other GPUs ascending. Without a layout yet (no history): plain EP."""
+    pairs = None if state is None else state.eplb_pairs
+    if pairs is None:
+        return _finish(policy, [], frozenset(), dyn_WD, before_W, L, home_E, dispatched=True)
+    pair_e, pair_g, mult, copies_E = pairs
+    W = topo.num_ranks
+    q_E, r_E = np.divmod(n_E, copies_E)
+    share = q_E[pair_e] * mult
+    loads = np.bincount(pair_g, weights=share, minlength=W).astype(np.int64)
+    left = np.flatnonzero(r_E)
+    if left.size:
+        # the few experts whose rows do not divide evenly: their pairs are contiguous in pair order
+        first = np.searchsorted(pair_e, left).tolist()
+        last = np.searchsorted(pair_e, left, side="right").tolist()
+        ld = loads.tolist()
+        g_all, m_all = pair_g.tolist(), mult.tolist()
+        extra = [0] * len(g_all)
+        for a, b, r in zip(first, last, r_E[left].tolist(), strict=True):
+            for _ in range(r):
+                best = -1
+                for i in range(a, b):
+                    if extra[i] < m_all[i] and (best < 0 or ld[g_all[i]] < ld[g_all[best]]
+                                                or (ld[g_all[i]] == ld[g_all[best]] and g_all[i] < g_all[best])):
+                        best = i
+                extra[best] += 1
+                ld[g_all[best]] += 1
+        share += np.asarray(extra, dtype=np.int64)
+        loads = np.asarray(ld, dtype=np.int64)
+    end = np.cumsum(share)
+    start = end - share
+    # rows in each expert's home order: subtract the cumulative rows of the experts before it
+    base = np.cumsum(n_E) - n_E
+    start -= base[pair_e]
+    end -= base[pair_e]
+    home = topo.default_home_E() if home_E is None else home_E
+    src = home[pair_e]
+    keep = (pair_g != src) & (share > 0)
+    raw = list(zip(pair_e[keep].tolist(), src[keep].tolist(), pair_g[keep].tolist(), start[keep].tolist(),
+                   end[keep].tolist(), strict=True))
+    loads.setflags(write=False)
+    return _finish(policy, raw, state.resident, dyn_WD, before_W, loads, home_E, dispatched=True, whole=True)

@@ -151,15 +151,18 @@ def test_golden_fastermoe():
 
 
 def test_golden_eplb():
-    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=2, dyn=1)
-    state = PolicyState(topo=topo, policy="eplb", eplb_slots=1).observe(np.array([[5, 1], [5, 1]]))
-    # history [10, 2]: expert 0 gets the first replica (on GPU 1), expert 1 the second (on GPU 0)
-    assert state.replicas == ((0, 1), (1, 0))
-    counts = np.array([[5, 2], [4, 1]], dtype=np.int64)  # n = [9, 3]
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=1)
+    state = PolicyState(topo=topo, policy="eplb", eplb_slots=1).observe(np.array([[6, 1, 2, 1], [6, 1, 2, 1]]))
+    # history [12, 2, 4, 2]: both redundant slots to expert 0 (12, then 6 > 4); replicas 4, 4, 4, 4, 2, 2 packed
+    # three per GPU: {0, 0, 1} and {0, 2, 3} (4+4+2 against 4+4+2), matched to the GPUs with most of their homes
+    assert state.layout_WP.tolist() == [[0, 0, 1], [0, 2, 3]]
+    assert state.replicas == ((0, 1),)
+    counts = np.array([[5, 2, 1, 0], [4, 1, 3, 2]], dtype=np.int64)  # n = [9, 3, 4, 2]
     plan = make_plan("eplb", counts, topo, state)
-    assert [(m.expert, m.src, m.dst, m.row_start, m.row_end) for m in plan.moves] == [(0, 0, 1, 5, 9),
-                                                                                      (1, 1, 0, 2, 3)]
-    assert plan.loads_after_W.tolist() == [6, 6] and plan.weight_copies == ()
+    # expert 0: 3 rows per slot, two slots on GPU 0 (home: rows [0, 6)), one on GPU 1 ([6, 9)); expert 1 (home 0)
+    # stays; experts 2 and 3 are at home on GPU 1
+    assert [(m.expert, m.src, m.dst, m.row_start, m.row_end) for m in plan.moves] == [(0, 0, 1, 6, 9)]
+    assert plan.loads_after_W.tolist() == [9, 9] and plan.weight_copies == ()
     assert plan.dispatched and CostModel().plan_copy_bytes(plan) == 0  # rows go straight to replicas
     plan.validate(counts, topo, state)
 
