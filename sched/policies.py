@@ -28,7 +28,7 @@ Policies (``BASE[+place][@current|@ema]``, see ``parse_policy``):
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -42,7 +42,8 @@ POLICIES: tuple[str, ...] = BASE_POLICIES
 _DEFAULT_COST = CostModel()
 # ufunc reductions called directly: ndarray.sum's Python wrapper costs about a microsecond per call here
 _ADD = np.add.reduce
-_MAKE_MOVE = Move._make
+# a Move from a 5-tuple in field order without Move._make's length check (the planner builds them itself)
+_MAKE_MOVE = partial(tuple.__new__, Move)
 
 
 @lru_cache(maxsize=64)
@@ -142,67 +143,75 @@ def _greedy_whole(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_ga
         out.append((ex[hi].pop(j), g0 + hi, g0 + lo, 0, n))
 
 
-def _chunk(want: int, r: int, m: int, gap: int) -> int:
-    """Size of the piece to move from an expert with r rows left at home: the whole remainder, or a chunk in
-    [m, r - m] (no piece below m rows); strictly below gap so the pair's maximum drops; closest to want."""
-    best = r if r < gap else 0
-    if 2 * m <= r:
-        x = min(max(want, m), r - m)
-        if x < gap and (best == 0 or abs(x - want) < abs(best - want)):
-            best = x
-    return best
-
-
-def _split(L: list[int], pieces: list[list[list[int]]], m: int, tau_gap: int) -> None:
+def _split(L: list[int], own: list[list[int]], own_n: list[list[int]], pieces: list[list[list[int]]], m: int,
+           tau_gap: int) -> None:
     """Move rows from the most to the least loaded GPU of the node, toward the node's (integer) mean, in pieces of
     at least m rows (or whole pieces). pieces[i]: [expert, row_start, row_end, home GPU] ranges of dynamic experts
-    that GPU i computes (its own experts' rows at home, and rows it received); a piece shrinks from its end."""
+    that GPU i computes: the rows it received, and its own experts' rows (own[i], own_n[i]: experts and rows, added
+    the first time GPU i gives: a GPU that never gives keeps them at home, as moves or not). A piece shrinks from
+    its end. Each step gives the largest piece of the busiest GPU (ties: lower expert, then lower row), or the
+    next largest that can give: the whole piece if it is below the gap, or a chunk in [m, rows - m], below the
+    gap; of the two, the one closer to the rows the pair needs to reach the mean (``want``)."""
     G = len(L)
     target = -(-sum(L) // G)
-    for _ in range(4 * G * (max(len(p) for p in pieces) + 2)):
+    built = [False] * G
+    n_max = max(map(len, pieces)) + max(map(len, own))
+    for _ in range(4 * G * (n_max + 2)):
         top, bottom = max(L), min(L)
         gap = top - bottom
         if top <= target or gap <= tau_gap:
             return
-        hi, lo = L.index(top), L.index(bottom)
-        want = min(top - target, target - bottom)
+        hi = L.index(top)
         mine = pieces[hi]
-        # the largest piece first (ties: lower expert id, then lower row); the rest only if it cannot give
-        j, x = -1, 0
-        if mine:
-            # the largest piece, ties to the lower (expert, row_start), found without a key function per piece
-            k, q = 0, mine[0]
-            size, e0, a0 = q[2] - q[1], q[0], q[1]
-            for i in range(1, len(mine)):
-                q = mine[i]
-                s = q[2] - q[1]
-                if s > size or (s == size and (q[0] < e0 or (q[0] == e0 and q[1] < a0))):
-                    k, size, e0, a0 = i, s, q[0], q[1]
-            x = _chunk(want, size, m, gap)
-            j = k
-            if not x:
-                for k in sorted(range(len(mine)), key=lambda i: (mine[i][1] - mine[i][2], mine[i][0], mine[i][1])):
-                    x = _chunk(want, mine[k][2] - mine[k][1], m, gap)
-                    if x:
-                        j = k
-                        break
-        if not x:
+        if not built[hi]:
+            built[hi] = True
+            mine += [[e, 0, r, hi] for e, r in zip(own[hi], own_n[hi], strict=True) if r]
+        if not mine:
             return
+        want = top - target
+        if target - bottom < want:
+            want = target - bottom
+        # the largest piece, ties to the lower (expert, row_start), found without a key function per piece
+        j, q = 0, mine[0]
+        size, e0, a0 = q[2] - q[1], q[0], q[1]
+        for i in range(1, len(mine)):
+            q = mine[i]
+            r = q[2] - q[1]
+            if r > size or (r == size and (q[0] < e0 or (q[0] == e0 and q[1] < a0))):
+                j, size, e0, a0 = i, r, q[0], q[1]
+        # the piece to give from it: the whole remainder, or a chunk in [m, size - m] closest to want; below gap
+        x = size if size < gap else 0
+        if 2 * m <= size:
+            c = want if want > m else m
+            if c > size - m:
+                c = size - m
+            if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
+                x = c
+        if not x:
+            # the rest, largest first, until one can give
+            for k in sorted(range(len(mine)), key=lambda i: (mine[i][1] - mine[i][2], mine[i][0], mine[i][1])):
+                r = mine[k][2] - mine[k][1]
+                x = r if r < gap else 0
+                if 2 * m <= r:
+                    c = want if want > m else m
+                    if c > r - m:
+                        c = r - m
+                    if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
+                        x = c
+                if x:
+                    j = k
+                    break
+            else:
+                return
+        lo = L.index(bottom)
         p = mine[j]
         if x == p[2] - p[1]:
             pieces[lo].append(mine.pop(j))
         else:
             p[2] -= x
             pieces[lo].append([p[0], p[2], p[2] + x, p[3]])
-        L[hi] -= x
-        L[lo] += x
-
-
-def _pieces_to_moves(pieces: list[list[list[int]]], g0: int, out: list[tuple[int, int, int, int, int]]) -> None:
-    for i, mine in enumerate(pieces):
-        for e, a, b, h in mine:
-            if h != i and b > a:
-                out.append((e, a, g0 + h, g0 + i, b))
+        L[hi] = top - x
+        L[lo] = bottom + x
 
 
 def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: frozenset[tuple[int, int]],
@@ -230,13 +239,15 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
         # (expert, row_start, src, dst, row_end) records: sort, join adjacent pieces bound for the same GPU
         raw.sort()
         joined: list[Move] = []
-        last = (-1, -1, -1, -1, -1)
+        append = joined.append
+        pe = pd = pb = -1
         for e, a, s, d, b in raw:
-            if last[0] == e and last[2] == d and last[4] == a:
-                last = joined[-1] = new(Move, (e, s, d, last[3], b))
+            if a == pb and d == pd and e == pe:
+                joined[-1] = new(Move, (e, s, d, joined[-1][3], b))
             else:
-                last = new(Move, (e, s, d, a, b))
-                joined.append(last)
+                append(new(Move, (e, s, d, a, b)))
+                pe, pd = e, d
+            pb = b
         moves = tuple(joined)
         if weight_copies is None:
             need = sorted({(e, s, d) for e, _, s, d, _ in raw})
@@ -326,16 +337,21 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
             # the row lists are this call's own (tolist), the greedy may consume them
             _greedy_whole(L, ex, nx, tau_gap, raw, g0)
         else:
-            whole: list[tuple[int, int, int, int, int]] = []
-            if base != "lp":
-                _greedy_whole(L, [list(r) for r in ex], [list(r) for r in nx], tau_gap, whole, g0)
-            moved = {t[0] for t in whole}
-            pieces = [[[e, 0, r, i] for e, r in zip(ex[i], nx[i], strict=True) if r and e not in moved]
-                      for i in range(G)]
-            for e, src, dst, _, n in whole:
-                pieces[dst - g0].append([e, 0, n, src - g0])
-            _split(L, pieces, min_chunk if base == "feplb-split" else 1, tau_gap if base == "feplb-split" else 0)
-            _pieces_to_moves(pieces, g0, raw)
+            # (expert, row_start, src, dst, row_end) records: _finish joins adjacent pieces
+            pieces: list[list[list[int]]] = [[] for _ in range(G)]
+            if base == "feplb-split":
+                whole: list[tuple[int, int, int, int, int]] = []
+                # the greedy consumes the row lists: what it leaves are the experts it did not move
+                _greedy_whole(L, ex, nx, tau_gap, whole, g0)
+                for e, src, dst, _, n in whole:
+                    pieces[dst - g0].append([e, 0, n, src - g0])
+                _split(L, ex, nx, pieces, min_chunk, tau_gap)
+            else:
+                _split(L, ex, nx, pieces, 1, 0)
+            for i, mine in enumerate(pieces):
+                for e, a, b, h in mine:
+                    if h != i:
+                        raw.append((e, a, g0 + h, g0 + i, b))
         after[g0:g0 + G] = L
     return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E, node=node, whole=base == "feplb")
 
@@ -399,40 +415,38 @@ def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | Non
     pairs = None if state is None else state.eplb_pairs
     if pairs is None:
         return _finish(policy, [], frozenset(), dyn_WD, before_W, L, home_E, dispatched=True)
-    pair_e, pair_g, mult, copies_E = pairs
+    pair_e, pair_g, mult, copies_E, src, away, shared = pairs
     W = topo.num_ranks
     q_E, r_E = np.divmod(n_E, copies_E)
     share = q_E[pair_e] * mult
     loads = np.bincount(pair_g, weights=share, minlength=W).astype(np.int64)
-    left = np.flatnonzero(r_E)
-    if left.size:
-        # the few experts whose rows do not divide evenly: their pairs are contiguous in pair order
-        first = np.searchsorted(pair_e, left).tolist()
-        last = np.searchsorted(pair_e, left, side="right").tolist()
+    r = r_E.tolist()
+    todo = [(e, idx) for e, idx in shared if r[e]]
+    if todo:
         ld = loads.tolist()
         g_all, m_all = pair_g.tolist(), mult.tolist()
-        extra = [0] * len(g_all)
-        for a, b, r in zip(first, last, r_E[left].tolist(), strict=True):
-            for _ in range(r):
-                best = -1
-                for i in range(a, b):
-                    if extra[i] < m_all[i] and (best < 0 or ld[g_all[i]] < ld[g_all[best]]
-                                                or (ld[g_all[i]] == ld[g_all[best]] and g_all[i] < g_all[best])):
-                        best = i
-                extra[best] += 1
+        extra: dict[int, int] = {}
+        for e, idx in todo:
+            for _ in range(r[e]):
+                # the least loaded GPU among this expert's pairs with a slot left, ties to the lower GPU id
+                best, key = -1, None
+                for i in idx:
+                    if extra.get(i, 0) < m_all[i] and (key is None or (ld[g_all[i]], g_all[i]) < key):
+                        best, key = i, (ld[g_all[i]], g_all[i])
+                extra[best] = extra.get(best, 0) + 1
                 ld[g_all[best]] += 1
-        share += np.asarray(extra, dtype=np.int64)
+        share[list(extra)] += list(extra.values())
         loads = np.asarray(ld, dtype=np.int64)
     end = np.cumsum(share)
+    # rows in each expert's home order: less the rows of the experts before it
+    end -= (np.cumsum(n_E) - n_E)[pair_e]
     start = end - share
-    # rows in each expert's home order: subtract the cumulative rows of the experts before it
-    base = np.cumsum(n_E) - n_E
-    start -= base[pair_e]
-    end -= base[pair_e]
-    home = topo.default_home_E() if home_E is None else home_E
-    src = home[pair_e]
-    keep = (pair_g != src) & (share > 0)
-    raw = list(zip(pair_e[keep].tolist(), src[keep].tolist(), pair_g[keep].tolist(), start[keep].tolist(),
-                   end[keep].tolist(), strict=True))
+    keep = away & (share > 0)
+    # pairs are ordered by (expert, home first, GPU): the moves come out sorted by (expert, row_start); every
+    # (expert, GPU) of the layout is resident (PolicyState.replicas), nothing to copy per micro-batch
+    moves = tuple(map(_MAKE_MOVE, zip(pair_e[keep].tolist(), src[keep].tolist(), pair_g[keep].tolist(),
+                                       start[keep].tolist(), end[keep].tolist(), strict=True)))
     loads.setflags(write=False)
-    return _finish(policy, raw, state.resident, dyn_WD, before_W, loads, home_E, dispatched=True, whole=True)
+    return Plan._trusted(policy=policy, moves=moves, weight_copies=(), dynamic_WD=dyn_WD, loads_before_W=before_W,
+                         loads_after_W=loads, home_E=home_E, rows_from_source=False, dispatched=True, node=None,
+                         info={})

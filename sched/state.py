@@ -66,7 +66,7 @@ class PolicyState:
     last_weight_copies: tuple[tuple[int, int, int], ...] = ()  # (expert, src, dst) the last refresh copied
     last_migrations: tuple[tuple[int, int, int], ...] = ()     # (expert, old home, new home) of the last refresh
     slots_WS: np.ndarray = field(init=False, repr=False)
-    eplb_pairs: tuple[np.ndarray, ...] | None = field(init=False, repr=False)
+    eplb_pairs: tuple | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.topo, Topology):
@@ -164,8 +164,10 @@ class PolicyState:
 
 def _layout_pairs(layout_WP: np.ndarray, home_E: np.ndarray, topo: Topology, slots: int) -> tuple[np.ndarray, ...]:
     """The planner's view of an EPLB layout: its distinct (expert, GPU) pairs ordered by expert, the home GPU's
-    pair first, then GPUs ascending (the order their rows take in the expert's home order). Returns int64 arrays
-    (pair_e, pair_g, pair_mult: slots of that expert on that GPU) and copies_E (slots per expert, all >= 1)."""
+    pair first, then GPUs ascending (the order their rows take in the expert's home order). Returns read-only
+    arrays over pairs: pair_e, pair_g, pair_mult (slots of that expert on that GPU), src (the expert's home), away
+    (bool: GPU is not the home); copies_E (slots per expert, all >= 1); and a list of (expert, pair indices) of
+    the experts with several slots."""
     W, E = topo.num_ranks, topo.num_experts
     P = E // W + slots
     if layout_WP.shape != (W, P):
@@ -180,10 +182,15 @@ def _layout_pairs(layout_WP: np.ndarray, home_E: np.ndarray, topo: Topology, slo
     e = layout_WP.ravel()
     key = (e * 2 + (gpu != home_E[e])) * W + gpu
     uniq, mult = np.unique(key, return_counts=True)
-    out = (uniq // (2 * W), uniq % W, mult.astype(np.int64), copies_E.astype(np.int64))
+    pair_e, pair_g = uniq // (2 * W), uniq % W
+    src = home_E[pair_e]
+    # the pairs of each replicated expert (the only ones whose rows may not divide evenly), as Python lists
+    first = np.searchsorted(pair_e, np.arange(E + 1)).tolist()
+    shared = [(x, list(range(first[x], first[x + 1]))) for x in np.flatnonzero(copies_E > 1).tolist()]
+    out = (pair_e, pair_g, mult.astype(np.int64), copies_E.astype(np.int64), src, pair_g != src)
     for a in out:
         a.setflags(write=False)
-    return out
+    return (*out, shared)
 
 
 def top_per_gpu(value_E: np.ndarray, slots_WS: np.ndarray, k: int) -> np.ndarray:
