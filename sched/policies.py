@@ -18,8 +18,10 @@ Policies (``BASE[+place][@current|@ema]``, see ``parse_policy``):
   node's mean; every chunk is smaller than the gap it closes, so the node's maximum never rises.
 * ``lp``: the optimal fractional balance inside each node with the same dynamic set (water-filling, any chunk
   size): the lower bound for in-node, dynamic-only policies.
-* ``fastermoe``: FasterMoE's shadow experts: the hottest experts, one at a time while the cost model says the
-  broadcast of their weights costs less than the GEMM time it saves on the busiest GPU, are broadcast to every
+* ``fastermoe``: FasterMoE's dynamic shadowing (He et al., PPoPP 2022; laekov/fastmoe ``shadow_policy.py``): the
+  hottest experts, one at a time while FasterMoE's model of the iteration gets shorter (3x the busiest GPU's
+  forward GEMM for forward + backward, 4 all-to-all transfers of its rows, 2 weight transfers per shadowed expert:
+  broadcast and gradient reduction; times from ``cost``, i.e. the simulated expert shape), are broadcast to every
   GPU and each source computes its own rows of them.
 * ``eplb``: DeepSeek's EPLB: a full physical layout from the load history (``PolicyState``,
   ``feplb.sched.placement.eplb_layout``): equal slots per GPU, redundant slots to the heaviest experts, balanced
@@ -361,27 +363,47 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
                max_shadow: int | None) -> Plan:
     """L: the loads with every expert at home (this plan's placement), a list the function may not keep."""
     W, E = topo.num_ranks, topo.num_experts
-    home = (home_E if home_E is not None else topo.default_home_E()).tolist()
+    home_arr = home_E if home_E is not None else topo.default_home_E()
+    home = home_arr.tolist()
+    inter = topo.gpus_per_node < W
     t_E = cost.gemm_us(n_E)
     gemm_W = t_E[slots].sum(axis=1)
-    bcast_us = cost.copy_us(cost.weight_bytes, inter_node=topo.gpus_per_node < W)
+    # all-to-all rows of each GPU (rows it sends to other GPUs' experts, rows it receives from other GPUs)
+    own_E = counts_WE[home_arr, np.arange(E)]
+    recv_W = np.bincount(home_arr, weights=n_E - own_E, minlength=W)
+    sent_W = counts_WE.sum(axis=1) - np.bincount(home_arr, weights=own_E, minlength=W)
+    row_us = cost.copy_us(cost.row_bytes, inter_node=inter)
+    bcast_us = cost.copy_us(cost.weight_bytes, inter_node=inter)
+
+    def latency(gemm: np.ndarray, sent: np.ndarray, recv: np.ndarray, k: int) -> float:
+        # FasterMoE's model of one iteration: forward and backward GEMMs (3x the forward), the dispatch and
+        # combine all-to-alls of forward and backward (4 transfers of each row), and per shadowed expert its
+        # weights broadcast and its gradients reduced (2 transfers); the busiest GPU decides
+        return 3 * float(gemm.max()) + 4 * row_us * float(np.maximum(sent, recv).max()) + 2 * k * bcast_us
+
     # hottest first, ties to the lower id: a stable sort of -rows
     order = np.argsort(-n_E, kind="stable").tolist()
     limit = E if max_shadow is None else max_shadow
     shadow: list[int] = []
-    comm = 0.0
-    cur = float(gemm_W.max())
+    cur = before = latency(gemm_W, sent_W, recv_W, 0)
     for e in order[:limit]:
         if n_E[e] == 0:
             break
-        # each source computes its own rows of e; the home keeps only its own. The per-source GEMM times of one
-        # column (elementwise, so equal to that column of the full [W, E] table) are all the test needs
-        trial = gemm_W + cost.gemm_us(counts_WE[:, e])
-        trial[home[e]] -= t_E[e]
-        new = float(trial.max())
-        if new + bcast_us < cur:
+        # each source computes its own rows of e and sends none; the home keeps only its own and receives none.
+        # The per-source GEMM times of one column (elementwise, so equal to that column of the full [W, E] table)
+        # are all the test needs
+        col = counts_WE[:, e]
+        h = home[e]
+        trial = gemm_W + cost.gemm_us(col)
+        trial[h] -= t_E[e]
+        t_sent = sent_W - col
+        t_sent[h] += col[h]
+        t_recv = recv_W.copy()
+        t_recv[h] -= n_E[e] - col[h]
+        new = latency(trial, t_sent, t_recv, len(shadow) + 1)
+        if new < cur:
             shadow.append(e)
-            gemm_W, cur, comm = trial, new, comm + bcast_us
+            gemm_W, sent_W, recv_W, cur = trial, t_sent, t_recv, new
         else:
             break
     raw = []
@@ -401,7 +423,8 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
                 raw.append((e, h, s, a, b))
                 loads[h] -= n
                 loads[s] += n
-    info = {"shadowed": tuple(sorted(shadow)), "gemm_us_max": cur, "broadcast_us": comm}
+    info = {"shadowed": tuple(sorted(shadow)), "gemm_us_max": float(gemm_W.max()), "model_us": cur,
+            "model_us_before": before, "broadcast_us": len(shadow) * bcast_us}
     return _finish(policy, raw, frozenset(), dyn_WD, before_W, loads, home_E, rows_from_source=True,
                    weight_copies=tuple(copies), info=info, whole=True)
 
