@@ -364,7 +364,6 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
     """L: the loads with every expert at home (this plan's placement), a list the function may not keep."""
     W, E = topo.num_ranks, topo.num_experts
     home_arr = home_E if home_E is not None else topo.default_home_E()
-    home = home_arr.tolist()
     inter = topo.gpus_per_node < W
     t_E = cost.gemm_us(n_E)
     gemm_W = t_E[slots].sum(axis=1)
@@ -375,58 +374,77 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
     row_us = cost.copy_us(cost.row_bytes, inter_node=inter)
     bcast_us = cost.copy_us(cost.weight_bytes, inter_node=inter)
 
-    def latency(gemm: np.ndarray, sent: np.ndarray, recv: np.ndarray, k: int) -> float:
-        # FasterMoE's model of one iteration: forward and backward GEMMs (3x the forward), the dispatch and
-        # combine all-to-alls of forward and backward (4 transfers of each row), and per shadowed expert its
-        # weights broadcast and its gradients reduced (2 transfers); the busiest GPU decides
-        return 3 * float(gemm.max()) + 4 * row_us * float(np.maximum(sent, recv).max()) + 2 * k * bcast_us
-
-    # hottest first, ties to the lower id: a stable sort of -rows
-    order = np.argsort(-n_E, kind="stable").tolist()
-    limit = E if max_shadow is None else max_shadow
+    # FasterMoE's model of one iteration: forward and backward GEMMs (3x the forward), the dispatch and combine
+    # all-to-alls of forward and backward (4 transfers of each row), and per shadowed expert its weights broadcast
+    # and its gradients reduced (2 transfers); the busiest GPU decides
+    cur = before = 3 * float(gemm_W.max()) + 4 * row_us * float(np.maximum(sent_W, recv_W).max())
+    # candidates: the hottest experts first (ties to the lower id: a stable sort of -rows), none without rows. The
+    # rule takes them while the model's time drops, i.e. the longest prefix along which it falls: evaluated for
+    # every prefix of a block at once (cumulative sums), blocks doubling until the time stops falling
+    order = np.argsort(-n_E, kind="stable")
+    cand = order[:min(E if max_shadow is None else max_shadow, int(np.count_nonzero(n_E)))]
     shadow: list[int] = []
-    cur = before = latency(gemm_W, sent_W, recv_W, 0)
-    for e in order[:limit]:
-        if n_E[e] == 0:
+    pos, block = 0, 8
+    while pos < cand.size:
+        blk = cand[pos:pos + block]
+        k = blk.size
+        ar = np.arange(k)
+        h = home_arr[blk]
+        cols = counts_WE[:, blk]
+        # shadowing e: each source computes its own rows of e and sends none; the home keeps only its own rows
+        # and receives none
+        d_gemm = cost.gemm_us(cols)
+        d_gemm[h, ar] -= t_E[blk]
+        d_sent = -cols
+        d_sent[h, ar] = 0
+        d_recv = np.zeros_like(cols)
+        d_recv[h, ar] = cols[h, ar] - n_E[blk]
+        g = np.cumsum(d_gemm, axis=1)
+        g += gemm_W[:, None]
+        sent = np.cumsum(d_sent, axis=1) + sent_W[:, None]
+        recv = np.cumsum(d_recv, axis=1) + recv_W[:, None]
+        lat = 3 * g.max(axis=0) + 4 * row_us * np.maximum(sent, recv).max(axis=0) \
+            + 2 * bcast_us * np.arange(len(shadow) + 1, len(shadow) + k + 1)
+        prev = np.empty(k)
+        prev[0] = cur
+        prev[1:] = lat[:-1]
+        stop = np.flatnonzero(~(lat < prev))
+        take = int(stop[0]) if stop.size else k
+        if take:
+            shadow += blk[:take].tolist()
+            cur = float(lat[take - 1])
+            gemm_W, sent_W, recv_W = g[:, take - 1], sent[:, take - 1], recv[:, take - 1]
+        if take < k:
             break
-        # each source computes its own rows of e and sends none; the home keeps only its own and receives none.
-        # The per-source GEMM times of one column (elementwise, so equal to that column of the full [W, E] table)
-        # are all the test needs
-        col = counts_WE[:, e]
-        h = home[e]
-        trial = gemm_W + cost.gemm_us(col)
-        trial[h] -= t_E[e]
-        t_sent = sent_W - col
-        t_sent[h] += col[h]
-        t_recv = recv_W.copy()
-        t_recv[h] -= n_E[e] - col[h]
-        new = latency(trial, t_sent, t_recv, len(shadow) + 1)
-        if new < cur:
-            shadow.append(e)
-            gemm_W, sent_W, recv_W, cur = trial, t_sent, t_recv, new
-        else:
-            break
-    raw = []
-    loads = list(L)
-    copies = []
-    for e in sorted(shadow):
-        h = home[e]
-        b = 0
-        for s, n in enumerate(counts_WE[:, e].tolist()):
-            # rows of source s are [a, b) in home order: sources in rank order
-            a, b = b, b + n
-            if s == h:
-                continue
-            copies.append((e, h, s))
-            if n:
-                # Move's field order; each (expert, dst) once and row_start rising with dst: sorted as required
-                raw.append((e, h, s, a, b))
-                loads[h] -= n
-                loads[s] += n
+        pos += k
+        block *= 2
     info = {"shadowed": tuple(sorted(shadow)), "gemm_us_max": float(gemm_W.max()), "model_us": cur,
             "model_us_before": before, "broadcast_us": len(shadow) * bcast_us}
-    return _finish(policy, raw, frozenset(), dyn_WD, before_W, loads, home_E, rows_from_source=True,
-                   weight_copies=tuple(copies), info=info, whole=True)
+    if not shadow:
+        return _finish(policy, [], frozenset(), dyn_WD, before_W, L, home_E, rows_from_source=True, info=info)
+    # every source s computes its own rows of a shadowed expert e, rows [a, b) of e's home order (sources in rank
+    # order), and receives its weights; in (expert, source) order, i.e. sorted by (expert, row_start)
+    S_k = np.asarray(sorted(shadow), dtype=np.int64)
+    k = S_k.size
+    h_k = home_arr[S_k]
+    cols_kW = counts_WE[:, S_k].T
+    end_kW = np.cumsum(cols_kW, axis=1)
+    away_kW = np.arange(W)[None, :] != h_k[:, None]
+    e_kW = np.broadcast_to(S_k[:, None], (k, W))
+    hh_kW = np.broadcast_to(h_k[:, None], (k, W))
+    s_kW = np.broadcast_to(np.arange(W)[None, :], (k, W))
+    m = away_kW & (cols_kW > 0)
+    moves = tuple(map(_MAKE_MOVE, zip(e_kW[m].tolist(), hh_kW[m].tolist(), s_kW[m].tolist(),
+                                      (end_kW - cols_kW)[m].tolist(), end_kW[m].tolist(), strict=True)))
+    copies = tuple(zip(e_kW[away_kW].tolist(), hh_kW[away_kW].tolist(), s_kW[away_kW].tolist(), strict=True))
+    # loads: sources gain their own rows of e, its home loses the others'
+    moved_kW = np.where(away_kW, cols_kW, 0)
+    loads = np.asarray(L, dtype=np.int64) + moved_kW.sum(axis=0) - np.bincount(h_k, weights=moved_kW.sum(axis=1),
+                                                                              minlength=W).astype(np.int64)
+    loads.setflags(write=False)
+    return Plan._trusted(policy=policy, moves=moves, weight_copies=copies, dynamic_WD=dyn_WD, loads_before_W=before_W,
+                         loads_after_W=loads, home_E=home_E, rows_from_source=True, dispatched=False, node=None,
+                         info=info)
 
 
 def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | None,
