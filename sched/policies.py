@@ -31,6 +31,7 @@ Policies (``BASE[+place][@current|@ema]``, see ``parse_policy``):
 from __future__ import annotations
 
 from functools import lru_cache, partial
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -69,6 +70,12 @@ def _check_args(policy: str, topo: Topology, state: PolicyState | None) -> tuple
 
 def _slots(topo: Topology, state: PolicyState | None) -> np.ndarray:
     return _default_slots(topo) if state is None else state.slots_WS
+
+
+@lru_cache(maxsize=4096)
+def _broadcast(e: int, home: int, W: int) -> tuple[tuple[int, int, int], ...]:
+    """The weight copies of FasterMoE shadowing expert e: (e, home, s) for every other GPU s, in order."""
+    return tuple((e, home, s) for s in range(W) if s != home)
 
 
 @lru_cache(maxsize=256)
@@ -384,7 +391,7 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
     order = np.argsort(-n_E, kind="stable")
     cand = order[:min(E if max_shadow is None else max_shadow, int(np.count_nonzero(n_E)))]
     shadow: list[int] = []
-    pos, block = 0, 8
+    pos, block = 0, 16
     while pos < cand.size:
         blk = cand[pos:pos + block]
         k = blk.size
@@ -403,16 +410,16 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
         g += gemm_W[:, None]
         sent = np.cumsum(d_sent, axis=1) + sent_W[:, None]
         recv = np.cumsum(d_recv, axis=1) + recv_W[:, None]
-        lat = 3 * g.max(axis=0) + 4 * row_us * np.maximum(sent, recv).max(axis=0) \
-            + 2 * bcast_us * np.arange(len(shadow) + 1, len(shadow) + k + 1)
-        prev = np.empty(k)
-        prev[0] = cur
-        prev[1:] = lat[:-1]
-        stop = np.flatnonzero(~(lat < prev))
-        take = int(stop[0]) if stop.size else k
+        lat = (3 * g.max(axis=0) + 4 * row_us * np.maximum(sent, recv).max(axis=0)).tolist()
+        take, n0 = 0, len(shadow)
+        for t in lat:
+            t += 2 * bcast_us * (n0 + take + 1)
+            if not t < cur:
+                break
+            cur = t
+            take += 1
         if take:
             shadow += blk[:take].tolist()
-            cur = float(lat[take - 1])
             gemm_W, sent_W, recv_W = g[:, take - 1], sent[:, take - 1], recv[:, take - 1]
         if take < k:
             break
@@ -430,13 +437,11 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
     cols_kW = counts_WE[:, S_k].T
     end_kW = np.cumsum(cols_kW, axis=1)
     away_kW = np.arange(W)[None, :] != h_k[:, None]
-    e_kW = np.broadcast_to(S_k[:, None], (k, W))
-    hh_kW = np.broadcast_to(h_k[:, None], (k, W))
-    s_kW = np.broadcast_to(np.arange(W)[None, :], (k, W))
-    m = away_kW & (cols_kW > 0)
-    moves = tuple(map(_MAKE_MOVE, zip(e_kW[m].tolist(), hh_kW[m].tolist(), s_kW[m].tolist(),
-                                      (end_kW - cols_kW)[m].tolist(), end_kW[m].tolist(), strict=True)))
-    copies = tuple(zip(e_kW[away_kW].tolist(), hh_kW[away_kW].tolist(), s_kW[away_kW].tolist(), strict=True))
+    kk, ss = np.nonzero(away_kW & (cols_kW > 0))
+    moves = tuple(map(_MAKE_MOVE, zip(S_k[kk].tolist(), h_k[kk].tolist(), ss.tolist(),
+                                      (end_kW[kk, ss] - cols_kW[kk, ss]).tolist(), end_kW[kk, ss].tolist(),
+                                      strict=True)))
+    copies = tuple(chain.from_iterable(map(_broadcast, S_k.tolist(), h_k.tolist(), repeat(W, k))))
     # loads: sources gain their own rows of e, its home loses the others'
     moved_kW = np.where(away_kW, cols_kW, 0)
     loads = np.asarray(L, dtype=np.int64) + moved_kW.sum(axis=0) - np.bincount(h_k, weights=moved_kW.sum(axis=1),
