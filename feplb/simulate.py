@@ -13,12 +13,19 @@ plus the plan's copy time fit under the GEMM of its static experts, so balancing
 expert time with planning and copies on the critical path (``layer_ms``: per GPU, ``max(static GEMM, plan +
 copies) + the rest of its GEMM``; ``layer_speedup`` against plain EP's busiest GPU).
 Means run over layers and micro-batches; a reduction is ``1 - mean(policy) / mean(plain EP)``.
+
+These are CPU simulations: token counts from the routing, and times from the cost model, never measured on a GPU.
+The cost model takes the expert shape (H, F) of the model the workload comes from (``workload.expert_shape``)
+unless ``SimConfig.shape_from_trace`` is False; every result records the shape it used (``SimResult.expert_shape``
+and each summary's ``expert_hidden`` / ``expert_ffn``). FasterMoE's shadowing decision, the GEMM straggler, the
+copy bytes and the overlap condition all depend on it.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -34,7 +41,12 @@ _METRICS = ("token_straggler", "token_straggler_before", "max_over_mean", "gemm_
 
 @dataclass(frozen=True, kw_only=True)
 class SimConfig:
-    """What to simulate: topology, micro-batch size, policies and their options."""
+    """What to simulate: topology, micro-batch size, policies and their options.
+
+    cost: the cost model; its expert shape (hidden, ffn) applies to workloads that carry none (synthetic ones).
+    shape_from_trace: a workload's own expert shape (its model's) replaces the cost model's; False keeps
+        ``cost.hidden`` / ``cost.ffn`` for every workload.
+    """
 
     num_ranks: int = 8
     gpus_per_node: int = 8
@@ -47,15 +59,18 @@ class SimConfig:
     refresh_every: int = 8
     ema_shift: int = 2
     eplb_slots: int = 1
+    eplb_groups: int = 1
     replicas_mode: str = "eager"
     tau: float = 0.01
     min_chunk: int | None = None
     validate: bool = True
     cost: CostModel = field(default_factory=CostModel)
+    shape_from_trace: bool = True
 
     def __post_init__(self) -> None:
         for name, lo in (("num_ranks", 1), ("gpus_per_node", 1), ("tokens_per_rank", 1), ("dyn", 0),
-                         ("microbatches", 1), ("warmup", 0), ("seed", 0), ("refresh_every", 1), ("eplb_slots", 0)):
+                         ("microbatches", 1), ("warmup", 0), ("seed", 0), ("refresh_every", 1), ("eplb_slots", 0),
+                         ("eplb_groups", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"SimConfig.{name} must be an int >= {lo}, got {v!r}")
@@ -66,10 +81,23 @@ class SimConfig:
             parse_policy(p)
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"SimConfig.policies repeats a policy: {self.policies}")
+        if not isinstance(self.cost, CostModel):
+            raise TypeError(f"SimConfig.cost must be a CostModel, got {type(self.cost).__name__}")
+        if not isinstance(self.shape_from_trace, bool):
+            raise TypeError(f"SimConfig.shape_from_trace must be a bool, got {self.shape_from_trace!r}")
 
     def topology(self, num_experts: int) -> Topology:
         return Topology(num_ranks=self.num_ranks, gpus_per_node=self.gpus_per_node, num_experts=num_experts,
                         dyn=self.dyn)
+
+    def cost_for(self, workload: Any) -> tuple[CostModel, dict[str, Any]]:
+        """The cost model for ``workload`` and a record of the expert shape it uses (model, hidden, ffn, source)."""
+        shape = getattr(workload, "expert_shape", None) if self.shape_from_trace else None
+        if shape is None:
+            why = "SimConfig.cost (shape_from_trace=False)" if not self.shape_from_trace else \
+                "SimConfig.cost (the workload names no model)"
+            return self.cost, {"model": None, "hidden": self.cost.hidden, "ffn": self.cost.ffn, "source": why}
+        return replace(self.cost, hidden=shape.hidden, ffn=shape.ffn), shape.as_dict()
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -88,6 +116,7 @@ class SimResult:
     layer_names: tuple[str, ...]
     metrics: dict[str, dict[str, np.ndarray]]
     example: dict[str, Any]
+    expert_shape: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, dict[str, float]]:
         return summarize([self])
@@ -98,8 +127,11 @@ def _percentile(values: np.ndarray, q: float) -> float:
 
 
 def summarize(results: list[SimResult]) -> dict[str, dict[str, float]]:
-    """Means over all layers and micro-batches of all results, per policy (the JSON's ``policies``)."""
+    """Means over all layers and micro-batches of all results, per policy (the JSON's ``policies``), with the
+    expert shape the cost model used (``expert_hidden`` / ``expert_ffn``; NaN when the results used several)."""
     out: dict[str, dict[str, float]] = {}
+    shapes = {(r.expert_shape.get("hidden"), r.expert_shape.get("ffn")) for r in results}
+    hidden, ffn = shapes.pop() if len(shapes) == 1 else (math.nan, math.nan)
     for policy in results[0].metrics:
         cat = {k: np.concatenate([r.metrics[policy][k].ravel() for r in results]) for k in _METRICS}
         before, after = cat["token_straggler_before"].mean(), cat["token_straggler"].mean()
@@ -124,6 +156,8 @@ def summarize(results: list[SimResult]) -> dict[str, dict[str, float]]:
             "layer_ms": float(cat["layer_ms"].mean()),
             "layer_speedup": float(cat["layer_before_ms"].mean() / cat["layer_ms"].mean()),
             "samples": int(cat["token_straggler"].size),
+            "expert_hidden": hidden,
+            "expert_ffn": ffn,
         }
     return out
 
@@ -135,10 +169,11 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
     """
     topo = config.topology(workload.num_experts)
     L, M, W = workload.num_layers, config.microbatches, config.num_ranks
-    cost = config.cost
+    cost, shape = config.cost_for(workload)
     rows_per_rank = config.tokens_per_rank * workload.top_k
     states = {p: [PolicyState(topo=topo, policy=p, refresh_every=config.refresh_every, ema_shift=config.ema_shift,
-                              eplb_slots=config.eplb_slots, replicas_mode=config.replicas_mode)
+                              eplb_slots=config.eplb_slots, eplb_groups=config.eplb_groups,
+                              replicas_mode=config.replicas_mode)
                   for _ in range(L)] for p in config.policies}
     metrics = {p: {k: np.zeros((L, M)) for k in _METRICS} for p in config.policies}
     example: dict[str, Any] = {}
@@ -197,4 +232,5 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
         if progress is not None:
             progress.update(1)
     return SimResult(workload=workload.name, num_experts=topo.num_experts, top_k=workload.top_k,
-                     layer_names=tuple(workload.layer_names), metrics=metrics, example=example)
+                     layer_names=tuple(workload.layer_names), metrics=metrics, example=example,
+                     expert_shape=shape)

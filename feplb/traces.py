@@ -14,6 +14,10 @@ Trace specs accepted by ``load_workload`` (and the ``feplb simulate`` command li
 * ``synthetic:zipf|dirichlet[:E=128][:K=8][:L=4][:alpha=1.2][:drift=0.1][:seed=0]``: seeded popularity (Zipf
   with exponent alpha over a random expert order, or Dirichlet(alpha)), drifting every micro-batch by an AR(1)
   walk of its log-probabilities (step std ``drift``); every rank draws its rows from the same popularity.
+Every workload carries the expert shape of the model its routing comes from (``expert_shape``, an ``ExpertShape``
+or None): an npz trace from its keys ``expert_hidden`` / ``expert_ffn`` (and ``model``) when present, else from
+``KNOWN_MODELS`` by file name; the OLMoE counts from the model name; synthetic workloads have none. The
+simulator's cost model uses it by default (``feplb.simulate.SimConfig.shape_from_trace``).
 Multinomial workloads draw rows with replacement: an expert may receive more than S rows from one rank, which
 real top-k routing cannot produce; the imbalance statistics are what matter here.
 """
@@ -27,8 +31,54 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["MultinomialWorkload", "RoutingTrace", "SyntheticWorkload", "load_trace", "load_workload",
-           "trace_counts"]
+__all__ = ["KNOWN_MODELS", "ExpertShape", "MultinomialWorkload", "RoutingTrace", "SyntheticWorkload", "load_trace",
+           "load_workload", "shape_for", "trace_counts"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertShape:
+    """One routed expert of a model: hidden size H and expert ffn width F (SwiGLU: weights 3 * H * F), and where
+    those numbers come from."""
+
+    model: str
+    hidden: int
+    ffn: int
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "ffn"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"ExpertShape.{name} must be a positive int, got {v!r}")
+            object.__setattr__(self, name, int(v))
+
+    def as_dict(self) -> dict[str, object]:
+        return {"model": self.model, "hidden": self.hidden, "ffn": self.ffn, "source": self.source}
+
+
+# The models of the routing traces in shared/routing_traces, by trace file-name prefix (or OLMoE model name).
+KNOWN_MODELS: dict[str, ExpertShape] = {
+    "esft_vanilla_lite": ExpertShape(
+        model="DeepSeek-V2-Lite", hidden=2048, ffn=1408,
+        source="huggingface.co/deepseek-ai/DeepSeek-V2-Lite config.json: hidden_size, moe_intermediate_size"),
+    "flame_moe_290m": ExpertShape(
+        model="FLAME-MoE-290M-1.3B", hidden=1024, ffn=704,
+        source="github.com/cmu-flame/FLAME-MoE scripts for FLAME-MoE-290M-1.3B: HIDDEN_SIZE, MOE_FFN_HIDDEN_SIZE"),
+    "olmoe": ExpertShape(
+        model="OLMoE-1B-7B", hidden=2048, ffn=1024,
+        source="huggingface.co/allenai/OLMoE-1B-7B-0924 config.json: hidden_size, intermediate_size"),
+    "mistral": ExpertShape(
+        model="Mixtral-8x7B", hidden=4096, ffn=14336,
+        source="huggingface.co/mistralai/Mixtral-8x7B-v0.1 config.json: hidden_size, intermediate_size"),
+}
+
+
+def shape_for(name: str) -> ExpertShape | None:
+    """The known expert shape for a trace name (file stem, or OLMoE model name such as ``olmoe-sft``), or None."""
+    for prefix, shape in KNOWN_MODELS.items():
+        if name == prefix or name.startswith((prefix + "_", prefix + "-")):
+            return shape
+    return None
 
 
 def _check_ids(ids: np.ndarray, name: str, num_experts: int | None) -> int:
@@ -53,6 +103,7 @@ class RoutingTrace:
     topk_ids_TLK: integer [T, L, K] expert ids, all in [0, num_experts).
     seq_offsets: int64 [n + 1] sample boundaries (0 = first, T = last), or None (every token may start).
     topk_weights_TLK: float32 [T, L, K] gate weights, or None.
+    expert_shape: the expert shape of the model that produced the trace, or None (unknown).
     """
 
     name: str
@@ -61,8 +112,12 @@ class RoutingTrace:
     seq_offsets: np.ndarray | None = None
     topk_weights_TLK: np.ndarray | None = None
     layer_names: tuple[str, ...] = ()
+    expert_shape: ExpertShape | None = None
 
     def __post_init__(self) -> None:
+        if self.expert_shape is not None and not isinstance(self.expert_shape, ExpertShape):
+            raise TypeError(f"{self.name}: expert_shape must be an ExpertShape or None, got "
+                            f"{type(self.expert_shape).__name__}")
         if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 1:
             raise ValueError(f"{self.name}: num_experts must be a positive int, got {self.num_experts!r}")
         _check_ids(self.topk_ids_TLK, self.name, self.num_experts)
@@ -155,22 +210,30 @@ def load_trace(path: str | Path, num_experts: int | None = None) -> RoutingTrace
                 break
         offsets = z["seq_offsets"] if "seq_offsets" in keys else None
         layer_names = tuple(str(v) for v in z["moe_layers"]) if "moe_layers" in keys else ()
+        shape = shape_for(path.stem)
+        if "expert_hidden" in keys or "expert_ffn" in keys:
+            if not ("expert_hidden" in keys and "expert_ffn" in keys):
+                raise ValueError(f"{path}: an expert shape needs both 'expert_hidden' and 'expert_ffn'")
+            model = str(z["model"]) if "model" in keys else path.stem
+            shape = ExpertShape(model=model, hidden=int(z["expert_hidden"]), ffn=int(z["expert_ffn"]),
+                                source=f"{path.name}: expert_hidden, expert_ffn")
     if num_experts is None:
         num_experts = hi + 1
     return RoutingTrace(name=path.stem, topk_ids_TLK=ids, num_experts=int(num_experts), seq_offsets=offsets,
-                        topk_weights_TLK=weights, layer_names=layer_names)
+                        topk_weights_TLK=weights, layer_names=layer_names, expert_shape=shape)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class MultinomialWorkload:
     """Rows drawn per rank from a per-domain expert popularity: probs_DLE float64 [n_domains, L, E], each row
-    summing to 1; rank s draws from domain ``s % n_domains``."""
+    summing to 1; rank s draws from domain ``s % n_domains``. expert_shape: the model's, or None."""
 
     name: str
     probs_DLE: np.ndarray
     top_k: int
     domains: tuple[str, ...]
     layer_names: tuple[str, ...] = ()
+    expert_shape: ExpertShape | None = None
 
     def __post_init__(self) -> None:
         p = np.asarray(self.probs_DLE, dtype=np.float64)
@@ -225,7 +288,7 @@ def load_olmoe(path: str | Path, model: str = "olmoe", domains: tuple[str, ...] 
     top_k = int(m.get("top_k", 1)) if variant == "topk" else 1
     layers = tuple(f"L{v}" for v in data.get("layers", range(counts.shape[1])))
     return MultinomialWorkload(name=f"{model}-{'+'.join(domains)}", probs_DLE=counts / counts.sum(2, keepdims=True),
-                               top_k=top_k, domains=domains, layer_names=layers)
+                               top_k=top_k, domains=domains, layer_names=layers, expert_shape=shape_for(model))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -266,6 +329,11 @@ class SyntheticWorkload:
     @property
     def name(self) -> str:
         return f"synthetic-{self.kind}-E{self.num_experts}-K{self.top_k}"
+
+    @property
+    def expert_shape(self) -> None:
+        """A synthetic popularity belongs to no model."""
+        return None
 
     @property
     def layer_names(self) -> tuple[str, ...]:

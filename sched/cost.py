@@ -66,6 +66,15 @@ class CostModel:
             raise ValueError(f"CostModel.table_us must be positive and non-decreasing, got {list(us)}")
         object.__setattr__(self, "table_rows", rows)
         object.__setattr__(self, "table_us", us)
+        # one interpolation table for integer rows: 0 -> 0, 1..rows[0] flat, linear in between, and the last slope
+        # carried to a point far beyond any row count; times already scaled to this expert's shape
+        scale = (self.hidden * self.ffn) / (self.table_hidden * self.table_ffn)
+        slope = (us[-1] - us[-2]) / (rows[-1] - rows[-2])
+        far = float(2**40)
+        floor = ((1.0,), (us[0],)) if rows[0] > 1 else ((), ())
+        xs = np.array([0.0, *floor[0], *rows, far])
+        ys = np.array([0.0, *floor[1], *us, us[-1] + (far - rows[-1]) * slope]) * scale
+        object.__setattr__(self, "_interp", (xs, ys))
 
     @classmethod
     def from_json(cls, path: str | Path, **overrides: object) -> CostModel:
@@ -99,14 +108,9 @@ class CostModel:
         return self.hidden * self.dtype_bytes
 
     def gemm_us(self, rows: np.ndarray | int) -> np.ndarray:
-        """Forward GEMM time (us, float64) of one expert for each entry of ``rows`` (int array or scalar)."""
-        r = np.asarray(rows, dtype=np.float64)
-        scale = (self.hidden * self.ffn) / (self.table_hidden * self.table_ffn)
-        xs, ys = self.table_rows, self.table_us
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        t = np.interp(r, xs, ys)
-        t = np.where(r > xs[-1], ys[-1] + (r - xs[-1]) * slope, t)
-        return np.where(r > 0, t * scale, 0.0)
+        """Forward GEMM time (us, float64) of one expert for each entry of ``rows`` (non-negative integers, array or
+        scalar): 0 for no rows, the weight-read floor up to ``table_rows[0]``, the table's line beyond."""
+        return np.interp(rows, *self._interp)
 
     def gemm_times_W(self, plan: Plan, counts_WE: np.ndarray, topo: Topology) -> np.ndarray:
         """Per-GPU forward grouped-GEMM time (us, float64 [W]) under ``plan``: every piece of an expert (its rows

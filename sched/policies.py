@@ -18,16 +18,20 @@ Policies (``BASE[+place][@current|@ema]``, see ``parse_policy``):
   node's mean; every chunk is smaller than the gap it closes, so the node's maximum never rises.
 * ``lp``: the optimal fractional balance inside each node with the same dynamic set (water-filling, any chunk
   size): the lower bound for in-node, dynamic-only policies.
-* ``fastermoe``: FasterMoE's shadow experts: the hottest experts, one at a time while the cost model says the
-  broadcast of their weights costs less than the GEMM time it saves on the busiest GPU, are broadcast to every
+* ``fastermoe``: FasterMoE's dynamic shadowing (He et al., PPoPP 2022; laekov/fastmoe ``shadow_policy.py``): the
+  hottest experts, one at a time while FasterMoE's model of the iteration gets shorter (3x the busiest GPU's
+  forward GEMM for forward + backward, 4 all-to-all transfers of its rows, 2 weight transfers per shadowed expert:
+  broadcast and gradient reduction; times from ``cost``, i.e. the simulated expert shape), are broadcast to every
   GPU and each source computes its own rows of them.
-* ``eplb``: DeepSeek-EPLB-style redundant experts placed from the load history (see ``PolicyState``), rows of a
-  replicated expert split evenly among its copies.
+* ``eplb``: DeepSeek's EPLB: a full physical layout from the load history (``PolicyState``,
+  ``feplb.sched.placement.eplb_layout``): equal slots per GPU, redundant slots to the heaviest experts, balanced
+  packing, hierarchical or global; each expert's rows split evenly among its slots, dispatched straight to them.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -41,7 +45,8 @@ POLICIES: tuple[str, ...] = BASE_POLICIES
 _DEFAULT_COST = CostModel()
 # ufunc reductions called directly: ndarray.sum's Python wrapper costs about a microsecond per call here
 _ADD = np.add.reduce
-_MAKE_MOVE = Move._make
+# a Move from a 5-tuple in field order without Move._make's length check (the planner builds them itself)
+_MAKE_MOVE = partial(tuple.__new__, Move)
 
 
 @lru_cache(maxsize=64)
@@ -65,6 +70,12 @@ def _check_args(policy: str, topo: Topology, state: PolicyState | None) -> tuple
 
 def _slots(topo: Topology, state: PolicyState | None) -> np.ndarray:
     return _default_slots(topo) if state is None else state.slots_WS
+
+
+@lru_cache(maxsize=4096)
+def _broadcast(e: int, home: int, W: int) -> tuple[tuple[int, int, int], ...]:
+    """The weight copies of FasterMoE shadowing expert e: (e, home, s) for every other GPU s, in order."""
+    return tuple((e, home, s) for s in range(W) if s != home)
 
 
 @lru_cache(maxsize=256)
@@ -141,67 +152,75 @@ def _greedy_whole(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_ga
         out.append((ex[hi].pop(j), g0 + hi, g0 + lo, 0, n))
 
 
-def _chunk(want: int, r: int, m: int, gap: int) -> int:
-    """Size of the piece to move from an expert with r rows left at home: the whole remainder, or a chunk in
-    [m, r - m] (no piece below m rows); strictly below gap so the pair's maximum drops; closest to want."""
-    best = r if r < gap else 0
-    if 2 * m <= r:
-        x = min(max(want, m), r - m)
-        if x < gap and (best == 0 or abs(x - want) < abs(best - want)):
-            best = x
-    return best
-
-
-def _split(L: list[int], pieces: list[list[list[int]]], m: int, tau_gap: int) -> None:
+def _split(L: list[int], own: list[list[int]], own_n: list[list[int]], pieces: list[list[list[int]]], m: int,
+           tau_gap: int) -> None:
     """Move rows from the most to the least loaded GPU of the node, toward the node's (integer) mean, in pieces of
     at least m rows (or whole pieces). pieces[i]: [expert, row_start, row_end, home GPU] ranges of dynamic experts
-    that GPU i computes (its own experts' rows at home, and rows it received); a piece shrinks from its end."""
+    that GPU i computes: the rows it received, and its own experts' rows (own[i], own_n[i]: experts and rows, added
+    the first time GPU i gives: a GPU that never gives keeps them at home, as moves or not). A piece shrinks from
+    its end. Each step gives the largest piece of the busiest GPU (ties: lower expert, then lower row), or the
+    next largest that can give: the whole piece if it is below the gap, or a chunk in [m, rows - m], below the
+    gap; of the two, the one closer to the rows the pair needs to reach the mean (``want``)."""
     G = len(L)
     target = -(-sum(L) // G)
-    for _ in range(4 * G * (max(len(p) for p in pieces) + 2)):
+    built = [False] * G
+    n_max = max(map(len, pieces)) + max(map(len, own))
+    for _ in range(4 * G * (n_max + 2)):
         top, bottom = max(L), min(L)
         gap = top - bottom
         if top <= target or gap <= tau_gap:
             return
-        hi, lo = L.index(top), L.index(bottom)
-        want = min(top - target, target - bottom)
+        hi = L.index(top)
         mine = pieces[hi]
-        # the largest piece first (ties: lower expert id, then lower row); the rest only if it cannot give
-        j, x = -1, 0
-        if mine:
-            # the largest piece, ties to the lower (expert, row_start), found without a key function per piece
-            k, q = 0, mine[0]
-            size, e0, a0 = q[2] - q[1], q[0], q[1]
-            for i in range(1, len(mine)):
-                q = mine[i]
-                s = q[2] - q[1]
-                if s > size or (s == size and (q[0] < e0 or (q[0] == e0 and q[1] < a0))):
-                    k, size, e0, a0 = i, s, q[0], q[1]
-            x = _chunk(want, size, m, gap)
-            j = k
-            if not x:
-                for k in sorted(range(len(mine)), key=lambda i: (mine[i][1] - mine[i][2], mine[i][0], mine[i][1])):
-                    x = _chunk(want, mine[k][2] - mine[k][1], m, gap)
-                    if x:
-                        j = k
-                        break
-        if not x:
+        if not built[hi]:
+            built[hi] = True
+            mine += [[e, 0, r, hi] for e, r in zip(own[hi], own_n[hi], strict=True) if r]
+        if not mine:
             return
+        want = top - target
+        if target - bottom < want:
+            want = target - bottom
+        # the largest piece, ties to the lower (expert, row_start), found without a key function per piece
+        j, q = 0, mine[0]
+        size, e0, a0 = q[2] - q[1], q[0], q[1]
+        for i in range(1, len(mine)):
+            q = mine[i]
+            r = q[2] - q[1]
+            if r > size or (r == size and (q[0] < e0 or (q[0] == e0 and q[1] < a0))):
+                j, size, e0, a0 = i, r, q[0], q[1]
+        # the piece to give from it: the whole remainder, or a chunk in [m, size - m] closest to want; below gap
+        x = size if size < gap else 0
+        if 2 * m <= size:
+            c = want if want > m else m
+            if c > size - m:
+                c = size - m
+            if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
+                x = c
+        if not x:
+            # the rest, largest first, until one can give
+            for k in sorted(range(len(mine)), key=lambda i: (mine[i][1] - mine[i][2], mine[i][0], mine[i][1])):
+                r = mine[k][2] - mine[k][1]
+                x = r if r < gap else 0
+                if 2 * m <= r:
+                    c = want if want > m else m
+                    if c > r - m:
+                        c = r - m
+                    if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
+                        x = c
+                if x:
+                    j = k
+                    break
+            else:
+                return
+        lo = L.index(bottom)
         p = mine[j]
         if x == p[2] - p[1]:
             pieces[lo].append(mine.pop(j))
         else:
             p[2] -= x
             pieces[lo].append([p[0], p[2], p[2] + x, p[3]])
-        L[hi] -= x
-        L[lo] += x
-
-
-def _pieces_to_moves(pieces: list[list[list[int]]], g0: int, out: list[tuple[int, int, int, int, int]]) -> None:
-    for i, mine in enumerate(pieces):
-        for e, a, b, h in mine:
-            if h != i and b > a:
-                out.append((e, a, g0 + h, g0 + i, b))
+        L[hi] = top - x
+        L[lo] = bottom + x
 
 
 def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: frozenset[tuple[int, int]],
@@ -229,13 +248,15 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
         # (expert, row_start, src, dst, row_end) records: sort, join adjacent pieces bound for the same GPU
         raw.sort()
         joined: list[Move] = []
-        last = (-1, -1, -1, -1, -1)
+        append = joined.append
+        pe = pd = pb = -1
         for e, a, s, d, b in raw:
-            if last[0] == e and last[2] == d and last[4] == a:
-                last = joined[-1] = new(Move, (e, s, d, last[3], b))
+            if a == pb and d == pd and e == pe:
+                joined[-1] = new(Move, (e, s, d, joined[-1][3], b))
             else:
-                last = new(Move, (e, s, d, a, b))
-                joined.append(last)
+                append(new(Move, (e, s, d, a, b)))
+                pe, pd = e, d
+            pb = b
         moves = tuple(joined)
         if weight_copies is None:
             need = sorted({(e, s, d) for e, _, s, d, _ in raw})
@@ -325,16 +346,21 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
             # the row lists are this call's own (tolist), the greedy may consume them
             _greedy_whole(L, ex, nx, tau_gap, raw, g0)
         else:
-            whole: list[tuple[int, int, int, int, int]] = []
-            if base != "lp":
-                _greedy_whole(L, [list(r) for r in ex], [list(r) for r in nx], tau_gap, whole, g0)
-            moved = {t[0] for t in whole}
-            pieces = [[[e, 0, r, i] for e, r in zip(ex[i], nx[i], strict=True) if r and e not in moved]
-                      for i in range(G)]
-            for e, src, dst, _, n in whole:
-                pieces[dst - g0].append([e, 0, n, src - g0])
-            _split(L, pieces, min_chunk if base == "feplb-split" else 1, tau_gap if base == "feplb-split" else 0)
-            _pieces_to_moves(pieces, g0, raw)
+            # (expert, row_start, src, dst, row_end) records: _finish joins adjacent pieces
+            pieces: list[list[list[int]]] = [[] for _ in range(G)]
+            if base == "feplb-split":
+                whole: list[tuple[int, int, int, int, int]] = []
+                # the greedy consumes the row lists: what it leaves are the experts it did not move
+                _greedy_whole(L, ex, nx, tau_gap, whole, g0)
+                for e, src, dst, _, n in whole:
+                    pieces[dst - g0].append([e, 0, n, src - g0])
+                _split(L, ex, nx, pieces, min_chunk, tau_gap)
+            else:
+                _split(L, ex, nx, pieces, 1, 0)
+            for i, mine in enumerate(pieces):
+                for e, a, b, h in mine:
+                    if h != i:
+                        raw.append((e, a, g0 + h, g0 + i, b))
         after[g0:g0 + G] = L
     return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E, node=node, whole=base == "feplb")
 
@@ -344,71 +370,129 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
                max_shadow: int | None) -> Plan:
     """L: the loads with every expert at home (this plan's placement), a list the function may not keep."""
     W, E = topo.num_ranks, topo.num_experts
-    home = (home_E if home_E is not None else topo.default_home_E()).tolist()
+    home_arr = home_E if home_E is not None else topo.default_home_E()
+    inter = topo.gpus_per_node < W
     t_E = cost.gemm_us(n_E)
     gemm_W = t_E[slots].sum(axis=1)
-    bcast_us = cost.copy_us(cost.weight_bytes, inter_node=topo.gpus_per_node < W)
-    # hottest first, ties to the lower id: a stable sort of -rows
-    order = np.argsort(-n_E, kind="stable").tolist()
-    limit = E if max_shadow is None else max_shadow
+    # all-to-all rows of each GPU (rows it sends to other GPUs' experts, rows it receives from other GPUs)
+    own_E = counts_WE[home_arr, np.arange(E)]
+    recv_W = np.bincount(home_arr, weights=n_E - own_E, minlength=W)
+    sent_W = counts_WE.sum(axis=1) - np.bincount(home_arr, weights=own_E, minlength=W)
+    row_us = cost.copy_us(cost.row_bytes, inter_node=inter)
+    bcast_us = cost.copy_us(cost.weight_bytes, inter_node=inter)
+
+    # FasterMoE's model of one iteration: forward and backward GEMMs (3x the forward), the dispatch and combine
+    # all-to-alls of forward and backward (4 transfers of each row), and per shadowed expert its weights broadcast
+    # and its gradients reduced (2 transfers); the busiest GPU decides
+    cur = before = 3 * float(gemm_W.max()) + 4 * row_us * float(np.maximum(sent_W, recv_W).max())
+    # candidates: the hottest experts first (ties to the lower id: a stable sort of -rows), none without rows. The
+    # rule takes them while the model's time drops, i.e. the longest prefix along which it falls: evaluated for
+    # every prefix of a block at once (cumulative sums), blocks doubling until the time stops falling
+    order = np.argsort(-n_E, kind="stable")
+    cand = order[:min(E if max_shadow is None else max_shadow, int(np.count_nonzero(n_E)))]
     shadow: list[int] = []
-    comm = 0.0
-    cur = float(gemm_W.max())
-    for e in order[:limit]:
-        if n_E[e] == 0:
+    pos, block = 0, 16
+    while pos < cand.size:
+        blk = cand[pos:pos + block]
+        k = blk.size
+        ar = np.arange(k)
+        h = home_arr[blk]
+        cols = counts_WE[:, blk]
+        # shadowing e: each source computes its own rows of e and sends none; the home keeps only its own rows
+        # and receives none
+        d_gemm = cost.gemm_us(cols)
+        d_gemm[h, ar] -= t_E[blk]
+        d_sent = -cols
+        d_sent[h, ar] = 0
+        d_recv = np.zeros_like(cols)
+        d_recv[h, ar] = cols[h, ar] - n_E[blk]
+        g = np.cumsum(d_gemm, axis=1)
+        g += gemm_W[:, None]
+        sent = np.cumsum(d_sent, axis=1) + sent_W[:, None]
+        recv = np.cumsum(d_recv, axis=1) + recv_W[:, None]
+        lat = (3 * g.max(axis=0) + 4 * row_us * np.maximum(sent, recv).max(axis=0)).tolist()
+        take, n0 = 0, len(shadow)
+        for t in lat:
+            t += 2 * bcast_us * (n0 + take + 1)
+            if not t < cur:
+                break
+            cur = t
+            take += 1
+        if take:
+            shadow += blk[:take].tolist()
+            gemm_W, sent_W, recv_W = g[:, take - 1], sent[:, take - 1], recv[:, take - 1]
+        if take < k:
             break
-        # each source computes its own rows of e; the home keeps only its own. The per-source GEMM times of one
-        # column (elementwise, so equal to that column of the full [W, E] table) are all the test needs
-        trial = gemm_W + cost.gemm_us(counts_WE[:, e])
-        trial[home[e]] -= t_E[e]
-        new = float(trial.max())
-        if new + bcast_us < cur:
-            shadow.append(e)
-            gemm_W, cur, comm = trial, new, comm + bcast_us
-        else:
-            break
-    raw = []
-    loads = list(L)
-    copies = []
-    for e in sorted(shadow):
-        h = home[e]
-        b = 0
-        for s, n in enumerate(counts_WE[:, e].tolist()):
-            # rows of source s are [a, b) in home order: sources in rank order
-            a, b = b, b + n
-            if s == h:
-                continue
-            copies.append((e, h, s))
-            if n:
-                # Move's field order; each (expert, dst) once and row_start rising with dst: sorted as required
-                raw.append((e, h, s, a, b))
-                loads[h] -= n
-                loads[s] += n
-    info = {"shadowed": tuple(sorted(shadow)), "gemm_us_max": cur, "broadcast_us": comm}
-    return _finish(policy, raw, frozenset(), dyn_WD, before_W, loads, home_E, rows_from_source=True,
-                   weight_copies=tuple(copies), info=info, whole=True)
+        pos += k
+        block *= 2
+    info = {"shadowed": tuple(sorted(shadow)), "gemm_us_max": float(gemm_W.max()), "model_us": cur,
+            "model_us_before": before, "broadcast_us": len(shadow) * bcast_us}
+    if not shadow:
+        return _finish(policy, [], frozenset(), dyn_WD, before_W, L, home_E, rows_from_source=True, info=info)
+    # every source s computes its own rows of a shadowed expert e, rows [a, b) of e's home order (sources in rank
+    # order), and receives its weights; in (expert, source) order, i.e. sorted by (expert, row_start)
+    S_k = np.asarray(sorted(shadow), dtype=np.int64)
+    k = S_k.size
+    h_k = home_arr[S_k]
+    cols_kW = counts_WE[:, S_k].T
+    end_kW = np.cumsum(cols_kW, axis=1)
+    away_kW = np.arange(W)[None, :] != h_k[:, None]
+    kk, ss = np.nonzero(away_kW & (cols_kW > 0))
+    moves = tuple(map(_MAKE_MOVE, zip(S_k[kk].tolist(), h_k[kk].tolist(), ss.tolist(),
+                                      (end_kW[kk, ss] - cols_kW[kk, ss]).tolist(), end_kW[kk, ss].tolist(),
+                                      strict=True)))
+    copies = tuple(chain.from_iterable(map(_broadcast, S_k.tolist(), h_k.tolist(), repeat(W, k))))
+    # loads: sources gain their own rows of e, its home loses the others'
+    moved_kW = np.where(away_kW, cols_kW, 0)
+    loads = np.asarray(L, dtype=np.int64) + moved_kW.sum(axis=0) - np.bincount(h_k, weights=moved_kW.sum(axis=1),
+                                                                              minlength=W).astype(np.int64)
+    loads.setflags(write=False)
+    return Plan._trusted(policy=policy, moves=moves, weight_copies=copies, dynamic_WD=dyn_WD, loads_before_W=before_W,
+                         loads_after_W=loads, home_E=home_E, rows_from_source=True, dispatched=False, node=None,
+                         info=info)
 
 
 def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | None,
           dyn_WD: np.ndarray, before_W: np.ndarray, L: list[int], home_E: np.ndarray | None) -> Plan:
-    replicas = () if state is None else state.replicas
-    home = (home_E if home_E is not None else topo.default_home_E()).tolist()
-    holders: dict[int, list[int]] = {}
-    for e, g in replicas:
-        holders.setdefault(e, []).append(g)
-    raw = []
-    L = list(L)
-    for e in sorted(holders):
-        copies = [home[e], *sorted(holders[e])]
-        q, r = divmod(int(n_E[e]), len(copies))
-        start = q + (r > 0)
-        for i, g in enumerate(copies[1:], start=1):
-            size = q + (i < r)
-            if size:
-                # Move's field order; each (expert, dst) once, row_start rising with dst (sorted holders)
-                raw.append((e, home[e], g, start, start + size))
-                L[home[e]] -= size
-                L[g] += size
-            start += size
-    resident = frozenset() if state is None else state.resident
-    return _finish(policy, raw, resident, dyn_WD, before_W, L, home_E, dispatched=True, whole=True)
+    """EPLB's physical layout (``PolicyState.layout_WP``, from the load history) executed on this micro-batch: the
+    rows of each expert split evenly among its slots (``n // c`` each; the ``n % c`` rows left over go one by one
+    to the slot whose GPU is least loaded so far, ties to the lower GPU id), the home GPU's share first in home
+    order, then the other GPUs ascending. Without a layout yet (no history): plain EP."""
+    pairs = None if state is None else state.eplb_pairs
+    if pairs is None:
+        return _finish(policy, [], frozenset(), dyn_WD, before_W, L, home_E, dispatched=True)
+    pair_e, pair_g, mult, copies_E, src, away, shared = pairs
+    W = topo.num_ranks
+    q_E, r_E = np.divmod(n_E, copies_E)
+    share = q_E[pair_e] * mult
+    loads = np.bincount(pair_g, weights=share, minlength=W).astype(np.int64)
+    r = r_E.tolist()
+    todo = [(e, idx) for e, idx in shared if r[e]]
+    if todo:
+        ld = loads.tolist()
+        g_all, m_all = pair_g.tolist(), mult.tolist()
+        extra: dict[int, int] = {}
+        for e, idx in todo:
+            for _ in range(r[e]):
+                # the least loaded GPU among this expert's pairs with a slot left, ties to the lower GPU id
+                best, key = -1, None
+                for i in idx:
+                    if extra.get(i, 0) < m_all[i] and (key is None or (ld[g_all[i]], g_all[i]) < key):
+                        best, key = i, (ld[g_all[i]], g_all[i])
+                extra[best] = extra.get(best, 0) + 1
+                ld[g_all[best]] += 1
+        share[list(extra)] += list(extra.values())
+        loads = np.asarray(ld, dtype=np.int64)
+    end = np.cumsum(share)
+    # rows in each expert's home order: less the rows of the experts before it
+    end -= (np.cumsum(n_E) - n_E)[pair_e]
+    start = end - share
+    keep = away & (share > 0)
+    # pairs are ordered by (expert, home first, GPU): the moves come out sorted by (expert, row_start); every
+    # (expert, GPU) of the layout is resident (PolicyState.replicas), nothing to copy per micro-batch
+    moves = tuple(map(_MAKE_MOVE, zip(pair_e[keep].tolist(), src[keep].tolist(), pair_g[keep].tolist(),
+                                       start[keep].tolist(), end[keep].tolist(), strict=True)))
+    loads.setflags(write=False)
+    return Plan._trusted(policy=policy, moves=moves, weight_copies=(), dynamic_WD=dyn_WD, loads_before_W=before_W,
+                         loads_after_W=loads, home_E=home_E, rows_from_source=False, dispatched=True, node=None,
+                         info={})

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from feplb.sched.placement import eplb_replicas, place_experts
+from feplb.sched.placement import eplb_layout, eplb_replicas, place_experts
 from feplb.sched.plan import Plan, parse_policy
 from feplb.sched.topology import Topology
 
@@ -37,12 +37,16 @@ class PolicyState:
         ``@ema`` dynamic set (whose weights, once copied to a helper, stay there until the next refresh), EPLB
         replicas, and the ``+place`` placement.
     ema_shift: a new micro-batch enters the EMA with weight ``2 ** -ema_shift``.
-    eplb_slots: redundant expert slots per GPU for ``eplb``.
+    eplb_slots: redundant expert slots per GPU for ``eplb`` (EPLB's physical layout has E // W + eplb_slots slots
+        per GPU).
+    eplb_groups: the model's expert groups for ``eplb`` (group-limited routing; 1 = none): EPLB's hierarchical
+        layout when the number of nodes divides it, else its global one.
     replicas_mode: under ``@ema``, "eager" copies every dynamic expert's weights to the other GPUs of its node at
         each refresh (between optimizer steps, off the micro-batches' critical path; (G - 1) x dyn replicas per
         GPU and layer), "lazy" copies a weight the first time a plan needs it in the step and keeps it until the
         step ends (fewer bytes and less memory, but the first copy is on that micro-batch's critical path).
-    Derived fields (step, ema_E, home_E, dynamic_WD, replicas, resident, last_*) are filled by ``observe``.
+    Derived fields (step, ema_E, home_E, dynamic_WD, layout_WP, replicas, resident, last_*) are filled by
+    ``observe``.
     """
 
     topo: Topology
@@ -50,22 +54,26 @@ class PolicyState:
     refresh_every: int = 8
     ema_shift: int = 2
     eplb_slots: int = 1
+    eplb_groups: int = 1
     replicas_mode: str = "eager"
     step: int = 0
     ema_E: np.ndarray | None = None          # int64 [E], rows * 2**EMA_FRAC_BITS; None before any observe
     home_E: np.ndarray | None = None         # int64 [E] home GPU of each expert (default e // S)
     dynamic_WD: np.ndarray | None = None     # int64 [W, D] frozen dynamic set (@ema), None = pick per micro-batch
-    replicas: tuple[tuple[int, int], ...] = ()   # eplb extra replicas (expert, gpu)
+    layout_WP: np.ndarray | None = None      # int64 [W, E // W + eplb_slots] eplb's physical layout, None = none yet
+    replicas: tuple[tuple[int, int], ...] = ()   # eplb: (expert, gpu) of the layout away from the expert's home
     resident: frozenset[tuple[int, int]] = frozenset()  # (expert, gpu) weights held on gpu besides its home
     last_weight_copies: tuple[tuple[int, int, int], ...] = ()  # (expert, src, dst) the last refresh copied
     last_migrations: tuple[tuple[int, int, int], ...] = ()     # (expert, old home, new home) of the last refresh
     slots_WS: np.ndarray = field(init=False, repr=False)
+    eplb_pairs: tuple | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.topo, Topology):
             raise TypeError(f"PolicyState.topo must be a Topology, got {type(self.topo).__name__}")
         parse_policy(self.policy)
-        for name, lo in (("refresh_every", 1), ("ema_shift", 0), ("eplb_slots", 0), ("step", 0)):
+        for name, lo in (("refresh_every", 1), ("ema_shift", 0), ("eplb_slots", 0), ("eplb_groups", 1),
+                         ("step", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"PolicyState.{name} must be an int >= {lo}, got {v!r}")
@@ -80,6 +88,13 @@ class PolicyState:
         if self.dynamic_WD is not None:
             object.__setattr__(self, "dynamic_WD", _ro(self.dynamic_WD))
         object.__setattr__(self, "slots_WS", slots_of(self.home_E, self.topo))
+        if self.topo.num_experts % self.eplb_groups:
+            raise ValueError(f"PolicyState.eplb_groups must divide E={self.topo.num_experts}, got {self.eplb_groups}")
+        pairs = None
+        if self.layout_WP is not None:
+            object.__setattr__(self, "layout_WP", _ro(self.layout_WP))
+            pairs = _layout_pairs(self.layout_WP, self.home_E, self.topo, self.eplb_slots)
+        object.__setattr__(self, "eplb_pairs", pairs)
 
     @property
     def ema_rows_E(self) -> np.ndarray:
@@ -124,7 +139,7 @@ class PolicyState:
             migrations = tuple((e, int(home[e]), int(new_home[e])) for e in range(topo.num_experts)
                                if home[e] != new_home[e])
             home = new_home
-        dynamic = None
+        dynamic = layout = None
         replicas: tuple[tuple[int, int], ...] = ()
         copies: tuple[tuple[int, int, int], ...] = ()
         resident: frozenset[tuple[int, int]] = frozenset()
@@ -137,11 +152,45 @@ class PolicyState:
                                      for g in range(d // G * G, d // G * G + G) if g != d)
                 copies = tuple(sorted((e, int(home[e]), g) for e, g in resident))
         if base == "eplb":
-            # redundant experts are re-synced from their owner after every optimizer step
-            replicas = eplb_replicas(load, home, topo, self.eplb_slots)
+            # a new layout from the history; every copy away from home is re-synced from its owner after every
+            # optimizer step (the weights changed)
+            layout = eplb_layout(load, topo, self.eplb_slots, self.eplb_groups, home)
+            replicas = eplb_replicas(layout, home)
             copies = tuple(sorted((e, int(home[e]), g) for e, g in replicas))
-        return replace(self, home_E=home, dynamic_WD=dynamic, replicas=replicas, resident=resident | set(replicas),
+        return replace(self, home_E=home, dynamic_WD=dynamic, layout_WP=layout, replicas=replicas,
+                       resident=resident | set(replicas),
                        last_weight_copies=copies, last_migrations=migrations)
+
+
+def _layout_pairs(layout_WP: np.ndarray, home_E: np.ndarray, topo: Topology, slots: int) -> tuple[np.ndarray, ...]:
+    """The planner's view of an EPLB layout: its distinct (expert, GPU) pairs ordered by expert, the home GPU's
+    pair first, then GPUs ascending (the order their rows take in the expert's home order). Returns read-only
+    arrays over pairs: pair_e, pair_g, pair_mult (slots of that expert on that GPU), src (the expert's home), away
+    (bool: GPU is not the home); copies_E (slots per expert, all >= 1); and a list of (expert, pair indices) of
+    the experts with several slots."""
+    W, E = topo.num_ranks, topo.num_experts
+    P = E // W + slots
+    if layout_WP.shape != (W, P):
+        raise ValueError(f"PolicyState.layout_WP must have shape [W, E // W + eplb_slots] = [{W}, {P}], got "
+                         f"{list(layout_WP.shape)}")
+    if layout_WP.size and (layout_WP.min() < 0 or layout_WP.max() >= E):
+        raise ValueError(f"PolicyState.layout_WP holds expert ids outside [0, {E})")
+    copies_E = np.bincount(layout_WP.ravel(), minlength=E)
+    if E and copies_E.min() < 1:
+        raise ValueError(f"PolicyState.layout_WP leaves expert {int(np.argmin(copies_E))} without a slot")
+    gpu = np.repeat(np.arange(W, dtype=np.int64), P)
+    e = layout_WP.ravel()
+    key = (e * 2 + (gpu != home_E[e])) * W + gpu
+    uniq, mult = np.unique(key, return_counts=True)
+    pair_e, pair_g = uniq // (2 * W), uniq % W
+    src = home_E[pair_e]
+    # the pairs of each replicated expert (the only ones whose rows may not divide evenly), as Python lists
+    first = np.searchsorted(pair_e, np.arange(E + 1)).tolist()
+    shared = [(x, list(range(first[x], first[x + 1]))) for x in np.flatnonzero(copies_E > 1).tolist()]
+    out = (pair_e, pair_g, mult.astype(np.int64), copies_E.astype(np.int64), src, pair_g != src)
+    for a in out:
+        a.setflags(write=False)
+    return (*out, shared)
 
 
 def top_per_gpu(value_E: np.ndarray, slots_WS: np.ndarray, k: int) -> np.ndarray:

@@ -1,5 +1,7 @@
 """Policies: validity, determinism and "never worse" on random inputs; small cases worked out by hand."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -44,9 +46,43 @@ def _node_max_bound(n_E, topo, dyn_WD):
     return out
 
 
-def _gemm_max(counts, topo, cost):
-    t_E = cost.gemm_us(counts.sum(axis=0))
-    return float(t_E.reshape(topo.num_ranks, -1).sum(axis=1).max())
+def _ref_fastermoe(counts, topo, cost):
+    """FasterMoE's shadowing rule, from its description, on lists: shadow the hottest experts (ties: lower id) while
+    3 x the busiest GPU's GEMM + 4 x the busiest GPU's all-to-all rows + 2 weight transfers per shadowed expert
+    gets shorter. Returns the shadowed experts, sorted."""
+    W, E, S = topo.num_ranks, topo.num_experts, topo.experts_per_rank
+    c = counts.tolist()
+    n = [sum(c[s][e] for s in range(W)) for e in range(E)]
+    inter = topo.gpus_per_node < W
+    row, weights = cost.copy_us(cost.row_bytes, inter), cost.copy_us(cost.weight_bytes, inter)
+
+    def latency(shadow):
+        gemm, sent, recv = [0.0] * W, [0] * W, [0] * W
+        for e in range(E):
+            h = e // S
+            if e in shadow:
+                for s in range(W):
+                    gemm[s] += float(cost.gemm_us(c[s][e]))
+            else:
+                gemm[h] += float(cost.gemm_us(n[e]))
+                for s in range(W):
+                    if s != h:
+                        sent[s] += c[s][e]
+                        recv[h] += c[s][e]
+        a2a = max(max(a, b) for a, b in zip(sent, recv, strict=True))
+        return 3 * max(gemm) + 4 * row * a2a + 2 * len(shadow) * weights
+
+    shadow: list[int] = []
+    cur = latency(shadow)
+    for e in sorted(range(E), key=lambda e: (-n[e], e)):
+        if n[e] == 0:
+            break
+        new = latency([*shadow, e])
+        if not new < cur:
+            break
+        shadow.append(e)
+        cur = new
+    return tuple(sorted(shadow))
 
 
 @SETTINGS
@@ -66,8 +102,7 @@ def test_every_policy_valid_deterministic_never_worse(case):
             # ours never make a micro-batch worse; peers' history-based choices (eplb, +place) may
             assert token_straggler(plan.loads_after_W) <= token_straggler(plan.loads_before_W), policy
         if policy == "fastermoe":
-            # FasterMoE only shadows when its model predicts a lower busiest-GPU GEMM time
-            assert plan.info["gemm_us_max"] <= _gemm_max(counts, topo, CostModel()) + 1e-9
+            assert plan.info["shadowed"] == _ref_fastermoe(counts, topo, CostModel())
 
 
 @SETTINGS
@@ -136,30 +171,40 @@ def test_golden_lp_water_filling():
 
 
 def test_golden_fastermoe():
-    # GEMM time = rows us (linear table), weight broadcast = 6 bytes at 0.002 GB/s = 3 us
+    # GEMM time = rows us (linear table), weight transfer = 6 bytes at 0.002 GB/s = 3 us, rows (2 bytes) at 1 us
     cost = CostModel(hidden=1, ffn=1, table_hidden=1, table_ffn=1, table_rows=(1, 2), table_us=(1.0, 2.0),
                      ce_gbps=0.002)
     topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=2, dyn=1)
-    counts = np.array([[6, 1], [6, 1]], dtype=np.int64)  # GEMM [12, 2] us
+    counts = np.array([[6, 1], [6, 1]], dtype=np.int64)  # GEMM [12, 2] us; GPU 1 sends 6 rows, GPU 0 sends 1
     plan = make_plan("fastermoe", counts, topo, cost=cost)
-    # shadow 0: [6, 8] + 3 = 11 < 12, taken; shadow 1: [7, 7] + 3 = 10 >= 8, refused
-    assert plan.info["shadowed"] == (0,)
-    assert [(m.expert, m.src, m.dst, m.row_start, m.row_end) for m in plan.moves] == [(0, 0, 1, 6, 12)]
-    assert plan.weight_copies == ((0, 0, 1),) and plan.rows_from_source
-    assert plan.loads_after_W.tolist() == [6, 8]
+    # no shadow: 3 * 12 + 4 * 6 = 60; shadow 0: 3 * 8 + 4 * 1 + 2 * 3 = 34, taken; shadow 1 too: 3 * 7 + 0 + 12 = 33,
+    # taken
+    assert plan.info["shadowed"] == (0, 1)
+    assert plan.info["model_us_before"] == pytest.approx(60) and plan.info["model_us"] == pytest.approx(33)
+    assert [(m.expert, m.src, m.dst, m.row_start, m.row_end) for m in plan.moves] == [(0, 0, 1, 6, 12),
+                                                                                      (1, 1, 0, 0, 1)]
+    assert plan.weight_copies == ((0, 0, 1), (1, 1, 0)) and plan.rows_from_source
+    assert plan.loads_after_W.tolist() == [7, 7]
     plan.validate(counts, topo)
+    # 10x wider experts, same GEMM times: a weight transfer takes 30 us, shadowing expert 0 (3 * 8 + 4 + 60 = 88)
+    # no longer pays
+    slow = dataclasses.replace(cost, ffn=10, table_ffn=10)
+    assert make_plan("fastermoe", counts, topo, cost=slow).info["shadowed"] == ()
 
 
 def test_golden_eplb():
-    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=2, dyn=1)
-    state = PolicyState(topo=topo, policy="eplb", eplb_slots=1).observe(np.array([[5, 1], [5, 1]]))
-    # history [10, 2]: expert 0 gets the first replica (on GPU 1), expert 1 the second (on GPU 0)
-    assert state.replicas == ((0, 1), (1, 0))
-    counts = np.array([[5, 2], [4, 1]], dtype=np.int64)  # n = [9, 3]
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=1)
+    state = PolicyState(topo=topo, policy="eplb", eplb_slots=1).observe(np.array([[6, 1, 2, 1], [6, 1, 2, 1]]))
+    # history [12, 2, 4, 2]: both redundant slots to expert 0 (12, then 6 > 4); replicas 4, 4, 4, 4, 2, 2 packed
+    # three per GPU: {0, 0, 1} and {0, 2, 3} (4+4+2 against 4+4+2), matched to the GPUs with most of their homes
+    assert state.layout_WP.tolist() == [[0, 0, 1], [0, 2, 3]]
+    assert state.replicas == ((0, 1),)
+    counts = np.array([[5, 2, 1, 0], [4, 1, 3, 2]], dtype=np.int64)  # n = [9, 3, 4, 2]
     plan = make_plan("eplb", counts, topo, state)
-    assert [(m.expert, m.src, m.dst, m.row_start, m.row_end) for m in plan.moves] == [(0, 0, 1, 5, 9),
-                                                                                      (1, 1, 0, 2, 3)]
-    assert plan.loads_after_W.tolist() == [6, 6] and plan.weight_copies == ()
+    # expert 0: 3 rows per slot, two slots on GPU 0 (home: rows [0, 6)), one on GPU 1 ([6, 9)); expert 1 (home 0)
+    # stays; experts 2 and 3 are at home on GPU 1
+    assert [(m.expert, m.src, m.dst, m.row_start, m.row_end) for m in plan.moves] == [(0, 0, 1, 6, 9)]
+    assert plan.loads_after_W.tolist() == [9, 9] and plan.weight_copies == ()
     assert plan.dispatched and CostModel().plan_copy_bytes(plan) == 0  # rows go straight to replicas
     plan.validate(counts, topo, state)
 

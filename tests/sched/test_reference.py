@@ -1,4 +1,5 @@
-"""The optimized planner against a plain reference of the paper's greedy, written here from its description.
+"""The optimized planner against plain references of the paper's greedy and of the token split (feplb-split, lp),
+written here from their descriptions.
 
 The reference uses Python lists and sorted() only, no numpy and nothing from feplb.sched but the Topology fields,
 so a fast path in make_plan (integer sort keys, frozen arrays, per-node lists) cannot agree with it by sharing
@@ -111,3 +112,81 @@ def test_inputs_are_not_modified_nor_aliased():
         assert np.array_equal(counts, keep) and counts.flags.writeable
         for a in (plan.dynamic_WD, plan.loads_before_W, plan.loads_after_W):
             assert not np.shares_memory(a, counts) and not a.flags.writeable
+
+
+def ref_split(counts: list[list[int]], topo: Topology, tau: float, m: int, greedy_first: bool):
+    """feplb-split (greedy_first, pieces of at least m rows, stop at tau) or lp (no greedy, m = 1, tau = 0), from
+    the policy's description: (moves as tuples, loads after)."""
+    W, E, G, S = topo.num_ranks, topo.num_experts, topo.gpus_per_node, topo.experts_per_rank
+    n = [sum(counts[s][e] for s in range(W)) for e in range(E)]
+    if greedy_first:
+        whole, _, after, dynamic = ref_greedy(counts, topo, tau)
+    else:
+        whole, after, dynamic = [], [sum(n[g * S:(g + 1) * S]) for g in range(W)], ref_dynamic(n, topo)
+    moved = {mv[0] for mv in whole}
+    held = {g: [[e, 0, n[e], g] for e in dynamic[g] if n[e] and e not in moved] for g in range(W)}
+    for e, src, dst, _, rows in whole:
+        held[dst].append([e, 0, rows, src])
+    for node in range(topo.num_nodes):
+        gpus = list(range(node * G, (node + 1) * G))
+        total = sum(after[g] for g in gpus)
+        target = -(-total // G)
+        tau_gap = int(tau * total / G) if greedy_first else 0
+        for _ in range(10_000):
+            hi = min(gpus, key=lambda g: (-after[g], g))
+            lo = min(gpus, key=lambda g: (after[g], g))
+            gap = after[hi] - after[lo]
+            if after[hi] <= target or gap <= tau_gap:
+                break
+            want = min(after[hi] - target, target - after[lo])
+            choice = None
+            for p in sorted(held[hi], key=lambda p: (p[1] - p[2], p[0], p[1])):
+                size = p[2] - p[1]
+                options = [size] if size < gap else []
+                if size >= 2 * m:
+                    c = min(max(want, m), size - m)
+                    if c < gap:
+                        options.append(c)
+                if options:
+                    # the whole piece unless a chunk is strictly closer to want
+                    x = options[0] if len(options) == 1 or abs(options[0] - want) <= abs(options[1] - want) \
+                        else options[1]
+                    choice = (p, x)
+                    break
+            if choice is None:
+                break
+            p, x = choice
+            if x == p[2] - p[1]:
+                held[hi].remove(p)
+                held[lo].append(p)
+            else:
+                p[2] -= x
+                held[lo].append([p[0], p[2], p[2] + x, p[3]])
+            after[hi] -= x
+            after[lo] += x
+    pieces = sorted((e, a, b, h, g) for g in range(W) for e, a, b, h in held[g] if h != g)
+    moves: list[list[int]] = []
+    for e, a, b, h, g in pieces:
+        if moves and moves[-1][0] == e and moves[-1][2] == g and moves[-1][4] == a:
+            moves[-1][4] = b
+        else:
+            moves.append([e, h, g, a, b])
+    return [tuple(mv) for mv in moves], after
+
+
+@SETTINGS
+@given(case=cases(), m=st.sampled_from([1, 16, 128]))
+def test_split_and_lp_equal_the_plain_reference(case, m):
+    topo, counts, given_WE, tau = case
+    moves, after = ref_split(counts, topo, tau, m, greedy_first=True)
+    plan = make_plan("feplb-split", given_WE, topo, tau=tau, min_chunk=m)
+    assert [tuple(mv) for mv in plan.moves] == moves
+    assert plan.loads_after_W.tolist() == after
+    assert plan.weight_copies == tuple(sorted({(e, s, d) for e, s, d, _, _ in moves}))
+    lp_moves, lp_after = ref_split(counts, topo, 0.0, 1, greedy_first=False)
+    lp = make_plan("lp", given_WE, topo)
+    assert [tuple(mv) for mv in lp.moves] == lp_moves and lp.loads_after_W.tolist() == lp_after
+    G = topo.gpus_per_node
+    for k in range(topo.num_nodes):
+        part = make_plan("feplb-split", given_WE, topo, tau=tau, min_chunk=m, node=k)
+        assert [tuple(mv) for mv in part.moves] == [mv for mv in moves if mv[1] // G == k]

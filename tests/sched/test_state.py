@@ -65,8 +65,9 @@ def test_eplb_replicas_resync_every_refresh():
     topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=2, dyn=1)
     c = np.array([[5, 1], [5, 1]])
     s = PolicyState(topo=topo, policy="eplb", refresh_every=2).observe(c)
-    assert s.last_weight_copies == ((0, 0, 1), (1, 1, 0))
-    assert s.observe(c).last_weight_copies == ((0, 0, 1), (1, 1, 0))  # step 2: refresh, re-sync
+    assert s.layout_WP.tolist() == [[0, 0], [0, 1]] and s.replicas == ((0, 1),)
+    assert s.last_weight_copies == ((0, 0, 1),) and (0, 1) in s.resident
+    assert s.observe(c).last_weight_copies == ((0, 0, 1),)  # step 2: refresh, re-sync
     assert s.observe(c).observe(c).last_weight_copies == ()
 
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from feplb.sched import PolicyState, Topology, make_plan, token_straggler
+from feplb.sched import CostModel, PolicyState, Topology, make_plan, token_straggler
 from feplb.simulate import SimConfig, simulate, summarize
-from feplb.traces import SyntheticWorkload, load_trace
+from feplb.traces import ExpertShape, RoutingTrace, SyntheticWorkload, load_trace
 
 OURS = ("feplb", "feplb-split", "lp", "feplb@ema", "feplb-split@ema")
 
@@ -102,3 +102,38 @@ def test_bad_topology_for_workload():
 
 def test_token_straggler_is_the_shared_definition():
     assert token_straggler(np.array([3, 1])) == 1.0
+
+
+def test_cost_model_uses_the_traces_expert_shape():
+    rng = np.random.default_rng(5)
+    # a hot expert 0 (half of the first choices): FasterMoE shadows it
+    first = np.where(rng.random((8192, 2)) < 0.5, 0, rng.integers(1, 16, size=(8192, 2)))
+    ids = np.stack([first, (first + 1 + rng.integers(0, 15, size=first.shape)) % 16], axis=2).astype(np.uint8)
+    trace = RoutingTrace(name="skewed", topk_ids_TLK=ids, num_experts=16,
+                         expert_shape=ExpertShape(model="small", hidden=1024, ffn=704))
+    cfg = SimConfig(num_ranks=4, gpus_per_node=4, tokens_per_rank=2048, dyn=2, microbatches=2, warmup=0,
+                    policies=("none", "fastermoe"))
+    own = simulate(trace, cfg)
+    glm = simulate(trace, SimConfig(**{**cfg.__dict__, "shape_from_trace": False}))
+    assert own.expert_shape["model"] == "small" and (own.expert_shape["hidden"], own.expert_shape["ffn"]) == (1024, 704)
+    assert glm.expert_shape["hidden"] == 6144 and glm.expert_shape["model"] is None
+    s_own, s_glm = own.summary()["none"], glm.summary()["none"]
+    assert (s_own["expert_hidden"], s_own["expert_ffn"], s_glm["expert_hidden"]) == (1024, 704, 6144)
+    # GEMM times scale with H * F: the same routing costs 1024 * 704 / (6144 * 2048) as much
+    ratio = 1024 * 704 / (6144 * 2048)
+    assert s_own["gemm_straggler_before_ms"] == pytest.approx(s_glm["gemm_straggler_before_ms"] * ratio, rel=1e-9)
+    # and the weights FasterMoE broadcasts are 3 * H * F elements (its decisions are the same: both sides of its
+    # comparison scale with H * F under this cost model)
+    f_own, f_glm = own.summary()["fastermoe"], glm.summary()["fastermoe"]
+    assert f_own["rows_moved_per_microbatch"] == f_glm["rows_moved_per_microbatch"] > 0
+    assert f_own["ce_bytes_per_microbatch"] == pytest.approx(f_glm["ce_bytes_per_microbatch"] * ratio, rel=1e-9)
+
+
+def test_pooled_summary_marks_mixed_shapes():
+    cfg = SimConfig(num_ranks=2, gpus_per_node=2, tokens_per_rank=32, dyn=1, microbatches=1, warmup=0,
+                    policies=("none",))
+    a = simulate(SyntheticWorkload(num_experts=8, top_k=2, num_layers=1), cfg)
+    b = simulate(SyntheticWorkload(num_experts=8, top_k=2, num_layers=1),
+                 SimConfig(**{**cfg.__dict__, "cost": CostModel(hidden=64, ffn=32)}))
+    assert summarize([a])["none"]["expert_hidden"] == 6144
+    assert np.isnan(summarize([a, b])["none"]["expert_hidden"])

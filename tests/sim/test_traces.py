@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 
 from feplb.traces import (
+    ExpertShape,
     MultinomialWorkload,
     RoutingTrace,
     SyntheticWorkload,
     load_trace,
     load_workload,
+    shape_for,
     trace_counts,
 )
 
@@ -127,3 +129,29 @@ def test_synthetic_is_seeded_and_drifts():
 def test_routing_trace_validates_directly():
     with pytest.raises(ValueError, match="top-k K=5 exceeds num_experts=4"):
         RoutingTrace(name="x", topk_ids_TLK=np.zeros((3, 1, 5), np.int64), num_experts=4)
+
+
+def test_traces_carry_their_models_expert_shape(tmp_path, flame_path):
+    assert load_trace(flame_path).expert_shape.as_dict()["hidden"] == 1024  # FLAME-MoE-290M: H=1024, F=704
+    assert (load_trace(flame_path).expert_shape.ffn, shape_for("esft_vanilla_lite_law").ffn) == (704, 1408)
+    assert shape_for("olmoe-sft").model == "OLMoE-1B-7B" and shape_for("mistral").hidden == 4096
+    assert shape_for("esft_other") is None and shape_for("olmoex") is None
+    assert SyntheticWorkload(num_experts=8, top_k=2).expert_shape is None
+    ids = np.tile(np.array([0, 1], dtype=np.uint8), (4, 1, 1))
+    np.savez(tmp_path / "mine.npz", topk_ids=ids, expert_hidden=np.int64(512), expert_ffn=np.int64(96),
+             model=np.str_("tiny"))
+    shape = load_trace(tmp_path / "mine.npz").expert_shape
+    assert (shape.model, shape.hidden, shape.ffn) == ("tiny", 512, 96)
+    np.savez(tmp_path / "half.npz", topk_ids=ids, expert_hidden=np.int64(512))
+    with pytest.raises(ValueError, match="needs both 'expert_hidden' and 'expert_ffn'"):
+        load_trace(tmp_path / "half.npz")
+    with pytest.raises(ValueError, match="ExpertShape.ffn must be a positive int, got 0"):
+        ExpertShape(model="x", hidden=1, ffn=0)
+
+
+def test_olmoe_counts_carry_the_model_shape(tmp_path):
+    doc = {"layers": [0], "models": {"mistral": {"top_k": 2, "topk": {"arxiv": [[3, 1, 0, 0, 0, 0, 0, 1]]}}}}
+    path = tmp_path / "counts.json"
+    path.write_text(json.dumps(doc))
+    w = load_workload(f"{path}:model=mistral")
+    assert (w.expert_shape.model, w.expert_shape.hidden, w.expert_shape.ffn) == ("Mixtral-8x7B", 4096, 14336)
