@@ -77,8 +77,12 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-chunk", type=_positive, default=None,
                    help="feplb-split's smallest piece in rows (default: the cost model's knee)")
     p.add_argument("--experts", type=_positive, default=None, help="E for npz traces (default: max id + 1)")
-    p.add_argument("--hidden", type=_positive, default=6144, help="expert hidden size for bytes and GEMM times")
-    p.add_argument("--ffn", type=_positive, default=2048, help="expert ffn size for bytes and GEMM times")
+    p.add_argument("--hidden", type=_positive, default=None,
+                   help="expert hidden size for bytes and GEMM times (default: the traced model's; else 6144)")
+    p.add_argument("--ffn", type=_positive, default=None,
+                   help="expert ffn size for bytes and GEMM times (default: the traced model's; else 2048)")
+    p.add_argument("--eplb-groups", type=_positive, default=1,
+                   help="eplb expert groups (hierarchical placement when the nodes divide them)")
     p.add_argument("--cost-table", default=None, help='measured GEMM table JSON {"rows": [..], "us": [..]}')
     p.add_argument("--no-validate", action="store_true", help="skip Plan.validate on every plan")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -276,13 +280,15 @@ def _run_simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"--json and --plot name the same file {json_out}")
     plot_fmt = _plot_format(plot_out) if plot_out else None
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    cost_kw = {"hidden": args.hidden, "ffn": args.ffn}
+    # an explicit --hidden / --ffn holds for every trace; otherwise each trace's model shape is used
+    cost_kw = {k: v for k, v in (("hidden", args.hidden), ("ffn", args.ffn)) if v is not None}
     cost = CostModel.from_json(args.cost_table, **cost_kw) if args.cost_table else CostModel(**cost_kw)
     config = SimConfig(num_ranks=args.ep, gpus_per_node=args.gpus_per_node, tokens_per_rank=args.tokens_per_rank,
                        dyn=args.dyn, policies=policies, microbatches=args.microbatches, warmup=args.warmup,
                        seed=args.seed, refresh_every=args.refresh_every, eplb_slots=args.eplb_slots,
-                       replicas_mode=args.replicas, tau=args.tau,
-                       min_chunk=args.min_chunk, validate=not args.no_validate, cost=cost)
+                       replicas_mode=args.replicas, tau=args.tau, eplb_groups=args.eplb_groups,
+                       min_chunk=args.min_chunk, validate=not args.no_validate, cost=cost,
+                       shape_from_trace=args.hidden is None and args.ffn is None)
     workloads = [_load(t, args.experts) for t in args.traces]
     for w in workloads:
         config.topology(w.num_experts)  # refuse a bad topology before any work
@@ -294,8 +300,11 @@ def _run_simulate(args: argparse.Namespace) -> int:
         for w in workloads:
             results.append(simulate(w, config, progress=bar))
     for key, r in zip(keys, results, strict=True):
+        shape = r.expert_shape
+        model = shape["model"] or "from the options"
         print(format_table(f"\n{key} (E={r.num_experts}, K={r.top_k}, W={config.num_ranks}, "
-                           f"G={config.gpus_per_node}, S={config.tokens_per_rank}, dyn={config.dyn})", r.summary()))
+                           f"G={config.gpus_per_node}, S={config.tokens_per_rank}, dyn={config.dyn}; expert "
+                           f"H={shape['hidden']} F={shape['ffn']} ({model}))", r.summary()))
     summary = summarize(results)
     if len(results) > 1:
         print(format_table("\nall workloads", summary))
@@ -303,7 +312,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if json_out:
         doc = {"config": {**config.as_dict(), "traces": list(args.traces), "command": "feplb " + shlex.join(args.argv)},
                "policies": summary,
-               "workloads": {key: {"trace": spec, "policies": r.summary(),
+               "workloads": {key: {"trace": spec, "expert_shape": r.expert_shape, "policies": r.summary(),
                                    "per_layer_token_straggler": {p: m["token_straggler"].mean(axis=1).tolist()
                                                                  for p, m in r.metrics.items()},
                                    "layers": list(r.layer_names), "example": r.example}

@@ -489,10 +489,14 @@ def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | Non
     start = end - share
     keep = away & (share > 0)
     # pairs are ordered by (expert, home first, GPU): the moves come out sorted by (expert, row_start); every
-    # (expert, GPU) of the layout is resident (PolicyState.replicas), nothing to copy per micro-batch
+    # (expert, GPU) of the layout is normally resident (PolicyState.replicas, re-synced once per step), so nothing
+    # is copied per micro-batch; a state that holds no replicas (a runtime keeping nothing per step) copies them
     moves = tuple(map(_MAKE_MOVE, zip(pair_e[keep].tolist(), src[keep].tolist(), pair_g[keep].tolist(),
                                        start[keep].tolist(), end[keep].tolist(), strict=True)))
+    resident = state.resident
+    copies = () if all((m.expert, m.dst) in resident for m in moves) else \
+        tuple(sorted({(m.expert, m.src, m.dst) for m in moves if (m.expert, m.dst) not in resident}))
     loads.setflags(write=False)
-    return Plan._trusted(policy=policy, moves=moves, weight_copies=(), dynamic_WD=dyn_WD, loads_before_W=before_W,
+    return Plan._trusted(policy=policy, moves=moves, weight_copies=copies, dynamic_WD=dyn_WD, loads_before_W=before_W,
                          loads_after_W=loads, home_E=home_E, rows_from_source=False, dispatched=True, node=None,
                          info={})
