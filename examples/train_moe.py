@@ -685,14 +685,15 @@ def make_config(args, world: int, corpus_sha: str, text_label: str) -> TrainConf
         seed=args.seed, device=args.device, text=text_label, text_bytes=args.text_bytes, corpus_sha256=corpus_sha)
 
 
-def make_moe_config(cfg: TrainConfig, transport: str, plan_wait_ms: float | None):
+def make_moe_config(cfg: TrainConfig, transport: str, plan_wait_ms: float | None,
+                    min_straggler_rows: int | None = None):
     import feplb
 
     try:
         return feplb.FEPLBConfig(hidden=cfg.hidden, ffn=cfg.ffn, num_experts=cfg.experts, top_k=cfg.top_k,
                                  router=cfg.router, router_bias=cfg.bias_rate > 0, gpus_per_node=cfg.gpus_per_node,
                                  dyn=cfg.dyn, policy=cfg.policy, transport=transport,
-                                 plan_wait_ms=plan_wait_ms, timeline=True)
+                                 plan_wait_ms=plan_wait_ms, min_straggler_rows=min_straggler_rows, timeline=True)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"MoE layer configuration rejected: {exc}") from exc
 

@@ -31,7 +31,6 @@ per node, M = T*K rows sent by this rank, R rows at home on this rank after phas
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import warnings
 import weakref
 from typing import Any
@@ -58,7 +57,7 @@ from feplb.layout import (
 )
 from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
 from feplb.replicas import Placement, Replicas, state_digest
-from feplb.steps import Counts, Split, read_counts
+from feplb.steps import Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
 from feplb.transport import make_transport
 
@@ -66,11 +65,6 @@ __all__ = ["DirectLayout", "FEPLBConfig", "LayerStats", "MoELayer", "direct_layo
 
 # Peers' policies, whose plans the phase-1 dispatch executes (rows go straight to the GPU that computes them).
 _DIRECT_BASES = frozenset({"fastermoe", "eplb"})
-
-
-def _digest(obj: object) -> int:
-    """A process-independent 62-bit hash (Python's hash() of bytes is salted per process)."""
-    return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:8], "little") >> 2
 
 
 class MoELayer(nn.Module):
@@ -419,40 +413,18 @@ class MoELayer(nn.Module):
         return "node" if self.in_node_policy else "group"
 
     def _observe(self, counts: Counts, p2: Phase2) -> None:
-        from feplb.sched.metrics import token_straggler
-
-        c = self.config
+        """Fold the micro-batch into the policy's history (training only) and report what the forward did."""
         plan = None if p2.fell_back else p2.result.plan
         self._last_counts_WE = counts.counts_WE
         if self.state is not None and self.training:
             # the history follows training micro-batches only (module.eval() leaves it, and the placement, alone)
             self.state = self.state.observe(counts.counts_WE, plan)
-            if c.weights == "per-microbatch":
+            if self.config.weights == "per-microbatch":
                 self._adopt(self.state)   # nothing resident to keep consistent: slow decisions apply at once
-        after = counts.loads_home_W.copy()
-        for m in p2.moves:
-            after[m.src] -= m.rows
-            after[m.dst] += m.rows
-        elem = torch.empty((), dtype=c.dtype).element_size()
-        rows = sum(m.rows for m in p2.moves)
-        # counted from the items exchanged: in-node exchanges carry the moves' rows first, then the weights
-        items = p2.exchange.items if p2.exchange is not None else []
-        n_rows = len(p2.moves) if p2.layout is not None else 0
-        row_bytes = sum(it.numel for it in items[:n_rows]) * elem
-        w_bytes = sum(it.numel for it in items[n_rows:]) * elem
         self.last_plan = plan
         self.last_plan_inputs = (counts.counts_WE, self._plan_state)
-        dyn = np.asarray(plan.dynamic_WD) if plan is not None else np.zeros((self.world_size, 0), np.int64)
-        self.last_stats = LayerStats(
-            loads_before_W=counts.loads_default_W.tolist(), loads_after_W=after.tolist(),
-            token_straggler_before=float(token_straggler(counts.loads_default_W)),
-            token_straggler_after=float(token_straggler(after)), rows_moved=rows,
-            copy_bytes=2 * row_bytes + w_bytes + p2.bank_bytes, weight_copies=len(p2.copies),
-            plan_us=p2.result.plan_us, balanced=plan is not None, fell_back=p2.fell_back,
-            plan_fingerprint=_digest(plan.fingerprint()) if plan is not None else 0, recv_grew=self._recv_grew,
-            policy=c.policy, dynamic_WD=dyn.tolist(), experts_placed=len(self.placement.placed_pairs),
-            rows_at_home_W=counts.loads_home_W.tolist(), counts_WE=counts.counts_WE.tolist(),
-            row_bytes_moved=row_bytes, weight_bytes_moved=w_bytes)
+        self.last_stats = layer_stats(self.config, counts, p2, plan, recv_grew=self._recv_grew,
+                                      experts_placed=len(self.placement.placed_pairs))
 
     # ------------------------------------------------------------------------------------------------ per step
     def _adopt(self, state) -> None:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from feplb.config import FEPLBConfig, LayerStats
 from feplb.layout import HomeLayout
 
-__all__ = ["Counts", "Split", "read_counts"]
+__all__ = ["Counts", "Split", "layer_stats", "read_counts"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -70,3 +72,36 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     return Counts(counts_WS=counts_WS, counts_WE=counts_WE,
                   loads_default_W=counts_WE.sum(axis=0).reshape(W, L).sum(axis=1), loads_home_W=loads_home,
                   want_plan=bool(want))
+
+
+def _digest(obj: object) -> int:
+    """A process-independent 62-bit hash (Python's hash() of bytes is salted per process)."""
+    return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:8], "little") >> 2
+
+
+def layer_stats(config: FEPLBConfig, counts: Counts, p2, plan, *, recv_grew: bool, experts_placed: int) -> LayerStats:
+    """What one forward did (``LayerStats``), from its counts and its executed phase 2 (``feplb.phase2.Phase2``);
+    copy bytes are counted from the items exchanged (in-node exchanges carry the moves' rows first, then weights)."""
+    from feplb.sched.metrics import token_straggler
+
+    after = counts.loads_home_W.copy()
+    for m in p2.moves:
+        after[m.src] -= m.rows
+        after[m.dst] += m.rows
+    elem = torch.empty((), dtype=config.dtype).element_size()
+    items = p2.exchange.items if p2.exchange is not None else []
+    n_rows = len(p2.moves) if p2.layout is not None else 0
+    row_bytes = sum(it.numel for it in items[:n_rows]) * elem
+    w_bytes = sum(it.numel for it in items[n_rows:]) * elem
+    W = counts.loads_home_W.size
+    dyn = np.asarray(plan.dynamic_WD) if plan is not None else np.zeros((W, 0), np.int64)
+    return LayerStats(
+        loads_before_W=counts.loads_default_W.tolist(), loads_after_W=after.tolist(),
+        token_straggler_before=float(token_straggler(counts.loads_default_W)),
+        token_straggler_after=float(token_straggler(after)), rows_moved=sum(m.rows for m in p2.moves),
+        copy_bytes=2 * row_bytes + w_bytes + p2.bank_bytes, weight_copies=len(p2.copies),
+        plan_us=p2.result.plan_us, balanced=plan is not None, fell_back=p2.fell_back,
+        plan_fingerprint=_digest(plan.fingerprint()) if plan is not None else 0, recv_grew=recv_grew,
+        policy=config.policy, dynamic_WD=dyn.tolist(), experts_placed=experts_placed,
+        rows_at_home_W=counts.loads_home_W.tolist(), counts_WE=counts.counts_WE.tolist(),
+        row_bytes_moved=row_bytes, weight_bytes_moved=w_bytes)

@@ -403,7 +403,8 @@ def _one_step(rank: int, world: int, ids_NS: torch.Tensor, targets_NS: torch.Ten
     cfg = tm.TrainConfig(**{**_BASE, "layers": 2, "hidden": 32, "heads": 2, "ffn": 32, "experts": 4, "dyn": 2,
                             "policy": "feplb-split", "gpus_per_node": world, "world_size": world,
                             "batch": N // world, "seq_len": S, "clip": clip, "bias_rate": 1e-3})
-    model = tm.MoETransformer(cfg, tm.make_moe_config(cfg, "torch", 1000.0), None)
+    # planning asked for explicitly: these few rows are below the layer's default worth-it gate
+    model = tm.MoETransformer(cfg, tm.make_moe_config(cfg, "torch", 1000.0, min_straggler_rows=0), None)
     tm.init_expert_weights(model, cfg, rank)
     replicated, experts = tm.split_parameters(model)
     expert_ids = {id(p) for p in experts}

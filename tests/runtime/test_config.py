@@ -32,10 +32,20 @@ BASE = dict(hidden=16, ffn=32, num_experts=8, top_k=2)
     ("copy_path", "dma", ValueError, "copy_path"),
     ("cost", 3.0, TypeError, "cost"),
     ("min_chunk", 0, ValueError, "min_chunk"),
+    ("min_straggler_rows", -1, ValueError, "min_straggler_rows"),
+    ("timeline", "yes", TypeError, "timeline"),
 ], ids=lambda v: str(v))
 def test_config_rejects_bad_values(field, value, exc, needle):
     with pytest.raises(exc, match=needle.replace("+", r"\+")):
         FEPLBConfig(**{**BASE, field: value})
+
+
+def test_config_defaults_and_external_router():
+    cfg = FEPLBConfig(**BASE)
+    assert cfg.plan_wait_ms is None and cfg.min_straggler_rows is None and cfg.timeline is False
+    assert FEPLBConfig(**BASE, router="external").router == "external"
+    with pytest.raises(ValueError, match="router_bias needs the layer's own router"):
+        FEPLBConfig(**BASE, router="external", router_bias=True)
 
 
 def test_config_is_frozen_and_kw_only():
