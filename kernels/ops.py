@@ -73,7 +73,7 @@ def routing_metadata(topk_ids_TK: Tensor, num_experts: int, *, check: bool = Tru
     check_routing_inputs(topk_ids_TK, num_experts, check_values=False)
     counts_E, offsets_E, src_idx_M, dst_idx_TK = _routing_metadata_op(topk_ids_TK.contiguous(), num_experts, check)
     return RoutingMetadata(num_experts=num_experts, top_k=topk_ids_TK.shape[1], counts_E=counts_E,
-                           offsets_E=offsets_E, src_idx_M=src_idx_M, dst_idx_TK=dst_idx_TK)
+                           offsets_E=offsets_E, src_idx_M=src_idx_M, dst_idx_TK=dst_idx_TK, checked=True)
 
 
 # ---------------------------------------------------------------------------------------------------- permute
@@ -110,7 +110,8 @@ def permute(x_TD: Tensor, meta: RoutingMetadata) -> Tensor:
 
     Args:
         x_TD: float (fp32/bf16/fp16/fp64) [T, D], contiguous.
-        meta: the :class:`RoutingMetadata` of this batch.
+        meta: the :class:`RoutingMetadata` of this batch; a hand-built one (``checked=False``) has its index
+            values validated first (one device->host sync on a GPU).
 
     Returns:
         x_MD [M, D] in x's dtype; differentiable w.r.t. x.
@@ -178,7 +179,8 @@ def unpermute(y_MD: Tensor, meta: RoutingMetadata, topk_weights_TK: Tensor) -> T
 
     Args:
         y_MD: float [M, D], contiguous, in grouped order.
-        meta: the :class:`RoutingMetadata` of this batch.
+        meta: the :class:`RoutingMetadata` of this batch; a hand-built one (``checked=False``) has its index
+            values validated first (one device->host sync on a GPU).
         topk_weights_TK: float [T, K], contiguous (any float dtype; its gradient comes back in that dtype).
 
     Returns:
@@ -192,6 +194,9 @@ def unpermute(y_MD: Tensor, meta: RoutingMetadata, topk_weights_TK: Tensor) -> T
 def _check_meta(meta: object) -> None:
     if not isinstance(meta, RoutingMetadata):
         raise TypeError(f"meta: expected a RoutingMetadata (from routing_metadata()), got {type(meta).__name__}")
+    if not meta.checked:
+        # Kernels index rows with these values: an out-of-range one would read or write out of bounds.
+        meta.validate()
 
 
 # ---------------------------------------------------------------------------------------------------- grouped_mm
