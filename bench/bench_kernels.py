@@ -206,14 +206,14 @@ def permute_case(rows_per_expert: int, dist: str, impl: str, *, device: str, num
     return fn, nbytes, T
 
 
-def measure(timer, impl: str, fn, row: dict, results: list[dict]) -> float | None:
-    """Time ``fn`` with ``timer``; ours propagates any failure (after recording it), a baseline that raises is
-    recorded and skipped."""
+def measure(timer, impl: str, fn, row: dict, record) -> float | None:
+    """Time ``fn`` with ``timer``; ours propagates any failure (after ``record``-ing the row with its error), a
+    baseline that raises is recorded and skipped."""
     try:
         return timer(fn)
     except Exception as err:
         row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        results.append(row)
+        record(row)
         if impl == "feplb":
             raise
         if isinstance(err, (RuntimeError, BaselineUnavailable)):
@@ -269,12 +269,24 @@ def test_our_kernel_failing_fails_and_a_baseline_failing_skips():
 
     results: list[dict] = []
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        measure(lambda fn: fn(), "feplb", broken, {"impl": "feplb"}, results)
+        measure(lambda fn: fn(), "feplb", broken, {"impl": "feplb"}, results.append)
     with pytest.raises(pytest.skip.Exception, match="torch_grouped_mm unavailable"):
-        measure(lambda fn: fn(), "torch_grouped_mm", broken, {"impl": "torch_grouped_mm"}, results)
+        measure(lambda fn: fn(), "torch_grouped_mm", broken, {"impl": "torch_grouped_mm"}, results.append)
     assert [r["impl"] for r in results] == ["feplb", "torch_grouped_mm"]
     assert all("illegal memory access" in r["error"] for r in results)
-    assert measure(lambda fn: 0.25, "feplb", broken, {}, results) == 0.25
+    assert measure(lambda fn: 0.25, "feplb", broken, {}, results.append) == 0.25
+
+
+def test_results_are_written_after_every_row(tmp_path, monkeypatch):
+    out = tmp_path / "kernels.json"
+    monkeypatch.setenv("FEPLB_BENCH_KERNELS_JSON", str(out))
+    monkeypatch.setitem(globals(), "RESULTS", [])
+    record({"bench": "permute", "impl": "copy", "gbps": 1.0})
+    record({"bench": "permute", "impl": "permute", "error": "RuntimeError: boom"})
+    doc = json.loads(out.read_text())
+    assert [r["impl"] for r in doc["results"]] == ["copy", "permute"]
+    assert {"device", "torch", "triton", "cuda", "command", "shape"} <= set(doc["meta"])
+    assert not out.with_suffix(".tmp").exists()
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -301,20 +313,21 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 RESULTS: list[dict] = []
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _write_results():
-    yield
-    if not RESULTS:
-        return
+def record(row: dict) -> None:
+    """Keep a result row and rewrite the JSON at once, so a run stopped at its time limit keeps what it measured."""
+    RESULTS.append(row)
     out = Path(os.environ.get("FEPLB_BENCH_KERNELS_JSON", "runs/bench_kernels.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     import triton
 
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    meta = {"device": torch.cuda.get_device_name() if CUDA else platform.processor() or platform.machine(),
+            "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(), "command": " ".join(sys.argv),
             "shape": {"hidden": HIDDEN, "ffn": FFN, "local_experts": LOCAL_EXPERTS, "top_k": TOP_K,
                       "dtype": "bfloat16"}}
-    out.write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
+    tmp.replace(out)
 
 
 def _cuda_timer(benchmark, inner: int = 10):
@@ -349,19 +362,19 @@ def test_grouped_mm_tflops(benchmark, rows_per_expert, dist, proj, op, impl):
     try:
         fn, row["checked_against"] = check_grouped(impl, op, x, w, dy, offsets)
     except BaselineUnavailable as why:
-        RESULTS.append({**row, "error": str(why)})
+        record({**row, "error": str(why)})
         pytest.skip(str(why))
     except Exception as err:
-        RESULTS.append({**row, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
+        record({**row, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
         raise
     if impl == "feplb":
         row["configs"] = chosen_configs()
     benchmark.group = f"grouped_mm {proj} {op} {dist} {rows_per_expert}/expert"
-    seconds = measure(_cuda_timer(benchmark), impl, fn, row, RESULTS)
+    seconds = measure(_cuda_timer(benchmark), impl, fn, row, record)
     flops = 2.0 * x.shape[0] * x.shape[1] * w.shape[2]
     row.update(us=seconds * 1e6, tflops=flops / seconds / 1e12)
     benchmark.extra_info.update(row)
-    RESULTS.append(row)
+    record(row)
 
 
 @gpu
@@ -377,11 +390,11 @@ def test_permute_bandwidth(benchmark, rows_per_expert, dist, impl):
     try:
         fn, nbytes, T = permute_case(rows_per_expert, dist, impl, device="cuda")
     except Exception as err:
-        RESULTS.append({**row, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
+        record({**row, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
         raise
     row.update(T=T, bytes=nbytes)
     benchmark.group = f"permute {dist} {rows_per_expert}/expert"
-    seconds = measure(_cuda_timer(benchmark), "feplb" if impl != "copy" else impl, fn, row, RESULTS)
+    seconds = measure(_cuda_timer(benchmark), "feplb" if impl != "copy" else impl, fn, row, record)
     row.update(us=seconds * 1e6, gbps=nbytes / seconds / 1e9)
     benchmark.extra_info.update(row)
-    RESULTS.append(row)
+    record(row)
