@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import FLOAT_DTYPES, check_tensor
+from ._checks import FLOAT_DTYPES, MAX_EXPERTS, check_rows, check_tensor
 from ._triton import use_triton
 from .activation import check_swiglu_input, swiglu_bwd_ref, swiglu_bwd_triton, swiglu_ref, swiglu_triton
 from .grouped_gemm import (
@@ -262,6 +262,9 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
         y_MN [M, N] in x's dtype; differentiable w.r.t. x and w (dX and dW are grouped kernels too).
     """
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
+    check_rows("x_MK", x_MK.shape[0], "M")
+    if w_EKN.shape[0] > MAX_EXPERTS:
+        raise ValueError(f"w_EKN: expected at most {MAX_EXPERTS} groups (experts), got shape {list(w_EKN.shape)}")
     return _grouped_mm_op(x_MK, w_EKN, offsets_E, check)
 
 
@@ -314,4 +317,5 @@ def swiglu(h_M2F: Tensor) -> Tensor:
         out_MF [M, F] in h's dtype; differentiable.
     """
     check_swiglu_input(h_M2F)
+    check_rows("h_M2F", h_M2F.shape[0], "M")
     return _swiglu_op(h_M2F)

@@ -74,6 +74,18 @@ def test_permute_rejects_rows_past_32_bits():
                            dst_idx_TK=big)
 
 
+def test_grouped_mm_and_swiglu_reject_sizes_past_the_bounds():
+    def on_meta(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    with pytest.raises(ValueError, match=rf"x_MK.*at most {MAX_ROWS} rows.*M = {2**31}"):
+        fk.grouped_mm(on_meta(2**31, 4), on_meta(2, 4, 3), on_meta(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=rf"w_EKN.*at most {MAX_EXPERTS} groups.*\[{MAX_EXPERTS + 1}, 4, 3\]"):
+        fk.grouped_mm(on_meta(6, 4), on_meta(MAX_EXPERTS + 1, 4, 3), on_meta(MAX_EXPERTS + 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=rf"h_M2F.*at most {MAX_ROWS} rows.*M = {2**31}"):
+        fk.swiglu(on_meta(2**31, 8))
+
+
 def test_permute_rejects(meta, dev):
     with pytest.raises(ValueError, match=r"x_TD.*3 rows.*\[4, 8\]"):
         fk.permute(torch.randn(4, 8, device=dev), meta)
