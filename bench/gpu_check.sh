@@ -28,6 +28,7 @@
 #   FEPLB_GPU_CHECK_DRY  1: check the script's own plumbing only, run no step (automatic without a CUDA GPU);
 #                        every step and target reports NOT RUN, exit status 0
 #   FEPLB_GPU_CHECK_COLLECT  0: in a dry run, skip collecting the steps' tests (the slow part of the dry run)
+#   FEPLB_GPU_CHECK_FORCE    1: run every step even without a GPU (to try the script itself on a CPU)
 #   .whl/*.whl           wheels installed first (no index, no dependencies) into a private folder on PYTHONPATH
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -70,8 +71,8 @@ echo "feplb GPU check: results in $OUT, work files in $WORK" | tee -a "$LOG"
 
 # ---------------------------------------------------------------------------------------------- mode, inputs
 DRY=${FEPLB_GPU_CHECK_DRY:-0}
-if [ "$DRY" != 1 ] && ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >> "$LOG" 2>&1
-then
+if [ "$DRY" != 1 ] && [ "${FEPLB_GPU_CHECK_FORCE:-0}" != 1 ] && \
+        ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >> "$LOG" 2>&1; then
     DRY=1
     echo "no CUDA GPU visible to $PY's torch: dry run (plumbing only, every step NOT RUN)" | tee -a "$LOG"
 fi

@@ -19,8 +19,8 @@ Keys read (the first one present wins; nested dicts are searched):
 * bench_overlap.json: ``copy_slowdown_pct``, else ``100 * (gemm_h2d_ms / gemm_ms - 1)``; ``overlap_holds``;
 * bench_layer.json (then bench_overlap.json): ``host_syncs_after_counts`` / ``host_syncs_per_forward`` /
   ``host_syncs``; ``balanced_routing_overhead_pct``, else ``100 * (balanced_routing_over_plain - 1)``;
-  ``gemm_straggler_reduction_pct``; ``exact`` / ``balanced_equals_plain`` (bool), else the runtime tests whose
-  name holds "equal";
+  ``gemm_straggler_reduction_pct``; ``exact`` / ``balanced_equals_plain`` (bool), else the GPU runtime tests
+  whose name holds "equal" or "layer" (they compare balancing on with plain EP);
 * bench_sched.json: ``extra_info.p99_us`` of ``test_planner_latency[<shape>-<policy>]``.
 
     python bench/gpu_report.py OUT [--work WORK]
@@ -31,14 +31,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
-# Tests that need two GPUs are the only ones allowed to skip in the one-GPU runtime step.
-ALLOWED_RUNTIME_SKIP = "2 GPUs"
+# Tests that need two GPUs are the only ones allowed to skip in the one-GPU runtime step: their skip reason says
+# "2 GPUs" ("2 CUDA GPUs", "two GPUs" too).
+ALLOWED_RUNTIME_SKIP = re.compile(r"\b(2|two) (CUDA )?GPUs\b", re.IGNORECASE)
 TEST_STEPS = ("kernels", "runtime_gpu")
 BENCH_STEPS = ("bench_kernels", "planner", "bench_overlap", "bench_layer")
 
@@ -142,7 +144,7 @@ def step_rows(steps: dict[str, dict], junits: dict[str, dict | None], kernels: d
             verdict = FAIL if name in TEST_STEPS else NOT_RUN
             rows.append(Row(name=name, measured=summary, verdict=verdict, note=f"no test ran: {why}"))
             continue
-        bad_skips = [(t, r) for t, r in (junit or {}).get("skipped", []) if ALLOWED_RUNTIME_SKIP not in r]
+        bad_skips = [(t, r) for t, r in (junit or {}).get("skipped", []) if not ALLOWED_RUNTIME_SKIP.search(r)]
         if name == "runtime_gpu" and bad_skips:
             test, reason = bad_skips[0]
             rows.append(Row(name=name, measured=summary, verdict=FAIL,
@@ -255,7 +257,9 @@ def runtime_targets(overlap: dict | None, layer: dict | None, runtime: dict | No
     if isinstance(exact, bool):
         rows.append(Row(name=name, measured=str(exact), verdict=PASS if exact else FAIL, note="bench_layer"))
     else:
-        cases = {t: o for t, o in (runtime or {}).get("cases", {}).items() if "equal" in t.split("::")[-1]}
+        # The GPU layer tests compare balancing on with plain EP (tests/runtime/test_gpu.py).
+        cases = {t: o for t, o in (runtime or {}).get("cases", {}).items()
+                 if "equal" in t.split("::")[-1] or "layer" in t.split("::")[-1]}
         ran = {t: o for t, o in cases.items() if o != "skipped"}
         if not ran:
             rows.append(Row(name=name, measured="-", verdict=NOT_RUN, note="no GPU equality test ran"))

@@ -101,7 +101,8 @@ def _fake_run(tmp_path: Path, *, steps=None, runtime_cases=None, kernel_rows=Non
     _junit(work / "junit_kernels.xml", [("test_a", "passed", ""), ("test_b", "passed", "")])
     _junit(work / "junit_runtime_gpu.xml", runtime_cases or [
         ("test_layer_ipc_balanced_equals_plain_ep", "passed", ""),
-        ("test_layer_nccl_two_gpus", "skipped", "needs 2 GPUs, found 1")])
+        ("test_layer_nccl_two_gpus", "skipped", "needs at least 2 CUDA GPUs (one rank per GPU)"),
+        ("test_layer_nvshmem_four_gpus", "skipped", "needs two GPUs")])
     rows = kernel_rows if kernel_rows is not None else [
         _gemm("feplb", "forward", 256, 500.0), _gemm("torch_grouped_mm", "forward", 256, 550.0),
         _gemm("feplb", "forward", 1024, 700.0), _gemm("torch_grouped_mm", "forward", 1024, 600.0),
@@ -180,7 +181,9 @@ def test_report_layer_keys_and_failures(tmp_path):
      "1 one-GPU test(s) skipped"),
     ([("test_layer_ipc_balanced_equals_plain_ep", "skipped", "needs a CUDA GPU")], "no test ran"),
     ([("test_layer_ipc_balanced_equals_plain_ep", "failed", "")], "rc 0"),
-], ids=["one-gpu-test-skipped", "all-skipped", "failed"])
+    ([("test_layer_two_processes_one_gpu[ipc]", "passed", ""),
+      ("test_layer_two_processes_one_gpu[auto]", "skipped", "needs 12 GPUs")], "1 one-GPU test(s) skipped"),
+], ids=["one-gpu-test-skipped", "all-skipped", "failed", "12-is-not-2"])
 def test_runtime_step_fails_on_skips_that_should_have_run(tmp_path, cases, note):
     out, work = _fake_run(tmp_path, runtime_cases=cases)
     steps = _by_name(gr.build(out, work)["steps"])
