@@ -102,15 +102,30 @@ if [ -n "$WHEELS" ]; then
         echo "installing $WHEELS failed (see log)" | tee -a "$LOG"
     fi
 fi
+source_tree() {  # the package as pyproject.toml maps it (feplb, feplb.kernels, feplb.sched), from symlinks
+    local src=$WORK/src f
+    mkdir -p "$src/feplb"
+    for f in "$ROOT"/feplb/*; do ln -sfn "$f" "$src/feplb/$(basename "$f")"; done
+    ln -sfn "$ROOT/kernels" "$src/feplb/kernels"
+    ln -sfn "$ROOT/sched" "$src/feplb/sched"
+    export PYTHONPATH=$src${PYTHONPATH:+:$PYTHONPATH}
+}
+INSTALL="pip install -e ."
 if [ "$DRY" = 1 ]; then
-    echo "dry run: would install the project with: $PY -m pip install --no-deps --no-build-isolation -e ." >> "$LOG"
+    echo "dry run: not installing; trying the fallback (the source tree on PYTHONPATH)" >> "$LOG"
+    INSTALL="source tree on PYTHONPATH (dry run)"
+    source_tree
 elif ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >> "$LOG" 2>&1; then
-    echo "installing the project failed:"; tail -20 "$LOG"; exit 1
+    # No network for an isolated build, or no bdist_wheel in an old setuptools: use the sources as they are.
+    INSTALL="source tree on PYTHONPATH (pip install -e . failed, see log)"
+    source_tree
 fi
+echo "project: $INSTALL" | tee -a "$LOG"
 
-DRY=$DRY WHEELS=$WHEELS "$PY" - > "$OUT/machine.json" 2>> "$LOG" <<'EOF'
+DRY=$DRY WHEELS=$WHEELS INSTALL=$INSTALL "$PY" - > "$OUT/machine.json" 2>> "$LOG" <<'EOF'
 import importlib.metadata as md, json, os, platform, shutil, subprocess
 import torch
+import feplb.kernels, feplb.sched  # the project imports (and from where: "feplb_path")
 
 def version(*names):
     for name in names:
@@ -131,9 +146,11 @@ print(json.dumps({
     "torch": torch.__version__, "cuda": torch.version.cuda, "triton": version("triton"),
     "nvshmem4py": version("nvshmem4py-cu13", "nvshmem4py-cu12"), "python": platform.python_version(),
     "wheels": os.environ["WHEELS"].split(), "traces": os.environ.get("FEPLB_TRACES") or None,
+    "feplb": os.environ["INSTALL"], "feplb_path": os.path.dirname(feplb.__file__),
 }, indent=1))
 EOF
-[ -s "$OUT/machine.json" ] || { echo "could not record the machine (see $LOG)"; exit 1; }
+[ -s "$OUT/machine.json" ] || { echo "feplb does not import, or the machine could not be recorded:"; tail -20 "$LOG"
+                               exit 1; }
 
 # ---------------------------------------------------------------------------------------------- steps
 step() {  # step NAME SECONDS COMMAND...: run under a time limit (SIGINT first, so pytest writes its reports)

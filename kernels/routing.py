@@ -10,7 +10,7 @@ grouped row of every (expert, block) pair, so counts, end offsets and block base
 scatter that ranks each row inside its block. No step walks the row blocks serially.
 
 Sizes are bounded where the kernels' 32-bit indices or their O(M * E) expert comparison would break: at most
-``MAX_EXPERTS`` experts and fewer than 2**31 rows, each a ``ValueError`` naming the argument.
+``MAX_EXPERTS`` experts and ``MAX_ROWS`` (2**31 - 2**16) rows, each a ``ValueError`` naming the argument.
 """
 
 from __future__ import annotations

@@ -49,6 +49,8 @@ def test_dry_run_reports_every_step_and_target_not_run(tmp_path):
     machine = json.loads((out / "machine.json").read_text())
     assert machine["dry_run"] is True and machine["traces"] == str(cache)
     assert {"torch", "cuda", "triton", "nvshmem4py", "gpu", "nvidia_smi", "python"} <= set(machine)
+    # The fallback when pip cannot install on the GPU machine: the sources as pyproject.toml maps them.
+    assert machine["feplb_path"].startswith(str(tmp_path)), machine
     # The table comes last: every target of targets.md, each NOT RUN.
     lines = proc.stdout.rstrip().splitlines()
     start = max(i for i, line in enumerate(lines) if line.startswith("----- targets"))
