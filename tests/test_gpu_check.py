@@ -49,8 +49,19 @@ def test_dry_run_reports_every_step_and_target_not_run(tmp_path):
     machine = json.loads((out / "machine.json").read_text())
     assert machine["dry_run"] is True and machine["traces"] == str(cache)
     assert {"torch", "cuda", "triton", "nvshmem4py", "gpu", "nvidia_smi", "python"} <= set(machine)
-    # The fallback when pip cannot install on the GPU machine: the sources as pyproject.toml maps them.
-    assert machine["feplb_path"].startswith(str(tmp_path)), machine
+    # The fallback when pip cannot install on the GPU machine: the sources as pyproject.toml maps them. Here an
+    # editable install answers `import feplb` first, so import from the tree with that finder removed.
+    (src,) = tmp_path.glob("feplb_gpu_check.*/src")
+    code = ("import sys\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+            f"sys.path.insert(0, {str(src)!r})\n"
+            "import feplb.kernels, feplb.sched\n"
+            "print(feplb.__file__, feplb.kernels.__file__, feplb.sched.__file__)\n")
+    files = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert files.returncode == 0, files.stderr[-2000:]
+    assert files.stdout.split() == [str(src / "feplb" / "__init__.py"), str(src / "feplb" / "kernels" / "__init__.py"),
+                                    str(src / "feplb" / "sched" / "__init__.py")]
+    assert (src / "feplb" / "kernels").resolve() == ROOT / "kernels"
     # The table comes last: every target of targets.md, each NOT RUN.
     lines = proc.stdout.rstrip().splitlines()
     start = max(i for i, line in enumerate(lines) if line.startswith("----- targets"))
