@@ -34,8 +34,6 @@ import pytest
 import torch
 
 from feplb.kernels import HAVE_TRITON, INTERPRET
-from feplb.kernels import grouped_gemm as _gg
-from feplb.kernels import permutation as _perm
 from feplb.kernels.activation import swiglu_triton
 from feplb.kernels.grouped_gemm import grouped_mm_dw_ref, grouped_mm_dw_triton, grouped_mm_ref, grouped_mm_triton
 from feplb.kernels.permutation import permute_ref, permute_triton, unpermute_ref, unpermute_triton
@@ -72,26 +70,26 @@ class BaselineUnavailable(Exception):
     """A baseline (not ours) that this torch / GPU cannot run."""
 
 
-def fresh_autotune() -> None:
-    """Forget every configuration the project's autotuners chose, so the next launch tunes on its own input."""
-    if not HAVE_TRITON:
-        return
-    from triton.runtime.autotuner import Autotuner
-
-    for module in (_gg, _perm):
-        for obj in vars(module).values():
-            if isinstance(obj, Autotuner):
-                obj.cache.clear()
-
-
-def chosen_configs() -> dict[str, str]:
-    """The configuration each autotuned kernel of the grouped GEMM and permutation last chose."""
+def _autotuners() -> dict[str, object]:
+    """Every autotuned kernel of the project's kernel modules (whichever are imported), by qualified name."""
     if not HAVE_TRITON:
         return {}
     from triton.runtime.autotuner import Autotuner
 
-    return {name: str(obj.best_config) for module in (_gg, _perm) for name, obj in vars(module).items()
-            if isinstance(obj, Autotuner) and getattr(obj, "best_config", None) is not None}
+    return {f"{mod_name.rsplit('.', 1)[-1]}.{name}": obj
+            for mod_name, module in list(sys.modules.items()) if mod_name.startswith("feplb.kernels.")
+            for name, obj in vars(module).items() if isinstance(obj, Autotuner)}
+
+
+def fresh_autotune() -> None:
+    """Forget every configuration the project's autotuners chose, so the next launch tunes on its own input."""
+    for tuner in _autotuners().values():
+        tuner.cache.clear()
+
+
+def chosen_configs() -> dict[str, str]:
+    """The configuration each autotuned kernel last chose."""
+    return {name: str(t.best_config) for name, t in _autotuners().items() if getattr(t, "best_config", None)}
 
 
 def grouped_inputs(rows_per_expert: int, dist: str, proj: str, *, device: str, dtype=torch.bfloat16,
@@ -275,6 +273,16 @@ def test_our_kernel_failing_fails_and_a_baseline_failing_skips():
     assert [r["impl"] for r in results] == ["feplb", "torch_grouped_mm"]
     assert all("illegal memory access" in r["error"] for r in results)
     assert measure(lambda fn: 0.25, "feplb", broken, {}, results.append) == 0.25
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+def test_fresh_autotune_forgets_every_choice():
+    tuners = _autotuners()
+    assert {name.split(".")[0] for name in tuners} >= {"grouped_gemm", "permutation"}, sorted(tuners)
+    for tuner in tuners.values():
+        tuner.cache[("made-up key",)] = "made-up config"
+    fresh_autotune()
+    assert all(not tuner.cache for tuner in tuners.values())
 
 
 def test_results_are_written_after_every_row(tmp_path, monkeypatch):
