@@ -29,10 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).with_name("data")
 TORCH_PYPI = DATA / "torch_pypi_requires.json"
 NVSHMEM_API = DATA / "nvshmem4py_api.json"
-NVSHMEM_CALLERS = [ROOT / "feplb" / "transport.py", ROOT / "feplb" / "copy_engine.py"]
+# Every source file of the project that imports nvshmem4py or gets its modules from feplb.transport.
+NVSHMEM_CALLERS = sorted(path for room in ("feplb", "kernels", "sched", "examples")
+                         for path in (ROOT / room).rglob("*.py")
+                         if re.search(r"import nvshmem|from nvshmem |nvshmem_modules\(", path.read_text()))
 # How the code names nvshmem4py's two modules (see feplb.transport.nvshmem_modules).
-NVSHMEM_ALIASES = {"core": "core", "nv": "core", "self._nv": "core",
-                   "bindings": "bindings", "bind": "bindings", "self._bind": "bindings"}
+NVSHMEM_ALIASES = {"core": "core", "nv": "core", "self._nv": "core", "nvshmem.core": "core",
+                   "bindings": "bindings", "bind": "bindings", "self._bind": "bindings", "nvshmem.bindings": "bindings"}
 
 
 # ---------------------------------------------------------------------------------------------------- CUDA lines
@@ -177,6 +180,22 @@ def missing_from(api: dict, uses: list[dict]) -> list[str]:
 
 def _code_uses() -> list[dict]:
     return [u for path in NVSHMEM_CALLERS for u in nvshmem_uses(path.read_text(), str(path))]
+
+
+def test_nvshmem_is_imported_only_under_known_names():
+    """The use check above finds calls through the names in NVSHMEM_ALIASES: an import binding nvshmem4py under
+    another name would hide its calls from it."""
+    bound = {}
+    for path in NVSHMEM_CALLERS:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                bound.update({(a.asname or a.name.split(".")[0]): f"{path.name}:{node.lineno}" for a in node.names
+                              if a.name.split(".")[0] == "nvshmem"})
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "nvshmem":
+                bound.update({(a.asname or a.name): f"{path.name}:{node.lineno}" for a in node.names})
+    assert bound, "no nvshmem import found: the use check would check nothing"
+    unknown = {name: where for name, where in bound.items() if name != "nvshmem" and name not in NVSHMEM_ALIASES}
+    assert not unknown, f"nvshmem4py bound under names the API check does not follow: {unknown}"
 
 
 def test_code_calls_only_the_pinned_nvshmem4py_api():
