@@ -12,17 +12,30 @@ in-node balancing); ``eplb`` (redundant experts, rows dispatched straight to the
   expert shape; skipped without them.
 
 Each policy's iterations alternate inside one job (none, balanced, none, ...), each timed from a barrier to a
-barrier and reduced as the max over ranks (the step waits for the slowest rank). Results go to
-``runs/bench_layer_<device>.json`` and ``benchmark.extra_info``:
+barrier and reduced as the max over ranks (the step waits for the slowest rank). Besides the skewed routing:
+
+* every variant's output and input gradient on the same input, against plain EP's (``max_abs_diff_vs_plain``):
+  balancing changes where a row is computed, never what;
+* plain EP and ``feplb-split`` on perfectly balanced routing (``layer(x, routing=...)``, every GPU the same rows):
+  what balancing costs when there is nothing to balance (``balanced_routing_overhead_pct``, target <= 2%);
+* on CUDA, the host syncs of one training forward per variant (``torch.cuda.set_sync_debug_mode("warn")``, its
+  warnings counted): the total of the forward, the counts all-gather's own sync included, since the public API
+  cannot separate the steps (``host_syncs_counted`` says so in the JSON).
+
+Results go to ``runs/bench_layer_cpu.json``, or for the GPU test to ``$FEPLB_BENCH_LAYER_JSON`` (default
+``runs/bench_layer_gpu.json``), and to ``benchmark.extra_info``:
 ``.venv/bin/pytest bench/bench_layer.py -s -p no:randomly``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,7 +69,7 @@ def _bench_worker(rank, world, shape, device):
         if device != "cpu" and copy_path == "gloo":
             continue
         torch.manual_seed(0)
-        layers[name] = MoELayer(FEPLBConfig(policy=policy, dyn=2, dtype=dtype, plan_wait_ms=50.0,
+        layers[name] = MoELayer(FEPLBConfig(policy=policy, dyn=2, dtype=dtype, plan_wait_ms=50.0, min_straggler_rows=0,
                                             weights=weights, copy_path=copy_path, **s))
     gen = torch.Generator().manual_seed(1)
     router = torch.randn(s["num_experts"], s["hidden"], generator=gen) / s["hidden"] ** 0.5
@@ -74,7 +87,7 @@ def _bench_worker(rank, world, shape, device):
             layer(x)
         layer.refresh_replicas()
     times = {p: [] for p in layers}
-    stats = {}
+    stats, outs = {}, {}
     for it in range(iters + 2):
         for policy, layer in layers.items():
             xi = x.clone().requires_grad_(True)
@@ -82,13 +95,16 @@ def _bench_worker(rank, world, shape, device):
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            layer(xi).float().sum().backward()
+            y = layer(xi)
+            y.float().sum().backward()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if it >= 2:
                 times[policy].append(float(t) * 1e3)
+            if it == 2:
+                outs[policy] = (y.detach().float(), xi.grad.float())
             layer.reduce_replica_grads()
             layer.zero_grad()
             st = layer.last_stats
@@ -96,34 +112,131 @@ def _bench_worker(rank, world, shape, device):
                              "token_straggler_after": st.token_straggler_after, "rows_moved": st.rows_moved,
                              "fell_back": st.fell_back, "plan_us": st.plan_us, "copy_bytes": st.copy_bytes,
                              "weight_copies": st.weight_copies, "experts_placed": st.experts_placed}
-    return {p: {"median_ms": float(np.median(v)), "min_ms": float(np.min(v)), **stats[p]} for p, v in times.items()}
+
+    def max_over_ranks(v: float) -> float:
+        t = torch.tensor([v], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    y0, g0 = outs["none"]
+    scale = {"out": max_over_ranks(float(y0.abs().max())), "grad": max_over_ranks(float(g0.abs().max()))}
+    diffs = {p: {"out": max_over_ranks(float((y - y0).abs().max())),
+                 "grad": max_over_ranks(float((g - g0).abs().max()))} for p, (y, g) in outs.items()}
+
+    # Perfectly balanced routing: token t's k-th choice is expert (t * K + k) mod E on every rank, so each expert,
+    # and each GPU, receives the same rows: nothing to balance, and whatever balancing costs shows.
+    T, K, E = tokens, s["top_k"], s["num_experts"]
+    ids = ((torch.arange(T)[:, None] * K + torch.arange(K)[None, :]) % E).to(dev)
+    gates = torch.full((T, K), 1.0 / K, device=dev, dtype=dtype)
+    even = {p: layers[p] for p in ("none", BALANCED)}
+    even_times = {p: [] for p in even}
+    even_stats = {}
+    for it in range(iters + 2):
+        for policy, layer in even.items():
+            xi = x.clone().requires_grad_(True)
+            dist.barrier()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            layer(xi, routing=(ids, gates)).float().sum().backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = max_over_ranks(time.perf_counter() - t0)
+            if it >= 2:
+                even_times[policy].append(t * 1e3)
+            layer.reduce_replica_grads()
+            layer.zero_grad()
+            st = layer.last_stats
+            even_stats[policy] = {"token_straggler_before": st.token_straggler_before, "rows_moved": st.rows_moved}
+
+    syncs = {}
+    if dev.type == "cuda":
+        for policy, layer in layers.items():
+            xi = x.clone().requires_grad_(True)
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    y = layer(xi)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs[policy] = sum("synchroniz" in str(w.message) for w in caught)
+            y.float().sum().backward()
+            layer.reduce_replica_grads()
+            layer.zero_grad()
+
+    return {"results": {p: {"median_ms": float(np.median(v)), "min_ms": float(np.min(v)), **stats[p],
+                            "max_abs_diff_vs_plain": diffs[p]["out"], "max_abs_grad_diff_vs_plain": diffs[p]["grad"]}
+                        for p, v in times.items()},
+            "scale": scale,
+            "balanced_routing": {p: {"median_ms": float(np.median(v)), **even_stats[p]}
+                                 for p, v in even_times.items()},
+            "host_syncs_per_forward": syncs}
 
 
-def _report(benchmark, device, shape, res):
+def _report(benchmark, device, shape, out, path) -> dict:
+    res, even = out["results"], out["balanced_routing"]
     none, bal = res["none"], res[BALANCED]
     info = {"device": device, "shape": shape, "results": res, "torch": torch.__version__,
             "machine": platform.processor() or platform.machine(),
-            "balanced_over_none": bal["median_ms"] / none["median_ms"]}
-    os.makedirs("runs", exist_ok=True)
-    with open(f"runs/bench_layer_{device}.json", "w") as f:
-        json.dump(info, f, indent=1)
+            "fwd_bwd_ms": {p: r["median_ms"] for p, r in res.items()},
+            "balanced_over_none": bal["median_ms"] / none["median_ms"],
+            "max_abs_diff_vs_plain": max(r["max_abs_diff_vs_plain"] for r in res.values()),
+            "max_abs_grad_diff_vs_plain": max(r["max_abs_grad_diff_vs_plain"] for r in res.values()),
+            "output_scale": out["scale"],
+            "balanced_routing": even,
+            "balanced_routing_overhead_pct": 100 * (even[BALANCED]["median_ms"] / even["none"]["median_ms"] - 1)}
+    if device == "gpu":
+        info.update(host_syncs_per_forward=out["host_syncs_per_forward"],
+                    host_syncs_counted="every sync of one training forward (torch.cuda.set_sync_debug_mode), the "
+                                       "counts all-gather's included",
+                    gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(info, indent=1))
     benchmark.extra_info.update(info)
     print(f"\n[{device.upper()}] MoELayer fwd+bwd, median over iterations (max over ranks):")
     for p, r in res.items():
         print(f"  {p:28s} {r['median_ms']:8.2f} ms  token straggler {r['token_straggler_before']:.0f} -> "
               f"{r['token_straggler_after']:.0f}  rows moved {r['rows_moved']}  copy {r['copy_bytes'] / 1e6:.2f} MB "
-              f"({r['weight_copies']} weight copies)  fell back {r['fell_back']}")
+              f"({r['weight_copies']} weight copies)  fell back {r['fell_back']}  "
+              f"max |out - plain EP| {r['max_abs_diff_vs_plain']:.2e}")
+    print(f"  balanced routing: plain EP {even['none']['median_ms']:.2f} ms, {BALANCED} "
+          f"{even[BALANCED]['median_ms']:.2f} ms ({info['balanced_routing_overhead_pct']:+.1f}%)")
+    if device == "gpu":
+        print(f"  host syncs per forward: {info['host_syncs_per_forward']}")
+    return info
+
+
+def _check(info: dict, rel_tol: float) -> None:
+    """What every run must show, CPU or GPU: the numbers exist next to plain EP's, balancing computes the same
+    outputs and gradients, it balances skewed routing, and balanced routing leaves it nothing to move."""
+    res, even = info["results"], info["balanced_routing"]
+    for p, ms in info["fwd_bwd_ms"].items():
+        assert math.isfinite(ms) and ms > 0, (p, ms)
+    assert "none" in info["fwd_bwd_ms"] and BALANCED in info["fwd_bwd_ms"]
+    for p, r in res.items():
+        assert r["max_abs_diff_vs_plain"] <= rel_tol * info["output_scale"]["out"], (p, r)
+        assert r["max_abs_grad_diff_vs_plain"] <= rel_tol * info["output_scale"]["grad"], (p, r)
+    assert res[BALANCED]["rows_moved"] > 0 and not res[BALANCED]["fell_back"], res[BALANCED]
+    assert res[BALANCED]["token_straggler_after"] < res[BALANCED]["token_straggler_before"]
+    assert res["none"]["rows_moved"] == 0
+    for p, r in even.items():
+        assert r["token_straggler_before"] == 0 and r["rows_moved"] == 0, (p, r)
+        assert math.isfinite(r["median_ms"]) and r["median_ms"] > 0
+    assert math.isfinite(info["balanced_routing_overhead_pct"])
 
 
 @pytest.mark.dist
 @pytest.mark.slow
 def test_layer_cpu_gloo(benchmark):
     shape = SHAPES["cpu"]
-    res = run_dist(_bench_worker, shape["world"], shape, "cpu", timeout_s=600)[0]
-    _report(benchmark, "cpu", shape, res)
+    out = run_dist(_bench_worker, shape["world"], shape, "cpu", timeout_s=600)[0]
+    info = _report(benchmark, "cpu", shape, out, "runs/bench_layer_cpu.json")
     # The timing itself is in extra_info; the fixture records the (cheap) report call so the JSON has an entry.
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    assert res[BALANCED]["token_straggler_after"] < res[BALANCED]["token_straggler_before"]
+    _check(info, rel_tol=1e-5)
 
 
 @pytest.mark.gpu
@@ -134,9 +247,13 @@ def test_layer_gpu_nccl(benchmark):
     shape = dict(SHAPES["gpu"])
     shape["world"] = torch.cuda.device_count()
     shape["gpus_per_node"] = min(shape["gpus_per_node"], shape["world"])
-    res = run_dist(_bench_worker, shape["world"], shape, "gpu", timeout_s=600, backend="nccl")[0]
-    _report(benchmark, "gpu", shape, res)
+    out = run_dist(_bench_worker, shape["world"], shape, "gpu", timeout_s=600, backend="nccl")[0]
+    info = _report(benchmark, "gpu", shape, out, os.environ.get("FEPLB_BENCH_LAYER_JSON", "runs/bench_layer_gpu.json"))
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    # bf16: a row computed on another GPU may round differently (other tile shapes); 2% of the output's scale.
+    _check(info, rel_tol=2e-2)
+    assert set(info["host_syncs_per_forward"]) == set(info["fwd_bwd_ms"])
+    assert all(isinstance(n, int) and n >= 0 for n in info["host_syncs_per_forward"].values())
 
 
 # ------------------------------------------------------------------------------------------------ real routing
@@ -178,7 +295,8 @@ def _trace_worker(rank, world, path, shape):
             torch.manual_seed(0)
             layer = MoELayer(FEPLBConfig(hidden=s["hidden"], ffn=s["ffn"], num_experts=E, top_k=K,
                                          gpus_per_node=s["gpus_per_node"], dyn=s["dyn"], policy=policy,
-                                         weights="per-microbatch", refresh_every=2, plan_wait_ms=60_000.0))
+                                         weights="per-microbatch", refresh_every=2, plan_wait_ms=60_000.0,
+                                         min_straggler_rows=0))
             before, after, moved, outs = [], [], [], []
             for i, ids_WSLK in enumerate(mbs):
                 ids = torch.from_numpy(np.ascontiguousarray(ids_WSLK[rank, :, layer_idx, :])).long()

@@ -3,26 +3,35 @@
 From one real micro-batch (ESFT routing trace, DeepSeek-V2-Lite layer: 64 experts, top-6, H = 2048, F = 1408,
 EP = 8 in one node, 2048 tokens per GPU, 4 dynamic experts per GPU, ``feplb-split``), take the busiest GPU: its
 static experts' grouped GEMM (gate/up, SwiGLU, down, bf16, ``feplb.kernels``) and the bytes its plan sends out
-(rows, and weights unless resident). Then measure on the GPU, in one run:
+(rows, and weights unless resident). The GEMM's output is first checked against a per-expert fp32 reference. Then,
+in one run, with the four cases interleaved iteration by iteration so that drift hits them alike:
 
-* ``gemm``: the static GEMM alone (CUDA events, median of ``ITERS``);
-* ``gemm + plan``: the same while a CPU thread runs ``feplb.sched.make_plan`` on the micro-batch's counts;
-* ``gemm + h2d``: the same while a side stream copies the plan's bytes from pinned host memory (a copy engine,
-  the stand-in for a peer copy on a one-GPU machine);
-* ``gemm + d2d``: the same while a side stream copies them device to device (on one GPU that copy runs on SMs,
-  the design notes measured ~20% slowdown, which is why FEPLB copies between GPUs);
-* ``copy``: the host-to-device copy alone; ``plan``: the planner's wall time.
+* ``static_gemm_ms``: the static GEMM alone (CUDA events, median of ``ITERS``);
+* ``gemm_with_plan_ms``: the same while a CPU thread runs ``feplb.sched.make_plan`` on the micro-batch's counts
+  (``plan_us_p50`` / ``plan_us_p99``: that thread's wall time);
+* ``gemm_with_h2d_ms``: the same while a side stream copies the plan's bytes from pinned host memory (a copy
+  engine, the stand-in for a peer copy on a one-GPU machine);
+* ``gemm_with_d2d_ms``: the same while a side stream copies them device to device (on one GPU that copy runs on
+  SMs; the design notes measured ~20% slowdown, which is why FEPLB copies between GPUs);
+* ``copy_ms_measured``: the pinned host-to-device copy of the plan's bytes alone.
 
-The overlap condition (design notes) is ``plan + copy <= static GEMM``, with the copy's duration from the cost
-model's NVLink bandwidth (a PCIe copy is not a peer copy); the slowdowns show what the CPU thread and a copy
-engine cost the SMs. Results go to ``runs/bench_overlap.json`` (or ``$FEPLB_BENCH_OVERLAP_JSON``)
-with device, versions and command: ``.venv/bin/pytest bench/bench_overlap.py -m gpu --benchmark-enable -s``.
-The CPU part only checks that the workload extraction runs (CI); it times nothing.
+Verdict: ``hidden`` is the overlap condition (design notes) ``plan_us_p50 + copy_ms_measured <= static_gemm_ms``,
+from measured times only. The host-to-device copy crosses PCIe, slower than an NVLink peer copy, so the verdict
+is pessimistic for a real node; the cost model's NVLink time for the same bytes is reported beside it
+(``copy_ms_peer_model``), never used for the verdict. Asserted: the GEMM is correct, and a copy-engine copy slows it
+by at most ``COPY_ENGINE_SLOWDOWN_MAX_PCT``. Results go to ``$FEPLB_BENCH_OVERLAP_JSON`` (default
+``runs/bench_overlap.json``) with device and versions: ``.venv/bin/pytest bench/bench_overlap.py -m gpu -s``.
+
+The trace is looked up in ``$FEPLB_TRACES``, then ``../shared/routing_traces`` next to the repository, then
+``.traces/`` in it (where a machine without ``../shared`` gets a copy), each with the layout
+``esft_deepseek_v2_lite/esft_vanilla_lite_law.npz``. The CPU part (CI) checks the workload extraction; it times
+nothing.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -37,18 +46,37 @@ import torch
 
 from feplb.sched import CostModel, PolicyState, Topology, make_plan
 
-TRACE = Path(os.environ.get("FEPLB_TRACES", Path(__file__).resolve().parents[2] / "shared" / "routing_traces")) / \
-    "esft_deepseek_v2_lite" / "esft_vanilla_lite_law.npz"
+ROOT = Path(__file__).resolve().parents[1]
+TRACE_REL = Path("esft_deepseek_v2_lite") / "esft_vanilla_lite_law.npz"
 HIDDEN, FFN, EP, TOKENS, DYN, POLICY = 2048, 1408, 8, 2048, 4, "feplb-split"
-ITERS = 30
+ITERS, WARMUP = 40, 3
+# Targets (design notes): copies a plan issues slow concurrent expert GEMMs by <= 1%; a pinned copy beside a long
+# GEMM loop measured ~0.5%. One sub-millisecond GEMM timed by events jitters by a few percent, so the assertion
+# allows 5% (the JSON reports the measured value against the 1% target).
+COPY_ENGINE_SLOWDOWN_MAX_PCT = 5.0
 CUDA = torch.cuda.is_available()
 
 
-def workload(tokens: int = TOKENS, seed: int = 0) -> dict:
+def trace_candidates() -> list[Path]:
+    """Where the trace may be, in order: $FEPLB_TRACES, ../shared/routing_traces, .traces/ in the repository."""
+    roots = [Path(os.environ["FEPLB_TRACES"])] if os.environ.get("FEPLB_TRACES") else []
+    roots += [ROOT.parent / "shared" / "routing_traces", ROOT / ".traces"]
+    return [r / TRACE_REL for r in roots]
+
+
+def find_trace() -> Path | None:
+    return next((p for p in trace_candidates() if p.is_file()), None)
+
+
+def _no_trace() -> str:
+    return "routing trace not found; looked at " + ", ".join(str(p) for p in trace_candidates())
+
+
+def workload(trace_path: Path, tokens: int = TOKENS, seed: int = 0) -> dict:
     """One micro-batch of the trace: the busiest GPU's static rows per expert, its outgoing copy bytes, the plan."""
     from feplb.traces import load_trace
 
-    trace = load_trace(TRACE)
+    trace = load_trace(trace_path)
     E = trace.num_experts
     counts_LWE = next(trace.microbatches(np.random.default_rng(seed), EP, tokens))
     topo = Topology(num_ranks=EP, gpus_per_node=EP, num_experts=E, dyn=DYN)
@@ -76,39 +104,67 @@ def workload(tokens: int = TOKENS, seed: int = 0) -> dict:
 
 def test_workload_extraction_cpu():
     """CI: the workload the GPU benchmark times can be built (trace present, plan valid, busiest GPU sends)."""
-    if not TRACE.exists():
-        pytest.skip(f"routing trace not found: {TRACE}")
-    w = workload(tokens=256)
+    path = find_trace()
+    if path is None:
+        pytest.skip(_no_trace())
+    w = workload(path, tokens=256)
     assert sum(w["static_rows"]) > 0 and len(w["static_rows"]) == w["topo"].experts_per_rank
+    assert w["loads_before"][w["gpu"]] == max(w["loads_before"])
     assert max(w["loads_after"]) <= max(w["loads_before"])
-    assert w["rows_out"] > 0 and w["copy_bytes"] >= w["rows_out"] * HIDDEN * 2
+    assert sum(w["loads_after"]) == sum(w["loads_before"]) == 256 * EP * 6, "every row computed exactly once"
+    assert w["rows_out"] > 0
+    assert w["copy_bytes"] == w["rows_out"] * HIDDEN * 2 + w["weights_out"] * 3 * HIDDEN * FFN * 2
 
 
-def _median_ms(fn, side=None) -> float:
-    """Median GEMM time (CUDA events on the current stream) over ITERS runs, ``side()`` started just before each."""
-    times = []
-    for _ in range(ITERS + 3):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        handle = side() if side is not None else None
-        a.record()
-        fn()
-        b.record()
-        if handle is not None:
-            handle()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[3:])
+def test_trace_lookup_order(tmp_path, monkeypatch):
+    """$FEPLB_TRACES first, then ../shared, then .traces/ in the repository: a machine without ../shared finds the
+    copy the GPU check puts in .traces/."""
+    monkeypatch.setenv("FEPLB_TRACES", str(tmp_path))
+    got = trace_candidates()
+    assert got == [tmp_path / TRACE_REL, ROOT.parent / "shared" / "routing_traces" / TRACE_REL,
+                   ROOT / ".traces" / TRACE_REL]
+    (tmp_path / TRACE_REL).parent.mkdir(parents=True)
+    (tmp_path / TRACE_REL).write_bytes(b"")
+    assert find_trace() == tmp_path / TRACE_REL
+    monkeypatch.delenv("FEPLB_TRACES")
+    assert trace_candidates()[0] == ROOT.parent / "shared" / "routing_traces" / TRACE_REL
+
+
+def _gemm_reference(x_MH, w1_LH2F, w2_LFH, rows_L) -> torch.Tensor:
+    """Per-expert fp32 matmuls with the kernel path's bf16 roundings (after each GEMM and after SwiGLU)."""
+    out, start = [], 0
+    for j, n in enumerate(rows_L):
+        h = (x_MH[start:start + n].float() @ w1_LH2F[j].float()).to(x_MH.dtype).float()
+        gate, up = h.chunk(2, dim=1)
+        a = (torch.nn.functional.silu(gate) * up).to(x_MH.dtype).float()
+        out.append(a @ w2_LFH[j].float())
+        start += n
+    return torch.cat(out)
+
+
+def _timed_ms(fn, side=None) -> float:
+    """One GEMM timed by CUDA events on the current stream, ``side()`` started just before it and joined after."""
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    join = side() if side is not None else None
+    a.record()
+    fn()
+    b.record()
+    if join is not None:
+        join()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_overlap_gpu(benchmark):
-    if not TRACE.exists():
-        pytest.skip(f"routing trace not found: {TRACE}")
+    path = find_trace()
+    if path is None:
+        pytest.fail(_no_trace() + " (copy the trace to one of them)")
     from feplb.layer import expert_mlp
 
-    w = workload()
+    w = workload(path)
     dev = torch.device("cuda")
     L = len(w["static_rows"])
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -116,10 +172,18 @@ def test_overlap_gpu(benchmark):
     w1 = torch.randn(L, HIDDEN, 2 * FFN, device=dev, dtype=torch.bfloat16, generator=gen) / HIDDEN ** 0.5
     w2 = torch.randn(L, FFN, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen) / FFN ** 0.5
     offs = torch.tensor(np.cumsum(w["static_rows"]), device=dev)
+
+    # Correct before timed: a wrong (or empty) GEMM would make every number below meaningless.
+    got = expert_mlp(x, w1, w2, offs).float()
+    want = _gemm_reference(x, w1, w2, w["static_rows"])
+    scale = float(want.abs().max())
+    max_err = float((got - want).abs().max())
+    assert got.shape == want.shape and math.isfinite(max_err) and max_err <= 2e-2 * scale, (max_err, scale)
+
     nbytes = max(w["copy_bytes"], 1)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).pin_memory()
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    src_dev = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    src_dev = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
     side_stream = torch.cuda.Stream()
 
     def gemm():
@@ -144,43 +208,53 @@ def test_overlap_gpu(benchmark):
         th.start()
         return th.join
 
-    for _ in range(3):
-        gemm()
-    res = {"gemm_ms": _median_ms(gemm), "gemm_plan_ms": _median_ms(gemm, planner),
-           "gemm_h2d_ms": _median_ms(gemm, copy_from(host)), "gemm_d2d_ms": _median_ms(gemm, copy_from(src_dev))}
+    cases = {"static_gemm_ms": None, "gemm_with_plan_ms": planner, "gemm_with_h2d_ms": copy_from(host),
+             "gemm_with_d2d_ms": copy_from(src_dev)}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for i in range(WARMUP + ITERS):
+        for key, side in cases.items():
+            t = _timed_ms(gemm, side)
+            if i >= WARMUP:
+                times[key].append(t)
+    plan_us = plan_us[WARMUP:]
     copy_times = []
-    for _ in range(ITERS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(host, non_blocking=True)
-        b.record()
-        torch.cuda.synchronize()
-        copy_times.append(a.elapsed_time(b))
-    res["copy_h2d_ms"] = statistics.median(copy_times)
-    # A pinned host-to-device copy runs on a copy engine like a peer copy, but over PCIe: its duration is not a
-    # peer copy's, so the overlap condition uses the cost model's NVLink copy time for the same bytes.
+    for _ in range(WARMUP + ITERS):
+        copy_times.append(_timed_ms(lambda: dst.copy_(host, non_blocking=True)))
+    dst_check = dst.cpu()
+    assert torch.equal(dst_check, host), "the timed host-to-device copy delivered other bytes"
+
+    res = {k: statistics.median(v) for k, v in times.items()}
+    g = res["static_gemm_ms"]
+    res.update(plan_us_p50=float(np.percentile(plan_us, 50)), plan_us_p99=float(np.percentile(plan_us, 99)),
+               copy_ms_measured=statistics.median(copy_times[WARMUP:]),
+               copy_engine_slowdown_pct=100 * (res["gemm_with_h2d_ms"] / g - 1),
+               sm_copy_slowdown_pct=100 * (res["gemm_with_d2d_ms"] / g - 1),
+               plan_thread_slowdown_pct=100 * (res["gemm_with_plan_ms"] / g - 1))
+    res["hidden"] = bool(res["plan_us_p50"] / 1e3 + res["copy_ms_measured"] <= g)
     cost = CostModel()
-    res["copy_peer_model_ms"] = cost.copy_us(w["copy_bytes"]) / 1e3
-    res["copy_rows_only_peer_model_ms"] = cost.copy_us(w["rows_out"] * HIDDEN * 2) / 1e3
-    res["plan_us"] = statistics.median(plan_us)
-    res["overlap_holds"] = res["plan_us"] / 1e3 + res["copy_peer_model_ms"] <= res["gemm_ms"]
-    res["overlap_holds_rows_only"] = res["plan_us"] / 1e3 + res["copy_rows_only_peer_model_ms"] <= res["gemm_ms"]
-    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(), "command": " ".join(sys.argv), "trace": str(TRACE),
-            "layer": w["layer"], "gpu": w["gpu"], "static_rows": w["static_rows"], "copy_bytes": w["copy_bytes"],
-            "rows_out": w["rows_out"], "weights_out": w["weights_out"], "loads_before": w["loads_before"],
-            "loads_after": w["loads_after"], **res}
-    path = Path(os.environ.get("FEPLB_BENCH_OVERLAP_JSON", "runs/bench_overlap.json"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(info, indent=1))
+    info = {**res, "copy_engine_slowdown_max_pct": COPY_ENGINE_SLOWDOWN_MAX_PCT, "copy_engine_target_pct": 1.0,
+            "copy_ms_peer_model": cost.copy_us(w["copy_bytes"]) / 1e3,
+            "gemm_max_abs_err": max_err, "gemm_out_max_abs": scale, "iters": ITERS,
+            "device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "command": " ".join(sys.argv), "trace": str(path), "layer": w["layer"], "gpu": w["gpu"],
+            "static_rows": w["static_rows"], "copy_bytes": w["copy_bytes"], "rows_out": w["rows_out"],
+            "weights_out": w["weights_out"], "loads_before": w["loads_before"], "loads_after": w["loads_after"]}
+    out = Path(os.environ.get("FEPLB_BENCH_OVERLAP_JSON", "runs/bench_overlap.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(info, indent=1))
     benchmark.extra_info.update(info)
     benchmark.pedantic(gemm, rounds=3, iterations=1)
-    g = res["gemm_ms"]
     print(f"\n[GPU {info['device']}] static GEMM of GPU {w['gpu']} ({sum(w['static_rows'])} rows): {g:.3f} ms")
-    for k in ("gemm_plan_ms", "gemm_h2d_ms", "gemm_d2d_ms"):
-        print(f"  {k:14s} {res[k]:.3f} ms ({100 * (res[k] / g - 1):+.1f}%)")
-    print(f"  plan {res['plan_us']:.0f} us; copies {w['copy_bytes'] / 1e6:.1f} MB: {res['copy_h2d_ms']:.3f} ms "
-          f"host-to-device, {res['copy_peer_model_ms']:.3f} ms modelled over NVLink "
-          f"({res['copy_rows_only_peer_model_ms']:.3f} ms rows only, weights resident)")
-    print(f"  overlap condition (plan + copy <= static GEMM): {res['overlap_holds']}, "
-          f"rows only: {res['overlap_holds_rows_only']}")
+    for k in ("gemm_with_plan_ms", "gemm_with_h2d_ms", "gemm_with_d2d_ms"):
+        print(f"  {k:18s} {res[k]:.3f} ms ({100 * (res[k] / g - 1):+.1f}%)")
+    print(f"  plan p50 {res['plan_us_p50']:.0f} us, p99 {res['plan_us_p99']:.0f} us; copies "
+          f"{w['copy_bytes'] / 1e6:.1f} MB: {res['copy_ms_measured']:.3f} ms measured host-to-device "
+          f"({info['copy_ms_peer_model']:.3f} ms modelled over NVLink, not used)")
+    print(f"  hidden (plan p50 + measured copy <= static GEMM): {res['hidden']}")
+
+    for k in ("static_gemm_ms", "gemm_with_plan_ms", "gemm_with_h2d_ms", "gemm_with_d2d_ms", "copy_ms_measured"):
+        assert math.isfinite(res[k]) and res[k] > 0, (k, res[k])
+    assert len(plan_us) == ITERS and res["plan_us_p50"] > 0
+    assert res["copy_engine_slowdown_pct"] <= COPY_ENGINE_SLOWDOWN_MAX_PCT, \
+        f"a copy-engine copy slowed the static GEMM by {res['copy_engine_slowdown_pct']:.1f}%"

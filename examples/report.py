@@ -237,8 +237,9 @@ def _md(meta: dict, summary: dict, load_step: int) -> str:
     return "\n".join(lines)
 
 
-def write_report(out: Path, meta: dict, steps: list[dict]) -> dict:
-    """Write report.json, loss.png, straggler.png, loads.png and report.md into ``out``; returns the summary.
+def write_report(out: Path, meta: dict, steps: list[dict], timeline=None) -> dict:
+    """Write report.json, loss.png, straggler.png, loads.png and report.md into ``out`` (and, given one forward's
+    ``feplb.timeline`` spans, timeline.png and the Chrome-trace timeline.json); returns the summary.
 
     ``steps`` are the per-step records of the training loop; the per-GPU load bars show the last step.
     """
@@ -249,7 +250,20 @@ def write_report(out: Path, meta: dict, steps: list[dict]) -> dict:
     plot_loss(steps, out / "loss.png")
     plot_straggler(steps, out / "straggler.png", summary, meta["config"]["policy"])
     plot_loads(last, meta["config"]["gpus_per_node"], out / "loads.png")
+    if timeline:
+        from feplb.timeline import plot, to_chrome_trace
+
+        plot(timeline, out / "timeline.png", title=f"MoE layer 0, last forward of step {last['step']} (rank 0)")
+        to_chrome_trace([timeline], out / "timeline.json")
     doc = {"meta": meta, "summary": summary, "load_bars_step": last["step"], "steps": steps}
     _write_text(out / "report.json", json.dumps(doc, indent=1))
-    _write_text(out / "report.md", _md(meta, summary, last["step"]))
+    md = _md(meta, summary, last["step"])
+    if timeline:
+        md += "\n".join([
+            "", "## One MoE layer forward, step by step", "", "![timeline](timeline.png)", "",
+            "The spans of the first MoE layer's last forward on rank 0, per lane: the main thread (compute), the "
+            "planner thread and the copy thread (the CPU stand-in for a GPU's copy stream). Planning, the node's "
+            "readiness agreement and the phase-2 copies run beside the static experts' GEMM. `timeline.json` opens in "
+            "Perfetto (ui.perfetto.dev) or chrome://tracing.", ""])
+    _write_text(out / "report.md", md)
     return summary

@@ -21,19 +21,23 @@ values), L MoE layers, W ranks (modelled GPUs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import functools
+import datetime
+import gc
 import hashlib
 import json
 import math
 import os
 import random
 import shutil
+import signal
 import socket
 import sys
 import sysconfig
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -166,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: torchrun's --nproc-per-node)")
     bal.add_argument("--plan-wait-ms", type=float, default=None,
                      help="how long a layer waits for its plan after the static experts' GEMM before it computes "
-                          "at home instead (default: 0 on CUDA, where the plan overlaps the GEMM; 200 on the CPU, "
-                          "where the ranks share cores and the planner thread can be starved)")
+                          "at home instead (default: the layer's: 0 on CUDA, where the plan overlaps the GEMM; on "
+                          "the CPU it waits for the plan)")
     bal.add_argument("--dyn", type=int, default=None,
                      help="dynamic experts per rank, which may run on another rank of the node "
                           "(default: min(4, experts per rank))")
@@ -501,18 +505,24 @@ def load_checkpoint(out: Path, cfg: TrainConfig, rank: int) -> dict:
 
 
 def check_out_dir(out: Path, resume: bool, overwrite: bool = False, remover: bool = True) -> None:
-    """Check that ``out`` is writable and holds no run unless resuming. With ``overwrite`` (and not resuming), the
-    previous run's checkpoint and report files are removed by ``remover`` (one rank; the caller then barriers)."""
+    """Check that ``out`` can be written and holds no run unless resuming, without creating it (a run refused
+    later, for its configuration say, leaves no empty folder behind; ``make_out_dir`` creates it). With
+    ``overwrite`` (and not resuming), the previous run's checkpoint and report files are removed by ``remover``
+    (one rank; the caller then barriers)."""
     if resume and overwrite:
         raise UsageError("--resume and --overwrite exclude each other: continue the run in --out, or replace it")
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"--out {out}: cannot write there ({existing} is not a directory)")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-test-"):
             pass
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot write there ({type(exc).__name__}: {exc})") from exc
     if overwrite:
-        if remover:
+        if remover and out.is_dir():
             shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
             for name in _report_module().FILES:
                 (out / name).unlink(missing_ok=True)
@@ -521,6 +531,31 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool = False, remover: boo
     if pointer is not None:
         raise UsageError(f"--out {out} already holds a run (checkpoint at step {pointer.get('step')}); "
                          f"pass --resume to continue it, --overwrite to replace it, or choose another --out")
+
+
+def make_out_dir(out: Path, creator: bool) -> list[Path]:
+    """Create ``out`` (on ``creator``, one rank per node; the caller then barriers). Returns the folders this call
+    created, outermost first, so that a run which fails before writing anything can remove them again."""
+    if not creator:
+        return []
+    missing, p = [], out
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot create it ({type(exc).__name__}: {exc})") from exc
+    return missing[::-1]
+
+
+def remove_if_empty(created: list[Path]) -> None:
+    """Remove the folders ``make_out_dir`` created, innermost first, as long as they are empty."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 class ExpertBias:
@@ -533,23 +568,14 @@ class ExpertBias:
 
     def __init__(self, moes: list, rate: float) -> None:
         self.moes, self.rate = moes, rate
-        self.counts_LE: list[torch.Tensor | None] = [None] * len(moes)
-        if rate > 0:
-            for i, moe in enumerate(moes):
-                moe.register_forward_hook(functools.partial(self._count, i))
-
-    def _count(self, layer: int, moe, inputs: tuple, output) -> None:
-        with torch.no_grad():
-            topk_ids_TK = moe.route(inputs[0].reshape(-1, moe.config.hidden))[0]
-            self.counts_LE[layer] = torch.bincount(topk_ids_TK.reshape(-1), minlength=moe.config.num_experts)
 
     @torch.no_grad()
     def update(self) -> None:
         if self.rate <= 0:
             return
-        counts_LE = torch.stack(self.counts_LE).double()
-        dist.all_reduce(counts_LE)
-        for moe, counts_E in zip(self.moes, counts_LE, strict=True):
+        # the layer's last forward already all-gathered every rank's per-expert counts
+        for moe in self.moes:
+            counts_E = torch.tensor(moe.last_stats.tokens_per_expert, dtype=torch.float64)
             step_E = torch.sign(counts_E.mean() - counts_E).to(moe.router_bias.dtype)
             moe.router_bias.add_(self.rate * step_E)
 
@@ -574,18 +600,19 @@ def layer_stats(views: list[list[tuple]], gpus_per_node: int) -> dict:
     from feplb.sched import token_straggler
 
     firsts = views[::gpus_per_node]  # the first rank of each node speaks for the node
-    before_LW, after_LW, moved, fell_back = [], [], 0, 0
+    before_LW, after_LW, moved_L, fell_back = [], [], [], 0
     for layer in range(len(views[0])):
         before_LW.append(firsts[0][layer][0])
         after_LW.append([v for node in firsts for v in node[layer][1]])
-        moved += sum(node[layer][2] for node in firsts)
+        moved_L.append(sum(node[layer][2] for node in firsts))
         fell_back += any(node[layer][3] for node in firsts)
     before = [token_straggler(w) for w in before_LW]
     after = [token_straggler(w) for w in after_LW]
     return {
         "token_straggler_before": sum(before) / len(before),
         "token_straggler_after": sum(after) / len(after),
-        "rows_moved": moved,
+        "rows_moved": sum(moved_L),
+        "layer_rows_moved": moved_L,
         "fell_back": fell_back,
         "layer_straggler_before": before,
         "layer_straggler_after": after,
@@ -661,18 +688,17 @@ def make_config(args, world: int, corpus_sha: str, text_label: str) -> TrainConf
 def make_moe_config(cfg: TrainConfig, transport: str, plan_wait_ms: float | None):
     import feplb
 
-    if plan_wait_ms is None:
-        plan_wait_ms = 0.0 if cfg.device == "cuda" else 200.0
     try:
         return feplb.FEPLBConfig(hidden=cfg.hidden, ffn=cfg.ffn, num_experts=cfg.experts, top_k=cfg.top_k,
                                  router=cfg.router, router_bias=cfg.bias_rate > 0, gpus_per_node=cfg.gpus_per_node,
                                  dyn=cfg.dyn, policy=cfg.policy, transport=transport,
-                                 plan_wait_ms=plan_wait_ms)
+                                 plan_wait_ms=plan_wait_ms, timeline=True)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"MoE layer configuration rejected: {exc}") from exc
 
 
-def train(args: argparse.Namespace) -> Path:
+def train(args: argparse.Namespace, created: list[Path] | None = None) -> Path:
+    """The training run. ``created`` receives the folders this run created for ``--out``."""
     if args.steps < 1:
         raise UsageError(f"--steps: expected a positive integer, got {args.steps}")
     if args.log_every < 1 or args.ckpt_every < 1:
@@ -722,6 +748,11 @@ def train(args: argparse.Namespace) -> Path:
         history = state["history"] if rank == 0 else history
         for moe in moes:
             moe.refresh_replicas()
+    # Every check has passed: only now does --out come into being.
+    new_dirs = collective_check(make_out_dir, out, creator=local_rank == 0)
+    if created is not None:
+        created.extend(new_dirs)
+    dist.barrier()
 
     meta = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "world_size": world,
             "config": dataclasses.asdict(cfg), "config_hash": cfg.digest(), "steps_planned": args.steps,
@@ -751,7 +782,7 @@ def train(args: argparse.Namespace) -> Path:
             moe.reduce_replica_grads()
         mean_loss, grad_norm = reduce_gradients(replicated, experts, loss, world, cfg.clip)
         if not math.isfinite(mean_loss):  # the all-reduced value, so every rank stops at the same step
-            raise RuntimeError(f"the loss became {mean_loss} at step {step + 1}; lower --lr")
+            raise UsageError(f"the loss became {mean_loss} at step {step + 1}; lower --lr")
         optimizer.step()
         expert_bias.update()
         for moe in moes:
@@ -778,8 +809,10 @@ def train(args: argparse.Namespace) -> Path:
     if rank == 0:
         meta["run_wall_s"] = run_s
         meta["resumed_from"] = start_step
-        write_report(out, meta, history["steps"])
+        write_report(out, meta, history["steps"], timeline=moes[0].last_timeline.spans())
     dist.barrier()
+    for moe in moes:
+        moe.close()
     return out / "report.md"
 
 
@@ -792,9 +825,9 @@ def _report_module():
     return report
 
 
-def write_report(out: Path, meta: dict, steps: list[dict]) -> None:
+def write_report(out: Path, meta: dict, steps: list[dict], timeline=None) -> None:
     """Rank 0 only."""
-    _report_module().write_report(out, meta, steps)
+    _report_module().write_report(out, meta, steps, timeline)
 
 
 def gather(obj) -> list:
@@ -823,20 +856,52 @@ def log_line(rec: dict) -> str:
             f"straggler/layer [{per_layer}] tokens  rows moved {rec['rows_moved']}")
 
 
+def stop(code: int, message: str, agreed: bool, created: list[Path]) -> None:
+    """Leave after an error, with the process group shut down cleanly on every rank; never returns.
+
+    ``agreed``: every rank stops here on the same error (a UsageError is always raised on all of them together), so
+    they wait for each other before closing their connections: a rank still inside its last collective must not see
+    a peer vanish. torchrun stops the remaining workers (SIGTERM) as soon as one exits with an error; a rank still
+    shutting down then exits with the same status instead of dying mid-teardown. The layers are collected while
+    the group still exists, and the process leaves without the interpreter's teardown, where communication threads
+    still holding tensors abort the process ("terminate called without an active exception").
+    """
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+    initialized = dist.is_initialized()
+    rank = dist.get_rank() if initialized else int(os.environ.get("RANK", "0"))
+    if message and (rank == 0 or not agreed):
+        print(message, file=sys.stderr, flush=True)
+    gc.collect()
+    if initialized:
+        with contextlib.suppress(Exception):
+            if agreed and dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=60), wait_all_ranks=True)
+    remove_if_empty(created)
+    if initialized:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    created: list[Path] = []
     try:
-        report = train(args)
+        report = train(args, created)
     except UsageError as exc:
-        if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
-            print(f"train_moe.py: error: {exc}", file=sys.stderr, flush=True)
-        code = 2
+        code, message, agreed = 2, f"train_moe.py: error: {exc}", True
+    except Exception:  # a fault or a bug, possibly on this rank alone: the traceback says where
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        code, message, agreed = 1, f"train_moe.py: rank {rank} failed:\n{traceback.format_exc()}", False
     else:
         if dist.get_rank() == 0:
             print(f"\nreport: {report}  (plots and report.json next to it)", flush=True)
-        code = 0
-    if dist.is_initialized():
         dist.destroy_process_group()
+        return 0
+    # The exception and the frames it held (the model, its layers) are gone by here; stop() collects them.
+    stop(code, message, agreed, created)
     return code
 
 

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
+import tempfile
+import zipfile
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -27,6 +31,15 @@ POLICY forms: BASE[+place][@current|@ema], BASE in none, feplb, feplb-split, fas
   @ema picks dynamic experts from the history (weights replicated once per refresh) instead of the current
   micro-batch (weights copied with the rows).
 """
+
+
+# A per-token trace gathers W x S x L x K expert ids per micro-batch (plus int64 bin indices): past this many bytes
+# a --tokens-per-rank is refused rather than left to exhaust the machine's memory.
+MICROBATCH_BYTES_MAX = 2_000_000_000
+
+
+class UsageError(ValueError):
+    """Bad input the user can fix: printed as one line naming the file or option, exit status 2."""
 
 
 def _positive(v: str) -> int:
@@ -95,9 +108,9 @@ def format_table(title: str, summary: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def plot_results(results: list, path: str) -> None:
-    """Token straggler per layer by policy (one panel per workload) and per-GPU loads before/after for the
-    example micro-batch of the first workload."""
+def plot_results(results: list, path: str, fmt: str | None = None, titles: Sequence[str] | None = None) -> None:
+    """Token straggler per layer by policy (one panel per workload, titled ``titles`` or the workload names) and
+    per-GPU loads before/after for the example micro-batch of the first workload."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,14 +118,15 @@ def plot_results(results: list, path: str) -> None:
 
     n = len(results)
     fig, axes = plt.subplots(1, n + 1, figsize=(6 * (n + 1), 4.2), squeeze=False)
-    for ax, r in zip(axes[0], results, strict=False):
+    titles = list(titles) if titles is not None else [r.workload for r in results]
+    for ax, r, title in zip(axes[0], results, titles, strict=False):
         x = range(len(r.layer_names))
         for i, (policy, m) in enumerate(r.metrics.items()):
             ax.plot(x, m["token_straggler"].mean(axis=1), marker=".", label=policy, color=f"C{i % 10}")
         ax.set_xticks(list(x), r.layer_names, fontsize=7, rotation=90 if len(r.layer_names) > 12 else 0)
         ax.set_xlabel("MoE layer")
         ax.set_ylabel("token straggler (rows, mean over micro-batches)")
-        ax.set_title(r.workload, fontsize=9)
+        ax.set_title(title, fontsize=9)
         ax.set_yscale("symlog", linthresh=10)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
@@ -130,11 +144,123 @@ def plot_results(results: list, path: str) -> None:
     ax.axhline(mean, color="k", lw=0.8, ls="--", label="mean")
     ax.set_xlabel("GPU")
     ax.set_ylabel("rows computed")
-    ax.set_title(f"{results[0].workload}, layer {ex['layer']}, one micro-batch", fontsize=9)
+    ax.set_title(f"{titles[0]}, layer {ex['layer']}, one micro-batch", fontsize=9)
     ax.legend(fontsize=6, loc="lower left", ncol=2, framealpha=0.9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format=fmt)
     plt.close(fig)
+
+
+def check_output(path: str, option: str) -> Path:
+    """Refuse an output path that cannot be written (a directory, a missing or read-only folder), before any work:
+    a temporary file is created next to it and removed again."""
+    out = Path(path)
+    if out.is_dir():
+        raise UsageError(f"{option} {out}: is a directory; expected a file name")
+    parent = out.parent
+    if not parent.exists():
+        raise UsageError(f"{option} {out}: the folder {parent} does not exist")
+    if not parent.is_dir():
+        raise UsageError(f"{option} {out}: {parent} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".tmp")
+    except OSError as err:
+        raise UsageError(f"{option} {out}: cannot write in {parent} ({err.strerror or err})") from err
+    os.close(fd)
+    os.unlink(probe)
+    return out
+
+
+def _plot_format(out: Path) -> str:
+    from matplotlib.figure import Figure
+
+    fmt = out.suffix[1:].lower() or "png"
+    supported = Figure().canvas.get_supported_filetypes()
+    if fmt not in supported:
+        raise UsageError(f"--plot {out}: unknown image format {fmt!r}; expected one of {', '.join(sorted(supported))}")
+    return fmt
+
+
+def check_trace_file(spec: str) -> None:
+    """Refuse a trace file that cannot be read, or an ``.npz`` that is no zip archive (empty, truncated, another
+    format), with one line naming the file, before numpy or json meets it."""
+    if spec.startswith("synthetic:"):
+        return
+    head = spec.split(":")[0] if spec.split(":")[0].endswith(".json") else spec
+    path = Path(head)
+    if path.suffix not in (".npz", ".json") or not path.exists():
+        return  # load_workload names an unknown form or a missing file
+    if path.is_dir():
+        raise UsageError(f"trace {path}: is a directory; expected a {path.suffix} file")
+    try:
+        with path.open("rb") as f:
+            first = f.read(1)
+    except OSError as err:
+        raise UsageError(f"trace {path}: cannot read the file ({err.strerror or err})") from err
+    if not first:
+        raise UsageError(f"trace {path}: the file is empty (0 bytes)")
+    if path.suffix == ".npz" and not zipfile.is_zipfile(path):
+        raise UsageError(f"trace {path}: not an .npz archive (no zip directory: the file is truncated or of "
+                         f"another format)")
+
+
+def _load(spec: str, num_experts: int | None):
+    from feplb.traces import load_workload
+
+    check_trace_file(spec)
+    try:
+        return load_workload(spec, num_experts)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as err:
+        raise UsageError(f"trace {spec}: damaged .npz archive ({type(err).__name__}: {err})") from err
+    except OSError as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise UsageError(f"trace {spec}: cannot read the file ({err.strerror or err})") from err
+
+
+def bound_microbatch(workload, num_ranks: int, tokens_per_rank: int) -> None:
+    """Refuse a --tokens-per-rank whose per-token micro-batch would not fit in MICROBATCH_BYTES_MAX."""
+    ids = getattr(workload, "topk_ids_TLK", None)
+    if ids is None:
+        return  # multinomial and synthetic workloads draw counts, not tokens: their memory does not grow with S
+    _, L, K = ids.shape
+    per_token = num_ranks * L * K * (ids.itemsize + 16) + num_ranks * 8
+    need = per_token * tokens_per_rank
+    if need > MICROBATCH_BYTES_MAX:
+        raise UsageError(
+            f"--tokens-per-rank {tokens_per_rank}: a micro-batch of {workload.name} gathers W={num_ranks} x "
+            f"S={tokens_per_rank} x L={L} x K={K} expert ids, about {need / 1e9:.1f} GB; the limit is "
+            f"{MICROBATCH_BYTES_MAX / 1e9:.1f} GB (--tokens-per-rank <= {MICROBATCH_BYTES_MAX // per_token} here)")
+
+
+def workload_keys(names: Sequence[str], specs: Sequence[str]) -> list[str]:
+    """One distinct key per workload: its name, or the trace spec where two workloads share a name (two files of
+    one name in different folders), numbered where the specs repeat too."""
+    keys = [spec if names.count(name) > 1 else name for name, spec in zip(names, specs, strict=True)]
+    seen: dict[str, int] = {}
+    out = []
+    for key in keys:
+        seen[key] = seen.get(key, 0) + 1
+        out.append(key if keys.count(key) == 1 else f"{key}#{seen[key]}")
+    return out
+
+
+def _write_outputs(writers: list[tuple[Path, Callable[[str], None]]]) -> None:
+    """Write every output to a temporary file next to it, then rename them all into place: a failure leaves no
+    partial file and no temporary one."""
+    tmps: list[tuple[str, Path]] = []
+    try:
+        for out, write in writers:
+            fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+            os.close(fd)
+            tmps.append((tmp, out))
+            write(tmp)
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
+        for tmp, out in tmps:
+            os.replace(tmp, out)
+    finally:
+        for tmp, _ in tmps:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
@@ -142,8 +268,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
     from feplb.sched import CostModel
     from feplb.simulate import SimConfig, simulate, summarize
-    from feplb.traces import load_workload
 
+    # Outputs first: a path that cannot be written must not cost a whole simulation.
+    json_out = check_output(args.json_out, "--json") if args.json_out else None
+    plot_out = check_output(args.plot, "--plot") if args.plot else None
+    if json_out and plot_out and json_out.resolve() == plot_out.resolve():
+        raise UsageError(f"--json and --plot name the same file {json_out}")
+    plot_fmt = _plot_format(plot_out) if plot_out else None
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     cost_kw = {"hidden": args.hidden, "ffn": args.ffn}
     cost = CostModel.from_json(args.cost_table, **cost_kw) if args.cost_table else CostModel(**cost_kw)
@@ -152,31 +283,35 @@ def _run_simulate(args: argparse.Namespace) -> int:
                        seed=args.seed, refresh_every=args.refresh_every, eplb_slots=args.eplb_slots,
                        replicas_mode=args.replicas, tau=args.tau,
                        min_chunk=args.min_chunk, validate=not args.no_validate, cost=cost)
-    workloads = [load_workload(t, args.experts) for t in args.traces]
+    workloads = [_load(t, args.experts) for t in args.traces]
     for w in workloads:
         config.topology(w.num_experts)  # refuse a bad topology before any work
+        bound_microbatch(w, config.num_ranks, config.tokens_per_rank)
+    keys = workload_keys([w.name for w in workloads], args.traces)
     results = []
     total = len(workloads) * (config.warmup + config.microbatches)
     with tqdm(total=total, desc="simulate", unit="mb", disable=args.no_progress, file=sys.stderr) as bar:
         for w in workloads:
             results.append(simulate(w, config, progress=bar))
-    for r in results:
-        print(format_table(f"\n{r.workload} (E={r.num_experts}, K={r.top_k}, W={config.num_ranks}, "
+    for key, r in zip(keys, results, strict=True):
+        print(format_table(f"\n{key} (E={r.num_experts}, K={r.top_k}, W={config.num_ranks}, "
                            f"G={config.gpus_per_node}, S={config.tokens_per_rank}, dyn={config.dyn})", r.summary()))
     summary = summarize(results)
     if len(results) > 1:
         print(format_table("\nall workloads", summary))
-    if args.json_out:
+    writers: list[tuple[Path, Callable[[str], None]]] = []
+    if json_out:
         doc = {"config": {**config.as_dict(), "traces": list(args.traces), "command": "feplb " + shlex.join(args.argv)},
                "policies": summary,
-               "workloads": {r.workload: {"policies": r.summary(),
-                                          "per_layer_token_straggler": {p: m["token_straggler"].mean(axis=1).tolist()
-                                                                        for p, m in r.metrics.items()},
-                                          "layers": list(r.layer_names), "example": r.example}
-                             for r in results}}
-        Path(args.json_out).write_text(json.dumps(doc, indent=1))
-    if args.plot:
-        plot_results(results, args.plot)
+               "workloads": {key: {"trace": spec, "policies": r.summary(),
+                                   "per_layer_token_straggler": {p: m["token_straggler"].mean(axis=1).tolist()
+                                                                 for p, m in r.metrics.items()},
+                                   "layers": list(r.layer_names), "example": r.example}
+                             for key, spec, r in zip(keys, args.traces, results, strict=True)}}
+        writers.append((json_out, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1))))
+    if plot_out:
+        writers.append((plot_out, lambda tmp: plot_results(results, tmp, fmt=plot_fmt, titles=keys)))
+    _write_outputs(writers)
     return 0
 
 

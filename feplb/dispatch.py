@@ -1,35 +1,36 @@
-"""Autograd functions of the two-phase dispatch: every communication step is differentiable, so backward mirrors
-forward by construction (gradients of moved rows return home, weight gradients computed on a helper return to the
-owner's ``.grad`` through the same path, exactly once).
+"""The layer's two data movements, both differentiable so that backward mirrors forward by construction.
 
 * ``all_to_all_rows``: phase-1 rows to the experts' home ranks (backward: the reverse all-to-all).
-* ``exchange``: flat buffers between arbitrary ranks of the EP group (phase-2 rows, results and weight copies);
-  pairs inside a node go through the copy path, pairs across nodes through the transport.
+* ``Exchange``: one batched exchange of tensors between arbitrary EP ranks, used for everything phase 2 moves
+  (rows to helpers, expert weights, results home) and for weight replicas and their gradients. Every rank builds
+  the same list of ``feplb.layout.Item`` (src, dst, elements); each rank gives the tensors of the items it sends
+  and gets back those it receives. The exchange derives its traffic (``feplb.layout.exchange_layout``): pairs
+  inside a node go through the copy path with the node's split matrix known (no size agreement), pairs across
+  nodes through the transport. It can be STARTED on a worker thread (``start``: the CPU stand-in for the copy
+  stream, running beside the compute) and FINISHED on the autograd thread (``__call__(..., pending=)``), so the
+  copies run beside the static GEMM and still enter the autograd graph.
 
 Both are collective: every rank calls them in the same order. Their backward is collective too, so every rank must
-reach it: ``exchange`` always returns a tensor that callers feed into the rest of the graph (at least an empty slice
-of it), and takes an input that requires grad whenever autograd is recording (an empty slice of the layer's rows).
+reach it: each takes an ``anchor`` (an empty tensor that requires grad whenever autograd records, on every rank)
+and returns a ``tail`` (an empty tensor) that the caller keeps in the graph.
 
-Both take an optional ``node_matrix``, the G x G element counts that the ranks of the caller's node send each other
-in the call (identical on every rank of the node, given on all of them or none): the copy path then skips its size
-agreement (``CopyEngine.exchange``'s ``matrix``); ``exchange``'s backward passes the transpose.
-
-Legend: M rows sent, R rows received, D row width, N elements of a flat buffer, G GPUs per node.
+Legend: M rows sent, R rows received, D row width, G GPUs per node.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
+from feplb.control import guard
 from feplb.copy_engine import CopyEngine
-from feplb.transport import Transport, guard
+from feplb.layout import Item, exchange_layout
+from feplb.transport import Transport
 
-__all__ = ["PeerComm", "all_to_all_rows", "exchange"]
+__all__ = ["Exchange", "PeerComm", "Received", "all_to_all_rows"]
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -73,44 +74,52 @@ def all_to_all_rows(x_MD: torch.Tensor, transport: Transport, send_splits: Seque
 
 @dataclass
 class PeerComm:
-    """Routes flat buffers between ranks of the EP group: node peers through ``copy``, other ranks through
-    ``transport`` (an all-to-all over the whole group, used only when ``cross_node`` is set for that call)."""
+    """Routes blocks between ranks of the EP group: node peers through ``copy``, other ranks through
+    ``transport`` (an all-to-all over the whole group, only when some pair anywhere crosses nodes)."""
 
     transport: Transport
     copy: CopyEngine
     gpus_per_node: int
+    _handoff: dict = field(default_factory=dict, repr=False)
+
+    def handoff_stream(self, device: torch.device):
+        """The stream a worker thread hands received tensors to (one per device, created on first use)."""
+        if device not in self._handoff:
+            self._handoff[device] = torch.cuda.Stream(device)
+        return self._handoff[device]
 
     @property
     def rank(self) -> int:
         return self.transport.rank
 
-    def node_of(self, r: int) -> int:
-        return r // self.gpus_per_node
+    def run(self, send: dict[int, list[torch.Tensor]], recv_numel: dict[int, int], *, cross_node: bool,
+            intra_node: bool, dtype: torch.dtype, device: torch.device, op: str, node_matrix=None,
+            ready=None, consumer=None) -> dict[int, torch.Tensor]:
+        """Send the pieces ``send[dst]`` (1-D, back to back) to each EP rank dst; return {src: 1-D buffer of
+        recv_numel[src] elements}, buffers this rank owns.
 
-    def run(self, send: dict[int, torch.Tensor], recv_numel: dict[int, int], *, cross_node: bool, dtype: torch.dtype,
-            device: torch.device, op: str, intra_node: bool = True, node_matrix=None) -> dict[int, torch.Tensor]:
-        """Send 1-D ``send[dst]`` to each EP rank dst; return {src: 1-D buffer of recv_numel[src] elements}.
-
-        node_matrix: optional G x G elements node rank i of this rank's node sends node rank j in this call (int64
-        array or tuple of tuples; see the module docstring); passed to the copy path, which checks this rank's part
-        of ``send`` and ``recv_numel`` against it."""
-        me, g = self.rank, self.gpus_per_node
-        base = self.node_of(me) * g
+        node_matrix: G x G elements node rank i of this rank's node sends node rank j (see the copy path).
+        ready / consumer (CUDA): the event the pieces depend on and the stream that reads the result (default: the
+        calling thread's current stream), so a worker thread can issue the copies for the compute stream."""
+        g = self.gpus_per_node
+        me = self.rank
+        base = me // g * g
         out: dict[int, torch.Tensor] = {}
-        local_send = {p - base: t for p, t in send.items() if self.node_of(p) == self.node_of(me)}
-        local_recv = {q - base: n for q, n in recv_numel.items() if self.node_of(q) == self.node_of(me)}
+        local_send = {p - base: t for p, t in send.items() if p // g == me // g}
+        local_recv = {q - base: n for q, n in recv_numel.items() if q // g == me // g}
         if intra_node and g > 1:
-            got = self.copy.exchange(local_send, local_recv, dtype=dtype, device=device, op=op, matrix=node_matrix)
+            got = self.copy.exchange(local_send, local_recv, dtype=dtype, device=device, op=op, matrix=node_matrix,
+                                     ready=ready, consumer=consumer)
             out.update({q + base: t for q, t in got.items()})
         elif local_send or local_recv:
             raise ValueError(f"{op}: intra-node traffic without a copy path call")
-        remote_send = {p: t for p, t in send.items() if self.node_of(p) != self.node_of(me)}
-        remote_recv = {q: n for q, n in recv_numel.items() if self.node_of(q) != self.node_of(me)}
+        remote_send = {p: ts for p, ts in send.items() if p // g != me // g}
+        remote_recv = {q: n for q, n in recv_numel.items() if q // g != me // g}
         if cross_node:
             w = self.transport.world_size
-            send_splits = [remote_send[p].numel() if p in remote_send else 0 for p in range(w)]
+            send_splits = [sum(t.numel() for t in remote_send.get(p, ())) for p in range(w)]
             recv_splits = [int(remote_recv.get(q, 0)) for q in range(w)]
-            parts = [remote_send[p].reshape(-1).to(dtype) for p in range(w) if p in remote_send]
+            parts = [t.reshape(-1).to(dtype) for p in range(w) for t in remote_send.get(p, ())]
             flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
             with guard(f"{op} (cross-node part)", self.transport.group):
                 got_flat = self.transport.all_to_all(flat, send_splits, recv_splits)
@@ -120,62 +129,139 @@ class PeerComm:
                     out[q] = got_flat[start:start + recv_splits[q]]
                 start += recv_splits[q]
         elif remote_send or remote_recv:
-            raise ValueError(f"{op}: cross-node traffic but cross_node=False")
+            raise ValueError(f"{op}: cross-node traffic but no pair crosses nodes")
         return out
 
 
-class _Exchange(torch.autograd.Function):
+class _ExchangeFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, flat_send: torch.Tensor, comm: PeerComm, send_layout: tuple, recv_layout: tuple,
-                cross_node: bool, intra_node: bool, op: str, node_matrix: np.ndarray | None):
-        ctx.comm, ctx.send_layout, ctx.recv_layout = comm, send_layout, recv_layout
-        ctx.cross_node, ctx.intra_node, ctx.op, ctx.node_matrix = cross_node, intra_node, op, node_matrix
-        return _run_layout(comm, flat_send, send_layout, recv_layout, cross_node, intra_node, op, node_matrix)
+    def forward(ctx, ex: Exchange, pending, anchor: torch.Tensor, *sends: torch.Tensor):
+        ctx.ex = ex
+        ctx.send_shapes = [t.shape for t in sends]
+        ctx.anchor_shape = anchor.shape
+        got, done = pending.result() if pending is not None else ex.issue(list(sends))
+        if done is not None:
+            # issued by another thread for the hand-off stream: this stream waits for the copies, no host wait
+            cur = torch.cuda.current_stream(ex.device)
+            cur.wait_event(done)
+            for t in got.values():
+                t.record_stream(cur)
+        return (anchor.new_empty(0),) + tuple(got[q] for q in ex.layout.recv)
 
     @staticmethod
-    def backward(ctx, grad_recv: torch.Tensor):
-        # Gradients flow back along every pair: what i sent j, j now sends i.
-        back = None if ctx.node_matrix is None else ctx.node_matrix.T
-        grad_send = _run_layout(ctx.comm, grad_recv.contiguous(), ctx.recv_layout, ctx.send_layout, ctx.cross_node,
-                                ctx.intra_node, f"{ctx.op}, backward", back)
-        return grad_send, None, None, None, None, None, None, None
+    def backward(ctx, _tail, *grads):
+        # What i sent j, j now sends i: each source gets the gradient of its whole block back in one piece.
+        ex = ctx.ex
+        lay = ex.layout
+        back = {q: [g.contiguous()] for q, g in zip(lay.recv, grads, strict=True)}
+        got = ex.comm.run(back, {p: sum(ex.items[k].numel for k in ks) for p, ks in lay.send.items()},
+                          cross_node=lay.cross_node, intra_node=lay.intra_node, dtype=ex.dtype, device=ex.device,
+                          op=f"{ex.op}, backward", node_matrix=lay.node_matrix.T)
+        out = []
+        shapes = iter(ctx.send_shapes)
+        for p, ks in lay.send.items():
+            pos = 0
+            for k in ks:
+                n = ex.items[k].numel
+                out.append(got[p][pos:pos + n].view(next(shapes)))
+                pos += n
+        return (None, None, torch.zeros(ctx.anchor_shape, dtype=ex.dtype, device=ex.device), *out)
 
 
-def _run_layout(comm: PeerComm, flat: torch.Tensor, send_layout: tuple, recv_layout: tuple, cross_node: bool,
-                intra_node: bool, op: str, node_matrix: np.ndarray | None = None) -> torch.Tensor:
-    send, start = {}, 0
-    for peer, n in send_layout:
-        send[peer] = flat[start:start + n]
-        start += n
-    if start != flat.numel():
-        raise ValueError(f"{op}: send layout covers {start} elements but the buffer has {flat.numel()}")
-    recv_numel = dict(recv_layout)
-    got = comm.run(send, recv_numel, cross_node=cross_node, dtype=flat.dtype, device=flat.device, op=op,
-                   intra_node=intra_node, node_matrix=node_matrix)
-    parts = [got[q] for q, n in recv_layout]
-    for (q, n), t in zip(recv_layout, parts, strict=True):
-        if t.numel() != n:
-            raise RuntimeError(f"{op}: expected {n} elements from rank {q}, got {t.numel()}")
-    return torch.cat(parts) if parts else flat.new_empty(0)
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Received:
+    """What one rank received in an exchange: a 1-D view per item, and each source's whole buffer."""
+
+    tail: torch.Tensor                # empty; keep it in the graph (the exchange's backward is collective)
+    items: dict[int, torch.Tensor]    # item index -> 1-D view of its elements
+    bufs: dict[int, torch.Tensor]     # source rank -> 1-D buffer of its items, in item order
+    at: dict[int, tuple[int, int]]    # item index -> (source rank, offset in that source's buffer)
+
+    def joined(self, ks: Sequence[int]) -> torch.Tensor:
+        """The items ``ks`` back to back (1-D): a view when they lie in order in one source's buffer, else a cat."""
+        if not ks:
+            raise ValueError("joined() needs at least one item")
+        src, start = self.at[ks[0]]
+        end = start
+        for k in ks:
+            q, off = self.at[k]
+            if q != src or off != end:
+                return torch.cat([self.items[k] for k in ks])
+            end = off + self.items[k].numel()
+        return self.bufs[src][start:end]
 
 
-def exchange(flat_send: torch.Tensor, comm: PeerComm, send_layout: Sequence[tuple[int, int]],
-             recv_layout: Sequence[tuple[int, int]], *, cross_node: bool, intra_node: bool = True,
-             op: str = "exchange", node_matrix=None) -> torch.Tensor:
-    """Differentiable exchange of flat buffers with arbitrary EP ranks.
+class Exchange:
+    """One batched, differentiable exchange between EP ranks (collective; see the module docstring).
 
     Args:
-        flat_send: 1-D [N_send], the blocks for each destination concatenated in ``send_layout`` order.
-        send_layout: ((dst rank, elements), ...) with distinct dst; recv_layout: ((src rank, elements), ...).
-        cross_node: whether any rank of the group exchanges across nodes in this call (globally agreed).
-        intra_node: whether the node's copy path is called (every rank of the node must agree).
-        node_matrix: optional G x G elements node rank i of this rank's node sends node rank j (an integer array
-            or tuple of tuples, identical on the node's ranks; see the module docstring); the backward uses its
-            transpose.
-    Returns:
-        1-D [N_recv], the blocks from each source concatenated in ``recv_layout`` order.
+        comm: the layer's ``PeerComm``.
+        items: every block of the exchange, identical on every rank (``feplb.layout.Item``).
+        dtype, device: of every block. op: names the step in errors and timeouts.
     """
-    if dist.get_world_size(comm.transport.group) == 1:
-        return flat_send[:0]
-    nm = None if node_matrix is None else np.asarray(node_matrix)
-    return _Exchange.apply(flat_send, comm, tuple(send_layout), tuple(recv_layout), cross_node, intra_node, op, nm)
+
+    def __init__(self, comm: PeerComm, items: Sequence[Item], *, dtype: torch.dtype, device: torch.device, op: str):
+        self.comm, self.items, self.dtype, self.device, self.op = comm, list(items), dtype, device, op
+        self.layout = exchange_layout(self.items, comm.rank, comm.gpus_per_node)
+        self.at: dict[int, tuple[int, int]] = {}
+        for q, ks in self.layout.recv.items():
+            pos = 0
+            for k in ks:
+                self.at[k] = (q, pos)
+                pos += self.items[k].numel
+
+    @property
+    def active(self) -> bool:
+        """Whether any rank this rank must talk to takes part (identical on every rank of a node)."""
+        return self.layout.cross_node or self.layout.intra_node
+
+    def sends_of(self, by_item: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's send tensors in the exchange's order, from {item index: tensor}."""
+        return [by_item[k] for ks in self.layout.send.values() for k in ks]
+
+    def issue(self, sends: list[torch.Tensor], ready=None, *, handoff: bool = False):
+        """Run the exchange now on this thread, without autograd: ({source: buffer}, the event its hand-off stream
+        recorded after the copies, or None). ready (CUDA): the event the sends depend on. handoff (CUDA): the
+        results are for another thread's stream (a worker issues them): they are handed to the comm's hand-off
+        stream and the returned event says when they are there; else the calling thread's stream waits for them."""
+        lay = self.layout
+        pieces: dict[int, list[torch.Tensor]] = {}
+        it = iter(sends)
+        for p, ks in lay.send.items():
+            pieces[p] = []
+            for k in ks:
+                t = next(it).detach()
+                if t.numel() != self.items[k].numel:
+                    raise ValueError(f"{self.op}: item {k} ({self.items[k]}) given {t.numel()} elements")
+                pieces[p].append(t.reshape(-1).contiguous())
+        consumer = self.comm.handoff_stream(self.device) if handoff and self.device.type == "cuda" else None
+        got = self.comm.run(pieces, lay.recv_numel, cross_node=lay.cross_node, intra_node=lay.intra_node,
+                            dtype=self.dtype, device=self.device, op=self.op, node_matrix=lay.node_matrix,
+                            ready=ready, consumer=consumer)
+        done = None
+        if consumer is not None:
+            done = torch.cuda.Event()
+            done.record(consumer)
+        return got, done
+
+    def start(self, sends: list[torch.Tensor], worker: concurrent.futures.Executor, *,
+              ready=None) -> concurrent.futures.Future:
+        """Issue the exchange on ``worker`` (the copy thread); finish it with ``self(sends, anchor, pending=<the
+        returned future>)``. The tensors must not change meanwhile."""
+        return worker.submit(self.issue, list(sends), ready, handoff=True)
+
+    def __call__(self, sends: list[torch.Tensor], anchor: torch.Tensor,
+                 pending: concurrent.futures.Future | None = None) -> Received:
+        """Differentiable exchange: sends in ``sends_of`` order -> what this rank received.
+
+        anchor: an empty tensor requiring grad whenever autograd records (on every rank), so that every rank runs
+        the backward. pending: a future of ``(buffers, event)`` from ``start`` or ``issue(..., handoff=True)`` with
+        the same sends (the copies already ran, beside the compute)."""
+        if not self.active:
+            return Received(tail=anchor[:0].reshape(-1), items={}, bufs={}, at={})
+        tail, *bufs = _ExchangeFn.apply(self, pending, anchor, *sends)
+        out: dict[int, torch.Tensor] = {}
+        by_src = dict(zip(self.layout.recv, bufs, strict=True))
+        for k, (q, off) in self.at.items():
+            out[k] = by_src[q][off:off + self.items[k].numel]
+        return Received(tail=tail, items=out, bufs=by_src, at=dict(self.at))

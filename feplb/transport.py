@@ -1,70 +1,55 @@
-"""Phase-1 transports: the EP all-to-all of rows and the small collectives the layer needs.
+"""Phase-1 transports: the EP all-to-all of rows, data only.
 
 One interface, two implementations:
 
-* ``TorchTransport``: ``torch.distributed`` (gloo on CPU tensors, NCCL on CUDA tensors).
+* ``TorchTransport``: ``torch.distributed.all_to_all_single``: NCCL on CUDA tensors, gloo on CPU tensors, and gloo
+  on CUDA tensors staged through pinned host memory (several processes on one GPU without NVSHMEM, where NCCL
+  refuses: a correctness path, whose host waits for the rows each call).
 * ``NvshmemTransport``: nvshmem4py symmetric buffers, one on-stream put per peer and a barrier on the stream;
   CUDA only, import-guarded (``pip install 'feplb[nvshmem]'``).
 
-Every blocking call runs under ``guard(op)``, which turns a backend timeout into a ``TimeoutError`` naming the
-operation and the rank, so a peer that dies or stalls fails the step with a readable message instead of hanging
-(the timeout itself is the process group's, set by ``init_process_group(timeout=...)``).
+Control collectives (counts, agreements, config checks) live in ``feplb.control.Control``; a transport only moves
+rows, and uses the control plane for what it must agree on (NVSHMEM's bootstrap and, without a split matrix, its
+split exchange). Every blocking call runs under ``guard(op)`` (a stall becomes a ``TimeoutError`` naming it).
 
-Legend: W ranks in the group, E experts, M rows sent by this rank, R rows received, D row width.
+Legend: W ranks in the group, M rows sent by this rank, R rows received, D row width.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["NVSHMEM_HINT", "NvshmemTransport", "TorchTransport", "Transport", "guard", "make_transport"]
+from feplb.control import Control, guard
+
+__all__ = ["NVSHMEM_HINT", "NvshmemTransport", "TRANSPORTS", "TorchTransport", "Transport", "make_transport",
+           "nvshmem_modules", "nvshmem_shared_gpu"]
 
 NVSHMEM_HINT = "the nvshmem transport needs nvshmem4py and a CUDA GPU: pip install 'feplb[nvshmem]'"
-
-_TIMEOUT_MARKERS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer")
-
-
-@contextlib.contextmanager
-def guard(op: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
-    """Re-raise a communication failure inside the block as ``TimeoutError`` (stall) or ``RuntimeError`` (peer gone)
-    whose message names ``op`` and this rank."""
-    try:
-        yield
-    except RuntimeError as exc:
-        text = str(exc).lower()
-        if not any(m in text for m in _TIMEOUT_MARKERS):
-            raise
-        rank = dist.get_rank() if dist.is_initialized() else -1
-        size = dist.get_world_size(group) if dist.is_initialized() else -1
-        kind = TimeoutError if ("timed out" in text or "timeout" in text) else RuntimeError
-        raise kind(f"feplb: {op} failed on global rank {rank} (group of {size}): a peer died or stalled "
-                   f"past the process group's timeout; backend said: {str(exc).splitlines()[0][:300]}") from exc
+TRANSPORTS = ("torch", "nvshmem")
 
 
 class Transport:
-    """Collectives over one EP process group. All methods are collective: every rank of the group calls them in the
-    same order with matching arguments."""
+    """The phase-1 all-to-all over one EP process group. Collective: every rank of the group calls ``all_to_all``
+    in the same order with matching splits.
+
+    Args:
+        group: the EP process group (None: the default group).
+        control: the group's ``Control`` (used by transports that must agree on something; optional otherwise).
+    """
 
     name = "abstract"
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, control: Control | None = None):
         if not dist.is_initialized():
             raise RuntimeError("feplb: torch.distributed is not initialised; call init_process_group first")
         self.group = group
+        self.control = control
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-
-    def all_gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-        """counts_E int64 [E] on this rank -> counts_WE int64 [W, E] (row s from rank s), on counts_E's device."""
-        with guard("all_gather of expert counts", self.group):
-            t = counts_E.to(torch.int64).to(collective_device(self.group)).contiguous()
-            return all_gather_stack(t, self.group).to(counts_E.device)
 
     def all_to_all(self, send_MD: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                    out: torch.Tensor | None = None, split_matrix: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,45 +63,99 @@ class Transport:
                 caller's guarantee, e.g. derived from all-gathered expert counts); transports that would otherwise
                 exchange the splits skip that collective. Row ``rank`` must equal send_splits and column ``rank``
                 recv_splits (checked locally).
+        Returns:
+            recv_RD: [R, D] on send_MD's device (a view of ``out`` when given).
         """
         raise NotImplementedError
 
-    def _check_matrix(self, split_matrix: torch.Tensor | None, send_splits: list[int], recv_splits: list[int],
-                      ) -> torch.Tensor | None:
+    def close(self) -> None:
+        """Release what the transport holds. Idempotent."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _splits(self, send_MD: torch.Tensor, send_splits, recv_splits, split_matrix,
+                ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        W = self.world_size
+        send_splits, recv_splits = [int(s) for s in send_splits], [int(s) for s in recv_splits]
+        if len(send_splits) != W or len(recv_splits) != W:
+            raise ValueError(f"send_splits and recv_splits must hold {W} entries (one per rank), got "
+                             f"{len(send_splits)} and {len(recv_splits)}")
+        if min(send_splits + recv_splits, default=0) < 0:
+            raise ValueError(f"splits must be >= 0, got send {send_splits}, recv {recv_splits}")
+        if sum(send_splits) != send_MD.shape[0]:
+            raise ValueError(f"send_splits sum to {sum(send_splits)} but send_MD has {send_MD.shape[0]} rows")
         if split_matrix is None:
-            return None
+            return send_splits, recv_splits, None
         m = torch.as_tensor(split_matrix, dtype=torch.int64).cpu()
-        W, r = self.world_size, self.rank
+        r = self.rank
         if m.shape != (W, W) or m[r].tolist() != send_splits or m[:, r].tolist() != recv_splits:
             raise ValueError(f"split_matrix {list(m.shape)} disagrees with this rank's send/recv splits "
                              f"(rank {r}: send {send_splits}, recv {recv_splits})")
-        return m
+        return send_splits, recv_splits, m
 
-    def all_reduce_min(self, flags: torch.Tensor, group: dist.ProcessGroup | None, op: str) -> torch.Tensor:
-        """Elementwise MIN of a small int64 CPU tensor over ``group`` (agreement on readiness/consistency)."""
-        out = flags.to(collective_device(group), copy=True)
-        with guard(op, group):
-            dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group)
-        return out.cpu()
 
-    def check_same(self, blob: bytes, what: str,
-                   hint: str = "every rank of the EP group must build the layer with the same config") -> None:
-        """Raise ValueError on every rank unless ``blob`` is byte-identical on all ranks (one all_gather of a hash)."""
-        digest = int.from_bytes(hashlib.sha256(blob).digest()[:7], "little")
-        mine = torch.tensor([digest], dtype=torch.int64)
-        dev = collective_device(self.group)
-        with guard(f"consistency check of {what}", self.group):
-            allh = all_gather_stack(mine.to(dev), self.group).reshape(-1).cpu()
-        bad = [r for r in range(self.world_size) if int(allh[r]) != digest]
-        if bad:
-            raise ValueError(f"feplb: {what} differs across ranks: rank {self.rank} disagrees with ranks {bad}; "
-                             f"{hint}")
+def _recv_view(out: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
+    if out is None:
+        return like.new_empty((rows, *like.shape[1:]))
+    if out.shape[0] < rows or out.shape[1:] != like.shape[1:] or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(f"receive buffer out of shape {list(out.shape)} ({out.dtype}, {out.device}) cannot hold "
+                         f"{rows} rows of {list(like.shape[1:])} ({like.dtype}, {like.device})")
+    return out[:rows]
+
+
+class TorchTransport(Transport):
+    """``torch.distributed.all_to_all_single`` (see the module docstring for which backend moves which tensors).
+
+    With CUDA tensors over a group without a CUDA backend (gloo), the rows are staged through pinned host memory:
+    device -> host copy, the host waits for it (the one host sync of this path, by construction), gloo exchange,
+    host -> device copy enqueued on the current stream without waiting.
+    """
+
+    name = "torch"
+
+    def __init__(self, group: dist.ProcessGroup | None = None, control: Control | None = None):
+        super().__init__(group, control)
+        backend = str(dist.get_backend(group))
+        self._cuda_native = "nccl" in backend or "cuda" in backend
+        self._cpu_native = "gloo" in backend or "cpu" in backend or "mpi" in backend
+        self._backend = backend
+
+    def all_to_all(self, send_MD, send_splits, recv_splits, out=None, split_matrix=None):
+        send_splits, recv_splits, _ = self._splits(send_MD, send_splits, recv_splits, split_matrix)
+        recv = _recv_view(out, send_MD, sum(recv_splits))
+        if send_MD.is_cuda and not self._cuda_native:
+            return self._staged(send_MD.contiguous(), send_splits, recv_splits, recv)
+        if not send_MD.is_cuda and not self._cpu_native:
+            raise ValueError(f"the torch transport over a {self._backend!r} group moves CUDA tensors only, got "
+                             f"send_MD on {send_MD.device}")
+        with guard("phase-1 all_to_all of rows", self.group):
+            dist.all_to_all_single(recv, send_MD.contiguous(), recv_splits, send_splits, group=self.group)
+        return recv
+
+    def _staged(self, send_MD: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                recv: torch.Tensor) -> torch.Tensor:
+        stream = torch.cuda.current_stream(send_MD.device)
+        host_send = torch.empty(send_MD.shape, dtype=send_MD.dtype, pin_memory=True)
+        host_send.copy_(send_MD, non_blocking=True)
+        host_recv = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=True)
+        landed = torch.cuda.Event()
+        landed.record(stream)
+        landed.synchronize()       # gloo reads host_send on this thread, now
+        with guard("phase-1 all_to_all of rows (staged through host memory)", self.group):
+            dist.all_to_all_single(host_recv, host_send, recv_splits, send_splits, group=self.group)
+        # The caching host allocator keeps host_recv alive until this copy has run on the stream.
+        recv.copy_(host_recv, non_blocking=True)
+        return recv
 
 
 def nvshmem_modules():
     """(nvshmem.core, nvshmem.bindings), or ImportError with the install hint.
 
-    The layer calls nvshmem4py's raw bindings (device pointers and stream handles): its high-level calls accept
+    The runtime calls nvshmem4py's raw bindings (device pointers and stream handles): its high-level calls accept
     only whole nvshmem-allocated tensors, not the slices and ordinary tensors the exchanges move.
     """
     try:
@@ -133,49 +172,19 @@ def nvshmem_shared_gpu(core) -> bool:
     return int(core.init_status()) == int(core.InitStatus.STATUS_LIMITED_MPG)
 
 
+def nvshmem_initialized(core) -> bool:
+    """Whether nvshmem is up in this process (by this runtime or by the application)."""
+    up = {int(core.InitStatus.STATUS_IS_INITIALIZED), int(core.InitStatus.STATUS_LIMITED_MPG),
+          int(core.InitStatus.STATUS_FULL_MPG)}
+    return int(core.init_status()) in up
+
+
 def _cuda_core_device(index: int):
     try:
         from cuda.core import Device  # type: ignore[import-not-found]
     except ImportError:
         from cuda.core.experimental import Device  # type: ignore[import-not-found]
     return Device(index)
-
-
-def _recv_view(out: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
-    if out is None:
-        return like.new_empty((rows, *like.shape[1:]))
-    if out.shape[0] < rows or out.shape[1:] != like.shape[1:] or out.dtype != like.dtype:
-        raise ValueError(f"receive buffer of shape {list(out.shape)} ({out.dtype}) cannot hold {rows} rows of "
-                         f"{list(like.shape[1:])} ({like.dtype})")
-    return out[:rows]
-
-
-def all_gather_stack(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """[*S] on every rank -> [W, *S] stacked in group-rank order (works on gloo and NCCL)."""
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t, group=group)
-    return torch.stack(parts)
-
-
-def collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-
-class TorchTransport(Transport):
-    """``torch.distributed.all_to_all_single``: gloo for CPU tensors, NCCL for CUDA tensors."""
-
-    name = "torch"
-
-    def all_to_all(self, send_MD, send_splits, recv_splits, out=None, split_matrix=None):
-        send_splits, recv_splits = [int(s) for s in send_splits], [int(s) for s in recv_splits]
-        if sum(send_splits) != send_MD.shape[0]:
-            raise ValueError(f"send_splits sum to {sum(send_splits)} but send_MD has {send_MD.shape[0]} rows")
-        self._check_matrix(split_matrix, send_splits, recv_splits)
-        recv = _recv_view(out, send_MD, sum(recv_splits))
-        with guard("phase-1 all_to_all of rows", self.group):
-            dist.all_to_all_single(recv, send_MD.contiguous(), recv_splits, send_splits, group=self.group)
-        return recv
 
 
 class NvshmemTransport(Transport):
@@ -185,40 +194,42 @@ class NvshmemTransport(Transport):
     also works with several PEs on one GPU).
 
     The symmetric buffers grow collectively, by the same rule on every rank (every rank holds the same matrix),
-    when a micro-batch needs more rows; rows are never dropped. CUDA only; ``close()`` frees the buffers and, if this
-    transport initialised nvshmem, finalises it.
+    when a micro-batch needs more rows; rows are never dropped. nvshmem is bootstrapped with a unique id that rank 0
+    hands out over the control group (gloo), unless the application initialised it already. CUDA only; the group
+    must be the whole job (PE numbers are global ranks). ``close()`` (collective) frees the buffers and, if this
+    transport initialised nvshmem, finalises it: close every nvshmem copy engine first.
+
+    Args:
+        group: the EP group (None or one spanning the whole job).  control: its ``Control``; None makes one
+            (collective) that ``close()`` closes.
     """
 
     name = "nvshmem"
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        super().__init__(group)
+    def __init__(self, group: dist.ProcessGroup | None = None, control: Control | None = None):
         self._nv, self._bind = nvshmem_modules()
         if not torch.cuda.is_available():
             raise RuntimeError(NVSHMEM_HINT)
+        super().__init__(group, control)
         if group is not None and dist.get_world_size(group) != dist.get_world_size():
-            raise ValueError("feplb: the nvshmem transport spans the whole world; pass group=None")
+            raise ValueError("feplb: the nvshmem transport spans the whole job; pass group=None")
+        self._own_control = control is None
+        if control is None:
+            self.control = Control(group, self.world_size)
         self._owns_init = False
-        self._init_nvshmem()
         self._buf: torch.Tensor | None = None   # flat uint8 symmetric receive buffer
         self._sbuf: torch.Tensor | None = None  # flat uint8 symmetric send buffer, same capacity
+        self._init_nvshmem()
 
     def _init_nvshmem(self) -> None:
         nv = self._nv
-        up = {int(nv.InitStatus.STATUS_IS_INITIALIZED), int(nv.InitStatus.STATUS_LIMITED_MPG),
-              int(nv.InitStatus.STATUS_FULL_MPG)}
-        if int(nv.init_status()) in up:
+        if nvshmem_initialized(nv):
             return   # initialised by the application (or another layer): share it
         dev = _cuda_core_device(torch.cuda.current_device())
         dev.set_current()
-        uid = nv.get_unique_id(empty=True)
-        if self.rank == 0:
-            uid = nv.get_unique_id()
-        box = [uid if self.rank == 0 else None]
-        with guard("nvshmem bootstrap (broadcast of the unique id)", self.group):
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                       group=self.group)
-        nv.init(device=dev, uid=box[0], rank=self.rank, nranks=self.world_size, initializer_method="uid")
+        uid = nv.get_unique_id() if self.rank == 0 else None
+        uid = self.control.all_gather_object(uid, "group", "nvshmem bootstrap (unique id from rank 0)")[0]
+        nv.init(device=dev, uid=uid, rank=self.rank, nranks=self.world_size, initializer_method="uid")
         self._owns_init = True
 
     def _ensure(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,21 +254,19 @@ class NvshmemTransport(Transport):
         if self._owns_init:
             self._nv.finalize()
             self._owns_init = False
+        if self._own_control:
+            self.control.close()
 
     def all_to_all(self, send_MD, send_splits, recv_splits, out=None, split_matrix=None):
         if not send_MD.is_cuda:
-            raise ValueError(f"the nvshmem transport moves CUDA tensors only, got a tensor on {send_MD.device}")
-        send_splits, recv_splits = [int(s) for s in send_splits], [int(s) for s in recv_splits]
-        if sum(send_splits) != send_MD.shape[0]:
-            raise ValueError(f"send_splits sum to {sum(send_splits)} but send_MD has {send_MD.shape[0]} rows")
+            raise ValueError(f"the nvshmem transport moves CUDA tensors only, got send_MD on {send_MD.device}")
+        send_splits, recv_splits, all_splits = self._splits(send_MD, send_splits, recv_splits, split_matrix)
         row_bytes = math.prod(send_MD.shape[1:]) * send_MD.element_size()
-        all_splits = self._check_matrix(split_matrix, send_splits, recv_splits)
         if all_splits is None:
-            # My block inside rank d's buffer starts after the rows that ranks < me send to d, learnt from one
-            # all_gather of the split matrix (on the control backend's device: gloo keeps it on the host).
-            splits = torch.tensor(send_splits, dtype=torch.int64, device=collective_device(self.group))
-            with guard("nvshmem all_to_all: split exchange", self.group):
-                all_splits = all_gather_stack(splits, self.group).cpu()
+            # My block inside rank d's buffer starts after the rows that ranks < me send to d: one host all-gather
+            # of the split rows over the control group.
+            all_splits = self.control.all_gather(torch.tensor(send_splits, dtype=torch.int64),
+                                                 "nvshmem all_to_all: split exchange")
         # Every rank needs the same buffer size (symmetric allocation): the max over ranks of rows sent or received,
         # which every rank reads off the same matrix.
         rows = max(int(all_splits.sum(0).max()), int(all_splits.sum(1).max())) if all_splits.numel() else 0
@@ -281,10 +290,10 @@ class NvshmemTransport(Transport):
         return res
 
 
-def make_transport(name: str, group: dist.ProcessGroup | None = None) -> Transport:
+def make_transport(name: str, group: dist.ProcessGroup | None = None, control: Control | None = None) -> Transport:
     """'torch' -> TorchTransport, 'nvshmem' -> NvshmemTransport (ImportError with the install hint if missing)."""
     if name == "torch":
-        return TorchTransport(group)
+        return TorchTransport(group, control)
     if name == "nvshmem":
-        return NvshmemTransport(group)
-    raise ValueError(f"transport must be 'torch' or 'nvshmem', got {name!r}")
+        return NvshmemTransport(group, control)
+    raise ValueError(f"transport must be one of {TRANSPORTS}, got {name!r}")

@@ -9,6 +9,7 @@ without a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -74,12 +75,98 @@ def autotune_configs(hopper: list[dict], interpreter: dict, *, num_warps: int = 
         return []
     if INTERPRET:
         return [triton.Config(dict(interpreter), num_warps=num_warps, num_stages=num_stages)]
+    return _to_configs(hopper, num_warps=num_warps, num_stages=num_stages)
+
+
+def _to_configs(entries: list[dict], *, num_warps: int = 4, num_stages: int = 1) -> list:
     configs = []
-    for entry in hopper:
+    for entry in entries:
         meta = {k: v for k, v in entry.items() if k not in ("num_warps", "num_stages")}
         configs.append(triton.Config(meta, num_warps=entry.get("num_warps", num_warps),
                                      num_stages=entry.get("num_stages", num_stages)))
     return configs
+
+
+SHARED_MEMORY_BYTES = 232_448
+"""Shared memory one block may use on an H100/H200 (sm_90: 227 KiB)."""
+
+
+def rows_bucket(num_rows: int, num_groups: int) -> int:
+    """Autotune key for the rows per group: the next power of two of the mean, clamped to [16, 4096].
+
+    A config tuned at 128 rows per expert is then not reused at 4096. Always a multiple of 16, so the kernels'
+    integer argument that carries it compiles to one specialisation for every bucket.
+    """
+    mean = -(-num_rows // max(num_groups, 1))
+    return min(max(1 << max(mean - 1, 0).bit_length(), 16), 4096)
+
+
+def shared_memory_prune(shared_bytes, fallback: list[dict], dtype_arg: str):
+    """An ``early_config_prune`` for an autotuned kernel: keep the configs whose shared memory fits one block.
+
+    ``shared_bytes(entry, itemsize) -> int`` estimates a config's shared memory (``entry``: its block sizes
+    plus ``num_stages``) for operands of ``itemsize`` bytes, the itemsize of argument ``dtype_arg``. When no
+    config fits (fp64, say), the fitting configs of ``fallback`` (dicts as in :func:`autotune_configs`) are used
+    instead. ``tests/kernels/hopper_compile.py`` compiles what this keeps and checks the compiler's own figure
+    against the limit and the estimate.
+    """
+
+    def prune(configs, named_args, **_kwargs):
+        itemsize = named_args[dtype_arg].element_size()
+
+        def fits(c):
+            return shared_bytes({**c.kwargs, "num_stages": c.num_stages}, itemsize) <= SHARED_MEMORY_BYTES
+
+        return [c for c in configs if fits(c)] or [c for c in _to_configs(fallback) if fits(c)]
+
+    return prune
+
+
+def fitting_configs(configs: list[dict], fallback: list[dict], shared_bytes, itemsize: int) -> list[dict]:
+    """The config dicts :func:`shared_memory_prune` keeps on a GPU for operands of ``itemsize`` bytes."""
+    def fits(entry):
+        return shared_bytes(entry, itemsize) <= SHARED_MEMORY_BYTES
+
+    return [c for c in configs if fits(c)] or [c for c in fallback if fits(c)]
+
+
+def check_config_fits(config: dict | None, shared_bytes, t: torch.Tensor) -> None:
+    """An explicit config for a GPU launch must fit shared memory with ``t``'s operands (ValueError otherwise)."""
+    if config is not None and t.is_cuda:
+        need = shared_bytes(config, t.element_size())
+        if need > SHARED_MEMORY_BYTES:
+            raise ValueError(f"config: {config} needs about {need} bytes of shared memory with {t.dtype} operands, "
+                             f"over the {SHARED_MEMORY_BYTES} of a block; use fewer stages or smaller blocks")
+
+
+def num_programs(t: torch.Tensor) -> int:
+    """Programs a persistent kernel launches: one per SM on a GPU; 3 under the interpreter (so that tests see
+    programs loop over several tiles)."""
+    if t.is_cuda:
+        return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return 3
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _alloc_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_descriptor_allocator() -> None:
+    """Tensor descriptors made inside a kernel need global scratch memory from Triton's allocator; install a
+    torch allocator unless one is set (Triton's default raises). Triton keeps it in a context variable, so this
+    runs before every launch that needs it (another thread starts with the default)."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except (ImportError, AttributeError):  # pragma: no cover - another Triton layout: set ours
+        pass
+    triton.set_allocator(_alloc_scratch)
 
 
 def launch(kernel, grid, *args, config: dict | None = None, **kwargs) -> None:

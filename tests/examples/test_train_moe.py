@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,16 +46,21 @@ def report():
     return _load("report")
 
 
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def _env(**extra: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     env.pop("RANK", None)
     return env
 
 
-def _torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def _torchrun(nproc: int, *args: str, timeout: int = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(SCRIPT), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _rank_exit_codes(proc: subprocess.CompletedProcess) -> list[int]:
+    """Every failed rank's exit status from torchrun's failure summary (negative: killed by that signal)."""
+    return sorted(int(c) for c in re.findall(r"^\s+exitcode\s+:\s+(-?\d+)", proc.stderr, flags=re.M))
 
 
 def _plain(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -89,7 +95,9 @@ def test_demo_trains_balances_reports_and_resumes(tmp_path):
         assert (out / name).stat().st_size > 0, name
     for png in ("loss.png", "straggler.png", "loads.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
-    assert not list(out.glob(".*.tmp")), "temporary files left behind"
+    hidden = [p for p in out.rglob("*") if p.name.startswith(".")]
+    assert not hidden, f"temporary files left behind (also inside the checkpoint's step folders): {hidden}"
+    assert (out / "checkpoint" / f"step_{steps:07d}").is_dir(), "the temp-file check must see the step folders"
     doc = json.loads((out / "report.json").read_text())
     steps_ = doc["steps"]
     assert [s["step"] for s in steps_] == list(range(1, steps + 1))
@@ -103,7 +111,15 @@ def test_demo_trains_balances_reports_and_resumes(tmp_path):
 
     rows_per_layer = 4 * 4 * 64 * 2  # W ranks x B x S x top-k
     for s in steps_:
-        assert s["wall_s"] > 0 and s["rows_moved"] >= 0
+        assert s["wall_s"] > 0
+        assert s["rows_moved"] == sum(s["layer_rows_moved"]) and len(s["layer_rows_moved"]) == 2
+        for moved, before_W, after_W in zip(s["layer_rows_moved"], s["loads_before_LW"], s["loads_after_LW"],
+                                            strict=True):
+            # Every row a GPU's load lost was moved (moves may also go both ways inside a node, so more may move).
+            lost = sum(max(0, b - a) for b, a in zip(before_W, after_W, strict=True))
+            assert lost <= moved <= rows_per_layer, (s["step"], moved, lost)
+            if before_W != after_W:
+                assert moved > 0, s["step"]
         for before_W, after_W in zip(s["loads_before_LW"], s["loads_after_LW"], strict=True):
             assert len(before_W) == len(after_W) == 4
             assert sum(before_W) == sum(after_W) == rows_per_layer, "every row is computed exactly once"
@@ -115,6 +131,7 @@ def test_demo_trains_balances_reports_and_resumes(tmp_path):
     before = np.mean([s["token_straggler_before"] for s in steps_])
     after = np.mean([s["token_straggler_after"] for s in steps_])
     assert after < 0.8 * before, (before, after)
+    assert sum(s["rows_moved"] > 0 for s in steps_) >= steps // 2, "skewed routing with balancing on moves rows"
     assert doc["summary"]["reduction"] == pytest.approx(1 - after / before)
 
     # A checkpoint from a different configuration is refused, and the run's files stay as they were.
@@ -148,7 +165,49 @@ def test_world_size_the_config_does_not_divide_fails_on_every_rank(tmp_path):
                      timeout=120)
     assert proc.returncode != 0
     assert "--experts 3 is not divisible by the world size 2" in proc.stderr, proc.stderr
-    assert not (out / "report.md").exists() and not (out / "checkpoint").exists()
+    assert _rank_exit_codes(proc) == [2, 2], proc.stderr
+    assert not out.exists(), "a refused configuration leaves no empty --out behind"
+
+
+# Makes rank 1 slow to shut down, as a loaded machine does: torchrun then stops it (SIGTERM) once rank 0 has exited.
+SLOW_SHUTDOWN = """
+import os
+if os.environ.get("RANK") == "1":
+    import time
+    import torch.distributed as dist
+    _destroy = dist.destroy_process_group
+    def _slow_destroy(*args, **kwargs):
+        time.sleep(5)
+        return _destroy(*args, **kwargs)
+    dist.destroy_process_group = _slow_destroy
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_an_error_after_the_group_started_stops_every_rank_cleanly(train_moe, tmp_path):
+    """A --resume refused after the model (and its layers' threads and copy path) exists: every rank exits with
+    status 2 and the message is printed once, also when a rank is slow to shut down; never a rank killed by a
+    signal or aborted ("terminate called without an active exception")."""
+    out = tmp_path / "run"
+    (out / "checkpoint").mkdir(parents=True)
+    other = train_moe.TrainConfig(**{**_BASE, "hidden": 48})
+    (out / "checkpoint" / "latest.json").write_text(json.dumps(
+        {"step": 3, "dir": "step_0000003", "config_hash": other.digest(), "config": dataclasses.asdict(other)}))
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_SHUTDOWN)
+    tiny = ["--layers", "1", "--hidden", "16", "--heads", "2", "--ffn", "16", "--experts", "4", "--batch", "2",
+            "--seq-len", "16", "--text-bytes", "4096"]
+    for env in (_env(PYTHONPATH=str(hook)), _env()):
+        proc = _torchrun(2, "--gpus-per-node", "2", "--out", str(out), "--steps", "5", "--resume", *tiny,
+                         timeout=120, env=env)
+        assert proc.stderr.count("train_moe.py: error: --resume: the checkpoint in") == 1, proc.stderr
+        assert "different configuration (" in proc.stderr, proc.stderr
+        assert "hidden: checkpoint 48, now 16" in proc.stderr, proc.stderr
+        assert _rank_exit_codes(proc) == [2, 2], proc.stderr
+        assert "terminate called" not in proc.stderr and "Signal" not in proc.stderr, proc.stderr
+    assert sorted(p.name for p in out.rglob("*")) == ["checkpoint", "latest.json"], "nothing else written"
 
 
 @pytest.mark.slow
@@ -156,7 +215,7 @@ def test_missing_text_exits_with_a_message(tmp_path):
     proc = _plain("--out", str(tmp_path / "a"), "--text", str(tmp_path / "missing.txt"), *SMALL, "--steps", "2")
     assert proc.returncode == 2, proc.stderr
     assert f"train_moe.py: error: --text {tmp_path / 'missing.txt'}: no such file or directory" in proc.stderr
-    assert not (tmp_path / "a" / "report.md").exists()
+    assert not (tmp_path / "a").exists(), "a refused run leaves no empty --out behind"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -286,9 +345,20 @@ def test_out_dir_checks(train_moe, tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(train_moe.UsageError, match="--out .*: cannot write there"):
         train_moe.check_out_dir(blocker / "run", resume=False)
-    run = tmp_path / "run"
+    with pytest.raises(train_moe.UsageError, match="--out .*: cannot write there .*is not a directory"):
+        train_moe.check_out_dir(blocker / "deeper" / "run", resume=False)
+    run = tmp_path / "new" / "run"
     train_moe.check_out_dir(run, resume=False)
-    assert run.is_dir() and not list(run.iterdir()), "the write test leaves nothing behind"
+    assert sorted(tmp_path.iterdir()) == [blocker], "checking creates nothing, and the write test leaves nothing"
+    assert train_moe.make_out_dir(run, creator=False) == [] and not run.exists()
+    assert train_moe.make_out_dir(run, creator=True) == [tmp_path / "new", run] and run.is_dir()
+    train_moe.remove_if_empty([tmp_path / "new", run])
+    assert sorted(tmp_path.iterdir()) == [blocker], "the folders a failed run created are gone again"
+    train_moe.make_out_dir(run, creator=True)
+    (run / "kept.txt").write_text("written by the run")
+    train_moe.remove_if_empty([tmp_path / "new", run])
+    assert (run / "kept.txt").exists(), "a folder with content stays"
+    (run / "kept.txt").unlink()
     (run / "checkpoint").mkdir()
     (run / "checkpoint" / "latest.json").write_text(json.dumps({"step": 7}))
     with pytest.raises(train_moe.UsageError, match="already holds a run \\(checkpoint at step 7\\); pass --resume"):
@@ -397,7 +467,7 @@ def test_step_stats_take_each_node_from_its_own_ranks(train_moe):
     got = train_moe.layer_stats(views, gpus_per_node=2)
     assert got["loads_before_LW"] == [before]
     assert got["loads_after_LW"] == [[70, 70, 90, 50]]
-    assert got["rows_moved"] == 30 and got["fell_back"] == 1
+    assert got["rows_moved"] == 30 and got["layer_rows_moved"] == [30] and got["fell_back"] == 1
     assert got["token_straggler_before"] == pytest.approx(100 - 70)
     assert got["token_straggler_after"] == pytest.approx(90 - 70)
     assert got["layer_straggler_after"] == [pytest.approx(20.0)]

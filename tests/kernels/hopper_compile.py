@@ -2,11 +2,14 @@
 
 Run without TRITON_INTERPRET (the interpreter replaces the kernels' JIT functions). Arguments are specialised
 as a real launch would specialise them (unit strides become constants, pointers and large strides are known
-to be 16-byte multiples). One JSON line per compiled kernel: shared memory, and for GEMMs whether Hopper's
-warpgroup MMA (wgmma) and software-pipelined async copies were used. ``--all`` compiles every autotune config
-of the GEMMs instead of the first. Exit status 1 when a kernel fails to compile.
+to be 16-byte multiples). The GEMMs compile for every dtype they can be launched with on a GPU (bf16, fp16,
+fp32 with TF32 or IEEE dots, fp64), each with the configs that the autotuner's shared-memory prune keeps for it:
+by default the first and the largest, with ``--all`` every one (fp16 too). One JSON line per compiled kernel:
+shared memory next to the prune's estimate, and for GEMMs whether Hopper's warpgroup MMA (wgmma),
+software-pipelined async copies or TMA loads were used. Exit status 1 when a kernel fails to compile or needs
+more shared memory than a block has (232,448 bytes). ``--only TEXT`` keeps the jobs whose name or dtype holds it.
 
-    env -u TRITON_INTERPRET .venv/bin/python tests/kernels/hopper_compile.py [--all]
+    env -u TRITON_INTERPRET .venv/bin/python tests/kernels/hopper_compile.py [--all] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -26,14 +29,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from feplb.kernels import activation, grouped_gemm, permutation, routing
+from feplb.kernels import _triton, activation, grouped_gemm, permutation, routing
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_kernel(name, jit_fn, *, types, ones=(), div16=(), consts=None, options=None) -> dict:
+def compile_kernel(name, jit_fn, *, types, ones=(), div16=(), consts=None, options=None, dtype=None,
+                   estimate=None) -> dict:
     """types: argument -> Triton type ("*bf16", "i32"); ``ones``: arguments a launch passes as 1 (specialised
-    to constants); ``div16``: integer arguments known to be multiples of 16; consts: constexpr values."""
+    to constants); ``div16``: integer arguments known to be multiples of 16; consts: constexpr values; dtype and
+    estimate (the autotune prune's shared-memory estimate) are reported. ok is False when the compile fails or
+    the kernel needs more shared memory than one block has."""
     while not isinstance(jit_fn, JITFunction):  # an autotuned kernel wraps its JIT function
         jit_fn = jit_fn.fn
     names = list(jit_fn.arg_names)
@@ -49,7 +55,7 @@ def compile_kernel(name, jit_fn, *, types, ones=(), div16=(), consts=None, optio
         if signature[arg].startswith("*") or arg in div16:
             attrs[(i,)] = [["tt.divisibility", 16]]
     start = time.perf_counter()
-    row = {"kernel": name, "options": dict(options or {}),
+    row = {"kernel": name, "dtype": dtype, "options": dict(options or {}),
            "config": {k: v for k, v in consts.items() if k.startswith(("BLOCK", "GROUP"))}}
     try:
         compiled = triton.compile(ASTSource(jit_fn, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
@@ -58,9 +64,13 @@ def compile_kernel(name, jit_fn, *, types, ones=(), div16=(), consts=None, optio
         row.update(ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         return row
     ttgir = compiled.asm["ttgir"]
-    row.update(ok=True, shared_bytes=compiled.metadata.shared, seconds=round(time.perf_counter() - start, 1),
-               wgmma=len(re.findall(r"warp_group_dot", ttgir)) > 0,
-               async_copies=len(re.findall(r"async_copy_global_to_local", ttgir)))
+    shared = compiled.metadata.shared
+    row.update(ok=shared <= _triton.SHARED_MEMORY_BYTES, shared_bytes=shared, shared_estimate=estimate,
+               seconds=round(time.perf_counter() - start, 1), wgmma=len(re.findall(r"warp_group_dot", ttgir)) > 0,
+               async_copies=len(re.findall(r"async_copy_global_to_local", ttgir)),
+               tma_loads=len(re.findall(r"async_tma_copy_global_to_local", ttgir)))
+    if not row["ok"]:
+        row["error"] = f"needs {shared} bytes of shared memory, over the {_triton.SHARED_MEMORY_BYTES} of a block"
     return row
 
 
@@ -69,31 +79,77 @@ def split(config: dict) -> tuple[dict, dict]:
     return {k: v for k, v in config.items() if k not in options}, options
 
 
+# Each dtype a GEMM can be launched with on a GPU: (name, Triton pointer type, itemsize, compile-time arguments).
+# fp32 runs TF32 or IEEE dots, following torch.backends.cuda.matmul.allow_tf32.
+DTYPES = {
+    "bf16": ("*bf16", 2, {"ACC": tl.float32, "DOT_PRECISION": None, "UPCAST": False}),
+    "fp16": ("*fp16", 2, {"ACC": tl.float32, "DOT_PRECISION": None, "UPCAST": False}),
+    "fp32-tf32": ("*fp32", 4, {"ACC": tl.float32, "DOT_PRECISION": "tf32", "UPCAST": False}),
+    "fp32-ieee": ("*fp32", 4, {"ACC": tl.float32, "DOT_PRECISION": "ieee", "UPCAST": False}),
+    "fp64": ("*fp64", 8, {"ACC": tl.float64, "DOT_PRECISION": None, "UPCAST": False}),
+}
+# The persistent variant runs 16-bit operands only (grouped_gemm.persistent_unsupported).
+PERSISTENT_DTYPES = ("bf16", "fp16")
+
+
+def launchable(configs, fallback, shared_bytes, itemsize, all_configs: bool):
+    """The configs the shared-memory prune keeps for this itemsize: all of them with ``--all``, else the first and
+    the one needing the most shared memory (the one that would break the limit first)."""
+    kept = _triton.fitting_configs(configs, fallback, shared_bytes, itemsize)
+    if all_configs or len(kept) <= 2:
+        return kept
+    biggest = max(kept, key=lambda c: shared_bytes(c, itemsize))
+    return [kept[0]] if biggest is kept[0] else [kept[0], biggest]
+
+
 def gemm_jobs(all_configs: bool):
-    bf16 = {"ACC": tl.float32, "DOT_PRECISION": None, "UPCAST": False}
-    fwd_configs = grouped_gemm.FWD_HOPPER_CONFIGS if all_configs else grouped_gemm.FWD_HOPPER_CONFIGS[:1]
-    dw_configs = grouped_gemm.DW_HOPPER_CONFIGS if all_configs else grouped_gemm.DW_HOPPER_CONFIGS[:1]
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offsets_ptr": "*i32"}
-    for config in fwd_configs:
-        meta, options = split(config)
-        consts = {**meta, **bf16, "BLOCK_E": 16}
-        # Forward: x [M, K] and w [E, K, N] row-major.
-        yield dict(name="grouped_mm forward", jit_fn=grouped_gemm._grouped_mm_kernel, types=ptrs,
-                   ones=("stride_xk", "stride_wn", "stride_yn"),
-                   div16=("N", "K", "stride_xm", "stride_we", "stride_wk", "stride_ym"), consts=consts,
-                   options=options)
-        # dX: the same kernel on the transposed weights (unit stride along the reduction dimension).
-        yield dict(name="grouped_mm dX", jit_fn=grouped_gemm._grouped_mm_kernel, types=ptrs,
-                   ones=("stride_xk", "stride_wk", "stride_yn"),
-                   div16=("N", "K", "stride_xm", "stride_we", "stride_wn", "stride_ym"), consts=consts,
-                   options=options)
-    for config in dw_configs:
-        meta, options = split(config)
-        yield dict(name="grouped_mm dW", jit_fn=grouped_gemm._grouped_mm_dw_kernel,
-                   types={"x_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*bf16", "offsets_ptr": "*i32"},
-                   ones=("stride_xk", "stride_dyn", "stride_wn"),
-                   div16=("K", "N", "stride_xm", "stride_dym", "stride_we", "stride_wk"), consts={**meta, **bf16},
-                   options=options)
+    gg = grouped_gemm
+    dtypes = list(DTYPES) if all_configs else ["bf16", "fp32-tf32", "fp32-ieee", "fp64"]
+    for dname in dtypes:
+        ptr, itemsize, dot = DTYPES[dname]
+        ptrs = {"x_ptr": ptr, "w_ptr": ptr, "y_ptr": ptr, "offsets_ptr": "*i32"}
+        for config in launchable(gg.FWD_HOPPER_CONFIGS, gg.FWD_FALLBACK_CONFIGS, gg.fwd_shared_bytes, itemsize,
+                                 all_configs):
+            meta, options = split(config)
+            consts = {**meta, **dot, "BLOCK_E": 16}
+            estimate = gg.fwd_shared_bytes(config, itemsize)
+            # Forward: x [M, K] and w [E, K, N] row-major.
+            yield dict(name="grouped_mm forward", dtype=dname, estimate=estimate, jit_fn=gg._grouped_mm_kernel,
+                       types=ptrs, ones=("stride_xk", "stride_wn", "stride_yn"),
+                       div16=("N", "K", "M_BUCKET", "stride_xm", "stride_we", "stride_wk", "stride_ym"),
+                       consts=consts, options=options)
+            # dX: the same kernel on the transposed weights (unit stride along the reduction dimension).
+            yield dict(name="grouped_mm dX", dtype=dname, estimate=estimate, jit_fn=gg._grouped_mm_kernel,
+                       types=ptrs, ones=("stride_xk", "stride_wk", "stride_yn"),
+                       div16=("N", "K", "M_BUCKET", "stride_xm", "stride_we", "stride_wn", "stride_ym"),
+                       consts=consts, options=options)
+        if dname in PERSISTENT_DTYPES:
+            for config in launchable(gg.PERSISTENT_HOPPER_CONFIGS, gg.PERSISTENT_FALLBACK_CONFIGS,
+                                     gg.persistent_shared_bytes, itemsize, all_configs):
+                meta, options = split(config)
+                estimate = gg.persistent_shared_bytes(config, itemsize)
+                for name, w_k_contiguous, one in (("forward", False, "stride_wn"), ("dX", True, "stride_wk")):
+                    others = [s for s in ("stride_wk", "stride_wn") if s != one]
+                    yield dict(name=f"grouped_mm persistent {name}", dtype=dname, estimate=estimate,
+                               jit_fn=gg._grouped_mm_persistent_kernel, types=ptrs, ones=(one, "stride_yn"),
+                               div16=("N", "K", "M_BUCKET", "stride_xm", "stride_we", "stride_ym", *others),
+                               consts={**meta, **dot, "BLOCK_E": 16, "W_K_CONTIGUOUS": w_k_contiguous},
+                               options=options)
+        dw_ptrs = {"x_ptr": ptr, "dy_ptr": ptr, "dw_ptr": ptr, "offsets_ptr": "*i32",
+                   "part_ptr": "*fp64" if dname == "fp64" else "*fp32"}
+        for config in launchable(gg.DW_HOPPER_CONFIGS, gg.DW_FALLBACK_CONFIGS, gg.dw_shared_bytes, itemsize,
+                                 all_configs):
+            meta, options = split(config)
+            yield dict(name="grouped_mm dW", dtype=dname, jit_fn=gg._grouped_mm_dw_kernel, types=dw_ptrs,
+                       estimate=gg.dw_shared_bytes(config, itemsize),
+                       ones=("stride_xk", "stride_dyn", "stride_wn"),
+                       div16=("K", "N", "CHUNK", "M_BUCKET", "stride_xm", "stride_dym", "stride_we", "stride_wk"),
+                       consts={**meta, **dot, "BLOCK_E": 16}, options=options)
+        if dname in ("bf16", "fp64"):
+            yield dict(name="grouped_mm dW reduce", dtype=dname, jit_fn=gg._dw_reduce_kernel,
+                       types={"part_ptr": dw_ptrs["part_ptr"], "dw_ptr": ptr, "offsets_ptr": "*i32"},
+                       div16=("KN", "CHUNK", "stride_we"),
+                       consts={"BLOCK_E": 16, "ACC": dot["ACC"], "BLOCK": 1024}, options={"num_warps": 4})
 
 
 def other_jobs():
@@ -127,7 +183,10 @@ def other_jobs():
 
 def main(argv: list[str]) -> int:
     failed = 0
+    only = argv[argv.index("--only") + 1] if "--only" in argv else ""
     for job in [*gemm_jobs("--all" in argv), *other_jobs()]:
+        if only not in f"{job['name']} {job.get('dtype')}":
+            continue
         row = compile_kernel(job.pop("name"), job.pop("jit_fn"), **job)
         failed += not row["ok"]
         print(json.dumps(row), flush=True)

@@ -1,5 +1,7 @@
-"""Every Triton kernel compiles for an H100/H200 (sm_90) on a machine without a GPU, and the grouped GEMMs get
-Hopper's warpgroup MMA and pipelined async copies (what their tile configs were chosen for)."""
+"""Every Triton kernel compiles for an H100/H200 (sm_90) on a machine without a GPU: the grouped GEMMs for every
+dtype they can be launched with, each config the shared-memory prune keeps within one block's shared memory,
+with Hopper's warpgroup MMA for 16-bit and TF32 operands, pipelined async copies (classic variant) or TMA loads
+(persistent variant)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,21 @@ def test_kernels_compile_for_hopper():
     failed = [r for r in rows if not r["ok"]]
     assert proc.returncode == 0 and not failed, (failed, proc.stderr[-2000:])
     names = {r["kernel"] for r in rows}
-    assert {"grouped_mm forward", "grouped_mm dX", "grouped_mm dW", "routing scatter", "permute", "unpermute",
+    assert {"grouped_mm forward", "grouped_mm dX", "grouped_mm dW", "grouped_mm persistent forward",
+            "grouped_mm persistent dX", "grouped_mm dW reduce", "routing scatter", "permute", "unpermute",
             "unpermute backward", "swiglu", "swiglu backward"} <= names
-    for row in rows:
-        if row["kernel"].startswith("grouped_mm"):
-            assert row["wgmma"] and row["async_copies"] > 0, row
-            assert row["shared_bytes"] <= 227 * 1024, row  # an H100/H200 block's shared-memory limit
+    gemms = [r for r in rows if r["kernel"].startswith("grouped_mm") and "reduce" not in r["kernel"]]
+    # Every dtype a GEMM can be launched with on a GPU was compiled, with the configs the autotuner keeps.
+    assert {(r["kernel"], r["dtype"]) for r in gemms} >= {
+        (k, d) for k in ("grouped_mm forward", "grouped_mm dX", "grouped_mm dW")
+        for d in ("bf16", "fp32-tf32", "fp32-ieee", "fp64")}
+    for row in gemms:
+        assert row["shared_bytes"] <= 232_448, row  # an H100/H200 block's shared-memory limit
+        # The prune's estimate bounds what the compiler allocates, so a kept config never runs out.
+        assert row["shared_bytes"] <= row["shared_estimate"], row
+        if row["dtype"] in ("bf16", "fp16", "fp32-tf32"):
+            assert row["wgmma"], row
+        if "persistent" in row["kernel"]:
+            assert row["tma_loads"] > 0, row
+        else:
+            assert row["async_copies"] > 0, row

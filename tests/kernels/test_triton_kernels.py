@@ -12,7 +12,9 @@ from feplb.kernels import HAVE_TRITON, INTERPRET, poison_outputs
 from feplb.kernels.activation import HOPPER_CONFIGS as SWIGLU_HOPPER_CONFIGS
 from feplb.kernels.activation import swiglu_bwd_ref, swiglu_bwd_triton, swiglu_ref, swiglu_triton
 from feplb.kernels.grouped_gemm import (
+    DW_FALLBACK_CONFIGS,
     DW_HOPPER_CONFIGS,
+    FWD_FALLBACK_CONFIGS,
     FWD_HOPPER_CONFIGS,
     grouped_mm_dw_ref,
     grouped_mm_dw_triton,
@@ -216,7 +218,11 @@ def _config_ids(configs):
     return ["-".join(f"{k.removeprefix('BLOCK_')}{v}" for k, v in c.items() if k.startswith("BLOCK")) for c in configs]
 
 
-FWD_CONFIGS, DW_CONFIGS = _block_shapes(FWD_HOPPER_CONFIGS), _block_shapes(DW_HOPPER_CONFIGS)
+# Every config fits shared memory with 16-bit operands (the GPU lists are for them); the interpreter runs fp32.
+CONFIG_DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+# The fallbacks are what fp64 (and any dtype whose operands overflow shared memory) runs on a GPU.
+FWD_CONFIGS = _block_shapes(FWD_HOPPER_CONFIGS + FWD_FALLBACK_CONFIGS)
+DW_CONFIGS = _block_shapes(DW_HOPPER_CONFIGS + DW_FALLBACK_CONFIGS)
 
 
 @pytest.mark.parametrize("config", FWD_CONFIGS, ids=_config_ids(FWD_CONFIGS))
@@ -225,22 +231,22 @@ def test_grouped_mm_every_gpu_config(config, gen, kh):
     groups smaller than, equal to and larger than a tile, and a K that is not a multiple of BLOCK_K."""
     sizes, K, N = [0, 130, 3, 0, 64], 72, 136
     offsets = torch.tensor(sizes).cumsum(0).to(DEVICE)
-    x = torch.randn(sum(sizes), K, generator=gen).to(DEVICE)
-    w = (torch.randn(len(sizes), K, N, generator=gen) / K**0.5).to(DEVICE)
+    x = torch.randn(sum(sizes), K, generator=gen).to(CONFIG_DTYPE).to(DEVICE)
+    w = (torch.randn(len(sizes), K, N, generator=gen) / K**0.5).to(CONFIG_DTYPE).to(DEVICE)
     with poison_outputs():
-        y = grouped_mm_triton(x, w, offsets, config=config)
-    kh.close(y.cpu(), kh.grouped_mm_f64(x.cpu(), w.cpu(), offsets.cpu()), torch.float32, scale=2.0)
+        y = grouped_mm_triton(x, w, offsets, config=config, variant="classic")
+    kh.close(y.cpu(), kh.grouped_mm_f64(x.cpu(), w.cpu(), offsets.cpu()), CONFIG_DTYPE, scale=2.0)
 
 
 @pytest.mark.parametrize("config", DW_CONFIGS, ids=_config_ids(DW_CONFIGS))
 def test_grouped_mm_dw_every_gpu_config(config, gen, kh):
     sizes, K, N = [70, 0, 5, 100], 136, 72
     offsets = torch.tensor(sizes).cumsum(0).to(DEVICE)
-    x = torch.randn(sum(sizes), K, generator=gen).to(DEVICE)
-    dy = torch.randn(sum(sizes), N, generator=gen).to(DEVICE)
+    x = torch.randn(sum(sizes), K, generator=gen).to(CONFIG_DTYPE).to(DEVICE)
+    dy = torch.randn(sum(sizes), N, generator=gen).to(CONFIG_DTYPE).to(DEVICE)
     with poison_outputs():
         dw = grouped_mm_dw_triton(x, dy, offsets, config=config)
-    kh.close(dw.cpu(), kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu()), torch.float32, scale=20.0)
+    kh.close(dw.cpu(), kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu()), CONFIG_DTYPE, scale=20.0)
 
 
 def test_elementwise_kernels_every_gpu_config(gen, kh):

@@ -1,67 +1,81 @@
-"""Transports, copy path and differentiable exchanges on 4 gloo processes (2 nodes x 2 GPUs), against what each
-rank can compute alone from the shared seed."""
+"""Phase-1 transport, copy path and differentiable exchanges on 4 gloo processes (2 nodes x 2 GPUs), against what
+each rank can compute alone from the shared seed; the torch transport over gloo with CUDA tensors (staged through
+host memory) as 2 processes on one GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from feplb.testing import run_dist
+from feplb.testing import error_of, run_dist
 
 pytestmark = pytest.mark.dist
+
+
+def _a2a_case(tr, rank: int, world: int, seed: int, device: torch.device) -> dict:
+    """Uneven all-to-all (rank W/2 sends nothing), its backward, the known split matrix and out=, checked against
+    the blocks every rank derives from ``seed``."""
+    from feplb.dispatch import all_to_all_rows
+
+    out = {}
+    gen = torch.Generator().manual_seed(seed)
+    splits_WW = torch.randint(0, 4, (world, world), generator=gen)
+    splits_WW[world // 2] = 0
+    data = [torch.randn(int(splits_WW[s].sum()), 3, generator=gen) for s in range(world)]
+    expect = torch.cat([data[s][int(splits_WW[s, :rank].sum()):int(splits_WW[s, :rank + 1].sum())]
+                        for s in range(world)])
+    x = data[rank].clone().to(device).requires_grad_(True)
+    recv = all_to_all_rows(x, tr, splits_WW[rank].tolist(), splits_WW[:, rank].tolist())
+    out["a2a"] = recv.device == x.device and torch.equal(recv.detach().cpu(), expect)
+    (recv * (rank + 1)).sum().backward()
+    # Row of source s sent to rank d gets gradient (d + 1).
+    want = torch.cat([torch.full((int(splits_WW[rank, d]), 3), float(d + 1)) for d in range(world)])
+    out["a2a_grad"] = torch.equal(x.grad.cpu(), want)
+
+    # A known split matrix (as the layer derives it from the all-gathered counts), into a larger out= buffer.
+    buf = torch.full((int(splits_WW[:, rank].sum()) + 2, 3), float("nan"), device=device)
+    recv_m = tr.all_to_all(data[rank].to(device), splits_WW[rank].tolist(), splits_WW[:, rank].tolist(), out=buf,
+                           split_matrix=splits_WW)
+    out["a2a_matrix"] = torch.equal(recv_m.cpu(), expect) and recv_m.data_ptr() == buf.data_ptr()
+    wrong = splits_WW.clone()
+    wrong[rank, (rank + 1) % world] += 1
+    err = error_of(lambda: tr.all_to_all(data[rank].to(device), splits_WW[rank].tolist(), splits_WW[:, rank].tolist(),
+                                         split_matrix=wrong))
+    out["a2a_matrix_refused"] = (err or "").startswith("ValueError") and "split_matrix" in err
+    return out
 
 
 def _comm_cases(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from feplb.copy_engine import GlooCopyEngine, make_node_groups
-    from feplb.dispatch import PeerComm, all_to_all_rows, exchange
-    from feplb.transport import TorchTransport
+    from feplb.control import Control
+    from feplb.copy_engine import GlooCopyEngine
+    from feplb.dispatch import PeerComm, exchange
+    from feplb.transport import TorchTransport, make_transport
 
     g = 2
-    tr = TorchTransport()
-    node_group, node_ranks = make_node_groups(None, g)
-    comm = PeerComm(tr, GlooCopyEngine(node_group, g), g)
-    out = {}
+    ctl = Control(None, g)
+    tr = make_transport("torch", None, ctl)
+    comm = PeerComm(tr, GlooCopyEngine(ctl), g)
+    out = {"kind": type(tr) is TorchTransport and tr.name == "torch"}
+    # The transport moves data only: the control collectives live in Control.
+    out["data_only"] = not any(hasattr(tr, a) for a in ("all_gather_counts", "all_reduce_min", "check_same"))
+    out.update(_a2a_case(tr, rank, world, 0, torch.device("cpu")))
 
-    # Phase-1 all-to-all with uneven splits (one rank sends nothing at all) and its backward.
-    gen = torch.Generator().manual_seed(0)
-    splits_WW = torch.randint(0, 4, (world, world), generator=gen)
-    splits_WW[2] = 0
-    data = [torch.randn(int(splits_WW[s].sum()), 3, generator=gen) for s in range(world)]
-    x = data[rank].clone().requires_grad_(True)
-    recv = all_to_all_rows(x, tr, splits_WW[rank].tolist(), splits_WW[:, rank].tolist())
-    expect = torch.cat([data[s][int(splits_WW[s, :rank].sum()):int(splits_WW[s, :rank + 1].sum())]
-                        for s in range(world)])
-    out["a2a"] = torch.equal(recv, expect)
-    (recv * (rank + 1)).sum().backward()
-    # Row of source s sent to rank d gets gradient (d + 1).
-    want = torch.cat([torch.full((int(splits_WW[rank, d]), 3), float(d + 1)) for d in range(world)])
-    out["a2a_grad"] = torch.equal(x.grad, want)
+    # Bad splits: refused before any collective, naming what is wrong.
+    x = torch.zeros(3, 2)
+    bad = {
+        "count": (lambda: tr.all_to_all(x, [3, 0, 0], [0] * world), "4 entries"),
+        "sum": (lambda: tr.all_to_all(x, [1, 1, 0, 0], [0] * world), "sum to 2 but send_MD has 3 rows"),
+        "negative": (lambda: tr.all_to_all(x, [4, -1, 0, 0], [0] * world), ">= 0"),
+        "small_out": (lambda: tr.all_to_all(x, [3, 0, 0, 0], [1] * world, out=torch.empty(2, 2)), "cannot hold 4"),
+        "name": (lambda: make_transport("tcp", None, ctl), "'tcp'"),
+    }
+    for name, (fn, needle) in bad.items():
+        err = error_of(fn)
+        out[f"bad_{name}"] = (err or "").startswith("ValueError") and needle in err
 
-    # A known split matrix (as the layer derives it from the all-gathered counts): same result; a matrix that
-    # disagrees with this rank's splits is refused locally, before any collective.
-    recv_m = tr.all_to_all(data[rank], splits_WW[rank].tolist(), splits_WW[:, rank].tolist(), split_matrix=splits_WW)
-    out["a2a_matrix"] = torch.equal(recv_m, expect)
-    wrong = splits_WW.clone()
-    wrong[rank, (rank + 1) % world] += 1
-    try:
-        tr.all_to_all(data[rank], splits_WW[rank].tolist(), splits_WW[:, rank].tolist(), split_matrix=wrong)
-        out["a2a_matrix_refused"] = False
-    except ValueError as exc:
-        out["a2a_matrix_refused"] = "split_matrix" in str(exc)
-
-    # Counts all-gather and the config-consistency check.
-    counts = tr.all_gather_counts(torch.arange(5) + rank)
-    out["counts"] = torch.equal(counts, torch.arange(5).repeat(world, 1) + torch.arange(world)[:, None])
-    tr.check_same(b"same", "config")
-    try:
-        tr.check_same(b"rank0" if rank == 0 else b"other", "config")
-        out["check_same_raised"] = False
-    except ValueError as exc:
-        out["check_same_raised"] = "differs across ranks" in str(exc)
-
-    # Exchange: every rank sends (rank*10 + dst) repeated (dst+1) times to every other rank, intra + cross node.
+    # Exchange: every rank sends (rank*10 + dst) repeated (dst+1+rank) times to every other rank, intra + cross node.
     def block(src: int, dst: int) -> torch.Tensor:
         return torch.full((dst + 1 + src,), float(src * 10 + dst))
 
@@ -74,11 +88,18 @@ def _comm_cases(rank: int, world: int) -> dict:
     (got * 2).sum().backward()
     out["exchange_grad"] = float(w.grad) == 2.0 * flat.numel()
 
+    # PeerComm.run with several pieces per peer, intra- and cross-node: each peer gets its pieces back to back.
+    pieces = {p: [block(rank, p)[:1], block(rank, p)[1:2], block(rank, p)[2:]] for p in peers}
+    got = comm.run(pieces, {q: block(q, rank).numel() for q in peers}, cross_node=True, dtype=torch.float32,
+                   device=torch.device("cpu"), op="pieces")
+    out["run_pieces"] = sorted(got) == peers and all(torch.equal(got[q], block(q, rank)) for q in peers)
+
     # Intra-node only: the copy path alone.
-    peer = node_ranks[1] if rank == node_ranks[0] else node_ranks[0]
+    node_peer = ctl.node_ranks[1] if rank == ctl.node_ranks[0] else ctl.node_ranks[0]
     t = torch.arange(4.0) + 100 * rank
-    got = exchange(t, comm, [(peer, 4)], [(peer, 4)], cross_node=False, op="intra")
-    out["intra"] = torch.equal(got, torch.arange(4.0) + 100 * peer)
+    got = exchange(t, comm, [(node_peer, 4)], [(node_peer, 4)], cross_node=False, op="intra")
+    out["intra"] = torch.equal(got, torch.arange(4.0) + 100 * node_peer)
+    tr.close()
     dist.barrier()
     return out
 
@@ -86,4 +107,28 @@ def _comm_cases(rank: int, world: int) -> dict:
 def test_comm_paths():
     results = run_dist(_comm_cases, 4, timeout_s=120)
     for rank, res in enumerate(results):
+        failed = {k: v for k, v in res.items() if not v}
+        assert not failed, (rank, failed)
+
+
+def _staged_cases(rank: int, world: int) -> dict:
+    """2 processes on GPU 0 over gloo: CUDA rows through the torch transport (staged through pinned host memory)."""
+    from feplb.control import Control
+    from feplb.transport import make_transport
+
+    torch.cuda.set_device(0)
+    ctl = Control(None, world)
+    tr = make_transport("torch", None, ctl)
+    out = {}
+    for seed in range(3):
+        for k, v in _a2a_case(tr, rank, world, 10 + seed, torch.device("cuda", 0)).items():
+            out[f"{k}_{seed}"] = v
+    return out
+
+
+@pytest.mark.gpu
+def test_torch_transport_gloo_cuda_staged():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for rank, res in enumerate(run_dist(_staged_cases, 2, timeout_s=300, backend="gloo")):
         assert all(res.values()), (rank, res)

@@ -1,23 +1,25 @@
-"""Copy path engines (feplb.copy_engine) on 4 gloo processes, as 2 nodes x 2 and as 1 node x 4.
+"""Copy path engines (feplb.copy) on 4 gloo processes, as 2 nodes x 2 and as 1 node x 4.
 
-Every rank derives every (source, destination) block of every step from one shared seed, so each checks what it
-receives against what it computes alone; the shm engine is also checked against the gloo engine on the same inputs.
-The known-matrix path (``matrix=``: one control collective per exchange, two inbox halves) is checked the same way,
-against the agreed path and gloo, with growth and reuse in both halves, and with a slow reader that an engine
-without the two halves corrupts. The CUDA IPC engine runs as 2 processes on one GPU (gloo for control) and is
-skipped without CUDA.
+Every rank derives every (source, destination) block of every step from one shared seed, and sends it cut into
+pieces at seeded points, so each checks what it receives against what it computes alone; the shm engine is also
+checked against the gloo engine on the same inputs, from the main thread and from a worker thread while the main
+thread computes. The known-matrix path (``matrix=``: one control collective per exchange, two inbox halves) is
+checked the same way, against the agreed path and gloo, with growth and reuse in both halves, and with a slow
+reader that an engine without the two halves corrupts. The CUDA IPC engine runs as 2 processes on one GPU (gloo
+for control), the NCCL and NVSHMEM engines with one process per GPU; all skipped without the GPUs they need.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import time
 
 import pytest
 import torch
 
-from feplb.testing import run_dist
+from feplb.testing import error_of, run_dist
 
 pytestmark = pytest.mark.dist
 
@@ -50,9 +52,19 @@ def _plan(step: int, g: int, most: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return splits, torch.rand(g, g, generator=gen) < 0.5, torch.rand(g, g, generator=gen) < 0.5
 
 
+def _pieces(step: int, src: int, dst: int, blk: torch.Tensor) -> list[torch.Tensor]:
+    """``blk`` cut at 1-3 seeded points (empty pieces included, when a cut repeats or falls on an end); even-sized
+    pieces sometimes as 2-D views (any contiguous shape is a piece)."""
+    gen = _gen(step, src, dst, -2)
+    cuts = sorted(torch.randint(0, blk.numel() + 1, (int(torch.randint(1, 4, (1,), generator=gen)),),
+                                generator=gen).tolist())
+    bounds = [0, *cuts, blk.numel()]
+    pieces = [blk[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [t.view(2, -1) if t.numel() % 2 == 0 and t.numel() and i % 2 else t for i, t in enumerate(pieces)]
+
+
 def _step_args(step: int, me: int, g: int, dtype: torch.dtype, most: int):
-    """(send, recv_numel, expected) of node rank ``me``. Some blocks are sent as non-contiguous views, some as
-    fp32 values cast by the engine."""
+    """(send, recv_numel, expected) of node rank ``me``: each block sent as a list of pieces."""
     splits, list_send, list_recv = _plan(step, g, most)
     send, recv, expect = {}, {}, {}
     for p in range(g):
@@ -60,12 +72,7 @@ def _step_args(step: int, me: int, g: int, dtype: torch.dtype, most: int):
             continue
         n = int(splits[me, p])
         if n or list_send[me, p]:
-            blk = _block(step, me, p, n, dtype)
-            if (step + p) % 3 == 0:
-                blk = torch.stack([blk, torch.zeros_like(blk)], 1)[:, 0]      # strided view of the same values
-            elif (step + p) % 3 == 1 and dtype == torch.bfloat16:
-                blk = blk.float()                                               # exact in bf16: the cast is lossless
-            send[p] = blk
+            send[p] = _pieces(step, me, p, _block(step, me, p, n, dtype))
         m = int(splits[p, me])
         if m or list_recv[p, me]:
             recv[p] = m
@@ -90,22 +97,35 @@ def _expect_value_error(fn, *needles: str) -> bool:
     return False
 
 
+def _compute(n: int = 160, reps: int = 20) -> float:
+    """Main-thread work while an exchange runs on a worker thread."""
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(1)) / n ** 0.5
+    for _ in range(reps):
+        a = torch.tanh(a @ a + 1)
+    return float(a.sum())
+
+
 def _engine_cases(rank: int, world: int, g: int) -> dict:
-    """Correctness of the shm engine against the seed and against gloo; bad arguments; kinds; shared-memory files."""
+    """Correctness of the shm engine against the seed and against gloo, from the main thread and from a worker
+    thread; bad arguments; kinds; shared-memory files."""
+    import concurrent.futures
+
     import torch.distributed as dist
 
+    from feplb import copy as cp
     from feplb import copy_engine as ce
+    from feplb.control import Control
 
-    node_group, node_ranks = ce.make_node_groups(None, g)
-    me = node_ranks.index(rank)
+    ctl = Control(None, g)
+    me = ctl.node_rank
     cpu = torch.device("cpu")
     out: dict = {}
-    shm = ce.make_copy_engine(cpu, node_group, g)          # "auto" on CPU
-    gloo = ce.make_copy_engine(cpu, node_group, g, kind="gloo")
+    shm = ce.make_copy_engine("auto", cpu, ctl)
+    gloo = ce.make_copy_engine("gloo", cpu, ctl)
     out["auto_is_shm"] = type(shm) is ce.ShmCopyEngine and shm.name == "shm"
     out["gloo_kind"] = type(gloo) is ce.GlooCopyEngine
     tokens = [shm.token]
-    dist.barrier(group=node_group)
+    ctl.barrier("node", "files check")
     # Every rank has mapped every inbox once construction returns: no file is left to leak.
     out["no_files_after_setup"] = _shm_files(shm.token) == []
 
@@ -125,6 +145,16 @@ def _engine_cases(rank: int, world: int, g: int) -> dict:
     out["caps"], out["grows"] = caps, grows
     out["no_files_after_growth"] = _shm_files(shm.token) == []
 
+    # From a worker thread (the layer's copy thread) while the main thread computes: the same results. The
+    # engines' collectives run on the worker; the main thread makes none meanwhile.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="copy") as pool:
+        for step in (60, 61, 62):
+            send, recv, expect = _step_args(step, me, g, torch.float32, 20000)
+            for name, eng in (("shm", shm), ("gloo", gloo)):
+                fut = pool.submit(eng.exchange, send, recv, dtype=torch.float32, device=cpu, op=f"thread {step}")
+                _compute()
+                out[f"thread{step}_{name}"] = _same(fut.result(timeout=60), expect, torch.float32)
+
     # Through the layer's differentiable exchange (intra-node pairs on shm, the rest on the transport) and back.
     from feplb.dispatch import PeerComm, exchange
     from feplb.transport import TorchTransport
@@ -135,7 +165,7 @@ def _engine_cases(rank: int, world: int, g: int) -> dict:
     peers = [p for p in range(world) if p != rank]
     w = torch.zeros(1, requires_grad=True)
     flat = torch.cat([block(rank, p) for p in peers]) + w
-    got = exchange(flat, PeerComm(TorchTransport(), shm, g), [(p, block(rank, p).numel()) for p in peers],
+    got = exchange(flat, PeerComm(TorchTransport(None, ctl), shm, g), [(p, block(rank, p).numel()) for p in peers],
                    [(q, block(q, rank).numel()) for q in peers], cross_node=g < world, op="dispatch")
     out["dispatch"] = torch.equal(got, torch.cat([block(q, rank) for q in peers]))
     (got * torch.arange(1.0, got.numel() + 1)).sum().backward()
@@ -146,7 +176,7 @@ def _engine_cases(rank: int, world: int, g: int) -> dict:
 
     # A slow reader and a slow writer: fast ranks rush into the next exchange with new data. A missing start barrier
     # (writes of n+1 before the reader read n) or end barrier (reads before the writes landed) corrupts the result.
-    slow = _slow_engine(node_group, g, slow_reader=g - 1, slow_writer=0)
+    slow = _slow_engine(ctl, slow_reader=g - 1, slow_writer=0)
     tokens.append(slow.token)
     ok = True
     for step in range(100, 104):
@@ -155,83 +185,130 @@ def _engine_cases(rank: int, world: int, g: int) -> dict:
     out["slow_peers"] = ok
     slow.close()
 
+    # One exchange in flight per engine: a second one (here from inside the first) is refused, before any
+    # collective, and the first completes.
+    class Reentrant(ce.ShmCopyEngine):
+        inner = None
+
+        def _read(self, parity, blocks, dtype, consumer):
+            self.inner = error_of(lambda: self.exchange({}, {}, dtype=dtype, device=cpu, op="inner"))
+            return super()._read(parity, blocks, dtype, consumer)
+
+    reentrant = Reentrant(ctl)
+    tokens.append(reentrant.token)
+    send, recv, expect, _ = _full_args(105, me, g, 100)
+    got = reentrant.exchange(send, recv, dtype=torch.float32, device=cpu, op="outer")
+    out["in_flight_refused"] = _same(got, expect, torch.float32) and (reentrant.inner or "").startswith(
+        "RuntimeError") and "in flight" in reentrant.inner
+    reentrant.close()
+
     # Bad arguments on one rank: every rank raises ValueError (nobody waits for a timeout), and the engine goes on.
-    full = {p: torch.ones(2) for p in range(g) if p != me}
+    full = {p: [torch.ones(2)] for p in range(g) if p != me}
     full_recv = {p: 2 for p in range(g) if p != me}
+    other = (me + 1) % g
     bad_cases = {
-        "self_peer": ({me: torch.ones(2)} if me == 0 else full, full_recv if me != 0 else {}, 0, "another GPU"),
+        "self_peer": ({me: [torch.ones(2)]} if me == 0 else full, full_recv if me != 0 else {}, 0, "another GPU"),
         "peer_out_of_range": (full, {**full_recv, g: 1} if me == 1 else full_recv, 1, "got " + str(g)),
-        "negative_recv": (full, {**full_recv, (me + 1) % g: -1} if me == 1 else full_recv, 1, "must be an int"),
-        "float_recv": (full, {**full_recv, (me + 1) % g: 2.0} if me == 0 else full_recv, 0, "must be an int"),
-        "not_a_tensor": ({p: [1.0, 2.0] for p in full} if me == 0 else full, full_recv, 0, "must be a tensor"),
+        "negative_recv": (full, {**full_recv, other: -1} if me == 1 else full_recv, 1, "must be an int"),
+        "float_recv": (full, {**full_recv, other: 2.0} if me == 0 else full_recv, 0, "must be an int"),
+        "not_a_tensor": ({p: [[1.0, 2.0]] for p in full} if me == 0 else full, full_recv, 0, "[0] must be a tensor"),
+        "bare_tensor": ({p: torch.ones(2) for p in full} if me == 1 else full, full_recv, 1,
+                        "must be a list of tensors"),
+        "non_contiguous": ({**full, other: [torch.ones(2, 2)[:, 0]]} if me == 0 else full, full_recv, 0,
+                           f"send[{other}][0] must be contiguous"),
+        "wrong_dtype": ({**full, other: [torch.ones(1), torch.ones(1, dtype=torch.float64)]} if me == 1 else full,
+                        full_recv, 1, f"send[{other}][1] must have dtype torch.float32"),
+        "wrong_device": ({**full, other: [torch.ones(2, device="meta")]} if me == 0 else full, full_recv, 0,
+                         "is on meta"),
     }
     for name, (send, recv, culprit, needle) in bad_cases.items():
         want = needle if me == culprit else f"node rank(s) [{culprit}] passed invalid arguments"
-        out[f"bad_{name}"] = _expect_value_error(
-            lambda s=send, r=recv: shm.exchange(s, r, dtype=torch.float32, device=cpu, op="bad"), want)
+        for eng in (shm, gloo):
+            out[f"bad_{name}_{eng.name}"] = _expect_value_error(
+                lambda s=send, r=recv, e=eng: e.exchange(s, r, dtype=torch.float32, device=cpu, op="bad"), want)
     out["bad_pair_mismatch"] = _expect_value_error(
         lambda: shm.exchange(full, {**full_recv, 1: 3} if me == 0 else full_recv, dtype=torch.float32, device=cpu,
                              op="mismatch"), "node rank 1 sends 2 elements to node rank 0, which expects 3")
     out["bad_dtype_mismatch"] = _expect_value_error(
-        lambda: shm.exchange(full, full_recv, dtype=torch.int64 if me == 0 else torch.float32, device=cpu, op="dt"),
-        "disagree on the element size")
-    got = shm.exchange(full, full_recv, dtype=torch.float32, device=cpu, op="after errors")
-    out["usable_after_errors"] = sorted(got) == sorted(full_recv) and all(torch.equal(t, torch.ones(2))
-                                                                          for t in got.values())
-    out["gloo_self_peer"] = _expect_value_error(
-        lambda: gloo.exchange({me: torch.ones(1)}, {}, dtype=torch.float32, device=cpu, op="g"), "another GPU")
+        lambda: shm.exchange({p: [torch.ones(2, dtype=torch.int64 if me == 0 else torch.float32)] for p in full},
+                             full_recv, dtype=torch.int64 if me == 0 else torch.float32, device=cpu, op="dt"),
+        "disagree on the dtype", "int64", "float32")
+    # Same element size, other type: still refused (the bytes would be reinterpreted).
+    out["bad_dtype_same_size"] = _expect_value_error(
+        lambda: gloo.exchange({p: [torch.ones(2, dtype=torch.float16 if me == 0 else torch.bfloat16)] for p in full},
+                              full_recv, dtype=torch.float16 if me == 0 else torch.bfloat16, device=cpu, op="dt"),
+        "disagree on the dtype", "float16", "bfloat16")
+    out["bad_ready_on_cpu"] = _expect_value_error(
+        lambda: shm.exchange(full, full_recv, dtype=torch.float32, device=cpu, op="r", consumer=object()),
+        "ready and consumer order CUDA streams")
+    for eng in (shm, gloo):
+        got = eng.exchange(full, full_recv, dtype=torch.float32, device=cpu, op="after errors")
+        out[f"usable_after_errors_{eng.name}"] = sorted(got) == sorted(full_recv) and all(
+            torch.equal(t, torch.ones(2)) for t in got.values())
 
     # Kinds: what does not fit the device is refused before any collective.
     out["kind_errors"] = [
-        _expect_value_error(lambda k=k: ce.make_copy_engine(cpu, node_group, g, kind=k), k, "does not move cpu")
+        _expect_value_error(lambda k=k: ce.make_copy_engine(k, cpu, ctl), k, "does not move cpu")
         for k in ("ipc", "nvshmem", "nccl")]
-    out["kind_unknown"] = _expect_value_error(lambda: ce.make_copy_engine(cpu, node_group, g, kind="tcp"), "'tcp'")
-    out["kind_meta"] = _expect_value_error(lambda: ce.make_copy_engine(torch.device("meta"), node_group, g), "meta")
+    out["kind_unknown"] = _expect_value_error(lambda: ce.make_copy_engine("tcp", cpu, ctl), "'tcp'")
+    out["kind_meta"] = _expect_value_error(lambda: ce.make_copy_engine("auto", torch.device("meta"), ctl), "meta")
+    out["kind_transport"] = _expect_value_error(lambda: ce.make_copy_engine("auto", cpu, ctl, transport_kind="mpi"),
+                                                "transport_kind", "'mpi'")
+    out["kind_control"] = _expect_value_error(lambda: ce.GlooCopyEngine(None), "control must be")
+    if not torch.cuda.is_available():
+        # The CUDA engines without a GPU (or nvshmem4py): a clear error on this rank, before any collective.
+        for cls in (ce.IpcCopyEngine, ce.NcclCopyEngine):
+            out[f"no_gpu_{cls.name}"] = "needs a CUDA GPU" in str(error_of(lambda c=cls: c(ctl)))
+        if importlib.util.find_spec("nvshmem") is None:
+            out["no_nvshmem"] = "pip install 'feplb[nvshmem]'" in str(error_of(lambda: ce.NvshmemCopyEngine(ctl)))
 
     # Processes that do not see each other's files (as in separate /dev/shm namespaces): every rank raises
     # PeerMemoryUnavailable, no file stays behind, and "auto" falls back to gloo on all of them.
     private = f"/dev/shm/feplb-test-{shm.token}-{rank}"
     os.makedirs(private)
-    ce.os = _PeersInvisible()
+    cp.shm.os = _PeersInvisible()
     try:
         try:
-            ce.ShmCopyEngine(node_group, g, shm_dir=private)
+            ce.ShmCopyEngine(ctl, shm_dir=private)
             out["unshared_raises"] = False
         except ce.PeerMemoryUnavailable as exc:
             out["unshared_raises"] = "cannot map node rank" in str(exc)
-        ce.SHM_DIR = private
+        cp.shm.SHM_DIR = private
         with pytest.warns(RuntimeWarning, match="falling back to the gloo copy path"):
-            fb = ce.make_copy_engine(cpu, node_group, g)
+            fb = ce.make_copy_engine("auto", cpu, ctl)
         out["auto_fallback"] = type(fb) is ce.GlooCopyEngine
         out["unshared_no_files"] = os.listdir(private) == []
     finally:
-        ce.os, ce.SHM_DIR = os, "/dev/shm"
+        cp.shm.os, cp.shm.SHM_DIR = os, "/dev/shm"
         os.rmdir(private)
     try:
-        ce.ShmCopyEngine(node_group, g, shm_dir="/nonexistent-feplb-dir")
+        ce.ShmCopyEngine(ctl, shm_dir="/nonexistent-feplb-dir")
         out["missing_dir_raises"] = False
     except ce.PeerMemoryUnavailable as exc:
         out["missing_dir_raises"] = "cannot create" in str(exc)
 
     shm.close()
     shm.close()
-    out["closed_refuses"] = False
-    try:
-        shm.exchange({}, {}, dtype=torch.float32, device=cpu, op="closed")
-    except RuntimeError as exc:
-        out["closed_refuses"] = "closed" in str(exc)
+    out["closed_refuses"] = "closed" in str(error_of(lambda: shm.exchange({}, {}, dtype=torch.float32, device=cpu,
+                                                                           op="closed")))
+    with ce.ShmCopyEngine(ctl) as scoped:
+        tokens.append(scoped.token)
+        got = scoped.exchange(full, full_recv, dtype=torch.float32, device=cpu, op="scoped")
+    out["context_manager"] = all(torch.equal(t, torch.ones(2)) for t in got.values()) and scoped.capacity == 0 \
+        and "closed" in str(error_of(lambda: scoped.exchange({}, {}, dtype=torch.float32, device=cpu, op="x")))
     # This engine is left open on purpose: process exit must not leave files either.
-    left_open = ce.ShmCopyEngine(node_group, g)
+    left_open = ce.ShmCopyEngine(ctl)
     left_open.exchange(*_step_args(200, me, g, torch.float32, 30000)[:2], dtype=torch.float32, device=cpu, op="x")
     tokens.append(left_open.token)
     if g == 2:
-        out.update(_stall_cases(rank, world, g, node_ranks, me, tokens))
+        out.update(_stall_cases(rank, world, g, me, tokens))
     out["tokens"] = tokens
+    dist.barrier()
     return out
 
 
 class _PeersInvisible:
-    """Stands in for ``os`` in feplb.copy_engine: opening an existing file (no O_CREAT) fails, as it does for a
+    """Stands in for ``os`` in feplb.copy.shm: opening an existing file (no O_CREAT) fails, as it does for a
     peer's inbox when the node's processes do not share /dev/shm."""
 
     def __getattr__(self, name):
@@ -244,49 +321,51 @@ class _PeersInvisible:
         return os.open(path, flags, *args)
 
 
-def _slow_engine(node_group, g: int, *, slow_reader: int, slow_writer: int):
+def _slow_engine(ctl, *, slow_reader: int, slow_writer: int):
     """A ShmCopyEngine whose node rank ``slow_writer`` dawdles before each write and ``slow_reader`` before reading."""
     from feplb.copy_engine import ShmCopyEngine
 
     class Slow(ShmCopyEngine):
-        def _write(self, p, parity, offset, src, dtype):
+        def _write(self, p, parity, offset, pieces, dtype):
             if self.node_rank == slow_writer:
                 time.sleep(0.05)
-            super()._write(p, parity, offset, src, dtype)
+            super()._write(p, parity, offset, pieces, dtype)
 
-        def _read(self, parity, nbytes, dtype, senders):
+        def _read(self, parity, blocks, dtype, consumer):
             if self.node_rank == slow_reader:
                 time.sleep(0.1)
-            return super()._read(parity, nbytes, dtype, senders)
+            return super()._read(parity, blocks, dtype, consumer)
 
-    return Slow(node_group, g)
+    return Slow(ctl)
 
 
-def _stall_cases(rank: int, world: int, g: int, node_ranks: list, me: int, tokens: list) -> dict:
+def _stall_cases(rank: int, world: int, g: int, me: int, tokens: list) -> dict:
     """Node 0: node rank 1 never calls exchange. Node 1: node rank 1 stalls in its writes. Their partners must get
     a TimeoutError naming the step, after the group's timeout, and no file may stay behind."""
     import datetime
 
     import torch.distributed as dist
 
+    from feplb.control import Control
     from feplb.copy_engine import ShmCopyEngine
 
     groups = [dist.new_group(list(range(n * g, (n + 1) * g)), backend="gloo",
                              timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S)) for n in range(world // g)]
-    group = groups[rank // g]
+    # One node per EP group here: the control's node group is the short-timeout group itself.
+    ctl = Control(groups[rank // g], g)
     node = rank // g
 
     class Stalling(ShmCopyEngine):
-        def _write(self, p, parity, offset, src, dtype):
+        def _write(self, p, parity, offset, pieces, dtype):
             if node == 1 and self.node_rank == 1:
                 time.sleep(2 * STALL_TIMEOUT_S)
                 raise _Abandoned
-            super()._write(p, parity, offset, src, dtype)
+            super()._write(p, parity, offset, pieces, dtype)
 
-    eng = Stalling(group, g)
+    eng = Stalling(ctl)
     tokens.append(eng.token)
     out = {}
-    send, recv = {1 - me: torch.ones(5)}, {1 - me: 5}
+    send, recv = {1 - me: [torch.ones(5)]}, {1 - me: 5}
     if node == 0 and me == 1:
         time.sleep(2 * STALL_TIMEOUT_S)
         out["stall"] = "stalled"
@@ -320,7 +399,7 @@ def _as_matrix(splits: torch.Tensor, step: int):
 
 def _full_args(step: int, me: int, g: int, n: int):
     """Every pair exchanges n fp32 elements that differ from step to step: (send, recv_numel, expected, matrix)."""
-    send = {p: _block(step, me, p, n, torch.float32) for p in range(g) if p != me}
+    send = {p: _pieces(step, me, p, _block(step, me, p, n, torch.float32)) for p in range(g) if p != me}
     expect = {q: _block(step, q, me, n, torch.float32) for q in range(g) if q != me}
     matrix = [[0 if i == j else n for j in range(g)] for i in range(g)]
     return send, {q: n for q in expect}, expect, matrix
@@ -332,6 +411,7 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
     import torch.distributed as dist
 
     from feplb import copy_engine as ce
+    from feplb.control import Control
     from feplb.dispatch import PeerComm, exchange
     from feplb.transport import TorchTransport
 
@@ -344,13 +424,13 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
             self.agreements += 1
             return super()._agree(*args)
 
-    node_group, node_ranks = ce.make_node_groups(None, g)
-    me = node_ranks.index(rank)
+    ctl = Control(None, g)
+    me = ctl.node_rank
     cpu = torch.device("cpu")
     out: dict = {}
-    fast = Counting(node_group, g)           # matrix on every exchange
-    mixed = ce.ShmCopyEngine(node_group, g)  # matrix on odd steps only: the two paths share the halves
-    gloo = ce.GlooCopyEngine(node_group, g)  # checks the matrix, then ignores it
+    fast = Counting(ctl)           # matrix on every exchange
+    mixed = ce.ShmCopyEngine(ctl)  # matrix on odd steps only: the two paths share the halves
+    gloo = ce.GlooCopyEngine(ctl)  # checks the matrix, then ignores it
     tokens = [fast.token, mixed.token]
 
     kept, events, last_grow_parity, fillers = [], [], None, 0
@@ -388,10 +468,10 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
     # data: the second half keeps their writes away from what it has not read yet. The same engine writing every
     # exchange into one half must corrupt it (this is what makes the check above able to fail).
     class SlowReader(ce.ShmCopyEngine):
-        def _read(self, parity, nbytes, dtype, senders):
+        def _read(self, parity, blocks, dtype, consumer):
             if self.node_rank == g - 1:
                 time.sleep(0.2)
-            return super()._read(parity, nbytes, dtype, senders)
+            return super()._read(parity, blocks, dtype, consumer)
 
     class OneHalf(SlowReader):
         def _next_parity(self):
@@ -399,7 +479,7 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
             return 0
 
     for name, cls in (("slow_reader", SlowReader), ("one_half", OneHalf)):
-        eng = cls(node_group, g)
+        eng = cls(ctl)
         tokens.append(eng.token)
         res = []
         for step in range(300, 304):
@@ -409,7 +489,7 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
         out[name] = res
         eng.close()
     # The slow writer and reader of the agreed path's test, on the matrix path with random plans.
-    slow = _slow_engine(node_group, g, slow_reader=g - 1, slow_writer=0)
+    slow = _slow_engine(ctl, slow_reader=g - 1, slow_writer=0)
     tokens.append(slow.token)
     ok = True
     for step in range(100, 104):
@@ -437,7 +517,8 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
                      "zero diagonal"),
         "negative": (send, recv, [[-1 if (i, j) == (0, 1) else v for j, v in enumerate(row)]
                                   for i, row in enumerate(good)], "counts >= 0"),
-        "self_peer": ({**send, me: torch.ones(2)}, recv, good, "another GPU"),
+        "self_peer": ({**send, me: [torch.ones(2)]}, recv, good, "another GPU"),
+        "bare_tensor": ({p: torch.cat(t) for p, t in send.items()}, recv, good, "must be a list of tensors"),
     }
     counter = fast.exchanges
     for name, (s_, r_, m_, needle) in bad_cases.items():
@@ -467,7 +548,7 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
     base = rank // g * g
     node_matrix = [[0 if i == j else block(base + i, base + j).numel() for j in range(g)] for i in range(g)]
     peers = [p for p in range(world) if p != rank]
-    comm = PeerComm(TorchTransport(), fast, g)
+    comm = PeerComm(TorchTransport(None, ctl), fast, g)
     grads, gots = [], []
     for nm in (node_matrix, None):
         w = torch.zeros(1, requires_grad=True)
@@ -556,43 +637,99 @@ def test_shm_engine(g):
 
 
 def _ipc_cases(rank: int, world: int) -> dict:
-    """2 processes on GPU 0: the IPC engine against the seed, with a slow producer and a slow consumer, on the agreed
-    path (even steps) and the known-matrix path (odd steps), so both inbox halves and their events are reused."""
+    """2 processes on GPU 0: the IPC engine against the seed, with a slow producer and a slow reader, on the agreed
+    path (even steps) and the known-matrix path (odd steps), so both inbox halves and their events are reused;
+    explicit ``ready`` / ``consumer`` streams; calls from a worker thread; no host sync once the inboxes are large
+    enough (``torch.cuda.set_sync_debug_mode("error")``)."""
+    import concurrent.futures
+
+    from feplb.control import Control
     from feplb.copy_engine import IpcCopyEngine, make_copy_engine
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
-    eng = make_copy_engine(dev, None, world, kind="ipc")
-    out = {"kind": isinstance(eng, IpcCopyEngine) and eng.name == "ipc"}
+    ctl = Control(None, world)
+
+    class SlowReader(IpcCopyEngine):
+        """Node rank 1's copy-outs queue behind a long sleep on its copy stream: the peer's writes into that half
+        two exchanges later must wait for them (the "consumed" events)."""
+
+        def _read(self, parity, blocks, dtype, consumer):
+            if self.node_rank == 1:
+                with torch.cuda.stream(self.stream):
+                    torch.cuda._sleep(50_000_000)
+            return super()._read(parity, blocks, dtype, consumer)
+
+    auto = make_copy_engine("auto", dev, ctl)
+    out = {"kind": type(auto) is IpcCopyEngine and auto.name == "ipc"}
+    auto.close()
+    eng = SlowReader(ctl, dev)
+    producer, consumer = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
     kept = []
     for step, (dtype, most) in enumerate(STEPS + STEPS[:3]):
         send, recv, expect = _step_args(step, rank, world, dtype, most)
-        # The producer writes the send buffers late on the compute stream: the copy stream must wait for it.
-        staged = {p: t.to(dev) for p, t in send.items()}
+        explicit = step % 3 == 2
+        staged = {p: [t.to(dev) for t in ps] for p, ps in send.items()}
         torch.cuda.synchronize()
-        dsend = {p: torch.empty_like(t) for p, t in staged.items()}
-        torch.cuda._sleep(20_000_000)
-        for p, t in staged.items():
-            dsend[p].copy_(t)
-        if rank == 1:
-            # A slow consumer: its copy-out is queued behind this, the peer's next writes into that half must wait.
-            torch.cuda._sleep(50_000_000)
+        # The producer writes the pieces late on its stream: the copy stream must wait for it.
+        prod = producer if explicit else torch.cuda.current_stream(dev)
+        with torch.cuda.stream(prod):
+            dsend = {p: [torch.empty_like(t) for t in ps] for p, ps in staged.items()}
+            torch.cuda._sleep(20_000_000)
+            for p, ps in staged.items():
+                for d, t in zip(dsend[p], ps, strict=True):
+                    d.copy_(t)
+        ready = None
+        if explicit:
+            ready = torch.cuda.Event()
+            ready.record(producer)
         matrix = _plan(step, world, most)[0].numpy() if step % 2 else None
-        got = eng.exchange(dsend, recv, dtype=dtype, device=dev, op=f"ipc step {step}", matrix=matrix)
-        kept.append(({q: t for q, t in got.items()}, expect, dtype))
-    # Back-to-back matrix exchanges (no start barrier) behind a slow consumer: only the halves' events keep the
-    # producer's writes off what the consumer has not copied out yet.
-    for step in range(500, 506):
-        send, recv, expect, matrix = _full_args(step, rank, world, 1 << 16)
-        dsend = {p: t.to(dev) for p, t in send.items()}
-        if rank == 1:
-            torch.cuda._sleep(50_000_000)
-        got = eng.exchange(dsend, recv, dtype=torch.float32, device=dev, op=f"ipc matrix {step}", matrix=matrix)
-        kept.append(({q: t for q, t in got.items()}, expect, torch.float32))
+        got = eng.exchange(dsend, recv, dtype=dtype, device=dev, op=f"ipc step {step}", matrix=matrix, ready=ready,
+                           consumer=consumer if explicit else None)
+        if explicit:
+            # Read on the consumer stream only: it was made to wait for the copies.
+            with torch.cuda.stream(consumer):
+                got = {q: t * 1 for q, t in got.items()}
+        kept.append((got, expect, dtype))
+    # Back-to-back matrix exchanges (no start barrier) behind a slow reader, under the sync debug mode: only the
+    # halves' events keep the producer's writes off what the reader has not copied out yet, and nothing in the
+    # exchange waits on the host (the inboxes are large enough already, so they do not grow).
+    args = [_full_args(step, rank, world, 1 << 14) for step in range(500, 506)]
+    dargs = [({p: [t.to(dev) for t in ps] for p, ps in s_.items()}, r_, e_, m_) for s_, r_, e_, m_ in args]
     torch.cuda.synchronize()
-    out["steps"] = [_same({q: t.cpu() for q, t in a.items()}, e, d) for a, e, d in kept]
+    grows = eng.grows
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i, (s_, r_, e_, m_) in enumerate(dargs):
+            got = eng.exchange(s_, r_, dtype=torch.float32, device=dev, op=f"ipc matrix {i}",
+                               matrix=m_ if i % 2 else None)
+            kept.append((got, e_, torch.float32))
+        out["no_host_sync"] = True
+    except RuntimeError as exc:
+        out["no_host_sync"] = str(exc)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out["no_growth_in_sync_check"] = eng.grows == grows
+    # From a worker thread while the main thread runs GEMMs on its stream; ready recorded and results read there.
+    main = torch.cuda.current_stream(dev)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="copy") as pool:
+        for step in range(600, 603):
+            s_, r_, e_, m_ = _full_args(step, rank, world, 5000)
+            ds = {p: [t.to(dev) for t in ps] for p, ps in s_.items()}
+            ready = torch.cuda.Event()
+            ready.record(main)
+            fut = pool.submit(eng.exchange, ds, r_, dtype=torch.float32, device=dev, op=f"thread {step}",
+                              matrix=m_ if step % 2 else None, ready=ready, consumer=main)
+            a = torch.randn(2048, 2048, device=dev)
+            for _ in range(8):
+                a = a @ a / 64
+            got = fut.result(timeout=120)
+            kept.append(({q: t * 1 for q, t in got.items()}, e_, torch.float32))
+    torch.cuda.synchronize()
+    out["steps"] = [_same({q: t.cpu() for q, t in a.items()}, e, d) and all(t.device == dev for t in a.values())
+                    for a, e, d in kept]
     out["grows"] = eng.grows
-    out["exchanges"] = eng.exchanges == 6 + sum(bool(_plan(step, world, most)[0].any())
+    out["exchanges"] = eng.exchanges == 9 + sum(bool(_plan(step, world, most)[0].any())
                                                 for step, (_, most) in enumerate(STEPS + STEPS[:3]))
     eng.close()
     eng.close()
@@ -605,4 +742,39 @@ def test_ipc_engine_one_gpu():
         pytest.skip("needs a CUDA GPU")
     results = run_dist(_ipc_cases, 2, timeout_s=300, backend="gloo")
     for rank, res in enumerate(results):
-        assert res["kind"] and all(res["steps"]) and res["grows"] >= 3 and res["exchanges"], (rank, res)
+        assert res["kind"] and res["no_host_sync"] is True and res["no_growth_in_sync_check"], (rank, res)
+        assert all(res["steps"]) and res["grows"] >= 3 and res["exchanges"], (rank, res)
+
+
+def _one_gpu_each_cases(rank: int, world: int, kind: str) -> dict:
+    """One GPU per process: the nccl or nvshmem engine against the seed on the agreed and known-matrix paths."""
+    from feplb.control import Control
+    from feplb.copy_engine import make_copy_engine
+    from feplb.transport import make_transport
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ctl = Control(None, world)
+    transport = make_transport("nvshmem" if kind == "nvshmem" else "torch", None, ctl)   # nvshmem: initialises it
+    eng = make_copy_engine(kind, dev, ctl, transport_kind=transport.name)
+    out = {"kind": eng.name == kind, "steps": []}
+    for step, (dtype, most) in enumerate(STEPS + STEPS[:3]):
+        send, recv, expect = _step_args(step, rank, world, dtype, most)
+        dsend = {p: [t.to(dev) for t in ps] for p, ps in send.items()}
+        matrix = _plan(step, world, most)[0].numpy() if step % 2 else None
+        got = eng.exchange(dsend, recv, dtype=dtype, device=dev, op=f"{kind} step {step}", matrix=matrix)
+        out["steps"].append(_same({q: t.cpu() for q, t in got.items()}, expect, dtype))
+    eng.close()
+    transport.close()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["nccl", "nvshmem"])
+def test_cuda_engines_one_gpu_each(kind):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (one process per GPU)")
+    if kind == "nvshmem" and importlib.util.find_spec("nvshmem") is None:
+        pytest.skip("needs nvshmem4py: pip install 'feplb[nvshmem]'")
+    world = min(torch.cuda.device_count(), 4)
+    for rank, res in enumerate(run_dist(_one_gpu_each_cases, world, kind, backend="nccl", timeout_s=300)):
+        assert res["kind"] and all(res["steps"]), (rank, res)

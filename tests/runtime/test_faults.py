@@ -38,11 +38,26 @@ def _layer(rank, world, seed, **kw):
     return layer, xs[rank]
 
 
+def _delay_next_plan(layer, seconds: float) -> None:
+    """Make the layer's next plan take ``seconds`` longer (a slow planner), injected from the test."""
+    import time
+
+    plan = layer._plan
+
+    def slow(*args, **kwargs):
+        layer._plan = plan
+        time.sleep(seconds)
+        return plan(*args, **kwargs)
+
+    layer._plan = slow
+
+
 def _fault_worker(rank, world):
     from feplb import FEPLBConfig, MoELayer
 
     res = {}
-    layer, x = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", plan_wait_ms=60_000)
+    layer, x = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", plan_wait_ms=60_000,
+                      min_straggler_rows=0)
     ref, _ = _layer(rank, world, 1, policy="none")
 
     # Bad shapes and dtypes fail locally, before any collective, with the argument named.
@@ -63,9 +78,10 @@ def _fault_worker(rank, world):
         res["after_nan_ok"] = torch.allclose(layer(x), ref(x), rtol=1e-5, atol=1e-6)
 
     # A slow planner on rank 1: node 0 (ranks 0, 1) computes at home, node 1 balances; outputs never change.
-    slow, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", plan_wait_ms=1000)
+    slow, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", plan_wait_ms=1000,
+                     min_straggler_rows=0)
     if rank == 1:
-        slow.testing_plan_delay_s = 3.0
+        _delay_next_plan(slow, 3.0)
     with torch.no_grad():
         out = slow(x)
         res["slow_same"] = torch.allclose(out, ref(x), rtol=1e-5, atol=1e-6)
@@ -82,20 +98,22 @@ def _fault_worker(rank, world):
     res["busy_fell_back"] = slow.last_stats.fell_back
 
     # Receive capacity: too small with on_overflow="error" raises everywhere; "grow" grows and stays exact.
-    small, _ = _layer(rank, world, 1, policy="feplb", recv_capacity=4, on_overflow="error", plan_wait_ms=60_000)
+    small, _ = _layer(rank, world, 1, policy="feplb", recv_capacity=4, on_overflow="error", plan_wait_ms=60_000,
+                      min_straggler_rows=0)
     res["cap_error"] = error_of(lambda: small(x))
     grow, _ = _layer(rank, world, 1, policy="feplb", recv_capacity=4, on_overflow="grow", plan_wait_ms=60_000,
-                     weights="per-microbatch")
+                     min_straggler_rows=0, weights="per-microbatch")
     with torch.no_grad():
         res["grow_same"] = torch.allclose(grow(x), ref(x), rtol=1e-5, atol=1e-6)
     res["grew"] = grow.last_stats.recv_grew
 
     # Per-step replicas: weights changed without refresh_replicas() -> a clear error on every rank.
-    step, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-step", plan_wait_ms=60_000)
+    step, _ = _layer(rank, world, 1, policy="feplb-split@ema", weights="per-step", plan_wait_ms=60_000,
+                     min_straggler_rows=0)
     with torch.no_grad():
         step(x)
     step.refresh_replicas()
-    res["has_replicas"] = len(step._resident) > 0
+    res["has_replicas"] = len(step.replicas.pairs) > 0
     with torch.no_grad():
         step.w1.mul_(1.0)        # an optimizer step bumps the parameters' versions
     res["stale"] = error_of(lambda: step(x))

@@ -30,7 +30,8 @@ def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto"):
     for policy in ("none", "feplb-split"):
         torch.manual_seed(0)
         layer = MoELayer(FEPLBConfig(hidden=256, ffn=128, num_experts=4 * world, top_k=2, gpus_per_node=world,
-                                     dyn=2, policy=policy, transport=transport, plan_wait_ms=10_000.0, min_chunk=8,
+                                     dyn=2, policy=policy, transport=transport, plan_wait_ms=10_000.0,
+                                     min_straggler_rows=0, min_chunk=8,
                                      weights="per-microbatch", device="cuda", copy_path=copy_path))
         gen = torch.Generator().manual_seed(1)
         w1 = torch.randn(4 * world, 256, 256, generator=gen) / 16
@@ -76,3 +77,72 @@ needs_1 = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 def test_layer_two_processes_one_gpu(copy_path):
     for res in run_dist(_gpu_worker, 2, "nvshmem", True, copy_path, backend="gloo", timeout_s=300):
         assert res["ok"] and res["moved"] > 0, res
+
+
+@needs_1
+def test_layer_two_processes_one_gpu_without_nvshmem():
+    """device='cuda' over a gloo group, the torch transport (phase 1 staged through host memory) and the CUDA IPC
+    copy path: the layer's GPU path on a single GPU, balancing on == off."""
+    for res in run_dist(_gpu_worker, 2, "torch", True, "ipc", backend="gloo", timeout_s=300):
+        assert res["ok"] and res["moved"] > 0, res
+
+
+def _sync_worker(rank, world, transport, one_gpu):
+    """Forward and backward of a balancing layer under torch.cuda.set_sync_debug_mode("error") after the counts
+    step (the all-gathered counts are the one host sync a forward makes). Returns the error text, or None."""
+    from feplb import FEPLBConfig, MoELayer
+
+    if one_gpu:
+        torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    layer = MoELayer(FEPLBConfig(hidden=256, ffn=128, num_experts=4 * world, top_k=2, gpus_per_node=world, dyn=2,
+                                 policy="feplb-split", transport=transport, plan_wait_ms=10_000.0,
+                                 min_straggler_rows=0, min_chunk=8, device="cuda", dtype=torch.bfloat16,
+                                 copy_path="auto"))
+    with torch.no_grad():
+        layer.router.weight[:, 0] = 0
+        layer.router.weight[0, 0] = 3.0
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, generator=None)
+    x[:, 0] = x[:, 0].abs() + 1
+    x.requires_grad_(True)
+    for _ in range(2):                      # compile and autotune the kernels first
+        layer(x).float().square().sum().backward()
+    count = layer._count
+
+    def counted(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return count(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    layer._count = counted
+    err = None
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        y = layer(x)
+        y.float().square().sum().backward()
+        torch.cuda.set_sync_debug_mode(0)
+        moved = layer.last_stats.rows_moved
+    except RuntimeError as exc:
+        torch.cuda.set_sync_debug_mode(0)
+        err, moved = str(exc).splitlines()[0], 0
+    layer.close()
+    return {"err": err, "moved": moved}
+
+
+@needs_1
+@pytest.mark.skipif(not HAVE_NVSHMEM, reason="needs nvshmem4py: pip install 'feplb[nvshmem]' (the torch transport "
+                                              "over gloo stages phase 1 through host memory, a sync by design)")
+def test_no_host_sync_after_counts_one_gpu():
+    results = run_dist(_sync_worker, 2, "nvshmem", True, backend="gloo", timeout_s=300)
+    for res in results:
+        assert res["err"] is None, res["err"]
+    assert sum(r["moved"] for r in results) > 0
+
+
+@needs_2
+def test_no_host_sync_after_counts_nccl():
+    results = run_dist(_sync_worker, min(NGPU, 4), "torch", False, backend="nccl", timeout_s=300)
+    for res in results:
+        assert res["err"] is None, res["err"]

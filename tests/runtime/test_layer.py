@@ -53,7 +53,8 @@ def _run_layer(rank, world, cfg_kwargs, routing, seed, microbatches=1):
 
     G = cfg_kwargs["gpus_per_node"]
     router_EH, w1, w2, xs, dys = make_inputs(routing, seed, G, cfg_kwargs.get("router", "softmax"))
-    cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, plan_wait_ms=60_000, min_chunk=2, **cfg_kwargs)
+    cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, plan_wait_ms=60_000, min_straggler_rows=0, min_chunk=2,
+                      **cfg_kwargs)
     layer = MoELayer(cfg)
     load_global_weights(layer, router_EH, w1, w2)
     if cfg.weights == "per-step":
@@ -87,7 +88,7 @@ def _run_stack(rank, world, G, seed=300):
         router_EH, w1, w2, xs, dys = make_inputs("skewed", seed + j, G)
         layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2,
                                      policy="feplb-split", weights="per-microbatch", min_chunk=2,
-                                     plan_wait_ms=60_000))
+                                     plan_wait_ms=60_000, min_straggler_rows=0))
         load_global_weights(layer, router_EH, w1, w2)
         layers.append(layer)
     _, _, _, xs, dys = make_inputs("skewed", seed, G)

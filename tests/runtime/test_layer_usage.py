@@ -43,7 +43,7 @@ def _layer(seed, group=None, **kw):
     router, w1, w2, xs = _weights(seed)
     kw.setdefault("gpus_per_node", 2)
     layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, min_chunk=2, dyn=2,
-                                 plan_wait_ms=60_000, **kw), group=group)
+                                 plan_wait_ms=60_000, min_straggler_rows=0, **kw), group=group)
     load_global_weights(layer, router, w1, w2)
     return layer, router, w1, w2, xs
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from feplb.layer import direct_layout
+from feplb.layout import direct_split_matrix
 from feplb.sched.plan import Move
 from feplb.testing import dense_moe_reference, load_global_weights, run_dist
 
@@ -90,6 +91,9 @@ def test_direct_layout_matches_row_simulation(seed):
         got = [(e, p) for _, e, p in (recv[i] for i in lay.perm)]
         assert got == computed[d], f"rank {d} computes the wrong rows or in the wrong order"
         assert int(lay.kept_L.sum()) + sum(moves[j].rows for j in lay.hosted) == len(recv)
+    # the split matrix every rank derives alike (no size agreement in the transport)
+    split = direct_split_matrix(counts, slots, moves)
+    assert split.tolist() == [lay.send_splits for lay in lays]
 
 
 # ------------------------------------------------------------------------------------------------ the layer
@@ -118,7 +122,8 @@ def _layer(G, seed, **kw):
     from feplb import FEPLBConfig, MoELayer
 
     router, w1, w2, xs, dys = _inputs(seed)
-    cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, plan_wait_ms=60_000, min_chunk=2,
+    cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, plan_wait_ms=60_000,
+                      min_straggler_rows=0, min_chunk=2,
                       dyn=2, **kw)
     layer = MoELayer(cfg)
     load_global_weights(layer, router, w1, w2)

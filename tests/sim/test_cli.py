@@ -1,9 +1,18 @@
-"""``feplb simulate`` end to end on a small trace."""
+"""``feplb simulate`` end to end on a small trace; on bad input, one line naming the file or option, exit status 2,
+no partial output files."""
 
 import json
+import os
+import pathlib
+import shutil
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
+import feplb.cli as cli
+import feplb.simulate
 from feplb.cli import main
 
 
@@ -42,3 +51,176 @@ def test_console_script_help():
 def test_no_subcommand_prints_help(capsys):
     assert main([]) == 2
     assert "simulate" in capsys.readouterr().out
+
+
+FAST = ["--ep", "8", "--gpus-per-node", "4", "--tokens-per-rank", "64", "--dyn", "1", "--policies", "none,feplb",
+        "--microbatches", "1", "--warmup", "0", "--no-progress"]
+
+
+def _one_line_error(capsys, *fragments: str) -> str:
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert "Traceback" not in captured.err and len(err.splitlines()) == 1, captured.err
+    assert err.startswith("feplb simulate: error: "), err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    return err
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Any simulation that starts fails the test: bad input must be refused before the work."""
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the simulation ran although the input was bad")
+
+    monkeypatch.setattr(feplb.simulate, "simulate", ran)
+
+
+def _bad_trace(kind: str, tmp_path: pathlib.Path, flame_path: pathlib.Path, monkeypatch) -> tuple[pathlib.Path, str]:
+    path = tmp_path / f"{kind}.npz"
+    good = flame_path.read_bytes()
+    if kind == "empty":
+        path.write_bytes(b"")
+        return path, "the file is empty"
+    if kind == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+        return path, "not an .npz archive"
+    if kind == "not-zip":
+        path.write_bytes(b"topk_ids,0,1,2\n" * 20)
+        return path, "not an .npz archive"
+    if kind == "damaged-member":
+        rng = np.random.default_rng()
+        np.savez(path, topk_ids=rng.integers(0, 16, size=(256, 2, 2), dtype=np.int32))
+        data = bytearray(path.read_bytes())
+        at = data.index(b"\x93NUMPY") + 200  # inside the array's bytes, past its header
+        data[at] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return path, "damaged .npz archive"
+    if kind == "directory":
+        path.mkdir()
+        return path, "is a directory"
+    assert kind == "unreadable"
+    shutil.copyfile(flame_path, path)
+    if os.geteuid() != 0:
+        path.chmod(0)
+    else:  # root reads any file: make the read itself fail as it would for another user
+        real_open = pathlib.Path.open
+
+        def denied(self, *args, **kwargs):
+            if self == path:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real_open(self, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "open", denied)
+    return path, "cannot read the file (Permission denied)"
+
+
+@pytest.mark.parametrize("kind", ["empty", "truncated", "not-zip", "damaged-member", "directory", "unreadable"])
+def test_unusable_trace_file(kind, tmp_path, flame_path, monkeypatch, capsys):
+    path, why = _bad_trace(kind, tmp_path, flame_path, monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    rc = main(["simulate", str(path), *FAST, "--json", str(out / "r.json")])
+    assert rc == 2
+    _one_line_error(capsys, str(path), why)
+    assert not list(out.iterdir()), "no output for a refused run"
+
+
+def _bad_output(kind: str, tmp_path: pathlib.Path, monkeypatch) -> tuple[pathlib.Path, str]:
+    if kind == "directory":
+        (tmp_path / "d").mkdir()
+        return tmp_path / "d", "is a directory"
+    if kind == "missing-folder":
+        return tmp_path / "nowhere" / "r.out", f"the folder {tmp_path / 'nowhere'} does not exist"
+    if kind == "under-a-file":
+        (tmp_path / "f").write_text("a file")
+        return tmp_path / "f" / "r.out", f"{tmp_path / 'f'} is not a folder"
+    assert kind == "read-only-folder"
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+    else:  # root writes anywhere: make creating a file in the folder fail as it would for another user
+        real = cli.tempfile.mkstemp
+
+        def denied(*args, dir=None, **kwargs):  # noqa: A002 (mkstemp's own keyword)
+            if pathlib.Path(dir) == ro:
+                raise PermissionError(13, "Permission denied", str(ro))
+            return real(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(cli.tempfile, "mkstemp", denied)
+    return ro / "r.out", f"cannot write in {ro} (Permission denied)"
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+@pytest.mark.parametrize("kind", ["directory", "missing-folder", "under-a-file", "read-only-folder"])
+def test_output_path_is_checked_before_the_run(option, kind, tmp_path, flame_path, monkeypatch, capsys, no_run):
+    target, why = _bad_output(kind, tmp_path, monkeypatch)
+    target = target.with_suffix(".png") if option == "--plot" and kind != "directory" else target
+    before = sorted(tmp_path.rglob("*"))
+    rc = main(["simulate", str(flame_path), *FAST, option, str(target)])
+    assert rc == 2
+    _one_line_error(capsys, f"{option} {target}", why)
+    assert sorted(tmp_path.rglob("*")) == before, "nothing written"
+
+
+def test_unknown_plot_format_is_refused_before_the_run(tmp_path, flame_path, capsys, no_run):
+    assert main(["simulate", str(flame_path), *FAST, "--plot", str(tmp_path / "r.xyz")]) == 2
+    _one_line_error(capsys, f"--plot {tmp_path / 'r.xyz'}: unknown image format 'xyz'", "png")
+    assert not list(tmp_path.iterdir())
+
+
+def test_json_and_plot_on_one_file_is_refused(tmp_path, flame_path, capsys, no_run):
+    target = str(tmp_path / "r.png")
+    assert main(["simulate", str(flame_path), *FAST, "--json", target, "--plot", target]) == 2
+    _one_line_error(capsys, "--json and --plot name the same file")
+
+
+def test_huge_tokens_per_rank_is_bounded_with_the_reason(flame_path, capsys, no_run):
+    rc = main(["simulate", str(flame_path), *FAST[:4], "--tokens-per-rank", "1000000000", *FAST[6:]])
+    assert rc == 2
+    err = _one_line_error(capsys, "--tokens-per-rank 1000000000: a micro-batch of flame_moe_290m_prefill gathers",
+                          "expert ids", "GB; the limit is")
+    # The largest S the message offers is accepted, one more is not.
+    from feplb.traces import load_trace
+
+    trace = load_trace(flame_path)
+    largest = int(err.rsplit("--tokens-per-rank <= ", 1)[1].split(" ")[0])
+    cli.bound_microbatch(trace, 8, largest)
+    with pytest.raises(cli.UsageError, match=f"--tokens-per-rank {largest + 1}:"):
+        cli.bound_microbatch(trace, 8, largest + 1)
+    _, L, K = trace.topk_ids_TLK.shape
+    assert largest * 8 * L * K * (trace.topk_ids_TLK.itemsize + 16) <= cli.MICROBATCH_BYTES_MAX
+
+
+def test_traces_of_one_name_in_two_folders_are_both_kept(tmp_path, flame_path, capsys):
+    a, b = tmp_path / "a" / flame_path.name, tmp_path / "b" / flame_path.name
+    for p in (a, b):
+        p.parent.mkdir()
+        shutil.copyfile(flame_path, p)
+    out = tmp_path / "r.json"
+    assert main(["simulate", str(a), str(b), "synthetic:zipf:E=64:K=6:L=2", *FAST, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["workloads"]) == [str(a), str(b), "synthetic-zipf-E64-K6"], "a unique name stays as it was"
+    assert [w["trace"] for w in doc["workloads"].values()] == [str(a), str(b), "synthetic:zipf:E=64:K=6:L=2"]
+    printed = capsys.readouterr().out
+    assert f"\n{a} (E=" in printed and f"\n{b} (E=" in printed
+
+
+def test_workload_keys_are_distinct():
+    assert cli.workload_keys(["x", "y"], ["a/x.npz", "y.npz"]) == ["x", "y"]
+    assert cli.workload_keys(["x", "x", "y"], ["a/x.npz", "b/x.npz", "y.npz"]) == ["a/x.npz", "b/x.npz", "y"]
+    keys = cli.workload_keys(["x", "x", "x"], ["a/x.npz", "a/x.npz", "b/x.npz"])
+    assert keys == ["a/x.npz#1", "a/x.npz#2", "b/x.npz"] and len(set(keys)) == 3
+
+
+def test_a_failing_output_leaves_no_file_behind(tmp_path, flame_path, monkeypatch):
+    def broken_plot(*args, **kwargs):
+        raise RuntimeError("the plot failed")
+
+    monkeypatch.setattr(cli, "plot_results", broken_plot)
+    with pytest.raises(RuntimeError, match="the plot failed"):
+        main(["simulate", str(flame_path), *FAST, "--json", str(tmp_path / "r.json"), "--plot",
+              str(tmp_path / "r.png")])
+    assert not list(tmp_path.iterdir()), "neither the JSON nor a temporary file may stay"

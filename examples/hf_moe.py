@@ -1,0 +1,232 @@
+"""Train a small Hugging Face transformers MoE model (a real architecture, built from its config) with FEPLB.
+
+CPU (4 gloo processes modelled as 2 nodes of 2 GPUs; about a minute)::
+
+    torchrun --standalone --nproc-per-node 4 examples/hf_moe.py --gpus-per-node 2 --out runs/hf_moe
+
+GPUs (one node; NCCL)::
+
+    torchrun --nproc-per-node 8 examples/hf_moe.py --device cuda --out runs/hf_moe_gpu
+
+The model (``--arch``: Qwen3-MoE, Mixtral or DeepSeek-V3, scaled down, random init, nothing downloaded) is built
+identically on every rank; ``feplb.hf.apply`` then replaces each of its experts modules with a balanced
+expert-parallel one holding ``E / W`` experts. The model's routers, attention, norms, embeddings and shared experts
+stay replicated: their gradients are averaged over the ranks by one all-reduce per step. Each rank reads its own
+slice of the text the demo reads (this Python's standard-library source, as bytes: vocabulary 256). The script
+prints the token straggler before/after balancing like ``train_moe.py``, writes the same report (report.md,
+plots, report.json) to ``--out`` and, with ``--save``, a transformers checkpoint gathered by
+``feplb.hf.full_state_dict`` that ``from_pretrained`` loads without feplb.
+
+Shape legend: B sequences per rank, S sequence length, V = 256 byte values, L MoE layers, W ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+EXAMPLES_DIR = Path(__file__).resolve().parent
+VOCAB = 256
+
+# Scaled-down configurations of the real architectures: the fields that make each one what it is (DeepSeek-V3's
+# dense first layer, shared expert, grouped sigmoid routing and MLA; Qwen3-MoE's normalised top-k) are kept.
+ARCHS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=128, moe_intermediate_size=64, num_experts=8, head_dim=16,
+                       norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=64, num_local_experts=8)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1,
+                         n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)),
+}
+
+
+def _demo():
+    """The sibling train_moe.py (text reading, byte streams, errors), imported on demand."""
+    if str(EXAMPLES_DIR) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES_DIR))
+    import train_moe
+
+    return train_moe
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Train a small transformers MoE model with FEPLB (run under torchrun).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--arch", choices=sorted(ARCHS), default="qwen3_moe", help="architecture (scaled down)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default="feplb-split", help="FEPLB policy ('none' = plain expert parallelism)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: torchrun's --nproc-per-node")
+    p.add_argument("--dyn", type=int, default=2, help="dynamic experts per rank")
+    p.add_argument("--plan-wait-ms", type=float, default=None, help="default: 0 on CUDA, 200 on the CPU")
+    p.add_argument("--text-bytes", type=int, default=1 << 20, help="bytes of standard-library source to read")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--out", type=Path, default=None, help="directory for report.md, plots and report.json")
+    p.add_argument("--save", type=Path, default=None, help="write a transformers checkpoint here at the end")
+    return p
+
+
+def build_model(arch: str, hidden: int, layers: int, seed: int):
+    """The architecture's model, fp32, random init drawn from ``seed`` (the same on every rank)."""
+    import transformers
+
+    config_cls, model_cls, extra = ARCHS[arch]
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, num_experts_per_tok=2, tie_word_embeddings=True)
+    config = getattr(transformers, config_cls)(**{**common, **extra})
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(config).float()
+
+
+def step_stats(views: list[list[tuple]], gpus_per_node: int) -> dict:
+    """One step's balancing statistics from every rank's per-layer (loads_before_W, loads_after_W, rows_moved,
+    fell_back); each node's loads come from its own first rank, which knows whether that node fell back."""
+    from feplb.sched import token_straggler
+
+    firsts = views[::gpus_per_node]
+    G = gpus_per_node
+    before_LW, after_LW, fell_back = [], [], 0
+    for layer in range(len(views[0])):
+        before_LW.append(views[0][layer][0])
+        after_LW.append([v for n, node in enumerate(firsts) for v in node[layer][1][n * G:(n + 1) * G]])
+        fell_back += any(node[layer][3] for node in firsts)
+    before = [float(token_straggler(w)) for w in before_LW]
+    after = [float(token_straggler(w)) for w in after_LW]
+    return {"token_straggler_before": sum(before) / len(before), "token_straggler_after": sum(after) / len(after),
+            "rows_moved": sum(layer[2] for layer in views[0]), "fell_back": fell_back,
+            "layer_straggler_before": before, "layer_straggler_after": after,
+            "loads_before_LW": before_LW, "loads_after_LW": after_LW}
+
+
+def train(args: argparse.Namespace) -> dict:
+    """The training run, on an initialised process group (every rank). Returns rank 0's history and summary."""
+    import feplb.hf
+
+    demo = _demo()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    G = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % G:
+        raise demo.UsageError(f"--gpus-per-node {G} does not divide the world size {world}")
+    corpus, label = demo.read_corpus(None, args.text_bytes)
+    data = demo.ByteStreams(corpus, rank=rank, world=world, batch=args.batch, seq_len=args.seq_len, device=device)
+
+    model = build_model(args.arch, args.hidden, args.layers, args.seed).to(device)
+    with torch.no_grad():   # the same seed gives the same weights; the broadcast makes it a guarantee
+        for p in model.parameters():
+            dist.broadcast(p, src=0)
+    plan_wait = args.plan_wait_ms if args.plan_wait_ms is not None else (0.0 if device.type == "cuda" else 200.0)
+    names = feplb.hf.apply(model, policy=args.policy, gpus_per_node=G, dyn=args.dyn, plan_wait_ms=plan_wait)
+    experts = feplb.hf.expert_parameters(model)
+    expert_ids = {id(p) for p in experts}
+    replicated = [p for p in model.parameters() if id(p) not in expert_ids]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    moes = feplb.hf.experts_modules(model)
+    first = moes[0]
+    E = first.config.num_experts
+    if rank == 0:
+        print(f"feplb + transformers: {type(model).__name__} ({args.arch}, {args.layers} layers, hidden "
+              f"{args.hidden}), {len(names)} experts modules replaced ({names[0]}, ...): {E} experts, "
+              f"top-{first.config.top_k}, {E // world} per rank; {world} ranks = {world // G} nodes x {G} GPUs, "
+              f"policy {args.policy!r}; text: {label}", flush=True)
+
+    steps = []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        ids_BS, targets_BS = data.batch(step)
+        logits_BSV = model(input_ids=ids_BS).logits
+        loss = F.cross_entropy(logits_BSV.reshape(-1, VOCAB), targets_BS.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        feplb.hf.reduce_replica_grads(model)   # helpers' replica gradients -> the owners' shards
+        # Replicated parameters: mean over the ranks (data parallel). Expert shards already hold the sum over the
+        # ranks' tokens (the dispatch's backward); dividing by W makes both the gradient of the global mean loss.
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in replicated]
+                         + [loss.detach().reshape(1)])
+        dist.all_reduce(flat)
+        flat /= world
+        pos = 0
+        for p in replicated:
+            p.grad = flat[pos:pos + p.numel()].view_as(p).clone()
+            pos += p.numel()
+        for p in experts:
+            if p.grad is not None:
+                p.grad /= world
+        mean_loss = float(flat[-1])
+        if not math.isfinite(mean_loss):
+            raise RuntimeError(f"the loss became {mean_loss} at step {step + 1}; lower --lr")
+        optimizer.step()
+        feplb.hf.refresh_replicas(model)       # the owners' new weights -> the resident replicas
+        view = [(list(m.last_stats.loads_before_W), list(m.last_stats.loads_after_W), int(m.last_stats.rows_moved),
+                 bool(m.last_stats.fell_back)) for m in moes]
+        views: list = [None] * world
+        dist.all_gather_object(views, view)
+        dt = time.perf_counter() - t0
+        rec = {"step": step + 1, "loss": mean_loss, "wall_s": dt, "tokens_per_s": world * ids_BS.numel() / dt,
+               **step_stats(views, G)}
+        steps.append(rec)
+        if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+            print(demo.log_line(rec), flush=True)
+
+    if args.save is not None:
+        full = feplb.hf.full_state_dict(model)   # collective; the full weights on rank 0
+        if rank == 0:
+            model.save_pretrained(args.save, state_dict=full)
+            print(f"checkpoint (plain transformers, {len(full)} tensors): {args.save}", flush=True)
+    summary = None
+    if rank == 0:
+        report = demo._report_module()
+        summary = report.summarize(steps)
+        print(f"token straggler, plain EP -> {args.policy}: {summary['token_straggler_before']:.1f} -> "
+              f"{summary['token_straggler_after']:.1f} rows ({100 * summary['reduction']:.1f}% lower; max/mean "
+              f"{summary['max_over_mean_before']:.3f} -> {summary['max_over_mean_after']:.3f}); loss "
+              f"{summary['loss_first']:.3f} -> {summary['loss_last']:.3f}", flush=True)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            meta = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "world_size": world,
+                    "platform": demo.platform_line(device), "torch": torch.__version__, "transport": "torch",
+                    "config": {"gpus_per_node": G, "layers": args.layers, "experts": E,
+                               "top_k": first.config.top_k, "hidden": args.hidden, "ffn": first.config.ffn,
+                               "dyn": min(args.dyn, E // world), "policy": args.policy,
+                               "router": f"{type(model).__name__}'s own", "text": label,
+                               "text_bytes": args.text_bytes, "batch": args.batch, "seq_len": args.seq_len,
+                               "arch": args.arch}}
+            report.write_report(args.out, meta, steps)
+            print(f"report: {args.out / 'report.md'}", flush=True)
+    dist.barrier()
+    return {"steps": steps, "summary": summary, "names": names}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    demo = _demo()
+    demo.init_distributed(args.device)
+    try:
+        train(args)
+        code = 0
+    except demo.UsageError as exc:
+        if dist.get_rank() == 0:
+            print(f"hf_moe.py: error: {exc}", file=sys.stderr, flush=True)
+        code = 2
+    dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The two helper threads of a MoE layer: the planner (CPU scheduler) and the copy thread.
+
+Per micro-batch, before the static experts' GEMM is launched, the layer hands the node's counts to the PLANNER
+thread and a job to the COPY thread: wait for the plan (no longer than the static GEMM plus ``plan_wait_ms``),
+agree with the node that every rank has it (one tiny MIN all-reduce over the CPU control group), then issue the
+phase-2 copies. On a GPU the copies go on the copy path's stream while the static GEMM still runs on the compute
+stream; on a CPU the copy thread is the stand-in for that stream and copies while the main thread computes. The
+main thread meets the copy thread only after the static GEMM.
+
+The planner signals completion through its future (a condition variable, no sleep poll); on a GPU the copy thread
+also watches the static GEMM's end event, the deadline after which waiting would delay the layer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Balancer", "PlanResult"]
+
+# how long the copy thread sleeps between looks at a GPU static GEMM's end event while the plan is not ready
+_GPU_POLL_S = 20e-6
+# on a CPU (plan_wait_ms=None: wait for the plan) a plan later than this is given up (a stuck planner)
+_CPU_PLAN_CAP_S = 60.0
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PlanResult:
+    """What the planner thread produced for one micro-batch, as the copy thread saw it at its deadline."""
+
+    plan: Any | None       # the plan, or None (late, busy, failed or never wanted)
+    plan_us: float         # the planner call's wall time (0 without a plan)
+    ready: int             # 1: the plan is here; 0: late or planner busy
+    error: str | None      # the planner raised (this text)
+
+
+class Balancer:
+    """The planner and copy threads of one layer.
+
+    plan_wait_s: grace after the static GEMM's end before giving up on the plan; None = wait for it (CPU default).
+    device: the layer's device; on CUDA the copy thread makes it its current device (a new thread starts on
+        device 0, whatever the main thread set).
+    """
+
+    def __init__(self, *, plan_wait_s: float | None, device: torch.device):
+        self.plan_wait_s = plan_wait_s
+        self.planner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-plan")
+        init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
+        self.copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-copy",
+                                                            initializer=init[0], initargs=init[1])
+        self._planning: concurrent.futures.Future | None = None
+
+    def submit_plan(self, fn: Callable[[], tuple[Any, float]]) -> concurrent.futures.Future | None:
+        """Start planning; None when the planner is still busy with an earlier (late) plan: the micro-batch then
+        computes at home at once instead of queueing behind it."""
+        if self._planning is not None and not self._planning.done():
+            return None
+        self._planning = self.planner.submit(fn)
+        return self._planning
+
+    def wait_plan(self, future: concurrent.futures.Future | None, static_end: Callable[[], bool] | None,
+                  ) -> PlanResult:
+        """Wait for ``future`` (on the copy thread) until the static GEMM ended (``static_end()`` true, GPU) plus
+        ``plan_wait_s``; without ``static_end`` (CPU) the static GEMM runs on the main thread meanwhile, and the
+        deadline is ``plan_wait_s`` after now (None: wait for the plan)."""
+        if future is None:
+            return PlanResult(plan=None, plan_us=0.0, ready=0, error=None)
+        if static_end is not None:
+            done = threading.Event()
+            future.add_done_callback(lambda _f: done.set())
+            while not done.wait(_GPU_POLL_S) and not static_end():
+                pass
+        timeout = _CPU_PLAN_CAP_S if self.plan_wait_s is None else self.plan_wait_s
+        try:
+            plan, plan_us = future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            return PlanResult(plan=None, plan_us=0.0, ready=0, error=None)
+        except Exception as exc:  # the planner's error is agreed with the node, then raised everywhere
+            return PlanResult(plan=None, plan_us=0.0, ready=0, error=f"{type(exc).__name__}: {exc}")
+        return PlanResult(plan=plan, plan_us=plan_us, ready=1, error=None)
+
+    def close(self) -> None:
+        self.planner.shutdown(wait=True, cancel_futures=True)
+        self.copier.shutdown(wait=True, cancel_futures=True)
+
+
+def timed_plan(make: Callable[[], Any]) -> tuple[Any, float]:
+    """(make(), its wall time in us): the planner thread's job."""
+    t0 = time.perf_counter()
+    plan = make()
+    return plan, (time.perf_counter() - t0) * 1e6

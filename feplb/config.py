@@ -1,0 +1,211 @@
+"""The MoE layer's configuration and what each forward reports (frozen dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["FEPLBConfig", "LayerStats", "forward_problem"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _pos_int(name: str, v: object, lo: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"FEPLBConfig.{name} must be an int >= {lo}, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FEPLBConfig:
+    """Configuration of one MoE layer (identical on every rank of the EP group; checked at construction).
+
+    hidden, ffn: H and F of the SwiGLU experts. num_experts: E (divisible by the EP group size). top_k: K.
+    router: "softmax" (gate = softmax probability), "sigmoid" (gate = sigmoid, normalised over the top-k), or
+        "external" (no router parameter: every forward takes ``routing=(topk_ids, topk_weights)``).
+    router_bias: a per-expert bias buffer added to the scores for expert SELECTION only (auxiliary-loss-free
+        balancing; it never enters the gate weights or the gradient).
+    gpus_per_node: G, GPUs of a node (the copy path's reach); divides the EP group size.
+    dyn: dynamic experts per GPU (clipped to E / W); policy: any ``feplb.sched`` policy name
+        (``BASE[+place][@current|@ema]``), "none" = plain EP. ``+place`` computes experts where the placement from
+        routing history puts them (weights='per-step' keeps a bank of the placed experts' weights on each GPU,
+        refreshed once per step); ``fastermoe`` and ``eplb`` route rows in the phase-1 dispatch as those systems do.
+    transport: "torch" (torch.distributed) or "nvshmem" (nvshmem4py, CUDA only).
+    device: where parameters and activations live: "cpu", "cuda" (the current CUDA device), or "auto" (CUDA when
+        the EP group's backend is NCCL or transport="nvshmem", else CPU). "cuda" over a gloo group runs several
+        processes on one GPU (NCCL refuses that): gloo carries the small host collectives, NVSHMEM phase 1.
+    copy_path: the in-node copy path (``feplb.copy_engine.make_copy_engine``'s kind): "auto" (CPU: shared memory;
+        CUDA: nvshmem4py puts with transport="nvshmem", else CUDA IPC peer copies), "shm" or "gloo" on CPUs,
+        "nvshmem", "ipc" or "nccl" (SM copies, a fallback) on GPUs.
+    weights: "per-step" (helpers hold resident replicas, refreshed by ``refresh_replicas()`` after the optimizer
+        step, gradients reduced by ``reduce_replica_grads()`` before it) or "per-microbatch" (weights travel with
+        the rows every micro-batch, gradients return with the backward pass).
+    refresh_every: micro-batches between the policy state's slow refreshes (``@ema`` dynamic sets, EPLB replicas).
+    plan_wait_ms: grace after the static GEMM before falling back to computing at home. None (default): on a
+        CPU, wait for the plan (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer).
+    min_straggler_rows: balance only when the token straggler with every expert at its home is at least this many
+        rows (a deterministic gate, identical on every rank). None (default): the cost model's knee
+        (``CostModel.knee_rows``, the smallest chunk worth a GEMM of its own), so balanced routing takes the
+        plain-EP path and pays nothing.
+    tau, min_chunk: planner options (``feplb.sched.make_plan``); min_chunk None = the cost model's knee.
+    cost: the planner's ``feplb.sched.cost.CostModel`` (FasterMoE's shadowing decision, feplb-split's default
+        min_chunk); None = the H200 table scaled to this layer's expert shape and dtype.
+    recv_capacity: rows the phase-1 receive buffer holds (None = sized per micro-batch). on_overflow: "grow"
+        (reallocate, recorded in ``LayerStats.recv_grew``) or "error" (ValueError; rows are never dropped).
+    dtype: parameter and activation dtype (on CUDA, float32 GEMMs run on FMA units, not tensor cores: a warning
+        says so; use bfloat16).
+    timeline: record each forward's steps (``MoELayer.last_timeline``, a ``feplb.timeline.Timeline``).
+    """
+
+    hidden: int
+    ffn: int
+    num_experts: int
+    top_k: int
+    router: str = "softmax"
+    router_bias: bool = False
+    gpus_per_node: int = 1
+    dyn: int = 4
+    policy: str = "feplb"
+    transport: str = "torch"
+    copy_path: str = "auto"
+    device: str = "auto"
+    weights: str = "per-step"
+    refresh_every: int = 8
+    plan_wait_ms: float | None = None
+    min_straggler_rows: int | None = None
+    tau: float = 0.01
+    min_chunk: int | None = None
+    cost: Any = None
+    recv_capacity: int | None = None
+    on_overflow: str = "grow"
+    dtype: torch.dtype = torch.float32
+    timeline: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "ffn", "num_experts", "top_k", "gpus_per_node", "refresh_every"):
+            _pos_int(name, getattr(self, name))
+        _pos_int("dyn", self.dyn, 0)
+        if self.min_straggler_rows is not None:
+            _pos_int("min_straggler_rows", self.min_straggler_rows, 0)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"FEPLBConfig.top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+        if self.router not in ("softmax", "sigmoid", "external"):
+            raise ValueError(f"FEPLBConfig.router must be 'softmax', 'sigmoid' or 'external', got {self.router!r}")
+        if self.router == "external" and self.router_bias:
+            raise ValueError("FEPLBConfig.router_bias needs the layer's own router (router='softmax' or 'sigmoid')")
+        if not isinstance(self.timeline, bool):
+            raise TypeError(f"FEPLBConfig.timeline must be a bool, got {self.timeline!r}")
+        from feplb.copy_engine import COPY_KINDS
+
+        if self.copy_path not in COPY_KINDS:
+            raise ValueError(f"FEPLBConfig.copy_path must be one of {COPY_KINDS}, got {self.copy_path!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"FEPLBConfig.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.transport not in ("torch", "nvshmem"):
+            raise ValueError(f"FEPLBConfig.transport must be 'torch' or 'nvshmem', got {self.transport!r}")
+        if self.weights not in ("per-step", "per-microbatch"):
+            raise ValueError(f"FEPLBConfig.weights must be 'per-step' or 'per-microbatch', got {self.weights!r}")
+        if self.on_overflow not in ("grow", "error"):
+            raise ValueError(f"FEPLBConfig.on_overflow must be 'grow' or 'error', got {self.on_overflow!r}")
+        if self.dtype not in _DTYPES:
+            raise TypeError(f"FEPLBConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.plan_wait_ms is not None and not (isinstance(self.plan_wait_ms, (int, float))
+                                                  and 0 <= self.plan_wait_ms < float("inf")):
+            raise ValueError(f"FEPLBConfig.plan_wait_ms must be None or a finite number >= 0, got "
+                             f"{self.plan_wait_ms!r}")
+        from feplb.sched.cost import CostModel
+
+        if self.cost is not None and not isinstance(self.cost, CostModel):
+            raise TypeError(f"FEPLBConfig.cost must be a feplb.sched.cost.CostModel or None, got "
+                            f"{type(self.cost).__name__}")
+        if self.min_chunk is not None:
+            _pos_int("min_chunk", self.min_chunk)
+        if self.recv_capacity is not None:
+            _pos_int("recv_capacity", self.recv_capacity, 0)
+        from feplb.sched.plan import parse_policy
+
+        parse_policy(self.policy)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerStats:
+    """What the last forward did. Identical on every rank of a node (``plan_us`` is this rank's); when only some
+    nodes fell back, ``loads_after_W`` of other nodes shows their planned moves.
+
+    loads_before_W: rows each GPU would compute under plain EP (every expert at its owner, no balancing).
+    rows_at_home_W: rows each GPU would compute with the current placement (``+place``) and no per-micro-batch
+    balancing (equal to loads_before_W without placement). loads_after_W: rows each GPU computed.
+    token_straggler_before/after: max - mean of loads_before_W / loads_after_W (``feplb.sched.token_straggler``).
+    rows_moved: rows computed away from their home (all GPUs); copy_bytes: forward bytes over all GPUs of phase 2
+    (rows out, results back) and of weights copied this micro-batch (per-micro-batch weights, FasterMoE shadows).
+    weight_copies: experts' weights copied to a helper this micro-batch. experts_placed: experts whose home is
+    not their owner. plan_us: wall time of this rank's planner call (0 when no plan was made).
+    balanced: the plan was executed; fell_back: a plan was wanted but not ready in time on some rank of the scope,
+    so every rank there computed at home. plan_fingerprint: hash of the executed plan (equal on every rank of the
+    plan's scope; nodes that fell back report 0). counts_WE: rows each EP rank sent each expert (the all-gathered
+    counts; ``tokens_per_expert`` is their column sum). row_bytes_moved / weight_bytes_moved: bytes of rows (one
+    way) and of expert weights the executed plan copied between GPUs this micro-batch, counted from what the layer
+    exchanged (the simulator's ``CostModel.plan_copy_bytes`` counts the same plan alike).
+    """
+
+    loads_before_W: list[int]
+    loads_after_W: list[int]
+    token_straggler_before: float
+    token_straggler_after: float
+    rows_moved: int
+    copy_bytes: int
+    weight_copies: int
+    plan_us: float
+    balanced: bool
+    fell_back: bool
+    plan_fingerprint: int = 0
+    recv_grew: bool = False
+    policy: str = "none"
+    dynamic_WD: list[list[int]] = field(default_factory=list)
+    experts_placed: int = 0
+    rows_at_home_W: list[int] = field(default_factory=list)
+    counts_WE: list[list[int]] = field(default_factory=list)
+    row_bytes_moved: int = 0
+    weight_bytes_moved: int = 0
+
+    @property
+    def tokens_per_expert(self) -> list[int]:
+        """Rows each expert received in the last forward, over the whole EP group (int per expert)."""
+        return [sum(col) for col in zip(*self.counts_WE, strict=True)] if self.counts_WE else []
+
+
+def forward_problem(c: FEPLBConfig, device: torch.device, has_router: bool, x: object, routing: object,
+                    ) -> tuple[type, str] | None:
+    """What is wrong with ``MoELayer.forward``'s arguments on this rank (exception type, message), or None. Values are
+    checked on the device and reach every rank through the counts all-gather."""
+    if not isinstance(x, torch.Tensor):
+        return TypeError, f"MoELayer input must be a torch.Tensor, got {type(x).__name__}"
+    if x.dim() not in (2, 3) or x.shape[-1] != c.hidden:
+        return ValueError, (f"MoELayer input must be [tokens, {c.hidden}] or [batch, seq, {c.hidden}], "
+                            f"got shape {list(x.shape)}")
+    if x.dtype != c.dtype:
+        return TypeError, f"MoELayer input dtype must be {c.dtype} (FEPLBConfig.dtype), got {x.dtype}"
+    if x.device != device:
+        return ValueError, f"MoELayer input is on {x.device} but the layer's experts are on {device}"
+    if routing is None:
+        if not has_router:
+            return ValueError, "MoELayer with router='external' needs routing=(topk_ids, topk_weights)"
+        return None
+    K = c.top_k
+    if not (isinstance(routing, (tuple, list)) and len(routing) == 2
+            and all(isinstance(t, torch.Tensor) for t in routing)):
+        return TypeError, "MoELayer routing must be a pair of tensors (topk_ids [T, K], topk_weights [T, K])"
+    ids, w = routing
+    T = x.numel() // c.hidden
+    for name, t in (("topk_ids", ids), ("topk_weights", w)):
+        if t.numel() != T * K or t.shape[-1] != K:
+            return ValueError, (f"MoELayer routing {name} must be [{T}, {K}] (one row of top-{K} per token), "
+                                f"got shape {list(t.shape)}")
+        if t.device != x.device:
+            return ValueError, f"MoELayer routing {name} is on {t.device}, the input on {x.device}"
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        return TypeError, f"MoELayer routing topk_ids must be an integer tensor, got {ids.dtype}"
+    if not w.is_floating_point():
+        return TypeError, f"MoELayer routing topk_weights must be a floating tensor, got {w.dtype}"
+    return None

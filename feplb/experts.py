@@ -1,0 +1,49 @@
+"""Small pieces every step of the MoE layer shares: the SwiGLU experts over grouped rows, host index arrays to the
+device without a blocking copy, the hand-off of device work to a helper thread, and timeline spans."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from feplb.timeline import Timeline
+
+__all__ = ["expert_mlp", "handoff", "span", "to_device"]
+
+
+def expert_mlp(x_MH: torch.Tensor, w1_LH2F: torch.Tensor, w2_LFH: torch.Tensor,
+               offsets_L: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over grouped rows: grouped_mm(x, w1) -> swiglu -> grouped_mm(., w2).
+
+    x_MH: [M, H]; w1_LH2F: [L, H, 2F]; w2_LFH: [L, F, H]; offsets_L: int32/int64 [L] END offsets. Returns [M, H].
+    """
+    from feplb.kernels import grouped_mm, swiglu
+
+    if w1_LH2F.shape[0] == 0 or x_MH.shape[0] == 0:
+        return x_MH.new_zeros((0, w2_LFH.shape[-1])) + (x_MH.sum() + w1_LH2F.sum() + w2_LFH.sum()) * 0
+    h = grouped_mm(x_MH, w1_LH2F, offsets_L, check=False)
+    return grouped_mm(swiglu(h), w2_LFH, offsets_L, check=False)
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host int64 array on ``device`` without a blocking copy (pinned staging on CUDA)."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def handoff(t: torch.Tensor):
+    """(event, stream) for work a worker thread issues for the calling thread's stream: the event the work waits
+    for (recorded now) and the stream that consumes its results; (None, None) on a CPU."""
+    if not t.is_cuda:
+        return None, None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev, torch.cuda.current_stream()
+
+
+def span(tl: Timeline | None, name: str, lane: str = "compute", stream=None):
+    return contextlib.nullcontext() if tl is None else tl.span(name, lane, stream=stream)

@@ -1,0 +1,254 @@
+"""Phase 2 of the in-node path: planning and copies beside the static GEMM, then the dynamic GEMM and the results'
+return (steps 5, 7 and 8 of ``feplb.layer``).
+
+``start_phase2`` (main thread, before the static GEMM is launched) hands the planner thread the counts and the copy
+thread a job: wait for the plan, check it and lay it out (``feplb.layout.phase2_layout``), agree with the node
+(``feplb.balance``), then issue one ``feplb.dispatch.Exchange`` with the rows to helpers and the plan's weight copies
+(``Plan.weight_copies``, executed as given). On a GPU the copies are issued only once the static GEMM is launched,
+and their results are handed to a hand-off stream, so nothing on the compute stream waits for them before it must.
+``dynamic_and_return`` (main thread, after the static GEMM) finishes that exchange inside autograd, computes the rows
+hosted for other GPUs first (their homes wait for them), sends those results home through the copy thread, computes
+the dynamic rows kept at home meanwhile, and gathers every result into receive order.
+
+Legend: R rows at home on this rank after phase 1, H hidden, F ffn.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from feplb.balance import PlanResult
+from feplb.dispatch import Exchange, Received
+from feplb.experts import expert_mlp, handoff, span, to_device
+from feplb.layout import Item, Phase2Layout, inverse, phase2_layout
+from feplb.steps import Counts, Split
+
+__all__ = ["Phase2", "Phase2Job", "dynamic_and_return", "hosted_gemm", "no_phase2", "start_phase2"]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Phase2:
+    """The plan as executed by the node, and its copies (issued by the copy thread, finished by the main one)."""
+
+    result: PlanResult
+    fell_back: bool
+    moves: tuple
+    layout: Phase2Layout | None
+    exchange: Exchange | None          # rows to helpers, then the plan's weight copies (w1s, then w2s)
+    spec: tuple                        # per send of this rank: ("rows", start, end) or ("w1" | "w2", expert)
+    pending: concurrent.futures.Future | None
+    copies: tuple                      # the plan's weight copies executed (expert, src, dst)
+    bank_bytes: int = 0                # bytes the owners sent for this rank's slot weights (per-microbatch +place)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Phase2Job:
+    """The copy thread's job for one micro-batch, and the main thread's signals to it."""
+
+    future: concurrent.futures.Future   # -> Phase2
+    static_end: object                  # a CUDA event recorded after the static GEMM (GPU; None on a CPU)
+    launched: threading.Event           # set once the static GEMM is launched (and static_end recorded)
+
+    def static_launched(self) -> None:
+        if self.static_end is not None:
+            self.static_end.record()
+        self.launched.set()
+
+    def result(self) -> Phase2:
+        return self.future.result()
+
+
+def no_phase2() -> Phase2:
+    return Phase2(result=PlanResult(plan=None, plan_us=0.0, ready=0, error=None), fell_back=False, moves=(),
+                  layout=None, exchange=None, spec=(), pending=None, copies=())
+
+
+def materialize(spec: tuple, h_RD: torch.Tensor, local, detach: bool = False) -> list[torch.Tensor]:
+    """The tensors a send spec names: rows of h_RD ("rows", start, end) or an expert's weights ("w1"/"w2", e)."""
+    out = []
+    for s in spec:
+        if s[0] == "rows":
+            t = h_RD[s[1]:s[2]]
+        else:
+            w1, w2 = local(s[1])
+            t = w1 if s[0] == "w1" else w2
+        t = t.reshape(-1)
+        out.append(t.detach() if detach else t)
+    return out
+
+
+def start_phase2(layer, h_RD: torch.Tensor, counts: Counts, split: Split, slot_w, tl) -> Phase2Job:
+    """Step 5: planning on the planner thread; checks, agreement and copies on the copy thread."""
+    state = layer._plan_state
+    plan_f = layer._balancer.submit_plan(lambda: layer._plan(counts.counts_WE, state, tl))
+    on_gpu = h_RD.is_cuda
+    end = torch.cuda.Event() if on_gpu else None
+    launched = threading.Event()
+    ready, _ = handoff(h_RD)
+    static_end = (lambda: launched.is_set() and end.query()) if on_gpu else None
+    future = layer._balancer.copier.submit(_phase2_job, layer, h_RD.detach(), counts, split, slot_w, state, plan_f,
+                                           static_end, launched, ready, tl)
+    return Phase2Job(future=future, static_end=end, launched=launched)
+
+
+def _lay_out(layer, plan, counts: Counts, split: Split, state, dtype, device):
+    """The plan's moves, this rank's phase-2 layout, the exchange (rows to helpers, then the weight copies: every
+    w1, then every w2) and this rank's send spec; raises ValueError if the plan is not executable here."""
+    c = layer.config
+    plan.validate(counts.counts_WE, layer.topo, state)
+    moves = tuple(m for m in plan.moves if m.row_end > m.row_start)
+    lay = phase2_layout(split.home, moves, layer.placement.slot_pos, layer.rank)
+    copies = tuple(plan.weight_copies)
+    for e, _, d in copies:
+        if d == layer.rank and not any(m.expert == e and m.dst == d for m in moves):
+            raise ValueError(f"plan copies expert {e}'s weights to GPU {d}, which computes none of its rows")
+    for j in lay.hosted:
+        e = moves[j].expert
+        if not (any(cp[0] == e and cp[2] == layer.rank for cp in copies) or e in layer.replicas.replica_of
+                or e // layer.num_local == layer.rank):
+            raise ValueError(f"GPU {layer.rank} would compute rows of expert {e} without its weights")
+    H, Fd, n = c.hidden, c.ffn, len(copies)
+    items = [Item(m.src, m.dst, m.rows * H) for m in moves]
+    items += [Item(s, d, H * 2 * Fd) for _, s, d in copies] + [Item(s, d, Fd * H) for _, s, d in copies]
+    ex = Exchange(layer.comm, items, dtype=dtype, device=device, op="phase-2 rows and weights to helpers")
+    spec = {j: ("rows", a, b) for j, a, b in lay.out}
+    for k, (e, s, _) in enumerate(copies):
+        if s == layer.rank:
+            spec[len(moves) + k], spec[len(moves) + n + k] = ("w1", e), ("w2", e)
+    order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
+    return moves, lay, copies, ex, order
+
+
+def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f, static_end, launched, ready,
+                tl) -> Phase2:
+    """On the copy thread: wait for the plan, check and lay it out, agree with the node, issue the copies. A plan
+    that is late, or that fails (the planner raised, or the plan is not executable here) on any rank of the scope,
+    makes the whole scope compute at home: results never depend on it, so a failure is a warning, not a desync."""
+    res = layer._balancer.wait_plan(plan_f, static_end)
+    laid, error = None, res.error
+    if res.plan is not None:
+        try:
+            laid = _lay_out(layer, res.plan, counts, split, state, h_RD.dtype, h_RD.device)
+        except Exception as exc:  # noqa: BLE001 - agreed below, then a fallback on every rank of the scope
+            error = f"{type(exc).__name__}: {exc}"
+    with span(tl, "agree", "copy"):
+        agreed = layer.control.all_reduce_min(
+            torch.tensor([int(laid is not None), int(error is None)], dtype=torch.int64), layer._scope_group(),
+            "readiness agreement")
+    if int(agreed[1]) == 0:
+        import warnings
+
+        warnings.warn(f"MoELayer: the plan failed on a rank of the {layer._scope_group()} "
+                      f"({error or 'see that rank'}); this micro-batch computes at home", RuntimeWarning,
+                      stacklevel=1)
+    if int(agreed[0]) == 0:
+        return Phase2(result=res, fell_back=True, moves=(), layout=None, exchange=None, spec=(), pending=None,
+                      copies=())
+    moves, lay, copies, ex, order = laid
+    pending = None
+    if ex.active:
+        launched.wait()   # (GPU) the copies' hand-off never lands on the compute stream before the static GEMM
+        with span(tl, "copy_rows", "copy", stream=getattr(layer.comm.copy, "stream", None)):
+            got = ex.issue(materialize(order, h_RD, lambda e: layer._local_weights(e, slot_w), detach=True), ready,
+                           handoff=True)
+        pending = concurrent.futures.Future()
+        pending.set_result(got)
+    return Phase2(result=res, fell_back=False, moves=moves, layout=lay, exchange=ex, spec=order, pending=pending,
+                  copies=copies)
+
+
+def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, tl):
+    """Steps 7-8: the rows hosted for others (their results go home at once, through the copy thread), the dynamic
+    rows kept at home meanwhile, then every result in RECEIVE order (for the reverse all-to-all), and a tail to
+    keep in the graph."""
+    c = layer.config
+    H = c.hidden
+    dev = h_RD.device
+    if p2.layout is None:
+        # no moves: the dynamic slots compute at home (the home order's tail), one more grouped launch
+        dyn_L = split.home.n_L - split.home.static_L
+        with span(tl, "dynamic_gemm"):
+            y_dyn = expert_mlp(h_RD[split.home.n_static:], slot_w.w1, slot_w.w2,
+                               to_device(np.cumsum(dyn_L), dev)) if dyn_L.any() else h_RD[:0]
+        y_home = torch.cat([y_static, y_dyn])
+        return y_home.index_select(0, to_device(inverse(split.home.perm), dev)), layer._anchor(h_RD)
+    lay, ex, moves = p2.layout, p2.exchange, p2.moves
+    rcv = ex(materialize(p2.spec, h_RD, lambda e: layer._local_weights(e, slot_w)), layer._anchor(h_RD),
+             pending=p2.pending)
+    with span(tl, "dynamic_gemm"):
+        y_hosted = hosted_gemm(layer, lay.hosted, moves, p2.copies, lambda js: rcv.joined(js).view(-1, H), rcv,
+                               len(moves), dev)
+    back = [Item(m.dst, m.src, m.rows * H) for m in moves]
+    rex = Exchange(layer.comm, back, dtype=h_RD.dtype, device=dev, op="phase-2 results home")
+    sends = rex.sends_of({j: y_hosted[j] for j in lay.hosted})
+    ready, _ = handoff(h_RD)
+    pending = rex.start(sends, layer._balancer.copier, ready=ready) if rex.active else None
+    with span(tl, "dynamic_gemm"):
+        kept = h_RD.index_select(0, to_device(lay.kept_idx, dev))
+        y_kept = expert_mlp(kept, slot_w.w1, slot_w.w2, to_device(np.cumsum(lay.kept_L), dev)) \
+            if lay.kept_idx.size else h_RD[:0]
+    with span(tl, "copy_results", "copy"):
+        ret = rex(sends, layer._anchor(y_static), pending=pending)
+    with span(tl, "assemble"):
+        parts = [y_static, y_kept] + [ret.items[j].view(-1, H) for j, _, _ in lay.out]
+        y_recv = torch.cat(parts).index_select(0, to_device(lay.gather, dev))
+    return y_recv, torch.cat([rcv.tail.reshape(-1), ret.tail.reshape(-1)])
+
+
+def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, weights: Received | None, w_base: int,
+                device) -> dict[int, torch.Tensor]:
+    """The rows this GPU computes for others: one grouped launch per weight bank (the per-step replicas, each
+    source's weight copies received this micro-batch viewed in place, this rank's own parameters).
+
+    hosted: indices of the moves into this GPU; rows(js): their rows back to back ([N, H]); weights: the exchange
+    that carried ``copies``, whose items ``w_base + k`` / ``w_base + len(copies) + k`` are copy k's w1 / w2.
+    Returns {move index: [rows, H]}."""
+    if not hosted:
+        return {}
+    c = layer.config
+    H, Fd = c.hidden, c.ffn
+    n_cp = len(copies)
+    copy_k = {(e, d): k for k, (e, _, d) in enumerate(copies)}
+    banks: dict[object, tuple] = {}
+    groups: dict[object, list[tuple[int, int]]] = {}
+    for j in hosted:
+        e = moves[j].expert
+        k = copy_k.get((e, layer.rank))
+        if k is not None:
+            src = copies[k][1]
+            key = ("copy", src)
+            if key not in banks:
+                ks = [kk for kk, (_, s, d) in enumerate(copies) if s == src and d == layer.rank]
+                w1 = weights.joined([w_base + kk for kk in ks]).view(len(ks), H, 2 * Fd)
+                w2 = weights.joined([w_base + n_cp + kk for kk in ks]).view(len(ks), Fd, H)
+                banks[key] = (w1, w2, {copies[kk][0]: i for i, kk in enumerate(ks)})
+        elif e in layer.replicas.replica_of:
+            key = "replica"
+            banks[key] = (*layer.replicas.replica_bank, layer.replicas.replica_of)
+        elif e // layer.num_local == layer.rank:
+            key = "own"
+            w1, w2 = layer.expert_weights()
+            banks[key] = (w1, w2, {layer.rank * layer.num_local + i: i for i in range(layer.num_local)})
+        else:
+            raise RuntimeError(f"MoELayer: GPU {layer.rank} computes rows of expert {e} without its weights")
+        groups.setdefault(key, []).append((banks[key][2][e], j))
+    out: dict[int, torch.Tensor] = {}
+    for key, members in groups.items():
+        w1, w2, _ = banks[key]
+        members.sort()
+        js = [j for _, j in members]
+        x = rows(js)
+        sizes = np.zeros(w1.shape[0], dtype=np.int64)
+        for i, j in members:
+            sizes[i] += moves[j].rows
+        y = expert_mlp(x, w1, w2, to_device(np.cumsum(sizes), device))
+        pos = 0
+        for j in js:
+            out[j] = y[pos:pos + moves[j].rows]
+            pos += moves[j].rows
+    return out

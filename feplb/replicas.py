@@ -1,0 +1,273 @@
+"""Expert weights held besides their owner: per-step replicas, the bank of placed experts, and their gradients.
+
+An expert is OWNED by one rank (its parameters and optimizer state live there, ``MoELayer.expert_weights()``).
+Other GPUs hold copies of it when
+
+* a ``+place`` placement computes it elsewhere (its HOME): that GPU keeps a bank of the weights of every expert
+  placed on it (its SLOTS), built once per step (weights='per-step') or sent by the owners every micro-batch
+  (weights='per-microbatch', a differentiable exchange);
+* the policy state keeps a resident replica of it there (``PolicyState.resident``: ``@ema`` dynamic sets, EPLB
+  replicas), weights='per-step' only: a per-step bank of replicas, so a plan copies rows only for those.
+
+Per-step copies are leaves whose gradients accumulate over the step's micro-batches; ``reduce_grads`` sends them to
+the owners once per step. Whatever a plan needs beyond these, ``Plan.weight_copies`` copies per micro-batch.
+
+Staleness (per-step copies of weights the optimizer has changed) is detected without trusting version counters
+alone: fused and foreach optimizers write parameters without bumping them, so a global optimizer step hook marks
+the layer stale whenever any optimizer steps one of its expert parameters (``MoELayer.attach_optimizer`` instead
+reduces and refreshes around the step, for the user).
+
+Legend: L experts per GPU, H hidden, F ffn, S slots per GPU (= L).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from feplb.dispatch import Exchange
+from feplb.layout import Item
+
+__all__ = ["Placement", "Replicas", "SlotWeights", "state_digest"]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Placement:
+    """Where every expert is computed by default (its home), as seen from one rank."""
+
+    home_E: np.ndarray                 # int64 [E]: home GPU of each expert
+    slots_WS: np.ndarray               # int64 [W, L]: experts at home on each GPU, ascending ids
+    my_slots: tuple[int, ...]          # this rank's slots
+    slot_pos: dict[int, int]           # expert -> index among this rank's slots
+    slot_of_E: np.ndarray              # int64 [E]: flat slot (home GPU * L + index) of each expert
+    placed_pairs: tuple[tuple[int, int], ...]  # (expert, home) of every expert computed away from its owner
+    own_slots: bool                    # this rank's slots are exactly the experts it owns
+
+    @classmethod
+    def of(cls, home_E: np.ndarray, num_ranks: int, rank: int) -> Placement:
+        home = np.asarray(home_E, dtype=np.int64)
+        E = home.size
+        L = E // num_ranks
+        slots = np.argsort(home, kind="stable").reshape(num_ranks, L)
+        mine = tuple(int(e) for e in slots[rank])
+        slot_of = np.empty(E, dtype=np.int64)
+        slot_of[slots.reshape(-1)] = np.arange(E)
+        placed = tuple((e, int(h)) for e, h in enumerate(home.tolist()) if h != e // L)
+        return cls(home_E=home, slots_WS=slots, my_slots=mine, slot_pos={e: i for i, e in enumerate(mine)},
+                   slot_of_E=slot_of, placed_pairs=placed, own_slots=mine == tuple(range(rank * L, rank * L + L)))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SlotWeights:
+    """The weights one forward computes this rank's slots with."""
+
+    w1: torch.Tensor      # [L, H, 2F]
+    w2: torch.Tensor      # [L, F, H]
+    tail: torch.Tensor    # empty; keeps the exchange that sent them (if any) in the graph
+    copied_bytes: int     # bytes the owners sent for them this micro-batch
+
+
+class Replicas:
+    """The per-step copies of one layer on one rank (see the module docstring). ``layer`` is the owning
+    ``MoELayer`` (held weakly): its ``expert_weights()``, ``comm``, ``control`` and sizes."""
+
+    def __init__(self, layer):
+        self._layer = weakref.ref(layer)
+        self.pairs: tuple[tuple[int, int], ...] = ()     # (expert, gpu != owner) holding a per-step copy
+        self.replica_of: dict[int, int] = {}             # expert -> index in the replica bank (this rank)
+        self.replica_bank: tuple[torch.Tensor, torch.Tensor] | None = None   # leaves [N, H, 2F], [N, F, H]
+        self.slot_bank: tuple[torch.Tensor, torch.Tensor] | None = None      # leaves [L, H, 2F], [L, F, H]
+        self.ever_held = False        # some rank has held per-step copies (a global fact: pairs are global)
+        self.generation = 0           # bumped by every refresh; a gradient of an older generation is late
+        self.late_grad = False
+        self.stepped = False          # an optimizer stepped the owner's parameters since the last refresh
+        self._versions: tuple[int, ...] = ()
+
+    # ------------------------------------------------------------------------------------------------ state
+    def versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self._layer().expert_params())
+
+    def fresh(self) -> bool:
+        """Whether the per-step copies still hold the owners' current weights (True when there are none)."""
+        if not self.pairs:
+            return True
+        return not self.stepped and self._versions == self.versions()
+
+    def grads_clean(self) -> bool:
+        return not any(w.grad is not None for w in self._held())
+
+    def _held(self) -> list[torch.Tensor]:
+        return list(self.replica_bank or ()) + list(self.slot_bank or ())
+
+    def _watch(self, leaf: torch.Tensor) -> torch.Tensor:
+        """A per-step leaf, with a hook noticing a gradient that arrives after a refresh replaced it (a refresh
+        between a forward and its backward would otherwise lose that gradient silently)."""
+        if leaf.requires_grad:
+            gen, me = self.generation, weakref.ref(self)
+
+            def hook(grad: torch.Tensor) -> torch.Tensor:
+                rep = me()
+                if rep is not None and rep.generation != gen:
+                    rep.late_grad = True
+                return grad
+
+            leaf.register_hook(hook)
+        return leaf
+
+    def agree(self, what: str) -> None:
+        """Raise on every rank together if some rank's per-step copies lost or kept gradients (collective)."""
+        lay = self._layer()
+        flags = torch.tensor([int(self.grads_clean()), int(not self.late_grad)])
+        agreed = lay.control.all_reduce_min(flags, "group", f"{what} check")
+        if int(agreed[1]) == 0:
+            raise RuntimeError(f"MoELayer.{what}: a backward pass ran through expert weight copies that "
+                               "refresh_replicas() had already replaced, so their gradients were lost; call "
+                               "refresh_replicas() only after the backward of every earlier forward")
+        if what == "refresh_replicas" and int(agreed[0]) == 0:
+            raise RuntimeError("MoELayer.refresh_replicas: replica gradients were not reduced on some rank; call "
+                               "reduce_replica_grads() before optimizer.step()")
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def owned(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = self._layer()
+        w1, w2 = lay.expert_weights()
+        i = e - lay.rank * lay.num_local
+        return w1[i], w2[i]
+
+    def exchange_weights(self, copies: list[tuple[int, int, int]], op: str, *, from_owner: bool,
+                         local=None) -> tuple[list[Item], dict[int, torch.Tensor], dict[tuple[int, int], int]]:
+        """Exchange items for expert weights (expert, src, dst), identical on every rank: every w1 first, then every
+        w2, each in ``copies`` order, so a receiver's blocks from one source view as stacked weights. Returns
+        (items, {item: tensor this rank sends}, {(expert, dst): index of its w1 item}) (w2 item: + len(copies))."""
+        lay = self._layer()
+        H, Fd = lay.config.hidden, lay.config.ffn
+        items = [Item(s, d, H * 2 * Fd) for _, s, d in copies] + [Item(s, d, Fd * H) for _, s, d in copies]
+        sends, index = {}, {}
+        n = len(copies)
+        for k, (e, s, d) in enumerate(copies):
+            index[(e, d)] = k
+            if s == lay.rank and d != s:
+                w1, w2 = self.owned(e) if from_owner else local(e)
+                sends[k], sends[n + k] = w1.reshape(-1), w2.reshape(-1)
+        return items, sends, index
+
+    def forward_slot_weights(self, placement: Placement, anchor: torch.Tensor) -> SlotWeights:
+        """This forward's weights of this rank's slots. With weights='per-microbatch' and experts placed away from
+        their owners, the owners send them now (a differentiable exchange hung on ``anchor``)."""
+        lay = self._layer()
+        if lay.config.weights == "per-step" or not placement.placed_pairs:
+            w1, w2 = self.slot_bank if self.slot_bank is not None else lay.expert_weights()
+            return SlotWeights(w1=w1, w2=w2, tail=anchor[:0].reshape(-1), copied_bytes=0)
+        copies = [(e, e // lay.num_local, h) for e, h in placement.placed_pairs]
+        items, sends, index = self.exchange_weights(copies, "expert weights to their homes", from_owner=True)
+        w1, _ = lay.expert_weights()
+        ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="expert weights to their homes")
+        rcv = ex(ex.sends_of(sends), lay._anchor(anchor))
+        tail, got = rcv.tail, rcv.items
+        H, Fd, n = lay.config.hidden, lay.config.ffn, len(copies)
+        nbytes = n * 3 * H * Fd * w1.element_size()
+        if placement.own_slots:
+            own1, own2 = lay.expert_weights()
+            return SlotWeights(w1=own1, w2=own2, tail=tail, copied_bytes=nbytes)
+        ws = [(got[index[(e, lay.rank)]].view(H, 2 * Fd), got[n + index[(e, lay.rank)]].view(Fd, H))
+              if e // lay.num_local != lay.rank else self.owned(e) for e in placement.my_slots]
+        return SlotWeights(w1=torch.stack([a for a, _ in ws]), w2=torch.stack([b for _, b in ws]), tail=tail,
+                           copied_bytes=nbytes)
+
+    @torch.no_grad()
+    def refresh(self, placement: Placement, resident: frozenset[tuple[int, int]]) -> None:
+        """Copy the owners' current weights to every per-step holder (collective; weights='per-step'): the replicas
+        of ``resident`` (expert, gpu) and the slot banks of GPUs computing placed experts."""
+        lay = self._layer()
+        r = lay.rank
+        keep = sorted((e, g) for e, g in resident if g != int(placement.home_E[e]) and g != e // lay.num_local)
+        pairs = sorted(set(keep) | set(placement.placed_pairs))
+        self.pairs = tuple(pairs)
+        self.generation += 1
+        self.stepped = False
+        self._versions = self.versions()
+        self.ever_held = self.ever_held or bool(pairs)
+        self.replica_bank, self.slot_bank, self.replica_of = None, None, {}
+        if not pairs:
+            return
+        copies = [(e, e // lay.num_local, g) for e, g in pairs]
+        items, sends, index = self.exchange_weights(copies, "refresh of per-step expert copies", from_owner=True)
+        w1, w2 = lay.expert_weights()
+        ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="refresh of per-step expert copies")
+        got = ex(ex.sends_of(sends), w1.new_empty(0)).items
+        H, Fd, n = lay.config.hidden, lay.config.ffn, len(copies)
+
+        def received(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            k = index[(e, r)]
+            return got[k].view(H, 2 * Fd), got[n + k].view(Fd, H)
+
+        mine = [e for e, g in keep if g == r and e not in placement.slot_pos]
+        req1, req2 = w1.requires_grad, w2.requires_grad
+        if mine:
+            ws = [received(e) for e in mine]
+            self.replica_of = {e: j for j, e in enumerate(mine)}
+            self.replica_bank = (self._watch(torch.stack([a for a, _ in ws]).requires_grad_(req1)),
+                                 self._watch(torch.stack([b for _, b in ws]).requires_grad_(req2)))
+        if not placement.own_slots:
+            ws = [received(e) if e // lay.num_local != r else self.owned(e) for e in placement.my_slots]
+            self.slot_bank = (self._watch(torch.stack([a for a, _ in ws]).requires_grad_(req1)),
+                              self._watch(torch.stack([b for _, b in ws]).requires_grad_(req2)))
+
+    @torch.no_grad()
+    def reduce_grads(self, placement: Placement) -> None:
+        """Add the per-step copies' gradients to the owners' expert gradients (collective; once per step)."""
+        lay = self._layer()
+        r, L = lay.rank, lay.num_local
+        if not self.pairs:
+            return
+        H, Fd = lay.config.hidden, lay.config.ffn
+        w1, w2 = lay.expert_weights()
+
+        def grads_of(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            i = placement.slot_pos.get(e)
+            b1, b2 = self.slot_bank if i is not None else self.replica_bank
+            j = i if i is not None else self.replica_of[e]
+            g1 = b1.grad[j] if b1.grad is not None else torch.zeros_like(b1[j])
+            g2 = b2.grad[j] if b2.grad is not None else torch.zeros_like(b2[j])
+            return g1, g2
+
+        add1, add2 = torch.zeros_like(w1), torch.zeros_like(w2)
+        if self.slot_bank is not None:
+            for e in placement.my_slots:
+                if e // L == r:           # own experts in the bank: their gradient stays here
+                    g1, g2 = grads_of(e)
+                    add1[e - r * L] += g1
+                    add2[e - r * L] += g2
+        back = [(e, g, e // L) for e, g in self.pairs]    # (expert, holder -> owner)
+        items = [Item(g, o, H * 2 * Fd + Fd * H) for _, g, o in back]
+        sends = {}
+        for k, (e, g, _) in enumerate(back):
+            if g == r:
+                g1, g2 = grads_of(e)
+                sends[k] = torch.cat([g1.reshape(-1), g2.reshape(-1)])
+        ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="reduction of replica gradients")
+        got = ex(ex.sends_of(sends), w1.new_empty(0)).items
+        for k, (e, _, o) in enumerate(back):
+            if o == r and k in got:
+                add1[e - r * L] += got[k][:H * 2 * Fd].view(H, 2 * Fd)
+                add2[e - r * L] += got[k][H * 2 * Fd:].view(Fd, H)
+        for w in self._held():
+            w.grad = None
+        params = [t for t in (w1, w2) if t.requires_grad]
+        if params:
+            # through expert_weights(): the owner's parameters get the gradient whatever their layout
+            with torch.enable_grad():
+                w1, w2 = lay.expert_weights()
+                torch.autograd.backward([t for t in (w1, w2) if t.requires_grad],
+                                        [a for t, a in ((w1, add1), (w2, add2)) if t.requires_grad])
+
+
+def state_digest(st) -> bytes:
+    """The bytes of a PolicyState's slow decisions (equal on every rank that restored the same state)."""
+    parts = [repr((st.policy, st.step, st.replicas, sorted(st.resident))).encode()]
+    for a in (st.ema_E, st.home_E, st.dynamic_WD):
+        parts.append(b"-" if a is None else np.ascontiguousarray(a).tobytes())
+    return b"|".join(parts)

@@ -1,0 +1,150 @@
+"""What one forward of the MoE layer did, and when: spans per step and per lane (thread or stream).
+
+``FEPLBConfig(timeline=True)`` makes every forward record a ``Timeline``: the spans of counts, phase 1, the row
+gather, the static GEMM, planning, the readiness agreement, each copy, the dynamic GEMM, the results' return,
+phase 1 reversed and the combine, each on the lane it ran on: ``compute`` (the main thread, or the compute stream),
+``planner`` (the planner thread), ``copy`` (the copy thread: the CPU stand-in for the copy stream, or the copy
+stream itself). On the CPU a span is wall-clock time; on a GPU, device spans are CUDA events resolved when the
+timeline is read (``spans()`` synchronises on them, so read it after the step, not inside it).
+
+Export: ``to_chrome_trace`` writes Chrome-trace JSON (open it in Perfetto or chrome://tracing), ``plot`` a PNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["LANES", "Span", "Timeline", "plot", "to_chrome_trace"]
+
+LANES = ("compute", "planner", "copy")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Span:
+    """One step of a forward: ``name`` ran on ``lane`` from ``start_us`` to ``end_us`` (microseconds since the
+    forward began)."""
+
+    name: str
+    lane: str
+    start_us: float
+    end_us: float
+
+
+class Timeline:
+    """Spans of one forward. Thread-safe (the planner and copy threads record into it too).
+
+    device_spans: record CUDA events on the current stream (GPU) instead of wall-clock time.
+    """
+
+    def __init__(self, *, device_spans: bool = False):
+        self._t0 = time.perf_counter()
+        self._lock = threading.Lock()
+        self._host: list[Span] = []
+        self._device: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._base = None
+        if device_spans:
+            self._base = torch.cuda.Event(enable_timing=True)
+            self._base.record()
+
+    def _now_us(self) -> float:
+        return (time.perf_counter() - self._t0) * 1e6
+
+    def add(self, name: str, lane: str, start_us: float, end_us: float) -> None:
+        with self._lock:
+            self._host.append(Span(name=name, lane=lane, start_us=start_us, end_us=end_us))
+
+    @contextlib.contextmanager
+    def span(self, name: str, lane: str = "compute", *, stream=None) -> Iterator[None]:
+        """Time the block: wall clock, or (GPU timelines) CUDA events on ``stream``, by default the current stream
+        for the compute lane (other lanes without a stream are timed on the host: the issue of their work)."""
+        if self._base is not None and (stream is not None or lane == "compute"):
+            s = stream if stream is not None else torch.cuda.current_stream()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(s)
+            yield
+            b.record(s)
+            with self._lock:
+                self._device.append((name, lane, a, b))
+            return
+        t = self._now_us()
+        try:
+            yield
+        finally:
+            self.add(name, lane, t, self._now_us())
+
+    def spans(self) -> list[Span]:
+        """Every span, sorted by start (synchronises on a GPU timeline's events)."""
+        out = list(self._host)
+        for name, lane, a, b in self._device:
+            b.synchronize()
+            out.append(Span(name=name, lane=lane, start_us=self._base.elapsed_time(a) * 1e3,
+                            end_us=self._base.elapsed_time(b) * 1e3))
+        return sorted(out, key=lambda s: (s.start_us, s.end_us))
+
+    def get(self, name: str) -> list[Span]:
+        return [s for s in self.spans() if s.name == name]
+
+
+def to_chrome_trace(timelines: Sequence[Timeline | Sequence[Span]], path: str | os.PathLike | None = None, *,
+                    pid: int = 0) -> dict:
+    """Chrome-trace JSON of consecutive forwards (placed one after the other, 10 us apart); written to ``path``
+    (atomically) when given. Returns the trace dict."""
+    events, offset = [], 0.0
+    tids = {lane: i for i, lane in enumerate(LANES)}
+    for tl in timelines:
+        spans = tl.spans() if isinstance(tl, Timeline) else list(tl)
+        for s in spans:
+            tid = tids.setdefault(s.lane, len(tids))
+            events.append({"name": s.name, "cat": "feplb", "ph": "X", "pid": pid, "tid": tid,
+                           "ts": round(offset + s.start_us, 3), "dur": round(max(s.end_us - s.start_us, 0.0), 3)})
+        offset += max((s.end_us for s in spans), default=0.0) + 10.0
+    events += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": lane}}
+               for lane, t in tids.items()]
+    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if path is not None:
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(trace))
+        os.replace(tmp, p)
+    return trace
+
+
+def plot(spans: Sequence[Span], path: str | os.PathLike, *, title: str = "MoE layer forward") -> None:
+    """A PNG of one forward's spans, one row per lane."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lanes = [lane for lane in LANES if any(s.lane == lane for s in spans)]
+    lanes += sorted({s.lane for s in spans} - set(lanes))
+    names = sorted({s.name for s in spans})
+    colors = {n: plt.cm.tab20(i % 20) for i, n in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(10, 0.8 + 0.6 * len(lanes)))
+    for row, lane in enumerate(lanes):
+        for s in spans:
+            if s.lane == lane:
+                ax.broken_barh([(s.start_us / 1e3, max(s.end_us - s.start_us, 1.0) / 1e3)], (row - 0.35, 0.7),
+                               color=colors[s.name], edgecolor="black", linewidth=0.3)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the forward began")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[n]) for n in names]
+    ax.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.05 * len(lanes)), ncol=6,
+              fontsize=7, frameon=False)
+    fig.tight_layout()
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, p)

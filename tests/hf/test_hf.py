@@ -1,0 +1,329 @@
+"""feplb.hf on tiny Mixtral, Qwen3-MoE and DeepSeek-V3 models (random init, fixed seed), on 1 gloo rank and on 4 as
+2 nodes x 2, balancing on (feplb-split, rows really move) and off: against the unmodified model on each rank's own
+input, logits agree to 1e-5 (relative), expert-shard gradients equal the slice of the unmodified model's gradients
+summed over all ranks' inputs, every other gradient equals the unmodified model's local one; full_state_dict
+round-trips bit-exactly into a fresh unmodified model (and through save_pretrained / from_pretrained); experts FEPLB
+cannot run exactly are refused by name before anything is replaced; torch.compile of the modified model runs.
+
+Each gloo job runs every case of its world size in one process group (starting processes and importing
+transformers dominate the cost)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5")
+
+from feplb.testing import error_of, run_dist  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+TOL = 1e-5
+POLICIES = ("feplb-split@ema", "none")   # @ema: the dynamic set and its replicas held for the step
+
+
+def _models():
+    spec = importlib.util.spec_from_file_location("_feplb_hf_models", Path(__file__).with_name("models.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (0 when both are zero)."""
+    scale = float(b.detach().abs().max())
+    diff = float((a.detach() - b.detach()).abs().max())
+    return diff / scale if scale else diff
+
+
+def _digest(sd: dict) -> str:
+    h = hashlib.sha256()
+    for k in sorted(sd):
+        h.update(k.encode())
+        h.update(sd[k].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _experts_names(model) -> list[str]:
+    """Names of the model's transformers experts modules (not those FEPLB replaced them with)."""
+    return [n for n, m in model.named_modules()
+            if type(m).__name__.endswith("Experts") and type(m).__name__ != "FEPLBExperts"]
+
+
+def _check_arch(rank: int, world: int, arch: str, policy: str, state_dict_checks: bool) -> dict:
+    import torch.distributed as dist
+
+    import feplb.hf as fh
+
+    M = _models()
+    model = M.make_model(arch)
+    ref = copy.deepcopy(model)
+    expected = _experts_names(ref)
+    names = fh.apply(model, policy=policy, gpus_per_node=min(2, world), min_chunk=1, plan_wait_ms=60_000,
+                     min_straggler_rows=0)
+    out: dict = {"names": names, "expected": expected}
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    out["same_keys"] = list(sd) == list(ref_sd)
+    E = ref_sd[f"{expected[0]}.gate_up_proj"].shape[0]
+    out["shard_shapes"] = all(sd[k].shape == (E // world, *ref_sd[k].shape[1:]) for k in sd
+                              if k.endswith(("gate_up_proj", "down_proj")))
+    ids = M.tokens(rank)
+
+    # A first step sets the @ema dynamic experts, held resident on the node's other GPUs (per-step
+    # replicas), so the checked step also exercises the replicas' gradient reduction.
+    model(input_ids=ids, labels=ids).loss.backward()
+    fh.reduce_replica_grads(model)
+    model.zero_grad(set_to_none=True)
+    fh.refresh_replicas(model)
+
+    got = model(input_ids=ids, labels=ids)
+    want = ref(input_ids=ids, labels=ids)
+    out["logits_rel"] = _rel(got.logits, want.logits)
+    out["rows_moved"] = sum(m.last_stats.rows_moved for m in fh.experts_modules(model))
+    out["weight_copies"] = sum(m.last_stats.weight_copies for m in fh.experts_modules(model))
+    got.loss.backward()
+    want.loss.backward()
+    fh.reduce_replica_grads(model)
+    ref_params = dict(ref.named_parameters())
+    expert_ids = {id(p) for p in fh.expert_parameters(model)}
+    worst_expert, worst_other, missing = 0.0, 0.0, []
+    for n, p in model.named_parameters():
+        g_ref = ref_params[n].grad
+        if p.grad is None or g_ref is None:
+            missing.append(n)
+            continue
+        if id(p) in expert_ids:
+            g_ref = g_ref.clone()
+            dist.all_reduce(g_ref)   # the unmodified model's gradient over every rank's input
+            L = p.shape[0]
+            worst_expert = max(worst_expert, _rel(p.grad, g_ref[rank * L:(rank + 1) * L]))
+        else:
+            worst_other = max(worst_other, _rel(p.grad, g_ref))
+    out.update(expert_grad_rel=worst_expert, other_grad_rel=worst_other, missing_grads=missing,
+               n_expert_params=len(expert_ids))
+
+    if state_dict_checks:
+        out.update(_check_state_dict(rank, world, arch, model, ids, M))
+    return out
+
+
+def _check_state_dict(rank, world, arch, model, ids, M) -> dict:
+    import feplb.hf as fh
+
+    out = {}
+    with torch.no_grad():   # rank-local updates: every shard now differs from the initial weights
+        for p in fh.expert_parameters(model):
+            p.sub_(0.5 * p.grad)
+    fh.refresh_replicas(model)
+    full = fh.full_state_dict(model, rank0_only=False)
+    on_rank0 = fh.full_state_dict(model)
+    out["rank0_only_keys"] = len(on_rank0)
+    out["rank0_only_same"] = rank != 0 or (list(on_rank0) == list(full) and _digest(on_rank0) == _digest(full))
+    own = model.state_dict()
+    own_slices = True
+    for k, v in own.items():
+        w = full[k]
+        if k.endswith(("gate_up_proj", "down_proj")):
+            L = v.shape[0]
+            own_slices &= w.shape[0] == L * world and torch.equal(w[rank * L:(rank + 1) * L], v)
+        else:
+            own_slices &= torch.equal(w, v)
+    out["own_slices"] = own_slices
+    out["full_digest"] = _digest(full)
+    fresh = M.make_model(arch, seed=1)
+    fresh.load_state_dict(full, strict=True, assign=False)
+    out["fresh_exact"] = _digest(fresh.state_dict()) == out["full_digest"]
+    with torch.no_grad():
+        out["fresh_logits_rel"] = _rel(fresh(input_ids=ids).logits, model(input_ids=ids).logits)
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as d:
+            model.save_pretrained(d, state_dict=on_rank0)
+            loaded = type(fresh).from_pretrained(d, dtype=torch.float32)
+            out["pretrained_exact"] = _digest(loaded.state_dict()) == out["full_digest"]
+    return out
+
+
+class _OtherLayoutExperts(torch.nn.Module):
+    """An experts module stored the other way round (gate_up_proj [E, H, 2F], down_proj [E, F, H]), or without a
+    gate (up_proj only)."""
+
+    def __init__(self, E: int, H: int, F: int, gated: bool = True):
+        super().__init__()
+        if gated:
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(E, H, 2 * F))
+        else:
+            self.up_proj = torch.nn.Parameter(torch.randn(E, H, F))
+        self.down_proj = torch.nn.Parameter(torch.randn(E, F, H))
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        raise NotImplementedError
+
+
+def _check_errors(rank: int, world: int) -> dict:
+    """Experts FEPLB cannot run exactly: the error names the module and the reason, and nothing is replaced."""
+    import feplb.hf as fh
+
+    M = _models()
+    out = {}
+    if world == 1:
+        gelu = M.make_model("mixtral", hidden_act="gelu")
+        out["gelu"] = error_of(lambda: fh.apply(gelu))
+        half = M.make_model("mixtral")
+        half.model.layers[1].mlp.experts.act_fn = torch.nn.GELU()
+        before = _digest(half.state_dict())
+        out["half"] = error_of(lambda: fh.apply(half))
+        out["half_untouched"] = (_experts_names(half) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+                                 and _digest(half.state_dict()) == before)
+        out["gpt_oss"] = error_of(lambda: fh.apply(M.make_model("gpt_oss")))
+        other = M.make_model("mixtral")
+        other.model.layers[0].mlp.experts = _OtherLayoutExperts(8, 32, 16)
+        other.model.layers[1].mlp.experts = _OtherLayoutExperts(8, 32, 16, gated=False)
+        out["layouts"] = error_of(lambda: fh.apply(other))
+        ok = M.make_model("qwen3_moe")
+        out["derived"] = error_of(lambda: fh.apply(ok, top_k=3))
+        out["unknown"] = error_of(lambda: fh.apply(ok, polcy="none"))
+        out["bad_policy"] = error_of(lambda: fh.apply(ok, policy="no-such-policy"))
+        out["bad_policy_untouched"] = len(_experts_names(ok)) == 2
+        fh.apply(ok, policy="none")
+        out["applied"] = _experts_names(ok)
+        out["twice"] = error_of(lambda: fh.apply(ok))
+    else:
+        out["indivisible"] = error_of(lambda: fh.apply(M.make_model("mixtral", num_local_experts=6)))
+        out["differ"] = error_of(lambda: fh.apply(M.make_model("qwen3_moe", seed=rank)))
+    return out
+
+
+def _compile_worker(rank: int, world: int) -> dict:
+    """torch.compile (aot_eager: traced and partitioned like inductor, without its code generation) of a modified
+    one-layer model: the graph breaks at the layer's dispatch; output and gradients equal eager ones."""
+    import feplb.hf as fh
+
+    M = _models()
+    model = M.make_model("mixtral", num_hidden_layers=1)
+    fh.apply(model, policy="feplb-split", min_chunk=1, plan_wait_ms=60_000)
+    ids = M.tokens(rank)
+    eager = model(input_ids=ids, labels=ids)
+    eager.loss.backward()
+    fh.reduce_replica_grads(model)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    got = compiled(input_ids=ids, labels=ids)
+    got.loss.backward()
+    fh.reduce_replica_grads(model)
+    torch._dynamo.reset()
+    return {"logits_rel": _rel(got.logits, eager.logits),
+            "grad_rel": max(_rel(p.grad, grads[n]) for n, p in model.named_parameters())}
+
+
+def _worker(rank: int, world: int) -> dict:
+    M = _models()
+    results = {}
+    for arch in M.ARCHS:
+        for i, policy in enumerate(POLICIES):
+            results[(arch, policy)] = _check_arch(rank, world, arch, policy, state_dict_checks=i == 0)
+    results["errors"] = _check_errors(rank, world)
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return run_dist(_worker, 1, timeout_s=240, collective_timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_dist(_worker, 4, timeout_s=300, collective_timeout_s=120)
+
+
+def _assert_equivalent(ranks: list[dict], world: int) -> None:
+    for arch in _models().ARCHS:
+        for policy in POLICIES:
+            per_rank = [r[(arch, policy)] for r in ranks]
+            for rank, res in enumerate(per_rank):
+                case = f"{arch} {policy} rank {rank}"
+                assert res["names"] == res["expected"] and res["names"], case
+                assert res["same_keys"] and res["shard_shapes"], case
+                assert res["logits_rel"] <= TOL, (case, res["logits_rel"])
+                assert not res["missing_grads"], (case, res["missing_grads"])
+                assert res["n_expert_params"] == 2 * len(res["names"]), case
+                assert res["expert_grad_rel"] <= TOL, (case, res["expert_grad_rel"])
+                assert res["other_grad_rel"] <= TOL, (case, res["other_grad_rel"])
+            moved = [res["rows_moved"] for res in per_rank]
+            if policy == "none" or world == 1:
+                assert moved == [0] * world, (arch, policy, moved)
+            else:
+                assert all(m > 0 for m in moved), f"{arch}: balancing should move rows here, got {moved}"
+                # the same input as the first step: its dynamic experts are resident, only rows travel
+                assert [res["weight_copies"] for res in per_rank] == [0] * world, (arch, policy)
+
+
+def _assert_state_dict(ranks: list[dict]) -> None:
+    for arch in _models().ARCHS:
+        per_rank = [r[(arch, POLICIES[0])] for r in ranks]
+        assert len({res["full_digest"] for res in per_rank}) == 1, f"{arch}: ranks gathered different checkpoints"
+        for rank, res in enumerate(per_rank):
+            assert res["own_slices"], (arch, rank)
+            assert res["fresh_exact"], (arch, rank)
+            assert res["fresh_logits_rel"] <= TOL, (arch, rank, res["fresh_logits_rel"])
+            assert res["rank0_only_same"], (arch, rank)
+            assert (res["rank0_only_keys"] > 0) == (rank == 0), (arch, rank, res["rank0_only_keys"])
+        assert per_rank[0]["pretrained_exact"], arch
+
+
+def test_one_rank_matches_the_unmodified_model(one_rank):
+    _assert_equivalent(one_rank, 1)
+
+
+@pytest.mark.slow
+def test_four_ranks_as_two_nodes_match_the_unmodified_model(four_ranks):
+    _assert_equivalent(four_ranks, 4)
+
+
+def test_full_state_dict_round_trips_on_one_rank(one_rank):
+    _assert_state_dict(one_rank)
+
+
+@pytest.mark.slow
+def test_full_state_dict_gathers_four_shards_bit_exactly(four_ranks):
+    _assert_state_dict(four_ranks)
+
+
+def test_unsupported_experts_are_refused_by_name_and_nothing_is_replaced(one_rank):
+    err = one_rank[0]["errors"]
+    assert err["gelu"].startswith("ValueError") and "not SiLU" in err["gelu"], err["gelu"]
+    assert "model.layers.0.mlp.experts" in err["gelu"] and "model.layers.1.mlp.experts" in err["gelu"]
+    assert "model.layers.1.mlp.experts (MixtralExperts): activation GELU is not SiLU" in err["half"], err["half"]
+    assert "model.layers.0.mlp.experts" not in err["half"] and "nothing was replaced" in err["half"]
+    assert err["half_untouched"]
+    assert "model.layers.0.mlp.experts (GptOssExperts): bias terms" in err["gpt_oss"], err["gpt_oss"]
+    assert ("model.layers.0.mlp.experts (_OtherLayoutExperts): weight layout gate_up_proj [8, 32, 32], down_proj "
+            "[8, 16, 32]; expected gate_up_proj [E, 2F, H] and down_proj [E, H, F]") in err["layouts"], err["layouts"]
+    assert "model.layers.1.mlp.experts (_OtherLayoutExperts): no gate_up_proj parameter" in err["layouts"]
+    assert err["derived"].startswith("TypeError") and "['top_k'] come from the model" in err["derived"]
+    assert err["unknown"].startswith("TypeError") and "unknown FEPLBConfig field(s) ['polcy']" in err["unknown"]
+    assert "already replaced them" in err["twice"], err["twice"]
+    assert err["bad_policy"].startswith("ValueError") and "no-such-policy" in err["bad_policy"], err["bad_policy"]
+    assert err["bad_policy_untouched"] and err["applied"] == [], err["applied"]
+
+
+@pytest.mark.slow
+def test_unrunnable_configurations_fail_on_every_rank(four_ranks):
+    for rank, res in enumerate(four_ranks):
+        err = res["errors"]
+        assert "6 experts are not divisible by the EP group size 4" in (err["indivisible"] or ""), (rank, err)
+        assert "EP rank(s) [1, 2, 3] hold other" in (err["differ"] or ""), (rank, err)
+
+
+@pytest.mark.slow
+def test_torch_compile_of_the_modified_model_runs():
+    (res,) = run_dist(_compile_worker, 1, timeout_s=240, collective_timeout_s=60)
+    assert res["logits_rel"] <= TOL and res["grad_rel"] <= TOL, res

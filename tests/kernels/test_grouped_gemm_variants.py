@@ -1,0 +1,274 @@
+"""The grouped GEMM's persistent (tensor-descriptor) variant, the split-M weight gradient, the shared-memory prune
+and the autotune keys: kernels through their launchers (on a GPU, or on the CPU under TRITON_INTERPRET=1) against
+independent float64 computations, outputs poisoned with NaN first; the rules as pure functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from feplb.kernels import HAVE_TRITON, INTERPRET, poison_outputs
+from feplb.kernels import _triton as kt
+from feplb.kernels import grouped_gemm as gg
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(not HAVE_TRITON or (DEVICE == "cpu" and not INTERPRET),
+                                   reason="needs Triton and a GPU, or TRITON_INTERPRET=1")
+# The interpreter computes bf16 dots wrongly (the kernels upcast there); fp16 and fp32 are exact references.
+DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "fp16"] if DEVICE == "cpu" else ["bf16", "fp16"]
+
+# id: (group sizes, K, N). K and N keep 16-byte row strides (tensor descriptors need them); the interpreter's
+# tiles are 32 x 32 x 32, so sizes straddle, equal and exceed a tile.
+CASES = {
+    "multi-tile": ([40, 33, 7], 40, 48),
+    "empty-groups": ([0, 12, 0, 0, 21, 0], 24, 16),
+    "group-larger-than-tiles": ([70], 32, 72),
+    "single-rows": ([1, 1, 0, 1], 16, 16),
+    "tile-multiples": ([32, 64, 0, 32], 64, 32),
+    "all-but-one-empty": ([0, 0, 0, 9], 8, 40),
+}
+
+
+def _inputs(case, dtype, gen, offsets_dtype=torch.int64):
+    sizes, K, N = CASES[case]
+    offsets = torch.tensor(sizes).cumsum(0).to(offsets_dtype)
+    x = torch.randn(sum(sizes), K, generator=gen).to(dtype)
+    w = (torch.randn(len(sizes), K, N, generator=gen) / K**0.5).to(dtype)
+    dy = torch.randn(sum(sizes), N, generator=gen).to(dtype)
+    return x.to(DEVICE), w.to(DEVICE), dy.to(DEVICE), offsets.to(DEVICE)
+
+
+# ---------------------------------------------------------------------------------------------------- persistent
+
+@needs_kernels
+@pytest.mark.parametrize("programs", [1, None], ids=["1-program", "default-programs"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_persistent_forward_and_dx(case, dtype, programs, gen, kh):
+    """Forward (w [E, K, N], unit stride along N) and dX (the transposed view, unit stride along K), with fewer
+    programs than tiles (1, or 3 under the interpreter) so that every program walks several tiles and groups;
+    int32 offsets with the default programs, int64 with one."""
+    x, w, dy, offsets = _inputs(case, dtype, gen, torch.int32 if programs is None else torch.int64)
+    with poison_outputs():
+        y = gg.grouped_mm_triton(x, w, offsets, variant="persistent", programs=programs)
+        dx = gg.grouped_mm_triton(dy, w.transpose(1, 2), offsets, variant="persistent", programs=programs)
+    kh.close(y.cpu(), kh.grouped_mm_f64(x.cpu(), w.cpu(), offsets.cpu()), dtype, scale=2.0)
+    kh.close(dx.cpu(), kh.grouped_mm_f64(dy.cpu(), w.cpu().transpose(1, 2), offsets.cpu()), dtype, scale=2.0)
+    # Same tiles, same fp32 accumulation order as the classic variant.
+    classic = gg.grouped_mm_triton(x, w, offsets, variant="classic")
+    kh.close(y.cpu(), classic.cpu(), dtype)
+
+
+def _block_shapes(configs):
+    """The distinct tile shapes of a config list (warps and stages change nothing under the interpreter)."""
+    shapes = {tuple((k, v) for k, v in c.items() if k not in ("num_warps", "num_stages")) for c in configs}
+    return [dict(s) for s in sorted(shapes)] if INTERPRET else configs
+
+
+def _config_ids(configs):
+    return ["-".join(f"{k.removeprefix('BLOCK_')}{v}" for k, v in c.items() if k.startswith("BLOCK")) for c in configs]
+
+
+PERSISTENT = _block_shapes(gg.PERSISTENT_HOPPER_CONFIGS + gg.PERSISTENT_FALLBACK_CONFIGS)
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", PERSISTENT, ids=_config_ids(PERSISTENT))
+def test_persistent_every_gpu_config(config, gen, kh):
+    """Each tile shape the GPU may pick: groups smaller than, equal to and larger than a tile, a K that is not a
+    multiple of BLOCK_K (descriptor loads past K read zeros) and an N that is not a multiple of BLOCK_N."""
+    sizes, K, N = [0, 130, 3, 0, 64], 72, 136
+    offsets = torch.tensor(sizes).cumsum(0).to(DEVICE)
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    x = torch.randn(sum(sizes), K, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(len(sizes), K, N, generator=gen) / K**0.5).to(dtype).to(DEVICE)
+    with poison_outputs():
+        y = gg.grouped_mm_triton(x, w, offsets, config=config, variant="persistent", programs=2)
+        dx = gg.grouped_mm_triton(y, w.transpose(1, 2), offsets, config=config, variant="persistent", programs=2)
+    kh.close(y.cpu(), kh.grouped_mm_f64(x.cpu(), w.cpu(), offsets.cpu()), dtype, scale=2.0)
+    kh.close(dx.cpu(), kh.grouped_mm_f64(y.cpu(), w.cpu().transpose(1, 2), offsets.cpu()), dtype, scale=4.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", gg.VARIANTS)
+def test_unchecked_bad_offsets_are_clamped(variant, gen, kh):
+    """With check_values=False, a decreasing offset and one past M are clamped in-kernel: group 1 ([30, 10)) is
+    empty and group 2 covers [10, M) (not [10, M + 50)), so rows [0, 10) hold group 0's product and rows [30, M)
+    group 2's; rows [10, 30) belong to both clamped groups and are left unchecked."""
+    x, w, _, _ = _inputs("multi-tile", torch.float32 if DEVICE == "cpu" else torch.bfloat16, gen)
+    M = x.shape[0]
+    offsets = torch.tensor([30, 10, M + 50], device=DEVICE)
+    y = gg.grouped_mm_triton(x, w, offsets, variant=variant, check_values=False).cpu().double()
+    xd, wd = x.cpu().double(), w.cpu().double()
+    kh.close(y[:10], xd[:10] @ wd[0], x.dtype, scale=2.0)
+    kh.close(y[30:], xd[30:] @ wd[2], x.dtype, scale=2.0)
+
+
+def test_persistent_rejects_operands_it_cannot_take():
+    x = torch.randn(8, 6)  # rows of 24 bytes: not a multiple of 16
+    w = torch.randn(2, 6, 8)
+    offsets = torch.tensor([3, 8])
+    assert "16 bytes" in gg.persistent_unsupported(x, w)
+    assert "unit stride" in gg.persistent_unsupported(torch.randn(6, 8).T, torch.randn(2, 6, 8))
+    assert gg.persistent_unsupported(torch.randn(8, 8), torch.randn(2, 8, 8)) is None or not HAVE_TRITON
+    if HAVE_TRITON and INTERPRET:
+        with pytest.raises(ValueError, match=r"variant: 'persistent' cannot run these operands.*16 bytes"):
+            gg.grouped_mm_triton(x, w, offsets, variant="persistent")
+        with pytest.raises(ValueError, match=r"variant: expected one of \('classic', 'persistent'\).*'tma'"):
+            gg.grouped_mm_triton(x, w, offsets, variant="tma")
+
+
+def test_choose_variant(monkeypatch):
+    x, w = torch.randn(8, 8), torch.randn(2, 8, 8)
+    monkeypatch.delenv("FEPLB_GROUPED_MM_VARIANT", raising=False)
+    assert gg.choose_variant(x, w) == "classic"  # CPU tensors: the persistent variant only when asked
+    monkeypatch.setenv("FEPLB_GROUPED_MM_VARIANT", "persistent")
+    assert gg.choose_variant(x, w) == ("persistent" if gg.persistent_unsupported(x, w) is None else "classic")
+    assert gg.choose_variant(torch.randn(8, 6), torch.randn(2, 6, 8)) == "classic"  # misaligned: classic
+    monkeypatch.setenv("FEPLB_GROUPED_MM_VARIANT", "classic")
+    assert gg.choose_variant(x, w) == "classic"
+    monkeypatch.setenv("FEPLB_GROUPED_MM_VARIANT", "fast")
+    with pytest.raises(ValueError, match="FEPLB_GROUPED_MM_VARIANT: expected one of auto, classic, persistent, "
+                                         "got 'fast'"):
+        gg.choose_variant(x, w)
+
+
+# ---------------------------------------------------------------------------------------------------- split-M dW
+
+@needs_kernels
+@pytest.mark.parametrize("split_rows", [16, 40, None], ids=["split16", "split40-not-tile-multiple", "rule"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_dw_split_rows(case, dtype, split_rows, gen, kh):
+    """Groups larger than split_rows are cut into chunks whose partial sums are reduced; the result matches the
+    float64 reference, empty groups get zeros, and a second run is bit-identical (fixed reduction order)."""
+    x, _, dy, offsets = _inputs(case, dtype, gen)
+    with poison_outputs():
+        dw = gg.grouped_mm_dw_triton(x, dy, offsets, split_rows=split_rows)
+        again = gg.grouped_mm_dw_triton(x, dy, offsets, split_rows=split_rows)
+    expected = kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu())
+    kh.close(dw.cpu(), expected, dtype, scale=2.0 * max(x.shape[0], 1) ** 0.5)
+    assert torch.equal(dw, again)
+    empty = torch.diff(offsets.cpu(), prepend=offsets.new_zeros(1).cpu()) == 0
+    assert torch.all(dw.cpu()[empty] == 0)
+
+
+DW_ALL = _block_shapes(gg.DW_HOPPER_CONFIGS + gg.DW_FALLBACK_CONFIGS)
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", DW_ALL, ids=_config_ids(DW_ALL))
+def test_dw_split_every_gpu_config(config, gen, kh):
+    """Each dW tile shape with split groups: 150 rows in chunks of 64 (two full, one partial), beside an unsplit
+    group and an empty one; K and N not multiples of the tiles."""
+    sizes, K, N = [150, 0, 5, 64], 136, 72
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16  # every GPU config fits with 16-bit operands
+    offsets = torch.tensor(sizes).cumsum(0).to(DEVICE)
+    x = torch.randn(sum(sizes), K, generator=gen).to(dtype).to(DEVICE)
+    dy = torch.randn(sum(sizes), N, generator=gen).to(dtype).to(DEVICE)
+    with poison_outputs():
+        dw = gg.grouped_mm_dw_triton(x, dy, offsets, config=config, split_rows=64)
+    kh.close(dw.cpu(), kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu()), dtype, scale=20.0)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True], ids=["zero", "negative", "float", "bool"])
+def test_dw_rejects_bad_split_rows(bad):
+    if not (HAVE_TRITON and INTERPRET):
+        pytest.skip("the launcher runs only with Triton (CPU tensors under the interpreter)")
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=f"split_rows: expected an int >= 1 or None, got {bad!r}"):
+        gg.grouped_mm_dw_triton(x, torch.randn(4, 8), torch.tensor([4]), split_rows=bad)
+
+
+GLM5 = dict(K=6144, N=2 * 2048, E=16)  # gate/up projection of a GLM-5 expert, 16 experts per GPU
+
+
+@pytest.mark.parametrize("rows_per_group", [128, 256, 512, 4096])
+def test_dw_split_rule_leaves_balanced_large_shapes_whole(rows_per_group):
+    """With thousands of (group, tile) programs and balanced groups, no group is split (splitting would only add
+    partial-sum traffic); a group 4x over the mean is."""
+    M = rows_per_group * GLM5["E"]
+    chunk = gg.dw_split_rows(M, GLM5["E"], GLM5["K"], GLM5["N"], programs=132, itemsize=2)
+    assert chunk % 256 == 0
+    assert chunk >= rows_per_group
+    assert chunk < 4 * rows_per_group + 256
+
+
+@pytest.mark.parametrize(("M", "E", "K", "N"), [(4096, 2, 256, 256), (8192, 1, 512, 128), (300, 3, 64, 64)],
+                         ids=["2-groups-small-tiles", "1-group", "tiny"])
+def test_dw_split_rule_fills_the_gpu_when_tiles_are_few(M, E, K, N):
+    programs = 132
+    chunk = gg.dw_split_rows(M, E, K, N, programs=programs, itemsize=2)
+    tiles = E * -(-K // 128) * -(-N // 128)
+    items = -(-M // chunk) if chunk < M else E
+    assert chunk % 256 == 0 and chunk >= 256
+    # Either the chunks give at least 2 programs per SM, or chunks are already at their 256-row floor.
+    assert items * tiles >= 2 * programs or chunk == 256 or chunk >= M
+
+
+def test_dw_split_rule_bounds_the_partial_sums():
+    """The partial-sum buffer (at most 2 M / CHUNK slots of K x N accumulators) stays within max(64 MiB, 2 x dW)."""
+    for M, E, K, N in [(1 << 20, 4, 4096, 4096), (65536, 1, 8192, 8192), (5000, 2, 128, 128)]:
+        chunk = gg.dw_split_rows(M, E, K, N, programs=132, itemsize=2)
+        slots = 2 * M // chunk if chunk < M else 0
+        assert slots * K * N * 8 <= max(64 << 20, 2 * E * K * N * 2) or chunk >= M
+
+
+# ---------------------------------------------------------------------------------------------------- prune, keys
+
+KERNELS = {  # name: (configs, fallback, shared-memory estimate, dtypes it can launch with on a GPU)
+    "forward": (gg.FWD_HOPPER_CONFIGS, gg.FWD_FALLBACK_CONFIGS, gg.fwd_shared_bytes,
+                [torch.bfloat16, torch.float16, torch.float32, torch.float64]),
+    "persistent": (gg.PERSISTENT_HOPPER_CONFIGS, gg.PERSISTENT_FALLBACK_CONFIGS, gg.persistent_shared_bytes,
+                   [torch.bfloat16, torch.float16]),
+    "dw": (gg.DW_HOPPER_CONFIGS, gg.DW_FALLBACK_CONFIGS, gg.dw_shared_bytes,
+           [torch.bfloat16, torch.float16, torch.float32, torch.float64]),
+}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_every_launchable_config_fits_shared_memory(kernel):
+    configs, fallback, estimate, dtypes = KERNELS[kernel]
+    for dtype in dtypes:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        kept = kt.fitting_configs(configs, fallback, estimate, itemsize)
+        assert kept, (kernel, dtype)
+        assert all(estimate(c, itemsize) <= kt.SHARED_MEMORY_BYTES for c in kept), (kernel, dtype)
+        # Only configs over the limit are dropped.
+        dropped = [c for c in configs if c not in kept]
+        assert all(estimate(c, itemsize) > kt.SHARED_MEMORY_BYTES for c in dropped if kept[0] in configs)
+    # 16-bit operands keep every config: the list was chosen for them.
+    assert kt.fitting_configs(configs, fallback, estimate, 2) == configs
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=["bf16", "fp32", "fp64"])
+def test_prune_drops_configs_over_the_limit(dtype):
+    """The autotuner's prune, on Config objects as the autotuner passes them (the GPU config list)."""
+    import triton
+
+    configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+                             num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in gg.FWD_HOPPER_CONFIGS]
+    kept = gg._fwd_prune(configs, {"x_ptr": torch.empty(0, dtype=dtype)})
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    expected = kt.fitting_configs(gg.FWD_HOPPER_CONFIGS, gg.FWD_FALLBACK_CONFIGS, gg.fwd_shared_bytes, itemsize)
+    assert [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in kept] == expected
+    if dtype == torch.float64:
+        assert expected == gg.FWD_FALLBACK_CONFIGS
+
+
+def test_rows_bucket():
+    assert kt.rows_bucket(128 * 16, 16) == 128
+    assert kt.rows_bucket(4096 * 16, 16) == 4096
+    assert kt.rows_bucket(129 * 16, 16) == 256
+    assert kt.rows_bucket(0, 4) == 16 and kt.rows_bucket(3, 4) == 16
+    assert kt.rows_bucket(10**7, 2) == 4096
+    buckets = [kt.rows_bucket(m, 8) for m in range(0, 50000, 97)]
+    assert buckets == sorted(buckets) and all(b % 16 == 0 and b & (b - 1) == 0 for b in buckets)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+def test_autotune_keys_see_rows_per_group():
+    for kernel in (gg._grouped_mm_kernel, gg._grouped_mm_persistent_kernel, gg._grouped_mm_dw_kernel):
+        assert "M_BUCKET" in kernel.keys, kernel

@@ -1,0 +1,273 @@
+"""The runtime's schedule and its promises, on 4 gloo ranks as 2 nodes x 2 GPUs:
+
+* the timeline: rows gathered before the static GEMM starts, planning and the phase-2 copies beside the static GEMM
+  (the copy thread is the CPU stand-in for the copy stream), the dynamic GEMM after its copies; Chrome-trace and
+  PNG export;
+* no optimizer leaves stale per-step replicas silently (fused and foreach AdamW and SGD): without
+  ``attach_optimizer`` the next forward raises on every rank; with it, training stays equal to plain EP;
+* non-contiguous inputs and routing on one rank are accepted (and bad ones raise on every rank together);
+* defaults: a layer built with defaults balances skewed routing on a CPU and does not plan on balanced routing;
+* one source of truth for weights: the bytes the layer moves equal the simulator's ``plan_copy_bytes`` of the plan;
+* per-expert counts of the last forward; ``close()`` and context-manager use.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from feplb.testing import error_of, load_global_weights, run_dist
+
+pytestmark = pytest.mark.dist
+
+H, FF, E, K, W, G = 32, 48, 16, 2, 4, 2
+
+
+def _weights(seed):
+    gen = torch.Generator().manual_seed(seed)
+    router = torch.randn(E, H, generator=gen) / H ** 0.5
+    router[:, 0] = 0.0
+    router[[0, 1, 9], 0] = torch.tensor([4.0, 3.0, 3.5])    # GPU 0's and GPU 2's experts are hot
+    w1 = torch.randn(E, H, 2 * FF, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, FF, H, generator=gen) / FF ** 0.5
+    xs = [torch.randn(t, H, generator=gen) for t in (96, 80, 64, 72)]
+    for x in xs:
+        x[:, 0] = x[:, 0].abs() + 1.0
+    return router, w1, w2, xs
+
+
+def _layer(seed, **kw):
+    from feplb import FEPLBConfig, MoELayer
+
+    router, w1, w2, xs = _weights(seed)
+    kw.setdefault("min_straggler_rows", 0)
+    kw.setdefault("min_chunk", 2)
+    layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2, **kw))
+    load_global_weights(layer, router, w1, w2)
+    return layer, xs
+
+
+def _slow_static_gemm(layer, seconds):
+    """Injected from the test: the static GEMM takes ``seconds`` longer, so the schedule's order is observable."""
+    import time
+
+    gemm = layer._static_gemm
+
+    def slow(*args):
+        out = gemm(*args)
+        time.sleep(seconds)
+        return out
+
+    layer._static_gemm = slow
+
+
+def _timeline(rank, res, tmp):
+    from feplb.timeline import plot, to_chrome_trace
+
+    layer, xs = _layer(1, policy="feplb-split", weights="per-microbatch", timeline=True)
+    _slow_static_gemm(layer, 0.4)
+    x = xs[rank].clone().requires_grad_(True)
+    layer(x).sum().backward()
+    tl = layer.last_timeline
+    spans = {s.name: s for s in tl.spans()}
+    res["timeline"] = {n: (s.lane, s.start_us, s.end_us) for n, s in spans.items()}
+    res["moved"] = layer.last_stats.rows_moved
+    res["fell_back"] = layer.last_stats.fell_back
+    if rank == 0:
+        trace = to_chrome_trace([tl, tl], f"{tmp}/trace.json")
+        res["trace_events"] = len(trace["traceEvents"])
+        res["trace_file"] = json.loads(Path(tmp, "trace.json").read_text())["traceEvents"][0]["ph"]
+        plot(tl.spans(), f"{tmp}/timeline.png")
+        res["png"] = Path(tmp, "timeline.png").read_bytes()[:8]
+    layer.close()
+
+
+def _optimizers(rank, res):
+    """Fused / foreach optimizers: stale replicas are caught; attach_optimizer keeps training equal to plain EP."""
+    kinds = [("AdamW", {"fused": True}), ("AdamW", {"foreach": True}), ("SGD", {"fused": True}),
+             ("SGD", {"foreach": True})]
+    for name, kw in kinds:
+        tag = f"{name}-{next(iter(kw))}"
+        layer, xs = _layer(2, policy="feplb-split@ema", weights="per-step")
+        x = xs[rank]
+        with torch.no_grad():
+            layer(x)
+        layer.refresh_replicas()
+        opt = getattr(torch.optim, name)(layer.parameters(), lr=0.05, **kw)
+        layer(x).pow(2).mean().backward()
+        layer.reduce_replica_grads()
+        opt.step()
+        res[f"stale/{tag}"] = error_of(lambda layer=layer, x=x: layer(x))
+        layer.close()
+
+        bal, _ = _layer(2, policy="feplb-split@ema", weights="per-step")
+        ref, _ = _layer(2, policy="none")
+        opts = []
+        for lay in (bal, ref):
+            opts.append(getattr(torch.optim, name)(lay.parameters(), lr=0.05, **kw))
+            lay.attach_optimizer(opts[-1])
+        with torch.no_grad():
+            bal(x)
+        bal.refresh_replicas()
+        diffs, copies = [], 0
+        for _ in range(3):
+            outs = []
+            for lay, opt in zip((bal, ref), opts, strict=True):
+                opt.zero_grad()
+                out = lay(x)
+                out.pow(2).mean().backward()
+                opt.step()
+                outs.append(out.detach())
+            diffs.append(float((outs[0] - outs[1]).abs().max()))
+            copies += bal.last_stats.rows_moved
+        res[f"attached/{tag}"] = (max(diffs), float((bal.w1 - ref.w1).abs().max()), copies)
+        bal.close()
+        ref.close()
+
+
+def _inputs(rank, res):
+    """Non-contiguous input and routing on one rank only; bad routing on one rank raises everywhere."""
+    layer, xs = _layer(3, policy="feplb-split", weights="per-microbatch")
+    x = xs[rank]
+    with torch.no_grad():
+        ids, w, _ = layer.route(x)
+        ref = layer(x, routing=(ids, w))
+        res["routed_ref"] = float((ref - layer(x)).abs().max())
+        if rank == 1:
+            x_nc = x.t().contiguous().t()               # same values, column-major strides
+            ids_nc = ids.t().contiguous().t()
+            w_nc = w.t().contiguous().t()
+            assert not (x_nc.is_contiguous() or ids_nc.is_contiguous() or w_nc.is_contiguous())
+        else:
+            x_nc, ids_nc, w_nc = x, ids, w
+        res["noncontig"] = float((layer(x_nc, routing=(ids_nc, w_nc)) - ref).abs().max())
+        res["noncontig_router"] = float((layer(x_nc) - ref).abs().max())
+        bad_w = w.clone()
+        if rank == 3:
+            bad_w = bad_w.t().contiguous().t()
+            bad_w[0, 0] = float("nan")
+        res["bad_w"] = error_of(lambda: layer(x, routing=(ids, bad_w)))
+        res["bad_shape"] = error_of(lambda: layer(x, routing=(ids, w[:, :1] if rank == 2 else w)))
+        res["after_ok"] = float((layer(x) - ref).abs().max())
+        counts = torch.bincount(ids.reshape(-1), minlength=E)
+        torch.distributed.all_reduce(counts)
+        res["tokens_per_expert"] = (layer.last_stats.tokens_per_expert, counts.tolist())
+    layer.close()
+
+
+def _defaults(rank, res):
+    """A layer built with defaults (no planning options) balances on a CPU; balanced routing plans nothing."""
+    from feplb import FEPLBConfig, MoELayer
+
+    router, w1, w2, xs = _weights(4)
+    with MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G)) as layer:
+        load_global_weights(layer, router, w1, w2)
+        x = torch.cat([xs[rank]] * 4)                  # enough rows that the straggler passes the cost model's knee
+        with torch.no_grad():
+            layer(x)
+        s = layer.last_stats
+        res["default_skewed"] = (s.balanced, s.fell_back, s.token_straggler_before, s.token_straggler_after)
+        T = 64
+        ids = (torch.arange(T * K).reshape(T, K) + rank * T * K) % E   # round robin: every expert equal
+        w = torch.full((T, K), 1.0 / K)
+        with torch.no_grad():
+            layer(torch.randn(T, H), routing=(ids, w))
+        s = layer.last_stats
+        res["default_balanced"] = (s.balanced, s.plan_us, s.token_straggler_before)
+    res["closed_twice"] = error_of(layer.close)
+
+
+def _copy_bytes(rank, res):
+    """The bytes the layer moves are the simulator's: CostModel.plan_copy_bytes of the executed plan."""
+    for policy in ("feplb-split", "feplb-split@ema", "feplb"):
+        layer, xs = _layer(5, policy=policy, weights="per-step")
+        x = xs[rank]
+        with torch.no_grad():
+            layer(x)
+        layer.refresh_replicas()
+        got = []
+        for _ in range(2):
+            with torch.no_grad():
+                layer(x)
+            s = layer.last_stats
+            want = layer._cost.plan_copy_bytes(layer.last_plan) if layer.last_plan is not None else 0
+            got.append((s.row_bytes_moved + s.weight_bytes_moved, want, s.weight_copies, s.rows_moved))
+        res[f"bytes/{policy}"] = got
+        layer.close()
+
+
+def _worker(rank, world, tmp):
+    res = {}
+    _timeline(rank, res, tmp)
+    _inputs(rank, res)
+    _defaults(rank, res)
+    _copy_bytes(rank, res)
+    _optimizers(rank, res)
+    return res
+
+
+def test_runtime_schedule_optimizers_inputs_defaults(tmp_path):
+    results = run_dist(_worker, W, str(tmp_path), timeout_s=400, collective_timeout_s=60)
+    assert sum(r["moved"] for r in results) > 0
+    for rank, res in enumerate(results):
+        t = res["timeline"]
+        for name in ("counts", "phase1", "gather", "static_gemm", "plan", "agree", "dynamic_gemm", "phase1_reverse",
+                     "combine"):
+            assert name in t, (rank, name, sorted(t))
+        assert t["plan"][0] == "planner" and t["agree"][0] == "copy" and t["static_gemm"][0] == "compute"
+        assert not res["fell_back"]
+        assert t["gather"][2] <= t["static_gemm"][1], "rows must be gathered before the static GEMM starts"
+        assert t["plan"][1] < t["static_gemm"][2], "planning must start while the static GEMM runs"
+        assert t["agree"][1] < t["static_gemm"][2], "the agreement must run beside the static GEMM"
+        if "copy_rows" in t:
+            assert t["copy_rows"][0] == "copy"
+            assert t["copy_rows"][1] < t["static_gemm"][2], "phase-2 copies must start beside the static GEMM"
+            assert t["copy_rows"][2] <= t["dynamic_gemm"][1] + 1.0, "the dynamic GEMM must wait for its copies"
+        assert t["dynamic_gemm"][1] >= t["static_gemm"][2]
+        assert t["phase1_reverse"][1] >= t["dynamic_gemm"][2] and t["combine"][1] >= t["phase1_reverse"][2]
+    assert any("copy_rows" in r["timeline"] for r in results)
+    assert results[0]["trace_events"] >= 20 and results[0]["trace_file"] == "X"
+    assert results[0]["png"] == b"\x89PNG\r\n\x1a\n"
+
+    for res in results:
+        assert res["routed_ref"] < 1e-5 and res["noncontig"] < 1e-5 and res["noncontig_router"] < 1e-5, res
+        assert res["bad_w"] is not None and res["bad_w"].startswith("ValueError") and "[3]" in res["bad_w"], res
+        assert res["bad_shape"] is not None and res["bad_shape"].startswith("ValueError"), res["bad_shape"]
+        assert res["after_ok"] < 1e-5
+        assert res["tokens_per_expert"][0] == res["tokens_per_expert"][1]
+
+        balanced, fell_back, before, after = res["default_skewed"]
+        assert balanced and not fell_back and after < before, res["default_skewed"]
+        assert res["default_balanced"] == (False, 0.0, 0.0), res["default_balanced"]
+        assert res["closed_twice"] is None
+
+        for policy in ("feplb-split", "feplb-split@ema", "feplb"):
+            for moved_bytes, want, copies, rows in res[f"bytes/{policy}"]:
+                assert moved_bytes == want, (policy, moved_bytes, want)
+                assert rows > 0, policy
+                if policy.endswith("@ema"):
+                    assert copies == 0, "resident replicas: the plan copies rows only"
+        assert any(c > 0 for _, _, c, _ in res["bytes/feplb-split"]), "@current: weights travel as the plan says"
+
+        for tag in ("AdamW-fused", "AdamW-foreach", "SGD-fused", "SGD-foreach"):
+            assert res[f"stale/{tag}"] is not None and "refresh_replicas" in res[f"stale/{tag}"], (tag, res)
+            out_diff, w_diff, moved = res[f"attached/{tag}"]
+            assert out_diff < 1e-4 and w_diff < 1e-4, (tag, out_diff, w_diff)   # stale replicas: ~1
+    assert all(sum(r[f"attached/{t}"][2] for r in results) > 0 for t in ("AdamW-fused", "SGD-foreach"))
+
+
+def test_chrome_trace_of_spans_is_valid(tmp_path):
+    from feplb.timeline import Span, to_chrome_trace
+
+    spans = [Span(name="static_gemm", lane="compute", start_us=0.0, end_us=50.0),
+             Span(name="copy_rows", lane="copy", start_us=10.0, end_us=30.0)]
+    trace = to_chrome_trace([spans, spans], tmp_path / "t.json")
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [e["ts"] for e in xs] == [0.0, 10.0, 60.0, 70.0]
+    assert json.loads((tmp_path / "t.json").read_text()) == trace
+    assert not list(tmp_path.glob("*.tmp"))
+    assert np.isclose(xs[1]["dur"], 20.0)
