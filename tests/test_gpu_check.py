@@ -173,12 +173,34 @@ def test_report_verdicts_from_measurements(tmp_path, capsys):
     assert printed[-1].startswith("exactness") and printed[-1].endswith("PASS  (runtime tests)")
 
 
+def test_report_reads_the_benchmarks_json_as_written(tmp_path):
+    overlap = {"static_gemm_ms": 2.0, "gemm_with_h2d_ms": 2.1, "copy_engine_slowdown_pct": 0.4, "hidden": False}
+    layer = {"balanced_routing_overhead_pct": 1.5, "host_syncs_per_forward": {"none": 1, "feplb-split": 1},
+             "max_abs_diff_vs_plain": 0.0, "max_abs_grad_diff_vs_plain": 1e-7, "output_scale": 2.0}
+    out, work = _fake_run(tmp_path, overlap=overlap, layer=layer)
+    t = _by_name(gr.build(out, work)["targets"])
+    copies = t["plan's copies slow concurrent expert GEMMs <= 1%"]
+    assert copies["verdict"] == "PASS" and copies["measured"] == "0.40%"  # the key wins over the times
+    hidden = t["plan + phase-2 copies fit beside the static experts' GEMM"]
+    assert hidden["verdict"] == "FAIL" and "measured" in hidden["note"]
+    syncs = t["blocking host syncs after the counts all-gather = 0"]
+    assert syncs["verdict"] == "PASS" and syncs["measured"] == "none: 1, feplb-split: 1"
+    balanced = t["balancing on <= 2% slower than plain EP on balanced routing"]
+    assert balanced["verdict"] == "PASS" and balanced["measured"] == "1.50%"
+    exact = t["exactness: balancing on equals plain EP (outputs and gradients)"]
+    assert exact["verdict"] == "PASS" and "grad 1e-07" in exact["note"]
+    layer["host_syncs_per_forward"]["feplb-split"] = 4
+    (out / "bench_layer.json").write_text(json.dumps(layer))
+    syncs = _by_name(gr.build(out, work)["targets"])["blocking host syncs after the counts all-gather = 0"]
+    assert syncs["verdict"] == "FAIL" and "feplb-split: 4" in syncs["measured"]
+
+
 def test_report_layer_keys_and_failures(tmp_path):
     layer = {"host_syncs_per_forward": 3, "balanced_routing_over_plain": 1.05, "exact": False,
              "gemm_straggler_reduction_pct": 85.0}
     out, work = _fake_run(tmp_path, layer=layer, overlap={"copy_slowdown_pct": 4.0, "overlap_holds": False})
     t = _by_name(gr.build(out, work)["targets"])
-    assert t["blocking host syncs after the counts all-gather = 0"]["measured"] == "3"
+    assert t["blocking host syncs after the counts all-gather = 0"]["measured"] == "forward: 3"
     assert t["blocking host syncs after the counts all-gather = 0"]["verdict"] == "FAIL"
     balanced = t["balancing on <= 2% slower than plain EP on balanced routing"]
     assert balanced["verdict"] == "FAIL" and balanced["measured"] == "5.00%"
@@ -186,6 +208,9 @@ def test_report_layer_keys_and_failures(tmp_path):
     assert t["plan's copies slow concurrent expert GEMMs <= 1%"]["verdict"] == "FAIL"
     assert t["plan + phase-2 copies fit beside the static experts' GEMM"]["verdict"] == "FAIL"
     assert t["GEMM straggler >= 80% lower on skewed real routing"]["verdict"] == "PASS"
+    (out / "bench_layer.json").write_text(json.dumps({**layer, "host_syncs_after_counts": 1}))
+    syncs = _by_name(gr.build(out, work)["targets"])["blocking host syncs after the counts all-gather = 0"]
+    assert syncs["verdict"] == "FAIL" and syncs["measured"] == "1"
 
 
 @pytest.mark.parametrize(("cases", "note"), [
