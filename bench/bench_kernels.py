@@ -9,8 +9,17 @@ the table is written to ``runs/bench_kernels.json`` (or ``$FEPLB_BENCH_KERNELS_J
 and command. Targets (targets.md): forward >= torch._grouped_mm at >= 256 rows per expert and >= 650 TFLOP/s
 at >= 1024; dX and dW >= 85% of forward; permute / unpermute >= 80% of the copy's bandwidth.
 
-CPU part: every op once at a tiny shape under the Triton interpreter, to show the benchmarks run (CI runs them
-with --benchmark-disable); those timings say nothing about a GPU.
+Rules every case follows:
+
+* its result is checked against a reference on the very input it times, before timing (ours and the baselines);
+  when ``torch._grouped_mm`` is unavailable or raises, ours is checked against the pure-torch twins (``*_ref``);
+* a failure of the project's own kernel (wrong values, or any exception while checking or timing) FAILS the
+  case; only a baseline that this torch or GPU cannot run is skipped (and recorded with its error);
+* results do not depend on the order the cases run in: the autotuners' caches are cleared before each of ours,
+  so every case picks its configuration on its own input (the chosen one is recorded).
+
+CPU part: the same case builders at a tiny shape under the Triton interpreter (values checked, CI runs them with
+--benchmark-disable), and the failure rules above on stand-ins; CPU timings say nothing about a GPU.
 """
 
 from __future__ import annotations
@@ -26,14 +35,21 @@ import torch
 
 from feplb.kernels import HAVE_TRITON, INTERPRET
 from feplb.kernels.activation import swiglu_triton
-from feplb.kernels.grouped_gemm import grouped_mm_dw_triton, grouped_mm_triton
-from feplb.kernels.permutation import permute_triton, unpermute_triton
-from feplb.kernels.routing import routing_metadata_triton
+from feplb.kernels.grouped_gemm import grouped_mm_dw_ref, grouped_mm_dw_triton, grouped_mm_ref, grouped_mm_triton
+from feplb.kernels.permutation import permute_ref, permute_triton, unpermute_ref, unpermute_triton
+from feplb.kernels.routing import routing_metadata_ref, routing_metadata_triton
 
 HIDDEN, FFN, LOCAL_EXPERTS, TOP_K = 6144, 2048, 16, 8
 ROWS_PER_EXPERT = [128, 256, 512, 1024, 2048, 4096]
-PROJECTIONS = {"gate_up": (HIDDEN, 2 * FFN), "down": (FFN, HIDDEN)}  # (K, N) of each expert projection
+OPS = ["forward", "dx", "dw"]
 CUDA = torch.cuda.is_available()
+# bf16 outputs of fp32 accumulations that differ only in summation order: a few bf16 ulps.
+BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+
+
+def projections(hidden: int = HIDDEN, ffn: int = FFN) -> dict[str, tuple[int, int]]:
+    """(K, N) of each expert projection."""
+    return {"gate_up": (hidden, 2 * ffn), "down": (ffn, hidden)}
 
 
 def expert_counts(rows_per_expert: int, dist: str, num_experts: int = LOCAL_EXPERTS) -> list[int]:
@@ -48,22 +64,187 @@ def expert_counts(rows_per_expert: int, dist: str, num_experts: int = LOCAL_EXPE
     return counts
 
 
-# ---------------------------------------------------------------------------------------------------- CPU smoke
+# ---------------------------------------------------------------------------------------------------- case builders
+
+class BaselineUnavailable(Exception):
+    """A baseline (not ours) that this torch / GPU cannot run."""
+
+
+def _autotuners() -> dict[str, object]:
+    """Every autotuned kernel of the project's kernel modules (whichever are imported), by qualified name."""
+    if not HAVE_TRITON:
+        return {}
+    from triton.runtime.autotuner import Autotuner
+
+    return {f"{mod_name.rsplit('.', 1)[-1]}.{name}": obj
+            for mod_name, module in list(sys.modules.items()) if mod_name.startswith("feplb.kernels.")
+            for name, obj in vars(module).items() if isinstance(obj, Autotuner)}
+
+
+def fresh_autotune() -> None:
+    """Forget every configuration the project's autotuners chose, so the next launch tunes on its own input."""
+    for tuner in _autotuners().values():
+        tuner.cache.clear()
+
+
+def chosen_configs() -> dict[str, str]:
+    """The configuration each autotuned kernel last chose."""
+    return {name: str(t.best_config) for name, t in _autotuners().items() if getattr(t, "best_config", None)}
+
+
+def grouped_inputs(rows_per_expert: int, dist: str, proj: str, *, device: str, dtype=torch.bfloat16,
+                   num_experts: int = LOCAL_EXPERTS, hidden: int = HIDDEN, ffn: int = FFN, seed: int = 0):
+    K, N = projections(hidden, ffn)[proj]
+    counts = expert_counts(rows_per_expert, dist, num_experts)
+    M = sum(counts)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    x = torch.randn(M, K, device=device, dtype=dtype, generator=gen)
+    w = (torch.randn(num_experts, K, N, device=device, generator=gen) / K**0.5).to(dtype)
+    dy = torch.randn(M, N, device=device, dtype=dtype, generator=gen)
+    return x, w, dy, offsets
+
+
+def ours(op, x, w, dy, offsets):
+    return {"forward": lambda: grouped_mm_triton(x, w, offsets, check_values=False),
+            "dx": lambda: grouped_mm_triton(dy, w.transpose(1, 2), offsets, check_values=False),
+            "dw": lambda: grouped_mm_dw_triton(x, dy, offsets, check_values=False)}[op]
+
+
+def twin(op, x, w, dy, offsets):
+    """The pure-torch twin of our kernel (per-group matmuls)."""
+    return {"forward": lambda: grouped_mm_ref(x, w, offsets),
+            "dx": lambda: grouped_mm_ref(dy, w.transpose(1, 2), offsets),
+            "dw": lambda: grouped_mm_dw_ref(x, dy, offsets)}[op]
+
+
+def torch_grouped(op, x, w, dy, offsets):
+    def call(*args):
+        if not hasattr(torch, "_grouped_mm"):
+            raise BaselineUnavailable(f"torch {torch.__version__} has no torch._grouped_mm")
+        try:
+            return torch._grouped_mm(*args, offs=offsets)
+        except RuntimeError as err:  # e.g. unsupported on this GPU or for this layout
+            raise BaselineUnavailable(f"torch._grouped_mm: {str(err).splitlines()[0]}") from err
+
+    return {"forward": lambda: call(x, w), "dx": lambda: call(dy, w.transpose(1, 2)),
+            "dw": lambda: call(x.t(), dy)}[op]
+
+
+def dense(op, x, w, dy, offsets):
+    # One matmul with the same FLOPs (2 * M * K * N) and shapes: the ceiling a grouped GEMM can approach.
+    w0 = w[0]
+    return {"forward": lambda: x @ w0, "dx": lambda: dy @ w0.t(), "dw": lambda: x.t() @ dy}[op]
+
+
+def reference(op, x, w, dy, offsets) -> tuple[torch.Tensor, str]:
+    """(expected result of the grouped op, its source): torch._grouped_mm, or the twin when that cannot run."""
+    try:
+        return torch_grouped(op, x, w, dy, offsets)(), "torch._grouped_mm"
+    except BaselineUnavailable as why:
+        return twin(op, x, w, dy, offsets)(), f"twin ({why})"
+
+
+def check_grouped(impl: str, op: str, x, w, dy, offsets):
+    """Run ``impl`` once on this input and check its values; return its function (for timing) and what checked it.
+
+    Ours and torch._grouped_mm against the reference (the other of the two when one cannot run: the twin); the
+    dense matmul against an fp32 matmul of a 128-wide slice.
+    """
+    if impl == "dense":
+        fn = dense(op, x, w, dy, offsets)
+        got, w0 = fn(), w[0].float()
+        expected = {"forward": lambda: x[:128].float() @ w0, "dx": lambda: dy[:128].float() @ w0.t(),
+                    "dw": lambda: x[:, :128].t().float() @ dy.float()}[op]()
+        torch.testing.assert_close(got[:128].float(), expected, **BF16_TOL)
+        return fn, "fp32 matmul (128-wide slice)"
+    if impl == "torch_grouped_mm":
+        fn = torch_grouped(op, x, w, dy, offsets)
+        got = fn()  # BaselineUnavailable propagates: the caller skips this baseline
+        torch.testing.assert_close(got.float(), twin(op, x, w, dy, offsets)().float(), **BF16_TOL)
+        return fn, "twin"
+    fn = ours(op, x, w, dy, offsets)
+    got = fn()
+    expected, source = reference(op, x, w, dy, offsets)
+    torch.testing.assert_close(got.float(), expected.float(), **BF16_TOL)
+    return fn, source
+
+
+def permute_case(rows_per_expert: int, dist: str, impl: str, *, device: str, num_experts: int = LOCAL_EXPERTS,
+                 top_k: int = TOP_K, hidden: int = HIDDEN, seed: int = 0):
+    """Build one permute / unpermute / copy case, run it once and check its values; return (fn, bytes moved,
+    tokens). Routing from ids drawn with the expert popularity of ``dist``, checked against the twin too."""
+    counts = expert_counts(rows_per_expert, dist, num_experts)
+    T = sum(counts) // top_k
+    gen = torch.Generator(device=device).manual_seed(seed)
+    # Each token picks top_k distinct local experts, with the expert popularity of `dist`.
+    popularity = torch.tensor(counts, dtype=torch.float32, device=device)
+    ids = torch.multinomial(popularity.expand(T, -1), top_k, replacement=False, generator=gen).to(torch.int32)
+    routing = routing_metadata_triton(ids, num_experts)
+    for name, got, want in zip(("counts", "offsets", "src", "dst"), routing, routing_metadata_ref(ids, num_experts),
+                               strict=True):
+        assert torch.equal(got, want), f"routing {name} differs from the twin"
+    _, _, src, dst = routing
+    x = torch.randn(T, hidden, device=device, generator=gen).to(torch.bfloat16)
+    y = torch.randn(T * top_k, hidden, device=device, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(T, top_k, device=device, generator=gen)
+    copy_out = torch.empty_like(y)
+    row_bytes = hidden * y.element_size()
+    if impl == "permute":
+        fn, nbytes = (lambda: permute_triton(x, src, dst)), 2 * T * top_k * row_bytes
+        assert torch.equal(fn(), permute_ref(x, src, dst)), "permute differs from its twin"
+    elif impl == "unpermute":
+        fn, nbytes = (lambda: unpermute_triton(y, src, dst, weights)), (T * top_k + T) * row_bytes
+        torch.testing.assert_close(fn(), unpermute_ref(y, src, dst, weights), **BF16_TOL)
+    elif impl == "copy":
+        fn, nbytes = (lambda: copy_out.copy_(y)), 2 * T * top_k * row_bytes
+        assert torch.equal(fn(), y), "device copy differs from its source"
+    else:
+        raise ValueError(f"impl: expected permute, unpermute or copy, got {impl!r}")
+    return fn, nbytes, T
+
+
+def measure(timer, impl: str, fn, row: dict, record) -> float | None:
+    """Time ``fn`` with ``timer``; ours propagates any failure (after ``record``-ing the row with its error), a
+    baseline that raises is recorded and skipped."""
+    try:
+        return timer(fn)
+    except Exception as err:
+        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        record(row)
+        if impl == "feplb":
+            raise
+        if isinstance(err, (RuntimeError, BaselineUnavailable)):
+            pytest.skip(f"{impl} unavailable: {row['error']}")
+        raise
+
+
+# ---------------------------------------------------------------------------------------------------- CPU
 
 smoke = pytest.mark.skipif(CUDA or not (HAVE_TRITON and INTERPRET), reason="CPU interpreter smoke run")
+TINY = dict(num_experts=4, hidden=32, ffn=24)
 
 
 @smoke
-@pytest.mark.parametrize("op", ["forward", "dx", "dw"])
-def test_grouped_mm_smoke(benchmark, op):
-    counts = expert_counts(8, "zipf", num_experts=4)
-    offsets = torch.tensor(counts).cumsum(0)
-    x, w, dy = torch.randn(sum(counts), 32), torch.randn(4, 32, 48), torch.randn(sum(counts), 48)
-    fns = {"forward": lambda: grouped_mm_triton(x, w, offsets),
-           "dx": lambda: grouped_mm_triton(dy, w.transpose(1, 2), offsets),
-           "dw": lambda: grouped_mm_dw_triton(x, dy, offsets)}
+@pytest.mark.parametrize("impl", ["feplb", "torch_grouped_mm", "dense"])
+@pytest.mark.parametrize("op", OPS)
+def test_grouped_mm_smoke(benchmark, op, impl):
+    x, w, dy, offsets = grouped_inputs(8, "zipf", "gate_up", device="cpu", dtype=torch.float32, **TINY)
+    try:
+        fn, _ = check_grouped(impl, op, x, w, dy, offsets)
+    except BaselineUnavailable as why:
+        pytest.skip(str(why))
     benchmark.group = "interpreter smoke"
-    assert torch.isfinite(benchmark(fns[op])).all()
+    assert torch.isfinite(benchmark(fn)).all()
+
+
+@smoke
+@pytest.mark.parametrize("impl", ["permute", "unpermute", "copy"])
+def test_permute_smoke(benchmark, impl):
+    fn, nbytes, T = permute_case(8, "zipf", impl, device="cpu", num_experts=4, top_k=2, hidden=64)
+    assert nbytes > 0 and T == 16
+    benchmark.group = "interpreter smoke"
+    benchmark(fn)
 
 
 @smoke
@@ -80,6 +261,59 @@ def test_routing_permute_swiglu_smoke(benchmark):
     assert torch.isfinite(benchmark(step)).all()
 
 
+def test_our_kernel_failing_fails_and_a_baseline_failing_skips():
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    results: list[dict] = []
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        measure(lambda fn: fn(), "feplb", broken, {"impl": "feplb"}, results.append)
+    with pytest.raises(pytest.skip.Exception, match="torch_grouped_mm unavailable"):
+        measure(lambda fn: fn(), "torch_grouped_mm", broken, {"impl": "torch_grouped_mm"}, results.append)
+    assert [r["impl"] for r in results] == ["feplb", "torch_grouped_mm"]
+    assert all("illegal memory access" in r["error"] for r in results)
+    assert measure(lambda fn: 0.25, "feplb", broken, {}, results.append) == 0.25
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+def test_fresh_autotune_forgets_every_choice():
+    tuners = _autotuners()
+    assert {name.split(".")[0] for name in tuners} >= {"grouped_gemm", "permutation"}, sorted(tuners)
+    for tuner in tuners.values():
+        tuner.cache[("made-up key",)] = "made-up config"
+    fresh_autotune()
+    assert all(not tuner.cache for tuner in tuners.values())
+
+
+def test_results_are_written_after_every_row(tmp_path, monkeypatch):
+    out = tmp_path / "kernels.json"
+    monkeypatch.setenv("FEPLB_BENCH_KERNELS_JSON", str(out))
+    monkeypatch.setitem(globals(), "RESULTS", [])
+    record({"bench": "permute", "impl": "copy", "gbps": 1.0})
+    record({"bench": "permute", "impl": "permute", "error": "RuntimeError: boom"})
+    doc = json.loads(out.read_text())
+    assert [r["impl"] for r in doc["results"]] == ["copy", "permute"]
+    assert {"device", "torch", "triton", "cuda", "command", "shape"} <= set(doc["meta"])
+    assert not out.with_suffix(".tmp").exists()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_ours_is_checked_against_the_twin_when_grouped_mm_raises(monkeypatch, op):
+    x, w, dy, offsets = grouped_inputs(4, "zipf", "down", device="cpu", dtype=torch.float32, **TINY)
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("grouped gemm is only supported on SM90")
+
+    monkeypatch.setattr(torch, "_grouped_mm", unsupported, raising=False)
+    expected, source = reference(op, x, w, dy, offsets)
+    assert source.startswith("twin") and "only supported on SM90" in source
+    torch.testing.assert_close(expected, twin(op, x, w, dy, offsets)())
+    # A wrong result of ours is caught by that twin: a kernel that returns zeros fails the check.
+    monkeypatch.setitem(globals(), "ours", lambda *a: (lambda: torch.zeros_like(expected)))
+    with pytest.raises(AssertionError):
+        check_grouped("feplb", op, x, w, dy, offsets)
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 
 gpu = pytest.mark.gpu
@@ -87,98 +321,68 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 RESULTS: list[dict] = []
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _write_results():
-    yield
-    if not RESULTS:
-        return
+def record(row: dict) -> None:
+    """Keep a result row and rewrite the JSON at once, so a run stopped at its time limit keeps what it measured."""
+    RESULTS.append(row)
     out = Path(os.environ.get("FEPLB_BENCH_KERNELS_JSON", "runs/bench_kernels.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     import triton
 
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    meta = {"device": torch.cuda.get_device_name() if CUDA else platform.processor() or platform.machine(),
+            "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(), "command": " ".join(sys.argv),
             "shape": {"hidden": HIDDEN, "ffn": FFN, "local_experts": LOCAL_EXPERTS, "top_k": TOP_K,
                       "dtype": "bfloat16"}}
-    out.write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
+    tmp.replace(out)
 
 
-def _timed(benchmark, fn, inner: int = 10) -> float:
+def _cuda_timer(benchmark, inner: int = 10):
     """Mean seconds per call of a CUDA function: rounds of ``inner`` back-to-back calls, one sync per round."""
-    def run():
-        for _ in range(inner):
-            fn()
+    def timer(fn) -> float:
+        def run():
+            for _ in range(inner):
+                fn()
+            torch.cuda.synchronize()
+
+        fn()
         torch.cuda.synchronize()
+        benchmark.pedantic(run, rounds=6, iterations=1, warmup_rounds=1)
+        return benchmark.stats.stats.mean / inner if benchmark.stats is not None else float("nan")
 
-    fn()  # compile, autotune
-    torch.cuda.synchronize()
-    benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=2)
-    return benchmark.stats.stats.mean / inner if benchmark.stats is not None else float("nan")
-
-
-def _grouped_inputs(rows_per_expert: int, dist: str, proj: str):
-    K, N = PROJECTIONS[proj]
-    counts = expert_counts(rows_per_expert, dist)
-    M = sum(counts)
-    dev, dt = "cuda", torch.bfloat16
-    offsets = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
-    x = torch.randn(M, K, device=dev, dtype=dt)
-    w = torch.randn(LOCAL_EXPERTS, K, N, device=dev, dtype=dt) / K**0.5
-    dy = torch.randn(M, N, device=dev, dtype=dt)
-    return x, w, dy, offsets
-
-
-def _ours(op, x, w, dy, offsets):
-    return {"forward": lambda: grouped_mm_triton(x, w, offsets, check_values=False),
-            "dx": lambda: grouped_mm_triton(dy, w.transpose(1, 2), offsets, check_values=False),
-            "dw": lambda: grouped_mm_dw_triton(x, dy, offsets, check_values=False)}[op]
-
-
-def _torch_grouped(op, x, w, dy, offsets):
-    return {"forward": lambda: torch._grouped_mm(x, w, offs=offsets),
-            "dx": lambda: torch._grouped_mm(dy, w.transpose(1, 2), offs=offsets),
-            "dw": lambda: torch._grouped_mm(x.t(), dy, offs=offsets)}[op]
-
-
-def _dense(op, x, w, dy, offsets):
-    # One matmul with the same FLOPs (2 * M * K * N) and shapes: the ceiling a grouped GEMM can approach.
-    w0 = w[0]
-    return {"forward": lambda: x @ w0, "dx": lambda: dy @ w0.t(), "dw": lambda: x.t() @ dy}[op]
+    return timer
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("impl", ["feplb", "torch_grouped_mm", "dense"])
-@pytest.mark.parametrize("op", ["forward", "dx", "dw"])
-@pytest.mark.parametrize("proj", list(PROJECTIONS))
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("proj", list(projections()))
 @pytest.mark.parametrize("dist", ["uniform", "zipf"])
 @pytest.mark.parametrize("rows_per_expert", ROWS_PER_EXPERT)
 def test_grouped_mm_tflops(benchmark, rows_per_expert, dist, proj, op, impl):
-    x, w, dy, offsets = _grouped_inputs(rows_per_expert, dist, proj)
-    make = {"feplb": _ours, "torch_grouped_mm": _torch_grouped, "dense": _dense}[impl]
-    fn = make(op, x, w, dy, offsets)
-    if impl == "feplb":  # correctness of the measured kernel on this very input, against torch
-        ref = _torch_grouped(op, x, w, dy, offsets) if hasattr(torch, "_grouped_mm") else None
-        if ref is not None:
-            try:
-                expected = ref()
-            except RuntimeError:
-                expected = None
-            if expected is not None:
-                torch.testing.assert_close(fn().float(), expected.float(), rtol=2e-2, atol=2e-2)
-    benchmark.group = f"grouped_mm {proj} {op} {dist} {rows_per_expert}/expert"
+    x, w, dy, offsets = grouped_inputs(rows_per_expert, dist, proj, device="cuda")
     row = {"bench": "grouped_mm", "proj": proj, "op": op, "dist": dist, "rows_per_expert": rows_per_expert,
            "impl": impl, "M": x.shape[0], "K": x.shape[1], "N": w.shape[2]}
+    if impl == "feplb":
+        fresh_autotune()
     try:
-        seconds = _timed(benchmark, fn)
-    except RuntimeError as err:  # e.g. torch._grouped_mm unsupported on this device or layout
-        row["error"] = str(err).splitlines()[0]
-        RESULTS.append(row)
-        pytest.skip(f"{impl} unavailable: {row['error']}")
+        fn, row["checked_against"] = check_grouped(impl, op, x, w, dy, offsets)
+    except BaselineUnavailable as why:
+        record({**row, "error": str(why)})
+        pytest.skip(str(why))
+    except Exception as err:
+        record({**row, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
+        raise
+    if impl == "feplb":
+        row["configs"] = chosen_configs()
+    benchmark.group = f"grouped_mm {proj} {op} {dist} {rows_per_expert}/expert"
+    seconds = measure(_cuda_timer(benchmark), impl, fn, row, record)
     flops = 2.0 * x.shape[0] * x.shape[1] * w.shape[2]
     row.update(us=seconds * 1e6, tflops=flops / seconds / 1e12)
     benchmark.extra_info.update(row)
-    RESULTS.append(row)
+    record(row)
 
 
 @gpu
@@ -187,28 +391,18 @@ def test_grouped_mm_tflops(benchmark, rows_per_expert, dist, proj, op, impl):
 @pytest.mark.parametrize("dist", ["uniform", "zipf"])
 @pytest.mark.parametrize("rows_per_expert", ROWS_PER_EXPERT)
 def test_permute_bandwidth(benchmark, rows_per_expert, dist, impl):
-    counts = expert_counts(rows_per_expert, dist)
-    M = sum(counts)
-    T = M // TOP_K
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    # Each token picks TOP_K distinct local experts, with the expert popularity of `dist`.
-    popularity = torch.tensor(counts, dtype=torch.float32, device="cuda")
-    ids = torch.multinomial(popularity.expand(T, -1), TOP_K, replacement=False, generator=gen).to(torch.int32)
-    _, _, src, dst = routing_metadata_triton(ids, LOCAL_EXPERTS)
-    x = torch.randn(T, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(T * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    weights = torch.rand(T, TOP_K, device="cuda")
-    copy_out = torch.empty_like(y)
-    row_bytes = HIDDEN * 2
-    fns = {  # bytes read + written by each
-        "permute": (lambda: permute_triton(x, src, dst), 2 * T * TOP_K * row_bytes),
-        "unpermute": (lambda: unpermute_triton(y, src, dst, weights), (T * TOP_K + T) * row_bytes),
-        "copy": (lambda: copy_out.copy_(y), 2 * T * TOP_K * row_bytes),
-    }
-    fn, nbytes = fns[impl]
+    row = {"bench": "permute", "impl": impl, "dist": dist, "rows_per_expert": rows_per_expert, "K": TOP_K,
+           "D": HIDDEN}
+    if impl != "copy":
+        fresh_autotune()
+    try:
+        fn, nbytes, T = permute_case(rows_per_expert, dist, impl, device="cuda")
+    except Exception as err:
+        record({**row, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
+        raise
+    row.update(T=T, bytes=nbytes)
     benchmark.group = f"permute {dist} {rows_per_expert}/expert"
-    seconds = _timed(benchmark, fn)
-    row = {"bench": "permute", "impl": impl, "dist": dist, "rows_per_expert": rows_per_expert, "T": T,
-           "K": TOP_K, "D": HIDDEN, "bytes": nbytes, "us": seconds * 1e6, "gbps": nbytes / seconds / 1e9}
+    seconds = measure(_cuda_timer(benchmark), "feplb" if impl != "copy" else impl, fn, row, record)
+    row.update(us=seconds * 1e6, gbps=nbytes / seconds / 1e9)
     benchmark.extra_info.update(row)
-    RESULTS.append(row)
+    record(row)

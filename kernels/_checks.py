@@ -12,6 +12,14 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
+MAX_ROWS = 2**31 - 2**16
+"""Most rows (M = T*K) a kernel takes: row indices are int32, and a block of rows past the last one (at most
+2**16 rows) must not wrap around either."""
+
+MAX_EXPERTS = 2**14
+"""Most experts the routing kernels take: they compare every row with every expert (O(M * E) work) and keep an
+[E, M / block] int32 table; the largest public MoE models use a few hundred."""
+
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -51,3 +59,19 @@ def check_positive_int(name: str, value: object) -> int:
     if value < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {value}")
     return value
+
+
+def check_num_experts(name: str, value: object) -> int:
+    """An int in [1, MAX_EXPERTS]."""
+    check_positive_int(name, value)
+    if value > MAX_EXPERTS:
+        raise ValueError(f"{name}: expected at most {MAX_EXPERTS} experts (the routing kernels compare every row with "
+                         f"every expert), got {value}")
+    return value
+
+
+def check_rows(name: str, rows: int, what: str) -> None:
+    """``rows`` (described by ``what``, e.g. "M = T*K = 3 * 7") fits the kernels' 32-bit row indices."""
+    if rows > MAX_ROWS:
+        raise ValueError(f"{name}: expected at most {MAX_ROWS} rows (the kernels index rows with 32-bit integers), "
+                         f"got {what} = {rows}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import FLOAT_DTYPES, check_tensor
+from ._checks import FLOAT_DTYPES, MAX_EXPERTS, check_rows, check_tensor
 from ._triton import use_triton
 from .activation import check_swiglu_input, swiglu_bwd_ref, swiglu_bwd_triton, swiglu_ref, swiglu_triton
 from .grouped_gemm import (
@@ -73,7 +73,7 @@ def routing_metadata(topk_ids_TK: Tensor, num_experts: int, *, check: bool = Tru
     check_routing_inputs(topk_ids_TK, num_experts, check_values=False)
     counts_E, offsets_E, src_idx_M, dst_idx_TK = _routing_metadata_op(topk_ids_TK.contiguous(), num_experts, check)
     return RoutingMetadata(num_experts=num_experts, top_k=topk_ids_TK.shape[1], counts_E=counts_E,
-                           offsets_E=offsets_E, src_idx_M=src_idx_M, dst_idx_TK=dst_idx_TK)
+                           offsets_E=offsets_E, src_idx_M=src_idx_M, dst_idx_TK=dst_idx_TK, checked=True)
 
 
 # ---------------------------------------------------------------------------------------------------- permute
@@ -110,7 +110,8 @@ def permute(x_TD: Tensor, meta: RoutingMetadata) -> Tensor:
 
     Args:
         x_TD: float (fp32/bf16/fp16/fp64) [T, D], contiguous.
-        meta: the :class:`RoutingMetadata` of this batch.
+        meta: the :class:`RoutingMetadata` of this batch; a hand-built one (``checked=False``) has its index
+            values validated first (one device->host sync on a GPU).
 
     Returns:
         x_MD [M, D] in x's dtype; differentiable w.r.t. x.
@@ -178,7 +179,8 @@ def unpermute(y_MD: Tensor, meta: RoutingMetadata, topk_weights_TK: Tensor) -> T
 
     Args:
         y_MD: float [M, D], contiguous, in grouped order.
-        meta: the :class:`RoutingMetadata` of this batch.
+        meta: the :class:`RoutingMetadata` of this batch; a hand-built one (``checked=False``) has its index
+            values validated first (one device->host sync on a GPU).
         topk_weights_TK: float [T, K], contiguous (any float dtype; its gradient comes back in that dtype).
 
     Returns:
@@ -192,6 +194,9 @@ def unpermute(y_MD: Tensor, meta: RoutingMetadata, topk_weights_TK: Tensor) -> T
 def _check_meta(meta: object) -> None:
     if not isinstance(meta, RoutingMetadata):
         raise TypeError(f"meta: expected a RoutingMetadata (from routing_metadata()), got {type(meta).__name__}")
+    if not meta.checked:
+        # Kernels index rows with these values: an out-of-range one would read or write out of bounds.
+        meta.validate()
 
 
 # ---------------------------------------------------------------------------------------------------- grouped_mm
@@ -257,6 +262,9 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
         y_MN [M, N] in x's dtype; differentiable w.r.t. x and w (dX and dW are grouped kernels too).
     """
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
+    check_rows("x_MK", x_MK.shape[0], "M")
+    if w_EKN.shape[0] > MAX_EXPERTS:
+        raise ValueError(f"w_EKN: expected at most {MAX_EXPERTS} groups (experts), got shape {list(w_EKN.shape)}")
     return _grouped_mm_op(x_MK, w_EKN, offsets_E, check)
 
 
@@ -309,4 +317,5 @@ def swiglu(h_M2F: Tensor) -> Tensor:
         out_MF [M, F] in h's dtype; differentiable.
     """
     check_swiglu_input(h_M2F)
+    check_rows("h_M2F", h_M2F.shape[0], "M")
     return _swiglu_op(h_M2F)

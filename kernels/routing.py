@@ -4,8 +4,13 @@ expert-grouped order.
 Legend: T tokens, K top-k, M = T*K rows, E experts.
 
 Grouped order: rows sorted by expert; inside one expert by token index t, then by k (a stable sort of the flat
-(t, k) index by expert id). The Triton path computes it with three kernels and no float atomics: a per-block
-histogram, a one-program prefix sum over (block, expert), and a scatter that ranks each row inside its block.
+(t, k) index by expert id). The Triton path computes it without atomics in three steps: a per-block histogram
+into an expert-major table counts_EB[e, b], one flat exclusive cumsum of that table (which is exactly the first
+grouped row of every (expert, block) pair, so counts, end offsets and block bases all come from it), and a
+scatter that ranks each row inside its block. No step walks the row blocks serially.
+
+Sizes are bounded where the kernels' 32-bit indices or their O(M * E) expert comparison would break: at most
+``MAX_EXPERTS`` experts and ``MAX_ROWS`` (2**31 - 2**16) rows, each a ``ValueError`` naming the argument.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._checks import INDEX_DTYPES, check_positive_int, check_tensor
+from ._checks import INDEX_DTYPES, check_num_experts, check_positive_int, check_rows, check_tensor
 from ._triton import alloc, check_launch_device, tl, triton
 
 __all__ = ["RoutingMetadata", "check_routing_inputs", "routing_metadata_ref", "routing_metadata_triton"]
@@ -32,8 +37,11 @@ class RoutingMetadata:
         offsets_E: int32 [E], END offsets, cumsum(counts_E) (torch._grouped_mm convention); offsets_E[-1] == M.
         src_idx_M: int32 [M], grouped row m came from the flat (t, k) index src_idx_M[m] = t*K + k.
         dst_idx_TK: int32 [T, K], the grouped row of (t, k).
+        checked: True when the index values are known to be consistent, as :func:`routing_metadata` builds them;
+            :func:`feplb.kernels.permute` and :func:`feplb.kernels.unpermute` call :meth:`validate` on metadata
+            with ``checked=False`` (a hand-built one) before any kernel reads its indices.
 
-    ``__post_init__`` checks dtypes and shapes only (no device sync).
+    ``__post_init__`` checks types, dtypes, shapes, devices and sizes only (no device sync).
     """
 
     num_experts: int
@@ -42,15 +50,59 @@ class RoutingMetadata:
     offsets_E: Tensor
     src_idx_M: Tensor
     dst_idx_TK: Tensor
+    checked: bool = False
 
     def __post_init__(self) -> None:
-        check_positive_int("num_experts", self.num_experts)
+        check_num_experts("num_experts", self.num_experts)
         check_positive_int("top_k", self.top_k)
+        if not isinstance(self.checked, bool):
+            raise TypeError(f"checked: expected a bool, got {type(self.checked).__name__}")
         e = self.num_experts
         check_tensor("counts_E", self.counts_E, dtypes=(torch.int32,), shape=(e,))
         check_tensor("offsets_E", self.offsets_E, dtypes=(torch.int32,), shape=(e,))
         check_tensor("dst_idx_TK", self.dst_idx_TK, dtypes=(torch.int32,), shape=(None, self.top_k))
         check_tensor("src_idx_M", self.src_idx_M, dtypes=(torch.int32,), shape=(self.dst_idx_TK.numel(),))
+        t, k = self.dst_idx_TK.shape
+        check_rows("dst_idx_TK", self.dst_idx_TK.numel(), f"M = T*K = {t} * {k}")
+        devices = {name: getattr(self, name).device for name in ("counts_E", "offsets_E", "src_idx_M", "dst_idx_TK")}
+        if len(set(devices.values())) > 1:
+            raise ValueError(f"RoutingMetadata: expected all tensors on one device, got {devices}")
+
+    def validate(self) -> None:
+        """Check the index values (one device->host sync on a GPU): src_idx_M and dst_idx_TK in [0, M) and inverse
+        permutations of each other, counts_E >= 0 summing to M, offsets_E == cumsum(counts_E).
+
+        Raises:
+            ValueError naming the first inconsistent field, what was expected and what was given.
+        """
+        M = self.num_rows
+        src = self.src_idx_M.long()
+        dst = self.dst_idx_TK.reshape(-1).long()
+        zero = torch.zeros((), dtype=torch.long, device=src.device)
+        src_lo, src_hi = (torch.aminmax(src) if M else (zero, zero))
+        dst_lo, dst_hi = (torch.aminmax(dst) if M else (zero, zero))
+        # Inverse check on clamped indices, so an out-of-range value cannot fault here; it is reported above.
+        roundtrip = src[dst.clamp(0, max(M - 1, 0))] if M else src
+        mismatches = (roundtrip != torch.arange(M, device=src.device)).sum()
+        counts = self.counts_E.long()
+        bad_offsets = (self.offsets_E.long() != counts.cumsum(0)).sum()
+        stats = torch.stack([src_lo, src_hi, dst_lo, dst_hi, mismatches, counts.min(), counts.sum(), bad_offsets])
+        src_lo, src_hi, dst_lo, dst_hi, mismatches, counts_min, counts_sum, bad_offsets = stats.tolist()
+        if M and (src_lo < 0 or src_hi >= M):
+            raise ValueError(f"src_idx_M: expected indices in [0, {M}) (M = T*K rows), got values in "
+                             f"[{src_lo}, {src_hi}]")
+        if M and (dst_lo < 0 or dst_hi >= M):
+            raise ValueError(f"dst_idx_TK: expected indices in [0, {M}) (M = T*K rows), got values in "
+                             f"[{dst_lo}, {dst_hi}]")
+        if mismatches:
+            raise ValueError(f"dst_idx_TK: expected the inverse permutation of src_idx_M "
+                             f"(src_idx_M[dst_idx_TK[t, k]] == t*K + k), got {mismatches} of {M} rows that differ")
+        if counts_min < 0 or counts_sum != M:
+            raise ValueError(f"counts_E: expected non-negative counts summing to M = {M}, got min {counts_min}, "
+                             f"sum {counts_sum}")
+        if bad_offsets:
+            raise ValueError(f"offsets_E: expected the end offsets cumsum(counts_E), got {bad_offsets} of "
+                             f"{self.num_experts} that differ")
 
     @property
     def num_tokens(self) -> int:
@@ -66,12 +118,15 @@ class RoutingMetadata:
 def check_routing_inputs(topk_ids_TK: Tensor, num_experts: int, *, check_values: bool = True) -> None:
     """Check ids: int32/int64 [T, K], K >= 1; with ``check_values``, every id in [0, num_experts).
 
-    The range check costs one device->host sync on a GPU (a single min/max reduction).
+    The range check costs one device->host sync on a GPU (a single min/max reduction). Sizes are bounded
+    (no sync): num_experts <= MAX_EXPERTS, M = T*K <= MAX_ROWS.
     """
-    check_positive_int("num_experts", num_experts)
+    check_num_experts("num_experts", num_experts)
     check_tensor("topk_ids_TK", topk_ids_TK, dtypes=INDEX_DTYPES, ndim=2)
     if topk_ids_TK.shape[1] < 1:
         raise ValueError(f"topk_ids_TK: expected K >= 1 columns, got shape {list(topk_ids_TK.shape)}")
+    t, k = topk_ids_TK.shape
+    check_rows("topk_ids_TK", t * k, f"M = T*K = {t} * {k}")
     if check_values and topk_ids_TK.numel() > 0:
         lo, hi = torch.stack(torch.aminmax(topk_ids_TK)).tolist()
         if lo < 0 or hi >= num_experts:
@@ -100,39 +155,23 @@ def routing_metadata_ref(topk_ids_TK: Tensor, num_experts: int) -> tuple[Tensor,
 
 
 @triton.jit
-def _block_histogram_kernel(ids_ptr, block_counts_ptr, M, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+def _block_histogram_kernel(ids_ptr, counts_EB_ptr, M, E, num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    # counts_EB[e, b]: rows of expert e in row block b, stored expert-major so that one flat cumsum of the table
+    # yields every (expert, block) base in grouped order.
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(ids_ptr + rows, mask=rows < M, other=-1).to(tl.int32)
     for e0 in range(0, E, BLOCK_E):
         experts = e0 + tl.arange(0, BLOCK_E)
         hits = (ids[:, None] == experts[None, :]).to(tl.int32)
-        tl.store(block_counts_ptr + pid * E + experts, tl.sum(hits, axis=0), mask=experts < E)
+        tl.store(counts_EB_ptr + experts.to(tl.int64) * num_blocks + pid, tl.sum(hits, axis=0), mask=experts < E)
 
 
 @triton.jit
-def _expert_offsets_kernel(block_counts_ptr, block_base_ptr, counts_ptr, offsets_ptr, num_blocks, E,
-                           BLOCK_E: tl.constexpr):
-    # One program: E and the number of row blocks are small, and a single pass keeps the scan deterministic.
-    experts = tl.arange(0, BLOCK_E)
-    valid = experts < E
-    totals = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for b in range(0, num_blocks):
-        totals += tl.load(block_counts_ptr + b * E + experts, mask=valid, other=0)
-    ends = tl.cumsum(totals, axis=0)
-    tl.store(counts_ptr + experts, totals, mask=valid)
-    tl.store(offsets_ptr + experts, ends, mask=valid)
-    running = ends - totals
-    for b in range(0, num_blocks):
-        count = tl.load(block_counts_ptr + b * E + experts, mask=valid, other=0)
-        tl.store(block_base_ptr + b * E + experts, running, mask=valid)
-        running += count
-
-
-@triton.jit
-def _scatter_kernel(ids_ptr, block_base_ptr, src_ptr, dst_ptr, M, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+def _scatter_kernel(ids_ptr, base_EB_ptr, src_ptr, dst_ptr, M, E, num_blocks, BLOCK_M: tl.constexpr,
+                    BLOCK_E: tl.constexpr):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_range = rows < M
     ids = tl.load(ids_ptr + rows, mask=in_range, other=-1).to(tl.int32)
     dst = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -141,10 +180,10 @@ def _scatter_kernel(ids_ptr, block_base_ptr, src_ptr, dst_ptr, M, E, BLOCK_M: tl
         hits = (ids[:, None] == experts[None, :]).to(tl.int32)
         # Inclusive scan down the block: a row's rank among the block's earlier rows of the same expert.
         rank = tl.cumsum(hits, axis=0) - 1
-        base = tl.load(block_base_ptr + pid * E + experts, mask=experts < E, other=0)
+        base = tl.load(base_EB_ptr + experts.to(tl.int64) * num_blocks + pid, mask=experts < E, other=0)
         dst += tl.sum(tl.where(hits != 0, base[None, :] + rank, 0), axis=1)
     tl.store(dst_ptr + rows, dst, mask=in_range)
-    tl.store(src_ptr + dst, rows, mask=in_range)
+    tl.store(src_ptr + dst, rows.to(tl.int32), mask=in_range)
 
 
 def routing_metadata_triton(
@@ -174,20 +213,23 @@ def routing_metadata_triton(
     T, K = topk_ids_TK.shape
     M, E = T * K, num_experts
     dev = topk_ids_TK.device
-    counts_E = alloc((E,), torch.int32, dev)
-    offsets_E = alloc((E,), torch.int32, dev)
     src_idx_M = alloc((M,), torch.int32, dev)
     dst_idx_TK = alloc((T, K), torch.int32, dev)
     num_blocks = triton.cdiv(M, block_m)
-    block_e_all = max(triton.next_power_of_2(E), 16)
     if block_e is None:
-        block_e = min(block_e_all, 64 if topk_ids_TK.is_cuda else 1024)
-    block_counts = alloc((max(num_blocks, 1), E), torch.int32, dev)
-    block_base = alloc((max(num_blocks, 1), E), torch.int32, dev)
-    if num_blocks > 0:
-        _block_histogram_kernel[(num_blocks,)](topk_ids_TK, block_counts, M, E, BLOCK_M=block_m, BLOCK_E=block_e)
-    _expert_offsets_kernel[(1,)](block_counts, block_base, counts_E, offsets_E, num_blocks, E, BLOCK_E=block_e_all)
-    if num_blocks > 0:
-        _scatter_kernel[(num_blocks,)](topk_ids_TK, block_base, src_idx_M, dst_idx_TK, M, E,
-                                       BLOCK_M=block_m, BLOCK_E=block_e)
+        block_e = min(max(triton.next_power_of_2(E), 16), 64 if topk_ids_TK.is_cuda else 1024)
+    if num_blocks == 0:
+        zeros_E = torch.zeros(E, dtype=torch.int32, device=dev)
+        return zeros_E, zeros_E.clone(), src_idx_M, dst_idx_TK
+    counts_EB = alloc((E, num_blocks), torch.int32, dev)
+    _block_histogram_kernel[(num_blocks,)](topk_ids_TK, counts_EB, M, E, num_blocks, BLOCK_M=block_m,
+                                           BLOCK_E=block_e)
+    # Expert-major flat order is grouped order: the inclusive cumsum ends expert e's last block at its end offset,
+    # and minus the block's own count it is the block's first grouped row. Values stay below M < 2**31.
+    ends_EB = counts_EB.reshape(-1).cumsum(0, dtype=torch.int32).reshape(E, num_blocks)
+    base_EB = ends_EB - counts_EB
+    offsets_E = ends_EB[:, -1].contiguous()
+    counts_E = counts_EB.sum(1, dtype=torch.int32)
+    _scatter_kernel[(num_blocks,)](topk_ids_TK, base_EB, src_idx_M, dst_idx_TK, M, E, num_blocks,
+                                   BLOCK_M=block_m, BLOCK_E=block_e)
     return counts_E, offsets_E, src_idx_M, dst_idx_TK

@@ -18,10 +18,14 @@ def test_rooms_map_into_feplb_namespace():
     assert feplb.sched.__name__ == "feplb.sched"
 
 
-def test_stdlib_sched_is_not_shadowed():
-    import sched
-
-    assert hasattr(sched, "scheduler"), f"'import sched' found {sched.__file__}, not the standard library's"
+def test_stdlib_sched_is_not_shadowed(tmp_path):
+    # In a fresh interpreter outside the repository (``python -m pytest`` itself puts the working directory on
+    # sys.path, which would say nothing about the installed package): feplb installed, the stdlib's sched found.
+    proc = subprocess.run([sys.executable, "-c", "import feplb.sched, sched; print(sched.__file__); "
+                           "assert hasattr(sched, 'scheduler'), sched.__file__"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, f"'import sched' found {proc.stdout.strip()}, not the standard library's: " \
+                                 f"{proc.stderr[-500:]}"
 
 
 @pytest.mark.parametrize("room", ["feplb.sched"])

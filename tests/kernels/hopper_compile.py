@@ -154,12 +154,9 @@ def gemm_jobs(all_configs: bool):
 
 def other_jobs():
     yield dict(name="routing histogram", jit_fn=routing._block_histogram_kernel,
-               types={"ids_ptr": "*i64", "block_counts_ptr": "*i32"}, consts={"BLOCK_M": 256, "BLOCK_E": 64})
-    yield dict(name="routing offsets", jit_fn=routing._expert_offsets_kernel,
-               types={"block_counts_ptr": "*i32", "block_base_ptr": "*i32", "counts_ptr": "*i32",
-                      "offsets_ptr": "*i32"}, consts={"BLOCK_E": 256})
+               types={"ids_ptr": "*i64", "counts_EB_ptr": "*i32"}, consts={"BLOCK_M": 256, "BLOCK_E": 64})
     yield dict(name="routing scatter", jit_fn=routing._scatter_kernel,
-               types={"ids_ptr": "*i32", "block_base_ptr": "*i32", "src_ptr": "*i32", "dst_ptr": "*i32"},
+               types={"ids_ptr": "*i32", "base_EB_ptr": "*i32", "src_ptr": "*i32", "dst_ptr": "*i32"},
                consts={"BLOCK_M": 256, "BLOCK_E": 64})
     meta, options = split(permutation.PERMUTE_HOPPER_CONFIGS[0])
     yield dict(name="permute", jit_fn=permutation._permute_kernel,

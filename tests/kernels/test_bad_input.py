@@ -1,4 +1,5 @@
-"""Bad input raises ValueError/TypeError naming the argument, the expected and the given value."""
+"""Bad input raises ValueError/TypeError naming the argument, the expected and the given value, on the CPU and
+(when one is present) on a CUDA GPU, where the same calls reach the Triton kernels."""
 
 from __future__ import annotations
 
@@ -10,13 +11,22 @@ import pytest
 import torch
 
 import feplb.kernels as fk
+from feplb.kernels._checks import MAX_EXPERTS, MAX_ROWS
+from feplb.kernels.permutation import check_permute_inputs
 
 E = 4
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA GPU")])])
+def dev(request) -> torch.device:
+    return torch.device(request.param)
 
 
 @pytest.fixture
-def meta():
-    return fk.routing_metadata(torch.tensor([[0, 1], [2, 3], [1, 0]]), E)
+def meta(dev):
+    return fk.routing_metadata(torch.tensor([[0, 1], [2, 3], [1, 0]], device=dev), E)
 
 
 @pytest.mark.parametrize(
@@ -30,37 +40,127 @@ def meta():
     ],
     ids=["id-too-large", "id-negative", "float-ids", "1d-ids", "K0"],
 )
-def test_routing_rejects(ids, match):
+def test_routing_rejects(ids, match, dev):
     with pytest.raises((ValueError, TypeError), match=match):
-        fk.routing_metadata(ids, E)
+        fk.routing_metadata(ids.to(dev), E)
 
 
-def test_routing_rejects_bad_num_experts():
-    with pytest.raises(ValueError, match="num_experts.*>= 1.*0"):
-        fk.routing_metadata(torch.zeros(2, 1, dtype=torch.long), 0)
+@pytest.mark.parametrize(("num_experts", "match"), [
+    (0, r"num_experts.*>= 1.*0"),
+    (MAX_EXPERTS + 1, rf"num_experts.*at most {MAX_EXPERTS}.*{MAX_EXPERTS + 1}"),
+    (2**31, rf"num_experts.*at most {MAX_EXPERTS}.*{2**31}"),
+], ids=["zero", "above-bound", "2**31"])
+def test_routing_rejects_bad_num_experts(num_experts, match, dev):
+    # 2**31 experts once allocated two 16 GB count tensors before anything looked at the number.
+    with pytest.raises(ValueError, match=match):
+        fk.routing_metadata(torch.zeros(2, 1, dtype=torch.long, device=dev), num_experts)
 
 
-def test_permute_rejects(meta):
+def test_routing_rejects_rows_past_32_bits(dev):
+    # A stride-0 view: 2**31 rows of ids without allocating them.
+    ids = torch.zeros(1, 1, dtype=torch.int32, device=dev).expand(2**30, 2)
+    with pytest.raises(ValueError, match=rf"topk_ids_TK.*at most {MAX_ROWS} rows.*2\*\*31|topk_ids_TK.*{2**31}"):
+        fk.routing_metadata(ids, E, check=False)
+
+
+def test_permute_rejects_rows_past_32_bits():
+    # Meta tensors: shapes without storage.
+    big = torch.empty(2**30, 2, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=rf"dst_idx_TK.*at most {MAX_ROWS} rows.*{2**31}"):
+        check_permute_inputs(torch.empty(2**30, 8, device="meta"), big.reshape(-1), big)
+    with pytest.raises(ValueError, match=rf"dst_idx_TK.*at most {MAX_ROWS} rows.*{2**31}"):
+        fk.RoutingMetadata(num_experts=E, top_k=2, counts_E=torch.empty(E, dtype=torch.int32, device="meta"),
+                           offsets_E=torch.empty(E, dtype=torch.int32, device="meta"), src_idx_M=big.reshape(-1),
+                           dst_idx_TK=big)
+
+
+def test_grouped_mm_and_swiglu_reject_sizes_past_the_bounds():
+    def on_meta(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    with pytest.raises(ValueError, match=rf"x_MK.*at most {MAX_ROWS} rows.*M = {2**31}"):
+        fk.grouped_mm(on_meta(2**31, 4), on_meta(2, 4, 3), on_meta(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=rf"w_EKN.*at most {MAX_EXPERTS} groups.*\[{MAX_EXPERTS + 1}, 4, 3\]"):
+        fk.grouped_mm(on_meta(6, 4), on_meta(MAX_EXPERTS + 1, 4, 3), on_meta(MAX_EXPERTS + 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=rf"h_M2F.*at most {MAX_ROWS} rows.*M = {2**31}"):
+        fk.swiglu(on_meta(2**31, 8))
+
+
+def test_permute_rejects(meta, dev):
     with pytest.raises(ValueError, match=r"x_TD.*3 rows.*\[4, 8\]"):
-        fk.permute(torch.randn(4, 8), meta)
+        fk.permute(torch.randn(4, 8, device=dev), meta)
     with pytest.raises(ValueError, match="x_TD.*contiguous"):
-        fk.permute(torch.randn(8, 3).T, meta)
+        fk.permute(torch.randn(8, 3, device=dev).T, meta)
     with pytest.raises(TypeError, match="x_TD.*int64"):
-        fk.permute(torch.zeros(3, 8, dtype=torch.long), meta)
+        fk.permute(torch.zeros(3, 8, dtype=torch.long, device=dev), meta)
     with pytest.raises(TypeError, match="meta.*RoutingMetadata.*dict"):
-        fk.permute(torch.randn(3, 8), {})
+        fk.permute(torch.randn(3, 8, device=dev), {})
 
 
-def test_unpermute_rejects(meta):
-    y = torch.randn(6, 8)
+def test_unpermute_rejects(meta, dev):
+    y = torch.randn(6, 8, device=dev)
     with pytest.raises(ValueError, match=r"topk_weights_TK.*\[3, 2\].*\[3, 3\]"):
-        fk.unpermute(y, meta, torch.rand(3, 3))
+        fk.unpermute(y, meta, torch.rand(3, 3, device=dev))
     with pytest.raises(TypeError, match="topk_weights_TK.*int64"):
-        fk.unpermute(y, meta, torch.ones(3, 2, dtype=torch.long))
+        fk.unpermute(y, meta, torch.ones(3, 2, dtype=torch.long, device=dev))
     with pytest.raises(ValueError, match=r"y_MD.*6 rows.*\[5, 8\]"):
-        fk.unpermute(torch.randn(5, 8), meta, torch.rand(3, 2))
+        fk.unpermute(torch.randn(5, 8, device=dev), meta, torch.rand(3, 2, device=dev))
     with pytest.raises(ValueError, match="topk_weights_TK.*contiguous"):
-        fk.unpermute(y, meta, torch.rand(2, 3).T)
+        fk.unpermute(y, meta, torch.rand(2, 3, device=dev).T)
+
+
+def _tampered(meta, field: str, edit):
+    """A hand-built copy of ``meta`` (checked=False) with ``edit`` applied to a clone of one field."""
+    fields = {name: getattr(meta, name) for name in ("counts_E", "offsets_E", "src_idx_M", "dst_idx_TK")}
+    fields[field] = fields[field].clone()
+    edit(fields[field])
+    return fk.RoutingMetadata(num_experts=meta.num_experts, top_k=meta.top_k, **fields)
+
+
+def _swap_first_two(t):
+    t.view(-1)[:2] = t.view(-1)[:2].flip(0).clone()
+
+
+TAMPERED = {  # id: (field, edit, message)
+    "src-negative": ("src_idx_M", lambda t: t.__setitem__(0, -1), r"src_idx_M.*\[0, 6\).*\[-1, "),
+    "src-too-large": ("src_idx_M", lambda t: t.__setitem__(2, 6), r"src_idx_M.*\[0, 6\).*, 6\]"),
+    "dst-negative": ("dst_idx_TK", lambda t: t.__setitem__((1, 0), -7), r"dst_idx_TK.*\[0, 6\).*\[-7, "),
+    "dst-too-large": ("dst_idx_TK", lambda t: t.__setitem__((2, 1), 2**30), r"dst_idx_TK.*\[0, 6\).*1073741824\]"),
+    "not-inverse": ("src_idx_M", _swap_first_two, r"dst_idx_TK.*inverse.*src_idx_M.*2 of 6"),
+    "counts-sum": ("counts_E", lambda t: t.__setitem__(0, t[0] + 1), r"counts_E.*summing to M = 6.*sum 7"),
+    "counts-negative": ("counts_E", lambda t: t.__setitem__(0, -1), r"counts_E.*non-negative.*min -1"),
+    "offsets": ("offsets_E", lambda t: t.__setitem__(1, t[1] - 1), r"offsets_E.*cumsum\(counts_E\).*1 of 4"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED), ids=list(TAMPERED))
+def test_hand_built_metadata_is_validated_before_any_kernel(case, meta, dev):
+    field, edit, match = TAMPERED[case]
+    bad = _tampered(meta, field, edit)
+    assert not bad.checked
+    x, y, w = torch.randn(3, 8, device=dev), torch.randn(6, 8, device=dev), torch.rand(3, 2, device=dev)
+    with pytest.raises(ValueError, match=match):
+        fk.permute(x, bad)
+    with pytest.raises(ValueError, match=match):
+        fk.unpermute(y, bad, w)
+
+
+def test_hand_built_valid_metadata_is_accepted(meta, dev):
+    same = _tampered(meta, "src_idx_M", lambda t: None)
+    x = torch.randn(3, 8, device=dev)
+    assert torch.equal(fk.permute(x, same), fk.permute(x, meta))
+
+
+def test_routing_metadata_output_skips_the_value_check(meta, dev, monkeypatch):
+    # Metadata from routing_metadata() is consistent by construction: validating it again would cost a host sync
+    # per call on a GPU (the layer's forward must have none).
+    assert meta.checked
+
+    def fail(self):
+        raise AssertionError("validate() called on checked metadata")
+
+    monkeypatch.setattr(fk.RoutingMetadata, "validate", fail)
+    fk.unpermute(fk.permute(torch.randn(3, 8, device=dev), meta), meta, torch.rand(3, 2, device=dev))
 
 
 def test_metadata_rejects_inconsistent_fields(meta):
@@ -87,17 +187,17 @@ def test_metadata_rejects_inconsistent_fields(meta):
     ids=["decreasing", "wrong-end", "negative", "float-offsets", "offsets-length", "K-mismatch", "dtype-mismatch",
          "2d-w"],
 )
-def test_grouped_mm_rejects(w_shape, w_dtype, offsets, exc, match):
-    x = torch.randn(6, 4)
+def test_grouped_mm_rejects(w_shape, w_dtype, offsets, exc, match, dev):
+    x = torch.randn(6, 4, device=dev)
     with pytest.raises(exc, match=match):
-        fk.grouped_mm(x, torch.randn(w_shape, dtype=w_dtype), torch.tensor(offsets))
+        fk.grouped_mm(x, torch.randn(w_shape, dtype=w_dtype, device=dev), torch.tensor(offsets, device=dev))
 
 
-def test_swiglu_rejects():
+def test_swiglu_rejects(dev):
     with pytest.raises(ValueError, match=r"h_M2F.*even.*\[3, 5\]"):
-        fk.swiglu(torch.randn(3, 5))
+        fk.swiglu(torch.randn(3, 5, device=dev))
     with pytest.raises(ValueError, match="h_M2F.*contiguous"):
-        fk.swiglu(torch.randn(6, 4).T)
+        fk.swiglu(torch.randn(6, 4, device=dev).T)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's messages")

@@ -135,3 +135,19 @@ def test_unpermute_gradient_without_weight_grad(gen, kh):
     y = torch.randn(T * K, D, generator=gen, requires_grad=True)
     fk.unpermute(y, meta, w).sum().backward()
     assert torch.equal(y.grad, w.reshape(-1)[meta.src_idx_M.long()][:, None].expand(-1, D))
+
+
+@pytest.mark.skipif(not (fk.HAVE_TRITON and fk.INTERPRET), reason="needs Triton's interpreter")
+@pytest.mark.parametrize(("T", "K", "E"), [(300, 4, 200), (257, 2, 3), (1, 1, 1)], ids=["many-experts", "E3", "T1"])
+def test_routing_op_runs_the_kernels_like_the_twin(T, K, E, gen, kh):
+    """The custom op through the Triton kernels (histogram, one cumsum, scatter) equals the loop reference; the
+    first case spans two row blocks of the interpreter's default block size."""
+    ids, _ = kh.random_routing(T, K, E, gen=gen, skew=1.0)
+    with fk.triton_on_cpu():
+        meta = fk.routing_metadata(ids, E)
+    counts, ends, src, dst = kh.routing_f64(ids, E)
+    assert meta.checked
+    assert torch.equal(meta.counts_E.long(), counts)
+    assert torch.equal(meta.offsets_E.long(), ends.long())
+    assert torch.equal(meta.src_idx_M.long(), src)
+    assert torch.equal(meta.dst_idx_TK.long(), dst)

@@ -1,0 +1,268 @@
+"""The GPU check's plumbing on a CPU: ``bench/gpu_check.sh`` in its dry mode end to end, and the verdicts of
+``bench/gpu_report.py`` on made-up results (passing, failing and missing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+TRACE = "esft_deepseek_v2_lite/esft_vanilla_lite_law.npz"
+
+
+def _load_report():
+    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "bench" / "gpu_report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_report", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+gr = _load_report()
+TARGET_COUNT = 14
+
+
+# ---------------------------------------------------------------------------------------------------- dry run
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_dry_run_reports_every_step_and_target_not_run(tmp_path):
+    shared = tmp_path / "shared"
+    (shared / TRACE).parent.mkdir(parents=True)
+    (shared / TRACE).write_bytes(b"trace bytes")
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "FEPLB_GPU_CHECK_DRY": "1",
+           "FEPLB_GPU_CHECK_COLLECT": "0", "FEPLB_SHARED_TRACES": str(shared), "FEPLB_TRACE_CACHE": str(cache),
+           "TMPDIR": str(tmp_path)}
+    env.pop("FEPLB_TRACES", None)
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The trace travels in the working tree's cache, and the benchmarks are pointed at it.
+    assert (cache / TRACE).read_bytes() == b"trace bytes"
+    machine = json.loads((out / "machine.json").read_text())
+    assert machine["dry_run"] is True and machine["traces"] == str(cache)
+    assert {"torch", "cuda", "triton", "nvshmem4py", "gpu", "nvidia_smi", "python"} <= set(machine)
+    # The fallback when pip cannot install on the GPU machine: the sources as pyproject.toml maps them. Here an
+    # editable install answers `import feplb` first, so import from the tree with that finder removed.
+    (src,) = tmp_path.glob("feplb_gpu_check.*/src")
+    code = ("import sys\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+            f"sys.path.insert(0, {str(src)!r})\n"
+            "import feplb.kernels, feplb.sched\n"
+            "print(feplb.__file__, feplb.kernels.__file__, feplb.sched.__file__)\n")
+    files = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert files.returncode == 0, files.stderr[-2000:]
+    assert files.stdout.split() == [str(src / "feplb" / "__init__.py"), str(src / "feplb" / "kernels" / "__init__.py"),
+                                    str(src / "feplb" / "sched" / "__init__.py")]
+    assert (src / "feplb" / "kernels").resolve() == ROOT / "kernels"
+    # The table comes last: every target of targets.md, each NOT RUN.
+    lines = proc.stdout.rstrip().splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("----- targets"))
+    targets = lines[start + 2:]
+    assert len(targets) == TARGET_COUNT, targets
+    assert all(line.split("  (")[0].rstrip().endswith("NOT RUN") for line in targets), targets
+    report = json.loads((out / "report.json").read_text())
+    assert [r["verdict"] for r in report["steps"]] == ["NOT RUN"] * 6
+    assert {r["name"] for r in report["steps"]} == {"kernels", "runtime_gpu", "bench_kernels", "planner",
+                                                     "bench_overlap", "bench_layer"}
+    assert len(list(out.iterdir())) <= 8
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_dry_run_without_traces_says_so(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "FEPLB_GPU_CHECK_DRY": "1",
+           "FEPLB_GPU_CHECK_COLLECT": "0", "FEPLB_SHARED_TRACES": str(tmp_path / "none"),
+           "FEPLB_TRACE_CACHE": str(tmp_path / "cache"), "TMPDIR": str(tmp_path)}
+    env.pop("FEPLB_TRACES", None)
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "routing traces: NOT FOUND" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+def _junit(path: Path, cases: list[tuple[str, str, str]]) -> None:
+    """cases: (name, outcome passed|failed|skipped, skip reason)."""
+    body = []
+    for name, outcome, reason in cases:
+        inner = {"passed": "", "failed": '<failure message="boom"/>',
+                 "skipped": f'<skipped type="pytest.skip" message="{reason}"/>'}[outcome]
+        body.append(f'<testcase classname="tests.runtime.test_gpu" name="{name}" time="1">{inner}</testcase>')
+    path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{"".join(body)}'
+                    "</testsuite></testsuites>")
+
+
+def _gemm(impl, op, rows, tflops, proj="gate_up", dist="uniform", **extra):
+    return {"bench": "grouped_mm", "impl": impl, "op": op, "proj": proj, "dist": dist, "rows_per_expert": rows,
+            "tflops": tflops, **extra}
+
+
+def _fake_run(tmp_path: Path, *, steps=None, runtime_cases=None, kernel_rows=None, overlap=None, layer=None,
+              sched=None) -> tuple[Path, Path]:
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    steps = steps or {n: (0, "run") for n in (*gr.TEST_STEPS, *gr.BENCH_STEPS)}
+    (work / "steps.tsv").write_text("".join(f"{n}\t{rc}\t12\t{mode}\n" for n, (rc, mode) in steps.items()))
+    _junit(work / "junit_kernels.xml", [("test_a", "passed", ""), ("test_b", "passed", "")])
+    _junit(work / "junit_runtime_gpu.xml", runtime_cases or [
+        ("test_layer_ipc_balanced_equals_plain_ep", "passed", ""),
+        ("test_layer_nccl_two_gpus", "skipped", "needs at least 2 CUDA GPUs (one rank per GPU)"),
+        ("test_layer_nvshmem_four_gpus", "skipped", "needs two GPUs")])
+    rows = kernel_rows if kernel_rows is not None else [
+        _gemm("feplb", "forward", 256, 500.0), _gemm("torch_grouped_mm", "forward", 256, 550.0),
+        _gemm("feplb", "forward", 1024, 700.0), _gemm("torch_grouped_mm", "forward", 1024, 600.0),
+        _gemm("feplb", "dx", 256, 450.0), _gemm("feplb", "dx", 1024, 630.0),
+        _gemm("feplb", "dw", 256, 250.0), _gemm("feplb", "dw", 1024, 650.0),
+        _gemm("torch_grouped_mm", "dw", 128, None, error="RuntimeError: unsupported"),
+        {"bench": "permute", "impl": "permute", "dist": "zipf", "rows_per_expert": 512, "gbps": 3600.0},
+        {"bench": "permute", "impl": "unpermute", "dist": "zipf", "rows_per_expert": 512, "gbps": 3000.0},
+        {"bench": "permute", "impl": "copy", "dist": "zipf", "rows_per_expert": 512, "gbps": 4200.0}]
+    (out / "bench_kernels.json").write_text(json.dumps({"meta": {}, "results": rows}))
+    (out / "bench_overlap.json").write_text(json.dumps(overlap if overlap is not None else
+                                                       {"gemm_ms": 2.0, "gemm_h2d_ms": 2.01, "overlap_holds": True}))
+    (out / "bench_layer.json").write_text(json.dumps(layer if layer is not None else {"gpu": {"host_syncs": 0}}))
+    benchmarks = [{"params": {"shape": s, "policy": p}, "extra_info": {"p99_us": v}}
+                  for (s, p), v in (sched or {("E128-W8", "feplb"): 31.0, ("E128-W8", "feplb-split"): 62.5,
+                                              ("E256-W64", "feplb"): 150.0}).items()]
+    (work / "bench_sched.json").write_text(json.dumps({"benchmarks": benchmarks}))
+    return out, work
+
+
+def _by_name(rows: list[dict]) -> dict[str, dict]:
+    return {r["name"]: r for r in rows}
+
+
+def test_report_verdicts_from_measurements(tmp_path, capsys):
+    out, work = _fake_run(tmp_path)
+    assert gr.main([str(out), "--work", str(work)]) == 1  # some targets FAIL
+    report = json.loads((out / "report.json").read_text())
+    assert [r["verdict"] for r in report["steps"]] == ["PASS"] * 6
+    t = _by_name(report["targets"])
+    assert len(t) == TARGET_COUNT
+    fwd = t["forward >= torch._grouped_mm at >= 256 rows/expert"]
+    assert fwd["verdict"] == "FAIL" and fwd["measured"].startswith(f"{500 / 550:.2f}x")
+    assert "256/expert" in fwd["measured"]
+    assert t["forward >= 650 TFLOP/s at >= 1024 rows/expert"]["verdict"] == "PASS"
+    assert t["forward >= 650 TFLOP/s at >= 1024 rows/expert"]["measured"].startswith("700 TFLOP/s")
+    assert t["dX >= 0.85x forward"]["verdict"] == "PASS"                      # 0.90 at both sizes
+    assert t["dW >= 0.85x forward"]["verdict"] == "FAIL"                      # 0.50 at 256 rows
+    assert t["dW >= 0.85x forward"]["measured"].startswith("0.50x")
+    assert t["permute >= 0.80x device copy bandwidth"]["verdict"] == "PASS"   # 0.86
+    assert t["unpermute >= 0.80x device copy bandwidth"]["verdict"] == "FAIL"  # 0.71
+    p50 = t["planner p99 <= 50 us (E128-W8, dyn=4, feplb and feplb-split)"]
+    assert p50["verdict"] == "FAIL" and p50["measured"].startswith("62.5 us") and "feplb-split" in p50["measured"]
+    assert t["planner p99 <= 200 us (E256-W64, dyn=4, feplb and feplb-split)"]["verdict"] == "PASS"
+    copies = t["plan's copies slow concurrent expert GEMMs <= 1%"]
+    assert copies["verdict"] == "PASS" and copies["measured"] == "0.50%"
+    assert t["plan + phase-2 copies fit beside the static experts' GEMM"]["verdict"] == "PASS"
+    assert t["blocking host syncs after the counts all-gather = 0"]["verdict"] == "PASS"
+    assert t["balancing on <= 2% slower than plain EP on balanced routing"]["verdict"] == "NOT RUN"
+    assert t["GEMM straggler >= 80% lower on skewed real routing"]["verdict"] == "NOT RUN"
+    exact = t["exactness: balancing on equals plain EP (outputs and gradients)"]
+    assert exact["verdict"] == "PASS" and exact["measured"] == "1 of 1 GPU equality tests passed"
+    printed = capsys.readouterr().out.rstrip().splitlines()
+    assert printed.index("----- steps") < printed.index("----- targets (../shared/design/targets.md)")
+    assert printed[-1].startswith("exactness") and printed[-1].endswith("PASS  (runtime tests)")
+
+
+def test_report_reads_the_benchmarks_json_as_written(tmp_path):
+    overlap = {"static_gemm_ms": 2.0, "gemm_with_h2d_ms": 2.1, "copy_engine_slowdown_pct": 0.4, "hidden": False}
+    layer = {"balanced_routing_overhead_pct": 1.5, "host_syncs_per_forward": {"none": 1, "feplb-split": 1},
+             "max_abs_diff_vs_plain": 0.0, "max_abs_grad_diff_vs_plain": 1e-7, "output_scale": 2.0}
+    out, work = _fake_run(tmp_path, overlap=overlap, layer=layer)
+    t = _by_name(gr.build(out, work)["targets"])
+    copies = t["plan's copies slow concurrent expert GEMMs <= 1%"]
+    assert copies["verdict"] == "PASS" and copies["measured"] == "0.40%"  # the key wins over the times
+    hidden = t["plan + phase-2 copies fit beside the static experts' GEMM"]
+    assert hidden["verdict"] == "FAIL" and "measured" in hidden["note"]
+    syncs = t["blocking host syncs after the counts all-gather = 0"]
+    assert syncs["verdict"] == "PASS" and syncs["measured"] == "none: 1, feplb-split: 1"
+    balanced = t["balancing on <= 2% slower than plain EP on balanced routing"]
+    assert balanced["verdict"] == "PASS" and balanced["measured"] == "1.50%"
+    exact = t["exactness: balancing on equals plain EP (outputs and gradients)"]
+    assert exact["verdict"] == "PASS" and "grad 1e-07" in exact["note"]
+    layer["host_syncs_per_forward"]["feplb-split"] = 4
+    (out / "bench_layer.json").write_text(json.dumps(layer))
+    syncs = _by_name(gr.build(out, work)["targets"])["blocking host syncs after the counts all-gather = 0"]
+    assert syncs["verdict"] == "FAIL" and "feplb-split: 4" in syncs["measured"]
+
+
+def test_report_layer_keys_and_failures(tmp_path):
+    layer = {"host_syncs_per_forward": 3, "balanced_routing_over_plain": 1.05, "exact": False,
+             "gemm_straggler_reduction_pct": 85.0}
+    out, work = _fake_run(tmp_path, layer=layer, overlap={"copy_slowdown_pct": 4.0, "overlap_holds": False})
+    t = _by_name(gr.build(out, work)["targets"])
+    assert t["blocking host syncs after the counts all-gather = 0"]["measured"] == "forward: 3"
+    assert t["blocking host syncs after the counts all-gather = 0"]["verdict"] == "FAIL"
+    balanced = t["balancing on <= 2% slower than plain EP on balanced routing"]
+    assert balanced["verdict"] == "FAIL" and balanced["measured"] == "5.00%"
+    assert t["exactness: balancing on equals plain EP (outputs and gradients)"]["verdict"] == "FAIL"
+    assert t["plan's copies slow concurrent expert GEMMs <= 1%"]["verdict"] == "FAIL"
+    assert t["plan + phase-2 copies fit beside the static experts' GEMM"]["verdict"] == "FAIL"
+    assert t["GEMM straggler >= 80% lower on skewed real routing"]["verdict"] == "PASS"
+    (out / "bench_layer.json").write_text(json.dumps({**layer, "host_syncs_after_counts": 1}))
+    syncs = _by_name(gr.build(out, work)["targets"])["blocking host syncs after the counts all-gather = 0"]
+    assert syncs["verdict"] == "FAIL" and syncs["measured"] == "1"
+
+
+@pytest.mark.parametrize(("cases", "note"), [
+    ([("test_layer_ipc_balanced_equals_plain_ep", "passed", ""),
+      ("test_layer_nvshmem_balanced_equals_plain_ep", "skipped", "needs nvshmem4py: pip install 'feplb[nvshmem]'")],
+     "1 one-GPU test(s) skipped"),
+    ([("test_layer_ipc_balanced_equals_plain_ep", "skipped", "needs a CUDA GPU")], "no test ran"),
+    ([("test_layer_ipc_balanced_equals_plain_ep", "failed", "")], "rc 0"),
+    ([("test_layer_two_processes_one_gpu[ipc]", "passed", ""),
+      ("test_layer_two_processes_one_gpu[auto]", "skipped", "needs 12 GPUs")], "1 one-GPU test(s) skipped"),
+], ids=["one-gpu-test-skipped", "all-skipped", "failed", "12-is-not-2"])
+def test_runtime_step_fails_on_skips_that_should_have_run(tmp_path, cases, note):
+    out, work = _fake_run(tmp_path, runtime_cases=cases)
+    steps = _by_name(gr.build(out, work)["steps"])
+    assert steps["runtime_gpu"]["verdict"] == "FAIL"
+    assert note in steps["runtime_gpu"]["note"]
+
+
+def test_our_kernel_failing_in_the_benchmark_fails_its_step(tmp_path):
+    rows = [_gemm("feplb", "forward", 512, None, error="OutOfResources: shared memory"),
+            _gemm("torch_grouped_mm", "forward", 512, 560.0)]
+    out, work = _fake_run(tmp_path, kernel_rows=rows)
+    report = gr.build(out, work)
+    step = _by_name(report["steps"])["bench_kernels"]
+    assert step["verdict"] == "FAIL" and "OutOfResources" in step["note"]
+    assert _by_name(report["targets"])["forward >= torch._grouped_mm at >= 256 rows/expert"]["verdict"] == "NOT RUN"
+
+
+def test_time_limits_fail_and_stale_files_do_not_count(tmp_path):
+    steps = {n: (0, "dry") for n in (*gr.TEST_STEPS, *gr.BENCH_STEPS)}
+    steps["kernels"] = (124, "run")
+    out, work = _fake_run(tmp_path, steps=steps)
+    report = gr.build(out, work)
+    assert _by_name(report["steps"])["kernels"]["verdict"] == "FAIL"
+    assert "time limit" in _by_name(report["steps"])["kernels"]["note"]
+    # The benchmark files exist, but their steps did not run in this check: nothing measured.
+    assert {r["verdict"] for r in report["targets"]} == {"NOT RUN"}
+
+
+def test_autotune_budget_plugin_shortens_every_autotuner(monkeypatch):
+    autotuner = pytest.importorskip("triton.runtime.autotuner")
+    spec = importlib.util.spec_from_file_location("_autotune_budget", ROOT / "bench" / "_autotune_budget.py")
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    monkeypatch.setattr(autotuner.Autotuner, "do_bench", autotuner.Autotuner.__dict__["do_bench"])  # restored after
+    calls = []
+    monkeypatch.setattr("triton.testing.do_bench", lambda fn, **kw: calls.append(kw) or 1.0)
+    monkeypatch.setenv("FEPLB_AUTOTUNE_MS", "5,20")
+    plugin.pytest_configure(None)
+    tuner = autotuner.Autotuner.__new__(autotuner.Autotuner)
+    assert tuner.do_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == 1.0
+    assert calls == [{"warmup": 5.0, "rep": 20.0, "quantiles": (0.5, 0.2, 0.8)}]
+    monkeypatch.setenv("FEPLB_AUTOTUNE_MS", "fast")
+    with pytest.raises(ValueError, match="FEPLB_AUTOTUNE_MS.*WARMUP,REP.*'fast'"):
+        plugin.pytest_configure(None)
