@@ -237,6 +237,27 @@ def _md(meta: dict, summary: dict, load_step: int) -> str:
     return "\n".join(lines)
 
 
+def _timeline_text(spans) -> str:
+    """What the timeline shows, read off its spans: whether planning and the copies ran beside the static GEMM."""
+    def total(name: str) -> float:
+        return sum(s.end_us - s.start_us for s in spans if s.name == name) / 1e3
+
+    def overlaps(name: str) -> bool:
+        return any(a.name == name and b.name == "static_gemm" and a.start_us < b.end_us and b.start_us < a.end_us
+                   for a in spans for b in spans)
+
+    text = ("The spans of the first MoE layer's last forward on rank 0, per lane: the main thread (compute), the "
+            "planner thread and the copy thread (the CPU stand-in for a GPU's copy stream); `counts` includes the "
+            "wait for the other ranks. `timeline.json` opens in Perfetto (ui.perfetto.dev) or chrome://tracing. ")
+    if not any(s.name == "plan" for s in spans):
+        return text + "This forward made no plan (its straggler was below the layer's threshold)."
+    beside = [n for n in ("plan", "agree", "copy_rows") if overlaps(n)]
+    return text + (f"Here the static experts' GEMM took {total('static_gemm'):.2f} ms and planning "
+                   f"{total('plan'):.2f} ms; " + (f"{', '.join(beside)} ran beside the static GEMM." if beside else
+                   "nothing ran beside the static GEMM, which was shorter than the planning (on a GPU the overlap "
+                   "condition is plan + copies <= static GEMM; this small CPU model is far from it)."))
+
+
 def write_report(out: Path, meta: dict, steps: list[dict], timeline=None) -> dict:
     """Write report.json, loss.png, straggler.png, loads.png and report.md into ``out`` (and, given one forward's
     ``feplb.timeline`` spans, timeline.png and the Chrome-trace timeline.json); returns the summary.
@@ -259,11 +280,7 @@ def write_report(out: Path, meta: dict, steps: list[dict], timeline=None) -> dic
     _write_text(out / "report.json", json.dumps(doc, indent=1))
     md = _md(meta, summary, last["step"])
     if timeline:
-        md += "\n".join([
-            "", "## One MoE layer forward, step by step", "", "![timeline](timeline.png)", "",
-            "The spans of the first MoE layer's last forward on rank 0, per lane: the main thread (compute), the "
-            "planner thread and the copy thread (the CPU stand-in for a GPU's copy stream). Planning, the node's "
-            "readiness agreement and the phase-2 copies run beside the static experts' GEMM. `timeline.json` opens in "
-            "Perfetto (ui.perfetto.dev) or chrome://tracing.", ""])
+        md += "\n".join(["", "## One MoE layer forward, step by step", "", "![timeline](timeline.png)", "",
+                          _timeline_text(timeline), ""])
     _write_text(out / "report.md", md)
     return summary
