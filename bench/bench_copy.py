@@ -43,7 +43,7 @@ def _bench_worker(rank: int, world: int, sizes_kib: tuple, iters: int) -> dict:
     import torch.distributed as dist
 
     from feplb.control import Control
-    from feplb.copy_engine import make_copy_engine
+    from feplb.copy import make_copy_engine
 
     cpu = torch.device("cpu")
     ctl = Control(None, world)

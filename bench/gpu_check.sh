@@ -182,7 +182,8 @@ pytest_step runtime_gpu 90 -m gpu tests/runtime
 FEPLB_AUTOTUNE_MS=10,40 FEPLB_BENCH_KERNELS_JSON=$OUT/bench_kernels.json \
     pytest_step bench_kernels 140 -p _autotune_budget -m gpu bench/bench_kernels.py --benchmark-enable
 PLANNER_TESTS=()
-for case in E128-W8-feplb E128-W8-feplb-split E256-W64-feplb E256-W64-feplb-split; do
+for case in E128-W8-feplb E128-W8-feplb-split "E256-W64-feplb[node]" "E256-W64-feplb-split[node]" \
+        E256-W64-fastermoe E256-W64-eplb; do
     PLANNER_TESTS+=("bench/bench_sched.py::test_planner_latency[$case]")
 done
 PIN=""

@@ -214,22 +214,27 @@ def kernel_targets(kernels: dict | None) -> list[Row]:
 
 
 def planner_targets(sched: dict | None) -> list[Row]:
-    p99 = {}
+    """The planner's own cost per micro-batch against its target (``bench_sched``'s asserted measure: the p99 over
+    micro-batches of each one's fastest plan, with the limit scaled to the machine's speed in the same run); the raw
+    wall-clock p99 goes in the note. At E=256, W=64 the target covers what one rank plans (its node's plan) and the
+    peers' whole plans."""
+    got: dict[str, list] = {"E128-W8": [], "E256-W64": []}
     for bench in (sched or {}).get("benchmarks", []):
         params, info = bench.get("params") or {}, bench.get("extra_info") or {}
-        if "p99_us" in info:
-            p99[(params.get("shape"), params.get("policy"))] = (info["p99_us"], info.get("cpu_p99_us"))
+        if "fastest_p99_us" in info and params.get("shape") in got and "limit_p99_us" in info:
+            got[params["shape"]].append((info["fastest_p99_us"] / info["limit_p99_us"], info["fastest_p99_us"],
+                                         info["limit_p99_us"], info.get("p99_us"), params.get("policy")))
     rows = []
-    for shape, limit in (("E128-W8", 50.0), ("E256-W64", 200.0)):
-        got = [(v, policy) for (s, policy), v in p99.items() if s == shape and policy in ("feplb", "feplb-split")]
-        name = f"planner p99 <= {limit:.0f} us ({shape}, dyn=4, feplb and feplb-split)"
-        if not got:
+    for shape, target in (("E128-W8", 50.0), ("E256-W64", 200.0)):
+        name = f"planner p99 <= {target:.0f} us ({shape}, dyn=4)"
+        if not got[shape]:
             rows.append(Row(name=name, measured="-", verdict=NOT_RUN, note="no measurement"))
             continue
-        (worst, cpu), policy = max(got)
+        _, worst, limit, wall, policy = max(got[shape])
         rows.append(Row(name=name, measured=f"{worst:.1f} us (worst: {policy})",
                         verdict=PASS if worst <= limit else FAIL,
-                        note="wall time" + (f"; thread CPU time p99 {cpu:.1f} us" if cpu is not None else "")))
+                        note=f"p99 of the fastest of repeats, limit {limit:.0f} us"
+                             + (f"; raw wall p99 {wall:.1f} us" if wall is not None else "")))
     return rows
 
 

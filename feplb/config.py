@@ -35,7 +35,7 @@ class FEPLBConfig:
     device: where parameters and activations live: "cpu", "cuda" (the current CUDA device), or "auto" (CUDA when
         the EP group's backend is NCCL or transport="nvshmem", else CPU). "cuda" over a gloo group runs several
         processes on one GPU (NCCL refuses that): gloo carries the small host collectives, NVSHMEM phase 1.
-    copy_path: the in-node copy path (``feplb.copy_engine.make_copy_engine``'s kind): "auto" (CPU: shared memory;
+    copy_path: the in-node copy path (``feplb.copy.make_copy_engine``'s kind): "auto" (CPU: shared memory;
         CUDA: nvshmem4py puts with transport="nvshmem", else CUDA IPC peer copies), "shm" or "gloo" on CPUs,
         "nvshmem", "ipc" or "nccl" (SM copies, a fallback) on GPUs.
     weights: "per-step" (helpers hold resident replicas, refreshed by ``refresh_replicas()`` after the optimizer
@@ -96,7 +96,7 @@ class FEPLBConfig:
             raise ValueError("FEPLBConfig.router_bias needs the layer's own router (router='softmax' or 'sigmoid')")
         if not isinstance(self.timeline, bool):
             raise TypeError(f"FEPLBConfig.timeline must be a bool, got {self.timeline!r}")
-        from feplb.copy_engine import COPY_KINDS
+        from feplb.copy import COPY_KINDS
 
         if self.copy_path not in COPY_KINDS:
             raise ValueError(f"FEPLBConfig.copy_path must be one of {COPY_KINDS}, got {self.copy_path!r}")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from feplb.control import guard
-from feplb.copy_engine import CopyEngine
+from feplb.copy import CopyEngine
 from feplb.layout import Item, exchange_layout
 from feplb.transport import Transport
 

@@ -3,22 +3,22 @@
 ``MoELayer.forward`` reads as the design's steps (``feplb.md``, "The design"), each a method with explicit inputs
 and outputs (frozen dataclasses), the layouts pure functions of ``feplb.layout``:
 
-1. ``_route``: router (or the caller's routing) -> top-k ids and gates; rows grouped by slot (permute kernel).
+1. ``route`` / ``forward``: router (or the caller's routing) -> top-k ids and gates; rows grouped by slot.
 2. ``_count``: all-gather of the per-expert counts over the CPU control group; every per-rank problem (bad input,
    bad routing, stale replicas) travels in it, so all ranks raise together. The only host sync of a forward.
 3. ``_split``: the dynamic experts (chosen before the static GEMM) and the home layout.
 4. ``_phase1``: rows to their experts' home GPUs, gathered into home order (static block first, then dynamic rows:
    the rows phase 2 may send are ready before the static GEMM is launched).
-5. ``_start_phase2``: the planner thread plans while the copy thread waits for it, agrees with the node and issues
-   the copies (``feplb.balance``) ...
+5. ``feplb.phase2.start_phase2``: the planner thread plans while the copy thread waits for it, checks and lays the
+   plan out, agrees with the node and issues the copies (``feplb.balance``) ...
 6. ``_static_gemm``: ... beside the static experts' grouped GEMM.
-7. ``_dynamic_gemm``: dynamic rows kept at home, then the rows hosted for others (one grouped launch per weight
-   bank), after their copies.
-8. ``_return``: hosted results back to their homes; results gathered into receive order; reverse all-to-all.
+7. ``feplb.phase2.dynamic_and_return``: the rows hosted for others first (one grouped launch per weight bank, after
+   their copies), their results sent home through the copy thread, the dynamic rows kept at home meanwhile ...
+8. ... every result gathered into receive order; reverse all-to-all (``_in_node``).
 9. combine: un-permute with the gates (``forward``).
 
 Peers' policies (``fastermoe``, ``eplb``) plan before phase 1 and send each row straight to the GPU that computes
-it (``_direct``, ``feplb.layout.direct_layout``), with no phase 2. Every exchange is differentiable
+it (``feplb.direct.forward_direct``, ``feplb.layout.direct_layout``), with no phase 2. Every exchange is differentiable
 (``feplb.dispatch``): backward mirrors forward, and output and gradients equal plain EP up to summation order.
 
 Never wait, never wrong: a plan that is late (later than the static GEMM plus ``plan_wait_ms`` on a GPU) makes the
@@ -45,7 +45,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from feplb.balance import Balancer, timed_plan
 from feplb.config import FEPLBConfig, LayerStats, forward_problem
 from feplb.control import Control
-from feplb.copy_engine import make_copy_engine
+from feplb.copy import make_copy_engine
 from feplb.direct import forward_direct
 from feplb.dispatch import PeerComm, all_to_all_rows
 from feplb.experts import expert_mlp, span, to_device
@@ -164,7 +164,6 @@ class MoELayer(nn.Module):
         self.replicas = Replicas(self)
         self._attached: set[int] = set()
         self._hooks: list = []
-        self._last_counts_WE: np.ndarray | None = None
         self._set_placement(self.topo.default_home_E())
         me = weakref.ref(self)
 
@@ -405,8 +404,6 @@ class MoELayer(nn.Module):
             return timed_plan(lambda: self._sched.make_plan(c.policy, counts_WE, self.topo, state, tau=c.tau,
                                                             min_chunk=c.min_chunk, cost=self._cost))
 
-    # ------------------------------------------------------------------------------------------------ direct
-    # ------------------------------------------------------------------------------------------------ weights
     # ------------------------------------------------------------------------------------------------ stats
     def _scope_group(self) -> str:
         """The scope that agrees on a plan's readiness: the node (in-node policies) or the EP group."""
@@ -415,7 +412,6 @@ class MoELayer(nn.Module):
     def _observe(self, counts: Counts, p2: Phase2) -> None:
         """Fold the micro-batch into the policy's history (training only) and report what the forward did."""
         plan = None if p2.fell_back else p2.result.plan
-        self._last_counts_WE = counts.counts_WE
         if self.state is not None and self.training:
             # the history follows training micro-batches only (module.eval() leaves it, and the placement, alone)
             self.state = self.state.observe(counts.counts_WE, plan)

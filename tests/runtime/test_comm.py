@@ -50,7 +50,7 @@ def _comm_cases(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from feplb.control import Control
-    from feplb.copy_engine import GlooCopyEngine
+    from feplb.copy import GlooCopyEngine
     from feplb.dispatch import Exchange, PeerComm
     from feplb.layout import Item
     from feplb.transport import TorchTransport, make_transport

@@ -113,8 +113,8 @@ def _engine_cases(rank: int, world: int, g: int) -> dict:
 
     import torch.distributed as dist
 
+    import feplb.copy as ce
     from feplb import copy as cp
-    from feplb import copy_engine as ce
     from feplb.control import Control
 
     ctl = Control(None, g)
@@ -329,7 +329,7 @@ class _PeersInvisible:
 
 def _slow_engine(ctl, *, slow_reader: int, slow_writer: int):
     """A ShmCopyEngine whose node rank ``slow_writer`` dawdles before each write and ``slow_reader`` before reading."""
-    from feplb.copy_engine import ShmCopyEngine
+    from feplb.copy import ShmCopyEngine
 
     class Slow(ShmCopyEngine):
         def _write(self, p, parity, offset, pieces, dtype):
@@ -353,7 +353,7 @@ def _stall_cases(rank: int, world: int, g: int, me: int, tokens: list) -> dict:
     import torch.distributed as dist
 
     from feplb.control import Control
-    from feplb.copy_engine import ShmCopyEngine
+    from feplb.copy import ShmCopyEngine
 
     groups = [dist.new_group(list(range(n * g, (n + 1) * g)), backend="gloo",
                              timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S)) for n in range(world // g)]
@@ -416,7 +416,7 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
     start barrier; local argument checks."""
     import torch.distributed as dist
 
-    from feplb import copy_engine as ce
+    import feplb.copy as ce
     from feplb.control import Control
     from feplb.dispatch import Exchange, PeerComm
     from feplb.layout import Item
@@ -614,7 +614,7 @@ def test_shm_matrix_path(g):
 
 def _expected_caps(g: int) -> list[int]:
     """Inbox bytes after each step: the smallest power of two >= the largest need so far (at least the minimum)."""
-    from feplb.copy_engine import PeerInboxEngine
+    from feplb.copy import PeerInboxEngine
 
     caps, cap = [], PeerInboxEngine.min_capacity
     for step, (dtype, most) in enumerate(STEPS):
@@ -658,7 +658,7 @@ def _ipc_cases(rank: int, world: int) -> dict:
     import concurrent.futures
 
     from feplb.control import Control
-    from feplb.copy_engine import IpcCopyEngine, make_copy_engine
+    from feplb.copy import IpcCopyEngine, make_copy_engine
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -763,7 +763,7 @@ def test_ipc_engine_one_gpu():
 def _one_gpu_each_cases(rank: int, world: int, kind: str) -> dict:
     """One GPU per process: the nccl or nvshmem engine against the seed on the agreed and known-matrix paths."""
     from feplb.control import Control
-    from feplb.copy_engine import make_copy_engine
+    from feplb.copy import make_copy_engine
     from feplb.transport import make_transport
 
     dev = torch.device("cuda", torch.cuda.current_device())

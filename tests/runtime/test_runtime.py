@@ -69,7 +69,7 @@ def _timeline(rank, res, tmp):
     from feplb.timeline import plot, to_chrome_trace
 
     layer, xs = _layer(1, policy="feplb-split", weights="per-microbatch", timeline=True)
-    _slow_static_gemm(layer, 0.4)
+    _slow_static_gemm(layer, 1.5)   # room for 4 ranks on 2 cores to plan, agree and copy
     x = xs[rank].clone().requires_grad_(True)
     layer(x).sum().backward()
     tl = layer.last_timeline
