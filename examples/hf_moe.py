@@ -94,26 +94,6 @@ def build_model(arch: str, hidden: int, layers: int, seed: int):
     return getattr(transformers, model_cls)(config).float()
 
 
-def step_stats(views: list[list[tuple]], gpus_per_node: int) -> dict:
-    """One step's balancing statistics from every rank's per-layer (loads_before_W, loads_after_W, rows_moved,
-    fell_back); each node's loads come from its own first rank, which knows whether that node fell back."""
-    from feplb.sched import token_straggler
-
-    firsts = views[::gpus_per_node]
-    G = gpus_per_node
-    before_LW, after_LW, fell_back = [], [], 0
-    for layer in range(len(views[0])):
-        before_LW.append(views[0][layer][0])
-        after_LW.append([v for n, node in enumerate(firsts) for v in node[layer][1][n * G:(n + 1) * G]])
-        fell_back += any(node[layer][3] for node in firsts)
-    before = [float(token_straggler(w)) for w in before_LW]
-    after = [float(token_straggler(w)) for w in after_LW]
-    return {"token_straggler_before": sum(before) / len(before), "token_straggler_after": sum(after) / len(after),
-            "rows_moved": sum(layer[2] for layer in views[0]), "fell_back": fell_back,
-            "layer_straggler_before": before, "layer_straggler_after": after,
-            "loads_before_LW": before_LW, "loads_after_LW": after_LW}
-
-
 def train(args: argparse.Namespace) -> dict:
     """The training run, on an initialised process group (every rank). Returns rank 0's history and summary."""
     import feplb.hf
@@ -173,13 +153,12 @@ def train(args: argparse.Namespace) -> dict:
             raise RuntimeError(f"the loss became {mean_loss} at step {step + 1}; lower --lr")
         optimizer.step()
         feplb.hf.refresh_replicas(model)       # the owners' new weights -> the resident replicas
-        view = [(list(m.last_stats.loads_before_W), list(m.last_stats.loads_after_W), int(m.last_stats.rows_moved),
-                 bool(m.last_stats.fell_back)) for m in moes]
+        # each node's first rank speaks for its node (the demo's rule: it knows whether that node fell back)
         views: list = [None] * world
-        dist.all_gather_object(views, view)
+        dist.all_gather_object(views, demo.node_view(moes, rank, G))
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": mean_loss, "wall_s": dt, "tokens_per_s": world * ids_BS.numel() / dt,
-               **step_stats(views, G)}
+               **demo.layer_stats(views, G)}
         steps.append(rec)
         if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
             print(demo.log_line(rec), flush=True)
