@@ -9,7 +9,7 @@ import torch
 from feplb.balance import PlanResult
 from feplb.dispatch import Exchange, all_to_all_rows
 from feplb.experts import expert_mlp, span, to_device
-from feplb.layout import Item, direct_layout, direct_split_matrix, inverse
+from feplb.layout import direct_layout, direct_split_matrix, inverse, weight_items, weight_sends
 from feplb.phase2 import Phase2, hosted_gemm, materialize
 from feplb.steps import Counts
 from feplb.timeline import Timeline
@@ -38,13 +38,8 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     slot_w = layer.replicas.forward_slot_weights(layer.placement, recv)
     h = recv.index_select(0, to_device(lay.perm, dev))
     copies = tuple(plan.weight_copies)
-    n = len(copies)
-    items = [Item(s, d, H * 2 * Fd) for _, s, d in copies] + [Item(s, d, Fd * H) for _, s, d in copies]
-    ex = Exchange(layer.comm, items, dtype=h.dtype, device=dev, op="weights to helpers")
-    spec = {}
-    for k, (e, s, _) in enumerate(copies):
-        if s == r:
-            spec[k], spec[n + k] = ("w1", e), ("w2", e)
+    ex = Exchange(layer.comm, weight_items(copies, H, Fd), dtype=h.dtype, device=dev, op="weights to helpers")
+    spec = weight_sends(copies, r)
     order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
     with span(tl, "copy_weights", "copy"):
         rcv = ex(materialize(order, h, lambda e: layer._local_weights(e, slot_w)), layer._anchor(h))

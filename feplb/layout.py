@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["DirectLayout", "ExchangeLayout", "HomeLayout", "Item", "Phase2Layout", "direct_layout",
-           "direct_split_matrix", "exchange_layout", "home_layout", "inverse", "phase2_layout"]
+           "direct_split_matrix", "exchange_layout", "home_layout", "inverse", "phase2_layout", "weight_items",
+           "weight_sends"]
 
 
 def inverse(perm: np.ndarray) -> np.ndarray:
@@ -206,6 +207,24 @@ def exchange_layout(items: Sequence[Item], rank: int, gpus_per_node: int) -> Exc
     return ExchangeLayout(send=dict(sorted(send.items())), recv=dict(sorted(recv.items())),
                           recv_numel=dict(sorted(recv_numel.items())), node_matrix=nm, cross_node=cross,
                           intra_node=intra)
+
+
+def weight_items(copies: Sequence[tuple[int, int, int]], hidden: int, ffn: int) -> list[Item]:
+    """Exchange items for expert weights (expert, src, dst): every w1 ([H, 2F] elements) first, then every w2
+    ([F, H]), each in ``copies`` order, so that a receiver's blocks from one source view in place as stacked
+    weights. Copy k's w1 is item k, its w2 item ``len(copies) + k`` (offset by where the weights start)."""
+    return [Item(s, d, hidden * 2 * ffn) for _, s, d in copies] + [Item(s, d, ffn * hidden) for _, s, d in copies]
+
+
+def weight_sends(copies: Sequence[tuple[int, int, int]], rank: int, base: int = 0) -> dict[int, tuple[str, int]]:
+    """{item index: ("w1" | "w2", expert)} of the ``weight_items`` that ``rank`` sends, the weight items starting at
+    item ``base`` of the exchange."""
+    n = len(copies)
+    out: dict[int, tuple[str, int]] = {}
+    for k, (e, s, d) in enumerate(copies):
+        if s == rank and d != s:
+            out[base + k], out[base + n + k] = ("w1", e), ("w2", e)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- direct path

@@ -25,7 +25,7 @@ import torch
 from feplb.balance import PlanResult
 from feplb.dispatch import Exchange, Received
 from feplb.experts import expert_mlp, handoff, span, to_device
-from feplb.layout import Item, Phase2Layout, inverse, phase2_layout
+from feplb.layout import Item, Phase2Layout, inverse, phase2_layout, weight_items, weight_sends
 from feplb.steps import Counts, Split
 
 __all__ = ["Phase2", "Phase2Job", "dynamic_and_return", "hosted_gemm", "no_phase2", "start_phase2"]
@@ -112,14 +112,10 @@ def _lay_out(layer, plan, counts: Counts, split: Split, state, dtype, device):
         if not (any(cp[0] == e and cp[2] == layer.rank for cp in copies) or e in layer.replicas.replica_of
                 or e // layer.num_local == layer.rank):
             raise ValueError(f"GPU {layer.rank} would compute rows of expert {e} without its weights")
-    H, Fd, n = c.hidden, c.ffn, len(copies)
-    items = [Item(m.src, m.dst, m.rows * H) for m in moves]
-    items += [Item(s, d, H * 2 * Fd) for _, s, d in copies] + [Item(s, d, Fd * H) for _, s, d in copies]
+    items = [Item(m.src, m.dst, m.rows * c.hidden) for m in moves] + weight_items(copies, c.hidden, c.ffn)
     ex = Exchange(layer.comm, items, dtype=dtype, device=device, op="phase-2 rows and weights to helpers")
     spec = {j: ("rows", a, b) for j, a, b in lay.out}
-    for k, (e, s, _) in enumerate(copies):
-        if s == layer.rank:
-            spec[len(moves) + k], spec[len(moves) + n + k] = ("w1", e), ("w2", e)
+    spec.update(weight_sends(copies, layer.rank, len(moves)))
     order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
     return moves, lay, copies, ex, order
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from feplb.dispatch import Exchange
-from feplb.layout import Item
+from feplb.layout import Item, weight_items, weight_sends
 
 __all__ = ["Placement", "Replicas", "SlotWeights", "state_digest"]
 
@@ -137,22 +137,18 @@ class Replicas:
         i = e - lay.rank * lay.num_local
         return w1[i], w2[i]
 
-    def exchange_weights(self, copies: list[tuple[int, int, int]], op: str, *, from_owner: bool,
-                         local=None) -> tuple[list[Item], dict[int, torch.Tensor], dict[tuple[int, int], int]]:
-        """Exchange items for expert weights (expert, src, dst), identical on every rank: every w1 first, then every
-        w2, each in ``copies`` order, so a receiver's blocks from one source view as stacked weights. Returns
-        (items, {item: tensor this rank sends}, {(expert, dst): index of its w1 item}) (w2 item: + len(copies))."""
+    def exchange_weights(self, copies: list[tuple[int, int, int]],
+                         ) -> tuple[list[Item], dict[int, torch.Tensor], dict[tuple[int, int], int]]:
+        """Exchange items for the owners' weights of experts (expert, owner, dst) (``feplb.layout.weight_items``,
+        identical on every rank). Returns (items, {item: tensor this rank sends}, {(expert, dst): index of its w1
+        item}) (w2 item: + len(copies))."""
         lay = self._layer()
-        H, Fd = lay.config.hidden, lay.config.ffn
-        items = [Item(s, d, H * 2 * Fd) for _, s, d in copies] + [Item(s, d, Fd * H) for _, s, d in copies]
-        sends, index = {}, {}
-        n = len(copies)
-        for k, (e, s, d) in enumerate(copies):
-            index[(e, d)] = k
-            if s == lay.rank and d != s:
-                w1, w2 = self.owned(e) if from_owner else local(e)
-                sends[k], sends[n + k] = w1.reshape(-1), w2.reshape(-1)
-        return items, sends, index
+        items = weight_items(copies, lay.config.hidden, lay.config.ffn)
+        sends = {}
+        for k, (which, e) in weight_sends(copies, lay.rank).items():
+            w1, w2 = self.owned(e)
+            sends[k] = (w1 if which == "w1" else w2).reshape(-1)
+        return items, sends, {(e, d): k for k, (e, _, d) in enumerate(copies)}
 
     def forward_slot_weights(self, placement: Placement, anchor: torch.Tensor) -> SlotWeights:
         """This forward's weights of this rank's slots. With weights='per-microbatch' and experts placed away from
@@ -162,7 +158,7 @@ class Replicas:
             w1, w2 = self.slot_bank if self.slot_bank is not None else lay.expert_weights()
             return SlotWeights(w1=w1, w2=w2, tail=anchor[:0].reshape(-1), copied_bytes=0)
         copies = [(e, e // lay.num_local, h) for e, h in placement.placed_pairs]
-        items, sends, index = self.exchange_weights(copies, "expert weights to their homes", from_owner=True)
+        items, sends, index = self.exchange_weights(copies)
         w1, _ = lay.expert_weights()
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="expert weights to their homes")
         rcv = ex(ex.sends_of(sends), lay._anchor(anchor))
@@ -194,7 +190,7 @@ class Replicas:
         if not pairs:
             return
         copies = [(e, e // lay.num_local, g) for e, g in pairs]
-        items, sends, index = self.exchange_weights(copies, "refresh of per-step expert copies", from_owner=True)
+        items, sends, index = self.exchange_weights(copies)
         w1, w2 = lay.expert_weights()
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="refresh of per-step expert copies")
         got = ex(ex.sends_of(sends), w1.new_empty(0)).items
