@@ -86,23 +86,36 @@ def _bench_worker(rank, world, shape, device):
         with torch.no_grad():
             layer(x)
         layer.refresh_replicas()
+    def max_over_ranks(v: float) -> float:
+        t = torch.tensor([v], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def timed_ms(step) -> tuple[float, object]:
+        """step() on every rank at once, fwd + bwd: (its time in ms, the slowest rank's), step's result."""
+        dist.barrier()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return max_over_ranks(time.perf_counter() - t0) * 1e3, out
+
     times = {p: [] for p in layers}
     stats, outs = {}, {}
     for it in range(iters + 2):
         for policy, layer in layers.items():
             xi = x.clone().requires_grad_(True)
-            dist.barrier()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            y = layer(xi)
-            y.float().sum().backward()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+            def step(layer=layer, xi=xi):
+                y = layer(xi)
+                y.float().sum().backward()
+                return y
+
+            t, y = timed_ms(step)
             if it >= 2:
-                times[policy].append(float(t) * 1e3)
+                times[policy].append(t)
             if it == 2:
                 outs[policy] = (y.detach().float(), xi.grad.float())
             layer.reduce_replica_grads()
@@ -112,11 +125,6 @@ def _bench_worker(rank, world, shape, device):
                              "token_straggler_after": st.token_straggler_after, "rows_moved": st.rows_moved,
                              "fell_back": st.fell_back, "plan_us": st.plan_us, "copy_bytes": st.copy_bytes,
                              "weight_copies": st.weight_copies, "experts_placed": st.experts_placed}
-
-    def max_over_ranks(v: float) -> float:
-        t = torch.tensor([v], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
 
     y0, g0 = outs["none"]
     scale = {"out": max_over_ranks(float(y0.abs().max())), "grad": max_over_ranks(float(g0.abs().max()))}
@@ -134,16 +142,9 @@ def _bench_worker(rank, world, shape, device):
     for it in range(iters + 2):
         for policy, layer in even.items():
             xi = x.clone().requires_grad_(True)
-            dist.barrier()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            layer(xi, routing=(ids, gates)).float().sum().backward()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t = max_over_ranks(time.perf_counter() - t0)
+            t, _ = timed_ms(lambda layer=layer, xi=xi: layer(xi, routing=(ids, gates)).float().sum().backward())
             if it >= 2:
-                even_times[policy].append(t * 1e3)
+                even_times[policy].append(t)
             layer.reduce_replica_grads()
             layer.zero_grad()
             st = layer.last_stats
