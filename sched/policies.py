@@ -152,6 +152,19 @@ def _greedy_whole(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_ga
         out.append((ex[hi].pop(j), g0 + hi, g0 + lo, 0, n))
 
 
+
+def _give(size: int, m: int, want: int, gap: int) -> int:
+    """Rows a piece of ``size`` rows gives (0: none): the whole piece, or a chunk in [m, size - m] closest to
+    ``want``, whichever is closer to ``want`` among those below ``gap``."""
+    x = size if size < gap else 0
+    if 2 * m <= size:
+        c = want if want > m else m
+        if c > size - m:
+            c = size - m
+        if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
+            x = c
+    return x
+
 def _split(L: list[int], own: list[list[int]], own_n: list[list[int]], pieces: list[list[list[int]]], m: int,
            tau_gap: int) -> None:
     """Move rows from the most to the least loaded GPU of the node, toward the node's (integer) mean, in pieces of
@@ -188,25 +201,11 @@ def _split(L: list[int], own: list[list[int]], own_n: list[list[int]], pieces: l
             r = q[2] - q[1]
             if r > size or (r == size and (q[0] < e0 or (q[0] == e0 and q[1] < a0))):
                 j, size, e0, a0 = i, r, q[0], q[1]
-        # the piece to give from it: the whole remainder, or a chunk in [m, size - m] closest to want; below gap
-        x = size if size < gap else 0
-        if 2 * m <= size:
-            c = want if want > m else m
-            if c > size - m:
-                c = size - m
-            if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
-                x = c
+        x = _give(size, m, want, gap)
         if not x:
             # the rest, largest first, until one can give
             for k in sorted(range(len(mine)), key=lambda i: (mine[i][1] - mine[i][2], mine[i][0], mine[i][1])):
-                r = mine[k][2] - mine[k][1]
-                x = r if r < gap else 0
-                if 2 * m <= r:
-                    c = want if want > m else m
-                    if c > r - m:
-                        c = r - m
-                    if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
-                        x = c
+                x = _give(mine[k][2] - mine[k][1], m, want, gap)
                 if x:
                     j = k
                     break
