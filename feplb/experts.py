@@ -10,7 +10,7 @@ import torch
 
 from feplb.timeline import Timeline
 
-__all__ = ["expert_mlp", "handoff", "span", "to_device"]
+__all__ = ["expert_mlp", "ready_event", "span", "to_device"]
 
 
 def expert_mlp(x_MH: torch.Tensor, w1_LH2F: torch.Tensor, w2_LFH: torch.Tensor,
@@ -35,14 +35,14 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def handoff(t: torch.Tensor):
-    """(event, stream) for work a worker thread issues for the calling thread's stream: the event the work waits
-    for (recorded now) and the stream that consumes its results; (None, None) on a CPU."""
+def ready_event(t: torch.Tensor) -> torch.cuda.Event | None:
+    """The event that work a worker thread issues must wait for: recorded now on the calling thread's stream,
+    after whatever produced ``t`` (None on a CPU, where the calling thread's work is already done)."""
     if not t.is_cuda:
-        return None, None
+        return None
     ev = torch.cuda.Event()
     ev.record()
-    return ev, torch.cuda.current_stream()
+    return ev
 
 
 def span(tl: Timeline | None, name: str, lane: str = "compute", stream=None):

@@ -24,7 +24,7 @@ import torch
 
 from feplb.balance import PlanResult
 from feplb.dispatch import Exchange, Received
-from feplb.experts import expert_mlp, handoff, span, to_device
+from feplb.experts import expert_mlp, ready_event, span, to_device
 from feplb.layout import Item, Phase2Layout, inverse, phase2_layout, weight_items, weight_sends
 from feplb.steps import Counts, Split
 
@@ -89,7 +89,7 @@ def start_phase2(layer, h_RD: torch.Tensor, counts: Counts, split: Split, slot_w
     on_gpu = h_RD.is_cuda
     end = torch.cuda.Event() if on_gpu else None
     launched = threading.Event()
-    ready, _ = handoff(h_RD)
+    ready = ready_event(h_RD)
     static_end = (lambda: launched.is_set() and end.query()) if on_gpu else None
     future = layer._balancer.copier.submit(_phase2_job, layer, h_RD.detach(), counts, split, slot_w, state, plan_f,
                                            static_end, launched, ready, tl)
@@ -183,7 +183,7 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
     back = [Item(m.dst, m.src, m.rows * H) for m in moves]
     rex = Exchange(layer.comm, back, dtype=h_RD.dtype, device=dev, op="phase-2 results home")
     sends = rex.sends_of({j: y_hosted[j] for j in lay.hosted})
-    ready, _ = handoff(h_RD)
+    ready = ready_event(h_RD)
     pending = rex.start(sends, layer._balancer.copier, ready=ready) if rex.active else None
     with span(tl, "dynamic_gemm"):
         kept = h_RD.index_select(0, to_device(lay.kept_idx, dev))
