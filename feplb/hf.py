@@ -14,7 +14,7 @@ in plain data parallelism. Expert shards are never all-reduced: the dispatch's b
 gradient into the owner (divide them by W too when the loss is a per-rank mean, to get the global mean's gradient).
 Once per optimizer step, helpers' replica gradients must reach the owners and the owners' new weights the replicas:
 :func:`reduce_replica_grads` before ``optimizer.step()`` (and before gradient clipping), :func:`refresh_replicas`
-after it; or the layers' own ``attach_optimizer(optimizer)`` hooks do both inside ``optimizer.step()``.
+after it; or :func:`attach_optimizer` hooks both into ``optimizer.step()``.
 
 Checkpoints: ``model.state_dict()`` is this rank's shard (same keys, ``E / W`` experts); :func:`full_state_dict`
 gathers the shards back into the original names and shapes, so ``model.save_pretrained(d, state_dict=full)``
@@ -36,7 +36,7 @@ from torch import nn
 from feplb.layer import FEPLBConfig, MoELayer
 
 __all__ = ["FEPLBExperts", "apply", "expert_parameters", "experts_modules", "full_state_dict",
-           "reduce_replica_grads", "refresh_replicas"]
+           "attach_optimizer", "reduce_replica_grads", "refresh_replicas"]
 
 # FEPLBConfig fields that apply() reads off the module and the model config; overriding them is an error.
 _DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "dtype")
@@ -65,7 +65,6 @@ class FEPLBExperts(MoELayer):
         super().__init__(config, group)
         object.__delattr__(self, "_hf_full")
         self.hf_name = name
-        self.ep_group = group
 
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
         gate_up_E2FH, down_EHF, group = self._hf_full
@@ -316,6 +315,15 @@ def reduce_replica_grads(model: nn.Module) -> None:
         m.reduce_replica_grads()
 
 
+def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """``attach_optimizer(optimizer)`` of every FEPLB experts module: each ``optimizer.step()`` then reduces the
+    replica gradients before it and refreshes the replicas after it (collective at every step). With gradient
+    clipping or a ``GradScaler``, call :func:`reduce_replica_grads` yourself before those: the hook runs inside
+    ``step()``, after them."""
+    for m in experts_modules(model):
+        m.attach_optimizer(optimizer)
+
+
 def refresh_replicas(model: nn.Module) -> None:
     """``refresh_replicas()`` of every FEPLB experts module (collective): after every ``optimizer.step()`` and
     after any other change of the expert weights (loading a shard, say)."""
@@ -338,7 +346,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
             owners[name] = m
     full: dict[str, torch.Tensor] = {}
     for prefix, m in owners.items():
-        group = m.ep_group
+        group = m.group
         W, r = dist.get_world_size(group), dist.get_rank(group)
         dst = dist.get_global_rank(group, 0) if group is not None else 0
         for pname in ("gate_up_proj", "down_proj"):
@@ -351,7 +359,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
                 dist.all_gather(parts, shard, group=group)
             if parts is not None:
                 full[f"{prefix}.{pname}"] = torch.cat(parts)
-    if rank0_only and dist.get_rank(next(iter(owners.values())).ep_group if owners else None) != 0:
+    if rank0_only and dist.get_rank(next(iter(owners.values())).group if owners else None) != 0:
         return {}
     out = {}
     for k, v in sd.items():
