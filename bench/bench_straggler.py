@@ -19,12 +19,13 @@ SwiGLU, down grouped GEMM) runs
 * beside it, when this torch and GPU have it, with ``torch._grouped_mm`` for both GEMMs (same SwiGLU op),
 
 each rank's output checked against an fp32 per-expert reference of the whole micro-batch (the rows of every plan
-computed once, in the right place) before anything is timed. Times: CUDA events around one rank's call (``timer``),
-``WARMUP_REPS`` + ``REPS`` rounds interleaved over policies, ranks and implementations so that drift hits them
-alike; a rank's time is the median of its rounds. Per (layer, micro-batch, policy, implementation): the per-rank
-times, the GEMM straggler, the slowest rank, and the cost model's prediction for the same plan (the model the
-planners use, with the trace's expert shape) to recalibrate it; per policy the mean and median over samples and
-the reduction against plain EP (``1 - mean(policy) / mean(none)``, as the simulator reduces).
+computed once, in the right place) before anything is timed. Times: CUDA events around one rank's call, behind a
+short GPU sleep so that no launch gap is timed (``cuda_timer``), ``WARMUP_REPS`` + ``REPS`` rounds interleaved over
+policies, ranks and implementations so that drift hits them alike; a rank's time is the median of its rounds. Per
+(layer, micro-batch, policy, implementation): the per-rank times, the GEMM straggler, the slowest rank, and the cost
+model's prediction for the same plan (the model the planners use, with the trace's expert shape) to recalibrate it;
+per policy the mean and median over samples and the reduction against plain EP (``1 - mean(policy) / mean(none)``,
+as the simulator reduces).
 
 ASSUMED, not measured: the ranks run at the same time on their own GPUs. Here one GPU runs the ranks' grouped GEMMs
 one after another; each is timed alone with the whole GPU to itself, which is what an H200 of an EP group gives
@@ -90,6 +91,7 @@ IMPLS = ("feplb", "torch_grouped_mm")
 LAYERS = (4, 14, 24)              # as the layer benchmark's trace test; spread over the model's 26 MoE layers
 MICROBATCHES, HISTORY = 2, 8
 REPS, WARMUP_REPS = 5, 1
+SLEEP_CYCLES = 200_000            # about 0.1 ms of GPU sleep before each timed call (see cuda_timer)
 EP, TOKENS, DYN, HIDDEN, FFN = _overlap.EP, _overlap.TOKENS, _overlap.DYN, _overlap.HIDDEN, _overlap.FFN
 CUDA = torch.cuda.is_available()
 ASSUMPTIONS = (
@@ -237,6 +239,13 @@ def torch_grouped_mlp(x, w1, w2, offsets):
 IMPL_FNS = {"feplb": expert_mlp, "torch_grouped_mm": torch_grouped_mlp}
 
 
+def cuda_timer(fn) -> float:
+    """Milliseconds of one call on the GPU: CUDA events around it (bench_overlap's timer), behind a short GPU sleep
+    queued first, so that the host's kernel launches run ahead and the time holds no launch gaps."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    return _overlap._timed_ms(fn, side=(lambda: sleep(SLEEP_CYCLES)) if sleep is not None else None)
+
+
 def cpu_timer(fn) -> float:
     """Milliseconds of one call on the CPU (wall clock): for the CPU run only, never a GPU figure."""
     t0 = time.perf_counter()
@@ -261,7 +270,7 @@ def measure(samples: list[Sample], *, cost: CostModel, topo: Topology, device: s
     if not impls or impls[0] != "feplb":
         raise ValueError(f"impls: our implementation 'feplb' must come first, got {impls}")
     fns = {**IMPL_FNS, **(impl_fns or {})}
-    timer = timer or (_overlap._timed_ms if device == "cuda" else cpu_timer)
+    timer = timer or (cuda_timer if device == "cuda" else cpu_timer)
     E = topo.num_experts
     gen = torch.Generator(device=device).manual_seed(seed)
     w1_all = (torch.randn(E, hidden, 2 * ffn, device=device, generator=gen) / hidden ** 0.5).to(dtype)
@@ -302,11 +311,9 @@ def measure(samples: list[Sample], *, cost: CostModel, topo: Topology, device: s
         for rep in range(warmup_reps + reps):
             for key, (x, w1, w2, offs, _) in cases.items():
                 for impl in list(active):
-                    if x.shape[0] == 0:       # a rank with nothing to compute waits for nothing
-                        times[key][impl].append(0.0)
-                        continue
-                    try:
-                        t = timer(lambda impl=impl, x=x, w1=w1, w2=w2, offs=offs: fns[impl](x, w1, w2, offs))
+                    try:   # a rank with nothing to compute waits for nothing
+                        t = timer(lambda impl=impl, x=x, w1=w1, w2=w2, offs=offs: fns[impl](x, w1, w2, offs)) \
+                            if x.shape[0] else 0.0
                     except Exception as why:
                         if impl == "feplb":
                             raise
@@ -315,7 +322,6 @@ def measure(samples: list[Sample], *, cost: CostModel, topo: Topology, device: s
                         continue
                     if rep >= warmup_reps:
                         times[key][impl].append(t)
-        times = {key: {impl: v[-reps:] for impl, v in by.items()} for key, by in times.items()}
         result = {"layer": sample.layer, "layer_name": sample.layer_name, "microbatch": sample.microbatch,
                   "policies": {}}
         for policy, plan in sample.plans.items():
@@ -577,6 +583,23 @@ def test_our_kernel_wrong_or_failing_fails_a_baseline_is_dropped(tmp_path):
     doc = run(_tiny_workload(), tmp_path / "c.json", impl_fns={"torch_grouped_mm": zeros}, **common)
     assert "max |error|" in doc["baseline_errors"]["torch_grouped_mm"]
     assert all(list(e["impls"]) == ["feplb"] for r in doc["samples"] for e in r["policies"].values())
+
+
+def test_cuda_timer_queues_a_sleep_before_the_timed_call(monkeypatch):
+    """The GPU timer is bench_overlap's event timer with a GPU sleep as its side work (queued before the start
+    event), so the call's launches are queued before the GPU reaches them."""
+    order = []
+
+    def fake_timed_ms(fn, side=None):
+        assert side() is None      # nothing to join: the sleep runs on the timed stream itself
+        order.append("start event")
+        fn()
+        return 0.25
+
+    monkeypatch.setattr(_overlap, "_timed_ms", fake_timed_ms)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: order.append(("sleep", cycles)), raising=False)
+    assert cuda_timer(lambda: order.append("call")) == 0.25
+    assert order == [("sleep", SLEEP_CYCLES), "start event", "call"]
 
 
 # ---------------------------------------------------------------------------------------------------- GPU

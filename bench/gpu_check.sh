@@ -198,6 +198,9 @@ step planner 25 $PIN "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$WOR
     --benchmark-enable --benchmark-json="$WORK/bench_sched.json" "${PLANNER_TESTS[@]}"
 FEPLB_BENCH_OVERLAP_JSON=$OUT/bench_overlap.json \
     pytest_step bench_overlap 50 -s -m gpu bench/bench_overlap.py --benchmark-enable
+# After bench_overlap, which compiles the same ESFT-shape kernels into Triton's disk cache: what is left is
+# time-boxed autotuning of a few row buckets and 6 samples x 5 policies x 8 ranks x 2 GEMM paths x 6 rounds of
+# ~0.5 ms each (estimated; not yet run on a GPU).
 FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_STRAGGLER_JSON=$OUT/bench_straggler.json \
     pytest_step bench_straggler 50 -s -p _autotune_budget -m gpu bench/bench_straggler.py --benchmark-enable
 NGPU=0
