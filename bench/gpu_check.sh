@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # feplb's GPU check: everything one CUDA GPU can show, in one command sized for <= 9 minutes on one H200 from a
-# cold start (limits: 130 + 90 + 140 + 25 + 50 + 55 s, plus about 30 s of installing). Steps, each under its own
-# time limit (a step that runs out is stopped with SIGINT, so pytest still writes its report, and the next runs):
+# cold start (limits: 130 + 90 + 140 + 25 + 50 + 50 + 15 s = 500 s, plus about 30 s of installing; bench_layer gets
+# 55 s instead of 15 only with >= 2 GPUs: on one GPU its only GPU test skips at once, so its time is collection).
+# Steps, each under its own time limit (a step that runs out is stopped with SIGINT, so pytest still writes its
+# report, and the next runs):
 #
 #   kernels        tests/kernels on the GPU, without -x, autotuning time-boxed (bench/_autotune_budget.py)
 #   runtime_gpu    -m gpu tests/runtime (the layer with two processes on the one GPU over the CUDA IPC copy path,
@@ -10,7 +12,9 @@
 #   bench_kernels  grouped GEMM forward / dX / dW next to torch._grouped_mm, permute / unpermute next to a copy
 #   planner        planner latency p99 (bench/bench_sched.py, E=128 W=8 and E=256 W=64, pinned to one core)
 #   bench_overlap  the planner thread and a copy-engine copy beside a real static GEMM
-#   bench_layer    the layer's forward + backward with balancing on and off, host syncs per forward
+#   bench_straggler  GEMM straggler of an EP=8 group on the ESFT trace: every rank's grouped GEMM under plain EP
+#                  and each balancing plan, timed one after another on the one GPU (ranks in parallel assumed)
+#   bench_layer    the layer's forward + backward with balancing on and off, host syncs per forward (>= 2 GPUs)
 #
 # then prints, last, the table of ../shared/design/targets.md: measured value and PASS / FAIL / NOT RUN for each
 # (bench/gpu_report.py). Exit status 1 when a step or a target FAILED, 0 otherwise.
@@ -22,7 +26,8 @@
 #   OUT=/some/dir bash bench/gpu_check.sh
 #
 #   OUT                  results (default runs/gpu): machine.json, log.txt, report.json, bench_kernels.json,
-#                        bench_overlap.json, bench_layer.json (at most 8 files)
+#                        bench_overlap.json, bench_straggler.json, bench_layer.json (7 files; a device tool
+#                        returns at most 8)
 #   PYTHON               the interpreter holding a CUDA torch (default python3)
 #   FEPLB_TRACES         routing traces folder (default: .traces/ when it holds the files, else ../shared/...)
 #   FEPLB_GPU_CHECK_DRY  1: check the script's own plumbing only, run no step (automatic without a CUDA GPU);
@@ -63,7 +68,8 @@ OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/feplb_gpu_check.XXXXXX") || exit 1
 LOG=$OUT/log.txt
 # Results of an earlier run must not pass for this one's.
-rm -f "$OUT"/{machine.json,log.txt,report.json,bench_kernels.json,bench_overlap.json,bench_layer.json}
+rm -f "$OUT"/{machine.json,log.txt,report.json,bench_kernels.json,bench_overlap.json,bench_straggler.json} \
+    "$OUT/bench_layer.json"
 : > "$LOG"
 : > "$WORK/steps.tsv"
 export PYTHONUNBUFFERED=1
@@ -192,14 +198,24 @@ step planner 25 $PIN "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$WOR
     --benchmark-enable --benchmark-json="$WORK/bench_sched.json" "${PLANNER_TESTS[@]}"
 FEPLB_BENCH_OVERLAP_JSON=$OUT/bench_overlap.json \
     pytest_step bench_overlap 50 -s -m gpu bench/bench_overlap.py --benchmark-enable
+# After bench_overlap, which compiles the same ESFT-shape kernels into Triton's disk cache: what is left is
+# time-boxed autotuning of a few row buckets and 6 samples x 5 policies x 8 ranks x 2 GEMM paths x 6 rounds of
+# ~0.5 ms each (estimated; not yet run on a GPU).
+FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_STRAGGLER_JSON=$OUT/bench_straggler.json \
+    pytest_step bench_straggler 50 -s -p _autotune_budget -m gpu bench/bench_straggler.py --benchmark-enable
+NGPU=0
+[ "$DRY" = 1 ] || NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>> "$LOG") || NGPU=0
+LAYER_LIMIT=15  # one GPU: bench_layer's GPU test needs two and skips at once
+[ "$NGPU" -ge 2 ] 2> /dev/null && LAYER_LIMIT=55
 FEPLB_BENCH_LAYER_JSON=$OUT/bench_layer.json \
-    pytest_step bench_layer 55 -s -m gpu bench/bench_layer.py --benchmark-enable
+    pytest_step bench_layer $LAYER_LIMIT -s -m gpu bench/bench_layer.py --benchmark-enable
 
 if [ "$DRY" = 1 ] && [ "${FEPLB_GPU_CHECK_COLLECT:-1}" != 0 ]; then
     # The plumbing of every step: its tests import and are selected, and the autotune plugin loads.
     echo "===== dry run: collecting every step's tests" >> "$LOG"
     if ! "$PY" -m pytest --collect-only -q -p no:cacheprovider -p _autotune_budget tests/kernels tests/runtime \
-            bench/bench_kernels.py "${PLANNER_TESTS[@]}" bench/bench_overlap.py bench/bench_layer.py \
+            bench/bench_kernels.py "${PLANNER_TESTS[@]}" bench/bench_overlap.py bench/bench_straggler.py \
+            bench/bench_layer.py \
             --ignore=tests/kernels/test_hopper_compile.py >> "$LOG" 2>&1; then
         echo "dry run: the steps' tests do not collect (see $LOG)"; exit 1
     fi

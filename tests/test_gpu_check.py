@@ -69,9 +69,9 @@ def test_dry_run_reports_every_step_and_target_not_run(tmp_path):
     assert len(targets) == TARGET_COUNT, targets
     assert all(line.split("  (")[0].rstrip().endswith("NOT RUN") for line in targets), targets
     report = json.loads((out / "report.json").read_text())
-    assert [r["verdict"] for r in report["steps"]] == ["NOT RUN"] * 6
+    assert [r["verdict"] for r in report["steps"]] == ["NOT RUN"] * 7
     assert {r["name"] for r in report["steps"]} == {"kernels", "runtime_gpu", "bench_kernels", "planner",
-                                                     "bench_overlap", "bench_layer"}
+                                                     "bench_overlap", "bench_straggler", "bench_layer"}
     assert len(list(out.iterdir())) <= 8
 
 
@@ -105,7 +105,7 @@ def _gemm(impl, op, rows, tflops, proj="gate_up", dist="uniform", **extra):
 
 
 def _fake_run(tmp_path: Path, *, steps=None, runtime_cases=None, kernel_rows=None, overlap=None, layer=None,
-              sched=None) -> tuple[Path, Path]:
+              sched=None, straggler=None) -> tuple[Path, Path]:
     out, work = tmp_path / "out", tmp_path / "work"
     out.mkdir()
     work.mkdir()
@@ -129,6 +129,8 @@ def _fake_run(tmp_path: Path, *, steps=None, runtime_cases=None, kernel_rows=Non
     (out / "bench_overlap.json").write_text(json.dumps(overlap if overlap is not None else
                                                        {"gemm_ms": 2.0, "gemm_h2d_ms": 2.01, "overlap_holds": True}))
     (out / "bench_layer.json").write_text(json.dumps(layer if layer is not None else {"gpu": {"host_syncs": 0}}))
+    if straggler is not None:
+        (out / "bench_straggler.json").write_text(json.dumps(straggler))
     limits = {"E128-W8": 50.0, "E256-W64": 200.0}
     benchmarks = [{"params": {"shape": s, "policy": p},
                    "extra_info": {"fastest_p99_us": v, "limit_p99_us": limits[s], "p99_us": 3 * v}}
@@ -146,7 +148,7 @@ def test_report_verdicts_from_measurements(tmp_path, capsys):
     out, work = _fake_run(tmp_path)
     assert gr.main([str(out), "--work", str(work)]) == 1  # some targets FAIL
     report = json.loads((out / "report.json").read_text())
-    assert [r["verdict"] for r in report["steps"]] == ["PASS"] * 6
+    assert [r["verdict"] for r in report["steps"]] == ["PASS"] * 7
     t = _by_name(report["targets"])
     assert len(t) == TARGET_COUNT
     fwd = t["forward >= torch._grouped_mm at >= 256 rows/expert"]
@@ -213,6 +215,53 @@ def test_report_layer_keys_and_failures(tmp_path):
     (out / "bench_layer.json").write_text(json.dumps({**layer, "host_syncs_after_counts": 1}))
     syncs = _by_name(gr.build(out, work)["targets"])["blocking host syncs after the counts all-gather = 0"]
     assert syncs["verdict"] == "FAIL" and syncs["measured"] == "1"
+
+
+STRAGGLER = "GEMM straggler >= 80% lower on skewed real routing"
+
+
+def _straggler_doc(pct: float, before: float = 0.150, after: float | None = None) -> dict:
+    after = before * (1 - pct / 100) if after is None else after
+    return {"complete": True, "gemm_straggler_reduction_pct": pct, "gemm_straggler_policy": "feplb",
+            "gemm_straggler_before_ms": before, "gemm_straggler_after_ms": after,
+            "gemm_straggler_reduction_pct_by_policy": {"feplb": pct, "feplb-split": 97.6, "fastermoe": -1.0},
+            "samples": [{"layer": 4}, {"layer": 14}]}
+
+
+@pytest.mark.parametrize(("pct", "verdict"), [(85.0, "PASS"), (80.0, "PASS"), (79.4, "FAIL"), (-3.0, "FAIL")])
+def test_report_reads_the_gemm_straggler_from_bench_straggler(tmp_path, pct, verdict):
+    out, work = _fake_run(tmp_path, straggler=_straggler_doc(pct),
+                          layer={"gemm_straggler_reduction_pct": 99.0 if verdict == "FAIL" else 10.0})
+    row = _by_name(gr.build(out, work)["targets"])[STRAGGLER]
+    # bench_straggler's measurement wins over bench_layer's, with the times before and after and the assumption
+    assert row["verdict"] == verdict
+    before, after = 0.150, 0.150 * (1 - pct / 100)
+    assert row["measured"] == f"{pct:.1f}% (feplb, {before:.3f} -> {after:.3f} ms)"
+    assert "parallel" in row["note"] and "feplb-split 98%" in row["note"] and "fastermoe -1%" in row["note"]
+
+
+def test_report_gemm_straggler_fallbacks(tmp_path):
+    # a run stopped part-way counts for nothing: bench_layer's value if it has one, else NOT RUN, saying why
+    partial = {"complete": False, "samples": [{"layer": 4}]}
+    out, work = _fake_run(tmp_path, straggler=partial, layer={"gemm_straggler_reduction_pct": 83.0})
+    row = _by_name(gr.build(out, work)["targets"])[STRAGGLER]
+    assert row["verdict"] == "PASS" and row["measured"] == "83.0%" and "bench_layer" in row["note"]
+    assert "stopped after 1 sample" in row["note"]
+    (out / "bench_layer.json").write_text(json.dumps({}))
+    row = _by_name(gr.build(out, work)["targets"])[STRAGGLER]
+    assert row["verdict"] == "NOT RUN" and "stopped after 1 sample" in row["note"]
+    # no bench_straggler file: bench_layer's
+    (out / "bench_straggler.json").unlink()
+    (out / "bench_layer.json").write_text(json.dumps({"gemm_straggler_reduction_pct": 50.0}))
+    row = _by_name(gr.build(out, work)["targets"])[STRAGGLER]
+    assert row["verdict"] == "FAIL" and row["note"] == "bench_layer"
+    # a file left from an earlier run, its step not run in this one: nothing measured
+    steps = {n: (0, "run") for n in (*gr.TEST_STEPS, *gr.BENCH_STEPS)}
+    steps["bench_straggler"] = (0, "dry")
+    steps["bench_layer"] = (0, "dry")
+    (tmp_path / "stale").mkdir()
+    out2, work2 = _fake_run(tmp_path / "stale", steps=steps, straggler=_straggler_doc(90.0))
+    assert _by_name(gr.build(out2, work2)["targets"])[STRAGGLER]["verdict"] == "NOT RUN"
 
 
 @pytest.mark.parametrize(("cases", "note"), [
