@@ -153,73 +153,117 @@ def _greedy_whole(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_ga
 
 
 
-def _give(size: int, m: int, want: int, gap: int) -> int:
-    """Rows a piece of ``size`` rows gives (0: none): the whole piece, or a chunk in [m, size - m] closest to
-    ``want``, whichever is closer to ``want`` among those below ``gap``."""
-    x = size if size < gap else 0
-    if 2 * m <= size:
-        c = want if want > m else m
-        if c > size - m:
-            c = size - m
-        if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
-            x = c
-    return x
+def _split_node(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap: int, m: int, g0: int,
+                greedy: bool, raw: list[tuple[int, int, int, int, int]]) -> None:
+    """Token split on one node (feplb-split: after the paper's greedy; lp: alone, m = 1, tau_gap = 0).
 
-def _split(L: list[int], own: list[list[int]], own_n: list[list[int]], pieces: list[list[list[int]]], m: int,
-           tau_gap: int) -> None:
-    """Move rows from the most to the least loaded GPU of the node, toward the node's (integer) mean, in pieces of
-    at least m rows (or whole pieces). pieces[i]: [expert, row_start, row_end, home GPU] ranges of dynamic experts
-    that GPU i computes: the rows it received, and its own experts' rows (own[i], own_n[i]: experts and rows, added
-    the first time GPU i gives: a GPU that never gives keeps them at home, as moves or not). A piece shrinks from
-    its end. Each step gives the largest piece of the busiest GPU (ties: lower expert, then lower row), or the
-    next largest that can give: the whole piece if it is below the gap, or a chunk in [m, rows - m], below the
-    gap; of the two, the one closer to the rows the pair needs to reach the mean (``want``)."""
+    L: the node's loads (mutated). ex[i], nx[i]: GPU i's dynamic experts and their rows, sorted by (rows desc,
+    expert asc) (consumed). Appends (expert, row_start, src, dst, row_end) records to raw, one per piece that ends
+    away from its home GPU (_finish sorts and joins them).
+
+    Greedy (feplb-split): as ``_greedy_whole``, each whole expert moved becomes a piece of its destination.
+    Split: move rows from the most to the least loaded GPU (ties: lower GPU id), toward the node's (integer) mean,
+    in pieces of at least m rows (or whole pieces). A piece is the tuple (-rows, expert, row_start, row_end, home
+    GPU), so the plain tuple order is (rows desc, expert asc, row_start asc): each step gives the busiest GPU's
+    first piece in that order, or the next one that can give: the whole piece if it is below the gap, or a chunk
+    in [m, rows - m] below the gap, whichever is closer to the rows the pair needs to reach the mean (``want``;
+    the whole piece on a tie). A chunk is cut from the piece's end. A GPU's own experts become pieces the first
+    time it gives (a GPU that never gives keeps them whole at home).
+    """
     G = len(L)
+    recv: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(G)]
+    if greedy:
+        while True:
+            top, bottom = max(L), min(L)
+            gap = top - bottom
+            if gap <= tau_gap:
+                break
+            hi = L.index(top)
+            rows = nx[hi]
+            j = 0
+            for n in rows:
+                if n < gap:
+                    break
+                j += 1
+            else:
+                break
+            if n == 0:
+                break
+            lo = L.index(bottom)
+            del rows[j]
+            L[hi] = top - n
+            L[lo] = bottom + n
+            recv[lo].append((-n, ex[hi].pop(j), 0, n, g0 + hi))
+    # the same iteration bound as the reference description (a safety net: every step moves rows downhill)
+    bound = 4 * G * (max(map(len, recv)) + max(map(len, ex)) + 2)
     target = -(-sum(L) // G)
-    built = [False] * G
-    n_max = max(map(len, pieces)) + max(map(len, own))
-    for _ in range(4 * G * (n_max + 2)):
+    own: list[list[tuple[int, int, int, int, int]] | None] = [None] * G
+    m2 = 2 * m
+    for _ in range(bound):
         top, bottom = max(L), min(L)
         gap = top - bottom
         if top <= target or gap <= tau_gap:
-            return
+            break
         hi = L.index(top)
-        mine = pieces[hi]
-        if not built[hi]:
-            built[hi] = True
-            mine += [[e, 0, r, hi] for e, r in zip(own[hi], own_n[hi], strict=True) if r]
-        if not mine:
-            return
+        mine = own[hi]
+        if mine is None:
+            h = g0 + hi
+            mine = own[hi] = [(-r, e, 0, r, h) for e, r in zip(ex[hi], nx[hi], strict=True) if r]
+        got = recv[hi]
+        if mine:
+            p = min(mine)
+            if got:
+                q = min(got)
+                if q < p:
+                    p, mine = q, got
+        elif got:
+            p, mine = min(got), got
+        else:
+            break
         want = top - target
         if target - bottom < want:
             want = target - bottom
-        # the largest piece, ties to the lower (expert, row_start), found without a key function per piece
-        j, q = 0, mine[0]
-        size, e0, a0 = q[2] - q[1], q[0], q[1]
-        for i in range(1, len(mine)):
-            q = mine[i]
-            r = q[2] - q[1]
-            if r > size or (r == size and (q[0] < e0 or (q[0] == e0 and q[1] < a0))):
-                j, size, e0, a0 = i, r, q[0], q[1]
-        x = _give(size, m, want, gap)
+        size = -p[0]
+        # the rows p gives: whole below the gap, or a chunk in [m, size - m] below the gap, the closer to want
+        x = size if size < gap else 0
+        if m2 <= size:
+            c = want if want > m else m
+            if c > size - m:
+                c = size - m
+            if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
+                x = c
         if not x:
-            # the rest, largest first, until one can give
-            for k in sorted(range(len(mine)), key=lambda i: (mine[i][1] - mine[i][2], mine[i][0], mine[i][1])):
-                x = _give(mine[k][2] - mine[k][1], m, want, gap)
+            # the other pieces of this GPU in the same order, until one can give
+            for p in sorted(own[hi] + got)[1:]:
+                size = -p[0]
+                x = size if size < gap else 0
+                if m2 <= size:
+                    c = want if want > m else m
+                    if c > size - m:
+                        c = size - m
+                    if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
+                        x = c
                 if x:
-                    j = k
+                    mine = got if p in got else own[hi]
                     break
             else:
-                return
+                break
         lo = L.index(bottom)
-        p = mine[j]
-        if x == p[2] - p[1]:
-            pieces[lo].append(mine.pop(j))
+        if x == size:
+            mine.remove(p)
+            recv[lo].append(p)
         else:
-            p[2] -= x
-            pieces[lo].append([p[0], p[2], p[2] + x, p[3]])
+            b = p[3]
+            a = b - x
+            mine[mine.index(p)] = (x - size, p[1], p[2], a, p[4])
+            recv[lo].append((-x, p[1], a, b, p[4]))
         L[hi] = top - x
         L[lo] = bottom + x
+    for i, got in enumerate(recv):
+        d = g0 + i
+        for _, e, a, b, h in got:
+            if h != d:
+                raw.append((e, a, h, d, b))
 
 
 def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: frozenset[tuple[int, int]],
@@ -346,20 +390,10 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
             _greedy_whole(L, ex, nx, tau_gap, raw, g0)
         else:
             # (expert, row_start, src, dst, row_end) records: _finish joins adjacent pieces
-            pieces: list[list[list[int]]] = [[] for _ in range(G)]
             if base == "feplb-split":
-                whole: list[tuple[int, int, int, int, int]] = []
-                # the greedy consumes the row lists: what it leaves are the experts it did not move
-                _greedy_whole(L, ex, nx, tau_gap, whole, g0)
-                for e, src, dst, _, n in whole:
-                    pieces[dst - g0].append([e, 0, n, src - g0])
-                _split(L, ex, nx, pieces, min_chunk, tau_gap)
+                _split_node(L, ex, nx, tau_gap, min_chunk, g0, True, raw)
             else:
-                _split(L, ex, nx, pieces, 1, 0)
-            for i, mine in enumerate(pieces):
-                for e, a, b, h in mine:
-                    if h != i:
-                        raw.append((e, a, g0 + h, g0 + i, b))
+                _split_node(L, ex, nx, 0, 1, g0, False, raw)
         after[g0:g0 + G] = L
     return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E, node=node, whole=base == "feplb")
 
