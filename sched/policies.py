@@ -273,16 +273,15 @@ def _split_node(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap:
                 break
         lo = L.index(bottom)
         d = g0 + lo
-        if d == p[4]:
+        _, e, a, b, h, held = p
+        if d == h:
             back = True
         if x == size:
             mine.remove(p)
-            recv[lo].append((p[0], p[1], p[2], p[3], p[4], d))
+            recv[lo].append((-x, e, a, b, h, d))
         else:
-            b = p[3]
-            a = b - x
-            mine[mine.index(p)] = (x - size, p[1], p[2], a, p[4], p[5])
-            recv[lo].append((-x, p[1], a, b, p[4], d))
+            mine[mine.index(p)] = (x - size, e, a, b - x, h, held)
+            recv[lo].append((-x, e, b - x, b, h, d))
         L[hi] = top - x
         L[lo] = bottom + x
     for got in recv:
