@@ -51,7 +51,6 @@ _ADD_AT = np.add.reduceat
 _MAKE_MOVE = partial(tuple.__new__, Move)
 # (expert, row_start) of a feplb-split piece (-rows, expert, row_start, row_end, home, holder)
 _EXPERT_ROW = itemgetter(1, 2)
-_EXPERT_HOLDER = itemgetter(1, 5)
 _COPY_FIELDS = itemgetter(1, 4, 5)
 
 
@@ -314,11 +313,11 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
         # pieces (-rows, expert, row_start, row_end, home, holder) away from home, in (expert, row_start) order;
         # a piece that starts where another of the same (expert, holder) ends follows it in that order
         raw.sort(key=_EXPERT_ROW)
-        pairs = set(map(_EXPERT_HOLDER, raw))
-        if len(pairs) == len(raw):
-            # at most one piece per (expert, holder): nothing to join, the weight copies are distinct
+        # the weight copies: one per (expert, home, holder)
+        need = sorted(set(map(_COPY_FIELDS, raw)))
+        if len(need) == len(raw):
+            # at most one piece per (expert, holder): nothing to join
             moves = tuple([new(Move, (e, s, d, a, b)) for _, e, a, b, s, d in raw])
-            need = sorted(map(_COPY_FIELDS, raw))
         else:
             joined: list[Move] = []
             append = joined.append
@@ -331,7 +330,6 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
                     pe, pd = e, d
                 pb = b
             moves = tuple(joined)
-            need = sorted(set(map(_COPY_FIELDS, raw)))
         if weight_copies is None:
             weight_copies = tuple([c for c in need if (c[0], c[2]) not in resident] if resident else need)
     if isinstance(after, np.ndarray):
