@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from functools import lru_cache, partial
 from itertools import chain, repeat
+from operator import itemgetter
 
 import numpy as np
 
@@ -45,8 +46,12 @@ POLICIES: tuple[str, ...] = BASE_POLICIES
 _DEFAULT_COST = CostModel()
 # ufunc reductions called directly: ndarray.sum's Python wrapper costs about a microsecond per call here
 _ADD = np.add.reduce
+_ADD_AT = np.add.reduceat
 # a Move from a 5-tuple in field order without Move._make's length check (the planner builds them itself)
 _MAKE_MOVE = partial(tuple.__new__, Move)
+# (expert, row_start) of a feplb-split piece (-rows, expert, row_start, row_end, home, holder)
+_EXPERT_ROW = itemgetter(1, 2)
+_COPY_FIELDS = itemgetter(1, 4, 5)
 
 
 @lru_cache(maxsize=64)
@@ -83,24 +88,38 @@ def _parse(policy: str) -> tuple[str, bool, str]:
     return parse_policy(policy)
 
 
+@lru_cache(maxsize=64)
+def _consts(topo: Topology) -> tuple[np.ndarray, ...]:
+    """What make_plan needs of a topology on every call: the first expert slot of each GPU (reduceat offsets), the
+    default slots int64 [W, S], and the bit width B of the dynamic selection's keys (2**B > any expert id) and
+    its mask, as 0-d arrays (a Python int or numpy scalar operand costs a conversion per ufunc call)."""
+    b = (topo.num_experts - 1).bit_length()
+    out = (np.arange(0, topo.num_experts, topo.experts_per_rank, dtype=np.int64), _default_slots(topo),
+           np.array(b, dtype=np.int64), np.array((1 << b) - 1, dtype=np.int64))
+    for a in out:
+        a.setflags(write=False)
+    return out
+
+
 def _top(n_E: np.ndarray, cand_WK: np.ndarray | None, topo: Topology, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k candidates of each GPU with the most rows, ties to the lower expert id, as int64 [W, k] experts and
     their rows NEGATED (fresh arrays; only some callers need the rows, they negate them).
     cand_WK: int64 [W, K] candidate experts, or None for the default slots."""
-    E = topo.num_experts
     if k == 0:
         return np.zeros((topo.num_ranks, 0), dtype=np.int64), np.zeros((topo.num_ranks, 0), dtype=np.int64)
+    _, slots, bits, mask = _consts(topo)
     if cand_WK is None:
-        n_WK, ids_WK = n_E.reshape(topo.num_ranks, -1), _default_slots(topo)
+        n_WK, ids_WK = n_E.reshape(topo.num_ranks, -1), slots
     else:
         n_WK, ids_WK = n_E[cand_WK], cand_WK
-    # one integer key per expert, id - rows * E, ascending = (rows descending, id ascending): no float or
-    # sort-stability ties; floor division gives back -rows and the id
-    keys = n_WK * -E
-    keys += ids_WK
+    # one integer key per expert, id - rows * 2**B, ascending = (rows descending, id ascending): no float or
+    # sort-stability ties; an arithmetic shift gives back -rows, the low B bits the id
+    keys = np.left_shift(n_WK, bits)
+    np.subtract(ids_WK, keys, out=keys)
     keys.sort(axis=1)
-    neg_rows, top = np.divmod(keys[:, :k], E)
-    return top, neg_rows
+    # a contiguous copy of the first k columns: elementwise ops on the strided slice cost twice as much
+    top_k = keys[:, :k].copy()
+    return np.bitwise_and(top_k, mask), np.right_shift(top_k, bits, out=top_k)
 
 
 def _dynamic(n_E: np.ndarray, topo: Topology, state: PolicyState | None, mode: str, place: bool,
@@ -153,73 +172,120 @@ def _greedy_whole(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_ga
 
 
 
-def _give(size: int, m: int, want: int, gap: int) -> int:
-    """Rows a piece of ``size`` rows gives (0: none): the whole piece, or a chunk in [m, size - m] closest to
-    ``want``, whichever is closer to ``want`` among those below ``gap``."""
-    x = size if size < gap else 0
-    if 2 * m <= size:
-        c = want if want > m else m
-        if c > size - m:
-            c = size - m
-        if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
-            x = c
-    return x
+def _split_node(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap: int, m: int, g0: int,
+                greedy: bool, out: list[tuple[int, int, int, int, int, int]]) -> bool:
+    """Token split on one node (feplb-split: after the paper's greedy; lp: alone, m = 1, tau_gap = 0).
 
-def _split(L: list[int], own: list[list[int]], own_n: list[list[int]], pieces: list[list[list[int]]], m: int,
-           tau_gap: int) -> None:
-    """Move rows from the most to the least loaded GPU of the node, toward the node's (integer) mean, in pieces of
-    at least m rows (or whole pieces). pieces[i]: [expert, row_start, row_end, home GPU] ranges of dynamic experts
-    that GPU i computes: the rows it received, and its own experts' rows (own[i], own_n[i]: experts and rows, added
-    the first time GPU i gives: a GPU that never gives keeps them at home, as moves or not). A piece shrinks from
-    its end. Each step gives the largest piece of the busiest GPU (ties: lower expert, then lower row), or the
-    next largest that can give: the whole piece if it is below the gap, or a chunk in [m, rows - m], below the
-    gap; of the two, the one closer to the rows the pair needs to reach the mean (``want``)."""
+    A piece is the tuple (-rows, expert, row_start, row_end, home GPU, GPU holding it): its plain order is (rows
+    desc, expert asc, row_start asc), a total order (the row ranges of an expert are disjoint).
+    L: the node's loads (mutated). ex[i], nx[i]: GPU i's dynamic experts and their rows, sorted by (rows desc,
+    expert asc) (consumed). Appends every piece that changed GPU to out; returns whether one of them is back at
+    its home GPU (_finish drops those, sorts the rest and joins adjacent ones).
+
+    Greedy (feplb-split), as ``_greedy_whole``: whole experts become pieces of their destination.
+    Split: move rows from the most to the least loaded GPU (ties: lower GPU id), toward the node's (integer) mean,
+    in pieces of at least m rows (or whole pieces). Each step gives the busiest GPU's first piece in piece order,
+    or the next one that can give: the whole piece if it is below the gap, or a chunk in [m, rows - m] below the
+    gap, whichever is closer to the rows the pair needs to reach the mean (``want``; the whole piece on a tie). A
+    chunk is cut from the piece's end. A GPU's pieces are what it received and, once it gives, its own experts with
+    rows (a GPU that never gives keeps them whole at home).
+    """
     G = len(L)
+    recv: list[list[tuple[int, int, int, int, int, int]]] = [[] for _ in range(G)]
+    if greedy:
+        while True:
+            top, bottom = max(L), min(L)
+            gap = top - bottom
+            if gap <= tau_gap:
+                break
+            hi = L.index(top)
+            rows = nx[hi]
+            j = 0
+            for n in rows:
+                if n < gap:
+                    break
+                j += 1
+            else:
+                break
+            if n == 0:  # candidates are sorted by rows: only empty experts are left below the gap
+                break
+            lo = L.index(bottom)
+            del rows[j]
+            L[hi] = top - n
+            L[lo] = bottom + n
+            h = g0 + hi
+            recv[lo].append((-n, ex[hi].pop(j), 0, n, h, g0 + lo))
+    # the same iteration bound as the reference description (a safety net: every step moves rows downhill)
+    bound = 4 * G * (max(map(len, recv)) + max(map(len, ex)) + 2)
     target = -(-sum(L) // G)
-    built = [False] * G
-    n_max = max(map(len, pieces)) + max(map(len, own))
-    for _ in range(4 * G * (n_max + 2)):
+    own: list[list[tuple[int, int, int, int, int, int]] | None] = [None] * G
+    m2 = 2 * m
+    back = False
+    for _ in range(bound):
         top, bottom = max(L), min(L)
         gap = top - bottom
         if top <= target or gap <= tau_gap:
-            return
+            break
         hi = L.index(top)
-        mine = pieces[hi]
-        if not built[hi]:
-            built[hi] = True
-            mine += [[e, 0, r, hi] for e, r in zip(own[hi], own_n[hi], strict=True) if r]
-        if not mine:
-            return
+        mine = own[hi]
+        if mine is None:
+            h = g0 + hi
+            mine = own[hi] = [(-r, e, 0, r, h, h) for e, r in zip(ex[hi], nx[hi], strict=True) if r]
+        got = recv[hi]
+        if mine:
+            p = min(mine)
+            if got:
+                q = min(got)
+                if q < p:
+                    p, mine = q, got
+        elif got:
+            p, mine = min(got), got
+        else:
+            break
         want = top - target
         if target - bottom < want:
             want = target - bottom
-        # the largest piece, ties to the lower (expert, row_start), found without a key function per piece
-        j, q = 0, mine[0]
-        size, e0, a0 = q[2] - q[1], q[0], q[1]
-        for i in range(1, len(mine)):
-            q = mine[i]
-            r = q[2] - q[1]
-            if r > size or (r == size and (q[0] < e0 or (q[0] == e0 and q[1] < a0))):
-                j, size, e0, a0 = i, r, q[0], q[1]
-        x = _give(size, m, want, gap)
+        size = -p[0]
+        # the rows p gives: whole below the gap, or a chunk in [m, size - m] below the gap, the closer to want
+        x = size if size < gap else 0
+        if m2 <= size:
+            c = want if want > m else m
+            if c > size - m:
+                c = size - m
+            if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
+                x = c
         if not x:
-            # the rest, largest first, until one can give
-            for k in sorted(range(len(mine)), key=lambda i: (mine[i][1] - mine[i][2], mine[i][0], mine[i][1])):
-                x = _give(mine[k][2] - mine[k][1], m, want, gap)
+            # the other pieces of this GPU in the same order, until one can give
+            for p in sorted(own[hi] + got)[1:]:
+                size = -p[0]
+                x = size if size < gap else 0
+                if m2 <= size:
+                    c = want if want > m else m
+                    if c > size - m:
+                        c = size - m
+                    if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
+                        x = c
                 if x:
-                    j = k
+                    mine = got if p in got else own[hi]
                     break
             else:
-                return
+                break
         lo = L.index(bottom)
-        p = mine[j]
-        if x == p[2] - p[1]:
-            pieces[lo].append(mine.pop(j))
+        d = g0 + lo
+        _, e, a, b, h, held = p
+        if d == h:
+            back = True
+        if x == size:
+            mine.remove(p)
+            recv[lo].append((-x, e, a, b, h, d))
         else:
-            p[2] -= x
-            pieces[lo].append([p[0], p[2], p[2] + x, p[3]])
+            mine[mine.index(p)] = (x - size, e, a, b - x, h, held)
+            recv[lo].append((-x, e, b - x, b, h, d))
         L[hi] = top - x
         L[lo] = bottom + x
+    for got in recv:
+        out += got
+    return back
 
 
 def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: frozenset[tuple[int, int]],
@@ -244,21 +310,27 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
             weight_copies = tuple([t[:3] for t in raw if (t[0], t[2]) not in resident] if resident
                                   else [t[:3] for t in raw])
     else:
-        # (expert, row_start, src, dst, row_end) records: sort, join adjacent pieces bound for the same GPU
-        raw.sort()
-        joined: list[Move] = []
-        append = joined.append
-        pe = pd = pb = -1
-        for e, a, s, d, b in raw:
-            if a == pb and d == pd and e == pe:
-                joined[-1] = new(Move, (e, s, d, joined[-1][3], b))
-            else:
-                append(new(Move, (e, s, d, a, b)))
-                pe, pd = e, d
-            pb = b
-        moves = tuple(joined)
+        # pieces (-rows, expert, row_start, row_end, home, holder) away from home, in (expert, row_start) order;
+        # a piece that starts where another of the same (expert, holder) ends follows it in that order
+        raw.sort(key=_EXPERT_ROW)
+        # the weight copies: one per (expert, home, holder)
+        need = sorted(set(map(_COPY_FIELDS, raw)))
+        if len(need) == len(raw):
+            # at most one piece per (expert, holder): nothing to join
+            moves = tuple([new(Move, (e, s, d, a, b)) for _, e, a, b, s, d in raw])
+        else:
+            joined: list[Move] = []
+            append = joined.append
+            pe = pd = pb = -1
+            for _, e, a, b, s, d in raw:
+                if a == pb and d == pd and e == pe:
+                    joined[-1] = new(Move, (e, s, d, joined[-1][3], b))
+                else:
+                    append(new(Move, (e, s, d, a, b)))
+                    pe, pd = e, d
+                pb = b
+            moves = tuple(joined)
         if weight_copies is None:
-            need = sorted({(e, s, d) for e, _, s, d, _ in raw})
             weight_copies = tuple([c for c in need if (c[0], c[2]) not in resident] if resident else need)
     if isinstance(after, np.ndarray):
         after_W = after
@@ -288,9 +360,9 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     """
     base, place, mode = _check_args(policy, topo, state)
     counts_WE = topo.check_counts(counts_WE)
-    W, G, S = topo.num_ranks, topo.gpus_per_node, topo.experts_per_rank
+    W, G = topo.num_ranks, topo.gpus_per_node
     n_E = _ADD(counts_WE, 0)
-    before_W = _ADD(n_E.reshape(W, S), 1)
+    before_W = _ADD_AT(n_E, _consts(topo)[0])
     if total_rows is not None and int(_ADD(before_W)) != total_rows:
         raise ValueError(f"counts_WE sums to {int(_ADD(before_W))} rows, but the micro-batch has total_rows="
                          f"{total_rows}")
@@ -327,40 +399,27 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     if base == "eplb":
         return _eplb(policy, n_E, topo, state, dyn_WD, before_W, L_all, home_E)
 
-    dyn_n_WD = np.negative(neg_dyn_n_WD, out=neg_dyn_n_WD)
-    if node is None:
-        g_first, dyn, dyn_n = 0, dyn_WD.tolist(), dyn_n_WD.tolist()
-    else:
-        # one node's rows only: the other nodes' dynamic sets are not needed as Python lists
-        g_first = node * G
-        dyn, dyn_n = dyn_WD[g_first:g_first + G].tolist(), dyn_n_WD[g_first:g_first + G].tolist()
-    raw: list[tuple[int, int, int, int, int]] = []
+    # the planned nodes' rows only: the other nodes' dynamic sets are not needed as Python lists
+    g_first, g_end = (0, W) if node is None else (node * G, node * G + G)
+    dyn = dyn_WD[g_first:g_end].tolist()
+    dyn_n = np.negative(neg_dyn_n_WD[g_first:g_end]).tolist()
+    raw: list = []
     after = L_all
-    for g0 in range(0, W, G) if node is None else (g_first,):
+    back = False
+    for g0 in range(g_first, g_end, G):
         i0 = g0 - g_first
-        ex, nx = dyn[i0:i0 + G], dyn_n[i0:i0 + G]
         L = L_all[g0:g0 + G]
         tau_gap = int(tau * sum(L) / G)
+        # the row lists are this call's own (tolist), the planners may consume them
         if base == "feplb":
-            # the row lists are this call's own (tolist), the greedy may consume them
-            _greedy_whole(L, ex, nx, tau_gap, raw, g0)
+            _greedy_whole(L, dyn[i0:i0 + G], dyn_n[i0:i0 + G], tau_gap, raw, g0)
+        elif base == "feplb-split":
+            back |= _split_node(L, dyn[i0:i0 + G], dyn_n[i0:i0 + G], tau_gap, min_chunk, g0, True, raw)
         else:
-            # (expert, row_start, src, dst, row_end) records: _finish joins adjacent pieces
-            pieces: list[list[list[int]]] = [[] for _ in range(G)]
-            if base == "feplb-split":
-                whole: list[tuple[int, int, int, int, int]] = []
-                # the greedy consumes the row lists: what it leaves are the experts it did not move
-                _greedy_whole(L, ex, nx, tau_gap, whole, g0)
-                for e, src, dst, _, n in whole:
-                    pieces[dst - g0].append([e, 0, n, src - g0])
-                _split(L, ex, nx, pieces, min_chunk, tau_gap)
-            else:
-                _split(L, ex, nx, pieces, 1, 0)
-            for i, mine in enumerate(pieces):
-                for e, a, b, h in mine:
-                    if h != i:
-                        raw.append((e, a, g0 + h, g0 + i, b))
+            back |= _split_node(L, dyn[i0:i0 + G], dyn_n[i0:i0 + G], 0, 1, g0, False, raw)
         after[g0:g0 + G] = L
+    if back:
+        raw = [p for p in raw if p[4] != p[5]]
     return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E, node=node, whole=base == "feplb")
 
 

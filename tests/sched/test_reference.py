@@ -190,3 +190,31 @@ def test_split_and_lp_equal_the_plain_reference(case, m):
     for k in range(topo.num_nodes):
         part = make_plan("feplb-split", given_WE, topo, tau=tau, min_chunk=m, node=k)
         assert [tuple(mv) for mv in part.moves] == [mv for mv in moves if mv[1] // G == k]
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), shape=st.sampled_from([(128, 8, 8), (256, 64, 8), (64, 16, 4)]),
+       alpha=st.sampled_from([0.1, 0.5, 2.0]), m=st.sampled_from([1, 64, 128]))
+def test_benchmark_shapes_equal_the_plain_reference(seed, shape, alpha, m):
+    """The planner's fast paths at the shapes it is tuned for (bench/bench_sched.py: E=128, W=8 and E=256, W=64,
+    dyn=4; skewed counts of 2048 tokens x top-8 per rank), every in-node policy, all nodes and each node alone."""
+    E, W, G = shape
+    topo = Topology(num_ranks=W, gpus_per_node=G, num_experts=E, dyn=4)
+    rng = np.random.default_rng(seed)
+    counts = rng.multinomial(2048 * 8, rng.dirichlet(np.full(E, alpha)), size=W).astype(np.int64)
+    lists = counts.tolist()
+    whole, before, after, dynamic = ref_greedy(lists, topo)
+    split, split_after = ref_split(lists, topo, 0.01, m, greedy_first=True)
+    lp, lp_after = ref_split(lists, topo, 0.0, 1, greedy_first=False)
+    for policy, kw, moves, loads in (("feplb", {}, whole, after), ("feplb-split", {"min_chunk": m}, split, split_after),
+                                     ("lp", {}, lp, lp_after)):
+        plan = make_plan(policy, counts, topo, **kw)
+        assert [tuple(mv) for mv in plan.moves] == moves, policy
+        assert plan.weight_copies == tuple(sorted({(e, s, d) for e, s, d, _, _ in moves})), policy
+        assert plan.loads_before_W.tolist() == before and plan.loads_after_W.tolist() == loads, policy
+        assert plan.dynamic_WD.tolist() == dynamic, policy
+        plan.validate(counts, topo)
+        k = int(rng.integers(topo.num_nodes))
+        part = make_plan(policy, counts, topo, node=k, **kw)
+        assert [tuple(mv) for mv in part.moves] == [mv for mv in moves if mv[1] // G == k], policy
+        assert part.loads_after_W.tolist() == before[:k * G] + loads[k * G:(k + 1) * G] + before[(k + 1) * G:]
