@@ -301,19 +301,42 @@ def test_time_limits_fail_and_stale_files_do_not_count(tmp_path):
     assert {r["verdict"] for r in report["targets"]} == {"NOT RUN"}
 
 
-def test_autotune_budget_plugin_shortens_every_autotuner(monkeypatch):
-    autotuner = pytest.importorskip("triton.runtime.autotuner")
-    spec = importlib.util.spec_from_file_location("_autotune_budget", ROOT / "bench" / "_autotune_budget.py")
-    plugin = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plugin)
-    monkeypatch.setattr(autotuner.Autotuner, "do_bench", autotuner.Autotuner.__dict__["do_bench"])  # restored after
-    calls = []
-    monkeypatch.setattr("triton.testing.do_bench", lambda fn, **kw: calls.append(kw) or 1.0)
-    monkeypatch.setenv("FEPLB_AUTOTUNE_MS", "5,20")
-    plugin.pytest_configure(None)
-    tuner = autotuner.Autotuner.__new__(autotuner.Autotuner)
-    assert tuner.do_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == 1.0
-    assert calls == [{"warmup": 5.0, "rep": 20.0, "quantiles": (0.5, 0.2, 0.8)}]
-    monkeypatch.setenv("FEPLB_AUTOTUNE_MS", "fast")
-    with pytest.raises(ValueError, match="FEPLB_AUTOTUNE_MS.*WARMUP,REP.*'fast'"):
-        plugin.pytest_configure(None)
+_BUDGET_PROBE = """
+import triton.testing
+calls = []
+triton.testing.do_bench = lambda fn, **kw: calls.append(kw) or 1.0
+import feplb.kernels
+from triton.runtime.autotuner import Autotuner
+tuner = Autotuner.__new__(Autotuner)
+print(tuner.do_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)), calls)
+"""
+
+
+def _probe_budget(spec: str | None):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FEPLB_AUTOTUNE_MS")}
+    if spec is not None:
+        env["FEPLB_AUTOTUNE_MS"] = spec
+    return subprocess.run([sys.executable, "-c", _BUDGET_PROBE], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_autotune_budget_from_the_environment_at_import():
+    """FEPLB_AUTOTUNE_MS is applied when feplb.kernels is imported (so spawned processes inherit it): every
+    autotuner then times candidates with that warmup and rep; a bad value names the variable."""
+    pytest.importorskip("triton.runtime.autotuner")
+    proc = _probe_budget("5,20")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "1.0 [{'warmup': 5.0, 'rep': 20.0, 'quantiles': (0.5, 0.2, 0.8)}]"
+    proc = _probe_budget("fast")
+    assert proc.returncode != 0 and "FEPLB_AUTOTUNE_MS: expected 'WARMUP,REP'" in proc.stderr
+    assert "'fast'" in proc.stderr
+
+
+def test_autotune_budget_parse():
+    from feplb.kernels import _triton
+
+    assert _triton.parse_autotune_budget(None) is None and _triton.parse_autotune_budget("") is None
+    assert _triton.parse_autotune_budget("5,20") == (5.0, 20.0)
+    for bad in ("5", "5,20,1", "0,20", "5,-1", "a,b"):
+        with pytest.raises(ValueError, match="FEPLB_AUTOTUNE_MS"):
+            _triton.parse_autotune_budget(bad)
