@@ -7,8 +7,10 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -359,3 +361,113 @@ def test_autotune_budget_parse():
     for bad in ("5", "5,20,1", "0,20", "5,-1", "a,b"):
         with pytest.raises(ValueError, match="FEPLB_AUTOTUNE_MS"):
             _triton.parse_autotune_budget(bad)
+
+
+# ---------------------------------------------------------------------------------------------------- budget, signals
+
+def test_steps_skipped_or_cut_by_the_budget(tmp_path):
+    steps = {n: (0, "run") for n in (*gr.TEST_STEPS, *gr.BENCH_STEPS)}
+    out, work = _fake_run(tmp_path, steps=steps)
+    lines = (work / "steps.tsv").read_text().splitlines()
+    lines = [ln for ln in lines if not ln.startswith(("bench_layer\t", "bench_straggler\t", "runtime_gpu\t"))]
+    lines += ["bench_straggler\t0\t0\tbudget\t12 s left of the check's 540 s, the step needs up to 45 s",
+              "bench_layer\t130\t31\trun\tlimit cut from 60 s to 31 s by the check's 540 s budget"]
+    (work / "steps.tsv").write_text("\n".join(lines) + "\n")
+    steps = _by_name(gr.build(out, work)["steps"])
+    straggler = steps["bench_straggler"]
+    assert straggler["verdict"] == "NOT RUN" and straggler["note"].startswith("budget: 12 s left")
+    layer = steps["bench_layer"]
+    assert layer["verdict"] == "FAIL" and "time limit" in layer["note"] and "cut from 60 s to 31 s" in layer["note"]
+    # a step the check never reached (stopped by a signal): NOT RUN, its NVSHMEM row with it
+    assert steps["runtime_gpu"]["verdict"] == "NOT RUN" and "not reached" in steps["runtime_gpu"]["note"]
+    assert steps["runtime_gpu: NVSHMEM tests"]["verdict"] == "NOT RUN"
+    # the file a budget-skipped step would have written does not count
+    assert _by_name(gr.build(out, work)["targets"])[STRAGGLER]["verdict"] == "NOT RUN"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_expect_gpu_makes_no_cuda_an_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible here")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "FEPLB_GPU_CHECK_EXPECT_GPU": "1",
+           "TMPDIR": str(tmp_path)}
+    for key in ("FEPLB_GPU_CHECK_DRY", "FEPLB_GPU_CHECK_FORCE"):
+        env.pop(key, None)
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stdout.strip().splitlines() == [proc.stdout.strip()]
+    assert "FEPLB_GPU_CHECK_EXPECT_GPU=1" in proc.stdout and "no CUDA GPU" in proc.stdout
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_report_still_comes_out_after_sigterm(tmp_path):
+    """SIGTERM while a step's command runs: the script exits 130 after it, and the EXIT trap prints the tables and
+    writes report.json."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "FEPLB_GPU_CHECK_DRY": "1",
+           "FEPLB_GPU_CHECK_COLLECT": "1", "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log, deadline = out / "log.txt", time.monotonic() + 120
+    while time.monotonic() < deadline and "collecting every step" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 130, stdout + stderr
+    assert "interrupted" in stdout and "----- targets" in stdout
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["targets"]) == TARGET_COUNT
+
+
+# ---------------------------------------------------------------------------------------------------- one GPU
+
+NVSHMEM_REASON = ("NVSHMEM unavailable: ImportError: nvshmem4py requires cuda.core>=0.5.0 "
+                  "(pip install 'feplb[nvshmem]')")
+
+
+def test_nvshmem_import_failure_is_not_run_with_its_reason(tmp_path):
+    cases = [("test_layer_two_processes_one_gpu_without_nvshmem", "passed", ""),
+             ("test_layer_two_processes_one_gpu", "skipped", NVSHMEM_REASON),
+             ("test_no_host_sync_after_counts_one_gpu", "skipped", NVSHMEM_REASON),
+             ("test_layer_nccl_balanced_equals_plain_ep", "skipped", "needs at least 2 CUDA GPUs (one rank per GPU)")]
+    out, work = _fake_run(tmp_path, runtime_cases=cases, layer={})
+    report = gr.build(out, work)
+    steps, t = _by_name(report["steps"]), _by_name(report["targets"])
+    assert steps["runtime_gpu"]["verdict"] == "PASS"
+    nv = steps["runtime_gpu: NVSHMEM tests"]
+    assert nv["verdict"] == "NOT RUN" and nv["measured"] == "2 test(s) skipped" and nv["note"] == NVSHMEM_REASON
+    syncs = t[SYNCS]
+    assert syncs["verdict"] == "NOT RUN" and "cuda.core>=0.5.0" in syncs["note"]
+    assert "test_no_host_sync_after_counts_one_gpu skipped" in syncs["note"]
+
+
+@pytest.mark.parametrize(("outcome", "verdict", "measured"), [("passed", "PASS", "0 after counts"),
+                                                             ("failed", "FAIL", "> 0 after counts")])
+def test_host_syncs_from_the_runtime_test_when_no_benchmark_counts_them(tmp_path, outcome, verdict, measured):
+    cases = [("test_layer_two_processes_one_gpu", "passed", ""),
+             ("test_no_host_sync_after_counts_one_gpu", outcome, "")]
+    out, work = _fake_run(tmp_path, runtime_cases=cases, layer={}, overlap=OVERLAP)
+    syncs = _by_name(gr.build(out, work)["targets"])[SYNCS]
+    assert (syncs["verdict"], syncs["measured"]) == (verdict, measured)
+    assert f"test_no_host_sync_after_counts_one_gpu {outcome}" in syncs["note"]
+    # a benchmark's count wins over the test
+    (out / "bench_layer.json").write_text(json.dumps({"host_syncs_after_counts": 0}))
+    syncs = _by_name(gr.build(out, work)["targets"])[SYNCS]
+    assert syncs["verdict"] == "PASS" and syncs["measured"] == "0" and "runtime test" not in syncs["note"]
+
+
+def test_one_gpu_layer_rows_say_the_gpu_was_shared(tmp_path):
+    layer = {"processes_per_gpu": 2, "transport": "nvshmem", "copy_path": "ipc", "host_syncs_per_forward": 1,
+             "balanced_routing_overhead_pct": 1.2, "exact": True}
+    out, work = _fake_run(tmp_path, layer=layer)
+    t = _by_name(gr.build(out, work)["targets"])
+    for name in (SYNCS, "balancing on <= 2% slower than plain EP on balanced routing",
+                 "exactness: balancing on equals plain EP (outputs and gradients)"):
+        assert t[name]["verdict"] == "PASS"
+        assert "2 processes time-slice one GPU (transport nvshmem, copy path ipc)" in t[name]["note"], name
+        assert "not multi-GPU speed" in t[name]["note"]
+    (out / "bench_layer.json").write_text(json.dumps({**layer, "processes_per_gpu": 1}))
+    t = _by_name(gr.build(out, work)["targets"])
+    assert "time-slice" not in t[SYNCS]["note"]
