@@ -259,10 +259,14 @@ if [ "$XDIST" = 1 ]; then
     KERNEL_XDIST=(-n 8 --dist loadfile)   # one file per worker: a file's tests share its compiled kernels
     RUNTIME_XDIST=(-n 3 --dist loadfile)  # the three files with one-GPU tests side by side (correctness only)
 fi
-# The per-config correctness tests first (with xdist: the first file handed out); pytest drops the repeat of the
-# file inside tests/kernels. The torch-inductor case compiles CPU twins only: CI covers it.
-FEPLB_AUTOTUNE_MS=5,20 pytest_step kernels 110 "${KERNEL_XDIST[@]}" tests/kernels/test_triton_kernels.py \
-    tests/kernels --ignore=tests/kernels/test_hopper_compile.py \
+# The per-config correctness tests first (pytest keeps the order of the files named; with xdist the first file is
+# handed out first). test_hopper_compile.py compiles without a GPU (CI); the torch-inductor case compiles CPU twins
+# only: CI covers it.
+KERNEL_TESTS=(tests/kernels/test_triton_kernels.py)
+for f in tests/kernels/test_*.py; do
+    case $f in */test_triton_kernels.py | */test_hopper_compile.py) ;; *) KERNEL_TESTS+=("$f") ;; esac
+done
+FEPLB_AUTOTUNE_MS=5,20 pytest_step kernels 110 "${KERNEL_XDIST[@]}" "${KERNEL_TESTS[@]}" \
     --deselect "tests/kernels/test_custom_ops.py::test_torch_compile_fullgraph[torch-inductor]"
 FEPLB_AUTOTUNE_MS=5,20 pytest_step runtime_gpu 100 "${RUNTIME_XDIST[@]}" -m gpu tests/runtime
 FEPLB_AUTOTUNE_MS=10,40 FEPLB_BENCH_KERNELS_JSON=$OUT/bench_kernels.json \
@@ -290,10 +294,9 @@ FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_LAYER_JSON=$OUT/bench_layer.json \
 if [ "$DRY" = 1 ] && [ "${FEPLB_GPU_CHECK_COLLECT:-1}" != 0 ]; then
     # The plumbing of every step: its tests import and are selected.
     echo "===== dry run: collecting every step's tests" >> "$LOG"
-    if ! "$PY" -m pytest --collect-only -q -p no:cacheprovider tests/kernels tests/runtime \
+    if ! "$PY" -m pytest --collect-only -q -p no:cacheprovider "${KERNEL_TESTS[@]}" tests/runtime \
             bench/bench_kernels.py "${PLANNER_TESTS[@]}" bench/bench_overlap.py bench/bench_straggler.py \
-            bench/bench_layer.py \
-            --ignore=tests/kernels/test_hopper_compile.py >> "$LOG" 2>&1; then
+            bench/bench_layer.py >> "$LOG" 2>&1; then
         echo "dry run: the steps' tests do not collect (see $LOG)"; exit 1
     fi
 fi
