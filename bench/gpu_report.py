@@ -181,7 +181,11 @@ def step_rows(steps: dict[str, dict], junits: dict[str, dict | None], kernels: d
                             note=f"{len(bad_skips)} one-GPU test(s) skipped, e.g. {test}: {reason}"))
             continue
         rows.append(Row(name=name, measured=summary, verdict=PASS, note=cut[2:]))
-    return rows
+    # the NVSHMEM row right after the runtime step's
+    nvshmem = [r for r in rows if r.name == NVSHMEM_ROW]
+    rows = [r for r in rows if r.name != NVSHMEM_ROW]
+    at = next(i for i, r in enumerate(rows) if r.name == "runtime_gpu") + 1
+    return rows[:at] + nvshmem + rows[at:]
 
 
 NVSHMEM_ROW = "runtime_gpu: NVSHMEM tests"

@@ -471,3 +471,8 @@ def test_one_gpu_layer_rows_say_the_gpu_was_shared(tmp_path):
     (out / "bench_layer.json").write_text(json.dumps({**layer, "processes_per_gpu": 1}))
     t = _by_name(gr.build(out, work)["targets"])
     assert "time-slice" not in t[SYNCS]["note"]
+
+
+def test_step_rows_in_order_when_run(tmp_path):
+    out, work = _fake_run(tmp_path)
+    assert [r["name"] for r in gr.build(out, work)["steps"]] == STEP_NAMES
