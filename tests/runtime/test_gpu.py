@@ -83,8 +83,8 @@ def test_layer_nccl_balanced_equals_plain_ep():
         assert res["ok"] and res["moved"] > 0, res
 
 
-@needs_2
 @needs_nvshmem
+@needs_2  # evaluated first (closest): on one GPU this test skips for its GPU count, not for nvshmem4py
 def test_layer_nvshmem_balanced_equals_plain_ep():
     world = min(NGPU, 4)
     for res in run_dist(_gpu_worker, world, "nvshmem", backend="nccl", timeout_s=300,
