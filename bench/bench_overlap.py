@@ -13,14 +13,24 @@ in one run, with the four cases interleaved iteration by iteration so that drift
   engine, the stand-in for a peer copy on a one-GPU machine);
 * ``gemm_with_d2d_ms``: the same while a side stream copies them device to device (on one GPU that copy runs on
   SMs; the design notes measured ~20% slowdown, which is why FEPLB copies between GPUs);
-* ``copy_ms_measured``: the pinned host-to-device copy of the plan's bytes alone.
+* ``copy_ms_h2d``: the pinned host-to-device copy of the plan's bytes alone (PCIe).
 
-Verdict: ``hidden`` is the overlap condition (design notes) ``plan_us_p50 + copy_ms_measured <= static_gemm_ms``,
-from measured times only. The host-to-device copy crosses PCIe, slower than an NVLink peer copy, so the verdict
-is pessimistic for a real node; the cost model's NVLink time for the same bytes is reported beside it
-(``copy_ms_peer_model``), never used for the verdict. Asserted: the GEMM is correct, and a copy-engine copy slows it
-by at most ``COPY_ENGINE_SLOWDOWN_MAX_PCT``. Results go to ``$FEPLB_BENCH_OVERLAP_JSON`` (default
-``runs/bench_overlap.json``) with device and versions: ``.venv/bin/pytest bench/bench_overlap.py -m gpu -s``.
+What one GPU measures, and what it cannot (the targets' "phase-2 copies run beside the static experts' GEMM, not
+after it" and "copies a plan issues slow concurrent expert GEMMs by <= 1%"):
+
+* ``plan_hidden``: the planner thread's time (``plan_us_p50``, measured while the GEMM runs) fits inside the static
+  GEMM: ``plan_us_p50 <= static_gemm_ms``. Measured, decided here.
+* ``copy_engine_slowdown_pct``: how much a copy-engine copy (pinned host to device, the engine peer copies use)
+  slows the GEMM. Measured, decided here.
+* ``copy_fits_h2d``: ``plan_us_p50 + copy_ms_h2d <= static_gemm_ms`` with the plan's bytes copied host to device
+  over PCIe (``copy_ms_h2d``, measured). A real node copies them GPU to GPU over NVLink, which one GPU cannot
+  measure; PCIe is the slower link, so True decides that the copies fit, while False decides nothing (the
+  report then says NOT RUN). ``copy_ms_nvlink_modelled`` is the cost model's NVLink time for the same bytes: a
+  model, shown beside, never a verdict.
+
+Asserted: the GEMM is correct, and a copy-engine copy slows it by at most ``COPY_ENGINE_SLOWDOWN_MAX_PCT``. Results
+go to ``$FEPLB_BENCH_OVERLAP_JSON`` (default ``runs/bench_overlap.json``) with device and versions:
+``.venv/bin/pytest bench/bench_overlap.py -m gpu -s``.
 
 The trace is looked up in ``$FEPLB_TRACES``, then ``../shared/routing_traces`` next to the repository, then
 ``.traces/`` in it (where a machine without ``../shared`` gets a copy), each with the layout
@@ -130,6 +140,22 @@ def test_trace_lookup_order(tmp_path, monkeypatch):
     assert trace_candidates()[0] == ROOT.parent / "shared" / "routing_traces" / TRACE_REL
 
 
+def overlap_verdicts(static_gemm_ms: float, plan_us_p50: float, copy_ms_h2d: float) -> dict[str, bool]:
+    """What the one-GPU times decide: ``plan_hidden`` (the planner thread's time fits inside the static GEMM) and
+    ``copy_fits_h2d`` (plan + the plan's bytes copied over PCIe fit inside it; PCIe is slower than the NVLink peer
+    copy a node uses, so only True decides anything)."""
+    plan_ms = plan_us_p50 / 1e3
+    return {"plan_hidden": bool(plan_ms <= static_gemm_ms),
+            "copy_fits_h2d": bool(plan_ms + copy_ms_h2d <= static_gemm_ms)}
+
+
+def test_overlap_verdicts():
+    """The verdicts compare measured times only: the plan against the GEMM, plan + PCIe copy against the GEMM."""
+    assert overlap_verdicts(0.5, 80.0, 0.3) == {"plan_hidden": True, "copy_fits_h2d": True}
+    assert overlap_verdicts(0.5, 80.0, 0.45) == {"plan_hidden": True, "copy_fits_h2d": False}
+    assert overlap_verdicts(0.05, 80.0, 0.0) == {"plan_hidden": False, "copy_fits_h2d": False}
+
+
 def _gemm_reference(x_MH, w1_LH2F, w2_LFH, rows_L) -> torch.Tensor:
     """Per-expert fp32 matmuls with the kernel path's bf16 roundings (after each GEMM and after SwiGLU)."""
     out, start = [], 0
@@ -226,14 +252,14 @@ def test_overlap_gpu(benchmark):
     res = {k: statistics.median(v) for k, v in times.items()}
     g = res["static_gemm_ms"]
     res.update(plan_us_p50=float(np.percentile(plan_us, 50)), plan_us_p99=float(np.percentile(plan_us, 99)),
-               copy_ms_measured=statistics.median(copy_times[WARMUP:]),
+               copy_ms_h2d=statistics.median(copy_times[WARMUP:]),
                copy_engine_slowdown_pct=100 * (res["gemm_with_h2d_ms"] / g - 1),
                sm_copy_slowdown_pct=100 * (res["gemm_with_d2d_ms"] / g - 1),
                plan_thread_slowdown_pct=100 * (res["gemm_with_plan_ms"] / g - 1))
-    res["hidden"] = bool(res["plan_us_p50"] / 1e3 + res["copy_ms_measured"] <= g)
+    res.update(overlap_verdicts(g, res["plan_us_p50"], res["copy_ms_h2d"]))
     cost = CostModel()
     info = {**res, "copy_engine_slowdown_max_pct": COPY_ENGINE_SLOWDOWN_MAX_PCT, "copy_engine_target_pct": 1.0,
-            "copy_ms_peer_model": cost.copy_us(w["copy_bytes"]) / 1e3,
+            "copy_ms_nvlink_modelled": cost.copy_us(w["copy_bytes"]) / 1e3,
             "gemm_max_abs_err": max_err, "gemm_out_max_abs": scale, "iters": ITERS,
             "device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
             "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
@@ -249,11 +275,12 @@ def test_overlap_gpu(benchmark):
     for k in ("gemm_with_plan_ms", "gemm_with_h2d_ms", "gemm_with_d2d_ms"):
         print(f"  {k:18s} {res[k]:.3f} ms ({100 * (res[k] / g - 1):+.1f}%)")
     print(f"  plan p50 {res['plan_us_p50']:.0f} us, p99 {res['plan_us_p99']:.0f} us; copies "
-          f"{w['copy_bytes'] / 1e6:.1f} MB: {res['copy_ms_measured']:.3f} ms measured host-to-device "
-          f"({info['copy_ms_peer_model']:.3f} ms modelled over NVLink, not used)")
-    print(f"  hidden (plan p50 + measured copy <= static GEMM): {res['hidden']}")
+          f"{w['copy_bytes'] / 1e6:.1f} MB: {res['copy_ms_h2d']:.3f} ms measured host-to-device over PCIe "
+          f"({info['copy_ms_nvlink_modelled']:.3f} ms modelled over NVLink, not a measurement)")
+    print(f"  planning hidden (plan p50 <= static GEMM): {res['plan_hidden']}; plan p50 + PCIe copy <= static "
+          f"GEMM: {res['copy_fits_h2d']} (True decides the copies fit; False decides nothing on one GPU)")
 
-    for k in ("static_gemm_ms", "gemm_with_plan_ms", "gemm_with_h2d_ms", "gemm_with_d2d_ms", "copy_ms_measured"):
+    for k in ("static_gemm_ms", "gemm_with_plan_ms", "gemm_with_h2d_ms", "gemm_with_d2d_ms", "copy_ms_h2d"):
         assert math.isfinite(res[k]) and res[k] > 0, (k, res[k])
     assert len(plan_us) == ITERS and res["plan_us_p50"] > 0
     assert res["copy_engine_slowdown_pct"] <= COPY_ENGINE_SLOWDOWN_MAX_PCT, \

@@ -5,7 +5,8 @@ Reads what one run of ``bench/gpu_check.sh`` left behind and prints two tables, 
 * ``OUT/machine.json``, ``OUT/bench_kernels.json``, ``OUT/bench_overlap.json``, ``OUT/bench_straggler.json``,
   ``OUT/bench_layer.json``: written by the script and the benchmarks (a missing file or key makes its targets
   NOT RUN, never PASS);
-* ``WORK/steps.tsv``: one line per step, ``name<TAB>rc<TAB>seconds<TAB>mode`` (mode ``run`` or ``dry``);
+* ``WORK/steps.tsv``: one line per step, ``name<TAB>rc<TAB>seconds<TAB>mode[<TAB>note]`` (mode ``run``, ``dry``,
+  or ``budget``: skipped, the check's time budget spent; the note says why, or that the step's limit was cut);
 * ``WORK/junit_<step>.xml``: pytest's junit report of each step; ``WORK/bench_sched.json``: the planner
   benchmark's pytest-benchmark JSON.
 
@@ -18,9 +19,15 @@ Keys read (the first one present wins; nested dicts are searched):
   dx | dw, proj, dist, rows_per_expert, tflops}`` and ``{bench: permute, impl: permute | unpermute | copy, dist,
   rows_per_expert, gbps}``; a row with ``error`` is a failure (ours) or an unavailable baseline;
 * bench_overlap.json: ``copy_engine_slowdown_pct``, else ``100 * (gemm_with_h2d_ms / static_gemm_ms - 1)``;
-  ``hidden`` (plan + measured copy fit beside the static GEMM), else ``overlap_holds``;
+  ``plan_hidden`` (the planner thread's time vs the static GEMM, measured); ``copy_fits_h2d`` (plan + the plan's
+  bytes copied host to device over PCIe fit beside the GEMM: True decides, since a node's NVLink peer copy is
+  faster; False decides nothing on one GPU: NOT RUN), with ``copy_ms_h2d`` and ``copy_ms_nvlink_modelled`` (a
+  model, shown, never a verdict) beside;
 * bench_layer.json (then bench_overlap.json): ``host_syncs_after_counts`` (must be 0), else
-  ``host_syncs_per_forward`` (a number or one per variant, the counts all-gather's own sync included: at most 1);
+  ``host_syncs_per_forward`` (a number or one per variant, the counts all-gather's own sync included: at most 1),
+  else the runtime test ``test_no_host_sync_after_counts_one_gpu`` / ``_nccl`` (passed: no sync after the counts);
+  a bench_layer.json with ``processes_per_gpu`` > 1 (several processes time-slicing one GPU) has that, its
+  ``transport`` and ``copy_path`` in the notes of the rows it fills;
   ``balanced_routing_overhead_pct``, else ``100 * (balanced_routing_over_plain - 1)``;
   ``exact`` / ``balanced_equals_plain`` (bool), else the GPU runtime tests
   whose name holds "equal" or "layer" (they compare balancing on with plain EP), with ``max_abs_diff_vs_plain``,
@@ -50,6 +57,10 @@ PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
 # Tests that need two GPUs are the only ones allowed to skip in the one-GPU runtime step: their skip reason says
 # "2 GPUs" ("2 CUDA GPUs", "two GPUs" too).
 ALLOWED_RUNTIME_SKIP = re.compile(r"\b(2|two) (CUDA )?GPUs\b", re.IGNORECASE)
+# nvshmem4py missing or not importing (tests/runtime/test_gpu.py's skip reason): those tests are NOT RUN, with the
+# reason, in their own row; the rest of the runtime step still counts.
+NVSHMEM_SKIP = "NVSHMEM unavailable"
+SYNC_TESTS = ("test_no_host_sync_after_counts_one_gpu", "test_no_host_sync_after_counts_nccl")
 TEST_STEPS = ("kernels", "runtime_gpu")
 BENCH_STEPS = ("bench_kernels", "planner", "bench_overlap", "bench_straggler", "bench_layer")
 
@@ -79,9 +90,10 @@ def read_steps(work: Path) -> dict[str, dict]:
         return steps
     for line in lines:
         parts = line.split("\t")
-        if len(parts) == 4:
-            name, rc, seconds, mode = parts
-            steps[name] = {"rc": int(rc), "seconds": int(seconds), "mode": mode}
+        if len(parts) in (4, 5):
+            name, rc, seconds, mode = parts[:4]
+            steps[name] = {"rc": int(rc), "seconds": int(seconds), "mode": mode,
+                           "note": parts[4] if len(parts) == 5 else ""}
     return steps
 
 
@@ -129,14 +141,22 @@ def step_rows(steps: dict[str, dict], junits: dict[str, dict | None], kernels: d
     for name in (*TEST_STEPS, *BENCH_STEPS):
         step = steps.get(name)
         if step is None or step["mode"] != "run":
-            rows.append(Row(name=name, measured="-", verdict=NOT_RUN, note="dry run" if step else "step missing"))
+            why = ("not reached (the check stopped before it)" if step is None else
+                   f"budget: {step['note']}" if step["mode"] == "budget" else "dry run")
+            rows.append(Row(name=name, measured="-", verdict=NOT_RUN, note=why))
+            if name == "runtime_gpu":
+                rows.append(Row(name=NVSHMEM_ROW, measured="-", verdict=NOT_RUN, note=why))
             continue
         rc, took = step["rc"], f"{step['seconds']} s"
+        cut = f"; {step['note']}" if step.get("note") else ""
         junit = junits.get(name)
         summary = took if junit is None else \
             f"{junit['passed']} passed, {junit['failed']} failed, {len(junit['skipped'])} skipped, {took}"
+        if name == "runtime_gpu":
+            rows.append(_nvshmem_row(junit))
         if rc in (124, 130, 137):
-            rows.append(Row(name=name, measured=summary, verdict=FAIL, note=f"stopped at its time limit (rc {rc})"))
+            rows.append(Row(name=name, measured=summary, verdict=FAIL,
+                            note=f"stopped at its time limit (rc {rc}){cut}"))
             continue
         if (junit is not None and junit["failed"]) or rc not in (0, 5):
             rows.append(Row(name=name, measured=summary, verdict=FAIL, note=f"rc {rc}"))
@@ -153,14 +173,33 @@ def step_rows(steps: dict[str, dict], junits: dict[str, dict | None], kernels: d
             verdict = FAIL if name in TEST_STEPS else NOT_RUN
             rows.append(Row(name=name, measured=summary, verdict=verdict, note=f"no test ran: {why}"))
             continue
-        bad_skips = [(t, r) for t, r in (junit or {}).get("skipped", []) if not ALLOWED_RUNTIME_SKIP.search(r)]
+        bad_skips = [(t, r) for t, r in (junit or {}).get("skipped", [])
+                     if not ALLOWED_RUNTIME_SKIP.search(r) and not r.startswith(NVSHMEM_SKIP)]
         if name == "runtime_gpu" and bad_skips:
             test, reason = bad_skips[0]
             rows.append(Row(name=name, measured=summary, verdict=FAIL,
                             note=f"{len(bad_skips)} one-GPU test(s) skipped, e.g. {test}: {reason}"))
             continue
-        rows.append(Row(name=name, measured=summary, verdict=PASS))
-    return rows
+        rows.append(Row(name=name, measured=summary, verdict=PASS, note=cut[2:]))
+    # the NVSHMEM row right after the runtime step's
+    nvshmem = [r for r in rows if r.name == NVSHMEM_ROW]
+    rows = [r for r in rows if r.name != NVSHMEM_ROW]
+    at = next(i for i, r in enumerate(rows) if r.name == "runtime_gpu") + 1
+    return rows[:at] + nvshmem + rows[at:]
+
+
+NVSHMEM_ROW = "runtime_gpu: NVSHMEM tests"
+
+
+def _nvshmem_row(junit: dict | None) -> Row:
+    """NOT RUN, with nvshmem4py's import error, when the runtime step skipped tests for it; else they ran inside
+    runtime_gpu and its verdict is theirs."""
+    skipped = [(t, r) for t, r in (junit or {}).get("skipped", []) if r.startswith(NVSHMEM_SKIP)]
+    if skipped:
+        return Row(name=NVSHMEM_ROW, measured=f"{len(skipped)} test(s) skipped", verdict=NOT_RUN,
+                   note=skipped[0][1])
+    return Row(name=NVSHMEM_ROW, measured="-", verdict=NOT_RUN if junit is None else PASS,
+               note="no junit report" if junit is None else "none skipped: their outcomes are runtime_gpu's")
 
 
 # ---------------------------------------------------------------------------------------------------- targets
@@ -256,43 +295,110 @@ def runtime_targets(overlap: dict | None, layer: dict | None, runtime: dict | No
         h = find_key(overlap, ("gemm_with_h2d_ms", "gemm_h2d_ms"))
         slowdown = 100 * (h / g - 1) if _number(g) and _number(h) and g else None
     rows.append(_limit_row("plan's copies slow concurrent expert GEMMs <= 1%", slowdown, 1.0, "%",
-                           "copy-engine (pinned host-to-device) copy beside the static GEMM"))
-    hidden = find_key(overlap, ("hidden",))
-    note = "measured plan p50 + host-to-device copy vs the GEMM"
-    if hidden is None:
-        hidden, note = find_key(overlap, ("overlap_holds",)), "copy time modelled"
-    name = "plan + phase-2 copies fit beside the static experts' GEMM"
-    rows.append(Row(name=name, measured=str(hidden), verdict=PASS if hidden else FAIL, note=note)
-                if isinstance(hidden, bool) else Row(name=name, measured="-", verdict=NOT_RUN, note="no measurement"))
-    rows.append(_syncs_row(layer if layer is not None else overlap))
+                           "copy-engine (pinned host-to-device) copy, the engine peer copies use, beside the static "
+                           "GEMM"))
+    rows.extend(_overlap_rows(overlap))
+    conditions = _shared_gpu_note(layer)
+    rows.append(_syncs_row(layer if layer is not None else overlap, runtime, conditions))
     overhead = find_key(layer, ("balanced_routing_overhead_pct",))
     if overhead is None:
         ratio = find_key(layer, ("balanced_routing_over_plain",))
         overhead = 100 * (ratio - 1) if _number(ratio) else None
-    rows.append(_limit_row("balancing on <= 2% slower than plain EP on balanced routing", overhead, 2.0, "%"))
-    rows.append(_straggler_row(straggler, layer))
-    rows.append(_exactness_row(layer, runtime))
+    rows.append(_limit_row("balancing on <= 2% slower than plain EP on balanced routing", overhead, 2.0, "%",
+                           conditions))
+    rows.append(_straggler_row(straggler, layer, conditions))
+    rows.append(_exactness_row(layer, runtime, conditions))
     return rows
 
 
-def _syncs_row(doc: dict | None) -> Row:
+PLAN_HIDDEN = "planning hides behind the static experts' GEMM"
+COPIES_FIT = "phase-2 copies run beside the static experts' GEMM (copy volume vs the GEMM)"
+
+
+def _overlap_rows(overlap: dict | None) -> list[Row]:
+    """What one GPU decides about "the phase-2 copies run beside the static experts' GEMM, not after it": the
+    planner thread's measured time against the GEMM, and the plan's bytes copied host to device over PCIe (the
+    slower link) against it. A node copies them over NVLink, which one GPU cannot measure: a PCIe copy that fits
+    decides PASS; one that does not decides nothing (NOT RUN); the NVLink time is a model, only ever shown."""
+    g = find_key(overlap, ("static_gemm_ms",))
+    plan_us, plan_p99 = find_key(overlap, ("plan_us_p50",)), find_key(overlap, ("plan_us_p99",))
+    gemm = f"GEMM {g:.3f} ms" if _number(g) else "GEMM ?"
+    hidden, slowed = find_key(overlap, ("plan_hidden",)), find_key(overlap, ("plan_thread_slowdown_pct",))
+    if isinstance(hidden, bool):
+        plan = f"plan p50 {plan_us:.0f} us vs {gemm}" if _number(plan_us) else str(hidden)
+        rows = [Row(name=PLAN_HIDDEN, measured=plan, verdict=PASS if hidden else FAIL,
+                    note=_join("measured: planner thread beside the real static GEMM",
+                               f"plan p99 {plan_p99:.0f} us" if _number(plan_p99) else "",
+                               f"GEMM {slowed:+.1f}% with the planner thread running" if _number(slowed) else ""))]
+    else:
+        rows = [Row(name=PLAN_HIDDEN, measured="-", verdict=NOT_RUN, note="no measurement")]
+    fits, h2d = find_key(overlap, ("copy_fits_h2d",)), find_key(overlap, ("copy_ms_h2d",))
+    nvlink = find_key(overlap, ("copy_ms_nvlink_modelled",))
+    model = f"; NVLink peer copy {nvlink:.3f} ms modelled (a model, not a verdict)" if _number(nvlink) else ""
+    if not isinstance(fits, bool):
+        rows.append(Row(name=COPIES_FIT, measured="-", verdict=NOT_RUN, note="no measurement"))
+    elif fits:
+        rows.append(Row(name=COPIES_FIT, measured=f"plan + PCIe copy {h2d:.3f} ms fit in {gemm}"
+                        if _number(h2d) else "True", verdict=PASS,
+                        note="measured host-to-device over PCIe, slower than the NVLink peer copy" + model))
+    else:
+        rows.append(Row(name=COPIES_FIT, measured=f"plan + PCIe copy {h2d:.3f} ms > {gemm}" if _number(h2d)
+                        else "False", verdict=NOT_RUN,
+                        note="one GPU cannot decide: its PCIe host-to-device copy is slower than the NVLink peer "
+                             "copy a node uses" + model))
+    return rows
+
+
+def _shared_gpu_note(layer: dict | None) -> str:
+    """The conditions of a bench_layer run with several processes on one GPU, for the notes of its rows."""
+    per_gpu = find_key(layer, ("processes_per_gpu",))
+    if not _number(per_gpu) or per_gpu <= 1:
+        return ""
+    how = ", ".join(f"{k.replace('_', ' ')} {v}" for k in ("transport", "copy_path")
+                    if (v := find_key(layer, (k,))) is not None)
+    return (f"{per_gpu:g} processes time-slice one GPU{f' ({how})' if how else ''}: times comparable with each "
+            "other, not multi-GPU speed")
+
+
+def _join(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
+def _syncs_row(doc: dict | None, runtime: dict | None = None, conditions: str = "") -> Row:
     """``host_syncs_after_counts`` must be 0; ``host_syncs_per_forward`` (a number, or one per layer variant)
-    counts every sync of the forward, the counts all-gather's own included, so it may be 1."""
+    counts every sync of the forward, the counts all-gather's own included, so it may be 1. Without either, the
+    runtime test that runs a forward and backward under ``set_sync_debug_mode("error")`` after the counts."""
     name = "blocking host syncs after the counts all-gather = 0"
     after = find_key(doc, ("host_syncs_after_counts",))
     if _number(after):
-        return _limit_row(name, after, 0, "", "per layer forward")
+        return _limit_row(name, after, 0, "", _join("per layer forward", conditions))
     total = find_key(doc, ("host_syncs_per_forward", "host_syncs"))
     if _number(total):
         total = {"forward": total}
     if not isinstance(total, dict) or not total or not all(_number(v) for v in total.values()):
-        return Row(name=name, measured="-", verdict=NOT_RUN, note="no measurement")
+        return _sync_test_row(name, runtime)
     measured = ", ".join(f"{k}: {v:g}" for k, v in total.items())
     return Row(name=name, measured=measured, verdict=PASS if max(total.values()) <= 1 else FAIL,
-               note="syncs per forward, the counts all-gather's own (1 allowed) included")
+               note=_join("syncs per forward, the counts all-gather's own (1 allowed) included", conditions))
 
 
-def _straggler_row(straggler: dict | None, layer: dict | None) -> Row:
+def _sync_test_row(name: str, runtime: dict | None) -> Row:
+    cases = {t: o for t, o in (runtime or {}).get("cases", {}).items() if t.split("::")[-1] in SYNC_TESTS}
+    reasons = dict((runtime or {}).get("skipped", []))
+    for test, outcome in cases.items():
+        if outcome == "skipped":
+            continue
+        return Row(name=name, measured="0 after counts" if outcome == "passed" else "> 0 after counts",
+                   verdict=PASS if outcome == "passed" else FAIL,
+                   note=f"runtime test {test.split('::')[-1]} {outcome} (forward + backward under "
+                        "set_sync_debug_mode('error') after the counts step)")
+    skipped = [t for t, o in cases.items() if o == "skipped"]
+    return Row(name=name, measured="-", verdict=NOT_RUN,
+               note=f"no measurement; {skipped[0].split('::')[-1]} skipped: {reasons.get(skipped[0], '')}"
+               if skipped else "no measurement")
+
+
+def _straggler_row(straggler: dict | None, layer: dict | None, conditions: str = "") -> Row:
     """The GEMM straggler target: bench_straggler's measurement (one GPU, the ranks' grouped GEMMs one after
     another, parallel execution assumed) first, then the multi-GPU layer benchmark's."""
     name, target = "GEMM straggler >= 80% lower on skewed real routing", 80.0
@@ -314,15 +420,16 @@ def _straggler_row(straggler: dict | None, layer: dict | None) -> Row:
     value = find_key(layer, ("gemm_straggler_reduction_pct",))
     if _number(value) and math.isfinite(value):
         return Row(name=name, measured=f"{value:.1f}%", verdict=PASS if value >= target else FAIL,
-                   note="bench_layer" + (f"; {incomplete}" if incomplete else ""))
+                   note=_join("bench_layer", conditions, incomplete))
     return Row(name=name, measured="-", verdict=NOT_RUN, note=incomplete or "no measurement")
 
 
-def _exactness_row(layer: dict | None, runtime: dict | None) -> Row:
+def _exactness_row(layer: dict | None, runtime: dict | None, conditions: str = "") -> Row:
     name = "exactness: balancing on equals plain EP (outputs and gradients)"
     exact = find_key(layer, ("exact", "balanced_equals_plain"))
     if isinstance(exact, bool):
-        return Row(name=name, measured=str(exact), verdict=PASS if exact else FAIL, note="bench_layer")
+        return Row(name=name, measured=str(exact), verdict=PASS if exact else FAIL,
+                   note=_join("bench_layer", conditions))
     diffs = [find_key(layer, (k,)) for k in ("max_abs_diff_vs_plain", "max_abs_grad_diff_vs_plain", "output_scale")]
     beside = "" if not all(_number(d) for d in diffs) else \
         f"; bench_layer max |diff| out {diffs[0]:.3g}, grad {diffs[1]:.3g} (output scale {diffs[2]:.3g})"

@@ -17,6 +17,7 @@ Legend: W ranks in the group, M rows sent by this rank, R rows received, D row w
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -158,12 +159,29 @@ def nvshmem_modules():
     The runtime calls nvshmem4py's raw bindings (device pointers and stream handles): its high-level calls accept
     only whole nvshmem-allocated tensors, not the slices and ordinary tensors the exchanges move.
     """
+    _load_nvshmem_host()
     try:
         import nvshmem.core as core  # type: ignore[import-not-found]
         from nvshmem import bindings  # type: ignore[import-not-found]
     except ImportError as exc:
         raise ImportError(NVSHMEM_HINT) from exc
     return core, bindings
+
+
+@functools.lru_cache(maxsize=1)
+def _load_nvshmem_host() -> str | None:
+    """Load libnvshmem_host (from the nvidia-nvshmem wheel, else the system) before nvshmem4py's bindings, which
+    open it by name and otherwise find it only when another import (torch's) happened to load it. Uses
+    ``cuda.pathfinder`` when installed; returns the library's path, or None (no pathfinder, or not found: the
+    bindings' own import then says what is missing)."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        return load_nvidia_dynamic_lib("nvshmem_host").abs_path
+    except (RuntimeError, ValueError):  # DynamicLibNotFoundError, or a name this pathfinder does not know
+        return None
 
 
 def nvshmem_shared_gpu(core) -> bool:

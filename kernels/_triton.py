@@ -41,6 +41,51 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when Triton's interpreter runs kernels on the CPU (read once, at import, as Triton itself does)."""
 
+AUTOTUNE_BUDGET_ENV = "FEPLB_AUTOTUNE_MS"
+
+
+def parse_autotune_budget(spec: str | None) -> tuple[float, float] | None:
+    """``"WARMUP,REP"`` in milliseconds (both > 0) from :data:`AUTOTUNE_BUDGET_ENV`, or None when unset/empty."""
+    if not spec:
+        return None
+    try:
+        warmup, rep = (float(v) for v in spec.split(","))
+    except ValueError as err:
+        raise ValueError(f"{AUTOTUNE_BUDGET_ENV}: expected 'WARMUP,REP' in milliseconds, got {spec!r}") from err
+    if not (warmup > 0 and rep > 0):
+        raise ValueError(f"{AUTOTUNE_BUDGET_ENV}: expected WARMUP > 0 and REP > 0 milliseconds, got {spec!r}")
+    return warmup, rep
+
+
+def apply_autotune_budget(spec: str | None = None) -> tuple[float, float] | None:
+    """Time-box Triton's autotuning: every autotuner times each candidate config for WARMUP + REP ms (from
+    ``spec``, default the environment's :data:`AUTOTUNE_BUDGET_ENV`) instead of Triton's 25 + 100.
+
+    Runs at import of feplb.kernels, so processes a test or benchmark spawns (they inherit the environment) are
+    time-boxed too. The choice gets noisier, never wrong: every config computes the same result. Unset, or
+    without Triton, or under the interpreter (which never tunes): no effect. Returns the budget applied.
+    """
+    budget = parse_autotune_budget(os.environ.get(AUTOTUNE_BUDGET_ENV) if spec is None else spec)
+    if budget is None or not HAVE_TRITON or INTERPRET:
+        return None
+    try:
+        import triton.testing
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:  # pragma: no cover - another Triton layout
+        return None
+    warmup, rep = budget
+
+    def do_bench(kernel_call, quantiles=None, **_ignored):
+        return triton.testing.do_bench(kernel_call, warmup=warmup, rep=rep, quantiles=quantiles)
+
+    # Autotuner.do_bench is a cached property returning the benchmarking function; a class-level property
+    # takes precedence over it for every autotuner, existing or new.
+    Autotuner.do_bench = property(lambda self: do_bench)
+    return budget
+
+
+apply_autotune_budget()
+
 _force_triton_on_cpu = False
 
 

@@ -396,10 +396,11 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, part_ptr, offsets_ptr, M, K, N,
 @triton.jit
 def _dw_reduce_kernel(part_ptr, dw_ptr, offsets_ptr, M, KN, E, CHUNK, NUM_PARTS, stride_we,
                       BLOCK_E: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    """dw[g] = sum of the partial sums of split group g, in chunk order. Grid: (split groups bound,
-    cdiv(K * N, BLOCK)); program (s, b) adds BLOCK elements of the s-th split group (none left: returns)."""
-    pid_s = tl.program_id(0)
-    pid_b = tl.program_id(1)
+    """dw[g] = sum of the partial sums of split group g, in chunk order. Grid: :func:`dw_reduce_grid`,
+    (cdiv(K * N, BLOCK), split groups bound); program (b, s) adds BLOCK elements of the s-th split group (none
+    left: returns). The element blocks go on axis 0, whose limit is 2**31 - 1 (axis 1's is 65,535)."""
+    pid_b = tl.program_id(0)
+    pid_s = tl.program_id(1)
     experts, starts, ends = _group_bounds(offsets_ptr, E, M, BLOCK_E)
     chunks = tl.where(experts < E, tl.maximum((ends - starts + CHUNK - 1) // CHUNK, 1), 0)
     split = chunks > 1
@@ -543,6 +544,20 @@ def dw_split_rows(num_rows: int, num_groups: int, K: int, N: int, *, programs: i
     return chunk
 
 
+MAX_GRID = (2**31 - 1, 65_535, 65_535)
+"""CUDA's launch limits on the grid's axes 0, 1, 2."""
+
+
+def dw_reduce_grid(split_groups: int, num_elements: int, block: int) -> tuple[int, int]:
+    """Grid of ``_dw_reduce_kernel``: (element blocks of one expert's dW, split groups). The block count grows
+    with the expert's K * N (over 65,535 blocks of 1024 past 67.1M elements), so it takes axis 0."""
+    grid = (triton.cdiv(num_elements, block), split_groups)
+    if any(g > limit for g, limit in zip(grid, MAX_GRID, strict=False)):
+        raise ValueError(f"dW reduce grid {grid} exceeds CUDA's limits {MAX_GRID[:2]} "
+                         f"(K * N = {num_elements}, {split_groups} split groups)")
+    return grid
+
+
 def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, check_values: bool = True,
                          config: dict | None = None, split_rows: int | None = None) -> Tensor:
     """Launcher of the weight gradient: dw_EKN[e] = x_MK[group e]^T @ dy_MN[group e] (zeros for empty groups).
@@ -590,7 +605,7 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
            BLOCK_E=block_e, **meta, config=config)
     if num_parts:
         block = 1024
-        _dw_reduce_kernel[(split_groups, triton.cdiv(K * N, block))](
+        _dw_reduce_kernel[dw_reduce_grid(split_groups, K * N, block)](
             part, dw_EKN, offsets_E, M, K * N, E, chunk, num_parts, dw_EKN.stride(0), BLOCK_E=block_e,
             ACC=meta["ACC"], BLOCK=block, num_warps=4)
     return dw_EKN

@@ -7,8 +7,10 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,9 @@ def _load_report():
 
 
 gr = _load_report()
-TARGET_COUNT = 14
+TARGET_COUNT = 15
+STEP_NAMES = ["kernels", "runtime_gpu", "runtime_gpu: NVSHMEM tests", "bench_kernels", "planner", "bench_overlap",
+              "bench_straggler", "bench_layer"]
 
 
 # ---------------------------------------------------------------------------------------------------- dry run
@@ -69,9 +73,9 @@ def test_dry_run_reports_every_step_and_target_not_run(tmp_path):
     assert len(targets) == TARGET_COUNT, targets
     assert all(line.split("  (")[0].rstrip().endswith("NOT RUN") for line in targets), targets
     report = json.loads((out / "report.json").read_text())
-    assert [r["verdict"] for r in report["steps"]] == ["NOT RUN"] * 7
-    assert {r["name"] for r in report["steps"]} == {"kernels", "runtime_gpu", "bench_kernels", "planner",
-                                                     "bench_overlap", "bench_straggler", "bench_layer"}
+    assert [r["verdict"] for r in report["steps"]] == ["NOT RUN"] * len(STEP_NAMES)
+    assert [r["name"] for r in report["steps"]] == STEP_NAMES
+    assert machine["nvshmem_import"] == "not tried (dry run)" and machine["budget_s"] == 540
     assert len(list(out.iterdir())) <= 8
 
 
@@ -126,8 +130,7 @@ def _fake_run(tmp_path: Path, *, steps=None, runtime_cases=None, kernel_rows=Non
         {"bench": "permute", "impl": "unpermute", "dist": "zipf", "rows_per_expert": 512, "gbps": 3000.0},
         {"bench": "permute", "impl": "copy", "dist": "zipf", "rows_per_expert": 512, "gbps": 4200.0}]
     (out / "bench_kernels.json").write_text(json.dumps({"meta": {}, "results": rows}))
-    (out / "bench_overlap.json").write_text(json.dumps(overlap if overlap is not None else
-                                                       {"gemm_ms": 2.0, "gemm_h2d_ms": 2.01, "overlap_holds": True}))
+    (out / "bench_overlap.json").write_text(json.dumps(overlap if overlap is not None else OVERLAP))
     (out / "bench_layer.json").write_text(json.dumps(layer if layer is not None else {"gpu": {"host_syncs": 0}}))
     if straggler is not None:
         (out / "bench_straggler.json").write_text(json.dumps(straggler))
@@ -140,6 +143,13 @@ def _fake_run(tmp_path: Path, *, steps=None, runtime_cases=None, kernel_rows=Non
     return out, work
 
 
+OVERLAP = {"static_gemm_ms": 2.0, "gemm_with_h2d_ms": 2.01, "plan_us_p50": 80.0, "plan_us_p99": 120.0,
+           "plan_hidden": True, "copy_ms_h2d": 1.5, "copy_fits_h2d": True, "copy_ms_nvlink_modelled": 0.2}
+PLAN_HIDDEN = "planning hides behind the static experts' GEMM"
+COPIES_FIT = "phase-2 copies run beside the static experts' GEMM (copy volume vs the GEMM)"
+SYNCS = "blocking host syncs after the counts all-gather = 0"
+
+
 def _by_name(rows: list[dict]) -> dict[str, dict]:
     return {r["name"]: r for r in rows}
 
@@ -148,7 +158,7 @@ def test_report_verdicts_from_measurements(tmp_path, capsys):
     out, work = _fake_run(tmp_path)
     assert gr.main([str(out), "--work", str(work)]) == 1  # some targets FAIL
     report = json.loads((out / "report.json").read_text())
-    assert [r["verdict"] for r in report["steps"]] == ["PASS"] * 7
+    assert [r["verdict"] for r in report["steps"]] == ["PASS"] * len(STEP_NAMES)
     t = _by_name(report["targets"])
     assert len(t) == TARGET_COUNT
     fwd = t["forward >= torch._grouped_mm at >= 256 rows/expert"]
@@ -166,8 +176,11 @@ def test_report_verdicts_from_measurements(tmp_path, capsys):
     assert t["planner p99 <= 200 us (E256-W64, dyn=4)"]["verdict"] == "PASS"
     copies = t["plan's copies slow concurrent expert GEMMs <= 1%"]
     assert copies["verdict"] == "PASS" and copies["measured"] == "0.50%"
-    assert t["plan + phase-2 copies fit beside the static experts' GEMM"]["verdict"] == "PASS"
-    assert t["blocking host syncs after the counts all-gather = 0"]["verdict"] == "PASS"
+    assert t[PLAN_HIDDEN]["verdict"] == "PASS" and t[PLAN_HIDDEN]["measured"] == "plan p50 80 us vs GEMM 2.000 ms"
+    fits = t[COPIES_FIT]
+    assert fits["verdict"] == "PASS" and fits["measured"] == "plan + PCIe copy 1.500 ms fit in GEMM 2.000 ms"
+    assert "0.200 ms modelled" in fits["note"] and "PCIe" in fits["note"]
+    assert t[SYNCS]["verdict"] == "PASS"
     assert t["balancing on <= 2% slower than plain EP on balanced routing"]["verdict"] == "NOT RUN"
     assert t["GEMM straggler >= 80% lower on skewed real routing"]["verdict"] == "NOT RUN"
     exact = t["exactness: balancing on equals plain EP (outputs and gradients)"]
@@ -178,15 +191,17 @@ def test_report_verdicts_from_measurements(tmp_path, capsys):
 
 
 def test_report_reads_the_benchmarks_json_as_written(tmp_path):
-    overlap = {"static_gemm_ms": 2.0, "gemm_with_h2d_ms": 2.1, "copy_engine_slowdown_pct": 0.4, "hidden": False}
+    overlap = {**OVERLAP, "gemm_with_h2d_ms": 2.1, "copy_engine_slowdown_pct": 0.4, "plan_hidden": False,
+               "plan_us_p50": 2500.0, "plan_thread_slowdown_pct": 0.3}
     layer = {"balanced_routing_overhead_pct": 1.5, "host_syncs_per_forward": {"none": 1, "feplb-split": 1},
              "max_abs_diff_vs_plain": 0.0, "max_abs_grad_diff_vs_plain": 1e-7, "output_scale": 2.0}
     out, work = _fake_run(tmp_path, overlap=overlap, layer=layer)
     t = _by_name(gr.build(out, work)["targets"])
     copies = t["plan's copies slow concurrent expert GEMMs <= 1%"]
     assert copies["verdict"] == "PASS" and copies["measured"] == "0.40%"  # the key wins over the times
-    hidden = t["plan + phase-2 copies fit beside the static experts' GEMM"]
-    assert hidden["verdict"] == "FAIL" and "measured" in hidden["note"]
+    hidden = t[PLAN_HIDDEN]
+    assert hidden["verdict"] == "FAIL" and hidden["measured"] == "plan p50 2500 us vs GEMM 2.000 ms"
+    assert "measured" in hidden["note"] and "p99 120 us" in hidden["note"] and "GEMM +0.3%" in hidden["note"]
     syncs = t["blocking host syncs after the counts all-gather = 0"]
     assert syncs["verdict"] == "PASS" and syncs["measured"] == "none: 1, feplb-split: 1"
     balanced = t["balancing on <= 2% slower than plain EP on balanced routing"]
@@ -202,7 +217,9 @@ def test_report_reads_the_benchmarks_json_as_written(tmp_path):
 def test_report_layer_keys_and_failures(tmp_path):
     layer = {"host_syncs_per_forward": 3, "balanced_routing_over_plain": 1.05, "exact": False,
              "gemm_straggler_reduction_pct": 85.0}
-    out, work = _fake_run(tmp_path, layer=layer, overlap={"copy_slowdown_pct": 4.0, "overlap_holds": False})
+    out, work = _fake_run(tmp_path, layer=layer, overlap={"copy_slowdown_pct": 4.0, "copy_fits_h2d": False,
+                                                          "copy_ms_h2d": 2.5, "static_gemm_ms": 2.0,
+                                                          "copy_ms_nvlink_modelled": 0.3})
     t = _by_name(gr.build(out, work)["targets"])
     assert t["blocking host syncs after the counts all-gather = 0"]["measured"] == "forward: 3"
     assert t["blocking host syncs after the counts all-gather = 0"]["verdict"] == "FAIL"
@@ -210,7 +227,11 @@ def test_report_layer_keys_and_failures(tmp_path):
     assert balanced["verdict"] == "FAIL" and balanced["measured"] == "5.00%"
     assert t["exactness: balancing on equals plain EP (outputs and gradients)"]["verdict"] == "FAIL"
     assert t["plan's copies slow concurrent expert GEMMs <= 1%"]["verdict"] == "FAIL"
-    assert t["plan + phase-2 copies fit beside the static experts' GEMM"]["verdict"] == "FAIL"
+    # A PCIe copy that does not fit decides nothing about the NVLink copy a node makes, and a model never decides
+    fits = t[COPIES_FIT]
+    assert fits["verdict"] == "NOT RUN" and fits["measured"] == "plan + PCIe copy 2.500 ms > GEMM 2.000 ms"
+    assert "one GPU cannot decide" in fits["note"] and "0.300 ms modelled" in fits["note"]
+    assert t[PLAN_HIDDEN]["verdict"] == "NOT RUN"
     assert t["GEMM straggler >= 80% lower on skewed real routing"]["verdict"] == "PASS"
     (out / "bench_layer.json").write_text(json.dumps({**layer, "host_syncs_after_counts": 1}))
     syncs = _by_name(gr.build(out, work)["targets"])["blocking host syncs after the counts all-gather = 0"]
@@ -301,19 +322,157 @@ def test_time_limits_fail_and_stale_files_do_not_count(tmp_path):
     assert {r["verdict"] for r in report["targets"]} == {"NOT RUN"}
 
 
-def test_autotune_budget_plugin_shortens_every_autotuner(monkeypatch):
-    autotuner = pytest.importorskip("triton.runtime.autotuner")
-    spec = importlib.util.spec_from_file_location("_autotune_budget", ROOT / "bench" / "_autotune_budget.py")
-    plugin = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plugin)
-    monkeypatch.setattr(autotuner.Autotuner, "do_bench", autotuner.Autotuner.__dict__["do_bench"])  # restored after
-    calls = []
-    monkeypatch.setattr("triton.testing.do_bench", lambda fn, **kw: calls.append(kw) or 1.0)
-    monkeypatch.setenv("FEPLB_AUTOTUNE_MS", "5,20")
-    plugin.pytest_configure(None)
-    tuner = autotuner.Autotuner.__new__(autotuner.Autotuner)
-    assert tuner.do_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == 1.0
-    assert calls == [{"warmup": 5.0, "rep": 20.0, "quantiles": (0.5, 0.2, 0.8)}]
-    monkeypatch.setenv("FEPLB_AUTOTUNE_MS", "fast")
-    with pytest.raises(ValueError, match="FEPLB_AUTOTUNE_MS.*WARMUP,REP.*'fast'"):
-        plugin.pytest_configure(None)
+_BUDGET_PROBE = """
+import triton.testing
+calls = []
+triton.testing.do_bench = lambda fn, **kw: calls.append(kw) or 1.0
+import feplb.kernels
+from triton.runtime.autotuner import Autotuner
+tuner = Autotuner.__new__(Autotuner)
+print(tuner.do_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)), calls)
+"""
+
+
+def _probe_budget(spec: str | None):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FEPLB_AUTOTUNE_MS")}
+    if spec is not None:
+        env["FEPLB_AUTOTUNE_MS"] = spec
+    return subprocess.run([sys.executable, "-c", _BUDGET_PROBE], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_autotune_budget_from_the_environment_at_import():
+    """FEPLB_AUTOTUNE_MS is applied when feplb.kernels is imported (so spawned processes inherit it): every
+    autotuner then times candidates with that warmup and rep; a bad value names the variable."""
+    pytest.importorskip("triton.runtime.autotuner")
+    proc = _probe_budget("5,20")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "1.0 [{'warmup': 5.0, 'rep': 20.0, 'quantiles': (0.5, 0.2, 0.8)}]"
+    proc = _probe_budget("fast")
+    assert proc.returncode != 0 and "FEPLB_AUTOTUNE_MS: expected 'WARMUP,REP'" in proc.stderr
+    assert "'fast'" in proc.stderr
+
+
+def test_autotune_budget_parse():
+    from feplb.kernels import _triton
+
+    assert _triton.parse_autotune_budget(None) is None and _triton.parse_autotune_budget("") is None
+    assert _triton.parse_autotune_budget("5,20") == (5.0, 20.0)
+    for bad in ("5", "5,20,1", "0,20", "5,-1", "a,b"):
+        with pytest.raises(ValueError, match="FEPLB_AUTOTUNE_MS"):
+            _triton.parse_autotune_budget(bad)
+
+
+# ---------------------------------------------------------------------------------------------------- budget, signals
+
+def test_steps_skipped_or_cut_by_the_budget(tmp_path):
+    steps = {n: (0, "run") for n in (*gr.TEST_STEPS, *gr.BENCH_STEPS)}
+    out, work = _fake_run(tmp_path, steps=steps)
+    lines = (work / "steps.tsv").read_text().splitlines()
+    lines = [ln for ln in lines if not ln.startswith(("bench_layer\t", "bench_straggler\t", "runtime_gpu\t"))]
+    lines += ["bench_straggler\t0\t0\tbudget\t12 s left of the check's 540 s, the step needs up to 45 s",
+              "bench_layer\t130\t31\trun\tlimit cut from 60 s to 31 s by the check's 540 s budget"]
+    (work / "steps.tsv").write_text("\n".join(lines) + "\n")
+    steps = _by_name(gr.build(out, work)["steps"])
+    straggler = steps["bench_straggler"]
+    assert straggler["verdict"] == "NOT RUN" and straggler["note"].startswith("budget: 12 s left")
+    layer = steps["bench_layer"]
+    assert layer["verdict"] == "FAIL" and "time limit" in layer["note"] and "cut from 60 s to 31 s" in layer["note"]
+    # a step the check never reached (stopped by a signal): NOT RUN, its NVSHMEM row with it
+    assert steps["runtime_gpu"]["verdict"] == "NOT RUN" and "not reached" in steps["runtime_gpu"]["note"]
+    assert steps["runtime_gpu: NVSHMEM tests"]["verdict"] == "NOT RUN"
+    # the file a budget-skipped step would have written does not count
+    assert _by_name(gr.build(out, work)["targets"])[STRAGGLER]["verdict"] == "NOT RUN"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_expect_gpu_makes_no_cuda_an_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible here")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "FEPLB_GPU_CHECK_EXPECT_GPU": "1",
+           "TMPDIR": str(tmp_path)}
+    for key in ("FEPLB_GPU_CHECK_DRY", "FEPLB_GPU_CHECK_FORCE"):
+        env.pop(key, None)
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stdout.strip().splitlines() == [proc.stdout.strip()]
+    assert "FEPLB_GPU_CHECK_EXPECT_GPU=1" in proc.stdout and "no CUDA GPU" in proc.stdout
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_report_still_comes_out_after_sigterm(tmp_path):
+    """SIGTERM while a step's command runs: the script exits 130 after it, and the EXIT trap prints the tables and
+    writes report.json."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "FEPLB_GPU_CHECK_DRY": "1",
+           "FEPLB_GPU_CHECK_COLLECT": "1", "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log, deadline = out / "log.txt", time.monotonic() + 120
+    while time.monotonic() < deadline and "collecting every step" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 130, stdout + stderr
+    assert "interrupted" in stdout and "----- targets" in stdout
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["targets"]) == TARGET_COUNT
+
+
+# ---------------------------------------------------------------------------------------------------- one GPU
+
+NVSHMEM_REASON = ("NVSHMEM unavailable: ImportError: nvshmem4py requires cuda.core>=0.5.0 "
+                  "(pip install 'feplb[nvshmem]')")
+
+
+def test_nvshmem_import_failure_is_not_run_with_its_reason(tmp_path):
+    cases = [("test_layer_two_processes_one_gpu_without_nvshmem", "passed", ""),
+             ("test_layer_two_processes_one_gpu", "skipped", NVSHMEM_REASON),
+             ("test_no_host_sync_after_counts_one_gpu", "skipped", NVSHMEM_REASON),
+             ("test_layer_nccl_balanced_equals_plain_ep", "skipped", "needs at least 2 CUDA GPUs (one rank per GPU)")]
+    out, work = _fake_run(tmp_path, runtime_cases=cases, layer={})
+    report = gr.build(out, work)
+    steps, t = _by_name(report["steps"]), _by_name(report["targets"])
+    assert steps["runtime_gpu"]["verdict"] == "PASS"
+    nv = steps["runtime_gpu: NVSHMEM tests"]
+    assert nv["verdict"] == "NOT RUN" and nv["measured"] == "2 test(s) skipped" and nv["note"] == NVSHMEM_REASON
+    syncs = t[SYNCS]
+    assert syncs["verdict"] == "NOT RUN" and "cuda.core>=0.5.0" in syncs["note"]
+    assert "test_no_host_sync_after_counts_one_gpu skipped" in syncs["note"]
+
+
+@pytest.mark.parametrize(("outcome", "verdict", "measured"), [("passed", "PASS", "0 after counts"),
+                                                             ("failed", "FAIL", "> 0 after counts")])
+def test_host_syncs_from_the_runtime_test_when_no_benchmark_counts_them(tmp_path, outcome, verdict, measured):
+    cases = [("test_layer_two_processes_one_gpu", "passed", ""),
+             ("test_no_host_sync_after_counts_one_gpu", outcome, "")]
+    out, work = _fake_run(tmp_path, runtime_cases=cases, layer={}, overlap=OVERLAP)
+    syncs = _by_name(gr.build(out, work)["targets"])[SYNCS]
+    assert (syncs["verdict"], syncs["measured"]) == (verdict, measured)
+    assert f"test_no_host_sync_after_counts_one_gpu {outcome}" in syncs["note"]
+    # a benchmark's count wins over the test
+    (out / "bench_layer.json").write_text(json.dumps({"host_syncs_after_counts": 0}))
+    syncs = _by_name(gr.build(out, work)["targets"])[SYNCS]
+    assert syncs["verdict"] == "PASS" and syncs["measured"] == "0" and "runtime test" not in syncs["note"]
+
+
+def test_one_gpu_layer_rows_say_the_gpu_was_shared(tmp_path):
+    layer = {"processes_per_gpu": 2, "transport": "nvshmem", "copy_path": "ipc", "host_syncs_per_forward": 1,
+             "balanced_routing_overhead_pct": 1.2, "exact": True}
+    out, work = _fake_run(tmp_path, layer=layer)
+    t = _by_name(gr.build(out, work)["targets"])
+    for name in (SYNCS, "balancing on <= 2% slower than plain EP on balanced routing",
+                 "exactness: balancing on equals plain EP (outputs and gradients)"):
+        assert t[name]["verdict"] == "PASS"
+        assert "2 processes time-slice one GPU (transport nvshmem, copy path ipc)" in t[name]["note"], name
+        assert "not multi-GPU speed" in t[name]["note"]
+    (out / "bench_layer.json").write_text(json.dumps({**layer, "processes_per_gpu": 1}))
+    t = _by_name(gr.build(out, work)["targets"])
+    assert "time-slice" not in t[SYNCS]["note"]
+
+
+def test_step_rows_in_order_when_run(tmp_path):
+    out, work = _fake_run(tmp_path)
+    assert [r["name"] for r in gr.build(out, work)["steps"]] == STEP_NAMES

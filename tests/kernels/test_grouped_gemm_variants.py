@@ -272,3 +272,17 @@ def test_rows_bucket():
 def test_autotune_keys_see_rows_per_group():
     for kernel in (gg._grouped_mm_kernel, gg._grouped_mm_persistent_kernel, gg._grouped_mm_dw_kernel):
         assert "M_BUCKET" in kernel.keys, kernel
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (triton.cdiv)")
+@pytest.mark.parametrize(("K", "N", "groups"), [(8, 6, 1), (7168, 2 * 18432, 64), (6144, 4096, 128)],
+                         ids=["tiny", "over-65535-blocks", "glm5"])
+def test_dw_reduce_grid_within_cuda_limits(K, N, groups):
+    """The reduce kernel's element blocks (cdiv(K * N, 1024): 258,048 for a 7168 x 36864 expert) sit on grid axis
+    0, whose limit is 2**31 - 1; the split groups (<= experts) on axis 1, limited to 65,535. Every element of every
+    group is covered exactly: blocks * block >= K * N > (blocks - 1) * block."""
+    blocks, split = gg.dw_reduce_grid(groups, K * N, 1024)
+    assert split == groups and blocks * 1024 >= K * N > (blocks - 1) * 1024
+    assert blocks <= 2**31 - 1 and split <= 65_535
+    with pytest.raises(ValueError, match="dW reduce grid .* exceeds CUDA's limits"):
+        gg.dw_reduce_grid(70_000, K * N, 1024)

@@ -142,5 +142,36 @@ def _staged_cases(rank: int, world: int) -> dict:
 def test_torch_transport_gloo_cuda_staged():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    for rank, res in enumerate(run_dist(_staged_cases, 2, timeout_s=300, backend="gloo")):
+    # The first CUDA calls (context, kernels) differ in time between ranks: give collectives room.
+    for rank, res in enumerate(run_dist(_staged_cases, 2, timeout_s=300, backend="gloo", collective_timeout_s=120)):
         assert all(res.values()), (rank, res)
+
+
+def test_nvshmem_host_library_loaded_through_pathfinder(monkeypatch):
+    """nvshmem4py's bindings open libnvshmem_host by name: feplb loads it first through cuda.pathfinder when that
+    is installed (its path is returned), and goes on quietly without it or when the library is not found."""
+    import sys
+    import types
+
+    from feplb import transport
+
+    def load(name):
+        calls.append(name)
+        if found is None:
+            raise RuntimeError(f"{name} not found")
+        return types.SimpleNamespace(abs_path=found)
+
+    calls, found = [], "/site/nvidia/nvshmem/lib/libnvshmem_host.so.3"
+    cuda_pkg = types.ModuleType("cuda")
+    cuda_pkg.__path__ = []
+    monkeypatch.setitem(sys.modules, "cuda", cuda_pkg)
+    monkeypatch.setitem(sys.modules, "cuda.pathfinder", types.SimpleNamespace(load_nvidia_dynamic_lib=load))
+    transport._load_nvshmem_host.cache_clear()
+    assert transport._load_nvshmem_host() == found and calls == ["nvshmem_host"]
+    transport._load_nvshmem_host.cache_clear()
+    found = None
+    assert transport._load_nvshmem_host() is None and calls == ["nvshmem_host"] * 2
+    transport._load_nvshmem_host.cache_clear()
+    monkeypatch.setitem(sys.modules, "cuda.pathfinder", None)  # not installed: the import fails
+    assert transport._load_nvshmem_host() is None and len(calls) == 2
+    transport._load_nvshmem_host.cache_clear()

@@ -7,18 +7,35 @@ NVSHMEM. That proves correctness only: processes sharing one GPU time-slice it."
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from feplb.testing import load_global_weights, run_dist
+from feplb.transport import nvshmem_modules
 
 pytestmark = [pytest.mark.gpu, pytest.mark.dist]
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_2 = pytest.mark.skipif(NGPU < 2, reason="needs at least 2 CUDA GPUs (one rank per GPU)")
-HAVE_NVSHMEM = importlib.util.find_spec("nvshmem") is not None
+# First forwards compile and autotune different shapes on different ranks: give collectives room.
+COLLECTIVE_S = 120.0
+NVSHMEM_SKIP_PREFIX = "NVSHMEM unavailable"
+
+
+def _nvshmem_unavailable() -> str | None:
+    """Why nvshmem4py cannot be used here (its import, cuda.core's included, fails), or None. Only nvshmem4py's own
+    import is tried: feplb's modules are imported at the top of this file, so a broken import of ours still fails."""
+    try:
+        nvshmem_modules()
+    except Exception as exc:  # noqa: BLE001 - any failure of the third-party import is a reason to skip
+        cause = exc.__cause__ or exc
+        return f"{NVSHMEM_SKIP_PREFIX}: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    return None
+
+
+NVSHMEM_REASON = _nvshmem_unavailable()
+HAVE_NVSHMEM = NVSHMEM_REASON is None
+needs_nvshmem = pytest.mark.skipif(not HAVE_NVSHMEM, reason=f"{NVSHMEM_REASON} (pip install 'feplb[nvshmem]')")
 
 
 def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto"):
@@ -26,7 +43,7 @@ def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto"):
 
     if one_gpu:
         torch.cuda.set_device(0)
-    out, grads = {}, {}
+    out, grads, layers = {}, {}, []
     for policy in ("none", "feplb-split"):
         torch.manual_seed(0)
         layer = MoELayer(FEPLBConfig(hidden=256, ffn=128, num_experts=4 * world, top_k=2, gpus_per_node=world,
@@ -48,6 +65,11 @@ def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto"):
         out[policy] = y.detach().cpu()
         grads[policy] = [x.grad.cpu(), layer.w1.grad.cpu(), layer.w2.grad.cpu(), layer.router.weight.grad.cpu()]
         moved = layer.last_stats.rows_moved
+        layers.append(layer)
+    # Free NVSHMEM buffers and IPC engines, newest first: the first layer initialised NVSHMEM and finalises it, and
+    # NVSHMEM is not re-initialised after a finalize, so no layer is closed while another still uses it.
+    for layer in reversed(layers):
+        layer.close()
     ok = torch.allclose(out["none"], out["feplb-split"], rtol=1e-4, atol=1e-5) and all(
         torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(grads["none"], grads["feplb-split"], strict=True))
     return {"ok": ok, "moved": moved}
@@ -56,15 +78,17 @@ def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto"):
 @needs_2
 def test_layer_nccl_balanced_equals_plain_ep():
     world = min(NGPU, 4)
-    for res in run_dist(_gpu_worker, world, "torch", backend="nccl", timeout_s=300):
+    for res in run_dist(_gpu_worker, world, "torch", backend="nccl", timeout_s=300,
+                        collective_timeout_s=COLLECTIVE_S):
         assert res["ok"] and res["moved"] > 0, res
 
 
-@needs_2
-@pytest.mark.skipif(not HAVE_NVSHMEM, reason="needs nvshmem4py: pip install 'feplb[nvshmem]'")
+@needs_nvshmem
+@needs_2  # evaluated first (closest): on one GPU this test skips for its GPU count, not for nvshmem4py
 def test_layer_nvshmem_balanced_equals_plain_ep():
     world = min(NGPU, 4)
-    for res in run_dist(_gpu_worker, world, "nvshmem", backend="nccl", timeout_s=300):
+    for res in run_dist(_gpu_worker, world, "nvshmem", backend="nccl", timeout_s=300,
+                        collective_timeout_s=COLLECTIVE_S):
         assert res["ok"] and res["moved"] > 0, res
 
 
@@ -72,10 +96,13 @@ needs_1 = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 
 
 @needs_1
-@pytest.mark.skipif(not HAVE_NVSHMEM, reason="needs nvshmem4py: pip install 'feplb[nvshmem]'")
-@pytest.mark.parametrize("copy_path", ["ipc", "auto"])
-def test_layer_two_processes_one_gpu(copy_path):
-    for res in run_dist(_gpu_worker, 2, "nvshmem", True, copy_path, backend="gloo", timeout_s=300):
+@needs_nvshmem
+def test_layer_two_processes_one_gpu():
+    """NVSHMEM phase 1 and the CUDA IPC copy path with two processes on one GPU. ("auto" would pick IPC too: with
+    processes sharing a GPU NVSHMEM runs limited; the NVSHMEM copy path is covered by the >= 2 GPU tests above,
+    where "auto" picks it.)"""
+    for res in run_dist(_gpu_worker, 2, "nvshmem", True, "ipc", backend="gloo", timeout_s=300,
+                        collective_timeout_s=COLLECTIVE_S):
         assert res["ok"] and res["moved"] > 0, res
 
 
@@ -83,7 +110,8 @@ def test_layer_two_processes_one_gpu(copy_path):
 def test_layer_two_processes_one_gpu_without_nvshmem():
     """device='cuda' over a gloo group, the torch transport (phase 1 staged through host memory) and the CUDA IPC
     copy path: the layer's GPU path on a single GPU, balancing on == off."""
-    for res in run_dist(_gpu_worker, 2, "torch", True, "ipc", backend="gloo", timeout_s=300):
+    for res in run_dist(_gpu_worker, 2, "torch", True, "ipc", backend="gloo", timeout_s=300,
+                        collective_timeout_s=COLLECTIVE_S):
         assert res["ok"] and res["moved"] > 0, res
 
 
@@ -132,10 +160,10 @@ def _sync_worker(rank, world, transport, one_gpu):
 
 
 @needs_1
-@pytest.mark.skipif(not HAVE_NVSHMEM, reason="needs nvshmem4py: pip install 'feplb[nvshmem]' (the torch transport "
-                                              "over gloo stages phase 1 through host memory, a sync by design)")
+@needs_nvshmem  # the torch transport over gloo stages phase 1 through host memory, a sync by design
 def test_no_host_sync_after_counts_one_gpu():
-    results = run_dist(_sync_worker, 2, "nvshmem", True, backend="gloo", timeout_s=300)
+    results = run_dist(_sync_worker, 2, "nvshmem", True, backend="gloo", timeout_s=300,
+                       collective_timeout_s=COLLECTIVE_S)
     for res in results:
         assert res["err"] is None, res["err"]
     assert sum(r["moved"] for r in results) > 0
@@ -143,6 +171,7 @@ def test_no_host_sync_after_counts_one_gpu():
 
 @needs_2
 def test_no_host_sync_after_counts_nccl():
-    results = run_dist(_sync_worker, min(NGPU, 4), "torch", False, backend="nccl", timeout_s=300)
+    results = run_dist(_sync_worker, min(NGPU, 4), "torch", False, backend="nccl", timeout_s=300,
+                       collective_timeout_s=COLLECTIVE_S)
     for res in results:
         assert res["err"] is None, res["err"]
