@@ -19,9 +19,9 @@ in-node balancing); ``eplb`` (redundant experts, rows dispatched straight to the
   GPU check's bench_layer step, process spawn, CUDA and NVSHMEM start-up and the first forward's and backward's
   Triton compiles included, when the check's earlier steps left the compiled kernels in Triton's cache: H=2048,
   F=1024, E=16, top-4, 2048 tokens per process, bf16, 12 timed iterations, autotuning time-boxed
-  (``FEPLB_AUTOTUNE_MS``, default ``5,20`` ms per config, as ``bench/_autotune_budget.py`` does inside pytest).
+  (``FEPLB_AUTOTUNE_MS``, default ``5,20`` ms per config, as the GPU check sets it for every step).
   A process still running after 35 s prints every thread's stack (then every 35 s), and the run fails after
-  80 s, so it never hangs.
+  70 s (inside the GPU check's 80 s step), so it never hangs.
 
 Each policy's iterations alternate inside one job (none, balanced, none, ...), each timed from a barrier to a
 barrier and reduced as the max over ranks (the step waits for the slowest rank). Besides the skewed routing:
@@ -54,7 +54,6 @@ real routing.
 from __future__ import annotations
 
 import faulthandler
-import importlib.util
 import json
 import math
 import os
@@ -82,7 +81,21 @@ VARIANTS = {"none": ("none", "per-step", "auto"), BALANCED: (BALANCED, "per-step
             f"{BALANCED}/per-microbatch": (BALANCED, "per-microbatch", "auto"),
             f"{BALANCED}+place": (f"{BALANCED}+place", "per-step", "auto"),
             "eplb": ("eplb", "per-step", "auto")}
-HAVE_NVSHMEM = importlib.util.find_spec("nvshmem") is not None
+
+
+def _nvshmem_unavailable() -> str | None:
+    """Why nvshmem4py cannot carry phase 1 here (its import, cuda.core's included, fails), or None."""
+    from feplb.transport import nvshmem_modules
+
+    try:
+        nvshmem_modules()
+    except ImportError as exc:
+        cause = exc.__cause__ or exc
+        return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    return None
+
+
+NVSHMEM_UNAVAILABLE = _nvshmem_unavailable()
 # Steps of one training forward + backward whose host syncs are counted apart; "staged_*": inside the gloo-staged
 # phase-1 transport (host waits by construction).
 SYNC_STEPS = ("before_counts", "counts", "after_counts", "backward", "staged_forward", "staged_backward")
@@ -110,16 +123,6 @@ def _gpu_env(setup: dict) -> dict[str, str]:
     if setup["transport"] == "nvshmem":
         env["NVSHMEM_SYMMETRIC_SIZE"] = os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "2G")
     return env
-
-
-def _time_box_autotuning() -> None:
-    """Apply ``FEPLB_AUTOTUNE_MS`` in this process with ``bench/_autotune_budget.py`` (a no-op when unset)."""
-    spec = importlib.util.spec_from_file_location("_autotune_budget", Path(__file__).with_name("_autotune_budget.py"))
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {Path(__file__).with_name('_autotune_budget.py')}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.pytest_configure(None)   # the plugin's hook reads only the environment
 
 
 class _Phases:
@@ -174,7 +177,10 @@ def _bench(rank, shape, setup, phases):
     if on_gpu:
         if (setup["processes_per_gpu"] or 1) > 1:
             torch.cuda.set_device(0)   # every process on the one GPU (run_dist's gloo children pick none)
-        _time_box_autotuning()
+        from feplb.kernels._triton import apply_autotune_budget
+
+        # run_dist's env reaches the child after feplb.kernels was imported (which applies it at import)
+        apply_autotune_budget()
     dtype = torch.bfloat16 if on_gpu else torch.float32
     dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     backend = str(dist.get_backend())
@@ -390,7 +396,8 @@ def _conditions(setup: dict, out: dict) -> dict:
             phase1 = "NCCL all_to_all_single"
         else:
             phase1 = ("gloo all_to_all_single staged through pinned host memory (the host waits for each "
-                      "exchange's rows: host_syncs_in_staged_transport)")
+                      "exchange's rows: host_syncs_in_staged_transport)"
+                      + (f"; NVSHMEM unavailable: {NVSHMEM_UNAVAILABLE}" if NVSHMEM_UNAVAILABLE else ""))
         timing = (f"{ppg} processes time-slice one GPU: the times compare the variants with each other in this run, "
                   "they are not multi-GPU speed (no parallel GPUs, no NVLink peer copies)" if (ppg or 1) > 1
                   else "one process per GPU")
@@ -535,11 +542,11 @@ def test_layer_gpu_shared(benchmark):
     if torch.cuda.device_count() > 1:
         pytest.skip("more than one GPU: test_layer_gpu_nccl measures the layer there, one rank per GPU")
     shape = SHAPES["gpu_shared"]
-    setup = _setup("cuda", transport="nvshmem" if HAVE_NVSHMEM else "torch", copy_path="ipc",
+    setup = _setup("cuda", transport="torch" if NVSHMEM_UNAVAILABLE else "nvshmem", copy_path="ipc",
                    processes_per_gpu=shape["world"], watchdog_s=35)
     t0 = time.perf_counter()
     # gloo's collective timeout outlasts a peer's first-call compiles; the run's limit stops a hang with an error.
-    out = run_dist(_bench_worker, shape["world"], shape, setup, timeout_s=80, collective_timeout_s=45,
+    out = run_dist(_bench_worker, shape["world"], shape, setup, timeout_s=70, collective_timeout_s=45,
                    env=_gpu_env(setup))[0]
     info = _report(benchmark, shape, setup, out, os.environ.get("FEPLB_BENCH_LAYER_JSON", "runs/bench_layer_gpu.json"),
                    GPU_REL_TOL, time.perf_counter() - t0)
