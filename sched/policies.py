@@ -142,11 +142,10 @@ def select_dynamic(policy: str, counts_WE: np.ndarray, topo: Topology, state: Po
     return _dynamic(counts_WE.sum(axis=0), topo, state, mode, place)[0]
 
 
-def _greedy_whole(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap: int,
-                  out: list[tuple[int, int, int, int, int]], g0: int) -> None:
+def _greedy(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap: int):
     """The paper's greedy on one node. L: loads (mutated); ex[i], nx[i]: GPU i's movable dynamic experts and their
-    rows, sorted by (rows desc, expert asc) (both consumed together). Appends whole-expert moves as tuples in
-    Move's field order (expert, src, dst, 0, rows) to out."""
+    rows, sorted by (rows desc, expert asc) (both consumed together). Yields each whole-expert move as (source,
+    destination, expert, rows), GPUs as indices into L."""
     while True:
         # first index of the max / min: ties go to the lower GPU id
         top, bottom = max(L), min(L)
@@ -168,8 +167,7 @@ def _greedy_whole(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_ga
         del rows[j]
         L[hi] = top - n
         L[lo] = bottom + n
-        out.append((ex[hi].pop(j), g0 + hi, g0 + lo, 0, n))
-
+        yield hi, lo, ex[hi].pop(j), n
 
 
 def _split_node(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap: int, m: int, g0: int,
@@ -182,7 +180,7 @@ def _split_node(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap:
     expert asc) (consumed). Appends every piece that changed GPU to out; returns whether one of them is back at
     its home GPU (_finish drops those, sorts the rest and joins adjacent ones).
 
-    Greedy (feplb-split), as ``_greedy_whole``: whole experts become pieces of their destination.
+    Greedy (feplb-split), ``_greedy``: whole experts become pieces of their destination.
     Split: move rows from the most to the least loaded GPU (ties: lower GPU id), toward the node's (integer) mean,
     in pieces of at least m rows (or whole pieces). Each step gives the busiest GPU's first piece in piece order,
     or the next one that can give: the whole piece if it is below the gap, or a chunk in [m, rows - m] below the
@@ -193,28 +191,8 @@ def _split_node(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap:
     G = len(L)
     recv: list[list[tuple[int, int, int, int, int, int]]] = [[] for _ in range(G)]
     if greedy:
-        while True:
-            top, bottom = max(L), min(L)
-            gap = top - bottom
-            if gap <= tau_gap:
-                break
-            hi = L.index(top)
-            rows = nx[hi]
-            j = 0
-            for n in rows:
-                if n < gap:
-                    break
-                j += 1
-            else:
-                break
-            if n == 0:  # candidates are sorted by rows: only empty experts are left below the gap
-                break
-            lo = L.index(bottom)
-            del rows[j]
-            L[hi] = top - n
-            L[lo] = bottom + n
-            h = g0 + hi
-            recv[lo].append((-n, ex[hi].pop(j), 0, n, h, g0 + lo))
+        for hi, lo, e, n in _greedy(L, ex, nx, tau_gap):
+            recv[lo].append((-n, e, 0, n, g0 + hi, g0 + lo))
     # the same iteration bound as the reference description (a safety net: every step moves rows downhill)
     bound = 4 * G * (max(map(len, recv)) + max(map(len, ex)) + 2)
     target = -(-sum(L) // G)
@@ -412,7 +390,8 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
         tau_gap = int(tau * sum(L) / G)
         # the row lists are this call's own (tolist), the planners may consume them
         if base == "feplb":
-            _greedy_whole(L, dyn[i0:i0 + G], dyn_n[i0:i0 + G], tau_gap, raw, g0)
+            raw.extend((e, g0 + hi, g0 + lo, 0, n) for hi, lo, e, n in _greedy(L, dyn[i0:i0 + G], dyn_n[i0:i0 + G],
+                                                                                tau_gap))
         elif base == "feplb-split":
             back |= _split_node(L, dyn[i0:i0 + G], dyn_n[i0:i0 + G], tau_gap, min_chunk, g0, True, raw)
         else:
