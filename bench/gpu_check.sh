@@ -175,6 +175,9 @@ source_tree() {  # the package as pyproject.toml maps it (feplb, feplb.kernels, 
     ln -sfn "$ROOT/kernels" "$src/feplb/kernels"
     ln -sfn "$ROOT/sched" "$src/feplb/sched"
     export PYTHONPATH=$src${PYTHONPATH:+:$PYTHONPATH}
+    # Every command runs from the repository root, whose feplb/ (without kernels/ and sched/ inside) would come
+    # first on sys.path and shadow the tree (python -c, python -, python -m pytest): keep the cwd off sys.path.
+    export PYTHONSAFEPATH=1
 }
 INSTALL="pip install -e ."
 if [ "$DRY" = 1 ]; then

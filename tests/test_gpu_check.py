@@ -53,15 +53,18 @@ def test_dry_run_reports_every_step_and_target_not_run(tmp_path):
     machine = json.loads((out / "machine.json").read_text())
     assert machine["dry_run"] is True and machine["traces"] == str(cache)
     assert {"torch", "cuda", "triton", "nvshmem4py", "gpu", "nvidia_smi", "python"} <= set(machine)
-    # The fallback when pip cannot install on the GPU machine: the sources as pyproject.toml maps them. Here an
-    # editable install answers `import feplb` first, so import from the tree with that finder removed.
+    # The fallback when pip cannot install on the GPU machine: the sources as pyproject.toml maps them, which the dry
+    # run uses. The script runs everything from the repository root, whose feplb/ must not shadow the tree.
     (src,) = tmp_path.glob("feplb_gpu_check.*/src")
+    assert machine["feplb_path"] == str(src / "feplb"), machine["feplb_path"]
+    # Without an editable install's finder (a GPU machine where pip failed), from the repository root as the
+    # script runs its commands.
     code = ("import sys\n"
             "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
-            f"sys.path.insert(0, {str(src)!r})\n"
             "import feplb.kernels, feplb.sched\n"
             "print(feplb.__file__, feplb.kernels.__file__, feplb.sched.__file__)\n")
-    files = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    files = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(src), "PYTHONSAFEPATH": "1"})
     assert files.returncode == 0, files.stderr[-2000:]
     assert files.stdout.split() == [str(src / "feplb" / "__init__.py"), str(src / "feplb" / "kernels" / "__init__.py"),
                                     str(src / "feplb" / "sched" / "__init__.py")]
