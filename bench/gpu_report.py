@@ -364,11 +364,27 @@ def _join(*notes: str) -> str:
     return "; ".join(n for n in notes if n)
 
 
+def _failed_tests(runtime: dict | None, is_case) -> list[str]:
+    """Names of the runtime step's failed tests for which ``is_case(name)`` holds."""
+    return [t.split("::")[-1] for t, o in (runtime or {}).get("cases", {}).items()
+            if o == "failed" and is_case(t.split("::")[-1])]
+
+
+def _is_equality_test(name: str) -> bool:
+    """The GPU layer tests assert balancing on equals plain EP (tests/runtime/test_gpu.py)."""
+    return "equal" in name or "layer" in name
+
+
 def _syncs_row(doc: dict | None, runtime: dict | None = None, conditions: str = "") -> Row:
     """``host_syncs_after_counts`` must be 0; ``host_syncs_per_forward`` (a number, or one per layer variant)
     counts every sync of the forward, the counts all-gather's own included, so it may be 1. Without either, the
     runtime test that runs a forward and backward under ``set_sync_debug_mode("error")`` after the counts."""
     name = "blocking host syncs after the counts all-gather = 0"
+    # A failed runtime sync test fails the target whatever a benchmark counted (another transport, another run).
+    if failed := _failed_tests(runtime, lambda t: t in SYNC_TESTS):
+        return Row(name=name, measured="> 0 after counts", verdict=FAIL,
+                   note=f"runtime test {failed[0]} failed (forward + backward under set_sync_debug_mode('error') "
+                        "after the counts step)")
     after = find_key(doc, ("host_syncs_after_counts",))
     if _number(after):
         return _limit_row(name, after, 0, "", _join("per layer forward", conditions))
@@ -426,6 +442,10 @@ def _straggler_row(straggler: dict | None, layer: dict | None, conditions: str =
 
 def _exactness_row(layer: dict | None, runtime: dict | None, conditions: str = "") -> Row:
     name = "exactness: balancing on equals plain EP (outputs and gradients)"
+    # A failed GPU equality test fails the target whatever bench_layer's own (smaller) run found.
+    if failed := _failed_tests(runtime, _is_equality_test):
+        return Row(name=name, measured=f"{len(failed)} GPU equality test(s) failed", verdict=FAIL,
+                   note=_join(failed[0], conditions))
     exact = find_key(layer, ("exact", "balanced_equals_plain"))
     if isinstance(exact, bool):
         return Row(name=name, measured=str(exact), verdict=PASS if exact else FAIL,
@@ -433,15 +453,12 @@ def _exactness_row(layer: dict | None, runtime: dict | None, conditions: str = "
     diffs = [find_key(layer, (k,)) for k in ("max_abs_diff_vs_plain", "max_abs_grad_diff_vs_plain", "output_scale")]
     beside = "" if not all(_number(d) for d in diffs) else \
         f"; bench_layer max |diff| out {diffs[0]:.3g}, grad {diffs[1]:.3g} (output scale {diffs[2]:.3g})"
-    # The GPU layer tests assert balancing on equals plain EP (tests/runtime/test_gpu.py).
-    cases = {t: o for t, o in (runtime or {}).get("cases", {}).items()
-             if "equal" in t.split("::")[-1] or "layer" in t.split("::")[-1]}
-    ran = {t: o for t, o in cases.items() if o != "skipped"}
+    ran = [t for t, o in (runtime or {}).get("cases", {}).items()
+           if o != "skipped" and _is_equality_test(t.split("::")[-1])]
     if not ran:
         return Row(name=name, measured="-", verdict=NOT_RUN, note="no GPU equality test ran" + beside)
-    failed = [t for t, o in ran.items() if o == "failed"]
-    return Row(name=name, measured=f"{len(ran) - len(failed)} of {len(ran)} GPU equality tests passed",
-               verdict=FAIL if failed else PASS, note=(failed[0] if failed else "runtime tests") + beside)
+    return Row(name=name, measured=f"{len(ran)} of {len(ran)} GPU equality tests passed", verdict=PASS,
+               note="runtime tests" + beside)
 
 
 def _limit_row(name: str, value, limit: float, unit: str, note: str = "") -> Row:

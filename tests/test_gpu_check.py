@@ -455,10 +455,23 @@ def test_host_syncs_from_the_runtime_test_when_no_benchmark_counts_them(tmp_path
     syncs = _by_name(gr.build(out, work)["targets"])[SYNCS]
     assert (syncs["verdict"], syncs["measured"]) == (verdict, measured)
     assert f"test_no_host_sync_after_counts_one_gpu {outcome}" in syncs["note"]
-    # a benchmark's count wins over the test
+    # a benchmark's count of 0 is the measurement when the test passed; a failed test fails the target anyway
     (out / "bench_layer.json").write_text(json.dumps({"host_syncs_after_counts": 0}))
     syncs = _by_name(gr.build(out, work)["targets"])[SYNCS]
-    assert syncs["verdict"] == "PASS" and syncs["measured"] == "0" and "runtime test" not in syncs["note"]
+    if outcome == "passed":
+        assert syncs["verdict"] == "PASS" and syncs["measured"] == "0" and "runtime test" not in syncs["note"]
+    else:
+        assert syncs["verdict"] == "FAIL" and "test_no_host_sync_after_counts_one_gpu failed" in syncs["note"]
+
+
+def test_a_failed_gpu_equality_test_fails_exactness_whatever_bench_layer_found(tmp_path):
+    cases = [("test_layer_two_processes_one_gpu_without_nvshmem", "failed", ""),
+             ("test_no_host_sync_after_counts_one_gpu", "passed", "")]
+    out, work = _fake_run(tmp_path, runtime_cases=cases, layer={"exact": True, "host_syncs_after_counts": 0})
+    t = _by_name(gr.build(out, work)["targets"])
+    exact = t["exactness: balancing on equals plain EP (outputs and gradients)"]
+    assert exact["verdict"] == "FAIL" and "test_layer_two_processes_one_gpu_without_nvshmem" in exact["note"]
+    assert t[SYNCS]["verdict"] == "PASS"
 
 
 def test_one_gpu_layer_rows_say_the_gpu_was_shared(tmp_path):
