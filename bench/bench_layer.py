@@ -89,7 +89,7 @@ def _nvshmem_unavailable() -> str | None:
 
     try:
         nvshmem_modules()
-    except ImportError as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure of the third-party import (OSError of a dlopen, too)
         cause = exc.__cause__ or exc
         return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
     return None

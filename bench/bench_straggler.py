@@ -91,7 +91,7 @@ IMPLS = ("feplb", "torch_grouped_mm")
 LAYERS = (4, 14, 24)              # as the layer benchmark's trace test; spread over the model's 26 MoE layers
 MICROBATCHES, HISTORY = 2, 8
 REPS, WARMUP_REPS = 5, 1
-SLEEP_CYCLES = 200_000            # about 0.1 ms of GPU sleep before each timed call (see cuda_timer)
+SLEEP_CYCLES = 1_000_000          # ~0.5 ms of GPU sleep before each timed call, longer than a launch (cuda_timer)
 EP, TOKENS, DYN, HIDDEN, FFN = _overlap.EP, _overlap.TOKENS, _overlap.DYN, _overlap.HIDDEN, _overlap.FFN
 CUDA = torch.cuda.is_available()
 ASSUMPTIONS = (
@@ -291,7 +291,8 @@ def measure(samples: list[Sample], *, cost: CostModel, topo: Topology, device: s
             for d, groups in enumerate(groups_W):
                 idx = torch.from_numpy(rank_rows(groups, offsets_E)).to(device)
                 experts = torch.tensor([g.expert for g in groups], dtype=torch.long, device=device)
-                ends = np.cumsum([g.rows for g in groups]).astype(np.int32)
+                # int64 as the layer passes them (torch_grouped_mlp converts for torch._grouped_mm)
+                ends = np.cumsum([g.rows for g in groups], dtype=np.int64)
                 cases[policy, d] = (rows[idx], w1_all[experts], w2_all[experts],
                                     torch.from_numpy(ends).to(device), idx)
         # Correct before timed: each rank's rows against the reference rows they are.

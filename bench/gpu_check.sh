@@ -4,10 +4,10 @@
 # a step whose limit would cross the budget is cut to what is left, or skipped and reported NOT RUN ("budget")
 # when under 15 s are left; 10 s are kept for the kill grace of a stopped step and 10 s for the report.
 # Planned (one GPU): about 30 s of installs and imports (two pip installs, four cold Python starts, two with
-# torch), then limits 110 + 110 + 110 + 20 + 35 + 45 + 80 s = 510 s (kernels, runtime_gpu, bench_kernels, planner,
-# bench_overlap, bench_straggler, bench_layer): about 540 s if every step used its whole limit, so only then does
-# the last step (bench_layer) lose up to 20 s to the budget; a step's limit and kill grace never reach past the budget, so the command ends by about 540 s even
-# when a step must be killed.
+# torch), then limits 110 + 110 + 110 + 20 + 35 + 50 + 80 s = 515 s (kernels, runtime_gpu, bench_kernels, planner,
+# bench_overlap, bench_straggler, bench_layer): about 545 s if every step used its whole limit, so only then does
+# the last step (bench_layer) lose up to 25 s to the budget; a step's limit and kill grace never reach past the
+# budget, so the command ends by about 540 s even when a step must be killed.
 # The report runs from an EXIT trap (also after SIGINT / SIGTERM, once the running step has stopped), so
 # report.json and the table always come out. Steps, each under its own time limit (a step that runs out is
 # stopped with SIGINT, so pytest still writes its report, and the next runs):
@@ -162,8 +162,15 @@ fi
 NVSHMEM_IMPORT="not tried (dry run)"
 if [ "$DRY" != 1 ]; then
     # nvshmem4py-cu13 0.4.1 needs cuda.core >= 0.5.0: a failure here makes the NVSHMEM tests skip (NOT RUN) with it.
-    if NVSHMEM_IMPORT=$("$PY" -c "import nvshmem.core, cuda.core; print('ok, cuda.core', cuda.core.__version__)" \
-            2>&1); then :; else NVSHMEM_IMPORT="fails: $(printf '%s' "$NVSHMEM_IMPORT" | tail -n 1)"; fi
+    # libnvshmem_host loaded first, as feplb.transport does (the bindings open it by name)
+    if NVSHMEM_IMPORT=$("$PY" -c "
+try:
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+    load_nvidia_dynamic_lib('nvshmem_host')
+except Exception:
+    pass
+import torch, nvshmem.core, cuda.core
+print('ok, cuda.core', cuda.core.__version__)" 2>&1); then :; else NVSHMEM_IMPORT="fails: $(printf '%s' "$NVSHMEM_IMPORT" | tail -n 1)"; fi
     echo "import nvshmem.core, cuda.core: $NVSHMEM_IMPORT" | tee -a "$LOG"
 fi
 XDIST=0
@@ -288,11 +295,12 @@ step planner 20 $PIN "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$WOR
     --benchmark-enable --benchmark-json="$WORK/bench_sched.json" "${PLANNER_TESTS[@]}"
 FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_OVERLAP_JSON=$OUT/bench_overlap.json \
     pytest_step bench_overlap 35 -s -m gpu bench/bench_overlap.py --benchmark-enable
-# After bench_overlap, which compiles the same ESFT-shape kernels into Triton's disk cache: what is left is
-# time-boxed autotuning of a few row buckets and 6 samples x 5 policies x 8 ranks x 2 GEMM paths x 6 rounds of
-# ~0.5 ms each (estimated; not yet run on a GPU).
+# After bench_overlap, which compiled the ESFT-shape kernels (int64 offsets, as here) into Triton's disk cache:
+# rank row counts not divisible by 16 and new row buckets still compile and autotune (time-boxed; estimated
+# 10-20 s), then 6 samples x 5 policies x 8 ranks x 2 GEMM paths x 6 rounds of ~0.5 ms plus a 0.5 ms GPU sleep
+# each (estimated; not yet run on a GPU).
 FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_STRAGGLER_JSON=$OUT/bench_straggler.json \
-    pytest_step bench_straggler 45 -s -m gpu bench/bench_straggler.py --benchmark-enable
+    pytest_step bench_straggler 50 -s -m gpu bench/bench_straggler.py --benchmark-enable
 # On one GPU bench_layer runs two processes on it (spawn, CUDA init, compiles: estimated 40-80 s; its own run
 # limit is 80 s); with more, one per GPU.
 FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_LAYER_JSON=$OUT/bench_layer.json \

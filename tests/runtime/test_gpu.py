@@ -101,7 +101,7 @@ def test_layer_two_processes_one_gpu():
     """NVSHMEM phase 1 and the CUDA IPC copy path with two processes on one GPU. ("auto" would pick IPC too: with
     processes sharing a GPU NVSHMEM runs limited; the NVSHMEM copy path is covered by the >= 2 GPU tests above,
     where "auto" picks it.)"""
-    for res in run_dist(_gpu_worker, 2, "nvshmem", True, "ipc", backend="gloo", timeout_s=300,
+    for res in run_dist(_gpu_worker, 2, "nvshmem", True, "ipc", backend="gloo", timeout_s=90,
                         collective_timeout_s=COLLECTIVE_S):
         assert res["ok"] and res["moved"] > 0, res
 
@@ -110,7 +110,7 @@ def test_layer_two_processes_one_gpu():
 def test_layer_two_processes_one_gpu_without_nvshmem():
     """device='cuda' over a gloo group, the torch transport (phase 1 staged through host memory) and the CUDA IPC
     copy path: the layer's GPU path on a single GPU, balancing on == off."""
-    for res in run_dist(_gpu_worker, 2, "torch", True, "ipc", backend="gloo", timeout_s=300,
+    for res in run_dist(_gpu_worker, 2, "torch", True, "ipc", backend="gloo", timeout_s=90,
                         collective_timeout_s=COLLECTIVE_S):
         assert res["ok"] and res["moved"] > 0, res
 
@@ -162,7 +162,7 @@ def _sync_worker(rank, world, transport, one_gpu):
 @needs_1
 @needs_nvshmem  # the torch transport over gloo stages phase 1 through host memory, a sync by design
 def test_no_host_sync_after_counts_one_gpu():
-    results = run_dist(_sync_worker, 2, "nvshmem", True, backend="gloo", timeout_s=300,
+    results = run_dist(_sync_worker, 2, "nvshmem", True, backend="gloo", timeout_s=90,
                        collective_timeout_s=COLLECTIVE_S)
     for res in results:
         assert res["err"] is None, res["err"]
