@@ -170,6 +170,19 @@ def _greedy(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap: int
         yield hi, lo, ex[hi].pop(j), n
 
 
+def _give(size: int, gap: int, want: int, m: int) -> int:
+    """The rows a piece of ``size`` rows gives in a split step (0: none): whole if below the gap, or a chunk in
+    [m, size - m] below the gap, whichever is closer to ``want`` (the whole piece on a tie)."""
+    x = size if size < gap else 0
+    if 2 * m <= size:
+        c = want if want > m else m
+        if c > size - m:
+            c = size - m
+        if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
+            x = c
+    return x
+
+
 def _split_node(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap: int, m: int, g0: int,
                 greedy: bool, out: list[tuple[int, int, int, int, int, int]]) -> bool:
     """Token split on one node (feplb-split: after the paper's greedy; lp: alone, m = 1, tau_gap = 0).
@@ -197,7 +210,6 @@ def _split_node(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap:
     bound = 4 * G * (max(map(len, recv)) + max(map(len, ex)) + 2)
     target = -(-sum(L) // G)
     own: list[list[tuple[int, int, int, int, int, int]] | None] = [None] * G
-    m2 = 2 * m
     back = False
     for _ in range(bound):
         top, bottom = max(L), min(L)
@@ -224,25 +236,12 @@ def _split_node(L: list[int], ex: list[list[int]], nx: list[list[int]], tau_gap:
         if target - bottom < want:
             want = target - bottom
         size = -p[0]
-        # the rows p gives: whole below the gap, or a chunk in [m, size - m] below the gap, the closer to want
-        x = size if size < gap else 0
-        if m2 <= size:
-            c = want if want > m else m
-            if c > size - m:
-                c = size - m
-            if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
-                x = c
+        x = _give(size, gap, want, m)
         if not x:
             # the other pieces of this GPU in the same order, until one can give
             for p in sorted(own[hi] + got)[1:]:
                 size = -p[0]
-                x = size if size < gap else 0
-                if m2 <= size:
-                    c = want if want > m else m
-                    if c > size - m:
-                        c = size - m
-                    if c < gap and (x == 0 or abs(c - want) < abs(x - want)):
-                        x = c
+                x = _give(size, gap, want, m)
                 if x:
                     mine = got if p in got else own[hi]
                     break
