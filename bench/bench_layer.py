@@ -68,6 +68,7 @@ import pytest
 import torch
 
 from feplb.testing import run_dist
+from feplb.transport import nvshmem_unavailable
 
 SHAPES = {"cpu": dict(hidden=64, ffn=128, num_experts=16, top_k=2, tokens=256, gpus_per_node=2, world=4, iters=8),
           "gpu": dict(hidden=2048, ffn=1024, num_experts=32, top_k=4, tokens=4096, gpus_per_node=8, world=0, iters=20),
@@ -83,19 +84,7 @@ VARIANTS = {"none": ("none", "per-step", "auto"), BALANCED: (BALANCED, "per-step
             "eplb": ("eplb", "per-step", "auto")}
 
 
-def _nvshmem_unavailable() -> str | None:
-    """Why nvshmem4py cannot carry phase 1 here (its import, cuda.core's included, fails), or None."""
-    from feplb.transport import nvshmem_modules
-
-    try:
-        nvshmem_modules()
-    except Exception as exc:  # noqa: BLE001 - any failure of the third-party import (OSError of a dlopen, too)
-        cause = exc.__cause__ or exc
-        return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-    return None
-
-
-NVSHMEM_UNAVAILABLE = _nvshmem_unavailable()
+NVSHMEM_UNAVAILABLE = nvshmem_unavailable()
 # Steps of one training forward + backward whose host syncs are counted apart; "staged_*": inside the gloo-staged
 # phase-1 transport (host waits by construction).
 SYNC_STEPS = ("before_counts", "counts", "after_counts", "backward", "staged_forward", "staged_backward")

@@ -159,20 +159,6 @@ if [ -n "$WHEELS" ]; then
         echo "installing $WHEELS failed (see log)" | tee -a "$LOG"
     fi
 fi
-NVSHMEM_IMPORT="not tried (dry run)"
-if [ "$DRY" != 1 ]; then
-    # nvshmem4py-cu13 0.4.1 needs cuda.core >= 0.5.0: a failure here makes the NVSHMEM tests skip (NOT RUN) with it.
-    # libnvshmem_host loaded first, as feplb.transport does (the bindings open it by name)
-    if NVSHMEM_IMPORT=$("$PY" -c "
-try:
-    from cuda.pathfinder import load_nvidia_dynamic_lib
-    load_nvidia_dynamic_lib('nvshmem_host')
-except Exception:
-    pass
-import torch, nvshmem.core, cuda.core
-print('ok, cuda.core', cuda.core.__version__)" 2>&1); then :; else NVSHMEM_IMPORT="fails: $(printf '%s' "$NVSHMEM_IMPORT" | tail -n 1)"; fi
-    echo "import nvshmem.core, cuda.core: $NVSHMEM_IMPORT" | tee -a "$LOG"
-fi
 XDIST=0
 "$PY" -c "import xdist" >> "$LOG" 2>&1 && XDIST=1
 source_tree() {  # the package as pyproject.toml maps it (feplb, feplb.kernels, feplb.sched), from symlinks
@@ -197,6 +183,22 @@ elif ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >> "$LOG" 2>&
     source_tree
 fi
 echo "project: $INSTALL" | tee -a "$LOG"
+NVSHMEM_IMPORT="not tried (dry run)"
+if [ "$DRY" != 1 ]; then
+    # nvshmem4py-cu13 0.4.1 needs cuda.core >= 0.5.0: a failure here makes the NVSHMEM tests skip (NOT RUN) with
+    # it. The same check the tests make (feplb.transport.nvshmem_unavailable, libnvshmem_host loaded first).
+    if NVSHMEM_IMPORT=$("$PY" -c "
+import sys
+from feplb.transport import nvshmem_unavailable
+why = nvshmem_unavailable()
+if why:
+    sys.exit(why)
+import cuda.core
+print('ok, cuda.core', cuda.core.__version__)" 2>&1); then :; else
+        NVSHMEM_IMPORT="fails: $(printf '%s' "$NVSHMEM_IMPORT" | tail -n 1)"
+    fi
+    echo "import nvshmem.core, cuda.core: $NVSHMEM_IMPORT" | tee -a "$LOG"
+fi
 
 DRY=$DRY WHEELS=$WHEELS INSTALL=$INSTALL NVSHMEM_IMPORT=$NVSHMEM_IMPORT XDIST=$XDIST BUDGET_S=$BUDGET_S \
     "$PY" - > "$OUT/machine.json" 2>> "$LOG" <<'EOF'

@@ -168,6 +168,17 @@ def nvshmem_modules():
     return core, bindings
 
 
+def nvshmem_unavailable() -> str | None:
+    """Why nvshmem4py cannot be used here, as ``"ErrorType: first line"`` (its import fails: not installed,
+    cuda.core too old, a library that does not load), or None when it imports."""
+    try:
+        nvshmem_modules()
+    except Exception as exc:  # noqa: BLE001 - any failure of the third-party import is the answer
+        cause = exc.__cause__ or exc
+        return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _load_nvshmem_host() -> str | None:
     """Load libnvshmem_host (from the nvidia-nvshmem wheel, else the system) before nvshmem4py's bindings, which

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from feplb.testing import load_global_weights, run_dist
-from feplb.transport import nvshmem_modules
+from feplb.transport import nvshmem_unavailable
 
 pytestmark = [pytest.mark.gpu, pytest.mark.dist]
 
@@ -22,18 +22,8 @@ COLLECTIVE_S = 120.0
 NVSHMEM_SKIP_PREFIX = "NVSHMEM unavailable"
 
 
-def _nvshmem_unavailable() -> str | None:
-    """Why nvshmem4py cannot be used here (its import, cuda.core's included, fails), or None. Only nvshmem4py's own
-    import is tried: feplb's modules are imported at the top of this file, so a broken import of ours still fails."""
-    try:
-        nvshmem_modules()
-    except Exception as exc:  # noqa: BLE001 - any failure of the third-party import is a reason to skip
-        cause = exc.__cause__ or exc
-        return f"{NVSHMEM_SKIP_PREFIX}: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-    return None
-
-
-NVSHMEM_REASON = _nvshmem_unavailable()
+# feplb's modules are imported above, so a broken import of ours fails instead of skipping
+NVSHMEM_REASON = f"{NVSHMEM_SKIP_PREFIX}: {why}" if (why := nvshmem_unavailable()) else None
 HAVE_NVSHMEM = NVSHMEM_REASON is None
 needs_nvshmem = pytest.mark.skipif(not HAVE_NVSHMEM, reason=f"{NVSHMEM_REASON} (pip install 'feplb[nvshmem]')")
 
