@@ -70,6 +70,11 @@ class BaselineUnavailable(Exception):
     """A baseline (not ours) that this torch / GPU cannot run."""
 
 
+def error_line(err: BaseException) -> str:
+    """``"ErrorType: first line of the message"``, as the results record a failure."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
 def _autotuners() -> dict[str, object]:
     """Every autotuned kernel of the project's kernel modules (whichever are imported), by qualified name."""
     if not HAVE_TRITON:
@@ -210,7 +215,7 @@ def measure(timer, impl: str, fn, row: dict, record) -> float | None:
     try:
         return timer(fn)
     except Exception as err:
-        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        row["error"] = error_line(err)
         record(row)
         if impl == "feplb":
             raise
@@ -369,7 +374,7 @@ def test_permute_bandwidth(benchmark, rows_per_expert, dist, impl):
     try:
         fn, nbytes, T = permute_case(rows_per_expert, dist, impl, device="cuda")
     except Exception as err:
-        record({**row, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
+        record({**row, "error": error_line(err)})
         raise
     row.update(T=T, bytes=nbytes)
     benchmark.group = f"permute {dist} {rows_per_expert}/expert"
@@ -398,7 +403,7 @@ def test_grouped_mm_tflops(benchmark, rows_per_expert, dist, proj, op, impl):
         record({**row, "error": str(why)})
         pytest.skip(str(why))
     except Exception as err:
-        record({**row, "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
+        record({**row, "error": error_line(err)})
         raise
     if impl == "feplb":
         row["configs"] = chosen_configs()

@@ -83,7 +83,7 @@ def _sibling(name: str):
 
 
 _overlap = _sibling("bench_overlap")   # trace lookup, the fp32 expert reference, the CUDA-event timer, the shape
-_kernels = _sibling("bench_kernels")   # BaselineUnavailable, the autotuners' chosen configs
+_kernels = _sibling("bench_kernels")   # BaselineUnavailable, error_line, the autotuners' chosen configs
 
 POLICIES = ("none", "feplb", "feplb-split", "eplb", "fastermoe")
 TARGET_POLICY = "feplb"           # the paper policy: the one the 80% target names
@@ -253,10 +253,6 @@ def cpu_timer(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _error(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-
-
 def measure(samples: list[Sample], *, cost: CostModel, topo: Topology, device: str, dtype: torch.dtype,
             hidden: int, ffn: int, impls=IMPLS, timer=None, reps: int = REPS, warmup_reps: int = WARMUP_REPS,
             rel_tol: float = 2e-2, seed: int = 0, impl_fns=None, on_sample=None) -> tuple[list[dict], dict]:
@@ -306,7 +302,7 @@ def measure(samples: list[Sample], *, cost: CostModel, topo: Topology, device: s
                 except (_kernels.BaselineUnavailable, RuntimeError, AssertionError) as why:
                     if impl == "feplb":
                         raise
-                    errors[impl] = _error(why)
+                    errors[impl] = _kernels.error_line(why)
                     active.remove(impl)
         times = {key: {impl: [] for impl in active} for key in cases}
         for rep in range(warmup_reps + reps):
@@ -318,7 +314,7 @@ def measure(samples: list[Sample], *, cost: CostModel, topo: Topology, device: s
                     except Exception as why:
                         if impl == "feplb":
                             raise
-                        errors[impl] = _error(why)
+                        errors[impl] = _kernels.error_line(why)
                         active.remove(impl)
                         continue
                     if rep >= warmup_reps:
