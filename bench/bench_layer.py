@@ -106,8 +106,9 @@ def _setup(device: str, *, transport: str = "torch", copy_path: str = "auto", pr
 
 
 def _gpu_env(setup: dict) -> dict[str, str]:
-    """Environment of the GPU workers: autotuning time-boxed (fresh processes, which the pytest plugin never
-    reaches), and NVSHMEM's symmetric heap sized for the variants' phase-1 buffers (each layer holds its own)."""
+    """Environment of the GPU workers: autotuning time-boxed (run_dist sets it in each child before anything
+    imports feplb.kernels, which applies it at import), and NVSHMEM's symmetric heap sized for the variants'
+    phase-1 buffers (each layer holds its own)."""
     env = {"FEPLB_AUTOTUNE_MS": os.environ.get("FEPLB_AUTOTUNE_MS", "5,20")}
     if setup["transport"] == "nvshmem":
         env["NVSHMEM_SYMMETRIC_SIZE"] = os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "2G")
@@ -163,13 +164,8 @@ def _bench(rank, shape, setup, phases):
     tokens, iters = s.pop("tokens"), s.pop("iters")
     s.pop("world")
     on_gpu = setup["device"] == "cuda"
-    if on_gpu:
-        if (setup["processes_per_gpu"] or 1) > 1:
-            torch.cuda.set_device(0)   # every process on the one GPU (run_dist's gloo children pick none)
-        from feplb.kernels._triton import apply_autotune_budget
-
-        # run_dist's env reaches the child after feplb.kernels was imported (which applies it at import)
-        apply_autotune_budget()
+    if on_gpu and (setup["processes_per_gpu"] or 1) > 1:
+        torch.cuda.set_device(0)   # every process on the one GPU (run_dist's gloo children pick none)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     backend = str(dist.get_backend())
