@@ -145,7 +145,7 @@ def step_rows(steps: dict[str, dict], junits: dict[str, dict | None], kernels: d
                    f"budget: {step['note']}" if step["mode"] == "budget" else "dry run")
             rows.append(Row(name=name, measured="-", verdict=NOT_RUN, note=why))
             if name == "runtime_gpu":
-                rows.append(Row(name=NVSHMEM_ROW, measured="-", verdict=NOT_RUN, note=why))
+                nvshmem = Row(name=NVSHMEM_ROW, measured="-", verdict=NOT_RUN, note=why)
             continue
         rc, took = step["rc"], f"{step['seconds']} s"
         cut = f"; {step['note']}" if step.get("note") else ""
@@ -153,7 +153,7 @@ def step_rows(steps: dict[str, dict], junits: dict[str, dict | None], kernels: d
         summary = took if junit is None else \
             f"{junit['passed']} passed, {junit['failed']} failed, {len(junit['skipped'])} skipped, {took}"
         if name == "runtime_gpu":
-            rows.append(_nvshmem_row(junit))
+            nvshmem = _nvshmem_row(junit)
         if rc in (124, 130, 137):
             rows.append(Row(name=name, measured=summary, verdict=FAIL,
                             note=f"stopped at its time limit (rc {rc}){cut}"))
@@ -182,10 +182,8 @@ def step_rows(steps: dict[str, dict], junits: dict[str, dict | None], kernels: d
             continue
         rows.append(Row(name=name, measured=summary, verdict=PASS, note=cut[2:]))
     # the NVSHMEM row right after the runtime step's
-    nvshmem = [r for r in rows if r.name == NVSHMEM_ROW]
-    rows = [r for r in rows if r.name != NVSHMEM_ROW]
     at = next(i for i, r in enumerate(rows) if r.name == "runtime_gpu") + 1
-    return rows[:at] + nvshmem + rows[at:]
+    return [*rows[:at], nvshmem, *rows[at:]]
 
 
 NVSHMEM_ROW = "runtime_gpu: NVSHMEM tests"
