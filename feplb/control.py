@@ -14,7 +14,9 @@ every path.
 
 Errors. Every collective runs under ``guard(op)``: a backend timeout becomes a ``TimeoutError`` naming the
 operation and the rank, a peer that vanished a ``RuntimeError``, instead of a hang or an opaque gloo message (the
-timeout itself is the process group's, ``init_process_group(timeout=...)`` or ``new_group(timeout=...)``).
+timeout itself is the process group's, ``init_process_group(timeout=...)`` or ``new_group(timeout=...)``). One
+stalled rank can give both: the ranks that wait out the timeout raise ``TimeoutError``, and one whose ring partner
+gave up first sees it close the connection and raises ``RuntimeError``; both messages name the operation.
 Agreements are built so that a problem on one rank raises on every rank together (``check_same``; the callers'
 flag columns in ``all_gather`` rows).
 

@@ -36,8 +36,9 @@ the event records and waits, the events order the copies.
 
 Threads: every step runs on the calling thread (the layer calls from its copy thread); the collectives go through
 the ``Control`` of the EP group, whose per-group lock keeps another thread's control call from interleaving.
-Every wait runs under ``guard``: a peer that stalls or dies fails the step with a ``TimeoutError`` naming it after
-the process group's timeout, instead of hanging.
+Every wait runs under ``guard``: a peer that stalls or dies fails the step with an error naming it after the
+process group's timeout (``TimeoutError``, or ``RuntimeError`` where another peer gave up first and closed the
+connection), instead of hanging.
 
 Legend: G ranks per node (peers are node ranks 0..G-1).
 """

@@ -115,7 +115,11 @@ def _control_cases(rank: int, world: int) -> dict:
     else:
         t0 = time.monotonic()
         err = error_of(lambda: c1.all_gather(torch.zeros(2, dtype=torch.int64), "the counts step"))
-        out["stall_group"] = (err or "").startswith("TimeoutError") and "the counts step" in err
+        # The ranks that wait out the timeout raise TimeoutError; a rank whose partner gave up first sees that
+        # partner close the connection (gloo's ring) and raises RuntimeError. Both name the step.
+        out["stall_group"] = (err or "").startswith(("TimeoutError", "RuntimeError")) and all(
+            s in err for s in ("the counts step", "a peer died or stalled"))
+        out["stall_group_timeout"] = (err or "").startswith("TimeoutError")
         out["stall_group_s"] = time.monotonic() - t0
     if rank == 1:
         time.sleep(2 * STALL_TIMEOUT_S)
@@ -132,13 +136,16 @@ def _control_cases(rank: int, world: int) -> dict:
 
 def test_control():
     results = run_dist(_control_cases, 4, timeout_s=120)
+    timed_out: list[bool] = []
     for rank, res in enumerate(results):
         waits = {k: res.pop(k) for k in [k for k in res if k.endswith("_s")]}
+        timed_out.append(res.pop("stall_group_timeout", False))
         failed = {k: v for k, v in res.items() if not v}
         assert not failed, (rank, failed)
         assert ("stall_group" in res) == (rank != 3) and ("stall_node" in res) == (rank == 0)
         for k, waited in waits.items():
             assert 0.5 * STALL_TIMEOUT_S < waited < 5 * STALL_TIMEOUT_S, (rank, k, waited)
+    assert any(timed_out), "no rank reported the stalled all-gather as a TimeoutError"
 
 
 def _nccl_cases(rank: int, world: int) -> dict:
