@@ -233,10 +233,12 @@ def _bench(rank, shape, setup, phases):
             layer.reduce_replica_grads()
             layer.zero_grad()
             st = layer.last_stats
-            stats[policy] = {"token_straggler_before": st.token_straggler_before,
-                             "token_straggler_after": st.token_straggler_after, "rows_moved": st.rows_moved,
-                             "fell_back": st.fell_back, "plan_us": st.plan_us, "copy_bytes": st.copy_bytes,
-                             "weight_copies": st.weight_copies, "experts_placed": st.experts_placed}
+            group = _group_balance(st)
+            stats[policy] = {"token_straggler_before": group["token_straggler_before"],
+                             "token_straggler_after": group["token_straggler_after"],
+                             "rows_moved": group["rows_moved"], "fell_back": st.fell_back, "plan_us": st.plan_us,
+                             "copy_bytes": st.copy_bytes, "weight_copies": st.weight_copies,
+                             "experts_placed": st.experts_placed}
 
     y0, g0 = outs["none"]
     scale = {"out": max_over_ranks(float(y0.abs().max())), "grad": max_over_ranks(float(g0.abs().max()))}
@@ -260,8 +262,9 @@ def _bench(rank, shape, setup, phases):
                 even_times[policy].append(t)
             layer.reduce_replica_grads()
             layer.zero_grad()
-            st = layer.last_stats
-            even_stats[policy] = {"token_straggler_before": st.token_straggler_before, "rows_moved": st.rows_moved}
+            group = _group_balance(layer.last_stats)
+            even_stats[policy] = {"token_straggler_before": group["token_straggler_before"],
+                                  "rows_moved": group["rows_moved"]}
 
     syncs = {}
     if dev.type == "cuda":
@@ -285,6 +288,20 @@ def _bench(rank, shape, setup, phases):
             "balanced_routing": {p: {"median_ms": float(np.median(v)), **even_stats[p]}
                                  for p, v in even_times.items()},
             "host_syncs": syncs, "conditions": conditions, "phase_s": dict(phases.seconds)}
+
+
+def _group_balance(st) -> dict:
+    """The whole group's balancing of a forward (``feplb.join_stats``): with a node plan (in-node policy on several
+    nodes) the ranks' stats are all-gathered first (collective then, on every rank alike)."""
+    import torch.distributed as dist
+
+    from feplb import join_stats
+
+    per_rank = [st]
+    if st.planned_ranks != list(range(len(st.loads_before_W))):
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, st)
+    return join_stats(per_rank)
 
 
 def _host_syncs(layer, x: torch.Tensor) -> dict[str, int]:
@@ -582,22 +599,31 @@ def _trace_worker(rank, world, path, shape):
                                          gpus_per_node=s["gpus_per_node"], dyn=s["dyn"], policy=policy,
                                          weights="per-microbatch", refresh_every=2, plan_wait_ms=60_000.0,
                                          min_straggler_rows=0))
-            before, after, moved, outs = [], [], [], []
+            stats, outs = [], []
             for i, ids_WSLK in enumerate(mbs):
                 ids = torch.from_numpy(np.ascontiguousarray(ids_WSLK[rank, :, layer_idx, :])).long()
                 with torch.no_grad():
                     y = layer(xs[i], routing=(ids, gates[i]))
                 if i >= s["warmup"]:
-                    st = layer.last_stats
-                    before.append(st.token_straggler_before)
-                    after.append(st.token_straggler_after)
-                    moved.append(st.rows_moved)
+                    stats.append(layer.last_stats)   # a rank reports its own node's GPUs; the caller joins the nodes
                     outs.append(y)
             ys[policy] = outs
             err = max(float((a - b).abs().max()) for a, b in zip(outs, ys["none"], strict=True))
-            out[(layer_idx, policy)] = {"before": float(np.mean(before)), "after": float(np.mean(after)),
-                                        "rows_moved": float(np.mean(moved)), "max_abs_diff_vs_none": err}
+            out[(layer_idx, policy)] = {"stats": stats, "max_abs_diff_vs_none": err}
     return out
+
+
+def _join_ranks(per_rank: list[dict], key) -> dict:
+    """One (layer, policy) over the whole group: the means over micro-batches of ``feplb.join_stats``."""
+    import numpy as np
+
+    from feplb import join_stats
+
+    joined = [join_stats([res[key]["stats"][i] for res in per_rank]) for i in range(len(per_rank[0][key]["stats"]))]
+    return {"before": float(np.mean([j["token_straggler_before"] for j in joined])),
+            "after": float(np.mean([j["token_straggler_after"] for j in joined])),
+            "rows_moved": float(np.mean([j["rows_moved"] for j in joined])),
+            "max_abs_diff_vs_none": max(res[key]["max_abs_diff_vs_none"] for res in per_rank)}
 
 
 @pytest.mark.dist
@@ -612,10 +638,10 @@ def test_layer_cpu_trace(benchmark):
     if not path.exists():
         pytest.skip(f"routing trace not found: {path}")
     s = TRACE_SHAPE
-    res = run_dist(_trace_worker, s["world"], str(path), s, timeout_s=900)[0]
+    per_rank = run_dist(_trace_worker, s["world"], str(path), s, timeout_s=900)
     table = {}
     for policy in TRACE_POLICIES:
-        rows = [res[(layer, policy)] for layer in s["layers"]]
+        rows = [_join_ranks(per_rank, (layer, policy)) for layer in s["layers"]]
         before = sum(r["before"] for r in rows) / len(rows)
         after = sum(r["after"] for r in rows) / len(rows)
         table[policy] = {"token_straggler_before": before, "token_straggler_after": after,

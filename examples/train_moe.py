@@ -582,8 +582,8 @@ class ExpertBias:
 
 def node_view(moes: list, rank: int, gpus_per_node: int) -> list[tuple]:
     """This rank's node's share of each layer's last forward: (loads_before_W, loads_after of the node's GPUs, rows
-    moved out of the node's GPUs, fell back). A layer's stats are exact for the rank's own node; for other nodes they
-    show the planned moves even where that node fell back to computing at home, so each node speaks for itself."""
+    moved out of the node's GPUs, fell back). A layer's stats are exact for the rank's own node (with several nodes a
+    rank plans only its own, ``LayerStats.planned_ranks``), so each node speaks for itself."""
     lo = rank // gpus_per_node * gpus_per_node
     hi = lo + gpus_per_node
     view = []

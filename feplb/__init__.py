@@ -14,6 +14,7 @@ _LAZY = {
     "FEPLBConfig": "feplb.layer",
     "MoELayer": "feplb.layer",
     "LayerStats": "feplb.layer",
+    "join_stats": "feplb.steps",
 }
 
 

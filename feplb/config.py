@@ -130,15 +130,24 @@ class FEPLBConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LayerStats:
-    """What the last forward did. Identical on every rank of a node (``plan_us`` is this rank's); when only some
-    nodes fell back, ``loads_after_W`` of other nodes shows their planned moves.
+    """What the last forward did. Identical on every rank of a node (``plan_us`` is this rank's).
+
+    Scope: planned_ranks are the GPUs whose balancing this rank planned and reports. With an in-node policy on
+    several nodes a rank plans its own node only (in-node plans of different nodes are independent), so that is
+    its node's GPUs; otherwise (one node, the peers' group-wide policies, or an ``@ema`` history that keeps the
+    weights a plan copied resident, ``PolicyState.reads_plans``) every GPU. To see the whole group, take each
+    node's slice of ``loads_after_W`` from a rank of that node.
 
     loads_before_W: rows each GPU would compute under plain EP (every expert at its owner, no balancing).
     rows_at_home_W: rows each GPU would compute with the current placement (``+place``) and no per-micro-batch
-    balancing (equal to loads_before_W without placement). loads_after_W: rows each GPU computed.
-    token_straggler_before/after: max - mean of loads_before_W / loads_after_W (``feplb.sched.token_straggler``).
-    rows_moved: rows computed away from their home (all GPUs); copy_bytes: forward bytes over all GPUs of phase 2
-    (rows out, results back) and of weights copied this micro-batch (per-micro-batch weights, FasterMoE shadows).
+    balancing (equal to loads_before_W without placement). loads_after_W: rows each GPU computed, for
+    planned_ranks; other GPUs show their rows at home (when only some nodes of a whole-group plan fell back, the
+    other nodes show their planned moves).
+    token_straggler_before/after: max - mean of loads_before_W / loads_after_W over planned_ranks
+    (``feplb.sched.token_straggler``).
+    rows_moved: rows computed away from their home (planned_ranks); copy_bytes: forward bytes of phase 2 over
+    planned_ranks (rows out, results back) and of weights copied this micro-batch (per-micro-batch weights,
+    FasterMoE shadows).
     weight_copies: experts' weights copied to a helper this micro-batch. experts_placed: experts whose home is
     not their owner. plan_us: wall time of this rank's planner call (0 when no plan was made).
     balanced: the plan was executed; fell_back: a plan was wanted but not ready in time on some rank of the scope,
@@ -168,6 +177,7 @@ class LayerStats:
     counts_WE: list[list[int]] = field(default_factory=list)
     row_bytes_moved: int = 0
     weight_bytes_moved: int = 0
+    planned_ranks: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_expert(self) -> list[int]:

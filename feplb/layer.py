@@ -139,6 +139,9 @@ class MoELayer(nn.Module):
         # The slow decisions the layer executes (placement, @ema sets, EPLB replicas): the policy state as of the
         # last adoption. Plans are made from it, so they always match the weights the GPUs hold.
         self._plan_state = self.state
+        # In-node plans of different nodes are independent: with several nodes a rank plans its own node only
+        # (make_plan(..., node=k)), unless the policy's history folds in whole plans (PolicyState.reads_plans).
+        self._node = self.topo.node_of(self.rank) if self.in_node_policy and self.topo.num_nodes > 1 else None
         self._min_straggler = c.min_straggler_rows if c.min_straggler_rows is not None else self._cost.knee_rows
         wait = c.plan_wait_ms if c.plan_wait_ms is not None else (0.0 if on_gpu else None)
         self._balancer = Balancer(plan_wait_s=None if wait is None else wait / 1e3, device=device) \
@@ -398,11 +401,16 @@ class MoELayer(nn.Module):
         return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits, out=self._recv_buf,
                                split_matrix=split_WW, anchor=anchor)
 
+    def _plan_node(self, state) -> int | None:
+        """The node this rank plans (its own, for in-node policies on several nodes), or None for the whole group."""
+        return None if state is not None and state.reads_plans else self._node
+
     def _plan(self, counts_WE: np.ndarray, state, tl: Timeline | None):
         c = self.config
+        node = self._plan_node(state)
         with span(tl, "plan", "planner"):
             return timed_plan(lambda: self._sched.make_plan(c.policy, counts_WE, self.topo, state, tau=c.tau,
-                                                            min_chunk=c.min_chunk, cost=self._cost))
+                                                            min_chunk=c.min_chunk, cost=self._cost, node=node))
 
     # ------------------------------------------------------------------------------------------------ stats
     def _scope_group(self) -> str:
@@ -412,15 +420,18 @@ class MoELayer(nn.Module):
     def _observe(self, counts: Counts, p2: Phase2) -> None:
         """Fold the micro-batch into the policy's history (training only) and report what the forward did."""
         plan = None if p2.fell_back else p2.result.plan
+        planned_from = self._plan_state   # before _adopt below replaces it
         if self.state is not None and self.training:
             # the history follows training micro-batches only (module.eval() leaves it, and the placement, alone)
             self.state = self.state.observe(counts.counts_WE, plan)
             if self.config.weights == "per-microbatch":
                 self._adopt(self.state)   # nothing resident to keep consistent: slow decisions apply at once
         self.last_plan = plan
-        self.last_plan_inputs = (counts.counts_WE, self._plan_state)
+        self.last_plan_inputs = (counts.counts_WE, planned_from)
+        node = self._plan_node(planned_from)
         self.last_stats = layer_stats(self.config, counts, p2, plan, recv_grew=self._recv_grew,
-                                      experts_placed=len(self.placement.placed_pairs))
+                                      experts_placed=len(self.placement.placed_pairs),
+                                      planned_ranks=None if node is None else self.topo.node_ranks(node))
 
     # ------------------------------------------------------------------------------------------------ per step
     def _adopt(self, state) -> None:

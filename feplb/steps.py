@@ -79,9 +79,12 @@ def _digest(obj: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:8], "little") >> 2
 
 
-def layer_stats(config: FEPLBConfig, counts: Counts, p2, plan, *, recv_grew: bool, experts_placed: int) -> LayerStats:
+def layer_stats(config: FEPLBConfig, counts: Counts, p2, plan, *, recv_grew: bool, experts_placed: int,
+                planned_ranks: range | None = None) -> LayerStats:
     """What one forward did (``LayerStats``), from its counts and its executed phase 2 (``feplb.phase2.Phase2``);
-    copy bytes are counted from the items exchanged (in-node exchanges carry the moves' rows first, then weights)."""
+    copy bytes are counted from the items exchanged (in-node exchanges carry the moves' rows first, then weights).
+    planned_ranks: the GPUs this rank plans for (its node's under a node plan), None for all; the stragglers are
+    taken over them."""
     from feplb.sched.metrics import token_straggler
 
     after = counts.loads_home_W.copy()
@@ -94,14 +97,51 @@ def layer_stats(config: FEPLBConfig, counts: Counts, p2, plan, *, recv_grew: boo
     row_bytes = sum(it.numel for it in items[:n_rows]) * elem
     w_bytes = sum(it.numel for it in items[n_rows:]) * elem
     W = counts.loads_home_W.size
+    ranks = range(W) if planned_ranks is None else planned_ranks
+    scope = slice(ranks.start, ranks.stop)
     dyn = np.asarray(plan.dynamic_WD) if plan is not None else np.zeros((W, 0), np.int64)
     return LayerStats(
         loads_before_W=counts.loads_default_W.tolist(), loads_after_W=after.tolist(),
-        token_straggler_before=float(token_straggler(counts.loads_default_W)),
-        token_straggler_after=float(token_straggler(after)), rows_moved=sum(m.rows for m in p2.moves),
+        token_straggler_before=float(token_straggler(counts.loads_default_W[scope])),
+        token_straggler_after=float(token_straggler(after[scope])), planned_ranks=list(ranks),
+        rows_moved=sum(m.rows for m in p2.moves),
         copy_bytes=2 * row_bytes + w_bytes + p2.bank_bytes, weight_copies=len(p2.copies),
         plan_us=p2.result.plan_us, balanced=plan is not None, fell_back=p2.fell_back,
         plan_fingerprint=_digest(plan.fingerprint()) if plan is not None else 0, recv_grew=recv_grew,
         policy=config.policy, dynamic_WD=dyn.tolist(), experts_placed=experts_placed,
         rows_at_home_W=counts.loads_home_W.tolist(), counts_WE=counts.counts_WE.tolist(),
         row_bytes_moved=row_bytes, weight_bytes_moved=w_bytes)
+
+
+def join_stats(per_rank: list[LayerStats]) -> dict:
+    """The whole EP group's balancing from every rank's ``LayerStats`` of one forward (e.g. gathered with
+    ``torch.distributed.all_gather_object``): each GPU's rows after balancing from a rank that planned it (with
+    an in-node policy on several nodes a rank reports its own node, ``LayerStats.planned_ranks``).
+
+    Returns {"loads_after_W", "token_straggler_before", "token_straggler_after", "rows_moved"} over all GPUs.
+    Raises ValueError when a GPU is reported by no rank, two ranks disagree on a GPU, or rows are lost."""
+    from feplb.sched.metrics import token_straggler
+
+    if not per_rank:
+        raise ValueError("join_stats: no stats given")
+    before = per_rank[0].loads_before_W
+    after: list[int | None] = [None] * len(before)
+    moved: dict[tuple[int, ...], int] = {}
+    for r, st in enumerate(per_rank):
+        if st.loads_before_W != before:
+            raise ValueError(f"join_stats: rank {r}'s loads_before_W differ from rank 0's (not the same forward)")
+        if not st.planned_ranks:
+            raise ValueError(f"join_stats: rank {r}'s stats name no planned_ranks")
+        for g in st.planned_ranks:
+            if after[g] is not None and after[g] != st.loads_after_W[g]:
+                raise ValueError(f"join_stats: ranks disagree on GPU {g}'s rows after balancing "
+                                 f"({after[g]} vs rank {r}'s {st.loads_after_W[g]})")
+            after[g] = st.loads_after_W[g]
+        moved.setdefault(tuple(st.planned_ranks), st.rows_moved)
+    missing = [g for g, v in enumerate(after) if v is None]
+    if missing:
+        raise ValueError(f"join_stats: no rank reported GPUs {missing}")
+    if sum(after) != sum(before):
+        raise ValueError(f"join_stats: {sum(after)} rows after balancing, {sum(before)} before")
+    return {"loads_after_W": after, "token_straggler_before": float(token_straggler(before)),
+            "token_straggler_after": float(token_straggler(after)), "rows_moved": sum(moved.values())}

@@ -116,12 +116,21 @@ class PolicyState:
         ema = x if self.ema_E is None else self.ema_E + ((x - self.ema_E) >> self.ema_shift)
         step = self.step + 1
         resident = self.resident
-        if plan is not None and plan.weight_copies and self._ema_set and self.replicas_mode == "lazy":
+        if plan is not None and self.reads_plans and plan.node is not None:
+            raise ValueError(f"PolicyState.observe: {self.policy!r} keeps the weights a plan copied resident, so it "
+                             f"needs the whole plan, got the plan of node {plan.node} only")
+        if plan is not None and plan.weight_copies and self.reads_plans:
             resident = resident | {(e, dst) for e, _, dst in plan.weight_copies}
         new = replace(self, step=step, ema_E=ema, resident=resident, last_weight_copies=(), last_migrations=())
         if step == 1 or step % self.refresh_every == 0:
             new = new._refresh()
         return new
+
+    @property
+    def reads_plans(self) -> bool:
+        """Whether ``observe`` folds the executed plan into the history (``@ema`` sets with lazy replicas keep the
+        weights a plan copied resident): such a history needs the whole plan on every rank, not one node's."""
+        return self._ema_set and self.replicas_mode == "lazy"
 
     @property
     def _ema_set(self) -> bool:

@@ -71,8 +71,22 @@ def _run_layer(rank, world, cfg_kwargs, routing, seed, microbatches=1):
         counts_WE, state = layer.last_plan_inputs
         layer.last_plan.validate(counts_WE, layer.topo, state)
         assert sum(layer.last_stats.loads_before_W) == sum(layer.last_stats.loads_after_W) == counts_WE.sum()
+        # A node plan is exactly that node's part of the whole plan (made here, in one call, from the same inputs).
+        from feplb.sched import make_plan
+
+        plan = layer.last_plan
+        whole = make_plan(cfg.policy, counts_WE, layer.topo, state, tau=cfg.tau, min_chunk=cfg.min_chunk,
+                          cost=layer._cost)
+        mine = (lambda gpu: True) if plan.node is None else (lambda gpu: gpu // layer.topo.gpus_per_node == plan.node)
+        assert plan.moves == tuple(m for m in whole.moves if mine(m.src)), (plan.moves, whole.moves)
+        assert plan.weight_copies == tuple(cp for cp in whole.weight_copies if mine(cp[2]))
+        ranks = layer.last_stats.planned_ranks
+        assert ranks == ([r for r in range(world) if mine(r)])
+        assert layer.last_stats.loads_after_W[ranks[0]:ranks[-1] + 1] == whole.loads_after_W[ranks].tolist()
     s = layer.last_stats
+    plan_node = None if layer.last_plan is None else layer.last_plan.node
     return {"out": out.detach(), "dx": x.grad, "drouter": layer.router.weight.grad, "dw1": layer.w1.grad,
+            "plan_node": plan_node, "reads_plans": layer.state is not None and layer.state.reads_plans,
             "dw2": layer.w2.grad, "fp": s.plan_fingerprint, "before": s.token_straggler_before,
             "after": s.token_straggler_after, "moved": s.rows_moved, "balanced": s.balanced,
             "fell_back": s.fell_back, "copies": s.weight_copies}
@@ -194,7 +208,15 @@ def _check(results, cases, G):
                 _close(res["drouter"], drouters[r], f"{tag} rank {r} router grad")
             _close(res["dw1"], dw1[r * L:(r + 1) * L], f"{tag} rank {r} w1 grad")
             _close(res["dw2"], dw2[r * L:(r + 1) * L], f"{tag} rank {r} w2 grad")
-        assert len({res["fp"] for res in per_rank}) == 1, f"{tag}: plans differ across ranks"
+        # In-node policies on several nodes: each rank plans its own node (ranks of a node hold the same plan),
+        # unless the policy's history folds in whole plans.
+        node_plans = cfg_kwargs["policy"] in IN_NODE and G < W and not per_rank[0]["reads_plans"]
+        for r, res in enumerate(per_rank):
+            if res["fp"]:
+                assert res["plan_node"] == (r // G if node_plans else None), (tag, r, res["plan_node"])
+        scopes = [list(range(n, n + G)) for n in range(0, W, G)] if node_plans else [list(range(W))]
+        for ranks in scopes:
+            assert len({per_rank[r]["fp"] for r in ranks}) == 1, f"{tag}: plans differ across ranks {ranks}"
         assert not any(res["fell_back"] for res in per_rank), f"{tag}: fell back with a generous wait"
         by_key[(routing, seed, mb, router, cfg_kwargs["policy"], cfg_kwargs.get("weights"))] = per_rank
         if cfg_kwargs["policy"] in IN_NODE and routing in ("skewed", "no_tokens", "hot_per_node") and \
@@ -240,3 +262,18 @@ def test_layer_exact_vs_dense_and_plain_ep(gpus_per_node):
     results = run_dist(_layer_worker, W, cases, timeout_s=300)
     _check(results, cases, gpus_per_node)
     _check_stack([res[-1] for res in results], gpus_per_node)
+
+
+def test_plan_scope_follows_the_policy_history():
+    """A rank plans its node (``_node``) unless the policy's history folds in whole plans (lazy @ema replicas)."""
+    from types import SimpleNamespace
+
+    from feplb import MoELayer
+    from feplb.sched import PolicyState, Topology
+
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
+    me = SimpleNamespace(_node=1)
+    assert MoELayer._plan_node(me, None) == 1
+    assert MoELayer._plan_node(me, PolicyState(topo=topo, policy="feplb@ema")) == 1
+    assert MoELayer._plan_node(me, PolicyState(topo=topo, policy="feplb@ema", replicas_mode="lazy")) is None
+    assert MoELayer._plan_node(SimpleNamespace(_node=None), PolicyState(topo=topo, policy="feplb")) is None

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from feplb.sched import token_straggler
 from feplb.testing import error_of, load_global_weights, run_dist
 
 pytestmark = pytest.mark.dist
@@ -170,7 +171,10 @@ def _defaults(rank, res):
         with torch.no_grad():
             layer(x)
         s = layer.last_stats
-        res["default_skewed"] = (s.balanced, s.fell_back, s.token_straggler_before, s.token_straggler_after)
+        # in-node policy on 2 nodes: each rank plans and reports its own node's GPUs
+        mine = s.loads_after_W[s.planned_ranks[0]:s.planned_ranks[-1] + 1]
+        res["default_skewed"] = (s.balanced, s.fell_back, s.token_straggler_before, s.token_straggler_after,
+                                 s.planned_ranks, mine, s.loads_before_W)
         T = 64
         ids = (torch.arange(T * K).reshape(T, K) + rank * T * K) % E   # round robin: every expert equal
         w = torch.full((T, K), 1.0 / K)
@@ -233,15 +237,17 @@ def test_runtime_schedule_optimizers_inputs_defaults(tmp_path):
     assert results[0]["trace_events"] >= 20 and results[0]["trace_file"] == "X"
     assert results[0]["png"] == b"\x89PNG\r\n\x1a\n"
 
-    for res in results:
+    for rank, res in enumerate(results):
         assert res["routed_ref"] < 1e-5 and res["noncontig"] < 1e-5 and res["noncontig_router"] < 1e-5, res
         assert res["bad_w"] is not None and res["bad_w"].startswith("ValueError") and "[3]" in res["bad_w"], res
         assert res["bad_shape"] is not None and res["bad_shape"].startswith("ValueError"), res["bad_shape"]
         assert res["after_ok"] < 1e-5
         assert res["tokens_per_expert"][0] == res["tokens_per_expert"][1]
 
-        balanced, fell_back, before, after = res["default_skewed"]
-        assert balanced and not fell_back and after < before, res["default_skewed"]
+        balanced, fell_back, before, after, ranks, _, before_W = res["default_skewed"]
+        assert balanced and not fell_back and after <= before, res["default_skewed"]
+        assert ranks == list(range(rank // G * G, rank // G * G + G)), ranks
+        assert before == pytest.approx(token_straggler(np.array(before_W)[ranks])), res["default_skewed"]
         assert res["default_balanced"] == (False, 0.0, 0.0), res["default_balanced"]
         assert res["closed_twice"] is None
 
@@ -258,6 +264,10 @@ def test_runtime_schedule_optimizers_inputs_defaults(tmp_path):
             out_diff, w_diff, moved = res[f"attached/{tag}"]
             assert out_diff < 1e-4 and w_diff < 1e-4, (tag, out_diff, w_diff)   # stale replicas: ~1
     assert all(sum(r[f"attached/{t}"][2] for r in results) > 0 for t in ("AdamW-fused", "SGD-foreach"))
+    # the group's loads after balancing, each node's from a rank of that node: the straggler drops
+    after_W = [v for n in range(0, len(results), G) for v in results[n]["default_skewed"][5]]
+    before_W = results[0]["default_skewed"][6]
+    assert sum(after_W) == sum(before_W) and token_straggler(after_W) < token_straggler(before_W), (before_W, after_W)
 
 
 def test_chrome_trace_of_spans_is_valid(tmp_path):

@@ -47,6 +47,24 @@ def test_refresh_cadence_and_weights_once_per_step():
     assert s3.observe(c2).dynamic_WD[0, 0] == s3.dynamic_WD[0, 0]  # no refresh between steps
 
 
+def test_a_history_that_reads_plans_refuses_a_node_plan():
+    """Lazy @ema replicas keep what a plan copied resident: the history of every rank must see the whole plan, so a
+    node plan (what a rank of an in-node policy makes on several nodes) is refused there and accepted elsewhere."""
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
+    c = np.array([[9, 1, 0, 0, 0, 0, 0, 0]] * 4, dtype=np.int64)
+    reads = {(p, m): PolicyState(topo=topo, policy=p, replicas_mode=m).reads_plans
+             for p in ("feplb", "feplb-split@ema", "lp@ema", "eplb", "none") for m in ("eager", "lazy")}
+    assert {k for k, v in reads.items() if v} == {("feplb-split@ema", "lazy"), ("lp@ema", "lazy")}
+    lazy = PolicyState(topo=topo, policy="feplb@ema", replicas_mode="lazy").observe(c)
+    node_plan = make_plan("feplb@ema", c, topo, lazy, tau=0, node=0)
+    assert node_plan.weight_copies == ((0, 0, 1),)
+    with pytest.raises(ValueError, match="needs the whole plan, got the plan of node 0"):
+        lazy.observe(c, node_plan)
+    assert lazy.observe(c, make_plan("feplb@ema", c, topo, lazy, tau=0)).resident == frozenset({(0, 1)})
+    eager = PolicyState(topo=topo, policy="feplb@ema").observe(c)
+    assert eager.observe(c, make_plan("feplb@ema", c, topo, eager, tau=0, node=1)).step == 2
+
+
 def test_eager_replicas_fill_the_node_at_each_refresh():
     topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
     c = np.array([[9, 1, 0, 0, 0, 0, 0, 0]] * 4, dtype=np.int64)

@@ -1,0 +1,54 @@
+"""feplb.join_stats: the whole group's balancing from per-rank LayerStats that each report their own node."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from feplb import LayerStats, join_stats
+from feplb.sched import Topology, make_plan, token_straggler
+
+
+def _stats(plan, planned: list[int]) -> LayerStats:
+    """A rank's stats as the layer reports them: plan loads for its planned GPUs, rows at home elsewhere."""
+    after = plan.loads_before_W.copy()
+    after[planned] = plan.loads_after_W[planned]
+    return LayerStats(loads_before_W=plan.loads_before_W.tolist(), loads_after_W=after.tolist(),
+                      token_straggler_before=0.0, token_straggler_after=0.0, rows_moved=plan.rows_moved,
+                      copy_bytes=0, weight_copies=0, plan_us=0.0, balanced=True, fell_back=False,
+                      planned_ranks=planned)
+
+
+@pytest.mark.parametrize("policy", ["feplb", "feplb-split", "lp"])
+def test_node_reports_join_into_the_whole_plan(policy):
+    rng = np.random.default_rng()
+    topo = Topology(num_ranks=8, gpus_per_node=2, num_experts=32, dyn=2)
+    for _ in range(5):
+        counts = rng.zipf(1.5, size=(8, 32)).clip(max=500)
+        whole = make_plan(policy, counts, topo)
+        per_rank = [_stats(make_plan(policy, counts, topo, node=r // 2), list(topo.node_ranks(r // 2)))
+                    for r in range(8)]
+        got = join_stats(per_rank)
+        assert got["loads_after_W"] == whole.loads_after_W.tolist()
+        assert got["token_straggler_after"] == pytest.approx(token_straggler(whole.loads_after_W))
+        assert got["token_straggler_before"] == pytest.approx(token_straggler(whole.loads_before_W))
+        assert got["rows_moved"] == whole.rows_moved
+        # stats of a whole plan (one node, or the peers' policies): any one rank is enough
+        assert join_stats([_stats(whole, list(range(8)))])["loads_after_W"] == whole.loads_after_W.tolist()
+
+
+def test_bad_reports_are_named():
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
+    counts = np.array([[9, 1, 0, 0, 0, 0, 0, 0]] * 4)
+    plan = make_plan("feplb", counts, topo, node=0)
+    node0 = _stats(plan, [0, 1])
+    with pytest.raises(ValueError, match=r"no rank reported GPUs \[2, 3\]"):
+        join_stats([node0, node0])
+    with pytest.raises(ValueError, match="no stats given"):
+        join_stats([])
+    other = make_plan("feplb", counts * 2, topo, node=1)
+    with pytest.raises(ValueError, match="rank 1's loads_before_W differ"):
+        join_stats([node0, _stats(other, [2, 3])])
+    wrong = LayerStats(**{**node0.__dict__, "loads_after_W": [36, 4, 0, 0]})
+    with pytest.raises(ValueError, match="ranks disagree on GPU 0"):
+        join_stats([node0, wrong, _stats(make_plan("feplb", counts, topo, node=1), [2, 3])])
