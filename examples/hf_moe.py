@@ -153,12 +153,12 @@ def train(args: argparse.Namespace) -> dict:
             raise RuntimeError(f"the loss became {mean_loss} at step {step + 1}; lower --lr")
         optimizer.step()
         feplb.hf.refresh_replicas(model)       # the owners' new weights -> the resident replicas
-        # each node's first rank speaks for its node (the demo's rule: it knows whether that node fell back)
+        # each rank speaks for the GPUs it planned (its node's with several nodes); join_stats joins them
         views: list = [None] * world
-        dist.all_gather_object(views, demo.node_view(moes, rank, G))
+        dist.all_gather_object(views, demo.rank_stats(moes))
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": mean_loss, "wall_s": dt, "tokens_per_s": world * ids_BS.numel() / dt,
-               **demo.layer_stats(views, G)}
+               **demo.layer_stats(views)}
         steps.append(rec)
         if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
             print(demo.log_line(rec), flush=True)

@@ -580,44 +580,31 @@ class ExpertBias:
             moe.router_bias.add_(self.rate * step_E)
 
 
-def node_view(moes: list, rank: int, gpus_per_node: int) -> list[tuple]:
-    """This rank's node's share of each layer's last forward: (loads_before_W, loads_after of the node's GPUs, rows
-    moved out of the node's GPUs, fell back). A layer's stats are exact for the rank's own node (with several nodes a
-    rank plans only its own, ``LayerStats.planned_ranks``), so each node speaks for itself."""
-    lo = rank // gpus_per_node * gpus_per_node
-    hi = lo + gpus_per_node
-    view = []
-    for moe in moes:
-        stats, plan = moe.last_stats, moe.last_plan
-        moved = 0 if plan is None else sum(m.rows for m in plan.moves if lo <= m.src < hi)
-        view.append(([int(v) for v in stats.loads_before_W], [int(v) for v in stats.loads_after_W[lo:hi]], int(moved),
-                     bool(stats.fell_back)))
-    return view
+def rank_stats(moes: list) -> list:
+    """This rank's report of each layer's last forward (``LayerStats``): exact for the GPUs it planned, its own
+    node's with several nodes (``LayerStats.planned_ranks``), so each node speaks for itself."""
+    return [moe.last_stats for moe in moes]
 
 
-def layer_stats(views: list[list[tuple]], gpus_per_node: int) -> dict:
-    """This step's balancing statistics from every rank's ``node_view``: per-layer lists and means over layers."""
-    from feplb.sched import token_straggler
+def layer_stats(views: list[list]) -> dict:
+    """This step's balancing statistics from every rank's ``rank_stats`` (``feplb.join_stats`` per layer): per-layer
+    lists and means over layers."""
+    from feplb import join_stats
 
-    firsts = views[::gpus_per_node]  # the first rank of each node speaks for the node
-    before_LW, after_LW, moved_L, fell_back = [], [], [], 0
-    for layer in range(len(views[0])):
-        before_LW.append(firsts[0][layer][0])
-        after_LW.append([v for node in firsts for v in node[layer][1]])
-        moved_L.append(sum(node[layer][2] for node in firsts))
-        fell_back += any(node[layer][3] for node in firsts)
-    before = [token_straggler(w) for w in before_LW]
-    after = [token_straggler(w) for w in after_LW]
+    joined = [join_stats([view[layer] for view in views]) for layer in range(len(views[0]))]
+    before = [j["token_straggler_before"] for j in joined]
+    after = [j["token_straggler_after"] for j in joined]
+    moved_L = [j["rows_moved"] for j in joined]
     return {
         "token_straggler_before": sum(before) / len(before),
         "token_straggler_after": sum(after) / len(after),
         "rows_moved": sum(moved_L),
         "layer_rows_moved": moved_L,
-        "fell_back": fell_back,
+        "fell_back": sum(any(view[layer].fell_back for view in views) for layer in range(len(joined))),
         "layer_straggler_before": before,
         "layer_straggler_after": after,
-        "loads_before_LW": before_LW,
-        "loads_after_LW": after_LW,
+        "loads_before_LW": [[int(v) for v in views[0][layer].loads_before_W] for layer in range(len(joined))],
+        "loads_after_LW": [[int(v) for v in j["loads_after_W"]] for j in joined],
     }
 
 
@@ -793,7 +780,7 @@ def train(args: argparse.Namespace, created: list[Path] | None = None) -> Path:
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": mean_loss, "grad_norm": grad_norm, "wall_s": dt,
                "tokens_per_s": tokens_per_step / dt,
-               **layer_stats(gather(node_view(moes, rank, cfg.gpus_per_node)), cfg.gpus_per_node)}
+               **layer_stats(gather(rank_stats(moes)))}
         if rank == 0:
             history["steps"].append(rec)
             bar.update(1)

@@ -459,13 +459,21 @@ def test_expert_parallel_step_equals_one_process_on_all_the_data():
 
 
 def test_step_stats_take_each_node_from_its_own_ranks(train_moe):
-    # Layer 0 of a 2 x 2 run: node 0 balanced (rows 30 of GPU 0 moved to GPU 1); node 1 fell back, but its ranks'
-    # stats are the only ones that know it: node 0's ranks still show node 1's planned move.
+    # Layer 0 of a 2 x 2 run, each rank reporting its own node: node 0 balanced (rows 30 of GPU 0 moved to GPU 1);
+    # node 1 fell back, and only its ranks know it.
+    from feplb import LayerStats
+
     before = [100, 40, 90, 50]
-    node0 = [(before, [70, 70], 30, False)]
-    node1 = [(before, [90, 50], 0, True)]
+
+    def stats(after, planned, moved, fell_back):
+        return LayerStats(loads_before_W=before, loads_after_W=after, token_straggler_before=0.0,
+                          token_straggler_after=0.0, rows_moved=moved, copy_bytes=0, weight_copies=0, plan_us=0.0,
+                          balanced=not fell_back, fell_back=fell_back, planned_ranks=planned)
+
+    node0 = [stats([70, 70, 90, 50], [0, 1], 30, False)]
+    node1 = [stats([100, 40, 90, 50], [2, 3], 0, True)]
     views = [node0, node0, node1, node1]
-    got = train_moe.layer_stats(views, gpus_per_node=2)
+    got = train_moe.layer_stats(views)
     assert got["loads_before_LW"] == [before]
     assert got["loads_after_LW"] == [[70, 70, 90, 50]]
     assert got["rows_moved"] == 30 and got["layer_rows_moved"] == [30] and got["fell_back"] == 1
