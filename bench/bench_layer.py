@@ -236,9 +236,9 @@ def _bench(rank, shape, setup, phases):
             group = _group_balance(st)
             stats[policy] = {"token_straggler_before": group["token_straggler_before"],
                              "token_straggler_after": group["token_straggler_after"],
-                             "rows_moved": group["rows_moved"], "fell_back": st.fell_back, "plan_us": st.plan_us,
-                             "copy_bytes": st.copy_bytes, "weight_copies": st.weight_copies,
-                             "experts_placed": st.experts_placed}
+                             "rows_moved": group["rows_moved"], "fell_back": group["fell_back"],
+                             "plan_us": st.plan_us, "copy_bytes": group["copy_bytes"],
+                             "weight_copies": group["weight_copies"], "experts_placed": st.experts_placed}
 
     y0, g0 = outs["none"]
     scale = {"out": max_over_ranks(float(y0.abs().max())), "grad": max_over_ranks(float(g0.abs().max()))}

@@ -581,9 +581,10 @@ class ExpertBias:
 
 
 def rank_stats(moes: list) -> list:
-    """This rank's report of each layer's last forward (``LayerStats``): exact for the GPUs it planned, its own
-    node's with several nodes (``LayerStats.planned_ranks``), so each node speaks for itself."""
-    return [moe.last_stats for moe in moes]
+    """This rank's report of each layer's last forward (``LayerStats``, without the [W, E] counts and dynamic
+    sets, which every step would all-gather): exact for the GPUs it planned, its own node's with several nodes
+    (``LayerStats.planned_ranks``), so each node speaks for itself."""
+    return [dataclasses.replace(moe.last_stats, counts_WE=[], dynamic_WD=[]) for moe in moes]
 
 
 def layer_stats(views: list[list]) -> dict:

@@ -135,27 +135,27 @@ class LayerStats:
     Scope: planned_ranks are the GPUs whose balancing this rank planned and reports. With an in-node policy on
     several nodes a rank plans its own node only (in-node plans of different nodes are independent), so that is
     its node's GPUs; otherwise (one node, the peers' group-wide policies, or an ``@ema`` history that keeps the
-    weights a plan copied resident, ``PolicyState.reads_plans``) every GPU. To see the whole group, take each
-    node's slice of ``loads_after_W`` from a rank of that node.
+    weights a plan copied resident, ``PolicyState.reads_plans``: its readiness is then agreed over the whole group)
+    every GPU. ``feplb.join_stats`` joins every rank's stats into the whole group's.
 
     loads_before_W: rows each GPU would compute under plain EP (every expert at its owner, no balancing).
     rows_at_home_W: rows each GPU would compute with the current placement (``+place``) and no per-micro-batch
     balancing (equal to loads_before_W without placement). loads_after_W: rows each GPU computed, for
-    planned_ranks; other GPUs show their rows at home (when only some nodes of a whole-group plan fell back, the
-    other nodes show their planned moves).
+    planned_ranks; other GPUs show their rows at home.
     token_straggler_before/after: max - mean of loads_before_W / loads_after_W over planned_ranks
     (``feplb.sched.token_straggler``).
     rows_moved: rows computed away from their home (planned_ranks); copy_bytes: forward bytes of phase 2 over
     planned_ranks (rows out, results back) and of weights copied this micro-batch (per-micro-batch weights,
-    FasterMoE shadows).
-    weight_copies: experts' weights copied to a helper this micro-batch. experts_placed: experts whose home is
-    not their owner. plan_us: wall time of this rank's planner call (0 when no plan was made).
+    FasterMoE shadows), plus the whole group's per-micro-batch placement bank (``+place`` with
+    weights='per-microbatch'). weight_copies: experts' weights a plan copied to a helper this micro-batch
+    (planned_ranks). experts_placed: experts whose home is not their owner (whole group). plan_us: wall time of
+    this rank's planner call (0 when no plan was made).
     balanced: the plan was executed; fell_back: a plan was wanted but not ready in time on some rank of the scope,
     so every rank there computed at home. plan_fingerprint: hash of the executed plan (equal on every rank of the
     plan's scope; nodes that fell back report 0). counts_WE: rows each EP rank sent each expert (the all-gathered
     counts; ``tokens_per_expert`` is their column sum). row_bytes_moved / weight_bytes_moved: bytes of rows (one
-    way) and of expert weights the executed plan copied between GPUs this micro-batch, counted from what the layer
-    exchanged (the simulator's ``CostModel.plan_copy_bytes`` counts the same plan alike).
+    way) and of expert weights the executed plan copied between GPUs this micro-batch (planned_ranks), counted
+    from what the layer exchanged (the simulator's ``CostModel.plan_copy_bytes`` counts the same plan alike).
     """
 
     loads_before_W: list[int]

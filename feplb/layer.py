@@ -402,8 +402,12 @@ class MoELayer(nn.Module):
                                split_matrix=split_WW, anchor=anchor)
 
     def _plan_node(self, state) -> int | None:
-        """The node this rank plans (its own, for in-node policies on several nodes), or None for the whole group."""
-        return None if state is not None and state.reads_plans else self._node
+        """The node this rank plans (its own, for in-node policies on several nodes), or None for the whole group:
+        also when the history the layer folds plans into (``self.state``, which a user may have replaced since
+        ``state`` was adopted) reads whole plans."""
+        if any(s is not None and s.reads_plans for s in (state, self.state)):
+            return None
+        return self._node
 
     def _plan(self, counts_WE: np.ndarray, state, tl: Timeline | None):
         c = self.config
@@ -413,9 +417,13 @@ class MoELayer(nn.Module):
                                                             min_chunk=c.min_chunk, cost=self._cost, node=node))
 
     # ------------------------------------------------------------------------------------------------ stats
-    def _scope_group(self) -> str:
-        """The scope that agrees on a plan's readiness: the node (in-node policies) or the EP group."""
-        return "node" if self.in_node_policy else "group"
+    def _scope_group(self, state=None) -> str:
+        """The scope that agrees on a plan's readiness: the node (in-node policies planned per node) or the EP group
+        (the peers' policies, and whole in-node plans on several nodes, whose history needs every rank to execute
+        the same plan or none)."""
+        if self.in_node_policy and (self._node is None or self._plan_node(state) is not None):
+            return "node"
+        return "group"
 
     def _observe(self, counts: Counts, p2: Phase2) -> None:
         """Fold the micro-batch into the policy's history (training only) and report what the forward did."""

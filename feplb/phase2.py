@@ -134,12 +134,12 @@ def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f
             error = f"{type(exc).__name__}: {exc}"
     with span(tl, "agree", "copy"):
         agreed = layer.control.all_reduce_min(
-            torch.tensor([int(laid is not None), int(error is None)], dtype=torch.int64), layer._scope_group(),
+            torch.tensor([int(laid is not None), int(error is None)], dtype=torch.int64), layer._scope_group(state),
             "readiness agreement")
     if int(agreed[1]) == 0:
         import warnings
 
-        warnings.warn(f"MoELayer: the plan failed on a rank of the {layer._scope_group()} "
+        warnings.warn(f"MoELayer: the plan failed on a rank of the {layer._scope_group(state)} "
                       f"({error or 'see that rank'}); this micro-batch computes at home", RuntimeWarning,
                       stacklevel=1)
     if int(agreed[0]) == 0:

@@ -118,7 +118,10 @@ def join_stats(per_rank: list[LayerStats]) -> dict:
     ``torch.distributed.all_gather_object``): each GPU's rows after balancing from a rank that planned it (with
     an in-node policy on several nodes a rank reports its own node, ``LayerStats.planned_ranks``).
 
-    Returns {"loads_after_W", "token_straggler_before", "token_straggler_after", "rows_moved"} over all GPUs.
+    Returns, over all GPUs: "loads_after_W", "token_straggler_before", "token_straggler_after", "rows_moved",
+    "row_bytes_moved", "weight_bytes_moved", "weight_copies" (summed over the distinct planned scopes),
+    "copy_bytes" (those plus the per-micro-batch placement bank, which every rank counts for the whole group once)
+    and "fell_back" (on any rank).
     Raises ValueError when a GPU is reported by no rank, two ranks disagree on a GPU, or rows are lost."""
     from feplb.sched.metrics import token_straggler
 
@@ -126,7 +129,7 @@ def join_stats(per_rank: list[LayerStats]) -> dict:
         raise ValueError("join_stats: no stats given")
     before = per_rank[0].loads_before_W
     after: list[int | None] = [None] * len(before)
-    moved: dict[tuple[int, ...], int] = {}
+    scopes: dict[tuple[int, ...], LayerStats] = {}
     for r, st in enumerate(per_rank):
         if st.loads_before_W != before:
             raise ValueError(f"join_stats: rank {r}'s loads_before_W differ from rank 0's (not the same forward)")
@@ -137,11 +140,18 @@ def join_stats(per_rank: list[LayerStats]) -> dict:
                 raise ValueError(f"join_stats: ranks disagree on GPU {g}'s rows after balancing "
                                  f"({after[g]} vs rank {r}'s {st.loads_after_W[g]})")
             after[g] = st.loads_after_W[g]
-        moved.setdefault(tuple(st.planned_ranks), st.rows_moved)
+        scopes.setdefault(tuple(st.planned_ranks), st)
     missing = [g for g, v in enumerate(after) if v is None]
     if missing:
         raise ValueError(f"join_stats: no rank reported GPUs {missing}")
     if sum(after) != sum(before):
         raise ValueError(f"join_stats: {sum(after)} rows after balancing, {sum(before)} before")
-    return {"loads_after_W": after, "token_straggler_before": float(token_straggler(before)),
-            "token_straggler_after": float(token_straggler(after)), "rows_moved": sum(moved.values())}
+    first = per_rank[0]
+    bank = first.copy_bytes - 2 * first.row_bytes_moved - first.weight_bytes_moved
+    out = {"loads_after_W": after, "token_straggler_before": float(token_straggler(before)),
+           "token_straggler_after": float(token_straggler(after)),
+           "fell_back": any(st.fell_back for st in per_rank)}
+    for key in ("rows_moved", "row_bytes_moved", "weight_bytes_moved", "weight_copies"):
+        out[key] = sum(getattr(st, key) for st in scopes.values())
+    out["copy_bytes"] = bank + 2 * out["row_bytes_moved"] + out["weight_bytes_moved"]
+    return out

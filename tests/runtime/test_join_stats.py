@@ -8,20 +8,30 @@ import pytest
 from feplb import LayerStats, join_stats
 from feplb.sched import Topology, make_plan, token_straggler
 
+ROW_BYTES, W_BYTES, BANK = 8, 1000, 7   # bytes per row and per copied weight, placement bank bytes (any values)
 
-def _stats(plan, planned: list[int]) -> LayerStats:
-    """A rank's stats as the layer reports them: plan loads for its planned GPUs, rows at home elsewhere."""
+
+def _stats(plan, planned: list[int], fell_back: bool = False) -> LayerStats:
+    """A rank's stats as the layer reports them: plan loads for its planned GPUs, rows at home elsewhere (all of
+    them when its node fell back)."""
     after = plan.loads_before_W.copy()
-    after[planned] = plan.loads_after_W[planned]
+    moves = [] if fell_back else [m for m in plan.moves if m.src in planned]
+    copies = [] if fell_back else [c for c in plan.weight_copies if c[2] in planned]
+    for m in moves:
+        after[m.src] -= m.rows
+        after[m.dst] += m.rows
+    rows = sum(m.rows for m in moves)
     return LayerStats(loads_before_W=plan.loads_before_W.tolist(), loads_after_W=after.tolist(),
-                      token_straggler_before=0.0, token_straggler_after=0.0, rows_moved=plan.rows_moved,
-                      copy_bytes=0, weight_copies=0, plan_us=0.0, balanced=True, fell_back=False,
-                      planned_ranks=planned)
+                      token_straggler_before=0.0, token_straggler_after=0.0, rows_moved=rows,
+                      copy_bytes=2 * rows * ROW_BYTES + len(copies) * W_BYTES + BANK, weight_copies=len(copies),
+                      plan_us=0.0, balanced=not fell_back, fell_back=fell_back, planned_ranks=planned,
+                      row_bytes_moved=rows * ROW_BYTES, weight_bytes_moved=len(copies) * W_BYTES)
 
 
 @pytest.mark.parametrize("policy", ["feplb", "feplb-split", "lp"])
 def test_node_reports_join_into_the_whole_plan(policy):
-    rng = np.random.default_rng()
+    seed = int(np.random.SeedSequence().entropy % 2**32)   # fresh inputs every run, named in any failure
+    rng = np.random.default_rng(seed)
     topo = Topology(num_ranks=8, gpus_per_node=2, num_experts=32, dyn=2)
     for _ in range(5):
         counts = rng.zipf(1.5, size=(8, 32)).clip(max=500)
@@ -29,12 +39,21 @@ def test_node_reports_join_into_the_whole_plan(policy):
         per_rank = [_stats(make_plan(policy, counts, topo, node=r // 2), list(topo.node_ranks(r // 2)))
                     for r in range(8)]
         got = join_stats(per_rank)
-        assert got["loads_after_W"] == whole.loads_after_W.tolist()
-        assert got["token_straggler_after"] == pytest.approx(token_straggler(whole.loads_after_W))
-        assert got["token_straggler_before"] == pytest.approx(token_straggler(whole.loads_before_W))
-        assert got["rows_moved"] == whole.rows_moved
+        assert got["loads_after_W"] == whole.loads_after_W.tolist(), seed
+        assert got["token_straggler_after"] == pytest.approx(token_straggler(whole.loads_after_W)), seed
+        assert got["token_straggler_before"] == pytest.approx(token_straggler(whole.loads_before_W)), seed
+        assert got["rows_moved"] == whole.rows_moved and not got["fell_back"], seed
+        assert got["weight_copies"] == len(whole.weight_copies), seed
+        assert got["copy_bytes"] == 2 * whole.rows_moved * ROW_BYTES + len(whole.weight_copies) * W_BYTES + BANK
         # stats of a whole plan (one node, or the peers' policies): any one rank is enough
         assert join_stats([_stats(whole, list(range(8)))])["loads_after_W"] == whole.loads_after_W.tolist()
+        # node 1 fell back: its GPUs computed at home, the other nodes' moves stand
+        per_rank[2:4] = [_stats(make_plan(policy, counts, topo, node=1), [2, 3], fell_back=True)] * 2
+        got = join_stats(per_rank)
+        want = whole.loads_after_W.copy()
+        want[2:4] = whole.loads_before_W[2:4]
+        assert got["loads_after_W"] == want.tolist() and got["fell_back"], seed
+        assert got["rows_moved"] == sum(m.rows for m in whole.moves if m.src not in (2, 3)), seed
 
 
 def test_bad_reports_are_named():

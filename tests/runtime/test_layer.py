@@ -265,15 +265,29 @@ def test_layer_exact_vs_dense_and_plain_ep(gpus_per_node):
 
 
 def test_plan_scope_follows_the_policy_history():
-    """A rank plans its node (``_node``) unless the policy's history folds in whole plans (lazy @ema replicas)."""
+    """A rank plans its node (``_node``) and agrees readiness with it, unless a policy history (the adopted one or
+    the layer's own, which a user may have replaced) folds in whole plans (lazy @ema replicas): then whole plans,
+    agreed over the group, so that every rank executes the same plan or none and the histories stay equal."""
     from types import SimpleNamespace
 
     from feplb import MoELayer
     from feplb.sched import PolicyState, Topology
 
     topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
-    me = SimpleNamespace(_node=1)
-    assert MoELayer._plan_node(me, None) == 1
-    assert MoELayer._plan_node(me, PolicyState(topo=topo, policy="feplb@ema")) == 1
-    assert MoELayer._plan_node(me, PolicyState(topo=topo, policy="feplb@ema", replicas_mode="lazy")) is None
-    assert MoELayer._plan_node(SimpleNamespace(_node=None), PolicyState(topo=topo, policy="feplb")) is None
+    eager, lazy = (PolicyState(topo=topo, policy="feplb@ema", replicas_mode=m) for m in ("eager", "lazy"))
+
+    def layer(node, state, in_node=True):
+        me = SimpleNamespace(_node=node, state=state, in_node_policy=in_node)
+        me._plan_node = lambda st: MoELayer._plan_node(me, st)
+        return me
+
+    for state in (None, eager):
+        assert MoELayer._plan_node(layer(1, state), state) == 1
+        assert MoELayer._scope_group(layer(1, state), state) == "node"
+    assert MoELayer._plan_node(layer(1, lazy), lazy) is None
+    assert MoELayer._plan_node(layer(1, lazy), eager) is None        # a lazy history assigned, not adopted yet
+    assert MoELayer._plan_node(layer(1, eager), lazy) is None
+    assert MoELayer._scope_group(layer(1, lazy), lazy) == "group"
+    assert MoELayer._plan_node(layer(None, eager), eager) is None    # one node: the whole plan is the node's
+    assert MoELayer._scope_group(layer(None, lazy), lazy) == "node"
+    assert MoELayer._scope_group(layer(None, None, in_node=False), None) == "group"
