@@ -181,7 +181,9 @@ class ExchangeLayout:
 
 def exchange_layout(items: Sequence[Item], rank: int, gpus_per_node: int) -> ExchangeLayout:
     """Derive one rank's sends, receives and its node's traffic matrix from the exchange's items (identical on
-    every rank), so no size agreement is needed and every rank of a node agrees on whether to call the copy path.
+    every rank of the node; identical on every rank of the group whenever any item crosses nodes, since
+    ``cross_node`` decides a group-wide transport call: a node plan's phase-2 items stay in their node), so no
+    size agreement is needed and every rank of a node agrees on whether to call the copy path.
     Items with src == dst are local (never sent); items of size 0 are left out of the traffic."""
     G = gpus_per_node
     node = rank // G
