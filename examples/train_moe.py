@@ -601,7 +601,7 @@ def layer_stats(views: list[list]) -> dict:
         "token_straggler_after": sum(after) / len(after),
         "rows_moved": sum(moved_L),
         "layer_rows_moved": moved_L,
-        "fell_back": sum(any(view[layer].fell_back for view in views) for layer in range(len(joined))),
+        "fell_back": sum(j["fell_back"] for j in joined),
         "layer_straggler_before": before,
         "layer_straggler_after": after,
         "loads_before_LW": [[int(v) for v in views[0][layer].loads_before_W] for layer in range(len(joined))],
