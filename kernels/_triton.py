@@ -231,11 +231,49 @@ def require_triton(where: str) -> None:
 
 
 def check_launch_device(name: str, t: torch.Tensor) -> None:
-    """Kernels run on CUDA tensors, or on CPU tensors only under the interpreter."""
+    """Kernels run on CUDA tensors, or on CPU tensors only under an interpreter that can run them."""
     require_triton(name)
-    if not t.is_cuda and not INTERPRET:
-        raise ValueError(f"{name}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
-                         f"got a tensor on {t.device}")
+    if not t.is_cuda:
+        if not INTERPRET:
+            raise ValueError(f"{name}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
+                             f"got a tensor on {t.device}")
+        problem = interpreter_problem()
+        if problem:
+            raise RuntimeError(f"{name}: {problem}")
+
+
+@triton.jit
+def _interpreter_probe_kernel(out_ptr, n):
+    acc = 0
+    for _ in range(0, n, 2):   # a loop bounded by a runtime scalar, as the routing and GEMM kernels have
+        acc += 1
+    tl.store(out_ptr, acc)
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels here, or None (also None off the interpreter).
+
+    Found by running a probe kernel once. Known case: Triton 3.6's interpreter turns a runtime scalar into an
+    index with ``int()`` of a one-element array, which numpy 2.4 and later refuse, so every kernel with a loop
+    bounded by an argument fails (Triton 3.9 runs them; so does 3.6 with numpy < 2.4).
+    """
+    if not (HAVE_TRITON and INTERPRET):
+        return None
+    import numpy as np
+
+    out = torch.full((1,), -1, dtype=torch.int32)
+    versions = f"Triton {triton.__version__} with numpy {np.__version__}"
+    try:
+        _interpreter_probe_kernel[(1,)](out, 5)
+    except Exception as err:  # any failure of the probe means the kernels cannot run either
+        cause = err.__cause__ or err
+        return (f"Triton's interpreter (TRITON_INTERPRET=1) cannot run the kernels here: {versions} fails a probe "
+                f"kernel ({type(cause).__name__}: {cause}); use numpy<2.4 with this Triton, or a newer Triton")
+    if int(out.item()) != 3:
+        return (f"Triton's interpreter (TRITON_INTERPRET=1) miscomputes a probe kernel here ({versions}): a loop "
+                f"over range(0, 5, 2) ran {int(out.item())} times, not 3")
+    return None
 
 
 _poison = False

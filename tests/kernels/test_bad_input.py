@@ -7,12 +7,17 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 import feplb.kernels as fk
+from feplb.kernels import _triton
 from feplb.kernels._checks import MAX_EXPERTS, MAX_ROWS
 from feplb.kernels.permutation import check_permute_inputs
+
+if fk.HAVE_TRITON:
+    import triton
 
 E = 4
 CUDA = torch.cuda.is_available()
@@ -220,3 +225,44 @@ def test_kernels_refuse_cpu_tensors_without_interpreter():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300).stdout
     assert "launcher: permute_triton: Triton kernels need CUDA tensors" in out
     assert "context: triton_on_cpu() needs Triton and TRITON_INTERPRET=1" in out
+
+
+@pytest.mark.skipif(not (fk.HAVE_TRITON and _triton.INTERPRET), reason="checks the interpreter's probe")
+def test_interpreter_probe():
+    """The probe that guards interpreted launches passes where the kernel tests run; a probe that fails (as Triton
+    3.6's interpreter does with numpy >= 2.4) or miscounts becomes one clear error at every launcher."""
+    assert _triton.interpreter_problem() is None
+    probe = _triton.interpreter_problem.__wrapped__
+
+    class Failing:
+        def __getitem__(self, grid):
+            def run(*_args):
+                raise RuntimeError("interpreter failed") from TypeError(
+                    "only 0-dimensional arrays can be converted to Python scalars")
+            return run
+
+    class Miscounting:
+        def __getitem__(self, grid):
+            return lambda out, n: out.fill_(n)
+
+    real = _triton._interpreter_probe_kernel
+    try:
+        _triton._interpreter_probe_kernel = Failing()
+        failed = probe()
+        _triton._interpreter_probe_kernel = Miscounting()
+        miscounted = probe()
+    finally:
+        _triton._interpreter_probe_kernel = real
+    assert "TypeError: only 0-dimensional arrays" in failed and "numpy<2.4" in failed
+    assert f"Triton {triton.__version__} with numpy {np.__version__}" in failed
+    assert "ran 5 times, not 3" in miscounted
+
+    from feplb.kernels.permutation import permute_triton
+    idx = torch.zeros(2, 1, dtype=torch.int32)
+    original = _triton.interpreter_problem
+    _triton.interpreter_problem = lambda: failed
+    try:
+        with pytest.raises(RuntimeError, match=r"permute_triton: Triton's interpreter .* cannot run the kernels"):
+            permute_triton(torch.zeros(2, 4), idx.reshape(2), idx)
+    finally:
+        _triton.interpreter_problem = original
