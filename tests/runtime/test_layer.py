@@ -17,7 +17,7 @@ from feplb.testing import dense_moe_reference, load_global_weights, run_dist
 pytestmark = pytest.mark.dist
 
 H, FF, E, K, W = 16, 32, 16, 2, 4
-IN_NODE = ("feplb", "feplb-split", "lp", "feplb@ema")
+IN_NODE = ("feplb", "feplb-split", "lp", "feplb@ema", "feplb-split@ema")
 ROUTINGS = ("random", "skewed", "one_expert", "hot_per_node", "empty_experts", "no_tokens")
 
 
@@ -50,13 +50,19 @@ def make_inputs(routing: str, seed: int, gpus_per_node: int, router: str = "soft
 
 def _run_layer(rank, world, cfg_kwargs, routing, seed, microbatches=1):
     from feplb import FEPLBConfig, MoELayer
+    from feplb.replicas import state_digest
+    from feplb.sched.state import PolicyState
 
     G = cfg_kwargs["gpus_per_node"]
     router_EH, w1, w2, xs, dys = make_inputs(routing, seed, G, cfg_kwargs.get("router", "softmax"))
+    replicas_mode = cfg_kwargs.get("replicas_mode")   # a history the user assigns (the layer builds eager ones)
     cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, plan_wait_ms=60_000, min_straggler_rows=0, min_chunk=2,
-                      **cfg_kwargs)
+                      **{k: v for k, v in cfg_kwargs.items() if k != "replicas_mode"})
     layer = MoELayer(cfg)
     load_global_weights(layer, router_EH, w1, w2)
+    if replicas_mode is not None:
+        layer.state = PolicyState(topo=layer.topo, policy=cfg.policy, refresh_every=cfg.refresh_every,
+                                  replicas_mode=replicas_mode)
     if cfg.weights == "per-step":
         with torch.no_grad():
             layer(xs[rank])            # a micro-batch that tells the layer which experts are dynamic
@@ -87,6 +93,7 @@ def _run_layer(rank, world, cfg_kwargs, routing, seed, microbatches=1):
     plan_node = None if layer.last_plan is None else layer.last_plan.node
     return {"out": out.detach(), "dx": x.grad, "drouter": layer.router.weight.grad, "dw1": layer.w1.grad,
             "plan_node": plan_node, "reads_plans": layer.state is not None and layer.state.reads_plans,
+            "state": None if layer.state is None else state_digest(layer.state),
             "dw2": layer.w2.grad, "fp": s.plan_fingerprint, "before": s.token_straggler_before,
             "after": s.token_straggler_after, "moved": s.rows_moved, "balanced": s.balanced,
             "fell_back": s.fell_back, "copies": s.weight_copies}
@@ -218,6 +225,10 @@ def _check(results, cases, G):
         for ranks in scopes:
             assert len({per_rank[r]["fp"] for r in ranks}) == 1, f"{tag}: plans differ across ranks {ranks}"
         assert not any(res["fell_back"] for res in per_rank), f"{tag}: fell back with a generous wait"
+        # The policy's history is the same on every rank (node plans never reach a history that reads plans).
+        assert len({res["state"] for res in per_rank}) == 1, f"{tag}: policy histories differ across ranks"
+        if cfg_kwargs.get("replicas_mode") == "lazy":
+            assert per_rank[0]["reads_plans"] and all(res["fp"] for res in per_rank), tag
         by_key[(routing, seed, mb, router, cfg_kwargs["policy"], cfg_kwargs.get("weights"))] = per_rank
         if cfg_kwargs["policy"] in IN_NODE and routing in ("skewed", "no_tokens", "hot_per_node") and \
                 cfg_kwargs["policy"] != "feplb":
@@ -246,6 +257,9 @@ def _cases_for(G):
     # Other planners and router variants on skewed routing; two micro-batches accumulate grads exactly once.
     cases.append(({"policy": "lp", "gpus_per_node": G, "dyn": 4}, "skewed", 200))
     cases.append(({"policy": "feplb@ema", "gpus_per_node": G, "dyn": 2}, "skewed", 200, 2))
+    # A lazy @ema history (it folds whole plans in): whole plans, agreed over the group, on one node or two.
+    cases.append(({"policy": "feplb-split@ema", "gpus_per_node": G, "dyn": 2, "replicas_mode": "lazy"},
+                  "hot_per_node", 203, 2))
     cases.append(({"policy": "fastermoe", "gpus_per_node": G, "weights": "per-microbatch"}, "one_expert", 201))
     cases.append(({"policy": "eplb", "gpus_per_node": G}, "skewed", 200))
     cases.append(({"policy": "none", "gpus_per_node": G}, "skewed", 200))
