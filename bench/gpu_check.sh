@@ -50,6 +50,9 @@
 #                        every step and target reports NOT RUN, exit status 0
 #   FEPLB_GPU_CHECK_COLLECT  0: in a dry run, skip collecting the steps' tests (the slow part of the dry run)
 #   FEPLB_GPU_CHECK_FORCE    1: run every step even without a GPU (to try the script itself on a CPU)
+#   FEPLB_GIT_COMMIT     the commit to record in machine.json where the tree is a copy without .git (with .git,
+#                        git's HEAD and whether tracked files changed); machine.json also records the UTC start,
+#                        the command, the FEPLB_* / TRITON_* / CUDA_VISIBLE* environment and the stack's versions
 #   .whl/*.whl           wheels installed first (no index, no dependencies) into a private folder on PYTHONPATH;
 #                        then `import nvshmem.core, cuda.core` is tried and logged (nvshmem4py-cu13 0.4.1 needs
 #                        cuda.core >= 0.5.0)
@@ -200,7 +203,15 @@ print('ok, cuda.core', cuda.core.__version__)" 2>&1); then :; else
     echo "import nvshmem.core, cuda.core: $NVSHMEM_IMPORT" | tee -a "$LOG"
 fi
 
+# The commit: from git where the tree is a checkout, else FEPLB_GIT_COMMIT (a copied working tree has no .git).
+if COMMIT=$(git -C "$ROOT" rev-parse HEAD 2> /dev/null); then
+    DIRTY=$(git -C "$ROOT" status --porcelain --untracked-files=no 2> /dev/null | head -c 1 | wc -c)
+else
+    COMMIT=${FEPLB_GIT_COMMIT:-} DIRTY=unknown
+fi
 DRY=$DRY WHEELS=$WHEELS INSTALL=$INSTALL NVSHMEM_IMPORT=$NVSHMEM_IMPORT XDIST=$XDIST BUDGET_S=$BUDGET_S \
+    COMMIT=$COMMIT DIRTY=$DIRTY COMMAND="bash bench/gpu_check.sh${*:+ $*}" \
+    STARTED=$(date -u -d "@$START" +%Y-%m-%dT%H:%M:%SZ) \
     "$PY" - > "$OUT/machine.json" 2>> "$LOG" <<'EOF'
 import importlib.metadata as md, json, os, platform, shutil, subprocess
 import torch
@@ -219,10 +230,16 @@ if shutil.which("nvidia-smi"):
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
 cuda = torch.cuda.is_available()
+env_used = {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(("FEPLB_", "CUDA_VISIBLE", "TRITON_")) and k != "FEPLB_GIT_COMMIT"}
 print(json.dumps({
+    "date_utc": os.environ["STARTED"], "command": os.environ["COMMAND"], "environment": env_used,
+    "commit": os.environ["COMMIT"] or None,
+    "commit_dirty": None if os.environ["DIRTY"] == "unknown" else os.environ["DIRTY"] != "0",
     "dry_run": os.environ["DRY"] == "1", "gpu": torch.cuda.get_device_name() if cuda else None,
     "capability": list(torch.cuda.get_device_capability()) if cuda else None, "nvidia_smi": smi,
     "torch": torch.__version__, "cuda": torch.version.cuda, "triton": version("triton"),
+    "numpy": version("numpy"), "transformers": version("transformers"),
     "nvshmem4py": version("nvshmem4py-cu13", "nvshmem4py-cu12"), "python": platform.python_version(),
     "wheels": os.environ["WHEELS"].split(), "traces": os.environ.get("FEPLB_TRACES") or None,
     "feplb": os.environ["INSTALL"], "feplb_path": os.path.dirname(feplb.__file__),

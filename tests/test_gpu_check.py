@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
 import os
@@ -44,7 +45,7 @@ def test_dry_run_reports_every_step_and_target_not_run(tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "FEPLB_GPU_CHECK_DRY": "1",
            "FEPLB_GPU_CHECK_COLLECT": "0", "FEPLB_SHARED_TRACES": str(shared), "FEPLB_TRACE_CACHE": str(cache),
-           "TMPDIR": str(tmp_path)}
+           "TMPDIR": str(tmp_path), "FEPLB_GIT_COMMIT": "c0ffee", "GIT_DIR": str(tmp_path / "no-git")}
     env.pop("FEPLB_TRACES", None)
     proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -52,7 +53,13 @@ def test_dry_run_reports_every_step_and_target_not_run(tmp_path):
     assert (cache / TRACE).read_bytes() == b"trace bytes"
     machine = json.loads((out / "machine.json").read_text())
     assert machine["dry_run"] is True and machine["traces"] == str(cache)
-    assert {"torch", "cuda", "triton", "nvshmem4py", "gpu", "nvidia_smi", "python"} <= set(machine)
+    assert {"torch", "cuda", "triton", "nvshmem4py", "gpu", "nvidia_smi", "python", "numpy", "transformers"} <= set(
+        machine)
+    # When and how it ran, and from which commit (git here; FEPLB_GIT_COMMIT where the tree is a copy without .git).
+    started = datetime.datetime.strptime(machine["date_utc"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    assert abs((datetime.datetime.now(datetime.UTC) - started).total_seconds()) < 300
+    assert machine["command"] == "bash bench/gpu_check.sh" and machine["environment"]["FEPLB_GPU_CHECK_DRY"] == "1"
+    assert machine["commit"] == "c0ffee" and machine["commit_dirty"] is None
     # The fallback when pip cannot install on the GPU machine: the sources as pyproject.toml maps them, which the dry
     # run uses. The script runs everything from the repository root, whose feplb/ must not shadow the tree.
     (src,) = tmp_path.glob("feplb_gpu_check.*/src")
