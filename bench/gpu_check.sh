@@ -37,7 +37,7 @@
 #   bash bench/gpu_check.sh --prepare     copy the routing trace it needs into .traces/ and download the
 #                                         nvshmem4py wheel into .whl/ (both git-ignored: carry them)
 # On the GPU machine, from the repository root (the GPU session sets FEPLB_GPU_CHECK_EXPECT_GPU=1):
-#   FEPLB_GPU_CHECK_EXPECT_GPU=1 OUT=/some/dir bash bench/gpu_check.sh
+#   FEPLB_GPU_CHECK_EXPECT_GPU=1 FEPLB_GIT_COMMIT=<commit> OUT=/some/dir bash bench/gpu_check.sh
 #
 #   OUT                  results (default runs/gpu): machine.json, log.txt, report.json, bench_kernels.json,
 #                        bench_overlap.json, bench_straggler.json, bench_layer.json (7 files; a device tool
