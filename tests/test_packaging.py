@@ -88,8 +88,10 @@ def torch_cuda_line() -> tuple[int | None, str]:
 
 
 def readme_torch_pin() -> str:
-    pins = set(re.findall(r"torch==([0-9][0-9.]*[0-9])", (ROOT / "README.md").read_text()))
-    assert len(pins) == 1, f"expected one torch==X pin in README.md, got {sorted(pins)}"
+    """The torch pin of the README's two commands (its first code block; later blocks may name other stacks)."""
+    first_block = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
+    pins = set(re.findall(r"torch==([0-9][0-9.]*[0-9])", first_block))
+    assert len(pins) == 1, f"expected one torch==X pin in README.md's two commands, got {sorted(pins)}"
     return pins.pop()
 
 
