@@ -13,8 +13,9 @@ core's time and caches; on this project's shared 2-core machine the raw p99 of e
 * p99 <= 50 us at E=128, W=8 for ``feplb`` and ``feplb-split``;
 * p99 <= 200 us at E=256, W=64 for what one rank plans: its node's plan for the in-node policies
   (``make_plan(..., node=k)``), the whole plan for the peers' policies (``fastermoe``, ``eplb``), which place rows
-  across nodes. Full in-node plans of all 8 nodes are measured and reported, not asserted: no rank needs them,
-  although ``MoELayer`` still computes the whole plan today (its statistics and policy history read it).
+  across nodes (``MoELayer`` plans the same way). Full in-node plans of all 8 nodes are measured and reported,
+  not asserted: a rank needs them only under a policy history that folds in whole plans (lazy ``@ema``
+  replicas, ``PolicyState.reads_plans``).
 The targets are for a core that runs ``py_loop_ms`` (10^6 Python integer additions in a function) in 20 ms, as
 the cores of the machine these numbers were first measured on did; a slower core (a CI runner) gets a limit
 larger by the same factor, measured in the same run: ``limit = target * max(1, py_loop_ms / 20)``.
