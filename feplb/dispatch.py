@@ -88,6 +88,16 @@ class PeerComm:
             self._handoff[device] = torch.cuda.Stream(device)
         return self._handoff[device]
 
+    def worker_stream(self, device: torch.device):
+        """The stream a worker thread issues an exchange's own kernels on (flattening strided sends, the
+        cross-node part's concatenation and transport): ordered after the ``ready`` event only, so it neither
+        queues behind the compute stream's static GEMM (a new thread's current stream is the default stream) nor
+        runs before the sends exist (one per device, created on first use)."""
+        key = ("worker", device)
+        if key not in self._handoff:
+            self._handoff[key] = torch.cuda.Stream(device)
+        return self._handoff[key]
+
     @property
     def rank(self) -> int:
         return self.transport.rank
@@ -223,7 +233,20 @@ class Exchange:
         """Run the exchange now on this thread, without autograd: ({source: buffer}, the event its hand-off stream
         recorded after the copies, or None). ready (CUDA): the event the sends depend on. handoff (CUDA): the
         results are for another thread's stream (a worker issues them): they are handed to the comm's hand-off
-        stream and the returned event says when they are there; else the calling thread's stream waits for them."""
+        stream and the returned event says when they are there; else the calling thread's stream waits for them.
+
+        With ``handoff`` on CUDA everything this thread enqueues (flattening strided sends such as a transposed
+        weight, the cross-node part) goes on the comm's worker stream, after ``ready``; the copy path then starts
+        after that stream's work, and the hand-off stream waits for both."""
+        if not (handoff and self.device.type == "cuda"):
+            return self._issue(sends, ready, None, None)
+        work = self.comm.worker_stream(self.device)
+        if ready is not None:
+            work.wait_event(ready)
+        with torch.cuda.stream(work):
+            return self._issue(sends, None, work, self.comm.handoff_stream(self.device))
+
+    def _issue(self, sends: list[torch.Tensor], ready, work, consumer):
         lay = self.layout
         pieces: dict[int, list[torch.Tensor]] = {}
         it = iter(sends)
@@ -233,13 +256,24 @@ class Exchange:
                 t = next(it).detach()
                 if t.numel() != self.items[k].numel:
                     raise ValueError(f"{self.op}: item {k} ({self.items[k]}) given {t.numel()} elements")
+                if work is not None:
+                    t.record_stream(work)   # made on the compute stream, read here: not reused before
                 pieces[p].append(t.reshape(-1).contiguous())
-        consumer = self.comm.handoff_stream(self.device) if handoff and self.device.type == "cuda" else None
+        if work is not None:
+            ready = torch.cuda.Event()
+            ready.record(work)              # the flattened sends exist (and the caller's ready has passed)
         got = self.comm.run(pieces, lay.recv_numel, cross_node=lay.cross_node, intra_node=lay.intra_node,
                             dtype=self.dtype, device=self.device, op=self.op, node_matrix=lay.node_matrix,
                             ready=ready, consumer=consumer)
         done = None
         if consumer is not None:
+            if work is not None:
+                # the cross-node part ran on the worker stream: the consumer waits for it too
+                joined = torch.cuda.Event()
+                joined.record(work)
+                consumer.wait_event(joined)
+                for t in got.values():
+                    t.record_stream(consumer)
             done = torch.cuda.Event()
             done.record(consumer)
         return got, done

@@ -232,7 +232,7 @@ class MoELayer(nn.Module):
         """An empty 1-D tensor that requires grad whenever the layer's rows or expert weights do. Every exchange
         takes one, so whether its backward runs (a collective) never depends on what this rank sends."""
         w1, _ = self.expert_weights()
-        a = t[:0].reshape(-1) + w1.reshape(-1)[:0]
+        a = t[:0].reshape(-1) + w1[:0].reshape(-1)   # w1[:0] first: a strided w1 is never copied
         return a + self._grad_leaf if torch.is_grad_enabled() else a
 
     def extra_repr(self) -> str:

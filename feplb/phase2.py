@@ -69,7 +69,11 @@ def no_phase2() -> Phase2:
 
 
 def materialize(spec: tuple, h_RD: torch.Tensor, local, detach: bool = False) -> list[torch.Tensor]:
-    """The tensors a send spec names: rows of h_RD ("rows", start, end) or an expert's weights ("w1"/"w2", e)."""
+    """The tensors a send spec names: rows of h_RD ("rows", start, end) or an expert's weights ("w1"/"w2", e).
+
+    Views, as they are (a weight may be strided, e.g. a transposed transformers parameter): no kernel runs here.
+    The exchange flattens them when it issues the copies, on its own stream in order after the sends' ``ready``
+    event; gradients come back in each tensor's shape."""
     out = []
     for s in spec:
         if s[0] == "rows":
@@ -77,7 +81,6 @@ def materialize(spec: tuple, h_RD: torch.Tensor, local, detach: bool = False) ->
         else:
             w1, w2 = local(s[1])
             t = w1 if s[0] == "w1" else w2
-        t = t.reshape(-1)
         out.append(t.detach() if detach else t)
     return out
 

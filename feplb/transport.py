@@ -264,8 +264,9 @@ class NvshmemTransport(Transport):
     def _ensure(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._buf is None or self._buf.numel() < nbytes:
             if self._buf is not None:
-                # collective like the allocation; no put may still read or write the old buffers
-                torch.cuda.current_stream().synchronize()
+                # collective like the allocation; no put may still read or write the old buffers, on any stream
+                # (the compute stream's calls and a worker thread's both use them)
+                torch.cuda.synchronize(self._buf.device)
                 self._nv.free_tensor(self._buf)
                 self._nv.free_tensor(self._sbuf)
             cap = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())

@@ -13,7 +13,7 @@ import torch
 from feplb.testing import load_global_weights, run_dist
 from feplb.transport import nvshmem_unavailable
 
-pytestmark = [pytest.mark.gpu, pytest.mark.dist]
+pytestmark = pytest.mark.dist   # and each GPU test is marked gpu (one test here runs the strided worker on the CPU)
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_2 = pytest.mark.skipif(NGPU < 2, reason="needs at least 2 CUDA GPUs (one rank per GPU)")
@@ -65,6 +65,7 @@ def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto"):
     return {"ok": ok, "moved": moved}
 
 
+@pytest.mark.gpu
 @needs_2
 def test_layer_nccl_balanced_equals_plain_ep():
     world = min(NGPU, 4)
@@ -73,6 +74,7 @@ def test_layer_nccl_balanced_equals_plain_ep():
         assert res["ok"] and res["moved"] > 0, res
 
 
+@pytest.mark.gpu
 @needs_nvshmem
 @needs_2  # evaluated first (closest): on one GPU this test skips for its GPU count, not for nvshmem4py
 def test_layer_nvshmem_balanced_equals_plain_ep():
@@ -85,6 +87,7 @@ def test_layer_nvshmem_balanced_equals_plain_ep():
 needs_1 = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 
 
+@pytest.mark.gpu
 @needs_1
 @needs_nvshmem
 def test_layer_two_processes_one_gpu():
@@ -96,13 +99,66 @@ def test_layer_two_processes_one_gpu():
         assert res["ok"] and res["moved"] > 0, res
 
 
+@pytest.mark.gpu
 @needs_1
 def test_layer_two_processes_one_gpu_without_nvshmem():
     """device='cuda' over a gloo group, the torch transport (phase 1 staged through host memory) and the CUDA IPC
-    copy path: the layer's GPU path on a single GPU, balancing on == off."""
-    for res in run_dist(_gpu_worker, 2, "torch", True, "ipc", backend="gloo", timeout_s=90,
-                        collective_timeout_s=COLLECTIVE_S):
+    copy path: the layer's GPU path on a single GPU, balancing on == off.
+
+    Also, in the same two processes, transposed (transformers-layout) expert weights copied per micro-batch
+    (``_strided_worker``)."""
+    results = run_dist(_one_gpu_worker, 2, backend="gloo", timeout_s=120, collective_timeout_s=COLLECTIVE_S)
+    for res, strided in results:
         assert res["ok"] and res["moved"] > 0, res
+        assert strided["ok"], strided
+    assert sum(s["moved"] for _, s in results) > 0 and sum(s["copies"] for _, s in results) > 0, results
+
+
+def _one_gpu_worker(rank, world):
+    return _gpu_worker(rank, world, "torch", True, "ipc"), _strided_worker(rank, world, "torch", "cuda", "ipc")
+
+
+def _strided_worker(rank, world, transport, device, copy_path):
+    """Expert weights stored transposed, as transformers stores them (``feplb.hf.FEPLBExperts`` computes with
+    strided views), copied to helpers every micro-batch: the copy thread must flatten them on a stream ordered
+    after the sends' ready event, before the copy path reads them. Balancing on == off, outputs and gradients
+    (of the tokens, both expert parameters and the routing weights)."""
+    from feplb import FEPLBConfig
+    from feplb.hf import FEPLBExperts
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    E, H, F, K = 4 * world, 256, 128, 2
+    gen = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(E, 2 * F, H, generator=gen) / 16).requires_grad_(True)
+    down = (torch.randn(E, H, F, generator=gen) / 12).requires_grad_(True)
+    x = torch.randn(512, H, generator=torch.Generator().manual_seed(rank))
+    hot = torch.rand(512, generator=torch.Generator().manual_seed(100 + rank)) < 0.7
+    scores = torch.rand(512, E, generator=torch.Generator().manual_seed(200 + rank))
+    scores[hot, 0] = 2.0                                   # most tokens pick expert 0 (rank 0's): a straggler
+    top_w, top_i = scores.softmax(-1).topk(K, dim=-1)
+    out, grads, layers = {}, {}, []
+    for policy in ("none", "feplb-split"):
+        cfg = FEPLBConfig(hidden=H, ffn=F, num_experts=E, top_k=K, gpus_per_node=world, dyn=2, policy=policy,
+                          transport=transport, plan_wait_ms=10_000.0, min_straggler_rows=0, min_chunk=8,
+                          weights="per-microbatch", device=device, copy_path=copy_path, router="external")
+        layer = FEPLBExperts(cfg, None, gate_up, down, name="experts")
+        assert not layer.expert_weights()[0].is_contiguous()
+        xs = x.to(device).requires_grad_(True)
+        tw = top_w.to(device).requires_grad_(True)
+        y = layer(xs, top_i.to(device), tw)
+        y.square().sum().backward()
+        out[policy] = y.detach().cpu()
+        grads[policy] = [xs.grad.cpu(), tw.grad.cpu(), layer.gate_up_proj.grad.cpu(), layer.down_proj.grad.cpu()]
+        moved, copies = layer.last_stats.rows_moved, layer.last_stats.weight_copies
+        layers.append(layer)
+    for layer in reversed(layers):
+        layer.close()
+    ok = torch.allclose(out["none"], out["feplb-split"], rtol=1e-4, atol=1e-5) and all(
+        torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(grads["none"], grads["feplb-split"], strict=True))
+    err = max((a - b).abs().max().item() for a, b in zip([out["none"], *grads["none"]],
+                                                          [out["feplb-split"], *grads["feplb-split"]], strict=True))
+    return {"ok": ok, "moved": moved, "copies": copies, "max_err": err}
 
 
 def _sync_worker(rank, world, transport, one_gpu):
@@ -149,6 +205,7 @@ def _sync_worker(rank, world, transport, one_gpu):
     return {"err": err, "moved": moved}
 
 
+@pytest.mark.gpu
 @needs_1
 @needs_nvshmem  # the torch transport over gloo stages phase 1 through host memory, a sync by design
 def test_no_host_sync_after_counts_one_gpu():
@@ -159,9 +216,20 @@ def test_no_host_sync_after_counts_one_gpu():
     assert sum(r["moved"] for r in results) > 0
 
 
+@pytest.mark.gpu
 @needs_2
 def test_no_host_sync_after_counts_nccl():
     results = run_dist(_sync_worker, min(NGPU, 4), "torch", False, backend="nccl", timeout_s=300,
                        collective_timeout_s=COLLECTIVE_S)
     for res in results:
         assert res["err"] is None, res["err"]
+
+
+def test_strided_worker_on_cpu():
+    """The strided-weights worker above on CPU tensors (gloo ranks, shared-memory copy path): the GPU test's own
+    logic is checked where no GPU is, so a GPU run is not spent on a broken test."""
+    results = run_dist(_strided_worker, 2, "torch", "cpu", "auto", backend="gloo", timeout_s=120,
+                       collective_timeout_s=30.0)
+    for res in results:
+        assert res["ok"], res
+    assert sum(r["moved"] for r in results) > 0 and sum(r["copies"] for r in results) > 0, results
