@@ -3,7 +3,7 @@
 # from a cold start. A global budget (FEPLB_GPU_CHECK_BUDGET_S, default 540 s from the script's start) bounds it:
 # a step whose limit would cross the budget is cut to what is left, or skipped and reported NOT RUN ("budget")
 # when under 15 s are left; 10 s are kept for the kill grace of a stopped step and 10 s for the report.
-# Planned (one GPU): about 30 s of installs and imports (two pip installs, four cold Python starts, two with
+# Planned (one GPU): about 30 s of installs and imports (two pip installs, four cold Python starts, three with
 # torch), then limits 110 + 110 + 110 + 20 + 35 + 50 + 80 s = 515 s (kernels, runtime_gpu, bench_kernels, planner,
 # bench_overlap, bench_straggler, bench_layer): about 545 s if every step used its whole limit, so only then does
 # the last step (bench_layer) lose up to 25 s to the budget; a step's limit and kill grace never reach past the

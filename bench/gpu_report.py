@@ -36,7 +36,7 @@ Keys read (the first one present wins; nested dicts are searched):
   grouped GEMMs timed on one GPU, run in parallel by assumption), with ``gemm_straggler_before_ms`` /
   ``gemm_straggler_after_ms``, ``gemm_straggler_policy`` and ``gemm_straggler_reduction_pct_by_policy`` shown
   beside; a file with ``complete: false`` (a run stopped part-way) counts for nothing;
-* bench_sched.json: ``extra_info.p99_us`` (wall; ``cpu_p99_us`` shown beside it) of
+* bench_sched.json: ``extra_info.fastest_p99_us`` against ``limit_p99_us`` (the wall ``p99_us`` in the note) of
   ``test_planner_latency[<shape>-<policy>]``.
 
     python bench/gpu_report.py OUT [--work WORK]

@@ -2,8 +2,9 @@
 
 * ``all_to_all_rows``: phase-1 rows to the experts' home ranks (backward: the reverse all-to-all).
 * ``Exchange``: one batched exchange of tensors between arbitrary EP ranks, used for everything phase 2 moves
-  (rows to helpers, expert weights, results home) and for weight replicas and their gradients. Every rank builds
-  the same list of ``feplb.layout.Item`` (src, dst, elements); each rank gives the tensors of the items it sends
+  (rows to helpers, expert weights, results home) and for weight replicas and their gradients. The ranks build
+  the same list of ``feplb.layout.Item`` (src, dst, elements): every rank of a node, and every rank of the group
+  whenever an item crosses nodes; each rank gives the tensors of the items it sends
   and gets back those it receives. The exchange derives its traffic (``feplb.layout.exchange_layout``): pairs
   inside a node go through the copy path with the node's split matrix known (no size agreement), pairs across
   nodes through the transport. It can be STARTED on a worker thread (``start``: the CPU stand-in for the copy
@@ -206,7 +207,8 @@ class Exchange:
 
     Args:
         comm: the layer's ``PeerComm``.
-        items: every block of the exchange, identical on every rank (``feplb.layout.Item``).
+        items: every block of the exchange (``feplb.layout.Item``), identical on every rank of the node, and on every
+            rank of the group whenever an item crosses nodes.
         dtype, device: of every block. op: names the step in errors and timeouts.
     """
 

@@ -22,7 +22,8 @@ it (``feplb.direct.forward_direct``, ``feplb.layout.direct_layout``), with no ph
 (``feplb.dispatch``): backward mirrors forward, and output and gradients equal plain EP up to summation order.
 
 Never wait, never wrong: a plan that is late (later than the static GEMM plus ``plan_wait_ms`` on a GPU) makes the
-node fall back to computing at home, decided by one agreement; results do not depend on that decision.
+node (the group, when the policy history reads whole plans) fall back to computing at home, decided by one
+agreement; results do not depend on that decision.
 
 Legend: T tokens on this rank, K top-k, H hidden, F ffn, E experts, L = E / W experts per GPU, W EP ranks, G GPUs
 per node, M = T*K rows sent by this rank, R rows at home on this rank after phase 1, D dynamic experts per GPU.

@@ -169,7 +169,7 @@ class Item:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class ExchangeLayout:
-    """One rank's part of an exchange whose items every rank knows (see ``exchange_layout``)."""
+    """One rank's part of an exchange whose items every rank of its scope knows (see ``exchange_layout``)."""
 
     send: dict[int, list[int]]       # dst rank -> item indices this rank sends it, in item order
     recv: dict[int, list[int]]       # src rank -> item indices this rank receives from it, in item order

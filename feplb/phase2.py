@@ -3,9 +3,10 @@ return (steps 5, 7 and 8 of ``feplb.layer``).
 
 ``start_phase2`` (main thread, before the static GEMM is launched) hands the planner thread the counts and the copy
 thread a job: wait for the plan, check it and lay it out (``feplb.layout.phase2_layout``), agree with the node
-(``feplb.balance``), then issue one ``feplb.dispatch.Exchange`` with the rows to helpers and the plan's weight copies
-(``Plan.weight_copies``, executed as given). On a GPU the copies are issued only once the static GEMM is launched,
-and their results are handed to a hand-off stream, so nothing on the compute stream waits for them before it must.
+(``feplb.balance``; the group, when the policy history reads whole plans: ``MoELayer._scope_group``), then issue one
+``feplb.dispatch.Exchange`` with the rows to helpers and the plan's weight copies (``Plan.weight_copies``, executed
+as given). On a GPU the copies are issued only once the static GEMM is launched, and their results are handed to a
+hand-off stream, so nothing on the compute stream waits for them before it must.
 ``dynamic_and_return`` (main thread, after the static GEMM) finishes that exchange inside autograd, computes the rows
 hosted for other GPUs first (their homes wait for them), sends those results home through the copy thread, computes
 the dynamic rows kept at home meanwhile, and gathers every result into receive order.
@@ -125,7 +126,7 @@ def _lay_out(layer, plan, counts: Counts, split: Split, state, dtype, device):
 
 def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f, static_end, launched, ready,
                 tl) -> Phase2:
-    """On the copy thread: wait for the plan, check and lay it out, agree with the node, issue the copies. A plan
+    """On the copy thread: wait for the plan, check and lay it out, agree with the scope, issue the copies. A plan
     that is late, or that fails (the planner raised, or the plan is not executable here) on any rank of the scope,
     makes the whole scope compute at home: results never depend on it, so a failure is a warning, not a desync."""
     res = layer._balancer.wait_plan(plan_f, static_end)

@@ -55,7 +55,8 @@ def test_dry_run_reports_every_step_and_target_not_run(tmp_path):
     assert machine["dry_run"] is True and machine["traces"] == str(cache)
     assert {"torch", "cuda", "triton", "nvshmem4py", "gpu", "nvidia_smi", "python", "numpy", "transformers"} <= set(
         machine)
-    # When and how it ran, and from which commit (git here; FEPLB_GIT_COMMIT where the tree is a copy without .git).
+    # When and how it ran, and from which commit (FEPLB_GIT_COMMIT here, as in a copied tree without .git; git's
+    # HEAD in a checkout).
     started = datetime.datetime.strptime(machine["date_utc"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
     assert abs((datetime.datetime.now(datetime.UTC) - started).total_seconds()) < 300
     assert machine["command"] == "bash bench/gpu_check.sh" and machine["environment"]["FEPLB_GPU_CHECK_DRY"] == "1"

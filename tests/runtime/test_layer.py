@@ -1,6 +1,7 @@
 """MoELayer on 4 gloo ranks (2 nodes x 2 GPUs, and 1 node x 4): output and every gradient with balancing on equal
 those with balancing off and those of a single-process dense reference built from the same weights, on random and
-adversarial routing; plans identical on every rank; balancing lowers the token straggler on skewed routing.
+adversarial routing; plans identical on every rank of the plan's scope (the node under node plans, else the
+group); balancing lowers the token straggler on skewed routing.
 
 One process group per topology; every case runs inside it (process start-up dominates the cost on 2 cores).
 """
