@@ -111,7 +111,9 @@ class PeerComm:
 
         node_matrix: G x G elements node rank i of this rank's node sends node rank j (see the copy path).
         ready / consumer (CUDA): the event the pieces depend on and the stream that reads the result (default: the
-        calling thread's current stream), so a worker thread can issue the copies for the compute stream."""
+        calling thread's current stream), for the copy path. The cross-node part runs on the calling thread's
+        current stream and honours neither: a worker thread issues through ``Exchange.issue(handoff=True)``,
+        which runs this on a stream ordered after ``ready`` and joins that stream into the hand-off."""
         g = self.gpus_per_node
         me = self.rank
         base = me // g * g
@@ -127,6 +129,13 @@ class PeerComm:
         remote_send = {p: ts for p, ts in send.items() if p // g != me // g}
         remote_recv = {q: n for q, n in recv_numel.items() if q // g != me // g}
         if cross_node:
+            if intra_node and g > 1 and self.copy.name == "nccl" and device.type == "cuda" and \
+                    "nccl" in getattr(self.transport, "_backend", ""):
+                # Two NCCL communicators (the node's on the copy stream, the group's here) in flight at once may
+                # deadlock (NCCL asks for one order everywhere): the group's all-to-all starts after the node's.
+                node_done = torch.cuda.Event()
+                node_done.record(self.copy.stream)
+                torch.cuda.current_stream(device).wait_event(node_done)
             w = self.transport.world_size
             send_splits = [sum(t.numel() for t in remote_send.get(p, ())) for p in range(w)]
             recv_splits = [int(remote_recv.get(q, 0)) for q in range(w)]
@@ -242,6 +251,9 @@ class Exchange:
         after that stream's work, and the hand-off stream waits for both."""
         if not (handoff and self.device.type == "cuda"):
             return self._issue(sends, ready, None, None)
+        if ready is None:
+            raise ValueError(f"{self.op}: a hand-off exchange on CUDA needs the sends' ready event (recorded on the "
+                             "stream that produced them): a worker thread cannot know that stream")
         work = self.comm.worker_stream(self.device)
         if ready is not None:
             work.wait_event(ready)
@@ -283,7 +295,10 @@ class Exchange:
     def start(self, sends: list[torch.Tensor], worker: concurrent.futures.Executor, *,
               ready=None) -> concurrent.futures.Future:
         """Issue the exchange on ``worker`` (the copy thread); finish it with ``self(sends, anchor, pending=<the
-        returned future>)``. The tensors must not change meanwhile."""
+        returned future>)``. The tensors must not change meanwhile. ready (CUDA, required): the event recorded
+        after the sends were produced (``feplb.experts.ready_event``)."""
+        if ready is None and self.device.type == "cuda":
+            raise ValueError(f"{self.op}: Exchange.start on CUDA needs the sends' ready event")
         return worker.submit(self.issue, list(sends), ready, handoff=True)
 
     def __call__(self, sends: list[torch.Tensor], anchor: torch.Tensor,

@@ -144,6 +144,16 @@ def _strided_worker(rank, world, transport, device, copy_path):
                           weights="per-microbatch", device=device, copy_path=copy_path, router="external")
         layer = FEPLBExperts(cfg, None, gate_up, down, name="experts")
         assert not layer.expert_weights()[0].is_contiguous()
+        if device == "cuda":
+            # A long static GEMM (a 20 ms spin on the compute stream before it): copies ordered only after the
+            # ready event, not after the flattening of the strided weights, would read them before they exist.
+            static = layer._static_gemm
+
+            def slow_static(*args, _static=static):
+                torch.cuda._sleep(40_000_000)
+                return _static(*args)
+
+            layer._static_gemm = slow_static
         xs = x.to(device).requires_grad_(True)
         tw = top_w.to(device).requires_grad_(True)
         y = layer(xs, top_i.to(device), tw)

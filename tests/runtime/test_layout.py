@@ -145,3 +145,19 @@ def test_inverse():
     p = rng.permutation(50)
     x = rng.random(50)
     assert np.array_equal(x[p][inverse(p)], x)
+
+
+def test_cuda_handoff_exchange_needs_a_ready_event():
+    """A worker thread cannot know which stream produced the sends: a CUDA exchange it issues (``start``, or
+    ``issue(handoff=True)``) without their ready event is refused, naming the exchange, before anything runs."""
+    import torch
+
+    from feplb.dispatch import Exchange
+
+    comm = SimpleNamespace(rank=0, gpus_per_node=2)
+    ex = Exchange(comm, [Item(0, 1, 4), Item(1, 0, 4)], dtype=torch.float32, device=torch.device("cuda", 0),
+                  op="rows to helpers")
+    with pytest.raises(ValueError, match="rows to helpers: Exchange.start on CUDA needs the sends' ready event"):
+        ex.start([torch.zeros(4)], worker=None)
+    with pytest.raises(ValueError, match="rows to helpers: a hand-off exchange on CUDA needs the sends' ready"):
+        ex.issue([torch.zeros(4)], None, handoff=True)
