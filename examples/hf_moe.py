@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="clip the whole model's gradient norm to this with feplb.hf.clip_grad_norm_ (0 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy", default="feplb-split", help="FEPLB policy ('none' = plain expert parallelism)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: torchrun's --nproc-per-node")
@@ -151,6 +153,8 @@ def train(args: argparse.Namespace) -> dict:
         mean_loss = float(flat[-1])
         if not math.isfinite(mean_loss):
             raise RuntimeError(f"the loss became {mean_loss} at step {step + 1}; lower --lr")
+        if args.clip > 0:   # the whole model's norm: expert shards counted on their owners, over the group
+            feplb.hf.clip_grad_norm_(model, args.clip)
         optimizer.step()
         feplb.hf.refresh_replicas(model)       # the owners' new weights -> the resident replicas
         # each rank speaks for the GPUs it planned (its node's with several nodes); join_stats joins them

@@ -14,7 +14,9 @@ in plain data parallelism. Expert shards are never all-reduced: the dispatch's b
 gradient into the owner (divide them by W too when the loss is a per-rank mean, to get the global mean's gradient).
 Once per optimizer step, helpers' replica gradients must reach the owners and the owners' new weights the replicas:
 :func:`reduce_replica_grads` before ``optimizer.step()`` (and before gradient clipping), :func:`refresh_replicas`
-after it; or :func:`attach_optimizer` hooks both into ``optimizer.step()``.
+after it; or :func:`attach_optimizer` hooks both into ``optimizer.step()``. Gradient clipping: :func:`clip_grad_norm_`
+reduces the replica gradients first and clips by the norm of the whole model's gradient (each expert shard counted
+on its owner), where ``torch.nn.utils.clip_grad_norm_`` would see this rank's shards only.
 
 Checkpoints: ``model.state_dict()`` is this rank's shard (same keys, ``E / W`` experts); :func:`full_state_dict`
 gathers the shards back into the original names and shapes, so ``model.save_pretrained(d, state_dict=full)``
@@ -36,7 +38,7 @@ from torch import nn
 from feplb.layer import FEPLBConfig, MoELayer
 
 __all__ = ["FEPLBExperts", "apply", "expert_parameters", "experts_modules", "full_state_dict",
-           "attach_optimizer", "reduce_replica_grads", "refresh_replicas"]
+           "attach_optimizer", "reduce_replica_grads", "refresh_replicas", "clip_grad_norm_"]
 
 # FEPLBConfig fields that apply() reads off the module and the model config; overriding them is an error.
 _DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "dtype")
@@ -317,11 +319,57 @@ def reduce_replica_grads(model: nn.Module) -> None:
 
 def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """``attach_optimizer(optimizer)`` of every FEPLB experts module: each ``optimizer.step()`` then reduces the
-    replica gradients before it and refreshes the replicas after it (collective at every step). With gradient
-    clipping or a ``GradScaler``, call :func:`reduce_replica_grads` yourself before those: the hook runs inside
-    ``step()``, after them."""
+    replica gradients before it and refreshes the replicas after it (collective at every step). Clip with
+    :func:`clip_grad_norm_` (it reduces first); with a ``GradScaler``, call :func:`reduce_replica_grads` yourself
+    before ``unscale_``: the hook runs inside ``step()``, after them."""
     for m in experts_modules(model):
         m.attach_optimizer(optimizer)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model whose experts FEPLB shards (collective over the EP group):
+    the helpers' replica gradients are reduced into the owners first (:func:`reduce_replica_grads`; a later
+    reduction, such as :func:`attach_optimizer`'s, then adds nothing), and the norm is the whole model's: every
+    replicated parameter's gradient counted once (call this after the data-parallel reduction of those, so that
+    they are equal on every rank), every expert shard's once, on its owner. Every rank then scales every gradient
+    by the same factor. Returns the total norm (a 0-d tensor, equal on every rank)."""
+    moes = experts_modules(model)
+    if not moes:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
+    groups = {id(m.group) for m in moes}
+    if len(groups) != 1:
+        raise ValueError("clip_grad_norm_: the model's FEPLB experts modules use different process groups; clip "
+                         "each group's parameters yourself")
+    reduce_replica_grads(model)
+    group = moes[0].group
+    experts = expert_parameters(model)
+    expert_ids = {id(p) for p in experts}
+    params = [p for p in model.parameters() if p.grad is not None]
+    replicated = [p.grad for p in params if id(p) not in expert_ids]
+    sharded = [p.grad for p in params if id(p) in expert_ids]
+    device = params[0].grad.device if params else experts[0].device
+    norm_type = float(norm_type)
+
+    def local(grads):
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.nn.utils.get_total_norm(grads, norm_type).to(device=device, dtype=torch.float32)
+
+    shard_norm = local(sharded)
+    if norm_type == float("inf"):
+        dist.all_reduce(shard_norm, op=dist.ReduceOp.MAX, group=group)
+        total = torch.maximum(local(replicated), shard_norm)
+    else:
+        shard_pow = shard_norm.pow(norm_type)
+        dist.all_reduce(shard_pow, group=group)
+        total = (local(replicated).pow(norm_type) + shard_pow).pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
+                           "(error_if_nonfinite=True)")
+    torch.nn.utils.clip_grads_with_norm_([p for p in params], max_norm, total)
+    return total
 
 
 def refresh_replicas(model: nn.Module) -> None:

@@ -227,7 +227,8 @@ def _compile_worker(rank: int, world: int) -> dict:
 def _check_training(rank: int, world: int) -> dict:
     """Three AdamW steps with feplb.hf.attach_optimizer (replica gradients reduced inside ``step()``, replicas
     refreshed after it) against the unmodified model trained on the same global batch: every rank's parameters
-    (its expert shards, its copy of the rest) equal the unmodified model's after each step."""
+    (its expert shards, its copy of the rest) equal the unmodified model's after each step. The second step clips
+    with feplb.hf.clip_grad_norm_ (the unmodified model with torch's): same total norm, same clipped gradients."""
     import torch.distributed as dist
 
     import feplb.hf as fh
@@ -243,6 +244,7 @@ def _check_training(rank: int, world: int) -> dict:
     expert_ids = {id(p) for p in fh.expert_parameters(model)}
     ref_params = dict(ref.named_parameters())
     worst, moved, from_replicas = 0.0, 0, 0
+    clip = {}
     for step in range(3):
         ids = M.tokens(rank + world * step)
         model(input_ids=ids, labels=ids).loss.backward()
@@ -254,12 +256,33 @@ def _check_training(rank: int, world: int) -> dict:
         for p in model.parameters():   # data parallelism over the group for what is not sharded
             if id(p) not in expert_ids and p.grad is not None:
                 dist.all_reduce(p.grad)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
         ref(input_ids=ids, labels=ids).loss.backward()
         for p in ref.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad)
+        if step == 1:
+            # half the gradient's norm (the same on every rank): every gradient is scaled by about 1/2
+            max_norm = 0.5 * float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()
+                                                                   if p.grad is not None]))
+            ref_grads = [p.grad for p in ref.parameters() if p.grad is not None]
+            inf_total = fh.clip_grad_norm_(model, float("inf"), norm_type=float("inf"))   # the norm; scales by 1
+            inf_rel = abs(float(inf_total) / float(torch.nn.utils.get_total_norm(ref_grads, float("inf"))) - 1)
+            total = fh.clip_grad_norm_(model, max_norm)
+            ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            grad_rel = 0.0
+            for n, p in model.named_parameters():
+                want = ref_params[n].grad
+                if p.grad is None or want is None:
+                    assert p.grad is None and want is None, n
+                    continue
+                if id(p) in expert_ids:
+                    L = p.shape[0]
+                    want = want[rank * L:(rank + 1) * L]
+                grad_rel = max(grad_rel, _rel(p.grad, want))
+            clip = {"norm_rel": abs(float(total) - float(ref_total)) / float(ref_total),
+                    "clipped": float(ref_total) > 1.5 * max_norm, "grad_rel": grad_rel, "inf_rel": inf_rel}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         for n, p in model.named_parameters():
@@ -268,7 +291,7 @@ def _check_training(rank: int, world: int) -> dict:
                 L = p.shape[0]
                 want = want[rank * L:(rank + 1) * L]
             worst = max(worst, _rel(p, want))
-    return {"param_rel": worst, "rows_moved": moved, "from_replicas": from_replicas}
+    return {"param_rel": worst, "rows_moved": moved, "from_replicas": from_replicas, "clip": clip}
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -336,7 +359,10 @@ def test_four_ranks_as_two_nodes_match_the_unmodified_model(four_ranks):
 
 
 def test_attach_optimizer_trains_like_the_unmodified_model_on_one_rank(one_rank):
-    assert one_rank[0]["training"]["param_rel"] <= TOL, one_rank[0]["training"]
+    res = one_rank[0]["training"]
+    assert res["param_rel"] <= TOL, res
+    assert res["clip"]["clipped"] and res["clip"]["norm_rel"] <= TOL and res["clip"]["grad_rel"] <= TOL, res
+    assert res["clip"]["inf_rel"] <= TOL, res
 
 
 @pytest.mark.slow
@@ -344,6 +370,9 @@ def test_attach_optimizer_trains_like_the_unmodified_model_on_four_ranks(four_ra
     for rank, res in enumerate(four_ranks):
         assert res["training"]["param_rel"] <= TOL, (rank, res["training"])
         assert res["training"]["rows_moved"] > 0 and res["training"]["from_replicas"] > 0, (rank, res["training"])
+        clip = res["training"]["clip"]
+        assert clip["clipped"] and clip["norm_rel"] <= TOL and clip["grad_rel"] <= TOL, (rank, clip)
+        assert clip["inf_rel"] <= TOL, (rank, clip)
 
 
 def test_full_state_dict_round_trips_on_one_rank(one_rank):

@@ -30,7 +30,7 @@ def test_example_trains_balances_reports_and_saves(tmp_path, capfd):
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     argv = ["--steps", "3", "--hidden", "32", "--batch", "2", "--seq-len", "32", "--text-bytes", "40000",
             "--gpus-per-node", "2", "--log-every", "1", "--plan-wait-ms", "60000", "--out", str(out),
-            "--save", str(ckpt)]
+            "--save", str(ckpt), "--clip", "0.5"]
     ranks = run_dist(_run_example, 4, argv, timeout_s=240, collective_timeout_s=120)
     steps = ranks[0]["steps"]
     assert [s["step"] for s in steps] == [1, 2, 3]
