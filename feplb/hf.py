@@ -333,7 +333,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     reduction, such as :func:`attach_optimizer`'s, then adds nothing), and the norm is the whole model's: every
     replicated parameter's gradient counted once (call this after the data-parallel reduction of those, so that
     they are equal on every rank), every expert shard's once, on its owner. Every rank then scales every gradient
-    by the same factor. Returns the total norm (a 0-d tensor, equal on every rank)."""
+    by the same factor. Returns the total norm (a 0-d tensor, equal on every rank). With a ``GradScaler``, call
+    :func:`reduce_replica_grads` before ``scaler.unscale_(optimizer)``: unscaling divides the gradients the
+    optimizer holds, not the replicas' still to be reduced."""
     moes = experts_modules(model)
     if not moes:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type,
