@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from feplb.control import guard
 from feplb.copy import CopyEngine
@@ -130,7 +131,7 @@ class PeerComm:
         remote_recv = {q: n for q, n in recv_numel.items() if q // g != me // g}
         if cross_node:
             if intra_node and g > 1 and self.copy.name == "nccl" and device.type == "cuda" and \
-                    "nccl" in getattr(self.transport, "_backend", ""):
+                    self.transport.name == "torch" and "nccl" in str(dist.get_backend(self.transport.group)):
                 # Two NCCL communicators (the node's on the copy stream, the group's here) in flight at once may
                 # deadlock (NCCL asks for one order everywhere): the group's all-to-all starts after the node's.
                 node_done = torch.cuda.Event()
@@ -255,8 +256,7 @@ class Exchange:
             raise ValueError(f"{self.op}: a hand-off exchange on CUDA needs the sends' ready event (recorded on the "
                              "stream that produced them): a worker thread cannot know that stream")
         work = self.comm.worker_stream(self.device)
-        if ready is not None:
-            work.wait_event(ready)
+        work.wait_event(ready)
         with torch.cuda.stream(work):
             return self._issue(sends, None, work, self.comm.handoff_stream(self.device))
 

@@ -370,7 +370,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
                            "(error_if_nonfinite=True)")
-    torch.nn.utils.clip_grads_with_norm_([p for p in params], max_norm, total)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 
