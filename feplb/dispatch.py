@@ -82,23 +82,23 @@ class PeerComm:
     transport: Transport
     copy: CopyEngine
     gpus_per_node: int
-    _handoff: dict = field(default_factory=dict, repr=False)
+    _streams: dict = field(default_factory=dict, repr=False)   # (role, device) -> stream, created on first use
+
+    def _stream(self, role: str, device: torch.device):
+        if (role, device) not in self._streams:
+            self._streams[(role, device)] = torch.cuda.Stream(device)
+        return self._streams[(role, device)]
 
     def handoff_stream(self, device: torch.device):
-        """The stream a worker thread hands received tensors to (one per device, created on first use)."""
-        if device not in self._handoff:
-            self._handoff[device] = torch.cuda.Stream(device)
-        return self._handoff[device]
+        """The stream a worker thread hands received tensors to (one per device)."""
+        return self._stream("handoff", device)
 
     def worker_stream(self, device: torch.device):
         """The stream a worker thread issues an exchange's own kernels on (flattening strided sends, the
         cross-node part's concatenation and transport): ordered after the ``ready`` event only, so it neither
         queues behind the compute stream's static GEMM (a new thread's current stream is the default stream) nor
-        runs before the sends exist (one per device, created on first use)."""
-        key = ("worker", device)
-        if key not in self._handoff:
-            self._handoff[key] = torch.cuda.Stream(device)
-        return self._handoff[key]
+        runs before the sends exist (one per device)."""
+        return self._stream("worker", device)
 
     @property
     def rank(self) -> int:

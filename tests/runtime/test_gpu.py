@@ -28,6 +28,12 @@ HAVE_NVSHMEM = NVSHMEM_REASON is None
 needs_nvshmem = pytest.mark.skipif(not HAVE_NVSHMEM, reason=f"{NVSHMEM_REASON} (pip install 'feplb[nvshmem]')")
 
 
+def _on_equals_off(out: dict, grads: dict) -> bool:
+    """Output and every gradient with balancing on (feplb-split) equal those with it off (none)."""
+    return torch.allclose(out["none"], out["feplb-split"], rtol=1e-4, atol=1e-5) and all(
+        torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(grads["none"], grads["feplb-split"], strict=True))
+
+
 def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto"):
     from feplb import FEPLBConfig, MoELayer
 
@@ -60,8 +66,7 @@ def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto"):
     # NVSHMEM is not re-initialised after a finalize, so no layer is closed while another still uses it.
     for layer in reversed(layers):
         layer.close()
-    ok = torch.allclose(out["none"], out["feplb-split"], rtol=1e-4, atol=1e-5) and all(
-        torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(grads["none"], grads["feplb-split"], strict=True))
+    ok = _on_equals_off(out, grads)
     return {"ok": ok, "moved": moved}
 
 
@@ -165,8 +170,7 @@ def _strided_worker(rank, world, transport, device, copy_path):
         layers.append(layer)
     for layer in reversed(layers):
         layer.close()
-    ok = torch.allclose(out["none"], out["feplb-split"], rtol=1e-4, atol=1e-5) and all(
-        torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(grads["none"], grads["feplb-split"], strict=True))
+    ok = _on_equals_off(out, grads)
     err = max((a - b).abs().max().item() for a, b in zip([out["none"], *grads["none"]],
                                                           [out["feplb-split"], *grads["feplb-split"]], strict=True))
     return {"ok": ok, "moved": moved, "copies": copies, "max_err": err}
