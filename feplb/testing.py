@@ -25,7 +25,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DistError", "dense_moe_reference", "error_of", "free_port", "load_global_weights", "run_dist"]
+__all__ = ["DistError", "dense_moe_reference", "error_of", "free_port", "load_global_weights", "max_abs_error",
+           "run_dist"]
 
 
 class DistError(RuntimeError):
@@ -208,3 +209,10 @@ def error_of(fn: Callable[[], Any]) -> str | None:
     except Exception as exc:  # noqa: BLE001 - the caller inspects type and message
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def max_abs_error(got, want) -> float:
+    """max |got - want|, computed in fp64 (0.0 for empty tensors); the shapes must match."""
+    if got.shape != want.shape:
+        raise ValueError(f"max_abs_error: shapes differ, {tuple(got.shape)} vs {tuple(want.shape)}")
+    return (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
