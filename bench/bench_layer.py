@@ -548,7 +548,7 @@ def test_layer_gpu_shared(benchmark):
                    processes_per_gpu=shape["world"], watchdog_s=35)
     t0 = time.perf_counter()
     # gloo's collective timeout outlasts a peer's first-call compiles; the run's limit stops a hang with an error.
-    out = run_dist(_bench_worker, shape["world"], shape, setup, timeout_s=70, collective_timeout_s=45,
+    out = run_dist(_bench_worker, shape["world"], shape, setup, timeout_s=60, collective_timeout_s=45,
                    env=_gpu_env(setup))[0]
     info = _report(benchmark, shape, setup, out, os.environ.get("FEPLB_BENCH_LAYER_JSON", "runs/bench_layer_gpu.json"),
                    GPU_REL_TOL, time.perf_counter() - t0)

@@ -4,17 +4,19 @@
 # a step whose limit would cross the budget is cut to what is left, or skipped and reported NOT RUN ("budget")
 # when under 15 s are left; 10 s are kept for the kill grace of a stopped step and 10 s for the report.
 # Planned (one GPU): about 30 s of installs and imports (two pip installs, four cold Python starts, three with
-# torch), then limits 110 + 110 + 110 + 20 + 35 + 50 + 80 s = 515 s (kernels, runtime_gpu, bench_kernels, planner,
+# torch), then limits 170 + 110 + 90 + 20 + 25 + 30 + 70 s = 515 s (kernels, runtime_gpu, bench_kernels, planner,
 # bench_overlap, bench_straggler, bench_layer): about 545 s if every step used its whole limit, so only then does
-# the last step (bench_layer) lose up to 25 s to the budget; a step's limit and kill grace never reach past the
-# budget, so the command ends by about 540 s even when a step must be killed.
+# the last step (bench_layer) lose up to 25 s to the budget. The limits follow the first H200 run (2026-11-30):
+# kernels ran out of 110 s over 8 workers by file; the other steps used 94, 67, 11, 12, 15 and 38 s. A step's
+# limit and kill grace never reach past the budget, so the command ends by about 540 s even when one is killed.
 # The report runs from an EXIT trap (also after SIGINT / SIGTERM, once the running step has stopped), so
 # report.json and the table always come out. Steps, each under its own time limit (a step that runs out is
 # stopped with SIGINT, so pytest still writes its report, and the next runs):
 #
-#   kernels        tests/kernels on the GPU, without -x, over 8 pytest-xdist workers by file when xdist imports
-#                  (else serially), the per-config correctness tests (test_triton_kernels.py) first; the CPU-only
-#                  torch-inductor case is left to CI
+#   kernels        tests/kernels on the GPU, without -x, over 14 pytest-xdist workers test by test when xdist
+#                  imports (else serially; Triton's on-disk cache shares the compiled kernels between workers), the
+#                  per-config correctness tests (test_triton_kernels.py) first, the 25 slowest tests listed in the
+#                  log; the CPU-only torch-inductor case is left to CI
 #   runtime_gpu    -m gpu tests/runtime over 3 xdist workers by file (the layer with two processes on the one GPU
 #                  over the CUDA IPC copy path, NVSHMEM too when nvshmem4py imports); FAILS when a test that runs on
 #                  one GPU skipped (skips whose reason says "2 GPUs" are allowed; NVSHMEM tests skipped because
@@ -26,7 +28,7 @@
 #   bench_straggler  GEMM straggler of an EP=8 group on the ESFT trace: every rank's grouped GEMM under plain EP
 #                  and each balancing plan, timed one after another on the one GPU (ranks in parallel assumed)
 #   bench_layer    the layer's forward + backward with balancing on and off, host syncs per forward (on one GPU
-#                  two processes share it: spawn, CUDA init and compiles need an estimated 40-80 s)
+#                  two processes share it: spawn, CUDA init and compiles took 38 s on the first H200 run)
 #
 # Autotuning is time-boxed in every step and in the processes the tests spawn: FEPLB_AUTOTUNE_MS (read when
 # feplb.kernels is imported) is exported per step. Then prints, last, the table of ../shared/design/targets.md:
@@ -288,7 +290,8 @@ export PYTHONPATH=$ROOT/bench${PYTHONPATH:+:$PYTHONPATH}
 KERNEL_XDIST=()
 RUNTIME_XDIST=()
 if [ "$XDIST" = 1 ]; then
-    KERNEL_XDIST=(-n 8 --dist loadfile)   # one file per worker: a file's tests share its compiled kernels
+    # Test by test: by file, the 95 per-config compiles of test_triton_kernels.py queue on one worker (2026-11-30)
+    KERNEL_XDIST=(-n 14 --dist load)
     RUNTIME_XDIST=(-n 3 --dist loadfile)  # the three files with one-GPU tests side by side (correctness only)
 fi
 # The per-config correctness tests first (pytest keeps the order of the files named; with xdist the first file is
@@ -298,11 +301,11 @@ KERNEL_TESTS=(tests/kernels/test_triton_kernels.py)
 for f in tests/kernels/test_*.py; do
     case $f in */test_triton_kernels.py | */test_hopper_compile.py) ;; *) KERNEL_TESTS+=("$f") ;; esac
 done
-FEPLB_AUTOTUNE_MS=5,20 pytest_step kernels 110 "${KERNEL_XDIST[@]}" "${KERNEL_TESTS[@]}" \
+FEPLB_AUTOTUNE_MS=5,20 pytest_step kernels 170 "${KERNEL_XDIST[@]}" --durations=25 "${KERNEL_TESTS[@]}" \
     --deselect "tests/kernels/test_custom_ops.py::test_torch_compile_fullgraph[torch-inductor]"
 FEPLB_AUTOTUNE_MS=5,20 pytest_step runtime_gpu 110 "${RUNTIME_XDIST[@]}" -m gpu tests/runtime
 FEPLB_AUTOTUNE_MS=10,40 FEPLB_BENCH_KERNELS_JSON=$OUT/bench_kernels.json \
-    pytest_step bench_kernels 110 -m gpu bench/bench_kernels.py --benchmark-enable
+    pytest_step bench_kernels 90 -m gpu bench/bench_kernels.py --benchmark-enable
 PLANNER_TESTS=()
 for case in E128-W8-feplb E128-W8-feplb-split "E256-W64-feplb[node]" "E256-W64-feplb-split[node]" \
         E256-W64-fastermoe E256-W64-eplb; do
@@ -313,17 +316,17 @@ command -v taskset > /dev/null && PIN="taskset -c 1"
 step planner 20 $PIN "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$WORK/junit_planner.xml" \
     --benchmark-enable --benchmark-json="$WORK/bench_sched.json" "${PLANNER_TESTS[@]}"
 FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_OVERLAP_JSON=$OUT/bench_overlap.json \
-    pytest_step bench_overlap 35 -s -m gpu bench/bench_overlap.py --benchmark-enable
+    pytest_step bench_overlap 25 -s -m gpu bench/bench_overlap.py --benchmark-enable
 # After bench_overlap, which compiled the ESFT-shape kernels (int64 offsets, as here) into Triton's disk cache:
 # rank row counts not divisible by 16 and new row buckets still compile and autotune (time-boxed; estimated
 # 10-20 s), then 6 samples x 5 policies x 8 ranks x 2 GEMM paths x 6 rounds of ~0.5 ms plus a 0.5 ms GPU sleep
 # each (estimated; not yet run on a GPU).
 FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_STRAGGLER_JSON=$OUT/bench_straggler.json \
-    pytest_step bench_straggler 50 -s -m gpu bench/bench_straggler.py --benchmark-enable
-# On one GPU bench_layer runs two processes on it (spawn, CUDA init, compiles: estimated 40-80 s; its own run
-# limit is 80 s); with more, one per GPU.
+    pytest_step bench_straggler 30 -s -m gpu bench/bench_straggler.py --benchmark-enable
+# On one GPU bench_layer runs two processes on it (spawn, CUDA init, compiles: 38 s on 2026-11-30; its own run
+# limit is 60 s, inside the step's 70 s); with more, one per GPU.
 FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_LAYER_JSON=$OUT/bench_layer.json \
-    pytest_step bench_layer 80 -s -m gpu bench/bench_layer.py --benchmark-enable
+    pytest_step bench_layer 70 -s -m gpu bench/bench_layer.py --benchmark-enable
 
 if [ "$DRY" = 1 ] && [ "${FEPLB_GPU_CHECK_COLLECT:-1}" != 0 ]; then
     # The plumbing of every step: its tests import and are selected.
