@@ -1,11 +1,13 @@
 """The two helper threads of a MoE layer: the planner (CPU scheduler) and the copy thread.
 
-Per micro-batch, before the static experts' GEMM is launched, the layer hands the node's counts to the PLANNER
-thread and a job to the COPY thread: wait for the plan (no longer than the static GEMM plus ``plan_wait_ms``), agree
-with the node (the group, when the policy history reads whole plans) that every rank has it (one tiny MIN all-reduce
-over the CPU control group), then issue the phase-2 copies. On a GPU the copies go on the copy path's stream while
-the static GEMM still runs on the compute stream; on a CPU the copy thread is the stand-in for that stream and
-copies while the main thread computes. The main thread meets the copy thread only after the static GEMM.
+Per micro-batch, beside the static experts' GEMM (on a CPU before it computes on the main thread; on a GPU once it
+is queued: the planner holds the GIL while it plans, so it starts after the launches it would otherwise delay), the
+layer hands the node's counts to the PLANNER thread and a job to the COPY thread: wait for the plan (no longer than
+the static GEMM plus ``plan_wait_ms``), agree with the node (the group, when the policy history reads whole plans)
+that every rank has it (one tiny MIN all-reduce over the CPU control group), then issue the phase-2 copies. On a GPU
+the copies go on the copy path's stream while the static GEMM still runs on the compute stream; on a CPU the copy
+thread is the stand-in for that stream and copies while the main thread computes. The main thread meets the copy
+thread only after the static GEMM.
 
 The planner signals completion through its future (a condition variable, no sleep poll); on a GPU the copy thread
 also watches the static GEMM's end event, the deadline after which waiting would delay the layer.

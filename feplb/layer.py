@@ -11,7 +11,9 @@ and outputs (frozen dataclasses), the layouts pure functions of ``feplb.layout``
    the rows phase 2 may send are ready before the static GEMM is launched).
 5. ``feplb.phase2.start_phase2``: the planner thread plans while the copy thread waits for it, checks and lays the
    plan out, agrees with the node and issues the copies (``feplb.balance``) ...
-6. ``_static_gemm``: ... beside the static experts' grouped GEMM.
+6. ``_static_gemm``: ... beside the static experts' grouped GEMM (on a GPU, step 5 starts once the static GEMM is
+   queued, so the planner thread, which holds the GIL while it plans, never delays its launch; on a CPU, where the
+   static GEMM computes on the calling thread, step 5 starts first).
 7. ``feplb.phase2.dynamic_and_return``: the rows hosted for others first (one grouped launch per weight bank, after
    their copies), their results sent home through the copy thread, the dynamic rows kept at home meanwhile ...
 8. ... every result gathered into receive order; reverse all-to-all (``_in_node``).
@@ -49,7 +51,7 @@ from feplb.control import Control
 from feplb.copy import make_copy_engine
 from feplb.direct import forward_direct
 from feplb.dispatch import PeerComm, all_to_all_rows
-from feplb.experts import expert_mlp, span, to_device
+from feplb.experts import expert_mlp, ready_event, span, to_device
 from feplb.layout import (
     DirectLayout,
     HomeLayout,
@@ -339,10 +341,16 @@ class MoELayer(nn.Module):
         slot_w = self.replicas.forward_slot_weights(self.placement, recv_RD)
         with span(tl, "gather"):
             h_RD = recv_RD.index_select(0, to_device(split.home.perm, recv_RD.device))
-        job = start_phase2(self, h_RD, counts, split, slot_w, tl) if counts.want_plan else None
+        # The rows phase 2 may send are ready here: on a GPU the copy stream waits for this event, not for the
+        # static GEMM queued after it.
+        ready = ready_event(h_RD)
+        plan_first = counts.want_plan and self._plan_first(h_RD)
+        job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready) if plan_first else None
         try:
             with span(tl, "static_gemm"):
                 y_static = self._static_gemm(h_RD, split.home, slot_w)
+            if counts.want_plan and not plan_first:
+                job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready)
         finally:
             if job is not None:
                 job.static_launched()   # (also on an error here: the copy thread must not wait for it forever)
@@ -354,6 +362,12 @@ class MoELayer(nn.Module):
                                      self.transport, split.home.recv_splits, split.send_splits,
                                      split_matrix=split.split_WW.t().contiguous())
         return y_back, dataclasses.replace(p2, bank_bytes=slot_w.copied_bytes)
+
+    def _plan_first(self, h_RD: torch.Tensor) -> bool:
+        """Whether step 5 starts before the static GEMM (a CPU: it computes on this thread, and planning runs
+        beside it) or once the static GEMM is queued (a GPU: the planner thread holds the GIL while it plans, and
+        started first it could delay the static GEMM's launches, and leave the GPU idle, by up to a plan)."""
+        return not h_RD.is_cuda
 
     def _static_gemm(self, h_RD: torch.Tensor, home: HomeLayout, slot_w) -> torch.Tensor:
         """Step 6: the static block of home order through all slot weights (the dynamic slots given empty groups,

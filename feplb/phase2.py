@@ -1,7 +1,8 @@
 """Phase 2 of the in-node path: planning and copies beside the static GEMM, then the dynamic GEMM and the results'
 return (steps 5, 7 and 8 of ``feplb.layer``).
 
-``start_phase2`` (main thread, before the static GEMM is launched) hands the planner thread the counts and the copy
+``start_phase2`` (main thread: on a CPU before the static GEMM computes, on a GPU once it is queued, so the planner
+thread, which holds the GIL while it plans, never delays its launch) hands the planner thread the counts and the copy
 thread a job: wait for the plan, check it and lay it out (``feplb.layout.phase2_layout``), agree with the node
 (``feplb.balance``; the group, when the policy history reads whole plans: ``MoELayer._scope_group``), then issue one
 ``feplb.dispatch.Exchange`` with the rows to helpers and the plan's weight copies (``Plan.weight_copies``, executed
@@ -86,14 +87,16 @@ def materialize(spec: tuple, h_RD: torch.Tensor, local, detach: bool = False) ->
     return out
 
 
-def start_phase2(layer, h_RD: torch.Tensor, counts: Counts, split: Split, slot_w, tl) -> Phase2Job:
-    """Step 5: planning on the planner thread; checks, agreement and copies on the copy thread."""
+def start_phase2(layer, h_RD: torch.Tensor, counts: Counts, split: Split, slot_w, tl, ready) -> Phase2Job:
+    """Step 5: planning on the planner thread; checks, agreement and copies on the copy thread.
+
+    ready: ``feplb.experts.ready_event(h_RD)`` recorded once h_RD is gathered, before the static GEMM is queued (the
+    copies wait for it, not for the static GEMM); None on a CPU."""
     state = layer._plan_state
     plan_f = layer._balancer.submit_plan(lambda: layer._plan(counts.counts_WE, state, tl))
     on_gpu = h_RD.is_cuda
     end = torch.cuda.Event() if on_gpu else None
     launched = threading.Event()
-    ready = ready_event(h_RD)
     static_end = (lambda: launched.is_set() and end.query()) if on_gpu else None
     future = layer._balancer.copier.submit(_phase2_job, layer, h_RD.detach(), counts, split, slot_w, state, plan_f,
                                            static_end, launched, ready, tl)

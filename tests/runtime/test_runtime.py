@@ -87,6 +87,25 @@ def _timeline(rank, res, tmp):
     layer.close()
 
 
+def _gpu_order(rank, res):
+    """The GPU's order on CPU tensors (planning starts once the static GEMM is queued; here, once it has computed):
+    the same plan, outputs and gradients as the CPU's order (planning first, beside the static GEMM)."""
+    got = {}
+    for plan_first in (True, False):
+        layer, xs = _layer(1, policy="feplb-split", weights="per-microbatch", timeline=True)
+        layer._plan_first = lambda h_RD, first=plan_first: first
+        x = xs[rank].clone().requires_grad_(True)
+        y = layer(x)
+        y.square().sum().backward()
+        spans = {s.name: s for s in layer.last_timeline.spans()}
+        got[plan_first] = {"out": y.detach(), "dx": x.grad, "dw1": layer.w1.grad, "dw2": layer.w2.grad,
+                           "plan_start": spans["plan"].start_us, "static_end": spans["static_gemm"].end_us,
+                           "static_start": spans["static_gemm"].start_us, "moved": layer.last_stats.rows_moved,
+                           "fell_back": layer.last_stats.fell_back, "plan": layer.last_plan}
+        layer.close()
+    res["gpu_order"] = got
+
+
 def _optimizers(rank, res):
     """Fused / foreach optimizers: stale replicas are caught; attach_optimizer keeps training equal to plain EP."""
     kinds = [("AdamW", {"fused": True}), ("AdamW", {"foreach": True}), ("SGD", {"fused": True}),
@@ -207,6 +226,7 @@ def _copy_bytes(rank, res):
 def _worker(rank, world, tmp):
     res = {}
     _timeline(rank, res, tmp)
+    _gpu_order(rank, res)
     _inputs(rank, res)
     _defaults(rank, res)
     _copy_bytes(rank, res)
@@ -234,6 +254,15 @@ def test_runtime_schedule_optimizers_inputs_defaults(tmp_path):
         assert t["dynamic_gemm"][1] >= t["static_gemm"][2]
         assert t["phase1_reverse"][1] >= t["dynamic_gemm"][2] and t["combine"][1] >= t["phase1_reverse"][2]
     assert any("copy_rows" in r["timeline"] for r in results)
+    for rank, res in enumerate(results):
+        cpu, gpu = res["gpu_order"][True], res["gpu_order"][False]
+        assert cpu["plan_start"] < cpu["static_end"], "CPU order: planning starts beside the static GEMM"
+        assert gpu["plan_start"] >= gpu["static_end"], "GPU order: planning starts once the static GEMM is queued"
+        assert not cpu["fell_back"] and not gpu["fell_back"] and cpu["moved"] == gpu["moved"]
+        assert cpu["plan"].moves == gpu["plan"].moves and cpu["plan"].weight_copies == gpu["plan"].weight_copies
+        for k in ("out", "dx", "dw1", "dw2"):
+            assert torch.equal(cpu[k], gpu[k]), (rank, k)
+    assert sum(r["gpu_order"][False]["moved"] for r in results) > 0
     assert results[0]["trace_events"] >= 20 and results[0]["trace_file"] == "X"
     assert results[0]["png"] == b"\x89PNG\r\n\x1a\n"
 
