@@ -216,6 +216,7 @@ def _bench(rank, shape, setup, phases):
     phases.begin("skewed routing: timed forward + backward (the first 2 of each variant compile the backward)")
     times = {p: [] for p in layers}
     stats, outs = {}, {}
+    copy_use = {p: dict.fromkeys(_copy_counters(layer), 0) for p, layer in layers.items()}
     for it in range(iters + 2):
         for policy, layer in layers.items():
             xi = x.clone().requires_grad_(True)
@@ -225,9 +226,13 @@ def _bench(rank, shape, setup, phases):
                 y.float().sum().backward()
                 return y
 
+            before = _copy_counters(layer)
             t, y = timed_ms(step)
+            after = _copy_counters(layer)
             if it >= 2:
                 times[policy].append(t)
+                for k in after:
+                    copy_use[policy][k] += after[k] - before[k]
             if it == 2:
                 outs[policy] = (y.detach().float(), xi.grad.float())
             layer.reduce_replica_grads()
@@ -275,19 +280,80 @@ def _bench(rank, shape, setup, phases):
             layer.reduce_replica_grads()
             layer.zero_grad()
 
+    phases.begin("copy path: one exchange's latency, alone")
+    probe = _copy_probe(layers[BALANCED], dev, dtype)
+
     phases.begin("close")
     conditions = {"transport": layers[BALANCED].transport.name, "copy_path": layers[BALANCED].comm.copy.name,
                   "backend": backend}
     for layer in reversed(list(layers.values())):   # the first layer's transport may own NVSHMEM: finalise it last
         layer.close()
     phases.end()
+    per_step = {p: {f"copy_{k}_per_step": (max_over_ranks(v) / iters) for k, v in use.items()}
+                for p, use in copy_use.items()}
     return {"results": {p: {"median_ms": float(np.median(v)), "min_ms": float(np.min(v)), **stats[p],
+                            **per_step[p],
                             "max_abs_diff_vs_plain": diffs[p]["out"], "max_abs_grad_diff_vs_plain": diffs[p]["grad"]}
                         for p, v in times.items()},
+            "copy_probe": {k: max_over_ranks(v) for k, v in probe.items()},
             "scale": scale,
             "balanced_routing": {p: {"median_ms": float(np.median(v)), **even_stats[p]}
                                  for p, v in even_times.items()},
             "host_syncs": syncs, "conditions": conditions, "phase_s": dict(phases.seconds)}
+
+
+def _copy_counters(layer) -> dict[str, int]:
+    """The copy path's own counters (``feplb.copy.peer.PeerInboxEngine``: exchanges with data, inbox rebuilds);
+    empty for an engine without them."""
+    eng = layer.comm.copy
+    return {k: int(getattr(eng, k)) for k in ("exchanges", "grows") if hasattr(eng, k)}
+
+
+PROBE_ITERS = 20
+
+
+def _copy_probe(layer, dev: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """One copy-path exchange of 4 KiB between the node's ranks, alone (collective on the node): the median time of
+    one exchange issued and waited for (``synced_us``: on a GPU the host waits for the copy stream's results, so
+    every cross-process event wait and the processes' turns on a shared GPU are in it) and the mean of
+    ``PROBE_ITERS`` issued back to back then waited for once (``pipelined_us``). Checks what arrived."""
+    import numpy as np
+    import torch.distributed as dist
+
+    eng, g, me = layer.comm.copy, layer.comm.copy.node_size, layer.comm.copy.node_rank
+    if g < 2:
+        return {}
+    n = 4096 // torch.empty(0, dtype=dtype).element_size()
+    rank = dist.get_rank()
+    piece = torch.full((n,), float(rank % 64), dtype=dtype, device=dev)
+    peers = [p for p in range(g) if p != me]
+    base = rank - me
+
+    def once():
+        return eng.exchange({p: [piece] for p in peers}, dict.fromkeys(peers, n), dtype=dtype, device=dev,
+                            op="copy probe")
+
+    def wait(got):
+        if dev.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        for p, t in got.items():
+            if not bool((t == float((base + p) % 64)).all()):
+                raise RuntimeError(f"copy probe: rank {rank} received other data from node rank {p}")
+
+    wait(once())                                   # a first exchange: grow the inboxes if need be
+    synced = []
+    for _ in range(PROBE_ITERS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        wait(once())
+        synced.append((time.perf_counter() - t0) * 1e6)
+    dist.barrier()
+    t0 = time.perf_counter()
+    got = [once() for _ in range(PROBE_ITERS)]
+    for g_ in got:
+        wait(g_)
+    pipelined = (time.perf_counter() - t0) * 1e6 / PROBE_ITERS
+    return {"synced_us": float(np.median(synced)), "pipelined_us": pipelined}
 
 
 def _group_balance(st) -> dict:
@@ -425,7 +491,12 @@ def _report(benchmark, shape, setup, out, path, rel_tol: float, wall_s: float | 
                                "of plain EP's, on the same input (max over ranks)",
             "balanced_routing": even,
             "balanced_routing_overhead_pct": 100 * (even[BALANCED]["median_ms"] / even["none"]["median_ms"] - 1),
-            "phase_s": out["phase_s"], "wall_s": wall_s}
+            "phase_s": out["phase_s"], "wall_s": wall_s,
+            "copy_probe": out["copy_probe"],
+            "copy_probe_note": "one copy-path exchange of 4 KiB between the node's ranks, alone: synced_us issued and "
+                               "waited for (cross-process event waits, and on a shared GPU the processes' turns, "
+                               "included), pipelined_us issued back to back; each variant's copy_exchanges_per_step "
+                               "says how many exchanges with data one forward + backward makes"}
     staged = {}
     if device == "gpu":
         syncs = out["host_syncs"]
@@ -456,7 +527,14 @@ def _report(benchmark, shape, setup, out, path, rel_tol: float, wall_s: float | 
         print(f"  {p:28s} {r['median_ms']:8.2f} ms  token straggler {r['token_straggler_before']:.0f} -> "
               f"{r['token_straggler_after']:.0f}  rows moved {r['rows_moved']}  copy {r['copy_bytes'] / 1e6:.2f} MB "
               f"({r['weight_copies']} weight copies)  fell back {r['fell_back']}  "
-              f"max |out - plain EP| {r['max_abs_diff_vs_plain']:.2e}")
+              f"max |out - plain EP| {r['max_abs_diff_vs_plain']:.2e}"
+              + (f"  copy-path exchanges {r['copy_exchanges_per_step']:.1f} per step"
+                 if "copy_exchanges_per_step" in r else "")
+              + (f", inbox rebuilds {r['copy_grows_per_step']:.2f}" if r.get("copy_grows_per_step") else ""))
+    probe = info["copy_probe"]
+    if probe:
+        print(f"  one copy-path exchange of 4 KiB alone: {probe['synced_us']:.0f} us issued and waited for, "
+              f"{probe['pipelined_us']:.0f} us each back to back")
     print(f"  balanced routing: plain EP {even['none']['median_ms']:.2f} ms, {BALANCED} "
           f"{even[BALANCED]['median_ms']:.2f} ms ({info['balanced_routing_overhead_pct']:+.1f}%)")
     print(f"  equal to plain EP ({info['exact_criterion']}): {info['exact']}")
@@ -488,6 +566,11 @@ def _check(info: dict, rel_tol: float) -> None:
         assert r["token_straggler_before"] == 0 and r["rows_moved"] == 0, (p, r)
         assert math.isfinite(r["median_ms"]) and r["median_ms"] > 0
     assert math.isfinite(info["balanced_routing_overhead_pct"])
+    # The copy path's use: a balanced step exchanges rows (and weights), plain EP never uses it; the probe ran.
+    if "copy_exchanges_per_step" in res[BALANCED]:
+        assert res[BALANCED]["copy_exchanges_per_step"] > 0 and res["none"]["copy_exchanges_per_step"] == 0, res
+    probe = info["copy_probe"]
+    assert set(probe) == {"synced_us", "pipelined_us"} and all(v > 0 for v in probe.values()), probe
 
 
 def _check_syncs(info: dict) -> None:
