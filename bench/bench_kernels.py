@@ -16,7 +16,12 @@ Rules every case follows:
 * a failure of the project's own kernel (wrong values, or any exception while checking or timing) FAILS the
   case; only a baseline that this torch or GPU cannot run is skipped (and recorded with its error);
 * results do not depend on the order the cases run in: the autotuners' caches are cleared before each of ours,
-  so every case picks its configuration on its own input (the chosen one is recorded).
+  so every case picks its configuration on its own input (the chosen one is recorded);
+* ``us`` is GPU time: CUDA events around back-to-back calls queued behind a GPU sleep, so the host's launches
+  run ahead and no launch gap is timed; ``host_us`` is the host's time to issue one call (checks, autotuner
+  dispatch, launcher), and ``launch_bound`` says the host issues calls slower than the GPU runs them (a real
+  program then waits for the host at this size). The first H200 run (2026-11-30) timed host wall time, which at
+  128 to 512 rows per expert measured launches, not the permute kernels.
 
 CPU part: the same case builders at a tiny shape under the Triton interpreter (values checked, CI runs them with
 --benchmark-disable), and the failure rules above on stand-ins; CPU timings say nothing about a GPU.
@@ -27,7 +32,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -215,7 +222,7 @@ def permute_case(rows_per_expert: int, dist: str, impl: str, *, device: str, num
     return fn, nbytes, T
 
 
-def measure(timer, impl: str, fn, row: dict, record) -> float | None:
+def measure(timer, impl: str, fn, row: dict, record):
     """Time ``fn`` with ``timer``; ours propagates any failure (after ``record``-ing the row with its error), a
     baseline that raises is recorded and skipped."""
     try:
@@ -325,6 +332,44 @@ def test_ours_is_checked_against_the_twin_when_grouped_mm_raises(monkeypatch, op
         check_grouped("feplb", op, x, w, dy, offsets)
 
 
+def test_cuda_timer_times_the_gpu_behind_a_sleep(monkeypatch):
+    """The GPU timer's order on stand-ins: per round a GPU sleep, the start event, INNER calls, the end event, one
+    sync; GPU time from the events (medians, warm-up dropped), host time from the issue loop."""
+    order: list = []
+    elapsed = iter([99.0, 2.0, 3.0, 1.0, 5.0, 4.0, 6.0])     # ms per round of INNER calls; the first is warm-up
+
+    made = []
+
+    class Event:                                             # made in pairs: start, end
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.name = ("start", "end")[len(made) % 2]
+            made.append(self)
+
+        def record(self):
+            order.append(self.name)
+
+        def elapsed_time(self, end):
+            return next(elapsed)
+
+    class Bench:
+        def pedantic(self, run, rounds, iterations, warmup_rounds):
+            assert iterations == 1
+            for _ in range(rounds + warmup_rounds):
+                run()
+
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: order.append("sleep"), raising=False)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: order.append("sync"))
+    t = _cuda_timer(Bench())(lambda: order.append("call"))
+    first_round = ["sleep", "start"] + ["call"] * INNER + ["end", "sync"]
+    assert order == ["call", "sync"] + first_round * (ROUNDS + 1)
+    assert t["gpu_s"] == pytest.approx(3.5e-3 / INNER) and 0 < t["host_s"] < 1e-3
+    row = timed_row({"gpu_s": 2e-5, "host_s": 5e-5})
+    assert row == {"us": pytest.approx(20.0), "host_us": pytest.approx(50.0), "launch_bound": True}
+    assert not timed_row({"gpu_s": 2e-3, "host_s": 5e-5})["launch_bound"]
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_dense_check_is_norm_wise(monkeypatch, op):
     """The dense baseline's check passes an error an element-wise bound rejects (one element near zero off by the
@@ -371,20 +416,46 @@ def record(row: dict) -> None:
     tmp.replace(out)
 
 
-def _cuda_timer(benchmark, inner: int = 10):
-    """Mean seconds per call of a CUDA function: rounds of ``inner`` back-to-back calls, one sync per round."""
-    def timer(fn) -> float:
+# GPU sleep queued before each timed round (~2 ms on an H200's ~2 GHz clock): longer than the host needs to issue
+# INNER calls of ours (about 40 to 65 us each on the first H200 run), so the events time no launch gap.
+SLEEP_CYCLES = 4_000_000
+INNER, ROUNDS = 10, 6
+
+
+def _cuda_timer(benchmark, inner: int = INNER, rounds: int = ROUNDS):
+    """Per call of a CUDA function: {"gpu_s", "host_s"} (medians over ``rounds``, one warm-up round dropped).
+
+    Each round queues a GPU sleep, then ``inner`` calls between two CUDA events, then syncs: the host's launches
+    run ahead while the GPU sleeps, so the events time the GPU's work without launch gaps; the host's wall time to
+    issue the ``inner`` calls is the launch cost. pytest-benchmark records the rounds' wall time beside."""
+    def timer(fn) -> dict[str, float]:
+        gpu, host = [], []
+
         def run():
+            torch.cuda._sleep(SLEEP_CYCLES)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
             for _ in range(inner):
                 fn()
+            host.append((time.perf_counter() - t0) / inner)
+            end.record()
             torch.cuda.synchronize()
+            gpu.append(start.elapsed_time(end) / 1e3 / inner)
 
         fn()
         torch.cuda.synchronize()
-        benchmark.pedantic(run, rounds=6, iterations=1, warmup_rounds=1)
-        return benchmark.stats.stats.mean / inner if benchmark.stats is not None else float("nan")
+        benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=1)
+        if len(gpu) != rounds + 1:
+            raise RuntimeError(f"timer: {len(gpu)} rounds ran, expected {rounds} and a warm-up")
+        return {"gpu_s": statistics.median(gpu[1:]), "host_s": statistics.median(host[1:])}
 
     return timer
+
+
+def timed_row(t: dict[str, float]) -> dict:
+    """The timer's result as a result row's fields: ``us`` (GPU), ``host_us``, ``launch_bound``."""
+    return {"us": t["gpu_s"] * 1e6, "host_us": t["host_s"] * 1e6, "launch_bound": t["host_s"] > t["gpu_s"]}
 
 
 # The permute cases run first and the grouped GEMM cases from the largest rows per expert down: the cases the
@@ -406,8 +477,8 @@ def test_permute_bandwidth(benchmark, rows_per_expert, dist, impl):
         raise
     row.update(T=T, bytes=nbytes)
     benchmark.group = f"permute {dist} {rows_per_expert}/expert"
-    seconds = measure(_cuda_timer(benchmark), "feplb" if impl != "copy" else impl, fn, row, record)
-    row.update(us=seconds * 1e6, gbps=nbytes / seconds / 1e9)
+    t = measure(_cuda_timer(benchmark), "feplb" if impl != "copy" else impl, fn, row, record)
+    row.update(timed_row(t), gbps=nbytes / t["gpu_s"] / 1e9)
     benchmark.extra_info.update(row)
     record(row)
 
@@ -436,8 +507,8 @@ def test_grouped_mm_tflops(benchmark, rows_per_expert, dist, proj, op, impl):
     if impl == "feplb":
         row["configs"] = chosen_configs()
     benchmark.group = f"grouped_mm {proj} {op} {dist} {rows_per_expert}/expert"
-    seconds = measure(_cuda_timer(benchmark), impl, fn, row, record)
+    t = measure(_cuda_timer(benchmark), impl, fn, row, record)
     flops = 2.0 * x.shape[0] * x.shape[1] * w.shape[2]
-    row.update(us=seconds * 1e6, tflops=flops / seconds / 1e12)
+    row.update(timed_row(t), tflops=flops / t["gpu_s"] / 1e12)
     benchmark.extra_info.update(row)
     record(row)
