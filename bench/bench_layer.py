@@ -233,9 +233,11 @@ def _bench(rank, shape, setup, phases):
                 times[policy].append(t)
                 for k in after:
                     copy_use[policy][k] += after[k] - before[k]
-            if it == 2:
-                outs[policy] = (y.detach().float(), xi.grad.float())
             layer.reduce_replica_grads()
+            if it == 2:
+                outs[policy] = {"out": y.detach().float(), "grad": xi.grad.float(),
+                                **{k: _grad_of(p) for k, p in (("w1_grad", layer.w1), ("w2_grad", layer.w2),
+                                                               ("router_grad", layer.router.weight))}}
             layer.zero_grad()
             st = layer.last_stats
             group = _group_balance(st)
@@ -245,10 +247,12 @@ def _bench(rank, shape, setup, phases):
                              "plan_us": st.plan_us, "copy_bytes": group["copy_bytes"],
                              "weight_copies": group["weight_copies"], "experts_placed": st.experts_placed}
 
-    y0, g0 = outs["none"]
-    scale = {"out": max_over_ranks(float(y0.abs().max())), "grad": max_over_ranks(float(g0.abs().max()))}
-    diffs = {p: {"out": max_over_ranks(float((y - y0).abs().max())),
-                 "grad": max_over_ranks(float((g - g0).abs().max()))} for p, (y, g) in outs.items()}
+    # Each variant against plain EP: the output, the input gradient and the parameters' gradients (the expert
+    # weights' gradients are where split rows' sums meet), max over ranks, next to plain EP's largest |value|.
+    ref = outs["none"]
+    scale = {k: max_over_ranks(float(t.abs().max())) if t.numel() else 0.0 for k, t in ref.items()}
+    diffs = {p: {k: max_over_ranks(float((o[k] - t).abs().max())) if t.numel() else 0.0 for k, t in ref.items()}
+             for p, o in outs.items()}
 
     # Perfectly balanced routing: token t's k-th choice is expert (t * K + k) mod E on every rank, so each expert,
     # and each GPU, receives the same rows: nothing to balance, and whatever balancing costs shows.
@@ -293,13 +297,22 @@ def _bench(rank, shape, setup, phases):
                 for p, use in copy_use.items()}
     return {"results": {p: {"median_ms": float(np.median(v)), "min_ms": float(np.min(v)), **stats[p],
                             **per_step[p],
-                            "max_abs_diff_vs_plain": diffs[p]["out"], "max_abs_grad_diff_vs_plain": diffs[p]["grad"]}
+                            "max_abs_diff_vs_plain": diffs[p]["out"], "max_abs_grad_diff_vs_plain": diffs[p]["grad"],
+                            "max_abs_param_grad_diff_vs_plain": {k: v for k, v in diffs[p].items()
+                                                                 if k not in ("out", "grad")}}
                         for p, v in times.items()},
             "copy_probe": {k: max_over_ranks(v) for k, v in probe.items()},
             "scale": scale,
             "balanced_routing": {p: {"median_ms": float(np.median(v)), **even_stats[p]}
                                  for p, v in even_times.items()},
             "host_syncs": syncs, "conditions": conditions, "phase_s": dict(phases.seconds)}
+
+
+def _grad_of(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient as fp32 (zeros when it has none: no row reached it on this rank)."""
+    if param.grad is None:
+        return torch.zeros_like(param, dtype=torch.float32)
+    return param.grad.detach().float().clone()
 
 
 def _copy_counters(layer) -> dict[str, int]:
@@ -485,10 +498,15 @@ def _report(benchmark, shape, setup, out, path, rel_tol: float, wall_s: float | 
             "max_abs_diff_vs_plain": max(r["max_abs_diff_vs_plain"] for r in res.values()),
             "max_abs_grad_diff_vs_plain": max(r["max_abs_grad_diff_vs_plain"] for r in res.values()),
             "output_scale": scale,
+            "max_abs_param_grad_diff_vs_plain": {k: max(r["max_abs_param_grad_diff_vs_plain"][k] for r in res.values())
+                                                 for k in none["max_abs_param_grad_diff_vs_plain"]},
             "exact": all(r["max_abs_diff_vs_plain"] <= rel_tol * scale["out"]
-                         and r["max_abs_grad_diff_vs_plain"] <= rel_tol * scale["grad"] for r in res.values()),
-            "exact_criterion": f"every variant's output and input gradient within {rel_tol:g} x the largest |value| "
-                               "of plain EP's, on the same input (max over ranks)",
+                         and r["max_abs_grad_diff_vs_plain"] <= rel_tol * scale["grad"]
+                         and all(d <= rel_tol * scale[k] for k, d in r["max_abs_param_grad_diff_vs_plain"].items())
+                         for r in res.values()),
+            "exact_criterion": f"every variant's output, input gradient and parameter gradients (w1, w2, router) "
+                               f"within {rel_tol:g} x the largest |value| of plain EP's, on the same input (max over "
+                               "ranks)",
             "balanced_routing": even,
             "balanced_routing_overhead_pct": 100 * (even[BALANCED]["median_ms"] / even["none"]["median_ms"] - 1),
             "phase_s": out["phase_s"], "wall_s": wall_s,
@@ -538,6 +556,9 @@ def _report(benchmark, shape, setup, out, path, rel_tol: float, wall_s: float | 
     print(f"  balanced routing: plain EP {even['none']['median_ms']:.2f} ms, {BALANCED} "
           f"{even[BALANCED]['median_ms']:.2f} ms ({info['balanced_routing_overhead_pct']:+.1f}%)")
     print(f"  equal to plain EP ({info['exact_criterion']}): {info['exact']}")
+    worst = {k: d / max(info["output_scale"][k], 1e-30) for k, d in info["max_abs_param_grad_diff_vs_plain"].items()}
+    print("  parameter gradients, max |variant - plain EP| / max |plain EP|: "
+          + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
     if device == "gpu":
         print(f"  host syncs after the counts step, forward + backward (target 0): {info['host_syncs_after_counts']}"
               f"; per forward, the counts' own included: {info['host_syncs_per_forward']}")
@@ -558,6 +579,10 @@ def _check(info: dict, rel_tol: float) -> None:
     for p, r in res.items():
         assert r["max_abs_diff_vs_plain"] <= rel_tol * info["output_scale"]["out"], (p, r)
         assert r["max_abs_grad_diff_vs_plain"] <= rel_tol * info["output_scale"]["grad"], (p, r)
+        for k, d in r["max_abs_param_grad_diff_vs_plain"].items():
+            assert d <= rel_tol * info["output_scale"][k], (p, k, d)
+    assert set(info["output_scale"]) == {"out", "grad", "w1_grad", "w2_grad", "router_grad"}
+    assert all(v > 0 for v in info["output_scale"].values()), info["output_scale"]
     assert info["exact"]
     assert res[BALANCED]["rows_moved"] > 0 and not res[BALANCED]["fell_back"], res[BALANCED]
     assert res[BALANCED]["token_straggler_after"] < res[BALANCED]["token_straggler_before"]
