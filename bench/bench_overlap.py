@@ -144,6 +144,66 @@ def test_trace_lookup_order(tmp_path, monkeypatch):
     assert trace_candidates()[0] == ROOT.parent / "shared" / "routing_traces" / TRACE_REL
 
 
+LAUNCHES, GIL_ROUNDS = 40, 200
+
+
+def test_planner_thread_and_launches_cpu(benchmark):
+    """Host side only (CPU, any machine; never a GPU figure): how long the main thread takes to issue LAUNCHES tiny
+    torch ops (the host's part of queueing a static GEMM's kernels) alone, with the planner thread handed a plan
+    just before (the layer's order on a GPU until 2026-12-01) and just after (its order since). The planner holds
+    the GIL while it plans, so issued first it delays the launches; both orders plan the same."""
+    import concurrent.futures
+
+    from feplb.traces import SyntheticWorkload
+
+    path = find_trace()
+    if path is not None:
+        w = workload(path, tokens=TOKENS)
+        counts, topo, state = [w["counts_WE"]], w["topo"], w["state"]
+    else:   # the trace's shape (64 experts, top-6, EP 8) with synthetic Zipf counts
+        topo = Topology(num_ranks=EP, gpus_per_node=EP, num_experts=64, dyn=DYN)
+        gen = SyntheticWorkload(kind="zipf", num_experts=64, top_k=6, num_layers=1, alpha=1.0, drift=0.1,
+                                seed=0).microbatches(np.random.default_rng(0), EP, TOKENS)
+        counts, state = [next(gen)[0] for _ in range(8)], PolicyState(topo=topo, policy=POLICY)
+    t = torch.zeros(1)
+
+    def issue() -> float:
+        t0 = time.perf_counter()
+        for _ in range(LAUNCHES):
+            t.add_(1)
+        return (time.perf_counter() - t0) * 1e6
+
+    def plan(c):
+        t0 = time.perf_counter()
+        return make_plan(POLICY, c, topo, state), (time.perf_counter() - t0) * 1e6
+
+    got = {"alone": [], "plan_first": [], "plan_after": []}
+    plan_us = {"plan_first": [], "plan_after": []}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as planner:
+        planner.submit(plan, counts[0]).result()    # the thread exists and numpy is warm
+        for i in range(GIL_ROUNDS):
+            c = counts[i % len(counts)]
+            got["alone"].append(issue())
+            f = planner.submit(plan, c)
+            got["plan_first"].append(issue())
+            first, us = f.result()
+            plan_us["plan_first"].append(us)
+            got["plan_after"].append(issue())
+            after, us = planner.submit(plan, c).result()
+            plan_us["plan_after"].append(us)
+            assert first.moves == after.moves and first.weight_copies == after.weight_copies
+    info = {f"issue_{k}_us_p50": float(np.percentile(v, 50)) for k, v in got.items()}
+    info.update({f"{k}_plan_us_p50": float(np.percentile(v, 50)) for k, v in plan_us.items()},
+                launches=LAUNCHES, rounds=GIL_ROUNDS, workload="ESFT trace" if path is not None else "synthetic zipf",
+                what="host-side CPU times of issuing tiny torch ops beside the planner thread; not GPU times")
+    benchmark.extra_info.update(info)
+    benchmark.pedantic(issue, rounds=3, iterations=1)
+    print(f"\n[CPU, host side] issuing {LAUNCHES} tiny torch ops: alone {info['issue_alone_us_p50']:.0f} us, "
+          f"planner handed a plan just before {info['issue_plan_first_us_p50']:.0f} us, just after "
+          f"{info['issue_plan_after_us_p50']:.0f} us (plan {info['plan_after_plan_us_p50']:.0f} us)")
+    assert all(v > 0 and math.isfinite(v) for v in info.values() if isinstance(v, float)), info
+
+
 def overlap_verdicts(static_gemm_ms: float, plan_us_p50: float, copy_ms_h2d: float) -> dict[str, bool]:
     """What the one-GPU times decide: ``plan_hidden`` (the planner thread's time fits inside the static GEMM) and
     ``copy_fits_h2d`` (plan + the plan's bytes copied over PCIe fit inside it; PCIe is slower than the NVLink peer
