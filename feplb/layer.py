@@ -343,7 +343,7 @@ class MoELayer(nn.Module):
             h_RD = recv_RD.index_select(0, to_device(split.home.perm, recv_RD.device))
         # The rows phase 2 may send are ready here: on a GPU the copy stream waits for this event, not for the
         # static GEMM queued after it.
-        ready = ready_event(h_RD)
+        ready = ready_event(h_RD) if counts.want_plan else None
         plan_first = counts.want_plan and self._plan_first(h_RD)
         job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready) if plan_first else None
         try:
