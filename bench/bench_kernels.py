@@ -364,6 +364,13 @@ def test_cuda_timer_times_the_gpu_behind_a_sleep(monkeypatch):
     t = _cuda_timer(Bench())(lambda: order.append("call"))
     first_round = ["sleep", "start"] + ["call"] * INNER + ["end", "sync"]
     assert order == ["call", "sync"] + first_round * (ROUNDS + 1)
+    disabled = Bench()
+    disabled.disabled = True
+    disabled.pedantic = None                                 # never called when benchmarking is disabled
+    order.clear()
+    elapsed = iter([99.0, 2.0, 3.0, 1.0, 5.0, 4.0, 6.0])
+    assert _cuda_timer(disabled)(lambda: order.append("call"))["gpu_s"] == pytest.approx(3.5e-3 / INNER)
+    assert order == ["call", "sync"] + first_round * (ROUNDS + 1)
     assert t["gpu_s"] == pytest.approx(3.5e-3 / INNER) and 0 < t["host_s"] < 1e-3
     row = timed_row({"gpu_s": 2e-5, "host_s": 5e-5})
     assert row == {"us": pytest.approx(20.0), "host_us": pytest.approx(50.0), "launch_bound": True}
@@ -445,7 +452,11 @@ def _cuda_timer(benchmark, inner: int = INNER, rounds: int = ROUNDS):
 
         fn()
         torch.cuda.synchronize()
-        benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=1)
+        if getattr(benchmark, "disabled", False):   # --benchmark-disable runs pedantic's function once
+            for _ in range(rounds + 1):
+                run()
+        else:
+            benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=1)
         if len(gpu) != rounds + 1:
             raise RuntimeError(f"timer: {len(gpu)} rounds ran, expected {rounds} and a warm-up")
         return {"gpu_s": statistics.median(gpu[1:]), "host_s": statistics.median(host[1:])}

@@ -15,18 +15,19 @@ in-node balancing); ``eplb`` (redundant experts, rows dispatched straight to the
   goes over NVSHMEM (2 PEs on the one GPU) when nvshmem4py imports, else over gloo staged through pinned host
   memory; the copy path is CUDA IPC (NVSHMEM's copy path cannot wait on signals with several PEs on one GPU). The
   two processes time-slice the GPU: the times compare the variants with each other in this run; they are not
-  multi-GPU speed (no parallel GPUs, no NVLink peer copies). Sized (an estimate, not yet run on a GPU) to fit the
+  multi-GPU speed (no parallel GPUs, no NVLink peer copies). Sized to fit the
   GPU check's bench_layer step, process spawn, CUDA and NVSHMEM start-up and the first forward's and backward's
   Triton compiles included, when the check's earlier steps left the compiled kernels in Triton's cache: H=2048,
   F=1024, E=16, top-4, 2048 tokens per process, bf16, 12 timed iterations, autotuning time-boxed
   (``FEPLB_AUTOTUNE_MS``, default ``5,20`` ms per config, as the GPU check sets it for every step).
   A process still running after 35 s prints every thread's stack (then every 35 s), and the run fails after
-  70 s (inside the GPU check's 80 s step), so it never hangs.
+  60 s (inside the GPU check's 70 s step; the first H200 run took 34 s), so it never hangs.
 
 Each policy's iterations alternate inside one job (none, balanced, none, ...), each timed from a barrier to a
 barrier and reduced as the max over ranks (the step waits for the slowest rank). Besides the skewed routing:
 
-* every variant's output and input gradient on the same input, against plain EP's (``max_abs_diff_vs_plain``,
+* every variant's output, input gradient and parameter gradients on the same input, against plain EP's
+  (``max_abs_diff_vs_plain``, ``max_abs_param_grad_diff_vs_plain``,
   ``exact``: within the tolerance ``exact_criterion`` states): balancing changes where a row is computed, never
   what;
 * plain EP and ``feplb-split`` on perfectly balanced routing (``layer(x, routing=...)``, every GPU the same rows):

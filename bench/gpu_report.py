@@ -324,12 +324,14 @@ def _overlap_rows(overlap: dict | None) -> list[Row]:
     hidden, slowed = find_key(overlap, ("plan_hidden",)), find_key(overlap, ("plan_thread_slowdown_pct",))
     first = find_key(overlap, ("plan_first_slowdown_pct",))
     if isinstance(hidden, bool):
-        plan = f"plan p50 {plan_us:.0f} us vs {gemm}" if _number(plan_us) else str(hidden)
+        launch = find_key(overlap, ("static_gemm_launch_us",))
+        issue = f"GEMM issue {launch:.0f} us + " if _number(launch) else ""
+        plan = f"{issue}plan p50 {plan_us:.0f} us vs {gemm}" if _number(plan_us) else str(hidden)
         rows = [Row(name=PLAN_HIDDEN, measured=plan, verdict=PASS if hidden else FAIL,
                     note=_join("measured: planner thread beside the real static GEMM",
                                f"plan p99 {plan_p99:.0f} us" if _number(plan_p99) else "",
-                               f"GEMM {slowed:+.1f}% with the planner thread running (started once the GEMM is "
-                               "queued, the layer's order)" if _number(slowed) else "",
+                               f"GEMM {slowed:+.1f}% with the planner thread started once it is queued (the "
+                               "layer's order; a control)" if _number(slowed) else "",
                                f"{first:+.1f}% with it started before the GEMM's launch" if _number(first) else ""))]
     else:
         rows = [Row(name=PLAN_HIDDEN, measured="-", verdict=NOT_RUN, note="no measurement")]
