@@ -25,8 +25,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DistError", "dense_moe_reference", "error_of", "free_port", "load_global_weights", "max_abs_error",
-           "run_dist"]
+__all__ = ["DistError", "dense_moe_reference", "error_bound", "error_of", "free_port", "load_global_weights",
+           "max_abs_error", "run_dist"]
 
 
 class DistError(RuntimeError):
@@ -216,3 +216,11 @@ def max_abs_error(got, want) -> float:
     if got.shape != want.shape:
         raise ValueError(f"max_abs_error: shapes differ, {tuple(got.shape)} vs {tuple(want.shape)}")
     return (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+
+
+def error_bound(want, floor: float = 0.0, tol: float = 1e-5) -> tuple[float, float]:
+    """(scale, bound) of the project's exactness criterion: a result equals ``want`` when its max abs error is at
+    most ``bound = max(tol * scale, 2 * floor)``, ``scale`` = max |want| (at least 1e-6 in the bound) and ``floor``
+    the error torch's own fp32 makes on the same math (0 when not known)."""
+    scale = want.abs().max().item() if want.numel() else 0.0
+    return scale, max(tol * max(scale, 1e-6), 2 * floor)

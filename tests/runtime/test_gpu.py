@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from feplb.testing import dense_moe_reference, load_global_weights, max_abs_error, run_dist
+from feplb.testing import dense_moe_reference, error_bound, load_global_weights, max_abs_error, run_dist
 from feplb.transport import nvshmem_unavailable
 
 pytestmark = pytest.mark.dist   # and each GPU test is marked gpu (one test here runs the strided worker on the CPU)
@@ -47,8 +47,7 @@ def _compare(runs: dict[str, dict[str, torch.Tensor]], ref: dict[str, tuple[torc
     for name, off in runs["none"].items():
         on = runs["feplb-split"][name]
         want, floor = ref[name] if ref is not None else (off.double(), 0.0)
-        scale = want.abs().max().item() if want.numel() else 0.0
-        bound = max(TOL * max(scale, 1e-6), 2 * floor)
+        scale, bound = error_bound(want, floor, TOL)
         errs = {"on_off": max_abs_error(on, off)}
         if ref is not None:
             errs |= {"none_ref": max_abs_error(off, want), "split_ref": max_abs_error(on, want)}

@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from feplb.testing import dense_moe_reference, load_global_weights, max_abs_error, run_dist
+from feplb.testing import dense_moe_reference, error_bound, load_global_weights, max_abs_error, run_dist
 
 pytestmark = pytest.mark.dist
 
@@ -194,9 +194,8 @@ def _close(got, want, what, tol=1e-5):
     floor = 0.0
     if isinstance(want, _Ref):
         want, floor = want.t, want.floor
-    scale = want.abs().max().item() if want.numel() else 0.0
+    scale, bound = error_bound(want, floor, tol)
     err = max_abs_error(got, want)
-    bound = max(tol * max(scale, 1e-6), 2 * floor)
     assert err <= bound, f"{what}: max abs error {err:.3g} > bound {bound:.3g} (scale {scale:.3g})"
 
 
