@@ -4,11 +4,12 @@
 # a step whose limit would cross the budget is cut to what is left, or skipped and reported NOT RUN ("budget")
 # when under 15 s are left; 10 s are kept for the kill grace of a stopped step and 10 s for the report.
 # Planned (one GPU): about 30 s of installs and imports (two pip installs, four cold Python starts, three with
-# torch), then limits 170 + 110 + 90 + 20 + 25 + 30 + 70 s = 515 s (kernels, runtime_gpu, bench_kernels, planner,
-# bench_overlap, bench_straggler, bench_layer): about 545 s if every step used its whole limit, so only then does
-# the last step (bench_layer) lose up to 25 s to the budget. The limits follow the first H200 run (2026-11-30):
-# kernels ran out of 110 s over 8 workers by file; the other steps used 94, 67, 11, 12, 15 and 38 s. A step's
-# limit and kill grace never reach past the budget, so the command ends by about 540 s even when one is killed.
+# torch), then limits 170 + 110 + 90 + 20 + 25 + 30 + 70 + 20 s = 535 s (kernels, runtime_gpu, bench_kernels,
+# planner, bench_overlap, bench_straggler, bench_layer, calibrate): about 565 s if every step used its whole limit;
+# only then does the budget cut bench_layer (by up to 25 s) and skip calibrate, the last step. The limits follow the
+# first H200 run (2026-11-30): kernels ran out of 110 s over 8 workers by file; the other steps used 94, 67, 11, 12,
+# 15 and 38 s (calibrate did not exist yet). A step's limit and kill grace never reach past the budget, so the
+# command ends by about 540 s even when one is killed.
 # The report runs from an EXIT trap (also after SIGINT / SIGTERM, once the running step has stopped), so
 # report.json and the table always come out. Steps, each under its own time limit (a step that runs out is
 # stopped with SIGINT, so pytest still writes its report, and the next runs):
@@ -29,6 +30,8 @@
 #                  and each balancing plan, timed one after another on the one GPU (ranks in parallel assumed)
 #   bench_layer    the layer's forward + backward with balancing on and off, host syncs per forward (on one GPU
 #                  two processes share it: spawn, CUDA init and compiles took 38 s on the first H200 run)
+#   calibrate      the cost model's GEMM table (`feplb calibrate`: torch._grouped_mm, GLM-5 expert, 32 to 4096
+#                  rows per expert, CUDA events) into OUT/cost_table.json
 #
 # Autotuning is time-boxed in every step and in the processes the tests spawn: FEPLB_AUTOTUNE_MS (read when
 # feplb.kernels is imported) is exported per step. Then prints, last, the table of ../shared/design/targets.md:
@@ -42,8 +45,8 @@
 #   FEPLB_GPU_CHECK_EXPECT_GPU=1 FEPLB_GIT_COMMIT=<commit> OUT=/some/dir bash bench/gpu_check.sh
 #
 #   OUT                  results (default runs/gpu): machine.json, log.txt, report.json, bench_kernels.json,
-#                        bench_overlap.json, bench_straggler.json, bench_layer.json (7 files; a device tool
-#                        returns at most 8)
+#                        bench_overlap.json, bench_straggler.json, bench_layer.json, cost_table.json (8 files; a
+#                        device tool returns at most 8)
 #   PYTHON               the interpreter holding a CUDA torch (default python3)
 #   FEPLB_TRACES         routing traces folder (default: .traces/ when it holds the files, else ../shared/...)
 #   FEPLB_GPU_CHECK_BUDGET_S  seconds from the script's start that all steps must end within (default 540)
@@ -97,7 +100,7 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/feplb_gpu_check.XXXXXX") || exit 1
 LOG=$OUT/log.txt
 # Results of an earlier run must not pass for this one's.
 rm -f "$OUT"/{machine.json,log.txt,report.json,bench_kernels.json,bench_overlap.json,bench_straggler.json} \
-    "$OUT/bench_layer.json"
+    "$OUT"/{bench_layer.json,cost_table.json}
 : > "$LOG"
 : > "$WORK/steps.tsv"
 export PYTHONUNBUFFERED=1
@@ -327,6 +330,9 @@ FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_STRAGGLER_JSON=$OUT/bench_straggler.json \
 # limit is 60 s, inside the step's 70 s); with more, one per GPU.
 FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_LAYER_JSON=$OUT/bench_layer.json \
     pytest_step bench_layer 70 -s -m gpu bench/bench_layer.py --benchmark-enable
+# The measured GEMM curve the simulator's cost model can take (feplb simulate --cost-table): estimated 10-15 s,
+# most of it torch's start (8 row counts x 13 calls of at most ~8 ms plus a ~2 ms GPU sleep each).
+step calibrate 20 "$PY" -m feplb.cli calibrate --device cuda --out "$OUT/cost_table.json"
 
 if [ "$DRY" = 1 ] && [ "${FEPLB_GPU_CHECK_COLLECT:-1}" != 0 ]; then
     # The plumbing of every step: its tests import and are selected.
@@ -335,6 +341,9 @@ if [ "$DRY" = 1 ] && [ "${FEPLB_GPU_CHECK_COLLECT:-1}" != 0 ]; then
             bench/bench_kernels.py "${PLANNER_TESTS[@]}" bench/bench_overlap.py bench/bench_straggler.py \
             bench/bench_layer.py >> "$LOG" 2>&1; then
         echo "dry run: the steps' tests do not collect (see $LOG)"; exit 1
+    fi
+    if ! "$PY" -m feplb.cli calibrate --help >> "$LOG" 2>&1; then
+        echo "dry run: feplb calibrate does not start (see $LOG)"; exit 1
     fi
 fi
 

@@ -324,9 +324,116 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+CALIBRATE_EPILOG = """\
+Measures one expert's forward (gate/up GEMM, SwiGLU, down GEMM; --experts experts of R rows each in one grouped
+call) at every --rows count on --device, fits the cost table (running maximum, the knee where the time leaves the
+weight-read floor) and writes the JSON that `feplb simulate --cost-table` and CostModel.from_json read. Or, with
+--from-bench, takes the GEMM times of a bench/bench_kernels.py results file (the two GEMMs, without SwiGLU).
+Copy bandwidths are not measured here (one GPU cannot show a peer copy): --ce-gbps / --net-gbps write given values.
+"""
+
+
+def _rows_list(v: str) -> list[int]:
+    try:
+        rows = [int(r) for r in v.split(",") if r.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {v!r}") from err
+    if len(rows) < 2 or rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:], strict=False)):
+        raise argparse.ArgumentTypeError(f"expected at least 2 positive, strictly ascending row counts, got {v!r}")
+    return rows
+
+
+def _positive_float(v: str) -> float:
+    f = float(v)
+    if not (f > 0 and f != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {v}")
+    return f
+
+
+def _add_calibrate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="cost table JSON to write")
+    p.add_argument("--from-bench", default=None, metavar="FILE",
+                   help="derive the table from a bench_kernels.py results JSON instead of measuring")
+    p.add_argument("--bench-impl", default="torch_grouped_mm", choices=("torch_grouped_mm", "feplb"),
+                   help="with --from-bench: whose times (default torch_grouped_mm)")
+    p.add_argument("--hidden", type=_positive, default=6144, help="expert hidden size H (default 6144, GLM-5)")
+    p.add_argument("--ffn", type=_positive, default=2048, help="expert ffn width F (default 2048, GLM-5)")
+    p.add_argument("--experts", type=_positive, default=16, help="experts timed together (default 16)")
+    p.add_argument("--rows", type=_rows_list, default=[32, 64, 128, 256, 512, 1024, 2048, 4096],
+                   help="rows per expert to time, comma-separated ascending (default 32,64,...,4096)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda when present)")
+    p.add_argument("--impl", default="torch", choices=("torch", "feplb"),
+                   help="torch: torch._grouped_mm (default); feplb: feplb.kernels (Triton on a GPU)")
+    p.add_argument("--repeats", type=_positive, default=10, help="timed calls per row count (median taken)")
+    p.add_argument("--warmup", type=_non_negative, default=3, help="untimed calls first")
+    p.add_argument("--floor-tolerance", type=float, default=0.10,
+                   help="times within this fraction of the smallest count's are on the floor (default 0.10)")
+    p.add_argument("--ce-gbps", type=_positive_float, default=None, help="copy-engine GB/s inside a node to record")
+    p.add_argument("--net-gbps", type=_positive_float, default=None, help="GB/s per GPU between nodes to record")
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from feplb.calibrate import expert_us_from_bench, machine_meta, measure_expert_us, table_document
+    from feplb.sched import CostModel
+
+    out = check_output(args.out, "--out")
+    command = "feplb " + shlex.join(args.argv)
+    if args.from_bench:
+        path = Path(args.from_bench)
+        try:
+            doc = json.loads(path.read_text())
+        except OSError as err:
+            raise UsageError(f"--from-bench {path}: cannot read the file ({err.strerror or err})") from err
+        except json.JSONDecodeError as err:
+            raise UsageError(f"--from-bench {path}: not JSON ({err})") from err
+        try:
+            measured, shape = expert_us_from_bench(doc, impl=args.bench_impl)
+        except ValueError as err:
+            raise UsageError(f"--from-bench {path}: {err}") from err
+        hidden, ffn = shape["hidden"], shape["ffn"]
+        meta = {"source": f"bench_kernels file {path}", "what": f"{args.bench_impl} forward gate/up + down GEMMs "
+                "(no SwiGLU), uniform routing, per expert", "experts": shape["experts"],
+                "bench_meta": {k: v for k, v in doc["meta"].items() if k != "shape"}}
+    else:
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto"
+                              else args.device)
+        hidden, ffn = args.hidden, args.ffn
+        print(f"feplb calibrate: {args.experts} experts of H={hidden} F={ffn} ({args.dtype}, {args.impl}) on "
+              f"{device}, rows per expert {args.rows}, {args.repeats} timed calls each", file=sys.stderr)
+        measured = measure_expert_us(args.rows, hidden=hidden, ffn=ffn, experts=args.experts,
+                                     dtype=getattr(torch, args.dtype), device=device, impl=args.impl,
+                                     repeats=args.repeats, warmup=args.warmup)
+        meta = {"source": "measured", "what": f"{'torch._grouped_mm' if args.impl == 'torch' else 'feplb.kernels'} "
+                "gate/up GEMM + SwiGLU + down GEMM, every expert the same rows, median per expert",
+                "experts": args.experts, "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup,
+                **machine_meta(device)}
+    meta["command"] = command
+    table = table_document(measured, hidden=hidden, ffn=ffn, meta=meta, floor_tolerance=args.floor_tolerance,
+                           ce_gbps=args.ce_gbps, net_gbps=args.net_gbps)
+    print(f"{'rows/expert':>11} {'us/expert':>11} {'TFLOP/s':>8}")
+    for m in measured:
+        print(f"{m['rows']:>11} {m['us']:>11.2f} {m['tflops']:>8.2f}")
+    fit = table["meta"]["fit"]
+    print(f"knee {fit['knee_rows']} rows (floor {table['us'][0]:.2f} us); table rows {table['rows']}"
+          + (f"; {fit['raised_points']} point(s) raised to keep the curve non-decreasing" if fit["raised_points"]
+             else ""))
+    # the file must load as the cost model it claims to be before it is written
+    kw = {k: v for k, v in table.items() if k not in ("rows", "us", "hidden", "ffn", "meta")}
+    CostModel(table_rows=tuple(table["rows"]), table_us=tuple(table["us"]), hidden=hidden, ffn=ffn,
+              table_hidden=hidden, table_ffn=ffn, **kw)
+    _write_outputs([(out, lambda tmp: Path(tmp).write_text(json.dumps(table, indent=1) + "\n"))])
+    print(f"wrote {out}")
+    return 0
+
+
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
                              Callable[[argparse.Namespace], int], str]] = {
     "simulate": ("simulate balancing policies on routing traces", _add_simulate, _run_simulate, SIMULATE_EPILOG),
+    "calibrate": ("measure the expert GEMM time curve for the simulator's cost model", _add_calibrate,
+                  _run_calibrate, CALIBRATE_EPILOG),
 }
 
 

@@ -6,7 +6,8 @@ Default GEMM table (H200, ``torch._grouped_mm``, 16 experts of the GLM-5 shape H
 SwiGLU + down; shared/design/targets.md): 566 / 585 / 577 / 596 / 603 TFLOP/s at 256 / 512 / 1024 / 2048 / 4096
 rows per expert, i.e. ``rows * 6*H*F / throughput`` = 34.15 / 66.08 / 133.99 / 259.43 / 512.83 us per expert,
 and about 0.42 ms for 16 experts (26.25 us each) at up to 128 rows, where reading the weights is the floor.
-Times for another expert shape scale with ``H * F``. A measured table replaces it through ``from_json``.
+Times for another expert shape scale with ``H * F``. A measured table replaces it through ``from_json``
+(``feplb calibrate`` measures one on the machine at hand, at any expert shape).
 """
 
 from __future__ import annotations
@@ -79,10 +80,13 @@ class CostModel:
     @classmethod
     def from_json(cls, path: str | Path, **overrides: object) -> CostModel:
         """Load a measured table: ``{"rows": [...], "us": [...], "hidden": H, "ffn": F}`` (hidden/ffn optional,
-        the shape the table was measured at) plus any other CostModel field."""
+        the shape the table was measured at) plus any other CostModel field; a ``meta`` entry (where and how it
+        was measured, as ``feplb calibrate`` writes it) is ignored."""
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict) or "rows" not in data or "us" not in data:
-            raise ValueError(f"{path}: a cost table needs keys 'rows' and 'us', got {sorted(data)}")
+            got = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{path}: a cost table needs keys 'rows' and 'us', got {got}")
+        data.pop("meta", None)
         kw: dict[str, object] = {"table_rows": tuple(data.pop("rows")), "table_us": tuple(data.pop("us"))}
         if "hidden" in data:
             kw["table_hidden"] = kw["hidden"] = int(data.pop("hidden"))

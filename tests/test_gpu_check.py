@@ -32,7 +32,7 @@ def _load_report():
 gr = _load_report()
 TARGET_COUNT = 15
 STEP_NAMES = ["kernels", "runtime_gpu", "runtime_gpu: NVSHMEM tests", "bench_kernels", "planner", "bench_overlap",
-              "bench_straggler", "bench_layer"]
+              "bench_straggler", "bench_layer", "calibrate"]
 
 
 # ---------------------------------------------------------------------------------------------------- dry run
@@ -61,6 +61,9 @@ def test_dry_run_reports_every_step_and_target_not_run(tmp_path):
     assert abs((datetime.datetime.now(datetime.UTC) - started).total_seconds()) < 300
     assert machine["command"] == "bash bench/gpu_check.sh" and machine["environment"]["FEPLB_GPU_CHECK_DRY"] == "1"
     assert machine["commit"] == "c0ffee" and machine["commit_dirty"] is None
+    # The cost table's step writes where the device tool returns files from.
+    assert f"===== calibrate (dry run, not run): {sys.executable} -m feplb.cli calibrate --device cuda --out " \
+        f"{out}/cost_table.json" in (out / "log.txt").read_text()
     # The fallback when pip cannot install on the GPU machine: the sources as pyproject.toml maps them, which the dry
     # run uses. The script runs everything from the repository root, whose feplb/ must not shadow the tree.
     (src,) = tmp_path.glob("feplb_gpu_check.*/src")

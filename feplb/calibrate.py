@@ -1,0 +1,223 @@
+"""Calibrate the simulator's cost model (``feplb.sched.CostModel``) on a machine: the expert GEMM's time per row count.
+
+The cost model needs one curve: the forward time of one expert (gate/up GEMM, SwiGLU, down GEMM) against the rows
+it computes, flat up to a knee (reading the weights is the floor) and close to linear beyond. This module measures
+that curve on the device at hand for a given expert shape (:func:`measure_expert_us`), or reads it from a
+``bench/bench_kernels.py`` results file (:func:`expert_us_from_bench`), fits the table ``CostModel`` interpolates
+(:func:`fit_table`) and writes it as the JSON that ``CostModel.from_json`` and ``feplb simulate --cost-table``
+read. ``feplb calibrate`` is the command line.
+
+Legend: E experts timed together (one grouped launch), H hidden, F expert ffn width, R rows per expert.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["BENCH_IMPLS", "FLOOR_TOLERANCE", "expert_us_from_bench", "fit_table", "machine_meta", "measure_expert_us",
+           "table_document"]
+
+# A row count whose time is within this fraction of the smallest row count's time is still on the weight-read
+# floor: the knee is the largest such row count.
+FLOOR_TOLERANCE = 0.10
+# the grouped GEMMs of bench/bench_kernels.py whose records give an expert's time
+BENCH_IMPLS = ("torch_grouped_mm", "feplb")
+# GPU cycles of sleep queued before each timed call, so the host issues the call while the GPU still sleeps and
+# the events time the GPU's work, not the host's launches (about 2 ms on an H200).
+_SLEEP_CYCLES = 4_000_000
+
+
+def fit_table(rows: Sequence[int], us: Sequence[float], *, floor_tolerance: float = FLOOR_TOLERANCE,
+              ) -> tuple[list[int], list[float], dict]:
+    """The cost table of measured per-expert times: (table_rows, table_us, fit info).
+
+    rows: ascending row counts (> 0); us: the measured time (us, > 0) of one expert at each. Measured times are not
+    always non-decreasing (noise on the floor); the table takes the running maximum, which the cost model requires
+    and physics agrees with (more rows never take less time). The knee is the largest row count whose time is
+    within ``floor_tolerance`` of the first one's: the table starts there (``CostModel`` is flat below its first
+    point, and its knee is that point), so the points below the knee are dropped. At least one point must lie past
+    the knee. info: the knee, the raw and the monotone times, and how many points the running maximum raised.
+    """
+    rows = [int(r) for r in rows]
+    us = [float(t) for t in us]
+    if len(rows) != len(us):
+        raise ValueError(f"rows and us need the same length, got {len(rows)} and {len(us)}")
+    if len(rows) < 2:
+        raise ValueError(f"a cost table needs at least 2 measured row counts, got {len(rows)}")
+    if rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:], strict=False)):
+        raise ValueError(f"rows must be positive and strictly ascending, got {rows}")
+    if any(not math.isfinite(t) or t <= 0 for t in us):
+        raise ValueError(f"measured times must be finite and > 0 us, got {us}")
+    if not (isinstance(floor_tolerance, (int, float)) and 0 <= floor_tolerance < 10):
+        raise ValueError(f"floor_tolerance must be a number in [0, 10), got {floor_tolerance!r}")
+    mono: list[float] = []
+    for t in us:
+        mono.append(max(t, mono[-1]) if mono else t)
+    limit = mono[0] * (1.0 + floor_tolerance)
+    knee = max(i for i, t in enumerate(mono) if t <= limit)
+    if knee == len(rows) - 1:
+        raise ValueError(f"every measured time is within {floor_tolerance:.0%} of the first ({us[0]:.2f} us at "
+                         f"{rows[0]} rows): the sweep never leaves the weight-read floor; measure larger row counts")
+    info = {"knee_rows": rows[knee], "floor_tolerance": floor_tolerance, "raw_rows": rows, "raw_us": us,
+            "monotone_us": mono, "raised_points": sum(a != b for a, b in zip(us, mono, strict=True))}
+    return rows[knee:], mono[knee:], info
+
+
+def _expert_forward(x_MH: torch.Tensor, w1_E_H_2F: torch.Tensor, w2_EFH: torch.Tensor, offsets_E: torch.Tensor,
+                    impl: str) -> Callable[[], torch.Tensor]:
+    """One call = the experts' forward over grouped rows: down(silu(gate(x)) * up(x)) per group."""
+    if impl == "torch":
+        F = w2_EFH.shape[1]
+
+        def run() -> torch.Tensor:
+            h = torch._grouped_mm(x_MH, w1_E_H_2F, offs=offsets_E)
+            a = (torch.nn.functional.silu(h[:, :F].float()) * h[:, F:].float()).to(x_MH.dtype)
+            return torch._grouped_mm(a, w2_EFH, offs=offsets_E)
+    elif impl == "feplb":
+        from feplb.kernels import grouped_mm, swiglu
+
+        def run() -> torch.Tensor:
+            h = grouped_mm(x_MH, w1_E_H_2F, offsets_E, check=False)
+            return grouped_mm(swiglu(h), w2_EFH, offsets_E, check=False)
+    else:
+        raise ValueError(f"impl must be 'torch' (torch._grouped_mm) or 'feplb' (feplb.kernels), got {impl!r}")
+    return run
+
+
+def _time_us(run: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> list[float]:
+    """Times (us) of ``repeats`` calls after ``warmup`` untimed ones: CUDA events behind a queued GPU sleep on a GPU,
+    wall clock on a CPU."""
+    for _ in range(warmup):
+        run()
+    out = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(repeats):
+            torch.cuda._sleep(_SLEEP_CYCLES)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize(device)
+            out.append(start.elapsed_time(end) * 1e3)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def measure_expert_us(rows: Sequence[int], *, hidden: int, ffn: int, experts: int = 16,
+                      dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", impl: str = "torch",
+                      repeats: int = 10, warmup: int = 3, seed: int = 0) -> list[dict]:
+    """Per-expert forward time at each row count: ``experts`` experts of shape (hidden, ffn), every one with R rows,
+    in one grouped call (gate/up GEMM, SwiGLU, down GEMM), timed ``repeats`` times after ``warmup`` calls.
+
+    Returns one dict per row count: rows, us (the median call over ``experts``), min_us, tflops (of the two GEMMs),
+    samples. The inputs are random and the same weights serve every row count.
+    """
+    device = torch.device(device)
+    for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("repeats", repeats)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    rows = [int(r) for r in rows]
+    if not rows or rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:], strict=False)):
+        raise ValueError(f"rows must be positive and strictly ascending, got {rows}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: CUDA is not available here")
+    # drawn on the device: a GLM-5 sweep's inputs are about 1.2 G values, seconds of work for a CPU generator
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape: int, scale: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype).mul_(scale)
+
+    w1 = rand(experts, hidden, 2 * ffn, scale=hidden ** -0.5)
+    w2 = rand(experts, ffn, hidden, scale=ffn ** -0.5)
+    out = []
+    for r in rows:
+        x = rand(experts * r, hidden, scale=1.0)
+        offsets = torch.arange(1, experts + 1, dtype=torch.int32, device=device) * r
+        run = _expert_forward(x, w1, w2, offsets, impl)
+        samples = [t / experts for t in _time_us(run, device, repeats, warmup)]
+        med = statistics.median(samples)
+        flops = 2 * r * hidden * 2 * ffn + 2 * r * ffn * hidden
+        out.append({"rows": r, "us": med, "min_us": min(samples), "tflops": flops / (med * 1e-6) / 1e12,
+                    "samples": samples})
+        del x
+    return out
+
+
+def expert_us_from_bench(doc: dict, *, impl: str = "torch_grouped_mm", dist: str = "uniform",
+                         ) -> tuple[list[dict], dict]:
+    """Per-expert forward time per row count from a ``bench/bench_kernels.py`` results document (its JSON): the
+    forward gate/up and down GEMMs of ``impl`` (``torch_grouped_mm`` or ``feplb``) at ``dist`` routing, summed and
+    divided by the benchmark's experts. SwiGLU is not in those records: the table then holds the two GEMMs only.
+    Returns (rows as :func:`measure_expert_us` gives them, the benchmark's shape)."""
+    if impl not in BENCH_IMPLS:
+        raise ValueError(f"impl must be one of {BENCH_IMPLS}, got {impl!r} (the benchmark's 'dense' baseline is one "
+                         "GEMM of the same FLOPs through a single weight, not an expert's time)")
+    if not isinstance(doc, dict) or not isinstance(doc.get("meta"), dict) or not isinstance(doc.get("results"), list):
+        raise ValueError("not a bench_kernels results document: expected keys 'meta' (with 'shape') and 'results'")
+    shape = doc["meta"].get("shape")
+    if not isinstance(shape, dict) or not {"hidden", "ffn", "local_experts"} <= set(shape):
+        raise ValueError("bench_kernels meta.shape must give hidden, ffn and local_experts, got "
+                         f"{sorted(shape) if isinstance(shape, dict) else shape!r}")
+    experts = int(shape["local_experts"])
+    found: dict[int, dict[str, dict]] = {}
+    for row in doc["results"]:
+        if (isinstance(row, dict) and row.get("bench") == "grouped_mm" and row.get("op") == "forward"
+                and row.get("impl") == impl and row.get("dist") == dist):
+            found.setdefault(int(row["rows_per_expert"]), {})[row.get("proj")] = row
+    if not found:
+        impls = sorted({str(r.get("impl")) for r in doc["results"]
+                        if isinstance(r, dict) and r.get("bench") == "grouped_mm"})
+        raise ValueError(f"no forward grouped_mm records of impl {impl!r} at {dist!r} routing (impls present: "
+                         f"{impls})")
+    out = []
+    for r in sorted(found):
+        parts = found[r]
+        for proj in ("gate_up", "down"):
+            rec = parts.get(proj)
+            if rec is None:
+                raise ValueError(f"{impl} forward at {r} rows per expert: no {proj!r} record")
+            if "us" not in rec:
+                raise ValueError(f"{impl} forward {proj} at {r} rows per expert has no time (its record says "
+                                 f"{rec.get('error', 'nothing')!r})")
+        us = (float(parts["gate_up"]["us"]) + float(parts["down"]["us"])) / experts
+        flops = 2 * r * int(shape["hidden"]) * 3 * int(shape["ffn"])
+        out.append({"rows": r, "us": us, "tflops": flops / (us * 1e-6) / 1e12})
+    return out, {"hidden": int(shape["hidden"]), "ffn": int(shape["ffn"]), "experts": experts}
+
+
+def table_document(measured: Sequence[dict], *, hidden: int, ffn: int, meta: dict,
+                   floor_tolerance: float = FLOOR_TOLERANCE, **fields: object) -> dict:
+    """The cost-table JSON for ``CostModel.from_json``: rows, us, hidden, ffn, any other CostModel field given
+    (ce_gbps, net_gbps), and ``meta`` (what was measured, where and how; ignored by the model)."""
+    table_rows, table_us, info = fit_table([m["rows"] for m in measured], [m["us"] for m in measured],
+                                           floor_tolerance=floor_tolerance)
+    doc: dict = {"rows": table_rows, "us": [round(t, 4) for t in table_us], "hidden": hidden, "ffn": ffn}
+    doc.update({k: v for k, v in fields.items() if v is not None})
+    doc["meta"] = {**meta, "fit": info, "measured": [{k: v for k, v in m.items() if k != "samples"}
+                                                      for m in measured]}
+    return doc
+
+
+def machine_meta(device: torch.device) -> dict:
+    """Where a measurement ran: device name, versions, the date."""
+    meta = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "torch": torch.__version__,
+            "python": platform.python_version(), "device_type": device.type}
+    if device.type == "cuda":
+        meta.update(device=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+    else:
+        meta.update(device=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    return meta

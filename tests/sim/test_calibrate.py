@@ -1,0 +1,234 @@
+"""``feplb calibrate``: the fitted cost table (knee, monotone curve), the timed expert forward, the table from a
+bench_kernels results file, and the command end to end on the CPU (a CPU table: it says nothing about a GPU)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from feplb.calibrate import _expert_forward, expert_us_from_bench, fit_table, measure_expert_us
+from feplb.cli import main
+from feplb.sched import CostModel
+
+H200_BENCH = Path(__file__).resolve().parents[2] / "bench" / "results" / "2026-11-30-h200" / "bench_kernels.json"
+
+
+def test_fit_table_knee_and_running_max():
+    rows = [32, 64, 128, 256, 512, 1024, 2048]
+    us = [20.0, 19.5, 21.0, 30.0, 60.0, 58.0, 120.0]
+    t_rows, t_us, info = fit_table(rows, us)
+    # 19.5 is raised to 20 and 58 to 60; 21 is within 10% of 20, 30 is not: the knee is 128 rows
+    assert info["knee_rows"] == 128 and info["raised_points"] == 2
+    assert t_rows == [128, 256, 512, 1024, 2048] and t_us == [21.0, 30.0, 60.0, 60.0, 120.0]
+    cm = CostModel(table_rows=tuple(t_rows), table_us=tuple(t_us), hidden=64, ffn=32, table_hidden=64, table_ffn=32)
+    assert cm.knee_rows == 128
+    assert cm.gemm_us(1) == cm.gemm_us(128) == pytest.approx(21.0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fit_table_on_random_curves(seed):
+    """Floor then line plus noise: the table is the suffix of the running maximum from the knee, the knee the last
+    point within the tolerance of the first, and the cost model reproduces the table at its points."""
+    rng = np.random.default_rng(seed)
+    rows = np.unique(rng.integers(1, 8192, size=int(rng.integers(3, 12))))
+    if rows.size < 3:
+        rows = np.array([1, 100, 8000])
+    floor, slope, knee = rng.uniform(5, 50), rng.uniform(0.01, 1.0), rng.uniform(rows[0], rows[-2])
+    us = np.maximum(floor, floor + slope * (rows - knee)) * rng.uniform(0.97, 1.03, size=rows.size)
+    tol = float(rng.uniform(0.0, 0.3))
+    mono = np.maximum.accumulate(us)
+    inside = np.nonzero(mono <= mono[0] * (1 + tol))[0]
+    if inside[-1] == rows.size - 1:
+        with pytest.raises(ValueError, match="never leaves the weight-read floor"):
+            fit_table(rows.tolist(), us.tolist(), floor_tolerance=tol)
+        return
+    t_rows, t_us, info = fit_table(rows.tolist(), us.tolist(), floor_tolerance=tol)
+    k = inside[-1]
+    assert t_rows == rows[k:].tolist() and np.array_equal(t_us, mono[k:])
+    assert info["knee_rows"] == rows[k] and info["raised_points"] == int(np.sum(mono != us))
+    cm = CostModel(table_rows=tuple(t_rows), table_us=tuple(t_us))
+    assert np.allclose(cm.gemm_us(np.array(t_rows)), t_us)
+    assert np.all(np.diff(cm.gemm_us(np.arange(1, rows[-1] + 1))) >= 0)
+
+
+@pytest.mark.parametrize("rows, us, match", [
+    ([64, 128, 256], [10.0, 10.5, 10.9], "never leaves the weight-read floor"),
+    ([128, 64], [10.0, 20.0], "strictly ascending"),
+    ([0, 64], [10.0, 20.0], "strictly ascending"),
+    ([64], [10.0], "at least 2"),
+    ([64, 128], [10.0], "same length"),
+    ([64, 128], [10.0, float("nan")], "finite and > 0"),
+    ([64, 128], [0.0, 20.0], "finite and > 0"),
+])
+def test_fit_table_refusals(rows, us, match):
+    with pytest.raises(ValueError, match=match):
+        fit_table(rows, us)
+
+
+@pytest.mark.parametrize("impl", ["torch", "feplb"])
+def test_timed_call_is_the_experts_forward(impl):
+    """What calibrate times computes each expert's SwiGLU MLP on its own rows (fp64 reference per expert)."""
+    torch.manual_seed(0)
+    E, H, F, R = 3, 32, 16, 8
+    x = torch.randn(E * R, H, dtype=torch.bfloat16)
+    w1 = (torch.randn(E, H, 2 * F) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, F, H) / F ** 0.5).to(torch.bfloat16)
+    offsets = torch.arange(1, E + 1, dtype=torch.int32) * R
+    got = _expert_forward(x, w1, w2, offsets, impl)().double()
+    for e in range(E):
+        xe = x[e * R:(e + 1) * R].double()
+        h = xe @ w1[e].double()
+        want = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ w2[e].double()
+        err = (got[e * R:(e + 1) * R] - want).abs().max() / want.abs().max()
+        assert err < 3e-2, f"expert {e}: relative error {err:.2e}"
+    with pytest.raises(ValueError, match="impl must be"):
+        _expert_forward(x, w1, w2, offsets, "cublas")
+
+
+def test_measure_expert_us_cpu():
+    got = measure_expert_us([4, 8, 16], hidden=32, ffn=16, experts=2, dtype=torch.float32, repeats=3, warmup=1)
+    assert [g["rows"] for g in got] == [4, 8, 16]
+    for g in got:
+        assert len(g["samples"]) == 3 and g["us"] == pytest.approx(float(np.median(g["samples"])))
+        assert 0 < g["min_us"] <= g["us"]
+        flops = 2 * g["rows"] * 32 * 32 + 2 * g["rows"] * 16 * 32
+        assert g["tflops"] == pytest.approx(flops / (g["us"] * 1e-6) / 1e12)
+    with pytest.raises(ValueError, match="rows must be positive and strictly ascending"):
+        measure_expert_us([8, 4], hidden=32, ffn=16)
+    with pytest.raises(ValueError, match="experts must be an int >= 1"):
+        measure_expert_us([4, 8], hidden=32, ffn=16, experts=0)
+
+
+def test_from_bench_on_the_h200_run():
+    """The per-expert time is the two forward GEMMs of torch._grouped_mm summed over 16 experts, per row count."""
+    doc = json.loads(H200_BENCH.read_text())
+    got, shape = expert_us_from_bench(doc)
+    assert shape == {"hidden": 6144, "ffn": 2048, "experts": 16}
+    want: dict[int, float] = {}
+    for r in doc["results"]:
+        if r["bench"] == "grouped_mm" and r["op"] == "forward" and r["impl"] == "torch_grouped_mm" \
+                and r["dist"] == "uniform":
+            want[r["rows_per_expert"]] = want.get(r["rows_per_expert"], 0.0) + r["us"] / 16
+    assert [g["rows"] for g in got] == sorted(want) == [128, 256, 512, 1024, 2048, 4096]
+    assert [g["us"] for g in got] == pytest.approx([want[r] for r in sorted(want)])
+    ours, _ = expert_us_from_bench(doc, impl="feplb", dist="zipf")
+    assert len(ours) == 6 and all(g["us"] > 0 for g in ours)
+
+
+def _bench_doc(rows):
+    return {"meta": {"shape": {"hidden": 64, "ffn": 32, "local_experts": 2}}, "results": rows}
+
+
+def _rec(proj, r, **kw):
+    return {"bench": "grouped_mm", "proj": proj, "op": "forward", "dist": "uniform", "rows_per_expert": r,
+            "impl": "torch_grouped_mm", **kw}
+
+
+@pytest.mark.parametrize("doc, impl, match", [
+    ({"results": []}, "torch_grouped_mm", "not a bench_kernels results document"),
+    ({"meta": {"shape": {"hidden": 1}}, "results": []}, "torch_grouped_mm", "must give hidden, ffn and local_experts"),
+    (_bench_doc([_rec("gate_up", 128, us=10.0)]), "torch_grouped_mm", "no 'down' record"),
+    (_bench_doc([_rec("gate_up", 128, us=10.0), _rec("down", 128, error="AssertionError")]), "torch_grouped_mm",
+     "has no time"),
+    (_bench_doc([_rec("gate_up", 128, us=10.0)]), "feplb", "no forward grouped_mm records of impl 'feplb'"),
+    (_bench_doc([]), "dense", "impl must be one of"),
+])
+def test_from_bench_refusals(doc, impl, match):
+    with pytest.raises(ValueError, match=match):
+        expert_us_from_bench(doc, impl=impl)
+
+
+def test_cli_measures_writes_a_table_the_simulator_reads(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    rc = main(["calibrate", "--out", str(out), "--hidden", "128", "--ffn", "64", "--experts", "2", "--rows",
+               "4,16,64,256,1024,4096", "--dtype", "float32", "--device", "cpu", "--repeats", "3", "--warmup", "1",
+               "--ce-gbps", "100"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "knee" in printed and f"wrote {out}" in printed
+    doc = json.loads(out.read_text())
+    meta = doc["meta"]
+    assert meta["source"] == "measured" and meta["device_type"] == "cpu" and meta["command"].startswith("feplb cal")
+    assert doc["hidden"] == 128 and doc["ffn"] == 64 and doc["ce_gbps"] == 100
+    measured = {m["rows"]: m["us"] for m in meta["measured"]}
+    assert sorted(measured) == [4, 16, 64, 256, 1024, 4096]
+    # the table is the monotone curve of the printed measurements from the knee on
+    mono = np.maximum.accumulate([measured[r] for r in sorted(measured)])
+    k = sorted(measured).index(doc["rows"][0])
+    assert doc["rows"] == sorted(measured)[k:] and np.allclose(doc["us"], mono[k:], rtol=1e-6)
+    cm = CostModel.from_json(out)
+    assert (cm.hidden, cm.ffn, cm.ce_gbps, cm.knee_rows) == (128, 64, 100.0, doc["rows"][0])
+    sim_json = tmp_path / "sim.json"
+    assert main(["simulate", "synthetic:zipf:E=16:K=2:L=1", "--ep", "4", "--gpus-per-node", "4", "--tokens-per-rank",
+                 "64", "--dyn", "1", "--policies", "none,feplb-split", "--microbatches", "1", "--warmup", "0",
+                 "--no-progress", "--cost-table", str(out), "--json", str(sim_json)]) == 0
+    assert json.loads(sim_json.read_text())["policies"]["feplb-split"]["expert_hidden"] == 128
+
+
+def test_cli_from_bench(tmp_path, capsys):
+    out = tmp_path / "h200.json"
+    assert main(["calibrate", "--from-bench", str(H200_BENCH), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["rows"][0] == 128 and (doc["hidden"], doc["ffn"]) == (6144, 2048)
+    assert doc["meta"]["bench_meta"]["device"] == "NVIDIA H200" and "no SwiGLU" in doc["meta"]["what"]
+    assert CostModel.from_json(out).knee_rows == 128
+
+
+@pytest.mark.parametrize("case", ["missing-folder", "bad-json", "flat-curve"])
+def test_cli_refusals_write_nothing(tmp_path, capsys, case):
+    out = tmp_path / "cost.json"
+    if case == "missing-folder":
+        out = tmp_path / "nowhere" / "cost.json"
+        argv, match = ["--from-bench", str(H200_BENCH)], "does not exist"
+    elif case == "bad-json":
+        bad = tmp_path / "bench.json"
+        bad.write_text("{ not json")
+        argv, match = ["--from-bench", str(bad)], "not JSON"
+    else:
+        flat = tmp_path / "bench.json"
+        flat.write_text(json.dumps(_bench_doc([_rec("gate_up", r, us=10.0) for r in (64, 128)]
+                                              + [_rec("down", r, us=5.0) for r in (64, 128)])))
+        argv, match = ["--from-bench", str(flat)], "never leaves the weight-read floor"
+    assert main(["calibrate", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("feplb calibrate: error:") and match in err and len(err.strip().splitlines()) == 1
+    assert not out.exists() and not list(tmp_path.glob(".cost.json.*"))
+
+
+def test_cli_rows_option_is_checked(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "--out", "x.json", "--rows", "64,32"])
+    assert exc.value.code == 2 and "strictly ascending" in capsys.readouterr().err
+
+
+def test_gpu_timer_order_on_stand_ins(monkeypatch):
+    """On a GPU each timed call sits behind a queued GPU sleep between its two events, with one sync per call after
+    the warm-up calls; the times are the events' (ms -> us)."""
+    import feplb.calibrate as cal
+
+    order: list[str] = []
+    elapsed = iter([1.5, 0.5, 2.0])
+
+    class Event:
+        made = 0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.name = ("start", "end")[Event.made % 2]
+            Event.made += 1
+
+        def record(self):
+            order.append(self.name)
+
+        def elapsed_time(self, end):
+            assert self.name == "start" and end.name == "end"
+            return next(elapsed)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: order.append("sleep"), raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: order.append("sync"))
+    got = cal._time_us(lambda: order.append("call"), torch.device("cuda"), repeats=3, warmup=2)
+    assert got == pytest.approx([1500.0, 500.0, 2000.0])
+    assert order == ["call", "call", "sync"] + ["sleep", "start", "call", "end", "sync"] * 3
