@@ -2,7 +2,8 @@
 
 Legend: T tokens, K top-k, M = T*K grouped rows, D hidden, E experts, F ffn, N output features.
 
-Public ops (``torch.library`` custom ops, namespace ``feplb``; CUDA -> Triton, CPU -> pure torch):
+Public ops (``torch.library`` operators, namespace ``feplb``, differentiable through autograd Functions; CUDA ->
+Triton, CPU -> pure torch):
 :func:`routing_metadata`, :func:`permute`, :func:`unpermute`, :func:`grouped_mm`, :func:`swiglu`.
 Each kernel's launcher (``*_triton``) and pure-torch twin (``*_ref``) live in its module; :func:`triton_on_cpu`
 makes the ops run the kernels on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).

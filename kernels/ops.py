@@ -1,15 +1,21 @@
-"""The public ops of feplb.kernels, as ``torch.library`` custom ops (namespace ``feplb``).
+"""The public ops of feplb.kernels: operators of the ``feplb`` namespace, differentiable through autograd Functions.
 
 Legend: T tokens, K top-k, M = T*K grouped rows, D hidden, E experts, F ffn, N output features.
 
-Each op dispatches by device: CUDA tensors run the Triton kernels, CPU tensors the pure-torch twins (inside
-:func:`feplb.kernels.triton_on_cpu`, CPU tensors run the kernels through Triton's interpreter). Fake impls give
-shapes to torch.compile; autograd is registered, so an expert block built from these ops trains and compiles.
-Value checks that need the data (expert-id range, offsets) run inside the real impls, each as one device->host
-sync on a GPU; ``check=False`` skips them where the caller built the inputs itself.
+Each operator dispatches by device: CUDA tensors run the Triton kernels, CPU tensors the pure-torch twins (inside
+:func:`feplb.kernels.triton_on_cpu`, CPU tensors run the kernels through Triton's interpreter). The operators are
+declared with ``torch.library`` (schema, one implementation for every device, a fake implementation that gives
+torch.compile their shapes) and carry no autograd of their own: each differentiable op is a
+``torch.autograd.Function`` around its operators, so an expert block built from them trains and compiles. That
+split costs the least host time per call in eager mode: a ``torch.library.custom_op`` with registered autograd
+makes every call hop between Python and the dispatcher several times (``bench/bench_ops_host.py`` measures both
+side by side). Value checks that need the data (expert-id range, offsets) run inside the real implementations,
+each as one device->host sync on a GPU; ``check=False`` skips them where the caller built the inputs itself.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -38,23 +44,38 @@ from .routing import RoutingMetadata, check_routing_inputs, routing_metadata_ref
 
 __all__ = ["grouped_mm", "permute", "routing_metadata", "swiglu", "unpermute"]
 
+_LIB = torch.library.Library("feplb", "DEF")
+
+
+def _operator(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """Declare ``feplb::<schema>`` with one implementation for every device (``impl`` dispatches by device itself)
+    and its fake implementation; returns the operator."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"feplb::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.feplb, name).default
+
 
 # ---------------------------------------------------------------------------------------------------- routing
 
-@torch.library.custom_op("feplb::routing_metadata", mutates_args=())
-def _routing_metadata_op(topk_ids_TK: Tensor, num_experts: int, check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _routing_metadata_impl(topk_ids_TK: Tensor, num_experts: int, check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if use_triton(topk_ids_TK):
         return routing_metadata_triton(topk_ids_TK, num_experts, check_values=check)
     return routing_metadata_ref(topk_ids_TK, num_experts)
 
 
-@_routing_metadata_op.register_fake
-def _(topk_ids_TK, num_experts, check):
+def _routing_metadata_fake(topk_ids_TK, num_experts, check):
     check_routing_inputs(topk_ids_TK, num_experts, check_values=False)
     T, K = topk_ids_TK.shape
     new = topk_ids_TK.new_empty
     return (new(num_experts, dtype=torch.int32), new(num_experts, dtype=torch.int32),
             new(T * K, dtype=torch.int32), new(T, K, dtype=torch.int32))
+
+
+_ROUTING_METADATA = _operator(
+    "routing_metadata(Tensor topk_ids_TK, int num_experts, bool check) -> (Tensor, Tensor, Tensor, Tensor)",
+    _routing_metadata_impl, _routing_metadata_fake)
 
 
 def routing_metadata(topk_ids_TK: Tensor, num_experts: int, *, check: bool = True) -> RoutingMetadata:
@@ -71,38 +92,39 @@ def routing_metadata(topk_ids_TK: Tensor, num_experts: int, *, check: bool = Tru
         :class:`RoutingMetadata` (all tensors int32, on the ids' device).
     """
     check_routing_inputs(topk_ids_TK, num_experts, check_values=False)
-    counts_E, offsets_E, src_idx_M, dst_idx_TK = _routing_metadata_op(topk_ids_TK.contiguous(), num_experts, check)
+    counts_E, offsets_E, src_idx_M, dst_idx_TK = _ROUTING_METADATA(topk_ids_TK.contiguous(), num_experts, check)
     return RoutingMetadata(num_experts=num_experts, top_k=topk_ids_TK.shape[1], counts_E=counts_E,
                            offsets_E=offsets_E, src_idx_M=src_idx_M, dst_idx_TK=dst_idx_TK, checked=True)
 
 
 # ---------------------------------------------------------------------------------------------------- permute
 
-@torch.library.custom_op("feplb::permute", mutates_args=())
-def _permute_op(x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor) -> Tensor:
+def _permute_impl(x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor) -> Tensor:
     if use_triton(x_TD):
         return permute_triton(x_TD, src_idx_M, dst_idx_TK)
     return permute_ref(x_TD, src_idx_M, dst_idx_TK)
 
 
-@_permute_op.register_fake
-def _(x_TD, src_idx_M, dst_idx_TK):
+def _permute_fake(x_TD, src_idx_M, dst_idx_TK):
     check_permute_inputs(x_TD, src_idx_M, dst_idx_TK)
     return x_TD.new_empty(src_idx_M.shape[0], x_TD.shape[1])
 
 
-def _permute_setup(ctx, inputs, output):
-    _, src_idx_M, dst_idx_TK = inputs
-    ctx.save_for_backward(src_idx_M, dst_idx_TK)
+_PERMUTE = _operator("permute(Tensor x_TD, Tensor src_idx_M, Tensor dst_idx_TK) -> Tensor", _permute_impl,
+                     _permute_fake)
 
 
-def _permute_backward(ctx, grad_MD):
-    src_idx_M, dst_idx_TK = ctx.saved_tensors
-    # Each token's gradient is the sum of its K grouped rows: an unweighted unpermute (a gather, no atomics).
-    return _unpermute_op(grad_MD.contiguous(), src_idx_M, dst_idx_TK, None), None, None
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor) -> Tensor:
+        ctx.save_for_backward(src_idx_M, dst_idx_TK)
+        return _PERMUTE(x_TD, src_idx_M, dst_idx_TK)
 
-
-_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+    @staticmethod
+    def backward(ctx, grad_MD: Tensor):
+        src_idx_M, dst_idx_TK = ctx.saved_tensors
+        # Each token's gradient is the sum of its K grouped rows: an unweighted unpermute (a gather, no atomics).
+        return _Unpermute.apply(grad_MD.contiguous(), src_idx_M, dst_idx_TK, None), None, None
 
 
 def permute(x_TD: Tensor, meta: RoutingMetadata) -> Tensor:
@@ -117,58 +139,61 @@ def permute(x_TD: Tensor, meta: RoutingMetadata) -> Tensor:
         x_MD [M, D] in x's dtype; differentiable w.r.t. x.
     """
     _check_meta(meta)
-    return _permute_op(x_TD, meta.src_idx_M, meta.dst_idx_TK)
+    return _Permute.apply(x_TD, meta.src_idx_M, meta.dst_idx_TK)
 
 
 # ---------------------------------------------------------------------------------------------------- unpermute
 
-@torch.library.custom_op("feplb::unpermute", mutates_args=())
-def _unpermute_op(y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_weights_TK: Tensor | None) -> Tensor:
+def _unpermute_impl(y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_weights_TK: Tensor | None) -> Tensor:
     if use_triton(y_MD):
         return unpermute_triton(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
     return unpermute_ref(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
 
 
-@_unpermute_op.register_fake
-def _(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK):
+def _unpermute_fake(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK):
     check_unpermute_inputs(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
     return y_MD.new_empty(dst_idx_TK.shape[0], y_MD.shape[1])
 
 
-@torch.library.custom_op("feplb::unpermute_bwd", mutates_args=())
-def _unpermute_bwd_op(grad_TD: Tensor, y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_weights_TK: Tensor,
-                      need_dw: bool) -> tuple[Tensor, Tensor]:
+def _unpermute_bwd_impl(grad_TD: Tensor, y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor,
+                        topk_weights_TK: Tensor, need_dw: bool) -> tuple[Tensor, Tensor]:
     if use_triton(y_MD):
         return unpermute_bwd_triton(grad_TD, y_MD, src_idx_M, dst_idx_TK, topk_weights_TK, need_dw)
     return unpermute_bwd_ref(grad_TD, y_MD, src_idx_M, dst_idx_TK, topk_weights_TK, need_dw)
 
 
-@_unpermute_bwd_op.register_fake
-def _(grad_TD, y_MD, src_idx_M, dst_idx_TK, topk_weights_TK, need_dw):
+def _unpermute_bwd_fake(grad_TD, y_MD, src_idx_M, dst_idx_TK, topk_weights_TK, need_dw):
     check_unpermute_inputs(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
     dw = topk_weights_TK.new_empty(dst_idx_TK.shape) if need_dw else topk_weights_TK.new_empty(0)
     return torch.empty_like(y_MD), dw
 
 
-def _unpermute_setup(ctx, inputs, output):
-    y_MD, src_idx_M, dst_idx_TK, topk_weights_TK = inputs
-    ctx.has_weights = topk_weights_TK is not None
-    ctx.need_dw = ctx.has_weights and ctx.needs_input_grad[3]
-    # y is needed only for the weights' gradient.
-    ctx.save_for_backward(y_MD if ctx.need_dw else None, src_idx_M, dst_idx_TK, topk_weights_TK)
+_UNPERMUTE = _operator(
+    "unpermute(Tensor y_MD, Tensor src_idx_M, Tensor dst_idx_TK, Tensor? topk_weights_TK) -> Tensor",
+    _unpermute_impl, _unpermute_fake)
+_UNPERMUTE_BWD = _operator(
+    "unpermute_bwd(Tensor grad_TD, Tensor y_MD, Tensor src_idx_M, Tensor dst_idx_TK, Tensor topk_weights_TK, "
+    "bool need_dw) -> (Tensor, Tensor)", _unpermute_bwd_impl, _unpermute_bwd_fake)
 
 
-def _unpermute_backward(ctx, grad_TD):
-    y_MD, src_idx_M, dst_idx_TK, topk_weights_TK = ctx.saved_tensors
-    grad_TD = grad_TD.contiguous()
-    if not ctx.has_weights:
-        return _permute_op(grad_TD, src_idx_M, dst_idx_TK), None, None, None
-    y_for_dw = y_MD if ctx.need_dw else grad_TD.new_empty(src_idx_M.shape[0], grad_TD.shape[1])
-    dy_MD, dw_TK = _unpermute_bwd_op(grad_TD, y_for_dw, src_idx_M, dst_idx_TK, topk_weights_TK, ctx.need_dw)
-    return dy_MD, None, None, dw_TK if ctx.need_dw else None
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_weights_TK: Tensor | None) -> Tensor:
+        ctx.has_weights = topk_weights_TK is not None
+        ctx.need_dw = ctx.has_weights and ctx.needs_input_grad[3]
+        # y is needed only for the weights' gradient.
+        ctx.save_for_backward(y_MD if ctx.need_dw else None, src_idx_M, dst_idx_TK, topk_weights_TK)
+        return _UNPERMUTE(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
 
-
-_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+    @staticmethod
+    def backward(ctx, grad_TD: Tensor):
+        y_MD, src_idx_M, dst_idx_TK, topk_weights_TK = ctx.saved_tensors
+        grad_TD = grad_TD.contiguous()
+        if not ctx.has_weights:
+            return _Permute.apply(grad_TD, src_idx_M, dst_idx_TK), None, None, None
+        y_for_dw = y_MD if ctx.need_dw else grad_TD.new_empty(src_idx_M.shape[0], grad_TD.shape[1])
+        dy_MD, dw_TK = _UNPERMUTE_BWD(grad_TD, y_for_dw, src_idx_M, dst_idx_TK, topk_weights_TK, ctx.need_dw)
+        return dy_MD, None, None, dw_TK if ctx.need_dw else None
 
 
 def unpermute(y_MD: Tensor, meta: RoutingMetadata, topk_weights_TK: Tensor) -> Tensor:
@@ -188,7 +213,7 @@ def unpermute(y_MD: Tensor, meta: RoutingMetadata, topk_weights_TK: Tensor) -> T
     """
     _check_meta(meta)
     check_tensor("topk_weights_TK", topk_weights_TK, dtypes=FLOAT_DTYPES)
-    return _unpermute_op(y_MD, meta.src_idx_M, meta.dst_idx_TK, topk_weights_TK)
+    return _Unpermute.apply(y_MD, meta.src_idx_M, meta.dst_idx_TK, topk_weights_TK)
 
 
 def _check_meta(meta: object) -> None:
@@ -201,49 +226,50 @@ def _check_meta(meta: object) -> None:
 
 # ---------------------------------------------------------------------------------------------------- grouped_mm
 
-@torch.library.custom_op("feplb::grouped_mm", mutates_args=())
-def _grouped_mm_op(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, check: bool) -> Tensor:
+def _grouped_mm_impl(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, check: bool) -> Tensor:
     if use_triton(x_MK):
         return grouped_mm_triton(x_MK, w_EKN, offsets_E, check_values=check)
     return grouped_mm_ref(x_MK, w_EKN, offsets_E)  # checks the offsets always: cheap on the host
 
 
-@_grouped_mm_op.register_fake
-def _(x_MK, w_EKN, offsets_E, check):
+def _grouped_mm_fake(x_MK, w_EKN, offsets_E, check):
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
     return x_MK.new_empty(x_MK.shape[0], w_EKN.shape[2])
 
 
-@torch.library.custom_op("feplb::grouped_mm_dw", mutates_args=())
-def _grouped_mm_dw_op(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor) -> Tensor:
+def _grouped_mm_dw_impl(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor) -> Tensor:
     if use_triton(x_MK):
         return grouped_mm_dw_triton(x_MK, dy_MN, offsets_E, check_values=False)
     return grouped_mm_dw_ref(x_MK, dy_MN, offsets_E)
 
 
-@_grouped_mm_dw_op.register_fake
-def _(x_MK, dy_MN, offsets_E):
+def _grouped_mm_dw_fake(x_MK, dy_MN, offsets_E):
     return x_MK.new_empty(offsets_E.shape[0], x_MK.shape[1], dy_MN.shape[1])
 
 
-def _grouped_mm_setup(ctx, inputs, output):
-    x_MK, w_EKN, offsets_E, _ = inputs
-    ctx.save_for_backward(x_MK if ctx.needs_input_grad[1] else None, w_EKN if ctx.needs_input_grad[0] else None,
-                          offsets_E)
+_GROUPED_MM = _operator("grouped_mm(Tensor x_MK, Tensor w_EKN, Tensor offsets_E, bool check) -> Tensor",
+                        _grouped_mm_impl, _grouped_mm_fake)
+_GROUPED_MM_DW = _operator("grouped_mm_dw(Tensor x_MK, Tensor dy_MN, Tensor offsets_E) -> Tensor",
+                           _grouped_mm_dw_impl, _grouped_mm_dw_fake)
 
 
-def _grouped_mm_backward(ctx, grad_MN):
-    x_MK, w_EKN, offsets_E = ctx.saved_tensors
-    dx = dw = None
-    if ctx.needs_input_grad[0]:
-        # The forward already checked the offsets; the transposed weights are a strided view, not a copy.
-        dx = _grouped_mm_op(grad_MN, w_EKN.transpose(1, 2), offsets_E, False)
-    if ctx.needs_input_grad[1]:
-        dw = _grouped_mm_dw_op(x_MK, grad_MN, offsets_E)
-    return dx, dw, None, None
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, check: bool) -> Tensor:
+        ctx.save_for_backward(x_MK if ctx.needs_input_grad[1] else None, w_EKN if ctx.needs_input_grad[0] else None,
+                              offsets_E)
+        return _GROUPED_MM(x_MK, w_EKN, offsets_E, check)
 
-
-_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+    @staticmethod
+    def backward(ctx, grad_MN: Tensor):
+        x_MK, w_EKN, offsets_E = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            # The forward already checked the offsets; the transposed weights are a strided view, not a copy.
+            dx = _GroupedMM.apply(grad_MN, w_EKN.transpose(1, 2), offsets_E, False)
+        if ctx.needs_input_grad[1]:
+            dw = _GROUPED_MM_DW(x_MK, grad_MN, offsets_E)
+        return dx, dw, None, None
 
 
 def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = True) -> Tensor:
@@ -265,46 +291,46 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
     check_rows("x_MK", x_MK.shape[0], "M")
     if w_EKN.shape[0] > MAX_EXPERTS:
         raise ValueError(f"w_EKN: expected at most {MAX_EXPERTS} groups (experts), got shape {list(w_EKN.shape)}")
-    return _grouped_mm_op(x_MK, w_EKN, offsets_E, check)
+    return _GroupedMM.apply(x_MK, w_EKN, offsets_E, check)
 
 
 # ---------------------------------------------------------------------------------------------------- swiglu
 
-@torch.library.custom_op("feplb::swiglu", mutates_args=())
-def _swiglu_op(h_M2F: Tensor) -> Tensor:
+def _swiglu_impl(h_M2F: Tensor) -> Tensor:
     if use_triton(h_M2F):
         return swiglu_triton(h_M2F)
     return swiglu_ref(h_M2F)
 
 
-@_swiglu_op.register_fake
-def _(h_M2F):
+def _swiglu_fake(h_M2F):
     check_swiglu_input(h_M2F)
     return h_M2F.new_empty(h_M2F.shape[0], h_M2F.shape[1] // 2)
 
 
-@torch.library.custom_op("feplb::swiglu_bwd", mutates_args=())
-def _swiglu_bwd_op(grad_MF: Tensor, h_M2F: Tensor) -> Tensor:
+def _swiglu_bwd_impl(grad_MF: Tensor, h_M2F: Tensor) -> Tensor:
     if use_triton(h_M2F):
         return swiglu_bwd_triton(grad_MF, h_M2F)
     return swiglu_bwd_ref(grad_MF, h_M2F)
 
 
-@_swiglu_bwd_op.register_fake
-def _(grad_MF, h_M2F):
+def _swiglu_bwd_fake(grad_MF, h_M2F):
     return torch.empty_like(h_M2F)
 
 
-def _swiglu_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
+_SWIGLU = _operator("swiglu(Tensor h_M2F) -> Tensor", _swiglu_impl, _swiglu_fake)
+_SWIGLU_BWD = _operator("swiglu_bwd(Tensor grad_MF, Tensor h_M2F) -> Tensor", _swiglu_bwd_impl, _swiglu_bwd_fake)
 
 
-def _swiglu_backward(ctx, grad_MF):
-    (h_M2F,) = ctx.saved_tensors
-    return _swiglu_bwd_op(grad_MF.contiguous(), h_M2F)
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_M2F: Tensor) -> Tensor:
+        ctx.save_for_backward(h_M2F)
+        return _SWIGLU(h_M2F)
 
-
-_swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+    @staticmethod
+    def backward(ctx, grad_MF: Tensor):
+        (h_M2F,) = ctx.saved_tensors
+        return _SWIGLU_BWD(grad_MF.contiguous(), h_M2F)
 
 
 def swiglu(h_M2F: Tensor) -> Tensor:
@@ -318,4 +344,4 @@ def swiglu(h_M2F: Tensor) -> Tensor:
     """
     check_swiglu_input(h_M2F)
     check_rows("h_M2F", h_M2F.shape[0], "M")
-    return _swiglu_op(h_M2F)
+    return _SwiGLU.apply(h_M2F)

@@ -1,7 +1,7 @@
-"""The feplb:: custom ops as torch sees them: opcheck (schema, fake impls, autograd registration), gradcheck in
-float64, and torch.compile(fullgraph=True) of a SwiGLU expert block built from them. Each runs on the pure-torch
-twins (CPU dispatch), through ``triton_on_cpu`` under the interpreter on the Triton kernels, and, where a GPU is
-present, on CUDA tensors (the Triton kernels as dispatched in training).
+"""The feplb:: operators as torch sees them: opcheck (schema, fake impls, AOT dispatch), gradcheck of the public
+ops (their autograd Functions) in float64, and torch.compile(fullgraph=True) of a SwiGLU expert block built from
+them. Each runs on the pure-torch twins (CPU dispatch), through ``triton_on_cpu`` under the interpreter on the
+Triton kernels, and, where a GPU is present, on CUDA tensors (the Triton kernels as dispatched in training).
 """
 
 from __future__ import annotations
@@ -64,8 +64,11 @@ def test_opcheck(impl, gen, kh):
         (torch.ops.feplb.swiglu.default, (h,)),
         (torch.ops.feplb.swiglu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach())),
     ]
+    # The operators carry no autograd (each public op's autograd.Function does; gradcheck and the compile tests
+    # below cover it): they are checked as operators, on inputs that do not require grad.
     with impl_context(impl):
         for op, args in cases:
+            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             torch.library.opcheck(op, args)
 
 
