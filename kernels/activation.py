@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, check_tensor
-from ._triton import alloc, autotune_configs, check_launch_device, launch, tl, triton
+from ._triton import alloc, autotune_configs, cdiv, check_launch_device, launch, tl, triton
 
 __all__ = ["check_swiglu_input", "swiglu_bwd_ref", "swiglu_bwd_triton", "swiglu_ref", "swiglu_triton"]
 
@@ -84,7 +84,7 @@ def _swiglu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, ACC: tl.constexpr, BLOCK_R
 
 def _launch_grid(M: int, F: int):
     def grid(meta):
-        return triton.cdiv(M, meta["BLOCK_R"]), triton.cdiv(F, meta["BLOCK_F"])
+        return cdiv(M, meta["BLOCK_R"]), cdiv(F, meta["BLOCK_F"])
 
     return grid
 

@@ -32,10 +32,12 @@ from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 from ._triton import (
     alloc,
     autotune_configs,
+    cdiv,
     check_config_fits,
     check_launch_device,
     ensure_descriptor_allocator,
     launch,
+    next_power_of_2,
     num_programs,
     rows_bucket,
     shared_memory_prune,
@@ -498,12 +500,12 @@ def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_v
         return y_MN
     if K == 0:
         return y_MN.zero_()
-    common = dict(BLOCK_E=max(triton.next_power_of_2(E), 16), **_dot_meta(x_MK))
+    common = dict(BLOCK_E=max(next_power_of_2(E), 16), **_dot_meta(x_MK))
     bucket = rows_bucket(M, E)
 
     if variant == "classic":
         def grid(meta):
-            return ((triton.cdiv(M, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"]),)
+            return ((cdiv(M, meta["BLOCK_M"]) + E) * cdiv(N, meta["BLOCK_N"]),)
 
         launch(_grouped_mm_kernel, grid, x_MK, w_EKN, y_MN, offsets_E, M, N, K, E, bucket,
                x_MK.stride(0), x_MK.stride(1), *w_EKN.stride(), y_MN.stride(0), y_MN.stride(1),
@@ -515,7 +517,7 @@ def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_v
     n_programs = programs or num_programs(x_MK)
 
     def grid(meta):
-        upper = (triton.cdiv(M, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"])
+        upper = (cdiv(M, meta["BLOCK_M"]) + E) * cdiv(N, meta["BLOCK_N"])
         return (min(n_programs, upper),)
 
     launch(_grouped_mm_persistent_kernel, grid, x_MK, w_EKN, y_MN, offsets_E, M, N, K, E, bucket, n_programs,
@@ -551,7 +553,7 @@ MAX_GRID = (2**31 - 1, 65_535, 65_535)
 def dw_reduce_grid(split_groups: int, num_elements: int, block: int) -> tuple[int, int]:
     """Grid of ``_dw_reduce_kernel``: (element blocks of one expert's dW, split groups). The block count grows
     with the expert's K * N (over 65,535 blocks of 1024 past 67.1M elements), so it takes axis 0."""
-    grid = (triton.cdiv(num_elements, block), split_groups)
+    grid = (cdiv(num_elements, block), split_groups)
     if any(g > limit for g, limit in zip(grid, MAX_GRID, strict=False)):
         raise ValueError(f"dW reduce grid {grid} exceeds CUDA's limits {MAX_GRID[:2]} "
                          f"(K * N = {num_elements}, {split_groups} split groups)")
@@ -593,12 +595,12 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
     part_dtype = torch.float64 if x_MK.dtype == torch.float64 else torch.float32
     # Split groups have more than `chunk` rows each; their chunks number at most 2 * M / chunk (see the kernel).
     split_groups = min(E, M // (chunk + 1))
-    num_parts = min(2 * M // chunk, triton.cdiv(M, chunk) + E) if split_groups else 0
+    num_parts = min(2 * M // chunk, cdiv(M, chunk) + E) if split_groups else 0
     part = alloc((max(num_parts, 1), K, N) if num_parts else (1,), part_dtype, x_MK.device)
-    block_e = max(triton.next_power_of_2(E), 16)
+    block_e = max(next_power_of_2(E), 16)
 
     def grid(meta):
-        return ((triton.cdiv(M, chunk) + E) * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        return ((cdiv(M, chunk) + E) * cdiv(K, meta["BLOCK_K"]) * cdiv(N, meta["BLOCK_N"]),)
 
     launch(_grouped_mm_dw_kernel, grid, x_MK, dy_MN, dw_EKN, part, offsets_E, M, K, N, E, chunk, num_parts,
            rows_bucket(M, E), x_MK.stride(0), x_MK.stride(1), dy_MN.stride(0), dy_MN.stride(1), *dw_EKN.stride(),

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, check_rows, check_same_device, check_tensor
-from ._triton import alloc, autotune_configs, check_launch_device, launch, tl, triton
+from ._triton import alloc, autotune_configs, cdiv, check_launch_device, launch, next_power_of_2, tl, triton
 
 __all__ = [
     "check_permute_inputs",
@@ -203,7 +203,7 @@ def permute_triton(x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, *, confi
     out_MD = alloc((M, D), x_TD.dtype, x_TD.device)
     if M > 0 and D > 0:
         def grid(meta):
-            return triton.cdiv(M, meta["BLOCK_R"]), triton.cdiv(D, meta["BLOCK_D"])
+            return cdiv(M, meta["BLOCK_R"]), cdiv(D, meta["BLOCK_D"])
 
         launch(_permute_kernel, grid, x_TD, src_idx_M, out_MD, M, D, dst_idx_TK.shape[1], config=config)
     return out_MD
@@ -228,7 +228,7 @@ def unpermute_triton(y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_w
     out_TD = alloc((T, D), y_MD.dtype, y_MD.device)
     if T > 0 and D > 0:
         def grid(meta):
-            return triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"])
+            return cdiv(T, meta["BLOCK_T"]), cdiv(D, meta["BLOCK_D"])
 
         w = topk_weights_TK if topk_weights_TK is not None else dst_idx_TK
         launch(_unpermute_kernel, grid, y_MD, dst_idx_TK, w, out_TD, T, D, K=K,
@@ -261,9 +261,9 @@ def unpermute_bwd_triton(
         dw_TK.zero_()
     if T > 0 and D > 0:
         def grid(meta):
-            return (triton.cdiv(T, meta["BLOCK_T"]),)
+            return (cdiv(T, meta["BLOCK_T"]),)
 
         launch(_unpermute_bwd_kernel, grid, grad_TD, y_MD, dst_idx_TK, topk_weights_TK, dy_MD,
-               dw_TK if need_dw else dy_MD, T, D, K=K, BLOCK_K=max(triton.next_power_of_2(K), 16), NEED_DW=need_dw,
+               dw_TK if need_dw else dy_MD, T, D, K=K, BLOCK_K=max(next_power_of_2(K), 16), NEED_DW=need_dw,
                ACC=_acc(y_MD), config=config)
     return dy_MD, dw_TK

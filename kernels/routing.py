@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ._checks import INDEX_DTYPES, check_num_experts, check_positive_int, check_rows, check_tensor
-from ._triton import alloc, check_launch_device, tl, triton
+from ._triton import alloc, cdiv, check_launch_device, next_power_of_2, tl, triton
 
 __all__ = ["RoutingMetadata", "check_routing_inputs", "routing_metadata_ref", "routing_metadata_triton"]
 
@@ -215,9 +215,9 @@ def routing_metadata_triton(
     dev = topk_ids_TK.device
     src_idx_M = alloc((M,), torch.int32, dev)
     dst_idx_TK = alloc((T, K), torch.int32, dev)
-    num_blocks = triton.cdiv(M, block_m)
+    num_blocks = cdiv(M, block_m)
     if block_e is None:
-        block_e = min(max(triton.next_power_of_2(E), 16), 64 if topk_ids_TK.is_cuda else 1024)
+        block_e = min(max(next_power_of_2(E), 16), 64 if topk_ids_TK.is_cuda else 1024)
     if num_blocks == 0:
         zeros_E = torch.zeros(E, dtype=torch.int32, device=dev)
         return zeros_E, zeros_E.clone(), src_idx_M, dst_idx_TK

@@ -268,13 +268,28 @@ def test_rows_bucket():
     assert buckets == sorted(buckets) and all(b % 16 == 0 and b & (b - 1) == 0 for b in buckets)
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (its cdiv and next_power_of_2 are the reference)")
+def test_host_cdiv_and_next_power_of_2_equal_tritons():
+    import random
+
+    import triton
+
+    rng = random.Random(0)
+    values = list(range(1, 300)) + [rng.randrange(1, 2**40) for _ in range(300)] + [2**k for k in range(1, 41)]
+    for n in values:
+        assert kt.next_power_of_2(n) == triton.next_power_of_2(n), n
+        d = rng.randrange(1, 5000)
+        assert kt.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert kt.cdiv(0, 7) == 0 and kt.next_power_of_2(1) == 1
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
 def test_autotune_keys_see_rows_per_group():
     for kernel in (gg._grouped_mm_kernel, gg._grouped_mm_persistent_kernel, gg._grouped_mm_dw_kernel):
         assert "M_BUCKET" in kernel.keys, kernel
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (triton.cdiv)")
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
 @pytest.mark.parametrize(("K", "N", "groups"), [(8, 6, 1), (7168, 2 * 18432, 64), (6144, 4096, 128)],
                          ids=["tiny", "over-65535-blocks", "glm5"])
 def test_dw_reduce_grid_within_cuda_limits(K, N, groups):
