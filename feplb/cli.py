@@ -403,9 +403,15 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         hidden, ffn = args.hidden, args.ffn
         print(f"feplb calibrate: {args.experts} experts of H={hidden} F={ffn} ({args.dtype}, {args.impl}) on "
               f"{device}, rows per expert {args.rows}, {args.repeats} timed calls each", file=sys.stderr)
-        measured = measure_expert_us(args.rows, hidden=hidden, ffn=ffn, experts=args.experts,
-                                     dtype=getattr(torch, args.dtype), device=device, impl=args.impl,
-                                     repeats=args.repeats, warmup=args.warmup)
+        try:
+            measured = measure_expert_us(args.rows, hidden=hidden, ffn=ffn, experts=args.experts,
+                                         dtype=getattr(torch, args.dtype), device=device, impl=args.impl,
+                                         repeats=args.repeats, warmup=args.warmup)
+        except RuntimeError as err:  # e.g. torch._grouped_mm refusing a shape or dtype on this device
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            hint = " (--impl feplb runs any shape and dtype)" if args.impl == "torch" else ""
+            raise UsageError(f"--impl {args.impl} cannot run H={hidden} F={ffn} in {args.dtype} on {device}: "
+                             f"{first}{hint}") from err
         meta = {"source": "measured", "what": f"{'torch._grouped_mm' if args.impl == 'torch' else 'feplb.kernels'} "
                 "gate/up GEMM + SwiGLU + down GEMM, every expert the same rows, median per expert",
                 "experts": args.experts, "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup,

@@ -197,6 +197,19 @@ def test_cli_refusals_write_nothing(tmp_path, capsys, case):
     assert not out.exists() and not list(tmp_path.glob(".cost.json.*"))
 
 
+def test_cli_names_a_shape_the_kernel_refuses(tmp_path, capsys):
+    """torch._grouped_mm needs 16-byte strides: H=7 in fp32 is refused with one line naming the shape, no file."""
+    out = tmp_path / "cost.json"
+    assert main(["calibrate", "--out", str(out), "--hidden", "7", "--ffn", "5", "--experts", "2", "--rows", "4,8",
+                 "--dtype", "float32", "--device", "cpu", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--impl torch cannot run H=7 F=5 in float32 on cpu" in err and "--impl feplb" in err
+    assert err.strip().splitlines()[-1].startswith("feplb calibrate: error:") and not out.exists()
+    # the project's own kernels (here their CPU twins) take the shape
+    got = measure_expert_us([4, 8], hidden=7, ffn=5, experts=2, dtype=torch.float32, impl="feplb", repeats=1)
+    assert [g["rows"] for g in got] == [4, 8] and all(g["us"] > 0 for g in got)
+
+
 def test_cli_rows_option_is_checked(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["calibrate", "--out", "x.json", "--rows", "64,32"])
