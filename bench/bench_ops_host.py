@@ -10,8 +10,9 @@ Rounds alternate the variants; each reports the fastest round's time per call.
 
 On a CPU the implementations are the pure-torch twins and the numbers are this CPU's host overheads; on a GPU the
 same code times the host's issue of the Triton launches (no sync inside a round). Results go to
-``extra_info`` and, with ``--benchmark-enable``, to ``runs/bench_ops_host.json``; every variant's output and
-gradients are checked equal to the others' first (also with ``--benchmark-disable``, as in CI).
+``extra_info`` and, with ``--benchmark-enable``, to ``runs/bench_ops_host_<cpu|cuda>.json`` (FEPLB_BENCH_OPS_HOST_CALLS
+sets the calls per round); every variant's output and gradients are checked equal to the public op's first (also
+with ``--benchmark-disable``, as in CI).
 
     .venv/bin/pytest bench/bench_ops_host.py -s -p no:randomly --benchmark-enable
 """
@@ -134,13 +135,14 @@ def _time(fns: dict, inputs, grad_out, calls: int, rounds: int, sync) -> dict:
     return best
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_ops_host_time(benchmark, device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     calls, rounds = (CALLS, ROUNDS) if not benchmark.disabled else (20, 1)
+    calls = int(os.environ.get("FEPLB_BENCH_OPS_HOST_CALLS", calls))
     results = {}
     for op, (inputs, grad_out, fns, public) in _cases(dev).items():
         _check_equal(inputs, grad_out, fns, public)

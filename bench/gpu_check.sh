@@ -4,12 +4,12 @@
 # a step whose limit would cross the budget is cut to what is left, or skipped and reported NOT RUN ("budget")
 # when under 15 s are left; 10 s are kept for the kill grace of a stopped step and 10 s for the report.
 # Planned (one GPU): about 30 s of installs and imports (two pip installs, four cold Python starts, three with
-# torch), then limits 170 + 110 + 90 + 20 + 25 + 30 + 70 + 20 s = 535 s (kernels, runtime_gpu, bench_kernels,
-# planner, bench_overlap, bench_straggler, bench_layer, calibrate): about 565 s if every step used its whole limit;
-# only then does the budget cut bench_layer (by up to 25 s) and skip calibrate, the last step. The limits follow the
-# first H200 run (2026-11-30): kernels ran out of 110 s over 8 workers by file; the other steps used 94, 67, 11, 12,
-# 15 and 38 s (calibrate did not exist yet). A step's limit and kill grace never reach past the budget, so the
-# command ends by about 540 s even when one is killed.
+# torch), then limits 170 + 110 + 90 + 20 + 25 + 30 + 70 + 20 + 20 s = 555 s (kernels, runtime_gpu, bench_kernels,
+# planner, bench_overlap, bench_straggler, bench_layer, ops_host, calibrate): about 585 s if every step used its
+# whole limit; only then does the budget cut bench_layer (by up to 25 s) and skip the last two steps. The limits
+# follow the first H200 run (2026-11-30): kernels ran out of 110 s over 8 workers by file; the other steps used 94,
+# 67, 11, 12, 15 and 38 s (ops_host and calibrate did not exist yet), 370 s in all. A step's limit and kill grace
+# never reach past the budget, so the command ends by about 540 s even when one is killed.
 # The report runs from an EXIT trap (also after SIGINT / SIGTERM, once the running step has stopped), so
 # report.json and the table always come out. Steps, each under its own time limit (a step that runs out is
 # stopped with SIGINT, so pytest still writes its report, and the next runs):
@@ -30,6 +30,7 @@
 #                  and each balancing plan, timed one after another on the one GPU (ranks in parallel assumed)
 #   bench_layer    the layer's forward + backward with balancing on and off, host syncs per forward (on one GPU
 #                  two processes share it: spawn, CUDA init and compiles took 38 s on the first H200 run)
+#   ops_host       host time per op call of the ops next to their former registration (bench/bench_ops_host.py)
 #   calibrate      the cost model's GEMM table (`feplb calibrate`: torch._grouped_mm, GLM-5 expert, 32 to 4096
 #                  rows per expert, CUDA events) into OUT/cost_table.json
 #
@@ -330,6 +331,10 @@ FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_STRAGGLER_JSON=$OUT/bench_straggler.json \
 # limit is 60 s, inside the step's 70 s); with more, one per GPU.
 FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_LAYER_JSON=$OUT/bench_layer.json \
     pytest_step bench_layer 70 -s -m gpu bench/bench_layer.py --benchmark-enable
+# Host time per op call, the operators in autograd Functions next to the custom_op registration they replaced,
+# printed into the log (estimated 10 s: two tiny compiles, 500 calls x 7 rounds x 8 timings of 20-200 us).
+FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_OPS_HOST_CALLS=500 \
+    pytest_step ops_host 20 -s -m gpu bench/bench_ops_host.py --benchmark-enable
 # The measured GEMM curve the simulator's cost model can take (feplb simulate --cost-table): estimated 10-15 s,
 # most of it torch's start (8 row counts x 13 calls of at most ~8 ms plus a ~2 ms GPU sleep each).
 step calibrate 20 "$PY" -m feplb.cli calibrate --device cuda --out "$OUT/cost_table.json"
@@ -339,7 +344,7 @@ if [ "$DRY" = 1 ] && [ "${FEPLB_GPU_CHECK_COLLECT:-1}" != 0 ]; then
     echo "===== dry run: collecting every step's tests" >> "$LOG"
     if ! "$PY" -m pytest --collect-only -q -p no:cacheprovider "${KERNEL_TESTS[@]}" tests/runtime \
             bench/bench_kernels.py "${PLANNER_TESTS[@]}" bench/bench_overlap.py bench/bench_straggler.py \
-            bench/bench_layer.py >> "$LOG" 2>&1; then
+            bench/bench_layer.py bench/bench_ops_host.py >> "$LOG" 2>&1; then
         echo "dry run: the steps' tests do not collect (see $LOG)"; exit 1
     fi
     if ! "$PY" -m feplb.cli calibrate --help >> "$LOG" 2>&1; then

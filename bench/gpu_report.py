@@ -62,7 +62,8 @@ ALLOWED_RUNTIME_SKIP = re.compile(r"\b(2|two) (CUDA )?GPUs\b", re.IGNORECASE)
 NVSHMEM_SKIP = "NVSHMEM unavailable"
 SYNC_TESTS = ("test_no_host_sync_after_counts_one_gpu", "test_no_host_sync_after_counts_nccl")
 TEST_STEPS = ("kernels", "runtime_gpu")
-BENCH_STEPS = ("bench_kernels", "planner", "bench_overlap", "bench_straggler", "bench_layer", "calibrate")
+BENCH_STEPS = ("bench_kernels", "planner", "bench_overlap", "bench_straggler", "bench_layer", "ops_host",
+               "calibrate")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,7 +32,7 @@ def _load_report():
 gr = _load_report()
 TARGET_COUNT = 15
 STEP_NAMES = ["kernels", "runtime_gpu", "runtime_gpu: NVSHMEM tests", "bench_kernels", "planner", "bench_overlap",
-              "bench_straggler", "bench_layer", "calibrate"]
+              "bench_straggler", "bench_layer", "ops_host", "calibrate"]
 
 
 # ---------------------------------------------------------------------------------------------------- dry run
