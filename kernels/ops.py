@@ -1,16 +1,17 @@
-"""The public ops of feplb.kernels: operators of the ``feplb`` namespace, differentiable through autograd Functions.
+"""The public ops of feplb.kernels: operators of the ``feplb`` namespace, differentiable.
 
 Legend: T tokens, K top-k, M = T*K grouped rows, D hidden, E experts, F ffn, N output features.
 
 Each operator dispatches by device: CUDA tensors run the Triton kernels, CPU tensors the pure-torch twins (inside
 :func:`feplb.kernels.triton_on_cpu`, CPU tensors run the kernels through Triton's interpreter). The operators are
 declared with ``torch.library`` (schema, one implementation for every device, a fake implementation that gives
-torch.compile their shapes) and carry no autograd of their own: each differentiable op is a
-``torch.autograd.Function`` around its operators, so an expert block built from them trains and compiles. That
-split costs the least host time per call in eager mode: a ``torch.library.custom_op`` with registered autograd
-makes every call hop between Python and the dispatcher several times (``bench/bench_ops_host.py`` measures both
-side by side). Value checks that need the data (expert-id range, offsets) run inside the real implementations,
-each as one device->host sync on a GPU; ``check=False`` skips them where the caller built the inputs itself.
+torch.compile their shapes, and registered autograd, so ``torch.ops.feplb.*`` differentiates wherever it is
+called). The public functions apply a ``torch.autograd.Function`` per op that records the same backward and calls
+the operator past its autograd kernel: that costs the least host time per call in eager mode, where the operator's
+Python autograd kernel (like a ``torch.library.custom_op`` with registered autograd) hops between Python and the
+dispatcher on every call (``bench/bench_ops_host.py`` measures both side by side). First derivatives only. Value
+checks that need the data (expert-id range, offsets) run inside the real implementations, each as one
+device->host sync on a GPU; ``check=False`` skips them where the caller built the inputs itself.
 """
 
 from __future__ import annotations
@@ -55,6 +56,40 @@ def _operator(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverl
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"feplb::{name}", fake, lib=_LIB)
     return getattr(torch.ops.feplb, name).default
+
+
+def _below_autograd(op: torch._ops.OpOverload, *args):
+    """Call an operator past its autograd kernel (the caller records the graph: an autograd Function, or the
+    operator's own autograd kernel). Under torch.compile the plain call, which the compiler traces."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def _differentiable(op: torch._ops.OpOverload, setup: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """Give an operator its autograd (``setup(ctx, inputs, output)``, ``backward(ctx, grad)``) twice over: registered
+    on the operator, so ``torch.ops.feplb.<op>`` differentiates wherever it is called (an exported graph, say),
+    and as the returned ``torch.autograd.Function``, which the public op applies: it records the same graph node
+    without the operator's Python autograd kernel and its dispatcher round trips on every call (about 10 us of
+    host time per call, ``bench/bench_ops_host.py``). First derivatives only: a backward that would record a graph
+    (``create_graph=True``) raises."""
+    name = op.name()
+
+    def first_order(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"{name}: feplb's ops have first derivatives only; a backward with create_graph=True "
+                               "(a second derivative) through them is not supported")
+        return backward(ctx, *grads)
+
+    torch.library.register_autograd(name, first_order, setup_context=setup, lib=_LIB)
+
+    def forward(ctx, *args):
+        setup(ctx, args, None)
+        return _below_autograd(op, *args)
+
+    return type(f"_{name.split('::')[1]}_function", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(first_order)})
 
 
 # ---------------------------------------------------------------------------------------------------- routing
@@ -114,17 +149,15 @@ _PERMUTE = _operator("permute(Tensor x_TD, Tensor src_idx_M, Tensor dst_idx_TK) 
                      _permute_fake)
 
 
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor) -> Tensor:
-        ctx.save_for_backward(src_idx_M, dst_idx_TK)
-        return _PERMUTE(x_TD, src_idx_M, dst_idx_TK)
+def _permute_setup(ctx, inputs, output):
+    _, src_idx_M, dst_idx_TK = inputs
+    ctx.save_for_backward(src_idx_M, dst_idx_TK)
 
-    @staticmethod
-    def backward(ctx, grad_MD: Tensor):
-        src_idx_M, dst_idx_TK = ctx.saved_tensors
-        # Each token's gradient is the sum of its K grouped rows: an unweighted unpermute (a gather, no atomics).
-        return _Unpermute.apply(grad_MD.contiguous(), src_idx_M, dst_idx_TK, None), None, None
+
+def _permute_backward(ctx, grad_MD: Tensor):
+    src_idx_M, dst_idx_TK = ctx.saved_tensors
+    # Each token's gradient is the sum of its K grouped rows: an unweighted unpermute (a gather, no atomics).
+    return _below_autograd(_UNPERMUTE, grad_MD.contiguous(), src_idx_M, dst_idx_TK, None), None, None
 
 
 def permute(x_TD: Tensor, meta: RoutingMetadata) -> Tensor:
@@ -176,24 +209,27 @@ _UNPERMUTE_BWD = _operator(
     "bool need_dw) -> (Tensor, Tensor)", _unpermute_bwd_impl, _unpermute_bwd_fake)
 
 
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_weights_TK: Tensor | None) -> Tensor:
-        ctx.has_weights = topk_weights_TK is not None
-        ctx.need_dw = ctx.has_weights and ctx.needs_input_grad[3]
-        # y is needed only for the weights' gradient.
-        ctx.save_for_backward(y_MD if ctx.need_dw else None, src_idx_M, dst_idx_TK, topk_weights_TK)
-        return _UNPERMUTE(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
+def _unpermute_setup(ctx, inputs, output):
+    y_MD, src_idx_M, dst_idx_TK, topk_weights_TK = inputs
+    ctx.has_weights = topk_weights_TK is not None
+    ctx.need_dw = ctx.has_weights and ctx.needs_input_grad[3]
+    # y is needed only for the weights' gradient.
+    ctx.save_for_backward(y_MD if ctx.need_dw else None, src_idx_M, dst_idx_TK, topk_weights_TK)
 
-    @staticmethod
-    def backward(ctx, grad_TD: Tensor):
-        y_MD, src_idx_M, dst_idx_TK, topk_weights_TK = ctx.saved_tensors
-        grad_TD = grad_TD.contiguous()
-        if not ctx.has_weights:
-            return _Permute.apply(grad_TD, src_idx_M, dst_idx_TK), None, None, None
-        y_for_dw = y_MD if ctx.need_dw else grad_TD.new_empty(src_idx_M.shape[0], grad_TD.shape[1])
-        dy_MD, dw_TK = _UNPERMUTE_BWD(grad_TD, y_for_dw, src_idx_M, dst_idx_TK, topk_weights_TK, ctx.need_dw)
-        return dy_MD, None, None, dw_TK if ctx.need_dw else None
+
+def _unpermute_backward(ctx, grad_TD: Tensor):
+    y_MD, src_idx_M, dst_idx_TK, topk_weights_TK = ctx.saved_tensors
+    grad_TD = grad_TD.contiguous()
+    if not ctx.has_weights:
+        return _below_autograd(_PERMUTE, grad_TD, src_idx_M, dst_idx_TK), None, None, None
+    y_for_dw = y_MD if ctx.need_dw else grad_TD.new_empty(src_idx_M.shape[0], grad_TD.shape[1])
+    dy_MD, dw_TK = _below_autograd(_UNPERMUTE_BWD, grad_TD, y_for_dw, src_idx_M, dst_idx_TK, topk_weights_TK,
+                                   ctx.need_dw)
+    return dy_MD, None, None, dw_TK if ctx.need_dw else None
+
+
+_Permute = _differentiable(_PERMUTE, _permute_setup, _permute_backward)
+_Unpermute = _differentiable(_UNPERMUTE, _unpermute_setup, _unpermute_backward)
 
 
 def unpermute(y_MD: Tensor, meta: RoutingMetadata, topk_weights_TK: Tensor) -> Tensor:
@@ -253,23 +289,24 @@ _GROUPED_MM_DW = _operator("grouped_mm_dw(Tensor x_MK, Tensor dy_MN, Tensor offs
                            _grouped_mm_dw_impl, _grouped_mm_dw_fake)
 
 
-class _GroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, check: bool) -> Tensor:
-        ctx.save_for_backward(x_MK if ctx.needs_input_grad[1] else None, w_EKN if ctx.needs_input_grad[0] else None,
-                              offsets_E)
-        return _GROUPED_MM(x_MK, w_EKN, offsets_E, check)
+def _grouped_mm_setup(ctx, inputs, output):
+    x_MK, w_EKN, offsets_E, _ = inputs
+    ctx.save_for_backward(x_MK if ctx.needs_input_grad[1] else None, w_EKN if ctx.needs_input_grad[0] else None,
+                          offsets_E)
 
-    @staticmethod
-    def backward(ctx, grad_MN: Tensor):
-        x_MK, w_EKN, offsets_E = ctx.saved_tensors
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            # The forward already checked the offsets; the transposed weights are a strided view, not a copy.
-            dx = _GroupedMM.apply(grad_MN, w_EKN.transpose(1, 2), offsets_E, False)
-        if ctx.needs_input_grad[1]:
-            dw = _GROUPED_MM_DW(x_MK, grad_MN, offsets_E)
-        return dx, dw, None, None
+
+def _grouped_mm_backward(ctx, grad_MN: Tensor):
+    x_MK, w_EKN, offsets_E = ctx.saved_tensors
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        # The forward already checked the offsets; the transposed weights are a strided view, not a copy.
+        dx = _below_autograd(_GROUPED_MM, grad_MN, w_EKN.transpose(1, 2), offsets_E, False)
+    if ctx.needs_input_grad[1]:
+        dw = _below_autograd(_GROUPED_MM_DW, x_MK, grad_MN, offsets_E)
+    return dx, dw, None, None
+
+
+_GroupedMM = _differentiable(_GROUPED_MM, _grouped_mm_setup, _grouped_mm_backward)
 
 
 def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = True) -> Tensor:
@@ -321,16 +358,16 @@ _SWIGLU = _operator("swiglu(Tensor h_M2F) -> Tensor", _swiglu_impl, _swiglu_fake
 _SWIGLU_BWD = _operator("swiglu_bwd(Tensor grad_MF, Tensor h_M2F) -> Tensor", _swiglu_bwd_impl, _swiglu_bwd_fake)
 
 
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h_M2F: Tensor) -> Tensor:
-        ctx.save_for_backward(h_M2F)
-        return _SWIGLU(h_M2F)
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
 
-    @staticmethod
-    def backward(ctx, grad_MF: Tensor):
-        (h_M2F,) = ctx.saved_tensors
-        return _SWIGLU_BWD(grad_MF.contiguous(), h_M2F)
+
+def _swiglu_backward(ctx, grad_MF: Tensor):
+    (h_M2F,) = ctx.saved_tensors
+    return _below_autograd(_SWIGLU_BWD, grad_MF.contiguous(), h_M2F)
+
+
+_SwiGLU = _differentiable(_SWIGLU, _swiglu_setup, _swiglu_backward)
 
 
 def swiglu(h_M2F: Tensor) -> Tensor:

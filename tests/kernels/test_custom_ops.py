@@ -1,7 +1,9 @@
-"""The feplb:: operators as torch sees them: opcheck (schema, fake impls, AOT dispatch), gradcheck of the public
-ops (their autograd Functions) in float64, and torch.compile(fullgraph=True) of a SwiGLU expert block built from
-them. Each runs on the pure-torch twins (CPU dispatch), through ``triton_on_cpu`` under the interpreter on the
-Triton kernels, and, where a GPU is present, on CUDA tensors (the Triton kernels as dispatched in training).
+"""The feplb:: operators as torch sees them: opcheck (schema, fake impls, autograd registration, AOT dispatch),
+gradcheck of the public ops (their autograd Functions) in float64, the operators' own autograd (called directly,
+as an exported graph calls them) against the public ops, first derivatives only, and torch.compile(fullgraph=True)
+of a SwiGLU expert block built from them. Each runs on the pure-torch twins (CPU dispatch), through
+``triton_on_cpu`` under the interpreter on the Triton kernels, and, where a GPU is present, on CUDA tensors (the
+Triton kernels as dispatched in training).
 """
 
 from __future__ import annotations
@@ -64,11 +66,8 @@ def test_opcheck(impl, gen, kh):
         (torch.ops.feplb.swiglu.default, (h,)),
         (torch.ops.feplb.swiglu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach())),
     ]
-    # The operators carry no autograd (each public op's autograd.Function does; gradcheck and the compile tests
-    # below cover it): they are checked as operators, on inputs that do not require grad.
     with impl_context(impl):
         for op, args in cases:
-            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             torch.library.opcheck(op, args)
 
 
@@ -169,3 +168,62 @@ def test_random_shapes(impl, draw, gen, kh):
         for k in range(K):
             expected[t] += float(w[t, k]) * (x[t].double() @ w1[int(ids[t, k])].double())
     kh.close(out.cpu(), expected, dtype, scale=4.0)
+
+
+def raw_expert_block(x_TH, weights_TK, w1_EH2F, w2_EFH, topk_ids_TK, num_experts: int):
+    """expert_block through the torch.ops.feplb operators themselves (their registered autograd)."""
+    ops = torch.ops.feplb
+    _, offsets, src, dst = ops.routing_metadata(topk_ids_TK, num_experts, True)
+    h = ops.grouped_mm(ops.permute(x_TH, src, dst), w1_EH2F, offsets, True)
+    y = ops.grouped_mm(ops.swiglu(h), w2_EFH, offsets, True)
+    return ops.unpermute(y, src, dst, weights_TK)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_operators_differentiate_like_the_public_ops(impl, gen, kh):
+    """Called directly, the operators record the same gradients as the public ops (their autograd Functions): on
+    the Triton path too, where nothing else would record a graph."""
+    ids, E, x, w, w1, w2 = _problem(gen, kh, dtype=torch.float32, device=_dev(impl))
+    with impl_context(impl):
+        out = expert_block(x, w, w1, w2, ids, E)
+        grads = torch.autograd.grad(out.square().sum(), (x, w, w1, w2))
+        raw = raw_expert_block(x, w, w1, w2, ids, E)
+        raw_grads = torch.autograd.grad(raw.square().sum(), (x, w, w1, w2))
+    assert raw.grad_fn is not None
+    torch.testing.assert_close(raw, out, rtol=0, atol=0)
+    for g, e in zip(raw_grads, grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call", ["public", "operators"])
+def test_second_derivatives_are_refused(call, gen, kh):
+    ids, E, x, w, w1, w2 = _problem(gen, kh, dtype=torch.float64)
+    block = expert_block if call == "public" else raw_expert_block
+    out = block(x, w, w1, w2, ids, E)
+    with pytest.raises(RuntimeError, match="first derivatives only"):
+        torch.autograd.grad(out.square().sum(), (x, w1), create_graph=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_exported_block_trains_like_eager(impl, gen, kh):
+    """torch.export keeps the operators in its graph; the exported module's gradients are the eager block's (on the
+    Triton path, where only the operators' own autograd can record them)."""
+    ids, E, x, w, w1, w2 = _problem(gen, kh, dtype=torch.float32, device=_dev(impl))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = torch.nn.Parameter(w1.detach().clone()), torch.nn.Parameter(w2.detach().clone())
+
+        def forward(self, x_TH, weights_TK, topk_ids_TK):
+            return expert_block(x_TH, weights_TK, self.w1, self.w2, topk_ids_TK, E)
+
+    block = Block()
+    with impl_context(impl):
+        exported = torch.export.export(block, (x.detach(), w.detach(), ids), strict=False).module()
+        want = torch.autograd.grad(block(x, w, ids).square().sum(), (x, w, block.w1, block.w2))
+        got_out = exported(x, w, ids)
+        got = torch.autograd.grad(got_out.square().sum(), (x, w, *exported.parameters()), allow_unused=True)
+    assert len(got) == 4
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e)
