@@ -4,8 +4,8 @@
 # a step whose limit would cross the budget is cut to what is left, or skipped and reported NOT RUN ("budget")
 # when under 15 s are left; 10 s are kept for the kill grace of a stopped step and 10 s for the report.
 # Planned (one GPU): about 30 s of installs and imports (two pip installs, four cold Python starts, three with
-# torch), then limits 170 + 110 + 90 + 20 + 25 + 30 + 70 + 20 + 20 s = 555 s (kernels, runtime_gpu, bench_kernels,
-# planner, bench_overlap, bench_straggler, bench_layer, ops_host, calibrate): about 585 s if every step used its
+# torch), then limits 170 + 110 + 90 + 20 + 25 + 30 + 70 + 45 + 20 s = 580 s (kernels, runtime_gpu, bench_kernels,
+# planner, bench_overlap, bench_straggler, bench_layer, ops_host, calibrate): about 610 s if every step used its
 # whole limit; only then does the budget cut bench_layer (by up to 25 s) and skip the last two steps. The limits
 # follow the first H200 run (2026-11-30): kernels ran out of 110 s over 8 workers by file; the other steps used 94,
 # 67, 11, 12, 15 and 38 s (ops_host and calibrate did not exist yet), 370 s in all. A step's limit and kill grace
@@ -332,9 +332,10 @@ FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_STRAGGLER_JSON=$OUT/bench_straggler.json \
 FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_LAYER_JSON=$OUT/bench_layer.json \
     pytest_step bench_layer 70 -s -m gpu bench/bench_layer.py --benchmark-enable
 # Host time per op call, the operators in autograd Functions next to the custom_op registration they replaced,
-# printed into the log (estimated 10 s: two tiny compiles, 500 calls x 7 rounds x 8 timings of 20-200 us).
+# printed into the log (estimated 15-40 s: fp32 at 8 rows compiles every config the autotuners keep, about 11,
+# then 500 calls x 7 rounds x 8 timings of 20-200 us).
 FEPLB_AUTOTUNE_MS=5,20 FEPLB_BENCH_OPS_HOST_CALLS=500 \
-    pytest_step ops_host 20 -s -m gpu bench/bench_ops_host.py --benchmark-enable
+    pytest_step ops_host 45 -s -m gpu bench/bench_ops_host.py --benchmark-enable
 # The measured GEMM curve the simulator's cost model can take (feplb simulate --cost-table): estimated 10-15 s,
 # most of it torch's start (8 row counts x 13 calls of at most ~8 ms plus a ~2 ms GPU sleep each).
 step calibrate 20 "$PY" -m feplb.cli calibrate --device cuda --out "$OUT/cost_table.json"

@@ -3,15 +3,16 @@
 The cost model needs one curve: the forward time of one expert (gate/up GEMM, SwiGLU, down GEMM) against the rows
 it computes, flat up to a knee (reading the weights is the floor) and close to linear beyond. This module measures
 that curve on the device at hand for a given expert shape (:func:`measure_expert_us`), or reads it from a
-``bench/bench_kernels.py`` results file (:func:`expert_us_from_bench`), fits the table ``CostModel`` interpolates
-(:func:`fit_table`) and writes it as the JSON that ``CostModel.from_json`` and ``feplb simulate --cost-table``
-read. ``feplb calibrate`` is the command line.
+``bench/bench_kernels.py`` results file (:func:`expert_us_from_bench`), fits the non-decreasing table
+``CostModel`` interpolates (:func:`fit_table`) and writes it as the JSON that ``CostModel.from_json`` and
+``feplb simulate --cost-table`` read. ``feplb calibrate`` is the command line.
 
 Legend: E experts timed together (one grouped launch), H hidden, F expert ffn width, R rows per expert.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
 import platform
@@ -21,8 +22,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["BENCH_IMPLS", "FLOOR_TOLERANCE", "expert_us_from_bench", "fit_table", "machine_meta", "measure_expert_us",
-           "table_document"]
+__all__ = ["BENCH_IMPLS", "FLOOR_TOLERANCE", "expert_us_from_bench", "fit_table", "isotonic", "machine_meta",
+           "measure_expert_us", "table_document"]
 
 # A row count whose time is within this fraction of the smallest row count's time is still on the weight-read
 # floor: the knee is the largest such row count.
@@ -34,16 +35,29 @@ BENCH_IMPLS = ("torch_grouped_mm", "feplb")
 _SLEEP_CYCLES = 4_000_000
 
 
+def isotonic(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in least squares, all points weighted alike (pool adjacent
+    violators: a run that decreases is replaced by its mean)."""
+    blocks: list[list[float]] = []   # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
 def fit_table(rows: Sequence[int], us: Sequence[float], *, floor_tolerance: float = FLOOR_TOLERANCE,
               ) -> tuple[list[int], list[float], dict]:
     """The cost table of measured per-expert times: (table_rows, table_us, fit info).
 
     rows: ascending row counts (> 0); us: the measured time (us, > 0) of one expert at each. Measured times are not
-    always non-decreasing (noise on the floor); the table takes the running maximum, which the cost model requires
-    and physics agrees with (more rows never take less time). The knee is the largest row count whose time is
-    within ``floor_tolerance`` of the first one's: the table starts there (``CostModel`` is flat below its first
-    point, and its knee is that point), so the points below the knee are dropped. At least one point must lie past
-    the knee. info: the knee, the raw and the monotone times, and how many points the running maximum raised.
+    always non-decreasing (noise on the floor), while the cost model needs them so (and more rows never take less
+    time): the table takes the closest non-decreasing curve (:func:`isotonic`), where a noisy point is averaged
+    with its neighbours instead of lifting every point after it. The knee is the largest row count whose fitted
+    time is within ``floor_tolerance`` of the first one's: the table starts there (``CostModel`` is flat below its
+    first point, and its knee is that point), so the points below the knee are dropped. At least one point must lie
+    past the knee. info: the knee, the raw and the fitted times, and how many points the fit moved.
     """
     rows = [int(r) for r in rows]
     us = [float(t) for t in us]
@@ -57,32 +71,28 @@ def fit_table(rows: Sequence[int], us: Sequence[float], *, floor_tolerance: floa
         raise ValueError(f"measured times must be finite and > 0 us, got {us}")
     if not (isinstance(floor_tolerance, (int, float)) and 0 <= floor_tolerance < 10):
         raise ValueError(f"floor_tolerance must be a number in [0, 10), got {floor_tolerance!r}")
-    mono: list[float] = []
-    for t in us:
-        mono.append(max(t, mono[-1]) if mono else t)
-    limit = mono[0] * (1.0 + floor_tolerance)
-    knee = max(i for i, t in enumerate(mono) if t <= limit)
+    fit = isotonic(us)
+    limit = fit[0] * (1.0 + floor_tolerance)
+    knee = max(i for i, t in enumerate(fit) if t <= limit)
     if knee == len(rows) - 1:
-        raise ValueError(f"every measured time is within {floor_tolerance:.0%} of the first ({us[0]:.2f} us at "
+        raise ValueError(f"every fitted time is within {floor_tolerance:.0%} of the first ({fit[0]:.2f} us at "
                          f"{rows[0]} rows): the sweep never leaves the weight-read floor; measure larger row counts")
     info = {"knee_rows": rows[knee], "floor_tolerance": floor_tolerance, "raw_rows": rows, "raw_us": us,
-            "monotone_us": mono, "raised_points": sum(a != b for a, b in zip(us, mono, strict=True))}
-    return rows[knee:], mono[knee:], info
+            "fitted_us": fit, "moved_points": sum(a != b for a, b in zip(us, fit, strict=True))}
+    return rows[knee:], fit[knee:], info
 
 
 def _expert_forward(x_MH: torch.Tensor, w1_E_H_2F: torch.Tensor, w2_EFH: torch.Tensor, offsets_E: torch.Tensor,
                     impl: str) -> Callable[[], torch.Tensor]:
-    """One call = the experts' forward over grouped rows: down(silu(gate(x)) * up(x)) per group."""
+    """One call = the experts' forward over grouped rows, down(silu(gate(x)) * up(x)) per group: the two grouped
+    GEMMs of ``impl`` around the layer's own SwiGLU op (fused, Triton on a GPU)."""
+    from feplb.kernels import grouped_mm, swiglu
+
     if impl == "torch":
-        F = w2_EFH.shape[1]
-
         def run() -> torch.Tensor:
-            h = torch._grouped_mm(x_MH, w1_E_H_2F, offs=offsets_E)
-            a = (torch.nn.functional.silu(h[:, :F].float()) * h[:, F:].float()).to(x_MH.dtype)
-            return torch._grouped_mm(a, w2_EFH, offs=offsets_E)
+            return torch._grouped_mm(swiglu(torch._grouped_mm(x_MH, w1_E_H_2F, offs=offsets_E)), w2_EFH,
+                                     offs=offsets_E)
     elif impl == "feplb":
-        from feplb.kernels import grouped_mm, swiglu
-
         def run() -> torch.Tensor:
             h = grouped_mm(x_MH, w1_E_H_2F, offsets_E, check=False)
             return grouped_mm(swiglu(h), w2_EFH, offsets_E, check=False)
@@ -136,6 +146,13 @@ def measure_expert_us(rows: Sequence[int], *, hidden: int, ffn: int, experts: in
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device}: CUDA is not available here")
     # drawn on the device: a GLM-5 sweep's inputs are about 1.2 G values, seconds of work for a CPU generator
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        # the sleep, the events and the launches on the measured GPU (the current one may be another)
+        return _measure(rows, hidden, ffn, experts, dtype, device, impl, repeats, warmup, seed)
+
+
+def _measure(rows: list[int], hidden: int, ffn: int, experts: int, dtype: torch.dtype, device: torch.device,
+             impl: str, repeats: int, warmup: int, seed: int) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape: int, scale: float) -> torch.Tensor:
@@ -172,12 +189,20 @@ def expert_us_from_bench(doc: dict, *, impl: str = "torch_grouped_mm", dist: str
     if not isinstance(shape, dict) or not {"hidden", "ffn", "local_experts"} <= set(shape):
         raise ValueError("bench_kernels meta.shape must give hidden, ffn and local_experts, got "
                          f"{sorted(shape) if isinstance(shape, dict) else shape!r}")
-    experts = int(shape["local_experts"])
+    try:
+        experts, hidden, ffn = (int(shape[k]) for k in ("local_experts", "hidden", "ffn"))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"bench_kernels meta.shape must hold integers, got {shape}") from err
+    if min(experts, hidden, ffn) < 1:
+        raise ValueError(f"bench_kernels meta.shape must hold positive local_experts, hidden and ffn, got {shape}")
     found: dict[int, dict[str, dict]] = {}
-    for row in doc["results"]:
+    for i, row in enumerate(doc["results"]):
         if (isinstance(row, dict) and row.get("bench") == "grouped_mm" and row.get("op") == "forward"
                 and row.get("impl") == impl and row.get("dist") == dist):
-            found.setdefault(int(row["rows_per_expert"]), {})[row.get("proj")] = row
+            r = row.get("rows_per_expert")
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                raise ValueError(f"results[{i}] ({impl} forward) has no positive integer rows_per_expert: {r!r}")
+            found.setdefault(r, {})[row.get("proj")] = row
     if not found:
         impls = sorted({str(r.get("impl")) for r in doc["results"]
                         if isinstance(r, dict) and r.get("bench") == "grouped_mm"})
@@ -190,13 +215,14 @@ def expert_us_from_bench(doc: dict, *, impl: str = "torch_grouped_mm", dist: str
             rec = parts.get(proj)
             if rec is None:
                 raise ValueError(f"{impl} forward at {r} rows per expert: no {proj!r} record")
-            if "us" not in rec:
-                raise ValueError(f"{impl} forward {proj} at {r} rows per expert has no time (its record says "
-                                 f"{rec.get('error', 'nothing')!r})")
+            t = rec.get("us")
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+                raise ValueError(f"{impl} forward {proj} at {r} rows per expert has no time (us: {t!r}; its record "
+                                 f"says {rec.get('error', 'nothing')!r})")
         us = (float(parts["gate_up"]["us"]) + float(parts["down"]["us"])) / experts
-        flops = 2 * r * int(shape["hidden"]) * 3 * int(shape["ffn"])
+        flops = 2 * r * hidden * 3 * ffn
         out.append({"rows": r, "us": us, "tflops": flops / (us * 1e-6) / 1e12})
-    return out, {"hidden": int(shape["hidden"]), "ffn": int(shape["ffn"]), "experts": experts}
+    return out, {"hidden": hidden, "ffn": ffn, "experts": experts}
 
 
 def table_document(measured: Sequence[dict], *, hidden: int, ffn: int, meta: dict,

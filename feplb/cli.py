@@ -325,11 +325,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 CALIBRATE_EPILOG = """\
-Measures one expert's forward (gate/up GEMM, SwiGLU, down GEMM; --experts experts of R rows each in one grouped
-call) at every --rows count on --device, fits the cost table (running maximum, the knee where the time leaves the
-weight-read floor) and writes the JSON that `feplb simulate --cost-table` and CostModel.from_json read. Or, with
---from-bench, takes the GEMM times of a bench/bench_kernels.py results file (the two GEMMs, without SwiGLU).
-Copy bandwidths are not measured here (one GPU cannot show a peer copy): --ce-gbps / --net-gbps write given values.
+Measures one expert's forward (gate/up GEMM, the layer's SwiGLU, down GEMM; --experts experts of R rows each in
+one grouped call) at every --rows count on --device, fits the cost table (the closest non-decreasing curve, the
+knee where the time leaves the weight-read floor) and writes the JSON that `feplb simulate --cost-table` and
+CostModel.from_json read. Or, with --from-bench, takes the GEMM times of a bench/bench_kernels.py results file
+(the two GEMMs, without SwiGLU). Copy bandwidths are not measured here (one GPU cannot show a peer copy):
+--ce-gbps / --net-gbps write given values.
 """
 
 
@@ -350,6 +351,25 @@ def _positive_float(v: str) -> float:
     return f
 
 
+def _tolerance(v: str) -> float:
+    f = float(v)
+    if not 0 <= f < 10:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 10), got {v}")
+    return f
+
+
+def _device(v: str) -> str:
+    import torch
+
+    try:
+        dev = torch.device(v)
+    except RuntimeError as err:
+        raise argparse.ArgumentTypeError(f"not a device: {v!r} ({str(err).splitlines()[0]})") from err
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {v!r}")
+    return v
+
+
 def _add_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="cost table JSON to write")
     p.add_argument("--from-bench", default=None, metavar="FILE",
@@ -362,12 +382,13 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=_rows_list, default=[32, 64, 128, 256, 512, 1024, 2048, 4096],
                    help="rows per expert to time, comma-separated ascending (default 32,64,...,4096)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda when present)")
+    p.add_argument("--device", default="auto", type=lambda v: v if v == "auto" else _device(v),
+                   help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--impl", default="torch", choices=("torch", "feplb"),
                    help="torch: torch._grouped_mm (default); feplb: feplb.kernels (Triton on a GPU)")
     p.add_argument("--repeats", type=_positive, default=10, help="timed calls per row count (median taken)")
     p.add_argument("--warmup", type=_non_negative, default=3, help="untimed calls first")
-    p.add_argument("--floor-tolerance", type=float, default=0.10,
+    p.add_argument("--floor-tolerance", type=_tolerance, default=0.10,
                    help="times within this fraction of the smallest count's are on the floor (default 0.10)")
     p.add_argument("--ce-gbps", type=_positive_float, default=None, help="copy-engine GB/s inside a node to record")
     p.add_argument("--net-gbps", type=_positive_float, default=None, help="GB/s per GPU between nodes to record")
@@ -387,7 +408,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
             doc = json.loads(path.read_text())
         except OSError as err:
             raise UsageError(f"--from-bench {path}: cannot read the file ({err.strerror or err})") from err
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise UsageError(f"--from-bench {path}: not JSON ({err})") from err
         try:
             measured, shape = expert_us_from_bench(doc, impl=args.bench_impl)
@@ -400,6 +421,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     else:
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto"
                               else args.device)
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.type == "cuda" and (device.index or 0) >= visible:
+            raise UsageError(f"--device {args.device}: no such CUDA device here ({visible} visible)")
         hidden, ffn = args.hidden, args.ffn
         print(f"feplb calibrate: {args.experts} experts of H={hidden} F={ffn} ({args.dtype}, {args.impl}) on "
               f"{device}, rows per expert {args.rows}, {args.repeats} timed calls each", file=sys.stderr)
@@ -407,13 +431,16 @@ def _run_calibrate(args: argparse.Namespace) -> int:
             measured = measure_expert_us(args.rows, hidden=hidden, ffn=ffn, experts=args.experts,
                                          dtype=getattr(torch, args.dtype), device=device, impl=args.impl,
                                          repeats=args.repeats, warmup=args.warmup)
+        except torch.OutOfMemoryError as err:
+            raise UsageError(f"out of memory on {device} timing {args.experts} experts of H={hidden} F={ffn} at up to "
+                             f"{args.rows[-1]} rows per expert: use fewer --experts or smaller --rows") from err
         except RuntimeError as err:  # e.g. torch._grouped_mm refusing a shape or dtype on this device
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             hint = " (--impl feplb runs any shape and dtype)" if args.impl == "torch" else ""
             raise UsageError(f"--impl {args.impl} cannot run H={hidden} F={ffn} in {args.dtype} on {device}: "
                              f"{first}{hint}") from err
         meta = {"source": "measured", "what": f"{'torch._grouped_mm' if args.impl == 'torch' else 'feplb.kernels'} "
-                "gate/up GEMM + SwiGLU + down GEMM, every expert the same rows, median per expert",
+                "gate/up GEMM + feplb's SwiGLU + down GEMM, every expert the same rows, median per expert",
                 "experts": args.experts, "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup,
                 **machine_meta(device)}
     meta["command"] = command
@@ -424,8 +451,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         print(f"{m['rows']:>11} {m['us']:>11.2f} {m['tflops']:>8.2f}")
     fit = table["meta"]["fit"]
     print(f"knee {fit['knee_rows']} rows (floor {table['us'][0]:.2f} us); table rows {table['rows']}"
-          + (f"; {fit['raised_points']} point(s) raised to keep the curve non-decreasing" if fit["raised_points"]
-             else ""))
+          + (f"; {fit['moved_points']} point(s) moved by the non-decreasing fit" if fit["moved_points"] else ""))
     # the file must load as the cost model it claims to be before it is written
     kw = {k: v for k, v in table.items() if k not in ("rows", "us", "hidden", "ffn", "meta")}
     CostModel(table_rows=tuple(table["rows"]), table_us=tuple(table["us"]), hidden=hidden, ffn=ffn,

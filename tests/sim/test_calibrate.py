@@ -8,29 +8,44 @@ import numpy as np
 import pytest
 import torch
 
-from feplb.calibrate import _expert_forward, expert_us_from_bench, fit_table, measure_expert_us
+from feplb.calibrate import _expert_forward, expert_us_from_bench, fit_table, isotonic, measure_expert_us
 from feplb.cli import main
 from feplb.sched import CostModel
 
 H200_BENCH = Path(__file__).resolve().parents[2] / "bench" / "results" / "2026-11-30-h200" / "bench_kernels.json"
 
 
-def test_fit_table_knee_and_running_max():
+def isotonic_ref(us):
+    """The least-squares non-decreasing fit by its min-max formula: fit[i] = max over j <= i of min over k >= i of
+    mean(us[j..k]) (another algorithm than the pooling the code uses)."""
+    n = len(us)
+    return [max(min(float(np.mean(us[j:k + 1])) for k in range(i, n)) for j in range(i + 1)) for i in range(n)]
+
+
+def test_fit_table_knee_and_isotonic_fit():
     rows = [32, 64, 128, 256, 512, 1024, 2048]
     us = [20.0, 19.5, 21.0, 30.0, 60.0, 58.0, 120.0]
     t_rows, t_us, info = fit_table(rows, us)
-    # 19.5 is raised to 20 and 58 to 60; 21 is within 10% of 20, 30 is not: the knee is 128 rows
-    assert info["knee_rows"] == 128 and info["raised_points"] == 2
-    assert t_rows == [128, 256, 512, 1024, 2048] and t_us == [21.0, 30.0, 60.0, 60.0, 120.0]
+    # 20 and 19.5 pool to 19.75, 60 and 58 to 59; 21 is within 10% of 19.75, 30 is not: the knee is 128 rows
+    assert info["fitted_us"] == pytest.approx([19.75, 19.75, 21.0, 30.0, 59.0, 59.0, 120.0])
+    assert info["knee_rows"] == 128 and info["moved_points"] == 4
+    assert t_rows == [128, 256, 512, 1024, 2048] and t_us == pytest.approx([21.0, 30.0, 59.0, 59.0, 120.0])
     cm = CostModel(table_rows=tuple(t_rows), table_us=tuple(t_us), hidden=64, ffn=32, table_hidden=64, table_ffn=32)
     assert cm.knee_rows == 128
     assert cm.gemm_us(1) == cm.gemm_us(128) == pytest.approx(21.0)
 
 
+def test_a_noisy_point_moves_its_neighbours_less_than_a_running_maximum():
+    us = [20.0, 20.5, 30.0, 20.2, 20.4, 20.3, 40.0, 80.0]
+    _, _, info = fit_table([16, 32, 64, 128, 256, 512, 1024, 2048], us, floor_tolerance=0.3)
+    assert max(info["fitted_us"][:6]) < 24 < max(np.maximum.accumulate(us[:6]))
+    assert info["knee_rows"] == 512
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_fit_table_on_random_curves(seed):
-    """Floor then line plus noise: the table is the suffix of the running maximum from the knee, the knee the last
-    point within the tolerance of the first, and the cost model reproduces the table at its points."""
+    """Floor then line plus noise: the table is the suffix of the closest non-decreasing fit from the knee, the knee
+    the last point within the tolerance of the first, and the cost model reproduces the table at its points."""
     rng = np.random.default_rng(seed)
     rows = np.unique(rng.integers(1, 8192, size=int(rng.integers(3, 12))))
     if rows.size < 3:
@@ -38,16 +53,18 @@ def test_fit_table_on_random_curves(seed):
     floor, slope, knee = rng.uniform(5, 50), rng.uniform(0.01, 1.0), rng.uniform(rows[0], rows[-2])
     us = np.maximum(floor, floor + slope * (rows - knee)) * rng.uniform(0.97, 1.03, size=rows.size)
     tol = float(rng.uniform(0.0, 0.3))
-    mono = np.maximum.accumulate(us)
-    inside = np.nonzero(mono <= mono[0] * (1 + tol))[0]
+    fit = np.array(isotonic_ref(us.tolist()))
+    assert np.allclose(isotonic(us.tolist()), fit, rtol=1e-12)
+    inside = np.nonzero(fit <= fit[0] * (1 + tol))[0]
     if inside[-1] == rows.size - 1:
         with pytest.raises(ValueError, match="never leaves the weight-read floor"):
             fit_table(rows.tolist(), us.tolist(), floor_tolerance=tol)
         return
     t_rows, t_us, info = fit_table(rows.tolist(), us.tolist(), floor_tolerance=tol)
     k = inside[-1]
-    assert t_rows == rows[k:].tolist() and np.array_equal(t_us, mono[k:])
-    assert info["knee_rows"] == rows[k] and info["raised_points"] == int(np.sum(mono != us))
+    assert t_rows == rows[k:].tolist() and np.allclose(t_us, fit[k:], rtol=1e-12)
+    assert info["knee_rows"] == rows[k]
+    assert np.all(np.diff(t_us) >= 0)
     cm = CostModel(table_rows=tuple(t_rows), table_us=tuple(t_us))
     assert np.allclose(cm.gemm_us(np.array(t_rows)), t_us)
     assert np.all(np.diff(cm.gemm_us(np.arange(1, rows[-1] + 1))) >= 0)
@@ -134,6 +151,11 @@ def _rec(proj, r, **kw):
      "has no time"),
     (_bench_doc([_rec("gate_up", 128, us=10.0)]), "feplb", "no forward grouped_mm records of impl 'feplb'"),
     (_bench_doc([]), "dense", "impl must be one of"),
+    ({"meta": {"shape": {"hidden": 64, "ffn": 32, "local_experts": 0}}, "results": []}, "torch_grouped_mm",
+     "positive local_experts"),
+    (_bench_doc([{k: v for k, v in _rec("gate_up", 128, us=1.0).items() if k != "rows_per_expert"}]),
+     "torch_grouped_mm", "no positive integer rows_per_expert"),
+    (_bench_doc([_rec("gate_up", 128, us=1.0), _rec("down", 128, us=None)]), "torch_grouped_mm", "us: None"),
 ])
 def test_from_bench_refusals(doc, impl, match):
     with pytest.raises(ValueError, match=match):
@@ -154,10 +176,10 @@ def test_cli_measures_writes_a_table_the_simulator_reads(tmp_path, capsys):
     assert doc["hidden"] == 128 and doc["ffn"] == 64 and doc["ce_gbps"] == 100
     measured = {m["rows"]: m["us"] for m in meta["measured"]}
     assert sorted(measured) == [4, 16, 64, 256, 1024, 4096]
-    # the table is the monotone curve of the printed measurements from the knee on
-    mono = np.maximum.accumulate([measured[r] for r in sorted(measured)])
+    # the table is the non-decreasing fit of the recorded measurements from the knee on
+    fit = isotonic_ref([measured[r] for r in sorted(measured)])
     k = sorted(measured).index(doc["rows"][0])
-    assert doc["rows"] == sorted(measured)[k:] and np.allclose(doc["us"], mono[k:], rtol=1e-6)
+    assert doc["rows"] == sorted(measured)[k:] and np.allclose(doc["us"], fit[k:], rtol=1e-6)
     cm = CostModel.from_json(out)
     assert (cm.hidden, cm.ffn, cm.ce_gbps, cm.knee_rows) == (128, 64, 100.0, doc["rows"][0])
     sim_json = tmp_path / "sim.json"
@@ -176,7 +198,7 @@ def test_cli_from_bench(tmp_path, capsys):
     assert CostModel.from_json(out).knee_rows == 128
 
 
-@pytest.mark.parametrize("case", ["missing-folder", "bad-json", "flat-curve"])
+@pytest.mark.parametrize("case", ["missing-folder", "bad-json", "not-utf8", "flat-curve", "no-such-gpu"])
 def test_cli_refusals_write_nothing(tmp_path, capsys, case):
     out = tmp_path / "cost.json"
     if case == "missing-folder":
@@ -186,6 +208,12 @@ def test_cli_refusals_write_nothing(tmp_path, capsys, case):
         bad = tmp_path / "bench.json"
         bad.write_text("{ not json")
         argv, match = ["--from-bench", str(bad)], "not JSON"
+    elif case == "not-utf8":
+        bad = tmp_path / "bench.json"
+        bad.write_bytes(b"\xff\xfe{")
+        argv, match = ["--from-bench", str(bad)], "not JSON"
+    elif case == "no-such-gpu":
+        argv, match = ["--device", f"cuda:{torch.cuda.device_count() + 3}"], "no such CUDA device here"
     else:
         flat = tmp_path / "bench.json"
         flat.write_text(json.dumps(_bench_doc([_rec("gate_up", r, us=10.0) for r in (64, 128)]
@@ -210,10 +238,15 @@ def test_cli_names_a_shape_the_kernel_refuses(tmp_path, capsys):
     assert [g["rows"] for g in got] == [4, 8] and all(g["us"] > 0 for g in got)
 
 
-def test_cli_rows_option_is_checked(capsys):
+@pytest.mark.parametrize("option, match", [(["--rows", "64,32"], "strictly ascending"),
+                                           (["--device", "tpu9"], "--device"),
+                                           (["--device", "mps"], "expected cpu, cuda or cuda:N"),
+                                           (["--floor-tolerance", "nan"], "expected a number in [0, 10)"),
+                                           (["--floor-tolerance", "-1"], "expected a number in [0, 10)")])
+def test_cli_options_are_checked_before_any_work(option, match, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["calibrate", "--out", "x.json", "--rows", "64,32"])
-    assert exc.value.code == 2 and "strictly ascending" in capsys.readouterr().err
+        main(["calibrate", "--out", "x.json", *option])
+    assert exc.value.code == 2 and match in capsys.readouterr().err
 
 
 def test_gpu_timer_order_on_stand_ins(monkeypatch):
