@@ -9,6 +9,7 @@ the lightest pack with room, lowest pack id among equals.
 """
 
 import math
+from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
@@ -171,3 +172,24 @@ def test_no_history_is_plain_ep_and_bad_groups_are_refused():
         eplb_layout(np.ones(8, dtype=np.int64), topo, 1, 5)
     with pytest.raises(ValueError, match=r"layout_WP must have shape .* \[4, 3\]"):
         PolicyState(topo=topo, policy="eplb", layout_WP=np.zeros((4, 2), dtype=np.int64))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_copies_exactly_the_weights_not_resident(seed):
+    """A state holding only some of its layout's replicas (a runtime that keeps none per step, or a part): the plan
+    copies (expert, home, GPU) for every move whose GPU holds no copy of the expert, once, sorted, and no other."""
+    rng = np.random.default_rng(seed)
+    topo = Topology(num_ranks=8, gpus_per_node=4, num_experts=32, dyn=2)
+    state = PolicyState(topo=topo, policy="eplb", eplb_slots=2)
+    for _ in range(3):
+        state = state.observe(rng.multinomial(2048, rng.dirichlet(np.full(32, 0.3)), size=8))
+    assert state.replicas
+    keep = frozenset(r for r in state.replicas if rng.random() < 0.5)
+    for resident in (state.resident, frozenset(), keep):
+        partial = replace(state, resident=resident)
+        counts = rng.multinomial(2048, rng.dirichlet(np.full(32, 0.3)), size=8)
+        plan = make_plan("eplb", counts, topo, partial)
+        plan.validate(counts, topo, partial)
+        want = sorted({(m.expert, m.src, m.dst) for m in plan.moves if (m.expert, m.dst) not in resident})
+        assert list(plan.weight_copies) == want
+        assert (plan.weight_copies == ()) == (resident == state.resident)
