@@ -67,6 +67,15 @@ def _below_autograd(op: torch._ops.OpOverload, *args):
         return op(*args)
 
 
+def _apply(function: type[torch.autograd.Function], op: torch._ops.OpOverload, *args):
+    """A public op's call: its autograd Function in eager mode (the fast path), the operator itself, with its
+    registered autograd, when torch.compile or torch.export traces it (strict export would otherwise run the
+    Function's forward without grad and drop the gradients)."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return function.apply(*args)
+
+
 def _differentiable(op: torch._ops.OpOverload, setup: Callable, backward: Callable) -> type[torch.autograd.Function]:
     """Give an operator its autograd (``setup(ctx, inputs, output)``, ``backward(ctx, grad)``) twice over: registered
     on the operator, so ``torch.ops.feplb.<op>`` differentiates wherever it is called (an exported graph, say),
@@ -172,7 +181,7 @@ def permute(x_TD: Tensor, meta: RoutingMetadata) -> Tensor:
         x_MD [M, D] in x's dtype; differentiable w.r.t. x.
     """
     _check_meta(meta)
-    return _Permute.apply(x_TD, meta.src_idx_M, meta.dst_idx_TK)
+    return _apply(_Permute, _PERMUTE, x_TD, meta.src_idx_M, meta.dst_idx_TK)
 
 
 # ---------------------------------------------------------------------------------------------------- unpermute
@@ -249,7 +258,7 @@ def unpermute(y_MD: Tensor, meta: RoutingMetadata, topk_weights_TK: Tensor) -> T
     """
     _check_meta(meta)
     check_tensor("topk_weights_TK", topk_weights_TK, dtypes=FLOAT_DTYPES)
-    return _Unpermute.apply(y_MD, meta.src_idx_M, meta.dst_idx_TK, topk_weights_TK)
+    return _apply(_Unpermute, _UNPERMUTE, y_MD, meta.src_idx_M, meta.dst_idx_TK, topk_weights_TK)
 
 
 def _check_meta(meta: object) -> None:
@@ -328,7 +337,7 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
     check_rows("x_MK", x_MK.shape[0], "M")
     if w_EKN.shape[0] > MAX_EXPERTS:
         raise ValueError(f"w_EKN: expected at most {MAX_EXPERTS} groups (experts), got shape {list(w_EKN.shape)}")
-    return _GroupedMM.apply(x_MK, w_EKN, offsets_E, check)
+    return _apply(_GroupedMM, _GROUPED_MM, x_MK, w_EKN, offsets_E, check)
 
 
 # ---------------------------------------------------------------------------------------------------- swiglu
@@ -381,4 +390,4 @@ def swiglu(h_M2F: Tensor) -> Tensor:
     """
     check_swiglu_input(h_M2F)
     check_rows("h_M2F", h_M2F.shape[0], "M")
-    return _SwiGLU.apply(h_M2F)
+    return _apply(_SwiGLU, _SWIGLU, h_M2F)

@@ -204,8 +204,9 @@ def test_second_derivatives_are_refused(call, gen, kh):
         torch.autograd.grad(out.square().sum(), (x, w1), create_graph=True)
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_exported_block_trains_like_eager(impl, gen, kh):
+def test_exported_block_trains_like_eager(impl, strict, gen, kh):
     """torch.export keeps the operators in its graph; the exported module's gradients are the eager block's (on the
     Triton path, where only the operators' own autograd can record them)."""
     ids, E, x, w, w1, w2 = _problem(gen, kh, dtype=torch.float32, device=_dev(impl))
@@ -220,7 +221,7 @@ def test_exported_block_trains_like_eager(impl, gen, kh):
 
     block = Block()
     with impl_context(impl):
-        exported = torch.export.export(block, (x.detach(), w.detach(), ids), strict=False).module()
+        exported = torch.export.export(block, (x.detach(), w.detach(), ids), strict=strict).module()
         want = torch.autograd.grad(block(x, w, ids).square().sum(), (x, w, block.w1, block.w2))
         got_out = exported(x, w, ids)
         got = torch.autograd.grad(got_out.square().sum(), (x, w, *exported.parameters()), allow_unused=True)
