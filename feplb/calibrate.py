@@ -77,6 +77,11 @@ def fit_table(rows: Sequence[int], us: Sequence[float], *, floor_tolerance: floa
     if knee == len(rows) - 1:
         raise ValueError(f"every fitted time is within {floor_tolerance:.0%} of the first ({fit[0]:.2f} us at "
                          f"{rows[0]} rows): the sweep never leaves the weight-read floor; measure larger row counts")
+    if fit[-1] <= fit[-2]:
+        # CostModel carries the last segment's slope past the table: a flat end would make more rows free
+        raise ValueError(f"the fitted curve ends flat ({fit[-1]:.2f} us at {rows[-2]} and {rows[-1]} rows; measured "
+                         f"{us[-2]:.2f} and {us[-1]:.2f}): the time past the last row count would not grow; measure "
+                         "again with more repeats, or up to a larger row count")
     info = {"knee_rows": rows[knee], "floor_tolerance": floor_tolerance, "raw_rows": rows, "raw_us": us,
             "fitted_us": fit, "moved_points": sum(a != b for a, b in zip(us, fit, strict=True))}
     return rows[knee:], fit[knee:], info

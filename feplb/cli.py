@@ -370,6 +370,15 @@ def _device(v: str) -> str:
     return v
 
 
+def _triton_errors() -> tuple[type[BaseException], ...]:
+    """Triton's own errors (a kernel out of shared memory, a failed compile), which are no RuntimeError."""
+    try:
+        from triton.errors import TritonError
+    except ImportError:
+        return ()
+    return (TritonError,)
+
+
 def _add_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="cost table JSON to write")
     p.add_argument("--from-bench", default=None, metavar="FILE",
@@ -387,7 +396,8 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", default="torch", choices=("torch", "feplb"),
                    help="torch: torch._grouped_mm (default); feplb: feplb.kernels (Triton on a GPU)")
     p.add_argument("--repeats", type=_positive, default=10, help="timed calls per row count (median taken)")
-    p.add_argument("--warmup", type=_non_negative, default=3, help="untimed calls first")
+    p.add_argument("--warmup", type=_positive, default=3,
+                   help="untimed calls first, at least 1 (the first call compiles and tunes kernels)")
     p.add_argument("--floor-tolerance", type=_tolerance, default=0.10,
                    help="times within this fraction of the smallest count's are on the floor (default 0.10)")
     p.add_argument("--ce-gbps", type=_positive_float, default=None, help="copy-engine GB/s inside a node to record")
@@ -434,7 +444,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         except torch.OutOfMemoryError as err:
             raise UsageError(f"out of memory on {device} timing {args.experts} experts of H={hidden} F={ffn} at up to "
                              f"{args.rows[-1]} rows per expert: use fewer --experts or smaller --rows") from err
-        except RuntimeError as err:  # e.g. torch._grouped_mm refusing a shape or dtype on this device
+        except (RuntimeError, *_triton_errors()) as err:  # e.g. torch._grouped_mm refusing a shape or dtype
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             hint = " (--impl feplb runs any shape and dtype)" if args.impl == "torch" else ""
             raise UsageError(f"--impl {args.impl} cannot run H={hidden} F={ffn} in {args.dtype} on {device}: "

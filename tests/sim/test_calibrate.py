@@ -56,8 +56,8 @@ def test_fit_table_on_random_curves(seed):
     fit = np.array(isotonic_ref(us.tolist()))
     assert np.allclose(isotonic(us.tolist()), fit, rtol=1e-12)
     inside = np.nonzero(fit <= fit[0] * (1 + tol))[0]
-    if inside[-1] == rows.size - 1:
-        with pytest.raises(ValueError, match="never leaves the weight-read floor"):
+    if inside[-1] == rows.size - 1 or fit[-1] <= fit[-2]:
+        with pytest.raises(ValueError, match="never leaves the weight-read floor|ends flat"):
             fit_table(rows.tolist(), us.tolist(), floor_tolerance=tol)
         return
     t_rows, t_us, info = fit_table(rows.tolist(), us.tolist(), floor_tolerance=tol)
@@ -78,6 +78,7 @@ def test_fit_table_on_random_curves(seed):
     ([64, 128], [10.0], "same length"),
     ([64, 128], [10.0, float("nan")], "finite and > 0"),
     ([64, 128], [0.0, 20.0], "finite and > 0"),
+    ([64, 128, 256, 512], [10.0, 20.0, 40.0, 39.0], "ends flat"),
 ])
 def test_fit_table_refusals(rows, us, match):
     with pytest.raises(ValueError, match=match):
@@ -242,7 +243,8 @@ def test_cli_names_a_shape_the_kernel_refuses(tmp_path, capsys):
                                            (["--device", "tpu9"], "--device"),
                                            (["--device", "mps"], "expected cpu, cuda or cuda:N"),
                                            (["--floor-tolerance", "nan"], "expected a number in [0, 10)"),
-                                           (["--floor-tolerance", "-1"], "expected a number in [0, 10)")])
+                                           (["--floor-tolerance", "-1"], "expected a number in [0, 10)"),
+                                           (["--warmup", "0"], "expected an integer >= 1")])
 def test_cli_options_are_checked_before_any_work(option, match, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["calibrate", "--out", "x.json", *option])
