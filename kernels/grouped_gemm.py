@@ -433,8 +433,8 @@ _VARIANT_ENV = "FEPLB_GROUPED_MM_VARIANT"
 def persistent_unsupported(x_MK: Tensor, w_EKN: Tensor) -> str | None:
     """Why the persistent (tensor-descriptor) variant cannot take these operands, or None when it can.
 
-    Tensor descriptors need a unit stride along the last dimension, other strides and base addresses that are
-    multiples of 16 bytes; on a GPU it takes bf16/fp16 on compute capability >= 9 (TMA and wgmma).
+    Tensor descriptors need a unit stride along the last dimension, other strides that are positive and, with the
+    base addresses, multiples of 16 bytes; on a GPU it takes bf16/fp16 on compute capability >= 9 (TMA and wgmma).
     """
     if not hasattr(tl, "make_tensor_descriptor"):
         return "the installed Triton has no tl.make_tensor_descriptor"
@@ -447,6 +447,9 @@ def persistent_unsupported(x_MK: Tensor, w_EKN: Tensor) -> str | None:
     if x_MK.stride(1) != 1 or w_EKN.stride(2) != 1 and w_EKN.stride(1) != 1:
         return "x_MK needs a unit stride along K and w_EKN a unit stride along K or N"
     outer = [x_MK.stride(0), w_EKN.stride(0), w_EKN.stride(1) if w_EKN.stride(2) == 1 else w_EKN.stride(2)]
+    if 0 in outer and x_MK.numel() and w_EKN.numel():
+        # a broadcast operand (a gradient of a sum, say): a descriptor's strides must be positive
+        return f"strides {outer} hold a zero (a broadcast operand)"
     if any(s * size % 16 for s in outer) or x_MK.data_ptr() % 16 or w_EKN.data_ptr() % 16:
         return f"strides {outer} (elements of {size} bytes) and base addresses must be multiples of 16 bytes"
     if max(x_MK.shape[0], x_MK.shape[1], w_EKN.shape[2]) >= 2**31:

@@ -111,6 +111,8 @@ def test_persistent_rejects_operands_it_cannot_take():
     offsets = torch.tensor([3, 8])
     assert "16 bytes" in gg.persistent_unsupported(x, w)
     assert "unit stride" in gg.persistent_unsupported(torch.randn(6, 8).T, torch.randn(2, 6, 8))
+    # a broadcast gradient (the backward of y.sum(0) reaches dX with a zero row stride)
+    assert "zero" in gg.persistent_unsupported(torch.ones(1, 8).expand(16, 8), torch.randn(2, 8, 8))
     assert gg.persistent_unsupported(torch.randn(8, 8), torch.randn(2, 8, 8)) is None or not HAVE_TRITON
     if HAVE_TRITON and INTERPRET:
         with pytest.raises(ValueError, match=r"variant: 'persistent' cannot run these operands.*16 bytes"):
