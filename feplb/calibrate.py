@@ -236,7 +236,7 @@ def table_document(measured: Sequence[dict], *, hidden: int, ffn: int, meta: dic
     (ce_gbps, net_gbps), and ``meta`` (what was measured, where and how; ignored by the model)."""
     table_rows, table_us, info = fit_table([m["rows"] for m in measured], [m["us"] for m in measured],
                                            floor_tolerance=floor_tolerance)
-    doc: dict = {"rows": table_rows, "us": [round(t, 4) for t in table_us], "hidden": hidden, "ffn": ffn}
+    doc: dict = {"rows": table_rows, "us": list(table_us), "hidden": hidden, "ffn": ffn}
     doc.update({k: v for k, v in fields.items() if v is not None})
     doc["meta"] = {**meta, "fit": info, "measured": [{k: v for k, v in m.items() if k != "samples"}
                                                       for m in measured]}
