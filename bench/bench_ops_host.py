@@ -42,15 +42,7 @@ def _baseline_ops():
 
         sw = torch.library.custom_op("feplb_bench::swiglu", mutates_args=())(sw_impl)
         sw.register_fake(ops._swiglu_fake)
-
-        def sw_setup(ctx, inputs, output):
-            ctx.save_for_backward(inputs[0])
-
-        def sw_backward(ctx, grad_MF):
-            (h,) = ctx.saved_tensors
-            return ops._SWIGLU_BWD(grad_MF.contiguous(), h)
-
-        sw.register_autograd(sw_backward, setup_context=sw_setup)
+        sw.register_autograd(ops._swiglu_backward, setup_context=ops._swiglu_setup)
 
         def gm_impl(x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, check: bool) -> torch.Tensor:
             return ops._grouped_mm_impl(x_MK, w_EKN, offsets_E, check)
@@ -58,18 +50,14 @@ def _baseline_ops():
         gm = torch.library.custom_op("feplb_bench::grouped_mm", mutates_args=())(gm_impl)
         gm.register_fake(ops._grouped_mm_fake)
 
-        def gm_setup(ctx, inputs, output):
-            x, w, offsets, _ = inputs
-            ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None,
-                                  offsets)
-
         def gm_backward(ctx, grad_MN):
+            # as the former registration did: dX through the custom op itself
             x, w, offsets = ctx.saved_tensors
             dx = gm(grad_MN, w.transpose(1, 2), offsets, False) if ctx.needs_input_grad[0] else None
             dw = ops._GROUPED_MM_DW(x, grad_MN, offsets) if ctx.needs_input_grad[1] else None
             return dx, dw, None, None
 
-        gm.register_autograd(gm_backward, setup_context=gm_setup)
+        gm.register_autograd(gm_backward, setup_context=ops._grouped_mm_setup)
         _baseline_ops.made = {"swiglu": sw, "grouped_mm": gm}
     return _baseline_ops.made
 

@@ -22,8 +22,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["BENCH_IMPLS", "FLOOR_TOLERANCE", "expert_us_from_bench", "fit_table", "isotonic", "machine_meta",
-           "measure_expert_us", "table_document"]
+from feplb.sched.cost import CostModel
+
+__all__ = ["BENCH_IMPLS", "FLOOR_TOLERANCE", "check_row_counts", "expert_us_from_bench", "fit_table", "isotonic",
+           "machine_meta", "measure_expert_us", "table_document"]
 
 # A row count whose time is within this fraction of the smallest row count's time is still on the weight-read
 # floor: the knee is the largest such row count.
@@ -33,6 +35,19 @@ BENCH_IMPLS = ("torch_grouped_mm", "feplb")
 # GPU cycles of sleep queued before each timed call, so the host issues the call while the GPU still sleeps and
 # the events time the GPU's work, not the host's launches (about 2 ms on an H200).
 _SLEEP_CYCLES = 4_000_000
+
+
+def check_row_counts(rows: Sequence[int]) -> list[int]:
+    """Row counts as ints, refused unless positive and strictly ascending."""
+    rows = [int(r) for r in rows]
+    if not rows or rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:], strict=False)):
+        raise ValueError(f"rows must be positive and strictly ascending, got {rows}")
+    return rows
+
+
+def _tflops(rows: int, hidden: int, ffn: int, us: float) -> float:
+    """TFLOP/s of one expert's two GEMMs (gate/up H x 2F, down F x H) over ``rows`` rows in ``us``."""
+    return 6 * rows * hidden * ffn / (us * 1e-6) / 1e12
 
 
 def isotonic(values: Sequence[float]) -> list[float]:
@@ -59,14 +74,12 @@ def fit_table(rows: Sequence[int], us: Sequence[float], *, floor_tolerance: floa
     first point, and its knee is that point), so the points below the knee are dropped. At least one point must lie
     past the knee. info: the knee, the raw and the fitted times, and how many points the fit moved.
     """
-    rows = [int(r) for r in rows]
     us = [float(t) for t in us]
     if len(rows) != len(us):
         raise ValueError(f"rows and us need the same length, got {len(rows)} and {len(us)}")
     if len(rows) < 2:
         raise ValueError(f"a cost table needs at least 2 measured row counts, got {len(rows)}")
-    if rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:], strict=False)):
-        raise ValueError(f"rows must be positive and strictly ascending, got {rows}")
+    rows = check_row_counts(rows)
     if any(not math.isfinite(t) or t <= 0 for t in us):
         raise ValueError(f"measured times must be finite and > 0 us, got {us}")
     if not (isinstance(floor_tolerance, (int, float)) and 0 <= floor_tolerance < 10):
@@ -143,11 +156,10 @@ def measure_expert_us(rows: Sequence[int], *, hidden: int, ffn: int, experts: in
     for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("repeats", repeats)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
-    rows = [int(r) for r in rows]
-    if not rows or rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:], strict=False)):
-        raise ValueError(f"rows must be positive and strictly ascending, got {rows}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        # the first call compiles and tunes kernels: it is never timed
+        raise ValueError(f"warmup must be an int >= 1, got {warmup!r}")
+    rows = check_row_counts(rows)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device}: CUDA is not available here")
     # drawn on the device: a GLM-5 sweep's inputs are about 1.2 G values, seconds of work for a CPU generator
@@ -172,8 +184,7 @@ def _measure(rows: list[int], hidden: int, ffn: int, experts: int, dtype: torch.
         run = _expert_forward(x, w1, w2, offsets, impl)
         samples = [t / experts for t in _time_us(run, device, repeats, warmup)]
         med = statistics.median(samples)
-        flops = 2 * r * hidden * 2 * ffn + 2 * r * ffn * hidden
-        out.append({"rows": r, "us": med, "min_us": min(samples), "tflops": flops / (med * 1e-6) / 1e12,
+        out.append({"rows": r, "us": med, "min_us": min(samples), "tflops": _tflops(r, hidden, ffn, med),
                     "samples": samples})
         del x
     return out
@@ -225,19 +236,21 @@ def expert_us_from_bench(doc: dict, *, impl: str = "torch_grouped_mm", dist: str
                 raise ValueError(f"{impl} forward {proj} at {r} rows per expert has no time (us: {t!r}; its record "
                                  f"says {rec.get('error', 'nothing')!r})")
         us = (float(parts["gate_up"]["us"]) + float(parts["down"]["us"])) / experts
-        flops = 2 * r * hidden * 3 * ffn
-        out.append({"rows": r, "us": us, "tflops": flops / (us * 1e-6) / 1e12})
+        out.append({"rows": r, "us": us, "tflops": _tflops(r, hidden, ffn, us)})
     return out, {"hidden": hidden, "ffn": ffn, "experts": experts}
 
 
 def table_document(measured: Sequence[dict], *, hidden: int, ffn: int, meta: dict,
                    floor_tolerance: float = FLOOR_TOLERANCE, **fields: object) -> dict:
     """The cost-table JSON for ``CostModel.from_json``: rows, us, hidden, ffn, any other CostModel field given
-    (ce_gbps, net_gbps), and ``meta`` (what was measured, where and how; ignored by the model)."""
+    (ce_gbps, net_gbps), and ``meta`` (what was measured, where and how; ignored by the model). Raises ValueError
+    unless it makes a valid CostModel."""
     table_rows, table_us, info = fit_table([m["rows"] for m in measured], [m["us"] for m in measured],
                                            floor_tolerance=floor_tolerance)
-    doc: dict = {"rows": table_rows, "us": list(table_us), "hidden": hidden, "ffn": ffn}
-    doc.update({k: v for k, v in fields.items() if v is not None})
+    given = {k: v for k, v in fields.items() if v is not None}
+    CostModel(table_rows=tuple(table_rows), table_us=tuple(table_us), hidden=hidden, ffn=ffn, table_hidden=hidden,
+              table_ffn=ffn, **given)
+    doc: dict = {"rows": table_rows, "us": list(table_us), "hidden": hidden, "ffn": ffn, **given}
     doc["meta"] = {**meta, "fit": info, "measured": [{k: v for k, v in m.items() if k != "samples"}
                                                       for m in measured]}
     return doc

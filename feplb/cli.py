@@ -335,12 +335,15 @@ CostModel.from_json read. Or, with --from-bench, takes the GEMM times of a bench
 
 
 def _rows_list(v: str) -> list[int]:
+    from feplb.calibrate import check_row_counts
+
     try:
-        rows = [int(r) for r in v.split(",") if r.strip()]
+        rows = check_row_counts(int(r) for r in v.split(",") if r.strip())
     except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {v!r}") from err
-    if len(rows) < 2 or rows[0] < 1 or any(b <= a for a, b in zip(rows, rows[1:], strict=False)):
-        raise argparse.ArgumentTypeError(f"expected at least 2 positive, strictly ascending row counts, got {v!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated, positive, strictly ascending integers, got "
+                                         f"{v!r}") from err
+    if len(rows) < 2:
+        raise argparse.ArgumentTypeError(f"expected at least 2 row counts, got {v!r}")
     return rows
 
 
@@ -408,7 +411,6 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from feplb.calibrate import expert_us_from_bench, machine_meta, measure_expert_us, table_document
-    from feplb.sched import CostModel
 
     out = check_output(args.out, "--out")
     command = "feplb " + shlex.join(args.argv)
@@ -462,10 +464,6 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     fit = table["meta"]["fit"]
     print(f"knee {fit['knee_rows']} rows (floor {table['us'][0]:.2f} us); table rows {table['rows']}"
           + (f"; {fit['moved_points']} point(s) moved by the non-decreasing fit" if fit["moved_points"] else ""))
-    # the file must load as the cost model it claims to be before it is written
-    kw = {k: v for k, v in table.items() if k not in ("rows", "us", "hidden", "ffn", "meta")}
-    CostModel(table_rows=tuple(table["rows"]), table_us=tuple(table["us"]), hidden=hidden, ffn=ffn,
-              table_hidden=hidden, table_ffn=ffn, **kw)
     _write_outputs([(out, lambda tmp: Path(tmp).write_text(json.dumps(table, indent=1) + "\n"))])
     print(f"wrote {out}")
     return 0
