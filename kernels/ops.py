@@ -80,9 +80,9 @@ def _differentiable(op: torch._ops.OpOverload, setup: Callable, backward: Callab
     """Give an operator its autograd (``setup(ctx, inputs, output)``, ``backward(ctx, grad)``) twice over: registered
     on the operator, so ``torch.ops.feplb.<op>`` differentiates wherever it is called (an exported graph, say),
     and as the returned ``torch.autograd.Function``, which the public op applies: it records the same graph node
-    without the operator's Python autograd kernel and its dispatcher round trips on every call (about 10 us of
-    host time per call, ``bench/bench_ops_host.py``). First derivatives only: a backward that would record a graph
-    (``create_graph=True``) raises."""
+    without the operator's Python autograd kernel and its dispatcher round trips on every call (10 to 20 us of
+    host time per call on the 2-core CPU, ``bench/bench_ops_host.py``). First derivatives only: a backward that
+    would record a graph (``create_graph=True``) raises."""
     name = op.name()
 
     def first_order(ctx, *grads):
