@@ -10,13 +10,14 @@ makes the ops run the kernels on CPU tensors under ``TRITON_INTERPRET=1`` (for t
 """
 
 from ._triton import HAVE_TRITON, INTERPRET, poison_outputs, triton_on_cpu
-from .ops import grouped_mm, permute, routing_metadata, swiglu, unpermute
+from .ops import autocast_dtype, grouped_mm, permute, routing_metadata, swiglu, unpermute
 from .routing import RoutingMetadata
 
 __all__ = [
     "HAVE_TRITON",
     "INTERPRET",
     "RoutingMetadata",
+    "autocast_dtype",
     "grouped_mm",
     "permute",
     "poison_outputs",

@@ -43,7 +43,7 @@ from .permutation import (
 )
 from .routing import RoutingMetadata, check_routing_inputs, routing_metadata_ref, routing_metadata_triton
 
-__all__ = ["grouped_mm", "permute", "routing_metadata", "swiglu", "unpermute"]
+__all__ = ["autocast_dtype", "grouped_mm", "permute", "routing_metadata", "swiglu", "unpermute"]
 
 _LIB = torch.library.Library("feplb", "DEF")
 
@@ -74,6 +74,43 @@ def _apply(function: type[torch.autograd.Function], op: torch._ops.OpOverload, *
     if torch.compiler.is_compiling():
         return op(*args)
     return function.apply(*args)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` gives matmul-class ops on ``device_type`` now, or None when it is off there."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _autocast(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``torch.autocast``'s rule for matmul-class ops (torch.matmul, F.linear; torch._grouped_mm is not on its list):
+    where autocast is on for the tensors' device, every floating tensor except float64 is cast to the autocast dtype
+    (a differentiable cast, so each gradient comes back in its tensor's own dtype); otherwise the tensors as
+    given."""
+    dtype = autocast_dtype(tensors[0].device.type)
+    if dtype is None:
+        return tensors
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype not in (dtype, torch.float64) else t
+                 for t in tensors)
+
+
+def _register_autocast(op: torch._ops.OpOverload, cast: Callable) -> None:
+    """Give a direct call of ``op`` inside ``torch.autocast`` the public function's casts (``cast(*args)`` -> the
+    args to run with), on the device types feplb runs on: the kernel casts, then calls the operator again with
+    autocast's key excluded (autograd, dispatched after autocast, records the casts)."""
+    name = op.name().split("::")[1]
+    for device_type in ("cpu", "cuda"):
+        key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+
+        def kernel(*args, _key=key):
+            args = cast(*args)   # before the guard: excluding the key is what turns autocast off
+            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_key)):
+                return op(*args)
+
+        # The Python dispatcher's kernel (tracing) and the C++ dispatcher's (eager), as torch.library does.
+        op.py_impl(key)(kernel)
+        _LIB.impl(name, kernel, key.name)
 
 
 def _differentiable(op: torch._ops.OpOverload, setup: Callable, backward: Callable) -> type[torch.autograd.Function]:
@@ -318,6 +355,13 @@ def _grouped_mm_backward(ctx, grad_MN: Tensor):
 _GroupedMM = _differentiable(_GROUPED_MM, _grouped_mm_setup, _grouped_mm_backward)
 
 
+def _grouped_mm_autocast(x_MK, w_EKN, offsets_E, check):
+    return (*_autocast(x_MK, w_EKN), offsets_E, check)
+
+
+_register_autocast(_GROUPED_MM, _grouped_mm_autocast)
+
+
 def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = True) -> Tensor:
     """Grouped GEMM: rows of group e times w[e].
 
@@ -332,7 +376,13 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
 
     Returns:
         y_MN [M, N] in x's dtype; differentiable w.r.t. x and w (dX and dW are grouped kernels too).
+
+    Inside ``torch.autocast`` it follows torch.matmul (unlike torch._grouped_mm, which autocast leaves alone):
+    where autocast is on for x's device, x and w (float64 excepted) are cast to the autocast dtype first and y
+    comes back in it; their gradients return in their own dtypes through the casts. Each call casts the whole w
+    it is given (autocast's weight cache is torch's own).
     """
+    x_MK, w_EKN = _autocast(x_MK, w_EKN)
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
     check_rows("x_MK", x_MK.shape[0], "M")
     if w_EKN.shape[0] > MAX_EXPERTS:
