@@ -54,7 +54,10 @@ class FEPLBConfig:
     recv_capacity: rows the phase-1 receive buffer holds (None = sized per micro-batch). on_overflow: "grow"
         (reallocate, recorded in ``LayerStats.recv_grew``) or "error" (ValueError; rows are never dropped).
     dtype: parameter and activation dtype (on CUDA, float32 GEMMs run on FMA units, not tensor cores: a warning
-        says so; use bfloat16).
+        says so; use bfloat16, or run the layer inside ``torch.autocast``). Inside ``torch.autocast`` the experts'
+        GEMMs follow it like ``torch.matmul`` (their operands cast to the autocast dtype; float64 never is); rows
+        travel in this dtype, and a float16, bfloat16 or float32 input is accepted and cast to this one (the
+        output comes back in the input's dtype). The layer's own router (``F.linear``) follows autocast too.
     timeline: record each forward's steps (``MoELayer.last_timeline``, a ``feplb.timeline.Timeline``).
     """
 
@@ -194,8 +197,14 @@ def forward_problem(c: FEPLBConfig, device: torch.device, has_router: bool, x: o
     if x.dim() not in (2, 3) or x.shape[-1] != c.hidden:
         return ValueError, (f"MoELayer input must be [tokens, {c.hidden}] or [batch, seq, {c.hidden}], "
                             f"got shape {list(x.shape)}")
-    if x.dtype != c.dtype:
-        return TypeError, f"MoELayer input dtype must be {c.dtype} (FEPLBConfig.dtype), got {x.dtype}"
+    from feplb.kernels import autocast_dtype
+
+    # Inside torch.autocast, a floating input of another dtype is cast to the layer's (autocast never casts
+    # float64, so neither does the layer)
+    autocast_ok = x.is_floating_point() and x.dtype != torch.float64 and autocast_dtype(x.device.type) is not None
+    if x.dtype != c.dtype and not autocast_ok:
+        return TypeError, (f"MoELayer input dtype must be {c.dtype} (FEPLBConfig.dtype), got {x.dtype} (inside "
+                           "torch.autocast a float16, bfloat16 or float32 input is accepted, and cast to it)")
     if x.device != device:
         return ValueError, f"MoELayer input is on {x.device} but the layer's experts are on {device}"
     if routing is None:

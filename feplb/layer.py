@@ -125,8 +125,9 @@ class MoELayer(nn.Module):
         if not on_gpu and backend == "nccl":   # (a "cpu:gloo,cuda:nccl" group carries both)
             raise ValueError("FEPLBConfig.device='cpu' cannot run over an NCCL group (NCCL moves CUDA tensors only)")
         if on_gpu and c.dtype == torch.float32:
-            warnings.warn("FEPLBConfig.dtype=float32 on CUDA: the experts' GEMMs run on FMA units, not tensor cores; "
-                          "use dtype=torch.bfloat16", stacklevel=2)
+            warnings.warn("FEPLBConfig.dtype=float32 on CUDA: outside torch.autocast the experts' GEMMs run on FMA "
+                          "units, not tensor cores; use dtype=torch.bfloat16, or run the layer inside torch.autocast",
+                          stacklevel=2)
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         # Every host control collective (counts, agreements, checks) over gloo, never the device.
         self.control = Control(group, c.gpus_per_node)
@@ -246,7 +247,8 @@ class MoELayer(nn.Module):
     # ------------------------------------------------------------------------------------------------ 1. route
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Router: x_TD [T, H] -> (topk_ids_TK int64 [T, K], topk_weights_TK [T, K] in x's dtype, bad: int64 0-d
-        tensor, nonzero when a logit is NaN or inf). Scores in fp32; the bias (if any) affects selection only."""
+        tensor, nonzero when a logit is NaN or inf). Scores in fp32 (from logits that ``torch.autocast``, like any
+        ``F.linear``, computes in its dtype); the bias (if any) affects selection only."""
         c = self.config
         logits_TE = F.linear(x_TD, self.router.weight).float()
         bad = (~torch.isfinite(logits_TE).all()).long()
@@ -261,7 +263,10 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """x: [T, H] or [B, S, H] in ``config.dtype`` (any strides) -> same shape. Collective over the EP group.
+        """x: [T, H] or [B, S, H] in ``config.dtype`` (any strides) -> same shape and dtype. Collective over the EP
+        group. Inside ``torch.autocast`` the experts' GEMMs run in the autocast dtype (like ``torch.matmul``), the
+        rows travel and combine in ``config.dtype``, and x may be float16, bfloat16 or float32 (cast to
+        ``config.dtype`` first, the output returned in x's).
 
         routing: optional (topk_ids [T, K] integer, topk_weights [T, K] floating, any strides) from a router outside
             the layer (one per token of x, in x's token order); the layer's own router is then skipped and the
@@ -276,7 +281,9 @@ class MoELayer(nn.Module):
         if problem is not None:
             self._experts(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
         c = self.config
-        x_TD = x.reshape(-1, c.hidden).contiguous()
+        # Inside torch.autocast an input of another floating dtype (forward_problem allows it) travels in the
+        # layer's dtype; the output returns in x's dtype.
+        x_TD = x.reshape(-1, c.hidden).to(c.dtype).contiguous()
         if routing is None:
             topk_ids_TK, w_TK, bad = self.route(x_TD)
         else:
@@ -292,9 +299,9 @@ class MoELayer(nn.Module):
         y_MD = self._experts(permute(x_TD, meta), meta.counts_E, bad)
         tl = self.last_timeline
         if tl is None:
-            return unpermute(y_MD, meta, w_TK).reshape(x.shape)
+            return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
         with tl.span("combine"):
-            return unpermute(y_MD, meta, w_TK).reshape(x.shape)
+            return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
 
     @torch.compiler.disable
     def _experts(self, x_MD: torch.Tensor | None, counts_S: torch.Tensor | None, bad: torch.Tensor | None,

@@ -3,7 +3,8 @@
 input, logits agree to 1e-5 (relative), expert-shard gradients equal the slice of the unmodified model's gradients
 summed over all ranks' inputs, every other gradient equals the unmodified model's local one; full_state_dict
 round-trips bit-exactly into a fresh unmodified model (and through save_pretrained / from_pretrained); experts FEPLB
-cannot run exactly are refused by name before anything is replaced; torch.compile of the modified model runs.
+cannot run exactly are refused by name before anything is replaced; torch.compile of the modified model runs;
+inside CPU autocast each experts module is as accurate as the unmodified one's per-expert loop.
 
 Each gloo job runs every case of its world size in one process group (starting processes and importing
 transformers dominate the cost)."""
@@ -294,9 +295,65 @@ def _check_training(rank: int, world: int) -> dict:
     return {"param_rel": worst, "rows_moved": moved, "from_replicas": from_replicas, "clip": clip}
 
 
+def _check_autocast(rank: int, world: int) -> dict:
+    """Each architecture's first experts module inside CPU autocast (bfloat16), float32 parameters, balancing on,
+    on this rank's random hidden states and skewed routing: against the unmodified module run in float32 without
+    autocast, the FEPLB module's output and gradients (the experts' summed over the ranks' inputs) err at most
+    twice as much (norm-wise) as the unmodified module's per-expert loop under the same autocast. Module by
+    module, so that a routing decision a bf16 rounding flips deeper in a model cannot decide the comparison."""
+    import torch.distributed as dist
+
+    import feplb.hf as fh
+
+    M = _models()
+    results = {}
+    for arch in M.ARCHS:
+        model = M.make_model(arch)
+        name = _experts_names(model)[0]
+        ref = copy.deepcopy(model.get_submodule(name))
+        # transformers' default experts implementation (torch._grouped_mm, which autocast does not cast) computes
+        # in the weights' dtype; its per-expert loop ("eager") follows autocast like FEPLB's GEMMs
+        ref.config._experts_implementation = "eager"
+        fh.apply(model, policy="feplb-split", weights="per-microbatch", gpus_per_node=min(2, world), min_chunk=1,
+                 plan_wait_ms=60_000, min_straggler_rows=0)
+        mine = model.get_submodule(name)
+        E, H = ref.gate_up_proj.shape[0], ref.gate_up_proj.shape[2]
+        gen = torch.Generator().manual_seed(50 + rank)
+        T, K = 24, 2
+        x = torch.randn(T, H, generator=gen)
+        probs = torch.ones(E)
+        probs[0] = 8.0                      # expert 0 is hot: balancing moves rows
+        idx = torch.stack([torch.multinomial(probs, K, generator=gen) for _ in range(T)])
+        wts = torch.rand(T, K, generator=gen)
+        dy = torch.randn(T, H, generator=gen)
+
+        def run(m, autocast, x, idx, wts, dy):
+            m.zero_grad(set_to_none=True)
+            xx, ww = x.clone().requires_grad_(True), wts.clone().requires_grad_(True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = m(xx, idx, ww)
+            (out.float() * dy).sum().backward()
+            grads = {"out": out.detach().float(), "x": xx.grad, "weights": ww.grad}
+            return grads | {n: p.grad.clone() for n, p in m.named_parameters()}
+
+        exact, theirs, got = (run(m, ac, x, idx, wts, dy) for m, ac in ((ref, False), (ref, True), (mine, True)))
+        L = E // world
+        for n in ("gate_up_proj", "down_proj"):
+            for t in (exact, theirs):
+                dist.all_reduce(t[n])   # the unmodified module's gradient over every rank's input
+                t[n] = t[n][rank * L:(rank + 1) * L]
+
+        def norm_rel(a, b):
+            return float((a.double() - b.double()).norm() / b.double().norm())
+
+        results[arch] = {"errors": {k: (norm_rel(got[k], exact[k]), norm_rel(theirs[k], exact[k])) for k in exact},
+                         "out_dtype": str(got["out"].dtype), "rows_moved": mine.last_stats.rows_moved}
+    return results
+
+
 def _worker(rank: int, world: int) -> dict:
     M = _models()
-    results = {"training": _check_training(rank, world)}
+    results = {"training": _check_training(rank, world), "autocast": _check_autocast(rank, world)}
     for arch in M.ARCHS:
         for i, policy in enumerate(POLICIES):
             results[(arch, policy)] = _check_arch(rank, world, arch, policy, state_dict_checks=i == 0)
@@ -373,6 +430,29 @@ def test_attach_optimizer_trains_like_the_unmodified_model_on_four_ranks(four_ra
         clip = res["training"]["clip"]
         assert clip["clipped"] and clip["norm_rel"] <= TOL and clip["grad_rel"] <= TOL, (rank, clip)
         assert clip["inf_rel"] <= TOL, (rank, clip)
+
+
+def _assert_autocast(ranks: list[dict]) -> None:
+    for rank, res in enumerate(ranks):
+        for arch, case in res["autocast"].items():
+            for name, (mine, theirs) in case["errors"].items():
+                assert theirs > 1e-4, (arch, name, "autocast changed nothing in the unmodified module")
+                assert mine <= 2 * theirs, (f"rank {rank} {arch} {name}: error {mine:.3g} > 2x torch autocast's "
+                                            f"{theirs:.3g}")
+                # and the error of bf16 GEMMs, not float32 ones: FEPLB's module follows autocast too
+                assert mine >= 0.1 * theirs, (rank, arch, name, mine, theirs)
+
+
+def test_autocast_is_as_accurate_as_the_unmodified_model_on_one_rank(one_rank):
+    _assert_autocast(one_rank)
+
+
+@pytest.mark.slow
+def test_autocast_is_as_accurate_as_the_unmodified_model_on_four_ranks(four_ranks):
+    _assert_autocast(four_ranks)
+    for arch in _models().ARCHS:
+        moved = [res["autocast"][arch]["rows_moved"] for res in four_ranks]
+        assert all(m > 0 for m in moved), (arch, moved)
 
 
 def test_full_state_dict_round_trips_on_one_rank(one_rank):
