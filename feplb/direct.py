@@ -35,7 +35,7 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     x_send = x_MD if send_idx is None else x_MD.index_select(0, send_idx)
     with span(tl, "phase1"):
         recv = layer._phase1(x_send, counts, lay.send_splits, lay.recv_splits, split_WW, recv_W)
-    slot_w = layer.replicas.forward_slot_weights(layer.placement, recv)
+    slot_w = layer.replicas.forward_slot_weights(layer.placement, recv).for_gemms()
     h = recv.index_select(0, to_device(lay.perm, dev))
     copies = tuple(plan.weight_copies)
     ex = Exchange(layer.comm, weight_items(copies, H, Fd), dtype=h.dtype, device=dev, op="weights to helpers")
@@ -57,7 +57,7 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
         return torch.cat([h[start[j]:start[j] + moves[j].rows] for j in js])
 
     with span(tl, "dynamic_gemm"):
-        parts = [expert_mlp(h[:n_home], slot_w.w1, slot_w.w2, to_device(np.cumsum(lay.kept_L), dev))]
+        parts = [expert_mlp(h[:n_home], *slot_w.gemm(), to_device(np.cumsum(lay.kept_L), dev))]
         y_h = hosted_gemm(layer, lay.hosted, moves, copies, rows, rcv, 0, dev)
         parts += [y_h[j] for j in lay.hosted]
     parts += [rcv.tail.view(0, H), slot_w.tail.view(0, H), layer._anchor(h).view(0, H)]

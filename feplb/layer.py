@@ -345,7 +345,7 @@ class MoELayer(nn.Module):
         split = self._split(counts)
         with span(tl, "phase1"):
             recv_RD = self._phase1(x_MD, counts, split.send_splits, split.home.recv_splits, split.split_WW)
-        slot_w = self.replicas.forward_slot_weights(self.placement, recv_RD)
+        slot_w = self.replicas.forward_slot_weights(self.placement, recv_RD).for_gemms()
         with span(tl, "gather"):
             h_RD = recv_RD.index_select(0, to_device(split.home.perm, recv_RD.device))
         # The rows phase 2 may send are ready here: on a GPU the copy stream waits for this event, not for the
@@ -379,7 +379,7 @@ class MoELayer(nn.Module):
     def _static_gemm(self, h_RD: torch.Tensor, home: HomeLayout, slot_w) -> torch.Tensor:
         """Step 6: the static block of home order through all slot weights (the dynamic slots given empty groups,
         so no weight is gathered)."""
-        return expert_mlp(h_RD[:home.n_static], slot_w.w1, slot_w.w2, to_device(np.cumsum(home.static_L),
+        return expert_mlp(h_RD[:home.n_static], *slot_w.gemm(), to_device(np.cumsum(home.static_L),
                                                                                    h_RD.device))
 
     def _split(self, counts: Counts) -> Split:

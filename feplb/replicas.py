@@ -22,8 +22,8 @@ Legend: L experts per GPU, H hidden, F ffn, S slots per GPU (= L).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ from feplb.layout import Item, weight_items, weight_sends
 __all__ = ["Placement", "Replicas", "SlotWeights", "state_digest"]
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Placement:
     """Where every expert is computed by default (its home), as seen from one rank."""
 
@@ -60,7 +60,7 @@ class Placement:
                    slot_of_E=slot_of, placed_pairs=placed, own_slots=mine == tuple(range(rank * L, rank * L + L)))
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class SlotWeights:
     """The weights one forward computes this rank's slots with."""
 
@@ -68,6 +68,24 @@ class SlotWeights:
     w2: torch.Tensor      # [L, F, H]
     tail: torch.Tensor    # empty; keeps the exchange that sent them (if any) in the graph
     copied_bytes: int     # bytes the owners sent for them this micro-batch
+    gemm_w1: torch.Tensor | None = None   # w1 / w2 in the GEMMs' dtype under torch.autocast (``for_gemms``)
+    gemm_w2: torch.Tensor | None = None
+
+    def gemm(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights the GEMMs take: cast once per forward under autocast, else w1 and w2 themselves."""
+        return (self.w1 if self.gemm_w1 is None else self.gemm_w1, self.w2 if self.gemm_w2 is None else self.gemm_w2)
+
+    def for_gemms(self) -> SlotWeights:
+        """These weights with their GEMM copies cast to the autocast dtype now, when ``torch.autocast`` is on for
+        their device (call on the forward's thread: autocast's state is the thread's). Every GEMM of the forward
+        then shares one cast (one pass over the weights) instead of casting the whole bank at each launch; w1 and
+        w2, which the copy path sends, keep the layer's dtype."""
+        from feplb.kernels import autocast_dtype
+
+        dtype = autocast_dtype(self.w1.device.type)
+        if dtype is None or self.w1.dtype in (dtype, torch.float64):
+            return self
+        return dataclasses.replace(self, gemm_w1=self.w1.to(dtype), gemm_w2=self.w2.to(dtype))
 
 
 class Replicas:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from feplb.testing import error_of, run_dist
 
@@ -78,6 +79,21 @@ def _run(layer, x, ids, gates, dy, autocast: bool, in_dtype=None):
             "dw2": layer.w2.grad.clone(), "moved": layer.last_stats.rows_moved}
 
 
+class _CastCount(TorchDispatchMode):
+    """Counts dtype casts (``aten._to_copy``) of tensors of the given shapes: (shape, from, to) -> calls."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.n = shapes, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in self.shapes:
+            key = (tuple(args[0].shape), str(args[0].dtype), str(out.dtype))
+            self.n[key] = self.n.get(key, 0) + 1
+        return out
+
+
 def _worker(rank: int, world: int):
     w1, w2, xs, ids, gates, dys = make_inputs()
     args = (xs[rank], ids[rank], gates[rank], dys[rank])
@@ -100,6 +116,11 @@ def _worker(rank: int, world: int):
                                                 in_dtype=torch.int64)),
         }
         res["after_refusals"] = _run(layer, *args, autocast=True)   # the layer still works, on every rank
+    with _layer("feplb-split", torch.float32, w1, w2) as layer:
+        casts = _CastCount({tuple(layer.w1.shape), tuple(layer.w2.shape)})
+        with casts:
+            res["casts_moved"] = _run(layer, *args, autocast=True)["moved"]
+        res["casts"] = casts.n
     with _layer("none", AC, w1.to(AC), w2.to(AC)) as layer:
         res["bf16_ac_fp32_in"] = _run(layer, *args, autocast=True, in_dtype=torch.float32)
     return res
@@ -202,3 +223,15 @@ def test_inputs_of_another_dtype_inside_autocast(ranks):
                                        msg=lambda m, r=r, k=k: f"rank {r} {k}: {m}")
             if k in ("out", "dx"):
                 torch.testing.assert_close(wide[k], bf[k].float(), rtol=0, atol=0)
+
+
+def test_expert_weights_are_cast_once_per_forward(ranks):
+    """With balancing on, the static GEMM and the dynamic experts' GEMM at home share one cast of the local weight
+    bank (and their weight gradients one cast back), where a cast per launch would double the pass over the
+    weights that plain EP makes."""
+    assert any(res["casts_moved"] for res in ranks)
+    for r, res in enumerate(ranks):
+        L = E // W
+        want = {(shape, a, b): 1 for shape in ((L, H, 2 * FF), (L, FF, H))
+                for a, b in (("torch.float32", "torch.bfloat16"), ("torch.bfloat16", "torch.float32"))}
+        assert res["casts"] == want, (r, res["casts"])
