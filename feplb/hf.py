@@ -10,13 +10,15 @@ and balances every micro-batch like :class:`feplb.MoELayer` (it is one, with ``r
 What stays replicated (data parallel over the EP group): embeddings, attention, norms, routers (including
 DeepSeek-V3's ``e_score_correction_bias``), shared experts and dense MLPs: every parameter not in
 :func:`expert_parameters`. Their gradients cover this rank's tokens only: all-reduce them over the group (mean) as
-in plain data parallelism. Expert shards are never all-reduced: the dispatch's backward already sums every rank's
-gradient into the owner (divide them by W too when the loss is a per-rank mean, to get the global mean's gradient).
+in plain data parallelism, or shard them with FSDP (``fully_shard(..., ignored_params=set(expert_parameters(m)))``,
+which averages them). Expert shards are never all-reduced: the dispatch's backward already sums every rank's
+gradient into the owner (:func:`average_expert_grads` divides them by W, for the global mean's gradient).
 Once per optimizer step, helpers' replica gradients must reach the owners and the owners' new weights the replicas:
 :func:`reduce_replica_grads` before ``optimizer.step()`` (and before gradient clipping), :func:`refresh_replicas`
 after it; or :func:`attach_optimizer` hooks both into ``optimizer.step()``. Gradient clipping: :func:`clip_grad_norm_`
 reduces the replica gradients first and clips by the norm of the whole model's gradient (each expert shard counted
-on its owner), where ``torch.nn.utils.clip_grad_norm_`` would see this rank's shards only.
+on its owner, FSDP's DTensor gradients by their whole tensors), where ``torch.nn.utils.clip_grad_norm_`` would see
+this rank's shards only.
 
 Checkpoints: ``model.state_dict()`` is this rank's shard (same keys, ``E / W`` experts); :func:`full_state_dict`
 gathers the shards back into the original names and shapes, so ``model.save_pretrained(d, state_dict=full)``
@@ -38,7 +40,7 @@ from torch import nn
 from feplb.layer import FEPLBConfig, MoELayer
 
 __all__ = ["FEPLBExperts", "apply", "expert_parameters", "experts_modules", "full_state_dict",
-           "attach_optimizer", "reduce_replica_grads", "refresh_replicas", "clip_grad_norm_"]
+           "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas", "clip_grad_norm_"]
 
 # FEPLBConfig fields that apply() reads off the module and the model config; overriding them is an error.
 _DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "dtype")
@@ -317,6 +319,21 @@ def reduce_replica_grads(model: nn.Module) -> None:
         m.reduce_replica_grads()
 
 
+def average_expert_grads(model: nn.Module) -> None:
+    """Make the expert shards' gradients the mean over the EP group's ranks instead of their sum (collective):
+    reduce the replica gradients (:func:`reduce_replica_grads`), then divide every shard's gradient by the group
+    size. Call it once per optimizer step, after the last backward and before clipping and ``optimizer.step()``,
+    when the replicated parameters' gradients are averaged over the group (FSDP's ``fully_shard`` and DDP do
+    that), so that the whole model follows the mean of the ranks' losses."""
+    reduce_replica_grads(model)
+    with torch.no_grad():
+        for m in experts_modules(model):
+            size = dist.get_world_size(m.group)
+            for p in (m.gate_up_proj, m.down_proj):
+                if p.grad is not None:
+                    p.grad.div_(size)
+
+
 def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """``attach_optimizer(optimizer)`` of every FEPLB experts module: each ``optimizer.step()`` then reduces the
     replica gradients before it and refreshes the replicas after it (collective at every step). Clip with
@@ -349,29 +366,54 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     experts = expert_parameters(model)
     expert_ids = {id(p) for p in experts}
     params = [p for p in model.parameters() if p.grad is not None]
-    replicated = [p.grad for p in params if id(p) not in expert_ids]
-    sharded = [p.grad for p in params if id(p) in expert_ids]
-    device = params[0].grad.device if params else experts[0].device
+    grads = [p.grad for p in params]
+    # FSDP (fully_shard) makes the replicated parameters DTensors: their norms are the whole tensors' (DTensor
+    # reduces over its mesh), computed apart from plain tensors (torch's foreach ops refuse a mix)
+    dtensors = [g for p, g in zip(params, grads, strict=True) if id(p) not in expert_ids and _is_dtensor(g)]
+    replicated = [g for p, g in zip(params, grads, strict=True) if id(p) not in expert_ids and not _is_dtensor(g)]
+    sharded = [g for p, g in zip(params, grads, strict=True) if id(p) in expert_ids]
+    device = grads[0].device if grads else experts[0].device
     norm_type = float(norm_type)
 
-    def local(grads):
-        if not grads:
+    def local(gs):
+        if not gs:
             return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.nn.utils.get_total_norm(grads, norm_type).to(device=device, dtype=torch.float32)
+        norm = torch.nn.utils.get_total_norm(gs, norm_type)
+        if _is_dtensor(norm):
+            norm = norm.full_tensor()
+        return norm.to(device=device, dtype=torch.float32)
 
     shard_norm = local(sharded)
     if norm_type == float("inf"):
         dist.all_reduce(shard_norm, op=dist.ReduceOp.MAX, group=group)
-        total = torch.maximum(local(replicated), shard_norm)
+        total = torch.maximum(torch.maximum(local(replicated), local(dtensors)), shard_norm)
     else:
         shard_pow = shard_norm.pow(norm_type)
         dist.all_reduce(shard_pow, group=group)
-        total = (local(replicated).pow(norm_type) + shard_pow).pow(1.0 / norm_type)
+        total = (local(replicated).pow(norm_type) + local(dtensors).pow(norm_type) + shard_pow).pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
                            "(error_if_nonfinite=True)")
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    # torch.nn.utils.clip_grads_with_norm_'s factor, applied to plain tensors (a DTensor's local part scales it)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    with torch.no_grad():
+        local_grads = [g.to_local() if _is_dtensor(g) else g for g in grads]
+        for dev_grads in _by_device(local_grads).values():
+            torch._foreach_mul_(dev_grads, coef.to(dev_grads[0].device))
     return total
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _by_device(ts: list[torch.Tensor]) -> dict:
+    out: dict = {}
+    for t in ts:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
 
 
 def refresh_replicas(model: nn.Module) -> None:
@@ -387,9 +429,11 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     or ``load_state_dict`` of an unmodified model. Collective over each module's EP group.
 
     rank0_only: the full dict on rank 0 of the EP group and an empty dict elsewhere (True), or on every rank.
-    Tensors are detached, on the parameters' devices; the non-expert entries share storage with the model.
+    Tensors are detached, on the parameters' devices; the non-expert entries share storage with the model, except
+    those FSDP (``fully_shard``) holds as DTensors, which are gathered into plain tensors (collective over their
+    meshes; every rank gathers them, also with rank0_only).
     """
-    sd = model.state_dict()
+    sd = {k: v.full_tensor() if _is_dtensor(v) else v for k, v in model.state_dict().items()}
     owners: dict[str, FEPLBExperts] = {}
     for name, m in model.named_modules():
         if isinstance(m, FEPLBExperts):

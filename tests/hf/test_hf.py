@@ -351,9 +351,73 @@ def _check_autocast(rank: int, world: int) -> dict:
     return results
 
 
+def _check_fsdp(rank: int, world: int) -> dict:
+    """FSDP2 for the replicated parameters, FEPLB for the experts: Mixtral with every decoder layer and the root
+    ``fully_shard``-ed (the expert shards ignored), feplb-split@ema, three SGD steps with attach_optimizer,
+    average_expert_grads and, at the second step, feplb.hf.clip_grad_norm_, against the unmodified model sharded
+    the same way (its experts too) and clipped by torch: the same gradient norm, and every parameter's change
+    over the steps the unmodified model's (norm-wise); full_state_dict gathers plain tensors equal to its
+    parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import feplb.hf as fh
+
+    M = _models()
+    model = M.make_model("mixtral")
+    ref = copy.deepcopy(model)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    fh.apply(model, policy="feplb-split@ema", gpus_per_node=min(2, world), min_chunk=1, plan_wait_ms=60_000,
+             min_straggler_rows=0)
+    experts = set(fh.expert_parameters(model))
+    mesh = init_device_mesh("cpu", (world,))
+    for m, ignored in ((model, experts), (ref, set())):
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=ignored)
+        fully_shard(m, mesh=mesh, ignored_params=ignored)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    fh.attach_optimizer(model, opt)
+    out: dict = {"moved": 0}
+    for step in range(3):
+        ids = M.tokens(rank + world * step)
+        model(input_ids=ids, labels=ids).loss.backward()
+        out["moved"] += sum(m.last_stats.rows_moved for m in fh.experts_modules(model))
+        fh.average_expert_grads(model)
+        ref(input_ids=ids, labels=ids).loss.backward()
+        if step == 1:
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).full_tensor()
+            got = fh.clip_grad_norm_(model, 0.5)
+            out["norm_rel"] = abs(float(got) / float(want) - 1)
+            out["clipped"] = float(want) > 0.75
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    refs = {n: p.full_tensor().detach() for n, p in ref.named_parameters()}
+    worst, dtensors = 0.0, 0
+    for n, p in model.named_parameters():
+        dtensors += isinstance(p, DTensor)
+        got = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        want, before = refs[n], start[n]
+        if p in experts:
+            L = p.shape[0]
+            want, before = want[rank * L:(rank + 1) * L], before[rank * L:(rank + 1) * L]
+        # norm-wise: single entries of a small change (a norm's weight) carry fp32 rounding of three steps
+        change, want_change = (got - before).double(), (want - before).double()
+        worst = max(worst, float((change - want_change).norm() / want_change.norm()))
+    out.update(change_rel=worst, dtensor_params=dtensors, expert_dtensors=sum(isinstance(p, DTensor) for p in experts))
+    full = fh.full_state_dict(model, rank0_only=False)
+    out["sd_plain"] = all(type(v) is torch.Tensor for v in full.values())
+    out["sd_rel"] = max(_rel(full[n], refs[n]) for n in refs)
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     M = _models()
-    results = {"training": _check_training(rank, world), "autocast": _check_autocast(rank, world)}
+    results = {"training": _check_training(rank, world), "autocast": _check_autocast(rank, world),
+               "fsdp": _check_fsdp(rank, world)}
     for arch in M.ARCHS:
         for i, policy in enumerate(POLICIES):
             results[(arch, policy)] = _check_arch(rank, world, arch, policy, state_dict_checks=i == 0)
@@ -453,6 +517,25 @@ def test_autocast_is_as_accurate_as_the_unmodified_model_on_four_ranks(four_rank
     for arch in _models().ARCHS:
         moved = [res["autocast"][arch]["rows_moved"] for res in four_ranks]
         assert all(m > 0 for m in moved), (arch, moved)
+
+
+def _assert_fsdp(ranks: list[dict]) -> None:
+    for rank, res in enumerate(ranks):
+        fsdp = res["fsdp"]
+        assert fsdp["dtensor_params"] > 0 and fsdp["expert_dtensors"] == 0, (rank, fsdp)
+        assert fsdp["clipped"] and fsdp["norm_rel"] <= TOL, (rank, fsdp)
+        assert fsdp["change_rel"] <= TOL, (rank, fsdp)
+        assert fsdp["sd_plain"] and fsdp["sd_rel"] <= TOL, (rank, fsdp)
+
+
+def test_fsdp_for_the_rest_trains_like_the_unmodified_model_on_one_rank(one_rank):
+    _assert_fsdp(one_rank)
+
+
+@pytest.mark.slow
+def test_fsdp_for_the_rest_trains_like_the_unmodified_model_on_four_ranks(four_ranks):
+    _assert_fsdp(four_ranks)
+    assert all(res["fsdp"]["moved"] > 0 for res in four_ranks), [res["fsdp"]["moved"] for res in four_ranks]
 
 
 def test_full_state_dict_round_trips_on_one_rank(one_rank):
