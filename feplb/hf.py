@@ -10,9 +10,10 @@ and balances every micro-batch like :class:`feplb.MoELayer` (it is one, with ``r
 What stays replicated (data parallel over the EP group): embeddings, attention, norms, routers (including
 DeepSeek-V3's ``e_score_correction_bias``), shared experts and dense MLPs: every parameter not in
 :func:`expert_parameters`. Their gradients cover this rank's tokens only: all-reduce them over the group (mean) as
-in plain data parallelism, or shard them with FSDP (``fully_shard(..., ignored_params=set(expert_parameters(m)))``,
-which averages them). Expert shards are never all-reduced: the dispatch's backward already sums every rank's
-gradient into the owner (:func:`average_expert_grads` divides them by W, for the global mean's gradient).
+in plain data parallelism (with DDP, call ``feplb.ignore_experts_in_ddp(model)`` before wrapping), or shard them
+with FSDP (``fully_shard(..., ignored_params=set(expert_parameters(m)))``, which averages them). Expert shards are
+never all-reduced: the dispatch's backward already sums every rank's gradient into the owner
+(:func:`average_expert_grads` divides them by W, for the global mean's gradient).
 Once per optimizer step, helpers' replica gradients must reach the owners and the owners' new weights the replicas:
 :func:`reduce_replica_grads` before ``optimizer.step()`` (and before gradient clipping), :func:`refresh_replicas`
 after it; or :func:`attach_optimizer` hooks both into ``optimizer.step()``. Gradient clipping: :func:`clip_grad_norm_`

@@ -64,7 +64,8 @@ from feplb.steps import Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
 from feplb.transport import make_transport
 
-__all__ = ["DirectLayout", "FEPLBConfig", "LayerStats", "MoELayer", "direct_layout", "expert_mlp"]
+__all__ = ["DirectLayout", "FEPLBConfig", "LayerStats", "MoELayer", "direct_layout", "expert_mlp",
+           "ignore_experts_in_ddp"]
 
 # Peers' policies, whose plans the phase-1 dispatch executes (rows go straight to the GPU that computes them).
 _DIRECT_BASES = frozenset({"fastermoe", "eplb"})
@@ -524,3 +525,26 @@ class MoELayer(nn.Module):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def ignore_experts_in_ddp(module: nn.Module) -> list[str]:
+    """Make ``DistributedDataParallel(module, ...)`` leave the expert shards of every ``MoELayer`` in ``module``
+    alone; call it before wrapping. Returns their names (relative to ``module``), added to those already ignored.
+
+    Needed when DDP's process group holds several ranks of one EP group (data parallel over the EP group, the
+    usual layout): there DDP would broadcast rank 0's expert shards to every rank at construction and all-reduce
+    shards of different experts, silently. The layer's dispatch already sums every rank's gradient into each
+    shard's owner. Not wanted when DDP runs over data-parallel groups that each hold one rank per EP group (EP x
+    DP): there the shards of a DDP group are the same experts, which DDP must all-reduce.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = []
+    for prefix, m in module.named_modules():
+        if isinstance(m, MoELayer):
+            ids = {id(p) for p in m.expert_params()}
+            names += [f"{prefix}.{n}" if prefix else n for n, p in m.named_parameters(recurse=False) if id(p) in ids]
+    already = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        module, already + [n for n in names if n not in already])
+    return names

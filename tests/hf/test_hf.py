@@ -414,10 +414,59 @@ def _check_fsdp(rank: int, world: int) -> dict:
     return out
 
 
+def _check_ddp(rank: int, world: int) -> dict:
+    """DDP over the EP group for the replicated parameters: Mixtral after feplb.ignore_experts_in_ddp, wrapped in
+    DistributedDataParallel, feplb-split@ema, three SGD steps with average_expert_grads, against the unmodified
+    model in DDP: every parameter changes as the unmodified model's (norm-wise), and the expert shards are not
+    rank 0's after wrapping."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import feplb
+    import feplb.hf as fh
+
+    M = _models()
+    model = M.make_model("mixtral")
+    ref = copy.deepcopy(model)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    fh.apply(model, policy="feplb-split@ema", gpus_per_node=min(2, world), min_chunk=1, plan_wait_ms=60_000,
+             min_straggler_rows=0)
+    experts = set(fh.expert_parameters(model))
+    names = feplb.ignore_experts_in_ddp(model)
+    out = {"names_ok": sorted(names) == sorted(n for n, p in model.named_parameters() if p in experts)}
+    ddp, ddp_ref = DDP(model), DDP(ref)
+    own = start["model.layers.0.mlp.experts.gate_up_proj"]
+    L = own.shape[0] // world
+    out["shard_kept"] = torch.equal(model.model.layers[0].mlp.experts.gate_up_proj.detach(),
+                                    own[rank * L:(rank + 1) * L])
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    fh.attach_optimizer(model, opt)
+    out["moved"] = 0
+    for step in range(3):
+        ids = M.tokens(rank + world * step)
+        ddp(input_ids=ids, labels=ids).loss.backward()
+        out["moved"] += sum(m.last_stats.rows_moved for m in fh.experts_modules(model))
+        fh.average_expert_grads(model)
+        ddp_ref(input_ids=ids, labels=ids).loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    refs = dict(ref.named_parameters())
+    worst = 0.0
+    for n, p in model.named_parameters():
+        want, before = refs[n].detach(), start[n]
+        if p in experts:
+            want, before = want[rank * L:(rank + 1) * L], before[rank * L:(rank + 1) * L]
+        change, want_change = (p.detach() - before).double(), (want - before).double()
+        worst = max(worst, float((change - want_change).norm() / want_change.norm()))
+    out["change_rel"] = worst
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     M = _models()
     results = {"training": _check_training(rank, world), "autocast": _check_autocast(rank, world),
-               "fsdp": _check_fsdp(rank, world)}
+               "fsdp": _check_fsdp(rank, world), "ddp": _check_ddp(rank, world)}
     for arch in M.ARCHS:
         for i, policy in enumerate(POLICIES):
             results[(arch, policy)] = _check_arch(rank, world, arch, policy, state_dict_checks=i == 0)
@@ -536,6 +585,22 @@ def test_fsdp_for_the_rest_trains_like_the_unmodified_model_on_one_rank(one_rank
 def test_fsdp_for_the_rest_trains_like_the_unmodified_model_on_four_ranks(four_ranks):
     _assert_fsdp(four_ranks)
     assert all(res["fsdp"]["moved"] > 0 for res in four_ranks), [res["fsdp"]["moved"] for res in four_ranks]
+
+
+def _assert_ddp(ranks: list[dict]) -> None:
+    for rank, res in enumerate(ranks):
+        ddp = res["ddp"]
+        assert ddp["names_ok"] and ddp["shard_kept"] and ddp["change_rel"] <= TOL, (rank, ddp)
+
+
+def test_ddp_for_the_rest_trains_like_the_unmodified_model_on_one_rank(one_rank):
+    _assert_ddp(one_rank)
+
+
+@pytest.mark.slow
+def test_ddp_for_the_rest_trains_like_the_unmodified_model_on_four_ranks(four_ranks):
+    _assert_ddp(four_ranks)
+    assert all(res["ddp"]["moved"] > 0 for res in four_ranks), [res["ddp"]["moved"] for res in four_ranks]
 
 
 def test_full_state_dict_round_trips_on_one_rank(one_rank):
