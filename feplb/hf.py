@@ -320,19 +320,15 @@ def reduce_replica_grads(model: nn.Module) -> None:
         m.reduce_replica_grads()
 
 
-def average_expert_grads(model: nn.Module) -> None:
-    """Make the expert shards' gradients the mean over the EP group's ranks instead of their sum (collective):
-    reduce the replica gradients (:func:`reduce_replica_grads`), then divide every shard's gradient by the group
-    size. Call it once per optimizer step, after the last backward and before clipping and ``optimizer.step()``,
-    when the replicated parameters' gradients are averaged over the group (FSDP's ``fully_shard`` and DDP do
-    that), so that the whole model follows the mean of the ranks' losses."""
-    reduce_replica_grads(model)
-    with torch.no_grad():
-        for m in experts_modules(model):
-            size = dist.get_world_size(m.group)
-            for p in (m.gate_up_proj, m.down_proj):
-                if p.grad is not None:
-                    p.grad.div_(size)
+def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGroup | None = None) -> None:
+    """Make the expert shards' gradients the mean over the ranks' losses instead of the sum the dispatch leaves
+    (collective): ``MoELayer.average_expert_grads`` of every FEPLB experts module (replica gradients reduced,
+    then divided by the EP group's size; with ``data_parallel_group``, EP x DP, first summed over it and divided
+    by both sizes). Call it once per optimizer step, after the last backward and before clipping and
+    ``optimizer.step()``, when the replicated parameters' gradients are averaged (FSDP's ``fully_shard`` and DDP
+    do that) over the same ranks, so that the whole model follows the mean of the ranks' losses."""
+    for m in experts_modules(model):
+        m.average_expert_grads(data_parallel_group)
 
 
 def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -386,7 +382,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
 
     shard_norm = local(sharded)
     if norm_type == float("inf"):
-        dist.all_reduce(shard_norm, op=dist.ReduceOp.MAX, group=group)
+        # a MAX reduction may drop a NaN (gloo does): a non-finite flag travels beside the norm
+        both = torch.stack([shard_norm, (~torch.isfinite(shard_norm)).to(shard_norm.dtype)])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        shard_norm = torch.where(both[1] > 0, torch.full_like(both[0], float("nan")), both[0])
         total = torch.maximum(torch.maximum(local(replicated), local(dtensors)), shard_norm)
     else:
         shard_pow = shard_norm.pow(norm_type)
@@ -434,11 +433,18 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     those FSDP (``fully_shard``) holds as DTensors, which are gathered into plain tensors (collective over their
     meshes; every rank gathers them, also with rank0_only).
     """
-    sd = {k: v.full_tensor() if _is_dtensor(v) else v for k, v in model.state_dict().items()}
     owners: dict[str, FEPLBExperts] = {}
     for name, m in model.named_modules():
         if isinstance(m, FEPLBExperts):
             owners[name] = m
+    keep = not rank0_only or dist.get_rank(next(iter(owners.values())).group if owners else None) == 0
+    sd = {}
+    for k, v in model.state_dict().items():
+        if _is_dtensor(v):
+            v = v.full_tensor()   # collective: every rank gathers, one tensor at a time
+            if not keep:
+                continue          # and only the ranks that return it hold it
+        sd[k] = v
     full: dict[str, torch.Tensor] = {}
     for prefix, m in owners.items():
         group = m.group
@@ -454,7 +460,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
                 dist.all_gather(parts, shard, group=group)
             if parts is not None:
                 full[f"{prefix}.{pname}"] = torch.cat(parts)
-    if rank0_only and dist.get_rank(next(iter(owners.values())).group if owners else None) != 0:
+    if not keep:
         return {}
     out = {}
     for k, v in sd.items():

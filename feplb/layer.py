@@ -506,6 +506,24 @@ class MoELayer(nn.Module):
             self.replicas.agree("reduce_replica_grads")
         self.replicas.reduce_grads(self.placement)
 
+    @torch.no_grad()
+    def average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None = None) -> None:
+        """Make the expert shards' gradients the mean over every rank that trains on its own data (collective):
+        reduce the replica gradients (``reduce_replica_grads``), sum each shard's gradient over
+        ``data_parallel_group`` if given (EP x DP: the ranks that hold the same experts, one per EP group), and
+        divide by the number of such ranks (EP group size x data-parallel group size). The dispatch's backward
+        leaves the sum over the EP group's ranks; DDP or FSDP averaging the replicated parameters (the router) over
+        all of those ranks then trains the mean of their losses. Once per optimizer step, after the last backward
+        and before clipping and ``optimizer.step()``."""
+        self.reduce_replica_grads()
+        ranks = self.world_size * (dist.get_world_size(data_parallel_group) if data_parallel_group is not None
+                                   else 1)
+        for p in self.expert_params():
+            if p.grad is not None:
+                if data_parallel_group is not None:
+                    dist.all_reduce(p.grad, group=data_parallel_group)
+                p.grad.div_(ranks)
+
     def close(self) -> None:
         """Release the helper threads, the copy path and the transport (NVSHMEM buffers). Idempotent; the layer
         must not be used afterwards."""
@@ -529,13 +547,16 @@ class MoELayer(nn.Module):
 
 def ignore_experts_in_ddp(module: nn.Module) -> list[str]:
     """Make ``DistributedDataParallel(module, ...)`` leave the expert shards of every ``MoELayer`` in ``module``
-    alone; call it before wrapping. Returns their names (relative to ``module``), added to those already ignored.
+    alone; call it before wrapping. Returns the names added to DDP's ignore list (relative to ``module``; a root
+    MoELayer's shards under both spellings DDP uses), besides those already in it.
 
     Needed when DDP's process group holds several ranks of one EP group (data parallel over the EP group, the
     usual layout): there DDP would broadcast rank 0's expert shards to every rank at construction and all-reduce
     shards of different experts, silently. The layer's dispatch already sums every rank's gradient into each
-    shard's owner. Not wanted when DDP runs over data-parallel groups that each hold one rank per EP group (EP x
-    DP): there the shards of a DDP group are the same experts, which DDP must all-reduce.
+    shard's owner; ``MoELayer.average_expert_grads`` turns that sum into the mean DDP gives the rest. EP x DP
+    (several EP groups on different data): wrap the model in DDP over all their ranks with this too, and pass the
+    data-parallel group (the ranks holding the same experts) to ``average_expert_grads``; DDP over the
+    data-parallel groups alone would average the router over them only, and miss the replicas' gradients.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -543,7 +564,10 @@ def ignore_experts_in_ddp(module: nn.Module) -> list[str]:
     for prefix, m in module.named_modules():
         if isinstance(m, MoELayer):
             ids = {id(p) for p in m.expert_params()}
-            names += [f"{prefix}.{n}" if prefix else n for n, p in m.named_parameters(recurse=False) if id(p) in ids]
+            for n, p in m.named_parameters(recurse=False):
+                if id(p) in ids:
+                    # DDP's broadcast names the root's parameters "w1", its gradient reducer ".w1": both
+                    names += [f"{prefix}.{n}"] if prefix else [n, f".{n}"]
     already = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         module, already + [n for n in names if n not in already])

@@ -387,6 +387,11 @@ def _check_fsdp(rank: int, world: int) -> dict:
         fh.average_expert_grads(model)
         ref(input_ids=ids, labels=ids).loss.backward()
         if step == 1:
+            # the inf- and 1-norms first (max_norm inf: nothing scaled), then clip by the 2-norm
+            for name, order in (("inf", float("inf")), ("one", 1.0)):
+                want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"), order).full_tensor()
+                got = fh.clip_grad_norm_(model, float("inf"), order)
+                out[f"norm_{name}_rel"], out[f"norm_{name}"] = abs(float(got) / float(want) - 1), float(got)
             want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).full_tensor()
             got = fh.clip_grad_norm_(model, 0.5)
             out["norm_rel"] = abs(float(got) / float(want) - 1)
@@ -411,6 +416,14 @@ def _check_fsdp(rank: int, world: int) -> dict:
     full = fh.full_state_dict(model, rank0_only=False)
     out["sd_plain"] = all(type(v) is torch.Tensor for v in full.values())
     out["sd_rel"] = max(_rel(full[n], refs[n]) for n in refs)
+    # a NaN in the last rank's expert gradient only: error_if_nonfinite raises on every rank, for the inf-norm too
+    # (a MAX reduction may drop a NaN)
+    ids = M.tokens(rank)
+    model(input_ids=ids, labels=ids).loss.backward()
+    if rank == world - 1:
+        with torch.no_grad():
+            model.model.layers[0].mlp.experts.gate_up_proj.grad.view(-1)[0] = float("nan")
+    out["nan_inf"] = error_of(lambda: fh.clip_grad_norm_(model, 1.0, float("inf"), error_if_nonfinite=True))
     return out
 
 
@@ -569,10 +582,14 @@ def test_autocast_is_as_accurate_as_the_unmodified_model_on_four_ranks(four_rank
 
 
 def _assert_fsdp(ranks: list[dict]) -> None:
+    for name in ("norm_inf", "norm_one"):
+        assert len({res["fsdp"][name] for res in ranks}) == 1, (name, [res["fsdp"][name] for res in ranks])
     for rank, res in enumerate(ranks):
         fsdp = res["fsdp"]
         assert fsdp["dtensor_params"] > 0 and fsdp["expert_dtensors"] == 0, (rank, fsdp)
         assert fsdp["clipped"] and fsdp["norm_rel"] <= TOL, (rank, fsdp)
+        assert fsdp["norm_inf_rel"] <= TOL and fsdp["norm_one_rel"] <= TOL, (rank, fsdp)
+        assert fsdp["nan_inf"] is not None and "non-finite" in fsdp["nan_inf"], (rank, fsdp["nan_inf"])
         assert fsdp["change_rel"] <= TOL, (rank, fsdp)
         assert fsdp["sd_plain"] and fsdp["sd_rel"] <= TOL, (rank, fsdp)
 

@@ -52,6 +52,28 @@ def _close(got, want):
     return (got.double() - want).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1e-6)
 
 
+EPDP_STEPS = 3
+
+
+def _epdp_input(step, rank):
+    x = torch.randn(24, H, generator=torch.Generator().manual_seed(100 * step + rank))
+    x[:, 0] = x[:, 0].abs() + 1.0
+    return x
+
+
+def _epdp_dense():
+    """The EP x DP case's parameters after its SGD steps on the mean of the four ranks' losses, dense in fp64."""
+    router, w1, w2, _ = _weights(18)
+    params = [t.double().requires_grad_(True) for t in (router, w1, w2)]
+    for step in range(EPDP_STEPS):
+        loss = sum(dense_moe_reference(_epdp_input(step, r).double(), *params, K).pow(2).mean() for r in range(4)) / 4
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                p -= 0.5 * g
+    return [p.detach() for p in params]
+
+
 def _usage_worker(rank, world):
     import torch.distributed as dist
 
@@ -73,6 +95,41 @@ def _usage_worker(rank, world):
     res["ddp_ok"] = _close(y.detach(), dense_moe_reference(x.double(), router.double(), w1.double(), w2.double(), K))
     res["home_E"] = layer.home_E.tolist()
     y.sum().backward()
+
+    # EP x DP training: DDP over all four ranks with the shards left out (feplb.ignore_experts_in_ddp),
+    # average_expert_grads over the data-parallel group, resident replicas (@ema, per-step weights): three SGD steps
+    # on the mean of the four ranks' losses, compared with a dense fp64 run in the test.
+    import feplb
+
+    layer, *_ = _layer(18, group=ep, policy="feplb-split@ema")
+    root = torch.nn.Sequential(layer)
+    feplb.ignore_experts_in_ddp(root)
+    ddp = torch.nn.parallel.DistributedDataParallel(root)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    layer.attach_optimizer(opt)
+    moved = 0
+    for step in range(EPDP_STEPS):
+        ddp(_epdp_input(step, rank)).pow(2).mean().backward()
+        moved += layer.last_stats.rows_moved
+        layer.average_expert_grads(dp)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    res["epdp"] = {"router": layer.router.weight.detach().clone(), "w1": layer.w1.detach().clone(),
+                   "w2": layer.w2.detach().clone(), "ep_rank": layer.rank, "moved": moved}
+    layer.close()
+
+    # DDP over the EP group around a bare MoELayer (its shards named at the root): the shards keep their own
+    # values and gradients, the router is averaged
+    layer, *_, xs = _layer(17, policy="feplb-split", weights="per-microbatch")
+    layer(xs[rank]).pow(2).mean().backward()
+    bare = layer.w1.grad.clone()
+    layer.zero_grad(set_to_none=True)
+    shard = layer.w1.detach().clone()
+    feplb.ignore_experts_in_ddp(layer)
+    ddp = torch.nn.parallel.DistributedDataParallel(layer)
+    res["root_shard_kept"] = torch.equal(layer.w1.detach(), shard)
+    ddp(xs[rank]).pow(2).mean().backward()
+    res["root_grad_own"] = _close(layer.w1.grad, bare.double())
 
     # One rank's input needs no gradient, the others' do: everyone finishes its backward.
     layer, *_, xs = _layer(11, policy="feplb-split", weights="per-microbatch")
@@ -162,5 +219,14 @@ def test_layer_usage_and_misuse():
             "already replaced" in res["late_grad"], res["late_grad"]
         assert res["state_mismatch"] and res["state_mismatch"].startswith("ValueError") and \
             "policy state" in res["state_mismatch"], res["state_mismatch"]
+    router, w1, w2 = _epdp_dense()
+    L = E // 2
+    for rank, res in enumerate(results):
+        ep = res["epdp"]
+        lo = ep["ep_rank"] * L
+        assert _close(ep["router"], router), f"rank {rank}: EP x DP router differs from the dense run"
+        assert _close(ep["w1"], w1[lo:lo + L]) and _close(ep["w2"], w2[lo:lo + L]), f"rank {rank}: EP x DP experts"
+        assert res["root_shard_kept"] and res["root_grad_own"], (rank, res["root_shard_kept"], res["root_grad_own"])
+    assert all(res["epdp"]["moved"] > 0 for res in results[:2]), [res["epdp"]["moved"] for res in results]
     # the two EP groups placed their experts differently (else the DDP case proves nothing)
     assert results[0]["home_E"] != results[2]["home_E"], (results[0]["home_E"], results[2]["home_E"])
