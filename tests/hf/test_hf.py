@@ -351,6 +351,51 @@ def _check_autocast(rank: int, world: int) -> dict:
     return results
 
 
+def _trainable_pair(world: int):
+    """(models module, Mixtral with feplb-split@ema applied, the unmodified copy, its starting parameters, the
+    applied model's expert shards) for the data-parallel training checks."""
+    import feplb.hf as fh
+
+    M = _models()
+    model = M.make_model("mixtral")
+    ref = copy.deepcopy(model)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    fh.apply(model, policy="feplb-split@ema", gpus_per_node=min(2, world), min_chunk=1, plan_wait_ms=60_000,
+             min_straggler_rows=0)
+    return M, model, ref, start, set(fh.expert_parameters(model))
+
+
+def _change_rel(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor) -> float:
+    """Norm-wise relative difference of two parameters' changes from ``before`` (single entries of a small change,
+    a norm's weight say, carry the fp32 rounding of every step)."""
+    change, want_change = (got - before).double(), (want - before).double()
+    return float((change - want_change).norm() / want_change.norm())
+
+
+def _sgd_steps(rank, world, M, model, ref, run, run_ref, before_step=None) -> int:
+    """Three SGD-with-momentum steps of ``model`` (attach_optimizer, average_expert_grads) and ``ref`` on each rank's
+    own tokens, forwards through ``run`` / ``run_ref`` (their DDP wrappers, say); ``before_step(step)`` runs after
+    both backwards. Returns the rows the model's experts moved."""
+    import feplb.hf as fh
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    fh.attach_optimizer(model, opt)
+    moved = 0
+    for step in range(3):
+        ids = M.tokens(rank + world * step)
+        run(input_ids=ids, labels=ids).loss.backward()
+        moved += sum(m.last_stats.rows_moved for m in fh.experts_modules(model))
+        fh.average_expert_grads(model)
+        run_ref(input_ids=ids, labels=ids).loss.backward()
+        if before_step is not None:
+            before_step(step)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    return moved
+
+
 def _check_fsdp(rank: int, world: int) -> dict:
     """FSDP2 for the replicated parameters, FEPLB for the experts: Mixtral with every decoder layer and the root
     ``fully_shard``-ed (the expert shards ignored), feplb-split@ema, three SGD steps with attach_optimizer,
@@ -364,42 +409,28 @@ def _check_fsdp(rank: int, world: int) -> dict:
 
     import feplb.hf as fh
 
-    M = _models()
-    model = M.make_model("mixtral")
-    ref = copy.deepcopy(model)
-    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    fh.apply(model, policy="feplb-split@ema", gpus_per_node=min(2, world), min_chunk=1, plan_wait_ms=60_000,
-             min_straggler_rows=0)
-    experts = set(fh.expert_parameters(model))
+    M, model, ref, start, experts = _trainable_pair(world)
     mesh = init_device_mesh("cpu", (world,))
     for m, ignored in ((model, experts), (ref, set())):
         for layer in m.model.layers:
             fully_shard(layer, mesh=mesh, ignored_params=ignored)
         fully_shard(m, mesh=mesh, ignored_params=ignored)
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
-    fh.attach_optimizer(model, opt)
-    out: dict = {"moved": 0}
-    for step in range(3):
-        ids = M.tokens(rank + world * step)
-        model(input_ids=ids, labels=ids).loss.backward()
-        out["moved"] += sum(m.last_stats.rows_moved for m in fh.experts_modules(model))
-        fh.average_expert_grads(model)
-        ref(input_ids=ids, labels=ids).loss.backward()
-        if step == 1:
-            # the inf- and 1-norms first (max_norm inf: nothing scaled), then clip by the 2-norm
-            for name, order in (("inf", float("inf")), ("one", 1.0)):
-                want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"), order).full_tensor()
-                got = fh.clip_grad_norm_(model, float("inf"), order)
-                out[f"norm_{name}_rel"], out[f"norm_{name}"] = abs(float(got) / float(want) - 1), float(got)
-            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).full_tensor()
-            got = fh.clip_grad_norm_(model, 0.5)
-            out["norm_rel"] = abs(float(got) / float(want) - 1)
-            out["clipped"] = float(want) > 0.75
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+    out: dict = {}
+
+    def clip(step):
+        if step != 1:
+            return
+        # the inf- and 1-norms first (max_norm inf: nothing scaled), then clip by the 2-norm
+        for name, order in (("inf", float("inf")), ("one", 1.0)):
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"), order).full_tensor()
+            got = fh.clip_grad_norm_(model, float("inf"), order)
+            out[f"norm_{name}_rel"], out[f"norm_{name}"] = abs(float(got) / float(want) - 1), float(got)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).full_tensor()
+        got = fh.clip_grad_norm_(model, 0.5)
+        out["norm_rel"] = abs(float(got) / float(want) - 1)
+        out["clipped"] = float(want) > 0.75
+
+    out["moved"] = _sgd_steps(rank, world, M, model, ref, model, ref, before_step=clip)
     refs = {n: p.full_tensor().detach() for n, p in ref.named_parameters()}
     worst, dtensors = 0.0, 0
     for n, p in model.named_parameters():
@@ -409,9 +440,7 @@ def _check_fsdp(rank: int, world: int) -> dict:
         if p in experts:
             L = p.shape[0]
             want, before = want[rank * L:(rank + 1) * L], before[rank * L:(rank + 1) * L]
-        # norm-wise: single entries of a small change (a norm's weight) carry fp32 rounding of three steps
-        change, want_change = (got - before).double(), (want - before).double()
-        worst = max(worst, float((change - want_change).norm() / want_change.norm()))
+        worst = max(worst, _change_rel(got, want, before))
     out.update(change_rel=worst, dtensor_params=dtensors, expert_dtensors=sum(isinstance(p, DTensor) for p in experts))
     full = fh.full_state_dict(model, rank0_only=False)
     out["sd_plain"] = all(type(v) is torch.Tensor for v in full.values())
@@ -435,15 +464,8 @@ def _check_ddp(rank: int, world: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import feplb
-    import feplb.hf as fh
 
-    M = _models()
-    model = M.make_model("mixtral")
-    ref = copy.deepcopy(model)
-    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    fh.apply(model, policy="feplb-split@ema", gpus_per_node=min(2, world), min_chunk=1, plan_wait_ms=60_000,
-             min_straggler_rows=0)
-    experts = set(fh.expert_parameters(model))
+    M, model, ref, start, experts = _trainable_pair(world)
     names = feplb.ignore_experts_in_ddp(model)
     out = {"names_ok": sorted(names) == sorted(n for n, p in model.named_parameters() if p in experts)}
     ddp, ddp_ref = DDP(model), DDP(ref)
@@ -451,27 +473,14 @@ def _check_ddp(rank: int, world: int) -> dict:
     L = own.shape[0] // world
     out["shard_kept"] = torch.equal(model.model.layers[0].mlp.experts.gate_up_proj.detach(),
                                     own[rank * L:(rank + 1) * L])
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
-    fh.attach_optimizer(model, opt)
-    out["moved"] = 0
-    for step in range(3):
-        ids = M.tokens(rank + world * step)
-        ddp(input_ids=ids, labels=ids).loss.backward()
-        out["moved"] += sum(m.last_stats.rows_moved for m in fh.experts_modules(model))
-        fh.average_expert_grads(model)
-        ddp_ref(input_ids=ids, labels=ids).loss.backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad(set_to_none=True)
+    out["moved"] = _sgd_steps(rank, world, M, model, ref, ddp, ddp_ref)
     refs = dict(ref.named_parameters())
     worst = 0.0
     for n, p in model.named_parameters():
         want, before = refs[n].detach(), start[n]
         if p in experts:
             want, before = want[rank * L:(rank + 1) * L], before[rank * L:(rank + 1) * L]
-        change, want_change = (p.detach() - before).double(), (want - before).double()
-        worst = max(worst, float((change - want_change).norm() / want_change.norm()))
+        worst = max(worst, _change_rel(p.detach(), want, before))
     out["change_rel"] = worst
     return out
 
