@@ -80,12 +80,12 @@ class SlotWeights:
         their device (call on the forward's thread: autocast's state is the thread's). Every GEMM of the forward
         then shares one cast (one pass over the weights) instead of casting the whole bank at each launch; w1 and
         w2, which the copy path sends, keep the layer's dtype."""
-        from feplb.kernels import autocast_dtype
+        from feplb.kernels import autocast_matmul_inputs
 
-        dtype = autocast_dtype(self.w1.device.type)
-        if dtype is None or self.w1.dtype in (dtype, torch.float64):
+        w1, w2 = autocast_matmul_inputs(self.w1, self.w2)
+        if w1 is self.w1 and w2 is self.w2:
             return self
-        return dataclasses.replace(self, gemm_w1=self.w1.to(dtype), gemm_w2=self.w2.to(dtype))
+        return dataclasses.replace(self, gemm_w1=w1, gemm_w2=w2)
 
 
 class Replicas:

@@ -10,7 +10,7 @@ makes the ops run the kernels on CPU tensors under ``TRITON_INTERPRET=1`` (for t
 """
 
 from ._triton import HAVE_TRITON, INTERPRET, poison_outputs, triton_on_cpu
-from .ops import autocast_dtype, grouped_mm, permute, routing_metadata, swiglu, unpermute
+from .ops import autocast_dtype, autocast_matmul_inputs, grouped_mm, permute, routing_metadata, swiglu, unpermute
 from .routing import RoutingMetadata
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "INTERPRET",
     "RoutingMetadata",
     "autocast_dtype",
+    "autocast_matmul_inputs",
     "grouped_mm",
     "permute",
     "poison_outputs",

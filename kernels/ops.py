@@ -43,7 +43,8 @@ from .permutation import (
 )
 from .routing import RoutingMetadata, check_routing_inputs, routing_metadata_ref, routing_metadata_triton
 
-__all__ = ["autocast_dtype", "grouped_mm", "permute", "routing_metadata", "swiglu", "unpermute"]
+__all__ = ["autocast_dtype", "autocast_matmul_inputs", "grouped_mm", "permute", "routing_metadata", "swiglu",
+           "unpermute"]
 
 _LIB = torch.library.Library("feplb", "DEF")
 
@@ -83,7 +84,7 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-def _autocast(*tensors: Tensor) -> tuple[Tensor, ...]:
+def autocast_matmul_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
     """``torch.autocast``'s rule for matmul-class ops (torch.matmul, F.linear; torch._grouped_mm is not on its list):
     where autocast is on for the tensors' device, every floating tensor except float64 is cast to the autocast dtype
     (a differentiable cast, so each gradient comes back in its tensor's own dtype); otherwise the tensors as
@@ -356,7 +357,7 @@ _GroupedMM = _differentiable(_GROUPED_MM, _grouped_mm_setup, _grouped_mm_backwar
 
 
 def _grouped_mm_autocast(x_MK, w_EKN, offsets_E, check):
-    return (*_autocast(x_MK, w_EKN), offsets_E, check)
+    return (*autocast_matmul_inputs(x_MK, w_EKN), offsets_E, check)
 
 
 _register_autocast(_GROUPED_MM, _grouped_mm_autocast)
@@ -382,7 +383,7 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
     comes back in it; their gradients return in their own dtypes through the casts. Each call casts the whole w
     it is given (autocast's weight cache is torch's own).
     """
-    x_MK, w_EKN = _autocast(x_MK, w_EKN)
+    x_MK, w_EKN = autocast_matmul_inputs(x_MK, w_EKN)
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
     check_rows("x_MK", x_MK.shape[0], "M")
     if w_EKN.shape[0] > MAX_EXPERTS:
