@@ -120,10 +120,16 @@ def grouped_inputs(rows_per_expert: int, dist: str, proj: str, *, device: str, d
     return x, w, dy, offsets
 
 
-def ours(op, x, w, dy, offsets):
+def ours(op, x, w, dy, offsets, dw_variant=None):
+    """Our kernel for ``op`` (forward and dX choose their variant; dW takes ``dw_variant``, None: the default)."""
     return {"forward": lambda: grouped_mm_triton(x, w, offsets, check_values=False),
             "dx": lambda: grouped_mm_triton(dy, w.transpose(1, 2), offsets, check_values=False),
-            "dw": lambda: grouped_mm_dw_triton(x, dy, offsets, check_values=False)}[op]
+            "dw": lambda: grouped_mm_dw_triton(x, dy, offsets, check_values=False, variant=dw_variant)}[op]
+
+
+# Our implementations: the default kernels, and the persistent (TMA) dW variant, opt-in until a GPU run shows it
+# faster (kernels/grouped_gemm.py, choose_dw_variant).
+OURS = {"feplb": None, "feplb_dw_persistent": "persistent"}
 
 
 def twin(op, x, w, dy, offsets):
@@ -181,7 +187,9 @@ def check_grouped(impl: str, op: str, x, w, dy, offsets):
         got = fn()  # BaselineUnavailable propagates: the caller skips this baseline
         torch.testing.assert_close(got.float(), twin(op, x, w, dy, offsets)().float(), **BF16_TOL)
         return fn, "twin"
-    fn = ours(op, x, w, dy, offsets)
+    if impl not in OURS:
+        raise ValueError(f"impl: expected one of {[*OURS, 'torch_grouped_mm', 'dense']}, got {impl!r}")
+    fn = ours(op, x, w, dy, offsets, dw_variant=OURS[impl])
     got = fn()
     expected, source = reference(op, x, w, dy, offsets)
     torch.testing.assert_close(got.float(), expected.float(), **BF16_TOL)
@@ -257,6 +265,14 @@ def test_grouped_mm_smoke(benchmark, op, impl):
 
 
 @smoke
+def test_persistent_dw_smoke(benchmark):
+    x, w, dy, offsets = grouped_inputs(8, "zipf", "gate_up", device="cpu", dtype=torch.float32, **TINY)
+    fn, _ = check_grouped("feplb_dw_persistent", "dw", x, w, dy, offsets)
+    benchmark.group = "interpreter smoke"
+    assert torch.isfinite(benchmark(fn)).all()
+
+
+@smoke
 @pytest.mark.parametrize("impl", ["permute", "unpermute", "copy"])
 def test_permute_smoke(benchmark, impl):
     fn, nbytes, T = permute_case(8, "zipf", impl, device="cpu", num_experts=4, top_k=2, hidden=64)
@@ -327,7 +343,7 @@ def test_ours_is_checked_against_the_twin_when_grouped_mm_raises(monkeypatch, op
     assert source.startswith("twin") and "only supported on SM90" in source
     torch.testing.assert_close(expected, twin(op, x, w, dy, offsets)())
     # A wrong result of ours is caught by that twin: a kernel that returns zeros fails the check.
-    monkeypatch.setitem(globals(), "ours", lambda *a: (lambda: torch.zeros_like(expected)))
+    monkeypatch.setitem(globals(), "ours", lambda *a, **kw: (lambda: torch.zeros_like(expected)))
     with pytest.raises(AssertionError):
         check_grouped("feplb", op, x, w, dy, offsets)
 
@@ -505,7 +521,7 @@ def test_grouped_mm_tflops(benchmark, rows_per_expert, dist, proj, op, impl):
     x, w, dy, offsets = grouped_inputs(rows_per_expert, dist, proj, device="cuda")
     row = {"bench": "grouped_mm", "proj": proj, "op": op, "dist": dist, "rows_per_expert": rows_per_expert,
            "impl": impl, "M": x.shape[0], "K": x.shape[1], "N": w.shape[2]}
-    if impl == "feplb":
+    if impl in OURS:
         fresh_autotune()
     try:
         fn, row["checked_against"] = check_grouped(impl, op, x, w, dy, offsets)
@@ -515,11 +531,22 @@ def test_grouped_mm_tflops(benchmark, rows_per_expert, dist, proj, op, impl):
     except Exception as err:
         record({**row, "error": error_line(err)})
         raise
-    if impl == "feplb":
+    if impl in OURS:
         row["configs"] = chosen_configs()
     benchmark.group = f"grouped_mm {proj} {op} {dist} {rows_per_expert}/expert"
-    t = measure(_cuda_timer(benchmark), impl, fn, row, record)
+    t = measure(_cuda_timer(benchmark), "feplb" if impl in OURS else impl, fn, row, record)
     flops = 2.0 * x.shape[0] * x.shape[1] * w.shape[2]
     row.update(timed_row(t), tflops=flops / t["gpu_s"] / 1e12)
     benchmark.extra_info.update(row)
     record(row)
+
+
+# After every case above, so a time limit can cut these and never the default kernels' cases: the persistent
+# dW variant on the same inputs, beside the default dW and torch._grouped_mm of the same run.
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("proj", list(projections()))
+@pytest.mark.parametrize("dist", ["uniform", "zipf"])
+@pytest.mark.parametrize("rows_per_expert", ROWS_PER_EXPERT)
+def test_grouped_mm_dw_persistent_tflops(benchmark, rows_per_expert, dist, proj):
+    test_grouped_mm_tflops(benchmark, rows_per_expert, dist, proj, "dw", "feplb_dw_persistent")

@@ -16,9 +16,14 @@ Forward / dX come in two variants (:func:`choose_variant` picks one per call):
   with 16-byte-aligned strides on compute capability >= 9.
 
 dW (x^T dy per group) splits the rows of large groups into chunks whose fp32 partial sums a second kernel adds
-in a fixed order (:func:`dw_split_rows` picks the chunk). Autotune configs are pruned by the shared memory they
-need for the operands' dtype (fp64 and fp32 fall back to smaller tiles), and every autotune key holds the rows per
-group, bucketed to a power of two, so a config tuned at 128 rows per expert is not reused at 4096.
+in a fixed order (:func:`dw_split_rows` picks the chunk). It comes in two variants too (:func:`choose_dw_variant`):
+``classic`` (one program per work item, masked pointer loads; the default) and ``persistent`` (one or two
+programs per SM walk the exact work list, x and dy through tensor descriptors, the chunk's partial last block
+zeroed past its end; opt-in until a GPU run times it against the classic one).
+
+Autotune configs are pruned by the shared memory they need for the operands' dtype (fp64 and fp32 fall back to
+smaller tiles), and every autotune key holds the rows per group, bucketed to a power of two, so a config tuned at
+128 rows per expert is not reused at 4096.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 from ._triton import (
+    SHARED_MEMORY_BYTES,
     alloc,
     autotune_configs,
     cdiv,
@@ -336,6 +342,35 @@ _DW_CONFIGS = autotune_configs(DW_HOPPER_CONFIGS, dict(BLOCK_K=32, BLOCK_N=32, B
 _dw_prune = shared_memory_prune(dw_shared_bytes, DW_FALLBACK_CONFIGS, "x_ptr")
 
 
+@triton.jit
+def _dw_chunks(offsets_ptr, E, M, CHUNK, BLOCK_E: tl.constexpr):
+    """Lanes [BLOCK_E] of every group for dW: (lane ids, start rows, end rows, chunks); a group of r rows is
+    max(cdiv(r, CHUNK), 1) chunks (an empty group is one chunk, which writes zeros), lanes >= E none."""
+    experts, starts, ends = _group_bounds(offsets_ptr, E, M, BLOCK_E)
+    chunks = tl.where(experts < E, tl.maximum((ends - starts + CHUNK - 1) // CHUNK, 1), 0)
+    return experts, starts, ends, chunks
+
+
+@triton.jit
+def _dw_store(acc, group, chunk, experts, chunks, offs_k, offs_n, K, N, NUM_PARTS, dw_ptr, part_ptr, stride_we,
+              stride_wk, stride_wn):
+    """Store one [BLOCK_K, BLOCK_N] tile of a chunk's x^T dy: straight into dw[group] when the group is one chunk,
+    else into the chunk's partial-sum slot (its split groups' chunks before it plus the chunk index), which
+    ``_dw_reduce_kernel`` adds up in chunk order."""
+    k_ok = offs_k < K
+    n_ok = offs_n < N
+    parts = tl.where(chunks > 1, chunks, 0)
+    if tl.sum(tl.where(experts == group, parts, 0), axis=0) == 0:
+        dw_ptrs = (dw_ptr + group.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk
+                   + offs_n[None, :] * stride_wn)
+        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
+    else:
+        slot = tl.sum(tl.where(experts < group, parts, 0), axis=0) + chunk
+        part_ptrs = part_ptr + slot.to(tl.int64) * K * N + offs_k[:, None] * N + offs_n[None, :]
+        slot_ok = (offs_k * 0 + slot) < NUM_PARTS  # a bound the slot never reaches (kept as a guard)
+        tl.store(part_ptrs, acc.to(part_ptr.dtype.element_ty), mask=(k_ok & slot_ok)[:, None] & n_ok[None, :])
+
+
 @triton.autotune(configs=_DW_CONFIGS, key=["N", "K", "M_BUCKET", "CHUNK"],
                  prune_configs_by={"early_config_prune": _dw_prune})
 @triton.jit
@@ -343,13 +378,14 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, part_ptr, offsets_ptr, M, K, N,
                           stride_xm, stride_xk, stride_dym, stride_dyn, stride_we, stride_wk, stride_wn,
                           BLOCK_E: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                           UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Split-M weight gradient: one program per (row chunk, K tile, N tile).
+    """Split-M weight gradient, classic variant: one program per (row chunk, K tile, N tile), masked pointer loads
+    (any strides and dtypes).
 
     A group of r rows is cut into max(cdiv(r, CHUNK), 1) chunks of CHUNK rows (an empty group is one chunk that
     writes zeros). A group in one chunk writes dw[group] directly; the chunks of a larger group write their
-    partial sums (accumulator dtype) to part [NUM_PARTS, K, N], slot = its split groups' chunks before it plus
-    the chunk index, and ``_dw_reduce_kernel`` adds them in chunk order (deterministic). Grid:
-    (cdiv(M, CHUNK) + E) * cdiv(K, BLOCK_K) * cdiv(N, BLOCK_N), an upper bound on the chunks."""
+    partial sums (accumulator dtype) to part [NUM_PARTS, K, N] (``_dw_store``), and ``_dw_reduce_kernel`` adds
+    them in chunk order (deterministic). Grid: (cdiv(M, CHUNK) + E) * cdiv(K, BLOCK_K) * cdiv(N, BLOCK_N), an
+    upper bound on the chunks; the surplus programs return at once."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -357,8 +393,7 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, part_ptr, offsets_ptr, M, K, N,
     rest = pid % (k_tiles * n_tiles)
     pid_k = rest % k_tiles
     pid_n = rest // k_tiles
-    experts, starts, ends = _group_bounds(offsets_ptr, E, M, BLOCK_E)
-    chunks = tl.where(experts < E, tl.maximum((ends - starts + CHUNK - 1) // CHUNK, 1), 0)
+    experts, starts, ends, chunks = _dw_chunks(offsets_ptr, E, M, CHUNK, BLOCK_E)
     group, chunk, start, end = _locate(item, tl.cumsum(chunks, axis=0), chunks, experts, starts, ends)
     if group >= E:
         return
@@ -383,16 +418,69 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, part_ptr, offsets_ptr, M, K, N,
             xt = xt.to(tl.float32)
             g = g.to(tl.float32)
         acc = tl.dot(xt, g, acc, input_precision=DOT_PRECISION, out_dtype=ACC)
-    parts = tl.where(chunks > 1, chunks, 0)
-    if tl.sum(tl.where(experts == group, parts, 0), axis=0) == 0:
-        dw_ptrs = (dw_ptr + group.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk
-                   + offs_n[None, :] * stride_wn)
-        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
-    else:
-        slot = tl.sum(tl.where(experts < group, parts, 0), axis=0) + chunk
-        part_ptrs = part_ptr + slot.to(tl.int64) * K * N + offs_k[:, None] * N + offs_n[None, :]
-        slot_ok = (offs_k * 0 + slot) < NUM_PARTS  # a bound the slot never reaches (kept as a guard)
-        tl.store(part_ptrs, acc.to(part_ptr.dtype.element_ty), mask=(k_ok & slot_ok)[:, None] & n_ok[None, :])
+    _dw_store(acc, group, chunk, experts, chunks, offs_k, offs_n, K, N, NUM_PARTS, dw_ptr, part_ptr, stride_we,
+              stride_wk, stride_wn)
+
+
+# The persistent dW variant takes the classic's tile shapes; a config whose shared memory fits twice in an SM
+# (the 3-stage 128x128x64 tile, 97 KiB) runs two programs per SM, so that one's prologue and epilogue overlap the
+# other's main loop, as the classic grid's programs do.
+_DW_PERSISTENT_CONFIGS = autotune_configs(DW_HOPPER_CONFIGS, dict(BLOCK_K=32, BLOCK_N=32, BLOCK_M=32))
+
+
+@triton.autotune(configs=_DW_PERSISTENT_CONFIGS, key=["N", "K", "M_BUCKET", "CHUNK"],
+                 prune_configs_by={"early_config_prune": _dw_prune})
+@triton.jit
+def _grouped_mm_dw_persistent_kernel(x_ptr, dy_ptr, dw_ptr, part_ptr, offsets_ptr, M, K, N, E, CHUNK, NUM_PARTS,
+                                     M_BUCKET, stride_xm, stride_dym, stride_we, stride_wk, stride_wn,
+                                     BLOCK_E: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                     BLOCK_K: tl.constexpr):
+    """Split-M weight gradient, persistent variant: the grid's programs walk the exact list of (row chunk, K
+    tile, N tile) work items (chunks as in the classic variant, whose ``_dw_store`` it shares); x [M, K] and dy
+    [M, N] (unit stride along K and N) come through tensor descriptors (TMA on sm_90).
+
+    The rows of a chunk are the reduction dimension, so rows of the next group must not enter it: whole BLOCK_M
+    blocks feed the dot straight from the descriptor loads, and the chunk's last, partial block is zeroed past the
+    chunk's end in both operands (rows past M load as zeros). Consecutive work items share their chunk's rows of x
+    and dy, which programs running together then read from L2."""
+    pid = tl.program_id(0)
+    experts, starts, ends, chunks = _dw_chunks(offsets_ptr, E, M, CHUNK, BLOCK_E)
+    item_ends = tl.cumsum(chunks, axis=0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_item = k_tiles * n_tiles
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[stride_dym, 1],
+                                        block_shape=[BLOCK_M, BLOCK_N])
+    # the programs launched depend on the config (one or two per SM), so the grid says how many there are
+    for tile in tl.range(pid, tl.sum(chunks, axis=0) * tiles_per_item, tl.num_programs(0)):
+        item = tile // tiles_per_item
+        rest = tile % tiles_per_item
+        k0 = (rest % k_tiles) * BLOCK_K
+        n0 = (rest // k_tiles) * BLOCK_N
+        group, chunk, start, end = _locate(item, item_ends, chunks, experts, starts, ends)
+        row_lo = start + chunk * CHUNK
+        row_hi = tl.minimum(end, row_lo + CHUNK)
+        full_end = row_lo + (row_hi - row_lo) // BLOCK_M * BLOCK_M
+        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=ACC)
+        for m0 in range(row_lo, full_end, BLOCK_M):
+            a = x_desc.load([m0, k0])
+            g = dy_desc.load([m0, n0])
+            if UPCAST:
+                a = a.to(tl.float32)
+                g = g.to(tl.float32)
+            acc = tl.dot(a.T, g, acc, input_precision=DOT_PRECISION, out_dtype=ACC)
+        if full_end < row_hi:
+            keep = (full_end + tl.arange(0, BLOCK_M)) < row_hi
+            a = tl.where(keep[:, None], x_desc.load([full_end, k0]), 0.0)
+            g = tl.where(keep[:, None], dy_desc.load([full_end, n0]), 0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                g = g.to(tl.float32)
+            acc = tl.dot(a.T, g, acc, input_precision=DOT_PRECISION, out_dtype=ACC)
+        _dw_store(acc, group, chunk, experts, chunks, k0 + tl.arange(0, BLOCK_K), n0 + tl.arange(0, BLOCK_N), K, N,
+                  NUM_PARTS, dw_ptr, part_ptr, stride_we, stride_wk, stride_wn)
 
 
 @triton.jit
@@ -403,8 +491,7 @@ def _dw_reduce_kernel(part_ptr, dw_ptr, offsets_ptr, M, KN, E, CHUNK, NUM_PARTS,
     left: returns). The element blocks go on axis 0, whose limit is 2**31 - 1 (axis 1's is 65,535)."""
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
-    experts, starts, ends = _group_bounds(offsets_ptr, E, M, BLOCK_E)
-    chunks = tl.where(experts < E, tl.maximum((ends - starts + CHUNK - 1) // CHUNK, 1), 0)
+    experts, _, _, chunks = _dw_chunks(offsets_ptr, E, M, CHUNK, BLOCK_E)
     split = chunks > 1
     group = tl.sum((tl.cumsum(split.to(tl.int32), axis=0) <= pid_s).to(tl.int32), axis=0)
     if group >= E:
@@ -467,6 +554,43 @@ def choose_variant(x_MK: Tensor, w_EKN: Tensor) -> str:
     if wanted == "classic" or (wanted == "auto" and not x_MK.is_cuda):
         return "classic"
     return "classic" if persistent_unsupported(x_MK, w_EKN) else "persistent"
+
+
+DW_VARIANTS = ("classic", "persistent")
+"""dW kernels: ``classic`` (one program per work item, pointer loads, any strides and dtypes) and ``persistent``
+(one or two programs per SM, tensor descriptors; 16-bit operands with TMA-compatible strides)."""
+
+_DW_VARIANT_ENV = "FEPLB_GROUPED_MM_DW_VARIANT"
+
+
+def dw_persistent_unsupported(x_MK: Tensor, dy_MN: Tensor) -> str | None:
+    """Why the persistent (tensor-descriptor) dW variant cannot take these operands, or None when it can: the
+    forward's conditions (:func:`persistent_unsupported`) for x [M, K] and dy [M, N], each with a unit stride
+    along its columns."""
+    if x_MK.stride(1) != 1 or dy_MN.stride(1) != 1:
+        return "x_MK and dy_MN need a unit stride along their columns (K and N)"
+    # dy [M, N] with a unit stride along N is laid out as a weight [1, M, N] would be
+    return persistent_unsupported(x_MK, dy_MN.unsqueeze(0))
+
+
+def choose_dw_variant(x_MK: Tensor, dy_MN: Tensor) -> str:
+    """The rule the dW launcher uses: ``classic``, unless the environment variable FEPLB_GROUPED_MM_DW_VARIANT=
+    persistent asks for the persistent variant (where it can run, under the interpreter too; elsewhere classic).
+
+    ``auto`` (the default) is ``classic`` because the persistent variant has not been timed on a GPU yet;
+    ``bench/bench_kernels.py`` times both next to ``torch._grouped_mm`` so that a GPU run can decide."""
+    wanted = os.environ.get(_DW_VARIANT_ENV, "auto")
+    if wanted not in ("auto", *DW_VARIANTS):
+        raise ValueError(f"{_DW_VARIANT_ENV}: expected one of auto, classic, persistent, got {wanted!r}")
+    if wanted != "persistent":
+        return "classic"
+    return "classic" if dw_persistent_unsupported(x_MK, dy_MN) else "persistent"
+
+
+def dw_programs(sms: int, entry: dict, itemsize: int) -> int:
+    """Programs the persistent dW variant launches for a config: two per SM when its shared memory fits twice
+    in one SM (the sm_90 limit), else one."""
+    return sms * (2 if 2 * dw_shared_bytes(entry, itemsize) <= SHARED_MEMORY_BYTES else 1)
 
 
 def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_values: bool = True,
@@ -564,7 +688,8 @@ def dw_reduce_grid(split_groups: int, num_elements: int, block: int) -> tuple[in
 
 
 def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, check_values: bool = True,
-                         config: dict | None = None, split_rows: int | None = None) -> Tensor:
+                         config: dict | None = None, split_rows: int | None = None, variant: str | None = None,
+                         programs: int | None = None) -> Tensor:
     """Launcher of the weight gradient: dw_EKN[e] = x_MK[group e]^T @ dy_MN[group e] (zeros for empty groups).
 
     Args:
@@ -574,6 +699,10 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
         config: explicit block sizes instead of the autotuner (see ``_triton.launch``).
         split_rows: rows per work item; groups with more rows are split and their partial sums reduced
             (default: :func:`dw_split_rows`).
+        variant: ``classic``, ``persistent`` or None (:func:`choose_dw_variant`); ``persistent`` raises
+            ValueError where the operands do not suit it.
+        programs: persistent variant only: programs to launch (default: :func:`dw_programs`, one or two per SM;
+            3 under the interpreter).
 
     Returns:
         dw_EKN [E, K, N] in x's dtype, accumulated in fp32 (fp64 for fp64).
@@ -583,6 +712,14 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
     if split_rows is not None and (isinstance(split_rows, bool) or not isinstance(split_rows, int)
                                    or split_rows < 1):
         raise ValueError(f"split_rows: expected an int >= 1 or None, got {split_rows!r}")
+    if variant is None:
+        variant = choose_dw_variant(x_MK, dy_MN)
+    elif variant not in DW_VARIANTS:
+        raise ValueError(f"variant: expected one of {DW_VARIANTS} or None, got {variant!r}")
+    elif variant == "persistent" and (why := dw_persistent_unsupported(x_MK, dy_MN)):
+        raise ValueError(f"variant: 'persistent' cannot run these operands: {why}")
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs: expected an int >= 1 or None, got {programs!r}")
     check_config_fits(config, dw_shared_bytes, x_MK)
     if check_values:
         check_offsets_values(offsets_E, x_MK.shape[0])
@@ -602,12 +739,25 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
     part = alloc((max(num_parts, 1), K, N) if num_parts else (1,), part_dtype, x_MK.device)
     block_e = max(next_power_of_2(E), 16)
 
-    def grid(meta):
-        return ((cdiv(M, chunk) + E) * cdiv(K, meta["BLOCK_K"]) * cdiv(N, meta["BLOCK_N"]),)
+    def upper(meta):  # work items: at most cdiv(M, chunk) + E chunks, each of K x N tiles
+        return (cdiv(M, chunk) + E) * cdiv(K, meta["BLOCK_K"]) * cdiv(N, meta["BLOCK_N"])
 
-    launch(_grouped_mm_dw_kernel, grid, x_MK, dy_MN, dw_EKN, part, offsets_E, M, K, N, E, chunk, num_parts,
-           rows_bucket(M, E), x_MK.stride(0), x_MK.stride(1), dy_MN.stride(0), dy_MN.stride(1), *dw_EKN.stride(),
-           BLOCK_E=block_e, **meta, config=config)
+    if variant == "classic":
+        launch(_grouped_mm_dw_kernel, lambda m: (upper(m),), x_MK, dy_MN, dw_EKN, part, offsets_E, M, K, N, E,
+               chunk, num_parts, rows_bucket(M, E), x_MK.stride(0), x_MK.stride(1), dy_MN.stride(0),
+               dy_MN.stride(1), *dw_EKN.stride(), BLOCK_E=block_e, **meta, config=config)
+    else:
+        if x_MK.is_cuda:
+            ensure_descriptor_allocator()
+        sms = num_programs(x_MK)
+
+        def grid(m):
+            n = programs or (dw_programs(sms, m, x_MK.element_size()) if x_MK.is_cuda else sms)
+            return (min(n, upper(m)),)
+
+        launch(_grouped_mm_dw_persistent_kernel, grid, x_MK, dy_MN, dw_EKN, part, offsets_E, M, K, N, E, chunk,
+               num_parts, rows_bucket(M, E), x_MK.stride(0), dy_MN.stride(0), *dw_EKN.stride(),
+               BLOCK_E=block_e, **meta, config=config)
     if num_parts:
         block = 1024
         _dw_reduce_kernel[dw_reduce_grid(split_groups, K * N, block)](

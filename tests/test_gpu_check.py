@@ -183,6 +183,7 @@ def test_report_verdicts_from_measurements(tmp_path, capsys):
     assert t["dX >= 0.85x forward"]["verdict"] == "PASS"                      # 0.90 at both sizes
     assert t["dW >= 0.85x forward"]["verdict"] == "FAIL"                      # 0.50 at 256 rows
     assert t["dW >= 0.85x forward"]["measured"].startswith("0.50x")
+    assert "persistent" not in t["dW >= 0.85x forward"]["note"]              # not timed in this run
     assert t["permute >= 0.80x device copy bandwidth"]["verdict"] == "PASS"   # 0.86
     assert t["unpermute >= 0.80x device copy bandwidth"]["verdict"] == "FAIL"  # 0.71
     p50 = t["planner p99 <= 50 us (E128-W8, dyn=4)"]
@@ -203,6 +204,24 @@ def test_report_verdicts_from_measurements(tmp_path, capsys):
     printed = capsys.readouterr().out.rstrip().splitlines()
     assert printed.index("----- steps") < printed.index("----- targets (../shared/design/targets.md)")
     assert printed[-1].startswith("exactness") and printed[-1].endswith("PASS  (runtime tests)")
+
+
+def test_report_notes_the_persistent_dw_variant_beside_the_default(tmp_path):
+    """The dW verdict is the default kernel's; the opt-in persistent variant timed in the same run goes in the note
+    (its worst ratio to forward, and its speed over the default dW case by case); a failure of it fails the step."""
+    rows = [_gemm("feplb", "forward", 256, 500.0), _gemm("feplb", "forward", 1024, 700.0),
+            _gemm("feplb", "dw", 256, 250.0), _gemm("feplb", "dw", 1024, 650.0),
+            _gemm("feplb_dw_persistent", "dw", 256, 400.0), _gemm("feplb_dw_persistent", "dw", 1024, 630.0)]
+    out, work = _fake_run(tmp_path, kernel_rows=rows)
+    dw = _by_name(gr.build(out, work)["targets"])["dW >= 0.85x forward"]
+    assert dw["verdict"] == "FAIL" and dw["measured"].startswith("0.50x")
+    assert "persistent dW variant (opt-in, FEPLB_GROUPED_MM_DW_VARIANT=persistent): 0.80x forward" in dw["note"]
+    assert f"{630 / 650:.2f}x-{400 / 250:.2f}x the default dW's speed, faster in 1 of 2 cases" in dw["note"]
+    failed = [*rows, _gemm("feplb_dw_persistent", "dw", 128, None, error="AssertionError: not close")]
+    (tmp_path / "failed").mkdir()
+    out, work = _fake_run(tmp_path / "failed", kernel_rows=failed)
+    step = _by_name(gr.build(out, work)["steps"])["bench_kernels"]
+    assert step["verdict"] == "FAIL" and "1 of our cases failed" in step["note"] and "not close" in step["note"]
 
 
 def test_report_reads_the_benchmarks_json_as_written(tmp_path):

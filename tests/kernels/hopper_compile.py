@@ -145,6 +145,16 @@ def gemm_jobs(all_configs: bool):
                        ones=("stride_xk", "stride_dyn", "stride_wn"),
                        div16=("K", "N", "CHUNK", "M_BUCKET", "stride_xm", "stride_dym", "stride_we", "stride_wk"),
                        consts={**meta, **dot, "BLOCK_E": 16}, options=options)
+        if dname in PERSISTENT_DTYPES:
+            # x [M, K] and dy [M, N] through tensor descriptors (unit strides along K and N)
+            for config in launchable(gg.DW_HOPPER_CONFIGS, gg.DW_FALLBACK_CONFIGS, gg.dw_shared_bytes, itemsize,
+                                     all_configs):
+                meta, options = split(config)
+                yield dict(name="grouped_mm persistent dW", dtype=dname, jit_fn=gg._grouped_mm_dw_persistent_kernel,
+                           types=dw_ptrs, estimate=gg.dw_shared_bytes(config, itemsize), ones=("stride_wn",),
+                           div16=("K", "N", "CHUNK", "M_BUCKET", "stride_xm", "stride_dym", "stride_we",
+                                  "stride_wk"),
+                           consts={**meta, **dot, "BLOCK_E": 16}, options=options)
         if dname in ("bf16", "fp64"):
             yield dict(name="grouped_mm dW reduce", dtype=dname, jit_fn=gg._dw_reduce_kernel,
                        types={"part_ptr": dw_ptrs["part_ptr"], "dw_ptr": ptr, "offsets_ptr": "*i32"},

@@ -1,8 +1,11 @@
-"""The grouped GEMM's persistent (tensor-descriptor) variant, the split-M weight gradient, the shared-memory prune
-and the autotune keys: kernels through their launchers (on a GPU, or on the CPU under TRITON_INTERPRET=1) against
-independent float64 computations, outputs poisoned with NaN first; the rules as pure functions."""
+"""The grouped GEMM's persistent (tensor-descriptor) variants (forward / dX and dW), the split-M weight
+gradient, the shared-memory prune and the autotune keys: kernels through their launchers (on a GPU, or on the CPU
+under TRITON_INTERPRET=1) against independent float64 computations, outputs poisoned with NaN first; the rules as
+pure functions."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -174,6 +177,117 @@ def test_dw_split_every_gpu_config(config, gen, kh):
     kh.close(dw.cpu(), kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu()), dtype, scale=20.0)
 
 
+# ---------------------------------------------------------------------------------------------------- persistent dW
+
+@needs_kernels
+@pytest.mark.parametrize(("split_rows", "programs"), [(16, 1), (40, None), (None, None)],
+                         ids=["split16-1-program", "split40-not-tile-multiple", "rule"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_dw_persistent(case, dtype, split_rows, programs, gen, kh):
+    """The persistent dW variant against the float64 reference: groups in one chunk and split into chunks that
+    are not tile multiples (a partial last block, zeroed past the chunk's end), empty groups (zeros), one program
+    walking every work item; int32 offsets with the default programs, int64 with one. Two runs are
+    bit-identical, and under the interpreter (same tiles, same accumulation order) equal to the classic variant."""
+    x, _, dy, offsets = _inputs(case, dtype, gen, torch.int32 if programs is None else torch.int64)
+    with poison_outputs():
+        dw = gg.grouped_mm_dw_triton(x, dy, offsets, split_rows=split_rows, variant="persistent", programs=programs)
+        again = gg.grouped_mm_dw_triton(x, dy, offsets, split_rows=split_rows, variant="persistent",
+                                        programs=programs)
+        classic = gg.grouped_mm_dw_triton(x, dy, offsets, split_rows=split_rows, variant="classic")
+    expected = kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu())
+    kh.close(dw.cpu(), expected, dtype, scale=2.0 * max(x.shape[0], 1) ** 0.5)
+    assert torch.equal(dw, again)
+    if INTERPRET:
+        assert torch.equal(dw, classic)
+    empty = torch.diff(offsets.cpu(), prepend=offsets.new_zeros(1).cpu()) == 0
+    assert torch.all(dw.cpu()[empty] == 0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", DW_ALL, ids=_config_ids(DW_ALL))
+def test_dw_persistent_every_gpu_config(config, gen, kh):
+    """Each dW tile shape through the persistent variant, with split groups (150 rows in chunks of 64), an unsplit
+    group, an empty one, and K and N that are not tile multiples (descriptor loads past them read zeros)."""
+    sizes, K, N = [150, 0, 5, 64], 136, 72
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    offsets = torch.tensor(sizes).cumsum(0).to(DEVICE)
+    x = torch.randn(sum(sizes), K, generator=gen).to(dtype).to(DEVICE)
+    dy = torch.randn(sum(sizes), N, generator=gen).to(dtype).to(DEVICE)
+    with poison_outputs():
+        dw = gg.grouped_mm_dw_triton(x, dy, offsets, config=config, split_rows=64, variant="persistent", programs=2)
+    kh.close(dw.cpu(), kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu()), dtype, scale=20.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", gg.DW_VARIANTS)
+def test_dw_other_groups_rows_never_enter_a_group(variant, gen, kh):
+    """A group's rows are the reduction: the tile-sized loads that run past a group's (or a chunk's) end must not
+    add the next group's rows. Groups 1 and 3 hold inf in x and NaN in dy; groups 0 and 2 (5 and 37 rows, chunks
+    of 16: partial blocks beside the poisoned rows on both sides) must equal their float64 reference exactly
+    as if those rows did not exist, and group 4 (rows up to M) too."""
+    sizes, K, N = [5, 20, 37, 3, 11], 16, 24
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    offsets = torch.tensor(sizes).cumsum(0)
+    x = torch.randn(sum(sizes), K, generator=gen).to(dtype)
+    dy = torch.randn(sum(sizes), N, generator=gen).to(dtype)
+    for g in (1, 3):
+        rows = slice(int(offsets[g - 1]), int(offsets[g]))
+        x[rows] = float("inf")
+        dy[rows] = float("nan")
+    dw = gg.grouped_mm_dw_triton(x.to(DEVICE), dy.to(DEVICE), offsets.to(DEVICE), split_rows=16,
+                                 variant=variant).cpu()
+    expected = kh.grouped_mm_dw_f64(x, dy, offsets)
+    for g in (0, 2, 4):
+        assert torch.isfinite(dw[g]).all(), f"group {g} took in rows of a neighbouring group"
+        kh.close(dw[g], expected[g], dtype, scale=4.0)
+
+
+def test_dw_persistent_rejects_operands_it_cannot_take():
+    x, dy = torch.randn(8, 8), torch.randn(8, 8)
+    assert "unit stride" in gg.dw_persistent_unsupported(torch.randn(8, 8).T, dy)
+    assert "unit stride" in gg.dw_persistent_unsupported(x, torch.randn(8, 8).T)
+    assert "16 bytes" in gg.dw_persistent_unsupported(torch.randn(8, 6), dy)   # rows of 24 bytes
+    assert "16 bytes" in gg.dw_persistent_unsupported(x, torch.randn(8, 6))
+    # a broadcast gradient (the backward of y.sum(0) reaches dW with a zero row stride)
+    assert "zero" in gg.dw_persistent_unsupported(x, torch.ones(1, 8).expand(8, 8))
+    assert gg.dw_persistent_unsupported(x, dy) is None or not HAVE_TRITON
+    if HAVE_TRITON and INTERPRET:
+        offsets = torch.tensor([3, 8])
+        with pytest.raises(ValueError, match=r"variant: 'persistent' cannot run these operands.*unit stride"):
+            gg.grouped_mm_dw_triton(x, torch.randn(8, 8).T, offsets, variant="persistent")
+        with pytest.raises(ValueError, match=r"variant: expected one of \('classic', 'persistent'\).*'tma'"):
+            gg.grouped_mm_dw_triton(x, dy, offsets, variant="tma")
+        for bad in (0, -1, 2.0, True):
+            with pytest.raises(ValueError, match=f"programs: expected an int >= 1 or None, got {bad!r}"):
+                gg.grouped_mm_dw_triton(x, dy, offsets, variant="persistent", programs=bad)
+
+
+def test_choose_dw_variant(monkeypatch):
+    x, dy = torch.randn(8, 8), torch.randn(8, 16)
+    monkeypatch.delenv("FEPLB_GROUPED_MM_DW_VARIANT", raising=False)
+    assert gg.choose_dw_variant(x, dy) == "classic"  # untimed on a GPU: never by default
+    monkeypatch.setenv("FEPLB_GROUPED_MM_DW_VARIANT", "auto")
+    assert gg.choose_dw_variant(x, dy) == "classic"
+    monkeypatch.setenv("FEPLB_GROUPED_MM_DW_VARIANT", "persistent")
+    assert gg.choose_dw_variant(x, dy) == ("persistent" if gg.dw_persistent_unsupported(x, dy) is None
+                                           else "classic")
+    assert gg.choose_dw_variant(x, torch.randn(8, 6)) == "classic"  # misaligned: classic
+    monkeypatch.setenv("FEPLB_GROUPED_MM_DW_VARIANT", "fast")
+    with pytest.raises(ValueError, match="FEPLB_GROUPED_MM_DW_VARIANT: expected one of auto, classic, persistent, "
+                                         "got 'fast'"):
+        gg.choose_dw_variant(x, dy)
+
+
+def test_dw_programs_per_sm():
+    """Two programs per SM for a config whose shared memory fits twice in one SM (227 KiB), else one."""
+    small = dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, num_stages=3)   # 97 KiB with 16-bit operands
+    large = dict(BLOCK_K=128, BLOCK_N=256, BLOCK_M=64, num_stages=3)   # 145 KiB
+    assert gg.dw_programs(132, small, 2) == 264
+    assert gg.dw_programs(132, large, 2) == 132
+    assert gg.dw_programs(132, small, 4) == 132   # fp32 operands double the stages
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True], ids=["zero", "negative", "float", "bool"])
 def test_dw_rejects_bad_split_rows(bad):
     if not (HAVE_TRITON and INTERPRET):
@@ -287,7 +401,8 @@ def test_host_cdiv_and_next_power_of_2_equal_tritons():
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
 def test_autotune_keys_see_rows_per_group():
-    for kernel in (gg._grouped_mm_kernel, gg._grouped_mm_persistent_kernel, gg._grouped_mm_dw_kernel):
+    for kernel in (gg._grouped_mm_kernel, gg._grouped_mm_persistent_kernel, gg._grouped_mm_dw_kernel,
+                   gg._grouped_mm_dw_persistent_kernel):
         assert "M_BUCKET" in kernel.keys, kernel
 
 
@@ -303,3 +418,31 @@ def test_dw_reduce_grid_within_cuda_limits(K, N, groups):
     assert blocks <= 2**31 - 1 and split <= 65_535
     with pytest.raises(ValueError, match="dW reduce grid .* exceeds CUDA's limits"):
         gg.dw_reduce_grid(70_000, K * N, 1024)
+
+
+@needs_kernels
+@pytest.mark.parametrize("wanted", ["persistent", "classic"])
+def test_grouped_mm_backward_takes_the_dw_variant_asked_for(wanted, monkeypatch, gen, kh):
+    """FEPLB_GROUPED_MM_DW_VARIANT reaches the operator's backward: grouped_mm's weight gradient comes from the
+    kernel asked for (the launches are recorded), equal to the float64 reference."""
+    from feplb import kernels as fk
+
+    launched = []
+    real_launch = gg.launch
+
+    def spy(kernel, *args, **kwargs):
+        launched.append(kernel)
+        return real_launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(gg, "launch", spy)
+    monkeypatch.setenv("FEPLB_GROUPED_MM_DW_VARIANT", wanted)
+    x, w, dy, offsets = _inputs("multi-tile", torch.float32 if DEVICE == "cpu" else torch.bfloat16, gen)
+    w.requires_grad_(True)
+    with fk.triton_on_cpu() if DEVICE == "cpu" else contextlib.nullcontext():
+        fk.grouped_mm(x, w, offsets).backward(dy)
+    expected = {"persistent": gg._grouped_mm_dw_persistent_kernel, "classic": gg._grouped_mm_dw_kernel}[wanted]
+    assert expected in launched
+    other = ({gg._grouped_mm_dw_persistent_kernel, gg._grouped_mm_dw_kernel} - {expected}).pop()
+    assert other not in launched
+    kh.close(w.grad.cpu(), kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu()), x.dtype,
+             scale=2.0 * x.shape[0] ** 0.5)
