@@ -15,9 +15,10 @@ where everything is NOT RUN, exits 0).
 
 Keys read (the first one present wins; nested dicts are searched):
 
-* bench_kernels.json ``results``: rows ``{bench: grouped_mm, impl: feplb | torch_grouped_mm | dense, op: forward |
-  dx | dw, proj, dist, rows_per_expert, tflops}`` and ``{bench: permute, impl: permute | unpermute | copy, dist,
-  rows_per_expert, gbps}``; a row with ``error`` is a failure (ours) or an unavailable baseline;
+* bench_kernels.json ``results``: rows ``{bench: grouped_mm, impl: feplb | feplb_dw_persistent (op dw only) |
+  torch_grouped_mm | dense, op: forward | dx | dw, proj, dist, rows_per_expert, tflops}`` and ``{bench: permute,
+  impl: permute | unpermute | copy, dist, rows_per_expert, gbps}``; a row with ``error`` is a failure (ours) or an
+  unavailable baseline;
 * bench_overlap.json: ``copy_engine_slowdown_pct``, else ``100 * (gemm_with_h2d_ms / static_gemm_ms - 1)``;
   ``plan_hidden`` (the planner thread's time vs the static GEMM, measured); ``copy_fits_h2d`` (plan + the plan's
   bytes copied host to device over PCIe fit beside the GEMM: True decides, since a node's NVLink peer copy is

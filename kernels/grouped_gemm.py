@@ -17,8 +17,8 @@ Forward / dX come in two variants (:func:`choose_variant` picks one per call):
 
 dW (x^T dy per group) splits the rows of large groups into chunks whose fp32 partial sums a second kernel adds
 in a fixed order (:func:`dw_split_rows` picks the chunk). It comes in two variants too (:func:`choose_dw_variant`):
-``classic`` (one program per work item, masked pointer loads; the default) and ``persistent`` (one or two
-programs per SM walk the exact work list, x and dy through tensor descriptors, the chunk's partial last block
+``classic`` (one program per work item, masked pointer loads; the default) and ``persistent`` (one program per SM,
+two for the 4-warp tiles, walk the exact work list, x and dy through tensor descriptors, the chunk's partial last block
 zeroed past its end; opt-in until a GPU run times it against the classic one).
 
 Autotune configs are pruned by the shared memory they need for the operands' dtype (fp64 and fp32 fall back to
@@ -35,7 +35,6 @@ from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 from ._triton import (
-    SHARED_MEMORY_BYTES,
     alloc,
     autotune_configs,
     cdiv,
@@ -422,21 +421,35 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, part_ptr, offsets_ptr, M, K, N,
               stride_wk, stride_wn)
 
 
-# The persistent dW variant takes the classic's tile shapes; a config whose shared memory fits twice in an SM
-# (the 3-stage 128x128x64 tile, 97 KiB) runs two programs per SM, so that one's prologue and epilogue overlap the
-# other's main loop, as the classic grid's programs do.
-_DW_PERSISTENT_CONFIGS = autotune_configs(DW_HOPPER_CONFIGS, dict(BLOCK_K=32, BLOCK_N=32, BLOCK_M=32))
+# The persistent dW variant takes the classic's tile shapes, each with the programs it launches per SM: two where
+# two fit one SM in shared memory and in registers, so that one's prologue and epilogue overlap the other's main
+# loop (its tile loop is not flattened: a work item's row count varies). ptxas for sm_90 gives the 4-warp tiles
+# 171 and 218 registers per thread (two blocks of 128 threads fit the SM's 64K), the 8-warp ones 154 to 242 (two
+# blocks of 256 threads do not); tests/kernels/test_hopper_compile.py checks both limits for every config.
+DW_PERSISTENT_HOPPER_CONFIGS = [
+    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, PROGRAMS_PER_SM=1, num_warps=8, num_stages=4),
+    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, PROGRAMS_PER_SM=1, num_warps=8, num_stages=3),
+    dict(BLOCK_K=128, BLOCK_N=256, BLOCK_M=64, PROGRAMS_PER_SM=1, num_warps=8, num_stages=3),
+    dict(BLOCK_K=64, BLOCK_N=128, BLOCK_M=64, PROGRAMS_PER_SM=2, num_warps=4, num_stages=4),
+    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32, PROGRAMS_PER_SM=2, num_warps=4, num_stages=4),
+]
+DW_PERSISTENT_FALLBACK_CONFIGS = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_M=32, PROGRAMS_PER_SM=1, num_warps=4,
+                                       num_stages=3)]
+_DW_PERSISTENT_CONFIGS = autotune_configs(DW_PERSISTENT_HOPPER_CONFIGS,
+                                          dict(BLOCK_K=32, BLOCK_N=32, BLOCK_M=32, PROGRAMS_PER_SM=1))
+_dw_persistent_prune = shared_memory_prune(dw_shared_bytes, DW_PERSISTENT_FALLBACK_CONFIGS, "x_ptr")
 
 
 @triton.autotune(configs=_DW_PERSISTENT_CONFIGS, key=["N", "K", "M_BUCKET", "CHUNK"],
-                 prune_configs_by={"early_config_prune": _dw_prune})
+                 prune_configs_by={"early_config_prune": _dw_persistent_prune})
 @triton.jit
 def _grouped_mm_dw_persistent_kernel(x_ptr, dy_ptr, dw_ptr, part_ptr, offsets_ptr, M, K, N, E, CHUNK, NUM_PARTS,
                                      M_BUCKET, stride_xm, stride_dym, stride_we, stride_wk, stride_wn,
                                      BLOCK_E: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                     BLOCK_K: tl.constexpr):
-    """Split-M weight gradient, persistent variant: the grid's programs walk the exact list of (row chunk, K
+                                     BLOCK_K: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr = 1):
+    """Split-M weight gradient, persistent variant: the grid's programs (PROGRAMS_PER_SM per SM: the launcher's
+    grid reads it from the config) walk the exact list of (row chunk, K
     tile, N tile) work items (chunks as in the classic variant, whose ``_dw_store`` it shares); x [M, K] and dy
     [M, N] (unit stride along K and N) come through tensor descriptors (TMA on sm_90).
 
@@ -453,7 +466,7 @@ def _grouped_mm_dw_persistent_kernel(x_ptr, dy_ptr, dw_ptr, part_ptr, offsets_pt
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
     dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[M, N], strides=[stride_dym, 1],
                                         block_shape=[BLOCK_M, BLOCK_N])
-    # the programs launched depend on the config (one or two per SM), so the grid says how many there are
+    # the programs launched depend on the config (PROGRAMS_PER_SM), so the grid says how many there are
     for tile in tl.range(pid, tl.sum(chunks, axis=0) * tiles_per_item, tl.num_programs(0)):
         item = tile // tiles_per_item
         rest = tile % tiles_per_item
@@ -558,7 +571,7 @@ def choose_variant(x_MK: Tensor, w_EKN: Tensor) -> str:
 
 DW_VARIANTS = ("classic", "persistent")
 """dW kernels: ``classic`` (one program per work item, pointer loads, any strides and dtypes) and ``persistent``
-(one or two programs per SM, tensor descriptors; 16-bit operands with TMA-compatible strides)."""
+(one program per SM, two for the 4-warp tiles; tensor descriptors; 16-bit operands with TMA-compatible strides)."""
 
 _DW_VARIANT_ENV = "FEPLB_GROUPED_MM_DW_VARIANT"
 
@@ -587,10 +600,11 @@ def choose_dw_variant(x_MK: Tensor, dy_MN: Tensor) -> str:
     return "classic" if dw_persistent_unsupported(x_MK, dy_MN) else "persistent"
 
 
-def dw_programs(sms: int, entry: dict, itemsize: int) -> int:
-    """Programs the persistent dW variant launches for a config: two per SM when its shared memory fits twice
-    in one SM (the sm_90 limit), else one."""
-    return sms * (2 if 2 * dw_shared_bytes(entry, itemsize) <= SHARED_MEMORY_BYTES else 1)
+def dw_programs(sms: int, meta: dict) -> int:
+    """Programs the persistent dW variant launches for a config's block sizes (``meta``, as Triton hands the grid
+    the kernel's arguments and the config's constants, never num_stages or num_warps): its PROGRAMS_PER_SM per SM
+    (one when it names none)."""
+    return sms * meta.get("PROGRAMS_PER_SM", 1)
 
 
 def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_values: bool = True,
@@ -701,8 +715,8 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
             (default: :func:`dw_split_rows`).
         variant: ``classic``, ``persistent`` or None (:func:`choose_dw_variant`); ``persistent`` raises
             ValueError where the operands do not suit it.
-        programs: persistent variant only: programs to launch (default: :func:`dw_programs`, one or two per SM;
-            3 under the interpreter).
+        programs: persistent variant only: programs to launch (default: :func:`dw_programs`, the config's
+            PROGRAMS_PER_SM per SM; 3 under the interpreter).
 
     Returns:
         dw_EKN [E, K, N] in x's dtype, accumulated in fp32 (fp64 for fp64).
@@ -752,7 +766,7 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
         sms = num_programs(x_MK)
 
         def grid(m):
-            n = programs or (dw_programs(sms, m, x_MK.element_size()) if x_MK.is_cuda else sms)
+            n = programs or dw_programs(sms, m)
             return (min(n, upper(m)),)
 
         launch(_grouped_mm_dw_persistent_kernel, grid, x_MK, dy_MN, dw_EKN, part, offsets_E, M, K, N, E, chunk,

@@ -6,7 +6,8 @@ to be 16-byte multiples). The GEMMs compile for every dtype they can be launched
 fp32 with TF32 or IEEE dots, fp64), each with the configs that the autotuner's shared-memory prune keeps for it:
 by default the first and the largest, with ``--all`` every one (fp16 too). One JSON line per compiled kernel:
 shared memory next to the prune's estimate, and for GEMMs whether Hopper's warpgroup MMA (wgmma),
-software-pipelined async copies or TMA loads were used. Exit status 1 when a kernel fails to compile or needs
+software-pipelined async copies or TMA loads were used, and the registers per thread (by the ptxas Triton
+ships). Exit status 1 when a kernel fails to compile or needs
 more shared memory than a block has (232,448 bytes). ``--only TEXT`` keeps the jobs whose name or dtype holds it.
 
     env -u TRITON_INTERPRET .venv/bin/python tests/kernels/hopper_compile.py [--all] [--only TEXT]
@@ -56,7 +57,7 @@ def compile_kernel(name, jit_fn, *, types, ones=(), div16=(), consts=None, optio
             attrs[(i,)] = [["tt.divisibility", 16]]
     start = time.perf_counter()
     row = {"kernel": name, "dtype": dtype, "options": dict(options or {}),
-           "config": {k: v for k, v in consts.items() if k.startswith(("BLOCK", "GROUP"))}}
+           "config": {k: v for k, v in consts.items() if k.startswith(("BLOCK", "GROUP", "PROGRAMS"))}}
     try:
         compiled = triton.compile(ASTSource(jit_fn, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
                                   options=options or {})
@@ -65,6 +66,7 @@ def compile_kernel(name, jit_fn, *, types, ones=(), div16=(), consts=None, optio
         return row
     ttgir = compiled.asm["ttgir"]
     shared = compiled.metadata.shared
+    row["registers"] = registers(compiled.asm["ptx"])
     row.update(ok=shared <= _triton.SHARED_MEMORY_BYTES, shared_bytes=shared, shared_estimate=estimate,
                seconds=round(time.perf_counter() - start, 1), wgmma=len(re.findall(r"warp_group_dot", ttgir)) > 0,
                async_copies=len(re.findall(r"async_copy_global_to_local", ttgir)),
@@ -72,6 +74,26 @@ def compile_kernel(name, jit_fn, *, types, ones=(), div16=(), consts=None, optio
     if not row["ok"]:
         row["error"] = f"needs {shared} bytes of shared memory, over the {_triton.SHARED_MEMORY_BYTES} of a block"
     return row
+
+
+def registers(ptx: str) -> int | None:
+    """Registers per thread of a kernel's sm_90 code, by the ptxas Triton ships (None when it has none)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    bin_dir = Path(triton.backends.nvidia.__file__).parent / "bin"
+    # ptxas-blackwell is the newer of the two Triton ships (the PTX version it emits may be too new for the other)
+    ptxas = next((p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists()), None)
+    if ptxas is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "kernel.cubin")],
+                             capture_output=True, text=True, timeout=300)
+    found = re.findall(r"Used (\d+) registers", out.stdout + out.stderr)
+    return int(found[0]) if out.returncode == 0 and found else None
 
 
 def split(config: dict) -> tuple[dict, dict]:
@@ -146,9 +168,10 @@ def gemm_jobs(all_configs: bool):
                        div16=("K", "N", "CHUNK", "M_BUCKET", "stride_xm", "stride_dym", "stride_we", "stride_wk"),
                        consts={**meta, **dot, "BLOCK_E": 16}, options=options)
         if dname in PERSISTENT_DTYPES:
-            # x [M, K] and dy [M, N] through tensor descriptors (unit strides along K and N)
-            for config in launchable(gg.DW_HOPPER_CONFIGS, gg.DW_FALLBACK_CONFIGS, gg.dw_shared_bytes, itemsize,
-                                     all_configs):
+            # x [M, K] and dy [M, N] through tensor descriptors (unit strides along K and N); every config, so that
+            # each one's PROGRAMS_PER_SM is checked against its registers and shared memory
+            for config in launchable(gg.DW_PERSISTENT_HOPPER_CONFIGS, gg.DW_PERSISTENT_FALLBACK_CONFIGS,
+                                     gg.dw_shared_bytes, itemsize, True):
                 meta, options = split(config)
                 yield dict(name="grouped_mm persistent dW", dtype=dname, jit_fn=gg._grouped_mm_dw_persistent_kernel,
                            types=dw_ptrs, estimate=gg.dw_shared_bytes(config, itemsize), ones=("stride_wn",),

@@ -279,13 +279,38 @@ def test_choose_dw_variant(monkeypatch):
         gg.choose_dw_variant(x, dy)
 
 
+@needs_kernels
+@pytest.mark.parametrize("per_sm", [1, 2])
+def test_dw_persistent_grid_takes_the_configs_programs_per_sm(per_sm, monkeypatch, gen, kh):
+    """The grid Triton evaluates for the persistent dW launch has PROGRAMS_PER_SM x SMs programs (3 "SMs" under the
+    interpreter), capped by the work items: the config's constant reaches the grid, as num_stages would not."""
+    grids = []
+    real_launch = gg.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        def recorded(meta):
+            grids.append(grid(meta))
+            return grids[-1]
+        return real_launch(kernel, recorded, *args, **kwargs)
+
+    monkeypatch.setattr(gg, "launch", spy)
+    x, _, dy, offsets = _inputs("multi-tile", torch.float32 if DEVICE == "cpu" else torch.bfloat16, gen)
+    config = dict(BLOCK_K=32, BLOCK_N=32, BLOCK_M=32, PROGRAMS_PER_SM=per_sm, num_warps=4, num_stages=3)
+    dw = gg.grouped_mm_dw_triton(x, dy, offsets, variant="persistent", config=config)
+    sms = kt.num_programs(x)
+    upper = (1 + 3) * 2 * 2   # work items: one chunk per group (at most 1 + E), 2 x 2 tiles of 32 (K = 40, N = 48)
+    assert grids == [(min(per_sm * sms, upper),)]
+    assert x.is_cuda or per_sm * sms < upper
+    kh.close(dw.cpu(), kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu()), x.dtype, scale=20.0)
+
+
 def test_dw_programs_per_sm():
-    """Two programs per SM for a config whose shared memory fits twice in one SM (227 KiB), else one."""
-    small = dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, num_stages=3)   # 97 KiB with 16-bit operands
-    large = dict(BLOCK_K=128, BLOCK_N=256, BLOCK_M=64, num_stages=3)   # 145 KiB
-    assert gg.dw_programs(132, small, 2) == 264
-    assert gg.dw_programs(132, large, 2) == 132
-    assert gg.dw_programs(132, small, 4) == 132   # fp32 operands double the stages
+    assert gg.dw_programs(132, {"BLOCK_M": 64, "PROGRAMS_PER_SM": 2}) == 264
+    assert gg.dw_programs(132, {"BLOCK_M": 64}) == 132
+    assert {c["PROGRAMS_PER_SM"] for c in gg.DW_PERSISTENT_HOPPER_CONFIGS} == {1, 2}
+    # the persistent dW configs are the classic's tiles
+    strip = [{k: v for k, v in c.items() if k != "PROGRAMS_PER_SM"} for c in gg.DW_PERSISTENT_HOPPER_CONFIGS]
+    assert strip == gg.DW_HOPPER_CONFIGS
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True], ids=["zero", "negative", "float", "bool"])

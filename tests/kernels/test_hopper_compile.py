@@ -46,3 +46,13 @@ def test_kernels_compile_for_hopper():
             assert row["tma_loads"] > 0, row
         else:
             assert row["async_copies"] > 0, row
+    # A persistent dW config that launches several programs per SM must fit them in one SM: registers (allocated
+    # per warp in units of 8 per thread, 64K per SM) and shared memory (228 KiB per SM, 1 KiB reserved per block).
+    dws = [r for r in gemms if r["kernel"] == "grouped_mm persistent dW"]
+    assert {r["config"]["PROGRAMS_PER_SM"] for r in dws} == {1, 2}, dws
+    for row in dws:
+        n = row["config"]["PROGRAMS_PER_SM"]
+        assert row["registers"] is not None, ("ptxas gave no register count", row)
+        threads = 32 * row["options"]["num_warps"]
+        assert n * -(-row["registers"] // 8) * 8 * threads <= 65_536, row
+        assert n * (row["shared_bytes"] + 1024) <= 233_472, row
