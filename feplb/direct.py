@@ -17,13 +17,18 @@ from feplb.timeline import Timeline
 __all__ = ["forward_direct"]
 
 
-def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | None) -> tuple[torch.Tensor, Phase2]:
+def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | None,
+                   replay_plan=None) -> tuple[torch.Tensor, Phase2]:
     """Peers' policies (FasterMoE shadowing, EPLB replicas): plan first, then phase 1 sends every row straight
-    to the GPU that computes it (a shadowed expert's rows stay on their source), no phase 2."""
+    to the GPU that computes it (a shadowed expert's rows stay on their source), no phase 2. A recompute
+    (``feplb.recompute``) passes the plan its forward executed as ``replay_plan``."""
     r, H, Fd = layer.rank, layer.config.hidden, layer.config.ffn
     dev = x_MD.device
-    with span(tl, "plan", "compute"):
-        plan, plan_us = layer._plan(counts.counts_WE, layer._plan_state, None)
+    if replay_plan is not None:
+        plan, plan_us = replay_plan, 0.0
+    else:
+        with span(tl, "plan", "compute"):
+            plan, plan_us = layer._plan(counts.counts_WE, layer._plan_state, None)
     moves = tuple(m for m in plan.moves if m.row_end > m.row_start)
     for m in moves:
         if m.src != int(layer.placement.home_E[m.expert]):

@@ -23,6 +23,9 @@ Peers' policies (``fastermoe``, ``eplb``) plan before phase 1 and send each row 
 it (``feplb.direct.forward_direct``, ``feplb.layout.direct_layout``), with no phase 2. Every exchange is differentiable
 (``feplb.dispatch``): backward mirrors forward, and output and gradients equal plain EP up to summation order.
 
+Activation checkpointing: a forward that runs inside a backward pass replays what its forward decided
+(``feplb.recompute``): the same placement, counts and plan (or fallback), no planning, no agreement, no history.
+
 Never wait, never wrong: a plan that is late (later than the static GEMM plus ``plan_wait_ms`` on a GPU) makes the
 node (the group, when the policy history reads whole plans) fall back to computing at home, decided by one
 agreement; results do not depend on that decision.
@@ -33,6 +36,7 @@ per node, M = T*K rows sent by this rank, R rows at home on this rank after phas
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import warnings
 import weakref
@@ -59,6 +63,7 @@ from feplb.layout import (
     home_layout,
 )
 from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
+from feplb.recompute import Record, Records, in_backward, may_be_recomputed
 from feplb.replicas import Placement, Replicas, state_digest
 from feplb.steps import Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
@@ -169,6 +174,8 @@ class MoELayer(nn.Module):
                                group=group)
         self._recv_buf: torch.Tensor | None = None
         self._recv_grew = False
+        # what forwards that activation checkpointing may recompute decided (feplb.recompute)
+        self._records = Records()
         self.replicas = Replicas(self)
         self._attached: set[int] = set()
         self._hooks: list = []
@@ -294,10 +301,15 @@ class MoELayer(nn.Module):
             # flags, not a host check: a bad id or weight reaches every rank in the counts all-gather
             bad = (~torch.isfinite(w_TK).all()).long() + 2 * ((ids_TK < 0) | (ids_TK >= E)).any().long()
             topk_ids_TK, w_TK = ids_TK.long().clamp(0, E - 1), w_TK.to(x_TD.dtype)
+        # A recompute by activation checkpointing groups its rows as its forward did (feplb.recompute)
+        replay = None
+        if not torch.compiler.is_compiling() and in_backward():
+            replay = self._find_record(torch.bincount(topk_ids_TK.reshape(-1), minlength=c.num_experts))
+        slot_of_E = self._slot_of_E if replay is None else replay.slot_of_E
         # Rows grouped by SLOT (home GPU, then the expert's place among that GPU's slots): every destination's rows
         # form one block whatever the placement, so phase 1 needs no extra gather.
-        meta = routing_metadata(self._slot_of_E[topk_ids_TK], c.num_experts, check=False)
-        y_MD = self._experts(permute(x_TD, meta), meta.counts_E, bad)
+        meta = routing_metadata(slot_of_E[topk_ids_TK], c.num_experts, check=False)
+        y_MD = self._experts(permute(x_TD, meta), meta.counts_E, bad, replay=replay)
         tl = self.last_timeline
         if tl is None:
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
@@ -306,22 +318,66 @@ class MoELayer(nn.Module):
 
     @torch.compiler.disable
     def _experts(self, x_MD: torch.Tensor | None, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
-                 problem: tuple[type, str] | None = None) -> torch.Tensor:
+                 problem: tuple[type, str] | None = None, replay: Record | None = None) -> torch.Tensor:
         """Grouped rows x_MD [M, H] (by slot, then token, then k) -> expert outputs y_MD [M, H], same order."""
-        if torch._C._current_graph_task_id() != -1:
-            # a forward inside a backward pass: activation checkpointing recomputing the layer
-            raise RuntimeError("MoELayer cannot be recomputed by activation checkpointing: its forward is collective "
-                               "and plans from live counts and timing, so a recompute would not repeat it; "
-                               "checkpoint the attention and dense parts around the layer instead")
+        if problem is None and in_backward():
+            # activation checkpointing recomputing the layer: execute what its forward did (feplb.recompute)
+            if replay is None:   # a compiled forward() grouped the rows with the current placement
+                replay = self._find_record(counts_S[self._slot_of_E])
+                if replay.placement is not self.placement:
+                    raise RuntimeError("MoELayer: a compiled forward cannot be recomputed under another placement "
+                                       "than its first run's (weights='per-microbatch' with '+place'); use "
+                                       "weights='per-step', or do not compile the checkpointed block")
+            return self._replay(x_MD, replay)
         tl = self.last_timeline = Timeline(device_spans=self._device.type == "cuda") if self.config.timeline \
             else None
         with span(tl, "counts"):
             counts = self._count(counts_S, bad, problem)
-        if counts.want_plan and self.direct:
+        placement, slot_of_E, plan_state = self.placement, self._slot_of_E, self._plan_state
+        direct = counts.want_plan and self.direct
+        if direct:
             y_MD, p2 = forward_direct(self, x_MD, counts, tl)
         else:
             y_MD, p2 = self._in_node(x_MD, counts, tl)
         self._observe(counts, p2)
+        if self.training and may_be_recomputed():
+            self._records.add(Record(placement=placement, slot_of_E=slot_of_E, plan_state=plan_state, counts=counts,
+                                     direct=direct, plan=None if p2.fell_back else p2.result.plan,
+                                     fell_back=p2.fell_back))
+        return y_MD
+
+    # ------------------------------------------------------------------------------------------------ recompute
+    def _find_record(self, local_counts_E: torch.Tensor) -> Record:
+        """The record of the forward a recompute repeats, agreed by every rank (one all-gather; a host sync for
+        this rank's counts): the oldest record whose counts of every rank's rows equal the recompute's."""
+        local = local_counts_E.to(torch.int64).cpu().numpy()
+        row = torch.tensor([self._records.mask(self.rank, local), self._records.first_seq(), len(self._records)],
+                           dtype=torch.int64)
+        rows = self.control.all_gather(row, "recompute: finding the recorded forward").numpy()
+        if len({(int(r[1]), int(r[2])) for r in rows}) != 1:
+            raise RuntimeError(f"MoELayer: the ranks hold different forward records (first, count: "
+                               f"{[(int(r[1]), int(r[2])) for r in rows]}); every rank must run the same forwards")
+        common = int(np.bitwise_and.reduce(rows[:, 0]))
+        if common == 0:
+            raise RuntimeError(
+                "MoELayer: activation checkpointing recomputed a forward that matches none of the "
+                f"{len(self._records)} forwards recorded on every rank (the recompute routes its rows differently: "
+                "a router or routing that is not deterministic, or inputs that changed); recompute with the same "
+                "inputs and RNG state (torch.utils.checkpoint's default preserve_rng_state=True)")
+        return self._records.take(common)
+
+    def _replay(self, x_MD: torch.Tensor, rec: Record) -> torch.Tensor:
+        """Execute a recorded forward again: its placement, policy state, counts and plan (or fallback); the same
+        collectives in the same order on every rank, no planning, no agreement, no history update."""
+        saved = self.placement, self._slot_of_E, self._plan_state
+        self.placement, self._slot_of_E, self._plan_state = rec.placement, rec.slot_of_E, rec.plan_state
+        try:
+            if rec.direct:
+                y_MD, _ = forward_direct(self, x_MD, rec.counts, None, replay_plan=rec.plan)
+            else:
+                y_MD, _ = self._in_node(x_MD, rec.counts, None, replay=rec)
+        finally:
+            self.placement, self._slot_of_E, self._plan_state = saved
         return y_MD
 
     # ------------------------------------------------------------------------------------------------ 2. count
@@ -341,8 +397,10 @@ class MoELayer(nn.Module):
                            balance=self.base != "none" and self.world_size > 1, min_straggler=self._min_straggler)
 
     # ------------------------------------------------------------------------------------------------ in node
-    def _in_node(self, x_MD: torch.Tensor, counts: Counts, tl: Timeline | None) -> tuple[torch.Tensor, Phase2]:
-        """Steps 3-8: phase 1 to the homes, static GEMM beside planning and copies, dynamic GEMM, results home."""
+    def _in_node(self, x_MD: torch.Tensor, counts: Counts, tl: Timeline | None,
+                 replay: Record | None = None) -> tuple[torch.Tensor, Phase2]:
+        """Steps 3-8: phase 1 to the homes, static GEMM beside planning and copies, dynamic GEMM, results home.
+        A replay (a recompute) executes its record's plan, or computes at home where its forward did."""
         split = self._split(counts)
         with span(tl, "phase1"):
             recv_RD = self._phase1(x_MD, counts, split.send_splits, split.home.recv_splits, split.split_WW)
@@ -351,14 +409,23 @@ class MoELayer(nn.Module):
             h_RD = recv_RD.index_select(0, to_device(split.home.perm, recv_RD.device))
         # The rows phase 2 may send are ready here: on a GPU the copy stream waits for this event, not for the
         # static GEMM queued after it.
-        ready = ready_event(h_RD) if counts.want_plan else None
-        plan_first = counts.want_plan and self._plan_first(h_RD)
-        job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready) if plan_first else None
+        want = counts.want_plan and (replay is None or not replay.fell_back)
+        replay_plan = None if replay is None else replay.plan
+        ready = ready_event(h_RD) if want else None
+        plan_first = want and self._plan_first(h_RD)
+        job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready, replay_plan) if plan_first else None
         try:
             with span(tl, "static_gemm"):
                 y_static = self._static_gemm(h_RD, split.home, slot_w)
-            if counts.want_plan and not plan_first:
-                job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready)
+            if want and not plan_first:
+                job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready, replay_plan)
+        except BaseException:
+            if job is not None and replay is not None:
+                # e.g. non-reentrant checkpointing stopping a recompute early (every rank at the same point): the
+                # copy thread finishes this replay's copies before the placement it reads is restored
+                job.static_launched()
+                concurrent.futures.wait([job.future])
+            raise
         finally:
             if job is not None:
                 job.static_launched()   # (also on an error here: the copy thread must not wait for it forever)

@@ -87,19 +87,26 @@ def materialize(spec: tuple, h_RD: torch.Tensor, local, detach: bool = False) ->
     return out
 
 
-def start_phase2(layer, h_RD: torch.Tensor, counts: Counts, split: Split, slot_w, tl, ready) -> Phase2Job:
+def start_phase2(layer, h_RD: torch.Tensor, counts: Counts, split: Split, slot_w, tl, ready,
+                 replay_plan=None) -> Phase2Job:
     """Step 5: planning on the planner thread; checks, agreement and copies on the copy thread.
 
     ready: ``feplb.experts.ready_event(h_RD)`` recorded once h_RD is gathered, before the static GEMM is queued (the
-    copies wait for it, not for the static GEMM); None on a CPU."""
+    copies wait for it, not for the static GEMM); None on a CPU.
+    replay_plan: a recompute (``feplb.recompute``) executes this plan, the one its forward executed on every rank:
+    no planning and no agreement."""
     state = layer._plan_state
-    plan_f = layer._balancer.submit_plan(lambda: layer._plan(counts.counts_WE, state, tl))
+    if replay_plan is None:
+        plan_f = layer._balancer.submit_plan(lambda: layer._plan(counts.counts_WE, state, tl))
+    else:
+        plan_f = concurrent.futures.Future()
+        plan_f.set_result((replay_plan, 0.0))
     on_gpu = h_RD.is_cuda
     end = torch.cuda.Event() if on_gpu else None
     launched = threading.Event()
     static_end = (lambda: launched.is_set() and end.query()) if on_gpu else None
     future = layer._balancer.copier.submit(_phase2_job, layer, h_RD.detach(), counts, split, slot_w, state, plan_f,
-                                           static_end, launched, ready, tl)
+                                           static_end, launched, ready, tl, replay_plan is not None)
     return Phase2Job(future=future, static_end=end, launched=launched)
 
 
@@ -128,12 +135,16 @@ def _lay_out(layer, plan, counts: Counts, split: Split, state, dtype, device):
 
 
 def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f, static_end, launched, ready,
-                tl) -> Phase2:
+                tl, replay: bool = False) -> Phase2:
     """On the copy thread: wait for the plan, check and lay it out, agree with the scope, issue the copies. A plan
     that is late, or that fails (the planner raised, or the plan is not executable here) on any rank of the scope,
-    makes the whole scope compute at home: results never depend on it, so a failure is a warning, not a desync."""
+    makes the whole scope compute at home: results never depend on it, so a failure is a warning, not a desync.
+    A replay (a recompute) lays out the plan its forward executed everywhere, with no agreement."""
     res = layer._balancer.wait_plan(plan_f, static_end)
     laid, error = None, res.error
+    if replay:
+        laid = _lay_out(layer, res.plan, counts, split, state, h_RD.dtype, h_RD.device)
+        return _issue(layer, h_RD, slot_w, res, laid, launched, ready, tl)
     if res.plan is not None:
         try:
             laid = _lay_out(layer, res.plan, counts, split, state, h_RD.dtype, h_RD.device)
@@ -152,6 +163,11 @@ def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f
     if int(agreed[0]) == 0:
         return Phase2(result=res, fell_back=True, moves=(), layout=None, exchange=None, spec=(), pending=None,
                       copies=())
+    return _issue(layer, h_RD, slot_w, res, laid, launched, ready, tl)
+
+
+def _issue(layer, h_RD, slot_w, res, laid, launched, ready, tl) -> Phase2:
+    """Issue the copies of an agreed (or replayed) plan's layout ``laid`` (``_lay_out``)."""
     moves, lay, copies, ex, order = laid
     pending = None
     if ex.active:

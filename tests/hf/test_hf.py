@@ -4,7 +4,8 @@ input, logits agree to 1e-5 (relative), expert-shard gradients equal the slice o
 summed over all ranks' inputs, every other gradient equals the unmodified model's local one; full_state_dict
 round-trips bit-exactly into a fresh unmodified model (and through save_pretrained / from_pretrained); experts FEPLB
 cannot run exactly are refused by name before anything is replaced; torch.compile of the modified model runs;
-inside CPU autocast each experts module is as accurate as the unmodified one's per-expert loop.
+inside CPU autocast each experts module is as accurate as the unmodified one's per-expert loop; with
+transformers' gradient checkpointing (the recompute replays each layer's forward) training equals training without.
 
 Each gloo job runs every case of its world size in one process group (starting processes and importing
 transformers dominate the cost)."""
@@ -485,10 +486,66 @@ def _check_ddp(rank: int, world: int) -> dict:
     return out
 
 
+def _check_gradient_checkpointing(rank: int, world: int) -> dict:
+    """transformers' gradient checkpointing of the decoder layers (non-reentrant, its default, for every
+    architecture; reentrant for Mixtral) on a model with FEPLB applied, against the same model without: two SGD
+    steps with attach_optimizer, the recompute replaying each layer's forward (feplb.recompute). Returns, per case,
+    the largest relative difference of the losses and of the parameters after the steps, the rows moved and the
+    records left unconsumed."""
+    import feplb.hf as fh
+
+    M = _models()
+    out = {}
+    for arch, reentrant in [*((a, False) for a in M.ARCHS), ("mixtral", True)]:
+        base = M.make_model(arch)
+        plain, ckpt = copy.deepcopy(base), copy.deepcopy(base)
+        for m in (plain, ckpt):
+            fh.apply(m, policy="feplb-split@ema", gpus_per_node=min(2, world), min_chunk=1, plan_wait_ms=60_000,
+                     min_straggler_rows=0)
+            m.train()
+        ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        replays = _count_replays(fh.experts_modules(ckpt))
+        opts = [torch.optim.SGD(m.parameters(), lr=0.2) for m in (plain, ckpt)]
+        for m, o in zip((plain, ckpt), opts, strict=True):
+            fh.attach_optimizer(m, o)
+        loss_rel = param_rel = 0.0
+        moved = 0
+        for step in range(2):
+            ids = M.tokens(rank + world * step)
+            losses = []
+            for m, o in zip((plain, ckpt), opts, strict=True):
+                loss = m(input_ids=ids, labels=ids).loss
+                loss.backward()
+                losses.append(loss.detach())
+                o.step()
+                o.zero_grad(set_to_none=True)
+            moved += sum(e.last_stats.rows_moved for e in fh.experts_modules(ckpt))
+            loss_rel = max(loss_rel, _rel(losses[1], losses[0]))
+        want = dict(plain.named_parameters())
+        for n, p in ckpt.named_parameters():
+            param_rel = max(param_rel, _rel(p, want[n]))
+        out[(arch, reentrant)] = {"loss_rel": loss_rel, "param_rel": param_rel, "rows_moved": moved,
+                                  "records_left": sum(len(e._records) for e in fh.experts_modules(ckpt)),
+                                  "replays": replays[0], "layers": len(fh.experts_modules(ckpt))}
+    return out
+
+
+def _count_replays(layers) -> list[int]:
+    """A counter (one-element list) of the recomputes the layers replay."""
+    count = [0]
+    for layer in layers:
+        def replay(*args, _replay=layer._replay, **kwargs):
+            count[0] += 1
+            return _replay(*args, **kwargs)
+        layer._replay = replay
+    return count
+
+
 def _worker(rank: int, world: int) -> dict:
     M = _models()
     results = {"training": _check_training(rank, world), "autocast": _check_autocast(rank, world),
-               "fsdp": _check_fsdp(rank, world), "ddp": _check_ddp(rank, world)}
+               "fsdp": _check_fsdp(rank, world), "ddp": _check_ddp(rank, world),
+               "checkpointing": _check_gradient_checkpointing(rank, world)}
     for arch in M.ARCHS:
         for i, policy in enumerate(POLICIES):
             results[(arch, policy)] = _check_arch(rank, world, arch, policy, state_dict_checks=i == 0)
@@ -627,6 +684,25 @@ def test_ddp_for_the_rest_trains_like_the_unmodified_model_on_one_rank(one_rank)
 def test_ddp_for_the_rest_trains_like_the_unmodified_model_on_four_ranks(four_ranks):
     _assert_ddp(four_ranks)
     assert all(res["ddp"]["moved"] > 0 for res in four_ranks), [res["ddp"]["moved"] for res in four_ranks]
+
+
+def _assert_gradient_checkpointing(ranks: list[dict], world: int) -> None:
+    for rank, res in enumerate(ranks):
+        for (arch, reentrant), case in res["checkpointing"].items():
+            what = (rank, arch, "reentrant" if reentrant else "non-reentrant", case)
+            assert case["replays"] == 2 * case["layers"], what   # every layer's forward recomputed, both steps
+            assert case["loss_rel"] <= TOL and case["param_rel"] <= TOL, what
+            assert case["records_left"] == 0, what
+            assert case["rows_moved"] > 0 or world == 1, what
+
+
+def test_gradient_checkpointing_trains_like_no_checkpointing_on_one_rank(one_rank):
+    _assert_gradient_checkpointing(one_rank, 1)
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_trains_like_no_checkpointing_on_four_ranks(four_ranks):
+    _assert_gradient_checkpointing(four_ranks, 4)
 
 
 def test_full_state_dict_round_trips_on_one_rank(one_rank):

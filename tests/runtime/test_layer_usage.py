@@ -171,7 +171,8 @@ def _usage_worker(rank, world):
     res["routing_bad_id"] = error_of(lambda: layer(x, routing=(bad_ids, w.detach())))
     res["routing_bad_shape"] = error_of(lambda: layer(x, routing=(ids[:, :1] if rank == 1 else ids, w.detach())))
 
-    # Activation checkpointing would recompute a collective, timing-dependent forward: refused on every rank.
+    # Activation checkpointing recomputes the layer by replaying its forward (tests/runtime/test_checkpoint.py
+    # checks it against no checkpointing): here a layer that has seen malformed input and outside routing.
     from torch.utils.checkpoint import checkpoint
 
     x = xs[rank].clone().requires_grad_(True)
@@ -214,7 +215,7 @@ def test_layer_usage_and_misuse():
         want = "must be [" if rank == 1 else "EP rank(s) [1]"
         assert res["routing_bad_shape"].startswith("ValueError") and want in res["routing_bad_shape"], \
             res["routing_bad_shape"]
-        assert res["checkpoint"] and "activation checkpointing" in res["checkpoint"], res["checkpoint"]
+        assert res["checkpoint"] is None, res["checkpoint"]
         assert res["late_grad"] and res["late_grad"].startswith("RuntimeError") and \
             "already replaced" in res["late_grad"], res["late_grad"]
         assert res["state_mismatch"] and res["state_mismatch"].startswith("ValueError") and \

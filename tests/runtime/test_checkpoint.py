@@ -1,0 +1,224 @@
+"""MoELayer under activation checkpointing (``torch.utils.checkpoint``, reentrant and not) on 4 gloo ranks (2 nodes
+x 2 GPUs), against the same layer run without checkpointing:
+
+* the recompute executes exactly what its forward did (``feplb.recompute``): outputs and every gradient (input,
+  router, experts) are bit for bit those of the layer without checkpointing, over two optimizer steps of three
+  micro-batches (one of which falls back to computing at home, its plan late, which its recompute repeats), for
+  plain EP, ``feplb-split`` (rows and weights move), ``feplb-split+place@ema`` with per-micro-batch weights (the
+  placement and dynamic sets change between a forward and its recompute) and the peers' ``eplb`` (the direct path);
+  the layer last in the checkpointed block (non-reentrant checkpointing then stops
+  the recompute inside the layer) and followed by an op that saves its output;
+* recomputes come in any order (three micro-batches forward, then one backward of their sum), and a ``no_grad``
+  forward in training mode in between (recorded, never recomputed) is skipped; the parameters' gradients are then
+  equal up to the order reentrant checkpointing adds the micro-batches in;
+* a recompute that routes differently from its forward raises a clear error on every rank, and the layer works on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from feplb.testing import run_dist
+
+pytestmark = pytest.mark.dist
+
+H, FF, E, K, W, G = 16, 24, 16, 2, 4, 2
+TOKENS = (40, 24, 32, 16)
+
+
+def _layer(policy: str, weights: str, seed: int):
+    from feplb import FEPLBConfig, MoELayer
+
+    torch.manual_seed(seed)     # the same router and expert weights for both layers of a pair
+    layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2, policy=policy,
+                                 weights=weights, min_chunk=2, min_straggler_rows=0, refresh_every=2))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    layer.attach_optimizer(opt)
+    return layer, opt
+
+
+def _inputs(rank: int, mb: int):
+    gen = torch.Generator().manual_seed(1000 * rank + mb)
+    x = torch.randn(TOKENS[rank], H, generator=gen)
+    x[:, 0] += 3.0 * (mb + 1)      # skews the router towards a few experts, differently per micro-batch
+    return x, torch.randn(TOKENS[rank], H, generator=gen)
+
+
+def _block(layer, tail: str):
+    """The checkpointed block: ops that save tensors before the layer, and after it (``tanh``) or not (the layer is
+    the block's last op that saves, so non-reentrant checkpointing stops the recompute inside it)."""
+    def f(x):
+        y = layer(torch.sin(x) * 2.0)
+        return torch.tanh(y) if tail == "tanh" else y + x
+    return f
+
+
+def _grads(layer, x) -> dict:
+    return {"x": x.grad.clone(), "router": layer.router.weight.grad.clone(), "w1": layer.w1.grad.clone(),
+            "w2": layer.w2.grad.clone()}
+
+
+def _compare(got: dict, want: dict, what: str, exact: bool = True) -> None:
+    """Bit for bit; or (``exact=False``: sums whose order differs) each tensor's largest error within 1e-6 of its
+    largest element."""
+    for k in want:
+        err = (got[k] - want[k]).abs().max().item()
+        assert torch.equal(got[k], want[k]) if exact else err <= 1e-6 * want[k].abs().max().item(), (what, k, err)
+
+
+def _steps(rank: int, policy: str, weights: str, mode: str, tail: str) -> dict:
+    """Two optimizer steps of three micro-batches, a backward after each forward: the layer without
+    checkpointing (ref) and with (ac) side by side on the same data."""
+    ref, ref_opt = _layer(policy, weights, seed=3)
+    ac, ac_opt = _layer(policy, weights, seed=3)
+    late = _make_late(ref, ac)
+    replays = [0]
+    replay = ac._replay
+
+    def counted(*args):
+        replays[0] += 1
+        return replay(*args)
+
+    ac._replay = counted
+    moved = fell_back = 0
+    for step in range(2):
+        for mb in range(3):
+            x, dy = _inputs(rank, 3 * step + mb)
+            xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            # the second micro-batch's plan comes too late on every rank (both layers): it computes at home, and so
+            # must its recompute, whose plan would be on time
+            late["on"] = mb == 1
+            out_r = _block(ref, tail)(xr)
+            out_a = checkpoint(_block(ac, tail), xa, use_reentrant=mode == "reentrant")
+            late["on"] = False
+            fell_back += ref.last_stats.fell_back
+            assert torch.equal(out_a, out_r), (policy, mode, tail, step, mb, "output")
+            (out_r * dy).sum().backward()
+            (out_a * dy).sum().backward()
+            assert len(ac._records) == 0, "the recompute took its forward's record"
+            assert len(ref._records) == 0, "a plain training forward leaves no record"
+            # what the forward did (the replay leaves it: a recompute plans nothing and reports nothing)
+            assert dataclasses.replace(ac.last_stats, plan_us=0.0) == dataclasses.replace(ref.last_stats, plan_us=0.0)
+            moved += ref.last_stats.rows_moved
+            _compare(_grads(ac, xa), _grads(ref, xr), (policy, mode, tail, step, mb))
+        ref_opt.step(), ac_opt.step()
+        ref_opt.zero_grad(), ac_opt.zero_grad()
+    ref.close(), ac.close()
+    assert replays[0] == 6, "every forward was recomputed once"
+    return {"moved": moved, "fell_back": fell_back}
+
+
+def _make_late(*layers) -> dict:
+    """While the returned flag is on, the layers' copy threads find their plans late (as a GPU's would be after the
+    static GEMM plus plan_wait_ms)."""
+    from feplb.balance import PlanResult
+
+    late = {"on": False}
+    for layer in layers:
+        if layer._balancer is None:
+            continue
+        wait = layer._balancer.wait_plan
+
+        def wait_plan(future, static_end, _wait=wait):
+            res = _wait(future, static_end)
+            return PlanResult(plan=None, plan_us=0.0, ready=0, error=None) if late["on"] else res
+
+        layer._balancer.wait_plan = wait_plan
+    return late
+
+
+def _accumulated(rank: int, policy: str, weights: str, mode: str) -> dict:
+    """Three micro-batches forward (and a no_grad forward in training mode between them), then one backward of
+    their sum: the recomputes run in autograd's order, not the forwards'."""
+    ref, _ = _layer(policy, weights, seed=5)
+    ac, _ = _layer(policy, weights, seed=5)
+    outs_r, outs_a, xs = [], [], []
+    for mb in range(3):
+        x, dy = _inputs(rank, 10 + mb)
+        xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        outs_r.append((_block(ref, "tanh")(xr) * dy).sum())
+        outs_a.append((checkpoint(_block(ac, "tanh"), xa, use_reentrant=mode == "reentrant") * dy).sum())
+        xs.append((xr, xa))
+        if mb == 1:
+            with torch.no_grad():       # recorded on both layers alike (no_grad in training mode), never recomputed
+                ref(x), ac(x)
+    sum(outs_r).backward()
+    sum(outs_a).backward()
+    for xr, xa in xs:
+        assert torch.equal(xa.grad, xr.grad)
+    # the parameters' gradients add the micro-batches in autograd's order, which reentrant checkpointing changes
+    # (a backward per recompute): equal up to that summation order
+    _compare({k: v for k, v in _grads(ac, xs[0][1]).items() if k != "x"},
+             {k: v for k, v in _grads(ref, xs[0][0]).items() if k != "x"}, (policy, mode, "accumulated"),
+             exact=mode != "reentrant")
+    left = len(ac._records)
+    ref.close(), ac.close()
+    return {"left": left}
+
+
+def _ac_rank(rank: int, world: int, policy: str, weights: str) -> dict:
+    out = {}
+    for mode in ("reentrant", "non-reentrant"):
+        for tail in ("tanh", "layer-last"):
+            out[(mode, tail)] = _steps(rank, policy, weights, mode, tail)
+        out[(mode, "accumulated")] = _accumulated(rank, policy, weights, mode)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("policy", "weights"), [("none", "per-step"), ("feplb-split", "per-step"),
+                                                 ("feplb-split+place@ema", "per-microbatch"), ("eplb", "per-step")],
+                         ids=["plain-ep", "feplb-split", "place-ema-per-microbatch", "eplb"])
+def test_recompute_equals_no_checkpointing(policy, weights):
+    results = run_dist(_ac_rank, W, policy, weights, timeout_s=600)
+    for key, res in results[0].items():
+        if "moved" in res and policy != "none":
+            assert res["moved"] > 0, (key, "balancing moved no row: the test would not exercise it")
+        if "fell_back" in res and policy in ("feplb-split", "feplb-split+place@ema"):
+            assert res["fell_back"] == 2, (key, "one fallback per optimizer step")
+        if "left" in res:
+            assert res["left"] == 1, (key, "only the no_grad forward's record is left")
+
+
+def _mismatch_rank(rank: int, world: int, mode: str) -> dict:
+    """Routing drawn inside the checkpointed block without its RNG state preserved: the recompute routes otherwise."""
+    from feplb import FEPLBConfig, MoELayer
+
+    torch.manual_seed(11)
+    layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2,
+                                 router="external", policy="feplb-split", min_chunk=2, min_straggler_rows=0))
+    x, dy = _inputs(rank, 0)
+    gates = torch.full((x.shape[0], K), 0.5)
+
+    def route(x):
+        return torch.stack([torch.randperm(E)[:K] for _ in range(x.shape[0])])
+
+    def f(x):
+        return layer(x, routing=(route(x), gates))
+
+    torch.manual_seed(100 + rank)
+    out = checkpoint(f, x.clone().requires_grad_(True), use_reentrant=mode == "reentrant", preserve_rng_state=False)
+    try:
+        (out * dy).sum().backward()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    # the layer works on: a plain forward and backward
+    xb = x.clone().requires_grad_(True)
+    (layer(xb, routing=(route(x), gates)) * dy).sum().backward()
+    ok = bool(torch.isfinite(xb.grad).all())
+    layer.close()
+    return {"error": error, "ok": ok}
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_recompute_that_routes_otherwise_raises_on_every_rank(mode):
+    results = run_dist(_mismatch_rank, W, mode, timeout_s=300)
+    for r in results:
+        assert r["error"] is not None and "matches none of the" in r["error"], r
+        assert "preserve_rng_state" in r["error"]
+        assert r["ok"]
