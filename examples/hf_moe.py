@@ -15,7 +15,8 @@ stay replicated: their gradients are averaged over the ranks by one all-reduce p
 slice of the text the demo reads (this Python's standard-library source, as bytes: vocabulary 256). The script
 prints the token straggler before/after balancing like ``train_moe.py``, writes the same report (report.md,
 plots, report.json) to ``--out`` and, with ``--save``, a transformers checkpoint gathered by
-``feplb.hf.full_state_dict`` that ``from_pretrained`` loads without feplb.
+``feplb.hf.full_state_dict`` that ``from_pretrained`` loads without feplb. ``--gradient-checkpointing`` turns on
+transformers' gradient checkpointing of the decoder layers (the losses stay those of a run without it).
 
 Shape legend: B sequences per rank, S sequence length, V = 256 byte values, L MoE layers, W ranks.
 """
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--out", type=Path, default=None, help="directory for report.md, plots and report.json")
     p.add_argument("--save", type=Path, default=None, help="write a transformers checkpoint here at the end")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each decoder layer in the backward pass (transformers' gradient checkpointing; "
+                        "the FEPLB layers replay their forwards' plans)")
     return p
 
 
@@ -115,6 +119,9 @@ def train(args: argparse.Namespace) -> dict:
             dist.broadcast(p, src=0)
     plan_wait = args.plan_wait_ms if args.plan_wait_ms is not None else (0.0 if device.type == "cuda" else 200.0)
     names = feplb.hf.apply(model, policy=args.policy, gpus_per_node=G, dyn=args.dyn, plan_wait_ms=plan_wait)
+    model.train()
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
     experts = feplb.hf.expert_parameters(model)
     expert_ids = {id(p) for p in experts}
     replicated = [p for p in model.parameters() if id(p) not in expert_ids]

@@ -52,3 +52,15 @@ def test_example_trains_balances_reports_and_saves(tmp_path, capfd):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert [n for n, _ in model.named_modules() if n.endswith("mlp.experts")] == ranks[0]["names"]
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
+
+
+def test_example_with_gradient_checkpointing_has_the_same_losses():
+    """--gradient-checkpointing recomputes every decoder layer (the FEPLB layers replay their plans): the same losses
+    and balancing, step by step, as the run without it."""
+    argv = ["--steps", "3", "--hidden", "32", "--batch", "2", "--seq-len", "32", "--text-bytes", "40000",
+            "--gpus-per-node", "2", "--log-every", "1", "--plan-wait-ms", "60000"]
+    plain = run_dist(_run_example, 4, argv, timeout_s=240, collective_timeout_s=120)[0]["steps"]
+    ckpt = run_dist(_run_example, 4, [*argv, "--gradient-checkpointing"], timeout_s=240,
+                    collective_timeout_s=120)[0]["steps"]
+    assert [s["loss"] for s in ckpt] == [s["loss"] for s in plain]
+    assert [s["rows_moved"] for s in ckpt] == [s["rows_moved"] for s in plain] and sum(s["rows_moved"] for s in plain)
