@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from feplb.testing import dense_moe_reference, error_bound, load_global_weights, max_abs_error, run_dist
 from feplb.transport import nvshmem_unavailable
@@ -40,6 +41,9 @@ def _compare(runs: dict[str, dict[str, torch.Tensor]], ref: dict[str, tuple[torc
     misses any element-wise bound (on the CPU too). So each tensor passes when its largest error is within TOL of
     its largest element, or within twice the error torch's own fp32 makes on the same math (``ref``'s floor).
 
+    A "feplb-split+checkpoint" run (the layer under activation checkpointing, its recompute replaying the plan) must
+    equal "feplb-split" bit for bit ("checkpoint_on": 0, else inf).
+
     Returns {"ok": bool, "<tensor>": {"on_off": rel, "none_ref": rel, "split_ref": rel, "scale": max |ref|}}, the
     errors relative to the scale, so a failing GPU run says which tensor is off, and by how much.
     """
@@ -49,6 +53,9 @@ def _compare(runs: dict[str, dict[str, torch.Tensor]], ref: dict[str, tuple[torc
         want, floor = ref[name] if ref is not None else (off.double(), 0.0)
         scale, bound = error_bound(want, floor, TOL)
         errs = {"on_off": max_abs_error(on, off)}
+        if "feplb-split+checkpoint" in runs:
+            # the recompute replays the plan: bit for bit the run without checkpointing
+            errs["checkpoint_on"] = 0.0 if torch.equal(runs["feplb-split+checkpoint"][name], on) else float("inf")
         if ref is not None:
             errs |= {"none_ref": max_abs_error(off, want), "split_ref": max_abs_error(on, want)}
         ok &= all(e <= bound for e in errs.values())
@@ -91,7 +98,8 @@ def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto", device=
     for x in xs:
         x[:, 0] = x[:, 0].abs() + 1
     runs, layers = {}, []
-    for policy in ("none", "feplb-split"):
+    for run in ("none", "feplb-split", "feplb-split+checkpoint"):
+        policy = run.removesuffix("+checkpoint")
         torch.manual_seed(0)
         layer = MoELayer(FEPLBConfig(hidden=H, ffn=F, num_experts=E, top_k=K, gpus_per_node=world,
                                      dyn=2, policy=policy, transport=transport, plan_wait_ms=10_000.0,
@@ -99,10 +107,14 @@ def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto", device=
                                      weights="per-microbatch", device=device, copy_path=copy_path))
         load_global_weights(layer, router, w1, w2)
         x = xs[rank].to(device, copy=True).requires_grad_(True)
-        y = layer(x)
+        if run.endswith("+checkpoint"):
+            # non-reentrant activation checkpointing: the backward recomputes the layer, replaying its plan
+            y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        else:
+            y = layer(x)
         y.square().sum().backward()
-        runs[policy] = {"out": y.detach().cpu(), "dx": x.grad.cpu(), "dw1": layer.w1.grad.cpu(),
-                        "dw2": layer.w2.grad.cpu(), "drouter": layer.router.weight.grad.cpu()}
+        runs[run] = {"out": y.detach().cpu(), "dx": x.grad.cpu(), "dw1": layer.w1.grad.cpu(),
+                     "dw2": layer.w2.grad.cpu(), "drouter": layer.router.weight.grad.cpu()}
         moved = layer.last_stats.rows_moved
         layers.append(layer)
     # Free NVSHMEM buffers and IPC engines, newest first: the first layer initialised NVSHMEM and finalises it, and
