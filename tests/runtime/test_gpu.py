@@ -42,7 +42,7 @@ def _compare(runs: dict[str, dict[str, torch.Tensor]], ref: dict[str, tuple[torc
     its largest element, or within twice the error torch's own fp32 makes on the same math (``ref``'s floor).
 
     A "feplb-split+checkpoint" run (the layer under activation checkpointing, its recompute replaying the plan) must
-    equal "feplb-split" bit for bit ("checkpoint_on": 0, else inf).
+    equal "feplb-split" within the same bound ("checkpoint_on").
 
     Returns {"ok": bool, "<tensor>": {"on_off": rel, "none_ref": rel, "split_ref": rel, "scale": max |ref|}}, the
     errors relative to the scale, so a failing GPU run says which tensor is off, and by how much.
@@ -54,8 +54,9 @@ def _compare(runs: dict[str, dict[str, torch.Tensor]], ref: dict[str, tuple[torc
         scale, bound = error_bound(want, floor, TOL)
         errs = {"on_off": max_abs_error(on, off)}
         if "feplb-split+checkpoint" in runs:
-            # the recompute replays the plan: bit for bit the run without checkpointing
-            errs["checkpoint_on"] = 0.0 if torch.equal(runs["feplb-split+checkpoint"][name], on) else float("inf")
+            # the recompute replays the plan: the run without checkpointing (bit for bit on the CPU, where
+            # tests/runtime/test_checkpoint.py asserts it; within the bound where a GPU library may sum otherwise)
+            errs["checkpoint_on"] = max_abs_error(runs["feplb-split+checkpoint"][name], on)
         if ref is not None:
             errs |= {"none_ref": max_abs_error(off, want), "split_ref": max_abs_error(on, want)}
         ok &= all(e <= bound for e in errs.values())
