@@ -154,7 +154,7 @@ def test_layer_two_processes_one_gpu():
     """NVSHMEM phase 1 and the CUDA IPC copy path with two processes on one GPU. ("auto" would pick IPC too: with
     processes sharing a GPU NVSHMEM runs limited; the NVSHMEM copy path is covered by the >= 2 GPU tests above,
     where "auto" picks it.)"""
-    for res in run_dist(_gpu_worker, 2, "nvshmem", True, "ipc", backend="gloo", timeout_s=90,
+    for res in run_dist(_gpu_worker, 2, "nvshmem", True, "ipc", backend="gloo", timeout_s=110,
                         collective_timeout_s=COLLECTIVE_S):
         assert res["ok"] and res["moved"] > 0, res
 
@@ -167,8 +167,8 @@ def test_layer_two_processes_one_gpu_without_nvshmem():
 
     Also, in the same two processes, transposed (transformers-layout) expert weights copied per micro-batch
     (``_strided_worker``)."""
-    # 100 s: inside gpu_check.sh's 110 s runtime step, so a stall fails here, by name
-    results = run_dist(_one_gpu_worker, 2, backend="gloo", timeout_s=100, collective_timeout_s=COLLECTIVE_S)
+    # 115 s: inside gpu_check.sh's 125 s runtime step, so a stall fails here, by name
+    results = run_dist(_one_gpu_worker, 2, backend="gloo", timeout_s=115, collective_timeout_s=COLLECTIVE_S)
     for res, strided in results:
         assert res["ok"] and res["moved"] > 0, res
         assert strided["ok"], strided
