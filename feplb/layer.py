@@ -24,7 +24,8 @@ it (``feplb.direct.forward_direct``, ``feplb.layout.direct_layout``), with no ph
 (``feplb.dispatch``): backward mirrors forward, and output and gradients equal plain EP up to summation order.
 
 Activation checkpointing: a forward that runs inside a backward pass replays what its forward decided
-(``feplb.recompute``): the same placement, counts and plan (or fallback), no planning, no agreement, no history.
+(``feplb.recompute``): the same placement, counts and plan (or fallback), no planning, no agreement, no history,
+no timeline.
 
 Never wait, never wrong: a plan that is late (later than the static GEMM plus ``plan_wait_ms`` on a GPU) makes the
 node (the group, when the policy history reads whole plans) fall back to computing at home, decided by one
@@ -63,7 +64,7 @@ from feplb.layout import (
     home_layout,
 )
 from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
-from feplb.recompute import Record, Records, in_backward, may_be_recomputed
+from feplb.recompute import Record, Records, in_backward, recompute_kind, record_kind
 from feplb.replicas import Placement, Replicas, state_digest
 from feplb.steps import Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
@@ -310,7 +311,7 @@ class MoELayer(nn.Module):
         # form one block whatever the placement, so phase 1 needs no extra gather.
         meta = routing_metadata(slot_of_E[topk_ids_TK], c.num_experts, check=False)
         y_MD = self._experts(permute(x_TD, meta), meta.counts_E, bad, replay=replay)
-        tl = self.last_timeline
+        tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone
         if tl is None:
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
         with tl.span("combine"):
@@ -340,10 +341,11 @@ class MoELayer(nn.Module):
         else:
             y_MD, p2 = self._in_node(x_MD, counts, tl)
         self._observe(counts, p2)
-        if self.training and may_be_recomputed():
-            self._records.add(Record(placement=placement, slot_of_E=slot_of_E, plan_state=plan_state, counts=counts,
-                                     direct=direct, plan=None if p2.fell_back else p2.result.plan,
-                                     fell_back=p2.fell_back))
+        kind = record_kind(self.training)
+        if kind is not None:
+            self._records.add(Record(kind=kind, placement=placement, slot_of_E=slot_of_E, plan_state=plan_state,
+                                     counts=counts, direct=direct, plan=None if p2.fell_back else p2.result.plan,
+                                     fell_back=p2.fell_back, generation=self.replicas.generation))
         return y_MD
 
     # ------------------------------------------------------------------------------------------------ recompute
@@ -351,20 +353,30 @@ class MoELayer(nn.Module):
         """The record of the forward a recompute repeats, agreed by every rank (one all-gather; a host sync for
         this rank's counts): the oldest record whose counts of every rank's rows equal the recompute's."""
         local = local_counts_E.to(torch.int64).cpu().numpy()
-        row = torch.tensor([self._records.mask(self.rank, local), self._records.first_seq(), len(self._records)],
-                           dtype=torch.int64)
+        kind = recompute_kind()
+        fresh, replayed = self._records.masks(self.rank, local, kind)
+        row = torch.tensor([fresh, replayed, self._records.first_seq(), len(self._records)], dtype=torch.int64)
         rows = self.control.all_gather(row, "recompute: finding the recorded forward").numpy()
-        if len({(int(r[1]), int(r[2])) for r in rows}) != 1:
+        if len({(int(r[2]), int(r[3])) for r in rows}) != 1:
             raise RuntimeError(f"MoELayer: the ranks hold different forward records (first, count: "
-                               f"{[(int(r[1]), int(r[2])) for r in rows]}); every rank must run the same forwards")
-        common = int(np.bitwise_and.reduce(rows[:, 0]))
-        if common == 0:
+                               f"{[(int(r[2]), int(r[3])) for r in rows]}); every rank must run the same forwards")
+        fresh, replayed = (int(np.bitwise_and.reduce(rows[:, i])) for i in (0, 1))
+        if fresh == 0 and replayed == 0:
+            mode = "non-reentrant" if kind == "hooks" else "reentrant"
             raise RuntimeError(
-                "MoELayer: activation checkpointing recomputed a forward that matches none of the "
-                f"{len(self._records)} forwards recorded on every rank (the recompute routes its rows differently: "
-                "a router or routing that is not deterministic, or inputs that changed); recompute with the same "
-                "inputs and RNG state (torch.utils.checkpoint's default preserve_rng_state=True)")
-        return self._records.take(common)
+                f"MoELayer: {mode} activation checkpointing recomputed a forward that matches none of the forwards "
+                "recorded for it on every rank: the recompute routes its rows otherwise (a router or routing that is "
+                "not deterministic, or inputs that changed: recompute with the same inputs and RNG state, "
+                "torch.utils.checkpoint's default preserve_rng_state=True), or its forward left no record (only a "
+                "forward under no_grad in training mode, or under saved-tensor hooks with grad enabled, does; the "
+                f"last {len(self._records)} are kept)")
+        rec = self._records.take(fresh, replayed)
+        if rec.generation != self.replicas.generation and self.replicas.ever_held:
+            # the same on every rank (refresh_replicas is collective): all raise, none enters the replay
+            raise RuntimeError("MoELayer: refresh_replicas() ran between a forward and its recompute by activation "
+                               "checkpointing: the per-step copies it computed with were replaced, so its backward "
+                               "cannot be computed; refresh after optimizer.step(), once the backward is done")
+        return rec
 
     def _replay(self, x_MD: torch.Tensor, rec: Record) -> torch.Tensor:
         """Execute a recorded forward again: its placement, policy state, counts and plan (or fallback); the same

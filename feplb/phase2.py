@@ -140,11 +140,12 @@ def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f
     that is late, or that fails (the planner raised, or the plan is not executable here) on any rank of the scope,
     makes the whole scope compute at home: results never depend on it, so a failure is a warning, not a desync.
     A replay (a recompute) lays out the plan its forward executed everywhere, with no agreement."""
-    res = layer._balancer.wait_plan(plan_f, static_end)
-    laid, error = None, res.error
-    if replay:
+    if replay:   # the recorded plan, already resolved: no wait, no deadline
+        res = PlanResult(plan=plan_f.result()[0], plan_us=0.0, ready=1, error=None)
         laid = _lay_out(layer, res.plan, counts, split, state, h_RD.dtype, h_RD.device)
         return _issue(layer, h_RD, slot_w, res, laid, launched, ready, tl)
+    res = layer._balancer.wait_plan(plan_f, static_end)
+    laid, error = None, res.error
     if res.plan is not None:
         try:
             laid = _lay_out(layer, res.plan, counts, split, state, h_RD.dtype, h_RD.device)

@@ -490,8 +490,8 @@ def _check_gradient_checkpointing(rank: int, world: int) -> dict:
     """transformers' gradient checkpointing of the decoder layers (non-reentrant, its default, for every
     architecture; reentrant for Mixtral) on a model with FEPLB applied, against the same model without: two SGD
     steps with attach_optimizer, the recompute replaying each layer's forward (feplb.recompute). Returns, per case,
-    the largest relative difference of the losses and of the parameters after the steps, the rows moved and the
-    records left unconsumed."""
+    the largest relative difference of the losses and of the parameters after the steps, the rows moved, the
+    replays and the records never replayed."""
     import feplb.hf as fh
 
     M = _models()
@@ -525,7 +525,8 @@ def _check_gradient_checkpointing(rank: int, world: int) -> dict:
         for n, p in ckpt.named_parameters():
             param_rel = max(param_rel, _rel(p, want[n]))
         out[(arch, reentrant)] = {"loss_rel": loss_rel, "param_rel": param_rel, "rows_moved": moved,
-                                  "records_left": sum(len(e._records) for e in fh.experts_modules(ckpt)),
+                                  "records_left": sum(len(e._records) - e._records.replayed()
+                                                      for e in fh.experts_modules(ckpt)),
                                   "replays": replays[0], "layers": len(fh.experts_modules(ckpt))}
     return out
 

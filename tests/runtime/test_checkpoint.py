@@ -6,11 +6,14 @@ x 2 GPUs), against the same layer run without checkpointing:
   micro-batches (one of which falls back to computing at home, its plan late, which its recompute repeats), for
   plain EP, ``feplb-split`` (rows and weights move), ``feplb-split+place@ema`` with per-micro-batch weights (the
   placement and dynamic sets change between a forward and its recompute) and the peers' ``eplb`` (the direct path);
-  the layer last in the checkpointed block (non-reentrant checkpointing then stops
-  the recompute inside the layer) and followed by an op that saves its output;
-* recomputes come in any order (three micro-batches forward, then one backward of their sum), and a ``no_grad``
-  forward in training mode in between (recorded, never recomputed) is skipped; the parameters' gradients are then
-  equal up to the order reentrant checkpointing adds the micro-batches in;
+  the layer last in the checkpointed block and followed by an op that saves its output;
+* the last of each step's recomputes would find its plan late: it replays the recorded plan and never plans;
+* recomputes come in any order (three micro-batches forward, then one backward of their sum); ``no_grad`` forwards
+  in training mode (one of the very first micro-batch's input, its plan late) are never taken by a non-reentrant
+  recompute; a reentrant one may take the equal one, and the parameters' gradients add the micro-batches in
+  another order: equal up to rounding there;
+* a second backward through the same graph (``retain_graph``) replays again; ``refresh_replicas()`` between a
+  checkpointed forward and its backward raises on every rank;
 * a recompute that routes differently from its forward raises a clear error on every rank, and the layer works on.
 """
 
@@ -49,8 +52,8 @@ def _inputs(rank: int, mb: int):
 
 
 def _block(layer, tail: str):
-    """The checkpointed block: ops that save tensors before the layer, and after it (``tanh``) or not (the layer is
-    the block's last op that saves, so non-reentrant checkpointing stops the recompute inside it)."""
+    """The checkpointed block: ops that save tensors before the layer, and after it (``tanh``) or not (the layer's
+    combine is the block's last op that saves: non-reentrant checkpointing stops the recompute there)."""
     def f(x):
         y = layer(torch.sin(x) * 2.0)
         return torch.tanh(y) if tail == "tanh" else y + x
@@ -98,8 +101,11 @@ def _steps(rank: int, policy: str, weights: str, mode: str, tail: str) -> dict:
             fell_back += ref.last_stats.fell_back
             assert torch.equal(out_a, out_r), (policy, mode, tail, step, mb, "output")
             (out_r * dy).sum().backward()
+            # the third micro-batch's recompute would find its plan late: it replays the forward's plan instead
+            late["on"] = mb == 2
             (out_a * dy).sum().backward()
-            assert len(ac._records) == 0, "the recompute took its forward's record"
+            late["on"] = False
+            assert ac._records.replayed() == len(ac._records) == 3 * step + mb + 1, "one record per forward, replayed"
             assert len(ref._records) == 0, "a plain training forward leaves no record"
             # what the forward did (the replay leaves it: a recompute plans nothing and reports nothing)
             assert dataclasses.replace(ac.last_stats, plan_us=0.0) == dataclasses.replace(ref.last_stats, plan_us=0.0)
@@ -132,13 +138,21 @@ def _make_late(*layers) -> dict:
 
 
 def _accumulated(rank: int, policy: str, weights: str, mode: str) -> dict:
-    """Three micro-batches forward (and a no_grad forward in training mode between them), then one backward of
-    their sum: the recomputes run in autograd's order, not the forwards'."""
+    """Three micro-batches forward, then one backward of their sum: the recomputes run in autograd's order, not the
+    forwards'. A no_grad forward in training mode comes between them, and one of the first micro-batch's very input
+    just before it, whose plan is late (it computes at home): a non-reentrant recompute never takes either (another
+    kind of record), a reentrant one may take the equal one (the same function, up to rounding)."""
     ref, _ = _layer(policy, weights, seed=5)
     ac, _ = _layer(policy, weights, seed=5)
+    late = _make_late(ref, ac)
     outs_r, outs_a, xs = [], [], []
     for mb in range(3):
         x, dy = _inputs(rank, 10 + mb)
+        if mb == 0:
+            late["on"] = True
+            with torch.no_grad():
+                _block(ref, "tanh")(x), _block(ac, "tanh")(x)
+            late["on"] = False
         xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         outs_r.append((_block(ref, "tanh")(xr) * dy).sum())
         outs_a.append((checkpoint(_block(ac, "tanh"), xa, use_reentrant=mode == "reentrant") * dy).sum())
@@ -148,14 +162,15 @@ def _accumulated(rank: int, policy: str, weights: str, mode: str) -> dict:
                 ref(x), ac(x)
     sum(outs_r).backward()
     sum(outs_a).backward()
-    for xr, xa in xs:
-        assert torch.equal(xa.grad, xr.grad)
-    # the parameters' gradients add the micro-batches in autograd's order, which reentrant checkpointing changes
-    # (a backward per recompute): equal up to that summation order
+    # reentrant: a recompute may replay the equal no_grad forward, and the parameters' gradients add the
+    # micro-batches in another order (a backward per recompute): equal up to rounding
+    exact = mode != "reentrant"
+    for i, (xr, xa) in enumerate(xs):
+        _compare({"x": xa.grad}, {"x": xr.grad}, (policy, mode, "accumulated", i), exact=exact)
     _compare({k: v for k, v in _grads(ac, xs[0][1]).items() if k != "x"},
              {k: v for k, v in _grads(ref, xs[0][0]).items() if k != "x"}, (policy, mode, "accumulated"),
-             exact=mode != "reentrant")
-    left = len(ac._records)
+             exact=exact)
+    left = len(ac._records) - ac._records.replayed()
     ref.close(), ac.close()
     return {"left": left}
 
@@ -181,7 +196,53 @@ def test_recompute_equals_no_checkpointing(policy, weights):
         if "fell_back" in res and policy in ("feplb-split", "feplb-split+place@ema"):
             assert res["fell_back"] == 2, (key, "one fallback per optimizer step")
         if "left" in res:
-            assert res["left"] == 1, (key, "only the no_grad forward's record is left")
+            assert res["left"] == 2, (key, "two records not replayed: as many as no_grad forwards")
+
+
+def _misuse_rank(rank: int, world: int) -> dict:
+    """Per checkpointing mode: a second backward through the same graph (retain_graph) equals the layer without
+    checkpointing doing the same; refresh_replicas() between a checkpointed forward and its backward raises on every
+    rank (the per-step copies it computed with are gone), and the layer works on."""
+    out = {}
+    for mode in ("reentrant", "non-reentrant"):
+        ref, _ = _layer("feplb-split@ema", "per-step", seed=7)
+        ac, _ = _layer("feplb-split@ema", "per-step", seed=7)
+        x, dy = _inputs(rank, 20)
+        xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        out_r = _block(ref, "tanh")(xr)
+        out_a = checkpoint(_block(ac, "tanh"), xa, use_reentrant=mode == "reentrant")
+        for _ in range(2):
+            (out_r * dy).sum().backward(retain_graph=True)
+            (out_a * dy).sum().backward(retain_graph=True)
+        twice = all(torch.equal(a, b) for a, b in zip(_grads(ac, xa).values(), _grads(ref, xr).values(), strict=True))
+
+        layer, _ = _layer("feplb-split+place", "per-step", seed=8)
+        with torch.no_grad():
+            layer(x)            # a history, so that a placement and its bank exist
+        layer.refresh_replicas()
+        held = layer.replicas.ever_held
+        out_l = checkpoint(_block(layer, "tanh"), x.clone().requires_grad_(True), use_reentrant=mode == "reentrant")
+        layer.refresh_replicas()
+        try:
+            (out_l * dy).sum().backward()
+            error = None
+        except RuntimeError as exc:
+            error = str(exc)
+        xb = x.clone().requires_grad_(True)
+        (layer(xb) * dy).sum().backward()
+        out[mode] = {"twice": twice, "held": held, "error": error, "after_ok": bool(torch.isfinite(xb.grad).all())}
+        for m in (ref, ac, layer):
+            m.close()
+    return out
+
+
+def test_second_backward_and_refresh_before_the_backward():
+    for res in run_dist(_misuse_rank, W, timeout_s=300):
+        for mode, r in res.items():
+            assert r["twice"], (mode, "a second backward (retain_graph) replays the same forward again")
+            assert r["held"], (mode, "the layer held per-step copies: the refresh replaced them")
+            assert r["error"] and "refresh_replicas() ran between a forward and its recompute" in r["error"], (mode, r)
+            assert r["after_ok"], mode
 
 
 def _mismatch_rank(rank: int, world: int, mode: str) -> dict:
