@@ -64,7 +64,7 @@ from feplb.layout import (
     home_layout,
 )
 from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
-from feplb.recompute import Record, Records, in_backward, recompute_kind, record_kind
+from feplb.recompute import Record, Records, checkpoint_frame, hooks_active, in_backward, record_kind
 from feplb.replicas import Placement, Replicas, state_digest
 from feplb.steps import Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
@@ -343,36 +343,72 @@ class MoELayer(nn.Module):
         self._observe(counts, p2)
         kind = record_kind(self.training)
         if kind is not None:
+            frame = checkpoint_frame() if kind == "hooks" else None
             self._records.add(Record(kind=kind, placement=placement, slot_of_E=slot_of_E, plan_state=plan_state,
                                      counts=counts, direct=direct, plan=None if p2.fell_back else p2.result.plan,
-                                     fell_back=p2.fell_back, generation=self.replicas.generation))
+                                     fell_back=p2.fell_back, generation=self.replicas.generation,
+                                     frame=None if frame is None else weakref.ref(frame)))
         return y_MD
 
     # ------------------------------------------------------------------------------------------------ recompute
     def _find_record(self, local_counts_E: torch.Tensor) -> Record:
-        """The record of the forward a recompute repeats, agreed by every rank (one all-gather; a host sync for
-        this rank's counts): the oldest record whose counts of every rank's rows equal the recompute's."""
+        """The record of the forward a recompute repeats (``feplb.recompute``), agreed by every rank in one
+        all-gather of bit masks (and a host sync for this rank's counts): the record of the active checkpoint frame;
+        else the one ``hooks`` record whose counts of every rank's rows equal the recompute's; else the oldest such
+        ``no_grad`` record not yet replayed, or the newest replayed. Records of older per-step copies only explain a
+        refusal."""
         local = local_counts_E.to(torch.int64).cpu().numpy()
-        kind = recompute_kind()
-        fresh, replayed = self._records.masks(self.rank, local, kind)
-        row = torch.tensor([fresh, replayed, self._records.first_seq(), len(self._records)], dtype=torch.int64)
+        rank, gen, recs = self.rank, self.replicas.generation, self._records
+        frame = checkpoint_frame()
+
+        def equal(rec: Record) -> bool:
+            return np.array_equal(rec.local_counts_E(rank), local)
+
+        def current(rec: Record) -> bool:
+            return rec.generation == gen and equal(rec)
+
+        masks = [
+            recs.mask(lambda rec, r: frame is not None and rec.frame is not None and rec.frame() is frame
+                      and equal(rec)),
+            recs.mask(lambda rec, r: rec.kind == "hooks" and rec.frame is None and current(rec)),
+            recs.mask(lambda rec, r: rec.kind == "no_grad" and not r and current(rec)),
+            recs.mask(lambda rec, r: rec.kind == "no_grad" and r and current(rec)),
+            recs.mask(lambda rec, r: rec.generation != gen and equal(rec)),
+        ]
+        row = torch.tensor([*masks, int(frame is not None), int(hooks_active()), recs.first_seq(), len(recs)],
+                           dtype=torch.int64)
         rows = self.control.all_gather(row, "recompute: finding the recorded forward").numpy()
-        if len({(int(r[2]), int(r[3])) for r in rows}) != 1:
-            raise RuntimeError(f"MoELayer: the ranks hold different forward records (first, count: "
-                               f"{[(int(r[2]), int(r[3])) for r in rows]}); every rank must run the same forwards")
-        fresh, replayed = (int(np.bitwise_and.reduce(rows[:, i])) for i in (0, 1))
-        if fresh == 0 and replayed == 0:
-            mode = "non-reentrant" if kind == "hooks" else "reentrant"
+        if len({tuple(int(v) for v in r[5:]) for r in rows}) != 1:
+            raise RuntimeError(f"MoELayer: the ranks recompute differently or hold different forward records "
+                               f"(frame, hooks, first, count: {[[int(v) for v in r[5:]] for r in rows]}); every "
+                               "rank must run the same forwards and checkpoint them alike")
+        by_frame, hooks, fresh, replayed, older = (int(np.bitwise_and.reduce(rows[:, i])) for i in range(5))
+        if by_frame:
+            rec = recs.take(by_frame)
+        elif hooks and hooks & (hooks - 1) == 0:
+            rec = recs.take(hooks)
+        elif hooks:
             raise RuntimeError(
-                f"MoELayer: {mode} activation checkpointing recomputed a forward that matches none of the forwards "
-                "recorded for it on every rank: the recompute routes its rows otherwise (a router or routing that is "
-                "not deterministic, or inputs that changed: recompute with the same inputs and RNG state, "
+                f"MoELayer: {bin(hooks).count('1')} recorded forwards of this layer under saved-tensor hooks have "
+                "the same counts on every rank as this recompute, and none holds the checkpoint frame: the one it "
+                "repeats cannot be told apart; use torch.utils.checkpoint's own hooks (non-reentrant), or backward "
+                "each checkpointed micro-batch before the next equal one")
+        elif fresh or replayed:
+            rec = recs.take(fresh) if fresh else recs.take(replayed, newest=True)
+        elif older and self.replicas.ever_held:
+            # the same on every rank (refresh_replicas is collective): all raise, none enters the replay
+            raise RuntimeError("MoELayer: refresh_replicas() ran between a forward and its recompute by activation "
+                               "checkpointing: the per-step copies it computed with were replaced, so its backward "
+                               "cannot be computed; refresh after optimizer.step(), once the backward is done")
+        else:
+            raise RuntimeError(
+                "MoELayer: activation checkpointing recomputed a forward that matches none of the forwards recorded "
+                "for it on every rank: the recompute routes its rows otherwise (a router or routing that is not "
+                "deterministic, or inputs that changed: recompute with the same inputs and RNG state, "
                 "torch.utils.checkpoint's default preserve_rng_state=True), or its forward left no record (only a "
                 "forward under no_grad in training mode, or under saved-tensor hooks with grad enabled, does; the "
-                f"last {len(self._records)} are kept)")
-        rec = self._records.take(fresh, replayed)
-        if rec.generation != self.replicas.generation and self.replicas.ever_held:
-            # the same on every rank (refresh_replicas is collective): all raise, none enters the replay
+                f"last {len(recs)} are kept)")
+        if rec.generation != gen and self.replicas.ever_held:
             raise RuntimeError("MoELayer: refresh_replicas() ran between a forward and its recompute by activation "
                                "checkpointing: the per-step copies it computed with were replaced, so its backward "
                                "cannot be computed; refresh after optimizer.step(), once the backward is done")

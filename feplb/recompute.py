@@ -9,20 +9,23 @@ that runs inside a backward pass (``torch.utils.checkpoint`` in either mode, tra
 ``checkpoint_wrapper``) finds its record and executes exactly that again: same layouts, same copies, same GEMMs,
 no planning, no agreement, no history update. Its collectives still run, in the same order on every rank.
 
-Which forwards may be recomputed, and which records a recompute looks at: reentrant checkpointing runs the first
-forward under ``no_grad`` and recomputes without saved-tensor hooks; non-reentrant checkpointing runs both under
-saved-tensor hooks, with autograd recording. So a forward under hooks with grad enabled leaves a ``hooks`` record
-(in any mode), a training-mode forward under ``no_grad`` a ``no_grad`` record, a plain training forward none; a
-recompute under hooks looks at ``hooks`` records only, one without at ``no_grad`` records only. A ``no_grad``
-forward that nobody recomputes (old log-probabilities in RL, say) can thus never be taken for a non-reentrant
-checkpoint's forward; for a reentrant one, whose recompute builds a graph of its own, a record of an equal forward
-(the same counts on every rank) computes the same function, up to rounding.
+Which forwards leave a record: one under saved-tensor hooks with grad enabled (non-reentrant checkpointing, in any
+mode) a ``hooks`` record, holding the checkpoint's frame when the hooks are ``torch.utils.checkpoint``'s; one under
+``no_grad`` in training mode (reentrant checkpointing runs its first forward so) a ``no_grad`` record; a plain
+forward none. A recompute finds its record in one all-gather of per-rank bit masks (a bit per record kept, at most
+``MAX_RECORDS``), intersected, so that every rank takes the same one:
 
-Records are found by content, not order (a recompute may come in any order: gradient accumulation over one backward,
-pipeline schedules): each rank marks the records whose counts of its own rows per expert equal the recompute's,
-the ranks intersect their marks in one all-gather and take the oldest common record not yet replayed, or, for a
-second backward through the same graph (``retain_graph=True``), the newest one already replayed. Records are kept
-after a replay and age out: at most ``MAX_RECORDS``, identically on every rank.
+* under a checkpoint frame (non-reentrant checkpointing): the record of that very frame, exactly;
+* under other saved-tensor hooks: the ``hooks`` record whose counts of every rank's rows per expert equal the
+  recompute's, if exactly one does (several equal forwards cannot be told apart: refused), else as below;
+* otherwise (reentrant checkpointing): the oldest ``no_grad`` record with equal counts not yet replayed, else the
+  newest replayed (a second backward through the same graph). A reentrant recompute builds a graph of its own, so
+  an equal forward's record (old log-probabilities computed under ``no_grad`` in RL, say) computes the same
+  function, up to rounding.
+
+Only records of the per-step copies' current generation are taken; a match of an older one only means that
+``refresh_replicas()`` ran between a forward and its recompute, which raises. Replayed records are kept for a
+second backward; every record ages out.
 
 Legend: W EP ranks, E experts.
 """
@@ -30,13 +33,15 @@ Legend: W EP ranks, E experts.
 from __future__ import annotations
 
 import collections
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["MAX_RECORDS", "Record", "Records", "hooks_active", "in_backward", "recompute_kind", "record_kind"]
+__all__ = ["MAX_RECORDS", "Record", "Records", "checkpoint_frame", "hooks_active", "in_backward", "record_kind"]
 
 MAX_RECORDS = 62
 """Records kept per layer (a bit each in one int64 of the matching all-gather)."""
@@ -52,6 +57,31 @@ def hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
+def checkpoint_frame() -> Any | None:
+    """The ``torch.utils.checkpoint`` frame whose saved-tensor hooks are the active ones (non-reentrant
+    checkpointing: the same object in the forward and in its recompute), read from the pack hook's closure; None
+    under other hooks or none, or where torch keeps it otherwise."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return None
+    fn = hooks[0]
+    for _ in range(4):   # the recompute's hook is wrapped by torch._dynamo.disable
+        inner = getattr(fn, "__wrapped__", None) or getattr(fn, "_torchdynamo_orig_callable", None)
+        if inner is None:
+            break
+        fn = inner
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:   # an empty cell
+            continue
+        if isinstance(value, weakref.ref):
+            value = value()
+        if type(value).__name__ == "_CheckpointFrame":
+            return value
+    return None
+
+
 def record_kind(training: bool) -> str | None:
     """The kind of record a forward running now leaves: ``hooks`` (grad enabled under saved-tensor hooks: a
     non-reentrant checkpoint's forward), ``no_grad`` (a training forward under no_grad: maybe a reentrant
@@ -59,11 +89,6 @@ def record_kind(training: bool) -> str | None:
     if torch.is_grad_enabled():
         return "hooks" if hooks_active() else None
     return "no_grad" if training else None
-
-
-def recompute_kind() -> str:
-    """The kind of record a recompute running now (inside a backward pass) replays."""
-    return "hooks" if hooks_active() else "no_grad"
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -74,7 +99,8 @@ class Record:
     by (``feplb.replicas.Placement``, its device map); plan_state: the policy state it planned from; counts: the
     gathered ``feplb.steps.Counts``; direct: it took the peers' direct path; plan: the plan it executed (None: none,
     or it fell back); fell_back: the node agreed to compute at home; generation: the per-step copies it computed
-    with (``Replicas.generation``)."""
+    with (``Replicas.generation``); frame: a weak reference to the ``torch.utils.checkpoint`` frame it ran under
+    (:func:`checkpoint_frame`), or None."""
 
     kind: str
     placement: Any
@@ -85,6 +111,7 @@ class Record:
     plan: Any
     fell_back: bool
     generation: int = 0
+    frame: Any = None                  # a weakref to the checkpoint frame it ran under (hooks records), or None
 
     def local_counts_E(self, rank: int) -> np.ndarray:
         """int64 [E]: the rows this rank sent to each expert in that forward."""
@@ -115,27 +142,20 @@ class Records:
         """The sequence number of the oldest record kept (the next one's when none is kept)."""
         return self._items[0][0] if self._items else self._next
 
-    def masks(self, rank: int, local_counts_E: np.ndarray, kind: str) -> tuple[int, int]:
-        """(not yet replayed, replayed): bit i set when the i-th oldest record is of ``kind`` and its counts of this
-        rank's rows equal ``local_counts_E``."""
-        fresh = replayed = 0
+    def mask(self, pred: Callable[[Record, bool], bool]) -> int:
+        """Bit i set when ``pred(record, replayed)`` holds for the i-th oldest record."""
+        bits = 0
         for i, (seq, rec) in enumerate(self._items):
-            if rec.kind == kind and np.array_equal(rec.local_counts_E(rank), local_counts_E):
-                if seq in self._replayed:
-                    replayed |= 1 << i
-                else:
-                    fresh |= 1 << i
-        return fresh, replayed
+            if pred(rec, seq in self._replayed):
+                bits |= 1 << i
+        return bits
 
-    def take(self, fresh: int, replayed: int) -> Record:
-        """The record the ranks' intersected masks choose: the oldest not yet replayed, else the newest replayed (a
-        second backward through the same graph); it is marked replayed and kept."""
-        if fresh > 0:
-            i = (fresh & -fresh).bit_length() - 1
-        elif replayed > 0:
-            i = replayed.bit_length() - 1
-        else:
-            raise ValueError(f"expected a non-empty mask, got {fresh} and {replayed}")
+    def take(self, bits: int, newest: bool = False) -> Record:
+        """The oldest (``newest``: the newest) record whose bit is set in ``bits`` (agreed by every rank); it is
+        marked replayed and kept."""
+        if bits <= 0:
+            raise ValueError(f"expected a non-empty mask, got {bits}")
+        i = bits.bit_length() - 1 if newest else (bits & -bits).bit_length() - 1
         if i >= len(self._items):
             raise ValueError(f"bit {i} names no record (holding {len(self._items)})")
         seq, rec = self._items[i]

@@ -14,6 +14,10 @@ x 2 GPUs), against the same layer run without checkpointing:
   another order: equal up to rounding there;
 * a second backward through the same graph (``retain_graph``) replays again; ``refresh_replicas()`` between a
   checkpointed forward and its backward raises on every rank;
+* micro-batches with equal counts on every rank but different plans, pending together: each non-reentrant recompute
+  replays its own forward (found by its checkpoint frame); epochs of reentrant checkpointing after a no_grad forward
+  of the same batch, with optimizer steps between, never trip on the record left behind; reentrant checkpointing
+  inside save_on_cpu, non-reentrant checkpointing in eval mode, and the last forward's timeline, left alone;
 * a recompute that routes differently from its forward raises a clear error on every rank, and the layer works on.
 """
 
@@ -33,12 +37,12 @@ H, FF, E, K, W, G = 16, 24, 16, 2, 4, 2
 TOKENS = (40, 24, 32, 16)
 
 
-def _layer(policy: str, weights: str, seed: int):
+def _layer(policy: str, weights: str, seed: int, **kw):
     from feplb import FEPLBConfig, MoELayer
 
     torch.manual_seed(seed)     # the same router and expert weights for both layers of a pair
     layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2, policy=policy,
-                                 weights=weights, min_chunk=2, min_straggler_rows=0, refresh_every=2))
+                                 weights=weights, min_chunk=2, min_straggler_rows=0, refresh_every=2, **kw))
     opt = torch.optim.SGD(layer.parameters(), lr=0.5)
     layer.attach_optimizer(opt)
     return layer, opt
@@ -243,6 +247,113 @@ def test_second_backward_and_refresh_before_the_backward():
             assert r["held"], (mode, "the layer held per-step copies: the refresh replaced them")
             assert r["error"] and "refresh_replicas() ran between a forward and its recompute" in r["error"], (mode, r)
             assert r["after_ok"], mode
+
+
+def _routing(rank: int, seed: int = 0):
+    """Fixed routing of this rank's tokens, skewed to a few experts (the same counts whatever the input)."""
+    gen = torch.Generator().manual_seed(100 + rank + seed)
+    probs = torch.ones(E)
+    probs[:3] = 12.0
+    ids = torch.stack([torch.multinomial(probs, K, generator=gen) for _ in range(TOKENS[rank])])
+    return ids, torch.rand(TOKENS[rank], K, generator=gen) + 0.1
+
+
+def _external_block(layer, ids, gates):
+    def f(x):
+        return torch.tanh(layer(torch.sin(x) * 2.0, routing=(ids, gates)))
+    return f
+
+
+def _equal_counts(rank: int, policy: str, weights: str, mode: str) -> dict:
+    """Three micro-batches with the same routing (equal counts on every rank) and other inputs, forward, then one
+    backward of their sum; the first one's plan is late (it computes at home), so the forwards' plans differ: each
+    recompute must replay its own forward's."""
+    ref, _ = _layer(policy, weights, seed=9, router="external")
+    ac, _ = _layer(policy, weights, seed=9, router="external")
+    late = _make_late(ref, ac)
+    ids, gates = _routing(rank)
+    loss_r = loss_a = 0.0
+    xs = []
+    for mb in range(3):
+        x, dy = _inputs(rank, 30 + mb)
+        xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        late["on"] = mb == 0
+        loss_r = loss_r + (_external_block(ref, ids, gates)(xr) * dy).sum()
+        loss_a = loss_a + (checkpoint(_external_block(ac, ids, gates), xa, use_reentrant=mode == "reentrant")
+                           * dy).sum()
+        late["on"] = False
+        xs.append((xr, xa))
+    loss_r.backward()
+    loss_a.backward()
+    exact = mode != "reentrant"   # a reentrant recompute may take an equal forward's record: the same up to rounding
+    for i, (xr, xa) in enumerate(xs):
+        _compare({"x": xa.grad}, {"x": xr.grad}, (policy, mode, "equal counts", i), exact=exact)
+    _compare({k: getattr(ac, k).grad for k in ("w1", "w2")}, {k: getattr(ref, k).grad for k in ("w1", "w2")},
+             (policy, mode, "equal counts"), exact=exact)
+    ref.close(), ac.close()
+    return {"ok": True}
+
+
+def _edge_rank(rank: int, world: int) -> dict:
+    """Equal counts in several pending checkpointed micro-batches (each recompute replays its own forward); epochs of
+    a reentrant checkpoint after a no_grad forward of the same batch, with optimizer steps and refreshes between
+    (the record of the checkpointed forward left behind is of an older generation: never taken, never an error);
+    reentrant checkpointing inside save_on_cpu; non-reentrant checkpointing in eval mode; and the timeline of the
+    last forward left alone by a recompute."""
+    out = {}
+    for policy, weights in (("feplb-split", "per-step"), ("feplb-split+place@ema", "per-microbatch")):
+        for mode in ("non-reentrant", "reentrant"):
+            out[("equal", policy, mode)] = _equal_counts(rank, policy, weights, mode)
+
+    layer, opt = _layer("feplb-split+place", "per-step", seed=10, router="external")
+    ids, gates = _routing(rank, 1)
+    x, dy = _inputs(rank, 40)
+    with torch.no_grad():
+        layer(x, routing=(ids, gates))   # a placement and its bank
+    layer.refresh_replicas()
+    epochs = []
+    for epoch in range(3):
+        if epoch == 0:
+            with torch.no_grad():        # "old log-probabilities" of the same batch
+                layer(x, routing=(ids, gates))
+        try:
+            xa = x.clone().requires_grad_(True)
+            (checkpoint(_external_block(layer, ids, gates), xa, use_reentrant=True) * dy).sum().backward()
+            opt.step()                   # attach_optimizer: reduce the replicas' gradients, refresh after the step
+            opt.zero_grad()
+            epochs.append("ok")
+        except RuntimeError as exc:
+            epochs.append(str(exc))
+    out["epochs"] = epochs
+    out["held"] = layer.replicas.ever_held
+
+    ref, _ = _layer("feplb-split", "per-step", seed=11)
+    ac, _ = _layer("feplb-split", "per-step", seed=11, timeline=True)
+    x, dy = _inputs(rank, 41)
+    xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    (_block(ref, "tanh")(xr) * dy).sum().backward()
+    with torch.autograd.graph.save_on_cpu():
+        out_a = checkpoint(_block(ac, "tanh"), xa, use_reentrant=True)
+        spans = len(ac.last_timeline.spans())
+        (out_a * dy).sum().backward()
+    out["save_on_cpu"] = torch.equal(xa.grad, xr.grad)
+    out["timeline_kept"] = len(ac.last_timeline.spans()) == spans
+    ref.eval(), ac.eval()
+    xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    (_block(ref, "tanh")(xr) * dy).sum().backward()
+    (checkpoint(_block(ac, "tanh"), xa, use_reentrant=False) * dy).sum().backward()
+    out["eval"] = torch.equal(xa.grad, xr.grad)
+    for m in (ref, ac, layer):
+        m.close()
+    return out
+
+
+@pytest.mark.slow
+def test_equal_counts_epochs_other_hooks_eval_mode_and_timeline():
+    for res in run_dist(_edge_rank, W, timeout_s=600):
+        assert res["held"], "the layer held per-step copies: refreshes replaced them"
+        assert res["epochs"] == ["ok"] * 3, res["epochs"]
+        assert res["save_on_cpu"] and res["eval"] and res["timeline_kept"], res
 
 
 def _mismatch_rank(rank: int, world: int, mode: str) -> dict:

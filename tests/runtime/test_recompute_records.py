@@ -1,6 +1,6 @@
-"""The records a recompute finds its forward by (``feplb.recompute.Records``), without processes: content matching
-by kind, the agreed choice (the oldest not yet replayed, else the newest replayed), the bound on what is kept, and
-which forwards leave which kind of record."""
+"""The records a recompute finds its forward by (``feplb.recompute``), without processes: bit masks over the records
+kept, the choice they make (oldest, or newest), the bound on what is kept, which forwards leave which kind of record,
+and the checkpoint frame read from torch's hooks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from feplb.recompute import MAX_RECORDS, Record, Records, in_backward, recompute_kind, record_kind
+from feplb.recompute import MAX_RECORDS, Record, Records, checkpoint_frame, hooks_active, in_backward, record_kind
 from feplb.steps import read_counts
 
 
@@ -26,42 +26,32 @@ def _random_counts(rng, W=2, E=4):
     return rng.integers(0, 9, size=(W, E)).astype(np.int64)
 
 
-def test_masks_mark_the_records_of_the_kind_whose_counts_of_this_ranks_rows_match():
+def test_masks_and_takes():
     rng = np.random.default_rng(0)
     recs = Records()
     counts = [_random_counts(rng) for _ in range(5)]
     counts[3] = counts[1].copy()
     counts[3][1] += 1                  # rank 0's rows alike in records 1 and 3, rank 1's not
-    counts[4] = counts[1].copy()       # record 4: equal counts, but another kind
+    counts[4] = counts[1].copy()       # record 4: equal counts, another kind
     for i, c in enumerate(counts):
         recs.add(_record(c, str(i), kind="no_grad" if i == 4 else "hooks"))
-    assert recs.masks(0, counts[1][0], "hooks") == (0b01010, 0)
-    assert recs.masks(1, counts[1][1], "hooks") == (0b00010, 0)
-    assert recs.masks(0, counts[1][0], "no_grad") == (0b10000, 0)
-    assert recs.masks(0, np.full(4, 99), "hooks") == (0, 0)
+
+    def matching(rank, kind):
+        return recs.mask(lambda rec, replayed: rec.kind == kind and np.array_equal(rec.local_counts_E(rank),
+                                                                                   counts[1][rank]))
+
+    assert matching(0, "hooks") == 0b01010 and matching(1, "hooks") == 0b00010
+    assert matching(0, "no_grad") == 0b10000
     # the ranks' masks intersected name record 1: taken and kept, marked replayed
-    assert recs.take(0b01010 & 0b00010, 0).placement == "1"
+    assert recs.take(matching(0, "hooks") & matching(1, "hooks")).placement == "1"
     assert len(recs) == 5 and recs.replayed() == 1
-    assert recs.masks(0, counts[1][0], "hooks") == (0b01000, 0b00010)
-
-
-def test_take_prefers_the_oldest_fresh_record_then_the_newest_replayed():
-    rng = np.random.default_rng(1)
-    recs = Records()
-    same = _random_counts(rng)
-    for tag in "abc":
-        recs.add(_record(same, tag))
-    # recomputes of identical counts take the oldest not yet replayed first
-    got = []
-    for _ in range(3):
-        got.append(recs.take(*recs.masks(0, same[0], "hooks")).placement)
-    assert got == ["a", "b", "c"]
-    # a second backward through a graph whose records were all replayed: the newest replayed
-    assert recs.take(*recs.masks(0, same[0], "hooks")).placement == "c"
+    assert recs.mask(lambda rec, replayed: replayed) == 0b00010
+    # oldest by default, newest when asked
+    assert recs.take(0b01100).placement == "2" and recs.take(0b01100, newest=True).placement == "3"
     with pytest.raises(ValueError, match="non-empty mask"):
-        recs.take(0, 0)
+        recs.take(0)
     with pytest.raises(ValueError, match="bit 5 names no record"):
-        recs.take(0b100000, 0)
+        recs.take(0b100000)
 
 
 def test_at_most_max_records_are_kept_oldest_dropped_first():
@@ -71,22 +61,24 @@ def test_at_most_max_records_are_kept_oldest_dropped_first():
     for i, c in enumerate(counts):
         recs.add(_record(c, str(i)))
         if i == 2:
-            recs.take(*recs.masks(0, c[0], "hooks"))
+            recs.take(1 << 2)
     assert len(recs) == MAX_RECORDS and recs.first_seq() == 5
-    assert recs.replayed() == 0                                  # the replayed one aged out with its mark
-    assert recs.masks(0, counts[0][0], "hooks") == (0, 0)        # aged out
-    last, _ = recs.masks(0, counts[-1][0], "hooks")
-    assert last == 1 << (MAX_RECORDS - 1) and last < 2**63      # fits one int64 of the all-gather
-    assert recs.take(last, 0).placement == str(MAX_RECORDS + 4)
+    assert recs.replayed() == 0                                   # the replayed one aged out with its mark
+    first = recs.mask(lambda rec, replayed: np.array_equal(rec.local_counts_E(0), counts[0][0]))
+    last = recs.mask(lambda rec, replayed: np.array_equal(rec.local_counts_E(0), counts[-1][0]))
+    assert first == 0                                             # aged out
+    assert last == 1 << (MAX_RECORDS - 1) and last < 2**63       # fits one int64 of the all-gather
+    assert recs.take(last).placement == str(MAX_RECORDS + 4)
     with pytest.raises(ValueError, match="max_records"):
         Records(MAX_RECORDS + 1)
 
 
-def test_which_forwards_leave_which_record_and_which_recomputes_read_them():
+def test_which_forwards_leave_which_record_and_what_a_recompute_sees():
     seen = []
 
     def f(x, training=True):
-        seen.append(recompute_kind() if in_backward() else record_kind(training))
+        frame = checkpoint_frame()
+        seen.append(("recompute" if in_backward() else record_kind(training), hooks_active(), frame))
         return x.sin()
 
     x = torch.randn(3, requires_grad=True)
@@ -97,4 +89,13 @@ def test_which_forwards_leave_which_record_and_which_recomputes_read_them():
     checkpoint(f, x, use_reentrant=True).sum().backward()          # no_grad first run, recompute without hooks
     checkpoint(f, x, use_reentrant=False).sum().backward()         # saved-tensor hooks in both runs
     checkpoint(f, x, False, use_reentrant=False).sum().backward()  # in eval mode too
-    assert seen == [None, "no_grad", None, "no_grad", "no_grad", "hooks", "hooks", "hooks", "hooks"]
+    with torch.autograd.graph.save_on_cpu():
+        f(x).sum().backward()                                      # other hooks: a hooks record without a frame
+    kinds = [(k, h, fr is not None) for k, h, fr in seen]
+    assert kinds == [(None, False, False), ("no_grad", False, False), (None, False, False),
+                     ("no_grad", False, False), ("recompute", False, False),
+                     ("hooks", True, True), ("recompute", True, True),
+                     ("hooks", True, True), ("recompute", True, True),
+                     ("hooks", True, False)]
+    # a non-reentrant recompute runs under the very frame its forward ran under, and each checkpoint has its own
+    assert seen[5][2] is seen[6][2] and seen[7][2] is seen[8][2] and seen[5][2] is not seen[7][2]
