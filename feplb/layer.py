@@ -353,36 +353,37 @@ class MoELayer(nn.Module):
     # ------------------------------------------------------------------------------------------------ recompute
     def _find_record(self, local_counts_E: torch.Tensor) -> Record:
         """The record of the forward a recompute repeats (``feplb.recompute``), agreed by every rank in one
-        all-gather of bit masks (and a host sync for this rank's counts): the record of the active checkpoint frame;
-        else the one ``hooks`` record whose counts of every rank's rows equal the recompute's; else the oldest such
-        ``no_grad`` record not yet replayed, or the newest replayed. Records of older per-step copies only explain a
-        refusal."""
+        all-gather of bit masks (and a host sync for this rank's counts): a record of the active checkpoint frame;
+        else the one ``hooks`` record whose counts of every rank's rows equal the recompute's; else (no checkpoint
+        frame) the oldest such ``no_grad`` record; records replayed fewer times first. Records of older per-step
+        copies only explain a refusal."""
         local = local_counts_E.to(torch.int64).cpu().numpy()
         rank, gen, recs = self.rank, self.replicas.generation, self._records
+        held = self.replicas.ever_held
         frame = checkpoint_frame()
 
         def equal(rec: Record) -> bool:
             return np.array_equal(rec.local_counts_E(rank), local)
 
-        def current(rec: Record) -> bool:
-            return rec.generation == gen and equal(rec)
+        def current(rec: Record) -> bool:   # made with the per-step copies held now (any, when none are held)
+            return (not held or rec.generation == gen) and equal(rec)
 
         masks = [
-            recs.mask(lambda rec, r: frame is not None and rec.frame is not None and rec.frame() is frame
+            recs.mask(lambda rec, n: frame is not None and rec.frame is not None and rec.frame() is frame
                       and equal(rec)),
-            recs.mask(lambda rec, r: rec.kind == "hooks" and rec.frame is None and current(rec)),
-            recs.mask(lambda rec, r: rec.kind == "no_grad" and not r and current(rec)),
-            recs.mask(lambda rec, r: rec.kind == "no_grad" and r and current(rec)),
-            recs.mask(lambda rec, r: rec.generation != gen and equal(rec)),
+            recs.mask(lambda rec, n: rec.kind == "hooks" and current(rec)),
+            recs.mask(lambda rec, n: rec.kind == "no_grad" and current(rec)),
+            recs.mask(lambda rec, n: not current(rec) and equal(rec)),
         ]
         row = torch.tensor([*masks, int(frame is not None), int(hooks_active()), recs.first_seq(), len(recs)],
                            dtype=torch.int64)
         rows = self.control.all_gather(row, "recompute: finding the recorded forward").numpy()
-        if len({tuple(int(v) for v in r[5:]) for r in rows}) != 1:
+        if len({tuple(int(v) for v in r[4:]) for r in rows}) != 1:
             raise RuntimeError(f"MoELayer: the ranks recompute differently or hold different forward records "
-                               f"(frame, hooks, first, count: {[[int(v) for v in r[5:]] for r in rows]}); every "
+                               f"(frame, hooks, first, count: {[[int(v) for v in r[4:]] for r in rows]}); every "
                                "rank must run the same forwards and checkpoint them alike")
-        by_frame, hooks, fresh, replayed, older = (int(np.bitwise_and.reduce(rows[:, i])) for i in range(5))
+        by_frame, hooks, no_grad, older = (int(np.bitwise_and.reduce(rows[:, i])) for i in range(4))
+        hooks = recs.least_replayed(hooks)
         if by_frame:
             rec = recs.take(by_frame)
         elif hooks and hooks & (hooks - 1) == 0:
@@ -390,12 +391,11 @@ class MoELayer(nn.Module):
         elif hooks:
             raise RuntimeError(
                 f"MoELayer: {bin(hooks).count('1')} recorded forwards of this layer under saved-tensor hooks have "
-                "the same counts on every rank as this recompute, and none holds the checkpoint frame: the one it "
-                "repeats cannot be told apart; use torch.utils.checkpoint's own hooks (non-reentrant), or backward "
-                "each checkpointed micro-batch before the next equal one")
-        elif fresh or replayed:
-            rec = recs.take(fresh) if fresh else recs.take(replayed, newest=True)
-        elif older and self.replicas.ever_held:
+                "the same counts on every rank as this recompute, and none was made under its checkpoint frame: "
+                "the one it repeats cannot be told apart; backward each such micro-batch before the next equal one")
+        elif no_grad and frame is None:
+            rec = recs.take(no_grad)
+        elif older:
             # the same on every rank (refresh_replicas is collective): all raise, none enters the replay
             raise RuntimeError("MoELayer: refresh_replicas() ran between a forward and its recompute by activation "
                                "checkpointing: the per-step copies it computed with were replaced, so its backward "
@@ -408,7 +408,7 @@ class MoELayer(nn.Module):
                 "torch.utils.checkpoint's default preserve_rng_state=True), or its forward left no record (only a "
                 "forward under no_grad in training mode, or under saved-tensor hooks with grad enabled, does; the "
                 f"last {len(recs)} are kept)")
-        if rec.generation != gen and self.replicas.ever_held:
+        if rec.generation != gen and held:
             raise RuntimeError("MoELayer: refresh_replicas() ran between a forward and its recompute by activation "
                                "checkpointing: the per-step copies it computed with were replaced, so its backward "
                                "cannot be computed; refresh after optimizer.step(), once the backward is done")

@@ -15,17 +15,19 @@ mode) a ``hooks`` record, holding the checkpoint's frame when the hooks are ``to
 forward none. A recompute finds its record in one all-gather of per-rank bit masks (a bit per record kept, at most
 ``MAX_RECORDS``), intersected, so that every rank takes the same one:
 
-* under a checkpoint frame (non-reentrant checkpointing): the record of that very frame, exactly;
-* under other saved-tensor hooks: the ``hooks`` record whose counts of every rank's rows per expert equal the
-  recompute's, if exactly one does (several equal forwards cannot be told apart: refused), else as below;
-* otherwise (reentrant checkpointing): the oldest ``no_grad`` record with equal counts not yet replayed, else the
-  newest replayed (a second backward through the same graph). A reentrant recompute builds a graph of its own, so
-  an equal forward's record (old log-probabilities computed under ``no_grad`` in RL, say) computes the same
-  function, up to rounding.
+* under a checkpoint frame (non-reentrant checkpointing): a record of that very frame with equal counts (the layer
+  called several times in the block: in forward order); else (a checkpoint nested in a recomputed one runs under a
+  new frame) the one ``hooks`` record with equal counts, never a ``no_grad`` one;
+* under other saved-tensor hooks: the one ``hooks`` record whose counts of every rank's rows per expert equal the
+  recompute's (several equal forwards cannot be told apart: refused), else as below;
+* otherwise (reentrant checkpointing): the oldest ``no_grad`` record with equal counts. A reentrant recompute builds
+  a graph of its own, so an equal forward's record (old log-probabilities computed under ``no_grad`` in RL, say)
+  computes the same function, up to rounding.
 
-Only records of the per-step copies' current generation are taken; a match of an older one only means that
-``refresh_replicas()`` ran between a forward and its recompute, which raises. Replayed records are kept for a
-second backward; every record ages out.
+Among candidates, records replayed fewer times come first (a second backward through the same graph, with
+``retain_graph=True``, replays them all again, in order). Where per-step copies are held, only records of their
+current generation are candidates; a match of an older one only means that ``refresh_replicas()`` ran between a
+forward and its recompute, which raises. Records are kept after a replay and age out.
 
 Legend: W EP ranks, E experts.
 """
@@ -127,14 +129,14 @@ class Records:
             raise ValueError(f"max_records must be in [1, {MAX_RECORDS}], got {max_records}")
         self._items: collections.deque[tuple[int, Record]] = collections.deque(maxlen=max_records)
         self._next = 0
-        self._replayed: set[int] = set()
+        self._replayed: dict[int, int] = {}   # seq -> times replayed
 
     def __len__(self) -> int:
         return len(self._items)
 
     def add(self, record: Record) -> None:
         if len(self._items) == self._items.maxlen:
-            self._replayed.discard(self._items[0][0])
+            self._replayed.pop(self._items[0][0], None)
         self._items.append((self._next, record))
         self._next += 1
 
@@ -142,26 +144,34 @@ class Records:
         """The sequence number of the oldest record kept (the next one's when none is kept)."""
         return self._items[0][0] if self._items else self._next
 
-    def mask(self, pred: Callable[[Record, bool], bool]) -> int:
-        """Bit i set when ``pred(record, replayed)`` holds for the i-th oldest record."""
+    def mask(self, pred: Callable[[Record, int], bool]) -> int:
+        """Bit i set when ``pred(record, times replayed)`` holds for the i-th oldest record."""
         bits = 0
         for i, (seq, rec) in enumerate(self._items):
-            if pred(rec, seq in self._replayed):
+            if pred(rec, self._replayed.get(seq, 0)):
                 bits |= 1 << i
         return bits
 
-    def take(self, bits: int, newest: bool = False) -> Record:
-        """The oldest (``newest``: the newest) record whose bit is set in ``bits`` (agreed by every rank); it is
-        marked replayed and kept."""
+    def least_replayed(self, bits: int) -> int:
+        """The bits of ``bits`` whose records were replayed the fewest times (a first recompute before a second
+        backward's, and within each pass the records in forward order)."""
+        fewest = min((self._replayed.get(self._items[i][0], 0) for i in range(len(self._items)) if bits >> i & 1),
+                     default=0)
+        return self.mask(lambda rec, n: n == fewest) & bits
+
+    def take(self, bits: int) -> Record:
+        """Among the records whose bit is set in ``bits`` (agreed by every rank), the oldest of those replayed the
+        fewest times; it is counted as replayed once more and kept."""
+        bits = self.least_replayed(bits)
         if bits <= 0:
             raise ValueError(f"expected a non-empty mask, got {bits}")
-        i = bits.bit_length() - 1 if newest else (bits & -bits).bit_length() - 1
+        i = (bits & -bits).bit_length() - 1
         if i >= len(self._items):
             raise ValueError(f"bit {i} names no record (holding {len(self._items)})")
         seq, rec = self._items[i]
-        self._replayed.add(seq)
+        self._replayed[seq] = self._replayed.get(seq, 0) + 1
         return rec
 
     def replayed(self) -> int:
-        """How many of the records kept were replayed."""
+        """How many of the records kept were replayed (at least once)."""
         return len(self._replayed)

@@ -18,6 +18,9 @@ x 2 GPUs), against the same layer run without checkpointing:
   replays its own forward (found by its checkpoint frame); epochs of reentrant checkpointing after a no_grad forward
   of the same batch, with optimizer steps between, never trip on the record left behind; reentrant checkpointing
   inside save_on_cpu, non-reentrant checkpointing in eval mode, and the last forward's timeline, left alone;
+* nested checkpoints, the layer twice in one block (each call its own record, again on a second backward),
+  refresh_replicas() where no copies are held, and save_on_cpu inside the block (two pending equal forwards
+  refused on every rank);
 * a recompute that routes differently from its forward raises a clear error on every rank, and the layer works on.
 """
 
@@ -354,6 +357,107 @@ def test_equal_counts_epochs_other_hooks_eval_mode_and_timeline():
         assert res["held"], "the layer held per-step copies: refreshes replaced them"
         assert res["epochs"] == ["ok"] * 3, res["epochs"]
         assert res["save_on_cpu"] and res["eval"] and res["timeline_kept"], res
+
+
+def _count_replays(layer) -> list[int]:
+    """A counter (one-element list) of the layer's replays."""
+    count = [0]
+    replay = layer._replay
+
+    def counted(*args):
+        count[0] += 1
+        return replay(*args)
+
+    layer._replay = counted
+    return count
+
+
+def _blocks_rank(rank: int, world: int) -> dict:
+    """Checkpoints nested in a checkpointed block (the inner one runs under a new frame when the outer recomputes);
+    the layer called twice in one block with equal counts, the first call's plan late (each call replays its own
+    forward, and again, in order, on a second backward); a reentrant checkpoint with refresh_replicas() before its
+    backward where no per-step copies are held (nothing replaced: it works); saved-tensor hooks other than
+    checkpointing's inside the block (save_on_cpu: the one equal record is taken, two pending equal ones are refused
+    on every rank)."""
+    from torch.autograd.graph import save_on_cpu
+
+    out = {}
+    ids, gates = _routing(rank, 2)
+    x, dy = _inputs(rank, 50)
+
+    def pair(policy="feplb-split", weights="per-step"):
+        return (_layer(policy, weights, seed=12, router="external")[0],
+                _layer(policy, weights, seed=12, router="external")[0])
+
+    def inner(layer):
+        return lambda h: torch.tanh(layer(h, routing=(ids, gates)))
+
+    ref, ac = pair()
+    xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    (torch.cos(inner(ref)(torch.sin(xr))) * dy).sum().backward()
+    nested = checkpoint(lambda z: torch.cos(checkpoint(inner(ac), torch.sin(z), use_reentrant=False)), xa,
+                        use_reentrant=False)
+    (nested * dy).sum().backward()
+    out["nested"] = torch.equal(xa.grad, xr.grad) and torch.equal(ac.w1.grad, ref.w1.grad)
+    ref.close(), ac.close()
+
+    ref, ac = pair()
+    late = _make_late(ref, ac)
+
+    def twice(layer):
+        def f(z):
+            late["on"] = True
+            y = layer(torch.sin(z), routing=(ids, gates))
+            late["on"] = False
+            return torch.tanh(layer(y, routing=(ids, gates)))
+        return f
+
+    xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out_r = twice(ref)(xr)
+    out_a = checkpoint(twice(ac), xa, use_reentrant=False)
+    late["on"] = False
+    for _ in range(2):   # a second backward through the same graph replays both calls again
+        (out_r * dy).sum().backward(retain_graph=True)
+        (out_a * dy).sum().backward(retain_graph=True)
+    out["twice"] = ref.last_stats.fell_back is False and torch.equal(xa.grad, xr.grad) and \
+        torch.equal(ac.w1.grad, ref.w1.grad)
+    ref.close(), ac.close()
+
+    layer, _ = _layer("none", "per-step", seed=13)
+    out_l = checkpoint(_block(layer, "tanh"), x.clone().requires_grad_(True), use_reentrant=True)
+    layer.refresh_replicas()   # no copies held: nothing is replaced
+    (out_l * dy).sum().backward()
+    out["refresh_unheld"] = not layer.replicas.ever_held
+    layer.close()
+
+    ref, ac = pair()
+
+    def offloaded(layer):
+        def f(z):
+            with save_on_cpu():   # the layer's tensors go to save_on_cpu; tanh's to the checkpoint, recomputed
+                y = layer(torch.sin(z), routing=(ids, gates))
+            return torch.tanh(y)
+        return f
+
+    replays = _count_replays(ac)
+    xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    (offloaded(ref)(xr) * dy).sum().backward()
+    (checkpoint(offloaded(ac), xa, use_reentrant=False) * dy).sum().backward()
+    out["other_hooks"] = torch.equal(xa.grad, xr.grad) and replays[0] == 1
+    outs = [checkpoint(offloaded(ac), x.clone().requires_grad_(True), use_reentrant=False) for _ in range(2)]
+    try:
+        (sum(outs) * dy).sum().backward()
+        out["ambiguous"] = None
+    except RuntimeError as exc:
+        out["ambiguous"] = str(exc)
+    ref.close(), ac.close()
+    return out
+
+
+def test_nested_twice_in_a_block_unheld_refresh_and_other_hooks():
+    for res in run_dist(_blocks_rank, W, timeout_s=300):
+        assert res["nested"] and res["twice"] and res["refresh_unheld"] and res["other_hooks"], res
+        assert res["ambiguous"] and "cannot be told apart" in res["ambiguous"], res["ambiguous"]
 
 
 def _mismatch_rank(rank: int, world: int, mode: str) -> dict:

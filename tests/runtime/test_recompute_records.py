@@ -1,6 +1,6 @@
 """The records a recompute finds its forward by (``feplb.recompute``), without processes: bit masks over the records
-kept, the choice they make (oldest, or newest), the bound on what is kept, which forwards leave which kind of record,
-and the checkpoint frame read from torch's hooks."""
+kept, the choice they make (the oldest of those replayed the fewest times), the bound on what is kept, which
+forwards leave which kind of record, and the checkpoint frame read from torch's hooks."""
 
 from __future__ import annotations
 
@@ -46,12 +46,13 @@ def test_masks_and_takes():
     assert recs.take(matching(0, "hooks") & matching(1, "hooks")).placement == "1"
     assert len(recs) == 5 and recs.replayed() == 1
     assert recs.mask(lambda rec, replayed: replayed) == 0b00010
-    # oldest by default, newest when asked
-    assert recs.take(0b01100).placement == "2" and recs.take(0b01100, newest=True).placement == "3"
+    # the oldest of those replayed the fewest times: a second pass (retain_graph) replays them in order again
+    assert [recs.take(0b01110).placement for _ in range(5)] == ["2", "3", "1", "2", "3"]
+    assert recs.least_replayed(0b11110) == 0b10000
     with pytest.raises(ValueError, match="non-empty mask"):
         recs.take(0)
-    with pytest.raises(ValueError, match="bit 5 names no record"):
-        recs.take(0b100000)
+    with pytest.raises(ValueError, match="non-empty mask"):
+        recs.take(0b100000)     # a bit past the records kept names none
 
 
 def test_at_most_max_records_are_kept_oldest_dropped_first():
