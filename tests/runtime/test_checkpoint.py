@@ -20,7 +20,7 @@ x 2 GPUs), against the same layer run without checkpointing:
   inside save_on_cpu, non-reentrant checkpointing in eval mode, and the last forward's timeline, left alone;
 * nested checkpoints, the layer twice in one block (each call its own record, again on a second backward),
   refresh_replicas() where no copies are held, and save_on_cpu inside the block (two pending equal forwards
-  refused on every rank);
+  refused on every rank); selective activation checkpointing refused on every rank;
 * a recompute that routes differently from its forward raises a clear error on every rank, and the layer works on.
 """
 
@@ -450,14 +450,34 @@ def _blocks_rank(rank: int, world: int) -> dict:
         out["ambiguous"] = None
     except RuntimeError as exc:
         out["ambiguous"] = str(exc)
+    # selective activation checkpointing: unsupported, refused on every rank (its cache has no record of the
+    # recompute's own operations), and the layer works on
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    try:
+        sac = checkpoint(offloaded(ac), x.clone().requires_grad_(True), use_reentrant=False,
+                         context_fn=partial(create_selective_checkpoint_contexts, policy))
+        (sac * dy).sum().backward()
+        out["sac"] = None
+    except RuntimeError as exc:
+        out["sac"] = str(exc)
+    xb = x.clone().requires_grad_(True)
+    (offloaded(ac)(xb) * dy).sum().backward()
+    out["after_sac_ok"] = bool(torch.isfinite(xb.grad).all())
     ref.close(), ac.close()
     return out
 
 
-def test_nested_twice_in_a_block_unheld_refresh_and_other_hooks():
+def test_nested_twice_in_a_block_unheld_refresh_other_hooks_and_selective():
     for res in run_dist(_blocks_rank, W, timeout_s=300):
         assert res["nested"] and res["twice"] and res["refresh_unheld"] and res["other_hooks"], res
         assert res["ambiguous"] and "cannot be told apart" in res["ambiguous"], res["ambiguous"]
+        assert res["sac"] and "not found in storage" in res["sac"] and res["after_sac_ok"], res["sac"]
 
 
 def _mismatch_rank(rank: int, world: int, mode: str) -> dict:
