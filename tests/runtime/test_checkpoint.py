@@ -86,14 +86,7 @@ def _steps(rank: int, policy: str, weights: str, mode: str, tail: str) -> dict:
     ref, ref_opt = _layer(policy, weights, seed=3)
     ac, ac_opt = _layer(policy, weights, seed=3)
     late = _make_late(ref, ac)
-    replays = [0]
-    replay = ac._replay
-
-    def counted(*args):
-        replays[0] += 1
-        return replay(*args)
-
-    ac._replay = counted
+    replays = _count_replays(ac)
     moved = fell_back = 0
     for step in range(2):
         for mb in range(3):
