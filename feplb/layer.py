@@ -77,6 +77,12 @@ __all__ = ["DirectLayout", "FEPLBConfig", "LayerStats", "MoELayer", "direct_layo
 _DIRECT_BASES = frozenset({"fastermoe", "eplb"})
 
 
+def _refreshed() -> RuntimeError:
+    return RuntimeError("MoELayer: refresh_replicas() ran between a forward and its recompute by activation "
+                        "checkpointing: the per-step copies it computed with were replaced, so its backward cannot be "
+                        "computed; refresh after optimizer.step(), once the backward is done")
+
+
 class MoELayer(nn.Module):
     """FEPLB MoE layer over an EP process group.
 
@@ -397,9 +403,7 @@ class MoELayer(nn.Module):
             rec = recs.take(no_grad)
         elif older:
             # the same on every rank (refresh_replicas is collective): all raise, none enters the replay
-            raise RuntimeError("MoELayer: refresh_replicas() ran between a forward and its recompute by activation "
-                               "checkpointing: the per-step copies it computed with were replaced, so its backward "
-                               "cannot be computed; refresh after optimizer.step(), once the backward is done")
+            raise _refreshed()
         else:
             raise RuntimeError(
                 "MoELayer: activation checkpointing recomputed a forward that matches none of the forwards recorded "
@@ -409,9 +413,7 @@ class MoELayer(nn.Module):
                 "forward under no_grad in training mode, or under saved-tensor hooks with grad enabled, does; the "
                 f"last {len(recs)} are kept)")
         if rec.generation != gen and held:
-            raise RuntimeError("MoELayer: refresh_replicas() ran between a forward and its recompute by activation "
-                               "checkpointing: the per-step copies it computed with were replaced, so its backward "
-                               "cannot be computed; refresh after optimizer.step(), once the backward is done")
+            raise _refreshed()
         return rec
 
     def _replay(self, x_MD: torch.Tensor, rec: Record) -> torch.Tensor:
@@ -469,8 +471,8 @@ class MoELayer(nn.Module):
                 job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready, replay_plan)
         except BaseException:
             if job is not None and replay is not None:
-                # e.g. non-reentrant checkpointing stopping a recompute early (every rank at the same point): the
-                # copy thread finishes this replay's copies before the placement it reads is restored
+                # e.g. non-reentrant checkpointing stopping a recompute early: the copy thread finishes this
+                # replay's copies before the placement it reads is restored
                 job.static_launched()
                 concurrent.futures.wait([job.future])
             raise
