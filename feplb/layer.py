@@ -359,10 +359,10 @@ class MoELayer(nn.Module):
     # ------------------------------------------------------------------------------------------------ recompute
     def _find_record(self, local_counts_E: torch.Tensor) -> Record:
         """The record of the forward a recompute repeats (``feplb.recompute``), agreed by every rank in one
-        all-gather of bit masks (and a host sync for this rank's counts): a record of the active checkpoint frame;
-        else the one ``hooks`` record whose counts of every rank's rows equal the recompute's; else (no checkpoint
-        frame) the oldest such ``no_grad`` record; records replayed fewer times first. Records of older per-step
-        copies only explain a refusal."""
+        all-gather of bit masks (and a host sync for this rank's counts): a record of the active checkpoint frame
+        (the one replayed fewest times); else the one ``hooks`` record never replayed whose counts of every rank's
+        rows equal the recompute's; else the oldest such ``no_grad`` record replayed fewest times. Records of older
+        per-step copies only explain a refusal."""
         local = local_counts_E.to(torch.int64).cpu().numpy()
         rank, gen, recs = self.rank, self.replicas.generation, self._records
         held = self.replicas.ever_held
@@ -377,7 +377,8 @@ class MoELayer(nn.Module):
         masks = [
             recs.mask(lambda rec, n: frame is not None and rec.frame is not None and rec.frame() is frame
                       and equal(rec)),
-            recs.mask(lambda rec, n: rec.kind == "hooks" and current(rec)),
+            # never replayed: a fallback never takes a forward another recompute has repeated
+            recs.mask(lambda rec, n: rec.kind == "hooks" and n == 0 and current(rec)),
             recs.mask(lambda rec, n: rec.kind == "no_grad" and current(rec)),
             recs.mask(lambda rec, n: not current(rec) and equal(rec)),
         ]
@@ -389,7 +390,6 @@ class MoELayer(nn.Module):
                                f"(frame, hooks, first, count: {[[int(v) for v in r[4:]] for r in rows]}); every "
                                "rank must run the same forwards and checkpoint them alike")
         by_frame, hooks, no_grad, older = (int(np.bitwise_and.reduce(rows[:, i])) for i in range(4))
-        hooks = recs.least_replayed(hooks)
         if by_frame:
             rec = recs.take(by_frame)
         elif hooks and hooks & (hooks - 1) == 0:
@@ -399,7 +399,7 @@ class MoELayer(nn.Module):
                 f"MoELayer: {bin(hooks).count('1')} recorded forwards of this layer under saved-tensor hooks have "
                 "the same counts on every rank as this recompute, and none was made under its checkpoint frame: "
                 "the one it repeats cannot be told apart; backward each such micro-batch before the next equal one")
-        elif no_grad and frame is None:
+        elif no_grad:
             rec = recs.take(no_grad)
         elif older:
             # the same on every rank (refresh_replicas is collective): all raise, none enters the replay

@@ -16,18 +16,19 @@ forward none. A recompute finds its record in one all-gather of per-rank bit mas
 ``MAX_RECORDS``), intersected, so that every rank takes the same one:
 
 * under a checkpoint frame (non-reentrant checkpointing): a record of that very frame with equal counts (the layer
-  called several times in the block: in forward order); else (a checkpoint nested in a recomputed one runs under a
-  new frame) the one ``hooks`` record with equal counts, never a ``no_grad`` one;
-* under other saved-tensor hooks: the one ``hooks`` record whose counts of every rank's rows per expert equal the
-  recompute's (several equal forwards cannot be told apart: refused), else as below;
-* otherwise (reentrant checkpointing): the oldest ``no_grad`` record with equal counts. A reentrant recompute builds
-  a graph of its own, so an equal forward's record (old log-probabilities computed under ``no_grad`` in RL, say)
-  computes the same function, up to rounding.
+  called several times in the block: in forward order);
+* else the one ``hooks`` record never replayed whose counts of every rank's rows per expert equal the recompute's
+  (a checkpoint nested in a recomputed one runs under a new frame; other saved-tensor hooks hold no frame; several
+  cannot be told apart: refused);
+* else the oldest ``no_grad`` record with equal counts (reentrant checkpointing, also nested with the other kind).
+  A reentrant recompute builds a graph of its own, so an equal forward's record (old log-probabilities computed
+  under ``no_grad`` in RL, say) computes the same function, up to rounding.
 
-Among candidates, records replayed fewer times come first (a second backward through the same graph, with
-``retain_graph=True``, replays them all again, in order). Where per-step copies are held, only records of their
-current generation are candidates; a match of an older one only means that ``refresh_replicas()`` ran between a
-forward and its recompute, which raises. Records are kept after a replay and age out.
+Among a frame's or the ``no_grad`` candidates, records replayed fewer times come first (a second backward through
+the same graph, with ``retain_graph=True``, replays a frame's records again, in order). Where per-step copies are
+held, only records of their current generation are candidates; a match of an older one only means that
+``refresh_replicas()`` ran between a forward and its recompute, which raises. Records are kept after a replay and
+age out.
 
 Legend: W EP ranks, E experts.
 """

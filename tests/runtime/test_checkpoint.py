@@ -18,9 +18,10 @@ x 2 GPUs), against the same layer run without checkpointing:
   replays its own forward (found by its checkpoint frame); epochs of reentrant checkpointing after a no_grad forward
   of the same batch, with optimizer steps between, never trip on the record left behind; reentrant checkpointing
   inside save_on_cpu, non-reentrant checkpointing in eval mode, and the last forward's timeline, left alone;
-* nested checkpoints, the layer twice in one block (each call its own record, again on a second backward),
-  refresh_replicas() where no copies are held, and save_on_cpu inside the block (two pending equal forwards
-  refused on every rank); selective activation checkpointing refused on every rank;
+* nested checkpoints (also of the two kinds, and a no_grad call inside a block), the layer twice in one block
+  (each call its own record, again on a second backward), refresh_replicas() where no copies are held, and
+  save_on_cpu inside the block (two pending equal forwards refused on every rank); selective activation
+  checkpointing refused on every rank;
 * a recompute that routes differently from its forward raises a clear error on every rank, and the layer works on.
 """
 
@@ -392,6 +393,24 @@ def _blocks_rank(rank: int, world: int) -> dict:
                         use_reentrant=False)
     (nested * dy).sum().backward()
     out["nested"] = torch.equal(xa.grad, xr.grad) and torch.equal(ac.w1.grad, ref.w1.grad)
+    # the two kinds nested in each other, and a no_grad call inside a non-reentrant block
+    mixed = []
+    for outer, inner_mode in ((True, False), (False, True)):
+        xa = x.clone().requires_grad_(True)
+        y = checkpoint(lambda z, i=inner_mode: torch.cos(checkpoint(inner(ac), torch.sin(z), use_reentrant=i)), xa,
+                       use_reentrant=outer)
+        (y * dy).sum().backward()
+        mixed.append(torch.equal(xa.grad, xr.grad))
+
+    def with_no_grad_call(z):
+        with torch.no_grad():
+            ac(z, routing=(ids, gates))
+        return torch.cos(inner(ac)(torch.sin(z)))
+
+    xa = x.clone().requires_grad_(True)
+    (checkpoint(with_no_grad_call, xa, use_reentrant=False) * dy).sum().backward()
+    mixed.append(torch.equal(xa.grad, xr.grad))
+    out["mixed"] = mixed
     ref.close(), ac.close()
 
     ref, ac = pair()
@@ -469,6 +488,7 @@ def _blocks_rank(rank: int, world: int) -> dict:
 def test_nested_twice_in_a_block_unheld_refresh_other_hooks_and_selective():
     for res in run_dist(_blocks_rank, W, timeout_s=300):
         assert res["nested"] and res["twice"] and res["refresh_unheld"] and res["other_hooks"], res
+        assert res["mixed"] == [True] * 3, res["mixed"]
         assert res["ambiguous"] and "cannot be told apart" in res["ambiguous"], res["ambiguous"]
         assert res["sac"] and "not found in storage" in res["sac"] and res["after_sac_ok"], res["sac"]
 
