@@ -360,9 +360,9 @@ class MoELayer(nn.Module):
     def _find_record(self, local_counts_E: torch.Tensor) -> Record:
         """The record of the forward a recompute repeats (``feplb.recompute``), agreed by every rank in one
         all-gather of bit masks (and a host sync for this rank's counts): a record of the active checkpoint frame
-        (the one replayed fewest times); else the one ``hooks`` record never replayed whose counts of every rank's
-        rows equal the recompute's; else the oldest such ``no_grad`` record replayed fewest times. Records of older
-        per-step copies only explain a refusal."""
+        (the one replayed fewest times); else the one ``hooks`` record never replayed (or of a checkpoint still
+        alive) whose counts of every rank's rows equal the recompute's; else the oldest such ``no_grad`` record
+        replayed fewest times. Records of older per-step copies only explain a refusal."""
         local = local_counts_E.to(torch.int64).cpu().numpy()
         rank, gen, recs = self.rank, self.replicas.generation, self._records
         held = self.replicas.ever_held
@@ -377,8 +377,10 @@ class MoELayer(nn.Module):
         masks = [
             recs.mask(lambda rec, n: frame is not None and rec.frame is not None and rec.frame() is frame
                       and equal(rec)),
-            # never replayed: a fallback never takes a forward another recompute has repeated
-            recs.mask(lambda rec, n: rec.kind == "hooks" and n == 0 and current(rec)),
+            # never replayed, or of a checkpoint still alive (a nested one's, on a second backward): a fallback never
+            # takes a finished forward's record
+            recs.mask(lambda rec, n: rec.kind == "hooks" and current(rec)
+                      and (n == 0 or (rec.frame is not None and rec.frame() is not None))),
             recs.mask(lambda rec, n: rec.kind == "no_grad" and current(rec)),
             recs.mask(lambda rec, n: not current(rec) and equal(rec)),
         ]

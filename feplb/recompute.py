@@ -17,9 +17,9 @@ forward none. A recompute finds its record in one all-gather of per-rank bit mas
 
 * under a checkpoint frame (non-reentrant checkpointing): a record of that very frame with equal counts (the layer
   called several times in the block: in forward order);
-* else the one ``hooks`` record never replayed whose counts of every rank's rows per expert equal the recompute's
-  (a checkpoint nested in a recomputed one runs under a new frame; other saved-tensor hooks hold no frame; several
-  cannot be told apart: refused);
+* else the one ``hooks`` record never replayed, or of a checkpoint still alive, whose counts of every rank's rows per
+  expert equal the recompute's (a checkpoint nested in a recomputed one runs under a new frame, also on a second
+  backward; other saved-tensor hooks hold no frame; several cannot be told apart: refused);
 * else the oldest ``no_grad`` record with equal counts (reentrant checkpointing, also nested with the other kind).
   A reentrant recompute builds a graph of its own, so an equal forward's record (old log-probabilities computed
   under ``no_grad`` in RL, say) computes the same function, up to rounding.

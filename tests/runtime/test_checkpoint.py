@@ -391,8 +391,10 @@ def _blocks_rank(rank: int, world: int) -> dict:
     (torch.cos(inner(ref)(torch.sin(xr))) * dy).sum().backward()
     nested = checkpoint(lambda z: torch.cos(checkpoint(inner(ac), torch.sin(z), use_reentrant=False)), xa,
                         use_reentrant=False)
-    (nested * dy).sum().backward()
+    (nested * dy).sum().backward(retain_graph=True)
     out["nested"] = torch.equal(xa.grad, xr.grad) and torch.equal(ac.w1.grad, ref.w1.grad)
+    (nested * dy).sum().backward()   # a second backward through the nested block
+    out["nested"] &= torch.equal(xa.grad, 2 * xr.grad)
     # the two kinds nested in each other, and a no_grad call inside a non-reentrant block
     mixed = []
     for outer, inner_mode in ((True, False), (False, True)):
