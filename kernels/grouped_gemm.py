@@ -426,15 +426,8 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, part_ptr, offsets_ptr, M, K, N,
 # loop (its tile loop is not flattened: a work item's row count varies). ptxas for sm_90 gives the 4-warp tiles
 # 171 and 218 registers per thread (two blocks of 128 threads fit the SM's 64K), the 8-warp ones 154 to 242 (two
 # blocks of 256 threads do not); tests/kernels/test_hopper_compile.py checks both limits for every config.
-DW_PERSISTENT_HOPPER_CONFIGS = [
-    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, PROGRAMS_PER_SM=1, num_warps=8, num_stages=4),
-    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, PROGRAMS_PER_SM=1, num_warps=8, num_stages=3),
-    dict(BLOCK_K=128, BLOCK_N=256, BLOCK_M=64, PROGRAMS_PER_SM=1, num_warps=8, num_stages=3),
-    dict(BLOCK_K=64, BLOCK_N=128, BLOCK_M=64, PROGRAMS_PER_SM=2, num_warps=4, num_stages=4),
-    dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32, PROGRAMS_PER_SM=2, num_warps=4, num_stages=4),
-]
-DW_PERSISTENT_FALLBACK_CONFIGS = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_M=32, PROGRAMS_PER_SM=1, num_warps=4,
-                                       num_stages=3)]
+DW_PERSISTENT_HOPPER_CONFIGS = [dict(c, PROGRAMS_PER_SM=2 if c["num_warps"] == 4 else 1) for c in DW_HOPPER_CONFIGS]
+DW_PERSISTENT_FALLBACK_CONFIGS = [dict(c, PROGRAMS_PER_SM=1) for c in DW_FALLBACK_CONFIGS]
 _DW_PERSISTENT_CONFIGS = autotune_configs(DW_PERSISTENT_HOPPER_CONFIGS,
                                           dict(BLOCK_K=32, BLOCK_N=32, BLOCK_M=32, PROGRAMS_PER_SM=1))
 _dw_persistent_prune = shared_memory_prune(dw_shared_bytes, DW_PERSISTENT_FALLBACK_CONFIGS, "x_ptr")
