@@ -96,17 +96,14 @@ def start_phase2(layer, h_RD: torch.Tensor, counts: Counts, split: Split, slot_w
     replay_plan: a recompute (``feplb.recompute``) executes this plan, the one its forward executed on every rank:
     no planning and no agreement."""
     state = layer._plan_state
-    if replay_plan is None:
-        plan_f = layer._balancer.submit_plan(lambda: layer._plan(counts.counts_WE, state, tl))
-    else:
-        plan_f = concurrent.futures.Future()
-        plan_f.set_result((replay_plan, 0.0))
+    plan_f = None if replay_plan is not None else \
+        layer._balancer.submit_plan(lambda: layer._plan(counts.counts_WE, state, tl))
     on_gpu = h_RD.is_cuda
     end = torch.cuda.Event() if on_gpu else None
     launched = threading.Event()
     static_end = (lambda: launched.is_set() and end.query()) if on_gpu else None
     future = layer._balancer.copier.submit(_phase2_job, layer, h_RD.detach(), counts, split, slot_w, state, plan_f,
-                                           static_end, launched, ready, tl, replay_plan is not None)
+                                           static_end, launched, ready, tl, replay_plan)
     return Phase2Job(future=future, static_end=end, launched=launched)
 
 
@@ -135,13 +132,13 @@ def _lay_out(layer, plan, counts: Counts, split: Split, state, dtype, device):
 
 
 def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f, static_end, launched, ready,
-                tl, replay: bool = False) -> Phase2:
+                tl, replay_plan=None) -> Phase2:
     """On the copy thread: wait for the plan, check and lay it out, agree with the scope, issue the copies. A plan
     that is late, or that fails (the planner raised, or the plan is not executable here) on any rank of the scope,
     makes the whole scope compute at home: results never depend on it, so a failure is a warning, not a desync.
     A replay (a recompute) lays out the plan its forward executed everywhere, with no agreement."""
-    if replay:   # the recorded plan, already resolved: no wait, no deadline
-        res = PlanResult(plan=plan_f.result()[0], plan_us=0.0, ready=1, error=None)
+    if replay_plan is not None:   # the recorded plan: no wait, no deadline
+        res = PlanResult(plan=replay_plan, plan_us=0.0, ready=1, error=None)
         laid = _lay_out(layer, res.plan, counts, split, state, h_RD.dtype, h_RD.device)
         return _issue(layer, h_RD, slot_w, res, laid, launched, ready, tl)
     res = layer._balancer.wait_plan(plan_f, static_end)

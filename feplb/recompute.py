@@ -166,9 +166,7 @@ class Records:
         bits = self.least_replayed(bits)
         if bits <= 0:
             raise ValueError(f"expected a non-empty mask, got {bits}")
-        i = (bits & -bits).bit_length() - 1
-        if i >= len(self._items):
-            raise ValueError(f"bit {i} names no record (holding {len(self._items)})")
+        i = (bits & -bits).bit_length() - 1   # least_replayed kept only bits that name a record
         seq, rec = self._items[i]
         self._replayed[seq] = self._replayed.get(seq, 0) + 1
         return rec
