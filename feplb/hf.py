@@ -30,7 +30,6 @@ Legend: T tokens on this rank, K top-k, H hidden, F expert ffn, E experts, W EP 
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Any
 
@@ -38,6 +37,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from feplb.dropin import (
+    agree_to_replace,
+    attach_optimizer,
+    average_expert_grads,
+    check_overrides,
+    clip_grad_norm_,
+    expert_parameters,
+    experts_modules,
+    full_state_dict,
+    reduce_replica_grads,
+    refresh_replicas,
+    weights_digest,
+)
 from feplb.layer import FEPLBConfig, MoELayer
 
 __all__ = ["FEPLBExperts", "apply", "expert_parameters", "experts_modules", "full_state_dict",
@@ -213,12 +225,6 @@ def _version_hint() -> str:
     return ""
 
 
-def _agree(local: object, group: dist.ProcessGroup | None) -> list:
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, local, group=group)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------- apply
 
 def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_overrides: Any) -> list[str]:
@@ -237,14 +243,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     """
     if not dist.is_initialized():
         raise RuntimeError("feplb.hf.apply needs torch.distributed initialised (init_process_group) first")
-    fields = {f.name for f in dataclasses.fields(FEPLBConfig)}
-    unknown = sorted(set(config_overrides) - fields)
-    if unknown:
-        raise TypeError(f"feplb.hf.apply: unknown FEPLBConfig field(s) {unknown}; expected some of {sorted(fields)}")
-    derived = sorted(set(config_overrides) & set(_DERIVED))
-    if derived:
-        raise TypeError(f"feplb.hf.apply: {derived} come from the model (module shapes, config, router); "
-                        "do not pass them")
+    check_overrides("feplb.hf.apply", config_overrides, _DERIVED)
     world = dist.get_world_size(group)
     found = _candidates(model)
     problems, plans = [], []
@@ -256,25 +255,14 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
             plans.append((name, mod, fields_of))
     # One agreement: every rank raises together, or none does. The weights' checksums catch ranks that built or
     # loaded different models (each rank slices its experts from its own copy).
-    with torch.no_grad():
-        sums = [(n, float(m.gate_up_proj.double().sum()).hex(), float(m.down_proj.double().sum()).hex())
-                for n, m, _ in plans]
-    mine = (tuple(problems), tuple(n for n, _ in found), tuple(sums))
-    views = _agree(mine, group)
-    bad = [r for r, v in enumerate(views) if v[0]]
-    if bad:
-        msg = "\n".join(views[bad[0]][0])
-        raise ValueError(f"feplb.hf.apply: cannot run these experts modules exactly (nothing was replaced):\n{msg}"
-                         + ("" if len(bad) == len(views) else f"\n(on EP rank(s) {bad})"))
-    if not found:
+    digests = [(n, *weights_digest(m.gate_up_proj, m.down_proj)) for n, m, _ in plans]
+
+    def none_found() -> str:
         done = " (feplb.hf.apply already replaced them)" if experts_modules(model) else _version_hint()
-        raise ValueError(f"feplb.hf.apply: found no experts module in {type(model).__name__}{done}; expected "
-                         "modules holding gate_up_proj [E, 2F, H] and down_proj [E, H, F] parameters")
-    if any(v[1:] != views[0][1:] for v in views):
-        differ = [r for r, v in enumerate(views) if v[1:] != views[0][1:]]
-        raise ValueError(f"feplb.hf.apply: EP rank(s) {differ} hold other experts modules or other expert weights "
-                         "than rank 0; build the same model on every rank (same seed, or load the same checkpoint, "
-                         "or broadcast) before apply")
+        return (f"found no experts module in {type(model).__name__}{done}; expected modules holding "
+                "gate_up_proj [E, 2F, H] and down_proj [E, H, F] parameters")
+
+    agree_to_replace("feplb.hf.apply", group, problems, [n for n, _ in found], digests, none_found)
 
     # Every config is checked, then every layer built (collective), before the first module is swapped: a bad
     # override or a layer that cannot be built leaves the model as it was.
@@ -293,181 +281,3 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, made[id(mod)])
     return [name for name, _, _ in plans]
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
-
-def experts_modules(model: nn.Module) -> list[FEPLBExperts]:
-    """The model's FEPLB experts modules, in module order (each once)."""
-    seen, out = set(), []
-    for m in model.modules():
-        if isinstance(m, FEPLBExperts) and id(m) not in seen:
-            seen.add(id(m))
-            out.append(m)
-    return out
-
-
-def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The sharded parameters (every ``gate_up_proj`` and ``down_proj`` shard): never all-reduce these. Every
-    other parameter of the model is replicated and its gradient is all-reduced over the group by the user."""
-    return [p for m in experts_modules(model) for p in (m.gate_up_proj, m.down_proj)]
-
-
-def reduce_replica_grads(model: nn.Module) -> None:
-    """``reduce_replica_grads()`` of every FEPLB experts module (collective): once per optimizer step, after the
-    last backward and before gradient clipping and ``optimizer.step()``."""
-    for m in experts_modules(model):
-        m.reduce_replica_grads()
-
-
-def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGroup | None = None) -> None:
-    """Make the expert shards' gradients the mean over the ranks' losses instead of the sum the dispatch leaves
-    (collective): ``MoELayer.average_expert_grads`` of every FEPLB experts module (replica gradients reduced,
-    then divided by the EP group's size; with ``data_parallel_group``, EP x DP, first summed over it and divided
-    by both sizes). Call it once per optimizer step, after the last backward and before clipping and
-    ``optimizer.step()``, when the replicated parameters' gradients are averaged (FSDP's ``fully_shard`` and DDP
-    do that) over the same ranks, so that the whole model follows the mean of the ranks' losses."""
-    for m in experts_modules(model):
-        m.average_expert_grads(data_parallel_group)
-
-
-def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """``attach_optimizer(optimizer)`` of every FEPLB experts module: each ``optimizer.step()`` then reduces the
-    replica gradients before it and refreshes the replicas after it (collective at every step). Clip with
-    :func:`clip_grad_norm_` (it reduces first); with a ``GradScaler``, call :func:`reduce_replica_grads` yourself
-    before ``unscale_``: the hook runs inside ``step()``, after them."""
-    for m in experts_modules(model):
-        m.attach_optimizer(optimizer)
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for a model whose experts FEPLB shards (collective over the EP group):
-    the helpers' replica gradients are reduced into the owners first (:func:`reduce_replica_grads`; a later
-    reduction, such as :func:`attach_optimizer`'s, then adds nothing), and the norm is the whole model's: every
-    replicated parameter's gradient counted once (call this after the data-parallel reduction of those, so that
-    they are equal on every rank), every expert shard's once, on its owner. Every rank then scales every gradient
-    by the same factor. Returns the total norm (a 0-d tensor, equal on every rank). With a ``GradScaler``, call
-    :func:`reduce_replica_grads` before ``scaler.unscale_(optimizer)``: unscaling divides the gradients the
-    optimizer holds, not the replicas' still to be reduced."""
-    moes = experts_modules(model)
-    if not moes:
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type,
-                                              error_if_nonfinite=error_if_nonfinite)
-    groups = {id(m.group) for m in moes}
-    if len(groups) != 1:
-        raise ValueError("clip_grad_norm_: the model's FEPLB experts modules use different process groups; clip "
-                         "each group's parameters yourself")
-    reduce_replica_grads(model)
-    group = moes[0].group
-    experts = expert_parameters(model)
-    expert_ids = {id(p) for p in experts}
-    params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
-    # FSDP (fully_shard) makes the replicated parameters DTensors: their norms are the whole tensors' (DTensor
-    # reduces over its mesh), computed apart from plain tensors (torch's foreach ops refuse a mix)
-    dtensors = [g for p, g in zip(params, grads, strict=True) if id(p) not in expert_ids and _is_dtensor(g)]
-    replicated = [g for p, g in zip(params, grads, strict=True) if id(p) not in expert_ids and not _is_dtensor(g)]
-    sharded = [g for p, g in zip(params, grads, strict=True) if id(p) in expert_ids]
-    device = grads[0].device if grads else experts[0].device
-    norm_type = float(norm_type)
-
-    def local(gs):
-        if not gs:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        norm = torch.nn.utils.get_total_norm(gs, norm_type)
-        if _is_dtensor(norm):
-            norm = norm.full_tensor()
-        return norm.to(device=device, dtype=torch.float32)
-
-    shard_norm = local(sharded)
-    if norm_type == float("inf"):
-        # a MAX reduction may drop a NaN (gloo does): a non-finite flag travels beside the norm
-        both = torch.stack([shard_norm, (~torch.isfinite(shard_norm)).to(shard_norm.dtype)])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        shard_norm = torch.where(both[1] > 0, torch.full_like(both[0], float("nan")), both[0])
-        total = torch.maximum(torch.maximum(local(replicated), local(dtensors)), shard_norm)
-    else:
-        shard_pow = shard_norm.pow(norm_type)
-        dist.all_reduce(shard_pow, group=group)
-        total = (local(replicated).pow(norm_type) + local(dtensors).pow(norm_type) + shard_pow).pow(1.0 / norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
-                           "(error_if_nonfinite=True)")
-    # torch.nn.utils.clip_grads_with_norm_'s factor, applied to plain tensors (a DTensor's local part scales it)
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    with torch.no_grad():
-        local_grads = [g.to_local() if _is_dtensor(g) else g for g in grads]
-        for dev_grads in _by_device(local_grads).values():
-            torch._foreach_mul_(dev_grads, coef.to(dev_grads[0].device))
-    return total
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def _by_device(ts: list[torch.Tensor]) -> dict:
-    out: dict = {}
-    for t in ts:
-        out.setdefault((t.device, t.dtype), []).append(t)
-    return out
-
-
-def refresh_replicas(model: nn.Module) -> None:
-    """``refresh_replicas()`` of every FEPLB experts module (collective): after every ``optimizer.step()`` and
-    after any other change of the expert weights (loading a shard, say)."""
-    for m in experts_modules(model):
-        m.refresh_replicas()
-
-
-def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-    """The model's state dict with every FEPLB experts module's shards gathered back into the original names and
-    shapes (``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F]), ready for ``save_pretrained(d, state_dict=...)``
-    or ``load_state_dict`` of an unmodified model. Collective over each module's EP group.
-
-    rank0_only: the full dict on rank 0 of the EP group and an empty dict elsewhere (True), or on every rank.
-    Tensors are detached, on the parameters' devices; the non-expert entries share storage with the model, except
-    those FSDP (``fully_shard``) holds as DTensors, which are gathered into plain tensors (collective over their
-    meshes; every rank gathers them, also with rank0_only).
-    """
-    owners: dict[str, FEPLBExperts] = {}
-    for name, m in model.named_modules():
-        if isinstance(m, FEPLBExperts):
-            owners[name] = m
-    keep = not rank0_only or dist.get_rank(next(iter(owners.values())).group if owners else None) == 0
-    sd = {}
-    for k, v in model.state_dict().items():
-        if _is_dtensor(v):
-            v = v.full_tensor()   # collective: every rank gathers, one tensor at a time
-            if not keep:
-                continue          # and only the ranks that return it hold it
-        sd[k] = v
-    full: dict[str, torch.Tensor] = {}
-    for prefix, m in owners.items():
-        group = m.group
-        W, r = dist.get_world_size(group), dist.get_rank(group)
-        dst = dist.get_global_rank(group, 0) if group is not None else 0
-        for pname in ("gate_up_proj", "down_proj"):
-            shard = getattr(m, pname).detach().contiguous()
-            if rank0_only:
-                parts = [torch.empty_like(shard) for _ in range(W)] if r == 0 else None
-                dist.gather(shard, parts, dst=dst, group=group)
-            else:
-                parts = [torch.empty_like(shard) for _ in range(W)]
-                dist.all_gather(parts, shard, group=group)
-            if parts is not None:
-                full[f"{prefix}.{pname}"] = torch.cat(parts)
-    if not keep:
-        return {}
-    out = {}
-    for k, v in sd.items():
-        prefix, _, leaf = k.rpartition(".")
-        if prefix in owners:
-            if leaf in ("gate_up_proj", "down_proj"):
-                out[k] = full[k]
-            continue   # the layer's own state (buffers of the runtime) is no part of the model's checkpoint
-        out[k] = v
-    return out

@@ -1,0 +1,260 @@
+"""What every framework drop-in shares (``feplb.hf``, ``feplb.titan``): a model whose MoE layers FEPLB replaced
+holds, in each such layer (a :class:`feplb.MoELayer`), this rank's ``E / W`` experts under the names and layout of
+the module it replaced; everything else is replicated. These helpers act on every ``MoELayer`` of a model: the
+per-step upkeep of the helpers' weight copies, gradient averaging and clipping over sharded experts, and the full
+checkpoint gathered from the shards. The adapters re-export them; they also work on a model built from
+``feplb.MoELayer`` directly.
+
+The replacement itself (``apply``) is collective and all or nothing: every rank checks its modules, the ranks
+agree (:func:`agree_to_replace`), and only then is anything built and swapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from feplb.layer import FEPLBConfig, MoELayer
+
+__all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "average_expert_grads",
+           "attach_optimizer", "clip_grad_norm_", "refresh_replicas", "full_state_dict"]
+
+
+# ---------------------------------------------------------------------------------------------------- apply
+
+def check_overrides(api: str, overrides: dict[str, Any], derived: tuple[str, ...]) -> None:
+    """TypeError for FEPLBConfig overrides that do not exist or that the adapter derives from the model."""
+    fields = {f.name for f in dataclasses.fields(FEPLBConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"{api}: unknown FEPLBConfig field(s) {unknown}; expected some of {sorted(fields)}")
+    bad = sorted(set(overrides) & set(derived))
+    if bad:
+        raise TypeError(f"{api}: {bad} come from the model (module shapes, config, router); do not pass them")
+
+
+def weights_digest(*ts: torch.Tensor) -> tuple[str, ...]:
+    """A checksum of each tensor (fp64 sum, exact hex): ranks that built or loaded different weights differ."""
+    with torch.no_grad():
+        return tuple(float(t.double().sum()).hex() for t in ts)
+
+
+def _agree(local: object, group: dist.ProcessGroup | None) -> list:
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, local, group=group)
+    return out
+
+
+def agree_to_replace(api: str, group: dist.ProcessGroup | None, problems: list[str], names: list[str],
+                     digests: list, none_found: Callable[[], str]) -> None:
+    """One agreement before anything is replaced (collective): every rank raises the same ValueError together, or
+    none does. ``problems``: one line per module this rank cannot run exactly; ``names``: every candidate module;
+    ``digests``: checksums of the weights each rank will slice its experts from (ranks holding other modules or
+    other weights are named); ``none_found()``: the message when no module was found."""
+    views = _agree((tuple(problems), tuple(names), tuple(digests)), group)
+    bad = [r for r, v in enumerate(views) if v[0]]
+    if bad:
+        msg = "\n".join(views[bad[0]][0])
+        raise ValueError(f"{api}: cannot run these experts modules exactly (nothing was replaced):\n{msg}"
+                         + ("" if len(bad) == len(views) else f"\n(on EP rank(s) {bad})"))
+    if not names:
+        raise ValueError(f"{api}: {none_found()}")
+    if any(v[1:] != views[0][1:] for v in views):
+        differ = [r for r, v in enumerate(views) if v[1:] != views[0][1:]]
+        raise ValueError(f"{api}: EP rank(s) {differ} hold other experts modules or other expert weights than rank "
+                         "0; build the same model on every rank (same seed, or load the same checkpoint, or "
+                         "broadcast) before apply")
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+def experts_modules(model: nn.Module) -> list[MoELayer]:
+    """The model's FEPLB layers (``MoELayer``, which the adapters' experts modules are), in module order (each
+    once)."""
+    seen, out = set(), []
+    for m in model.modules():
+        if isinstance(m, MoELayer) and id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The sharded parameters (every FEPLB layer's ``expert_params()``: ``gate_up_proj`` and ``down_proj`` with
+    transformers, ``w1_EFD``, ``w2_EDF`` and ``w3_EFD`` with torchtitan): never all-reduce these. Every other
+    parameter of the model is replicated and its gradient is all-reduced over the group by the user."""
+    return [p for m in experts_modules(model) for p in m.expert_params()]
+
+
+def reduce_replica_grads(model: nn.Module) -> None:
+    """``reduce_replica_grads()`` of every FEPLB layer (collective): once per optimizer step, after the
+    last backward and before gradient clipping and ``optimizer.step()``."""
+    for m in experts_modules(model):
+        m.reduce_replica_grads()
+
+
+def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGroup | None = None) -> None:
+    """Make the expert shards' gradients the mean over the ranks' losses instead of the sum the dispatch leaves
+    (collective): ``MoELayer.average_expert_grads`` of every FEPLB layer (replica gradients reduced,
+    then divided by the EP group's size; with ``data_parallel_group``, EP x DP, first summed over it and divided
+    by both sizes). Call it once per optimizer step, after the last backward and before clipping and
+    ``optimizer.step()``, when the replicated parameters' gradients are averaged (FSDP's ``fully_shard`` and DDP
+    do that) over the same ranks, so that the whole model follows the mean of the ranks' losses."""
+    for m in experts_modules(model):
+        m.average_expert_grads(data_parallel_group)
+
+
+def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """``attach_optimizer(optimizer)`` of every FEPLB layer: each ``optimizer.step()`` then reduces the
+    replica gradients before it and refreshes the replicas after it (collective at every step). Clip with
+    :func:`clip_grad_norm_` (it reduces first); with a ``GradScaler``, call :func:`reduce_replica_grads` yourself
+    before ``unscale_``: the hook runs inside ``step()``, after them."""
+    for m in experts_modules(model):
+        m.attach_optimizer(optimizer)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model whose experts FEPLB shards (collective over the EP group):
+    the helpers' replica gradients are reduced into the owners first (:func:`reduce_replica_grads`; a later
+    reduction, such as :func:`attach_optimizer`'s, then adds nothing), and the norm is the whole model's: every
+    replicated parameter's gradient counted once (call this after the data-parallel reduction of those, so that
+    they are equal on every rank), every expert shard's once, on its owner. Every rank then scales every gradient
+    by the same factor. Returns the total norm (a 0-d tensor, equal on every rank). With a ``GradScaler``, call
+    :func:`reduce_replica_grads` before ``scaler.unscale_(optimizer)``: unscaling divides the gradients the
+    optimizer holds, not the replicas' still to be reduced."""
+    moes = experts_modules(model)
+    if not moes:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
+    groups = {id(m.group) for m in moes}
+    if len(groups) != 1:
+        raise ValueError("clip_grad_norm_: the model's FEPLB layers use different process groups; clip "
+                         "each group's parameters yourself")
+    reduce_replica_grads(model)
+    group = moes[0].group
+    experts = expert_parameters(model)
+    expert_ids = {id(p) for p in experts}
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    # FSDP (fully_shard) makes the replicated parameters DTensors: their norms are the whole tensors' (DTensor
+    # reduces over its mesh), computed apart from plain tensors (torch's foreach ops refuse a mix)
+    dtensors = [g for p, g in zip(params, grads, strict=True) if id(p) not in expert_ids and _is_dtensor(g)]
+    replicated = [g for p, g in zip(params, grads, strict=True) if id(p) not in expert_ids and not _is_dtensor(g)]
+    sharded = [g for p, g in zip(params, grads, strict=True) if id(p) in expert_ids]
+    device = grads[0].device if grads else experts[0].device
+    norm_type = float(norm_type)
+
+    def local(gs):
+        if not gs:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        norm = torch.nn.utils.get_total_norm(gs, norm_type)
+        if _is_dtensor(norm):
+            norm = norm.full_tensor()
+        return norm.to(device=device, dtype=torch.float32)
+
+    shard_norm = local(sharded)
+    if norm_type == float("inf"):
+        # a MAX reduction may drop a NaN (gloo does): a non-finite flag travels beside the norm
+        both = torch.stack([shard_norm, (~torch.isfinite(shard_norm)).to(shard_norm.dtype)])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        shard_norm = torch.where(both[1] > 0, torch.full_like(both[0], float("nan")), both[0])
+        total = torch.maximum(torch.maximum(local(replicated), local(dtensors)), shard_norm)
+    else:
+        shard_pow = shard_norm.pow(norm_type)
+        dist.all_reduce(shard_pow, group=group)
+        total = (local(replicated).pow(norm_type) + local(dtensors).pow(norm_type) + shard_pow).pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
+                           "(error_if_nonfinite=True)")
+    # torch.nn.utils.clip_grads_with_norm_'s factor, applied to plain tensors (a DTensor's local part scales it)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    with torch.no_grad():
+        local_grads = [g.to_local() if _is_dtensor(g) else g for g in grads]
+        for dev_grads in _by_device(local_grads).values():
+            torch._foreach_mul_(dev_grads, coef.to(dev_grads[0].device))
+    return total
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _by_device(ts: list[torch.Tensor]) -> dict:
+    out: dict = {}
+    for t in ts:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
+
+
+def refresh_replicas(model: nn.Module) -> None:
+    """``refresh_replicas()`` of every FEPLB layer (collective): after every ``optimizer.step()`` and
+    after any other change of the expert weights (loading a shard, say)."""
+    for m in experts_modules(model):
+        m.refresh_replicas()
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The model's state dict with every FEPLB layer's expert shards gathered back into the original names and
+    shapes (with transformers ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F]; with torchtitan
+    ``w1_EFD`` [E, F, D], ``w2_EDF`` [E, D, F] and ``w3_EFD`` [E, F, D]), ready for
+    ``save_pretrained(d, state_dict=...)`` or ``load_state_dict`` of an unmodified model. Collective over each
+    layer's EP group.
+
+    rank0_only: the full dict on rank 0 of the EP group and an empty dict elsewhere (True), or on every rank.
+    Tensors are detached, on the parameters' devices; the non-expert entries share storage with the model, except
+    those FSDP (``fully_shard``) holds as DTensors, which are gathered into plain tensors (collective over their
+    meshes; every rank gathers them, also with rank0_only). A FEPLB layer's other state (its runtime's buffers)
+    is no part of the model's checkpoint and is left out.
+    """
+    owners: dict[str, MoELayer] = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+    keep = not rank0_only or dist.get_rank(next(iter(owners.values())).group if owners else None) == 0
+    sd = {}
+    for k, v in model.state_dict().items():
+        if _is_dtensor(v):
+            v = v.full_tensor()   # collective: every rank gathers, one tensor at a time
+            if not keep:
+                continue          # and only the ranks that return it hold it
+        sd[k] = v
+    full: dict[str, torch.Tensor] = {}
+    for prefix, m in owners.items():
+        group = m.group
+        W, r = dist.get_world_size(group), dist.get_rank(group)
+        dst = dist.get_global_rank(group, 0) if group is not None else 0
+        ids = {id(p) for p in m.expert_params()}
+        for pname, p in m.named_parameters():
+            if id(p) not in ids:
+                continue
+            shard = p.detach().contiguous()
+            if rank0_only:
+                parts = [torch.empty_like(shard) for _ in range(W)] if r == 0 else None
+                dist.gather(shard, parts, dst=dst, group=group)
+            else:
+                parts = [torch.empty_like(shard) for _ in range(W)]
+                dist.all_gather(parts, shard, group=group)
+            if parts is not None:
+                full[f"{prefix}.{pname}" if prefix else pname] = torch.cat(parts)
+    if not keep:
+        return {}
+    out = {}
+    for k, v in sd.items():
+        if k in full:
+            out[k] = full[k]
+        elif not _under(k, owners):
+            out[k] = v
+    return out
+
+
+def _under(key: str, prefixes: dict[str, Any]) -> bool:
+    """Whether state-dict key ``key`` belongs to a module named in ``prefixes`` ("" is the root)."""
+    if "" in prefixes:
+        return True
+    parts = key.split(".")
+    return any(".".join(parts[:i]) in prefixes for i in range(1, len(parts)))
