@@ -285,7 +285,9 @@ class MoELayer(nn.Module):
 
         routing: optional (topk_ids [T, K] integer, topk_weights [T, K] floating, any strides) from a router outside
             the layer (one per token of x, in x's token order); the layer's own router is then skipped and the
-            gradient flows into topk_weights. Ids outside [0, E) or non-finite weights raise on every rank together.
+            gradient flows into topk_weights. float32 weights weigh the experts' outputs in float32 (the combine
+            accumulates in fp32 whatever the layer's dtype); others are cast to ``config.dtype``. Ids outside
+            [0, E) or non-finite weights raise on every rank together.
 
         Under ``torch.compile`` the routing and the combine compile; the dispatch in between (communication, CPU
         planning) is excluded with ``torch.compiler.disable``, so the graph breaks exactly there.
@@ -307,7 +309,10 @@ class MoELayer(nn.Module):
             E = c.num_experts
             # flags, not a host check: a bad id or weight reaches every rank in the counts all-gather
             bad = (~torch.isfinite(w_TK).all()).long() + 2 * ((ids_TK < 0) | (ids_TK >= E)).any().long()
-            topk_ids_TK, w_TK = ids_TK.long().clamp(0, E - 1), w_TK.to(x_TD.dtype)
+            # float32 weights stay float32 (the combine accumulates in fp32; a router's fp32 scores lose nothing),
+            # others take the layer's dtype
+            topk_ids_TK = ids_TK.long().clamp(0, E - 1)
+            w_TK = w_TK if w_TK.dtype in (torch.float32, x_TD.dtype) else w_TK.to(x_TD.dtype)
         # A recompute by activation checkpointing groups its rows as its forward did (feplb.recompute)
         replay = None
         if not torch.compiler.is_compiling() and in_backward():
@@ -683,7 +688,7 @@ def ignore_experts_in_ddp(module: nn.Module) -> list[str]:
     for prefix, m in module.named_modules():
         if isinstance(m, MoELayer):
             ids = {id(p) for p in m.expert_params()}
-            for n, p in m.named_parameters(recurse=False):
+            for n, p in m.named_parameters():   # an adapter may keep them in a child module (feplb.titan)
                 if id(p) in ids:
                     # DDP's broadcast names the root's parameters "w1", its gradient reducer ".w1": both
                     names += [f"{prefix}.{n}"] if prefix else [n, f".{n}"]
