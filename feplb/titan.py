@@ -1,0 +1,274 @@
+"""FEPLB for torchtitan MoE models: one call turns a model's routed experts into balanced expert parallelism.
+
+torchtitan (>= 0.3) builds every MoE model (Qwen3-MoE, DeepSeek-V3, Llama 4, ...) from one ``MoE`` module: a
+``router`` (``TokenChoiceTopKRouter``), optional ``shared_experts``, and ``routed_experts`` (``RoutedExperts``),
+which holds a token dispatcher and ``inner_experts`` (``GroupedExperts``: ``w1_EFD`` [E, F, D], ``w2_EDF``
+[E, D, F], ``w3_EFD`` [E, F, D], computed ``(silu(x w1^T) * (x w3^T)) w2^T`` in bfloat16). :func:`apply` replaces
+each MoE's ``routed_experts``, in place, with a :class:`FEPLBRoutedExperts` that keeps only this rank's ``E / W``
+experts under the same names (``routed_experts.inner_experts.w1_EFD``, ...) and layout, takes the router's output as
+its routing, and balances every micro-batch like :class:`feplb.MoELayer` (it is one, with ``router="external"``).
+The router, its load-balancing bias (``expert_bias_E``) and token counts (``tokens_per_expert_E``), and the shared
+experts stay torchtitan's: ``MoE.forward`` runs unchanged around the replaced module.
+
+Precision: like ``GroupedExperts``, the experts compute in bfloat16 whatever their parameters' dtype (``dtype=``
+chooses another); the rows travel, and the routed outputs combine, in that dtype too. The parameters keep their
+dtype (fp32 master weights stay fp32); each forward casts them once, as ``GroupedExperts`` does, and the
+gradients return in the parameters' dtype.
+
+Apply it to a model built with real weights (not on the meta device) and before torchtitan parallelizes it, with
+torchtitan's own expert parallelism off: FEPLB is the expert parallelism, over ``group``. Everything that is not an
+expert shard stays replicated over the group, and data parallelism over it is yours: DDP with
+``feplb.ignore_experts_in_ddp(model)``, or FSDP with ``fully_shard(..., ignored_params=set(expert_parameters(m)))``;
+torchtitan's ``parallelize`` functions do not know these shards and must not shard them. Per optimizer step, as
+with every FEPLB layer: :func:`reduce_replica_grads` before ``optimizer.step()`` (and clipping),
+:func:`refresh_replicas` after it, or :func:`attach_optimizer`; :func:`clip_grad_norm_` clips by the whole
+model's norm. Checkpoints: the model's ``state_dict()`` is this rank's shard, :func:`full_state_dict` the original
+names and shapes.
+Activation checkpointing of whole blocks (non-reentrant ``torch.utils.checkpoint``, what torchtitan's ``full`` and
+per-layer modes wrap blocks in) replays each forward exactly; torch's selective activation checkpointing
+(torchtitan's op-level mode) is refused by the layer, on every rank.
+
+Legend: T tokens on this rank, K top-k, D model dim, F expert ffn dim, E experts, W EP ranks, L = E / W.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from feplb.dropin import (
+    agree_to_replace,
+    attach_optimizer,
+    average_expert_grads,
+    check_overrides,
+    clip_grad_norm_,
+    expert_parameters,
+    experts_modules,
+    full_state_dict,
+    reduce_replica_grads,
+    refresh_replicas,
+    weights_digest,
+)
+from feplb.layer import FEPLBConfig, MoELayer
+
+__all__ = ["FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules", "full_state_dict",
+           "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas", "clip_grad_norm_"]
+
+# FEPLBConfig fields that apply() reads off the module (or takes as its own argument); overriding them is an error.
+_DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "dtype")
+_NAMES = ("w1_EFD", "w2_EDF", "w3_EFD")
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _GateUp(torch.autograd.Function):
+    """(w1 [L, F, D], w3 [L, F, D]) -> [L, 2F, D] in ``dtype``: w1's rows, then w3's, written in one pass that also
+    casts (``GroupedExperts`` casts each weight to bfloat16 every forward: the same traffic). The gradient returns
+    split, in each weight's dtype. Saves nothing, so one result serves every use in a forward."""
+
+    @staticmethod
+    def forward(w1: torch.Tensor, w3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        L, F, D = w1.shape
+        out = torch.empty((L, 2 * F, D), dtype=dtype, device=w1.device)
+        out[:, :F].copy_(w1)
+        out[:, F:].copy_(w3)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        w1, w3, _ = inputs
+        ctx.F, ctx.dtypes = w1.shape[1], (w1.dtype, w3.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        F = ctx.F
+        return g[:, :F].to(ctx.dtypes[0]), g[:, F:].to(ctx.dtypes[1]), None
+
+
+class FEPLBRoutedExperts(MoELayer):
+    """An expert-parallel, balanced drop-in for a torchtitan ``RoutedExperts`` (made by :func:`apply`).
+
+    Parameters: ``inner_experts.w1_EFD`` [L, F, D], ``inner_experts.w2_EDF`` [L, D, F] and ``inner_experts.w3_EFD``
+    [L, F, D], this rank's experts ``rank * L ...`` in the layout, dtype and names of the module it replaces
+    (``inner_experts.num_experts`` is the model's E, as torchtitan's ``MoE`` reads it).
+    ``forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E) -> [B, L, D]`` in x's
+    dtype: ``sum_k score_k * w2(silu(w1 x) * w3 x)`` over each token's experts, with the gradient flowing into the
+    scores (the router). The counts argument is torchtitan's and not needed: the layer counts what it dispatches.
+    Collective over the EP group, like every ``MoELayer`` forward: every rank of the group must run every forward.
+    """
+
+    def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, w1_EFD: torch.Tensor,
+                 w2_EDF: torch.Tensor, w3_EFD: torch.Tensor, name: str = "") -> None:
+        if config.router != "external":
+            raise ValueError(f"FEPLBRoutedExperts needs FEPLBConfig.router='external', got {config.router!r}")
+        # Read by _init_experts, which MoELayer.__init__ calls before this constructor could set attributes.
+        object.__setattr__(self, "_titan_full", (w1_EFD, w2_EDF, w3_EFD, group))
+        super().__init__(config, group)
+        object.__delattr__(self, "_titan_full")
+        self.titan_name = name
+        self._joined: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
+        full = self._titan_full
+        lo = dist.get_rank(full[3]) * L
+        inner = nn.Module()
+        for pname, w in zip(_NAMES, full[:3], strict=True):
+            with torch.no_grad():
+                # clone: the shard must not keep the full tensor's storage alive; the parameters keep their dtype
+                shard = w[lo:lo + L].to(device=device).clone()
+            setattr(inner, pname, nn.Parameter(shard, requires_grad=w.requires_grad))
+        inner.num_experts = self.config.num_experts
+        self.inner_experts = inner
+
+    def expert_params(self) -> tuple[nn.Parameter, ...]:
+        e = self.inner_experts
+        return e.w1_EFD, e.w2_EDF, e.w3_EFD
+
+    def _join(self) -> tuple[torch.Tensor, torch.Tensor]:
+        e, dt = self.inner_experts, self.config.dtype
+        w13 = _GateUp.apply(e.w1_EFD, e.w3_EFD, dt)
+        return w13.transpose(1, 2), e.w2_EDF.to(dt).transpose(1, 2)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1 [L, D, 2F], w2 [L, F, D]) in the layer's dtype: [w1 | w3] joined and cast, and w2 cast, as strided
+        views; made once per forward and shared by all its uses, made afresh outside a forward."""
+        return self._joined if self._joined is not None else self._join()
+
+    def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor,  # type: ignore[override]
+                topk_expert_ids_BLK: torch.Tensor,
+                num_local_tokens_per_expert_E: torch.Tensor | None = None) -> torch.Tensor:
+        del num_local_tokens_per_expert_E
+        self._joined = self._join()
+        try:
+            y = super().forward(x_BLD.to(self.config.dtype), routing=(topk_expert_ids_BLK, topk_scores_BLK))
+        finally:
+            self._joined = None
+        return y.to(x_BLD.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.titan_name!r}, " + super().extra_repr()
+
+
+# ---------------------------------------------------------------------------------------------------- discovery
+
+def _torchtitan():
+    try:
+        from torchtitan.models.common import moe
+    except ImportError as e:
+        raise ImportError("feplb.titan needs torchtitan >= 0.3 (pip install 'feplb[titan]'), where every MoE model "
+                          f"has one MoE module ({e})") from e
+    return moe
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _problem(moe: nn.Module, tt, world: int, dtype: torch.dtype) -> tuple[str | None, dict]:
+    """Why FEPLB cannot run ``moe``'s routed experts exactly (None if it can), and the FEPLBConfig fields they give."""
+    routed = moe.routed_experts
+    if type(routed) is not tt.RoutedExperts:
+        return f"routed experts {type(routed).__name__}, not torchtitan's RoutedExperts", {}
+    inner = routed.inner_experts
+    if type(inner) is not tt.GroupedExperts or "_grouped_mm" in vars(inner):
+        return (f"experts {type(inner).__name__} are not torchtitan's plain GroupedExperts (FEPLB computes "
+                "(silu(x w1) * (x w3)) w2 with its own grouped GEMM; low-precision converters and other activations "
+                "are not supported)"), {}
+    own = dict(inner.named_parameters())
+    if sorted(own) != sorted(_NAMES):
+        return f"parameters {sorted(own)}; expected {list(_NAMES)}", {}
+    buffers = sorted(n for n, _ in inner.named_buffers())
+    if buffers:
+        return f"buffers {', '.join(buffers)} (scaled or quantized experts are not supported)", {}
+    w1, w2, w3 = (own[n] for n in _NAMES)
+    if any(_is_dtensor(w) for w in (w1, w2, w3)) or getattr(routed.token_dispatcher, "ep_mesh", None) is not None:
+        return ("already parallelized by torchtitan (DTensor weights or an EP mesh); apply feplb.titan before "
+                "parallelizing, with torchtitan's expert parallelism off: FEPLB is the expert parallelism"), {}
+    if any(w.is_meta for w in (w1, w2, w3)):
+        return "weights on the meta device; initialise (init_states) or load them before apply", {}
+    if w1.dim() != 3 or w1.shape != w3.shape or w2.shape != (w1.shape[0], w1.shape[2], w1.shape[1]):
+        return (f"weight layout w1_EFD {list(w1.shape)}, w2_EDF {list(w2.shape)}, w3_EFD {list(w3.shape)}; "
+                "expected [E, F, D], [E, D, F], [E, F, D]"), {}
+    E, Fd, D = w1.shape
+    if inner.num_experts != E or getattr(moe.router, "num_experts", E) != E:
+        return (f"{E} experts in the weights, num_experts {inner.num_experts} (experts) and "
+                f"{getattr(moe.router, 'num_experts', None)} (router)"), {}
+    if len({w.dtype for w in (w1, w2, w3)}) != 1 or w1.dtype not in _PARAM_DTYPES:
+        return f"weight dtypes {[w.dtype for w in (w1, w2, w3)]}; expected one of {_PARAM_DTYPES}", {}
+    if w1.device.type not in ("cpu", "cuda") or len({w.device for w in (w1, w2, w3)}) != 1:
+        return f"weights on {[str(w.device) for w in (w1, w2, w3)]}; expected one CPU or CUDA device", {}
+    top_k = getattr(moe.router, "top_k", None)
+    if not isinstance(top_k, int) or not 1 <= top_k <= E:
+        return f"the router's top_k is {top_k!r}; expected an int in [1, {E}]", {}
+    if E % world:
+        return f"{E} experts are not divisible by the EP group size {world}", {}
+    return None, {"hidden": int(D), "ffn": int(Fd), "num_experts": int(E), "top_k": top_k, "dtype": dtype,
+                  "device": w1.device.type}
+
+
+# ---------------------------------------------------------------------------------------------------- apply
+
+def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.bfloat16,
+          **config_overrides: Any) -> list[str]:
+    """Replace the ``routed_experts`` of every torchtitan ``MoE`` of ``model``, in place, with a balanced
+    expert-parallel :class:`FEPLBRoutedExperts` holding this rank's ``E / W`` experts. Collective over the EP group
+    ``group`` (default: the world); ``torch.distributed`` must be initialised and every rank must hold the same full
+    weights.
+
+    dtype: what the experts compute in, and the rows travel and combine in (bfloat16 by default, as torchtitan's
+        ``GroupedExperts`` computes; float32 for an exact reference). The parameters keep their own dtype.
+    config_overrides: :class:`feplb.FEPLBConfig` fields (policy, gpus_per_node, dyn, weights, plan_wait_ms, ...).
+        hidden, ffn, num_experts and top_k come from the module and its router; the router is the model's own.
+        The device defaults to the experts'.
+
+    Returns the qualified names of the replaced modules. Raises, on every rank together and before anything is
+    replaced: ValueError naming each MoE whose experts FEPLB cannot run exactly (another experts class, a
+    low-precision converter, weights already parallelized or on the meta device, E not divisible by W) and why, or
+    when the ranks' models differ; TypeError for an unknown or derived override; ImportError without torchtitan.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("feplb.titan.apply needs torch.distributed initialised (init_process_group) first")
+    check_overrides("feplb.titan.apply", config_overrides, _DERIVED)
+    if dtype not in _DTYPES:
+        raise TypeError(f"feplb.titan.apply: dtype {dtype}; expected one of {_DTYPES}")
+    tt = _torchtitan()
+    world = dist.get_world_size(group)
+    found = [(name, m) for name, m in model.named_modules(remove_duplicate=False)
+             if isinstance(m, tt.MoE) and not isinstance(m.routed_experts, FEPLBRoutedExperts)]
+    problems, plans = [], []
+    for name, moe in found:
+        why, fields_of = _problem(moe, tt, world, dtype)
+        if why is not None:
+            problems.append(f"  {name or type(model).__name__} ({type(moe).__name__}): {why}")
+        else:
+            plans.append((name, moe, fields_of))
+    digests = [(n, *weights_digest(*(getattr(m.routed_experts.inner_experts, p) for p in _NAMES)))
+               for n, m, _ in plans]
+
+    def none_found() -> str:
+        done = " (feplb.titan.apply already replaced their experts)" if experts_modules(model) else ""
+        return f"found no torchtitan MoE module in {type(model).__name__}{done}"
+
+    agree_to_replace("feplb.titan.apply", group, problems, [n for n, _ in found], digests, none_found)
+
+    # Every config is checked, then every layer built (collective), before the first module is swapped: a bad
+    # override or a layer that cannot be built leaves the model as it was.
+    configs = {id(moe): FEPLBConfig(**{**fields_of, **config_overrides, "router": "external"})
+               for _, moe, fields_of in plans}
+    made: dict[int, FEPLBRoutedExperts] = {}
+    for name, moe, _ in plans:
+        if id(moe) not in made:
+            inner = moe.routed_experts.inner_experts
+            new = FEPLBRoutedExperts(configs[id(moe)], group, *(getattr(inner, p) for p in _NAMES),
+                                     name=f"{name}.routed_experts" if name else "routed_experts")
+            new.train(moe.routed_experts.training)
+            new.refresh_replicas()
+            made[id(moe)] = new
+    for _, moe, _ in plans:
+        moe.routed_experts = made[id(moe)]
+    return [f"{name}.routed_experts" if name else "routed_experts" for name, _, _ in plans]

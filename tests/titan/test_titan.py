@@ -1,0 +1,337 @@
+"""feplb.titan on torchtitan's own MoE modules (Qwen3-MoE style: softmax router with route_norm; DeepSeek-V3 style:
+sigmoid router with expert groups, route_scale, a load-balancing bias and shared experts), on 1 gloo rank and on 4
+as 2 nodes x 2, balancing on (feplb-split, rows really move) and off.
+
+* The routed experts against an fp64 dense reference (every token's experts looped in fp64), output and the
+  gradients of x, the scores and the expert shards (the reference's gradient summed over every rank's input): with
+  dtype=float32 within the project's exactness criterion (1e-5 of each tensor's largest element); with the default
+  bfloat16 within twice the error torchtitan's own ``RoutedExperts`` makes on the same input.
+* The whole ``MoE`` (router, bias, shared experts) against the unmodified one: the same parameter names, the same
+  token counts for the load-balancing bias, output and gradients at bfloat16's precision.
+* ``full_state_dict`` round-trips bit-exactly into an unmodified MoE; a checkpointed forward trains the same;
+  ``ignore_experts_in_ddp`` finds the shards in their child module; what FEPLB cannot run is refused by name on
+  every rank before anything is replaced.
+
+Each gloo job runs every case of its world size in one process group."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.models.common.moe")
+
+from feplb.testing import error_of, run_dist  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+D, FF, E, K = 32, 48, 8, 2
+TOKENS = (2, 12)   # [B, L] per rank
+POLICIES = ("feplb-split", "none")
+OPTS = dict(min_chunk=1, plan_wait_ms=60_000, min_straggler_rows=0)
+
+
+def make_moe(arch: str, num_experts: int = E, seed: int = 0):
+    """A torchtitan MoE built from its own config helpers (fixed seed: the same weights on every rank)."""
+    from functools import partial
+
+    from torch import nn
+    from torchtitan.models.common.config_utils import (
+        make_ffn_config,
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
+
+    init = {"weight": partial(nn.init.normal_, std=0.2)}
+    experts = {n: partial(nn.init.normal_, std=0.2) for n in ("w1_EFD", "w2_EDF", "w3_EFD")}
+    if arch == "qwen3":
+        router = make_router_config(dim=D, num_experts=num_experts, gate_param_init=init, top_k=K,
+                                    score_func="softmax", route_norm=True)
+        shared = None
+    elif arch == "deepseek":
+        router = make_router_config(dim=D, num_experts=num_experts, gate_param_init=init, top_k=K,
+                                    score_func="sigmoid", route_scale=2.5, num_expert_groups=4, num_limited_groups=2)
+        shared = make_ffn_config(dim=D, hidden_dim=FF, w1_param_init=init, w2w3_param_init=init)
+    else:
+        raise ValueError(arch)
+    cfg = make_moe_config(num_experts=num_experts, router=router, shared_experts=shared,
+                          routed_experts=make_routed_experts_config(dim=D, hidden_dim=FF, num_experts=num_experts,
+                                                                    top_k=K, param_init=experts,
+                                                                    comm_backend="standard"))
+    torch.manual_seed(seed)
+    moe = cfg.build()
+    with torch.no_grad():
+        moe.init_states()
+        # a routing bias toward the first experts: skewed load, so feplb-split moves rows
+        moe.expert_bias_E.copy_(torch.linspace(0.6, 0.0, num_experts))
+    return moe
+
+
+def _inputs(rank: int, arch: str = "qwen3"):
+    g = torch.Generator().manual_seed(100 + rank + (7 if arch == "deepseek" else 0))
+    x = torch.randn(*TOKENS, D, generator=g)
+    p = torch.tensor([8.0, 6.0] + [1.0] * (E - 2))
+    ids = torch.multinomial(p.expand(TOKENS[0] * TOKENS[1], E), K, generator=g).view(*TOKENS, K)
+    scores = torch.rand(*TOKENS, K, generator=g) + 0.1
+    return x, scores, ids
+
+
+def _dense_routed(x, scores, ids, w1, w2, w3):
+    """sum_k s_k * w2_e(silu(w1_e x) * w3_e x), every token and expert looped (fp64 leaves)."""
+    x_TD, s_TK, ids_TK = x.reshape(-1, D), scores.reshape(-1, K), ids.reshape(-1, K)
+    out = torch.zeros_like(x_TD)
+    for t in range(x_TD.shape[0]):
+        for k in range(K):
+            e = int(ids_TK[t, k])
+            h = torch.nn.functional.silu(w1[e] @ x_TD[t]) * (w3[e] @ x_TD[t])
+            out[t] = out[t] + s_TK[t, k] * (w2[e] @ h)
+    return out.view(x.shape)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|, in fp64 (max |got - want| when want is zero: an expert no token chose)."""
+    diff, scale = (got.double() - want.double()).abs().max(), want.double().abs().max()
+    return float(diff / scale) if scale else float(diff)
+
+
+# (layer dtype, activations' dtype, autocast): exact in fp32; bf16 activations (torchtitan under its mixed
+# precision); fp32 activations with bf16 GEMMs (the layer in fp32 inside autocast, as GroupedExperts computes them)
+MODES = {"fp32": (torch.float32, torch.float32, False), "bf16": (torch.bfloat16, torch.bfloat16, False),
+         "autocast": (torch.float32, torch.float32, True)}
+
+
+def _routed_case(rank: int, world: int, policy: str, mode: str) -> dict:
+    """The routed experts alone: ours and torchtitan's RoutedExperts against the fp64 reference."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    import feplb.titan as ft
+
+    moe = make_moe("qwen3")
+    ref = copy.deepcopy(moe.routed_experts)
+    full = {n: p.detach().clone() for n, p in ref.inner_experts.named_parameters()}
+    dtype, act, autocast = MODES[mode]
+    names = ft.apply(moe, policy=policy, gpus_per_node=min(2, world), dtype=dtype, **OPTS)
+    ours = moe.routed_experts
+    x, scores, ids = _inputs(rank)
+    x = x.to(act)
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+
+    def run(mod, x, s):
+        x = x.clone().requires_grad_()
+        s = s.clone().requires_grad_()
+        y = mod(x, s, ids, counts)
+        return x, s, y
+
+    g = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(7 + rank)).to(act)
+    with ctx():
+        xo, so, yo = run(ours, x, scores)
+    yo.backward(g)
+    xt, st, yt = run(ref, x, scores)
+    yt.backward(g)
+    # fp64 reference, weight gradients summed over every rank's input
+    ws = {n: w.double().requires_grad_() for n, w in full.items()}
+    xr, sr = x.double().requires_grad_(), scores.double().requires_grad_()
+    yr = _dense_routed(xr, sr, ids, ws["w1_EFD"], ws["w2_EDF"], ws["w3_EFD"])
+    yr.backward(g.double())
+    L, lo = E // world, rank * (E // world)
+    wgrads = {}
+    for n, w in ws.items():
+        gsum = w.grad.clone()
+        dist.all_reduce(gsum)
+        tsum = ref.inner_experts.get_parameter(n).grad.double().clone()
+        dist.all_reduce(tsum)
+        wgrads[n] = (gsum[lo:lo + L], tsum[lo:lo + L], ours.inner_experts.get_parameter(n))
+    err = {"out": (_rel(yo, yr), _rel(yt, yr)), "x": (_rel(xo.grad, xr.grad), _rel(xt.grad, xr.grad)),
+           "scores": (_rel(so.grad, sr.grad), _rel(st.grad, sr.grad))}
+    for n, (want, tt, p) in wgrads.items():
+        err[n] = (_rel(p.grad, want), _rel(tt, want))
+    stats = ours.last_stats
+    moved_t = torch.tensor([stats.rows_moved if stats is not None else 0])
+    dist.all_reduce(moved_t)
+    return {"names": names, "err": err, "rows_moved": int(moved_t), "out_dtype": yo.dtype,
+            "grad_dtypes": {n: p.grad.dtype for n, p in ours.inner_experts.named_parameters()},
+            "shapes": {n: tuple(p.shape) for n, p in ours.inner_experts.named_parameters()}}
+
+
+def _moe_case(rank: int, world: int, arch: str) -> dict:
+    """The whole MoE, modified and not, on this rank's tokens."""
+    import torch.distributed as dist
+
+    import feplb
+    import feplb.titan as ft
+
+    moe = make_moe(arch)
+    ref = copy.deepcopy(moe)
+    ft.apply(moe, policy="feplb-split", gpus_per_node=min(2, world), **OPTS)
+    out: dict = {"same_names": [n for n, _ in moe.named_parameters()] == [n for n, _ in ref.named_parameters()]}
+    x, _, _ = _inputs(rank, arch)
+    g = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(11 + rank))
+    xo, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    moe(xo).backward(g)
+    ref(xt).backward(g)
+    out["counts_equal"] = torch.equal(moe.tokens_per_expert_E, ref.tokens_per_expert_E)
+    out["counts_sum"] = float(moe.tokens_per_expert_E.sum())
+    L, lo = E // world, rank * (E // world)
+    err = {"x": _rel(xo.grad, xt.grad)}
+    ours_p, ref_p = dict(moe.named_parameters()), dict(ref.named_parameters())
+    for n, p in ours_p.items():
+        want = ref_p[n].grad.clone()
+        if "inner_experts" in n:
+            dist.all_reduce(want)
+            want = want[lo:lo + L]
+        err[n] = _rel(p.grad, want)
+    out["err"] = err
+    out["ddp_ignored"] = sorted(feplb.ignore_experts_in_ddp(moe))
+
+    # full_state_dict: the original names and shapes, bit-exact into an unmodified MoE
+    sd = ft.full_state_dict(moe, rank0_only=False)
+    fresh = make_moe(arch, seed=1)
+    fresh.load_state_dict(sd)
+    out["round_trip"] = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), ref.state_dict().values(),
+                                                             strict=True))
+    out["sd_keys"] = list(sd) == list(ref.state_dict())
+
+    # a checkpointed forward (non-reentrant, as torchtitan's activation checkpointing) gives the same gradients
+    for p in moe.parameters():
+        p.grad = None
+    ck = {}
+    for name, fn in (("plain", lambda v: moe(v)),
+                     ("checkpoint", lambda v: torch.utils.checkpoint.checkpoint(moe, v, use_reentrant=False))):
+        v = x.clone().requires_grad_()
+        fn(v).backward(g)
+        ck[name] = [v.grad.clone()] + [p.grad.clone() for p in moe.parameters()]
+        for p in moe.parameters():
+            p.grad = None
+    out["checkpoint_equal"] = all(torch.equal(a, b) for a, b in zip(ck["plain"], ck["checkpoint"], strict=True))
+    return out
+
+
+def _errors_case(rank: int, world: int) -> dict:
+    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+
+    import feplb.titan as ft
+
+    out = {}
+    moe = make_moe("qwen3")
+    before = moe.routed_experts
+    out["override"] = error_of(lambda: ft.apply(moe, num_experts=4))
+    out["dtype"] = error_of(lambda: ft.apply(moe, dtype=torch.float64))
+    out["untouched"] = moe.routed_experts is before
+    out["none"] = error_of(lambda: ft.apply(torch.nn.Linear(2, 2)))
+    odd = make_moe("qwen3", num_experts=6) if world == 4 else None
+    if odd is not None:
+        out["indivisible"] = error_of(lambda: ft.apply(odd))
+    other = make_moe("qwen3")
+    other.routed_experts.inner_experts._grouped_mm = lambda *, A, B_t, offs: torch._grouped_mm(A, B_t, offs=offs)
+    out["converted"] = error_of(lambda: ft.apply(other))
+    gpt_oss = make_moe("qwen3")   # GPT-OSS experts: biases and a clamped SwiGLU
+    gpt_oss.routed_experts.inner_experts = GptOssGroupedExperts(
+        GptOssGroupedExperts.Config(dim=D, hidden_dim=FF, num_experts=E))
+    out["gpt_oss"] = error_of(lambda: ft.apply(gpt_oss))
+    mixed = make_moe("qwen3", seed=rank if world > 1 else 5)
+    out["different_weights"] = error_of(lambda: ft.apply(mixed)) if world > 1 else None
+    with torch.device("meta"):
+        meta = make_moe("qwen3")
+    out["meta"] = error_of(lambda: ft.apply(meta))
+    ft.apply(moe, gpus_per_node=min(2, world))
+    out["again"] = error_of(lambda: ft.apply(moe))
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    res = {"routed": {(p, mode): _routed_case(rank, world, p, mode) for p in POLICIES for mode in MODES},
+           "moe": {a: _moe_case(rank, world, a) for a in ("qwen3", "deepseek")},
+           "errors": _errors_case(rank, world)}
+    return res
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return run_dist(_worker, 1, timeout_s=240, collective_timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_dist(_worker, 4, timeout_s=300, collective_timeout_s=120)
+
+
+def _assert_routed(ranks: list[dict], world: int) -> None:
+    for r, res in enumerate(ranks):
+        for (policy, mode), case in res["routed"].items():
+            where = f"rank {r}, {policy}, {mode}"
+            assert case["names"] == ["routed_experts"], where
+            assert case["shapes"] == {"w1_EFD": (E // world, FF, D), "w2_EDF": (E // world, D, FF),
+                                      "w3_EFD": (E // world, FF, D)}, where
+            # the parameters keep their dtype, the output x's
+            assert set(case["grad_dtypes"].values()) == {torch.float32}, where
+            assert case["out_dtype"] == MODES[mode][1], where
+            for what, (ours, titan) in case["err"].items():
+                if mode == "fp32":
+                    assert ours <= 1e-5, f"{where}: {what} off the fp64 reference by {ours:.2e} (relative)"
+                    continue
+                # bf16 GEMMs: as accurate as torchtitan's own experts, up to rounding (measured at most 1.33x)
+                assert ours <= 2 * titan, (f"{where}: {what} off the fp64 reference by {ours:.2e}, torchtitan's "
+                                           f"own by {titan:.2e}")
+            # balancing moved rows where there is more than one GPU, and never without a policy
+            moves = policy != "none" and world > 1
+            assert (case["rows_moved"] > 0) == moves, f"{where}: {case['rows_moved']} rows moved"
+
+
+def _assert_moe(ranks: list[dict], world: int) -> None:
+    shard = [f"routed_experts.inner_experts.{n}" for n in ("w1_EFD", "w2_EDF", "w3_EFD")]
+    for r, res in enumerate(ranks):
+        for arch, case in res["moe"].items():
+            where = f"rank {r}, {arch}"
+            assert case["same_names"] and case["sd_keys"], where
+            # MoE.forward still counts the tokens of its load-balancing bias, identically
+            assert case["counts_equal"] and case["counts_sum"] == TOKENS[0] * TOKENS[1] * K, where
+            # bfloat16 experts on both sides: equal at bfloat16's precision (a wiring fault is off by O(1))
+            for what, err in case["err"].items():
+                assert err <= 2e-2, f"{where}: gradient of {what} off torchtitan's by {err:.2e} (relative)"
+            assert ("shared_experts.w1.weight" in case["err"]) == (arch == "deepseek"), where
+            assert case["ddp_ignored"] == shard, where
+            assert case["round_trip"], f"{where}: full_state_dict did not round-trip bit-exactly"
+            assert case["checkpoint_equal"], f"{where}: a checkpointed forward gave other gradients"
+
+
+def _assert_errors(ranks: list[dict], world: int) -> None:
+    for res in ranks:
+        err = res["errors"]
+        assert err["override"].startswith("TypeError") and "num_experts" in err["override"], err["override"]
+        assert err["dtype"].startswith("TypeError") and "float64" in err["dtype"], err["dtype"]
+        assert err["untouched"]
+        assert "found no torchtitan MoE module in Linear" in err["none"], err["none"]
+        assert "GroupedExperts are not torchtitan's plain GroupedExperts" in err["converted"], err["converted"]
+        assert "GptOssGroupedExperts are not torchtitan's plain" in err["gpt_oss"], err["gpt_oss"]
+        assert "meta device" in err["meta"], err["meta"]
+        assert "already replaced" in err["again"], err["again"]
+        if world == 4:
+            assert "6 experts are not divisible by the EP group size 4" in err["indivisible"], err["indivisible"]
+            assert "EP rank(s) [1, 2, 3] hold other" in err["different_weights"], err["different_weights"]
+    # collective refusals: every rank raised the same error
+    for key in ("converted", "gpt_oss", "meta", "indivisible", "different_weights"):
+        assert len({res["errors"].get(key) for res in ranks}) == 1, key
+
+
+@pytest.mark.parametrize("check", [_assert_routed, _assert_moe, _assert_errors], ids=["routed", "moe", "errors"])
+def test_one_rank(one_rank, check):
+    check(one_rank, 1)
+
+
+@pytest.mark.parametrize("check", [_assert_routed, _assert_moe, _assert_errors], ids=["routed", "moe", "errors"])
+def test_four_ranks_as_two_nodes(four_ranks, check):
+    check(four_ranks, 4)
+
+
+def test_without_torchtitan_apply_names_the_extra(monkeypatch):
+    import feplb.titan as ft
+
+    monkeypatch.setitem(__import__("sys").modules, "torchtitan.models.common", None)
+    with pytest.raises(ImportError, match=r"feplb\.titan needs torchtitan >= 0\.3 \(pip install 'feplb\[titan\]'\)"):
+        ft._torchtitan()
