@@ -105,6 +105,13 @@ class Replicas:
         self._versions: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------------------------------------ state
+    def own_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's ``expert_weights()`` made with autograd on, also inside ``no_grad``: whether the copies need
+        a gradient is read off them, and a layer whose weights are computed from its parameters (cast, joined:
+        ``feplb.titan``) would otherwise hand out weights that need none."""
+        with torch.enable_grad():
+            return self._layer().expert_weights()
+
     def versions(self) -> tuple[int, ...]:
         return tuple(p._version for p in self._layer().expert_params())
 
@@ -209,7 +216,7 @@ class Replicas:
             return
         copies = [(e, e // lay.num_local, g) for e, g in pairs]
         items, sends, index = self.exchange_weights(copies)
-        w1, w2 = lay.expert_weights()
+        w1, w2 = self.own_weights()
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="refresh of per-step expert copies")
         got = ex(ex.sends_of(sends), w1.new_empty(0)).items
         H, Fd, n = lay.config.hidden, lay.config.ffn, len(copies)
@@ -238,7 +245,7 @@ class Replicas:
         if not self.pairs:
             return
         H, Fd = lay.config.hidden, lay.config.ffn
-        w1, w2 = lay.expert_weights()
+        w1, w2 = self.own_weights()
 
         def grads_of(e: int) -> tuple[torch.Tensor, torch.Tensor]:
             i = placement.slot_pos.get(e)
