@@ -211,10 +211,11 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     rank0_only: the full dict on rank 0 of the EP group and an empty dict elsewhere (True), or on every rank.
     Tensors are detached, on the parameters' devices; the non-expert entries share storage with the model, except
     those FSDP (``fully_shard``) holds as DTensors, which are gathered into plain tensors (collective over their
-    meshes; every rank gathers them, also with rank0_only). A FEPLB layer's other state (its runtime's buffers)
-    is no part of the model's checkpoint and is left out.
+    meshes; every rank gathers them, also with rank0_only). A layer reachable under several names is gathered once
+    and written under each.
     """
-    owners: dict[str, MoELayer] = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+    owners: dict[str, MoELayer] = {name: m for name, m in model.named_modules(remove_duplicate=False)
+                                   if isinstance(m, MoELayer)}
     keep = not rank0_only or dist.get_rank(next(iter(owners.values())).group if owners else None) == 0
     sd = {}
     for k, v in model.state_dict().items():
@@ -224,6 +225,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
                 continue          # and only the ranks that return it hold it
         sd[k] = v
     full: dict[str, torch.Tensor] = {}
+    gathered: dict[tuple[int, str], torch.Tensor] = {}   # (layer, parameter name): the full tensor
     for prefix, m in owners.items():
         group = m.group
         W, r = dist.get_world_size(group), dist.get_rank(group)
@@ -231,6 +233,10 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
         ids = {id(p) for p in m.expert_params()}
         for pname, p in m.named_parameters():
             if id(p) not in ids:
+                continue
+            key = f"{prefix}.{pname}" if prefix else pname
+            if (id(m), pname) in gathered:
+                full[key] = gathered[id(m), pname]
                 continue
             shard = p.detach().contiguous()
             if rank0_only:
@@ -240,21 +246,9 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
                 parts = [torch.empty_like(shard) for _ in range(W)]
                 dist.all_gather(parts, shard, group=group)
             if parts is not None:
-                full[f"{prefix}.{pname}" if prefix else pname] = torch.cat(parts)
+                full[key] = gathered[id(m), pname] = torch.cat(parts)
+            else:
+                gathered[id(m), pname] = shard    # not returned (rank0_only, not rank 0): marks it gathered
     if not keep:
         return {}
-    out = {}
-    for k, v in sd.items():
-        if k in full:
-            out[k] = full[k]
-        elif not _under(k, owners):
-            out[k] = v
-    return out
-
-
-def _under(key: str, prefixes: dict[str, Any]) -> bool:
-    """Whether state-dict key ``key`` belongs to a module named in ``prefixes`` ("" is the root)."""
-    if "" in prefixes:
-        return True
-    parts = key.split(".")
-    return any(".".join(parts[:i]) in prefixes for i in range(1, len(parts)))
+    return {k: full.get(k, v) for k, v in sd.items()}

@@ -195,6 +195,16 @@ def _usage_worker(rank, world):
     if rank == 0:
         layer.state = layer.state.observe(np.ones((world, E), dtype=np.int64))
     res["state_mismatch"] = error_of(layer.refresh_replicas)
+
+    # feplb.dropin.full_state_dict on layers built directly: every expert gathered, the rest (router) kept
+    from feplb.dropin import full_state_dict
+
+    layer, router, w1, w2, _ = _layer(16, router_bias=True)
+    model = torch.nn.Sequential(torch.nn.Linear(H, H), layer)
+    sd = full_state_dict(model, rank0_only=False)
+    res["full_sd"] = (sorted(sd) == sorted(model.state_dict()) and torch.equal(sd["1.w1"], w1)
+                      and torch.equal(sd["1.w2"], w2) and torch.equal(sd["1.router.weight"], router)
+                      and torch.equal(sd["1.router_bias"], layer.router_bias))
     return res
 
 
@@ -220,6 +230,7 @@ def test_layer_usage_and_misuse():
             "already replaced" in res["late_grad"], res["late_grad"]
         assert res["state_mismatch"] and res["state_mismatch"].startswith("ValueError") and \
             "policy state" in res["state_mismatch"], res["state_mismatch"]
+        assert res["full_sd"], f"rank {rank}: full_state_dict of plain layers"
     router, w1, w2 = _epdp_dense()
     L = E // 2
     for rank, res in enumerate(results):
