@@ -175,6 +175,11 @@ def _problem(moe: nn.Module, tt, world: int, dtype: torch.dtype) -> tuple[str | 
     if type(routed) is not tt.RoutedExperts:
         return f"routed experts {type(routed).__name__}, not torchtitan's RoutedExperts", {}
     inner = routed.inner_experts
+    for mod in (routed, inner):
+        hooks = [k for k in ("_forward_hooks", "_forward_pre_hooks") if getattr(mod, k, None)]
+        if hooks or "forward" in vars(mod):
+            return (f"{type(mod).__name__} has its own forward hooks or forward "
+                    f"({', '.join(hooks) or 'an instance forward'}); FEPLB would not run them"), {}
     if type(inner) is not tt.GroupedExperts or "_grouped_mm" in vars(inner):
         return (f"experts {type(inner).__name__} are not torchtitan's plain GroupedExperts (FEPLB computes "
                 "(silu(x w1) * (x w3)) w2 with its own grouped GEMM; low-precision converters and other activations "
@@ -205,6 +210,9 @@ def _problem(moe: nn.Module, tt, world: int, dtype: torch.dtype) -> tuple[str | 
     top_k = getattr(moe.router, "top_k", None)
     if not isinstance(top_k, int) or not 1 <= top_k <= E:
         return f"the router's top_k is {top_k!r}; expected an int in [1, {E}]", {}
+    if getattr(routed.token_dispatcher, "top_k", top_k) != top_k:
+        return (f"the router's top_k ({top_k}) differs from the token dispatcher's "
+                f"({routed.token_dispatcher.top_k})"), {}
     if E % world:
         return f"{E} experts are not divisible by the EP group size {world}", {}
     return None, {"hidden": int(D), "ffn": int(Fd), "num_experts": int(E), "top_k": top_k, "dtype": dtype,
@@ -228,25 +236,34 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
 
     Returns the qualified names of the replaced modules. Raises, on every rank together and before anything is
     replaced: ValueError naming each MoE whose experts FEPLB cannot run exactly (another experts class, a
-    low-precision converter, weights already parallelized or on the meta device, E not divisible by W) and why, or
-    when the ranks' models differ; TypeError for an unknown or derived override; ImportError without torchtitan.
+    low-precision converter, hooks, weights already parallelized or on the meta device, E not divisible by W, a
+    config FEPLBConfig refuses, an unsupported ``dtype``) and why, or when the ranks' models differ; TypeError for
+    an unknown or derived override; ImportError without torchtitan.
     """
     if not dist.is_initialized():
         raise RuntimeError("feplb.titan.apply needs torch.distributed initialised (init_process_group) first")
     check_overrides("feplb.titan.apply", config_overrides, _DERIVED)
-    if dtype not in _DTYPES:
-        raise TypeError(f"feplb.titan.apply: dtype {dtype}; expected one of {_DTYPES}")
     tt = _torchtitan()
     world = dist.get_world_size(group)
     found = [(name, m) for name, m in model.named_modules(remove_duplicate=False)
              if isinstance(m, tt.MoE) and not isinstance(m.routed_experts, FEPLBRoutedExperts)]
+    # Every problem, the arguments' included, goes through the one agreement: all ranks raise together.
     problems, plans = [], []
+    if dtype not in _DTYPES:
+        problems.append(f"  dtype={dtype}: expected one of {_DTYPES}")
+    configs: dict[int, FEPLBConfig] = {}
     for name, moe in found:
         why, fields_of = _problem(moe, tt, world, dtype)
+        if why is None:
+            try:
+                configs[id(moe.routed_experts)] = FEPLBConfig(**{**fields_of, **config_overrides,
+                                                                 "router": "external"})
+            except (TypeError, ValueError) as e:
+                why = f"FEPLBConfig: {e}"
         if why is not None:
             problems.append(f"  {name or type(model).__name__} ({type(moe).__name__}): {why}")
         else:
-            plans.append((name, moe, fields_of))
+            plans.append((name, moe, id(moe.routed_experts)))
     digests = [(n, *weights_digest(*(getattr(m.routed_experts.inner_experts, p) for p in _NAMES)))
                for n, m, _ in plans]
 
@@ -256,19 +273,17 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
 
     agree_to_replace("feplb.titan.apply", group, problems, [n for n, _ in found], digests, none_found)
 
-    # Every config is checked, then every layer built (collective), before the first module is swapped: a bad
-    # override or a layer that cannot be built leaves the model as it was.
-    configs = {id(moe): FEPLBConfig(**{**fields_of, **config_overrides, "router": "external"})
-               for _, moe, fields_of in plans}
+    # Every layer is built (collective) before the first module is swapped: a layer that cannot be built leaves the
+    # model as it was. A RoutedExperts shared by several MoEs stays shared.
     made: dict[int, FEPLBRoutedExperts] = {}
-    for name, moe, _ in plans:
-        if id(moe) not in made:
+    for name, moe, key in plans:
+        if key not in made:
             inner = moe.routed_experts.inner_experts
-            new = FEPLBRoutedExperts(configs[id(moe)], group, *(getattr(inner, p) for p in _NAMES),
+            new = FEPLBRoutedExperts(configs[key], group, *(getattr(inner, p) for p in _NAMES),
                                      name=f"{name}.routed_experts" if name else "routed_experts")
             new.train(moe.routed_experts.training)
             new.refresh_replicas()
-            made[id(moe)] = new
-    for _, moe, _ in plans:
-        moe.routed_experts = made[id(moe)]
+            made[key] = new
+    for _, moe, key in plans:
+        moe.routed_experts = made[key]
     return [f"{name}.routed_experts" if name else "routed_experts" for name, _, _ in plans]

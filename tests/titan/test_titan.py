@@ -4,13 +4,17 @@ as 2 nodes x 2, balancing on (feplb-split, rows really move) and off.
 
 * The routed experts against an fp64 dense reference (every token's experts looped in fp64), output and the
   gradients of x, the scores and the expert shards (the reference's gradient summed over every rank's input): with
-  dtype=float32 within the project's exactness criterion (1e-5 of each tensor's largest element); with the default
-  bfloat16 within twice the error torchtitan's own ``RoutedExperts`` makes on the same input.
+  dtype=float32 within the project's exactness criterion (1e-5 of each tensor's largest element); with bf16 GEMMs
+  within twice the error torchtitan's own ``RoutedExperts`` makes on the same input (three times for a bf16 layer
+  on fp32 activations, which torchtitan combines in fp32); fp32 scores weigh a bf16 layer's outputs in fp32.
+* Training with the policies that keep expert copies on other GPUs (replicas, placed experts; per-step and
+  per-micro-batch weights), gradient accumulation, attach_optimizer or clip_grad_norm_ + the per-step calls: the
+  final weights against fp64 SGD (and torchtitan's module trained alike, for a bf16 layer).
 * The whole ``MoE`` (router, bias, shared experts) against the unmodified one: the same parameter names, the same
   token counts for the load-balancing bias, output and gradients at bfloat16's precision.
-* ``full_state_dict`` round-trips bit-exactly into an unmodified MoE; a checkpointed forward trains the same;
-  ``ignore_experts_in_ddp`` finds the shards in their child module; what FEPLB cannot run is refused by name on
-  every rank before anything is replaced.
+* ``full_state_dict`` round-trips bit-exactly into an unmodified MoE (also one reachable under two names; shared
+  experts stay shared); a checkpointed forward trains the same; ``ignore_experts_in_ddp`` finds the shards in their
+  child module; what FEPLB cannot run is refused by name on every rank before anything is replaced.
 
 Each gloo job runs every case of its world size in one process group."""
 
@@ -100,7 +104,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 # (layer dtype, activations' dtype, autocast): exact in fp32; bf16 activations (torchtitan under its mixed
 # precision); fp32 activations with bf16 GEMMs (the layer in fp32 inside autocast, as GroupedExperts computes them)
 MODES = {"fp32": (torch.float32, torch.float32, False), "bf16": (torch.bfloat16, torch.bfloat16, False),
-         "autocast": (torch.float32, torch.float32, True)}
+         "bf16-layer": (torch.bfloat16, torch.float32, False), "autocast": (torch.float32, torch.float32, True)}
 
 
 def _routed_case(rank: int, world: int, policy: str, mode: str) -> dict:
@@ -211,6 +215,111 @@ def _moe_case(rank: int, world: int, arch: str) -> dict:
     out["checkpoint_equal"] = all(torch.equal(a, b) for a, b in zip(ck["plain"], ck["checkpoint"], strict=True))
     return out
 
+# Training: (policy, weights, layer dtype, per-step upkeep). The per-step policies hold copies of experts on other
+# GPUs (replicas for @ema and eplb, placed experts' slot banks for +place) whose gradients must reach the owners.
+TRAIN = [("feplb-split@ema", "per-step", torch.float32, "attach"), ("eplb", "per-step", torch.float32, "clip"),
+         ("feplb-split+place", "per-step", torch.float32, "attach"),
+         ("feplb-split+place", "per-microbatch", torch.float32, "clip"),
+         ("feplb-split@ema", "per-step", torch.bfloat16, "clip"), ("eplb", "per-step", torch.bfloat16, "attach")]
+STEPS, MICRO, LR, MAX_NORM = 3, 2, 0.05, 5.0
+
+
+def _train_inputs(rank: int, step: int, mb: int):
+    x, scores, ids = _inputs(1000 * step + 100 * mb + rank)
+    gy = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(5000 + 1000 * step + 100 * mb + rank))
+    return x, scores, ids, gy
+
+
+def _train_case(rank: int, world: int, policy: str, weights: str, dtype: torch.dtype, upkeep: str) -> dict:
+    """STEPS SGD steps of MICRO accumulated micro-batches (this rank's own), with attach_optimizer or with
+    reduce_replica_grads + clip_grad_norm_ + refresh_replicas; against fp64 SGD on every rank's micro-batches (and,
+    for a bf16 layer, torchtitan's RoutedExperts trained alike)."""
+    import torch.distributed as dist
+
+    import feplb.titan as ft
+
+    moe = make_moe("qwen3")
+    tt = copy.deepcopy(moe.routed_experts)
+    start = {n: p.detach().clone() for n, p in tt.inner_experts.named_parameters()}
+    ref = {n: w.double().requires_grad_() for n, w in start.items()}
+    ft.apply(moe, policy=policy, weights=weights, dtype=dtype, gpus_per_node=min(2, world), refresh_every=1, **OPTS)
+    ours = moe.routed_experts
+    opt = torch.optim.SGD(moe.parameters(), lr=LR)
+    if upkeep == "attach":
+        ft.attach_optimizer(moe, opt)
+    bf16 = dtype == torch.bfloat16
+    tt_opt = torch.optim.SGD(tt.parameters(), lr=LR)
+    held, moved, norms = 0, 0, []
+
+    def clip(grads: list[torch.Tensor]) -> float:
+        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+        coef = min(1.0, MAX_NORM / (norm + 1e-6))
+        for g in grads:
+            g.mul_(coef)
+        return norm
+
+    for step in range(STEPS):
+        for mb in range(MICRO):
+            x, scores, ids, gy = _train_inputs(rank, step, mb)
+            (ours(x, scores, ids) * gy).sum().backward()
+            moved += ours.last_stats.rows_moved
+            held = max(held, len(ours.replicas.pairs))
+            for r in range(world):   # the references see every rank's micro-batch
+                x, scores, ids, gy = _train_inputs(r, step, mb)
+                y = _dense_routed(x.double(), scores.double(), ids, ref["w1_EFD"], ref["w2_EDF"], ref["w3_EFD"])
+                (y * gy.double()).sum().backward()
+                if bf16:
+                    counts = torch.bincount(ids.reshape(-1), minlength=E)
+                    (tt(x, scores, ids, counts) * gy).sum().backward()
+        if upkeep == "clip":
+            got = float(ft.clip_grad_norm_(moe, MAX_NORM))
+            want = clip([w.grad for w in ref.values()])
+            norms.append((got, want))
+            opt.step()
+            ft.refresh_replicas(moe)
+        else:
+            opt.step()   # attach_optimizer: the replicas' gradients reduced before, the copies refreshed after
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for w in ref.values():
+                w -= LR * w.grad
+                w.grad = None
+        if bf16:
+            if upkeep == "clip":
+                clip([p.grad for p in tt.parameters()])
+            tt_opt.step()
+            tt_opt.zero_grad(set_to_none=True)
+    full = ft.full_state_dict(moe, rank0_only=False)
+    totals = torch.tensor([moved, held])
+    dist.all_reduce(totals)
+    err = {}
+    for n, w in ref.items():
+        update = (w.detach() - start[n].double()).abs().max()
+        ours_w = full[f"routed_experts.inner_experts.{n}"].double()
+        tt_w = tt.inner_experts.get_parameter(n).detach().double()
+        err[n] = (float((ours_w - w.detach()).abs().max() / update),
+                  float((tt_w - w.detach()).abs().max() / update) if bf16 else None)
+    return {"err": err, "rows_moved": int(totals[0]), "copies_held": int(totals[1]), "norms": norms}
+
+
+def _scores_case(rank: int, world: int) -> dict:
+    """fp32 router scores weigh a bf16 layer's expert outputs in fp32: with scores (1 + 3 * 2^-9, 0), which bf16
+    would round to (1 + 2^-7, 0), each token's output is its first expert's output times 1 + 3 * 2^-9 in fp32,
+    rounded once."""
+    import feplb.titan as ft
+
+    moe = make_moe("qwen3")
+    ft.apply(moe, gpus_per_node=min(2, world), **OPTS)
+    x, _, ids = _inputs(rank)
+    x = x.bfloat16()
+    one = torch.zeros(*TOKENS, K)
+    one[..., 0] = 1.0
+    with torch.no_grad():
+        y0 = moe.routed_experts(x, one, ids)
+        y = moe.routed_experts(x, one * (1 + 3 * 2 ** -9), ids)
+    return {"exact": torch.equal(y, (y0.float() * (1 + 3 * 2 ** -9)).bfloat16()),
+            "not_bf16": not torch.equal(y, (y0.float() * (1 + 2 ** -7)).bfloat16())}
+
 
 def _errors_case(rank: int, world: int) -> dict:
     from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
@@ -239,15 +348,43 @@ def _errors_case(rank: int, world: int) -> dict:
     with torch.device("meta"):
         meta = make_moe("qwen3")
     out["meta"] = error_of(lambda: ft.apply(meta))
+    hooked = make_moe("qwen3")
+    hooked.routed_experts.inner_experts.register_forward_hook(lambda m, args, y: 2 * y)
+    out["hooked"] = error_of(lambda: ft.apply(hooked))
+    topk = make_moe("qwen3")
+    topk.routed_experts.token_dispatcher.top_k = 1
+    out["topk"] = error_of(lambda: ft.apply(topk))
+    out["policy"] = error_of(lambda: ft.apply(make_moe("qwen3"), policy="no-such-policy"))
+    # arguments that differ between ranks: every rank raises, none waits
+    out["dtype_one_rank"] = error_of(lambda: ft.apply(make_moe("qwen3"),
+                                                      dtype=torch.float64 if rank == world - 1 else torch.bfloat16))
     ft.apply(moe, gpus_per_node=min(2, world))
     out["again"] = error_of(lambda: ft.apply(moe))
+
+    # one MoE under two names, and two MoEs sharing one RoutedExperts: both stay shared, and full_state_dict writes
+    # the full experts under every name
+    def shared_pair():
+        a, b = make_moe("qwen3"), make_moe("qwen3")
+        b.routed_experts = a.routed_experts
+        box = torch.nn.Module()
+        box.first, box.again, box.tied = a, a, b
+        return box
+
+    box, ref = shared_pair(), shared_pair()
+    out["shared_names"] = ft.apply(box, gpus_per_node=min(2, world))
+    out["still_tied"] = box.first is box.again and box.tied.routed_experts is box.first.routed_experts
+    sd = ft.full_state_dict(box, rank0_only=False)
+    want = ref.state_dict(keep_vars=False)
+    out["shared_sd"] = list(sd) == list(want) and all(torch.equal(sd[k], want[k]) for k in want)
     return out
 
 
 def _worker(rank: int, world: int) -> dict:
     res = {"routed": {(p, mode): _routed_case(rank, world, p, mode) for p in POLICIES for mode in MODES},
            "moe": {a: _moe_case(rank, world, a) for a in ("qwen3", "deepseek")},
-           "errors": _errors_case(rank, world)}
+           "errors": _errors_case(rank, world),
+           "scores": _scores_case(rank, world),
+           "train": {cfg: _train_case(rank, world, *cfg) for cfg in TRAIN}}
     return res
 
 
@@ -275,9 +412,12 @@ def _assert_routed(ranks: list[dict], world: int) -> None:
                 if mode == "fp32":
                     assert ours <= 1e-5, f"{where}: {what} off the fp64 reference by {ours:.2e} (relative)"
                     continue
-                # bf16 GEMMs: as accurate as torchtitan's own experts, up to rounding (measured at most 1.33x)
-                assert ours <= 2 * titan, (f"{where}: {what} off the fp64 reference by {ours:.2e}, torchtitan's "
-                                           f"own by {titan:.2e}")
+                # bf16 GEMMs: as accurate as torchtitan's own experts, up to rounding (measured at most 1.33x); a
+                # bf16 layer on fp32 activations also rounds the rows and the combine, which torchtitan keeps in
+                # fp32 (measured at most 2.44x)
+                factor = 3 if mode == "bf16-layer" else 2
+                assert ours <= factor * titan, (f"{where}: {what} off the fp64 reference by {ours:.2e}, "
+                                                f"torchtitan's own by {titan:.2e}")
             # balancing moved rows where there is more than one GPU, and never without a policy
             moves = policy != "none" and world > 1
             assert (case["rows_moved"] > 0) == moves, f"{where}: {case['rows_moved']} rows moved"
@@ -300,11 +440,45 @@ def _assert_moe(ranks: list[dict], world: int) -> None:
             assert case["checkpoint_equal"], f"{where}: a checkpointed forward gave other gradients"
 
 
+def _assert_train(ranks: list[dict], world: int) -> None:
+    for r, res in enumerate(ranks):
+        for cfg, case in res["train"].items():
+            policy, weights, dtype, upkeep = cfg
+            where = f"rank {r}, {cfg}"
+            for what, (ours, titan) in case["err"].items():
+                # the final weights against fp64 SGD, relative to the whole update: in fp32 up to the weights' own
+                # rounding (measured at most 4.4e-6); with bf16 GEMMs as close as torchtitan's (measured 1.12x).
+                # Lost gradients of the copies are off by 0.7 to 1.
+                if dtype == torch.float32:
+                    assert ours <= 3e-5, f"{where}: {what} off fp64 SGD by {ours:.2e} of the update"
+                else:
+                    assert ours <= 2 * titan, f"{where}: {what} off fp64 SGD by {ours:.2e}, torchtitan by {titan:.2e}"
+            if world > 1:
+                assert case["rows_moved"] > 0, where
+                # per-step weights hold copies of experts away from their owners
+                assert (case["copies_held"] > 0) == (weights == "per-step"), f"{where}: {case['copies_held']}"
+            for got, want in case["norms"]:   # clip_grad_norm_: the whole model's norm, every rank the same
+                assert abs(got - want) <= (1e-5 if dtype == torch.float32 else 1e-2) * want, (where, got, want)
+            assert len(case["norms"]) == (STEPS if upkeep == "clip" else 0), where
+
+
+def _assert_scores(ranks: list[dict], world: int) -> None:
+    for r, res in enumerate(ranks):
+        assert res["scores"] == {"exact": True, "not_bf16": True}, f"rank {r}: {res['scores']}"
+
+
 def _assert_errors(ranks: list[dict], world: int) -> None:
     for res in ranks:
         err = res["errors"]
         assert err["override"].startswith("TypeError") and "num_experts" in err["override"], err["override"]
-        assert err["dtype"].startswith("TypeError") and "float64" in err["dtype"], err["dtype"]
+        assert err["dtype"].startswith("ValueError") and "dtype=torch.float64" in err["dtype"], err["dtype"]
+        assert "has its own forward hooks" in err["hooked"], err["hooked"]
+        assert "top_k (2) differs from the token dispatcher's (1)" in err["topk"], err["topk"]
+        assert "FEPLBConfig" in err["policy"] and "no-such-policy" in err["policy"], err["policy"]
+        assert "dtype=torch.float64" in err["dtype_one_rank"], err["dtype_one_rank"]
+        assert res["errors"]["shared_names"] == ["first.routed_experts", "again.routed_experts",
+                                                 "tied.routed_experts"], res["errors"]["shared_names"]
+        assert err["still_tied"] and err["shared_sd"]
         assert err["untouched"]
         assert "found no torchtitan MoE module in Linear" in err["none"], err["none"]
         assert "GroupedExperts are not torchtitan's plain GroupedExperts" in err["converted"], err["converted"]
@@ -315,16 +489,20 @@ def _assert_errors(ranks: list[dict], world: int) -> None:
             assert "6 experts are not divisible by the EP group size 4" in err["indivisible"], err["indivisible"]
             assert "EP rank(s) [1, 2, 3] hold other" in err["different_weights"], err["different_weights"]
     # collective refusals: every rank raised the same error
-    for key in ("converted", "gpt_oss", "meta", "indivisible", "different_weights"):
+    for key in ("converted", "gpt_oss", "meta", "indivisible", "different_weights", "dtype_one_rank"):
         assert len({res["errors"].get(key) for res in ranks}) == 1, key
 
 
-@pytest.mark.parametrize("check", [_assert_routed, _assert_moe, _assert_errors], ids=["routed", "moe", "errors"])
+CHECKS = {"routed": _assert_routed, "moe": _assert_moe, "train": _assert_train, "scores": _assert_scores,
+          "errors": _assert_errors}
+
+
+@pytest.mark.parametrize("check", CHECKS.values(), ids=CHECKS.keys())
 def test_one_rank(one_rank, check):
     check(one_rank, 1)
 
 
-@pytest.mark.parametrize("check", [_assert_routed, _assert_moe, _assert_errors], ids=["routed", "moe", "errors"])
+@pytest.mark.parametrize("check", CHECKS.values(), ids=CHECKS.keys())
 def test_four_ranks_as_two_nodes(four_ranks, check):
     check(four_ranks, 4)
 
