@@ -120,10 +120,14 @@ class MoELayer(nn.Module):
         self.group = group
         W, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.world_size = W
+        # Every host control collective (counts, agreements, checks) over gloo, never the device. Its construction
+        # agrees on gpus_per_node, then the configs are compared: every check below sees the same config on every
+        # rank, so a bad one raises everywhere, none waits for a peer that raised alone.
+        self.control = Control(group, c.gpus_per_node)
+        self.control.check_same(repr(dataclasses.asdict(c)).encode() + repr((W, c.gpus_per_node)).encode(),
+                                "FEPLBConfig", "every rank of the EP group must build the layer with the same config")
         if c.num_experts % W:
             raise ValueError(f"FEPLBConfig.num_experts ({c.num_experts}) must be divisible by the EP group size ({W})")
-        if W % c.gpus_per_node:
-            raise ValueError(f"FEPLBConfig.gpus_per_node ({c.gpus_per_node}) must divide the EP group size ({W})")
         L = self.num_local = c.num_experts // W
         self.base, self.place, _ = parse_policy(c.policy)
         self.in_node_policy = self.base in INTRA_NODE_BASES or self.base == "none"
@@ -142,11 +146,6 @@ class MoELayer(nn.Module):
                           "units, not tensor cores; use dtype=torch.bfloat16, or run the layer inside torch.autocast",
                           stacklevel=2)
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        # Every host control collective (counts, agreements, checks) over gloo, never the device.
-        self.control = Control(group, c.gpus_per_node)
-        # Collective: identical configs everywhere before any other collective of this layer.
-        self.control.check_same(repr(dataclasses.asdict(c)).encode() + repr((W, c.gpus_per_node)).encode(),
-                                "FEPLBConfig", "every rank of the EP group must build the layer with the same config")
         self.transport = make_transport(c.transport, group, self.control)
         self.node_ranks = self.control.node_ranks
         copy = make_copy_engine(c.copy_path, device, self.control, transport_kind=c.transport)
