@@ -156,22 +156,28 @@ class Replicas:
                                "reduce_replica_grads() before optimizer.step()")
 
     # ------------------------------------------------------------------------------------------------ weights
-    def owned(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def owned(self, e: int, weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's weights of its own expert e, from ``weights`` (``expert_weights()``, fetched once by a caller
+        that reads several: a layer may compute them from its parameters) or fetched now."""
         lay = self._layer()
-        w1, w2 = lay.expert_weights()
+        w1, w2 = weights if weights is not None else lay.expert_weights()
         i = e - lay.rank * lay.num_local
         return w1[i], w2[i]
 
     def exchange_weights(self, copies: list[tuple[int, int, int]],
+                         weights: tuple[torch.Tensor, torch.Tensor] | None = None,
                          ) -> tuple[list[Item], dict[int, torch.Tensor], dict[tuple[int, int], int]]:
         """Exchange items for the owners' weights of experts (expert, owner, dst) (``feplb.layout.weight_items``,
-        identical on every rank). Returns (items, {item: tensor this rank sends}, {(expert, dst): index of its w1
-        item}) (w2 item: + len(copies))."""
+        identical on every rank), sent from ``weights`` (this rank's ``expert_weights()``; fetched when None).
+        Returns (items, {item: tensor this rank sends}, {(expert, dst): index of its w1 item}) (w2 item:
+        + len(copies))."""
         lay = self._layer()
         items = weight_items(copies, lay.config.hidden, lay.config.ffn)
         sends = {}
+        mine = weights if weights is not None else lay.expert_weights()
         for k, (which, e) in weight_sends(copies, lay.rank).items():
-            w1, w2 = self.owned(e)
+            w1, w2 = self.owned(e, mine)
             sends[k] = (w1 if which == "w1" else w2).reshape(-1)
         return items, sends, {(e, d): k for k, (e, _, d) in enumerate(copies)}
 
@@ -184,20 +190,21 @@ class Replicas:
             return SlotWeights(w1=w1, w2=w2, tail=anchor[:0].reshape(-1), copied_bytes=0)
         copies = [(e, e // lay.num_local, h) for e, h in placement.placed_pairs]
         items, sends, index = self.exchange_weights(copies)
-        w1, _ = lay.expert_weights()
+        own = lay.expert_weights()
+        w1 = own[0]
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="expert weights to their homes")
         rcv = ex(ex.sends_of(sends), lay._anchor(anchor))
         tail, got = rcv.tail, rcv.items
         H, Fd, n = lay.config.hidden, lay.config.ffn, len(copies)
         nbytes = n * 3 * H * Fd * w1.element_size()
         if placement.own_slots:
-            own1, own2 = lay.expert_weights()
-            return SlotWeights(w1=own1, w2=own2, tail=tail, copied_bytes=nbytes)
+            return SlotWeights(w1=own[0], w2=own[1], tail=tail, copied_bytes=nbytes)
         ws = [(got[index[(e, lay.rank)]].view(H, 2 * Fd), got[n + index[(e, lay.rank)]].view(Fd, H))
-              if e // lay.num_local != lay.rank else self.owned(e) for e in placement.my_slots]
+              if e // lay.num_local != lay.rank else self.owned(e, own) for e in placement.my_slots]
         return SlotWeights(w1=torch.stack([a for a, _ in ws]), w2=torch.stack([b for _, b in ws]), tail=tail,
                            copied_bytes=nbytes)
 
+    @torch.inference_mode(False)   # copies made inside inference_mode could never be trained
     @torch.no_grad()
     def refresh(self, placement: Placement, resident: frozenset[tuple[int, int]]) -> None:
         """Copy the owners' current weights to every per-step holder (collective; weights='per-step'): the replicas
@@ -215,8 +222,8 @@ class Replicas:
         if not pairs:
             return
         copies = [(e, e // lay.num_local, g) for e, g in pairs]
-        items, sends, index = self.exchange_weights(copies)
         w1, w2 = self.own_weights()
+        items, sends, index = self.exchange_weights(copies, (w1, w2))
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="refresh of per-step expert copies")
         got = ex(ex.sends_of(sends), w1.new_empty(0)).items
         H, Fd, n = lay.config.hidden, lay.config.ffn, len(copies)
@@ -233,10 +240,11 @@ class Replicas:
             self.replica_bank = (self._watch(torch.stack([a for a, _ in ws]).requires_grad_(req1)),
                                  self._watch(torch.stack([b for _, b in ws]).requires_grad_(req2)))
         if not placement.own_slots:
-            ws = [received(e) if e // lay.num_local != r else self.owned(e) for e in placement.my_slots]
+            ws = [received(e) if e // lay.num_local != r else self.owned(e, (w1, w2)) for e in placement.my_slots]
             self.slot_bank = (self._watch(torch.stack([a for a, _ in ws]).requires_grad_(req1)),
                               self._watch(torch.stack([b for _, b in ws]).requires_grad_(req2)))
 
+    @torch.inference_mode(False)
     @torch.no_grad()
     def reduce_grads(self, placement: Placement) -> None:
         """Add the per-step copies' gradients to the owners' expert gradients (collective; once per step)."""

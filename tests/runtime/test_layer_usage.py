@@ -196,6 +196,21 @@ def _usage_worker(rank, world):
         layer.state = layer.state.observe(np.ones((world, E), dtype=np.int64))
     res["state_mismatch"] = error_of(layer.refresh_replicas)
 
+    # refresh_replicas inside torch.inference_mode (an evaluation loop's, say): the copies still train afterwards,
+    # and their gradients reach the owners as without it
+    grads = []
+    for inference in (False, True):
+        layer, *_, xs = _layer(17, policy="eplb", weights="per-step")
+        with torch.no_grad():
+            layer(xs[rank])
+        with torch.inference_mode(inference):
+            layer.refresh_replicas()
+        layer(xs[rank]).square().sum().backward()
+        with torch.inference_mode(inference):
+            layer.reduce_replica_grads()
+        grads.append((layer.w1.grad.clone(), len(layer.replicas.pairs)))
+    res["inference_refresh"] = torch.equal(grads[0][0], grads[1][0]) and grads[1][1] > 0
+
     # feplb.dropin.full_state_dict on layers built directly: every expert gathered, the rest (router) kept
     from feplb.dropin import full_state_dict
 
@@ -231,6 +246,7 @@ def test_layer_usage_and_misuse():
         assert res["state_mismatch"] and res["state_mismatch"].startswith("ValueError") and \
             "policy state" in res["state_mismatch"], res["state_mismatch"]
         assert res["full_sd"], f"rank {rank}: full_state_dict of plain layers"
+        assert res["inference_refresh"], f"rank {rank}: refresh / reduce inside inference_mode"
     router, w1, w2 = _epdp_dense()
     L = E // 2
     for rank, res in enumerate(results):
