@@ -27,21 +27,25 @@ __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "aver
 
 # ---------------------------------------------------------------------------------------------------- apply
 
-def check_overrides(api: str, overrides: dict[str, Any], derived: tuple[str, ...]) -> None:
-    """TypeError for FEPLBConfig overrides that do not exist or that the adapter derives from the model."""
+def check_overrides(api: str, group: dist.ProcessGroup | None, overrides: dict[str, Any],
+                    derived: tuple[str, ...]) -> None:
+    """TypeError, on every rank together (collective), when some rank passed FEPLBConfig overrides that do not
+    exist or that the adapter derives from the model."""
     fields = {f.name for f in dataclasses.fields(FEPLBConfig)}
     unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise TypeError(f"{api}: unknown FEPLBConfig field(s) {unknown}; expected some of {sorted(fields)}")
     bad = sorted(set(overrides) & set(derived))
-    if bad:
-        raise TypeError(f"{api}: {bad} come from the model (module shapes, config, router); do not pass them")
+    problem = (f"unknown FEPLBConfig field(s) {unknown}; expected some of {sorted(fields)}" if unknown else
+               f"{bad} come from the model (module shapes, config, router); do not pass them" if bad else None)
+    views = _agree(problem, group)
+    ranks = [r for r, v in enumerate(views) if v is not None]
+    if ranks:
+        raise TypeError(f"{api}: {views[ranks[0]]}" + ("" if len(ranks) == len(views) else f" (on EP rank(s) {ranks})"))
 
 
 def weights_digest(*ts: torch.Tensor) -> tuple[str, ...]:
     """A checksum of each tensor (fp64 sum, exact hex): ranks that built or loaded different weights differ."""
     with torch.no_grad():
-        return tuple(float(t.double().sum()).hex() for t in ts)
+        return tuple(float(t.sum(dtype=torch.float64)).hex() for t in ts)
 
 
 def _agree(local: object, group: dist.ProcessGroup | None) -> list:

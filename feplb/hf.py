@@ -243,7 +243,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     """
     if not dist.is_initialized():
         raise RuntimeError("feplb.hf.apply needs torch.distributed initialised (init_process_group) first")
-    check_overrides("feplb.hf.apply", config_overrides, _DERIVED)
+    check_overrides("feplb.hf.apply", group, config_overrides, _DERIVED)
     world = dist.get_world_size(group)
     found = _candidates(model)
     problems, plans = [], []

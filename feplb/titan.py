@@ -62,6 +62,9 @@ _DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "d
 _NAMES = ("w1_EFD", "w2_EDF", "w3_EFD")
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# hooks of a module that FEPLB would silently drop with it
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
 class _GateUp(torch.autograd.Function):
@@ -156,11 +159,11 @@ class FEPLBRoutedExperts(MoELayer):
 
 def _torchtitan():
     try:
-        from torchtitan.models.common import moe
+        from torchtitan.models.common import moe, token_dispatcher
     except ImportError as e:
         raise ImportError("feplb.titan needs torchtitan >= 0.3 (pip install 'feplb[titan]'), where every MoE model "
                           f"has one MoE module ({e})") from e
-    return moe
+    return moe, token_dispatcher
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -169,17 +172,22 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def _problem(moe: nn.Module, tt, world: int, dtype: torch.dtype) -> tuple[str | None, dict]:
+def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[str | None, dict]:
     """Why FEPLB cannot run ``moe``'s routed experts exactly (None if it can), and the FEPLBConfig fields they give."""
     routed = moe.routed_experts
     if type(routed) is not tt.RoutedExperts:
         return f"routed experts {type(routed).__name__}, not torchtitan's RoutedExperts", {}
     inner = routed.inner_experts
     for mod in (routed, inner):
-        hooks = [k for k in ("_forward_hooks", "_forward_pre_hooks") if getattr(mod, k, None)]
+        hooks = [k.strip("_") for k in _HOOKS if getattr(mod, k, None)]
         if hooks or "forward" in vars(mod):
-            return (f"{type(mod).__name__} has its own forward hooks or forward "
+            return (f"{type(mod).__name__} has hooks or a forward of its own "
                     f"({', '.join(hooks) or 'an instance forward'}); FEPLB would not run them"), {}
+    dispatcher = routed.token_dispatcher
+    if type(dispatcher) not in (td.LocalTokenDispatcher, td.AllToAllTokenDispatcher):
+        return (f"token dispatcher {type(dispatcher).__name__}: FEPLB replaces the dispatch with its own exchange, "
+                "which may not do what this one does (low-precision dispatch, say); build the model with "
+                "comm_backend='standard'"), {}
     if type(inner) is not tt.GroupedExperts or "_grouped_mm" in vars(inner):
         return (f"experts {type(inner).__name__} are not torchtitan's plain GroupedExperts (FEPLB computes "
                 "(silu(x w1) * (x w3)) w2 with its own grouped GEMM; low-precision converters and other activations "
@@ -242,8 +250,8 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
     """
     if not dist.is_initialized():
         raise RuntimeError("feplb.titan.apply needs torch.distributed initialised (init_process_group) first")
-    check_overrides("feplb.titan.apply", config_overrides, _DERIVED)
-    tt = _torchtitan()
+    check_overrides("feplb.titan.apply", group, config_overrides, _DERIVED)
+    tt, td = _torchtitan()
     world = dist.get_world_size(group)
     found = [(name, m) for name, m in model.named_modules(remove_duplicate=False)
              if isinstance(m, tt.MoE) and not isinstance(m.routed_experts, FEPLBRoutedExperts)]
@@ -251,19 +259,23 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
     problems, plans = [], []
     if dtype not in _DTYPES:
         problems.append(f"  dtype={dtype}: expected one of {_DTYPES}")
+    # One FEPLB layer per GroupedExperts: MoEs (or RoutedExperts) sharing experts keep sharing them.
     configs: dict[int, FEPLBConfig] = {}
+    owner_of: dict[int, int] = {}   # expert parameter -> its GroupedExperts
     for name, moe in found:
-        why, fields_of = _problem(moe, tt, world, dtype)
+        why, fields_of = _problem(moe, tt, td, world, dtype)
+        inner = moe.routed_experts.inner_experts
+        if why is None and any(owner_of.setdefault(id(getattr(inner, p)), id(inner)) != id(inner) for p in _NAMES):
+            why = "expert weights shared with another experts module (FEPLB would untie them)"
         if why is None:
             try:
-                configs[id(moe.routed_experts)] = FEPLBConfig(**{**fields_of, **config_overrides,
-                                                                 "router": "external"})
+                configs[id(inner)] = FEPLBConfig(**{**fields_of, **config_overrides, "router": "external"})
             except (TypeError, ValueError) as e:
                 why = f"FEPLBConfig: {e}"
         if why is not None:
             problems.append(f"  {name or type(model).__name__} ({type(moe).__name__}): {why}")
         else:
-            plans.append((name, moe, id(moe.routed_experts)))
+            plans.append((name, moe, id(inner)))
     digests = [(n, *weights_digest(*(getattr(m.routed_experts.inner_experts, p) for p in _NAMES)))
                for n, m, _ in plans]
 
@@ -274,7 +286,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
     agree_to_replace("feplb.titan.apply", group, problems, [n for n, _ in found], digests, none_found)
 
     # Every layer is built (collective) before the first module is swapped: a layer that cannot be built leaves the
-    # model as it was. A RoutedExperts shared by several MoEs stays shared.
+    # model as it was.
     made: dict[int, FEPLBRoutedExperts] = {}
     for name, moe, key in plans:
         if key not in made:

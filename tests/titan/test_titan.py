@@ -358,21 +358,46 @@ def _errors_case(rank: int, world: int) -> dict:
     # arguments that differ between ranks: every rank raises, none waits
     out["dtype_one_rank"] = error_of(lambda: ft.apply(make_moe("qwen3"),
                                                       dtype=torch.float64 if rank == world - 1 else torch.bfloat16))
+    out["one_rank_override"] = error_of(lambda: ft.apply(make_moe("qwen3"),
+                                                         **({"polcy": "eplb"} if rank == world - 1 else {})))
+    if world == 4:
+        out["gpus_per_node_differ"] = error_of(lambda: ft.apply(make_moe("qwen3"), gpus_per_node=3 if rank == 0 else 1))
+    backward_hooked = make_moe("qwen3")
+    backward_hooked.routed_experts.register_full_backward_hook(lambda m, gi, go: None)
+    out["backward_hook"] = error_of(lambda: ft.apply(backward_hooked))
+    sd_hooked = make_moe("qwen3")
+    sd_hooked.routed_experts.inner_experts._register_state_dict_hook(lambda m, sd, prefix, meta: sd)
+    out["state_dict_hook"] = error_of(lambda: ft.apply(sd_hooked))
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    class OtherDispatcher(LocalTokenDispatcher):
+        pass
+
+    other_dispatch = make_moe("qwen3")
+    other_dispatch.routed_experts.token_dispatcher = OtherDispatcher(LocalTokenDispatcher.Config(num_experts=E,
+                                                                                                 top_k=K))
+    out["dispatcher"] = error_of(lambda: ft.apply(other_dispatch))
+    a, b = make_moe("qwen3"), make_moe("qwen3")
+    b.routed_experts.inner_experts.w1_EFD = a.routed_experts.inner_experts.w1_EFD   # tied across experts modules
+    pair = torch.nn.ModuleList([a, b])
+    out["shared_params"] = error_of(lambda: ft.apply(pair))
     ft.apply(moe, gpus_per_node=min(2, world))
     out["again"] = error_of(lambda: ft.apply(moe))
 
     # one MoE under two names, and two MoEs sharing one RoutedExperts: both stay shared, and full_state_dict writes
     # the full experts under every name
     def shared_pair():
-        a, b = make_moe("qwen3"), make_moe("qwen3")
-        b.routed_experts = a.routed_experts
+        a, b, c = make_moe("qwen3"), make_moe("qwen3"), make_moe("qwen3")
+        b.routed_experts = a.routed_experts                               # one RoutedExperts in two MoEs
+        c.routed_experts.inner_experts = a.routed_experts.inner_experts   # one GroupedExperts in two RoutedExperts
         box = torch.nn.Module()
-        box.first, box.again, box.tied = a, a, b
+        box.first, box.again, box.tied, box.inner = a, a, b, c
         return box
 
     box, ref = shared_pair(), shared_pair()
     out["shared_names"] = ft.apply(box, gpus_per_node=min(2, world))
-    out["still_tied"] = box.first is box.again and box.tied.routed_experts is box.first.routed_experts
+    out["still_tied"] = (box.first is box.again and box.tied.routed_experts is box.first.routed_experts
+                         and box.inner.routed_experts is box.first.routed_experts)
     sd = ft.full_state_dict(box, rank0_only=False)
     want = ref.state_dict(keep_vars=False)
     out["shared_sd"] = list(sd) == list(want) and all(torch.equal(sd[k], want[k]) for k in want)
@@ -472,12 +497,21 @@ def _assert_errors(ranks: list[dict], world: int) -> None:
         err = res["errors"]
         assert err["override"].startswith("TypeError") and "num_experts" in err["override"], err["override"]
         assert err["dtype"].startswith("ValueError") and "dtype=torch.float64" in err["dtype"], err["dtype"]
-        assert "has its own forward hooks" in err["hooked"], err["hooked"]
+        assert "has hooks or a forward of its own (forward_hooks)" in err["hooked"], err["hooked"]
         assert "top_k (2) differs from the token dispatcher's (1)" in err["topk"], err["topk"]
         assert "FEPLBConfig" in err["policy"] and "no-such-policy" in err["policy"], err["policy"]
         assert "dtype=torch.float64" in err["dtype_one_rank"], err["dtype_one_rank"]
         assert res["errors"]["shared_names"] == ["first.routed_experts", "again.routed_experts",
-                                                 "tied.routed_experts"], res["errors"]["shared_names"]
+                                                 "tied.routed_experts", "inner.routed_experts"], err["shared_names"]
+        assert err["one_rank_override"].startswith("TypeError") and "['polcy']" in err["one_rank_override"], \
+            err["one_rank_override"]
+        assert "backward_hooks" in err["backward_hook"], err["backward_hook"]
+        assert "state_dict_hooks" in err["state_dict_hook"], err["state_dict_hook"]
+        assert "token dispatcher OtherDispatcher" in err["dispatcher"], err["dispatcher"]
+        assert "expert weights shared with another experts module" in err["shared_params"], err["shared_params"]
+        if world == 4:   # every rank raises (the odd one says why its value is invalid), none waits
+            assert err["gpus_per_node_differ"].startswith("ValueError") and \
+                "gpus_per_node" in err["gpus_per_node_differ"], err["gpus_per_node_differ"]
         assert err["still_tied"] and err["shared_sd"]
         assert err["untouched"]
         assert "found no torchtitan MoE module in Linear" in err["none"], err["none"]
@@ -489,7 +523,8 @@ def _assert_errors(ranks: list[dict], world: int) -> None:
             assert "6 experts are not divisible by the EP group size 4" in err["indivisible"], err["indivisible"]
             assert "EP rank(s) [1, 2, 3] hold other" in err["different_weights"], err["different_weights"]
     # collective refusals: every rank raised the same error
-    for key in ("converted", "gpt_oss", "meta", "indivisible", "different_weights", "dtype_one_rank"):
+    for key in ("converted", "gpt_oss", "meta", "indivisible", "different_weights", "dtype_one_rank",
+                "one_rank_override"):
         assert len({res["errors"].get(key) for res in ranks}) == 1, key
 
 
