@@ -42,6 +42,21 @@ def check_overrides(api: str, group: dist.ProcessGroup | None, overrides: dict[s
         raise TypeError(f"{api}: {views[ranks[0]]}" + ("" if len(ranks) == len(views) else f" (on EP rank(s) {ranks})"))
 
 
+# hooks of a module that FEPLB would silently drop with it
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def hooks_problem(module: nn.Module) -> str | None:
+    """Why replacing ``module`` would drop something it runs (its own hooks, an instance-level forward such as
+    accelerate's offloading wrapper), or None."""
+    hooks = [k.strip("_") for k in _HOOKS if getattr(module, k, None)]
+    if hooks or "forward" in vars(module):
+        return (f"{type(module).__name__} has hooks or a forward of its own "
+                f"({', '.join(hooks) or 'an instance forward'}); FEPLB would not run them")
+    return None
+
+
 def weights_digest(*ts: torch.Tensor) -> tuple[str, ...]:
     """A checksum of each tensor (fp64 sum, exact hex): ranks that built or loaded different weights differ."""
     with torch.no_grad():

@@ -46,6 +46,7 @@ from feplb.dropin import (
     expert_parameters,
     experts_modules,
     full_state_dict,
+    hooks_problem,
     reduce_replica_grads,
     refresh_replicas,
     weights_digest,
@@ -157,6 +158,8 @@ def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | Non
     own = dict(module.named_parameters())
     if "gate_up_proj" not in own:
         return "no gate_up_proj parameter (non-gated experts; FEPLB computes SwiGLU experts)", {}
+    if hooks_problem(module) is not None:
+        return hooks_problem(module), {}
     bias = sorted(n for n in own if "bias" in n)
     if bias or getattr(module, "has_bias", False):
         return f"bias terms ({', '.join(bias) or 'has_bias=True'}); FEPLB's experts have none", {}
@@ -246,16 +249,23 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     check_overrides("feplb.hf.apply", group, config_overrides, _DERIVED)
     world = dist.get_world_size(group)
     found = _candidates(model)
+    # Every problem, a config FEPLBConfig refuses included, goes through the one agreement: all ranks raise together.
     problems, plans = [], []
+    configs: dict[int, FEPLBConfig] = {}
     for name, mod in found:
         why, fields_of = _problem(mod, model, world)
+        if why is None:
+            try:
+                configs[id(mod)] = FEPLBConfig(**{**fields_of, **config_overrides, "router": "external"})
+            except (TypeError, ValueError) as e:
+                why = f"FEPLBConfig: {e}"
         if why is not None:
             problems.append(f"  {name or type(model).__name__} ({type(mod).__name__}): {why}")
         else:
-            plans.append((name, mod, fields_of))
+            plans.append((name, mod))
     # One agreement: every rank raises together, or none does. The weights' checksums catch ranks that built or
     # loaded different models (each rank slices its experts from its own copy).
-    digests = [(n, *weights_digest(m.gate_up_proj, m.down_proj)) for n, m, _ in plans]
+    digests = [(n, *weights_digest(m.gate_up_proj, m.down_proj)) for n, m in plans]
 
     def none_found() -> str:
         done = " (feplb.hf.apply already replaced them)" if experts_modules(model) else _version_hint()
@@ -264,20 +274,16 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
 
     agree_to_replace("feplb.hf.apply", group, problems, [n for n, _ in found], digests, none_found)
 
-    # Every config is checked, then every layer built (collective), before the first module is swapped: a bad
-    # override or a layer that cannot be built leaves the model as it was.
-    configs: dict[int, FEPLBConfig] = {}
-    for _, mod, fields_of in plans:
-        if id(mod) not in configs:
-            configs[id(mod)] = FEPLBConfig(**{**fields_of, **config_overrides, "router": "external"})
+    # Every layer is built (collective) before the first module is swapped: a layer that cannot be built leaves the
+    # model as it was.
     made: dict[int, FEPLBExperts] = {}
-    for name, mod, _ in plans:
+    for name, mod in plans:
         if id(mod) not in made:
             new = FEPLBExperts(configs[id(mod)], group, mod.gate_up_proj, mod.down_proj, name=name)
             new.train(mod.training)
             new.refresh_replicas()
             made[id(mod)] = new
-    for name, mod, _ in plans:
+    for name, mod in plans:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, made[id(mod)])
-    return [name for name, _, _ in plans]
+    return [name for name, _ in plans]

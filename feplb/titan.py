@@ -48,6 +48,7 @@ from feplb.dropin import (
     expert_parameters,
     experts_modules,
     full_state_dict,
+    hooks_problem,
     reduce_replica_grads,
     refresh_replicas,
     weights_digest,
@@ -62,9 +63,6 @@ _DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "d
 _NAMES = ("w1_EFD", "w2_EDF", "w3_EFD")
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# hooks of a module that FEPLB would silently drop with it
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
 class _GateUp(torch.autograd.Function):
@@ -179,10 +177,8 @@ def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[st
         return f"routed experts {type(routed).__name__}, not torchtitan's RoutedExperts", {}
     inner = routed.inner_experts
     for mod in (routed, inner):
-        hooks = [k.strip("_") for k in _HOOKS if getattr(mod, k, None)]
-        if hooks or "forward" in vars(mod):
-            return (f"{type(mod).__name__} has hooks or a forward of its own "
-                    f"({', '.join(hooks) or 'an instance forward'}); FEPLB would not run them"), {}
+        if hooks_problem(mod) is not None:
+            return hooks_problem(mod), {}
     dispatcher = routed.token_dispatcher
     if type(dispatcher) not in (td.LocalTokenDispatcher, td.AllToAllTokenDispatcher):
         return (f"token dispatcher {type(dispatcher).__name__}: FEPLB replaces the dispatch with its own exchange, "

@@ -194,12 +194,20 @@ def _check_errors(rank: int, world: int) -> dict:
         out["unknown"] = error_of(lambda: fh.apply(ok, polcy="none"))
         out["bad_policy"] = error_of(lambda: fh.apply(ok, policy="no-such-policy"))
         out["bad_policy_untouched"] = len(_experts_names(ok)) == 2
+        hooked = M.make_model("mixtral")
+        hooked.model.layers[1].mlp.experts.register_forward_hook(lambda m, args, y: 2 * y)
+        out["hooked"] = error_of(lambda: fh.apply(hooked))
         fh.apply(ok, policy="none")
         out["applied"] = _experts_names(ok)
         out["twice"] = error_of(lambda: fh.apply(ok))
     else:
         out["indivisible"] = error_of(lambda: fh.apply(M.make_model("mixtral", num_local_experts=6)))
         out["differ"] = error_of(lambda: fh.apply(M.make_model("qwen3_moe", seed=rank)))
+        # arguments only one rank gets wrong: every rank raises, none waits
+        out["one_rank_unknown"] = error_of(lambda: fh.apply(M.make_model("qwen3_moe"),
+                                                            **({"polcy": "none"} if rank == 2 else {})))
+        out["one_rank_policy"] = error_of(lambda: fh.apply(M.make_model("qwen3_moe"),
+                                                           policy="no-such-policy" if rank == 1 else "none"))
     return out
 
 
@@ -731,6 +739,8 @@ def test_unsupported_experts_are_refused_by_name_and_nothing_is_replaced(one_ran
     assert "already replaced them" in err["twice"], err["twice"]
     assert err["bad_policy"].startswith("ValueError") and "no-such-policy" in err["bad_policy"], err["bad_policy"]
     assert err["bad_policy_untouched"] and err["applied"] == [], err["applied"]
+    assert ("model.layers.1.mlp.experts (MixtralExperts): MixtralExperts has hooks or a forward of its own "
+            "(forward_hooks)") in err["hooked"], err["hooked"]
 
 
 @pytest.mark.slow
@@ -739,6 +749,10 @@ def test_unrunnable_configurations_fail_on_every_rank(four_ranks):
         err = res["errors"]
         assert "6 experts are not divisible by the EP group size 4" in (err["indivisible"] or ""), (rank, err)
         assert "EP rank(s) [1, 2, 3] hold other" in (err["differ"] or ""), (rank, err)
+        assert err["one_rank_unknown"].startswith("TypeError") and "['polcy']" in err["one_rank_unknown"] and \
+            "(on EP rank(s) [2])" in err["one_rank_unknown"], (rank, err["one_rank_unknown"])
+        assert err["one_rank_policy"].startswith("ValueError") and "no-such-policy" in err["one_rank_policy"] and \
+            "(on EP rank(s) [1])" in err["one_rank_policy"], (rank, err["one_rank_policy"])
 
 
 @pytest.mark.slow
