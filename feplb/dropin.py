@@ -42,6 +42,15 @@ def check_overrides(api: str, group: dist.ProcessGroup | None, overrides: dict[s
         raise TypeError(f"{api}: {views[ranks[0]]}" + ("" if len(ranks) == len(views) else f" (on EP rank(s) {ranks})"))
 
 
+def layer_config(fields: dict[str, Any], overrides: dict[str, Any]) -> FEPLBConfig | str:
+    """The FEPLBConfig of a module's FEPLB layer (external router), or why FEPLBConfig refuses it: a problem line
+    for :func:`agree_to_replace`, so a rank whose config is bad does not raise alone."""
+    try:
+        return FEPLBConfig(**{**fields, **overrides, "router": "external"})
+    except (TypeError, ValueError) as e:
+        return f"FEPLBConfig: {e}"
+
+
 # hooks of a module that FEPLB would silently drop with it
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
           "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")

@@ -47,6 +47,7 @@ from feplb.dropin import (
     experts_modules,
     full_state_dict,
     hooks_problem,
+    layer_config,
     reduce_replica_grads,
     refresh_replicas,
     weights_digest,
@@ -158,8 +159,9 @@ def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | Non
     own = dict(module.named_parameters())
     if "gate_up_proj" not in own:
         return "no gate_up_proj parameter (non-gated experts; FEPLB computes SwiGLU experts)", {}
-    if hooks_problem(module) is not None:
-        return hooks_problem(module), {}
+    why = hooks_problem(module)
+    if why is not None:
+        return why, {}
     bias = sorted(n for n in own if "bias" in n)
     if bias or getattr(module, "has_bias", False):
         return f"bias terms ({', '.join(bias) or 'has_bias=True'}); FEPLB's experts have none", {}
@@ -255,10 +257,11 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     for name, mod in found:
         why, fields_of = _problem(mod, model, world)
         if why is None:
-            try:
-                configs[id(mod)] = FEPLBConfig(**{**fields_of, **config_overrides, "router": "external"})
-            except (TypeError, ValueError) as e:
-                why = f"FEPLBConfig: {e}"
+            cfg = layer_config(fields_of, config_overrides)
+            if isinstance(cfg, str):
+                why = cfg
+            else:
+                configs[id(mod)] = cfg
         if why is not None:
             problems.append(f"  {name or type(model).__name__} ({type(mod).__name__}): {why}")
         else:

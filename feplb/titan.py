@@ -49,6 +49,7 @@ from feplb.dropin import (
     experts_modules,
     full_state_dict,
     hooks_problem,
+    layer_config,
     reduce_replica_grads,
     refresh_replicas,
     weights_digest,
@@ -177,8 +178,9 @@ def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[st
         return f"routed experts {type(routed).__name__}, not torchtitan's RoutedExperts", {}
     inner = routed.inner_experts
     for mod in (routed, inner):
-        if hooks_problem(mod) is not None:
-            return hooks_problem(mod), {}
+        why = hooks_problem(mod)
+        if why is not None:
+            return why, {}
     dispatcher = routed.token_dispatcher
     if type(dispatcher) not in (td.LocalTokenDispatcher, td.AllToAllTokenDispatcher):
         return (f"token dispatcher {type(dispatcher).__name__}: FEPLB replaces the dispatch with its own exchange, "
@@ -264,10 +266,11 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
         if why is None and any(owner_of.setdefault(id(getattr(inner, p)), id(inner)) != id(inner) for p in _NAMES):
             why = "expert weights shared with another experts module (FEPLB would untie them)"
         if why is None:
-            try:
-                configs[id(inner)] = FEPLBConfig(**{**fields_of, **config_overrides, "router": "external"})
-            except (TypeError, ValueError) as e:
-                why = f"FEPLBConfig: {e}"
+            cfg = layer_config(fields_of, config_overrides)
+            if isinstance(cfg, str):
+                why = cfg
+            else:
+                configs[id(inner)] = cfg
         if why is not None:
             problems.append(f"  {name or type(model).__name__} ({type(moe).__name__}): {why}")
         else:
