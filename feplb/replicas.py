@@ -189,8 +189,8 @@ class Replicas:
             w1, w2 = self.slot_bank if self.slot_bank is not None else lay.expert_weights()
             return SlotWeights(w1=w1, w2=w2, tail=anchor[:0].reshape(-1), copied_bytes=0)
         copies = [(e, e // lay.num_local, h) for e, h in placement.placed_pairs]
-        items, sends, index = self.exchange_weights(copies)
         own = lay.expert_weights()
+        items, sends, index = self.exchange_weights(copies, own)
         w1 = own[0]
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="expert weights to their homes")
         rcv = ex(ex.sends_of(sends), lay._anchor(anchor))
@@ -285,13 +285,11 @@ class Replicas:
                 add2[e - r * L] += got[k][H * 2 * Fd:].view(Fd, H)
         for w in self._held():
             w.grad = None
-        params = [t for t in (w1, w2) if t.requires_grad]
-        if params:
-            # through expert_weights(): the owner's parameters get the gradient whatever their layout
-            with torch.enable_grad():
-                w1, w2 = lay.expert_weights()
-                torch.autograd.backward([t for t in (w1, w2) if t.requires_grad],
-                                        [a for t, a in ((w1, add1), (w2, add2)) if t.requires_grad])
+        needed = [(t, a) for t, a in ((w1, add1), (w2, add2)) if t.requires_grad]
+        if needed:
+            # through expert_weights() (made with autograd on): the owner's parameters get the gradient whatever
+            # their layout
+            torch.autograd.backward([t for t, _ in needed], [a for _, a in needed])
 
 
 def state_digest(st) -> bytes:
