@@ -27,13 +27,17 @@ __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "aver
 
 # ---------------------------------------------------------------------------------------------------- apply
 
-def check_overrides(api: str, group: dist.ProcessGroup | None, overrides: dict[str, Any],
-                    derived: tuple[str, ...]) -> None:
+# FEPLBConfig fields an adapter's apply() reads off the module, its config and router (or takes as its own
+# argument); overriding them is an error.
+DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "dtype")
+
+
+def check_overrides(api: str, group: dist.ProcessGroup | None, overrides: dict[str, Any]) -> None:
     """TypeError, on every rank together (collective), when some rank passed FEPLBConfig overrides that do not
-    exist or that the adapter derives from the model."""
+    exist or that the adapter derives from the model (:data:`DERIVED`)."""
     fields = {f.name for f in dataclasses.fields(FEPLBConfig)}
     unknown = sorted(set(overrides) - fields)
-    bad = sorted(set(overrides) & set(derived))
+    bad = sorted(set(overrides) & set(DERIVED))
     problem = (f"unknown FEPLBConfig field(s) {unknown}; expected some of {sorted(fields)}" if unknown else
                f"{bad} come from the model (module shapes, config, router); do not pass them" if bad else None)
     views = _agree(problem, group)

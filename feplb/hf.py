@@ -57,8 +57,6 @@ from feplb.layer import FEPLBConfig, MoELayer
 __all__ = ["FEPLBExperts", "apply", "expert_parameters", "experts_modules", "full_state_dict",
            "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas", "clip_grad_norm_"]
 
-# FEPLBConfig fields that apply() reads off the module and the model config; overriding them is an error.
-_DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "dtype")
 _SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
 _SWIGLU_ACTS = ("silu", "swish")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -248,7 +246,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     """
     if not dist.is_initialized():
         raise RuntimeError("feplb.hf.apply needs torch.distributed initialised (init_process_group) first")
-    check_overrides("feplb.hf.apply", group, config_overrides, _DERIVED)
+    check_overrides("feplb.hf.apply", group, config_overrides)
     world = dist.get_world_size(group)
     found = _candidates(model)
     # Every problem, a config FEPLBConfig refuses included, goes through the one agreement: all ranks raise together.

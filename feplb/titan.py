@@ -59,8 +59,6 @@ from feplb.layer import FEPLBConfig, MoELayer
 __all__ = ["FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules", "full_state_dict",
            "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas", "clip_grad_norm_"]
 
-# FEPLBConfig fields that apply() reads off the module (or takes as its own argument); overriding them is an error.
-_DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "dtype")
 _NAMES = ("w1_EFD", "w2_EDF", "w3_EFD")
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -248,7 +246,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
     """
     if not dist.is_initialized():
         raise RuntimeError("feplb.titan.apply needs torch.distributed initialised (init_process_group) first")
-    check_overrides("feplb.titan.apply", group, config_overrides, _DERIVED)
+    check_overrides("feplb.titan.apply", group, config_overrides)
     tt, td = _torchtitan()
     world = dist.get_world_size(group)
     found = [(name, m) for name, m in model.named_modules(remove_duplicate=False)
