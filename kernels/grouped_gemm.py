@@ -593,6 +593,20 @@ def choose_dw_variant(x_MK: Tensor, dy_MN: Tensor) -> str:
     return "classic" if dw_persistent_unsupported(x_MK, dy_MN) else "persistent"
 
 
+def _resolve_variant(variant: str | None, variants: tuple[str, ...], choose, unsupported, a: Tensor,
+                     b: Tensor) -> str:
+    """A launcher's ``variant`` argument: the rule's choice (``choose(a, b)``) when None, else checked, with a
+    ValueError naming what is wrong (an unknown name, or operands ``unsupported(a, b)`` says the persistent
+    variant cannot take)."""
+    if variant is None:
+        return choose(a, b)
+    if variant not in variants:
+        raise ValueError(f"variant: expected one of {variants} or None, got {variant!r}")
+    if variant == "persistent" and (why := unsupported(a, b)):
+        raise ValueError(f"variant: 'persistent' cannot run these operands: {why}")
+    return variant
+
+
 def dw_programs(sms: int, meta: dict) -> int:
     """Programs the persistent dW variant launches for a config's block sizes (``meta``, as Triton hands the grid
     the kernel's arguments and the config's constants, never num_stages or num_warps): its PROGRAMS_PER_SM per SM
@@ -619,12 +633,7 @@ def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_v
     """
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
     check_launch_device("grouped_mm_triton", x_MK)
-    if variant is None:
-        variant = choose_variant(x_MK, w_EKN)
-    elif variant not in VARIANTS:
-        raise ValueError(f"variant: expected one of {VARIANTS} or None, got {variant!r}")
-    elif variant == "persistent" and (why := persistent_unsupported(x_MK, w_EKN)):
-        raise ValueError(f"variant: 'persistent' cannot run these operands: {why}")
+    variant = _resolve_variant(variant, VARIANTS, choose_variant, persistent_unsupported, x_MK, w_EKN)
     check_config_fits(config, fwd_shared_bytes if variant == "classic" else persistent_shared_bytes, x_MK)
     if check_values:
         check_offsets_values(offsets_E, x_MK.shape[0])
@@ -719,12 +728,7 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
     if split_rows is not None and (isinstance(split_rows, bool) or not isinstance(split_rows, int)
                                    or split_rows < 1):
         raise ValueError(f"split_rows: expected an int >= 1 or None, got {split_rows!r}")
-    if variant is None:
-        variant = choose_dw_variant(x_MK, dy_MN)
-    elif variant not in DW_VARIANTS:
-        raise ValueError(f"variant: expected one of {DW_VARIANTS} or None, got {variant!r}")
-    elif variant == "persistent" and (why := dw_persistent_unsupported(x_MK, dy_MN)):
-        raise ValueError(f"variant: 'persistent' cannot run these operands: {why}")
+    variant = _resolve_variant(variant, DW_VARIANTS, choose_dw_variant, dw_persistent_unsupported, x_MK, dy_MN)
     if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
         raise ValueError(f"programs: expected an int >= 1 or None, got {programs!r}")
     check_config_fits(config, dw_shared_bytes, x_MK)
