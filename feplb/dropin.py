@@ -176,8 +176,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     grads = [p.grad for p in params]
     # FSDP (fully_shard) makes the replicated parameters DTensors: their norms are the whole tensors' (DTensor
     # reduces over its mesh), computed apart from plain tensors (torch's foreach ops refuse a mix)
-    dtensors = [g for p, g in zip(params, grads, strict=True) if id(p) not in expert_ids and _is_dtensor(g)]
-    replicated = [g for p, g in zip(params, grads, strict=True) if id(p) not in expert_ids and not _is_dtensor(g)]
+    dtensors = [g for p, g in zip(params, grads, strict=True) if id(p) not in expert_ids and is_dtensor(g)]
+    replicated = [g for p, g in zip(params, grads, strict=True) if id(p) not in expert_ids and not is_dtensor(g)]
     sharded = [g for p, g in zip(params, grads, strict=True) if id(p) in expert_ids]
     device = grads[0].device if grads else experts[0].device
     norm_type = float(norm_type)
@@ -186,7 +186,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
         if not gs:
             return torch.zeros((), dtype=torch.float32, device=device)
         norm = torch.nn.utils.get_total_norm(gs, norm_type)
-        if _is_dtensor(norm):
+        if is_dtensor(norm):
             norm = norm.full_tensor()
         return norm.to(device=device, dtype=torch.float32)
 
@@ -207,13 +207,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     # torch.nn.utils.clip_grads_with_norm_'s factor, applied to plain tensors (a DTensor's local part scales it)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     with torch.no_grad():
-        local_grads = [g.to_local() if _is_dtensor(g) else g for g in grads]
+        local_grads = [g.to_local() if is_dtensor(g) else g for g in grads]
         for dev_grads in _by_device(local_grads).values():
             torch._foreach_mul_(dev_grads, coef.to(dev_grads[0].device))
     return total
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
@@ -251,7 +251,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     keep = not rank0_only or dist.get_rank(next(iter(owners.values())).group if owners else None) == 0
     sd = {}
     for k, v in model.state_dict().items():
-        if _is_dtensor(v):
+        if is_dtensor(v):
             v = v.full_tensor()   # collective: every rank gathers, one tensor at a time
             if not keep:
                 continue          # and only the ranks that return it hold it

@@ -49,6 +49,7 @@ from feplb.dropin import (
     experts_modules,
     full_state_dict,
     hooks_problem,
+    is_dtensor,
     layer_config,
     reduce_replica_grads,
     refresh_replicas,
@@ -163,12 +164,6 @@ def _torchtitan():
     return moe, token_dispatcher
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[str | None, dict]:
     """Why FEPLB cannot run ``moe``'s routed experts exactly (None if it can), and the FEPLBConfig fields they give."""
     routed = moe.routed_experts
@@ -195,7 +190,7 @@ def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[st
     if buffers:
         return f"buffers {', '.join(buffers)} (scaled or quantized experts are not supported)", {}
     w1, w2, w3 = (own[n] for n in _NAMES)
-    if any(_is_dtensor(w) for w in (w1, w2, w3)) or getattr(routed.token_dispatcher, "ep_mesh", None) is not None:
+    if any(is_dtensor(w) for w in (w1, w2, w3)) or getattr(routed.token_dispatcher, "ep_mesh", None) is not None:
         return ("already parallelized by torchtitan (DTensor weights or an EP mesh); apply feplb.titan before "
                 "parallelizing, with torchtitan's expert parallelism off: FEPLB is the expert parallelism"), {}
     if any(w.is_meta for w in (w1, w2, w3)):
