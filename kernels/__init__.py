@@ -9,21 +9,27 @@ Each kernel's launcher (``*_triton``) and pure-torch twin (``*_ref``) live in it
 makes the ops run the kernels on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).
 """
 
-from ._triton import HAVE_TRITON, INTERPRET, poison_outputs, triton_on_cpu
-from .ops import autocast_dtype, autocast_matmul_inputs, grouped_mm, permute, routing_metadata, swiglu, unpermute
-from .routing import RoutingMetadata
+if __name__ == "feplb.kernels":
+    from ._triton import HAVE_TRITON, INTERPRET, poison_outputs, triton_on_cpu
+    from .ops import autocast_dtype, autocast_matmul_inputs, grouped_mm, permute, routing_metadata, swiglu, unpermute
+    from .routing import RoutingMetadata
 
-__all__ = [
-    "HAVE_TRITON",
-    "INTERPRET",
-    "RoutingMetadata",
-    "autocast_dtype",
-    "autocast_matmul_inputs",
-    "grouped_mm",
-    "permute",
-    "poison_outputs",
-    "routing_metadata",
-    "swiglu",
-    "triton_on_cpu",
-    "unpermute",
-]
+    __all__ = [
+        "HAVE_TRITON",
+        "INTERPRET",
+        "RoutingMetadata",
+        "autocast_dtype",
+        "autocast_matmul_inputs",
+        "grouped_mm",
+        "permute",
+        "poison_outputs",
+        "routing_metadata",
+        "swiglu",
+        "triton_on_cpu",
+        "unpermute",
+    ]
+else:
+    # This directory reached as a top-level ``kernels`` (the checkout's root on sys.path, as under ``python -m`` from
+    # it, while transformers probes for the Hugging Face ``kernels`` package by importing it): it defines nothing,
+    # so the operators are registered once, by feplb.kernels.
+    __all__ = []

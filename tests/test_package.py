@@ -28,6 +28,21 @@ def test_stdlib_sched_is_not_shadowed(tmp_path):
                                  f"{proc.stderr[-500:]}"
 
 
+def test_kernels_dir_as_top_level_module_registers_nothing():
+    # From the checkout's root (on sys.path as '' under ``python -c`` or ``python -m``), ``import kernels`` finds this
+    # repository's kernels/ directory; transformers does exactly that when it probes for the Hugging Face ``kernels``
+    # package. It must define nothing, or feplb.kernels would register the operators' namespace a second time.
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", "import kernels, feplb.kernels; "
+                           "assert kernels.__file__.startswith(%r), kernels.__file__; "
+                           "assert kernels.__all__ == [] and not hasattr(kernels, 'permute'); "
+                           "import torch; torch.ops.feplb.permute; print('ok')" % str(root)],
+                          capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-1500:]
+
+
 @pytest.mark.parametrize("room", ["feplb.sched"])
 def test_sched_imports_without_torch(room):
     # A meta-path blocker makes any import of torch fail: the planning room must not need it.
