@@ -1,8 +1,8 @@
-"""What every framework drop-in shares (``feplb.hf``, ``feplb.titan``): a model whose MoE layers FEPLB replaced
-holds, in each such layer (a :class:`feplb.MoELayer`), this rank's ``E / W`` experts under the names and layout of
-the module it replaced; everything else is replicated. These helpers act on every ``MoELayer`` of a model: the
-per-step upkeep of the helpers' weight copies, gradient averaging and clipping over sharded experts, and the full
-checkpoint gathered from the shards. The adapters re-export them; they also work on a model built from
+"""What every framework drop-in shares (``feplb.hf``, ``feplb.titan``, ``feplb.megatron``): a model whose MoE
+layers FEPLB replaced holds, in each such layer (a :class:`feplb.MoELayer`), this rank's ``E / W`` experts under the
+names and layout of the module it replaced; everything else is replicated. These helpers act on every ``MoELayer``
+of a model: the per-step upkeep of the helpers' weight copies, gradient averaging and clipping over sharded experts,
+and the full checkpoint gathered from the shards. The adapters re-export them; they also work on a model built from
 ``feplb.MoELayer`` directly.
 
 The replacement itself (``apply``) is collective and all or nothing: every rank checks its modules, the ranks
@@ -236,7 +236,8 @@ def refresh_replicas(model: nn.Module) -> None:
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The model's state dict with every FEPLB layer's expert shards gathered back into the original names and
     shapes (with transformers ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F]; with torchtitan
-    ``w1_EFD`` [E, F, D], ``w2_EDF`` [E, D, F] and ``w3_EFD`` [E, F, D]), ready for
+    ``w1_EFD`` [E, F, D], ``w2_EDF`` [E, D, F] and ``w3_EFD`` [E, F, D]; with Megatron-Core every expert's
+    ``local_experts.{j}`` under its global index j), ready for
     ``save_pretrained(d, state_dict=...)`` or ``load_state_dict`` of an unmodified model. Collective over each
     layer's EP group.
 
@@ -256,8 +257,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
             if not keep:
                 continue          # and only the ranks that return it hold it
         sd[k] = v
-    full: dict[str, torch.Tensor] = {}
-    gathered: dict[tuple[int, str], torch.Tensor] = {}   # (layer, parameter name): the full tensor
+    full: dict[str, dict[str, torch.Tensor]] = {}   # local key -> the full model's entries it stands for
+    gathered: dict[tuple[int, str], dict[str, torch.Tensor]] = {}   # (layer, parameter name): entries, relative
     for prefix, m in owners.items():
         group = m.group
         W, r = dist.get_world_size(group), dist.get_rank(group)
@@ -267,20 +268,30 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
             if id(p) not in ids:
                 continue
             key = f"{prefix}.{pname}" if prefix else pname
-            if (id(m), pname) in gathered:
-                full[key] = gathered[id(m), pname]
-                continue
-            shard = p.detach().contiguous()
-            if rank0_only:
-                parts = [torch.empty_like(shard) for _ in range(W)] if r == 0 else None
-                dist.gather(shard, parts, dst=dst, group=group)
-            else:
-                parts = [torch.empty_like(shard) for _ in range(W)]
-                dist.all_gather(parts, shard, group=group)
-            if parts is not None:
-                full[key] = gathered[id(m), pname] = torch.cat(parts)
-            else:
-                gathered[id(m), pname] = shard    # not returned (rank0_only, not rank 0): marks it gathered
+            if (id(m), pname) not in gathered:
+                shard = p.detach().contiguous()
+                if rank0_only:
+                    parts = [torch.empty_like(shard) for _ in range(W)] if r == 0 else None
+                    dist.gather(shard, parts, dst=dst, group=group)
+                else:
+                    parts = [torch.empty_like(shard) for _ in range(W)]
+                    dist.all_gather(parts, shard, group=group)
+                # not returned (rank0_only, not rank 0): an empty mark that it was gathered
+                gathered[id(m), pname] = m.full_entries(pname, parts) if parts is not None else {}
+            full[key] = {(f"{prefix}.{n}" if prefix else n): t for n, t in gathered[id(m), pname].items()}
     if not keep:
         return {}
-    return {k: full.get(k, v) for k, v in sd.items()}
+    for prefix, m in owners.items():   # the layers' other entries (a layer keeping per-expert state renames it)
+        head = f"{prefix}." if prefix else ""
+        for k in sd:
+            if k.startswith(head) and k not in full:
+                entries = m.full_state_entries(k[len(head):], sd[k])
+                if list(entries) != [k[len(head):]]:
+                    full[k] = {head + n: t for n, t in entries.items()}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if k in full:
+            out.update(full[k])
+        else:
+            out[k] = v
+    return out

@@ -214,6 +214,18 @@ class MoELayer(nn.Module):
         """The parameters behind ``expert_weights()`` (what an optimizer steps)."""
         return tuple(p for p in self.parameters(recurse=False) if self.router is None or p is not self.router.weight)
 
+    def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The full model's entries (names relative to this layer) of expert parameter ``pname``, given every EP
+        rank's shard of it in rank order (``feplb.dropin.full_state_dict``). Shards of all the local experts
+        ([L, ...], rank r holding experts r * L ...) concatenate; a layer keeping one parameter per expert
+        overrides this."""
+        return {pname: torch.cat(parts)}
+
+    def full_state_entries(self, name: str, value: Any) -> dict[str, Any]:
+        """The full model's entries of this layer's state-dict entry ``name`` that is not an expert parameter (a
+        router, a buffer): by default itself, replicated on every rank."""
+        return {name: value}
+
     def _steps_experts(self, opt: torch.optim.Optimizer) -> bool:
         mine = {id(p) for p in self.expert_params()}
         return any(id(p) in mine for g in opt.param_groups for p in g["params"])
