@@ -27,8 +27,8 @@ gradients (``finish_grad_sync``, inside ``finalize_model_grads``), :func:`refres
 ``optimizer.step()``. Under Megatron's DDP the gradients are in ``main_grad``: clip with Megatron's optimizer, not
 :func:`clip_grad_norm_` (which reads ``.grad``). Checkpoints: the model's ``state_dict()`` keeps Megatron's local
 names; :func:`full_state_dict` gives every expert under its global index (the state dict of the same model with
-``expert_model_parallel_size=1``). Megatron's distributed checkpointing (``sharded_state_dict``) of the replaced
-experts raises: it is not supported yet.
+``expert_model_parallel_size=1``); Megatron's distributed checkpointing (``sharded_state_dict``) gets exactly
+``SequentialMLP``'s sharded state dict, so its checkpoints load into either layer.
 
 Legend: T tokens on this rank, K top-k, H hidden, F expert ffn dim, E experts, W EP ranks, L = E / W.
 """
@@ -87,6 +87,7 @@ class FEPLBSequentialMLP(MoELayer):
         super().__init__(config, group)
         object.__delattr__(self, "_megatron_local")
         self.megatron_name = name
+        self._megatron_groups: tuple | None = None   # (EP group, expert data-parallel group), set by apply
         self._joined: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -141,14 +142,27 @@ class FEPLBSequentialMLP(MoELayer):
             self._joined = None
         return y.to(x_TH.dtype), None
 
-    def sharded_state_dict(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError(
-            f"{self.megatron_name or 'FEPLBSequentialMLP'}: Megatron's distributed checkpointing of FEPLB experts is "
-            "not supported yet; save model.state_dict() (this rank's experts under Megatron's local names) or "
-            "feplb.megatron.full_state_dict(model) (every expert under its global index)")
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron's distributed checkpointing: exactly ``SequentialMLP``'s sharded state dict (each local expert
+        under its global index, replicated over the expert data-parallel group), so checkpoints move between this
+        layer and Megatron's own."""
+        if self._megatron_groups is None:
+            raise NotImplementedError("FEPLBSequentialMLP made outside feplb.megatron.apply has no Megatron groups to "
+                                      "shard its checkpoint by")
+        _, mc_experts = _megatron()
+        view = _ShardingView(self.local_experts, self.num_local, *self._megatron_groups)
+        return mc_experts.SequentialMLP.sharded_state_dict(view, prefix, sharded_offsets, metadata)
 
     def extra_repr(self) -> str:
         return f"{self.megatron_name!r}, " + super().extra_repr()
+
+
+class _ShardingView:
+    """What ``SequentialMLP.sharded_state_dict`` reads of its module."""
+
+    def __init__(self, local_experts: nn.ModuleList, num_local_experts: int, ep_group, dp_group) -> None:
+        self.local_experts, self.num_local_experts = local_experts, num_local_experts
+        self.ep_group, self.dp_group = ep_group, dp_group
 
 
 @functools.cache
@@ -380,6 +394,7 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overri
     made = []
     for name, moe, cfg, local in plans:
         new = FEPLBSequentialMLP(cfg, group, local, name=f"{name}.experts" if name else "experts")
+        new._megatron_groups = (moe.experts.ep_group, moe.experts.dp_group)
         new.train(moe.experts.training)
         new.refresh_replicas()
         made.append((moe, new, Dispatcher(moe.token_dispatcher, cfg.top_k)))
