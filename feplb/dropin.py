@@ -60,10 +60,11 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
           "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
-def hooks_problem(module: nn.Module) -> str | None:
+def hooks_problem(module: nn.Module, *, kept: bool = False) -> str | None:
     """Why replacing ``module`` would drop something it runs (its own hooks, an instance-level forward such as
-    accelerate's offloading wrapper), or None."""
-    hooks = [k.strip("_") for k in _HOOKS if getattr(module, k, None)]
+    accelerate's offloading wrapper), or None. ``kept``: the module stays (its state-dict hooks with it) but FEPLB
+    reads its weights instead of running its forward, so only forward and backward hooks are lost."""
+    hooks = [k.strip("_") for k in (_HOOKS[:4] if kept else _HOOKS) if getattr(module, k, None)]
     if hooks or "forward" in vars(module):
         return (f"{type(module).__name__} has hooks or a forward of its own "
                 f"({', '.join(hooks) or 'an instance forward'}); FEPLB would not run them")

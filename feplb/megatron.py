@@ -257,18 +257,6 @@ _CONFIG_REFUSALS = (
 )
 
 
-def _run_hooks_problem(module: nn.Module) -> str | None:
-    """Why not computing ``module``'s forward would skip something it runs (forward or backward hooks, an
-    instance-level forward), or None."""
-    hooks = [k.strip("_") for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                    "_backward_pre_hooks") if getattr(module, k, None)]
-    if hooks or "forward" in vars(module):
-        what = ", ".join(hooks) or "an instance forward"
-        return (f"{type(module).__name__} has hooks or a forward of its own ({what}); FEPLB reads its weights and "
-                "would not run them")
-    return None
-
-
 def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dtype | None
              ) -> tuple[str | None, dict, list]:
     """Why FEPLB cannot run ``moe``'s experts exactly (None if it can), the FEPLBConfig fields they give, and the
@@ -292,7 +280,7 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
     # weights and runs none of their forwards.
     why = hooks_problem(experts)
     if why is None:
-        why = next(filter(None, (_run_hooks_problem(s) for m in experts.local_experts
+        why = next(filter(None, (hooks_problem(s, kept=True) for m in experts.local_experts
                                  for s in (m, m.linear_fc1, m.linear_fc2))), None)
     if why is not None:
         return why, {}, []
