@@ -36,6 +36,7 @@ Legend: T tokens on this rank, K top-k, H hidden, F expert ffn dim, E experts, W
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -88,6 +89,7 @@ class FEPLBSequentialMLP(MoELayer):
         object.__delattr__(self, "_megatron_local")
         self.megatron_name = name
         self._megatron_groups: tuple | None = None   # (EP group, expert data-parallel group), set by apply
+        self._warned_ddp = False
         self._joined: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -141,6 +143,15 @@ class FEPLBSequentialMLP(MoELayer):
         finally:
             self._joined = None
         return y.to(x_TH.dtype), None
+
+    def reduce_replica_grads(self) -> None:
+        if self.replicas.pairs and not self._warned_ddp and any(hasattr(p, "main_grad") for p in self.expert_params()):
+            self._warned_ddp = True
+            warnings.warn(f"{self.megatron_name or 'FEPLBSequentialMLP'}: per-step expert copies under Megatron's "
+                          "DistributedDataParallel: their gradients reach main_grad correctly only with "
+                          "overlap_grad_reduce=False and this call before finish_grad_sync; weights='per-microbatch' "
+                          "has neither condition", stacklevel=2)
+        super().reduce_replica_grads()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Megatron's distributed checkpointing: exactly ``SequentialMLP``'s sharded state dict (each local expert

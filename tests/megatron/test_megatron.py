@@ -247,6 +247,7 @@ def _ddp_case(rank: int, world: int, policy: str, weights: str, overlap: bool) -
     """Megatron's DistributedDataParallel around ours and Megatron's layer: two steps of two micro-batches (the first
     under no_sync), reduce_replica_grads before finish_grad_sync, SGD on the reduced main_grad, refresh_replicas."""
     import contextlib
+    import warnings
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -256,7 +257,7 @@ def _ddp_case(rank: int, world: int, policy: str, weights: str, overlap: bool) -
     fm.apply(moe, policy=policy, weights=weights, gpus_per_node=min(2, world), refresh_every=1, **OPTS)
     ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=overlap, grad_reduce_in_fp32=True)
     wrapped = [DistributedDataParallel(m.config, ddp_cfg, m) for m in (moe, ref)]
-    first, err, moved = 0.0, 0.0, 0
+    first, err, moved, warned = 0.0, 0.0, 0, 0
     for step in range(2):
         for w in wrapped:
             w.zero_grad_buffer()
@@ -266,7 +267,10 @@ def _ddp_case(rank: int, world: int, policy: str, weights: str, overlap: bool) -
                 with w.no_sync() if mb == 0 else contextlib.nullcontext():
                     w(x)[0].backward(g)
             moved += _moved(moe)
-        fm.reduce_replica_grads(moe)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fm.reduce_replica_grads(moe)
+        warned += sum("overlap_grad_reduce=False" in str(c.message) for c in caught)
         for w in wrapped:
             w.finish_grad_sync()
         theirs = dict(ref.named_parameters())
@@ -278,7 +282,7 @@ def _ddp_case(rank: int, world: int, policy: str, weights: str, overlap: bool) -
                 for p in m.parameters():
                     p -= 0.5 * p.main_grad.to(p.dtype)
         fm.refresh_replicas(moe)
-    return {"first": first, "err": err, "moved": moved}
+    return {"first": first, "err": err, "moved": moved, "warned": warned}
 
 
 def _recompute_case(rank: int, world: int, policy: str, weights: str) -> dict:
@@ -449,3 +453,7 @@ def test_under_megatron_ddp_and_recompute(job):
             # rows really moved (eplb's first forwards have no history to replicate from)
             if key[0] == "ddp" or key[:2] == ("recompute", "feplb-split"):
                 assert case["moved"] > 0, key
+            # per-step copies under Megatron's DDP say what they need (once per layer); per-micro-batch ones need
+            # nothing
+            if key[0] == "ddp":
+                assert case["warned"] == (1 if key[2] == "per-step" else 0), (key, case["warned"])
