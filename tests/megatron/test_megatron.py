@@ -151,6 +151,30 @@ def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtyp
     return out
 
 
+def _two_layers_case(rank: int, world: int) -> dict:
+    """A model of two MoE layers (each its own FEPLB layer over the same EP group), chained."""
+    from torch import nn
+
+    import feplb.megatron as fm
+
+    def model():
+        m = nn.Module()
+        m.layers = nn.ModuleList([make_moe(), make_moe("sigmoid")])
+        return m
+
+    ours, ref = model(), model()
+    names = fm.apply(ours, policy="feplb-split", gpus_per_node=min(2, world), **OPTS)
+    x, g = _inputs(rank)
+    res = []
+    for m in (ours, ref):
+        xx = x.clone().requires_grad_()
+        y = m.layers[1](m.layers[0](xx)[0])[0]
+        y.backward(g)
+        res.append({"out": y.detach(), "x": xx.grad} | {n: p.grad for n, p in m.named_parameters()})
+    return {"names": names, "distinct": ours.layers[0].experts is not ours.layers[1].experts,
+            "err": max(_rel(res[0][n], res[1][n]) for n in res[1]), "same_keys": list(res[0]) == list(res[1])}
+
+
 def _train_case(rank: int, world: int, policy: str, weights: str) -> dict:
     """Two SGD steps of two accumulated micro-batches each, ours and Megatron's layer; the per-step calls."""
     import feplb.megatron as fm
@@ -336,6 +360,7 @@ def _job(rank: int, world: int) -> dict:
     for arch in ("softmax", "sigmoid"):
         for policy in ("feplb-split", "none"):
             res["layer", arch, policy, "fp32"] = _layer_case(rank, world, arch, policy, torch.float32)
+    res["two_layers"] = _two_layers_case(rank, world)
     res["layer", "softmax", "feplb-split", "bf16"] = _layer_case(rank, world, "softmax", "feplb-split",
                                                                  torch.bfloat16)
     for policy, weights in (("eplb", "per-step"), ("feplb-split@ema", "per-step"), ("feplb-split+place", "per-step"),
@@ -374,6 +399,14 @@ def test_layer_matches_megatron_fp32(job):
         assert res[0]["layer", "softmax", "feplb-split", "fp32"]["moved"] > 0
         assert res[0]["layer", "sigmoid", "feplb-split", "fp32"]["moved"] > 0
         assert res[0]["layer", "softmax", "none", "fp32"]["moved"] == 0
+
+
+def test_two_layers(job):
+    _, res = job
+    for r in res:
+        c = r["two_layers"]
+        assert c["names"] == ["layers.0.experts", "layers.1.experts"] and c["distinct"] and c["same_keys"]
+        assert c["err"] <= 1e-5, c["err"]
 
 
 def test_layer_bf16_within_megatrons_error(job):
