@@ -60,11 +60,11 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
           "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
-def hooks_problem(module: nn.Module, *, kept: bool = False) -> str | None:
+def hooks_problem(module: nn.Module, kinds: tuple[str, ...] = _HOOKS) -> str | None:
     """Why replacing ``module`` would drop something it runs (its own hooks, an instance-level forward such as
-    accelerate's offloading wrapper), or None. ``kept``: the module stays (its state-dict hooks with it) but FEPLB
-    reads its weights instead of running its forward, so only forward and backward hooks are lost."""
-    hooks = [k.strip("_") for k in (_HOOKS[:4] if kept else _HOOKS) if getattr(module, k, None)]
+    accelerate's offloading wrapper), or None. ``kinds``: the hook dictionaries that would be lost (a module FEPLB
+    keeps but whose forward it does not run keeps its state-dict hooks, say)."""
+    hooks = [k.strip("_") for k in kinds if getattr(module, k, None)]
     if hooks or "forward" in vars(module):
         return (f"{type(module).__name__} has hooks or a forward of its own "
                 f"({', '.join(hooks) or 'an instance forward'}); FEPLB would not run them")
@@ -84,24 +84,25 @@ def _agree(local: object, group: dist.ProcessGroup | None) -> list:
 
 
 def agree_to_replace(api: str, group: dist.ProcessGroup | None, problems: list[str], names: list[str],
-                     digests: list, none_found: Callable[[], str]) -> None:
+                     digests: list, none_found: Callable[[], str], allow_none: bool = False) -> None:
     """One agreement before anything is replaced (collective): every rank raises the same ValueError together, or
     none does. ``problems``: one line per module this rank cannot run exactly; ``names``: every candidate module;
     ``digests``: checksums of the weights each rank will slice its experts from (ranks holding other modules or
-    other weights are named); ``none_found()``: the message when no module was found."""
+    other weights are named); ``none_found()``: the message when no module was found, unless ``allow_none`` (a
+    pipeline stage without MoE layers)."""
     views = _agree((tuple(problems), tuple(names), tuple(digests)), group)
     bad = [r for r, v in enumerate(views) if v[0]]
     if bad:
         msg = "\n".join(views[bad[0]][0])
         raise ValueError(f"{api}: cannot run these experts modules exactly (nothing was replaced):\n{msg}"
                          + ("" if len(bad) == len(views) else f"\n(on EP rank(s) {bad})"))
-    if not names:
-        raise ValueError(f"{api}: {none_found()}")
     if any(v[1:] != views[0][1:] for v in views):
         differ = [r for r, v in enumerate(views) if v[1:] != views[0][1:]]
         raise ValueError(f"{api}: EP rank(s) {differ} hold other experts modules or other expert weights than rank "
                          "0; build the same model on every rank (same seed, or load the same checkpoint, or "
                          "broadcast) before apply")
+    if not names and not allow_none:
+        raise ValueError(f"{api}: {none_found()}")
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

@@ -17,7 +17,9 @@ other than ``SequentialMLP`` (``TEGroupedMLP`` and ``GroupedMLP`` are not suppor
 Megatron's or Transformer Engine's, activations other than SwiGLU (``gated_linear_unit`` with ``F.silu``), expert
 biases, token dropping (``moe_expert_capacity_factor``), probabilities applied on the input, fp8/fp4, latent
 projections, tensor parallelism (attention or experts), overlapped shared experts or EP communication, delayed
-weight gradients, CUDA graphs, hooks on the modules FEPLB replaces.
+weight gradients, CUDA graphs, forward or backward hooks on the modules whose forward FEPLB no longer runs (their
+forward pre-hooks it runs: Megatron's DDP waits there for the parameters' all-gather with ``overlap_param_gather``).
+Call :func:`apply` on every pipeline stage; one without MoE layers gets ``[]``.
 
 Weights travel per micro-batch by default (``weights="per-microbatch"``): the copies' gradients return inside the
 backward, where Megatron's ``DistributedDataParallel`` sees them (with or without ``overlap_grad_reduce``). With
@@ -137,6 +139,17 @@ class FEPLBSequentialMLP(MoELayer):
         if not isinstance(routing, tuple):
             raise TypeError("FEPLBSequentialMLP takes the routing (ids, weights) from FEPLBTokenDispatcher; "
                             "use it through feplb.megatron.apply, not with Megatron's own token dispatcher")
+        # Hooks registered after apply (by Megatron's DDP, say): the forward pre-hooks run here, as the modules'
+        # forwards would run them; hooks FEPLB cannot run are refused on every rank together.
+        why = _lost_hooks(self.local_experts)
+        if why is not None:
+            self._experts(None, None, None, (RuntimeError, f"{self.megatron_name or 'FEPLBSequentialMLP'}: {why}"))
+        for mod in _kept_modules(self.local_experts):
+            for key, hook in list(mod._forward_pre_hooks.items()):
+                if key in mod._forward_pre_hooks_with_kwargs:
+                    hook(mod, (x_TH,), {})
+                else:
+                    hook(mod, (x_TH,))
         self._joined = self._join()
         try:
             y = super().forward(x_TH.to(self.config.dtype), routing=routing)
@@ -268,6 +281,20 @@ _CONFIG_REFUSALS = (
 )
 
 
+# What FEPLB would lose of the expert modules it keeps but whose forward it does not run: forward hooks and backward
+# hooks. Their forward pre-hooks it runs (Megatron's DistributedDataParallel waits there for the parameters'
+# all-gather with overlap_param_gather); their state-dict hooks stay with them.
+_LOST_HOOKS = ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _kept_modules(local_experts) -> list[nn.Module]:
+    return [s for m in local_experts for s in (m, m.linear_fc1, m.linear_fc2)]
+
+
+def _lost_hooks(local_experts) -> str | None:
+    return next(filter(None, (hooks_problem(mod, _LOST_HOOKS) for mod in _kept_modules(local_experts))), None)
+
+
 def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dtype | None
              ) -> tuple[str | None, dict, list]:
     """Why FEPLB cannot run ``moe``'s experts exactly (None if it can), the FEPLBConfig fields they give, and the
@@ -291,8 +318,7 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
     # weights and runs none of their forwards.
     why = hooks_problem(experts)
     if why is None:
-        why = next(filter(None, (hooks_problem(s, kept=True) for m in experts.local_experts
-                                 for s in (m, m.linear_fc1, m.linear_fc2))), None)
+        why = _lost_hooks(experts.local_experts)
     if why is not None:
         return why, {}, []
     E, K, H = cfg.num_moe_experts, cfg.moe_router_topk, cfg.hidden_size
@@ -344,7 +370,8 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overri
         hidden, ffn, num_experts and top_k come from Megatron's config; the router is the model's own. The device
         defaults to the experts', ``weights`` to "per-microbatch" (see the module's docstring).
 
-    Returns the qualified names of the replaced experts modules. Raises, on every rank together and before anything
+    Returns the qualified names of the replaced experts modules ([] on a pipeline stage without MoE layers: call it
+    on every stage, or every virtual-pipeline chunk). Raises, on every rank together and before anything
     is replaced: ValueError naming each MoE layer FEPLB cannot run exactly and why (see the module's docstring), or
     when the ranks' models differ; TypeError for an unknown or derived override; ImportError without
     Megatron-Core.
@@ -358,7 +385,13 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overri
     groups = {id(m.ep_group): m.ep_group for _, m in found}
     if len(groups) > 1:
         raise ValueError("feplb.megatron.apply: the model's MoE layers use different expert-parallel groups")
-    group = next(iter(groups.values())) if groups else None
+    from megatron.core import parallel_state as ps
+
+    megatron_state = ps.model_parallel_is_initialized()
+    # A rank without MoE layers (a pipeline stage of dense layers) agrees with its own EP group all the same.
+    group = next(iter(groups.values())) if groups else ps.get_expert_model_parallel_group() if megatron_state \
+        else None
+    pipelined = megatron_state and ps.get_pipeline_model_parallel_world_size() > 1
     check_overrides("feplb.megatron.apply", group, config_overrides)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # Per-micro-batch weights by default: their gradients return inside the backward, where Megatron's
@@ -385,7 +418,8 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overri
         done = " (feplb.megatron.apply already replaced their experts)" if experts_modules(model) else ""
         return f"found no Megatron-Core MoELayer in {type(model).__name__}{done}"
 
-    agree_to_replace("feplb.megatron.apply", group, problems, [n for n, _ in found], shapes, none_found)
+    agree_to_replace("feplb.megatron.apply", group, problems, [n for n, _ in found], shapes, none_found,
+                     allow_none=pipelined)
 
     # Every layer is built (collective) before the first module is swapped: a layer that cannot be built leaves the
     # model as it was.
