@@ -18,17 +18,20 @@ Megatron's or Transformer Engine's, activations other than SwiGLU (``gated_linea
 biases, token dropping (``moe_expert_capacity_factor``), probabilities applied on the input, fp8/fp4, latent
 projections, tensor parallelism (attention or experts), overlapped shared experts or EP communication, delayed
 weight gradients, CUDA graphs, forward or backward hooks on the modules whose forward FEPLB no longer runs (their
-forward pre-hooks it runs: Megatron's DDP waits there for the parameters' all-gather with ``overlap_param_gather``).
-Call :func:`apply` on every pipeline stage; one without MoE layers gets ``[]``.
+forward pre-hooks it runs, with its whole input: Megatron's DDP waits there for the parameters' all-gather with
+``overlap_param_gather``; one that returns new inputs is refused). Call :func:`apply` on every pipeline stage
+together; one without MoE layers gets ``[]``.
 
 Weights travel per micro-batch by default (``weights="per-microbatch"``): the copies' gradients return inside the
 backward, where Megatron's ``DistributedDataParallel`` sees them (with or without ``overlap_grad_reduce``). With
-``weights="per-step"`` and a policy that keeps copies of experts on other GPUs, ``overlap_grad_reduce`` must be off
-and, per optimizer step, :func:`reduce_replica_grads` run after the last backward and before Megatron reduces the
-gradients (``finish_grad_sync``, inside ``finalize_model_grads``), :func:`refresh_replicas` after
-``optimizer.step()``. Under Megatron's DDP the gradients are in ``main_grad``: clip with Megatron's optimizer, not
-:func:`clip_grad_norm_` (which reads ``.grad``). Checkpoints: the model's ``state_dict()`` keeps Megatron's local
-names; :func:`full_state_dict` gives every expert under its global index (the state dict of the same model with
+``weights="per-step"`` and a policy that keeps copies of experts on other GPUs, ``overlap_grad_reduce`` and
+``overlap_param_gather`` must be off (the latter is refused) and, per optimizer step, :func:`reduce_replica_grads`
+run after the last backward and before Megatron reduces the gradients (``finish_grad_sync``, inside
+``finalize_model_grads``), :func:`refresh_replicas` after ``optimizer.step()``. Under Megatron's distributed
+optimizer the weights change through DDP's buffers, which a forgotten :func:`refresh_replicas` does not notice.
+Under Megatron's DDP the gradients are in ``main_grad``: clip with Megatron's optimizer, not :func:`clip_grad_norm_`
+(which reads ``.grad``). Checkpoints: the model's ``state_dict()`` keeps Megatron's local names;
+:func:`full_state_dict` gives every expert under its global index (the state dict of the same model with
 ``expert_model_parallel_size=1``); Megatron's distributed checkpointing (``sharded_state_dict``) gets exactly
 ``SequentialMLP``'s sharded state dict, so its checkpoints load into either layer.
 
@@ -47,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from feplb.dropin import (
+    _agree,
     agree_to_replace,
     attach_optimizer,
     average_expert_grads,
@@ -61,6 +65,7 @@ from feplb.dropin import (
     refresh_replicas,
 )
 from feplb.layer import FEPLBConfig, MoELayer
+from feplb.recompute import in_backward
 
 __all__ = ["FEPLBSequentialMLP", "apply", "expert_parameters", "experts_modules", "full_state_dict",
            "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas", "clip_grad_norm_"]
@@ -139,23 +144,46 @@ class FEPLBSequentialMLP(MoELayer):
         if not isinstance(routing, tuple):
             raise TypeError("FEPLBSequentialMLP takes the routing (ids, weights) from FEPLBTokenDispatcher; "
                             "use it through feplb.megatron.apply, not with Megatron's own token dispatcher")
-        # Hooks registered after apply (by Megatron's DDP, say): the forward pre-hooks run here, as the modules'
-        # forwards would run them; hooks FEPLB cannot run are refused on every rank together.
-        why = _lost_hooks(self.local_experts)
-        if why is not None:
+        # Hooks registered after apply (by Megatron's DDP, say). The forward pre-hooks run first, on every rank alike
+        # (Megatron's DDP waits there for collectives of the expert data-parallel group; a rank that skipped them
+        # would leave its peers waiting). Then hooks FEPLB cannot run, or pre-hooks that replaced the input, are
+        # refused on every rank together; not in a recompute, whose peers are in the replay's own collectives (the
+        # next forward refuses them).
+        why = self._run_pre_hooks((x_TH,)) or _lost_hooks(self.local_experts)
+        if why is not None and not in_backward():
             self._experts(None, None, None, (RuntimeError, f"{self.megatron_name or 'FEPLBSequentialMLP'}: {why}"))
-        for mod in _kept_modules(self.local_experts):
-            for key, hook in list(mod._forward_pre_hooks.items()):
-                if key in mod._forward_pre_hooks_with_kwargs:
-                    hook(mod, (x_TH,), {})
-                else:
-                    hook(mod, (x_TH,))
         self._joined = self._join()
         try:
             y = super().forward(x_TH.to(self.config.dtype), routing=routing)
         finally:
             self._joined = None
         return y.to(x_TH.dtype), None
+
+    def _run_pre_hooks(self, args: tuple) -> str | None:
+        """Run the kept modules' forward pre-hooks (called with ``args``: FEPLB's whole input, not the module's);
+        why FEPLB cannot honour one (it returned new inputs), or None."""
+        why = None
+        for mod in _kept_modules(self.local_experts):
+            for key, hook in list(mod._forward_pre_hooks.items()):
+                got = hook(mod, args, {}) if key in mod._forward_pre_hooks_with_kwargs else hook(mod, args)
+                if got is not None and why is None:
+                    why = (f"a forward pre-hook of {type(mod).__name__} returned new inputs, which FEPLB (reading the "
+                           "weights, not running the module) cannot use")
+        return why
+
+    def refresh_replicas(self) -> None:
+        # Per-step copies read the weights now, right after the optimizer step. With forward pre-hooks on the kept
+        # modules (Megatron's DDP with overlap_param_gather), the updated weights arrive only in the next forward's
+        # hooks: the copies would be stale. Refused on every rank.
+        if self.config.weights == "per-step" and (self.base != "none" or self.place):
+            hooked = any(mod._forward_pre_hooks for mod in _kept_modules(self.local_experts))
+            if any(_agree(hooked, self.group)):
+                raise RuntimeError(
+                    f"{self.megatron_name or 'FEPLBSequentialMLP'}: per-step expert copies with forward pre-hooks on "
+                    "the experts (Megatron's DistributedDataParallel with overlap_param_gather all-gathers the "
+                    "updated weights only in the next forward): use weights='per-microbatch' (the default), or "
+                    "overlap_param_gather=False")
+        super().refresh_replicas()
 
     def reduce_replica_grads(self) -> None:
         if self.replicas.pairs and not self._warned_ddp and any(hasattr(p, "main_grad") for p in self.expert_params()):
@@ -418,8 +446,11 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overri
         done = " (feplb.megatron.apply already replaced their experts)" if experts_modules(model) else ""
         return f"found no Megatron-Core MoELayer in {type(model).__name__}{done}"
 
+    # With pipeline stages, a stage without MoE layers gets [] as long as some stage has them (agreed over the
+    # world, which calls apply on every stage together); none anywhere, or a second apply, raises everywhere.
+    elsewhere = pipelined and any(_agree(bool(found), None))
     agree_to_replace("feplb.megatron.apply", group, problems, [n for n, _ in found], shapes, none_found,
-                     allow_none=pipelined)
+                     allow_none=elsewhere)
 
     # Every layer is built (collective) before the first module is swapped: a layer that cannot be built leaves the
     # model as it was.

@@ -358,9 +358,26 @@ def _refusal_case(rank: int, world: int) -> dict:
     x, _ = _inputs(rank)
     moe(x)
     out["pre_hook_calls"] = list(calls)
-    if rank == world - 1:
-        moe.experts.local_experts[-1].register_forward_hook(lambda *a: None)
+    late = moe.experts.local_experts[-1].register_forward_hook(lambda *a: None) if rank == world - 1 else None
     out["late_hook"] = error_of(lambda: moe(x))
+    if late is not None:
+        late.remove()
+    out["usable_again"] = error_of(lambda: moe(x))
+    # a pre-hook that replaces the module's input: FEPLB runs no module forward to give it to
+    swap = moe.experts.local_experts[0].register_forward_pre_hook(lambda mod, args: args) if rank == 0 else None
+    out["input_hook"] = error_of(lambda: moe(x))
+    if swap is not None:
+        swap.remove()
+    # a hook added between a checkpointed forward and its backward: the recompute runs (its peers are replaying),
+    # the next forward refuses it
+    import torch.utils.checkpoint as ckpt
+
+    xc = x.clone().requires_grad_()
+    y = ckpt.checkpoint(lambda t: moe(t)[0], xc, use_reentrant=False)
+    if rank == world - 1:
+        moe.experts.local_experts[0].register_forward_hook(lambda *a: None)
+    out["hook_in_backward"] = error_of(lambda: y.sum().backward())
+    out["hook_after_backward"] = error_of(lambda: moe(x))
     return out
 
 
@@ -390,6 +407,7 @@ def _grid_job(rank: int, world: int) -> dict:
     """4 ranks as two other Megatron grids: pipeline 2 x EP 2 (stage 0 holds no MoE layer), then EP 2 x expert data
     parallelism 2 under the distributed optimizer's buffers with overlap_param_gather."""
     import contextlib
+    import warnings
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -406,6 +424,7 @@ def _grid_job(rank: int, world: int) -> dict:
     stage = ps.get_pipeline_model_parallel_rank()
     model, ref = (make_moe(), make_moe()) if stage == 1 else (nn.Linear(H, H), None)
     out["pp_names"] = fm.apply(model, policy="feplb-split", gpus_per_node=2, **OPTS)
+    out["pp_again"] = error_of(lambda: fm.apply(model, **OPTS))   # nothing left on any stage: raised everywhere
     if stage == 1:
         x, g = _inputs(rank)
         ours, theirs = _grads(model, x, g), _grads(ref, x, g)
@@ -418,21 +437,33 @@ def _grid_job(rank: int, world: int) -> dict:
     # pre-hooks start and wait for, brings the other shards.
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
     errs = {}
-    for overlap in (False, True):
+    # per-micro-batch weights with overlapped gradient reduction, per-step copies without (and their per-step calls);
+    # per-step copies with overlap_param_gather are refused at their refresh, on every rank
+    for weights, overlap in (("per-microbatch", False), ("per-microbatch", True), ("per-step", False),
+                             ("per-step", True)):
         models = []
         for ours in (True, False):
             moe = make_moe()
             if ours:
-                fm.apply(moe, policy="feplb-split", gpus_per_node=2, **OPTS)
+                fm.apply(moe, policy="feplb-split" if weights == "per-microbatch" else "eplb", weights=weights,
+                         refresh_every=1, gpus_per_node=2, **OPTS)
             cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=overlap,
-                                                overlap_grad_reduce=True)
+                                                overlap_grad_reduce=weights == "per-microbatch")
             models.append((moe, DistributedDataParallel(moe.config, cfg, moe)))
-        worst = 0.0
+        worst, moved, refused = 0.0, 0, None
         for step in range(3):
-            for _, w in models:
+            ys = []
+            for i, (_, w) in enumerate(models):
                 w.zero_grad_buffer()
                 x, g = _inputs(rank + 10 * step)
-                w(x)[0].backward(g)
+                y = w(x)[0]
+                y.backward(g)
+                ys.append(y.detach())
+                if i == 0:
+                    moved += _moved(models[0][0])
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")   # the per-step copies' warning under Megatron's DDP
+                        fm.reduce_replica_grads(models[0][0])
                 w.finish_grad_sync()
                 with torch.no_grad():
                     for bg in w.bucket_groups + w.expert_parallel_bucket_groups:
@@ -442,9 +473,16 @@ def _grid_job(rank: int, world: int) -> dict:
                             shard_buffer(b.param_data, n)[r].sub_(0.05 * shard_buffer(b.grad_data, n)[r])
                     if not overlap:
                         w.start_param_sync()
+                if i == 0:
+                    refused = error_of(lambda m=models[0][0]: fm.refresh_replicas(m))
+                    if refused is not None:
+                        break
+            if refused is not None:
+                break
             theirs = dict(models[1][0].named_parameters())
-            worst = max([worst] + [_rel(p.detach(), theirs[n].detach()) for n, p in models[0][0].named_parameters()])
-        errs[overlap] = worst
+            worst = max([worst, _rel(ys[0], ys[1])]
+                        + [_rel(p.detach(), theirs[n].detach()) for n, p in models[0][0].named_parameters()])
+        errs[weights, overlap] = (worst, moved, refused)
         with contextlib.suppress(Exception):
             for _, w in models:
                 w.start_param_sync(force_sync=True)
@@ -458,11 +496,18 @@ def test_pipeline_stage_without_moe_and_distributed_optimizer():
     for rank, r in enumerate(res):
         stage = rank // 2
         assert r["pp_names"] == ([] if stage == 0 else ["experts"])
+        assert r["pp_again"] is not None and "found no Megatron-Core MoELayer" in r["pp_again"], r["pp_again"]
         if stage == 1:
             assert r["pp_err"] <= 1e-5
         # the weights each forward reads, against Megatron's layer trained alike (fp32; three steps)
-        for overlap, e in r["distopt_err"].items():
-            assert e <= 3e-5, (overlap, e)   # measured up to 4.5e-6; 1.0 without running the pre-hooks
+        for case, (e, moved, refused) in r["distopt_err"].items():
+            if case == ("per-step", True):
+                assert refused is not None and "overlap_param_gather" in refused, refused
+                continue
+            assert refused is None, (case, refused)
+            assert e <= 3e-5, (case, e)   # measured up to 4.5e-6; 1.0 without running the pre-hooks
+            if rank == 0:
+                assert moved > 0, case
 
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["1rank", "4ranks"])
@@ -564,6 +609,11 @@ def test_refusals_on_every_rank(job):
             assert late.startswith("RuntimeError") and "forward_hooks" in late, late
         else:
             assert f"EP rank(s) [{world - 1}]" in late, late
+        assert f["usable_again"] is None, f["usable_again"]
+        swap = f["input_hook"]
+        assert swap is not None and ("returned new inputs" in swap if rank == 0 else "EP rank(s) [0]" in swap), swap
+        assert f["hook_in_backward"] is None, f["hook_in_backward"]
+        assert f["hook_after_backward"] is not None
 
 
 def test_under_megatron_ddp_and_recompute(job):
