@@ -49,8 +49,8 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     E = W * L
     input_ranks = np.nonzero(gathered[:, E + 2])[0].tolist()
     if input_ranks:
-        raise ValueError(f"MoELayer: the input of EP rank(s) {input_ranks} is malformed (see the error there); "
-                         "every rank stops this step")
+        raise ValueError(f"MoELayer: EP rank(s) {input_ranks} refused this forward (a malformed input, or what "
+                         "feeds the layer there; see the error on that rank); every rank stops this step")
     id_ranks = np.nonzero(gathered[:, E] & 2)[0].tolist()
     if id_ranks:
         raise ValueError(f"MoELayer: routing passed to forward() holds expert ids outside [0, {E}) on EP rank(s) "
