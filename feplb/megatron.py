@@ -177,7 +177,9 @@ class FEPLBSequentialMLP(MoELayer):
         # hooks: the copies would be stale. Refused on every rank.
         if self.config.weights == "per-step" and (self.base != "none" or self.place):
             hooked = any(mod._forward_pre_hooks for mod in _kept_modules(self.local_experts))
-            if any(_agree(hooked, self.group)):
+            # over the layer's CPU control group, as the layer's other per-step checks
+            if int(self.control.all_reduce_min(torch.tensor([int(not hooked)]), "group",
+                                               "refresh_replicas pre-hook check")[0]) == 0:
                 raise RuntimeError(
                     f"{self.megatron_name or 'FEPLBSequentialMLP'}: per-step expert copies with forward pre-hooks on "
                     "the experts (Megatron's DistributedDataParallel with overlap_param_gather all-gathers the "
