@@ -3,24 +3,27 @@
 Megatron-Core (0.16) computes every MoE layer (``megatron.core.transformer.moe.moe_layer.MoELayer``) as router
 -> token dispatcher -> experts -> combine, over its expert-parallel group (``expert_model_parallel_size``), each
 rank holding ``E / EP`` experts. :func:`apply` keeps that group, the router (aux losses, load-balancing bias, token
-counts) and the shared experts, and replaces, in each MoE layer, the token dispatcher and the experts
-(``SequentialMLP``) with FEPLB: the same local experts (the very ``MLP`` modules, parameters and names:
-``mlp.experts.local_experts.{i}.linear_fc1.weight`` ...) computed by a :class:`feplb.MoELayer` that balances every
-micro-batch between the GPUs of a node (``gpus_per_node``). The experts' parameters stay expert-parallel parameters
-for Megatron (``allreduce=False``: reduced over the expert data-parallel group).
+counts) and the shared experts, and replaces, in each MoE layer, the token dispatcher and the experts with FEPLB:
+the same local experts (the very parameters under the same names, in the same modules where there are any)
+computed by a :class:`feplb.MoELayer` that balances every micro-batch between the GPUs of a node
+(``gpus_per_node``). Each of Megatron's experts layouts has its class: ``SequentialMLP`` (``moe_grouped_gemm=False``;
+its ``MLP`` modules, ``local_experts.{i}.linear_fc1.weight`` ...) -> :class:`FEPLBSequentialMLP`; ``TEGroupedMLP``
+(``moe_grouped_gemm=True`` with Transformer Engine; its grouped linears, ``linear_fc1.weight{i}`` ...) ->
+:class:`FEPLBTEGroupedMLP`; the legacy ``GroupedMLP`` (``weight1`` [H, L * 2F], ``weight2`` [L * F, H]) ->
+:class:`FEPLBGroupedMLP`. The experts' parameters stay expert-parallel parameters for Megatron (``allreduce=False``:
+reduced over the expert data-parallel group).
 
 Precision follows the experts' parameters (Megatron computes the experts in their dtype; ``dtype=`` chooses
 another); the router's probabilities weigh the outputs in fp32 when they are fp32 (``moe_router_dtype='fp32'``).
 
-What FEPLB cannot run exactly is refused, on every rank together and before anything is replaced, by name: experts
-other than ``SequentialMLP`` (``TEGroupedMLP`` and ``GroupedMLP`` are not supported yet) or with linears other than
-Megatron's or Transformer Engine's, activations other than SwiGLU (``gated_linear_unit`` with ``F.silu``), expert
-biases, token dropping (``moe_expert_capacity_factor``), probabilities applied on the input, fp8/fp4, latent
-projections, tensor parallelism (attention or experts), overlapped shared experts or EP communication, delayed
-weight gradients, CUDA graphs, forward or backward hooks on the modules whose forward FEPLB no longer runs (their
-forward pre-hooks it runs, with its whole input: Megatron's DDP waits there for the parameters' all-gather with
-``overlap_param_gather``; one that returns new inputs is refused). Call :func:`apply` on every pipeline stage
-together; one without MoE layers gets ``[]``.
+What FEPLB cannot run exactly is refused, on every rank together and before anything is replaced, by name: other
+experts classes, or those three with linears other than Megatron's or Transformer Engine's, activations other than
+SwiGLU (``gated_linear_unit`` with ``F.silu``), expert biases, token dropping (``moe_expert_capacity_factor``),
+probabilities applied on the input, fp8/fp4, latent projections, tensor parallelism (attention or experts),
+overlapped shared experts or EP communication, delayed weight gradients, CUDA graphs, forward or backward hooks on
+the modules whose forward FEPLB no longer runs (their forward pre-hooks it runs, with its whole input: Megatron's
+DDP waits there for the parameters' all-gather with ``overlap_param_gather``; one that returns new inputs is
+refused). Call :func:`apply` on every pipeline stage together; one without MoE layers gets ``[]``.
 
 Weights travel per micro-batch by default (``weights="per-microbatch"``): the copies' gradients return inside the
 backward, where Megatron's ``DistributedDataParallel`` sees them (with or without ``overlap_grad_reduce``). With
@@ -32,8 +35,9 @@ optimizer the weights change through DDP's buffers, which a forgotten :func:`ref
 Under Megatron's DDP the gradients are in ``main_grad``: clip with Megatron's optimizer, not :func:`clip_grad_norm_`
 (which reads ``.grad``). Checkpoints: the model's ``state_dict()`` keeps Megatron's local names;
 :func:`full_state_dict` gives every expert under its global index (the state dict of the same model with
-``expert_model_parallel_size=1``); Megatron's distributed checkpointing (``sharded_state_dict``) gets exactly
-``SequentialMLP``'s sharded state dict, so its checkpoints load into either layer.
+``expert_model_parallel_size=1``); Megatron's distributed checkpointing (``sharded_state_dict``) gets exactly the
+sharded state dict of the experts module replaced, so its checkpoints load into either layer (and, as Megatron's
+own, between its layouts).
 
 Legend: T tokens on this rank, K top-k, H hidden, F expert ffn dim, E experts, W EP ranks, L = E / W.
 """
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -50,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from feplb.dropin import (
+    _HOOKS,
     _agree,
     agree_to_replace,
     attach_optimizer,
@@ -67,44 +73,184 @@ from feplb.dropin import (
 from feplb.layer import FEPLBConfig, MoELayer
 from feplb.recompute import in_backward
 
-__all__ = ["FEPLBSequentialMLP", "apply", "expert_parameters", "experts_modules", "full_state_dict",
+__all__ = ["FEPLBExperts", "FEPLBSequentialMLP", "FEPLBTEGroupedMLP", "FEPLBGroupedMLP", "apply", "expert_parameters",
+           "experts_modules", "full_state_dict",
            "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas", "clip_grad_norm_"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (linear_fc1, linear_fc2) classes whose forward, with fp8 refused, is x @ weight.T
 _LINEARS = {("ColumnParallelLinear", "RowParallelLinear"), ("TEColumnParallelLinear", "TERowParallelLinear")}
+# TEGroupedMLP's (linear_fc1, linear_fc2) classes, whose forward, with fp8 refused, is x_i @ weight{i}.T for expert i
+_TE_GROUPED = ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")
 
 
-class FEPLBSequentialMLP(MoELayer):
-    """An expert-parallel, balanced drop-in for a Megatron-Core ``SequentialMLP`` (made by :func:`apply`).
+class FEPLBExperts(MoELayer):
+    """An expert-parallel, balanced drop-in for a Megatron-Core experts module (made by :func:`apply`): one subclass
+    per Megatron layout, :class:`FEPLBSequentialMLP`, :class:`FEPLBTEGroupedMLP`, :class:`FEPLBGroupedMLP`.
 
-    ``local_experts`` are Megatron's own ``MLP`` modules of this rank's experts ``rank * L ...`` (``linear_fc1.weight``
-    [2F, H]: the gate's rows, then the up projection's; ``linear_fc2.weight`` [H, F]). Megatron's ``MoELayer`` calls
-    it as its experts, ``forward(x [T, H], tokens_per_expert, routing) -> (y [T, H], None)``, where the routing
-    is the (ids [T, K], weights [T, K]) pair :class:`FEPLBTokenDispatcher` passes in the probabilities' place:
-    ``y = sum_k w_k * fc2(silu(gate x) * up x)``, the gradient flowing into the weights (the router).
-    Collective over the EP group, like every ``MoELayer`` forward.
+    It holds this rank's experts ``rank * L ...`` as Megatron's module held them (the very parameters, under the same
+    names, in the same modules where there are any) and reads them as (w1 [L, H, 2F]: the gate's columns, then the up
+    projection's; w2 [L, F, H]). Megatron's ``MoELayer`` calls it as its experts, ``forward(x [T, H],
+    tokens_per_expert, routing) -> (y [T, H], None)``, where the routing is the (ids [T, K], weights [T, K]) pair
+    :class:`FEPLBTokenDispatcher` passes in the probabilities' place: ``y = sum_k w_k * fc2(silu(gate x) * up x)``,
+    the gradient flowing into the weights (the router). Collective over the EP group, like every ``MoELayer``
+    forward.
     """
 
-    def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, local_experts: list[nn.Module],
+    megatron_class = ""   # the Megatron experts class this replaces
+
+    def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, experts: nn.Module,
                  name: str = "") -> None:
         if config.router != "external":
-            raise ValueError(f"FEPLBSequentialMLP needs FEPLBConfig.router='external', got {config.router!r}")
+            raise ValueError(f"{type(self).__name__} needs FEPLBConfig.router='external', got {config.router!r}")
         # Read by _init_experts, which MoELayer.__init__ calls before this constructor could set attributes.
-        object.__setattr__(self, "_megatron_local", local_experts)
+        object.__setattr__(self, "_megatron_src", experts)
         super().__init__(config, group)
-        object.__delattr__(self, "_megatron_local")
+        object.__delattr__(self, "_megatron_src")
         self.megatron_name = name
-        self._megatron_groups: tuple | None = None   # (EP group, expert data-parallel group), set by apply
+        self.megatron_config = experts.config
+        # (EP group, expert data-parallel group, expert tensor-parallel group) of the module this replaced: what
+        # Megatron's sharded state dict names the shards by
+        self._megatron_groups = tuple(getattr(experts, a, None) for a in ("ep_group", "dp_group", "tp_group"))
         self._warned_ddp = False
         self._joined: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    # ------------------------------------------------------------------------------------- the layout (subclasses)
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
-        local = self._megatron_local
-        if len(local) != L:
-            raise ValueError(f"FEPLBSequentialMLP: {len(local)} local experts, expected E / W = {L}")
-        # Megatron's modules themselves: the parameters keep their identity, dtype, names and attributes.
-        self.local_experts = nn.ModuleList(local)
+        src = self._megatron_src
+        if src.num_local_experts != L:
+            raise ValueError(f"{type(self).__name__}: {src.num_local_experts} local experts, expected E / W = {L}")
+        self._take_experts(src)
+
+    def _take_experts(self, src: nn.Module) -> None:
+        """Take Megatron's modules or parameters of the local experts (keeping their identity, dtype, names and
+        attributes)."""
+        raise NotImplementedError
+
+    def kept_modules(self) -> list[nn.Module]:
+        """Megatron's modules this layer keeps but whose forward it does not run (their forward pre-hooks it runs;
+        other hooks on them it refuses)."""
+        return []
+
+    def _param_modules(self) -> list[nn.Module]:
+        """The modules whose own parameters are the experts' (where Megatron's DDP hooks its parameters'
+        all-gather)."""
+        return self.kept_modules()
+
+    def _join(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1 [L, H, 2F], w2 [L, F, H]) in the layer's dtype."""
+        raise NotImplementedError
+
+    def _sharding_source(self) -> tuple[type, Any]:
+        """(Megatron's experts class, an object with what its ``sharded_state_dict`` reads of its module)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------------- common
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1 [L, H, 2F], w2 [L, F, H]) in the layer's dtype, views of the parameters: made once per forward and
+        shared by all its uses, made afresh outside a forward."""
+        return self._joined if self._joined is not None else self._join()
+
+    def forward(self, x_TH: torch.Tensor, tokens_per_expert: Any = None,  # type: ignore[override]
+                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, None]:
+        del tokens_per_expert
+        if not isinstance(routing, tuple):
+            raise TypeError(f"{type(self).__name__} takes the routing (ids, weights) from FEPLBTokenDispatcher; "
+                            "use it through feplb.megatron.apply, not with Megatron's own token dispatcher")
+        # Hooks registered after apply (by Megatron's DDP, say). The forward pre-hooks run first, on every rank alike
+        # (Megatron's DDP waits there for collectives of the expert data-parallel group; a rank that skipped them
+        # would leave its peers waiting). Then hooks FEPLB cannot run, or pre-hooks that replaced the input, are
+        # refused on every rank together; not in a recompute, whose peers are in the replay's own collectives (the
+        # next forward refuses them).
+        kept = self.kept_modules()
+        why = self._run_pre_hooks(kept, (x_TH,)) or _lost_hooks(kept)
+        if why is not None and not in_backward():
+            self._experts(None, None, None, (RuntimeError, f"{self.megatron_name or type(self).__name__}: {why}"))
+        self._joined = self._join()
+        try:
+            y = super().forward(x_TH.to(self.config.dtype), routing=routing)
+        finally:
+            self._joined = None
+        return y.to(x_TH.dtype), None
+
+    @staticmethod
+    def _run_pre_hooks(kept: list[nn.Module], args: tuple) -> str | None:
+        """Run the kept modules' forward pre-hooks (called with ``args``: FEPLB's whole input, not the module's);
+        why FEPLB cannot honour one (it returned new inputs), or None."""
+        why = None
+        for mod in kept:
+            for key, hook in list(mod._forward_pre_hooks.items()):
+                got = hook(mod, args, {}) if key in mod._forward_pre_hooks_with_kwargs else hook(mod, args)
+                if got is not None and why is None:
+                    why = (f"a forward pre-hook of {type(mod).__name__} returned new inputs, which FEPLB (reading the "
+                           "weights, not running the module) cannot use")
+        return why
+
+    def refresh_replicas(self) -> None:
+        # Per-step copies read the weights now, right after the optimizer step. With forward pre-hooks on the
+        # modules of the experts' parameters (Megatron's DDP with overlap_param_gather), the updated weights arrive
+        # only in the next forward's hooks: the copies would be stale. Refused on every rank.
+        if self.config.weights == "per-step" and (self.base != "none" or self.place):
+            hooked = any(mod._forward_pre_hooks for mod in self._param_modules())
+            # over the layer's CPU control group, as the layer's other per-step checks
+            if int(self.control.all_reduce_min(torch.tensor([int(not hooked)]), "group",
+                                               "refresh_replicas pre-hook check")[0]) == 0:
+                raise RuntimeError(
+                    f"{self.megatron_name or type(self).__name__}: per-step expert copies with forward pre-hooks on "
+                    "the experts (Megatron's DistributedDataParallel with overlap_param_gather all-gathers the "
+                    "updated weights only in the next forward): use weights='per-microbatch' (the default), or "
+                    "overlap_param_gather=False")
+        super().refresh_replicas()
+
+    def reduce_replica_grads(self) -> None:
+        if self.replicas.pairs and not self._warned_ddp and any(hasattr(p, "main_grad") for p in self.expert_params()):
+            self._warned_ddp = True
+            warnings.warn(f"{self.megatron_name or type(self).__name__}: per-step expert copies under Megatron's "
+                          "DistributedDataParallel: their gradients reach main_grad correctly only with "
+                          "overlap_grad_reduce=False and this call before finish_grad_sync; weights='per-microbatch' "
+                          "has neither condition", stacklevel=2)
+        super().reduce_replica_grads()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron's distributed checkpointing: exactly the sharded state dict of the Megatron experts module this
+        replaced (each local expert under its global index, replicated over the expert data-parallel group), so
+        checkpoints move between this layer and Megatron's own."""
+        if self._megatron_groups[0] is None:
+            raise NotImplementedError(f"{type(self).__name__} made outside feplb.megatron.apply has no Megatron "
+                                      "groups to shard its checkpoint by")
+        cls, view = self._sharding_source()
+        return cls.sharded_state_dict(view, prefix, sharded_offsets, metadata)
+
+    def _view(self, **attrs: Any) -> SimpleNamespace:
+        """What Megatron's experts module's ``sharded_state_dict`` reads of its module."""
+        ep, dp, tp = self._megatron_groups
+        return SimpleNamespace(config=self.megatron_config, num_local_experts=self.num_local, ep_group=ep,
+                               dp_group=dp, tp_group=tp, **attrs)
+
+    @staticmethod
+    def _empty_state(name: str, value: Any) -> Any:
+        """``value`` if it is an empty extra state (None; Transformer Engine's without fp8: a tensor of no
+        elements); raises otherwise (per-expert state is not gathered)."""
+        if value is not None and not (isinstance(value, torch.Tensor) and value.numel() == 0):
+            raise NotImplementedError(f"feplb.megatron.full_state_dict: local expert state {name!r} is not empty "
+                                      "and cannot be gathered")
+        return value
+
+    def extra_repr(self) -> str:
+        return f"{self.megatron_name!r}, " + super().extra_repr()
+
+
+class FEPLBSequentialMLP(FEPLBExperts):
+    """Replaces ``SequentialMLP``: keeps Megatron's ``MLP`` modules of the local experts (``local_experts.{i}``:
+    ``linear_fc1.weight`` [2F, H], the gate's rows, then the up projection's; ``linear_fc2.weight`` [H, F])."""
+
+    megatron_class = "SequentialMLP"
+
+    def _take_experts(self, src: nn.Module) -> None:
+        self.local_experts = nn.ModuleList(src.local_experts)
+
+    def kept_modules(self) -> list[nn.Module]:
+        return [s for m in self.local_experts for s in (m, m.linear_fc1, m.linear_fc2)]
 
     def expert_params(self) -> tuple[nn.Parameter, ...]:
         return tuple(p for m in self.local_experts for p in (m.linear_fc1.weight, m.linear_fc2.weight))
@@ -115,108 +261,104 @@ class FEPLBSequentialMLP(MoELayer):
         w2 = torch.stack([m.linear_fc2.weight for m in self.local_experts]).to(dt)   # [L, H, F]
         return w1.transpose(1, 2), w2.transpose(1, 2)
 
-    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w1 [L, H, 2F], w2 [L, F, H]) in the layer's dtype, strided views of the stacked weights: made once per
-        forward and shared by all its uses, made afresh outside a forward."""
-        return self._joined if self._joined is not None else self._join()
-
     def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every rank's ``local_experts.{i}`` is the model's expert ``rank * L + i``."""
         head, i, tail = pname.split(".", 2)
-        if head != "local_experts":
-            return super().full_entries(pname, parts)
-        return {f"local_experts.{r * self.num_local + int(i)}.{tail}": t for r, t in enumerate(parts)}
+        return {f"{head}.{r * self.num_local + int(i)}.{tail}": t for r, t in enumerate(parts)}
 
     def full_state_entries(self, name: str, value: Any) -> dict[str, Any]:
-        """Megatron's linears keep an empty ``_extra_state`` per expert (None; Transformer Engine's without fp8: a
-        tensor of no elements): one under every global index."""
-        head, i, tail = name.split(".", 2) if name.count(".") >= 2 else (name, "", "")
+        """Megatron's linears keep an empty ``_extra_state`` per expert: one under every global index."""
+        head, _, tail = name.split(".", 2) if name.count(".") >= 2 else (name, "", "")
         if head != "local_experts":
             return super().full_state_entries(name, value)
-        if value is not None and not (isinstance(value, torch.Tensor) and value.numel() == 0):
-            raise NotImplementedError(f"feplb.megatron.full_state_dict: local expert state {name!r} is not empty "
-                                      "and cannot be gathered")
-        return {f"local_experts.{r * self.num_local + int(i)}.{tail}": value for r in range(self.world_size)}
+        value = self._empty_state(name, value)
+        return {f"local_experts.{e}.{tail}": value for e in range(self.config.num_experts)}
 
-    def forward(self, x_TH: torch.Tensor, tokens_per_expert: Any = None,  # type: ignore[override]
-                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, None]:
-        del tokens_per_expert
-        if not isinstance(routing, tuple):
-            raise TypeError("FEPLBSequentialMLP takes the routing (ids, weights) from FEPLBTokenDispatcher; "
-                            "use it through feplb.megatron.apply, not with Megatron's own token dispatcher")
-        # Hooks registered after apply (by Megatron's DDP, say). The forward pre-hooks run first, on every rank alike
-        # (Megatron's DDP waits there for collectives of the expert data-parallel group; a rank that skipped them
-        # would leave its peers waiting). Then hooks FEPLB cannot run, or pre-hooks that replaced the input, are
-        # refused on every rank together; not in a recompute, whose peers are in the replay's own collectives (the
-        # next forward refuses them).
-        why = self._run_pre_hooks((x_TH,)) or _lost_hooks(self.local_experts)
-        if why is not None and not in_backward():
-            self._experts(None, None, None, (RuntimeError, f"{self.megatron_name or 'FEPLBSequentialMLP'}: {why}"))
-        self._joined = self._join()
-        try:
-            y = super().forward(x_TH.to(self.config.dtype), routing=routing)
-        finally:
-            self._joined = None
-        return y.to(x_TH.dtype), None
-
-    def _run_pre_hooks(self, args: tuple) -> str | None:
-        """Run the kept modules' forward pre-hooks (called with ``args``: FEPLB's whole input, not the module's);
-        why FEPLB cannot honour one (it returned new inputs), or None."""
-        why = None
-        for mod in _kept_modules(self.local_experts):
-            for key, hook in list(mod._forward_pre_hooks.items()):
-                got = hook(mod, args, {}) if key in mod._forward_pre_hooks_with_kwargs else hook(mod, args)
-                if got is not None and why is None:
-                    why = (f"a forward pre-hook of {type(mod).__name__} returned new inputs, which FEPLB (reading the "
-                           "weights, not running the module) cannot use")
-        return why
-
-    def refresh_replicas(self) -> None:
-        # Per-step copies read the weights now, right after the optimizer step. With forward pre-hooks on the kept
-        # modules (Megatron's DDP with overlap_param_gather), the updated weights arrive only in the next forward's
-        # hooks: the copies would be stale. Refused on every rank.
-        if self.config.weights == "per-step" and (self.base != "none" or self.place):
-            hooked = any(mod._forward_pre_hooks for mod in _kept_modules(self.local_experts))
-            # over the layer's CPU control group, as the layer's other per-step checks
-            if int(self.control.all_reduce_min(torch.tensor([int(not hooked)]), "group",
-                                               "refresh_replicas pre-hook check")[0]) == 0:
-                raise RuntimeError(
-                    f"{self.megatron_name or 'FEPLBSequentialMLP'}: per-step expert copies with forward pre-hooks on "
-                    "the experts (Megatron's DistributedDataParallel with overlap_param_gather all-gathers the "
-                    "updated weights only in the next forward): use weights='per-microbatch' (the default), or "
-                    "overlap_param_gather=False")
-        super().refresh_replicas()
-
-    def reduce_replica_grads(self) -> None:
-        if self.replicas.pairs and not self._warned_ddp and any(hasattr(p, "main_grad") for p in self.expert_params()):
-            self._warned_ddp = True
-            warnings.warn(f"{self.megatron_name or 'FEPLBSequentialMLP'}: per-step expert copies under Megatron's "
-                          "DistributedDataParallel: their gradients reach main_grad correctly only with "
-                          "overlap_grad_reduce=False and this call before finish_grad_sync; weights='per-microbatch' "
-                          "has neither condition", stacklevel=2)
-        super().reduce_replica_grads()
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        """Megatron's distributed checkpointing: exactly ``SequentialMLP``'s sharded state dict (each local expert
-        under its global index, replicated over the expert data-parallel group), so checkpoints move between this
-        layer and Megatron's own."""
-        if self._megatron_groups is None:
-            raise NotImplementedError("FEPLBSequentialMLP made outside feplb.megatron.apply has no Megatron groups to "
-                                      "shard its checkpoint by")
-        _, mc_experts = _megatron()
-        view = _ShardingView(self.local_experts, self.num_local, *self._megatron_groups)
-        return mc_experts.SequentialMLP.sharded_state_dict(view, prefix, sharded_offsets, metadata)
-
-    def extra_repr(self) -> str:
-        return f"{self.megatron_name!r}, " + super().extra_repr()
+    def _sharding_source(self) -> tuple[type, Any]:
+        return _megatron()[1].SequentialMLP, self._view(local_experts=self.local_experts)
 
 
-class _ShardingView:
-    """What ``SequentialMLP.sharded_state_dict`` reads of its module."""
+class FEPLBTEGroupedMLP(FEPLBExperts):
+    """Replaces ``TEGroupedMLP`` (``moe_grouped_gemm=True`` with Transformer Engine): keeps its two grouped linears
+    (``linear_fc1.weight{i}`` [2F, H], the gate's rows, then the up projection's; ``linear_fc2.weight{i}`` [H, F])."""
 
-    def __init__(self, local_experts: nn.ModuleList, num_local_experts: int, ep_group, dp_group) -> None:
-        self.local_experts, self.num_local_experts = local_experts, num_local_experts
-        self.ep_group, self.dp_group = ep_group, dp_group
+    megatron_class = "TEGroupedMLP"
+
+    def _take_experts(self, src: nn.Module) -> None:
+        self.linear_fc1, self.linear_fc2 = src.linear_fc1, src.linear_fc2
+
+    def kept_modules(self) -> list[nn.Module]:
+        return [self.linear_fc1, self.linear_fc2]
+
+    def _weights(self, lin: nn.Module) -> list[torch.Tensor]:
+        return [getattr(lin, f"weight{i}") for i in range(self.num_local)]
+
+    def expert_params(self) -> tuple[nn.Parameter, ...]:
+        return tuple(p for i in range(self.num_local) for p in (getattr(self.linear_fc1, f"weight{i}"),
+                                                                  getattr(self.linear_fc2, f"weight{i}")))
+
+    def _join(self) -> tuple[torch.Tensor, torch.Tensor]:
+        dt = self.config.dtype
+        w1 = torch.stack(self._weights(self.linear_fc1)).to(dt)   # [L, 2F, H]
+        w2 = torch.stack(self._weights(self.linear_fc2)).to(dt)   # [L, H, F]
+        return w1.transpose(1, 2), w2.transpose(1, 2)
+
+    def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every rank's ``weight{i}`` is the model's ``weight{rank * L + i}``."""
+        lin, w = pname.split(".")
+        i = int(w[len("weight"):])
+        return {f"{lin}.weight{r * self.num_local + i}": t for r, t in enumerate(parts)}
+
+    def full_state_entries(self, name: str, value: Any) -> dict[str, Any]:
+        """Each grouped linear's one ``_extra_state`` (empty without fp8) stays one."""
+        if name.startswith(("linear_fc1.", "linear_fc2.")):
+            value = self._empty_state(name, value)
+        return super().full_state_entries(name, value)
+
+    def _sharding_source(self) -> tuple[type, Any]:
+        return _megatron()[1].TEGroupedMLP, self._view(_modules={"linear_fc1": self.linear_fc1,
+                                                                 "linear_fc2": self.linear_fc2})
+
+
+class FEPLBGroupedMLP(FEPLBExperts):
+    """Replaces the legacy ``GroupedMLP`` (``moe_grouped_gemm=True`` without Transformer Engine): keeps its two
+    parameters, ``weight1`` [H, L * 2F] (read as [L, H, 2F]: each expert's gate columns, then its up projection's)
+    and ``weight2`` [L * F, H] (read as [L, F, H]), as its own."""
+
+    megatron_class = "GroupedMLP"
+
+    def _take_experts(self, src: nn.Module) -> None:
+        self.weight1, self.weight2 = src.weight1, src.weight2
+        # GroupedMLP's own post-hook: loading forgives the extra-state keys of a SequentialMLP's state dict
+        for hook in src._load_state_dict_post_hooks.values():
+            self.register_load_state_dict_post_hook(hook)
+
+    def _param_modules(self) -> list[nn.Module]:
+        return [self]
+
+    def expert_params(self) -> tuple[nn.Parameter, ...]:
+        return self.weight1, self.weight2
+
+    def _join(self) -> tuple[torch.Tensor, torch.Tensor]:
+        dt, L = self.config.dtype, self.num_local
+        return self.weight1.view(L, self.config.hidden, -1).to(dt), self.weight2.view(L, -1, self.config.hidden).to(dt)
+
+    def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank r's block of experts is the model's experts ``r * L ...``, in memory order: ``weight1`` [H, E * 2F]
+        holds them one [H, 2F] block after another, as its view [E, H, 2F] reads them."""
+        whole = torch.cat([p.reshape(-1) for p in parts])
+        return {pname: whole.view(self.config.hidden, -1) if pname == "weight1" else whole.view(-1,
+                                                                                                 self.config.hidden)}
+
+    def _sharding_source(self) -> tuple[type, Any]:
+        w1, w2 = self.weight1, self.weight2
+        return _megatron()[1].GroupedMLP, self._view(
+            weight1=w1, weight2=w2,
+            state_dict=lambda prefix="", keep_vars=False: {"weight1": w1 if keep_vars else w1.detach(),
+                                                            "weight2": w2 if keep_vars else w2.detach()})
+
+
+_LAYOUTS = {cls.megatron_class: cls for cls in (FEPLBSequentialMLP, FEPLBTEGroupedMLP, FEPLBGroupedMLP)}
 
 
 @functools.cache
@@ -317,74 +459,134 @@ _CONFIG_REFUSALS = (
 _LOST_HOOKS = ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-def _kept_modules(local_experts) -> list[nn.Module]:
-    return [s for m in local_experts for s in (m, m.linear_fc1, m.linear_fc2)]
+def _lost_hooks(kept: list[nn.Module]) -> str | None:
+    return next(filter(None, (hooks_problem(mod, _LOST_HOOKS) for mod in kept)), None)
 
 
-def _lost_hooks(local_experts) -> str | None:
-    return next(filter(None, (hooks_problem(mod, _LOST_HOOKS) for mod in _kept_modules(local_experts))), None)
+def _megatrons_own_hook(hook: Any) -> bool:
+    """GroupedMLP's load-state-dict post-hook (it forgives SequentialMLP's extra-state keys), which
+    :class:`FEPLBGroupedMLP` takes over."""
+    return getattr(hook, "__name__", "") == "remove_extra_states_check"
 
 
-def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dtype | None
-             ) -> tuple[str | None, dict, list]:
-    """Why FEPLB cannot run ``moe``'s experts exactly (None if it can), the FEPLBConfig fields they give, and the
-    local expert modules."""
-    cfg = moe.config
-    experts = moe.experts
-    if type(experts) is not mc_experts.SequentialMLP:
-        return (f"experts {type(experts).__name__}: only Megatron's SequentialMLP (moe_grouped_gemm=False) is "
-                "supported yet"), {}, []
-    for field, allowed, why in _CONFIG_REFUSALS:
-        v = getattr(cfg, field, None)
-        if v not in allowed:
-            return f"{why} ({field}={v!r})", {}, []
-    if not cfg.gated_linear_unit or cfg.activation_func is not F.silu:
-        return (f"activation {getattr(cfg.activation_func, '__name__', cfg.activation_func)} with "
-                f"gated_linear_unit={cfg.gated_linear_unit}: FEPLB computes SwiGLU (F.silu, gated)"), {}, []
-    for label, g in (("tensor", getattr(moe, "tp_group", None)), ("expert tensor", moe.token_dispatcher.tp_group)):
-        if g is not None and dist.get_world_size(g) > 1:
-            return f"{label} parallelism of size {dist.get_world_size(g)} (FEPLB needs it 1)", {}, []
-    # The SequentialMLP goes; the local experts' modules stay (with their state-dict hooks), but FEPLB reads their
-    # weights and runs none of their forwards.
-    why = hooks_problem(experts)
-    if why is None:
-        why = _lost_hooks(experts.local_experts)
-    if why is not None:
-        return why, {}, []
-    E, K, H = cfg.num_moe_experts, cfg.moe_router_topk, cfg.hidden_size
-    Fd = cfg.moe_ffn_hidden_size
-    L = E // world if E % world == 0 else None
-    if L is None or moe.num_local_experts != L or list(moe.local_expert_indices) != list(range(rank * L,
-                                                                                               rank * L + L)):
-        return (f"local experts {list(moe.local_expert_indices)} of {E}: expected this rank's E / W block of the "
-                f"EP group ({world} ranks)"), {}, []
+def _sequential_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, list, list]:
+    """(why not, [w1, w2] of every local expert, the modules kept) of a ``SequentialMLP``."""
     local = list(experts.local_experts)
+    if len(local) != L:
+        return f"{len(local)} local expert modules, expected {L}", [], []
     ws = []
     for i, m in enumerate(local):
         own = sorted(n for n, _ in m.named_parameters())
         if own != ["linear_fc1.weight", "linear_fc2.weight"]:
-            return f"local expert {i} has parameters {own}; expected linear_fc1.weight, linear_fc2.weight", {}, []
+            return f"local expert {i} has parameters {own}; expected linear_fc1.weight, linear_fc2.weight", [], []
         if sorted(n for n, _ in m.named_buffers()):
-            return f"local expert {i} has buffers (quantized experts are not supported)", {}, []
+            return f"local expert {i} has buffers (quantized experts are not supported)", [], []
         kinds = (type(m.linear_fc1).__name__, type(m.linear_fc2).__name__)
         if kinds not in _LINEARS:
             return (f"local expert {i}'s linears are {kinds[0]} and {kinds[1]}; expected Megatron's or Transformer "
-                    "Engine's column- and row-parallel linears (FEPLB multiplies by their weights)"), {}, []
+                    "Engine's column- and row-parallel linears (FEPLB multiplies by their weights)"), [], []
         w1, w2 = m.linear_fc1.weight, m.linear_fc2.weight
         if w1.shape != (2 * Fd, H) or w2.shape != (H, Fd):
             return (f"local expert {i}: linear_fc1 {list(w1.shape)}, linear_fc2 {list(w2.shape)}; expected "
-                    f"[{2 * Fd}, {H}] and [{H}, {Fd}]"), {}, []
+                    f"[{2 * Fd}, {H}] and [{H}, {Fd}]"), [], []
         ws += [w1, w2]
+    return None, ws, [s for m in local for s in (m, m.linear_fc1, m.linear_fc2)]
+
+
+def _te_grouped_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, list, list]:
+    """(why not, the grouped linears' weights, the linears) of a ``TEGroupedMLP``: Transformer Engine's
+    ``GroupedLinear`` keeps expert i's weight as ``weight{i}`` [out, in]."""
+    subs = list(experts.named_children())
+    if [n for n, _ in subs] != ["linear_fc1", "linear_fc2"] or list(experts.named_parameters(recurse=False)):
+        return (f"modules {[n for n, _ in subs]} and parameters "
+                f"{[n for n, _ in experts.named_parameters(recurse=False)]}; expected linear_fc1 and linear_fc2 "
+                "alone"), [], []
+    kinds = tuple(type(m).__name__ for _, m in subs)
+    if kinds != _TE_GROUPED:
+        return (f"grouped linears {kinds[0]} and {kinds[1]}; expected Transformer Engine's {_TE_GROUPED[0]} and "
+                f"{_TE_GROUPED[1]} (FEPLB multiplies by their weights)"), [], []
+    ws = []
+    for (name, lin), shape in zip(subs, ((2 * Fd, H), (H, Fd)), strict=True):
+        own = sorted(n for n, _ in lin.named_parameters())
+        want = sorted(f"weight{i}" for i in range(L))
+        if own != want:
+            return f"{name} has parameters {own}; expected {want}", [], []
+        for i in range(L):
+            w = getattr(lin, f"weight{i}")
+            if w.shape != shape:
+                return f"{name}.weight{i} {list(w.shape)}; expected {list(shape)}", [], []
+    for i in range(L):
+        ws += [getattr(experts.linear_fc1, f"weight{i}"), getattr(experts.linear_fc2, f"weight{i}")]
+    return None, ws, [experts.linear_fc1, experts.linear_fc2]
+
+
+def _grouped_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, list, list]:
+    """(why not, [weight1, weight2], []) of the legacy ``GroupedMLP``."""
+    if list(experts.children()) or sorted(n for n, _ in experts.named_parameters()) != ["weight1", "weight2"]:
+        return (f"parameters {sorted(n for n, _ in experts.named_parameters())}; expected weight1 and weight2 "
+                "alone"), [], []
+    w1, w2 = experts.weight1, experts.weight2
+    if w1.shape != (H, L * 2 * Fd) or w2.shape != (L * Fd, H):
+        return (f"weight1 {list(w1.shape)}, weight2 {list(w2.shape)}; expected [{H}, {L * 2 * Fd}] and "
+                f"[{L * Fd}, {H}]"), [], []
+    return None, [w1, w2], []
+
+
+_LAYOUT_WEIGHTS = {"SequentialMLP": _sequential_weights, "TEGroupedMLP": _te_grouped_weights,
+                   "GroupedMLP": _grouped_weights}
+
+
+def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dtype | None
+             ) -> tuple[str | None, dict, type | None]:
+    """Why FEPLB cannot run ``moe``'s experts exactly (None if it can), the FEPLBConfig fields they give, and the
+    FEPLB class replacing them."""
+    cfg = moe.config
+    experts = moe.experts
+    kind = next((k for k in _LAYOUT_WEIGHTS if type(experts) is getattr(mc_experts, k, None)), None)
+    if kind is None:
+        return (f"experts {type(experts).__name__}: FEPLB replaces Megatron's SequentialMLP, TEGroupedMLP and "
+                "GroupedMLP"), {}, None
+    for field, allowed, why in _CONFIG_REFUSALS:
+        v = getattr(cfg, field, None)
+        if v not in allowed:
+            return f"{why} ({field}={v!r})", {}, None
+    if not cfg.gated_linear_unit or cfg.activation_func is not F.silu:
+        return (f"activation {getattr(cfg.activation_func, '__name__', cfg.activation_func)} with "
+                f"gated_linear_unit={cfg.gated_linear_unit}: FEPLB computes SwiGLU (F.silu, gated)"), {}, None
+    for label, g in (("tensor", getattr(moe, "tp_group", None)), ("expert tensor", moe.token_dispatcher.tp_group),
+                     ("expert tensor", getattr(experts, "tp_group", None))):
+        if g is not None and dist.get_world_size(g) > 1:
+            return f"{label} parallelism of size {dist.get_world_size(g)} (FEPLB needs it 1)", {}, None
+    E, K, H = cfg.num_moe_experts, cfg.moe_router_topk, cfg.hidden_size
+    Fd = cfg.moe_ffn_hidden_size
+    L = E // world if E % world == 0 else None
+    if L is None or moe.num_local_experts != L or experts.num_local_experts != L or \
+            list(moe.local_expert_indices) != list(range(rank * L, rank * L + L)):
+        return (f"local experts {list(moe.local_expert_indices)} of {E}: expected this rank's E / W block of the "
+                f"EP group ({world} ranks)"), {}, None
+    why, ws, kept = _LAYOUT_WEIGHTS[kind](experts, L, H, Fd)
+    if why is not None:
+        return f"{kind}: {why}", {}, None
+    # The experts module goes (GroupedMLP's own load-state-dict post-hook FEPLB takes over); the modules kept stay
+    # (with their state-dict hooks), but FEPLB reads their weights and runs none of their forwards.
+    why = hooks_problem(experts, tuple(k for k in _HOOKS if k != "_load_state_dict_post_hooks"))
+    if why is None and not (kind == "GroupedMLP" and all(map(_megatrons_own_hook,
+                                                             experts._load_state_dict_post_hooks.values()))):
+        why = hooks_problem(experts, ("_load_state_dict_post_hooks",))
+    if why is None:
+        why = _lost_hooks(kept)
+    if why is not None:
+        return why, {}, None
     if any(w.is_meta for w in ws):
-        return "weights on the meta device; initialise or load them before apply", {}, []
+        return "weights on the meta device; initialise or load them before apply", {}, None
     if len({w.dtype for w in ws}) != 1 or ws[0].dtype not in _DTYPES:
-        return f"weight dtypes {sorted({str(w.dtype) for w in ws})}; expected one of {_DTYPES}", {}, []
+        return f"weight dtypes {sorted({str(w.dtype) for w in ws})}; expected one of {_DTYPES}", {}, None
     if ws[0].device.type not in ("cpu", "cuda") or len({w.device for w in ws}) != 1:
-        return f"weights on {sorted({str(w.device) for w in ws})}; expected one CPU or CUDA device", {}, []
+        return f"weights on {sorted({str(w.device) for w in ws})}; expected one CPU or CUDA device", {}, None
     if not isinstance(K, int) or not 1 <= K <= E:
-        return f"moe_router_topk {K!r}; expected an int in [1, {E}]", {}, []
+        return f"moe_router_topk {K!r}; expected an int in [1, {E}]", {}, None
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": K,
-                  "dtype": dtype if dtype is not None else ws[0].dtype, "device": ws[0].device.type}, local
+                  "dtype": dtype if dtype is not None else ws[0].dtype, "device": ws[0].device.type}, _LAYOUTS[kind]
 
 
 # ---------------------------------------------------------------------------------------------------- apply
@@ -411,7 +613,7 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overri
                            "state) first")
     mc_layer, mc_experts = _megatron()
     found = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, mc_layer.MoELayer) and not isinstance(m.experts, FEPLBSequentialMLP)]
+             if isinstance(m, mc_layer.MoELayer) and not isinstance(m.experts, FEPLBExperts)]
     groups = {id(m.ep_group): m.ep_group for _, m in found}
     if len(groups) > 1:
         raise ValueError("feplb.megatron.apply: the model's MoE layers use different expert-parallel groups")
@@ -432,7 +634,7 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overri
     if dtype is not None and dtype not in _DTYPES:
         problems.append(f"  dtype={dtype}: expected one of {_DTYPES}")
     for name, moe in found:
-        why, fields_of, local = _problem(moe, mc_experts, world, rank, dtype)
+        why, fields_of, cls = _problem(moe, mc_experts, world, rank, dtype)
         if why is None:
             cfg = layer_config(fields_of, config_overrides)
             if isinstance(cfg, str):
@@ -440,7 +642,7 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overri
         if why is not None:
             problems.append(f"  {name or type(model).__name__} ({type(moe).__name__}): {why}")
         else:
-            plans.append((name, moe, cfg, local))
+            plans.append((name, moe, cfg, cls))
     # The experts differ between ranks by design (each holds its own); the layers' shapes must not.
     shapes = [(n, c.hidden, c.ffn, c.num_experts, c.top_k) for n, _, c, _ in plans]
 
@@ -458,9 +660,8 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overri
     # model as it was.
     Dispatcher = _dispatcher_class()
     made = []
-    for name, moe, cfg, local in plans:
-        new = FEPLBSequentialMLP(cfg, group, local, name=f"{name}.experts" if name else "experts")
-        new._megatron_groups = (moe.experts.ep_group, moe.experts.dp_group)
+    for name, moe, cfg, cls in plans:
+        new = cls(cfg, group, moe.experts, name=f"{name}.experts" if name else "experts")
         new.train(moe.experts.training)
         new.refresh_replicas()
         made.append((moe, new, Dispatcher(moe.token_dispatcher, cfg.top_k)))

@@ -20,16 +20,24 @@ gradients it reduces match Megatron's layer's, also for per-step expert copies r
 own activation recompute of the MoE layer (``recompute_modules=["moe"]``, a reentrant checkpoint) with two forwards
 before their backwards.
 
+Megatron's grouped experts, TEGroupedMLP and the legacy GroupedMLP (``moe_grouped_gemm=True``), run through the same
+cases: the layer, training, DDP, the state dicts (also with expert data parallelism), hooks.
+
 Megatron-Core expects CUDA where its CPU path reaches: the router moves its weight (and DDP its grad buffers) to
 ``torch.cuda.current_device()``, its gating GEMM names Transformer Engine's GEMM, which it imports only when
 Transformer Engine is installed, and its checkpoint saves and restores the CUDA RNG state. The gloo workers point
-the first at the CPU, define the second as absent and make the third a no-op (``_cpu_megatron``); nothing of feplb
-is patched."""
+the first at the CPU, define the second as absent and make the third a no-op (``_cpu_megatron``). The legacy
+GroupedMLP's grouped GEMM (the CUDA-only ``grouped_gemm`` package) becomes one matmul per expert and its
+``torch.compile``'d activation the plain function; TEGroupedMLP gets a stand-in of Transformer Engine's grouped
+linear (no CPU build). Nothing of feplb is patched."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("megatron.core.transformer.moe.moe_layer")
 
@@ -43,8 +51,10 @@ OPTS = dict(min_chunk=1, plan_wait_ms=60_000, min_straggler_rows=0)
 
 
 def _cpu_megatron(world: int) -> None:
-    """Megatron's parallel state over this gloo job (EP = every rank), and its two CUDA-only spots on the CPU."""
+    """Megatron's parallel state over this gloo job (EP = every rank), and its CUDA-only spots on the CPU."""
     import megatron.core.tensor_parallel.random as mr
+    import megatron.core.transformer.moe.experts as mx
+    import megatron.core.transformer.moe.grouped_gemm_util as gg
     import megatron.core.transformer.moe.moe_utils as mu
     from megatron.core import parallel_state as ps
 
@@ -53,7 +63,60 @@ def _cpu_megatron(world: int) -> None:
         mu.te_general_gemm = None
     mr._get_cuda_rng_state = lambda *a, **k: torch.zeros(1)
     mr._set_cuda_rng_state = lambda *a, **k: None
+    # the legacy GroupedMLP's grouped GEMM (the CUDA-only grouped_gemm package) as one matmul per expert, and its
+    # fused activation (torch.compile'd) as the plain function
+    gg.grouped_gemm = gg.ops = SimpleNamespace(gmm=_gmm)
+    mx.jit_fuser = lambda fn: fn
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+    """grouped_gemm.ops.gmm: rows of expert i (batch_sizes [L], in order) times b[i] [in, out]."""
+    assert not trans_b
+    return torch.cat([x @ w for x, w in zip(a.split(batch_sizes.tolist()), b, strict=True)])
+
+
+class TEColumnParallelGroupedLinear(nn.Module):
+    """What TEGroupedMLP needs of Transformer Engine's grouped linear (which has no CPU build), with its parameter
+    layout (expert i's weight as ``weight{i}`` [out, in], one empty ``_extra_state`` without fp8) and its sharded
+    state dict's scheme (each weight under the key SequentialMLP's experts share, offset by its global expert
+    index)."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config, init_method, bias: bool,
+                 skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name=None, pg_collection=None) -> None:
+        super().__init__()
+        assert is_expert and not bias
+        self.num_gemms, self.ep = num_gemms, pg_collection.ep
+        for i in range(num_gemms):
+            w = nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+            init_method(w)
+            w.allreduce = False
+            self.register_parameter(f"weight{i}", w)
+
+    def forward(self, x: torch.Tensor, m_splits: list[int]):
+        return torch.cat([xi @ getattr(self, f"weight{i}").T for i, xi in enumerate(x.split(m_splits))]), None
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        L, axis = self.num_gemms, len(sharded_offsets)
+        first, edp = dist.get_rank(self.ep) * L, ps.get_expert_data_parallel_rank()
+        return {f"{prefix}weight{i}": ShardedTensor.from_rank_offsets(
+            f"{prefix}weight", getattr(self, f"weight{i}"), *sharded_offsets,
+            (axis, first + i, dist.get_world_size(self.ep) * L), replica_id=(0, 0, edp), prepend_axis_num=axis)
+            for i in range(L)}
+
+
+class TERowParallelGroupedLinear(TEColumnParallelGroupedLinear):
+    pass
 
 
 def _expert_weights(e: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,13 +126,19 @@ def _expert_weights(e: int, dtype: torch.dtype = torch.float32) -> tuple[torch.T
             (torch.randn(H, FF, generator=g) * 0.2).to(dtype))
 
 
-def make_moe(arch: str = "softmax", dtype: torch.dtype = torch.float32, **over):
+def make_moe(arch: str = "softmax", dtype: torch.dtype = torch.float32, experts: str = "sequential", **over):
     """A Megatron-Core MoELayer of this rank's experts (E / EP of them), every expert's weights a function of its
-    global index, the router the same on every rank."""
+    global index, the router the same on every rank. experts: Megatron's SequentialMLP ("sequential"), legacy
+    GroupedMLP ("grouped") or TEGroupedMLP ("te")."""
+    import dataclasses
+
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw = dict(num_layers=1, hidden_size=H, num_attention_heads=4, ffn_hidden_size=64, moe_ffn_hidden_size=FF,
@@ -81,15 +150,33 @@ def make_moe(arch: str = "softmax", dtype: torch.dtype = torch.float32, **over):
         kw.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                   moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4, moe_router_group_topk=2,
                   moe_shared_expert_intermediate_size=FF)
+    if experts != "sequential":
+        # the legacy GroupedMLP's forward asserts bf16 training (its parameters may be fp32)
+        kw.update(moe_grouped_gemm=True, bf16=True)
     kw.update(over)
     cfg = TransformerConfig(**kw)
     torch.manual_seed(0)
-    moe = MoELayer(cfg, get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False).submodules.mlp.submodules)
+    subs = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=experts != "sequential").submodules.mlp.submodules
+    if experts == "te":
+        subs = dataclasses.replace(subs, experts=ModuleSpec(module=TEGroupedMLP, submodules=MLPSubmodules(
+            linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear)))
+    moe = MoELayer(cfg, subs)
+    assert type(moe.experts).__name__ == {"sequential": "SequentialMLP", "grouped": "GroupedMLP",
+                                          "te": "TEGroupedMLP"}[experts]
     with torch.no_grad():
-        for i, m in enumerate(moe.experts.local_experts):
-            w1, w2 = _expert_weights(moe.local_expert_indices[i], dtype)
-            m.linear_fc1.weight.copy_(w1[:m.linear_fc1.weight.shape[0]])   # [F, H] without the gate
-            m.linear_fc2.weight.copy_(w2)
+        for i, e in enumerate(moe.local_expert_indices):
+            w1, w2 = _expert_weights(e, dtype)
+            if experts == "sequential":
+                m = moe.experts.local_experts[i]
+                m.linear_fc1.weight.copy_(w1[:m.linear_fc1.weight.shape[0]])   # [F, H] without the gate
+                m.linear_fc2.weight.copy_(w2)
+            elif experts == "te":
+                getattr(moe.experts.linear_fc1, f"weight{i}").copy_(w1)
+                getattr(moe.experts.linear_fc2, f"weight{i}").copy_(w2)
+            else:   # weight1 [H, L * 2F] holds expert i's [H, 2F] as its i-th block in memory, weight2 [L * F, H]
+                L = moe.num_local_experts
+                moe.experts.weight1.view(L, H, -1)[i].copy_(w1.T)
+                moe.experts.weight2.view(L, -1, H)[i].copy_(w2.T)
         # a router that prefers the first experts: skewed load, so feplb-split moves rows
         g = torch.Generator().manual_seed(5)
         w = torch.randn(E, H, generator=g) * 0.3
@@ -130,20 +217,24 @@ def _moved(moe) -> int:
     return int(t)
 
 
-def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtype) -> dict:
+def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtype,
+                experts: str = "sequential") -> dict:
     """One forward and backward of ours and Megatron's layer; bf16 also against Megatron's fp32 layer."""
     import feplb.megatron as fm
 
-    moe, ref = make_moe(arch, dtype), make_moe(arch, dtype)
+    moe, ref = make_moe(arch, dtype, experts), make_moe(arch, dtype, experts)
+    params = list(moe.parameters())
     names = fm.apply(moe, policy=policy, gpus_per_node=min(2, world), **OPTS)
     x, g = _inputs(rank, dtype)
     ours, theirs = _grads(moe, x, g), _grads(ref, x, g)
     out = {"names": names, "same_names": list(ours) == list(theirs), "moved": _moved(moe),
-           "out_dtype": ours["out"].dtype, "param_dtypes": sorted({str(p.dtype) for p in moe.parameters()})}
+           "out_dtype": ours["out"].dtype, "param_dtypes": sorted({str(p.dtype) for p in moe.parameters()}),
+           "class": type(moe.experts).__name__,
+           "same_params": all(p is q for p, q in zip(moe.parameters(), params, strict=True))}
     if dtype == torch.float32:
         out["err"] = {n: _rel(ours[n], theirs[n]) for n in theirs}
     else:
-        exact = _grads(make_moe(arch, torch.float32), x.float(), g.float())
+        exact = _grads(make_moe(arch, torch.float32, experts), x.float(), g.float())
         out["err"] = {n: (_rel(ours[n], exact[n]), _rel(theirs[n], exact[n])) for n in theirs}
     if arch == "sigmoid":
         out["bias_counts_equal"] = torch.equal(moe.router.local_tokens_per_expert, ref.router.local_tokens_per_expert)
@@ -175,11 +266,11 @@ def _two_layers_case(rank: int, world: int) -> dict:
             "err": max(_rel(res[0][n], res[1][n]) for n in res[1]), "same_keys": list(res[0]) == list(res[1])}
 
 
-def _train_case(rank: int, world: int, policy: str, weights: str) -> dict:
+def _train_case(rank: int, world: int, policy: str, weights: str, experts: str = "sequential") -> dict:
     """Two SGD steps of two accumulated micro-batches each, ours and Megatron's layer; the per-step calls."""
     import feplb.megatron as fm
 
-    moe, ref = make_moe(), make_moe()
+    moe, ref = make_moe(experts=experts), make_moe(experts=experts)
     fm.apply(moe, policy=policy, weights=weights, gpus_per_node=min(2, world), refresh_every=1, **OPTS)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (moe, ref)]
@@ -226,6 +317,14 @@ def _sharded_fields(sd: dict) -> dict:
     return out
 
 
+def _same_sharded(moe, ref) -> tuple[bool, dict]:
+    """Whether ours and Megatron's layer give the same sharded state dict (every field, the data); Megatron's."""
+    ours, theirs = (_sharded_fields(m.sharded_state_dict(prefix="decoder.layers.0.mlp.")) for m in (moe, ref))
+    return sorted(ours) == sorted(theirs) and all(
+        ours[k][0] == theirs[k][0] and (torch.equal(ours[k][1], theirs[k][1]) if isinstance(theirs[k][1], torch.Tensor)
+                                        else ours[k][1] == theirs[k][1]) for k in theirs), theirs
+
+
 def _state_case(rank: int, world: int) -> dict:
     """full_state_dict, sharded_state_dict, and a checkpointed layer."""
     import torch.utils.checkpoint as ckpt
@@ -234,10 +333,7 @@ def _state_case(rank: int, world: int) -> dict:
 
     moe, ref = make_moe(), make_moe()
     fm.apply(moe, policy="feplb-split", gpus_per_node=min(2, world), **OPTS)
-    ours, theirs = (_sharded_fields(m.sharded_state_dict(prefix="decoder.layers.0.mlp.")) for m in (moe, ref))
-    same = sorted(ours) == sorted(theirs) and all(
-        ours[k][0] == theirs[k][0] and (torch.equal(ours[k][1], theirs[k][1]) if isinstance(theirs[k][1], torch.Tensor)
-                                        else ours[k][1] == theirs[k][1]) for k in theirs)
+    same, theirs = _same_sharded(moe, ref)
     sd = fm.full_state_dict(moe, rank0_only=False)
     want = {"router.weight": moe.router.weight.detach()}
     for e in range(E):
@@ -267,7 +363,7 @@ def _state_case(rank: int, world: int) -> dict:
     return out
 
 
-def _ddp_case(rank: int, world: int, policy: str, weights: str, overlap: bool) -> dict:
+def _ddp_case(rank: int, world: int, policy: str, weights: str, overlap: bool, experts: str = "sequential") -> dict:
     """Megatron's DistributedDataParallel around ours and Megatron's layer: two steps of two micro-batches (the first
     under no_sync), reduce_replica_grads before finish_grad_sync, SGD on the reduced main_grad, refresh_replicas."""
     import contextlib
@@ -277,7 +373,7 @@ def _ddp_case(rank: int, world: int, policy: str, weights: str, overlap: bool) -
 
     import feplb.megatron as fm
 
-    moe, ref = make_moe(), make_moe()
+    moe, ref = make_moe(experts=experts), make_moe(experts=experts)
     fm.apply(moe, policy=policy, weights=weights, gpus_per_node=min(2, world), refresh_every=1, **OPTS)
     ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=overlap, grad_reduce_in_fp32=True)
     wrapped = [DistributedDataParallel(m.config, ddp_cfg, m) for m in (moe, ref)]
@@ -403,6 +499,90 @@ def _job(rank: int, world: int) -> dict:
     return res
 
 
+def _grouped_state_case(rank: int, world: int, experts: str) -> dict:
+    """The grouped layouts' state: names, full_state_dict (the EP = 1 model's layout), Megatron's sharded state dict,
+    loading, a checkpointed layer."""
+    import torch.utils.checkpoint as ckpt
+
+    import feplb.megatron as fm
+
+    moe, ref = make_moe(experts=experts), make_moe(experts=experts)
+    fm.apply(moe, policy="feplb-split", gpus_per_node=min(2, world), **OPTS)
+    same, theirs = _same_sharded(moe, ref)
+    sd = fm.full_state_dict(moe, rank0_only=False)
+    want = {"router.weight": moe.router.weight.detach()}
+    w = [_expert_weights(e) for e in range(E)]
+    if experts == "te":
+        for e, (w1, w2) in enumerate(w):
+            want[f"experts.linear_fc1.weight{e}"], want[f"experts.linear_fc2.weight{e}"] = w1, w2
+        for j in (1, 2):
+            want[f"experts.linear_fc{j}._extra_state"] = torch.empty(0, dtype=torch.uint8)
+    else:   # GroupedMLP with every expert: weight1 [H, E * 2F] holding expert e's [H, 2F] as its e-th block
+        want["experts.weight1"] = torch.stack([w1.T for w1, _ in w]).reshape(H, -1)
+        want["experts.weight2"] = torch.cat([w2.T for _, w2 in w])
+    out = {"keys": (sorted(sd), sorted(want)),
+           "equal": all(torch.equal(sd[k], v) for k, v in want.items() if k in sd),
+           "local_keys": (sorted(moe.state_dict()), sorted(ref.state_dict())),
+           "sharded_same": same, "sharded_keys": len(theirs)}
+    # a state dict of Megatron's layer loads (strictly) into ours; the legacy GroupedMLP's own post-hook forgives
+    # SequentialMLP's extra-state keys
+    extra = {"experts.local_experts.0.linear_fc1._extra_state": None} if experts == "grouped" else {}
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.01)
+    out["load"] = error_of(lambda: moe.load_state_dict(ref.state_dict() | extra))
+    out["loaded"] = all(torch.equal(a, b) for a, b in zip(moe.parameters(), ref.parameters(), strict=True))
+    x, g = _inputs(rank)
+    plain = _grads(moe, x, g)
+    moe.zero_grad()
+    xc = x.clone().requires_grad_()
+    y = ckpt.checkpoint(lambda t: moe(t)[0], xc, use_reentrant=False)
+    y.backward(g)
+    out["ckpt_equal"] = torch.equal(xc.grad, plain["x"]) and all(
+        torch.equal(p.grad, plain[n]) for n, p in moe.named_parameters())
+    return out
+
+
+def _grouped_refusal_case(rank: int, world: int) -> dict:
+    """Hooks FEPLB would drop, on one rank, refused on every rank; a grouped linear's hook added after apply refused
+    at the next forward; a derived shape mismatch named."""
+    import feplb.megatron as fm
+
+    out = {}
+    x, _ = _inputs(rank)
+    for experts in ("grouped", "te"):
+        moe = make_moe(experts=experts)
+        if rank == world - 1:
+            (moe.experts if experts == "grouped" else moe.experts.linear_fc2).register_forward_hook(lambda *a: None)
+        out["hook", experts] = (error_of(lambda m=moe: fm.apply(m, **OPTS)), type(moe.experts).__name__)
+        moe = make_moe(experts=experts, activation_func=torch.nn.functional.gelu)
+        out["gelu", experts] = error_of(lambda m=moe: fm.apply(m, **OPTS))
+    moe = make_moe(experts="te")
+    fm.apply(moe, **OPTS)
+    late = moe.experts.linear_fc1.register_forward_hook(lambda *a: None) if rank == 0 else None
+    out["late"] = error_of(lambda: moe(x))
+    if late is not None:
+        late.remove()
+    out["usable_again"] = error_of(lambda: moe(x))
+    return out
+
+
+def _grouped_job(rank: int, world: int) -> dict:
+    """Megatron's grouped experts: the legacy GroupedMLP and TEGroupedMLP."""
+    _cpu_megatron(world)
+    res = {}
+    for experts in ("grouped", "te"):
+        for arch in ("softmax", "sigmoid"):
+            res["layer", experts, arch] = _layer_case(rank, world, arch, "feplb-split", torch.float32, experts)
+        res["bf16", experts] = _layer_case(rank, world, "softmax", "feplb-split", torch.bfloat16, experts)
+        for policy, weights in (("feplb-split+place", "per-step"), ("feplb-split+place", "per-microbatch")):
+            res["train", experts, weights] = _train_case(rank, world, policy, weights, experts)
+        res["ddp", experts] = _ddp_case(rank, world, "feplb-split+place", "per-microbatch", True, experts)
+        res["state", experts] = _grouped_state_case(rank, world, experts)
+    res["refusal"] = _grouped_refusal_case(rank, world)
+    return res
+
+
 def _grid_job(rank: int, world: int) -> dict:
     """4 ranks as two other Megatron grids: pipeline 2 x EP 2 (stage 0 holds no MoE layer), then EP 2 x expert data
     parallelism 2 under the distributed optimizer's buffers with overlap_param_gather."""
@@ -436,14 +616,20 @@ def _grid_job(rank: int, world: int) -> dict:
     # own shard of every bucket, and the parameters' all-gather, which with overlap_param_gather the modules' forward
     # pre-hooks start and wait for, brings the other shards.
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    for experts in ("sequential", "grouped", "te"):   # Megatron's sharded state dict with expert data parallelism
+        moe, ref = make_moe(experts=experts), make_moe(experts=experts)
+        fm.apply(moe, policy="feplb-split", gpus_per_node=2, **OPTS)
+        out["edp_sharded", experts] = _same_sharded(moe, ref)[0]
     errs = {}
     # per-micro-batch weights with overlapped gradient reduction, per-step copies without (and their per-step calls);
     # per-step copies with overlap_param_gather are refused at their refresh, on every rank
-    for weights, overlap in (("per-microbatch", False), ("per-microbatch", True), ("per-step", False),
-                             ("per-step", True)):
+    # (the legacy GroupedMLP's parameters are FEPLB's layer's own: Megatron's DDP hooks that layer)
+    for weights, overlap, experts in (("per-microbatch", False, "sequential"), ("per-microbatch", True, "sequential"),
+                                      ("per-step", False, "sequential"), ("per-step", True, "sequential"),
+                                      ("per-microbatch", True, "grouped"), ("per-step", True, "grouped")):
         models = []
         for ours in (True, False):
-            moe = make_moe()
+            moe = make_moe(experts=experts)
             if ours:
                 fm.apply(moe, policy="feplb-split" if weights == "per-microbatch" else "eplb", weights=weights,
                          refresh_every=1, gpus_per_node=2, **OPTS)
@@ -482,7 +668,7 @@ def _grid_job(rank: int, world: int) -> dict:
             theirs = dict(models[1][0].named_parameters())
             worst = max([worst, _rel(ys[0], ys[1])]
                         + [_rel(p.detach(), theirs[n].detach()) for n, p in models[0][0].named_parameters()])
-        errs[weights, overlap] = (worst, moved, refused)
+        errs[weights, overlap, experts] = (worst, moved, refused)
         with contextlib.suppress(Exception):
             for _, w in models:
                 w.start_param_sync(force_sync=True)
@@ -500,8 +686,9 @@ def test_pipeline_stage_without_moe_and_distributed_optimizer():
         if stage == 1:
             assert r["pp_err"] <= 1e-5
         # the weights each forward reads, against Megatron's layer trained alike (fp32; three steps)
+        assert all(r["edp_sharded", experts] for experts in ("sequential", "grouped", "te")), r
         for case, (e, moved, refused) in r["distopt_err"].items():
-            if case == ("per-step", True):
+            if case[:2] == ("per-step", True):
                 assert refused is not None and "overlap_param_gather" in refused, refused
                 continue
             assert refused is None, (case, refused)
@@ -636,3 +823,65 @@ def test_under_megatron_ddp_and_recompute(job):
             # nothing
             if key[0] == "ddp":
                 assert case["warned"] == (1 if key[2] == "per-step" else 0), (key, case["warned"])
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["1rank", "4ranks"])
+def grouped_job(request):
+    world = request.param
+    return world, run_dist(_grouped_job, world, timeout_s=600)
+
+
+def test_grouped_experts_match_megatron(grouped_job):
+    """GroupedMLP and TEGroupedMLP: the layer (fp32, bf16), training, Megatron's DDP."""
+    world, res = grouped_job
+    for r in res:
+        for experts, cls in (("grouped", "FEPLBGroupedMLP"), ("te", "FEPLBTEGroupedMLP")):
+            for arch in ("softmax", "sigmoid"):
+                case = r["layer", experts, arch]
+                assert case["names"] == ["experts"] and case["class"] == cls
+                # the very parameters, under Megatron's names
+                assert case["same_names"] and case["same_params"], (experts, arch)
+                for n, e in case["err"].items():
+                    assert e <= 1e-5, (experts, arch, n, e)
+            case = r["bf16", experts]
+            assert case["out_dtype"] == torch.bfloat16 and case["param_dtypes"] == ["torch.bfloat16"]
+            for n, (ours, theirs) in case["err"].items():
+                assert ours <= 2 * theirs + 1e-6, (experts, n, ours, theirs)
+            for weights in ("per-step", "per-microbatch"):
+                for n, e in r["train", experts, weights]["err"].items():
+                    assert e <= 1e-4, (experts, weights, n, e)
+            ddp = r["ddp", experts]
+            assert ddp["first"] <= 1e-5 and ddp["err"] <= 1e-4, (experts, ddp)
+            assert ddp["warned"] == 0
+    if world > 1:
+        for experts in ("grouped", "te"):
+            assert res[0]["layer", experts, "softmax"]["moved"] > 0
+            assert res[0]["train", experts, "per-step"]["moved"] > 0
+            assert res[0]["ddp", experts]["moved"] > 0
+
+
+def test_grouped_experts_state(grouped_job):
+    world, res = grouped_job
+    for r in res:
+        for experts in ("grouped", "te"):
+            s = r["state", experts]
+            assert s["keys"][0] == s["keys"][1] and s["equal"], (experts, s["keys"])
+            assert s["local_keys"][0] == s["local_keys"][1], experts
+            assert s["sharded_same"] and s["sharded_keys"] > 0, experts
+            assert s["load"] is None and s["loaded"], (experts, s["load"])
+            assert s["ckpt_equal"], experts
+
+
+def test_grouped_experts_refusals(grouped_job):
+    world, res = grouped_job
+    for rank, r in enumerate(res):
+        f = r["refusal"]
+        for experts, cls in (("grouped", "GroupedMLP"), ("te", "TEGroupedMLP")):
+            err, after = f["hook", experts]
+            assert err is not None and after == cls, (experts, err)
+            assert ("hooks" in err if rank == world - 1 else f"EP rank(s) [{world - 1}]" in err), (experts, err)
+            gelu = f["gelu", experts]
+            assert gelu is not None and "SwiGLU" in gelu, (experts, gelu)
+        late = f["late"]
+        assert late is not None and ("forward_hooks" in late if rank == 0 else "EP rank(s) [0]" in late), late
+        assert f["usable_again"] is None, f["usable_again"]
