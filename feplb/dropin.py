@@ -238,8 +238,9 @@ def refresh_replicas(model: nn.Module) -> None:
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The model's state dict with every FEPLB layer's expert shards gathered back into the original names and
     shapes (with transformers ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F]; with torchtitan
-    ``w1_EFD`` [E, F, D], ``w2_EDF`` [E, D, F] and ``w3_EFD`` [E, F, D]; with Megatron-Core every expert's
-    ``local_experts.{j}`` under its global index j), ready for
+    ``w1_EFD`` [E, F, D], ``w2_EDF`` [E, D, F] and ``w3_EFD`` [E, F, D]; with Megatron-Core the model with
+    ``expert_model_parallel_size=1``: every expert's ``local_experts.{j}`` or ``linear_fc1.weight{j}`` ... under its
+    global index j, the legacy GroupedMLP's ``weight1`` [H, E * 2F] and ``weight2`` [E * F, H]), ready for
     ``save_pretrained(d, state_dict=...)`` or ``load_state_dict`` of an unmodified model. Collective over each
     layer's EP group.
 

@@ -45,6 +45,8 @@ Legend: T tokens on this rank, K top-k, H hidden, F expert ffn dim, E experts, W
 from __future__ import annotations
 
 import functools
+import io
+import pickle
 import warnings
 from types import SimpleNamespace
 from typing import Any
@@ -229,15 +231,39 @@ class FEPLBExperts(MoELayer):
 
     @staticmethod
     def _empty_state(name: str, value: Any) -> Any:
-        """``value`` if it is an empty extra state (None; Transformer Engine's without fp8: a tensor of no
-        elements); raises otherwise (per-expert state is not gathered)."""
-        if value is not None and not (isinstance(value, torch.Tensor) and value.numel() == 0):
+        """``value`` if it is an empty extra state; raises otherwise (per-expert state is not gathered)."""
+        if not _empty_extra_state(value):
             raise NotImplementedError(f"feplb.megatron.full_state_dict: local expert state {name!r} is not empty "
                                       "and cannot be gathered")
         return value
 
     def extra_repr(self) -> str:
         return f"{self.megatron_name!r}, " + super().extra_repr()
+
+
+# A pickled None, as Transformer Engine 2.0 - 2.3 store the extra state of a module without fp8 (uint8 tensor).
+_PICKLED_NONE = {pickle.dumps(None, protocol=p) for p in range(2, pickle.HIGHEST_PROTOCOL + 1)}
+
+
+def _empty_extra_state(value: Any) -> bool:
+    """Whether a linear's ``_extra_state`` holds nothing: None (Megatron's linears); Transformer Engine's without fp8:
+    a tensor of no elements (2.4 on), a pickled None in a uint8 tensor (2.0 - 2.3), a ``torch.save``'d None in a
+    BytesIO (1.x)."""
+    if value is None:
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 0 or (value.dtype == torch.uint8 and value.dim() == 1 and value.numel() <= 8
+                                      and bytes(value.cpu().tolist()) in _PICKLED_NONE)
+    if isinstance(value, io.BytesIO):
+        at = value.tell()
+        try:
+            value.seek(0)
+            return torch.load(value, weights_only=True) is None
+        except Exception:
+            return False
+        finally:
+            value.seek(at)
+    return False
 
 
 class FEPLBSequentialMLP(FEPLBExperts):
@@ -438,6 +464,7 @@ _CONFIG_REFUSALS = (
     ("moe_apply_probs_on_input", (False, None), "probabilities applied on the experts' input"),
     ("fp8", (None, False), "fp8 experts"),
     ("fp4", (None, False), "fp4 experts"),
+    ("quant_recipe", (None,), "a per-module quantization recipe (Transformer Engine's linears then run in fp8/fp4)"),
     ("moe_latent_size", (None, 0), "latent projections around the experts"),
     ("moe_shared_expert_overlap", (False, None), "shared experts overlapped inside the token dispatcher"),
     ("overlap_moe_expert_parallel_comm", (False, None), "overlapped expert-parallel communication"),
@@ -575,6 +602,10 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
         why = hooks_problem(experts, ("_load_state_dict_post_hooks",))
     if why is None:
         why = _lost_hooks(kept)
+    if why is None:
+        quantized = [type(m).__name__ for m in experts.modules() if getattr(m, "te_quant_params", None) is not None]
+        if quantized:
+            why = f"{quantized[0]} quantized (te_quant_params set: it runs in fp8/fp4)"
     if why is not None:
         return why, {}, None
     if any(w.is_meta for w in ws):

@@ -530,6 +530,28 @@ def _grouped_state_case(rank: int, world: int, experts: str) -> dict:
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.01)
+    if experts == "te":
+        # Transformer Engine's extra state without fp8 as its versions store it: a pickled None in a uint8 tensor
+        # (2.0 - 2.3), a torch.save'd None (1.x); state that is not empty is refused
+        import io
+        import pickle
+
+        def saved(v):
+            b = io.BytesIO()
+            torch.save(v, b)
+            return b
+
+        for label, make in (("pickled", lambda: torch.frombuffer(bytearray(pickle.dumps(None)), dtype=torch.uint8)),
+                            ("saved", lambda: saved(None)),
+                            ("fp8", lambda: torch.frombuffer(bytearray(pickle.dumps({"scale": 1})),
+                                                             dtype=torch.uint8))):
+            moe.experts.linear_fc1.get_extra_state = make
+            try:
+                got = fm.full_state_dict(moe, rank0_only=False)
+                out["extra", label] = ("ok", type(got["experts.linear_fc1._extra_state"]).__name__)
+            except NotImplementedError as e:
+                out["extra", label] = ("refused", str(e))
+        del moe.experts.linear_fc1.get_extra_state
     out["load"] = error_of(lambda: moe.load_state_dict(ref.state_dict() | extra))
     out["loaded"] = all(torch.equal(a, b) for a, b in zip(moe.parameters(), ref.parameters(), strict=True))
     x, g = _inputs(rank)
@@ -557,6 +579,12 @@ def _grouped_refusal_case(rank: int, world: int) -> dict:
         out["hook", experts] = (error_of(lambda m=moe: fm.apply(m, **OPTS)), type(moe.experts).__name__)
         moe = make_moe(experts=experts, activation_func=torch.nn.functional.gelu)
         out["gelu", experts] = error_of(lambda m=moe: fm.apply(m, **OPTS))
+    moe = make_moe(experts="grouped")   # a load-state-dict post-hook other than GroupedMLP's own
+    moe.experts.register_load_state_dict_post_hook(lambda *a: None)
+    out["post_hook"] = error_of(lambda: fm.apply(moe, **OPTS))
+    moe = make_moe(experts="te")   # Transformer Engine's per-module quantization (Megatron's quant_recipe)
+    moe.experts.linear_fc2.te_quant_params = object()
+    out["quantized"] = error_of(lambda: fm.apply(moe, **OPTS))
     moe = make_moe(experts="te")
     fm.apply(moe, **OPTS)
     late = moe.experts.linear_fc1.register_forward_hook(lambda *a: None) if rank == 0 else None
@@ -626,7 +654,8 @@ def _grid_job(rank: int, world: int) -> dict:
     # (the legacy GroupedMLP's parameters are FEPLB's layer's own: Megatron's DDP hooks that layer)
     for weights, overlap, experts in (("per-microbatch", False, "sequential"), ("per-microbatch", True, "sequential"),
                                       ("per-step", False, "sequential"), ("per-step", True, "sequential"),
-                                      ("per-microbatch", True, "grouped"), ("per-step", True, "grouped")):
+                                      ("per-microbatch", True, "grouped"), ("per-step", True, "grouped"),
+                                      ("per-microbatch", True, "te"), ("per-step", True, "te")):
         models = []
         for ours in (True, False):
             moe = make_moe(experts=experts)
@@ -870,6 +899,9 @@ def test_grouped_experts_state(grouped_job):
             assert s["sharded_same"] and s["sharded_keys"] > 0, experts
             assert s["load"] is None and s["loaded"], (experts, s["load"])
             assert s["ckpt_equal"], experts
+        te = r["state", "te"]
+        assert te["extra", "pickled"] == ("ok", "Tensor") and te["extra", "saved"] == ("ok", "BytesIO"), te
+        assert te["extra", "fp8"][0] == "refused" and "not empty" in te["extra", "fp8"][1], te["extra", "fp8"]
 
 
 def test_grouped_experts_refusals(grouped_job):
@@ -882,6 +914,8 @@ def test_grouped_experts_refusals(grouped_job):
             assert ("hooks" in err if rank == world - 1 else f"EP rank(s) [{world - 1}]" in err), (experts, err)
             gelu = f["gelu", experts]
             assert gelu is not None and "SwiGLU" in gelu, (experts, gelu)
+        assert f["post_hook"] is not None and "load_state_dict_post_hooks" in f["post_hook"], f["post_hook"]
+        assert f["quantized"] is not None and "te_quant_params" in f["quantized"], f["quantized"]
         late = f["late"]
         assert late is not None and ("forward_hooks" in late if rank == 0 else "EP rank(s) [0]" in late), late
         assert f["usable_again"] is None, f["usable_again"]
