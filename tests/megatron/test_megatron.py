@@ -21,7 +21,8 @@ own activation recompute of the MoE layer (``recompute_modules=["moe"]``, a reen
 before their backwards.
 
 Megatron's grouped experts, TEGroupedMLP and the legacy GroupedMLP (``moe_grouped_gemm=True``), run through the same
-cases: the layer, training, DDP, the state dicts (also with expert data parallelism), hooks.
+cases: the layer, training, DDP, the state dicts (also with expert data parallelism), hooks. A whole GPTModel of two
+MoE layers (Megatron's local spec) trains as Megatron's does.
 
 Megatron-Core expects CUDA where its CPU path reaches: the router moves its weight (and DDP its grad buffers) to
 ``torch.cuda.current_device()``, its gating GEMM names Transformer Engine's GEMM, which it imports only when
@@ -595,6 +596,90 @@ def _grouped_refusal_case(rank: int, world: int) -> dict:
     return out
 
 
+VOCAB, SEQ = 64, 12
+
+
+def make_gpt(experts: str = "sequential"):
+    """A Megatron-Core GPTModel of two transformer layers with MoE MLPs (the local spec: Megatron's attention,
+    norms, rotary embeddings, output layer and its fused loss), the router's auxiliary load-balancing loss on,
+    dropout off; the same weights on every rank and for every call."""
+    import copy
+
+    import megatron.core.tensor_parallel.random as mr
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    # the attention's dropout forks Megatron's CUDA RNG states (made no-ops by _cpu_megatron): registered here
+    tracker = mr.get_cuda_rng_tracker()
+    for name in (mr._MODEL_PARALLEL_RNG_TRACKER_NAME, mr._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+                 mr._DATA_PARALLEL_RNG_TRACKER_NAME):
+        tracker.states_.setdefault(name, torch.zeros(1))
+    grouped = experts != "sequential"
+    cfg = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=4, ffn_hidden_size=64,
+                            moe_ffn_hidden_size=FF, num_moe_experts=E, moe_router_topk=K,
+                            use_cpu_initialization=True, moe_token_dispatcher_type="allgather",
+                            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+                            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+                            moe_router_dtype="fp32", hidden_dropout=0.0, attention_dropout=0.0,
+                            moe_grouped_gemm=grouped)
+    spec = copy.deepcopy(get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=grouped))
+    if experts == "te":
+        spec.submodules.mlp.submodules.experts = ModuleSpec(module=TEGroupedMLP, submodules=MLPSubmodules(
+            linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear))
+    torch.manual_seed(0)
+    return GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+
+
+def _gpt_case(rank: int, world: int, experts: str) -> dict:
+    """Two SGD steps of a whole GPT model (next-token loss plus the routers' auxiliary losses), ours and Megatron's."""
+    import feplb.megatron as fm
+
+    ours, ref = make_gpt(experts), make_gpt(experts)
+    names = fm.apply(ours, policy="feplb-split", gpus_per_node=min(2, world), **OPTS)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    mask = torch.triu(torch.ones(SEQ, SEQ), 1).bool()[None, None]   # causal (Megatron's default builds it on CUDA)
+    pos = torch.arange(SEQ).expand(2, SEQ)
+    out = {"names": names}
+    runs = []
+    for m in (ours, ref):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        losses, moved = [], 0
+        for step in range(2):
+            ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(50 + rank + 10 * step))
+            loss = m(ids, pos, mask, labels=ids.roll(-1, 1)).mean()
+            loss.backward()
+            losses.append(loss.detach())
+            if step == 0:
+                first = {n: p.grad.clone() for n, p in m.named_parameters()}
+            if m is ours:
+                moved += sum(_moved(layer.mlp) for layer in m.decoder.layers)
+            opt.step()
+            opt.zero_grad()
+        runs.append((losses, first, dict(m.named_parameters()), moved))
+    (l_ours, g_ours, p_ours, moved), (l_ref, g_ref, p_ref, _) = runs
+    out["loss"] = max(_rel(a, b) for a, b in zip(l_ours, l_ref, strict=True))
+    out["same_names"] = list(g_ours) == list(g_ref)
+    out["grad"] = max(_rel(g_ours[n], g_ref[n]) for n in g_ref)
+    # relative to each weight's update, beyond one fp32 ulp of the weight itself (a weight near 1, a norm's, updated by
+    # 2e-4 differs by half an ulp when the two models sum in other orders)
+    ulp = torch.finfo(torch.float32).eps
+    err = {}
+    for n in p_ref:
+        diff = float((p_ours[n].detach().double() - p_ref[n].detach().double()).abs().max())
+        upd = float((p_ref[n].detach().double() - start[n].double()).abs().max())
+        err[n] = max(0.0, diff - ulp * float(p_ref[n].detach().abs().max())) / (upd or 1.0)
+    out["weights"] = max(err.values())
+    out["moved"] = moved
+    return out
+
+
 def _grouped_job(rank: int, world: int) -> dict:
     """Megatron's grouped experts: the legacy GroupedMLP and TEGroupedMLP."""
     _cpu_megatron(world)
@@ -608,6 +693,9 @@ def _grouped_job(rank: int, world: int) -> dict:
         res["ddp", experts] = _ddp_case(rank, world, "feplb-split+place", "per-microbatch", True, experts)
         res["state", experts] = _grouped_state_case(rank, world, experts)
     res["refusal"] = _grouped_refusal_case(rank, world)
+    # (not the legacy GroupedMLP: its forward asserts config.bf16, which makes Megatron's attention expect bf16)
+    for experts in ("sequential", "te"):
+        res["gpt", experts] = _gpt_case(rank, world, experts)
     return res
 
 
@@ -919,3 +1007,17 @@ def test_grouped_experts_refusals(grouped_job):
         late = f["late"]
         assert late is not None and ("forward_hooks" in late if rank == 0 else "EP rank(s) [0]" in late), late
         assert f["usable_again"] is None, f["usable_again"]
+
+
+def test_whole_gpt_model(grouped_job):
+    """Megatron's GPTModel of two MoE layers (SequentialMLP, TEGroupedMLP): the loss, every gradient, two SGD steps."""
+    world, res = grouped_job
+    for r in res:
+        for experts in ("sequential", "te"):
+            g = r["gpt", experts]
+            assert g["names"] == ["decoder.layers.0.mlp.experts", "decoder.layers.1.mlp.experts"], g["names"]
+            assert g["same_names"], experts
+            assert g["loss"] <= 1e-5 and g["grad"] <= 1e-5, (experts, g)
+            assert g["weights"] <= 1e-4, (experts, g)
+    if world > 1:
+        assert all(res[0]["gpt", experts]["moved"] > 0 for experts in ("sequential", "te"))
