@@ -99,8 +99,6 @@ class FEPLBExperts(MoELayer):
     forward.
     """
 
-    megatron_class = ""   # the Megatron experts class this replaces
-
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, experts: nn.Module,
                  name: str = "") -> None:
         if config.router != "external":
@@ -129,10 +127,16 @@ class FEPLBExperts(MoELayer):
         attributes)."""
         raise NotImplementedError
 
+    @staticmethod
+    def _kept(holder: nn.Module) -> list[nn.Module]:
+        """The modules ``holder`` (Megatron's experts module, or this layer, which keeps them under the same names)
+        holds whose forward FEPLB does not run."""
+        return []
+
     def kept_modules(self) -> list[nn.Module]:
         """Megatron's modules this layer keeps but whose forward it does not run (their forward pre-hooks it runs;
         other hooks on them it refuses)."""
-        return []
+        return self._kept(self)
 
     def _param_modules(self) -> list[nn.Module]:
         """The modules whose own parameters are the experts' (where Megatron's DDP hooks its parameters'
@@ -270,13 +274,12 @@ class FEPLBSequentialMLP(FEPLBExperts):
     """Replaces ``SequentialMLP``: keeps Megatron's ``MLP`` modules of the local experts (``local_experts.{i}``:
     ``linear_fc1.weight`` [2F, H], the gate's rows, then the up projection's; ``linear_fc2.weight`` [H, F])."""
 
-    megatron_class = "SequentialMLP"
-
     def _take_experts(self, src: nn.Module) -> None:
         self.local_experts = nn.ModuleList(src.local_experts)
 
-    def kept_modules(self) -> list[nn.Module]:
-        return [s for m in self.local_experts for s in (m, m.linear_fc1, m.linear_fc2)]
+    @staticmethod
+    def _kept(holder: nn.Module) -> list[nn.Module]:
+        return [s for m in holder.local_experts for s in (m, m.linear_fc1, m.linear_fc2)]
 
     def expert_params(self) -> tuple[nn.Parameter, ...]:
         return tuple(p for m in self.local_experts for p in (m.linear_fc1.weight, m.linear_fc2.weight))
@@ -308,25 +311,21 @@ class FEPLBTEGroupedMLP(FEPLBExperts):
     """Replaces ``TEGroupedMLP`` (``moe_grouped_gemm=True`` with Transformer Engine): keeps its two grouped linears
     (``linear_fc1.weight{i}`` [2F, H], the gate's rows, then the up projection's; ``linear_fc2.weight{i}`` [H, F])."""
 
-    megatron_class = "TEGroupedMLP"
-
     def _take_experts(self, src: nn.Module) -> None:
         self.linear_fc1, self.linear_fc2 = src.linear_fc1, src.linear_fc2
 
-    def kept_modules(self) -> list[nn.Module]:
-        return [self.linear_fc1, self.linear_fc2]
-
-    def _weights(self, lin: nn.Module) -> list[torch.Tensor]:
-        return [getattr(lin, f"weight{i}") for i in range(self.num_local)]
+    @staticmethod
+    def _kept(holder: nn.Module) -> list[nn.Module]:
+        return [holder.linear_fc1, holder.linear_fc2]
 
     def expert_params(self) -> tuple[nn.Parameter, ...]:
-        return tuple(p for i in range(self.num_local) for p in (getattr(self.linear_fc1, f"weight{i}"),
-                                                                  getattr(self.linear_fc2, f"weight{i}")))
+        return tuple(p for pair in zip(_gemm_weights(self.linear_fc1, self.num_local),
+                                       _gemm_weights(self.linear_fc2, self.num_local), strict=True) for p in pair)
 
     def _join(self) -> tuple[torch.Tensor, torch.Tensor]:
         dt = self.config.dtype
-        w1 = torch.stack(self._weights(self.linear_fc1)).to(dt)   # [L, 2F, H]
-        w2 = torch.stack(self._weights(self.linear_fc2)).to(dt)   # [L, H, F]
+        w1 = torch.stack(_gemm_weights(self.linear_fc1, self.num_local)).to(dt)   # [L, 2F, H]
+        w2 = torch.stack(_gemm_weights(self.linear_fc2, self.num_local)).to(dt)   # [L, H, F]
         return w1.transpose(1, 2), w2.transpose(1, 2)
 
     def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -350,8 +349,6 @@ class FEPLBGroupedMLP(FEPLBExperts):
     """Replaces the legacy ``GroupedMLP`` (``moe_grouped_gemm=True`` without Transformer Engine): keeps its two
     parameters, ``weight1`` [H, L * 2F] (read as [L, H, 2F]: each expert's gate columns, then its up projection's)
     and ``weight2`` [L * F, H] (read as [L, F, H]), as its own."""
-
-    megatron_class = "GroupedMLP"
 
     def _take_experts(self, src: nn.Module) -> None:
         self.weight1, self.weight2 = src.weight1, src.weight2
@@ -384,7 +381,9 @@ class FEPLBGroupedMLP(FEPLBExperts):
                                                             "weight2": w2 if keep_vars else w2.detach()})
 
 
-_LAYOUTS = {cls.megatron_class: cls for cls in (FEPLBSequentialMLP, FEPLBTEGroupedMLP, FEPLBGroupedMLP)}
+def _gemm_weights(lin: nn.Module, L: int) -> list[torch.Tensor]:
+    """A Transformer Engine grouped linear's weights of its L experts (``weight{i}``, [out, in])."""
+    return [getattr(lin, f"weight{i}") for i in range(L)]
 
 
 @functools.cache
@@ -496,71 +495,71 @@ def _megatrons_own_hook(hook: Any) -> bool:
     return getattr(hook, "__name__", "") == "remove_extra_states_check"
 
 
-def _sequential_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, list, list]:
-    """(why not, [w1, w2] of every local expert, the modules kept) of a ``SequentialMLP``."""
+def _sequential_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, list]:
+    """(why not, [w1, w2] of every local expert) of a ``SequentialMLP``."""
     local = list(experts.local_experts)
     if len(local) != L:
-        return f"{len(local)} local expert modules, expected {L}", [], []
+        return f"{len(local)} local expert modules, expected {L}", []
     ws = []
     for i, m in enumerate(local):
         own = sorted(n for n, _ in m.named_parameters())
         if own != ["linear_fc1.weight", "linear_fc2.weight"]:
-            return f"local expert {i} has parameters {own}; expected linear_fc1.weight, linear_fc2.weight", [], []
+            return f"local expert {i} has parameters {own}; expected linear_fc1.weight, linear_fc2.weight", []
         if sorted(n for n, _ in m.named_buffers()):
-            return f"local expert {i} has buffers (quantized experts are not supported)", [], []
+            return f"local expert {i} has buffers (quantized experts are not supported)", []
         kinds = (type(m.linear_fc1).__name__, type(m.linear_fc2).__name__)
         if kinds not in _LINEARS:
             return (f"local expert {i}'s linears are {kinds[0]} and {kinds[1]}; expected Megatron's or Transformer "
-                    "Engine's column- and row-parallel linears (FEPLB multiplies by their weights)"), [], []
+                    "Engine's column- and row-parallel linears (FEPLB multiplies by their weights)"), []
         w1, w2 = m.linear_fc1.weight, m.linear_fc2.weight
         if w1.shape != (2 * Fd, H) or w2.shape != (H, Fd):
             return (f"local expert {i}: linear_fc1 {list(w1.shape)}, linear_fc2 {list(w2.shape)}; expected "
-                    f"[{2 * Fd}, {H}] and [{H}, {Fd}]"), [], []
+                    f"[{2 * Fd}, {H}] and [{H}, {Fd}]"), []
         ws += [w1, w2]
-    return None, ws, [s for m in local for s in (m, m.linear_fc1, m.linear_fc2)]
+    return None, ws
 
 
-def _te_grouped_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, list, list]:
-    """(why not, the grouped linears' weights, the linears) of a ``TEGroupedMLP``: Transformer Engine's
+def _te_grouped_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, list]:
+    """(why not, the grouped linears' weights) of a ``TEGroupedMLP``: Transformer Engine's
     ``GroupedLinear`` keeps expert i's weight as ``weight{i}`` [out, in]."""
     subs = list(experts.named_children())
     if [n for n, _ in subs] != ["linear_fc1", "linear_fc2"] or list(experts.named_parameters(recurse=False)):
         return (f"modules {[n for n, _ in subs]} and parameters "
                 f"{[n for n, _ in experts.named_parameters(recurse=False)]}; expected linear_fc1 and linear_fc2 "
-                "alone"), [], []
+                "alone"), []
     kinds = tuple(type(m).__name__ for _, m in subs)
     if kinds != _TE_GROUPED:
         return (f"grouped linears {kinds[0]} and {kinds[1]}; expected Transformer Engine's {_TE_GROUPED[0]} and "
-                f"{_TE_GROUPED[1]} (FEPLB multiplies by their weights)"), [], []
+                f"{_TE_GROUPED[1]} (FEPLB multiplies by their weights)"), []
     ws = []
     for (name, lin), shape in zip(subs, ((2 * Fd, H), (H, Fd)), strict=True):
         own = sorted(n for n, _ in lin.named_parameters())
         want = sorted(f"weight{i}" for i in range(L))
         if own != want:
-            return f"{name} has parameters {own}; expected {want}", [], []
-        for i in range(L):
-            w = getattr(lin, f"weight{i}")
+            return f"{name} has parameters {own}; expected {want}", []
+        for i, w in enumerate(_gemm_weights(lin, L)):
             if w.shape != shape:
-                return f"{name}.weight{i} {list(w.shape)}; expected {list(shape)}", [], []
-    for i in range(L):
-        ws += [getattr(experts.linear_fc1, f"weight{i}"), getattr(experts.linear_fc2, f"weight{i}")]
-    return None, ws, [experts.linear_fc1, experts.linear_fc2]
+                return f"{name}.weight{i} {list(w.shape)}; expected {list(shape)}", []
+            ws.append(w)
+    return None, ws
 
 
-def _grouped_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, list, list]:
-    """(why not, [weight1, weight2], []) of the legacy ``GroupedMLP``."""
+def _grouped_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, list]:
+    """(why not, [weight1, weight2]) of the legacy ``GroupedMLP``."""
     if list(experts.children()) or sorted(n for n, _ in experts.named_parameters()) != ["weight1", "weight2"]:
         return (f"parameters {sorted(n for n, _ in experts.named_parameters())}; expected weight1 and weight2 "
-                "alone"), [], []
+                "alone"), []
     w1, w2 = experts.weight1, experts.weight2
     if w1.shape != (H, L * 2 * Fd) or w2.shape != (L * Fd, H):
         return (f"weight1 {list(w1.shape)}, weight2 {list(w2.shape)}; expected [{H}, {L * 2 * Fd}] and "
-                f"[{L * Fd}, {H}]"), [], []
-    return None, [w1, w2], []
+                f"[{L * Fd}, {H}]"), []
+    return None, [w1, w2]
 
 
-_LAYOUT_WEIGHTS = {"SequentialMLP": _sequential_weights, "TEGroupedMLP": _te_grouped_weights,
-                   "GroupedMLP": _grouped_weights}
+# Megatron's experts class -> (FEPLB's class, the check of its weights)
+_LAYOUTS = {"SequentialMLP": (FEPLBSequentialMLP, _sequential_weights),
+            "TEGroupedMLP": (FEPLBTEGroupedMLP, _te_grouped_weights),
+            "GroupedMLP": (FEPLBGroupedMLP, _grouped_weights)}
 
 
 def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dtype | None
@@ -569,7 +568,7 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
     FEPLB class replacing them."""
     cfg = moe.config
     experts = moe.experts
-    kind = next((k for k in _LAYOUT_WEIGHTS if type(experts) is getattr(mc_experts, k, None)), None)
+    kind = next((k for k in _LAYOUTS if type(experts) is getattr(mc_experts, k, None)), None)
     if kind is None:
         return (f"experts {type(experts).__name__}: FEPLB replaces Megatron's SequentialMLP, TEGroupedMLP and "
                 "GroupedMLP"), {}, None
@@ -591,7 +590,8 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
             list(moe.local_expert_indices) != list(range(rank * L, rank * L + L)):
         return (f"local experts {list(moe.local_expert_indices)} of {E}: expected this rank's E / W block of the "
                 f"EP group ({world} ranks)"), {}, None
-    why, ws, kept = _LAYOUT_WEIGHTS[kind](experts, L, H, Fd)
+    cls, check = _LAYOUTS[kind]
+    why, ws = check(experts, L, H, Fd)
     if why is not None:
         return f"{kind}: {why}", {}, None
     # The experts module goes (GroupedMLP's own load-state-dict post-hook FEPLB takes over); the modules kept stay
@@ -601,7 +601,7 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
                                                              experts._load_state_dict_post_hooks.values()))):
         why = hooks_problem(experts, ("_load_state_dict_post_hooks",))
     if why is None:
-        why = _lost_hooks(kept)
+        why = _lost_hooks(cls._kept(experts))
     if why is None:
         quantized = [type(m).__name__ for m in experts.modules() if getattr(m, "te_quant_params", None) is not None]
         if quantized:
@@ -617,7 +617,7 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
     if not isinstance(K, int) or not 1 <= K <= E:
         return f"moe_router_topk {K!r}; expected an int in [1, {E}]", {}, None
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": K,
-                  "dtype": dtype if dtype is not None else ws[0].dtype, "device": ws[0].device.type}, _LAYOUTS[kind]
+                  "dtype": dtype if dtype is not None else ws[0].dtype, "device": ws[0].device.type}, cls
 
 
 # ---------------------------------------------------------------------------------------------------- apply
