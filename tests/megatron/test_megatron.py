@@ -326,9 +326,20 @@ def _same_sharded(moe, ref) -> tuple[bool, dict]:
                                         else ours[k][1] == theirs[k][1]) for k in theirs), theirs
 
 
+def _checkpoint_equal(moe, rank: int) -> bool:
+    """Whether a non-reentrant ``torch.utils.checkpoint`` of the layer gives bit-identical gradients."""
+    import torch.utils.checkpoint as ckpt
+
+    x, g = _inputs(rank)
+    plain = _grads(moe, x, g)
+    moe.zero_grad()
+    xc = x.clone().requires_grad_()
+    ckpt.checkpoint(lambda t: moe(t)[0], xc, use_reentrant=False).backward(g)
+    return torch.equal(xc.grad, plain["x"]) and all(torch.equal(p.grad, plain[n]) for n, p in moe.named_parameters())
+
+
 def _state_case(rank: int, world: int) -> dict:
     """full_state_dict, sharded_state_dict, and a checkpointed layer."""
-    import torch.utils.checkpoint as ckpt
 
     import feplb.megatron as fm
 
@@ -353,14 +364,7 @@ def _state_case(rank: int, world: int) -> dict:
         m.linear_fc1.get_extra_state = lambda: torch.empty(0, dtype=torch.uint8)
     te = fm.full_state_dict(moe, rank0_only=False)
     out["te_extra"] = sorted(k for k, v in te.items() if isinstance(v, torch.Tensor) and v.numel() == 0)
-    x, g = _inputs(rank)
-    plain = _grads(moe, x, g)
-    moe.zero_grad()
-    xc = x.clone().requires_grad_()
-    y = ckpt.checkpoint(lambda t: moe(t)[0], xc, use_reentrant=False)
-    y.backward(g)
-    out["ckpt_equal"] = torch.equal(xc.grad, plain["x"]) and all(
-        torch.equal(p.grad, plain[n]) for n, p in moe.named_parameters())
+    out["ckpt_equal"] = _checkpoint_equal(moe, rank)
     return out
 
 
@@ -503,7 +507,6 @@ def _job(rank: int, world: int) -> dict:
 def _grouped_state_case(rank: int, world: int, experts: str) -> dict:
     """The grouped layouts' state: names, full_state_dict (the EP = 1 model's layout), Megatron's sharded state dict,
     loading, a checkpointed layer."""
-    import torch.utils.checkpoint as ckpt
 
     import feplb.megatron as fm
 
@@ -555,14 +558,7 @@ def _grouped_state_case(rank: int, world: int, experts: str) -> dict:
         del moe.experts.linear_fc1.get_extra_state
     out["load"] = error_of(lambda: moe.load_state_dict(ref.state_dict() | extra))
     out["loaded"] = all(torch.equal(a, b) for a, b in zip(moe.parameters(), ref.parameters(), strict=True))
-    x, g = _inputs(rank)
-    plain = _grads(moe, x, g)
-    moe.zero_grad()
-    xc = x.clone().requires_grad_()
-    y = ckpt.checkpoint(lambda t: moe(t)[0], xc, use_reentrant=False)
-    y.backward(g)
-    out["ckpt_equal"] = torch.equal(xc.grad, plain["x"]) and all(
-        torch.equal(p.grad, plain[n]) for n, p in moe.named_parameters())
+    out["ckpt_equal"] = _checkpoint_equal(moe, rank)
     return out
 
 
