@@ -83,6 +83,10 @@ def _refreshed() -> RuntimeError:
                         "computed; refresh after optimizer.step(), once the backward is done")
 
 
+# The next layer number (MoELayer.layer_id) of this process.
+_NEXT_LAYER_ID = 0
+
+
 class MoELayer(nn.Module):
     """FEPLB MoE layer over an EP process group.
 
@@ -126,6 +130,13 @@ class MoELayer(nn.Module):
         self.control = Control(group, c.gpus_per_node)
         self.control.check_same(repr(dataclasses.asdict(c)).encode() + repr((W, c.gpus_per_node)).encode(),
                                 "FEPLBConfig", "every rank of the EP group must build the layer with the same config")
+        # A number naming this layer alike on every rank of the group (the largest of the ranks' next numbers), sent
+        # with every forward's counts: ranks that run different layers in one forward raise instead of mixing them.
+        global _NEXT_LAYER_ID
+        got = self.control.all_gather(torch.tensor([_NEXT_LAYER_ID], dtype=torch.int64),
+                                      "agreement on the layer number")
+        self.layer_id = int(got.max())
+        _NEXT_LAYER_ID = self.layer_id + 1
         if c.num_experts % W:
             raise ValueError(f"FEPLBConfig.num_experts ({c.num_experts}) must be divisible by the EP group size ({W})")
         L = self.num_local = c.num_experts // W
@@ -457,7 +468,7 @@ class MoELayer(nn.Module):
             row = torch.cat([counts_S.to(torch.int64).reshape(-1), bad.to(torch.int64).reshape(1)]).cpu()
         else:
             row = torch.zeros(E + 1, dtype=torch.int64)
-        row = torch.cat([row, torch.tensor([int(not self.replicas.fresh()), int(problem is not None)])])
+        row = torch.cat([row, torch.tensor([int(not self.replicas.fresh()), int(problem is not None), self.layer_id])])
         gathered = self.control.all_gather(row, "all_gather of expert counts")
         if problem is not None:
             raise problem[0](problem[1])

@@ -36,9 +36,9 @@ class Split:
 
 
 def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float) -> Counts:
-    """Read the all-gathered rows (int64 [W, E + 3]: counts per flat slot, this rank's routing flags (1: NaN or
-    inf, 2: ids out of range), its replicas-stale flag, its bad-input flag), raising on every rank together when
-    any rank reported a problem.
+    """Read the all-gathered rows (int64 [W, E + 4]: counts per flat slot, this rank's routing flags (1: NaN or
+    inf, 2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs),
+    raising on every rank together when any rank reported a problem or the ranks run different layers.
 
     slots_WS: int64 [W, L] the experts at home on each GPU. balance: the policy balances (and W > 1).
     min_straggler: rows of token straggler below which balancing is not worth it.
@@ -47,6 +47,13 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
 
     W, L = slots_WS.shape
     E = W * L
+    layers = gathered[:, E + 3]
+    if (layers != layers[0]).any():
+        raise RuntimeError(
+            f"MoELayer: the EP ranks ran different MoE layers in one forward (layer number per EP rank: "
+            f"{layers.tolist()}); every rank of the EP group must run every MoE layer's forward, in the same order. "
+            "A model that skips an experts module on some ranks (say, a multimodal model's vision experts on a "
+            "micro-batch without images) cannot run under expert parallelism as it is; every rank stops this step")
     input_ranks = np.nonzero(gathered[:, E + 2])[0].tolist()
     if input_ranks:
         raise ValueError(f"MoELayer: EP rank(s) {input_ranks} refused this forward (a malformed input, or what "

@@ -141,6 +141,16 @@ def _fault_worker(rank, world):
     res["config"] = error_of(lambda: MoELayer(FEPLBConfig(hidden=H, ffn=ffn, num_experts=E, top_k=K,
                                                         gpus_per_node=2)))
 
+    # Ranks that run different layers in one forward (a model that skips an experts module on some ranks): an error
+    # on every rank, instead of rows of one layer computed with another's weights; both layers stay usable.
+    other, _ = _layer(rank, world, 2, policy="feplb-split", weights="per-microbatch", plan_wait_ms=60_000,
+                      min_straggler_rows=0)
+    with torch.no_grad():
+        want = layer(x)
+    res["mixed"] = error_of(lambda: (other if rank == 0 else layer)(x))
+    with torch.no_grad():
+        res["mixed_after_same"] = torch.equal(layer(x), want)
+
     # A stalled peer (rank 3 stops calling): the others time out naming the operation, no hang.
     if rank == 3:
         return res
@@ -172,6 +182,8 @@ def test_faults_and_bad_input():
         assert "feplb[nvshmem]" in res["nvshmem"], res["nvshmem"]
         if "no_gpu" in res:
             assert res["no_gpu"].startswith("RuntimeError") and "needs a CUDA GPU" in res["no_gpu"], res["no_gpu"]
+        assert res["mixed"].startswith("RuntimeError") and "different MoE layers" in res["mixed"], res["mixed"]
+        assert res["mixed_after_same"], rank
         if rank != 3:
             assert res["stall"] is not None and "all_gather of expert counts" in res["stall"], res["stall"]
             assert res["stall"].startswith(("TimeoutError", "RuntimeError")), res["stall"]
