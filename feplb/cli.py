@@ -469,11 +469,95 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+HF_CHECK_EPILOG = """\
+Builds a tiny random model (2 layers, 2 attention heads, 8 experts, top-2) of each transformers MoE architecture
+from its own config class, runs it unmodified and with feplb.hf.apply on --ranks gloo processes on this CPU
+(balancing between --gpus-per-node "GPUs" of a node), and compares logits and every gradient. Outcomes: exact;
+refused (what feplb.hf.apply refuses, and why); no experts; not built (the tiny recipe could not build or run the
+architecture unmodified); WRONG or error (a defect of feplb.hf: exit status 1).
+"""
+
+
+def _add_hf_check(p: argparse.ArgumentParser) -> None:
+    p.add_argument("archs", nargs="*", metavar="ARCH",
+                   help="transformers model types (default: every MoE architecture of the installed transformers)")
+    p.add_argument("--ranks", type=_positive, default=2, help="gloo processes, one EP rank each (default 2)")
+    p.add_argument("--gpus-per-node", type=_positive, default=None,
+                   help="EP ranks per modelled node (default: min(2, --ranks))")
+    p.add_argument("--policy", default="feplb-split", help="balancing policy (default feplb-split)")
+    p.add_argument("--markdown", default=None, metavar="FILE", help="also write the table as Markdown")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write every outcome as JSON")
+    p.add_argument("--timeout", type=_positive, default=None,
+                   help="seconds for the whole run (default 120 + 20 per architecture)")
+
+
+def _run_hf_check(args: argparse.Namespace) -> int:
+    try:
+        import transformers
+    except ImportError as err:
+        raise UsageError("feplb hf-check needs transformers >= 5: pip install 'feplb[hf]'") from err
+    import platform
+    import time
+
+    import torch
+
+    from feplb import hfcheck
+    from feplb.config import FEPLBConfig
+    from feplb.testing import run_dist
+
+    major = transformers.__version__.split(".")[0]
+    if not major.isdigit() or int(major) < 5:
+        raise UsageError(f"feplb hf-check needs transformers >= 5, found {transformers.__version__}")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    unknown = [a for a in args.archs if a not in CONFIG_MAPPING_NAMES]
+    if unknown:
+        raise UsageError(f"unknown transformers model type(s) {unknown} (transformers {transformers.__version__}); "
+                         f"its MoE architectures: {' '.join(hfcheck.moe_architectures())}")
+    gpn = args.gpus_per_node or min(2, args.ranks)
+    if args.ranks % gpn:
+        raise UsageError(f"--gpus-per-node {gpn} must divide --ranks {args.ranks}")
+    outs = [check_output(f, opt) for f, opt in ((args.markdown, "--markdown"), (args.json, "--json")) if f]
+    archs = list(dict.fromkeys(args.archs)) or hfcheck.moe_architectures()
+    overrides = {"policy": args.policy, "gpus_per_node": gpn}
+    try:   # a bad policy fails here, before any process starts
+        FEPLBConfig(hidden=8, ffn=8, num_experts=args.ranks, top_k=1, router="external", **overrides)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"--policy {args.policy}: {err}") from err
+    print(f"feplb hf-check: {len(archs)} architecture(s) of transformers {transformers.__version__} on "
+          f"{args.ranks} gloo process(es), {gpn} per node, policy {args.policy}", file=sys.stderr)
+    t0 = time.perf_counter()
+    got = run_dist(hfcheck._worker, args.ranks, archs, overrides,
+                   timeout_s=args.timeout or 120 + 20 * len(archs), collective_timeout_s=120)
+    wall = time.perf_counter() - t0
+    outcomes = [hfcheck.Outcome(**d) for d in got[0]]
+    meta = {"transformers": transformers.__version__, "torch": torch.__version__,
+            "python": platform.python_version(), "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
+            "ranks": args.ranks, "gpus_per_node": gpn, "policy": args.policy, "tolerance": hfcheck.TOL,
+            "command": "feplb " + shlex.join(args.argv), "wall_s": round(wall, 1),
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    print(hfcheck.table(outcomes))
+    print(hfcheck.summary(outcomes) + f" ({wall:.0f} s)")
+    writers = []
+    if args.markdown:
+        writers.append((Path(args.markdown),
+                        lambda tmp: Path(tmp).write_text(hfcheck.markdown(outcomes, meta))))
+    if args.json:
+        doc = {"meta": meta, "outcomes": got[0]}
+        writers.append((Path(args.json), lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1) + "\n")))
+    _write_outputs(writers)
+    for out in outs:
+        print(f"wrote {out}")
+    return 1 if any(o.defect for o in outcomes) else 0
+
+
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
                              Callable[[argparse.Namespace], int], str]] = {
     "simulate": ("simulate balancing policies on routing traces", _add_simulate, _run_simulate, SIMULATE_EPILOG),
     "calibrate": ("measure the expert GEMM time curve for the simulator's cost model", _add_calibrate,
                   _run_calibrate, CALIBRATE_EPILOG),
+    "hf-check": ("check which transformers MoE architectures feplb.hf runs exactly", _add_hf_check, _run_hf_check,
+                 HF_CHECK_EPILOG),
 }
 
 

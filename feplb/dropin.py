@@ -32,15 +32,20 @@ __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "aver
 DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "dtype")
 
 
-def check_overrides(api: str, group: dist.ProcessGroup | None, overrides: dict[str, Any]) -> None:
-    """TypeError, on every rank together (collective), when some rank passed FEPLBConfig overrides that do not
-    exist or that the adapter derives from the model (:data:`DERIVED`)."""
+def overrides_problem(overrides: dict[str, Any]) -> str | None:
+    """Why FEPLBConfig overrides cannot be taken (fields that do not exist, or that the adapter derives from the
+    model: :data:`DERIVED`), or None."""
     fields = {f.name for f in dataclasses.fields(FEPLBConfig)}
     unknown = sorted(set(overrides) - fields)
     bad = sorted(set(overrides) & set(DERIVED))
-    problem = (f"unknown FEPLBConfig field(s) {unknown}; expected some of {sorted(fields)}" if unknown else
-               f"{bad} come from the model (module shapes, config, router); do not pass them" if bad else None)
-    views = _agree(problem, group)
+    return (f"unknown FEPLBConfig field(s) {unknown}; expected some of {sorted(fields)}" if unknown else
+            f"{bad} come from the model (module shapes, config, router); do not pass them" if bad else None)
+
+
+def check_overrides(api: str, group: dist.ProcessGroup | None, overrides: dict[str, Any]) -> None:
+    """TypeError, on every rank together (collective), when some rank passed overrides :func:`overrides_problem`
+    refuses."""
+    views = _agree(overrides_problem(overrides), group)
     ranks = [r for r, v in enumerate(views) if v is not None]
     if ranks:
         raise TypeError(f"{api}: {views[ranks[0]]}" + ("" if len(ranks) == len(views) else f" (on EP rank(s) {ranks})"))

@@ -2,7 +2,8 @@
 
 transformers (>= 5) gives every MoE model the same experts module, called by its sparse block as
 ``experts(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`` and holding
-``gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]`` (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, ...).
+``gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]`` (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, ...;
+or ``[E, H, 2F]`` and ``[E, F, H]`` where the module says ``is_transposed=True``, e.g. Aria).
 :func:`apply` replaces each such module, in place, with a :class:`FEPLBExperts` that keeps only this rank's
 ``E / W`` experts under the same parameter names and layout, takes the model's own router output as its routing,
 and balances every micro-batch like :class:`feplb.MoELayer` (it is one, with ``router="external"``).
@@ -48,18 +49,21 @@ from feplb.dropin import (
     full_state_dict,
     hooks_problem,
     layer_config,
+    overrides_problem,
     reduce_replica_grads,
     refresh_replicas,
     weights_digest,
 )
 from feplb.layer import FEPLBConfig, MoELayer
 
-__all__ = ["FEPLBExperts", "apply", "expert_parameters", "experts_modules", "full_state_dict",
+__all__ = ["FEPLBExperts", "apply", "supported", "expert_parameters", "experts_modules", "full_state_dict",
            "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas", "clip_grad_norm_"]
 
 _SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
 _SWIGLU_ACTS = ("silu", "swish")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# where transformers configs keep the number of experts per token (the first one set wins)
+_TOP_K_FIELDS = ("num_experts_per_tok", "top_k", "moe_topk", "moe_k", "top_k_experts")
 
 
 class FEPLBExperts(MoELayer):
@@ -67,6 +71,8 @@ class FEPLBExperts(MoELayer):
 
     Parameters: ``gate_up_proj`` [L, 2F, H] and ``down_proj`` [L, H, F], this rank's experts ``rank * L ...`` in
     the layout (and under the names) of the module it replaces; the layer computes with their transposed views.
+    With ``transposed=True`` (a module with ``is_transposed=True``, e.g. Aria's: weights stored [in, out]) they are
+    [L, H, 2F] and [L, F, H], the layer's own layout, used as they are.
     ``forward(hidden_states [T, H], top_k_index [T, K] int, top_k_weights [T, K] float) -> [T, H]`` returns
     ``sum_k w_k * down(silu(gate(x)) * up(x))`` over each token's experts, like the module it replaces, with the
     gradient flowing into ``top_k_weights`` (the model's router). Collective over the EP group, like every
@@ -74,7 +80,7 @@ class FEPLBExperts(MoELayer):
     """
 
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, gate_up_proj: torch.Tensor,
-                 down_proj: torch.Tensor, name: str = "") -> None:
+                 down_proj: torch.Tensor, name: str = "", transposed: bool = False) -> None:
         if config.router != "external":
             raise ValueError(f"FEPLBExperts needs FEPLBConfig.router='external', got {config.router!r}")
         # Read by _init_experts, which MoELayer.__init__ calls before this constructor could set attributes.
@@ -82,19 +88,23 @@ class FEPLBExperts(MoELayer):
         super().__init__(config, group)
         object.__delattr__(self, "_hf_full")
         self.hf_name = name
+        self.is_transposed = bool(transposed)
 
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
-        gate_up_E2FH, down_EHF, group = self._hf_full
+        gate_up_E, down_E, group = self._hf_full
         lo = dist.get_rank(group) * L
         with torch.no_grad():
             # clone: the shard must not keep the full tensor's storage alive
-            gu = gate_up_E2FH[lo:lo + L].to(device=device, dtype=dtype).clone()
-            dn = down_EHF[lo:lo + L].to(device=device, dtype=dtype).clone()
-        self.gate_up_proj = nn.Parameter(gu, requires_grad=gate_up_E2FH.requires_grad)
-        self.down_proj = nn.Parameter(dn, requires_grad=down_EHF.requires_grad)
+            gu = gate_up_E[lo:lo + L].to(device=device, dtype=dtype).clone()
+            dn = down_E[lo:lo + L].to(device=device, dtype=dtype).clone()
+        self.gate_up_proj = nn.Parameter(gu, requires_grad=gate_up_E.requires_grad)
+        self.down_proj = nn.Parameter(dn, requires_grad=down_E.requires_grad)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w1 [L, H, 2F], w2 [L, F, H]): strided views of ``gate_up_proj`` and ``down_proj``."""
+        """(w1 [L, H, 2F], w2 [L, F, H]): ``gate_up_proj`` and ``down_proj`` themselves when transposed, else their
+        strided transposed views."""
+        if self.is_transposed:
+            return self.gate_up_proj, self.down_proj
         return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,  # type: ignore[override]
@@ -169,28 +179,13 @@ def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | Non
     buffers = sorted(n for n, _ in module.named_buffers())
     if buffers:
         return f"buffers {', '.join(buffers)} (scaled or quantized experts are not supported)", {}
-    if getattr(module, "is_transposed", False):
-        return "transposed weight layout (is_transposed=True); expected gate_up_proj [E, 2F, H]", {}
     if not getattr(module, "is_concatenated", True):
         return "interleaved gate/up layout (is_concatenated=False); expected [gate | up] halves", {}
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert (has_post_expert_norm=True)", {}
     if _custom_gate(module):
         return f"a custom gating function ({type(module).__name__}._apply_gate); FEPLB computes silu(gate) * up", {}
-    gu, dn = own["gate_up_proj"], own["down_proj"]
-    if gu.dim() != 3 or dn.dim() != 3 or dn.shape[0] != gu.shape[0] \
-            or tuple(gu.shape) != (dn.shape[0], 2 * dn.shape[2], dn.shape[1]):
-        return (f"weight layout gate_up_proj {list(gu.shape)}, down_proj {list(dn.shape)}; expected "
-                "gate_up_proj [E, 2F, H] and down_proj [E, H, F]"), {}
-    E, H, Fd = dn.shape
-    act = getattr(module, "act_fn", None)
-    if not _is_silu(act):
-        return (f"activation {type(act).__name__ if act is not None else None} is not SiLU "
-                "(FEPLB computes SwiGLU experts: silu(gate) * up)"), {}
-    cfg = _config_of(module, model)
-    hidden_act = getattr(cfg, "hidden_act", None)
-    if hidden_act is not None and hidden_act not in _SWIGLU_ACTS:
-        return f"the model config declares hidden_act={hidden_act!r}, not one of {_SWIGLU_ACTS}", {}
+    # The call first: a module called otherwise (Llama 4's experts take router-scaled inputs) is refused for that.
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
@@ -201,19 +196,39 @@ def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | Non
     if names != _SIGNATURE or required_rest:
         return (f"forward({', '.join(p.name for p in params)}); expected forward(hidden_states, top_k_index, "
                 "top_k_weights)"), {}
+    gu, dn = own["gate_up_proj"], own["down_proj"]
+    transposed = bool(getattr(module, "is_transposed", False))
+    if gu.dim() != 3 or dn.dim() != 3:
+        E = H = Fd = -1
+    elif transposed:   # [in, out] per expert: gate_up_proj [E, H, 2F], down_proj [E, F, H]
+        E, Fd, H = dn.shape
+    else:
+        E, H, Fd = dn.shape
+    want = ((E, H, 2 * Fd), (E, Fd, H)) if transposed else ((E, 2 * Fd, H), (E, H, Fd))
+    if E < 0 or (tuple(gu.shape), tuple(dn.shape)) != want:
+        layout = ("gate_up_proj [E, H, 2F] and down_proj [E, F, H] (is_transposed=True)" if transposed else
+                  "gate_up_proj [E, 2F, H] and down_proj [E, H, F]")
+        return f"weight layout gate_up_proj {list(gu.shape)}, down_proj {list(dn.shape)}; expected {layout}", {}
+    act = getattr(module, "act_fn", None)
+    if not _is_silu(act):
+        return (f"activation {type(act).__name__ if act is not None else None} is not SiLU "
+                "(FEPLB computes SwiGLU experts: silu(gate) * up)"), {}
+    cfg = _config_of(module, model)
+    hidden_act = getattr(cfg, "hidden_act", None)
+    if hidden_act is not None and hidden_act not in _SWIGLU_ACTS:
+        return f"the model config declares hidden_act={hidden_act!r}, not one of {_SWIGLU_ACTS}", {}
     if gu.dtype not in _DTYPES:
         return f"dtype {gu.dtype}; expected one of {_DTYPES}", {}
     if gu.device.type not in ("cpu", "cuda") or dn.device != gu.device:
         return f"weights on {gu.device} / {dn.device}; expected both on the CPU or on one CUDA device", {}
-    top_k = getattr(cfg, "num_experts_per_tok", None)
-    if top_k is None:
-        top_k = getattr(cfg, "top_k", None)
+    top_k = next((v for v in (getattr(cfg, k, None) for k in _TOP_K_FIELDS) if v is not None), None)
     if not isinstance(top_k, int) or not 1 <= top_k <= E:
-        return f"top-k from the model config (num_experts_per_tok) is {top_k!r}; expected an int in [1, {E}]", {}
+        return (f"top-k from the model config ({' / '.join(_TOP_K_FIELDS)}) is {top_k!r}; expected an int in "
+                f"[1, {E}]"), {}
     if E % world:
         return f"{E} experts are not divisible by the EP group size {world}", {}
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": top_k, "dtype": gu.dtype,
-                  "device": gu.device.type}
+                  "device": gu.device.type, "transposed": transposed}
 
 
 def _version_hint() -> str:
@@ -226,6 +241,27 @@ def _version_hint() -> str:
         return (f" (transformers {transformers.__version__}: feplb.hf needs >= 5, where every MoE model has one "
                 "experts module; pip install 'feplb[hf]')")
     return ""
+
+
+def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> dict[str, str | None]:
+    """What :func:`apply` would do to ``model`` on ``ep_size`` EP ranks, without a process group and without
+    changing it: ``{qualified name: None}`` for every experts module it would replace, ``{name: why not}`` for every
+    one it would refuse (the reason :func:`apply` gives). Empty when the model holds no experts module it recognises.
+    ``config_overrides`` are checked as :func:`apply` checks them."""
+    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
+        raise ValueError(f"ep_size: expected an int >= 1, got {ep_size!r}")
+    problem = overrides_problem(config_overrides)
+    if problem is not None:
+        raise TypeError(f"feplb.hf.supported: {problem}")
+    out: dict[str, str | None] = {}
+    for name, mod in _candidates(model):
+        why, fields_of = _problem(mod, model, ep_size)
+        fields_of.pop("transposed", None)
+        if why is None:
+            cfg = layer_config(fields_of, config_overrides)
+            why = cfg if isinstance(cfg, str) else None
+        out[name] = why
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- apply
@@ -252,8 +288,10 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     # Every problem, a config FEPLBConfig refuses included, goes through the one agreement: all ranks raise together.
     problems, plans = [], []
     configs: dict[int, FEPLBConfig] = {}
+    transposed: dict[int, bool] = {}
     for name, mod in found:
         why, fields_of = _problem(mod, model, world)
+        transposed[id(mod)] = fields_of.pop("transposed", False)
         if why is None:
             cfg = layer_config(fields_of, config_overrides)
             if isinstance(cfg, str):
@@ -271,7 +309,8 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     def none_found() -> str:
         done = " (feplb.hf.apply already replaced them)" if experts_modules(model) else _version_hint()
         return (f"found no experts module in {type(model).__name__}{done}; expected modules holding "
-                "gate_up_proj [E, 2F, H] and down_proj [E, H, F] parameters")
+                "gate_up_proj [E, 2F, H] and down_proj [E, H, F] parameters (or [E, H, 2F] and [E, F, H] with "
+                "is_transposed=True)")
 
     agree_to_replace("feplb.hf.apply", group, problems, [n for n, _ in found], digests, none_found)
 
@@ -280,7 +319,8 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     made: dict[int, FEPLBExperts] = {}
     for name, mod in plans:
         if id(mod) not in made:
-            new = FEPLBExperts(configs[id(mod)], group, mod.gate_up_proj, mod.down_proj, name=name)
+            new = FEPLBExperts(configs[id(mod)], group, mod.gate_up_proj, mod.down_proj, name=name,
+                               transposed=transposed[id(mod)])
             new.train(mod.training)
             new.refresh_replicas()
             made[id(mod)] = new

@@ -1,0 +1,403 @@
+"""Which transformers MoE architectures ``feplb.hf`` runs exactly, checked on tiny random models of each.
+
+transformers ships dozens of MoE architectures, and each release adds some. For every one whose modeling code
+holds an experts module (3-D ``gate_up_proj`` / ``up_proj`` / ``down_proj`` parameters), :func:`check` builds a
+tiny random model from the architecture's own config class (:func:`tiny_model`: two layers, two attention heads
+(hidden 64, or two heads of the default head size where the config derives it), 8 experts, top-2, vocabulary 64,
+every other field at its default), runs it unmodified and with :func:`feplb.hf.apply` on the
+ranks of a process group (balancing between two "GPUs" of a node, rows really moving), and compares the two on
+each rank's own input: logits, every expert shard's gradient (against the slice of the unmodified model's gradient
+summed over the ranks' inputs) and every other gradient (against the unmodified model's local one). Randomness
+inside the forward (router jitter, sampling routers such as PhiMoE's in training mode) is drawn from the same seed
+in both runs.
+
+Each architecture ends in one of these outcomes (:class:`Outcome`):
+
+* ``exact``: replaced, and everything agrees within ``TOL`` relative to the largest element;
+* ``refused``: :func:`feplb.hf.apply` refused the experts modules (the reason is its error message's first line);
+* ``no experts``: the tiny model holds no experts module ``feplb.hf`` recognises;
+* ``not built``: the tiny model could not be built or run unmodified (a limit of this tiny-config recipe, not a
+  statement about FEPLB);
+* ``WRONG`` (replaced, and some output or gradient differs) and ``error`` (replaced, and the forward or backward
+  raised): defects of ``feplb.hf``.
+
+``feplb hf-check`` runs it on two gloo processes on the CPU and prints the table; the test suite asserts that no
+architecture is ``WRONG`` or ``error`` and that the known ones stay ``exact``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import glob
+import inspect
+import os
+import re
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Outcome", "TOL", "check", "markdown", "moe_architectures", "summary", "table", "tiny_model"]
+
+TOL = 1e-5
+VOCAB = 64
+
+# Set where the config has the field (as its constructor argument, so that fields derived from them follow); every
+# other field keeps its default. Head sizes (head_dim, rotary and latent dims) keep theirs: rotary sections and
+# latent projections are sized against them (see _tiny_kwargs).
+TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            max_position_embeddings=64, intermediate_size=64, moe_intermediate_size=32, ffn_hidden_size=64,
+            shared_expert_intermediate_size=32, num_local_experts=8, num_experts=8, n_routed_experts=8,
+            moe_num_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_k=2, top_k=2, moe_topk=2,
+            top_k_experts=2, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=32,
+            # the second layer is a MoE layer (architectures whose first layers are dense)
+            first_k_dense_replace=1, num_dense_layers=1, first_k_dense=1, moe_layer_start_index=1,
+            decoder_sparse_step=1, moe_layer_freq=1, mlp_only_layers=[],
+            initializer_range=0.1, use_cache=False, tie_word_embeddings=False)
+TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+_EXPERTS_SOURCE = re.compile(r"\b(gate_up_proj|up_proj|down_proj)\s*=\s*nn\.Parameter\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What :func:`check` found for one architecture (on the worst rank)."""
+
+    arch: str
+    status: str                 # exact | refused | no experts | not built | WRONG | error
+    detail: str = ""            # the reason, the error, or the model class and its experts class
+    replaced: int = 0           # experts modules replaced
+    rows_moved: int = 0         # rows balancing moved, summed over ranks and layers
+    max_rel: float = 0.0        # worst relative difference over logits and gradients (exact / WRONG)
+    idle: int = 0               # replaced experts modules that no token of the text input reached (on every rank)
+
+    @property
+    def defect(self) -> bool:
+        return self.status in ("WRONG", "error")
+
+
+def moe_architectures() -> list[str]:
+    """The model types of the installed transformers whose modeling code defines an experts module (a 3-D
+    ``gate_up_proj``, ``up_proj`` or ``down_proj`` parameter), sorted."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+
+    root = os.path.join(os.path.dirname(transformers.__file__), "models")
+    folders = set()
+    for path in glob.glob(os.path.join(root, "*", "modeling_*.py")):
+        with open(path, encoding="utf-8") as f:
+            if _EXPERTS_SOURCE.search(f.read()):
+                folders.add(os.path.basename(os.path.dirname(path)))
+    # One per folder: the model type named like it (a folder's sub-configs, e.g. its text or vision part, are
+    # reached through it), else every type of the folder.
+    out = set()
+    for t in CONFIG_MAPPING_NAMES:
+        folder = model_type_to_module_name(t)
+        if folder in folders and (t == folder or folder not in CONFIG_MAPPING_NAMES):
+            out.add(t)
+    return sorted(out)
+
+
+def _tiny_kwargs(default: Any, cut: str | None) -> dict:
+    """Constructor arguments of a tiny version of the config ``default``; per-layer lists (``layer_types``, ...) of
+    the default depth are left to the config to derive (``cut=None``) or cut to the tiny depth, keeping their
+    ``"last"`` or ``"first"`` layers (dense layers, where an architecture has some, come first)."""
+    params = inspect.signature(type(default).__init__).parameters
+    kwargs = {k: v for k, v in TINY.items() if k in params or hasattr(default, k)}
+    # Per-layer values given as lists (one per layer) keep that form.
+    for k, v in list(kwargs.items()):
+        if isinstance(getattr(default, k, None), list) and not isinstance(v, list):
+            kwargs[k] = [v] * len(getattr(default, k))
+    heads, kv = getattr(default, "num_attention_heads", None), getattr(default, "num_key_value_heads", None)
+    if isinstance(heads, int) and kv == heads:
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", heads)   # multi-head attention stays so
+    if isinstance(heads, int) and getattr(default, "head_dim", None) is None and \
+            isinstance(getattr(default, "hidden_size", None), int):
+        kwargs["hidden_size"] = kwargs["num_attention_heads"] * (default.hidden_size // heads)  # the default head size
+        if hasattr(default, "head_dim"):
+            kwargs["head_dim"] = default.hidden_size // heads
+    layers = getattr(default, "num_hidden_layers", None)
+    depth = TINY["num_hidden_layers"]
+    if cut is not None and isinstance(layers, int) and layers > depth:
+        for k, v in vars(default).items():
+            if k not in kwargs and isinstance(v, list) and len(v) == layers:
+                kwargs[k] = v[-depth:] if cut == "last" else v[:depth]
+    for k in TOKEN_ID_FIELDS:
+        v = getattr(default, k, None)
+        if isinstance(v, int) and v >= VOCAB:
+            kwargs[k] = VOCAB - 1 - TOKEN_ID_FIELDS.index(k)
+        elif isinstance(v, list):
+            kwargs[k] = [min(int(i), VOCAB - 1) for i in v]
+    return kwargs
+
+
+def _text_model_class(config: Any) -> type:
+    """The class of the model that takes ``input_ids`` for ``config``: the causal LM where the auto classes map one,
+    else the base model, else (text parts of multimodal models) the modeling module's class for that config."""
+    import importlib
+
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for auto in (AutoModelForCausalLM, AutoModel):
+        try:
+            return auto._model_mapping[type(config)]
+        except KeyError:
+            pass
+    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    found = [c for c in vars(module).values()
+             if isinstance(c, type) and getattr(c, "config_class", None) is type(config)
+             and "PreTrainedModel" not in c.__name__ and hasattr(c, "forward")]
+    found.sort(key=lambda c: (not c.__name__.endswith("ForCausalLM"), not c.__name__.endswith("Model"), c.__name__))
+    if not found:
+        raise LookupError(f"no model class for {type(config).__name__}")
+    return found[0]
+
+
+def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random fp32 model of the transformers architecture ``arch`` (a model type) holding at least one
+    experts module, in training mode: the text model where ``arch`` is multimodal. Same ``seed``, same weights.
+
+    The recipe (:data:`TINY`) is generic: it tries the per-layer lists derived by the config, then cut to their last
+    and their first layers, dropping a field the config rejects; the first model that holds an experts module and
+    runs a forward and backward is returned. Raises the last attempt's error when none does."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from feplb.hf import _candidates
+
+    full = CONFIG_MAPPING[arch]()
+    default = full.get_text_config() if hasattr(full, "get_text_config") else full
+    config_cls = type(default)
+    last: BaseException | None = None
+    for cut in (None, "last", "first"):
+        kwargs = _tiny_kwargs(default, cut)
+        for _ in range(4):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    config = config_cls(**kwargs)
+                    torch.manual_seed(seed)
+                    model = _text_model_class(config)(config).float().train()
+                if not _candidates(model):
+                    raise LookupError(f"{type(model).__name__} of {len(kwargs)} tiny fields holds no experts module")
+                probe = copy.deepcopy(model)
+                _run(probe, torch.zeros(1, 4, dtype=torch.long) + 1, seed=0)
+                return model
+            except Exception as e:
+                last = e
+                # A field the config's validation names: let it keep its default, and try again.
+                named = [k for k in kwargs if k in TINY and re.search(rf"\b{k}\b", str(e))]
+                if not named:
+                    break
+                for k in named:
+                    del kwargs[k]
+    assert last is not None
+    raise last
+
+
+def _run(model: torch.nn.Module, ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """The model's logits (or last hidden state) on ``ids``, with the forward's own randomness drawn from ``seed``,
+    and their backward of a fixed loss."""
+    torch.manual_seed(seed)
+    out = model(input_ids=ids, use_cache=False)
+    y = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+    # A loss whose gradient reaches every logit with a different weight.
+    w = torch.linspace(-1.0, 1.0, y.numel(), dtype=torch.float32).view_as(y)
+    (y.float() * w).sum().backward()
+    return y.detach()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = float(b.abs().max())
+    diff = float((a.float() - b.float()).abs().max())
+    return diff / scale if scale else diff
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    head = text[0] if text else type(e).__name__
+    # apply's refusal: "cannot run these experts modules exactly ...:" then one line per module
+    if len(text) > 1 and head.endswith(":"):
+        head = text[1].strip()
+    return head if len(head) <= 300 else head[:297] + "..."
+
+
+def _agree(group, status: str) -> list[str]:
+    got: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, status, group=group)
+    return got
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, want64: torch.Tensor | None) -> tuple[float, bool]:
+    """(max |got - want| / max |want|, whether that is within tolerance): within ``TOL`` of the unmodified fp32
+    model's result ``want``, or of the fp64 result ``want64`` beyond twice the unmodified fp32 model's own distance
+    from it (for a tensor whose fp32 rounding alone is near ``TOL``, e.g. after a cancellation). Relative to the
+    largest element."""
+    rel = _rel(got, want)
+    if rel <= TOL:
+        return rel, True
+    if want64 is None:
+        return rel, False
+    return rel, _rel(got, want64) <= 2 * _rel(want, want64) + TOL
+
+
+def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outcome:
+    import feplb.hf as fh
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+    seed = 7 + rank
+    try:
+        model = tiny_model(arch)
+        ref = copy.deepcopy(model)
+        want = _run(ref, ids, seed)
+        built = f"{type(model).__name__}"
+        err = ""
+    except Exception as e:  # the tiny-config recipe's limit: reported, never a FEPLB outcome
+        err = f"{type(e).__name__}: {_first_line(e)}"
+    # Every rank goes on to the collective apply only if every rank built and ran its model.
+    errs = [e for e in _agree(group, err) if e]
+    if errs:
+        return Outcome(arch, "not built", errs[0])
+    # The same model in fp64, for tensors whose fp32 rounding alone exceeds TOL (see _close); None where the
+    # architecture does not run in fp64 (every rank alike: same model).
+    try:
+        ref64 = copy.deepcopy(model).double()
+        if hasattr(ref64, "set_experts_implementation"):
+            ref64.set_experts_implementation("eager")   # the default, torch._grouped_mm, has no fp64
+        want64, grads64 = _run(ref64, ids, seed), _grads(ref64)
+    except Exception:
+        want64, grads64 = None, {}
+    kinds = sorted({type(m).__name__ for _, m in fh._candidates(model)})
+    try:
+        names = fh.apply(model, group=group, **overrides)
+    except ValueError as e:
+        status = "no experts" if "found no experts module" in str(e) else "refused"
+        return Outcome(arch, status, _first_line(e) if status == "refused" else ", ".join(kinds) or built)
+    try:
+        got = _run(model, ids, seed)
+        fh.reduce_replica_grads(model)
+        worst, ok = _close(got, want, want64)
+        bad = [] if ok else ["logits"]
+        ref_grads = _grads(ref)
+        expert_ids = {id(p) for p in fh.expert_parameters(model)}
+        missing = []
+        for n, p in model.named_parameters():
+            g_ref, g64 = ref_grads[n], grads64.get(n)
+            if (p.grad is None) != (g_ref is None):
+                missing.append(n)
+                continue
+            if g_ref is None:
+                continue
+            if id(p) in expert_ids:
+                # the unmodified model's gradient over every rank's input, this rank's slice
+                L = p.shape[0]
+                both = torch.stack([g_ref, g64.to(g_ref.dtype)]) if g64 is not None else g_ref[None].clone()
+                dist.all_reduce(both, group=group)
+                g_ref = both[0, rank * L:(rank + 1) * L]
+                g64 = both[1, rank * L:(rank + 1) * L] if g64 is not None else None
+            rel, ok = _close(p.grad, g_ref, g64)
+            worst = max(worst, rel)
+            if not ok:
+                bad.append(n)
+        # An experts module no token of this input reached (e.g. a multimodal model's vision experts) has no stats.
+        moved = sum(m.last_stats.rows_moved for m in fh.experts_modules(model) if m.last_stats is not None)
+        idle = sum(m.last_stats is None for m in fh.experts_modules(model))
+        lost = f"gradient of {', '.join(missing[:3])} missing on one side" if missing else ""
+        mine = ("", worst, moved, lost or (f"{', '.join(bad[:3])} differ by up to {worst:.2e}" if bad else ""), idle)
+    except Exception as e:
+        mine = (f"{type(e).__name__}: {_first_line(e)}", 0.0, 0, "", 0)
+    ranks = _agree(group, mine)
+    rows = sum(r[2] for r in ranks)
+    failed = [r[0] for r in ranks if r[0]]
+    if failed:
+        return Outcome(arch, "error", failed[0], len(names), rows)
+    worst = max(r[1] for r in ranks)
+    wrong = [r[3] for r in ranks if r[3]]
+    if wrong:
+        return Outcome(arch, "WRONG", wrong[0], len(names), rows, worst)
+    idle = min(r[4] for r in ranks)
+    detail = f"{built} ({', '.join(kinds)})"
+    if idle:
+        detail += (f"; {idle} of {len(names)} experts modules took no token of the text input (modality experts: "
+                   "every EP rank must run them in every forward)")
+    return Outcome(arch, "exact", detail, len(names), rows, worst, idle)
+
+
+def check(archs: list[str] | None = None, group=None, **overrides: Any) -> list[Outcome]:
+    """Run every architecture of ``archs`` (default :func:`moe_architectures`) unmodified and with FEPLB on the
+    ranks of ``group`` (collective: every rank calls it with the same list), and return their outcomes.
+
+    overrides: :func:`feplb.hf.apply`'s config overrides (default: ``feplb-split`` balancing between 2 GPUs per
+    node, any imbalance moved, 1-row chunks)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    cfg = dict(policy="feplb-split", gpus_per_node=min(2, world), min_chunk=1, plan_wait_ms=60_000,
+               min_straggler_rows=0)
+    cfg.update(overrides)
+    out = []
+    for arch in archs if archs is not None else moe_architectures():
+        out.append(_check_one(arch, rank, world, group, cfg))
+    return out
+
+
+def _worker(rank: int, world: int, archs: list[str] | None, overrides: dict) -> list[dict]:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()   # tiny configs draw warnings (rope scaling, kernels falling back) by the dozen
+    # Plain dicts: run_dist's children load this module under another name, whose classes the parent cannot unpickle.
+    return [dataclasses.asdict(o) for o in check(archs, **overrides)]
+
+
+_ORDER = ("WRONG", "error", "exact", "refused", "no experts", "not built")
+
+
+def _sorted(outcomes: list[Outcome]) -> list[Outcome]:
+    return sorted(outcomes, key=lambda o: (_ORDER.index(o.status), o.arch))
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    """One line: how many architectures ended in each outcome."""
+    counts = {s: sum(o.status == s for o in outcomes) for s in _ORDER}
+    return f"{len(outcomes)} architectures: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """A plain-text table, defects first."""
+    rows = [(o.arch, o.status, str(o.replaced), str(o.rows_moved), f"{o.max_rel:.1e}" if o.replaced else "-",
+             o.detail) for o in _sorted(outcomes)]
+    head = ("architecture", "outcome", "replaced", "rows moved", "max rel diff", "detail")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5] for r in [head, *rows]]
+    return "\n".join(lines)
+
+
+def markdown(outcomes: list[Outcome], meta: dict) -> str:
+    """The outcomes as a Markdown document: how they were obtained, a summary line, and the table."""
+    esc = lambda text: text.replace("|", "\\|")   # noqa: E731
+    lines = [
+        "# transformers MoE architectures under feplb.hf",
+        "",
+        f"Produced by `{meta['command']}` on {meta['date']} ({meta['machine']}; transformers {meta['transformers']}, "
+        f"torch {meta['torch']}, Python {meta['python']}; {meta['wall_s']} s). Each architecture is a tiny random "
+        "model (2 layers, 2 attention heads, 8 experts, top-2, vocabulary 64, every other field at its default) "
+        f"built from its own config class, run unmodified and with "
+        f"`feplb.hf.apply` on {meta['ranks']} gloo processes ({meta['gpus_per_node']} per modelled node, policy "
+        f"`{meta['policy']}`). **exact**: logits and every gradient within {meta['tolerance']:g} of the unmodified "
+        "model's (relative to each tensor's largest element), or within that of the fp64 result beyond twice the "
+        "unmodified fp32 model's own error. **refused**: what `feplb.hf.apply` refuses, and why. **not built**: "
+        "this tiny recipe could not build or run the architecture unmodified (nothing is said about FEPLB).",
+        "",
+        summary(outcomes) + ".",
+        "",
+        "| architecture | outcome | experts modules replaced | rows moved | max rel. diff | detail |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for o in _sorted(outcomes):
+        rel = f"{o.max_rel:.1e}" if o.replaced else "-"
+        lines.append(f"| `{o.arch}` | {o.status} | {o.replaced} | {o.rows_moved} | {rel} | {esc(o.detail)} |")
+    return "\n".join(lines) + "\n"

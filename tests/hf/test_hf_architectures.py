@@ -1,0 +1,179 @@
+"""Every MoE architecture of the installed transformers under feplb.hf (``feplb.hfcheck``, ``feplb hf-check``): tiny
+random models of each, run unmodified and with FEPLB on 2 gloo ranks (rows moving between the node's two "GPUs"),
+end exact or refused with a reason, never wrong; the architectures known to work stay exact and those known to be
+unsupported stay refused; the check itself reports a defect it is shown (outputs perturbed, a forward that raises);
+``feplb.hf.supported`` says what ``apply`` would do without a process group; the CLI writes its table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5")
+
+from feplb.testing import run_dist  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+# Architectures whose experts FEPLB runs, and why others are refused: kept exact / refused as transformers changes
+# (checked where the installed transformers has them).
+KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
+               "minimax", "phimoe", "granitemoe", "jamba", "hunyuan_v1_moe", "ernie4_5_moe", "dots1", "flex_olmo",
+               "qwen3_vl_moe", "cohere2_moe", "aria")   # aria: weights stored [in, out] (is_transposed=True)
+KNOWN_REFUSED = {"gpt_oss": "bias terms", "llama4": "forward(hidden_states)"}
+
+
+def _survey(rank: int, world: int) -> list[dict]:
+    from feplb import hfcheck
+
+    return hfcheck._worker(rank, world, None, {})
+
+
+@pytest.fixture(scope="module")
+def survey():
+    from feplb.hfcheck import Outcome
+
+    ranks = run_dist(_survey, 2, timeout_s=900, collective_timeout_s=120)
+    assert ranks[0] == ranks[1], "the ranks returned different outcomes"
+    return {d["arch"]: Outcome(**d) for d in ranks[0]}
+
+
+def test_every_architecture_is_exact_or_refused_never_wrong(survey):
+    from feplb.hfcheck import TOL
+
+    assert len(survey) >= 30, sorted(survey)   # the scan of transformers' modeling code finds its MoE models
+    defects = {a: (o.status, o.detail) for a, o in survey.items() if o.defect}
+    assert not defects, defects
+    exact = [o for o in survey.values() if o.status == "exact"]
+    assert len(exact) >= 20, [o.arch for o in exact]
+    for o in exact:
+        assert o.replaced >= 1, o
+        assert 0.0 <= o.max_rel <= 1e-3, o    # beyond TOL only where the fp64 comparison vouched for it
+    assert sum(o.max_rel <= TOL for o in exact) >= 0.9 * len(exact)
+    # balancing really moved rows: on most architectures (a tiny model's routing may happen to be even)
+    assert sum(o.rows_moved > 0 for o in exact) >= 0.8 * len(exact), [(o.arch, o.rows_moved) for o in exact]
+    for o in survey.values():
+        if o.status == "refused":
+            assert "(" in o.detail and "):" in o.detail, o     # names the module and its class, then why
+        if o.status in ("refused", "no experts", "not built"):
+            assert o.replaced == 0 and o.rows_moved == 0, o
+
+
+def test_known_architectures_keep_their_outcome(survey):
+    for arch in KNOWN_EXACT:
+        if arch in survey:
+            assert survey[arch].status == "exact", survey[arch]
+    for arch, why in KNOWN_REFUSED.items():
+        if arch in survey:
+            assert survey[arch].status == "refused" and why in survey[arch].detail, survey[arch]
+    present = [a for a in KNOWN_EXACT if a in survey]
+    assert len(present) >= len(KNOWN_EXACT) // 2, present
+
+
+def _defects(rank: int, world: int) -> dict:
+    import feplb.hf as fh
+    from feplb import hfcheck
+
+    original = fh.FEPLBExperts.forward
+    out = {}
+    try:
+        def perturbed(self, hidden_states, top_k_index, top_k_weights):
+            return original(self, hidden_states, top_k_index, top_k_weights) * (1 + 1e-3)
+
+        fh.FEPLBExperts.forward = perturbed
+        out["perturbed"] = hfcheck.check(["mixtral"])[0]
+
+        def lost_token(self, hidden_states, top_k_index, top_k_weights):
+            y = original(self, hidden_states, top_k_index, top_k_weights)
+            return torch.cat([y[:-1], torch.zeros_like(y[-1:])])   # one token's experts dropped
+
+        fh.FEPLBExperts.forward = lost_token
+        out["dropped"] = hfcheck.check(["qwen3_moe"])[0]
+
+        def raising(self, hidden_states, top_k_index, top_k_weights):
+            raise RuntimeError("a forward that fails")
+
+        fh.FEPLBExperts.forward = raising
+        out["raising"] = hfcheck.check(["olmoe"])[0]
+    finally:
+        fh.FEPLBExperts.forward = original
+    out["restored"] = hfcheck.check(["mixtral"])[0]
+    return {k: vars(v) for k, v in out.items()}
+
+
+def test_the_check_reports_defects():
+    ranks = run_dist(_defects, 2, timeout_s=300, collective_timeout_s=60)
+    for res in ranks:
+        assert res["perturbed"]["status"] == "WRONG" and res["perturbed"]["max_rel"] > 1e-4, res["perturbed"]
+        assert res["dropped"]["status"] == "WRONG", res["dropped"]
+        assert res["raising"]["status"] == "error" and "a forward that fails" in res["raising"]["detail"], res
+        assert res["restored"]["status"] == "exact", res["restored"]
+
+
+def test_supported_says_what_apply_would_do_without_a_process_group():
+    import feplb.hf as fh
+    from feplb.hfcheck import tiny_model
+
+    model = tiny_model("mixtral")
+    got = fh.supported(model)
+    assert got and all(why is None for why in got.values()), got
+    assert set(got) == {n for n, m in model.named_modules() if type(m).__name__ == "MixtralExperts"}
+    assert all("not divisible" in why for why in fh.supported(model, ep_size=3).values())
+    assert all(why is None for why in fh.supported(model, ep_size=4, policy="eplb").values())
+    bad = fh.supported(model, policy="no-such-policy")
+    assert all(why.startswith("FEPLBConfig:") for why in bad.values()), bad
+    with pytest.raises(TypeError, match="unknown FEPLBConfig field"):
+        fh.supported(model, no_such_field=1)
+    with pytest.raises(ValueError, match="ep_size"):
+        fh.supported(model, ep_size=0)
+    aria = tiny_model("aria")   # is_transposed=True: gate_up_proj [E, H, 2F], down_proj [E, F, H]
+    assert aria.model.layers[0].mlp.experts.is_transposed
+    assert all(why is None for why in fh.supported(aria).values())
+    refused = fh.supported(tiny_model("gpt_oss"))
+    assert refused and all(why and "bias terms" in why for why in refused.values()), refused
+    assert fh.supported(torch.nn.Linear(4, 4)) == {}
+    # nothing was replaced or changed
+    assert not fh.experts_modules(model) and type(model.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
+
+
+def test_tiny_models_are_tiny_deterministic_and_hold_experts():
+    from feplb.hfcheck import tiny_model
+
+    a, b = tiny_model("qwen3_moe", seed=3), tiny_model("qwen3_moe", seed=3)
+    assert a.training and a.config.num_hidden_layers == 2 and a.config.hidden_size <= 256
+    assert sum(p.numel() for p in a.parameters()) < 5_000_000
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), tiny_model("qwen3_moe", seed=4).parameters(),
+                                                       strict=True))
+    experts = [m for m in a.modules() if type(m).__name__ == "Qwen3MoeExperts"]
+    assert experts and experts[0].gate_up_proj.shape[0] == 8
+
+
+def test_cli_writes_the_table(tmp_path, capsys):
+    from feplb.cli import main
+
+    md, js = tmp_path / "hf.md", tmp_path / "hf.json"
+    assert main(["hf-check", "mixtral", "gpt_oss", "--markdown", str(md), "--json", str(js)]) == 0
+    printed = capsys.readouterr().out
+    assert "mixtral" in printed and "2 architectures: 1 exact, 1 refused" in printed, printed
+    text = md.read_text()
+    assert "| `mixtral` | exact | 2 |" in text and "| `gpt_oss` | refused | 0 |" in text, text
+    doc = json.loads(js.read_text())
+    assert doc["meta"]["ranks"] == 2 and doc["meta"]["command"].startswith("feplb hf-check mixtral")
+    assert [o["status"] for o in doc["outcomes"]] == ["exact", "refused"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["no_such_arch"], "unknown transformers model type"),
+    (["mixtral", "--ranks", "3", "--gpus-per-node", "2"], "must divide --ranks"),
+    (["mixtral", "--policy", "nope"], "--policy nope"),
+    (["mixtral", "--markdown", "/no/such/folder/x.md"], "does not exist"),
+])
+def test_cli_refuses_bad_input_before_starting(argv, message, capsys):
+    from feplb.cli import main
+
+    assert main(["hf-check", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
