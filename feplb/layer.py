@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -85,6 +86,7 @@ def _refreshed() -> RuntimeError:
 
 # The next layer number (MoELayer.layer_id) of this process.
 _NEXT_LAYER_ID = 0
+_LAYER_ID_LOCK = threading.Lock()
 
 
 class MoELayer(nn.Module):
@@ -136,7 +138,8 @@ class MoELayer(nn.Module):
         got = self.control.all_gather(torch.tensor([_NEXT_LAYER_ID], dtype=torch.int64),
                                       "agreement on the layer number")
         self.layer_id = int(got.max())
-        _NEXT_LAYER_ID = self.layer_id + 1
+        with _LAYER_ID_LOCK:   # layers of other groups may be built on other threads meanwhile
+            _NEXT_LAYER_ID = max(_NEXT_LAYER_ID, self.layer_id + 1)
         if c.num_experts % W:
             raise ValueError(f"FEPLBConfig.num_experts ({c.num_experts}) must be divisible by the EP group size ({W})")
         L = self.num_local = c.num_experts // W
@@ -411,12 +414,16 @@ class MoELayer(nn.Module):
             recs.mask(lambda rec, n: rec.kind == "no_grad" and current(rec)),
             recs.mask(lambda rec, n: not current(rec) and equal(rec)),
         ]
-        row = torch.tensor([*masks, int(frame is not None), int(hooks_active()), recs.first_seq(), len(recs)],
-                           dtype=torch.int64)
+        row = torch.tensor([*masks, int(frame is not None), int(hooks_active()), recs.first_seq(), len(recs),
+                            self.layer_id], dtype=torch.int64)
         rows = self.control.all_gather(row, "recompute: finding the recorded forward").numpy()
+        if len({int(r[8]) for r in rows}) != 1:
+            raise RuntimeError(f"MoELayer: the EP ranks recompute different MoE layers at once (layer number per EP "
+                               f"rank: {rows[:, 8].tolist()}); every rank must run the backward of every MoE layer, "
+                               "in the same order")
         if len({tuple(int(v) for v in r[4:]) for r in rows}) != 1:
             raise RuntimeError(f"MoELayer: the ranks recompute differently or hold different forward records "
-                               f"(frame, hooks, first, count: {[[int(v) for v in r[4:]] for r in rows]}); every "
+                               f"(frame, hooks, first, count: {[[int(v) for v in r[4:8]] for r in rows]}); every "
                                "rank must run the same forwards and checkpoint them alike")
         by_frame, hooks, no_grad, older = (int(np.bitwise_and.reduce(rows[:, i])) for i in range(4))
         if by_frame:

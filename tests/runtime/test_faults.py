@@ -151,6 +151,19 @@ def _fault_worker(rank, world):
     with torch.no_grad():
         res["mixed_after_same"] = torch.equal(layer(x), want)
 
+    # Two checkpointed layers whose recomputes run in another order on rank 1 (separate backward calls): an error on
+    # every rank, instead of one layer's recompute replaying the other's rows.
+    from torch.utils.checkpoint import checkpoint
+
+    first, _ = _layer(rank, world, 3, policy="none")
+    second, _ = _layer(rank, world, 4, policy="none")
+    la = checkpoint(first, x.clone().requires_grad_(), use_reentrant=False).square().sum()
+    lb = checkpoint(second, x.clone().requires_grad_(), use_reentrant=False).square().sum()
+    order = (lb, la) if rank == 1 else (la, lb)
+    res["recompute_order"] = error_of(lambda: [loss.backward() for loss in order])
+    with torch.no_grad():
+        res["recompute_after_same"] = torch.equal(layer(x), want)
+
     # A stalled peer (rank 3 stops calling): the others time out naming the operation, no hang.
     if rank == 3:
         return res
@@ -184,6 +197,9 @@ def test_faults_and_bad_input():
             assert res["no_gpu"].startswith("RuntimeError") and "needs a CUDA GPU" in res["no_gpu"], res["no_gpu"]
         assert res["mixed"].startswith("RuntimeError") and "different MoE layers" in res["mixed"], res["mixed"]
         assert res["mixed_after_same"], rank
+        assert res["recompute_order"] is not None and "recompute different MoE layers" in res["recompute_order"], \
+            res["recompute_order"]
+        assert res["recompute_after_same"], rank
         if rank != 3:
             assert res["stall"] is not None and "all_gather of expert counts" in res["stall"], res["stall"]
             assert res["stall"].startswith(("TimeoutError", "RuntimeError")), res["stall"]
