@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,9 @@ class FEPLBConfig:
     """Configuration of one MoE layer (identical on every rank of the EP group; checked at construction).
 
     hidden, ffn: H and F of the SwiGLU experts. num_experts: E (divisible by the EP group size). top_k: K.
+    swiglu_limit: None (SwiGLU, silu(gate) * up) or a finite limit > 0: the clamped SwiGLU
+        silu(min(gate, limit)) * clamp(up, -limit, limit) of DeepSeek-V4's experts (Megatron's
+        ``activation_func_clamp_value``).
     router: "softmax" (gate = softmax probability), "sigmoid" (gate = sigmoid, normalised over the top-k), or
         "external" (no router parameter: every forward takes ``routing=(topk_ids, topk_weights)``).
     router_bias: a per-expert bias buffer added to the scores for expert SELECTION only (auxiliary-loss-free
@@ -67,6 +71,7 @@ class FEPLBConfig:
     top_k: int
     router: str = "softmax"
     router_bias: bool = False
+    swiglu_limit: float | None = None
     gpus_per_node: int = 1
     dyn: int = 4
     policy: str = "feplb"
@@ -117,6 +122,10 @@ class FEPLBConfig:
                                                   and 0 <= self.plan_wait_ms < float("inf")):
             raise ValueError(f"FEPLBConfig.plan_wait_ms must be None or a finite number >= 0, got "
                              f"{self.plan_wait_ms!r}")
+        lim = self.swiglu_limit
+        if lim is not None and (isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim)
+                                or lim <= 0):
+            raise ValueError(f"FEPLBConfig.swiglu_limit must be None or a finite number > 0, got {lim!r}")
         from feplb.sched.cost import CostModel
 
         if self.cost is not None and not isinstance(self.cost, CostModel):

@@ -533,8 +533,8 @@ class MoELayer(nn.Module):
     def _static_gemm(self, h_RD: torch.Tensor, home: HomeLayout, slot_w) -> torch.Tensor:
         """Step 6: the static block of home order through all slot weights (the dynamic slots given empty groups,
         so no weight is gathered)."""
-        return expert_mlp(h_RD[:home.n_static], *slot_w.gemm(), to_device(np.cumsum(home.static_L),
-                                                                                   h_RD.device))
+        return expert_mlp(h_RD[:home.n_static], *slot_w.gemm(), to_device(np.cumsum(home.static_L), h_RD.device),
+                          self.config.swiglu_limit)
 
     def _split(self, counts: Counts) -> Split:
         """Step 3: this micro-batch's dynamic experts (before the static GEMM; identical everywhere) and the home

@@ -23,7 +23,14 @@ from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, MAX_EXPERTS, check_rows, check_tensor
 from ._triton import use_triton
-from .activation import check_swiglu_input, swiglu_bwd_ref, swiglu_bwd_triton, swiglu_ref, swiglu_triton
+from .activation import (
+    check_swiglu_input,
+    check_swiglu_limit,
+    swiglu_bwd_ref,
+    swiglu_bwd_triton,
+    swiglu_ref,
+    swiglu_triton,
+)
 from .grouped_gemm import (
     check_grouped_mm_inputs,
     grouped_mm_dw_ref,
@@ -393,52 +400,58 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
 
 # ---------------------------------------------------------------------------------------------------- swiglu
 
-def _swiglu_impl(h_M2F: Tensor) -> Tensor:
+def _swiglu_impl(h_M2F: Tensor, limit: float | None = None) -> Tensor:
     if use_triton(h_M2F):
-        return swiglu_triton(h_M2F)
-    return swiglu_ref(h_M2F)
+        return swiglu_triton(h_M2F, limit)
+    return swiglu_ref(h_M2F, limit)
 
 
-def _swiglu_fake(h_M2F):
+def _swiglu_fake(h_M2F, limit=None):
     check_swiglu_input(h_M2F)
     return h_M2F.new_empty(h_M2F.shape[0], h_M2F.shape[1] // 2)
 
 
-def _swiglu_bwd_impl(grad_MF: Tensor, h_M2F: Tensor) -> Tensor:
+def _swiglu_bwd_impl(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None) -> Tensor:
     if use_triton(h_M2F):
-        return swiglu_bwd_triton(grad_MF, h_M2F)
-    return swiglu_bwd_ref(grad_MF, h_M2F)
+        return swiglu_bwd_triton(grad_MF, h_M2F, limit)
+    return swiglu_bwd_ref(grad_MF, h_M2F, limit)
 
 
-def _swiglu_bwd_fake(grad_MF, h_M2F):
+def _swiglu_bwd_fake(grad_MF, h_M2F, limit=None):
     return torch.empty_like(h_M2F)
 
 
-_SWIGLU = _operator("swiglu(Tensor h_M2F) -> Tensor", _swiglu_impl, _swiglu_fake)
-_SWIGLU_BWD = _operator("swiglu_bwd(Tensor grad_MF, Tensor h_M2F) -> Tensor", _swiglu_bwd_impl, _swiglu_bwd_fake)
+_SWIGLU = _operator("swiglu(Tensor h_M2F, float? limit=None) -> Tensor", _swiglu_impl, _swiglu_fake)
+_SWIGLU_BWD = _operator("swiglu_bwd(Tensor grad_MF, Tensor h_M2F, float? limit=None) -> Tensor", _swiglu_bwd_impl,
+                        _swiglu_bwd_fake)
 
 
 def _swiglu_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
+    ctx.limit = inputs[1]
 
 
 def _swiglu_backward(ctx, grad_MF: Tensor):
     (h_M2F,) = ctx.saved_tensors
-    return _below_autograd(_SWIGLU_BWD, grad_MF.contiguous(), h_M2F)
+    return _below_autograd(_SWIGLU_BWD, grad_MF.contiguous(), h_M2F, ctx.limit), None
 
 
 _SwiGLU = _differentiable(_SWIGLU, _swiglu_setup, _swiglu_backward)
 
 
-def swiglu(h_M2F: Tensor) -> Tensor:
-    """SwiGLU: out_MF = silu(h[:, :F]) * h[:, F:], computed in fp32.
+def swiglu(h_M2F: Tensor, limit: float | None = None) -> Tensor:
+    """SwiGLU: out_MF = silu(h[:, :F]) * h[:, F:], computed in fp32; with ``limit``, the clamped SwiGLU
+    silu(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4's experts, Megatron's
+    ``activation_func_clamp_value``).
 
     Args:
         h_M2F: float [M, 2F], contiguous (gate columns first, then up).
+        limit: None, or a finite number > 0.
 
     Returns:
         out_MF [M, F] in h's dtype; differentiable.
     """
     check_swiglu_input(h_M2F)
+    check_swiglu_limit(limit)
     check_rows("h_M2F", h_M2F.shape[0], "M")
-    return _apply(_SwiGLU, _SWIGLU, h_M2F)
+    return _apply(_SwiGLU, _SWIGLU, h_M2F, None if limit is None else float(limit))

@@ -75,8 +75,10 @@ def unpermute_f64(y_MD, dst_idx_TK, w_TK):
     return (w_TK.double()[:, :, None] * y_MD.double()[dst_idx_TK.long()]).sum(1)
 
 
-def swiglu_f64(h_M2F):
+def swiglu_f64(h_M2F, limit=None):
     gate, up = h_M2F.double().chunk(2, dim=1)
+    if limit is not None:   # torch.clamp: its gradient passes where the input lies within the bounds, included
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return gate / (1 + torch.exp(-gate)) * up
 
 

@@ -63,8 +63,10 @@ def test_opcheck(impl, gen, kh):
         (torch.ops.feplb.grouped_mm.default, (x_MD, w1, meta.offsets_E, True)),
         (torch.ops.feplb.grouped_mm.default, (x_MD, w1, meta.offsets_E.long(), False)),
         (torch.ops.feplb.grouped_mm_dw.default, (x_MD.detach(), h.detach(), meta.offsets_E)),
-        (torch.ops.feplb.swiglu.default, (h,)),
-        (torch.ops.feplb.swiglu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach())),
+        (torch.ops.feplb.swiglu.default, (h, None)),
+        (torch.ops.feplb.swiglu.default, (h, 0.5)),
+        (torch.ops.feplb.swiglu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), None)),
+        (torch.ops.feplb.swiglu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), 0.5)),
     ]
     with impl_context(impl):
         for op, args in cases:
@@ -76,7 +78,13 @@ def test_gradcheck_expert_block(gen, kh):
     assert torch.autograd.gradcheck(lambda *a: expert_block(*a, ids, E), (x, w, w1, w2))
 
 
-@pytest.mark.parametrize("op", ["permute", "unpermute", "grouped_mm", "swiglu"])
+def _off_corners(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """h with every element at least 0.05 away from +-limit (gradcheck perturbs by 1e-6)."""
+    near = (h.abs() - limit).abs() < 0.05
+    return torch.where(near, h * 0.5, h)
+
+
+@pytest.mark.parametrize("op", ["permute", "unpermute", "grouped_mm", "swiglu", "swiglu_clamped"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gradcheck_ops(impl, op, gen, kh):
     """Each op's backward in float64; fast mode, because every evaluation runs the interpreter."""
@@ -89,6 +97,10 @@ def test_gradcheck_ops(impl, op, gen, kh):
         "unpermute": (lambda y, w: fk.unpermute(y, meta, w), (y, w)),
         "grouped_mm": (lambda y, w1: fk.grouped_mm(y, w1, meta.offsets_E), (y, w1)),
         "swiglu": (fk.swiglu, (torch.randn(M, 6, dtype=torch.float64, generator=gen).to(x.device).requires_grad_(),)),
+        # inputs away from the clamps' corners (where the derivative jumps, which finite differences cannot take)
+        "swiglu_clamped": (lambda h: fk.swiglu(h, 0.75),
+                           (_off_corners(torch.randn(M, 6, dtype=torch.float64, generator=gen), 0.75)
+                            .to(x.device).requires_grad_(),)),
     }
     fn, args = fns[op]
     with impl_context(impl):

@@ -192,20 +192,30 @@ def test_grouped_mm_kernels_strided_inputs(gen, kh):
     kh.close(dw.cpu(), kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu()), torch.float32, scale=20.0)
 
 
+@pytest.mark.parametrize("limit", [None, 2.5], ids=["plain", "clamped"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_swiglu_kernels(dtype, gen, kh):
+def test_swiglu_kernels(dtype, limit, gen, kh):
     M, F = 70, 150  # spans row and column blocks with remainders
-    h = (torch.randn(M, 2 * F, generator=gen) * 3).to(dtype).to(DEVICE)
+    h = (torch.randn(M, 2 * F, generator=gen) * 3).to(dtype)
+    if limit is not None:   # about a third of the gates and ups beyond the limit, and some exactly on it
+        h[::7, ::5] = limit
+        h[3::7, ::5] = -limit
+        assert (h[:, :F] > limit).any() and (h[:, F:].abs() > limit).any()
+    h = h.to(DEVICE)
     g = torch.randn(M, F, generator=gen).to(dtype).to(DEVICE)
     with poison_outputs():
-        out = swiglu_triton(h)
-        dh = swiglu_bwd_triton(g, h)
-    kh.close(out.cpu(), swiglu_ref(h).cpu(), dtype, scale=4.0)
-    kh.close(out.cpu(), kh.swiglu_f64(h.cpu()), dtype, scale=4.0)
-    kh.close(dh.cpu(), swiglu_bwd_ref(g, h).cpu(), dtype, scale=4.0)
+        out = swiglu_triton(h, limit)
+        dh = swiglu_bwd_triton(g, h, limit)
+    kh.close(out.cpu(), swiglu_ref(h, limit).cpu(), dtype, scale=4.0)
+    kh.close(out.cpu(), kh.swiglu_f64(h.cpu(), limit), dtype, scale=4.0)
+    kh.close(dh.cpu(), swiglu_bwd_ref(g, h, limit).cpu(), dtype, scale=4.0)
     h64 = h.cpu().double().requires_grad_()
-    (dh_f64,) = torch.autograd.grad(kh.swiglu_f64(h64), h64, g.cpu().double())
+    (dh_f64,) = torch.autograd.grad(kh.swiglu_f64(h64, limit), h64, g.cpu().double())
     kh.close(dh.cpu(), dh_f64, dtype, scale=8.0)
+    if limit is not None:   # the clamps' flat parts pass no gradient
+        gate, up = h.cpu().double().chunk(2, dim=1)
+        assert (dh.cpu()[:, :F][gate > limit] == 0).all() and (dh.cpu()[:, F:][up.abs() > limit] == 0).all()
+        assert (dh.cpu()[:, :F][gate <= limit] != 0).any()
 
 
 def _block_shapes(configs):
