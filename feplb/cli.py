@@ -503,7 +503,7 @@ def _run_hf_check(args: argparse.Namespace) -> int:
 
     from feplb import hfcheck
     from feplb.config import FEPLBConfig
-    from feplb.testing import run_dist
+    from feplb.testing import DistError, run_dist
 
     major = transformers.__version__.split(".")[0]
     if not major.isdigit() or int(major) < 5:
@@ -514,9 +514,14 @@ def _run_hf_check(args: argparse.Namespace) -> int:
     if unknown:
         raise UsageError(f"unknown transformers model type(s) {unknown} (transformers {transformers.__version__}); "
                          f"its MoE architectures: {' '.join(hfcheck.moe_architectures())}")
+    experts = hfcheck.TINY["num_experts"]
+    if experts % args.ranks:
+        raise UsageError(f"--ranks {args.ranks} must divide the tiny models' {experts} experts")
     gpn = args.gpus_per_node or min(2, args.ranks)
     if args.ranks % gpn:
         raise UsageError(f"--gpus-per-node {gpn} must divide --ranks {args.ranks}")
+    if args.markdown and args.json and Path(args.markdown).resolve() == Path(args.json).resolve():
+        raise UsageError(f"--markdown and --json name the same file {args.markdown}")
     outs = [check_output(f, opt) for f, opt in ((args.markdown, "--markdown"), (args.json, "--json")) if f]
     archs = list(dict.fromkeys(args.archs)) or hfcheck.moe_architectures()
     overrides = {"policy": args.policy, "gpus_per_node": gpn}
@@ -527,8 +532,13 @@ def _run_hf_check(args: argparse.Namespace) -> int:
     print(f"feplb hf-check: {len(archs)} architecture(s) of transformers {transformers.__version__} on "
           f"{args.ranks} gloo process(es), {gpn} per node, policy {args.policy}", file=sys.stderr)
     t0 = time.perf_counter()
-    got = run_dist(hfcheck._worker, args.ranks, archs, overrides,
-                   timeout_s=args.timeout or 120 + 20 * len(archs), collective_timeout_s=120)
+    try:
+        got = run_dist(hfcheck._worker, args.ranks, archs, overrides,
+                       timeout_s=args.timeout or 120 + 20 * len(archs), collective_timeout_s=120)
+    except DistError as err:   # a rank crashed or the run timed out: nothing was written
+        lines = str(err).splitlines()
+        raise UsageError(f"the check's processes failed, nothing written: {lines[1] if len(lines) > 1 else err}") \
+            from err
     wall = time.perf_counter() - t0
     outcomes = [hfcheck.Outcome(**d) for d in got[0]]
     meta = {"transformers": transformers.__version__, "torch": torch.__version__,

@@ -29,7 +29,7 @@ __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "aver
 
 # FEPLBConfig fields an adapter's apply() reads off the module, its config and router (or takes as its own
 # argument); overriding them is an error.
-DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "dtype")
+DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "dtype", "swiglu_limit")
 
 
 def overrides_problem(overrides: dict[str, Any]) -> str | None:
@@ -242,7 +242,8 @@ def refresh_replicas(model: nn.Module) -> None:
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The model's state dict with every FEPLB layer's expert shards gathered back into the original names and
-    shapes (with transformers ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F]; with torchtitan
+    shapes (with transformers ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F], or [E, H, 2F] and [E, F, H]
+    where the module was ``is_transposed``; with torchtitan
     ``w1_EFD`` [E, F, D], ``w2_EDF`` [E, D, F] and ``w3_EFD`` [E, F, D]; with Megatron-Core the model with
     ``expert_model_parallel_size=1``: every expert's ``local_experts.{j}`` or ``linear_fc1.weight{j}`` ... under its
     global index j, the legacy GroupedMLP's ``weight1`` [H, E * 2F] and ``weight2`` [E * F, H]), ready for

@@ -32,6 +32,7 @@ Legend: T tokens on this rank, K top-k, H hidden, F expert ffn, E experts, W EP 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -85,10 +86,10 @@ class FEPLBExperts(MoELayer):
             raise ValueError(f"FEPLBExperts needs FEPLBConfig.router='external', got {config.router!r}")
         # Read by _init_experts, which MoELayer.__init__ calls before this constructor could set attributes.
         object.__setattr__(self, "_hf_full", (gate_up_proj, down_proj, group))
+        object.__setattr__(self, "is_transposed", bool(transposed))   # read by expert_weights()
         super().__init__(config, group)
         object.__delattr__(self, "_hf_full")
         self.hf_name = name
-        self.is_transposed = bool(transposed)
 
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
         gate_up_E, down_E, group = self._hf_full
@@ -151,6 +152,43 @@ def _is_silu(act: object) -> bool:
     return isinstance(act, SiLUActivation)
 
 
+# Where experts modules keep their clamped SwiGLU's limit (DeepSeek-V4: limit; GLM-5, Hunyuan-V4: swiglu_limit).
+_LIMIT_ATTRS = ("limit", "swiglu_limit", "clamp_limit")
+
+
+def _gate(module: nn.Module) -> tuple[str | None, float | None]:
+    """(why FEPLB cannot compute ``module``'s gate, or None; the clamped SwiGLU's limit, or None).
+
+    A module with its own ``_apply_gate`` runs if that gate computes what FEPLB's kernels do, plain SwiGLU or the
+    clamped SwiGLU at one of its limit attributes: checked by calling it on a probe of 4096 fp32 pairs (gates and
+    ups from well below -limit to well above +limit, and some on the bounds) against FEPLB's own SwiGLU."""
+    if not _custom_gate(module):
+        return None, None
+    from feplb.kernels.activation import swiglu_ref
+
+    limits = sorted({float(v) for v in (getattr(module, a, None) for a in _LIMIT_ATTRS)
+                     if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0})
+    span = 4 * max(limits, default=3.0)
+    gen = torch.Generator().manual_seed(0)
+    probe = (torch.rand(2048, 4, generator=gen, dtype=torch.float64) * 2 - 1) * span
+    probe[:16] = torch.tensor(limits or [1.0]).repeat(16 * 4)[:64].view(16, 4) * torch.tensor([1.0, -1.0, 1.0, -1.0])
+    probe = probe.float()
+    name = f"{type(module).__name__}._apply_gate"
+    try:
+        with torch.no_grad():
+            got = module._apply_gate(probe)
+    except Exception as e:  # a gate that cannot take [M, 2F] rows is not one FEPLB can stand in for
+        return f"a custom gating function ({name}) that fails on [rows, 2F] input ({type(e).__name__})", None
+    for limit in (None, *limits):
+        want = swiglu_ref(probe, limit)
+        if isinstance(got, torch.Tensor) and got.shape == want.shape and \
+                torch.allclose(got.float(), want, rtol=1e-6, atol=1e-6 * span):
+            return None, limit
+    tried = "silu(gate) * up" + (f" or its clamped form at limit {', '.join(f'{v:g}' for v in limits)}"
+                                 if limits else "")
+    return f"a custom gating function ({name}) that computes neither {tried}", None
+
+
 def _custom_gate(module: nn.Module) -> bool:
     gate = getattr(type(module), "_apply_gate", None)
     if gate is None:
@@ -183,8 +221,9 @@ def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | Non
         return "interleaved gate/up layout (is_concatenated=False); expected [gate | up] halves", {}
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert (has_post_expert_norm=True)", {}
-    if _custom_gate(module):
-        return f"a custom gating function ({type(module).__name__}._apply_gate); FEPLB computes silu(gate) * up", {}
+    why, limit = _gate(module)
+    if why is not None:
+        return why, {}
     # The call first: a module called otherwise (Llama 4's experts take router-scaled inputs) is refused for that.
     try:
         params = list(inspect.signature(module.forward).parameters.values())
@@ -210,7 +249,7 @@ def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | Non
                   "gate_up_proj [E, 2F, H] and down_proj [E, H, F]")
         return f"weight layout gate_up_proj {list(gu.shape)}, down_proj {list(dn.shape)}; expected {layout}", {}
     act = getattr(module, "act_fn", None)
-    if not _is_silu(act):
+    if not _custom_gate(module) and not _is_silu(act):   # a custom gate passed the probe in _gate itself
         return (f"activation {type(act).__name__ if act is not None else None} is not SiLU "
                 "(FEPLB computes SwiGLU experts: silu(gate) * up)"), {}
     cfg = _config_of(module, model)
@@ -228,7 +267,7 @@ def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | Non
     if E % world:
         return f"{E} experts are not divisible by the EP group size {world}", {}
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": top_k, "dtype": gu.dtype,
-                  "device": gu.device.type, "transposed": transposed}
+                  "device": gu.device.type, "swiglu_limit": limit, "transposed": transposed}
 
 
 def _version_hint() -> str:
@@ -244,10 +283,11 @@ def _version_hint() -> str:
 
 
 def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> dict[str, str | None]:
-    """What :func:`apply` would do to ``model`` on ``ep_size`` EP ranks, without a process group and without
-    changing it: ``{qualified name: None}`` for every experts module it would replace, ``{name: why not}`` for every
-    one it would refuse (the reason :func:`apply` gives). Empty when the model holds no experts module it recognises.
-    ``config_overrides`` are checked as :func:`apply` checks them."""
+    """What :func:`apply` would make of ``model`` on ``ep_size`` EP ranks, without a process group and without
+    changing it: ``{qualified name: None}`` for every experts module FEPLB can run, ``{name: why not}`` for every
+    one it cannot (the reason :func:`apply` gives). :func:`apply` replaces all of them or none: it raises unless
+    every value is None. Empty when the model holds no experts module it recognises. ``config_overrides`` are
+    checked as :func:`apply` checks them, ``gpus_per_node`` against ``ep_size`` included."""
     if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
         raise ValueError(f"ep_size: expected an int >= 1, got {ep_size!r}")
     problem = overrides_problem(config_overrides)
@@ -259,7 +299,10 @@ def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> di
         fields_of.pop("transposed", None)
         if why is None:
             cfg = layer_config(fields_of, config_overrides)
-            why = cfg if isinstance(cfg, str) else None
+            if isinstance(cfg, str):
+                why = cfg
+            elif ep_size % cfg.gpus_per_node:
+                why = f"gpus_per_node={cfg.gpus_per_node} does not divide the EP group size {ep_size}"
         out[name] = why
     return out
 
