@@ -67,7 +67,7 @@ def swiglu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None) -
     d_gate = g * up * sig * (1 + gate * (1 - sig))
     d_up = g * gate * sig
     if limit is not None:
-        d_gate, d_up = d_gate * gate_in, d_up * up_in
+        d_gate, d_up = torch.where(gate_in, d_gate, 0.0), torch.where(up_in, d_up, 0.0)
     return torch.cat([d_gate, d_up], dim=1).to(h_M2F.dtype)
 
 
@@ -78,24 +78,25 @@ _CONFIGS = autotune_configs(HOPPER_CONFIGS, dict(BLOCK_R=64, BLOCK_F=128))
 
 @triton.autotune(configs=_CONFIGS, key=["F"])
 @triton.jit
-def _swiglu_kernel(h_ptr, out_ptr, M, F, limit, ACC: tl.constexpr, CLAMP: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_F: tl.constexpr):
+def _swiglu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, ACC: tl.constexpr, CLAMP: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows < M)[:, None] & (cols < F)[None, :]
     base = h_ptr + rows[:, None] * (2 * F) + cols[None, :]
     gate = tl.load(base, mask=mask, other=0.0).to(ACC)
     up = tl.load(base + F, mask=mask, other=0.0).to(ACC)
-    if CLAMP:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
+    if CLAMP:   # torch.clamp's: NaN stays NaN (tl.minimum would return the limit)
+        lim = tl.cast(limit, ACC)
+        gate = tl.where(gate > lim, lim, gate)
+        up = tl.where(up > lim, lim, tl.where(up < -lim, -lim, up))
     out = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + rows[:, None] * F + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.autotune(configs=_CONFIGS, key=["F"])
 @triton.jit
-def _swiglu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit, ACC: tl.constexpr, CLAMP: tl.constexpr,
+def _swiglu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, ACC: tl.constexpr, CLAMP: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -104,11 +105,12 @@ def _swiglu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit, ACC: tl.constexpr, 
     gate = tl.load(h_ptr + offs, mask=mask, other=0.0).to(ACC)
     up = tl.load(h_ptr + offs + F, mask=mask, other=0.0).to(ACC)
     g = tl.load(grad_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(ACC)
-    if CLAMP:
-        gate_in = gate <= limit
-        up_in = (up >= -limit) & (up <= limit)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
+    if CLAMP:   # a NaN input is inside no bound: its clamp passes no gradient (torch.clamp's where)
+        lim = tl.cast(limit, ACC)
+        gate_in = gate <= lim
+        up_in = (up >= -lim) & (up <= lim)
+        gate = tl.where(gate > lim, lim, gate)
+        up = tl.where(up > lim, lim, tl.where(up < -lim, -lim, up))
     sig = tl.sigmoid(gate)
     d_gate = g * up * sig * (1 + gate * (1 - sig))
     d_up = g * gate * sig

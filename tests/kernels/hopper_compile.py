@@ -207,9 +207,9 @@ def other_jobs():
                consts={**meta, "K": 8, "BLOCK_K": 16, "NEED_DW": True, "ACC": tl.float32}, options=options)
     meta, options = split(activation.HOPPER_CONFIGS[0])
     for name, fn, types in (
-        ("swiglu", activation._swiglu_kernel, {"h_ptr": "*bf16", "out_ptr": "*bf16", "limit": "fp32"}),
+        ("swiglu", activation._swiglu_kernel, {"h_ptr": "*bf16", "out_ptr": "*bf16", "limit": "fp64"}),
         ("swiglu backward", activation._swiglu_bwd_kernel,
-         {"grad_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*bf16", "limit": "fp32"}),
+         {"grad_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*bf16", "limit": "fp64"}),
     ):
         for clamp in (False, True):   # plain and clamped SwiGLU
             yield dict(name=name + (" clamped" if clamp else ""), jit_fn=fn, types=types, div16=("F",),

@@ -218,6 +218,27 @@ def test_swiglu_kernels(dtype, limit, gen, kh):
         assert (dh.cpu()[:, :F][gate <= limit] != 0).any()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_clamped_swiglu_keeps_nan_and_inf_as_torch_clamp_does(dtype):
+    """A NaN stays NaN through the clamps (not the limit), +-inf is clamped; gradients as torch's autograd gives
+    them (a NaN input's clamp passes none)."""
+    nan, inf = float("nan"), float("inf")
+    h = torch.tensor([[nan, 0.5, 2.0, inf, 1.0, nan, 0.5, -inf],
+                      [-inf, nan, 0.25, -3.0, nan, 1.5, inf, -0.5]], dtype=torch.float64)
+    g = torch.tensor([[1.0, -2.0, 0.5, 3.0], [2.0, 1.0, -1.0, 0.5]], dtype=torch.float64)
+    limit = 1.0
+    h64 = h.clone().requires_grad_()
+    gate, up = h64.chunk(2, dim=1)
+    want = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    (want_dh,) = torch.autograd.grad(want, h64, g)
+    hd, gd = h.to(dtype).to(DEVICE), g.to(dtype).to(DEVICE)
+    for out, dh in ((swiglu_triton(hd, limit), swiglu_bwd_triton(gd, hd, limit)),
+                    (swiglu_ref(hd, limit), swiglu_bwd_ref(gd, hd, limit))):
+        torch.testing.assert_close(out.cpu().double(), want.detach(), equal_nan=True, rtol=2e-2, atol=1e-2)
+        torch.testing.assert_close(dh.cpu().double(), want_dh, equal_nan=True, rtol=2e-2, atol=1e-2)
+
+
 def _block_shapes(configs):
     """The distinct tile shapes of a config list (warps and stages change nothing under the interpreter)."""
     shapes = {tuple((k, v) for k, v in c.items() if k not in ("num_warps", "num_stages")) for c in configs}
