@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -156,35 +157,55 @@ def _is_silu(act: object) -> bool:
 _LIMIT_ATTRS = ("limit", "swiglu_limit", "clamp_limit")
 
 
-def _gate(module: nn.Module) -> tuple[str | None, float | None]:
+def _limits(module: nn.Module) -> list[float]:
+    """The positive finite numbers (Python, numpy or one-element tensors) under the module's limit attributes."""
+    out = set()
+    for a in _LIMIT_ATTRS:
+        v = getattr(module, a, None)
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v)) and float(v) > 0:
+            out.add(float(v))
+    return sorted(out)
+
+
+def _gate(module: nn.Module, ffn: int) -> tuple[str | None, float | None]:
     """(why FEPLB cannot compute ``module``'s gate, or None; the clamped SwiGLU's limit, or None).
 
     A module with its own ``_apply_gate`` runs if that gate computes what FEPLB's kernels do, plain SwiGLU or the
-    clamped SwiGLU at one of its limit attributes: checked by calling it on a probe of 4096 fp32 pairs (gates and
-    ups from well below -limit to well above +limit, and some on the bounds) against FEPLB's own SwiGLU."""
+    clamped SwiGLU at one of its limit attributes (:data:`_LIMIT_ATTRS`). Checked by calling it on fp32 rows of the
+    module's own width (2 * ``ffn``): gates and ups at every magnitude from 1e-3 to 1e6, both signs (so a clamp at
+    any bound, wherever the module keeps it, shows), random values around the limits, and the limits themselves;
+    compared with FEPLB's own SwiGLU element by element."""
     if not _custom_gate(module):
         return None, None
     from feplb.kernels.activation import swiglu_ref
 
-    limits = sorted({float(v) for v in (getattr(module, a, None) for a in _LIMIT_ATTRS)
-                     if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0})
-    span = 4 * max(limits, default=3.0)
+    limits = _limits(module)
     gen = torch.Generator().manual_seed(0)
-    probe = (torch.rand(2048, 4, generator=gen, dtype=torch.float64) * 2 - 1) * span
-    probe[:16] = torch.tensor(limits or [1.0]).repeat(16 * 4)[:64].view(16, 4) * torch.tensor([1.0, -1.0, 1.0, -1.0])
-    probe = probe.float()
+    mags = torch.logspace(-3, 6, 28, dtype=torch.float64)
+    values = torch.cat([mags, -mags, (torch.rand(200, generator=gen, dtype=torch.float64) * 2 - 1)
+                        * 4 * max(limits, default=3.0), torch.tensor(limits, dtype=torch.float64),
+                        -torch.tensor(limits, dtype=torch.float64)])
+    # every value as a gate beside every other as an up (rows of 2 * ffn columns; pairs spread over the columns)
+    gate, up = torch.meshgrid(values, values, indexing="ij")
+    pairs = torch.stack([gate.reshape(-1), up.reshape(-1)], dim=1)
+    rows = -(-pairs.shape[0] // ffn)
+    pairs = torch.cat([pairs, pairs[: rows * ffn - pairs.shape[0]]])
+    probe = torch.cat([pairs[:, 0].view(rows, ffn), pairs[:, 1].view(rows, ffn)], dim=1).float()
     name = f"{type(module).__name__}._apply_gate"
     try:
         with torch.no_grad():
             got = module._apply_gate(probe)
-    except Exception as e:  # a gate that cannot take [M, 2F] rows is not one FEPLB can stand in for
-        return f"a custom gating function ({name}) that fails on [rows, 2F] input ({type(e).__name__})", None
+    except Exception as e:  # a gate that cannot take fp32 [rows, 2F] rows on the CPU is not one FEPLB stands in for
+        return (f"a custom gating function ({name}) that fails on fp32 [rows, {2 * ffn}] CPU rows "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"), None
     for limit in (None, *limits):
         want = swiglu_ref(probe, limit)
         if isinstance(got, torch.Tensor) and got.shape == want.shape and \
-                torch.allclose(got.float(), want, rtol=1e-6, atol=1e-6 * span):
+                torch.allclose(got.float(), want, rtol=1e-5, atol=1e-6, equal_nan=True):
             return None, limit
-    tried = "silu(gate) * up" + (f" or its clamped form at limit {', '.join(f'{v:g}' for v in limits)}"
+    tried = "silu(gate) * up" + (f" nor its clamped form at limit {', '.join(f'{v:g}' for v in limits)}"
                                  if limits else "")
     return f"a custom gating function ({name}) that computes neither {tried}", None
 
@@ -221,9 +242,6 @@ def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | Non
         return "interleaved gate/up layout (is_concatenated=False); expected [gate | up] halves", {}
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert (has_post_expert_norm=True)", {}
-    why, limit = _gate(module)
-    if why is not None:
-        return why, {}
     # The call first: a module called otherwise (Llama 4's experts take router-scaled inputs) is refused for that.
     try:
         params = list(inspect.signature(module.forward).parameters.values())
@@ -248,6 +266,9 @@ def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | Non
         layout = ("gate_up_proj [E, H, 2F] and down_proj [E, F, H] (is_transposed=True)" if transposed else
                   "gate_up_proj [E, 2F, H] and down_proj [E, H, F]")
         return f"weight layout gate_up_proj {list(gu.shape)}, down_proj {list(dn.shape)}; expected {layout}", {}
+    why, limit = _gate(module, Fd)
+    if why is not None:
+        return why, {}
     act = getattr(module, "act_fn", None)
     if not _custom_gate(module) and not _is_silu(act):   # a custom gate passed the probe in _gate itself
         return (f"activation {type(act).__name__ if act is not None else None} is not SiLU "

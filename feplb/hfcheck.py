@@ -53,6 +53,8 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention
             shared_expert_intermediate_size=32, num_local_experts=8, num_experts=8, n_routed_experts=8,
             moe_num_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_k=2, top_k=2, moe_topk=2,
             top_k_experts=2, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=32,
+            # a clamped SwiGLU's limit (DeepSeek-V4, GLM-5, Hunyuan-V4) that the tiny models' activations exceed
+            swiglu_limit=1.0,
             # the second layer is a MoE layer (architectures whose first layers are dense)
             first_k_dense_replace=1, num_dense_layers=1, first_k_dense=1, moe_layer_start_index=1,
             decoder_sparse_step=1, moe_layer_freq=1, mlp_only_layers=[],
@@ -284,13 +286,21 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
     kinds = sorted({type(m).__name__ for _, m in fh._candidates(model)})
     try:
         names = fh.apply(model, group=group, **overrides)
+        status = ("", "")
     except Exception as e:
         text = str(e)
         if isinstance(e, ValueError) and "found no experts module" in text:
-            return Outcome(arch, "no experts", ", ".join(kinds) or built)
-        if isinstance(e, ValueError) and "cannot run these experts modules exactly" in text:
-            return Outcome(arch, "refused", _first_line(e))
-        return Outcome(arch, "error", f"{type(e).__name__}: {_first_line(e)}")
+            status = ("no experts", ", ".join(kinds) or built)
+        elif isinstance(e, ValueError) and "cannot run these experts modules exactly" in text:
+            status = ("refused", _first_line(e))
+        else:
+            status = ("error", f"{type(e).__name__}: {_first_line(e)}")
+    # apply's refusals are agreed on every rank; anything else may have struck one rank only: the ranks go on to
+    # the forward's collectives together, or not at all.
+    failed = [st for st in _agree(group, status) if st[0]]
+    if failed:
+        order = ("error", "refused", "no experts")
+        return Outcome(arch, *min(failed, key=lambda st: order.index(st[0])))
     try:
         got = _run(model, ids, seed)
         fh.reduce_replica_grads(model)

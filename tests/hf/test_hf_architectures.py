@@ -104,6 +104,15 @@ def _defects(rank: int, world: int) -> dict:
         fh.FEPLBExperts.forward = lost_token
         out["dropped"] = hfcheck.check(["qwen3_moe"])[0]
 
+        # the clamped SwiGLU's limit lost: DeepSeek-V4's tiny model (limit 1) computes plain SwiGLU instead
+        gate = fh._gate
+        fh._gate = lambda module, ffn: (gate(module, ffn)[0], None)
+        fh.FEPLBExperts.forward = original
+        try:
+            out["unclamped"] = hfcheck.check(["deepseek_v4"])[0]
+        finally:
+            fh._gate = gate
+
         def raising(self, hidden_states, top_k_index, top_k_weights):
             raise RuntimeError("a forward that fails")
 
@@ -123,6 +132,7 @@ def test_the_check_reports_defects():
         assert res["dropped"]["status"] == "WRONG", res["dropped"]
         # 1e-4 off: ten times the tolerance, caught also where fp32 rounding alone nears it (Granite's multipliers)
         assert [o["status"] for o in res["slightly"]] == ["WRONG", "WRONG"], res["slightly"]
+        assert res["unclamped"]["status"] == "WRONG", res["unclamped"]
         assert res["raising"]["status"] == "error" and "a forward that fails" in res["raising"]["detail"], res
         assert res["restored"]["status"] == "exact", res["restored"]
 
@@ -171,6 +181,23 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
 
     why, fields = fh._problem(ClampedGate(model.config), model, 1)
     assert why is None and fields["swiglu_limit"] == 2.5, why
+
+    class HiddenClamp(type(mix)):   # clamps at a bound kept where FEPLB does not look, far above typical values
+        clamp_value = 20.0
+
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch.nn.functional.silu(gate.clamp(max=self.clamp_value)) * up
+
+    assert "computes neither silu(gate) * up" in fh._problem(HiddenClamp(model.config), model, 1)[0]
+
+    class SplitGate(type(mix)):   # plain SwiGLU that splits by the module's own width
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.split(self.intermediate_dim, dim=-1)
+            return torch.nn.functional.silu(gate) * up
+
+    why, fields = fh._problem(SplitGate(model.config), model, 1)
+    assert why is None and fields["swiglu_limit"] is None, why
     aria = tiny_model("aria")   # is_transposed=True: gate_up_proj [E, H, 2F], down_proj [E, F, H]
     assert aria.model.layers[0].mlp.experts.is_transposed
     assert fh.supported(aria) and all(why is None for why in fh.supported(aria).values())
