@@ -24,8 +24,8 @@ class FEPLBConfig:
 
     hidden, ffn: H and F of the SwiGLU experts. num_experts: E (divisible by the EP group size). top_k: K.
     swiglu_limit: None (SwiGLU, silu(gate) * up) or a finite limit > 0: the clamped SwiGLU
-        silu(min(gate, limit)) * clamp(up, -limit, limit) of DeepSeek-V4's experts (Megatron's
-        ``activation_func_clamp_value``).
+        silu(min(gate, limit)) * clamp(up, -limit, limit) of DeepSeek-V4's experts (the form of Megatron's
+        ``activation_func_clamp_value``, which ``feplb.megatron`` still refuses).
     router: "softmax" (gate = softmax probability), "sigmoid" (gate = sigmoid, normalised over the top-k), or
         "external" (no router parameter: every forward takes ``routing=(topk_ids, topk_weights)``).
     router_bias: a per-expert bias buffer added to the scores for expert SELECTION only (auxiliary-loss-free
