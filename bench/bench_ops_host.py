@@ -37,8 +37,8 @@ def _baseline_ops():
     """The former registration: ``torch.library.custom_op`` with autograd registered on the op, around the same
     implementations as feplb's operators (defined once per process)."""
     if not hasattr(_baseline_ops, "made"):
-        def sw_impl(h_M2F: torch.Tensor) -> torch.Tensor:
-            return ops._swiglu_impl(h_M2F)
+        def sw_impl(h_M2F: torch.Tensor, limit: float | None) -> torch.Tensor:
+            return ops._swiglu_impl(h_M2F, limit)
 
         sw = torch.library.custom_op("feplb_bench::swiglu", mutates_args=())(sw_impl)
         sw.register_fake(ops._swiglu_fake)
@@ -72,7 +72,8 @@ def _cases(device: torch.device) -> dict:
     base = _baseline_ops()
     return {
         "swiglu": ((h,), torch.randn(8, 16, generator=gen).to(device),
-                   {"feplb": ops._SwiGLU.apply, "custom_op": base["swiglu"], "implementation": ops._swiglu_impl},
+                   {"feplb": lambda a: ops._SwiGLU.apply(a, None), "custom_op": lambda a: base["swiglu"](a, None),
+                    "implementation": lambda a: ops._swiglu_impl(a, None)},
                    swiglu),
         "grouped_mm": ((x, w), torch.randn(8, 16, generator=gen).to(device),
                        {"feplb": lambda a, b: ops._GroupedMM.apply(a, b, offsets, False),
