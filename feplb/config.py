@@ -26,6 +26,8 @@ class FEPLBConfig:
     swiglu_limit: None (SwiGLU, silu(gate) * up) or a finite limit > 0: the clamped SwiGLU
         silu(min(gate, limit)) * clamp(up, -limit, limit) of DeepSeek-V4's experts (the form of Megatron's
         ``activation_func_clamp_value``, which ``feplb.megatron`` still refuses).
+    gate_on_input: weigh each expert's INPUT by the token's gate, sum_k expert(w_k * x) (Llama 4's MoE), instead of
+        its output, sum_k w_k * expert(x) (default).
     router: "softmax" (gate = softmax probability), "sigmoid" (gate = sigmoid, normalised over the top-k), or
         "external" (no router parameter: every forward takes ``routing=(topk_ids, topk_weights)``).
     router_bias: a per-expert bias buffer added to the scores for expert SELECTION only (auxiliary-loss-free
@@ -72,6 +74,7 @@ class FEPLBConfig:
     router: str = "softmax"
     router_bias: bool = False
     swiglu_limit: float | None = None
+    gate_on_input: bool = False
     gpus_per_node: int = 1
     dyn: int = 4
     policy: str = "feplb"
@@ -122,6 +125,8 @@ class FEPLBConfig:
                                                   and 0 <= self.plan_wait_ms < float("inf")):
             raise ValueError(f"FEPLBConfig.plan_wait_ms must be None or a finite number >= 0, got "
                              f"{self.plan_wait_ms!r}")
+        if not isinstance(self.gate_on_input, bool):
+            raise TypeError(f"FEPLBConfig.gate_on_input must be a bool, got {self.gate_on_input!r}")
         lim = self.swiglu_limit
         if lim is not None and (isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim)
                                 or lim <= 0):

@@ -346,7 +346,14 @@ class MoELayer(nn.Module):
         # Rows grouped by SLOT (home GPU, then the expert's place among that GPU's slots): every destination's rows
         # form one block whatever the placement, so phase 1 needs no extra gather.
         meta = routing_metadata(slot_of_E[topk_ids_TK], c.num_experts, check=False)
-        y_MD = self._experts(permute(x_TD, meta), meta.counts_E, bad, replay=replay)
+        x_MD = permute(x_TD, meta)
+        if c.gate_on_input:
+            # each row weighed by its token's gate before the experts (Llama 4), in the rows' dtype; the combine
+            # then sums the rows' outputs unweighed
+            w_M = x_MD.new_zeros(x_MD.shape[0]).index_put((meta.dst_idx_TK.reshape(-1).long(),),
+                                                          w_TK.reshape(-1).to(x_MD.dtype))
+            x_MD, w_TK = x_MD * w_M[:, None], torch.ones(w_TK.shape, dtype=torch.float32, device=w_TK.device)
+        y_MD = self._experts(x_MD, meta.counts_E, bad, replay=replay)
         tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone
         if tl is None:
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)

@@ -151,7 +151,7 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
 
 
 def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: str = "softmax", bias_E=None,
-                        swiglu_limit: float | None = None):
+                        swiglu_limit: float | None = None, gate_on_input: bool = False):
     """Single-process dense MoE (no dispatch, no kernels), the independent reference of ``MoELayer``.
 
     Expert selection uses fp32 logits exactly as the layer computes them (so ties resolve the same way); gates
@@ -159,7 +159,8 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
 
     Args:
         x_TD: [T, H]; router_EH: [E, H]; w1_EH2F: [E, H, 2F]; w2_EFH: [E, F, H]; bias_E: optional fp32 [E]
-            added to the scores for selection only; swiglu_limit: the clamped SwiGLU's limit (torch.clamp).
+            added to the scores for selection only; swiglu_limit: the clamped SwiGLU's limit (torch.clamp);
+            gate_on_input: each expert's input weighed by the gate instead of its output.
     Returns:
         out_TD [T, H] in x's dtype, differentiable w.r.t. every input.
     """
@@ -181,12 +182,13 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
         t_idx, k_idx = torch.nonzero(ids_TK == e, as_tuple=True)
         if t_idx.numel() == 0:
             continue
-        h = x_TD[t_idx] @ w1_EH2F[e]
+        g = g_TK[t_idx, k_idx, None]
+        h = (x_TD[t_idx] * g if gate_on_input else x_TD[t_idx]) @ w1_EH2F[e]
         gate, up = h[:, :F2], h[:, F2:]
         if swiglu_limit is not None:
             gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
         y = (torch.nn.functional.silu(gate) * up) @ w2_EFH[e]
-        out = out.index_add(0, t_idx, g_TK[t_idx, k_idx, None] * y)
+        out = out.index_add(0, t_idx, y if gate_on_input else g * y)
     return out
 
 

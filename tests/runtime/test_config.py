@@ -34,6 +34,10 @@ BASE = dict(hidden=16, ffn=32, num_experts=8, top_k=2)
     ("min_chunk", 0, ValueError, "min_chunk"),
     ("min_straggler_rows", -1, ValueError, "min_straggler_rows"),
     ("timeline", "yes", TypeError, "timeline"),
+    ("swiglu_limit", 0.0, ValueError, "swiglu_limit"),
+    ("swiglu_limit", float("inf"), ValueError, "swiglu_limit"),
+    ("swiglu_limit", True, ValueError, "swiglu_limit"),
+    ("gate_on_input", 1, TypeError, "gate_on_input"),
 ], ids=lambda v: str(v))
 def test_config_rejects_bad_values(field, value, exc, needle):
     with pytest.raises(exc, match=needle.replace("+", r"\+")):
