@@ -58,8 +58,9 @@ from feplb.dropin import (
 )
 from feplb.layer import FEPLBConfig, MoELayer
 
-__all__ = ["FEPLBExperts", "apply", "supported", "expert_parameters", "experts_modules", "full_state_dict",
-           "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas", "clip_grad_norm_"]
+__all__ = ["FEPLBExperts", "FEPLBLlama4TextMoe", "apply", "supported", "expert_parameters", "experts_modules",
+           "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas",
+           "clip_grad_norm_"]
 
 _SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
 _SWIGLU_ACTS = ("silu", "swish")
@@ -221,12 +222,52 @@ def _custom_gate(module: nn.Module) -> bool:
     return gate is not _default_apply_gate
 
 
-def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | None, dict]:
-    """Why FEPLB cannot run ``module`` exactly (None if it can), and the FEPLBConfig fields it gives."""
+def _llama4_blocks(model: nn.Module) -> dict[int, nn.Module]:
+    """{id(experts module): its block} for every Llama 4 MoE block of ``model``: transformers' own
+    ``Llama4TextMoe`` with its own router and experts classes (a subclass may compute otherwise)."""
+    try:
+        from transformers.models.llama4 import modeling_llama4 as l4
+    except ImportError:
+        return {}
+    return {id(m.experts): m for m in model.modules() if type(m) is l4.Llama4TextMoe
+            and type(getattr(m, "experts", None)) is l4.Llama4TextExperts
+            and type(getattr(m, "router", None)) is l4.Llama4Router}
+
+
+class FEPLBLlama4TextMoe(nn.Module):
+    """Llama 4's MoE block (``Llama4TextMoe``) with its experts balanced by FEPLB (made by :func:`apply`): the
+    block's own ``router`` and ``shared_expert``, and an :class:`FEPLBExperts` that weighs each expert's input by the
+    token's sigmoid gate, as Llama 4 does (``gate_on_input``): ``out = shared_expert(x) + sum_k expert_k(g_k * x)``
+    over each token's top-k experts. Llama 4 computes every expert on every token, the unselected ones on zero
+    inputs, which adds exactly zero; here only the selected ones run. Returns ``(out, router_logits)`` as the block
+    does; its parameters keep their names (``experts.gate_up_proj`` [E/W, H, 2F], ``experts.down_proj``
+    [E/W, F, H])."""
+
+    def __init__(self, block: nn.Module, experts: FEPLBExperts) -> None:
+        super().__init__()
+        self.top_k, self.hidden_dim, self.num_experts = block.top_k, block.hidden_dim, block.num_experts
+        self.experts = experts
+        self.router = block.router
+        self.shared_expert = block.shared_expert
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        scores, logits = self.router(x)   # sigmoid of the top-k logits, 0 elsewhere
+        ids = torch.topk(logits, self.top_k, dim=1).indices   # the router's own selection, recomputed alike
+        routed = self.experts(x, ids, scores.gather(1, ids))
+        out = self.shared_expert(x)
+        out.add_(routed)
+        return out, logits
+
+
+def _problem(module: nn.Module, model: nn.Module, world: int,
+             block: nn.Module | None = None) -> tuple[str | None, dict]:
+    """Why FEPLB cannot run ``module`` exactly (None if it can), and the FEPLBConfig fields it gives. ``block``: the
+    Llama 4 MoE block holding ``module`` (:func:`_llama4_blocks`), which FEPLB replaces whole."""
     own = dict(module.named_parameters())
     if "gate_up_proj" not in own:
         return "no gate_up_proj parameter (non-gated experts; FEPLB computes SwiGLU experts)", {}
-    why = hooks_problem(module)
+    why = hooks_problem(module) or (hooks_problem(block) if block is not None else None)
     if why is not None:
         return why, {}
     bias = sorted(n for n in own if "bias" in n)
@@ -250,11 +291,12 @@ def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | Non
     names = tuple(p.name for p in params[:3])
     required_rest = [p.name for p in params[3:] if p.default is inspect.Parameter.empty
                      and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if names != _SIGNATURE or required_rest:
+    if block is None and (names != _SIGNATURE or required_rest):
         return (f"forward({', '.join(p.name for p in params)}); expected forward(hidden_states, top_k_index, "
                 "top_k_weights)"), {}
     gu, dn = own["gate_up_proj"], own["down_proj"]
-    transposed = bool(getattr(module, "is_transposed", False))
+    # Llama 4's experts store [in, out] (gate_up_proj [E, H, 2F]) without saying so
+    transposed = bool(getattr(module, "is_transposed", False)) or block is not None
     if gu.dim() != 3 or dn.dim() != 3:
         E = H = Fd = -1
     elif transposed:   # [in, out] per expert: gate_up_proj [E, H, 2F], down_proj [E, F, H]
@@ -281,14 +323,16 @@ def _problem(module: nn.Module, model: nn.Module, world: int) -> tuple[str | Non
         return f"dtype {gu.dtype}; expected one of {_DTYPES}", {}
     if gu.device.type not in ("cpu", "cuda") or dn.device != gu.device:
         return f"weights on {gu.device} / {dn.device}; expected both on the CPU or on one CUDA device", {}
-    top_k = next((v for v in (getattr(cfg, k, None) for k in _TOP_K_FIELDS) if v is not None), None)
+    top_k = block.top_k if block is not None else \
+        next((v for v in (getattr(cfg, k, None) for k in _TOP_K_FIELDS) if v is not None), None)
     if not isinstance(top_k, int) or not 1 <= top_k <= E:
         return (f"top-k from the model config ({' / '.join(_TOP_K_FIELDS)}) is {top_k!r}; expected an int in "
                 f"[1, {E}]"), {}
     if E % world:
         return f"{E} experts are not divisible by the EP group size {world}", {}
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": top_k, "dtype": gu.dtype,
-                  "device": gu.device.type, "swiglu_limit": limit, "transposed": transposed}
+                  "device": gu.device.type, "swiglu_limit": limit, "gate_on_input": block is not None,
+                  "transposed": transposed}
 
 
 def _version_hint() -> str:
@@ -315,8 +359,9 @@ def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> di
     if problem is not None:
         raise TypeError(f"feplb.hf.supported: {problem}")
     out: dict[str, str | None] = {}
+    blocks = _llama4_blocks(model)
     for name, mod in _candidates(model):
-        why, fields_of = _problem(mod, model, ep_size)
+        why, fields_of = _problem(mod, model, ep_size, blocks.get(id(mod)))
         fields_of.pop("transposed", None)
         if why is None:
             cfg = layer_config(fields_of, config_overrides)
@@ -353,8 +398,9 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     problems, plans = [], []
     configs: dict[int, FEPLBConfig] = {}
     transposed: dict[int, bool] = {}
+    blocks = _llama4_blocks(model)
     for name, mod in found:
-        why, fields_of = _problem(mod, model, world)
+        why, fields_of = _problem(mod, model, world, blocks.get(id(mod)))
         transposed[id(mod)] = fields_of.pop("transposed", False)
         if why is None:
             cfg = layer_config(fields_of, config_overrides)
@@ -388,7 +434,16 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
             new.train(mod.training)
             new.refresh_replicas()
             made[id(mod)] = new
+    wrapped: dict[int, FEPLBLlama4TextMoe] = {}
     for name, mod in plans:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, made[id(mod)])
+        block = blocks.get(id(mod))
+        if block is None:
+            setattr(model.get_submodule(parent_name), child, made[id(mod)])
+            continue
+        # Llama 4: the whole block, whose forward scales the experts' inputs, becomes FEPLB's
+        if id(block) not in wrapped:
+            wrapped[id(block)] = FEPLBLlama4TextMoe(block, made[id(mod)]).train(block.training)
+        outer, _, attr = parent_name.rpartition(".")
+        setattr(model.get_submodule(outer), attr, wrapped[id(block)])
     return [name for name, _ in plans]

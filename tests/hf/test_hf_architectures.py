@@ -24,8 +24,9 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "qwen3_vl_moe", "cohere2_moe",
                "aria",          # weights stored [in, out] (is_transposed=True)
                "deepseek_v4",   # the clamped SwiGLU (its own _apply_gate, limit), and hash routing
-               "beam")          # its own _apply_gate: SwiGLU in fp32, as FEPLB computes it
-KNOWN_REFUSED = {"gpt_oss": "bias terms", "llama4": "forward(hidden_states)",
+               "beam",          # its own _apply_gate: SwiGLU in fp32, as FEPLB computes it
+               "llama4")        # the whole MoE block: gates on the experts' inputs, weights stored [in, out]
+KNOWN_REFUSED = {"gpt_oss": "bias terms", "nemotron_h": "no gate_up_proj parameter",
                  "minimax_m3_vl": "computes neither"}   # gpt-oss's gate: (up + 1) * gate * sigmoid(alpha * gate)
 
 
@@ -201,6 +202,19 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
     aria = tiny_model("aria")   # is_transposed=True: gate_up_proj [E, H, 2F], down_proj [E, F, H]
     assert aria.model.layers[0].mlp.experts.is_transposed
     assert fh.supported(aria) and all(why is None for why in fh.supported(aria).values())
+    # Llama 4: transformers' own MoE block is replaced whole; a block of another class (which may compute otherwise)
+    # leaves its experts, called with router-scaled inputs, to the generic check, which refuses them
+    llama = tiny_model("llama4")
+    assert fh.supported(llama) and all(why is None for why in fh.supported(llama).values())
+    block = llama.model.layers[0].feed_forward
+
+    class OtherBlock(type(block)):
+        pass
+
+    llama.model.layers[0].feed_forward = OtherBlock(llama.config)
+    got = fh.supported(llama)
+    assert "forward(hidden_states)" in got["model.layers.0.feed_forward.experts"], got
+    assert got["model.layers.1.feed_forward.experts"] is None, got
     refused = fh.supported(tiny_model("gpt_oss"))
     assert refused and all(why and "bias terms" in why for why in refused.values()), refused
     assert fh.supported(torch.nn.Linear(4, 4)) == {}
