@@ -222,16 +222,28 @@ def _custom_gate(module: nn.Module) -> bool:
     return gate is not _default_apply_gate
 
 
-def _llama4_blocks(model: nn.Module) -> dict[int, nn.Module]:
-    """{id(experts module): its block} for every Llama 4 MoE block of ``model``: transformers' own
-    ``Llama4TextMoe`` with its own router and experts classes (a subclass may compute otherwise)."""
+def _llama4_blocks(model: nn.Module) -> dict[int, tuple[nn.Module, list[str]] | str]:
+    """{id(experts module): (its block, the block's names in ``model``)} for every Llama 4 MoE block inside
+    ``model`` (not ``model`` itself: FEPLB replaces the block in its parent): transformers' own ``Llama4TextMoe``
+    with its own router and experts classes (a subclass may compute otherwise). The value is the reason instead
+    when one experts module sits in several blocks, whose routers and shared experts differ."""
     try:
         from transformers.models.llama4 import modeling_llama4 as l4
     except ImportError:
         return {}
-    return {id(m.experts): m for m in model.modules() if type(m) is l4.Llama4TextMoe
-            and type(getattr(m, "experts", None)) is l4.Llama4TextExperts
-            and type(getattr(m, "router", None)) is l4.Llama4Router}
+    out: dict[int, tuple[nn.Module, list[str]] | str] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if not name or type(m) is not l4.Llama4TextMoe or type(getattr(m, "experts", None)) is not \
+                l4.Llama4TextExperts or type(getattr(m, "router", None)) is not l4.Llama4Router:
+            continue
+        prev = out.get(id(m.experts))
+        if prev is None:
+            out[id(m.experts)] = (m, [name])
+        elif isinstance(prev, tuple) and prev[0] is m:
+            prev[1].append(name)
+        else:
+            out[id(m.experts)] = "one Llama 4 experts module in several MoE blocks (with their own routers)"
+    return out
 
 
 class FEPLBLlama4TextMoe(nn.Module):
@@ -245,7 +257,8 @@ class FEPLBLlama4TextMoe(nn.Module):
 
     def __init__(self, block: nn.Module, experts: FEPLBExperts) -> None:
         super().__init__()
-        self.top_k, self.hidden_dim, self.num_experts = block.top_k, block.hidden_dim, block.num_experts
+        # the router's top-k is the one the block's forward selects with
+        self.top_k, self.hidden_dim, self.num_experts = block.router.top_k, block.hidden_dim, block.num_experts
         self.experts = experts
         self.router = block.router
         self.shared_expert = block.shared_expert
@@ -261,9 +274,15 @@ class FEPLBLlama4TextMoe(nn.Module):
 
 
 def _problem(module: nn.Module, model: nn.Module, world: int,
-             block: nn.Module | None = None) -> tuple[str | None, dict]:
-    """Why FEPLB cannot run ``module`` exactly (None if it can), and the FEPLBConfig fields it gives. ``block``: the
-    Llama 4 MoE block holding ``module`` (:func:`_llama4_blocks`), which FEPLB replaces whole."""
+             llama4: tuple[nn.Module, list[str]] | str | None = None, name: str = "") -> tuple[str | None, dict]:
+    """Why FEPLB cannot run ``module`` (reached as ``name``) exactly (None if it can), and the FEPLBConfig fields
+    it gives. ``llama4``: the Llama 4 MoE block holding ``module`` and its names (:func:`_llama4_blocks`), which
+    FEPLB replaces whole, or why it cannot."""
+    if isinstance(llama4, str):
+        return llama4, {}
+    block = None if llama4 is None else llama4[0]
+    if llama4 is not None and name.rpartition(".")[0] not in llama4[1]:
+        return f"a Llama 4 experts module also reachable as {name!r}, outside its MoE block", {}
     own = dict(module.named_parameters())
     if "gate_up_proj" not in own:
         return "no gate_up_proj parameter (non-gated experts; FEPLB computes SwiGLU experts)", {}
@@ -323,7 +342,7 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         return f"dtype {gu.dtype}; expected one of {_DTYPES}", {}
     if gu.device.type not in ("cpu", "cuda") or dn.device != gu.device:
         return f"weights on {gu.device} / {dn.device}; expected both on the CPU or on one CUDA device", {}
-    top_k = block.top_k if block is not None else \
+    top_k = block.router.top_k if block is not None else \
         next((v for v in (getattr(cfg, k, None) for k in _TOP_K_FIELDS) if v is not None), None)
     if not isinstance(top_k, int) or not 1 <= top_k <= E:
         return (f"top-k from the model config ({' / '.join(_TOP_K_FIELDS)}) is {top_k!r}; expected an int in "
@@ -361,7 +380,7 @@ def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> di
     out: dict[str, str | None] = {}
     blocks = _llama4_blocks(model)
     for name, mod in _candidates(model):
-        why, fields_of = _problem(mod, model, ep_size, blocks.get(id(mod)))
+        why, fields_of = _problem(mod, model, ep_size, blocks.get(id(mod)), name)
         fields_of.pop("transposed", None)
         if why is None:
             cfg = layer_config(fields_of, config_overrides)
@@ -384,10 +403,11 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
         hidden, ffn, num_experts, top_k and dtype come from the module and the model config; the router is the
         model's own. The device defaults to the experts' (``"cuda"`` or ``"cpu"``).
 
-    Returns the qualified names of the replaced modules. Raises, on every rank together and before anything is
-    replaced: ValueError naming each module FEPLB cannot run exactly (bias terms, an activation other than SiLU
-    gating, another weight layout or signature, E not divisible by W) and why, or when the ranks' models differ;
-    TypeError for an unknown or derived override.
+    Returns the qualified names of the replaced experts modules (with Llama 4, whose whole MoE blocks are replaced
+    by :class:`FEPLBLlama4TextMoe`, the names of their experts inside them). Raises, on every rank together and
+    before anything is replaced: ValueError naming each module FEPLB cannot run exactly (bias terms, an activation
+    other than SiLU gating, another weight layout or signature, E not divisible by W) and why, or when the ranks'
+    models differ; TypeError for an unknown or derived override.
     """
     if not dist.is_initialized():
         raise RuntimeError("feplb.hf.apply needs torch.distributed initialised (init_process_group) first")
@@ -400,7 +420,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     transposed: dict[int, bool] = {}
     blocks = _llama4_blocks(model)
     for name, mod in found:
-        why, fields_of = _problem(mod, model, world, blocks.get(id(mod)))
+        why, fields_of = _problem(mod, model, world, blocks.get(id(mod)), name)
         transposed[id(mod)] = fields_of.pop("transposed", False)
         if why is None:
             cfg = layer_config(fields_of, config_overrides)
@@ -434,16 +454,18 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
             new.train(mod.training)
             new.refresh_replicas()
             made[id(mod)] = new
+    # Llama 4: the whole block, whose forward scales the experts' inputs, becomes FEPLB's, under each of its names
+    # (every name of its experts lies under one of them: checked in _problem)
     wrapped: dict[int, FEPLBLlama4TextMoe] = {}
     for name, mod in plans:
-        parent_name, _, child = name.rpartition(".")
-        block = blocks.get(id(mod))
-        if block is None:
+        entry = blocks.get(id(mod))
+        if entry is None:
+            parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, made[id(mod)])
-            continue
-        # Llama 4: the whole block, whose forward scales the experts' inputs, becomes FEPLB's
-        if id(block) not in wrapped:
-            wrapped[id(block)] = FEPLBLlama4TextMoe(block, made[id(mod)]).train(block.training)
-        outer, _, attr = parent_name.rpartition(".")
-        setattr(model.get_submodule(outer), attr, wrapped[id(block)])
+        elif id(entry[0]) not in wrapped:
+            wrapped[id(entry[0])] = wrapper = FEPLBLlama4TextMoe(entry[0], made[id(mod)])
+            wrapper.training = entry[0].training
+            for block_name in entry[1]:
+                outer, _, attr = block_name.rpartition(".")
+                setattr(model.get_submodule(outer), attr, wrapper)
     return [name for name, _ in plans]

@@ -215,6 +215,22 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
     got = fh.supported(llama)
     assert "forward(hidden_states)" in got["model.layers.0.feed_forward.experts"], got
     assert got["model.layers.1.feed_forward.experts"] is None, got
+    # a block passed as the whole model is not replaced in a parent (there is none): refused as before
+    assert all(why and "forward(hidden_states)" in why for why in fh.supported(block).values())
+    # one experts module in two blocks (each with its own router), or reachable outside its block: refused
+    two = tiny_model("llama4")
+    layers = two.model.layers
+    layers[0].feed_forward.experts = layers[1].feed_forward.experts
+    assert all(why and "several MoE blocks" in why for why in fh.supported(two).values()), fh.supported(two)
+    alias = tiny_model("llama4")
+    alias.model.extra = alias.model.layers[1].feed_forward.experts
+    assert "outside its MoE block" in fh.supported(alias)["model.extra"], fh.supported(alias)
+    # the router's top-k is the block's selection (the block's own top_k attribute is unused by its forward)
+    odd = tiny_model("llama4")
+    ff = odd.model.layers[0].feed_forward
+    ff.router.top_k, ff.top_k = 2, 1
+    assert fh._problem(ff.experts, odd, 1, fh._llama4_blocks(odd)[id(ff.experts)],
+                       "model.layers.0.feed_forward.experts")[1]["top_k"] == 2
     refused = fh.supported(tiny_model("gpt_oss"))
     assert refused and all(why and "bias terms" in why for why in refused.values()), refused
     assert fh.supported(torch.nn.Linear(4, 4)) == {}
