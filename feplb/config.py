@@ -27,8 +27,8 @@ class FEPLBConfig:
         silu(min(gate, limit)) * clamp(up, -limit, limit) of DeepSeek-V4's experts (the form of Megatron's
         ``activation_func_clamp_value``, which ``feplb.megatron`` still refuses).
     gate_on_input: weigh each expert's INPUT by the token's gate, sum_k expert(w_k * x) (Llama 4's MoE), instead of
-        its output, sum_k w_k * expert(x) (default). The gates are cast to the layer's dtype for the multiply, as
-        Llama 4 multiplies in its own.
+        its output, sum_k w_k * expert(x) (default). Each product is computed in the wider of the gate's and the
+        layer's dtype and rounded once to the layer's, as Llama 4 and Megatron (``moe_apply_probs_on_input``) do.
     router: "softmax" (gate = softmax probability), "sigmoid" (gate = sigmoid, normalised over the top-k), or
         "external" (no router parameter: every forward takes ``routing=(topk_ids, topk_weights)``).
     router_bias: a per-expert bias buffer added to the scores for expert SELECTION only (auxiliary-loss-free

@@ -348,11 +348,12 @@ class MoELayer(nn.Module):
         meta = routing_metadata(slot_of_E[topk_ids_TK], c.num_experts, check=False)
         x_MD = permute(x_TD, meta)
         if c.gate_on_input:
-            # each row weighed by its token's gate before the experts (Llama 4), in the rows' dtype; the combine
-            # then sums the rows' outputs unweighed
-            w_M = x_MD.new_zeros(x_MD.shape[0]).index_put((meta.dst_idx_TK.reshape(-1).long(),),
-                                                          w_TK.reshape(-1).to(x_MD.dtype))
-            x_MD, w_TK = x_MD * w_M[:, None], torch.ones(w_TK.shape, dtype=torch.float32, device=w_TK.device)
+            # each row weighed by its token's gate before the experts (Llama 4, Megatron's moe_apply_probs_on_input):
+            # the product in the wider of the two dtypes, rounded once to the rows' (both models' rule); the
+            # combine then sums the rows' outputs unweighed
+            w_M = w_TK.new_zeros(x_MD.shape[0]).index_put((meta.dst_idx_TK.reshape(-1).long(),), w_TK.reshape(-1))
+            x_MD = (x_MD * w_M[:, None]).to(x_MD.dtype)
+            w_TK = torch.ones(w_TK.shape, dtype=torch.float32, device=w_TK.device)
         y_MD = self._experts(x_MD, meta.counts_E, bad, replay=replay)
         tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone
         if tl is None:

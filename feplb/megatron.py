@@ -19,11 +19,12 @@ another); the router's probabilities weigh the outputs in fp32 when they are fp3
 What FEPLB cannot run exactly is refused, on every rank together and before anything is replaced, by name: other
 experts classes, or those three with linears other than Megatron's or Transformer Engine's, activations other than
 SwiGLU (``gated_linear_unit`` with ``F.silu``), expert biases, token dropping (``moe_expert_capacity_factor``),
-probabilities applied on the input, fp8/fp4, latent projections, tensor parallelism (attention or experts),
-overlapped shared experts or EP communication, delayed weight gradients, CUDA graphs, forward or backward hooks on
-the modules whose forward FEPLB no longer runs (their forward pre-hooks it runs, with its whole input: Megatron's
-DDP waits there for the parameters' all-gather with ``overlap_param_gather``; one that returns new inputs is
-refused). Call :func:`apply` on every pipeline stage together; one without MoE layers gets ``[]``.
+fp8/fp4, latent projections, tensor parallelism (attention or experts), overlapped shared experts or EP
+communication, delayed weight gradients, CUDA graphs, forward or backward hooks on the modules whose forward FEPLB
+no longer runs (their forward pre-hooks it runs, with its whole input: Megatron's DDP waits there for the
+parameters' all-gather with ``overlap_param_gather``; one that returns new inputs is refused). The router's
+probabilities on the experts' inputs (``moe_apply_probs_on_input``) run as ``FEPLBConfig.gate_on_input``. Call
+:func:`apply` on every pipeline stage together; one without MoE layers gets ``[]``.
 
 Weights travel per micro-batch by default (``weights="per-microbatch"``): the copies' gradients return inside the
 backward, where Megatron's ``DistributedDataParallel`` sees them (with or without ``overlap_grad_reduce``). With
@@ -460,7 +461,6 @@ _CONFIG_REFUSALS = (
     ("moe_pad_expert_input_to_capacity", (False, None), "padding experts' inputs to capacity"),
     ("moe_router_padding_for_quantization", (False, None), "routing padded for fp8/fp4"),
     ("moe_router_padding_for_fp8", (False, None), "routing padded for fp8"),
-    ("moe_apply_probs_on_input", (False, None), "probabilities applied on the experts' input"),
     ("fp8", (None, False), "fp8 experts"),
     ("fp4", (None, False), "fp4 experts"),
     ("quant_recipe", (None,), "a per-module quantization recipe (Transformer Engine's linears then run in fp8/fp4)"),
@@ -617,7 +617,9 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
     if not isinstance(K, int) or not 1 <= K <= E:
         return f"moe_router_topk {K!r}; expected an int in [1, {E}]", {}, None
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": K,
-                  "dtype": dtype if dtype is not None else ws[0].dtype, "device": ws[0].device.type}, cls
+                  "dtype": dtype if dtype is not None else ws[0].dtype, "device": ws[0].device.type,
+                  # the router's probabilities scale the experts' inputs (Megatron allows it with top-1 only)
+                  "gate_on_input": bool(getattr(cfg, "moe_apply_probs_on_input", False))}, cls
 
 
 # ---------------------------------------------------------------------------------------------------- apply

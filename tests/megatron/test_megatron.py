@@ -219,11 +219,12 @@ def _moved(moe) -> int:
 
 
 def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtype,
-                experts: str = "sequential") -> dict:
-    """One forward and backward of ours and Megatron's layer; bf16 also against Megatron's fp32 layer."""
+                experts: str = "sequential", **over) -> dict:
+    """One forward and backward of ours and Megatron's layer; bf16 also against Megatron's fp32 layer. ``over``:
+    TransformerConfig fields."""
     import feplb.megatron as fm
 
-    moe, ref = make_moe(arch, dtype, experts), make_moe(arch, dtype, experts)
+    moe, ref = make_moe(arch, dtype, experts, **over), make_moe(arch, dtype, experts, **over)
     params = list(moe.parameters())
     names = fm.apply(moe, policy=policy, gpus_per_node=min(2, world), **OPTS)
     x, g = _inputs(rank, dtype)
@@ -235,7 +236,7 @@ def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtyp
     if dtype == torch.float32:
         out["err"] = {n: _rel(ours[n], theirs[n]) for n in theirs}
     else:
-        exact = _grads(make_moe(arch, torch.float32, experts), x.float(), g.float())
+        exact = _grads(make_moe(arch, torch.float32, experts, **over), x.float(), g.float())
         out["err"] = {n: (_rel(ours[n], exact[n]), _rel(theirs[n], exact[n])) for n in theirs}
     if arch == "sigmoid":
         out["bias_counts_equal"] = torch.equal(moe.router.local_tokens_per_expert, ref.router.local_tokens_per_expert)
@@ -488,6 +489,11 @@ def _job(rank: int, world: int) -> dict:
     for arch in ("softmax", "sigmoid"):
         for policy in ("feplb-split", "none"):
             res["layer", arch, policy, "fp32"] = _layer_case(rank, world, arch, policy, torch.float32)
+    # the router's probabilities on the experts' inputs (Megatron allows it with top-1)
+    for policy in ("feplb-split", "none"):
+        res["layer", "probs-on-input", policy, "fp32"] = _layer_case(
+            rank, world, "softmax", policy, torch.float32, moe_apply_probs_on_input=True, moe_router_topk=1,
+            moe_router_pre_softmax=True)
     res["two_layers"] = _two_layers_case(rank, world)
     res["layer", "softmax", "feplb-split", "bf16"] = _layer_case(rank, world, "softmax", "feplb-split",
                                                                  torch.bfloat16)
@@ -833,6 +839,7 @@ def test_layer_matches_megatron_fp32(job):
         assert res[0]["layer", "softmax", "feplb-split", "fp32"]["moved"] > 0
         assert res[0]["layer", "sigmoid", "feplb-split", "fp32"]["moved"] > 0
         assert res[0]["layer", "softmax", "none", "fp32"]["moved"] == 0
+        assert res[0]["layer", "probs-on-input", "feplb-split", "fp32"]["moved"] > 0
 
 
 def test_two_layers(job):
