@@ -366,6 +366,19 @@ def _version_hint() -> str:
     return ""
 
 
+def _module_config(module: nn.Module, model: nn.Module, world: int, blocks: dict, name: str,
+                   overrides: dict[str, Any]) -> tuple[str | None, FEPLBConfig | None, bool]:
+    """(why FEPLB cannot run ``module`` on ``world`` EP ranks, or None; its layer's FEPLBConfig, or None; whether
+    its weights are stored [in, out]): :func:`_problem`, then the config FEPLBConfig builds from it and
+    ``overrides``. What :func:`apply` and :func:`supported` both decide per module."""
+    why, fields_of = _problem(module, model, world, blocks.get(id(module)), name)
+    transposed = fields_of.pop("transposed", False)
+    if why is not None:
+        return why, None, transposed
+    cfg = layer_config(fields_of, overrides)
+    return (cfg, None, transposed) if isinstance(cfg, str) else (None, cfg, transposed)
+
+
 def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> dict[str, str | None]:
     """What :func:`apply` would make of ``model`` on ``ep_size`` EP ranks, without a process group and without
     changing it: ``{qualified name: None}`` for every experts module FEPLB can run, ``{name: why not}`` for every
@@ -380,14 +393,9 @@ def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> di
     out: dict[str, str | None] = {}
     blocks = _llama4_blocks(model)
     for name, mod in _candidates(model):
-        why, fields_of = _problem(mod, model, ep_size, blocks.get(id(mod)), name)
-        fields_of.pop("transposed", None)
-        if why is None:
-            cfg = layer_config(fields_of, config_overrides)
-            if isinstance(cfg, str):
-                why = cfg
-            elif ep_size % cfg.gpus_per_node:
-                why = f"gpus_per_node={cfg.gpus_per_node} does not divide the EP group size {ep_size}"
+        why, cfg, _ = _module_config(mod, model, ep_size, blocks, name, config_overrides)
+        if why is None and ep_size % cfg.gpus_per_node:
+            why = f"gpus_per_node={cfg.gpus_per_node} does not divide the EP group size {ep_size}"
         out[name] = why
     return out
 
@@ -420,18 +428,12 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     transposed: dict[int, bool] = {}
     blocks = _llama4_blocks(model)
     for name, mod in found:
-        why, fields_of = _problem(mod, model, world, blocks.get(id(mod)), name)
-        transposed[id(mod)] = fields_of.pop("transposed", False)
+        why, cfg, transposed[id(mod)] = _module_config(mod, model, world, blocks, name, config_overrides)
         if why is None:
-            cfg = layer_config(fields_of, config_overrides)
-            if isinstance(cfg, str):
-                why = cfg
-            else:
-                configs[id(mod)] = cfg
-        if why is not None:
-            problems.append(f"  {name or type(model).__name__} ({type(mod).__name__}): {why}")
-        else:
+            configs[id(mod)] = cfg
             plans.append((name, mod))
+        else:
+            problems.append(f"  {name or type(model).__name__} ({type(mod).__name__}): {why}")
     # One agreement: every rank raises together, or none does. The weights' checksums catch ranks that built or
     # loaded different models (each rank slices its experts from its own copy).
     digests = [(n, *weights_digest(m.gate_up_proj, m.down_proj)) for n, m in plans]
