@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from feplb.kernels import HAVE_TRITON, INTERPRET
-from feplb.kernels.activation import swiglu_triton
+from feplb.kernels.activation import glu_triton
 from feplb.kernels.grouped_gemm import grouped_mm_dw_ref, grouped_mm_dw_triton, grouped_mm_ref, grouped_mm_triton
 from feplb.kernels.permutation import permute_ref, permute_triton, unpermute_ref, unpermute_triton
 from feplb.kernels.routing import routing_metadata_ref, routing_metadata_triton
@@ -289,7 +289,7 @@ def test_routing_permute_swiglu_smoke(benchmark):
     def step():
         _, _, src, dst = routing_metadata_triton(ids, 4)
         x_MD = permute_triton(x, src, dst)
-        return unpermute_triton(swiglu_triton(x_MD).repeat(1, 2).contiguous(), src, dst, weights)
+        return unpermute_triton(glu_triton(x_MD).repeat(1, 2).contiguous(), src, dst, weights)
 
     benchmark.group = "interpreter smoke"
     assert torch.isfinite(benchmark(step)).all()

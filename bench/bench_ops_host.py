@@ -37,12 +37,12 @@ def _baseline_ops():
     """The former registration: ``torch.library.custom_op`` with autograd registered on the op, around the same
     implementations as feplb's operators (defined once per process)."""
     if not hasattr(_baseline_ops, "made"):
-        def sw_impl(h_M2F: torch.Tensor, limit: float | None) -> torch.Tensor:
-            return ops._swiglu_impl(h_M2F, limit)
+        def sw_impl(h_M2F: torch.Tensor, limit: float | None, act: str) -> torch.Tensor:
+            return ops._glu_impl(h_M2F, limit, act)
 
-        sw = torch.library.custom_op("feplb_bench::swiglu", mutates_args=())(sw_impl)
-        sw.register_fake(ops._swiglu_fake)
-        sw.register_autograd(ops._swiglu_backward, setup_context=ops._swiglu_setup)
+        sw = torch.library.custom_op("feplb_bench::glu", mutates_args=())(sw_impl)
+        sw.register_fake(ops._glu_fake)
+        sw.register_autograd(ops._glu_backward, setup_context=ops._glu_setup)
 
         def gm_impl(x_MK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, check: bool) -> torch.Tensor:
             return ops._grouped_mm_impl(x_MK, w_EKN, offsets_E, check)
@@ -72,8 +72,9 @@ def _cases(device: torch.device) -> dict:
     base = _baseline_ops()
     return {
         "swiglu": ((h,), torch.randn(8, 16, generator=gen).to(device),
-                   {"feplb": lambda a: ops._SwiGLU.apply(a, None), "custom_op": lambda a: base["swiglu"](a, None),
-                    "implementation": lambda a: ops._swiglu_impl(a, None)},
+                   {"feplb": lambda a: ops._GLU_FN.apply(a, None, "silu"),
+                    "custom_op": lambda a: base["swiglu"](a, None, "silu"),
+                    "implementation": lambda a: ops._glu_impl(a, None, "silu")},
                    swiglu),
         "grouped_mm": ((x, w), torch.randn(8, 16, generator=gen).to(device),
                        {"feplb": lambda a, b: ops._GroupedMM.apply(a, b, offsets, False),

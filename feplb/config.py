@@ -22,9 +22,11 @@ def _pos_int(name: str, v: object, lo: int = 1) -> None:
 class FEPLBConfig:
     """Configuration of one MoE layer (identical on every rank of the EP group; checked at construction).
 
-    hidden, ffn: H and F of the SwiGLU experts. num_experts: E (divisible by the EP group size). top_k: K.
-    swiglu_limit: None (SwiGLU, silu(gate) * up) or a finite limit > 0: the clamped SwiGLU
-        silu(min(gate, limit)) * clamp(up, -limit, limit) of DeepSeek-V4's experts (the form of Megatron's
+    hidden, ffn: H and F of the gated experts. num_experts: E (divisible by the EP group size). top_k: K.
+    activation: the experts' gated activation act(gate) * up: "silu" (SwiGLU, default), "gelu_tanh" (GeGLU with
+        the tanh approximation, Gemma 4's experts) or "gelu" (GeGLU, erf form).
+    swiglu_limit: None (no clamp) or a finite limit > 0: the clamped form act(min(gate, limit)) *
+        clamp(up, -limit, limit) of DeepSeek-V4's SwiGLU experts (the form of Megatron's
         ``activation_func_clamp_value``, which ``feplb.megatron`` still refuses).
     gate_on_input: weigh each expert's INPUT by the token's gate, sum_k expert(w_k * x) (Llama 4's MoE), instead of
         its output, sum_k w_k * expert(x) (default). Each product is computed in the wider of the gate's and the
@@ -75,6 +77,7 @@ class FEPLBConfig:
     router: str = "softmax"
     router_bias: bool = False
     swiglu_limit: float | None = None
+    activation: str = "silu"
     gate_on_input: bool = False
     gpus_per_node: int = 1
     dyn: int = 4
@@ -132,6 +135,10 @@ class FEPLBConfig:
         if lim is not None and (isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim)
                                 or lim <= 0):
             raise ValueError(f"FEPLBConfig.swiglu_limit must be None or a finite number > 0, got {lim!r}")
+        from feplb.kernels.activation import ACTS
+
+        if not isinstance(self.activation, str) or self.activation not in ACTS:
+            raise ValueError(f"FEPLBConfig.activation must be one of {ACTS}, got {self.activation!r}")
         from feplb.sched.cost import CostModel
 
         if self.cost is not None and not isinstance(self.cost, CostModel):

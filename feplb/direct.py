@@ -63,7 +63,7 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
 
     with span(tl, "dynamic_gemm"):
         parts = [expert_mlp(h[:n_home], *slot_w.gemm(), to_device(np.cumsum(lay.kept_L), dev),
-                            layer.config.swiglu_limit)]
+                            layer.config.swiglu_limit, layer.config.activation)]
         y_h = hosted_gemm(layer, lay.hosted, moves, copies, rows, rcv, 0, dev)
         parts += [y_h[j] for j in lay.hosted]
     parts += [rcv.tail.view(0, H), slot_w.tail.view(0, H), layer._anchor(h).view(0, H)]

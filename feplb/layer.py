@@ -542,7 +542,7 @@ class MoELayer(nn.Module):
         """Step 6: the static block of home order through all slot weights (the dynamic slots given empty groups,
         so no weight is gathered)."""
         return expert_mlp(h_RD[:home.n_static], *slot_w.gemm(), to_device(np.cumsum(home.static_L), h_RD.device),
-                          self.config.swiglu_limit)
+                          self.config.swiglu_limit, self.config.activation)
 
     def _split(self, counts: Counts) -> Split:
         """Step 3: this micro-batch's dynamic experts (before the static GEMM; identical everywhere) and the home

@@ -192,7 +192,7 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
         dyn_L = split.home.n_L - split.home.static_L
         with span(tl, "dynamic_gemm"):
             y_dyn = expert_mlp(h_RD[split.home.n_static:], *slot_w.gemm(), to_device(np.cumsum(dyn_L), dev),
-                               c.swiglu_limit) if dyn_L.any() else h_RD[:0]
+                               c.swiglu_limit, c.activation) if dyn_L.any() else h_RD[:0]
         y_home = torch.cat([y_static, y_dyn])
         return y_home.index_select(0, to_device(inverse(split.home.perm), dev)), layer._anchor(h_RD)
     lay, ex, moves = p2.layout, p2.exchange, p2.moves
@@ -208,8 +208,8 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
     pending = rex.start(sends, layer._balancer.copier, ready=ready) if rex.active else None
     with span(tl, "dynamic_gemm"):
         kept = h_RD.index_select(0, to_device(lay.kept_idx, dev))
-        y_kept = expert_mlp(kept, *slot_w.gemm(), to_device(np.cumsum(lay.kept_L), dev), c.swiglu_limit) \
-            if lay.kept_idx.size else h_RD[:0]
+        y_kept = expert_mlp(kept, *slot_w.gemm(), to_device(np.cumsum(lay.kept_L), dev), c.swiglu_limit,
+                            c.activation) if lay.kept_idx.size else h_RD[:0]
     with span(tl, "copy_results", "copy"):
         ret = rex(sends, layer._anchor(y_static), pending=pending)
     with span(tl, "assemble"):
@@ -264,7 +264,8 @@ def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, wei
         sizes = np.zeros(w1.shape[0], dtype=np.int64)
         for i, j in members:
             sizes[i] += moves[j].rows
-        y = expert_mlp(x, w1, w2, to_device(np.cumsum(sizes), device), layer.config.swiglu_limit)
+        y = expert_mlp(x, w1, w2, to_device(np.cumsum(sizes), device), layer.config.swiglu_limit,
+                       layer.config.activation)
         pos = 0
         for j in js:
             out[j] = y[pos:pos + moves[j].rows]

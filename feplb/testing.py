@@ -151,7 +151,7 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
 
 
 def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: str = "softmax", bias_E=None,
-                        swiglu_limit: float | None = None, gate_on_input: bool = False):
+                        swiglu_limit: float | None = None, gate_on_input: bool = False, activation: str = "silu"):
     """Single-process dense MoE (no dispatch, no kernels), the independent reference of ``MoELayer``.
 
     Expert selection uses fp32 logits exactly as the layer computes them (so ties resolve the same way); gates
@@ -160,7 +160,8 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
     Args:
         x_TD: [T, H]; router_EH: [E, H]; w1_EH2F: [E, H, 2F]; w2_EFH: [E, F, H]; bias_E: optional fp32 [E]
             added to the scores for selection only; swiglu_limit: the clamped SwiGLU's limit (torch.clamp);
-            gate_on_input: each expert's input weighed by the gate instead of its output.
+            gate_on_input: each expert's input weighed by the gate instead of its output; activation: the gate's
+            ("silu", "gelu_tanh", "gelu"; torch.nn.functional's).
     Returns:
         out_TD [T, H] in x's dtype, differentiable w.r.t. every input.
     """
@@ -187,7 +188,9 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
         gate, up = h[:, :F2], h[:, F2:]
         if swiglu_limit is not None:
             gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
-        y = (torch.nn.functional.silu(gate) * up) @ w2_EFH[e]
+        act = torch.nn.functional.silu(gate) if activation == "silu" else \
+            torch.nn.functional.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+        y = (act * up) @ w2_EFH[e]
         out = out.index_add(0, t_idx, y if gate_on_input else g * y)
     return out
 

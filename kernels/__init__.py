@@ -4,14 +4,24 @@ Legend: T tokens, K top-k, M = T*K grouped rows, D hidden, E experts, F ffn, N o
 
 Public ops (``torch.library`` operators, namespace ``feplb``, differentiable through autograd Functions; CUDA ->
 Triton, CPU -> pure torch):
-:func:`routing_metadata`, :func:`permute`, :func:`unpermute`, :func:`grouped_mm`, :func:`swiglu`.
+:func:`routing_metadata`, :func:`permute`, :func:`unpermute`, :func:`grouped_mm`, :func:`glu` (gated activation:
+SwiGLU, GeGLU) and its shorthand :func:`swiglu`.
 Each kernel's launcher (``*_triton``) and pure-torch twin (``*_ref``) live in its module; :func:`triton_on_cpu`
 makes the ops run the kernels on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).
 """
 
 if __name__ == "feplb.kernels":
     from ._triton import HAVE_TRITON, INTERPRET, poison_outputs, triton_on_cpu
-    from .ops import autocast_dtype, autocast_matmul_inputs, grouped_mm, permute, routing_metadata, swiglu, unpermute
+    from .ops import (
+        autocast_dtype,
+        autocast_matmul_inputs,
+        glu,
+        grouped_mm,
+        permute,
+        routing_metadata,
+        swiglu,
+        unpermute,
+    )
     from .routing import RoutingMetadata
 
     __all__ = [
@@ -20,6 +30,7 @@ if __name__ == "feplb.kernels":
         "RoutingMetadata",
         "autocast_dtype",
         "autocast_matmul_inputs",
+        "glu",
         "grouped_mm",
         "permute",
         "poison_outputs",

@@ -1,11 +1,14 @@
-"""SwiGLU activation of the first expert projection: out = silu(gate) * up, with gate = h[:, :F], up = h[:, F:].
+"""Gated activation of the first expert projection: out = act(gate) * up, with gate = h[:, :F], up = h[:, F:].
 
-Clamped SwiGLU (``limit``, as DeepSeek-V4, GLM-5 and Hunyuan-V4 experts compute it, and Megatron's
-``activation_func_clamp_value``): out = silu(min(gate, limit)) * clamp(up, -limit, limit); the gradient passes the
+``act`` (:data:`ACTS`): ``"silu"`` (SwiGLU: Mixtral, Qwen, DeepSeek, ...), ``"gelu_tanh"`` (GeGLU with the tanh
+approximation, torch's ``gelu(approximate="tanh")``: Gemma 4's experts) or ``"gelu"`` (GeGLU, exact erf form).
+
+Clamped (``limit``, as DeepSeek-V4, GLM-5 and Hunyuan-V4 experts compute SwiGLU, and Megatron's
+``activation_func_clamp_value``): out = act(min(gate, limit)) * clamp(up, -limit, limit); the gradient passes the
 clamps where the input lies within them, bounds included (torch.clamp's rule).
 
 Legend: M rows, F ffn features (h holds gate and up side by side, 2F columns).
-Computed in fp32, returned in the input dtype.
+Computed in fp32 (fp64 for fp64 input), returned in the input dtype.
 """
 
 from __future__ import annotations
@@ -18,56 +21,80 @@ from torch import Tensor
 from ._checks import FLOAT_DTYPES, check_tensor
 from ._triton import alloc, autotune_configs, cdiv, check_launch_device, launch, tl, triton
 
-__all__ = ["check_swiglu_input", "check_swiglu_limit", "swiglu_bwd_ref", "swiglu_bwd_triton", "swiglu_ref",
-           "swiglu_triton"]
+__all__ = ["ACTS", "check_glu_act", "check_glu_input", "check_glu_limit", "glu_bwd_ref", "glu_bwd_triton", "glu_ref",
+           "glu_triton"]
+
+# the activations of the gate, in the order of the kernels' ACT constexpr
+ACTS = ("silu", "gelu_tanh", "gelu")
 
 
-def check_swiglu_input(h_M2F: Tensor) -> None:
+def check_glu_input(h_M2F: Tensor) -> None:
     """h float [M, 2F], contiguous, an even number of columns."""
     check_tensor("h_M2F", h_M2F, dtypes=FLOAT_DTYPES, ndim=2, contiguous=True)
     if h_M2F.shape[1] % 2:
         raise ValueError(f"h_M2F: expected an even number of columns [M, 2F], got shape {list(h_M2F.shape)}")
 
 
-def check_swiglu_limit(limit: float | None) -> None:
-    """None (plain SwiGLU) or a finite number > 0."""
+def check_glu_limit(limit: float | None) -> None:
+    """None (no clamp) or a finite number > 0."""
     if limit is None:
         return
     if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
         raise ValueError(f"limit: expected None or a finite number > 0, got {limit!r}")
 
 
+def check_glu_act(act: str) -> None:
+    """One of :data:`ACTS`."""
+    if not isinstance(act, str) or act not in ACTS:
+        raise ValueError(f"act: expected one of {ACTS}, got {act!r}")
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def swiglu_ref(h_M2F: Tensor, limit: float | None = None) -> Tensor:
-    """Pure-torch twin: silu(h[:, :F]) * h[:, F:] (clamped by ``limit``, see the module docstring). Returns [M, F]
-    in h's dtype."""
-    check_swiglu_input(h_M2F)
-    check_swiglu_limit(limit)
+def _split(h_M2F: Tensor, limit: float | None) -> tuple[Tensor, Tensor]:
     gate, up = h_M2F.to(_acc_dtype(h_M2F.dtype)).chunk(2, dim=1)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return (torch.nn.functional.silu(gate) * up).to(h_M2F.dtype)
+    return gate, up
 
 
-def swiglu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None) -> Tensor:
-    """Gradient of :func:`swiglu_ref`: grad_MF [M, F] (h's dtype) -> dh [M, 2F] in h's dtype."""
-    check_swiglu_input(h_M2F)
-    check_swiglu_limit(limit)
+def _act_ref(gate: Tensor, act: str) -> Tensor:
+    if act == "silu":
+        return torch.nn.functional.silu(gate)
+    return torch.nn.functional.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+def glu_ref(h_M2F: Tensor, limit: float | None = None, act: str = "silu") -> Tensor:
+    """Pure-torch twin: act(h[:, :F]) * h[:, F:] (clamped by ``limit``, see the module docstring), with torch's own
+    activation. Returns [M, F] in h's dtype."""
+    check_glu_input(h_M2F)
+    check_glu_limit(limit)
+    check_glu_act(act)
+    gate, up = _split(h_M2F, limit)
+    return (_act_ref(gate, act) * up).to(h_M2F.dtype)
+
+
+def glu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu") -> Tensor:
+    """Gradient of :func:`glu_ref`: grad_MF [M, F] (h's dtype) -> dh [M, 2F] in h's dtype (torch's own activation
+    derivatives)."""
+    check_glu_input(h_M2F)
+    check_glu_limit(limit)
+    check_glu_act(act)
     check_tensor("grad_MF", grad_MF, dtypes=(h_M2F.dtype,), shape=(h_M2F.shape[0], h_M2F.shape[1] // 2))
     acc = _acc_dtype(h_M2F.dtype)
-    gate, up = h_M2F.to(acc).chunk(2, dim=1)
+    raw_gate, raw_up = h_M2F.to(acc).chunk(2, dim=1)
+    gate, up = _split(h_M2F, limit)
     g = grad_MF.to(acc)
-    if limit is not None:
-        gate_in, up_in = gate <= limit, (up >= -limit) & (up <= limit)
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    sig = torch.sigmoid(gate)
-    d_gate = g * up * sig * (1 + gate * (1 - sig))
-    d_up = g * gate * sig
-    if limit is not None:
-        d_gate, d_up = torch.where(gate_in, d_gate, 0.0), torch.where(up_in, d_up, 0.0)
+    if act == "silu":
+        d_gate = torch.ops.aten.silu_backward(g * up, gate)
+    else:
+        d_gate = torch.ops.aten.gelu_backward(g * up, gate, approximate="tanh" if act == "gelu_tanh" else "none")
+    d_up = g * _act_ref(gate, act)
+    if limit is not None:   # torch.clamp's rule: the gradient passes where the input lies within the bounds
+        d_gate = torch.where(raw_gate <= limit, d_gate, 0.0)
+        d_up = torch.where((raw_up >= -limit) & (raw_up <= limit), d_up, 0.0)
     return torch.cat([d_gate, d_up], dim=1).to(h_M2F.dtype)
 
 
@@ -76,10 +103,29 @@ HOPPER_CONFIGS = [dict(BLOCK_R=2, BLOCK_F=2048, num_warps=8), dict(BLOCK_R=4, BL
 _CONFIGS = autotune_configs(HOPPER_CONFIGS, dict(BLOCK_R=64, BLOCK_F=128))
 
 
+@triton.jit
+def _act_and_grad(gate, ACT: tl.constexpr, ACC: tl.constexpr):
+    """(act(gate), d act / d gate) in ACC: silu (ACT 0), gelu_tanh (1), gelu (2)."""
+    if ACT == 0:
+        s = tl.sigmoid(gate)
+        return gate * s, s * (1 + gate * (1 - s))
+    elif ACT == 1:
+        # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) = x * sigmoid(k (x + 0.044715 x^3)), k = 2 sqrt(2/pi)
+        k = tl.cast(1.5957691216057308, ACC)
+        c = tl.cast(0.044715, ACC)
+        s = tl.sigmoid(k * (gate + c * gate * gate * gate))
+        return gate * s, s + gate * s * (1 - s) * k * (1 + 3 * c * gate * gate)
+    else:
+        # x * Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2; derivative Phi(x) + x * phi(x)
+        cdf = 0.5 * (1 + tl.math.erf(gate * tl.cast(0.7071067811865476, ACC)))
+        pdf = tl.exp(-0.5 * gate * gate) * tl.cast(0.3989422804014327, ACC)
+        return gate * cdf, cdf + gate * pdf
+
+
 @triton.autotune(configs=_CONFIGS, key=["F"])
 @triton.jit
-def _swiglu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, ACC: tl.constexpr, CLAMP: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, ACC: tl.constexpr, CLAMP: tl.constexpr, ACT: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows < M)[:, None] & (cols < F)[None, :]
@@ -90,14 +136,15 @@ def _swiglu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, ACC: tl.constexpr, C
         lim = tl.cast(limit, ACC)
         gate = tl.where(gate > lim, lim, gate)
         up = tl.where(up > lim, lim, tl.where(up < -lim, -lim, up))
-    out = gate * tl.sigmoid(gate) * up
+    a, _ = _act_and_grad(gate, ACT, ACC)
+    out = a * up
     tl.store(out_ptr + rows[:, None] * F + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.autotune(configs=_CONFIGS, key=["F"])
 @triton.jit
-def _swiglu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, ACC: tl.constexpr, CLAMP: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, ACC: tl.constexpr, CLAMP: tl.constexpr,
+                    ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows < M)[:, None] & (cols < F)[None, :]
@@ -111,9 +158,9 @@ def _swiglu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, ACC: tl
         up_in = (up >= -lim) & (up <= lim)
         gate = tl.where(gate > lim, lim, gate)
         up = tl.where(up > lim, lim, tl.where(up < -lim, -lim, up))
-    sig = tl.sigmoid(gate)
-    d_gate = g * up * sig * (1 + gate * (1 - sig))
-    d_up = g * gate * sig
+    a, da = _act_and_grad(gate, ACT, ACC)
+    d_gate = g * up * da
+    d_up = g * a
     if CLAMP:
         d_gate = tl.where(gate_in, d_gate, 0.0)
         d_up = tl.where(up_in, d_up, 0.0)
@@ -128,35 +175,37 @@ def _launch_grid(M: int, F: int):
     return grid
 
 
-def swiglu_triton(h_M2F: Tensor, limit: float | None = None, *, config: dict | None = None) -> Tensor:
-    """Launcher of the SwiGLU kernel. h float [M, 2F] contiguous -> [M, F] in h's dtype (fp32 math), clamped by
-    ``limit`` (see the module docstring).
+def glu_triton(h_M2F: Tensor, limit: float | None = None, act: str = "silu", *, config: dict | None = None) -> Tensor:
+    """Launcher of the gated activation kernel. h float [M, 2F] contiguous -> [M, F] in h's dtype (fp32 math), act
+    one of :data:`ACTS`, clamped by ``limit`` (see the module docstring).
 
     ``config``: explicit block sizes instead of the autotuner (see ``_triton.launch``)."""
-    check_swiglu_input(h_M2F)
-    check_swiglu_limit(limit)
-    check_launch_device("swiglu_triton", h_M2F)
+    check_glu_input(h_M2F)
+    check_glu_limit(limit)
+    check_glu_act(act)
+    check_launch_device("glu_triton", h_M2F)
     M, F = h_M2F.shape[0], h_M2F.shape[1] // 2
     out_MF = alloc((M, F), h_M2F.dtype, h_M2F.device)
     if M > 0 and F > 0:
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
-        launch(_swiglu_kernel, _launch_grid(M, F), h_M2F, out_MF, M, F, float(limit or 0.0), ACC=acc,
-               CLAMP=limit is not None, config=config)
+        launch(_glu_kernel, _launch_grid(M, F), h_M2F, out_MF, M, F, float(limit or 0.0), ACC=acc,
+               CLAMP=limit is not None, ACT=ACTS.index(act), config=config)
     return out_MF
 
 
-def swiglu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, *,
-                      config: dict | None = None) -> Tensor:
-    """Launcher of the SwiGLU backward: grad [M, F] (h's dtype, contiguous), h [M, 2F] -> dh [M, 2F]."""
-    check_swiglu_input(h_M2F)
-    check_swiglu_limit(limit)
+def glu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu", *,
+                   config: dict | None = None) -> Tensor:
+    """Launcher of the gated activation's backward: grad [M, F] (h's dtype, contiguous), h [M, 2F] -> dh [M, 2F]."""
+    check_glu_input(h_M2F)
+    check_glu_limit(limit)
+    check_glu_act(act)
     check_tensor("grad_MF", grad_MF, dtypes=(h_M2F.dtype,), shape=(h_M2F.shape[0], h_M2F.shape[1] // 2),
                  contiguous=True)
-    check_launch_device("swiglu_bwd_triton", h_M2F)
+    check_launch_device("glu_bwd_triton", h_M2F)
     M, F = grad_MF.shape
     dh_M2F = alloc(tuple(h_M2F.shape), h_M2F.dtype, h_M2F.device)
     if M > 0 and F > 0:
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
-        launch(_swiglu_bwd_kernel, _launch_grid(M, F), grad_MF, h_M2F, dh_M2F, M, F, float(limit or 0.0), ACC=acc,
-               CLAMP=limit is not None, config=config)
+        launch(_glu_bwd_kernel, _launch_grid(M, F), grad_MF, h_M2F, dh_M2F, M, F, float(limit or 0.0), ACC=acc,
+               CLAMP=limit is not None, ACT=ACTS.index(act), config=config)
     return dh_M2F

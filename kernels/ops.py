@@ -24,12 +24,13 @@ from torch import Tensor
 from ._checks import FLOAT_DTYPES, MAX_EXPERTS, check_rows, check_tensor
 from ._triton import use_triton
 from .activation import (
-    check_swiglu_input,
-    check_swiglu_limit,
-    swiglu_bwd_ref,
-    swiglu_bwd_triton,
-    swiglu_ref,
-    swiglu_triton,
+    check_glu_act,
+    check_glu_input,
+    check_glu_limit,
+    glu_bwd_ref,
+    glu_bwd_triton,
+    glu_ref,
+    glu_triton,
 )
 from .grouped_gemm import (
     check_grouped_mm_inputs,
@@ -50,7 +51,7 @@ from .permutation import (
 )
 from .routing import RoutingMetadata, check_routing_inputs, routing_metadata_ref, routing_metadata_triton
 
-__all__ = ["autocast_dtype", "autocast_matmul_inputs", "grouped_mm", "permute", "routing_metadata", "swiglu",
+__all__ = ["autocast_dtype", "autocast_matmul_inputs", "glu", "grouped_mm", "permute", "routing_metadata", "swiglu",
            "unpermute"]
 
 _LIB = torch.library.Library("feplb", "DEF")
@@ -398,60 +399,68 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
     return _apply(_GroupedMM, _GROUPED_MM, x_MK, w_EKN, offsets_E, check)
 
 
-# ---------------------------------------------------------------------------------------------------- swiglu
+# ---------------------------------------------------------------------------------------------------- glu
 
-def _swiglu_impl(h_M2F: Tensor, limit: float | None = None) -> Tensor:
+def _glu_impl(h_M2F: Tensor, limit: float | None = None, act: str = "silu") -> Tensor:
     if use_triton(h_M2F):
-        return swiglu_triton(h_M2F, limit)
-    return swiglu_ref(h_M2F, limit)
+        return glu_triton(h_M2F, limit, act)
+    return glu_ref(h_M2F, limit, act)
 
 
-def _swiglu_fake(h_M2F, limit=None):
-    check_swiglu_input(h_M2F)
+def _glu_fake(h_M2F, limit=None, act="silu"):
+    check_glu_input(h_M2F)
     return h_M2F.new_empty(h_M2F.shape[0], h_M2F.shape[1] // 2)
 
 
-def _swiglu_bwd_impl(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None) -> Tensor:
+def _glu_bwd_impl(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu") -> Tensor:
     if use_triton(h_M2F):
-        return swiglu_bwd_triton(grad_MF, h_M2F, limit)
-    return swiglu_bwd_ref(grad_MF, h_M2F, limit)
+        return glu_bwd_triton(grad_MF, h_M2F, limit, act)
+    return glu_bwd_ref(grad_MF, h_M2F, limit, act)
 
 
-def _swiglu_bwd_fake(grad_MF, h_M2F, limit=None):
+def _glu_bwd_fake(grad_MF, h_M2F, limit=None, act="silu"):
     return torch.empty_like(h_M2F)
 
 
-_SWIGLU = _operator("swiglu(Tensor h_M2F, float? limit=None) -> Tensor", _swiglu_impl, _swiglu_fake)
-_SWIGLU_BWD = _operator("swiglu_bwd(Tensor grad_MF, Tensor h_M2F, float? limit=None) -> Tensor", _swiglu_bwd_impl,
-                        _swiglu_bwd_fake)
+_GLU = _operator('glu(Tensor h_M2F, float? limit=None, str act="silu") -> Tensor', _glu_impl, _glu_fake)
+_GLU_BWD = _operator('glu_bwd(Tensor grad_MF, Tensor h_M2F, float? limit=None, str act="silu") -> Tensor',
+                     _glu_bwd_impl, _glu_bwd_fake)
 
 
-def _swiglu_setup(ctx, inputs, output):
+def _glu_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
-    ctx.limit = inputs[1]
+    ctx.limit, ctx.act = inputs[1], inputs[2]
 
 
-def _swiglu_backward(ctx, grad_MF: Tensor):
+def _glu_backward(ctx, grad_MF: Tensor):
     (h_M2F,) = ctx.saved_tensors
-    return _below_autograd(_SWIGLU_BWD, grad_MF.contiguous(), h_M2F, ctx.limit), None
+    return _below_autograd(_GLU_BWD, grad_MF.contiguous(), h_M2F, ctx.limit, ctx.act), None, None
 
 
-_SwiGLU = _differentiable(_SWIGLU, _swiglu_setup, _swiglu_backward)
+_GLU_FN = _differentiable(_GLU, _glu_setup, _glu_backward)
 
 
-def swiglu(h_M2F: Tensor, limit: float | None = None) -> Tensor:
-    """SwiGLU: out_MF = silu(h[:, :F]) * h[:, F:], computed in fp32; with ``limit``, the clamped SwiGLU
-    silu(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4's experts, Megatron's
+def glu(h_M2F: Tensor, limit: float | None = None, act: str = "silu") -> Tensor:
+    """Gated activation of the experts: out_MF = act(h[:, :F]) * h[:, F:], computed in fp32. ``act``: ``"silu"``
+    (SwiGLU), ``"gelu_tanh"`` (GeGLU, tanh approximation: Gemma 4) or ``"gelu"`` (GeGLU, erf). With ``limit``, the
+    clamped form act(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4's experts, Megatron's
     ``activation_func_clamp_value``).
 
     Args:
         h_M2F: float [M, 2F], contiguous (gate columns first, then up).
         limit: None, or a finite number > 0.
+        act: one of ``feplb.kernels.activation.ACTS``.
 
     Returns:
         out_MF [M, F] in h's dtype; differentiable.
     """
-    check_swiglu_input(h_M2F)
-    check_swiglu_limit(limit)
+    check_glu_input(h_M2F)
+    check_glu_limit(limit)
+    check_glu_act(act)
     check_rows("h_M2F", h_M2F.shape[0], "M")
-    return _apply(_SwiGLU, _SWIGLU, h_M2F, None if limit is None else float(limit))
+    return _apply(_GLU_FN, _GLU, h_M2F, None if limit is None else float(limit), act)
+
+
+def swiglu(h_M2F: Tensor, limit: float | None = None) -> Tensor:
+    """SwiGLU, silu(h[:, :F]) * h[:, F:] (clamped by ``limit``): :func:`glu` with ``act="silu"``."""
+    return glu(h_M2F, limit, "silu")

@@ -6,6 +6,7 @@ each other).
 
 from __future__ import annotations
 
+import math
 import zlib
 from types import SimpleNamespace
 
@@ -75,11 +76,18 @@ def unpermute_f64(y_MD, dst_idx_TK, w_TK):
     return (w_TK.double()[:, :, None] * y_MD.double()[dst_idx_TK.long()]).sum(1)
 
 
-def swiglu_f64(h_M2F, limit=None):
+def glu_f64(h_M2F, limit=None, act="silu"):
+    """The gated activation in float64 from its formulas (not torch's activation functions)."""
     gate, up = h_M2F.double().chunk(2, dim=1)
     if limit is not None:   # torch.clamp: its gradient passes where the input lies within the bounds, included
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return gate / (1 + torch.exp(-gate)) * up
+    if act == "silu":
+        a = gate / (1 + torch.exp(-gate))
+    elif act == "gelu_tanh":
+        a = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3)))
+    else:
+        a = 0.5 * gate * (1 + torch.erf(gate / math.sqrt(2)))
+    return a * up
 
 
 def poisoned(t: torch.Tensor) -> torch.Tensor:
@@ -96,7 +104,7 @@ def close(actual, expected, dtype, scale: float = 1.0) -> None:
 def kh() -> SimpleNamespace:
     return SimpleNamespace(random_routing=random_routing, group_ids=group_ids, grouped_mm_f64=grouped_mm_f64,
                            grouped_mm_dw_f64=grouped_mm_dw_f64, routing_f64=routing_f64, unpermute_f64=unpermute_f64,
-                           swiglu_f64=swiglu_f64, poisoned=poisoned, close=close, TOL=TOL)
+                           glu_f64=glu_f64, poisoned=poisoned, close=close, TOL=TOL)
 
 
 @pytest.fixture

@@ -207,13 +207,15 @@ def other_jobs():
                consts={**meta, "K": 8, "BLOCK_K": 16, "NEED_DW": True, "ACC": tl.float32}, options=options)
     meta, options = split(activation.HOPPER_CONFIGS[0])
     for name, fn, types in (
-        ("swiglu", activation._swiglu_kernel, {"h_ptr": "*bf16", "out_ptr": "*bf16", "limit": "fp64"}),
-        ("swiglu backward", activation._swiglu_bwd_kernel,
+        ("glu", activation._glu_kernel, {"h_ptr": "*bf16", "out_ptr": "*bf16", "limit": "fp64"}),
+        ("glu backward", activation._glu_bwd_kernel,
          {"grad_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*bf16", "limit": "fp64"}),
     ):
-        for clamp in (False, True):   # plain and clamped SwiGLU
-            yield dict(name=name + (" clamped" if clamp else ""), jit_fn=fn, types=types, div16=("F",),
-                       consts={**meta, "ACC": tl.float32, "CLAMP": clamp}, options=options)
+        for act_id, act in enumerate(activation.ACTS):   # SwiGLU, GeGLU (tanh), GeGLU (erf); plain and clamped
+            for clamp in (False, True):
+                yield dict(name=f"{name} {act}" + (" clamped" if clamp else ""), jit_fn=fn, types=types,
+                           div16=("F",), consts={**meta, "ACC": tl.float32, "CLAMP": clamp, "ACT": act_id},
+                           options=options)
 
 
 def main(argv: list[str]) -> int:

@@ -203,6 +203,8 @@ def test_swiglu_rejects(dev):
         fk.swiglu(torch.randn(3, 5, device=dev))
     with pytest.raises(ValueError, match="h_M2F.*contiguous"):
         fk.swiglu(torch.randn(6, 4, device=dev).T)
+    with pytest.raises(ValueError, match="act: expected one of"):
+        fk.glu(torch.randn(6, 4, device=dev), None, "relu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's messages")

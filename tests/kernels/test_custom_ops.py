@@ -63,10 +63,14 @@ def test_opcheck(impl, gen, kh):
         (torch.ops.feplb.grouped_mm.default, (x_MD, w1, meta.offsets_E, True)),
         (torch.ops.feplb.grouped_mm.default, (x_MD, w1, meta.offsets_E.long(), False)),
         (torch.ops.feplb.grouped_mm_dw.default, (x_MD.detach(), h.detach(), meta.offsets_E)),
-        (torch.ops.feplb.swiglu.default, (h, None)),
-        (torch.ops.feplb.swiglu.default, (h, 0.5)),
-        (torch.ops.feplb.swiglu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), None)),
-        (torch.ops.feplb.swiglu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), 0.5)),
+        (torch.ops.feplb.glu.default, (h, None)),
+        (torch.ops.feplb.glu.default, (h, 0.5)),
+        (torch.ops.feplb.glu.default, (h, None, "gelu_tanh")),
+        (torch.ops.feplb.glu.default, (h, 0.5, "gelu")),
+        (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), None)),
+        (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), 0.5)),
+        (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), None, "gelu_tanh")),
+        (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), 0.5, "gelu")),
     ]
     with impl_context(impl):
         for op, args in cases:
@@ -84,7 +88,8 @@ def _off_corners(h: torch.Tensor, limit: float) -> torch.Tensor:
     return torch.where(near, h * 0.5, h)
 
 
-@pytest.mark.parametrize("op", ["permute", "unpermute", "grouped_mm", "swiglu", "swiglu_clamped"])
+@pytest.mark.parametrize("op", ["permute", "unpermute", "grouped_mm", "swiglu", "swiglu_clamped", "geglu_tanh",
+                                "geglu_clamped"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gradcheck_ops(impl, op, gen, kh):
     """Each op's backward in float64; fast mode, because every evaluation runs the interpreter."""
@@ -101,6 +106,11 @@ def test_gradcheck_ops(impl, op, gen, kh):
         "swiglu_clamped": (lambda h: fk.swiglu(h, 0.75),
                            (_off_corners(torch.randn(M, 6, dtype=torch.float64, generator=gen), 0.75)
                             .to(x.device).requires_grad_(),)),
+        "geglu_tanh": (lambda h: fk.glu(h, None, "gelu_tanh"),
+                       (torch.randn(M, 6, dtype=torch.float64, generator=gen).to(x.device).requires_grad_(),)),
+        "geglu_clamped": (lambda h: fk.glu(h, 0.75, "gelu"),
+                          (_off_corners(torch.randn(M, 6, dtype=torch.float64, generator=gen), 0.75)
+                           .to(x.device).requires_grad_(),)),
     }
     fn, args = fns[op]
     with impl_context(impl):
@@ -187,7 +197,7 @@ def raw_expert_block(x_TH, weights_TK, w1_EH2F, w2_EFH, topk_ids_TK, num_experts
     ops = torch.ops.feplb
     _, offsets, src, dst = ops.routing_metadata(topk_ids_TK, num_experts, True)
     h = ops.grouped_mm(ops.permute(x_TH, src, dst), w1_EH2F, offsets, True)
-    y = ops.grouped_mm(ops.swiglu(h), w2_EFH, offsets, True)
+    y = ops.grouped_mm(ops.glu(h), w2_EFH, offsets, True)
     return ops.unpermute(y, src, dst, weights_TK)
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from feplb.kernels import HAVE_TRITON, INTERPRET, poison_outputs
-from feplb.kernels.activation import HOPPER_CONFIGS as SWIGLU_HOPPER_CONFIGS
-from feplb.kernels.activation import swiglu_bwd_ref, swiglu_bwd_triton, swiglu_ref, swiglu_triton
+from feplb.kernels.activation import ACTS, glu_bwd_ref, glu_bwd_triton, glu_ref, glu_triton
+from feplb.kernels.activation import HOPPER_CONFIGS as GLU_HOPPER_CONFIGS
 from feplb.kernels.grouped_gemm import (
     DW_FALLBACK_CONFIGS,
     DW_HOPPER_CONFIGS,
@@ -192,9 +192,11 @@ def test_grouped_mm_kernels_strided_inputs(gen, kh):
     kh.close(dw.cpu(), kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu()), torch.float32, scale=20.0)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")   # the interpreter's sigmoid
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("limit", [None, 2.5], ids=["plain", "clamped"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_swiglu_kernels(dtype, limit, gen, kh):
+def test_glu_kernels(dtype, limit, act, gen, kh):
     M, F = 70, 150  # spans row and column blocks with remainders
     h = (torch.randn(M, 2 * F, generator=gen) * 3).to(dtype)
     if limit is not None:   # about a third of the gates and ups beyond the limit, and some exactly on it
@@ -204,13 +206,13 @@ def test_swiglu_kernels(dtype, limit, gen, kh):
     h = h.to(DEVICE)
     g = torch.randn(M, F, generator=gen).to(dtype).to(DEVICE)
     with poison_outputs():
-        out = swiglu_triton(h, limit)
-        dh = swiglu_bwd_triton(g, h, limit)
-    kh.close(out.cpu(), swiglu_ref(h, limit).cpu(), dtype, scale=4.0)
-    kh.close(out.cpu(), kh.swiglu_f64(h.cpu(), limit), dtype, scale=4.0)
-    kh.close(dh.cpu(), swiglu_bwd_ref(g, h, limit).cpu(), dtype, scale=4.0)
+        out = glu_triton(h, limit, act)
+        dh = glu_bwd_triton(g, h, limit, act)
+    kh.close(out.cpu(), glu_ref(h, limit, act).cpu(), dtype, scale=4.0)
+    kh.close(out.cpu(), kh.glu_f64(h.cpu(), limit, act), dtype, scale=4.0)
+    kh.close(dh.cpu(), glu_bwd_ref(g, h, limit, act).cpu(), dtype, scale=4.0)
     h64 = h.cpu().double().requires_grad_()
-    (dh_f64,) = torch.autograd.grad(kh.swiglu_f64(h64, limit), h64, g.cpu().double())
+    (dh_f64,) = torch.autograd.grad(kh.glu_f64(h64, limit, act), h64, g.cpu().double())
     kh.close(dh.cpu(), dh_f64, dtype, scale=8.0)
     if limit is not None:   # the clamps' flat parts pass no gradient
         gate, up = h.cpu().double().chunk(2, dim=1)
@@ -220,7 +222,8 @@ def test_swiglu_kernels(dtype, limit, gen, kh):
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_clamped_swiglu_keeps_nan_and_inf_as_torch_clamp_does(dtype):
+@pytest.mark.parametrize("act", ACTS)
+def test_clamped_glu_keeps_nan_and_inf_as_torch_clamp_does(dtype, act):
     """A NaN stays NaN through the clamps (not the limit), +-inf is clamped; gradients as torch's autograd gives
     them (a NaN input's clamp passes none)."""
     nan, inf = float("nan"), float("inf")
@@ -230,11 +233,13 @@ def test_clamped_swiglu_keeps_nan_and_inf_as_torch_clamp_does(dtype):
     limit = 1.0
     h64 = h.clone().requires_grad_()
     gate, up = h64.chunk(2, dim=1)
-    want = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    fn = torch.nn.functional.silu if act == "silu" else \
+        lambda v: torch.nn.functional.gelu(v, approximate="tanh" if act == "gelu_tanh" else "none")
+    want = fn(gate.clamp(max=limit)) * up.clamp(-limit, limit)
     (want_dh,) = torch.autograd.grad(want, h64, g)
     hd, gd = h.to(dtype).to(DEVICE), g.to(dtype).to(DEVICE)
-    for out, dh in ((swiglu_triton(hd, limit), swiglu_bwd_triton(gd, hd, limit)),
-                    (swiglu_ref(hd, limit), swiglu_bwd_ref(gd, hd, limit))):
+    for out, dh in ((glu_triton(hd, limit, act), glu_bwd_triton(gd, hd, limit, act)),
+                    (glu_ref(hd, limit, act), glu_bwd_ref(gd, hd, limit, act))):
         torch.testing.assert_close(out.cpu().double(), want.detach(), equal_nan=True, rtol=2e-2, atol=1e-2)
         torch.testing.assert_close(dh.cpu().double(), want_dh, equal_nan=True, rtol=2e-2, atol=1e-2)
 
@@ -297,6 +302,6 @@ def test_elementwise_kernels_every_gpu_config(gen, kh):
             assert torch.equal(dy, dy_ref)
             torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-4)
         h = torch.randn(T, 2 * D, generator=gen).to(DEVICE)
-        for config in SWIGLU_HOPPER_CONFIGS:
-            kh.close(swiglu_triton(h, config=config).cpu(), kh.swiglu_f64(h.cpu()), torch.float32, scale=4.0)
-            kh.close(swiglu_bwd_triton(x, h, config=config).cpu(), swiglu_bwd_ref(x, h).cpu(), torch.float32)
+        for config in GLU_HOPPER_CONFIGS:
+            kh.close(glu_triton(h, config=config).cpu(), kh.glu_f64(h.cpu()), torch.float32, scale=4.0)
+            kh.close(glu_bwd_triton(x, h, config=config).cpu(), glu_bwd_ref(x, h).cpu(), torch.float32)

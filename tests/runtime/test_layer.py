@@ -149,7 +149,7 @@ def _check_stack(per_rank, G, seed=300):
     assert sum(per_rank[0]["moved"]) > 0
 
 
-def _dense_in(dtype, routing, seed, G, microbatches, router, limit=None, gate_on_input=False):
+def _dense_in(dtype, routing, seed, G, microbatches, router, limit=None, gate_on_input=False, act="silu"):
     router_EH, w1, w2, xs, dys = make_inputs(routing, seed, G, router)
     router_EH, w1, w2 = (t.to(dtype).requires_grad_(True) for t in (router_EH, w1, w2))
     outs, dxs, drouters = [], [], []
@@ -157,7 +157,8 @@ def _dense_in(dtype, routing, seed, G, microbatches, router, limit=None, gate_on
         x = x.to(dtype).requires_grad_(True)
         r_leaf = router_EH.detach().clone().requires_grad_(True)
         for _ in range(microbatches):
-            out = dense_moe_reference(x, r_leaf, w1, w2, K, router, swiglu_limit=limit, gate_on_input=gate_on_input)
+            out = dense_moe_reference(x, r_leaf, w1, w2, K, router, swiglu_limit=limit, gate_on_input=gate_on_input,
+                                      activation=act)
             if out.requires_grad:   # a rank without tokens contributes nothing
                 (out * dy.to(dtype)).sum().backward()
         outs.append(out.detach())
@@ -167,11 +168,11 @@ def _dense_in(dtype, routing, seed, G, microbatches, router, limit=None, gate_on
 
 
 @functools.lru_cache(maxsize=None)
-def _dense(routing, seed, G, microbatches=1, router="softmax", limit=None, gate_on_input=False):
+def _dense(routing, seed, G, microbatches=1, router="softmax", limit=None, gate_on_input=False, act="silu"):
     """fp64 dense reference, plus the error torch's own fp32 makes on the same math (the floor of any tolerance:
     saturated softmax gradients cancel catastrophically in fp32 whatever the dispatch)."""
-    ref64 = _dense_in(torch.float64, routing, seed, G, microbatches, router, limit, gate_on_input)
-    ref32 = _dense_in(torch.float32, routing, seed, G, microbatches, router, limit, gate_on_input)
+    ref64 = _dense_in(torch.float64, routing, seed, G, microbatches, router, limit, gate_on_input, act)
+    ref32 = _dense_in(torch.float32, routing, seed, G, microbatches, router, limit, gate_on_input, act)
     return tuple(_Ref(a, b) if isinstance(a, torch.Tensor) else [_Ref(x, y) for x, y in zip(a, b, strict=True)]
                  for a, b in zip(ref64, ref32, strict=True))
 
@@ -206,8 +207,8 @@ def _check(results, cases, G):
         mb = rest[0] if rest else 1
         per_rank = [results[r][ci] for r in range(W)]
         router, limit = cfg_kwargs.get("router", "softmax"), cfg_kwargs.get("swiglu_limit")
-        goi = cfg_kwargs.get("gate_on_input", False)
-        outs, dxs, drouters, dw1, dw2 = _dense(routing, seed, G, mb, router, limit, goi)
+        goi, act = cfg_kwargs.get("gate_on_input", False), cfg_kwargs.get("activation", "silu")
+        outs, dxs, drouters, dw1, dw2 = _dense(routing, seed, G, mb, router, limit, goi, act)
         tag = f"{routing}/{cfg_kwargs['policy']}/{cfg_kwargs.get('weights', 'per-step')}"
         for r, res in enumerate(per_rank):
             _close(res["out"], outs[r], f"{tag} rank {r} output")
@@ -230,15 +231,16 @@ def _check(results, cases, G):
         assert len({res["state"] for res in per_rank}) == 1, f"{tag}: policy histories differ across ranks"
         if cfg_kwargs.get("replicas_mode") == "lazy":
             assert per_rank[0]["reads_plans"] and all(res["fp"] for res in per_rank), tag
-        by_key[(routing, seed, mb, router, limit, goi, cfg_kwargs["policy"], cfg_kwargs.get("weights"))] = per_rank
+        by_key[(routing, seed, mb, router, limit, goi, act, cfg_kwargs["policy"], cfg_kwargs.get("weights"))] = \
+            per_rank
         if cfg_kwargs["policy"] in IN_NODE and routing in ("skewed", "no_tokens", "hot_per_node") and \
                 cfg_kwargs["policy"] != "feplb":
             res = per_rank[0]
             assert res["after"] < res["before"], f"{tag}: straggler {res['before']} -> {res['after']}"
             assert res["moved"] > 0
     # Balancing on equals balancing off (same tolerance, independent of the dense reference).
-    for (routing, seed, mb, router, limit, goi, policy, weights), per_rank in by_key.items():
-        off = by_key.get((routing, seed, mb, router, limit, goi, "none", None))
+    for (routing, seed, mb, router, limit, goi, act, policy, weights), per_rank in by_key.items():
+        off = by_key.get((routing, seed, mb, router, limit, goi, act, "none", None))
         if off is None or policy == "none":
             continue
         for r in range(W):
@@ -276,6 +278,11 @@ def _cases_for(G):
     for policy, weights in (("feplb-split", "per-microbatch"), ("none", None)):
         kw = {"policy": policy, "gpus_per_node": G, "gate_on_input": True, "router": "sigmoid", "dyn": 2}
         cases.append(({**kw, "weights": weights} if weights else kw, "skewed", 205))
+    # GeGLU experts (Gemma 4's tanh form; the erf form clamped).
+    for act, limit in (("gelu_tanh", None), ("gelu", 0.5)):
+        for policy, weights in (("feplb-split", "per-microbatch"), ("none", None)):
+            kw = {"policy": policy, "gpus_per_node": G, "activation": act, "swiglu_limit": limit, "dyn": 2}
+            cases.append(({**kw, "weights": weights} if weights else kw, "skewed", 206))
     return cases
 
 
