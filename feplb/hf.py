@@ -63,7 +63,6 @@ __all__ = ["FEPLBExperts", "FEPLBLlama4TextMoe", "apply", "supported", "expert_p
            "clip_grad_norm_"]
 
 _SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
-_SWIGLU_ACTS = ("silu", "swish")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # where transformers configs keep the number of experts per token (the first one set wins)
 _TOP_K_FIELDS = ("num_experts_per_tok", "top_k", "moe_topk", "moe_k", "top_k_experts")
@@ -77,7 +76,8 @@ class FEPLBExperts(MoELayer):
     With ``transposed=True`` (a module with ``is_transposed=True``, e.g. Aria's: weights stored [in, out]) they are
     [L, H, 2F] and [L, F, H], the layer's own layout, used as they are.
     ``forward(hidden_states [T, H], top_k_index [T, K] int, top_k_weights [T, K] float) -> [T, H]`` returns
-    ``sum_k w_k * down(silu(gate(x)) * up(x))`` over each token's experts, like the module it replaces, with the
+    ``sum_k w_k * down(act(gate(x)) * up(x))`` over each token's experts (act: SiLU or GeLU, ``config.activation``),
+    like the module it replaces, with the
     gradient flowing into ``top_k_weights`` (the model's router). Collective over the EP group, like every
     ``MoELayer`` forward: every rank of the group must run every forward.
     """
@@ -144,14 +144,47 @@ def _config_of(module: nn.Module, model: nn.Module) -> Any:
     return cfg
 
 
-def _is_silu(act: object) -> bool:
-    if isinstance(act, nn.SiLU) or act is torch.nn.functional.silu:
-        return True
+def _config_field(cfg: Any, name: str) -> Any:
+    """``cfg.name``, or None where the config lacks it or refuses a global value (a per-layer field that varies
+    across layers, e.g. in Gemma 4's heterogeneous configs)."""
     try:
-        from transformers.activations import SiLUActivation
-    except ImportError:
-        return False
-    return isinstance(act, SiLUActivation)
+        return getattr(cfg, name, None)
+    except Exception:
+        return None
+
+
+def _probe_values(limits: list[float]) -> torch.Tensor:
+    """fp64 values a probe calls a gate or an activation on: every magnitude from 1e-3 to 1e6 of both signs (a clamp
+    at any bound shows), random values around the limits (or in [-12, 12]), and the limits themselves."""
+    gen = torch.Generator().manual_seed(0)
+    mags = torch.logspace(-3, 6, 28, dtype=torch.float64)
+    lim = torch.tensor(limits, dtype=torch.float64)
+    return torch.cat([mags, -mags, (torch.rand(200, generator=gen, dtype=torch.float64) * 2 - 1)
+                      * 4 * max(limits, default=3.0), lim, -lim])
+
+
+def _act_kind(act: object) -> str | None:
+    """The FEPLB activation (``FEPLBConfig.activation``: "silu", "gelu_tanh", "gelu") that the callable ``act``
+    computes, or None: decided by calling it on fp32 values (:func:`_probe_values`) and comparing element by element
+    with torch's, so any module or function computing one of them (transformers' SiLUActivation, GELUTanh,
+    NewGELUActivation, nn.GELU, ...) is recognised, and nothing else."""
+    if act is None or not callable(act):
+        return None
+    from feplb.kernels.activation import ACTS, glu_ref
+
+    x = _probe_values([]).float()[None, :]
+    try:
+        with torch.no_grad():
+            got = act(x.clone())
+    except Exception:   # an activation that cannot take fp32 CPU values is not one FEPLB stands in for
+        return None
+    ones = torch.ones_like(x)
+    for kind in ACTS:
+        want = glu_ref(torch.cat([x, ones], dim=1), None, kind)
+        if isinstance(got, torch.Tensor) and got.shape == want.shape and \
+                torch.allclose(got.float(), want, rtol=1e-5, atol=1e-6, equal_nan=True):
+            return kind
+    return None
 
 
 # Where experts modules keep their clamped SwiGLU's limit (DeepSeek-V4: limit; GLM-5, Hunyuan-V4: swiglu_limit).
@@ -171,23 +204,19 @@ def _limits(module: nn.Module) -> list[float]:
 
 
 def _gate(module: nn.Module, ffn: int) -> tuple[str | None, float | None]:
-    """(why FEPLB cannot compute ``module``'s gate, or None; the clamped SwiGLU's limit, or None).
+    """(why FEPLB cannot compute ``module``'s gate, or None; (activation, clamp limit or None), or None).
 
-    A module with its own ``_apply_gate`` runs if that gate computes what FEPLB's kernels do, plain SwiGLU or the
-    clamped SwiGLU at one of its limit attributes (:data:`_LIMIT_ATTRS`). Checked by calling it on fp32 rows of the
-    module's own width (2 * ``ffn``): gates and ups at every magnitude from 1e-3 to 1e6, both signs (so a clamp at
-    any bound, wherever the module keeps it, shows), random values around the limits, and the limits themselves;
-    compared with FEPLB's own SwiGLU element by element."""
+    A module with its own ``_apply_gate`` runs if that gate computes what FEPLB's kernels do: act(gate) * up with
+    act one of ``FEPLBConfig.activation``'s, plain or clamped at one of its limit attributes (:data:`_LIMIT_ATTRS`).
+    Checked by calling it on fp32 rows of the module's own width (2 * ``ffn``): every probe value
+    (:func:`_probe_values`) as a gate beside every other as an up, compared with FEPLB's own element by element.
+    Without a custom gate: (None, None); the module's ``act_fn`` is checked by the caller."""
     if not _custom_gate(module):
         return None, None
-    from feplb.kernels.activation import swiglu_ref
+    from feplb.kernels.activation import ACTS, glu_ref
 
     limits = _limits(module)
-    gen = torch.Generator().manual_seed(0)
-    mags = torch.logspace(-3, 6, 28, dtype=torch.float64)
-    values = torch.cat([mags, -mags, (torch.rand(200, generator=gen, dtype=torch.float64) * 2 - 1)
-                        * 4 * max(limits, default=3.0), torch.tensor(limits, dtype=torch.float64),
-                        -torch.tensor(limits, dtype=torch.float64)])
+    values = _probe_values(limits)
     # every value as a gate beside every other as an up (rows of 2 * ffn columns; pairs spread over the columns)
     gate, up = torch.meshgrid(values, values, indexing="ij")
     pairs = torch.stack([gate.reshape(-1), up.reshape(-1)], dim=1)
@@ -201,14 +230,15 @@ def _gate(module: nn.Module, ffn: int) -> tuple[str | None, float | None]:
     except Exception as e:  # a gate that cannot take fp32 [rows, 2F] rows on the CPU is not one FEPLB stands in for
         return (f"a custom gating function ({name}) that fails on fp32 [rows, {2 * ffn}] CPU rows "
                 f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"), None
-    for limit in (None, *limits):
-        want = swiglu_ref(probe, limit)
-        if isinstance(got, torch.Tensor) and got.shape == want.shape and \
-                torch.allclose(got.float(), want, rtol=1e-5, atol=1e-6, equal_nan=True):
-            return None, limit
-    tried = "silu(gate) * up" + (f" nor its clamped form at limit {', '.join(f'{v:g}' for v in limits)}"
-                                 if limits else "")
-    return f"a custom gating function ({name}) that computes neither {tried}", None
+    for act in ACTS:
+        for limit in (None, *limits):
+            want = glu_ref(probe, limit, act)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and \
+                    torch.allclose(got.float(), want, rtol=1e-5, atol=1e-6, equal_nan=True):
+                return None, (act, limit)
+    clamped = f", plain or clamped at limit {', '.join(f'{v:g}' for v in limits)}" if limits else ""
+    return (f"a custom gating function ({name}) that computes none of FEPLB's act(gate) * up for act in "
+            f"{ACTS}{clamped}"), None
 
 
 def _custom_gate(module: nn.Module) -> bool:
@@ -285,7 +315,7 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         return f"a Llama 4 experts module also reachable as {name!r}, outside its MoE block", {}
     own = dict(module.named_parameters())
     if "gate_up_proj" not in own:
-        return "no gate_up_proj parameter (non-gated experts; FEPLB computes SwiGLU experts)", {}
+        return "no gate_up_proj parameter (non-gated experts; FEPLB computes gated experts, act(gate) * up)", {}
     why = hooks_problem(module) or (hooks_problem(block) if block is not None else None)
     if why is not None:
         return why, {}
@@ -327,31 +357,33 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         layout = ("gate_up_proj [E, H, 2F] and down_proj [E, F, H] (is_transposed=True)" if transposed else
                   "gate_up_proj [E, 2F, H] and down_proj [E, H, F]")
         return f"weight layout gate_up_proj {list(gu.shape)}, down_proj {list(dn.shape)}; expected {layout}", {}
-    why, limit = _gate(module, Fd)
+    why, gated = _gate(module, Fd)
     if why is not None:
         return why, {}
-    act = getattr(module, "act_fn", None)
-    if not _custom_gate(module) and not _is_silu(act):   # a custom gate passed the probe in _gate itself
-        return (f"activation {type(act).__name__ if act is not None else None} is not SiLU "
-                "(FEPLB computes SwiGLU experts: silu(gate) * up)"), {}
+    if gated is None:   # the default gate: act_fn(gate) * up
+        act_fn = getattr(module, "act_fn", None)
+        kind = _act_kind(act_fn)
+        if kind is None:
+            from feplb.kernels.activation import ACTS
+
+            return (f"activation {type(act_fn).__name__ if act_fn is not None else None} is none of FEPLB's "
+                    f"{ACTS} (FEPLB computes gated experts: act(gate) * up)"), {}
+        gated = (kind, None)
     cfg = _config_of(module, model)
-    hidden_act = getattr(cfg, "hidden_act", None)
-    if hidden_act is not None and hidden_act not in _SWIGLU_ACTS:
-        return f"the model config declares hidden_act={hidden_act!r}, not one of {_SWIGLU_ACTS}", {}
     if gu.dtype not in _DTYPES:
         return f"dtype {gu.dtype}; expected one of {_DTYPES}", {}
     if gu.device.type not in ("cpu", "cuda") or dn.device != gu.device:
         return f"weights on {gu.device} / {dn.device}; expected both on the CPU or on one CUDA device", {}
     top_k = block.router.top_k if block is not None else \
-        next((v for v in (getattr(cfg, k, None) for k in _TOP_K_FIELDS) if v is not None), None)
+        next((v for v in (_config_field(cfg, k) for k in _TOP_K_FIELDS) if v is not None), None)
     if not isinstance(top_k, int) or not 1 <= top_k <= E:
         return (f"top-k from the model config ({' / '.join(_TOP_K_FIELDS)}) is {top_k!r}; expected an int in "
                 f"[1, {E}]"), {}
     if E % world:
         return f"{E} experts are not divisible by the EP group size {world}", {}
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": top_k, "dtype": gu.dtype,
-                  "device": gu.device.type, "swiglu_limit": limit, "gate_on_input": block is not None,
-                  "transposed": transposed}
+                  "device": gu.device.type, "activation": gated[0], "swiglu_limit": gated[1],
+                  "gate_on_input": block is not None, "transposed": transposed}
 
 
 def _version_hint() -> str:
@@ -414,7 +446,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     Returns the qualified names of the replaced experts modules (with Llama 4, whose whole MoE blocks are replaced
     by :class:`FEPLBLlama4TextMoe`, the names of their experts inside them). Raises, on every rank together and
     before anything is replaced: ValueError naming each module FEPLB cannot run exactly (bias terms, an activation
-    other than SiLU gating, another weight layout or signature, E not divisible by W) and why, or when the ranks'
+    FEPLB does not compute, another weight layout or signature, E not divisible by W) and why, or when the ranks'
     models differ; TypeError for an unknown or derived override.
     """
     if not dist.is_initialized():

@@ -58,8 +58,13 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention
             # the second layer is a MoE layer (architectures whose first layers are dense)
             first_k_dense_replace=1, num_dense_layers=1, first_k_dense=1, moe_layer_start_index=1,
             decoder_sparse_step=1, moe_layer_freq=1, mlp_only_layers=[],
+            # Gemma 4: its MoE block on, per-layer input embeddings of the tiny vocabulary
+            enable_moe_block=True, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
             initializer_range=0.1, use_cache=False, tie_word_embeddings=False)
 TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+# Per-layer lists some configs leave None by default (a checkpoint's config sets them): full attention, and the
+# second layer a MoE layer (LFM2-MoE, DeepSeek-OCR2).
+NONE_LISTS = dict(layer_types=["full_attention", "full_attention"], mlp_layer_types=["dense", "sparse"])
 
 _EXPERTS_SOURCE = re.compile(r"\b(gate_up_proj|up_proj|down_proj)\s*=\s*nn\.Parameter\(")
 
@@ -107,6 +112,9 @@ def _tiny_kwargs(default: Any, cut: str | None) -> dict:
     """Constructor arguments of a tiny version of the config ``default``; per-layer lists (``layer_types``, ...) of
     the default depth are left to the config to derive (``cut=None``) or cut to the tiny depth, keeping their
     ``"last"`` or ``"first"`` layers (dense layers, where an architecture has some, come first)."""
+    if hasattr(type(default), "allow_global_per_layer_attribute_access"):
+        # a config whose fields may vary per layer (Gemma 4): read their global values; the tiny config sets them
+        default.allow_global_per_layer_attribute_access = True
     params = inspect.signature(type(default).__init__).parameters
     kwargs = {k: v for k, v in TINY.items() if k in params or hasattr(default, k)}
     # Per-layer values given as lists (one per layer) keep that form.
@@ -127,6 +135,9 @@ def _tiny_kwargs(default: Any, cut: str | None) -> dict:
         for k, v in vars(default).items():
             if k not in kwargs and isinstance(v, list) and len(v) == layers:
                 kwargs[k] = v[-depth:] if cut == "last" else v[:depth]
+    for k, v in NONE_LISTS.items():
+        if k in params and getattr(default, k, 0) is None:
+            kwargs[k] = list(v)
     for k in TOKEN_ID_FIELDS:
         v = getattr(default, k, None)
         if isinstance(v, int) and v >= VOCAB:

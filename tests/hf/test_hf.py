@@ -176,10 +176,12 @@ def _check_errors(rank: int, world: int) -> dict:
     M = _models()
     out = {}
     if world == 1:
-        gelu = M.make_model("mixtral", hidden_act="gelu")
-        out["gelu"] = error_of(lambda: fh.apply(gelu))
+        relu = M.make_model("mixtral", hidden_act="relu")
+        out["relu"] = error_of(lambda: fh.apply(relu))
+        out["geglu"] = {act: fh.supported(M.make_model("mixtral", hidden_act=act))
+                        for act in ("gelu", "gelu_pytorch_tanh", "gelu_new")}
         half = M.make_model("mixtral")
-        half.model.layers[1].mlp.experts.act_fn = torch.nn.GELU()
+        half.model.layers[1].mlp.experts.act_fn = torch.nn.ReLU()
         before = _digest(half.state_dict())
         out["half"] = error_of(lambda: fh.apply(half))
         out["half_untouched"] = (_experts_names(half) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
@@ -725,9 +727,14 @@ def test_full_state_dict_gathers_four_shards_bit_exactly(four_ranks):
 
 def test_unsupported_experts_are_refused_by_name_and_nothing_is_replaced(one_rank):
     err = one_rank[0]["errors"]
-    assert err["gelu"].startswith("ValueError") and "not SiLU" in err["gelu"], err["gelu"]
-    assert "model.layers.0.mlp.experts" in err["gelu"] and "model.layers.1.mlp.experts" in err["gelu"]
-    assert "model.layers.1.mlp.experts (MixtralExperts): activation GELU is not SiLU" in err["half"], err["half"]
+    none_of = "is none of FEPLB's ('silu', 'gelu_tanh', 'gelu')"
+    assert err["relu"].startswith("ValueError") and f"activation ReLU {none_of}" in err["relu"], err["relu"]
+    assert "model.layers.0.mlp.experts" in err["relu"] and "model.layers.1.mlp.experts" in err["relu"]
+    assert f"model.layers.1.mlp.experts (MixtralExperts): activation ReLU {none_of}" in err["half"], err["half"]
+    # GeGLU experts run (erf and tanh forms; Gemma 4's run exact in tests/hf/test_hf_architectures.py)
+    for act, verdict in err["geglu"].items():
+        assert list(verdict) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], (act, verdict)
+        assert all(why is None for why in verdict.values()), (act, verdict)
     assert "model.layers.0.mlp.experts" not in err["half"] and "nothing was replaced" in err["half"]
     assert err["half_untouched"]
     assert "model.layers.0.mlp.experts (GptOssExperts): bias terms" in err["gpt_oss"], err["gpt_oss"]

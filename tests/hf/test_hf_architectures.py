@@ -25,9 +25,12 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "aria",          # weights stored [in, out] (is_transposed=True)
                "deepseek_v4",   # the clamped SwiGLU (its own _apply_gate, limit), and hash routing
                "beam",          # its own _apply_gate: SwiGLU in fp32, as FEPLB computes it
-               "llama4")        # the whole MoE block: gates on the experts' inputs, weights stored [in, out]
+               "llama4",        # the whole MoE block: gates on the experts' inputs, weights stored [in, out]
+               "gemma4", "diffusion_gemma",   # GeGLU experts (gelu_pytorch_tanh), heterogeneous per-layer configs
+               "dots3_note", "lfm2_moe", "deepseek_ocr2")
+# MiniMax-M3-VL's gate is gpt-oss's: (up + 1) * gate * sigmoid(alpha * gate)
 KNOWN_REFUSED = {"gpt_oss": "bias terms", "nemotron_h": "no gate_up_proj parameter",
-                 "minimax_m3_vl": "computes neither"}   # gpt-oss's gate: (up + 1) * gate * sigmoid(alpha * gate)
+                 "minimax_m3_vl": "computes none of FEPLB's"}
 
 
 def _survey(rank: int, world: int) -> list[dict]:
@@ -114,6 +117,14 @@ def _defects(rank: int, world: int) -> dict:
         finally:
             fh._gate = gate
 
+        # the activation lost: Gemma 4's GeGLU experts computed as SwiGLU
+        kind = fh._act_kind
+        fh._act_kind = lambda act: None if kind(act) is None else "silu"
+        try:
+            out["swiglu_for_geglu"] = hfcheck.check(["gemma4"])[0]
+        finally:
+            fh._act_kind = kind
+
         def raising(self, hidden_states, top_k_index, top_k_weights):
             raise RuntimeError("a forward that fails")
 
@@ -134,6 +145,7 @@ def test_the_check_reports_defects():
         # 1e-4 off: ten times the tolerance, caught also where fp32 rounding alone nears it (Granite's multipliers)
         assert [o["status"] for o in res["slightly"]] == ["WRONG", "WRONG"], res["slightly"]
         assert res["unclamped"]["status"] == "WRONG", res["unclamped"]
+        assert res["swiglu_for_geglu"]["status"] == "WRONG", res["swiglu_for_geglu"]
         assert res["raising"]["status"] == "error" and "a forward that fails" in res["raising"]["detail"], res
         assert res["restored"]["status"] == "exact", res["restored"]
 
@@ -163,15 +175,31 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
     assert fh._problem(experts[0], ds4, 1)[1]["swiglu_limit"] == experts[0].limit > 0
     mix = model.model.layers[0].mlp.experts
 
-    class GeluGate(type(mix)):
+    class GeluGate(type(mix)):   # GeGLU (erf), clamped where a limit is set
         def _apply_gate(self, gate_up):
             gate, up = gate_up.chunk(2, dim=-1)
+            lim = getattr(self, "limit", None)
+            if lim is not None:
+                gate, up = gate.clamp(max=lim), up.clamp(-lim, lim)
             return torch.nn.functional.gelu(gate) * up
 
-    odd = GeluGate(model.config)
-    assert "computes neither silu(gate) * up" in fh._problem(odd, model, 1)[0]
-    odd.limit = 3.0   # a limit attribute is tried too, and still does not make gelu SwiGLU
-    assert "or its clamped form at limit 3" in fh._problem(odd, model, 1)[0]
+    geglu = GeluGate(model.config)
+    why, fields = fh._problem(geglu, model, 1)
+    assert why is None and (fields["activation"], fields["swiglu_limit"]) == ("gelu", None), why
+    geglu.limit = 3.0
+    why, fields = fh._problem(geglu, model, 1)
+    assert why is None and (fields["activation"], fields["swiglu_limit"]) == ("gelu", 3.0), why
+
+    class ReluGate(type(mix)):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch.relu(gate) * up
+
+    odd = ReluGate(model.config)
+    assert "computes none of FEPLB's act(gate) * up for act in ('silu', 'gelu_tanh', 'gelu')" in \
+        fh._problem(odd, model, 1)[0]
+    odd.limit = 3.0   # a limit attribute is tried too, and still does not make relu one of them
+    assert "plain or clamped at limit 3" in fh._problem(odd, model, 1)[0]
 
     class ClampedGate(type(mix)):
         limit = 2.5
@@ -190,7 +218,7 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
             gate, up = gate_up.chunk(2, dim=-1)
             return torch.nn.functional.silu(gate.clamp(max=self.clamp_value)) * up
 
-    assert "computes neither silu(gate) * up" in fh._problem(HiddenClamp(model.config), model, 1)[0]
+    assert "computes none of FEPLB's" in fh._problem(HiddenClamp(model.config), model, 1)[0]
 
     class SplitGate(type(mix)):   # plain SwiGLU that splits by the module's own width
         def _apply_gate(self, gate_up):
