@@ -37,8 +37,9 @@ def _baseline_ops():
     """The former registration: ``torch.library.custom_op`` with autograd registered on the op, around the same
     implementations as feplb's operators (defined once per process)."""
     if not hasattr(_baseline_ops, "made"):
-        def sw_impl(h_M2F: torch.Tensor, limit: float | None, act: str) -> torch.Tensor:
-            return ops._glu_impl(h_M2F, limit, act)
+        def sw_impl(h_M2F: torch.Tensor, limit: float | None, act: str, alpha: float,
+                    interleaved: bool) -> torch.Tensor:
+            return ops._glu_impl(h_M2F, limit, act, alpha, interleaved)
 
         sw = torch.library.custom_op("feplb_bench::glu", mutates_args=())(sw_impl)
         sw.register_fake(ops._glu_fake)
@@ -72,9 +73,9 @@ def _cases(device: torch.device) -> dict:
     base = _baseline_ops()
     return {
         "swiglu": ((h,), torch.randn(8, 16, generator=gen).to(device),
-                   {"feplb": lambda a: ops._GLU_FN.apply(a, None, "silu"),
-                    "custom_op": lambda a: base["swiglu"](a, None, "silu"),
-                    "implementation": lambda a: ops._glu_impl(a, None, "silu")},
+                   {"feplb": lambda a: ops._GLU_FN.apply(a, None, "silu", 1.0, False),
+                    "custom_op": lambda a: base["swiglu"](a, None, "silu", 1.0, False),
+                    "implementation": lambda a: ops._glu_impl(a, None, "silu", 1.0, False)},
                    swiglu),
         "grouped_mm": ((x, w), torch.randn(8, 16, generator=gen).to(device),
                        {"feplb": lambda a, b: ops._GroupedMM.apply(a, b, offsets, False),

@@ -1,11 +1,16 @@
 """Gated activation of the first expert projection: out = act(gate) * up, with gate = h[:, :F], up = h[:, F:].
 
 ``act`` (:data:`ACTS`): ``"silu"`` (SwiGLU: Mixtral, Qwen, DeepSeek, ...), ``"gelu_tanh"`` (GeGLU with the tanh
-approximation, torch's ``gelu(approximate="tanh")``: Gemma 4's experts) or ``"gelu"`` (GeGLU, exact erf form).
+approximation, torch's ``gelu(approximate="tanh")``: Gemma 4's experts), ``"gelu"`` (GeGLU, exact erf form) or
+``"swiglu_oai"`` (gpt-oss's and MiniMax-M3's: gate * sigmoid(alpha * gate) * (up + 1), ``alpha`` 1.702 there; the
+only kind that reads ``alpha``).
 
 Clamped (``limit``, as DeepSeek-V4, GLM-5 and Hunyuan-V4 experts compute SwiGLU, and Megatron's
 ``activation_func_clamp_value``): out = act(min(gate, limit)) * clamp(up, -limit, limit); the gradient passes the
 clamps where the input lies within them, bounds included (torch.clamp's rule).
+
+``interleaved``: gate and up alternate column by column (gate = h[:, 0::2], up = h[:, 1::2]: gpt-oss's weights)
+instead of side by side.
 
 Legend: M rows, F ffn features (h holds gate and up side by side, 2F columns).
 Computed in fp32 (fp64 for fp64 input), returned in the input dtype.
@@ -25,7 +30,7 @@ __all__ = ["ACTS", "check_glu_act", "check_glu_input", "check_glu_limit", "glu_b
            "glu_triton"]
 
 # the activations of the gate, in the order of the kernels' ACT constexpr
-ACTS = ("silu", "gelu_tanh", "gelu")
+ACTS = ("silu", "gelu_tanh", "gelu", "swiglu_oai")
 
 
 def check_glu_input(h_M2F: Tensor) -> None:
@@ -43,59 +48,81 @@ def check_glu_limit(limit: float | None) -> None:
         raise ValueError(f"limit: expected None or a finite number > 0, got {limit!r}")
 
 
-def check_glu_act(act: str) -> None:
-    """One of :data:`ACTS`."""
+def check_glu_act(act: str, alpha: float = 1.0) -> None:
+    """One of :data:`ACTS`; ``alpha`` a finite number."""
     if not isinstance(act, str) or act not in ACTS:
         raise ValueError(f"act: expected one of {ACTS}, got {act!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"alpha: expected a finite number, got {alpha!r}")
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _split(h_M2F: Tensor, limit: float | None) -> tuple[Tensor, Tensor]:
-    gate, up = h_M2F.to(_acc_dtype(h_M2F.dtype)).chunk(2, dim=1)
+def _halves(h: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
+    return (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=1)
+
+
+def _join(d_gate: Tensor, d_up: Tensor, interleaved: bool) -> Tensor:
+    if interleaved:
+        return torch.stack([d_gate, d_up], dim=2).reshape(d_gate.shape[0], -1)
+    return torch.cat([d_gate, d_up], dim=1)
+
+
+def _split(h_M2F: Tensor, limit: float | None, interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    gate, up = _halves(h_M2F.to(_acc_dtype(h_M2F.dtype)), interleaved)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return gate, up
 
 
-def _act_ref(gate: Tensor, act: str) -> Tensor:
+def _act_ref(gate: Tensor, act: str, alpha: float) -> Tensor:
     if act == "silu":
         return torch.nn.functional.silu(gate)
+    if act == "swiglu_oai":
+        return gate * torch.sigmoid(gate * alpha)
     return torch.nn.functional.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
-def glu_ref(h_M2F: Tensor, limit: float | None = None, act: str = "silu") -> Tensor:
+def glu_ref(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: float = 1.0,
+            interleaved: bool = False) -> Tensor:
     """Pure-torch twin: act(h[:, :F]) * h[:, F:] (clamped by ``limit``, see the module docstring), with torch's own
-    activation. Returns [M, F] in h's dtype."""
+    activation (``swiglu_oai``: gate * sigmoid(alpha * gate) * (up + 1)). Returns [M, F] in h's dtype."""
     check_glu_input(h_M2F)
     check_glu_limit(limit)
-    check_glu_act(act)
-    gate, up = _split(h_M2F, limit)
-    return (_act_ref(gate, act) * up).to(h_M2F.dtype)
+    check_glu_act(act, alpha)
+    gate, up = _split(h_M2F, limit, interleaved)
+    if act == "swiglu_oai":
+        up = up + 1
+    return (_act_ref(gate, act, alpha) * up).to(h_M2F.dtype)
 
 
-def glu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu") -> Tensor:
+def glu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu",
+                alpha: float = 1.0, interleaved: bool = False) -> Tensor:
     """Gradient of :func:`glu_ref`: grad_MF [M, F] (h's dtype) -> dh [M, 2F] in h's dtype (torch's own activation
     derivatives)."""
     check_glu_input(h_M2F)
     check_glu_limit(limit)
-    check_glu_act(act)
+    check_glu_act(act, alpha)
     check_tensor("grad_MF", grad_MF, dtypes=(h_M2F.dtype,), shape=(h_M2F.shape[0], h_M2F.shape[1] // 2))
     acc = _acc_dtype(h_M2F.dtype)
-    raw_gate, raw_up = h_M2F.to(acc).chunk(2, dim=1)
-    gate, up = _split(h_M2F, limit)
+    raw_gate, raw_up = _halves(h_M2F.to(acc), interleaved)
+    gate, up = _split(h_M2F, limit, interleaved)
     g = grad_MF.to(acc)
-    if act == "silu":
+    if act == "swiglu_oai":
+        up = up + 1
+        s = torch.sigmoid(gate * alpha)
+        d_gate = g * up * (s + gate * alpha * s * (1 - s))
+    elif act == "silu":
         d_gate = torch.ops.aten.silu_backward(g * up, gate)
     else:
         d_gate = torch.ops.aten.gelu_backward(g * up, gate, approximate="tanh" if act == "gelu_tanh" else "none")
-    d_up = g * _act_ref(gate, act)
+    d_up = g * _act_ref(gate, act, alpha)
     if limit is not None:   # torch.clamp's rule: the gradient passes where the input lies within the bounds
         d_gate = torch.where(raw_gate <= limit, d_gate, 0.0)
         d_up = torch.where((raw_up >= -limit) & (raw_up <= limit), d_up, 0.0)
-    return torch.cat([d_gate, d_up], dim=1).to(h_M2F.dtype)
+    return _join(d_gate, d_up, interleaved).to(h_M2F.dtype)
 
 
 HOPPER_CONFIGS = [dict(BLOCK_R=2, BLOCK_F=2048, num_warps=8), dict(BLOCK_R=4, BLOCK_F=1024, num_warps=8),
@@ -104,11 +131,16 @@ _CONFIGS = autotune_configs(HOPPER_CONFIGS, dict(BLOCK_R=64, BLOCK_F=128))
 
 
 @triton.jit
-def _act_and_grad(gate, ACT: tl.constexpr, ACC: tl.constexpr):
-    """(act(gate), d act / d gate) in ACC: silu (ACT 0), gelu_tanh (1), gelu (2)."""
+def _act_and_grad(gate, alpha, ACT: tl.constexpr, ACC: tl.constexpr):
+    """(act(gate), d act / d gate) in ACC: silu (ACT 0), gelu_tanh (1), gelu (2), gate * sigmoid(alpha * gate) (3,
+    swiglu_oai's; its up + 1 is the caller's)."""
     if ACT == 0:
         s = tl.sigmoid(gate)
         return gate * s, s * (1 + gate * (1 - s))
+    elif ACT == 3:
+        a = tl.cast(alpha, ACC)
+        s = tl.sigmoid(a * gate)
+        return gate * s, s + a * gate * s * (1 - s)
     elif ACT == 1:
         # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) = x * sigmoid(k (x + 0.044715 x^3)), k = 2 sqrt(2/pi)
         k = tl.cast(1.5957691216057308, ACC)
@@ -124,33 +156,46 @@ def _act_and_grad(gate, ACT: tl.constexpr, ACC: tl.constexpr):
 
 @triton.autotune(configs=_CONFIGS, key=["F"])
 @triton.jit
-def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, ACC: tl.constexpr, CLAMP: tl.constexpr, ACT: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, ACC: tl.constexpr, CLAMP: tl.constexpr,
+                ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows < M)[:, None] & (cols < F)[None, :]
-    base = h_ptr + rows[:, None] * (2 * F) + cols[None, :]
-    gate = tl.load(base, mask=mask, other=0.0).to(ACC)
-    up = tl.load(base + F, mask=mask, other=0.0).to(ACC)
+    if INTERLEAVED:   # gate in column 2j, up in 2j + 1
+        g_offs = rows[:, None] * (2 * F) + 2 * cols[None, :]
+        u_offs = g_offs + 1
+    else:
+        g_offs = rows[:, None] * (2 * F) + cols[None, :]
+        u_offs = g_offs + F
+    gate = tl.load(h_ptr + g_offs, mask=mask, other=0.0).to(ACC)
+    up = tl.load(h_ptr + u_offs, mask=mask, other=0.0).to(ACC)
     if CLAMP:   # torch.clamp's: NaN stays NaN (tl.minimum would return the limit)
         lim = tl.cast(limit, ACC)
         gate = tl.where(gate > lim, lim, gate)
         up = tl.where(up > lim, lim, tl.where(up < -lim, -lim, up))
-    a, _ = _act_and_grad(gate, ACT, ACC)
+    if ACT == 3:
+        up = up + 1
+    a, _ = _act_and_grad(gate, alpha, ACT, ACC)
     out = a * up
     tl.store(out_ptr + rows[:, None] * F + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.autotune(configs=_CONFIGS, key=["F"])
 @triton.jit
-def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, ACC: tl.constexpr, CLAMP: tl.constexpr,
-                    ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, alpha: tl.float64, ACC: tl.constexpr,
+                    CLAMP: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_F: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows < M)[:, None] & (cols < F)[None, :]
-    offs = rows[:, None] * (2 * F) + cols[None, :]
-    gate = tl.load(h_ptr + offs, mask=mask, other=0.0).to(ACC)
-    up = tl.load(h_ptr + offs + F, mask=mask, other=0.0).to(ACC)
+    if INTERLEAVED:
+        g_offs = rows[:, None] * (2 * F) + 2 * cols[None, :]
+        u_offs = g_offs + 1
+    else:
+        g_offs = rows[:, None] * (2 * F) + cols[None, :]
+        u_offs = g_offs + F
+    gate = tl.load(h_ptr + g_offs, mask=mask, other=0.0).to(ACC)
+    up = tl.load(h_ptr + u_offs, mask=mask, other=0.0).to(ACC)
     g = tl.load(grad_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(ACC)
     if CLAMP:   # a NaN input is inside no bound: its clamp passes no gradient (torch.clamp's where)
         lim = tl.cast(limit, ACC)
@@ -158,14 +203,16 @@ def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, ACC: tl.co
         up_in = (up >= -lim) & (up <= lim)
         gate = tl.where(gate > lim, lim, gate)
         up = tl.where(up > lim, lim, tl.where(up < -lim, -lim, up))
-    a, da = _act_and_grad(gate, ACT, ACC)
+    if ACT == 3:
+        up = up + 1
+    a, da = _act_and_grad(gate, alpha, ACT, ACC)
     d_gate = g * up * da
     d_up = g * a
     if CLAMP:
         d_gate = tl.where(gate_in, d_gate, 0.0)
         d_up = tl.where(up_in, d_up, 0.0)
-    tl.store(dh_ptr + offs, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh_ptr + offs + F, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptr + g_offs, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptr + u_offs, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch_grid(M: int, F: int):
@@ -175,30 +222,32 @@ def _launch_grid(M: int, F: int):
     return grid
 
 
-def glu_triton(h_M2F: Tensor, limit: float | None = None, act: str = "silu", *, config: dict | None = None) -> Tensor:
+def glu_triton(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: float = 1.0,
+               interleaved: bool = False, *, config: dict | None = None) -> Tensor:
     """Launcher of the gated activation kernel. h float [M, 2F] contiguous -> [M, F] in h's dtype (fp32 math), act
-    one of :data:`ACTS`, clamped by ``limit`` (see the module docstring).
+    one of :data:`ACTS` (``alpha``: swiglu_oai's), clamped by ``limit``, gate and up ``interleaved`` or side by
+    side (see the module docstring).
 
     ``config``: explicit block sizes instead of the autotuner (see ``_triton.launch``)."""
     check_glu_input(h_M2F)
     check_glu_limit(limit)
-    check_glu_act(act)
+    check_glu_act(act, alpha)
     check_launch_device("glu_triton", h_M2F)
     M, F = h_M2F.shape[0], h_M2F.shape[1] // 2
     out_MF = alloc((M, F), h_M2F.dtype, h_M2F.device)
     if M > 0 and F > 0:
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
-        launch(_glu_kernel, _launch_grid(M, F), h_M2F, out_MF, M, F, float(limit or 0.0), ACC=acc,
-               CLAMP=limit is not None, ACT=ACTS.index(act), config=config)
+        launch(_glu_kernel, _launch_grid(M, F), h_M2F, out_MF, M, F, float(limit or 0.0), float(alpha), ACC=acc,
+               CLAMP=limit is not None, ACT=ACTS.index(act), INTERLEAVED=bool(interleaved), config=config)
     return out_MF
 
 
-def glu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu", *,
-                   config: dict | None = None) -> Tensor:
+def glu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu",
+                   alpha: float = 1.0, interleaved: bool = False, *, config: dict | None = None) -> Tensor:
     """Launcher of the gated activation's backward: grad [M, F] (h's dtype, contiguous), h [M, 2F] -> dh [M, 2F]."""
     check_glu_input(h_M2F)
     check_glu_limit(limit)
-    check_glu_act(act)
+    check_glu_act(act, alpha)
     check_tensor("grad_MF", grad_MF, dtypes=(h_M2F.dtype,), shape=(h_M2F.shape[0], h_M2F.shape[1] // 2),
                  contiguous=True)
     check_launch_device("glu_bwd_triton", h_M2F)
@@ -206,6 +255,6 @@ def glu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, a
     dh_M2F = alloc(tuple(h_M2F.shape), h_M2F.dtype, h_M2F.device)
     if M > 0 and F > 0:
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
-        launch(_glu_bwd_kernel, _launch_grid(M, F), grad_MF, h_M2F, dh_M2F, M, F, float(limit or 0.0), ACC=acc,
-               CLAMP=limit is not None, ACT=ACTS.index(act), config=config)
+        launch(_glu_bwd_kernel, _launch_grid(M, F), grad_MF, h_M2F, dh_M2F, M, F, float(limit or 0.0), float(alpha),
+               ACC=acc, CLAMP=limit is not None, ACT=ACTS.index(act), INTERLEAVED=bool(interleaved), config=config)
     return dh_M2F

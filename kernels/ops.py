@@ -401,66 +401,75 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
 
 # ---------------------------------------------------------------------------------------------------- glu
 
-def _glu_impl(h_M2F: Tensor, limit: float | None = None, act: str = "silu") -> Tensor:
+def _glu_impl(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: float = 1.0,
+              interleaved: bool = False) -> Tensor:
     if use_triton(h_M2F):
-        return glu_triton(h_M2F, limit, act)
-    return glu_ref(h_M2F, limit, act)
+        return glu_triton(h_M2F, limit, act, alpha, interleaved)
+    return glu_ref(h_M2F, limit, act, alpha, interleaved)
 
 
-def _glu_fake(h_M2F, limit=None, act="silu"):
+def _glu_fake(h_M2F, limit=None, act="silu", alpha=1.0, interleaved=False):
     check_glu_input(h_M2F)
     return h_M2F.new_empty(h_M2F.shape[0], h_M2F.shape[1] // 2)
 
 
-def _glu_bwd_impl(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu") -> Tensor:
+def _glu_bwd_impl(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu",
+                  alpha: float = 1.0, interleaved: bool = False) -> Tensor:
     if use_triton(h_M2F):
-        return glu_bwd_triton(grad_MF, h_M2F, limit, act)
-    return glu_bwd_ref(grad_MF, h_M2F, limit, act)
+        return glu_bwd_triton(grad_MF, h_M2F, limit, act, alpha, interleaved)
+    return glu_bwd_ref(grad_MF, h_M2F, limit, act, alpha, interleaved)
 
 
-def _glu_bwd_fake(grad_MF, h_M2F, limit=None, act="silu"):
+def _glu_bwd_fake(grad_MF, h_M2F, limit=None, act="silu", alpha=1.0, interleaved=False):
     return torch.empty_like(h_M2F)
 
 
-_GLU = _operator('glu(Tensor h_M2F, float? limit=None, str act="silu") -> Tensor', _glu_impl, _glu_fake)
-_GLU_BWD = _operator('glu_bwd(Tensor grad_MF, Tensor h_M2F, float? limit=None, str act="silu") -> Tensor',
-                     _glu_bwd_impl, _glu_bwd_fake)
+_GLU = _operator('glu(Tensor h_M2F, float? limit=None, str act="silu", float alpha=1.0, bool interleaved=False) '
+                 '-> Tensor', _glu_impl, _glu_fake)
+_GLU_BWD = _operator('glu_bwd(Tensor grad_MF, Tensor h_M2F, float? limit=None, str act="silu", float alpha=1.0, '
+                     'bool interleaved=False) -> Tensor', _glu_bwd_impl, _glu_bwd_fake)
 
 
 def _glu_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
-    ctx.limit, ctx.act = inputs[1], inputs[2]
+    ctx.args = inputs[1:]
 
 
 def _glu_backward(ctx, grad_MF: Tensor):
     (h_M2F,) = ctx.saved_tensors
-    return _below_autograd(_GLU_BWD, grad_MF.contiguous(), h_M2F, ctx.limit, ctx.act), None, None
+    return (_below_autograd(_GLU_BWD, grad_MF.contiguous(), h_M2F, *ctx.args), *(None,) * len(ctx.args))
 
 
 _GLU_FN = _differentiable(_GLU, _glu_setup, _glu_backward)
 
 
-def glu(h_M2F: Tensor, limit: float | None = None, act: str = "silu") -> Tensor:
+def glu(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: float = 1.0,
+        interleaved: bool = False) -> Tensor:
     """Gated activation of the experts: out_MF = act(h[:, :F]) * h[:, F:], computed in fp32. ``act``: ``"silu"``
-    (SwiGLU), ``"gelu_tanh"`` (GeGLU, tanh approximation: Gemma 4) or ``"gelu"`` (GeGLU, erf). With ``limit``, the
-    clamped form act(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4's experts, Megatron's
-    ``activation_func_clamp_value``).
+    (SwiGLU), ``"gelu_tanh"`` (GeGLU, tanh approximation: Gemma 4), ``"gelu"`` (GeGLU, erf) or ``"swiglu_oai"``
+    (gpt-oss's and MiniMax-M3's: gate * sigmoid(alpha * gate) * (up + 1)). With ``limit``, the clamped form
+    act(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4's experts, Megatron's
+    ``activation_func_clamp_value``; gpt-oss clamps at 7).
 
     Args:
-        h_M2F: float [M, 2F], contiguous (gate columns first, then up).
+        h_M2F: float [M, 2F], contiguous (gate columns first, then up; alternating, gate first, if ``interleaved``:
+            gpt-oss's layout).
         limit: None, or a finite number > 0.
         act: one of ``feplb.kernels.activation.ACTS``.
+        alpha: swiglu_oai's sigmoid slope (a finite number; the other activations ignore it).
 
     Returns:
         out_MF [M, F] in h's dtype; differentiable.
     """
     check_glu_input(h_M2F)
     check_glu_limit(limit)
-    check_glu_act(act)
+    check_glu_act(act, alpha)
     check_rows("h_M2F", h_M2F.shape[0], "M")
-    return _apply(_GLU_FN, _GLU, h_M2F, None if limit is None else float(limit), act)
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved: expected a bool, got {interleaved!r}")
+    return _apply(_GLU_FN, _GLU, h_M2F, None if limit is None else float(limit), act, float(alpha), interleaved)
 
 
 def swiglu(h_M2F: Tensor, limit: float | None = None) -> Tensor:
     """SwiGLU, silu(h[:, :F]) * h[:, F:] (clamped by ``limit``): :func:`glu` with ``act="silu"``."""
-    return glu(h_M2F, limit, "silu")
+    return glu(h_M2F, limit, "silu", 1.0, False)

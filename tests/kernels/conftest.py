@@ -76,13 +76,16 @@ def unpermute_f64(y_MD, dst_idx_TK, w_TK):
     return (w_TK.double()[:, :, None] * y_MD.double()[dst_idx_TK.long()]).sum(1)
 
 
-def glu_f64(h_M2F, limit=None, act="silu"):
+def glu_f64(h_M2F, limit=None, act="silu", alpha=1.0, interleaved=False):
     """The gated activation in float64 from its formulas (not torch's activation functions)."""
-    gate, up = h_M2F.double().chunk(2, dim=1)
+    h = h_M2F.double()
+    gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=1)
     if limit is not None:   # torch.clamp: its gradient passes where the input lies within the bounds, included
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     if act == "silu":
         a = gate / (1 + torch.exp(-gate))
+    elif act == "swiglu_oai":
+        a, up = gate / (1 + torch.exp(-alpha * gate)), up + 1
     elif act == "gelu_tanh":
         a = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3)))
     else:

@@ -211,11 +211,13 @@ def other_jobs():
         ("glu backward", activation._glu_bwd_kernel,
          {"grad_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*bf16", "limit": "fp64"}),
     ):
-        for act_id, act in enumerate(activation.ACTS):   # SwiGLU, GeGLU (tanh), GeGLU (erf); plain and clamped
+        for act_id, act in enumerate(activation.ACTS):   # SwiGLU, GeGLU (tanh, erf), gpt-oss's; plain and clamped
             for clamp in (False, True):
-                yield dict(name=f"{name} {act}" + (" clamped" if clamp else ""), jit_fn=fn, types=types,
-                           div16=("F",), consts={**meta, "ACC": tl.float32, "CLAMP": clamp, "ACT": act_id},
-                           options=options)
+                # gate and up side by side; gpt-oss's own (clamped, interleaved) too
+                for inter in (False, True) if act == "swiglu_oai" and clamp else (False,):
+                    yield dict(name=f"{name} {act}" + (" clamped" if clamp else "") + (" interleaved" if inter else ""),
+                               jit_fn=fn, types=types, div16=("F",), options=options,
+                               consts={**meta, "ACC": tl.float32, "CLAMP": clamp, "ACT": act_id, "INTERLEAVED": inter})
 
 
 def main(argv: list[str]) -> int:

@@ -67,10 +67,14 @@ def test_opcheck(impl, gen, kh):
         (torch.ops.feplb.glu.default, (h, 0.5)),
         (torch.ops.feplb.glu.default, (h, None, "gelu_tanh")),
         (torch.ops.feplb.glu.default, (h, 0.5, "gelu")),
+        (torch.ops.feplb.glu.default, (h, 0.5, "swiglu_oai", 1.702)),
+        (torch.ops.feplb.glu.default, (h, 0.5, "swiglu_oai", 1.702, True)),
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), None)),
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), 0.5)),
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), None, "gelu_tanh")),
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), 0.5, "gelu")),
+        (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), 0.5, "swiglu_oai", 1.702)),
+        (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), None, "silu", 1.0, True)),
     ]
     with impl_context(impl):
         for op, args in cases:
@@ -89,7 +93,7 @@ def _off_corners(h: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("op", ["permute", "unpermute", "grouped_mm", "swiglu", "swiglu_clamped", "geglu_tanh",
-                                "geglu_clamped"])
+                                "geglu_clamped", "swiglu_oai_clamped", "swiglu_oai_interleaved"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gradcheck_ops(impl, op, gen, kh):
     """Each op's backward in float64; fast mode, because every evaluation runs the interpreter."""
@@ -111,6 +115,13 @@ def test_gradcheck_ops(impl, op, gen, kh):
         "geglu_clamped": (lambda h: fk.glu(h, 0.75, "gelu"),
                           (_off_corners(torch.randn(M, 6, dtype=torch.float64, generator=gen), 0.75)
                            .to(x.device).requires_grad_(),)),
+        "swiglu_oai_clamped": (lambda h: fk.glu(h, 0.75, "swiglu_oai", 1.702),
+                               (_off_corners(torch.randn(M, 6, dtype=torch.float64, generator=gen), 0.75)
+                                .to(x.device).requires_grad_(),)),
+        # _off_corners keeps every value off 0.75 whatever the layout
+        "swiglu_oai_interleaved": (lambda h: fk.glu(h, 0.75, "swiglu_oai", 1.702, True),
+                                   (_off_corners(torch.randn(M, 6, dtype=torch.float64, generator=gen), 0.75)
+                                    .to(x.device).requires_grad_(),)),
     }
     fn, args = fns[op]
     with impl_context(impl):

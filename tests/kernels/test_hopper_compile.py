@@ -31,8 +31,9 @@ def test_kernels_compile_for_hopper():
     assert {"grouped_mm forward", "grouped_mm dX", "grouped_mm dW", "grouped_mm persistent forward",
             "grouped_mm persistent dX", "grouped_mm persistent dW", "grouped_mm dW reduce", "routing scatter",
             "permute", "unpermute", "unpermute backward"} <= names
-    assert {f"glu{b} {act}{c}" for b in ("", " backward") for act in ("silu", "gelu_tanh", "gelu")
-            for c in ("", " clamped")} <= names
+    assert {f"glu{b} {act}{c}" for b in ("", " backward") for act in ("silu", "gelu_tanh", "gelu", "swiglu_oai")
+            for c in ("", " clamped")} | {"glu swiglu_oai clamped interleaved",
+                                          "glu backward swiglu_oai clamped interleaved"} <= names
     gemms = [r for r in rows if r["kernel"].startswith("grouped_mm") and "reduce" not in r["kernel"]]
     # Every dtype a GEMM can be launched with on a GPU was compiled, with the configs the autotuner keeps.
     assert {(r["kernel"], r["dtype"]) for r in gemms} >= {

@@ -84,18 +84,20 @@ def test_grouped_mm_forward(case, dtype, offsets_dtype, gen, kh):
     kh.close(y, kh.grouped_mm_f64(x, w, offsets), dtype, scale=max(1.0, K**0.5))
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu", "swiglu_oai"])
 @pytest.mark.parametrize("limit", [None, 1.5], ids=["plain", "clamped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_glu(dtype, limit, act, gen, kh):
     h = (torch.randn(13, 2 * 10, generator=gen) * 3).to(dtype)
-    out = fk.glu(h, limit, act)
+    out = fk.glu(h, limit, act, 1.702)
     assert out.shape == (13, 10) and out.dtype == dtype
-    kh.close(out, kh.glu_f64(h, limit, act), dtype, scale=4.0)
-    if limit is not None:
-        assert not torch.allclose(out.double(), kh.glu_f64(h, None, act), rtol=0.05)   # the clamp changed something
+    kh.close(out, kh.glu_f64(h, limit, act, 1.702), dtype, scale=4.0)
+    if limit is not None:   # the clamp changed something
+        assert not torch.allclose(out.double(), kh.glu_f64(h, None, act, 1.702), rtol=0.05)
     if act != "silu":   # not SwiGLU under another name
         assert not torch.allclose(out.double(), kh.glu_f64(h, limit, "silu"), rtol=0.05)
+    if act == "swiglu_oai":   # alpha reaches it
+        assert not torch.allclose(out.double(), kh.glu_f64(h, limit, act, 1.0), rtol=0.05)
     if act == "silu":
         assert torch.equal(fk.swiglu(h, limit), out)
 
@@ -108,8 +110,14 @@ def test_glu_rejects_a_bad_limit(limit):
 
 @pytest.mark.parametrize("act", ["relu", "gelu_new", "", None, "SILU"])
 def test_glu_rejects_an_unknown_activation(act):
-    with pytest.raises(ValueError, match=r"act: expected one of \('silu', 'gelu_tanh', 'gelu'\)"):
+    with pytest.raises(ValueError, match=r"act: expected one of \('silu', 'gelu_tanh', 'gelu', 'swiglu_oai'\)"):
         fk.glu(torch.randn(3, 4), None, act)
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), True, "1.7"])
+def test_glu_rejects_a_bad_alpha(alpha):
+    with pytest.raises(ValueError, match="alpha: expected a finite number"):
+        fk.glu(torch.randn(3, 4), None, "swiglu_oai", alpha)
 
 
 def _expert_block_f64(x, w, w1, w2, ids, E):

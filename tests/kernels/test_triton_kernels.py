@@ -35,6 +35,7 @@ from feplb.kernels.permutation import (
 from feplb.kernels.routing import routing_metadata_ref, routing_metadata_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ALPHA = 1.702   # swiglu_oai's sigmoid slope (gpt-oss's); the other activations ignore it
 pytestmark = pytest.mark.skipif(not HAVE_TRITON or (DEVICE == "cpu" and not INTERPRET),
                                 reason="needs Triton and a GPU, or TRITON_INTERPRET=1")
 
@@ -193,10 +194,11 @@ def test_grouped_mm_kernels_strided_inputs(gen, kh):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")   # the interpreter's sigmoid
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("limit", [None, 2.5], ids=["plain", "clamped"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_glu_kernels(dtype, limit, act, gen, kh):
+def test_glu_kernels(dtype, limit, act, interleaved, gen, kh):
     M, F = 70, 150  # spans row and column blocks with remainders
     h = (torch.randn(M, 2 * F, generator=gen) * 3).to(dtype)
     if limit is not None:   # about a third of the gates and ups beyond the limit, and some exactly on it
@@ -206,18 +208,24 @@ def test_glu_kernels(dtype, limit, act, gen, kh):
     h = h.to(DEVICE)
     g = torch.randn(M, F, generator=gen).to(dtype).to(DEVICE)
     with poison_outputs():
-        out = glu_triton(h, limit, act)
-        dh = glu_bwd_triton(g, h, limit, act)
-    kh.close(out.cpu(), glu_ref(h, limit, act).cpu(), dtype, scale=4.0)
-    kh.close(out.cpu(), kh.glu_f64(h.cpu(), limit, act), dtype, scale=4.0)
-    kh.close(dh.cpu(), glu_bwd_ref(g, h, limit, act).cpu(), dtype, scale=4.0)
+        out = glu_triton(h, limit, act, ALPHA, interleaved)
+        dh = glu_bwd_triton(g, h, limit, act, ALPHA, interleaved)
+    kh.close(out.cpu(), glu_ref(h, limit, act, ALPHA, interleaved).cpu(), dtype, scale=4.0)
+    # alpha: swiglu_oai's only
+    kh.close(out.cpu(), kh.glu_f64(h.cpu(), limit, act, ALPHA, interleaved), dtype, scale=4.0)
+    kh.close(dh.cpu(), glu_bwd_ref(g, h, limit, act, ALPHA, interleaved).cpu(), dtype, scale=4.0)
     h64 = h.cpu().double().requires_grad_()
-    (dh_f64,) = torch.autograd.grad(kh.glu_f64(h64, limit, act), h64, g.cpu().double())
+    (dh_f64,) = torch.autograd.grad(kh.glu_f64(h64, limit, act, ALPHA, interleaved), h64, g.cpu().double())
     kh.close(dh.cpu(), dh_f64, dtype, scale=8.0)
     if limit is not None:   # the clamps' flat parts pass no gradient
-        gate, up = h.cpu().double().chunk(2, dim=1)
-        assert (dh.cpu()[:, :F][gate > limit] == 0).all() and (dh.cpu()[:, F:][up.abs() > limit] == 0).all()
-        assert (dh.cpu()[:, :F][gate <= limit] != 0).any()
+        def halves(t):
+            return (t[:, 0::2], t[:, 1::2]) if interleaved else t.chunk(2, dim=1)
+
+        (gate, up), (d_gate, d_up) = halves(h.cpu().double()), halves(dh.cpu())
+        assert (d_gate[gate > limit] == 0).all() and (d_up[up.abs() > limit] == 0).all()
+        assert (d_gate[gate <= limit] != 0).any()
+    if interleaved:   # not the side-by-side layout under another name
+        assert not torch.allclose(out.cpu().double(), kh.glu_f64(h.cpu(), limit, act, ALPHA), rtol=0.05)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -233,13 +241,14 @@ def test_clamped_glu_keeps_nan_and_inf_as_torch_clamp_does(dtype, act):
     limit = 1.0
     h64 = h.clone().requires_grad_()
     gate, up = h64.chunk(2, dim=1)
-    fn = torch.nn.functional.silu if act == "silu" else \
-        lambda v: torch.nn.functional.gelu(v, approximate="tanh" if act == "gelu_tanh" else "none")
-    want = fn(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    fn = {"silu": torch.nn.functional.silu, "swiglu_oai": lambda v: v * torch.sigmoid(ALPHA * v),
+          "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh"),
+          "gelu": torch.nn.functional.gelu}[act]
+    want = fn(gate.clamp(max=limit)) * (up.clamp(-limit, limit) + (act == "swiglu_oai"))
     (want_dh,) = torch.autograd.grad(want, h64, g)
     hd, gd = h.to(dtype).to(DEVICE), g.to(dtype).to(DEVICE)
-    for out, dh in ((glu_triton(hd, limit, act), glu_bwd_triton(gd, hd, limit, act)),
-                    (glu_ref(hd, limit, act), glu_bwd_ref(gd, hd, limit, act))):
+    for out, dh in ((glu_triton(hd, limit, act, ALPHA), glu_bwd_triton(gd, hd, limit, act, ALPHA)),
+                    (glu_ref(hd, limit, act, ALPHA), glu_bwd_ref(gd, hd, limit, act, ALPHA))):
         torch.testing.assert_close(out.cpu().double(), want.detach(), equal_nan=True, rtol=2e-2, atol=1e-2)
         torch.testing.assert_close(dh.cpu().double(), want_dh, equal_nan=True, rtol=2e-2, atol=1e-2)
 
