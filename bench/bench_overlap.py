@@ -275,7 +275,7 @@ def test_overlap_gpu(benchmark):
     offs = torch.tensor(np.cumsum(w["static_rows"]), device=dev)
 
     # Correct before timed: a wrong (or empty) GEMM would make every number below meaningless.
-    got = expert_mlp(x, w1, w2, offs).float()
+    got = expert_mlp(x, (w1, w2), offs).float()
     want = _gemm_reference(x, w1, w2, w["static_rows"])
     scale = float(want.abs().max())
     max_err = float((got - want).abs().max())
@@ -288,7 +288,7 @@ def test_overlap_gpu(benchmark):
     side_stream = torch.cuda.Stream()
 
     def gemm():
-        expert_mlp(x, w1, w2, offs)
+        expert_mlp(x, (w1, w2), offs)
 
     def copy_from(src):
         def start():

@@ -236,7 +236,12 @@ def torch_grouped_mlp(x, w1, w2, offsets):
         raise _kernels.BaselineUnavailable(f"torch._grouped_mm: {str(err).splitlines()[0]}") from err
 
 
-IMPL_FNS = {"feplb": expert_mlp, "torch_grouped_mm": torch_grouped_mlp}
+def feplb_mlp(x, w1, w2, offsets):
+    """Ours: ``feplb.experts.expert_mlp`` (the layer's expert GEMMs)."""
+    return expert_mlp(x, (w1, w2), offsets)
+
+
+IMPL_FNS = {"feplb": feplb_mlp, "torch_grouped_mm": torch_grouped_mlp}
 
 
 def cuda_timer(fn) -> float:
@@ -570,7 +575,7 @@ def test_our_kernel_wrong_or_failing_fails_a_baseline_is_dropped(tmp_path):
 
     def fails_later(*args):
         calls.append(1)
-        return broken() if len(calls) > per_sample else expert_mlp(*args)
+        return broken() if len(calls) > per_sample else feplb_mlp(*args)
 
     with pytest.raises(RuntimeError, match="illegal memory access"):
         run(_tiny_workload(), tmp_path / "d.json", impl_fns={"feplb": fails_later}, **dict(common, microbatches=2))

@@ -24,7 +24,13 @@ class FEPLBConfig:
 
     hidden, ffn: H and F of the gated experts. num_experts: E (divisible by the EP group size). top_k: K.
     activation: the experts' gated activation act(gate) * up: "silu" (SwiGLU, default), "gelu_tanh" (GeGLU with
-        the tanh approximation, Gemma 4's experts) or "gelu" (GeGLU, erf form).
+        the tanh approximation, Gemma 4's experts), "gelu" (GeGLU, erf form) or "swiglu_oai" (gpt-oss's and
+        MiniMax-M3's: gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
+    swiglu_alpha: swiglu_oai's sigmoid slope (1.702 in gpt-oss and MiniMax-M3); the other activations ignore it.
+    glu_interleaved: gate and up columns of w1 alternate (gate = h[:, 0::2], up = h[:, 1::2]: gpt-oss's weights)
+        instead of lying side by side.
+    expert_bias: every expert has biases b1 [2F] (added to x w1) and b2 [H] (to the down projection), gpt-oss's
+        experts; parameters ``b1`` [L, 2F] and ``b2`` [L, H] beside ``w1`` and ``w2``, moved with them.
     swiglu_limit: None (no clamp) or a finite limit > 0: the clamped form act(min(gate, limit)) *
         clamp(up, -limit, limit) of DeepSeek-V4's SwiGLU experts (the form of Megatron's
         ``activation_func_clamp_value``, which ``feplb.megatron`` still refuses).
@@ -78,6 +84,9 @@ class FEPLBConfig:
     router_bias: bool = False
     swiglu_limit: float | None = None
     activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    glu_interleaved: bool = False
+    expert_bias: bool = False
     gate_on_input: bool = False
     gpus_per_node: int = 1
     dyn: int = 4
@@ -96,6 +105,11 @@ class FEPLBConfig:
     on_overflow: str = "grow"
     dtype: torch.dtype = torch.float32
     timeline: bool = False
+
+    @property
+    def glu(self) -> tuple[float | None, str, float, bool]:
+        """The experts' gated activation as ``feplb.kernels.glu`` takes it: (limit, act, alpha, interleaved)."""
+        return self.swiglu_limit, self.activation, float(self.swiglu_alpha), self.glu_interleaved
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "num_experts", "top_k", "gpus_per_node", "refresh_every"):
@@ -139,6 +153,12 @@ class FEPLBConfig:
 
         if not isinstance(self.activation, str) or self.activation not in ACTS:
             raise ValueError(f"FEPLBConfig.activation must be one of {ACTS}, got {self.activation!r}")
+        a = self.swiglu_alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
+            raise ValueError(f"FEPLBConfig.swiglu_alpha must be a finite number, got {a!r}")
+        for name in ("glu_interleaved", "expert_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"FEPLBConfig.{name} must be a bool, got {getattr(self, name)!r}")
         from feplb.sched.cost import CostModel
 
         if self.cost is not None and not isinstance(self.cost, CostModel):

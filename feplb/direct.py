@@ -3,6 +3,8 @@ to the GPU that computes it (``feplb.layout.direct_layout``), with no phase 2 (`
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -22,7 +24,7 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     """Peers' policies (FasterMoE shadowing, EPLB replicas): plan first, then phase 1 sends every row straight
     to the GPU that computes it (a shadowed expert's rows stay on their source), no phase 2. A recompute
     (``feplb.recompute``) passes the plan its forward executed as ``replay_plan``."""
-    r, H, Fd = layer.rank, layer.config.hidden, layer.config.ffn
+    r, H = layer.rank, layer.config.hidden
     dev = x_MD.device
     if replay_plan is not None:
         plan, plan_us = replay_plan, 0.0
@@ -43,8 +45,10 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     slot_w = layer.replicas.forward_slot_weights(layer.placement, recv).for_gemms()
     h = recv.index_select(0, to_device(lay.perm, dev))
     copies = tuple(plan.weight_copies)
-    ex = Exchange(layer.comm, weight_items(copies, H, Fd), dtype=h.dtype, device=dev, op="weights to helpers")
-    spec = weight_sends(copies, r)
+    shapes = layer.part_shapes
+    ex = Exchange(layer.comm, weight_items(copies, [math.prod(s) for s in shapes]), dtype=h.dtype, device=dev,
+                  op="weights to helpers")
+    spec = weight_sends(copies, r, 0, len(shapes))
     order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
     with span(tl, "copy_weights", "copy"):
         rcv = ex(materialize(order, h, lambda e: layer._local_weights(e, slot_w)), layer._anchor(h))
@@ -62,8 +66,8 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
         return torch.cat([h[start[j]:start[j] + moves[j].rows] for j in js])
 
     with span(tl, "dynamic_gemm"):
-        parts = [expert_mlp(h[:n_home], *slot_w.gemm(), to_device(np.cumsum(lay.kept_L), dev),
-                            layer.config.swiglu_limit, layer.config.activation)]
+        parts = [expert_mlp(h[:n_home], slot_w.gemm(), to_device(np.cumsum(lay.kept_L), dev),
+                            *layer.config.glu)]
         y_h = hosted_gemm(layer, lay.hosted, moves, copies, rows, rcv, 0, dev)
         parts += [y_h[j] for j in lay.hosted]
     parts += [rcv.tail.view(0, H), slot_w.tail.view(0, H), layer._anchor(h).view(0, H)]

@@ -13,22 +13,34 @@ from feplb.timeline import Timeline
 __all__ = ["expert_mlp", "ready_event", "span", "to_device"]
 
 
-def expert_mlp(x_MH: torch.Tensor, w1_LH2F: torch.Tensor, w2_LFH: torch.Tensor,
-               offsets_L: torch.Tensor, limit: float | None = None, act: str = "silu") -> torch.Tensor:
-    """Gated experts over grouped rows: grouped_mm(x, w1) -> act(gate) * up -> grouped_mm(., w2).
+def expert_mlp(x_MH: torch.Tensor, weights: tuple[torch.Tensor, ...], offsets_L: torch.Tensor,
+               limit: float | None = None, act: str = "silu", alpha: float = 1.0,
+               interleaved: bool = False) -> torch.Tensor:
+    """Gated experts over grouped rows: grouped_mm(x, w1) [+ b1] -> act(gate) * up -> grouped_mm(., w2) [+ b2].
 
-    x_MH: [M, H]; w1_LH2F: [L, H, 2F]; w2_LFH: [L, F, H]; offsets_L: int32/int64 [L] END offsets; limit: the
-    clamp's limit (``FEPLBConfig.swiglu_limit``), None for none; act: the gate's activation
-    (``FEPLBConfig.activation``: "silu", "gelu_tanh", "gelu"). Returns [M, H]
+    x_MH: [M, H]; weights: (w1 [L, H, 2F], w2 [L, F, H]) or (w1, w2, b1 [L, 2F], b2 [L, H]) (``expert_bias``);
+    offsets_L: int32/int64 [L] END offsets; limit: the clamp's limit, None for none; act, alpha, interleaved: the
+    gate's activation (``FEPLBConfig.glu`` gives all four: ``swiglu_limit``, ``activation``, ``swiglu_alpha``,
+    ``glu_interleaved``). Returns [M, H]
     in x's dtype: inside ``torch.autocast`` the GEMMs (and the SwiGLU between them) run in the autocast dtype, and
     their result is cast back, so the rows the layer exchanges keep the layer's dtype.
     """
     from feplb.kernels import glu, grouped_mm
 
+    w1_LH2F, w2_LFH, *bias = weights
     if w1_LH2F.shape[0] == 0 or x_MH.shape[0] == 0:
-        return x_MH.new_zeros((0, w2_LFH.shape[-1])) + (x_MH.sum() + w1_LH2F.sum() + w2_LFH.sum()) * 0
+        return x_MH.new_zeros((0, w2_LFH.shape[-1])) + (x_MH.sum() + sum(w.sum() for w in weights)) * 0
     h = grouped_mm(x_MH, w1_LH2F, offsets_L, check=False)
-    y = grouped_mm(glu(h, limit, act), w2_LFH, offsets_L, check=False)
+    group_M = None
+    if bias:   # each row's expert: the number of group ends at or before it (on the device, no host sync)
+        group_M = torch.searchsorted(offsets_L, torch.arange(x_MH.shape[0], device=x_MH.device,
+                                                             dtype=offsets_L.dtype), right=True)
+        # in the wider of the two dtypes (under torch.autocast: a bf16 GEMM plus the fp32 bias, as a biased
+        # F.linear's output would be promoted in eager code such as gpt-oss's)
+        h = h + bias[0].index_select(0, group_M)
+    y = grouped_mm(glu(h, limit, act, alpha, interleaved), w2_LFH, offsets_L, check=False)
+    if bias:
+        y = y + bias[1].index_select(0, group_M)
     return y if y.dtype == x_MH.dtype else y.to(x_MH.dtype)
 
 

@@ -62,7 +62,13 @@ __all__ = ["FEPLBExperts", "FEPLBLlama4TextMoe", "apply", "supported", "expert_p
            "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas",
            "clip_grad_norm_"]
 
-_SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
+# the experts' call: transformers' standard names, and gpt-oss's
+_SIGNATURES = (("hidden_states", "top_k_index", "top_k_weights"),
+               ("hidden_states", "router_indices", "routing_weights"))
+# the experts' biases FEPLB takes (gpt-oss's: added to x @ gate_up_proj and to the down projection)
+_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+# the activations an experts module's act_fn (one input) may compute: FEPLBConfig.activation's but swiglu_oai
+_ACT_FN_KINDS = ("silu", "gelu_tanh", "gelu")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # where transformers configs keep the number of experts per token (the first one set wins)
 _TOP_K_FIELDS = ("num_experts_per_tok", "top_k", "moe_topk", "moe_k", "top_k_experts")
@@ -83,36 +89,55 @@ class FEPLBExperts(MoELayer):
     """
 
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, gate_up_proj: torch.Tensor,
-                 down_proj: torch.Tensor, name: str = "", transposed: bool = False) -> None:
+                 down_proj: torch.Tensor, name: str = "", transposed: bool = False,
+                 gate_up_proj_bias: torch.Tensor | None = None, down_proj_bias: torch.Tensor | None = None) -> None:
         if config.router != "external":
             raise ValueError(f"FEPLBExperts needs FEPLBConfig.router='external', got {config.router!r}")
+        if (gate_up_proj_bias is None) != (down_proj_bias is None) or \
+                config.expert_bias != (gate_up_proj_bias is not None):
+            raise ValueError("FEPLBExperts: give gate_up_proj_bias and down_proj_bias exactly when "
+                             f"FEPLBConfig.expert_bias is set (it is {config.expert_bias})")
         # Read by _init_experts, which MoELayer.__init__ calls before this constructor could set attributes.
-        object.__setattr__(self, "_hf_full", (gate_up_proj, down_proj, group))
+        object.__setattr__(self, "_hf_full", (gate_up_proj, down_proj, group, gate_up_proj_bias, down_proj_bias))
         object.__setattr__(self, "is_transposed", bool(transposed))   # read by expert_weights()
         super().__init__(config, group)
         object.__delattr__(self, "_hf_full")
         self.hf_name = name
 
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
-        gate_up_E, down_E, group = self._hf_full
+        group = self._hf_full[2]
         lo = dist.get_rank(group) * L
-        with torch.no_grad():
-            # clone: the shard must not keep the full tensor's storage alive
-            gu = gate_up_E[lo:lo + L].to(device=device, dtype=dtype).clone()
-            dn = down_E[lo:lo + L].to(device=device, dtype=dtype).clone()
-        self.gate_up_proj = nn.Parameter(gu, requires_grad=gate_up_E.requires_grad)
-        self.down_proj = nn.Parameter(dn, requires_grad=down_E.requires_grad)
+        # each bias right after its weight (gpt-oss's order, so the state dict's keys keep theirs)
+        gu, dn, _, gub, dnb = self._hf_full
+        for pname, full in (("gate_up_proj", gu), ("gate_up_proj_bias", gub), ("down_proj", dn),
+                            ("down_proj_bias", dnb)):
+            if full is None:
+                continue
+            with torch.no_grad():
+                # clone: the shard must not keep the full tensor's storage alive
+                shard = full[lo:lo + L].to(device=device, dtype=dtype).clone()
+            setattr(self, pname, nn.Parameter(shard, requires_grad=full.requires_grad))
 
-    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def expert_weights(self) -> tuple[torch.Tensor, ...]:
         """(w1 [L, H, 2F], w2 [L, F, H]): ``gate_up_proj`` and ``down_proj`` themselves when transposed, else their
-        strided transposed views."""
-        if self.is_transposed:
-            return self.gate_up_proj, self.down_proj
-        return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+        strided transposed views; then (b1 [L, 2F], b2 [L, H]) = ``gate_up_proj_bias``, ``down_proj_bias`` where the
+        experts have biases."""
+        ws = (self.gate_up_proj, self.down_proj) if self.is_transposed else \
+            (self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2))
+        return (*ws, self.gate_up_proj_bias, self.down_proj_bias) if self.config.expert_bias else ws
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,  # type: ignore[override]
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        return super().forward(hidden_states, routing=(top_k_index, top_k_weights))
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,  # type: ignore[override]
+                top_k_weights: torch.Tensor | None = None, *, router_indices: torch.Tensor | None = None,
+                routing_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``top_k_index`` / ``top_k_weights``, or gpt-oss's names for them, ``router_indices`` /
+        ``routing_weights``."""
+        ids = top_k_index if router_indices is None else router_indices
+        weights = top_k_weights if routing_weights is None else routing_weights
+        if ids is None or weights is None or (top_k_index is not None and router_indices is not None) or \
+                (top_k_weights is not None and routing_weights is not None):
+            raise TypeError("FEPLBExperts.forward: give the routing once, as (top_k_index, top_k_weights) or "
+                            "(router_indices, routing_weights)")
+        return super().forward(hidden_states, routing=(ids, weights))
 
     def extra_repr(self) -> str:
         return f"{self.hf_name!r}, " + super().extra_repr()
@@ -170,7 +195,7 @@ def _act_kind(act: object) -> str | None:
     NewGELUActivation, nn.GELU, ...) is recognised, and nothing else."""
     if act is None or not callable(act):
         return None
-    from feplb.kernels.activation import ACTS, glu_ref
+    from feplb.kernels.activation import glu_ref
 
     x = _probe_values([]).float()[None, :]
     try:
@@ -179,7 +204,7 @@ def _act_kind(act: object) -> str | None:
     except Exception:   # an activation that cannot take fp32 CPU values is not one FEPLB stands in for
         return None
     ones = torch.ones_like(x)
-    for kind in ACTS:
+    for kind in _ACT_FN_KINDS:
         want = glu_ref(torch.cat([x, ones], dim=1), None, kind)
         if isinstance(got, torch.Tensor) and got.shape == want.shape and \
                 torch.allclose(got.float(), want, rtol=1e-5, atol=1e-6, equal_nan=True):
@@ -187,14 +212,16 @@ def _act_kind(act: object) -> str | None:
     return None
 
 
-# Where experts modules keep their clamped SwiGLU's limit (DeepSeek-V4: limit; GLM-5, Hunyuan-V4: swiglu_limit).
+# Where experts modules keep their clamped SwiGLU's limit (DeepSeek-V4: limit; GLM-5, Hunyuan-V4: swiglu_limit) and
+# gpt-oss-style gates their sigmoid slope (gpt-oss: alpha; MiniMax-M3: swiglu_alpha).
 _LIMIT_ATTRS = ("limit", "swiglu_limit", "clamp_limit")
+_ALPHA_ATTRS = ("alpha", "swiglu_alpha")
 
 
-def _limits(module: nn.Module) -> list[float]:
-    """The positive finite numbers (Python, numpy or one-element tensors) under the module's limit attributes."""
+def _numbers(module: nn.Module, attrs: tuple[str, ...]) -> list[float]:
+    """The positive finite numbers (Python, numpy or one-element tensors) under the module's attributes ``attrs``."""
     out = set()
-    for a in _LIMIT_ATTRS:
+    for a in attrs:
         v = getattr(module, a, None)
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             v = v.item()
@@ -203,42 +230,53 @@ def _limits(module: nn.Module) -> list[float]:
     return sorted(out)
 
 
-def _gate(module: nn.Module, ffn: int) -> tuple[str | None, float | None]:
-    """(why FEPLB cannot compute ``module``'s gate, or None; (activation, clamp limit or None), or None).
+def _gate(module: nn.Module, ffn: int) -> tuple[str | None, tuple[str, float | None, float, bool] | None]:
+    """(why FEPLB cannot compute ``module``'s gate, or None; (activation, clamp limit or None, alpha, interleaved),
+    or None).
 
     A module with its own ``_apply_gate`` runs if that gate computes what FEPLB's kernels do: act(gate) * up with
-    act one of ``FEPLBConfig.activation``'s, plain or clamped at one of its limit attributes (:data:`_LIMIT_ATTRS`).
-    Checked by calling it on fp32 rows of the module's own width (2 * ``ffn``): every probe value
-    (:func:`_probe_values`) as a gate beside every other as an up, compared with FEPLB's own element by element.
-    Without a custom gate: (None, None); the module's ``act_fn`` is checked by the caller."""
+    act one of ``FEPLBConfig.activation``'s (swiglu_oai's slope one of its alpha attributes, :data:`_ALPHA_ATTRS`),
+    plain or clamped at one of its limit attributes (:data:`_LIMIT_ATTRS`), with gate and up side by side or
+    interleaved (gpt-oss's). Checked by calling it on fp32 rows of the module's own width (2 * ``ffn``), in each
+    layout: every probe value (:func:`_probe_values`) as a gate beside every other as an up, compared with FEPLB's
+    own element by element. Without a custom gate: (None, None); the module's ``act_fn`` is checked by the
+    caller."""
     if not _custom_gate(module):
         return None, None
     from feplb.kernels.activation import ACTS, glu_ref
 
-    limits = _limits(module)
+    limits, alphas = _numbers(module, _LIMIT_ATTRS), _numbers(module, _ALPHA_ATTRS)
     values = _probe_values(limits)
     # every value as a gate beside every other as an up (rows of 2 * ffn columns; pairs spread over the columns)
     gate, up = torch.meshgrid(values, values, indexing="ij")
     pairs = torch.stack([gate.reshape(-1), up.reshape(-1)], dim=1)
     rows = -(-pairs.shape[0] // ffn)
     pairs = torch.cat([pairs, pairs[: rows * ffn - pairs.shape[0]]])
-    probe = torch.cat([pairs[:, 0].view(rows, ffn), pairs[:, 1].view(rows, ffn)], dim=1).float()
+    gates, ups = pairs[:, 0].view(rows, ffn).float(), pairs[:, 1].view(rows, ffn).float()
     name = f"{type(module).__name__}._apply_gate"
-    try:
-        with torch.no_grad():
-            got = module._apply_gate(probe)
-    except Exception as e:  # a gate that cannot take fp32 [rows, 2F] rows on the CPU is not one FEPLB stands in for
-        return (f"a custom gating function ({name}) that fails on fp32 [rows, {2 * ffn}] CPU rows "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"), None
+    got = {}
+    for interleaved in (False, True):
+        probe = torch.stack([gates, ups], dim=2).reshape(rows, 2 * ffn) if interleaved else \
+            torch.cat([gates, ups], dim=1)
+        try:
+            with torch.no_grad():
+                got[interleaved] = (probe, module._apply_gate(probe))
+        except Exception as e:  # a gate that cannot take fp32 [rows, 2F] CPU rows is not one FEPLB stands in for
+            return (f"a custom gating function ({name}) that fails on fp32 [rows, {2 * ffn}] CPU rows "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"), None
     for act in ACTS:
         for limit in (None, *limits):
-            want = glu_ref(probe, limit, act)
-            if isinstance(got, torch.Tensor) and got.shape == want.shape and \
-                    torch.allclose(got.float(), want, rtol=1e-5, atol=1e-6, equal_nan=True):
-                return None, (act, limit)
+            for alpha in alphas if act == "swiglu_oai" else (1.0,):
+                for interleaved, (probe, out) in got.items():
+                    want = glu_ref(probe, limit, act, alpha, interleaved)
+                    if isinstance(out, torch.Tensor) and out.shape == want.shape and \
+                            torch.allclose(out.float(), want, rtol=1e-5, atol=1e-6, equal_nan=True):
+                        return None, (act, limit, alpha, interleaved)
     clamped = f", plain or clamped at limit {', '.join(f'{v:g}' for v in limits)}" if limits else ""
+    slopes = f", swiglu_oai's alpha {', '.join(f'{v:g}' for v in alphas)}" if alphas else \
+        " (swiglu_oai's alpha: no alpha / swiglu_alpha attribute)"
     return (f"a custom gating function ({name}) that computes none of FEPLB's act(gate) * up for act in "
-            f"{ACTS}{clamped}"), None
+            f"{ACTS}{clamped}{slopes}, gate and up side by side or interleaved"), None
 
 
 def _custom_gate(module: nn.Module) -> bool:
@@ -320,16 +358,20 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
     if why is not None:
         return why, {}
     bias = sorted(n for n in own if "bias" in n)
-    if bias or getattr(module, "has_bias", False):
-        return f"bias terms ({', '.join(bias) or 'has_bias=True'}); FEPLB's experts have none", {}
-    extra = sorted(set(own) - {"gate_up_proj", "down_proj"})
+    if bias and set(bias) != set(_BIASES):
+        return (f"bias terms {', '.join(bias)}; FEPLB's experts take biases as {' and '.join(_BIASES)} (gpt-oss's), "
+                "both or neither"), {}
+    if not bias and getattr(module, "has_bias", False):
+        return f"has_bias=True without {' and '.join(_BIASES)} parameters", {}
+    extra = sorted(set(own) - {"gate_up_proj", "down_proj", *bias})
     if extra:
-        return f"parameters besides gate_up_proj and down_proj: {', '.join(extra)}", {}
+        return f"parameters besides gate_up_proj and down_proj (and their biases): {', '.join(extra)}", {}
     buffers = sorted(n for n, _ in module.named_buffers())
     if buffers:
         return f"buffers {', '.join(buffers)} (scaled or quantized experts are not supported)", {}
-    if not getattr(module, "is_concatenated", True):
-        return "interleaved gate/up layout (is_concatenated=False); expected [gate | up] halves", {}
+    if not getattr(module, "is_concatenated", True) and not _custom_gate(module):
+        return ("interleaved gate/up layout (is_concatenated=False) with the default gate, which splits halves; "
+                "expected a gate of the module's own that reads the interleaved columns"), {}
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert (has_post_expert_norm=True)", {}
     # The call first: a module called otherwise (Llama 4's experts take router-scaled inputs) is refused for that.
@@ -340,7 +382,7 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
     names = tuple(p.name for p in params[:3])
     required_rest = [p.name for p in params[3:] if p.default is inspect.Parameter.empty
                      and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if block is None and (names != _SIGNATURE or required_rest):
+    if block is None and (names not in _SIGNATURES or required_rest):
         return (f"forward({', '.join(p.name for p in params)}); expected forward(hidden_states, top_k_index, "
                 "top_k_weights)"), {}
     gu, dn = own["gate_up_proj"], own["down_proj"]
@@ -357,6 +399,12 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         layout = ("gate_up_proj [E, H, 2F] and down_proj [E, F, H] (is_transposed=True)" if transposed else
                   "gate_up_proj [E, 2F, H] and down_proj [E, H, F]")
         return f"weight layout gate_up_proj {list(gu.shape)}, down_proj {list(dn.shape)}; expected {layout}", {}
+    if bias:
+        gb, db = own[_BIASES[0]], own[_BIASES[1]]
+        if tuple(gb.shape) != (E, 2 * Fd) or tuple(db.shape) != (E, H) or gb.dtype != gu.dtype or \
+                db.dtype != gu.dtype:
+            return (f"bias shapes {_BIASES[0]} {list(gb.shape)} {gb.dtype}, {_BIASES[1]} {list(db.shape)} {db.dtype}; "
+                    f"expected [{E}, {2 * Fd}] and [{E}, {H}] in the weights' dtype {gu.dtype}"), {}
     why, gated = _gate(module, Fd)
     if why is not None:
         return why, {}
@@ -364,11 +412,9 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         act_fn = getattr(module, "act_fn", None)
         kind = _act_kind(act_fn)
         if kind is None:
-            from feplb.kernels.activation import ACTS
-
             return (f"activation {type(act_fn).__name__ if act_fn is not None else None} is none of FEPLB's "
-                    f"{ACTS} (FEPLB computes gated experts: act(gate) * up)"), {}
-        gated = (kind, None)
+                    f"{_ACT_FN_KINDS} (FEPLB computes gated experts: act(gate) * up)"), {}
+        gated = (kind, None, 1.702, False)
     cfg = _config_of(module, model)
     if gu.dtype not in _DTYPES:
         return f"dtype {gu.dtype}; expected one of {_DTYPES}", {}
@@ -383,6 +429,7 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         return f"{E} experts are not divisible by the EP group size {world}", {}
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": top_k, "dtype": gu.dtype,
                   "device": gu.device.type, "activation": gated[0], "swiglu_limit": gated[1],
+                  "swiglu_alpha": gated[2], "glu_interleaved": gated[3], "expert_bias": bool(bias),
                   "gate_on_input": block is not None, "transposed": transposed}
 
 
@@ -468,7 +515,8 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
             problems.append(f"  {name or type(model).__name__} ({type(mod).__name__}): {why}")
     # One agreement: every rank raises together, or none does. The weights' checksums catch ranks that built or
     # loaded different models (each rank slices its experts from its own copy).
-    digests = [(n, *weights_digest(m.gate_up_proj, m.down_proj)) for n, m in plans]
+    digests = [(n, *weights_digest(m.gate_up_proj, m.down_proj, *(getattr(m, b) for b in _BIASES
+                                                                  if configs[id(m)].expert_bias))) for n, m in plans]
 
     def none_found() -> str:
         done = " (feplb.hf.apply already replaced them)" if experts_modules(model) else _version_hint()
@@ -483,8 +531,10 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     made: dict[int, FEPLBExperts] = {}
     for name, mod in plans:
         if id(mod) not in made:
+            biases = [getattr(mod, b) for b in _BIASES] if configs[id(mod)].expert_bias else [None, None]
             new = FEPLBExperts(configs[id(mod)], group, mod.gate_up_proj, mod.down_proj, name=name,
-                               transposed=transposed[id(mod)])
+                               transposed=transposed[id(mod)], gate_up_proj_bias=biases[0],
+                               down_proj_bias=biases[1])
             new.train(mod.training)
             new.refresh_replicas()
             made[id(mod)] = new

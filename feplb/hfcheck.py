@@ -4,7 +4,8 @@ transformers ships dozens of MoE architectures, and each release adds some. For 
 holds an experts module (3-D ``gate_up_proj`` / ``up_proj`` / ``down_proj`` parameters), :func:`check` builds a
 tiny random model from the architecture's own config class (:func:`tiny_model`: two layers, two attention heads
 (hidden 64, or two heads of the default head size where the config derives it), 8 experts, top-2, vocabulary 64,
-every other field at its default), runs it unmodified and with :func:`feplb.hf.apply` on the
+every other field at its default; parameters the initialisation leaves all zero, such as gpt-oss's expert biases
+and router, drawn at random), runs it unmodified and with :func:`feplb.hf.apply` on the
 ranks of a process group (balancing between two "GPUs" of a node, rows really moving), and compares the two on
 each rank's own input: logits, every expert shard's gradient (against the slice of the unmodified model's gradient
 summed over the ranks' inputs) and every other gradient (against the unmodified model's local one). Randomness
@@ -193,6 +194,7 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
                     config = config_cls(**kwargs)
                     torch.manual_seed(seed)
                     model = _text_model_class(config)(config).float().train()
+                    _fill_zeros(model, seed)
                 if not _candidates(model):
                     raise LookupError(f"{type(model).__name__} of {len(kwargs)} tiny fields holds no experts module")
                 probe = copy.deepcopy(model)
@@ -208,6 +210,17 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
                     del kwargs[k]
     assert last is not None
     raise last
+
+
+def _fill_zeros(model: torch.nn.Module, seed: int) -> None:
+    """Random values (std ``initializer_range``) in every floating parameter its initialisation left all zero:
+    gpt-oss's expert biases and router, attention sinks, ... A zero bias or router would check nothing of how
+    FEPLB carries them."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.numel() and not p.any():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * TINY["initializer_range"])
 
 
 def _run(model: torch.nn.Module, ids: torch.Tensor, seed: int) -> torch.Tensor:
@@ -433,7 +446,8 @@ def markdown(outcomes: list[Outcome], meta: dict) -> str:
         "",
         f"Produced by `{meta['command']}` on {meta['date']} ({meta['machine']}; transformers {meta['transformers']}, "
         f"torch {meta['torch']}, Python {meta['python']}; {meta['wall_s']} s). Each architecture is a tiny random "
-        "model (2 layers, 2 attention heads, 8 experts, top-2, vocabulary 64, every other field at its default) "
+        "model (2 layers, 2 attention heads, 8 experts, top-2, vocabulary 64, every other field at its default; "
+        "parameters its initialisation leaves all zero, such as gpt-oss's expert biases, drawn at random) "
         f"built from its own config class, run unmodified and with "
         f"`feplb.hf.apply` on {meta['ranks']} gloo processes ({meta['gpus_per_node']} per modelled node, policy "
         f"`{meta['policy']}`). **exact**: logits and every gradient within {meta['tolerance']:g} of the unmodified "

@@ -218,11 +218,24 @@ class MoELayer(nn.Module):
         """Create this rank's expert parameters (override to store them in another layout)."""
         self.w1 = nn.Parameter(torch.randn(L, H, 2 * F_, device=device, dtype=dtype) / H ** 0.5)
         self.w2 = nn.Parameter(torch.randn(L, F_, H, device=device, dtype=dtype) / F_ ** 0.5)
+        if self.config.expert_bias:
+            self.b1 = nn.Parameter(torch.zeros(L, 2 * F_, device=device, dtype=dtype))
+            self.b2 = nn.Parameter(torch.zeros(L, H, device=device, dtype=dtype))
 
-    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's own experts as (w1 [L, H, 2F], w2 [L, F, H]): the layer reads them only through this (views
-        of the parameters allowed; gradients flow back through them)."""
+    def expert_weights(self) -> tuple[torch.Tensor, ...]:
+        """This rank's own experts as (w1 [L, H, 2F], w2 [L, F, H]), or (w1, w2, b1 [L, 2F], b2 [L, H]) with
+        ``expert_bias`` (:attr:`part_shapes`): the layer reads them only through this (views of the parameters
+        allowed; gradients flow back through them)."""
+        if self.config.expert_bias:
+            return self.w1, self.w2, self.b1, self.b2
         return self.w1, self.w2
+
+    @property
+    def part_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shape of one expert's slice of each tensor of ``expert_weights()``: ([H, 2F], [F, H]), then [2F]
+        and [H] with ``expert_bias``. Copies of an expert carry every part."""
+        H, F_ = self.config.hidden, self.config.ffn
+        return ((H, 2 * F_), (F_, H)) + (((2 * F_,), (H,)) if self.config.expert_bias else ())
 
     def expert_params(self) -> tuple[nn.Parameter, ...]:
         """The parameters behind ``expert_weights()`` (what an optimizer steps)."""
@@ -260,14 +273,15 @@ class MoELayer(nn.Module):
         """int64 [E]: the GPU that computes each expert by default (its owner unless placed elsewhere)."""
         return self.placement.home_E.copy()
 
-    def _local_weights(self, e: int, slot_w) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's weights of expert e (views): a slot, a per-step replica, or its own parameter."""
+    def _local_weights(self, e: int, slot_w) -> tuple[torch.Tensor, ...]:
+        """This rank's weights of expert e (views, one per part): a slot, a per-step replica, or its own
+        parameters."""
         i = self.placement.slot_pos.get(e)
         if i is not None:
-            return slot_w.w1[i], slot_w.w2[i]
+            return tuple(w[i] for w in slot_w.parts)
         j = self.replicas.replica_of.get(e)
         if j is not None:
-            return self.replicas.replica_bank[0][j], self.replicas.replica_bank[1][j]
+            return tuple(w[j] for w in self.replicas.replica_bank)
         if e // self.num_local == self.rank:
             return self.replicas.owned(e)
         raise RuntimeError(f"MoELayer: GPU {self.rank} holds no weights of expert {e}")
@@ -275,7 +289,7 @@ class MoELayer(nn.Module):
     def _anchor(self, t: torch.Tensor) -> torch.Tensor:
         """An empty 1-D tensor that requires grad whenever the layer's rows or expert weights do. Every exchange
         takes one, so whether its backward runs (a collective) never depends on what this rank sends."""
-        w1, _ = self.expert_weights()
+        w1 = self.expert_weights()[0]
         a = t[:0].reshape(-1) + w1[:0].reshape(-1)   # w1[:0] first: a strided w1 is never copied
         return a + self._grad_leaf if torch.is_grad_enabled() else a
 
@@ -541,8 +555,8 @@ class MoELayer(nn.Module):
     def _static_gemm(self, h_RD: torch.Tensor, home: HomeLayout, slot_w) -> torch.Tensor:
         """Step 6: the static block of home order through all slot weights (the dynamic slots given empty groups,
         so no weight is gathered)."""
-        return expert_mlp(h_RD[:home.n_static], *slot_w.gemm(), to_device(np.cumsum(home.static_L), h_RD.device),
-                          self.config.swiglu_limit, self.config.activation)
+        return expert_mlp(h_RD[:home.n_static], slot_w.gemm(), to_device(np.cumsum(home.static_L), h_RD.device),
+                          *self.config.glu)
 
     def _split(self, counts: Counts) -> Split:
         """Step 3: this micro-batch's dynamic experts (before the static GEMM; identical everywhere) and the home

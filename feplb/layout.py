@@ -211,21 +211,25 @@ def exchange_layout(items: Sequence[Item], rank: int, gpus_per_node: int) -> Exc
                           intra_node=intra)
 
 
-def weight_items(copies: Sequence[tuple[int, int, int]], hidden: int, ffn: int) -> list[Item]:
-    """Exchange items for expert weights (expert, src, dst): every w1 ([H, 2F] elements) first, then every w2
-    ([F, H]), each in ``copies`` order, so that a receiver's blocks from one source view in place as stacked
-    weights. Copy k's w1 is item k, its w2 item ``len(copies) + k`` (offset by where the weights start)."""
-    return [Item(s, d, hidden * 2 * ffn) for _, s, d in copies] + [Item(s, d, ffn * hidden) for _, s, d in copies]
+def weight_items(copies: Sequence[tuple[int, int, int]], part_sizes: Sequence[int]) -> list[Item]:
+    """Exchange items for expert weights (expert, src, dst), one per part of an expert's weights (``part_sizes``
+    elements each: w1 [H, 2F], w2 [F, H], and the biases b1 [2F], b2 [H] where the experts have them): every copy's
+    first part, then every copy's second, ..., each in ``copies`` order, so that a receiver's blocks from one source
+    view in place as stacked weights. Copy k's part j is item ``j * len(copies) + k`` (offset by where the weights
+    start)."""
+    return [Item(s, d, size) for size in part_sizes for _, s, d in copies]
 
 
-def weight_sends(copies: Sequence[tuple[int, int, int]], rank: int, base: int = 0) -> dict[int, tuple[str, int]]:
-    """{item index: ("w1" | "w2", expert)} of the ``weight_items`` that ``rank`` sends, the weight items starting at
-    item ``base`` of the exchange."""
+def weight_sends(copies: Sequence[tuple[int, int, int]], rank: int, base: int = 0,
+                 parts: int = 2) -> dict[int, tuple[str, int, int]]:
+    """{item index: ("w", part, expert)} of the ``weight_items`` (``parts`` per expert) that ``rank`` sends, the
+    weight items starting at item ``base`` of the exchange."""
     n = len(copies)
-    out: dict[int, tuple[str, int]] = {}
+    out: dict[int, tuple[str, int, int]] = {}
     for k, (e, s, d) in enumerate(copies):
         if s == rank and d != s:
-            out[base + k], out[base + n + k] = ("w1", e), ("w2", e)
+            for j in range(parts):
+                out[base + j * n + k] = ("w", j, e)
     return out
 
 

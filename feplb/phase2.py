@@ -18,6 +18,7 @@ Legend: R rows at home on this rank after phase 1, H hidden, F ffn.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 from dataclasses import dataclass
 
@@ -41,8 +42,8 @@ class Phase2:
     fell_back: bool
     moves: tuple
     layout: Phase2Layout | None
-    exchange: Exchange | None          # rows to helpers, then the plan's weight copies (w1s, then w2s)
-    spec: tuple                        # per send of this rank: ("rows", start, end) or ("w1" | "w2", expert)
+    exchange: Exchange | None          # rows to helpers, then the plan's weight copies (every w1, every w2, ...)
+    spec: tuple                        # per send of this rank: ("rows", start, end) or ("w", part, expert)
     pending: concurrent.futures.Future | None
     copies: tuple                      # the plan's weight copies executed (expert, src, dst)
     bank_bytes: int = 0                # bytes the owners sent for this rank's slot weights (per-microbatch +place)
@@ -71,18 +72,15 @@ def no_phase2() -> Phase2:
 
 
 def materialize(spec: tuple, h_RD: torch.Tensor, local, detach: bool = False) -> list[torch.Tensor]:
-    """The tensors a send spec names: rows of h_RD ("rows", start, end) or an expert's weights ("w1"/"w2", e).
+    """The tensors a send spec names: rows of h_RD ("rows", start, end) or a part of an expert's weights ("w", j, e):
+    ``local(e)[j]``.
 
     Views, as they are (a weight may be strided, e.g. a transposed transformers parameter): no kernel runs here.
     The exchange flattens them when it issues the copies, on its own stream in order after the sends' ``ready``
     event; gradients come back in each tensor's shape."""
     out = []
     for s in spec:
-        if s[0] == "rows":
-            t = h_RD[s[1]:s[2]]
-        else:
-            w1, w2 = local(s[1])
-            t = w1 if s[0] == "w1" else w2
+        t = h_RD[s[1]:s[2]] if s[0] == "rows" else local(s[2])[s[1]]
         out.append(t.detach() if detach else t)
     return out
 
@@ -109,7 +107,7 @@ def start_phase2(layer, h_RD: torch.Tensor, counts: Counts, split: Split, slot_w
 
 def _lay_out(layer, plan, counts: Counts, split: Split, state, dtype, device):
     """The plan's moves, this rank's phase-2 layout, the exchange (rows to helpers, then the weight copies: every
-    w1, then every w2) and this rank's send spec; raises ValueError if the plan is not executable here."""
+    w1, then every w2, ...) and this rank's send spec; raises ValueError if the plan is not executable here."""
     c = layer.config
     plan.validate(counts.counts_WE, layer.topo, state)
     moves = tuple(m for m in plan.moves if m.row_end > m.row_start)
@@ -123,10 +121,12 @@ def _lay_out(layer, plan, counts: Counts, split: Split, state, dtype, device):
         if not (any(cp[0] == e and cp[2] == layer.rank for cp in copies) or e in layer.replicas.replica_of
                 or e // layer.num_local == layer.rank):
             raise ValueError(f"GPU {layer.rank} would compute rows of expert {e} without its weights")
-    items = [Item(m.src, m.dst, m.rows * c.hidden) for m in moves] + weight_items(copies, c.hidden, c.ffn)
+    shapes = layer.part_shapes
+    items = [Item(m.src, m.dst, m.rows * c.hidden) for m in moves] + \
+        weight_items(copies, [math.prod(s) for s in shapes])
     ex = Exchange(layer.comm, items, dtype=dtype, device=device, op="phase-2 rows and weights to helpers")
     spec = {j: ("rows", a, b) for j, a, b in lay.out}
-    spec.update(weight_sends(copies, layer.rank, len(moves)))
+    spec.update(weight_sends(copies, layer.rank, len(moves), len(shapes)))
     order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
     return moves, lay, copies, ex, order
 
@@ -191,8 +191,8 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
         # no moves: the dynamic slots compute at home (the home order's tail), one more grouped launch
         dyn_L = split.home.n_L - split.home.static_L
         with span(tl, "dynamic_gemm"):
-            y_dyn = expert_mlp(h_RD[split.home.n_static:], *slot_w.gemm(), to_device(np.cumsum(dyn_L), dev),
-                               c.swiglu_limit, c.activation) if dyn_L.any() else h_RD[:0]
+            y_dyn = expert_mlp(h_RD[split.home.n_static:], slot_w.gemm(), to_device(np.cumsum(dyn_L), dev),
+                               *c.glu) if dyn_L.any() else h_RD[:0]
         y_home = torch.cat([y_static, y_dyn])
         return y_home.index_select(0, to_device(inverse(split.home.perm), dev)), layer._anchor(h_RD)
     lay, ex, moves = p2.layout, p2.exchange, p2.moves
@@ -208,8 +208,8 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
     pending = rex.start(sends, layer._balancer.copier, ready=ready) if rex.active else None
     with span(tl, "dynamic_gemm"):
         kept = h_RD.index_select(0, to_device(lay.kept_idx, dev))
-        y_kept = expert_mlp(kept, *slot_w.gemm(), to_device(np.cumsum(lay.kept_L), dev), c.swiglu_limit,
-                            c.activation) if lay.kept_idx.size else h_RD[:0]
+        y_kept = expert_mlp(kept, slot_w.gemm(), to_device(np.cumsum(lay.kept_L), dev), *c.glu) \
+            if lay.kept_idx.size else h_RD[:0]
     with span(tl, "copy_results", "copy"):
         ret = rex(sends, layer._anchor(y_static), pending=pending)
     with span(tl, "assemble"):
@@ -224,12 +224,11 @@ def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, wei
     source's weight copies received this micro-batch viewed in place, this rank's own parameters).
 
     hosted: indices of the moves into this GPU; rows(js): their rows back to back ([N, H]); weights: the exchange
-    that carried ``copies``, whose items ``w_base + k`` / ``w_base + len(copies) + k`` are copy k's w1 / w2.
+    that carried ``copies``, whose items ``w_base + j * len(copies) + k`` are copy k's part j (w1, w2, b1, b2).
     Returns {move index: [rows, H]}."""
     if not hosted:
         return {}
-    c = layer.config
-    H, Fd = c.hidden, c.ffn
+    shapes = layer.part_shapes
     n_cp = len(copies)
     copy_k = {(e, d): k for k, (e, _, d) in enumerate(copies)}
     banks: dict[object, tuple] = {}
@@ -242,30 +241,29 @@ def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, wei
             key = ("copy", src)
             if key not in banks:
                 ks = [kk for kk, (_, s, d) in enumerate(copies) if s == src and d == layer.rank]
-                w1 = weights.joined([w_base + kk for kk in ks]).view(len(ks), H, 2 * Fd)
-                w2 = weights.joined([w_base + n_cp + kk for kk in ks]).view(len(ks), Fd, H)
-                banks[key] = (w1, w2, {copies[kk][0]: i for i, kk in enumerate(ks)})
+                parts = tuple(weights.joined([w_base + p * n_cp + kk for kk in ks]).view(len(ks), *shape)
+                              for p, shape in enumerate(shapes))
+                banks[key] = (parts, {copies[kk][0]: i for i, kk in enumerate(ks)})
         elif e in layer.replicas.replica_of:
             key = "replica"
-            banks[key] = (*layer.replicas.replica_bank, layer.replicas.replica_of)
+            banks[key] = (layer.replicas.replica_bank, layer.replicas.replica_of)
         elif e // layer.num_local == layer.rank:
             key = "own"
-            w1, w2 = layer.expert_weights()
-            banks[key] = (w1, w2, {layer.rank * layer.num_local + i: i for i in range(layer.num_local)})
+            banks[key] = (layer.expert_weights(),
+                          {layer.rank * layer.num_local + i: i for i in range(layer.num_local)})
         else:
             raise RuntimeError(f"MoELayer: GPU {layer.rank} computes rows of expert {e} without its weights")
-        groups.setdefault(key, []).append((banks[key][2][e], j))
+        groups.setdefault(key, []).append((banks[key][1][e], j))
     out: dict[int, torch.Tensor] = {}
     for key, members in groups.items():
-        w1, w2, _ = banks[key]
+        parts, _ = banks[key]
         members.sort()
         js = [j for _, j in members]
         x = rows(js)
-        sizes = np.zeros(w1.shape[0], dtype=np.int64)
+        sizes = np.zeros(parts[0].shape[0], dtype=np.int64)
         for i, j in members:
             sizes[i] += moves[j].rows
-        y = expert_mlp(x, w1, w2, to_device(np.cumsum(sizes), device), layer.config.swiglu_limit,
-                       layer.config.activation)
+        y = expert_mlp(x, parts, to_device(np.cumsum(sizes), device), *layer.config.glu)
         pos = 0
         for j in js:
             out[j] = y[pos:pos + moves[j].rows]

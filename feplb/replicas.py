@@ -23,6 +23,7 @@ Legend: L experts per GPU, H hidden, F ffn, S slots per GPU (= L).
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 
 import numpy as np
@@ -62,30 +63,31 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class SlotWeights:
-    """The weights one forward computes this rank's slots with."""
+    """The weights one forward computes this rank's slots with: one tensor per part of the experts' weights
+    (``MoELayer.part_shapes``: w1 [L, H, 2F], w2 [L, F, H], then b1 [L, 2F], b2 [L, H] where the experts have
+    biases)."""
 
-    w1: torch.Tensor      # [L, H, 2F]
-    w2: torch.Tensor      # [L, F, H]
+    parts: tuple[torch.Tensor, ...]
     tail: torch.Tensor    # empty; keeps the exchange that sent them (if any) in the graph
     copied_bytes: int     # bytes the owners sent for them this micro-batch
-    gemm_w1: torch.Tensor | None = None   # w1 / w2 in the GEMMs' dtype under torch.autocast (``for_gemms``)
-    gemm_w2: torch.Tensor | None = None
+    gemm_parts: tuple[torch.Tensor, ...] | None = None   # in the GEMMs' dtype under torch.autocast (``for_gemms``)
 
-    def gemm(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weights the GEMMs take: cast once per forward under autocast, else w1 and w2 themselves."""
-        return (self.w1 if self.gemm_w1 is None else self.gemm_w1, self.w2 if self.gemm_w2 is None else self.gemm_w2)
+    def gemm(self) -> tuple[torch.Tensor, ...]:
+        """The weights the GEMMs take: cast once per forward under autocast, else the parts themselves."""
+        return self.parts if self.gemm_parts is None else self.gemm_parts
 
     def for_gemms(self) -> SlotWeights:
         """These weights with their GEMM copies cast to the autocast dtype now, when ``torch.autocast`` is on for
         their device (call on the forward's thread: autocast's state is the thread's). Every GEMM of the forward
-        then shares one cast (one pass over the weights) instead of casting the whole bank at each launch; w1 and
-        w2, which the copy path sends, keep the layer's dtype."""
+        then shares one cast (one pass over the weights) instead of casting the whole bank at each launch; the
+        parts, which the copy path sends, keep the layer's dtype, and so do biases (added after the GEMM, in the
+        wider dtype)."""
         from feplb.kernels import autocast_matmul_inputs
 
-        w1, w2 = autocast_matmul_inputs(self.w1, self.w2)
-        if w1 is self.w1 and w2 is self.w2:
+        cast = autocast_matmul_inputs(*self.parts[:2])
+        if all(a is b for a, b in zip(cast, self.parts[:2], strict=True)):
             return self
-        return dataclasses.replace(self, gemm_w1=w1, gemm_w2=w2)
+        return dataclasses.replace(self, gemm_parts=(*cast, *self.parts[2:]))
 
 
 class Replicas:
@@ -96,8 +98,8 @@ class Replicas:
         self._layer = weakref.ref(layer)
         self.pairs: tuple[tuple[int, int], ...] = ()     # (expert, gpu != owner) holding a per-step copy
         self.replica_of: dict[int, int] = {}             # expert -> index in the replica bank (this rank)
-        self.replica_bank: tuple[torch.Tensor, torch.Tensor] | None = None   # leaves [N, H, 2F], [N, F, H]
-        self.slot_bank: tuple[torch.Tensor, torch.Tensor] | None = None      # leaves [L, H, 2F], [L, F, H]
+        self.replica_bank: tuple[torch.Tensor, ...] | None = None   # leaves [N, H, 2F], [N, F, H] (, [N, 2F], [N, H])
+        self.slot_bank: tuple[torch.Tensor, ...] | None = None      # leaves [L, H, 2F], [L, F, H] (, [L, 2F], [L, H])
         self.ever_held = False        # some rank has held per-step copies (a global fact: pairs are global)
         self.generation = 0           # bumped by every refresh; a gradient of an older generation is late
         self.late_grad = False
@@ -105,7 +107,7 @@ class Replicas:
         self._versions: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------------------------------------ state
-    def own_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def own_weights(self) -> tuple[torch.Tensor, ...]:
         """The layer's ``expert_weights()`` made with autograd on, also inside ``no_grad``: whether the copies need
         a gradient is read off them, and a layer whose weights are computed from its parameters (cast, joined:
         ``feplb.titan``) would otherwise hand out weights that need none."""
@@ -156,38 +158,50 @@ class Replicas:
                                "reduce_replica_grads() before optimizer.step()")
 
     # ------------------------------------------------------------------------------------------------ weights
-    def owned(self, e: int, weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's weights of its own expert e, from ``weights`` (``expert_weights()``, fetched once by a caller
-        that reads several: a layer may compute them from its parameters) or fetched now."""
+    def owned(self, e: int, weights: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+        """This rank's weights of its own expert e (one per part), from ``weights`` (``expert_weights()``, fetched
+        once by a caller that reads several: a layer may compute them from its parameters) or fetched now."""
         lay = self._layer()
-        w1, w2 = weights if weights is not None else lay.expert_weights()
+        ws = weights if weights is not None else lay.expert_weights()
         i = e - lay.rank * lay.num_local
-        return w1[i], w2[i]
+        return tuple(w[i] for w in ws)
 
     def exchange_weights(self, copies: list[tuple[int, int, int]],
-                         weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         weights: tuple[torch.Tensor, ...] | None = None,
                          ) -> tuple[list[Item], dict[int, torch.Tensor], dict[tuple[int, int], int]]:
         """Exchange items for the owners' weights of experts (expert, owner, dst) (``feplb.layout.weight_items``,
         identical on every rank), sent from ``weights`` (this rank's ``expert_weights()``; fetched when None).
-        Returns (items, {item: tensor this rank sends}, {(expert, dst): index of its w1 item}) (w2 item:
-        + len(copies))."""
+        Returns (items, {item: tensor this rank sends}, {(expert, dst): k}): copy k's part j is item
+        ``j * len(copies) + k``."""
         lay = self._layer()
-        items = weight_items(copies, lay.config.hidden, lay.config.ffn)
+        shapes = lay.part_shapes
+        items = weight_items(copies, [math.prod(s) for s in shapes])
         sends = {}
         mine = weights if weights is not None else lay.expert_weights()
-        for k, (which, e) in weight_sends(copies, lay.rank).items():
-            w1, w2 = self.owned(e, mine)
-            sends[k] = (w1 if which == "w1" else w2).reshape(-1)
+        for k, (_, j, e) in weight_sends(copies, lay.rank, 0, len(shapes)).items():
+            sends[k] = self.owned(e, mine)[j].reshape(-1)
         return items, sends, {(e, d): k for k, (e, _, d) in enumerate(copies)}
+
+    def _received(self, got: dict, k: int, n: int) -> tuple[torch.Tensor, ...]:
+        """Copy k's parts from the items an exchange of ``n`` copies received, in their shapes."""
+        return tuple(got[j * n + k].view(shape) for j, shape in enumerate(self._layer().part_shapes))
+
+    def _bank(self, ws: list[tuple[torch.Tensor, ...]], req: tuple[bool, ...] | None = None,
+              ) -> tuple[torch.Tensor, ...]:
+        """The experts ``ws`` (one tuple of parts each) stacked part by part; with ``req``, as watched leaves that
+        require grad where the owner's parts do."""
+        stacked = tuple(torch.stack([w[j] for w in ws]) for j in range(len(ws[0])))
+        if req is None:
+            return stacked
+        return tuple(self._watch(t.requires_grad_(r)) for t, r in zip(stacked, req, strict=True))
 
     def forward_slot_weights(self, placement: Placement, anchor: torch.Tensor) -> SlotWeights:
         """This forward's weights of this rank's slots. With weights='per-microbatch' and experts placed away from
         their owners, the owners send them now (a differentiable exchange hung on ``anchor``)."""
         lay = self._layer()
         if lay.config.weights == "per-step" or not placement.placed_pairs:
-            w1, w2 = self.slot_bank if self.slot_bank is not None else lay.expert_weights()
-            return SlotWeights(w1=w1, w2=w2, tail=anchor[:0].reshape(-1), copied_bytes=0)
+            parts = self.slot_bank if self.slot_bank is not None else lay.expert_weights()
+            return SlotWeights(parts=tuple(parts), tail=anchor[:0].reshape(-1), copied_bytes=0)
         copies = [(e, e // lay.num_local, h) for e, h in placement.placed_pairs]
         own = lay.expert_weights()
         items, sends, index = self.exchange_weights(copies, own)
@@ -195,14 +209,13 @@ class Replicas:
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="expert weights to their homes")
         rcv = ex(ex.sends_of(sends), lay._anchor(anchor))
         tail, got = rcv.tail, rcv.items
-        H, Fd, n = lay.config.hidden, lay.config.ffn, len(copies)
-        nbytes = n * 3 * H * Fd * w1.element_size()
+        n = len(copies)
+        nbytes = n * sum(math.prod(s) for s in lay.part_shapes) * w1.element_size()
         if placement.own_slots:
-            return SlotWeights(w1=own[0], w2=own[1], tail=tail, copied_bytes=nbytes)
-        ws = [(got[index[(e, lay.rank)]].view(H, 2 * Fd), got[n + index[(e, lay.rank)]].view(Fd, H))
-              if e // lay.num_local != lay.rank else self.owned(e, own) for e in placement.my_slots]
-        return SlotWeights(w1=torch.stack([a for a, _ in ws]), w2=torch.stack([b for _, b in ws]), tail=tail,
-                           copied_bytes=nbytes)
+            return SlotWeights(parts=own, tail=tail, copied_bytes=nbytes)
+        ws = [self._received(got, index[(e, lay.rank)], n) if e // lay.num_local != lay.rank
+              else self.owned(e, own) for e in placement.my_slots]
+        return SlotWeights(parts=self._bank(ws), tail=tail, copied_bytes=nbytes)
 
     @torch.inference_mode(False)   # copies made inside inference_mode could never be trained
     @torch.no_grad()
@@ -222,27 +235,20 @@ class Replicas:
         if not pairs:
             return
         copies = [(e, e // lay.num_local, g) for e, g in pairs]
-        w1, w2 = self.own_weights()
-        items, sends, index = self.exchange_weights(copies, (w1, w2))
+        own = self.own_weights()
+        w1 = own[0]
+        items, sends, index = self.exchange_weights(copies, own)
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="refresh of per-step expert copies")
         got = ex(ex.sends_of(sends), w1.new_empty(0)).items
-        H, Fd, n = lay.config.hidden, lay.config.ffn, len(copies)
-
-        def received(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-            k = index[(e, r)]
-            return got[k].view(H, 2 * Fd), got[n + k].view(Fd, H)
-
+        n = len(copies)
         mine = [e for e, g in keep if g == r and e not in placement.slot_pos]
-        req1, req2 = w1.requires_grad, w2.requires_grad
+        req = tuple(w.requires_grad for w in own)
         if mine:
-            ws = [received(e) for e in mine]
             self.replica_of = {e: j for j, e in enumerate(mine)}
-            self.replica_bank = (self._watch(torch.stack([a for a, _ in ws]).requires_grad_(req1)),
-                                 self._watch(torch.stack([b for _, b in ws]).requires_grad_(req2)))
+            self.replica_bank = self._bank([self._received(got, index[(e, r)], n) for e in mine], req)
         if not placement.own_slots:
-            ws = [received(e) if e // lay.num_local != r else self.owned(e, (w1, w2)) for e in placement.my_slots]
-            self.slot_bank = (self._watch(torch.stack([a for a, _ in ws]).requires_grad_(req1)),
-                              self._watch(torch.stack([b for _, b in ws]).requires_grad_(req2)))
+            self.slot_bank = self._bank([self._received(got, index[(e, r)], n) if e // lay.num_local != r
+                                         else self.owned(e, own) for e in placement.my_slots], req)
 
     @torch.inference_mode(False)
     @torch.no_grad()
@@ -252,40 +258,38 @@ class Replicas:
         r, L = lay.rank, lay.num_local
         if not self.pairs:
             return
-        H, Fd = lay.config.hidden, lay.config.ffn
-        w1, w2 = self.own_weights()
+        shapes = lay.part_shapes
+        sizes = [math.prod(s) for s in shapes]
+        own = self.own_weights()
+        w1 = own[0]
 
-        def grads_of(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def grads_of(e: int) -> tuple[torch.Tensor, ...]:
             i = placement.slot_pos.get(e)
-            b1, b2 = self.slot_bank if i is not None else self.replica_bank
+            bank = self.slot_bank if i is not None else self.replica_bank
             j = i if i is not None else self.replica_of[e]
-            g1 = b1.grad[j] if b1.grad is not None else torch.zeros_like(b1[j])
-            g2 = b2.grad[j] if b2.grad is not None else torch.zeros_like(b2[j])
-            return g1, g2
+            return tuple(b.grad[j] if b.grad is not None else torch.zeros_like(b[j]) for b in bank)
 
-        add1, add2 = torch.zeros_like(w1), torch.zeros_like(w2)
+        adds = [torch.zeros_like(w) for w in own]
         if self.slot_bank is not None:
             for e in placement.my_slots:
                 if e // L == r:           # own experts in the bank: their gradient stays here
-                    g1, g2 = grads_of(e)
-                    add1[e - r * L] += g1
-                    add2[e - r * L] += g2
+                    for a, g in zip(adds, grads_of(e), strict=True):
+                        a[e - r * L] += g
         back = [(e, g, e // L) for e, g in self.pairs]    # (expert, holder -> owner)
-        items = [Item(g, o, H * 2 * Fd + Fd * H) for _, g, o in back]
+        items = [Item(g, o, sum(sizes)) for _, g, o in back]
         sends = {}
         for k, (e, g, _) in enumerate(back):
             if g == r:
-                g1, g2 = grads_of(e)
-                sends[k] = torch.cat([g1.reshape(-1), g2.reshape(-1)])
+                sends[k] = torch.cat([t.reshape(-1) for t in grads_of(e)])
         ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="reduction of replica gradients")
         got = ex(ex.sends_of(sends), w1.new_empty(0)).items
         for k, (e, _, o) in enumerate(back):
             if o == r and k in got:
-                add1[e - r * L] += got[k][:H * 2 * Fd].view(H, 2 * Fd)
-                add2[e - r * L] += got[k][H * 2 * Fd:].view(Fd, H)
+                for a, part, shape in zip(adds, got[k].split(sizes), shapes, strict=True):
+                    a[e - r * L] += part.view(shape)
         for w in self._held():
             w.grad = None
-        needed = [(t, a) for t, a in ((w1, add1), (w2, add2)) if t.requires_grad]
+        needed = [(t, a) for t, a in zip(own, adds, strict=True) if t.requires_grad]
         if needed:
             # through expert_weights() (made with autograd on): the owner's parameters get the gradient whatever
             # their layout

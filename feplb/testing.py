@@ -151,7 +151,8 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
 
 
 def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: str = "softmax", bias_E=None,
-                        swiglu_limit: float | None = None, gate_on_input: bool = False, activation: str = "silu"):
+                        swiglu_limit: float | None = None, gate_on_input: bool = False, activation: str = "silu",
+                        swiglu_alpha: float = 1.702, glu_interleaved: bool = False, b1_E2F=None, b2_EH=None):
     """Single-process dense MoE (no dispatch, no kernels), the independent reference of ``MoELayer``.
 
     Expert selection uses fp32 logits exactly as the layer computes them (so ties resolve the same way); gates
@@ -161,7 +162,9 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
         x_TD: [T, H]; router_EH: [E, H]; w1_EH2F: [E, H, 2F]; w2_EFH: [E, F, H]; bias_E: optional fp32 [E]
             added to the scores for selection only; swiglu_limit: the clamped SwiGLU's limit (torch.clamp);
             gate_on_input: each expert's input weighed by the gate instead of its output; activation: the gate's
-            ("silu", "gelu_tanh", "gelu"; torch.nn.functional's).
+            ("silu", "gelu_tanh", "gelu": torch.nn.functional's; "swiglu_oai": gate * sigmoid(swiglu_alpha * gate)
+            * (up + 1)); glu_interleaved: gate and up alternate in w1's columns; b1_E2F [E, 2F], b2_EH [E, H]:
+            the experts' biases (both or neither).
     Returns:
         out_TD [T, H] in x's dtype, differentiable w.r.t. every input.
     """
@@ -185,21 +188,30 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
             continue
         g = g_TK[t_idx, k_idx, None]
         h = (x_TD[t_idx] * g if gate_on_input else x_TD[t_idx]) @ w1_EH2F[e]
-        gate, up = h[:, :F2], h[:, F2:]
+        if b1_E2F is not None:
+            h = h + b1_E2F[e]
+        gate, up = (h[:, 0::2], h[:, 1::2]) if glu_interleaved else (h[:, :F2], h[:, F2:])
         if swiglu_limit is not None:
             gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
-        act = torch.nn.functional.silu(gate) if activation == "silu" else \
-            torch.nn.functional.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+        if activation == "swiglu_oai":
+            act, up = gate * torch.sigmoid(swiglu_alpha * gate), up + 1
+        elif activation == "silu":
+            act = torch.nn.functional.silu(gate)
+        else:
+            act = torch.nn.functional.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
         y = (act * up) @ w2_EFH[e]
+        if b2_EH is not None:
+            y = y + b2_EH[e]
         out = out.index_add(0, t_idx, y if gate_on_input else g * y)
     return out
 
 
-def load_global_weights(layer, router_EH, w1_EH2F, w2_EFH) -> None:
+def load_global_weights(layer, router_EH, w1_EH2F, w2_EFH, b1_E2F=None, b2_EH=None) -> None:
     """Copy global weights into an EP ``MoELayer``: the router whole, and this rank's shard of the experts.
 
     Args:
-        router_EH: [E, H]; w1_EH2F: [E, H, 2F]; w2_EFH: [E, F, H] (all E experts, the same on every rank).
+        router_EH: [E, H]; w1_EH2F: [E, H, 2F]; w2_EFH: [E, F, H]; b1_E2F [E, 2F], b2_EH [E, H]: the biases of a
+            layer with ``expert_bias`` (all E experts, the same on every rank).
     """
     import torch
 
@@ -208,6 +220,11 @@ def load_global_weights(layer, router_EH, w1_EH2F, w2_EFH) -> None:
         layer.router.weight.copy_(router_EH)
         layer.w1.copy_(w1_EH2F[lo:lo + layer.num_local])
         layer.w2.copy_(w2_EFH[lo:lo + layer.num_local])
+        if (b1_E2F is None) != (not layer.config.expert_bias) or (b2_EH is None) != (not layer.config.expert_bias):
+            raise ValueError("load_global_weights: give b1 and b2 exactly when the layer has expert_bias")
+        if b1_E2F is not None:
+            layer.b1.copy_(b1_E2F[lo:lo + layer.num_local])
+            layer.b2.copy_(b2_EH[lo:lo + layer.num_local])
 
 
 def error_of(fn: Callable[[], Any]) -> str | None:

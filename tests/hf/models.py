@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3")
+ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 VOCAB = 64
 
 
@@ -33,14 +33,19 @@ def make_model(arch: str, seed: int = 0, **overrides):
                                      "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
                                      **{k: v for k, v in common.items() if k != "num_key_value_heads"}})
         cls = tf.DeepseekV3ForCausalLM
-    elif arch == "gpt_oss":   # transposed, interleaved, biased experts with a clamped gate: unsupported
+    elif arch == "gpt_oss":   # transposed, interleaved, biased experts, its own clamped gate; here 2F == H
         cfg = tf.GptOssConfig(**{"intermediate_size": 16, "num_local_experts": 8, "head_dim": 8,
                                  "sliding_window": 8, **common})
         cls = tf.GptOssForCausalLM
     else:
-        raise ValueError(f"arch: expected one of {ARCHS + ('gpt_oss',)}, got {arch!r}")
+        raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
     torch.manual_seed(seed)
-    return cls(cfg).float()
+    model = cls(cfg).float()
+    with torch.no_grad():   # parameters initialised to zero (gpt-oss's biases, router, sinks) get random values
+        for p in model.parameters():
+            if not p.any():
+                p.normal_(0.0, 0.1)
+    return model
 
 
 def tokens(rank: int, batch: int = 2, seq: int = 8) -> torch.Tensor:

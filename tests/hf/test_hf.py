@@ -29,6 +29,7 @@ pytestmark = pytest.mark.dist
 
 TOL = 1e-5
 POLICIES = ("feplb-split@ema", "none")   # @ema: the dynamic set and its replicas held for the step
+EXPERT_KEYS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")   # the sharded entries
 
 
 def _models():
@@ -75,7 +76,7 @@ def _check_arch(rank: int, world: int, arch: str, policy: str, state_dict_checks
     out["same_keys"] = list(sd) == list(ref_sd)
     E = ref_sd[f"{expected[0]}.gate_up_proj"].shape[0]
     out["shard_shapes"] = all(sd[k].shape == (E // world, *ref_sd[k].shape[1:]) for k in sd
-                              if k.endswith(("gate_up_proj", "down_proj")))
+                              if k.endswith(EXPERT_KEYS))
     ids = M.tokens(rank)
 
     # A first step sets the @ema dynamic experts, held resident on the node's other GPUs (per-step
@@ -109,7 +110,9 @@ def _check_arch(rank: int, world: int, arch: str, policy: str, state_dict_checks
         else:
             worst_other = max(worst_other, _rel(p.grad, g_ref))
     out.update(expert_grad_rel=worst_expert, other_grad_rel=worst_other, missing_grads=missing,
-               n_expert_params=len(expert_ids))
+               n_expert_params=len(expert_ids),
+               # the unmodified experts modules' parameters (weights, and gpt-oss's biases)
+               n_expert_params_want=sum(len(list(ref.get_submodule(n).parameters())) for n in expected))
 
     if state_dict_checks:
         out.update(_check_state_dict(rank, world, arch, model, ids, M))
@@ -132,7 +135,7 @@ def _check_state_dict(rank, world, arch, model, ids, M) -> dict:
     own_slices = True
     for k, v in own.items():
         w = full[k]
-        if k.endswith(("gate_up_proj", "down_proj")):
+        if k.endswith(EXPERT_KEYS):
             L = v.shape[0]
             own_slices &= w.shape[0] == L * world and torch.equal(w[rank * L:(rank + 1) * L], v)
         else:
@@ -186,7 +189,15 @@ def _check_errors(rank: int, world: int) -> dict:
         out["half"] = error_of(lambda: fh.apply(half))
         out["half_untouched"] = (_experts_names(half) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
                                  and _digest(half.state_dict()) == before)
-        out["gpt_oss"] = error_of(lambda: fh.apply(M.make_model("gpt_oss")))
+        one_bias = M.make_model("gpt_oss")
+        del one_bias.model.layers[0].mlp.experts._parameters["down_proj_bias"]
+        out["one_bias"] = error_of(lambda: fh.apply(one_bias))
+        oss = M.make_model("gpt_oss")
+        fh.apply(oss, policy="none")
+        ex = oss.model.layers[0].mlp.experts
+        x, ids, w = torch.randn(5, 32), torch.stack([torch.arange(5), torch.arange(5) + 3], dim=1), torch.rand(5, 2)
+        out["gpt_oss_names"] = torch.equal(ex(x, ids, w), ex(x, router_indices=ids, routing_weights=w))
+        out["routing_twice"] = error_of(lambda: ex(x, ids, w, router_indices=ids))
         other = M.make_model("mixtral")
         other.model.layers[0].mlp.experts = _OtherLayoutExperts(8, 32, 16)
         other.model.layers[1].mlp.experts = _OtherLayoutExperts(8, 32, 16, gated=False)
@@ -328,7 +339,7 @@ def _check_autocast(rank: int, world: int) -> dict:
         fh.apply(model, policy="feplb-split", weights="per-microbatch", gpus_per_node=min(2, world), min_chunk=1,
                  plan_wait_ms=60_000, min_straggler_rows=0)
         mine = model.get_submodule(name)
-        E, H = ref.gate_up_proj.shape[0], ref.gate_up_proj.shape[2]
+        E, H = ref.gate_up_proj.shape[0], model.config.hidden_size
         gen = torch.Generator().manual_seed(50 + rank)
         T, K = 24, 2
         x = torch.randn(T, H, generator=gen)
@@ -349,7 +360,7 @@ def _check_autocast(rank: int, world: int) -> dict:
 
         exact, theirs, got = (run(m, ac, x, idx, wts, dy) for m, ac in ((ref, False), (ref, True), (mine, True)))
         L = E // world
-        for n in ("gate_up_proj", "down_proj"):
+        for n, _ in mine.named_parameters():   # the expert shards (gpt-oss's biases too)
             for t in (exact, theirs):
                 dist.all_reduce(t[n])   # the unmodified module's gradient over every rank's input
                 t[n] = t[n][rank * L:(rank + 1) * L]
@@ -584,7 +595,7 @@ def _assert_equivalent(ranks: list[dict], world: int) -> None:
                 assert res["same_keys"] and res["shard_shapes"], case
                 assert res["logits_rel"] <= TOL, (case, res["logits_rel"])
                 assert not res["missing_grads"], (case, res["missing_grads"])
-                assert res["n_expert_params"] == 2 * len(res["names"]), case
+                assert res["n_expert_params"] == res["n_expert_params_want"] >= 2 * len(res["names"]), case
                 assert res["expert_grad_rel"] <= TOL, (case, res["expert_grad_rel"])
                 assert res["other_grad_rel"] <= TOL, (case, res["other_grad_rel"])
             moved = [res["rows_moved"] for res in per_rank]
@@ -639,6 +650,9 @@ def _assert_autocast(ranks: list[dict]) -> None:
     for rank, res in enumerate(ranks):
         for arch, case in res["autocast"].items():
             for name, (mine, theirs) in case["errors"].items():
+                if name == "down_proj_bias":   # sum_k w_k dy over each expert's rows: no GEMM, autocast changes nothing
+                    assert theirs == 0.0 and mine <= 1e-6, (rank, arch, name, mine, theirs)
+                    continue
                 assert theirs > 1e-4, (arch, name, "autocast changed nothing in the unmodified module")
                 assert mine <= 2 * theirs, (f"rank {rank} {arch} {name}: error {mine:.3g} > 2x torch autocast's "
                                             f"{theirs:.3g}")
@@ -737,7 +751,12 @@ def test_unsupported_experts_are_refused_by_name_and_nothing_is_replaced(one_ran
         assert all(why is None for why in verdict.values()), (act, verdict)
     assert "model.layers.0.mlp.experts" not in err["half"] and "nothing was replaced" in err["half"]
     assert err["half_untouched"]
-    assert "model.layers.0.mlp.experts (GptOssExperts): bias terms" in err["gpt_oss"], err["gpt_oss"]
+    assert ("model.layers.0.mlp.experts (GptOssExperts): bias terms gate_up_proj_bias; FEPLB's experts take biases as "
+            "gate_up_proj_bias and down_proj_bias (gpt-oss's), both or neither") in err["one_bias"], err["one_bias"]
+    assert "model.layers.1.mlp.experts" not in err["one_bias"], err["one_bias"]
+    # gpt-oss's experts are called with other names for the routing
+    assert err["gpt_oss_names"]
+    assert err["routing_twice"].startswith("TypeError") and "give the routing once" in err["routing_twice"]
     assert ("model.layers.0.mlp.experts (_OtherLayoutExperts): weight layout gate_up_proj [8, 32, 32], down_proj "
             "[8, 16, 32]; expected gate_up_proj [E, 2F, H] and down_proj [E, H, F]") in err["layouts"], err["layouts"]
     assert "model.layers.1.mlp.experts (_OtherLayoutExperts): no gate_up_proj parameter" in err["layouts"]

@@ -27,10 +27,11 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "beam",          # its own _apply_gate: SwiGLU in fp32, as FEPLB computes it
                "llama4",        # the whole MoE block: gates on the experts' inputs, weights stored [in, out]
                "gemma4", "diffusion_gemma",   # GeGLU experts (gelu_pytorch_tanh), heterogeneous per-layer configs
-               "dots3_note", "lfm2_moe", "deepseek_ocr2")
-# MiniMax-M3-VL's gate is gpt-oss's: (up + 1) * gate * sigmoid(alpha * gate)
-KNOWN_REFUSED = {"gpt_oss": "bias terms", "nemotron_h": "no gate_up_proj parameter",
-                 "minimax_m3_vl": "computes none of FEPLB's"}
+               "dots3_note", "lfm2_moe", "deepseek_ocr2",
+               "minimax_m3_vl",   # gpt-oss's gate (swiglu_oai: its alpha, clamped), weights not interleaved
+               "gpt_oss", "openai_privacy_filter")   # biases, interleaved gate/up, [in, out] weights, its gate
+KNOWN_REFUSED = {"nemotron_h": "no gate_up_proj parameter",
+                 "inkling2": "computes none of FEPLB's"}   # a softcapped SwiGLU
 
 
 def _survey(rank: int, world: int) -> list[dict]:
@@ -110,12 +111,45 @@ def _defects(rank: int, world: int) -> dict:
 
         # the clamped SwiGLU's limit lost: DeepSeek-V4's tiny model (limit 1) computes plain SwiGLU instead
         gate = fh._gate
-        fh._gate = lambda module, ffn: (gate(module, ffn)[0], None)
+
+        def altered(**change):   # _gate with some of its (activation, limit, alpha) replaced
+            def patched(module, ffn):
+                why, g = gate(module, ffn)
+                if g is None:
+                    return why, g
+                act, limit, alpha, inter = g
+                return why, (change.get("act", act), change.get("limit", limit), change.get("alpha", alpha),
+                             change.get("interleaved", inter))
+            return patched
+
+        fh._gate = altered(limit=None)
         fh.FEPLBExperts.forward = original
         try:
             out["unclamped"] = hfcheck.check(["deepseek_v4"])[0]
         finally:
             fh._gate = gate
+
+        # swiglu_oai's slope lost: MiniMax-M3's gate (alpha 1.702) computed with alpha 1
+        fh._gate = altered(alpha=1.0)
+        try:
+            out["alpha_lost"] = hfcheck.check(["minimax_m3_vl"])[0]
+        finally:
+            fh._gate = gate
+
+        # gpt-oss's layout lost: its interleaved gate / up read as halves
+        fh._gate = altered(interleaved=False)
+        try:
+            out["halves_for_interleaved"] = hfcheck.check(["gpt_oss"])[0]
+        finally:
+            fh._gate = gate
+
+        # gpt-oss's down-projection bias lost
+        weights = fh.FEPLBExperts.expert_weights
+        fh.FEPLBExperts.expert_weights = lambda self: (*weights(self)[:3], weights(self)[3] * 0)
+        try:
+            out["bias_lost"] = hfcheck.check(["gpt_oss"])[0]
+        finally:
+            fh.FEPLBExperts.expert_weights = weights
 
         # the activation lost: Gemma 4's GeGLU experts computed as SwiGLU
         kind = fh._act_kind
@@ -146,6 +180,9 @@ def test_the_check_reports_defects():
         assert [o["status"] for o in res["slightly"]] == ["WRONG", "WRONG"], res["slightly"]
         assert res["unclamped"]["status"] == "WRONG", res["unclamped"]
         assert res["swiglu_for_geglu"]["status"] == "WRONG", res["swiglu_for_geglu"]
+        assert res["alpha_lost"]["status"] == "WRONG", res["alpha_lost"]
+        assert res["halves_for_interleaved"]["status"] == "WRONG", res["halves_for_interleaved"]
+        assert res["bias_lost"]["status"] == "WRONG", res["bias_lost"]
         assert res["raising"]["status"] == "error" and "a forward that fails" in res["raising"]["detail"], res
         assert res["restored"]["status"] == "exact", res["restored"]
 
@@ -196,7 +233,7 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
             return torch.relu(gate) * up
 
     odd = ReluGate(model.config)
-    assert "computes none of FEPLB's act(gate) * up for act in ('silu', 'gelu_tanh', 'gelu')" in \
+    assert "computes none of FEPLB's act(gate) * up for act in ('silu', 'gelu_tanh', 'gelu', 'swiglu_oai')" in \
         fh._problem(odd, model, 1)[0]
     odd.limit = 3.0   # a limit attribute is tried too, and still does not make relu one of them
     assert "plain or clamped at limit 3" in fh._problem(odd, model, 1)[0]
@@ -259,8 +296,14 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
     ff.router.top_k, ff.top_k = 2, 1
     assert fh._problem(ff.experts, odd, 1, fh._llama4_blocks(odd)[id(ff.experts)],
                        "model.layers.0.feed_forward.experts")[1]["top_k"] == 2
-    refused = fh.supported(tiny_model("gpt_oss"))
-    assert refused and all(why and "bias terms" in why for why in refused.values()), refused
+    refused = fh.supported(tiny_model("nemotron_h"))
+    assert refused and all(why and "no gate_up_proj" in why for why in refused.values()), refused
+    oss = tiny_model("gpt_oss")
+    experts = oss.model.layers[0].mlp.experts
+    why, fields = fh._problem(experts, oss, 1)
+    assert why is None and fields["expert_bias"] and fields["glu_interleaved"] and fields["transposed"], why
+    assert (fields["activation"], fields["swiglu_limit"], fields["swiglu_alpha"]) == \
+        ("swiglu_oai", experts.limit, experts.alpha), fields
     assert fh.supported(torch.nn.Linear(4, 4)) == {}
     # nothing was replaced or changed
     assert not fh.experts_modules(model) and type(model.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
@@ -283,11 +326,11 @@ def test_cli_writes_the_table(tmp_path, capsys):
     from feplb.cli import main
 
     md, js = tmp_path / "hf.md", tmp_path / "hf.json"
-    assert main(["hf-check", "mixtral", "gpt_oss", "--markdown", str(md), "--json", str(js)]) == 0
+    assert main(["hf-check", "mixtral", "nemotron_h", "--markdown", str(md), "--json", str(js)]) == 0
     printed = capsys.readouterr().out
     assert "mixtral" in printed and "2 architectures: 1 exact, 1 refused" in printed, printed
     text = md.read_text()
-    assert "| `mixtral` | exact | 2 |" in text and "| `gpt_oss` | refused | 0 |" in text, text
+    assert "| `mixtral` | exact | 2 |" in text and "| `nemotron_h` | refused | 0 |" in text, text
     doc = json.loads(js.read_text())
     assert doc["meta"]["ranks"] == 2 and doc["meta"]["command"].startswith("feplb hf-check mixtral")
     assert [o["status"] for o in doc["outcomes"]] == ["exact", "refused"]

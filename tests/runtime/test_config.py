@@ -39,6 +39,8 @@ BASE = dict(hidden=16, ffn=32, num_experts=8, top_k=2)
     ("swiglu_limit", True, ValueError, "swiglu_limit"),
     ("activation", "relu", ValueError, "activation must be one of"),
     ("activation", None, ValueError, "activation"),
+    ("swiglu_alpha", float("nan"), ValueError, "swiglu_alpha must be a finite number"),
+    ("swiglu_alpha", "1.7", ValueError, "swiglu_alpha"),
     ("gate_on_input", 1, TypeError, "gate_on_input"),
 ], ids=lambda v: str(v))
 def test_config_rejects_bad_values(field, value, exc, needle):

@@ -49,6 +49,13 @@ def make_inputs(routing: str, seed: int, gpus_per_node: int, router: str = "soft
     return router_EH, w1, w2, xs, dys
 
 
+def make_biases(seed: int):
+    """The experts' biases (b1 [E, 2F], b2 [E, H]) for cases with ``expert_bias``: their own stream, so the other
+    inputs of a seed stay as they are."""
+    gen = torch.Generator().manual_seed(seed + 10_000)
+    return torch.randn(E, 2 * FF, generator=gen) * 0.5, torch.randn(E, H, generator=gen) * 0.5
+
+
 def _run_layer(rank, world, cfg_kwargs, routing, seed, microbatches=1):
     from feplb import FEPLBConfig, MoELayer
     from feplb.replicas import state_digest
@@ -60,7 +67,7 @@ def _run_layer(rank, world, cfg_kwargs, routing, seed, microbatches=1):
     cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, plan_wait_ms=60_000, min_straggler_rows=0, min_chunk=2,
                       **{k: v for k, v in cfg_kwargs.items() if k != "replicas_mode"})
     layer = MoELayer(cfg)
-    load_global_weights(layer, router_EH, w1, w2)
+    load_global_weights(layer, router_EH, w1, w2, *(make_biases(seed) if cfg.expert_bias else ()))
     if replicas_mode is not None:
         layer.state = PolicyState(topo=layer.topo, policy=cfg.policy, refresh_every=cfg.refresh_every,
                                   replicas_mode=replicas_mode)
@@ -97,7 +104,8 @@ def _run_layer(rank, world, cfg_kwargs, routing, seed, microbatches=1):
             "state": None if layer.state is None else state_digest(layer.state),
             "dw2": layer.w2.grad, "fp": s.plan_fingerprint, "before": s.token_straggler_before,
             "after": s.token_straggler_after, "moved": s.rows_moved, "balanced": s.balanced,
-            "fell_back": s.fell_back, "copies": s.weight_copies}
+            "fell_back": s.fell_back, "copies": s.weight_copies,
+            "db1": layer.b1.grad if cfg.expert_bias else None, "db2": layer.b2.grad if cfg.expert_bias else None}
 
 
 def _run_stack(rank, world, G, seed=300):
@@ -149,30 +157,36 @@ def _check_stack(per_rank, G, seed=300):
     assert sum(per_rank[0]["moved"]) > 0
 
 
-def _dense_in(dtype, routing, seed, G, microbatches, router, limit=None, gate_on_input=False, act="silu"):
+def _dense_in(dtype, routing, seed, G, microbatches, router, limit=None, gate_on_input=False, act="silu",
+              interleaved=False, bias=False):
     router_EH, w1, w2, xs, dys = make_inputs(routing, seed, G, router)
     router_EH, w1, w2 = (t.to(dtype).requires_grad_(True) for t in (router_EH, w1, w2))
+    b1, b2 = (t.to(dtype).requires_grad_(True) for t in make_biases(seed)) if bias else (None, None)
     outs, dxs, drouters = [], [], []
     for x, dy in zip(xs, dys, strict=True):
         x = x.to(dtype).requires_grad_(True)
         r_leaf = router_EH.detach().clone().requires_grad_(True)
         for _ in range(microbatches):
             out = dense_moe_reference(x, r_leaf, w1, w2, K, router, swiglu_limit=limit, gate_on_input=gate_on_input,
-                                      activation=act)
+                                      activation=act, glu_interleaved=interleaved, b1_E2F=b1, b2_EH=b2)
             if out.requires_grad:   # a rank without tokens contributes nothing
                 (out * dy.to(dtype)).sum().backward()
         outs.append(out.detach())
         dxs.append(x.grad if x.grad is not None else torch.zeros_like(x))
         drouters.append(r_leaf.grad if r_leaf.grad is not None else torch.zeros_like(r_leaf))
-    return outs, dxs, drouters, w1.grad, w2.grad
+    zeros = torch.zeros(E, 1, dtype=dtype)   # no biases: nothing to compare
+    return (outs, dxs, drouters, w1.grad, w2.grad, b1.grad if bias else zeros, b2.grad if bias else zeros)
 
 
 @functools.lru_cache(maxsize=None)
-def _dense(routing, seed, G, microbatches=1, router="softmax", limit=None, gate_on_input=False, act="silu"):
+def _dense(routing, seed, G, microbatches=1, router="softmax", limit=None, gate_on_input=False, act="silu",
+           interleaved=False, bias=False):
     """fp64 dense reference, plus the error torch's own fp32 makes on the same math (the floor of any tolerance:
     saturated softmax gradients cancel catastrophically in fp32 whatever the dispatch)."""
-    ref64 = _dense_in(torch.float64, routing, seed, G, microbatches, router, limit, gate_on_input, act)
-    ref32 = _dense_in(torch.float32, routing, seed, G, microbatches, router, limit, gate_on_input, act)
+    ref64 = _dense_in(torch.float64, routing, seed, G, microbatches, router, limit, gate_on_input, act, interleaved,
+                      bias)
+    ref32 = _dense_in(torch.float32, routing, seed, G, microbatches, router, limit, gate_on_input, act, interleaved,
+                      bias)
     return tuple(_Ref(a, b) if isinstance(a, torch.Tensor) else [_Ref(x, y) for x, y in zip(a, b, strict=True)]
                  for a, b in zip(ref64, ref32, strict=True))
 
@@ -208,7 +222,8 @@ def _check(results, cases, G):
         per_rank = [results[r][ci] for r in range(W)]
         router, limit = cfg_kwargs.get("router", "softmax"), cfg_kwargs.get("swiglu_limit")
         goi, act = cfg_kwargs.get("gate_on_input", False), cfg_kwargs.get("activation", "silu")
-        outs, dxs, drouters, dw1, dw2 = _dense(routing, seed, G, mb, router, limit, goi, act)
+        inter, bias = cfg_kwargs.get("glu_interleaved", False), cfg_kwargs.get("expert_bias", False)
+        outs, dxs, drouters, dw1, dw2, db1, db2 = _dense(routing, seed, G, mb, router, limit, goi, act, inter, bias)
         tag = f"{routing}/{cfg_kwargs['policy']}/{cfg_kwargs.get('weights', 'per-step')}"
         for r, res in enumerate(per_rank):
             _close(res["out"], outs[r], f"{tag} rank {r} output")
@@ -217,6 +232,9 @@ def _check(results, cases, G):
                 _close(res["drouter"], drouters[r], f"{tag} rank {r} router grad")
             _close(res["dw1"], dw1[r * L:(r + 1) * L], f"{tag} rank {r} w1 grad")
             _close(res["dw2"], dw2[r * L:(r + 1) * L], f"{tag} rank {r} w2 grad")
+            if bias:
+                _close(res["db1"], db1[r * L:(r + 1) * L], f"{tag} rank {r} b1 grad")
+                _close(res["db2"], db2[r * L:(r + 1) * L], f"{tag} rank {r} b2 grad")
         # In-node policies on several nodes: each rank plans its own node (ranks of a node hold the same plan),
         # unless the policy's history folds in whole plans.
         node_plans = cfg_kwargs["policy"] in IN_NODE and G < W and not per_rank[0]["reads_plans"]
@@ -231,20 +249,20 @@ def _check(results, cases, G):
         assert len({res["state"] for res in per_rank}) == 1, f"{tag}: policy histories differ across ranks"
         if cfg_kwargs.get("replicas_mode") == "lazy":
             assert per_rank[0]["reads_plans"] and all(res["fp"] for res in per_rank), tag
-        by_key[(routing, seed, mb, router, limit, goi, act, cfg_kwargs["policy"], cfg_kwargs.get("weights"))] = \
-            per_rank
+        by_key[(routing, seed, mb, router, limit, goi, act, inter, bias, cfg_kwargs["policy"],
+                cfg_kwargs.get("weights"))] = per_rank
         if cfg_kwargs["policy"] in IN_NODE and routing in ("skewed", "no_tokens", "hot_per_node") and \
                 cfg_kwargs["policy"] != "feplb":
             res = per_rank[0]
             assert res["after"] < res["before"], f"{tag}: straggler {res['before']} -> {res['after']}"
             assert res["moved"] > 0
     # Balancing on equals balancing off (same tolerance, independent of the dense reference).
-    for (routing, seed, mb, router, limit, goi, act, policy, weights), per_rank in by_key.items():
-        off = by_key.get((routing, seed, mb, router, limit, goi, act, "none", None))
+    for (routing, seed, mb, router, limit, goi, act, inter, bias, policy, weights), per_rank in by_key.items():
+        off = by_key.get((routing, seed, mb, router, limit, goi, act, inter, bias, "none", None))
         if off is None or policy == "none":
             continue
         for r in range(W):
-            for k in ("out", "dx", "dw1", "dw2", "drouter"):
+            for k in ("out", "dx", "dw1", "dw2", "drouter", "db1", "db2"):
                 if per_rank[r][k] is not None and off[r][k] is not None and off[r][k].numel():
                     _close(per_rank[r][k], off[r][k], f"{routing}/{policy}/{weights} vs none, rank {r} {k}")
 
@@ -278,11 +296,20 @@ def _cases_for(G):
     for policy, weights in (("feplb-split", "per-microbatch"), ("none", None)):
         kw = {"policy": policy, "gpus_per_node": G, "gate_on_input": True, "router": "sigmoid", "dyn": 2}
         cases.append(({**kw, "weights": weights} if weights else kw, "skewed", 205))
-    # GeGLU experts (Gemma 4's tanh form; the erf form clamped).
-    for act, limit in (("gelu_tanh", None), ("gelu", 0.5)):
+    # GeGLU experts (Gemma 4's tanh form; the erf form clamped), gpt-oss's gate clamped (its alpha, the default).
+    for act, limit in (("gelu_tanh", None), ("gelu", 0.5), ("swiglu_oai", 0.5)):
         for policy, weights in (("feplb-split", "per-microbatch"), ("none", None)):
             kw = {"policy": policy, "gpus_per_node": G, "activation": act, "swiglu_limit": limit, "dyn": 2}
             cases.append(({**kw, "weights": weights} if weights else kw, "skewed", 206))
+    # gpt-oss's experts: biases, gate and up interleaved, its gate clamped; rows and weights moving per micro-batch
+    # and per-step copies (their biases' gradients reduced to the owners)
+    gpt_oss = {"gpus_per_node": G, "activation": "swiglu_oai", "swiglu_limit": 0.5, "glu_interleaved": True,
+               "expert_bias": True, "dyn": 2}
+    for policy, weights in (("feplb-split", "per-microbatch"), ("feplb-split@ema", "per-step"),
+                            ("lp", "per-microbatch"), ("fastermoe", "per-microbatch"), ("eplb", "per-step"),
+                            ("none", None)):
+        kw = {**gpt_oss, "policy": policy}
+        cases.append(({**kw, "weights": weights} if weights else kw, "skewed", 207, 2))
     return cases
 
 
