@@ -550,7 +550,7 @@ def test_straggler_cpu_twin(benchmark, tmp_path):
     x = torch.randn(64, hidden)
     w1, w2 = torch.randn(4, hidden, 2 * ffn), torch.randn(4, ffn, hidden)
     benchmark.group = "straggler CPU twin"
-    assert benchmark(expert_mlp, x, w1, w2, torch.tensor([16, 32, 48, 64])).shape == (64, hidden)
+    assert benchmark(feplb_mlp, x, w1, w2, torch.tensor([16, 32, 48, 64])).shape == (64, hidden)
 
 
 def test_our_kernel_wrong_or_failing_fails_a_baseline_is_dropped(tmp_path):

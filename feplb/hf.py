@@ -259,8 +259,8 @@ def _gate(module: nn.Module, ffn: int) -> tuple[str | None, tuple[str, float | N
         probe = torch.stack([gates, ups], dim=2).reshape(rows, 2 * ffn) if interleaved else \
             torch.cat([gates, ups], dim=1)
         try:
-            with torch.no_grad():
-                got[interleaved] = (probe, module._apply_gate(probe))
+            with torch.no_grad():   # a copy: a gate that changes its input in place must not change the reference
+                got[interleaved] = (probe, module._apply_gate(probe.clone()))
         except Exception as e:  # a gate that cannot take fp32 [rows, 2F] CPU rows is not one FEPLB stands in for
             return (f"a custom gating function ({name}) that fails on fp32 [rows, {2 * ffn}] CPU rows "
                     f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"), None

@@ -3,10 +3,13 @@
 torchtitan (>= 0.3) builds every MoE model (Qwen3-MoE, DeepSeek-V3, Llama 4, ...) from one ``MoE`` module: a
 ``router`` (``TokenChoiceTopKRouter``), optional ``shared_experts``, and ``routed_experts`` (``RoutedExperts``),
 which holds a token dispatcher and ``inner_experts`` (``GroupedExperts``: ``w1_EFD`` [E, F, D], ``w2_EDF``
-[E, D, F], ``w3_EFD`` [E, F, D], computed ``(silu(x w1^T) * (x w3^T)) w2^T`` in bfloat16). :func:`apply` replaces
-each MoE's ``routed_experts``, in place, with a :class:`FEPLBRoutedExperts` that keeps only this rank's ``E / W``
-experts under the same names (``routed_experts.inner_experts.w1_EFD``, ...) and layout, takes the router's output as
-its routing, and balances every micro-batch like :class:`feplb.MoELayer` (it is one, with ``router="external"``).
+[E, D, F], ``w3_EFD`` [E, F, D], computed ``(silu(x w1^T) * (x w3^T)) w2^T`` in bfloat16; GPT-OSS's
+``GptOssGroupedExperts``: ``mlp1_weight_EGD`` [E, 2F, D] with gate and up rows interleaved, ``mlp1_bias_EG``,
+``mlp2_weight_EDF`` [E, D, F], ``mlp2_bias_ED``, and its clamped gate ``gate * sigmoid(1.702 gate) * (up + 1)``).
+:func:`apply` replaces each MoE's ``routed_experts``, in place, with a :class:`FEPLBRoutedExperts` (GPT-OSS's: a
+:class:`FEPLBGptOssRoutedExperts`) that keeps only this rank's ``E / W`` experts under the same names
+(``routed_experts.inner_experts.w1_EFD``, ...) and layout, takes the router's output as its routing, and balances
+every micro-batch like :class:`feplb.MoELayer` (it is one, with ``router="external"``).
 The router, its load-balancing bias (``expert_bias_E``) and token counts (``tokens_per_expert_E``), and the shared
 experts stay torchtitan's: ``MoE.forward`` runs unchanged around the replaced module.
 
@@ -57,10 +60,14 @@ from feplb.dropin import (
 )
 from feplb.layer import FEPLBConfig, MoELayer
 
-__all__ = ["FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules", "full_state_dict",
-           "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas", "clip_grad_norm_"]
+__all__ = ["FEPLBGptOssRoutedExperts", "FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules",
+           "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas",
+           "clip_grad_norm_"]
 
 _NAMES = ("w1_EFD", "w2_EDF", "w3_EFD")
+_OSS_NAMES = ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")
+# the sigmoid slope of torchtitan's GPT-OSS swiglu (its default: GptOssGroupedExperts passes none)
+_OSS_ALPHA = 1.702
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -101,12 +108,17 @@ class FEPLBRoutedExperts(MoELayer):
     Collective over the EP group, like every ``MoELayer`` forward: every rank of the group must run every forward.
     """
 
-    def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, w1_EFD: torch.Tensor,
-                 w2_EDF: torch.Tensor, w3_EFD: torch.Tensor, name: str = "") -> None:
+    _names = _NAMES   # the experts module's parameters, in its order
+
+    def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, *weights: torch.Tensor,
+                 name: str = "") -> None:
         if config.router != "external":
             raise ValueError(f"FEPLBRoutedExperts needs FEPLBConfig.router='external', got {config.router!r}")
+        if len(weights) != len(self._names):
+            raise TypeError(f"{type(self).__name__}: expected the full weights {', '.join(self._names)}, got "
+                            f"{len(weights)} tensors")
         # Read by _init_experts, which MoELayer.__init__ calls before this constructor could set attributes.
-        object.__setattr__(self, "_titan_full", (w1_EFD, w2_EDF, w3_EFD, group))
+        object.__setattr__(self, "_titan_full", (*weights, group))
         super().__init__(config, group)
         object.__delattr__(self, "_titan_full")
         self.titan_name = name
@@ -114,9 +126,9 @@ class FEPLBRoutedExperts(MoELayer):
 
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
         full = self._titan_full
-        lo = dist.get_rank(full[3]) * L
+        lo = dist.get_rank(full[-1]) * L
         inner = nn.Module()
-        for pname, w in zip(_NAMES, full[:3], strict=True):
+        for pname, w in zip(self._names, full[:-1], strict=True):
             with torch.no_grad():
                 # clone: the shard must not keep the full tensor's storage alive; the parameters keep their dtype
                 shard = w[lo:lo + L].to(device=device).clone()
@@ -125,17 +137,17 @@ class FEPLBRoutedExperts(MoELayer):
         self.inner_experts = inner
 
     def expert_params(self) -> tuple[nn.Parameter, ...]:
-        e = self.inner_experts
-        return e.w1_EFD, e.w2_EDF, e.w3_EFD
+        return tuple(getattr(self.inner_experts, n) for n in self._names)
 
-    def _join(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _join(self) -> tuple[torch.Tensor, ...]:
         e, dt = self.inner_experts, self.config.dtype
         w13 = _GateUp.apply(e.w1_EFD, e.w3_EFD, dt)
         return w13.transpose(1, 2), e.w2_EDF.to(dt).transpose(1, 2)
 
-    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def expert_weights(self) -> tuple[torch.Tensor, ...]:
         """(w1 [L, D, 2F], w2 [L, F, D]) in the layer's dtype: [w1 | w3] joined and cast, and w2 cast, as strided
-        views; made once per forward and shared by all its uses, made afresh outside a forward."""
+        views (GPT-OSS's: mlp1 and mlp2 cast, and their biases); made once per forward and shared by all its uses,
+        made afresh outside a forward."""
         return self._joined if self._joined is not None else self._join()
 
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor,  # type: ignore[override]
@@ -153,6 +165,22 @@ class FEPLBRoutedExperts(MoELayer):
         return f"{self.titan_name!r}, " + super().extra_repr()
 
 
+class FEPLBGptOssRoutedExperts(FEPLBRoutedExperts):
+    """:class:`FEPLBRoutedExperts` for torchtitan's GPT-OSS experts (``GptOssGroupedExperts``): parameters
+    ``inner_experts.mlp1_weight_EGD`` [L, 2F, D] (gate and up rows interleaved), ``inner_experts.mlp1_bias_EG``
+    [L, 2F], ``inner_experts.mlp2_weight_EDF`` [L, D, F] and ``inner_experts.mlp2_bias_ED`` [L, D], in the layout,
+    dtype and names of the module it replaces; computes ``sum_k score_k * (w2(g(w1 x + b1)) + b2)`` with g GPT-OSS's
+    clamped gate (``FEPLBConfig(activation="swiglu_oai", glu_interleaved=True, expert_bias=True)``), the weights and
+    biases cast to the layer's dtype as torchtitan casts them (bfloat16 by default)."""
+
+    _names = _OSS_NAMES
+
+    def _join(self) -> tuple[torch.Tensor, ...]:
+        e, dt = self.inner_experts, self.config.dtype
+        return (e.mlp1_weight_EGD.to(dt).transpose(1, 2), e.mlp2_weight_EDF.to(dt).transpose(1, 2),
+                e.mlp1_bias_EG.to(dt), e.mlp2_bias_ED.to(dt))
+
+
 # ---------------------------------------------------------------------------------------------------- discovery
 
 def _torchtitan():
@@ -162,6 +190,24 @@ def _torchtitan():
         raise ImportError("feplb.titan needs torchtitan >= 0.3 (pip install 'feplb[titan]'), where every MoE model "
                           f"has one MoE module ({e})") from e
     return moe, token_dispatcher
+
+
+def _oss_experts() -> type | None:
+    """torchtitan's GPT-OSS experts class, or None where this torchtitan has none."""
+    try:
+        from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+    except ImportError:
+        return None
+    return GptOssGroupedExperts
+
+
+def _is_oss(inner: nn.Module) -> bool:
+    oss = _oss_experts()
+    return oss is not None and type(inner) is oss
+
+
+def _names_of(inner: nn.Module) -> tuple[str, ...]:
+    return _OSS_NAMES if _is_oss(inner) else _NAMES
 
 
 def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[str | None, dict]:
@@ -179,33 +225,53 @@ def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[st
         return (f"token dispatcher {type(dispatcher).__name__}: FEPLB replaces the dispatch with its own exchange, "
                 "which may not do what this one does (low-precision dispatch, say); build the model with "
                 "comm_backend='standard'"), {}
-    if type(inner) is not tt.GroupedExperts or "_grouped_mm" in vars(inner):
-        return (f"experts {type(inner).__name__} are not torchtitan's plain GroupedExperts (FEPLB computes "
-                "(silu(x w1) * (x w3)) w2 with its own grouped GEMM; low-precision converters and other activations "
-                "are not supported)"), {}
+    oss = _is_oss(inner)
+    if not (oss or type(inner) is tt.GroupedExperts) or "_grouped_mm" in vars(inner):
+        return (f"experts {type(inner).__name__} are not torchtitan's plain GroupedExperts or GPT-OSS's "
+                "GptOssGroupedExperts (FEPLB computes their experts with its own grouped GEMM; low-precision "
+                "converters and other activations are not supported)"), {}
+    names = _OSS_NAMES if oss else _NAMES
     own = dict(inner.named_parameters())
-    if sorted(own) != sorted(_NAMES):
-        return f"parameters {sorted(own)}; expected {list(_NAMES)}", {}
+    if sorted(own) != sorted(names):
+        return f"parameters {sorted(own)}; expected {list(names)}", {}
     buffers = sorted(n for n, _ in inner.named_buffers())
     if buffers:
         return f"buffers {', '.join(buffers)} (scaled or quantized experts are not supported)", {}
-    w1, w2, w3 = (own[n] for n in _NAMES)
-    if any(is_dtensor(w) for w in (w1, w2, w3)) or getattr(routed.token_dispatcher, "ep_mesh", None) is not None:
+    ws = [own[n] for n in names]
+    if any(is_dtensor(w) for w in ws) or getattr(routed.token_dispatcher, "ep_mesh", None) is not None:
         return ("already parallelized by torchtitan (DTensor weights or an EP mesh); apply feplb.titan before "
                 "parallelizing, with torchtitan's expert parallelism off: FEPLB is the expert parallelism"), {}
-    if any(w.is_meta for w in (w1, w2, w3)):
+    if any(w.is_meta for w in ws):
         return "weights on the meta device; initialise (init_states) or load them before apply", {}
-    if w1.dim() != 3 or w1.shape != w3.shape or w2.shape != (w1.shape[0], w1.shape[2], w1.shape[1]):
-        return (f"weight layout w1_EFD {list(w1.shape)}, w2_EDF {list(w2.shape)}, w3_EFD {list(w3.shape)}; "
-                "expected [E, F, D], [E, D, F], [E, F, D]"), {}
-    E, Fd, D = w1.shape
+    gated: dict = {}
+    if oss:
+        g1, b1, g2, b2 = ws
+        E, G, D = g1.shape if g1.dim() == 3 else (-1, -1, -1)
+        Fd = G // 2
+        if E < 0 or G % 2 or tuple(b1.shape) != (E, G) or tuple(g2.shape) != (E, D, Fd) or \
+                tuple(b2.shape) != (E, D):
+            return (f"weight layout mlp1_weight_EGD {list(g1.shape)}, mlp1_bias_EG {list(b1.shape)}, "
+                    f"mlp2_weight_EDF {list(g2.shape)}, mlp2_bias_ED {list(b2.shape)}; expected [E, 2F, D], [E, 2F], "
+                    "[E, D, F], [E, D]"), {}
+        limit = getattr(inner, "swiglu_limit", None)
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
+            return f"swiglu_limit {limit!r}; expected a finite number > 0", {}
+        gated = {"activation": "swiglu_oai", "swiglu_alpha": _OSS_ALPHA, "swiglu_limit": float(limit),
+                 "glu_interleaved": True, "expert_bias": True}
+    else:
+        w1, w2, w3 = ws
+        if w1.dim() != 3 or w1.shape != w3.shape or w2.shape != (w1.shape[0], w1.shape[2], w1.shape[1]):
+            return (f"weight layout w1_EFD {list(w1.shape)}, w2_EDF {list(w2.shape)}, w3_EFD {list(w3.shape)}; "
+                    "expected [E, F, D], [E, D, F], [E, F, D]"), {}
+        E, Fd, D = w1.shape
+    w1 = ws[0]
     if inner.num_experts != E or getattr(moe.router, "num_experts", E) != E:
         return (f"{E} experts in the weights, num_experts {inner.num_experts} (experts) and "
                 f"{getattr(moe.router, 'num_experts', None)} (router)"), {}
-    if len({w.dtype for w in (w1, w2, w3)}) != 1 or w1.dtype not in _PARAM_DTYPES:
-        return f"weight dtypes {[w.dtype for w in (w1, w2, w3)]}; expected one of {_PARAM_DTYPES}", {}
-    if w1.device.type not in ("cpu", "cuda") or len({w.device for w in (w1, w2, w3)}) != 1:
-        return f"weights on {[str(w.device) for w in (w1, w2, w3)]}; expected one CPU or CUDA device", {}
+    if len({w.dtype for w in ws}) != 1 or w1.dtype not in _PARAM_DTYPES:
+        return f"weight dtypes {[w.dtype for w in ws]}; expected one of {_PARAM_DTYPES}", {}
+    if w1.device.type not in ("cpu", "cuda") or len({w.device for w in ws}) != 1:
+        return f"weights on {[str(w.device) for w in ws]}; expected one CPU or CUDA device", {}
     top_k = getattr(moe.router, "top_k", None)
     if not isinstance(top_k, int) or not 1 <= top_k <= E:
         return f"the router's top_k is {top_k!r}; expected an int in [1, {E}]", {}
@@ -215,7 +281,7 @@ def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[st
     if E % world:
         return f"{E} experts are not divisible by the EP group size {world}", {}
     return None, {"hidden": int(D), "ffn": int(Fd), "num_experts": int(E), "top_k": top_k, "dtype": dtype,
-                  "device": w1.device.type}
+                  "device": w1.device.type, **gated}
 
 
 # ---------------------------------------------------------------------------------------------------- apply
@@ -256,7 +322,8 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
     for name, moe in found:
         why, fields_of = _problem(moe, tt, td, world, dtype)
         inner = moe.routed_experts.inner_experts
-        if why is None and any(owner_of.setdefault(id(getattr(inner, p)), id(inner)) != id(inner) for p in _NAMES):
+        if why is None and any(owner_of.setdefault(id(getattr(inner, p)), id(inner)) != id(inner)
+                               for p in _names_of(inner)):
             why = "expert weights shared with another experts module (FEPLB would untie them)"
         if why is None:
             cfg = layer_config(fields_of, config_overrides)
@@ -268,7 +335,8 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
             problems.append(f"  {name or type(model).__name__} ({type(moe).__name__}): {why}")
         else:
             plans.append((name, moe, id(inner)))
-    digests = [(n, *weights_digest(*(getattr(m.routed_experts.inner_experts, p) for p in _NAMES)))
+    digests = [(n, *weights_digest(*(getattr(m.routed_experts.inner_experts, p)
+                                     for p in _names_of(m.routed_experts.inner_experts))))
                for n, m, _ in plans]
 
     def none_found() -> str:
@@ -283,8 +351,9 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
     for name, moe, key in plans:
         if key not in made:
             inner = moe.routed_experts.inner_experts
-            new = FEPLBRoutedExperts(configs[key], group, *(getattr(inner, p) for p in _NAMES),
-                                     name=f"{name}.routed_experts" if name else "routed_experts")
+            cls = FEPLBGptOssRoutedExperts if _is_oss(inner) else FEPLBRoutedExperts
+            new = cls(configs[key], group, *(getattr(inner, p) for p in _names_of(inner)),
+                      name=f"{name}.routed_experts" if name else "routed_experts")
             new.train(moe.routed_experts.training)
             new.refresh_replicas()
             made[key] = new

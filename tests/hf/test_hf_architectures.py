@@ -257,6 +257,14 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
 
     assert "computes none of FEPLB's" in fh._problem(HiddenClamp(model.config), model, 1)[0]
 
+    class InPlace(type(mix)):   # changes its input in place: judged by what it returns for the probe it was given
+        def _apply_gate(self, gate_up):
+            gate_up.mul_(2)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch.nn.functional.silu(gate) * up
+
+    assert "computes none of FEPLB's" in fh._problem(InPlace(model.config), model, 1)[0]
+
     class SplitGate(type(mix)):   # plain SwiGLU that splits by the module's own width
         def _apply_gate(self, gate_up):
             gate, up = gate_up.split(self.intermediate_dim, dim=-1)

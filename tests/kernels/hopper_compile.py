@@ -207,9 +207,9 @@ def other_jobs():
                consts={**meta, "K": 8, "BLOCK_K": 16, "NEED_DW": True, "ACC": tl.float32}, options=options)
     meta, options = split(activation.HOPPER_CONFIGS[0])
     for name, fn, types in (
-        ("glu", activation._glu_kernel, {"h_ptr": "*bf16", "out_ptr": "*bf16", "limit": "fp64"}),
+        ("glu", activation._glu_kernel, {"h_ptr": "*bf16", "out_ptr": "*bf16", "limit": "fp64", "alpha": "fp64"}),
         ("glu backward", activation._glu_bwd_kernel,
-         {"grad_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*bf16", "limit": "fp64"}),
+         {"grad_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*bf16", "limit": "fp64", "alpha": "fp64"}),
     ):
         for act_id, act in enumerate(activation.ACTS):   # SwiGLU, GeGLU (tanh, erf), gpt-oss's; plain and clamped
             for clamp in (False, True):

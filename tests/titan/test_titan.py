@@ -32,6 +32,7 @@ from feplb.testing import error_of, run_dist  # noqa: E402
 pytestmark = pytest.mark.dist
 
 D, FF, E, K = 32, 48, 8, 2
+OSS_LIMIT = 1.0   # GPT-OSS's clamp (7 in the model), low enough to bite on these weights
 TOKENS = (2, 12)   # [B, L] per rank
 POLICIES = ("feplb-split", "none")
 OPTS = dict(min_chunk=1, plan_wait_ms=60_000, min_straggler_rows=0)
@@ -51,7 +52,7 @@ def make_moe(arch: str, num_experts: int = E, seed: int = 0):
 
     init = {"weight": partial(nn.init.normal_, std=0.2)}
     experts = {n: partial(nn.init.normal_, std=0.2) for n in ("w1_EFD", "w2_EDF", "w3_EFD")}
-    if arch == "qwen3":
+    if arch in ("qwen3", "gpt_oss"):
         router = make_router_config(dim=D, num_experts=num_experts, gate_param_init=init, top_k=K,
                                     score_func="softmax", route_norm=True)
         shared = None
@@ -67,6 +68,13 @@ def make_moe(arch: str, num_experts: int = E, seed: int = 0):
                                                                     comm_backend="standard"))
     torch.manual_seed(seed)
     moe = cfg.build()
+    if arch == "gpt_oss":   # GPT-OSS's experts: mlp1 rows gate / up interleaved, biases, its clamped gate
+        from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+
+        moe.routed_experts.inner_experts = GptOssGroupedExperts.Config(
+            dim=D, hidden_dim=FF, num_experts=num_experts, swiglu_limit=OSS_LIMIT,
+            param_init={n: partial(nn.init.normal_, std=0.2)
+                        for n in ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")}).build()
     with torch.no_grad():
         moe.init_states()
         # a routing bias toward the first experts: skewed load, so feplb-split moves rows
@@ -83,15 +91,23 @@ def _inputs(rank: int, arch: str = "qwen3"):
     return x, scores, ids
 
 
-def _dense_routed(x, scores, ids, w1, w2, w3):
-    """sum_k s_k * w2_e(silu(w1_e x) * w3_e x), every token and expert looped (fp64 leaves)."""
+def _dense_routed(x, scores, ids, ws: dict):
+    """sum_k s_k * w2_e(silu(w1_e x) * w3_e x), every token and expert looped (fp64 leaves); GPT-OSS's experts
+    (``ws`` holds mlp1_weight_EGD, ...): sum_k s_k * (mlp2_e g(mlp1_e x + b1_e) + b2_e), g its clamped gate on the
+    interleaved rows."""
     x_TD, s_TK, ids_TK = x.reshape(-1, D), scores.reshape(-1, K), ids.reshape(-1, K)
     out = torch.zeros_like(x_TD)
     for t in range(x_TD.shape[0]):
         for k in range(K):
             e = int(ids_TK[t, k])
-            h = torch.nn.functional.silu(w1[e] @ x_TD[t]) * (w3[e] @ x_TD[t])
-            out[t] = out[t] + s_TK[t, k] * (w2[e] @ h)
+            if "mlp1_weight_EGD" in ws:
+                h = ws["mlp1_weight_EGD"][e] @ x_TD[t] + ws["mlp1_bias_EG"][e]
+                gate, up = h[0::2].clamp(max=OSS_LIMIT), h[1::2].clamp(-OSS_LIMIT, OSS_LIMIT)
+                y = ws["mlp2_weight_EDF"][e] @ (gate * torch.sigmoid(1.702 * gate) * (up + 1)) + ws["mlp2_bias_ED"][e]
+            else:
+                h = torch.nn.functional.silu(ws["w1_EFD"][e] @ x_TD[t]) * (ws["w3_EFD"][e] @ x_TD[t])
+                y = ws["w2_EDF"][e] @ h
+            out[t] = out[t] + s_TK[t, k] * y
     return out.view(x.shape)
 
 
@@ -107,7 +123,7 @@ MODES = {"fp32": (torch.float32, torch.float32, False), "bf16": (torch.bfloat16,
          "bf16-layer": (torch.bfloat16, torch.float32, False), "autocast": (torch.float32, torch.float32, True)}
 
 
-def _routed_case(rank: int, world: int, policy: str, mode: str) -> dict:
+def _routed_case(rank: int, world: int, policy: str, mode: str, arch: str = "qwen3") -> dict:
     """The routed experts alone: ours and torchtitan's RoutedExperts against the fp64 reference."""
     import contextlib
 
@@ -115,7 +131,7 @@ def _routed_case(rank: int, world: int, policy: str, mode: str) -> dict:
 
     import feplb.titan as ft
 
-    moe = make_moe("qwen3")
+    moe = make_moe(arch)
     ref = copy.deepcopy(moe.routed_experts)
     full = {n: p.detach().clone() for n, p in ref.inner_experts.named_parameters()}
     dtype, act, autocast = MODES[mode]
@@ -136,19 +152,24 @@ def _routed_case(rank: int, world: int, policy: str, mode: str) -> dict:
     with ctx():
         xo, so, yo = run(ours, x, scores)
     yo.backward(g)
-    xt, st, yt = run(ref, x, scores)
-    yt.backward(g)
+    # torchtitan's GPT-OSS experts return bfloat16 whatever the input, which its combine cannot take in fp32: its
+    # error is measured in the bf16 mode only
+    titan_runs = arch != "gpt_oss" or act == torch.bfloat16
+    xt, st, yt = run(ref, x, scores) if titan_runs else (xo, so, yo)
+    if titan_runs:
+        yt.backward(g)
     # fp64 reference, weight gradients summed over every rank's input
     ws = {n: w.double().requires_grad_() for n, w in full.items()}
     xr, sr = x.double().requires_grad_(), scores.double().requires_grad_()
-    yr = _dense_routed(xr, sr, ids, ws["w1_EFD"], ws["w2_EDF"], ws["w3_EFD"])
+    yr = _dense_routed(xr, sr, ids, ws)
     yr.backward(g.double())
     L, lo = E // world, rank * (E // world)
     wgrads = {}
     for n, w in ws.items():
         gsum = w.grad.clone()
         dist.all_reduce(gsum)
-        tsum = ref.inner_experts.get_parameter(n).grad.double().clone()
+        tsum = ref.inner_experts.get_parameter(n).grad.double().clone() if titan_runs else \
+            torch.full_like(gsum, float("nan"))
         dist.all_reduce(tsum)
         wgrads[n] = (gsum[lo:lo + L], tsum[lo:lo + L], ours.inner_experts.get_parameter(n))
     err = {"out": (_rel(yo, yr), _rel(yt, yr)), "x": (_rel(xo.grad, xr.grad), _rel(xt.grad, xr.grad)),
@@ -158,7 +179,7 @@ def _routed_case(rank: int, world: int, policy: str, mode: str) -> dict:
     stats = ours.last_stats
     moved_t = torch.tensor([stats.rows_moved if stats is not None else 0])
     dist.all_reduce(moved_t)
-    return {"names": names, "err": err, "rows_moved": int(moved_t), "out_dtype": yo.dtype,
+    return {"names": names, "err": err, "rows_moved": int(moved_t), "out_dtype": yo.dtype, "cls": type(ours).__name__,
             "grad_dtypes": {n: p.grad.dtype for n, p in ours.inner_experts.named_parameters()},
             "shapes": {n: tuple(p.shape) for n, p in ours.inner_experts.named_parameters()}}
 
@@ -170,12 +191,16 @@ def _moe_case(rank: int, world: int, arch: str) -> dict:
     import feplb
     import feplb.titan as ft
 
-    moe = make_moe(arch)
+    # GPT-OSS's experts compute and return bfloat16 whatever the input (torchtitan runs them under bf16 mixed
+    # precision): the whole MoE in bfloat16
+    dt = torch.bfloat16 if arch == "gpt_oss" else torch.float32
+    moe = make_moe(arch).to(dt)
     ref = copy.deepcopy(moe)
     ft.apply(moe, policy="feplb-split", gpus_per_node=min(2, world), **OPTS)
     out: dict = {"same_names": [n for n, _ in moe.named_parameters()] == [n for n, _ in ref.named_parameters()]}
     x, _, _ = _inputs(rank, arch)
-    g = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(11 + rank))
+    x = x.to(dt)
+    g = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(11 + rank)).to(dt)
     xo, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
     moe(xo).backward(g)
     ref(xt).backward(g)
@@ -195,7 +220,7 @@ def _moe_case(rank: int, world: int, arch: str) -> dict:
 
     # full_state_dict: the original names and shapes, bit-exact into an unmodified MoE
     sd = ft.full_state_dict(moe, rank0_only=False)
-    fresh = make_moe(arch, seed=1)
+    fresh = make_moe(arch, seed=1).to(dt)
     fresh.load_state_dict(sd)
     out["round_trip"] = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), ref.state_dict().values(),
                                                              strict=True))
@@ -220,7 +245,10 @@ def _moe_case(rank: int, world: int, arch: str) -> dict:
 TRAIN = [("feplb-split@ema", "per-step", torch.float32, "attach"), ("eplb", "per-step", torch.float32, "clip"),
          ("feplb-split+place", "per-step", torch.float32, "attach"),
          ("feplb-split+place", "per-microbatch", torch.float32, "clip"),
-         ("feplb-split@ema", "per-step", torch.bfloat16, "clip"), ("eplb", "per-step", torch.bfloat16, "attach")]
+         ("feplb-split@ema", "per-step", torch.bfloat16, "clip"), ("eplb", "per-step", torch.bfloat16, "attach"),
+         # GPT-OSS's experts: their biases copied with the weights, their gradients reduced to the owners
+         ("feplb-split@ema", "per-step", torch.float32, "clip", "gpt_oss"),
+         ("feplb-split+place", "per-step", torch.float32, "attach", "gpt_oss")]
 STEPS, MICRO, LR, MAX_NORM = 3, 2, 0.05, 5.0
 
 
@@ -230,7 +258,8 @@ def _train_inputs(rank: int, step: int, mb: int):
     return x, scores, ids, gy
 
 
-def _train_case(rank: int, world: int, policy: str, weights: str, dtype: torch.dtype, upkeep: str) -> dict:
+def _train_case(rank: int, world: int, policy: str, weights: str, dtype: torch.dtype, upkeep: str,
+                arch: str = "qwen3") -> dict:
     """STEPS SGD steps of MICRO accumulated micro-batches (this rank's own), with attach_optimizer or with
     reduce_replica_grads + clip_grad_norm_ + refresh_replicas; against fp64 SGD on every rank's micro-batches (and,
     for a bf16 layer, torchtitan's RoutedExperts trained alike)."""
@@ -238,7 +267,7 @@ def _train_case(rank: int, world: int, policy: str, weights: str, dtype: torch.d
 
     import feplb.titan as ft
 
-    moe = make_moe("qwen3")
+    moe = make_moe(arch)
     tt = copy.deepcopy(moe.routed_experts)
     start = {n: p.detach().clone() for n, p in tt.inner_experts.named_parameters()}
     ref = {n: w.double().requires_grad_() for n, w in start.items()}
@@ -266,7 +295,7 @@ def _train_case(rank: int, world: int, policy: str, weights: str, dtype: torch.d
             held = max(held, len(ours.replicas.pairs))
             for r in range(world):   # the references see every rank's micro-batch
                 x, scores, ids, gy = _train_inputs(r, step, mb)
-                y = _dense_routed(x.double(), scores.double(), ids, ref["w1_EFD"], ref["w2_EDF"], ref["w3_EFD"])
+                y = _dense_routed(x.double(), scores.double(), ids, ref)
                 (y * gy.double()).sum().backward()
                 if bf16:
                     counts = torch.bincount(ids.reshape(-1), minlength=E)
@@ -339,9 +368,9 @@ def _errors_case(rank: int, world: int) -> dict:
     other = make_moe("qwen3")
     other.routed_experts.inner_experts._grouped_mm = lambda *, A, B_t, offs: torch._grouped_mm(A, B_t, offs=offs)
     out["converted"] = error_of(lambda: ft.apply(other))
-    gpt_oss = make_moe("qwen3")   # GPT-OSS experts: biases and a clamped SwiGLU
+    gpt_oss = make_moe("qwen3")   # GPT-OSS experts without a finite clamp
     gpt_oss.routed_experts.inner_experts = GptOssGroupedExperts(
-        GptOssGroupedExperts.Config(dim=D, hidden_dim=FF, num_experts=E))
+        GptOssGroupedExperts.Config(dim=D, hidden_dim=FF, num_experts=E, swiglu_limit=float("inf")))
     out["gpt_oss"] = error_of(lambda: ft.apply(gpt_oss))
     mixed = make_moe("qwen3", seed=rank if world > 1 else 5)
     out["different_weights"] = error_of(lambda: ft.apply(mixed)) if world > 1 else None
@@ -405,8 +434,9 @@ def _errors_case(rank: int, world: int) -> dict:
 
 
 def _worker(rank: int, world: int) -> dict:
-    res = {"routed": {(p, mode): _routed_case(rank, world, p, mode) for p in POLICIES for mode in MODES},
-           "moe": {a: _moe_case(rank, world, a) for a in ("qwen3", "deepseek")},
+    res = {"routed": {(p, mode, arch): _routed_case(rank, world, p, mode, arch) for p in POLICIES for mode in MODES
+                      for arch in ("qwen3", "gpt_oss") if arch == "qwen3" or mode in ("fp32", "bf16")},
+           "moe": {a: _moe_case(rank, world, a) for a in ("qwen3", "deepseek", "gpt_oss")},
            "errors": _errors_case(rank, world),
            "scores": _scores_case(rank, world),
            "train": {cfg: _train_case(rank, world, *cfg) for cfg in TRAIN}}
@@ -425,11 +455,17 @@ def four_ranks():
 
 def _assert_routed(ranks: list[dict], world: int) -> None:
     for r, res in enumerate(ranks):
-        for (policy, mode), case in res["routed"].items():
-            where = f"rank {r}, {policy}, {mode}"
+        for (policy, mode, arch), case in res["routed"].items():
+            where = f"rank {r}, {policy}, {mode}, {arch}"
             assert case["names"] == ["routed_experts"], where
-            assert case["shapes"] == {"w1_EFD": (E // world, FF, D), "w2_EDF": (E // world, D, FF),
-                                      "w3_EFD": (E // world, FF, D)}, where
+            L = E // world
+            if arch == "gpt_oss":
+                assert case["cls"] == "FEPLBGptOssRoutedExperts", where
+                assert case["shapes"] == {"mlp1_weight_EGD": (L, 2 * FF, D), "mlp1_bias_EG": (L, 2 * FF),
+                                          "mlp2_weight_EDF": (L, D, FF), "mlp2_bias_ED": (L, D)}, where
+            else:
+                assert case["cls"] == "FEPLBRoutedExperts", where
+                assert case["shapes"] == {"w1_EFD": (L, FF, D), "w2_EDF": (L, D, FF), "w3_EFD": (L, FF, D)}, where
             # the parameters keep their dtype, the output x's
             assert set(case["grad_dtypes"].values()) == {torch.float32}, where
             assert case["out_dtype"] == MODES[mode][1], where
@@ -449,10 +485,12 @@ def _assert_routed(ranks: list[dict], world: int) -> None:
 
 
 def _assert_moe(ranks: list[dict], world: int) -> None:
-    shard = [f"routed_experts.inner_experts.{n}" for n in ("w1_EFD", "w2_EDF", "w3_EFD")]
     for r, res in enumerate(ranks):
         for arch, case in res["moe"].items():
             where = f"rank {r}, {arch}"
+            names = ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED") if arch == "gpt_oss" \
+                else ("w1_EFD", "w2_EDF", "w3_EFD")
+            shard = sorted(f"routed_experts.inner_experts.{n}" for n in names)
             assert case["same_names"] and case["sd_keys"], where
             # MoE.forward still counts the tokens of its load-balancing bias, identically
             assert case["counts_equal"] and case["counts_sum"] == TOKENS[0] * TOKENS[1] * K, where
@@ -468,7 +506,7 @@ def _assert_moe(ranks: list[dict], world: int) -> None:
 def _assert_train(ranks: list[dict], world: int) -> None:
     for r, res in enumerate(ranks):
         for cfg, case in res["train"].items():
-            policy, weights, dtype, upkeep = cfg
+            policy, weights, dtype, upkeep, *_ = cfg
             where = f"rank {r}, {cfg}"
             for what, (ours, titan) in case["err"].items():
                 # the final weights against fp64 SGD, relative to the whole update: in fp32 up to the weights' own
@@ -516,7 +554,7 @@ def _assert_errors(ranks: list[dict], world: int) -> None:
         assert err["untouched"]
         assert "found no torchtitan MoE module in Linear" in err["none"], err["none"]
         assert "GroupedExperts are not torchtitan's plain GroupedExperts" in err["converted"], err["converted"]
-        assert "GptOssGroupedExperts are not torchtitan's plain" in err["gpt_oss"], err["gpt_oss"]
+        assert "swiglu_limit inf; expected a finite number > 0" in err["gpt_oss"], err["gpt_oss"]
         assert "meta device" in err["meta"], err["meta"]
         assert "already replaced" in err["again"], err["again"]
         if world == 4:
