@@ -27,6 +27,8 @@ class FEPLBConfig:
         the tanh approximation, Gemma 4's experts), "gelu" (GeGLU, erf form) or "swiglu_oai" (gpt-oss's and
         MiniMax-M3's: gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
     swiglu_alpha: swiglu_oai's sigmoid slope (1.702 in gpt-oss and MiniMax-M3); the other activations ignore it.
+    gated: False for non-gated experts, down(act(up(x))) (Nemotron-H's, activation "relu2": relu(h)^2; or "silu",
+        "gelu_tanh", "gelu"): ``w1`` is [L, H, F] (no gate half), and there is no clamp or interleaving.
     glu_interleaved: gate and up columns of w1 alternate (gate = h[:, 0::2], up = h[:, 1::2]: gpt-oss's weights)
         instead of lying side by side.
     expert_bias: every expert has biases b1 [2F] (added to x w1) and b2 [H] (to the down projection), gpt-oss's
@@ -87,6 +89,7 @@ class FEPLBConfig:
     swiglu_alpha: float = 1.702
     glu_interleaved: bool = False
     expert_bias: bool = False
+    gated: bool = True
     gate_on_input: bool = False
     gpus_per_node: int = 1
     dyn: int = 4
@@ -107,9 +110,10 @@ class FEPLBConfig:
     timeline: bool = False
 
     @property
-    def glu(self) -> tuple[float | None, str, float, bool]:
-        """The experts' gated activation as ``feplb.kernels.glu`` takes it: (limit, act, alpha, interleaved)."""
-        return self.swiglu_limit, self.activation, float(self.swiglu_alpha), self.glu_interleaved
+    def glu(self) -> tuple[float | None, str, float, bool, bool]:
+        """The experts' activation as ``feplb.experts.expert_mlp`` takes it: (limit, act, alpha, interleaved,
+        gated)."""
+        return self.swiglu_limit, self.activation, float(self.swiglu_alpha), self.glu_interleaved, self.gated
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "num_experts", "top_k", "gpus_per_node", "refresh_every"):
@@ -149,10 +153,17 @@ class FEPLBConfig:
         if lim is not None and (isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim)
                                 or lim <= 0):
             raise ValueError(f"FEPLBConfig.swiglu_limit must be None or a finite number > 0, got {lim!r}")
-        from feplb.kernels.activation import ACTS
+        from feplb.kernels.activation import ACTS, PLAIN_ACTS
 
-        if not isinstance(self.activation, str) or self.activation not in ACTS:
-            raise ValueError(f"FEPLBConfig.activation must be one of {ACTS}, got {self.activation!r}")
+        if not isinstance(self.gated, bool):
+            raise TypeError(f"FEPLBConfig.gated must be a bool, got {self.gated!r}")
+        acts = ACTS if self.gated else PLAIN_ACTS
+        if not isinstance(self.activation, str) or self.activation not in acts:
+            raise ValueError(f"FEPLBConfig.activation must be one of {acts} ({'' if self.gated else 'non-'}gated "
+                             f"experts), got {self.activation!r}")
+        if not self.gated and (self.swiglu_limit is not None or self.glu_interleaved):
+            raise ValueError("FEPLBConfig: swiglu_limit and glu_interleaved apply to gated experts only "
+                             "(gated=False)")
         a = self.swiglu_alpha
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
             raise ValueError(f"FEPLBConfig.swiglu_alpha must be a finite number, got {a!r}")

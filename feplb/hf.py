@@ -65,8 +65,10 @@ __all__ = ["FEPLBExperts", "FEPLBLlama4TextMoe", "apply", "supported", "expert_p
 # the experts' call: transformers' standard names, and gpt-oss's
 _SIGNATURES = (("hidden_states", "top_k_index", "top_k_weights"),
                ("hidden_states", "router_indices", "routing_weights"))
-# the experts' biases FEPLB takes (gpt-oss's: added to x @ gate_up_proj and to the down projection)
-_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+def _biases(w1name: str) -> tuple[str, str]:
+    """The names of the biases FEPLB takes for experts whose first projection is ``w1name`` (gate_up_proj, or
+    up_proj: non-gated): gpt-oss's, added to x @ w1 and to the down projection."""
+    return f"{w1name}_bias", "down_proj_bias"
 # the activations an experts module's act_fn (one input) may compute: FEPLBConfig.activation's but swiglu_oai
 _ACT_FN_KINDS = ("silu", "gelu_tanh", "gelu")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -80,7 +82,9 @@ class FEPLBExperts(MoELayer):
     Parameters: ``gate_up_proj`` [L, 2F, H] and ``down_proj`` [L, H, F], this rank's experts ``rank * L ...`` in
     the layout (and under the names) of the module it replaces; the layer computes with their transposed views.
     With ``transposed=True`` (a module with ``is_transposed=True``, e.g. Aria's: weights stored [in, out]) they are
-    [L, H, 2F] and [L, F, H], the layer's own layout, used as they are.
+    [L, H, 2F] and [L, F, H], the layer's own layout, used as they are. Non-gated experts (``config.gated`` False,
+    Nemotron-H's) hold ``up_proj`` [L, F, H] instead of ``gate_up_proj``; experts with biases (gpt-oss's)
+    ``gate_up_proj_bias`` (or ``up_proj_bias``) and ``down_proj_bias`` too.
     ``forward(hidden_states [T, H], top_k_index [T, K] int, top_k_weights [T, K] float) -> [T, H]`` returns
     ``sum_k w_k * down(act(gate(x)) * up(x))`` over each token's experts (act: SiLU or GeLU, ``config.activation``),
     like the module it replaces, with the
@@ -99,6 +103,8 @@ class FEPLBExperts(MoELayer):
                              f"FEPLBConfig.expert_bias is set (it is {config.expert_bias})")
         # Read by _init_experts, which MoELayer.__init__ calls before this constructor could set attributes.
         object.__setattr__(self, "_hf_full", (gate_up_proj, down_proj, group, gate_up_proj_bias, down_proj_bias))
+        # the first projection's name: gate_up_proj, or up_proj for non-gated experts
+        object.__setattr__(self, "w1_name", "gate_up_proj" if config.gated else "up_proj")
         object.__setattr__(self, "is_transposed", bool(transposed))   # read by expert_weights()
         super().__init__(config, group)
         object.__delattr__(self, "_hf_full")
@@ -109,8 +115,8 @@ class FEPLBExperts(MoELayer):
         lo = dist.get_rank(group) * L
         # each bias right after its weight (gpt-oss's order, so the state dict's keys keep theirs)
         gu, dn, _, gub, dnb = self._hf_full
-        for pname, full in (("gate_up_proj", gu), ("gate_up_proj_bias", gub), ("down_proj", dn),
-                            ("down_proj_bias", dnb)):
+        b1name, b2name = _biases(self.w1_name)
+        for pname, full in ((self.w1_name, gu), (b1name, gub), ("down_proj", dn), (b2name, dnb)):
             if full is None:
                 continue
             with torch.no_grad():
@@ -122,9 +128,9 @@ class FEPLBExperts(MoELayer):
         """(w1 [L, H, 2F], w2 [L, F, H]): ``gate_up_proj`` and ``down_proj`` themselves when transposed, else their
         strided transposed views; then (b1 [L, 2F], b2 [L, H]) = ``gate_up_proj_bias``, ``down_proj_bias`` where the
         experts have biases."""
-        ws = (self.gate_up_proj, self.down_proj) if self.is_transposed else \
-            (self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2))
-        return (*ws, self.gate_up_proj_bias, self.down_proj_bias) if self.config.expert_bias else ws
+        w1 = getattr(self, self.w1_name)
+        ws = (w1, self.down_proj) if self.is_transposed else (w1.transpose(1, 2), self.down_proj.transpose(1, 2))
+        return (*ws, *(getattr(self, b) for b in _biases(self.w1_name))) if self.config.expert_bias else ws
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,  # type: ignore[override]
                 top_k_weights: torch.Tensor | None = None, *, router_indices: torch.Tensor | None = None,
@@ -188,14 +194,15 @@ def _probe_values(limits: list[float]) -> torch.Tensor:
                       * 4 * max(limits, default=3.0), lim, -lim])
 
 
-def _act_kind(act: object) -> str | None:
-    """The FEPLB activation (``FEPLBConfig.activation``: "silu", "gelu_tanh", "gelu") that the callable ``act``
-    computes, or None: decided by calling it on fp32 values (:func:`_probe_values`) and comparing element by element
-    with torch's, so any module or function computing one of them (transformers' SiLUActivation, GELUTanh,
-    NewGELUActivation, nn.GELU, ...) is recognised, and nothing else."""
+def _act_kind(act: object, kinds: tuple[str, ...] = ("silu", "gelu_tanh", "gelu")) -> str | None:
+    """The FEPLB activation among ``kinds`` (``FEPLBConfig.activation``'s: "silu", "gelu_tanh", "gelu"; "relu2" for
+    non-gated experts) that the callable ``act`` computes, or None: decided by calling it on fp32 values
+    (:func:`_probe_values`) and comparing element by element with torch's, so any module or function computing one
+    of them (transformers' SiLUActivation, GELUTanh, NewGELUActivation, nn.GELU, ReLUSquaredActivation, ...) is
+    recognised, and nothing else."""
     if act is None or not callable(act):
         return None
-    from feplb.kernels.activation import glu_ref
+    from feplb.kernels.activation import mlp_act_ref
 
     x = _probe_values([]).float()[None, :]
     try:
@@ -203,9 +210,8 @@ def _act_kind(act: object) -> str | None:
             got = act(x.clone())
     except Exception:   # an activation that cannot take fp32 CPU values is not one FEPLB stands in for
         return None
-    ones = torch.ones_like(x)
-    for kind in _ACT_FN_KINDS:
-        want = glu_ref(torch.cat([x, ones], dim=1), None, kind)
+    for kind in kinds:
+        want = mlp_act_ref(x, kind)
         if isinstance(got, torch.Tensor) and got.shape == want.shape and \
                 torch.allclose(got.float(), want, rtol=1e-5, atol=1e-6, equal_nan=True):
             return kind
@@ -352,20 +358,24 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
     if llama4 is not None and name.rpartition(".")[0] not in llama4[1]:
         return f"a Llama 4 experts module also reachable as {name!r}, outside its MoE block", {}
     own = dict(module.named_parameters())
-    if "gate_up_proj" not in own:
-        return "no gate_up_proj parameter (non-gated experts; FEPLB computes gated experts, act(gate) * up)", {}
+    # gated experts hold gate_up_proj; non-gated ones (Nemotron-H's) up_proj
+    w1name = "gate_up_proj" if "gate_up_proj" in own else "up_proj" if "up_proj" in own else None
+    if w1name is None or "down_proj" not in own:
+        return "no gate_up_proj or up_proj parameter beside down_proj", {}
+    is_gated = w1name == "gate_up_proj"
     why = hooks_problem(module) or (hooks_problem(block) if block is not None else None)
     if why is not None:
         return why, {}
+    biases = _biases(w1name)
     bias = sorted(n for n in own if "bias" in n)
-    if bias and set(bias) != set(_BIASES):
-        return (f"bias terms {', '.join(bias)}; FEPLB's experts take biases as {' and '.join(_BIASES)} (gpt-oss's), "
-                "both or neither"), {}
+    if bias and set(bias) != set(biases):
+        return (f"bias terms {', '.join(bias)}; FEPLB's experts take biases as {' and '.join(biases)} (gpt-oss's "
+                "names), both or neither"), {}
     if not bias and getattr(module, "has_bias", False):
-        return f"has_bias=True without {' and '.join(_BIASES)} parameters", {}
-    extra = sorted(set(own) - {"gate_up_proj", "down_proj", *bias})
+        return f"has_bias=True without {' and '.join(biases)} parameters", {}
+    extra = sorted(set(own) - {w1name, "down_proj", *bias})
     if extra:
-        return f"parameters besides gate_up_proj and down_proj (and their biases): {', '.join(extra)}", {}
+        return f"parameters besides {w1name} and down_proj (and their biases): {', '.join(extra)}", {}
     buffers = sorted(n for n, _ in module.named_buffers())
     if buffers:
         return f"buffers {', '.join(buffers)} (scaled or quantized experts are not supported)", {}
@@ -385,7 +395,7 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
     if block is None and (names not in _SIGNATURES or required_rest):
         return (f"forward({', '.join(p.name for p in params)}); expected forward(hidden_states, top_k_index, "
                 "top_k_weights)"), {}
-    gu, dn = own["gate_up_proj"], own["down_proj"]
+    gu, dn = own[w1name], own["down_proj"]
     # Llama 4's experts store [in, out] (gate_up_proj [E, H, 2F]) without saying so
     transposed = bool(getattr(module, "is_transposed", False)) or block is not None
     if gu.dim() != 3 or dn.dim() != 3:
@@ -394,20 +404,32 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         E, Fd, H = dn.shape
     else:
         E, H, Fd = dn.shape
-    want = ((E, H, 2 * Fd), (E, Fd, H)) if transposed else ((E, 2 * Fd, H), (E, H, Fd))
+    G, g = (2 * Fd, "2F") if is_gated else (Fd, "F")
+    want = ((E, H, G), (E, Fd, H)) if transposed else ((E, G, H), (E, H, Fd))
     if E < 0 or (tuple(gu.shape), tuple(dn.shape)) != want:
-        layout = ("gate_up_proj [E, H, 2F] and down_proj [E, F, H] (is_transposed=True)" if transposed else
-                  "gate_up_proj [E, 2F, H] and down_proj [E, H, F]")
-        return f"weight layout gate_up_proj {list(gu.shape)}, down_proj {list(dn.shape)}; expected {layout}", {}
+        layout = (f"{w1name} [E, H, {g}] and down_proj [E, F, H] (is_transposed=True)" if transposed else
+                  f"{w1name} [E, {g}, H] and down_proj [E, H, F]")
+        return f"weight layout {w1name} {list(gu.shape)}, down_proj {list(dn.shape)}; expected {layout}", {}
     if bias:
-        gb, db = own[_BIASES[0]], own[_BIASES[1]]
-        if tuple(gb.shape) != (E, 2 * Fd) or tuple(db.shape) != (E, H) or gb.dtype != gu.dtype or \
-                db.dtype != gu.dtype:
-            return (f"bias shapes {_BIASES[0]} {list(gb.shape)} {gb.dtype}, {_BIASES[1]} {list(db.shape)} {db.dtype}; "
-                    f"expected [{E}, {2 * Fd}] and [{E}, {H}] in the weights' dtype {gu.dtype}"), {}
-    why, gated = _gate(module, Fd)
-    if why is not None:
-        return why, {}
+        gb, db = own[biases[0]], own[biases[1]]
+        if tuple(gb.shape) != (E, G) or tuple(db.shape) != (E, H) or gb.dtype != gu.dtype or db.dtype != gu.dtype:
+            return (f"bias shapes {biases[0]} {list(gb.shape)} {gb.dtype}, {biases[1]} {list(db.shape)} {db.dtype}; "
+                    f"expected [{E}, {G}] and [{E}, {H}] in the weights' dtype {gu.dtype}"), {}
+    if not is_gated:   # down(act(up(x))): the module's act_fn, no gate of its own
+        from feplb.kernels.activation import PLAIN_ACTS
+
+        if _custom_gate(module):
+            return f"a gating function of its own ({type(module).__name__}._apply_gate) on non-gated experts", {}
+        act_fn = getattr(module, "act_fn", None)
+        kind = _act_kind(act_fn, PLAIN_ACTS)
+        if kind is None:
+            return (f"activation {type(act_fn).__name__ if act_fn is not None else None} is none of FEPLB's "
+                    f"{PLAIN_ACTS} (non-gated experts: act(up(x)))"), {}
+        gated = (kind, None, 1.702, False)
+    else:
+        why, gated = _gate(module, Fd)
+        if why is not None:
+            return why, {}
     if gated is None:   # the default gate: act_fn(gate) * up
         act_fn = getattr(module, "act_fn", None)
         kind = _act_kind(act_fn)
@@ -429,7 +451,7 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         return f"{E} experts are not divisible by the EP group size {world}", {}
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": top_k, "dtype": gu.dtype,
                   "device": gu.device.type, "activation": gated[0], "swiglu_limit": gated[1],
-                  "swiglu_alpha": gated[2], "glu_interleaved": gated[3], "expert_bias": bool(bias),
+                  "swiglu_alpha": gated[2], "glu_interleaved": gated[3], "expert_bias": bool(bias), "gated": is_gated,
                   "gate_on_input": block is not None, "transposed": transposed}
 
 
@@ -515,8 +537,12 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
             problems.append(f"  {name or type(model).__name__} ({type(mod).__name__}): {why}")
     # One agreement: every rank raises together, or none does. The weights' checksums catch ranks that built or
     # loaded different models (each rank slices its experts from its own copy).
-    digests = [(n, *weights_digest(m.gate_up_proj, m.down_proj, *(getattr(m, b) for b in _BIASES
-                                                                  if configs[id(m)].expert_bias))) for n, m in plans]
+    def weights_of(m: nn.Module) -> list[torch.Tensor]:   # w1, w2, then the biases where there are
+        w1name = "gate_up_proj" if configs[id(m)].gated else "up_proj"
+        return [getattr(m, w1name), m.down_proj] + \
+            ([getattr(m, b) for b in _biases(w1name)] if configs[id(m)].expert_bias else [None, None])
+
+    digests = [(n, *weights_digest(*(w for w in weights_of(m) if w is not None))) for n, m in plans]
 
     def none_found() -> str:
         done = " (feplb.hf.apply already replaced them)" if experts_modules(model) else _version_hint()
@@ -531,10 +557,9 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     made: dict[int, FEPLBExperts] = {}
     for name, mod in plans:
         if id(mod) not in made:
-            biases = [getattr(mod, b) for b in _BIASES] if configs[id(mod)].expert_bias else [None, None]
-            new = FEPLBExperts(configs[id(mod)], group, mod.gate_up_proj, mod.down_proj, name=name,
-                               transposed=transposed[id(mod)], gate_up_proj_bias=biases[0],
-                               down_proj_bias=biases[1])
+            w1, w2, b1, b2 = weights_of(mod)
+            new = FEPLBExperts(configs[id(mod)], group, w1, w2, name=name, transposed=transposed[id(mod)],
+                               gate_up_proj_bias=b1, down_proj_bias=b2)
             new.train(mod.training)
             new.refresh_replicas()
             made[id(mod)] = new

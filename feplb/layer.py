@@ -121,8 +121,11 @@ class MoELayer(nn.Module):
 
         self._sched = sched_policies
         c = self.config = config
+        # the cost model's experts are gated (3 H F weights and multiply-adds per row); a non-gated expert's 2 H F
+        # are those of a gated one 2F/3 wide
         self._cost = c.cost if c.cost is not None else CostModel(
-            hidden=c.hidden, ffn=c.ffn, dtype_bytes=torch.empty((), dtype=c.dtype).element_size())
+            hidden=c.hidden, ffn=c.ffn if c.gated else max(1, 2 * c.ffn // 3),
+            dtype_bytes=torch.empty((), dtype=c.dtype).element_size())
         self.group = group
         W, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.world_size = W
@@ -216,16 +219,17 @@ class MoELayer(nn.Module):
     # ------------------------------------------------------------------------------------------------ experts
     def _init_experts(self, L: int, H: int, F_: int, device: torch.device, dtype: torch.dtype) -> None:
         """Create this rank's expert parameters (override to store them in another layout)."""
-        self.w1 = nn.Parameter(torch.randn(L, H, 2 * F_, device=device, dtype=dtype) / H ** 0.5)
+        G = 2 * F_ if self.config.gated else F_
+        self.w1 = nn.Parameter(torch.randn(L, H, G, device=device, dtype=dtype) / H ** 0.5)
         self.w2 = nn.Parameter(torch.randn(L, F_, H, device=device, dtype=dtype) / F_ ** 0.5)
         if self.config.expert_bias:
-            self.b1 = nn.Parameter(torch.zeros(L, 2 * F_, device=device, dtype=dtype))
+            self.b1 = nn.Parameter(torch.zeros(L, G, device=device, dtype=dtype))
             self.b2 = nn.Parameter(torch.zeros(L, H, device=device, dtype=dtype))
 
     def expert_weights(self) -> tuple[torch.Tensor, ...]:
         """This rank's own experts as (w1 [L, H, 2F], w2 [L, F, H]), or (w1, w2, b1 [L, 2F], b2 [L, H]) with
-        ``expert_bias`` (:attr:`part_shapes`): the layer reads them only through this (views of the parameters
-        allowed; gradients flow back through them)."""
+        ``expert_bias`` (:attr:`part_shapes`; F instead of 2F for non-gated experts): the layer reads them only
+        through this (views of the parameters allowed; gradients flow back through them)."""
         if self.config.expert_bias:
             return self.w1, self.w2, self.b1, self.b2
         return self.w1, self.w2
@@ -233,9 +237,10 @@ class MoELayer(nn.Module):
     @property
     def part_shapes(self) -> tuple[tuple[int, ...], ...]:
         """The shape of one expert's slice of each tensor of ``expert_weights()``: ([H, 2F], [F, H]), then [2F]
-        and [H] with ``expert_bias``. Copies of an expert carry every part."""
+        and [H] with ``expert_bias`` (F for 2F with non-gated experts). Copies of an expert carry every part."""
         H, F_ = self.config.hidden, self.config.ffn
-        return ((H, 2 * F_), (F_, H)) + (((2 * F_,), (H,)) if self.config.expert_bias else ())
+        G = 2 * F_ if self.config.gated else F_
+        return ((H, G), (F_, H)) + (((G,), (H,)) if self.config.expert_bias else ())
 
     def expert_params(self) -> tuple[nn.Parameter, ...]:
         """The parameters behind ``expert_weights()`` (what an optimizer steps)."""

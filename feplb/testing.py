@@ -152,7 +152,8 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
 
 def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: str = "softmax", bias_E=None,
                         swiglu_limit: float | None = None, gate_on_input: bool = False, activation: str = "silu",
-                        swiglu_alpha: float = 1.702, glu_interleaved: bool = False, b1_E2F=None, b2_EH=None):
+                        swiglu_alpha: float = 1.702, glu_interleaved: bool = False, b1_E2F=None, b2_EH=None,
+                        gated: bool = True):
     """Single-process dense MoE (no dispatch, no kernels), the independent reference of ``MoELayer``.
 
     Expert selection uses fp32 logits exactly as the layer computes them (so ties resolve the same way); gates
@@ -164,7 +165,8 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
             gate_on_input: each expert's input weighed by the gate instead of its output; activation: the gate's
             ("silu", "gelu_tanh", "gelu": torch.nn.functional's; "swiglu_oai": gate * sigmoid(swiglu_alpha * gate)
             * (up + 1)); glu_interleaved: gate and up alternate in w1's columns; b1_E2F [E, 2F], b2_EH [E, H]:
-            the experts' biases (both or neither).
+            the experts' biases (both or neither); gated=False: non-gated experts, w1 [E, H, F], act(x w1) w2
+            (activation also "relu2": relu^2).
     Returns:
         out_TD [T, H] in x's dtype, differentiable w.r.t. every input.
     """
@@ -190,6 +192,13 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
         h = (x_TD[t_idx] * g if gate_on_input else x_TD[t_idx]) @ w1_EH2F[e]
         if b1_E2F is not None:
             h = h + b1_E2F[e]
+        if not gated:
+            act = torch.relu(h).square() if activation == "relu2" else \
+                torch.nn.functional.silu(h) if activation == "silu" else \
+                torch.nn.functional.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
+            y = act @ w2_EFH[e] + (b2_EH[e] if b2_EH is not None else 0)
+            out = out.index_add(0, t_idx, y if gate_on_input else g * y)
+            continue
         gate, up = (h[:, 0::2], h[:, 1::2]) if glu_interleaved else (h[:, :F2], h[:, F2:])
         if swiglu_limit is not None:
             gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)

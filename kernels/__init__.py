@@ -5,7 +5,7 @@ Legend: T tokens, K top-k, M = T*K grouped rows, D hidden, E experts, F ffn, N o
 Public ops (``torch.library`` operators, namespace ``feplb``, differentiable through autograd Functions; CUDA ->
 Triton, CPU -> pure torch):
 :func:`routing_metadata`, :func:`permute`, :func:`unpermute`, :func:`grouped_mm`, :func:`glu` (gated activation:
-SwiGLU, GeGLU) and its shorthand :func:`swiglu`.
+SwiGLU, GeGLU, gpt-oss's) and its shorthand :func:`swiglu`, :func:`mlp_act` (non-gated experts' activation).
 Each kernel's launcher (``*_triton``) and pure-torch twin (``*_ref``) live in its module; :func:`triton_on_cpu`
 makes the ops run the kernels on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).
 """
@@ -17,6 +17,7 @@ if __name__ == "feplb.kernels":
         autocast_matmul_inputs,
         glu,
         grouped_mm,
+        mlp_act,
         permute,
         routing_metadata,
         swiglu,
@@ -32,6 +33,7 @@ if __name__ == "feplb.kernels":
         "autocast_matmul_inputs",
         "glu",
         "grouped_mm",
+        "mlp_act",
         "permute",
         "poison_outputs",
         "routing_metadata",

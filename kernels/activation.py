@@ -12,6 +12,9 @@ clamps where the input lies within them, bounds included (torch.clamp's rule).
 ``interleaved``: gate and up alternate column by column (gate = h[:, 0::2], up = h[:, 1::2]: gpt-oss's weights)
 instead of side by side.
 
+Non-gated experts (Nemotron-H's: down(act(up(x)))) take :func:`mlp_act_ref` / :func:`mlp_act_triton` instead: act(h)
+elementwise, act one of :data:`PLAIN_ACTS` (``"relu2"``: relu(h)^2).
+
 Legend: M rows, F ffn features (h holds gate and up side by side, 2F columns).
 Computed in fp32 (fp64 for fp64 input), returned in the input dtype.
 """
@@ -26,11 +29,15 @@ from torch import Tensor
 from ._checks import FLOAT_DTYPES, check_tensor
 from ._triton import alloc, autotune_configs, cdiv, check_launch_device, launch, tl, triton
 
-__all__ = ["ACTS", "check_glu_act", "check_glu_input", "check_glu_limit", "glu_bwd_ref", "glu_bwd_triton", "glu_ref",
-           "glu_triton"]
+__all__ = ["ACTS", "PLAIN_ACTS", "check_glu_act", "check_glu_input", "check_glu_limit", "check_mlp_act",
+           "glu_bwd_ref", "glu_bwd_triton", "glu_ref", "glu_triton", "mlp_act_bwd_ref", "mlp_act_bwd_triton",
+           "mlp_act_ref", "mlp_act_triton"]
 
 # the activations of the gate, in the order of the kernels' ACT constexpr
 ACTS = ("silu", "gelu_tanh", "gelu", "swiglu_oai")
+# the activations of a non-gated expert (act(h)); relu2 is the kernels' ACT 4
+PLAIN_ACTS = ("silu", "gelu_tanh", "gelu", "relu2")
+_ACT_ID = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "swiglu_oai": 3, "relu2": 4}
 
 
 def check_glu_input(h_M2F: Tensor) -> None:
@@ -133,10 +140,13 @@ _CONFIGS = autotune_configs(HOPPER_CONFIGS, dict(BLOCK_R=64, BLOCK_F=128))
 @triton.jit
 def _act_and_grad(gate, alpha, ACT: tl.constexpr, ACC: tl.constexpr):
     """(act(gate), d act / d gate) in ACC: silu (ACT 0), gelu_tanh (1), gelu (2), gate * sigmoid(alpha * gate) (3,
-    swiglu_oai's; its up + 1 is the caller's)."""
+    swiglu_oai's; its up + 1 is the caller's), relu(gate)^2 (4)."""
     if ACT == 0:
         s = tl.sigmoid(gate)
         return gate * s, s * (1 + gate * (1 - s))
+    elif ACT == 4:
+        r = tl.where(gate < 0, 0.0, gate)   # NaN stays NaN, as torch.relu keeps it
+        return r * r, 2 * r
     elif ACT == 3:
         a = tl.cast(alpha, ACC)
         s = tl.sigmoid(a * gate)
@@ -238,7 +248,7 @@ def glu_triton(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alp
     if M > 0 and F > 0:
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
         launch(_glu_kernel, _launch_grid(M, F), h_M2F, out_MF, M, F, float(limit or 0.0), float(alpha), ACC=acc,
-               CLAMP=limit is not None, ACT=ACTS.index(act), INTERLEAVED=bool(interleaved), config=config)
+               CLAMP=limit is not None, ACT=_ACT_ID[act], INTERLEAVED=bool(interleaved), config=config)
     return out_MF
 
 
@@ -256,5 +266,96 @@ def glu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, a
     if M > 0 and F > 0:
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
         launch(_glu_bwd_kernel, _launch_grid(M, F), grad_MF, h_M2F, dh_M2F, M, F, float(limit or 0.0), float(alpha),
-               ACC=acc, CLAMP=limit is not None, ACT=ACTS.index(act), INTERLEAVED=bool(interleaved), config=config)
+               ACC=acc, CLAMP=limit is not None, ACT=_ACT_ID[act], INTERLEAVED=bool(interleaved), config=config)
     return dh_M2F
+
+
+# ---------------------------------------------------------------------------------------------------- non-gated
+
+def check_mlp_act(h_MF: Tensor, act: str) -> None:
+    """h float [M, F], contiguous; act one of :data:`PLAIN_ACTS`."""
+    check_tensor("h_MF", h_MF, dtypes=FLOAT_DTYPES, ndim=2, contiguous=True)
+    if not isinstance(act, str) or act not in PLAIN_ACTS:
+        raise ValueError(f"act: expected one of {PLAIN_ACTS}, got {act!r}")
+
+
+def _plain_ref(h: Tensor, act: str) -> Tensor:
+    if act == "relu2":
+        return torch.relu(h).square()
+    return _act_ref(h, act, 1.0)
+
+
+def mlp_act_ref(h_MF: Tensor, act: str) -> Tensor:
+    """Pure-torch twin of a non-gated expert's activation: act(h) elementwise, computed in fp32 (fp64 for fp64), in
+    h's dtype."""
+    check_mlp_act(h_MF, act)
+    return _plain_ref(h_MF.to(_acc_dtype(h_MF.dtype)), act).to(h_MF.dtype)
+
+
+def mlp_act_bwd_ref(grad_MF: Tensor, h_MF: Tensor, act: str) -> Tensor:
+    """Gradient of :func:`mlp_act_ref` (torch's own derivatives): grad [M, F] (h's dtype) -> dh [M, F]."""
+    check_mlp_act(h_MF, act)
+    check_tensor("grad_MF", grad_MF, dtypes=(h_MF.dtype,), shape=tuple(h_MF.shape))
+    acc = _acc_dtype(h_MF.dtype)
+    h, g = h_MF.to(acc), grad_MF.to(acc)
+    if act == "relu2":
+        d = g * 2 * torch.relu(h)
+    elif act == "silu":
+        d = torch.ops.aten.silu_backward(g, h)
+    else:
+        d = torch.ops.aten.gelu_backward(g, h, approximate="tanh" if act == "gelu_tanh" else "none")
+    return d.to(h_MF.dtype)
+
+
+@triton.autotune(configs=_CONFIGS, key=["F"])
+@triton.jit
+def _mlp_act_kernel(h_ptr, out_ptr, M, F, ACC: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_F: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    offs = rows[:, None] * F + cols[None, :]
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(ACC)
+    a, _ = _act_and_grad(h, 1.0, ACT, ACC)
+    tl.store(out_ptr + offs, a.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_CONFIGS, key=["F"])
+@triton.jit
+def _mlp_act_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, ACC: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_F: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    offs = rows[:, None] * F + cols[None, :]
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(ACC)
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(ACC)
+    _, da = _act_and_grad(h, 1.0, ACT, ACC)
+    tl.store(dh_ptr + offs, (g * da).to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+def mlp_act_triton(h_MF: Tensor, act: str, *, config: dict | None = None) -> Tensor:
+    """Launcher of a non-gated expert's activation: h float [M, F] contiguous -> act(h) [M, F] in h's dtype (fp32
+    math)."""
+    check_mlp_act(h_MF, act)
+    check_launch_device("mlp_act_triton", h_MF)
+    M, F = h_MF.shape
+    out = alloc((M, F), h_MF.dtype, h_MF.device)
+    if M > 0 and F > 0:
+        acc = tl.float64 if h_MF.dtype == torch.float64 else tl.float32
+        launch(_mlp_act_kernel, _launch_grid(M, F), h_MF, out, M, F, ACC=acc, ACT=_ACT_ID[act], config=config)
+    return out
+
+
+def mlp_act_bwd_triton(grad_MF: Tensor, h_MF: Tensor, act: str, *, config: dict | None = None) -> Tensor:
+    """Launcher of its backward: grad [M, F] (h's dtype, contiguous), h [M, F] -> dh [M, F]."""
+    check_mlp_act(h_MF, act)
+    check_tensor("grad_MF", grad_MF, dtypes=(h_MF.dtype,), shape=tuple(h_MF.shape), contiguous=True)
+    check_launch_device("mlp_act_bwd_triton", h_MF)
+    M, F = h_MF.shape
+    dh = alloc((M, F), h_MF.dtype, h_MF.device)
+    if M > 0 and F > 0:
+        acc = tl.float64 if h_MF.dtype == torch.float64 else tl.float32
+        launch(_mlp_act_bwd_kernel, _launch_grid(M, F), grad_MF, h_MF, dh, M, F, ACC=acc, ACT=_ACT_ID[act],
+               config=config)
+    return dh

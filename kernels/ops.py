@@ -27,10 +27,15 @@ from .activation import (
     check_glu_act,
     check_glu_input,
     check_glu_limit,
+    check_mlp_act,
     glu_bwd_ref,
     glu_bwd_triton,
     glu_ref,
     glu_triton,
+    mlp_act_bwd_ref,
+    mlp_act_bwd_triton,
+    mlp_act_ref,
+    mlp_act_triton,
 )
 from .grouped_gemm import (
     check_grouped_mm_inputs,
@@ -51,8 +56,8 @@ from .permutation import (
 )
 from .routing import RoutingMetadata, check_routing_inputs, routing_metadata_ref, routing_metadata_triton
 
-__all__ = ["autocast_dtype", "autocast_matmul_inputs", "glu", "grouped_mm", "permute", "routing_metadata", "swiglu",
-           "unpermute"]
+__all__ = ["autocast_dtype", "autocast_matmul_inputs", "glu", "grouped_mm", "mlp_act", "permute", "routing_metadata",
+           "swiglu", "unpermute"]
 
 _LIB = torch.library.Library("feplb", "DEF")
 
@@ -468,6 +473,61 @@ def glu(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: flo
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved: expected a bool, got {interleaved!r}")
     return _apply(_GLU_FN, _GLU, h_M2F, None if limit is None else float(limit), act, float(alpha), interleaved)
+
+
+def _mlp_act_impl(h_MF: Tensor, act: str) -> Tensor:
+    if use_triton(h_MF):
+        return mlp_act_triton(h_MF, act)
+    return mlp_act_ref(h_MF, act)
+
+
+def _mlp_act_fake(h_MF, act):
+    check_mlp_act(h_MF, act)
+    return torch.empty_like(h_MF)
+
+
+def _mlp_act_bwd_impl(grad_MF: Tensor, h_MF: Tensor, act: str) -> Tensor:
+    if use_triton(h_MF):
+        return mlp_act_bwd_triton(grad_MF, h_MF, act)
+    return mlp_act_bwd_ref(grad_MF, h_MF, act)
+
+
+def _mlp_act_bwd_fake(grad_MF, h_MF, act):
+    return torch.empty_like(h_MF)
+
+
+_MLP_ACT = _operator("mlp_act(Tensor h_MF, str act) -> Tensor", _mlp_act_impl, _mlp_act_fake)
+_MLP_ACT_BWD = _operator("mlp_act_bwd(Tensor grad_MF, Tensor h_MF, str act) -> Tensor", _mlp_act_bwd_impl,
+                         _mlp_act_bwd_fake)
+
+
+def _mlp_act_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.act = inputs[1]
+
+
+def _mlp_act_backward(ctx, grad_MF: Tensor):
+    (h_MF,) = ctx.saved_tensors
+    return _below_autograd(_MLP_ACT_BWD, grad_MF.contiguous(), h_MF, ctx.act), None
+
+
+_MLP_ACT_FN = _differentiable(_MLP_ACT, _mlp_act_setup, _mlp_act_backward)
+
+
+def mlp_act(h_MF: Tensor, act: str) -> Tensor:
+    """The activation of non-gated experts (Nemotron-H's ``down(relu(up(x))^2)``): act(h) elementwise, computed in
+    fp32, act one of ``feplb.kernels.activation.PLAIN_ACTS`` (``"relu2"``, ``"silu"``, ``"gelu_tanh"``,
+    ``"gelu"``).
+
+    Args:
+        h_MF: float [M, F], contiguous.
+
+    Returns:
+        [M, F] in h's dtype; differentiable.
+    """
+    check_mlp_act(h_MF, act)
+    check_rows("h_MF", h_MF.shape[0], "M")
+    return _apply(_MLP_ACT_FN, _MLP_ACT, h_MF, act)
 
 
 def swiglu(h_M2F: Tensor, limit: float | None = None) -> Tensor:

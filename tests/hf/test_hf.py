@@ -201,6 +201,7 @@ def _check_errors(rank: int, world: int) -> dict:
         other = M.make_model("mixtral")
         other.model.layers[0].mlp.experts = _OtherLayoutExperts(8, 32, 16)
         other.model.layers[1].mlp.experts = _OtherLayoutExperts(8, 32, 16, gated=False)
+        other.model.layers[1].mlp.experts.act_fn = torch.nn.Tanh()   # non-gated experts run, but not with tanh
         out["layouts"] = error_of(lambda: fh.apply(other))
         ok = M.make_model("qwen3_moe")
         out["derived"] = error_of(lambda: fh.apply(ok, top_k=3))
@@ -752,14 +753,16 @@ def test_unsupported_experts_are_refused_by_name_and_nothing_is_replaced(one_ran
     assert "model.layers.0.mlp.experts" not in err["half"] and "nothing was replaced" in err["half"]
     assert err["half_untouched"]
     assert ("model.layers.0.mlp.experts (GptOssExperts): bias terms gate_up_proj_bias; FEPLB's experts take biases as "
-            "gate_up_proj_bias and down_proj_bias (gpt-oss's), both or neither") in err["one_bias"], err["one_bias"]
+            "gate_up_proj_bias and down_proj_bias (gpt-oss's names), both or neither") in err["one_bias"], \
+        err["one_bias"]
     assert "model.layers.1.mlp.experts" not in err["one_bias"], err["one_bias"]
     # gpt-oss's experts are called with other names for the routing
     assert err["gpt_oss_names"]
     assert err["routing_twice"].startswith("TypeError") and "give the routing once" in err["routing_twice"]
     assert ("model.layers.0.mlp.experts (_OtherLayoutExperts): weight layout gate_up_proj [8, 32, 32], down_proj "
             "[8, 16, 32]; expected gate_up_proj [E, 2F, H] and down_proj [E, H, F]") in err["layouts"], err["layouts"]
-    assert "model.layers.1.mlp.experts (_OtherLayoutExperts): no gate_up_proj parameter" in err["layouts"]
+    assert ("model.layers.1.mlp.experts (_OtherLayoutExperts): activation Tanh is none of FEPLB's ('silu', "
+            "'gelu_tanh', 'gelu', 'relu2') (non-gated experts: act(up(x)))") in err["layouts"], err["layouts"]
     assert err["derived"].startswith("TypeError") and "['top_k'] come from the model" in err["derived"]
     assert err["unknown"].startswith("TypeError") and "unknown FEPLBConfig field(s) ['polcy']" in err["unknown"]
     assert "already replaced them" in err["twice"], err["twice"]

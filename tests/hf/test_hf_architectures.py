@@ -29,8 +29,9 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "gemma4", "diffusion_gemma",   # GeGLU experts (gelu_pytorch_tanh), heterogeneous per-layer configs
                "dots3_note", "lfm2_moe", "deepseek_ocr2",
                "minimax_m3_vl",   # gpt-oss's gate (swiglu_oai: its alpha, clamped), weights not interleaved
-               "gpt_oss", "openai_privacy_filter")   # biases, interleaved gate/up, [in, out] weights, its gate
-KNOWN_REFUSED = {"nemotron_h": "no gate_up_proj parameter",
+               "gpt_oss", "openai_privacy_filter",   # biases, interleaved gate/up, [in, out] weights, its gate
+               "nemotron_h")   # non-gated experts: down(relu(up(x))^2)
+KNOWN_REFUSED = {"inkling_text": "parameters besides up_proj and down_proj",   # shared experts, gate_proj apart
                  "inkling2": "computes none of FEPLB's"}   # a softcapped SwiGLU
 
 
@@ -153,9 +154,11 @@ def _defects(rank: int, world: int) -> dict:
 
         # the activation lost: Gemma 4's GeGLU experts computed as SwiGLU
         kind = fh._act_kind
-        fh._act_kind = lambda act: None if kind(act) is None else "silu"
+        fh._act_kind = lambda act, *kinds: None if kind(act, *kinds) is None else "silu"
         try:
             out["swiglu_for_geglu"] = hfcheck.check(["gemma4"])[0]
+            # and Nemotron-H's relu^2 experts as silu ones
+            out["silu_for_relu2"] = hfcheck.check(["nemotron_h"])[0]
         finally:
             fh._act_kind = kind
 
@@ -180,6 +183,7 @@ def test_the_check_reports_defects():
         assert [o["status"] for o in res["slightly"]] == ["WRONG", "WRONG"], res["slightly"]
         assert res["unclamped"]["status"] == "WRONG", res["unclamped"]
         assert res["swiglu_for_geglu"]["status"] == "WRONG", res["swiglu_for_geglu"]
+        assert res["silu_for_relu2"]["status"] == "WRONG", res["silu_for_relu2"]
         assert res["alpha_lost"]["status"] == "WRONG", res["alpha_lost"]
         assert res["halves_for_interleaved"]["status"] == "WRONG", res["halves_for_interleaved"]
         assert res["bias_lost"]["status"] == "WRONG", res["bias_lost"]
@@ -304,8 +308,12 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
     ff.router.top_k, ff.top_k = 2, 1
     assert fh._problem(ff.experts, odd, 1, fh._llama4_blocks(odd)[id(ff.experts)],
                        "model.layers.0.feed_forward.experts")[1]["top_k"] == 2
-    refused = fh.supported(tiny_model("nemotron_h"))
-    assert refused and all(why and "no gate_up_proj" in why for why in refused.values()), refused
+    refused = fh.supported(tiny_model("inkling_text"))
+    assert refused and any(why and "besides up_proj and down_proj" in why for why in refused.values()), refused
+    nem = tiny_model("nemotron_h")
+    ((name, why),) = fh.supported(nem).items()
+    fields = fh._problem(nem.get_submodule(name), nem, 1)[1]
+    assert why is None and not fields["gated"] and fields["activation"] == "relu2", (why, fields)
     oss = tiny_model("gpt_oss")
     experts = oss.model.layers[0].mlp.experts
     why, fields = fh._problem(experts, oss, 1)
@@ -334,11 +342,11 @@ def test_cli_writes_the_table(tmp_path, capsys):
     from feplb.cli import main
 
     md, js = tmp_path / "hf.md", tmp_path / "hf.json"
-    assert main(["hf-check", "mixtral", "nemotron_h", "--markdown", str(md), "--json", str(js)]) == 0
+    assert main(["hf-check", "mixtral", "inkling_text", "--markdown", str(md), "--json", str(js)]) == 0
     printed = capsys.readouterr().out
     assert "mixtral" in printed and "2 architectures: 1 exact, 1 refused" in printed, printed
     text = md.read_text()
-    assert "| `mixtral` | exact | 2 |" in text and "| `nemotron_h` | refused | 0 |" in text, text
+    assert "| `mixtral` | exact | 2 |" in text and "| `inkling_text` | refused | 0 |" in text, text
     doc = json.loads(js.read_text())
     assert doc["meta"]["ranks"] == 2 and doc["meta"]["command"].startswith("feplb hf-check mixtral")
     assert [o["status"] for o in doc["outcomes"]] == ["exact", "refused"]

@@ -93,6 +93,14 @@ def glu_f64(h_M2F, limit=None, act="silu", alpha=1.0, interleaved=False):
     return a * up
 
 
+def mlp_act_f64(h_MF, act):
+    """A non-gated expert's activation in float64 from its formula."""
+    h = h_MF.double()
+    if act == "relu2":
+        return torch.where(h > 0, h, torch.zeros_like(h)) ** 2
+    return glu_f64(torch.cat([h, torch.ones_like(h)], dim=1), None, act)
+
+
 def poisoned(t: torch.Tensor) -> torch.Tensor:
     """A tensor of t's shape and dtype filled with NaN (or -1 for integers)."""
     return torch.full_like(t, -1) if not t.is_floating_point() else torch.full_like(t, float("nan"))
@@ -107,7 +115,7 @@ def close(actual, expected, dtype, scale: float = 1.0) -> None:
 def kh() -> SimpleNamespace:
     return SimpleNamespace(random_routing=random_routing, group_ids=group_ids, grouped_mm_f64=grouped_mm_f64,
                            grouped_mm_dw_f64=grouped_mm_dw_f64, routing_f64=routing_f64, unpermute_f64=unpermute_f64,
-                           glu_f64=glu_f64, poisoned=poisoned, close=close, TOL=TOL)
+                           glu_f64=glu_f64, mlp_act_f64=mlp_act_f64, poisoned=poisoned, close=close, TOL=TOL)
 
 
 @pytest.fixture

@@ -220,6 +220,16 @@ def other_jobs():
                                consts={**meta, "ACC": tl.float32, "CLAMP": clamp, "ACT": act_id, "INTERLEAVED": inter})
 
 
+    for name, fn, types in (
+        ("mlp_act", activation._mlp_act_kernel, {"h_ptr": "*bf16", "out_ptr": "*bf16"}),
+        ("mlp_act backward", activation._mlp_act_bwd_kernel, {"grad_ptr": "*bf16", "h_ptr": "*bf16",
+                                                              "dh_ptr": "*bf16"}),
+    ):
+        for act in activation.PLAIN_ACTS:   # non-gated experts (relu2: Nemotron-H's)
+            yield dict(name=f"{name} {act}", jit_fn=fn, types=types, div16=("F",), options=options,
+                       consts={**meta, "ACC": tl.float32, "ACT": activation._ACT_ID[act]})
+
+
 def main(argv: list[str]) -> int:
     failed = 0
     only = argv[argv.index("--only") + 1] if "--only" in argv else ""

@@ -75,6 +75,9 @@ def test_opcheck(impl, gen, kh):
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), 0.5, "gelu")),
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), 0.5, "swiglu_oai", 1.702)),
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), None, "silu", 1.0, True)),
+        (torch.ops.feplb.mlp_act.default, (h, "relu2")),
+        (torch.ops.feplb.mlp_act.default, (h, "gelu_tanh")),
+        (torch.ops.feplb.mlp_act_bwd.default, (h.detach().clone(), h.detach(), "relu2")),
     ]
     with impl_context(impl):
         for op, args in cases:

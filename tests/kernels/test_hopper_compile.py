@@ -34,6 +34,7 @@ def test_kernels_compile_for_hopper():
     assert {f"glu{b} {act}{c}" for b in ("", " backward") for act in ("silu", "gelu_tanh", "gelu", "swiglu_oai")
             for c in ("", " clamped")} | {"glu swiglu_oai clamped interleaved",
                                           "glu backward swiglu_oai clamped interleaved"} <= names
+    assert {f"mlp_act{b} {act}" for b in ("", " backward") for act in ("relu2", "silu", "gelu_tanh", "gelu")} <= names
     gemms = [r for r in rows if r["kernel"].startswith("grouped_mm") and "reduce" not in r["kernel"]]
     # Every dtype a GEMM can be launched with on a GPU was compiled, with the configs the autotuner keeps.
     assert {(r["kernel"], r["dtype"]) for r in gemms} >= {

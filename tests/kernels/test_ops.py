@@ -114,6 +114,21 @@ def test_glu_rejects_an_unknown_activation(act):
         fk.glu(torch.randn(3, 4), None, act)
 
 
+@pytest.mark.parametrize("act", ["relu2", "silu", "gelu_tanh", "gelu"])
+def test_mlp_act(act, gen, kh):
+    h = (torch.randn(13, 10, generator=gen) * 3)
+    out = fk.mlp_act(h, act)
+    kh.close(out, kh.mlp_act_f64(h, act), torch.float32, scale=4.0)
+    h64 = h.double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: fk.mlp_act(t, act), (h64,))
+
+
+@pytest.mark.parametrize("act", ["swiglu_oai", "relu", None])
+def test_mlp_act_rejects_an_unknown_activation(act):
+    with pytest.raises(ValueError, match=r"act: expected one of \('silu', 'gelu_tanh', 'gelu', 'relu2'\)"):
+        fk.mlp_act(torch.randn(3, 4), act)
+
+
 @pytest.mark.parametrize("alpha", [float("nan"), float("inf"), True, "1.7"])
 def test_glu_rejects_a_bad_alpha(alpha):
     with pytest.raises(ValueError, match="alpha: expected a finite number"):

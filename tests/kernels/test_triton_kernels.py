@@ -9,7 +9,18 @@ import pytest
 import torch
 
 from feplb.kernels import HAVE_TRITON, INTERPRET, poison_outputs
-from feplb.kernels.activation import ACTS, glu_bwd_ref, glu_bwd_triton, glu_ref, glu_triton
+from feplb.kernels.activation import (
+    ACTS,
+    PLAIN_ACTS,
+    glu_bwd_ref,
+    glu_bwd_triton,
+    glu_ref,
+    glu_triton,
+    mlp_act_bwd_ref,
+    mlp_act_bwd_triton,
+    mlp_act_ref,
+    mlp_act_triton,
+)
 from feplb.kernels.activation import HOPPER_CONFIGS as GLU_HOPPER_CONFIGS
 from feplb.kernels.grouped_gemm import (
     DW_FALLBACK_CONFIGS,
@@ -226,6 +237,30 @@ def test_glu_kernels(dtype, limit, act, interleaved, gen, kh):
         assert (d_gate[gate <= limit] != 0).any()
     if interleaved:   # not the side-by-side layout under another name
         assert not torch.allclose(out.cpu().double(), kh.glu_f64(h.cpu(), limit, act, ALPHA), rtol=0.05)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")   # the interpreter's sigmoid
+@pytest.mark.parametrize("act", PLAIN_ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_mlp_act_kernels(dtype, act, gen, kh):
+    """Non-gated experts' activation: against the twin, fp64 formulas and fp64 autograd; zeros included."""
+    M, F = 70, 150
+    h = (torch.randn(M, F, generator=gen) * 3).to(dtype)
+    h[::9, ::4] = 0.0
+    h = h.to(DEVICE)
+    g = torch.randn(M, F, generator=gen).to(dtype).to(DEVICE)
+    with poison_outputs():
+        out = mlp_act_triton(h, act)
+        dh = mlp_act_bwd_triton(g, h, act)
+    kh.close(out.cpu(), mlp_act_ref(h, act).cpu(), dtype, scale=4.0)
+    kh.close(out.cpu(), kh.mlp_act_f64(h.cpu(), act), dtype, scale=4.0)
+    kh.close(dh.cpu(), mlp_act_bwd_ref(g, h, act).cpu(), dtype, scale=4.0)
+    h64 = h.cpu().double().requires_grad_()
+    (dh_f64,) = torch.autograd.grad(kh.mlp_act_f64(h64, act), h64, g.cpu().double())
+    kh.close(dh.cpu(), dh_f64, dtype, scale=8.0)
+    if act == "relu2":   # exactly zero where h <= 0, value and gradient
+        neg = h.cpu() <= 0
+        assert (out.cpu()[neg] == 0).all() and (dh.cpu()[neg] == 0).all() and (out.cpu()[~neg] > 0).any()
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

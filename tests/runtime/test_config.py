@@ -42,10 +42,24 @@ BASE = dict(hidden=16, ffn=32, num_experts=8, top_k=2)
     ("swiglu_alpha", float("nan"), ValueError, "swiglu_alpha must be a finite number"),
     ("swiglu_alpha", "1.7", ValueError, "swiglu_alpha"),
     ("gate_on_input", 1, TypeError, "gate_on_input"),
+    ("gated", 0, TypeError, "gated must be a bool"),
+    ("glu_interleaved", "yes", TypeError, "glu_interleaved must be a bool"),
+    ("expert_bias", None, TypeError, "expert_bias must be a bool"),
+    ("activation", "relu2", ValueError, r"one of \('silu', 'gelu_tanh', 'gelu', 'swiglu_oai'\) \(gated experts\)"),
 ], ids=lambda v: str(v))
 def test_config_rejects_bad_values(field, value, exc, needle):
     with pytest.raises(exc, match=needle.replace("+", r"\+")):
         FEPLBConfig(**{**BASE, field: value})
+
+
+def test_config_non_gated_experts():
+    cfg = FEPLBConfig(**BASE, gated=False, activation="relu2")
+    assert cfg.glu == (None, "relu2", 1.702, False, False)
+    with pytest.raises(ValueError, match=r"one of \('silu', 'gelu_tanh', 'gelu', 'relu2'\) \(non-gated experts\)"):
+        FEPLBConfig(**BASE, gated=False, activation="swiglu_oai")
+    for bad in ({"swiglu_limit": 1.0}, {"glu_interleaved": True}):
+        with pytest.raises(ValueError, match="apply to gated experts only"):
+            FEPLBConfig(**BASE, gated=False, **bad)
 
 
 def test_config_defaults_and_external_router():

@@ -67,7 +67,11 @@ def _run_layer(rank, world, cfg_kwargs, routing, seed, microbatches=1):
     cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, plan_wait_ms=60_000, min_straggler_rows=0, min_chunk=2,
                       **{k: v for k, v in cfg_kwargs.items() if k != "replicas_mode"})
     layer = MoELayer(cfg)
-    load_global_weights(layer, router_EH, w1, w2, *(make_biases(seed) if cfg.expert_bias else ()))
+    biases = make_biases(seed) if cfg.expert_bias else ()
+    if not cfg.gated:   # non-gated experts: w1 [E, H, F] (the gate half's columns), b1 [E, F]
+        w1, biases = w1[:, :, :FF].contiguous(), tuple(b[:, :FF].contiguous() if b.shape[1] == 2 * FF else b
+                                                       for b in biases)
+    load_global_weights(layer, router_EH, w1, w2, *biases)
     if replicas_mode is not None:
         layer.state = PolicyState(topo=layer.topo, policy=cfg.policy, refresh_every=cfg.refresh_every,
                                   replicas_mode=replicas_mode)
@@ -158,17 +162,21 @@ def _check_stack(per_rank, G, seed=300):
 
 
 def _dense_in(dtype, routing, seed, G, microbatches, router, limit=None, gate_on_input=False, act="silu",
-              interleaved=False, bias=False):
+              interleaved=False, bias=False, gated=True):
     router_EH, w1, w2, xs, dys = make_inputs(routing, seed, G, router)
+    b1, b2 = make_biases(seed) if bias else (None, None)
+    if not gated:
+        w1, b1 = w1[:, :, :FF], b1 if b1 is None else b1[:, :FF]
     router_EH, w1, w2 = (t.to(dtype).requires_grad_(True) for t in (router_EH, w1, w2))
-    b1, b2 = (t.to(dtype).requires_grad_(True) for t in make_biases(seed)) if bias else (None, None)
+    b1, b2 = (None, None) if not bias else (b1.to(dtype).requires_grad_(True), b2.to(dtype).requires_grad_(True))
     outs, dxs, drouters = [], [], []
     for x, dy in zip(xs, dys, strict=True):
         x = x.to(dtype).requires_grad_(True)
         r_leaf = router_EH.detach().clone().requires_grad_(True)
         for _ in range(microbatches):
             out = dense_moe_reference(x, r_leaf, w1, w2, K, router, swiglu_limit=limit, gate_on_input=gate_on_input,
-                                      activation=act, glu_interleaved=interleaved, b1_E2F=b1, b2_EH=b2)
+                                      activation=act, glu_interleaved=interleaved, b1_E2F=b1, b2_EH=b2,
+                                      gated=gated)
             if out.requires_grad:   # a rank without tokens contributes nothing
                 (out * dy.to(dtype)).sum().backward()
         outs.append(out.detach())
@@ -180,13 +188,13 @@ def _dense_in(dtype, routing, seed, G, microbatches, router, limit=None, gate_on
 
 @functools.lru_cache(maxsize=None)
 def _dense(routing, seed, G, microbatches=1, router="softmax", limit=None, gate_on_input=False, act="silu",
-           interleaved=False, bias=False):
+           interleaved=False, bias=False, gated=True):
     """fp64 dense reference, plus the error torch's own fp32 makes on the same math (the floor of any tolerance:
     saturated softmax gradients cancel catastrophically in fp32 whatever the dispatch)."""
     ref64 = _dense_in(torch.float64, routing, seed, G, microbatches, router, limit, gate_on_input, act, interleaved,
-                      bias)
+                      bias, gated)
     ref32 = _dense_in(torch.float32, routing, seed, G, microbatches, router, limit, gate_on_input, act, interleaved,
-                      bias)
+                      bias, gated)
     return tuple(_Ref(a, b) if isinstance(a, torch.Tensor) else [_Ref(x, y) for x, y in zip(a, b, strict=True)]
                  for a, b in zip(ref64, ref32, strict=True))
 
@@ -223,7 +231,9 @@ def _check(results, cases, G):
         router, limit = cfg_kwargs.get("router", "softmax"), cfg_kwargs.get("swiglu_limit")
         goi, act = cfg_kwargs.get("gate_on_input", False), cfg_kwargs.get("activation", "silu")
         inter, bias = cfg_kwargs.get("glu_interleaved", False), cfg_kwargs.get("expert_bias", False)
-        outs, dxs, drouters, dw1, dw2, db1, db2 = _dense(routing, seed, G, mb, router, limit, goi, act, inter, bias)
+        gated = cfg_kwargs.get("gated", True)
+        outs, dxs, drouters, dw1, dw2, db1, db2 = _dense(routing, seed, G, mb, router, limit, goi, act, inter, bias,
+                                                        gated)
         tag = f"{routing}/{cfg_kwargs['policy']}/{cfg_kwargs.get('weights', 'per-step')}"
         for r, res in enumerate(per_rank):
             _close(res["out"], outs[r], f"{tag} rank {r} output")
@@ -249,7 +259,7 @@ def _check(results, cases, G):
         assert len({res["state"] for res in per_rank}) == 1, f"{tag}: policy histories differ across ranks"
         if cfg_kwargs.get("replicas_mode") == "lazy":
             assert per_rank[0]["reads_plans"] and all(res["fp"] for res in per_rank), tag
-        by_key[(routing, seed, mb, router, limit, goi, act, inter, bias, cfg_kwargs["policy"],
+        by_key[(routing, seed, mb, router, limit, goi, act, inter, bias, gated, cfg_kwargs["policy"],
                 cfg_kwargs.get("weights"))] = per_rank
         if cfg_kwargs["policy"] in IN_NODE and routing in ("skewed", "no_tokens", "hot_per_node") and \
                 cfg_kwargs["policy"] != "feplb":
@@ -257,8 +267,8 @@ def _check(results, cases, G):
             assert res["after"] < res["before"], f"{tag}: straggler {res['before']} -> {res['after']}"
             assert res["moved"] > 0
     # Balancing on equals balancing off (same tolerance, independent of the dense reference).
-    for (routing, seed, mb, router, limit, goi, act, inter, bias, policy, weights), per_rank in by_key.items():
-        off = by_key.get((routing, seed, mb, router, limit, goi, act, inter, bias, "none", None))
+    for (routing, seed, mb, router, limit, goi, act, inter, bias, gated, policy, weights), per_rank in by_key.items():
+        off = by_key.get((routing, seed, mb, router, limit, goi, act, inter, bias, gated, "none", None))
         if off is None or policy == "none":
             continue
         for r in range(W):
@@ -310,6 +320,11 @@ def _cases_for(G):
                             ("none", None)):
         kw = {**gpt_oss, "policy": policy}
         cases.append(({**kw, "weights": weights} if weights else kw, "skewed", 207, 2))
+    # Non-gated experts (Nemotron-H's relu^2), with biases, rows and weights moving and per-step copies
+    for policy, weights in (("feplb-split", "per-microbatch"), ("feplb-split@ema", "per-step"), ("none", None)):
+        kw = {"policy": policy, "gpus_per_node": G, "gated": False, "activation": "relu2", "expert_bias": True,
+              "dyn": 2}
+        cases.append(({**kw, "weights": weights} if weights else kw, "skewed", 208, 2))
     return cases
 
 
