@@ -28,7 +28,9 @@ class FEPLBConfig:
         MiniMax-M3's: gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
     swiglu_alpha: swiglu_oai's sigmoid slope (1.702 in gpt-oss and MiniMax-M3); the other activations ignore it.
     gated: False for non-gated experts, down(act(up(x))) (Nemotron-H's, activation "relu2": relu(h)^2; or "silu",
-        "gelu_tanh", "gelu"): ``w1`` is [L, H, F] (no gate half), and there is no clamp or interleaving.
+        "gelu_tanh", "gelu"): ``w1`` is [L, H, F] (no gate half), and there is no clamp or interleaving. The default
+        cost model sizes them as gated experts 2F/3 wide (the same weights and multiply-adds); a ``cost`` given here
+        is used as it is (time non-gated experts with ``feplb calibrate --ffn`` of 2F/3).
     glu_interleaved: gate and up columns of w1 alternate (gate = h[:, 0::2], up = h[:, 1::2]: gpt-oss's weights)
         instead of lying side by side.
     expert_bias: every expert has biases b1 [2F] (added to x w1) and b2 [H] (to the down projection), gpt-oss's

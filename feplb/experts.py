@@ -38,12 +38,35 @@ def expert_mlp(x_MH: torch.Tensor, weights: tuple[torch.Tensor, ...], offsets_L:
                                                              dtype=offsets_L.dtype), right=True)
         # in the wider of the two dtypes (under torch.autocast: a bf16 GEMM plus the fp32 bias, as a biased
         # F.linear's output would be promoted in eager code such as gpt-oss's)
-        h = h + bias[0].index_select(0, group_M)
+        h = h + _RowBias.apply(bias[0], group_M)
     a = glu(h, limit, act, alpha, interleaved) if gated else mlp_act(h, act)
     y = grouped_mm(a, w2_LFH, offsets_L, check=False)
     if bias:
-        y = y + bias[1].index_select(0, group_M)
+        y = y + _RowBias.apply(bias[1], group_M)
     return y if y.dtype == x_MH.dtype else y.to(x_MH.dtype)
+
+
+class _RowBias(torch.autograd.Function):
+    """Each row's expert bias, ``bias_LN[group_M]``; the gradient summed in fp32 (fp64 for fp64) and rounded to the
+    bias's dtype once (``index_select``'s own backward adds in the bias's dtype: bf16 atomics on a GPU round after
+    every row)."""
+
+    @staticmethod
+    def forward(bias_LN: torch.Tensor, group_M: torch.Tensor) -> torch.Tensor:
+        return bias_LN.index_select(0, group_M)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        bias_LN, group_M = inputs
+        ctx.save_for_backward(group_M)
+        ctx.shape, ctx.dtype = tuple(bias_LN.shape), bias_LN.dtype
+
+    @staticmethod
+    def backward(ctx, grad_MN: torch.Tensor):
+        (group_M,) = ctx.saved_tensors
+        acc = torch.float64 if ctx.dtype == torch.float64 else torch.float32
+        total = torch.zeros(ctx.shape, dtype=acc, device=grad_MN.device).index_add_(0, group_M, grad_MN.to(acc))
+        return total.to(ctx.dtype), None
 
 
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -374,6 +374,9 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
     if not bias and getattr(module, "has_bias", False):
         return f"has_bias=True without {' and '.join(biases)} parameters", {}
     extra = sorted(set(own) - {w1name, "down_proj", *bias})
+    if "gate_proj" in extra and w1name == "up_proj":
+        return ("a gate_proj parameter apart from up_proj (gated experts with the gate stored separately; FEPLB "
+                "takes gated experts' weights joined, as gate_up_proj)"), {}
     if extra:
         return f"parameters besides {w1name} and down_proj (and their biases): {', '.join(extra)}", {}
     buffers = sorted(n for n, _ in module.named_buffers())

@@ -254,9 +254,11 @@ def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[st
                     f"mlp2_weight_EDF {list(g2.shape)}, mlp2_bias_ED {list(b2.shape)}; expected [E, 2F, D], [E, 2F], "
                     "[E, D, F], [E, D]"), {}
         limit = getattr(inner, "swiglu_limit", None)
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
-            return f"swiglu_limit {limit!r}; expected a finite number > 0", {}
-        gated = {"activation": "swiglu_oai", "swiglu_alpha": _OSS_ALPHA, "swiglu_limit": float(limit),
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or
+                                  not 0 < limit <= float("inf")):
+            return f"swiglu_limit {limit!r}; expected a number > 0 (inf: no clamp)", {}
+        gated = {"activation": "swiglu_oai", "swiglu_alpha": _OSS_ALPHA,
+                 "swiglu_limit": None if limit is None or limit == float("inf") else float(limit),
                  "glu_interleaved": True, "expert_bias": True}
     else:
         w1, w2, w3 = ws

@@ -31,7 +31,7 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "minimax_m3_vl",   # gpt-oss's gate (swiglu_oai: its alpha, clamped), weights not interleaved
                "gpt_oss", "openai_privacy_filter",   # biases, interleaved gate/up, [in, out] weights, its gate
                "nemotron_h")   # non-gated experts: down(relu(up(x))^2)
-KNOWN_REFUSED = {"inkling_text": "parameters besides up_proj and down_proj",   # shared experts, gate_proj apart
+KNOWN_REFUSED = {"inkling_text": "a gate_proj parameter apart from up_proj",   # shared experts, gate_proj apart
                  "inkling2": "computes none of FEPLB's"}   # a softcapped SwiGLU
 
 
@@ -309,7 +309,7 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
     assert fh._problem(ff.experts, odd, 1, fh._llama4_blocks(odd)[id(ff.experts)],
                        "model.layers.0.feed_forward.experts")[1]["top_k"] == 2
     refused = fh.supported(tiny_model("inkling_text"))
-    assert refused and any(why and "besides up_proj and down_proj" in why for why in refused.values()), refused
+    assert refused and any(why and "gate_proj parameter apart from up_proj" in why for why in refused.values()), refused
     nem = tiny_model("nemotron_h")
     ((name, why),) = fh.supported(nem).items()
     fields = fh._problem(nem.get_submodule(name), nem, 1)[1]

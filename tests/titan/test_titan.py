@@ -368,9 +368,9 @@ def _errors_case(rank: int, world: int) -> dict:
     other = make_moe("qwen3")
     other.routed_experts.inner_experts._grouped_mm = lambda *, A, B_t, offs: torch._grouped_mm(A, B_t, offs=offs)
     out["converted"] = error_of(lambda: ft.apply(other))
-    gpt_oss = make_moe("qwen3")   # GPT-OSS experts without a finite clamp
+    gpt_oss = make_moe("qwen3")   # GPT-OSS experts with a clamp that is no number > 0
     gpt_oss.routed_experts.inner_experts = GptOssGroupedExperts(
-        GptOssGroupedExperts.Config(dim=D, hidden_dim=FF, num_experts=E, swiglu_limit=float("inf")))
+        GptOssGroupedExperts.Config(dim=D, hidden_dim=FF, num_experts=E, swiglu_limit=-1.0))
     out["gpt_oss"] = error_of(lambda: ft.apply(gpt_oss))
     mixed = make_moe("qwen3", seed=rank if world > 1 else 5)
     out["different_weights"] = error_of(lambda: ft.apply(mixed)) if world > 1 else None
@@ -554,7 +554,7 @@ def _assert_errors(ranks: list[dict], world: int) -> None:
         assert err["untouched"]
         assert "found no torchtitan MoE module in Linear" in err["none"], err["none"]
         assert "GroupedExperts are not torchtitan's plain GroupedExperts" in err["converted"], err["converted"]
-        assert "swiglu_limit inf; expected a finite number > 0" in err["gpt_oss"], err["gpt_oss"]
+        assert "swiglu_limit -1.0; expected a number > 0 (inf: no clamp)" in err["gpt_oss"], err["gpt_oss"]
         assert "meta device" in err["meta"], err["meta"]
         assert "already replaced" in err["again"], err["again"]
         if world == 4:
