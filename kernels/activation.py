@@ -164,14 +164,19 @@ def _act_and_grad(gate, alpha, ACT: tl.constexpr, ACC: tl.constexpr):
         return gate * cdf, cdf + gate * pdf
 
 
-@triton.autotune(configs=_CONFIGS, key=["F"])
 @triton.jit
-def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, ACC: tl.constexpr, CLAMP: tl.constexpr,
-                ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _tile(M, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    """This program's rows (int64), columns and their in-bounds mask over [M, F]."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows < M)[:, None] & (cols < F)[None, :]
-    if INTERLEAVED:   # gate in column 2j, up in 2j + 1
+    return rows, cols, (rows < M)[:, None] & (cols < F)[None, :]
+
+
+@triton.jit
+def _load_gate_up(h_ptr, rows, cols, mask, F, ACC: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(gate, up, their offsets) of rows x cols in h [M, 2F]: side by side (gate in column j, up in F + j) or
+    interleaved (gate in 2j, up in 2j + 1)."""
+    if INTERLEAVED:
         g_offs = rows[:, None] * (2 * F) + 2 * cols[None, :]
         u_offs = g_offs + 1
     else:
@@ -179,6 +184,15 @@ def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, ACC:
         u_offs = g_offs + F
     gate = tl.load(h_ptr + g_offs, mask=mask, other=0.0).to(ACC)
     up = tl.load(h_ptr + u_offs, mask=mask, other=0.0).to(ACC)
+    return gate, up, g_offs, u_offs
+
+
+@triton.autotune(configs=_CONFIGS, key=["F"])
+@triton.jit
+def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, ACC: tl.constexpr, CLAMP: tl.constexpr,
+                ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    rows, cols, mask = _tile(M, F, BLOCK_R, BLOCK_F)
+    gate, up, _, _ = _load_gate_up(h_ptr, rows, cols, mask, F, ACC, INTERLEAVED)
     if CLAMP:   # torch.clamp's: NaN stays NaN (tl.minimum would return the limit)
         lim = tl.cast(limit, ACC)
         gate = tl.where(gate > lim, lim, gate)
@@ -195,17 +209,8 @@ def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, ACC:
 def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, alpha: tl.float64, ACC: tl.constexpr,
                     CLAMP: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_F: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows < M)[:, None] & (cols < F)[None, :]
-    if INTERLEAVED:
-        g_offs = rows[:, None] * (2 * F) + 2 * cols[None, :]
-        u_offs = g_offs + 1
-    else:
-        g_offs = rows[:, None] * (2 * F) + cols[None, :]
-        u_offs = g_offs + F
-    gate = tl.load(h_ptr + g_offs, mask=mask, other=0.0).to(ACC)
-    up = tl.load(h_ptr + u_offs, mask=mask, other=0.0).to(ACC)
+    rows, cols, mask = _tile(M, F, BLOCK_R, BLOCK_F)
+    gate, up, g_offs, u_offs = _load_gate_up(h_ptr, rows, cols, mask, F, ACC, INTERLEAVED)
     g = tl.load(grad_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(ACC)
     if CLAMP:   # a NaN input is inside no bound: its clamp passes no gradient (torch.clamp's where)
         lim = tl.cast(limit, ACC)
@@ -311,9 +316,7 @@ def mlp_act_bwd_ref(grad_MF: Tensor, h_MF: Tensor, act: str) -> Tensor:
 @triton.jit
 def _mlp_act_kernel(h_ptr, out_ptr, M, F, ACC: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_F: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    rows, cols, mask = _tile(M, F, BLOCK_R, BLOCK_F)
     offs = rows[:, None] * F + cols[None, :]
     h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(ACC)
     a, _ = _act_and_grad(h, 1.0, ACT, ACC)
@@ -324,9 +327,7 @@ def _mlp_act_kernel(h_ptr, out_ptr, M, F, ACC: tl.constexpr, ACT: tl.constexpr, 
 @triton.jit
 def _mlp_act_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, ACC: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_F: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    rows, cols, mask = _tile(M, F, BLOCK_R, BLOCK_F)
     offs = rows[:, None] * F + cols[None, :]
     h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(ACC)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(ACC)
