@@ -3,8 +3,6 @@ to the GPU that computes it (``feplb.layout.direct_layout``), with no phase 2 (`
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -45,10 +43,9 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     slot_w = layer.replicas.forward_slot_weights(layer.placement, recv).for_gemms()
     h = recv.index_select(0, to_device(lay.perm, dev))
     copies = tuple(plan.weight_copies)
-    shapes = layer.part_shapes
-    ex = Exchange(layer.comm, weight_items(copies, [math.prod(s) for s in shapes]), dtype=h.dtype, device=dev,
-                  op="weights to helpers")
-    spec = weight_sends(copies, r, 0, len(shapes))
+    sizes = layer.part_sizes
+    ex = Exchange(layer.comm, weight_items(copies, sizes), dtype=h.dtype, device=dev, op="weights to helpers")
+    spec = weight_sends(copies, r, 0, len(sizes))
     order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
     with span(tl, "copy_weights", "copy"):
         rcv = ex(materialize(order, h, lambda e: layer._local_weights(e, slot_w)), layer._anchor(h))

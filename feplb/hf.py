@@ -418,27 +418,24 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         if tuple(gb.shape) != (E, G) or tuple(db.shape) != (E, H) or gb.dtype != gu.dtype or db.dtype != gu.dtype:
             return (f"bias shapes {biases[0]} {list(gb.shape)} {gb.dtype}, {biases[1]} {list(db.shape)} {db.dtype}; "
                     f"expected [{E}, {G}] and [{E}, {H}] in the weights' dtype {gu.dtype}"), {}
-    if not is_gated:   # down(act(up(x))): the module's act_fn, no gate of its own
-        from feplb.kernels.activation import PLAIN_ACTS
-
-        if _custom_gate(module):
-            return f"a gating function of its own ({type(module).__name__}._apply_gate) on non-gated experts", {}
-        act_fn = getattr(module, "act_fn", None)
-        kind = _act_kind(act_fn, PLAIN_ACTS)
-        if kind is None:
-            return (f"activation {type(act_fn).__name__ if act_fn is not None else None} is none of FEPLB's "
-                    f"{PLAIN_ACTS} (non-gated experts: act(up(x)))"), {}
-        gated = (kind, None, 1.702, False)
-    else:
+    if is_gated:
         why, gated = _gate(module, Fd)
         if why is not None:
             return why, {}
-    if gated is None:   # the default gate: act_fn(gate) * up
+    elif _custom_gate(module):
+        return f"a gating function of its own ({type(module).__name__}._apply_gate) on non-gated experts", {}
+    else:
+        gated = None
+    if gated is None:   # the module's act_fn: act_fn(gate) * up, or act_fn(up(x)) for non-gated experts
+        from feplb.kernels.activation import PLAIN_ACTS
+
+        kinds, what = (_ACT_FN_KINDS, "FEPLB computes gated experts: act(gate) * up") if is_gated else \
+            (PLAIN_ACTS, "non-gated experts: act(up(x))")
         act_fn = getattr(module, "act_fn", None)
-        kind = _act_kind(act_fn)
+        kind = _act_kind(act_fn, kinds)
         if kind is None:
             return (f"activation {type(act_fn).__name__ if act_fn is not None else None} is none of FEPLB's "
-                    f"{_ACT_FN_KINDS} (FEPLB computes gated experts: act(gate) * up)"), {}
+                    f"{kinds} ({what})"), {}
         gated = (kind, None, 1.702, False)
     cfg = _config_of(module, model)
     if gu.dtype not in _DTYPES:

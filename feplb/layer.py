@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import threading
 import warnings
 import weakref
@@ -241,6 +242,11 @@ class MoELayer(nn.Module):
         H, F_ = self.config.hidden, self.config.ffn
         G = 2 * F_ if self.config.gated else F_
         return ((H, G), (F_, H)) + (((G,), (H,)) if self.config.expert_bias else ())
+
+    @property
+    def part_sizes(self) -> list[int]:
+        """The elements of each of :attr:`part_shapes` (what a copy of one expert sends per part)."""
+        return [math.prod(s) for s in self.part_shapes]
 
     def expert_params(self) -> tuple[nn.Parameter, ...]:
         """The parameters behind ``expert_weights()`` (what an optimizer steps)."""

@@ -18,7 +18,6 @@ Legend: R rows at home on this rank after phase 1, H hidden, F ffn.
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import threading
 from dataclasses import dataclass
 
@@ -121,12 +120,11 @@ def _lay_out(layer, plan, counts: Counts, split: Split, state, dtype, device):
         if not (any(cp[0] == e and cp[2] == layer.rank for cp in copies) or e in layer.replicas.replica_of
                 or e // layer.num_local == layer.rank):
             raise ValueError(f"GPU {layer.rank} would compute rows of expert {e} without its weights")
-    shapes = layer.part_shapes
-    items = [Item(m.src, m.dst, m.rows * c.hidden) for m in moves] + \
-        weight_items(copies, [math.prod(s) for s in shapes])
+    sizes = layer.part_sizes
+    items = [Item(m.src, m.dst, m.rows * c.hidden) for m in moves] + weight_items(copies, sizes)
     ex = Exchange(layer.comm, items, dtype=dtype, device=device, op="phase-2 rows and weights to helpers")
     spec = {j: ("rows", a, b) for j, a, b in lay.out}
-    spec.update(weight_sends(copies, layer.rank, len(moves), len(shapes)))
+    spec.update(weight_sends(copies, layer.rank, len(moves), len(sizes)))
     order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
     return moves, lay, copies, ex, order
 

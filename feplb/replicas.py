@@ -23,7 +23,6 @@ Legend: L experts per GPU, H hidden, F ffn, S slots per GPU (= L).
 from __future__ import annotations
 
 import dataclasses
-import math
 import weakref
 
 import numpy as np
@@ -174,11 +173,11 @@ class Replicas:
         Returns (items, {item: tensor this rank sends}, {(expert, dst): k}): copy k's part j is item
         ``j * len(copies) + k``."""
         lay = self._layer()
-        shapes = lay.part_shapes
-        items = weight_items(copies, [math.prod(s) for s in shapes])
+        sizes = lay.part_sizes
+        items = weight_items(copies, sizes)
         sends = {}
         mine = weights if weights is not None else lay.expert_weights()
-        for k, (_, j, e) in weight_sends(copies, lay.rank, 0, len(shapes)).items():
+        for k, (_, j, e) in weight_sends(copies, lay.rank, 0, len(sizes)).items():
             sends[k] = self.owned(e, mine)[j].reshape(-1)
         return items, sends, {(e, d): k for k, (e, _, d) in enumerate(copies)}
 
@@ -210,7 +209,7 @@ class Replicas:
         rcv = ex(ex.sends_of(sends), lay._anchor(anchor))
         tail, got = rcv.tail, rcv.items
         n = len(copies)
-        nbytes = n * sum(math.prod(s) for s in lay.part_shapes) * w1.element_size()
+        nbytes = n * sum(lay.part_sizes) * w1.element_size()
         if placement.own_slots:
             return SlotWeights(parts=own, tail=tail, copied_bytes=nbytes)
         ws = [self._received(got, index[(e, lay.rank)], n) if e // lay.num_local != lay.rank
@@ -258,8 +257,7 @@ class Replicas:
         r, L = lay.rank, lay.num_local
         if not self.pairs:
             return
-        shapes = lay.part_shapes
-        sizes = [math.prod(s) for s in shapes]
+        shapes, sizes = lay.part_shapes, lay.part_sizes
         own = self.own_weights()
         w1 = own[0]
 
