@@ -17,8 +17,11 @@ Precision follows the experts' parameters (Megatron computes the experts in thei
 another); the router's probabilities weigh the outputs in fp32 when they are fp32 (``moe_router_dtype='fp32'``).
 
 What FEPLB cannot run exactly is refused, on every rank together and before anything is replaced, by name: other
-experts classes, or those three with linears other than Megatron's or Transformer Engine's, activations other than
-SwiGLU (``gated_linear_unit`` with ``F.silu``), expert biases, token dropping (``moe_expert_capacity_factor``),
+experts classes, or those three with linears other than Megatron's or Transformer Engine's, activations FEPLB does
+not compute as Megatron does (it computes gated SiLU, clamped or not, gated GeLU, gated quick-GELU with
+``glu_linear_offset=1``, gpt-oss's form, and non-gated squared ReLU, SiLU and GeLU; combinations where Megatron's
+own paths disagree are refused: a clamp under ``bias_activation_fusion``, whose fused SwiGLU ignores it, a clamp or
+offset with the legacy GroupedMLP, which ignores both), expert biases, token dropping (``moe_expert_capacity_factor``),
 fp8/fp4, latent projections, tensor parallelism (attention or experts), overlapped shared experts or EP
 communication, delayed weight gradients, CUDA graphs, forward or backward hooks on the modules whose forward FEPLB
 no longer runs (their forward pre-hooks it runs, with its whole input: Megatron's DDP waits there for the
@@ -469,8 +472,6 @@ _CONFIG_REFUSALS = (
     ("overlap_moe_expert_parallel_comm", (False, None), "overlapped expert-parallel communication"),
     ("delay_wgrad_compute", (False, None), "delayed weight gradients (backward_dw)"),
     ("add_bias_linear", (False,), "expert biases"),
-    ("activation_func_clamp_value", (None,), "a clamped activation"),
-    ("glu_linear_offset", (0, 0.0, None), "an offset in the gated unit"),
     ("activation_func_fp8_input_store", (False, None), "the activation's input stored in fp8 for the backward"),
     ("use_te_activation_func", (False, None), "Transformer Engine's activation module"),
     ("cuda_graph_impl", ("none", None), "CUDA graphs (FEPLB plans on the CPU every micro-batch)"),
@@ -495,8 +496,57 @@ def _megatrons_own_hook(hook: Any) -> bool:
     return getattr(hook, "__name__", "") == "remove_extra_states_check"
 
 
-def _sequential_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, list]:
-    """(why not, [w1, w2] of every local expert) of a ``SequentialMLP``."""
+def _activation(cfg: Any, kind: str) -> tuple[str | None, dict]:
+    """(why FEPLB cannot compute the experts' activation as Megatron does, or None; the FEPLBConfig fields it gives).
+
+    Megatron's unfused path computes ``act(min(gate, c)) * (clamp(up, -c, c) + offset)`` for gated units
+    (``activation_func_clamp_value`` c, ``glu_linear_offset``), ``act(h)`` otherwise. Its fused paths
+    (``bias_activation_fusion``) take gated SiLU (ignoring the clamp) and gated quick-GELU (with the clamp and the
+    offset) only, and the legacy GroupedMLP ignores both: where Megatron's paths disagree or cannot run, FEPLB
+    refuses rather than pick one. Mapped: gated SiLU (clamped or not), gated GeLU (erf, unfused), gated quick-GELU
+    with offset 1 (gpt-oss's gate, ``swiglu_oai``, alpha 1.702), and non-gated squared ReLU (Nemotron's), SiLU,
+    GeLU."""
+    from megatron.core.activations import quick_gelu as quick_gelu_a
+    from megatron.core.activations import squared_relu
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu as quick_gelu_f
+
+    act, clamp, offset = cfg.activation_func, cfg.activation_func_clamp_value, cfg.glu_linear_offset or 0.0
+    fused = bool(getattr(cfg, "bias_activation_fusion", False))
+    name = getattr(act, "__name__", repr(act))
+    if not cfg.gated_linear_unit:
+        kinds = {squared_relu: "relu2", F.silu: "silu", F.gelu: "gelu"}
+        if act not in kinds:
+            return f"activation {name} (non-gated): FEPLB computes squared_relu, silu or gelu there", {}
+        if fused:
+            return "bias_activation_fusion with non-gated experts (Megatron's fused path takes gated ones only)", {}
+        if clamp is not None or offset:
+            return "activation_func_clamp_value / glu_linear_offset on non-gated experts (Megatron ignores them)", {}
+        return None, {"gated": False, "activation": kinds[act]}
+    if kind == "GroupedMLP" and (clamp is not None or offset):
+        return "activation_func_clamp_value / glu_linear_offset with the legacy GroupedMLP (which ignores them)", {}
+    if act is F.silu:
+        if clamp is not None and fused:
+            return ("activation_func_clamp_value with bias_activation_fusion: Megatron's fused SwiGLU ignores the "
+                    "clamp, its unfused one applies it"), {}
+        fields = {"activation": "silu"}
+    elif act is F.gelu:
+        if fused:
+            return "gated gelu with bias_activation_fusion (Megatron fuses SwiGLU and quick-GELU only here)", {}
+        fields = {"activation": "gelu"}
+    elif act is quick_gelu_a or act is quick_gelu_f:
+        if offset != 1.0:
+            return (f"gated quick_gelu with glu_linear_offset {offset!r}: FEPLB computes it with offset 1 "
+                    "(gpt-oss's)"), {}
+        fields = {"activation": "swiglu_oai", "swiglu_alpha": 1.702}
+    else:
+        return f"activation {name} (gated): FEPLB computes silu, gelu or quick_gelu there", {}
+    if offset and fields["activation"] != "swiglu_oai":
+        return f"glu_linear_offset {offset!r} with {name}: FEPLB takes an offset with quick_gelu only", {}
+    return None, {**fields, "swiglu_limit": None if clamp is None else float(clamp)}
+
+
+def _sequential_weights(experts, L: int, H: int, Fd: int, G: int) -> tuple[str | None, list]:
+    """(why not, [w1, w2] of every local expert) of a ``SequentialMLP`` (fc1 G = 2F rows, F without a gate)."""
     local = list(experts.local_experts)
     if len(local) != L:
         return f"{len(local)} local expert modules, expected {L}", []
@@ -512,14 +562,14 @@ def _sequential_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, l
             return (f"local expert {i}'s linears are {kinds[0]} and {kinds[1]}; expected Megatron's or Transformer "
                     "Engine's column- and row-parallel linears (FEPLB multiplies by their weights)"), []
         w1, w2 = m.linear_fc1.weight, m.linear_fc2.weight
-        if w1.shape != (2 * Fd, H) or w2.shape != (H, Fd):
+        if w1.shape != (G, H) or w2.shape != (H, Fd):
             return (f"local expert {i}: linear_fc1 {list(w1.shape)}, linear_fc2 {list(w2.shape)}; expected "
-                    f"[{2 * Fd}, {H}] and [{H}, {Fd}]"), []
+                    f"[{G}, {H}] and [{H}, {Fd}]"), []
         ws += [w1, w2]
     return None, ws
 
 
-def _te_grouped_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, list]:
+def _te_grouped_weights(experts, L: int, H: int, Fd: int, G: int) -> tuple[str | None, list]:
     """(why not, the grouped linears' weights) of a ``TEGroupedMLP``: Transformer Engine's
     ``GroupedLinear`` keeps expert i's weight as ``weight{i}`` [out, in]."""
     subs = list(experts.named_children())
@@ -532,7 +582,7 @@ def _te_grouped_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, l
         return (f"grouped linears {kinds[0]} and {kinds[1]}; expected Transformer Engine's {_TE_GROUPED[0]} and "
                 f"{_TE_GROUPED[1]} (FEPLB multiplies by their weights)"), []
     ws = []
-    for (name, lin), shape in zip(subs, ((2 * Fd, H), (H, Fd)), strict=True):
+    for (name, lin), shape in zip(subs, ((G, H), (H, Fd)), strict=True):
         own = sorted(n for n, _ in lin.named_parameters())
         want = sorted(f"weight{i}" for i in range(L))
         if own != want:
@@ -544,14 +594,14 @@ def _te_grouped_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, l
     return None, ws
 
 
-def _grouped_weights(experts, L: int, H: int, Fd: int) -> tuple[str | None, list]:
+def _grouped_weights(experts, L: int, H: int, Fd: int, G: int) -> tuple[str | None, list]:
     """(why not, [weight1, weight2]) of the legacy ``GroupedMLP``."""
     if list(experts.children()) or sorted(n for n, _ in experts.named_parameters()) != ["weight1", "weight2"]:
         return (f"parameters {sorted(n for n, _ in experts.named_parameters())}; expected weight1 and weight2 "
                 "alone"), []
     w1, w2 = experts.weight1, experts.weight2
-    if w1.shape != (H, L * 2 * Fd) or w2.shape != (L * Fd, H):
-        return (f"weight1 {list(w1.shape)}, weight2 {list(w2.shape)}; expected [{H}, {L * 2 * Fd}] and "
+    if w1.shape != (H, L * G) or w2.shape != (L * Fd, H):
+        return (f"weight1 {list(w1.shape)}, weight2 {list(w2.shape)}; expected [{H}, {L * G}] and "
                 f"[{L * Fd}, {H}]"), []
     return None, [w1, w2]
 
@@ -576,9 +626,9 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
         v = getattr(cfg, field, None)
         if v not in allowed:
             return f"{why} ({field}={v!r})", {}, None
-    if not cfg.gated_linear_unit or cfg.activation_func is not F.silu:
-        return (f"activation {getattr(cfg.activation_func, '__name__', cfg.activation_func)} with "
-                f"gated_linear_unit={cfg.gated_linear_unit}: FEPLB computes SwiGLU (F.silu, gated)"), {}, None
+    why, act_fields = _activation(cfg, kind)
+    if why is not None:
+        return why, {}, None
     for label, g in (("tensor", getattr(moe, "tp_group", None)), ("expert tensor", moe.token_dispatcher.tp_group),
                      ("expert tensor", getattr(experts, "tp_group", None))):
         if g is not None and dist.get_world_size(g) > 1:
@@ -591,7 +641,7 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
         return (f"local experts {list(moe.local_expert_indices)} of {E}: expected this rank's E / W block of the "
                 f"EP group ({world} ranks)"), {}, None
     cls, check = _LAYOUTS[kind]
-    why, ws = check(experts, L, H, Fd)
+    why, ws = check(experts, L, H, Fd, 2 * Fd if cfg.gated_linear_unit else Fd)
     if why is not None:
         return f"{kind}: {why}", {}, None
     # The experts module goes (GroupedMLP's own load-state-dict post-hook FEPLB takes over); the modules kept stay
@@ -619,7 +669,7 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": K,
                   "dtype": dtype if dtype is not None else ws[0].dtype, "device": ws[0].device.type,
                   # the router's probabilities scale the experts' inputs (Megatron allows it with top-1 only)
-                  "gate_on_input": bool(getattr(cfg, "moe_apply_probs_on_input", False))}, cls
+                  "gate_on_input": bool(getattr(cfg, "moe_apply_probs_on_input", False)), **act_fields}, cls
 
 
 # ---------------------------------------------------------------------------------------------------- apply

@@ -437,8 +437,12 @@ def _refusal_case(rank: int, world: int) -> dict:
     import feplb.megatron as fm
 
     out = {}
-    for label, over in (("gelu", dict(activation_func=F.gelu)), ("capacity", dict(moe_expert_capacity_factor=1.0)),
-                        ("bias", dict(add_bias_linear=True)), ("plain", dict(gated_linear_unit=False)),
+    for label, over in (("gelu_fused", dict(activation_func=F.gelu, bias_activation_fusion=True)),
+                        ("clamp_fused", dict(activation_func_clamp_value=0.5, bias_activation_fusion=True)),
+                        ("offset", dict(glu_linear_offset=0.5)),
+                        ("capacity", dict(moe_expert_capacity_factor=1.0)),
+                        ("bias", dict(add_bias_linear=True)),
+                        ("plain_tanh", dict(gated_linear_unit=False, activation_func=torch.tanh)),
                         ("fp8_store", dict(activation_func_fp8_input_store=True))):
         moe = make_moe(**over)
         before = type(moe.experts).__name__
@@ -494,6 +498,17 @@ def _job(rank: int, world: int) -> dict:
         res["layer", "probs-on-input", policy, "fp32"] = _layer_case(
             rank, world, "softmax", policy, torch.float32, moe_apply_probs_on_input=True, moe_router_topk=1,
             moe_router_pre_softmax=True)
+    # other activations: GeGLU (erf), SwiGLU clamped, gpt-oss's gate (quick-GELU, offset 1, clamped), Nemotron's
+    # non-gated squared ReLU
+    from megatron.core.activations import quick_gelu, squared_relu
+
+    for label, over in (("geglu", dict(activation_func=torch.nn.functional.gelu)),
+                        ("clamped", dict(activation_func_clamp_value=0.5)),
+                        ("quick-geglu", dict(activation_func=quick_gelu, glu_linear_offset=1.0,
+                                             activation_func_clamp_value=0.5)),
+                        ("squared-relu", dict(gated_linear_unit=False, activation_func=squared_relu))):
+        for policy in ("feplb-split", "none"):
+            res["layer", label, policy, "fp32"] = _layer_case(rank, world, "softmax", policy, torch.float32, **over)
     res["two_layers"] = _two_layers_case(rank, world)
     res["layer", "softmax", "feplb-split", "bf16"] = _layer_case(rank, world, "softmax", "feplb-split",
                                                                  torch.bfloat16)
@@ -580,7 +595,10 @@ def _grouped_refusal_case(rank: int, world: int) -> dict:
         if rank == world - 1:
             (moe.experts if experts == "grouped" else moe.experts.linear_fc2).register_forward_hook(lambda *a: None)
         out["hook", experts] = (error_of(lambda m=moe: fm.apply(m, **OPTS)), type(moe.experts).__name__)
-        moe = make_moe(experts=experts, activation_func=torch.nn.functional.gelu)
+        # the legacy GroupedMLP ignores the clamp; TEGroupedMLP's fused path takes no GeGLU
+        moe = make_moe(experts=experts, **({"activation_func_clamp_value": 0.5} if experts == "grouped" else
+                                           {"activation_func": torch.nn.functional.gelu,
+                                            "bias_activation_fusion": True}))
         out["gelu", experts] = error_of(lambda m=moe: fm.apply(m, **OPTS))
     moe = make_moe(experts="grouped")   # a load-state-dict post-hook other than GroupedMLP's own
     moe.experts.register_load_state_dict_post_hook(lambda *a: None)
@@ -840,6 +858,8 @@ def test_layer_matches_megatron_fp32(job):
         assert res[0]["layer", "sigmoid", "feplb-split", "fp32"]["moved"] > 0
         assert res[0]["layer", "softmax", "none", "fp32"]["moved"] == 0
         assert res[0]["layer", "probs-on-input", "feplb-split", "fp32"]["moved"] > 0
+        for label in ("geglu", "clamped", "quick-geglu", "squared-relu"):
+            assert res[0]["layer", label, "feplb-split", "fp32"]["moved"] > 0, label
 
 
 def test_two_layers(job):
@@ -897,8 +917,11 @@ def test_refusals_on_every_rank(job):
     world, res = job
     for rank, r in enumerate(res):
         f = r["refusal"]
-        for label, why in (("gelu", "SwiGLU"), ("capacity", "token dropping"), ("bias", "expert biases"),
-                           ("plain", "gated_linear_unit=False"), ("fp8_store", "stored in fp8")):
+        for label, why in (("gelu_fused", "gated gelu with bias_activation_fusion"),
+                           ("clamp_fused", "Megatron's fused SwiGLU ignores the clamp"),
+                           ("offset", "FEPLB takes an offset with quick_gelu only"),
+                           ("capacity", "token dropping"), ("bias", "expert biases"),
+                           ("plain_tanh", "activation tanh (non-gated)"), ("fp8_store", "stored in fp8")):
             err, before, after = f[label]
             assert err is not None and err.startswith("ValueError") and why in err, (label, err)
             assert before == after == "SequentialMLP", label
@@ -1004,7 +1027,9 @@ def test_grouped_experts_refusals(grouped_job):
             assert err is not None and after == cls, (experts, err)
             assert ("hooks" in err if rank == world - 1 else f"EP rank(s) [{world - 1}]" in err), (experts, err)
             gelu = f["gelu", experts]
-            assert gelu is not None and "SwiGLU" in gelu, (experts, gelu)
+            why = "the legacy GroupedMLP (which ignores them)" if experts == "grouped" else \
+                "gated gelu with bias_activation_fusion"
+            assert gelu is not None and why in gelu, (experts, gelu)
         assert f["post_hook"] is not None and "load_state_dict_post_hooks" in f["post_hook"], f["post_hook"]
         assert f["quantized"] is not None and "te_quant_params" in f["quantized"], f["quantized"]
         late = f["late"]
