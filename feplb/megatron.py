@@ -511,7 +511,8 @@ def _activation(cfg: Any, kind: str) -> tuple[str | None, dict]:
     from megatron.core.fusions.fused_bias_geglu import quick_gelu as quick_gelu_f
 
     act, clamp, offset = cfg.activation_func, cfg.activation_func_clamp_value, cfg.glu_linear_offset or 0.0
-    fused = bool(getattr(cfg, "bias_activation_fusion", False))
+    # the legacy GroupedMLP has no fused path: it computes the unfused form whatever bias_activation_fusion says
+    fused = bool(getattr(cfg, "bias_activation_fusion", False)) and kind != "GroupedMLP"
     name = getattr(act, "__name__", repr(act))
     if not cfg.gated_linear_unit:
         kinds = {squared_relu: "relu2", F.silu: "silu", F.gelu: "gelu"}

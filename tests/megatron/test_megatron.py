@@ -171,12 +171,14 @@ def make_moe(arch: str = "softmax", dtype: torch.dtype = torch.float32, experts:
                 m = moe.experts.local_experts[i]
                 m.linear_fc1.weight.copy_(w1[:m.linear_fc1.weight.shape[0]])   # [F, H] without the gate
                 m.linear_fc2.weight.copy_(w2)
-            elif experts == "te":
-                getattr(moe.experts.linear_fc1, f"weight{i}").copy_(w1)
+            elif experts == "te":   # [2F, H], or [F, H] without the gate
+                fc1 = getattr(moe.experts.linear_fc1, f"weight{i}")
+                fc1.copy_(w1[:fc1.shape[0]])
                 getattr(moe.experts.linear_fc2, f"weight{i}").copy_(w2)
             else:   # weight1 [H, L * 2F] holds expert i's [H, 2F] as its i-th block in memory, weight2 [L * F, H]
                 L = moe.num_local_experts
-                moe.experts.weight1.view(L, H, -1)[i].copy_(w1.T)
+                block = moe.experts.weight1.view(L, H, -1)[i]
+                block.copy_(w1[:block.shape[1]].T)
                 moe.experts.weight2.view(L, -1, H)[i].copy_(w2.T)
         # a router that prefers the first experts: skewed load, so feplb-split moves rows
         g = torch.Generator().manual_seed(5)
@@ -707,6 +709,19 @@ def _grouped_job(rank: int, world: int) -> dict:
     for experts in ("grouped", "te"):
         for arch in ("softmax", "sigmoid"):
             res["layer", experts, arch] = _layer_case(rank, world, arch, "feplb-split", torch.float32, experts)
+        # other activations (the legacy GroupedMLP has no clamp or offset, and no fused path)
+        from megatron.core.activations import squared_relu
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        acts = {"geglu": dict(activation_func=torch.nn.functional.gelu),
+                "squared-relu": dict(gated_linear_unit=False, activation_func=squared_relu,
+                                     use_fused_weighted_squared_relu=experts == "te")}
+        if experts == "te":
+            acts["quick-geglu"] = dict(activation_func=quick_gelu, glu_linear_offset=1.0,
+                                       activation_func_clamp_value=0.5, bias_activation_fusion=True)
+        for label, over in acts.items():
+            res["layer", experts, label] = _layer_case(rank, world, "softmax", "feplb-split", torch.float32, experts,
+                                                       **over)
         res["bf16", experts] = _layer_case(rank, world, "softmax", "feplb-split", torch.bfloat16, experts)
         for policy, weights in (("feplb-split+place", "per-step"), ("feplb-split+place", "per-microbatch")):
             res["train", experts, weights] = _train_case(rank, world, policy, weights, experts)
@@ -979,7 +994,7 @@ def test_grouped_experts_match_megatron(grouped_job):
     world, res = grouped_job
     for r in res:
         for experts, cls in (("grouped", "FEPLBGroupedMLP"), ("te", "FEPLBTEGroupedMLP")):
-            for arch in ("softmax", "sigmoid"):
+            for arch in ("softmax", "sigmoid", "geglu", "squared-relu") + (("quick-geglu",) if experts == "te" else ()):
                 case = r["layer", experts, arch]
                 assert case["names"] == ["experts"] and case["class"] == cls
                 # the very parameters, under Megatron's names
