@@ -508,9 +508,15 @@ def _job(rank: int, world: int) -> dict:
                         ("clamped", dict(activation_func_clamp_value=0.5)),
                         ("quick-geglu", dict(activation_func=quick_gelu, glu_linear_offset=1.0,
                                              activation_func_clamp_value=0.5)),
-                        ("squared-relu", dict(gated_linear_unit=False, activation_func=squared_relu))):
-        for policy in ("feplb-split", "none"):
+                        ("squared-relu", dict(gated_linear_unit=False, activation_func=squared_relu)),
+                        ("silu-plain", dict(gated_linear_unit=False, activation_func=torch.nn.functional.silu)),
+                        ("gelu-plain", dict(gated_linear_unit=False, activation_func=torch.nn.functional.gelu))):
+        for policy in ("feplb-split", "none") if "plain" not in label else ("feplb-split",):
             res["layer", label, policy, "fp32"] = _layer_case(rank, world, "softmax", policy, torch.float32, **over)
+    # gpt-oss's gate in bf16, against Megatron's own bf16 error
+    res["layer", "quick-geglu", "feplb-split", "bf16"] = _layer_case(
+        rank, world, "softmax", "feplb-split", torch.bfloat16, activation_func=quick_gelu, glu_linear_offset=1.0,
+        activation_func_clamp_value=0.5)
     res["two_layers"] = _two_layers_case(rank, world)
     res["layer", "softmax", "feplb-split", "bf16"] = _layer_case(rank, world, "softmax", "feplb-split",
                                                                  torch.bfloat16)
@@ -873,7 +879,7 @@ def test_layer_matches_megatron_fp32(job):
         assert res[0]["layer", "sigmoid", "feplb-split", "fp32"]["moved"] > 0
         assert res[0]["layer", "softmax", "none", "fp32"]["moved"] == 0
         assert res[0]["layer", "probs-on-input", "feplb-split", "fp32"]["moved"] > 0
-        for label in ("geglu", "clamped", "quick-geglu", "squared-relu"):
+        for label in ("geglu", "clamped", "quick-geglu", "squared-relu", "silu-plain", "gelu-plain"):
             assert res[0]["layer", label, "feplb-split", "fp32"]["moved"] > 0, label
 
 
@@ -888,11 +894,12 @@ def test_two_layers(job):
 def test_layer_bf16_within_megatrons_error(job):
     world, res = job
     for r in res:
-        case = r["layer", "softmax", "feplb-split", "bf16"]
-        assert case["out_dtype"] == torch.bfloat16
-        assert case["param_dtypes"] == ["torch.bfloat16"]
-        for n, (ours, theirs) in case["err"].items():
-            assert ours <= 2 * theirs + 1e-6, (n, ours, theirs)
+        for arch in ("softmax", "quick-geglu"):
+            case = r["layer", arch, "feplb-split", "bf16"]
+            assert case["out_dtype"] == torch.bfloat16
+            assert case["param_dtypes"] == ["torch.bfloat16"]
+            for n, (ours, theirs) in case["err"].items():
+                assert ours <= 2 * theirs + 1e-6, (arch, n, ours, theirs)
     if world > 1:
         assert res[0]["layer", "softmax", "feplb-split", "bf16"]["moved"] > 0
 
