@@ -175,8 +175,9 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     experts module, in training mode: the text model where ``arch`` is multimodal. Same ``seed``, same weights.
 
     The recipe (:data:`TINY`) is generic: it tries the per-layer lists derived by the config, then cut to their last
-    and their first layers, dropping a field the config rejects; the first model that holds an experts module and
-    runs a forward and backward is returned. Raises the last attempt's error when none does."""
+    and their first layers, each with the default head size and then with heads of 128 (hidden 128), dropping a field
+    the config rejects; the first model that holds an experts module and runs a forward and backward is returned.
+    Raises the last attempt's error when none does."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from feplb.hf import _candidates
@@ -185,8 +186,11 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     default = full.get_text_config() if hasattr(full, "get_text_config") else full
     config_cls = type(default)
     last: BaseException | None = None
-    for cut in (None, "last", "first"):
-        kwargs = _tiny_kwargs(default, cut)
+    # the default head size derived from the default config, else a common real one (128): rotary sections sized for
+    # real heads (GLM-4.5V's, Qwen3-Omni's) need it
+    shapes = [{}, {"hidden_size": 128, "head_dim": 128}]
+    for cut, shape in ((c, sh) for c in (None, "last", "first") for sh in shapes):
+        kwargs = {**_tiny_kwargs(default, cut), **shape}
         for _ in range(4):
             try:
                 with warnings.catch_warnings():

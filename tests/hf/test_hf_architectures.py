@@ -30,7 +30,8 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "dots3_note", "lfm2_moe", "deepseek_ocr2",
                "minimax_m3_vl",   # gpt-oss's gate (swiglu_oai: its alpha, clamped), weights not interleaved
                "gpt_oss", "openai_privacy_filter",   # biases, interleaved gate/up, [in, out] weights, its gate
-               "nemotron_h")   # non-gated experts: down(relu(up(x))^2)
+               "nemotron_h",   # non-gated experts: down(relu(up(x))^2)
+               "glm4v_moe", "qwen3_omni_moe")   # built with heads of 128 (rotary sections sized for them)
 KNOWN_REFUSED = {"inkling_text": "a gate_proj parameter apart from up_proj",   # shared experts, gate_proj apart
                  "inkling2": "computes none of FEPLB's"}   # a softcapped SwiGLU
 
