@@ -65,6 +65,11 @@ __all__ = ["FEPLBExperts", "FEPLBLlama4TextMoe", "apply", "supported", "expert_p
 # the experts' call: transformers' standard names, and gpt-oss's
 _SIGNATURES = (("hidden_states", "top_k_index", "top_k_weights"),
                ("hidden_states", "router_indices", "routing_weights"))
+def _w1_name(gated: bool) -> str:
+    """The first projection's parameter name: gate_up_proj, or up_proj for non-gated experts."""
+    return "gate_up_proj" if gated else "up_proj"
+
+
 def _biases(w1name: str) -> tuple[str, str]:
     """The names of the biases FEPLB takes for experts whose first projection is ``w1name`` (gate_up_proj, or
     up_proj: non-gated): gpt-oss's, added to x @ w1 and to the down projection."""
@@ -104,7 +109,7 @@ class FEPLBExperts(MoELayer):
         # Read by _init_experts, which MoELayer.__init__ calls before this constructor could set attributes.
         object.__setattr__(self, "_hf_full", (gate_up_proj, down_proj, group, gate_up_proj_bias, down_proj_bias))
         # the first projection's name: gate_up_proj, or up_proj for non-gated experts
-        object.__setattr__(self, "w1_name", "gate_up_proj" if config.gated else "up_proj")
+        object.__setattr__(self, "w1_name", _w1_name(config.gated))
         object.__setattr__(self, "is_transposed", bool(transposed))   # read by expert_weights()
         super().__init__(config, group)
         object.__delattr__(self, "_hf_full")
@@ -538,7 +543,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     # One agreement: every rank raises together, or none does. The weights' checksums catch ranks that built or
     # loaded different models (each rank slices its experts from its own copy).
     def weights_of(m: nn.Module) -> list[torch.Tensor]:   # w1, w2, then the biases where there are
-        w1name = "gate_up_proj" if configs[id(m)].gated else "up_proj"
+        w1name = _w1_name(configs[id(m)].gated)
         return [getattr(m, w1name), m.down_proj] + \
             ([getattr(m, b) for b in _biases(w1name)] if configs[id(m)].expert_bias else [None, None])
 

@@ -206,8 +206,9 @@ def _is_oss(inner: nn.Module) -> bool:
     return oss is not None and type(inner) is oss
 
 
-def _names_of(inner: nn.Module) -> tuple[str, ...]:
-    return _OSS_NAMES if _is_oss(inner) else _NAMES
+def _class_of(inner: nn.Module) -> type[FEPLBRoutedExperts]:
+    """The FEPLB class replacing the experts module ``inner`` (its ``_names`` are ``inner``'s parameters)."""
+    return FEPLBGptOssRoutedExperts if _is_oss(inner) else FEPLBRoutedExperts
 
 
 def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[str | None, dict]:
@@ -230,7 +231,7 @@ def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[st
         return (f"experts {type(inner).__name__} are not torchtitan's plain GroupedExperts or GPT-OSS's "
                 "GptOssGroupedExperts (FEPLB computes their experts with its own grouped GEMM; low-precision "
                 "converters and other activations are not supported)"), {}
-    names = _OSS_NAMES if oss else _NAMES
+    names = _class_of(inner)._names
     own = dict(inner.named_parameters())
     if sorted(own) != sorted(names):
         return f"parameters {sorted(own)}; expected {list(names)}", {}
@@ -325,7 +326,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
         why, fields_of = _problem(moe, tt, td, world, dtype)
         inner = moe.routed_experts.inner_experts
         if why is None and any(owner_of.setdefault(id(getattr(inner, p)), id(inner)) != id(inner)
-                               for p in _names_of(inner)):
+                               for p in _class_of(inner)._names):
             why = "expert weights shared with another experts module (FEPLB would untie them)"
         if why is None:
             cfg = layer_config(fields_of, config_overrides)
@@ -338,7 +339,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
         else:
             plans.append((name, moe, id(inner)))
     digests = [(n, *weights_digest(*(getattr(m.routed_experts.inner_experts, p)
-                                     for p in _names_of(m.routed_experts.inner_experts))))
+                                     for p in _class_of(m.routed_experts.inner_experts)._names)))
                for n, m, _ in plans]
 
     def none_found() -> str:
@@ -353,8 +354,8 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
     for name, moe, key in plans:
         if key not in made:
             inner = moe.routed_experts.inner_experts
-            cls = FEPLBGptOssRoutedExperts if _is_oss(inner) else FEPLBRoutedExperts
-            new = cls(configs[key], group, *(getattr(inner, p) for p in _names_of(inner)),
+            cls = _class_of(inner)
+            new = cls(configs[key], group, *(getattr(inner, p) for p in cls._names),
                       name=f"{name}.routed_experts" if name else "routed_experts")
             new.train(moe.routed_experts.training)
             new.refresh_replicas()
