@@ -21,13 +21,16 @@ experts classes, or those three with linears other than Megatron's or Transforme
 not compute as Megatron does (it computes gated SiLU, clamped or not, gated GeLU, gated quick-GELU with
 ``glu_linear_offset=1``, gpt-oss's form, and non-gated squared ReLU, SiLU and GeLU; combinations where Megatron's
 own paths disagree are refused: a clamp under ``bias_activation_fusion``, whose fused SwiGLU ignores it, a clamp or
-offset with the legacy GroupedMLP, which ignores both), expert biases, token dropping (``moe_expert_capacity_factor``),
+offset with the legacy GroupedMLP, which ignores both), token dropping (``moe_expert_capacity_factor``),
 fp8/fp4, latent projections, tensor parallelism (attention or experts), overlapped shared experts or EP
 communication, delayed weight gradients, CUDA graphs, forward or backward hooks on the modules whose forward FEPLB
 no longer runs (their forward pre-hooks it runs, with its whole input: Megatron's DDP waits there for the
 parameters' all-gather with ``overlap_param_gather``; one that returns new inputs is refused). The router's
-probabilities on the experts' inputs (``moe_apply_probs_on_input``) run as ``FEPLBConfig.gate_on_input``. Call
-:func:`apply` on every pipeline stage together; one without MoE layers gets ``[]``.
+probabilities on the experts' inputs (``moe_apply_probs_on_input``) run as ``FEPLBConfig.gate_on_input``. Expert
+biases (``add_bias_linear``: ``linear_fc1.bias`` [2F] added before the activation, ``linear_fc2.bias`` [H] weighed by
+the router's probability with the rest of the expert's output, as Megatron's experts add it) run as
+``FEPLBConfig.expert_bias``: copies of an expert carry its biases. Call :func:`apply` on every pipeline stage
+together; one without MoE layers gets ``[]``.
 
 Weights travel per micro-batch by default (``weights="per-microbatch"``): the copies' gradients return inside the
 backward, where Megatron's ``DistributedDataParallel`` sees them (with or without ``overlap_grad_reduce``). With
@@ -96,11 +99,11 @@ class FEPLBExperts(MoELayer):
 
     It holds this rank's experts ``rank * L ...`` as Megatron's module held them (the very parameters, under the same
     names, in the same modules where there are any) and reads them as (w1 [L, H, 2F]: the gate's columns, then the up
-    projection's; w2 [L, F, H]). Megatron's ``MoELayer`` calls it as its experts, ``forward(x [T, H],
-    tokens_per_expert, routing) -> (y [T, H], None)``, where the routing is the (ids [T, K], weights [T, K]) pair
-    :class:`FEPLBTokenDispatcher` passes in the probabilities' place: ``y = sum_k w_k * fc2(silu(gate x) * up x)``,
-    the gradient flowing into the weights (the router). Collective over the EP group, like every ``MoELayer``
-    forward.
+    projection's; w2 [L, F, H]), then, with ``add_bias_linear``, (b1 [L, 2F], b2 [L, H]). Megatron's ``MoELayer``
+    calls it as its experts, ``forward(x [T, H], tokens_per_expert, routing) -> (y [T, H], None)``, where the
+    routing is the (ids [T, K], weights [T, K]) pair :class:`FEPLBTokenDispatcher` passes in the probabilities'
+    place: ``y = sum_k w_k * (fc2(act(fc1 x + b1)) + b2)``, the gradient flowing into the weights (the router).
+    Collective over the EP group, like every ``MoELayer`` forward.
     """
 
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, experts: nn.Module,
@@ -117,7 +120,7 @@ class FEPLBExperts(MoELayer):
         # Megatron's sharded state dict names the shards by
         self._megatron_groups = tuple(getattr(experts, a, None) for a in ("ep_group", "dp_group", "tp_group"))
         self._warned_ddp = False
-        self._joined: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._joined: tuple[torch.Tensor, ...] | None = None
 
     # ------------------------------------------------------------------------------------- the layout (subclasses)
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -147,8 +150,8 @@ class FEPLBExperts(MoELayer):
         all-gather)."""
         return self.kept_modules()
 
-    def _join(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w1 [L, H, 2F], w2 [L, F, H]) in the layer's dtype."""
+    def _join(self) -> tuple[torch.Tensor, ...]:
+        """(w1 [L, H, 2F], w2 [L, F, H]), then (b1 [L, 2F], b2 [L, H]) with expert biases, in the layer's dtype."""
         raise NotImplementedError
 
     def _sharding_source(self) -> tuple[type, Any]:
@@ -156,9 +159,9 @@ class FEPLBExperts(MoELayer):
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------------- common
-    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w1 [L, H, 2F], w2 [L, F, H]) in the layer's dtype, views of the parameters: made once per forward and
-        shared by all its uses, made afresh outside a forward."""
+    def expert_weights(self) -> tuple[torch.Tensor, ...]:
+        """(w1 [L, H, 2F], w2 [L, F, H][, b1 [L, 2F], b2 [L, H]]) in the layer's dtype, views of the parameters:
+        made once per forward and shared by all its uses, made afresh outside a forward."""
         return self._joined if self._joined is not None else self._join()
 
     def forward(self, x_TH: torch.Tensor, tokens_per_expert: Any = None,  # type: ignore[override]
@@ -276,7 +279,8 @@ def _empty_extra_state(value: Any) -> bool:
 
 class FEPLBSequentialMLP(FEPLBExperts):
     """Replaces ``SequentialMLP``: keeps Megatron's ``MLP`` modules of the local experts (``local_experts.{i}``:
-    ``linear_fc1.weight`` [2F, H], the gate's rows, then the up projection's; ``linear_fc2.weight`` [H, F])."""
+    ``linear_fc1.weight`` [2F, H], the gate's rows, then the up projection's; ``linear_fc2.weight`` [H, F]; with
+    ``add_bias_linear``, ``linear_fc1.bias`` [2F] and ``linear_fc2.bias`` [H])."""
 
     def _take_experts(self, src: nn.Module) -> None:
         self.local_experts = nn.ModuleList(src.local_experts)
@@ -285,14 +289,22 @@ class FEPLBSequentialMLP(FEPLBExperts):
     def _kept(holder: nn.Module) -> list[nn.Module]:
         return [s for m in holder.local_experts for s in (m, m.linear_fc1, m.linear_fc2)]
 
-    def expert_params(self) -> tuple[nn.Parameter, ...]:
-        return tuple(p for m in self.local_experts for p in (m.linear_fc1.weight, m.linear_fc2.weight))
+    def _parts(self) -> tuple[str, ...]:
+        return ("weight", "bias") if self.config.expert_bias else ("weight",)
 
-    def _join(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def expert_params(self) -> tuple[nn.Parameter, ...]:
+        return tuple(getattr(lin, k) for m in self.local_experts for lin in (m.linear_fc1, m.linear_fc2)
+                     for k in self._parts())
+
+    def _join(self) -> tuple[torch.Tensor, ...]:
         dt = self.config.dtype
         w1 = torch.stack([m.linear_fc1.weight for m in self.local_experts]).to(dt)   # [L, 2F, H]
         w2 = torch.stack([m.linear_fc2.weight for m in self.local_experts]).to(dt)   # [L, H, F]
-        return w1.transpose(1, 2), w2.transpose(1, 2)
+        if not self.config.expert_bias:
+            return w1.transpose(1, 2), w2.transpose(1, 2)
+        b1 = torch.stack([m.linear_fc1.bias for m in self.local_experts]).to(dt)     # [L, 2F]
+        b2 = torch.stack([m.linear_fc2.bias for m in self.local_experts]).to(dt)     # [L, H]
+        return w1.transpose(1, 2), w2.transpose(1, 2), b1, b2
 
     def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every rank's ``local_experts.{i}`` is the model's expert ``rank * L + i``."""
@@ -313,7 +325,8 @@ class FEPLBSequentialMLP(FEPLBExperts):
 
 class FEPLBTEGroupedMLP(FEPLBExperts):
     """Replaces ``TEGroupedMLP`` (``moe_grouped_gemm=True`` with Transformer Engine): keeps its two grouped linears
-    (``linear_fc1.weight{i}`` [2F, H], the gate's rows, then the up projection's; ``linear_fc2.weight{i}`` [H, F])."""
+    (``linear_fc1.weight{i}`` [2F, H], the gate's rows, then the up projection's; ``linear_fc2.weight{i}`` [H, F];
+    with ``add_bias_linear``, ``linear_fc1.bias{i}`` [2F] and ``linear_fc2.bias{i}`` [H])."""
 
     def _take_experts(self, src: nn.Module) -> None:
         self.linear_fc1, self.linear_fc2 = src.linear_fc1, src.linear_fc2
@@ -323,20 +336,27 @@ class FEPLBTEGroupedMLP(FEPLBExperts):
         return [holder.linear_fc1, holder.linear_fc2]
 
     def expert_params(self) -> tuple[nn.Parameter, ...]:
-        return tuple(p for pair in zip(_gemm_weights(self.linear_fc1, self.num_local),
-                                       _gemm_weights(self.linear_fc2, self.num_local), strict=True) for p in pair)
+        kinds = ("weight", "bias") if self.config.expert_bias else ("weight",)
+        return tuple(p for k in kinds for pair in zip(_gemm_weights(self.linear_fc1, self.num_local, k),
+                                                      _gemm_weights(self.linear_fc2, self.num_local, k), strict=True)
+                     for p in pair)
 
-    def _join(self) -> tuple[torch.Tensor, torch.Tensor]:
-        dt = self.config.dtype
-        w1 = torch.stack(_gemm_weights(self.linear_fc1, self.num_local)).to(dt)   # [L, 2F, H]
-        w2 = torch.stack(_gemm_weights(self.linear_fc2, self.num_local)).to(dt)   # [L, H, F]
-        return w1.transpose(1, 2), w2.transpose(1, 2)
+    def _join(self) -> tuple[torch.Tensor, ...]:
+        dt, L = self.config.dtype, self.num_local
+        w1 = torch.stack(_gemm_weights(self.linear_fc1, L)).to(dt)   # [L, 2F, H]
+        w2 = torch.stack(_gemm_weights(self.linear_fc2, L)).to(dt)   # [L, H, F]
+        if not self.config.expert_bias:
+            return w1.transpose(1, 2), w2.transpose(1, 2)
+        b1 = torch.stack(_gemm_weights(self.linear_fc1, L, "bias")).to(dt)   # [L, 2F]
+        b2 = torch.stack(_gemm_weights(self.linear_fc2, L, "bias")).to(dt)   # [L, H]
+        return w1.transpose(1, 2), w2.transpose(1, 2), b1, b2
 
     def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every rank's ``weight{i}`` is the model's ``weight{rank * L + i}``."""
+        """Every rank's ``weight{i}`` (``bias{i}``) is the model's ``weight{rank * L + i}`` (``bias{...}``)."""
         lin, w = pname.split(".")
-        i = int(w[len("weight"):])
-        return {f"{lin}.weight{r * self.num_local + i}": t for r, t in enumerate(parts)}
+        kind = w.rstrip("0123456789")
+        i = int(w[len(kind):])
+        return {f"{lin}.{kind}{r * self.num_local + i}": t for r, t in enumerate(parts)}
 
     def full_state_entries(self, name: str, value: Any) -> dict[str, Any]:
         """Each grouped linear's one ``_extra_state`` (empty without fp8) stays one."""
@@ -385,9 +405,10 @@ class FEPLBGroupedMLP(FEPLBExperts):
                                                             "weight2": w2 if keep_vars else w2.detach()})
 
 
-def _gemm_weights(lin: nn.Module, L: int) -> list[torch.Tensor]:
-    """A Transformer Engine grouped linear's weights of its L experts (``weight{i}``, [out, in])."""
-    return [getattr(lin, f"weight{i}") for i in range(L)]
+def _gemm_weights(lin: nn.Module, L: int, kind: str = "weight") -> list[torch.Tensor]:
+    """A Transformer Engine grouped linear's weights of its L experts (``weight{i}``, [out, in]), or their biases
+    (``kind="bias"``: ``bias{i}`` [out])."""
+    return [getattr(lin, f"{kind}{i}") for i in range(L)]
 
 
 @functools.cache
@@ -471,7 +492,6 @@ _CONFIG_REFUSALS = (
     ("moe_shared_expert_overlap", (False, None), "shared experts overlapped inside the token dispatcher"),
     ("overlap_moe_expert_parallel_comm", (False, None), "overlapped expert-parallel communication"),
     ("delay_wgrad_compute", (False, None), "delayed weight gradients (backward_dw)"),
-    ("add_bias_linear", (False,), "expert biases"),
     ("activation_func_fp8_input_store", (False, None), "the activation's input stored in fp8 for the backward"),
     ("use_te_activation_func", (False, None), "Transformer Engine's activation module"),
     ("cuda_graph_impl", ("none", None), "CUDA graphs (FEPLB plans on the CPU every micro-batch)"),
@@ -546,16 +566,18 @@ def _activation(cfg: Any, kind: str) -> tuple[str | None, dict]:
     return None, {**fields, "swiglu_limit": None if clamp is None else float(clamp)}
 
 
-def _sequential_weights(experts, L: int, H: int, Fd: int, G: int) -> tuple[str | None, list]:
-    """(why not, [w1, w2] of every local expert) of a ``SequentialMLP`` (fc1 G = 2F rows, F without a gate)."""
+def _sequential_weights(experts, L: int, H: int, Fd: int, G: int, bias: bool) -> tuple[str | None, list]:
+    """(why not, [w1, w2] of every local expert, then [b1, b2] with ``bias``) of a ``SequentialMLP`` (fc1 G = 2F
+    rows, F without a gate)."""
     local = list(experts.local_experts)
     if len(local) != L:
         return f"{len(local)} local expert modules, expected {L}", []
     ws = []
+    want = sorted(f"linear_fc{j}.{k}" for j in (1, 2) for k in (("weight", "bias") if bias else ("weight",)))
     for i, m in enumerate(local):
         own = sorted(n for n, _ in m.named_parameters())
-        if own != ["linear_fc1.weight", "linear_fc2.weight"]:
-            return f"local expert {i} has parameters {own}; expected linear_fc1.weight, linear_fc2.weight", []
+        if own != want:
+            return f"local expert {i} has parameters {own}; expected {', '.join(want)}", []
         if sorted(n for n, _ in m.named_buffers()):
             return f"local expert {i} has buffers (quantized experts are not supported)", []
         kinds = (type(m.linear_fc1).__name__, type(m.linear_fc2).__name__)
@@ -567,12 +589,18 @@ def _sequential_weights(experts, L: int, H: int, Fd: int, G: int) -> tuple[str |
             return (f"local expert {i}: linear_fc1 {list(w1.shape)}, linear_fc2 {list(w2.shape)}; expected "
                     f"[{G}, {H}] and [{H}, {Fd}]"), []
         ws += [w1, w2]
+        if bias:
+            b1, b2 = m.linear_fc1.bias, m.linear_fc2.bias
+            if b1.shape != (G,) or b2.shape != (H,):
+                return (f"local expert {i}: linear_fc1.bias {list(b1.shape)}, linear_fc2.bias {list(b2.shape)}; "
+                        f"expected [{G}] and [{H}]"), []
+            ws += [b1, b2]
     return None, ws
 
 
-def _te_grouped_weights(experts, L: int, H: int, Fd: int, G: int) -> tuple[str | None, list]:
-    """(why not, the grouped linears' weights) of a ``TEGroupedMLP``: Transformer Engine's
-    ``GroupedLinear`` keeps expert i's weight as ``weight{i}`` [out, in]."""
+def _te_grouped_weights(experts, L: int, H: int, Fd: int, G: int, bias: bool) -> tuple[str | None, list]:
+    """(why not, the grouped linears' weights, then their biases with ``bias``) of a ``TEGroupedMLP``: Transformer
+    Engine's ``GroupedLinear`` keeps expert i's weight as ``weight{i}`` [out, in], its bias as ``bias{i}`` [out]."""
     subs = list(experts.named_children())
     if [n for n, _ in subs] != ["linear_fc1", "linear_fc2"] or list(experts.named_parameters(recurse=False)):
         return (f"modules {[n for n, _ in subs]} and parameters "
@@ -582,21 +610,24 @@ def _te_grouped_weights(experts, L: int, H: int, Fd: int, G: int) -> tuple[str |
     if kinds != _TE_GROUPED:
         return (f"grouped linears {kinds[0]} and {kinds[1]}; expected Transformer Engine's {_TE_GROUPED[0]} and "
                 f"{_TE_GROUPED[1]} (FEPLB multiplies by their weights)"), []
-    ws = []
+    ws, bs = [], []
     for (name, lin), shape in zip(subs, ((G, H), (H, Fd)), strict=True):
         own = sorted(n for n, _ in lin.named_parameters())
-        want = sorted(f"weight{i}" for i in range(L))
+        want = sorted(f"{k}{i}" for i in range(L) for k in (("weight", "bias") if bias else ("weight",)))
         if own != want:
             return f"{name} has parameters {own}; expected {want}", []
-        for i, w in enumerate(_gemm_weights(lin, L)):
-            if w.shape != shape:
-                return f"{name}.weight{i} {list(w.shape)}; expected {list(shape)}", []
-            ws.append(w)
-    return None, ws
+        for kind, shape_, got in (("weight", shape, ws),) + ((("bias", shape[:1], bs),) if bias else ()):
+            for i, w in enumerate(_gemm_weights(lin, L, kind)):
+                if w.shape != shape_:
+                    return f"{name}.{kind}{i} {list(w.shape)}; expected {list(shape_)}", []
+                got.append(w)
+    return None, ws + bs
 
 
-def _grouped_weights(experts, L: int, H: int, Fd: int, G: int) -> tuple[str | None, list]:
-    """(why not, [weight1, weight2]) of the legacy ``GroupedMLP``."""
+def _grouped_weights(experts, L: int, H: int, Fd: int, G: int, bias: bool) -> tuple[str | None, list]:
+    """(why not, [weight1, weight2]) of the legacy ``GroupedMLP`` (which Megatron builds without biases)."""
+    if bias:
+        return "add_bias_linear with the legacy GroupedMLP (Megatron's has no biases)", []
     if list(experts.children()) or sorted(n for n, _ in experts.named_parameters()) != ["weight1", "weight2"]:
         return (f"parameters {sorted(n for n, _ in experts.named_parameters())}; expected weight1 and weight2 "
                 "alone"), []
@@ -642,7 +673,8 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
         return (f"local experts {list(moe.local_expert_indices)} of {E}: expected this rank's E / W block of the "
                 f"EP group ({world} ranks)"), {}, None
     cls, check = _LAYOUTS[kind]
-    why, ws = check(experts, L, H, Fd, 2 * Fd if cfg.gated_linear_unit else Fd)
+    bias = bool(getattr(cfg, "add_bias_linear", False))
+    why, ws = check(experts, L, H, Fd, 2 * Fd if cfg.gated_linear_unit else Fd, bias)
     if why is not None:
         return f"{kind}: {why}", {}, None
     # The experts module goes (GroupedMLP's own load-state-dict post-hook FEPLB takes over); the modules kept stay
@@ -670,7 +702,8 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": K,
                   "dtype": dtype if dtype is not None else ws[0].dtype, "device": ws[0].device.type,
                   # the router's probabilities scale the experts' inputs (Megatron allows it with top-1 only)
-                  "gate_on_input": bool(getattr(cfg, "moe_apply_probs_on_input", False)), **act_fields}, cls
+                  "gate_on_input": bool(getattr(cfg, "moe_apply_probs_on_input", False)), "expert_bias": bias,
+                  **act_fields}, cls
 
 
 # ---------------------------------------------------------------------------------------------------- apply
