@@ -89,7 +89,9 @@ class FEPLBExperts(MoELayer):
     With ``transposed=True`` (a module with ``is_transposed=True``, e.g. Aria's: weights stored [in, out]) they are
     [L, H, 2F] and [L, F, H], the layer's own layout, used as they are. Non-gated experts (``config.gated`` False,
     Nemotron-H's) hold ``up_proj`` [L, F, H] instead of ``gate_up_proj``; experts with biases (gpt-oss's)
-    ``gate_up_proj_bias`` (or ``up_proj_bias``) and ``down_proj_bias`` too.
+    ``gate_up_proj_bias`` (or ``up_proj_bias``) and ``down_proj_bias`` too. A norm after each expert
+    (``post_expert_norm``, transformers' ``has_post_expert_norm``: Muse Spark's) stays the model's module, replicated
+    (its parameters are not expert-parallel), applied to every expert output row on the token's GPU.
     ``forward(hidden_states [T, H], top_k_index [T, K] int, top_k_weights [T, K] float) -> [T, H]`` returns
     ``sum_k w_k * down(act(gate(x)) * up(x))`` over each token's experts (act: SiLU or GeLU, ``config.activation``),
     like the module it replaces, with the
@@ -99,7 +101,8 @@ class FEPLBExperts(MoELayer):
 
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, gate_up_proj: torch.Tensor,
                  down_proj: torch.Tensor, name: str = "", transposed: bool = False,
-                 gate_up_proj_bias: torch.Tensor | None = None, down_proj_bias: torch.Tensor | None = None) -> None:
+                 gate_up_proj_bias: torch.Tensor | None = None, down_proj_bias: torch.Tensor | None = None,
+                 post_expert_norm: nn.Module | None = None) -> None:
         if config.router != "external":
             raise ValueError(f"FEPLBExperts needs FEPLBConfig.router='external', got {config.router!r}")
         if (gate_up_proj_bias is None) != (down_proj_bias is None) or \
@@ -114,6 +117,8 @@ class FEPLBExperts(MoELayer):
         super().__init__(config, group)
         object.__delattr__(self, "_hf_full")
         self.hf_name = name
+        if post_expert_norm is not None:
+            self.post_expert_norm = post_expert_norm
 
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
         group = self._hf_full[2]
@@ -150,6 +155,10 @@ class FEPLBExperts(MoELayer):
                             "(router_indices, routing_weights)")
         return super().forward(hidden_states, routing=(ids, weights))
 
+    def post_expert(self, y_MD: torch.Tensor) -> torch.Tensor:
+        norm = self._modules.get("post_expert_norm")
+        return y_MD if norm is None else norm(y_MD)
+
     def extra_repr(self) -> str:
         return f"{self.hf_name!r}, " + super().extra_repr()
 
@@ -158,17 +167,32 @@ class FEPLBExperts(MoELayer):
 
 def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules that hold 3-D ``gate_up_proj``, ``up_proj`` or ``down_proj`` parameters of their own: experts
-    modules, supported or not (dense MLPs hold nn.Linear submodules, not such parameters). A module reachable
-    under several names appears under each, so that every reference to it is replaced."""
+    modules, supported or not (dense MLPs hold nn.Linear submodules, not such parameters), except shared experts
+    stored that way (:func:`_shared_stack`). A module reachable under several names appears under each, so that
+    every reference to it is replaced."""
     out = []
     for name, mod in model.named_modules(remove_duplicate=False):
-        if isinstance(mod, FEPLBExperts):
+        if isinstance(mod, FEPLBExperts) or _shared_stack(name, mod):
             continue
         own = mod._parameters
         if any(isinstance(own.get(k), torch.Tensor) and own[k].dim() == 3
                for k in ("gate_up_proj", "up_proj", "down_proj")):
             out.append((name, mod))
     return out
+
+
+def _shared_stack(name: str, mod: nn.Module) -> bool:
+    """Whether ``mod`` is a model's shared experts (held as ``shared_experts`` / ``shared_expert``) stored as 3-D
+    parameters, e.g. Inkling's ``InklingSharedExperts`` (every token through every one, ``forward(hidden_states,
+    gammas)``): dense, not routed, so it stays replicated like any shared expert. Not when transformers' experts
+    interface made it an experts class, or its forward takes the routing's expert ids."""
+    if name.rpartition(".")[2] not in ("shared_experts", "shared_expert") or hasattr(mod, "_is_expert_parallel"):
+        return False
+    try:
+        second = list(inspect.signature(mod.forward).parameters)[1:2]
+    except (TypeError, ValueError):
+        return False
+    return not any(second == [sig[1]] for sig in _SIGNATURES)
 
 
 def _config_of(module: nn.Module, model: nn.Module) -> Any:
@@ -378,7 +402,13 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
                 "names), both or neither"), {}
     if not bias and getattr(module, "has_bias", False):
         return f"has_bias=True without {' and '.join(biases)} parameters", {}
-    extra = sorted(set(own) - {w1name, "down_proj", *bias})
+    # a norm after each expert (transformers' has_post_expert_norm): its own module, kept and run as it is
+    post_norm = getattr(module, "has_post_expert_norm", False)
+    norm = module._modules.get("post_expert_norm")
+    if post_norm and not isinstance(norm, nn.Module):
+        return "has_post_expert_norm=True without a post_expert_norm module", {}
+    extra = sorted(set(own) - {w1name, "down_proj", *bias} -
+                   ({f"post_expert_norm.{n}" for n, _ in norm.named_parameters()} if post_norm else set()))
     if "gate_proj" in extra and w1name == "up_proj":
         return ("a gate_proj parameter apart from up_proj (gated experts with the gate stored separately; FEPLB "
                 "takes gated experts' weights joined, as gate_up_proj)"), {}
@@ -390,8 +420,6 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
     if not getattr(module, "is_concatenated", True) and not _custom_gate(module):
         return ("interleaved gate/up layout (is_concatenated=False) with the default gate, which splits halves; "
                 "expected a gate of the module's own that reads the interleaved columns"), {}
-    if getattr(module, "has_post_expert_norm", False):
-        return "a norm after each expert (has_post_expert_norm=True)", {}
     # The call first: a module called otherwise (Llama 4's experts take router-scaled inputs) is refused for that.
     try:
         params = list(inspect.signature(module.forward).parameters.values())
@@ -564,7 +592,9 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
         if id(mod) not in made:
             w1, w2, b1, b2 = weights_of(mod)
             new = FEPLBExperts(configs[id(mod)], group, w1, w2, name=name, transposed=transposed[id(mod)],
-                               gate_up_proj_bias=b1, down_proj_bias=b2)
+                               gate_up_proj_bias=b1, down_proj_bias=b2,
+                               post_expert_norm=mod.post_expert_norm if getattr(mod, "has_post_expert_norm", False)
+                               else None)
             new.train(mod.training)
             new.refresh_replicas()
             made[id(mod)] = new

@@ -379,12 +379,18 @@ class MoELayer(nn.Module):
             w_M = w_TK.new_zeros(x_MD.shape[0]).index_put((meta.dst_idx_TK.reshape(-1).long(),), w_TK.reshape(-1))
             x_MD = (x_MD * w_M[:, None]).to(x_MD.dtype)
             w_TK = torch.ones(w_TK.shape, dtype=torch.float32, device=w_TK.device)
-        y_MD = self._experts(x_MD, meta.counts_E, bad, replay=replay)
+        y_MD = self.post_expert(self._experts(x_MD, meta.counts_E, bad, replay=replay))
         tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone
         if tl is None:
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
         with tl.span("combine"):
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
+
+    def post_expert(self, y_MD: torch.Tensor) -> torch.Tensor:
+        """Every row's expert output, [M, H] in the layer's dtype, back on its token's GPU and before the gates weigh
+        and sum them: the identity here; a subclass applies a row-wise module there (transformers' post-expert
+        norm). Row by row, so where a row was computed does not change it."""
+        return y_MD
 
     @torch.compiler.disable
     def _experts(self, x_MD: torch.Tensor | None, counts_S: torch.Tensor | None, bad: torch.Tensor | None,

@@ -31,9 +31,11 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "minimax_m3_vl",   # gpt-oss's gate (swiglu_oai: its alpha, clamped), weights not interleaved
                "gpt_oss", "openai_privacy_filter",   # biases, interleaved gate/up, [in, out] weights, its gate
                "nemotron_h",   # non-gated experts: down(relu(up(x))^2)
-               "glm4v_moe", "qwen3_omni_moe")   # built with heads of 128 (rotary sections sized for them)
-KNOWN_REFUSED = {"inkling_text": "a gate_proj parameter apart from up_proj",   # shared experts, gate_proj apart
-                 "inkling2": "computes none of FEPLB's"}   # a softcapped SwiGLU
+               "glm4v_moe", "qwen3_omni_moe",   # built with heads of 128 (rotary sections sized for them)
+               "muse_spark",    # a norm after each expert (has_post_expert_norm), replicated, on the token's GPU
+               "inkling_text")  # its shared experts stored as 3-D parameters (not routed: left replicated)
+KNOWN_REFUSED = {"inkling2": "computes none of FEPLB's",   # a softcapped SwiGLU
+                 "longcat_flash": "weight layout gate_up_proj"}   # zero-computation experts (E + Z gate_up_proj)
 
 
 def _survey(rank: int, world: int) -> list[dict]:
@@ -153,6 +155,14 @@ def _defects(rank: int, world: int) -> dict:
         finally:
             fh.FEPLBExperts.expert_weights = weights
 
+        # Muse Spark's norm after each expert lost
+        post = fh.FEPLBExperts.post_expert
+        fh.FEPLBExperts.post_expert = lambda self, y: y
+        try:
+            out["post_norm_lost"] = hfcheck.check(["muse_spark"])[0]
+        finally:
+            fh.FEPLBExperts.post_expert = post
+
         # the activation lost: Gemma 4's GeGLU experts computed as SwiGLU
         kind = fh._act_kind
         fh._act_kind = lambda act, *kinds: None if kind(act, *kinds) is None else "silu"
@@ -188,6 +198,7 @@ def test_the_check_reports_defects():
         assert res["alpha_lost"]["status"] == "WRONG", res["alpha_lost"]
         assert res["halves_for_interleaved"]["status"] == "WRONG", res["halves_for_interleaved"]
         assert res["bias_lost"]["status"] == "WRONG", res["bias_lost"]
+        assert res["post_norm_lost"]["status"] == "WRONG", res["post_norm_lost"]
         assert res["raising"]["status"] == "error" and "a forward that fails" in res["raising"]["detail"], res
         assert res["restored"]["status"] == "exact", res["restored"]
 
@@ -277,6 +288,16 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
 
     why, fields = fh._problem(SplitGate(model.config), model, 1)
     assert why is None and fields["swiglu_limit"] is None, why
+    # shared experts stored as 3-D parameters and called without the routing (Inkling's) are left alone; a module
+    # held as shared_experts that transformers made an experts class, or that takes the routing, is not
+    shared = torch.nn.Module()
+    shared.down_proj = torch.nn.Parameter(torch.zeros(2, 4, 3))
+    shared.forward = lambda hidden_states, gammas: hidden_states
+    assert fh._shared_stack("model.layers.0.mlp.shared_experts", shared)
+    assert not fh._shared_stack("model.layers.0.mlp.experts", shared)
+    assert not fh._shared_stack("model.layers.0.mlp.shared_experts", mix)
+    shared.forward = lambda hidden_states, top_k_index, top_k_weights: hidden_states
+    assert not fh._shared_stack("model.layers.0.mlp.shared_experts", shared)
     aria = tiny_model("aria")   # is_transposed=True: gate_up_proj [E, H, 2F], down_proj [E, F, H]
     assert aria.model.layers[0].mlp.experts.is_transposed
     assert fh.supported(aria) and all(why is None for why in fh.supported(aria).values())
@@ -309,8 +330,21 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
     ff.router.top_k, ff.top_k = 2, 1
     assert fh._problem(ff.experts, odd, 1, fh._llama4_blocks(odd)[id(ff.experts)],
                        "model.layers.0.feed_forward.experts")[1]["top_k"] == 2
-    refused = fh.supported(tiny_model("inkling_text"))
-    assert refused and any(why and "gate_proj parameter apart from up_proj" in why for why in refused.values()), refused
+    # Inkling: its routed experts run, its shared experts (3-D gate_proj, up_proj, down_proj) stay replicated; called
+    # like routed experts, such a module is refused for its separate gate_proj
+    ink = tiny_model("inkling_text")
+    got = fh.supported(ink)
+    assert got and all(why is None for why in got.values()) and not any("shared" in n for n in got), got
+    sh = ink.model.layers[0].mlp.shared_experts
+
+    class Routed(type(sh)):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states
+
+    sh.__class__ = Routed
+    refused = fh.supported(ink)
+    assert refused["model.layers.0.mlp.shared_experts"] and \
+        "gate_proj parameter apart from up_proj" in refused["model.layers.0.mlp.shared_experts"], refused
     nem = tiny_model("nemotron_h")
     ((name, why),) = fh.supported(nem).items()
     fields = fh._problem(nem.get_submodule(name), nem, 1)[1]
@@ -343,11 +377,11 @@ def test_cli_writes_the_table(tmp_path, capsys):
     from feplb.cli import main
 
     md, js = tmp_path / "hf.md", tmp_path / "hf.json"
-    assert main(["hf-check", "mixtral", "inkling_text", "--markdown", str(md), "--json", str(js)]) == 0
+    assert main(["hf-check", "mixtral", "inkling2", "--markdown", str(md), "--json", str(js)]) == 0
     printed = capsys.readouterr().out
     assert "mixtral" in printed and "2 architectures: 1 exact, 1 refused" in printed, printed
     text = md.read_text()
-    assert "| `mixtral` | exact | 2 |" in text and "| `inkling_text` | refused | 0 |" in text, text
+    assert "| `mixtral` | exact | 2 |" in text and "| `inkling2` | refused | 0 |" in text, text
     doc = json.loads(js.read_text())
     assert doc["meta"]["ranks"] == 2 and doc["meta"]["command"].startswith("feplb hf-check mixtral")
     assert [o["status"] for o in doc["outcomes"]] == ["exact", "refused"]
