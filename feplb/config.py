@@ -24,8 +24,11 @@ class FEPLBConfig:
 
     hidden, ffn: H and F of the gated experts. num_experts: E (divisible by the EP group size). top_k: K.
     activation: the experts' gated activation act(gate) * up: "silu" (SwiGLU, default), "gelu_tanh" (GeGLU with
-        the tanh approximation, Gemma 4's experts), "gelu" (GeGLU, erf form) or "swiglu_oai" (gpt-oss's and
-        MiniMax-M3's: gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
+        the tanh approximation, Gemma 4's experts), "gelu" (GeGLU, erf form), "swiglu_oai" (gpt-oss's and
+        MiniMax-M3's: gate * sigmoid(swiglu_alpha * gate) * (up + 1)) or "silu_softcap" (Inkling 2's: SwiGLU with
+        softcapped linear factors, cap(gate, c_gate) * sigmoid(gate) * cap(up, c_up), cap(x, c) = c tanh(x / c)).
+    glu_softcap: (c_gate, c_up), finite numbers > 0: "silu_softcap"'s softcaps, given exactly with it (which takes
+        no ``swiglu_limit``).
     swiglu_alpha: swiglu_oai's sigmoid slope (1.702 in gpt-oss and MiniMax-M3); the other activations ignore it.
     gated: False for non-gated experts, down(act(up(x))) (Nemotron-H's, activation "relu2": relu(h)^2; or "silu",
         "gelu_tanh", "gelu"): ``w1`` is [L, H, F] (no gate half), and there is no clamp or interleaving. The default
@@ -89,6 +92,7 @@ class FEPLBConfig:
     swiglu_limit: float | None = None
     activation: str = "silu"
     swiglu_alpha: float = 1.702
+    glu_softcap: tuple[float, float] | None = None
     glu_interleaved: bool = False
     expert_bias: bool = False
     gated: bool = True
@@ -112,10 +116,11 @@ class FEPLBConfig:
     timeline: bool = False
 
     @property
-    def glu(self) -> tuple[float | None, str, float, bool, bool]:
+    def glu(self) -> tuple[float | None, str, float, bool, bool, tuple[float, float] | None]:
         """The experts' activation as ``feplb.experts.expert_mlp`` takes it: (limit, act, alpha, interleaved,
-        gated)."""
-        return self.swiglu_limit, self.activation, float(self.swiglu_alpha), self.glu_interleaved, self.gated
+        gated, softcap)."""
+        return self.swiglu_limit, self.activation, float(self.swiglu_alpha), self.glu_interleaved, self.gated, \
+            self.glu_softcap
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "num_experts", "top_k", "gpus_per_node", "refresh_every"):
@@ -155,11 +160,11 @@ class FEPLBConfig:
         if lim is not None and (isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim)
                                 or lim <= 0):
             raise ValueError(f"FEPLBConfig.swiglu_limit must be None or a finite number > 0, got {lim!r}")
-        from feplb.kernels.activation import ACTS, PLAIN_ACTS
+        from feplb.kernels.activation import ACTS, PLAIN_ACTS, SOFTCAP_ACTS, check_glu_act
 
         if not isinstance(self.gated, bool):
             raise TypeError(f"FEPLBConfig.gated must be a bool, got {self.gated!r}")
-        acts = ACTS if self.gated else PLAIN_ACTS
+        acts = ACTS + SOFTCAP_ACTS if self.gated else PLAIN_ACTS
         if not isinstance(self.activation, str) or self.activation not in acts:
             raise ValueError(f"FEPLBConfig.activation must be one of {acts} ({'' if self.gated else 'non-'}gated "
                              f"experts), got {self.activation!r}")
@@ -169,6 +174,16 @@ class FEPLBConfig:
         a = self.swiglu_alpha
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
             raise ValueError(f"FEPLBConfig.swiglu_alpha must be a finite number, got {a!r}")
+        if self.gated:
+            try:
+                check_glu_act(self.activation, a, self.glu_softcap, self.swiglu_limit)
+                if self.glu_softcap is not None:   # one form, whatever sequence of numbers was given
+                    object.__setattr__(self, "glu_softcap", tuple(float(c) for c in self.glu_softcap))
+            except ValueError as e:
+                raise ValueError(f"FEPLBConfig (activation {self.activation!r}, glu_softcap, swiglu_limit): "
+                                 f"{e}") from None
+        elif self.glu_softcap is not None:
+            raise ValueError("FEPLBConfig: glu_softcap applies to gated experts only (gated=False)")
         for name in ("glu_interleaved", "expert_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FEPLBConfig.{name} must be a bool, got {getattr(self, name)!r}")

@@ -15,14 +15,15 @@ __all__ = ["expert_mlp", "ready_event", "span", "to_device"]
 
 def expert_mlp(x_MH: torch.Tensor, weights: tuple[torch.Tensor, ...], offsets_L: torch.Tensor,
                limit: float | None = None, act: str = "silu", alpha: float = 1.0,
-               interleaved: bool = False, gated: bool = True) -> torch.Tensor:
+               interleaved: bool = False, gated: bool = True,
+               softcap: tuple[float, float] | None = None) -> torch.Tensor:
     """Experts over grouped rows: grouped_mm(x, w1) [+ b1] -> act(gate) * up -> grouped_mm(., w2) [+ b2], or
     act(.) for non-gated experts (``gated=False``: w1 [L, H, F]).
 
     x_MH: [M, H]; weights: (w1 [L, H, 2F], w2 [L, F, H]) or (w1, w2, b1 [L, 2F], b2 [L, H]) (``expert_bias``);
     offsets_L: int32/int64 [L] END offsets; limit: the clamp's limit, None for none; act, alpha, interleaved,
-    gated: the activation (``FEPLBConfig.glu`` gives all five: ``swiglu_limit``, ``activation``, ``swiglu_alpha``,
-    ``glu_interleaved``, ``gated``). Returns [M, H]
+    gated, softcap: the activation (``FEPLBConfig.glu`` gives all six: ``swiglu_limit``, ``activation``,
+    ``swiglu_alpha``, ``glu_interleaved``, ``gated``, ``glu_softcap``). Returns [M, H]
     in x's dtype: inside ``torch.autocast`` the GEMMs (and the SwiGLU between them) run in the autocast dtype, and
     their result is cast back, so the rows the layer exchanges keep the layer's dtype.
     """
@@ -39,7 +40,7 @@ def expert_mlp(x_MH: torch.Tensor, weights: tuple[torch.Tensor, ...], offsets_L:
         # in the wider of the two dtypes (under torch.autocast: a bf16 GEMM plus the fp32 bias, as a biased
         # F.linear's output would be promoted in eager code such as gpt-oss's)
         h = h + _RowBias.apply(bias[0], group_M)
-    a = glu(h, limit, act, alpha, interleaved) if gated else mlp_act(h, act)
+    a = glu(h, limit, act, alpha, interleaved, softcap) if gated else mlp_act(h, act)
     y = grouped_mm(a, w2_LFH, offsets_L, check=False)
     if bias:
         y = y + _RowBias.apply(bias[1], group_M)

@@ -265,23 +265,34 @@ def _numbers(module: nn.Module, attrs: tuple[str, ...]) -> list[float]:
     return sorted(out)
 
 
-def _gate(module: nn.Module, ffn: int) -> tuple[str | None, tuple[str, float | None, float, bool] | None]:
-    """(why FEPLB cannot compute ``module``'s gate, or None; (activation, clamp limit or None, alpha, interleaved),
-    or None).
+def _softcaps(module: nn.Module) -> list[float]:
+    """The positive finite numbers the module keeps as softcaps: attributes named ``*softcap*`` of it and of its
+    submodules (Inkling 2's act_fn: ``gate_softcap.softcap``, ``up_softcap.softcap``), and fields so named of its
+    config (``mlp_gate_softcap``, ...)."""
+    out = set()
+    for holder in (*module.modules(), getattr(module, "config", None)):
+        names = [n for n in getattr(holder, "__dict__", {}) if "softcap" in n]
+        out.update(_numbers(holder, tuple(names)))
+    return sorted(out)
+
+
+def _gate(module: nn.Module, ffn: int) -> tuple[str | None, tuple | None]:
+    """(why FEPLB cannot compute ``module``'s gate, or None; (activation, clamp limit or None, alpha, interleaved,
+    softcaps or None), or None).
 
     A module with its own ``_apply_gate`` runs if that gate computes what FEPLB's kernels do: act(gate) * up with
     act one of ``FEPLBConfig.activation``'s (swiglu_oai's slope one of its alpha attributes, :data:`_ALPHA_ATTRS`),
-    plain or clamped at one of its limit attributes (:data:`_LIMIT_ATTRS`), with gate and up side by side or
-    interleaved (gpt-oss's). Checked by calling it on fp32 rows of the module's own width (2 * ``ffn``), in each
-    layout: every probe value (:func:`_probe_values`) as a gate beside every other as an up, compared with FEPLB's
-    own element by element. Without a custom gate: (None, None); the module's ``act_fn`` is checked by the
-    caller."""
+    plain or clamped at one of its limit attributes (:data:`_LIMIT_ATTRS`), or silu_softcap with two of its
+    softcaps (:func:`_softcaps`), with gate and up side by side or interleaved (gpt-oss's). Checked by calling it on
+    fp32 rows of the module's own width (2 * ``ffn``), in each layout: every probe value (:func:`_probe_values`) as
+    a gate beside every other as an up, compared with FEPLB's own element by element. Without a custom gate: (None,
+    None); the module's ``act_fn`` is checked by the caller."""
     if not _custom_gate(module):
         return None, None
     from feplb.kernels.activation import ACTS, glu_ref
 
-    limits, alphas = _numbers(module, _LIMIT_ATTRS), _numbers(module, _ALPHA_ATTRS)
-    values = _probe_values(limits)
+    limits, alphas, caps = _numbers(module, _LIMIT_ATTRS), _numbers(module, _ALPHA_ATTRS), _softcaps(module)
+    values = _probe_values(limits + caps)
     # every value as a gate beside every other as an up (rows of 2 * ffn columns; pairs spread over the columns)
     gate, up = torch.meshgrid(values, values, indexing="ij")
     pairs = torch.stack([gate.reshape(-1), up.reshape(-1)], dim=1)
@@ -299,19 +310,21 @@ def _gate(module: nn.Module, ffn: int) -> tuple[str | None, tuple[str, float | N
         except Exception as e:  # a gate that cannot take fp32 [rows, 2F] CPU rows is not one FEPLB stands in for
             return (f"a custom gating function ({name}) that fails on fp32 [rows, {2 * ffn}] CPU rows "
                     f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"), None
-    for act in ACTS:
-        for limit in (None, *limits):
-            for alpha in alphas if act == "swiglu_oai" else (1.0,):
-                for interleaved, (probe, out) in got.items():
-                    want = glu_ref(probe, limit, act, alpha, interleaved)
-                    if isinstance(out, torch.Tensor) and out.shape == want.shape and \
-                            torch.allclose(out.float(), want, rtol=1e-5, atol=1e-6, equal_nan=True):
-                        return None, (act, limit, alpha, interleaved)
+    forms = [(act, limit, alpha, None) for act in ACTS for limit in (None, *limits)
+             for alpha in (alphas if act == "swiglu_oai" else (1.0,))]
+    forms += [("silu_softcap", None, 1.0, (cg, cu)) for cg in caps for cu in caps]
+    for act, limit, alpha, softcap in forms:
+        for interleaved, (probe, out) in got.items():
+            want = glu_ref(probe, limit, act, alpha, interleaved, softcap)
+            if isinstance(out, torch.Tensor) and out.shape == want.shape and \
+                    torch.allclose(out.float(), want, rtol=1e-5, atol=1e-6, equal_nan=True):
+                return None, (act, limit, alpha, interleaved, softcap)
     clamped = f", plain or clamped at limit {', '.join(f'{v:g}' for v in limits)}" if limits else ""
     slopes = f", swiglu_oai's alpha {', '.join(f'{v:g}' for v in alphas)}" if alphas else \
         " (swiglu_oai's alpha: no alpha / swiglu_alpha attribute)"
+    capped = f", silu_softcap with softcaps {', '.join(f'{v:g}' for v in caps)}" if caps else ""
     return (f"a custom gating function ({name}) that computes none of FEPLB's act(gate) * up for act in "
-            f"{ACTS}{clamped}{slopes}, gate and up side by side or interleaved"), None
+            f"{ACTS}{clamped}{slopes}{capped}, gate and up side by side or interleaved"), None
 
 
 def _custom_gate(module: nn.Module) -> bool:
@@ -469,7 +482,7 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         if kind is None:
             return (f"activation {type(act_fn).__name__ if act_fn is not None else None} is none of FEPLB's "
                     f"{kinds} ({what})"), {}
-        gated = (kind, None, 1.702, False)
+        gated = (kind, None, 1.702, False, None)
     cfg = _config_of(module, model)
     if gu.dtype not in _DTYPES:
         return f"dtype {gu.dtype}; expected one of {_DTYPES}", {}
@@ -484,7 +497,8 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         return f"{E} experts are not divisible by the EP group size {world}", {}
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": top_k, "dtype": gu.dtype,
                   "device": gu.device.type, "activation": gated[0], "swiglu_limit": gated[1],
-                  "swiglu_alpha": gated[2], "glu_interleaved": gated[3], "expert_bias": bool(bias), "gated": is_gated,
+                  "swiglu_alpha": gated[2], "glu_interleaved": gated[3], "glu_softcap": gated[4],
+                  "expert_bias": bool(bias), "gated": is_gated,
                   "gate_on_input": block is not None, "transposed": transposed}
 
 

@@ -153,7 +153,7 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
 def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: str = "softmax", bias_E=None,
                         swiglu_limit: float | None = None, gate_on_input: bool = False, activation: str = "silu",
                         swiglu_alpha: float = 1.702, glu_interleaved: bool = False, b1_E2F=None, b2_EH=None,
-                        gated: bool = True):
+                        gated: bool = True, glu_softcap: tuple[float, float] | None = None):
     """Single-process dense MoE (no dispatch, no kernels), the independent reference of ``MoELayer``.
 
     Expert selection uses fp32 logits exactly as the layer computes them (so ties resolve the same way); gates
@@ -166,7 +166,8 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
             ("silu", "gelu_tanh", "gelu": torch.nn.functional's; "swiglu_oai": gate * sigmoid(swiglu_alpha * gate)
             * (up + 1)); glu_interleaved: gate and up alternate in w1's columns; b1_E2F [E, 2F], b2_EH [E, H]:
             the experts' biases (both or neither); gated=False: non-gated experts, w1 [E, H, F], act(x w1) w2
-            (activation also "relu2": relu^2).
+            (activation also "relu2": relu^2); glu_softcap (c_gate, c_up): "silu_softcap"'s, c_gate tanh(gate /
+            c_gate) sigmoid(gate) * c_up tanh(up / c_up).
     Returns:
         out_TD [T, H] in x's dtype, differentiable w.r.t. every input.
     """
@@ -204,6 +205,9 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
             gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
         if activation == "swiglu_oai":
             act, up = gate * torch.sigmoid(swiglu_alpha * gate), up + 1
+        elif activation == "silu_softcap":
+            (cg, cu) = glu_softcap
+            act, up = cg * torch.tanh(gate / cg) * torch.sigmoid(gate), cu * torch.tanh(up / cu)
         elif activation == "silu":
             act = torch.nn.functional.silu(gate)
         else:

@@ -5,6 +5,10 @@ approximation, torch's ``gelu(approximate="tanh")``: Gemma 4's experts), ``"gelu
 ``"swiglu_oai"`` (gpt-oss's and MiniMax-M3's: gate * sigmoid(alpha * gate) * (up + 1), ``alpha`` 1.702 there; the
 only kind that reads ``alpha``).
 
+Softcapped (``"silu_softcap"``, :data:`SOFTCAP_ACTS`: Inkling 2's experts): SwiGLU whose linear factors are bounded by
+``softcap = (c_gate, c_up)``, out = cap(gate, c_gate) * sigmoid(gate) * cap(up, c_up) with cap(x, c) = c * tanh(x /
+c) (the sigmoid sees the raw gate). It takes no ``limit``.
+
 Clamped (``limit``, as DeepSeek-V4, GLM-5 and Hunyuan-V4 experts compute SwiGLU, and Megatron's
 ``activation_func_clamp_value``): out = act(min(gate, limit)) * clamp(up, -limit, limit); the gradient passes the
 clamps where the input lies within them, bounds included (torch.clamp's rule).
@@ -29,15 +33,17 @@ from torch import Tensor
 from ._checks import FLOAT_DTYPES, check_tensor
 from ._triton import alloc, autotune_configs, cdiv, check_launch_device, launch, tl, triton
 
-__all__ = ["ACTS", "PLAIN_ACTS", "check_glu_act", "check_glu_input", "check_glu_limit", "check_mlp_act",
+__all__ = ["ACTS", "PLAIN_ACTS", "SOFTCAP_ACTS", "check_glu_act", "check_glu_input", "check_glu_limit", "check_mlp_act",
            "glu_bwd_ref", "glu_bwd_triton", "glu_ref", "glu_triton", "mlp_act_bwd_ref", "mlp_act_bwd_triton",
            "mlp_act_ref", "mlp_act_triton"]
 
-# the activations of the gate, in the order of the kernels' ACT constexpr
+# the activations of the gate that take a clamp (limit), in the order of the kernels' ACT constexpr
 ACTS = ("silu", "gelu_tanh", "gelu", "swiglu_oai")
+# the gated activations that take softcaps (c_gate, c_up) instead: the kernels' ACT 5
+SOFTCAP_ACTS = ("silu_softcap",)
 # the activations of a non-gated expert (act(h)); relu2 is the kernels' ACT 4
 PLAIN_ACTS = ("silu", "gelu_tanh", "gelu", "relu2")
-_ACT_ID = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "swiglu_oai": 3, "relu2": 4}
+_ACT_ID = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "swiglu_oai": 3, "relu2": 4, "silu_softcap": 5}
 
 
 def check_glu_input(h_M2F: Tensor) -> None:
@@ -55,12 +61,23 @@ def check_glu_limit(limit: float | None) -> None:
         raise ValueError(f"limit: expected None or a finite number > 0, got {limit!r}")
 
 
-def check_glu_act(act: str, alpha: float = 1.0) -> None:
-    """One of :data:`ACTS`; ``alpha`` a finite number."""
-    if not isinstance(act, str) or act not in ACTS:
-        raise ValueError(f"act: expected one of {ACTS}, got {act!r}")
+def check_glu_act(act: str, alpha: float = 1.0, softcap: tuple[float, float] | None = None,
+                  limit: float | None = None) -> None:
+    """One of :data:`ACTS` or :data:`SOFTCAP_ACTS`; ``alpha`` a finite number; ``softcap`` (c_gate, c_up), finite
+    numbers > 0, given exactly with a softcapped activation, which takes no ``limit``."""
+    if not isinstance(act, str) or act not in ACTS + SOFTCAP_ACTS:
+        raise ValueError(f"act: expected one of {ACTS + SOFTCAP_ACTS}, got {act!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise ValueError(f"alpha: expected a finite number, got {alpha!r}")
+    if act in SOFTCAP_ACTS:
+        if not isinstance(softcap, (tuple, list)) or len(softcap) != 2 or any(
+                isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0
+                for c in softcap):
+            raise ValueError(f"softcap: {act} expects (c_gate, c_up), two finite numbers > 0, got {softcap!r}")
+        if limit is not None:
+            raise ValueError(f"limit: {act} takes softcaps, not a clamp; got limit {limit!r}")
+    elif softcap is not None:
+        raise ValueError(f"softcap: only {SOFTCAP_ACTS} take softcaps, got softcap {softcap!r} with act {act!r}")
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -85,6 +102,8 @@ def _split(h_M2F: Tensor, limit: float | None, interleaved: bool = False) -> tup
 
 
 def _act_ref(gate: Tensor, act: str, alpha: float) -> Tensor:
+    if act == "silu_softcap":   # alpha: the gate's softcap
+        return alpha * torch.tanh(gate / alpha) * torch.sigmoid(gate)
     if act == "silu":
         return torch.nn.functional.silu(gate)
     if act == "swiglu_oai":
@@ -93,30 +112,39 @@ def _act_ref(gate: Tensor, act: str, alpha: float) -> Tensor:
 
 
 def glu_ref(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: float = 1.0,
-            interleaved: bool = False) -> Tensor:
+            interleaved: bool = False, softcap: tuple[float, float] | None = None) -> Tensor:
     """Pure-torch twin: act(h[:, :F]) * h[:, F:] (clamped by ``limit``, see the module docstring), with torch's own
-    activation (``swiglu_oai``: gate * sigmoid(alpha * gate) * (up + 1)). Returns [M, F] in h's dtype."""
+    activation (``swiglu_oai``: gate * sigmoid(alpha * gate) * (up + 1); ``silu_softcap``: its ``softcap``s).
+    Returns [M, F] in h's dtype."""
     check_glu_input(h_M2F)
     check_glu_limit(limit)
-    check_glu_act(act, alpha)
+    check_glu_act(act, alpha, softcap, limit)
     gate, up = _split(h_M2F, limit, interleaved)
     if act == "swiglu_oai":
         up = up + 1
+    if softcap is not None:
+        alpha, up = softcap[0], softcap[1] * torch.tanh(up / softcap[1])
     return (_act_ref(gate, act, alpha) * up).to(h_M2F.dtype)
 
 
 def glu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu",
-                alpha: float = 1.0, interleaved: bool = False) -> Tensor:
+                alpha: float = 1.0, interleaved: bool = False, softcap: tuple[float, float] | None = None) -> Tensor:
     """Gradient of :func:`glu_ref`: grad_MF [M, F] (h's dtype) -> dh [M, 2F] in h's dtype (torch's own activation
     derivatives)."""
     check_glu_input(h_M2F)
     check_glu_limit(limit)
-    check_glu_act(act, alpha)
+    check_glu_act(act, alpha, softcap, limit)
     check_tensor("grad_MF", grad_MF, dtypes=(h_M2F.dtype,), shape=(h_M2F.shape[0], h_M2F.shape[1] // 2))
     acc = _acc_dtype(h_M2F.dtype)
     raw_gate, raw_up = _halves(h_M2F.to(acc), interleaved)
     gate, up = _split(h_M2F, limit, interleaved)
     g = grad_MF.to(acc)
+    if act == "silu_softcap":
+        (cg, cu), s = softcap, torch.sigmoid(gate)
+        tg, tu = torch.tanh(gate / cg), torch.tanh(up / cu)
+        a = cg * tg * s
+        d_gate = g * cu * tu * ((1 - tg * tg) * s + a * (1 - s))
+        return _join(d_gate, g * a * (1 - tu * tu), interleaved).to(h_M2F.dtype)
     if act == "swiglu_oai":
         up = up + 1
         s = torch.sigmoid(gate * alpha)
@@ -138,10 +166,32 @@ _CONFIGS = autotune_configs(HOPPER_CONFIGS, dict(BLOCK_R=64, BLOCK_F=128))
 
 
 @triton.jit
+def _tanh(x, ACC: tl.constexpr):
+    """tanh(x) in ACC to a few ulps: Lambert's continued fraction x / (1 + x^2 / (3 + x^2 / (5 + ...))) to 17 where
+    |x| < 1/2 (2 sigmoid(2x) - 1 would lose the small values to cancellation), (1 - e^-2|x|) / (1 + e^-2|x|)
+    with x's sign elsewhere; NaN stays NaN, +-inf gives +-1. (libdevice's tanh has no interpreter twin.)"""
+    x2 = x * x
+    cf = tl.full(x.shape, 17.0, ACC)
+    for k in tl.static_range(8):   # 15 + x^2 / 17, ..., 1 + x^2 / (3 + ...)
+        cf = tl.cast(15.0 - 2 * k, ACC) + x2 / cf
+    ax = tl.abs(x)
+    t = tl.exp(-2 * ax)
+    big = (1 - t) / (1 + t)
+    return tl.where(ax < 0.5, x / cf, tl.where(x < 0, -big, big))
+
+
+@triton.jit
 def _act_and_grad(gate, alpha, ACT: tl.constexpr, ACC: tl.constexpr):
     """(act(gate), d act / d gate) in ACC: silu (ACT 0), gelu_tanh (1), gelu (2), gate * sigmoid(alpha * gate) (3,
-    swiglu_oai's; its up + 1 is the caller's), relu(gate)^2 (4)."""
-    if ACT == 0:
+    swiglu_oai's; its up + 1 is the caller's), relu(gate)^2 (4), alpha tanh(gate / alpha) sigmoid(gate) (5,
+    silu_softcap's; alpha its gate's softcap; its up's softcap is the caller's)."""
+    if ACT == 5:
+        c = tl.cast(alpha, ACC)
+        s = tl.sigmoid(gate)
+        t = _tanh(gate / c, ACC)
+        a = c * t * s
+        return a, (1 - t * t) * s + a * (1 - s)
+    elif ACT == 0:
         s = tl.sigmoid(gate)
         return gate * s, s * (1 + gate * (1 - s))
     elif ACT == 4:
@@ -189,8 +239,9 @@ def _load_gate_up(h_ptr, rows, cols, mask, F, ACC: tl.constexpr, INTERLEAVED: tl
 
 @triton.autotune(configs=_CONFIGS, key=["F"])
 @triton.jit
-def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, ACC: tl.constexpr, CLAMP: tl.constexpr,
-                ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, cap_up: tl.float64, ACC: tl.constexpr,
+                CLAMP: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_F: tl.constexpr):
     rows, cols, mask = _tile(M, F, BLOCK_R, BLOCK_F)
     gate, up, _, _ = _load_gate_up(h_ptr, rows, cols, mask, F, ACC, INTERLEAVED)
     if CLAMP:   # torch.clamp's: NaN stays NaN (tl.minimum would return the limit)
@@ -199,6 +250,9 @@ def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, ACC:
         up = tl.where(up > lim, lim, tl.where(up < -lim, -lim, up))
     if ACT == 3:
         up = up + 1
+    elif ACT == 5:
+        cu = tl.cast(cap_up, ACC)
+        up = cu * _tanh(up / cu, ACC)
     a, _ = _act_and_grad(gate, alpha, ACT, ACC)
     out = a * up
     tl.store(out_ptr + rows[:, None] * F + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -206,9 +260,9 @@ def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, ACC:
 
 @triton.autotune(configs=_CONFIGS, key=["F"])
 @triton.jit
-def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, alpha: tl.float64, ACC: tl.constexpr,
-                    CLAMP: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_F: tl.constexpr):
+def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, alpha: tl.float64, cap_up: tl.float64,
+                    ACC: tl.constexpr, CLAMP: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     rows, cols, mask = _tile(M, F, BLOCK_R, BLOCK_F)
     gate, up, g_offs, u_offs = _load_gate_up(h_ptr, rows, cols, mask, F, ACC, INTERLEAVED)
     g = tl.load(grad_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(ACC)
@@ -220,9 +274,15 @@ def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, alpha: tl.
         up = tl.where(up > lim, lim, tl.where(up < -lim, -lim, up))
     if ACT == 3:
         up = up + 1
+    elif ACT == 5:
+        cu = tl.cast(cap_up, ACC)
+        tu = _tanh(up / cu, ACC)
+        up = cu * tu
     a, da = _act_and_grad(gate, alpha, ACT, ACC)
     d_gate = g * up * da
     d_up = g * a
+    if ACT == 5:
+        d_up = d_up * (1 - tu * tu)
     if CLAMP:
         d_gate = tl.where(gate_in, d_gate, 0.0)
         d_up = tl.where(up_in, d_up, 0.0)
@@ -237,32 +297,40 @@ def _launch_grid(M: int, F: int):
     return grid
 
 
+def _act_args(act: str, alpha: float, softcap: tuple[float, float] | None) -> tuple[float, float]:
+    """The kernels' (alpha, cap_up) arguments: a softcapped activation's gate cap travels as alpha."""
+    return (float(alpha), 1.0) if softcap is None else (float(softcap[0]), float(softcap[1]))
+
+
 def glu_triton(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: float = 1.0,
-               interleaved: bool = False, *, config: dict | None = None) -> Tensor:
+               interleaved: bool = False, softcap: tuple[float, float] | None = None, *,
+               config: dict | None = None) -> Tensor:
     """Launcher of the gated activation kernel. h float [M, 2F] contiguous -> [M, F] in h's dtype (fp32 math), act
-    one of :data:`ACTS` (``alpha``: swiglu_oai's), clamped by ``limit``, gate and up ``interleaved`` or side by
-    side (see the module docstring).
+    one of :data:`ACTS` (``alpha``: swiglu_oai's), clamped by ``limit``, or of :data:`SOFTCAP_ACTS` with its
+    ``softcap``; gate and up ``interleaved`` or side by side (see the module docstring).
 
     ``config``: explicit block sizes instead of the autotuner (see ``_triton.launch``)."""
     check_glu_input(h_M2F)
     check_glu_limit(limit)
-    check_glu_act(act, alpha)
+    check_glu_act(act, alpha, softcap, limit)
     check_launch_device("glu_triton", h_M2F)
     M, F = h_M2F.shape[0], h_M2F.shape[1] // 2
     out_MF = alloc((M, F), h_M2F.dtype, h_M2F.device)
     if M > 0 and F > 0:
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
-        launch(_glu_kernel, _launch_grid(M, F), h_M2F, out_MF, M, F, float(limit or 0.0), float(alpha), ACC=acc,
-               CLAMP=limit is not None, ACT=_ACT_ID[act], INTERLEAVED=bool(interleaved), config=config)
+        launch(_glu_kernel, _launch_grid(M, F), h_M2F, out_MF, M, F, float(limit or 0.0),
+               *_act_args(act, alpha, softcap), ACC=acc, CLAMP=limit is not None, ACT=_ACT_ID[act],
+               INTERLEAVED=bool(interleaved), config=config)
     return out_MF
 
 
 def glu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu",
-                   alpha: float = 1.0, interleaved: bool = False, *, config: dict | None = None) -> Tensor:
+                   alpha: float = 1.0, interleaved: bool = False, softcap: tuple[float, float] | None = None, *,
+                   config: dict | None = None) -> Tensor:
     """Launcher of the gated activation's backward: grad [M, F] (h's dtype, contiguous), h [M, 2F] -> dh [M, 2F]."""
     check_glu_input(h_M2F)
     check_glu_limit(limit)
-    check_glu_act(act, alpha)
+    check_glu_act(act, alpha, softcap, limit)
     check_tensor("grad_MF", grad_MF, dtypes=(h_M2F.dtype,), shape=(h_M2F.shape[0], h_M2F.shape[1] // 2),
                  contiguous=True)
     check_launch_device("glu_bwd_triton", h_M2F)
@@ -270,8 +338,9 @@ def glu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, a
     dh_M2F = alloc(tuple(h_M2F.shape), h_M2F.dtype, h_M2F.device)
     if M > 0 and F > 0:
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
-        launch(_glu_bwd_kernel, _launch_grid(M, F), grad_MF, h_M2F, dh_M2F, M, F, float(limit or 0.0), float(alpha),
-               ACC=acc, CLAMP=limit is not None, ACT=_ACT_ID[act], INTERLEAVED=bool(interleaved), config=config)
+        launch(_glu_bwd_kernel, _launch_grid(M, F), grad_MF, h_M2F, dh_M2F, M, F, float(limit or 0.0),
+               *_act_args(act, alpha, softcap), ACC=acc, CLAMP=limit is not None, ACT=_ACT_ID[act],
+               INTERLEAVED=bool(interleaved), config=config)
     return dh_M2F
 
 

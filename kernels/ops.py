@@ -406,33 +406,37 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
 
 # ---------------------------------------------------------------------------------------------------- glu
 
+def _caps(softcap: list[float] | None) -> tuple[float, float] | None:
+    return None if softcap is None else tuple(softcap)
+
+
 def _glu_impl(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: float = 1.0,
-              interleaved: bool = False) -> Tensor:
+              interleaved: bool = False, softcap: list[float] | None = None) -> Tensor:
     if use_triton(h_M2F):
-        return glu_triton(h_M2F, limit, act, alpha, interleaved)
-    return glu_ref(h_M2F, limit, act, alpha, interleaved)
+        return glu_triton(h_M2F, limit, act, alpha, interleaved, _caps(softcap))
+    return glu_ref(h_M2F, limit, act, alpha, interleaved, _caps(softcap))
 
 
-def _glu_fake(h_M2F, limit=None, act="silu", alpha=1.0, interleaved=False):
+def _glu_fake(h_M2F, limit=None, act="silu", alpha=1.0, interleaved=False, softcap=None):
     check_glu_input(h_M2F)
     return h_M2F.new_empty(h_M2F.shape[0], h_M2F.shape[1] // 2)
 
 
 def _glu_bwd_impl(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu",
-                  alpha: float = 1.0, interleaved: bool = False) -> Tensor:
+                  alpha: float = 1.0, interleaved: bool = False, softcap: list[float] | None = None) -> Tensor:
     if use_triton(h_M2F):
-        return glu_bwd_triton(grad_MF, h_M2F, limit, act, alpha, interleaved)
-    return glu_bwd_ref(grad_MF, h_M2F, limit, act, alpha, interleaved)
+        return glu_bwd_triton(grad_MF, h_M2F, limit, act, alpha, interleaved, _caps(softcap))
+    return glu_bwd_ref(grad_MF, h_M2F, limit, act, alpha, interleaved, _caps(softcap))
 
 
-def _glu_bwd_fake(grad_MF, h_M2F, limit=None, act="silu", alpha=1.0, interleaved=False):
+def _glu_bwd_fake(grad_MF, h_M2F, limit=None, act="silu", alpha=1.0, interleaved=False, softcap=None):
     return torch.empty_like(h_M2F)
 
 
-_GLU = _operator('glu(Tensor h_M2F, float? limit=None, str act="silu", float alpha=1.0, bool interleaved=False) '
-                 '-> Tensor', _glu_impl, _glu_fake)
+_GLU = _operator('glu(Tensor h_M2F, float? limit=None, str act="silu", float alpha=1.0, bool interleaved=False, '
+                 'float[]? softcap=None) -> Tensor', _glu_impl, _glu_fake)
 _GLU_BWD = _operator('glu_bwd(Tensor grad_MF, Tensor h_M2F, float? limit=None, str act="silu", float alpha=1.0, '
-                     'bool interleaved=False) -> Tensor', _glu_bwd_impl, _glu_bwd_fake)
+                     'bool interleaved=False, float[]? softcap=None) -> Tensor', _glu_bwd_impl, _glu_bwd_fake)
 
 
 def _glu_setup(ctx, inputs, output):
@@ -449,12 +453,13 @@ _GLU_FN = _differentiable(_GLU, _glu_setup, _glu_backward)
 
 
 def glu(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: float = 1.0,
-        interleaved: bool = False) -> Tensor:
+        interleaved: bool = False, softcap: tuple[float, float] | None = None) -> Tensor:
     """Gated activation of the experts: out_MF = act(h[:, :F]) * h[:, F:], computed in fp32. ``act``: ``"silu"``
-    (SwiGLU), ``"gelu_tanh"`` (GeGLU, tanh approximation: Gemma 4), ``"gelu"`` (GeGLU, erf) or ``"swiglu_oai"``
-    (gpt-oss's and MiniMax-M3's: gate * sigmoid(alpha * gate) * (up + 1)). With ``limit``, the clamped form
-    act(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4's experts, Megatron's
-    ``activation_func_clamp_value``; gpt-oss clamps at 7).
+    (SwiGLU), ``"gelu_tanh"`` (GeGLU, tanh approximation: Gemma 4), ``"gelu"`` (GeGLU, erf), ``"swiglu_oai"``
+    (gpt-oss's and MiniMax-M3's: gate * sigmoid(alpha * gate) * (up + 1)) or ``"silu_softcap"`` (Inkling 2's:
+    cap(gate, c_gate) * sigmoid(gate) * cap(up, c_up), cap(x, c) = c tanh(x / c), ``softcap`` = (c_gate, c_up)).
+    With ``limit``, the clamped form act(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4's experts,
+    Megatron's ``activation_func_clamp_value``; gpt-oss clamps at 7).
 
     Args:
         h_M2F: float [M, 2F], contiguous (gate columns first, then up; alternating, gate first, if ``interleaved``:
@@ -462,17 +467,19 @@ def glu(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: flo
         limit: None, or a finite number > 0.
         act: one of ``feplb.kernels.activation.ACTS``.
         alpha: swiglu_oai's sigmoid slope (a finite number; the other activations ignore it).
+        softcap: (c_gate, c_up), finite numbers > 0, with ``"silu_softcap"`` (which takes no limit); None otherwise.
 
     Returns:
         out_MF [M, F] in h's dtype; differentiable.
     """
     check_glu_input(h_M2F)
     check_glu_limit(limit)
-    check_glu_act(act, alpha)
+    check_glu_act(act, alpha, softcap, limit)
     check_rows("h_M2F", h_M2F.shape[0], "M")
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved: expected a bool, got {interleaved!r}")
-    return _apply(_GLU_FN, _GLU, h_M2F, None if limit is None else float(limit), act, float(alpha), interleaved)
+    return _apply(_GLU_FN, _GLU, h_M2F, None if limit is None else float(limit), act, float(alpha), interleaved,
+                  None if softcap is None else [float(c) for c in softcap])
 
 
 def _mlp_act_impl(h_MF: Tensor, act: str) -> Tensor:

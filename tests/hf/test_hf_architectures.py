@@ -33,9 +33,9 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "nemotron_h",   # non-gated experts: down(relu(up(x))^2)
                "glm4v_moe", "qwen3_omni_moe",   # built with heads of 128 (rotary sections sized for them)
                "muse_spark",    # a norm after each expert (has_post_expert_norm), replicated, on the token's GPU
-               "inkling_text")  # its shared experts stored as 3-D parameters (not routed: left replicated)
-KNOWN_REFUSED = {"inkling2": "computes none of FEPLB's",   # a softcapped SwiGLU
-                 "longcat_flash": "weight layout gate_up_proj"}   # zero-computation experts (E + Z gate_up_proj)
+               "inkling_text",  # its shared experts stored as 3-D parameters (not routed: left replicated)
+               "inkling2", "inkling2_loop")   # a softcapped SwiGLU (its own _apply_gate and act_fn's caps)
+KNOWN_REFUSED = {"longcat_flash": "weight layout gate_up_proj"}   # zero-computation experts (E + Z gate_up_proj)
 
 
 def _survey(rank: int, world: int) -> list[dict]:
@@ -116,14 +116,14 @@ def _defects(rank: int, world: int) -> dict:
         # the clamped SwiGLU's limit lost: DeepSeek-V4's tiny model (limit 1) computes plain SwiGLU instead
         gate = fh._gate
 
-        def altered(**change):   # _gate with some of its (activation, limit, alpha) replaced
+        def altered(**change):   # _gate with some of its (activation, limit, alpha, interleaved, softcap) replaced
             def patched(module, ffn):
                 why, g = gate(module, ffn)
                 if g is None:
                     return why, g
-                act, limit, alpha, inter = g
+                act, limit, alpha, inter, caps = g
                 return why, (change.get("act", act), change.get("limit", limit), change.get("alpha", alpha),
-                             change.get("interleaved", inter))
+                             change.get("interleaved", inter), change.get("softcap", caps))
             return patched
 
         fh._gate = altered(limit=None)
@@ -144,6 +144,13 @@ def _defects(rank: int, world: int) -> dict:
         fh._gate = altered(interleaved=False)
         try:
             out["halves_for_interleaved"] = hfcheck.check(["gpt_oss"])[0]
+        finally:
+            fh._gate = gate
+
+        # Inkling 2's softcaps swapped (the gate's on the up and back)
+        fh._gate = altered(softcap=(25.0, 4.0))
+        try:
+            out["softcaps_swapped"] = hfcheck.check(["inkling2"])[0]
         finally:
             fh._gate = gate
 
@@ -199,6 +206,7 @@ def test_the_check_reports_defects():
         assert res["halves_for_interleaved"]["status"] == "WRONG", res["halves_for_interleaved"]
         assert res["bias_lost"]["status"] == "WRONG", res["bias_lost"]
         assert res["post_norm_lost"]["status"] == "WRONG", res["post_norm_lost"]
+        assert res["softcaps_swapped"]["status"] == "WRONG", res["softcaps_swapped"]
         assert res["raising"]["status"] == "error" and "a forward that fails" in res["raising"]["detail"], res
         assert res["restored"]["status"] == "exact", res["restored"]
 
@@ -226,6 +234,12 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
     experts = [m for m in ds4.modules() if type(m).__name__ == "DeepseekV4Experts"]
     assert experts and all(why is None for why in fh.supported(ds4).values())
     assert fh._problem(experts[0], ds4, 1)[1]["swiglu_limit"] == experts[0].limit > 0
+    # Inkling 2's softcapped SwiGLU: its caps found on its act_fn (gate 4, up 25 by default), in that order
+    ink2 = tiny_model("inkling2")
+    ex = next(m for m in ink2.modules() if type(m).__name__ == "Inkling2Experts")
+    fields = fh._problem(ex, ink2, 1)[1]
+    assert (fields["activation"], fields["glu_softcap"], fields["swiglu_limit"]) == \
+        ("silu_softcap", (ink2.config.mlp_gate_softcap, ink2.config.mlp_up_softcap), None), fields
     mix = model.model.layers[0].mlp.experts
 
     class GeluGate(type(mix)):   # GeGLU (erf), clamped where a limit is set
@@ -377,11 +391,11 @@ def test_cli_writes_the_table(tmp_path, capsys):
     from feplb.cli import main
 
     md, js = tmp_path / "hf.md", tmp_path / "hf.json"
-    assert main(["hf-check", "mixtral", "inkling2", "--markdown", str(md), "--json", str(js)]) == 0
+    assert main(["hf-check", "mixtral", "longcat_flash", "--markdown", str(md), "--json", str(js)]) == 0
     printed = capsys.readouterr().out
     assert "mixtral" in printed and "2 architectures: 1 exact, 1 refused" in printed, printed
     text = md.read_text()
-    assert "| `mixtral` | exact | 2 |" in text and "| `inkling2` | refused | 0 |" in text, text
+    assert "| `mixtral` | exact | 2 |" in text and "| `longcat_flash` | refused | 0 |" in text, text
     doc = json.loads(js.read_text())
     assert doc["meta"]["ranks"] == 2 and doc["meta"]["command"].startswith("feplb hf-check mixtral")
     assert [o["status"] for o in doc["outcomes"]] == ["exact", "refused"]

@@ -76,13 +76,18 @@ def unpermute_f64(y_MD, dst_idx_TK, w_TK):
     return (w_TK.double()[:, :, None] * y_MD.double()[dst_idx_TK.long()]).sum(1)
 
 
-def glu_f64(h_M2F, limit=None, act="silu", alpha=1.0, interleaved=False):
+def glu_f64(h_M2F, limit=None, act="silu", alpha=1.0, interleaved=False, softcap=None):
     """The gated activation in float64 from its formulas (not torch's activation functions)."""
     h = h_M2F.double()
     gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=1)
     if limit is not None:   # torch.clamp: its gradient passes where the input lies within the bounds, included
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    if act == "silu":
+    if act == "silu_softcap":   # c tanh(x / c) = c (1 - e^(-2x/c)) / (1 + e^(-2x/c))
+        def cap(x, c):
+            e = torch.exp(-2 * x / c)
+            return c * (1 - e) / (1 + e)
+        a, up = cap(gate, softcap[0]) / (1 + torch.exp(-gate)), cap(up, softcap[1])
+    elif act == "silu":
         a = gate / (1 + torch.exp(-gate))
     elif act == "swiglu_oai":
         a, up = gate / (1 + torch.exp(-alpha * gate)), up + 1

@@ -207,9 +207,11 @@ def other_jobs():
                consts={**meta, "K": 8, "BLOCK_K": 16, "NEED_DW": True, "ACC": tl.float32}, options=options)
     meta, options = split(activation.HOPPER_CONFIGS[0])
     for name, fn, types in (
-        ("glu", activation._glu_kernel, {"h_ptr": "*bf16", "out_ptr": "*bf16", "limit": "fp64", "alpha": "fp64"}),
+        ("glu", activation._glu_kernel, {"h_ptr": "*bf16", "out_ptr": "*bf16", "limit": "fp64", "alpha": "fp64",
+                                         "cap_up": "fp64"}),
         ("glu backward", activation._glu_bwd_kernel,
-         {"grad_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*bf16", "limit": "fp64", "alpha": "fp64"}),
+         {"grad_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*bf16", "limit": "fp64", "alpha": "fp64",
+          "cap_up": "fp64"}),
     ):
         for act_id, act in enumerate(activation.ACTS):   # SwiGLU, GeGLU (tanh, erf), gpt-oss's; plain and clamped
             for clamp in (False, True):
@@ -218,6 +220,12 @@ def other_jobs():
                     yield dict(name=f"{name} {act}" + (" clamped" if clamp else "") + (" interleaved" if inter else ""),
                                jit_fn=fn, types=types, div16=("F",), options=options,
                                consts={**meta, "ACC": tl.float32, "CLAMP": clamp, "ACT": act_id, "INTERLEAVED": inter})
+        for act in activation.SOFTCAP_ACTS:   # Inkling 2's softcapped SwiGLU (no clamp), both layouts
+            for inter in (False, True):
+                yield dict(name=f"{name} {act}" + (" interleaved" if inter else ""), jit_fn=fn, types=types,
+                           div16=("F",), options=options,
+                           consts={**meta, "ACC": tl.float32, "CLAMP": False, "ACT": activation._ACT_ID[act],
+                                   "INTERLEAVED": inter})
 
 
     for name, fn, types in (

@@ -69,12 +69,15 @@ def test_opcheck(impl, gen, kh):
         (torch.ops.feplb.glu.default, (h, 0.5, "gelu")),
         (torch.ops.feplb.glu.default, (h, 0.5, "swiglu_oai", 1.702)),
         (torch.ops.feplb.glu.default, (h, 0.5, "swiglu_oai", 1.702, True)),
+        (torch.ops.feplb.glu.default, (h, None, "silu_softcap", 1.0, True, [0.7, 1.5])),
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), None)),
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), 0.5)),
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), None, "gelu_tanh")),
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), 0.5, "gelu")),
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), 0.5, "swiglu_oai", 1.702)),
         (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), None, "silu", 1.0, True)),
+        (torch.ops.feplb.glu_bwd.default, (h.detach()[:, :6].contiguous(), h.detach(), None, "silu_softcap", 1.0,
+                                           False, [0.7, 1.5])),
         (torch.ops.feplb.mlp_act.default, (h, "relu2")),
         (torch.ops.feplb.mlp_act.default, (h, "gelu_tanh")),
         (torch.ops.feplb.mlp_act_bwd.default, (h.detach().clone(), h.detach(), "relu2")),
@@ -96,7 +99,8 @@ def _off_corners(h: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("op", ["permute", "unpermute", "grouped_mm", "swiglu", "swiglu_clamped", "geglu_tanh",
-                                "geglu_clamped", "swiglu_oai_clamped", "swiglu_oai_interleaved"])
+                                "geglu_clamped", "swiglu_oai_clamped", "swiglu_oai_interleaved",
+                                "swiglu_softcap"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gradcheck_ops(impl, op, gen, kh):
     """Each op's backward in float64; fast mode, because every evaluation runs the interpreter."""
@@ -125,6 +129,10 @@ def test_gradcheck_ops(impl, op, gen, kh):
         "swiglu_oai_interleaved": (lambda h: fk.glu(h, 0.75, "swiglu_oai", 1.702, True),
                                    (_off_corners(torch.randn(M, 6, dtype=torch.float64, generator=gen), 0.75)
                                     .to(x.device).requires_grad_(),)),
+        # caps that bend the values (Inkling 2's are 4 and 25 on far larger activations)
+        "swiglu_softcap": (lambda h: fk.glu(h, None, "silu_softcap", 1.0, False, (0.8, 1.5)),
+                           ((torch.randn(M, 6, dtype=torch.float64, generator=gen) * 2).to(x.device)
+                            .requires_grad_(),)),
     }
     fn, args = fns[op]
     with impl_context(impl):

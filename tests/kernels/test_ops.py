@@ -110,8 +110,28 @@ def test_glu_rejects_a_bad_limit(limit):
 
 @pytest.mark.parametrize("act", ["relu", "gelu_new", "", None, "SILU"])
 def test_glu_rejects_an_unknown_activation(act):
-    with pytest.raises(ValueError, match=r"act: expected one of \('silu', 'gelu_tanh', 'gelu', 'swiglu_oai'\)"):
+    with pytest.raises(ValueError, match=r"act: expected one of \('silu', 'gelu_tanh', 'gelu', 'swiglu_oai', "
+                                         r"'silu_softcap'\)"):
         fk.glu(torch.randn(3, 4), None, act)
+
+
+def test_softcapped_glu(gen, kh):
+    """Inkling 2's SwiGLU with softcapped linear factors: against its formula in fp64, gradients by gradcheck; the
+    caps reach it; bad softcaps and a clamp with it refused."""
+    h = torch.randn(13, 10, generator=gen) * 6
+    out = fk.glu(h, None, "silu_softcap", 1.0, False, (4.0, 2.5))
+    kh.close(out, kh.glu_f64(h, None, "silu_softcap", softcap=(4.0, 2.5)), torch.float32, scale=4.0)
+    assert not torch.allclose(out.double(), kh.glu_f64(h, None, "silu_softcap", softcap=(4.0, 25.0)), rtol=0.05)
+    assert not torch.allclose(out.double(), kh.glu_f64(h, None, "silu_softcap", softcap=(40.0, 2.5)), rtol=0.05)
+    h64 = h.double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: fk.glu(t, None, "silu_softcap", 1.0, True, (4.0, 2.5)), (h64,))
+    for bad in (None, (4.0,), (4.0, -1.0), (float("nan"), 1.0), (4.0, True)):
+        with pytest.raises(ValueError, match=r"softcap: silu_softcap expects \(c_gate, c_up\)"):
+            fk.glu(h, None, "silu_softcap", 1.0, False, bad)
+    with pytest.raises(ValueError, match="takes softcaps, not a clamp"):
+        fk.glu(h, 2.0, "silu_softcap", 1.0, False, (4.0, 2.5))
+    with pytest.raises(ValueError, match="only .*silu_softcap.* take softcaps"):
+        fk.glu(h, None, "silu", 1.0, False, (4.0, 2.5))
 
 
 @pytest.mark.parametrize("act", ["relu2", "silu", "gelu_tanh", "gelu"])

@@ -240,6 +240,48 @@ def test_glu_kernels(dtype, limit, act, interleaved, gen, kh):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")   # the interpreter's sigmoid
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_softcapped_glu_kernels(dtype, interleaved, gen, kh):
+    """Inkling 2's softcapped SwiGLU: against the twin, the fp64 formula and fp64 autograd, on values from far below
+    to far beyond the caps (the kernels' own tanh: tiny values keep their relative precision); NaN stays NaN, +-inf
+    saturates as torch's tanh does."""
+    M, F, caps = 70, 150, (4.0, 2.5)
+    h = torch.randn(M, 2 * F, generator=gen) * 6
+    h[::5] *= 1e-4   # tiny gates and ups: where 2 sigmoid(2x) - 1 would cancel
+    h = h.to(dtype).to(DEVICE)
+    g = torch.randn(M, F, generator=gen).to(dtype).to(DEVICE)
+    with poison_outputs():
+        out = glu_triton(h, None, "silu_softcap", 1.0, interleaved, caps)
+        dh = glu_bwd_triton(g, h, None, "silu_softcap", 1.0, interleaved, caps)
+    kh.close(out.cpu(), glu_ref(h, None, "silu_softcap", 1.0, interleaved, caps).cpu(), dtype, scale=4.0)
+    want = kh.glu_f64(h.cpu(), None, "silu_softcap", interleaved=interleaved, softcap=caps)
+    kh.close(out.cpu(), want, dtype, scale=4.0)
+    tiny = slice(None, None, 5)   # the tiny rows alone, relative to their own scale
+    kh.close(out.cpu()[tiny], want[tiny], dtype, scale=4.0)
+    kh.close(dh.cpu(), glu_bwd_ref(g, h, None, "silu_softcap", 1.0, interleaved, caps).cpu(), dtype, scale=4.0)
+    h64 = h.cpu().double().requires_grad_()
+    (dh_f64,) = torch.autograd.grad(kh.glu_f64(h64, None, "silu_softcap", interleaved=interleaved, softcap=caps),
+                                    h64, g.cpu().double())
+    kh.close(dh.cpu(), dh_f64, dtype, scale=8.0)
+    # the caps bound the linear factors: |out| < c_gate * c_up
+    assert out.cpu().double().abs().max() < caps[0] * caps[1]
+    if dtype != torch.float64:   # the specials, in float32 and below
+        nan, inf = float("nan"), float("inf")
+        hs = torch.tensor([[nan, 1.0, inf, -inf, 2.0, nan, -inf, inf]], dtype=torch.float64)
+        gs = torch.ones(1, 4, dtype=torch.float64)
+        h64 = hs.clone().requires_grad_()
+        gate, up = h64.chunk(2, dim=1)
+        ref = caps[0] * torch.tanh(gate / caps[0]) * torch.sigmoid(gate) * caps[1] * torch.tanh(up / caps[1])
+        (ref_dh,) = torch.autograd.grad(ref, h64, gs)
+        hd, gd = hs.to(dtype).to(DEVICE), gs.to(dtype).to(DEVICE)
+        torch.testing.assert_close(glu_triton(hd, None, "silu_softcap", 1.0, False, caps).cpu().double(),
+                                   ref.detach(), equal_nan=True, rtol=2e-2, atol=1e-2)
+        torch.testing.assert_close(glu_bwd_triton(gd, hd, None, "silu_softcap", 1.0, False, caps).cpu().double(),
+                                   ref_dh, equal_nan=True, rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")   # the interpreter's sigmoid
 @pytest.mark.parametrize("act", PLAIN_ACTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_mlp_act_kernels(dtype, act, gen, kh):

@@ -45,7 +45,10 @@ BASE = dict(hidden=16, ffn=32, num_experts=8, top_k=2)
     ("gated", 0, TypeError, "gated must be a bool"),
     ("glu_interleaved", "yes", TypeError, "glu_interleaved must be a bool"),
     ("expert_bias", None, TypeError, "expert_bias must be a bool"),
-    ("activation", "relu2", ValueError, r"one of \('silu', 'gelu_tanh', 'gelu', 'swiglu_oai'\) \(gated experts\)"),
+    ("activation", "relu2", ValueError,
+     r"one of \('silu', 'gelu_tanh', 'gelu', 'swiglu_oai', 'silu_softcap'\) \(gated experts\)"),
+    ("activation", "silu_softcap", ValueError, r"silu_softcap expects \(c_gate, c_up\)"),   # no softcaps given
+    ("glu_softcap", (4.0, 25.0), ValueError, "only .*silu_softcap.* take softcaps"),   # softcaps with plain SwiGLU
 ], ids=lambda v: str(v))
 def test_config_rejects_bad_values(field, value, exc, needle):
     with pytest.raises(exc, match=needle.replace("+", r"\+")):
@@ -54,12 +57,24 @@ def test_config_rejects_bad_values(field, value, exc, needle):
 
 def test_config_non_gated_experts():
     cfg = FEPLBConfig(**BASE, gated=False, activation="relu2")
-    assert cfg.glu == (None, "relu2", 1.702, False, False)
+    assert cfg.glu == (None, "relu2", 1.702, False, False, None)
     with pytest.raises(ValueError, match=r"one of \('silu', 'gelu_tanh', 'gelu', 'relu2'\) \(non-gated experts\)"):
         FEPLBConfig(**BASE, gated=False, activation="swiglu_oai")
     for bad in ({"swiglu_limit": 1.0}, {"glu_interleaved": True}):
         with pytest.raises(ValueError, match="apply to gated experts only"):
             FEPLBConfig(**BASE, gated=False, **bad)
+    with pytest.raises(ValueError, match="glu_softcap applies to gated experts only"):
+        FEPLBConfig(**BASE, gated=False, activation="silu", glu_softcap=(4.0, 25.0))
+
+
+def test_config_softcapped_swiglu():
+    cfg = FEPLBConfig(**BASE, activation="silu_softcap", glu_softcap=[4, 25.0])
+    assert cfg.glu == (None, "silu_softcap", 1.702, False, True, (4.0, 25.0))
+    for bad in ((4.0,), (4.0, 0.0), (4.0, float("inf")), (True, 2.0), "4,25"):
+        with pytest.raises(ValueError, match="two finite numbers > 0"):
+            FEPLBConfig(**BASE, activation="silu_softcap", glu_softcap=bad)
+    with pytest.raises(ValueError, match="takes softcaps, not a clamp"):
+        FEPLBConfig(**BASE, activation="silu_softcap", glu_softcap=(4.0, 25.0), swiglu_limit=7.0)
 
 
 def test_config_defaults_and_external_router():

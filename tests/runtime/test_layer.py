@@ -162,7 +162,7 @@ def _check_stack(per_rank, G, seed=300):
 
 
 def _dense_in(dtype, routing, seed, G, microbatches, router, limit=None, gate_on_input=False, act="silu",
-              interleaved=False, bias=False, gated=True):
+              interleaved=False, bias=False, gated=True, softcap=None):
     router_EH, w1, w2, xs, dys = make_inputs(routing, seed, G, router)
     b1, b2 = make_biases(seed) if bias else (None, None)
     if not gated:
@@ -176,7 +176,7 @@ def _dense_in(dtype, routing, seed, G, microbatches, router, limit=None, gate_on
         for _ in range(microbatches):
             out = dense_moe_reference(x, r_leaf, w1, w2, K, router, swiglu_limit=limit, gate_on_input=gate_on_input,
                                       activation=act, glu_interleaved=interleaved, b1_E2F=b1, b2_EH=b2,
-                                      gated=gated)
+                                      gated=gated, glu_softcap=softcap)
             if out.requires_grad:   # a rank without tokens contributes nothing
                 (out * dy.to(dtype)).sum().backward()
         outs.append(out.detach())
@@ -188,13 +188,13 @@ def _dense_in(dtype, routing, seed, G, microbatches, router, limit=None, gate_on
 
 @functools.lru_cache(maxsize=None)
 def _dense(routing, seed, G, microbatches=1, router="softmax", limit=None, gate_on_input=False, act="silu",
-           interleaved=False, bias=False, gated=True):
+           interleaved=False, bias=False, gated=True, softcap=None):
     """fp64 dense reference, plus the error torch's own fp32 makes on the same math (the floor of any tolerance:
     saturated softmax gradients cancel catastrophically in fp32 whatever the dispatch)."""
     ref64 = _dense_in(torch.float64, routing, seed, G, microbatches, router, limit, gate_on_input, act, interleaved,
-                      bias, gated)
+                      bias, gated, softcap)
     ref32 = _dense_in(torch.float32, routing, seed, G, microbatches, router, limit, gate_on_input, act, interleaved,
-                      bias, gated)
+                      bias, gated, softcap)
     return tuple(_Ref(a, b) if isinstance(a, torch.Tensor) else [_Ref(x, y) for x, y in zip(a, b, strict=True)]
                  for a, b in zip(ref64, ref32, strict=True))
 
@@ -231,9 +231,9 @@ def _check(results, cases, G):
         router, limit = cfg_kwargs.get("router", "softmax"), cfg_kwargs.get("swiglu_limit")
         goi, act = cfg_kwargs.get("gate_on_input", False), cfg_kwargs.get("activation", "silu")
         inter, bias = cfg_kwargs.get("glu_interleaved", False), cfg_kwargs.get("expert_bias", False)
-        gated = cfg_kwargs.get("gated", True)
+        gated, softcap = cfg_kwargs.get("gated", True), cfg_kwargs.get("glu_softcap")
         outs, dxs, drouters, dw1, dw2, db1, db2 = _dense(routing, seed, G, mb, router, limit, goi, act, inter, bias,
-                                                        gated)
+                                                        gated, softcap)
         tag = f"{routing}/{cfg_kwargs['policy']}/{cfg_kwargs.get('weights', 'per-step')}"
         for r, res in enumerate(per_rank):
             _close(res["out"], outs[r], f"{tag} rank {r} output")
@@ -311,6 +311,10 @@ def _cases_for(G):
         for policy, weights in (("feplb-split", "per-microbatch"), ("none", None)):
             kw = {"policy": policy, "gpus_per_node": G, "activation": act, "swiglu_limit": limit, "dyn": 2}
             cases.append(({**kw, "weights": weights} if weights else kw, "skewed", 206))
+    # Inkling 2's softcapped SwiGLU, caps small enough to bend the tiny layer's gates and ups
+    for policy, weights in (("feplb-split", "per-microbatch"), ("none", None)):
+        kw = {"policy": policy, "gpus_per_node": G, "activation": "silu_softcap", "glu_softcap": (0.3, 0.5), "dyn": 2}
+        cases.append(({**kw, "weights": weights} if weights else kw, "skewed", 209))
     # gpt-oss's experts: biases, gate and up interleaved, its gate clamped; rows and weights moving per micro-batch
     # and per-step copies (their biases' gradients reduced to the owners)
     gpt_oss = {"gpus_per_node": G, "activation": "swiglu_oai", "swiglu_limit": 0.5, "glu_interleaved": True,
