@@ -29,7 +29,9 @@ parameters' all-gather with ``overlap_param_gather``; one that returns new input
 probabilities on the experts' inputs (``moe_apply_probs_on_input``) run as ``FEPLBConfig.gate_on_input``. Expert
 biases (``add_bias_linear``: ``linear_fc1.bias`` [2F] added before the activation, ``linear_fc2.bias`` [H] weighed by
 the router's probability with the rest of the expert's output, as Megatron's experts add it) run as
-``FEPLBConfig.expert_bias``: copies of an expert carry its biases. Call :func:`apply` on every pipeline stage
+``FEPLBConfig.expert_bias``: copies of an expert carry its biases (refused with ``bias_activation_fusion`` and
+SequentialMLP experts for SwiGLU, which Megatron's fused form cannot bias, and a clamped quick-GELU, which it clamps
+before the bias). Call :func:`apply` on every pipeline stage
 together; one without MoE layers gets ``[]``.
 
 Weights travel per micro-batch by default (``weights="per-microbatch"``): the copies' gradients return inside the
@@ -533,6 +535,9 @@ def _activation(cfg: Any, kind: str) -> tuple[str | None, dict]:
     act, clamp, offset = cfg.activation_func, cfg.activation_func_clamp_value, cfg.glu_linear_offset or 0.0
     # the legacy GroupedMLP has no fused path: it computes the unfused form whatever bias_activation_fusion says
     fused = bool(getattr(cfg, "bias_activation_fusion", False)) and kind != "GroupedMLP"
+    # SequentialMLP's MLP hands linear_fc1's bias to the fused activation apart (TEGroupedMLP's grouped linear adds
+    # it in the GEMM): Megatron's fused weighted SwiGLU then raises, and its fused quick-GeGLU clamps before adding it
+    fc1_bias_apart = fused and kind == "SequentialMLP" and bool(getattr(cfg, "add_bias_linear", False))
     name = getattr(act, "__name__", repr(act))
     if not cfg.gated_linear_unit:
         kinds = {squared_relu: "relu2", F.silu: "silu", F.gelu: "gelu"}
@@ -549,6 +554,9 @@ def _activation(cfg: Any, kind: str) -> tuple[str | None, dict]:
         if clamp is not None and fused:
             return ("activation_func_clamp_value with bias_activation_fusion: Megatron's fused SwiGLU ignores the "
                     "clamp, its unfused one applies it"), {}
+        if fc1_bias_apart:
+            return ("add_bias_linear with bias_activation_fusion and SequentialMLP experts: Megatron's fused weighted "
+                    "SwiGLU takes no bias (its forward raises)"), {}
         fields = {"activation": "silu"}
     elif act is F.gelu:
         if fused:
@@ -558,6 +566,10 @@ def _activation(cfg: Any, kind: str) -> tuple[str | None, dict]:
         if offset != 1.0:
             return (f"gated quick_gelu with glu_linear_offset {offset!r}: FEPLB computes it with offset 1 "
                     "(gpt-oss's)"), {}
+        if fc1_bias_apart and clamp is not None:
+            return ("activation_func_clamp_value with add_bias_linear, bias_activation_fusion and SequentialMLP "
+                    "experts: Megatron's fused quick-GeGLU clamps before adding linear_fc1's bias, its unfused path "
+                    "and TEGroupedMLP after"), {}
         fields = {"activation": "swiglu_oai", "swiglu_alpha": 1.702}
     else:
         return f"activation {name} (gated): FEPLB computes silu, gelu or quick_gelu there", {}

@@ -487,6 +487,7 @@ def _recompute_case(rank: int, world: int, policy: str, weights: str) -> dict:
 def _refusal_case(rank: int, world: int) -> dict:
     """What FEPLB cannot run, refused on every rank and nothing replaced."""
     import torch.nn.functional as F
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu as fused_quick_gelu
 
     import feplb.megatron as fm
 
@@ -496,7 +497,13 @@ def _refusal_case(rank: int, world: int) -> dict:
                         ("offset", dict(glu_linear_offset=0.5)),
                         ("capacity", dict(moe_expert_capacity_factor=1.0)),
                         ("plain_tanh", dict(gated_linear_unit=False, activation_func=torch.tanh)),
-                        ("fp8_store", dict(activation_func_fp8_input_store=True))):
+                        ("fp8_store", dict(activation_func_fp8_input_store=True)),
+                        # SequentialMLP's fused paths with fc1 biases: its fused SwiGLU raises, its fused quick-GeGLU
+                        # clamps before adding the bias (its unfused path and TEGroupedMLP after)
+                        ("bias_fused_swiglu", dict(add_bias_linear=True, bias_activation_fusion=True)),
+                        ("bias_fused_clamp", dict(add_bias_linear=True, bias_activation_fusion=True,
+                                                  activation_func=fused_quick_gelu, glu_linear_offset=1.0,
+                                                  activation_func_clamp_value=0.5))):
         moe = make_moe(**over)
         before = type(moe.experts).__name__
         out[label] = (error_of(lambda m=moe: fm.apply(m, **OPTS)), before, type(moe.experts).__name__)
@@ -581,6 +588,13 @@ def _job(rank: int, world: int) -> dict:
             rank, world, "sigmoid", "feplb-split", torch.float32, moe_shared_expert_intermediate_size=None, **bias)
         res["layer", "bias-quick-geglu", "feplb-split", "fp32"] = _layer_case(rank, world, "softmax", "feplb-split",
                                                                               torch.float32, **oss)
+        # SequentialMLP's fused quick-GeGLU (the fusion's own quick_gelu) with the fc1 bias, unclamped (clamped,
+        # Megatron's paths disagree)
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu as fused_quick_gelu
+
+        res["layer", "bias-fused-quick-geglu", "feplb-split", "fp32"] = _layer_case(
+            rank, world, "softmax", "feplb-split", torch.float32, add_bias_linear=True,
+            activation_func=fused_quick_gelu, glu_linear_offset=1.0, bias_activation_fusion=True)
         res["layer", "bias-probs-on-input", "feplb-split", "fp32"] = _layer_case(
             rank, world, "softmax", "feplb-split", torch.float32, moe_apply_probs_on_input=True, moe_router_topk=1,
             moe_router_pre_softmax=True, **bias)
@@ -969,7 +983,7 @@ def test_layer_matches_megatron_fp32(job):
         assert res[0]["layer", "softmax", "none", "fp32"]["moved"] == 0
         assert res[0]["layer", "probs-on-input", "feplb-split", "fp32"]["moved"] > 0
         for label in ("geglu", "clamped", "quick-geglu", "squared-relu", "silu-plain", "gelu-plain", "bias",
-                      "bias-sigmoid", "bias-quick-geglu", "bias-probs-on-input"):
+                      "bias-sigmoid", "bias-quick-geglu", "bias-probs-on-input", "bias-fused-quick-geglu"):
             assert res[0]["layer", label, "feplb-split", "fp32"]["moved"] > 0, label
         assert res[0]["layer", "bias", "none", "fp32"]["moved"] == 0
         # the biases' gradients are compared (each expert's, under Megatron's names)
@@ -1058,7 +1072,9 @@ def test_refusals_on_every_rank(job):
                            ("clamp_fused", "Megatron's fused SwiGLU ignores the clamp"),
                            ("offset", "FEPLB takes an offset with quick_gelu only"),
                            ("capacity", "token dropping"),
-                           ("plain_tanh", "activation tanh (non-gated)"), ("fp8_store", "stored in fp8")):
+                           ("plain_tanh", "activation tanh (non-gated)"), ("fp8_store", "stored in fp8"),
+                           ("bias_fused_swiglu", "fused weighted SwiGLU takes no bias"),
+                           ("bias_fused_clamp", "clamps before adding linear_fc1's bias")):
             err, before, after = f[label]
             assert err is not None and err.startswith("ValueError") and why in err, (label, err)
             assert before == after == "SequentialMLP", label
@@ -1138,10 +1154,10 @@ def test_grouped_experts_match_megatron(grouped_job):
         for experts in ("grouped", "te"):
             assert res[0]["layer", experts, "softmax"]["moved"] > 0
             assert res[0]["train", experts, "per-step"]["moved"] > 0
+            assert res[0]["ddp", experts]["moved"] > 0
         for case in (res[0]["layer", "te", "bias"], res[0]["layer", "te", "bias-quick-geglu"],
                      res[0]["train", "te", "bias"]):
             assert case["moved"] > 0
-            assert res[0]["ddp", experts]["moved"] > 0
 
 
 def test_grouped_experts_state(grouped_job):
