@@ -44,6 +44,10 @@ class FEPLBConfig:
     gate_on_input: weigh each expert's INPUT by the token's gate, sum_k expert(w_k * x) (Llama 4's MoE), instead of
         its output, sum_k w_k * expert(x) (default). Each product is computed in the wider of the gate's and the
         layer's dtype and rounded once to the layer's, as Llama 4 and Megatron (``moe_apply_probs_on_input``) do.
+    masked_routes: with an external router, an id of -1 in ``topk_ids`` routes that slot of its token to no expert
+        (a token dropped at an expert's capacity, Megatron's ``moe_expert_capacity_factor``): it sends no row,
+        costs no compute, adds nothing to the output, and its weight gets no gradient. Other ids outside [0, E)
+        still raise.
     router: "softmax" (gate = softmax probability), "sigmoid" (gate = sigmoid, normalised over the top-k), or
         "external" (no router parameter: every forward takes ``routing=(topk_ids, topk_weights)``).
     router_bias: a per-expert bias buffer added to the scores for expert SELECTION only (auxiliary-loss-free
@@ -97,6 +101,7 @@ class FEPLBConfig:
     expert_bias: bool = False
     gated: bool = True
     gate_on_input: bool = False
+    masked_routes: bool = False
     gpus_per_node: int = 1
     dyn: int = 4
     policy: str = "feplb"
@@ -154,8 +159,12 @@ class FEPLBConfig:
                                                   and 0 <= self.plan_wait_ms < float("inf")):
             raise ValueError(f"FEPLBConfig.plan_wait_ms must be None or a finite number >= 0, got "
                              f"{self.plan_wait_ms!r}")
-        if not isinstance(self.gate_on_input, bool):
-            raise TypeError(f"FEPLBConfig.gate_on_input must be a bool, got {self.gate_on_input!r}")
+        for name in ("gate_on_input", "masked_routes"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"FEPLBConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.masked_routes and self.router != "external":
+            raise ValueError("FEPLBConfig.masked_routes needs router='external' (the layer's own router picks top_k "
+                             "experts for every token)")
         lim = self.swiglu_limit
         if lim is not None and (isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim)
                                 or lim <= 0):

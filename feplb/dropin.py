@@ -30,7 +30,8 @@ __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "aver
 # FEPLBConfig fields an adapter's apply() reads off the module, its config and router (or takes as its own
 # argument); overriding them is an error.
 DERIVED = ("hidden", "ffn", "num_experts", "top_k", "router", "router_bias", "dtype", "swiglu_limit",
-           "activation", "swiglu_alpha", "glu_softcap", "glu_interleaved", "expert_bias", "gated", "gate_on_input")
+           "activation", "swiglu_alpha", "glu_softcap", "glu_interleaved", "expert_bias", "gated", "gate_on_input",
+           "masked_routes")
 
 
 def overrides_problem(overrides: dict[str, Any]) -> str | None:

@@ -348,6 +348,7 @@ class MoELayer(nn.Module):
         if problem is not None:
             self._experts(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
         c = self.config
+        skip_TK = None   # masked routes (FEPLBConfig.masked_routes): the slots routed to no expert
         # Inside torch.autocast an input of another floating dtype (forward_problem allows it) travels in the
         # layer's dtype; the output returns in x's dtype.
         x_TD = x.reshape(-1, c.hidden).to(c.dtype).contiguous()
@@ -358,7 +359,10 @@ class MoELayer(nn.Module):
             w_TK = routing[1].reshape(-1, c.top_k).contiguous()
             E = c.num_experts
             # flags, not a host check: a bad id or weight reaches every rank in the counts all-gather
-            bad = (~torch.isfinite(w_TK).all()).long() + 2 * ((ids_TK < 0) | (ids_TK >= E)).any().long()
+            bad = (~torch.isfinite(w_TK).all()).long() + \
+                2 * ((ids_TK < (-1 if c.masked_routes else 0)) | (ids_TK >= E)).any().long()
+            if c.masked_routes:
+                skip_TK = ids_TK < 0
             # float32 weights stay float32 (the combine accumulates in fp32; a router's fp32 scores lose nothing),
             # others take the layer's dtype
             topk_ids_TK = ids_TK.long().clamp(0, E - 1)
@@ -366,11 +370,17 @@ class MoELayer(nn.Module):
         # A recompute by activation checkpointing groups its rows as its forward did (feplb.recompute)
         replay = None
         if not torch.compiler.is_compiling() and in_backward():
-            replay = self._find_record(torch.bincount(topk_ids_TK.reshape(-1), minlength=c.num_experts))
+            kept = None if skip_TK is None else (~skip_TK).reshape(-1).to(torch.float64)
+            replay = self._find_record(torch.bincount(topk_ids_TK.reshape(-1), weights=kept,
+                                                      minlength=c.num_experts).long())
         slot_of_E = self._slot_of_E if replay is None else replay.slot_of_E
         # Rows grouped by SLOT (home GPU, then the expert's place among that GPU's slots): every destination's rows
-        # form one block whatever the placement, so phase 1 needs no extra gather.
-        meta = routing_metadata(slot_of_E[topk_ids_TK], c.num_experts, check=False)
+        # form one block whatever the placement, so phase 1 needs no extra gather. Masked routes go to one slot
+        # past the last (their rows end the grouped rows, and never leave this rank).
+        slot_TK = slot_of_E[topk_ids_TK]
+        if skip_TK is not None:
+            slot_TK = torch.where(skip_TK, c.num_experts, slot_TK)
+        meta = routing_metadata(slot_TK, c.num_experts + (skip_TK is not None), check=False)
         x_MD = permute(x_TD, meta)
         if c.gate_on_input:
             # each row weighed by its token's gate before the experts (Llama 4, Megatron's moe_apply_probs_on_input):
@@ -379,7 +389,7 @@ class MoELayer(nn.Module):
             w_M = w_TK.new_zeros(x_MD.shape[0]).index_put((meta.dst_idx_TK.reshape(-1).long(),), w_TK.reshape(-1))
             x_MD = (x_MD * w_M[:, None]).to(x_MD.dtype)
             w_TK = torch.ones(w_TK.shape, dtype=torch.float32, device=w_TK.device)
-        y_MD = self.post_expert(self._experts(x_MD, meta.counts_E, bad, replay=replay))
+        y_MD = self.post_expert(self._experts(x_MD, meta.counts_E[:c.num_experts], bad, replay=replay))
         tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone
         if tl is None:
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
@@ -404,17 +414,19 @@ class MoELayer(nn.Module):
                     raise RuntimeError("MoELayer: a compiled forward cannot be recomputed under another placement "
                                        "than its first run's (weights='per-microbatch' with '+place'); use "
                                        "weights='per-step', or do not compile the checkpointed block")
-            return self._replay(x_MD, replay)
+            return self._padded(self._replay(self._valid(x_MD, replay.counts), replay), x_MD)
         tl = self.last_timeline = Timeline(device_spans=self._device.type == "cuda") if self.config.timeline \
             else None
         with span(tl, "counts"):
             counts = self._count(counts_S, bad, problem)
         placement, slot_of_E, plan_state = self.placement, self._slot_of_E, self._plan_state
         direct = counts.want_plan and self.direct
+        x_all, x_MD = x_MD, self._valid(x_MD, counts)
         if direct:
             y_MD, p2 = forward_direct(self, x_MD, counts, tl)
         else:
             y_MD, p2 = self._in_node(x_MD, counts, tl)
+        y_MD = self._padded(y_MD, x_all)
         self._observe(counts, p2)
         kind = record_kind(self.training)
         if kind is not None:
@@ -424,6 +436,18 @@ class MoELayer(nn.Module):
                                      fell_back=p2.fell_back, generation=self.replicas.generation,
                                      frame=None if frame is None else weakref.ref(frame)))
         return y_MD
+
+    def _valid(self, x_MD: torch.Tensor, counts: Counts) -> torch.Tensor:
+        """The grouped rows that go to an expert: all of them, but for masked routes (``masked_routes``), whose rows
+        end x_MD and which the counts (known on the host by now) leave out."""
+        rows = int(counts.counts_WS[self.rank].sum())
+        return x_MD if rows == x_MD.shape[0] else x_MD[:rows]
+
+    @staticmethod
+    def _padded(y_MD: torch.Tensor, x_MD: torch.Tensor) -> torch.Tensor:
+        """y_MD with a zero row per masked route, back to x_MD's rows."""
+        missing = x_MD.shape[0] - y_MD.shape[0]
+        return y_MD if missing == 0 else torch.cat([y_MD, y_MD.new_zeros((missing, y_MD.shape[1]))])
 
     # ------------------------------------------------------------------------------------------------ recompute
     def _find_record(self, local_counts_E: torch.Tensor) -> Record:

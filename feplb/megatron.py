@@ -21,7 +21,8 @@ experts classes, or those three with linears other than Megatron's or Transforme
 not compute as Megatron does (it computes gated SiLU, clamped or not, gated GeLU, gated quick-GELU with
 ``glu_linear_offset=1``, gpt-oss's form, and non-gated squared ReLU, SiLU and GeLU; combinations where Megatron's
 own paths disagree are refused: a clamp under ``bias_activation_fusion``, whose fused SwiGLU ignores it, a clamp or
-offset with the legacy GroupedMLP, which ignores both), token dropping (``moe_expert_capacity_factor``),
+offset with the legacy GroupedMLP, which ignores both), padding to capacity
+(``moe_pad_expert_input_to_capacity``),
 fp8/fp4, latent projections, tensor parallelism (attention or experts), overlapped shared experts or EP
 communication, delayed weight gradients, CUDA graphs, forward or backward hooks on the modules whose forward FEPLB
 no longer runs (their forward pre-hooks it runs, with its whole input: Megatron's DDP waits there for the
@@ -31,7 +32,9 @@ biases (``add_bias_linear``: ``linear_fc1.bias`` [2F] added before the activatio
 the router's probability with the rest of the expert's output, as Megatron's experts add it) run as
 ``FEPLBConfig.expert_bias``: copies of an expert carry its biases (refused with ``bias_activation_fusion`` and
 SequentialMLP experts for SwiGLU, which Megatron's fused form cannot bias, and a clamped quick-GELU, which it clamps
-before the bias). Call :func:`apply` on every pipeline stage
+before the bias). Tokens Megatron's router drops at an expert's capacity (``moe_expert_capacity_factor``, without
+padding) leave their slots to no expert (``FEPLBConfig.masked_routes``): no row, no compute. Call :func:`apply` on
+every pipeline stage
 together; one without MoE layers gets ``[]``.
 
 Weights travel per micro-batch by default (``weights="per-microbatch"``): the copies' gradients return inside the
@@ -442,13 +445,14 @@ def _dispatcher_class():
                 empty = torch.empty((0, k), device=tokens.device)
                 return x_TH, (empty.long(), empty)
             # the k selected experts of each token (a stable sort puts the True entries first, in expert order);
-            # no host sync. A row with fewer than k (never with the routers apply() admits) would add experts
-            # weighted 0, which changes neither the output nor any gradient.
+            # no host sync. A token with fewer than k (some dropped at an expert's capacity,
+            # moe_expert_capacity_factor) has its other slots masked: id -1, no row, no compute
+            # (FEPLBConfig.masked_routes).
             ids_TK = routing_map.to(torch.uint8).sort(dim=1, descending=True, stable=True).indices[:, :k]
             sel_TK = routing_map.gather(1, ids_TK)
             w_TK = torch.where(sel_TK, probs.gather(1, ids_TK), torch.zeros((), dtype=probs.dtype,
                                                                                 device=probs.device))
-            return x_TH, (ids_TK, w_TK)
+            return x_TH, (torch.where(sel_TK, ids_TK, -1), w_TK)
 
         def token_dispatch(self, hidden_states, probs):
             return hidden_states, probs
@@ -483,7 +487,6 @@ def _megatron():
 
 _CONFIG_REFUSALS = (
     # (TransformerConfig field, allowed values, why)
-    ("moe_expert_capacity_factor", (None,), "token dropping (FEPLB computes every token)"),
     ("moe_pad_expert_input_to_capacity", (False, None), "padding experts' inputs to capacity"),
     ("moe_router_padding_for_quantization", (False, None), "routing padded for fp8/fp4"),
     ("moe_router_padding_for_fp8", (False, None), "routing padded for fp8"),
@@ -715,6 +718,8 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
                   "dtype": dtype if dtype is not None else ws[0].dtype, "device": ws[0].device.type,
                   # the router's probabilities scale the experts' inputs (Megatron allows it with top-1 only)
                   "gate_on_input": bool(getattr(cfg, "moe_apply_probs_on_input", False)), "expert_bias": bias,
+                  # tokens dropped at an expert's capacity (moe_expert_capacity_factor) leave slots to no expert
+                  "masked_routes": True,
                   **act_fields}, cls
 
 

@@ -283,6 +283,10 @@ def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtyp
     else:
         exact = _grads(make_moe(arch, torch.float32, experts, **over), x.float(), g.float())
         out["err"] = {n: (_rel(ours[n], exact[n]), _rel(theirs[n], exact[n])) for n in theirs}
+    if over.get("moe_expert_capacity_factor") is not None:   # slots Megatron's router dropped at capacity
+        with torch.no_grad():
+            _, routing_map = ref.router(x)
+        out["dropped"] = TOKENS[0] * TOKENS[1] * ref.config.moe_router_topk - int(routing_map.sum())
     if arch == "sigmoid":
         out["bias_counts_equal"] = torch.equal(moe.router.local_tokens_per_expert, ref.router.local_tokens_per_expert)
         out["bias_counts_sum"] = float(moe.router.local_tokens_per_expert.sum())
@@ -350,7 +354,8 @@ def _train_case(rank: int, world: int, policy: str, weights: str, experts: str =
         diff = (p.detach().double() - theirs[n].detach().double()).abs().max()
         upd = (theirs[n].detach().double() - start[n].double()).abs().max()
         err[n] = float(diff / upd) if upd else float(diff)
-    return {"err": err, "moved": moved}
+    return {"err": err, "moved": moved, "final": {n: p.detach().clone() for n, p in moe.named_parameters()},
+            "update": {n: float((theirs[n].detach().double() - start[n].double()).abs().max()) for n in theirs}}
 
 
 def _sharded_fields(sd: dict) -> dict:
@@ -495,7 +500,7 @@ def _refusal_case(rank: int, world: int) -> dict:
     for label, over in (("gelu_fused", dict(activation_func=F.gelu, bias_activation_fusion=True)),
                         ("clamp_fused", dict(activation_func_clamp_value=0.5, bias_activation_fusion=True)),
                         ("offset", dict(glu_linear_offset=0.5)),
-                        ("capacity", dict(moe_expert_capacity_factor=1.0)),
+                        ("pad", dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)),
                         ("plain_tanh", dict(gated_linear_unit=False, activation_func=torch.tanh)),
                         ("fp8_store", dict(activation_func_fp8_input_store=True)),
                         # SequentialMLP's fused paths with fc1 biases: its fused SwiGLU raises, its fused quick-GeGLU
@@ -558,6 +563,15 @@ def _job(rank: int, world: int) -> dict:
         res["layer", "probs-on-input", policy, "fp32"] = _layer_case(
             rank, world, "softmax", policy, torch.float32, moe_apply_probs_on_input=True, moe_router_topk=1,
             moe_router_pre_softmax=True)
+    # tokens dropped at an expert's capacity by Megatron's router (both drop policies): masked routes
+    for policy in ("feplb-split", "none"):
+        for drop in ("probs", "position"):
+            res["layer", f"capacity-{drop}", policy, "fp32"] = _layer_case(
+                rank, world, "softmax", policy, torch.float32, moe_expert_capacity_factor=1.0,
+                moe_token_drop_policy=drop)
+    for policy in ("feplb-split+place", "none"):
+        res["train-capacity", policy] = _train_case(rank, world, policy, "per-microbatch",
+                                                    moe_expert_capacity_factor=1.0)
     # other activations: GeGLU (erf), SwiGLU clamped, gpt-oss's gate (quick-GELU, offset 1, clamped), Nemotron's
     # non-gated squared ReLU
     from megatron.core.activations import quick_gelu, squared_relu
@@ -986,10 +1000,15 @@ def test_layer_matches_megatron_fp32(job):
                       "bias-sigmoid", "bias-quick-geglu", "bias-probs-on-input", "bias-fused-quick-geglu"):
             assert res[0]["layer", label, "feplb-split", "fp32"]["moved"] > 0, label
         assert res[0]["layer", "bias", "none", "fp32"]["moved"] == 0
+        for drop in ("probs", "position"):
+            assert res[0]["layer", f"capacity-{drop}", "feplb-split", "fp32"]["moved"] > 0, drop
         # the biases' gradients are compared (each expert's, under Megatron's names)
         errs = res[0]["layer", "bias", "feplb-split", "fp32"]["err"]
         assert {n for n in errs if n.endswith(".bias")} == {"router.bias"} | {
             f"experts.local_experts.{i}.linear_fc{j}.bias" for i in range(E // world) for j in (1, 2)}
+    for r in res:   # tokens were dropped: the capacity cases mask slots on every rank
+        for drop in ("probs", "position"):
+            assert r["layer", f"capacity-{drop}", "feplb-split", "fp32"]["dropped"] > 0, drop
 
 
 def test_two_layers(job):
@@ -1031,7 +1050,17 @@ def test_training_matches_megatron(job):
             # FEPLB its output): within 1e-4 of the update (measured up to 3.9e-5, the router's)
             for n, e in case["err"].items():
                 assert e <= 1e-4, (key, n, e)
+    for r in res:
+        # tokens dropped at capacity: balancing on equals balancing off (the same FEPLB sums); both against
+        # Megatron's layer within 2.5e-4 of the update (measured up to 1.6e-4: the router of a rank whose
+        # update, from the tokens its capacity kept, is small; the same without balancing)
+        on, off = r["train-capacity", "feplb-split+place"], r["train-capacity", "none"]
+        for n, upd in off["update"].items():
+            diff = float((on["final"][n].double() - off["final"][n].double()).abs().max())
+            assert diff <= 1e-5 * (upd or 1.0), (n, diff, upd)
+            assert on["err"][n] <= 2.5e-4 and off["err"][n] <= 2.5e-4, (n, on["err"][n], off["err"][n])
     if world > 1:
+        assert res[0]["train-capacity", "feplb-split+place"]["moved"] > 0
         for key in (("train", "eplb", "per-step"), ("train", "feplb-split+place", "per-microbatch"),
                     ("train", "bias", "per-step"), ("train", "bias", "per-microbatch")):
             assert res[0][key]["moved"] > 0, key
@@ -1071,7 +1100,7 @@ def test_refusals_on_every_rank(job):
         for label, why in (("gelu_fused", "gated gelu with bias_activation_fusion"),
                            ("clamp_fused", "Megatron's fused SwiGLU ignores the clamp"),
                            ("offset", "FEPLB takes an offset with quick_gelu only"),
-                           ("capacity", "token dropping"),
+                           ("pad", "padding experts' inputs to capacity"),
                            ("plain_tanh", "activation tanh (non-gated)"), ("fp8_store", "stored in fp8"),
                            ("bias_fused_swiglu", "fused weighted SwiGLU takes no bias"),
                            ("bias_fused_clamp", "clamps before adding linear_fc1's bias")):

@@ -67,6 +67,14 @@ def test_config_non_gated_experts():
         FEPLBConfig(**BASE, gated=False, activation="silu", glu_softcap=(4.0, 25.0))
 
 
+def test_config_masked_routes_need_an_external_router():
+    assert FEPLBConfig(**BASE, router="external", masked_routes=True).masked_routes
+    with pytest.raises(ValueError, match="masked_routes needs router='external'"):
+        FEPLBConfig(**BASE, masked_routes=True)
+    with pytest.raises(TypeError, match="masked_routes must be a bool"):
+        FEPLBConfig(**BASE, router="external", masked_routes=1)
+
+
 def test_config_softcapped_swiglu():
     cfg = FEPLBConfig(**BASE, activation="silu_softcap", glu_softcap=[4, 25.0])
     assert cfg.glu == (None, "silu_softcap", 1.702, False, True, (4.0, 25.0))
