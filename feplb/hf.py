@@ -91,7 +91,11 @@ class FEPLBExperts(MoELayer):
     Nemotron-H's) hold ``up_proj`` [L, F, H] instead of ``gate_up_proj``; experts with biases (gpt-oss's)
     ``gate_up_proj_bias`` (or ``up_proj_bias``) and ``down_proj_bias`` too. A norm after each expert
     (``post_expert_norm``, transformers' ``has_post_expert_norm``: Muse Spark's) stays the model's module, replicated
-    (its parameters are not expert-parallel), applied to every expert output row on the token's GPU.
+    (its parameters are not expert-parallel), applied to every expert output row on the token's GPU. With
+    ``zero_experts`` Z (LongCat-Flash's zero-computation experts), ids E ... E + Z - 1 return the token itself
+    weighed by its gate, computed on the token's GPU (masked routes for the layer); transformers' ``gate_up_proj``
+    holds E + Z experts there, the last Z never read: each rank keeps Z / W of them after its own L, so that
+    :func:`full_state_dict` gives back the original layout.
     ``forward(hidden_states [T, H], top_k_index [T, K] int, top_k_weights [T, K] float) -> [T, H]`` returns
     ``sum_k w_k * down(act(gate(x)) * up(x))`` over each token's experts (act: SiLU or GeLU, ``config.activation``),
     like the module it replaces, with the
@@ -102,7 +106,7 @@ class FEPLBExperts(MoELayer):
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, gate_up_proj: torch.Tensor,
                  down_proj: torch.Tensor, name: str = "", transposed: bool = False,
                  gate_up_proj_bias: torch.Tensor | None = None, down_proj_bias: torch.Tensor | None = None,
-                 post_expert_norm: nn.Module | None = None) -> None:
+                 post_expert_norm: nn.Module | None = None, zero_experts: int = 0) -> None:
         if config.router != "external":
             raise ValueError(f"FEPLBExperts needs FEPLBConfig.router='external', got {config.router!r}")
         if (gate_up_proj_bias is None) != (down_proj_bias is None) or \
@@ -114,6 +118,10 @@ class FEPLBExperts(MoELayer):
         # the first projection's name: gate_up_proj, or up_proj for non-gated experts
         object.__setattr__(self, "w1_name", _w1_name(config.gated))
         object.__setattr__(self, "is_transposed", bool(transposed))   # read by expert_weights()
+        if zero_experts and (transposed or not config.masked_routes or zero_experts % dist.get_world_size(group)):
+            raise ValueError("FEPLBExperts: zero_experts need weights stored [out, in], FEPLBConfig.masked_routes and "
+                             "a number divisible by the EP group size")
+        object.__setattr__(self, "zero_experts", int(zero_experts))   # read by _init_experts()
         super().__init__(config, group)
         object.__delattr__(self, "_hf_full")
         self.hf_name = name
@@ -121,8 +129,6 @@ class FEPLBExperts(MoELayer):
             self.post_expert_norm = post_expert_norm
 
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
-        group = self._hf_full[2]
-        lo = dist.get_rank(group) * L
         # each bias right after its weight (gpt-oss's order, so the state dict's keys keep theirs)
         gu, dn, _, gub, dnb = self._hf_full
         b1name, b2name = _biases(self.w1_name)
@@ -131,7 +137,7 @@ class FEPLBExperts(MoELayer):
                 continue
             with torch.no_grad():
                 # clone: the shard must not keep the full tensor's storage alive
-                shard = full[lo:lo + L].to(device=device, dtype=dtype).clone()
+                shard = self.local_shard(pname, full).to(device=device, dtype=dtype).clone()
             setattr(self, pname, nn.Parameter(shard, requires_grad=full.requires_grad))
 
     def expert_weights(self) -> tuple[torch.Tensor, ...]:
@@ -139,6 +145,8 @@ class FEPLBExperts(MoELayer):
         strided transposed views; then (b1 [L, 2F], b2 [L, H]) = ``gate_up_proj_bias``, ``down_proj_bias`` where the
         experts have biases."""
         w1 = getattr(self, self.w1_name)
+        if self.zero_experts:   # this rank's experts, not its share of the zero experts' unused rows
+            w1 = w1[:self.num_local]
         ws = (w1, self.down_proj) if self.is_transposed else (w1.transpose(1, 2), self.down_proj.transpose(1, 2))
         return (*ws, *(getattr(self, b) for b in _biases(self.w1_name))) if self.config.expert_bias else ws
 
@@ -153,7 +161,37 @@ class FEPLBExperts(MoELayer):
                 (top_k_weights is not None and routing_weights is not None):
             raise TypeError("FEPLBExperts.forward: give the routing once, as (top_k_index, top_k_weights) or "
                             "(router_indices, routing_weights)")
-        return super().forward(hidden_states, routing=(ids, weights))
+        if not self.zero_experts or not isinstance(ids, torch.Tensor) or not isinstance(weights, torch.Tensor):
+            return super().forward(hidden_states, routing=(ids, weights))
+        # zero-computation experts: the token itself weighed by their gates, here; no route to the layer (ids out
+        # of [0, E + Z) still reach it, which refuses them on every rank)
+        E = self.config.num_experts
+        zero = (ids >= E) & (ids < E + self.zero_experts)
+        out = super().forward(hidden_states, routing=(torch.where(zero, -1, ids), weights))
+        return out + self._zero_expert_out(hidden_states, zero, weights).to(out.dtype)
+
+    @staticmethod
+    def _zero_expert_out(hidden_states: torch.Tensor, zero: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """What the zero-computation experts add: each token weighed by the sum of its gates to them."""
+        gate = torch.where(zero, weights, torch.zeros((), dtype=weights.dtype, device=weights.device)).sum(-1)
+        return hidden_states * gate.reshape(*hidden_states.shape[:-1], 1)
+
+    def local_shard(self, pname: str, full: torch.Tensor) -> torch.Tensor:
+        """With zero experts, the first projection's shard is this rank's L experts, then its share of the Z unused
+        rows."""
+        shard = super().local_shard(pname, full)
+        if not self.zero_experts or pname != self.w1_name:
+            return shard
+        Zw, E = self.zero_experts // self.world_size, self.config.num_experts
+        return torch.cat([shard, full[E + self.rank * Zw:E + (self.rank + 1) * Zw]])
+
+    def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """With zero experts, each rank's first projection holds its L experts, then its Z / W unused rows: the
+        original's E experts come first, then the Z rows, in rank order."""
+        if not self.zero_experts or pname != self.w1_name:
+            return super().full_entries(pname, parts)
+        L = self.num_local
+        return {pname: torch.cat([p[:L] for p in parts] + [p[L:] for p in parts])}
 
     def post_expert(self, y_MD: torch.Tensor) -> torch.Tensor:
         norm = self._modules.get("post_expert_norm")
@@ -179,6 +217,13 @@ def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
                for k in ("gate_up_proj", "up_proj", "down_proj")):
             out.append((name, mod))
     return out
+
+
+def _zero_experts(module: nn.Module) -> int:
+    """LongCat-Flash's zero-computation experts (``zero_expert_num``: ids E ... E + Z - 1 return the token itself,
+    weighed by its gate), or 0."""
+    z = getattr(module, "zero_expert_num", 0)
+    return z if isinstance(z, int) and not isinstance(z, bool) and z > 0 else 0
 
 
 def _shared_stack(name: str, mod: nn.Module) -> bool:
@@ -454,7 +499,10 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
     else:
         E, H, Fd = dn.shape
     G, g = (2 * Fd, "2F") if is_gated else (Fd, "F")
-    want = ((E, H, G), (E, Fd, H)) if transposed else ((E, G, H), (E, H, Fd))
+    # LongCat's zero-computation experts: Z more ids that return the token itself, weighed by their gate;
+    # gate_up_proj holds E + Z experts, the last Z never read
+    Z = _zero_experts(module)
+    want = ((E, H, G), (E, Fd, H)) if transposed else ((E + Z, G, H), (E, H, Fd))
     if E < 0 or (tuple(gu.shape), tuple(dn.shape)) != want:
         layout = (f"{w1name} [E, H, {g}] and down_proj [E, F, H] (is_transposed=True)" if transposed else
                   f"{w1name} [E, {g}, H] and down_proj [E, H, F]")
@@ -490,16 +538,24 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         return f"weights on {gu.device} / {dn.device}; expected both on the CPU or on one CUDA device", {}
     top_k = block.router.top_k if block is not None else \
         next((v for v in (_config_field(cfg, k) for k in _TOP_K_FIELDS) if v is not None), None)
-    if not isinstance(top_k, int) or not 1 <= top_k <= E:
+    if not isinstance(top_k, int) or not 1 <= top_k <= E + Z:
         return (f"top-k from the model config ({' / '.join(_TOP_K_FIELDS)}) is {top_k!r}; expected an int in "
-                f"[1, {E}]"), {}
+                f"[1, {E + Z}]"), {}
     if E % world:
         return f"{E} experts are not divisible by the EP group size {world}", {}
+    if Z:
+        if Z % world:
+            return (f"{Z} zero-computation experts (their unused gate_up_proj rows, sharded like the experts') are "
+                    f"not divisible by the EP group size {world}"), {}
+        if transposed or bias or block is not None or not is_gated:
+            return "zero-computation experts with transposed weights, biases, a Llama 4 block or no gate", {}
     return None, {"hidden": int(H), "ffn": int(Fd), "num_experts": int(E), "top_k": top_k, "dtype": gu.dtype,
                   "device": gu.device.type, "activation": gated[0], "swiglu_limit": gated[1],
                   "swiglu_alpha": gated[2], "glu_interleaved": gated[3], "glu_softcap": gated[4],
                   "expert_bias": bool(bias), "gated": is_gated,
-                  "gate_on_input": block is not None, "transposed": transposed}
+                  "gate_on_input": block is not None, "transposed": transposed,
+                  # zero-computation experts: their ids leave the layer's routing as masked routes
+                  "masked_routes": bool(Z), "zero_experts": Z}
 
 
 def _version_hint() -> str:
@@ -515,16 +571,17 @@ def _version_hint() -> str:
 
 
 def _module_config(module: nn.Module, model: nn.Module, world: int, blocks: dict, name: str,
-                   overrides: dict[str, Any]) -> tuple[str | None, FEPLBConfig | None, bool]:
-    """(why FEPLB cannot run ``module`` on ``world`` EP ranks, or None; its layer's FEPLBConfig, or None; whether
-    its weights are stored [in, out]): :func:`_problem`, then the config FEPLBConfig builds from it and
+                   overrides: dict[str, Any]) -> tuple[str | None, FEPLBConfig | None, dict]:
+    """(why FEPLB cannot run ``module`` on ``world`` EP ranks, or None; its layer's FEPLBConfig, or None; what the
+    layer takes beside its config: ``transposed``, whether its weights are stored [in, out], and ``zero_experts``,
+    LongCat's zero-computation experts): :func:`_problem`, then the config FEPLBConfig builds from it and
     ``overrides``. What :func:`apply` and :func:`supported` both decide per module."""
     why, fields_of = _problem(module, model, world, blocks.get(id(module)), name)
-    transposed = fields_of.pop("transposed", False)
+    extras = {"transposed": fields_of.pop("transposed", False), "zero_experts": fields_of.pop("zero_experts", 0)}
     if why is not None:
-        return why, None, transposed
+        return why, None, extras
     cfg = layer_config(fields_of, overrides)
-    return (cfg, None, transposed) if isinstance(cfg, str) else (None, cfg, transposed)
+    return (cfg, None, extras) if isinstance(cfg, str) else (None, cfg, extras)
 
 
 def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> dict[str, str | None]:
@@ -573,10 +630,10 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     # Every problem, a config FEPLBConfig refuses included, goes through the one agreement: all ranks raise together.
     problems, plans = [], []
     configs: dict[int, FEPLBConfig] = {}
-    transposed: dict[int, bool] = {}
+    extras: dict[int, dict] = {}
     blocks = _llama4_blocks(model)
     for name, mod in found:
-        why, cfg, transposed[id(mod)] = _module_config(mod, model, world, blocks, name, config_overrides)
+        why, cfg, extras[id(mod)] = _module_config(mod, model, world, blocks, name, config_overrides)
         if why is None:
             configs[id(mod)] = cfg
             plans.append((name, mod))
@@ -605,7 +662,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     for name, mod in plans:
         if id(mod) not in made:
             w1, w2, b1, b2 = weights_of(mod)
-            new = FEPLBExperts(configs[id(mod)], group, w1, w2, name=name, transposed=transposed[id(mod)],
+            new = FEPLBExperts(configs[id(mod)], group, w1, w2, name=name, **extras[id(mod)],
                                gate_up_proj_bias=b1, down_proj_bias=b2,
                                post_expert_norm=mod.post_expert_norm if getattr(mod, "has_post_expert_norm", False)
                                else None)

@@ -356,10 +356,11 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
                 continue
             if g_ref is None:
                 continue
-            if id(p) in expert_ids:   # this rank's slice of the sum
-                L = p.shape[0]
-                g_ref = summed[n][0, rank * L:(rank + 1) * L]
-                g64 = summed[n][1, rank * L:(rank + 1) * L] if g64 is not None else None
+            if id(p) in expert_ids:   # this rank's slice of the sum, as its layer cuts it
+                owner, _, pname = n.rpartition(".")
+                layer = model.get_submodule(owner)
+                g_ref = layer.local_shard(pname, summed[n][0])
+                g64 = layer.local_shard(pname, summed[n][1]) if g64 is not None else None
             rel, ok = _close(p.grad, g_ref, g64)
             worst = max(worst, rel)
             if not ok:

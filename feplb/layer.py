@@ -259,6 +259,12 @@ class MoELayer(nn.Module):
         overrides this."""
         return {pname: torch.cat(parts)}
 
+    def local_shard(self, pname: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of expert parameter ``pname`` (or of its gradient) cut from the full model's tensor: the
+        inverse of :meth:`full_entries` for a layer keeping [L, ...] shards, rows ``rank * L ...``."""
+        lo = self.rank * self.num_local
+        return full[lo:lo + self.num_local]
+
     def full_state_entries(self, name: str, value: Any) -> dict[str, Any]:
         """The full model's entries of this layer's state-dict entry ``name`` that is not an expert parameter (a
         router, a buffer): by default itself, replicated on every rank."""
