@@ -4,9 +4,9 @@
 (whole tokens, whole ranks' worth of slots too). Against an fp64 reference built from the same global weights
 (each rank regenerates every rank's inputs, so the experts' gradients are checked whole): the output and the
 gradients of the input, the routing weights (zero for masked slots) and every expert shard, with rows moving
-(``feplb-split``) and without (``none``), per-step and per-micro-batch weights, gates on the inputs; a recompute
-under activation checkpointing gives the same gradients bit for bit; masked slots send no rows; -1 without
-``masked_routes``, and -2 with it, are refused on every rank.
+(``feplb-split``; the peers' direct dispatch, ``eplb``, from its history) and without (``none``), per-step and
+per-micro-batch weights, gates on the inputs; a recompute under activation checkpointing gives the same gradients
+bit for bit; masked slots send no rows; -1 without ``masked_routes``, and -2 with it, are refused on every rank.
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ def _rank(rank: int, world: int) -> dict:
     res = {}
     w1, w2 = _weights()
     x, ids, w, dy = _inputs(rank)
+    # (eplb: the peers' direct dispatch, rows straight to the GPU that computes them)
     for policy, weights, goi in (("feplb-split", "per-microbatch", False), ("feplb-split", "per-step", False),
-                                 ("none", "per-step", False), ("feplb-split", "per-microbatch", True)):
+                                 ("none", "per-step", False), ("feplb-split", "per-microbatch", True),
+                                 ("eplb", "per-step", False)):
         layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2,
                                      policy=policy, weights=weights, router="external", masked_routes=True,
                                      gate_on_input=goi, min_chunk=2, min_straggler_rows=0, plan_wait_ms=60_000,
@@ -86,9 +88,14 @@ def _rank(rank: int, world: int) -> dict:
             layer.w1.copy_(w1[lo:lo + layer.num_local])
             layer.w2.copy_(w2[lo:lo + layer.num_local])
         layer.refresh_replicas()
-        xa, wa = x.float().requires_grad_(), w.float().requires_grad_()
-        out = layer(xa, routing=(ids, wa))
-        (out * dy.float()).sum().backward()
+        # the peers' policies plan from the history of earlier micro-batches: the last of three forwards counts
+        for _ in range(3 if policy == "eplb" else 1):
+            layer.zero_grad()
+            xa, wa = x.float().requires_grad_(), w.float().requires_grad_()
+            out = layer(xa, routing=(ids, wa))
+            (out * dy.float()).sum().backward()
+            layer.reduce_replica_grads()
+            layer.refresh_replicas()
         s = layer.last_stats
         res[policy, weights, goi] = {"out": out.detach(), "dx": xa.grad, "dw": wa.grad, "dw1": layer.w1.grad.clone(),
                                      "dw2": layer.w2.grad.clone(), "moved": s.rows_moved,
@@ -144,6 +151,7 @@ def test_masked_routes_match_the_reference():
                 assert got["sent"] == int((ids >= 0).sum()), (key, r, got["sent"])
     # balancing really moved rows
     assert results[0]["feplb-split", "per-microbatch", False]["moved"] > 0
+    assert results[0]["eplb", "per-step", False]["moved"] > 0
     assert results[0]["none", "per-step", False]["moved"] == 0
     for r, res in enumerate(results):
         assert res["ckpt_equal"], r
