@@ -361,7 +361,8 @@ class MoELayer(nn.Module):
         if routing is None:
             topk_ids_TK, w_TK, bad = self.route(x_TD)
         else:
-            ids_TK = routing[0].reshape(-1, c.top_k).contiguous()
+            # int64 (a uint8 tensor would wrap -1 around)
+            ids_TK = routing[0].reshape(-1, c.top_k).long().contiguous()
             w_TK = routing[1].reshape(-1, c.top_k).contiguous()
             E = c.num_experts
             # flags, not a host check: a bad id or weight reaches every rank in the counts all-gather
@@ -371,14 +372,15 @@ class MoELayer(nn.Module):
                 skip_TK = ids_TK < 0
             # float32 weights stay float32 (the combine accumulates in fp32; a router's fp32 scores lose nothing),
             # others take the layer's dtype
-            topk_ids_TK = ids_TK.long().clamp(0, E - 1)
+            topk_ids_TK = ids_TK.clamp(0, E - 1)
             w_TK = w_TK if w_TK.dtype in (torch.float32, x_TD.dtype) else w_TK.to(x_TD.dtype)
         # A recompute by activation checkpointing groups its rows as its forward did (feplb.recompute)
         replay = None
         if not torch.compiler.is_compiling() and in_backward():
-            kept = None if skip_TK is None else (~skip_TK).reshape(-1).to(torch.float64)
-            replay = self._find_record(torch.bincount(topk_ids_TK.reshape(-1), weights=kept,
-                                                      minlength=c.num_experts).long())
+            # (masked routes counted in a bucket past the last and left out: a weighted bincount is not
+            # deterministic on CUDA)
+            ids = topk_ids_TK if skip_TK is None else topk_ids_TK.masked_fill(skip_TK, c.num_experts)
+            replay = self._find_record(torch.bincount(ids.reshape(-1), minlength=c.num_experts + 1)[:c.num_experts])
         slot_of_E = self._slot_of_E if replay is None else replay.slot_of_E
         # Rows grouped by SLOT (home GPU, then the expert's place among that GPU's slots): every destination's rows
         # form one block whatever the placement, so phase 1 needs no extra gather. Masked routes go to one slot
@@ -395,6 +397,8 @@ class MoELayer(nn.Module):
             w_M = w_TK.new_zeros(x_MD.shape[0]).index_put((meta.dst_idx_TK.reshape(-1).long(),), w_TK.reshape(-1))
             x_MD = (x_MD * w_M[:, None]).to(x_MD.dtype)
             w_TK = torch.ones(w_TK.shape, dtype=torch.float32, device=w_TK.device)
+        if skip_TK is not None:   # masked routes weigh nothing (their rows are zero, but post_expert may change them)
+            w_TK = torch.where(skip_TK, torch.zeros((), dtype=w_TK.dtype, device=w_TK.device), w_TK)
         y_MD = self.post_expert(self._experts(x_MD, meta.counts_E[:c.num_experts], bad, replay=replay))
         tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone
         if tl is None:

@@ -61,7 +61,7 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     id_ranks = np.nonzero(gathered[:, E] & 2)[0].tolist()
     if id_ranks:
         raise ValueError(f"MoELayer: routing passed to forward() holds expert ids outside [0, {E}) on EP rank(s) "
-                         f"{id_ranks}")
+                         f"{id_ranks} (-1 only with FEPLBConfig.masked_routes: a slot routed to no expert)")
     bad_ranks = np.nonzero(gathered[:, E])[0].tolist()
     if bad_ranks:
         raise ValueError(f"MoELayer: router logits (or routing weights) contain NaN or inf on EP rank(s) "

@@ -287,6 +287,8 @@ def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtyp
         with torch.no_grad():
             _, routing_map = ref.router(x)
         out["dropped"] = TOKENS[0] * TOKENS[1] * ref.config.moe_router_topk - int(routing_map.sum())
+        # the rows FEPLB sent from this rank: the kept slots only (dropped ones are masked, not weighed 0)
+        out["sent"] = int(sum(moe.experts.last_stats.counts_WE[rank]))
     if arch == "sigmoid":
         out["bias_counts_equal"] = torch.equal(moe.router.local_tokens_per_expert, ref.router.local_tokens_per_expert)
         out["bias_counts_sum"] = float(moe.router.local_tokens_per_expert.sum())
@@ -1006,9 +1008,11 @@ def test_layer_matches_megatron_fp32(job):
         errs = res[0]["layer", "bias", "feplb-split", "fp32"]["err"]
         assert {n for n in errs if n.endswith(".bias")} == {"router.bias"} | {
             f"experts.local_experts.{i}.linear_fc{j}.bias" for i in range(E // world) for j in (1, 2)}
-    for r in res:   # tokens were dropped: the capacity cases mask slots on every rank
+    for r in res:   # tokens were dropped: the capacity cases mask slots on every rank, and send no row for them
         for drop in ("probs", "position"):
-            assert r["layer", f"capacity-{drop}", "feplb-split", "fp32"]["dropped"] > 0, drop
+            case = r["layer", f"capacity-{drop}", "feplb-split", "fp32"]
+            assert case["dropped"] > 0, drop
+            assert case["sent"] == TOKENS[0] * TOKENS[1] * K - case["dropped"], (drop, case["sent"], case["dropped"])
 
 
 def test_two_layers(job):

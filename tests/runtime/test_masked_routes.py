@@ -69,6 +69,19 @@ def _reference(gate_on_input: bool):
     return outs, w1.grad, w2.grad
 
 
+class _Shifted:
+    """A MoELayer whose post_expert adds 1 to every row (built lazily: feplb imports in the workers)."""
+
+    def __new__(cls, cfg):
+        from feplb import MoELayer
+
+        class Shifted(MoELayer):
+            def post_expert(self, y_MD):
+                return y_MD + 1.0
+
+        return Shifted(cfg)
+
+
 def _rank(rank: int, world: int) -> dict:
     from feplb import FEPLBConfig, MoELayer
 
@@ -116,7 +129,22 @@ def _rank(rank: int, world: int) -> dict:
             if rank == 1:
                 bad[0, 0] = -2
             res["minus_two"] = error_of(lambda b=bad, m=layer: m(x.float(), routing=(b, w.float())))
+            # ids of another integer dtype (uint8: -1 must not wrap around to 255 in the range check)
+            full = ids.clamp(min=0)
+            res["uint8_equal"] = torch.equal(layer(x.float(), routing=(full.to(torch.uint8), w.float())),
+                                             layer(x.float(), routing=(full, w.float())))
         layer.close()
+    # a row-wise post_expert (transformers' post-expert norm): the masked slots' rows weigh nothing, whatever it
+    # makes of them
+    cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, router="external",
+                      masked_routes=True, policy="feplb-split", min_chunk=2, min_straggler_rows=0, dtype=torch.float32)
+    outs = []
+    for cls in (MoELayer, _Shifted):
+        torch.manual_seed(3)
+        layer = cls(cfg)
+        outs.append(layer(x.float(), routing=(ids, w.float())).detach())
+        layer.close()
+    res["post_shift"] = (outs[1] - outs[0], torch.where(ids >= 0, w, 0.0).sum(-1))
     plain = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, router="external",
                                  policy="feplb-split", dtype=torch.float32))
     res["unmasked"] = error_of(lambda: plain(x.float(), routing=(ids, w.float())))
@@ -154,6 +182,8 @@ def test_masked_routes_match_the_reference():
     assert results[0]["eplb", "per-step", False]["moved"] > 0
     assert results[0]["none", "per-step", False]["moved"] == 0
     for r, res in enumerate(results):
-        assert res["ckpt_equal"], r
+        assert res["ckpt_equal"] and res["uint8_equal"], r
+        delta, want = res["post_shift"]   # + 1 on every row: each token gains the weights of its unmasked slots
+        torch.testing.assert_close(delta.double(), want[:, None].expand_as(delta), rtol=1e-5, atol=1e-5)
         assert res["minus_two"] is not None and "EP rank(s) [1]" in res["minus_two"], (r, res["minus_two"])
         assert res["unmasked"] is not None and "outside [0, 16)" in res["unmasked"], (r, res["unmasked"])
