@@ -173,7 +173,7 @@ class FEPLBExperts(MoELayer):
     @staticmethod
     def _zero_expert_out(hidden_states: torch.Tensor, zero: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """What the zero-computation experts add: each token weighed by the sum of its gates to them."""
-        gate = torch.where(zero, weights, torch.zeros((), dtype=weights.dtype, device=weights.device)).sum(-1)
+        gate = weights.masked_fill(~zero, 0).sum(-1)
         return hidden_states * gate.reshape(*hidden_states.shape[:-1], 1)
 
     def local_shard(self, pname: str, full: torch.Tensor) -> torch.Tensor:

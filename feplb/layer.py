@@ -398,7 +398,7 @@ class MoELayer(nn.Module):
             x_MD = (x_MD * w_M[:, None]).to(x_MD.dtype)
             w_TK = torch.ones(w_TK.shape, dtype=torch.float32, device=w_TK.device)
         if skip_TK is not None:   # masked routes weigh nothing (their rows are zero, but post_expert may change them)
-            w_TK = torch.where(skip_TK, torch.zeros((), dtype=w_TK.dtype, device=w_TK.device), w_TK)
+            w_TK = w_TK.masked_fill(skip_TK, 0)
         y_MD = self.post_expert(self._experts(x_MD, meta.counts_E[:c.num_experts], bad, replay=replay))
         tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone
         if tl is None:
