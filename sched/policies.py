@@ -47,6 +47,8 @@ _DEFAULT_COST = CostModel()
 # ufunc reductions called directly: ndarray.sum's Python wrapper costs about a microsecond per call here
 _ADD = np.add.reduce
 _ADD_AT = np.add.reduceat
+_MAX = np.maximum.reduce
+_CUMSUM = np.add.accumulate
 # a Move from a 5-tuple in field order without Move._make's length check (the planner builds them itself)
 _MAKE_MOVE = partial(tuple.__new__, Move)
 # (expert, row_start) of a feplb-split piece (-rows, expert, row_start, row_end, home, holder)
@@ -369,10 +371,10 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
 
     if base == "none":
         return _finish(policy, [], resident, dyn_WD, before_W, at_home_W, home_E, node=node)
-    L_all = at_home_W.tolist()
     if base == "fastermoe":
-        return _fastermoe(policy, counts_WE, n_E, topo, _slots(topo, state), dyn_WD, before_W, L_all, home_E, cost,
-                          max_shadow)
+        return _fastermoe(policy, counts_WE, n_E, topo, _slots(topo, state), dyn_WD, before_W, at_home_W, home_E,
+                          cost, max_shadow)
+    L_all = at_home_W.tolist()
     if base == "eplb":
         return _eplb(policy, n_E, topo, state, dyn_WD, before_W, L_all, home_E)
 
@@ -401,52 +403,73 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E, node=node, whole=base == "feplb")
 
 
+@lru_cache(maxsize=64)
+def _fastermoe_consts(topo: Topology) -> tuple[np.ndarray, ...]:
+    """The default homes int64 [E], the GPU ids int64 [W], and every expert's id reversed ((2**B - 1) - e, int64 [E]):
+    with the rows shifted left by B bits, a key unique per expert that orders by (rows desc, id asc) when sorted
+    descending."""
+    bits = _consts(topo)[2]
+    out = (topo.default_home_E(), np.arange(topo.num_ranks, dtype=np.int64),
+           _consts(topo)[3] - np.arange(topo.num_experts, dtype=np.int64))
+    for a in out:
+        a.setflags(write=False)
+    return (*out, bits)
+
+
 def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topology, slots: np.ndarray,
-               dyn_WD: np.ndarray, before_W: np.ndarray, L: list[int], home_E: np.ndarray | None, cost: CostModel,
-               max_shadow: int | None) -> Plan:
-    """L: the loads with every expert at home (this plan's placement), a list the function may not keep."""
+               dyn_WD: np.ndarray, before_W: np.ndarray, at_home_W: np.ndarray, home_E: np.ndarray | None,
+               cost: CostModel, max_shadow: int | None) -> Plan:
+    """at_home_W: int64 [W] (read-only), the loads with every expert at home (this plan's placement).
+
+    Its time goes to numpy calls on [W] and [k, W] blocks and to the Move objects (bench/bench_sched.py): at this
+    size each numpy call costs more than its arithmetic, so the fewer the better."""
     W, E = topo.num_ranks, topo.num_experts
-    home_arr = home_E if home_E is not None else topo.default_home_E()
+    default_home, ar_W, rev_E, bits = _fastermoe_consts(topo)
+    home_arr = default_home if home_E is None else home_E
     inter = topo.gpus_per_node < W
     t_E = cost.gemm_us(n_E)
-    gemm_W = t_E[slots].sum(axis=1)
-    # all-to-all rows of each GPU (rows it sends to other GPUs' experts, rows it receives from other GPUs)
-    own_E = counts_WE[home_arr, np.arange(E)]
-    recv_W = np.bincount(home_arr, weights=n_E - own_E, minlength=W)
-    sent_W = counts_WE.sum(axis=1) - np.bincount(home_arr, weights=own_E, minlength=W)
+    # the model's per-GPU state, one array: forward GEMM time [0:W], rows each GPU sends to other GPUs' experts
+    # [W:2W] and rows it receives from other GPUs [2W:3W] (exact integers in float64)
+    own_W = _ADD(counts_WE[ar_W[:, None], slots], 1)
+    cur_W = np.empty(3 * W)
+    cur_W[:W] = _ADD(t_E[slots], 1)
+    np.subtract(_ADD(counts_WE, 1), own_W, out=cur_W[W:2 * W])
+    np.subtract(at_home_W, own_W, out=cur_W[2 * W:])
     row_us = cost.copy_us(cost.row_bytes, inter_node=inter)
     bcast_us = cost.copy_us(cost.weight_bytes, inter_node=inter)
+    a2a = 4 * row_us
 
     # FasterMoE's model of one iteration: forward and backward GEMMs (3x the forward), the dispatch and combine
     # all-to-alls of forward and backward (4 transfers of each row), and per shadowed expert its weights broadcast
     # and its gradients reduced (2 transfers); the busiest GPU decides
-    cur = before = 3 * float(gemm_W.max()) + 4 * row_us * float(np.maximum(sent_W, recv_W).max())
-    # candidates: the hottest experts first (ties to the lower id: a stable sort of -rows), none without rows. The
-    # rule takes them while the model's time drops, i.e. the longest prefix along which it falls: evaluated for
+    cur = before = 3 * float(_MAX(cur_W[:W])) + a2a * float(_MAX(cur_W[W:]))
+    # candidates: the hottest experts first (ties to the lower id: the key is unique per expert), none without rows.
+    # The rule takes them while the model's time drops, i.e. the longest prefix along which it falls: evaluated for
     # every prefix of a block at once (cumulative sums), blocks doubling until the time stops falling
-    order = np.argsort(-n_E, kind="stable")
-    cand = order[:min(E if max_shadow is None else max_shadow, int(np.count_nonzero(n_E)))]
+    n_cand = min(E if max_shadow is None else max_shadow, int(np.count_nonzero(n_E)))
+    order = np.argsort((n_E << bits) | rev_E)[::-1]
     shadow: list[int] = []
-    pos, block = 0, 16
-    while pos < cand.size:
-        blk = cand[pos:pos + block]
-        k = blk.size
-        ar = np.arange(k)
+    pos, block = 0, 8
+    while pos < n_cand:
+        k = min(block, n_cand - pos)
+        blk = order[pos:pos + k]
+        ar = ar_W[:k] if k <= W else np.arange(k)
         h = home_arr[blk]
-        cols = counts_WE[:, blk]
-        # shadowing e: each source computes its own rows of e and sends none; the home keeps only its own rows
-        # and receives none
-        d_gemm = cost.gemm_us(cols)
-        d_gemm[h, ar] -= t_E[blk]
-        d_sent = -cols
-        d_sent[h, ar] = 0
-        d_recv = np.zeros_like(cols)
-        d_recv[h, ar] = cols[h, ar] - n_E[blk]
-        g = np.cumsum(d_gemm, axis=1)
-        g += gemm_W[:, None]
-        sent = np.cumsum(d_sent, axis=1) + sent_W[:, None]
-        recv = np.cumsum(d_recv, axis=1) + recv_W[:, None]
-        lat = (3 * g.max(axis=0) + 4 * row_us * np.maximum(sent, recv).max(axis=0)).tolist()
+        cols = counts_WE[:, blk].T
+        # row j: what shadowing candidate j changes in cur_W. Each source computes its own rows of it and sends
+        # none; its home keeps only its own rows and receives none
+        D = np.empty((k, 3 * W))
+        D[:, :W] = cost.gemm_us(cols)
+        D[ar, h] -= t_E[blk]
+        np.negative(cols, out=D[:, W:2 * W])
+        D[ar, W + h] = 0
+        D[:, 2 * W:] = 0
+        D[ar, 2 * W + h] = cols[ar, h] - n_E[blk]
+        # cumulative over the candidates, row by row (np.cumsum along axis 0 calls its loop once per column)
+        for j in range(1, k):
+            D[j] += D[j - 1]
+        D += cur_W
+        lat = (3 * _MAX(D[:, :W], axis=1) + a2a * _MAX(D[:, W:], axis=1)).tolist()
         take, n0 = 0, len(shadow)
         for t in lat:
             t += 2 * bcast_us * (n0 + take + 1)
@@ -456,32 +479,37 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
             take += 1
         if take:
             shadow += blk[:take].tolist()
-            gemm_W, sent_W, recv_W = g[:, take - 1], sent[:, take - 1], recv[:, take - 1]
+            cur_W = D[take - 1]
         if take < k:
             break
         pos += k
         block *= 2
-    info = {"shadowed": tuple(sorted(shadow)), "gemm_us_max": float(gemm_W.max()), "model_us": cur,
+    info = {"shadowed": tuple(sorted(shadow)), "gemm_us_max": float(_MAX(cur_W[:W])), "model_us": cur,
             "model_us_before": before, "broadcast_us": len(shadow) * bcast_us}
     if not shadow:
-        return _finish(policy, [], frozenset(), dyn_WD, before_W, L, home_E, rows_from_source=True, info=info)
+        return _finish(policy, [], frozenset(), dyn_WD, before_W, at_home_W, home_E, rows_from_source=True,
+                       info=info)
     # every source s computes its own rows of a shadowed expert e, rows [a, b) of e's home order (sources in rank
     # order), and receives its weights; in (expert, source) order, i.e. sorted by (expert, row_start)
-    S_k = np.asarray(sorted(shadow), dtype=np.int64)
+    S_k = np.sort(np.asarray(shadow, dtype=np.int64))
     k = S_k.size
     h_k = home_arr[S_k]
-    cols_kW = counts_WE[:, S_k].T
-    end_kW = np.cumsum(cols_kW, axis=1)
-    away_kW = np.arange(W)[None, :] != h_k[:, None]
-    kk, ss = np.nonzero(away_kW & (cols_kW > 0))
-    moves = tuple(map(_MAKE_MOVE, zip(S_k[kk].tolist(), h_k[kk].tolist(), ss.tolist(),
-                                      (end_kW[kk, ss] - cols_kW[kk, ss]).tolist(), end_kW[kk, ss].tolist(),
-                                      strict=True)))
+    cols_kW = counts_WE.T[S_k]
+    # the fields of the (expert, source) pairs [5, k, W], then those of the pairs with a move: away from the home,
+    # with rows
+    F = np.empty((5, k, W), dtype=np.int64)
+    F[0] = S_k[:, None]
+    F[1] = h_k[:, None]
+    F[2] = ar_W
+    _CUMSUM(cols_kW, axis=1, out=F[4])
+    np.subtract(F[4], cols_kW, out=F[3])
+    moved_kW = cols_kW.copy()
+    moved_kW[ar_W[:k] if k <= W else np.arange(k), h_k] = 0
+    moves = tuple(map(tuple.__new__, repeat(Move), zip(*F[:, moved_kW != 0].tolist(), strict=True)))
     copies = tuple(chain.from_iterable(map(_broadcast, S_k.tolist(), h_k.tolist(), repeat(W, k))))
     # loads: sources gain their own rows of e, its home loses the others'
-    moved_kW = np.where(away_kW, cols_kW, 0)
-    loads = np.asarray(L, dtype=np.int64) + moved_kW.sum(axis=0) - np.bincount(h_k, weights=moved_kW.sum(axis=1),
-                                                                              minlength=W).astype(np.int64)
+    loads = at_home_W + _ADD(moved_kW, 0)
+    np.subtract.at(loads, h_k, _ADD(moved_kW, 1))
     loads.setflags(write=False)
     return Plan._trusted(policy=policy, moves=moves, weight_copies=copies, dynamic_WD=dyn_WD, loads_before_W=before_W,
                          loads_after_W=loads, home_E=home_E, rows_from_source=True, dispatched=False, node=None,

@@ -46,10 +46,10 @@ def _node_max_bound(n_E, topo, dyn_WD):
     return out
 
 
-def _ref_fastermoe(counts, topo, cost):
+def _ref_fastermoe(counts, topo, cost, max_shadow=None):
     """FasterMoE's shadowing rule, from its description, on lists: shadow the hottest experts (ties: lower id) while
     3 x the busiest GPU's GEMM + 4 x the busiest GPU's all-to-all rows + 2 weight transfers per shadowed expert
-    gets shorter. Returns the shadowed experts, sorted."""
+    gets shorter, at most max_shadow of them. Returns the shadowed experts, sorted."""
     W, E, S = topo.num_ranks, topo.num_experts, topo.experts_per_rank
     c = counts.tolist()
     n = [sum(c[s][e] for s in range(W)) for e in range(E)]
@@ -75,7 +75,7 @@ def _ref_fastermoe(counts, topo, cost):
     shadow: list[int] = []
     cur = latency(shadow)
     for e in sorted(range(E), key=lambda e: (-n[e], e)):
-        if n[e] == 0:
+        if n[e] == 0 or len(shadow) == max_shadow:
             break
         new = latency([*shadow, e])
         if not new < cur:
@@ -190,6 +190,33 @@ def test_golden_fastermoe():
     # no longer pays
     slow = dataclasses.replace(cost, ffn=10, table_ffn=10)
     assert make_plan("fastermoe", counts, topo, cost=slow).info["shadowed"] == ()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fastermoe_many_shadowed_matches_reference(seed):
+    # the planner evaluates candidates in blocks of 8, 16, 32, ...: one GPU holding 32 hot experts, cheap weight
+    # transfers, so that about 32 are shadowed (three blocks), also cut short by max_shadow at and around the blocks'
+    # edges
+    cost = CostModel(hidden=1, ffn=1, table_hidden=1, table_ffn=1, table_rows=(1, 2), table_us=(1.0, 2.0),
+                     ce_gbps=2.0)
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=128, dyn=2)
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 5, size=(4, 128))
+    counts[:, :32] += rng.integers(50, 400, size=(4, 32))
+    counts[:, rng.permutation(32)[:8]] = counts[:, :8]  # ties of rows between hot experts
+    for max_shadow in (None, 1, 7, 8, 9, 24, 25, 100):
+        plan = make_plan("fastermoe", counts, topo, cost=cost, max_shadow=max_shadow)
+        ref = _ref_fastermoe(counts, topo, cost, max_shadow)
+        assert plan.info["shadowed"] == ref
+        plan.validate(counts, topo)
+        # each shadowed expert's rows are computed where they come from: every source but its home holds one move
+        # of exactly its own rows, in source order
+        home = topo.default_home_E()
+        got = [(m.expert, m.src, m.dst, m.row_end - m.row_start) for m in plan.moves]
+        want = [(e, int(home[e]), s, int(counts[s, e])) for e in ref for s in range(4)
+                if s != home[e] and counts[s, e]]
+        assert got == want
+    assert len(_ref_fastermoe(counts, topo, cost)) > 24
 
 
 def test_golden_eplb():
