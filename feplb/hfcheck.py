@@ -1,16 +1,15 @@
 """Which transformers MoE architectures ``feplb.hf`` runs exactly, checked on tiny random models of each.
 
-transformers ships dozens of MoE architectures, and each release adds some. For every one whose modeling code
-holds an experts module (3-D ``gate_up_proj`` / ``up_proj`` / ``down_proj`` parameters), :func:`check` builds a
-tiny random model from the architecture's own config class (:func:`tiny_model`: two layers, two attention heads
-(hidden 64, or two heads of the default head size where the config derives it), 8 experts, top-2, vocabulary 64,
-every other field at its default; parameters the initialisation leaves all zero, such as gpt-oss's expert biases
-and router, drawn at random), runs it unmodified and with :func:`feplb.hf.apply` on the
-ranks of a process group (balancing between two "GPUs" of a node, rows really moving), and compares the two on
-each rank's own input: logits, every expert shard's gradient (against the slice of the unmodified model's gradient
-summed over the ranks' inputs) and every other gradient (against the unmodified model's local one). Randomness
-inside the forward (router jitter, sampling routers such as PhiMoE's in training mode) is drawn from the same seed
-in both runs.
+transformers ships dozens of MoE architectures, and each release adds some. For every one whose modeling code holds an
+experts module (3-D ``gate_up_proj`` / ``up_proj`` / ``down_proj`` parameters), :func:`check` builds a tiny random
+model from the architecture's own config class (:func:`tiny_model`: two layers, two attention heads (hidden 64, or two
+heads of the default head size where the config derives it), 8 experts (LongCat-Flash: and 4 zero-computation experts),
+top-2, vocabulary 64, every other field at its default; parameters the initialisation leaves all zero, such as
+gpt-oss's expert biases and router, drawn at random), runs it unmodified and with :func:`feplb.hf.apply` on the ranks
+of a process group (balancing between two "GPUs" of a node, rows really moving), and compares the two on each rank's
+own input: logits, every expert shard's gradient (against the slice of the unmodified model's gradient summed over the
+ranks' inputs) and every other gradient (against the unmodified model's local one). Randomness inside the forward
+(router jitter, sampling routers such as PhiMoE's in training mode) is drawn from the same seed in both runs.
 
 Each architecture ends in one of these outcomes (:class:`Outcome`):
 
@@ -61,6 +60,9 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention
             decoder_sparse_step=1, moe_layer_freq=1, mlp_only_layers=[],
             # Gemma 4: its MoE block on, per-layer input embeddings of the tiny vocabulary
             enable_moe_block=True, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
+            # LongCat-Flash: 4 zero-computation experts beside the 8 routed ones, so that its router picks both kinds
+            # (with its default 256, nearly every slot goes to a zero expert and almost no rows reach the layer)
+            zero_expert_num=4,
             initializer_range=0.1, use_cache=False, tie_word_embeddings=False)
 TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 # Per-layer lists some configs leave None by default (a checkpoint's config sets them): full attention, and the
@@ -451,7 +453,8 @@ def markdown(outcomes: list[Outcome], meta: dict) -> str:
         "",
         f"Produced by `{meta['command']}` on {meta['date']} ({meta['machine']}; transformers {meta['transformers']}, "
         f"torch {meta['torch']}, Python {meta['python']}; {meta['wall_s']} s). Each architecture is a tiny random "
-        "model (2 layers, 2 attention heads, 8 experts, top-2, vocabulary 64, every other field at its default; "
+        "model (2 layers, 2 attention heads, 8 experts (LongCat-Flash: and 4 zero-computation experts), top-2, "
+        "vocabulary 64, every other field at its default; "
         "parameters its initialisation leaves all zero, such as gpt-oss's expert biases, drawn at random) "
         f"built from its own config class, run unmodified and with "
         f"`feplb.hf.apply` on {meta['ranks']} gloo processes ({meta['gpus_per_node']} per modelled node, policy "
