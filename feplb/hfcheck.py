@@ -60,10 +60,15 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention
             decoder_sparse_step=1, moe_layer_freq=1, mlp_only_layers=[],
             # Gemma 4: its MoE block on, per-layer input embeddings of the tiny vocabulary
             enable_moe_block=True, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
+            # Step 3.7: its routed experts' clamp on every layer (the checkpoint's last two layers have one, 7)
+            swiglu_limits=[1.0, 1.0],
             # LongCat-Flash: 4 zero-computation experts beside the 8 routed ones, so that its router picks both kinds
             # (with its default 256, nearly every slot goes to a zero expert and almost no rows reach the layer)
             zero_expert_num=4,
             initializer_range=0.1, use_cache=False, tie_word_embeddings=False)
+# Fields some models need set where their config leaves them None: given when a failed attempt's error names them
+# (Step 3.7's decoder builds a sliding-window mask on every layer): a window as long as the tiny context.
+NEEDED = dict(sliding_window=64)
 TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 # Per-layer lists some configs leave None by default (a checkpoint's config sets them): full attention, and the
 # second layer a MoE layer (LFM2-MoE, DeepSeek-OCR2).
@@ -179,7 +184,8 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     The recipe (:data:`TINY`) is generic: it tries the per-layer lists derived by the config, then cut to their last
     and their first layers, each with the default head size and then with heads of 128 (hidden 128), dropping a field
     the config rejects; the first model that holds an experts module and runs a forward and backward is returned.
-    Raises the last attempt's error when none does."""
+    Raises, when none does, the error of the first attempt whose model held an experts module (else the last
+    attempt's): the one that says what stopped an architecture that has experts."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from feplb.hf import _candidates
@@ -188,12 +194,14 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     default = full.get_text_config() if hasattr(full, "get_text_config") else full
     config_cls = type(default)
     last: BaseException | None = None
+    first_with_experts: BaseException | None = None
     # the default head size derived from the default config, else a common real one (128): rotary sections sized for
     # real heads (GLM-4.5V's, Qwen3-Omni's) need it
     shapes = [{}, {"hidden_size": 128, "head_dim": 128}]
     for cut, shape in ((c, sh) for c in (None, "last", "first") for sh in shapes):
         kwargs = {**_tiny_kwargs(default, cut), **shape}
         for _ in range(4):
+            model = None
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -208,14 +216,19 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
                 return model
             except Exception as e:
                 last = e
-                # A field the config's validation names: let it keep its default, and try again.
+                if first_with_experts is None and model is not None and _candidates(model):
+                    first_with_experts = e
+                # A field the config's validation names: let it keep its default; one the model needs set: set it.
+                # Then try again.
                 named = [k for k in kwargs if k in TINY and re.search(rf"\b{k}\b", str(e))]
-                if not named:
+                needed = [k for k in NEEDED if kwargs.get(k) is None and re.search(rf"\b{k}\b", str(e))]
+                if not named and not needed:
                     break
                 for k in named:
                     del kwargs[k]
+                kwargs.update((k, NEEDED[k]) for k in needed)
     assert last is not None
-    raise last
+    raise first_with_experts or last
 
 
 def _fill_zeros(model: torch.nn.Module, seed: int) -> None:

@@ -36,7 +36,8 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "inkling_text",  # its shared experts stored as 3-D parameters (not routed: left replicated)
                "inkling2", "inkling2_loop",   # a softcapped SwiGLU (its own _apply_gate and act_fn's caps)
                "longcat_flash")   # zero-computation experts (masked routes; gate_up_proj holding E + Z experts)
-KNOWN_REFUSED: dict[str, str] = {}   # none in transformers 5.24 (the refusals themselves: test_supported_...)
+# Step 3.7 clamps its gate after the activation (min(act(gate), limit)); FEPLB's clamped forms clamp before it
+KNOWN_REFUSED: dict[str, str] = {"step3p7": "a custom gating function (Step3p7Experts._apply_gate)"}
 
 
 def _survey(rank: int, world: int) -> list[dict]:
