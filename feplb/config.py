@@ -25,8 +25,10 @@ class FEPLBConfig:
     hidden, ffn: H and F of the gated experts. num_experts: E (divisible by the EP group size). top_k: K.
     activation: the experts' gated activation act(gate) * up: "silu" (SwiGLU, default), "gelu_tanh" (GeGLU with
         the tanh approximation, Gemma 4's experts), "gelu" (GeGLU, erf form), "swiglu_oai" (gpt-oss's and
-        MiniMax-M3's: gate * sigmoid(swiglu_alpha * gate) * (up + 1)) or "silu_softcap" (Inkling 2's: SwiGLU with
-        softcapped linear factors, cap(gate, c_gate) * sigmoid(gate) * cap(up, c_up), cap(x, c) = c tanh(x / c)).
+        MiniMax-M3's: gate * sigmoid(swiglu_alpha * gate) * (up + 1)), "silu_softcap" (Inkling 2's: SwiGLU with
+        softcapped linear factors, cap(gate, c_gate) * sigmoid(gate) * cap(up, c_up), cap(x, c) = c tanh(x / c)) or
+        "silu_postclamp" (Step 3.7's: SwiGLU clamped after the activation, min(silu(gate), swiglu_limit) *
+        clamp(up, -swiglu_limit, swiglu_limit); needs ``swiglu_limit``).
     glu_softcap: (c_gate, c_up), finite numbers > 0: "silu_softcap"'s softcaps, given exactly with it (which takes
         no ``swiglu_limit``).
     swiglu_alpha: swiglu_oai's sigmoid slope (1.702 in gpt-oss and MiniMax-M3); the other activations ignore it.
@@ -169,11 +171,11 @@ class FEPLBConfig:
         if lim is not None and (isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim)
                                 or lim <= 0):
             raise ValueError(f"FEPLBConfig.swiglu_limit must be None or a finite number > 0, got {lim!r}")
-        from feplb.kernels.activation import ACTS, PLAIN_ACTS, SOFTCAP_ACTS, check_glu_act
+        from feplb.kernels.activation import ACTS, PLAIN_ACTS, POSTCLAMP_ACTS, SOFTCAP_ACTS, check_glu_act
 
         if not isinstance(self.gated, bool):
             raise TypeError(f"FEPLBConfig.gated must be a bool, got {self.gated!r}")
-        acts = ACTS + SOFTCAP_ACTS if self.gated else PLAIN_ACTS
+        acts = ACTS + SOFTCAP_ACTS + POSTCLAMP_ACTS if self.gated else PLAIN_ACTS
         if not isinstance(self.activation, str) or self.activation not in acts:
             raise ValueError(f"FEPLBConfig.activation must be one of {acts} ({'' if self.gated else 'non-'}gated "
                              f"experts), got {self.activation!r}")

@@ -327,8 +327,9 @@ def _gate(module: nn.Module, ffn: int) -> tuple[str | None, tuple | None]:
 
     A module with its own ``_apply_gate`` runs if that gate computes what FEPLB's kernels do: act(gate) * up with
     act one of ``FEPLBConfig.activation``'s (swiglu_oai's slope one of its alpha attributes, :data:`_ALPHA_ATTRS`),
-    plain or clamped at one of its limit attributes (:data:`_LIMIT_ATTRS`), or silu_softcap with two of its
-    softcaps (:func:`_softcaps`), with gate and up side by side or interleaved (gpt-oss's). Checked by calling it on
+    plain or clamped at one of its limit attributes (:data:`_LIMIT_ATTRS`), silu_postclamp with one of them (the
+    clamp after the activation: Step 3.7's), or silu_softcap with two of its softcaps (:func:`_softcaps`), with gate
+    and up side by side or interleaved (gpt-oss's). Checked by calling it on
     fp32 rows of the module's own width (2 * ``ffn``), in each layout: every probe value (:func:`_probe_values`) as
     a gate beside every other as an up, compared with FEPLB's own element by element. Without a custom gate: (None,
     None); the module's ``act_fn`` is checked by the caller."""
@@ -358,13 +359,15 @@ def _gate(module: nn.Module, ffn: int) -> tuple[str | None, tuple | None]:
     forms = [(act, limit, alpha, None) for act in ACTS for limit in (None, *limits)
              for alpha in (alphas if act == "swiglu_oai" else (1.0,))]
     forms += [("silu_softcap", None, 1.0, (cg, cu)) for cg in caps for cu in caps]
+    forms += [("silu_postclamp", limit, 1.0, None) for limit in limits]
     for act, limit, alpha, softcap in forms:
         for interleaved, (probe, out) in got.items():
             want = glu_ref(probe, limit, act, alpha, interleaved, softcap)
             if isinstance(out, torch.Tensor) and out.shape == want.shape and \
                     torch.allclose(out.float(), want, rtol=1e-5, atol=1e-6, equal_nan=True):
                 return None, (act, limit, alpha, interleaved, softcap)
-    clamped = f", plain or clamped at limit {', '.join(f'{v:g}' for v in limits)}" if limits else ""
+    clamped = f", plain or clamped at limit {', '.join(f'{v:g}' for v in limits)} (or silu_postclamp's after the " \
+        "activation)" if limits else ""
     slopes = f", swiglu_oai's alpha {', '.join(f'{v:g}' for v in alphas)}" if alphas else \
         " (swiglu_oai's alpha: no alpha / swiglu_alpha attribute)"
     capped = f", silu_softcap with softcaps {', '.join(f'{v:g}' for v in caps)}" if caps else ""

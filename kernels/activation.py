@@ -13,6 +13,10 @@ Clamped (``limit``, as DeepSeek-V4, GLM-5 and Hunyuan-V4 experts compute SwiGLU,
 ``activation_func_clamp_value``): out = act(min(gate, limit)) * clamp(up, -limit, limit); the gradient passes the
 clamps where the input lies within them, bounds included (torch.clamp's rule).
 
+Clamped after the activation (``"silu_postclamp"``, :data:`POSTCLAMP_ACTS`: Step 3.7's experts): out =
+min(silu(gate), limit) * clamp(up, -limit, limit), ``limit`` required; the gate's gradient passes where silu(gate) <=
+limit (times silu's derivative, as autograd orders it: a NaN or infinite gate gets a NaN gradient).
+
 ``interleaved``: gate and up alternate column by column (gate = h[:, 0::2], up = h[:, 1::2]: gpt-oss's weights)
 instead of side by side.
 
@@ -33,17 +37,19 @@ from torch import Tensor
 from ._checks import FLOAT_DTYPES, check_tensor
 from ._triton import alloc, autotune_configs, cdiv, check_launch_device, launch, tl, triton
 
-__all__ = ["ACTS", "PLAIN_ACTS", "SOFTCAP_ACTS", "check_glu_act", "check_glu_input", "check_glu_limit", "check_mlp_act",
-           "glu_bwd_ref", "glu_bwd_triton", "glu_ref", "glu_triton", "mlp_act_bwd_ref", "mlp_act_bwd_triton",
-           "mlp_act_ref", "mlp_act_triton"]
+__all__ = ["ACTS", "PLAIN_ACTS", "POSTCLAMP_ACTS", "SOFTCAP_ACTS", "check_glu_act", "check_glu_input",
+           "check_glu_limit", "check_mlp_act", "glu_bwd_ref", "glu_bwd_triton", "glu_ref", "glu_triton",
+           "mlp_act_bwd_ref", "mlp_act_bwd_triton", "mlp_act_ref", "mlp_act_triton"]
 
 # the activations of the gate that take a clamp (limit), in the order of the kernels' ACT constexpr
 ACTS = ("silu", "gelu_tanh", "gelu", "swiglu_oai")
 # the gated activations that take softcaps (c_gate, c_up) instead: the kernels' ACT 5
 SOFTCAP_ACTS = ("silu_softcap",)
+# the gated activations clamped after the activation, limit required: the kernels' ACT 6
+POSTCLAMP_ACTS = ("silu_postclamp",)
 # the activations of a non-gated expert (act(h)); relu2 is the kernels' ACT 4
 PLAIN_ACTS = ("silu", "gelu_tanh", "gelu", "relu2")
-_ACT_ID = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "swiglu_oai": 3, "relu2": 4, "silu_softcap": 5}
+_ACT_ID = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "swiglu_oai": 3, "relu2": 4, "silu_softcap": 5, "silu_postclamp": 6}
 
 
 def check_glu_input(h_M2F: Tensor) -> None:
@@ -63,10 +69,13 @@ def check_glu_limit(limit: float | None) -> None:
 
 def check_glu_act(act: str, alpha: float = 1.0, softcap: tuple[float, float] | None = None,
                   limit: float | None = None) -> None:
-    """One of :data:`ACTS` or :data:`SOFTCAP_ACTS`; ``alpha`` a finite number; ``softcap`` (c_gate, c_up), finite
-    numbers > 0, given exactly with a softcapped activation, which takes no ``limit``."""
-    if not isinstance(act, str) or act not in ACTS + SOFTCAP_ACTS:
-        raise ValueError(f"act: expected one of {ACTS + SOFTCAP_ACTS}, got {act!r}")
+    """One of :data:`ACTS`, :data:`SOFTCAP_ACTS` or :data:`POSTCLAMP_ACTS`; ``alpha`` a finite number; ``softcap``
+    (c_gate, c_up), finite numbers > 0, given exactly with a softcapped activation, which takes no ``limit``; a
+    ``limit`` given with a clamped-after activation."""
+    if not isinstance(act, str) or act not in ACTS + SOFTCAP_ACTS + POSTCLAMP_ACTS:
+        raise ValueError(f"act: expected one of {ACTS + SOFTCAP_ACTS + POSTCLAMP_ACTS}, got {act!r}")
+    if act in POSTCLAMP_ACTS and limit is None:
+        raise ValueError(f"limit: {act} clamps after the activation and needs a limit, got None")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise ValueError(f"alpha: expected a finite number, got {alpha!r}")
     if act in SOFTCAP_ACTS:
@@ -94,17 +103,17 @@ def _join(d_gate: Tensor, d_up: Tensor, interleaved: bool) -> Tensor:
     return torch.cat([d_gate, d_up], dim=1)
 
 
-def _split(h_M2F: Tensor, limit: float | None, interleaved: bool = False) -> tuple[Tensor, Tensor]:
+def _split(h_M2F: Tensor, limit: float | None, interleaved: bool = False, act: str = "silu") -> tuple[Tensor, Tensor]:
     gate, up = _halves(h_M2F.to(_acc_dtype(h_M2F.dtype)), interleaved)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    if limit is not None:   # a clamped-after activation leaves the gate's input as it is
+        gate, up = gate if act in POSTCLAMP_ACTS else gate.clamp(max=limit), up.clamp(-limit, limit)
     return gate, up
 
 
 def _act_ref(gate: Tensor, act: str, alpha: float) -> Tensor:
     if act == "silu_softcap":   # alpha: the gate's softcap
         return alpha * torch.tanh(gate / alpha) * torch.sigmoid(gate)
-    if act == "silu":
+    if act in ("silu", "silu_postclamp"):   # the latter's clamp is the caller's
         return torch.nn.functional.silu(gate)
     if act == "swiglu_oai":
         return gate * torch.sigmoid(gate * alpha)
@@ -119,12 +128,15 @@ def glu_ref(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha:
     check_glu_input(h_M2F)
     check_glu_limit(limit)
     check_glu_act(act, alpha, softcap, limit)
-    gate, up = _split(h_M2F, limit, interleaved)
+    gate, up = _split(h_M2F, limit, interleaved, act)
     if act == "swiglu_oai":
         up = up + 1
     if softcap is not None:
         alpha, up = softcap[0], softcap[1] * torch.tanh(up / softcap[1])
-    return (_act_ref(gate, act, alpha) * up).to(h_M2F.dtype)
+    a = _act_ref(gate, act, alpha)
+    if act in POSTCLAMP_ACTS:
+        a = a.clamp(max=limit)
+    return (a * up).to(h_M2F.dtype)
 
 
 def glu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act: str = "silu",
@@ -137,7 +149,7 @@ def glu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act:
     check_tensor("grad_MF", grad_MF, dtypes=(h_M2F.dtype,), shape=(h_M2F.shape[0], h_M2F.shape[1] // 2))
     acc = _acc_dtype(h_M2F.dtype)
     raw_gate, raw_up = _halves(h_M2F.to(acc), interleaved)
-    gate, up = _split(h_M2F, limit, interleaved)
+    gate, up = _split(h_M2F, limit, interleaved, act)
     g = grad_MF.to(acc)
     if act == "silu_softcap":
         (cg, cu), s = softcap, torch.sigmoid(gate)
@@ -151,11 +163,17 @@ def glu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act:
         d_gate = g * up * (s + gate * alpha * s * (1 - s))
     elif act == "silu":
         d_gate = torch.ops.aten.silu_backward(g * up, gate)
+    elif act == "silu_postclamp":   # torch.clamp's rule on the activation's output, before silu's derivative
+        d_gate = torch.ops.aten.silu_backward(torch.where(_act_ref(gate, act, alpha) <= limit, g * up, 0.0), gate)
     else:
         d_gate = torch.ops.aten.gelu_backward(g * up, gate, approximate="tanh" if act == "gelu_tanh" else "none")
-    d_up = g * _act_ref(gate, act, alpha)
+    a = _act_ref(gate, act, alpha)
+    if act in POSTCLAMP_ACTS:
+        a = a.clamp(max=limit)
+    d_up = g * a
     if limit is not None:   # torch.clamp's rule: the gradient passes where the input lies within the bounds
-        d_gate = torch.where(raw_gate <= limit, d_gate, 0.0)
+        if act not in POSTCLAMP_ACTS:
+            d_gate = torch.where(raw_gate <= limit, d_gate, 0.0)
         d_up = torch.where((raw_up >= -limit) & (raw_up <= limit), d_up, 0.0)
     return _join(d_gate, d_up, interleaved).to(h_M2F.dtype)
 
@@ -184,14 +202,15 @@ def _tanh(x, ACC: tl.constexpr):
 def _act_and_grad(gate, alpha, ACT: tl.constexpr, ACC: tl.constexpr):
     """(act(gate), d act / d gate) in ACC: silu (ACT 0), gelu_tanh (1), gelu (2), gate * sigmoid(alpha * gate) (3,
     swiglu_oai's; its up + 1 is the caller's), relu(gate)^2 (4), alpha tanh(gate / alpha) sigmoid(gate) (5,
-    silu_softcap's; alpha its gate's softcap; its up's softcap is the caller's)."""
+    silu_softcap's; alpha its gate's softcap; its up's softcap is the caller's), silu (6, silu_postclamp's; its clamp
+    is the caller's)."""
     if ACT == 5:
         c = tl.cast(alpha, ACC)
         s = tl.sigmoid(gate)
         t = _tanh(gate / c, ACC)
         a = c * t * s
         return a, (1 - t * t) * s + a * (1 - s)
-    elif ACT == 0:
+    elif ACT == 0 or ACT == 6:
         s = tl.sigmoid(gate)
         return gate * s, s * (1 + gate * (1 - s))
     elif ACT == 4:
@@ -246,7 +265,8 @@ def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, cap_
     gate, up, _, _ = _load_gate_up(h_ptr, rows, cols, mask, F, ACC, INTERLEAVED)
     if CLAMP:   # torch.clamp's: NaN stays NaN (tl.minimum would return the limit)
         lim = tl.cast(limit, ACC)
-        gate = tl.where(gate > lim, lim, gate)
+        if ACT != 6:   # ACT 6 clamps the activation's output instead of the gate
+            gate = tl.where(gate > lim, lim, gate)
         up = tl.where(up > lim, lim, tl.where(up < -lim, -lim, up))
     if ACT == 3:
         up = up + 1
@@ -254,6 +274,8 @@ def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, cap_
         cu = tl.cast(cap_up, ACC)
         up = cu * _tanh(up / cu, ACC)
     a, _ = _act_and_grad(gate, alpha, ACT, ACC)
+    if CLAMP and ACT == 6:
+        a = tl.where(a > lim, lim, a)
     out = a * up
     tl.store(out_ptr + rows[:, None] * F + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -268,9 +290,10 @@ def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, alpha: tl.
     g = tl.load(grad_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(ACC)
     if CLAMP:   # a NaN input is inside no bound: its clamp passes no gradient (torch.clamp's where)
         lim = tl.cast(limit, ACC)
-        gate_in = gate <= lim
+        if ACT != 6:
+            gate_in = gate <= lim
+            gate = tl.where(gate > lim, lim, gate)
         up_in = (up >= -lim) & (up <= lim)
-        gate = tl.where(gate > lim, lim, gate)
         up = tl.where(up > lim, lim, tl.where(up < -lim, -lim, up))
     if ACT == 3:
         up = up + 1
@@ -279,12 +302,18 @@ def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, alpha: tl.
         tu = _tanh(up / cu, ACC)
         up = cu * tu
     a, da = _act_and_grad(gate, alpha, ACT, ACC)
-    d_gate = g * up * da
+    if CLAMP and ACT == 6:   # the clamp of the activation's output, applied before silu's derivative (as autograd
+        # does: a NaN or infinite gate gets NaN)
+        d_gate = tl.where(a <= lim, g * up, 0.0) * da
+        a = tl.where(a > lim, lim, a)
+    else:
+        d_gate = g * up * da
     d_up = g * a
     if ACT == 5:
         d_up = d_up * (1 - tu * tu)
     if CLAMP:
-        d_gate = tl.where(gate_in, d_gate, 0.0)
+        if ACT != 6:
+            d_gate = tl.where(gate_in, d_gate, 0.0)
         d_up = tl.where(up_in, d_up, 0.0)
     tl.store(dh_ptr + g_offs, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
     tl.store(dh_ptr + u_offs, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
@@ -306,8 +335,9 @@ def glu_triton(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alp
                interleaved: bool = False, softcap: tuple[float, float] | None = None, *,
                config: dict | None = None) -> Tensor:
     """Launcher of the gated activation kernel. h float [M, 2F] contiguous -> [M, F] in h's dtype (fp32 math), act
-    one of :data:`ACTS` (``alpha``: swiglu_oai's), clamped by ``limit``, or of :data:`SOFTCAP_ACTS` with its
-    ``softcap``; gate and up ``interleaved`` or side by side (see the module docstring).
+    one of :data:`ACTS` (``alpha``: swiglu_oai's), clamped by ``limit``, of :data:`SOFTCAP_ACTS` with its
+    ``softcap``, or of :data:`POSTCLAMP_ACTS` with its ``limit``; gate and up ``interleaved`` or side by side (see
+    the module docstring).
 
     ``config``: explicit block sizes instead of the autotuner (see ``_triton.launch``)."""
     check_glu_input(h_M2F)

@@ -35,9 +35,10 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "muse_spark",    # a norm after each expert (has_post_expert_norm), replicated, on the token's GPU
                "inkling_text",  # its shared experts stored as 3-D parameters (not routed: left replicated)
                "inkling2", "inkling2_loop",   # a softcapped SwiGLU (its own _apply_gate and act_fn's caps)
-               "longcat_flash")   # zero-computation experts (masked routes; gate_up_proj holding E + Z experts)
-# Step 3.7 clamps its gate after the activation (min(act(gate), limit)); FEPLB's clamped forms clamp before it
-KNOWN_REFUSED: dict[str, str] = {"step3p7": "a custom gating function (Step3p7Experts._apply_gate)"}
+               "longcat_flash",   # zero-computation experts (masked routes; gate_up_proj holding E + Z experts)
+               "step3p7")   # SwiGLU clamped after the activation (silu_postclamp), as its checkpoint's last layers
+
+KNOWN_REFUSED: dict[str, str] = {}   # none in transformers 5.24 (the refusals themselves: test_supported_...)
 
 
 def _survey(rank: int, world: int) -> list[dict]:
@@ -139,6 +140,13 @@ def _defects(rank: int, world: int) -> dict:
         fh._gate = altered(alpha=1.0)
         try:
             out["alpha_lost"] = hfcheck.check(["minimax_m3_vl"])[0]
+        finally:
+            fh._gate = gate
+
+        # Step 3.7's clamp moved before the activation: min(silu(gate), 1) computed as silu(min(gate, 1))
+        fh._gate = altered(act="silu")
+        try:
+            out["clamp_before"] = hfcheck.check(["step3p7"])[0]
         finally:
             fh._gate = gate
 
@@ -245,6 +253,7 @@ def test_the_check_reports_defects():
         assert res["swiglu_for_geglu"]["status"] == "WRONG", res["swiglu_for_geglu"]
         assert res["silu_for_relu2"]["status"] == "WRONG", res["silu_for_relu2"]
         assert res["alpha_lost"]["status"] == "WRONG", res["alpha_lost"]
+        assert res["clamp_before"]["status"] == "WRONG", res["clamp_before"]
         assert res["halves_for_interleaved"]["status"] == "WRONG", res["halves_for_interleaved"]
         assert res["bias_lost"]["status"] == "WRONG", res["bias_lost"]
         assert res["post_norm_lost"]["status"] == "WRONG", res["post_norm_lost"]

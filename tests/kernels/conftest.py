@@ -81,7 +81,9 @@ def glu_f64(h_M2F, limit=None, act="silu", alpha=1.0, interleaved=False, softcap
     h = h_M2F.double()
     gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=1)
     if limit is not None:   # torch.clamp: its gradient passes where the input lies within the bounds, included
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        gate, up = gate if act == "silu_postclamp" else gate.clamp(max=limit), up.clamp(-limit, limit)
+    if act == "silu_postclamp":   # the clamp after the activation
+        return (gate / (1 + torch.exp(-gate))).clamp(max=limit) * up
     if act == "silu_softcap":   # c tanh(x / c) = c (1 - e^(-2x/c)) / (1 + e^(-2x/c))
         def cap(x, c):
             e = torch.exp(-2 * x / c)

@@ -220,6 +220,10 @@ def other_jobs():
                     yield dict(name=f"{name} {act}" + (" clamped" if clamp else "") + (" interleaved" if inter else ""),
                                jit_fn=fn, types=types, div16=("F",), options=options,
                                consts={**meta, "ACC": tl.float32, "CLAMP": clamp, "ACT": act_id, "INTERLEAVED": inter})
+        for act in activation.POSTCLAMP_ACTS:   # Step 3.7's SwiGLU clamped after the activation (always clamped)
+            yield dict(name=f"{name} {act}", jit_fn=fn, types=types, div16=("F",), options=options,
+                       consts={**meta, "ACC": tl.float32, "CLAMP": True, "ACT": activation._ACT_ID[act],
+                               "INTERLEAVED": False})
         for act in activation.SOFTCAP_ACTS:   # Inkling 2's softcapped SwiGLU (no clamp), both layouts
             for inter in (False, True):
                 yield dict(name=f"{name} {act}" + (" interleaved" if inter else ""), jit_fn=fn, types=types,

@@ -111,7 +111,7 @@ def test_glu_rejects_a_bad_limit(limit):
 @pytest.mark.parametrize("act", ["relu", "gelu_new", "", None, "SILU"])
 def test_glu_rejects_an_unknown_activation(act):
     with pytest.raises(ValueError, match=r"act: expected one of \('silu', 'gelu_tanh', 'gelu', 'swiglu_oai', "
-                                         r"'silu_softcap'\)"):
+                                         r"'silu_softcap', 'silu_postclamp'\)"):
         fk.glu(torch.randn(3, 4), None, act)
 
 
@@ -132,6 +132,22 @@ def test_softcapped_glu(gen, kh):
         fk.glu(h, 2.0, "silu_softcap", 1.0, False, (4.0, 2.5))
     with pytest.raises(ValueError, match="only .*silu_softcap.* take softcaps"):
         fk.glu(h, None, "silu", 1.0, False, (4.0, 2.5))
+
+
+def test_postclamped_glu(gen, kh):
+    """Step 3.7's SwiGLU clamped after the activation: against its formula in fp64 (and not the clamp before it),
+    gradients by gradcheck; a limit is required."""
+    h = torch.randn(13, 10, generator=gen) * 3
+    out = fk.glu(h, 0.6, "silu_postclamp")
+    kh.close(out, kh.glu_f64(h, 0.6, "silu_postclamp"), torch.float32, scale=4.0)
+    assert not torch.allclose(out.double(), kh.glu_f64(h, 0.6, "silu"), rtol=0.05)
+    assert not torch.allclose(out.double(), kh.glu_f64(h, None, "silu"), rtol=0.05)
+    h64 = h.double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: fk.glu(t, 0.6, "silu_postclamp", 1.0, True), (h64,))
+    with pytest.raises(ValueError, match="silu_postclamp clamps after the activation and needs a limit"):
+        fk.glu(h, None, "silu_postclamp")
+    with pytest.raises(ValueError, match="only .*silu_softcap.* take softcaps"):
+        fk.glu(h, 0.6, "silu_postclamp", 1.0, False, (4.0, 2.5))
 
 
 @pytest.mark.parametrize("act", ["relu2", "silu", "gelu_tanh", "gelu"])

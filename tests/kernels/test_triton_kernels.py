@@ -311,6 +311,55 @@ def test_softcapped_glu_kernels(dtype, interleaved, gen, kh):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")   # the interpreter's sigmoid
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_postclamped_glu_kernels(dtype, interleaved, gen, kh):
+    """Step 3.7's SwiGLU clamped after the activation, min(silu(gate), limit) * clamp(up, -limit, limit): against
+    the twin, the fp64 formula and fp64 autograd; gates whose silu lies beyond the limit pass no gradient, gates
+    beyond it whose silu does not (negative ones, where the clamp before the activation would cut) do; NaN and
+    +-inf as torch.clamp treats them."""
+    M, F, limit = 70, 150, 0.75
+    h = torch.randn(M, 2 * F, generator=gen) * 3
+    h[::9, :F] = -2.0   # silu(-2) = -0.24: within the limit after the activation
+    h = h.to(dtype).to(DEVICE)
+    g = torch.randn(M, F, generator=gen).to(dtype).to(DEVICE)
+    with poison_outputs():
+        out = glu_triton(h, limit, "silu_postclamp", 1.0, interleaved)
+        dh = glu_bwd_triton(g, h, limit, "silu_postclamp", 1.0, interleaved)
+    kh.close(out.cpu(), glu_ref(h, limit, "silu_postclamp", 1.0, interleaved).cpu(), dtype, scale=4.0)
+    kh.close(out.cpu(), kh.glu_f64(h.cpu(), limit, "silu_postclamp", interleaved=interleaved), dtype, scale=4.0)
+    kh.close(dh.cpu(), glu_bwd_ref(g, h, limit, "silu_postclamp", 1.0, interleaved).cpu(), dtype, scale=4.0)
+    h64 = h.cpu().double().requires_grad_()
+    (dh_f64,) = torch.autograd.grad(kh.glu_f64(h64, limit, "silu_postclamp", interleaved=interleaved), h64,
+                                    g.cpu().double())
+    kh.close(dh.cpu(), dh_f64, dtype, scale=8.0)
+    # not the clamp before the activation
+    assert not torch.allclose(out.cpu().double(), kh.glu_f64(h.cpu(), limit, "silu", interleaved=interleaved),
+                              rtol=0.05)
+    gate, up = (h.cpu().double()[:, 0::2], h.cpu().double()[:, 1::2]) if interleaved else \
+        h.cpu().double().chunk(2, dim=1)
+    d_gate, d_up = (dh.cpu()[:, 0::2], dh.cpu()[:, 1::2]) if interleaved else dh.cpu().chunk(2, dim=1)
+    a = torch.nn.functional.silu(gate)
+    beyond = a > limit * (1 + 1e-2)   # clear of the bound in every dtype
+    assert beyond.any() and (d_gate[beyond] == 0).all() and (d_up[up.abs() > limit * (1 + 1e-2)] == 0).all()
+    assert (d_gate[(gate > limit) & (a < limit * (1 - 1e-2))] != 0).any()   # gates above the limit, silu below it
+    nan, inf = float("nan"), float("inf")
+    hs = torch.tensor([[nan, 0.5, 2.0, inf, 1.0, nan, 0.5, -inf],
+                       [-inf, nan, -3.0, 0.6, nan, 1.5, inf, -0.5]], dtype=torch.float64)
+    gs = torch.tensor([[1.0, -2.0, 0.5, 3.0], [2.0, 1.0, -1.0, 0.5]], dtype=torch.float64)
+    h64 = hs.clone().requires_grad_()
+    sg, su = h64.chunk(2, dim=1)
+    ref = torch.nn.functional.silu(sg).clamp(max=limit) * su.clamp(-limit, limit)
+    (ref_dh,) = torch.autograd.grad(ref, h64, gs)
+    hd, gd = hs.to(dtype).to(DEVICE), gs.to(dtype).to(DEVICE)
+    for o, d in ((glu_triton(hd, limit, "silu_postclamp"), glu_bwd_triton(gd, hd, limit, "silu_postclamp")),
+                 (glu_ref(hd, limit, "silu_postclamp"), glu_bwd_ref(gd, hd, limit, "silu_postclamp"))):
+        torch.testing.assert_close(o.cpu().double(), ref.detach(), equal_nan=True, rtol=2e-2, atol=1e-2)
+        torch.testing.assert_close(d.cpu().double(), ref_dh, equal_nan=True, rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")   # the interpreter's sigmoid
 @pytest.mark.parametrize("act", PLAIN_ACTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_mlp_act_kernels(dtype, act, gen, kh):

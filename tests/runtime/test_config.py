@@ -46,7 +46,8 @@ BASE = dict(hidden=16, ffn=32, num_experts=8, top_k=2)
     ("glu_interleaved", "yes", TypeError, "glu_interleaved must be a bool"),
     ("expert_bias", None, TypeError, "expert_bias must be a bool"),
     ("activation", "relu2", ValueError,
-     r"one of \('silu', 'gelu_tanh', 'gelu', 'swiglu_oai', 'silu_softcap'\) \(gated experts\)"),
+     r"one of \('silu', 'gelu_tanh', 'gelu', 'swiglu_oai', 'silu_softcap', 'silu_postclamp'\) \(gated experts\)"),
+    ("activation", "silu_postclamp", ValueError, "silu_postclamp clamps after the activation and needs a limit"),
     ("activation", "silu_softcap", ValueError, r"silu_softcap expects \(c_gate, c_up\)"),   # no softcaps given
     ("glu_softcap", (4.0, 25.0), ValueError, "only .*silu_softcap.* take softcaps"),   # softcaps with plain SwiGLU
 ], ids=lambda v: str(v))
@@ -83,6 +84,15 @@ def test_config_softcapped_swiglu():
             FEPLBConfig(**BASE, activation="silu_softcap", glu_softcap=bad)
     with pytest.raises(ValueError, match="takes softcaps, not a clamp"):
         FEPLBConfig(**BASE, activation="silu_softcap", glu_softcap=(4.0, 25.0), swiglu_limit=7.0)
+
+
+def test_config_postclamped_swiglu():
+    cfg = FEPLBConfig(**BASE, activation="silu_postclamp", swiglu_limit=7)
+    assert cfg.glu == (7, "silu_postclamp", 1.702, False, True, None)
+    with pytest.raises(ValueError, match="silu_postclamp clamps after the activation and needs a limit"):
+        FEPLBConfig(**BASE, activation="silu_postclamp")
+    with pytest.raises(ValueError, match="only .*silu_softcap.* take softcaps"):
+        FEPLBConfig(**BASE, activation="silu_postclamp", swiglu_limit=7.0, glu_softcap=(4.0, 25.0))
 
 
 def test_config_defaults_and_external_router():
