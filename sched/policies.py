@@ -30,7 +30,7 @@ Policies (``BASE[+place][@current|@ema]``, see ``parse_policy``):
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from functools import lru_cache
 from itertools import chain, repeat
 from operator import itemgetter
 
@@ -49,11 +49,15 @@ _ADD = np.add.reduce
 _ADD_AT = np.add.reduceat
 _MAX = np.maximum.reduce
 _CUMSUM = np.add.accumulate
-# a Move from a 5-tuple in field order without Move._make's length check (the planner builds them itself)
-_MAKE_MOVE = partial(tuple.__new__, Move)
 # (expert, row_start) of a feplb-split piece (-rows, expert, row_start, row_end, home, holder)
 _EXPERT_ROW = itemgetter(1, 2)
 _COPY_FIELDS = itemgetter(1, 4, 5)
+
+
+def _moves(fields) -> tuple[Move, ...]:
+    """Moves from 5-tuples in field order, without Move._make's length check (the planner builds them itself):
+    tuple.__new__ called by map directly."""
+    return tuple(map(tuple.__new__, repeat(Move), fields))
 
 
 @lru_cache(maxsize=64)
@@ -284,7 +288,7 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
     elif whole:
         # nothing to join, and the (expert, src, dst) weight copies come out sorted and distinct
         raw.sort()
-        moves = tuple(map(_MAKE_MOVE, raw))
+        moves = _moves(raw)
         if weight_copies is None:
             weight_copies = tuple([t[:3] for t in raw if (t[0], t[2]) not in resident] if resident
                                   else [t[:3] for t in raw])
@@ -505,7 +509,7 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
     np.subtract(F[4], cols_kW, out=F[3])
     moved_kW = cols_kW.copy()
     moved_kW[ar_W[:k] if k <= W else np.arange(k), h_k] = 0
-    moves = tuple(map(tuple.__new__, repeat(Move), zip(*F[:, moved_kW != 0].tolist(), strict=True)))
+    moves = _moves(zip(*F[:, moved_kW != 0].tolist(), strict=True))
     copies = tuple(chain.from_iterable(map(_broadcast, S_k.tolist(), h_k.tolist(), repeat(W, k))))
     # loads: sources gain their own rows of e, its home loses the others'
     loads = at_home_W + _ADD(moved_kW, 0)
@@ -555,8 +559,8 @@ def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | Non
     # pairs are ordered by (expert, home first, GPU): the moves come out sorted by (expert, row_start); every
     # (expert, GPU) of the layout is normally resident (PolicyState.replicas, re-synced once per step), so nothing
     # is copied per micro-batch; a state that holds no replicas (a runtime keeping nothing per step) copies them
-    moves = tuple(map(_MAKE_MOVE, zip(pair_e[keep].tolist(), src[keep].tolist(), pair_g[keep].tolist(),
-                                       start[keep].tolist(), end[keep].tolist(), strict=True)))
+    moves = _moves(zip(pair_e[keep].tolist(), src[keep].tolist(), pair_g[keep].tolist(), start[keep].tolist(),
+                       end[keep].tolist(), strict=True))
     resident = state.resident
     copies = () if all((m.expert, m.dst) in resident for m in moves) else \
         tuple(sorted({(m.expert, m.src, m.dst) for m in moves if (m.expert, m.dst) not in resident}))
