@@ -329,10 +329,10 @@ def _gate(module: nn.Module, ffn: int) -> tuple[str | None, tuple | None]:
     act one of ``FEPLBConfig.activation``'s (swiglu_oai's slope one of its alpha attributes, :data:`_ALPHA_ATTRS`),
     plain or clamped at one of its limit attributes (:data:`_LIMIT_ATTRS`), silu_postclamp with one of them (the
     clamp after the activation: Step 3.7's), or silu_softcap with two of its softcaps (:func:`_softcaps`), with gate
-    and up side by side or interleaved (gpt-oss's). Checked by calling it on
-    fp32 rows of the module's own width (2 * ``ffn``), in each layout: every probe value (:func:`_probe_values`) as
-    a gate beside every other as an up, compared with FEPLB's own element by element. Without a custom gate: (None,
-    None); the module's ``act_fn`` is checked by the caller."""
+    and up side by side or interleaved (gpt-oss's). Checked by calling it on fp32 rows of the module's own width
+    (2 * ``ffn``), in each layout: every probe value (:func:`_probe_values`) as a gate beside every other as an up,
+    compared with FEPLB's own element by element. Without a custom gate: (None, None); the module's ``act_fn`` is
+    checked by the caller."""
     if not _custom_gate(module):
         return None, None
     from feplb.kernels.activation import ACTS, glu_ref
