@@ -157,6 +157,7 @@ def glu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act:
         a = cg * tg * s
         d_gate = g * cu * tu * ((1 - tg * tg) * s + a * (1 - s))
         return _join(d_gate, g * a * (1 - tu * tu), interleaved).to(h_M2F.dtype)
+    a = _act_ref(gate, act, alpha)
     if act == "swiglu_oai":
         up = up + 1
         s = torch.sigmoid(gate * alpha)
@@ -164,12 +165,10 @@ def glu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act:
     elif act == "silu":
         d_gate = torch.ops.aten.silu_backward(g * up, gate)
     elif act == "silu_postclamp":   # torch.clamp's rule on the activation's output, before silu's derivative
-        d_gate = torch.ops.aten.silu_backward(torch.where(_act_ref(gate, act, alpha) <= limit, g * up, 0.0), gate)
+        d_gate = torch.ops.aten.silu_backward(torch.where(a <= limit, g * up, 0.0), gate)
+        a = a.clamp(max=limit)
     else:
         d_gate = torch.ops.aten.gelu_backward(g * up, gate, approximate="tanh" if act == "gelu_tanh" else "none")
-    a = _act_ref(gate, act, alpha)
-    if act in POSTCLAMP_ACTS:
-        a = a.clamp(max=limit)
     d_up = g * a
     if limit is not None:   # torch.clamp's rule: the gradient passes where the input lies within the bounds
         if act not in POSTCLAMP_ACTS:

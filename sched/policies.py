@@ -412,9 +412,9 @@ def _fastermoe_consts(topo: Topology) -> tuple[np.ndarray, ...]:
     """The default homes int64 [E], the GPU ids int64 [W], and every expert's id reversed ((2**B - 1) - e, int64 [E]):
     with the rows shifted left by B bits, a key unique per expert that orders by (rows desc, id asc) when sorted
     descending."""
-    bits = _consts(topo)[2]
+    _, _, bits, mask = _consts(topo)
     out = (topo.default_home_E(), np.arange(topo.num_ranks, dtype=np.int64),
-           _consts(topo)[3] - np.arange(topo.num_experts, dtype=np.int64))
+           mask - np.arange(topo.num_experts, dtype=np.int64))
     for a in out:
         a.setflags(write=False)
     return (*out, bits)
