@@ -70,6 +70,9 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refresh-every", type=_positive, default=8,
                    help="micro-batches between history refreshes (@ema set, eplb replicas, +place placement)")
     p.add_argument("--eplb-slots", type=_non_negative, default=1, help="eplb redundant expert slots per GPU")
+    p.add_argument("--place-min-gain", type=float, default=None,
+                   help="+place keeps plain EP's placement unless the new one lowers the most loaded node (GPU) by "
+                        "more than this fraction (default: PolicyState's)")
     p.add_argument("--replicas", choices=("eager", "lazy"), default="eager",
                    help="@ema weights: 'eager' replicates the dynamic set in the node at each refresh (between steps),"
                         " 'lazy' copies a weight on first use in the step and keeps it until the step ends")
@@ -287,6 +290,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
                        dyn=args.dyn, policies=policies, microbatches=args.microbatches, warmup=args.warmup,
                        seed=args.seed, refresh_every=args.refresh_every, eplb_slots=args.eplb_slots,
                        replicas_mode=args.replicas, tau=args.tau, eplb_groups=args.eplb_groups,
+                       **({} if args.place_min_gain is None else {"place_min_gain": args.place_min_gain}),
                        min_chunk=args.min_chunk, validate=not args.no_validate, cost=cost,
                        shape_from_trace=args.hidden is None and args.ffn is None)
     workloads = [_load(t, args.experts) for t in args.traces]

@@ -32,6 +32,7 @@ import numpy as np
 
 from feplb.sched import CostModel, PolicyState, Topology, make_plan, parse_policy
 from feplb.sched.metrics import max_over_mean, token_straggler
+from feplb.sched.state import PLACE_MIN_GAIN
 
 DEFAULT_POLICIES = ("none", "feplb", "feplb-split", "fastermoe", "eplb", "lp")
 _METRICS = ("token_straggler", "token_straggler_before", "max_over_mean", "gemm_straggler_ms",
@@ -61,6 +62,7 @@ class SimConfig:
     eplb_slots: int = 1
     eplb_groups: int = 1
     replicas_mode: str = "eager"
+    place_min_gain: float = PLACE_MIN_GAIN
     tau: float = 0.01
     min_chunk: int | None = None
     validate: bool = True
@@ -74,6 +76,9 @@ class SimConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"SimConfig.{name} must be an int >= {lo}, got {v!r}")
+        g = self.place_min_gain
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < 1:
+            raise ValueError(f"SimConfig.place_min_gain must be a number in [0, 1), got {g!r}")
         if not self.policies:
             raise ValueError("SimConfig.policies must name at least one policy")
         object.__setattr__(self, "policies", tuple(self.policies))
@@ -173,7 +178,7 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
     rows_per_rank = config.tokens_per_rank * workload.top_k
     states = {p: [PolicyState(topo=topo, policy=p, refresh_every=config.refresh_every, ema_shift=config.ema_shift,
                               eplb_slots=config.eplb_slots, eplb_groups=config.eplb_groups,
-                              replicas_mode=config.replicas_mode)
+                              replicas_mode=config.replicas_mode, place_min_gain=config.place_min_gain)
                   for _ in range(L)] for p in config.policies}
     metrics = {p: {k: np.zeros((L, M)) for k in _METRICS} for p in config.policies}
     example: dict[str, Any] = {}
@@ -201,7 +206,8 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
                 if m < 0:
                     continue
                 rec = metrics[p]
-                refresh = len(new_state.last_weight_copies) + len(new_state.last_migrations)
+                # weights the refresh sends (a +place bank's copies, @ema and EPLB replicas), after each step
+                refresh = len(new_state.last_weight_copies)
                 g_before = cost.gemm_us(counts_WE.sum(axis=0)).reshape(W, -1).sum(axis=1)
                 g_after = cost.gemm_times_W(plan, counts_WE, topo)
                 rec["token_straggler"][layer, m] = token_straggler(plan.loads_after_W)

@@ -1,12 +1,15 @@
 """Slow-timescale decisions from routing history: expert placement across nodes and EPLB-style replicas.
 
 Legend: W GPUs, G GPUs per node, E experts. ``load_E`` is a history of per-expert rows (e.g. an EMA), int64 [E].
-All functions are deterministic: ties break on (load, node or GPU id, expert id), all in integers.
+All functions are deterministic: ties break on (load, the expert's owner or home, node or GPU id, expert id), all
+in integers (``place_experts``'s ``min_gain`` compares two integer loads in floating point, identically on every
+rank).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -23,37 +26,92 @@ def _check_load(load_E: np.ndarray, topo: Topology) -> list[int]:
     return [int(v) for v in a]
 
 
-def place_experts(load_E: np.ndarray, topo: Topology) -> np.ndarray:
+def place_experts(load_E: np.ndarray, topo: Topology, owner_E: np.ndarray | None = None, *,
+                  min_gain: float = 0.0) -> np.ndarray:
     """A placement that balances the history's load between nodes, then between the GPUs of each node.
 
-    Longest-processing-time first: experts in order of decreasing load go to the least loaded node with a free
-    slot, then to the least loaded GPU of that node with a free slot. Every GPU keeps E // W experts, so memory
-    per GPU is unchanged. Returns home_E: int64 [E], the GPU of every expert.
+    Longest-processing-time first (LPT): experts in order of decreasing load go to the least loaded node with a
+    free slot, then each node's experts to its least loaded GPU with a free slot. Every GPU keeps E // W experts,
+    so memory per GPU is unchanged. An expert placed away from its owner (the GPU holding its parameters and
+    optimizer state, ``owner_E``, default plain EP's ``e // (E // W)``) is computed from a copy of its weights,
+    re-sent after every optimizer step, so the placement keeps as many experts with their owner as its balance
+    allows: LPT's ties go to the owner's node and GPU; nodes (and a node's GPUs), being interchangeable, are matched
+    to the LPT groups holding most of their own experts (as ``eplb_layout`` does); and the owners' own assignment
+    is kept, at the node level and inside each node that holds exactly its own experts, unless the new one lowers
+    the most loaded node (GPU) by more than ``min_gain`` of its load (a float in [0, 1); 0: any gain).
+
+    load_E: int [E] load history. owner_E: int [E], E // W experts per GPU. Returns home_E: int64 [E], the GPU
+    where every expert is computed.
     """
     load = _check_load(load_E, topo)
-    W, G, epr = topo.num_ranks, topo.gpus_per_node, topo.experts_per_rank
-    n_nodes = topo.num_nodes
-    order = sorted(range(topo.num_experts), key=lambda e: (-load[e], e))
-    node_load = [0] * n_nodes
-    node_free = [G * epr] * n_nodes
-    gpu_load = [0] * W
-    gpu_free = [epr] * W
-    home = [0] * topo.num_experts
-    for e in order:
-        best_n = -1
-        for n in range(n_nodes):
-            if node_free[n] and (best_n < 0 or node_load[n] < node_load[best_n]):
-                best_n = n
-        best_g = -1
-        for g in range(best_n * G, best_n * G + G):
-            if gpu_free[g] and (best_g < 0 or gpu_load[g] < gpu_load[best_g]):
-                best_g = g
-        node_load[best_n] += load[e]
-        node_free[best_n] -= 1
-        gpu_load[best_g] += load[e]
-        gpu_free[best_g] -= 1
-        home[e] = best_g
+    G, epr, E = topo.gpus_per_node, topo.experts_per_rank, topo.num_experts
+    owner = topo.default_home_E().tolist() if owner_E is None else _check_home(owner_E, topo, "owner_E").tolist()
+    if isinstance(min_gain, bool) or not isinstance(min_gain, numbers.Real) or not 0 <= min_gain < 1:
+        raise ValueError(f"min_gain must be a number in [0, 1), got {min_gain!r}")
+    keep = 1.0 - float(min_gain)
+    owner_node = [g // G for g in owner]
+    nodes = list(range(topo.num_nodes))
+    node = _settle(_lpt(range(E), load, nodes, G * epr, owner_node), owner_node, load, nodes, keep, True)
+    home = [0] * E
+    for n in nodes:
+        mine = [e for e in range(E) if node[e] == n]
+        gpus = list(range(n * G, n * G + G))
+        own = all(n * G <= owner[e] < n * G + G for e in mine)   # the node holds exactly its own experts
+        for e, g in _settle(_lpt(mine, load, gpus, epr, owner), owner, load, gpus, keep, own).items():
+            home[e] = g
     return np.asarray(home, dtype=np.int64)
+
+
+def _check_home(home_E: object, topo: Topology, name: str) -> np.ndarray:
+    """home_E checked (int [E], values in [0, W), E // W experts on every GPU) as an int64 array."""
+    a = np.asarray(home_E)
+    if a.shape != (topo.num_experts,) or a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be an integer array of shape [{topo.num_experts}], got {a.dtype} "
+                         f"{list(a.shape)}")
+    per_gpu = np.bincount(a.astype(np.int64), minlength=topo.num_ranks) if a.size and a.min() >= 0 else None
+    if per_gpu is None or per_gpu.size != topo.num_ranks or per_gpu.min() != topo.experts_per_rank:
+        raise ValueError(f"{name} must give each of the W={topo.num_ranks} GPUs exactly E // W = "
+                         f"{topo.experts_per_rank} experts (GPU ids in [0, {topo.num_ranks})), got {a.tolist()}")
+    return a.astype(np.int64, copy=False)
+
+
+def _lpt(experts, load: list[int], bins: list[int], cap: int, prefer: list[int]) -> dict[int, int]:
+    """LPT: ``experts`` in order of decreasing load (ties: lower id), each to the least loaded of ``bins`` with
+    room left (``cap`` experts each); ties go to the expert's ``prefer`` bin, then to the lower bin. {expert: bin}."""
+    b_load = dict.fromkeys(bins, 0)
+    room = dict.fromkeys(bins, cap)
+    out = {}
+    for e in sorted(experts, key=lambda e: (-load[e], e)):
+        best = -1
+        for b in bins:
+            if room[b] and (best < 0 or b_load[b] < b_load[best] or (b_load[b] == b_load[best] and b == prefer[e])):
+                best = b
+        out[e] = best
+        b_load[best] += load[e]
+        room[best] -= 1
+    return out
+
+
+def _settle(assign: dict[int, int], prefer: list[int], load: list[int], bins: list[int], keep: float,
+            may_keep: bool) -> dict[int, int]:
+    """``assign``'s groups matched to ``bins`` by most experts in their ``prefer`` bin (the balance is unchanged);
+    or, when ``may_keep`` (the experts are exactly those ``prefer`` puts in ``bins``), ``prefer``'s own assignment
+    unless the matched one brings the most loaded bin below ``keep`` times ``prefer``'s."""
+    members = [[e for e, b in assign.items() if b == p] for p in bins]
+    label = _relabel(members, prefer, bins)
+    new = {e: label[i] for i, m in enumerate(members) for e in m}
+    if may_keep:
+        old = {e: prefer[e] for e in assign}
+        if _max_load(new, load, bins) >= keep * _max_load(old, load, bins):
+            return old
+    return new
+
+
+def _max_load(assign: dict[int, int], load: list[int], bins: list[int]) -> int:
+    acc = dict.fromkeys(bins, 0)
+    for e, b in assign.items():
+        acc[b] += load[e]
+    return max(acc.values())
 
 
 def _packing(weights: list[int], num_packs: int) -> list[int]:
@@ -89,16 +147,45 @@ def _replicate(load: list[int], num_phy: int) -> list[int]:
 
 
 def _relabel(members: list[list[int]], home_of: list[int], targets: list[int]) -> list[int]:
-    """Match interchangeable packs to targets (nodes or GPUs): the pairs sharing the most members with a target's
-    homes first (ties: lower pack, then lower target). The balance is unchanged; fewer experts leave home."""
-    pairs = sorted(((-sum(home_of[e] == t for e in set(m)), p, t) for p, m in enumerate(members) for t in targets))
-    out, used_p, used_t = [-1] * len(members), set(), set()
-    for _, p, t in pairs:
-        if p not in used_p and t not in used_t:
-            out[p] = t
-            used_p.add(p)
-            used_t.add(t)
-    return out
+    """Match interchangeable packs to targets (nodes or GPUs), one each, so that the most members stay in their
+    ``home_of`` target (an optimal assignment). The balance is unchanged; fewer experts leave home."""
+    keep = [[sum(home_of[e] == t for e in m) for t in targets] for m in members]
+    return [targets[j] for j in _assign_max(keep)]
+
+
+def _assign_max(gain: list[list[int]]) -> list[int]:
+    """The assignment of rows to columns of the square integer matrix ``gain`` with the largest total: column of
+    each row. The Hungarian method with potentials (shortest augmenting paths, O(n^3)); deterministic."""
+    n = len(gain)
+    u, v, row_of, way = [0] * (n + 1), [0] * (n + 1), [0] * (n + 1), [0] * (n + 1)
+    for i in range(1, n + 1):
+        row_of[0], j0 = i, 0
+        slack, used = [math.inf] * (n + 1), [False] * (n + 1)
+        while row_of[j0]:
+            used[j0] = True
+            i0, delta, j1 = row_of[j0], math.inf, 0
+            for j in range(1, n + 1):
+                if not used[j]:
+                    cur = -gain[i0 - 1][j - 1] - u[i0] - v[j]
+                    if cur < slack[j]:
+                        slack[j], way[j] = cur, j0
+                    if slack[j] < delta:
+                        delta, j1 = slack[j], j
+            for j in range(n + 1):
+                if used[j]:
+                    u[row_of[j]] += delta
+                    v[j] -= delta
+                else:
+                    slack[j] -= delta
+            j0 = j1
+        while j0:
+            j1 = way[j0]
+            row_of[j0] = row_of[j1]
+            j0 = j1
+    col = [0] * n
+    for j in range(1, n + 1):
+        col[row_of[j] - 1] = j - 1
+    return col
 
 
 def eplb_layout(load_E: np.ndarray, topo: Topology, slots_per_gpu: int, num_groups: int = 1,

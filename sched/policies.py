@@ -74,9 +74,19 @@ def _check_args(policy: str, topo: Topology, state: PolicyState | None) -> tuple
             raise TypeError(f"state must be a PolicyState or None, got {type(state).__name__}")
         if state.topo is not topo and state.topo != topo:
             raise ValueError(f"state was made for {state.topo}, not {topo}")
-        if state.policy != policy:
+        if state.policy != policy and _parse(state.policy) != parsed:
             raise ValueError(f"state was made for policy {state.policy!r}, not {policy!r}")
     return parsed
+
+
+_REAL = (int, float, np.integer, np.floating)
+_INT = (int, np.integer)
+
+
+def _int_arg(name: str, value: object, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, _INT) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    return int(value)
 
 
 def _slots(topo: Topology, state: PolicyState | None) -> np.ndarray:
@@ -349,16 +359,19 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     if total_rows is not None and int(_ADD(before_W)) != total_rows:
         raise ValueError(f"counts_WE sums to {int(_ADD(before_W))} rows, but the micro-batch has total_rows="
                          f"{total_rows}")
-    if not (isinstance(tau, (int, float)) and 0 <= tau < float("inf")):
+    if isinstance(tau, bool) or not (isinstance(tau, _REAL) and 0 <= tau < float("inf")):
         raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
-    cost = _DEFAULT_COST if cost is None else cost
-    if min_chunk is None:
-        min_chunk = cost.knee_rows
-    if isinstance(min_chunk, bool) or not isinstance(min_chunk, int) or min_chunk < 1:
-        raise ValueError(f"min_chunk must be an int >= 1, got {min_chunk!r}")
+    if cost is None:
+        cost = _DEFAULT_COST
+    elif not isinstance(cost, CostModel):
+        raise TypeError(f"cost must be a feplb.sched.CostModel or None, got {type(cost).__name__}")
+    min_chunk = _int_arg("min_chunk", cost.knee_rows if min_chunk is None else min_chunk, 1)
+    if max_shadow is not None:
+        max_shadow = _int_arg("max_shadow", max_shadow, 0)
     if node is not None:
-        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < topo.num_nodes:
+        if isinstance(node, bool) or not isinstance(node, _INT) or not 0 <= node < topo.num_nodes:
             raise ValueError(f"node must be an int in [0, {topo.num_nodes}), got {node!r}")
+        node = int(node)
         if base in ("fastermoe", "eplb"):
             raise ValueError(f"node={node}: policy {policy!r} places rows across nodes and plans all of them")
     # fresh arrays that own their data: frozen in place once, the plan holds them without copies

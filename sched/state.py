@@ -6,15 +6,17 @@ All history is kept in integers (a fixed-point EMA) so that every rank derives b
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from feplb.sched.placement import eplb_layout, eplb_replicas, place_experts
+from feplb.sched.placement import _check_home, eplb_layout, eplb_replicas, place_experts
 from feplb.sched.plan import Plan, parse_policy
 from feplb.sched.topology import Topology
 
 EMA_FRAC_BITS = 16  # fixed-point fraction bits of ema_E
+PLACE_MIN_GAIN = 0.02  # +place's default hysteresis (PolicyState.place_min_gain)
 
 
 def _ro(a: np.ndarray) -> np.ndarray:
@@ -41,6 +43,9 @@ class PolicyState:
         per GPU).
     eplb_groups: the model's expert groups for ``eplb`` (group-limited routing; 1 = none): EPLB's hierarchical
         layout when the number of nodes divides it, else its global one.
+    place_min_gain: ``+place`` keeps plain EP's placement (and inside a node, its GPUs' experts) unless the new
+        placement lowers the most loaded node (GPU) of the history's load by more than this fraction of it
+        (``place_experts``' ``min_gain``): weights placed away from their owner are re-sent after every step.
     replicas_mode: under ``@ema``, "eager" copies every dynamic expert's weights to the other GPUs of its node at
         each refresh (between optimizer steps, off the micro-batches' critical path; (G - 1) x dyn replicas per
         GPU and layer), "lazy" copies a weight the first time a plan needs it in the step and keeps it until the
@@ -56,6 +61,7 @@ class PolicyState:
     eplb_slots: int = 1
     eplb_groups: int = 1
     replicas_mode: str = "eager"
+    place_min_gain: float = PLACE_MIN_GAIN
     step: int = 0
     ema_E: np.ndarray | None = None          # int64 [E], rows * 2**EMA_FRAC_BITS; None before any observe
     home_E: np.ndarray | None = None         # int64 [E] home GPU of each expert (default e // S)
@@ -81,12 +87,31 @@ class PolicyState:
             raise ValueError(f"PolicyState.replicas_mode must be 'eager' or 'lazy', got {self.replicas_mode!r}")
         if self.ema_shift > 16:
             raise ValueError(f"PolicyState.ema_shift must be <= 16, got {self.ema_shift}")
-        home = self.topo.default_home_E() if self.home_E is None else self.home_E
+        g = self.place_min_gain
+        if isinstance(g, bool) or not isinstance(g, numbers.Real) or not 0 <= g < 1:
+            raise ValueError(f"PolicyState.place_min_gain must be a number in [0, 1), got {g!r}")
+        topo = self.topo
+        home = topo.default_home_E() if self.home_E is None else _check_home(self.home_E, topo, "PolicyState.home_E")
         object.__setattr__(self, "home_E", _ro(home))
         if self.ema_E is not None:
-            object.__setattr__(self, "ema_E", _ro(self.ema_E))
+            ema = np.asarray(self.ema_E)
+            if ema.shape != (topo.num_experts,) or ema.dtype.kind not in "iu" or (ema.size and ema.min() < 0):
+                raise ValueError(f"PolicyState.ema_E must be an integer array of shape [{topo.num_experts}] >= 0, "
+                                 f"got {ema.dtype} {list(ema.shape)}")
+            object.__setattr__(self, "ema_E", _ro(ema))
         if self.dynamic_WD is not None:
-            object.__setattr__(self, "dynamic_WD", _ro(self.dynamic_WD))
+            dyn = np.asarray(self.dynamic_WD)
+            want = (topo.num_ranks, topo.dyn)
+            ok = dyn.shape == want and dyn.dtype.kind in "iu" and (not dyn.size or 0 <= dyn.min() <= dyn.max() <
+                                                                     topo.num_experts)
+            if ok and dyn.size:   # each row: distinct experts at home on its GPU
+                srt = np.sort(dyn, axis=1)
+                ok = bool((self.home_E[dyn] == np.arange(want[0])[:, None]).all() and (srt[:, 1:] != srt[:, :-1]).all())
+            if not ok:
+                raise ValueError(f"PolicyState.dynamic_WD must be an integer array of shape [W, dyn] = {list(want)}"
+                                 " whose row d holds distinct experts at home on GPU d (home_E), got "
+                                 f"{dyn.tolist() if dyn.size <= 64 else list(dyn.shape)}")
+            object.__setattr__(self, "dynamic_WD", _ro(dyn))
         object.__setattr__(self, "slots_WS", slots_of(self.home_E, self.topo))
         if self.topo.num_experts % self.eplb_groups:
             raise ValueError(f"PolicyState.eplb_groups must divide E={self.topo.num_experts}, got {self.eplb_groups}")
@@ -143,14 +168,18 @@ class PolicyState:
         load = self.ema_E >> EMA_FRAC_BITS if self.ema_E is not None else np.zeros(topo.num_experts, np.int64)
         home = self.home_E
         migrations: tuple[tuple[int, int, int], ...] = ()
+        copies: set[tuple[int, int, int]] = set()
         if place:
-            new_home = place_experts(load, topo)
+            owner = topo.default_home_E()
+            new_home = place_experts(load, topo, owner, min_gain=self.place_min_gain)
             migrations = tuple((e, int(home[e]), int(new_home[e])) for e in range(topo.num_experts)
                                if home[e] != new_home[e])
             home = new_home
+            # the GPUs computing experts away from their owner hold copies of their weights, re-sent from the
+            # owner after every optimizer step (the layer's bank of placed experts)
+            copies = {(e, int(owner[e]), int(home[e])) for e in np.flatnonzero(home != owner).tolist()}
         dynamic = layout = None
         replicas: tuple[tuple[int, int], ...] = ()
-        copies: tuple[tuple[int, int, int], ...] = ()
         resident: frozenset[tuple[int, int]] = frozenset()
         if self._ema_set:
             # a new step: replicas of the old weights are stale
@@ -159,16 +188,16 @@ class PolicyState:
                 G = topo.gpus_per_node
                 resident = frozenset((int(e), g) for d in range(topo.num_ranks) for e in dynamic[d]
                                      for g in range(d // G * G, d // G * G + G) if g != d)
-                copies = tuple(sorted((e, int(home[e]), g) for e, g in resident))
+                copies |= {(e, int(home[e]), g) for e, g in resident}
         if base == "eplb":
             # a new layout from the history; every copy away from home is re-synced from its owner after every
             # optimizer step (the weights changed)
             layout = eplb_layout(load, topo, self.eplb_slots, self.eplb_groups, home)
             replicas = eplb_replicas(layout, home)
-            copies = tuple(sorted((e, int(home[e]), g) for e, g in replicas))
+            copies |= {(e, int(home[e]), g) for e, g in replicas}
         return replace(self, home_E=home, dynamic_WD=dynamic, layout_WP=layout, replicas=replicas,
                        resident=resident | set(replicas),
-                       last_weight_copies=copies, last_migrations=migrations)
+                       last_weight_copies=tuple(sorted(copies)), last_migrations=migrations)
 
 
 def _layout_pairs(layout_WP: np.ndarray, home_E: np.ndarray, topo: Topology, slots: int) -> tuple[np.ndarray, ...]:

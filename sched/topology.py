@@ -6,11 +6,12 @@ Legend: W EP ranks (= GPUs), G GPUs per node, E experts, D dynamic experts per G
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 _INT64 = np.dtype(np.int64)
-_MIN = np.minimum.reduce
+_MAX = np.maximum.reduce
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -96,7 +97,19 @@ class Topology:
         # the planner's hot path: an int64 C-contiguous array needs no conversion, one reduction checks the sign
         out = counts_WE if counts_WE.dtype == _INT64 and counts_WE.flags.c_contiguous else np.ascontiguousarray(
             counts_WE, dtype=np.int64)
-        if out.size and _MIN(out, None) < 0:
-            s, e = np.argwhere(out < 0)[0]
-            raise ValueError(f"{name} must be >= 0, got {int(out[s, e])} at [source {s}, expert {e}]")
+        # as unsigned, a negative count is larger than any bound: one reduction checks both ends
+        if out.size and _MAX(out.view(np.uint64), None) > self.max_count:
+            s, e = np.argwhere((out < 0) | (out > self.max_count))[0]
+            v = int(counts_WE[s, e])   # the caller's value (an unsigned one past int64 wrapped in the cast)
+            if v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v} at [source {s}, expert {e}]")
+            raise ValueError(f"{name}: {v} rows at [source {s}, expert {e}] exceed the planner's bound of "
+                             f"{self.max_count} per (source, expert) for W={self.num_ranks}, E={self.num_experts}")
         return out
+
+    @cached_property
+    def max_count(self) -> int:
+        """The largest count ``check_counts`` accepts: an expert's rows over all W sources stay below
+        2**(62 - max(16, B)), B the bits of an expert id, so the planner's integer keys (rows shifted left by B)
+        and the history's fixed-point EMA (16 fraction bits) cannot overflow int64."""
+        return (1 << (62 - max(16, (self.num_experts - 1).bit_length()))) // self.num_ranks

@@ -1,9 +1,12 @@
 """PolicyState: pure updates, the integer EMA, refresh cadence, placement and replicas."""
 
+import itertools
+
 import numpy as np
 import pytest
 
 from feplb.sched import PolicyState, Topology, make_plan, place_experts
+from feplb.sched.placement import _assign_max
 from feplb.sched.state import EMA_FRAC_BITS
 
 
@@ -123,3 +126,155 @@ def test_bad_state_arguments():
         PolicyState(topo=topo, policy="magic")
     with pytest.raises(ValueError, match=r"shape \[W, E\]"):
         PolicyState(topo=topo).observe(np.zeros((3, 4), dtype=np.int64))
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("home_E", [0, 0, 0, 1], "home_E must give each"),
+    ("home_E", [0, 5, 1, 1], "home_E must give each"),
+    ("home_E", [0, 1, 1], "home_E must be an integer array of shape"),
+    ("dynamic_WD", [[2], [0]], "dynamic_WD must be"),          # expert 2 is not at home on GPU 0
+    ("dynamic_WD", [[0, 0], [2, 3]], "dynamic_WD must be"),    # repeated, and dyn is 1
+    ("dynamic_WD", [[0], [9]], "dynamic_WD must be"),
+    ("ema_E", [-5], "ema_E must be"),
+    ("ema_E", [1, 2, 3, -1], "ema_E must be"),
+    ("ema_E", [1.0, 2.0, 3.0, 4.0], "ema_E must be"),
+    ("place_min_gain", 1.0, "place_min_gain"),
+    ("place_min_gain", -0.1, "place_min_gain"),
+    ("place_min_gain", True, "place_min_gain"),
+])
+def test_inconsistent_derived_fields_are_refused(field, value, match):
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=1)
+    with pytest.raises(ValueError, match=match):
+        PolicyState(topo=topo, policy="feplb@ema", **{field: np.asarray(value) if field != "place_min_gain" else value})
+    # the same fields, consistent, are accepted
+    PolicyState(topo=topo, policy="feplb@ema", home_E=np.array([1, 0, 1, 0]), dynamic_WD=np.array([[1], [0]]),
+                ema_E=np.array([0, 1, 2, 3]))
+
+
+def _node_loads(home, load, topo):
+    return np.bincount(home // topo.gpus_per_node, weights=load, minlength=topo.num_nodes)
+
+
+def test_place_experts_keeps_the_owners_on_flat_routing_and_moves_on_skew():
+    topo = Topology(num_ranks=16, gpus_per_node=8, num_experts=64, dyn=4)
+    owner = topo.default_home_E()
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        # flat: every expert within 1% of the others; a new placement could gain at most ~1% on the busiest node
+        flat = rng.integers(10_000, 10_100, size=64)
+        assert np.array_equal(place_experts(flat, topo, min_gain=0.02), owner)
+        # skewed: the hot experts all on node 0; the placement balances the nodes (LPT: within the largest load)
+        skew = rng.integers(1, 100, size=64)
+        skew[:8] += 10_000
+        home = place_experts(skew, topo, min_gain=0.02)
+        assert np.bincount(home, minlength=16).tolist() == [4] * 16
+        nodes = _node_loads(home, skew, topo)
+        assert nodes.max() - nodes.min() <= skew.max()
+        assert nodes.max() < 0.98 * _node_loads(owner, skew, topo).max()
+
+
+def test_place_experts_min_gain_is_a_threshold_on_the_busiest_node():
+    topo = Topology(num_ranks=2, gpus_per_node=1, num_experts=4, dyn=1)
+    # owners: node 0 carries 10 + 8, node 1 carries 6 + 4; LPT: {10, 4} and {8, 6}, busiest 14 instead of 18
+    load = np.array([10, 8, 6, 4])
+    best = place_experts(load, topo)
+    assert sorted(_node_loads(best, load, topo).tolist()) == [14, 14] and best[0] == 0   # expert 0 stays home
+    assert np.array_equal(place_experts(load, topo, min_gain=0.2), best)     # 14 < 0.8 * 18
+    assert place_experts(load, topo, min_gain=0.23).tolist() == [0, 0, 1, 1]  # 14 >= 0.77 * 18: keep the owners
+
+
+def test_place_experts_relabels_interchangeable_nodes_toward_the_owners():
+    # 3 nodes of 2 GPUs, 2 experts per GPU, random loads: LPT's node groups are matched to the nodes so that the
+    # most experts stay on their owner's node (checked against every relabelling), never raising the busiest node
+    topo = Topology(num_ranks=6, gpus_per_node=2, num_experts=12, dyn=1)
+    owner_node = topo.default_home_E() // 2
+    rng = np.random.default_rng(11)
+    for _ in range(30):
+        load = rng.integers(0, 1000, size=12)
+        home = place_experts(load, topo, min_gain=0.0)
+        assert np.bincount(home, minlength=6).tolist() == [2] * 6
+        assert _node_loads(home, load, topo).max() <= _node_loads(topo.default_home_E(), load, topo).max()
+        node = home // 2
+        best = max(int((np.asarray(perm)[node] == owner_node).sum()) for perm in itertools.permutations(range(3)))
+        assert int((node == owner_node).sum()) == best
+
+
+def test_assign_max_against_every_permutation():
+    rng = np.random.default_rng(2)
+    for n in range(1, 7):
+        for _ in range(50):
+            gain = rng.integers(0, 6, size=(n, n)).tolist()
+            col = _assign_max(gain)
+            assert sorted(col) == list(range(n))
+            best = max(sum(gain[i][p[i]] for i in range(n)) for p in itertools.permutations(range(n)))
+            assert sum(gain[i][col[i]] for i in range(n)) == best
+
+
+@pytest.mark.parametrize("owner, gain, match", [
+    ([0, 0, 0, 1], 0.0, "owner_E must give each"),
+    ([0, 1], 0.0, "owner_E must be an integer array"),
+    (None, 1.0, "min_gain"),
+    (None, -1e-3, "min_gain"),
+    (None, "0.1", "min_gain"),
+])
+def test_place_experts_refusals(owner, gain, match):
+    topo = Topology(num_ranks=2, gpus_per_node=1, num_experts=4, dyn=1)
+    with pytest.raises(ValueError, match=match):
+        place_experts(np.array([1, 2, 3, 4]), topo, None if owner is None else np.asarray(owner), min_gain=gain)
+
+
+def test_place_refresh_sends_every_expert_away_from_its_owner():
+    """A +place refresh's weight copies are the bank the layer re-sends after every optimizer step: every expert
+    computed away from its owner, from the owner, whether or not the placement changed."""
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=2)
+    c = np.array([[50, 40, 30, 20, 1, 1, 1, 1]] * 4, dtype=np.int64)
+    s = PolicyState(topo=topo, policy="feplb+place", refresh_every=2).observe(c)
+    owner = topo.default_home_E()
+    away = np.flatnonzero(s.home_E != owner)
+    assert away.size and s.last_weight_copies == tuple((int(e), int(owner[e]), int(s.home_E[e])) for e in away)
+    s2 = s.observe(c)   # step 2: a refresh, same placement, the bank re-sent
+    assert not s2.last_migrations and s2.last_weight_copies == s.last_weight_copies
+    assert s2.observe(c).last_weight_copies == ()
+
+
+def test_counts_past_the_planners_integer_range_are_refused():
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=1)
+    ok = np.array([[1, 2, 3, topo.max_count], [0, 0, 0, 0]])
+    assert make_plan("feplb", ok, topo).loads_before_W.tolist() == [3, topo.max_count + 3]
+    state = PolicyState(topo=topo, policy="feplb@ema").observe(ok)
+    assert state.ema_rows_E[3] == topo.max_count            # the EMA's fixed point did not wrap
+    for bad, match in ((ok + np.array([[0, 0, 0, 1], [0] * 4]), "exceed the planner's bound"),
+                       (np.array([[2**63 + 5, 0, 0, 0], [0] * 4], dtype=np.uint64), r"9223372036854775813 rows"),
+                       (np.array([[0, -1, 0, 0], [0] * 4]), ">= 0, got -1")):
+        with pytest.raises(ValueError, match=match):
+            make_plan("feplb", bad, topo)
+        with pytest.raises(ValueError, match=match):
+            state.observe(bad)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_shadow=-3), "max_shadow must be an int >= 0"),
+    (dict(max_shadow=1.5), "max_shadow must be an int >= 0"),
+    (dict(tau=True), "tau must be"),
+    (dict(tau=float("nan")), "tau must be"),
+    (dict(min_chunk=0), "min_chunk must be"),
+    (dict(min_chunk=np.float64(4)), "min_chunk must be"),
+    (dict(cost="x"), "cost must be a feplb.sched.CostModel"),
+])
+def test_bad_planner_options(kw, match):
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=1)
+    c = np.array([[5, 1, 0, 0], [3, 2, 0, 1]])
+    with pytest.raises((ValueError, TypeError), match=match):
+        make_plan("fastermoe" if "max_shadow" in kw else "feplb-split", c, topo, **kw)
+
+
+def test_numpy_scalars_are_numbers_to_the_planner():
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=2)
+    c = np.random.default_rng(0).integers(0, 500, size=(4, 8))
+    for policy, kw, np_kw in (("feplb-split", dict(tau=0.1, min_chunk=4, node=1),
+                               dict(tau=np.float32(0.1), min_chunk=np.int64(4), node=np.int32(1))),
+                              ("fastermoe", dict(max_shadow=2), dict(max_shadow=np.int64(2)))):
+        assert make_plan(policy, c, topo, **kw).moves == make_plan(policy, c, topo, **np_kw).moves
+    # "feplb" and "feplb@current" are one policy: one history serves both names
+    state = PolicyState(topo=topo, policy="feplb@current").observe(c)
+    assert make_plan("feplb", c, topo, state).moves == make_plan("feplb@current", c, topo, state).moves
