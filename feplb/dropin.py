@@ -21,7 +21,7 @@ from torch import nn
 
 from feplb.layer import FEPLBConfig, MoELayer
 
-__all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "average_expert_grads",
+__all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "zero_replica_grads", "average_expert_grads",
            "attach_optimizer", "clip_grad_norm_", "refresh_replicas", "full_state_dict"]
 
 
@@ -137,6 +137,16 @@ def reduce_replica_grads(model: nn.Module) -> None:
     last backward and before gradient clipping and ``optimizer.step()``."""
     for m in experts_modules(model):
         m.reduce_replica_grads()
+
+
+def zero_replica_grads(model: nn.Module) -> None:
+    """``zero_replica_grads()`` of every FEPLB layer (local): drop the gradients per-step expert copies accumulated
+    since the last reduction. Call it where the training loop discards gradients without a step (a skipped
+    step, a discarded accumulation) and zeroes them by hand or with an optimizer not given to
+    :func:`attach_optimizer`; ``optimizer.zero_grad()`` of an attached optimizer does it, ``model.zero_grad()``
+    does not (the copies are not parameters)."""
+    for m in experts_modules(model):
+        m.zero_replica_grads()
 
 
 def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGroup | None = None) -> None:

@@ -55,12 +55,13 @@ from feplb.dropin import (
     reduce_replica_grads,
     refresh_replicas,
     weights_digest,
+    zero_replica_grads,
 )
 from feplb.layer import FEPLBConfig, MoELayer
 
 __all__ = ["FEPLBExperts", "FEPLBLlama4TextMoe", "apply", "supported", "expert_parameters", "experts_modules",
-           "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas",
-           "clip_grad_norm_"]
+           "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "zero_replica_grads",
+           "refresh_replicas", "clip_grad_norm_"]
 
 # the experts' call: transformers' standard names, and gpt-oss's
 _SIGNATURES = (("hidden_states", "top_k_index", "top_k_weights"),
@@ -649,6 +650,13 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
         return [getattr(m, w1name), m.down_proj] + \
             ([getattr(m, b) for b in _biases(w1name)] if configs[id(m)].expert_bias else [None, None])
 
+    # weights tied between experts modules (not one module under two names) would be untied: two FEPLB layers,
+    # two shards, two gradients
+    owner_of: dict[int, int] = {}
+    for n, m in plans:
+        if any(owner_of.setdefault(id(w), id(m)) != id(m) for w in weights_of(m) if w is not None):
+            problems.append(f"  {n} ({type(m).__name__}): expert weights tied to another experts module's (FEPLB "
+                            "would untie them)")
     digests = [(n, *weights_digest(*(w for w in weights_of(m) if w is not None))) for n, m in plans]
 
     def none_found() -> str:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import math
 import threading
 import warnings
@@ -204,6 +205,7 @@ class MoELayer(nn.Module):
         self._attached: set[int] = set()
         self._hooks: list = []
         self._set_placement(self.topo.default_home_E())
+        self._digest_key: tuple | None = None
         me = weakref.ref(self)
 
         def stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
@@ -276,10 +278,25 @@ class MoELayer(nn.Module):
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Reduce replica gradients before and refresh the replicas after every ``optimizer.step()`` (per-step
-        weights), so no optimizer, fused or not, can leave stale copies behind. Collective at every step."""
+        weights), so no optimizer, fused or not, can leave stale copies behind. Collective at every step. The
+        optimizer's ``zero_grad()`` then also drops the copies' gradients (``zero_replica_grads``), so a backward
+        the training loop discards (a skipped step) never reaches the owners."""
         self._hooks += [optimizer.register_step_pre_hook(lambda *_: self.reduce_replica_grads()),
                         optimizer.register_step_post_hook(lambda *_: self.refresh_replicas())]
         self._attached.add(id(optimizer))
+        _zero_grad_also_clears(optimizer, self)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and ``zero_replica_grads()``."""
+        super().zero_grad(set_to_none)
+        self.zero_replica_grads()
+
+    def zero_replica_grads(self) -> None:
+        """Drop the gradients accumulated on per-step expert copies since the last ``reduce_replica_grads()``
+        (local). They are not parameters: ``optimizer.zero_grad()`` and ``model.zero_grad()`` do not reach them,
+        and the next reduction would add them to the owners. Call it wherever the training loop discards the
+        experts' gradients without a step (``layer.zero_grad()`` and an attached optimizer's ``zero_grad()`` do)."""
+        self.replicas.zero_grads()
 
     def _set_placement(self, home_E: np.ndarray) -> None:
         self.placement = Placement.of(home_E, self.world_size, self.rank)
@@ -539,6 +556,17 @@ class MoELayer(nn.Module):
             self.placement, self._slot_of_E, self._plan_state = saved
         return y_MD
 
+    def _slow_digest(self) -> int:
+        """56 bits of the slow decisions this forward plans from (the adopted policy state, the placement): equal
+        on every rank unless their histories diverged (say, some ranks ran training forwards in eval mode)."""
+        key = self._digest_key
+        if key is None or key[0] is not self._plan_state or key[1] is not self.placement:
+            h = hashlib.blake2b(self.placement.home_E.tobytes(), digest_size=7)
+            if self._plan_state is not None:
+                h.update(state_digest(self._plan_state))
+            self._digest_key = (self._plan_state, self.placement, int.from_bytes(h.digest(), "little"))
+        return self._digest_key[2]
+
     # ------------------------------------------------------------------------------------------------ 2. count
     def _count(self, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
                problem: tuple[type, str] | None) -> Counts:
@@ -548,7 +576,9 @@ class MoELayer(nn.Module):
             row = torch.cat([counts_S.to(torch.int64).reshape(-1), bad.to(torch.int64).reshape(1)]).cpu()
         else:
             row = torch.zeros(E + 1, dtype=torch.int64)
-        row = torch.cat([row, torch.tensor([int(not self.replicas.fresh()), int(problem is not None), self.layer_id])])
+        self.replicas.sync_requires()
+        row = torch.cat([row, torch.tensor([int(not self.replicas.fresh()), int(problem is not None), self.layer_id,
+                                            int(self.training), self._slow_digest()])])
         gathered = self.control.all_gather(row, "all_gather of expert counts")
         if problem is not None:
             raise problem[0](problem[1])
@@ -798,3 +828,22 @@ def ignore_experts_in_ddp(module: nn.Module) -> list[str]:
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         module, already + [n for n in names if n not in already])
     return names
+
+
+def _zero_grad_also_clears(optimizer: torch.optim.Optimizer, layer: MoELayer) -> None:
+    """Make ``optimizer.zero_grad()`` also call ``layer.zero_replica_grads()`` (one wrapper per optimizer, for all
+    the layers attached to it, held weakly)."""
+    layers = optimizer.__dict__.get("_feplb_layers")
+    if layers is None:
+        layers = weakref.WeakSet()
+        inner = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            inner(set_to_none)
+            for lay in list(layers):
+                lay.zero_replica_grads()
+
+        zero_grad.__doc__ = inner.__doc__
+        optimizer._feplb_layers = layers
+        optimizer.zero_grad = zero_grad
+    layers.add(layer)

@@ -104,6 +104,7 @@ class Replicas:
         self.late_grad = False
         self.stepped = False          # an optimizer stepped the owner's parameters since the last refresh
         self._versions: tuple[int, ...] = ()
+        self._requires: tuple[bool, ...] = ()   # the owner's parameters' requires_grad at the last refresh
 
     # ------------------------------------------------------------------------------------------------ state
     def own_weights(self) -> tuple[torch.Tensor, ...]:
@@ -116,14 +117,35 @@ class Replicas:
     def versions(self) -> tuple[int, ...]:
         return tuple(p._version for p in self._layer().expert_params())
 
+    def requires(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self._layer().expert_params())
+
     def fresh(self) -> bool:
         """Whether the per-step copies still hold the owners' current weights (True when there are none)."""
         if not self.pairs:
             return True
         return not self.stepped and self._versions == self.versions()
 
+    def sync_requires(self) -> None:
+        """Make the copies require grad where the owners' weights now do (experts frozen or unfrozen since the
+        refresh: a copy made while they were frozen would send no gradient back). Local; every forward."""
+        if not self.pairs or self._requires == self.requires():
+            return
+        req = tuple(w.requires_grad for w in self.own_weights())
+        for bank in (b for b in (self.replica_bank, self.slot_bank) if b is not None):
+            for leaf, r in zip(bank, req, strict=True):
+                if leaf.requires_grad != r:
+                    self._watch(leaf.requires_grad_(r))
+        self._requires = self.requires()
+
     def grads_clean(self) -> bool:
         return not any(w.grad is not None for w in self._held())
+
+    def zero_grads(self) -> None:
+        """Drop the gradients the per-step copies accumulated (what ``zero_grad`` does to the owners'): a backward
+        whose gradients the training loop discards must not reach the owners at the next reduction."""
+        for w in self._held():
+            w.grad = None
 
     def _held(self) -> list[torch.Tensor]:
         return list(self.replica_bank or ()) + list(self.slot_bank or ())
@@ -229,6 +251,7 @@ class Replicas:
         self.generation += 1
         self.stepped = False
         self._versions = self.versions()
+        self._requires = self.requires()
         self.ever_held = self.ever_held or bool(pairs)
         self.replica_bank, self.slot_bank, self.replica_of = None, None, {}
         if not pairs:
@@ -285,8 +308,7 @@ class Replicas:
             if o == r and k in got:
                 for a, part, shape in zip(adds, got[k].split(sizes), shapes, strict=True):
                     a[e - r * L] += part.view(shape)
-        for w in self._held():
-            w.grad = None
+        self.zero_grads()
         needed = [(t, a) for t, a in zip(own, adds, strict=True) if t.requires_grad]
         if needed:
             # through expert_weights() (made with autograd on): the owner's parameters get the gradient whatever

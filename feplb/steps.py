@@ -36,9 +36,10 @@ class Split:
 
 
 def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float) -> Counts:
-    """Read the all-gathered rows (int64 [W, E + 4]: counts per flat slot, this rank's routing flags (1: NaN or
-    inf, 2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs),
-    raising on every rank together when any rank reported a problem or the ranks run different layers.
+    """Read the all-gathered rows (int64 [W, E + 6]: counts per flat slot, this rank's routing flags (1: NaN or
+    inf, 2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs, its
+    training flag, the digest of its slow decisions), raising on every rank together when any rank reported a
+    problem or the ranks run different layers, in different modes or from different histories.
 
     slots_WS: int64 [W, L] the experts at home on each GPU. balance: the policy balances (and W > 1).
     min_straggler: rows of token straggler below which balancing is not worth it.
@@ -54,6 +55,21 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             f"{layers.tolist()}); every rank of the EP group must run every MoE layer's forward, in the same order. "
             "A model that skips an experts module on some ranks (say, a multimodal model's vision experts on a "
             "micro-batch without images) cannot run under expert parallelism as it is; every rank stops this step")
+    training = gathered[:, E + 4]
+    if (training != training[0]).any():
+        raise RuntimeError(
+            f"MoELayer: the EP ranks run this layer in different modes (training on EP rank(s) "
+            f"{np.nonzero(training)[0].tolist()}, eval on {np.nonzero(training == 0)[0].tolist()}); the balancing "
+            "history follows training forwards only, so call model.train() or model.eval() on every rank alike")
+    digests = gathered[:, E + 5]
+    if (digests != digests[0]).any():
+        groups = {}
+        for r, d in enumerate(digests.tolist()):
+            groups.setdefault(d, []).append(r)
+        raise RuntimeError(
+            f"MoELayer: the EP ranks plan from different balancing state (policy history and placement), EP ranks "
+            f"grouped by what they hold: {sorted(groups.values())}; every rank must run the same forwards in the "
+            "same mode and restore the same PolicyState")
     input_ranks = np.nonzero(gathered[:, E + 2])[0].tolist()
     if input_ranks:
         raise ValueError(f"MoELayer: EP rank(s) {input_ranks} refused this forward (a malformed input, or what "

@@ -57,12 +57,13 @@ from feplb.dropin import (
     reduce_replica_grads,
     refresh_replicas,
     weights_digest,
+    zero_replica_grads,
 )
 from feplb.layer import FEPLBConfig, MoELayer
 
 __all__ = ["FEPLBGptOssRoutedExperts", "FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules",
-           "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "refresh_replicas",
-           "clip_grad_norm_"]
+           "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "zero_replica_grads",
+           "refresh_replicas", "clip_grad_norm_"]
 
 _NAMES = ("w1_EFD", "w2_EDF", "w3_EFD")
 _OSS_NAMES = ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")

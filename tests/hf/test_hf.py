@@ -211,6 +211,11 @@ def _check_errors(rank: int, world: int) -> dict:
         hooked = M.make_model("mixtral")
         hooked.model.layers[1].mlp.experts.register_forward_hook(lambda m, args, y: 2 * y)
         out["hooked"] = error_of(lambda: fh.apply(hooked))
+        tied = M.make_model("mixtral")   # layer 1's experts share layer 0's weights: FEPLB would untie them
+        e0, e1 = (tied.model.layers[i].mlp.experts for i in (0, 1))
+        e1.gate_up_proj, e1.down_proj = e0.gate_up_proj, e0.down_proj
+        out["tied"] = error_of(lambda: fh.apply(tied))
+        out["tied_untouched"] = len(_experts_names(tied)) == 2 and e1.gate_up_proj is e0.gate_up_proj
         fh.apply(ok, policy="none")
         out["applied"] = _experts_names(ok)
         out["twice"] = error_of(lambda: fh.apply(ok))
@@ -770,6 +775,9 @@ def test_unsupported_experts_are_refused_by_name_and_nothing_is_replaced(one_ran
     assert err["bad_policy_untouched"] and err["applied"] == [], err["applied"]
     assert ("model.layers.1.mlp.experts (MixtralExperts): MixtralExperts has hooks or a forward of its own "
             "(forward_hooks)") in err["hooked"], err["hooked"]
+    assert ("model.layers.1.mlp.experts (MixtralExperts): expert weights tied to another experts module's") in \
+        err["tied"] and "model.layers.0.mlp.experts (" not in err["tied"], err["tied"]
+    assert err["tied_untouched"]
 
 
 @pytest.mark.slow

@@ -211,6 +211,52 @@ def _usage_worker(rank, world):
         grads.append((layer.w1.grad.clone(), len(layer.replicas.pairs)))
     res["inference_refresh"] = torch.equal(grads[0][0], grads[1][0]) and grads[1][1] > 0
 
+    # A backward the loop discards (zero_grad without a step): the gradients it left on per-step copies are
+    # dropped with the owners', by an attached optimizer's zero_grad() and by layer.zero_grad(); the next step's
+    # expert gradients equal plain EP's for the kept backward alone
+    def loss(layer, seed):
+        x = torch.randn(24, H, generator=torch.Generator().manual_seed(seed + rank))
+        x[:, 0] = x[:, 0].abs() + 1.0
+        layer(x).square().sum().backward()
+
+    ref, *_ = _layer(19, policy="none")
+    loss(ref, 200)
+    for how in ("optimizer", "layer"):
+        layer, *_ = _layer(19, policy="feplb-split@ema", weights="per-step", refresh_every=1)
+        with torch.no_grad():
+            layer(xs[rank])
+        layer.refresh_replicas()
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        layer.attach_optimizer(opt)
+        loss(layer, 100)
+        held = not layer.replicas.grads_clean()
+        opt.zero_grad() if how == "optimizer" else layer.zero_grad()
+        loss(layer, 200)
+        layer.reduce_replica_grads()
+        res[f"discard_{how}"] = (held, _close(layer.w1.grad, ref.w1.grad.double()),
+                                 _close(layer.w2.grad, ref.w2.grad.double()))
+
+    # Experts frozen when the copies were made, unfrozen later: the copies follow, their rows' gradients reach the
+    # owners
+    layer, *_ = _layer(19, policy="feplb-split@ema", weights="per-step", refresh_every=1)
+    layer.w1.requires_grad_(False)
+    layer.w2.requires_grad_(False)
+    with torch.no_grad():
+        layer(xs[rank])
+    layer.refresh_replicas()
+    layer.w1.requires_grad_(True)
+    layer.w2.requires_grad_(True)
+    loss(layer, 200)
+    held = not layer.replicas.grads_clean()
+    layer.reduce_replica_grads()
+    res["unfrozen"] = (held, _close(layer.w1.grad, ref.w1.grad.double()), _close(layer.w2.grad, ref.w2.grad.double()))
+
+    # One rank in eval mode, the others training: refused on every rank (the histories would diverge), no hang
+    layer, *_, xs = _layer(20, policy="feplb-split+place", weights="per-microbatch", refresh_every=1)
+    layer.train(rank != 0)
+    with torch.no_grad():
+        res["modes"] = error_of(lambda: [layer(xs[rank]) for _ in range(2)])
+
     # feplb.dropin.full_state_dict on layers built directly: every expert gathered, the rest (router) kept
     from feplb.dropin import full_state_dict
 
@@ -225,7 +271,13 @@ def _usage_worker(rank, world):
 
 def test_layer_usage_and_misuse():
     results = run_dist(_usage_worker, 4, timeout_s=300, collective_timeout_s=30)
+    for key in ("discard_optimizer", "discard_layer", "unfrozen"):
+        assert any(res[key][0] for res in results), f"{key}: no per-step copy got a gradient; the case tests nothing"
+        for rank, res in enumerate(results):
+            assert res[key][1:] == (True, True), f"rank {rank}: {key}: expert gradients differ from plain EP's"
     for rank, res in enumerate(results):
+        assert res["modes"] is not None and "different modes" in res["modes"] and \
+            "eval on [0]" in res["modes"], res["modes"]
         assert res["ddp_ok"], f"rank {rank}: EP x DP output differs from the dense reference"
         assert res["mixed_grad"] is None and res["mixed_grad_w1"], res["mixed_grad"]
         assert res["eval_step"] == 0 and res["train_step"] == 1, (res["eval_step"], res["train_step"])
