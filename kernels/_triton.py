@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -52,8 +53,8 @@ def parse_autotune_budget(spec: str | None) -> tuple[float, float] | None:
         warmup, rep = (float(v) for v in spec.split(","))
     except ValueError as err:
         raise ValueError(f"{AUTOTUNE_BUDGET_ENV}: expected 'WARMUP,REP' in milliseconds, got {spec!r}") from err
-    if not (warmup > 0 and rep > 0):
-        raise ValueError(f"{AUTOTUNE_BUDGET_ENV}: expected WARMUP > 0 and REP > 0 milliseconds, got {spec!r}")
+    if not (0 < warmup < math.inf and 0 < rep < math.inf):
+        raise ValueError(f"{AUTOTUNE_BUDGET_ENV}: expected finite WARMUP > 0 and REP > 0 milliseconds, got {spec!r}")
     return warmup, rep
 
 

@@ -607,6 +607,18 @@ def _resolve_variant(variant: str | None, variants: tuple[str, ...], choose, uns
     return variant
 
 
+def _check_programs(programs: int | None, variant: str) -> None:
+    """A launcher's ``programs`` argument: None, or an int >= 1 for the persistent variant (the classic one
+    launches a grid of its own)."""
+    if programs is None:
+        return
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"programs: expected an int >= 1 or None, got {programs!r}")
+    if variant != "persistent":
+        raise ValueError(f"programs: only the persistent variant takes it, got programs={programs} with the "
+                         f"{variant} variant")
+
+
 def dw_programs(sms: int, meta: dict) -> int:
     """Programs the persistent dW variant launches for a config's block sizes (``meta``, as Triton hands the grid
     the kernel's arguments and the config's constants, never num_stages or num_warps): its PROGRAMS_PER_SM per SM
@@ -634,6 +646,7 @@ def grouped_mm_triton(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check_v
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
     check_launch_device("grouped_mm_triton", x_MK)
     variant = _resolve_variant(variant, VARIANTS, choose_variant, persistent_unsupported, x_MK, w_EKN)
+    _check_programs(programs, variant)
     check_config_fits(config, fwd_shared_bytes if variant == "classic" else persistent_shared_bytes, x_MK)
     if check_values:
         check_offsets_values(offsets_E, x_MK.shape[0])
@@ -729,8 +742,7 @@ def grouped_mm_dw_triton(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, *, chec
                                    or split_rows < 1):
         raise ValueError(f"split_rows: expected an int >= 1 or None, got {split_rows!r}")
     variant = _resolve_variant(variant, DW_VARIANTS, choose_dw_variant, dw_persistent_unsupported, x_MK, dy_MN)
-    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
-        raise ValueError(f"programs: expected an int >= 1 or None, got {programs!r}")
+    _check_programs(programs, variant)
     check_config_fits(config, dw_shared_bytes, x_MK)
     if check_values:
         check_offsets_values(offsets_E, x_MK.shape[0])

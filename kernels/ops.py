@@ -181,7 +181,10 @@ def routing_metadata(topk_ids_TK: Tensor, num_experts: int, *, check: bool = Tru
     Args:
         topk_ids_TK: int32 or int64 [T, K], expert ids in [0, num_experts); T may be 0.
         num_experts: E.
-        check: check the id range; costs one device->host sync (a min/max reduction) on a GPU.
+        check: check the id range; costs one device->host sync (a min/max reduction) on a GPU. ``check=False``
+            is the caller's guarantee that every id is in range (the MoE layer clamps its ids and flags bad ones
+            itself): with an id outside it, the Triton path's metadata is undefined (unwritten rows, offsets short
+            of M) and a ``permute`` / ``unpermute`` with it reads out of bounds. The CPU twin checks regardless.
 
     Returns:
         :class:`RoutingMetadata` (all tensors int32, on the ids' device).

@@ -394,7 +394,7 @@ def test_autotune_budget_parse():
 
     assert _triton.parse_autotune_budget(None) is None and _triton.parse_autotune_budget("") is None
     assert _triton.parse_autotune_budget("5,20") == (5.0, 20.0)
-    for bad in ("5", "5,20,1", "0,20", "5,-1", "a,b"):
+    for bad in ("5", "5,20,1", "0,20", "5,-1", "a,b", "inf,100", "5,nan"):
         with pytest.raises(ValueError, match="FEPLB_AUTOTUNE_MS"):
             _triton.parse_autotune_budget(bad)
 

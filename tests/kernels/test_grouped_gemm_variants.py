@@ -258,9 +258,17 @@ def test_dw_persistent_rejects_operands_it_cannot_take():
             gg.grouped_mm_dw_triton(x, torch.randn(8, 8).T, offsets, variant="persistent")
         with pytest.raises(ValueError, match=r"variant: expected one of \('classic', 'persistent'\).*'tma'"):
             gg.grouped_mm_dw_triton(x, dy, offsets, variant="tma")
+        w = torch.randn(2, 8, 8)
         for bad in (0, -1, 2.0, True):
             with pytest.raises(ValueError, match=f"programs: expected an int >= 1 or None, got {bad!r}"):
                 gg.grouped_mm_dw_triton(x, dy, offsets, variant="persistent", programs=bad)
+            with pytest.raises(ValueError, match=f"programs: expected an int >= 1 or None, got {bad!r}"):
+                gg.grouped_mm_triton(x, w, offsets, variant="persistent", programs=bad)
+        # the classic variants launch their own grids: a programs count would be ignored
+        with pytest.raises(ValueError, match="programs: only the persistent variant takes it"):
+            gg.grouped_mm_dw_triton(x, dy, offsets, variant="classic", programs=2)
+        with pytest.raises(ValueError, match="programs: only the persistent variant takes it"):
+            gg.grouped_mm_triton(x, w, offsets, variant="classic", programs=2)
 
 
 def test_choose_dw_variant(monkeypatch):
