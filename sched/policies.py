@@ -457,16 +457,18 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
     a2a = 4 * row_us
 
     # FasterMoE's model of one iteration: forward and backward GEMMs (3x the forward), the dispatch and combine
-    # all-to-alls of forward and backward (4 transfers of each row), and per shadowed expert its weights broadcast
-    # and its gradients reduced (2 transfers); the busiest GPU decides
+    # all-to-alls of forward and backward (4 transfers of each row), and per shadowed expert one transfer of its
+    # weights (its shadow_policy's send_model_time: the expert's parameters over the network); the busiest GPU
+    # decides
     cur = before = 3 * float(_MAX(cur_W[:W])) + a2a * float(_MAX(cur_W[W:]))
     # candidates: the hottest experts first (ties to the lower id: the key is unique per expert), none without rows.
     # The rule takes them while the model's time drops, i.e. the longest prefix along which it falls: evaluated for
-    # every prefix of a block at once (cumulative sums), blocks doubling until the time stops falling
+    # every prefix of a block at once (cumulative sums), blocks doubling until the time stops falling. A first
+    # block of 16 holds what one iteration usually shadows (a second block costs as much as the first)
     n_cand = min(E if max_shadow is None else max_shadow, int(np.count_nonzero(n_E)))
     order = np.argsort((n_E << bits) | rev_E)[::-1]
     shadow: list[int] = []
-    pos, block = 0, 8
+    pos, block = 0, 16
     while pos < n_cand:
         k = min(block, n_cand - pos)
         blk = order[pos:pos + k]
@@ -489,7 +491,7 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
         lat = (3 * _MAX(D[:, :W], axis=1) + a2a * _MAX(D[:, W:], axis=1)).tolist()
         take, n0 = 0, len(shadow)
         for t in lat:
-            t += 2 * bcast_us * (n0 + take + 1)
+            t += bcast_us * (n0 + take + 1)
             if not t < cur:
                 break
             cur = t
