@@ -670,16 +670,21 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     # Every layer is built (collective) before the first module is swapped: a layer that cannot be built leaves the
     # model as it was.
     made: dict[int, FEPLBExperts] = {}
-    for name, mod in plans:
-        if id(mod) not in made:
-            w1, w2, b1, b2 = weights_of(mod)
-            new = FEPLBExperts(configs[id(mod)], group, w1, w2, name=name, **extras[id(mod)],
-                               gate_up_proj_bias=b1, down_proj_bias=b2,
-                               post_expert_norm=mod.post_expert_norm if getattr(mod, "has_post_expert_norm", False)
-                               else None)
-            new.train(mod.training)
-            new.refresh_replicas()
-            made[id(mod)] = new
+    try:
+        for name, mod in plans:
+            if id(mod) not in made:
+                w1, w2, b1, b2 = weights_of(mod)
+                made[id(mod)] = new = FEPLBExperts(
+                    configs[id(mod)], group, w1, w2, name=name, **extras[id(mod)], gate_up_proj_bias=b1,
+                    down_proj_bias=b2,
+                    post_expert_norm=mod.post_expert_norm if getattr(mod, "has_post_expert_norm", False) else None)
+                new.train(mod.training)
+                new.refresh_replicas()
+    except BaseException:
+        # the model is left as it was: release what the layers built so far hold (threads, hooks, copy paths)
+        for new in made.values():
+            new.close()
+        raise
     # Llama 4: the whole block, whose forward scales the experts' inputs, becomes FEPLB's, under each of its names
     # (every name of its experts lies under one of them: checked in _problem)
     wrapped: dict[int, FEPLBLlama4TextMoe] = {}

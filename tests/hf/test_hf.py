@@ -216,6 +216,24 @@ def _check_errors(rank: int, world: int) -> dict:
         e1.gate_up_proj, e1.down_proj = e0.gate_up_proj, e0.down_proj
         out["tied"] = error_of(lambda: fh.apply(tied))
         out["tied_untouched"] = len(_experts_names(tied)) == 2 and e1.gate_up_proj is e0.gate_up_proj
+        # a layer that fails to build (its second here) leaves the model as it was, and the one built before it
+        # released (its optimizer hook removed, its threads and copy path closed)
+        built, real = [], fh.FEPLBExperts.refresh_replicas
+
+        def fail_second(self):
+            built.append(self)
+            if len(built) == 2:
+                raise RuntimeError("injected build failure")
+            return real(self)
+
+        fh.FEPLBExperts.refresh_replicas = fail_second
+        try:
+            broken = M.make_model("mixtral")
+            out["build_fails"] = error_of(lambda: fh.apply(broken))
+        finally:
+            fh.FEPLBExperts.refresh_replicas = real
+        out["build_fails_clean"] = (len(built) == 2 and all(getattr(b, "_closed", False) for b in built)
+                                    and len(_experts_names(broken)) == 2)
         fh.apply(ok, policy="none")
         out["applied"] = _experts_names(ok)
         out["twice"] = error_of(lambda: fh.apply(ok))
@@ -778,6 +796,7 @@ def test_unsupported_experts_are_refused_by_name_and_nothing_is_replaced(one_ran
     assert ("model.layers.1.mlp.experts (MixtralExperts): expert weights tied to another experts module's") in \
         err["tied"] and "model.layers.0.mlp.experts (" not in err["tied"], err["tied"]
     assert err["tied_untouched"]
+    assert "injected build failure" in err["build_fails"] and err["build_fails_clean"], err["build_fails"]
 
 
 @pytest.mark.slow
