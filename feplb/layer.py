@@ -359,7 +359,8 @@ class MoELayer(nn.Module):
         routing: optional (topk_ids [T, K] integer, topk_weights [T, K] floating, any strides) from a router outside
             the layer (one per token of x, in x's token order); the layer's own router is then skipped and the
             gradient flows into topk_weights. float32 weights weigh the experts' outputs in float32 (the combine
-            accumulates in fp32 whatever the layer's dtype); others are cast to ``config.dtype``. Ids outside
+            accumulates in fp32 whatever the layer's dtype), and so do float64 ones (cast to float32) in a layer of
+            lower precision; others are cast to ``config.dtype``. Ids outside
             [0, E) or non-finite weights raise on every rank together.
 
         Under ``torch.compile`` the routing and the combine compile; the dispatch in between (communication, CPU
@@ -388,9 +389,11 @@ class MoELayer(nn.Module):
             if c.masked_routes:
                 skip_TK = ids_TK < 0
             # float32 weights stay float32 (the combine accumulates in fp32; a router's fp32 scores lose nothing),
+            # float64 ones become float32 (Megatron's fp64 router weighs in fp64: one fp32 rounding, not a bf16 one),
             # others take the layer's dtype
             topk_ids_TK = ids_TK.clamp(0, E - 1)
-            w_TK = w_TK if w_TK.dtype in (torch.float32, x_TD.dtype) else w_TK.to(x_TD.dtype)
+            if w_TK.dtype not in (torch.float32, x_TD.dtype):
+                w_TK = w_TK.to(torch.float32 if w_TK.dtype == torch.float64 else x_TD.dtype)
         # A recompute by activation checkpointing groups its rows as its forward did (feplb.recompute)
         replay = None
         if not torch.compiler.is_compiling() and in_backward():

@@ -14,7 +14,8 @@ its ``MLP`` modules, ``local_experts.{i}.linear_fc1.weight`` ...) -> :class:`FEP
 reduced over the expert data-parallel group).
 
 Precision follows the experts' parameters (Megatron computes the experts in their dtype; ``dtype=`` chooses
-another); the router's probabilities weigh the outputs in fp32 when they are fp32 (``moe_router_dtype='fp32'``).
+another); the router's probabilities weigh the outputs in fp32 when they are fp32 or fp64 (``moe_router_dtype``
+'fp32' or 'fp64'; Megatron weighs fp64 ones in fp64, FEPLB in fp32).
 
 What FEPLB cannot run exactly is refused, on every rank together and before anything is replaced, by name: other
 experts classes, or those three with linears other than Megatron's or Transformer Engine's, activations FEPLB does

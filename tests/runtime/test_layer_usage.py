@@ -257,6 +257,15 @@ def _usage_worker(rank, world):
     with torch.no_grad():
         res["modes"] = error_of(lambda: [layer(xs[rank]) for _ in range(2)])
 
+    # float64 routing weights (Megatron's moe_router_dtype="fp64") with a bf16 layer weigh the outputs in fp32, as
+    # float32 ones do, not rounded to bf16 first
+    layer, *_, xs = _layer(21, policy="none", dtype=torch.bfloat16)
+    x = xs[rank].to(torch.bfloat16)
+    ids, _, _ = layer.route(x)
+    w64 = torch.rand(ids.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    res["fp64_weights"] = torch.equal(layer(x, routing=(ids, w64)), layer(x, routing=(ids, w64.float()))) and \
+        not torch.equal(layer(x, routing=(ids, w64)), layer(x, routing=(ids, w64.to(torch.bfloat16))))
+
     # feplb.dropin.full_state_dict on layers built directly: every expert gathered, the rest (router) kept
     from feplb.dropin import full_state_dict
 
@@ -276,6 +285,7 @@ def test_layer_usage_and_misuse():
         for rank, res in enumerate(results):
             assert res[key][1:] == (True, True), f"rank {rank}: {key}: expert gradients differ from plain EP's"
     for rank, res in enumerate(results):
+        assert res["fp64_weights"], f"rank {rank}: float64 routing weights were not taken as float32 ones"
         assert res["modes"] is not None and "different modes" in res["modes"] and \
             "eval on [0]" in res["modes"], res["modes"]
         assert res["ddp_ok"], f"rank {rank}: EP x DP output differs from the dense reference"
