@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-FILES = ("report.json", "loss.png", "straggler.png", "loads.png", "report.md")
+FILES = ("report.json", "loss.png", "straggler.png", "loads.png", "timeline.png", "timeline.json", "report.md")
 
 
 def _atomic_write(path: Path, write) -> None:

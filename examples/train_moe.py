@@ -504,11 +504,11 @@ def load_checkpoint(out: Path, cfg: TrainConfig, rank: int) -> dict:
 # Training
 
 
-def check_out_dir(out: Path, resume: bool, overwrite: bool = False, remover: bool = True) -> None:
-    """Check that ``out`` can be written and holds no run unless resuming, without creating it (a run refused
-    later, for its configuration say, leaves no empty folder behind; ``make_out_dir`` creates it). With
-    ``overwrite`` (and not resuming), the previous run's checkpoint and report files are removed by ``remover``
-    (one rank; the caller then barriers)."""
+def check_out_dir(out: Path, resume: bool, overwrite: bool = False) -> None:
+    """Check that ``out`` can be written and holds no run unless resuming or overwriting, without creating it or
+    changing what it holds (a run refused later, for its configuration say, leaves no empty folder behind and the
+    previous run intact: ``make_out_dir`` creates it, ``clear_previous_run`` removes an overwritten run once every
+    check has passed)."""
     if resume and overwrite:
         raise UsageError("--resume and --overwrite exclude each other: continue the run in --out, or replace it")
     existing = out
@@ -522,15 +522,23 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool = False, remover: boo
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot write there ({type(exc).__name__}: {exc})") from exc
     if overwrite:
-        if remover and out.is_dir():
-            shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
-            for name in _report_module().FILES:
-                (out / name).unlink(missing_ok=True)
         return
     pointer = read_pointer(out) if not resume else None
     if pointer is not None:
         raise UsageError(f"--out {out} already holds a run (checkpoint at step {pointer.get('step')}); "
                          f"pass --resume to continue it, --overwrite to replace it, or choose another --out")
+
+
+def clear_previous_run(out: Path) -> None:
+    """--overwrite: remove the previous run's checkpoint and report files from ``out`` (one rank; the caller then
+    barriers). Called once every check has passed, so that a refused run leaves the previous one intact."""
+    if out.is_dir():
+        shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
+        try:
+            for name in _report_module().FILES:
+                (out / name).unlink(missing_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--overwrite: cannot remove the previous run's files in {out} ({exc})") from exc
 
 
 def make_out_dir(out: Path, creator: bool) -> list[Path]:
@@ -700,8 +708,7 @@ def train(args: argparse.Namespace, created: list[Path] | None = None) -> Path:
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     out: Path = args.out
 
-    collective_check(check_out_dir, out, args.resume, args.overwrite, remover=rank == 0)
-    dist.barrier()  # an --overwrite removal is complete before any rank writes
+    collective_check(check_out_dir, out, args.resume, args.overwrite)
     corpus, text_label = collective_check(read_corpus, args.text, args.text_bytes)
     corpus_sha = hashlib.sha256(corpus).hexdigest()
     if len(set(gather(corpus_sha))) != 1:  # the same answer on every rank, so all of them stop here together
@@ -735,9 +742,15 @@ def train(args: argparse.Namespace, created: list[Path] | None = None) -> Path:
             moe.state = policy_state
         start_step = state["step"]
         history = state["history"] if rank == 0 else history
+        if start_step >= args.steps:   # every rank read the same checkpoint: all refuse together
+            raise UsageError(f"--resume: the run in --out {out} is already at step {start_step}; pass --steps "
+                             f"above {start_step} to continue it (got --steps {args.steps})")
         for moe in moes:
             moe.refresh_replicas()
-    # Every check has passed: only now does --out come into being.
+    # Every check has passed: only now is an overwritten run removed, and does --out come into being.
+    if args.overwrite:
+        collective_check(lambda: clear_previous_run(out) if rank == 0 else None)
+        dist.barrier()  # the removal is complete before any rank writes
     new_dirs = collective_check(make_out_dir, out, creator=local_rank == 0)
     if created is not None:
         created.extend(new_dirs)
@@ -798,7 +811,8 @@ def train(args: argparse.Namespace, created: list[Path] | None = None) -> Path:
     if rank == 0:
         meta["run_wall_s"] = run_s
         meta["resumed_from"] = start_step
-        write_report(out, meta, history["steps"], timeline=moes[0].last_timeline.spans())
+        last = moes[0].last_timeline
+        write_report(out, meta, history["steps"], timeline=last.spans() if last is not None else None)
     dist.barrier()
     for moe in moes:
         moe.close()

@@ -143,6 +143,15 @@ def test_demo_trains_balances_reports_and_resumes(tmp_path):
     assert (out / "checkpoint" / "latest.json").read_bytes() == pointer
     assert (out / "report.json").read_bytes() == report_json
     assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["latest.json", f"step_{steps:07d}"]
+    # So is a resume of a run already at --steps, and an --overwrite whose options are refused leaves the previous
+    # run (checkpoint, report, timeline) as it was
+    proc = _torchrun(4, "--gpus-per-node", "2", "--out", str(out), "--steps", str(steps), "--resume", *SMALL)
+    assert proc.returncode != 0 and f"already at step {steps}; pass --steps above {steps}" in proc.stderr, proc.stderr
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert out / "timeline.png" in files and out / "report.md" in files
+    proc = _plain("--out", str(out), *SMALL, "--overwrite", "--dyn", "99")
+    assert proc.returncode == 2 and "--dyn 99" in proc.stderr, proc.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
     # Interrupted at step n and resumed to 2n: the same trajectory, step for step, as the run above.
     n, part = 8, tmp_path / "part"
@@ -368,9 +377,10 @@ def test_out_dir_checks(train_moe, tmp_path):
         train_moe.check_out_dir(run, resume=True, overwrite=True)
     (run / "report.md").write_text("old report")
     (run / "notes.txt").write_text("a file of the user's")
-    train_moe.check_out_dir(run, resume=False, overwrite=True, remover=False)
-    assert (run / "report.md").exists(), "only the designated rank removes the previous run"
+    (run / "timeline.png").write_text("old timeline")
     train_moe.check_out_dir(run, resume=False, overwrite=True)
+    assert (run / "report.md").exists(), "checking removes nothing: a run refused later keeps the previous one"
+    train_moe.clear_previous_run(run)
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"], "the old run is gone, the user's file stays"
     train_moe.check_out_dir(run, resume=False)
 
