@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -211,6 +212,35 @@ def check_trace_file(spec: str) -> None:
                          f"another format)")
 
 
+def _json(doc) -> str:
+    """``doc`` as standard JSON: a float that is not finite (a summary's NaN for "mixed", say) becomes null, which
+    every JSON reader takes (Python's default writes a bare NaN, which most refuse)."""
+    def clean(v):
+        if isinstance(v, float):
+            return v if math.isfinite(v) else None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(doc), indent=1, allow_nan=False)
+
+
+def _cost_table(path: str, kw: dict):
+    """--cost-table: the cost model of a ``feplb calibrate`` table, or a UsageError naming the file and what is
+    wrong with it."""
+    from feplb.sched import CostModel
+
+    try:
+        return CostModel.from_json(path, **kw)
+    except OSError as err:
+        raise UsageError(f"--cost-table {path}: cannot read the file ({err.strerror or err})") from err
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        raise UsageError(f"--cost-table {path}: not a cost table of `feplb calibrate` "
+                         f"({type(err).__name__}: {err})") from err
+
+
 def _load(spec: str, num_experts: int | None):
     from feplb.traces import load_workload
 
@@ -223,6 +253,9 @@ def _load(spec: str, num_experts: int | None):
         if isinstance(err, FileNotFoundError):
             raise
         raise UsageError(f"trace {spec}: cannot read the file ({err.strerror or err})") from err
+    except (ValueError, TypeError) as err:   # a damaged JSON or .npy member, a malformed array: name the file
+        msg = str(err)
+        raise UsageError(msg if Path(spec.split(":")[0]).name in msg else f"trace {spec}: {msg}") from err
 
 
 def bound_microbatch(workload, num_ranks: int, tokens_per_rank: int) -> None:
@@ -285,7 +318,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     # an explicit --hidden / --ffn holds for every trace; otherwise each trace's model shape is used
     cost_kw = {k: v for k, v in (("hidden", args.hidden), ("ffn", args.ffn)) if v is not None}
-    cost = CostModel.from_json(args.cost_table, **cost_kw) if args.cost_table else CostModel(**cost_kw)
+    cost = _cost_table(args.cost_table, cost_kw) if args.cost_table else CostModel(**cost_kw)
     config = SimConfig(num_ranks=args.ep, gpus_per_node=args.gpus_per_node, tokens_per_rank=args.tokens_per_rank,
                        dyn=args.dyn, policies=policies, microbatches=args.microbatches, warmup=args.warmup,
                        seed=args.seed, refresh_every=args.refresh_every, eplb_slots=args.eplb_slots,
@@ -321,7 +354,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
                                                                  for p, m in r.metrics.items()},
                                    "layers": list(r.layer_names), "example": r.example}
                              for key, spec, r in zip(keys, args.traces, results, strict=True)}}
-        writers.append((json_out, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1))))
+        writers.append((json_out, lambda tmp: Path(tmp).write_text(_json(doc))))
     if plot_out:
         writers.append((plot_out, lambda tmp: plot_results(results, tmp, fmt=plot_fmt, titles=keys)))
     _write_outputs(writers)
@@ -468,7 +501,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     fit = table["meta"]["fit"]
     print(f"knee {fit['knee_rows']} rows (floor {table['us'][0]:.2f} us); table rows {table['rows']}"
           + (f"; {fit['moved_points']} point(s) moved by the non-decreasing fit" if fit["moved_points"] else ""))
-    _write_outputs([(out, lambda tmp: Path(tmp).write_text(json.dumps(table, indent=1) + "\n"))])
+    _write_outputs([(out, lambda tmp: Path(tmp).write_text(_json(table) + "\n"))])
     print(f"wrote {out}")
     return 0
 
@@ -558,7 +591,7 @@ def _run_hf_check(args: argparse.Namespace) -> int:
                         lambda tmp: Path(tmp).write_text(hfcheck.markdown(outcomes, meta))))
     if args.json:
         doc = {"meta": meta, "outcomes": got[0]}
-        writers.append((Path(args.json), lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1) + "\n")))
+        writers.append((Path(args.json), lambda tmp: Path(tmp).write_text(_json(doc) + "\n")))
     _write_outputs(writers)
     for out in outs:
         print(f"wrote {out}")

@@ -173,8 +173,10 @@ class RoutingTrace:
 def trace_counts(ids_WSLK: np.ndarray, num_experts: int) -> np.ndarray:
     """Route W ranks' tokens to experts: ids_WSLK integer [W, S, L, K] -> counts_LWE int64 [L, W, E]."""
     W, S, L, K = ids_WSLK.shape
+    # int64 ids (uint64 plus int64 would promote to float64, which bincount refuses)
     flat = (np.arange(L, dtype=np.int64)[None, None, :, None] * W
-            + np.arange(W, dtype=np.int64)[:, None, None, None]) * num_experts + ids_WSLK
+            + np.arange(W, dtype=np.int64)[:, None, None, None]) * num_experts
+    flat = flat + ids_WSLK.astype(np.int64, copy=False)
     return np.bincount(flat.ravel(), minlength=L * W * num_experts).reshape(L, W, num_experts)
 
 
@@ -247,6 +249,8 @@ class MultinomialWorkload:
         object.__setattr__(self, "probs_DLE", p)
         if not self.layer_names:
             object.__setattr__(self, "layer_names", tuple(str(i) for i in range(p.shape[1])))
+        elif len(self.layer_names) != p.shape[1]:
+            raise ValueError(f"{self.name}: {len(self.layer_names)} layer names for {p.shape[1]} layers of counts")
 
     @property
     def num_experts(self) -> int:
@@ -282,7 +286,11 @@ def load_olmoe(path: str | Path, model: str = "olmoe", domains: tuple[str, ...] 
     missing = [d for d in domains if d not in by_dom]
     if missing or not domains:
         raise ValueError(f"{path}: unknown domains {missing}; available: {sorted(by_dom)}")
-    counts = np.asarray([by_dom[d] for d in domains], dtype=np.float64)  # [D, L, E]
+    try:
+        counts = np.asarray([by_dom[d] for d in domains], dtype=np.float64)  # [D, L, E]
+    except (ValueError, TypeError) as err:   # ragged lists, or values that are not numbers
+        raise ValueError(f"{path}: counts of {model}/{variant} must be numbers in a [domain][layer][expert] array "
+                         f"of equal lengths ({err})") from err
     if counts.ndim != 3 or np.any(counts < 0):
         raise ValueError(f"{path}: counts of {model}/{variant} must be non-negative [domain][layer][expert]")
     top_k = int(m.get("top_k", 1)) if variant == "topk" else 1

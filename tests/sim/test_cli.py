@@ -224,3 +224,82 @@ def test_a_failing_output_leaves_no_file_behind(tmp_path, flame_path, monkeypatc
         main(["simulate", str(flame_path), *FAST, "--json", str(tmp_path / "r.json"), "--plot",
               str(tmp_path / "r.png")])
     assert not list(tmp_path.iterdir()), "neither the JSON nor a temporary file may stay"
+
+
+def test_unsigned_ids_simulate_like_signed_ones(tmp_path, capsys):
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 16, size=(128, 2, 2))
+    runs = []
+    for dtype in (np.int64, np.uint64, np.uint16):
+        np.savez(tmp_path / f"t_{dtype.__name__}.npz", topk_ids=ids.astype(dtype))
+        out = tmp_path / f"{dtype.__name__}.json"
+        assert main(["simulate", str(tmp_path / f"t_{dtype.__name__}.npz"), "--ep", "4", "--gpus-per-node", "4",
+                     "--tokens-per-rank", "16", "--dyn", "1", "--policies", "none,feplb", "--microbatches", "2",
+                     "--warmup", "0", "--no-progress", "--json", str(out)]) == 0, capsys.readouterr().err
+        runs.append(json.loads(out.read_text())["policies"])
+    for pol in ("none", "feplb"):
+        assert runs[0][pol]["token_straggler"] == runs[1][pol]["token_straggler"] == runs[2][pol]["token_straggler"]
+
+
+def _strict_json(text: str):
+    def refuse(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_of_mixed_expert_shapes_is_standard_json(tmp_path, flame_path, capsys):
+    # FLAME and a synthetic workload have different expert shapes: the pooled summary's shape is "mixed" (null)
+    out = tmp_path / "r.json"
+    assert main(["simulate", str(flame_path), "synthetic:zipf:E=64:K=6:L=2:seed=1", "--ep", "4", "--gpus-per-node",
+                 "4", "--tokens-per-rank", "16", "--dyn", "1", "--policies", "none", "--microbatches", "1",
+                 "--warmup", "0", "--no-progress", "--json", str(out)]) == 0
+    doc = _strict_json(out.read_text())
+    assert doc["policies"]["none"]["expert_hidden"] is None and doc["policies"]["none"]["expert_ffn"] is None
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("directory", "cannot read the file"),
+    ("truncated", "not a cost table of `feplb calibrate` (JSONDecodeError"),
+    ("wrong-type", "not a cost table of `feplb calibrate` (TypeError"),
+    ("unknown-key", "not a cost table of `feplb calibrate` (TypeError"),
+    ("no-rows", "a cost table needs keys 'rows' and 'us'"),
+])
+def test_unusable_cost_table(kind, why, tmp_path, flame_path, capsys, no_run):
+    path = tmp_path / "cost.json"
+    good = {"rows": [32, 128, 1024], "us": [20.0, 26.0, 130.0], "hidden": 1024, "ffn": 704}
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "truncated":
+        path.write_text(json.dumps(good)[:20])
+    elif kind == "wrong-type":
+        path.write_text(json.dumps({**good, "rows": 5}))
+    elif kind == "unknown-key":
+        path.write_text(json.dumps({**good, "bogus": 1}))
+    else:
+        path.write_text(json.dumps({"us": good["us"]}))
+    assert main(["simulate", str(flame_path), *FAST, "--cost-table", str(path)]) == 2
+    _one_line_error(capsys, f"--cost-table {path}", why)
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("truncated", "Expecting"),
+    ("ragged", "must be numbers in a [domain][layer][expert] array of equal lengths"),
+    ("layer-names", "2 layer names for 3 layers of counts"),
+])
+def test_unusable_counts_file_names_the_file(kind, why, tmp_path, capsys, no_run):
+    path = tmp_path / "counts.json"
+    counts = np.random.default_rng(0).integers(1, 100, size=(2, 3, 16)).tolist()
+    doc = {"layers": [0, 7, 15], "models": {"olmoe": {"top_k": 2, "topk": {"a": counts[0], "b": counts[1]}}}}
+    if kind == "truncated":
+        text = json.dumps(doc)[:100]
+    elif kind == "ragged":
+        doc["models"]["olmoe"]["topk"]["a"][1] = doc["models"]["olmoe"]["topk"]["a"][1][:5]
+        text = json.dumps(doc)
+    else:
+        doc["layers"] = [0, 7]
+        text = json.dumps(doc)
+    path.write_text(text)
+    assert main(["simulate", str(path), "--ep", "4", "--gpus-per-node", "4", "--tokens-per-rank", "16", "--dyn", "1",
+                 "--policies", "none", "--microbatches", "1", "--warmup", "0", "--no-progress"]) == 2
+    _one_line_error(capsys, str(path), why)
