@@ -327,8 +327,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
                        min_chunk=args.min_chunk, validate=not args.no_validate, cost=cost,
                        shape_from_trace=args.hidden is None and args.ffn is None)
     workloads = [_load(t, args.experts) for t in args.traces]
-    for w in workloads:
-        config.topology(w.num_experts)  # refuse a bad topology before any work
+    for spec, w in zip(args.traces, workloads, strict=True):
+        try:
+            config.topology(w.num_experts)  # refuse a bad topology before any work
+        except ValueError as err:
+            hint = "" if args.experts is not None or not hasattr(w, "topk_ids_TLK") else \
+                " (E is the trace's largest expert id + 1; --experts sets it)"
+            raise UsageError(f"trace {spec}: {err}{hint}") from err
         bound_microbatch(w, config.num_ranks, config.tokens_per_rank)
     keys = workload_keys([w.name for w in workloads], args.traces)
     results = []

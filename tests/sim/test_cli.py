@@ -39,7 +39,9 @@ def test_simulate_end_to_end(tmp_path, flame_path, capsys):
 def test_bad_topology_is_a_clear_error(flame_path, capsys):
     rc = main(["simulate", str(flame_path), "--ep", "6", "--gpus-per-node", "3", "--no-progress"])
     assert rc == 2
-    assert "num_ranks (W=6) must divide num_experts (E=64)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"trace {flame_path}: Topology: num_ranks (W=6) must divide num_experts (E=64) (E is the trace's largest " \
+        "expert id + 1; --experts sets it)" in err, err
 
 
 def test_console_script_help():
