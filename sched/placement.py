@@ -149,7 +149,8 @@ def _replicate(load: list[int], num_phy: int) -> list[int]:
 def _relabel(members: list[list[int]], home_of: list[int], targets: list[int]) -> list[int]:
     """Match interchangeable packs to targets (nodes or GPUs), one each, so that the most members stay in their
     ``home_of`` target (an optimal assignment). The balance is unchanged; fewer experts leave home."""
-    keep = [[sum(home_of[e] == t for e in m) for t in targets] for m in members]
+    # a pack may hold several replicas of one expert (EPLB): one weight copy each way, so experts count once
+    keep = [[sum(home_of[e] == t for e in set(m)) for t in targets] for m in members]
     return [targets[j] for j in _assign_max(keep)]
 
 

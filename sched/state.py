@@ -7,6 +7,7 @@ All history is kept in integers (a fixed-point EMA) so that every rank derives b
 from __future__ import annotations
 
 import numbers
+import weakref
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -22,6 +23,32 @@ PLACE_MIN_GAIN = 0.02  # +place's default hysteresis (PolicyState.place_min_gain
 def _ro(a: np.ndarray) -> np.ndarray:
     a = np.array(a, dtype=np.int64, copy=True)
     a.flags.writeable = False
+    return a
+
+
+# The read-only arrays PolicyState made and checked, by id, with what they were checked against (and what was
+# derived from them): a state that observe() or a refresh derives with replace() keeps most of them, and checking
+# them again at every micro-batch would cost more than the history's own update.
+_CHECKED: dict[int, tuple] = {}
+
+
+def _known(a: object, *against: object):
+    """What was stored with ``a`` if PolicyState checked it against exactly these objects, else None."""
+    got = _CHECKED.get(id(a))
+    if got is None or got[0]() is not a or len(got[1]) != len(against) or \
+            any(x is not y for x, y in zip(got[1], against, strict=True)):
+        return None
+    return got[2]
+
+
+def _remember(a: np.ndarray, against: tuple, derived: object = True) -> np.ndarray:
+    k = id(a)
+
+    def gone(ref, k=k):
+        if _CHECKED.get(k, (None,))[0] is ref:
+            del _CHECKED[k]
+
+    _CHECKED[k] = (weakref.ref(a, gone), against, derived)
     return a
 
 
@@ -91,15 +118,21 @@ class PolicyState:
         if isinstance(g, bool) or not isinstance(g, numbers.Real) or not 0 <= g < 1:
             raise ValueError(f"PolicyState.place_min_gain must be a number in [0, 1), got {g!r}")
         topo = self.topo
-        home = topo.default_home_E() if self.home_E is None else _check_home(self.home_E, topo, "PolicyState.home_E")
-        object.__setattr__(self, "home_E", _ro(home))
-        if self.ema_E is not None:
+        slots = _known(self.home_E, topo)
+        if slots is None:
+            home = topo.default_home_E() if self.home_E is None else \
+                _check_home(self.home_E, topo, "PolicyState.home_E")
+            home = _ro(home)
+            slots = slots_of(home, topo)
+            object.__setattr__(self, "home_E", _remember(home, (topo,), slots))
+        object.__setattr__(self, "slots_WS", slots)
+        if self.ema_E is not None and _known(self.ema_E, topo) is None:
             ema = np.asarray(self.ema_E)
             if ema.shape != (topo.num_experts,) or ema.dtype.kind not in "iu" or (ema.size and ema.min() < 0):
                 raise ValueError(f"PolicyState.ema_E must be an integer array of shape [{topo.num_experts}] >= 0, "
                                  f"got {ema.dtype} {list(ema.shape)}")
-            object.__setattr__(self, "ema_E", _ro(ema))
-        if self.dynamic_WD is not None:
+            object.__setattr__(self, "ema_E", _remember(_ro(ema), (topo,)))
+        if self.dynamic_WD is not None and _known(self.dynamic_WD, topo, self.home_E) is None:
             dyn = np.asarray(self.dynamic_WD)
             want = (topo.num_ranks, topo.dyn)
             ok = dyn.shape == want and dyn.dtype.kind in "iu" and (not dyn.size or 0 <= dyn.min() <= dyn.max() <
@@ -111,14 +144,19 @@ class PolicyState:
                 raise ValueError(f"PolicyState.dynamic_WD must be an integer array of shape [W, dyn] = {list(want)}"
                                  " whose row d holds distinct experts at home on GPU d (home_E), got "
                                  f"{dyn.tolist() if dyn.size <= 64 else list(dyn.shape)}")
-            object.__setattr__(self, "dynamic_WD", _ro(dyn))
-        object.__setattr__(self, "slots_WS", slots_of(self.home_E, self.topo))
+            object.__setattr__(self, "dynamic_WD", _remember(_ro(dyn), (topo, self.home_E)))
         if self.topo.num_experts % self.eplb_groups:
             raise ValueError(f"PolicyState.eplb_groups must divide E={self.topo.num_experts}, got {self.eplb_groups}")
         pairs = None
         if self.layout_WP is not None:
-            object.__setattr__(self, "layout_WP", _ro(self.layout_WP))
-            pairs = _layout_pairs(self.layout_WP, self.home_E, self.topo, self.eplb_slots)
+            known = _known(self.layout_WP, topo, self.home_E)
+            if known is not None and known[0] == self.eplb_slots:
+                pairs = known[1]
+            else:
+                layout = _ro(self.layout_WP)
+                pairs = _layout_pairs(layout, self.home_E, self.topo, self.eplb_slots)
+                object.__setattr__(self, "layout_WP", _remember(layout, (topo, self.home_E),
+                                                                (self.eplb_slots, pairs)))
         object.__setattr__(self, "eplb_pairs", pairs)
 
     @property
@@ -169,15 +207,16 @@ class PolicyState:
         home = self.home_E
         migrations: tuple[tuple[int, int, int], ...] = ()
         copies: set[tuple[int, int, int]] = set()
+        owner = topo.default_home_E()   # where each expert's parameters live: every refresh copy comes from there
+        owner_l = owner.tolist()
         if place:
-            owner = topo.default_home_E()
             new_home = place_experts(load, topo, owner, min_gain=self.place_min_gain)
             migrations = tuple((e, int(home[e]), int(new_home[e])) for e in range(topo.num_experts)
                                if home[e] != new_home[e])
             home = new_home
             # the GPUs computing experts away from their owner hold copies of their weights, re-sent from the
             # owner after every optimizer step (the layer's bank of placed experts)
-            copies = {(e, int(owner[e]), int(home[e])) for e in np.flatnonzero(home != owner).tolist()}
+            copies = {(e, owner_l[e], int(home[e])) for e in np.flatnonzero(home != owner).tolist()}
         dynamic = layout = None
         replicas: tuple[tuple[int, int], ...] = ()
         resident: frozenset[tuple[int, int]] = frozenset()
@@ -188,16 +227,23 @@ class PolicyState:
                 G = topo.gpus_per_node
                 resident = frozenset((int(e), g) for d in range(topo.num_ranks) for e in dynamic[d]
                                      for g in range(d // G * G, d // G * G + G) if g != d)
-                copies |= {(e, int(home[e]), g) for e, g in resident}
+                copies |= _sent(resident, owner_l)
         if base == "eplb":
             # a new layout from the history; every copy away from home is re-synced from its owner after every
             # optimizer step (the weights changed)
             layout = eplb_layout(load, topo, self.eplb_slots, self.eplb_groups, home)
             replicas = eplb_replicas(layout, home)
-            copies |= {(e, int(home[e]), g) for e, g in replicas}
+            copies |= _sent(replicas, owner_l)
         return replace(self, home_E=home, dynamic_WD=dynamic, layout_WP=layout, replicas=replicas,
                        resident=resident | set(replicas),
                        last_weight_copies=tuple(sorted(copies)), last_migrations=migrations)
+
+
+def _sent(pairs, owner: list[int]) -> set[tuple[int, int, int]]:
+    """The copies a refresh sends for the (expert, GPU) pairs held besides the expert's home: (expert, owner, GPU),
+    from the owner (where its parameters live; the layer's refresh sends from there), none to the owner itself
+    (a ``+place`` placement may compute an expert away from its owner while a replica sits on the owner)."""
+    return {(e, owner[e], g) for e, g in pairs if g != owner[e]}
 
 
 def _layout_pairs(layout_WP: np.ndarray, home_E: np.ndarray, topo: Topology, slots: int) -> tuple[np.ndarray, ...]:

@@ -278,3 +278,52 @@ def test_numpy_scalars_are_numbers_to_the_planner():
     # "feplb" and "feplb@current" are one policy: one history serves both names
     state = PolicyState(topo=topo, policy="feplb@current").observe(c)
     assert make_plan("feplb", c, topo, state).moves == make_plan("feplb@current", c, topo, state).moves
+
+
+def test_refresh_copies_come_from_the_owner_and_never_go_to_it():
+    """What a refresh lists is what the layer's refresh sends: from each expert's owner (its parameters), to every
+    GPU holding a copy besides it (a +place bank, @ema or EPLB replicas), never to the owner itself, also when a
+    placement computes an expert away from its owner and a replica then sits on the owner."""
+    topo = Topology(num_ranks=8, gpus_per_node=4, num_experts=32, dyn=2)
+    owner = topo.default_home_E()
+    rng = np.random.default_rng(4)
+    for policy in ("feplb+place@ema", "feplb-split+place@ema", "eplb+place", "eplb", "feplb@ema"):
+        s = PolicyState(topo=topo, policy=policy, refresh_every=2)
+        seen_away = 0
+        for _ in range(6):
+            c = rng.integers(0, 50, size=(8, 32))
+            c[:, :8] += rng.integers(100, 400, size=(8, 8))   # node 0's experts hot: placement moves some
+            s = s.observe(c)
+            if not s.last_weight_copies and s.step % 2:
+                continue
+            held = set(s.resident) | {(e, int(h)) for e, h in enumerate(s.home_E) if h != owner[e]}
+            want = {(e, int(owner[e]), g) for e, g in held if g != owner[e]}
+            assert set(s.last_weight_copies) == want, policy
+            seen_away += int((s.home_E != owner).sum())
+        assert seen_away or "+place" not in policy, f"{policy}: the case places nothing away from its owner"
+
+
+def test_eplb_relabelling_counts_an_experts_replicas_on_one_gpu_once():
+    # the layout's GPUs, being interchangeable, are matched to the packs so that the fewest (expert, GPU) pairs
+    # sit away from home: checked against every relabelling of a one-node layout (two replicas of an expert on
+    # one GPU are one pair)
+    from feplb.sched import eplb_layout, eplb_replicas
+
+    topo = Topology(num_ranks=4, gpus_per_node=4, num_experts=8, dyn=1)
+    home = topo.default_home_E()
+    rng = np.random.default_rng(9)
+    dup = 0
+    for _ in range(60):
+        load = (rng.zipf(1.3, size=8) * 10).clip(max=10**6).astype(np.int64)
+        layout = eplb_layout(load, topo, slots_per_gpu=int(rng.integers(1, 4)))
+        dup += sum(len(set(row)) < len(row) for row in layout.tolist())
+        best = min(len(eplb_replicas(layout[list(perm)], home)) for perm in itertools.permutations(range(4)))
+        assert len(eplb_replicas(layout, home)) == best
+    assert dup, "no layout put two replicas of an expert on one GPU: the case tests nothing"
+
+
+def test_a_dynamic_set_repeating_an_expert_is_refused():
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=8, dyn=2)
+    with pytest.raises(ValueError, match="row d holds distinct experts"):
+        PolicyState(topo=topo, policy="feplb@ema", dynamic_WD=np.array([[1, 1], [4, 5]]))
+    PolicyState(topo=topo, policy="feplb@ema", dynamic_WD=np.array([[1, 0], [4, 5]]))
