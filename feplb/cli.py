@@ -57,6 +57,13 @@ def _non_negative(v: str) -> int:
     return i
 
 
+def _fraction(v: str) -> float:
+    f = float(v)
+    if not 0 <= f < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {v}")
+    return f
+
+
 def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE", help="routing workloads (forms below)")
     p.add_argument("--ep", type=_positive, default=8, help="EP ranks W (default 8)")
@@ -71,7 +78,7 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refresh-every", type=_positive, default=8,
                    help="micro-batches between history refreshes (@ema set, eplb replicas, +place placement)")
     p.add_argument("--eplb-slots", type=_non_negative, default=1, help="eplb redundant expert slots per GPU")
-    p.add_argument("--place-min-gain", type=float, default=None,
+    p.add_argument("--place-min-gain", type=_fraction, default=None,
                    help="+place keeps plain EP's placement unless the new one lowers the most loaded node (GPU) by "
                         "more than this fraction (default: PolicyState's)")
     p.add_argument("--replicas", choices=("eager", "lazy"), default="eager",

@@ -601,12 +601,32 @@ def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> di
         raise TypeError(f"feplb.hf.supported: {problem}")
     out: dict[str, str | None] = {}
     blocks = _llama4_blocks(model)
+    runnable = []
     for name, mod in _candidates(model):
         why, cfg, _ = _module_config(mod, model, ep_size, blocks, name, config_overrides)
         if why is None and ep_size % cfg.gpus_per_node:
             why = f"gpus_per_node={cfg.gpus_per_node} does not divide the EP group size {ep_size}"
         out[name] = why
+        if why is None:
+            runnable.append((name, mod, cfg))
+    out.update((name, why) for name, _, why in _tied(runnable))
     return out
+
+
+def _expert_weights(mod: nn.Module, cfg: FEPLBConfig) -> list[torch.Tensor | None]:
+    """The experts module's w1, w2, then its two biases (None where it has none)."""
+    w1name = _w1_name(cfg.gated)
+    return [getattr(mod, w1name), mod.down_proj] + \
+        ([getattr(mod, b) for b in _biases(w1name)] if cfg.expert_bias else [None, None])
+
+
+def _tied(named: list[tuple[str, nn.Module, FEPLBConfig]]) -> list[tuple[str, nn.Module, str]]:
+    """(name, module, why) of every experts module whose weights another one holds too (one module under two
+    names is one module): FEPLB would untie them (two layers, two shards, two gradients)."""
+    owner_of: dict[int, int] = {}
+    return [(n, m, "expert weights tied to another experts module's (FEPLB would untie them)")
+            for n, m, cfg in named
+            if any(owner_of.setdefault(id(w), id(m)) != id(m) for w in _expert_weights(m, cfg) if w is not None)]
 
 
 # ---------------------------------------------------------------------------------------------------- apply
@@ -646,17 +666,10 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     # One agreement: every rank raises together, or none does. The weights' checksums catch ranks that built or
     # loaded different models (each rank slices its experts from its own copy).
     def weights_of(m: nn.Module) -> list[torch.Tensor]:   # w1, w2, then the biases where there are
-        w1name = _w1_name(configs[id(m)].gated)
-        return [getattr(m, w1name), m.down_proj] + \
-            ([getattr(m, b) for b in _biases(w1name)] if configs[id(m)].expert_bias else [None, None])
+        return _expert_weights(m, configs[id(m)])
 
-    # weights tied between experts modules (not one module under two names) would be untied: two FEPLB layers,
-    # two shards, two gradients
-    owner_of: dict[int, int] = {}
-    for n, m in plans:
-        if any(owner_of.setdefault(id(w), id(m)) != id(m) for w in weights_of(m) if w is not None):
-            problems.append(f"  {n} ({type(m).__name__}): expert weights tied to another experts module's (FEPLB "
-                            "would untie them)")
+    problems += [f"  {n} ({type(m).__name__}): {why}"
+                 for n, m, why in _tied([(n, m, configs[id(m)]) for n, m in plans])]
     digests = [(n, *weights_digest(*(w for w in weights_of(m) if w is not None))) for n, m in plans]
 
     def none_found() -> str:

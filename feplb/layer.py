@@ -68,7 +68,7 @@ from feplb.layout import (
 )
 from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
 from feplb.recompute import Record, Records, checkpoint_frame, hooks_active, in_backward, record_kind
-from feplb.replicas import Placement, Replicas, state_digest
+from feplb.replicas import Placement, Replicas, state_digest, state_fingerprint
 from feplb.steps import Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
 from feplb.transport import make_transport
@@ -566,7 +566,7 @@ class MoELayer(nn.Module):
         if key is None or key[0] is not self._plan_state or key[1] is not self.placement:
             h = hashlib.blake2b(self.placement.home_E.tobytes(), digest_size=7)
             if self._plan_state is not None:
-                h.update(state_digest(self._plan_state))
+                h.update(state_fingerprint(self._plan_state))
             self._digest_key = (self._plan_state, self.placement, int.from_bytes(h.digest(), "little"))
         return self._digest_key[2]
 

@@ -23,6 +23,7 @@ Legend: L experts per GPU, H hidden, F ffn, S slots per GPU (= L).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import weakref
 
 import numpy as np
@@ -314,6 +315,16 @@ class Replicas:
             # through expert_weights() (made with autograd on): the owner's parameters get the gradient whatever
             # their layout
             torch.autograd.backward([t for t, _ in needed], [a for _, a in needed])
+
+
+def state_fingerprint(st) -> bytes:
+    """A few microseconds' digest of a PolicyState's slow decisions for a check at every forward: its policy, step,
+    EMA, placement, dynamic sets and EPLB layout (what ranks whose histories diverged differ in first; the
+    resident set, which ``state_digest`` also compares, follows from them and the plans)."""
+    h = hashlib.blake2b(repr((st.policy, st.step)).encode(), digest_size=16)
+    for a in (st.ema_E, st.home_E, st.dynamic_WD, st.layout_WP):
+        h.update(b"-" if a is None else a.tobytes())
+    return h.digest()
 
 
 def state_digest(st) -> bytes:

@@ -215,6 +215,7 @@ def _check_errors(rank: int, world: int) -> dict:
         e0, e1 = (tied.model.layers[i].mlp.experts for i in (0, 1))
         e1.gate_up_proj, e1.down_proj = e0.gate_up_proj, e0.down_proj
         out["tied"] = error_of(lambda: fh.apply(tied))
+        out["tied_supported"] = fh.supported(tied)
         out["tied_untouched"] = len(_experts_names(tied)) == 2 and e1.gate_up_proj is e0.gate_up_proj
         # a layer that fails to build (its second here) leaves the model as it was, and the one built before it
         # released (its optimizer hook removed, its threads and copy path closed)
@@ -796,6 +797,8 @@ def test_unsupported_experts_are_refused_by_name_and_nothing_is_replaced(one_ran
     assert ("model.layers.1.mlp.experts (MixtralExperts): expert weights tied to another experts module's") in \
         err["tied"] and "model.layers.0.mlp.experts (" not in err["tied"], err["tied"]
     assert err["tied_untouched"]
+    assert err["tied_supported"] == {"model.layers.0.mlp.experts": None, "model.layers.1.mlp.experts": (
+        "expert weights tied to another experts module's (FEPLB would untie them)")}, err["tied_supported"]
     assert "injected build failure" in err["build_fails"] and err["build_fails_clean"], err["build_fails"]
 
 

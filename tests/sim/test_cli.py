@@ -305,3 +305,10 @@ def test_unusable_counts_file_names_the_file(kind, why, tmp_path, capsys, no_run
     assert main(["simulate", str(path), "--ep", "4", "--gpus-per-node", "4", "--tokens-per-rank", "16", "--dyn", "1",
                  "--policies", "none", "--microbatches", "1", "--warmup", "0", "--no-progress"]) == 2
     _one_line_error(capsys, str(path), why)
+
+
+def test_place_min_gain_out_of_range_names_the_option(flame_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", str(flame_path), *FAST, "--place-min-gain", "1.5"])
+    assert exit_.value.code == 2
+    assert "--place-min-gain: expected a number in [0, 1), got 1.5" in capsys.readouterr().err
