@@ -140,20 +140,24 @@ class Replicas:
         self._requires = self.requires()
 
     def grads_clean(self) -> bool:
-        return not any(w.grad is not None for w in self._held())
+        return not any(_grad(w) is not None for w in self._held())
 
     def zero_grads(self) -> None:
         """Drop the gradients the per-step copies accumulated (what ``zero_grad`` does to the owners'): a backward
         whose gradients the training loop discards must not reach the owners at the next reduction."""
         for w in self._held():
             w.grad = None
+            w._feplb_grad32 = None
 
     def _held(self) -> list[torch.Tensor]:
         return list(self.replica_bank or ()) + list(self.slot_bank or ())
 
     def _watch(self, leaf: torch.Tensor) -> torch.Tensor:
         """A per-step leaf, with a hook noticing a gradient that arrives after a refresh replaced it (a refresh
-        between a forward and its backward would otherwise lose that gradient silently)."""
+        between a forward and its backward would otherwise lose that gradient silently). A bf16 / fp16 leaf sums
+        its micro-batches' gradients in fp32 (``_grad``), as the owner's fp32 parameters (mixed precision) or an
+        fp32 main-grad buffer do: summed in the leaf's own dtype, the most loaded experts', whose copies take
+        the most rows, would lose precision with every micro-batch of the step."""
         if leaf.requires_grad:
             gen, me = self.generation, weakref.ref(self)
 
@@ -164,6 +168,9 @@ class Replicas:
                 return grad
 
             leaf.register_hook(hook)
+            if leaf.dtype in (torch.bfloat16, torch.float16) and not getattr(leaf, "_feplb_wide", False):
+                leaf._feplb_wide = True
+                leaf.register_post_accumulate_grad_hook(_widen)
         return leaf
 
     def agree(self, what: str) -> None:
@@ -285,13 +292,17 @@ class Replicas:
         own = self.own_weights()
         w1 = own[0]
 
+        # summed in fp32 where the weights are bf16 / fp16 (the copies' fp32 sums, see _watch), sent and added so
+        gdt = torch.float32 if w1.dtype in (torch.bfloat16, torch.float16) else w1.dtype
+
         def grads_of(e: int) -> tuple[torch.Tensor, ...]:
             i = placement.slot_pos.get(e)
             bank = self.slot_bank if i is not None else self.replica_bank
             j = i if i is not None else self.replica_of[e]
-            return tuple(b.grad[j] if b.grad is not None else torch.zeros_like(b[j]) for b in bank)
+            return tuple(g[j].to(gdt) if (g := _grad(b)) is not None else b.new_zeros(b[j].shape, dtype=gdt)
+                         for b in bank)
 
-        adds = [torch.zeros_like(w) for w in own]
+        adds = [torch.zeros(w.shape, dtype=gdt, device=w.device) for w in own]
         if self.slot_bank is not None:
             for e in placement.my_slots:
                 if e // L == r:           # own experts in the bank: their gradient stays here
@@ -303,7 +314,7 @@ class Replicas:
         for k, (e, g, _) in enumerate(back):
             if g == r:
                 sends[k] = torch.cat([t.reshape(-1) for t in grads_of(e)])
-        ex = Exchange(lay.comm, items, dtype=w1.dtype, device=w1.device, op="reduction of replica gradients")
+        ex = Exchange(lay.comm, items, dtype=gdt, device=w1.device, op="reduction of replica gradients")
         got = ex(ex.sends_of(sends), w1.new_empty(0)).items
         for k, (e, _, o) in enumerate(back):
             if o == r and k in got:
@@ -313,8 +324,32 @@ class Replicas:
         needed = [(t, a) for t, a in zip(own, adds, strict=True) if t.requires_grad]
         if needed:
             # through expert_weights() (made with autograd on): the owner's parameters get the gradient whatever
-            # their layout
-            torch.autograd.backward([t for t, _ in needed], [a for _, a in needed])
+            # their layout. A bf16 / fp16 weight takes its fp32 sum as two parts of its dtype (the rounded sum and
+            # what rounding left), so fp32 parameters receive it to about 16 bits, not 8
+            his = [a.to(t.dtype) for t, a in needed]
+            los = [(t, (a - hi.to(a.dtype)).to(t.dtype)) for (t, a), hi in zip(needed, his, strict=True)
+                   if hi.dtype != a.dtype]
+            torch.autograd.backward([t for t, _ in needed], his, retain_graph=bool(los))
+            if los:   # a second pass: one backward call takes each tensor once
+                torch.autograd.backward([t for t, _ in los], [lo for _, lo in los])
+
+
+def _grad(leaf: torch.Tensor) -> torch.Tensor | None:
+    """The gradient a per-step copy accumulated: its fp32 sum (bf16 / fp16 leaves), else its ``.grad``."""
+    wide = getattr(leaf, "_feplb_grad32", None)
+    return wide if wide is not None else leaf.grad
+
+
+def _widen(leaf: torch.Tensor) -> None:
+    """Post-accumulate hook of a bf16 / fp16 per-step copy: move the micro-batch's gradient into the fp32 sum."""
+    if leaf.grad is None:
+        return
+    wide = getattr(leaf, "_feplb_grad32", None)
+    if wide is None:
+        leaf._feplb_grad32 = leaf.grad.float()
+    else:
+        wide.add_(leaf.grad)
+    leaf.grad = None
 
 
 def state_fingerprint(st) -> bytes:

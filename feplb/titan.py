@@ -36,6 +36,7 @@ Legend: T tokens on this rank, K top-k, D model dim, F expert ffn dim, E experts
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -333,6 +334,12 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
             cfg = layer_config(fields_of, config_overrides)
             if isinstance(cfg, str):
                 why = cfg
+            elif id(inner) in configs and configs[id(inner)] != cfg:
+                # one FEPLB layer serves every MoE sharing these experts: it can take only one routing shape
+                changed = sorted(f.name for f in dataclasses.fields(cfg)
+                                 if getattr(cfg, f.name) != getattr(configs[id(inner)], f.name))
+                why = (f"experts shared with another MoE that routes them otherwise ({', '.join(changed)} differ); "
+                       "FEPLB runs one layer per experts module")
             else:
                 configs[id(inner)] = cfg
         if why is not None:

@@ -38,7 +38,7 @@ POLICIES = ("feplb-split", "none")
 OPTS = dict(min_chunk=1, plan_wait_ms=60_000, min_straggler_rows=0)
 
 
-def make_moe(arch: str, num_experts: int = E, seed: int = 0):
+def make_moe(arch: str, num_experts: int = E, seed: int = 0, top_k: int = K):
     """A torchtitan MoE built from its own config helpers (fixed seed: the same weights on every rank)."""
     from functools import partial
 
@@ -53,18 +53,18 @@ def make_moe(arch: str, num_experts: int = E, seed: int = 0):
     init = {"weight": partial(nn.init.normal_, std=0.2)}
     experts = {n: partial(nn.init.normal_, std=0.2) for n in ("w1_EFD", "w2_EDF", "w3_EFD")}
     if arch in ("qwen3", "gpt_oss"):
-        router = make_router_config(dim=D, num_experts=num_experts, gate_param_init=init, top_k=K,
+        router = make_router_config(dim=D, num_experts=num_experts, gate_param_init=init, top_k=top_k,
                                     score_func="softmax", route_norm=True)
         shared = None
     elif arch == "deepseek":
-        router = make_router_config(dim=D, num_experts=num_experts, gate_param_init=init, top_k=K,
+        router = make_router_config(dim=D, num_experts=num_experts, gate_param_init=init, top_k=top_k,
                                     score_func="sigmoid", route_scale=2.5, num_expert_groups=4, num_limited_groups=2)
         shared = make_ffn_config(dim=D, hidden_dim=FF, w1_param_init=init, w2w3_param_init=init)
     else:
         raise ValueError(arch)
     cfg = make_moe_config(num_experts=num_experts, router=router, shared_experts=shared,
                           routed_experts=make_routed_experts_config(dim=D, hidden_dim=FF, num_experts=num_experts,
-                                                                    top_k=K, param_init=experts,
+                                                                    top_k=top_k, param_init=experts,
                                                                     comm_backend="standard"))
     torch.manual_seed(seed)
     moe = cfg.build()
@@ -410,6 +410,10 @@ def _errors_case(rank: int, world: int) -> dict:
     b.routed_experts.inner_experts.w1_EFD = a.routed_experts.inner_experts.w1_EFD   # tied across experts modules
     pair = torch.nn.ModuleList([a, b])
     out["shared_params"] = error_of(lambda: ft.apply(pair))
+    a, b = make_moe("qwen3"), make_moe("qwen3", top_k=K + 1)
+    b.routed_experts.inner_experts = a.routed_experts.inner_experts   # one GroupedExperts, routed top-2 and top-3
+    out["shared_topk"] = error_of(lambda: ft.apply(torch.nn.ModuleList([a, b])))
+    out["shared_topk_untouched"] = not isinstance(a.routed_experts, ft.FEPLBRoutedExperts)
     ft.apply(moe, gpus_per_node=min(2, world))
     out["again"] = error_of(lambda: ft.apply(moe))
 
@@ -433,13 +437,60 @@ def _errors_case(rank: int, world: int) -> dict:
     return out
 
 
+ACCUM_MB = 24
+
+
+def _accum_case(rank: int, world: int) -> dict:
+    """Gradient accumulation over ACCUM_MB micro-batches with per-step copies (eplb holds replicas; torchtitan's
+    default bf16 compute over fp32 parameters): each expert's gradient error against fp64, next to that of
+    torchtitan's own RoutedExperts on the same inputs."""
+    import torch.distributed as dist
+
+    import feplb.titan as ft
+
+    moe = make_moe("qwen3")
+    ref = copy.deepcopy(moe.routed_experts)
+    full = {n: p.detach().clone() for n, p in ref.inner_experts.named_parameters()}
+    ft.apply(moe, policy="eplb", weights="per-step", gpus_per_node=min(world, 2), refresh_every=1, **OPTS)
+    ours = moe.routed_experts
+    for mb in range(2):   # a first step: the policy's history places the replicas
+        x, s, ids = _inputs(rank + 50 * mb)
+        (ours(x, s, ids) ** 2).sum().backward()
+    ft.reduce_replica_grads(moe)
+    for p in moe.parameters():
+        p.grad = None
+    ft.refresh_replicas(moe)
+    ws = {n: w.double().requires_grad_() for n, w in full.items()}
+    for mb in range(ACCUM_MB):
+        x, s, ids = _inputs(rank + 1000 * (mb + 1))
+        g = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(9000 + mb * 10 + rank))
+        (ours(x, s, ids) * g).sum().backward()
+        (ref(x, s, ids, torch.bincount(ids.reshape(-1), minlength=E)) * g).sum().backward()
+        (_dense_routed(x.double(), s.double(), ids, ws) * g.double()).sum().backward()
+    ft.reduce_replica_grads(moe)
+    L, first = E // world, rank * (E // world)
+    out = {"copied": sorted({e for e, _ in ours.replicas.pairs}), "err": {}}
+    for n, w in ws.items():
+        want, tt = w.grad.clone(), ref.inner_experts.get_parameter(n).grad.double()
+        if world > 1:
+            dist.all_reduce(want)
+            dist.all_reduce(tt)
+        got = ours.inner_experts.get_parameter(n).grad.double()
+        for i in range(L):
+            scale = want[first + i].abs().max()
+            out["err"][(n, first + i)] = (float((got[i] - want[first + i]).abs().max() / scale),
+                                          float((tt[first + i] - want[first + i]).abs().max() / scale))
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     res = {"routed": {(p, mode, arch): _routed_case(rank, world, p, mode, arch) for p in POLICIES for mode in MODES
                       for arch in ("qwen3", "gpt_oss") if arch == "qwen3" or mode in ("fp32", "bf16")},
            "moe": {a: _moe_case(rank, world, a) for a in ("qwen3", "deepseek", "gpt_oss")},
            "errors": _errors_case(rank, world),
            "scores": _scores_case(rank, world),
-           "train": {cfg: _train_case(rank, world, *cfg) for cfg in TRAIN}}
+           "train": {cfg: _train_case(rank, world, *cfg) for cfg in TRAIN},
+           "accum": _accum_case(rank, world)}
     return res
 
 
@@ -547,6 +598,8 @@ def _assert_errors(ranks: list[dict], world: int) -> None:
         assert "state_dict_hooks" in err["state_dict_hook"], err["state_dict_hook"]
         assert "token dispatcher OtherDispatcher" in err["dispatcher"], err["dispatcher"]
         assert "expert weights shared with another experts module" in err["shared_params"], err["shared_params"]
+        assert ("1 (MoE): experts shared with another MoE that routes them otherwise (top_k differ)"
+                in err["shared_topk"]) and err["shared_topk_untouched"], err["shared_topk"]
         if world == 4:   # every rank raises (the odd one says why its value is invalid), none waits
             assert err["gpus_per_node_differ"].startswith("ValueError") and \
                 "gpus_per_node" in err["gpus_per_node_differ"], err["gpus_per_node_differ"]
@@ -566,8 +619,18 @@ def _assert_errors(ranks: list[dict], world: int) -> None:
         assert len({res["errors"].get(key) for res in ranks}) == 1, key
 
 
+def _assert_accum(ranks: list[dict], world: int) -> None:
+    # the copies sum their micro-batches' gradients in fp32, as the owners' fp32 parameters do: every expert's error
+    # within twice torchtitan's own (summed in bf16 on the copies it reached 4x after 64 micro-batches)
+    if world > 1:
+        assert ranks[0]["accum"]["copied"], "eplb holds no replica: the case tests nothing"
+    for r, res in enumerate(ranks):
+        for (name, e), (ours, theirs) in res["accum"]["err"].items():
+            assert ours <= 2 * theirs, (r, name, e, e in res["accum"]["copied"], ours, theirs)
+
+
 CHECKS = {"routed": _assert_routed, "moe": _assert_moe, "train": _assert_train, "scores": _assert_scores,
-          "errors": _assert_errors}
+          "errors": _assert_errors, "accum": _assert_accum}
 
 
 @pytest.mark.parametrize("check", CHECKS.values(), ids=CHECKS.keys())
