@@ -27,7 +27,10 @@ class GlooCopyEngine(CopyEngine):
         parts = [t.reshape(-1) for p in range(g) for t in send.get(p, ())]
         flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
         out = torch.empty(sum(recv_splits), dtype=dtype)
+        # as bytes: gloo's all-to-all refuses some element types (int16, float8) that the copy path moves
+        size = torch.empty(0, dtype=dtype).element_size()
         with self.control.collective("node", f"copy path ({op})") as group:
-            dist.all_to_all_single(out, flat, recv_splits, send_splits, group=group)
+            dist.all_to_all_single(out.view(torch.uint8), flat.view(torch.uint8), [n * size for n in recv_splits],
+                                   [n * size for n in send_splits], group=group)
         starts = [sum(recv_splits[:q]) for q in range(g)]
         return self._results(recv_numel, lambda q: out[starts[q]:starts[q] + recv_splits[q]])

@@ -61,8 +61,9 @@ class ShmCopyEngine(PeerInboxEngine):
         self.token = control.all_gather_object(secrets.token_hex(8), "node", "copy path setup: job token")[0]
         self._grow(self.min_capacity, "copy path setup")
 
-    def _path(self, generation: int) -> str:
-        return os.path.join(self.shm_dir, f"feplb-{self.token}-n{self.node_rank}-g{generation}")
+    def _path(self, generation: int, node_rank: int | None = None) -> str:
+        r = self.node_rank if node_rank is None else node_rank
+        return os.path.join(self.shm_dir, f"feplb-{self.token}-n{r}-g{generation}")
 
     def _open_inboxes(self, capacity, op):
         # Every rank enters growth after its reads of the previous exchanges, and its writes into peers' inboxes
@@ -108,6 +109,12 @@ class ShmCopyEngine(PeerInboxEngine):
             self._agree_setup(None, err, f"{op} (inbox mapping)", "map")
         except BaseException:
             self._inbox, self._peer_inbox = None, {}
+            # A peer that died in the agreements (killed, say) never unlinks its file: the names are known, so
+            # the survivors do (the node abandons this generation whatever happened)
+            for r in range(self.node_size):
+                if r != self.node_rank:
+                    with contextlib.suppress(OSError):
+                        os.unlink(self._path(self.grows, r))
             raise
         finally:
             _unlink_all(self._pending)

@@ -30,8 +30,10 @@ pytestmark = pytest.mark.dist
 SEED = 20261130
 STALL_TIMEOUT_S = 3.0
 # (dtype, largest block in elements): sizes jump up and down so that inboxes grow twice and are then reused.
+# int16 and float8 too: the engines move bytes, whatever gloo's all-to-all takes as element types
 STEPS = [(torch.float32, 40), (torch.bfloat16, 3000), (torch.int64, 0), (torch.float32, 40000),
-         (torch.bfloat16, 7), (torch.int64, 70000), (torch.float32, 500), (torch.int64, 9000)]
+         (torch.bfloat16, 7), (torch.int64, 70000), (torch.float32, 500), (torch.int64, 9000), (torch.int16, 300),
+         (torch.float8_e4m3fn, 200)]
 
 
 def _gen(*key: int) -> torch.Generator:
@@ -43,6 +45,8 @@ def _block(step: int, src: int, dst: int, n: int, dtype: torch.dtype) -> torch.T
     gen = _gen(step, src, dst)
     if dtype == torch.int64:
         return torch.randint(-(1 << 40), 1 << 40, (n,), generator=gen)
+    if dtype == torch.int16:
+        return torch.randint(-(1 << 15), 1 << 15, (n,), generator=gen).to(dtype)
     return torch.randn(n, generator=gen).to(dtype)
 
 
@@ -86,7 +90,8 @@ def _step_args(step: int, me: int, g: int, dtype: torch.dtype, most: int):
 
 def _same(got: dict, expect: dict, dtype: torch.dtype) -> bool:
     return sorted(got) == sorted(expect) and all(
-        got[q].dtype == dtype and got[q].dim() == 1 and torch.equal(got[q], expect[q]) for q in expect)
+        got[q].dtype == dtype and got[q].dim() == 1
+        and torch.equal(got[q].view(torch.uint8), expect[q].view(torch.uint8)) for q in expect)
 
 
 def _shm_files(token: str) -> list[str]:
@@ -800,3 +805,38 @@ def test_cuda_engines_one_gpu_each(kind):
     for rank, res in enumerate(run_dist(_one_gpu_each_cases, world, kind, backend="nccl", timeout_s=300,
                                         collective_timeout_s=GPU_COLLECTIVE_S)):
         assert res["kind"] and all(res["steps"]), (rank, res)
+
+
+def _killed_in_setup_worker(rank, world, shm_dir):
+    """Rank 1 is killed (SIGKILL: no cleanup of its own) while its peers agree on the new inboxes' names."""
+    import signal
+
+    import feplb.copy as ce
+    from feplb.control import Control
+
+    ctl = Control(None, world)
+    if rank == 1:
+        agree = ce.ShmCopyEngine._agree_setup
+
+        def die(self, *args, **kwargs):
+            if "inbox names" in args[2]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return agree(self, *args, **kwargs)
+
+        ce.ShmCopyEngine._agree_setup = die
+    ce.ShmCopyEngine(ctl, shm_dir=shm_dir)
+
+
+def test_a_rank_killed_in_setup_leaves_no_inbox_file(tmp_path):
+    from feplb.testing import DistError
+
+    shm_dir = f"/dev/shm/feplb-test-killed-{os.getpid()}"
+    os.makedirs(shm_dir)
+    try:
+        with pytest.raises(DistError, match="rank 1"):
+            run_dist(_killed_in_setup_worker, 2, shm_dir, timeout_s=60, collective_timeout_s=5)
+        assert os.listdir(shm_dir) == [], "the killed rank's inbox stayed behind"
+    finally:
+        for name in os.listdir(shm_dir):
+            os.unlink(os.path.join(shm_dir, name))
+        os.rmdir(shm_dir)
