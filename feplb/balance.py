@@ -28,7 +28,8 @@ __all__ = ["Balancer", "PlanResult"]
 
 # how long the copy thread sleeps between looks at a GPU static GEMM's end event while the plan is not ready
 _GPU_POLL_S = 20e-6
-# on a CPU (plan_wait_ms=None: wait for the plan) a plan later than this is given up (a stuck planner)
+# on a CPU (plan_wait_ms=None: wait for the plan) a plan later than this (or than half the control group's
+# timeout) is given up (a stuck planner)
 _CPU_PLAN_CAP_S = 60.0
 
 
@@ -48,10 +49,14 @@ class Balancer:
     plan_wait_s: grace after the static GEMM's end before giving up on the plan; None = wait for it (CPU default).
     device: the layer's device; on CUDA the copy thread makes it its current device (a new thread starts on
         device 0, whatever the main thread set).
+    group_timeout_s: the control group's collective timeout (None: unknown). No wait for a plan lasts longer than
+        half of it (nor than a minute): the peers wait in the readiness agreement meanwhile, and a stuck planner
+        must make its rank compute at home, not make its peers time out.
     """
 
-    def __init__(self, *, plan_wait_s: float | None, device: torch.device):
+    def __init__(self, *, plan_wait_s: float | None, device: torch.device, group_timeout_s: float | None = None):
         self.plan_wait_s = plan_wait_s
+        self.cap_s = _CPU_PLAN_CAP_S if group_timeout_s is None else min(_CPU_PLAN_CAP_S, group_timeout_s / 2)
         self.planner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-plan")
         init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
         self.copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-copy",
@@ -78,7 +83,7 @@ class Balancer:
             future.add_done_callback(lambda _f: done.set())
             while not done.wait(_GPU_POLL_S) and not static_end():
                 pass
-        timeout = _CPU_PLAN_CAP_S if self.plan_wait_s is None else self.plan_wait_s
+        timeout = self.cap_s if self.plan_wait_s is None else min(self.plan_wait_s, self.cap_s)
         try:
             plan, plan_us = future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:

@@ -71,7 +71,9 @@ class FEPLBConfig:
         the rows every micro-batch, gradients return with the backward pass).
     refresh_every: micro-batches between the policy state's slow refreshes (``@ema`` dynamic sets, EPLB replicas).
     plan_wait_ms: grace after the static GEMM before falling back to computing at home. None (default): on a
-        CPU, wait for the plan (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer).
+        CPU, wait for the plan (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer). No
+        wait lasts longer than half the EP group's collective timeout (nor than a minute): the peers wait for this
+        rank meanwhile, and a stuck planner must make it compute at home, not make them time out.
     min_straggler_rows: balance only when the token straggler with every expert at its home is at least this many
         rows (a deterministic gate, identical on every rank). None (default): the cost model's knee
         (``CostModel.knee_rows``, the smallest chunk worth a GEMM of its own), so balanced routing takes the

@@ -55,7 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from feplb.balance import Balancer, timed_plan
 from feplb.config import FEPLBConfig, LayerStats, forward_problem
-from feplb.control import Control
+from feplb.control import Control, group_timeout
 from feplb.copy import make_copy_engine
 from feplb.direct import forward_direct
 from feplb.dispatch import PeerComm, all_to_all_rows
@@ -179,7 +179,9 @@ class MoELayer(nn.Module):
         self._node = self.topo.node_of(self.rank) if self.in_node_policy and self.topo.num_nodes > 1 else None
         self._min_straggler = c.min_straggler_rows if c.min_straggler_rows is not None else self._cost.knee_rows
         wait = c.plan_wait_ms if c.plan_wait_ms is not None else (0.0 if on_gpu else None)
-        self._balancer = Balancer(plan_wait_s=None if wait is None else wait / 1e3, device=device) \
+        limit = group_timeout(self.control.group)
+        self._balancer = Balancer(plan_wait_s=None if wait is None else wait / 1e3, device=device,
+                                  group_timeout_s=None if limit is None else limit.total_seconds()) \
             if self.base != "none" else None
 
         H, Fd = c.hidden, c.ffn

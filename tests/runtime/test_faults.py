@@ -97,6 +97,19 @@ def _fault_worker(rank, world):
     res["busy_same"] = torch.allclose(out, ref(x), rtol=1e-5, atol=1e-6)
     res["busy_fell_back"] = slow.last_stats.fell_back
 
+    # A planner stuck past the group's collective timeout (8 s here) while plans are waited for (plan_wait_ms None,
+    # the CPU default): its rank gives up after half the timeout and computes at home; its peers, waiting in the
+    # readiness agreement meanwhile, do not time out
+    stuck, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", min_straggler_rows=0)
+    if rank == 1:
+        _delay_next_plan(stuck, 9.0)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        res["stuck"] = error_of(lambda: stuck(x))
+    res["stuck_s"] = time.perf_counter() - t0
+    res["stuck_fell_back"] = stuck.last_stats.fell_back if res["stuck"] is None else None
+    stuck.close()   # rank 1 waits for its stuck plan here; the next collectives wait for it, within the timeout
+
     # Receive capacity: too small with on_overflow="error" raises everywhere; "grow" grows and stays exact.
     small, _ = _layer(rank, world, 1, policy="feplb", recv_capacity=4, on_overflow="error", plan_wait_ms=60_000,
                       min_straggler_rows=0)
@@ -186,6 +199,8 @@ def test_faults_and_bad_input():
         assert res["busy_same"] and res["busy_fell_back"] == (rank < 2), (rank, res["busy_fell_back"])
         if rank < 2:   # no second wait of plan_wait_ms (1 s) behind the busy planner
             assert res["busy_s"] < 0.8, res["busy_s"]
+        assert res["stuck"] is None and res["stuck_fell_back"] == (rank < 2), (rank, res["stuck"])
+        assert res["stuck_s"] < 8.0, (rank, res["stuck_s"])
         assert res["cap_error"].startswith("ValueError") and "recv_capacity" in res["cap_error"], res["cap_error"]
         assert res["grow_same"] and res["grew"]
         assert res["has_replicas"] and res["step_moved"] > 0 and res["step_copies"] == 0, res
