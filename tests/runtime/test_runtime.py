@@ -94,6 +94,7 @@ def _gpu_order(rank, res):
     for plan_first in (True, False):
         layer, xs = _layer(1, policy="feplb-split", weights="per-microbatch", timeline=True)
         layer._plan_first = lambda h_RD, first=plan_first: first
+        _slow_static_gemm(layer, 0.05)   # longer than a thread's wake-up on a loaded 2-core machine
         x = xs[rank].clone().requires_grad_(True)
         y = layer(x)
         y.square().sum().backward()
