@@ -147,14 +147,15 @@ def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f
         except Exception as exc:  # noqa: BLE001 - agreed below, then a fallback on every rank of the scope
             error = f"{type(exc).__name__}: {exc}"
     with span(tl, "agree", "copy"):
+        # readiness, success, and the lowest EP rank whose plan failed (the minimum of each)
         agreed = layer.control.all_reduce_min(
-            torch.tensor([int(laid is not None), int(error is None)], dtype=torch.int64), layer._scope_group(state),
-            "readiness agreement")
+            torch.tensor([int(laid is not None), int(error is None), layer.rank if error is not None else 1 << 62],
+                         dtype=torch.int64), layer._scope_group(state), "readiness agreement")
     if int(agreed[1]) == 0:
         import warnings
 
-        warnings.warn(f"MoELayer: the plan failed on a rank of the {layer._scope_group(state)} "
-                      f"({error or 'see that rank'}); this micro-batch computes at home", RuntimeWarning,
+        warnings.warn(f"MoELayer: the plan failed on EP rank {int(agreed[2])} of the {layer._scope_group(state)} "
+                      f"({error or 'that rank warns why'}); this micro-batch computes at home", RuntimeWarning,
                       stacklevel=1)
     if int(agreed[0]) == 0:
         return Phase2(result=res, fell_back=True, moves=(), layout=None, exchange=None, spec=(), pending=None,

@@ -110,6 +110,25 @@ def _fault_worker(rank, world):
     res["stuck_fell_back"] = stuck.last_stats.fell_back if res["stuck"] is None else None
     stuck.close()   # rank 1 waits for its stuck plan here; the next collectives wait for it, within the timeout
 
+    # A planner that raises on rank 1: its node (ranks 0, 1) computes at home, both warn naming rank 1 (rank 1 with
+    # the error itself), node 1 balances; outputs never change
+    failing, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", min_straggler_rows=0)
+    if rank == 1:
+        plan = failing._plan
+
+        def broken(*args, **kwargs):
+            failing._plan = plan
+            raise RuntimeError("injected planner failure")
+
+        failing._plan = broken
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        res["failed_same"] = torch.allclose(failing(x), ref(x), rtol=1e-5, atol=1e-6)
+    res["failed_warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    res["failed_fell_back"] = failing.last_stats.fell_back
+
     # Receive capacity: too small with on_overflow="error" raises everywhere; "grow" grows and stays exact.
     small, _ = _layer(rank, world, 1, policy="feplb", recv_capacity=4, on_overflow="error", plan_wait_ms=60_000,
                       min_straggler_rows=0)
@@ -199,6 +218,14 @@ def test_faults_and_bad_input():
         assert res["busy_same"] and res["busy_fell_back"] == (rank < 2), (rank, res["busy_fell_back"])
         if rank < 2:   # no second wait of plan_wait_ms (1 s) behind the busy planner
             assert res["busy_s"] < 0.8, res["busy_s"]
+        assert res["failed_same"] and res["failed_fell_back"] == (rank < 2), (rank, res["failed_fell_back"])
+        failed = [w for w in res["failed_warnings"] if "the plan failed" in w]
+        if rank < 2:
+            assert len(failed) == 1 and "on EP rank 1 of the node" in failed[0], (rank, res["failed_warnings"])
+            want = "RuntimeError: injected planner failure" if rank == 1 else "that rank warns why"
+            assert want in failed[0], (rank, failed[0])
+        else:
+            assert not failed, (rank, failed)
         assert res["stuck"] is None and res["stuck_fell_back"] == (rank < 2), (rank, res["stuck"])
         assert res["stuck_s"] < 8.0, (rank, res["stuck_s"])
         assert res["cap_error"].startswith("ValueError") and "recv_capacity" in res["cap_error"], res["cap_error"]
