@@ -32,6 +32,7 @@ import numpy as np
 
 from feplb.sched import CostModel, PolicyState, Topology, make_plan, parse_policy
 from feplb.sched.metrics import max_over_mean, token_straggler
+from feplb.sched.placement import check_min_gain
 from feplb.sched.state import PLACE_MIN_GAIN
 
 DEFAULT_POLICIES = ("none", "feplb", "feplb-split", "fastermoe", "eplb", "lp")
@@ -76,9 +77,7 @@ class SimConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"SimConfig.{name} must be an int >= {lo}, got {v!r}")
-        g = self.place_min_gain
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < 1:
-            raise ValueError(f"SimConfig.place_min_gain must be a number in [0, 1), got {g!r}")
+        check_min_gain(self.place_min_gain, "SimConfig.place_min_gain")
         if not self.policies:
             raise ValueError("SimConfig.policies must name at least one policy")
         object.__setattr__(self, "policies", tuple(self.policies))

@@ -46,9 +46,7 @@ def place_experts(load_E: np.ndarray, topo: Topology, owner_E: np.ndarray | None
     load = _check_load(load_E, topo)
     G, epr, E = topo.gpus_per_node, topo.experts_per_rank, topo.num_experts
     owner = topo.default_home_E().tolist() if owner_E is None else _check_home(owner_E, topo, "owner_E").tolist()
-    if isinstance(min_gain, bool) or not isinstance(min_gain, numbers.Real) or not 0 <= min_gain < 1:
-        raise ValueError(f"min_gain must be a number in [0, 1), got {min_gain!r}")
-    keep = 1.0 - float(min_gain)
+    keep = 1.0 - check_min_gain(min_gain, "min_gain")
     owner_node = [g // G for g in owner]
     nodes = list(range(topo.num_nodes))
     node = _settle(_lpt(range(E), load, nodes, G * epr, owner_node), owner_node, load, nodes, keep, True)
@@ -60,6 +58,13 @@ def place_experts(load_E: np.ndarray, topo: Topology, owner_E: np.ndarray | None
         for e, g in _settle(_lpt(mine, load, gpus, epr, owner), owner, load, gpus, keep, own).items():
             home[e] = g
     return np.asarray(home, dtype=np.int64)
+
+
+def check_min_gain(value: object, name: str) -> float:
+    """``place_experts``' ``min_gain`` (a number in [0, 1)) as a float, or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+    return float(value)
 
 
 def _check_home(home_E: object, topo: Topology, name: str) -> np.ndarray:

@@ -6,13 +6,12 @@ All history is kept in integers (a fixed-point EMA) so that every rank derives b
 
 from __future__ import annotations
 
-import numbers
 import weakref
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from feplb.sched.placement import _check_home, eplb_layout, eplb_replicas, place_experts
+from feplb.sched.placement import _check_home, check_min_gain, eplb_layout, eplb_replicas, place_experts
 from feplb.sched.plan import Plan, parse_policy
 from feplb.sched.topology import Topology
 
@@ -114,9 +113,7 @@ class PolicyState:
             raise ValueError(f"PolicyState.replicas_mode must be 'eager' or 'lazy', got {self.replicas_mode!r}")
         if self.ema_shift > 16:
             raise ValueError(f"PolicyState.ema_shift must be <= 16, got {self.ema_shift}")
-        g = self.place_min_gain
-        if isinstance(g, bool) or not isinstance(g, numbers.Real) or not 0 <= g < 1:
-            raise ValueError(f"PolicyState.place_min_gain must be a number in [0, 1), got {g!r}")
+        check_min_gain(self.place_min_gain, "PolicyState.place_min_gain")
         topo = self.topo
         slots = _known(self.home_E, topo)
         if slots is None:
