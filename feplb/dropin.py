@@ -160,13 +160,15 @@ def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGrou
         m.average_expert_grads(data_parallel_group)
 
 
-def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """``attach_optimizer(optimizer)`` of every FEPLB layer: each ``optimizer.step()`` then reduces the
-    replica gradients before it and refreshes the replicas after it (collective at every step). Clip with
-    :func:`clip_grad_norm_` (it reduces first); with a ``GradScaler``, call :func:`reduce_replica_grads` yourself
-    before ``unscale_``: the hook runs inside ``step()``, after them."""
+def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     scaler: torch.amp.GradScaler | None = None) -> None:
+    """``attach_optimizer(optimizer, scaler)`` of every FEPLB layer: each ``optimizer.step()`` then reduces the
+    replica gradients before it and refreshes the replicas after it (collective at every step). With a
+    ``torch.amp.GradScaler``, pass it: its ``unscale_`` and ``step`` then reduce first, so the replicas' gradients
+    are unscaled and checked for inf / NaN with the owners' (and :func:`clip_grad_norm_` after
+    ``scaler.unscale_`` sees them reduced). Clip with :func:`clip_grad_norm_` (it reduces first)."""
     for m in experts_modules(model):
-        m.attach_optimizer(optimizer)
+        m.attach_optimizer(optimizer, scaler)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
@@ -176,9 +178,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     reduction, such as :func:`attach_optimizer`'s, then adds nothing), and the norm is the whole model's: every
     replicated parameter's gradient counted once (call this after the data-parallel reduction of those, so that
     they are equal on every rank), every expert shard's once, on its owner. Every rank then scales every gradient
-    by the same factor. Returns the total norm (a 0-d tensor, equal on every rank). With a ``GradScaler``, call
-    :func:`reduce_replica_grads` before ``scaler.unscale_(optimizer)``: unscaling divides the gradients the
-    optimizer holds, not the replicas' still to be reduced."""
+    by the same factor. Returns the total norm (a 0-d tensor, equal on every rank). With a ``GradScaler``, call it after
+    ``scaler.unscale_(optimizer)``, and pass the scaler to :func:`attach_optimizer` (or call
+    :func:`reduce_replica_grads` before ``unscale_``): unscaling divides the gradients the optimizer holds, not the
+    replicas' still to be reduced."""
     moes = experts_modules(model)
     if not moes:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type,

@@ -204,7 +204,6 @@ class MoELayer(nn.Module):
         # what forwards that activation checkpointing may recompute decided (feplb.recompute)
         self._records = Records()
         self.replicas = Replicas(self)
-        self._attached: set[int] = set()
         self._hooks: list = []
         self._set_placement(self.topo.default_home_E())
         self._digest_key: tuple | None = None
@@ -212,7 +211,7 @@ class MoELayer(nn.Module):
 
         def stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
             layer = me()
-            if layer is not None and id(opt) not in layer._attached and layer._steps_experts(opt):
+            if layer is not None and layer not in _attached(opt) and layer._steps_experts(opt):
                 layer.replicas.stepped = True
 
         self._opt_hook = register_optimizer_step_post_hook(stepped)
@@ -278,15 +277,36 @@ class MoELayer(nn.Module):
         mine = {id(p) for p in self.expert_params()}
         return any(id(p) in mine for g in opt.param_groups for p in g["params"])
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
         """Reduce replica gradients before and refresh the replicas after every ``optimizer.step()`` (per-step
         weights), so no optimizer, fused or not, can leave stale copies behind. Collective at every step. The
         optimizer's ``zero_grad()`` then also drops the copies' gradients (``zero_replica_grads``), so a backward
-        the training loop discards (a skipped step) never reaches the owners."""
-        self._hooks += [optimizer.register_step_pre_hook(lambda *_: self.reduce_replica_grads()),
+        the training loop discards (a skipped step) never reaches the owners. Attaching twice does nothing more.
+
+        scaler: the ``torch.amp.GradScaler`` that steps ``optimizer``, if one does. Its ``unscale_(optimizer)`` and
+        ``step(optimizer)`` then reduce the replica gradients first, so that they are unscaled and checked for
+        inf / NaN with the owners' (a step hook runs too late: inside ``optimizer.step()``, after both). Without
+        it, a scaler stepping a fused optimizer is refused (on every rank) when copies hold gradients; with a
+        non-fused one nothing can tell, and ``reduce_replica_grads()`` must be called before ``unscale_``."""
+        if scaler is not None:
+            if not isinstance(scaler, torch.amp.GradScaler):
+                raise TypeError(f"MoELayer.attach_optimizer: scaler must be a torch.amp.GradScaler, got "
+                                f"{type(scaler).__name__}")
+            _reduce_before_unscale(scaler)
+        if self in _attached(optimizer):
+            return
+        self._hooks += [optimizer.register_step_pre_hook(lambda opt, *_: self._reduce_in_step(opt)),
                         optimizer.register_step_post_hook(lambda *_: self.refresh_replicas())]
-        self._attached.add(id(optimizer))
-        _zero_grad_also_clears(optimizer, self)
+        _attach(optimizer, self)
+
+    def _reduce_in_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``reduce_replica_grads()`` from the step pre-hook. A GradScaler stepping a fused optimizer has set
+        ``found_inf`` by then, from the owners' gradients alone: copies still holding gradients there would be
+        stepped scaled (non-finite ones unseen), so that raises on every rank."""
+        self._reduce_replica_grads(
+            None if not hasattr(optimizer, "found_inf") else
+            "a torch.amp.GradScaler unscaled and checked the gradients before the replica gradients were reduced "
+            "into them; pass the scaler: attach_optimizer(optimizer, scaler=scaler)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, and ``zero_replica_grads()``."""
@@ -762,9 +782,17 @@ class MoELayer(nn.Module):
     def reduce_replica_grads(self) -> None:
         """Add the gradients accumulated on per-step copies (resident replicas, the bank of placed experts) to the
         owners' expert gradients (collective; weights='per-step'). Call once per optimizer step, after the last
-        backward and before ``optimizer.step()`` (``attach_optimizer`` does it for you)."""
-        if self.replicas.ever_held:
-            self.replicas.agree("reduce_replica_grads")
+        backward and before ``optimizer.step()`` (``attach_optimizer`` does it for you); a second call before the
+        next backward finds nothing to add and sends nothing."""
+        self._reduce_replica_grads(None)
+
+    def _reduce_replica_grads(self, refuse_held: str | None) -> None:
+        if not self.replicas.ever_held:
+            return
+        if self.replicas.agree("reduce_replica_grads"):
+            return                      # no rank's copies hold a gradient
+        if refuse_held is not None:
+            raise RuntimeError(f"MoELayer.reduce_replica_grads: {refuse_held}")
         self.replicas.reduce_grads(self.placement)
 
     @torch.no_grad()
@@ -835,20 +863,74 @@ def ignore_experts_in_ddp(module: nn.Module) -> list[str]:
     return names
 
 
-def _zero_grad_also_clears(optimizer: torch.optim.Optimizer, layer: MoELayer) -> None:
-    """Make ``optimizer.zero_grad()`` also call ``layer.zero_replica_grads()`` (one wrapper per optimizer, for all
-    the layers attached to it, held weakly)."""
-    layers = optimizer.__dict__.get("_feplb_layers")
-    if layers is None:
-        layers = weakref.WeakSet()
+def _attached(optimizer: torch.optim.Optimizer) -> list[MoELayer]:
+    """The live layers attached to ``optimizer``, in the order they were attached (the same on every rank: the
+    order their collectives run in)."""
+    return [lay for ref in optimizer.__dict__.get("_feplb_layers", ()) if (lay := ref()) is not None]
+
+
+def _attach(optimizer: torch.optim.Optimizer, layer: MoELayer) -> None:
+    """Remember ``layer`` on ``optimizer`` (weakly: the optimizer itself, not its id, which a later optimizer may
+    reuse), and make ``optimizer.zero_grad()`` also call ``zero_replica_grads()`` of its layers (one wrapper per
+    optimizer)."""
+    refs = optimizer.__dict__.get("_feplb_layers")
+    if refs is None:
+        refs = []
         inner = optimizer.zero_grad
 
         def zero_grad(set_to_none: bool = True) -> None:
             inner(set_to_none)
-            for lay in list(layers):
+            for lay in _attached(optimizer_ref()):
                 lay.zero_replica_grads()
 
+        optimizer_ref = weakref.ref(optimizer)
         zero_grad.__doc__ = inner.__doc__
-        optimizer._feplb_layers = layers
+        optimizer._feplb_layers = refs
         optimizer.zero_grad = zero_grad
-    layers.add(layer)
+    refs[:] = [r for r in refs if r() is not None] + [weakref.ref(layer)]
+
+
+def _reduce_before_unscale(scaler: torch.amp.GradScaler) -> None:
+    """Make ``scaler.unscale_(opt)`` and ``scaler.step(opt)`` first reduce the replica gradients of the layers
+    attached to ``opt`` (a reduction that finds nothing to add sends nothing), and make its inf / NaN check of
+    ``opt``'s gradients agreed over those layers' groups: an owner whose experts' gradients overflowed skips the
+    step, and so must every rank whose replicas it refreshes with (once per scaler)."""
+    if scaler.__dict__.get("_feplb_reduces"):
+        return
+    inner_unscale, inner_step = scaler.unscale_, scaler.step
+    inner_check = getattr(scaler, "_unscale_grads_", None)
+    if inner_check is None:
+        raise TypeError(f"MoELayer.attach_optimizer: {type(scaler).__name__} has no _unscale_grads_ (the inf / NaN "
+                        "check of torch.amp.GradScaler) to agree over the EP group")
+
+    def unscale_(optimizer: torch.optim.Optimizer) -> None:
+        for lay in _attached(optimizer):
+            lay.reduce_replica_grads()
+        return inner_unscale(optimizer)
+
+    def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        for lay in _attached(optimizer):
+            lay.reduce_replica_grads()
+        return inner_step(optimizer, *args, **kwargs)
+
+    def check(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+              allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        per_device = inner_check(optimizer, inv_scale, found_inf, allow_fp16)
+        layers, groups = _attached(optimizer), []
+        if layers:
+            bad = any(bool(v.item()) for v in per_device.values())
+            for lay in layers:
+                if not any(lay.group is g for g in groups):
+                    groups.append(lay.group)
+                    ok = lay.control.all_reduce_min(torch.tensor([int(not bad)]), "group", "GradScaler inf check")
+                    bad = not bool(ok[0])
+            if bad:     # the scaler reads this dict: its step is skipped, its scale lowered
+                for v in per_device.values():
+                    v.fill_(1.0)
+                if not per_device:
+                    per_device[found_inf.device] = torch.ones_like(found_inf)
+        return per_device
+
+    unscale_.__doc__, step.__doc__ = inner_unscale.__doc__, inner_step.__doc__
+    scaler.unscale_, scaler.step, scaler._unscale_grads_ = unscale_, step, check
+    scaler._feplb_reduces = True

@@ -173,8 +173,9 @@ class Replicas:
                 leaf.register_post_accumulate_grad_hook(_widen)
         return leaf
 
-    def agree(self, what: str) -> None:
-        """Raise on every rank together if some rank's per-step copies lost or kept gradients (collective)."""
+    def agree(self, what: str) -> bool:
+        """Raise on every rank together if some rank's per-step copies lost or kept gradients (collective).
+        Returns whether every rank's copies are free of gradients."""
         lay = self._layer()
         flags = torch.tensor([int(self.grads_clean()), int(not self.late_grad)])
         agreed = lay.control.all_reduce_min(flags, "group", f"{what} check")
@@ -185,6 +186,7 @@ class Replicas:
         if what == "refresh_replicas" and int(agreed[0]) == 0:
             raise RuntimeError("MoELayer.refresh_replicas: replica gradients were not reduced on some rank; call "
                                "reduce_replica_grads() before optimizer.step()")
+        return bool(agreed[0])
 
     # ------------------------------------------------------------------------------------------------ weights
     def owned(self, e: int, weights: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:

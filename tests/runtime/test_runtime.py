@@ -150,6 +150,101 @@ def _optimizers(rank, res):
         ref.close()
 
 
+def _scaled_training(rank, res):
+    """torch.amp.GradScaler with per-step replicas: passed to attach_optimizer, training equals plain EP (the
+    replicas' gradients are reduced before the scaler unscales them), an overflow in one rank's replica skips the
+    step on every rank; not passed, a fused optimizer's scaled step raises on every rank. An optimizer that reuses
+    an attached one's address is not taken for it."""
+    import gc
+
+    x = _weights(2)[3][rank]
+    for fused in (False, True):
+        layers = {p: _layer(2, policy=p, weights="per-step")[0] for p in ("feplb-split@ema", "none")}
+        opts, scalers = {}, {}
+        for p, lay in layers.items():
+            opts[p] = torch.optim.SGD(lay.parameters(), lr=0.05, fused=fused)
+            scalers[p] = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            lay.attach_optimizer(opts[p], scaler=scalers[p])
+        with torch.no_grad():
+            layers["feplb-split@ema"](x)
+        layers["feplb-split@ema"].refresh_replicas()
+        diffs, moved = [], 0
+        for step in range(3):
+            outs = {}
+            for p, lay in layers.items():
+                opts[p].zero_grad()
+                out = lay(x)
+                scalers[p].scale(out.pow(2).mean()).backward()
+                if step == 1:
+                    scalers[p].unscale_(opts[p])      # where a training loop clips
+                scalers[p].step(opts[p])
+                scalers[p].update()
+                outs[p] = out.detach()
+            diffs.append(float((outs["feplb-split@ema"] - outs["none"]).abs().max()))
+            moved += layers["feplb-split@ema"].last_stats.rows_moved
+        bal, ref = layers["feplb-split@ema"], layers["none"]
+        res[f"scaled/{fused}"] = (max(diffs), float((bal.w1 - ref.w1).abs().max()), moved)
+
+        # an overflow on one rank's replicas only: every rank skips the step, its weights and replicas unchanged
+        opt, scaler = opts["feplb-split@ema"], scalers["feplb-split@ema"]
+        opt.zero_grad()
+        scaler.scale(bal(x).pow(2).mean()).backward()
+        held = [w for w in bal.replicas.replica_bank or () if w.grad is not None]
+        flags = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(flags, bool(held))
+        injected = rank == min((r for r, h in enumerate(flags) if h), default=-1)
+        if injected:
+            held[0].grad.view(-1)[0] = float("inf")
+        before = bal.w1.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        res[f"overflow/{fused}"] = (bool(held), injected, torch.equal(bal.w1, before), scaler.get_scale(),
+                                    error_of(lambda bal=bal: bal(x)))
+        for lay in layers.values():
+            lay.close()
+
+    # a scaler stepping a fused optimizer it was not attached with: refused on every rank
+    bal = _layer(2, policy="feplb-split@ema", weights="per-step")[0]
+    opt = torch.optim.SGD(bal.parameters(), lr=0.05, fused=True)
+    bal.attach_optimizer(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with torch.no_grad():
+        bal(x)
+    bal.refresh_replicas()
+    scaler.scale(bal(x).pow(2).mean()).backward()
+    res["unpassed"] = error_of(lambda opt=opt: scaler.step(opt))
+    bal.close()
+
+    # attached optimizer garbage collected, a new unattached fused one at its address: stale replicas still caught
+    bal = _layer(2, policy="feplb-split@ema", weights="per-step")[0]
+    with torch.no_grad():
+        bal(x)
+    bal.refresh_replicas()
+    opt = torch.optim.AdamW(bal.parameters(), lr=0.05, fused=True)
+    bal.attach_optimizer(opt)
+    bal(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    old = id(opt)
+    del opt
+    gc.collect()
+    keep = []
+    for _ in range(200_000):
+        keep.append(torch.optim.AdamW.__new__(torch.optim.AdamW))
+        if id(keep[-1]) == old:
+            break
+    reused = keep.pop() if id(keep[-1]) == old else None
+    del keep
+    res["reused"] = reused is not None
+    if reused is not None:
+        reused.__init__(bal.parameters(), lr=0.05, fused=True)
+        bal(x).pow(2).mean().backward()
+        bal.reduce_replica_grads()
+        reused.step()
+        res["reused_stale"] = error_of(lambda: bal(x))
+    bal.close()
+
+
 def _inputs(rank, res):
     """Non-contiguous input and routing on one rank only; bad routing on one rank raises everywhere."""
     layer, xs = _layer(3, policy="feplb-split", weights="per-microbatch")
@@ -233,6 +328,31 @@ def _worker(rank, world, tmp):
     _copy_bytes(rank, res)
     _optimizers(rank, res)
     return res
+
+
+def _scaled_worker(rank, world):
+    res = {}
+    _scaled_training(rank, res)
+    return res
+
+
+def test_grad_scaler_and_optimizer_identity():
+    results = run_dist(_scaled_worker, W, timeout_s=300, collective_timeout_s=60)
+    for fused in (False, True):
+        for rank, res in enumerate(results):
+            out_diff, w_diff, _ = res[f"scaled/{fused}"]
+            assert out_diff < 1e-4 and w_diff < 1e-4, (fused, rank, out_diff, w_diff)   # unfixed: ~1e4
+        assert sum(r[f"scaled/{fused}"][2] for r in results) > 0, "rows must move"
+        assert sum(r[f"overflow/{fused}"][1] for r in results) == 1, "one rank's replica overflowed"
+        for rank, res in enumerate(results):
+            _, _, unchanged, scale, after = res[f"overflow/{fused}"]
+            assert unchanged and scale == 512.0, (fused, rank, res[f"overflow/{fused}"])
+            assert after is None, (fused, rank, after)       # no step, so the replicas are still fresh
+    for rank, res in enumerate(results):
+        assert res["unpassed"] is not None and "attach_optimizer(optimizer, scaler=scaler)" in res["unpassed"], \
+            (rank, res["unpassed"])
+        assert res["reused"], "CPython handed out the freed optimizer's address again"
+        assert res["reused_stale"] is not None and "refresh_replicas" in res["reused_stale"], res["reused_stale"]
 
 
 def test_runtime_schedule_optimizers_inputs_defaults(tmp_path):
