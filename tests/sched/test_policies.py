@@ -19,7 +19,10 @@ from feplb.sched import (
 )
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-ALL = [*POLICIES, "feplb+place", "feplb-split+place", "feplb@ema", "feplb-split+place@ema", "eplb+place"]
+ALL = [*POLICIES, "feplb+place", "feplb-split+place", "feplb@ema", "feplb-split+place@ema", "eplb+place",
+       "fastermoe+place"]
+# GEMM time = rows us (linear table), weight transfer = 6 bytes at 0.002 GB/s = 3 us, rows (2 bytes) at 1 us
+LIN = CostModel(hidden=1, ffn=1, table_hidden=1, table_ffn=1, table_rows=(1, 2), table_us=(1.0, 2.0), ce_gbps=0.002)
 
 
 def _topo_counts(draw_seed: int, g: int, nodes: int, epr: int, dyn_frac: float, alpha: float, rows: int):
@@ -46,11 +49,13 @@ def _node_max_bound(n_E, topo, dyn_WD):
     return out
 
 
-def _ref_fastermoe(counts, topo, cost, max_shadow=None):
+def _ref_fastermoe(counts, topo, cost, max_shadow=None, home_E=None):
     """FasterMoE's shadowing rule, from its description, on lists: shadow the hottest experts (ties: lower id) while
-    3 x the busiest GPU's GEMM + 4 x the busiest GPU's all-to-all rows + 2 weight transfers per shadowed expert
-    gets shorter, at most max_shadow of them. Returns the shadowed experts, sorted."""
+    3 x the busiest GPU's GEMM + 4 x the busiest GPU's all-to-all rows + one weight transfer per shadowed expert
+    gets shorter, at most max_shadow of them; experts computed on home_E (default: their owners). Returns the
+    shadowed experts, sorted."""
     W, E, S = topo.num_ranks, topo.num_experts, topo.experts_per_rank
+    home = [e // S for e in range(E)] if home_E is None else list(home_E)
     c = counts.tolist()
     n = [sum(c[s][e] for s in range(W)) for e in range(E)]
     inter = topo.gpus_per_node < W
@@ -59,7 +64,7 @@ def _ref_fastermoe(counts, topo, cost, max_shadow=None):
     def latency(shadow):
         gemm, sent, recv = [0.0] * W, [0] * W, [0] * W
         for e in range(E):
-            h = e // S
+            h = home[e]
             if e in shadow:
                 for s in range(W):
                     gemm[s] += float(cost.gemm_us(c[s][e]))
@@ -171,9 +176,7 @@ def test_golden_lp_water_filling():
 
 
 def test_golden_fastermoe():
-    # GEMM time = rows us (linear table), weight transfer = 6 bytes at 0.002 GB/s = 3 us, rows (2 bytes) at 1 us
-    cost = CostModel(hidden=1, ffn=1, table_hidden=1, table_ffn=1, table_rows=(1, 2), table_us=(1.0, 2.0),
-                     ce_gbps=0.002)
+    cost = LIN
     topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=2, dyn=1)
     counts = np.array([[6, 1], [6, 1]], dtype=np.int64)  # GEMM [12, 2] us; GPU 1 sends 6 rows, GPU 0 sends 1
     plan = make_plan("fastermoe", counts, topo, cost=cost)
@@ -192,6 +195,13 @@ def test_golden_fastermoe():
     assert make_plan("fastermoe", counts, topo, cost=dataclasses.replace(cost, ffn=10, table_ffn=10)
                      ).info["shadowed"] == (0,)
     assert make_plan("fastermoe", counts, topo, cost=slow).info["shadowed"] == ()
+
+
+def test_fastermoe_does_not_shadow_on_a_tie():                # M18
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=2, dyn=1)
+    plan = make_plan("fastermoe", np.array([[0, 0], [3, 3]]), topo, cost=LIN)
+    # none: 3 * 3 + 4 * 3 = 21; shadowing 0: 3 * 6 + 0 + 3 = 21, not shorter
+    assert plan.info["model_us_before"] == pytest.approx(21) and plan.info["shadowed"] == ()
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -300,3 +310,16 @@ def test_node_option_refusals():
     if plan.moves:
         with pytest.raises(ValueError, match="outside node 0"):
             bad.validate(counts * np.arange(1, 9), topo)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_fastermoe_with_placement_matches_reference(seed):    # M22, M23
+    rng = np.random.default_rng(seed)
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
+    cost = dataclasses.replace(LIN, net_gbps=0.002)           # GEMM 1 us per row, a row 1 us, a weight 3 us
+    hist = rng.multinomial(400, rng.dirichlet(np.full(8, 0.3)), size=4)
+    state = PolicyState(topo=topo, policy="fastermoe+place", place_min_gain=0.0).observe(hist)
+    counts = rng.multinomial(40, rng.dirichlet(np.full(8, 0.3)), size=4)
+    plan = make_plan("fastermoe+place", counts, topo, state, cost=cost)
+    plan.validate(counts, topo, state)
+    assert plan.info["shadowed"] == _ref_fastermoe(counts, topo, cost, home_E=state.home_E.tolist())
