@@ -322,7 +322,7 @@ class MoELayer(nn.Module):
 
     def _set_placement(self, home_E: np.ndarray) -> None:
         self.placement = Placement.of(home_E, self.world_size, self.rank)
-        self._slot_of_E = torch.from_numpy(self.placement.slot_of_E).to(self._device)
+        self._slot_of_E = to_device(self.placement.slot_of_E, self._device)   # no host sync mid-forward
 
     @property
     def home_E(self) -> np.ndarray:
@@ -480,7 +480,7 @@ class MoELayer(nn.Module):
             y_MD, p2 = self._in_node(x_MD, counts, tl)
         y_MD = self._padded(y_MD, x_all)
         self._observe(counts, p2)
-        kind = record_kind(self.training)
+        kind = record_kind()
         if kind is not None:
             frame = checkpoint_frame() if kind == "hooks" else None
             self._records.add(Record(kind=kind, placement=placement, slot_of_E=slot_of_E, plan_state=plan_state,
@@ -561,7 +561,7 @@ class MoELayer(nn.Module):
                 "for it on every rank: the recompute routes its rows otherwise (a router or routing that is not "
                 "deterministic, or inputs that changed: recompute with the same inputs and RNG state, "
                 "torch.utils.checkpoint's default preserve_rng_state=True), or its forward left no record (only a "
-                "forward under no_grad in training mode, or under saved-tensor hooks with grad enabled, does; the "
+                "forward under no_grad, or under saved-tensor hooks with grad enabled, does; the "
                 f"last {len(recs)} are kept)")
         if rec.generation != gen and held:
             raise _refreshed()

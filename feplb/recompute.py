@@ -85,13 +85,14 @@ def checkpoint_frame() -> Any | None:
     return None
 
 
-def record_kind(training: bool) -> str | None:
+def record_kind() -> str | None:
     """The kind of record a forward running now leaves: ``hooks`` (grad enabled under saved-tensor hooks: a
-    non-reentrant checkpoint's forward), ``no_grad`` (a training forward under no_grad: maybe a reentrant
-    checkpoint's), or None (a plain forward, which nobody recomputes)."""
+    non-reentrant checkpoint's forward), ``no_grad`` (a forward under no_grad: maybe a reentrant checkpoint's, in
+    train or eval mode: a loop that trains in eval mode to turn dropout off recomputes too), or None (a plain
+    forward, which nobody recomputes)."""
     if torch.is_grad_enabled():
         return "hooks" if hooks_active() else None
-    return "no_grad" if training else None
+    return "no_grad"
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -17,7 +17,7 @@ x 2 GPUs), against the same layer run without checkpointing:
 * micro-batches with equal counts on every rank but different plans, pending together: each non-reentrant recompute
   replays its own forward (found by its checkpoint frame); epochs of reentrant checkpointing after a no_grad forward
   of the same batch, with optimizer steps between, never trip on the record left behind; reentrant checkpointing
-  inside save_on_cpu, non-reentrant checkpointing in eval mode, and the last forward's timeline, left alone;
+  inside save_on_cpu, checkpointing in eval mode (both kinds), and the last forward's timeline, left alone;
 * nested checkpoints (also of the two kinds, and a no_grad call inside a block), the layer twice in one block
   (each call its own record, again on a second backward), refresh_replicas() where no copies are held, and
   save_on_cpu inside the block (two pending equal forwards refused on every rank); selective activation
@@ -295,7 +295,7 @@ def _edge_rank(rank: int, world: int) -> dict:
     """Equal counts in several pending checkpointed micro-batches (each recompute replays its own forward); epochs of
     a reentrant checkpoint after a no_grad forward of the same batch, with optimizer steps and refreshes between
     (the record of the checkpointed forward left behind is of an older generation: never taken, never an error);
-    reentrant checkpointing inside save_on_cpu; non-reentrant checkpointing in eval mode; and the timeline of the
+    reentrant checkpointing inside save_on_cpu; checkpointing in eval mode (both kinds); and the timeline of the
     last forward left alone by a recompute."""
     out = {}
     for policy, weights in (("feplb-split", "per-step"), ("feplb-split+place@ema", "per-microbatch")):
@@ -340,6 +340,9 @@ def _edge_rank(rank: int, world: int) -> dict:
     (_block(ref, "tanh")(xr) * dy).sum().backward()
     (checkpoint(_block(ac, "tanh"), xa, use_reentrant=False) * dy).sum().backward()
     out["eval"] = torch.equal(xa.grad, xr.grad)
+    xa = x.clone().requires_grad_(True)       # reentrant in eval mode: the no_grad first run leaves its record
+    (checkpoint(_block(ac, "tanh"), xa, use_reentrant=True) * dy).sum().backward()
+    out["eval_reentrant"] = torch.equal(xa.grad, xr.grad)
     for m in (ref, ac, layer):
         m.close()
     return out
@@ -350,7 +353,7 @@ def test_equal_counts_epochs_other_hooks_eval_mode_and_timeline():
     for res in run_dist(_edge_rank, W, timeout_s=600):
         assert res["held"], "the layer held per-step copies: refreshes replaced them"
         assert res["epochs"] == ["ok"] * 3, res["epochs"]
-        assert res["save_on_cpu"] and res["eval"] and res["timeline_kept"], res
+        assert res["save_on_cpu"] and res["eval"] and res["eval_reentrant"] and res["timeline_kept"], res
 
 
 def _count_replays(layer) -> list[int]:

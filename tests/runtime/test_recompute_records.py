@@ -77,26 +77,25 @@ def test_at_most_max_records_are_kept_oldest_dropped_first():
 def test_which_forwards_leave_which_record_and_what_a_recompute_sees():
     seen = []
 
-    def f(x, training=True):
+    def f(x):
         frame = checkpoint_frame()
-        seen.append(("recompute" if in_backward() else record_kind(training), hooks_active(), frame))
+        seen.append(("recompute" if in_backward() else record_kind(), hooks_active(), frame))
         return x.sin()
 
     x = torch.randn(3, requires_grad=True)
-    f(x).sum().backward()                                          # plain training forward: no record
+    f(x).sum().backward()                                          # plain forward: no record
     with torch.no_grad():
-        f(x)                                                       # training under no_grad: maybe reentrant's
-        f(x, training=False)                                       # inference: no record
+        f(x)                                                       # under no_grad: maybe a reentrant checkpoint's
     checkpoint(f, x, use_reentrant=True).sum().backward()          # no_grad first run, recompute without hooks
     checkpoint(f, x, use_reentrant=False).sum().backward()         # saved-tensor hooks in both runs
-    checkpoint(f, x, False, use_reentrant=False).sum().backward()  # in eval mode too
+    checkpoint(f, x, use_reentrant=False).sum().backward()         # another frame
     with torch.autograd.graph.save_on_cpu():
         f(x).sum().backward()                                      # other hooks: a hooks record without a frame
     kinds = [(k, h, fr is not None) for k, h, fr in seen]
-    assert kinds == [(None, False, False), ("no_grad", False, False), (None, False, False),
+    assert kinds == [(None, False, False), ("no_grad", False, False),
                      ("no_grad", False, False), ("recompute", False, False),
                      ("hooks", True, True), ("recompute", True, True),
                      ("hooks", True, True), ("recompute", True, True),
                      ("hooks", True, False)]
     # a non-reentrant recompute runs under the very frame its forward ran under, and each checkpoint has its own
-    assert seen[5][2] is seen[6][2] and seen[7][2] is seen[8][2] and seen[5][2] is not seen[7][2]
+    assert seen[4][2] is seen[5][2] and seen[6][2] is seen[7][2] and seen[4][2] is not seen[6][2]
