@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -201,6 +202,13 @@ def nvshmem_shared_gpu(core) -> bool:
     return int(core.init_status()) == int(core.InitStatus.STATUS_LIMITED_MPG)
 
 
+# nvshmem as this runtime started it: the transports using it, and whether this runtime initialised it. The last
+# one to close finalises it: a layer closed while others live (the first built, in model order) must not.
+_NV_LOCK = threading.Lock()
+_NV_USERS = 0
+_NV_OWNED = False
+
+
 def nvshmem_initialized(core) -> bool:
     """Whether nvshmem is up in this process (by this runtime or by the application)."""
     up = {int(core.InitStatus.STATUS_IS_INITIALIZED), int(core.InitStatus.STATUS_LIMITED_MPG),
@@ -225,8 +233,9 @@ class NvshmemTransport(Transport):
     The symmetric buffers grow collectively, by the same rule on every rank (every rank holds the same matrix),
     when a micro-batch needs more rows; rows are never dropped. nvshmem is bootstrapped with a unique id that rank 0
     hands out over the control group (gloo), unless the application initialised it already. CUDA only; the group
-    must be the whole job (PE numbers are global ranks). ``close()`` (collective) frees the buffers and, if this
-    transport initialised nvshmem, finalises it: close every nvshmem copy engine first.
+    must be the whole job (PE numbers are global ranks). ``close()`` (collective) frees the buffers; the last
+    transport of the process to close finalises nvshmem if this runtime initialised it (close every nvshmem copy
+    engine first: a layer closes its own before its transport).
 
     Args:
         group: the EP group (None or one spanning the whole job).  control: its ``Control``; None makes one
@@ -245,21 +254,24 @@ class NvshmemTransport(Transport):
         self._own_control = control is None
         if control is None:
             self.control = Control(group, self.world_size)
-        self._owns_init = False
+        self._uses_nv = False
         self._buf: torch.Tensor | None = None   # flat uint8 symmetric receive buffer
         self._sbuf: torch.Tensor | None = None  # flat uint8 symmetric send buffer, same capacity
         self._init_nvshmem()
 
     def _init_nvshmem(self) -> None:
+        global _NV_USERS, _NV_OWNED
         nv = self._nv
-        if nvshmem_initialized(nv):
-            return   # initialised by the application (or another layer): share it
-        dev = _cuda_core_device(torch.cuda.current_device())
-        dev.set_current()
-        uid = nv.get_unique_id() if self.rank == 0 else None
-        uid = self.control.all_gather_object(uid, "group", "nvshmem bootstrap (unique id from rank 0)")[0]
-        nv.init(device=dev, uid=uid, rank=self.rank, nranks=self.world_size, initializer_method="uid")
-        self._owns_init = True
+        with _NV_LOCK:
+            if not nvshmem_initialized(nv):   # else initialised by the application or another layer: share it
+                dev = _cuda_core_device(torch.cuda.current_device())
+                dev.set_current()
+                uid = nv.get_unique_id() if self.rank == 0 else None
+                uid = self.control.all_gather_object(uid, "group", "nvshmem bootstrap (unique id from rank 0)")[0]
+                nv.init(device=dev, uid=uid, rank=self.rank, nranks=self.world_size, initializer_method="uid")
+                _NV_OWNED = True
+            _NV_USERS += 1
+            self._uses_nv = True
 
     def _ensure(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._buf is None or self._buf.numel() < nbytes:
@@ -275,15 +287,22 @@ class NvshmemTransport(Transport):
         return self._buf, self._sbuf
 
     def close(self) -> None:
-        """Free the symmetric buffers (collective) and finalise nvshmem if this transport initialised it."""
+        """Free the symmetric buffers (collective); the last transport of the process to close finalises nvshmem
+        if this runtime initialised it (collective)."""
+        global _NV_USERS, _NV_OWNED
         if self._buf is not None:
             torch.cuda.synchronize()
             self._nv.free_tensor(self._buf)
             self._nv.free_tensor(self._sbuf)
             self._buf = self._sbuf = None
-        if self._owns_init:
-            self._nv.finalize()
-            self._owns_init = False
+        if self._uses_nv:
+            self._uses_nv = False
+            with _NV_LOCK:
+                _NV_USERS -= 1
+                last = _NV_USERS == 0 and _NV_OWNED
+                if last:
+                    _NV_OWNED = False
+                    self._nv.finalize()
         if self._own_control:
             self.control.close()
 

@@ -175,3 +175,64 @@ def test_nvshmem_host_library_loaded_through_pathfinder(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.pathfinder", None)  # not installed: the import fails
     assert transport._load_nvshmem_host() is None and len(calls) == 2
     transport._load_nvshmem_host.cache_clear()
+
+
+def _nvshmem_users(rank, world):
+    """NvshmemTransport's life over a stand-in for nvshmem4py (no GPU here): what it calls, in order."""
+    import types
+
+    import feplb.transport as T
+    from feplb.control import Control
+
+    log = []
+    status = types.SimpleNamespace(STATUS_NOT_INITIALIZED=0, STATUS_IS_INITIALIZED=1, STATUS_LIMITED_MPG=2,
+                                   STATUS_FULL_MPG=3)
+
+    class Core:
+        InitStatus = status
+        up = False
+
+        def init_status(self):
+            return status.STATUS_IS_INITIALIZED if self.up else status.STATUS_NOT_INITIALIZED
+
+        def get_unique_id(self):
+            return b"uid"
+
+        def init(self, **kw):
+            self.up = True
+            log.append("init")
+
+        def finalize(self):
+            self.up = False
+            log.append("finalize")
+
+        def free_tensor(self, t):
+            log.append("free" if self.up else "free after finalize")
+
+    core = Core()
+    T.nvshmem_modules = lambda: (core, None)
+    T._cuda_core_device = lambda i: types.SimpleNamespace(set_current=lambda: None)
+    torch.cuda.is_available = lambda: True
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *a: None
+    ctl = Control(None, world)
+    first, second = T.NvshmemTransport(None, ctl), T.NvshmemTransport(None, ctl)   # two layers, in model order
+    for t in (first, second):
+        t._buf = t._sbuf = torch.empty(1)        # both ran a forward
+    first.close()
+    log.append("|")
+    second.close()
+    log.append("|")
+    again = T.NvshmemTransport(None, ctl)        # a layer built after all were closed starts it again
+    again.close()
+    log.append("|")
+    core.up = True                               # initialised by the application: never finalised here
+    T.NvshmemTransport(None, ctl).close()
+    return log
+
+
+def test_nvshmem_is_finalised_by_the_last_transport_to_close():
+    """A layer closed while others still use nvshmem (the first one built, closing in model order) must not
+    finalise it under them; the last one does, and only when this runtime initialised it."""
+    for log in run_dist(_nvshmem_users, 2, timeout_s=120):
+        assert log == ["init", "free", "free", "|", "free", "free", "finalize", "|", "init", "finalize", "|"], log
