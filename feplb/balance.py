@@ -16,6 +16,7 @@ also watches the static GEMM's end event, the deadline after which waiting would
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,45 @@ _GPU_POLL_S = 20e-6
 # on a CPU (plan_wait_ms=None: wait for the plan) a plan later than this (or than half the control group's
 # timeout) is given up (a stuck planner)
 _CPU_PLAN_CAP_S = 60.0
+
+
+class _DaemonWorker:
+    """One daemon thread running the calls submitted to it, in order (the planner's). Unlike ThreadPoolExecutor's
+    threads, which ``close()`` and the interpreter's exit join, a call that never returns (a stuck planner, which
+    its layer already gives up on) holds up neither."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((future, fn))
+        return future
+
+    def shutdown(self) -> None:
+        """Cancel what has not started and let the thread end after its current call, without waiting for it."""
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call[0].cancel()
+        self._calls.put(None)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -57,7 +97,7 @@ class Balancer:
     def __init__(self, *, plan_wait_s: float | None, device: torch.device, group_timeout_s: float | None = None):
         self.plan_wait_s = plan_wait_s
         self.cap_s = _CPU_PLAN_CAP_S if group_timeout_s is None else min(_CPU_PLAN_CAP_S, group_timeout_s / 2)
-        self.planner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-plan")
+        self.planner = _DaemonWorker("feplb-plan")
         init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
         self.copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-copy",
                                                             initializer=init[0], initargs=init[1])
@@ -93,7 +133,9 @@ class Balancer:
         return PlanResult(plan=plan, plan_us=plan_us, ready=1, error=None)
 
     def close(self) -> None:
-        self.planner.shutdown(wait=True, cancel_futures=True)
+        """Stop both threads: the copy thread once its current job (collectives its peers take part in) is done;
+        the planner without waiting for a plan still running."""
+        self.planner.shutdown()
         self.copier.shutdown(wait=True, cancel_futures=True)
 
 

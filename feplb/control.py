@@ -72,6 +72,31 @@ def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
     return None
 
 
+# The gloo groups Controls made, by (ranks, timeout): every layer over the same ranks shares one (a group per layer
+# held its sockets and threads until destroy_process_group, however many layers were closed). A group dropped by
+# destroy_process_group is made anew. One lock per group: a group's collectives, from any layer or thread, one at a
+# time.
+_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+_GROUPS_LOCK = threading.Lock()
+_LOCKS: dict[int, tuple[dist.ProcessGroup | None, threading.Lock]] = {}
+
+
+def _lock_of(group: dist.ProcessGroup | None) -> threading.Lock:
+    with _GROUPS_LOCK:
+        held = _LOCKS.get(id(group))
+        if held is None or held[0] is not group:     # (an id reused by another group)
+            held = _LOCKS[id(group)] = (group, threading.Lock())
+        return held[1]
+
+
+def _registered(group: dist.ProcessGroup) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return True
+
+
 def _speaks_gloo(group: dist.ProcessGroup | None) -> bool:
     return "gloo" in str(dist.get_backend(group))
 
@@ -100,13 +125,12 @@ class Control:
         self.world_size = world
         ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
         timeout = group_timeout(group)
-        self._created: list[dist.ProcessGroup] = []
         if _speaks_gloo(group):
             self.group = group
         else:
             # Only the EP group's ranks create it (local synchronisation): the EP group may be a subgroup of the job.
             self.group = self._new_group(ranks, timeout)
-        self._locks = {id(self.group): threading.Lock()}
+        self._locks = {id(self.group): _lock_of(self.group)}
         self._closed = False
         # Every rank must cut the group into the same nodes before any rank creates its node's group (a rank that
         # disagrees would leave its peers waiting in the group creation): agreed here, raised on every rank.
@@ -126,12 +150,17 @@ class Control:
             self.node_group = self.group
         else:
             self.node_group = self._new_group(self.node_ranks, timeout)
-        self._locks.setdefault(id(self.node_group), threading.Lock())
+        self._locks.setdefault(id(self.node_group), _lock_of(self.node_group))
 
     def _new_group(self, ranks: list[int], timeout) -> dist.ProcessGroup:
+        """The gloo group of ``ranks`` (made by them alone, or shared with an earlier Control: every rank of
+        ``ranks`` has made the same Controls over them, so they all find it or all make it)."""
+        key = (tuple(ranks), timeout)
+        g = _GROUPS.get(key)
+        if g is not None and _registered(g):
+            return g
         kw = {} if timeout is None else {"timeout": timeout}
-        g = dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **kw)
-        self._created.append(g)
+        g = _GROUPS[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True, **kw)
         return g
 
     # -- helpers ------------------------------------------------------------------------------------------------------
@@ -213,8 +242,8 @@ class Control:
 
     def close(self) -> None:
         """Stop using this control plane (local, idempotent; later calls raise RuntimeError). The gloo groups it
-        created stay registered with torch.distributed until ``destroy_process_group()``: a subgroup cannot be torn
-        down by one rank while its peers may still be inside a collective on it."""
+        uses stay, for the next Control over the same ranks, until ``destroy_process_group()``: a subgroup cannot be
+        torn down by one rank while its peers may still be inside a collective on it."""
         self._closed = True
 
     def __enter__(self) -> Control:

@@ -24,7 +24,9 @@ this rank's shards only.
 
 Checkpoints: ``model.state_dict()`` is this rank's shard (same keys, ``E / W`` experts); :func:`full_state_dict`
 gathers the shards back into the original names and shapes, so ``model.save_pretrained(d, state_dict=full)``
-writes a checkpoint that plain transformers loads. Load full checkpoints before :func:`apply`.
+writes a checkpoint that plain transformers loads. Load full checkpoints before :func:`apply`. Not through
+``torch.distributed.checkpoint``: it takes the shards, plain tensors of the same name on every rank, for replicated
+ones and keeps one rank's.
 
 Legend: T tokens on this rank, K top-k, H hidden, F expert ffn, E experts, W EP ranks, L = E / W.
 """
@@ -694,8 +696,9 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
                 new.train(mod.training)
                 new.refresh_replicas()
     except BaseException:
-        # the model is left as it was: release what the layers built so far hold (threads, hooks, copy paths)
-        for new in made.values():
+        # the model is left as it was: release what the layers built so far hold (threads, hooks, copy paths),
+        # newest first (the first layer built may own the NVSHMEM runtime the others use)
+        for new in reversed(made.values()):
             new.close()
         raise
     # Llama 4: the whole block, whose forward scales the experts' inputs, becomes FEPLB's, under each of its names

@@ -89,6 +89,20 @@ def _refreshed() -> RuntimeError:
 # The next layer number (MoELayer.layer_id) of this process.
 _NEXT_LAYER_ID = 0
 _LAYER_ID_LOCK = threading.Lock()
+# The live layers: one optimizer step hook for all of them, gone with them (a hook per layer stayed registered for
+# every layer never closed, and ran at every step of every optimizer).
+_LAYERS: weakref.WeakSet[MoELayer] = weakref.WeakSet()
+
+
+def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
+    """After any ``optimizer.step()``: a live layer whose experts it stepped, and that is not attached to it (an
+    attached one refreshes its copies itself), holds stale per-step copies."""
+    for layer in list(_LAYERS):
+        if layer not in _attached(opt) and layer._steps_experts(opt):
+            layer.replicas.stepped = True
+
+
+register_optimizer_step_post_hook(_stepped)
 
 
 class MoELayer(nn.Module):
@@ -115,11 +129,11 @@ class MoELayer(nn.Module):
             raise TypeError(f"config must be a FEPLBConfig, got {type(config).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("MoELayer needs torch.distributed initialised (init_process_group) first")
+        # the group itself, not None: a layer stays on the job it was built in (after destroy_process_group and a
+        # new init_process_group it raises instead of running on a new default group with its old ranks)
+        group = group if group is not None else dist.group.WORLD
         from feplb.sched import policies as sched_policies
         from feplb.sched.cost import CostModel
-        from feplb.sched.plan import INTRA_NODE_BASES, parse_policy
-        from feplb.sched.state import PolicyState
-        from feplb.sched.topology import Topology
 
         self._sched = sched_policies
         c = self.config = config
@@ -135,6 +149,21 @@ class MoELayer(nn.Module):
         # agrees on gpus_per_node, then the configs are compared: every check below sees the same config on every
         # rank, so a bad one raises everywhere, none waits for a peer that raised alone.
         self.control = Control(group, c.gpus_per_node)
+        try:
+            self._build(group)
+        except BaseException:
+            self.close()      # what was built so far: threads, copy path, transport, hooks
+            raise
+
+    def _build(self, group: dist.ProcessGroup | None) -> None:
+        """The rest of ``__init__``, once the Control exists (a failure here releases what was built). Its local
+        steps (parameters, buffers: an allocation may fail on one rank only) are agreed before the router's
+        broadcast: every rank raises together, none keeps a layer its peers lack."""
+        from feplb.sched.plan import INTRA_NODE_BASES, parse_policy
+        from feplb.sched.state import PolicyState
+        from feplb.sched.topology import Topology
+
+        c, W = self.config, self.world_size
         self.control.check_same(repr(dataclasses.asdict(c)).encode() + repr((W, c.gpus_per_node)).encode(),
                                 "FEPLBConfig", "every rank of the EP group must build the layer with the same config")
         # A number naming this layer alike on every rank of the group (the largest of the ranks' next numbers), sent
@@ -185,16 +214,26 @@ class MoELayer(nn.Module):
             if self.base != "none" else None
 
         H, Fd = c.hidden, c.ffn
-        self.router = None if c.router == "external" else nn.Linear(H, c.num_experts, bias=False, device=device,
-                                                                      dtype=c.dtype)
-        self._init_experts(L, H, Fd, device, c.dtype)
-        if c.router_bias:
-            self.register_buffer("router_bias", torch.zeros(c.num_experts, device=device, dtype=torch.float32))
-        else:
-            self.router_bias = None
-        self._device = device
-        # a zero-size leaf that puts every collective's backward in the graph whenever autograd records
-        self._grad_leaf = torch.zeros(0, device=device, dtype=c.dtype, requires_grad=True)
+        failed: Exception | None = None
+        try:
+            self.router = None if c.router == "external" else nn.Linear(H, c.num_experts, bias=False,
+                                                                          device=device, dtype=c.dtype)
+            self._init_experts(L, H, Fd, device, c.dtype)
+            if c.router_bias:
+                self.register_buffer("router_bias", torch.zeros(c.num_experts, device=device, dtype=torch.float32))
+            else:
+                self.router_bias = None
+            self._device = device
+            # a zero-size leaf that puts every collective's backward in the graph whenever autograd records
+            self._grad_leaf = torch.zeros(0, device=device, dtype=c.dtype, requires_grad=True)
+        except Exception as exc:    # noqa: BLE001 - agreed below, then raised on this rank as it was
+            failed = exc
+        bad = self.control.all_gather(torch.tensor([int(failed is not None)]), "layer construction")[:, 0]
+        if failed is not None:
+            raise failed
+        if bool(bad.any()):
+            raise RuntimeError(f"MoELayer: building the layer's parameters failed on EP rank(s) "
+                               f"{bad.nonzero().flatten().tolist()} (the error is raised there); no rank keeps it")
         if self.router is not None:
             with torch.no_grad():
                 dist.broadcast(self.router.weight, src=dist.get_global_rank(group, 0) if group is not None else 0,
@@ -207,14 +246,7 @@ class MoELayer(nn.Module):
         self._hooks: list = []
         self._set_placement(self.topo.default_home_E())
         self._digest_key: tuple | None = None
-        me = weakref.ref(self)
-
-        def stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
-            layer = me()
-            if layer is not None and layer not in _attached(opt) and layer._steps_experts(opt):
-                layer.replicas.stepped = True
-
-        self._opt_hook = register_optimizer_step_post_hook(stepped)
+        _LAYERS.add(self)     # an unattached optimizer stepping its experts marks its copies stale (_stepped)
         self.last_stats: LayerStats | None = None
         self.last_plan = None
         self.last_plan_inputs = None
@@ -634,16 +666,23 @@ class MoELayer(nn.Module):
             if want and not plan_first:
                 job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready, replay_plan)
         except BaseException:
-            if job is not None and replay is not None:
-                # e.g. non-reentrant checkpointing stopping a recompute early: the copy thread finishes this
-                # replay's copies before the placement it reads is restored
+            if job is not None:
+                # The copy thread finishes this forward's agreement and copies (its peers' take part in them, so
+                # this ends) before the error leaves the layer: a collective the caller runs next must not meet
+                # one still issued behind its back; and a recompute that non-reentrant checkpointing stops early
+                # must not have its placement restored under copies that read it.
                 job.static_launched()
                 concurrent.futures.wait([job.future])
             raise
         finally:
             if job is not None:
                 job.static_launched()   # (also on an error here: the copy thread must not wait for it forever)
-        p2 = job.result() if job is not None else no_phase2()
+        try:
+            p2 = job.result() if job is not None else no_phase2()
+        except BaseException:
+            if job is not None:      # (an interrupt while waiting: the same)
+                concurrent.futures.wait([job.future])
+            raise
         y_RD, tail = dynamic_and_return(self, h_RD, y_static, split, p2, slot_w, tl)
         with span(tl, "phase1_reverse"):
             y_back = all_to_all_rows(torch.cat([y_RD, tail.view(0, self.config.hidden),
@@ -819,12 +858,16 @@ class MoELayer(nn.Module):
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        for h in [self._opt_hook, *self._hooks]:
+        _LAYERS.discard(self)
+        for h in getattr(self, "_hooks", ()):
             h.remove()
-        if self._balancer is not None:
+        # (also a layer whose construction failed part way: what it got to build)
+        if getattr(self, "_balancer", None) is not None:
             self._balancer.close()
-        self.comm.copy.close()
-        self.transport.close()
+        if getattr(self, "comm", None) is not None:
+            self.comm.copy.close()
+        if getattr(self, "transport", None) is not None:
+            self.transport.close()
         self.control.close()
 
     def __enter__(self) -> MoELayer:

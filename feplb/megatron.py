@@ -796,11 +796,18 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overri
     # model as it was.
     Dispatcher = _dispatcher_class()
     made = []
-    for name, moe, cfg, cls in plans:
-        new = cls(cfg, group, moe.experts, name=f"{name}.experts" if name else "experts")
-        new.train(moe.experts.training)
-        new.refresh_replicas()
-        made.append((moe, new, Dispatcher(moe.token_dispatcher, cfg.top_k)))
+    try:
+        for name, moe, cfg, cls in plans:
+            new = cls(cfg, group, moe.experts, name=f"{name}.experts" if name else "experts")
+            made.append((moe, new, None))
+            new.train(moe.experts.training)
+            new.refresh_replicas()
+            made[-1] = (moe, new, Dispatcher(moe.token_dispatcher, cfg.top_k))
+    except BaseException:
+        # the model is left as it was: release what the layers built so far hold (threads, copy paths), newest first
+        for _, new, _ in reversed(made):
+            new.close()
+        raise
     for moe, new, dispatcher in made:
         moe.experts = new
         moe.token_dispatcher = dispatcher

@@ -205,10 +205,15 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
     sends = rex.sends_of({j: y_hosted[j] for j in lay.hosted})
     ready = ready_event(h_RD)
     pending = rex.start(sends, layer._balancer.copier, ready=ready) if rex.active else None
-    with span(tl, "dynamic_gemm"):
-        kept = h_RD.index_select(0, to_device(lay.kept_idx, dev))
-        y_kept = expert_mlp(kept, slot_w.gemm(), to_device(np.cumsum(lay.kept_L), dev), *c.glu) \
-            if lay.kept_idx.size else h_RD[:0]
+    try:
+        with span(tl, "dynamic_gemm"):
+            kept = h_RD.index_select(0, to_device(lay.kept_idx, dev))
+            y_kept = expert_mlp(kept, slot_w.gemm(), to_device(np.cumsum(lay.kept_L), dev), *c.glu) \
+                if lay.kept_idx.size else h_RD[:0]
+    except BaseException:
+        if pending is not None:   # the copy thread's results-home exchange ends before the error leaves
+            concurrent.futures.wait([pending])
+        raise
     with span(tl, "copy_results", "copy"):
         ret = rex(sends, layer._anchor(y_static), pending=pending)
     with span(tl, "assemble"):

@@ -26,7 +26,8 @@ torchtitan's ``parallelize`` functions do not know these shards and must not sha
 with every FEPLB layer: :func:`reduce_replica_grads` before ``optimizer.step()`` (and clipping),
 :func:`refresh_replicas` after it, or :func:`attach_optimizer`; :func:`clip_grad_norm_` clips by the whole
 model's norm. Checkpoints: the model's ``state_dict()`` is this rank's shard, :func:`full_state_dict` the original
-names and shapes.
+names and shapes; not torchtitan's ``CheckpointManager`` (``torch.distributed.checkpoint`` takes the shards, plain
+tensors of the same name on every rank, for replicated ones and keeps one rank's).
 Activation checkpointing of whole blocks (non-reentrant ``torch.utils.checkpoint``, what torchtitan's ``full`` and
 per-layer modes wrap blocks in) replays each forward exactly; torch's selective activation checkpointing
 (torchtitan's op-level mode) is refused by the layer, on every rank.
@@ -359,15 +360,21 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
     # Every layer is built (collective) before the first module is swapped: a layer that cannot be built leaves the
     # model as it was.
     made: dict[int, FEPLBRoutedExperts] = {}
-    for name, moe, key in plans:
-        if key not in made:
-            inner = moe.routed_experts.inner_experts
-            cls = _class_of(inner)
-            new = cls(configs[key], group, *(getattr(inner, p) for p in cls._names),
-                      name=f"{name}.routed_experts" if name else "routed_experts")
-            new.train(moe.routed_experts.training)
-            new.refresh_replicas()
-            made[key] = new
+    try:
+        for name, moe, key in plans:
+            if key not in made:
+                inner = moe.routed_experts.inner_experts
+                cls = _class_of(inner)
+                made[key] = new = cls(configs[key], group, *(getattr(inner, p) for p in cls._names),
+                                      name=f"{name}.routed_experts" if name else "routed_experts")
+                new.train(moe.routed_experts.training)
+                new.refresh_replicas()
+    except BaseException:
+        # the model is left as it was: release what the layers built so far hold (threads, copy paths), newest
+        # first (the first layer built may own the NVSHMEM runtime the others use)
+        for new in reversed(made.values()):
+            new.close()
+        raise
     for _, moe, key in plans:
         moe.routed_experts = made[key]
     return [f"{name}.routed_experts" if name else "routed_experts" for name, _, _ in plans]

@@ -245,3 +245,123 @@ def test_faults_and_bad_input():
         if rank != 3:
             assert res["stall"] is not None and "all_gather of expert counts" in res["stall"], res["stall"]
             assert res["stall"].startswith(("TimeoutError", "RuntimeError")), res["stall"]
+
+
+def _feplb_threads():
+    import threading
+
+    return sorted(t.name.split("_")[0] for t in threading.enumerate() if t.name.startswith("feplb"))
+
+
+def _lifecycle_worker(rank, world):
+    """Faults around a layer's life, each followed by what the caller does next (see the test)."""
+    import datetime
+    import gc
+    import time
+
+    import torch.distributed as dist
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    from feplb import MoELayer
+    from feplb import layer as layer_mod
+    from feplb.testing import free_port
+
+    res = {}
+    # 1. Building the parameters fails on rank 1 only (out of memory): every rank raises at once, none keeps a
+    # layer, and the threads it started are gone.
+    threads, hooks = _feplb_threads(), len(_global_optimizer_post_hooks)
+    build = MoELayer._init_experts
+
+    def fail(self, *a):
+        raise MemoryError("injected: out of memory building the experts")
+
+    if rank == 1:
+        MoELayer._init_experts = fail
+    t0 = time.perf_counter()
+    res["init"] = error_of(lambda: _layer(rank, world, 1, policy="feplb-split"))
+    res["init_s"] = time.perf_counter() - t0
+    MoELayer._init_experts = build
+    for _ in range(50):
+        if _feplb_threads() == threads:
+            break
+        time.sleep(0.05)
+    res["init_threads"] = (threads, _feplb_threads())
+
+    # 2. The static GEMM fails on every rank while rank 0's plan is late: the error leaves the layer only once the
+    # copy thread's agreement and copies are done, so the caller's next collective meets its peers' own.
+    layer, x = _layer(rank, world, 1, gpus_per_node=4, policy="feplb-split", weights="per-microbatch",
+                      plan_wait_ms=60_000, min_straggler_rows=0)
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("injected: out of memory in the static GEMM")
+
+    layer._static_gemm = oom
+    if rank == 0:
+        _delay_next_plan(layer, 1.0)
+    with torch.no_grad():
+        res["gemm"] = error_of(lambda: layer(x))
+    time.sleep(0.0 if rank == 0 else 0.3)
+    vote = torch.tensor([1, 10 * rank, 7])
+    dist.all_reduce(vote)
+    res["vote"] = vote.tolist()
+    del layer._static_gemm
+    with torch.no_grad():
+        res["gemm_after"] = error_of(lambda: layer(x))
+    layer.close()
+
+    # 3. A planner stuck for good (its rank computes at home): close() does not wait for it.
+    layer, x = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", min_straggler_rows=0)
+    if rank == 0:
+        _delay_next_plan(layer, 3600.0)
+    with torch.no_grad():
+        layer(x)
+    res["stuck_fell_back"] = layer.last_stats.fell_back
+    t0 = time.perf_counter()
+    layer.close()
+    res["close_s"] = time.perf_counter() - t0
+
+    # 4. Layers never closed leave no optimizer hook behind; a closed or collected layer is forgotten ...
+    made = [_layer(rank, world, 1, policy="feplb-split")[0] for _ in range(3)]
+    res["hooks"] = (hooks, len(_global_optimizer_post_hooks), len(layer_mod._LAYERS))
+    # ... and layers over the same ranks share their node's control group (one per layer held its sockets for good)
+    res["shared_group"] = len({id(m.control.node_group) for m in made}) == 1 and made[0].control.node_group is not \
+        made[0].control.group
+    made[0].close()
+    del made
+    gc.collect()
+    res["forgotten"] = len(layer_mod._LAYERS)
+
+    # 5. The default group is destroyed and another made, its ranks in reverse order: a layer built on the first
+    # still runs on it (the group it was built with), not on the new default group with its old rank numbers.
+    layer, x = _layer(rank, world, 1, policy="feplb-split", min_straggler_rows=0)
+    with torch.no_grad():
+        before = layer(x)
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port[0]}", rank=world - 1 - rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=8))
+    with torch.no_grad():
+        res["old_group"] = error_of(lambda: res.__setitem__("old_group_same", torch.equal(layer(x), before)))
+    return res
+
+
+def test_lifecycle_faults():
+    results = run_dist(_lifecycle_worker, 4, timeout_s=180, collective_timeout_s=8)
+    for rank, res in enumerate(results):
+        if rank == 1:
+            assert res["init"].startswith("MemoryError: injected"), res["init"]
+        else:
+            assert res["init"].startswith("RuntimeError") and "EP rank(s) [1]" in res["init"], res["init"]
+        assert res["init_s"] < 4.0, res["init_s"]          # agreed at once, not after the 8 s timeout
+        assert res["init_threads"][0] == res["init_threads"][1], res["init_threads"]
+        assert res["gemm"].startswith("OutOfMemoryError: injected"), res["gemm"]
+        assert res["vote"] == [4, 60, 28], (rank, res["vote"])
+        assert res["gemm_after"] is None, res["gemm_after"]
+        assert res["stuck_fell_back"] == (rank < 2), (rank, res["stuck_fell_back"])
+        assert res["close_s"] < 2.0, (rank, res["close_s"])
+        before, during, live = res["hooks"]
+        assert during == before and live == 3, res["hooks"]
+        assert res["forgotten"] == 0, res["forgotten"]
+        assert res["shared_group"], rank
+        assert res["old_group"] is None and res["old_group_same"], (rank, res["old_group"])
