@@ -19,6 +19,7 @@ import concurrent.futures
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,26 +38,19 @@ _CPU_PLAN_CAP_S = 60.0
 class _DaemonWorker:
     """One daemon thread running the calls submitted to it, in order (the planner's). Unlike ThreadPoolExecutor's
     threads, which ``close()`` and the interpreter's exit join, a call that never returns (a stuck planner, which
-    its layer already gives up on) holds up neither."""
+    its layer already gives up on) holds up neither. The thread starts at the first call and ends when the worker
+    is shut down or collected; it keeps no reference to a call it has done (to its layer)."""
 
     def __init__(self, name: str):
+        self._name = name
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, fn = call
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+        self._thread: threading.Thread | None = None
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        if self._thread is None:
+            self._thread = threading.Thread(target=_serve, args=(self._calls,), name=self._name, daemon=True)
+            self._thread.start()
+            weakref.finalize(self, self._calls.put, None)   # (the thread holds the queue, never the worker)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._calls.put((future, fn))
         return future
@@ -71,6 +65,22 @@ class _DaemonWorker:
             if call is not None:
                 call[0].cancel()
         self._calls.put(None)
+
+
+def _serve(calls: queue.SimpleQueue) -> None:
+    while (call := calls.get()) is not None:
+        future, fn = call
+        del call
+        if future.set_running_or_notify_cancel():
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+                del exc
+            else:
+                future.set_result(result)
+                del result
+        del future, fn
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

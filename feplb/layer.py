@@ -44,6 +44,7 @@ import math
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -184,16 +185,21 @@ class MoELayer(nn.Module):
                              dyn=min(c.dyn, L) if self.base != "none" else 0)
         backend = dist.get_backend(group)
         on_gpu = c.device == "cuda" or (c.device == "auto" and ("nccl" in backend or c.transport == "nvshmem"))
-        if on_gpu and not torch.cuda.is_available():
-            raise RuntimeError(f"FEPLBConfig.device={c.device!r} (transport {c.transport!r}, backend {backend!r}) "
-                               "needs a CUDA GPU, and none is available")
-        if not on_gpu and backend == "nccl":   # (a "cpu:gloo,cuda:nccl" group carries both)
-            raise ValueError("FEPLBConfig.device='cpu' cannot run over an NCCL group (NCCL moves CUDA tensors only)")
+
+        def device_of() -> torch.device:
+            if on_gpu and not torch.cuda.is_available():
+                raise RuntimeError(f"FEPLBConfig.device={c.device!r} (transport {c.transport!r}, backend "
+                                   f"{backend!r}) needs a CUDA GPU, and none is available")
+            if not on_gpu and backend == "nccl":   # (a "cpu:gloo,cuda:nccl" group carries both)
+                raise ValueError("FEPLBConfig.device='cpu' cannot run over an NCCL group (NCCL moves CUDA tensors "
+                                 "only)")
+            return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+
+        device = self._agreed("finding the layer's device", device_of)
         if on_gpu and c.dtype == torch.float32:
             warnings.warn("FEPLBConfig.dtype=float32 on CUDA: outside torch.autocast the experts' GEMMs run on FMA "
                           "units, not tensor cores; use dtype=torch.bfloat16, or run the layer inside torch.autocast",
                           stacklevel=2)
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.transport = make_transport(c.transport, group, self.control)
         self.node_ranks = self.control.node_ranks
         copy = make_copy_engine(c.copy_path, device, self.control, transport_kind=c.transport)
@@ -209,13 +215,13 @@ class MoELayer(nn.Module):
         self._min_straggler = c.min_straggler_rows if c.min_straggler_rows is not None else self._cost.knee_rows
         wait = c.plan_wait_ms if c.plan_wait_ms is not None else (0.0 if on_gpu else None)
         limit = group_timeout(self.control.group)
-        self._balancer = Balancer(plan_wait_s=None if wait is None else wait / 1e3, device=device,
-                                  group_timeout_s=None if limit is None else limit.total_seconds()) \
-            if self.base != "none" else None
 
-        H, Fd = c.hidden, c.ffn
-        failed: Exception | None = None
-        try:
+        def local() -> None:
+            # threads, parameters, buffers: what may fail on one rank only (an allocation, a thread)
+            self._balancer = Balancer(plan_wait_s=None if wait is None else wait / 1e3, device=device,
+                                      group_timeout_s=None if limit is None else limit.total_seconds()) \
+                if self.base != "none" else None
+            H, Fd = c.hidden, c.ffn
             self.router = None if c.router == "external" else nn.Linear(H, c.num_experts, bias=False,
                                                                           device=device, dtype=c.dtype)
             self._init_experts(L, H, Fd, device, c.dtype)
@@ -226,14 +232,9 @@ class MoELayer(nn.Module):
             self._device = device
             # a zero-size leaf that puts every collective's backward in the graph whenever autograd records
             self._grad_leaf = torch.zeros(0, device=device, dtype=c.dtype, requires_grad=True)
-        except Exception as exc:    # noqa: BLE001 - agreed below, then raised on this rank as it was
-            failed = exc
-        bad = self.control.all_gather(torch.tensor([int(failed is not None)]), "layer construction")[:, 0]
-        if failed is not None:
-            raise failed
-        if bool(bad.any()):
-            raise RuntimeError(f"MoELayer: building the layer's parameters failed on EP rank(s) "
-                               f"{bad.nonzero().flatten().tolist()} (the error is raised there); no rank keeps it")
+            self._set_placement(self.topo.default_home_E())
+
+        self._agreed("building the layer", local)
         if self.router is not None:
             with torch.no_grad():
                 dist.broadcast(self.router.weight, src=dist.get_global_rank(group, 0) if group is not None else 0,
@@ -244,13 +245,30 @@ class MoELayer(nn.Module):
         self._records = Records()
         self.replicas = Replicas(self)
         self._hooks: list = []
-        self._set_placement(self.topo.default_home_E())
         self._digest_key: tuple | None = None
         _LAYERS.add(self)     # an unattached optimizer stepping its experts marks its copies stale (_stepped)
         self.last_stats: LayerStats | None = None
         self.last_plan = None
         self.last_plan_inputs = None
         self.last_timeline: Timeline | None = None
+
+    def _agreed(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, local steps that may fail on one rank only (no GPU there, an allocation, a thread), then one
+        all-gather: if any rank's failed, every rank raises together (that rank its own error), none goes on to a
+        collective its peer will never join, nor keeps a layer its peer lacks."""
+        failed: Exception | None = None
+        out = None
+        try:
+            out = fn()
+        except Exception as exc:    # noqa: BLE001 - agreed below, then raised on this rank as it was
+            failed = exc
+        bad = self.control.all_gather(torch.tensor([int(failed is not None)]), what)[:, 0]
+        if failed is not None:
+            raise failed
+        if bool(bad.any()):
+            raise RuntimeError(f"MoELayer: {what} failed on EP rank(s) {bad.nonzero().flatten().tolist()} (the "
+                               "error is raised there); no rank keeps the layer")
+        return out
 
     # ------------------------------------------------------------------------------------------------ experts
     def _init_experts(self, L: int, H: int, F_: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -335,10 +353,17 @@ class MoELayer(nn.Module):
         """``reduce_replica_grads()`` from the step pre-hook. A GradScaler stepping a fused optimizer has set
         ``found_inf`` by then, from the owners' gradients alone: copies still holding gradients there would be
         stepped scaled (non-finite ones unseen), so that raises on every rank."""
-        self._reduce_replica_grads(
-            None if not hasattr(optimizer, "found_inf") else
-            "a torch.amp.GradScaler unscaled and checked the gradients before the replica gradients were reduced "
-            "into them; pass the scaler: attach_optimizer(optimizer, scaler=scaler)")
+        scaled = hasattr(optimizer, "found_inf")
+        try:
+            self._reduce_replica_grads(
+                None if not scaled else
+                "a torch.amp.GradScaler unscaled and checked the gradients before the replica gradients were "
+                "reduced into them; pass the scaler: attach_optimizer(optimizer, scaler=scaler)")
+        except BaseException:
+            if scaled:   # GradScaler.step removes them only after a step; a retry would multiply the scale again
+                optimizer.__dict__.pop("grad_scale", None)
+                optimizer.__dict__.pop("found_inf", None)
+            raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, and ``zero_replica_grads()``."""
@@ -909,7 +934,8 @@ def ignore_experts_in_ddp(module: nn.Module) -> list[str]:
 def _attached(optimizer: torch.optim.Optimizer) -> list[MoELayer]:
     """The live layers attached to ``optimizer``, in the order they were attached (the same on every rank: the
     order their collectives run in)."""
-    return [lay for ref in optimizer.__dict__.get("_feplb_layers", ()) if (lay := ref()) is not None]
+    return [lay for ref in optimizer.__dict__.get("_feplb_layers", ())
+            if (lay := ref()) is not None and not getattr(lay, "_closed", False)]
 
 
 def _attach(optimizer: torch.optim.Optimizer, layer: MoELayer) -> None:
@@ -933,32 +959,27 @@ def _attach(optimizer: torch.optim.Optimizer, layer: MoELayer) -> None:
     refs[:] = [r for r in refs if r() is not None] + [weakref.ref(layer)]
 
 
-def _reduce_before_unscale(scaler: torch.amp.GradScaler) -> None:
-    """Make ``scaler.unscale_(opt)`` and ``scaler.step(opt)`` first reduce the replica gradients of the layers
-    attached to ``opt`` (a reduction that finds nothing to add sends nothing), and make its inf / NaN check of
-    ``opt``'s gradients agreed over those layers' groups: an owner whose experts' gradients overflowed skips the
-    step, and so must every rank whose replicas it refreshes with (once per scaler)."""
-    if scaler.__dict__.get("_feplb_reduces"):
-        return
-    inner_unscale, inner_step = scaler.unscale_, scaler.step
-    inner_check = getattr(scaler, "_unscale_grads_", None)
-    if inner_check is None:
-        raise TypeError(f"MoELayer.attach_optimizer: {type(scaler).__name__} has no _unscale_grads_ (the inf / NaN "
-                        "check of torch.amp.GradScaler) to agree over the EP group")
+class _ReducingScaler:
+    """Mixed into a ``torch.amp.GradScaler`` passed to ``attach_optimizer`` (its class swapped for one with this
+    first, so that it still pickles): ``unscale_(opt)`` and ``step(opt)`` first reduce the replica gradients of the
+    layers attached to ``opt`` (a reduction that finds nothing to add sends nothing), and the inf / NaN check of
+    ``opt``'s gradients is agreed over those layers' groups: an owner whose experts' gradients overflowed skips the
+    step, and so must every rank whose replicas it refreshes with. Pickled or deep-copied, it is the plain scaler
+    again (attach the copy to use it so)."""
 
-    def unscale_(optimizer: torch.optim.Optimizer) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         for lay in _attached(optimizer):
             lay.reduce_replica_grads()
-        return inner_unscale(optimizer)
+        return super().unscale_(optimizer)
 
-    def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         for lay in _attached(optimizer):
             lay.reduce_replica_grads()
-        return inner_step(optimizer, *args, **kwargs)
+        return super().step(optimizer, *args, **kwargs)
 
-    def check(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-              allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        per_device = inner_check(optimizer, inv_scale, found_inf, allow_fp16)
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         layers, groups = _attached(optimizer), []
         if layers:
             bad = any(bool(v.item()) for v in per_device.values())
@@ -974,6 +995,29 @@ def _reduce_before_unscale(scaler: torch.amp.GradScaler) -> None:
                     per_device[found_inf.device] = torch.ones_like(found_inf)
         return per_device
 
-    unscale_.__doc__, step.__doc__ = inner_unscale.__doc__, inner_step.__doc__
-    scaler.unscale_, scaler.step, scaler._unscale_grads_ = unscale_, step, check
-    scaler._feplb_reduces = True
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        return _plain_scaler, (type(self)._feplb_base, self.__getstate__())
+
+
+_REDUCING: dict[type, type] = {}
+
+
+def _plain_scaler(base: type, state: dict) -> torch.amp.GradScaler:
+    scaler = base.__new__(base)
+    scaler.__setstate__(state)
+    return scaler
+
+
+def _reduce_before_unscale(scaler: torch.amp.GradScaler) -> None:
+    """Make ``scaler`` a :class:`_ReducingScaler` (once)."""
+    if isinstance(scaler, _ReducingScaler):
+        return
+    base = type(scaler)
+    if not hasattr(base, "_unscale_grads_"):
+        raise TypeError(f"MoELayer.attach_optimizer: {base.__name__} has no _unscale_grads_ (the inf / NaN check "
+                        "of torch.amp.GradScaler) to agree over the EP group")
+    cls = _REDUCING.get(base)
+    if cls is None:
+        cls = _REDUCING[base] = type(f"FEPLB{base.__name__}", (_ReducingScaler, base),
+                                         {"__module__": __name__, "_feplb_base": base})
+    scaler.__class__ = cls

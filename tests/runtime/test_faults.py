@@ -321,15 +321,24 @@ def _lifecycle_worker(rank, world):
     res["close_s"] = time.perf_counter() - t0
 
     # 4. Layers never closed leave no optimizer hook behind; a closed or collected layer is forgotten ...
-    made = [_layer(rank, world, 1, policy="feplb-split")[0] for _ in range(3)]
+    threads = ["feplb-plan"] if rank == 0 else []   # rank 0's stuck planner thread sleeps on (a daemon)
+    made = [_layer(rank, world, 1, policy="feplb-split", min_straggler_rows=0)[0] for _ in range(3)]
+    for m in made:
+        with torch.no_grad():
+            m(x)                 # (its planner thread has run a plan of it)
     res["hooks"] = (hooks, len(_global_optimizer_post_hooks), len(layer_mod._LAYERS))
     # ... and layers over the same ranks share their node's control group (one per layer held its sockets for good)
     res["shared_group"] = len({id(m.control.node_group) for m in made}) == 1 and made[0].control.node_group is not \
         made[0].control.group
     made[0].close()
-    del made
+    del made, m
     gc.collect()
     res["forgotten"] = len(layer_mod._LAYERS)
+    for _ in range(100):         # the collected layers' threads end (the closed ones' too)
+        if _feplb_threads() == threads:
+            break
+        time.sleep(0.05)
+    res["threads_after"] = (threads, _feplb_threads())
 
     # 5. The default group is destroyed and another made, its ranks in reverse order: a layer built on the first
     # still runs on it (the group it was built with), not on the new default group with its old rank numbers.
@@ -364,4 +373,5 @@ def test_lifecycle_faults():
         assert during == before and live == 3, res["hooks"]
         assert res["forgotten"] == 0, res["forgotten"]
         assert res["shared_group"], rank
+        assert res["threads_after"][0] == res["threads_after"][1], res["threads_after"]
         assert res["old_group"] is None and res["old_group_same"], (rank, res["old_group"])

@@ -213,7 +213,30 @@ def _scaled_training(rank, res):
     bal.refresh_replicas()
     scaler.scale(bal(x).pow(2).mean()).backward()
     res["unpassed"] = error_of(lambda opt=opt: scaler.step(opt))
+    res["unpassed_clean"] = not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")   # for a retry
     bal.close()
+
+    # a scaler attached with a layer since closed (the rest of the model trains on); pickled and copied: plain again
+    import copy
+    import pickle
+
+    dense = torch.nn.Parameter(torch.ones(3))
+    bal = _layer(2, policy="feplb-split@ema", weights="per-step")[0]
+    opt = torch.optim.SGD([*bal.parameters(), dense], lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    bal.attach_optimizer(opt, scaler=scaler)
+    with torch.no_grad():
+        bal(x)
+    bal.refresh_replicas()
+    scaler.scale(bal(x).pow(2).mean() + dense.sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    bal.close()
+    scaler.scale(dense.sum()).backward()
+    res["after_close"] = error_of(lambda opt=opt: (scaler.step(opt), scaler.update()))
+    res["copies"] = [(type(c).__name__, c.get_scale()) for c in (pickle.loads(pickle.dumps(scaler)),
+                                                                  copy.deepcopy(scaler))]
 
     # attached optimizer garbage collected, a new unattached fused one at its address: stale replicas still caught
     bal = _layer(2, policy="feplb-split@ema", weights="per-step")[0]
@@ -351,6 +374,9 @@ def test_grad_scaler_and_optimizer_identity():
     for rank, res in enumerate(results):
         assert res["unpassed"] is not None and "attach_optimizer(optimizer, scaler=scaler)" in res["unpassed"], \
             (rank, res["unpassed"])
+        assert res["unpassed_clean"], rank
+        assert res["after_close"] is None, (rank, res["after_close"])
+        assert res["copies"] == [("GradScaler", 1024.0)] * 2, res["copies"]
         assert res["reused"], "CPython handed out the freed optimizer's address again"
         assert res["reused_stale"] is not None and "refresh_replicas" in res["reused_stale"], res["reused_stale"]
 
