@@ -57,7 +57,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from feplb.balance import Balancer, timed_plan
 from feplb.config import FEPLBConfig, LayerStats, forward_problem
 from feplb.control import Control, group_timeout
-from feplb.copy import make_copy_engine
+from feplb.copy import release_copy_engine, shared_copy_engine
 from feplb.direct import forward_direct
 from feplb.dispatch import PeerComm, all_to_all_rows
 from feplb.experts import expert_mlp, ready_event, span, to_device
@@ -72,7 +72,7 @@ from feplb.recompute import Record, Records, checkpoint_frame, hooks_active, in_
 from feplb.replicas import Placement, Replicas, state_digest, state_fingerprint
 from feplb.steps import Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
-from feplb.transport import make_transport
+from feplb.transport import release_transport, shared_transport
 
 __all__ = ["DirectLayout", "FEPLBConfig", "LayerStats", "MoELayer", "direct_layout", "expert_mlp",
            "ignore_experts_in_ddp"]
@@ -130,8 +130,8 @@ class MoELayer(nn.Module):
             raise TypeError(f"config must be a FEPLBConfig, got {type(config).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("MoELayer needs torch.distributed initialised (init_process_group) first")
-        # the group itself, not None: a layer stays on the job it was built in (after destroy_process_group and a
-        # new init_process_group it raises instead of running on a new default group with its old ranks)
+        # the group itself, not None: a layer stays on the group it was built on (after destroy_process_group and a
+        # new init_process_group, not on the new default group with its old rank numbers)
         group = group if group is not None else dist.group.WORLD
         from feplb.sched import policies as sched_policies
         from feplb.sched.cost import CostModel
@@ -156,7 +156,7 @@ class MoELayer(nn.Module):
             self.close()      # what was built so far: threads, copy path, transport, hooks
             raise
 
-    def _build(self, group: dist.ProcessGroup | None) -> None:
+    def _build(self, group: dist.ProcessGroup) -> None:
         """The rest of ``__init__``, once the Control exists (a failure here releases what was built). Its local
         steps (parameters, buffers: an allocation may fail on one rank only) are agreed before the router's
         broadcast: every rank raises together, none keeps a layer its peers lack."""
@@ -200,10 +200,12 @@ class MoELayer(nn.Module):
             warnings.warn("FEPLBConfig.dtype=float32 on CUDA: outside torch.autocast the experts' GEMMs run on FMA "
                           "units, not tensor cores; use dtype=torch.bfloat16, or run the layer inside torch.autocast",
                           stacklevel=2)
-        self.transport = make_transport(c.transport, group, self.control)
+        self.transport = shared_transport(c.transport, group, self.control)
         self.node_ranks = self.control.node_ranks
-        copy = make_copy_engine(c.copy_path, device, self.control, transport_kind=c.transport)
-        self.comm = PeerComm(self.transport, copy, c.gpus_per_node)
+        # shared with the process's other layers over these ranks, given back by close(): a layer never closed keeps
+        # its share (closing may be collective, and a collection happens at different times on different ranks)
+        self._copy = shared_copy_engine(c.copy_path, device, self.control, transport_kind=c.transport)
+        self.comm = PeerComm(self.transport, self._copy, c.gpus_per_node)
         self.state = PolicyState(topo=self.topo, policy=c.policy, refresh_every=c.refresh_every) \
             if (self.base != "none" or self.place) else None
         # The slow decisions the layer executes (placement, @ema sets, EPLB replicas): the policy state as of the
@@ -237,8 +239,7 @@ class MoELayer(nn.Module):
         self._agreed("building the layer", local)
         if self.router is not None:
             with torch.no_grad():
-                dist.broadcast(self.router.weight, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                               group=group)
+                dist.broadcast(self.router.weight, src=dist.get_global_rank(group, 0), group=group)
         self._recv_buf: torch.Tensor | None = None
         self._recv_grew = False
         # what forwards that activation checkpointing may recompute decided (feplb.recompute)
@@ -889,10 +890,11 @@ class MoELayer(nn.Module):
         # (also a layer whose construction failed part way: what it got to build)
         if getattr(self, "_balancer", None) is not None:
             self._balancer.close()
-        if getattr(self, "comm", None) is not None:
-            self.comm.copy.close()
+        # the copy path first: an NVSHMEM one frees its buffers before the transport may finalise NVSHMEM
+        if getattr(self, "_copy", None) is not None:
+            release_copy_engine(self._copy)
         if getattr(self, "transport", None) is not None:
-            self.transport.close()
+            release_transport(self.transport)
         self.control.close()
 
     def __enter__(self) -> MoELayer:
@@ -968,13 +970,11 @@ class _ReducingScaler:
     again (attach the copy to use it so)."""
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        for lay in _attached(optimizer):
-            lay.reduce_replica_grads()
+        _reduce_attached(optimizer)
         return super().unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        for lay in _attached(optimizer):
-            lay.reduce_replica_grads()
+        _reduce_attached(optimizer)
         return super().step(optimizer, *args, **kwargs)
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
@@ -1000,6 +1000,11 @@ class _ReducingScaler:
 
 
 _REDUCING: dict[type, type] = {}
+
+
+def _reduce_attached(optimizer: torch.optim.Optimizer) -> None:
+    for lay in _attached(optimizer):     # (in the order attached: the same on every rank)
+        lay.reduce_replica_grads()
 
 
 def _plain_scaler(base: type, state: dict) -> torch.amp.GradScaler:

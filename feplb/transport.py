@@ -20,7 +20,8 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -337,6 +338,65 @@ class NvshmemTransport(Transport):
         # The buffers are reused by the next call; no rank may overwrite them before everyone copied out.
         self._bind.barrier_all_on_stream(h)
         return res
+
+
+class Shares:
+    """What the layers of a process share, by key (a transport's or a copy path's buffers, which grow to the
+    largest exchange and never shrink: one per layer summed those over the model's depth). The first user makes it,
+    the last to give it back (``close()`` of the layers) closes it. Every rank of a group builds and closes its
+    layers in the same order, so all of them find a shared object, or make it together (collective), alike; a layer
+    never closed keeps its share for good (a garbage collection, which happens at different times on different
+    ranks, must not decide that). The layers' exchanges never overlap: a layer's forward and backward wait for
+    their own before returning."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple, list] = {}
+
+    def take(self, key: tuple, make: Callable[[], tuple[Any, Callable[[], None]]]) -> Any:
+        """The object under ``key``, made by ``make() -> (object, its close)`` if there is none."""
+        held = self._held.get(key)
+        if held is None:
+            obj, close = make()
+            held = self._held[key] = [obj, close, 0]
+        held[2] += 1
+        return held[0]
+
+    def give(self, obj: Any) -> bool:
+        """One user less of ``obj``; the last one closes it. False: ``obj`` is not shared here."""
+        for key, held in list(self._held.items()):
+            if held[0] is obj:
+                held[2] -= 1
+                if held[2] <= 0:
+                    del self._held[key]
+                    held[1]()
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+_SHARED_TRANSPORTS = Shares()
+
+
+def shared_transport(name: str, group: dist.ProcessGroup, control: Control) -> Transport:
+    """``make_transport``'s transport for a layer: the NVSHMEM one (symmetric buffers) shared by the layers of this
+    process over the same group, with its own Control (collective when made); the torch one, which holds no
+    buffers, made anew. Give it back with :func:`release_transport`."""
+    if name != "nvshmem":
+        return make_transport(name, group, control)
+
+    def make() -> tuple[Transport, Callable[[], None]]:
+        t = NvshmemTransport(group, None)
+        return t, t.close
+
+    return _SHARED_TRANSPORTS.take((name, group), make)
+
+
+def release_transport(transport: Transport) -> None:
+    """A layer's :func:`shared_transport` given back (closed with its last user; one not shared, at once)."""
+    if not _SHARED_TRANSPORTS.give(transport):
+        transport.close()
 
 
 def make_transport(name: str, group: dist.ProcessGroup | None = None, control: Control | None = None) -> Transport:

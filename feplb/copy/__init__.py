@@ -37,10 +37,18 @@ from feplb.copy.nccl import NcclCopyEngine
 from feplb.copy.nvshmem import NvshmemCopyEngine
 from feplb.copy.peer import PeerInboxEngine
 from feplb.copy.shm import ShmCopyEngine
-from feplb.transport import NVSHMEM_HINT, TRANSPORTS, nvshmem_initialized, nvshmem_modules, nvshmem_shared_gpu
+from feplb.transport import (
+    NVSHMEM_HINT,
+    TRANSPORTS,
+    Shares,
+    nvshmem_initialized,
+    nvshmem_modules,
+    nvshmem_shared_gpu,
+)
 
 __all__ = ["COPY_KINDS", "CopyEngine", "GlooCopyEngine", "IpcCopyEngine", "NcclCopyEngine", "NvshmemCopyEngine",
-           "PeerInboxEngine", "PeerMemoryUnavailable", "ShmCopyEngine", "make_copy_engine"]
+           "PeerInboxEngine", "PeerMemoryUnavailable", "ShmCopyEngine", "make_copy_engine", "release_copy_engine",
+           "shared_copy_engine"]
 
 COPY_KINDS = ("auto", "gloo", "shm", "nvshmem", "ipc", "nccl")
 _CPU_KINDS = ("gloo", "shm")
@@ -108,3 +116,40 @@ def make_copy_engine(kind: str, device: torch.device | str, control: Control, *,
     except PeerMemoryUnavailable as exc:
         warnings.warn(f"feplb: falling back to the nccl copy path: {exc}", RuntimeWarning, stacklevel=2)
         return NcclCopyEngine(control, device)
+
+
+_SHARED = Shares()     # the layers' engines, one per (kind, device, EP group ranks, node), each with its own Control
+
+
+def shared_copy_engine(kind: str, device: torch.device | str, control: Control, *,
+                       transport_kind: str = "torch") -> CopyEngine:
+    """``make_copy_engine``'s engine for a layer, shared with the other layers of this process over the same ranks
+    (``feplb.transport.Shares``; collective inside the EP group when it makes one). Give it back with
+    :func:`release_copy_engine`, not ``close()``."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    def make() -> tuple[CopyEngine, object]:
+        own = Control(control.ep_group, control.gpus_per_node)
+        try:
+            engine = make_copy_engine(kind, device, own, transport_kind=transport_kind)
+        except BaseException:
+            own.close()
+            raise
+
+        def close() -> None:
+            engine.close()
+            own.close()
+
+        return engine, close
+
+    # (the group itself: one made after destroy_process_group is another, whatever its ranks)
+    key = (kind, transport_kind, str(device), control.ep_group, tuple(control.node_ranks))
+    return _SHARED.take(key, make)
+
+
+def release_copy_engine(engine: CopyEngine) -> None:
+    """A layer's :func:`shared_copy_engine` given back (closed with its last user; one not shared, at once)."""
+    if not _SHARED.give(engine):
+        engine.close()

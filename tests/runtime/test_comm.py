@@ -226,6 +226,14 @@ def _nvshmem_users(rank, world):
     again = T.NvshmemTransport(None, ctl)        # a layer built after all were closed starts it again
     again.close()
     log.append("|")
+    group = torch.distributed.group.WORLD        # layers share one transport: one pair of buffers, not one each
+    first, second = T.shared_transport("nvshmem", group, ctl), T.shared_transport("nvshmem", group, ctl)
+    log.append(first is second)
+    first._buf = first._sbuf = torch.empty(1)
+    T.release_transport(first)
+    log.append("|")
+    T.release_transport(second)
+    log.append("|")
     core.up = True                               # initialised by the application: never finalised here
     T.NvshmemTransport(None, ctl).close()
     return log
@@ -235,4 +243,5 @@ def test_nvshmem_is_finalised_by_the_last_transport_to_close():
     """A layer closed while others still use nvshmem (the first one built, closing in model order) must not
     finalise it under them; the last one does, and only when this runtime initialised it."""
     for log in run_dist(_nvshmem_users, 2, timeout_s=120):
-        assert log == ["init", "free", "free", "|", "free", "free", "finalize", "|", "init", "finalize", "|"], log
+        assert log == ["init", "free", "free", "|", "free", "free", "finalize", "|", "init", "finalize", "|",
+                       "init", True, "|", "free", "free", "finalize", "|"], log

@@ -323,17 +323,28 @@ def _lifecycle_worker(rank, world):
     # 4. Layers never closed leave no optimizer hook behind; a closed or collected layer is forgotten ...
     threads = ["feplb-plan"] if rank == 0 else []   # rank 0's stuck planner thread sleeps on (a daemon)
     made = [_layer(rank, world, 1, policy="feplb-split", min_straggler_rows=0)[0] for _ in range(3)]
+    outs = []
     for m in made:
         with torch.no_grad():
-            m(x)                 # (its planner thread has run a plan of it)
+            outs.append(m(x))    # (its planner thread has run a plan of it)
     res["hooks"] = (hooks, len(_global_optimizer_post_hooks), len(layer_mod._LAYERS))
     # ... and layers over the same ranks share their node's control group (one per layer held its sockets for good)
     res["shared_group"] = len({id(m.control.node_group) for m in made}) == 1 and made[0].control.node_group is not \
         made[0].control.group
+    # ... and one copy path (its inbox as large as the largest exchange of any of them, not one inbox each), which
+    # outlives the first of them closed
+    res["shared_engine"] = len({id(m.comm.copy) for m in made}) == 1
     made[0].close()
+    with torch.no_grad():
+        res["after_first_closed"] = torch.equal(made[1](x), outs[1])
+    made[1].close()
+    from feplb import copy as copy_mod
+
+    res["engines_kept"] = len(copy_mod._SHARED)          # made[2] is never closed: it keeps its share for good
     del made, m
     gc.collect()
     res["forgotten"] = len(layer_mod._LAYERS)
+    res["engines_after"] = len(copy_mod._SHARED)
     for _ in range(100):         # the collected layers' threads end (the closed ones' too)
         if _feplb_threads() == threads:
             break
@@ -373,5 +384,7 @@ def test_lifecycle_faults():
         assert during == before and live == 3, res["hooks"]
         assert res["forgotten"] == 0, res["forgotten"]
         assert res["shared_group"], rank
+        assert res["shared_engine"] and res["after_first_closed"], res
+        assert res["engines_kept"] == 1 and res["engines_after"] == 1, res
         assert res["threads_after"][0] == res["threads_after"][1], res["threads_after"]
         assert res["old_group"] is None and res["old_group_same"], (rank, res["old_group"])
