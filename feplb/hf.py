@@ -697,7 +697,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
                 new.refresh_replicas()
     except BaseException:
         # the model is left as it was: release what the layers built so far hold (threads, hooks, copy paths),
-        # newest first (the first layer built may own the NVSHMEM runtime the others use)
+        # newest first
         for new in reversed(made.values()):
             new.close()
         raise

@@ -371,7 +371,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
                 new.refresh_replicas()
     except BaseException:
         # the model is left as it was: release what the layers built so far hold (threads, copy paths), newest
-        # first (the first layer built may own the NVSHMEM runtime the others use)
+        # first
         for new in reversed(made.values()):
             new.close()
         raise

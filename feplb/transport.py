@@ -353,7 +353,13 @@ class Shares:
         self._held: dict[tuple, list] = {}
 
     def take(self, key: tuple, make: Callable[[], tuple[Any, Callable[[], None]]]) -> Any:
-        """The object under ``key``, made by ``make() -> (object, its close)`` if there is none."""
+        """The object under ``key`` (which may hold process groups), made by ``make() -> (object, its close)`` if
+        there is none. Objects of a process group since destroyed (on every rank) are forgotten first: no key can
+        reach them again, and their users keep what they hold."""
+        from feplb.control import _registered
+
+        for k in [k for k in self._held if any(isinstance(x, dist.ProcessGroup) and not _registered(x) for x in k)]:
+            del self._held[k]
         held = self._held.get(key)
         if held is None:
             obj, close = make()

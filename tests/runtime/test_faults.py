@@ -361,8 +361,12 @@ def _lifecycle_worker(rank, world):
     dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port[0]}", rank=world - 1 - rank,
                             world_size=world, timeout=datetime.timedelta(seconds=8))
+    fresh = _layer(rank, world, 1, policy="feplb-split", min_straggler_rows=0)[0]
+    # the old group's shared copy path (kept by made[2], never closed) is forgotten; the old layer still holds its own
+    res["engines_after_reinit"] = len(copy_mod._SHARED)
     with torch.no_grad():
         res["old_group"] = error_of(lambda: res.__setitem__("old_group_same", torch.equal(layer(x), before)))
+        res["fresh"] = error_of(lambda: fresh(x))
     return res
 
 
@@ -388,3 +392,4 @@ def test_lifecycle_faults():
         assert res["engines_kept"] == 1 and res["engines_after"] == 1, res
         assert res["threads_after"][0] == res["threads_after"][1], res["threads_after"]
         assert res["old_group"] is None and res["old_group_same"], (rank, res["old_group"])
+        assert res["fresh"] is None and res["engines_after_reinit"] == 1, (rank, res)
