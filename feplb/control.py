@@ -78,15 +78,12 @@ def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
 # time.
 _GROUPS: dict[tuple, dist.ProcessGroup] = {}
 _GROUPS_LOCK = threading.Lock()
-_LOCKS: dict[int, tuple[dist.ProcessGroup | None, threading.Lock]] = {}
+_LOCKS: dict[dist.ProcessGroup | None, threading.Lock] = {}
 
 
 def _lock_of(group: dist.ProcessGroup | None) -> threading.Lock:
     with _GROUPS_LOCK:
-        held = _LOCKS.get(id(group))
-        if held is None or held[0] is not group:     # (an id reused by another group)
-            held = _LOCKS[id(group)] = (group, threading.Lock())
-        return held[1]
+        return _LOCKS.setdefault(group, threading.Lock())
 
 
 def _registered(group: dist.ProcessGroup) -> bool:

@@ -687,26 +687,22 @@ class MoELayer(nn.Module):
         plan_first = want and self._plan_first(h_RD)
         job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready, replay_plan) if plan_first else None
         try:
-            with span(tl, "static_gemm"):
-                y_static = self._static_gemm(h_RD, split.home, slot_w)
-            if want and not plan_first:
-                job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready, replay_plan)
+            try:
+                with span(tl, "static_gemm"):
+                    y_static = self._static_gemm(h_RD, split.home, slot_w)
+                if want and not plan_first:
+                    job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready, replay_plan)
+            finally:
+                if job is not None:
+                    job.static_launched()   # (also on an error here: the copy thread must not wait for it forever)
+            p2 = job.result() if job is not None else no_phase2()
         except BaseException:
             if job is not None:
                 # The copy thread finishes this forward's agreement and copies (its peers' take part in them, so
-                # this ends) before the error leaves the layer: a collective the caller runs next must not meet
-                # one still issued behind its back; and a recompute that non-reentrant checkpointing stops early
-                # must not have its placement restored under copies that read it.
-                job.static_launched()
-                concurrent.futures.wait([job.future])
-            raise
-        finally:
-            if job is not None:
-                job.static_launched()   # (also on an error here: the copy thread must not wait for it forever)
-        try:
-            p2 = job.result() if job is not None else no_phase2()
-        except BaseException:
-            if job is not None:      # (an interrupt while waiting: the same)
+                # this ends) before an error (or an interrupt while waiting) leaves the layer: a collective the
+                # caller runs next must not meet one still issued behind its back; and a recompute that
+                # non-reentrant checkpointing stops early must not have its placement restored under copies that
+                # read it.
                 concurrent.futures.wait([job.future])
             raise
         y_RD, tail = dynamic_and_return(self, h_RD, y_static, split, p2, slot_w, tl)

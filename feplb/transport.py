@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from feplb.control import Control, guard
+from feplb.control import Control, _registered, guard
 
 __all__ = ["NVSHMEM_HINT", "NvshmemTransport", "TRANSPORTS", "TorchTransport", "Transport", "make_transport",
            "nvshmem_modules", "nvshmem_shared_gpu"]
@@ -356,8 +356,6 @@ class Shares:
         """The object under ``key`` (which may hold process groups), made by ``make() -> (object, its close)`` if
         there is none. Objects of a process group since destroyed (on every rank) are forgotten first: no key can
         reach them again, and their users keep what they hold."""
-        from feplb.control import _registered
-
         for k in [k for k in self._held if any(isinstance(x, dist.ProcessGroup) and not _registered(x) for x in k)]:
             del self._held[k]
         held = self._held.get(key)

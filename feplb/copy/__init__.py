@@ -118,7 +118,7 @@ def make_copy_engine(kind: str, device: torch.device | str, control: Control, *,
         return NcclCopyEngine(control, device)
 
 
-_SHARED = Shares()     # the layers' engines, one per (kind, device, EP group ranks, node), each with its own Control
+_SHARED = Shares()     # the layers' engines, one per (kind, device, EP group, node), each with its own Control
 
 
 def shared_copy_engine(kind: str, device: torch.device | str, control: Control, *,
