@@ -20,9 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 from feplb.layer import FEPLBConfig, MoELayer
+from feplb.sharded import is_dtensor, local_state_dicts, track_optimizer
 
 __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "zero_replica_grads", "average_expert_grads",
-           "attach_optimizer", "clip_grad_norm_", "refresh_replicas", "full_state_dict"]
+           "attach_optimizer", "clip_grad_norm_", "refresh_replicas", "full_state_dict", "set_state_dict_type",
+           "track_optimizer"]
 
 
 # ---------------------------------------------------------------------------------------------------- apply
@@ -235,12 +237,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     return total
 
 
-def is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _by_device(ts: list[torch.Tensor]) -> dict:
     out: dict = {}
     for t in ts:
@@ -253,6 +249,17 @@ def refresh_replicas(model: nn.Module) -> None:
     after any other change of the expert weights (loading a shard, say)."""
     for m in experts_modules(model):
         m.refresh_replicas()
+
+
+def set_state_dict_type(model: nn.Module, kind: str) -> None:
+    """What ``model.state_dict()`` gives for every FEPLB layer's expert shards, and an optimizer's
+    ``state_dict()`` for their state (``MoELayer.set_state_dict_type``): ``"sharded"`` (the default), DTensors
+    sharded over each layer's EP group, for ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``,
+    ``get_model_state_dict`` and ``get_optimizer_state_dict``, torchtitan's ``CheckpointManager``), which then
+    loads them at any EP size; ``"local"``, plain per-rank tensors (one ``torch.save`` file per rank, loaded back
+    into the same EP layout). ``load_state_dict`` takes either, and the model's whole expert tensors too."""
+    for m in experts_modules(model):
+        m.set_state_dict_type(kind)
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -275,7 +282,9 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
                                    if isinstance(m, MoELayer)}
     keep = not rank0_only or dist.get_rank(next(iter(owners.values())).group if owners else None) == 0
     sd = {}
-    for k, v in model.state_dict().items():
+    with local_state_dicts(owners.values()):   # the expert entries are replaced below, by gathered parameters
+        local = model.state_dict()
+    for k, v in local.items():
         if is_dtensor(v):
             v = v.full_tensor()   # collective: every rank gathers, one tensor at a time
             if not keep:

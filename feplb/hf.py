@@ -22,11 +22,12 @@ reduces the replica gradients first and clips by the norm of the whole model's g
 on its owner, FSDP's DTensor gradients by their whole tensors), where ``torch.nn.utils.clip_grad_norm_`` would see
 this rank's shards only.
 
-Checkpoints: ``model.state_dict()`` is this rank's shard (same keys, ``E / W`` experts); :func:`full_state_dict`
-gathers the shards back into the original names and shapes, so ``model.save_pretrained(d, state_dict=full)``
-writes a checkpoint that plain transformers loads. Load full checkpoints before :func:`apply`. Not through
-``torch.distributed.checkpoint``: it takes the shards, plain tensors of the same name on every rank, for replicated
-ones and keeps one rank's.
+Checkpoints: ``model.state_dict()`` holds the expert shards as DTensors over the EP group (``feplb.sharded``;
+the optimizer's state of them likewise), for ``torch.distributed.checkpoint`` at any EP size;
+:func:`full_state_dict` gathers them back into the original names and shapes, so
+``model.save_pretrained(d, state_dict=full)`` writes a checkpoint that plain transformers loads. Load full
+checkpoints before :func:`apply`, or after it with ``load_state_dict`` (each rank keeps its rows).
+:func:`set_state_dict_type` ``"local"``: plain per-rank shards instead.
 
 Legend: T tokens on this rank, K top-k, H hidden, F expert ffn, E experts, W EP ranks, L = E / W.
 """
@@ -56,6 +57,8 @@ from feplb.dropin import (
     overrides_problem,
     reduce_replica_grads,
     refresh_replicas,
+    set_state_dict_type,
+    track_optimizer,
     weights_digest,
     zero_replica_grads,
 )
@@ -63,7 +66,7 @@ from feplb.layer import FEPLBConfig, MoELayer
 
 __all__ = ["FEPLBExperts", "FEPLBLlama4TextMoe", "apply", "supported", "expert_parameters", "experts_modules",
            "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "zero_replica_grads",
-           "refresh_replicas", "clip_grad_norm_"]
+           "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer"]
 
 # the experts' call: transformers' standard names, and gpt-oss's
 _SIGNATURES = (("hidden_states", "top_k_index", "top_k_weights"),
@@ -187,6 +190,10 @@ class FEPLBExperts(MoELayer):
             return shard
         Zw, E = self.zero_experts // self.world_size, self.config.num_experts
         return torch.cat([shard, full[E + self.rank * Zw:E + (self.rank + 1) * Zw]])
+
+    def expert_shard_dim(self, pname: str) -> int | None:
+        """With zero experts the first projection's shard is two blocks (its experts, its unused rows): None."""
+        return None if self.zero_experts and pname == self.w1_name else super().expert_shard_dim(pname)
 
     def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """With zero experts, each rank's first projection holds its L experts, then its Z / W unused rows: the

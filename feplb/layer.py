@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from feplb.balance import Balancer, timed_plan
 from feplb.config import FEPLBConfig, LayerStats, forward_problem
@@ -70,6 +70,13 @@ from feplb.layout import (
 from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
 from feplb.recompute import Record, Records, checkpoint_frame, hooks_active, in_backward, record_kind
 from feplb.replicas import Placement, Replicas, state_digest, state_fingerprint
+from feplb.sharded import (
+    STATE_DICT_TYPES,
+    load_state_dict_pre_hook,
+    localize_state,
+    state_dict_post_hook,
+    track_optimizer,
+)
 from feplb.steps import Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
 from feplb.transport import release_transport, shared_transport
@@ -101,9 +108,18 @@ def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
     for layer in list(_LAYERS):
         if layer not in _attached(opt) and layer._steps_experts(opt):
             layer.replicas.stepped = True
+            track_optimizer(opt)     # its state_dict() shards the experts' state like their parameters
+
+
+def _stepping(opt: torch.optim.Optimizer, *_: Any) -> None:
+    """Before any ``optimizer.step()`` of an optimizer not yet tracked: the expert parameters' state it loaded as
+    DTensors (a sharded state dict) made local."""
+    if not opt.__dict__.get("_feplb_sharded"):
+        localize_state(opt)
 
 
 register_optimizer_step_post_hook(_stepped)
+register_optimizer_step_pre_hook(_stepping)
 
 
 class MoELayer(nn.Module):
@@ -123,6 +139,10 @@ class MoELayer(nn.Module):
     micro-batch the plan moves rows from the home to helpers (see the module docstring). Use as a context manager
     or call ``close()`` to release the copy path, the transport and the helper threads.
     """
+
+    # what state_dict() gives for the expert shards (feplb.sharded): DTensors over the EP group, or plain per-rank
+    # tensors ("local")
+    state_dict_type = "sharded"
 
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None = None):
         super().__init__()
@@ -155,6 +175,8 @@ class MoELayer(nn.Module):
         except BaseException:
             self.close()      # what was built so far: threads, copy path, transport, hooks
             raise
+        self.register_state_dict_post_hook(state_dict_post_hook)
+        self.register_load_state_dict_pre_hook(load_state_dict_pre_hook)
 
     def _build(self, group: dist.ProcessGroup) -> None:
         """The rest of ``__init__``, once the Control exists (a failure here releases what was built). Its local
@@ -318,6 +340,21 @@ class MoELayer(nn.Module):
         inverse of :meth:`full_entries` for a layer keeping [L, ...] shards, rows ``rank * L ...``."""
         lo = self.rank * self.num_local
         return full[lo:lo + self.num_local]
+
+    def expert_shard_dim(self, pname: str) -> int | None:
+        """The dim along which this rank's shard of expert parameter ``pname`` is one block of the full model's
+        tensor, block ``rank`` of W (``feplb.sharded``: its DTensor in ``state_dict()``): 0 for [L, ...] shards,
+        rows ``rank * L ...`` (:meth:`local_shard`); None where it is not one block."""
+        return 0
+
+    def set_state_dict_type(self, kind: str) -> None:
+        """What ``state_dict()`` gives for the expert shards, and the optimizer's ``state_dict()`` for their state:
+        ``"sharded"`` (the default), DTensors sharded over the EP group, which ``torch.distributed.checkpoint``
+        saves and loads at any EP size; ``"local"``, plain per-rank tensors (``torch.save`` per rank).
+        ``load_state_dict`` takes both either way."""
+        if kind not in STATE_DICT_TYPES:
+            raise ValueError(f"state_dict type must be one of {STATE_DICT_TYPES}, got {kind!r}")
+        self.state_dict_type = kind
 
     def full_state_entries(self, name: str, value: Any) -> dict[str, Any]:
         """The full model's entries of this layer's state-dict entry ``name`` that is not an expert parameter (a
@@ -955,6 +992,7 @@ def _attach(optimizer: torch.optim.Optimizer, layer: MoELayer) -> None:
         optimizer._feplb_layers = refs
         optimizer.zero_grad = zero_grad
     refs[:] = [r for r in refs if r() is not None] + [weakref.ref(layer)]
+    track_optimizer(optimizer)     # its state_dict() shards the experts' state like their parameters
 
 
 class _ReducingScaler:

@@ -46,7 +46,8 @@ run after the last backward and before Megatron reduces the gradients (``finish_
 ``finalize_model_grads``), :func:`refresh_replicas` after ``optimizer.step()``. Under Megatron's distributed
 optimizer the weights change through DDP's buffers, which a forgotten :func:`refresh_replicas` does not notice.
 Under Megatron's DDP the gradients are in ``main_grad``: clip with Megatron's optimizer, not :func:`clip_grad_norm_`
-(which reads ``.grad``). Checkpoints: the model's ``state_dict()`` keeps Megatron's local names;
+(which reads ``.grad``). Checkpoints: the model's ``state_dict()`` keeps Megatron's local names (plain per-rank
+shards, not for ``torch.distributed.checkpoint`` of ``state_dict()``);
 :func:`full_state_dict` gives every expert under its global index (the state dict of the same model with
 ``expert_model_parallel_size=1``); Megatron's distributed checkpointing (``sharded_state_dict``) gets exactly the
 sharded state dict of the experts module replaced, so its checkpoints load into either layer (and, as Megatron's
@@ -112,6 +113,10 @@ class FEPLBExperts(MoELayer):
     place: ``y = sum_k w_k * (fc2(act(fc1 x + b1)) + b2)``, the gradient flowing into the weights (the router).
     Collective over the EP group, like every ``MoELayer`` forward.
     """
+
+    # Megatron keeps its local names in state_dict() (per-rank checkpoints); its distributed checkpoints go through
+    # sharded_state_dict
+    state_dict_type = "local"
 
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, experts: nn.Module,
                  name: str = "") -> None:
@@ -230,6 +235,18 @@ class FEPLBExperts(MoELayer):
                           "overlap_grad_reduce=False and this call before finish_grad_sync; weights='per-microbatch' "
                           "has neither condition", stacklevel=2)
         super().reduce_replica_grads()
+
+    def expert_shard_dim(self, pname: str) -> int | None:
+        """None: Megatron names each local expert by its local index (or packs them into one weight)."""
+        return None
+
+    def set_state_dict_type(self, kind: str) -> None:
+        """Only ``"local"``: Megatron's distributed checkpoints go through :meth:`sharded_state_dict`."""
+        if kind != "local":
+            raise ValueError(f"{type(self).__name__}: state_dict() keeps Megatron's local names; Megatron's "
+                             "distributed checkpointing (sharded_state_dict) shards the experts, not state_dict "
+                             f"type {kind!r}")
+        super().set_state_dict_type(kind)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Megatron's distributed checkpointing: exactly the sharded state dict of the Megatron experts module this

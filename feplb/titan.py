@@ -25,9 +25,10 @@ expert shard stays replicated over the group, and data parallelism over it is yo
 torchtitan's ``parallelize`` functions do not know these shards and must not shard them. Per optimizer step, as
 with every FEPLB layer: :func:`reduce_replica_grads` before ``optimizer.step()`` (and clipping),
 :func:`refresh_replicas` after it, or :func:`attach_optimizer`; :func:`clip_grad_norm_` clips by the whole
-model's norm. Checkpoints: the model's ``state_dict()`` is this rank's shard, :func:`full_state_dict` the original
-names and shapes; not torchtitan's ``CheckpointManager`` (``torch.distributed.checkpoint`` takes the shards, plain
-tensors of the same name on every rank, for replicated ones and keeps one rank's).
+model's norm. Checkpoints: the model's ``state_dict()`` holds the expert shards as DTensors over the EP group
+(``feplb.sharded``; the optimizer's state of them likewise), so torchtitan's ``CheckpointManager``
+(``torch.distributed.checkpoint``) saves and loads them, at any EP size; :func:`full_state_dict` gives the original
+names and shapes.
 Activation checkpointing of whole blocks (non-reentrant ``torch.utils.checkpoint``, what torchtitan's ``full`` and
 per-layer modes wrap blocks in) replays each forward exactly; torch's selective activation checkpointing
 (torchtitan's op-level mode) is refused by the layer, on every rank.
@@ -58,6 +59,8 @@ from feplb.dropin import (
     layer_config,
     reduce_replica_grads,
     refresh_replicas,
+    set_state_dict_type,
+    track_optimizer,
     weights_digest,
     zero_replica_grads,
 )
@@ -65,7 +68,7 @@ from feplb.layer import FEPLBConfig, MoELayer
 
 __all__ = ["FEPLBGptOssRoutedExperts", "FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules",
            "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "zero_replica_grads",
-           "refresh_replicas", "clip_grad_norm_"]
+           "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer"]
 
 _NAMES = ("w1_EFD", "w2_EDF", "w3_EFD")
 _OSS_NAMES = ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")

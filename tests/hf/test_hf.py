@@ -2,7 +2,8 @@
 2 nodes x 2, balancing on (feplb-split, rows really move) and off: against the unmodified model on each rank's own
 input, logits agree to 1e-5 (relative), expert-shard gradients equal the slice of the unmodified model's gradients
 summed over all ranks' inputs, every other gradient equals the unmodified model's local one; full_state_dict
-round-trips bit-exactly into a fresh unmodified model (and through save_pretrained / from_pretrained); experts FEPLB
+round-trips bit-exactly into a fresh unmodified model (and through save_pretrained / from_pretrained), and so does
+model.state_dict() through torch.distributed.checkpoint into the model applied at another EP size; experts FEPLB
 cannot run exactly are refused by name before anything is replaced; torch.compile of the modified model runs;
 inside CPU autocast each experts module is as accurate as the unmodified one's per-expert loop; with
 transformers' gradient checkpointing (the recompute replays each layer's forward) training equals training without.
@@ -75,8 +76,10 @@ def _check_arch(rank: int, world: int, arch: str, policy: str, state_dict_checks
     sd, ref_sd = model.state_dict(), ref.state_dict()
     out["same_keys"] = list(sd) == list(ref_sd)
     E = ref_sd[f"{expected[0]}.gate_up_proj"].shape[0]
-    out["shard_shapes"] = all(sd[k].shape == (E // world, *ref_sd[k].shape[1:]) for k in sd
-                              if k.endswith(EXPERT_KEYS))
+    # the expert shards as DTensors of the model's tensors (feplb.sharded), this rank's E / W experts local
+    out["shard_shapes"] = all(_is_dtensor(sd[k]) and sd[k].shape == ref_sd[k].shape
+                              and sd[k].to_local().shape == (E // world, *ref_sd[k].shape[1:])
+                              for k in sd if k.endswith(EXPERT_KEYS))
     ids = M.tokens(rank)
 
     # A first step sets the @ema dynamic experts, held resident on the node's other GPUs (per-step
@@ -136,6 +139,7 @@ def _check_state_dict(rank, world, arch, model, ids, M) -> dict:
     for k, v in own.items():
         w = full[k]
         if k.endswith(EXPERT_KEYS):
+            v = v.to_local()
             L = v.shape[0]
             own_slices &= w.shape[0] == L * world and torch.equal(w[rank * L:(rank + 1) * L], v)
         else:
@@ -152,7 +156,39 @@ def _check_state_dict(rank, world, arch, model, ids, M) -> dict:
             model.save_pretrained(d, state_dict=on_rank0)
             loaded = type(fresh).from_pretrained(d, dtype=torch.float32)
             out["pretrained_exact"] = _digest(loaded.state_dict()) == out["full_digest"]
+    out.update(_check_dcp(rank, world, arch, model, full, M))
     return out
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _check_dcp(rank, world, arch, model, full, M) -> dict:
+    """torch.distributed.checkpoint of model.state_dict() loaded into a model of other weights applied at another EP
+    size (2 data-parallel replicas of EP 2 on 4 ranks); DCP's own gathered state dict is full_state_dict's."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    import feplb.hf as fh
+
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(box)
+    dcp.save(model.state_dict(), checkpoint_id=box[0])
+    gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    ep = max(1, world // 2)
+    groups = [dist.new_group(list(range(i, i + ep))) for i in range(0, world, ep)]
+    other = M.make_model(arch, seed=1)
+    fh.apply(other, group=groups[rank // ep], gpus_per_node=min(2, ep), min_chunk=1, min_straggler_rows=0)
+    sd = other.state_dict()
+    dcp.load(sd, checkpoint_id=box[0])
+    other.load_state_dict(sd)
+    fh.refresh_replicas(other)
+    return {"dcp_exact": _digest(fh.full_state_dict(other, rank0_only=False)) == _digest(full),
+            "dcp_gathered_exact": _digest(gathered) == _digest(full)}
 
 
 class _OtherLayoutExperts(torch.nn.Module):
@@ -643,6 +679,8 @@ def _assert_state_dict(ranks: list[dict]) -> None:
             assert res["rank0_only_same"], (arch, rank)
             assert (res["rank0_only_keys"] > 0) == (rank == 0), (arch, rank, res["rank0_only_keys"])
         assert per_rank[0]["pretrained_exact"], arch
+        # through torch.distributed.checkpoint into another EP size, and DCP's gathered state dict
+        assert all(res["dcp_exact"] and res["dcp_gathered_exact"] for res in per_rank), arch
 
 
 def test_one_rank_matches_the_unmodified_model(one_rank):

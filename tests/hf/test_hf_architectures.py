@@ -212,7 +212,8 @@ def _defects(rank: int, world: int) -> dict:
 
 def _longcat_state(rank: int, world: int) -> dict:
     """LongCat-Flash's experts after apply: each rank's gate_up_proj holds its experts, then its share of the zero
-    experts' unused rows; full_state_dict gives back the model's own state dict, bit for bit."""
+    experts' unused rows; full_state_dict gives back the model's own state dict, bit for bit; state_dict() refuses
+    the sharded type (no DTensor describes two blocks), gives the plain shard with type "local"."""
     import torch.distributed as dist
 
     import feplb.hf as fh
@@ -224,8 +225,12 @@ def _longcat_state(rank: int, world: int) -> dict:
     ex = model.get_submodule(names[0])
     full = fh.full_state_dict(model, rank0_only=False)
     cfg = model.config
+    sharded = error_of(model.state_dict)     # two blocks per rank: no DTensor describes gate_up_proj's shard
+    fh.set_state_dict_type(model, "local")
+    local = model.state_dict()
     return {"local": list(ex.gate_up_proj.shape), "E": cfg.n_routed_experts, "Z": cfg.zero_expert_num,
-            "W": dist.get_world_size(), "keys": sorted(full) == sorted(before),
+            "W": dist.get_world_size(), "keys": sorted(full) == sorted(before), "sharded": sharded,
+            "local_sd": torch.equal(local[f"{names[0]}.gate_up_proj"], ex.gate_up_proj),
             "equal": all(torch.equal(full[k], v) for k, v in before.items() if k in full),
             "bad_id": error_of(lambda: ex(torch.randn(3, cfg.hidden_size), torch.full((3, cfg.num_experts_per_tok),
                                                                                          cfg.n_routed_experts +
@@ -238,6 +243,9 @@ def test_zero_computation_experts_state():
         E, Z, W = r["E"], r["Z"], r["W"]
         assert r["local"][0] == E // W + Z // W, r["local"]
         assert r["keys"] and r["equal"], r
+        # model.state_dict() for torch.distributed.checkpoint refuses, naming the projection; "local" gives the shard
+        assert r["sharded"] is not None and "ValueError" in r["sharded"] and "'gate_up_proj'" in r["sharded"], r
+        assert r["local_sd"], r
         # ids past the zero experts reach the layer, which refuses them on every rank
         assert r["bad_id"] is not None and "outside" in r["bad_id"], r["bad_id"]
 

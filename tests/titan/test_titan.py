@@ -483,6 +483,64 @@ def _accum_case(rank: int, world: int) -> dict:
     return out
 
 
+def _dcp_case(rank: int, world: int) -> dict:
+    """torchtitan's checkpoint path, as its ``CheckpointManager`` takes it: the model through its ``ModelWrapper``,
+    the optimizer's state through ``get_optimizer_state_dict`` flattened (as its ``OptimizersContainer``), one
+    ``dcp.save``; loaded by ``dcp.load`` into a MoE of other weights at another EP size (2 data-parallel replicas of
+    EP 2 on 4 ranks, EP 1 on one)."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    import feplb.titan as ft
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    gathered = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(box)
+
+    def build(seed: int, group, ep: int):
+        moe = make_moe("qwen3", seed=seed)
+        ft.apply(moe, group=group, policy="feplb-split", gpus_per_node=min(2, ep), **OPTS)
+        opt = torch.optim.AdamW(moe.parameters(), lr=0.01)
+        ft.attach_optimizer(moe, opt)
+        return moe, opt
+
+    moe, opt = build(0, None, world)
+    x, _, _ = _inputs(rank)
+    moe(x).square().sum().backward()
+    experts = {id(p) for p in ft.expert_parameters(moe)}
+    for p in moe.parameters():     # the replicated parameters' data-parallel sum (DCP keeps one rank's of them)
+        if id(p) not in experts and p.grad is not None:
+            dist.all_reduce(p.grad)
+    opt.step()
+    opt.zero_grad()
+    dcp.save({"model": ModelWrapper(moe), "optim": get_optimizer_state_dict(moe, opt, options=flat)},
+             checkpoint_id=box[0])
+    want = ft.full_state_dict(moe, rank0_only=False), get_optimizer_state_dict(moe, opt, options=gathered)
+    ep = max(1, world // 2)
+    groups = [dist.new_group(list(range(i, i + ep))) for i in range(0, world, ep)]
+    moe2, opt2 = build(1, groups[rank // ep], ep)
+    state = {"model": ModelWrapper(moe2), "optim": get_optimizer_state_dict(moe2, opt2, options=flat)}
+    dcp.load(state, checkpoint_id=box[0])
+    set_optimizer_state_dict(moe2, opt2, state["optim"], options=flat)
+    ft.refresh_replicas(moe2)
+    got = ft.full_state_dict(moe2, rank0_only=False), get_optimizer_state_dict(moe2, opt2, options=gathered)
+    moved = [k for k in want[1] if "inner_experts" in k and k.endswith("exp_avg")]
+    return {"keys": [sorted(w) == sorted(g) for w, g in zip(want, got, strict=True)],
+            "unequal": [k for w, g in zip(want, got, strict=True) for k in w
+                        if isinstance(w[k], torch.Tensor) and not torch.equal(w[k], g[k])] +
+                       [k for k in want[1] if not isinstance(want[1][k], torch.Tensor) and want[1][k] != got[1][k]],
+            "moments": moved, "moments_nonzero": all(bool(want[1][k].abs().sum() > 0) for k in moved)}
+
+
 def _worker(rank: int, world: int) -> dict:
     res = {"routed": {(p, mode, arch): _routed_case(rank, world, p, mode, arch) for p in POLICIES for mode in MODES
                       for arch in ("qwen3", "gpt_oss") if arch == "qwen3" or mode in ("fp32", "bf16")},
@@ -490,7 +548,8 @@ def _worker(rank: int, world: int) -> dict:
            "errors": _errors_case(rank, world),
            "scores": _scores_case(rank, world),
            "train": {cfg: _train_case(rank, world, *cfg) for cfg in TRAIN},
-           "accum": _accum_case(rank, world)}
+           "accum": _accum_case(rank, world),
+           "dcp": _dcp_case(rank, world)}
     return res
 
 
@@ -619,6 +678,14 @@ def _assert_errors(ranks: list[dict], world: int) -> None:
         assert len({res["errors"].get(key) for res in ranks}) == 1, key
 
 
+def _assert_dcp(ranks: list[dict], world: int) -> None:
+    for r, res in enumerate(ranks):
+        case = res["dcp"]
+        assert case["keys"] == [True, True], f"rank {r}: {case}"
+        assert not case["unequal"], f"rank {r}: loaded at another EP size, these differ: {case['unequal']}"
+        assert len(case["moments"]) == 3 and case["moments_nonzero"], f"rank {r}: {case}"
+
+
 def _assert_accum(ranks: list[dict], world: int) -> None:
     # the copies sum their micro-batches' gradients in fp32, as the owners' fp32 parameters do: every expert's error
     # within twice torchtitan's own (summed in bf16 on the copies it reached 4x after 64 micro-batches)
@@ -630,7 +697,7 @@ def _assert_accum(ranks: list[dict], world: int) -> None:
 
 
 CHECKS = {"routed": _assert_routed, "moe": _assert_moe, "train": _assert_train, "scores": _assert_scores,
-          "errors": _assert_errors, "accum": _assert_accum}
+          "errors": _assert_errors, "accum": _assert_accum, "dcp": _assert_dcp}
 
 
 @pytest.mark.parametrize("check", CHECKS.values(), ids=CHECKS.keys())

@@ -1,0 +1,241 @@
+"""Expert shards in state dicts as DTensors over the EP group, for ``torch.distributed.checkpoint`` (DCP).
+
+Rank r of an EP group of W ranks owns experts ``r * L ... r * L + L - 1``: its expert parameters are [L, ...] shards
+of the model's [E, ...] tensors, the experts along dim 0. As plain tensors under names every rank shares, DCP (and
+``get_model_state_dict``, torchtitan's ``CheckpointManager``) takes them for replicated ones: it writes one rank's and
+loads it on every rank, silently. So by default (state-dict type ``"sharded"``) a layer's ``state_dict()`` gives each
+expert shard as a DTensor sharded along dim 0 over a one-dimensional mesh of the EP group's ranks, global shape
+[E, ...], sharing storage with the parameter; the optimizer's state of those parameters likewise (its
+``state_dict()`` gains a hook at ``attach_optimizer``, at the first step of any optimizer stepping expert parameters,
+or through :func:`track_optimizer`). DCP then writes every rank's experts at their global offsets (once over
+data-parallel replicas of the EP group), loads them back at any EP size, and
+``get_model_state_dict(..., options=StateDictOptions(full_state_dict=True))`` gathers the original layout.
+
+``"local"``: plain per-rank tensors, what the parameters are (Megatron-Core's layers keep this: their checkpoints go
+through ``sharded_state_dict``). ``load_state_dict`` (the layer's and the optimizer's) takes either, and for a
+layer's expert parameter also the model's whole [E, ...] tensor (this rank's rows are cut from it).
+
+Legend: E experts, L = E / W experts per rank, W EP ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["STATE_DICT_TYPES", "local_state_dicts", "localize_state", "track_optimizer"]
+
+STATE_DICT_TYPES = ("sharded", "local")
+
+# one 1-D DeviceMesh per (layer, device type), made on first use (no collective: DeviceMesh.from_group)
+_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _dtensor():
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor, Shard
+
+
+def is_dtensor(t: Any) -> bool:
+    return isinstance(t, _dtensor()[0])
+
+
+def _mesh(layer, device_type: str):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    per = _MESHES.setdefault(layer, {})
+    if device_type not in per:
+        per[device_type] = DeviceMesh.from_group(layer.group, device_type)
+    return per[device_type]
+
+
+def expert_named_params(layer) -> list[tuple[str, nn.Parameter]]:
+    """``(name relative to layer, parameter)`` of each of ``layer.expert_params()``."""
+    ids = {id(p) for p in layer.expert_params()}
+    return [(n, p) for n, p in layer.named_parameters() if id(p) in ids]
+
+
+def _global_shape(t: torch.Tensor, dim: int, world: int) -> torch.Size:
+    shape = list(t.shape)
+    shape[dim] *= world
+    return torch.Size(shape)
+
+
+def _sharded(layer, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t``, this rank's shard, as the DTensor of the EP group's [E, ...] tensor (sharing its storage)."""
+    DTensor, Shard = _dtensor()
+    shape = _global_shape(t, dim, layer.world_size)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(t, _mesh(layer, t.device.type), [Shard(dim)], run_check=False, shape=shape,
+                              stride=stride)
+
+
+def _local(layer, key: str, value: Any, dim: int | None, like: torch.Tensor, pname: str | None = None) -> Any:
+    """What a per-rank tensor shaped like ``like`` loads from ``value``: a DTensor of this layer's sharding (along
+    ``dim`` over the EP group, ``like``'s shape but W times the rows) its local part; the whole [E, ...] tensor of
+    expert parameter ``pname`` this rank's rows; anything else itself (``load_state_dict``'s own checks judge it)."""
+    DTensor, Shard = _dtensor()
+    W = layer.world_size
+    if isinstance(value, DTensor):
+        ranks = dist.get_process_group_ranks(layer.group)
+        mesh = value.device_mesh
+        ok = dim is not None and mesh.ndim == 1 and mesh.mesh.tolist() == ranks \
+            and tuple(value.placements) == (Shard(dim),) and value.dim() == like.dim() \
+            and value.shape[dim] == W * like.shape[dim] \
+            and (pname is None or value.shape == _global_shape(like, dim, W))
+        if not ok:
+            layout = ("no DTensor (its shard is not one block of the model's tensor)" if dim is None else
+                      f"{W} x {like.shape[dim]} along dim {dim} over ranks {ranks}"
+                      + (f", shape {tuple(_global_shape(like, dim, W))}" if pname is not None else ""))
+            raise ValueError(f"{key}: a DTensor of shape {tuple(value.shape)} placed {list(value.placements)} over "
+                             f"ranks {mesh.mesh.flatten().tolist()}; this rank's layer loads {layout}")
+        return value.to_local()
+    if pname is not None and dim is not None and W > 1 and isinstance(value, torch.Tensor) \
+            and value.shape == _global_shape(like, dim, W):
+        return layer.local_shard(pname, value)
+    return value
+
+
+# ------------------------------------------------------------------------------------------------ module hooks
+def state_dict_post_hook(layer, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """``layer.state_dict()`` with the expert shards as DTensors (state-dict type ``"sharded"``); the parameters
+    themselves where ``keep_vars=True`` asked for them."""
+    if layer.state_dict_type != "sharded":
+        return
+    for pname, _ in expert_named_params(layer):
+        key = prefix + pname
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter) or is_dtensor(value):
+            continue
+        dim = layer.expert_shard_dim(pname)
+        if dim is None:
+            raise ValueError(f"{type(layer).__name__} {prefix.rstrip('.') or '(root)'}: its {pname!r} shard is not "
+                             "one block of the model's tensor, so it has no DTensor for torch.distributed.checkpoint; "
+                             "use full_state_dict(model), or set_state_dict_type(model, 'local') for per-rank files")
+        state_dict[key] = _sharded(layer, value, dim)
+
+
+def load_state_dict_pre_hook(layer, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+                             missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    """``layer.load_state_dict`` takes a sharded, local or whole tensor for each expert parameter."""
+    for pname, p in expert_named_params(layer):
+        key = prefix + pname
+        if key in state_dict:
+            state_dict[key] = _local(layer, key, state_dict[key], layer.expert_shard_dim(pname), p, pname)
+
+
+@contextlib.contextmanager
+def local_state_dicts(layers: Iterable) -> Iterator[None]:
+    """Within: the layers' ``state_dict()`` gives plain per-rank shards (``full_state_dict`` gathers them itself)."""
+    layers = list({id(lay): lay for lay in layers}.values())   # a layer reachable under several names: once
+    before = [lay.__dict__.get("state_dict_type") for lay in layers]
+    for lay in layers:
+        lay.state_dict_type = "local"
+    try:
+        yield
+    finally:
+        for lay, b in zip(layers, before, strict=True):
+            if b is None:
+                del lay.state_dict_type
+            else:
+                lay.state_dict_type = b
+
+
+# --------------------------------------------------------------------------------------------- optimizer hooks
+def _owners() -> dict[int, tuple[Any, str, int | None]]:
+    """id(parameter) -> (layer, its name there, shard dim) of every expert parameter of the live layers."""
+    from feplb.layer import _LAYERS
+
+    out = {}
+    for layer in list(_LAYERS):
+        for pname, p in expert_named_params(layer):
+            out[id(p)] = (layer, pname, layer.expert_shard_dim(pname))
+    return out
+
+
+def _indexed(optimizer: torch.optim.Optimizer, state_dict: dict) -> list[tuple[torch.Tensor, Any]]:
+    """(parameter, its key in ``state_dict["state"]``), in the optimizer's order; none where the groups differ
+    (``load_state_dict`` refuses that itself)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    keys = [k for g in state_dict.get("param_groups", ()) for k in g["params"]]
+    return list(zip(params, keys, strict=True)) if len(params) == len(keys) else []
+
+
+def optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """The optimizer's state of expert parameters of layers of state-dict type ``"sharded"`` as DTensors like the
+    parameters' (its live state untouched). A scalar (a step count) stays as it is, equal on every rank; any other
+    state that is not per expert along the parameter's shard dim is refused, naming it."""
+    owners = _owners()
+    state = dict(state_dict["state"])
+    for p, key in _indexed(optimizer, state_dict):
+        own = owners.get(id(p))
+        if own is None or key not in state or own[0].state_dict_type != "sharded":
+            continue
+        layer, pname, dim = own
+        entry = {}
+        for name, v in state[key].items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and not is_dtensor(v):
+                if dim is None or v.dim() != p.dim() or v.shape[dim] != p.shape[dim]:
+                    why = ("the parameter's shard is not one block of the model's tensor" if dim is None else
+                           f"it is not per expert along dim {dim}")
+                    raise ValueError(f"{type(optimizer).__name__}.state_dict(): its state {name!r} of shape "
+                                     f"{tuple(v.shape)} for expert parameter {pname!r} {tuple(p.shape)} has no "
+                                     f"DTensor for torch.distributed.checkpoint ({why}); "
+                                     "set_state_dict_type(model, 'local') for per-rank files")
+                v = _sharded(layer, v, dim)
+            entry[name] = v
+        state[key] = entry
+    state_dict["state"] = state
+    return state_dict
+
+
+def optimizer_load_pre_hook(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``optimizer.load_state_dict`` takes the expert parameters' state sharded or local (the caller's dict left
+    as it was)."""
+    owners = _owners()
+    state_dict = dict(state_dict)
+    state = dict(state_dict.get("state", {}))
+    for p, key in _indexed(optimizer, state_dict):
+        own = owners.get(id(p))
+        if own is None or key not in state:
+            continue
+        layer, pname, dim = own
+        state[key] = {name: _local(layer, f"optimizer state {name!r} of {pname!r}", v, dim, p)
+                      if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                      for name, v in state[key].items()}
+    state_dict["state"] = state
+    return state_dict
+
+
+def localize_state(optimizer: torch.optim.Optimizer) -> None:
+    """The local parts of DTensors an untracked optimizer's ``load_state_dict`` took into its live state for
+    expert parameters (a per-rank file of a sharded ``state_dict()`` loaded into a fresh optimizer): run before
+    each step of an optimizer :func:`track_optimizer` has not hooked."""
+    owners = _owners()
+    for p, st in optimizer.state.items():
+        own = owners.get(id(p))
+        if own is None:
+            continue
+        for name, v in list(st.items()):
+            if is_dtensor(v):
+                st[name] = _local(own[0], f"optimizer state {name!r} of {own[1]!r}", v, own[2], p)
+
+
+def track_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.state_dict()`` give the state of expert parameters sharded like them (and its
+    ``load_state_dict`` take it back). Done by ``attach_optimizer`` and at the first step of any optimizer that
+    steps expert parameters; needed only for an optimizer whose state was loaded and is saved again before it
+    ever stepped (one loaded before it is tracked has the DTensors of its expert parameters made local at its next
+    step). Idempotent."""
+    if optimizer.__dict__.get("_feplb_sharded"):
+        return
+    optimizer.register_state_dict_post_hook(optimizer_state_dict_post_hook)
+    optimizer.register_load_state_dict_pre_hook(optimizer_load_pre_hook)
+    optimizer._feplb_sharded = True

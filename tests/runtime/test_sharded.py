@@ -1,0 +1,252 @@
+"""MoELayer checkpoints through ``torch.distributed.checkpoint`` (DCP), the expert shards and their optimizer state
+as DTensors over the EP group (``feplb.sharded``), on gloo ranks:
+
+* saved from 4 ranks as 2 data-parallel replicas of an EP group of 2 (Adam, two steps of ``feplb-split`` with
+  expert biases), through ``get_model_state_dict`` / ``get_optimizer_state_dict`` and ``dcp.save``;
+* loaded (``dcp.load``, ``set_model_state_dict``, ``set_optimizer_state_dict``) into layers of other weights at EP 4
+  (2 nodes x 2) and EP 1: every expert's weights and Adam moments equal, bit for bit, those the saving run gathered
+  itself over its EP group (all-gather, not DCP); the router and the step counts too; the third step then gives
+  the weights the saving run reached with its own third step (the same tokens, split over 4 ranks instead of 2:
+  equal up to summation order);
+* ``get_model_state_dict(..., full_state_dict=True)`` is the gathered layer;
+* the live optimizer state stays plain tensors; ``state_dict()`` to ``torch.save`` / ``torch.load(weights_only=True)``
+  round-trips (the optimizer's too, into a fresh optimizer, local again at its first step), and
+  ``load_state_dict`` takes the whole [E, ...] tensor too (this rank's rows); type ``"local"``
+  gives plain shards; a DTensor of another placement, an optimizer state that is not per expert and an unknown
+  type are refused, naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from feplb.testing import run_dist
+
+pytestmark = pytest.mark.dist
+
+H, FF, E, K = 16, 24, 8, 2
+TOKENS = 48          # one step's tokens, split over the EP group's ranks (every data-parallel replica alike)
+PARTS = ("w1", "w2", "b1", "b2")
+
+
+def _layer(ep: int, seed: int):
+    import torch.distributed as dist
+
+    from feplb import FEPLBConfig, MoELayer
+    from feplb.testing import load_global_weights
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(i, i + ep))) for i in range(0, world, ep)] if ep < world else None
+    group = groups[rank // ep] if groups else None
+    layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=min(ep, 2),
+                                 policy="feplb-split" if ep > 1 else "none", expert_bias=True, min_chunk=2,
+                                 min_straggler_rows=0), group)
+    gen = torch.Generator().manual_seed(seed)
+    load_global_weights(layer, torch.randn(E, H, generator=gen), torch.randn(E, H, 2 * FF, generator=gen) / H ** 0.5,
+                        torch.randn(E, FF, H, generator=gen) / FF ** 0.5, 0.1 * torch.randn(E, 2 * FF, generator=gen),
+                        0.1 * torch.randn(E, H, generator=gen))
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    layer.attach_optimizer(opt)
+    return layer, opt
+
+
+def _step(layer, opt, step: int) -> None:
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(TOKENS, H, generator=gen)
+    x[:, 0] += 2.0          # skews the routing
+    target = torch.randn(TOKENS, H, generator=gen)
+    n = TOKENS // layer.world_size
+    rows = slice(layer.rank * n, (layer.rank + 1) * n)
+    (layer(x[rows]) * target[rows]).sum().backward()
+    dist.all_reduce(layer.router.weight.grad, group=layer.group)     # the router's data-parallel sum
+    opt.step()
+    opt.zero_grad()
+
+
+def _gathered(layer, opt) -> dict[str, torch.Tensor]:
+    """The layer's whole experts and their Adam state, all-gathered over its EP group (not through DCP)."""
+    import torch.distributed as dist
+
+    out = {"router": layer.router.weight.detach().clone(),
+           "router.exp_avg": opt.state[layer.router.weight]["exp_avg"].clone(),
+           "router.step": opt.state[layer.router.weight]["step"].clone()}
+    for name in PARTS:
+        p = getattr(layer, name)
+        for key, t in (("", p.detach()), (".exp_avg", opt.state[p]["exp_avg"]),
+                       (".exp_avg_sq", opt.state[p]["exp_avg_sq"])):
+            parts = [torch.empty_like(t) for _ in range(layer.world_size)]
+            dist.all_gather(parts, t.contiguous(), group=layer.group)
+            out[name + key] = torch.cat(parts)
+        out[name + ".step"] = opt.state[p]["step"].clone()
+    return out
+
+
+def _state_dicts(layer, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(layer), "optim": get_optimizer_state_dict(layer, opt)}
+
+
+def _save(rank: int, world: int, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    layer, opt = _layer(2, seed=0)
+    for step in range(2):
+        _step(layer, opt, step)
+    sd = _state_dicts(layer, opt)
+    out = {"model_dtensors": sorted(k for k, v in sd["model"].items() if isinstance(v, DTensor)),
+           "optim_dtensors": sorted(k for k, v in sd["optim"]["state"].items()
+                                    for s, t in v.items() if isinstance(t, DTensor) and s == "exp_avg"),
+           "live_plain": all(not isinstance(t, DTensor) for st in opt.state.values() for t in st.values())}
+    dcp.save(sd, checkpoint_id=path)
+    out["saved"] = _gathered(layer, opt)
+    _step(layer, opt, 2)
+    out["continued"] = _gathered(layer, opt)
+    layer.close()
+    return out
+
+
+def _load(rank: int, world: int, path: str, ep: int) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    layer, opt = _layer(ep, seed=1)       # other weights
+    sd = _state_dicts(layer, opt)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(layer, sd["model"])
+    set_optimizer_state_dict(layer, opt, sd["optim"])
+    layer.refresh_replicas()
+    out = {"loaded": _gathered(layer, opt)}
+    full = get_model_state_dict(layer, options=StateDictOptions(full_state_dict=True))
+    out["full"] = {k: v.clone() for k, v in full.items()}
+    if ep == world > 1:
+        out.update(_round_trips(layer, opt))
+    _step(layer, opt, 2)
+    out["continued"] = _gathered(layer, opt)
+    layer.close()
+    dist.barrier()
+    return out
+
+
+def _round_trips(layer, opt) -> dict:
+    """Per-rank files, whole tensors, the local type and bad input, on a layer holding the loaded state."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from feplb.sharded import _mesh
+    from feplb.testing import error_of
+
+    out = {}
+    buf = io.BytesIO()
+    torch.save(layer.state_dict(), buf)
+    before = {n: getattr(layer, n).detach().clone() for n in PARTS}
+    with torch.no_grad():
+        for n in PARTS:
+            getattr(layer, n).add_(1.0)
+    buf.seek(0)
+    layer.load_state_dict(torch.load(buf, weights_only=True))
+    out["file_round_trip"] = all(torch.equal(getattr(layer, n), before[n]) for n in PARTS)
+    whole = _gathered(layer, opt)
+    with torch.no_grad():
+        layer.w2.zero_()
+    layer.load_state_dict({"w2": whole["w2"]}, strict=False)
+    out["whole_tensor"] = torch.equal(layer.w2, before["w2"])
+    osd = opt.state_dict()
+    out["optim_step_plain"] = all(not isinstance(st["step"], DTensor) for st in osd["state"].values())
+    opt.load_state_dict(osd)
+    w1 = [id(p) for g in opt.param_groups for p in g["params"]].index(id(layer.w1))
+    out["optim_round_trip"] = torch.equal(opt.state[layer.w1]["exp_avg"], osd["state"][w1]["exp_avg"].to_local())
+    # a per-rank file of the sharded optimizer state loaded into a fresh, untracked optimizer: its next step makes
+    # the experts' state local (as a resumed run meets it: load, then step)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    fresh = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    out["fresh_loaded_dtensors"] = isinstance(fresh.state[layer.w1]["exp_avg"], DTensor)
+    fresh.step()             # no gradients: nothing changes but the state's form
+    out["fresh_local"] = all(not isinstance(t, DTensor) and torch.equal(t, opt.state[p][k])
+                             for p, st in fresh.state.items() for k, t in st.items())
+    layer.set_state_dict_type("local")
+    out["local_plain"] = (not any(isinstance(v, DTensor) for v in layer.state_dict().values())
+                          and not any(isinstance(t, DTensor) for st in opt.state_dict()["state"].values()
+                                      for t in st.values()))
+    layer.set_state_dict_type("sharded")
+    out["bad_type"] = error_of(lambda: layer.set_state_dict_type("full"))
+    replicated = DTensor.from_local(layer.w1.detach().clone(), _mesh(layer, "cpu"), [Replicate()], run_check=False)
+    out["bad_placement"] = error_of(lambda: layer.load_state_dict({"w1": replicated}, strict=False))
+    p = layer.w2
+    saved = opt.state[p].get("odd")
+    opt.state[p]["odd"] = torch.zeros(3)
+    out["bad_state"] = error_of(opt.state_dict)
+    del opt.state[p]["odd"]
+    out["odd_restored"] = saved is None and "odd" not in opt.state[p]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dcp") / "ckpt")
+    saved = run_dist(_save, 4, path, timeout_s=240)
+    loads = {ep: run_dist(_load, ep, path, ep, timeout_s=240) for ep in (4, 1)}
+    return saved, loads
+
+
+def test_saved_as_dtensors(runs):
+    saved, _ = runs
+    for r in saved:
+        assert r["model_dtensors"] == sorted(PARTS), r["model_dtensors"]
+        assert r["optim_dtensors"] == sorted(PARTS), r["optim_dtensors"]
+        assert r["live_plain"]
+    # the data-parallel replicas trained alike (the same tokens): what one saved is what the other would have
+    for k, v in saved[0]["saved"].items():
+        assert torch.equal(v, saved[2]["saved"][k]), k
+
+
+@pytest.mark.parametrize("ep", [4, 1])
+def test_loaded_at_another_ep_size(runs, ep):
+    saved, loads = runs
+    want = saved[0]["saved"]
+    for r in loads[ep]:
+        got = r["loaded"]
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), (ep, k)
+        for n in PARTS:
+            assert torch.equal(r["full"][n], want[n]), (ep, n)
+        assert torch.equal(r["full"]["router.weight"], want["router"])
+
+
+@pytest.mark.parametrize("ep", [4, 1])
+def test_training_continues(runs, ep):
+    saved, loads = runs
+    want = saved[0]["continued"]
+    moved = max((want[n] - saved[0]["saved"][n]).abs().max().item() for n in PARTS)
+    assert moved > 1e-4            # the third step changed the weights
+    for r in loads[ep]:
+        for n in PARTS + ("router",):
+            err = (r["continued"][n] - want[n]).abs().max().item()
+            assert err <= 1e-5 * max(1.0, want[n].abs().max().item()), (ep, n, err)
+
+
+def test_files_whole_tensors_local_type_and_bad_input(runs):
+    _, loads = runs
+    for r in loads[4]:
+        assert r["file_round_trip"] and r["whole_tensor"] and r["optim_round_trip"] and r["optim_step_plain"]
+        assert r["local_plain"] and r["odd_restored"]
+        assert r["fresh_loaded_dtensors"] and r["fresh_local"]
+        assert "ValueError" in r["bad_type"] and "'full'" in r["bad_type"], r["bad_type"]
+        assert r["bad_placement"] is not None and "w1" in r["bad_placement"] and "Replicate" in r["bad_placement"], \
+            r["bad_placement"]
+        assert r["bad_state"] is not None and "'odd'" in r["bad_state"] and "'w2'" in r["bad_state"], r["bad_state"]
