@@ -293,6 +293,40 @@ class MoELayer(nn.Module):
                                "error is raised there); no rank keeps the layer")
         return out
 
+    # ------------------------------------------------------------------------------------------------ policy state
+    @property
+    def state(self):
+        """The policy's history (``feplb.sched.PolicyState``: load averages, dynamic sets, placement), or None for
+        plain EP. Not in ``state_dict()``: save it beside (it pickles) and assign it back on every rank, then call
+        ``refresh_replicas()``, which checks the ranks restored the same one."""
+        return self.__dict__.get("_policy_state")
+
+    @state.setter
+    def state(self, value) -> None:
+        problem = self._state_problem(value)
+        if problem is not None:
+            raise ValueError(f"MoELayer.state: {problem}; the layer keeps its own")
+        self.__dict__["_policy_state"] = value
+
+    def _state_problem(self, value) -> str | None:
+        """Why ``value`` cannot be this layer's policy state (a state of another layer's topology or policy: a
+        checkpoint of another EP size, say), or None."""
+        from feplb.sched.plan import parse_policy
+        from feplb.sched.state import PolicyState
+
+        needs = self.base != "none" or self.place
+        if value is None:
+            return None if not needs else f"policy {self.config.policy!r} needs a PolicyState, got None"
+        if not isinstance(value, PolicyState):
+            return f"expected a feplb.sched.PolicyState, got {type(value).__name__}"
+        if not needs:
+            return f"policy {self.config.policy!r} keeps no state (None), got a PolicyState"
+        if value.topo != self.topo:
+            return f"the state was made for {value.topo}, this layer's topology is {self.topo}"
+        if value.policy != self.config.policy and parse_policy(value.policy) != parse_policy(self.config.policy):
+            return f"the state serves policy {value.policy!r}, this layer runs {self.config.policy!r}"
+        return None
+
     # ------------------------------------------------------------------------------------------------ experts
     def _init_experts(self, L: int, H: int, F_: int, device: torch.device, dtype: torch.dtype) -> None:
         """Create this rank's expert parameters (override to store them in another layout)."""

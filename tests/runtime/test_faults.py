@@ -158,6 +158,27 @@ def _fault_worker(rank, world):
     step.reduce_replica_grads()
     step.refresh_replicas()
 
+    # A policy state restored from another layout (another EP size or node shape, another policy), or not a state:
+    # refused by name, the layer keeping its own; one of this layer's topology and policy is taken.
+    from feplb.sched.state import PolicyState
+    from feplb.sched.topology import Topology
+
+    own = step.state
+
+    def restore(value):
+        step.state = value
+
+    res["state_topo"] = error_of(lambda: restore(PolicyState(
+        topo=Topology(num_ranks=world, gpus_per_node=1, num_experts=E, dyn=2), policy="feplb-split@ema")))
+    res["state_policy"] = error_of(lambda: restore(PolicyState(topo=step.topo, policy="feplb-split")))
+    res["state_type"] = error_of(lambda: restore(dict(vars(own))))
+    res["state_none"] = error_of(lambda: restore(None))
+    res["state_kept"] = step.state is own
+    restore(PolicyState(topo=step.topo, policy="feplb-split@ema"))
+    res["state_taken"] = step.state is not own
+    restore(own)
+    step.refresh_replicas()
+
     # The NVSHMEM transport without nvshmem4py (or without a GPU): the install hint, not an obscure failure.
     from feplb.transport import make_transport
 
@@ -233,6 +254,11 @@ def test_faults_and_bad_input():
         assert res["has_replicas"] and res["step_moved"] > 0 and res["step_copies"] == 0, res
         assert res["stale"].startswith("RuntimeError") and "refresh_replicas" in res["stale"], res["stale"]
         assert res["unreduced"].startswith("RuntimeError") and "reduce_replica_grads" in res["unreduced"]
+        assert res["state_topo"].startswith("ValueError") and "gpus_per_node=1" in res["state_topo"], res["state_topo"]
+        assert "serves policy 'feplb-split'" in res["state_policy"], res["state_policy"]
+        assert "expected a feplb.sched.PolicyState, got dict" in res["state_type"], res["state_type"]
+        assert "needs a PolicyState, got None" in res["state_none"], res["state_none"]
+        assert res["state_kept"] and res["state_taken"]
         assert res["config"].startswith("ValueError") and "differs across ranks" in res["config"], res["config"]
         assert "feplb[nvshmem]" in res["nvshmem"], res["nvshmem"]
         if "no_gpu" in res:
