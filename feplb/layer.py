@@ -70,13 +70,7 @@ from feplb.layout import (
 from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
 from feplb.recompute import Record, Records, checkpoint_frame, hooks_active, in_backward, record_kind
 from feplb.replicas import Placement, Replicas, state_digest, state_fingerprint
-from feplb.sharded import (
-    STATE_DICT_TYPES,
-    load_state_dict_pre_hook,
-    localize_state,
-    state_dict_post_hook,
-    track_optimizer,
-)
+from feplb.sharded import STATE_DICT_TYPES, localize_state, register, track_optimizer
 from feplb.steps import Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
 from feplb.transport import release_transport, shared_transport
@@ -175,8 +169,7 @@ class MoELayer(nn.Module):
         except BaseException:
             self.close()      # what was built so far: threads, copy path, transport, hooks
             raise
-        self.register_state_dict_post_hook(state_dict_post_hook)
-        self.register_load_state_dict_pre_hook(load_state_dict_pre_hook)
+        register(self)     # state dicts shard the experts over the EP group (feplb.sharded)
 
     def _build(self, group: dist.ProcessGroup) -> None:
         """The rest of ``__init__``, once the Control exists (a failure here releases what was built). Its local
@@ -380,6 +373,12 @@ class MoELayer(nn.Module):
         tensor, block ``rank`` of W (``feplb.sharded``: its DTensor in ``state_dict()``): 0 for [L, ...] shards,
         rows ``rank * L ...`` (:meth:`local_shard`); None where it is not one block."""
         return 0
+
+    def whole_shape(self, pname: str) -> torch.Size | None:
+        """The shape of the full model's tensor of expert parameter ``pname`` whose rows :meth:`local_shard` cuts
+        (``load_state_dict`` takes it too), or None where the full model names it otherwise."""
+        p = self.get_parameter(pname)
+        return torch.Size((p.shape[0] * self.world_size, *p.shape[1:]))
 
     def set_state_dict_type(self, kind: str) -> None:
         """What ``state_dict()`` gives for the expert shards, and the optimizer's ``state_dict()`` for their state:

@@ -240,6 +240,10 @@ class FEPLBExperts(MoELayer):
         """None: Megatron names each local expert by its local index (or packs them into one weight)."""
         return None
 
+    def whole_shape(self, pname: str) -> torch.Size | None:
+        """None: the full model names each expert by its global index (:func:`full_state_dict`)."""
+        return None
+
     def set_state_dict_type(self, kind: str) -> None:
         """Only ``"local"``: Megatron's distributed checkpoints go through :meth:`sharded_state_dict`."""
         if kind != "local":

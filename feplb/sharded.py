@@ -11,9 +11,13 @@ or through :func:`track_optimizer`). DCP then writes every rank's experts at the
 data-parallel replicas of the EP group), loads them back at any EP size, and
 ``get_model_state_dict(..., options=StateDictOptions(full_state_dict=True))`` gathers the original layout.
 
+Optimizer state that is not per expert (Adafactor's column statistics of a 2-D expert bias, [1, G]) is stacked per
+rank along dim 0 the same way: it loads back at the same EP size, and DCP's shape check refuses another.
+
 ``"local"``: plain per-rank tensors, what the parameters are (Megatron-Core's layers keep this: their checkpoints go
-through ``sharded_state_dict``). ``load_state_dict`` (the layer's and the optimizer's) takes either, and for a
-layer's expert parameter also the model's whole [E, ...] tensor (this rank's rows are cut from it).
+through ``sharded_state_dict``). ``load_state_dict`` (the layer's and the optimizer's) takes either, a DTensor over
+any group of the EP group's size (a per-rank file of another data-parallel replica), and for a layer's expert
+parameter also the model's whole [E, ...] tensor (this rank's rows are copied from it).
 
 Legend: E experts, L = E / W experts per rank, W EP ranks.
 """
@@ -26,7 +30,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 __all__ = ["STATE_DICT_TYPES", "local_state_dicts", "localize_state", "track_optimizer"]
@@ -35,6 +38,15 @@ STATE_DICT_TYPES = ("sharded", "local")
 
 # one 1-D DeviceMesh per (layer, device type), made on first use (no collective: DeviceMesh.from_group)
 _MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# every layer built in this process, closed ones too (a checkpoint saved after close() shards their state alike)
+_KNOWN: weakref.WeakSet = weakref.WeakSet()
+
+
+def register(layer) -> None:
+    """Hook ``layer``'s state dict (``MoELayer.__init__``) and let optimizers find its expert parameters."""
+    layer.register_state_dict_post_hook(state_dict_post_hook)
+    layer.register_load_state_dict_pre_hook(load_state_dict_pre_hook)
+    _KNOWN.add(layer)
 
 
 def _dtensor():
@@ -77,29 +89,29 @@ def _sharded(layer, t: torch.Tensor, dim: int) -> torch.Tensor:
                               stride=stride)
 
 
-def _local(layer, key: str, value: Any, dim: int | None, like: torch.Tensor, pname: str | None = None) -> Any:
-    """What a per-rank tensor shaped like ``like`` loads from ``value``: a DTensor of this layer's sharding (along
-    ``dim`` over the EP group, ``like``'s shape but W times the rows) its local part; the whole [E, ...] tensor of
-    expert parameter ``pname`` this rank's rows; anything else itself (``load_state_dict``'s own checks judge it)."""
+def _local(layer, key: str, value: Any, dim: int | None, like: torch.Tensor | None = None,
+           pname: str | None = None) -> Any:
+    """What a per-rank tensor loads from ``value``: a DTensor sharded along ``dim`` over W ranks (this layer's EP
+    group, or another group of its size: a per-rank file of a data-parallel replica) its local part (for an expert
+    parameter ``pname`` shaped like ``like``, of the model's whole shape); the model's whole tensor of expert
+    parameter ``pname`` this rank's rows (a copy, never a view that would keep the whole tensor alive); anything
+    else itself (``load_state_dict``'s own checks judge it)."""
     DTensor, Shard = _dtensor()
     W = layer.world_size
     if isinstance(value, DTensor):
-        ranks = dist.get_process_group_ranks(layer.group)
         mesh = value.device_mesh
-        ok = dim is not None and mesh.ndim == 1 and mesh.mesh.tolist() == ranks \
-            and tuple(value.placements) == (Shard(dim),) and value.dim() == like.dim() \
-            and value.shape[dim] == W * like.shape[dim] \
-            and (pname is None or value.shape == _global_shape(like, dim, W))
+        ok = dim is not None and mesh.ndim == 1 and mesh.size() == W and tuple(value.placements) == (Shard(dim),) \
+            and (like is None or value.shape == _global_shape(like, dim, W))
         if not ok:
             layout = ("no DTensor (its shard is not one block of the model's tensor)" if dim is None else
-                      f"{W} x {like.shape[dim]} along dim {dim} over ranks {ranks}"
-                      + (f", shape {tuple(_global_shape(like, dim, W))}" if pname is not None else ""))
+                      f"a DTensor sharded along dim {dim} over {W} ranks"
+                      + (f", shape {tuple(_global_shape(like, dim, W))}" if like is not None else ""))
             raise ValueError(f"{key}: a DTensor of shape {tuple(value.shape)} placed {list(value.placements)} over "
                              f"ranks {mesh.mesh.flatten().tolist()}; this rank's layer loads {layout}")
         return value.to_local()
-    if pname is not None and dim is not None and W > 1 and isinstance(value, torch.Tensor) \
-            and value.shape == _global_shape(like, dim, W):
-        return layer.local_shard(pname, value)
+    whole = None if pname is None else layer.whole_shape(pname)
+    if whole is not None and W > 1 and isinstance(value, torch.Tensor) and value.shape == whole:
+        return layer.local_shard(pname, value).clone()
     return value
 
 
@@ -150,11 +162,9 @@ def local_state_dicts(layers: Iterable) -> Iterator[None]:
 
 # --------------------------------------------------------------------------------------------- optimizer hooks
 def _owners() -> dict[int, tuple[Any, str, int | None]]:
-    """id(parameter) -> (layer, its name there, shard dim) of every expert parameter of the live layers."""
-    from feplb.layer import _LAYERS
-
+    """id(parameter) -> (layer, its name there, shard dim) of every expert parameter of the layers built."""
     out = {}
-    for layer in list(_LAYERS):
+    for layer in list(_KNOWN):
         for pname, p in expert_named_params(layer):
             out[id(p)] = (layer, pname, layer.expert_shard_dim(pname))
     return out
@@ -169,9 +179,12 @@ def _indexed(optimizer: torch.optim.Optimizer, state_dict: dict) -> list[tuple[t
 
 
 def optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """The optimizer's state of expert parameters of layers of state-dict type ``"sharded"`` as DTensors like the
-    parameters' (its live state untouched). A scalar (a step count) stays as it is, equal on every rank; any other
-    state that is not per expert along the parameter's shard dim is refused, naming it."""
+    """The optimizer's state of expert parameters of layers of state-dict type ``"sharded"`` as DTensors sharded
+    along dim 0 like the parameters (its live state untouched): a state per expert (Adam's moments, [L, ...])
+    reshards at any EP size; any other (Adafactor's column statistics of a 2-D expert bias, [1, G]) is stacked
+    per rank and loads at the same EP size only (another is refused by DCP's shape check). A scalar (a step count)
+    stays as it is, equal on every rank; state nested in containers, or of a parameter whose shard is not one
+    block, is refused, naming it."""
     owners = _owners()
     state = dict(state_dict["state"])
     for p, key in _indexed(optimizer, state_dict):
@@ -182,18 +195,30 @@ def optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict:
         entry = {}
         for name, v in state[key].items():
             if isinstance(v, torch.Tensor) and v.dim() > 0 and not is_dtensor(v):
-                if dim is None or v.dim() != p.dim() or v.shape[dim] != p.shape[dim]:
-                    why = ("the parameter's shard is not one block of the model's tensor" if dim is None else
-                           f"it is not per expert along dim {dim}")
-                    raise ValueError(f"{type(optimizer).__name__}.state_dict(): its state {name!r} of shape "
-                                     f"{tuple(v.shape)} for expert parameter {pname!r} {tuple(p.shape)} has no "
-                                     f"DTensor for torch.distributed.checkpoint ({why}); "
+                if dim is None:
+                    raise ValueError(f"{type(optimizer).__name__}.state_dict(): expert parameter {pname!r} "
+                                     f"{tuple(p.shape)} is not one block of the model's tensor, so its state "
+                                     f"{name!r} has no DTensor for torch.distributed.checkpoint; "
                                      "set_state_dict_type(model, 'local') for per-rank files")
-                v = _sharded(layer, v, dim)
+                v = _sharded(layer, v, 0)
+            elif isinstance(v, (dict, list, tuple)) and _holds_tensor(v):
+                raise ValueError(f"{type(optimizer).__name__}.state_dict(): its state {name!r} of expert parameter "
+                                 f"{pname!r} nests tensors, which torch.distributed.checkpoint would take for "
+                                 "replicated ones; set_state_dict_type(model, 'local') for per-rank files")
             entry[name] = v
         state[key] = entry
     state_dict["state"] = state
     return state_dict
+
+
+def _holds_tensor(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.dim() > 0
+    if isinstance(v, dict):
+        return any(_holds_tensor(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_tensor(x) for x in v)
+    return False
 
 
 def optimizer_load_pre_hook(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -207,17 +232,19 @@ def optimizer_load_pre_hook(optimizer: torch.optim.Optimizer, state_dict: dict) 
         if own is None or key not in state:
             continue
         layer, pname, dim = own
-        state[key] = {name: _local(layer, f"optimizer state {name!r} of {pname!r}", v, dim, p)
-                      if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+        state[key] = {name: _local(layer, f"optimizer state {name!r} of {pname!r}", v, 0 if dim is not None else None)
+                      if is_dtensor(v) else v
                       for name, v in state[key].items()}
     state_dict["state"] = state
     return state_dict
 
 
 def localize_state(optimizer: torch.optim.Optimizer) -> None:
-    """The local parts of DTensors an untracked optimizer's ``load_state_dict`` took into its live state for
-    expert parameters (a per-rank file of a sharded ``state_dict()`` loaded into a fresh optimizer): run before
-    each step of an optimizer :func:`track_optimizer` has not hooked."""
+    """The local parts of the DTensors an optimizer's ``load_state_dict`` took into its live state for expert
+    parameters before :func:`track_optimizer` hooked it (a per-rank file of a sharded ``state_dict()`` loaded into a
+    fresh optimizer): run when it is hooked, and before each step of an optimizer not hooked."""
+    if not any(is_dtensor(v) for st in optimizer.state.values() for v in st.values()):
+        return
     owners = _owners()
     for p, st in optimizer.state.items():
         own = owners.get(id(p))
@@ -225,17 +252,19 @@ def localize_state(optimizer: torch.optim.Optimizer) -> None:
             continue
         for name, v in list(st.items()):
             if is_dtensor(v):
-                st[name] = _local(own[0], f"optimizer state {name!r} of {own[1]!r}", v, own[2], p)
+                st[name] = _local(own[0], f"optimizer state {name!r} of {own[1]!r}", v,
+                                  0 if own[2] is not None else None)
 
 
 def track_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Make ``optimizer.state_dict()`` give the state of expert parameters sharded like them (and its
     ``load_state_dict`` take it back). Done by ``attach_optimizer`` and at the first step of any optimizer that
     steps expert parameters; needed only for an optimizer whose state was loaded and is saved again before it
-    ever stepped (one loaded before it is tracked has the DTensors of its expert parameters made local at its next
-    step). Idempotent."""
+    ever stepped (one that loaded a sharded state before has it made local here, or else at its next step).
+    Idempotent."""
     if optimizer.__dict__.get("_feplb_sharded"):
         return
+    localize_state(optimizer)     # what it loaded before (later loads go through its load hook)
     optimizer.register_state_dict_post_hook(optimizer_state_dict_post_hook)
     optimizer.register_load_state_dict_pre_hook(optimizer_load_pre_hook)
     optimizer._feplb_sharded = True

@@ -212,8 +212,9 @@ def _defects(rank: int, world: int) -> dict:
 
 def _longcat_state(rank: int, world: int) -> dict:
     """LongCat-Flash's experts after apply: each rank's gate_up_proj holds its experts, then its share of the zero
-    experts' unused rows; full_state_dict gives back the model's own state dict, bit for bit; state_dict() refuses
-    the sharded type (no DTensor describes two blocks), gives the plain shard with type "local"."""
+    experts' unused rows; full_state_dict gives back the model's own state dict, bit for bit, also after that full
+    state dict is loaded into the applied model; state_dict() refuses the sharded type (no DTensor describes two
+    blocks), gives the plain shard with type "local"."""
     import torch.distributed as dist
 
     import feplb.hf as fh
@@ -225,12 +226,17 @@ def _longcat_state(rank: int, world: int) -> dict:
     ex = model.get_submodule(names[0])
     full = fh.full_state_dict(model, rank0_only=False)
     cfg = model.config
+    with torch.no_grad():
+        ex.gate_up_proj.zero_()
+    model.load_state_dict(before)     # the full checkpoint after apply: each rank keeps its rows (both blocks)
+    again = fh.full_state_dict(model, rank0_only=False)
     sharded = error_of(model.state_dict)     # two blocks per rank: no DTensor describes gate_up_proj's shard
     fh.set_state_dict_type(model, "local")
     local = model.state_dict()
     return {"local": list(ex.gate_up_proj.shape), "E": cfg.n_routed_experts, "Z": cfg.zero_expert_num,
             "W": dist.get_world_size(), "keys": sorted(full) == sorted(before), "sharded": sharded,
             "local_sd": torch.equal(local[f"{names[0]}.gate_up_proj"], ex.gate_up_proj),
+            "whole_load": sorted(again) == sorted(before) and all(torch.equal(again[k], v) for k, v in before.items()),
             "equal": all(torch.equal(full[k], v) for k, v in before.items() if k in full),
             "bad_id": error_of(lambda: ex(torch.randn(3, cfg.hidden_size), torch.full((3, cfg.num_experts_per_tok),
                                                                                          cfg.n_routed_experts +
@@ -246,6 +252,7 @@ def test_zero_computation_experts_state():
         # model.state_dict() for torch.distributed.checkpoint refuses, naming the projection; "local" gives the shard
         assert r["sharded"] is not None and "ValueError" in r["sharded"] and "'gate_up_proj'" in r["sharded"], r
         assert r["local_sd"], r
+        assert r["whole_load"], r     # load_state_dict of the full checkpoint after apply
         # ids past the zero experts reach the layer, which refuses them on every rank
         assert r["bad_id"] is not None and "outside" in r["bad_id"], r["bad_id"]
 

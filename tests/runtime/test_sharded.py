@@ -93,6 +93,7 @@ def _state_dicts(layer, opt) -> dict:
 
 
 def _save(rank: int, world: int, path: str) -> dict:
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
@@ -106,9 +107,20 @@ def _save(rank: int, world: int, path: str) -> dict:
            "live_plain": all(not isinstance(t, DTensor) for st in opt.state.values() for t in st.values())}
     dcp.save(sd, checkpoint_id=path)
     out["saved"] = _gathered(layer, opt)
+    # per-rank files: each EP rank of data-parallel replica 1 loads replica 0's (another group's mesh, same size)
+    before = {n: getattr(layer, n).detach().clone() for n in PARTS}
+    torch.save(layer.state_dict(), f"{path}_rank{rank}.pt")
+    dist.barrier()
+    layer.load_state_dict(torch.load(f"{path}_rank{rank % 2}.pt", weights_only=True))
+    out["replica_file"] = all(torch.equal(getattr(layer, n), before[n]) for n in PARTS)
+    layer.refresh_replicas()
     _step(layer, opt, 2)
     out["continued"] = _gathered(layer, opt)
     layer.close()
+    # saved after close() (a `with layer:` block ended): the optimizer's state still sharded like the weights
+    w1 = [id(p) for g in opt.param_groups for p in g["params"]].index(id(layer.w1))
+    out["closed_sharded"] = (isinstance(opt.state_dict()["state"][w1]["exp_avg"], DTensor)
+                             and isinstance(layer.state_dict()["w1"], DTensor))
     return out
 
 
@@ -132,7 +144,7 @@ def _load(rank: int, world: int, path: str, ep: int) -> dict:
     full = get_model_state_dict(layer, options=StateDictOptions(full_state_dict=True))
     out["full"] = {k: v.clone() for k, v in full.items()}
     if ep == world > 1:
-        out.update(_round_trips(layer, opt))
+        out.update(_round_trips(layer, opt, path))
     _step(layer, opt, 2)
     out["continued"] = _gathered(layer, opt)
     layer.close()
@@ -140,7 +152,7 @@ def _load(rank: int, world: int, path: str, ep: int) -> dict:
     return out
 
 
-def _round_trips(layer, opt) -> dict:
+def _round_trips(layer, opt, path: str) -> dict:
     """Per-rank files, whole tensors, the local type and bad input, on a layer holding the loaded state."""
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -162,6 +174,11 @@ def _round_trips(layer, opt) -> dict:
         layer.w2.zero_()
     layer.load_state_dict({"w2": whole["w2"]}, strict=False)
     out["whole_tensor"] = torch.equal(layer.w2, before["w2"])
+    other, _ = _layer(layer.world_size, seed=2)
+    other.load_state_dict({"w1": whole["w1"]}, strict=False, assign=True)   # the parameter becomes its rows: a
+    out["whole_assigned"] = (torch.equal(other.w1, before["w1"])            # copy, not a view of all E experts
+                             and other.w1.untyped_storage().nbytes() == other.w1.numel() * other.w1.element_size())
+    other.close()
     osd = opt.state_dict()
     out["optim_step_plain"] = all(not isinstance(st["step"], DTensor) for st in osd["state"].values())
     opt.load_state_dict(osd)
@@ -178,6 +195,22 @@ def _round_trips(layer, opt) -> dict:
     fresh.step()             # no gradients: nothing changes but the state's form
     out["fresh_local"] = all(not isinstance(t, DTensor) and torch.equal(t, opt.state[p][k])
                              for p, st in fresh.state.items() for k, t in st.items())
+    # ... or, loaded and then attached (tracked), at once, and it steps
+    buf.seek(0)
+    tracked = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    tracked.load_state_dict(torch.load(buf, weights_only=True))
+    layer.attach_optimizer(tracked)
+    out["tracked_local"] = all(not isinstance(t, DTensor) and torch.equal(t, opt.state[p][k])
+                               for p, st in tracked.state.items() for k, t in st.items())
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)
+    out["tracked_steps"] = error_of(tracked.step)
+    tracked.zero_grad()
+    with torch.no_grad():     # back to the loaded weights (Adam's step moved them a little)
+        for n in PARTS:
+            getattr(layer, n).copy_(before[n])
+        layer.router.weight.copy_(whole["router"])
+    layer.refresh_replicas()
     layer.set_state_dict_type("local")
     out["local_plain"] = (not any(isinstance(v, DTensor) for v in layer.state_dict().values())
                           and not any(isinstance(t, DTensor) for st in opt.state_dict()["state"].values()
@@ -187,11 +220,41 @@ def _round_trips(layer, opt) -> dict:
     replicated = DTensor.from_local(layer.w1.detach().clone(), _mesh(layer, "cpu"), [Replicate()], run_check=False)
     out["bad_placement"] = error_of(lambda: layer.load_state_dict({"w1": replicated}, strict=False))
     p = layer.w2
-    saved = opt.state[p].get("odd")
-    opt.state[p]["odd"] = torch.zeros(3)
+    opt.state[p]["odd"] = {"m": torch.zeros(3)}       # state nested in a container: DCP would replicate it
     out["bad_state"] = error_of(opt.state_dict)
     del opt.state[p]["odd"]
-    out["odd_restored"] = saved is None and "odd" not in opt.state[p]
+    out.update(_per_rank_state(layer, path))
+    return out
+
+
+def _per_rank_state(layer, path: str) -> dict:
+    """Adafactor on 2-D expert biases: its column statistic [1, G] mixes the rank's experts, so it is stacked per
+    rank ([W, G]) and comes back through DCP at the same EP size, with the per-expert ones, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    def adafactor():
+        return torch.optim.Adafactor([layer.b1, layer.b2, layer.w1], lr=1e-2)
+
+    kept = {n: getattr(layer, n).detach().clone() for n in ("b1", "b2", "w1")}
+    ada = adafactor()
+    gen = torch.Generator().manual_seed(7 + layer.rank)
+    for p in (layer.b1, layer.b2, layer.w1):
+        p.grad = torch.randn(p.shape, generator=gen)
+    ada.step()
+    ada.zero_grad()
+    sd = get_optimizer_state_dict(layer, ada)
+    out = {"col_shape": list(sd["state"]["b1"]["col_var"].shape), "row_shape": list(sd["state"]["b1"]["row_var"].shape)}
+    dcp.save({"optim": sd}, checkpoint_id=path + "_adafactor")
+    again = adafactor()
+    template = {"optim": get_optimizer_state_dict(layer, again)}
+    dcp.load(template, checkpoint_id=path + "_adafactor")
+    set_optimizer_state_dict(layer, again, template["optim"])
+    out["per_rank_equal"] = all(torch.equal(again.state[p][k], t) for p, st in ada.state.items() for k, t in st.items())
+    with torch.no_grad():     # the weights the next step starts from: the loaded ones
+        for n, t in kept.items():
+            getattr(layer, n).copy_(t)
+    layer.refresh_replicas()
     return out
 
 
@@ -208,7 +271,7 @@ def test_saved_as_dtensors(runs):
     for r in saved:
         assert r["model_dtensors"] == sorted(PARTS), r["model_dtensors"]
         assert r["optim_dtensors"] == sorted(PARTS), r["optim_dtensors"]
-        assert r["live_plain"]
+        assert r["live_plain"] and r["replica_file"] and r["closed_sharded"], r
     # the data-parallel replicas trained alike (the same tokens): what one saved is what the other would have
     for k, v in saved[0]["saved"].items():
         assert torch.equal(v, saved[2]["saved"][k]), k
@@ -244,9 +307,12 @@ def test_files_whole_tensors_local_type_and_bad_input(runs):
     _, loads = runs
     for r in loads[4]:
         assert r["file_round_trip"] and r["whole_tensor"] and r["optim_round_trip"] and r["optim_step_plain"]
-        assert r["local_plain"] and r["odd_restored"]
-        assert r["fresh_loaded_dtensors"] and r["fresh_local"]
+        assert r["local_plain"] and r["whole_assigned"]
+        assert r["fresh_loaded_dtensors"] and r["fresh_local"] and r["tracked_local"] and r["tracked_steps"] is None
+        W = len(loads[4])
+        assert r["col_shape"] == [W, 2 * FF] and r["row_shape"] == [E, 1] and r["per_rank_equal"], r
         assert "ValueError" in r["bad_type"] and "'full'" in r["bad_type"], r["bad_type"]
         assert r["bad_placement"] is not None and "w1" in r["bad_placement"] and "Replicate" in r["bad_placement"], \
             r["bad_placement"]
-        assert r["bad_state"] is not None and "'odd'" in r["bad_state"] and "'w2'" in r["bad_state"], r["bad_state"]
+        assert r["bad_state"] is not None and "'odd'" in r["bad_state"] and "nests tensors" in r["bad_state"], \
+            r["bad_state"]
