@@ -2,8 +2,8 @@
 as DTensors over the EP group (``feplb.sharded``), on gloo ranks:
 
 * saved from 4 ranks as 2 data-parallel replicas of an EP group of 2 (Adam, two steps of ``feplb-split`` with
-  expert biases), through ``get_model_state_dict`` / ``get_optimizer_state_dict`` and ``dcp.save``;
-* loaded (``dcp.load``, ``set_model_state_dict``, ``set_optimizer_state_dict``) into layers of other weights at EP 4
+  expert biases), through ``get_state_dict`` and ``dcp.save``;
+* loaded (``dcp.load``, ``set_state_dict``) into layers of other weights at EP 4
   (2 nodes x 2) and EP 1: every expert's weights and Adam moments equal, bit for bit, those the saving run gathered
   itself over its EP group (all-gather, not DCP); the router and the step counts too; the third step then gives
   the weights the saving run reached with its own third step (the same tokens, split over 4 ranks instead of 2:
@@ -87,9 +87,10 @@ def _gathered(layer, opt) -> dict[str, torch.Tensor]:
 
 
 def _state_dicts(layer, opt) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    return {"model": get_model_state_dict(layer), "optim": get_optimizer_state_dict(layer, opt)}
+    model_sd, optim_sd = get_state_dict(layer, opt)      # as the README shows
+    return {"model": model_sd, "optim": optim_sd}
 
 
 def _save(rank: int, world: int, path: str) -> dict:
@@ -127,18 +128,12 @@ def _save(rank: int, world: int, path: str) -> dict:
 def _load(rank: int, world: int, path: str, ep: int) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_state_dict
 
     layer, opt = _layer(ep, seed=1)       # other weights
     sd = _state_dicts(layer, opt)
     dcp.load(sd, checkpoint_id=path)
-    set_model_state_dict(layer, sd["model"])
-    set_optimizer_state_dict(layer, opt, sd["optim"])
+    set_state_dict(layer, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     layer.refresh_replicas()
     out = {"loaded": _gathered(layer, opt)}
     full = get_model_state_dict(layer, options=StateDictOptions(full_state_dict=True))
