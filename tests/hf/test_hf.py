@@ -485,7 +485,7 @@ def _check_fsdp(rank: int, world: int) -> dict:
     average_expert_grads and, at the second step, feplb.hf.clip_grad_norm_, against the unmodified model sharded
     the same way (its experts too) and clipped by torch: the same gradient norm, and every parameter's change
     over the steps the unmodified model's (norm-wise); full_state_dict gathers plain tensors equal to its
-    parameters."""
+    parameters; the model's state dict round-trips through torch.distributed.checkpoint."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -528,6 +528,7 @@ def _check_fsdp(rank: int, world: int) -> dict:
     full = fh.full_state_dict(model, rank0_only=False)
     out["sd_plain"] = all(type(v) is torch.Tensor for v in full.values())
     out["sd_rel"] = max(_rel(full[n], refs[n]) for n in refs)
+    out["dcp_exact"] = _fsdp_dcp(rank, model, full)
     # a NaN in the last rank's expert gradient only: error_if_nonfinite raises on every rank, for the inf-norm too
     # (a MAX reduction may drop a NaN)
     ids = M.tokens(rank)
@@ -537,6 +538,29 @@ def _check_fsdp(rank: int, world: int) -> dict:
             model.model.layers[0].mlp.experts.gate_up_proj.grad.view(-1)[0] = float("nan")
     out["nan_inf"] = error_of(lambda: fh.clip_grad_norm_(model, 1.0, float("inf"), error_if_nonfinite=True))
     return out
+
+
+def _fsdp_dcp(rank: int, model, full: dict) -> bool:
+    """The model's state dict, FSDP's DTensors and FEPLB's side by side, through dcp.save; every parameter zeroed;
+    dcp.load and set_model_state_dict: full_state_dict is again what it was, bit for bit."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    import feplb.hf as fh
+
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(box)
+    dcp.save(get_model_state_dict(model), checkpoint_id=box[0])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    template = get_model_state_dict(model)
+    dcp.load(template, checkpoint_id=box[0])
+    set_model_state_dict(model, template)
+    fh.refresh_replicas(model)
+    again = fh.full_state_dict(model, rank0_only=False)
+    return sorted(again) == sorted(full) and all(torch.equal(again[k], v) for k, v in full.items())
 
 
 def _check_ddp(rank: int, world: int) -> dict:
@@ -746,6 +770,7 @@ def _assert_fsdp(ranks: list[dict]) -> None:
         assert fsdp["nan_inf"] is not None and "non-finite" in fsdp["nan_inf"], (rank, fsdp["nan_inf"])
         assert fsdp["change_rel"] <= TOL, (rank, fsdp)
         assert fsdp["sd_plain"] and fsdp["sd_rel"] <= TOL, (rank, fsdp)
+        assert fsdp["dcp_exact"], rank      # FSDP's DTensors and FEPLB's through one torch.distributed.checkpoint
 
 
 def test_fsdp_for_the_rest_trains_like_the_unmodified_model_on_one_rank(one_rank):
