@@ -15,7 +15,9 @@ stay replicated: their gradients are averaged over the ranks by one all-reduce p
 slice of the text the demo reads (this Python's standard-library source, as bytes: vocabulary 256). The script
 prints the token straggler before/after balancing like ``train_moe.py``, writes the same report (report.md,
 plots, report.json) to ``--out`` and, with ``--save``, a transformers checkpoint gathered by
-``feplb.hf.full_state_dict`` that ``from_pretrained`` loads without feplb. ``--gradient-checkpointing`` turns on
+``feplb.hf.full_state_dict`` that ``from_pretrained`` loads without feplb; with ``--checkpoint``, a
+``torch.distributed.checkpoint`` of the model and optimizer that ``--resume`` continues from on any number of
+ranks (each reads its own experts). ``--gradient-checkpointing`` turns on
 transformers' gradient checkpointing of the decoder layers (the losses stay those of a run without it).
 
 Shape legend: B sequences per rank, S sequence length, V = 256 byte values, L MoE layers, W ranks.
@@ -82,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--out", type=Path, default=None, help="directory for report.md, plots and report.json")
     p.add_argument("--save", type=Path, default=None, help="write a transformers checkpoint here at the end")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="write a torch.distributed.checkpoint (model, optimizer, step) here at the end")
+    p.add_argument("--resume", type=Path, default=None,
+                   help="continue from a --checkpoint, written by a run of any number of ranks")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each decoder layer in the backward pass (transformers' gradient checkpointing; "
                         "the FEPLB layers replay their forwards' plans)")
@@ -135,8 +141,14 @@ def train(args: argparse.Namespace) -> dict:
               f"top-{first.config.top_k}, {E // world} per rank; {world} ranks = {world // G} nodes x {G} GPUs, "
               f"policy {args.policy!r}; text: {label}", flush=True)
 
+    start = 0
+    if args.resume is not None:
+        start = load_checkpoint(args.resume, model, optimizer)
+        feplb.hf.refresh_replicas(model)       # the loaded weights -> the resident replicas
+        if rank == 0:
+            print(f"resumed at step {start} from {args.resume}", flush=True)
     steps = []
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         t0 = time.perf_counter()
         ids_BS, targets_BS = data.batch(step)
         logits_BSV = model(input_ids=ids_BS).logits
@@ -174,13 +186,19 @@ def train(args: argparse.Namespace) -> dict:
         if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
             print(demo.log_line(rec), flush=True)
 
+    if args.checkpoint is not None:
+        save_checkpoint(args.checkpoint, model, optimizer, max(start, args.steps))
+        if rank == 0:
+            print(f"checkpoint (torch.distributed.checkpoint, any number of ranks): {args.checkpoint}", flush=True)
     if args.save is not None:
         full = feplb.hf.full_state_dict(model)   # collective; the full weights on rank 0
         if rank == 0:
             model.save_pretrained(args.save, state_dict=full)
             print(f"checkpoint (plain transformers, {len(full)} tensors): {args.save}", flush=True)
     summary = None
-    if rank == 0:
+    if rank == 0 and not steps:
+        print(f"nothing left to train: already at step {start} (--steps {args.steps})", flush=True)
+    if rank == 0 and steps:
         report = demo._report_module()
         summary = report.summarize(steps)
         print(f"token straggler, plain EP -> {args.policy}: {summary['token_straggler_before']:.1f} -> "
@@ -201,6 +219,31 @@ def train(args: argparse.Namespace) -> dict:
             print(f"report: {args.out / 'report.md'}", flush=True)
     dist.barrier()
     return {"steps": steps, "summary": summary, "names": names}
+
+
+def save_checkpoint(path: Path, model, optimizer, step: int) -> None:
+    """The model and optimizer through ``torch.distributed.checkpoint`` (collective): each rank writes its expert
+    shards and their optimizer state at their global offsets (DTensors, ``feplb.sharded``), the replicated rest once."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=path)
+
+
+def load_checkpoint(path: Path, model, optimizer) -> int:
+    """Load a :func:`save_checkpoint` into this run's model and optimizer, whatever its number of ranks (each
+    reads its own experts); returns the step it was written at."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not (path / ".metadata").is_file():
+        raise _demo().UsageError(f"--resume: {path} holds no torch.distributed.checkpoint (no .metadata)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["step"])
 
 
 def main(argv: list[str] | None = None) -> int:

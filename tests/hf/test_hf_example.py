@@ -1,6 +1,6 @@
 """Smoke test of examples/hf_moe.py: a few steps on 4 gloo ranks as 2 nodes x 2; balancing moves rows and lowers
 the straggler, the report is written, and the saved checkpoint loads into plain transformers with the full expert
-shapes."""
+shapes; its torch.distributed.checkpoint resumes on 2 ranks with the same weights."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ def _run_example(rank: int, world: int, argv: list[str]) -> dict:
 
 
 def test_example_trains_balances_reports_and_saves(tmp_path, capfd):
-    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    out, ckpt, dcp_dir, again = tmp_path / "run", tmp_path / "ckpt", tmp_path / "dcp", tmp_path / "again"
     argv = ["--steps", "3", "--hidden", "32", "--batch", "2", "--seq-len", "32", "--text-bytes", "40000",
             "--gpus-per-node", "2", "--log-every", "1", "--plan-wait-ms", "60000", "--out", str(out),
-            "--save", str(ckpt), "--clip", "0.5"]
+            "--save", str(ckpt), "--clip", "0.5", "--checkpoint", str(dcp_dir)]
     ranks = run_dist(_run_example, 4, argv, timeout_s=240, collective_timeout_s=120)
     steps = ranks[0]["steps"]
     assert [s["step"] for s in steps] == [1, 2, 3]
@@ -52,6 +52,17 @@ def test_example_trains_balances_reports_and_saves(tmp_path, capfd):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert [n for n, _ in model.named_modules() if n.endswith("mlp.experts")] == ranks[0]["names"]
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
+
+    # --resume on 2 ranks (EP 2) from the 4 ranks' torch.distributed.checkpoint, nothing left to train: the full
+    # weights it gathers are the saving run's, bit for bit
+    resume = ["--steps", "3", "--hidden", "32", "--gpus-per-node", "2", "--text-bytes", "40000",
+              "--resume", str(dcp_dir), "--save", str(again)]
+    resumed = run_dist(_run_example, 2, resume, timeout_s=240, collective_timeout_s=120)
+    assert resumed[0]["steps"] == [] and resumed[0]["summary"] is None
+    assert "resumed at step 3 from" in capfd.readouterr().out
+    reloaded = AutoModelForCausalLM.from_pretrained(again)
+    want, got = model.state_dict(), reloaded.state_dict()
+    assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
 
 
 def test_example_with_gradient_checkpointing_has_the_same_losses():
