@@ -116,6 +116,8 @@ def train(args: argparse.Namespace) -> dict:
     G = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % G:
         raise demo.UsageError(f"--gpus-per-node {G} does not divide the world size {world}")
+    if args.checkpoint is not None and args.checkpoint.exists() and not args.checkpoint.is_dir():
+        raise demo.UsageError(f"--checkpoint {args.checkpoint} is a file, not a directory")
     corpus, label = demo.read_corpus(None, args.text_bytes)
     data = demo.ByteStreams(corpus, rank=rank, world=world, batch=args.batch, seq_len=args.seq_len, device=device)
 

@@ -11,8 +11,9 @@ or through :func:`track_optimizer`). DCP then writes every rank's experts at the
 data-parallel replicas of the EP group), loads them back at any EP size, and
 ``get_model_state_dict(..., options=StateDictOptions(full_state_dict=True))`` gathers the original layout.
 
-Optimizer state that is not per expert (Adafactor's column statistics of a 2-D expert bias, [1, G]) is stacked per
-rank along dim 0 the same way: it loads back at the same EP size, and DCP's shape check refuses another.
+Optimizer state of the parameter's rank that is not per expert (Adafactor's column statistics of a 2-D expert bias,
+[1, G]) is stacked per rank along dim 0 the same way: it loads back at the same EP size, and DCP's shape check
+refuses another. State of another rank (LBFGS's flat vectors, whose length grows with L) is refused.
 
 ``"local"``: plain per-rank tensors, what the parameters are (Megatron-Core's layers keep this: their checkpoints go
 through ``sharded_state_dict``). ``load_state_dict`` (the layer's and the optimizer's) takes either, a DTensor over
@@ -181,10 +182,11 @@ def _indexed(optimizer: torch.optim.Optimizer, state_dict: dict) -> list[tuple[t
 def optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     """The optimizer's state of expert parameters of layers of state-dict type ``"sharded"`` as DTensors sharded
     along dim 0 like the parameters (its live state untouched): a state per expert (Adam's moments, [L, ...])
-    reshards at any EP size; any other (Adafactor's column statistics of a 2-D expert bias, [1, G]) is stacked
-    per rank and loads at the same EP size only (another is refused by DCP's shape check). A scalar (a step count)
-    stays as it is, equal on every rank; state nested in containers, or of a parameter whose shard is not one
-    block, is refused, naming it."""
+    reshards at any EP size; one of the parameter's rank but not per expert (Adafactor's column statistics of a
+    2-D expert bias, [1, G]) is stacked per rank and loads at the same EP size only (another is refused by DCP's
+    shape check). A scalar (a step count) stays as it is, equal on every rank. State of another rank (a flat
+    vector over several parameters, as LBFGS keeps, whose length grows with L and would reshard silently), nested
+    in containers, or of a parameter whose shard is not one block, is refused, naming it."""
     owners = _owners()
     state = dict(state_dict["state"])
     for p, key in _indexed(optimizer, state_dict):
@@ -195,10 +197,13 @@ def optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict:
         entry = {}
         for name, v in state[key].items():
             if isinstance(v, torch.Tensor) and v.dim() > 0 and not is_dtensor(v):
-                if dim is None:
-                    raise ValueError(f"{type(optimizer).__name__}.state_dict(): expert parameter {pname!r} "
-                                     f"{tuple(p.shape)} is not one block of the model's tensor, so its state "
-                                     f"{name!r} has no DTensor for torch.distributed.checkpoint; "
+                if dim is None or v.dim() != p.dim():
+                    why = ("the parameter's shard is not one block of the model's tensor" if dim is None else
+                           "it is neither per expert nor shaped like the parameter (a flat vector, say), and "
+                           "could be resharded wrongly")
+                    raise ValueError(f"{type(optimizer).__name__}.state_dict(): its state {name!r} of shape "
+                                     f"{tuple(v.shape)} for expert parameter {pname!r} {tuple(p.shape)} has no "
+                                     f"DTensor for torch.distributed.checkpoint ({why}); "
                                      "set_state_dict_type(model, 'local') for per-rank files")
                 v = _sharded(layer, v, 0)
             elif isinstance(v, (dict, list, tuple)) and _holds_tensor(v):
@@ -243,11 +248,12 @@ def localize_state(optimizer: torch.optim.Optimizer) -> None:
     """The local parts of the DTensors an optimizer's ``load_state_dict`` took into its live state for expert
     parameters before :func:`track_optimizer` hooked it (a per-rank file of a sharded ``state_dict()`` loaded into a
     fresh optimizer): run when it is hooked, and before each step of an optimizer not hooked."""
-    if not any(is_dtensor(v) for st in optimizer.state.values() for v in st.values()):
+    # (torch lets an optimizer keep other values than per-parameter dicts in its state)
+    if not any(is_dtensor(v) for st in optimizer.state.values() if isinstance(st, dict) for v in st.values()):
         return
     owners = _owners()
     for p, st in optimizer.state.items():
-        own = owners.get(id(p))
+        own = owners.get(id(p)) if isinstance(p, torch.Tensor) and isinstance(st, dict) else None
         if own is None:
             continue
         for name, v in list(st.items()):

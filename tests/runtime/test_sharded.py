@@ -12,8 +12,9 @@ as DTensors over the EP group (``feplb.sharded``), on gloo ranks:
 * the live optimizer state stays plain tensors; ``state_dict()`` to ``torch.save`` / ``torch.load(weights_only=True)``
   round-trips (the optimizer's too, into a fresh optimizer, local again at its first step), and
   ``load_state_dict`` takes the whole [E, ...] tensor too (this rank's rows); type ``"local"``
-  gives plain shards; a DTensor of another placement, an optimizer state that is not per expert and an unknown
-  type are refused, naming what was wrong.
+  gives plain shards; a DTensor of another placement, optimizer state nested in a container or flat (LBFGS's) and
+  an unknown type are refused, naming what was wrong; an optimizer keeping other values in its state steps as
+  before.
 """
 
 from __future__ import annotations
@@ -218,8 +219,20 @@ def _round_trips(layer, opt, path: str) -> dict:
     opt.state[p]["odd"] = {"m": torch.zeros(3)}       # state nested in a container: DCP would replicate it
     out["bad_state"] = error_of(opt.state_dict)
     del opt.state[p]["odd"]
+    opt.state[p]["flat"] = torch.zeros(p.numel())     # a flat vector (LBFGS's): its length grows with L
+    out["flat_state"] = error_of(opt.state_dict)
+    del opt.state[p]["flat"]
+    # an optimizer keeping a value that is not a per-parameter dict in its state (torch allows it) steps as before
+    counting = _Counting([torch.zeros(3, requires_grad=True)], lr=0.1)
+    out["counting"] = [error_of(counting.step), error_of(counting.step), counting.state["global_step"]]
     out.update(_per_rank_state(layer, path))
     return out
+
+
+class _Counting(torch.optim.SGD):
+    def step(self, closure=None):
+        self.state["global_step"] = self.state.get("global_step", 0) + 1
+        return super().step(closure)
 
 
 def _per_rank_state(layer, path: str) -> dict:
@@ -311,3 +324,6 @@ def test_files_whole_tensors_local_type_and_bad_input(runs):
             r["bad_placement"]
         assert r["bad_state"] is not None and "'odd'" in r["bad_state"] and "nests tensors" in r["bad_state"], \
             r["bad_state"]
+        flat = r["flat_state"]
+        assert flat is not None and "'flat'" in flat and "neither per expert" in flat, flat
+        assert r["counting"] == [None, None, 2], r["counting"]
