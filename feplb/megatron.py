@@ -85,6 +85,7 @@ from feplb.dropin import (
     layer_config,
     reduce_replica_grads,
     refresh_replicas,
+    set_state_dict_type,
     zero_replica_grads,
 )
 from feplb.layer import FEPLBConfig, MoELayer
@@ -92,7 +93,7 @@ from feplb.recompute import in_backward
 
 __all__ = ["FEPLBExperts", "FEPLBSequentialMLP", "FEPLBTEGroupedMLP", "FEPLBGroupedMLP", "apply", "expert_parameters",
            "experts_modules", "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads",
-           "zero_replica_grads", "refresh_replicas", "clip_grad_norm_"]
+           "zero_replica_grads", "refresh_replicas", "clip_grad_norm_", "set_state_dict_type"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (linear_fc1, linear_fc2) classes whose forward, with fp8 refused, is x @ weight.T

@@ -418,6 +418,12 @@ def _state_case(rank: int, world: int, bias: bool = False) -> dict:
            "equal": all(sd[k] is None if v is None else torch.equal(sd[k], v) for k, v in want.items() if k in sd),
            "local_keys": sorted(moe.state_dict()),
            "sharded_same": same, "sharded_experts": sum("local_experts" in k for k in theirs)}
+    # state_dict() keeps Megatron's plain local shards (its distributed checkpoints go through sharded_state_dict);
+    # the DTensor type of the other drop-ins is refused by name
+    from torch.distributed.tensor import DTensor
+
+    out["plain_local"] = not any(isinstance(v, DTensor) for v in moe.state_dict().values())
+    out["no_dtensor_type"] = error_of(lambda: fm.set_state_dict_type(moe, "sharded"))
     out["default_weights"] = moe.experts.config.weights
     # Transformer Engine's linears (without fp8) keep a tensor of no elements as their extra state
     for m in moe.experts.local_experts:
@@ -1086,6 +1092,8 @@ def test_state_dicts_and_checkpoint(job):
         # replica ids, data
         assert s["sharded_same"] and s["sharded_experts"] == 2 * 2 * E // len(res)   # weight, extra state
         assert s["ckpt_equal"]
+        assert s["plain_local"], r
+        assert s["no_dtensor_type"] is not None and "sharded_state_dict" in s["no_dtensor_type"], s["no_dtensor_type"]
         assert s["default_weights"] == "per-microbatch"
         assert s["te_extra"] == sorted(f"experts.local_experts.{e}.linear_fc1._extra_state" for e in range(E))
         if len(res) > 1:   # experts with biases (see _job): every expert's under its global index
