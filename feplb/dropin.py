@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from feplb.layer import FEPLBConfig, MoELayer
-from feplb.sharded import is_dtensor, local_state_dicts, track_optimizer
+from feplb.sharded import expert_named_params, is_dtensor, local_state_dicts, track_optimizer
 
 __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "zero_replica_grads", "average_expert_grads",
            "attach_optimizer", "clip_grad_norm_", "refresh_replicas", "full_state_dict", "set_state_dict_type",
@@ -296,10 +296,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
         group = m.group
         W, r = dist.get_world_size(group), dist.get_rank(group)
         dst = dist.get_global_rank(group, 0) if group is not None else 0
-        ids = {id(p) for p in m.expert_params()}
-        for pname, p in m.named_parameters():
-            if id(p) not in ids:
-                continue
+        for pname, p in expert_named_params(m):
             key = f"{prefix}.{pname}" if prefix else pname
             if (id(m), pname) not in gathered:
                 shard = p.detach().contiguous()

@@ -70,7 +70,7 @@ from feplb.layout import (
 from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
 from feplb.recompute import Record, Records, checkpoint_frame, hooks_active, in_backward, record_kind
 from feplb.replicas import Placement, Replicas, state_digest, state_fingerprint
-from feplb.sharded import STATE_DICT_TYPES, localize_state, register, track_optimizer
+from feplb.sharded import STATE_DICT_TYPES, expert_named_params, localize_state, register, track_optimizer
 from feplb.steps import Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
 from feplb.transport import release_transport, shared_transport
@@ -988,11 +988,9 @@ def ignore_experts_in_ddp(module: nn.Module) -> list[str]:
     names = []
     for prefix, m in module.named_modules():
         if isinstance(m, MoELayer):
-            ids = {id(p) for p in m.expert_params()}
-            for n, p in m.named_parameters():   # an adapter may keep them in a child module (feplb.titan)
-                if id(p) in ids:
-                    # DDP's broadcast names the root's parameters "w1", its gradient reducer ".w1": both
-                    names += [f"{prefix}.{n}"] if prefix else [n, f".{n}"]
+            for n, _ in expert_named_params(m):   # an adapter may keep them in a child module (feplb.titan)
+                # DDP's broadcast names the root's parameters "w1", its gradient reducer ".w1": both
+                names += [f"{prefix}.{n}"] if prefix else [n, f".{n}"]
     already = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         module, already + [n for n in names if n not in already])
