@@ -26,6 +26,7 @@ Legend: E experts, L = E / W experts per rank, W EP ranks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -50,7 +51,9 @@ def register(layer) -> None:
     _KNOWN.add(layer)
 
 
+@functools.cache
 def _dtensor():
+    """(DTensor, Shard), imported once: ``is_dtensor`` runs before every step of an optimizer not tracked."""
     from torch.distributed.tensor import DTensor, Shard
 
     return DTensor, Shard
@@ -236,12 +239,16 @@ def optimizer_load_pre_hook(optimizer: torch.optim.Optimizer, state_dict: dict) 
         own = owners.get(id(p))
         if own is None or key not in state:
             continue
-        layer, pname, dim = own
-        state[key] = {name: _local(layer, f"optimizer state {name!r} of {pname!r}", v, 0 if dim is not None else None)
-                      if is_dtensor(v) else v
-                      for name, v in state[key].items()}
+        state[key] = {name: _state_local(own, name, v) if is_dtensor(v) else v for name, v in state[key].items()}
     state_dict["state"] = state
     return state_dict
+
+
+def _state_local(own: tuple, name: str, value: Any) -> torch.Tensor:
+    """The local part of a DTensor of optimizer state ``name`` of an expert parameter (``own``: its layer, name and
+    shard dim, as :func:`_owners` gives it), stacked along dim 0 (none where the parameter's shard is no block)."""
+    layer, pname, dim = own
+    return _local(layer, f"optimizer state {name!r} of {pname!r}", value, 0 if dim is not None else None)
 
 
 def localize_state(optimizer: torch.optim.Optimizer) -> None:
@@ -258,8 +265,7 @@ def localize_state(optimizer: torch.optim.Optimizer) -> None:
             continue
         for name, v in list(st.items()):
             if is_dtensor(v):
-                st[name] = _local(own[0], f"optimizer state {name!r} of {own[1]!r}", v,
-                                  0 if own[2] is not None else None)
+                st[name] = _state_local(own, name, v)
 
 
 def track_optimizer(optimizer: torch.optim.Optimizer) -> None:
