@@ -542,3 +542,19 @@ def test_planner_limit_scaled_to_a_slow_core_is_said_so(tmp_path):
             "target") in row["note"], row["note"]
     row = t["planner p99 <= 200 us (E256-W64, dyn=4)"]
     assert "scaled to this core's speed" in row["note"] and "above the unscaled" not in row["note"], row["note"]
+
+
+def test_planner_limit_scaled_by_the_none_baseline_is_said_so(tmp_path):
+    # bench_sched scales a limit by whichever shows the core slower: its Python yardstick or the none baseline
+    out, work = _fake_run(tmp_path, sched={("E128-W8", "feplb-split"): 90.0, ("E128-W8", "feplb"): 130.0})
+    data = json.loads((work / "bench_sched.json").read_text())
+    for bench in data["benchmarks"]:   # none planned 2.4x slower than on the reference core, the loop 1.6x
+        bench["extra_info"].update(limit_p99_us=2.4 * bench["extra_info"]["limit_p99_us"], py_loop_ms=32.0,
+                                   slowdown=2.4, slowdown_basis="none")
+    (work / "bench_sched.json").write_text(json.dumps(data))
+    gr.main([str(out), "--work", str(work)])
+    row = _by_name(json.loads((out / "report.json").read_text())["targets"])["planner p99 <= 50 us (E128-W8, dyn=4)"]
+    # the worst against its limit of 120 us: feplb's 130 us, over it
+    assert row["verdict"] == "FAIL" and row["measured"].startswith("130.0 us (worst: feplb)"), row
+    assert "limit 120 us, the 50 us target scaled to this core's speed (none's plan 2.4x its reference time)" in \
+        row["note"], row["note"]
