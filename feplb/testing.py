@@ -1,6 +1,7 @@
 """Run a function on W gloo processes and collect what each returns (tests, benchmarks, examples).
 
-``run_dist(fn, world_size, *args)`` spawns ``world_size`` fresh processes, joins them into one gloo process group on
+``run_dist(fn, world_size, *args)`` starts ``world_size`` processes (forked from a server that imported torch once,
+on a host without CUDA; spawned afresh otherwise), joins them into one gloo process group on
 a free local port with a collective timeout, calls ``fn(rank, world_size, *args)`` in each, and returns the list of
 results in rank order. An exception in any rank is re-raised in the caller with that rank's traceback; a process
 that does not finish within ``timeout_s`` is killed and reported, so a communication bug fails instead of hanging.
@@ -20,6 +21,7 @@ import pickle
 import queue
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -56,9 +58,90 @@ def _load(file: str, qualname: str) -> Callable:
     return obj
 
 
+# What a forkserver imports once, before it forks the ranks of every later job: the third-party modules each rank
+# of a job would otherwise import afresh (about 5 s of CPU per rank on a small machine, most of a short test's time).
+# No feplb module: the kernels choose the Triton interpreter at import from the environment a job gives its ranks.
+# Nor numpy.random, whose global state forked ranks would share (Python's random reseeds itself at fork).
+_PRELOAD = ("numpy", "torch", "torch.distributed", "triton", "transformers")
+
+
+_SERVER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_SERVER_LOCK = threading.Lock()
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _start_method(backend: str) -> str:
+    """``forkserver`` for gloo jobs on a host without CUDA (FEPLB_RUN_DIST_START=spawn to opt out), else ``spawn``:
+    forked ranks start in a fraction of a second from a server that imported torch once; on a GPU host the ranks
+    keep fresh processes, as CUDA wants."""
+    chosen = os.environ.get("FEPLB_RUN_DIST_START", "").strip()
+    if chosen not in ("", "forkserver", "spawn"):
+        raise ValueError(f"FEPLB_RUN_DIST_START must be 'forkserver' or 'spawn', got {chosen!r}")
+    if chosen:
+        return chosen
+    if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    import torch
+
+    return "spawn" if torch.cuda.is_available() else "forkserver"
+
+
+def _ensure_forkserver(ctx: Any) -> None:
+    """Start this process's forkserver (once; again if it died) with the preloaded modules, and with one thread for
+    OpenMP and OpenBLAS while they load: numpy sizes its BLAS pool at import, which a forked rank keeps, where a
+    spawned one imported numpy under its job's ``OMP_NUM_THREADS``."""
+    from multiprocessing import forkserver
+
+    ctx.set_forkserver_preload(list(_PRELOAD))
+    with _SERVER_LOCK:
+        saved = {k: os.environ.get(k) for k in _SERVER_ENV}
+        os.environ.update(_SERVER_ENV)
+        try:
+            forkserver.ensure_running()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+class _CallersFd:
+    """The caller's file descriptor ``fd`` (stdout, stderr) as it is when a job starts, handed to each rank by
+    multiprocessing's own fd passing: a rank forked from the server would otherwise write where the caller's fd
+    pointed when the server started (another test's captured output, say)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _CallersFd._received, (self.fd, reduction.DupFd(self.fd))
+
+    @staticmethod
+    def _received(fd: int, dup: Any) -> tuple[int, int]:
+        return fd, dup.detach()
+
+
 def _child(rank: int, world_size: int, port: int, file: str, qualname: str, args: tuple, collective_timeout_s: float,
-           threads: int, env: dict, results: Any, backend: str) -> None:
+           threads: int, env: dict, results: Any, backend: str, fds: tuple = ()) -> None:
+    # The caller's whole environment and output, as a spawned rank inherits them: a forked one starts from the
+    # server's
+    os.environ.clear()
     os.environ.update(env)
+    for fd, dup in fds:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(dup, fd)
+        os.close(dup)
     try:
         import torch
         import torch.distributed as dist
@@ -91,7 +174,8 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
         timeout_s: wall-clock limit for the whole job; stragglers are killed and a ``DistError`` names them.
         collective_timeout_s: ``init_process_group(timeout=...)``: any collective that waits longer raises.
         threads: ``torch.set_num_threads`` in every child (keep 1 on small machines).
-        env: extra environment variables for the children.
+        env: extra environment variables for the children (which get the caller's environment, with these and
+            ``OMP_NUM_THREADS=threads`` on top).
         backend: "gloo" (CPU tensors) or "nccl" (one GPU per rank, rank % device_count).
     Raises:
         DistError: a rank raised (its traceback is in the message), died, or did not finish in time.
@@ -103,15 +187,16 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
         raise ValueError(f"fn must be a module-level function defined in a file, got {fn!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    child_env = {"OMP_NUM_THREADS": str(threads)}
-    if "TRITON_INTERPRET" in os.environ:
-        child_env["TRITON_INTERPRET"] = os.environ["TRITON_INTERPRET"]
-    child_env.update(env or {})
-    ctx = mp.get_context("spawn")
+    child_env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}
+    method = _start_method(backend)
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        _ensure_forkserver(ctx)
     results = ctx.Queue()
     port = free_port()
+    fds = tuple(_CallersFd(fd) for fd in (1, 2) if _is_open(fd))
     procs = [ctx.Process(target=_child, args=(r, world_size, port, os.path.abspath(file), fn.__qualname__, args,
-                                               collective_timeout_s, threads, child_env, results, backend),
+                                               collective_timeout_s, threads, child_env, results, backend, fds),
                           daemon=True)
              for r in range(world_size)]
     for p in procs:

@@ -1,0 +1,117 @@
+"""feplb.testing.run_dist: results, the environment its ranks see, fresh random states, failures reported."""
+
+import os
+import uuid
+
+import pytest
+
+from feplb import testing
+from feplb.testing import DistError, run_dist
+
+
+def _report(rank, world_size, tag):
+    import multiprocessing as mp
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([rank + 1])
+    dist.all_reduce(total)
+    return {"rank": rank, "world": world_size, "tag": tag, "sum": int(total), "mark": os.environ.get("FEPLB_T_MARK"),
+            "gone": os.environ.get("FEPLB_T_GONE"), "extra": os.environ.get("FEPLB_T_EXTRA"),
+            "omp": os.environ.get("OMP_NUM_THREADS"), "threads": torch.get_num_threads(),
+            "np": float(np.random.rand()), "py": random.random(), "method": mp.get_start_method(allow_none=True)}
+
+
+def _fail_on_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    return rank
+
+
+def test_run_dist_results_environment_and_random_states(monkeypatch):
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv("FEPLB_T_MARK", mark)
+    monkeypatch.setenv("FEPLB_T_GONE", "first")
+    first = run_dist(_report, 2, "a", env={"FEPLB_T_EXTRA": "x"})
+    assert [r["rank"] for r in first] == [0, 1] and all(r["world"] == 2 and r["sum"] == 3 for r in first)
+    assert all(r["mark"] == mark and r["gone"] == "first" and r["extra"] == "x" for r in first), first
+    assert all(r["omp"] == "1" and r["threads"] == 1 for r in first), first
+    # the caller's environment as it is at each job, not as it was when a forkserver started
+    monkeypatch.delenv("FEPLB_T_GONE")
+    monkeypatch.setenv("FEPLB_T_MARK", mark + "2")
+    second = run_dist(_report, 3, "b", threads=2)
+    assert [r["sum"] for r in second] == [6, 6, 6]
+    assert all(r["mark"] == mark + "2" and r["gone"] is None and r["extra"] is None for r in second), second
+    assert all(r["omp"] == "2" and r["threads"] == 2 for r in second), second
+    # every rank of every job draws its own numbers, as a freshly spawned process does
+    draws = [(r["np"], r["py"]) for r in first + second]
+    assert len({d[0] for d in draws}) == len(draws) and len({d[1] for d in draws}) == len(draws), draws
+    want = testing._start_method("gloo")
+    assert {r["method"] for r in first + second} <= {want, None}
+
+
+def test_run_dist_start_method(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("FEPLB_RUN_DIST_START", raising=False)
+    assert testing._start_method("nccl") == "spawn"
+    assert testing._start_method("gloo") == ("spawn" if torch.cuda.is_available() else "forkserver")
+    monkeypatch.setenv("FEPLB_RUN_DIST_START", "spawn")
+    assert testing._start_method("gloo") == "spawn"
+    out = run_dist(_report, 2, "spawned")
+    assert [r["sum"] for r in out] == [3, 3] and out[0]["np"] != out[1]["np"]
+    monkeypatch.setenv("FEPLB_RUN_DIST_START", "fork")
+    with pytest.raises(ValueError, match="FEPLB_RUN_DIST_START must be 'forkserver' or 'spawn', got 'fork'"):
+        run_dist(_report, 2, "never")
+
+
+def test_run_dist_reports_the_failing_rank():
+    with pytest.raises(DistError, match=r"(?s)rank 1: ValueError: rank one refuses"):
+        run_dist(_fail_on_one, 2, collective_timeout_s=10)
+
+
+
+def _blas_threads(rank, world_size):
+    import numpy as np
+
+    def tasks():
+        return len(os.listdir("/proc/self/task"))
+
+    before = tasks()
+    a = np.ones((512, 512))
+    for _ in range(3):
+        a = a @ a / 512
+    return tasks() - before
+
+
+def test_ranks_use_one_blas_thread(monkeypatch):
+    # numpy's BLAS sizes its thread pool when it loads: in the forkserver, before any job's OMP_NUM_THREADS=1. A
+    # forked rank must still get one thread, as a spawned one does (2 ranks per core would each start more)
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs /proc to count threads")
+    monkeypatch.delenv("FEPLB_RUN_DIST_START", raising=False)
+    assert run_dist(_blas_threads, 2) == [0, 0]
+
+
+def _shout(rank, world_size, word):
+    import sys
+
+    print(f"rank {rank} says {word}", flush=True)
+    print(f"rank {rank} warns {word}", file=sys.stderr, flush=True)
+    return rank
+
+
+def test_ranks_write_to_the_callers_output_as_it_is_now(capfd):
+    # the forkserver (if any) may have started under another capture of fd 1 and 2; each job's ranks write to the
+    # caller's fds as they are when the job starts
+    with capfd.disabled():
+        run_dist(_shout, 2, "early")
+    capfd.readouterr()
+    word = uuid.uuid4().hex
+    assert run_dist(_shout, 2, word) == [0, 1]
+    got = capfd.readouterr()
+    for r in (0, 1):
+        assert f"rank {r} says {word}" in got.out and f"rank {r} warns {word}" in got.err, got
