@@ -194,7 +194,8 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
         _ensure_forkserver(ctx)
     results = ctx.Queue()
     port = free_port()
-    fds = tuple(_CallersFd(fd) for fd in (1, 2) if _is_open(fd))
+    # a spawned rank inherits the caller's stdout and stderr as they are now
+    fds = tuple(_CallersFd(fd) for fd in (1, 2) if _is_open(fd)) if method == "forkserver" else ()
     procs = [ctx.Process(target=_child, args=(r, world_size, port, os.path.abspath(file), fn.__qualname__, args,
                                                collective_timeout_s, threads, child_env, results, backend, fds),
                           daemon=True)

@@ -104,11 +104,16 @@ def _shout(rank, world_size, word):
     return rank
 
 
-def test_ranks_write_to_the_callers_output_as_it_is_now(capfd):
+@pytest.mark.parametrize("start", ["default", "spawn"])
+def test_ranks_write_to_the_callers_output_as_it_is_now(capfd, monkeypatch, start):
+    if start == "spawn":
+        monkeypatch.setenv("FEPLB_RUN_DIST_START", "spawn")
+    else:
+        monkeypatch.delenv("FEPLB_RUN_DIST_START", raising=False)
     # the forkserver (if any) may have started under another capture of fd 1 and 2; each job's ranks write to the
     # caller's fds as they are when the job starts
-    with capfd.disabled():
-        run_dist(_shout, 2, "early")
+    with capfd.disabled():   # a silent job: it only starts the server (if none runs) with fd 1 and 2 elsewhere
+        run_dist(_report, 2, "early")
     capfd.readouterr()
     word = uuid.uuid4().hex
     assert run_dist(_shout, 2, word) == [0, 1]
