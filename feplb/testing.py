@@ -63,8 +63,7 @@ def _load(file: str, qualname: str) -> Callable:
 # No feplb module: the kernels choose the Triton interpreter at import from the environment a job gives its ranks.
 # Nor numpy.random, whose global state forked ranks would share (Python's random reseeds itself at fork).
 _PRELOAD = ("numpy", "torch", "torch.distributed", "triton", "transformers")
-
-
+# the server's environment while it loads them (_ensure_forkserver)
 _SERVER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _SERVER_LOCK = threading.Lock()
 
@@ -137,9 +136,10 @@ def _child(rank: int, world_size: int, port: int, file: str, qualname: str, args
     # server's
     os.environ.clear()
     os.environ.update(env)
-    for fd, dup in fds:
+    if fds:
         sys.stdout.flush()
         sys.stderr.flush()
+    for fd, dup in fds:
         os.dup2(dup, fd)
         os.close(dup)
     try:
