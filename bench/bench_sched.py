@@ -25,7 +25,7 @@ far more than a tight Python loop (on this project's machine one day: ``none`` 6
 3.4x), and a limit scaled by the loop alone failed planners that were as fast as ever next to their baseline.
 Like the plans, the Python yardstick is the fastest of samples taken between the repeats (10^5 additions each,
 times 10), and ``none`` is the fastest of its plans alternating with the policy's: a shared core's speed changes
-within a second (one 10^6 loop read 67 ms before the timings and 122 ms right after them), so the fastest plans
+within a second (one 10^6 loop read 79 ms before the timings and 122 ms right after them), so the fastest plans
 are compared with the core at its fastest in the same stretch of time.
 ``extra_info`` holds the statistics of the policy and of ``none``, the yardstick and the limit; with
 ``--benchmark-enable`` pytest-benchmark adds its own wall-time statistics.
