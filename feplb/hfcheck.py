@@ -3,9 +3,10 @@
 transformers ships dozens of MoE architectures, and each release adds some. For every one whose modeling code holds an
 experts module (3-D ``gate_up_proj`` / ``up_proj`` / ``down_proj`` parameters), :func:`check` builds a tiny random
 model from the architecture's own config class (:func:`tiny_model`: two layers, two attention heads (hidden 64, or two
-heads of the default head size where the config derives it), 8 experts (LongCat-Flash: and 4 zero-computation experts),
-top-2, vocabulary 64, every other field at its default; parameters the initialisation leaves all zero, such as
-gpt-oss's expert biases and router, drawn at random), runs it unmodified and with :func:`feplb.hf.apply` on the ranks
+heads of the default head size where the config derives it; Kimi-style linear attention: 2 heads; Mamba mixers: 8
+heads, a state of 16), 8 experts (LongCat-Flash: and 4 zero-computation experts), top-2, vocabulary 64, every other
+field at its default; parameters the initialisation leaves all zero, such as gpt-oss's expert biases and router,
+drawn at random), runs it unmodified and with :func:`feplb.hf.apply` on the ranks
 of a process group (balancing between two "GPUs" of a node, rows really moving), and compares the two on each rank's
 own input: logits, every expert shard's gradient (against the slice of the unmodified model's gradient summed over the
 ranks' inputs) and every other gradient (against the unmodified model's local one). Randomness inside the forward
@@ -65,6 +66,14 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention
             # LongCat-Flash: 4 zero-computation experts beside the 8 routed ones, so that its router picks both kinds
             # (with its default 256, nearly every slot goes to a zero expert and almost no rows reach the layer)
             zero_expert_num=4,
+            # Kimi Linear's and GLM-5 Next's linear attention (and the latter's indexer) with 2 heads, Mamba mixers
+            # (Granite-MoE-Hybrid, Nemotron-H) with 8 and a state of 16, chunked as long as the tiny input: at their
+            # defaults (32-128 heads, a state of 128-256, chunks of 64-256) the pure-torch fallbacks took 16-21 s a
+            # model on a 2-core CPU. (Qwen3-Next's keep theirs: with 2 heads the fp32 rounding of Qwen4-Exp's
+            # per-head dt_bias and A_log gradients reached 6e-4 of their largest element, which is not this survey's
+            # subject.)
+            linear_num_heads=2, index_n_heads=2, mamba_n_heads=8, mamba_num_heads=8, mamba_d_state=16,
+            ssm_state_size=16, mamba_chunk_size=16, chunk_size=16,
             initializer_range=0.1, use_cache=False, tie_word_embeddings=False)
 # Fields some models need set where their config leaves them None: given when a failed attempt's error names them
 # (Step 3.7's decoder builds a sliding-window mask on every layer): a window as long as the tiny context.
@@ -466,7 +475,9 @@ def markdown(outcomes: list[Outcome], meta: dict) -> str:
         "",
         f"Produced by `{meta['command']}` on {meta['date']} ({meta['machine']}; transformers {meta['transformers']}, "
         f"torch {meta['torch']}, Python {meta['python']}; {meta['wall_s']} s). Each architecture is a tiny random "
-        "model (2 layers, 2 attention heads, 8 experts (LongCat-Flash: and 4 zero-computation experts), top-2, "
+        "model (2 layers, 2 attention heads (Kimi-style linear attention: 2 heads; Mamba mixers: 8 heads, a state "
+        "of 16), "
+        "8 experts (LongCat-Flash: and 4 zero-computation experts), top-2, "
         "vocabulary 64, every other field at its default; "
         "parameters its initialisation leaves all zero, such as gpt-oss's expert biases, drawn at random) "
         f"built from its own config class, run unmodified and with "
