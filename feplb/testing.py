@@ -61,8 +61,12 @@ def _load(file: str, qualname: str) -> Callable:
 # What a forkserver imports once, before it forks the ranks of every later job: the third-party modules each rank
 # of a job would otherwise import afresh (about 5 s of CPU per rank on a small machine, most of a short test's time).
 # No feplb module: the kernels choose the Triton interpreter at import from the environment a job gives its ranks.
-# Nor numpy.random, whose global state forked ranks would share (Python's random reseeds itself at fork).
+# Not numpy.random on purpose, but a module below may import it: each rank draws its global state afresh (_child).
 _PRELOAD = ("numpy", "torch", "torch.distributed", "triton", "transformers")
+# Imported too where the caller has imported them when the server starts (a test run that collected the Megatron-Core
+# or torchtitan tests): 6 and 5 s more of CPU per rank of their jobs, 12 s once in the server, which a run of other
+# tests does not pay.
+_PRELOAD_IF_LOADED = ("megatron.core.transformer.moe.moe_layer", "torchtitan.models.common.moe")
 # the server's environment while it loads them (_ensure_forkserver)
 _SERVER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _SERVER_LOCK = threading.Lock()
@@ -98,7 +102,7 @@ def _ensure_forkserver(ctx: Any) -> None:
     spawned one imported numpy under its job's ``OMP_NUM_THREADS``."""
     from multiprocessing import forkserver
 
-    ctx.set_forkserver_preload(list(_PRELOAD))
+    ctx.set_forkserver_preload([*_PRELOAD, *(m for m in _PRELOAD_IF_LOADED if m in sys.modules)])
     with _SERVER_LOCK:
         saved = {k: os.environ.get(k) for k in _SERVER_ENV}
         os.environ.update(_SERVER_ENV)
@@ -142,6 +146,13 @@ def _child(rank: int, world_size: int, port: int, file: str, qualname: str, args
     for fd, dup in fds:
         os.dup2(dup, fd)
         os.close(dup)
+    if "numpy.random" in sys.modules:
+        # numpy's global random state, where the server imported it (Megatron-Core's import does), would be the
+        # server's in every forked rank: drawn afresh from the OS, as a spawned process draws it (Python's random
+        # reseeds itself at fork)
+        import numpy as np
+
+        np.random.seed()
     try:
         import torch
         import torch.distributed as dist
