@@ -94,6 +94,7 @@ def _cpu_us(fns, n: int) -> tuple[np.ndarray, float]:
     return out, min(yard)
 
 
+@pytest.mark.timing   # the latency limits
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_planner_latency(benchmark, shape, policy):

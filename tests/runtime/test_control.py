@@ -134,6 +134,7 @@ def _control_cases(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.timing   # a stalled peer is reported within bounds of the timeout
 def test_control():
     results = run_dist(_control_cases, 4, timeout_s=120)
     timed_out: list[bool] = []

@@ -599,6 +599,7 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
     return out
 
 
+@pytest.mark.timing   # a refused bad input fails within a second
 @pytest.mark.parametrize("g", [2, 4], ids=["2nodes_x2", "1node_x4"])
 def test_shm_matrix_path(g):
     results = run_dist(_matrix_cases, 4, g, timeout_s=180)
@@ -633,6 +634,7 @@ def _expected_caps(g: int) -> list[int]:
     return caps
 
 
+@pytest.mark.timing   # a stalled partner is reported within bounds of the timeout
 @pytest.mark.parametrize("g", [2, 4], ids=["2nodes_x2", "1node_x4"])
 def test_shm_engine(g):
     results = run_dist(_engine_cases, 4, g, timeout_s=180)

@@ -9,7 +9,7 @@ import torch
 
 from feplb.testing import error_of, load_global_weights, run_dist
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.timing]   # waits bounded in seconds
 
 H, FF, E, K = 16, 32, 8, 2
 
