@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 MARKER = "timing"
-# The longest files on the 2-core CI machine, longest first (pytest --durations, 2026-12-02): 80-160 s down to 40 s.
+# The longest files on a 2-core machine, 40-160 s each (pytest --durations, 2026-12-02), the two longest first.
 HEAVY = ("tests/examples/test_train_moe.py", "tests/hf/test_hf_architectures.py", "tests/megatron/test_megatron.py",
          "tests/hf/test_hf.py", "tests/titan/test_titan.py", "tests/runtime/test_checkpoint.py",
          "tests/hf/test_hf_example.py")
@@ -48,16 +48,12 @@ def _turn(config: pytest.Config, exclusive: bool) -> contextlib.ExitStack:
     # The workers' base temporary directories are siblings in the session's own (pytest-xdist gives each worker
     # <session>/popen-gwN), which holds the lock files and goes with pytest's clean-up of old runs.
     root = config._tmp_path_factory.getbasetemp().parent
-    stack = contextlib.ExitStack()
-    try:
+    with contextlib.ExitStack() as stack:   # an error on the way closes what was opened
         gate = _lock(stack, root / "feplb-turns.gate", fcntl.LOCK_EX)
         _lock(stack, root / "feplb-turns.lock", fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         if not exclusive:
             fcntl.flock(gate, fcntl.LOCK_UN)   # timing tests keep the gate until their turn ends
-    except BaseException:
-        stack.close()
-        raise
-    return stack
+        return stack.pop_all()
 
 
 _exclusive: contextlib.ExitStack | None = None   # this worker's timing turn, while it lasts

@@ -77,11 +77,15 @@ def _run(tmp_path, name: str, *plugin: str) -> dict[str, list[float]]:
     return {p.stem: json.loads(p.read_text()) for p in log.iterdir()}
 
 
+def _overlap(x: list[float], y: list[float]) -> bool:
+    return x[0] < y[1] and y[0] < x[1]
+
+
 def _overlapping(runs: dict[str, list[float]]) -> list[str]:
     """The tests that ran while the timing tests did, from the first one's start to the second one's end (one turn:
     no test of the other worker between them either)."""
-    t0, t1 = runs["timed"][0], runs["timed_next"][1]
-    return sorted(n for n, (a, b) in runs.items() if not n.startswith("timed") and a < t1 and t0 < b)
+    turn = [runs["timed"][0], runs["timed_next"][1]]
+    return sorted(n for n, run in runs.items() if not n.startswith("timed") and _overlap(run, turn))
 
 
 @pytest.mark.timing   # the control needs the two workers to run side by side
@@ -92,7 +96,7 @@ def test_timing_tests_run_alone_under_xdist(tmp_path):
     assert _overlapping(runs) == [], runs
     # and the other tests still ran side by side: a plain test beside the timing file's untimed ones
     untimed = (runs["before"], runs["after"])
-    assert any(a < e and s < b for n, (a, b) in runs.items() if n.startswith("plain") for s, e in untimed), runs
+    assert any(_overlap(run, u) for n, run in runs.items() if n.startswith("plain") for u in untimed), runs
 
     control = _run(tmp_path, "control")   # the marker unregistered there: a warning, not an error
     assert _overlapping(control), control
