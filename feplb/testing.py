@@ -4,7 +4,8 @@
 on a host without CUDA; spawned afresh otherwise), joins them into one gloo process group on
 a free local port with a collective timeout, calls ``fn(rank, world_size, *args)`` in each, and returns the list of
 results in rank order. An exception in any rank is re-raised in the caller with that rank's traceback; a process
-that does not finish within ``timeout_s`` is killed and reported, so a communication bug fails instead of hanging.
+that does not finish within ``timeout_s`` is killed and reported with the Python stack of each of its threads at the
+deadline (``faulthandler``), so a communication bug fails instead of hanging, and says where it stood.
 
 ``fn`` is located in the children by its source file and name, so it may live in a pytest module imported with
 ``--import-mode=importlib`` (which is not importable by module name); it must be defined at module level.
@@ -12,15 +13,20 @@ that does not finish within ``timeout_s`` is killed and reported, so a communica
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import faulthandler
 import importlib.util
 import inspect
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -134,8 +140,20 @@ class _CallersFd:
         return fd, dup.detach()
 
 
+# The signal on which a rank writes every thread's Python stack to its stack file (a straggler, before it is killed).
+_STACK_SIGNAL = signal.SIGUSR1
+# How long the parent waits for a straggler's stacks (the dump is a few writes: it takes far less unless the machine
+# is swamped).
+_STACK_WAIT_S = 3.0
+
+
 def _child(rank: int, world_size: int, port: int, file: str, qualname: str, args: tuple, collective_timeout_s: float,
-           threads: int, env: dict, results: Any, backend: str, fds: tuple = ()) -> None:
+           threads: int, env: dict, results: Any, backend: str, fds: tuple = (), stack_file: str | None = None) -> None:
+    if stack_file is not None:
+        # kept open for the process's life: faulthandler writes to its descriptor from the signal handler, with no
+        # lock and no GIL, so the stacks come out even where a thread hangs in native code holding the GIL
+        stacks = open(stack_file, "w")  # noqa: SIM115
+        faulthandler.register(_STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
     # The caller's whole environment and output, as a spawned rank inherits them: a forked one starts from the
     # server's
     os.environ.clear()
@@ -207,15 +225,19 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
     port = free_port()
     # a spawned rank inherits the caller's stdout and stderr as they are now
     fds = tuple(_CallersFd(fd) for fd in (1, 2) if _is_open(fd)) if method == "forkserver" else ()
+    stack_dir = tempfile.mkdtemp(prefix="feplb-run-dist-")
+    stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(world_size)]
     procs = [ctx.Process(target=_child, args=(r, world_size, port, os.path.abspath(file), fn.__qualname__, args,
-                                               collective_timeout_s, threads, child_env, results, backend, fds),
+                                               collective_timeout_s, threads, child_env, results, backend, fds,
+                                               stack_files[r]),
                           daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
     outs: dict[int, tuple[bool, Any]] = {}
+    stacks: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
     try:
+        for p in procs:
+            p.start()
         while len(outs) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -231,20 +253,47 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
                     if results.empty():
                         for r in dead:
                             outs[r] = (False, f"process exited with code {procs[r].exitcode} without reporting")
+        stacks = _stragglers_stacks([(r, p) for r, p in enumerate(procs) if r not in outs], stack_files)
     finally:
-        for p in procs:
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
-        for p in procs:
+        for p in started:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        shutil.rmtree(stack_dir, ignore_errors=True)
     errors = [f"rank {r}: {out}" for r, (ok, out) in sorted(outs.items()) if not ok]
     missing = [r for r in range(world_size) if r not in outs]
     if missing:
         errors.append(f"ranks {missing} did not finish within {timeout_s:.0f} s (killed)")
+        errors += [f"rank {r}'s threads at the deadline (most recent call first):\n{stacks.get(r) or '(no stack came)'}"
+                   for r in missing]
     if errors:
         raise DistError("run_dist failed:\n" + "\n".join(errors))
     return [pickle.loads(outs[r][1]) for r in range(world_size)]
+
+
+def _stragglers_stacks(stragglers: list[tuple[int, Any]], files: list[str]) -> dict[int, str]:
+    """{rank: every thread's Python stack} of the ranks still running past the deadline: each is signalled to write
+    them (``_STACK_SIGNAL``), and its file is read once it stops growing (or after ``_STACK_WAIT_S``)."""
+    alive = [(r, p) for r, p in stragglers if p.is_alive() and p.pid is not None]
+    for _, p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, _STACK_SIGNAL)
+    out: dict[int, str] = {}
+    end = time.monotonic() + _STACK_WAIT_S
+    for r, _ in alive:
+        size = -1
+        while time.monotonic() < end:
+            time.sleep(0.1)
+            now = os.path.getsize(files[r]) if os.path.exists(files[r]) else 0
+            if now and now == size:
+                break
+            size = now
+        with contextlib.suppress(OSError), open(files[r], errors="replace") as f:
+            out[r] = f.read().strip()
+    return out
 
 
 def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: str = "softmax", bias_E=None,

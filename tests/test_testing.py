@@ -71,6 +71,40 @@ def test_run_dist_reports_the_failing_rank():
         run_dist(_fail_on_one, 2, collective_timeout_s=10)
 
 
+def _stuck_helper(release):
+    release.wait()
+
+
+def _hang_on_one(rank, world_size):
+    import threading
+
+    if rank == 1:
+        release = threading.Event()
+        threading.Thread(target=_stuck_helper, args=(release,), name="feplb-test-helper", daemon=True).start()
+        release.wait()   # never set: this rank hangs, as one waiting on a lost peer would
+    return rank
+
+
+def test_run_dist_reports_where_a_straggler_hangs(monkeypatch):
+    made = []
+
+    def mkdtemp(**kw):
+        made.append(real(**kw))
+        return made[-1]
+
+    real = testing.tempfile.mkdtemp
+    monkeypatch.setattr(testing.tempfile, "mkdtemp", mkdtemp)
+    with pytest.raises(DistError) as info:
+        run_dist(_hang_on_one, 2, timeout_s=8)
+    msg = str(info.value)
+    assert "ranks [1] did not finish within 8 s (killed)" in msg
+    stack = msg.split("rank 1's threads at the deadline (most recent call first):\n", 1)[1]
+    # both of the rank's threads, each where it waits
+    assert 'in _hang_on_one' in stack and 'in _stuck_helper' in stack, stack
+    assert "rank 0" not in msg   # the rank that returned is not reported
+    assert len(made) == 1 and not os.path.exists(made[0])   # the stack files go with the job
+
+
 def _blas_threads(rank, world_size):
     import numpy as np
 
