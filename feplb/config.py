@@ -311,3 +311,40 @@ def forward_problem(c: FEPLBConfig, device: torch.device, has_router: bool, x: o
     if not w.is_floating_point():
         return TypeError, f"MoELayer routing topk_weights must be a floating tensor, got {w.dtype}"
     return None
+
+
+def dispatched_problem(c: FEPLBConfig, device: torch.device, num_local: int, rows: object, counts: object,
+                       ) -> tuple[tuple[type, str] | None, list[int] | None]:
+    """What is wrong with ``MoELayer.forward_dispatched``'s arguments on this rank ((exception type, message), or
+    None), and the counts as ints. ``counts`` is read on the host (a list, as DeepEP's dispatch returns, or a tensor:
+    one host copy if it lives on a GPU)."""
+    if not isinstance(rows, torch.Tensor):
+        return (TypeError, f"MoELayer.forward_dispatched rows must be a torch.Tensor, got {type(rows).__name__}"), None
+    if rows.dim() != 2 or rows.shape[1] != c.hidden:
+        return (ValueError, f"MoELayer.forward_dispatched rows must be [rows, {c.hidden}], got shape "
+                            f"{list(rows.shape)}"), None
+    if rows.dtype != c.dtype:
+        return (TypeError, f"MoELayer.forward_dispatched rows dtype must be {c.dtype} (FEPLBConfig.dtype), got "
+                           f"{rows.dtype}"), None
+    if rows.device != device:
+        return (ValueError, f"MoELayer.forward_dispatched rows are on {rows.device} but the layer's experts are on "
+                            f"{device}"), None
+    if isinstance(counts, torch.Tensor):
+        if counts.dim() != 1 or counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+            return (TypeError, f"MoELayer.forward_dispatched counts must be a 1-D integer tensor or a list of ints, "
+                               f"got a {counts.dim()}-D {counts.dtype} tensor"), None
+        got = counts.tolist()
+    elif isinstance(counts, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+        got = list(counts)
+    else:
+        return (TypeError, f"MoELayer.forward_dispatched counts must be a 1-D integer tensor or a list of ints, got "
+                           f"{counts!r:.80}"), None
+    if len(got) != num_local:
+        return (ValueError, f"MoELayer.forward_dispatched counts must hold one count per local expert ({num_local}), "
+                            f"got {len(got)}"), None
+    if any(n < 0 for n in got):
+        return (ValueError, f"MoELayer.forward_dispatched counts must be >= 0, got {got}"), None
+    if sum(got) != rows.shape[0]:
+        return (ValueError, f"MoELayer.forward_dispatched counts add up to {sum(got)} rows but rows holds "
+                            f"{rows.shape[0]}"), None
+    return None, got

@@ -23,6 +23,9 @@ Peers' policies (``fastermoe``, ``eplb``) plan before phase 1 and send each row 
 it (``feplb.direct.forward_direct``, ``feplb.layout.direct_layout``), with no phase 2. Every exchange is differentiable
 (``feplb.dispatch``): backward mirrors forward, and output and gradients equal plain EP up to summation order.
 
+``forward_dispatched`` runs steps 2, 3 and 5-7 on rows a caller dispatched to their experts' owners itself (DeepEP's
+dispatch, say): rows at home already, by local expert, and their results returned in that order.
+
 Activation checkpointing: a forward that runs inside a backward pass replays what its forward decided
 (``feplb.recompute``): the same placement, counts and plan (or fallback), no planning, no agreement, no history,
 no timeline.
@@ -55,7 +58,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from feplb.balance import Balancer, timed_plan
-from feplb.config import FEPLBConfig, LayerStats, forward_problem
+from feplb.config import FEPLBConfig, LayerStats, dispatched_problem, forward_problem
 from feplb.control import Control, group_timeout
 from feplb.copy import release_copy_engine, shared_copy_engine
 from feplb.direct import forward_direct
@@ -583,12 +586,50 @@ class MoELayer(nn.Module):
         return y_MD
 
     @torch.compiler.disable
+    def forward_dispatched(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """Experts for a caller that dispatches the tokens itself (DeepEP's ``Buffer.dispatch``, a hand-written
+        all-to-all): the rows this rank received for its own experts, grouped by local expert, -> each row's expert
+        output, in the same order, the node's GPUs sharing the work (steps 2-3 and 5-7: no phase 1, no reverse
+        all-to-all, no router, no combine: the caller weighs the outputs and sends them back).
+
+        rows: [R, H] in ``config.dtype`` on the layer's device, local expert 0's rows first (expert ``rank * L``),
+            then expert 1's, ...; counts: rows per local expert ([L] ints: a list, as DeepEP returns
+            ``num_recv_tokens_per_expert_list``, or an integer tensor), summing to R. Returns [R, H] in
+            ``config.dtype`` (``post_expert`` applied), differentiable with respect to rows and the experts.
+
+        Collective over the EP group (every rank calls it, once per micro-batch, in the same order as its other
+        layers' forwards); a bad argument on one rank raises on every rank together. The experts stay at their
+        owners: a policy that places experts elsewhere (``+place``) or sends rows straight to a helper
+        (``fastermoe``, ``eplb``) needs the layer's own dispatch and is refused. Activation checkpointing, replicas,
+        stats and the timeline work as for ``forward``.
+        """
+        c = self.config
+        if self.place or self.direct:
+            raise ValueError(f"MoELayer.forward_dispatched: policy {c.policy!r} moves where tokens are dispatched "
+                             "(+place puts experts on other GPUs; fastermoe and eplb send rows straight to helpers), "
+                             "which a caller's own dispatch cannot follow; use forward(), or a policy among "
+                             "'none', 'feplb', 'feplb-split', 'lp' (with @current / @ema) without +place")
+        problem, counts_L = dispatched_problem(c, self._device, self.num_local, rows, counts)
+        if problem is not None:
+            self._experts(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
+        L, r = self.num_local, self.rank
+        counts_S = torch.zeros(c.num_experts, dtype=torch.int64)
+        counts_S[r * L:(r + 1) * L] = torch.tensor(counts_L, dtype=torch.int64)
+        # (no +place: every expert at its owner, so slot = expert and phase 1's receive order is the caller's)
+        y = self._experts(rows, counts_S, torch.zeros((), dtype=torch.int64), dispatched=True)
+        return self.post_expert(y)
+
+    @torch.compiler.disable
     def _experts(self, x_MD: torch.Tensor | None, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
-                 problem: tuple[type, str] | None = None, replay: Record | None = None) -> torch.Tensor:
-        """Grouped rows x_MD [M, H] (by slot, then token, then k) -> expert outputs y_MD [M, H], same order."""
+                 problem: tuple[type, str] | None = None, replay: Record | None = None,
+                 dispatched: bool = False) -> torch.Tensor:
+        """Grouped rows x_MD [M, H] (by slot, then token, then k) -> expert outputs y_MD [M, H], same order.
+        dispatched: x_MD are this rank's rows at home already, by local expert (``forward_dispatched``)."""
         if problem is None and in_backward():
             # activation checkpointing recomputing the layer: execute what its forward did (feplb.recompute)
-            if replay is None:   # a compiled forward() grouped the rows with the current placement
+            if replay is None and dispatched:   # (no +place: slot = expert)
+                replay = self._find_record(counts_S, dispatched=True)
+            elif replay is None:   # a compiled forward() grouped the rows with the current placement
                 replay = self._find_record(counts_S[self._slot_of_E])
                 if replay.placement is not self.placement:
                     raise RuntimeError("MoELayer: a compiled forward cannot be recomputed under another placement "
@@ -605,7 +646,7 @@ class MoELayer(nn.Module):
         if direct:
             y_MD, p2 = forward_direct(self, x_MD, counts, tl)
         else:
-            y_MD, p2 = self._in_node(x_MD, counts, tl)
+            y_MD, p2 = self._in_node(x_MD, counts, tl, dispatched=dispatched)
         y_MD = self._padded(y_MD, x_all)
         self._observe(counts, p2)
         kind = record_kind()
@@ -614,7 +655,7 @@ class MoELayer(nn.Module):
             self._records.add(Record(kind=kind, placement=placement, slot_of_E=slot_of_E, plan_state=plan_state,
                                      counts=counts, direct=direct, plan=None if p2.fell_back else p2.result.plan,
                                      fell_back=p2.fell_back, generation=self.replicas.generation,
-                                     frame=None if frame is None else weakref.ref(frame)))
+                                     frame=None if frame is None else weakref.ref(frame), dispatched=dispatched))
         return y_MD
 
     def _valid(self, x_MD: torch.Tensor, counts: Counts) -> torch.Tensor:
@@ -630,7 +671,7 @@ class MoELayer(nn.Module):
         return y_MD if missing == 0 else torch.cat([y_MD, y_MD.new_zeros((missing, y_MD.shape[1]))])
 
     # ------------------------------------------------------------------------------------------------ recompute
-    def _find_record(self, local_counts_E: torch.Tensor) -> Record:
+    def _find_record(self, local_counts_E: torch.Tensor, dispatched: bool = False) -> Record:
         """The record of the forward a recompute repeats (``feplb.recompute``), agreed by every rank in one
         all-gather of bit masks (and a host sync for this rank's counts): a record of the active checkpoint frame
         (the one replayed fewest times); else the one ``hooks`` record never replayed (or of a checkpoint still
@@ -641,8 +682,8 @@ class MoELayer(nn.Module):
         held = self.replicas.ever_held
         frame = checkpoint_frame()
 
-        def equal(rec: Record) -> bool:
-            return np.array_equal(rec.local_counts_E(rank), local)
+        def equal(rec: Record) -> bool:   # (a forward_dispatched record repeats only a forward_dispatched call)
+            return rec.dispatched == dispatched and np.array_equal(rec.local_counts_E(rank), local)
 
         def current(rec: Record) -> bool:   # made with the per-step copies held now (any, when none are held)
             return (not held or rec.generation == gen) and equal(rec)
@@ -704,7 +745,7 @@ class MoELayer(nn.Module):
             if rec.direct:
                 y_MD, _ = forward_direct(self, x_MD, rec.counts, None, replay_plan=rec.plan)
             else:
-                y_MD, _ = self._in_node(x_MD, rec.counts, None, replay=rec)
+                y_MD, _ = self._in_node(x_MD, rec.counts, None, replay=rec, dispatched=rec.dispatched)
         finally:
             self.placement, self._slot_of_E, self._plan_state = saved
         return y_MD
@@ -740,12 +781,18 @@ class MoELayer(nn.Module):
 
     # ------------------------------------------------------------------------------------------------ in node
     def _in_node(self, x_MD: torch.Tensor, counts: Counts, tl: Timeline | None,
-                 replay: Record | None = None) -> tuple[torch.Tensor, Phase2]:
+                 replay: Record | None = None, dispatched: bool = False) -> tuple[torch.Tensor, Phase2]:
         """Steps 3-8: phase 1 to the homes, static GEMM beside planning and copies, dynamic GEMM, results home.
-        A replay (a recompute) executes its record's plan, or computes at home where its forward did."""
+        A replay (a recompute) executes its record's plan, or computes at home where its forward did.
+        dispatched: x_MD are the rows at home already, in receive order (``forward_dispatched``): no phase 1 and
+        no reverse all-to-all; the results come back in that order."""
         split = self._split(counts)
-        with span(tl, "phase1"):
-            recv_RD = self._phase1(x_MD, counts, split.send_splits, split.home.recv_splits, split.split_WW)
+        if dispatched:
+            self._recv_grew = False
+            recv_RD = x_MD
+        else:
+            with span(tl, "phase1"):
+                recv_RD = self._phase1(x_MD, counts, split.send_splits, split.home.recv_splits, split.split_WW)
         slot_w = self.replicas.forward_slot_weights(self.placement, recv_RD).for_gemms()
         with span(tl, "gather"):
             h_RD = recv_RD.index_select(0, to_device(split.home.perm, recv_RD.device))
@@ -776,12 +823,16 @@ class MoELayer(nn.Module):
                 concurrent.futures.wait([job.future])
             raise
         y_RD, tail = dynamic_and_return(self, h_RD, y_static, split, p2, slot_w, tl)
+        p2 = dataclasses.replace(p2, bank_bytes=slot_w.copied_bytes)
+        if dispatched:
+            # the tails keep the exchanges' backward (collective) in the graph, as the reverse all-to-all does
+            return torch.cat([y_RD, tail.view(0, self.config.hidden), slot_w.tail.view(0, self.config.hidden)]), p2
         with span(tl, "phase1_reverse"):
             y_back = all_to_all_rows(torch.cat([y_RD, tail.view(0, self.config.hidden),
                                                 slot_w.tail.view(0, self.config.hidden)]),
                                      self.transport, split.home.recv_splits, split.send_splits,
                                      split_matrix=split.split_WW.t().contiguous())
-        return y_back, dataclasses.replace(p2, bank_bytes=slot_w.copied_bytes)
+        return y_back, p2
 
     def _plan_first(self, h_RD: torch.Tensor) -> bool:
         """Whether step 5 starts before the static GEMM (a CPU: it computes on this thread, and planning runs

@@ -116,6 +116,7 @@ class Record:
     fell_back: bool
     generation: int = 0
     frame: Any = None                  # a weakref to the checkpoint frame it ran under (hooks records), or None
+    dispatched: bool = False           # a forward_dispatched call (rows at home already, by local expert)
 
     def local_counts_E(self, rank: int) -> np.ndarray:
         """int64 [E]: the rows this rank sent to each expert in that forward."""

@@ -1,0 +1,226 @@
+"""``MoELayer.forward_dispatched``: the experts behind a dispatch the caller runs itself (as DeepEP users do), on 4
+gloo ranks modelled as 2 nodes of 2.
+
+The test's own dispatch (``torch.distributed.nn``'s differentiable all-to-all, each rank's rows regrouped by local
+expert) stands in for DeepEP's ``Buffer.dispatch`` / ``combine``. Against a dense fp64 reference over every rank's
+tokens: the outputs, the gradients of the tokens (through the experts and the gates), and each rank's expert weight
+gradients, for plain EP and the balancing policies (per-micro-batch and per-step weights); rows really move where
+balancing is on. Activation checkpointing around dispatch + experts + combine gives the same gradients bit for
+bit; the layer's own ``forward`` on the same routing gives the same output; a bad argument on one rank raises on
+every rank; a policy that moves the dispatch itself (``+place``, the peers' direct policies) is refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from feplb.testing import dense_moe_reference, error_bound, error_of, load_global_weights, run_dist
+
+pytestmark = pytest.mark.dist
+
+H, FF, E, K, W = 16, 32, 16, 2, 4
+L = E // W
+HOT = (0, 1, 8, 9)   # experts of ranks 0 and 2: each node has a busy GPU and an idle one
+
+
+def _weights():
+    gen = torch.Generator().manual_seed(7)
+    router = torch.randn(E, H, generator=gen) / H ** 0.5
+    router[:, 0] = 0.0
+    router[list(HOT), 0] = 1.0
+    w1 = torch.randn(E, H, 2 * FF, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, FF, H, generator=gen) / FF ** 0.5
+    return router, w1, w2
+
+
+def _tokens(rank: int, step: int = 0):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(24 + 8 * rank, H, generator=gen)
+    x[:, 0] = x[:, 0].abs() + 1.0
+    gy = torch.randn(x.shape, generator=gen)
+    return x, gy
+
+
+def _route(x, router):
+    """Top-k ids and softmax gates (differentiable in x), as ``dense_moe_reference`` computes them."""
+    ids = torch.nn.functional.linear(x.detach().float(), router.float()).softmax(-1).topk(K, dim=-1).indices
+    gates = (x @ router.t()).softmax(-1).gather(-1, ids)
+    return ids, gates
+
+
+def _layer(policy: str, weights: str = "per-microbatch"):
+    from feplb import FEPLBConfig, MoELayer
+
+    router, w1, w2 = _weights()
+    layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=2, dyn=2, min_chunk=2,
+                                 plan_wait_ms=60_000, min_straggler_rows=0, policy=policy, weights=weights))
+    load_global_weights(layer, router, w1, w2)
+    if weights == "per-step":
+        layer.refresh_replicas()
+    return layer
+
+
+def _moe(layer, x, ids, gates):
+    """Dispatch (the caller's own), ``forward_dispatched``, combine: [T, H] -> [T, H], differentiable."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    rank, T = layer.rank, x.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)               # the (token, k) pairs by expert, so by destination
+    send = torch.bincount(flat // L, minlength=W)
+    recv = torch.empty_like(send)
+    torch.distributed.all_to_all_single(recv, send)
+    send_l, recv_l = send.tolist(), recv.tolist()
+    rx = all_to_all_single(x.new_empty(sum(recv_l), H), x[order // K], recv_l, send_l)
+    re_ = torch.empty(sum(recv_l), dtype=flat.dtype)
+    torch.distributed.all_to_all_single(re_, flat[order].contiguous(), recv_l, send_l)
+    local = re_ - rank * L
+    perm = torch.argsort(local, stable=True)              # every source's rows regrouped by local expert
+    counts = torch.bincount(local, minlength=L).tolist()
+    y = layer.forward_dispatched(rx[perm], counts)
+    y_recv = y[torch.argsort(perm)]
+    y_sent = all_to_all_single(y.new_empty(T * K, H), y_recv, send_l, recv_l)
+    y_tk = y_sent[torch.argsort(order)].view(T, K, H)
+    return (y_tk * gates[..., None]).sum(1)
+
+
+def _reference(rank: int, router, w1, w2):
+    """fp64: this rank's output, and the gradients of every rank's summed loss w.r.t. the experts."""
+    w1d, w2d = w1.double().requires_grad_(), w2.double().requires_grad_()
+    out_mine = None
+    for r in range(W):
+        xr, gyr = _tokens(r)
+        xr = xr.double().requires_grad_()
+        out = dense_moe_reference(xr, router.double(), w1d, w2d, K)
+        (out * gyr.double()).sum().backward()
+        if r == rank:
+            out_mine, gx = out.detach(), xr.grad
+    return out_mine, gx, w1d.grad, w2d.grad
+
+
+def _err(got, want) -> tuple[float, float]:
+    """(max abs error, the project's bound for it) of got against the fp64 want."""
+    _, bound = error_bound(want)
+    return (got.double() - want).abs().max().item(), bound
+
+
+def _exact_case(rank: int, policy: str, weights: str) -> dict:
+    layer = _layer(policy, weights)
+    router, w1, w2 = _weights()
+    x, gy = _tokens(rank)
+    x.requires_grad_()
+    ids, gates = _route(x, router)
+    out = _moe(layer, x, ids, gates)
+    (out * gy).sum().backward()
+    stats = layer.last_stats
+    want, gx, gw1, gw2 = _reference(rank, router, w1, w2)
+    lo = rank * L
+    errs = {"out": _err(out, want), "x": _err(x.grad, gx), "w1": _err(layer.w1.grad, gw1[lo:lo + L]),
+            "w2": _err(layer.w2.grad, gw2[lo:lo + L])}
+    # the layer's own dispatch on the same routing: the same output
+    with torch.no_grad():
+        own = layer(x.detach(), routing=(ids, gates.detach()))
+    errs["own_forward"] = _err(out.detach(), own.detach().double())
+    # rows moved over the group: each plan's moves counted once (by the first rank it covers)
+    moved = torch.tensor([stats.rows_moved if rank == stats.planned_ranks[0] else 0])
+    torch.distributed.all_reduce(moved)
+    layer.close()
+    return {"errs": errs, "rows_moved": int(moved), "before": stats.token_straggler_before,
+            "after": stats.token_straggler_after}
+
+
+def _checkpoint_case(rank: int) -> dict:
+    """Non-reentrant checkpointing around dispatch + experts + combine: the recompute replays the forward's plan."""
+    from torch.utils.checkpoint import checkpoint
+
+    router, _, _ = _weights()
+    grads = []
+    for ckpt in (False, True):
+        layer = _layer("feplb-split")
+        x, gy = _tokens(rank, step=1)
+        x.requires_grad_()
+        ids, gates = _route(x, router)
+        out = checkpoint(_moe, layer, x, ids, gates, use_reentrant=False) if ckpt else _moe(layer, x, ids, gates)
+        (out * gy).sum().backward()
+        stats = layer.last_stats
+        grads.append([x.grad.clone(), layer.w1.grad.clone(), layer.w2.grad.clone(),
+                      stats.rows_moved if rank == stats.planned_ranks[0] else 0])
+        layer.close()
+    same = all(torch.equal(a, b) for a, b in zip(grads[0][:3], grads[1][:3], strict=True))
+    return {"same": same, "moved": grads[1][3]}
+
+
+def _errors_case(rank: int) -> dict:
+    out = {}
+    layer = _layer("feplb-split")
+    rows = torch.randn(6, H)
+    # a wrong count on rank 1 alone: every rank raises, rank 1 with its own reason
+    counts = [1, 2, 3, 1] if rank == 1 else [1, 2, 3, 0]
+    out["sum"] = error_of(lambda: layer.forward_dispatched(rows, counts))
+    out["dtype"] = error_of(lambda: layer.forward_dispatched(rows.double() if rank == 2 else rows, [6, 0, 0, 0]))
+    out["len"] = error_of(lambda: layer.forward_dispatched(rows, [6, 0, 0] if rank == 3 else [6, 0, 0, 0]))
+    # the layer still works after the refusals (every rank left them together)
+    y = layer.forward_dispatched(rows, [2, 2, 1, 1])
+    out["after"] = (y.shape == rows.shape, bool(torch.isfinite(y).all()))
+    # a rank that received no rows still takes part
+    mine = rows[:0] if rank == 3 else rows
+    y = layer.forward_dispatched(mine, [0, 0, 0, 0] if rank == 3 else [2, 2, 1, 1])
+    out["empty"] = y.shape == mine.shape
+    layer.close()
+    for policy in ("feplb-split+place", "eplb"):
+        placed = _layer(policy)
+        out[policy] = error_of(lambda placed=placed: placed.forward_dispatched(rows, [6, 0, 0, 0]))
+        placed.close()
+    return out
+
+
+CASES = (("none", "per-microbatch"), ("feplb-split", "per-microbatch"), ("feplb", "per-microbatch"),
+         ("feplb-split@ema", "per-step"), ("lp", "per-step"))
+
+
+def _worker(rank: int, world: int) -> dict:
+    return {"exact": {case: _exact_case(rank, *case) for case in CASES}, "checkpoint": _checkpoint_case(rank),
+            "errors": _errors_case(rank)}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_dist(_worker, W, timeout_s=240, collective_timeout_s=60)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_forward_dispatched_equals_the_dense_reference(ranks, case):
+    for rank, res in enumerate(ranks):
+        got = res["exact"][case]
+        for name, (err, bound) in got["errs"].items():
+            assert err <= bound, f"rank {rank}, {case}: {name} off by {err:.3g} (bound {bound:.3g})"
+    moved = ranks[0]["exact"][case]["rows_moved"]
+    if case[0] == "none":
+        assert moved == 0
+    else:
+        # balancing really moved rows between the GPUs of a node, and lowered the straggler
+        assert moved > 0, case
+        assert all(r["exact"][case]["after"] < r["exact"][case]["before"] for r in ranks), case
+
+
+def test_forward_dispatched_under_activation_checkpointing(ranks):
+    for rank, res in enumerate(ranks):
+        assert res["checkpoint"]["same"], f"rank {rank}: checkpointed gradients differ"
+    assert sum(res["checkpoint"]["moved"] for res in ranks) > 0   # the replayed forward had moved rows
+
+
+def test_forward_dispatched_refuses_bad_arguments_on_every_rank(ranks):
+    for rank, res in enumerate(ranks):
+        e = res["errors"]
+        if rank == 1:
+            assert e["sum"].startswith("ValueError") and "add up to 7 rows but rows holds 6" in e["sum"], e["sum"]
+        else:
+            assert e["sum"].startswith("ValueError") and "EP rank(s) [1] refused" in e["sum"], e["sum"]
+        assert ("dtype must be torch.float32" in e["dtype"]) == (rank == 2), e["dtype"]
+        assert "EP rank(s) [2] refused" in e["dtype"] or rank == 2
+        assert ("one count per local expert (4), got 3" in e["len"]) == (rank == 3), e["len"]
+        assert e["after"] == (True, True)
+        assert e["empty"]
+        for policy in ("feplb-split+place", "eplb"):
+            assert e[policy].startswith("ValueError") and f"policy {policy!r}" in e[policy], e[policy]
