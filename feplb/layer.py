@@ -141,6 +141,9 @@ class MoELayer(nn.Module):
     # tensors ("local")
     state_dict_type = "sharded"
 
+    # why a subclass's experts cannot serve forward_dispatched (its forward does per-call work of its own), or None
+    _no_forward_dispatched: str | None = None
+
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None = None):
         super().__init__()
         if not isinstance(config, FEPLBConfig):
@@ -601,9 +604,13 @@ class MoELayer(nn.Module):
         layers' forwards); a bad argument on one rank raises on every rank together. The experts stay at their
         owners: a policy that places experts elsewhere (``+place``) or sends rows straight to a helper
         (``fastermoe``, ``eplb``) needs the layer's own dispatch and is refused. Activation checkpointing, replicas,
-        stats and the timeline work as for ``forward``.
+        stats and the timeline work as for ``forward``; ``last_stats.counts_WE`` holds each rank's rows as if it had
+        sent them to itself. The gates are the caller's: it weighs the outputs (or, for experts gated on their input,
+        ``gate_on_input``, the rows before the call).
         """
         c = self.config
+        if self._no_forward_dispatched is not None:   # (the same class on every rank)
+            raise TypeError(f"{type(self).__name__}.forward_dispatched: {self._no_forward_dispatched}")
         if self.place or self.direct:
             raise ValueError(f"MoELayer.forward_dispatched: policy {c.policy!r} moves where tokens are dispatched "
                              "(+place puts experts on other GPUs; fastermoe and eplb send rows straight to helpers), "

@@ -115,6 +115,10 @@ class FEPLBExperts(MoELayer):
     Collective over the EP group, like every ``MoELayer`` forward.
     """
 
+    _no_forward_dispatched = ("Megatron's experts run their forward pre-hooks and join their weights per call in "
+                              "forward(), which FEPLBTokenDispatcher feeds (forward_dispatched serves feplb.MoELayer "
+                              "and feplb.hf's experts)")
+
     # Megatron keeps its local names in state_dict() (per-rank checkpoints); its distributed checkpoints go through
     # sharded_state_dict
     state_dict_type = "local"

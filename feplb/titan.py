@@ -114,6 +114,9 @@ class FEPLBRoutedExperts(MoELayer):
     Collective over the EP group, like every ``MoELayer`` forward: every rank of the group must run every forward.
     """
 
+    _no_forward_dispatched = ("torchtitan's experts join their weights per call in forward(), which takes torchtitan's "
+                              "routing (forward_dispatched serves feplb.MoELayer and feplb.hf's experts)")
+
     _names = _NAMES   # the experts module's parameters, in its order
 
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, *weights: torch.Tensor,

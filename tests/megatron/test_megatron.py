@@ -530,6 +530,8 @@ def _refusal_case(rank: int, world: int) -> dict:
     out["dtype"] = error_of(lambda: fm.apply(moe, dtype=torch.int8, **OPTS))
     fm.apply(moe, **OPTS)
     out["again"] = error_of(lambda: fm.apply(moe, **OPTS))
+    out["dispatched"] = error_of(lambda: moe.experts.forward_dispatched(torch.zeros(0, moe.experts.config.hidden),
+                                                                          [0] * moe.experts.num_local))
     # hooks registered after apply: forward pre-hooks run (as the module's forward would run them); others refused on
     # every rank at the next forward
     calls = []
@@ -1126,6 +1128,7 @@ def test_refusals_on_every_rank(job):
         assert f["derived"] is not None and f["derived"].startswith("TypeError") and "top_k" in f["derived"]
         assert f["dtype"] is not None and "dtype=torch.int8" in f["dtype"]
         assert f["again"] is not None and "already replaced" in f["again"]
+        assert f["dispatched"].startswith("TypeError") and "forward pre-hooks" in f["dispatched"], f["dispatched"]
         assert f["pre_hook_calls"] == [torch.Size([TOKENS[0] * TOKENS[1], H])]
         late = f["late_hook"]   # the rank with the hook says why, its peers which rank stopped them
         assert late is not None, rank

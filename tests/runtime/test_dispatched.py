@@ -65,7 +65,7 @@ def _moe(layer, x, ids, gates):
     """Dispatch (the caller's own), ``forward_dispatched``, combine: [T, H] -> [T, H], differentiable."""
     from torch.distributed.nn.functional import all_to_all_single
 
-    rank, T = layer.rank, x.shape[0]
+    rank, T, H, L, W = layer.rank, x.shape[0], layer.config.hidden, layer.num_local, layer.world_size
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)               # the (token, k) pairs by expert, so by destination
     send = torch.bincount(flat // L, minlength=W)
@@ -151,6 +151,46 @@ def _checkpoint_case(rank: int) -> dict:
     return {"same": same, "moved": grads[1][3]}
 
 
+def _hf_case(rank: int, arch: str) -> dict:
+    """A transformers experts module replaced by ``feplb.hf`` (its own weight layout: Mixtral's, gpt-oss's transposed,
+    interleaved and biased experts): ``forward_dispatched`` behind the test's dispatch against the module's own
+    forward on the same routing, outputs and every gradient."""
+    import importlib.util
+    from pathlib import Path
+
+    import feplb.hf as fh
+
+    spec = importlib.util.spec_from_file_location("_feplb_hf_models", Path(__file__).parents[1] / "hf" / "models.py")
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    model = models.make_model(arch)
+    fh.apply(model, policy="feplb-split", gpus_per_node=2, min_chunk=1, plan_wait_ms=60_000, min_straggler_rows=0)
+    experts = next(m for m in model.modules() if isinstance(m, fh.FEPLBExperts))
+    c = experts.config
+    gen = torch.Generator().manual_seed(50 + rank)
+    T = 20 + 4 * rank
+    x, gy = torch.randn(T, c.hidden, generator=gen), torch.randn(T, c.hidden, generator=gen)
+    p = torch.ones(c.num_experts)
+    p[[0, 2 * experts.num_local]] = 8.0   # the first expert of each node's first GPU: busy
+    ids = torch.stack([torch.multinomial(p, c.top_k, generator=gen) for _ in range(T)])
+    gates = torch.rand(T, c.top_k, generator=gen).softmax(-1)
+    got = []
+    for dispatched in (False, True):
+        xx, gg = x.clone().requires_grad_(), gates.clone().requires_grad_()
+        out = _moe(experts, xx, ids, gg) if dispatched else experts(xx, ids, gg)
+        (out * gy).sum().backward()
+        stats = experts.last_stats
+        got.append([out.detach(), xx.grad, gg.grad, *(w.grad.clone() for w in experts.expert_params()),
+                    stats.rows_moved if rank == stats.planned_ranks[0] else 0])
+        experts.zero_grad()
+    rel = [float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(got[1][:-1], got[0][:-1],
+                                                                                      strict=True)]
+    moved = torch.tensor([got[1][-1]])
+    torch.distributed.all_reduce(moved)
+    experts.close()
+    return {"rel": rel, "moved": int(moved), "params": len(got[0]) - 4}
+
+
 def _errors_case(rank: int) -> dict:
     out = {}
     layer = _layer("feplb-split")
@@ -163,10 +203,12 @@ def _errors_case(rank: int) -> dict:
     # the layer still works after the refusals (every rank left them together)
     y = layer.forward_dispatched(rows, [2, 2, 1, 1])
     out["after"] = (y.shape == rows.shape, bool(torch.isfinite(y).all()))
-    # a rank that received no rows still takes part
-    mine = rows[:0] if rank == 3 else rows
+    # a rank that received no rows still takes part, forward and backward, computing rows its node peer moved to it
+    mine = (rows[:0] if rank == 3 else rows).clone().requires_grad_()
     y = layer.forward_dispatched(mine, [0, 0, 0, 0] if rank == 3 else [2, 2, 1, 1])
-    out["empty"] = y.shape == mine.shape
+    (2 * y).sum().backward()
+    out["empty"] = y.shape == mine.shape and mine.grad is not None and mine.grad.shape == mine.shape
+    out["hosted"] = layer.last_stats.loads_after_W[rank]
     layer.close()
     for policy in ("feplb-split+place", "eplb"):
         placed = _layer(policy)
@@ -175,13 +217,14 @@ def _errors_case(rank: int) -> dict:
     return out
 
 
+HF_ARCHS = ("mixtral", "gpt_oss")
 CASES = (("none", "per-microbatch"), ("feplb-split", "per-microbatch"), ("feplb", "per-microbatch"),
          ("feplb-split@ema", "per-step"), ("lp", "per-step"))
 
 
 def _worker(rank: int, world: int) -> dict:
     return {"exact": {case: _exact_case(rank, *case) for case in CASES}, "checkpoint": _checkpoint_case(rank),
-            "errors": _errors_case(rank)}
+            "errors": _errors_case(rank), "hf": {arch: _hf_case(rank, arch) for arch in HF_ARCHS}}
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +267,13 @@ def test_forward_dispatched_refuses_bad_arguments_on_every_rank(ranks):
         assert e["empty"]
         for policy in ("feplb-split+place", "eplb"):
             assert e[policy].startswith("ValueError") and f"policy {policy!r}" in e[policy], e[policy]
+    assert ranks[3]["errors"]["hosted"] > 0   # rank 3 computed rows of rank 2's, with none of its own
+
+
+@pytest.mark.parametrize("arch", HF_ARCHS)
+def test_forward_dispatched_of_a_transformers_experts_module(ranks, arch):
+    for rank, res in enumerate(ranks):
+        got = res["hf"][arch]
+        assert got["params"] == (4 if arch == "gpt_oss" else 2), got   # the biases too
+        assert max(got["rel"]) <= 1e-5, f"rank {rank}: {got['rel']}"
+    assert ranks[0]["hf"][arch]["moved"] > 0

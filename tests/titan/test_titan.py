@@ -416,6 +416,8 @@ def _errors_case(rank: int, world: int) -> dict:
     out["shared_topk_untouched"] = not isinstance(a.routed_experts, ft.FEPLBRoutedExperts)
     ft.apply(moe, gpus_per_node=min(2, world))
     out["again"] = error_of(lambda: ft.apply(moe))
+    out["dispatched"] = error_of(lambda: moe.routed_experts.forward_dispatched(torch.zeros(0, D),
+                                                                               [0] * moe.routed_experts.num_local))
 
     # one MoE under two names, and two MoEs sharing one RoutedExperts: both stay shared, and full_state_dict writes
     # the full experts under every name
@@ -669,6 +671,8 @@ def _assert_errors(ranks: list[dict], world: int) -> None:
         assert "swiglu_limit -1.0; expected a number > 0 (inf: no clamp)" in err["gpt_oss"], err["gpt_oss"]
         assert "meta device" in err["meta"], err["meta"]
         assert "already replaced" in err["again"], err["again"]
+        assert err["dispatched"].startswith("TypeError") and "torchtitan's routing" in err["dispatched"], \
+            err["dispatched"]
         if world == 4:
             assert "6 experts are not divisible by the EP group size 4" in err["indivisible"], err["indivisible"]
             assert "EP rank(s) [1, 2, 3] hold other" in err["different_weights"], err["different_weights"]
