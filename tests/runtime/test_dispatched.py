@@ -49,12 +49,12 @@ def _route(x, router):
     return ids, gates
 
 
-def _layer(policy: str, weights: str = "per-microbatch"):
+def _layer(policy: str, weights: str = "per-microbatch", **kw):
     from feplb import FEPLBConfig, MoELayer
 
     router, w1, w2 = _weights()
     layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=2, dyn=2, min_chunk=2,
-                                 plan_wait_ms=60_000, min_straggler_rows=0, policy=policy, weights=weights))
+                                 plan_wait_ms=60_000, min_straggler_rows=0, policy=policy, weights=weights, **kw))
     load_global_weights(layer, router, w1, w2)
     if weights == "per-step":
         layer.refresh_replicas()
@@ -62,7 +62,8 @@ def _layer(policy: str, weights: str = "per-microbatch"):
 
 
 def _moe(layer, x, ids, gates):
-    """Dispatch (the caller's own), ``forward_dispatched``, combine: [T, H] -> [T, H], differentiable."""
+    """Dispatch (the caller's own), ``forward_dispatched``, combine: [T, H] -> [T, H], differentiable. The dispatch
+    and the combine run on the host (gloo); the rows go to the layer's device and back."""
     from torch.distributed.nn.functional import all_to_all_single
 
     rank, T, H, L, W = layer.rank, x.shape[0], layer.config.hidden, layer.num_local, layer.world_size
@@ -78,7 +79,7 @@ def _moe(layer, x, ids, gates):
     local = re_ - rank * L
     perm = torch.argsort(local, stable=True)              # every source's rows regrouped by local expert
     counts = torch.bincount(local, minlength=L).tolist()
-    y = layer.forward_dispatched(rx[perm], counts)
+    y = layer.forward_dispatched(rx[perm].to(layer.expert_weights()[0].device), counts).to(x.device)
     y_recv = y[torch.argsort(perm)]
     y_sent = all_to_all_single(y.new_empty(T * K, H), y_recv, send_l, recv_l)
     y_tk = y_sent[torch.argsort(order)].view(T, K, H)
@@ -215,6 +216,52 @@ def _errors_case(rank: int) -> dict:
         out[policy] = error_of(lambda placed=placed: placed.forward_dispatched(rows, [6, 0, 0, 0]))
         placed.close()
     return out
+
+
+def _device_worker(rank: int, world: int, device: str, copy_path: str) -> dict:
+    """Two ranks as one node on ``device`` (on CUDA: two processes sharing one GPU over gloo, the CUDA IPC copy
+    path): ``forward_dispatched`` behind the test's dispatch with balancing on and off, and the layer's own forward
+    with balancing on, on the same routing; the outputs and every gradient, each run against plain EP."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    router, _, _ = _weights()
+    runs = {}
+    for run in ("none", "feplb-split", "own"):
+        layer = _layer("feplb-split" if run == "own" else run, device=device, copy_path=copy_path)
+        x, gy = _tokens(rank, step=2)
+        x.requires_grad_()
+        ids, gates = _route(x, router)
+        if run == "own":
+            out = layer(x.to(device), routing=(ids.to(device), gates.to(device))).cpu()
+        else:
+            out = _moe(layer, x, ids, gates)
+        (out * gy).sum().backward()
+        stats = layer.last_stats
+        runs[run] = {"out": out.detach(), "x": x.grad, "w1": layer.w1.grad.cpu(), "w2": layer.w2.grad.cpu(),
+                     "moved": stats.rows_moved if rank == stats.planned_ranks[0] else 0}
+        layer.close()
+    return {"moved": runs["feplb-split"]["moved"],
+            "errs": {f"{run}.{name}": _err(runs[run][name], runs["none"][name].double())
+                     for run in ("feplb-split", "own") for name in ("out", "x", "w1", "w2")}}
+
+
+def _check_device_worker(results: list[dict]) -> None:
+    for rank, res in enumerate(results):
+        for name, (err, bound) in res["errs"].items():
+            assert err <= bound, f"rank {rank}: {name} off by {err:.3g} (bound {bound:.3g})"
+    assert results[0]["moved"] > 0, results
+
+
+def test_device_worker_on_cpu():
+    """The GPU test's worker on CPU tensors (shared-memory copy path): its logic is checked where no GPU is."""
+    _check_device_worker(run_dist(_device_worker, 2, "cpu", "auto", timeout_s=120, collective_timeout_s=30))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_forward_dispatched_equals_plain_ep_two_processes_one_gpu():
+    # 100 s: inside gpu_check.sh's runtime step (spawned ranks, CUDA init and first compiles)
+    _check_device_worker(run_dist(_device_worker, 2, "cuda", "ipc", timeout_s=100, collective_timeout_s=60))
 
 
 HF_ARCHS = ("mixtral", "gpt_oss")
