@@ -831,13 +831,12 @@ class MoELayer(nn.Module):
             raise
         y_RD, tail = dynamic_and_return(self, h_RD, y_static, split, p2, slot_w, tl)
         p2 = dataclasses.replace(p2, bank_bytes=slot_w.copied_bytes)
+        # the empty tails keep the exchanges' backward (collective) in the graph
+        y_RD = torch.cat([y_RD, tail.view(0, self.config.hidden), slot_w.tail.view(0, self.config.hidden)])
         if dispatched:
-            # the tails keep the exchanges' backward (collective) in the graph, as the reverse all-to-all does
-            return torch.cat([y_RD, tail.view(0, self.config.hidden), slot_w.tail.view(0, self.config.hidden)]), p2
+            return y_RD, p2
         with span(tl, "phase1_reverse"):
-            y_back = all_to_all_rows(torch.cat([y_RD, tail.view(0, self.config.hidden),
-                                                slot_w.tail.view(0, self.config.hidden)]),
-                                     self.transport, split.home.recv_splits, split.send_splits,
+            y_back = all_to_all_rows(y_RD, self.transport, split.home.recv_splits, split.send_splits,
                                      split_matrix=split.split_WW.t().contiguous())
         return y_back, p2
 
