@@ -313,6 +313,24 @@ def forward_problem(c: FEPLBConfig, device: torch.device, has_router: bool, x: o
     return None
 
 
+# base policies that send rows straight to a helper GPU instead of to the expert's owner
+DIRECT_BASES = frozenset({"fastermoe", "eplb"})
+
+
+def dispatched_policy_problem(policy: str) -> str | None:
+    """Why ``policy`` cannot balance rows a caller dispatched itself (``MoELayer.forward_dispatched``, Megatron's
+    own token dispatcher), or None: the caller sends every row to its expert's owner, so a policy that places
+    experts elsewhere or sends rows straight to a helper cannot be followed."""
+    from feplb.sched.plan import parse_policy
+
+    base, place, _ = parse_policy(policy)
+    if not place and base not in DIRECT_BASES:
+        return None
+    return (f"policy {policy!r} moves where tokens are dispatched (+place puts experts on other GPUs; fastermoe and "
+            "eplb send rows straight to helpers), which a caller's own dispatch cannot follow; use FEPLB's dispatch, "
+            "or a policy among 'none', 'feplb', 'feplb-split', 'lp' (with @current / @ema) without +place")
+
+
 def dispatched_problem(c: FEPLBConfig, device: torch.device, num_local: int, rows: object, counts: object,
                        ) -> tuple[tuple[type, str] | None, list[int] | None]:
     """What is wrong with ``MoELayer.forward_dispatched``'s arguments on this rank ((exception type, message), or

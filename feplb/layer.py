@@ -58,7 +58,14 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from feplb.balance import Balancer, timed_plan
-from feplb.config import FEPLBConfig, LayerStats, dispatched_problem, forward_problem
+from feplb.config import (
+    DIRECT_BASES,
+    FEPLBConfig,
+    LayerStats,
+    dispatched_policy_problem,
+    dispatched_problem,
+    forward_problem,
+)
 from feplb.control import Control, group_timeout
 from feplb.copy import release_copy_engine, shared_copy_engine
 from feplb.direct import forward_direct
@@ -82,7 +89,6 @@ __all__ = ["DirectLayout", "FEPLBConfig", "LayerStats", "MoELayer", "direct_layo
            "ignore_experts_in_ddp"]
 
 # Peers' policies, whose plans the phase-1 dispatch executes (rows go straight to the GPU that computes them).
-_DIRECT_BASES = frozenset({"fastermoe", "eplb"})
 
 
 def _refreshed() -> RuntimeError:
@@ -201,7 +207,7 @@ class MoELayer(nn.Module):
         L = self.num_local = c.num_experts // W
         self.base, self.place, _ = parse_policy(c.policy)
         self.in_node_policy = self.base in INTRA_NODE_BASES or self.base == "none"
-        self.direct = self.base in _DIRECT_BASES
+        self.direct = self.base in DIRECT_BASES
         self.topo = Topology(num_ranks=W, gpus_per_node=c.gpus_per_node, num_experts=c.num_experts,
                              dyn=min(c.dyn, L) if self.base != "none" else 0)
         backend = dist.get_backend(group)
@@ -608,15 +614,21 @@ class MoELayer(nn.Module):
         sent them to itself. The gates are the caller's: it weighs the outputs (or, for experts gated on their input,
         ``gate_on_input``, the rows before the call).
         """
-        c = self.config
         if self._no_forward_dispatched is not None:   # (the same class on every rank)
             raise TypeError(f"{type(self).__name__}.forward_dispatched: {self._no_forward_dispatched}")
-        if self.place or self.direct:
-            raise ValueError(f"MoELayer.forward_dispatched: policy {c.policy!r} moves where tokens are dispatched "
-                             "(+place puts experts on other GPUs; fastermoe and eplb send rows straight to helpers), "
-                             "which a caller's own dispatch cannot follow; use forward(), or a policy among "
-                             "'none', 'feplb', 'feplb-split', 'lp' (with @current / @ema) without +place")
-        problem, counts_L = dispatched_problem(c, self._device, self.num_local, rows, counts)
+        return self._forward_dispatched(rows, counts)
+
+    def _forward_dispatched(self, rows: torch.Tensor, counts: torch.Tensor | list[int],
+                            problem: tuple[type, str] | None = None) -> torch.Tensor:
+        """:meth:`forward_dispatched` for a subclass whose own ``forward`` receives dispatched rows (Megatron's
+        experts behind Megatron's token dispatcher); ``problem``: what the subclass found wrong with its other
+        arguments on this rank, raised on every rank with the rest."""
+        c = self.config
+        why = dispatched_policy_problem(c.policy)
+        if why is not None:   # (the same config on every rank)
+            raise ValueError(f"{type(self).__name__}.forward_dispatched: {why}")
+        got, counts_L = dispatched_problem(c, self._device, self.num_local, rows, counts)
+        problem = got or problem
         if problem is not None:
             self._experts(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
         L, r = self.num_local, self.rank
