@@ -6,8 +6,11 @@ rank holding ``E / EP`` experts. :func:`apply` keeps that group, the router (aux
 counts) and the shared experts, and replaces, in each MoE layer, the token dispatcher and the experts with FEPLB:
 the same local experts (the very parameters under the same names, in the same modules where there are any)
 computed by a :class:`feplb.MoELayer` that balances every micro-batch between the GPUs of a node
-(``gpus_per_node``). Each of Megatron's experts layouts has its class: ``SequentialMLP`` (``moe_grouped_gemm=False``;
-its ``MLP`` modules, ``local_experts.{i}.linear_fc1.weight`` ...) -> :class:`FEPLBSequentialMLP`; ``TEGroupedMLP``
+(``gpus_per_node``). With ``token_dispatcher="megatron"`` it keeps the token dispatcher too (alltoall, allgather, or
+flex with DeepEP / HybridEP) and replaces only the experts, which balance the rows it delivers
+(``MoELayer.forward_dispatched``) and weigh them by their probabilities, as Megatron's experts do. Each of
+Megatron's experts layouts has its class: ``SequentialMLP`` (``moe_grouped_gemm=False``; its ``MLP`` modules,
+``local_experts.{i}.linear_fc1.weight`` ...) -> :class:`FEPLBSequentialMLP`; ``TEGroupedMLP``
 (``moe_grouped_gemm=True`` with Transformer Engine; its grouped linears, ``linear_fc1.weight{i}`` ...) ->
 :class:`FEPLBTEGroupedMLP`; the legacy ``GroupedMLP`` (``weight1`` [H, L * 2F], ``weight2`` [L * F, H]) ->
 :class:`FEPLBGroupedMLP`. The experts' parameters stay expert-parallel parameters for Megatron (``allreduce=False``:
@@ -70,6 +73,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from feplb.config import dispatched_policy_problem
 from feplb.dropin import (
     _HOOKS,
     _agree,
@@ -116,23 +120,30 @@ class FEPLBExperts(MoELayer):
     """
 
     _no_forward_dispatched = ("Megatron's experts run their forward pre-hooks and join their weights per call in "
-                              "forward(), which FEPLBTokenDispatcher feeds (forward_dispatched serves feplb.MoELayer "
-                              "and feplb.hf's experts)")
+                              "forward(), which Megatron's MoELayer calls: behind Megatron's own token dispatcher "
+                              "(feplb.megatron.apply(..., token_dispatcher='megatron')) it balances the dispatched "
+                              "rows as forward_dispatched does")
 
     # Megatron keeps its local names in state_dict() (per-rank checkpoints); its distributed checkpoints go through
     # sharded_state_dict
     state_dict_type = "local"
 
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, experts: nn.Module,
-                 name: str = "") -> None:
+                 name: str = "", token_dispatcher: str = "feplb") -> None:
         if config.router != "external":
             raise ValueError(f"{type(self).__name__} needs FEPLBConfig.router='external', got {config.router!r}")
+        why = _token_dispatcher_problem(token_dispatcher, config.policy)
+        if why is not None:
+            raise ValueError(f"{type(self).__name__}: {why}")
         # Read by _init_experts, which MoELayer.__init__ calls before this constructor could set attributes.
         object.__setattr__(self, "_megatron_src", experts)
         super().__init__(config, group)
         object.__delattr__(self, "_megatron_src")
         self.megatron_name = name
         self.megatron_config = experts.config
+        # "feplb": FEPLBTokenDispatcher hands over the routing and FEPLB dispatches; "megatron": Megatron's own
+        # token dispatcher hands over the rows of this rank's experts, grouped by local expert
+        self.token_dispatcher = token_dispatcher
         # (EP group, expert data-parallel group, expert tensor-parallel group) of the module this replaced: what
         # Megatron's sharded state dict names the shards by
         self._megatron_groups = tuple(getattr(experts, a, None) for a in ("ep_group", "dp_group", "tp_group"))
@@ -182,11 +193,21 @@ class FEPLBExperts(MoELayer):
         return self._joined if self._joined is not None else self._join()
 
     def forward(self, x_TH: torch.Tensor, tokens_per_expert: Any = None,  # type: ignore[override]
-                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, None]:
-        del tokens_per_expert
-        if not isinstance(routing, tuple):
-            raise TypeError(f"{type(self).__name__} takes the routing (ids, weights) from FEPLBTokenDispatcher; "
-                            "use it through feplb.megatron.apply, not with Megatron's own token dispatcher")
+                routing: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, None]:
+        """Megatron's experts call. Behind FEPLBTokenDispatcher (``token_dispatcher="feplb"``): x_TH [T, H] this
+        rank's tokens, ``routing`` the (ids [T, K], weights [T, K]) pair; FEPLB dispatches, computes and combines.
+        Behind Megatron's own token dispatcher (``"megatron"``): x_TH [R, H] the rows it delivered for this rank's
+        experts, grouped by local expert, ``tokens_per_expert`` [L] their counts, ``routing`` their router
+        probabilities [R]; FEPLB computes them, balanced over the node, and returns each row's output weighed by
+        its probability (or, with ``moe_apply_probs_on_input``, the row weighed before the experts), as Megatron's
+        experts do, for Megatron's combine."""
+        own = self.token_dispatcher == "megatron"
+        if own != isinstance(routing, torch.Tensor) or not (own or isinstance(routing, tuple)):
+            raise TypeError(f"{type(self).__name__} was made for token_dispatcher={self.token_dispatcher!r} and "
+                            + ("takes the probabilities of the dispatched rows from Megatron's token dispatcher"
+                               if own else "takes the routing (ids, weights) from FEPLBTokenDispatcher")
+                            + f", got {type(routing).__name__}; use it through feplb.megatron.apply")
         # Hooks registered after apply (by Megatron's DDP, say). The forward pre-hooks run first, on every rank alike
         # (Megatron's DDP waits there for collectives of the expert data-parallel group; a rank that skipped them
         # would leave its peers waiting). Then hooks FEPLB cannot run, or pre-hooks that replaced the input, are
@@ -198,10 +219,27 @@ class FEPLBExperts(MoELayer):
             self._experts(None, None, None, (RuntimeError, f"{self.megatron_name or type(self).__name__}: {why}"))
         self._joined = self._join()
         try:
-            y = super().forward(x_TH.to(self.config.dtype), routing=routing)
+            if own:
+                y = self._dispatched_rows(x_TH, tokens_per_expert, routing)
+            else:
+                y = super().forward(x_TH.to(self.config.dtype), routing=routing)
         finally:
             self._joined = None
         return y.to(x_TH.dtype), None
+
+    def _dispatched_rows(self, x_RH: torch.Tensor, tokens_per_expert: Any, probs_R: torch.Tensor) -> torch.Tensor:
+        """The rows Megatron's token dispatcher delivered -> their outputs weighed by their probabilities, in
+        x_RH's dtype, as Megatron's experts return them (they weigh the activation before fc2, in the product's
+        dtype, and fc2's bias with it; FEPLB weighs fc2's output, bias included, by the same rule)."""
+        c = self.config
+        problem = None
+        if probs_R.dim() != 1 or probs_R.shape[0] != x_RH.shape[0] or not probs_R.is_floating_point():
+            problem = (ValueError, f"{type(self).__name__}: the dispatched probabilities must be one float per row "
+                                   f"([{x_RH.shape[0]}]), got a {probs_R.dtype} tensor of shape {list(probs_R.shape)}")
+        elif c.gate_on_input:   # moe_apply_probs_on_input (top-1): Megatron weighs the rows, in their dtype
+            x_RH = (probs_R.unsqueeze(-1) * x_RH).to(x_RH.dtype)
+        y_RH = self._forward_dispatched(x_RH.to(c.dtype), tokens_per_expert, problem)
+        return y_RH if c.gate_on_input else y_RH * probs_R.unsqueeze(-1)
 
     @staticmethod
     def _run_pre_hooks(kept: list[nn.Module], args: tuple) -> str | None:
@@ -282,7 +320,7 @@ class FEPLBExperts(MoELayer):
         return value
 
     def extra_repr(self) -> str:
-        return f"{self.megatron_name!r}, " + super().extra_repr()
+        return f"{self.megatron_name!r}, token_dispatcher={self.token_dispatcher!r}, " + super().extra_repr()
 
 
 # A pickled None, as Transformer Engine 2.0 - 2.3 store the extra state of a module without fp8 (uint8 tensor).
@@ -539,6 +577,17 @@ _CONFIG_REFUSALS = (
 _LOST_HOOKS = ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
+_TOKEN_DISPATCHERS = ("feplb", "megatron")
+
+
+def _token_dispatcher_problem(token_dispatcher: object, policy: str) -> str | None:
+    """Why FEPLB's experts cannot run behind ``token_dispatcher`` with ``policy``, or None."""
+    if token_dispatcher not in _TOKEN_DISPATCHERS:
+        return f"token_dispatcher={token_dispatcher!r}: expected one of {_TOKEN_DISPATCHERS}"
+    why = dispatched_policy_problem(policy) if token_dispatcher == "megatron" else None
+    return None if why is None else f"behind Megatron's own token dispatcher (token_dispatcher='megatron'), {why}"
+
+
 def _lost_hooks(kept: list[nn.Module]) -> str | None:
     return next(filter(None, (hooks_problem(mod, _LOST_HOOKS) for mod in kept)), None)
 
@@ -753,13 +802,20 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
 
 # ---------------------------------------------------------------------------------------------------- apply
 
-def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overrides: Any) -> list[str]:
+def apply(model: nn.Module, *, dtype: torch.dtype | None = None, token_dispatcher: str = "feplb",
+          **config_overrides: Any) -> list[str]:
     """Replace the token dispatcher and experts of every Megatron-Core ``MoELayer`` of ``model``, in place, with
     FEPLB over the layer's own expert-parallel group, keeping this rank's experts (the same modules). Collective
     over that group; every MoE layer of the model must use the same one.
 
     dtype: what the experts compute in, and the rows travel in (default: the parameters' dtype, as Megatron
         computes them). The parameters keep their own dtype.
+    token_dispatcher: "feplb" (default): FEPLB dispatches the tokens itself (phase 1 over the EP group, then the
+        node's GPUs share the work). "megatron": the model keeps its own token dispatcher (``alltoall``,
+        ``allgather``, or ``flex`` with DeepEP or HybridEP) and only the experts are replaced: FEPLB balances the
+        rows that dispatcher delivers to each GPU between the GPUs of its node (``MoELayer.forward_dispatched``)
+        and returns them weighed by their probabilities, as Megatron's experts do. Every expert stays at its owner
+        there: policies with ``+place`` and the direct ones (``fastermoe``, ``eplb``) are refused.
     config_overrides: :class:`feplb.FEPLBConfig` fields (policy, gpus_per_node, dyn, weights, plan_wait_ms, ...).
         hidden, ffn, num_experts and top_k come from Megatron's config; the router is the model's own. The device
         defaults to the experts', ``weights`` to "per-microbatch" (see the module's docstring).
@@ -795,12 +851,16 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overri
     problems, plans = [], []
     if dtype is not None and dtype not in _DTYPES:
         problems.append(f"  dtype={dtype}: expected one of {_DTYPES}")
+    if token_dispatcher not in _TOKEN_DISPATCHERS:
+        problems.append(f"  {_token_dispatcher_problem(token_dispatcher, 'none')}")
     for name, moe in found:
         why, fields_of, cls = _problem(moe, mc_experts, world, rank, dtype)
         if why is None:
             cfg = layer_config(fields_of, config_overrides)
             if isinstance(cfg, str):
                 why = cfg
+            elif token_dispatcher in _TOKEN_DISPATCHERS:
+                why = _token_dispatcher_problem(token_dispatcher, cfg.policy)
         if why is not None:
             problems.append(f"  {name or type(model).__name__} ({type(moe).__name__}): {why}")
         else:
@@ -824,11 +884,13 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, **config_overri
     made = []
     try:
         for name, moe, cfg, cls in plans:
-            new = cls(cfg, group, moe.experts, name=f"{name}.experts" if name else "experts")
+            new = cls(cfg, group, moe.experts, name=f"{name}.experts" if name else "experts",
+                      token_dispatcher=token_dispatcher)
             made.append((moe, new, None))
             new.train(moe.experts.training)
             new.refresh_replicas()
-            made[-1] = (moe, new, Dispatcher(moe.token_dispatcher, cfg.top_k))
+            made[-1] = (moe, new, Dispatcher(moe.token_dispatcher, cfg.top_k) if token_dispatcher == "feplb"
+                        else moe.token_dispatcher)
     except BaseException:
         # the model is left as it was: release what the layers built so far hold (threads, copy paths), newest first
         for _, new, _ in reversed(made):
