@@ -18,7 +18,8 @@ reduced over the expert data-parallel group).
 
 Precision follows the experts' parameters (Megatron computes the experts in their dtype; ``dtype=`` chooses
 another); the router's probabilities weigh the outputs in fp32 when they are fp32 or fp64 (``moe_router_dtype``
-'fp32' or 'fp64'; Megatron weighs fp64 ones in fp64, FEPLB in fp32).
+'fp32' or 'fp64'; Megatron weighs fp64 ones in fp64, FEPLB in fp32, or in fp64 behind Megatron's own token
+dispatcher, where it weighs the rows as Megatron's experts do).
 
 What FEPLB cannot run exactly is refused, on every rank together and before anything is replaced, by name: other
 experts classes, or those three with linears other than Megatron's or Transformer Engine's, activations FEPLB does
@@ -203,20 +204,26 @@ class FEPLBExperts(MoELayer):
         its probability (or, with ``moe_apply_probs_on_input``, the row weighed before the experts), as Megatron's
         experts do, for Megatron's combine."""
         own = self.token_dispatcher == "megatron"
+        name = self.megatron_name or type(self).__name__
+        wrong = None
         if own != isinstance(routing, torch.Tensor) or not (own or isinstance(routing, tuple)):
-            raise TypeError(f"{type(self).__name__} was made for token_dispatcher={self.token_dispatcher!r} and "
-                            + ("takes the probabilities of the dispatched rows from Megatron's token dispatcher"
-                               if own else "takes the routing (ids, weights) from FEPLBTokenDispatcher")
-                            + f", got {type(routing).__name__}; use it through feplb.megatron.apply")
+            wrong = (f"{name} was made for token_dispatcher={self.token_dispatcher!r} and "
+                     + ("takes the probabilities of the dispatched rows from Megatron's token dispatcher"
+                        if own else "takes the routing (ids, weights) from FEPLBTokenDispatcher")
+                     + f", got {type(routing).__name__}; use it through feplb.megatron.apply")
+            if in_backward():   # (a recompute repeats its forward's arguments: not reached)
+                raise TypeError(wrong)
         # Hooks registered after apply (by Megatron's DDP, say). The forward pre-hooks run first, on every rank alike
         # (Megatron's DDP waits there for collectives of the expert data-parallel group; a rank that skipped them
         # would leave its peers waiting). Then hooks FEPLB cannot run, or pre-hooks that replaced the input, are
-        # refused on every rank together; not in a recompute, whose peers are in the replay's own collectives (the
-        # next forward refuses them).
+        # refused on every rank together (as are wrong arguments); not in a recompute, whose peers are in the
+        # replay's own collectives (the next forward refuses them).
         kept = self.kept_modules()
         why = self._run_pre_hooks(kept, (x_TH,)) or _lost_hooks(kept)
+        if wrong is not None:
+            self._experts(None, None, None, (TypeError, wrong))
         if why is not None and not in_backward():
-            self._experts(None, None, None, (RuntimeError, f"{self.megatron_name or type(self).__name__}: {why}"))
+            self._experts(None, None, None, (RuntimeError, f"{name}: {why}"))
         self._joined = self._join()
         try:
             if own:
@@ -233,12 +240,16 @@ class FEPLBExperts(MoELayer):
         dtype, and fc2's bias with it; FEPLB weighs fc2's output, bias included, by the same rule)."""
         c = self.config
         problem = None
-        if probs_R.dim() != 1 or probs_R.shape[0] != x_RH.shape[0] or not probs_R.is_floating_point():
-            problem = (ValueError, f"{type(self).__name__}: the dispatched probabilities must be one float per row "
-                                   f"([{x_RH.shape[0]}]), got a {probs_R.dtype} tensor of shape {list(probs_R.shape)}")
-        elif c.gate_on_input:   # moe_apply_probs_on_input (top-1): Megatron weighs the rows, in their dtype
+        # (rows that are not [R, H] are refused by forward_dispatched's own checks, on every rank)
+        rows = isinstance(x_RH, torch.Tensor) and x_RH.dim() == 2
+        if rows and (probs_R.dim() != 1 or probs_R.shape[0] != x_RH.shape[0] or not probs_R.is_floating_point()
+                     or probs_R.device != x_RH.device):
+            problem = (ValueError, f"{self.megatron_name or type(self).__name__}: the dispatched probabilities must "
+                                   f"be one float per row ([{x_RH.shape[0]}] on {x_RH.device}), got a {probs_R.dtype} "
+                                   f"tensor of shape {list(probs_R.shape)} on {probs_R.device}")
+        elif rows and c.gate_on_input:   # moe_apply_probs_on_input (top-1): Megatron weighs the rows, in their dtype
             x_RH = (probs_R.unsqueeze(-1) * x_RH).to(x_RH.dtype)
-        y_RH = self._forward_dispatched(x_RH.to(c.dtype), tokens_per_expert, problem)
+        y_RH = self._forward_dispatched(x_RH.to(c.dtype) if rows else x_RH, tokens_per_expert, problem)
         return y_RH if c.gate_on_input else y_RH * probs_R.unsqueeze(-1)
 
     @staticmethod
@@ -843,6 +854,8 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, token_dispatche
         else None
     pipelined = megatron_state and ps.get_pipeline_model_parallel_world_size() > 1
     check_overrides("feplb.megatron.apply", group, config_overrides)
+    # the dispatch decides every forward's collectives: one rank behind another dispatcher would hang its peers
+    dispatchers = _agree(repr(token_dispatcher), group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # Per-micro-batch weights by default: their gradients return inside the backward, where Megatron's
     # DistributedDataParallel (also with overlap_grad_reduce) sees them; per-step copies need reduce_replica_grads
@@ -853,6 +866,8 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, token_dispatche
         problems.append(f"  dtype={dtype}: expected one of {_DTYPES}")
     if token_dispatcher not in _TOKEN_DISPATCHERS:
         problems.append(f"  {_token_dispatcher_problem(token_dispatcher, 'none')}")
+    if len(set(dispatchers)) > 1:
+        problems.append(f"  token_dispatcher differs between EP ranks: {', '.join(dispatchers)} (in rank order)")
     for name, moe in found:
         why, fields_of, cls = _problem(moe, mc_experts, world, rank, dtype)
         if why is None:

@@ -30,9 +30,10 @@ MoE layers (Megatron's local spec) trains as Megatron's does.
 
 Behind Megatron's own token dispatcher (``token_dispatcher="megatron"``: its alltoall and allgather dispatchers
 kept, FEPLB balancing the rows they deliver), at 4 ranks as 2 nodes x 2: against Megatron's layer with the same
-dispatcher, the layer in fp32 (every router and expert kind above, expert biases, probabilities on the input,
-capacity drops) and bf16, training with per-micro-batch and per-step copies, Megatron's DDP, its recompute, a
-non-reentrant checkpoint, a whole GPT model; the policies it cannot follow refused on every rank.
+dispatcher, the layer in fp32 (both routers, the three experts layouts, expert biases, probabilities on the input,
+capacity drops, an fp64 router) and bf16, training with per-micro-batch and per-step copies, Megatron's DDP, its
+recompute, a non-reentrant checkpoint, a whole GPT model; the policies it cannot follow, a dispatcher that differs
+between ranks and wrong arguments on one rank refused on every rank.
 
 Megatron-Core expects CUDA where its CPU path reaches: the router moves its weight (and DDP its grad buffers) to
 ``torch.cuda.current_device()``, its gating GEMM names Transformer Engine's GEMM, which it imports only when
@@ -306,12 +307,13 @@ def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtyp
     else:
         exact = _grads(make_moe(arch, torch.float32, experts, **over), x.float(), g.float())
         out["err"] = {n: (_rel(ours[n], exact[n]), _rel(theirs[n], exact[n])) for n in theirs}
-    if over.get("moe_expert_capacity_factor") is not None and dispatcher == "feplb":   # slots dropped at capacity
+    if over.get("moe_expert_capacity_factor") is not None:   # slots Megatron's router dropped at capacity
         with torch.no_grad():
             _, routing_map = ref.router(x)
         out["dropped"] = TOKENS[0] * TOKENS[1] * ref.config.moe_router_topk - int(routing_map.sum())
-        # the rows FEPLB sent from this rank: the kept slots only (dropped ones are masked, not weighed 0)
-        out["sent"] = int(sum(moe.experts.last_stats.counts_WE[rank]))
+        if dispatcher == "feplb":
+            # the rows FEPLB sent from this rank: the kept slots only (dropped ones are masked, not weighed 0)
+            out["sent"] = int(sum(moe.experts.last_stats.counts_WE[rank]))
     if arch == "sigmoid":
         out["bias_counts_equal"] = torch.equal(moe.router.local_tokens_per_expert, ref.router.local_tokens_per_expert)
         out["bias_counts_sum"] = float(moe.router.local_tokens_per_expert.sum())
@@ -1209,6 +1211,10 @@ def _own_dispatcher_refusal_case(rank: int, world: int) -> dict:
                                  type(moe.experts).__name__, type(moe.token_dispatcher).__name__)
     moe = make_moe(moe_token_dispatcher_type="alltoall")
     out["unknown"] = (error_of(lambda: fm.apply(moe, token_dispatcher="deepep", **OPTS)), type(moe.experts).__name__)
+    # one rank behind another dispatcher: its forwards would run other collectives than its peers'
+    mixed = "feplb" if rank == 0 else "megatron"
+    out["mixed"] = (error_of(lambda: fm.apply(moe, token_dispatcher=mixed, **OPTS)), type(moe.experts).__name__,
+                    type(moe.token_dispatcher).__name__)
     fm.apply(moe, policy="feplb-split", gpus_per_node=min(2, world), token_dispatcher="megatron", **OPTS)
     L = E // world
     rows = torch.randn(3 * L, H)
@@ -1217,6 +1223,11 @@ def _own_dispatcher_refusal_case(rank: int, world: int) -> dict:
     out["bad_counts"] = error_of(lambda: moe.experts(rows, torch.tensor([3] * (L - 1) + [2 if rank == 1 else 3]),
                                                      torch.rand(3 * L)))
     out["routing_pair"] = error_of(lambda: moe.experts(rows, None, (torch.zeros(3, K).long(), torch.rand(3, K))))
+    pair = (torch.zeros(3 * L, K).long(), torch.rand(3 * L, K))   # the wrong kind of routing on one rank only
+    out["routing_pair_one_rank"] = error_of(lambda: moe.experts(rows, torch.tensor([3] * L),
+                                                                pair if rank == 2 else torch.rand(3 * L)))
+    out["probs_device"] = error_of(lambda: moe.experts(rows, torch.tensor([3] * L),
+                                                       torch.rand(3 * L, device="meta" if rank == 3 else "cpu")))
     out["direct"] = error_of(lambda: moe.experts.forward_dispatched(rows, [3] * L))
     x, _ = _inputs(rank)
     out["usable_again"] = error_of(lambda: moe(x))
@@ -1250,6 +1261,10 @@ def _own_dispatcher_job(rank: int, world: int) -> dict:
             ("probs-on-input", "softmax", "sequential", dict(moe_apply_probs_on_input=True, moe_router_topk=1,
                                                              moe_router_pre_softmax=True)),
             ("capacity", "softmax", "sequential", dict(moe_expert_capacity_factor=1.0)),
+            # the bias inside the unweighted output of rows weighed on the input
+            ("bias-probs-on-input", "softmax", "sequential", dict(add_bias_linear=True, moe_apply_probs_on_input=True,
+                                                                  moe_router_topk=1, moe_router_pre_softmax=True)),
+            ("fp64-router", "softmax", "sequential", dict(moe_router_dtype="fp64")),   # weighed in fp64, as Megatron
             ("bias-quick-geglu", "softmax", "sequential", dict(add_bias_linear=True, **oss)),
             ("te-bias", "softmax", "te", dict(add_bias_linear=True)),
             ("te-fused-quick-geglu", "softmax", "te", dict(oss, bias_activation_fusion=True,
@@ -1303,6 +1318,7 @@ def test_behind_megatrons_own_dispatcher_the_layer_matches_megatron(own_dispatch
     for key, case in res[0].items():
         if key[0] in ("layer", "bf16"):
             assert case["moved"] == 0 if key[-1] == "none" else case["moved"] > 0, (key, case["moved"])
+    assert all(r["layer", "alltoall", "capacity", "feplb-split"]["dropped"] > 0 for r in res)   # tokens were dropped
 
 
 def test_behind_megatrons_own_dispatcher_training_ddp_recompute_and_gpt(own_dispatcher_job):
@@ -1342,6 +1358,13 @@ def test_behind_megatrons_own_dispatcher_refusals(own_dispatcher_job):
         assert bad is not None and ("add up to" in bad if rank == 1 else "EP rank(s) [1]" in bad), bad
         assert f["routing_pair"] is not None and f["routing_pair"].startswith("TypeError"), f["routing_pair"]
         assert "token_dispatcher='megatron'" in f["routing_pair"], f["routing_pair"]
+        one = f["routing_pair_one_rank"]
+        assert one is not None and ("token_dispatcher='megatron'" in one if rank == 2 else "EP rank(s) [2]" in one), one
+        dev = f["probs_device"]
+        assert dev is not None and ("on meta" in dev if rank == 3 else "EP rank(s) [3]" in dev), dev
+        err, experts, dispatcher = f["mixed"]
+        assert err is not None and err.startswith("ValueError") and "'feplb', 'megatron'" in err, err
+        assert (experts, dispatcher) == ("SequentialMLP", "MoEAlltoAllTokenDispatcher")
         assert f["direct"] is not None and f["direct"].startswith("TypeError"), f["direct"]
         assert f["usable_again"] is None, f["usable_again"]
 
