@@ -313,7 +313,8 @@ def forward_problem(c: FEPLBConfig, device: torch.device, has_router: bool, x: o
     return None
 
 
-# base policies that send rows straight to a helper GPU instead of to the expert's owner
+# Peers' policies, whose plans the phase-1 dispatch executes (rows go straight to the GPU that computes them, not
+# to the expert's owner).
 DIRECT_BASES = frozenset({"fastermoe", "eplb"})
 
 

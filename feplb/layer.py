@@ -88,8 +88,6 @@ from feplb.transport import release_transport, shared_transport
 __all__ = ["DirectLayout", "FEPLBConfig", "LayerStats", "MoELayer", "direct_layout", "expert_mlp",
            "ignore_experts_in_ddp"]
 
-# Peers' policies, whose plans the phase-1 dispatch executes (rows go straight to the GPU that computes them).
-
 
 def _refreshed() -> RuntimeError:
     return RuntimeError("MoELayer: refresh_replicas() ran between a forward and its recompute by activation "
@@ -624,9 +622,8 @@ class MoELayer(nn.Module):
         experts behind Megatron's token dispatcher); ``problem``: what the subclass found wrong with its other
         arguments on this rank, raised on every rank with the rest."""
         c = self.config
-        why = dispatched_policy_problem(c.policy)
-        if why is not None:   # (the same config on every rank)
-            raise ValueError(f"{type(self).__name__}.forward_dispatched: {why}")
+        if self.place or self.direct:   # (the same config on every rank)
+            raise ValueError(f"{type(self).__name__}.forward_dispatched: {dispatched_policy_problem(c.policy)}")
         got, counts_L = dispatched_problem(c, self._device, self.num_local, rows, counts)
         problem = got or problem
         if problem is not None:
