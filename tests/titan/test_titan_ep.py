@@ -1,0 +1,439 @@
+"""feplb.titan_ep: FEPLB behind torchtitan's own expert parallelism (its token dispatcher, its DTensor or local
+expert shards, FSDP), on 4 gloo ranks as 2 nodes x 2, torchtitan 0.3.0's own modules, parallelized by torchtitan's
+own ``parallelize`` under both of its SPMD backends (``partial_dtensor``; ``spmd_types``, its default).
+
+* The routed experts (torchtitan's ``RoutedExperts``: its all-to-all dispatch and combine around FEPLB's experts)
+  against an fp64 dense reference: output and the gradients of x, the scores and this rank's expert shards (the
+  reference's summed over every rank's input): within 1e-5 of each tensor's largest element with float32 experts,
+  within twice torchtitan's own error with bfloat16 ones (torchtitan's module parallelized alike, same input);
+  rows really move with feplb-split, none with ``none``. The module keeps torchtitan's parameters: the same names,
+  shapes, types (DTensor or local) as torchtitan's own.
+* Training: SGD steps of two accumulated micro-batches on the DTensor shards, the final weights against fp64 SGD;
+  a non-reentrant ``torch.utils.checkpoint`` replays the forward bit for bit.
+* FSDP2 on the expert shards (EP 2 x expert-FSDP 2, torchtitan's mesh): the reduce-scattered gradients against the
+  fp64 reference, torchtitan's own module alike as the check of the reference.
+* Refusals: settings FEPLB cannot run (at config time, by name), torchtitan's EP off (at the first forward), a
+  low-precision grouped GEMM, ranks with different settings (every rank raises at the first forward).
+
+On the CPU two torchtitan spots need a stand-in: torchtitan picks "cuda" as its device type where no accelerator
+is found (set to "cpu"), and gloo's ``all_to_all`` takes equal chunks only (``spmd_types``' uneven all-to-all runs as
+the equivalent ``all_to_all_single`` with split sizes, which gloo has; NCCL takes uneven chunks). Nothing of feplb
+is patched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.models.common.moe")
+
+from feplb.testing import run_dist  # noqa: E402
+from tests.titan.test_titan import FF, OPTS, TOKENS, D, E, K, _dense_routed, _inputs, _rel  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+WORLD = 4
+BACKENDS = ("partial_dtensor", "spmd_types")
+# (policy, FEPLB dtype): exact in fp32 with rows moving and not; bf16 as torchtitan computes
+ROUTED = (("feplb-split", "float32"), ("none", "float32"), ("feplb-split", "bfloat16"))
+NAMES = ("w1_EFD", "w2_EDF", "w3_EFD")
+
+
+def _config(**feplb):
+    """torchtitan's MoE config (Qwen3-MoE style) with its EP sharding; FEPLB's experts when ``feplb`` is given."""
+    from functools import partial
+
+    import spmd_types as spmd
+    from torch import nn
+    from torchtitan.models.common.config_utils import make_moe_config, make_routed_experts_config, make_router_config
+    from torchtitan.models.common.moe_sharding import set_moe_sharding_config
+
+    import feplb.titan_ep as fte
+
+    init = {"weight": partial(nn.init.normal_, std=0.2)}
+    experts = {n: partial(nn.init.normal_, std=0.2) for n in NAMES}
+    router = make_router_config(dim=D, num_experts=E, gate_param_init=init, top_k=K, score_func="softmax",
+                                route_norm=True)
+    cfg = make_moe_config(num_experts=E, router=router, shared_experts=None,
+                          routed_experts=make_routed_experts_config(dim=D, hidden_dim=FF, num_experts=E, top_k=K,
+                                                                    param_init=experts, comm_backend="standard"))
+    set_moe_sharding_config(cfg, enable_ep=True, enable_sp=False,
+                            expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)})
+    if feplb:
+        assert fte.convert(cfg, **feplb) == ["routed_experts.inner_experts"]
+    return cfg
+
+
+def _build(cfg):
+    """The MoE with fixed weights (the same on every rank, and for every config: the same initialisation order)."""
+    torch.manual_seed(0)
+    moe = cfg.build()
+    with torch.no_grad():
+        moe.init_states()
+    return moe
+
+
+def _full_weights() -> dict[str, torch.Tensor]:
+    moe = _build(_config())
+    return {n: p.detach().clone() for n, p in moe.routed_experts.inner_experts.named_parameters()}
+
+
+def _cpu_torchtitan() -> None:
+    """torchtitan's CUDA-only spots on the CPU (see the module docstring)."""
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as tpd
+    import torchtitan.distributed.utils as tdu
+    import torchtitan.models.common.token_dispatcher as ttd
+    import torchtitan.tools.utils as tu
+
+    for mod in (tpd, tdu, ttd, tu):
+        mod.device_type = "cpu"
+    equal_chunks = dist.all_to_all
+
+    def all_to_all(outs, ins, group=None, async_op=False):
+        if len({t.shape for t in [*outs, *ins]}) == 1:
+            return equal_chunks(outs, ins, group=group, async_op=async_op)
+        assert not async_op
+        got = torch.empty((sum(t.shape[0] for t in outs), *outs[0].shape[1:]), dtype=outs[0].dtype)
+        dist.all_to_all_single(got, torch.cat(ins), [t.shape[0] for t in outs], [t.shape[0] for t in ins],
+                               group=group)
+        for o, piece in zip(outs, got.split([t.shape[0] for t in outs]), strict=True):
+            o.copy_(piece)
+        return None
+
+    dist.all_to_all = all_to_all
+
+
+def _dims(backend: str, **degrees):
+    from torchtitan.distributed import utils as tdu
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    tdu.set_spmd_backend(backend)
+    dims = dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=WORLD)
+    dims.update(degrees)
+    pd = ParallelDims(**dims, world_size=WORLD, spmd_backend=backend)
+    pd.build_mesh()
+    return pd, tdu.get_spmd_context(parallel_dims=pd)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _reference(rank: int, full: dict, x, scores, ids, g) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp64: (expert weight gradients summed over every rank's input, out, x's and the scores' gradients)."""
+    import torch.distributed as dist
+
+    ws = {n: w.detach().double().clone().requires_grad_() for n, w in full.items()}
+    xr, sr = x.double().requires_grad_(), scores.double().requires_grad_()
+    yr = _dense_routed(xr, sr, ids, ws)
+    yr.backward(g.double())
+    grads = {}
+    for n, w in ws.items():
+        grads[n] = w.grad.clone()
+        dist.all_reduce(grads[n])
+    return grads, yr, xr.grad, sr.grad
+
+
+def _run(mod, ctx, x, scores, ids, g, checkpoint: bool = False):
+    xx, ss = x.clone().requires_grad_(), scores.clone().requires_grad_()
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    with ctx():
+        if checkpoint:
+            from torch.utils.checkpoint import checkpoint as ckpt
+
+            y = ckpt(mod.routed_experts, xx, ss, ids, counts, use_reentrant=False)
+        else:
+            y = mod.routed_experts(xx, ss, ids, counts)
+    y.backward(g)
+    return y, xx.grad, ss.grad
+
+
+def _moved(inner) -> int:
+    import torch.distributed as dist
+
+    stats = inner.engine.last_stats if inner.engine is not None else None
+    t = torch.tensor([stats.rows_moved if stats is not None else 0])
+    dist.all_reduce(t)
+    return int(t)
+
+
+def _routed_case(rank: int, backend: str) -> dict:
+    """FEPLB's experts and torchtitan's own, both parallelized by torchtitan, against the fp64 reference."""
+    pd, ctx = _dims(backend)
+    full = _full_weights()
+    x, scores, ids = _inputs(rank)
+    g = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(7 + rank))
+    want_w, yr, gxr, gsr = _reference(rank, full, x, scores, ids, g)
+    L, lo = E // WORLD, rank * (E // WORLD)
+    titan = _build(_config())
+    titan.parallelize(pd)
+    yt, gxt, gst = _run(titan, ctx, x, scores, ids, g)
+    tw = {n: p for n, p in titan.routed_experts.inner_experts.named_parameters()}
+    titan_err = {"out": _rel(yt.detach(), yr), "x": _rel(gxt, gxr), "scores": _rel(gst, gsr),
+                 **{n: _rel(_local(tw[n].grad), want_w[n][lo:lo + L]) for n in NAMES}}
+    out = {}
+    for policy, dtype in ROUTED:
+        moe = _build(_config(policy=policy, gpus_per_node=2, dtype=dtype, **OPTS))
+        moe.parallelize(pd)
+        inner = moe.routed_experts.inner_experts
+        y, gx, gs = _run(moe, ctx, x, scores, ids, g)
+        moved = _moved(inner)
+        ow = dict(inner.named_parameters())
+        err = {"out": _rel(y.detach(), yr), "x": _rel(gx, gxr), "scores": _rel(gs, gsr),
+               **{n: _rel(_local(ow[n].grad), want_w[n][lo:lo + L]) for n in NAMES}}
+        # checkpointed: the same module again, everything bit for bit
+        grads = {n: _local(p.grad).clone() for n, p in ow.items()}
+        for p in ow.values():
+            p.grad = None
+        yc, gxc, gsc = _run(moe, ctx, x, scores, ids, g, checkpoint=True)
+        same_ckpt = bool(torch.equal(yc, y) and torch.equal(gxc, gx) and torch.equal(gsc, gs)) and \
+            all(torch.equal(grads[n], _local(p.grad)) for n, p in ow.items())
+        out[(policy, dtype)] = {
+            "err": {k: (v, titan_err[k]) for k, v in err.items()}, "moved": moved,
+            "checkpoint_equal": same_ckpt, "out_dtype": y.dtype,
+            "params": [(n, type(p).__name__, tuple(p.shape), p.dtype) for n, p in ow.items()],
+            "titan_params": [(n, type(p).__name__, tuple(p.shape), p.dtype) for n, p in tw.items()],
+            "state_dict": sorted(moe.state_dict()) == sorted(titan.state_dict()),
+            "repr": repr(inner)}
+        inner.close()
+    return out
+
+
+def _batch(rank: int, seed: int):
+    """A micro-batch like ``_inputs``' (skewed toward the first experts), drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    x = torch.randn(*TOKENS, D, generator=g)
+    p = torch.tensor([8.0, 6.0] + [1.0] * (E - 2))
+    ids = torch.multinomial(p.expand(TOKENS[0] * TOKENS[1], E), K, generator=g).view(*TOKENS, K)
+    return x, torch.rand(*TOKENS, K, generator=g) + 0.1, ids, torch.randn(*TOKENS, D, generator=g)
+
+
+STEPS, MICRO, LR = 2, 2, 0.05
+
+
+def _train_case(rank: int) -> dict:
+    """SGD on torchtitan's DTensor shards through FEPLB (two accumulated micro-batches a step) against fp64 SGD."""
+    pd, ctx = _dims("partial_dtensor")
+    moe = _build(_config(policy="feplb-split", gpus_per_node=2, dtype="float32", **OPTS))
+    moe.parallelize(pd)
+    inner = moe.routed_experts.inner_experts
+    opt = torch.optim.SGD([getattr(inner, n) for n in NAMES], lr=LR)
+    start = {n: w.double() for n, w in _full_weights().items()}
+    ref = dict(start)
+    moved = 0
+    for step in range(STEPS):
+        opt.zero_grad()
+        acc = {n: torch.zeros_like(w) for n, w in ref.items()}
+        for mb in range(MICRO):
+            x, scores, ids, g = _batch(rank, 100 + step * MICRO + mb)
+            _run(moe, ctx, x, scores, ids, g)
+            moved += _moved(inner)
+            grads = _reference(rank, ref, x, scores, ids, g)[0]
+            acc = {n: acc[n] + grads[n] for n in acc}
+        opt.step()
+        ref = {n: ref[n] - LR * acc[n] for n in ref}
+    got = {n: getattr(inner, n).full_tensor() for n in NAMES}
+    return {"err": {n: float((got[n].double() - ref[n]).abs().max() / (ref[n] - start[n]).abs().max())
+                    for n in NAMES}, "moved": moved}
+
+
+def _fsdp_case(rank: int) -> dict:
+    """EP 2 (a node of 2 GPUs) x expert-FSDP 2 on torchtitan's mesh, FSDP2 sharding the expert shards again."""
+    from torch.distributed.fsdp import fully_shard
+
+    pd, ctx = _dims("partial_dtensor", dp_shard=WORLD, ep=2)
+    full = _full_weights()
+    x, scores, ids = _inputs(rank)
+    g = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(7 + rank))
+    want_w, yr, gxr, gsr = _reference(rank, full, x, scores, ids, g)
+    out = {}
+    for name, cfg in (("titan", _config()),
+                      ("ours", _config(policy="feplb-split", gpus_per_node=2, dtype="float32", **OPTS))):
+        moe = _build(cfg)
+        moe.parallelize(pd)
+        inner = moe.routed_experts.inner_experts
+        fully_shard(inner, mesh=pd.get_mesh("efsdp"))
+        y, gx, gs = _run(moe, ctx, x, scores, ids, g)
+        # FSDP averages the gradients over expert-FSDP: two ranks holding the same experts, other tokens each
+        out[name] = {"out": _rel(y.detach(), yr), "x": _rel(gx, gxr), "scores": _rel(gs, gsr),
+                     **{n: _rel(p.grad.full_tensor(), want_w[n] / 2) for n, p in inner.named_parameters()}}
+        out[name + "_placements"] = str(inner.w1_EFD.placements)
+        if name == "ours":
+            out["moved"] = _moved(inner)
+            inner.close()
+    return out
+
+
+def _errors_case(rank: int) -> dict:
+    """A rank built with other settings: the first forward raises on every rank, none waits."""
+    pd, ctx = _dims("partial_dtensor")
+    moe = _build(_config(policy="feplb-split", gpus_per_node=2, dtype="float32", **OPTS,
+                         **({"dyn": 2} if rank == 1 else {})))
+    moe.parallelize(pd)
+    x, scores, ids = _inputs(rank)
+    try:
+        _run(moe, ctx, x, scores, ids, torch.ones(*TOKENS, D))
+        got = "no error"
+    except Exception as e:   # noqa: BLE001 - the message is the result
+        got = f"{type(e).__name__}: {e}"
+    return {"differ": got, "engine": moe.routed_experts.inner_experts.engine is None}
+
+
+def _worker(rank: int, world: int) -> dict:
+    _cpu_torchtitan()
+    return {"routed": {b: _routed_case(rank, b) for b in BACKENDS}, "train": _train_case(rank),
+            "fsdp": _fsdp_case(rank), "errors": _errors_case(rank)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_dist(_worker, WORLD, timeout_s=300, collective_timeout_s=120)
+
+
+def test_routed_experts_behind_torchtitans_dispatch(four_ranks):
+    for r, res in enumerate(four_ranks):
+        for backend, cases in res["routed"].items():
+            for (policy, dtype), case in cases.items():
+                where = f"rank {r}, {backend}, {policy}, {dtype}"
+                for what, (ours, titan) in case["err"].items():
+                    if dtype == "float32":
+                        assert ours <= 1e-5, f"{where}: {what} off the fp64 reference by {ours:.2e} (relative)"
+                    else:   # bf16 GEMMs on both sides
+                        assert ours <= 2 * titan, (f"{where}: {what} off the fp64 reference by {ours:.2e}, "
+                                                   f"torchtitan's own by {titan:.2e}")
+                assert case["out_dtype"] == torch.float32, where
+                # balancing moved rows (skewed routing, 2 nodes of 2), and none without a policy
+                assert (case["moved"] > 0) == (policy != "none"), f"{where}: {case['moved']} rows moved"
+                assert case["checkpoint_equal"], f"{where}: a checkpointed forward differs"
+                # torchtitan's parameters, untouched: names, types (DTensor or local shard), shapes, dtype
+                assert case["params"] == case["titan_params"] and case["state_dict"], where
+                kind = "DTensor" if backend == "partial_dtensor" else "Parameter"
+                L = E // WORLD
+                assert [p[1:3] for p in case["params"]] == [
+                    (kind, (E, FF, D) if kind == "DTensor" else (L, FF, D)),
+                    (kind, (E, D, FF) if kind == "DTensor" else (L, D, FF)),
+                    (kind, (E, FF, D) if kind == "DTensor" else (L, FF, D))], where
+                assert f"policy='{policy}', gpus_per_node=2, dtype={dtype}" in case["repr"], case["repr"]
+
+
+def test_training_on_torchtitans_shards(four_ranks):
+    for r, res in enumerate(four_ranks):
+        case = res["train"]
+        assert case["moved"] > 0, r
+        for n, err in case["err"].items():
+            # fp32 against fp64 SGD, relative to the whole update (lost or doubled gradients are off by >= 0.5)
+            assert err <= 3e-5, f"rank {r}: {n} off fp64 SGD by {err:.2e} of the update"
+
+
+def test_under_fsdp(four_ranks):
+    for r, res in enumerate(four_ranks):
+        case = res["fsdp"]
+        assert case["moved"] > 0, r
+        assert "Shard(dim=0)" in case["ours_placements"] and case["ours_placements"] == case["titan_placements"]
+        for what, err in case["titan"].items():   # the reference, checked: torchtitan's own bf16 experts
+            assert err <= 2e-2, f"rank {r}: torchtitan's {what} off the reference by {err:.2e}"
+        for what, err in case["ours"].items():
+            assert err <= 1e-5, f"rank {r}: {what} off the fp64 reference by {err:.2e} (relative)"
+
+
+def test_ranks_with_other_settings_raise_together(four_ranks):
+    for r, res in enumerate(four_ranks):
+        got = res["errors"]["differ"]
+        assert got.startswith("ValueError") and "same config" in got, f"rank {r}: {got}"
+        assert res["errors"]["engine"], r
+
+
+# ------------------------------------------------------------------------------------------- without processes
+
+@pytest.mark.parametrize("settings, kind, words", [
+    ({"weights": "per-step"}, TypeError, "['weights'] come from the experts module"),
+    ({"top_k": 2}, TypeError, "['top_k'] come from the experts module"),
+    ({"polcy": "feplb"}, TypeError, "unknown FEPLBConfig field(s) ['polcy']"),
+    ({"policy": "feplb-split+place"}, ValueError, "+place puts experts on other GPUs"),
+    ({"policy": "eplb"}, ValueError, "'eplb' moves where tokens are dispatched"),
+    ({"dtype": "float64"}, ValueError, "dtype 'float64'; expected one of"),
+    ({"gpus_per_node": 0}, ValueError, "gpus_per_node"),
+    ({"policy": "no-such-policy"}, ValueError, "no-such-policy"),
+])
+def test_settings_refused_at_config_time(settings, kind, words):
+    import feplb.titan_ep as fte
+
+    cfg = _config()
+    with pytest.raises(kind) as err:
+        fte.convert(cfg, **settings)
+    assert words in str(err.value), str(err.value)
+    assert type(cfg.routed_experts.inner_experts).__name__ == "Config" and \
+        type(cfg.routed_experts.inner_experts).__qualname__ == "GroupedExperts.Config"   # nothing replaced
+
+
+def test_torchtitans_override_mechanism():
+    """``--override.imports 'feplb.titan_ep.feplb_experts={...}'`` as torchtitan parses and applies it."""
+    from torchtitan.config.override import OverrideConfig, apply_overrides, parse_cli_imports
+
+    import feplb.titan_ep as fte
+
+    settings = {"policy": "feplb-split", "gpus_per_node": 2}
+    imports = parse_cli_imports(['feplb.titan_ep.feplb_experts={"policy": "feplb-split", "gpus_per_node": 2}'])
+    assert imports == [("feplb.titan_ep.feplb_experts", settings)]
+    cfg = _config()
+    lines = apply_overrides(OverrideConfig(imports=imports), cfg)
+    inner = cfg.routed_experts.inner_experts
+    assert type(inner) is fte.FEPLBGroupedExperts.Config and inner.feplb == settings
+    assert len(lines) == 1 and "routed_experts.inner_experts" in lines[0], lines
+    # the module holds what GroupedExperts holds, initialised alike: same names, shapes, values
+    ours, theirs = _build(cfg), _build(_config())
+    assert type(ours.routed_experts.inner_experts) is fte.FEPLBGroupedExperts
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert ours.routed_experts.inner_experts.num_experts == E
+    # a setting FEPLB cannot run fails the override, at config time
+    with pytest.raises(TypeError, match="weights"):
+        apply_overrides(OverrideConfig(imports=[("feplb.titan_ep.feplb_experts", {"weights": "per-step"})]),
+                        _config())
+
+
+def test_experts_feplb_does_not_compute_are_refused():
+    """GPT-OSS's experts (a GroupedExperts subclass) and a swapped grouped GEMM (low-precision converters)."""
+    from functools import partial
+
+    from torch import nn
+    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+
+    import feplb.titan_ep as fte
+
+    cfg = _config()
+    cfg.routed_experts.inner_experts = GptOssGroupedExperts.Config(
+        dim=D, hidden_dim=FF, num_experts=E,
+        param_init={n: partial(nn.init.normal_, std=0.2)
+                    for n in ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")})
+    with pytest.raises(ValueError, match="got GptOssGroupedExperts.Config"):
+        fte.convert(cfg, policy="feplb-split")
+    assert type(cfg.routed_experts.inner_experts) is GptOssGroupedExperts.Config
+    with pytest.raises(ValueError, match="found no GroupedExperts.Config"):
+        fte.convert(_config().router, policy="feplb-split")
+
+    class Quantized(fte.FEPLBGroupedExperts):
+        def _grouped_mm(self, *, A, B_t, offs):
+            return torch._grouped_mm(A, B_t, offs=offs)
+
+    conf = _config(policy="feplb-split").routed_experts.inner_experts
+    with pytest.raises(TypeError, match="grouped GEMM was replaced"):
+        Quantized(conf)
+    mod = conf.build()
+    mod._grouped_mm = lambda **kw: None   # swapped on the instance after the build
+    with pytest.raises(TypeError, match="grouped GEMM was replaced"):
+        mod(torch.randn(3, D), torch.tensor([3] + [0] * (E - 1)))
+
+
+def test_expert_parallelism_off_raises():
+    """Built but never parallelized with EP: nothing to balance, said at the first forward."""
+    import feplb.titan_ep as fte
+
+    mod = _config(policy="feplb-split").routed_experts.inner_experts.build()
+    assert isinstance(mod, fte.FEPLBGroupedExperts)
+    with pytest.raises(RuntimeError, match="expert_parallel_degree > 1"):
+        mod(torch.randn(3, D), torch.tensor([3] + [0] * (E - 1)))
+    assert mod.engine is None
