@@ -33,6 +33,9 @@ Activation checkpointing of whole blocks (non-reentrant ``torch.utils.checkpoint
 per-layer modes wrap blocks in) replays each forward exactly; torch's selective activation checkpointing
 (torchtitan's op-level mode) is refused by the layer, on every rank.
 
+With torchtitan's own expert parallelism on (its dispatcher, DeepEP or HybridEP, FSDP over the shards), use
+``feplb.titan_ep`` instead: FEPLB behind torchtitan's dispatch, turned on by torchtitan's override mechanism.
+
 Legend: T tokens on this rank, K top-k, D model dim, F expert ffn dim, E experts, W EP ranks, L = E / W.
 """
 
@@ -250,7 +253,8 @@ def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[st
     ws = [own[n] for n in names]
     if any(is_dtensor(w) for w in ws) or getattr(routed.token_dispatcher, "ep_mesh", None) is not None:
         return ("already parallelized by torchtitan (DTensor weights or an EP mesh); apply feplb.titan before "
-                "parallelizing, with torchtitan's expert parallelism off: FEPLB is the expert parallelism"), {}
+                "parallelizing, with torchtitan's expert parallelism off: FEPLB is the expert parallelism (with "
+                "torchtitan's EP on, feplb.titan_ep balances behind its dispatch)"), {}
     if any(w.is_meta for w in ws):
         return "weights on the meta device; initialise (init_states) or load them before apply", {}
     gated: dict = {}

@@ -153,7 +153,8 @@ class FEPLBGroupedExperts(GroupedExperts):
         object.__setattr__(self, "_engine", engine)
         return engine
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason="FEPLB's forward plans on the host and runs its own collectives and threads: "
+                                   "it cannot be traced; compile torchtitan's blocks without fullgraph, or not at all")
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         why = self._gemm_problem()
         if why is not None:   # (the same module on every rank of the group: all raise)

@@ -437,3 +437,10 @@ def test_expert_parallelism_off_raises():
     with pytest.raises(RuntimeError, match="expert_parallel_degree > 1"):
         mod(torch.randn(3, D), torch.tensor([3] + [0] * (E - 1)))
     assert mod.engine is None
+
+
+def test_fullgraph_compile_says_why_not():
+    """torchtitan compiles its blocks with fullgraph=True: the error names the reason."""
+    mod = _config(policy="feplb-split").routed_experts.inner_experts.build()
+    with pytest.raises(Exception, match="FEPLB's forward plans on the host"):
+        torch.compile(mod, fullgraph=True, backend="eager")(torch.randn(3, D), torch.tensor([3] + [0] * (E - 1)))
