@@ -114,10 +114,13 @@ class FEPLBExperts(MoELayer):
     It holds this rank's experts ``rank * L ...`` as Megatron's module held them (the very parameters, under the same
     names, in the same modules where there are any) and reads them as (w1 [L, H, 2F]: the gate's columns, then the up
     projection's; w2 [L, F, H]), then, with ``add_bias_linear``, (b1 [L, 2F], b2 [L, H]). Megatron's ``MoELayer``
-    calls it as its experts, ``forward(x [T, H], tokens_per_expert, routing) -> (y [T, H], None)``, where the
-    routing is the (ids [T, K], weights [T, K]) pair :class:`FEPLBTokenDispatcher` passes in the probabilities'
-    place: ``y = sum_k w_k * (fc2(act(fc1 x + b1)) + b2)``, the gradient flowing into the weights (the router).
-    Collective over the EP group, like every ``MoELayer`` forward.
+    calls it as its experts, ``forward(x, tokens_per_expert, probs) -> (y, None)``. Behind
+    :class:`FEPLBTokenDispatcher` (``token_dispatcher="feplb"``) x is [T, H], this rank's tokens, and ``probs`` the
+    (ids [T, K], weights [T, K]) routing it passes in the probabilities' place: ``y = sum_k w_k * (fc2(act(fc1 x +
+    b1)) + b2)``, the gradient flowing into the weights (the router). Behind Megatron's own token dispatcher
+    (``"megatron"``) x is [R, H], the rows it delivered for this rank's experts, grouped by local expert, with their
+    counts and probabilities [R], and y each row's output weighed by its probability, as Megatron's experts return
+    it. Collective over the EP group, like every ``MoELayer`` forward.
     """
 
     _no_forward_dispatched = ("Megatron's experts run their forward pre-hooks and join their weights per call in "
@@ -220,6 +223,12 @@ class FEPLBExperts(MoELayer):
         # replay's own collectives (the next forward refuses them).
         kept = self.kept_modules()
         why = self._run_pre_hooks(kept, (x_TH,)) or _lost_hooks(kept)
+        if why is None and not own and getattr(self.megatron_config, "moe_pad_expert_input_to_capacity", False):
+            # turned on after apply (Megatron's inference decode padding, set_decode_expert_padding): the routing map
+            # then holds up to capacity routes per token, not its top k, which FEPLB's dispatch cannot tell apart
+            why = ("moe_pad_expert_input_to_capacity was turned on after feplb.megatron.apply (by "
+                   "set_decode_expert_padding, say): FEPLB's own dispatch takes each token's top-k routes, not "
+                   "routing padded to capacity; turn it off")
         if wrong is not None:
             self._experts(None, None, None, (TypeError, wrong))
         if why is not None and not in_backward():

@@ -573,6 +573,13 @@ def _refusal_case(rank: int, world: int) -> dict:
     if late is not None:
         late.remove()
     out["usable_again"] = error_of(lambda: moe(x))
+    # padding to capacity turned on after apply (as Megatron's set_decode_expert_padding does): the router pads the
+    # routing map, which FEPLB's dispatch cannot take; every rank raises, and the layer works once it is off
+    cfg = moe.experts.megatron_config
+    cfg.moe_pad_expert_input_to_capacity, cfg.moe_expert_capacity_factor = True, 1.0
+    out["padded_later"] = error_of(lambda: moe(x))
+    cfg.moe_pad_expert_input_to_capacity, cfg.moe_expert_capacity_factor = False, None
+    out["unpadded_again"] = error_of(lambda: moe(x))
     # a pre-hook that replaces the module's input: FEPLB runs no module forward to give it to
     swap = moe.experts.local_experts[0].register_forward_pre_hook(lambda mod, args: args) if rank == 0 else None
     out["input_hook"] = error_of(lambda: moe(x))
@@ -766,6 +773,13 @@ def _grouped_refusal_case(rank: int, world: int) -> dict:
     if late is not None:
         late.remove()
     out["usable_again"] = error_of(lambda: moe(x))
+    # padding to capacity turned on after apply (as Megatron's set_decode_expert_padding does): the router pads the
+    # routing map, which FEPLB's dispatch cannot take; every rank raises, and the layer works once it is off
+    cfg = moe.experts.megatron_config
+    cfg.moe_pad_expert_input_to_capacity, cfg.moe_expert_capacity_factor = True, 1.0
+    out["padded_later"] = error_of(lambda: moe(x))
+    cfg.moe_pad_expert_input_to_capacity, cfg.moe_expert_capacity_factor = False, None
+    out["unpadded_again"] = error_of(lambda: moe(x))
     return out
 
 
@@ -1169,6 +1183,8 @@ def test_refusals_on_every_rank(job):
         else:
             assert f"EP rank(s) [{world - 1}]" in late, late
         assert f["usable_again"] is None, f["usable_again"]
+        assert "moe_pad_expert_input_to_capacity was turned on after" in f["padded_later"], f["padded_later"]
+        assert f["unpadded_again"] is None, f["unpadded_again"]
         swap = f["input_hook"]
         assert swap is not None and ("returned new inputs" in swap if rank == 0 else "EP rank(s) [0]" in swap), swap
         assert f["hook_in_backward"] is None, f["hook_in_backward"]
@@ -1443,6 +1459,8 @@ def test_grouped_experts_refusals(grouped_job):
         late = f["late"]
         assert late is not None and ("forward_hooks" in late if rank == 0 else "EP rank(s) [0]" in late), late
         assert f["usable_again"] is None, f["usable_again"]
+        assert "moe_pad_expert_input_to_capacity was turned on after" in f["padded_later"], f["padded_later"]
+        assert f["unpadded_again"] is None, f["unpadded_again"]
 
 
 def test_whole_gpt_model(grouped_job):
