@@ -18,7 +18,8 @@ Turn it on without changing model code, through torchtitan's override mechanism 
 
 or in Python on a model config before ``build()``: :func:`convert` (``feplb.titan_ep.convert(model_config,
 policy="feplb-split", gpus_per_node=8)``). Both replace every ``GroupedExperts.Config`` (torchtitan's plain experts;
-GPT-OSS's and low-precision experts are refused by name) by a :class:`FEPLBGroupedExperts.Config`.
+and GPT-OSS's ``GptOssGroupedExperts.Config``) by a :class:`FEPLBGroupedExperts.Config` (a
+:class:`FEPLBGptOssGroupedExperts.Config`); other experts (low-precision grouped GEMMs) are refused by name.
 
 The EP group is torchtitan's ``ep`` mesh, taken when torchtitan parallelizes the model
 (``model.parallelize(parallel_dims)``); the forward raises without it (expert parallelism off: nothing to
@@ -39,30 +40,31 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtitan.config import override
 from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
 from feplb.config import FEPLBConfig, dispatched_policy_problem
 from feplb.dropin import DERIVED
 from feplb.layer import MoELayer
-from feplb.titan import _GateUp
+from feplb.titan import _OSS_ALPHA, _GateUp
 
-__all__ = ["FEPLBGroupedExperts", "convert", "feplb_experts"]
+__all__ = ["FEPLBGptOssGroupedExperts", "FEPLBGroupedExperts", "convert", "engines", "feplb_experts"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # what the experts module and torchtitan's routing give FEPLB, or this mode fixes (dtype is the user's to choose)
 _DERIVED = tuple(f for f in DERIVED if f != "dtype") + ("weights",)
 
 
-def _feplb_config(dim: int, hidden_dim: int, num_experts: int, settings: dict[str, Any]) -> FEPLBConfig:
-    """The FEPLBConfig of a :class:`FEPLBGroupedExperts` from its shape and ``settings`` (FEPLBConfig fields; dtype
-    by name), or TypeError / ValueError naming what is wrong."""
+def _feplb_config(dim: int, hidden_dim: int, num_experts: int, settings: dict[str, Any], **fixed: Any) -> FEPLBConfig:
+    """The FEPLBConfig of FEPLB's experts from their shape, ``fixed`` (the activation the module computes) and
+    ``settings`` (FEPLBConfig fields; dtype by name), or TypeError / ValueError naming what is wrong."""
     known = {f.name for f in dataclasses.fields(FEPLBConfig)}
     unknown = sorted(set(settings) - known)
     if unknown:
-        raise TypeError(f"FEPLBGroupedExperts: unknown FEPLBConfig field(s) {unknown}; expected some of "
+        raise TypeError(f"feplb.titan_ep: unknown FEPLBConfig field(s) {unknown}; expected some of "
                         f"{sorted(known - set(_DERIVED))}")
     given = sorted(set(settings) & set(_DERIVED))
     if given:
-        raise TypeError(f"FEPLBGroupedExperts: {given} come from the experts module and torchtitan's routing, or "
+        raise TypeError(f"feplb.titan_ep: {given} come from the experts module and torchtitan's routing, or "
                         "are fixed: weights travel per micro-batch (their gradients return in the backward pass; "
                         "FSDP unshards them only around the forward); do not pass them")
     fields_of = dict(settings)
@@ -70,17 +72,17 @@ def _feplb_config(dim: int, hidden_dim: int, num_experts: int, settings: dict[st
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
-        raise ValueError(f"FEPLBGroupedExperts: dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+        raise ValueError(f"feplb.titan_ep: dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
     cfg = FEPLBConfig(hidden=dim, ffn=hidden_dim, num_experts=num_experts, top_k=1, router="external",
-                      weights="per-microbatch", dtype=_DTYPES[dtype], **fields_of)
+                      weights="per-microbatch", dtype=_DTYPES[dtype], **fixed, **fields_of)
     why = dispatched_policy_problem(cfg.policy)
     if why is not None:
-        raise ValueError(f"FEPLBGroupedExperts: {why.replace('use FEPLB', 'use feplb.titan.apply for FEPLB')}")
+        raise ValueError(f"feplb.titan_ep: {why.replace('use FEPLB', 'use feplb.titan.apply for FEPLB')}")
     return cfg
 
 
 class _Engine(MoELayer):
-    """The FEPLB layer behind one :class:`FEPLBGroupedExperts`: no parameters of its own; its experts are the
+    """The FEPLB layer behind one of FEPLB's experts modules here: no parameters of its own; its experts are the
     module's local shards, joined per forward (``expert_weights``)."""
 
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -88,31 +90,23 @@ class _Engine(MoELayer):
 
     def expert_weights(self) -> tuple[torch.Tensor, ...]:
         if self._weights is None:
-            raise RuntimeError("FEPLBGroupedExperts: the experts' weights are read only inside its forward")
+            raise RuntimeError("feplb.titan_ep: the experts' weights are read only inside its forward")
         return self._weights
 
 
-class FEPLBGroupedExperts(GroupedExperts):
-    """torchtitan's ``GroupedExperts`` (same parameters, names, sharding), its rows balanced over the node by FEPLB.
+class _Balanced:
+    """What FEPLB's experts behind torchtitan's dispatch share, mixed into a torchtitan experts class (``_base``)
+    whose parameters, names and forward signature they keep; ``_join(dtype)`` gives the engine its experts."""
 
-    ``forward(x_RD [R, D], num_tokens_per_expert [L]) -> [R, D]`` in x's dtype: the rows torchtitan's token
-    dispatcher delivered for this rank's experts, grouped by local expert, each through its expert's
-    ``w2(silu(w1 x) * w3 x)``. Collective over torchtitan's EP group: every rank of it runs every forward, as
-    torchtitan's dispatch already requires. :meth:`close` releases FEPLB's threads and copy path.
-    """
+    _base: type
+    _params: tuple[str, ...]
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(GroupedExperts.Config):
-        # FEPLBConfig fields (policy, gpus_per_node, dyn, plan_wait_ms, ...; dtype by name: "bfloat16" by default)
-        feplb: dict[str, Any] = field(default_factory=dict)
-
-    def __init__(self, config: Config):
-        super().__init__(config)
+    def _setup(self, config, **fixed: Any) -> None:
         why = self._gemm_problem()
         if why is not None:
             raise TypeError(why)
         # checked now, at build time on every rank alike, not at the first forward
-        self.feplb_config = _feplb_config(config.dim, config.hidden_dim, config.num_experts, config.feplb)
+        self.feplb_config = _feplb_config(config.dim, config.hidden_dim, config.num_experts, config.feplb, **fixed)
         self._ep_mesh = None
         object.__setattr__(self, "_engine", None)   # not a submodule: no state of its own in state_dict()
 
@@ -123,7 +117,7 @@ class FEPLBGroupedExperts(GroupedExperts):
     def _gemm_problem(self) -> str | None:
         """Why the module's grouped GEMM is not torchtitan's (a low-precision converter swapped it), or None: FEPLB
         computes the experts with its own, so a swapped one would be ignored."""
-        if type(self)._grouped_mm is not GroupedExperts._grouped_mm or "_grouped_mm" in vars(self):
+        if type(self)._grouped_mm is not self._base._grouped_mm or "_grouped_mm" in vars(self):
             return (f"{type(self).__name__}: its grouped GEMM was replaced (a low-precision converter?); FEPLB "
                     "computes the experts with its own grouped GEMM in bfloat16 or float32, and would ignore it")
         return None
@@ -133,19 +127,23 @@ class FEPLBGroupedExperts(GroupedExperts):
         """The FEPLB layer (made by the first forward; its ``last_stats``, ``state``, ``last_timeline``), or None."""
         return self._engine
 
-    def _local(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+    def _local(self) -> list[torch.Tensor]:
+        """This rank's shards of the parameters (``_params`` order): DTensors' local parts, or the local tensors."""
+        return [w.to_local() if isinstance(w, DTensor) else w for w in (getattr(self, n) for n in self._params)]
+
+    def _join(self, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
 
     def _engine_for(self, x_RD: torch.Tensor) -> MoELayer:
         if self._engine is not None:
             return self._engine
+        name = type(self).__name__
         if self._ep_mesh is None:
-            raise RuntimeError("FEPLBGroupedExperts needs torchtitan's expert parallelism: parallelize the model "
-                               "with expert_parallel_degree > 1 (FEPLB balances the GPUs of an EP group; with "
-                               "expert parallelism off there is nothing to balance)")
+            raise RuntimeError(f"{name} needs torchtitan's expert parallelism: parallelize the model with "
+                               "expert_parallel_degree > 1 (FEPLB balances the GPUs of an EP group; with expert "
+                               "parallelism off there is nothing to balance)")
         if self._ep_mesh.ndim != 1:
-            raise RuntimeError(f"FEPLBGroupedExperts: torchtitan's EP mesh has {self._ep_mesh.ndim} dimensions; "
-                               "expected one")
+            raise RuntimeError(f"{name}: torchtitan's EP mesh has {self._ep_mesh.ndim} dimensions; expected one")
         cfg = self.feplb_config
         if cfg.device == "auto":
             cfg = dataclasses.replace(cfg, device=x_RD.device.type)
@@ -156,22 +154,34 @@ class FEPLBGroupedExperts(GroupedExperts):
     @torch.compiler.disable(reason="FEPLB's forward plans on the host and runs its own collectives and threads: "
                                    "it cannot be traced; compile torchtitan's blocks without fullgraph, or not at all")
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """torchtitan's experts call: x_RD [R, D] the rows its dispatcher delivered for this rank's experts, grouped
+        by local expert, their counts [L] -> [R, D] in x's dtype. Rows past the counts (a dispatcher's padding at
+        the tail, which torchtitan's GPT-OSS experts allow for) come back as zeros."""
         why = self._gemm_problem()
         if why is not None:   # (the same module on every rank of the group: all raise)
             raise TypeError(why)
         engine = self._engine_for(x_RD)
-        w1, w2, w3 = self._local()
         dt = engine.config.dtype
-        if w1.shape[0] != engine.num_local:
-            raise RuntimeError(f"FEPLBGroupedExperts: {w1.shape[0]} local experts, expected E / W = "
+        weights = self._join(dt)
+        if weights[0].shape[0] != engine.num_local:
+            raise RuntimeError(f"{type(self).__name__}: {weights[0].shape[0]} local experts, expected E / W = "
                                f"{engine.num_local} (torchtitan's EP shards the experts over its EP group)")
+        counts, rows = num_tokens_per_expert_E, x_RD
+        if isinstance(counts, torch.Tensor) and counts.dim() == 1 and not counts.is_floating_point() and \
+                counts.dtype != torch.bool and not counts.is_complex():
+            counts = counts.tolist()   # (the one read of the counts on the host)
+            if 0 <= sum(counts) < x_RD.shape[0]:
+                rows = x_RD[:sum(counts)]
+        # (other counts: the engine refuses them, on every rank together)
         engine.train(self.training)
-        engine._weights = (_GateUp.apply(w1, w3, dt).transpose(1, 2), w2.to(dt).transpose(1, 2))
+        engine._weights = weights
         try:
-            y = engine._forward_dispatched(x_RD.to(dt), num_tokens_per_expert_E)
+            y = engine._forward_dispatched(rows.to(dt), counts).to(x_RD.dtype)
         finally:
             engine._weights = None
-        return y.to(x_RD.dtype)
+        if rows.shape[0] < x_RD.shape[0]:
+            y = torch.cat([y, y.new_zeros(x_RD.shape[0] - rows.shape[0], y.shape[1])])
+        return y
 
     def close(self) -> None:
         """Release the FEPLB layer's threads, copy path and transport (idempotent; a later forward makes a new one,
@@ -186,15 +196,70 @@ class FEPLBGroupedExperts(GroupedExperts):
                 f"dtype={str(c.dtype).removeprefix('torch.')}")
 
 
-def _replacement(cfg: GroupedExperts.Config, settings: dict[str, Any]) -> FEPLBGroupedExperts.Config:
-    if type(cfg) is not GroupedExperts.Config:
-        raise ValueError(f"FEPLBGroupedExperts replaces torchtitan's plain GroupedExperts (SwiGLU in bfloat16); got "
-                         f"{type(cfg).__qualname__}, whose experts FEPLB does not compute behind torchtitan's "
-                         "dispatch (GPT-OSS's run with feplb.titan.apply, FEPLB's own dispatch; low-precision "
-                         "grouped GEMMs do not run)")
+class FEPLBGroupedExperts(_Balanced, GroupedExperts):
+    """torchtitan's ``GroupedExperts`` (same parameters, names, sharding), its rows balanced over the node by FEPLB.
+
+    ``forward(x_RD [R, D], num_tokens_per_expert [L]) -> [R, D]`` in x's dtype: the rows torchtitan's token
+    dispatcher delivered for this rank's experts, grouped by local expert, each through its expert's
+    ``w2(silu(w1 x) * w3 x)``. Collective over torchtitan's EP group: every rank of it runs every forward, as
+    torchtitan's dispatch already requires. :meth:`close` releases FEPLB's threads and copy path.
+    """
+
+    _base = GroupedExperts
+    _params = ("w1_EFD", "w2_EDF", "w3_EFD")
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        # FEPLBConfig fields (policy, gpus_per_node, dyn, plan_wait_ms, ...; dtype by name: "bfloat16" by default)
+        feplb: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self._setup(config)
+
+    def _join(self, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
+        w1, w2, w3 = self._local()
+        return _GateUp.apply(w1, w3, dt).transpose(1, 2), w2.to(dt).transpose(1, 2)
+
+
+class FEPLBGptOssGroupedExperts(_Balanced, GptOssGroupedExperts):
+    """torchtitan's GPT-OSS experts (``GptOssGroupedExperts``: ``mlp1_weight_EGD`` [E, 2F, D] with gate and up rows
+    interleaved, ``mlp1_bias_EG``, ``mlp2_weight_EDF``, ``mlp2_bias_ED``, the gate clamped at ``swiglu_limit``),
+    balanced like :class:`FEPLBGroupedExperts`; the weights and biases cast to the layer's dtype as torchtitan casts
+    them."""
+
+    _base = GptOssGroupedExperts
+    _params = ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GptOssGroupedExperts.Config):
+        feplb: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        limit = config.swiglu_limit
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit <= float("inf"):
+            raise ValueError(f"FEPLBGptOssGroupedExperts: swiglu_limit {limit!r}; expected a number > 0 (inf: no "
+                             "clamp)")
+        self._setup(config, activation="swiglu_oai", swiglu_alpha=_OSS_ALPHA,
+                    swiglu_limit=None if limit == float("inf") else float(limit), glu_interleaved=True,
+                    expert_bias=True)
+
+    def _join(self, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
+        g1, b1, g2, b2 = self._local()
+        return g1.to(dt).transpose(1, 2), g2.to(dt).transpose(1, 2), b1.to(dt), b2.to(dt)
+
+
+def _replacement(cfg: GroupedExperts.Config, settings: dict[str, Any]) -> GroupedExperts.Config:
+    cls = {GroupedExperts.Config: FEPLBGroupedExperts, GptOssGroupedExperts.Config: FEPLBGptOssGroupedExperts}.get(
+        type(cfg))
+    if cls is None:
+        raise ValueError(f"feplb.titan_ep replaces torchtitan's GroupedExperts and GptOssGroupedExperts; got "
+                         f"{type(cfg).__qualname__}, whose experts FEPLB does not compute (low-precision grouped "
+                         "GEMMs, other activations)")
     _feplb_config(cfg.dim, cfg.hidden_dim, cfg.num_experts, settings)   # refuse a bad setting at config time
     kept = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
-    return FEPLBGroupedExperts.Config(**kept, feplb=dict(settings))
+    return cls.Config(**kept, feplb=dict(settings))
 
 
 # every GroupedExperts.Config and subclass: one FEPLB cannot run raises instead of staying unbalanced unnoticed
@@ -202,15 +267,17 @@ def _replacement(cfg: GroupedExperts.Config, settings: dict[str, Any]) -> FEPLBG
           description="FEPLB: the routed experts' rows balanced over the GPUs of each node")
 def feplb_experts(cfg: GroupedExperts.Config, **settings: Any) -> FEPLBGroupedExperts.Config:
     """torchtitan override (``--override.imports 'feplb.titan_ep.feplb_experts={...}'``): every
-    ``GroupedExperts.Config`` -> a :class:`FEPLBGroupedExperts.Config` with ``settings`` (FEPLBConfig fields)."""
+    ``GroupedExperts.Config`` -> a :class:`FEPLBGroupedExperts.Config` (GPT-OSS's: a
+    :class:`FEPLBGptOssGroupedExperts.Config`) with ``settings`` (FEPLBConfig fields); other subclasses raise."""
     return _replacement(cfg, settings)
 
 
 def convert(config: Any, **settings: Any) -> list[str]:
     """Replace, in place, every ``GroupedExperts.Config`` in the model config tree ``config`` by a
-    :class:`FEPLBGroupedExperts.Config` with ``settings`` (FEPLBConfig fields); before ``build()``. Returns the
-    qualified names replaced. Raises, before replacing any: TypeError or ValueError for settings FEPLB cannot run,
-    ValueError for experts it does not compute (a subclass: GPT-OSS's, low-precision ones) or none found."""
+    :class:`FEPLBGroupedExperts.Config` (GPT-OSS's by a :class:`FEPLBGptOssGroupedExperts.Config`) with
+    ``settings`` (FEPLBConfig fields); before ``build()``. Returns the qualified names replaced. Raises, before
+    replacing any: TypeError or ValueError for settings FEPLB cannot run, ValueError for experts it does not compute
+    (other subclasses: low-precision ones) or none found."""
     found = list(config.traverse(GroupedExperts.Config))
     if not found:
         raise ValueError(f"feplb.titan_ep.convert: found no GroupedExperts.Config in {type(config).__qualname__}")
@@ -227,5 +294,5 @@ def convert(config: Any, **settings: Any) -> list[str]:
 
 
 def engines(model: nn.Module) -> list[MoELayer]:
-    """The FEPLB layers of ``model``'s :class:`FEPLBGroupedExperts` made so far (their stats, policy states)."""
-    return [m.engine for m in model.modules() if isinstance(m, FEPLBGroupedExperts) and m.engine is not None]
+    """The FEPLB layers of ``model``'s experts made so far (their stats, policy states), in module order."""
+    return [m.engine for m in model.modules() if isinstance(m, _Balanced) and m.engine is not None]
