@@ -923,4 +923,21 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, token_dispatche
     for moe, new, dispatcher in made:
         moe.experts = new
         moe.token_dispatcher = dispatcher
+    ignored = sorted({opt for _, moe, _, _ in plans for opt in _memory_options(moe.config)})
+    if ignored:
+        warnings.warn(f"feplb.megatron.apply: FEPLB's experts do not {' or '.join(ignored)}: the results are the same, "
+                      "but their activations take the memory they take without these options", stacklevel=2)
     return [f"{name}.experts" if name else "experts" for name, _, _, _ in plans]
+
+
+def _memory_options(config: Any) -> list[str]:
+    """Megatron's options that save the experts' activation memory inside its experts' forward, which FEPLB's
+    experts do not run: what each asks for, or []."""
+    out = []
+    if getattr(config, "recompute_granularity", None) == "selective" and \
+            "moe_act" in (getattr(config, "recompute_modules", None) or ()):
+        out.append("recompute their activation ('moe_act' in recompute_modules)")
+    offload = getattr(config, "offload_modules", None) or ()
+    if getattr(config, "fine_grained_activation_offloading", False):
+        out += [f"offload {m!r} (offload_modules)" for m in ("expert_fc1", "moe_act") if m in offload]
+    return out

@@ -749,6 +749,19 @@ def _grouped_refusal_case(rank: int, world: int) -> dict:
     import feplb.megatron as fm
 
     out = {}
+    # options that save the experts' activation memory inside Megatron's experts: FEPLB runs the experts exactly
+    # without them, and says so
+    import warnings
+
+    moe = make_moe(experts="te", recompute_granularity="selective", recompute_modules=["moe_act"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fm.apply(moe, **OPTS)
+    out["memory_warning"] = [str(w.message) for w in caught if "FEPLB's experts do not" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fm.apply(make_moe(experts="te"), **OPTS)
+    out["no_memory_warning"] = [str(w.message) for w in caught if "FEPLB's experts do not" in str(w.message)]
     x, _ = _inputs(rank)
     for experts in ("grouped", "te"):
         moe = make_moe(experts=experts)
@@ -1455,6 +1468,9 @@ def test_grouped_experts_refusals(grouped_job):
                 "gated gelu with bias_activation_fusion"
             assert gelu is not None and why in gelu, (experts, gelu)
         assert f["post_hook"] is not None and "load_state_dict_post_hooks" in f["post_hook"], f["post_hook"]
+        assert len(f["memory_warning"]) == 1 and "'moe_act' in recompute_modules" in f["memory_warning"][0], \
+            f["memory_warning"]
+        assert f["no_memory_warning"] == []
         assert f["quantized"] is not None and "te_quant_params" in f["quantized"], f["quantized"]
         late = f["late"]
         assert late is not None and ("forward_hooks" in late if rank == 0 else "EP rank(s) [0]" in late), late
