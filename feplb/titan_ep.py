@@ -35,6 +35,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import spmd_types as spmd
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -67,6 +68,9 @@ def _feplb_config(dim: int, hidden_dim: int, num_experts: int, settings: dict[st
         raise TypeError(f"feplb.titan_ep: {given} come from the experts module and torchtitan's routing, or "
                         "are fixed: weights travel per micro-batch (their gradients return in the backward pass; "
                         "FSDP unshards them only around the forward); do not pass them")
+    if "gpus_per_node" not in settings:
+        raise TypeError("feplb.titan_ep: gpus_per_node is required: the GPUs of a node, over which FEPLB balances "
+                        "(8 on an 8-GPU node; with 1 it would plan every micro-batch and move nothing)")
     fields_of = dict(settings)
     dtype = fields_of.pop("dtype", "bfloat16")
     if isinstance(dtype, torch.dtype):
@@ -79,6 +83,11 @@ def _feplb_config(dim: int, hidden_dim: int, num_experts: int, settings: dict[st
     if why is not None:
         raise ValueError(f"feplb.titan_ep: {why.replace('use FEPLB', 'use feplb.titan.apply for FEPLB')}")
     return cfg
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class _Engine(MoELayer):
@@ -112,7 +121,20 @@ class _Balanced:
 
     def parallelize(self, parallel_dims) -> None:
         super().parallelize(parallel_dims)
-        self._ep_mesh = parallel_dims.get_optional_mesh("ep")
+        mesh = parallel_dims.get_optional_mesh("ep")
+        G = self.feplb_config.gpus_per_node
+        if mesh is not None and mesh.size() % G:
+            # (the same mesh and config on every rank: all raise)
+            raise ValueError(f"{type(self).__name__}: gpus_per_node={G} does not divide torchtitan's EP group "
+                             f"({mesh.size()} ranks); FEPLB balances over whole nodes of the EP group")
+        self._ep_mesh = mesh
+
+    def __getstate__(self) -> dict:
+        # a copy (copy.deepcopy, pickling) makes its own FEPLB layer at its first forward: threads, copy paths and
+        # process groups are not copied
+        state = self.__dict__.copy()
+        state["_engine"] = None
+        return state
 
     def _gemm_problem(self) -> str | None:
         """Why the module's grouped GEMM is not torchtitan's (a low-precision converter swapped it), or None: FEPLB
@@ -160,6 +182,21 @@ class _Balanced:
         why = self._gemm_problem()
         if why is not None:   # (the same module on every rank of the group: all raise)
             raise TypeError(why)
+        if _capturing():
+            # (every rank captures at the same point: all raise)
+            raise RuntimeError(f"{type(self).__name__}: FEPLB cannot run inside a CUDA graph capture (it plans on the "
+                               "host every micro-batch, with host collectives and threads); run torchtitan with "
+                               "--training.disable_cuda_graphs")
+        if spmd.has_local_type(x_RD):
+            # torchtitan's SPMD type checking (--debug.spmd_typechecking): FEPLB's collectives are its own, over
+            # its own groups, and its output has the type of its input, as the experts' output has
+            with spmd.no_typecheck():
+                y = self._forward(x_RD, num_tokens_per_expert_E)
+            spmd.assert_type_like(y, x_RD)
+            return y
+        return self._forward(x_RD, num_tokens_per_expert_E)
+
+    def _forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         engine = self._engine_for(x_RD)
         dt = engine.config.dtype
         weights = self._join(dt)

@@ -237,9 +237,37 @@ def _tail_case(rank: int) -> dict:
     rows = torch.randn(int(counts.sum()), D, generator=torch.Generator().manual_seed(3 + rank))
     y = inner(rows, counts)
     padded = inner(torch.cat([rows, torch.randn(3, D)]), counts)
+    # a copy after the first forward: the parameters, not FEPLB's layer (threads, process groups)
+    import copy
+
+    twin = copy.deepcopy(inner)
+    copied = twin.engine is None and inner.engine is not None and all(
+        torch.equal(_local(a), _local(b)) for a, b in zip(twin.parameters(), inner.parameters(), strict=True))
     inner.close()
     return {"same": bool(torch.equal(padded[:len(rows)], y)), "tail_zero": bool((padded[len(rows):] == 0).all()),
-            "shape": tuple(padded.shape)}
+            "shape": tuple(padded.shape), "copied": copied}
+
+
+def _typecheck_case(rank: int) -> dict:
+    """torchtitan's SPMD type checking on (--debug.spmd_typechecking, spmd_types backend): against fp64."""
+    pd, _ = _dims("spmd_types")
+    from torchtitan.distributed import utils as tdu
+
+    ctx = tdu.get_spmd_context(parallel_dims=pd, spmd_typechecking=True)
+    full = _full_weights()
+    x, scores, ids = _inputs(rank)
+    g = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(7 + rank))
+    want_w, yr, gxr, gsr = _reference(rank, full, x, scores, ids, g)
+    moe = _build(_config(policy="feplb-split", gpus_per_node=2, dtype="float32", **OPTS))
+    moe.parallelize(pd)
+    inner = moe.routed_experts.inner_experts
+    y, gx, gs = _run(moe, ctx, x, scores, ids, g)
+    L, lo = E // WORLD, rank * (E // WORLD)
+    err = {"out": _rel(y.detach(), yr), "x": _rel(gx, gxr), "scores": _rel(gs, gsr),
+           **{n: _rel(_local(p.grad), want_w[n][lo:lo + L]) for n, p in inner.named_parameters()}}
+    moved = _moved(inner)
+    inner.close()
+    return {"err": err, "moved": moved}
 
 
 def _batch(rank: int, seed: int):
@@ -319,14 +347,20 @@ def _errors_case(rank: int) -> dict:
         got = "no error"
     except Exception as e:   # noqa: BLE001 - the message is the result
         got = f"{type(e).__name__}: {e}"
-    return {"differ": got, "engine": moe.routed_experts.inner_experts.engine is None}
+    moe = _build(_config(policy="feplb-split", gpus_per_node=3, **OPTS))
+    try:
+        moe.parallelize(pd)
+        indivisible = "no error"
+    except Exception as e:   # noqa: BLE001 - the message is the result
+        indivisible = f"{type(e).__name__}: {e}"
+    return {"differ": got, "engine": moe.routed_experts.inner_experts.engine is None, "indivisible": indivisible}
 
 
 def _worker(rank: int, world: int) -> dict:
     _cpu_torchtitan()
     return {"routed": {(b, a): _routed_case(rank, b, a) for b in BACKENDS for a in ("qwen3", "gpt_oss")
                        if a == "qwen3" or b == "partial_dtensor"},
-            "tail": _tail_case(rank), "train": _train_case(rank),
+            "tail": _tail_case(rank), "typecheck": _typecheck_case(rank), "train": _train_case(rank),
             "fsdp": _fsdp_case(rank), "errors": _errors_case(rank)}
 
 
@@ -368,6 +402,15 @@ def test_routed_experts_behind_torchtitans_dispatch(four_ranks):
 def test_rows_past_the_counts_come_back_as_zeros(four_ranks):
     for r, res in enumerate(four_ranks):
         assert res["tail"]["same"] and res["tail"]["tail_zero"], (r, res["tail"])
+        assert res["tail"]["copied"], r
+
+
+def test_under_spmd_type_checking(four_ranks):
+    for r, res in enumerate(four_ranks):
+        case = res["typecheck"]
+        assert case["moved"] > 0, r
+        for what, err in case["err"].items():
+            assert err <= 1e-5, f"rank {r}: {what} off the fp64 reference by {err:.2e} (relative)"
 
 
 def test_training_on_torchtitans_shards(four_ranks):
@@ -395,6 +438,8 @@ def test_ranks_with_other_settings_raise_together(four_ranks):
         got = res["errors"]["differ"]
         assert got.startswith("ValueError") and "same config" in got, f"rank {r}: {got}"
         assert res["errors"]["engine"], r
+        got = res["errors"]["indivisible"]
+        assert got.startswith("ValueError") and "gpus_per_node=3 does not divide" in got, f"rank {r}: {got}"
 
 
 # ------------------------------------------------------------------------------------------- without processes
@@ -408,11 +453,13 @@ def test_ranks_with_other_settings_raise_together(four_ranks):
     ({"dtype": "float64"}, ValueError, "dtype 'float64'; expected one of"),
     ({"gpus_per_node": 0}, ValueError, "gpus_per_node"),
     ({"policy": "no-such-policy"}, ValueError, "no-such-policy"),
+    ({"gpus_per_node": None}, TypeError, "gpus_per_node is required"),
 ])
 def test_settings_refused_at_config_time(settings, kind, words):
     import feplb.titan_ep as fte
 
     cfg = _config()
+    settings = {k: v for k, v in {"gpus_per_node": 2, **settings}.items() if v is not None}
     with pytest.raises(kind) as err:
         fte.convert(cfg, **settings)
     assert words in str(err.value), str(err.value)
@@ -456,7 +503,7 @@ def test_experts_feplb_does_not_compute_are_refused():
     import feplb.titan_ep as fte
 
     cfg = _config("gpt_oss")
-    assert fte.convert(cfg, policy="feplb-split") == ["routed_experts.inner_experts"]
+    assert fte.convert(cfg, policy="feplb-split", gpus_per_node=2) == ["routed_experts.inner_experts"]
     assert type(cfg.routed_experts.inner_experts) is fte.FEPLBGptOssGroupedExperts.Config
     cfg.routed_experts.inner_experts.swiglu_limit = -1.0
     with pytest.raises(ValueError, match="swiglu_limit -1.0; expected a number > 0"):
@@ -470,16 +517,16 @@ def test_experts_feplb_does_not_compute_are_refused():
     cfg = _config()
     cfg.routed_experts.inner_experts = Scaled.Config(dim=D, hidden_dim=FF, num_experts=E)
     with pytest.raises(ValueError, match="got .*Scaled.Config, whose experts FEPLB does not compute"):
-        fte.convert(cfg, policy="feplb-split")
+        fte.convert(cfg, policy="feplb-split", gpus_per_node=2)
     assert type(cfg.routed_experts.inner_experts) is Scaled.Config
     with pytest.raises(ValueError, match="found no GroupedExperts.Config"):
-        fte.convert(_config().router, policy="feplb-split")
+        fte.convert(_config().router, policy="feplb-split", gpus_per_node=2)
 
     class Quantized(fte.FEPLBGroupedExperts):
         def _grouped_mm(self, *, A, B_t, offs):
             return torch._grouped_mm(A, B_t, offs=offs)
 
-    conf = _config(policy="feplb-split").routed_experts.inner_experts
+    conf = _config(policy="feplb-split", gpus_per_node=2).routed_experts.inner_experts
     with pytest.raises(TypeError, match="grouped GEMM was replaced"):
         Quantized(conf)
     mod = conf.build()
@@ -492,7 +539,7 @@ def test_expert_parallelism_off_raises():
     """Built but never parallelized with EP: nothing to balance, said at the first forward."""
     import feplb.titan_ep as fte
 
-    mod = _config(policy="feplb-split").routed_experts.inner_experts.build()
+    mod = _config(policy="feplb-split", gpus_per_node=2).routed_experts.inner_experts.build()
     assert isinstance(mod, fte.FEPLBGroupedExperts)
     with pytest.raises(RuntimeError, match="expert_parallel_degree > 1"):
         mod(torch.randn(3, D), torch.tensor([3] + [0] * (E - 1)))
@@ -501,6 +548,17 @@ def test_expert_parallelism_off_raises():
 
 def test_fullgraph_compile_says_why_not():
     """torchtitan compiles its blocks with fullgraph=True: the error names the reason."""
-    mod = _config(policy="feplb-split").routed_experts.inner_experts.build()
+    mod = _config(policy="feplb-split", gpus_per_node=2).routed_experts.inner_experts.build()
     with pytest.raises(Exception, match="FEPLB's forward plans on the host"):
         torch.compile(mod, fullgraph=True, backend="eager")(torch.randn(3, D), torch.tensor([3] + [0] * (E - 1)))
+
+
+def test_cuda_graph_capture_refused(monkeypatch):
+    """torchtitan captures some EP dispatchers in CUDA graphs unless told not to: FEPLB says so (the refusal path;
+    a capture itself needs a GPU)."""
+    import feplb.titan_ep as fte
+
+    monkeypatch.setattr(fte, "_capturing", lambda: True)
+    mod = _config(policy="feplb-split", gpus_per_node=2).routed_experts.inner_experts.build()
+    with pytest.raises(RuntimeError, match="--training.disable_cuda_graphs"):
+        mod(torch.randn(3, D), torch.tensor([3] + [0] * (E - 1)))
