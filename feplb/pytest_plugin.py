@@ -26,10 +26,11 @@ from pathlib import Path
 import pytest
 
 MARKER = "timing"
-# The longest files on a 2-core machine, 40-160 s each (pytest --durations, 2026-12-02), the two longest first.
+# The longest files on a 2-core machine, 40-160 s each (pytest --durations, 2026-12-02; the last 2026-12-03),
+# the two longest first.
 HEAVY = ("tests/examples/test_train_moe.py", "tests/hf/test_hf_architectures.py", "tests/megatron/test_megatron.py",
          "tests/hf/test_hf.py", "tests/titan/test_titan.py", "tests/runtime/test_checkpoint.py",
-         "tests/hf/test_hf_example.py")
+         "tests/hf/test_hf_example.py", "tests/titan/test_titan_ep_trainer.py")
 
 
 def _timing(item: pytest.Item | None) -> bool:
