@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["DistError", "dense_moe_reference", "error_bound", "error_of", "free_port", "load_global_weights",
-           "max_abs_error", "run_dist"]
+           "load_module", "max_abs_error", "run_dist"]
 
 
 class DistError(RuntimeError):
@@ -48,7 +48,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load(file: str, qualname: str) -> Callable:
+def load_module(file: str | os.PathLike) -> Any:
+    """The Python file ``file`` as a module, loaded by its path once per process, as ``run_dist``'s ranks load the
+    file of their function: how a test file shares another's helpers (test folders are no packages)."""
+    file = os.fspath(file)
     module_name = f"_feplb_dist_{abs(hash(file))}"
     module = sys.modules.get(module_name)
     if module is None:
@@ -57,8 +60,16 @@ def _load(file: str, qualname: str) -> Callable:
             raise ImportError(f"cannot load {file!r}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    obj: Any = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+    return module
+
+
+def _load(file: str, qualname: str) -> Callable:
+    obj: Any = load_module(file)
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj

@@ -27,8 +27,16 @@ import torch
 
 pytest.importorskip("torchtitan.models.common.moe")
 
-from feplb.testing import run_dist  # noqa: E402
-from tests.titan.test_titan import FF, OPTS, OSS_LIMIT, TOKENS, D, E, K, _dense_routed, _inputs, _rel  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from feplb.testing import load_module, run_dist  # noqa: E402
+
+# test_titan.py's model shapes, inputs and fp64 reference (loaded by path: test folders are no packages, and the
+# ranks load this file by path)
+_titan = load_module(Path(__file__).with_name("test_titan.py"))
+D, E, FF, K, OPTS, OSS_LIMIT, TOKENS = (_titan.D, _titan.E, _titan.FF, _titan.K, _titan.OPTS, _titan.OSS_LIMIT,
+                                        _titan.TOKENS)
+_dense_routed, _inputs, _rel = _titan._dense_routed, _titan._inputs, _titan._rel
 
 pytestmark = pytest.mark.dist
 

@@ -17,7 +17,9 @@ import torch
 
 pytest.importorskip("torchtitan.models.qwen3")
 
-from feplb.testing import run_dist  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from feplb.testing import load_module, run_dist  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -83,8 +85,8 @@ def _model(feplb: bool):
 def _job(rank: int, world: int) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from tests.titan.test_titan_ep import _cpu_torchtitan, _moved
-
+    ep = load_module(Path(__file__).with_name("test_titan_ep.py"))   # its CPU stand-ins and row count
+    _cpu_torchtitan, _moved = ep._cpu_torchtitan, ep._moved
     _cpu_torchtitan()
     tokens = torch.randint(0, 2048, (1, SEQ + 1), generator=torch.Generator().manual_seed(rank))
     out = {}
