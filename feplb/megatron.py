@@ -756,10 +756,15 @@ _LAYOUTS = {"SequentialMLP": (FEPLBSequentialMLP, _sequential_weights),
             "GroupedMLP": (FEPLBGroupedMLP, _grouped_weights)}
 
 
-def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dtype | None
+# What FEPLB behind Megatron's own token dispatcher runs of _CONFIG_REFUSALS: padded to capacity, the dispatcher
+# delivers each expert's capacity of rows, the padding weighed by probability 0, which FEPLB computes like any row
+_OWN_DISPATCH_RUNS = ("moe_pad_expert_input_to_capacity",)
+
+
+def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dtype | None, own: bool = False
              ) -> tuple[str | None, dict, type | None]:
     """Why FEPLB cannot run ``moe``'s experts exactly (None if it can), the FEPLBConfig fields they give, and the
-    FEPLB class replacing them."""
+    FEPLB class replacing them; ``own``: behind Megatron's own token dispatcher."""
     cfg = moe.config
     experts = moe.experts
     kind = next((k for k in _LAYOUTS if type(experts) is getattr(mc_experts, k, None)), None)
@@ -768,7 +773,7 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
                 "GroupedMLP"), {}, None
     for field, allowed, why in _CONFIG_REFUSALS:
         v = getattr(cfg, field, None)
-        if v not in allowed:
+        if v not in allowed and not (own and field in _OWN_DISPATCH_RUNS):
             return f"{why} ({field}={v!r})", {}, None
     why, act_fields = _activation(cfg, kind)
     if why is not None:
@@ -878,7 +883,7 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, token_dispatche
     if len(set(dispatchers)) > 1:
         problems.append(f"  token_dispatcher differs between EP ranks: {', '.join(dispatchers)} (in rank order)")
     for name, moe in found:
-        why, fields_of, cls = _problem(moe, mc_experts, world, rank, dtype)
+        why, fields_of, cls = _problem(moe, mc_experts, world, rank, dtype, own=token_dispatcher == "megatron")
         if why is None:
             cfg = layer_config(fields_of, config_overrides)
             if isinstance(cfg, str):
