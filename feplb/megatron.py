@@ -27,8 +27,9 @@ not compute as Megatron does (it computes gated SiLU, clamped or not, gated GeLU
 ``glu_linear_offset=1``, gpt-oss's form, and non-gated squared ReLU, SiLU and GeLU; combinations where Megatron's
 own paths disagree are refused: a clamp under ``bias_activation_fusion``, whose fused SwiGLU ignores it, a clamp or
 offset with the legacy GroupedMLP, which ignores both), padding to capacity
-(``moe_pad_expert_input_to_capacity``),
-fp8/fp4, latent projections, tensor parallelism (attention or experts), overlapped shared experts or EP
+(``moe_pad_expert_input_to_capacity``; behind Megatron's own token dispatcher it runs),
+fp8/fp4, latent projections, expert tensor parallelism and attention's without sequence parallelism (with it,
+each rank of a tensor-parallel group brings its own tokens, and FEPLB runs), overlapped shared experts or EP
 communication, delayed weight gradients, CUDA graphs, forward or backward hooks on the modules whose forward FEPLB
 no longer runs (their forward pre-hooks it runs, with its whole input: Megatron's DDP waits there for the
 parameters' all-gather with ``overlap_param_gather``; one that returns new inputs is refused). The router's
@@ -778,10 +779,15 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
     why, act_fields = _activation(cfg, kind)
     if why is not None:
         return why, {}, None
-    for label, g in (("tensor", getattr(moe, "tp_group", None)), ("expert tensor", moe.token_dispatcher.tp_group),
-                     ("expert tensor", getattr(experts, "tp_group", None))):
+    for g in (moe.token_dispatcher.tp_group, getattr(experts, "tp_group", None)):
         if g is not None and dist.get_world_size(g) > 1:
-            return f"{label} parallelism of size {dist.get_world_size(g)} (FEPLB needs it 1)", {}, None
+            return (f"expert tensor parallelism of size {dist.get_world_size(g)} (FEPLB needs it 1: "
+                    "expert_tensor_parallel_size=1)"), {}, None
+    attn_tp = getattr(moe, "tp_group", None)
+    if attn_tp is not None and dist.get_world_size(attn_tp) > 1 and not cfg.sequence_parallel:
+        # each rank of a tensor-parallel group would dispatch the same tokens
+        return (f"tensor parallelism of size {dist.get_world_size(attn_tp)} without sequence parallelism (the MoE "
+                "layer's tokens must differ between ranks)"), {}, None
     E, K, H = cfg.num_moe_experts, cfg.moe_router_topk, cfg.hidden_size
     Fd = cfg.moe_ffn_hidden_size
     L = E // world if E % world == 0 else None
