@@ -332,6 +332,18 @@ def dispatched_policy_problem(policy: str) -> str | None:
             "or a policy among 'none', 'feplb', 'feplb-split', 'lp' (with @current / @ema) without +place")
 
 
+def int_counts(counts: object) -> list[int] | None:
+    """Counts given as a 1-D integer tensor (read on the host: one copy if it lives on a GPU) or a list or tuple of
+    ints, as a list of ints; None if they are neither."""
+    if isinstance(counts, torch.Tensor):
+        if counts.dim() != 1 or counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+            return None
+        return counts.tolist()
+    if isinstance(counts, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+        return list(counts)
+    return None
+
+
 def dispatched_problem(c: FEPLBConfig, device: torch.device, num_local: int, rows: object, counts: object,
                        ) -> tuple[tuple[type, str] | None, list[int] | None]:
     """What is wrong with ``MoELayer.forward_dispatched``'s arguments on this rank ((exception type, message), or
@@ -348,16 +360,11 @@ def dispatched_problem(c: FEPLBConfig, device: torch.device, num_local: int, row
     if rows.device != device:
         return (ValueError, f"MoELayer.forward_dispatched rows are on {rows.device} but the layer's experts are on "
                             f"{device}"), None
-    if isinstance(counts, torch.Tensor):
-        if counts.dim() != 1 or counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
-            return (TypeError, f"MoELayer.forward_dispatched counts must be a 1-D integer tensor or a list of ints, "
-                               f"got a {counts.dim()}-D {counts.dtype} tensor"), None
-        got = counts.tolist()
-    elif isinstance(counts, (list, tuple)) and all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
-        got = list(counts)
-    else:
+    got = int_counts(counts)
+    if got is None:
+        kind = f"a {counts.dim()}-D {counts.dtype} tensor" if isinstance(counts, torch.Tensor) else f"{counts!r:.80}"
         return (TypeError, f"MoELayer.forward_dispatched counts must be a 1-D integer tensor or a list of ints, got "
-                           f"{counts!r:.80}"), None
+                           f"{kind}"), None
     if len(got) != num_local:
         return (ValueError, f"MoELayer.forward_dispatched counts must hold one count per local expert ({num_local}), "
                             f"got {len(got)}"), None

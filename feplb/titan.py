@@ -152,9 +152,8 @@ class FEPLBRoutedExperts(MoELayer):
         return tuple(getattr(self.inner_experts, n) for n in self._names)
 
     def _join(self) -> tuple[torch.Tensor, ...]:
-        e, dt = self.inner_experts, self.config.dtype
-        w13 = _GateUp.apply(e.w1_EFD, e.w3_EFD, dt)
-        return w13.transpose(1, 2), e.w2_EDF.to(dt).transpose(1, 2)
+        e = self.inner_experts
+        return swiglu_weights(e.w1_EFD, e.w2_EDF, e.w3_EFD, self.config.dtype)
 
     def expert_weights(self) -> tuple[torch.Tensor, ...]:
         """(w1 [L, D, 2F], w2 [L, F, D]) in the layer's dtype: [w1 | w3] joined and cast, and w2 cast, as strided
@@ -188,9 +187,32 @@ class FEPLBGptOssRoutedExperts(FEPLBRoutedExperts):
     _names = _OSS_NAMES
 
     def _join(self) -> tuple[torch.Tensor, ...]:
-        e, dt = self.inner_experts, self.config.dtype
-        return (e.mlp1_weight_EGD.to(dt).transpose(1, 2), e.mlp2_weight_EDF.to(dt).transpose(1, 2),
-                e.mlp1_bias_EG.to(dt), e.mlp2_bias_ED.to(dt))
+        e = self.inner_experts
+        return oss_weights(e.mlp1_weight_EGD, e.mlp1_bias_EG, e.mlp2_weight_EDF, e.mlp2_bias_ED, self.config.dtype)
+
+
+def swiglu_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """torchtitan's GroupedExperts weights (w1 [L, F, D], w2 [L, D, F], w3 [L, F, D]) as a MoELayer's experts:
+    (w1 [L, D, 2F]: [w1 | w3] joined and cast, w2 [L, F, D] cast), strided views."""
+    return _GateUp.apply(w1, w3, dt).transpose(1, 2), w2.to(dt).transpose(1, 2)
+
+
+def oss_weights(g1: torch.Tensor, b1: torch.Tensor, g2: torch.Tensor, b2: torch.Tensor, dt: torch.dtype
+                ) -> tuple[torch.Tensor, ...]:
+    """torchtitan's GPT-OSS experts (mlp1 [L, 2F, D], its bias [L, 2F], mlp2 [L, D, F], its bias [L, D]) as a
+    MoELayer's experts with biases, cast to ``dt`` as torchtitan casts them."""
+    return g1.to(dt).transpose(1, 2), g2.to(dt).transpose(1, 2), b1.to(dt), b2.to(dt)
+
+
+def oss_fields(limit: object) -> dict[str, Any] | str:
+    """The FEPLBConfig fields of GPT-OSS's experts clamped at ``limit`` (None or inf: no clamp), or why ``limit``
+    is none."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or
+                              not 0 < limit <= float("inf")):
+        return f"swiglu_limit {limit!r}; expected a number > 0 (inf: no clamp)"
+    return {"activation": "swiglu_oai", "swiglu_alpha": _OSS_ALPHA,
+            "swiglu_limit": None if limit is None or limit == float("inf") else float(limit),
+            "glu_interleaved": True, "expert_bias": True}
 
 
 # ---------------------------------------------------------------------------------------------------- discovery
@@ -267,13 +289,9 @@ def _problem(moe: nn.Module, tt, td, world: int, dtype: torch.dtype) -> tuple[st
             return (f"weight layout mlp1_weight_EGD {list(g1.shape)}, mlp1_bias_EG {list(b1.shape)}, "
                     f"mlp2_weight_EDF {list(g2.shape)}, mlp2_bias_ED {list(b2.shape)}; expected [E, 2F, D], [E, 2F], "
                     "[E, D, F], [E, D]"), {}
-        limit = getattr(inner, "swiglu_limit", None)
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or
-                                  not 0 < limit <= float("inf")):
-            return f"swiglu_limit {limit!r}; expected a number > 0 (inf: no clamp)", {}
-        gated = {"activation": "swiglu_oai", "swiglu_alpha": _OSS_ALPHA,
-                 "swiglu_limit": None if limit is None or limit == float("inf") else float(limit),
-                 "glu_interleaved": True, "expert_bias": True}
+        gated = oss_fields(getattr(inner, "swiglu_limit", None))
+        if isinstance(gated, str):
+            return gated, {}
     else:
         w1, w2, w3 = ws
         if w1.dim() != 3 or w1.shape != w3.shape or w2.shape != (w1.shape[0], w1.shape[2], w1.shape[1]):

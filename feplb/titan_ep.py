@@ -43,10 +43,10 @@ from torchtitan.config import override
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
-from feplb.config import FEPLBConfig, dispatched_policy_problem
+from feplb.config import FEPLBConfig, dispatched_policy_problem, int_counts
 from feplb.dropin import DERIVED
 from feplb.layer import MoELayer
-from feplb.titan import _OSS_ALPHA, _GateUp
+from feplb.titan import oss_fields, oss_weights, swiglu_weights
 
 __all__ = ["FEPLBGptOssGroupedExperts", "FEPLBGroupedExperts", "convert", "engines", "feplb_experts"]
 
@@ -203,13 +203,11 @@ class _Balanced:
         if weights[0].shape[0] != engine.num_local:
             raise RuntimeError(f"{type(self).__name__}: {weights[0].shape[0]} local experts, expected E / W = "
                                f"{engine.num_local} (torchtitan's EP shards the experts over its EP group)")
-        counts, rows = num_tokens_per_expert_E, x_RD
-        if isinstance(counts, torch.Tensor) and counts.dim() == 1 and not counts.is_floating_point() and \
-                counts.dtype != torch.bool and not counts.is_complex():
-            counts = counts.tolist()   # (the one read of the counts on the host)
-            if 0 <= sum(counts) < x_RD.shape[0]:
-                rows = x_RD[:sum(counts)]
-        # (other counts: the engine refuses them, on every rank together)
+        counts, rows = int_counts(num_tokens_per_expert_E), x_RD   # (the one read of the counts on the host)
+        if counts is None:   # the engine refuses them, on every rank together
+            counts = num_tokens_per_expert_E
+        elif 0 <= sum(counts) < x_RD.shape[0]:
+            rows = x_RD[:sum(counts)]
         engine.train(self.training)
         engine._weights = weights
         try:
@@ -255,8 +253,7 @@ class FEPLBGroupedExperts(_Balanced, GroupedExperts):
         self._setup(config)
 
     def _join(self, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
-        w1, w2, w3 = self._local()
-        return _GateUp.apply(w1, w3, dt).transpose(1, 2), w2.to(dt).transpose(1, 2)
+        return swiglu_weights(*self._local(), dt)
 
 
 class FEPLBGptOssGroupedExperts(_Balanced, GptOssGroupedExperts):
@@ -274,17 +271,14 @@ class FEPLBGptOssGroupedExperts(_Balanced, GptOssGroupedExperts):
 
     def __init__(self, config: Config):
         super().__init__(config)
-        limit = config.swiglu_limit
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit <= float("inf"):
-            raise ValueError(f"FEPLBGptOssGroupedExperts: swiglu_limit {limit!r}; expected a number > 0 (inf: no "
-                             "clamp)")
-        self._setup(config, activation="swiglu_oai", swiglu_alpha=_OSS_ALPHA,
-                    swiglu_limit=None if limit == float("inf") else float(limit), glu_interleaved=True,
-                    expert_bias=True)
+        limit = config.swiglu_limit   # (None, which torchtitan's clamp refuses, too)
+        fields = oss_fields(limit) if limit is not None else "swiglu_limit None; expected a number > 0 (inf: no clamp)"
+        if isinstance(fields, str):
+            raise ValueError(f"FEPLBGptOssGroupedExperts: {fields}")
+        self._setup(config, **fields)
 
     def _join(self, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
-        g1, b1, g2, b2 = self._local()
-        return g1.to(dt).transpose(1, 2), g2.to(dt).transpose(1, 2), b1.to(dt), b2.to(dt)
+        return oss_weights(*self._local(), dt)
 
 
 def _replacement(cfg: GroupedExperts.Config, settings: dict[str, Any]) -> GroupedExperts.Config:
