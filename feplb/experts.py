@@ -1,16 +1,18 @@
-"""Small pieces every step of the MoE layer shares: the gated experts over grouped rows, host index arrays to the
-device without a blocking copy, the hand-off of device work to a helper thread, and timeline spans."""
+"""Small pieces every step of the MoE layer shares: the gated experts over grouped rows, weights derived from
+parameters that the backward derives again instead of keeping, host index arrays to the device without a blocking
+copy, the hand-off of device work to a helper thread, and timeline spans."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from feplb.timeline import Timeline
 
-__all__ = ["expert_mlp", "ready_event", "span", "to_device"]
+__all__ = ["expert_mlp", "ready_event", "rebuilt_in_backward", "span", "to_device"]
 
 
 def expert_mlp(x_MH: torch.Tensor, weights: tuple[torch.Tensor, ...], offsets_L: torch.Tensor,
@@ -68,6 +70,116 @@ class _RowBias(torch.autograd.Function):
         acc = torch.float64 if ctx.dtype == torch.float64 else torch.float32
         total = torch.zeros(ctx.shape, dtype=acc, device=grad_MN.device).index_add_(0, group_M, grad_MN.to(acc))
         return total.to(ctx.dtype), None
+
+
+@contextlib.contextmanager
+def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: Sequence[torch.Tensor],
+                        name: str = "experts") -> Iterator[tuple[torch.Tensor, ...]]:
+    """Yield ``make(*sources)``: weights derived from parameters (joined, stacked, cast: a new tensor each forward),
+    which autograd inside the block saves as a recipe rather than as the tensors. The backward derives them again
+    from ``sources`` (once, shared by every use; freed when the last use's backward has run).
+
+    Adapters whose experts' parameters are not in the layer's layout (torchtitan's separate ``w1`` / ``w3``,
+    Megatron's one module per expert) join them every forward; the experts' GEMMs save the joined weights for the
+    backward, which would keep a second copy of every layer's experts alive from its forward to its backward
+    (about 1.9 GB a layer for DeepSeek-V3's ``w1 | w3`` at EP 8, where the parameters themselves cost nothing extra
+    to keep, or are freed and gathered again by FSDP). The cost instead: one more pass over the weights in each
+    layer's backward.
+
+    Tensors sharing a source's storage (a view, a cast to the same dtype) are saved as they are. The hooks stay
+    off where other saved-tensor hooks are on (activation checkpointing recomputes the forward, derived weights
+    included; an offloading hook decides for itself), and outside autograd. The backward raises, naming ``name``,
+    if a source was changed in place (an optimizer step between a forward and its backward, as autograd raises
+    for a saved tensor) or its storage freed (FSDP's unsharded parameters not gathered again).
+    """
+    sources = tuple(sources)
+    weights = make(*sources)
+    plain = (torch.Tensor, torch.nn.Parameter)
+    if (not torch.is_grad_enabled() or not torch._C._autograd._saved_tensors_hooks_is_enabled()
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+            or not all(type(t) in plain for t in (*sources, *weights))):
+        yield weights
+        return
+    own = {_storage_key(s) for s in sources}
+    derived: dict[tuple[torch.device, int], tuple[int, torch.dtype]] = {}
+    for i, w in enumerate(weights):
+        key = _storage_key(w)
+        if key[1] != 0 and key not in own:
+            derived.setdefault(key, (i, w.dtype))
+    if not derived:
+        yield weights
+        return
+    recipe = _Recipe(make, sources, weights, name)
+
+    # (autograd keeps the hooks as long as what they saved: they must not hold the weights)
+    def pack(t: torch.Tensor):
+        if type(t) is torch.Tensor:
+            i, dtype = derived.get(_storage_key(t), (None, None))
+            if i is not None and t.dtype == dtype:
+                return _Derived(recipe, i, t.shape, t.stride(), t.storage_offset())
+        return t
+
+    def unpack(p):
+        return p.tensor() if isinstance(p, _Derived) else p
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield weights
+
+
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    return t.device, t.untyped_storage().data_ptr()
+
+
+class _Recipe:
+    """How one forward's derived weights are made again: ``make``, its sources (as the forward read them: their
+    versions and storage sizes), and the layout the rebuilt weights must have."""
+
+    __slots__ = ("make", "sources", "versions", "nbytes", "layouts", "name", "rebuilt")
+
+    def __init__(self, make, sources: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...], name: str):
+        self.make, self.sources, self.name = make, sources, name
+        self.versions = tuple(s._version for s in sources)
+        self.nbytes = tuple(s.untyped_storage().nbytes() for s in sources)
+        self.layouts = tuple(_layout(w) for w in weights)
+        self.rebuilt: tuple[torch.Tensor, ...] | None = None
+
+    def weight(self, i: int) -> torch.Tensor:
+        if self.rebuilt is None:
+            for k, (s, v, n) in enumerate(zip(self.sources, self.versions, self.nbytes, strict=True)):
+                if s._version != v:
+                    raise RuntimeError(f"{self.name}: parameter {k} of the experts was modified in place between "
+                                       f"the forward and its backward (version {v} -> {s._version}); the backward "
+                                       "derives the experts' weights from the parameters the forward read, so it "
+                                       "needs them unchanged (step the optimizer after the backward)")
+                if s.untyped_storage().nbytes() != n:
+                    raise RuntimeError(f"{self.name}: parameter {k} of the experts has {s.untyped_storage().nbytes()}"
+                                       f" bytes of storage at the backward, {n} at the forward (freed after the "
+                                       "forward and not gathered again?); the backward derives the experts' weights "
+                                       "from it")
+            with torch.no_grad():
+                rebuilt = tuple(self.make(*self.sources))
+            got = tuple(_layout(w) for w in rebuilt)
+            if got != self.layouts:
+                raise RuntimeError(f"{self.name}: the experts' weights derived again in the backward have the layout "
+                                   f"{got}, the forward's had {self.layouts}")
+            self.rebuilt = rebuilt
+        return self.rebuilt[i]
+
+
+def _layout(w: torch.Tensor) -> tuple:
+    return tuple(w.shape), w.stride(), w.storage_offset(), w.dtype, w.untyped_storage().nbytes()
+
+
+class _Derived:
+    """What autograd keeps of one saved view of a derived weight: its recipe and where it lies in the weight."""
+
+    __slots__ = ("recipe", "index", "size", "stride", "offset")
+
+    def __init__(self, recipe: _Recipe, index: int, size, stride, offset: int):
+        self.recipe, self.index, self.size, self.stride, self.offset = recipe, index, size, stride, offset
+
+    def tensor(self) -> torch.Tensor:
+        return self.recipe.weight(self.index).as_strided(self.size, self.stride, self.offset)
 
 
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -94,6 +94,7 @@ from feplb.dropin import (
     set_state_dict_type,
     zero_replica_grads,
 )
+from feplb.experts import rebuilt_in_backward
 from feplb.layer import FEPLBConfig, MoELayer
 from feplb.recompute import in_backward
 
@@ -183,8 +184,9 @@ class FEPLBExperts(MoELayer):
         all-gather)."""
         return self.kept_modules()
 
-    def _join(self) -> tuple[torch.Tensor, ...]:
-        """(w1 [L, H, 2F], w2 [L, F, H]), then (b1 [L, 2F], b2 [L, H]) with expert biases, in the layer's dtype."""
+    def _join(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(w1 [L, H, 2F], w2 [L, F, H]), then (b1 [L, 2F], b2 [L, H]) with expert biases, in the layer's dtype, from
+        ``params`` (``expert_params()``, in its order; by default the current ones)."""
         raise NotImplementedError
 
     def _sharding_source(self) -> tuple[type, Any]:
@@ -234,14 +236,15 @@ class FEPLBExperts(MoELayer):
             self._experts(None, None, None, (TypeError, wrong))
         if why is not None and not in_backward():
             self._experts(None, None, None, (RuntimeError, f"{name}: {why}"))
-        self._joined = self._join()
-        try:
-            if own:
-                y = self._dispatched_rows(x_TH, tokens_per_expert, routing)
-            else:
-                y = super().forward(x_TH.to(self.config.dtype), routing=routing)
-        finally:
-            self._joined = None
+        with rebuilt_in_backward(self._join, self.expert_params(), name) as joined:
+            self._joined = joined
+            try:
+                if own:
+                    y = self._dispatched_rows(x_TH, tokens_per_expert, routing)
+                else:
+                    y = super().forward(x_TH.to(self.config.dtype), routing=routing)
+            finally:
+                self._joined = None
         return y.to(x_TH.dtype), None
 
     def _dispatched_rows(self, x_RH: torch.Tensor, tokens_per_expert: Any, probs_R: torch.Tensor) -> torch.Tensor:
@@ -388,14 +391,15 @@ class FEPLBSequentialMLP(FEPLBExperts):
         return tuple(getattr(lin, k) for m in self.local_experts for lin in (m.linear_fc1, m.linear_fc2)
                      for k in self._parts())
 
-    def _join(self) -> tuple[torch.Tensor, ...]:
-        dt = self.config.dtype
-        w1 = torch.stack([m.linear_fc1.weight for m in self.local_experts]).to(dt)   # [L, 2F, H]
-        w2 = torch.stack([m.linear_fc2.weight for m in self.local_experts]).to(dt)   # [L, H, F]
+    def _join(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # expert_params(): each expert's fc1 weight (and bias), then its fc2 weight (and bias)
+        dt, ps = self.config.dtype, params or self.expert_params()
+        n = len(self._parts())
+        fc1, fc2 = ps[0::2 * n], ps[n::2 * n]
+        w1, w2 = torch.stack(fc1).to(dt), torch.stack(fc2).to(dt)   # [L, 2F, H], [L, H, F]
         if not self.config.expert_bias:
             return w1.transpose(1, 2), w2.transpose(1, 2)
-        b1 = torch.stack([m.linear_fc1.bias for m in self.local_experts]).to(dt)     # [L, 2F]
-        b2 = torch.stack([m.linear_fc2.bias for m in self.local_experts]).to(dt)     # [L, H]
+        b1, b2 = torch.stack(ps[1::2 * n]).to(dt), torch.stack(ps[n + 1::2 * n]).to(dt)   # [L, 2F], [L, H]
         return w1.transpose(1, 2), w2.transpose(1, 2), b1, b2
 
     def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -433,14 +437,13 @@ class FEPLBTEGroupedMLP(FEPLBExperts):
                                                       _gemm_weights(self.linear_fc2, self.num_local, k), strict=True)
                      for p in pair)
 
-    def _join(self) -> tuple[torch.Tensor, ...]:
-        dt, L = self.config.dtype, self.num_local
-        w1 = torch.stack(_gemm_weights(self.linear_fc1, L)).to(dt)   # [L, 2F, H]
-        w2 = torch.stack(_gemm_weights(self.linear_fc2, L)).to(dt)   # [L, H, F]
+    def _join(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # expert_params(): (fc1's weight{i}, fc2's weight{i}) for each i, then the same of the biases
+        dt, L, ps = self.config.dtype, self.num_local, params or self.expert_params()
+        w1, w2 = torch.stack(ps[0:2 * L:2]).to(dt), torch.stack(ps[1:2 * L:2]).to(dt)   # [L, 2F, H], [L, H, F]
         if not self.config.expert_bias:
             return w1.transpose(1, 2), w2.transpose(1, 2)
-        b1 = torch.stack(_gemm_weights(self.linear_fc1, L, "bias")).to(dt)   # [L, 2F]
-        b2 = torch.stack(_gemm_weights(self.linear_fc2, L, "bias")).to(dt)   # [L, H]
+        b1, b2 = torch.stack(ps[2 * L::2]).to(dt), torch.stack(ps[2 * L + 1::2]).to(dt)   # [L, 2F], [L, H]
         return w1.transpose(1, 2), w2.transpose(1, 2), b1, b2
 
     def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -478,9 +481,10 @@ class FEPLBGroupedMLP(FEPLBExperts):
     def expert_params(self) -> tuple[nn.Parameter, ...]:
         return self.weight1, self.weight2
 
-    def _join(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _join(self, *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dt, L = self.config.dtype, self.num_local
-        return self.weight1.view(L, self.config.hidden, -1).to(dt), self.weight2.view(L, -1, self.config.hidden).to(dt)
+        w1, w2 = params or self.expert_params()
+        return w1.view(L, self.config.hidden, -1).to(dt), w2.view(L, -1, self.config.hidden).to(dt)
 
     def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rank r's block of experts is the model's experts ``r * L ...``, in memory order: ``weight1`` [H, E * 2F]

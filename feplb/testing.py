@@ -33,8 +33,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DistError", "dense_moe_reference", "error_bound", "error_of", "free_port", "load_global_weights",
-           "load_module", "max_abs_error", "run_dist"]
+__all__ = ["DistError", "DerivedWeights", "dense_moe_reference", "error_bound", "error_of", "free_port",
+           "load_global_weights", "load_module", "max_abs_error", "run_dist"]
 
 
 class DistError(RuntimeError):
@@ -395,6 +395,48 @@ def load_global_weights(layer, router_EH, w1_EH2F, w2_EFH, b1_E2F=None, b2_EH=No
         if b1_E2F is not None:
             layer.b1.copy_(b1_E2F[lo:lo + layer.num_local])
             layer.b2.copy_(b2_EH[lo:lo + layer.num_local])
+
+
+class DerivedWeights:
+    """Watches the weights that ``feplb.experts.rebuilt_in_backward`` derives (joined, cast: not views of the
+    parameters) inside ``with DerivedWeights() as watch:``, through weak references: ``watch.made`` counts them,
+    ``watch.alive()`` how many something still holds (called between a forward and its backward: 0 when autograd
+    keeps recipes, not the weights). ``watch.at_backward(y)`` records ``alive()`` as y's backward begins, in
+    ``watch.alive_at_backward``."""
+
+    def __init__(self) -> None:
+        import weakref
+
+        self._weakref = weakref
+        self._refs: list = []
+        self.alive_at_backward: list[int] = []
+
+    @property
+    def made(self) -> int:
+        return len(self._refs)
+
+    def alive(self) -> int:
+        return sum(r() is not None for r in self._refs)
+
+    def at_backward(self, y) -> None:
+        y.register_hook(lambda g: self.alive_at_backward.append(self.alive()))
+
+    def __enter__(self) -> DerivedWeights:
+        from feplb import experts
+
+        self._experts, self._init = experts, experts._Recipe.__init__
+        init = self._init
+
+        def spy(recipe, make, sources, weights, name):
+            own = {s.untyped_storage().data_ptr() for s in sources}
+            self._refs.extend(self._weakref.ref(w) for w in weights if w.untyped_storage().data_ptr() not in own)
+            init(recipe, make, sources, weights, name)
+
+        experts._Recipe.__init__ = spy
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._experts._Recipe.__init__ = self._init
 
 
 def error_of(fn: Callable[[], Any]) -> str | None:

@@ -67,6 +67,7 @@ from feplb.dropin import (
     weights_digest,
     zero_replica_grads,
 )
+from feplb.experts import rebuilt_in_backward
 from feplb.layer import FEPLBConfig, MoELayer
 
 __all__ = ["FEPLBGptOssRoutedExperts", "FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules",
@@ -151,9 +152,11 @@ class FEPLBRoutedExperts(MoELayer):
     def expert_params(self) -> tuple[nn.Parameter, ...]:
         return tuple(getattr(self.inner_experts, n) for n in self._names)
 
-    def _join(self) -> tuple[torch.Tensor, ...]:
-        e = self.inner_experts
-        return swiglu_weights(e.w1_EFD, e.w2_EDF, e.w3_EFD, self.config.dtype)
+    def _join(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The experts' weights (``expert_weights``) from ``params`` (``expert_params()``, by default the current
+        ones)."""
+        w1, w2, w3 = params or self.expert_params()
+        return swiglu_weights(w1, w2, w3, self.config.dtype)
 
     def expert_weights(self) -> tuple[torch.Tensor, ...]:
         """(w1 [L, D, 2F], w2 [L, F, D]) in the layer's dtype: [w1 | w3] joined and cast, and w2 cast, as strided
@@ -165,11 +168,12 @@ class FEPLBRoutedExperts(MoELayer):
                 topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor | None = None) -> torch.Tensor:
         del num_local_tokens_per_expert_E
-        self._joined = self._join()
-        try:
-            y = super().forward(x_BLD.to(self.config.dtype), routing=(topk_expert_ids_BLK, topk_scores_BLK))
-        finally:
-            self._joined = None
+        with rebuilt_in_backward(self._join, self.expert_params(), type(self).__name__) as joined:
+            self._joined = joined
+            try:
+                y = super().forward(x_BLD.to(self.config.dtype), routing=(topk_expert_ids_BLK, topk_scores_BLK))
+            finally:
+                self._joined = None
         return y.to(x_BLD.dtype)
 
     def extra_repr(self) -> str:
@@ -186,9 +190,8 @@ class FEPLBGptOssRoutedExperts(FEPLBRoutedExperts):
 
     _names = _OSS_NAMES
 
-    def _join(self) -> tuple[torch.Tensor, ...]:
-        e = self.inner_experts
-        return oss_weights(e.mlp1_weight_EGD, e.mlp1_bias_EG, e.mlp2_weight_EDF, e.mlp2_bias_ED, self.config.dtype)
+    def _join(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return oss_weights(*(params or self.expert_params()), self.config.dtype)
 
 
 def swiglu_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, dt: torch.dtype) -> tuple[torch.Tensor, ...]:

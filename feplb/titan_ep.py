@@ -32,6 +32,7 @@ unshards the expert weights only around the forward, sees ordinary gradients. Th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,7 @@ from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
 from feplb.config import FEPLBConfig, dispatched_policy_problem, int_counts
 from feplb.dropin import DERIVED
+from feplb.experts import rebuilt_in_backward
 from feplb.layer import MoELayer
 from feplb.titan import oss_fields, oss_weights, swiglu_weights
 
@@ -105,7 +107,7 @@ class _Engine(MoELayer):
 
 class _Balanced:
     """What FEPLB's experts behind torchtitan's dispatch share, mixed into a torchtitan experts class (``_base``)
-    whose parameters, names and forward signature they keep; ``_join(dtype)`` gives the engine its experts."""
+    whose parameters, names and forward signature they keep; ``_join(dtype, *shards)`` gives the engine its experts."""
 
     _base: type
     _params: tuple[str, ...]
@@ -153,7 +155,8 @@ class _Balanced:
         """This rank's shards of the parameters (``_params`` order): DTensors' local parts, or the local tensors."""
         return [w.to_local() if isinstance(w, DTensor) else w for w in (getattr(self, n) for n in self._params)]
 
-    def _join(self, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def _join(self, dt: torch.dtype, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The engine's experts in ``dt`` from this rank's shards ``local`` (``_local()``, in ``_params`` order)."""
         raise NotImplementedError
 
     def _engine_for(self, x_RD: torch.Tensor) -> MoELayer:
@@ -199,9 +202,9 @@ class _Balanced:
     def _forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         engine = self._engine_for(x_RD)
         dt = engine.config.dtype
-        weights = self._join(dt)
-        if weights[0].shape[0] != engine.num_local:
-            raise RuntimeError(f"{type(self).__name__}: {weights[0].shape[0]} local experts, expected E / W = "
+        local = self._local()
+        if local[0].shape[0] != engine.num_local:
+            raise RuntimeError(f"{type(self).__name__}: {local[0].shape[0]} local experts, expected E / W = "
                                f"{engine.num_local} (torchtitan's EP shards the experts over its EP group)")
         counts, rows = int_counts(num_tokens_per_expert_E), x_RD   # (the one read of the counts on the host)
         if counts is None:   # the engine refuses them, on every rank together
@@ -209,11 +212,12 @@ class _Balanced:
         elif 0 <= sum(counts) < x_RD.shape[0]:
             rows = x_RD[:sum(counts)]
         engine.train(self.training)
-        engine._weights = weights
-        try:
-            y = engine._forward_dispatched(rows.to(dt), counts).to(x_RD.dtype)
-        finally:
-            engine._weights = None
+        with rebuilt_in_backward(functools.partial(self._join, dt), local, type(self).__name__) as weights:
+            engine._weights = weights
+            try:
+                y = engine._forward_dispatched(rows.to(dt), counts).to(x_RD.dtype)
+            finally:
+                engine._weights = None
         if rows.shape[0] < x_RD.shape[0]:
             y = torch.cat([y, y.new_zeros(x_RD.shape[0] - rows.shape[0], y.shape[1])])
         return y
@@ -252,8 +256,8 @@ class FEPLBGroupedExperts(_Balanced, GroupedExperts):
         super().__init__(config)
         self._setup(config)
 
-    def _join(self, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
-        return swiglu_weights(*self._local(), dt)
+    def _join(self, dt: torch.dtype, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return swiglu_weights(*local, dt)
 
 
 class FEPLBGptOssGroupedExperts(_Balanced, GptOssGroupedExperts):
@@ -277,8 +281,8 @@ class FEPLBGptOssGroupedExperts(_Balanced, GptOssGroupedExperts):
             raise ValueError(f"FEPLBGptOssGroupedExperts: {fields}")
         self._setup(config, **fields)
 
-    def _join(self, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
-        return oss_weights(*self._local(), dt)
+    def _join(self, dt: torch.dtype, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return oss_weights(*local, dt)
 
 
 def _replacement(cfg: GroupedExperts.Config, settings: dict[str, Any]) -> GroupedExperts.Config:

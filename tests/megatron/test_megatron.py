@@ -54,7 +54,7 @@ from torch import nn
 
 pytest.importorskip("megatron.core.transformer.moe.moe_layer")
 
-from feplb.testing import error_of, run_dist  # noqa: E402
+from feplb.testing import DerivedWeights, error_of, run_dist  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -269,10 +269,12 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(diff / scale) if scale else float(diff)
 
 
-def _grads(moe, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+def _grads(moe, x: torch.Tensor, g: torch.Tensor, watch: DerivedWeights | None = None) -> dict[str, torch.Tensor]:
     x = x.clone().requires_grad_()
     y, bias = moe(x)
     assert bias is None
+    if watch is not None:
+        watch.at_backward(y)
     y.backward(g)
     out = {"out": y.detach(), "x": x.grad}
     for n, p in moe.named_parameters():
@@ -299,8 +301,11 @@ def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtyp
     params = list(moe.parameters())
     names = fm.apply(moe, policy=policy, gpus_per_node=min(2, world), token_dispatcher=dispatcher, **OPTS)
     x, g = _inputs(rank, dtype)
-    ours, theirs = _grads(moe, x, g), _grads(ref, x, g)
+    with DerivedWeights() as watch:   # the experts' weights stacked per forward: derived again in the backward
+        ours = _grads(moe, x, g, watch)
+    theirs = _grads(ref, x, g)
     out = {"names": names, "same_names": list(ours) == list(theirs), "moved": _moved(moe),
+           "derived": (watch.made, watch.alive_at_backward),
            "out_dtype": ours["out"].dtype, "param_dtypes": sorted({str(p.dtype) for p in moe.parameters()}),
            "class": type(moe.experts).__name__, "dispatcher": type(moe.token_dispatcher).__name__,
            "same_params": all(p is q for p, q in zip(moe.parameters(), params, strict=True))}
@@ -1084,6 +1089,8 @@ def test_layer_matches_megatron_fp32(job):
             assert case["out_dtype"] == torch.float32
             for n, e in case["err"].items():
                 assert e <= 1e-5, (key, n, e)
+            # SequentialMLP's weights, stacked every forward (w1, w2, and b1, b2 with biases), are not kept
+            assert case["derived"] == (4 if key[1].startswith("bias") else 2, [0]), (key, case["derived"])
             if key[1] == "sigmoid":
                 assert case["bias_counts_equal"] and case["bias_counts_sum"] == TOKENS[0] * TOKENS[1] * K
     if world > 1:
@@ -1451,6 +1458,10 @@ def test_grouped_experts_match_megatron(grouped_job):
                 assert case["same_names"] and case["same_params"], (experts, arch)
                 for n, e in case["err"].items():
                     assert e <= 1e-5, (experts, arch, n, e)
+                # TEGroupedMLP's weights, stacked every forward, are derived again in the backward; GroupedMLP's
+                # are views of its parameters (nothing derived)
+                made = (4 if "bias" in arch else 2) if experts == "te" else 0
+                assert case["derived"] == (made, [0]), (experts, arch, case["derived"])
             case = r["bf16", experts]
             assert case["out_dtype"] == torch.bfloat16 and case["param_dtypes"] == ["torch.bfloat16"]
             for n, (ours, theirs) in case["err"].items():

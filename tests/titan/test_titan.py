@@ -27,7 +27,7 @@ import torch
 
 pytest.importorskip("torchtitan.models.common.moe")
 
-from feplb.testing import error_of, run_dist  # noqa: E402
+from feplb.testing import DerivedWeights, error_of, run_dist  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -149,8 +149,9 @@ def _routed_case(rank: int, world: int, policy: str, mode: str, arch: str = "qwe
         return x, s, y
 
     g = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(7 + rank)).to(act)
-    with ctx():
+    with ctx(), DerivedWeights() as watch:
         xo, so, yo = run(ours, x, scores)
+        watch.at_backward(yo)
     yo.backward(g)
     # torchtitan's GPT-OSS experts return bfloat16 whatever the input, which its combine cannot take in fp32: its
     # error is measured in the bf16 mode only
@@ -180,6 +181,7 @@ def _routed_case(rank: int, world: int, policy: str, mode: str, arch: str = "qwe
     moved_t = torch.tensor([stats.rows_moved if stats is not None else 0])
     dist.all_reduce(moved_t)
     return {"names": names, "err": err, "rows_moved": int(moved_t), "out_dtype": yo.dtype, "cls": type(ours).__name__,
+            "derived": (watch.made, watch.alive_at_backward),
             "grad_dtypes": {n: p.grad.dtype for n, p in ours.inner_experts.named_parameters()},
             "shapes": {n: tuple(p.shape) for n, p in ours.inner_experts.named_parameters()}}
 
@@ -580,6 +582,11 @@ def _assert_routed(ranks: list[dict], world: int) -> None:
                 assert case["shapes"] == {"w1_EFD": (L, FF, D), "w2_EDF": (L, D, FF), "w3_EFD": (L, FF, D)}, where
             # the parameters keep their dtype, the output x's
             assert set(case["grad_dtypes"].values()) == {torch.float32}, where
+            # the weights joined and cast from them are derived again in the backward, not kept: [w1 | w3] always,
+            # w2 cast to bf16; GPT-OSS's four in bf16, none in fp32 (its parameters are the weights)
+            bf16 = MODES[mode][0] == torch.bfloat16
+            made = (2 if bf16 else 1) if arch == "qwen3" else (4 if bf16 else 0)
+            assert case["derived"] == (made, [0]), f"{where}: {case['derived']}"
             assert case["out_dtype"] == MODES[mode][1], where
             for what, (ours, titan) in case["err"].items():
                 if mode == "fp32":

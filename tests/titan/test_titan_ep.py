@@ -29,7 +29,7 @@ pytest.importorskip("torchtitan.models.common.moe")
 
 from pathlib import Path  # noqa: E402
 
-from feplb.testing import load_module, run_dist  # noqa: E402
+from feplb.testing import DerivedWeights, load_module, run_dist  # noqa: E402
 
 # test_titan.py's model shapes, inputs and fp64 reference (loaded by path: test folders are no packages, and the
 # ranks load this file by path)
@@ -157,7 +157,7 @@ def _reference(rank: int, full: dict, x, scores, ids, g) -> tuple[dict, torch.Te
     return grads, yr, xr.grad, sr.grad
 
 
-def _run(mod, ctx, x, scores, ids, g, checkpoint: bool = False):
+def _run(mod, ctx, x, scores, ids, g, checkpoint: bool = False, watch: DerivedWeights | None = None):
     xx, ss = x.clone().requires_grad_(), scores.clone().requires_grad_()
     counts = torch.bincount(ids.reshape(-1), minlength=E)
     with ctx():
@@ -167,6 +167,8 @@ def _run(mod, ctx, x, scores, ids, g, checkpoint: bool = False):
             y = ckpt(mod.routed_experts, xx, ss, ids, counts, use_reentrant=False)
         else:
             y = mod.routed_experts(xx, ss, ids, counts)
+    if watch is not None:
+        watch.at_backward(y)
     y.backward(g)
     return y, xx.grad, ss.grad
 
@@ -212,7 +214,8 @@ def _routed_case(rank: int, backend: str, arch: str = "qwen3") -> dict:
         moe = _build(_config(arch, policy=policy, gpus_per_node=2, dtype=dtype, **OPTS))
         moe.parallelize(pd)
         inner = moe.routed_experts.inner_experts
-        y, gx, gs = _run(moe, ctx, x, scores, ids, g)
+        with DerivedWeights() as watch:   # the joined weights: derived again in the backward, not kept
+            y, gx, gs = _run(moe, ctx, x, scores, ids, g, watch=watch)
         moved = _moved(inner)
         ow = dict(inner.named_parameters())
         err = errors(act, y, gx, gs, {n: p.grad for n, p in ow.items()})
@@ -225,6 +228,7 @@ def _routed_case(rank: int, backend: str, arch: str = "qwen3") -> dict:
             all(torch.equal(grads[n], _local(p.grad)) for n, p in ow.items())
         out[(policy, dtype)] = {
             "err": {k: (v, titan_err[k]) for k, v in err.items()}, "moved": moved,
+            "derived": (watch.made, watch.alive_at_backward),
             "checkpoint_equal": same_ckpt, "out_dtype": y.dtype, "act": act, "cls": type(inner).__name__,
             "params": [(n, type(p).__name__, tuple(p.shape), p.dtype) for n, p in ow.items()],
             "titan_params": [(n, type(p).__name__, tuple(p.shape), p.dtype) for n, p in tw.items()],
@@ -331,8 +335,11 @@ def _fsdp_case(rank: int) -> dict:
         moe = _build(cfg)
         moe.parallelize(pd)
         inner = moe.routed_experts.inner_experts
-        fully_shard(inner, mesh=pd.get_mesh("efsdp"))
-        y, gx, gs = _run(moe, ctx, x, scores, ids, g)
+        # freed after the forward and gathered again for the backward, as torchtitan's blocks are
+        fully_shard(inner, mesh=pd.get_mesh("efsdp"), reshard_after_forward=True)
+        with DerivedWeights() as watch:
+            y, gx, gs = _run(moe, ctx, x, scores, ids, g, watch=watch)
+        out[name + "_derived"] = (watch.made, watch.alive_at_backward)
         # FSDP averages the gradients over expert-FSDP: two ranks holding the same experts, other tokens each
         out[name] = {"out": _rel(y.detach(), yr), "x": _rel(gx, gxr), "scores": _rel(gs, gsr),
                      **{n: _rel(p.grad.full_tensor(), want_w[n] / 2) for n, p in inner.named_parameters()}}
@@ -396,6 +403,12 @@ def test_routed_experts_behind_torchtitans_dispatch(four_ranks):
                 # balancing moved rows (skewed routing, 2 nodes of 2), and none without a policy
                 assert (case["moved"] > 0) == (policy != "none"), f"{where}: {case['moved']} rows moved"
                 assert case["checkpoint_equal"], f"{where}: a checkpointed forward differs"
+                # the join ([w1 | w3] in the layer's dtype; w2 too, cast) is derived again in the backward
+                made, alive = case["derived"]
+                # (GPT-OSS in fp32: its parameters are the weights, nothing is derived)
+                assert made == {"qwen3": {"float32": 1, "bfloat16": 2},
+                                "gpt_oss": {"float32": 0, "bfloat16": 4}}[arch][dtype], where
+                assert alive == [0], f"{where}: {alive} derived weights kept between the forward and the backward"
                 # torchtitan's parameters, untouched: names, types (DTensor or local shard), shapes, dtype
                 assert case["params"] == case["titan_params"] and case["state_dict"], where
                 kind = "DTensor" if backend == "partial_dtensor" else "Parameter"
@@ -435,6 +448,8 @@ def test_under_fsdp(four_ranks):
         case = res["fsdp"]
         assert case["moved"] > 0, r
         assert "Shard(dim=0)" in case["ours_placements"] and case["ours_placements"] == case["titan_placements"]
+        # the join derived again from the parameters FSDP gathered again for the backward
+        assert case["ours_derived"] == (1, [0]) and case["titan_derived"] == (0, [0]), r
         for what, err in case["titan"].items():   # the reference, checked: torchtitan's own bf16 experts
             assert err <= 2e-2, f"rank {r}: torchtitan's {what} off the reference by {err:.2e}"
         for what, err in case["ours"].items():

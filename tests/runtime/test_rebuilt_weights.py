@@ -1,0 +1,181 @@
+"""feplb.experts.rebuilt_in_backward: weights derived from parameters every forward are not kept for the backward,
+which derives them again: the same gradients, bit for bit, without the copy alive between forward and backward."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from feplb.experts import expert_mlp, rebuilt_in_backward
+
+SIZES = [5, 0, 7, 3]   # rows per expert (one expert without rows)
+L, H, F = len(SIZES), 8, 6
+
+
+def _params(seed: int, dtype=torch.float32):
+    """torchtitan's layout: w1 [L, F, H], w2 [L, H, F], w3 [L, F, H] (leaves)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=gen, dtype=dtype).div_(s[-1] ** 0.5).requires_grad_()
+            for s in ((L, F, H), (L, H, F), (L, F, H))]
+
+
+class _Join:
+    """[w1 | w3] joined and cast, w2 cast (feplb.titan's join), counting its calls."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype, self.calls = dtype, 0
+
+    def __call__(self, w1, w2, w3):
+        self.calls += 1
+        return torch.cat([w1, w3], dim=1).to(self.dtype).transpose(1, 2), w2.to(self.dtype).transpose(1, 2)
+
+
+def _run(params, x, join, rebuild: bool, hold: list | None = None, twice: bool = False):
+    """The experts' forward (two uses of the weights: the whole bank, and expert 2 alone, as a dynamic GEMM takes a
+    view) and backward; the gradients of x and the parameters."""
+    offsets = torch.tensor(SIZES).cumsum(0)
+    ctx = rebuilt_in_backward(join, params, "test experts") if rebuild else _plain(join, params)
+    with ctx as weights:
+        y = expert_mlp(x, weights, offsets)
+        one = expert_mlp(x[:4], tuple(w[2:3] for w in weights), torch.tensor([4]))
+        if hold is not None:
+            hold.extend(weakref.ref(w) for w in weights)
+    del weights
+    loss = (y.float() ** 2).sum() + one.float().sum()
+    if hold is not None:
+        hold[:] = [r() is not None for r in hold]   # alive between the forward and the backward
+    grads = torch.autograd.grad(loss, [x, *params], retain_graph=twice)
+    if twice:
+        again = torch.autograd.grad(loss, [x, *params])
+        assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
+    return grads
+
+
+class _plain:
+    def __init__(self, join, params):
+        self.weights = join(*params)
+
+    def __enter__(self):
+        return self.weights
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_equal_bit_for_bit_and_the_join_is_not_kept(dtype):
+    params = _params(0)
+    x = torch.randn(sum(SIZES), H, generator=torch.Generator().manual_seed(1), dtype=dtype, requires_grad=True)
+    plain_alive, rebuilt_alive = [], []
+    want = _run(params, x, _Join(dtype), False, plain_alive)
+    join = _Join(dtype)
+    got = _run(params, x, join, True, rebuilt_alive, twice=True)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # without the hooks the GEMMs keep the joined weights; with them nothing keeps them (w2 cast to its own dtype
+    # is a view of the parameter, saved as it is)
+    assert plain_alive == [True, True] and rebuilt_alive == [False, dtype == torch.float32]
+    # the forward's join, then one in the backward for every use (kept for the second backward: retain_graph)
+    assert join.calls == 2
+
+
+def test_checked_against_an_independent_reference():
+    """fp64 experts through the rebuilt weights against a per-expert loop of matmuls."""
+    params = _params(2, torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(SIZES), H, generator=gen, dtype=torch.float64, requires_grad=True)
+    g_out = torch.randn(sum(SIZES), H, generator=gen, dtype=torch.float64)
+    with rebuilt_in_backward(_Join(torch.float64), params) as weights:
+        y = expert_mlp(x, weights, torch.tensor(SIZES).cumsum(0))
+    got = torch.autograd.grad(y, [x, *params], g_out)
+    w1, w2, w3 = params
+    rows, start = [], 0
+    for e, n in enumerate(SIZES):
+        xe = x[start:start + n]
+        rows.append((torch.nn.functional.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
+        start += n
+    want = torch.autograd.grad(torch.cat(rows), [x, *params], g_out)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_parameter_changed_in_place_before_the_backward_raises():
+    params = _params(4)
+    x = torch.randn(sum(SIZES), H, requires_grad=True)
+    with rebuilt_in_backward(_Join(torch.float32), params, "layer 3's experts") as weights:
+        y = expert_mlp(x, weights, torch.tensor(SIZES).cumsum(0))
+    with torch.no_grad():
+        params[2].add_(1.0)   # an optimizer step between the forward and its backward
+    with pytest.raises(RuntimeError, match=r"layer 3's experts: parameter 2 .*modified in place"):
+        y.sum().backward()
+
+
+def test_storage_freed_and_gathered_again_as_fsdp_does():
+    """FSDP frees the unsharded parameters' storage after the forward and gathers it again before the backward
+    (keeping their version): the backward derives the weights from the gathered data. Not gathered: a clear error."""
+    dt = torch.bfloat16   # (every weight derived: in fp32 w2 is a view, which autograd saves and checks itself)
+    x = torch.randn(sum(SIZES), H, generator=torch.Generator().manual_seed(5), dtype=dt, requires_grad=True)
+    full = _params(6)
+    want = _run(full, x, _Join(dt), False)
+    for gather in (True, False):
+        # unsharded parameters as FSDP's: non-leaf views of a storage it frees and refills
+        base = [p.detach().clone().requires_grad_() for p in full]
+        views = [b.view_as(b) for b in base]
+        saved = [v.detach().clone() for v in views]
+        with rebuilt_in_backward(_Join(dt), views, "layer 0's experts") as weights:
+            y = expert_mlp(x, weights, torch.tensor(SIZES).cumsum(0))
+            one = expert_mlp(x[:4], tuple(w[2:3] for w in weights), torch.tensor([4]))
+        del weights
+        loss = (y.float() ** 2).sum() + one.float().sum()
+        for v in views:
+            v.untyped_storage().resize_(0)
+        if not gather:
+            with pytest.raises(RuntimeError, match=r"layer 0's experts: parameter 0 .*freed after the forward"):
+                torch.autograd.grad(loss, [x, *base])
+            continue
+        for v, s in zip(views, saved, strict=True):
+            v.untyped_storage().resize_(s.numel() * s.element_size())
+            with torch.autograd._unsafe_preserve_version_counter(v):
+                v.detach().copy_(s)
+        got = torch.autograd.grad(loss, [x, *base])
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_off_under_checkpointing_and_other_saved_tensor_hooks():
+    """Activation checkpointing recomputes the forward (the join included): the hooks stay off, and the gradients
+    are the same. Under another saved-tensor hook (offloading, say), that hook sees the joined weights."""
+    params = _params(7)
+    x = torch.randn(sum(SIZES), H, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    offsets = torch.tensor(SIZES).cumsum(0)
+    want = _run(params, x, _Join(torch.float32), False)
+
+    def block(x_):
+        with rebuilt_in_backward(_Join(torch.float32), params) as weights:
+            assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None   # checkpoint's
+            y = expert_mlp(x_, weights, offsets)
+            one = expert_mlp(x_[:4], tuple(w[2:3] for w in weights), torch.tensor([4]))
+        return (y ** 2).sum() + one.sum()
+
+    loss = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    got = torch.autograd.grad(loss, [x, *params])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+    seen = []
+    with (torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.shape) or t, lambda t: t),
+          rebuilt_in_backward(_Join(torch.float32), params) as weights):
+        expert_mlp(x, weights, offsets)
+    assert (L, H, 2 * F) in [tuple(s) for s in seen]
+
+
+def test_off_without_autograd_or_without_a_derived_tensor():
+    params = _params(9)
+    with torch.no_grad(), rebuilt_in_backward(_Join(torch.float32), params) as weights:
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        assert not weights[0].requires_grad
+    # a join that only views its parameters (as Megatron's GroupedMLP in its own dtype): nothing to derive again
+    with rebuilt_in_backward(lambda w1, w2, w3: (w1.transpose(1, 2), w2.transpose(1, 2)), params) as weights:
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        assert weights[0]._base is params[0]
