@@ -88,6 +88,83 @@ def _cpu_megatron(world: int) -> None:
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
 
 
+def _cpu_deepep() -> None:
+    """The flex token dispatcher's DeepEP backend (CUDA only) as a gloo stand-in with DeepEP's contract, as
+    Megatron's ``fused_a2a`` wraps it: ``fused_dispatch`` sends each token once to every rank holding one of its
+    experts (in token order per source rank) and returns the received rows, their top-k ids as local expert indices
+    (-1 where another rank's, or dropped), their fp32 probabilities, the tokens per local expert as a host tensor,
+    and a handle; ``fused_combine`` sums each token's returned rows at its source. Both differentiate as DeepEP's
+    do (the backward of one is the other; the probabilities' gradients go back to their slots)."""
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    td.fused_dispatch = lambda x, idx, probs, num_experts, group, async_finish=False, allocate_on_comm_stream=False: \
+        _DeepEPDispatch.apply(x.contiguous(), idx, probs, num_experts, group)
+    td.fused_combine = lambda x, group, handle, async_finish=False, allocate_on_comm_stream=False: \
+        (_DeepEPCombine.apply(x, group, handle), None)
+    td.set_deepep_num_sms = lambda num_sms: None
+    # its preprocessing is torch.compile'd (megatron.core.jit): run it eagerly, as the other dispatchers run
+    pre = td.MoEFlexTokenDispatcher.dispatch_preprocess
+    td.MoEFlexTokenDispatcher.dispatch_preprocess = getattr(pre, "_torchdynamo_orig_callable", pre)
+
+
+def _a2a_rows(t: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = t.new_empty((sum(recv), *t.shape[1:]))
+    dist.all_to_all_single(out, t.contiguous(), recv, send, group=group)
+    return out
+
+
+class _DeepEPDispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, idx, probs, num_experts, group):
+        import torch.distributed as dist
+
+        W = dist.get_world_size(group)
+        L = num_experts // W
+        dest = torch.where(idx >= 0, idx.div(L, rounding_mode="floor"), -1)   # [T, K] the rank of each slot
+        rows = [torch.nonzero((dest == r).any(dim=1)).flatten() for r in range(W)]
+        sent = torch.cat(rows)
+        to = torch.cat([torch.full((len(t),), r) for r, t in enumerate(rows)])   # each sent row's rank
+        send = [len(t) for t in rows]
+        counts = torch.tensor(send)
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=group)
+        recv = got.tolist()
+        mine = dest[sent] == to[:, None]
+        local = torch.where(mine, idx[sent] - to[:, None] * L, -1)
+        recv_x = _a2a_rows(x[sent], send, recv, group)
+        recv_idx = _a2a_rows(local, send, recv, group)
+        recv_probs = _a2a_rows(torch.where(mine, probs[sent].float(), 0.0), send, recv, group)
+        per_expert = torch.bincount(recv_idx[recv_idx >= 0], minlength=L).tolist()
+        handle = (sent, mine, send, recv, x.shape[0])
+        ctx.handle, ctx.group = handle, group
+        ctx.mark_non_differentiable(recv_idx)
+        return recv_x, recv_idx, recv_probs, torch.tensor(per_expert), handle
+
+    @staticmethod
+    def backward(ctx, g_x, g_idx, g_probs, g_counts, g_handle):
+        sent, mine, send, recv, T = ctx.handle
+        back = _a2a_rows(g_x, recv, send, ctx.group)
+        gx = back.new_zeros((T, back.shape[1])).index_add_(0, sent, back)
+        gp = _a2a_rows(g_probs, recv, send, ctx.group) * mine
+        return gx, None, gp.new_zeros((T, gp.shape[1])).index_add_(0, sent, gp), None, None
+
+
+class _DeepEPCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group, handle):
+        sent, _, send, recv, T = handle
+        back = _a2a_rows(y, recv, send, group)
+        ctx.handle, ctx.group = handle, group
+        return back.new_zeros((T, back.shape[1])).index_add_(0, sent, back)
+
+    @staticmethod
+    def backward(ctx, g):
+        sent, _, send, recv, _ = ctx.handle
+        return _a2a_rows(g[sent], send, recv, ctx.group), None, None
+
+
 def _splits_on_host(self, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
     """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize on the CPU: at its host-copy point the split sizes
     become numpy arrays (as its CUDA path makes them); there is no stream to synchronise."""
@@ -1306,9 +1383,23 @@ def _own_ckpt_case(rank: int, world: int) -> dict:
     return {"equal": _checkpoint_equal(moe, rank), "moved": _moved(moe)}
 
 
+def _flex_stand_in_case(rank: int, world: int) -> dict:
+    """The DeepEP stand-in checked against Megatron's alltoall dispatcher: Megatron's own layers (no FEPLB), the same
+    weights and tokens, behind either dispatcher; with capacity drops too (DeepEP's -1 slots)."""
+    out = {}
+    for label, over in (("plain", {}), ("capacity", dict(moe_expert_capacity_factor=1.0))):
+        x, g = _inputs(rank)
+        flex = _grads(make_moe(moe_token_dispatcher_type="flex", **over), x, g)
+        a2a = _grads(make_moe(moe_token_dispatcher_type="alltoall", **over), x, g)
+        out[label] = {n: _rel(flex[n], a2a[n]) for n in a2a}
+    return out
+
+
 def _own_dispatcher_job(rank: int, world: int) -> dict:
-    """feplb.megatron.apply(..., token_dispatcher="megatron"): Megatron's alltoall and allgather dispatchers kept."""
+    """feplb.megatron.apply(..., token_dispatcher="megatron"): Megatron's alltoall and allgather dispatchers kept,
+    and its flex dispatcher over a stand-in of DeepEP."""
     _cpu_megatron(world)
+    _cpu_deepep()
     from megatron.core.activations import quick_gelu
     from megatron.core.fusions.fused_bias_geglu import quick_gelu as fused_quick_gelu
 
@@ -1317,6 +1408,17 @@ def _own_dispatcher_job(rank: int, world: int) -> dict:
         for policy in ("feplb-split", "none", "lp"):
             res["layer", kind, "softmax", policy] = _layer_case(
                 rank, world, "softmax", policy, torch.float32, dispatcher="megatron", moe_token_dispatcher_type=kind)
+    # DeepEP's contract (rows once per rank, local top-k ids, fp32 probabilities, counts on the host)
+    res["flex-stand-in"] = _flex_stand_in_case(rank, world)
+    flex = dict(dispatcher="megatron", moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
+    for label, arch, over in (("softmax", "softmax", {}), ("sigmoid", "sigmoid", {}),
+                              ("capacity", "softmax", dict(moe_expert_capacity_factor=1.0))):
+        for policy in ("feplb-split", "none") if label == "softmax" else ("feplb-split",):
+            res["layer", "flex", label, policy] = _layer_case(rank, world, arch, policy, torch.float32, **flex,
+                                                              **over)
+    res["layer", "flex", "te-bias", "feplb-split"] = _layer_case(rank, world, "softmax", "feplb-split",
+                                                                 torch.float32, "te", **flex, add_bias_linear=True)
+    res["bf16", "flex"] = _layer_case(rank, world, "softmax", "feplb-split", torch.bfloat16, **flex)
     a2a = dict(dispatcher="megatron", moe_token_dispatcher_type="alltoall")
     oss = dict(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=0.5)
     for label, arch, experts, over in (
@@ -1358,8 +1460,9 @@ def own_dispatcher_job():
 
 
 def test_behind_megatrons_own_dispatcher_the_layer_matches_megatron(own_dispatcher_job):
-    """The experts replaced, Megatron's alltoall / allgather dispatcher kept: outputs and every gradient against
-    Megatron's layer with the same dispatcher; rows really move between the GPUs of a node."""
+    """The experts replaced, Megatron's alltoall / allgather / flex (DeepEP, a stand-in) dispatcher kept: outputs and
+    every gradient against Megatron's layer with the same dispatcher; rows really move between the GPUs of a
+    node."""
     res = own_dispatcher_job
     for r in res:
         for key, case in r.items():
@@ -1368,10 +1471,15 @@ def test_behind_megatrons_own_dispatcher_the_layer_matches_megatron(own_dispatch
             assert case["names"] == ["experts"] and case["same_names"] and case["same_params"], key
             # the dispatcher is Megatron's own, the same object kind as the reference's
             assert case["dispatcher"] == {"alltoall": "MoEAlltoAllTokenDispatcher",
-                                          "allgather": "MoEAllGatherTokenDispatcher"}[key[1]], key
+                                          "allgather": "MoEAllGatherTokenDispatcher",
+                                          "flex": "MoEFlexTokenDispatcher"}[key[1]], key
             for n, e in case["err"].items():
                 assert e <= 1e-5, (key, n, e)
-        for key in (("bf16", "softmax"), ("bf16", "te-bias")):
+        # the stand-in of DeepEP computes Megatron's layer as its alltoall dispatcher does
+        for label, errs in r["flex-stand-in"].items():
+            for n, e in errs.items():
+                assert e <= 1e-5, ("flex stand-in", label, n, e)
+        for key in (("bf16", "softmax"), ("bf16", "te-bias"), ("bf16", "flex")):
             case = r[key]
             assert case["out_dtype"] == torch.bfloat16
             for n, (ours, theirs) in case["err"].items():
@@ -1382,6 +1490,7 @@ def test_behind_megatrons_own_dispatcher_the_layer_matches_megatron(own_dispatch
                 # linear_fc1.weight, the same with FEPLB's own dispatch; a lost or swapped bias is off by its size)
                 loose = key[1] == "te-bias" and n not in ("out", "x")
                 assert ours <= (max(2 * theirs, 2 ** -6) if loose else 2 * theirs + 1e-6), (key, n, ours, theirs)
+    assert all(r["layer", "flex", "capacity", "feplb-split"]["dropped"] > 0 for r in res)
     for key, case in res[0].items():
         if key[0] in ("layer", "bf16"):
             # padded to capacity, every GPU computes the same number of rows: nothing to balance, nothing moves (the
