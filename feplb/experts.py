@@ -5,6 +5,7 @@ copy, the hand-off of device work to a helper thread, and timeline spans."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from feplb.timeline import Timeline
 
-__all__ = ["expert_mlp", "ready_event", "rebuilt_in_backward", "span", "to_device"]
+__all__ = ["derived_cast", "expert_mlp", "ready_event", "rebuilt_in_backward", "span", "to_device"]
 
 
 def expert_mlp(x_MH: torch.Tensor, weights: tuple[torch.Tensor, ...], offsets_L: torch.Tensor,
@@ -74,10 +75,12 @@ class _RowBias(torch.autograd.Function):
 
 @contextlib.contextmanager
 def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: Sequence[torch.Tensor],
-                        name: str = "experts") -> Iterator[tuple[torch.Tensor, ...]]:
+                        name: str = "experts", versioned: Sequence[torch.Tensor] = ()
+                        ) -> Iterator[tuple[torch.Tensor, ...]]:
     """Yield ``make(*sources)``: weights derived from parameters (joined, stacked, cast: a new tensor each forward),
     which autograd inside the block saves as a recipe rather than as the tensors. The backward derives them again
-    from ``sources`` (once, shared by every use; freed when the last use's backward has run).
+    from ``sources`` (once, shared by every use; freed when the last use's backward has run). Casts of them made
+    inside the block through :func:`derived_cast` (the GEMMs' copies under ``torch.autocast``) are derived alike.
 
     Adapters whose experts' parameters are not in the layer's layout (torchtitan's separate ``w1`` / ``w3``,
     Megatron's one module per expert) join them every forward; the experts' GEMMs save the joined weights for the
@@ -87,15 +90,24 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: 
     layer's backward.
 
     Tensors sharing a source's storage (a view, a cast to the same dtype) are saved as they are. The hooks stay
-    off where other saved-tensor hooks are on (activation checkpointing recomputes the forward, derived weights
-    included; an offloading hook decides for itself), and outside autograd. The backward raises, naming ``name``,
-    if a source was changed in place (an optimizer step between a forward and its backward, as autograd raises
-    for a saved tensor) or its storage freed (FSDP's unsharded parameters not gathered again).
+    off under other saved-tensor hooks (non-reentrant checkpointing recomputes the forward, derived weights
+    included; an offloading hook decides for itself), inside a backward (a reentrant checkpoint's recompute, whose
+    backward follows at once), and outside autograd. They change no forward's kind for FEPLB's own recompute
+    records (``feplb.recompute.hooks_active``).
+
+    The backward derives the weights from the sources as they are then. It raises, naming ``name``, if one of
+    ``sources`` or ``versioned`` (the parameters behind the sources, where the sources are views autograd versions
+    apart from them, such as a DTensor's local tensor) was changed in place where autograd sees it (an optimizer
+    step between a forward and its backward, as autograd raises for a tensor it saved), or if a source's storage was
+    freed (FSDP's unsharded parameters not gathered again). A write autograd does not see (through ``.data``) goes
+    unnoticed: training loops do not step between a forward and its backward.
     """
+    from feplb.recompute import in_backward
+
     sources = tuple(sources)
     weights = make(*sources)
     plain = (torch.Tensor, torch.nn.Parameter)
-    if (not torch.is_grad_enabled() or not torch._C._autograd._saved_tensors_hooks_is_enabled()
+    if (not torch.is_grad_enabled() or in_backward() or not torch._C._autograd._saved_tensors_hooks_is_enabled()
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             or not all(type(t) in plain for t in (*sources, *weights))):
         yield weights
@@ -109,11 +121,11 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: 
     if not derived:
         yield weights
         return
-    recipe = _Recipe(make, sources, weights, name)
+    recipe = _Recipe(make, sources, tuple(versioned), weights, name)
 
     # (autograd keeps the hooks as long as what they saved: they must not hold the weights)
     def pack(t: torch.Tensor):
-        if type(t) is torch.Tensor:
+        if type(t) is torch.Tensor and t.layout is torch.strided:
             i, dtype = derived.get(_storage_key(t), (None, None))
             if i is not None and t.dtype == dtype:
                 return _Derived(recipe, i, t.shape, t.stride(), t.storage_offset())
@@ -122,52 +134,104 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: 
     def unpack(p):
         return p.tensor() if isinstance(p, _Derived) else p
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield weights
+    pack.feplb_rebuilt = True   # (read by feplb.recompute: these hooks make no forward a checkpointed one)
+    outer = getattr(_ACTIVE, "block", None)
+    _ACTIVE.block = (derived, recipe)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield weights
+    finally:
+        _ACTIVE.block = outer
+
+
+_ACTIVE = threading.local()   # .block: (derived storages, recipe) of this thread's innermost rebuilt_in_backward
+
+
+def derived_cast(casts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...]) -> None:
+    """Declare ``casts[i]`` (a new tensor: ``inputs[i]`` cast to another dtype) derived like ``inputs[i]`` where
+    that is a weight the innermost active :func:`rebuilt_in_backward` block derives: the backward casts the rebuilt
+    weight again instead of autograd keeping the cast. Outside such a block, or for other inputs, nothing."""
+    block = getattr(_ACTIVE, "block", None)
+    if block is None:
+        return
+    derived, recipe = block
+    for out, inp in zip(casts, inputs, strict=True):
+        if out is inp or type(inp) is not torch.Tensor or inp.layout is not torch.strided:
+            continue
+        parent = derived.get(_storage_key(inp))
+        key = _storage_key(out)
+        if parent is None or parent[1] != inp.dtype or key[1] == 0 or key in derived:
+            continue
+        j = recipe.add_cast(parent[0], inp, out)
+        derived[key] = (j, out.dtype)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
     return t.device, t.untyped_storage().data_ptr()
 
 
+def _layout(w: torch.Tensor) -> tuple:
+    return tuple(w.shape), w.stride(), w.storage_offset(), w.dtype, w.untyped_storage().nbytes()
+
+
 class _Recipe:
     """How one forward's derived weights are made again: ``make``, its sources (as the forward read them: their
-    versions and storage sizes), and the layout the rebuilt weights must have."""
+    versions and storage sizes), and the layout the rebuilt weights must have; then the casts of them
+    (``derived_cast``: which weight, the view of it that was cast, to what)."""
 
-    __slots__ = ("make", "sources", "versions", "nbytes", "layouts", "name", "rebuilt")
+    __slots__ = ("make", "sources", "versioned", "versions", "nbytes", "layouts", "casts", "name", "rebuilt",
+                 "cast_rebuilt")
 
-    def __init__(self, make, sources: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...], name: str):
-        self.make, self.sources, self.name = make, sources, name
-        self.versions = tuple(s._version for s in sources)
+    def __init__(self, make, sources: tuple[torch.Tensor, ...], versioned: tuple[torch.Tensor, ...],
+                 weights: tuple[torch.Tensor, ...], name: str):
+        self.make, self.sources, self.versioned, self.name = make, sources, versioned, name
+        self.versions = tuple(s._version for s in (*sources, *versioned))
         self.nbytes = tuple(s.untyped_storage().nbytes() for s in sources)
         self.layouts = tuple(_layout(w) for w in weights)
+        self.casts: list[tuple[int, tuple, torch.dtype, tuple]] = []
         self.rebuilt: tuple[torch.Tensor, ...] | None = None
+        self.cast_rebuilt: dict[int, torch.Tensor] = {}
+
+    def add_cast(self, parent: int, view: torch.Tensor, out: torch.Tensor) -> int:
+        self.casts.append((parent, (view.shape, view.stride(), view.storage_offset()), out.dtype, _layout(out)))
+        return len(self.layouts) + len(self.casts) - 1
 
     def weight(self, i: int) -> torch.Tensor:
+        n = len(self.layouts)
+        if i >= n:
+            if i not in self.cast_rebuilt:
+                parent, (size, stride, offset), dtype, layout = self.casts[i - n]
+                with torch.no_grad():
+                    out = self.weight(parent).as_strided(size, stride, offset).to(dtype)
+                self._check_layout((_layout(out),), (layout,))
+                self.cast_rebuilt[i] = out
+            return self.cast_rebuilt[i]
         if self.rebuilt is None:
-            for k, (s, v, n) in enumerate(zip(self.sources, self.versions, self.nbytes, strict=True)):
-                if s._version != v:
-                    raise RuntimeError(f"{self.name}: parameter {k} of the experts was modified in place between "
-                                       f"the forward and its backward (version {v} -> {s._version}); the backward "
-                                       "derives the experts' weights from the parameters the forward read, so it "
-                                       "needs them unchanged (step the optimizer after the backward)")
-                if s.untyped_storage().nbytes() != n:
+            now = tuple(s._version for s in (*self.sources, *self.versioned))
+            for k, (v, w) in enumerate(zip(self.versions, now, strict=True)):
+                if v != w:
+                    what = (f"parameter {k}" if k < len(self.sources)
+                            else f"parameter {k - len(self.sources)} (of those behind them)")
+                    raise RuntimeError(f"{self.name}: {what} of the experts was modified in place between the "
+                                       f"forward and its backward (version {v} -> {w}); the backward derives the "
+                                       "experts' weights from the parameters the forward read, so it needs them "
+                                       "unchanged (step the optimizer after the backward)")
+            for k, (s, n_) in enumerate(zip(self.sources, self.nbytes, strict=True)):
+                if s.untyped_storage().nbytes() != n_:
                     raise RuntimeError(f"{self.name}: parameter {k} of the experts has {s.untyped_storage().nbytes()}"
-                                       f" bytes of storage at the backward, {n} at the forward (freed after the "
+                                       f" bytes of storage at the backward, {n_} at the forward (freed after the "
                                        "forward and not gathered again?); the backward derives the experts' weights "
                                        "from it")
             with torch.no_grad():
                 rebuilt = tuple(self.make(*self.sources))
-            got = tuple(_layout(w) for w in rebuilt)
-            if got != self.layouts:
-                raise RuntimeError(f"{self.name}: the experts' weights derived again in the backward have the layout "
-                                   f"{got}, the forward's had {self.layouts}")
+            self._check_layout(tuple(_layout(w) for w in rebuilt), self.layouts)
             self.rebuilt = rebuilt
         return self.rebuilt[i]
 
-
-def _layout(w: torch.Tensor) -> tuple:
-    return tuple(w.shape), w.stride(), w.storage_offset(), w.dtype, w.untyped_storage().nbytes()
+    def _check_layout(self, got: tuple, want: tuple) -> None:
+        if got != want:
+            raise RuntimeError(f"{self.name}: the experts' weights derived again in the backward have the layout "
+                               f"{got}, the forward's had {want}")
 
 
 class _Derived:

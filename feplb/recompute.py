@@ -55,16 +55,23 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _top_hooks() -> tuple[Callable, Callable] | None:
+    """The active saved-tensor hooks, or None; FEPLB's own (``feplb.experts.rebuilt_in_backward``, around a plain
+    forward of an adapter: they never run under other hooks) count as none."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if hooks is None or getattr(hooks[0], "feplb_rebuilt", False) else hooks
+
+
 def hooks_active() -> bool:
     """Whether saved-tensor hooks are active (non-reentrant checkpointing, in its forward and its recompute)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    return _top_hooks() is not None
 
 
 def checkpoint_frame() -> Any | None:
     """The ``torch.utils.checkpoint`` frame whose saved-tensor hooks are the active ones (non-reentrant
     checkpointing: the same object in the forward and in its recompute), read from the pack hook's closure; None
     under other hooks or none, or where torch keeps it otherwise."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    hooks = _top_hooks()
     if hooks is None:
         return None
     fn = hooks[0]

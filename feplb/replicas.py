@@ -82,11 +82,13 @@ class SlotWeights:
         then shares one cast (one pass over the weights) instead of casting the whole bank at each launch; the
         parts, which the copy path sends, keep the layer's dtype, and so do biases (added after the GEMM, in the
         wider dtype)."""
+        from feplb.experts import derived_cast
         from feplb.kernels import autocast_matmul_inputs
 
         cast = autocast_matmul_inputs(*self.parts[:2])
         if all(a is b for a, b in zip(cast, self.parts[:2], strict=True)):
             return self
+        derived_cast(cast, self.parts[:2])   # casts of weights an adapter derives: derived again in the backward
         return dataclasses.replace(self, gemm_parts=(*cast, *self.parts[2:]))
 
 

@@ -399,7 +399,8 @@ def load_global_weights(layer, router_EH, w1_EH2F, w2_EFH, b1_E2F=None, b2_EH=No
 
 class DerivedWeights:
     """Watches the weights that ``feplb.experts.rebuilt_in_backward`` derives (joined, cast: not views of the
-    parameters) inside ``with DerivedWeights() as watch:``, through weak references: ``watch.made`` counts them,
+    parameters; and their casts for the GEMMs under autocast) inside ``with DerivedWeights() as watch:``, through
+    weak references: ``watch.made`` counts them,
     ``watch.alive()`` how many something still holds (called between a forward and its backward: 0 when autograd
     keeps recipes, not the weights). ``watch.at_backward(y)`` records ``alive()`` as y's backward begins, in
     ``watch.alive_at_backward``."""
@@ -424,19 +425,24 @@ class DerivedWeights:
     def __enter__(self) -> DerivedWeights:
         from feplb import experts
 
-        self._experts, self._init = experts, experts._Recipe.__init__
-        init = self._init
+        self._experts = experts
+        self._init, self._add_cast = experts._Recipe.__init__, experts._Recipe.add_cast
+        init, add_cast = self._init, self._add_cast
 
-        def spy(recipe, make, sources, weights, name):
+        def spy(recipe, make, sources, versioned, weights, name):
             own = {s.untyped_storage().data_ptr() for s in sources}
             self._refs.extend(self._weakref.ref(w) for w in weights if w.untyped_storage().data_ptr() not in own)
-            init(recipe, make, sources, weights, name)
+            init(recipe, make, sources, versioned, weights, name)
 
-        experts._Recipe.__init__ = spy
+        def spy_cast(recipe, parent, view, out):
+            self._refs.append(self._weakref.ref(out))
+            return add_cast(recipe, parent, view, out)
+
+        experts._Recipe.__init__, experts._Recipe.add_cast = spy, spy_cast
         return self
 
     def __exit__(self, *exc) -> None:
-        self._experts._Recipe.__init__ = self._init
+        self._experts._Recipe.__init__, self._experts._Recipe.add_cast = self._init, self._add_cast
 
 
 def error_of(fn: Callable[[], Any]) -> str | None:

@@ -212,7 +212,9 @@ class _Balanced:
         elif 0 <= sum(counts) < x_RD.shape[0]:
             rows = x_RD[:sum(counts)]
         engine.train(self.training)
-        with rebuilt_in_backward(functools.partial(self._join, dt), local, type(self).__name__) as weights:
+        # (the DTensors' own versions: an in-place step of one leaves its local tensor's version as it was)
+        params = [getattr(self, n) for n in self._params]
+        with rebuilt_in_backward(functools.partial(self._join, dt), local, type(self).__name__, params) as weights:
             engine._weights = weights
             try:
                 y = engine._forward_dispatched(rows.to(dt), counts).to(x_RD.dtype)

@@ -883,11 +883,11 @@ def _grouped_refusal_case(rank: int, world: int) -> dict:
 VOCAB, SEQ = 64, 12
 
 
-def make_gpt(experts: str = "sequential", dispatcher: str = "allgather"):
+def make_gpt(experts: str = "sequential", dispatcher: str = "allgather", **over):
     """A Megatron-Core GPTModel of two transformer layers with MoE MLPs (the local spec: Megatron's attention,
     norms, rotary embeddings, output layer and its fused loss), the router's auxiliary load-balancing loss on,
     dropout off; the same weights on every rank and for every call. ``dispatcher``: Megatron's token dispatcher
-    type."""
+    type; ``over``: TransformerConfig fields."""
     import copy
 
     import megatron.core.tensor_parallel.random as mr
@@ -913,7 +913,7 @@ def make_gpt(experts: str = "sequential", dispatcher: str = "allgather"):
                             moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
                             expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
                             moe_router_dtype="fp32", hidden_dropout=0.0, attention_dropout=0.0,
-                            moe_grouped_gemm=grouped)
+                            moe_grouped_gemm=grouped, **over)
     spec = copy.deepcopy(get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=grouped))
     if experts == "te":
         spec.submodules.mlp.submodules.experts = ModuleSpec(module=TEGroupedMLP, submodules=MLPSubmodules(
@@ -922,13 +922,17 @@ def make_gpt(experts: str = "sequential", dispatcher: str = "allgather"):
     return GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
 
 
-def _gpt_case(rank: int, world: int, experts: str, dispatcher: str = "feplb") -> dict:
+def _gpt_case(rank: int, world: int, experts: str, dispatcher: str = "feplb", data_rank: int | None = None,
+              kind: str | None = None, **over) -> dict:
     """Two SGD steps of a whole GPT model (next-token loss plus the routers' auxiliary losses), ours and Megatron's.
-    ``dispatcher``: apply's token_dispatcher ("megatron": both models keep Megatron's alltoall dispatcher)."""
+    ``dispatcher``: apply's token_dispatcher ("megatron": both models keep Megatron's dispatcher, ``kind``, by
+    default alltoall; allgather by default with FEPLB's); ``data_rank``: whose batch this rank takes (the ranks of a
+    tensor-parallel group take the same; default its rank); ``over``: TransformerConfig fields."""
     import feplb.megatron as fm
 
-    kind = "alltoall" if dispatcher == "megatron" else "allgather"
-    ours, ref = make_gpt(experts, kind), make_gpt(experts, kind)
+    kind = kind or ("alltoall" if dispatcher == "megatron" else "allgather")
+    data_rank = rank if data_rank is None else data_rank
+    ours, ref = make_gpt(experts, kind, **over), make_gpt(experts, kind, **over)
     names = fm.apply(ours, policy="feplb-split", gpus_per_node=min(2, world), token_dispatcher=dispatcher, **OPTS)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     mask = torch.triu(torch.ones(SEQ, SEQ), 1).bool()[None, None]   # causal (Megatron's default builds it on CUDA)
@@ -939,7 +943,8 @@ def _gpt_case(rank: int, world: int, experts: str, dispatcher: str = "feplb") ->
         opt = torch.optim.SGD(m.parameters(), lr=0.5)
         losses, moved = [], 0
         for step in range(2):
-            ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(50 + rank + 10 * step))
+            ids = torch.randint(0, VOCAB, (2, SEQ),
+                                generator=torch.Generator().manual_seed(50 + data_rank + 10 * step))
             loss = m(ids, pos, mask, labels=ids.roll(-1, 1)).mean()
             loss.backward()
             losses.append(loss.detach())
@@ -1109,8 +1114,12 @@ def _grid_job(rank: int, world: int) -> dict:
     tp = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1)
     out["tp_ep_ranks"] = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
     for dispatcher in ("feplb", "megatron"):
-        out["tp", dispatcher] = _layer_case(rank, world, "softmax", "feplb-split", torch.float32, dispatcher=dispatcher,
-                                            moe_token_dispatcher_type="alltoall", **tp)
+        for arch in ("softmax", "sigmoid"):   # sigmoid: with shared experts, tensor-parallel as the attention
+            out["tp", dispatcher, arch] = _layer_case(rank, world, arch, "feplb-split", torch.float32,
+                                                      dispatcher=dispatcher, moe_token_dispatcher_type="alltoall", **tp)
+        # a whole GPT model on that grid: attention, embeddings and the loss tensor-parallel, one batch per TP group
+        out["tp_gpt", dispatcher] = _gpt_case(rank, world, "sequential", dispatcher,
+                                              data_rank=ps.get_data_parallel_rank(), kind="alltoall", **tp)
     out["tp_no_sp"] = error_of(lambda: fm.apply(make_moe(**{**tp, "sequence_parallel": False}), **OPTS))
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(2, 1, expert_model_parallel_size=2, expert_tensor_parallel_size=2)
@@ -1141,11 +1150,17 @@ def test_pipeline_stage_without_moe_distributed_optimizer_and_tensor_parallelism
         # tensor parallelism 2 x EP 2: the EP groups are the tensor-parallel pairs, whose ranks hold other tokens
         assert r["tp_ep_ranks"] == [2 * (rank // 2), 2 * (rank // 2) + 1], r["tp_ep_ranks"]
         for dispatcher in ("feplb", "megatron"):
-            case = r["tp", dispatcher]
-            assert case["same_params"] and case["names"] == ["experts"], dispatcher
-            for n, e in case["err"].items():
-                assert e <= 1e-5, (dispatcher, n, e)   # against Megatron's layer on the same grid (measured 4.8e-7)
-            assert case["moved"] > 0, dispatcher
+            for arch in ("softmax", "sigmoid"):
+                case = r["tp", dispatcher, arch]
+                assert case["same_params"] and case["names"] == ["experts"], (dispatcher, arch)
+                for n, e in case["err"].items():
+                    # against Megatron's layer on the same grid (measured 4.8e-7)
+                    assert e <= 1e-5, (dispatcher, arch, n, e)
+                assert case["moved"] > 0, (dispatcher, arch)
+            g = r["tp_gpt", dispatcher]
+            assert g["names"] == ["decoder.layers.0.mlp.experts", "decoder.layers.1.mlp.experts"] and g["same_names"]
+            assert g["loss"] <= 1e-5 and g["grad"] <= 1e-5 and g["weights"] <= 1e-4, (dispatcher, g)
+            assert g["moved"] > 0, dispatcher
         assert "tensor parallelism of size 2 without sequence parallelism" in r["tp_no_sp"], r["tp_no_sp"]
         assert "expert tensor parallelism of size 2" in r["expert_tp"], r["expert_tp"]
 

@@ -33,18 +33,19 @@ class _Join:
         return torch.cat([w1, w3], dim=1).to(self.dtype).transpose(1, 2), w2.to(self.dtype).transpose(1, 2)
 
 
-def _run(params, x, join, rebuild: bool, hold: list | None = None, twice: bool = False):
+def _run(params, x, join, rebuild: bool, hold: list | None = None, twice: bool = False, one: bool = True):
     """The experts' forward (two uses of the weights: the whole bank, and expert 2 alone, as a dynamic GEMM takes a
-    view) and backward; the gradients of x and the parameters."""
+    view; ``one=False``: the first only) and backward of a sum of squares; the gradients of x and the
+    parameters."""
     offsets = torch.tensor(SIZES).cumsum(0)
     ctx = rebuilt_in_backward(join, params, "test experts") if rebuild else _plain(join, params)
     with ctx as weights:
         y = expert_mlp(x, weights, offsets)
-        one = expert_mlp(x[:4], tuple(w[2:3] for w in weights), torch.tensor([4]))
+        single = expert_mlp(x[:4], tuple(w[2:3] for w in weights), torch.tensor([4])) if one else None
         if hold is not None:
             hold.extend(weakref.ref(w) for w in weights)
     del weights
-    loss = (y.float() ** 2).sum() + one.float().sum()
+    loss = (y.float() ** 2).sum() + (single.float().sum() if one else 0)
     if hold is not None:
         hold[:] = [r() is not None for r in hold]   # alive between the forward and the backward
     grads = torch.autograd.grad(loss, [x, *params], retain_graph=twice)
@@ -179,3 +180,81 @@ def test_off_without_autograd_or_without_a_derived_tensor():
     with rebuilt_in_backward(lambda w1, w2, w3: (w1.transpose(1, 2), w2.transpose(1, 2)), params) as weights:
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         assert weights[0]._base is params[0]
+
+
+def test_autocast_casts_of_derived_weights_are_derived_too():
+    """Under torch.autocast the GEMMs take bf16 casts of the layer's fp32 weights (SlotWeights.for_gemms, one cast
+    per forward): casts of derived weights are derived again in the backward, not kept; gradients bit-equal."""
+    from feplb.experts import derived_cast
+    from feplb.kernels import autocast_matmul_inputs
+    from feplb.testing import DerivedWeights
+
+    params = _params(10)
+    x = torch.randn(sum(SIZES), H, generator=torch.Generator().manual_seed(11), requires_grad=True)
+    offsets = torch.tensor(SIZES).cumsum(0)
+    runs = []
+    for rebuild in (False, True):
+        join = _Join(torch.float32)
+        ctx = rebuilt_in_backward(join, params) if rebuild else _plain(join, params)
+        with DerivedWeights() as watch, torch.autocast("cpu", dtype=torch.bfloat16), ctx as weights:
+            cast = autocast_matmul_inputs(*weights)
+            derived_cast(cast, weights)
+            y = expert_mlp(x, cast, offsets)
+            one = expert_mlp(x[:4], tuple(w[2:3] for w in cast), torch.tensor([4]))
+            loss = (y.float() ** 2).sum() + one.float().sum()
+            watch.at_backward(loss)
+            casts = [weakref.ref(c) for c in cast]
+        del weights, cast
+        alive = sum(r() is not None for r in casts)
+        runs.append((torch.autograd.grad(loss, [x, *params]), alive, watch.made, watch.alive_at_backward))
+    (want, kept, _, _), (got, alive, made, at_backward) = runs
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # without: both casts kept; with: the join and its cast derived (w2 is a view of its parameter: its cast is
+    # autocast's own, kept as autocast keeps the casts of parameters)
+    assert kept == 2 and alive == 1 and made == 2 and at_backward == [0]
+
+
+def test_no_forward_kind_changes_and_no_rebuild_inside_a_backward():
+    """FEPLB's recompute records: a plain forward inside the block is still a plain one (its hooks are FEPLB's
+    own). A reentrant checkpoint's recompute runs inside the backward, which follows at once: no hooks there, and
+    the join made twice in all (its forward, its recompute), not a third time."""
+    from feplb.recompute import checkpoint_frame, hooks_active, record_kind
+
+    params = _params(12)
+    x = torch.randn(sum(SIZES), H, generator=torch.Generator().manual_seed(13), requires_grad=True)
+    offsets = torch.tensor(SIZES).cumsum(0)
+    with rebuilt_in_backward(_Join(torch.float32), params):
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None   # (on)
+        assert not hooks_active() and record_kind() is None and checkpoint_frame() is None
+    join = _Join(torch.float32)
+    seen = []
+
+    def block(x_):
+        with rebuilt_in_backward(join, params) as weights:
+            seen.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+            return expert_mlp(x_, weights, offsets)
+
+    want = _run(params, x, _Join(torch.float32), False, one=False)
+    y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+    ((y ** 2).sum()).backward()   # (reentrant checkpointing takes no torch.autograd.grad)
+    got = [x.grad, *(p.grad for p in params)]
+    assert join.calls == 2 and seen == [False, False]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_versions_of_the_parameters_behind_the_sources():
+    """Sources that autograd versions apart from their parameters (a DTensor's local tensor; here ``.data``): an
+    in-place step of the parameter is seen through ``versioned``."""
+    params = _params(14)
+    x = torch.randn(sum(SIZES), H, requires_grad=True)
+    for versioned in ((), params):
+        with rebuilt_in_backward(_Join(torch.float32), [p.data for p in params], "layer 1's experts",
+                                 versioned) as weights:
+            y = expert_mlp(x, weights, torch.tensor(SIZES).cumsum(0))
+        with torch.no_grad():
+            params[1].add_(1.0)
+        if not versioned:
+            y.sum().backward()   # unseen: derived from the stepped parameters
+            continue
+        with pytest.raises(RuntimeError, match=r"layer 1's experts: parameter 1 \(of those behind them\).*in place"):
+            y.sum().backward()

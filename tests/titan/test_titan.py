@@ -545,6 +545,27 @@ def _dcp_case(rank: int, world: int) -> dict:
             "moments": moved, "moments_nonzero": all(bool(want[1][k].abs().sum() > 0) for k in moved)}
 
 
+def _records_case(rank: int, world: int) -> dict:
+    """Two plain training forwards (micro-batches kept for later, the same routing), then a reentrant checkpoint of
+    a third: plain forwards leave no recompute record (the weights' rebuild hooks make no forward a checkpointed
+    one), so the recompute finds its own and the backward runs."""
+    from torch.utils.checkpoint import checkpoint
+
+    import feplb.titan as ft
+
+    moe = make_moe("qwen3")
+    ft.apply(moe, policy="feplb-split", gpus_per_node=min(2, world), dtype=torch.float32, **OPTS)
+    ours = moe.routed_experts
+    x, scores, ids = _inputs(rank)
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    kept = [ours(x.clone().requires_grad_(), scores.clone().requires_grad_(), ids, counts) for _ in range(2)]
+    y = checkpoint(lambda a, b: ours(a, b, ids, counts), x.clone().requires_grad_(),
+                   scores.clone().requires_grad_(), use_reentrant=True)
+    kinds = [r.kind for _, r in ours._records._items]
+    return {"kinds": kinds, "backward": error_of(lambda: y.sum().backward()),
+            "plain_backward": error_of(lambda: sum(k.sum() for k in kept).backward())}
+
+
 def _worker(rank: int, world: int) -> dict:
     res = {"routed": {(p, mode, arch): _routed_case(rank, world, p, mode, arch) for p in POLICIES for mode in MODES
                       for arch in ("qwen3", "gpt_oss") if arch == "qwen3" or mode in ("fp32", "bf16")},
@@ -553,7 +574,8 @@ def _worker(rank: int, world: int) -> dict:
            "scores": _scores_case(rank, world),
            "train": {cfg: _train_case(rank, world, *cfg) for cfg in TRAIN},
            "accum": _accum_case(rank, world),
-           "dcp": _dcp_case(rank, world)}
+           "dcp": _dcp_case(rank, world),
+           "records": _records_case(rank, world)}
     return res
 
 
@@ -583,9 +605,10 @@ def _assert_routed(ranks: list[dict], world: int) -> None:
             # the parameters keep their dtype, the output x's
             assert set(case["grad_dtypes"].values()) == {torch.float32}, where
             # the weights joined and cast from them are derived again in the backward, not kept: [w1 | w3] always,
-            # w2 cast to bf16; GPT-OSS's four in bf16, none in fp32 (its parameters are the weights)
+            # w2 cast to bf16; under autocast the join's bf16 cast for the GEMMs; GPT-OSS's four in bf16, none in
+            # fp32 (its parameters are the weights; their casts under autocast are autocast's, as for any weight)
             bf16 = MODES[mode][0] == torch.bfloat16
-            made = (2 if bf16 else 1) if arch == "qwen3" else (4 if bf16 else 0)
+            made = (2 if bf16 or mode == "autocast" else 1) if arch == "qwen3" else (4 if bf16 else 0)
             assert case["derived"] == (made, [0]), f"{where}: {case['derived']}"
             assert case["out_dtype"] == MODES[mode][1], where
             for what, (ours, titan) in case["err"].items():
@@ -707,8 +730,15 @@ def _assert_accum(ranks: list[dict], world: int) -> None:
             assert ours <= 2 * theirs, (r, name, e, e in res["accum"]["copied"], ours, theirs)
 
 
+def _assert_records(ranks: list[dict], world: int) -> None:
+    for r, res in enumerate(ranks):
+        case = res["records"]
+        assert case["kinds"] == ["no_grad"], (r, case["kinds"])
+        assert case["backward"] is None and case["plain_backward"] is None, (r, case)
+
+
 CHECKS = {"routed": _assert_routed, "moe": _assert_moe, "train": _assert_train, "scores": _assert_scores,
-          "errors": _assert_errors, "accum": _assert_accum, "dcp": _assert_dcp}
+          "errors": _assert_errors, "accum": _assert_accum, "dcp": _assert_dcp, "records": _assert_records}
 
 
 @pytest.mark.parametrize("check", CHECKS.values(), ids=CHECKS.keys())
