@@ -29,7 +29,7 @@ pytest.importorskip("torchtitan.models.common.moe")
 
 from pathlib import Path  # noqa: E402
 
-from feplb.testing import DerivedWeights, load_module, run_dist  # noqa: E402
+from feplb.testing import DerivedWeights, error_of, load_module, run_dist  # noqa: E402
 
 # test_titan.py's model shapes, inputs and fp64 reference (loaded by path: test folders are no packages, and the
 # ranks load this file by path)
@@ -255,9 +255,15 @@ def _tail_case(rank: int) -> dict:
     twin = copy.deepcopy(inner)
     copied = twin.engine is None and inner.engine is not None and all(
         torch.equal(_local(a), _local(b)) for a, b in zip(twin.parameters(), inner.parameters(), strict=True))
+    # an optimizer step on the DTensor parameters between a forward and its backward: the backward, which derives
+    # the joined weights again, raises (on every rank: all stepped)
+    out = inner(rows.requires_grad_(), counts)
+    with torch.no_grad():
+        inner.w3_EFD.mul_(2)
+    stepped = error_of(lambda: out.sum().backward())
     inner.close()
     return {"same": bool(torch.equal(padded[:len(rows)], y)), "tail_zero": bool((padded[len(rows):] == 0).all()),
-            "shape": tuple(padded.shape), "copied": copied}
+            "shape": tuple(padded.shape), "copied": copied, "stepped": stepped}
 
 
 def _typecheck_case(rank: int) -> dict:
@@ -424,6 +430,8 @@ def test_rows_past_the_counts_come_back_as_zeros(four_ranks):
     for r, res in enumerate(four_ranks):
         assert res["tail"]["same"] and res["tail"]["tail_zero"], (r, res["tail"])
         assert res["tail"]["copied"], r
+        stepped = res["tail"]["stepped"]
+        assert stepped is not None and "parameter 2 (of those behind them)" in stepped, stepped
 
 
 def test_under_spmd_type_checking(four_ranks):
