@@ -947,6 +947,12 @@ def _gpt_case(rank: int, world: int, experts: str, dispatcher: str = "feplb", da
                                 generator=torch.Generator().manual_seed(50 + data_rank + 10 * step))
             loss = m(ids, pos, mask, labels=ids.roll(-1, 1)).mean()
             loss.backward()
+            if over.get("sequence_parallel"):   # as Megatron's finalize_model_grads: the norms' over the TP group
+                from megatron.core import parallel_state as ps
+
+                for p in m.parameters():
+                    if getattr(p, "sequence_parallel", False) and p.grad is not None:
+                        torch.distributed.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
             losses.append(loss.detach())
             if step == 0:
                 first = {n: p.grad.clone() for n, p in m.named_parameters()}
@@ -1112,6 +1118,17 @@ def _grid_job(rank: int, world: int) -> dict:
     # tensor-parallel group brings its own sequence shard to the MoE layer (FEPLB's dispatch and Megatron's alike)
     ps.initialize_model_parallel(2, 1, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
     tp = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1)
+    # Megatron's norms with sequence parallelism are Transformer Engine's or Apex's (CUDA): torch's LayerNorm stands
+    # in, its parameters marked sequence-parallel as theirs are (their gradients summed over the TP group)
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def sp_norm(cls, config, hidden_size, eps=1e-5, **kw):
+        norm = nn.LayerNorm(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(sp_norm)
     out["tp_ep_ranks"] = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
     for dispatcher in ("feplb", "megatron"):
         for arch in ("softmax", "sigmoid"):   # sigmoid: with shared experts, tensor-parallel as the attention
