@@ -1137,6 +1137,9 @@ def _grid_job(rank: int, world: int) -> dict:
         # a whole GPT model on that grid: attention, embeddings and the loss tensor-parallel, one batch per TP group
         out["tp_gpt", dispatcher] = _gpt_case(rank, world, "sequential", dispatcher,
                                               data_rank=ps.get_data_parallel_rank(), kind="alltoall", **tp)
+        # Megatron's DDP (overlapped gradient reduction) over the layer on that grid
+        out["tp_ddp", dispatcher] = _ddp_case(rank, world, "feplb-split", "per-microbatch", True,
+                                              dispatcher=dispatcher, moe_token_dispatcher_type="alltoall", **tp)
     out["tp_no_sp"] = error_of(lambda: fm.apply(make_moe(**{**tp, "sequence_parallel": False}), **OPTS))
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(2, 1, expert_model_parallel_size=2, expert_tensor_parallel_size=2)
@@ -1178,6 +1181,8 @@ def test_pipeline_stage_without_moe_distributed_optimizer_and_tensor_parallelism
             assert g["names"] == ["decoder.layers.0.mlp.experts", "decoder.layers.1.mlp.experts"] and g["same_names"]
             assert g["loss"] <= 1e-5 and g["grad"] <= 1e-5 and g["weights"] <= 1e-4, (dispatcher, g)
             assert g["moved"] > 0, dispatcher
+            d = r["tp_ddp", dispatcher]
+            assert d["first"] <= 1e-5 and d["err"] <= 1e-4 and d["warned"] == 0 and d["moved"] > 0, (dispatcher, d)
         assert "tensor parallelism of size 2 without sequence parallelism" in r["tp_no_sp"], r["tp_no_sp"]
         assert "expert tensor parallelism of size 2" in r["expert_tp"], r["expert_tp"]
 
