@@ -168,7 +168,7 @@ class FEPLBRoutedExperts(MoELayer):
                 topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor | None = None) -> torch.Tensor:
         del num_local_tokens_per_expert_E
-        with rebuilt_in_backward(self._join, self.expert_params(), type(self).__name__) as joined:
+        with rebuilt_in_backward(self._join, self.expert_params(), self.titan_name or type(self).__name__) as joined:
             self._joined = joined
             try:
                 y = super().forward(x_BLD.to(self.config.dtype), routing=(topk_expert_ids_BLK, topk_scores_BLK))
