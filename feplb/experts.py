@@ -136,7 +136,10 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: 
 
     pack.feplb_rebuilt = True   # (read by feplb.recompute: these hooks make no forward a checkpointed one)
     outer = getattr(_ACTIVE, "block", None)
-    _ACTIVE.block = (derived, recipe)
+    # The block holds every derived tensor until it ends: a storage freed inside it could be handed to another
+    # tensor at the same address, which the hooks would then take for a derived one.
+    held: list[torch.Tensor] = []
+    _ACTIVE.block = (derived, recipe, held)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield weights
@@ -144,7 +147,7 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: 
         _ACTIVE.block = outer
 
 
-_ACTIVE = threading.local()   # .block: (derived storages, recipe) of this thread's innermost rebuilt_in_backward
+_ACTIVE = threading.local()   # .block: (derived storages, recipe, held) of this thread's innermost block
 
 
 def derived_cast(casts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...]) -> None:
@@ -154,7 +157,7 @@ def derived_cast(casts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ..
     block = getattr(_ACTIVE, "block", None)
     if block is None:
         return
-    derived, recipe = block
+    derived, recipe, held = block
     for out, inp in zip(casts, inputs, strict=True):
         if out is inp or type(inp) is not torch.Tensor or inp.layout is not torch.strided:
             continue
@@ -164,6 +167,7 @@ def derived_cast(casts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ..
             continue
         j = recipe.add_cast(parent[0], inp, out)
         derived[key] = (j, out.dtype)
+        held.append(out)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:

@@ -258,3 +258,20 @@ def test_versions_of_the_parameters_behind_the_sources():
             continue
         with pytest.raises(RuntimeError, match=r"layer 1's experts: parameter 1 \(of those behind them\).*in place"):
             y.sum().backward()
+
+
+def test_derived_casts_are_held_until_the_block_ends():
+    """A cast declared derived and dropped inside the block stays allocated until the block ends: no other tensor
+    can take its address meanwhile, which the hooks would take for the cast."""
+    from feplb.experts import derived_cast
+    from feplb.kernels import autocast_matmul_inputs
+
+    params = _params(15)
+    with (torch.autocast("cpu", dtype=torch.bfloat16),
+          rebuilt_in_backward(_Join(torch.float32), params) as weights):
+        cast = autocast_matmul_inputs(*weights)
+        derived_cast(cast, weights)
+        ref = weakref.ref(cast[0])
+        del cast
+        assert ref() is not None
+    assert ref() is None
