@@ -93,8 +93,10 @@ def _cpu_deepep() -> None:
     Megatron's ``fused_a2a`` wraps it: ``fused_dispatch`` sends each token once to every rank holding one of its
     experts (in token order per source rank) and returns the received rows, their top-k ids as local expert indices
     (-1 where another rank's, or dropped), their fp32 probabilities, the tokens per local expert as a host tensor,
-    and a handle; ``fused_combine`` sums each token's returned rows at its source. Both differentiate as DeepEP's
-    do (the backward of one is the other; the probabilities' gradients go back to their slots)."""
+    and a handle; ``fused_combine`` sums each token's returned rows at its source (in fp32, rounded once). Both
+    differentiate as DeepEP's do (the backward of one is the other; the probabilities' gradients summed back over the
+    ranks that received the token). Real DeepEP combines bf16 rows only: the fp32 cases check the contract, not a
+    set-up DeepEP runs."""
     import megatron.core.transformer.moe.token_dispatcher as td
 
     td.fused_dispatch = lambda x, idx, probs, num_experts, group, async_finish=False, allocate_on_comm_stream=False: \
@@ -120,6 +122,7 @@ class _DeepEPDispatch(torch.autograd.Function):
     def forward(ctx, x, idx, probs, num_experts, group):
         import torch.distributed as dist
 
+        assert idx.dtype == torch.int64 and probs.dtype == torch.float32, (idx.dtype, probs.dtype)   # DeepEP's
         W = dist.get_world_size(group)
         L = num_experts // W
         dest = torch.where(idx >= 0, idx.div(L, rounding_mode="floor"), -1)   # [T, K] the rank of each slot
@@ -137,31 +140,34 @@ class _DeepEPDispatch(torch.autograd.Function):
         recv_idx = _a2a_rows(local, send, recv, group)
         recv_probs = _a2a_rows(torch.where(mine, probs[sent].float(), 0.0), send, recv, group)
         per_expert = torch.bincount(recv_idx[recv_idx >= 0], minlength=L).tolist()
-        handle = (sent, mine, send, recv, x.shape[0])
+        handle = (sent, send, recv, x.shape[0])
         ctx.handle, ctx.group = handle, group
         ctx.mark_non_differentiable(recv_idx)
         return recv_x, recv_idx, recv_probs, torch.tensor(per_expert), handle
 
     @staticmethod
     def backward(ctx, g_x, g_idx, g_probs, g_counts, g_handle):
-        sent, mine, send, recv, T = ctx.handle
-        back = _a2a_rows(g_x, recv, send, ctx.group)
-        gx = back.new_zeros((T, back.shape[1])).index_add_(0, sent, back)
-        gp = _a2a_rows(g_probs, recv, send, ctx.group) * mine
-        return gx, None, gp.new_zeros((T, gp.shape[1])).index_add_(0, sent, gp), None, None
+        sent, send, recv, T = ctx.handle
+        gx = _sum_home(_a2a_rows(g_x, recv, send, ctx.group), sent, T)
+        gp = None if g_probs is None else _sum_home(_a2a_rows(g_probs.float(), recv, send, ctx.group), sent, T)
+        return gx, None, gp, None, None
+
+
+def _sum_home(back: torch.Tensor, sent: torch.Tensor, T: int) -> torch.Tensor:
+    """Each token's returned rows summed at its source, in fp32 and rounded once, as DeepEP's combine adds them."""
+    return back.new_zeros((T, back.shape[1]), dtype=torch.float32).index_add_(0, sent, back.float()).to(back.dtype)
 
 
 class _DeepEPCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, group, handle):
-        sent, _, send, recv, T = handle
-        back = _a2a_rows(y, recv, send, group)
+        sent, send, recv, T = handle
         ctx.handle, ctx.group = handle, group
-        return back.new_zeros((T, back.shape[1])).index_add_(0, sent, back)
+        return _sum_home(_a2a_rows(y, recv, send, group), sent, T)
 
     @staticmethod
     def backward(ctx, g):
-        sent, _, send, recv, _ = ctx.handle
+        sent, send, recv, _ = ctx.handle
         return _a2a_rows(g[sent], send, recv, ctx.group), None, None
 
 
