@@ -89,7 +89,8 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: 
     to keep, or are freed and gathered again by FSDP). The cost instead: one more pass over the weights in each
     layer's backward.
 
-    Tensors sharing a source's storage (a view, a cast to the same dtype) are saved as they are. The hooks stay
+    Tensors sharing a source's storage (a view, a cast to the same dtype), and every other tensor saved in the
+    block, are saved as they are, with their version checked at the backward as autograd checks it. The hooks stay
     off under other saved-tensor hooks (non-reentrant checkpointing recomputes the forward, derived weights
     included; an offloading hook decides for itself), inside a backward (a reentrant checkpoint's recompute, whose
     backward follows at once), and outside autograd. They change no forward's kind for FEPLB's own recompute
@@ -99,8 +100,8 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: 
     ``sources`` or ``versioned`` (the parameters behind the sources, where the sources are views autograd versions
     apart from them, such as a DTensor's local tensor) was changed in place where autograd sees it (an optimizer
     step between a forward and its backward, as autograd raises for a tensor it saved), or if a source's storage was
-    freed (FSDP's unsharded parameters not gathered again). A write autograd does not see (through ``.data``) goes
-    unnoticed: training loops do not step between a forward and its backward.
+    freed (FSDP's unsharded parameters not gathered again). A write autograd does not see (through ``.data``, or a
+    fused optimizer's) goes unnoticed: training loops do not step between a forward and its backward.
     """
     from feplb.recompute import in_backward
 
@@ -128,11 +129,12 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: 
         if type(t) is torch.Tensor and t.layout is torch.strided:
             i, dtype = derived.get(_storage_key(t), (None, None))
             if i is not None and t.dtype == dtype:
+                recipe.saved.add(i)
                 return _Derived(recipe, i, t.shape, t.stride(), t.storage_offset())
-        return t
+        return _Kept.of(t)
 
     def unpack(p):
-        return p.tensor() if isinstance(p, _Derived) else p
+        return p.tensor() if isinstance(p, (_Derived, _Kept)) else p
 
     pack.feplb_rebuilt = True   # (read by feplb.recompute: these hooks make no forward a checkpointed one)
     outer = getattr(_ACTIVE, "block", None)
@@ -184,7 +186,7 @@ class _Recipe:
     (``derived_cast``: which weight, the view of it that was cast, to what)."""
 
     __slots__ = ("make", "sources", "versioned", "versions", "nbytes", "layouts", "casts", "name", "rebuilt",
-                 "cast_rebuilt")
+                 "cast_rebuilt", "saved")
 
     def __init__(self, make, sources: tuple[torch.Tensor, ...], versioned: tuple[torch.Tensor, ...],
                  weights: tuple[torch.Tensor, ...], name: str):
@@ -193,49 +195,81 @@ class _Recipe:
         self.nbytes = tuple(s.untyped_storage().nbytes() for s in sources)
         self.layouts = tuple(_layout(w) for w in weights)
         self.casts: list[tuple[int, tuple, torch.dtype, tuple]] = []
-        self.rebuilt: tuple[torch.Tensor, ...] | None = None
+        self.rebuilt: list[torch.Tensor | None] | None = None
         self.cast_rebuilt: dict[int, torch.Tensor] = {}
+        self.saved: set[int] = set()   # the entries autograd saved views of (not only through their casts)
 
     def add_cast(self, parent: int, view: torch.Tensor, out: torch.Tensor) -> int:
         self.casts.append((parent, (view.shape, view.stride(), view.storage_offset()), out.dtype, _layout(out)))
         return len(self.layouts) + len(self.casts) - 1
 
     def weight(self, i: int) -> torch.Tensor:
-        n = len(self.layouts)
-        if i >= n:
-            if i not in self.cast_rebuilt:
-                parent, (size, stride, offset), dtype, layout = self.casts[i - n]
-                with torch.no_grad():
-                    out = self.weight(parent).as_strided(size, stride, offset).to(dtype)
-                self._check_layout((_layout(out),), (layout,))
-                self.cast_rebuilt[i] = out
-            return self.cast_rebuilt[i]
+        """Derived weight ``i`` (``make``'s output i, or a declared cast: ``len(layouts)`` on), derived again."""
         if self.rebuilt is None:
-            now = tuple(s._version for s in (*self.sources, *self.versioned))
-            for k, (v, w) in enumerate(zip(self.versions, now, strict=True)):
-                if v != w:
-                    what = (f"parameter {k}" if k < len(self.sources)
-                            else f"parameter {k - len(self.sources)} (of those behind them)")
-                    raise RuntimeError(f"{self.name}: {what} of the experts was modified in place between the "
-                                       f"forward and its backward (version {v} -> {w}); the backward derives the "
-                                       "experts' weights from the parameters the forward read, so it needs them "
-                                       "unchanged (step the optimizer after the backward)")
-            for k, (s, n_) in enumerate(zip(self.sources, self.nbytes, strict=True)):
-                if s.untyped_storage().nbytes() != n_:
-                    raise RuntimeError(f"{self.name}: parameter {k} of the experts has {s.untyped_storage().nbytes()}"
-                                       f" bytes of storage at the backward, {n_} at the forward (freed after the "
-                                       "forward and not gathered again?); the backward derives the experts' weights "
-                                       "from it")
-            with torch.no_grad():
-                rebuilt = tuple(self.make(*self.sources))
+            self._rebuild()
+        return self.rebuilt[i] if i < len(self.layouts) else self.cast_rebuilt[i]
+
+    def _rebuild(self) -> None:
+        now = tuple(s._version for s in (*self.sources, *self.versioned))
+        for k, (v, w) in enumerate(zip(self.versions, now, strict=True)):
+            if v != w:
+                ns = len(self.sources)
+                what = (f"parameter {k} {list(self.sources[k].shape)}" if k < ns else
+                        f"parameter {k - ns} {list(self.versioned[k - ns].shape)} (behind the sources)")
+                raise RuntimeError(f"{self.name}: {what} of the experts was modified in place between the "
+                                   f"forward and its backward (version {v} -> {w}); the backward derives the "
+                                   "experts' weights from the parameters the forward read, so it needs them "
+                                   "unchanged (step the optimizer after the backward)")
+        for k, (s, n_) in enumerate(zip(self.sources, self.nbytes, strict=True)):
+            if s.untyped_storage().nbytes() != n_:
+                raise RuntimeError(f"{self.name}: parameter {k} {list(s.shape)} of the experts has "
+                                   f"{s.untyped_storage().nbytes()} bytes of storage at the backward, {n_} at the "
+                                   "forward (freed after the forward and not gathered again?); the backward "
+                                   "derives the experts' weights from it")
+        n = len(self.layouts)
+        with torch.no_grad():
+            rebuilt = list(self.make(*self.sources))
             self._check_layout(tuple(_layout(w) for w in rebuilt), self.layouts)
-            self.rebuilt = rebuilt
-        return self.rebuilt[i]
+            # the casts now (in the order declared: a cast's parent comes first), then let go of the weights saved
+            # only through their casts (an fp32 join under autocast)
+            for j, (parent, (size, stride, offset), dtype, layout) in enumerate(self.casts, start=n):
+                src = rebuilt[parent] if parent < n else self.cast_rebuilt[parent]
+                out = src.as_strided(size, stride, offset).to(dtype)
+                self._check_layout((_layout(out),), (layout,))
+                self.cast_rebuilt[j] = out
+        self.rebuilt = [w if j in self.saved else None for j, w in enumerate(rebuilt)]
 
     def _check_layout(self, got: tuple, want: tuple) -> None:
         if got != want:
             raise RuntimeError(f"{self.name}: the experts' weights derived again in the backward have the layout "
                                f"{got}, the forward's had {want}")
+
+
+class _Kept:
+    """A tensor saved as it is, with its version then: autograd checks no version of what passes through saved-tensor
+    hooks, so the unpack does (an in-place change between the forward and the backward raises as autograd's own
+    check would)."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor, version: int):
+        self.t, self.version = t, version
+
+    @staticmethod
+    def of(t: torch.Tensor):
+        try:
+            return _Kept(t, t._version)
+        except RuntimeError:   # (an inference tensor has no version)
+            return t
+
+    def tensor(self) -> torch.Tensor:
+        now = self.t._version
+        if now != self.version:
+            raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                               f"operation: [{self.t.type()} {list(self.t.shape)}] is at version {now}; expected "
+                               f"version {self.version} instead (saved inside an expert layer's forward, under "
+                               "feplb.experts.rebuilt_in_backward)")
+        return self.t
 
 
 class _Derived:

@@ -1134,6 +1134,7 @@ def _grid_job(rank: int, world: int) -> dict:
             p.sequence_parallel = config.sequence_parallel
         return norm
 
+    megatron_norm = WrappedTorchNorm.__new__
     WrappedTorchNorm.__new__ = staticmethod(sp_norm)
     out["tp_ep_ranks"] = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
     for dispatcher in ("feplb", "megatron"):
@@ -1146,6 +1147,7 @@ def _grid_job(rank: int, world: int) -> dict:
         # Megatron's DDP (overlapped gradient reduction) over the layer on that grid
         out["tp_ddp", dispatcher] = _ddp_case(rank, world, "feplb-split", "per-microbatch", True,
                                               dispatcher=dispatcher, moe_token_dispatcher_type="alltoall", **tp)
+    WrappedTorchNorm.__new__ = megatron_norm
     out["tp_no_sp"] = error_of(lambda: fm.apply(make_moe(**{**tp, "sequence_parallel": False}), **OPTS))
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(2, 1, expert_model_parallel_size=2, expert_tensor_parallel_size=2)

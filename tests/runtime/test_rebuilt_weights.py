@@ -44,7 +44,7 @@ def _run(params, x, join, rebuild: bool, hold: list | None = None, twice: bool =
         single = expert_mlp(x[:4], tuple(w[2:3] for w in weights), torch.tensor([4])) if one else None
         if hold is not None:
             hold.extend(weakref.ref(w) for w in weights)
-    del weights
+    del weights, ctx   # (only autograd may hold the weights now)
     loss = (y.float() ** 2).sum() + (single.float().sum() if one else 0)
     if hold is not None:
         hold[:] = [r() is not None for r in hold]   # alive between the forward and the backward
@@ -56,11 +56,13 @@ def _run(params, x, join, rebuild: bool, hold: list | None = None, twice: bool =
 
 
 class _plain:
+    """The baseline: the weights made once, autograd saving them as they are."""
+
     def __init__(self, join, params):
-        self.weights = join(*params)
+        self.join, self.params = join, params
 
     def __enter__(self):
-        return self.weights
+        return self.join(*self.params)
 
     def __exit__(self, *exc):
         return False
@@ -108,9 +110,54 @@ def test_a_parameter_changed_in_place_before_the_backward_raises():
     x = torch.randn(sum(SIZES), H, requires_grad=True)
     with rebuilt_in_backward(_Join(torch.float32), params, "layer 3's experts") as weights:
         y = expert_mlp(x, weights, torch.tensor(SIZES).cumsum(0))
-    with torch.no_grad():
-        params[2].add_(1.0)   # an optimizer step between the forward and its backward
-    with pytest.raises(RuntimeError, match=r"layer 3's experts: parameter 2 .*modified in place"):
+    # an optimizer step between the forward and its backward (foreach: torch.optim's default on a GPU; the fused
+    # implementations change no version, and are not seen)
+    params[2].grad = torch.ones_like(params[2])
+    torch.optim.SGD([params[2]], lr=0.1, foreach=True).step()
+    with pytest.raises(RuntimeError, match=r"layer 3's experts: parameter 2 \[4, 6, 8\] .*modified in place"):
+        y.sum().backward()
+
+
+def test_a_tensor_saved_as_it_is_changed_in_place_raises_as_autograd_does():
+    """Saved-tensor hooks take autograd's version check off what they pass through: the hooks check it instead."""
+    params = _params(16)
+    x0 = torch.randn(sum(SIZES), H, requires_grad=True)
+    for rebuild in (False, True):
+        x = x0 * 1   # (a non-leaf the experts' first GEMM saves)
+        ctx = rebuilt_in_backward(_Join(torch.float32), params) if rebuild else _plain(_Join(torch.float32), params)
+        with ctx as weights:
+            y = expert_mlp(x, weights, torch.tensor(SIZES).cumsum(0))
+        with torch.no_grad():
+            x.mul_(100)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(y.sum(), params[0])
+
+
+def test_sources_autograd_cannot_address_turn_the_hooks_off():
+    """A tensor subclass among the sources (its storage is not the data's): the weights are saved as they are."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    params = _params(17)
+    sub = [TwoTensor(p.detach(), p.detach().clone()).requires_grad_() for p in params]
+    with rebuilt_in_backward(_Join(torch.float32), sub) as weights:
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        assert isinstance(weights[0], TwoTensor)
+
+
+def test_a_make_that_derives_another_layout_raises():
+    params = _params(18)
+    x = torch.randn(sum(SIZES), H, requires_grad=True)
+    calls = []
+
+    def join(w1, w2, w3):   # the second call (the backward's) gives [w1 | w3] contiguous in another order
+        calls.append(1)
+        j = torch.cat([w1, w3], dim=1)
+        return (j.transpose(1, 2) if len(calls) == 1 else j.transpose(1, 2).contiguous()), w2.transpose(1, 2)
+
+    with rebuilt_in_backward(join, params, "layer 5's experts") as weights:
+        y = expert_mlp(x, weights, torch.tensor(SIZES).cumsum(0))
+    with pytest.raises(RuntimeError, match="layer 5's experts: the experts' weights derived again in the backward "
+                                           "have the layout"):
         y.sum().backward()
 
 
@@ -155,7 +202,8 @@ def test_off_under_checkpointing_and_other_saved_tensor_hooks():
 
     def block(x_):
         with rebuilt_in_backward(_Join(torch.float32), params) as weights:
-            assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None   # checkpoint's
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            assert top is not None and not getattr(top[0], "feplb_rebuilt", False)   # checkpoint's, not ours
             y = expert_mlp(x_, weights, offsets)
             one = expert_mlp(x_[:4], tuple(w[2:3] for w in weights), torch.tensor([4]))
         return (y ** 2).sum() + one.sum()
@@ -182,9 +230,10 @@ def test_off_without_autograd_or_without_a_derived_tensor():
         assert weights[0]._base is params[0]
 
 
-def test_autocast_casts_of_derived_weights_are_derived_too():
+def test_autocast_casts_of_derived_weights_are_derived_too(monkeypatch):
     """Under torch.autocast the GEMMs take bf16 casts of the layer's fp32 weights (SlotWeights.for_gemms, one cast
     per forward): casts of derived weights are derived again in the backward, not kept; gradients bit-equal."""
+    from feplb import experts
     from feplb.experts import derived_cast
     from feplb.kernels import autocast_matmul_inputs
     from feplb.testing import DerivedWeights
@@ -192,7 +241,14 @@ def test_autocast_casts_of_derived_weights_are_derived_too():
     params = _params(10)
     x = torch.randn(sum(SIZES), H, generator=torch.Generator().manual_seed(11), requires_grad=True)
     offsets = torch.tensor(SIZES).cumsum(0)
-    runs = []
+    runs, dropped = [], []
+    rebuild_once = experts._Recipe._rebuild
+
+    def spy(recipe):
+        rebuild_once(recipe)
+        dropped.append(list(recipe.rebuilt))
+
+    monkeypatch.setattr(experts._Recipe, "_rebuild", spy)
     for rebuild in (False, True):
         join = _Join(torch.float32)
         ctx = rebuilt_in_backward(join, params) if rebuild else _plain(join, params)
@@ -209,6 +265,8 @@ def test_autocast_casts_of_derived_weights_are_derived_too():
         runs.append((torch.autograd.grad(loss, [x, *params]), alive, watch.made, watch.alive_at_backward))
     (want, kept, _, _), (got, alive, made, at_backward) = runs
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # the backward's fp32 join, which autograd saved only through its cast, was let go once cast
+    assert dropped == [[None, None]], dropped
     # without: both casts kept; with: the join and its cast derived (w2 is a view of its parameter: its cast is
     # autocast's own, kept as autocast keeps the casts of parameters)
     assert kept == 2 and alive == 1 and made == 2 and at_backward == [0]
@@ -256,7 +314,8 @@ def test_versions_of_the_parameters_behind_the_sources():
         if not versioned:
             y.sum().backward()   # unseen: derived from the stepped parameters
             continue
-        with pytest.raises(RuntimeError, match=r"layer 1's experts: parameter 1 \(of those behind them\).*in place"):
+        with pytest.raises(RuntimeError,
+                           match=r"layer 1's experts: parameter 1 \[4, 8, 6\] \(behind the sources\).*in place"):
             y.sum().backward()
 
 
