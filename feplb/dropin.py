@@ -11,14 +11,16 @@ agree (:func:`agree_to_replace`), and only then is anything built and swapped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from feplb.experts import rebuilt_in_backward
 from feplb.layer import FEPLBConfig, MoELayer
 from feplb.sharded import expert_named_params, is_dtensor, local_state_dicts, track_optimizer
 
@@ -84,6 +86,19 @@ def weights_digest(*ts: torch.Tensor) -> tuple[str, ...]:
     """A checksum of each tensor (fp64 sum, exact hex): ranks that built or loaded different weights differ."""
     with torch.no_grad():
         return tuple(float(t.sum(dtype=torch.float64)).hex() for t in ts)
+
+
+@contextlib.contextmanager
+def joined_for_forward(layer: MoELayer, name: str) -> Iterator[None]:
+    """``layer._joined``: the experts' weights ``layer._join()`` derives from ``layer.expert_params()``, made once
+    for one forward and shared by all its uses (``expert_weights``), derived again in the backward rather than kept
+    (``feplb.experts.rebuilt_in_backward``; errors name ``name``); None again after the forward."""
+    with rebuilt_in_backward(layer._join, layer.expert_params(), name) as joined:
+        layer._joined = joined
+        try:
+            yield
+        finally:
+            layer._joined = None
 
 
 def _agree(local: object, group: dist.ProcessGroup | None) -> list:

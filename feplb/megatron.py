@@ -88,13 +88,13 @@ from feplb.dropin import (
     experts_modules,
     full_state_dict,
     hooks_problem,
+    joined_for_forward,
     layer_config,
     reduce_replica_grads,
     refresh_replicas,
     set_state_dict_type,
     zero_replica_grads,
 )
-from feplb.experts import rebuilt_in_backward
 from feplb.layer import FEPLBConfig, MoELayer
 from feplb.recompute import in_backward
 
@@ -236,15 +236,11 @@ class FEPLBExperts(MoELayer):
             self._experts(None, None, None, (TypeError, wrong))
         if why is not None and not in_backward():
             self._experts(None, None, None, (RuntimeError, f"{name}: {why}"))
-        with rebuilt_in_backward(self._join, self.expert_params(), name) as joined:
-            self._joined = joined
-            try:
-                if own:
-                    y = self._dispatched_rows(x_TH, tokens_per_expert, routing)
-                else:
-                    y = super().forward(x_TH.to(self.config.dtype), routing=routing)
-            finally:
-                self._joined = None
+        with joined_for_forward(self, name):
+            if own:
+                y = self._dispatched_rows(x_TH, tokens_per_expert, routing)
+            else:
+                y = super().forward(x_TH.to(self.config.dtype), routing=routing)
         return y.to(x_TH.dtype), None
 
     def _dispatched_rows(self, x_RH: torch.Tensor, tokens_per_expert: Any, probs_R: torch.Tensor) -> torch.Tensor:

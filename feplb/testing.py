@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -406,10 +407,7 @@ class DerivedWeights:
     ``watch.alive_at_backward``."""
 
     def __init__(self) -> None:
-        import weakref
-
-        self._weakref = weakref
-        self._refs: list = []
+        self._refs: list[weakref.ref] = []
         self.alive_at_backward: list[int] = []
 
     @property
@@ -431,11 +429,11 @@ class DerivedWeights:
 
         def spy(recipe, make, sources, versioned, weights, name):
             own = {s.untyped_storage().data_ptr() for s in sources}
-            self._refs.extend(self._weakref.ref(w) for w in weights if w.untyped_storage().data_ptr() not in own)
+            self._refs.extend(weakref.ref(w) for w in weights if w.untyped_storage().data_ptr() not in own)
             init(recipe, make, sources, versioned, weights, name)
 
         def spy_cast(recipe, parent, view, out):
-            self._refs.append(self._weakref.ref(out))
+            self._refs.append(weakref.ref(out))
             return add_cast(recipe, parent, view, out)
 
         experts._Recipe.__init__, experts._Recipe.add_cast = spy, spy_cast

@@ -59,6 +59,7 @@ from feplb.dropin import (
     full_state_dict,
     hooks_problem,
     is_dtensor,
+    joined_for_forward,
     layer_config,
     reduce_replica_grads,
     refresh_replicas,
@@ -67,7 +68,6 @@ from feplb.dropin import (
     weights_digest,
     zero_replica_grads,
 )
-from feplb.experts import rebuilt_in_backward
 from feplb.layer import FEPLBConfig, MoELayer
 
 __all__ = ["FEPLBGptOssRoutedExperts", "FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules",
@@ -168,12 +168,8 @@ class FEPLBRoutedExperts(MoELayer):
                 topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor | None = None) -> torch.Tensor:
         del num_local_tokens_per_expert_E
-        with rebuilt_in_backward(self._join, self.expert_params(), self.titan_name or type(self).__name__) as joined:
-            self._joined = joined
-            try:
-                y = super().forward(x_BLD.to(self.config.dtype), routing=(topk_expert_ids_BLK, topk_scores_BLK))
-            finally:
-                self._joined = None
+        with joined_for_forward(self, self.titan_name or type(self).__name__):
+            y = super().forward(x_BLD.to(self.config.dtype), routing=(topk_expert_ids_BLK, topk_scores_BLK))
         return y.to(x_BLD.dtype)
 
     def extra_repr(self) -> str:
