@@ -1,0 +1,263 @@
+"""feplb.titan_ep under torchtitan's own ``Trainer``: its ``train()`` loop, data loader and tokenizer, AdamW with its
+warm-up schedule, gradient clipping over the expert-parallel mesh, the Qwen3-MoE load-balancing bias update, metrics
+and distributed checkpoints. The ``qwen3_moe_debug`` training config (64 experts, top-8, 1 of its 8 layers, FSDP 4 x
+EP 4 as 2 nodes x 2, selective activation checkpointing), FEPLB turned on by ``--override.imports`` in its parsed
+form; three steps against the same trainer without the override, then torchtitan without FEPLB resumed from FEPLB's
+step-2 checkpoint.
+
+The test's own inputs: a word-level tokenizer written with ``tokenizers`` and a small text set (skewed word
+frequencies), in torchtitan's formats (``tokenizer.json`` and ``tokenizer_config.json``; json lines with a ``text``
+field for its ``c4_test`` loader).
+
+CPU stand-ins, besides test_titan_ep.py's and test_titan_ep_trainer.py's (device type, uneven all-to-all, causal
+SDPA for flex attention, FSDP's SUM reduction): torchtitan's device module is ``torch.cpu`` (with device index 0),
+its device-memory monitor reports zeros, and ``torch.distributed.set_timeout``, which torchtitan 0.3.0's trainer calls
+after its first step and torch 2.13 does not have (on any device), sets the group's timeout through c10d. DTensor's
+random initialisation on a CPU mesh gives every shard the same numbers, so the parameters are drawn again (see
+``_reinit``). Nothing of feplb is patched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.trainer")
+pytest.importorskip("tokenizers")
+
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from feplb.testing import load_module, run_dist  # noqa: E402
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+WORLD, LAYERS, SEQ, STEPS, SAVED = 4, 1, 64, 3, 2
+SETTINGS = '{"policy": "feplb-split", "gpus_per_node": 2, "min_chunk": 1, "min_straggler_rows": 0, ' \
+           '"plan_wait_ms": 60000}'
+WORDS, USED = 1000, 60   # the tokenizer's words; the texts use the first USED of them
+
+
+def _assets(root: Path) -> None:
+    """A word-level tokenizer and a text set in torchtitan's formats."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(WORDS)]
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (root / "tokenizer").mkdir()
+    tok.save(str(root / "tokenizer" / "tokenizer.json"))
+    (root / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "add_eos_token": True}))
+    g = torch.Generator().manual_seed(0)
+    (root / "data").mkdir()
+    with open(root / "data" / "train.jsonl", "w") as f:
+        for _ in range(64):
+            ids = torch.randint(0, USED, (200,), generator=g)
+            f.write(json.dumps({"text": " ".join(words[i] for i in ids)}) + "\n")
+
+
+def _cpu_trainer() -> None:
+    """torchtitan's trainer on the CPU (see the module docstring)."""
+    import torch.distributed as dist
+    import torchtitan.components.metrics as tm
+    import torchtitan.trainer  # noqa: F401  (imports the modules patched below)
+    from torch.distributed import distributed_c10d
+
+    load_module(Path(__file__).with_name("test_titan_ep.py"))._cpu_torchtitan()
+    cpu = types.SimpleNamespace(**{k: getattr(torch.cpu, k) for k in dir(torch.cpu) if not k.startswith("__")})
+    cpu.current_device = lambda: 0
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("torchtitan") and mod is not None:
+            if getattr(mod, "device_module", None) is torch.cuda:
+                mod.device_module = cpu
+            if getattr(mod, "device_type", None) == "cuda":
+                mod.device_type = "cpu"
+
+    class _Memory:
+        device_name, device_capacity_gib = "cpu", 0.0
+
+        def get_peak_stats(self):
+            return tm.DeviceMemStats(0, 0, 0, 0, 0, 0)
+
+        def reset_peak_stats(self):
+            pass
+
+    tm.build_device_memory_monitor = _Memory
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = lambda timeout, group=None: distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def _config(root: Path, run: str, feplb: bool):
+    from torchtitan.config.override import OverrideConfig, parse_cli_imports
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    sdpa = load_module(Path(__file__).with_name("test_titan_ep_trainer.py"))._CausalSDPA
+    config = qwen3_moe_debug()
+    config.hf_assets_path = str(root / "tokenizer")
+    config.dataloader.dataset_path = str(root / "data")
+    config.dump_folder = str(root / run)
+    config.parallelism.expert_parallel_degree = WORLD
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.training.seq_len, config.training.local_batch_size, config.training.steps = SEQ, 1, STEPS
+    config.training.mixed_precision_param = "float32"
+    config.training.disable_cuda_graphs = True   # torchtitan refuses them with its all-to-all dispatcher too
+    config.checkpoint.enable, config.checkpoint.interval = True, SAVED
+    config.checkpoint.load_step = SAVED if run == "resumed" else -1
+    config.model_spec.model.layers = config.model_spec.model.layers[:LAYERS]
+    if feplb:   # as `--override.imports 'feplb.titan_ep.feplb_experts={...}'` gives it
+        config.override = OverrideConfig(imports=parse_cli_imports([f"feplb.titan_ep.feplb_experts={SETTINGS}"]))
+    parallelize = config.model_spec.parallelize_fn
+
+    def cpu_parallelize(model, **kwargs):
+        from torch.distributed.fsdp import FSDPModule
+
+        model = parallelize(model, **kwargs)
+        for layer in model.layers.values():
+            layer.attention.inner_attention = sdpa()
+        for mod in model.modules():
+            if isinstance(mod, FSDPModule):
+                mod.set_force_sum_reduction_for_comms(True)
+        return model
+
+    config.model_spec.parallelize_fn = cpu_parallelize
+    return config
+
+
+def _reinit(model) -> None:
+    """DTensor's random initialisation on a CPU mesh draws the same numbers for every shard (every rank's experts
+    and router rows alike, so every rank gets the same load): each parameter drawn again as one full tensor from
+    one seed, at its initial scale, and sharded as it was."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            std = float(full.float().std())
+            if std == 0.0 or full.numel() < 2:
+                continue
+            new = (torch.randn(full.shape, generator=g) * std + float(full.float().mean())).to(p.dtype)
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(new, p.device_mesh, p.placements).to_local())
+            else:
+                p.copy_(new)
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()} | \
+        {n: (b.full_tensor() if isinstance(b, DTensor) else b).detach().clone()
+         for n, b in model.named_buffers() if n.endswith("expert_bias_E")}
+
+
+def _job(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+    from torchtitan.trainer import Trainer
+
+    root = Path(root)
+    _cpu_trainer()
+    os.environ["LOCAL_RANK"] = str(rank)
+    moved = load_module(Path(__file__).with_name("test_titan_ep.py"))._moved
+    out = {}
+    for run, feplb in (("ours", True), ("titan", False), ("resumed", False)):
+        if run == "resumed":   # torchtitan without FEPLB, from FEPLB's checkpoint
+            if rank == 0:
+                shutil.copytree(root / "ours" / "checkpoint" / f"step-{SAVED}",
+                                root / "resumed" / "checkpoint" / f"step-{SAVED}")
+            dist.barrier()
+        trainer = Trainer(_config(root, run, feplb))
+        (model,) = trainer.model_parts
+        _reinit(model)
+        inners = [layer.moe.routed_experts.inner_experts for layer in model.layers.values()]
+        res = {"classes": sorted({type(m).__name__ for m in inners}), "losses": {}, "norms": {}, "moved": {},
+               "start": _full(model)}
+        if run == "resumed":
+            trainer.checkpointer.load(step=SAVED)
+            res["loaded"] = _full(model)
+        log = trainer.metrics_processor.log
+
+        def record(step, loss, max_loss, grad_norm, *args, _res=res, _log=log, _model=model, _inners=inners,
+                   _feplb=feplb, **kwargs):
+            _res["losses"][step], _res["norms"][step] = float(loss), float(grad_norm)
+            _res["moved"][step] = [moved(m) for m in _inners] if _feplb else []
+            if step == SAVED:
+                _res["saved"] = _full(_model)
+            return _log(step, loss, max_loss, grad_norm, *args, **kwargs)
+
+        trainer.metrics_processor.log = record
+        trainer.train()
+        res["final"] = _full(model)
+        res["saved_steps"] = sorted(p.name for p in (root / run / "checkpoint").iterdir())
+        trainer.close()
+        for m in inners:
+            if hasattr(m, "close"):
+                m.close()
+        out[run] = res
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("titan-trainer")
+    _assets(root)
+    return run_dist(_job, WORLD, str(root), timeout_s=900, collective_timeout_s=300)
+
+
+def _off(got: dict, want: dict, start: dict) -> dict[str, float]:
+    """Each tensor's distance from ``want``, relative to ``want``'s update from ``start`` (2-norms). AdamW moves
+    every element by about its learning rate whatever the gradient's size, so an element whose gradient is near
+    zero may move either way in two runs that round differently: the norms, not the largest element, compare."""
+    out = {}
+    for n, w in want.items():
+        update = float((w - start[n]).float().norm())
+        if update:
+            out[n] = float((got[n] - w).float().norm()) / update
+    return out
+
+
+def test_torchtitans_trainer_runs_feplb_as_its_own_experts(trained):
+    for r, res in enumerate(trained):
+        ours, titan = res["ours"], res["titan"]
+        assert ours["classes"] == ["FEPLBGroupedExperts"] and titan["classes"] == ["GroupedExperts"], r
+        assert sorted(ours["losses"]) == sorted(titan["losses"]) == list(range(1, STEPS + 1)), r
+        assert all(m > 0 for step in ours["moved"].values() for m in step), f"rank {r}: rows moved {ours['moved']}"
+        assert sorted(ours["start"]) == sorted(titan["start"]), r
+        for n, want in titan["start"].items():   # the same seed, the same parameters
+            assert torch.equal(ours["start"][n], want), (r, n)
+        # bf16 experts on both sides, through attention, the loss, clipping and AdamW: the same losses and norms
+        for step, want in titan["losses"].items():
+            assert abs(ours["losses"][step] - want) <= 5e-4 * abs(want), (r, step, ours["losses"][step], want)
+            norm = titan["norms"][step]
+            assert abs(ours["norms"][step] - norm) <= 5e-3 * norm, (r, step, ours["norms"][step], norm)
+        # trained alike: each parameter within 15% of torchtitan's own update; the load-balancing bias, which moves
+        # by a fixed step per expert toward the mean count, within 25% (one expert's count on the other side of
+        # the mean moves it by two steps)
+        off = _off(ours["final"], titan["final"], titan["start"])
+        bias = [n for n in titan["final"] if n.endswith("expert_bias_E")]
+        assert bias and set(bias) <= set(off) and len(off) == len(titan["final"]), (r, sorted(off))
+        for n, err in off.items():
+            bound = 0.25 if n in bias else 0.15
+            assert err <= bound, f"rank {r}: {n} off torchtitan's after {STEPS} steps by {err:.2e} of its update"
+
+
+def test_a_feplb_checkpoint_is_torchtitans(trained):
+    for r, res in enumerate(trained):
+        ours, resumed = res["ours"], res["resumed"]
+        assert ours["saved_steps"] == [f"step-{SAVED}", f"step-{STEPS}"], (r, ours["saved_steps"])
+        assert sorted(resumed["loaded"]) == sorted(ours["saved"]), r
+        for n, want in ours["saved"].items():   # FEPLB's step-2 state, loaded by torchtitan's own experts
+            assert torch.equal(resumed["loaded"][n], want), (r, n)
+        assert sorted(resumed["losses"]) == list(range(SAVED + 1, STEPS + 1)), (r, resumed["losses"])
+        for step, loss in resumed["losses"].items():   # the same data and optimizer state carry on
+            want = ours["losses"][step]
+            assert abs(loss - want) <= 5e-4 * abs(want), (r, step, loss, want)
+        # one step from the same state: each parameter within 2% of FEPLB's update
+        for n, err in _off(resumed["final"], ours["final"], ours["saved"]).items():
+            assert err <= 0.02, f"rank {r}: {n} off FEPLB's after the resumed step by {err:.2e} of its update"
