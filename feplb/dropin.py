@@ -92,8 +92,10 @@ def weights_digest(*ts: torch.Tensor) -> tuple[str, ...]:
 def joined_for_forward(layer: MoELayer, name: str) -> Iterator[None]:
     """``layer._joined``: the experts' weights ``layer._join()`` derives from ``layer.expert_params()``, made once
     for one forward and shared by all its uses (``expert_weights``), derived again in the backward rather than kept
-    (``feplb.experts.rebuilt_in_backward``; errors name ``name``); None again after the forward."""
-    with rebuilt_in_backward(layer._join, layer.expert_params(), name) as joined:
+    (``feplb.experts.rebuilt_in_backward``; errors name ``name`` and the parameter); None again after the forward."""
+    names = {id(p): n for n, p in layer.named_parameters()}
+    params = {names.get(id(p), f"parameter {k} of the experts"): p for k, p in enumerate(layer.expert_params())}
+    with rebuilt_in_backward(layer._join, params, name) as joined:
         layer._joined = joined
         try:
             yield

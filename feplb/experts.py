@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -74,8 +74,9 @@ class _RowBias(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: Sequence[torch.Tensor],
-                        name: str = "experts", versioned: Sequence[torch.Tensor] = ()
+def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]],
+                        sources: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+                        name: str = "experts", versioned: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] = ()
                         ) -> Iterator[tuple[torch.Tensor, ...]]:
     """Yield ``make(*sources)``: weights derived from parameters (joined, stacked, cast: a new tensor each forward),
     which autograd inside the block saves as a recipe rather than as the tensors. The backward derives them again
@@ -101,11 +102,16 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: 
     apart from them, such as a DTensor's local tensor) was changed in place where autograd sees it (an optimizer
     step between a forward and its backward, as autograd raises for a tensor it saved), or if a source's storage was
     freed (FSDP's unsharded parameters not gathered again). A write autograd does not see (through ``.data``, or a
-    fused optimizer's) goes unnoticed: training loops do not step between a forward and its backward.
+    fused optimizer's) goes unnoticed: training loops do not step between a forward and its backward. Given as
+    mappings (parameter names to tensors, ``make`` taking the values in order), ``sources`` and ``versioned`` give
+    those errors the parameters' names; given as sequences, their positions. A layer's output marked
+    :func:`checked_at_backward` inside the block has the versions checked when its gradient arrives (also where
+    ``make`` derives nothing, only views of the sources, which autograd saves and checks itself).
     """
     from feplb.recompute import in_backward
 
-    sources = tuple(sources)
+    sources, source_names = _named(sources, "parameter {k} {shape} of the experts")
+    versioned, versioned_names = _named(versioned, "parameter {k} {shape} (behind the sources)")
     weights = make(*sources)
     plain = (torch.Tensor, torch.nn.Parameter)
     if (not torch.is_grad_enabled() or in_backward() or not torch._C._autograd._saved_tensors_hooks_is_enabled()
@@ -119,10 +125,7 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: 
         key = _storage_key(w)
         if key[1] != 0 and key not in own:
             derived.setdefault(key, (i, w.dtype))
-    if not derived:
-        yield weights
-        return
-    recipe = _Recipe(make, sources, tuple(versioned), weights, name)
+    recipe = _Recipe(make, sources, versioned, weights, name, (*source_names, *versioned_names))
 
     # (autograd keeps the hooks as long as what they saved: they must not hold the weights)
     def pack(t: torch.Tensor):
@@ -143,8 +146,11 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]], sources: 
     held: list[torch.Tensor] = []
     _ACTIVE.block = (derived, recipe, held)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield weights
+        if derived:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield weights
+        else:   # views of the sources only: autograd keeps them (and checks them) itself; the block still serves
+            yield weights   # checked_at_backward
     finally:
         _ACTIVE.block = outer
 
@@ -172,6 +178,36 @@ def derived_cast(casts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ..
         held.append(out)
 
 
+def checked_at_backward(y: torch.Tensor) -> torch.Tensor:
+    """``y``, made inside a :func:`rebuilt_in_backward` block from its weights: when ``y``'s gradient arrives, the
+    block's sources are checked for in-place changes before the backward of what made ``y`` runs. A
+    layer's output gets this, so that every rank meets a bad source at the same point, ahead of the layer's backward
+    collectives, rather than wherever each first needs the weights again (a rank raising inside a collective
+    exchange leaves its peers a lost connection instead of the reason). Outside a block, or without a gradient:
+    nothing. (Storage is checked where the weights are derived again: FSDP gathers a freed source again after this
+    hook, from its own hook on the same output.)"""
+    block = getattr(_ACTIVE, "block", None)
+    if block is None or not y.requires_grad:
+        return y
+    recipe = block[1]
+
+    def check(grad: torch.Tensor) -> None:
+        recipe.check_versions()
+
+    y.register_hook(check)
+    return y
+
+
+def _named(ts: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], unnamed: str
+           ) -> tuple[tuple[torch.Tensor, ...], tuple[str, ...]]:
+    """The tensors, and how errors call each: its name and shape where ``ts`` maps names to them, else ``unnamed``
+    with its position and shape."""
+    if isinstance(ts, Mapping):
+        return tuple(ts.values()), tuple(f"{n} {list(t.shape)}" for n, t in ts.items())
+    ts = tuple(ts)
+    return ts, tuple(unnamed.format(k=k, shape=list(t.shape)) for k, t in enumerate(ts))
+
+
 def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
     return t.device, t.untyped_storage().data_ptr()
 
@@ -185,12 +221,13 @@ class _Recipe:
     versions and storage sizes), and the layout the rebuilt weights must have; then the casts of them
     (``derived_cast``: which weight, the view of it that was cast, to what)."""
 
-    __slots__ = ("make", "sources", "versioned", "versions", "nbytes", "layouts", "casts", "name", "rebuilt",
-                 "cast_rebuilt", "saved")
+    __slots__ = ("make", "sources", "versioned", "versions", "nbytes", "layouts", "casts", "name", "labels",
+                 "rebuilt", "cast_rebuilt", "saved")
 
     def __init__(self, make, sources: tuple[torch.Tensor, ...], versioned: tuple[torch.Tensor, ...],
-                 weights: tuple[torch.Tensor, ...], name: str):
+                 weights: tuple[torch.Tensor, ...], name: str, labels: tuple[str, ...]):
         self.make, self.sources, self.versioned, self.name = make, sources, versioned, name
+        self.labels = labels   # how errors call each of (*sources, *versioned)
         self.versions = tuple(s._version for s in (*sources, *versioned))
         self.nbytes = tuple(s.untyped_storage().nbytes() for s in sources)
         self.layouts = tuple(_layout(w) for w in weights)
@@ -209,20 +246,21 @@ class _Recipe:
             self._rebuild()
         return self.rebuilt[i] if i < len(self.layouts) else self.cast_rebuilt[i]
 
-    def _rebuild(self) -> None:
+    def check_versions(self) -> None:
+        """Raise if a source, or a parameter behind one, changed in place since the forward."""
         now = tuple(s._version for s in (*self.sources, *self.versioned))
         for k, (v, w) in enumerate(zip(self.versions, now, strict=True)):
             if v != w:
-                ns = len(self.sources)
-                what = (f"parameter {k} {list(self.sources[k].shape)}" if k < ns else
-                        f"parameter {k - ns} {list(self.versioned[k - ns].shape)} (behind the sources)")
-                raise RuntimeError(f"{self.name}: {what} of the experts was modified in place between the "
-                                   f"forward and its backward (version {v} -> {w}); the backward derives the "
-                                   "experts' weights from the parameters the forward read, so it needs them "
-                                   "unchanged (step the optimizer after the backward)")
+                raise RuntimeError(f"{self.name}: {self.labels[k]} was modified in place between the "
+                                   f"forward and its backward (version {v} -> {w}); the backward needs the "
+                                   "experts' weights as the forward read them (step the optimizer after the "
+                                   "backward)")
+
+    def _rebuild(self) -> None:
+        self.check_versions()
         for k, (s, n_) in enumerate(zip(self.sources, self.nbytes, strict=True)):
             if s.untyped_storage().nbytes() != n_:
-                raise RuntimeError(f"{self.name}: parameter {k} {list(s.shape)} of the experts has "
+                raise RuntimeError(f"{self.name}: {self.labels[k]} has "
                                    f"{s.untyped_storage().nbytes()} bytes of storage at the backward, {n_} at the "
                                    "forward (freed after the forward and not gathered again?); the backward "
                                    "derives the experts' weights from it")

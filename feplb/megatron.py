@@ -95,6 +95,7 @@ from feplb.dropin import (
     set_state_dict_type,
     zero_replica_grads,
 )
+from feplb.experts import checked_at_backward
 from feplb.layer import FEPLBConfig, MoELayer
 from feplb.recompute import in_backward
 
@@ -241,6 +242,7 @@ class FEPLBExperts(MoELayer):
                 y = self._dispatched_rows(x_TH, tokens_per_expert, routing)
             else:
                 y = super().forward(x_TH.to(self.config.dtype), routing=routing)
+            y = checked_at_backward(y)
         return y.to(x_TH.dtype), None
 
     def _dispatched_rows(self, x_RH: torch.Tensor, tokens_per_expert: Any, probs_R: torch.Tensor) -> torch.Tensor:

@@ -427,10 +427,10 @@ class DerivedWeights:
         self._init, self._add_cast = experts._Recipe.__init__, experts._Recipe.add_cast
         init, add_cast = self._init, self._add_cast
 
-        def spy(recipe, make, sources, versioned, weights, name):
+        def spy(recipe, make, sources, versioned, weights, *rest):
             own = {s.untyped_storage().data_ptr() for s in sources}
             self._refs.extend(weakref.ref(w) for w in weights if w.untyped_storage().data_ptr() not in own)
-            init(recipe, make, sources, versioned, weights, name)
+            init(recipe, make, sources, versioned, weights, *rest)
 
         def spy_cast(recipe, parent, view, out):
             self._refs.append(weakref.ref(out))

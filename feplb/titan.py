@@ -68,6 +68,7 @@ from feplb.dropin import (
     weights_digest,
     zero_replica_grads,
 )
+from feplb.experts import checked_at_backward
 from feplb.layer import FEPLBConfig, MoELayer
 
 __all__ = ["FEPLBGptOssRoutedExperts", "FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules",
@@ -169,7 +170,8 @@ class FEPLBRoutedExperts(MoELayer):
                 num_local_tokens_per_expert_E: torch.Tensor | None = None) -> torch.Tensor:
         del num_local_tokens_per_expert_E
         with joined_for_forward(self, self.titan_name or type(self).__name__):
-            y = super().forward(x_BLD.to(self.config.dtype), routing=(topk_expert_ids_BLK, topk_scores_BLK))
+            y = checked_at_backward(super().forward(x_BLD.to(self.config.dtype),
+                                                    routing=(topk_expert_ids_BLK, topk_scores_BLK)))
         return y.to(x_BLD.dtype)
 
     def extra_repr(self) -> str:

@@ -46,7 +46,7 @@ from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
 from feplb.config import FEPLBConfig, dispatched_policy_problem, int_counts
 from feplb.dropin import DERIVED
-from feplb.experts import rebuilt_in_backward
+from feplb.experts import checked_at_backward, rebuilt_in_backward
 from feplb.layer import MoELayer
 from feplb.titan import oss_fields, oss_weights, swiglu_weights
 
@@ -213,11 +213,12 @@ class _Balanced:
             rows = x_RD[:sum(counts)]
         engine.train(self.training)
         # (the DTensors' own versions: an in-place step of one leaves its local tensor's version as it was)
-        params = [getattr(self, n) for n in self._params]
-        with rebuilt_in_backward(functools.partial(self._join, dt), local, type(self).__name__, params) as weights:
+        params = {f"{n} (the DTensor)": getattr(self, n) for n in self._params}
+        with rebuilt_in_backward(functools.partial(self._join, dt), dict(zip(self._params, local, strict=True)),
+                                 type(self).__name__, params) as weights:
             engine._weights = weights
             try:
-                y = engine._forward_dispatched(rows.to(dt), counts).to(x_RD.dtype)
+                y = checked_at_backward(engine._forward_dispatched(rows.to(dt), counts)).to(x_RD.dtype)
             finally:
                 engine._weights = None
         if rows.shape[0] < x_RD.shape[0]:

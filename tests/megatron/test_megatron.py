@@ -407,6 +407,13 @@ def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtyp
     if arch == "sigmoid":
         out["bias_counts_equal"] = torch.equal(moe.router.local_tokens_per_expert, ref.router.local_tokens_per_expert)
         out["bias_counts_sum"] = float(moe.router.local_tokens_per_expert.sum())
+    if arch == "softmax" and dtype == torch.float32 and dispatcher == "feplb" and not over:
+        # an optimizer step between a forward and its backward (every rank): each names the parameter
+        y, _ = moe(x.clone().requires_grad_())
+        first = moe.experts.expert_params()[0]
+        first.grad = torch.ones_like(first)
+        torch.optim.SGD([first], lr=0.1, foreach=True).step()
+        out["stepped"] = error_of(lambda: y.backward(g))
     return out
 
 
@@ -1215,6 +1222,9 @@ def test_layer_matches_megatron_fp32(job):
             assert case["derived"] == (4 if key[1].startswith("bias") else 2, [0]), (key, case["derived"])
             if key[1] == "sigmoid":
                 assert case["bias_counts_equal"] and case["bias_counts_sum"] == TOKENS[0] * TOKENS[1] * K
+            if key[1] == "softmax":
+                assert "experts: local_experts.0.linear_fc1.weight [" in (case["stepped"] or ""), (key, case)
+                assert "was modified in place" in case["stepped"], (key, case["stepped"])
     if world > 1:
         # balancing really ran: feplb-split moved rows, none did not
         assert res[0]["layer", "softmax", "feplb-split", "fp32"]["moved"] > 0
@@ -1616,6 +1626,10 @@ def test_grouped_experts_match_megatron(grouped_job):
                 # are views of its parameters (nothing derived)
                 made = (4 if "bias" in arch else 2) if experts == "te" else 0
                 assert case["derived"] == (made, [0]), (experts, arch, case["derived"])
+                if arch == "softmax":   # a step between a forward and its backward (GroupedMLP's views too)
+                    want = "experts: linear_fc1.weight0 [" if experts == "te" else "experts: weight1 ["
+                    assert want in (case["stepped"] or ""), (experts, case["stepped"])
+                    assert "was modified in place" in case["stepped"], (experts, case["stepped"])
             case = r["bf16", experts]
             assert case["out_dtype"] == torch.bfloat16 and case["param_dtypes"] == ["torch.bfloat16"]
             for n, (ours, theirs) in case["err"].items():

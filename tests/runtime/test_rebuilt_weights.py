@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-from feplb.experts import expert_mlp, rebuilt_in_backward
+from feplb.experts import checked_at_backward, expert_mlp, rebuilt_in_backward
 
 SIZES = [5, 0, 7, 3]   # rows per expert (one expert without rows)
 L, H, F = len(SIZES), 8, 6
@@ -118,6 +118,72 @@ def test_a_parameter_changed_in_place_before_the_backward_raises():
         y.sum().backward()
 
 
+def test_named_sources_name_the_parameter_in_errors():
+    """Sources and versioned parameters given as name -> tensor: the errors name them (with their shapes)."""
+    x = torch.randn(sum(SIZES), H, requires_grad=True)
+    for stepped, versioned, want in ((0, False, r"w1_EFD \[4, 6, 8\] was modified in place"),
+                                     (2, True, r"w3_EFD \(the parameter\) \[4, 6, 8\] was modified in place")):
+        params = _params(20 + stepped)
+        views = [p.data for p in params]   # (versioned apart from the parameters, as a DTensor's local tensor)
+        names = ("w1_EFD", "w2_EDF", "w3_EFD")
+        extra = {f"{n} (the parameter)": p for n, p in zip(names, params, strict=True)} if versioned else {}
+        with rebuilt_in_backward(_Join(torch.float32), dict(zip(names, views if versioned else params,
+                                                                strict=True)), "layer 2's experts", extra) as weights:
+            y = expert_mlp(x, weights, torch.tensor(SIZES).cumsum(0))
+        with torch.no_grad():
+            params[stepped].add_(1.0)
+        with pytest.raises(RuntimeError, match="layer 2's experts: " + want):
+            y.sum().backward()
+    params = _params(23)
+    views = [p.detach().clone().requires_grad_().view_as(p) for p in params]
+    with rebuilt_in_backward(_Join(torch.bfloat16), dict(zip(("a", "b", "c"), views, strict=True))) as weights:
+        y = expert_mlp(x.bfloat16(), weights, torch.tensor(SIZES).cumsum(0))
+    views[0].untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match=r"experts: a \[4, 6, 8\] has 0 bytes of storage at the backward"):
+        y.float().sum().backward()
+
+
+def test_checked_at_backward_raises_before_the_backward_of_what_made_the_output():
+    """A layer's output marked ``checked_at_backward``: a changed source raises as its gradient arrives, before any
+    of the layer's backward (its collectives, on a GPU rank) runs; unmarked, the layer's backward runs up to the
+    GEMM that needs the weights."""
+    class Mark(torch.autograd.Function):   # the layer's last step (a combine, say), seen running its backward
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            ran.append(1)
+            return g
+
+    x = torch.randn(sum(SIZES), H, dtype=torch.bfloat16, requires_grad=True)
+    for checked in (True, False):
+        ran, params = [], _params(24)
+        with rebuilt_in_backward(_Join(torch.bfloat16), params, "layer 4's experts") as weights:
+            y = Mark.apply(expert_mlp(x, weights, torch.tensor(SIZES).cumsum(0)))
+            if checked:
+                y = checked_at_backward(y)
+        assert checked_at_backward(y) is y   # outside a block: nothing
+        with torch.no_grad():
+            params[0].add_(1.0)
+        with pytest.raises(RuntimeError, match=r"layer 4's experts: parameter 0 \[4, 6, 8\] of the experts was "
+                                               "modified in place"):
+            y.float().sum().backward()
+        assert ran == ([] if checked else [1]), (checked, ran)
+    # nothing derived (the weights are views of the parameters, which autograd saves and checks itself, in the
+    # GEMM's backward): the output's check still comes first, and names the parameter
+    ran, params = [], _params(25)
+    with rebuilt_in_backward(lambda *ps: tuple(p.view_as(p) for p in ps), dict(zip("abc", params, strict=True)),
+                             "layer 6's experts") as views:
+        y = checked_at_backward(Mark.apply(x.float() @ views[0][0].T))
+    with torch.no_grad():
+        params[0].add_(1.0)
+    with pytest.raises(RuntimeError, match=r"layer 6's experts: a \[4, 6, 8\] was modified in place"):
+        y.sum().backward()
+    assert ran == []
+
+
 def test_a_tensor_saved_as_it_is_changed_in_place_raises_as_autograd_does():
     """Saved-tensor hooks take autograd's version check off what they pass through: the hooks check it instead."""
     params = _params(16)
@@ -190,6 +256,33 @@ def test_storage_freed_and_gathered_again_as_fsdp_does():
                 v.detach().copy_(s)
         got = torch.autograd.grad(loss, [x, *base])
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_the_outputs_check_leaves_freed_storage_to_fsdps_gather():
+    """FSDP gathers freed parameters again from its own hook on the layer's output, which runs after the check
+    ``checked_at_backward`` put there: that check looks at versions only, and the backward runs."""
+    dt = torch.bfloat16
+    x = torch.randn(sum(SIZES), H, generator=torch.Generator().manual_seed(26), dtype=dt, requires_grad=True)
+    full = _params(27)
+    want = _run(full, x, _Join(dt), False, one=False)
+    base = [p.detach().clone().requires_grad_() for p in full]
+    views = [b.view_as(b) for b in base]
+    saved = [v.detach().clone() for v in views]
+    with rebuilt_in_backward(_Join(dt), views, "layer 0's experts") as weights:
+        y = checked_at_backward(expert_mlp(x, weights, torch.tensor(SIZES).cumsum(0)))
+    del weights
+    for v in views:
+        v.untyped_storage().resize_(0)
+
+    def gather(grad):   # FSDP's pre-backward unshard, on the same output, registered after the forward
+        for v, s in zip(views, saved, strict=True):
+            v.untyped_storage().resize_(s.numel() * s.element_size())
+            with torch.autograd._unsafe_preserve_version_counter(v):
+                v.detach().copy_(s)
+
+    y.register_hook(gather)
+    got = torch.autograd.grad((y.float() ** 2).sum(), [x, *base])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_off_under_checkpointing_and_other_saved_tensor_hooks():

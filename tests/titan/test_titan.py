@@ -562,8 +562,15 @@ def _records_case(rank: int, world: int) -> dict:
     y = checkpoint(lambda a, b: ours(a, b, ids, counts), x.clone().requires_grad_(),
                    scores.clone().requires_grad_(), use_reentrant=True)
     kinds = [r.kind for _, r in ours._records._items]
-    return {"kinds": kinds, "backward": error_of(lambda: y.sum().backward()),
-            "plain_backward": error_of(lambda: sum(k.sum() for k in kept).backward())}
+    out = {"kinds": kinds, "backward": error_of(lambda: y.sum().backward()),
+           "plain_backward": error_of(lambda: sum(k.sum() for k in kept).backward())}
+    # an optimizer step between a forward and its backward: the error names the parameter the join read
+    y = ours(x.clone().requires_grad_(), scores.clone().requires_grad_(), ids, counts)
+    w3 = ours.inner_experts.w3_EFD
+    w3.grad = torch.ones_like(w3)
+    torch.optim.SGD([w3], lr=0.1, foreach=True).step()
+    out["stepped"] = error_of(lambda: y.sum().backward())
+    return out
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -735,6 +742,8 @@ def _assert_records(ranks: list[dict], world: int) -> None:
         case = res["records"]
         assert case["kinds"] == ["no_grad"], (r, case["kinds"])
         assert case["backward"] is None and case["plain_backward"] is None, (r, case)
+        local = E // world
+        assert f"inner_experts.w3_EFD [{local}, 48, 32] was modified in place" in (case["stepped"] or ""), (r, case)
 
 
 CHECKS = {"routed": _assert_routed, "moe": _assert_moe, "train": _assert_train, "scores": _assert_scores,

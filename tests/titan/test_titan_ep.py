@@ -431,7 +431,7 @@ def test_rows_past_the_counts_come_back_as_zeros(four_ranks):
         assert res["tail"]["same"] and res["tail"]["tail_zero"], (r, res["tail"])
         assert res["tail"]["copied"], r
         stepped = res["tail"]["stepped"]
-        assert stepped is not None and "parameter 2 [8, 48, 32] (behind the sources)" in stepped, stepped
+        assert stepped is not None and "w3_EFD (the DTensor) [8, 48, 32] was modified in place" in stepped, stepped
 
 
 def test_under_spmd_type_checking(four_ranks):
