@@ -512,13 +512,19 @@ def _dispatcher_class():
     class FEPLBTokenDispatcher(MoETokenDispatcher):
         """Megatron's token dispatcher interface around a FEPLB layer: the dispatch is the layer's own, so this only
         turns Megatron's routing (``routing_map`` [T, E] bool, ``probs`` [T, E]) into top-k ids and weights, passes
-        them to the experts in the probabilities' place, and restores the hidden states' shape."""
+        them to the experts in the probabilities' place, and restores the hidden states' shape.
+
+        With ``moe_shared_expert_overlap`` the shared experts are the dispatcher's, as in Megatron's own: their
+        whole forward (the sequence-parallel gather, both linears, the reduce-scatter) is queued on their side stream
+        as the dispatch begins, so it runs beside FEPLB's layer, and their output is added, after waiting for that
+        stream, as the combine ends."""
 
         def __init__(self, old: MoETokenDispatcher, top_k: int) -> None:
             # Megatron's attributes, taken from the dispatcher it replaces (no process group is made here).
             for a in ("config", "ep_group", "tp_group", "tp_ep_group", "tp_size", "tp_rank", "ep_size"):
                 setattr(self, a, getattr(old, a, None))
-            self.shared_experts = None
+            # (set by Megatron's MoELayer with moe_shared_expert_overlap, which then leaves them to the dispatcher)
+            self.shared_experts = getattr(old, "shared_experts", None)
             self.cudagraph_attrs: list[str] = []
             self.valid_cudagraph_attrs = None
             self.top_k = top_k
@@ -544,6 +550,12 @@ def _dispatcher_class():
             return x_TH, (torch.where(sel_TK, ids_TK, -1), w_TK)
 
         def token_dispatch(self, hidden_states, probs):
+            shared = self.shared_experts
+            if shared is not None:   # queued on the shared experts' stream, beside the layer that follows
+                shared.pre_forward_comm(hidden_states.view(self.hidden_shape))
+                shared.linear_fc1_forward_and_act()
+                shared.linear_fc2_forward()
+                shared.post_forward_comm()
             return hidden_states, probs
 
         def dispatch_postprocess(self, hidden_states, probs):
@@ -558,7 +570,10 @@ def _dispatcher_class():
         def combine_postprocess(self, hidden_states):
             if self.hidden_shape is None:
                 raise RuntimeError("FEPLBTokenDispatcher: combine before dispatch")
-            return hidden_states.view(self.hidden_shape)
+            out = hidden_states.view(self.hidden_shape)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts.get_output()
+            return out
 
     return FEPLBTokenDispatcher
 
@@ -583,7 +598,6 @@ _CONFIG_REFUSALS = (
     ("fp4", (None, False), "fp4 experts"),
     ("quant_recipe", (None,), "a per-module quantization recipe (Transformer Engine's linears then run in fp8/fp4)"),
     ("moe_latent_size", (None, 0), "latent projections around the experts"),
-    ("moe_shared_expert_overlap", (False, None), "shared experts overlapped inside the token dispatcher"),
     ("overlap_moe_expert_parallel_comm", (False, None), "overlapped expert-parallel communication"),
     ("delay_wgrad_compute", (False, None), "delayed weight gradients (backward_dw)"),
     ("activation_func_fp8_input_store", (False, None), "the activation's input stored in fp8 for the backward"),

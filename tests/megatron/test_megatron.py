@@ -46,6 +46,7 @@ plain numpy conversions. Nothing of feplb is patched."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -86,6 +87,21 @@ def _cpu_megatron(world: int) -> None:
     td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = SimpleNamespace()
     td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _splits_on_host
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+
+
+@contextlib.contextmanager
+def _cpu_shared_expert_stream():
+    """``moe_shared_expert_overlap``'s side CUDA stream on the CPU, where every op runs in order: a stream whose
+    waits are nothing. Megatron's SharedExpertMLP makes its stream at construction unless its class has one."""
+    import megatron.core.transformer.moe.shared_experts as mse
+
+    side = SimpleNamespace(wait_stream=lambda other: None)
+    saved = mse.SharedExpertMLP.stream, torch.cuda.current_stream
+    mse.SharedExpertMLP.stream, torch.cuda.current_stream = side, lambda *a, **k: side
+    try:
+        yield
+    finally:
+        mse.SharedExpertMLP.stream, torch.cuda.current_stream = saved
 
 
 def _cpu_deepep() -> None:
@@ -391,7 +407,10 @@ def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtyp
            "derived": (watch.made, watch.alive_at_backward),
            "out_dtype": ours["out"].dtype, "param_dtypes": sorted({str(p.dtype) for p in moe.parameters()}),
            "class": type(moe.experts).__name__, "dispatcher": type(moe.token_dispatcher).__name__,
-           "same_params": all(p is q for p, q in zip(moe.parameters(), params, strict=True))}
+           "same_params": all(p is q for p, q in zip(moe.parameters(), params, strict=True)),
+           # (moe_shared_expert_overlap: the shared experts are the dispatcher's, ours as Megatron's)
+           "shared_in_dispatcher": [getattr(m.token_dispatcher, "shared_experts", None) is m.shared_experts
+                                    is not None for m in (moe, ref)]}
     if dtype == torch.float32:
         out["err"] = {n: _rel(ours[n], theirs[n]) for n in theirs}
     else:
@@ -701,6 +720,11 @@ def _job(rank: int, world: int) -> dict:
     for arch in ("softmax", "sigmoid"):
         for policy in ("feplb-split", "none"):
             res["layer", arch, policy, "fp32"] = _layer_case(rank, world, arch, policy, torch.float32)
+    # the shared experts overlapped with the dispatch, on their side stream (Megatron allows it with alltoall)
+    with _cpu_shared_expert_stream():
+        res["layer", "sigmoid-shared-overlap", "feplb-split", "fp32"] = _layer_case(
+            rank, world, "sigmoid", "feplb-split", torch.float32, moe_shared_expert_overlap=True,
+            moe_token_dispatcher_type="alltoall")
     # the router's probabilities on the experts' inputs (Megatron allows it with top-1)
     for policy in ("feplb-split", "none"):
         res["layer", "probs-on-input", policy, "fp32"] = _layer_case(
@@ -1148,6 +1172,10 @@ def _grid_job(rank: int, world: int) -> dict:
         for arch in ("softmax", "sigmoid"):   # sigmoid: with shared experts, tensor-parallel as the attention
             out["tp", dispatcher, arch] = _layer_case(rank, world, arch, "feplb-split", torch.float32,
                                                       dispatcher=dispatcher, moe_token_dispatcher_type="alltoall", **tp)
+        with _cpu_shared_expert_stream():   # their sequence-parallel gather and reduce-scatter on the side stream
+            out["tp", dispatcher, "sigmoid-shared-overlap"] = _layer_case(
+                rank, world, "sigmoid", "feplb-split", torch.float32, dispatcher=dispatcher,
+                moe_token_dispatcher_type="alltoall", moe_shared_expert_overlap=True, **tp)
         # a whole GPT model on that grid: attention, embeddings and the loss tensor-parallel, one batch per TP group
         out["tp_gpt", dispatcher] = _gpt_case(rank, world, "sequential", dispatcher,
                                               data_rank=ps.get_data_parallel_rank(), kind="alltoall", **tp)
@@ -1185,9 +1213,10 @@ def test_pipeline_stage_without_moe_distributed_optimizer_and_tensor_parallelism
         # tensor parallelism 2 x EP 2: the EP groups are the tensor-parallel pairs, whose ranks hold other tokens
         assert r["tp_ep_ranks"] == [2 * (rank // 2), 2 * (rank // 2) + 1], r["tp_ep_ranks"]
         for dispatcher in ("feplb", "megatron"):
-            for arch in ("softmax", "sigmoid"):
+            for arch in ("softmax", "sigmoid", "sigmoid-shared-overlap"):
                 case = r["tp", dispatcher, arch]
                 assert case["same_params"] and case["names"] == ["experts"], (dispatcher, arch)
+                assert case["shared_in_dispatcher"] == [arch == "sigmoid-shared-overlap"] * 2, (dispatcher, arch)
                 for n, e in case["err"].items():
                     # against Megatron's layer on the same grid (measured 4.8e-7)
                     assert e <= 1e-5, (dispatcher, arch, n, e)
@@ -1220,8 +1249,9 @@ def test_layer_matches_megatron_fp32(job):
                 assert e <= 1e-5, (key, n, e)
             # SequentialMLP's weights, stacked every forward (w1, w2, and b1, b2 with biases), are not kept
             assert case["derived"] == (4 if key[1].startswith("bias") else 2, [0]), (key, case["derived"])
-            if key[1] == "sigmoid":
+            if key[1] in ("sigmoid", "sigmoid-shared-overlap"):
                 assert case["bias_counts_equal"] and case["bias_counts_sum"] == TOKENS[0] * TOKENS[1] * K
+            assert case["shared_in_dispatcher"] == [key[1] == "sigmoid-shared-overlap"] * 2, key
             if key[1] == "softmax":
                 assert "experts: local_experts.0.linear_fc1.weight [" in (case["stepped"] or ""), (key, case)
                 assert "was modified in place" in case["stepped"], (key, case["stepped"])
@@ -1496,6 +1526,9 @@ def _own_dispatcher_job(rank: int, world: int) -> dict:
             ("grouped", "softmax", "grouped", {})):
         res["layer", "alltoall", label, "feplb-split"] = _layer_case(rank, world, arch, "feplb-split", torch.float32,
                                                                      experts, **a2a, **over)
+    with _cpu_shared_expert_stream():   # Megatron's dispatcher overlaps the shared experts with its own exchange
+        res["layer", "alltoall", "sigmoid-shared-overlap", "feplb-split"] = _layer_case(
+            rank, world, "sigmoid", "feplb-split", torch.float32, **a2a, moe_shared_expert_overlap=True)
     res["bf16", "softmax"] = _layer_case(rank, world, "softmax", "feplb-split", torch.bfloat16, **a2a)
     res["bf16", "te-bias"] = _layer_case(rank, world, "softmax", "feplb-split", torch.bfloat16, "te", **a2a,
                                          add_bias_linear=True)
@@ -1528,6 +1561,7 @@ def test_behind_megatrons_own_dispatcher_the_layer_matches_megatron(own_dispatch
             assert case["dispatcher"] == {"alltoall": "MoEAlltoAllTokenDispatcher",
                                           "allgather": "MoEAllGatherTokenDispatcher",
                                           "flex": "MoEFlexTokenDispatcher"}[key[1]], key
+            assert case["shared_in_dispatcher"] == [key[2] == "sigmoid-shared-overlap"] * 2, key
             for n, e in case["err"].items():
                 assert e <= 1e-5, (key, n, e)
         # the stand-in of DeepEP computes Megatron's layer as its alltoall dispatcher does
