@@ -94,7 +94,10 @@ def joined_for_forward(layer: MoELayer, name: str) -> Iterator[None]:
     for one forward and shared by all its uses (``expert_weights``), derived again in the backward rather than kept
     (``feplb.experts.rebuilt_in_backward``; errors name ``name`` and the parameter); None again after the forward."""
     names = {id(p): n for n, p in layer.named_parameters()}
-    params = {names.get(id(p), f"parameter {k} of the experts"): p for k, p in enumerate(layer.expert_params())}
+    ps = layer.expert_params()
+    params = {names.get(id(p), f"parameter {k} of the experts"): p for k, p in enumerate(ps)}
+    if len(params) != len(ps):
+        raise RuntimeError(f"{name}: the experts' parameters {[names.get(id(p)) for p in ps]} name one twice")
     with rebuilt_in_backward(layer._join, params, name) as joined:
         layer._joined = joined
         try:

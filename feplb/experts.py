@@ -184,18 +184,40 @@ def checked_at_backward(y: torch.Tensor) -> torch.Tensor:
     layer's output gets this, so that every rank meets a bad source at the same point, ahead of the layer's backward
     collectives, rather than wherever each first needs the weights again (a rank raising inside a collective
     exchange leaves its peers a lost connection instead of the reason). Outside a block, or without a gradient:
-    nothing. (Storage is checked where the weights are derived again: FSDP gathers a freed source again after this
-    hook, from its own hook on the same output.)"""
+    nothing. Only versions are checked here: storage is checked where the weights are derived again, as FSDP may
+    gather a freed source from a hook of its own that runs after this one. The hook lives as long as the graph does
+    (autograd keeps a node's hooks after it ran), so it holds the versions only, not the recipe and the weights it
+    derives again."""
     block = getattr(_ACTIVE, "block", None)
     if block is None or not y.requires_grad:
         return y
-    recipe = block[1]
+    seen = block[1].seen
 
     def check(grad: torch.Tensor) -> None:
-        recipe.check_versions()
+        seen.check("seen as the layer's output gradient arrived")
 
     y.register_hook(check)
     return y
+
+
+class _Versions:
+    """The versions a block's sources (and the parameters behind them) had at the forward, and how errors call
+    each: what the recipe and the output's check (:func:`checked_at_backward`) both hold."""
+
+    __slots__ = ("tensors", "versions", "labels", "name")
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], labels: tuple[str, ...], name: str):
+        self.tensors, self.labels, self.name = tensors, labels, name
+        self.versions = tuple(t._version for t in tensors)
+
+    def check(self, where: str = "") -> None:
+        """Raise if one changed in place since the forward."""
+        for k, (t, v) in enumerate(zip(self.tensors, self.versions, strict=True)):
+            if t._version != v:
+                raise RuntimeError(f"{self.name}: {self.labels[k]} was modified in place between the forward and "
+                                   f"its backward (version {v} -> {t._version}{', ' + where if where else ''}); "
+                                   "the backward needs the experts' weights as the forward read them (step the "
+                                   "optimizer after the backward)")
 
 
 def _named(ts: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], unnamed: str
@@ -221,14 +243,14 @@ class _Recipe:
     versions and storage sizes), and the layout the rebuilt weights must have; then the casts of them
     (``derived_cast``: which weight, the view of it that was cast, to what)."""
 
-    __slots__ = ("make", "sources", "versioned", "versions", "nbytes", "layouts", "casts", "name", "labels",
-                 "rebuilt", "cast_rebuilt", "saved")
+    __slots__ = ("make", "sources", "seen", "nbytes", "layouts", "casts", "name", "labels", "rebuilt",
+                 "cast_rebuilt", "saved", "__weakref__")
 
     def __init__(self, make, sources: tuple[torch.Tensor, ...], versioned: tuple[torch.Tensor, ...],
                  weights: tuple[torch.Tensor, ...], name: str, labels: tuple[str, ...]):
-        self.make, self.sources, self.versioned, self.name = make, sources, versioned, name
+        self.make, self.sources, self.name = make, sources, name
         self.labels = labels   # how errors call each of (*sources, *versioned)
-        self.versions = tuple(s._version for s in (*sources, *versioned))
+        self.seen = _Versions((*sources, *versioned), labels, name)
         self.nbytes = tuple(s.untyped_storage().nbytes() for s in sources)
         self.layouts = tuple(_layout(w) for w in weights)
         self.casts: list[tuple[int, tuple, torch.dtype, tuple]] = []
@@ -246,18 +268,8 @@ class _Recipe:
             self._rebuild()
         return self.rebuilt[i] if i < len(self.layouts) else self.cast_rebuilt[i]
 
-    def check_versions(self) -> None:
-        """Raise if a source, or a parameter behind one, changed in place since the forward."""
-        now = tuple(s._version for s in (*self.sources, *self.versioned))
-        for k, (v, w) in enumerate(zip(self.versions, now, strict=True)):
-            if v != w:
-                raise RuntimeError(f"{self.name}: {self.labels[k]} was modified in place between the "
-                                   f"forward and its backward (version {v} -> {w}); the backward needs the "
-                                   "experts' weights as the forward read them (step the optimizer after the "
-                                   "backward)")
-
     def _rebuild(self) -> None:
-        self.check_versions()
+        self.seen.check()
         for k, (s, n_) in enumerate(zip(self.sources, self.nbytes, strict=True)):
             if s.untyped_storage().nbytes() != n_:
                 raise RuntimeError(f"{self.name}: {self.labels[k]} has "

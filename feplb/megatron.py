@@ -552,6 +552,10 @@ def _dispatcher_class():
         def token_dispatch(self, hidden_states, probs):
             shared = self.shared_experts
             if shared is not None:   # queued on the shared experts' stream, beside the layer that follows
+                # (a forward that raised after this point, as FEPLB's refusals do on every rank, left these set:
+                # Megatron's pre_forward_comm would refuse the next forward, and they would hold that one's graph)
+                for a in ("cached_fc1_input", "cached_fc2_input", "cached_fc2_output", "cached_output", "gate_score"):
+                    setattr(shared, a, None)
                 shared.pre_forward_comm(hidden_states.view(self.hidden_shape))
                 shared.linear_fc1_forward_and_act()
                 shared.linear_fc2_forward()

@@ -404,11 +404,15 @@ class DerivedWeights:
     weak references: ``watch.made`` counts them,
     ``watch.alive()`` how many something still holds (called between a forward and its backward: 0 when autograd
     keeps recipes, not the weights). ``watch.at_backward(y)`` records ``alive()`` as y's backward begins, in
-    ``watch.alive_at_backward``."""
+    ``watch.alive_at_backward``. ``watch.after_backward()``, called once the backward has run while its output is
+    still held, records in ``watch.alive_after_backward`` how many of the blocks' recipes (and so the weights they
+    derived again) something still holds: 0 when nothing outlives the backward but the graph's husk."""
 
     def __init__(self) -> None:
         self._refs: list[weakref.ref] = []
+        self._recipes: list[weakref.ref] = []
         self.alive_at_backward: list[int] = []
+        self.alive_after_backward: list[int] = []
 
     @property
     def made(self) -> int:
@@ -420,6 +424,9 @@ class DerivedWeights:
     def at_backward(self, y) -> None:
         y.register_hook(lambda g: self.alive_at_backward.append(self.alive()))
 
+    def after_backward(self) -> None:
+        self.alive_after_backward.append(sum(r() is not None for r in self._recipes))
+
     def __enter__(self) -> DerivedWeights:
         from feplb import experts
 
@@ -430,6 +437,7 @@ class DerivedWeights:
         def spy(recipe, make, sources, versioned, weights, *rest):
             own = {s.untyped_storage().data_ptr() for s in sources}
             self._refs.extend(weakref.ref(w) for w in weights if w.untyped_storage().data_ptr() not in own)
+            self._recipes.append(weakref.ref(recipe))
             init(recipe, make, sources, versioned, weights, *rest)
 
         def spy_cast(recipe, parent, view, out):

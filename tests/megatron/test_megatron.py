@@ -375,6 +375,8 @@ def _grads(moe, x: torch.Tensor, g: torch.Tensor, watch: DerivedWeights | None =
     if watch is not None:
         watch.at_backward(y)
     y.backward(g)
+    if watch is not None:
+        watch.after_backward()   # (y still held)
     out = {"out": y.detach(), "x": x.grad}
     for n, p in moe.named_parameters():
         out[n] = p.grad
@@ -404,7 +406,7 @@ def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtyp
         ours = _grads(moe, x, g, watch)
     theirs = _grads(ref, x, g)
     out = {"names": names, "same_names": list(ours) == list(theirs), "moved": _moved(moe),
-           "derived": (watch.made, watch.alive_at_backward),
+           "derived": (watch.made, watch.alive_at_backward, watch.alive_after_backward),
            "out_dtype": ours["out"].dtype, "param_dtypes": sorted({str(p.dtype) for p in moe.parameters()}),
            "class": type(moe.experts).__name__, "dispatcher": type(moe.token_dispatcher).__name__,
            "same_params": all(p is q for p, q in zip(moe.parameters(), params, strict=True)),
@@ -434,6 +436,22 @@ def _layer_case(rank: int, world: int, arch: str, policy: str, dtype: torch.dtyp
         torch.optim.SGD([first], lr=0.1, foreach=True).step()
         out["stepped"] = error_of(lambda: y.backward(g))
     return out
+
+
+def _overlap_after_refusal_case(rank: int, world: int) -> dict:
+    """Shared experts overlapped in FEPLB's dispatcher: a forward FEPLB refuses (on every rank, after the shared
+    experts were queued), then a good one, against Megatron's layer."""
+    import feplb.megatron as fm
+
+    over = dict(moe_shared_expert_overlap=True, moe_token_dispatcher_type="alltoall")
+    moe, ref = make_moe("sigmoid", **over), make_moe("sigmoid", **over)
+    fm.apply(moe, policy="feplb-split", gpus_per_node=min(2, world), **OPTS)
+    x, g = _inputs(rank)
+    hook = moe.experts.local_experts[0].register_forward_hook(lambda *a: None)
+    refused = error_of(lambda: moe(x))
+    hook.remove()
+    ours, theirs = _grads(moe, x, g), _grads(ref, x, g)
+    return {"refused": refused, "err": {n: _rel(ours[n], theirs[n]) for n in theirs}}
 
 
 def _two_layers_case(rank: int, world: int) -> dict:
@@ -725,6 +743,7 @@ def _job(rank: int, world: int) -> dict:
         res["layer", "sigmoid-shared-overlap", "feplb-split", "fp32"] = _layer_case(
             rank, world, "sigmoid", "feplb-split", torch.float32, moe_shared_expert_overlap=True,
             moe_token_dispatcher_type="alltoall")
+        res["overlap-after-refusal"] = _overlap_after_refusal_case(rank, world)
     # the router's probabilities on the experts' inputs (Megatron allows it with top-1)
     for policy in ("feplb-split", "none"):
         res["layer", "probs-on-input", policy, "fp32"] = _layer_case(
@@ -1248,17 +1267,21 @@ def test_layer_matches_megatron_fp32(job):
             for n, e in case["err"].items():
                 assert e <= 1e-5, (key, n, e)
             # SequentialMLP's weights, stacked every forward (w1, w2, and b1, b2 with biases), are not kept
-            assert case["derived"] == (4 if key[1].startswith("bias") else 2, [0]), (key, case["derived"])
+            # (nor, once the backward has run, those derived again, though the output is still held)
+            assert case["derived"] == (4 if key[1].startswith("bias") else 2, [0], [0]), (key, case["derived"])
             if key[1] in ("sigmoid", "sigmoid-shared-overlap"):
                 assert case["bias_counts_equal"] and case["bias_counts_sum"] == TOKENS[0] * TOKENS[1] * K
             assert case["shared_in_dispatcher"] == [key[1] == "sigmoid-shared-overlap"] * 2, key
             if key[1] == "softmax":
                 assert "experts: local_experts.0.linear_fc1.weight [" in (case["stepped"] or ""), (key, case)
                 assert "was modified in place" in case["stepped"], (key, case["stepped"])
+                # (raised by the output's check, before any of the layer's backward: the same on every rank)
+                assert "seen as the layer's output gradient arrived" in case["stepped"], (key, case["stepped"])
     if world > 1:
         # balancing really ran: feplb-split moved rows, none did not
         assert res[0]["layer", "softmax", "feplb-split", "fp32"]["moved"] > 0
         assert res[0]["layer", "sigmoid", "feplb-split", "fp32"]["moved"] > 0
+        assert res[0]["layer", "sigmoid-shared-overlap", "feplb-split", "fp32"]["moved"] > 0
         assert res[0]["layer", "softmax", "none", "fp32"]["moved"] == 0
         assert res[0]["layer", "probs-on-input", "feplb-split", "fp32"]["moved"] > 0
         for label in ("geglu", "clamped", "quick-geglu", "squared-relu", "silu-plain", "gelu-plain", "bias",
@@ -1276,6 +1299,15 @@ def test_layer_matches_megatron_fp32(job):
             case = r["layer", f"capacity-{drop}", "feplb-split", "fp32"]
             assert case["dropped"] > 0, drop
             assert case["sent"] == TOKENS[0] * TOKENS[1] * K - case["dropped"], (drop, case["sent"], case["dropped"])
+
+
+def test_shared_expert_overlap_after_a_refusal(job):
+    world, res = job
+    for r in res:
+        case = r["overlap-after-refusal"]
+        assert case["refused"] is not None and "forward_hooks" in case["refused"], case["refused"]
+        for n, e in case["err"].items():
+            assert e <= 1e-5, (n, e)
 
 
 def test_two_layers(job):
@@ -1659,11 +1691,12 @@ def test_grouped_experts_match_megatron(grouped_job):
                 # TEGroupedMLP's weights, stacked every forward, are derived again in the backward; GroupedMLP's
                 # are views of its parameters (nothing derived)
                 made = (4 if "bias" in arch else 2) if experts == "te" else 0
-                assert case["derived"] == (made, [0]), (experts, arch, case["derived"])
+                assert case["derived"] == (made, [0], [0]), (experts, arch, case["derived"])
                 if arch == "softmax":   # a step between a forward and its backward (GroupedMLP's views too)
                     want = "experts: linear_fc1.weight0 [" if experts == "te" else "experts: weight1 ["
                     assert want in (case["stepped"] or ""), (experts, case["stepped"])
                     assert "was modified in place" in case["stepped"], (experts, case["stepped"])
+                    assert "seen as the layer's output gradient arrived" in case["stepped"], (experts, case["stepped"])
             case = r["bf16", experts]
             assert case["out_dtype"] == torch.bfloat16 and case["param_dtypes"] == ["torch.bfloat16"]
             for n, (ours, theirs) in case["err"].items():

@@ -168,9 +168,10 @@ def test_checked_at_backward_raises_before_the_backward_of_what_made_the_output(
         with torch.no_grad():
             params[0].add_(1.0)
         with pytest.raises(RuntimeError, match=r"layer 4's experts: parameter 0 \[4, 6, 8\] of the experts was "
-                                               "modified in place"):
+                                               "modified in place") as raised:
             y.float().sum().backward()
         assert ran == ([] if checked else [1]), (checked, ran)
+        assert ("seen as the layer's output gradient arrived" in str(raised.value)) == checked, raised.value
     # nothing derived (the weights are views of the parameters, which autograd saves and checks itself, in the
     # GEMM's backward): the output's check still comes first, and names the parameter
     ran, params = [], _params(25)
@@ -256,6 +257,32 @@ def test_storage_freed_and_gathered_again_as_fsdp_does():
                 v.detach().copy_(s)
         got = torch.autograd.grad(loss, [x, *base])
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_nothing_holds_the_weights_derived_again_once_the_backward_ran(monkeypatch):
+    """The output's check lives as long as the graph (autograd keeps a node's hooks after it ran), which the loss
+    holds through the backward and a training loop may hold beyond it: it must not hold what the backward derives
+    again. Two layers chained, the loss held: every weight derived again is freed by the end of the backward."""
+    from feplb import experts
+
+    rebuilt: list[weakref.ref] = []
+    rebuild = experts._Recipe._rebuild
+
+    def spy(recipe):
+        rebuild(recipe)
+        rebuilt.extend(weakref.ref(w) for w in (*recipe.rebuilt, *recipe.cast_rebuilt.values()) if w is not None)
+
+    monkeypatch.setattr(experts._Recipe, "_rebuild", spy)
+    offsets = torch.tensor(SIZES).cumsum(0)
+    h = torch.randn(sum(SIZES), H, dtype=torch.bfloat16, requires_grad=True)
+    for layer in range(2):
+        with rebuilt_in_backward(_Join(torch.bfloat16), _params(28 + layer), f"layer {layer}'s experts") as weights:
+            h = checked_at_backward(expert_mlp(h, weights, offsets))
+        del weights
+    loss = (h.float() ** 2).sum()
+    loss.backward()
+    assert len(rebuilt) == 4 and [r() is None for r in rebuilt] == [True] * 4, [r() for r in rebuilt]
+    del loss, h
 
 
 def test_the_outputs_check_leaves_freed_storage_to_fsdps_gather():

@@ -153,6 +153,7 @@ def _routed_case(rank: int, world: int, policy: str, mode: str, arch: str = "qwe
         xo, so, yo = run(ours, x, scores)
         watch.at_backward(yo)
     yo.backward(g)
+    watch.after_backward()   # (yo still held)
     # torchtitan's GPT-OSS experts return bfloat16 whatever the input, which its combine cannot take in fp32: its
     # error is measured in the bf16 mode only
     titan_runs = arch != "gpt_oss" or act == torch.bfloat16
@@ -181,7 +182,7 @@ def _routed_case(rank: int, world: int, policy: str, mode: str, arch: str = "qwe
     moved_t = torch.tensor([stats.rows_moved if stats is not None else 0])
     dist.all_reduce(moved_t)
     return {"names": names, "err": err, "rows_moved": int(moved_t), "out_dtype": yo.dtype, "cls": type(ours).__name__,
-            "derived": (watch.made, watch.alive_at_backward),
+            "derived": (watch.made, watch.alive_at_backward, watch.alive_after_backward),
             "grad_dtypes": {n: p.grad.dtype for n, p in ours.inner_experts.named_parameters()},
             "shapes": {n: tuple(p.shape) for n, p in ours.inner_experts.named_parameters()}}
 
@@ -616,7 +617,8 @@ def _assert_routed(ranks: list[dict], world: int) -> None:
             # fp32 (its parameters are the weights; their casts under autocast are autocast's, as for any weight)
             bf16 = MODES[mode][0] == torch.bfloat16
             made = (2 if bf16 or mode == "autocast" else 1) if arch == "qwen3" else (4 if bf16 else 0)
-            assert case["derived"] == (made, [0]), f"{where}: {case['derived']}"
+            # (and once the backward has run, nothing holds the weights it derived again, though the output does)
+            assert case["derived"] == (made, [0], [0]), f"{where}: {case['derived']}"
             assert case["out_dtype"] == MODES[mode][1], where
             for what, (ours, titan) in case["err"].items():
                 if mode == "fp32":
@@ -744,6 +746,8 @@ def _assert_records(ranks: list[dict], world: int) -> None:
         assert case["backward"] is None and case["plain_backward"] is None, (r, case)
         local = E // world
         assert f"inner_experts.w3_EFD [{local}, 48, 32] was modified in place" in (case["stepped"] or ""), (r, case)
+        # (raised by the output's check, before any of the layer's backward: the same on every rank)
+        assert "seen as the layer's output gradient arrived" in case["stepped"], (r, case["stepped"])
 
 
 CHECKS = {"routed": _assert_routed, "moe": _assert_moe, "train": _assert_train, "scores": _assert_scores,

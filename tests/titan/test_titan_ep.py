@@ -170,6 +170,8 @@ def _run(mod, ctx, x, scores, ids, g, checkpoint: bool = False, watch: DerivedWe
     if watch is not None:
         watch.at_backward(y)
     y.backward(g)
+    if watch is not None:
+        watch.after_backward()   # (y still held)
     return y, xx.grad, ss.grad
 
 
@@ -228,7 +230,7 @@ def _routed_case(rank: int, backend: str, arch: str = "qwen3") -> dict:
             all(torch.equal(grads[n], _local(p.grad)) for n, p in ow.items())
         out[(policy, dtype)] = {
             "err": {k: (v, titan_err[k]) for k, v in err.items()}, "moved": moved,
-            "derived": (watch.made, watch.alive_at_backward),
+            "derived": (watch.made, watch.alive_at_backward, watch.alive_after_backward),
             "checkpoint_equal": same_ckpt, "out_dtype": y.dtype, "act": act, "cls": type(inner).__name__,
             "params": [(n, type(p).__name__, tuple(p.shape), p.dtype) for n, p in ow.items()],
             "titan_params": [(n, type(p).__name__, tuple(p.shape), p.dtype) for n, p in tw.items()],
@@ -345,7 +347,7 @@ def _fsdp_case(rank: int) -> dict:
         fully_shard(inner, mesh=pd.get_mesh("efsdp"), reshard_after_forward=True)
         with DerivedWeights() as watch:
             y, gx, gs = _run(moe, ctx, x, scores, ids, g, watch=watch)
-        out[name + "_derived"] = (watch.made, watch.alive_at_backward)
+        out[name + "_derived"] = (watch.made, watch.alive_at_backward, watch.alive_after_backward)
         # FSDP averages the gradients over expert-FSDP: two ranks holding the same experts, other tokens each
         out[name] = {"out": _rel(y.detach(), yr), "x": _rel(gx, gxr), "scores": _rel(gs, gsr),
                      **{n: _rel(p.grad.full_tensor(), want_w[n] / 2) for n, p in inner.named_parameters()}}
@@ -410,11 +412,12 @@ def test_routed_experts_behind_torchtitans_dispatch(four_ranks):
                 assert (case["moved"] > 0) == (policy != "none"), f"{where}: {case['moved']} rows moved"
                 assert case["checkpoint_equal"], f"{where}: a checkpointed forward differs"
                 # the join ([w1 | w3] in the layer's dtype; w2 too, cast) is derived again in the backward
-                made, alive = case["derived"]
+                made, alive, after = case["derived"]
                 # (GPT-OSS in fp32: its parameters are the weights, nothing is derived)
                 assert made == {"qwen3": {"float32": 1, "bfloat16": 2},
                                 "gpt_oss": {"float32": 0, "bfloat16": 4}}[arch][dtype], where
                 assert alive == [0], f"{where}: {alive} derived weights kept between the forward and the backward"
+                assert after == [0], f"{where}: {after} recipes (weights derived again) held after the backward"
                 # torchtitan's parameters, untouched: names, types (DTensor or local shard), shapes, dtype
                 assert case["params"] == case["titan_params"] and case["state_dict"], where
                 kind = "DTensor" if backend == "partial_dtensor" else "Parameter"
@@ -432,6 +435,7 @@ def test_rows_past_the_counts_come_back_as_zeros(four_ranks):
         assert res["tail"]["copied"], r
         stepped = res["tail"]["stepped"]
         assert stepped is not None and "w3_EFD (the DTensor) [8, 48, 32] was modified in place" in stepped, stepped
+        assert "seen as the layer's output gradient arrived" in stepped, stepped   # (before the layer's backward)
 
 
 def test_under_spmd_type_checking(four_ranks):
@@ -457,7 +461,7 @@ def test_under_fsdp(four_ranks):
         assert case["moved"] > 0, r
         assert "Shard(dim=0)" in case["ours_placements"] and case["ours_placements"] == case["titan_placements"]
         # the join derived again from the parameters FSDP gathered again for the backward
-        assert case["ours_derived"] == (1, [0]) and case["titan_derived"] == (0, [0]), r
+        assert case["ours_derived"] == (1, [0], [0]) and case["titan_derived"] == (0, [0], [0]), r
         for what, err in case["titan"].items():   # the reference, checked: torchtitan's own bf16 experts
             assert err <= 2e-2, f"rank {r}: torchtitan's {what} off the reference by {err:.2e}"
         for what, err in case["ours"].items():

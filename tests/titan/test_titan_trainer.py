@@ -1,13 +1,14 @@
 """feplb.titan_ep under torchtitan's own ``Trainer``: its ``train()`` loop, data loader and tokenizer, AdamW with its
 warm-up schedule, gradient clipping over the expert-parallel mesh, the Qwen3-MoE load-balancing bias update, metrics
-and distributed checkpoints. The ``qwen3_moe_debug`` training config (64 experts, top-8, 1 of its 8 layers, FSDP 4 x
-EP 4 as 2 nodes x 2, selective activation checkpointing), FEPLB turned on by ``--override.imports`` in its parsed
+and distributed checkpoints. The ``qwen3_moe_debug`` training config (64 experts, top-8; 1 of its 8 layers and the
+experts' hidden size 192 of 768, for the test's time and memory; FSDP 4 x EP 4 as 2 nodes x 2, selective activation
+checkpointing), FEPLB turned on by ``--override.imports`` in its parsed
 form; three steps against the same trainer without the override, then torchtitan without FEPLB resumed from FEPLB's
 step-2 checkpoint.
 
-The test's own inputs: a word-level tokenizer written with ``tokenizers`` and a small text set (skewed word
-frequencies), in torchtitan's formats (``tokenizer.json`` and ``tokenizer_config.json``; json lines with a ``text``
-field for its ``c4_test`` loader).
+The test's own inputs: a word-level tokenizer written with ``tokenizers`` and a small text set (60 of its 1,000
+words, drawn uniformly), in torchtitan's formats (``tokenizer.json`` and ``tokenizer_config.json``; json lines with
+a ``text`` field for its ``c4_test`` loader).
 
 CPU stand-ins, besides test_titan_ep.py's and test_titan_ep_trainer.py's (device type, uneven all-to-all, causal
 SDPA for flex attention, FSDP's SUM reduction): torchtitan's device module is ``torch.cpu`` (with device index 0),
@@ -35,7 +36,7 @@ from feplb.testing import load_module, run_dist  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-WORLD, LAYERS, SEQ, STEPS, SAVED = 4, 1, 64, 3, 2
+WORLD, LAYERS, SEQ, STEPS, SAVED, EXPERT_HIDDEN = 4, 1, 64, 3, 2, 192
 SETTINGS = '{"policy": "feplb-split", "gpus_per_node": 2, "min_chunk": 1, "min_straggler_rows": 0, ' \
            '"plan_wait_ms": 60000}'
 WORDS, USED = 1000, 60   # the tokenizer's words; the texts use the first USED of them
@@ -109,6 +110,8 @@ def _config(root: Path, run: str, feplb: bool):
     config.checkpoint.enable, config.checkpoint.interval = True, SAVED
     config.checkpoint.load_step = SAVED if run == "resumed" else -1
     config.model_spec.model.layers = config.model_spec.model.layers[:LAYERS]
+    for layer in config.model_spec.model.layers:   # (the test's memory: full copies of every run are compared)
+        layer.moe.routed_experts.inner_experts.hidden_dim = EXPERT_HIDDEN
     if feplb:   # as `--override.imports 'feplb.titan_ep.feplb_experts={...}'` gives it
         config.override = OverrideConfig(imports=parse_cli_imports([f"feplb.titan_ep.feplb_experts={SETTINGS}"]))
     parallelize = config.model_spec.parallelize_fn
@@ -148,6 +151,16 @@ def _reinit(model) -> None:
                 p.copy_(new)
 
 
+def _adam_state(trainer, model) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's optimizer state (AdamW's moments and step), as full tensors."""
+    from torch.distributed.tensor import DTensor
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                           for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+            for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
+
+
 def _full(model) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
@@ -177,21 +190,35 @@ def _job(rank: int, world: int, root: str) -> dict:
         _reinit(model)
         inners = [layer.moe.routed_experts.inner_experts for layer in model.layers.values()]
         res = {"classes": sorted({type(m).__name__ for m in inners}), "losses": {}, "norms": {}, "moved": {},
-               "start": _full(model)}
+               "labels": {}, "start": _full(model) if run != "resumed" else {}}
         if run == "resumed":
             trainer.checkpointer.load(step=SAVED)
-            res["loaded"] = _full(model)
-        log = trainer.metrics_processor.log
+            res["loaded"], res["loaded_adam"] = _full(model), _adam_state(trainer, model)
+        log, fwd_bwd, opt_step = trainer.metrics_processor.log, trainer.forward_backward_step, trainer.optimizers.step
 
-        def record(step, loss, max_loss, grad_norm, *args, _res=res, _log=log, _model=model, _inners=inners,
+        def forward_backward(*, labels, _res=res, _trainer=trainer, _f=fwd_bwd, **kwargs):
+            _res["labels"][_trainer.step] = labels.clone()
+            return _f(labels=labels, **kwargs)
+
+        def step(*args, _res=res, _trainer=trainer, _model=model, _step=opt_step, **kwargs):
+            if _trainer.step == 1:   # the first step's gradients (clipped), before AdamW takes them
+                from torch.distributed.tensor import DTensor
+
+                _res["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                                 for n, p in _model.named_parameters() if p.grad is not None}
+            return _step(*args, **kwargs)
+
+        def record(step, loss, max_loss, grad_norm, *args, _res=res, _log=log, _model=model, _trainer=trainer,
+                   _inners=inners,
                    _feplb=feplb, **kwargs):
             _res["losses"][step], _res["norms"][step] = float(loss), float(grad_norm)
             _res["moved"][step] = [moved(m) for m in _inners] if _feplb else []
             if step == SAVED:
-                _res["saved"] = _full(_model)
+                _res["saved"], _res["saved_adam"] = _full(_model), _adam_state(_trainer, _model)
             return _log(step, loss, max_loss, grad_norm, *args, **kwargs)
 
-        trainer.metrics_processor.log = record
+        trainer.metrics_processor.log, trainer.forward_backward_step = record, forward_backward
+        trainer.optimizers.step = step
         trainer.train()
         res["final"] = _full(model)
         res["saved_steps"] = sorted(p.name for p in (root / run / "checkpoint").iterdir())
@@ -199,8 +226,50 @@ def _job(rank: int, world: int, root: str) -> dict:
         for m in inners:
             if hasattr(m, "close"):
                 m.close()
+        del trainer, model, inners
         out[run] = res
+        if run == "titan":   # compared here, on each rank, to keep few of the full tensors alive at once
+            out["vs_titan"] = _vs_titan(out["ours"], out.pop("titan"))
+        if run == "resumed":
+            out["vs_resumed"] = _vs_resumed(out["ours"], out.pop("resumed"))
+    return {k: v for k, v in out.items() if k.startswith("vs_")}
+
+
+def _rel_max(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = float(want.abs().max())
+    return float((got - want).abs().max()) / scale if scale else float(got.abs().max())
+
+
+def _vs_titan(ours: dict, titan: dict) -> dict:
+    """FEPLB's run against torchtitan's, in numbers (and frees what only this comparison needed)."""
+    bias = [n for n in titan["final"] if n.endswith("expert_bias_E")]
+    out = {"classes": (ours["classes"], titan["classes"]), "losses": (ours["losses"], titan["losses"]),
+           "norms": (ours["norms"], titan["norms"]), "moved": ours["moved"], "bias": bias,
+           "same_start": sorted(ours["start"]) == sorted(titan["start"])
+           and all(torch.equal(ours["start"][n], w) for n, w in titan["start"].items()),
+           "same_labels": sorted(ours["labels"]) == sorted(titan["labels"])
+           and all(torch.equal(ours["labels"][k], w) for k, w in titan["labels"].items()),
+           "grad_names": (sorted(ours["grads"]), sorted(titan["grads"])),
+           "grad_err": {n: _rel_max(ours["grads"][n], w) for n, w in titan["grads"].items()},
+           "off": _off(ours["final"], titan["final"], titan["start"]), "params": len(titan["final"]),
+           "bias_moved": all(not torch.equal(titan["final"][n], titan["start"][n]) for n in bias)}
+    for k in ("start", "grads"):
+        ours.pop(k)
     return out
+
+
+def _vs_resumed(ours: dict, resumed: dict) -> dict:
+    """torchtitan resumed from FEPLB's step-2 checkpoint against FEPLB's own step 3, in numbers."""
+    adam_same = sorted(resumed["loaded_adam"]) == sorted(ours["saved_adam"]) and all(
+        sorted(resumed["loaded_adam"][n]) == sorted(st) and all(torch.equal(resumed["loaded_adam"][n][k], v)
+                                                                for k, v in st.items())
+        for n, st in ours["saved_adam"].items())
+    return {"saved_steps": ours["saved_steps"], "losses": (resumed["losses"], ours["losses"]),
+            "loaded_same": sorted(resumed["loaded"]) == sorted(ours["saved"])
+            and all(torch.equal(resumed["loaded"][n], w) for n, w in ours["saved"].items()),
+            "adam_same": adam_same, "adam_entries": len(ours["saved_adam"]),
+            "same_labels": torch.equal(resumed["labels"][STEPS], ours["labels"][STEPS]),
+            "off": _off(resumed["final"], ours["final"], ours["saved"])}
 
 
 @pytest.fixture(scope="module")
@@ -224,24 +293,27 @@ def _off(got: dict, want: dict, start: dict) -> dict[str, float]:
 
 def test_torchtitans_trainer_runs_feplb_as_its_own_experts(trained):
     for r, res in enumerate(trained):
-        ours, titan = res["ours"], res["titan"]
-        assert ours["classes"] == ["FEPLBGroupedExperts"] and titan["classes"] == ["GroupedExperts"], r
-        assert sorted(ours["losses"]) == sorted(titan["losses"]) == list(range(1, STEPS + 1)), r
-        assert all(m > 0 for step in ours["moved"].values() for m in step), f"rank {r}: rows moved {ours['moved']}"
-        assert sorted(ours["start"]) == sorted(titan["start"]), r
-        for n, want in titan["start"].items():   # the same seed, the same parameters
-            assert torch.equal(ours["start"][n], want), (r, n)
+        c = res["vs_titan"]
+        assert c["classes"] == (["FEPLBGroupedExperts"], ["GroupedExperts"]), r
+        (ours, titan), (ours_norms, titan_norms) = c["losses"], c["norms"]
+        assert sorted(ours) == sorted(titan) == list(range(1, STEPS + 1)), r
+        assert all(m > 0 for step in c["moved"].values() for m in step), f"rank {r}: rows moved {c['moved']}"
+        assert c["same_start"] and c["same_labels"], r   # the same seed and parameters; the same data
+        # the first step's gradients, each tensor within 2e-2 of its largest element (as the whole-model test)
+        names, titan_names = c["grad_names"]
+        assert names == titan_names and any("inner_experts" in n for n in names), r
+        for n, err in c["grad_err"].items():
+            assert err <= 2e-2, f"rank {r}: step 1's gradient of {n} off torchtitan's by {err:.2e} (relative)"
         # bf16 experts on both sides, through attention, the loss, clipping and AdamW: the same losses and norms
-        for step, want in titan["losses"].items():
-            assert abs(ours["losses"][step] - want) <= 5e-4 * abs(want), (r, step, ours["losses"][step], want)
-            norm = titan["norms"][step]
-            assert abs(ours["norms"][step] - norm) <= 5e-3 * norm, (r, step, ours["norms"][step], norm)
+        for step, want in titan.items():
+            assert abs(ours[step] - want) <= 5e-4 * abs(want), (r, step, ours[step], want)
+            norm = titan_norms[step]
+            assert abs(ours_norms[step] - norm) <= 5e-3 * norm, (r, step, ours_norms[step], norm)
         # trained alike: each parameter within 15% of torchtitan's own update; the load-balancing bias, which moves
         # by a fixed step per expert toward the mean count, within 25% (one expert's count on the other side of
         # the mean moves it by two steps)
-        off = _off(ours["final"], titan["final"], titan["start"])
-        bias = [n for n in titan["final"] if n.endswith("expert_bias_E")]
-        assert bias and set(bias) <= set(off) and len(off) == len(titan["final"]), (r, sorted(off))
+        off, bias = c["off"], c["bias"]
+        assert bias and set(bias) <= set(off) and len(off) == c["params"] and c["bias_moved"], (r, sorted(off))
         for n, err in off.items():
             bound = 0.25 if n in bias else 0.15
             assert err <= bound, f"rank {r}: {n} off torchtitan's after {STEPS} steps by {err:.2e} of its update"
@@ -249,15 +321,15 @@ def test_torchtitans_trainer_runs_feplb_as_its_own_experts(trained):
 
 def test_a_feplb_checkpoint_is_torchtitans(trained):
     for r, res in enumerate(trained):
-        ours, resumed = res["ours"], res["resumed"]
-        assert ours["saved_steps"] == [f"step-{SAVED}", f"step-{STEPS}"], (r, ours["saved_steps"])
-        assert sorted(resumed["loaded"]) == sorted(ours["saved"]), r
-        for n, want in ours["saved"].items():   # FEPLB's step-2 state, loaded by torchtitan's own experts
-            assert torch.equal(resumed["loaded"][n], want), (r, n)
-        assert sorted(resumed["losses"]) == list(range(SAVED + 1, STEPS + 1)), (r, resumed["losses"])
-        for step, loss in resumed["losses"].items():   # the same data and optimizer state carry on
-            want = ours["losses"][step]
-            assert abs(loss - want) <= 5e-4 * abs(want), (r, step, loss, want)
+        c = res["vs_resumed"]
+        assert c["saved_steps"] == [f"step-{SAVED}", f"step-{STEPS}"], (r, c["saved_steps"])
+        # FEPLB's step-2 state loaded by torchtitan's own experts: the parameters, the optimizer's state, and the
+        # data loader's (the same batch next)
+        assert c["loaded_same"] and c["adam_same"] and c["adam_entries"] > 0 and c["same_labels"], (r, c)
+        resumed, ours = c["losses"]
+        assert sorted(resumed) == list(range(SAVED + 1, STEPS + 1)), (r, resumed)
+        for step, loss in resumed.items():   # the same data and optimizer state carry on
+            assert abs(loss - ours[step]) <= 5e-4 * abs(ours[step]), (r, step, loss, ours[step])
         # one step from the same state: each parameter within 2% of FEPLB's update
-        for n, err in _off(resumed["final"], ours["final"], ours["saved"]).items():
+        for n, err in c["off"].items():
             assert err <= 0.02, f"rank {r}: {n} off FEPLB's after the resumed step by {err:.2e} of its update"
