@@ -640,13 +640,14 @@ def _ddp_case(rank: int, world: int, policy: str, weights: str, overlap: bool, e
     return {"first": first, "err": err, "moved": moved, "warned": warned}
 
 
-def _recompute_case(rank: int, world: int, policy: str, weights: str, *, dispatcher: str = "feplb", **over) -> dict:
+def _recompute_case(rank: int, world: int, policy: str, weights: str, *, dispatcher: str = "feplb",
+                    arch: str = "softmax", **over) -> dict:
     """Megatron's recompute of the MoE layer; two micro-batches forwarded before their backwards (in reverse).
     ``over``: TransformerConfig fields; ``dispatcher``: apply's token_dispatcher."""
     import feplb.megatron as fm
 
     over = dict(recompute_granularity="selective", recompute_modules=["moe"], **over)
-    moe, ref = make_moe(**over), make_moe(**over)
+    moe, ref = make_moe(arch, **over), make_moe(arch, **over)
     assert moe.moe_layer_recompute
     fm.apply(moe, policy=policy, weights=weights, gpus_per_node=min(2, world), token_dispatcher=dispatcher, **OPTS)
     res = []
@@ -816,6 +817,10 @@ def _job(rank: int, world: int) -> dict:
         res["ddp", policy, weights, overlap] = _ddp_case(rank, world, policy, weights, overlap)
     for policy, weights in (("feplb-split", "per-step"), ("eplb", "per-step"), ("feplb-split+place", "per-microbatch")):
         res["recompute", policy, weights] = _recompute_case(rank, world, policy, weights)
+    with _cpu_shared_expert_stream():   # the shared experts overlapped, queued again by the recompute's dispatch
+        res["recompute", "feplb-split", "shared-overlap"] = _recompute_case(
+            rank, world, "feplb-split", "per-microbatch", arch="sigmoid", moe_shared_expert_overlap=True,
+            moe_token_dispatcher_type="alltoall")
     res["state"] = _state_case(rank, world)
     res["refusal"] = _refusal_case(rank, world)
     return res
@@ -1568,6 +1573,9 @@ def _own_dispatcher_job(rank: int, world: int) -> dict:
         res["train", policy, weights] = _train_case(rank, world, policy, weights, **a2a)
     res["ddp"] = _ddp_case(rank, world, "feplb-split", "per-microbatch", True, **a2a)
     res["recompute"] = _recompute_case(rank, world, "feplb-split", "per-microbatch", **a2a)
+    with _cpu_shared_expert_stream():
+        res["recompute-overlap"] = _recompute_case(rank, world, "feplb-split", "per-microbatch", arch="sigmoid",
+                                                   moe_shared_expert_overlap=True, **a2a)
     res["ckpt"] = _own_ckpt_case(rank, world)
     res["gpt"] = _gpt_case(rank, world, "te", dispatcher="megatron")
     res["refusal"] = _own_dispatcher_refusal_case(rank, world)
@@ -1630,6 +1638,7 @@ def test_behind_megatrons_own_dispatcher_training_ddp_recompute_and_gpt(own_disp
         assert r["ddp"]["first"] <= 1e-5 and r["ddp"]["err"] <= 1e-4, r["ddp"]
         assert r["ddp"]["warned"] == 0
         assert r["recompute"]["err"] <= 1e-5, r["recompute"]
+        assert r["recompute-overlap"]["err"] <= 1e-5 and r["recompute-overlap"]["moved"] > 0, r["recompute-overlap"]
         assert r["ckpt"]["equal"]
         g = r["gpt"]
         assert g["names"] == ["decoder.layers.0.mlp.experts", "decoder.layers.1.mlp.experts"] and g["same_names"]
