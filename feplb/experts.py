@@ -243,14 +243,13 @@ class _Recipe:
     versions and storage sizes), and the layout the rebuilt weights must have; then the casts of them
     (``derived_cast``: which weight, the view of it that was cast, to what)."""
 
-    __slots__ = ("make", "sources", "seen", "nbytes", "layouts", "casts", "name", "labels", "rebuilt",
-                 "cast_rebuilt", "saved", "__weakref__")
+    __slots__ = ("make", "sources", "seen", "nbytes", "layouts", "casts", "rebuilt", "cast_rebuilt", "saved",
+                 "__weakref__")
 
     def __init__(self, make, sources: tuple[torch.Tensor, ...], versioned: tuple[torch.Tensor, ...],
                  weights: tuple[torch.Tensor, ...], name: str, labels: tuple[str, ...]):
-        self.make, self.sources, self.name = make, sources, name
-        self.labels = labels   # how errors call each of (*sources, *versioned)
-        self.seen = _Versions((*sources, *versioned), labels, name)
+        self.make, self.sources = make, sources
+        self.seen = _Versions((*sources, *versioned), labels, name)   # (with the layer's name and the labels)
         self.nbytes = tuple(s.untyped_storage().nbytes() for s in sources)
         self.layouts = tuple(_layout(w) for w in weights)
         self.casts: list[tuple[int, tuple, torch.dtype, tuple]] = []
@@ -272,7 +271,7 @@ class _Recipe:
         self.seen.check()
         for k, (s, n_) in enumerate(zip(self.sources, self.nbytes, strict=True)):
             if s.untyped_storage().nbytes() != n_:
-                raise RuntimeError(f"{self.name}: {self.labels[k]} has "
+                raise RuntimeError(f"{self.seen.name}: {self.seen.labels[k]} has "
                                    f"{s.untyped_storage().nbytes()} bytes of storage at the backward, {n_} at the "
                                    "forward (freed after the forward and not gathered again?); the backward "
                                    "derives the experts' weights from it")
@@ -291,7 +290,7 @@ class _Recipe:
 
     def _check_layout(self, got: tuple, want: tuple) -> None:
         if got != want:
-            raise RuntimeError(f"{self.name}: the experts' weights derived again in the backward have the layout "
+            raise RuntimeError(f"{self.seen.name}: the experts' weights derived again in the backward have the layout "
                                f"{got}, the forward's had {want}")
 
 

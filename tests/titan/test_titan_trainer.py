@@ -35,6 +35,9 @@ from pathlib import Path  # noqa: E402
 
 from feplb.testing import load_module, run_dist  # noqa: E402
 
+# test_titan_ep.py's CPU stand-ins, row count and relative error (loaded by path, as the ranks load this file)
+_ep = load_module(Path(__file__).with_name("test_titan_ep.py"))
+
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 WORLD, LAYERS, SEQ, STEPS, SAVED, EXPERT_HIDDEN = 4, 1, 64, 3, 2, 192
@@ -80,7 +83,7 @@ def _cpu_trainer() -> None:
     import torchtitan.trainer  # noqa: F401  (imports the modules patched below)
     from torch.distributed import distributed_c10d
 
-    load_module(Path(__file__).with_name("test_titan_ep.py"))._cpu_torchtitan()
+    _ep._cpu_torchtitan()
     cpu = types.SimpleNamespace(**{k: getattr(torch.cpu, k) for k in dir(torch.cpu) if not k.startswith("__")})
     cpu.current_device = lambda: 0
     for name, mod in list(sys.modules.items()):
@@ -150,7 +153,7 @@ def _reinit(model) -> None:
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p
+            full = _whole(p)
             std = float(full.float().std())
             if std == 0.0 or full.numel() < 2:
                 continue
@@ -161,23 +164,23 @@ def _reinit(model) -> None:
                 p.copy_(new)
 
 
-def _adam_state(trainer, model) -> dict[str, dict[str, torch.Tensor]]:
-    """Each parameter's optimizer state (AdamW's moments and step), as full tensors."""
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t`` in full (a DTensor gathered from its shards: collective)."""
     from torch.distributed.tensor import DTensor
 
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _adam_state(trainer, model) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's optimizer state (AdamW's moments and step), as full tensors."""
     names = {id(p): n for n, p in model.named_parameters()}
-    return {names[id(p)]: {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                           for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+    return {names[id(p)]: {k: _whole(v) for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
             for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
 
 
 def _full(model) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in model.named_parameters()} | \
-        {n: (b.full_tensor() if isinstance(b, DTensor) else b).detach().clone()
-         for n, b in model.named_buffers() if n.endswith("expert_bias_E")}
+    return {n: _whole(p) for n, p in model.named_parameters()} | \
+        {n: _whole(b) for n, b in model.named_buffers() if n.endswith("expert_bias_E")}
 
 
 def _job(rank: int, world: int, root: str) -> dict:
@@ -187,7 +190,6 @@ def _job(rank: int, world: int, root: str) -> dict:
     root = Path(root)
     _cpu_trainer()
     os.environ["LOCAL_RANK"] = str(rank)
-    moved = load_module(Path(__file__).with_name("test_titan_ep.py"))._moved
     out = {}
     for run, feplb in (("ours", True), ("titan", False), ("resumed", False)):
         if run == "resumed":   # torchtitan without FEPLB, from FEPLB's checkpoint
@@ -212,17 +214,14 @@ def _job(rank: int, world: int, root: str) -> dict:
 
         def step(*args, _res=res, _trainer=trainer, _model=model, _step=opt_step, **kwargs):
             if _trainer.step == 1:   # the first step's gradients (clipped), before AdamW takes them
-                from torch.distributed.tensor import DTensor
-
-                _res["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                                 for n, p in _model.named_parameters() if p.grad is not None}
+                _res["grads"] = {n: _whole(p.grad) for n, p in _model.named_parameters() if p.grad is not None}
             return _step(*args, **kwargs)
 
         def record(step, loss, max_loss, grad_norm, *args, _res=res, _log=log, _model=model, _trainer=trainer,
                    _inners=inners,
                    _feplb=feplb, **kwargs):
             _res["losses"][step], _res["norms"][step] = float(loss), float(grad_norm)
-            _res["moved"][step] = [moved(m) for m in _inners] if _feplb else []
+            _res["moved"][step] = [_ep._moved(m) for m in _inners] if _feplb else []
             if step == SAVED:
                 _res["saved"], _res["saved_adam"] = _full(_model), _adam_state(_trainer, _model)
             return _log(step, loss, max_loss, grad_norm, *args, **kwargs)
@@ -245,11 +244,6 @@ def _job(rank: int, world: int, root: str) -> dict:
     return {k: v for k, v in out.items() if k.startswith("vs_")}
 
 
-def _rel_max(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = float(want.abs().max())
-    return float((got - want).abs().max()) / scale if scale else float(got.abs().max())
-
-
 def _vs_titan(ours: dict, titan: dict) -> dict:
     """FEPLB's run against torchtitan's, in numbers (and frees what only this comparison needed)."""
     bias = [n for n in titan["final"] if n.endswith("expert_bias_E")]
@@ -260,7 +254,7 @@ def _vs_titan(ours: dict, titan: dict) -> dict:
            "same_labels": sorted(ours["labels"]) == sorted(titan["labels"])
            and all(torch.equal(ours["labels"][k], w) for k, w in titan["labels"].items()),
            "grad_names": (sorted(ours["grads"]), sorted(titan["grads"])),
-           "grad_err": {n: _rel_max(ours["grads"][n], w) for n, w in titan["grads"].items()},
+           "grad_err": {n: _ep._rel(ours["grads"][n], w) for n, w in titan["grads"].items()},
            "off": _off(ours["final"], titan["final"], titan["start"]), "params": len(titan["final"]),
            "bias_moved": all(not torch.equal(titan["final"][n], titan["start"][n]) for n in bias)}
     for k in ("start", "grads"):
