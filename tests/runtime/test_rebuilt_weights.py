@@ -454,3 +454,60 @@ def test_derived_casts_are_held_until_the_block_ends():
         del cast
         assert ref() is not None
     assert ref() is None
+
+
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
+                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "fp32-autocast"])
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_on_the_device_gradients_bit_equal_and_the_join_not_kept(device, autocast):
+    """On the layer's device (on a GPU: the Triton grouped GEMM, the caching allocator): bf16 weights, or fp32
+    ones under ``torch.autocast`` (their bf16 casts derived too, as ``SlotWeights.for_gemms`` declares them); the
+    gradients bit-equal to keeping the join, the join made once more in the backward, and nothing holding it
+    between the forward and the backward. On CUDA also the memory allocated then: smaller by at least the bf16
+    join's bytes (what the GEMMs would have saved)."""
+    from feplb.experts import derived_cast
+    from feplb.kernels import autocast_matmul_inputs
+
+    dev = torch.device(device)
+    sizes = [300, 0, 17, 128, 256, 1, 64, 512]   # rows per expert: empty, single, and uneven groups
+    n, h, f = len(sizes), 256, 128
+    dtype = torch.float32 if autocast else torch.bfloat16
+    gen = torch.Generator().manual_seed(16)
+    params = [(torch.randn(*s, generator=gen) / s[-1] ** 0.5).to(dev, dtype).requires_grad_()
+              for s in ((n, f, h), (n, h, f), (n, f, h))]
+    x = torch.randn(sum(sizes), h, generator=gen).to(dev, dtype).requires_grad_()
+    offsets = torch.tensor(sizes, device=dev).cumsum(0)
+    runs = {}
+    for rebuild in (False, True):
+        join = _Join(dtype)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        ctx = rebuilt_in_backward(join, params, "device experts") if rebuild else _plain(join, params)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast), ctx as weights:
+            gemm = autocast_matmul_inputs(*weights)
+            derived_cast(gemm, weights)
+            assert gemm[0].dtype == torch.bfloat16
+            y = expert_mlp(x, gemm, offsets)
+            refs = [weakref.ref(w) for w in (weights[0], gemm[0])]   # the join, and its cast under autocast
+        loss = (y.float() ** 2).sum()
+        del weights, gemm, ctx, y
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        held = torch.cuda.memory_allocated(dev) - before if dev.type == "cuda" else None
+        alive = [r() is not None for r in refs]
+        grads = torch.autograd.grad(loss, [x, *params])
+        runs[rebuild] = (grads, held, alive, join.calls)
+    (want, kept_bytes, kept_alive, plain_calls), (got, rebuilt_bytes, rebuilt_alive, calls) = runs[False], runs[True]
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert plain_calls == 1 and calls == 2
+    # kept: the GEMM's operand (the bf16 join, or its cast under autocast; the fp32 join itself is freed once
+    # cast); rebuilt: neither
+    assert kept_alive == ([False, True] if autocast else [True, True]) and rebuilt_alive == [False, False]
+    if dev.type == "cuda":
+        join_bytes = n * h * 2 * f * 2
+        assert kept_bytes - rebuilt_bytes >= join_bytes, (kept_bytes, rebuilt_bytes, join_bytes)

@@ -178,6 +178,11 @@ def _adam_state(trainer, model) -> dict[str, dict[str, torch.Tensor]]:
             for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
 
 
+def _lr_state(trainer) -> tuple:
+    """The LR schedulers' state (what torchtitan checkpoints of them) and every parameter group's learning rate."""
+    return trainer.lr_schedulers.state_dict(), [g["lr"] for opt in trainer.optimizers for g in opt.param_groups]
+
+
 def _full(model) -> dict[str, torch.Tensor]:
     return {n: _whole(p) for n, p in model.named_parameters()} | \
         {n: _whole(b) for n, b in model.named_buffers() if n.endswith("expert_bias_E")}
@@ -206,6 +211,7 @@ def _job(rank: int, world: int, root: str) -> dict:
         if run == "resumed":
             trainer.checkpointer.load(step=SAVED)
             res["loaded"], res["loaded_adam"] = _full(model), _adam_state(trainer, model)
+            res["loaded_lr"] = _lr_state(trainer)
         log, fwd_bwd, opt_step = trainer.metrics_processor.log, trainer.forward_backward_step, trainer.optimizers.step
 
         def forward_backward(*, labels, _res=res, _trainer=trainer, _f=fwd_bwd, **kwargs):
@@ -224,6 +230,7 @@ def _job(rank: int, world: int, root: str) -> dict:
             _res["moved"][step] = [_ep._moved(m) for m in _inners] if _feplb else []
             if step == SAVED:
                 _res["saved"], _res["saved_adam"] = _full(_model), _adam_state(_trainer, _model)
+                _res["saved_lr"] = _lr_state(_trainer)
             return _log(step, loss, max_loss, grad_norm, *args, **kwargs)
 
         trainer.metrics_processor.log, trainer.forward_backward_step = record, forward_backward
@@ -272,6 +279,7 @@ def _vs_resumed(ours: dict, resumed: dict) -> dict:
             "loaded_same": sorted(resumed["loaded"]) == sorted(ours["saved"])
             and all(torch.equal(resumed["loaded"][n], w) for n, w in ours["saved"].items()),
             "adam_same": adam_same, "adam_entries": len(ours["saved_adam"]),
+            "lr": (resumed["loaded_lr"], ours["saved_lr"]),
             "same_labels": torch.equal(resumed["labels"][STEPS], ours["labels"][STEPS]),
             "off": _off(resumed["final"], ours["final"], ours["saved"])}
 
@@ -330,6 +338,10 @@ def test_a_feplb_checkpoint_is_torchtitans(trained):
         # FEPLB's step-2 state loaded by torchtitan's own experts: the parameters, the optimizer's state, and the
         # data loader's (the same batch next)
         assert c["loaded_same"] and c["adam_same"] and c["adam_entries"] > 0 and c["same_labels"], (r, c)
+        # and the LR schedule's: its step count, and the learning rate each parameter group had then
+        (loaded_sched, loaded_lrs), (saved_sched, saved_lrs) = c["lr"]
+        assert loaded_sched == saved_sched == {"last_epoch": SAVED} and loaded_lrs == saved_lrs, (r, c["lr"])
+        assert saved_lrs and all(lr > 0 for lr in saved_lrs), (r, saved_lrs)
         resumed, ours = c["losses"]
         assert sorted(resumed) == list(range(SAVED + 1, STEPS + 1)), (r, resumed)
         for step, loss in resumed.items():   # the same data and optimizer state carry on
