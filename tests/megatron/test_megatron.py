@@ -479,12 +479,12 @@ def _two_layers_case(rank: int, world: int) -> dict:
 
 
 def _train_case(rank: int, world: int, policy: str, weights: str, experts: str = "sequential", *,
-                dispatcher: str = "feplb", **over) -> dict:
+                dispatcher: str = "feplb", arch: str = "softmax", **over) -> dict:
     """Two SGD steps of two accumulated micro-batches each, ours and Megatron's layer; the per-step calls. ``over``:
     TransformerConfig fields; ``dispatcher``: apply's token_dispatcher."""
     import feplb.megatron as fm
 
-    moe, ref = make_moe(experts=experts, **over), make_moe(experts=experts, **over)
+    moe, ref = make_moe(arch, experts=experts, **over), make_moe(arch, experts=experts, **over)
     fm.apply(moe, policy=policy, weights=weights, gpus_per_node=min(2, world), refresh_every=1,
              token_dispatcher=dispatcher, **OPTS)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
@@ -596,7 +596,7 @@ def _state_case(rank: int, world: int, bias: bool = False) -> dict:
 
 
 def _ddp_case(rank: int, world: int, policy: str, weights: str, overlap: bool, experts: str = "sequential", *,
-              dispatcher: str = "feplb", **over) -> dict:
+              dispatcher: str = "feplb", arch: str = "softmax", **over) -> dict:
     """Megatron's DistributedDataParallel around ours and Megatron's layer: two steps of two micro-batches (the first
     under no_sync), reduce_replica_grads before finish_grad_sync, SGD on the reduced main_grad, refresh_replicas.
     ``over``: TransformerConfig fields; ``dispatcher``: apply's token_dispatcher."""
@@ -607,7 +607,7 @@ def _ddp_case(rank: int, world: int, policy: str, weights: str, overlap: bool, e
 
     import feplb.megatron as fm
 
-    moe, ref = make_moe(experts=experts, **over), make_moe(experts=experts, **over)
+    moe, ref = make_moe(arch, experts=experts, **over), make_moe(arch, experts=experts, **over)
     fm.apply(moe, policy=policy, weights=weights, gpus_per_node=min(2, world), refresh_every=1,
              token_dispatcher=dispatcher, **OPTS)
     ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=overlap, grad_reduce_in_fp32=True)
@@ -817,10 +817,16 @@ def _job(rank: int, world: int) -> dict:
         res["ddp", policy, weights, overlap] = _ddp_case(rank, world, policy, weights, overlap)
     for policy, weights in (("feplb-split", "per-step"), ("eplb", "per-step"), ("feplb-split+place", "per-microbatch")):
         res["recompute", policy, weights] = _recompute_case(rank, world, policy, weights)
-    with _cpu_shared_expert_stream():   # the shared experts overlapped, queued again by the recompute's dispatch
-        res["recompute", "feplb-split", "shared-overlap"] = _recompute_case(
-            rank, world, "feplb-split", "per-microbatch", arch="sigmoid", moe_shared_expert_overlap=True,
-            moe_token_dispatcher_type="alltoall")
+    with _cpu_shared_expert_stream():
+        overlap = dict(arch="sigmoid", moe_shared_expert_overlap=True, moe_token_dispatcher_type="alltoall")
+        # the shared experts overlapped, queued again by the recompute's dispatch
+        res["recompute", "feplb-split", "shared-overlap"] = _recompute_case(rank, world, "feplb-split",
+                                                                            "per-microbatch", **overlap)
+        # ... over training steps (forwards interleaved, as a pipeline schedule does), and under Megatron's DDP
+        res["train", "shared-overlap", "per-step"] = _train_case(rank, world, "feplb-split+place", "per-step",
+                                                                 **overlap)
+        res["ddp", "shared-overlap", "per-microbatch", True] = _ddp_case(rank, world, "feplb-split",
+                                                                        "per-microbatch", True, **overlap)
     res["state"] = _state_case(rank, world)
     res["refusal"] = _refusal_case(rank, world)
     return res
@@ -1366,7 +1372,8 @@ def test_training_matches_megatron(job):
     if world > 1:
         assert res[0]["train-capacity", "feplb-split+place"]["moved"] > 0
         for key in (("train", "eplb", "per-step"), ("train", "feplb-split+place", "per-microbatch"),
-                    ("train", "bias", "per-step"), ("train", "bias", "per-microbatch")):
+                    ("train", "bias", "per-step"), ("train", "bias", "per-microbatch"),
+                    ("train", "shared-overlap", "per-step")):
             assert res[0][key]["moved"] > 0, key
         # the biases trained too (every expert's, per-step copies and per-micro-batch ones)
         for weights in ("per-step", "per-microbatch"):
@@ -1576,6 +1583,8 @@ def _own_dispatcher_job(rank: int, world: int) -> dict:
     with _cpu_shared_expert_stream():
         res["recompute-overlap"] = _recompute_case(rank, world, "feplb-split", "per-microbatch", arch="sigmoid",
                                                    moe_shared_expert_overlap=True, **a2a)
+        res["ddp-overlap"] = _ddp_case(rank, world, "feplb-split", "per-microbatch", True, arch="sigmoid",
+                                       moe_shared_expert_overlap=True, **a2a)
     res["ckpt"] = _own_ckpt_case(rank, world)
     res["gpt"] = _gpt_case(rank, world, "te", dispatcher="megatron")
     res["refusal"] = _own_dispatcher_refusal_case(rank, world)
@@ -1639,6 +1648,8 @@ def test_behind_megatrons_own_dispatcher_training_ddp_recompute_and_gpt(own_disp
         assert r["ddp"]["warned"] == 0
         assert r["recompute"]["err"] <= 1e-5, r["recompute"]
         assert r["recompute-overlap"]["err"] <= 1e-5 and r["recompute-overlap"]["moved"] > 0, r["recompute-overlap"]
+        ddp = r["ddp-overlap"]   # the shared experts on Megatron's side stream, under its DDP
+        assert ddp["first"] <= 1e-5 and ddp["err"] <= 1e-4 and ddp["warned"] == 0 and ddp["moved"] > 0, ddp
         assert r["ckpt"]["equal"]
         g = r["gpt"]
         assert g["names"] == ["decoder.layers.0.mlp.experts", "decoder.layers.1.mlp.experts"] and g["same_names"]
