@@ -55,7 +55,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from feplb.balance import Balancer, timed_plan
 from feplb.config import (
@@ -78,52 +77,24 @@ from feplb.layout import (
     home_layout,
 )
 from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
-from feplb.recompute import Record, Records, checkpoint_frame, hooks_active, in_backward, record_kind
-from feplb.replicas import Placement, Replicas, state_digest, state_fingerprint
-from feplb.sharded import STATE_DICT_TYPES, expert_named_params, localize_state, register, track_optimizer
+from feplb.recompute import Record, Records, checkpoint_frame, in_backward, record_kind
+from feplb.replicas import Placement, Replicas, state_fingerprint
+from feplb.sharded import ExpertShards, expert_named_params, register
 from feplb.steps import Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
+from feplb.training import _LAYERS, TrainingSteps
 from feplb.transport import release_transport, shared_transport
 
 __all__ = ["DirectLayout", "FEPLBConfig", "LayerStats", "MoELayer", "direct_layout", "expert_mlp",
            "ignore_experts_in_ddp"]
 
 
-def _refreshed() -> RuntimeError:
-    return RuntimeError("MoELayer: refresh_replicas() ran between a forward and its recompute by activation "
-                        "checkpointing: the per-step copies it computed with were replaced, so its backward cannot be "
-                        "computed; refresh after optimizer.step(), once the backward is done")
-
-
 # The next layer number (MoELayer.layer_id) of this process.
 _NEXT_LAYER_ID = 0
 _LAYER_ID_LOCK = threading.Lock()
-# The live layers: one optimizer step hook for all of them, gone with them (a hook per layer stayed registered for
-# every layer never closed, and ran at every step of every optimizer).
-_LAYERS: weakref.WeakSet[MoELayer] = weakref.WeakSet()
 
 
-def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
-    """After any ``optimizer.step()``: a live layer whose experts it stepped, and that is not attached to it (an
-    attached one refreshes its copies itself), holds stale per-step copies."""
-    for layer in list(_LAYERS):
-        if layer not in _attached(opt) and layer._steps_experts(opt):
-            layer.replicas.stepped = True
-            track_optimizer(opt)     # its state_dict() shards the experts' state like their parameters
-
-
-def _stepping(opt: torch.optim.Optimizer, *_: Any) -> None:
-    """Before any ``optimizer.step()`` of an optimizer not yet tracked: the expert parameters' state it loaded as
-    DTensors (a sharded state dict) made local."""
-    if not opt.__dict__.get("_feplb_sharded"):
-        localize_state(opt)
-
-
-register_optimizer_step_post_hook(_stepped)
-register_optimizer_step_pre_hook(_stepping)
-
-
-class MoELayer(nn.Module):
+class MoELayer(TrainingSteps, ExpertShards, nn.Module):
     """FEPLB MoE layer over an EP process group.
 
     Args:
@@ -139,11 +110,11 @@ class MoELayer(nn.Module):
     Where an expert is computed: at its HOME GPU, its owner unless a ``+place`` policy placed it elsewhere; per
     micro-batch the plan moves rows from the home to helpers (see the module docstring). Use as a context manager
     or call ``close()`` to release the copy path, the transport and the helper threads.
-    """
 
-    # what state_dict() gives for the expert shards (feplb.sharded): DTensors over the EP group, or plain per-rank
-    # tensors ("local")
-    state_dict_type = "sharded"
+    The policy ``state`` and the calls around ``optimizer.step()`` (``attach_optimizer``, ``refresh_replicas``,
+    ``reduce_replica_grads``, ``average_expert_grads``) are ``feplb.training.TrainingSteps``'; how the expert
+    shards map onto the full model's tensors and state dicts, ``feplb.sharded.ExpertShards``'.
+    """
 
     # why a subclass's experts cannot serve forward_dispatched (its forward does per-call work of its own), or None
     _no_forward_dispatched: str | None = None
@@ -296,40 +267,6 @@ class MoELayer(nn.Module):
                                "error is raised there); no rank keeps the layer")
         return out
 
-    # ------------------------------------------------------------------------------------------------ policy state
-    @property
-    def state(self):
-        """The policy's history (``feplb.sched.PolicyState``: load averages, dynamic sets, placement), or None for
-        plain EP. Not in ``state_dict()``: save it beside (it pickles) and assign it back on every rank, then call
-        ``refresh_replicas()``, which checks the ranks restored the same one."""
-        return self.__dict__.get("_policy_state")
-
-    @state.setter
-    def state(self, value) -> None:
-        problem = self._state_problem(value)
-        if problem is not None:
-            raise ValueError(f"MoELayer.state: {problem}; the layer keeps its own")
-        self.__dict__["_policy_state"] = value
-
-    def _state_problem(self, value) -> str | None:
-        """Why ``value`` cannot be this layer's policy state (a state of another layer's topology or policy: a
-        checkpoint of another EP size, say), or None."""
-        from feplb.sched.plan import parse_policy
-        from feplb.sched.state import PolicyState
-
-        needs = self.base != "none" or self.place
-        if value is None:
-            return None if not needs else f"policy {self.config.policy!r} needs a PolicyState, got None"
-        if not isinstance(value, PolicyState):
-            return f"expected a feplb.sched.PolicyState, got {type(value).__name__}"
-        if not needs:
-            return f"policy {self.config.policy!r} keeps no state (None), got a PolicyState"
-        if value.topo != self.topo:
-            return f"the state was made for {value.topo}, this layer's topology is {self.topo}"
-        if value.policy != self.config.policy and parse_policy(value.policy) != parse_policy(self.config.policy):
-            return f"the state serves policy {value.policy!r}, this layer runs {self.config.policy!r}"
-        return None
-
     # ------------------------------------------------------------------------------------------------ experts
     def _init_experts(self, L: int, H: int, F_: int, device: torch.device, dtype: torch.dtype) -> None:
         """Create this rank's expert parameters (override to store them in another layout)."""
@@ -364,99 +301,6 @@ class MoELayer(nn.Module):
     def expert_params(self) -> tuple[nn.Parameter, ...]:
         """The parameters behind ``expert_weights()`` (what an optimizer steps)."""
         return tuple(p for p in self.parameters(recurse=False) if self.router is None or p is not self.router.weight)
-
-    def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The full model's entries (names relative to this layer) of expert parameter ``pname``, given every EP
-        rank's shard of it in rank order (``feplb.dropin.full_state_dict``). Shards of all the local experts
-        ([L, ...], rank r holding experts r * L ...) concatenate; a layer keeping one parameter per expert
-        overrides this."""
-        return {pname: torch.cat(parts)}
-
-    def local_shard(self, pname: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of expert parameter ``pname`` (or of its gradient) cut from the full model's tensor: the
-        inverse of :meth:`full_entries` for a layer keeping [L, ...] shards, rows ``rank * L ...``."""
-        lo = self.rank * self.num_local
-        return full[lo:lo + self.num_local]
-
-    def expert_shard_dim(self, pname: str) -> int | None:
-        """The dim along which this rank's shard of expert parameter ``pname`` is one block of the full model's
-        tensor, block ``rank`` of W (``feplb.sharded``: its DTensor in ``state_dict()``): 0 for [L, ...] shards,
-        rows ``rank * L ...`` (:meth:`local_shard`); None where it is not one block."""
-        return 0
-
-    def whole_shape(self, pname: str) -> torch.Size | None:
-        """The shape of the full model's tensor of expert parameter ``pname`` whose rows :meth:`local_shard` cuts
-        (``load_state_dict`` takes it too), or None where the full model names it otherwise."""
-        p = self.get_parameter(pname)
-        return torch.Size((p.shape[0] * self.world_size, *p.shape[1:]))
-
-    def set_state_dict_type(self, kind: str) -> None:
-        """What ``state_dict()`` gives for the expert shards, and the optimizer's ``state_dict()`` for their state:
-        ``"sharded"`` (the default), DTensors sharded over the EP group, which ``torch.distributed.checkpoint``
-        saves and loads at any EP size; ``"local"``, plain per-rank tensors (``torch.save`` per rank).
-        ``load_state_dict`` takes both either way."""
-        if kind not in STATE_DICT_TYPES:
-            raise ValueError(f"state_dict type must be one of {STATE_DICT_TYPES}, got {kind!r}")
-        self.state_dict_type = kind
-
-    def full_state_entries(self, name: str, value: Any) -> dict[str, Any]:
-        """The full model's entries of this layer's state-dict entry ``name`` that is not an expert parameter (a
-        router, a buffer): by default itself, replicated on every rank."""
-        return {name: value}
-
-    def _steps_experts(self, opt: torch.optim.Optimizer) -> bool:
-        mine = {id(p) for p in self.expert_params()}
-        return any(id(p) in mine for g in opt.param_groups for p in g["params"])
-
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
-        """Reduce replica gradients before and refresh the replicas after every ``optimizer.step()`` (per-step
-        weights), so no optimizer, fused or not, can leave stale copies behind. Collective at every step. The
-        optimizer's ``zero_grad()`` then also drops the copies' gradients (``zero_replica_grads``), so a backward
-        the training loop discards (a skipped step) never reaches the owners. Attaching twice does nothing more.
-
-        scaler: the ``torch.amp.GradScaler`` that steps ``optimizer``, if one does. Its ``unscale_(optimizer)`` and
-        ``step(optimizer)`` then reduce the replica gradients first, so that they are unscaled and checked for
-        inf / NaN with the owners' (a step hook runs too late: inside ``optimizer.step()``, after both). Without
-        it, a scaler stepping a fused optimizer is refused (on every rank) when copies hold gradients; with a
-        non-fused one nothing can tell, and ``reduce_replica_grads()`` must be called before ``unscale_``."""
-        if scaler is not None:
-            if not isinstance(scaler, torch.amp.GradScaler):
-                raise TypeError(f"MoELayer.attach_optimizer: scaler must be a torch.amp.GradScaler, got "
-                                f"{type(scaler).__name__}")
-            _reduce_before_unscale(scaler)
-        if self in _attached(optimizer):
-            return
-        self._hooks += [optimizer.register_step_pre_hook(lambda opt, *_: self._reduce_in_step(opt)),
-                        optimizer.register_step_post_hook(lambda *_: self.refresh_replicas())]
-        _attach(optimizer, self)
-
-    def _reduce_in_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``reduce_replica_grads()`` from the step pre-hook. A GradScaler stepping a fused optimizer has set
-        ``found_inf`` by then, from the owners' gradients alone: copies still holding gradients there would be
-        stepped scaled (non-finite ones unseen), so that raises on every rank."""
-        scaled = hasattr(optimizer, "found_inf")
-        try:
-            self._reduce_replica_grads(
-                None if not scaled else
-                "a torch.amp.GradScaler unscaled and checked the gradients before the replica gradients were "
-                "reduced into them; pass the scaler: attach_optimizer(optimizer, scaler=scaler)")
-        except BaseException:
-            if scaled:   # GradScaler.step removes them only after a step; a retry would multiply the scale again
-                optimizer.__dict__.pop("grad_scale", None)
-                optimizer.__dict__.pop("found_inf", None)
-            raise
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """``nn.Module.zero_grad``, and ``zero_replica_grads()``."""
-        super().zero_grad(set_to_none)
-        self.zero_replica_grads()
-
-    def zero_replica_grads(self) -> None:
-        """Drop the gradients accumulated on per-step expert copies since the last ``reduce_replica_grads()``
-        (local). They are not parameters: ``optimizer.zero_grad()`` and ``model.zero_grad()`` do not reach them,
-        and the next reduction would add them to the owners. Call it wherever the training loop discards the
-        experts' gradients without a step (``layer.zero_grad()`` and an attached optimizer's ``zero_grad()`` do)."""
-        self.replicas.zero_grads()
 
     def _set_placement(self, home_E: np.ndarray) -> None:
         self.placement = Placement.of(home_E, self.world_size, self.rank)
@@ -689,68 +533,12 @@ class MoELayer(nn.Module):
     # ------------------------------------------------------------------------------------------------ recompute
     def _find_record(self, local_counts_E: torch.Tensor, dispatched: bool = False) -> Record:
         """The record of the forward a recompute repeats (``feplb.recompute``), agreed by every rank in one
-        all-gather of bit masks (and a host sync for this rank's counts): a record of the active checkpoint frame
-        (the one replayed fewest times); else the one ``hooks`` record never replayed (or of a checkpoint still
-        alive) whose counts of every rank's rows equal the recompute's; else the oldest such ``no_grad`` record
-        replayed fewest times. Records of older per-step copies only explain a refusal."""
-        local = local_counts_E.to(torch.int64).cpu().numpy()
-        rank, gen, recs = self.rank, self.replicas.generation, self._records
-        held = self.replicas.ever_held
-        frame = checkpoint_frame()
-
-        def equal(rec: Record) -> bool:   # (a forward_dispatched record repeats only a forward_dispatched call)
-            return rec.dispatched == dispatched and np.array_equal(rec.local_counts_E(rank), local)
-
-        def current(rec: Record) -> bool:   # made with the per-step copies held now (any, when none are held)
-            return (not held or rec.generation == gen) and equal(rec)
-
-        masks = [
-            recs.mask(lambda rec, n: frame is not None and rec.frame is not None and rec.frame() is frame
-                      and equal(rec)),
-            # never replayed, or of a checkpoint still alive (a nested one's, on a second backward): a fallback never
-            # takes a finished forward's record
-            recs.mask(lambda rec, n: rec.kind == "hooks" and current(rec)
-                      and (n == 0 or (rec.frame is not None and rec.frame() is not None))),
-            recs.mask(lambda rec, n: rec.kind == "no_grad" and current(rec)),
-            recs.mask(lambda rec, n: not current(rec) and equal(rec)),
-        ]
-        row = torch.tensor([*masks, int(frame is not None), int(hooks_active()), recs.first_seq(), len(recs),
-                            self.layer_id], dtype=torch.int64)
+        all-gather of bit masks (``Records.candidates``, ``Records.choose``; and a host sync for this rank's
+        counts)."""
+        row = self._records.candidates(local_counts_E.to(torch.int64).cpu().numpy(), self.rank,
+                                       self.replicas.generation, self.replicas.ever_held, dispatched, self.layer_id)
         rows = self.control.all_gather(row, "recompute: finding the recorded forward").numpy()
-        if len({int(r[8]) for r in rows}) != 1:
-            raise RuntimeError(f"MoELayer: the EP ranks recompute different MoE layers at once (layer number per EP "
-                               f"rank: {rows[:, 8].tolist()}); every rank must run the backward of every MoE layer, "
-                               "in the same order")
-        if len({tuple(int(v) for v in r[4:]) for r in rows}) != 1:
-            raise RuntimeError(f"MoELayer: the ranks recompute differently or hold different forward records "
-                               f"(frame, hooks, first, count: {[[int(v) for v in r[4:8]] for r in rows]}); every "
-                               "rank must run the same forwards and checkpoint them alike")
-        by_frame, hooks, no_grad, older = (int(np.bitwise_and.reduce(rows[:, i])) for i in range(4))
-        if by_frame:
-            rec = recs.take(by_frame)
-        elif hooks and hooks & (hooks - 1) == 0:
-            rec = recs.take(hooks)
-        elif hooks:
-            raise RuntimeError(
-                f"MoELayer: {bin(hooks).count('1')} recorded forwards of this layer under saved-tensor hooks have "
-                "the same counts on every rank as this recompute, and none was made under its checkpoint frame: "
-                "the one it repeats cannot be told apart; backward each such micro-batch before the next equal one")
-        elif no_grad:
-            rec = recs.take(no_grad)
-        elif older:
-            # the same on every rank (refresh_replicas is collective): all raise, none enters the replay
-            raise _refreshed()
-        else:
-            raise RuntimeError(
-                "MoELayer: activation checkpointing recomputed a forward that matches none of the forwards recorded "
-                "for it on every rank: the recompute routes its rows otherwise (a router or routing that is not "
-                "deterministic, or inputs that changed: recompute with the same inputs and RNG state, "
-                "torch.utils.checkpoint's default preserve_rng_state=True), or its forward left no record (only a "
-                "forward under no_grad, or under saved-tensor hooks with grad enabled, does; the "
-                f"last {len(recs)} are kept)")
-        if rec.generation != gen and held:
-            raise _refreshed()
-        return rec
+        return self._records.choose(rows, self.replicas.generation, self.replicas.ever_held)
 
     def _replay(self, x_MD: torch.Tensor, rec: Record) -> torch.Tensor:
         """Execute a recorded forward again: its placement, policy state, counts and plan (or fallback); the same
@@ -942,74 +730,6 @@ class MoELayer(nn.Module):
                                       experts_placed=len(self.placement.placed_pairs),
                                       planned_ranks=None if node is None else self.topo.node_ranks(node))
 
-    # ------------------------------------------------------------------------------------------------ per step
-    def _adopt(self, state) -> None:
-        """Execute the slow decisions of ``state`` from now on (placement, @ema sets, EPLB replicas)."""
-        if self.config.weights == "per-microbatch" and state is not None and state.resident:
-            state = dataclasses.replace(state, resident=frozenset())   # nothing is held: plans copy every weight
-        self._plan_state = state
-        if self.place and not np.array_equal(state.home_E, self.placement.home_E):
-            self._set_placement(state.home_E)
-
-    @torch.no_grad()
-    def refresh_replicas(self) -> None:
-        """Adopt the policy's slow decisions and copy the owners' current expert weights to the GPUs that hold
-        them besides their owner (collective; weights='per-step').
-
-        Call after ``optimizer.step()`` (and after loading weights), or let ``attach_optimizer`` do it. Adopted here,
-        identically on every rank: the ``+place`` placement (each GPU then keeps a bank of the experts placed on
-        it), the ``@ema`` dynamic sets and EPLB replicas, and the resident replicas the policy state names
-        (``PolicyState.resident``); a plan copies every other weight it needs per micro-batch
-        (``Plan.weight_copies``, executed as given).
-        """
-        if self.replicas.ever_held:
-            # Agreed over the group, so that no rank enters the refresh exchange while another raises.
-            self.replicas.agree("refresh_replicas")
-        if self.state is not None:
-            # e.g. a state restored from a checkpoint: every rank must adopt the same slow decisions
-            self.control.check_same(state_digest(self.state), "the policy state (MoELayer.state)",
-                                    "every rank must restore the same PolicyState (same checkpoint step)")
-            self._adopt(self.state)
-        if self.config.weights != "per-step":
-            return
-        resident = self._plan_state.resident if self._plan_state is not None and self.base != "none" else frozenset()
-        self.replicas.refresh(self.placement, frozenset(resident) if self.world_size > 1 else frozenset())
-
-    @torch.no_grad()
-    def reduce_replica_grads(self) -> None:
-        """Add the gradients accumulated on per-step copies (resident replicas, the bank of placed experts) to the
-        owners' expert gradients (collective; weights='per-step'). Call once per optimizer step, after the last
-        backward and before ``optimizer.step()`` (``attach_optimizer`` does it for you); a second call before the
-        next backward finds nothing to add and sends nothing."""
-        self._reduce_replica_grads(None)
-
-    def _reduce_replica_grads(self, refuse_held: str | None) -> None:
-        if not self.replicas.ever_held:
-            return
-        if self.replicas.agree("reduce_replica_grads"):
-            return                      # no rank's copies hold a gradient
-        if refuse_held is not None:
-            raise RuntimeError(f"MoELayer.reduce_replica_grads: {refuse_held}")
-        self.replicas.reduce_grads(self.placement)
-
-    @torch.no_grad()
-    def average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None = None) -> None:
-        """Make the expert shards' gradients the mean over every rank that trains on its own data (collective):
-        reduce the replica gradients (``reduce_replica_grads``), sum each shard's gradient over
-        ``data_parallel_group`` if given (EP x DP: the ranks that hold the same experts, one per EP group), and
-        divide by the number of such ranks (EP group size x data-parallel group size). The dispatch's backward
-        leaves the sum over the EP group's ranks; DDP or FSDP averaging the replicated parameters (the router) over
-        all of those ranks then trains the mean of their losses. Once per optimizer step, after the last backward
-        and before clipping and ``optimizer.step()``."""
-        self.reduce_replica_grads()
-        ranks = self.world_size * (dist.get_world_size(data_parallel_group) if data_parallel_group is not None
-                                   else 1)
-        for p in self.expert_params():
-            if p.grad is not None:
-                if data_parallel_group is not None:
-                    dist.all_reduce(p.grad, group=data_parallel_group)
-                p.grad.div_(ranks)
-
     def close(self) -> None:
         """Release the helper threads, the copy path and the transport (NVSHMEM buffers). Idempotent; the layer
         must not be used afterwards."""
@@ -1062,98 +782,3 @@ def ignore_experts_in_ddp(module: nn.Module) -> list[str]:
         module, already + [n for n in names if n not in already])
     return names
 
-
-def _attached(optimizer: torch.optim.Optimizer) -> list[MoELayer]:
-    """The live layers attached to ``optimizer``, in the order they were attached (the same on every rank: the
-    order their collectives run in)."""
-    return [lay for ref in optimizer.__dict__.get("_feplb_layers", ())
-            if (lay := ref()) is not None and not getattr(lay, "_closed", False)]
-
-
-def _attach(optimizer: torch.optim.Optimizer, layer: MoELayer) -> None:
-    """Remember ``layer`` on ``optimizer`` (weakly: the optimizer itself, not its id, which a later optimizer may
-    reuse), and make ``optimizer.zero_grad()`` also call ``zero_replica_grads()`` of its layers (one wrapper per
-    optimizer)."""
-    refs = optimizer.__dict__.get("_feplb_layers")
-    if refs is None:
-        refs = []
-        inner = optimizer.zero_grad
-
-        def zero_grad(set_to_none: bool = True) -> None:
-            inner(set_to_none)
-            for lay in _attached(optimizer_ref()):
-                lay.zero_replica_grads()
-
-        optimizer_ref = weakref.ref(optimizer)
-        zero_grad.__doc__ = inner.__doc__
-        optimizer._feplb_layers = refs
-        optimizer.zero_grad = zero_grad
-    refs[:] = [r for r in refs if r() is not None] + [weakref.ref(layer)]
-    track_optimizer(optimizer)     # its state_dict() shards the experts' state like their parameters
-
-
-class _ReducingScaler:
-    """Mixed into a ``torch.amp.GradScaler`` passed to ``attach_optimizer`` (its class swapped for one with this
-    first, so that it still pickles): ``unscale_(opt)`` and ``step(opt)`` first reduce the replica gradients of the
-    layers attached to ``opt`` (a reduction that finds nothing to add sends nothing), and the inf / NaN check of
-    ``opt``'s gradients is agreed over those layers' groups: an owner whose experts' gradients overflowed skips the
-    step, and so must every rank whose replicas it refreshes with. Pickled or deep-copied, it is the plain scaler
-    again (attach the copy to use it so)."""
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        _reduce_attached(optimizer)
-        return super().unscale_(optimizer)
-
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        _reduce_attached(optimizer)
-        return super().step(optimizer, *args, **kwargs)
-
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        layers, groups = _attached(optimizer), []
-        if layers:
-            bad = any(bool(v.item()) for v in per_device.values())
-            for lay in layers:
-                if not any(lay.group is g for g in groups):
-                    groups.append(lay.group)
-                    ok = lay.control.all_reduce_min(torch.tensor([int(not bad)]), "group", "GradScaler inf check")
-                    bad = not bool(ok[0])
-            if bad:     # the scaler reads this dict: its step is skipped, its scale lowered
-                for v in per_device.values():
-                    v.fill_(1.0)
-                if not per_device:
-                    per_device[found_inf.device] = torch.ones_like(found_inf)
-        return per_device
-
-    def __reduce_ex__(self, protocol: Any) -> tuple:
-        return _plain_scaler, (type(self)._feplb_base, self.__getstate__())
-
-
-_REDUCING: dict[type, type] = {}
-
-
-def _reduce_attached(optimizer: torch.optim.Optimizer) -> None:
-    for lay in _attached(optimizer):     # (in the order attached: the same on every rank)
-        lay.reduce_replica_grads()
-
-
-def _plain_scaler(base: type, state: dict) -> torch.amp.GradScaler:
-    scaler = base.__new__(base)
-    scaler.__setstate__(state)
-    return scaler
-
-
-def _reduce_before_unscale(scaler: torch.amp.GradScaler) -> None:
-    """Make ``scaler`` a :class:`_ReducingScaler` (once)."""
-    if isinstance(scaler, _ReducingScaler):
-        return
-    base = type(scaler)
-    if not hasattr(base, "_unscale_grads_"):
-        raise TypeError(f"MoELayer.attach_optimizer: {base.__name__} has no _unscale_grads_ (the inf / NaN check "
-                        "of torch.amp.GradScaler) to agree over the EP group")
-    cls = _REDUCING.get(base)
-    if cls is None:
-        cls = _REDUCING[base] = type(f"FEPLB{base.__name__}", (_ReducingScaler, base),
-                                         {"__module__": __name__, "_feplb_base": base})
-    scaler.__class__ = cls

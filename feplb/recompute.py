@@ -183,3 +183,82 @@ class Records:
     def replayed(self) -> int:
         """How many of the records kept were replayed (at least once)."""
         return len(self._replayed)
+
+    def candidates(self, local_E: np.ndarray, rank: int, generation: int, held: bool, dispatched: bool,
+                   layer_id: int) -> torch.Tensor:
+        """This rank's row of the all-gather that picks the record a recompute repeats (:meth:`choose` reads every
+        rank's): int64 [9], the bit masks of the records that may be it, in the order they are preferred (of the
+        active checkpoint frame; ``hooks`` records never replayed or of a checkpoint still alive; ``no_grad``
+        ones; older per-step copies' ones, which only explain a refusal), then what every rank must share (under a
+        frame, under hooks, the oldest record's number, the records kept, the layer's number).
+
+        local_E: int64 [E] the rows the recompute sends to each expert from this rank; generation / held: the
+        per-step copies' generation now, and whether any are held (``Replicas``); dispatched: a
+        ``forward_dispatched`` call (whose records only it repeats)."""
+        frame = checkpoint_frame()
+
+        def equal(rec: Record) -> bool:
+            return rec.dispatched == dispatched and np.array_equal(rec.local_counts_E(rank), local_E)
+
+        def current(rec: Record) -> bool:   # made with the per-step copies held now (any, when none are held)
+            return (not held or rec.generation == generation) and equal(rec)
+
+        masks = [
+            self.mask(lambda rec, n: frame is not None and rec.frame is not None and rec.frame() is frame
+                      and equal(rec)),
+            # never replayed, or of a checkpoint still alive (a nested one's, on a second backward): a fallback never
+            # takes a finished forward's record
+            self.mask(lambda rec, n: rec.kind == "hooks" and current(rec)
+                      and (n == 0 or (rec.frame is not None and rec.frame() is not None))),
+            self.mask(lambda rec, n: rec.kind == "no_grad" and current(rec)),
+            self.mask(lambda rec, n: not current(rec) and equal(rec)),
+        ]
+        return torch.tensor([*masks, int(frame is not None), int(hooks_active()), self.first_seq(), len(self),
+                             layer_id], dtype=torch.int64)
+
+    def choose(self, rows: np.ndarray, generation: int, held: bool) -> Record:
+        """The record every rank repeats, from every rank's :meth:`candidates` row (int64 [W, 9], the same on every
+        rank, so every rank takes the same record or raises the same error): the first kind of candidate that all
+        ranks share (among several ``hooks`` records not of the frame: refused, they cannot be told apart); taken
+        (:meth:`take`)."""
+        if len({int(r[8]) for r in rows}) != 1:
+            raise RuntimeError(f"MoELayer: the EP ranks recompute different MoE layers at once (layer number per EP "
+                               f"rank: {rows[:, 8].tolist()}); every rank must run the backward of every MoE layer, "
+                               "in the same order")
+        if len({tuple(int(v) for v in r[4:]) for r in rows}) != 1:
+            raise RuntimeError(f"MoELayer: the ranks recompute differently or hold different forward records "
+                               f"(frame, hooks, first, count: {[[int(v) for v in r[4:8]] for r in rows]}); every "
+                               "rank must run the same forwards and checkpoint them alike")
+        by_frame, hooks, no_grad, older = (int(np.bitwise_and.reduce(rows[:, i])) for i in range(4))
+        if by_frame:
+            rec = self.take(by_frame)
+        elif hooks and hooks & (hooks - 1) == 0:
+            rec = self.take(hooks)
+        elif hooks:
+            raise RuntimeError(
+                f"MoELayer: {bin(hooks).count('1')} recorded forwards of this layer under saved-tensor hooks have "
+                "the same counts on every rank as this recompute, and none was made under its checkpoint frame: "
+                "the one it repeats cannot be told apart; backward each such micro-batch before the next equal one")
+        elif no_grad:
+            rec = self.take(no_grad)
+        elif older:
+            # the same on every rank (refresh_replicas is collective): all raise, none enters the replay
+            raise refreshed()
+        else:
+            raise RuntimeError(
+                "MoELayer: activation checkpointing recomputed a forward that matches none of the forwards recorded "
+                "for it on every rank: the recompute routes its rows otherwise (a router or routing that is not "
+                "deterministic, or inputs that changed: recompute with the same inputs and RNG state, "
+                "torch.utils.checkpoint's default preserve_rng_state=True), or its forward left no record (only a "
+                "forward under no_grad, or under saved-tensor hooks with grad enabled, does; the "
+                f"last {len(self)} are kept)")
+        if rec.generation != generation and held:
+            raise refreshed()
+        return rec
+
+
+def refreshed() -> RuntimeError:
+    """The error of a recompute whose forward's per-step copies were replaced."""
+    return RuntimeError("MoELayer: refresh_replicas() ran between a forward and its recompute by activation "
+                        "checkpointing: the per-step copies it computed with were replaced, so its backward cannot be "
+                        "computed; refresh after optimizer.step(), once the backward is done")

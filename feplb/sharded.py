@@ -34,9 +34,57 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["STATE_DICT_TYPES", "local_state_dicts", "localize_state", "track_optimizer"]
+__all__ = ["STATE_DICT_TYPES", "ExpertShards", "local_state_dicts", "localize_state", "track_optimizer"]
 
 STATE_DICT_TYPES = ("sharded", "local")
+
+
+class ExpertShards:
+    """How a layer's expert parameters map onto the full model's tensors, and what its ``state_dict()`` gives for
+    them (mixed into ``feplb.layer.MoELayer``; adapters whose experts keep another layout override these)."""
+
+    # what state_dict() gives for the expert shards: DTensors over the EP group, or plain per-rank tensors ("local")
+    state_dict_type = "sharded"
+
+    def full_entries(self, pname: str, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The full model's entries (names relative to this layer) of expert parameter ``pname``, given every EP
+        rank's shard of it in rank order (``feplb.dropin.full_state_dict``). Shards of all the local experts
+        ([L, ...], rank r holding experts r * L ...) concatenate; a layer keeping one parameter per expert
+        overrides this."""
+        return {pname: torch.cat(parts)}
+
+    def local_shard(self, pname: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of expert parameter ``pname`` (or of its gradient) cut from the full model's tensor: the
+        inverse of :meth:`full_entries` for a layer keeping [L, ...] shards, rows ``rank * L ...``."""
+        lo = self.rank * self.num_local
+        return full[lo:lo + self.num_local]
+
+    def expert_shard_dim(self, pname: str) -> int | None:
+        """The dim along which this rank's shard of expert parameter ``pname`` is one block of the full model's
+        tensor, block ``rank`` of W (``feplb.sharded``: its DTensor in ``state_dict()``): 0 for [L, ...] shards,
+        rows ``rank * L ...`` (:meth:`local_shard`); None where it is not one block."""
+        return 0
+
+    def whole_shape(self, pname: str) -> torch.Size | None:
+        """The shape of the full model's tensor of expert parameter ``pname`` whose rows :meth:`local_shard` cuts
+        (``load_state_dict`` takes it too), or None where the full model names it otherwise."""
+        p = self.get_parameter(pname)
+        return torch.Size((p.shape[0] * self.world_size, *p.shape[1:]))
+
+    def set_state_dict_type(self, kind: str) -> None:
+        """What ``state_dict()`` gives for the expert shards, and the optimizer's ``state_dict()`` for their state:
+        ``"sharded"`` (the default), DTensors sharded over the EP group, which ``torch.distributed.checkpoint``
+        saves and loads at any EP size; ``"local"``, plain per-rank tensors (``torch.save`` per rank).
+        ``load_state_dict`` takes both either way."""
+        if kind not in STATE_DICT_TYPES:
+            raise ValueError(f"state_dict type must be one of {STATE_DICT_TYPES}, got {kind!r}")
+        self.state_dict_type = kind
+
+    def full_state_entries(self, name: str, value: Any) -> dict[str, Any]:
+        """The full model's entries of this layer's state-dict entry ``name`` that is not an expert parameter (a
+        router, a buffer): by default itself, replicated on every rank."""
+        return {name: value}
+
 
 # one 1-D DeviceMesh per (layer, device type), made on first use (no collective: DeviceMesh.from_group)
 _MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -288,8 +288,7 @@ def _lifecycle_worker(rank, world):
     import torch.distributed as dist
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
-    from feplb import MoELayer
-    from feplb import layer as layer_mod
+    from feplb import MoELayer, training
     from feplb.testing import free_port
 
     res = {}
@@ -353,7 +352,7 @@ def _lifecycle_worker(rank, world):
     for m in made:
         with torch.no_grad():
             outs.append(m(x))    # (its planner thread has run a plan of it)
-    res["hooks"] = (hooks, len(_global_optimizer_post_hooks), len(layer_mod._LAYERS))
+    res["hooks"] = (hooks, len(_global_optimizer_post_hooks), len(training._LAYERS))
     # ... and layers over the same ranks share their node's control group (one per layer held its sockets for good)
     res["shared_group"] = len({id(m.control.node_group) for m in made}) == 1 and made[0].control.node_group is not \
         made[0].control.group
@@ -369,7 +368,7 @@ def _lifecycle_worker(rank, world):
     res["engines_kept"] = len(copy_mod._SHARED)          # made[2] is never closed: it keeps its share for good
     del made, m
     gc.collect()
-    res["forgotten"] = len(layer_mod._LAYERS)
+    res["forgotten"] = len(training._LAYERS)
     res["engines_after"] = len(copy_mod._SHARED)
     for _ in range(100):         # the collected layers' threads end (the closed ones' too)
         if _feplb_threads() == threads:

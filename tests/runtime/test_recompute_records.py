@@ -99,3 +99,97 @@ def test_which_forwards_leave_which_record_and_what_a_recompute_sees():
                      ("hooks", True, False)]
     # a non-reentrant recompute runs under the very frame its forward ran under, and each checkpoint has its own
     assert seen[4][2] is seen[5][2] and seen[6][2] is seen[7][2] and seen[4][2] is not seen[6][2]
+
+
+def _agree(per_rank: list[Records], local_WE: np.ndarray, generation: int = 0, held: bool = False,
+           dispatched: bool = False, layer_ids: list[int] | None = None) -> Record:
+    """What the layer's _find_record does, each rank's row computed from its own records, without processes: the
+    rows stacked as the all-gather returns them, then every rank's choice (asserted the same)."""
+    W = len(per_rank)
+    ids = layer_ids or [7] * W
+    rows = np.stack([per_rank[r].candidates(local_WE[r], r, generation, held, dispatched, ids[r]).numpy()
+                     for r in range(W)])
+    got = [per_rank[r].choose(rows, generation, held) for r in range(W)]
+    assert all(g is got[0] for g in got) or all(g.placement == got[0].placement for g in got)
+    return got[0]
+
+
+def _ranks(counts: list[np.ndarray], kinds: list[str], generations: list[int] | None = None) -> list[Records]:
+    """Every rank's records of the same forwards (records are made alike on every rank)."""
+    import dataclasses
+
+    W = counts[0].shape[0]
+    out = []
+    for _ in range(W):
+        recs = Records()
+        for i, (c, k) in enumerate(zip(counts, kinds, strict=True)):
+            rec = _record(c, str(i), kind=k)
+            if generations is not None:
+                rec = dataclasses.replace(rec, generation=generations[i])
+            recs.add(rec)
+        out.append(recs)
+    return out
+
+
+def test_the_agreed_choice_against_a_brute_force_reference():
+    """Random forwards of random kinds on W ranks; a recompute routing as one of them: the record chosen is, by a
+    reference written from the rules, the oldest never-replayed ``hooks`` record equal on every rank if exactly one
+    is, else refused if several are, else the oldest ``no_grad`` one equal on every rank."""
+    rng = np.random.default_rng(5)
+    seen = {"refused": 0, "hooks": 0, "no_grad": 0}
+    for trial in range(60):
+        W, E, n = int(rng.choice([1, 2, 4])), 8, int(rng.integers(1, 7))
+        counts = [rng.integers(0, 3, size=(W, E)).astype(np.int64) for _ in range(n)]
+        for i in range(1, n):   # equal forwards, now and then
+            if rng.random() < 0.3:
+                counts[i] = counts[int(rng.integers(0, i))].copy()
+        kinds = [str(rng.choice(["hooks", "no_grad"])) for _ in range(n)]
+        target = counts[int(rng.integers(0, n))]
+        per_rank = _ranks(counts, kinds)
+        equal = [i for i in range(n) if np.array_equal(counts[i], target)]
+        hooks = [i for i in equal if kinds[i] == "hooks"]
+        no_grad = [i for i in equal if kinds[i] == "no_grad"]
+        if len(hooks) > 1:
+            with pytest.raises(RuntimeError, match=f"{len(hooks)} recorded forwards .* cannot be told apart"):
+                _agree(per_rank, target)
+            seen["refused"] += 1
+            continue
+        want = hooks[0] if hooks else no_grad[0]
+        assert _agree(per_rank, target).placement == str(want), (trial, kinds, equal)
+        seen["hooks" if hooks else "no_grad"] += 1
+    assert min(seen.values()) >= 3, seen   # every rule was exercised
+
+
+def test_the_agreed_choice_refuses_what_the_ranks_do_not_share():
+    rng = np.random.default_rng(6)
+    counts = [_random_counts(rng) + 10 * i for i in range(3)]
+    # rank 0 routes as forward 1, rank 1 as forward 2: no record is equal on every rank
+    mixed = np.stack([counts[1][0], counts[2][1]])
+    with pytest.raises(RuntimeError, match="matches none of the forwards recorded"):
+        _agree(_ranks(counts, ["hooks"] * 3), mixed)
+    # the ranks recompute different layers
+    with pytest.raises(RuntimeError, match=r"different MoE layers at once \(layer number per EP rank: \[7, 8\]\)"):
+        _agree(_ranks(counts, ["hooks"] * 3), counts[1], layer_ids=[7, 8])
+    # the ranks hold different records (one recorded a forward more)
+    uneven = _ranks(counts, ["hooks"] * 3)
+    uneven[1].add(_record(counts[0], "extra"))
+    with pytest.raises(RuntimeError, match="hold different forward records"):
+        _agree(uneven, counts[1])
+    # per-step copies refreshed between the forward and its recompute: its record is of an older generation
+    with pytest.raises(RuntimeError, match=r"refresh_replicas\(\) ran between a forward and its recompute"):
+        _agree(_ranks(counts, ["hooks"] * 3, generations=[0, 0, 0]), counts[1], generation=1, held=True)
+    # ... which does not matter where no copies are held
+    assert _agree(_ranks(counts, ["hooks"] * 3, generations=[0, 0, 0]), counts[1], generation=1).placement == "1"
+    # a forward_dispatched recompute repeats only a forward_dispatched record
+    with pytest.raises(RuntimeError, match="matches none"):
+        _agree(_ranks(counts, ["hooks"] * 3), counts[1], dispatched=True)
+
+
+def test_a_hooks_record_replayed_once_is_not_taken_again_without_its_checkpoint():
+    """A ``hooks`` record already replayed, whose checkpoint is gone (no frame: other saved-tensor hooks), is no
+    candidate any more; an equal ``no_grad`` record then is."""
+    rng = np.random.default_rng(7)
+    c = _random_counts(rng)
+    per_rank = _ranks([c, c], ["hooks", "no_grad"])
+    assert _agree(per_rank, c).placement == "0"
+    assert _agree(per_rank, c).placement == "1"

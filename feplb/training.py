@@ -1,0 +1,308 @@
+"""The MoE layer's part in a training step, around ``optimizer.step()``: the per-step copies of expert weights
+(``weights="per-step"``: resident replicas, the ``+place`` bank) reduced into their owners' gradients before a step
+and refreshed after it, the policy's slow decisions adopted there, and the hooks that make any optimizer keep them
+consistent.
+
+``TrainingSteps`` is mixed into ``feplb.layer.MoELayer``, which provides what it reads (``replicas``, ``state``,
+``placement``, ``control``, ``config``, ...). Every optimizer in the process is hooked once (not once per layer):
+after a step of an optimizer no layer is attached to, a live layer whose experts it stepped marks its copies stale
+(its next forward raises on every rank, naming ``refresh_replicas``); before a step, the expert parameters' state
+an optimizer loaded as DTensors (a sharded state dict) is made local. ``attach_optimizer`` instead refreshes the
+copies itself at every step; with a ``torch.amp.GradScaler`` it also reduces the replica gradients before the
+scaler unscales and checks them, and agrees on that check over the EP group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from feplb.replicas import state_digest
+from feplb.sharded import localize_state, track_optimizer
+
+__all__ = ["TrainingSteps"]
+
+# The live layers: one optimizer step hook for all of them, gone with them (a hook per layer stayed registered for
+# every layer never closed, and ran at every step of every optimizer).
+_LAYERS: weakref.WeakSet[TrainingSteps] = weakref.WeakSet()
+
+
+def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
+    """After any ``optimizer.step()``: a live layer whose experts it stepped, and that is not attached to it (an
+    attached one refreshes its copies itself), holds stale per-step copies."""
+    for layer in list(_LAYERS):
+        if layer not in _attached(opt) and layer._steps_experts(opt):
+            layer.replicas.stepped = True
+            track_optimizer(opt)     # its state_dict() shards the experts' state like their parameters
+
+
+def _stepping(opt: torch.optim.Optimizer, *_: Any) -> None:
+    """Before any ``optimizer.step()`` of an optimizer not yet tracked: the expert parameters' state it loaded as
+    DTensors (a sharded state dict) made local."""
+    if not opt.__dict__.get("_feplb_sharded"):
+        localize_state(opt)
+
+
+register_optimizer_step_post_hook(_stepped)
+register_optimizer_step_pre_hook(_stepping)
+
+
+class TrainingSteps:
+    """The layer's policy state (its history) and its methods around ``optimizer.step()`` (mixed into
+    ``feplb.layer.MoELayer``)."""
+
+    @property
+    def state(self):
+        """The policy's history (``feplb.sched.PolicyState``: load averages, dynamic sets, placement), or None for
+        plain EP. Not in ``state_dict()``: save it beside (it pickles) and assign it back on every rank, then call
+        ``refresh_replicas()``, which checks the ranks restored the same one."""
+        return self.__dict__.get("_policy_state")
+
+    @state.setter
+    def state(self, value) -> None:
+        problem = self._state_problem(value)
+        if problem is not None:
+            raise ValueError(f"MoELayer.state: {problem}; the layer keeps its own")
+        self.__dict__["_policy_state"] = value
+
+    def _state_problem(self, value) -> str | None:
+        """Why ``value`` cannot be this layer's policy state (a state of another layer's topology or policy: a
+        checkpoint of another EP size, say), or None."""
+        from feplb.sched.plan import parse_policy
+        from feplb.sched.state import PolicyState
+
+        needs = self.base != "none" or self.place
+        if value is None:
+            return None if not needs else f"policy {self.config.policy!r} needs a PolicyState, got None"
+        if not isinstance(value, PolicyState):
+            return f"expected a feplb.sched.PolicyState, got {type(value).__name__}"
+        if not needs:
+            return f"policy {self.config.policy!r} keeps no state (None), got a PolicyState"
+        if value.topo != self.topo:
+            return f"the state was made for {value.topo}, this layer's topology is {self.topo}"
+        if value.policy != self.config.policy and parse_policy(value.policy) != parse_policy(self.config.policy):
+            return f"the state serves policy {value.policy!r}, this layer runs {self.config.policy!r}"
+        return None
+
+    def _steps_experts(self, opt: torch.optim.Optimizer) -> bool:
+        mine = {id(p) for p in self.expert_params()}
+        return any(id(p) in mine for g in opt.param_groups for p in g["params"])
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
+        """Reduce replica gradients before and refresh the replicas after every ``optimizer.step()`` (per-step
+        weights), so no optimizer, fused or not, can leave stale copies behind. Collective at every step. The
+        optimizer's ``zero_grad()`` then also drops the copies' gradients (``zero_replica_grads``), so a backward
+        the training loop discards (a skipped step) never reaches the owners. Attaching twice does nothing more.
+
+        scaler: the ``torch.amp.GradScaler`` that steps ``optimizer``, if one does. Its ``unscale_(optimizer)`` and
+        ``step(optimizer)`` then reduce the replica gradients first, so that they are unscaled and checked for
+        inf / NaN with the owners' (a step hook runs too late: inside ``optimizer.step()``, after both). Without
+        it, a scaler stepping a fused optimizer is refused (on every rank) when copies hold gradients; with a
+        non-fused one nothing can tell, and ``reduce_replica_grads()`` must be called before ``unscale_``."""
+        if scaler is not None:
+            if not isinstance(scaler, torch.amp.GradScaler):
+                raise TypeError(f"MoELayer.attach_optimizer: scaler must be a torch.amp.GradScaler, got "
+                                f"{type(scaler).__name__}")
+            _reduce_before_unscale(scaler)
+        if self in _attached(optimizer):
+            return
+        self._hooks += [optimizer.register_step_pre_hook(lambda opt, *_: self._reduce_in_step(opt)),
+                        optimizer.register_step_post_hook(lambda *_: self.refresh_replicas())]
+        _attach(optimizer, self)
+
+    def _reduce_in_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``reduce_replica_grads()`` from the step pre-hook. A GradScaler stepping a fused optimizer has set
+        ``found_inf`` by then, from the owners' gradients alone: copies still holding gradients there would be
+        stepped scaled (non-finite ones unseen), so that raises on every rank."""
+        scaled = hasattr(optimizer, "found_inf")
+        try:
+            self._reduce_replica_grads(
+                None if not scaled else
+                "a torch.amp.GradScaler unscaled and checked the gradients before the replica gradients were "
+                "reduced into them; pass the scaler: attach_optimizer(optimizer, scaler=scaler)")
+        except BaseException:
+            if scaled:   # GradScaler.step removes them only after a step; a retry would multiply the scale again
+                optimizer.__dict__.pop("grad_scale", None)
+                optimizer.__dict__.pop("found_inf", None)
+            raise
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and ``zero_replica_grads()``."""
+        super().zero_grad(set_to_none)
+        self.zero_replica_grads()
+
+    def zero_replica_grads(self) -> None:
+        """Drop the gradients accumulated on per-step expert copies since the last ``reduce_replica_grads()``
+        (local). They are not parameters: ``optimizer.zero_grad()`` and ``model.zero_grad()`` do not reach them,
+        and the next reduction would add them to the owners. Call it wherever the training loop discards the
+        experts' gradients without a step (``layer.zero_grad()`` and an attached optimizer's ``zero_grad()`` do)."""
+        self.replicas.zero_grads()
+
+    def _adopt(self, state) -> None:
+        """Execute the slow decisions of ``state`` from now on (placement, @ema sets, EPLB replicas)."""
+        if self.config.weights == "per-microbatch" and state is not None and state.resident:
+            state = dataclasses.replace(state, resident=frozenset())   # nothing is held: plans copy every weight
+        self._plan_state = state
+        if self.place and not np.array_equal(state.home_E, self.placement.home_E):
+            self._set_placement(state.home_E)
+
+    @torch.no_grad()
+    def refresh_replicas(self) -> None:
+        """Adopt the policy's slow decisions and copy the owners' current expert weights to the GPUs that hold
+        them besides their owner (collective; weights='per-step').
+
+        Call after ``optimizer.step()`` (and after loading weights), or let ``attach_optimizer`` do it. Adopted here,
+        identically on every rank: the ``+place`` placement (each GPU then keeps a bank of the experts placed on
+        it), the ``@ema`` dynamic sets and EPLB replicas, and the resident replicas the policy state names
+        (``PolicyState.resident``); a plan copies every other weight it needs per micro-batch
+        (``Plan.weight_copies``, executed as given).
+        """
+        if self.replicas.ever_held:
+            # Agreed over the group, so that no rank enters the refresh exchange while another raises.
+            self.replicas.agree("refresh_replicas")
+        if self.state is not None:
+            # e.g. a state restored from a checkpoint: every rank must adopt the same slow decisions
+            self.control.check_same(state_digest(self.state), "the policy state (MoELayer.state)",
+                                    "every rank must restore the same PolicyState (same checkpoint step)")
+            self._adopt(self.state)
+        if self.config.weights != "per-step":
+            return
+        resident = self._plan_state.resident if self._plan_state is not None and self.base != "none" else frozenset()
+        self.replicas.refresh(self.placement, frozenset(resident) if self.world_size > 1 else frozenset())
+
+    @torch.no_grad()
+    def reduce_replica_grads(self) -> None:
+        """Add the gradients accumulated on per-step copies (resident replicas, the bank of placed experts) to the
+        owners' expert gradients (collective; weights='per-step'). Call once per optimizer step, after the last
+        backward and before ``optimizer.step()`` (``attach_optimizer`` does it for you); a second call before the
+        next backward finds nothing to add and sends nothing."""
+        self._reduce_replica_grads(None)
+
+    def _reduce_replica_grads(self, refuse_held: str | None) -> None:
+        if not self.replicas.ever_held:
+            return
+        if self.replicas.agree("reduce_replica_grads"):
+            return                      # no rank's copies hold a gradient
+        if refuse_held is not None:
+            raise RuntimeError(f"MoELayer.reduce_replica_grads: {refuse_held}")
+        self.replicas.reduce_grads(self.placement)
+
+    @torch.no_grad()
+    def average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None = None) -> None:
+        """Make the expert shards' gradients the mean over every rank that trains on its own data (collective):
+        reduce the replica gradients (``reduce_replica_grads``), sum each shard's gradient over
+        ``data_parallel_group`` if given (EP x DP: the ranks that hold the same experts, one per EP group), and
+        divide by the number of such ranks (EP group size x data-parallel group size). The dispatch's backward
+        leaves the sum over the EP group's ranks; DDP or FSDP averaging the replicated parameters (the router) over
+        all of those ranks then trains the mean of their losses. Once per optimizer step, after the last backward
+        and before clipping and ``optimizer.step()``."""
+        self.reduce_replica_grads()
+        ranks = self.world_size * (dist.get_world_size(data_parallel_group) if data_parallel_group is not None
+                                   else 1)
+        for p in self.expert_params():
+            if p.grad is not None:
+                if data_parallel_group is not None:
+                    dist.all_reduce(p.grad, group=data_parallel_group)
+                p.grad.div_(ranks)
+
+
+def _attached(optimizer: torch.optim.Optimizer) -> list[TrainingSteps]:
+    """The live layers attached to ``optimizer``, in the order they were attached (the same on every rank: the
+    order their collectives run in)."""
+    return [lay for ref in optimizer.__dict__.get("_feplb_layers", ())
+            if (lay := ref()) is not None and not getattr(lay, "_closed", False)]
+
+
+def _attach(optimizer: torch.optim.Optimizer, layer: TrainingSteps) -> None:
+    """Remember ``layer`` on ``optimizer`` (weakly: the optimizer itself, not its id, which a later optimizer may
+    reuse), and make ``optimizer.zero_grad()`` also call ``zero_replica_grads()`` of its layers (one wrapper per
+    optimizer)."""
+    refs = optimizer.__dict__.get("_feplb_layers")
+    if refs is None:
+        refs = []
+        inner = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            inner(set_to_none)
+            for lay in _attached(optimizer_ref()):
+                lay.zero_replica_grads()
+
+        optimizer_ref = weakref.ref(optimizer)
+        zero_grad.__doc__ = inner.__doc__
+        optimizer._feplb_layers = refs
+        optimizer.zero_grad = zero_grad
+    refs[:] = [r for r in refs if r() is not None] + [weakref.ref(layer)]
+    track_optimizer(optimizer)     # its state_dict() shards the experts' state like their parameters
+
+
+class _ReducingScaler:
+    """Mixed into a ``torch.amp.GradScaler`` passed to ``attach_optimizer`` (its class swapped for one with this
+    first, so that it still pickles): ``unscale_(opt)`` and ``step(opt)`` first reduce the replica gradients of the
+    layers attached to ``opt`` (a reduction that finds nothing to add sends nothing), and the inf / NaN check of
+    ``opt``'s gradients is agreed over those layers' groups: an owner whose experts' gradients overflowed skips the
+    step, and so must every rank whose replicas it refreshes with. Pickled or deep-copied, it is the plain scaler
+    again (attach the copy to use it so)."""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        _reduce_attached(optimizer)
+        return super().unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        _reduce_attached(optimizer)
+        return super().step(optimizer, *args, **kwargs)
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        layers, groups = _attached(optimizer), []
+        if layers:
+            bad = any(bool(v.item()) for v in per_device.values())
+            for lay in layers:
+                if not any(lay.group is g for g in groups):
+                    groups.append(lay.group)
+                    ok = lay.control.all_reduce_min(torch.tensor([int(not bad)]), "group", "GradScaler inf check")
+                    bad = not bool(ok[0])
+            if bad:     # the scaler reads this dict: its step is skipped, its scale lowered
+                for v in per_device.values():
+                    v.fill_(1.0)
+                if not per_device:
+                    per_device[found_inf.device] = torch.ones_like(found_inf)
+        return per_device
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        return _plain_scaler, (type(self)._feplb_base, self.__getstate__())
+
+
+_REDUCING: dict[type, type] = {}
+
+
+def _reduce_attached(optimizer: torch.optim.Optimizer) -> None:
+    for lay in _attached(optimizer):     # (in the order attached: the same on every rank)
+        lay.reduce_replica_grads()
+
+
+def _plain_scaler(base: type, state: dict) -> torch.amp.GradScaler:
+    scaler = base.__new__(base)
+    scaler.__setstate__(state)
+    return scaler
+
+
+def _reduce_before_unscale(scaler: torch.amp.GradScaler) -> None:
+    """Make ``scaler`` a :class:`_ReducingScaler` (once)."""
+    if isinstance(scaler, _ReducingScaler):
+        return
+    base = type(scaler)
+    if not hasattr(base, "_unscale_grads_"):
+        raise TypeError(f"MoELayer.attach_optimizer: {base.__name__} has no _unscale_grads_ (the inf / NaN check "
+                        "of torch.amp.GradScaler) to agree over the EP group")
+    cls = _REDUCING.get(base)
+    if cls is None:
+        cls = _REDUCING[base] = type(f"FEPLB{base.__name__}", (_ReducingScaler, base),
+                                         {"__module__": __name__, "_feplb_base": base})
+    scaler.__class__ = cls
