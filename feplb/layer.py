@@ -82,7 +82,11 @@ from feplb.replicas import Placement, Replicas, state_fingerprint
 from feplb.sharded import ExpertShards, expert_named_params, register
 from feplb.steps import Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
-from feplb.training import _LAYERS, TrainingSteps
+from feplb.training import (
+    _LAYERS,
+    TrainingSteps,
+    _plain_scaler,  # noqa: F401 (named by GradScalers pickled when it lived here)
+)
 from feplb.transport import release_transport, shared_transport
 
 __all__ = ["DirectLayout", "FEPLBConfig", "LayerStats", "MoELayer", "direct_layout", "expert_mlp",

@@ -3,7 +3,7 @@
 and refreshed after it, the policy's slow decisions adopted there, and the hooks that make any optimizer keep them
 consistent.
 
-``TrainingSteps`` is mixed into ``feplb.layer.MoELayer``, which provides what it reads (``replicas``, ``state``,
+``TrainingSteps`` is mixed into ``feplb.layer.MoELayer``, which provides what it reads (``replicas``,
 ``placement``, ``control``, ``config``, ...). Every optimizer in the process is hooked once (not once per layer):
 after a step of an optimizer no layer is attached to, a live layer whose experts it stepped marks its copies stale
 (its next forward raises on every rank, naming ``refresh_replicas``); before a step, the expert parameters' state

@@ -3,6 +3,7 @@ which derives them again: the same gradients, bit for bit, without the copy aliv
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import pytest
@@ -483,23 +484,30 @@ def test_on_the_device_gradients_bit_equal_and_the_join_not_kept(device, autocas
     runs = {}
     for rebuild in (False, True):
         join = _Join(dtype)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-        ctx = rebuilt_in_backward(join, params, "device experts") if rebuild else _plain(join, params)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast), ctx as weights:
-            gemm = autocast_matmul_inputs(*weights)
-            derived_cast(gemm, weights)
-            assert gemm[0].dtype == torch.bfloat16
-            y = expert_mlp(x, gemm, offsets)
-            refs = [weakref.ref(w) for w in (weights[0], gemm[0])]   # the join, and its cast under autocast
-        loss = (y.float() ** 2).sum()
-        del weights, gemm, ctx, y
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        held = torch.cuda.memory_allocated(dev) - before if dev.type == "cuda" else None
+        # no collection inside the measured window: a tensor of an earlier test freed there would count
+        gc.collect()
+        gc.disable()
+        try:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            ctx = rebuilt_in_backward(join, params, "device experts") if rebuild else _plain(join, params)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast), ctx as weights:
+                gemm = autocast_matmul_inputs(*weights)
+                derived_cast(gemm, weights)
+                assert gemm[0].dtype == torch.bfloat16
+                y = expert_mlp(x, gemm, offsets)
+                refs = [weakref.ref(w) for w in (weights[0], gemm[0])]   # the join, and its cast under autocast
+            loss = (y.float() ** 2).sum()
+            del weights, gemm, ctx, y
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            held = torch.cuda.memory_allocated(dev) - before if dev.type == "cuda" else None
+        finally:
+            gc.enable()
         alive = [r() is not None for r in refs]
         grads = torch.autograd.grad(loss, [x, *params])
+        del loss
         runs[rebuild] = (grads, held, alive, join.calls)
     (want, kept_bytes, kept_alive, plain_calls), (got, rebuilt_bytes, rebuilt_alive, calls) = runs[False], runs[True]
     for a, b in zip(got, want, strict=True):
@@ -509,5 +517,6 @@ def test_on_the_device_gradients_bit_equal_and_the_join_not_kept(device, autocas
     # cast); rebuilt: neither
     assert kept_alive == ([False, True] if autocast else [True, True]) and rebuilt_alive == [False, False]
     if dev.type == "cuda":
+        # exactly the bf16 join, by what each run saves (a 512-byte multiple: the allocator rounds nothing here)
         join_bytes = n * h * 2 * f * 2
         assert kept_bytes - rebuilt_bytes >= join_bytes, (kept_bytes, rebuilt_bytes, join_bytes)

@@ -110,7 +110,7 @@ def _agree(per_rank: list[Records], local_WE: np.ndarray, generation: int = 0, h
     rows = np.stack([per_rank[r].candidates(local_WE[r], r, generation, held, dispatched, ids[r]).numpy()
                      for r in range(W)])
     got = [per_rank[r].choose(rows, generation, held) for r in range(W)]
-    assert all(g is got[0] for g in got) or all(g.placement == got[0].placement for g in got)
+    assert all(g.placement == got[0].placement for g in got)   # (each rank its own copy of the same record)
     return got[0]
 
 
@@ -183,6 +183,11 @@ def test_the_agreed_choice_refuses_what_the_ranks_do_not_share():
     # a forward_dispatched recompute repeats only a forward_dispatched record
     with pytest.raises(RuntimeError, match="matches none"):
         _agree(_ranks(counts, ["hooks"] * 3), counts[1], dispatched=True)
+    # a hooks record replayed once, its checkpoint gone (no frame): no candidate, and no refresh to blame
+    replayed = _ranks(counts, ["hooks"] * 3)
+    assert _agree(replayed, counts[1]).placement == "1"
+    with pytest.raises(RuntimeError, match="matches none"):
+        _agree(replayed, counts[1])
 
 
 def test_a_hooks_record_replayed_once_is_not_taken_again_without_its_checkpoint():
@@ -193,3 +198,48 @@ def test_a_hooks_record_replayed_once_is_not_taken_again_without_its_checkpoint(
     per_rank = _ranks([c, c], ["hooks", "no_grad"])
     assert _agree(per_rank, c).placement == "0"
     assert _agree(per_rank, c).placement == "1"
+
+
+def test_under_checkpoint_frames_each_recompute_takes_its_own_frames_record():
+    """Non-reentrant checkpointing: records made under a checkpoint's frame (``Record.frame``); each recompute,
+    under the same frame, takes that frame's record with its counts, also where another frame holds a record of
+    equal counts (without frames: two candidates, refused). A recompute that routes otherwise matches none of its
+    frame's records; one whose copies were refreshed since raises."""
+    import dataclasses
+    import weakref
+
+    rng = np.random.default_rng(8)
+    same, other = _random_counts(rng), _random_counts(rng) + 10
+    per_rank = [Records() for _ in range(2)]
+    chosen = []
+
+    def block(x, calls, generation=0, held=False):
+        for tag, counts, again in calls:   # the layer's calls: recorded in the forward, agreed in the recompute
+            if in_backward():
+                chosen.append((tag, _agree(per_rank, again, generation, held).placement))
+            else:
+                frame = weakref.ref(checkpoint_frame())
+                for recs in per_rank:
+                    recs.add(dataclasses.replace(_record(counts, tag), frame=frame))
+        return x * x   # (saves x: the backward recomputes the block, the calls first)
+
+    x = torch.ones(3, requires_grad=True)
+    ya = checkpoint(block, x, [("a1", same, same), ("a2", other, other)], use_reentrant=False)
+    yb = checkpoint(block, x, [("b1", same, same)], use_reentrant=False)
+    (ya.sum() + yb.sum()).backward()
+    assert sorted(chosen) == [("a1", "a1"), ("a2", "a2"), ("b1", "b1")], chosen
+    # the same records without their frames: a1 and b1 cannot be told apart
+    bare = [Records() for _ in range(2)]
+    for tag, counts in (("a1", same), ("a2", other), ("b1", same)):
+        for recs in bare:
+            recs.add(_record(counts, tag))
+    with pytest.raises(RuntimeError, match="cannot be told apart"):
+        _agree(bare, same)
+    # a recompute routing otherwise than its forward: its frame's record is no match, and nothing else is
+    y = checkpoint(block, x, [("c1", other + 1, same + 1)], use_reentrant=False)
+    with pytest.raises(RuntimeError, match="matches none of the forwards recorded"):
+        y.sum().backward()
+    # per-step copies held and refreshed (generation 0 -> 1) between the forward and its recompute
+    y = checkpoint(block, x, [("d1", other + 2, other + 2)], 1, True, use_reentrant=False)
+    with pytest.raises(RuntimeError, match=r"refresh_replicas\(\) ran between a forward and its recompute"):
+        y.sum().backward()
