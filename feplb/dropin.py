@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -89,21 +89,33 @@ def weights_digest(*ts: torch.Tensor) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
+def derived_for_forward(holder: object, attr: str, make: Callable[..., tuple[torch.Tensor, ...]],
+                        sources: Mapping[str, torch.Tensor], name: str,
+                        versioned: Mapping[str, torch.Tensor] | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
+    """``holder.<attr>``: the experts' weights ``make`` derives from ``sources`` (parameter names to tensors), made
+    once for one forward and shared by all its uses, derived again in the backward rather than kept
+    (``feplb.experts.rebuilt_in_backward``: errors name ``name`` and the parameter; ``versioned``: the parameters
+    behind the sources where autograd versions them apart); None again after the forward. What every adapter
+    joining its experts' parameters per forward runs its layer in."""
+    with rebuilt_in_backward(make, sources, name, versioned or {}) as weights:
+        setattr(holder, attr, weights)
+        try:
+            yield weights
+        finally:
+            setattr(holder, attr, None)
+
+
+@contextlib.contextmanager
 def joined_for_forward(layer: MoELayer, name: str) -> Iterator[None]:
-    """``layer._joined``: the experts' weights ``layer._join()`` derives from ``layer.expert_params()``, made once
-    for one forward and shared by all its uses (``expert_weights``), derived again in the backward rather than kept
-    (``feplb.experts.rebuilt_in_backward``; errors name ``name`` and the parameter); None again after the forward."""
+    """``layer._joined``: the experts' weights ``layer._join()`` derives from ``layer.expert_params()``
+    (:func:`derived_for_forward`, the parameters named as in the layer)."""
     names = {id(p): n for n, p in layer.named_parameters()}
     ps = layer.expert_params()
     params = {names.get(id(p), f"parameter {k} of the experts"): p for k, p in enumerate(ps)}
     if len(params) != len(ps):
         raise RuntimeError(f"{name}: the experts' parameters {[names.get(id(p)) for p in ps]} name one twice")
-    with rebuilt_in_backward(layer._join, params, name) as joined:
-        layer._joined = joined
-        try:
-            yield
-        finally:
-            layer._joined = None
+    with derived_for_forward(layer, "_joined", layer._join, params, name):
+        yield
 
 
 def _agree(local: object, group: dist.ProcessGroup | None) -> list:

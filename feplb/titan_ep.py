@@ -45,8 +45,8 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
 from feplb.config import FEPLBConfig, dispatched_policy_problem, int_counts
-from feplb.dropin import DERIVED
-from feplb.experts import checked_at_backward, rebuilt_in_backward
+from feplb.dropin import DERIVED, derived_for_forward
+from feplb.experts import checked_at_backward
 from feplb.layer import MoELayer
 from feplb.titan import oss_fields, oss_weights, swiglu_weights
 
@@ -214,13 +214,9 @@ class _Balanced:
         engine.train(self.training)
         # (the DTensors' own versions: an in-place step of one leaves its local tensor's version as it was)
         params = {f"{n} (the DTensor)": getattr(self, n) for n in self._params}
-        with rebuilt_in_backward(functools.partial(self._join, dt), dict(zip(self._params, local, strict=True)),
-                                 type(self).__name__, params) as weights:
-            engine._weights = weights
-            try:
-                y = checked_at_backward(engine._forward_dispatched(rows.to(dt), counts)).to(x_RD.dtype)
-            finally:
-                engine._weights = None
+        with derived_for_forward(engine, "_weights", functools.partial(self._join, dt),
+                                 dict(zip(self._params, local, strict=True)), type(self).__name__, params):
+            y = checked_at_backward(engine._forward_dispatched(rows.to(dt), counts)).to(x_RD.dtype)
         if rows.shape[0] < x_RD.shape[0]:
             y = torch.cat([y, y.new_zeros(x_RD.shape[0] - rows.shape[0], y.shape[1])])
         return y
