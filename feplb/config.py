@@ -242,6 +242,9 @@ class LayerStats:
     counts; ``tokens_per_expert`` is their column sum). row_bytes_moved / weight_bytes_moved: bytes of rows (one
     way) and of expert weights the executed plan copied between GPUs this micro-batch (planned_ranks), counted
     from what the layer exchanged (the simulator's ``CostModel.plan_copy_bytes`` counts the same plan alike).
+    weight_bytes_in_W: bytes of expert weights each GPU of planned_ranks received for this micro-batch (0
+    elsewhere; they sum to weight_bytes_moved): in training they stay allocated until the micro-batch's backward,
+    whose input gradient needs them.
     """
 
     loads_before_W: list[int]
@@ -263,6 +266,7 @@ class LayerStats:
     counts_WE: list[list[int]] = field(default_factory=list)
     row_bytes_moved: int = 0
     weight_bytes_moved: int = 0
+    weight_bytes_in_W: list[int] = field(default_factory=list)
     planned_ranks: list[int] = field(default_factory=list)
 
     @property

@@ -120,6 +120,9 @@ def layer_stats(config: FEPLBConfig, counts: Counts, p2, plan, *, recv_grew: boo
     row_bytes = sum(it.numel for it in items[:n_rows]) * elem
     w_bytes = sum(it.numel for it in items[n_rows:]) * elem
     W = counts.loads_home_W.size
+    w_in = [0] * W
+    for it in items[n_rows:]:
+        w_in[it.dst] += it.numel * elem
     ranks = range(W) if planned_ranks is None else planned_ranks
     scope = slice(ranks.start, ranks.stop)
     dyn = np.asarray(plan.dynamic_WD) if plan is not None else np.zeros((W, 0), np.int64)
@@ -133,7 +136,7 @@ def layer_stats(config: FEPLBConfig, counts: Counts, p2, plan, *, recv_grew: boo
         plan_fingerprint=_digest(plan.fingerprint()) if plan is not None else 0, recv_grew=recv_grew,
         policy=config.policy, dynamic_WD=dyn.tolist(), experts_placed=experts_placed,
         rows_at_home_W=counts.loads_home_W.tolist(), counts_WE=counts.counts_WE.tolist(),
-        row_bytes_moved=row_bytes, weight_bytes_moved=w_bytes)
+        row_bytes_moved=row_bytes, weight_bytes_moved=w_bytes, weight_bytes_in_W=w_in)
 
 
 def join_stats(per_rank: list[LayerStats]) -> dict:
@@ -141,7 +144,8 @@ def join_stats(per_rank: list[LayerStats]) -> dict:
     ``torch.distributed.all_gather_object``): each GPU's rows after balancing from a rank that planned it (with
     an in-node policy on several nodes a rank reports its own node, ``LayerStats.planned_ranks``).
 
-    Returns, over all GPUs: "loads_after_W", "token_straggler_before", "token_straggler_after", "rows_moved",
+    Returns, over all GPUs: "loads_after_W", "weight_bytes_in_W" (each GPU's from a rank that planned it),
+    "token_straggler_before", "token_straggler_after", "rows_moved",
     "row_bytes_moved", "weight_bytes_moved", "weight_copies" (summed over the distinct planned scopes),
     "copy_bytes" (those plus the per-micro-batch placement bank, which every rank counts for the whole group once)
     and "fell_back" (on any rank).
@@ -176,5 +180,10 @@ def join_stats(per_rank: list[LayerStats]) -> dict:
            "fell_back": any(st.fell_back for st in per_rank)}
     for key in ("rows_moved", "row_bytes_moved", "weight_bytes_moved", "weight_copies"):
         out[key] = sum(getattr(st, key) for st in scopes.values())
+    w_in = [0] * len(before)
+    for st in scopes.values():
+        for g in st.planned_ranks:
+            w_in[g] = st.weight_bytes_in_W[g] if st.weight_bytes_in_W else 0
+    out["weight_bytes_in_W"] = w_in
     out["copy_bytes"] = bank + 2 * out["row_bytes_moved"] + out["weight_bytes_moved"]
     return out

@@ -21,11 +21,15 @@ def _stats(plan, planned: list[int], fell_back: bool = False) -> LayerStats:
         after[m.src] -= m.rows
         after[m.dst] += m.rows
     rows = sum(m.rows for m in moves)
+    w_in = [0] * len(after)
+    for _, _, dst in copies:
+        w_in[dst] += W_BYTES
     return LayerStats(loads_before_W=plan.loads_before_W.tolist(), loads_after_W=after.tolist(),
                       token_straggler_before=0.0, token_straggler_after=0.0, rows_moved=rows,
                       copy_bytes=2 * rows * ROW_BYTES + len(copies) * W_BYTES + BANK, weight_copies=len(copies),
                       plan_us=0.0, balanced=not fell_back, fell_back=fell_back, planned_ranks=planned,
-                      row_bytes_moved=rows * ROW_BYTES, weight_bytes_moved=len(copies) * W_BYTES)
+                      row_bytes_moved=rows * ROW_BYTES, weight_bytes_moved=len(copies) * W_BYTES,
+                      weight_bytes_in_W=w_in)
 
 
 @pytest.mark.parametrize("policy", ["feplb", "feplb-split", "lp"])
@@ -45,6 +49,9 @@ def test_node_reports_join_into_the_whole_plan(policy):
         assert got["rows_moved"] == whole.rows_moved and not got["fell_back"], seed
         assert got["weight_copies"] == len(whole.weight_copies), seed
         assert got["copy_bytes"] == 2 * whole.rows_moved * ROW_BYTES + len(whole.weight_copies) * W_BYTES + BANK
+        # each GPU's received weights, from the node that planned it, as the whole plan's copies say
+        dst = np.bincount([c[2] for c in whole.weight_copies], minlength=8)
+        assert got["weight_bytes_in_W"] == (W_BYTES * dst).tolist(), seed
         # stats of a whole plan (one node, or the peers' policies): any one rank is enough
         assert join_stats([_stats(whole, list(range(8)))])["loads_after_W"] == whole.loads_after_W.tolist()
         # node 1 fell back: its GPUs computed at home, the other nodes' moves stand

@@ -337,7 +337,14 @@ def _copy_bytes(rank, res):
                 layer(x)
             s = layer.last_stats
             want = layer._cost.plan_copy_bytes(layer.last_plan) if layer.last_plan is not None else 0
-            got.append((s.row_bytes_moved + s.weight_bytes_moved, want, s.weight_copies, s.rows_moved))
+            # each planned GPU's received weights: an expert's every part per copy the plan sends it
+            expert_bytes = sum(layer.part_sizes) * torch.empty((), dtype=layer.config.dtype).element_size()
+            w_in = [0] * len(s.loads_before_W)
+            for _, _, dst in (layer.last_plan.weight_copies if layer.last_plan is not None else ()):
+                if dst in s.planned_ranks:
+                    w_in[dst] += expert_bytes
+            got.append((s.row_bytes_moved + s.weight_bytes_moved, want, s.weight_copies, s.rows_moved,
+                        (s.weight_bytes_in_W, w_in, s.weight_bytes_moved)))
         res[f"bytes/{policy}"] = got
         layer.close()
 
@@ -428,12 +435,13 @@ def test_runtime_schedule_optimizers_inputs_defaults(tmp_path):
         assert res["closed_twice"] is None
 
         for policy in ("feplb-split", "feplb-split@ema", "feplb"):
-            for moved_bytes, want, copies, rows in res[f"bytes/{policy}"]:
+            for moved_bytes, want, copies, rows, (w_in, want_in, w_moved) in res[f"bytes/{policy}"]:
                 assert moved_bytes == want, (policy, moved_bytes, want)
+                assert w_in == want_in and sum(w_in) == w_moved, (policy, w_in, want_in, w_moved)
                 assert rows > 0, policy
                 if policy.endswith("@ema"):
                     assert copies == 0, "resident replicas: the plan copies rows only"
-        assert any(c > 0 for _, _, c, _ in res["bytes/feplb-split"]), "@current: weights travel as the plan says"
+        assert any(c > 0 for _, _, c, _, _ in res["bytes/feplb-split"]), "@current: weights travel as the plan says"
 
         for tag in ("AdamW-fused", "AdamW-foreach", "SGD-fused", "SGD-foreach"):
             assert res[f"stale/{tag}"] is not None and "refresh_replicas" in res[f"stale/{tag}"], (tag, res)
