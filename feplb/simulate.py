@@ -38,7 +38,7 @@ from feplb.sched.state import PLACE_MIN_GAIN
 DEFAULT_POLICIES = ("none", "feplb", "feplb-split", "fastermoe", "eplb", "lp")
 _METRICS = ("token_straggler", "token_straggler_before", "max_over_mean", "gemm_straggler_ms",
             "gemm_straggler_before_ms", "pct_of_ideal", "rows_moved", "copy_bytes", "planner_us", "planner_wall_us",
-            "hidden", "layer_ms", "layer_before_ms")
+            "hidden", "layer_ms", "layer_before_ms", "extra_weight_bytes", "extra_weight_pct")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,11 +159,33 @@ def summarize(results: list[SimResult]) -> dict[str, dict[str, float]]:
             "pct_hidden": float(100 * cat["hidden"].mean()),
             "layer_ms": float(cat["layer_ms"].mean()),
             "layer_speedup": float(cat["layer_before_ms"].mean() / cat["layer_ms"].mean()),
+            "extra_weight_bytes": float(cat["extra_weight_bytes"].mean()),
+            "extra_weight_bytes_max": float(cat["extra_weight_bytes"].max()) if cat["extra_weight_bytes"].size else 0.0,
+            "extra_weight_pct": float(cat["extra_weight_pct"].mean()),
             "samples": int(cat["token_straggler"].size),
             "expert_hidden": hidden,
             "expert_ffn": ffn,
         }
     return out
+
+
+def extra_weights(state: PolicyState, plan: Any, topo: Topology) -> int:
+    """Experts' weights the busiest GPU holds beyond its own ``E / W`` experts while it computes this micro-batch:
+    the per-step copies the policy state keeps there (``@ema`` dynamic sets: ``state.resident``), the experts
+    ``+place`` placed there away from their owners (who keep the parameters and the optimizer state), and the
+    copies this plan sends it (kept until the micro-batch's backward). EPLB as published moves the experts into
+    its physical layout, so it holds its redundant slots only (``eplb_slots`` per GPU)."""
+    if parse_policy(state.policy)[0] == "eplb":
+        return state.eplb_slots + int(np.bincount([c[2] for c in plan.weight_copies], minlength=1).max())
+    held = np.zeros(topo.num_ranks, dtype=np.int64)
+    for _, g in state.resident:
+        held[g] += 1
+    owner = topo.default_home_E()
+    home = owner if state.home_E is None else np.asarray(state.home_E)
+    np.add.at(held, home[home != owner], 1)
+    for _, _, dst in plan.weight_copies:
+        held[dst] += 1
+    return int(held.max())
 
 
 def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResult:
@@ -227,6 +249,10 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
                 # static experts, waits for the plan and its copies if they are not done yet, then the rest
                 rec["layer_ms"][layer, m] = float(np.max(np.maximum(static_W, ready_W) + g_after - static_W)) / 1e3
                 rec["layer_before_ms"][layer, m] = float(g_before.max()) / 1e3
+                # expert weights the busiest GPU holds beyond its own (bytes, and % of its own experts' weights)
+                extra = extra_weights(state, plan, topo)
+                rec["extra_weight_bytes"][layer, m] = extra * cost.weight_bytes
+                rec["extra_weight_pct"][layer, m] = 100.0 * extra / topo.experts_per_rank
                 loads_after[p] = plan.loads_after_W.tolist()
             if m == 0:
                 # the example for the plot: first measured micro-batch, the layer where plain EP is worst

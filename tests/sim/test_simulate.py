@@ -137,3 +137,58 @@ def test_pooled_summary_marks_mixed_shapes():
                  SimConfig(**{**cfg.__dict__, "cost": CostModel(hidden=64, ffn=32)}))
     assert summarize([a])["none"]["expert_hidden"] == 6144
     assert np.isnan(summarize([a, b])["none"]["expert_hidden"])
+
+
+def test_extra_weights_held_per_gpu():
+    """The memory metric (expert weights the busiest GPU holds beyond its own): nothing for plain EP; for
+    per-micro-batch policies the copies a plan sends the GPU receiving most; (G - 1) x dyn eager replicas per GPU
+    under @ema after a refresh; the experts +place puts on a GPU away from their owners; EPLB's redundant slots."""
+    from feplb.sched import parse_policy
+    from feplb.simulate import extra_weights
+
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    topo = Topology(num_ranks=8, gpus_per_node=4, num_experts=32, dyn=2)
+    owner = topo.default_home_E()
+    seen = set()
+    for _ in range(5):
+        counts = rng.zipf(1.3, size=(8, 32)).clip(max=400).astype(np.int64)
+        for policy in ("none", "feplb", "feplb-split", "feplb-split@ema", "feplb-split+place", "eplb"):
+            state = PolicyState(topo=topo, policy=policy, refresh_every=1, eplb_slots=2)
+            state = state.observe(counts, make_plan(policy, counts, topo, state))   # a refresh: replicas, placement
+            plan = make_plan(policy, counts, topo, state)
+            got = extra_weights(state, plan, topo)
+            to_gpu = np.bincount([dst for _, _, dst in plan.weight_copies], minlength=8)
+            if policy == "none":
+                assert got == 0 and not plan.weight_copies
+            elif policy == "eplb":
+                assert got == 2 + to_gpu.max()
+            elif parse_policy(policy)[2] == "ema":
+                per_gpu = np.bincount([g for _, g in state.resident], minlength=8)
+                assert (per_gpu == (topo.gpus_per_node - 1) * topo.dyn).all(), per_gpu
+                assert got == (per_gpu + to_gpu).max()
+            elif parse_policy(policy)[1]:
+                placed = np.bincount(state.home_E[state.home_E != owner], minlength=8)
+                assert got == (placed + to_gpu).max()
+                seen.add("placed" if placed.any() else "unplaced")
+            else:
+                assert got == to_gpu.max()
+                seen.add("copied" if to_gpu.any() else "uncopied")
+    assert {"placed", "copied"} <= seen, seen   # the cases with something to count came up
+
+
+def test_extra_weights_in_the_summary():
+    w = SyntheticWorkload(kind="zipf", num_experts=32, top_k=4, num_layers=2, alpha=1.0, seed=3)
+    cfg = SimConfig(num_ranks=8, gpus_per_node=4, tokens_per_rank=256, dyn=2, microbatches=3, warmup=2,
+                    refresh_every=2, policies=("none", "feplb-split", "feplb-split@ema"))
+    res = simulate(w, cfg)
+    s = res.summary()
+    cost, _ = cfg.cost_for(w)
+    assert s["none"]["extra_weight_bytes"] == 0 and s["none"]["extra_weight_pct"] == 0
+    for p in ("feplb-split", "feplb-split@ema"):
+        m = res.metrics[p]
+        assert s[p]["extra_weight_bytes"] == pytest.approx(m["extra_weight_bytes"].mean())
+        # whole experts' weights, and a percentage of the GPU's own 32 / 8 experts
+        assert np.all(m["extra_weight_bytes"] % cost.weight_bytes == 0)
+        assert np.allclose(m["extra_weight_pct"], 100 * m["extra_weight_bytes"] / cost.weight_bytes / 4)
+    # @ema holds the node's other dynamic experts all step: (4 - 1) x 2 per GPU at least
+    assert res.metrics["feplb-split@ema"]["extra_weight_pct"].min() >= 100 * 6 / 4
