@@ -242,9 +242,10 @@ class LayerStats:
     counts; ``tokens_per_expert`` is their column sum). row_bytes_moved / weight_bytes_moved: bytes of rows (one
     way) and of expert weights the executed plan copied between GPUs this micro-batch (planned_ranks), counted
     from what the layer exchanged (the simulator's ``CostModel.plan_copy_bytes`` counts the same plan alike).
-    weight_bytes_in_W: bytes of expert weights each GPU of planned_ranks received for this micro-batch (0
-    elsewhere; they sum to weight_bytes_moved): in training they stay allocated until the micro-batch's backward,
-    whose input gradient needs them.
+    weight_bytes_in_W: bytes of expert weights each GPU of planned_ranks received for this micro-batch through the
+    plan's copies (0 elsewhere; they sum to weight_bytes_moved): in training they stay allocated until the
+    micro-batch's backward, whose input gradient needs them. With ``+place`` and weights='per-microbatch' the bank
+    of experts placed on the GPU comes on top (in copy_bytes).
     """
 
     loads_before_W: list[int]

@@ -60,6 +60,7 @@ def test_node_reports_join_into_the_whole_plan(policy):
         want = whole.loads_after_W.copy()
         want[2:4] = whole.loads_before_W[2:4]
         assert got["loads_after_W"] == want.tolist() and got["fell_back"], seed
+        assert got["weight_bytes_in_W"][2:4] == [0, 0], seed   # nothing received where the node fell back
         assert got["rows_moved"] == sum(m.rows for m in whole.moves if m.src not in (2, 3)), seed
 
 

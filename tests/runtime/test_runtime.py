@@ -325,7 +325,7 @@ def _defaults(rank, res):
 
 def _copy_bytes(rank, res):
     """The bytes the layer moves are the simulator's: CostModel.plan_copy_bytes of the executed plan."""
-    for policy in ("feplb-split", "feplb-split@ema", "feplb"):
+    for policy in ("feplb-split", "feplb-split@ema", "feplb", "fastermoe"):
         layer, xs = _layer(5, policy=policy, weights="per-step")
         x = xs[rank]
         with torch.no_grad():
@@ -434,6 +434,10 @@ def test_runtime_schedule_optimizers_inputs_defaults(tmp_path):
         assert res["default_balanced"] == (False, 0.0, 0.0), res["default_balanced"]
         assert res["closed_twice"] is None
 
+        for *_, (w_in, want_in, w_moved) in res["bytes/fastermoe"]:
+            # the direct path's exchange carries weights only: each GPU's shadows, as the plan sends them
+            assert w_in == want_in and sum(w_in) == w_moved, ("fastermoe", w_in, want_in, w_moved)
+        assert any(c > 0 for _, _, c, _, _ in res["bytes/fastermoe"]), "the skewed routing is shadowed"
         for policy in ("feplb-split", "feplb-split@ema", "feplb"):
             for moved_bytes, want, copies, rows, (w_in, want_in, w_moved) in res[f"bytes/{policy}"]:
                 assert moved_bytes == want, (policy, moved_bytes, want)
