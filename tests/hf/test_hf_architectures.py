@@ -207,7 +207,19 @@ def _defects(rank: int, world: int) -> dict:
         fh.FEPLBExperts.forward = original
     out["restored"] = hfcheck.check(["mixtral"])[0]
     out["slightly"] = [vars(o) for o in out["slightly"]]
-    return {k: v if isinstance(v, list) else vars(v) for k, v in out.items()}
+    return {k: v if isinstance(v, list) else vars(v) for k, v in out.items()} | \
+        {"zero_experts_in_experts": _longcat_zero_in_experts()}
+
+
+def _longcat_zero_in_experts() -> int:
+    """The zero-computation experts LongCat-Flash's experts module itself routes (transformers <= 5.24: ids
+    E ... E + Z - 1 reach it, and its gate_up_proj holds E + Z experts), or 0 (transformers >= 5.25: the MoE module
+    adds the tokens itself and hands its experts module weight-0 routes to real experts)."""
+    import feplb.hf as fh
+    from feplb.hfcheck import tiny_model
+
+    (experts,) = {m for m in tiny_model("longcat_flash").modules() if type(m).__name__ == "LongcatFlashExperts"}
+    return fh._zero_experts(experts)
 
 
 def _longcat_state(rank: int, world: int) -> dict:
@@ -221,6 +233,7 @@ def _longcat_state(rank: int, world: int) -> dict:
     from feplb.hfcheck import tiny_model
 
     model = tiny_model("longcat_flash")
+    zero_in_experts = _longcat_zero_in_experts()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     names = fh.apply(model, gpus_per_node=2)
     ex = model.get_submodule(names[0])
@@ -234,6 +247,7 @@ def _longcat_state(rank: int, world: int) -> dict:
     fh.set_state_dict_type(model, "local")
     local = model.state_dict()
     return {"local": list(ex.gate_up_proj.shape), "E": cfg.n_routed_experts, "Z": cfg.zero_expert_num,
+            "zero_in_experts": zero_in_experts, "layer_zero": ex.zero_experts,
             "W": dist.get_world_size(), "keys": sorted(full) == sorted(before), "sharded": sharded,
             "local_sd": torch.equal(local[f"{names[0]}.gate_up_proj"], ex.gate_up_proj),
             "whole_load": sorted(again) == sorted(before) and all(torch.equal(again[k], v) for k, v in before.items()),
@@ -247,10 +261,19 @@ def _longcat_state(rank: int, world: int) -> dict:
 def test_zero_computation_experts_state():
     for r in run_dist(_longcat_state, 2, timeout_s=300, collective_timeout_s=60):
         E, Z, W = r["E"], r["Z"], r["W"]
-        assert r["local"][0] == E // W + Z // W, r["local"]
+        assert Z > 0 and r["layer_zero"] == r["zero_in_experts"] in (0, Z), r
         assert r["keys"] and r["equal"], r
-        # model.state_dict() for torch.distributed.checkpoint refuses, naming the projection; "local" gives the shard
-        assert r["sharded"] is not None and "ValueError" in r["sharded"] and "'gate_up_proj'" in r["sharded"], r
+        if r["zero_in_experts"]:
+            # transformers <= 5.24: the experts module routes the zero experts; each rank keeps its experts, then
+            # its share of their unused rows; model.state_dict() for torch.distributed.checkpoint refuses, naming
+            # the projection (no DTensor describes two blocks), "local" gives the shard
+            assert r["local"][0] == E // W + Z // W, r["local"]
+            assert r["sharded"] is not None and "ValueError" in r["sharded"] and "'gate_up_proj'" in r["sharded"], r
+        else:
+            # transformers >= 5.25: LongCat's MoE adds the zero experts' tokens itself; its experts module holds
+            # the E experts only, an experts module like any other
+            assert r["local"][0] == E // W, r["local"]
+            assert r["sharded"] is None, r["sharded"]
         assert r["local_sd"], r
         assert r["whole_load"], r     # load_state_dict of the full checkpoint after apply
         # ids past the zero experts reach the layer, which refuses them on every rank
@@ -273,7 +296,10 @@ def test_the_check_reports_defects():
         assert res["bias_lost"]["status"] == "WRONG", res["bias_lost"]
         assert res["post_norm_lost"]["status"] == "WRONG", res["post_norm_lost"]
         assert res["softcaps_swapped"]["status"] == "WRONG", res["softcaps_swapped"]
-        assert res["zero_experts_lost"]["status"] == "WRONG", res["zero_experts_lost"]
+        # FEPLB's own zero experts matter where the experts module routes them (transformers <= 5.24); where the
+        # MoE module adds them itself (>= 5.25) the check passes without them
+        want = "WRONG" if res["zero_experts_in_experts"] else "exact"
+        assert res["zero_experts_lost"]["status"] == want, res["zero_experts_lost"]
         assert res["raising"]["status"] == "error" and "a forward that fails" in res["raising"]["detail"], res
         assert res["restored"]["status"] == "exact", res["restored"]
 
