@@ -38,7 +38,10 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "longcat_flash",   # zero-computation experts (masked routes; gate_up_proj holding E + Z experts)
                "step3p7")   # SwiGLU clamped after the activation (silu_postclamp), as its checkpoint's last layers
 
-KNOWN_REFUSED: dict[str, str] = {}   # none in transformers 5.24 (the refusals themselves: test_supported_...)
+# (the refusals themselves: test_supported_...)
+KNOWN_REFUSED: dict[str, str] = {
+    "ergo": "post_expert_norm.weight",   # transformers 5.25: a per-expert RMSNorm inside the experts module
+}
 
 
 def _survey(rank: int, world: int) -> list[dict]:
