@@ -97,7 +97,9 @@ class FEPLBExperts(MoELayer):
     Nemotron-H's) hold ``up_proj`` [L, F, H] instead of ``gate_up_proj``; experts with biases (gpt-oss's)
     ``gate_up_proj_bias`` (or ``up_proj_bias``) and ``down_proj_bias`` too. A norm after each expert
     (``post_expert_norm``, transformers' ``has_post_expert_norm``: Muse Spark's) stays the model's module, replicated
-    (its parameters are not expert-parallel), applied to every expert output row on the token's GPU. With
+    (its parameters are not expert-parallel), applied to every expert output row on the token's GPU; one that is
+    called with each row's expert id (``per_expert_norm``: Ergo's ``ErgoExpertNorm``, a learned RMSNorm scale per
+    expert, [E, H]) likewise, given each row's global expert id there. With
     ``zero_experts`` Z (LongCat-Flash's zero-computation experts), ids E ... E + Z - 1 return the token itself
     weighed by its gate, computed on the token's GPU (masked routes for the layer); transformers' ``gate_up_proj``
     holds E + Z experts there, the last Z never read: each rank keeps Z / W of them after its own L, so that
@@ -112,9 +114,12 @@ class FEPLBExperts(MoELayer):
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, gate_up_proj: torch.Tensor,
                  down_proj: torch.Tensor, name: str = "", transposed: bool = False,
                  gate_up_proj_bias: torch.Tensor | None = None, down_proj_bias: torch.Tensor | None = None,
-                 post_expert_norm: nn.Module | None = None, zero_experts: int = 0) -> None:
+                 post_expert_norm: nn.Module | None = None, zero_experts: int = 0,
+                 per_expert_norm: bool = False) -> None:
         if config.router != "external":
             raise ValueError(f"FEPLBExperts needs FEPLBConfig.router='external', got {config.router!r}")
+        if per_expert_norm and post_expert_norm is None:
+            raise ValueError("FEPLBExperts: per_expert_norm needs a post_expert_norm module")
         if (gate_up_proj_bias is None) != (down_proj_bias is None) or \
                 config.expert_bias != (gate_up_proj_bias is not None):
             raise ValueError("FEPLBExperts: give gate_up_proj_bias and down_proj_bias exactly when "
@@ -133,6 +138,8 @@ class FEPLBExperts(MoELayer):
         self.hf_name = name
         if post_expert_norm is not None:
             self.post_expert_norm = post_expert_norm
+        # Ergo's: a norm per expert, called with each row's expert id
+        self.post_expert_ids = bool(per_expert_norm)
 
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
         # each bias right after its weight (gpt-oss's order, so the state dict's keys keep theirs)
@@ -203,9 +210,11 @@ class FEPLBExperts(MoELayer):
         L = self.num_local
         return {pname: torch.cat([p[:L] for p in parts] + [p[L:] for p in parts])}
 
-    def post_expert(self, y_MD: torch.Tensor) -> torch.Tensor:
+    def post_expert(self, y_MD: torch.Tensor, expert_M: torch.Tensor | None) -> torch.Tensor:
         norm = self._modules.get("post_expert_norm")
-        return y_MD if norm is None else norm(y_MD)
+        if norm is None:
+            return y_MD
+        return norm(y_MD) if expert_M is None else norm(y_MD, expert_M)
 
     def extra_repr(self) -> str:
         return f"{self.hf_name!r}, " + super().extra_repr()
@@ -478,8 +487,12 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
     norm = module._modules.get("post_expert_norm")
     if post_norm and not isinstance(norm, nn.Module):
         return "has_post_expert_norm=True without a post_expert_norm module", {}
+    # Ergo's norm per expert (no has_post_expert_norm): called with the rows and each row's expert id, its
+    # parameters [E, ...]; kept whole (replicated, not expert-parallel) and run on the token's GPU
+    per_expert = not post_norm and isinstance(norm, nn.Module) and _takes_expert_ids(norm)
     extra = sorted(set(own) - {w1name, "down_proj", *bias} -
-                   ({f"post_expert_norm.{n}" for n, _ in norm.named_parameters()} if post_norm else set()))
+                   ({f"post_expert_norm.{n}" for n, _ in norm.named_parameters()} if post_norm or per_expert
+                    else set()))
     if "gate_proj" in extra and w1name == "up_proj":
         return ("a gate_proj parameter apart from up_proj (gated experts with the gate stored separately; FEPLB "
                 "takes gated experts' weights joined, as gate_up_proj)"), {}
@@ -520,6 +533,11 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         layout = (f"{w1name} [E, H, {g}] and down_proj [E, F, H] (is_transposed=True)" if transposed else
                   f"{w1name} [E, {g}, H] and down_proj [E, H, F]")
         return f"weight layout {w1name} {list(gu.shape)}, down_proj {list(dn.shape)}; expected {layout}", {}
+    if per_expert:
+        shapes = {n: list(p.shape) for n, p in norm.named_parameters()}
+        if not shapes or any(not sh or sh[0] != E for sh in shapes.values()):
+            return (f"a post_expert_norm called with expert ids whose parameters are {shapes}; expected each "
+                    f"[{E}, ...], one row per expert"), {}
     if bias:
         gb, db = own[biases[0]], own[biases[1]]
         if tuple(gb.shape) != (E, G) or tuple(db.shape) != (E, H) or gb.dtype != gu.dtype or db.dtype != gu.dtype:
@@ -568,7 +586,19 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
                   "expert_bias": bool(bias), "gated": is_gated,
                   "gate_on_input": block is not None, "transposed": transposed,
                   # zero-computation experts: their ids leave the layer's routing as masked routes
-                  "masked_routes": bool(Z), "zero_experts": Z}
+                  "masked_routes": bool(Z), "zero_experts": Z, "per_expert_norm": per_expert}
+
+
+def _takes_expert_ids(norm: nn.Module) -> bool:
+    """Whether a post-expert norm's forward takes each row's expert id beside the rows (Ergo's ``ErgoExpertNorm``:
+    ``forward(hidden_states, expert_ids)``, one learned scale per expert)."""
+    try:
+        params = list(inspect.signature(norm.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 and all(p.default is inspect.Parameter.empty for p in positional[:2]) and \
+        all(p.default is not inspect.Parameter.empty for p in positional[2:])
 
 
 def _version_hint() -> str:
@@ -586,11 +616,13 @@ def _version_hint() -> str:
 def _module_config(module: nn.Module, model: nn.Module, world: int, blocks: dict, name: str,
                    overrides: dict[str, Any]) -> tuple[str | None, FEPLBConfig | None, dict]:
     """(why FEPLB cannot run ``module`` on ``world`` EP ranks, or None; its layer's FEPLBConfig, or None; what the
-    layer takes beside its config: ``transposed``, whether its weights are stored [in, out], and ``zero_experts``,
-    LongCat's zero-computation experts): :func:`_problem`, then the config FEPLBConfig builds from it and
-    ``overrides``. What :func:`apply` and :func:`supported` both decide per module."""
+    layer takes beside its config: ``transposed``, whether its weights are stored [in, out], ``zero_experts``,
+    LongCat's zero-computation experts, and ``per_expert_norm``, whether its post-expert norm takes expert ids):
+    :func:`_problem`, then the config FEPLBConfig builds from it and ``overrides``. What :func:`apply` and
+    :func:`supported` both decide per module."""
     why, fields_of = _problem(module, model, world, blocks.get(id(module)), name)
-    extras = {"transposed": fields_of.pop("transposed", False), "zero_experts": fields_of.pop("zero_experts", 0)}
+    extras = {"transposed": fields_of.pop("transposed", False), "zero_experts": fields_of.pop("zero_experts", 0),
+              "per_expert_norm": fields_of.pop("per_expert_norm", False)}
     if why is not None:
         return why, None, extras
     cfg = layer_config(fields_of, overrides)
@@ -699,7 +731,8 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
                 made[id(mod)] = new = FEPLBExperts(
                     configs[id(mod)], group, w1, w2, name=name, **extras[id(mod)], gate_up_proj_bias=b1,
                     down_proj_bias=b2,
-                    post_expert_norm=mod.post_expert_norm if getattr(mod, "has_post_expert_norm", False) else None)
+                    post_expert_norm=mod.post_expert_norm if getattr(mod, "has_post_expert_norm", False) or
+                    extras[id(mod)]["per_expert_norm"] else None)
                 new.train(mod.training)
                 new.refresh_replicas()
     except BaseException:

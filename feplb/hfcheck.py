@@ -5,8 +5,8 @@ experts module (3-D ``gate_up_proj`` / ``up_proj`` / ``down_proj`` parameters), 
 model from the architecture's own config class (:func:`tiny_model`: two layers, two attention heads (hidden 64, or two
 heads of the default head size where the config derives it; Kimi-style linear attention: 2 heads; Mamba mixers: 8
 heads, a state of 16), 8 experts (LongCat-Flash: and 4 zero-computation experts), top-2, vocabulary 64, every other
-field at its default; parameters the initialisation leaves all zero, such as gpt-oss's expert biases and router,
-drawn at random), runs it unmodified and with :func:`feplb.hf.apply` on the ranks
+field at its default; parameters the initialisation leaves constant, such as gpt-oss's expert biases and router
+(zeros) or norm scales (ones), given random noise), runs it unmodified and with :func:`feplb.hf.apply` on the ranks
 of a process group (balancing between two "GPUs" of a node, rows really moving), and compares the two on each rank's
 own input: logits, every expert shard's gradient (against the slice of the unmodified model's gradient summed over the
 ranks' inputs) and every other gradient (against the unmodified model's local one). Randomness inside the forward
@@ -217,7 +217,7 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
                     config = config_cls(**kwargs)
                     torch.manual_seed(seed)
                     model = _text_model_class(config)(config).float().train()
-                    _fill_zeros(model, seed)
+                    _vary_constants(model, seed)
                 if not _candidates(model):
                     raise LookupError(f"{type(model).__name__} of {len(kwargs)} tiny fields holds no experts module")
                 probe = copy.deepcopy(model)
@@ -240,15 +240,15 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     raise first_with_experts or last
 
 
-def _fill_zeros(model: torch.nn.Module, seed: int) -> None:
-    """Random values (std ``initializer_range``) in every floating parameter its initialisation left all zero:
-    gpt-oss's expert biases and router, attention sinks, ... A zero bias or router would check nothing of how
-    FEPLB carries them."""
+def _vary_constants(model: torch.nn.Module, seed: int) -> None:
+    """Random noise (std ``initializer_range``) added to every floating parameter its initialisation left constant:
+    zeros (gpt-oss's expert biases and router, attention sinks, ...) and ones (norm scales: Ergo's one per expert).
+    A zero bias or a scale of ones would check nothing of how FEPLB carries them, or which expert's it uses."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
-            if p.is_floating_point() and p.numel() and not p.any():
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * TINY["initializer_range"])
+            if p.is_floating_point() and p.numel() and bool((p == p.reshape(-1)[0]).all()):
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * TINY["initializer_range"])
 
 
 def _run(model: torch.nn.Module, ids: torch.Tensor, seed: int) -> torch.Tensor:
@@ -478,7 +478,8 @@ def markdown(outcomes: list[Outcome], meta: dict) -> str:
         "model (2 layers, 2 attention heads (Kimi-style linear attention: 2 heads; Mamba mixers: 8 heads, a state "
         "of 16), 8 experts (LongCat-Flash: and 4 zero-computation experts), top-2, "
         "vocabulary 64, every other field at its default; "
-        "parameters its initialisation leaves all zero, such as gpt-oss's expert biases, drawn at random) "
+        "parameters its initialisation leaves constant (zeros: gpt-oss's expert biases; ones: norm scales, "
+        "Ergo's per expert) given random noise) "
         f"built from its own config class, run unmodified and with "
         f"`feplb.hf.apply` on {meta['ranks']} gloo processes ({meta['gpus_per_node']} per modelled node, policy "
         f"`{meta['policy']}`). **exact**: logits and every gradient within {meta['tolerance']:g} of the unmodified "

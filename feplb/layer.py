@@ -427,17 +427,27 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             w_TK = torch.ones(w_TK.shape, dtype=torch.float32, device=w_TK.device)
         if skip_TK is not None:   # masked routes weigh nothing (their rows are zero, but post_expert may change them)
             w_TK = w_TK.masked_fill(skip_TK, 0)
-        y_MD = self.post_expert(self._experts(x_MD, meta.counts_E[:c.num_experts], bad, replay=replay))
+        y_MD = self._experts(x_MD, meta.counts_E[:c.num_experts], bad, replay=replay)
+        # each row's expert, for a post-expert step that depends on it (scattered on the device: no host sync)
+        expert_M = topk_ids_TK.new_empty(y_MD.shape[0]).index_put_(
+            (meta.dst_idx_TK.reshape(-1).long(),), topk_ids_TK.reshape(-1)) if self.post_expert_ids else None
+        y_MD = self.post_expert(y_MD, expert_M)
         tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone
         if tl is None:
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
         with tl.span("combine"):
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
 
-    def post_expert(self, y_MD: torch.Tensor) -> torch.Tensor:
+    # whether post_expert needs each row's expert id (a subclass's per-expert step after the experts)
+    post_expert_ids = False
+
+    def post_expert(self, y_MD: torch.Tensor, expert_M: torch.Tensor | None) -> torch.Tensor:
         """Every row's expert output, [M, H] in the layer's dtype, back on its token's GPU and before the gates weigh
         and sum them: the identity here; a subclass applies a row-wise module there (transformers' post-expert
-        norm). Row by row, so where a row was computed does not change it."""
+        norm, or Ergo's per-expert one). Row by row, so where a row was computed does not change it.
+
+        expert_M: each row's (global) expert id, int64 [M] on the layer's device, where the class sets
+        :attr:`post_expert_ids`; else None (not computed)."""
         return y_MD
 
     @torch.compiler.disable
@@ -481,7 +491,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         counts_S[r * L:(r + 1) * L] = torch.tensor(counts_L, dtype=torch.int64)
         # (no +place: every expert at its owner, so slot = expert and phase 1's receive order is the caller's)
         y = self._experts(rows, counts_S, torch.zeros((), dtype=torch.int64), dispatched=True)
-        return self.post_expert(y)
+        expert_M = to_device(np.repeat(np.arange(r * L, (r + 1) * L), counts_L), self._device) \
+            if self.post_expert_ids else None
+        return self.post_expert(y, expert_M)
 
     @torch.compiler.disable
     def _experts(self, x_MD: torch.Tensor | None, counts_S: torch.Tensor | None, bad: torch.Tensor | None,

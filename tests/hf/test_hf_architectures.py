@@ -36,12 +36,11 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "inkling_text",  # its shared experts stored as 3-D parameters (not routed: left replicated)
                "inkling2", "inkling2_loop",   # a softcapped SwiGLU (its own _apply_gate and act_fn's caps)
                "longcat_flash",   # zero-computation experts (masked routes; gate_up_proj holding E + Z experts)
-               "step3p7")   # SwiGLU clamped after the activation (silu_postclamp), as its checkpoint's last layers
+               "step3p7",   # SwiGLU clamped after the activation (silu_postclamp), as its checkpoint's last layers
+               "ergo")      # relu^2 experts with an RMSNorm per expert ([E, H] scale given each row's expert id)
 
 # (the refusals themselves: test_supported_...)
-KNOWN_REFUSED: dict[str, str] = {
-    "ergo": "post_expert_norm.weight",   # transformers 5.25: a per-expert RMSNorm inside the experts module
-}
+KNOWN_REFUSED: dict[str, str] = {}
 
 
 def _survey(rank: int, world: int) -> list[dict]:
@@ -177,9 +176,13 @@ def _defects(rank: int, world: int) -> dict:
 
         # Muse Spark's norm after each expert lost
         post = fh.FEPLBExperts.post_expert
-        fh.FEPLBExperts.post_expert = lambda self, y: y
+        fh.FEPLBExperts.post_expert = lambda self, y, e: y
         try:
             out["post_norm_lost"] = hfcheck.check(["muse_spark"])[0]
+            # Ergo's norm per expert given the next expert's id (transformers >= 5.25)
+            fh.FEPLBExperts.post_expert = lambda self, y, e: post(self, y, (e + 1) % self.config.num_experts)
+            if "ergo" in hfcheck.moe_architectures():
+                out["expert_norm_shifted"] = hfcheck.check(["ergo"])[0]
         finally:
             fh.FEPLBExperts.post_expert = post
 
@@ -298,6 +301,8 @@ def test_the_check_reports_defects():
         assert res["halves_for_interleaved"]["status"] == "WRONG", res["halves_for_interleaved"]
         assert res["bias_lost"]["status"] == "WRONG", res["bias_lost"]
         assert res["post_norm_lost"]["status"] == "WRONG", res["post_norm_lost"]
+        if "expert_norm_shifted" in res:
+            assert res["expert_norm_shifted"]["status"] == "WRONG", res["expert_norm_shifted"]
         assert res["softcaps_swapped"]["status"] == "WRONG", res["softcaps_swapped"]
         # FEPLB's own zero experts matter where the experts module routes them (transformers <= 5.24); where the
         # MoE module adds them itself (>= 5.25) the check passes without them
@@ -309,7 +314,7 @@ def test_the_check_reports_defects():
 
 def test_supported_says_what_apply_would_do_without_a_process_group():
     import feplb.hf as fh
-    from feplb.hfcheck import tiny_model
+    from feplb.hfcheck import moe_architectures, tiny_model
 
     model = tiny_model("mixtral")
     got = fh.supported(model)
@@ -408,6 +413,18 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
     assert not fh._shared_stack("model.layers.0.mlp.shared_experts", mix)
     shared.forward = lambda hidden_states, top_k_index, top_k_weights: hidden_states
     assert not fh._shared_stack("model.layers.0.mlp.shared_experts", shared)
+    if "ergo" in moe_architectures():   # transformers >= 5.25
+        # Ergo's norm per expert: found by its call (rows, expert ids), its parameters one row per expert
+        ergo = tiny_model("ergo")
+        ex = next(m for m in ergo.modules() if type(m).__name__ == "ErgoExperts")
+        assert fh._problem(ex, ergo, 2) == (None, fh._problem(ex, ergo, 2)[1])
+        assert fh._problem(ex, ergo, 2)[1]["per_expert_norm"] is True
+        E, H = ex.post_expert_norm.weight.shape
+        ex.post_expert_norm.weight = torch.nn.Parameter(torch.ones(E + 1, H))
+        assert "expected each [8, ...], one row per expert" in fh._problem(ex, ergo, 2)[0]
+        ex.post_expert_norm.weight = torch.nn.Parameter(torch.ones(E, H))
+        ex.post_expert_norm.forward = lambda hidden_states: hidden_states   # a norm not called with the ids
+        assert "parameters besides up_proj and down_proj" in fh._problem(ex, ergo, 2)[0]
     aria = tiny_model("aria")   # is_transposed=True: gate_up_proj [E, H, 2F], down_proj [E, F, H]
     assert aria.model.layers[0].mlp.experts.is_transposed
     assert fh.supported(aria) and all(why is None for why in fh.supported(aria).values())
@@ -511,3 +528,71 @@ def test_cli_refuses_bad_input_before_starting(argv, message, capsys):
     assert main(["hf-check", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def _ergo_bf16(rank: int, world: int) -> dict:
+    """Ergo's experts module in bf16 with its per-expert norm scales in fp32 (transformers keeps them so), balancing
+    on, skewed routing: FEPLB against the unmodified module, both against the module in fp32; output and every
+    gradient (the unmodified module's expert gradients summed over the ranks' inputs, and the replicated norm's of
+    both)."""
+    import copy
+
+    import torch.distributed as dist
+
+    import feplb.hf as fh
+    from feplb.hfcheck import tiny_model
+
+    model = tiny_model("ergo").to(torch.bfloat16)
+    name = next(n for n, m in model.named_modules() if type(m).__name__ == "ErgoExperts")
+    model.get_submodule(name).post_expert_norm.float()
+    ref = copy.deepcopy(model.get_submodule(name))
+    ref32 = copy.deepcopy(ref).float()
+    fh.apply(model, policy="feplb-split", gpus_per_node=2, min_chunk=1, plan_wait_ms=60_000, min_straggler_rows=0)
+    mine = model.get_submodule(name)
+    E, H = ref.up_proj.shape[0], ref.up_proj.shape[1]
+    gen = torch.Generator().manual_seed(70 + rank)
+    T = 24
+    x, dy = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+    probs = torch.ones(E)
+    probs[0] = 8.0                      # expert 0 is hot: balancing moves rows
+    idx = torch.stack([torch.multinomial(probs, 2, generator=gen) for _ in range(T)])
+    wts = torch.rand(T, 2, generator=gen)
+
+    sharded = {id(p) for p in fh.expert_parameters(model)}
+
+    def run(m, dtype):
+        xx, ww = x.to(dtype).requires_grad_(), wts.clone().requires_grad_()
+        out = m(xx, idx, ww)
+        (out.float() * dy).sum().backward()
+        grads = {n: p.grad.float() for n, p in m.named_parameters()}
+        for n, p in m.named_parameters():
+            if id(p) not in sharded:   # the gradient of every rank's input (FEPLB's shards hold theirs already)
+                dist.all_reduce(grads[n])
+        return {"out": out.detach().float(), "x": xx.grad.float(), "weights": ww.grad} | grads
+
+    got, theirs, exact = run(mine, torch.bfloat16), run(ref, torch.bfloat16), run(ref32, torch.float32)
+    L = E // world
+    for t in (theirs, exact):
+        for n in ("up_proj", "down_proj"):
+            t[n] = t[n][rank * L:(rank + 1) * L]
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    return {"dtypes": (str(mine.up_proj.dtype), str(mine.post_expert_norm.weight.dtype)),
+            "errors": {k: (rel(got[k], exact[k]), rel(theirs[k], exact[k]), rel(got[k], theirs[k])) for k in exact},
+            "moved": mine.last_stats.rows_moved}
+
+
+def test_ergo_in_bf16_with_its_fp32_norm_scales():
+    from feplb.hfcheck import moe_architectures
+
+    if "ergo" not in moe_architectures():
+        pytest.skip("transformers < 5.25 has no Ergo")
+    for res in run_dist(_ergo_bf16, 2, timeout_s=300, collective_timeout_s=60):
+        assert res["dtypes"] == ("torch.bfloat16", "torch.float32"), res["dtypes"]
+        assert res["moved"] > 0, res
+        for k, (mine, theirs, between) in res["errors"].items():
+            # as close to fp32 as the unmodified bf16 module, and near it
+            assert mine <= 1.25 * theirs + 1e-6 and between <= 1e-2, (k, mine, theirs, between)
+            assert mine < 2e-2, (k, mine)

@@ -164,7 +164,12 @@ def _hf_case(rank: int, arch: str) -> dict:
     spec = importlib.util.spec_from_file_location("_feplb_hf_models", Path(__file__).parents[1] / "hf" / "models.py")
     models = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(models)
-    model = models.make_model(arch)
+    if arch in models.ARCHS:
+        model = models.make_model(arch)
+    else:   # Ergo's: its norm per expert (a scale [E, H], varied from its ones) given each row's expert id
+        from feplb.hfcheck import tiny_model
+
+        model = tiny_model(arch)
     fh.apply(model, policy="feplb-split", gpus_per_node=2, min_chunk=1, plan_wait_ms=60_000, min_straggler_rows=0)
     experts = next(m for m in model.modules() if isinstance(m, fh.FEPLBExperts))
     c = experts.config
@@ -181,8 +186,15 @@ def _hf_case(rank: int, arch: str) -> dict:
         out = _moe(experts, xx, ids, gg) if dispatched else experts(xx, ids, gg)
         (out * gy).sum().backward()
         stats = experts.last_stats
-        got.append([out.detach(), xx.grad, gg.grad, *(w.grad.clone() for w in experts.expert_params()),
-                    stats.rows_moved if rank == stats.planned_ranks[0] else 0])
+        # every parameter of the module: the expert shards, and replicated ones (Ergo's per-expert norm), summed
+        # over the ranks (the data-parallel all-reduce): behind the caller's dispatch the norm runs at the experts'
+        # owners, not at the tokens' ranks
+        sharded = {id(w) for w in experts.expert_params()}
+        grads = [w.grad.clone() for w in experts.parameters()]
+        for w, g in zip(experts.parameters(), grads, strict=True):
+            if id(w) not in sharded:
+                torch.distributed.all_reduce(g)
+        got.append([out.detach(), xx.grad, gg.grad, *grads, stats.rows_moved if rank == stats.planned_ranks[0] else 0])
         experts.zero_grad()
     rel = [float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(got[1][:-1], got[0][:-1],
                                                                                       strict=True)]
@@ -264,7 +276,15 @@ def test_forward_dispatched_equals_plain_ep_two_processes_one_gpu():
     _check_device_worker(run_dist(_device_worker, 2, "cuda", "ipc", timeout_s=100, collective_timeout_s=60))
 
 
-HF_ARCHS = ("mixtral", "gpt_oss")
+def _has_ergo() -> bool:
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        return False
+    return "ergo" in CONFIG_MAPPING_NAMES   # transformers >= 5.25
+
+
+HF_ARCHS = ("mixtral", "gpt_oss") + (("ergo",) if _has_ergo() else ())
 CASES = (("none", "per-microbatch"), ("feplb-split", "per-microbatch"), ("feplb", "per-microbatch"),
          ("feplb-split@ema", "per-step"), ("lp", "per-step"))
 
@@ -321,6 +341,6 @@ def test_forward_dispatched_refuses_bad_arguments_on_every_rank(ranks):
 def test_forward_dispatched_of_a_transformers_experts_module(ranks, arch):
     for rank, res in enumerate(ranks):
         got = res["hf"][arch]
-        assert got["params"] == (4 if arch == "gpt_oss" else 2), got   # the biases too
+        assert got["params"] == (4 if arch == "gpt_oss" else 3 if arch == "ergo" else 2), got   # biases, norm
         assert max(got["rel"]) <= 1e-5, f"rank {rank}: {got['rel']}"
     assert ranks[0]["hf"][arch]["moved"] > 0

@@ -76,10 +76,26 @@ class _Shifted:
         from feplb import MoELayer
 
         class Shifted(MoELayer):
-            def post_expert(self, y_MD):
+            def post_expert(self, y_MD, expert_M):
+                assert expert_M is None   # not asked for: not computed
                 return y_MD + 1.0
 
         return Shifted(cfg)
+
+
+class _PerExpert:
+    """A MoELayer whose post_expert adds e + 1 to each row of expert e (``post_expert_ids``)."""
+
+    def __new__(cls, cfg):
+        from feplb import MoELayer
+
+        class PerExpert(MoELayer):
+            post_expert_ids = True
+
+            def post_expert(self, y_MD, expert_M):
+                return y_MD + (expert_M + 1).to(y_MD.dtype)[:, None]
+
+        return PerExpert(cfg)
 
 
 def _rank(rank: int, world: int) -> dict:
@@ -139,12 +155,15 @@ def _rank(rank: int, world: int) -> dict:
     cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, router="external",
                       masked_routes=True, policy="feplb-split", min_chunk=2, min_straggler_rows=0, dtype=torch.float32)
     outs = []
-    for cls in (MoELayer, _Shifted):
+    for cls in (MoELayer, _Shifted, _PerExpert):
         torch.manual_seed(3)
         layer = cls(cfg)
         outs.append(layer(x.float(), routing=(ids, w.float())).detach())
+        res.setdefault("post_moved", []).append(layer.last_stats.rows_moved)
         layer.close()
     res["post_shift"] = (outs[1] - outs[0], torch.where(ids >= 0, w, 0.0).sum(-1))
+    # one per expert, by each row's expert id wherever the row was computed: each token gains sum_k w_k (e_k + 1)
+    res["post_per_expert"] = (outs[2] - outs[0], torch.where(ids >= 0, w * (ids + 1), 0.0).sum(-1))
     plain = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, router="external",
                                  policy="feplb-split", dtype=torch.float32))
     res["unmasked"] = error_of(lambda: plain(x.float(), routing=(ids, w.float())))
@@ -180,10 +199,12 @@ def test_masked_routes_match_the_reference():
     # balancing really moved rows
     assert results[0]["feplb-split", "per-microbatch", False]["moved"] > 0
     assert results[0]["eplb", "per-step", False]["moved"] > 0
+    assert results[0]["post_moved"][2] > 0   # the per-expert post_expert saw rows computed away from their owners
     assert results[0]["none", "per-step", False]["moved"] == 0
     for r, res in enumerate(results):
         assert res["ckpt_equal"] and res["uint8_equal"], r
-        delta, want = res["post_shift"]   # + 1 on every row: each token gains the weights of its unmasked slots
-        torch.testing.assert_close(delta.double(), want[:, None].expand_as(delta), rtol=1e-5, atol=1e-5)
+        for key in ("post_shift", "post_per_expert"):   # + 1 (or e + 1) on every row, weighed by the gates
+            delta, want = res[key]
+            torch.testing.assert_close(delta.double(), want[:, None].expand_as(delta), rtol=1e-5, atol=1e-5)
         assert res["minus_two"] is not None and "EP rank(s) [1]" in res["minus_two"], (r, res["minus_two"])
         assert res["unmasked"] is not None and "outside [0, 16)" in res["unmasked"], (r, res["unmasked"])
