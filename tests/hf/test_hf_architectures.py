@@ -532,9 +532,9 @@ def test_cli_refuses_bad_input_before_starting(argv, message, capsys):
 
 def _ergo_bf16(rank: int, world: int) -> dict:
     """Ergo's experts module in bf16 with its per-expert norm scales in fp32 (transformers keeps them so), balancing
-    on, skewed routing: FEPLB against the unmodified module, both against the module in fp32; output and every
-    gradient (the unmodified module's expert gradients summed over the ranks' inputs, and the replicated norm's of
-    both)."""
+    on, skewed routing: ``full_state_dict`` gives the model's own state dict back; FEPLB against the unmodified
+    module, both against the module in fp32; output and every gradient (the unmodified module's expert gradients
+    summed over the ranks' inputs, and the replicated norm's of both)."""
     import copy
 
     import torch.distributed as dist
@@ -547,8 +547,12 @@ def _ergo_bf16(rank: int, world: int) -> dict:
     model.get_submodule(name).post_expert_norm.float()
     ref = copy.deepcopy(model.get_submodule(name))
     ref32 = copy.deepcopy(ref).float()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     fh.apply(model, policy="feplb-split", gpus_per_node=2, min_chunk=1, plan_wait_ms=60_000, min_straggler_rows=0)
     mine = model.get_submodule(name)
+    full = fh.full_state_dict(model, rank0_only=False)   # the original names, shapes, dtypes and values
+    same_state = sorted(full) == sorted(before) and all(torch.equal(full[k], v) and full[k].dtype == v.dtype
+                                                        for k, v in before.items())
     E, H = ref.up_proj.shape[0], ref.up_proj.shape[1]
     gen = torch.Generator().manual_seed(70 + rank)
     T = 24
@@ -581,7 +585,7 @@ def _ergo_bf16(rank: int, world: int) -> dict:
 
     return {"dtypes": (str(mine.up_proj.dtype), str(mine.post_expert_norm.weight.dtype)),
             "errors": {k: (rel(got[k], exact[k]), rel(theirs[k], exact[k]), rel(got[k], theirs[k])) for k in exact},
-            "moved": mine.last_stats.rows_moved}
+            "moved": mine.last_stats.rows_moved, "same_state": same_state}
 
 
 def test_ergo_in_bf16_with_its_fp32_norm_scales():
@@ -591,7 +595,7 @@ def test_ergo_in_bf16_with_its_fp32_norm_scales():
         pytest.skip("transformers < 5.25 has no Ergo")
     for res in run_dist(_ergo_bf16, 2, timeout_s=300, collective_timeout_s=60):
         assert res["dtypes"] == ("torch.bfloat16", "torch.float32"), res["dtypes"]
-        assert res["moved"] > 0, res
+        assert res["moved"] > 0 and res["same_state"], res
         for k, (mine, theirs, between) in res["errors"].items():
             # as close to fp32 as the unmodified bf16 module, and near it
             assert mine <= 1.25 * theirs + 1e-6 and between <= 1e-2, (k, mine, theirs, between)
