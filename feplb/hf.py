@@ -210,7 +210,7 @@ class FEPLBExperts(MoELayer):
         L = self.num_local
         return {pname: torch.cat([p[:L] for p in parts] + [p[L:] for p in parts])}
 
-    def post_expert(self, y_MD: torch.Tensor, expert_M: torch.Tensor | None) -> torch.Tensor:
+    def post_expert(self, y_MD: torch.Tensor, expert_M: torch.Tensor | None = None) -> torch.Tensor:
         norm = self._modules.get("post_expert_norm")
         if norm is None:
             return y_MD
@@ -489,7 +489,8 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         return "has_post_expert_norm=True without a post_expert_norm module", {}
     # Ergo's norm per expert (no has_post_expert_norm): called with the rows and each row's expert id, its
     # parameters [E, ...]; kept whole (replicated, not expert-parallel) and run on the token's GPU
-    per_expert = not post_norm and isinstance(norm, nn.Module) and _takes_expert_ids(norm)
+    # (whether or not the module also sets has_post_expert_norm: the call decides)
+    per_expert = isinstance(norm, nn.Module) and _takes_expert_ids(norm)
     extra = sorted(set(own) - {w1name, "down_proj", *bias} -
                    ({f"post_expert_norm.{n}" for n, _ in norm.named_parameters()} if post_norm or per_expert
                     else set()))
@@ -535,9 +536,9 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
         return f"weight layout {w1name} {list(gu.shape)}, down_proj {list(dn.shape)}; expected {layout}", {}
     if per_expert:
         shapes = {n: list(p.shape) for n, p in norm.named_parameters()}
-        if not shapes or any(not sh or sh[0] != E for sh in shapes.values()):
+        if not shapes or any(len(sh) < 2 or sh[0] != E for sh in shapes.values()):
             return (f"a post_expert_norm called with expert ids whose parameters are {shapes}; expected each "
-                    f"[{E}, ...], one row per expert"), {}
+                    f"[{E}, ...] (two dimensions or more), one row per expert"), {}
     if bias:
         gb, db = own[biases[0]], own[biases[1]]
         if tuple(gb.shape) != (E, G) or tuple(db.shape) != (E, H) or gb.dtype != gu.dtype or db.dtype != gu.dtype:
@@ -597,7 +598,9 @@ def _takes_expert_ids(norm: nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 2 and all(p.default is inspect.Parameter.empty for p in positional[:2]) and \
+    required_kw = [p for p in params if p.kind == p.KEYWORD_ONLY and p.default is inspect.Parameter.empty]
+    return len(positional) >= 2 and not required_kw and \
+        all(p.default is inspect.Parameter.empty for p in positional[:2]) and \
         all(p.default is not inspect.Parameter.empty for p in positional[2:])
 
 

@@ -431,7 +431,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # each row's expert, for a post-expert step that depends on it (scattered on the device: no host sync)
         expert_M = topk_ids_TK.new_empty(y_MD.shape[0]).index_put_(
             (meta.dst_idx_TK.reshape(-1).long(),), topk_ids_TK.reshape(-1)) if self.post_expert_ids else None
-        y_MD = self.post_expert(y_MD, expert_M)
+        # (one argument where no ids are asked for: overrides written post_expert(self, y_MD) keep working)
+        y_MD = self.post_expert(y_MD) if expert_M is None else self.post_expert(y_MD, expert_M)
         tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone
         if tl is None:
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
@@ -441,13 +442,13 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
     # whether post_expert needs each row's expert id (a subclass's per-expert step after the experts)
     post_expert_ids = False
 
-    def post_expert(self, y_MD: torch.Tensor, expert_M: torch.Tensor | None) -> torch.Tensor:
+    def post_expert(self, y_MD: torch.Tensor, expert_M: torch.Tensor | None = None) -> torch.Tensor:
         """Every row's expert output, [M, H] in the layer's dtype, back on its token's GPU and before the gates weigh
         and sum them: the identity here; a subclass applies a row-wise module there (transformers' post-expert
         norm, or Ergo's per-expert one). Row by row, so where a row was computed does not change it.
 
         expert_M: each row's (global) expert id, int64 [M] on the layer's device, where the class sets
-        :attr:`post_expert_ids`; else None (not computed)."""
+        :attr:`post_expert_ids` (0 for a masked route's row, which weighs nothing); else None (not computed)."""
         return y_MD
 
     @torch.compiler.disable
@@ -493,7 +494,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         y = self._experts(rows, counts_S, torch.zeros((), dtype=torch.int64), dispatched=True)
         expert_M = to_device(np.repeat(np.arange(r * L, (r + 1) * L), counts_L), self._device) \
             if self.post_expert_ids else None
-        return self.post_expert(y, expert_M)
+        return self.post_expert(y) if expert_M is None else self.post_expert(y, expert_M)
 
     @torch.compiler.disable
     def _experts(self, x_MD: torch.Tensor | None, counts_S: torch.Tensor | None, bad: torch.Tensor | None,

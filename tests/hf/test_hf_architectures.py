@@ -176,7 +176,7 @@ def _defects(rank: int, world: int) -> dict:
 
         # Muse Spark's norm after each expert lost
         post = fh.FEPLBExperts.post_expert
-        fh.FEPLBExperts.post_expert = lambda self, y, e: y
+        fh.FEPLBExperts.post_expert = lambda self, y, e=None: y
         try:
             out["post_norm_lost"] = hfcheck.check(["muse_spark"])[0]
             # Ergo's norm per expert given the next expert's id (transformers >= 5.25)
@@ -421,7 +421,13 @@ def test_supported_says_what_apply_would_do_without_a_process_group():
         assert fh._problem(ex, ergo, 2)[1]["per_expert_norm"] is True
         E, H = ex.post_expert_norm.weight.shape
         ex.post_expert_norm.weight = torch.nn.Parameter(torch.ones(E + 1, H))
-        assert "expected each [8, ...], one row per expert" in fh._problem(ex, ergo, 2)[0]
+        assert "expected each [8, ...] (two dimensions or more), one row per expert" in fh._problem(ex, ergo, 2)[0]
+        ex.post_expert_norm.weight = torch.nn.Parameter(torch.ones(E))   # [E]: one number, not a row, per expert
+        assert "one row per expert" in fh._problem(ex, ergo, 2)[0]
+        ex.has_post_expert_norm = True   # the flag set too: the call still decides (ids given)
+        ex.post_expert_norm.weight = torch.nn.Parameter(torch.ones(E, H))
+        assert fh._problem(ex, ergo, 2)[1]["per_expert_norm"] is True
+        del ex.has_post_expert_norm
         ex.post_expert_norm.weight = torch.nn.Parameter(torch.ones(E, H))
         ex.post_expert_norm.forward = lambda hidden_states: hidden_states   # a norm not called with the ids
         assert "parameters besides up_proj and down_proj" in fh._problem(ex, ergo, 2)[0]
