@@ -487,9 +487,9 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
     norm = module._modules.get("post_expert_norm")
     if post_norm and not isinstance(norm, nn.Module):
         return "has_post_expert_norm=True without a post_expert_norm module", {}
-    # Ergo's norm per expert (no has_post_expert_norm): called with the rows and each row's expert id, its
-    # parameters [E, ...]; kept whole (replicated, not expert-parallel) and run on the token's GPU
-    # (whether or not the module also sets has_post_expert_norm: the call decides)
+    # a norm per expert (Ergo's): called with the rows and each row's expert id, its parameters [E, ...]; kept whole
+    # (replicated, not expert-parallel) and run on the token's GPU. The call decides, whether or not the module
+    # also sets has_post_expert_norm (Ergo's does not).
     per_expert = isinstance(norm, nn.Module) and _takes_expert_ids(norm)
     extra = sorted(set(own) - {w1name, "down_proj", *bias} -
                    ({f"post_expert_norm.{n}" for n, _ in norm.named_parameters()} if post_norm or per_expert

@@ -431,8 +431,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # each row's expert, for a post-expert step that depends on it (scattered on the device: no host sync)
         expert_M = topk_ids_TK.new_empty(y_MD.shape[0]).index_put_(
             (meta.dst_idx_TK.reshape(-1).long(),), topk_ids_TK.reshape(-1)) if self.post_expert_ids else None
-        # (one argument where no ids are asked for: overrides written post_expert(self, y_MD) keep working)
-        y_MD = self.post_expert(y_MD) if expert_M is None else self.post_expert(y_MD, expert_M)
+        y_MD = self._post_expert(y_MD, expert_M)
         tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone
         if tl is None:
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
@@ -441,6 +440,10 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
 
     # whether post_expert needs each row's expert id (a subclass's per-expert step after the experts)
     post_expert_ids = False
+
+    def _post_expert(self, y_MD: torch.Tensor, expert_M: torch.Tensor | None) -> torch.Tensor:
+        # one argument where no ids are asked for: overrides written post_expert(self, y_MD) keep working
+        return self.post_expert(y_MD) if expert_M is None else self.post_expert(y_MD, expert_M)
 
     def post_expert(self, y_MD: torch.Tensor, expert_M: torch.Tensor | None = None) -> torch.Tensor:
         """Every row's expert output, [M, H] in the layer's dtype, back on its token's GPU and before the gates weigh
@@ -494,7 +497,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         y = self._experts(rows, counts_S, torch.zeros((), dtype=torch.int64), dispatched=True)
         expert_M = to_device(np.repeat(np.arange(r * L, (r + 1) * L), counts_L), self._device) \
             if self.post_expert_ids else None
-        return self.post_expert(y) if expert_M is None else self.post_expert(y, expert_M)
+        return self._post_expert(y, expert_M)
 
     @torch.compiler.disable
     def _experts(self, x_MD: torch.Tensor | None, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
