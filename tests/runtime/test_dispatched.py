@@ -49,11 +49,22 @@ def _route(x, router):
     return ids, gates
 
 
-def _layer(policy: str, weights: str = "per-microbatch", **kw):
+def _layer(policy: str, weights: str = "per-microbatch", table: torch.Tensor | None = None, **kw):
+    """The test's layer; with ``table`` [E, H], each expert output row gains its expert's row of the table (a
+    per-expert step after the experts, ``post_expert_ids``)."""
     from feplb import FEPLBConfig, MoELayer
 
+    cls = MoELayer
+    if table is not None:
+        class PerExpert(MoELayer):
+            post_expert_ids = True
+
+            def post_expert(self, y_MD, expert_M):
+                return y_MD + table[expert_M].to(y_MD.dtype)
+
+        cls = PerExpert
     router, w1, w2 = _weights()
-    layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=2, dyn=2, min_chunk=2,
+    layer = cls(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=2, dyn=2, min_chunk=2,
                                  plan_wait_ms=60_000, min_straggler_rows=0, policy=policy, weights=weights, **kw))
     load_global_weights(layer, router, w1, w2)
     if weights == "per-step":
@@ -233,17 +244,22 @@ def _errors_case(rank: int) -> dict:
 def _device_worker(rank: int, world: int, device: str, copy_path: str) -> dict:
     """Two ranks as one node on ``device`` (on CUDA: two processes sharing one GPU over gloo, the CUDA IPC copy
     path): ``forward_dispatched`` behind the test's dispatch with balancing on and off, and the layer's own forward
-    with balancing on, on the same routing; the outputs and every gradient, each run against plain EP."""
+    with balancing on, on the same routing; the outputs and every gradient, each run against plain EP. Then the same
+    three with a per-expert step after the experts (``post_expert_ids``: each row's expert id scattered on the device
+    in ``forward``, sent from the host in ``forward_dispatched``), against plain EP with it."""
     if device == "cuda":
         torch.cuda.set_device(0)
     router, _, _ = _weights()
+    table = torch.randn(E, H, generator=torch.Generator().manual_seed(11)).to(device)
     runs = {}
-    for run in ("none", "feplb-split", "own"):
-        layer = _layer("feplb-split" if run == "own" else run, device=device, copy_path=copy_path)
+    for run in ("none", "feplb-split", "own", "none+ids", "feplb-split+ids", "own+ids"):
+        policy = run.removesuffix("+ids")
+        layer = _layer("feplb-split" if policy == "own" else policy, device=device, copy_path=copy_path,
+                       table=table if run.endswith("+ids") else None)
         x, gy = _tokens(rank, step=2)
         x.requires_grad_()
         ids, gates = _route(x, router)
-        if run == "own":
+        if policy == "own":
             out = layer(x.to(device), routing=(ids.to(device), gates.to(device))).cpu()
         else:
             out = _moe(layer, x, ids, gates)
@@ -252,15 +268,18 @@ def _device_worker(rank: int, world: int, device: str, copy_path: str) -> dict:
         runs[run] = {"out": out.detach(), "x": x.grad, "w1": layer.w1.grad.cpu(), "w2": layer.w2.grad.cpu(),
                      "moved": stats.rows_moved if rank == stats.planned_ranks[0] else 0}
         layer.close()
-    return {"moved": runs["feplb-split"]["moved"],
-            "errs": {f"{run}.{name}": _err(runs[run][name], runs["none"][name].double())
-                     for run in ("feplb-split", "own") for name in ("out", "x", "w1", "w2")}}
+    # the table changes the outputs: the per-expert runs are not the plain ones
+    shifted = float((runs["none+ids"]["out"] - runs["none"]["out"]).abs().max())
+    return {"moved": runs["feplb-split"]["moved"] and runs["feplb-split+ids"]["moved"], "shifted": shifted,
+            "errs": {f"{run}{ids}.{name}": _err(runs[run + ids][name], runs["none" + ids][name].double())
+                     for ids in ("", "+ids") for run in ("feplb-split", "own") for name in ("out", "x", "w1", "w2")}}
 
 
 def _check_device_worker(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         for name, (err, bound) in res["errs"].items():
             assert err <= bound, f"rank {rank}: {name} off by {err:.3g} (bound {bound:.3g})"
+        assert res["shifted"] > 0.1, res["shifted"]
     assert results[0]["moved"] > 0, results
 
 

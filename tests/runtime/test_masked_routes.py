@@ -11,6 +11,8 @@ bit for bit; masked slots send no rows; -1 without ``masked_routes``, and -2 wit
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -163,6 +165,21 @@ def _rank(rank: int, world: int) -> dict:
     res["post_shift"] = (outs[1] - outs[0], torch.where(ids >= 0, w, 0.0).sum(-1))
     # one per expert, by each row's expert id wherever the row was computed: each token gains sum_k w_k (e_k + 1)
     res["post_per_expert"] = (outs[2] - outs[0], torch.where(ids >= 0, w * (ids + 1), 0.0).sum(-1))
+    # experts placed away from their owners (+place: rows grouped by slot, not by expert id), from the history of
+    # two earlier steps: the ids are still the experts'
+    placed = dataclasses.replace(cfg, policy="feplb-split+place")
+    outs, moved_slots = [], []
+    for cls in (MoELayer, _PerExpert):
+        torch.manual_seed(3)
+        layer = cls(placed)
+        for _ in range(3):
+            out = layer(x.float(), routing=(ids, w.float())).detach()
+            layer.refresh_replicas()   # a step's end: the placement follows the history
+        outs.append(out)
+        moved_slots.append(int((layer._slot_of_E != torch.arange(E, device=layer._slot_of_E.device)).sum()))
+        layer.close()
+    res["placed_per_expert"] = (outs[1] - outs[0], torch.where(ids >= 0, w * (ids + 1), 0.0).sum(-1))
+    res["placed_slots"] = moved_slots
     plain = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, router="external",
                                  policy="feplb-split", dtype=torch.float32))
     res["unmasked"] = error_of(lambda: plain(x.float(), routing=(ids, w.float())))
@@ -202,7 +219,8 @@ def test_masked_routes_match_the_reference():
     assert results[0]["none", "per-step", False]["moved"] == 0
     for r, res in enumerate(results):
         assert res["ckpt_equal"] and res["uint8_equal"], r
-        for key in ("post_shift", "post_per_expert"):   # + 1 (or e + 1) on every row, weighed by the gates
+        assert min(res["placed_slots"]) > 0, res["placed_slots"]   # +place really placed experts elsewhere
+        for key in ("post_shift", "post_per_expert", "placed_per_expert"):   # + 1 (or e + 1) on every row, weighed
             delta, want = res[key]
             torch.testing.assert_close(delta.double(), want[:, None].expand_as(delta), rtol=1e-5, atol=1e-5)
         assert res["minus_two"] is not None and "EP rank(s) [1]" in res["minus_two"], (r, res["minus_two"])
