@@ -634,8 +634,8 @@ def _expected_caps(g: int) -> list[int]:
     return caps
 
 
-@pytest.mark.timing   # a stalled partner is reported within bounds of the timeout
-@pytest.mark.parametrize("g", [2, 4], ids=["2nodes_x2", "1node_x4"])
+# a stalled partner is reported within bounds of the timeout: with 2 GPUs per node only (timing: run alone)
+@pytest.mark.parametrize("g", [pytest.param(2, marks=pytest.mark.timing), 4], ids=["2nodes_x2", "1node_x4"])
 def test_shm_engine(g):
     results = run_dist(_engine_cases, 4, g, timeout_s=180)
     caps = _expected_caps(g)
