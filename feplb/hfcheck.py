@@ -74,6 +74,8 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention
             # subject.)
             linear_num_heads=2, index_n_heads=2, mamba_n_heads=8, mamba_num_heads=8, mamba_d_state=16,
             ssm_state_size=16, mamba_chunk_size=16, chunk_size=16,
+            # Kolibri 1.1's indexer scores keys with leading query heads of key head 0: at most the tiny 2 (default 12)
+            index_num_heads=2,
             initializer_range=0.1, use_cache=False, tie_word_embeddings=False)
 # Fields some models need set where their config leaves them None: given when a failed attempt's error names them
 # (Step 3.7's decoder builds a sliding-window mask on every layer): a window as long as the tiny context.
@@ -105,9 +107,14 @@ class Outcome:
 
 def moe_architectures() -> list[str]:
     """The model types of the installed transformers whose modeling code defines an experts module (a 3-D
-    ``gate_up_proj``, ``up_proj`` or ``down_proj`` parameter), sorted."""
+    ``gate_up_proj``, ``up_proj`` or ``down_proj`` parameter), one per architecture (not a multimodal model's parts
+    apart from it), sorted."""
     import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+    from transformers.models.auto.configuration_auto import (
+        CONFIG_MAPPING,
+        CONFIG_MAPPING_NAMES,
+        model_type_to_module_name,
+    )
 
     root = os.path.join(os.path.dirname(transformers.__file__), "models")
     folders = set()
@@ -115,13 +122,21 @@ def moe_architectures() -> list[str]:
         with open(path, encoding="utf-8") as f:
             if _EXPERTS_SOURCE.search(f.read()):
                 folders.add(os.path.basename(os.path.dirname(path)))
-    # One per folder: the model type named like it (a folder's sub-configs, e.g. its text or vision part, are
-    # reached through it), else every type of the folder.
-    out = set()
+    # One per architecture: the model type named like its folder, else each type of the folder that no other type
+    # of it holds as a sub-config. A sub-config's model (a text, vision or audio part) is reached through the type
+    # holding it: the text part is the one surveyed, and an encoder beside it holds no experts.
+    by_folder: dict[str, list[str]] = {}
     for t in CONFIG_MAPPING_NAMES:
         folder = model_type_to_module_name(t)
-        if folder in folders and (t == folder or folder not in CONFIG_MAPPING_NAMES):
-            out.add(t)
+        if folder in folders:
+            by_folder.setdefault(folder, []).append(t)
+    out = set()
+    for folder, types in by_folder.items():
+        if folder in types:
+            out.add(folder)
+            continue
+        held = {cls for t in types for cls in getattr(CONFIG_MAPPING[t], "sub_configs", {}).values()}
+        out.update(t for t in types if CONFIG_MAPPING[t] not in held)
     return sorted(out)
 
 

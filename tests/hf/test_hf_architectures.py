@@ -7,6 +7,7 @@ unsupported stay refused; the check itself reports a defect it is shown (outputs
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,11 +34,12 @@ KNOWN_EXACT = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deep
                "nemotron_h",   # non-gated experts: down(relu(up(x))^2)
                "glm4v_moe", "qwen3_omni_moe",   # built with heads of 128 (rotary sections sized for them)
                "muse_spark",    # a norm after each expert (has_post_expert_norm), replicated, on the token's GPU
-               "inkling_text",  # its shared experts stored as 3-D parameters (not routed: left replicated)
+               "inkling_mm_model",  # (its text model) shared experts stored as 3-D parameters (left replicated)
                "inkling2", "inkling2_loop",   # a softcapped SwiGLU (its own _apply_gate and act_fn's caps)
                "longcat_flash",   # zero-computation experts (masked routes; gate_up_proj holding E + Z experts)
                "step3p7",   # SwiGLU clamped after the activation (silu_postclamp), as its checkpoint's last layers
-               "ergo")      # relu^2 experts with an RMSNorm per expert ([E, H] scale given each row's expert id)
+               "ergo",      # relu^2 experts with an RMSNorm per expert ([E, H] scale given each row's expert id)
+               "kolibri1_1")   # its indexer's heads (index_num_heads) set to the tiny model's 2
 
 # (the refusals themselves: test_supported_...)
 KNOWN_REFUSED: dict[str, str] = {}
@@ -504,6 +506,40 @@ def test_tiny_models_are_tiny_deterministic_and_hold_experts():
                                                        strict=True))
     experts = [m for m in a.modules() if type(m).__name__ == "Qwen3MoeExperts"]
     assert experts and experts[0].gate_up_proj.shape[0] == 8
+
+
+def test_each_architecture_is_listed_once_by_its_outermost_config():
+    """A multimodal model's text, vision or audio part is surveyed through the model type holding it (its text model
+    is the one built), never on its own; every modeling folder with an experts module gives at least one type."""
+    import glob
+
+    import transformers
+    from transformers.models.auto.configuration_auto import (
+        CONFIG_MAPPING,
+        CONFIG_MAPPING_NAMES,
+        model_type_to_module_name,
+    )
+
+    from feplb.hfcheck import _EXPERTS_SOURCE, moe_architectures
+
+    archs = moe_architectures()
+    assert archs == sorted(set(archs))
+    folder = {t: model_type_to_module_name(t) for t in CONFIG_MAPPING_NAMES}
+    root = Path(transformers.__file__).parent / "models"
+    with_experts = {Path(p).parent.name for p in glob.glob(str(root / "*" / "modeling_*.py"))
+                    if _EXPERTS_SOURCE.search(Path(p).read_text(encoding="utf-8"))}
+    assert {folder[t] for t in archs} == with_experts
+    for t in archs:
+        others = [u for u in CONFIG_MAPPING_NAMES if folder[u] == folder[t] and u != t]
+        holders = [u for u in others if CONFIG_MAPPING[t] in getattr(CONFIG_MAPPING[u], "sub_configs", {}).values()]
+        assert not holders, f"{t} is a part of {holders}"
+        if folder[t] == t:
+            assert not [u for u in others if u in archs], t   # the type named like its folder stands for it
+    # transformers 5.25's Inkling: one composite type whose folder has no type of its name, with text, vision and
+    # audio parts; only the composite is listed (the vision and audio encoders hold no experts)
+    if "inkling_mm_model" in CONFIG_MAPPING_NAMES:
+        assert "inkling_mm_model" in archs
+        assert not {"inkling_text", "inkling_vision", "inkling_audio"} & set(archs)
 
 
 def test_cli_writes_the_table(tmp_path, capsys):
