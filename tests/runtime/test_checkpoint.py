@@ -22,7 +22,9 @@ x 2 GPUs), against the same layer run without checkpointing:
   (each call its own record, again on a second backward), refresh_replicas() where no copies are held, and
   save_on_cpu inside the block (two pending equal forwards refused on every rank); selective activation
   checkpointing refused on every rank;
-* a recompute that routes differently from its forward raises a clear error on every rank, and the layer works on.
+* a recompute that routes differently from its forward raises a clear error on every rank, and the layer works on;
+* memory: the weights (and rows) a helper received are held from the forward to the backward without checkpointing,
+  and not at all under it (the recompute receives them again); nothing received outlives the backward.
 """
 
 from __future__ import annotations
@@ -536,3 +538,66 @@ def test_recompute_that_routes_otherwise_raises_on_every_rank(mode):
         assert r["error"] is not None and "matches none of the" in r["error"], r
         assert "preserve_rng_state" in r["error"]
         assert r["ok"]
+
+
+# The exchange whose received buffers hold the expert weights a helper computes with (and the rows sent with them).
+_WEIGHT_OPS = ("phase-2 rows and weights to helpers",)
+
+
+def _held_rank(rank: int, world: int, policy: str) -> dict:
+    """Which received weight buffers outlive the forward: weak references to every buffer an exchange of
+    ``_WEIGHT_OPS`` returns, counted before and after the backward, without checkpointing and with either kind."""
+    import gc
+    import weakref
+
+    from feplb import dispatch
+
+    layer, _ = _layer(policy, "per-microbatch", seed=5)
+    bufs: list[weakref.ref] = []
+    call = dispatch.Exchange.__call__
+
+    def spy(ex, sends, anchor, pending=None):
+        got = call(ex, sends, anchor, pending=pending)
+        if ex.op in _WEIGHT_OPS:
+            bufs.extend(weakref.ref(b) for b in got.bufs.values())
+        return got
+
+    out = {}
+    dispatch.Exchange.__call__ = spy
+    try:
+        for mode in ("plain", "reentrant", "non-reentrant"):
+            bufs.clear()
+            x, dy = _inputs(rank, 0)
+            x.requires_grad_(True)
+            f = _block(layer, "tanh")
+            y = f(x) if mode == "plain" else checkpoint(f, x, use_reentrant=mode == "reentrant")
+            gc.collect()
+            received, alive = len(bufs), sum(b() is not None for b in bufs)
+            (y * dy).sum().backward()
+            gc.collect()
+            out[mode] = {"received": received, "alive_between": alive, "received_in_backward": len(bufs) - received,
+                         "alive_after": sum(b() is not None for b in bufs), "moved": layer.last_stats.rows_moved}
+    finally:
+        dispatch.Exchange.__call__ = call
+    layer.close()
+    return out
+
+
+def test_checkpointing_frees_received_weights_until_the_recompute():
+    """Weights travelling per micro-batch: a helper holds what it received from its forward to its backward (the
+    GEMMs' backward needs them); under activation checkpointing (either kind) nothing is held between the two, and
+    the recompute receives them again. Nothing received outlives the backward."""
+    results = run_dist(_held_rank, W, "feplb-split", timeout_s=300)
+    assert any(r["plain"]["received"] for r in results), "no helper received weights: the test would check nothing"
+    for rank, res in enumerate(results):
+        plain = res["plain"]
+        assert plain["moved"] > 0, (rank, "balancing moved no row")
+        assert plain["alive_between"] == plain["received"], (rank, plain)
+        assert plain["received_in_backward"] == 0, (rank, plain)
+        for mode in ("reentrant", "non-reentrant"):
+            got = res[mode]
+            assert got["received"] == plain["received"], (rank, mode, got)   # the same plan: the same copies
+            assert got["alive_between"] == 0, (rank, mode, "held from the forward to the backward", got)
+            assert got["received_in_backward"] == got["received"], (rank, mode, "the recompute copies again", got)
+        for mode, got in res.items():
+            assert got["alive_after"] == 0, (rank, mode, "outlives the backward", got)
