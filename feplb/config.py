@@ -42,7 +42,7 @@ class FEPLBConfig:
         experts; parameters ``b1`` [L, 2F] and ``b2`` [L, H] beside ``w1`` and ``w2``, moved with them.
     swiglu_limit: None (no clamp) or a finite limit > 0: the clamped form act(min(gate, limit)) *
         clamp(up, -limit, limit) of DeepSeek-V4's SwiGLU experts (the form of Megatron's
-        ``activation_func_clamp_value``, which ``feplb.megatron`` still refuses).
+        ``activation_func_clamp_value``, which ``feplb.megatron`` maps here for gated SiLU).
     gate_on_input: weigh each expert's INPUT by the token's gate, sum_k expert(w_k * x) (Llama 4's MoE), instead of
         its output, sum_k w_k * expert(x) (default). Each product is computed in the wider of the gate's and the
         layer's dtype and rounded once to the layer's, as Llama 4 and Megatron (``moe_apply_probs_on_input``) do.
