@@ -541,12 +541,12 @@ def test_recompute_that_routes_otherwise_raises_on_every_rank(mode):
 
 
 # The exchange whose received buffers hold the expert weights a helper computes with (and the rows sent with them).
-_WEIGHT_OPS = ("phase-2 rows and weights to helpers",)
+_WEIGHT_OP = "phase-2 rows and weights to helpers"
 
 
 def _held_rank(rank: int, world: int, policy: str) -> dict:
-    """Which received weight buffers outlive the forward: weak references to every buffer an exchange of
-    ``_WEIGHT_OPS`` returns, counted before and after the backward, without checkpointing and with either kind."""
+    """Which received weight buffers outlive the forward: weak references to every buffer the exchange
+    ``_WEIGHT_OP`` returns, counted before and after the backward, without checkpointing and with either kind."""
     import gc
     import weakref
 
@@ -558,7 +558,7 @@ def _held_rank(rank: int, world: int, policy: str) -> dict:
 
     def spy(ex, sends, anchor, pending=None):
         got = call(ex, sends, anchor, pending=pending)
-        if ex.op in _WEIGHT_OPS:
+        if ex.op == _WEIGHT_OP:
             bufs.extend(weakref.ref(b) for b in got.bufs.values())
         return got
 

@@ -65,7 +65,7 @@ def _layer(policy: str, weights: str = "per-microbatch", table: torch.Tensor | N
         cls = PerExpert
     router, w1, w2 = _weights()
     layer = cls(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=2, dyn=2, min_chunk=2,
-                                 plan_wait_ms=60_000, min_straggler_rows=0, policy=policy, weights=weights, **kw))
+                            plan_wait_ms=60_000, min_straggler_rows=0, policy=policy, weights=weights, **kw))
     load_global_weights(layer, router, w1, w2)
     if weights == "per-step":
         layer.refresh_replicas()
