@@ -38,24 +38,28 @@ __all__ = ["Exchange", "PeerComm", "Received", "all_to_all_rows"]
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MD: torch.Tensor, transport: Transport, send_splits: tuple, recv_splits: tuple, out,
-                split_matrix, anchor):
+                split_matrix, anchor, on_backward):
         ctx.transport, ctx.send_splits, ctx.recv_splits = transport, send_splits, recv_splits
+        ctx.on_backward = on_backward
         ctx.split_matrix = split_matrix
         ctx.anchor_shape = None if anchor is None else anchor.shape
         return transport.all_to_all(x_MD, send_splits, recv_splits, out=out, split_matrix=split_matrix)
 
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
+        if ctx.on_backward is not None:
+            ctx.on_backward()
         m = ctx.split_matrix
         grad_MD = ctx.transport.all_to_all(grad_RD.contiguous(), ctx.recv_splits, ctx.send_splits,
                                            split_matrix=None if m is None else m.t().contiguous())
         grad_anchor = None if ctx.anchor_shape is None else grad_RD.new_zeros(ctx.anchor_shape)
-        return grad_MD, None, None, None, None, None, grad_anchor
+        return grad_MD, None, None, None, None, None, grad_anchor, None
 
 
 def all_to_all_rows(x_MD: torch.Tensor, transport: Transport, send_splits: Sequence[int],
                     recv_splits: Sequence[int], out: torch.Tensor | None = None,
-                    split_matrix: torch.Tensor | None = None, anchor: torch.Tensor | None = None) -> torch.Tensor:
+                    split_matrix: torch.Tensor | None = None, anchor: torch.Tensor | None = None,
+                    on_backward=None) -> torch.Tensor:
     """Differentiable all-to-all of rows.
 
     Args:
@@ -67,11 +71,13 @@ def all_to_all_rows(x_MD: torch.Tensor, transport: Transport, send_splits: Seque
             ``Transport.all_to_all``); backward uses its transpose.
         anchor: an optional empty tensor that requires grad whenever autograd records on ANY rank: the backward
             all-to-all (a collective) then runs on every rank even where ``x_MD`` itself needs no gradient.
+        on_backward: optional callable run first in the backward (on every rank that calls this, in the same order
+            as the backward all-to-all: ``feplb.recopy.Recopy.run``).
     Returns:
         recv_RD: [R, D], rank s's rows in block s.
     """
     return _AllToAllRows.apply(x_MD, transport, tuple(int(s) for s in send_splits),
-                               tuple(int(s) for s in recv_splits), out, split_matrix, anchor)
+                               tuple(int(s) for s in recv_splits), out, split_matrix, anchor, on_backward)
 
 
 @dataclass
@@ -156,8 +162,8 @@ class PeerComm:
 
 class _ExchangeFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ex: Exchange, pending, anchor: torch.Tensor, *sends: torch.Tensor):
-        ctx.ex = ex
+    def forward(ctx, ex: Exchange, pending, on_backward, anchor: torch.Tensor, *sends: torch.Tensor):
+        ctx.ex, ctx.on_backward = ex, on_backward
         ctx.send_shapes = [t.shape for t in sends]
         ctx.anchor_shape = anchor.shape
         got, done = pending.result() if pending is not None else ex.issue(list(sends))
@@ -172,6 +178,8 @@ class _ExchangeFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _tail, *grads):
         # What i sent j, j now sends i: each source gets the gradient of its whole block back in one piece.
+        if ctx.on_backward is not None:
+            ctx.on_backward()
         ex = ctx.ex
         lay = ex.layout
         back = {q: [g.contiguous()] for q, g in zip(lay.recv, grads, strict=True)}
@@ -186,7 +194,7 @@ class _ExchangeFn(torch.autograd.Function):
                 n = ex.items[k].numel
                 out.append(got[p][pos:pos + n].view(next(shapes)))
                 pos += n
-        return (None, None, torch.zeros(ctx.anchor_shape, dtype=ex.dtype, device=ex.device), *out)
+        return (None, None, None, torch.zeros(ctx.anchor_shape, dtype=ex.dtype, device=ex.device), *out)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -302,17 +310,20 @@ class Exchange:
         return worker.submit(self.issue, list(sends), ready, handoff=True)
 
     def __call__(self, sends: list[torch.Tensor], anchor: torch.Tensor,
-                 pending: concurrent.futures.Future | None = None) -> Received:
+                 pending: concurrent.futures.Future | None = None, on_backward=None) -> Received:
         """Differentiable exchange: sends in ``sends_of`` order -> what this rank received.
 
         anchor: an empty tensor requiring grad whenever autograd records (on every rank), so that every rank runs
         the backward. pending: a future of ``(buffers, event)`` from ``start`` or ``issue(..., handoff=True)`` with
-        the same sends (the copies already ran, beside the compute)."""
+        the same sends (the copies already ran, beside the compute). on_backward: a callable run first in the
+        backward, on every rank of the exchange in the same order (``feplb.recopy.Recopy.run``); not run where the
+        exchange is not active on this rank."""
         if not self.active:
             return Received(tail=anchor[:0].reshape(-1), items={}, bufs={}, at={})
-        tail, *bufs = _ExchangeFn.apply(self, pending, anchor, *sends)
-        out: dict[int, torch.Tensor] = {}
-        by_src = dict(zip(self.layout.recv, bufs, strict=True))
-        for k, (q, off) in self.at.items():
-            out[k] = by_src[q][off:off + self.items[k].numel]
+        tail, *bufs = _ExchangeFn.apply(self, pending, on_backward, anchor, *sends)
+        return self.received(dict(zip(self.layout.recv, bufs, strict=True)), tail)
+
+    def received(self, by_src: dict[int, torch.Tensor], tail: torch.Tensor) -> Received:
+        """What this rank received, from {source: buffer} (``issue``'s, or the differentiable call's)."""
+        out = {k: by_src[q][off:off + self.items[k].numel] for k, (q, off) in self.at.items()}
         return Received(tail=tail, items=out, bufs=by_src, at=dict(self.at))

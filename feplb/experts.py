@@ -13,7 +13,8 @@ import torch
 
 from feplb.timeline import Timeline
 
-__all__ = ["derived_cast", "expert_mlp", "ready_event", "rebuilt_in_backward", "span", "to_device"]
+__all__ = ["derived_cast", "expert_mlp", "ready_event", "rebuilding_applies", "rebuilt_in_backward", "span",
+           "to_device"]
 
 
 def expert_mlp(x_MH: torch.Tensor, weights: tuple[torch.Tensor, ...], offsets_L: torch.Tensor,
@@ -108,15 +109,11 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]],
     :func:`checked_at_backward` inside the block has the versions checked when its gradient arrives (also where
     ``make`` derives nothing, only views of the sources, which autograd saves and checks itself).
     """
-    from feplb.recompute import in_backward
-
     sources, source_names = _named(sources, "parameter {k} {shape} of the experts")
     versioned, versioned_names = _named(versioned, "parameter {k} {shape} (behind the sources)")
     weights = make(*sources)
     plain = (torch.Tensor, torch.nn.Parameter)
-    if (not torch.is_grad_enabled() or in_backward() or not torch._C._autograd._saved_tensors_hooks_is_enabled()
-            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-            or not all(type(t) in plain for t in (*sources, *weights))):
+    if not rebuilding_applies() or not all(type(t) in plain for t in (*sources, *weights)):
         yield weights
         return
     own = {_storage_key(s) for s in sources}
@@ -153,6 +150,18 @@ def rebuilt_in_backward(make: Callable[..., tuple[torch.Tensor, ...]],
             yield weights   # checked_at_backward
     finally:
         _ACTIVE.block = outer
+
+
+def rebuilding_applies() -> bool:
+    """Whether a :func:`rebuilt_in_backward` block entered now would save its weights as a recipe: grad enabled,
+    outside a backward, and no saved-tensor hooks active but those of an enclosing block (an adapter's around the
+    layer: the inner block's hooks then save everything made inside it, the outer's derived weights as they are)."""
+    from feplb.recompute import in_backward
+
+    if not torch.is_grad_enabled() or in_backward() or not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return False
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is None or getattr(top[0], "feplb_rebuilt", False)
 
 
 _ACTIVE = threading.local()   # .block: (derived storages, recipe, held) of this thread's innermost block

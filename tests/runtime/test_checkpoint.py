@@ -556,8 +556,8 @@ def _held_rank(rank: int, world: int, policy: str) -> dict:
     bufs: list[weakref.ref] = []
     call = dispatch.Exchange.__call__
 
-    def spy(ex, sends, anchor, pending=None):
-        got = call(ex, sends, anchor, pending=pending)
+    def spy(ex, sends, anchor, **kw):
+        got = call(ex, sends, anchor, **kw)
         if ex.op == _WEIGHT_OP:
             bufs.extend(weakref.ref(b) for b in got.bufs.values())
         return got
