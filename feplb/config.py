@@ -69,6 +69,13 @@ class FEPLBConfig:
     weights: "per-step" (helpers hold resident replicas, refreshed by ``refresh_replicas()`` after the optimizer
         step, gradients reduced by ``reduce_replica_grads()`` before it) or "per-microbatch" (weights travel with
         the rows every micro-batch, gradients return with the backward pass).
+    recopy_weights: with weights='per-microbatch', a helper lets go of the expert weights it received once its
+        forward has used them, and their owners copy them to it again in the backward (the paper's scheme): a
+        helper holds no received weights from a micro-batch's forward to its backward, for a second pass of the
+        copy path per layer and micro-batch in the backward, and one node agreement (a host collective) that no
+        owner changed those weights in place meanwhile. Rows received for helpers go in an exchange of their own
+        (the forward's activations keep them). False (default): the weights are held until the backward.
+        Activation checkpointing frees them either way (the recompute copies them again).
     refresh_every: micro-batches between the policy state's slow refreshes (``@ema`` dynamic sets, EPLB replicas).
     plan_wait_ms: grace after the static GEMM before falling back to computing at home. None (default): on a
         CPU, wait for the plan (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer). No
@@ -113,6 +120,7 @@ class FEPLBConfig:
     copy_path: str = "auto"
     device: str = "auto"
     weights: str = "per-step"
+    recopy_weights: bool = False
     refresh_every: int = 8
     plan_wait_ms: float | None = None
     min_straggler_rows: int | None = None
@@ -163,9 +171,12 @@ class FEPLBConfig:
                                                   and 0 <= self.plan_wait_ms < float("inf")):
             raise ValueError(f"FEPLBConfig.plan_wait_ms must be None or a finite number >= 0, got "
                              f"{self.plan_wait_ms!r}")
-        for name in ("gate_on_input", "masked_routes"):
+        for name in ("gate_on_input", "masked_routes", "recopy_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FEPLBConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.recopy_weights and self.weights != "per-microbatch":
+            raise ValueError("FEPLBConfig.recopy_weights needs weights='per-microbatch' (per-step replicas stay "
+                             "resident: nothing is copied per micro-batch)")
         if self.masked_routes and self.router != "external":
             raise ValueError("FEPLBConfig.masked_routes needs router='external' (the layer's own router picks top_k "
                              "experts for every token)")
@@ -244,7 +255,8 @@ class LayerStats:
     from what the layer exchanged (the simulator's ``CostModel.plan_copy_bytes`` counts the same plan alike).
     weight_bytes_in_W: bytes of expert weights each GPU of planned_ranks received for this micro-batch through the
     plan's copies (0 elsewhere; they sum to weight_bytes_moved): in training they stay allocated until the
-    micro-batch's backward, whose input gradient needs them. With ``+place`` and weights='per-microbatch' the bank
+    micro-batch's backward, whose input gradient needs them (with ``recopy_weights``, only during the forward, and
+    received again in the backward, not counted here). With ``+place`` and weights='per-microbatch' the bank
     of experts placed on the GPU comes on top (in copy_bytes).
     """
 

@@ -8,9 +8,10 @@ import torch
 
 from feplb.balance import PlanResult
 from feplb.dispatch import Exchange, all_to_all_rows
-from feplb.experts import expert_mlp, span, to_device
+from feplb.experts import expert_mlp, rebuilding_applies, span, to_device
 from feplb.layout import direct_layout, direct_split_matrix, inverse, weight_items, weight_sends
 from feplb.phase2 import Phase2, hosted_gemm, materialize
+from feplb.recopy import Recopy
 from feplb.steps import Counts
 from feplb.timeline import Timeline
 
@@ -48,7 +49,12 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     spec = weight_sends(copies, r, 0, len(sizes))
     order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
     with span(tl, "copy_weights", "copy"):
-        rcv = ex(materialize(order, h, lambda e: layer._local_weights(e, slot_w)), layer._anchor(h))
+        wsends = materialize(order, h, lambda e: layer._local_weights(e, slot_w))
+        rcv = ex(wsends, layer._anchor(h))
+    recopy = None
+    if layer.config.recopy_weights and ex.active and rebuilding_applies():
+        # the reverse all-to-all's backward (every rank's, before the hosted GEMMs') copies the weights again
+        recopy = Recopy(ex, order, wsends, layer.control, "group" if ex.layout.cross_node else "node", r)
     n_home = int(lay.kept_L.sum())
     # the hosted rows follow the kept ones in plan order
     start, pos = {}, n_home
@@ -65,13 +71,14 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     with span(tl, "dynamic_gemm"):
         parts = [expert_mlp(h[:n_home], slot_w.gemm(), to_device(np.cumsum(lay.kept_L), dev),
                             *layer.config.glu)]
-        y_h = hosted_gemm(layer, lay.hosted, moves, copies, rows, rcv, 0, dev)
+        y_h = hosted_gemm(layer, lay.hosted, moves, copies, rows, rcv, 0, dev, recopy=recopy)
         parts += [y_h[j] for j in lay.hosted]
     parts += [rcv.tail.view(0, H), slot_w.tail.view(0, H), layer._anchor(h).view(0, H)]
     y = torch.cat(parts)
     with span(tl, "phase1_reverse"):
         y_back = all_to_all_rows(y.index_select(0, to_device(inverse(lay.perm), dev)), layer.transport,
-                                 lay.recv_splits, lay.send_splits, split_matrix=split_WW.t().contiguous())
+                                 lay.recv_splits, lay.send_splits, split_matrix=split_WW.t().contiguous(),
+                                 on_backward=None if recopy is None else recopy.run)
     if send_idx is not None:
         y_back = y_back.index_select(0, to_device(inverse(lay.send_idx), dev))
     res = PlanResult(plan=plan, plan_us=plan_us, ready=1, error=None)

@@ -26,8 +26,9 @@ import torch
 
 from feplb.balance import PlanResult
 from feplb.dispatch import Exchange, Received
-from feplb.experts import expert_mlp, ready_event, span, to_device
+from feplb.experts import expert_mlp, ready_event, rebuilding_applies, rebuilt_in_backward, span, to_device
 from feplb.layout import Item, Phase2Layout, inverse, phase2_layout, weight_items, weight_sends
+from feplb.recopy import Recopy
 from feplb.steps import Counts, Split
 
 __all__ = ["Phase2", "Phase2Job", "dynamic_and_return", "hosted_gemm", "no_phase2", "start_phase2"]
@@ -46,6 +47,9 @@ class Phase2:
     pending: concurrent.futures.Future | None
     copies: tuple                      # the plan's weight copies executed (expert, src, dst)
     bank_bytes: int = 0                # bytes the owners sent for this rank's slot weights (per-microbatch +place)
+    wexchange: Exchange | None = None  # recopy_weights: the weight copies in an exchange of their own (then
+    wspec: tuple = ()                  # ``exchange`` carries rows only), this rank's sends in it,
+    wpending: concurrent.futures.Future | None = None   # and its copies
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -121,12 +125,21 @@ def _lay_out(layer, plan, counts: Counts, split: Split, state, dtype, device):
                 or e // layer.num_local == layer.rank):
             raise ValueError(f"GPU {layer.rank} would compute rows of expert {e} without its weights")
     sizes = layer.part_sizes
-    items = [Item(m.src, m.dst, m.rows * c.hidden) for m in moves] + weight_items(copies, sizes)
-    ex = Exchange(layer.comm, items, dtype=dtype, device=device, op="phase-2 rows and weights to helpers")
+    rows = [Item(m.src, m.dst, m.rows * c.hidden) for m in moves]
     spec = {j: ("rows", a, b) for j, a, b in lay.out}
-    spec.update(weight_sends(copies, layer.rank, len(moves), len(sizes)))
+    wex, worder = None, ()
+    if c.recopy_weights and copies:   # (the copies are the same on every rank of the node)
+        ex = Exchange(layer.comm, rows, dtype=dtype, device=device, op="phase-2 rows to helpers")
+        wex = Exchange(layer.comm, weight_items(copies, sizes), dtype=dtype, device=device,
+                       op="phase-2 weights to helpers")
+        wspec = weight_sends(copies, layer.rank, 0, len(sizes))
+        worder = tuple(wspec[k] for ks in wex.layout.send.values() for k in ks)
+    else:
+        ex = Exchange(layer.comm, rows + weight_items(copies, sizes), dtype=dtype, device=device,
+                      op="phase-2 rows and weights to helpers")
+        spec.update(weight_sends(copies, layer.rank, len(moves), len(sizes)))
     order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
-    return moves, lay, copies, ex, order
+    return moves, lay, copies, ex, order, wex, worder
 
 
 def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f, static_end, launched, ready,
@@ -165,18 +178,20 @@ def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f
 
 def _issue(layer, h_RD, slot_w, res, laid, launched, ready, tl) -> Phase2:
     """Issue the copies of an agreed (or replayed) plan's layout ``laid`` (``_lay_out``)."""
-    moves, lay, copies, ex, order = laid
-    pending = None
+    moves, lay, copies, ex, order, wex, worder = laid
+    pending = wpending = None
     if ex.active:
         if h_RD.is_cuda:
             launched.wait()   # the static GEMM is queued before anything the copies hand to the compute stream
         with span(tl, "copy_rows", "copy", stream=getattr(layer.comm.copy, "stream", None)):
-            got = ex.issue(materialize(order, h_RD, lambda e: layer._local_weights(e, slot_w), detach=True), ready,
-                           handoff=True)
-        pending = concurrent.futures.Future()
-        pending.set_result(got)
+            local = lambda e: layer._local_weights(e, slot_w)   # noqa: E731
+            pending = concurrent.futures.Future()
+            pending.set_result(ex.issue(materialize(order, h_RD, local, detach=True), ready, handoff=True))
+            if wex is not None and wex.active:
+                wpending = concurrent.futures.Future()
+                wpending.set_result(wex.issue(materialize(worder, h_RD, local, detach=True), ready, handoff=True))
     return Phase2(result=res, fell_back=False, moves=moves, layout=lay, exchange=ex, spec=order, pending=pending,
-                  copies=copies)
+                  copies=copies, wexchange=wex, wspec=worder, wpending=wpending)
 
 
 def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, tl):
@@ -195,13 +210,23 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
         y_home = torch.cat([y_static, y_dyn])
         return y_home.index_select(0, to_device(inverse(split.home.perm), dev)), layer._anchor(h_RD)
     lay, ex, moves = p2.layout, p2.exchange, p2.moves
-    rcv = ex(materialize(p2.spec, h_RD, lambda e: layer._local_weights(e, slot_w)), layer._anchor(h_RD),
-             pending=p2.pending)
+    local = lambda e: layer._local_weights(e, slot_w)   # noqa: E731
+    rcv = ex(materialize(p2.spec, h_RD, local), layer._anchor(h_RD), pending=p2.pending)
+    rcv_w, w_base, recopy = rcv, len(moves), None
+    if p2.wexchange is not None:
+        wsends = materialize(p2.wspec, h_RD, local)
+        rcv_w, w_base = p2.wexchange(wsends, layer._anchor(h_RD), pending=p2.wpending), 0
+        if p2.wexchange.active and rebuilding_applies():
+            recopy = Recopy(p2.wexchange, p2.wspec, wsends, layer.control, "node", layer.rank)
     with span(tl, "dynamic_gemm"):
-        y_hosted = hosted_gemm(layer, lay.hosted, moves, p2.copies, lambda js: rcv.joined(js).view(-1, H), rcv,
-                               len(moves), dev)
+        y_hosted = hosted_gemm(layer, lay.hosted, moves, p2.copies, lambda js: rcv.joined(js).view(-1, H), rcv_w,
+                               w_base, dev, recopy=recopy)
+    tails = [rcv.tail.reshape(-1)] if rcv_w is rcv else [rcv.tail.reshape(-1), rcv_w.tail.reshape(-1)]
+    del rcv_w   # (with recopy_weights, what holds the received weights from here to the backward is a bug)
     back = [Item(m.dst, m.src, m.rows * H) for m in moves]
     rex = Exchange(layer.comm, back, dtype=h_RD.dtype, device=dev, op="phase-2 results home")
+    if recopy is not None and not rex.active:
+        raise RuntimeError(f"MoELayer: GPU {layer.rank} exchanges weights for phase 2 but no results")
     sends = rex.sends_of({j: y_hosted[j] for j in lay.hosted})
     ready = ready_event(h_RD)
     pending = rex.start(sends, layer._balancer.copier, ready=ready) if rex.active else None
@@ -215,20 +240,24 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
             concurrent.futures.wait([pending])
         raise
     with span(tl, "copy_results", "copy"):
-        ret = rex(sends, layer._anchor(y_static), pending=pending)
+        # (with recopy_weights, the weights go to the helpers again first in this exchange's backward: every rank
+        # of the node runs it, and before any hosted GEMM's backward, as it carries their outputs)
+        ret = rex(sends, layer._anchor(y_static), pending=pending, on_backward=None if recopy is None else recopy.run)
     with span(tl, "assemble"):
         parts = [y_static, y_kept] + [ret.items[j].view(-1, H) for j, _, _ in lay.out]
         y_recv = torch.cat(parts).index_select(0, to_device(lay.gather, dev))
-    return y_recv, torch.cat([rcv.tail.reshape(-1), ret.tail.reshape(-1)])
+    return y_recv, torch.cat([*tails, ret.tail.reshape(-1)])
 
 
 def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, weights: Received | None, w_base: int,
-                device) -> dict[int, torch.Tensor]:
+                device, recopy: Recopy | None = None) -> dict[int, torch.Tensor]:
     """The rows this GPU computes for others: one grouped launch per weight bank (the per-step replicas, each
     source's weight copies received this micro-batch viewed in place, this rank's own parameters).
 
     hosted: indices of the moves into this GPU; rows(js): their rows back to back ([N, H]); weights: the exchange
     that carried ``copies``, whose items ``w_base + j * len(copies) + k`` are copy k's part j (w1, w2, b1, b2).
+    recopy: ``weights``' exchange, run again in the backward (``feplb.recopy``): the received weights' GEMMs save
+    them as a recipe that reads what it receives then, and ``weights`` is not held after the forward.
     Returns {move index: [rows, H]}."""
     if not hosted:
         return {}
@@ -245,31 +274,54 @@ def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, wei
             key = ("copy", src)
             if key not in banks:
                 ks = [kk for kk, (_, s, d) in enumerate(copies) if s == src and d == layer.rank]
-                parts = tuple(weights.joined([w_base + p * n_cp + kk for kk in ks]).view(len(ks), *shape)
-                              for p, shape in enumerate(shapes))
-                banks[key] = (parts, {copies[kk][0]: i for i, kk in enumerate(ks)})
+
+                def parts_of(rcv: Received, ks=ks) -> tuple[torch.Tensor, ...]:
+                    return tuple(rcv.joined([w_base + p * n_cp + kk for kk in ks]).view(len(ks), *shape)
+                                 for p, shape in enumerate(shapes))
+
+                banks[key] = (parts_of, {copies[kk][0]: i for i, kk in enumerate(ks)}, len(ks))
         elif e in layer.replicas.replica_of:
             key = "replica"
-            banks[key] = (layer.replicas.replica_bank, layer.replicas.replica_of)
+            bank = layer.replicas.replica_bank
+            banks[key] = (bank, layer.replicas.replica_of, bank[0].shape[0])
         elif e // layer.num_local == layer.rank:
             key = "own"
             banks[key] = (layer.expert_weights(),
-                          {layer.rank * layer.num_local + i: i for i in range(layer.num_local)})
+                          {layer.rank * layer.num_local + i: i for i in range(layer.num_local)}, layer.num_local)
         else:
             raise RuntimeError(f"MoELayer: GPU {layer.rank} computes rows of expert {e} without its weights")
         groups.setdefault(key, []).append((banks[key][1][e], j))
     out: dict[int, torch.Tensor] = {}
-    for key, members in groups.items():
-        parts, _ = banks[key]
-        members.sort()
-        js = [j for _, j in members]
-        x = rows(js)
-        sizes = np.zeros(parts[0].shape[0], dtype=np.int64)
-        for i, j in members:
-            sizes[i] += moves[j].rows
-        y = expert_mlp(x, parts, to_device(np.cumsum(sizes), device), *layer.config.glu)
-        pos = 0
-        for j in js:
-            out[j] = y[pos:pos + moves[j].rows]
-            pos += moves[j].rows
+    if recopy is not None:
+        recopy.got = weights   # what the recipes read in this forward (let go of below)
+    try:
+        for key, members in groups.items():
+            out.update(_bank_gemm(layer, key, banks[key], members, moves, rows, weights, recopy, device))
+    finally:
+        if recopy is not None:
+            recopy.got = None
+    return out
+
+
+def _bank_gemm(layer, key, bank, members: list[tuple[int, int]], moves, rows, weights, recopy, device
+               ) -> dict[int, torch.Tensor]:
+    """One bank's grouped launch over its members (slot in the bank, move index): {move index: [rows, H]}."""
+    parts, _, n_bank = bank
+    members.sort()
+    js = [j for _, j in members]
+    x = rows(js)
+    sizes = np.zeros(n_bank, dtype=np.int64)
+    for i, j in members:
+        sizes[i] += moves[j].rows
+    offsets = to_device(np.cumsum(sizes), device)
+    if callable(parts) and recopy is not None:   # received weights, received again for the backward
+        with rebuilt_in_backward(lambda: parts(recopy.received()), (),
+                                 f"expert weights GPU {layer.rank} received from GPU {key[1]}") as ws:
+            y = expert_mlp(x, ws, offsets, *layer.config.glu)
+    else:
+        y = expert_mlp(x, parts(weights) if callable(parts) else parts, offsets, *layer.config.glu)
+    out, pos = {}, 0
+    for j in js:
+        out[j] = y[pos:pos + moves[j].rows]
+        pos += moves[j].rows
     return out

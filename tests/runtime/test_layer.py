@@ -234,7 +234,8 @@ def _check(results, cases, G):
         gated, softcap = cfg_kwargs.get("gated", True), cfg_kwargs.get("glu_softcap")
         outs, dxs, drouters, dw1, dw2, db1, db2 = _dense(routing, seed, G, mb, router, limit, goi, act, inter, bias,
                                                         gated, softcap)
-        tag = f"{routing}/{cfg_kwargs['policy']}/{cfg_kwargs.get('weights', 'per-step')}"
+        tag = f"{routing}/{cfg_kwargs['policy']}/{cfg_kwargs.get('weights', 'per-step')}" + \
+            ("/recopy" if cfg_kwargs.get("recopy_weights") else "")
         for r, res in enumerate(per_rank):
             _close(res["out"], outs[r], f"{tag} rank {r} output")
             if outs[r].t.numel():
@@ -293,6 +294,11 @@ def _cases_for(G):
                   "hot_per_node", 203, 2))
     cases.append(({"policy": "fastermoe", "gpus_per_node": G, "weights": "per-microbatch"}, "one_expert", 201))
     cases.append(({"policy": "eplb", "gpus_per_node": G}, "skewed", 200))
+    # Received weights let go after the forward and copied again for the backward (phase 2; the direct path)
+    cases.append(({"policy": "feplb-split", "gpus_per_node": G, "weights": "per-microbatch", "dyn": 2,
+                   "recopy_weights": True}, "skewed", 200, 2))
+    cases.append(({"policy": "fastermoe", "gpus_per_node": G, "weights": "per-microbatch", "recopy_weights": True},
+                  "one_expert", 201))
     cases.append(({"policy": "none", "gpus_per_node": G}, "skewed", 200))
     cases.append(({"policy": "none", "gpus_per_node": G}, "one_expert", 201))
     cases.append(({"policy": "feplb-split", "gpus_per_node": G, "router": "sigmoid", "weights": "per-microbatch"},
@@ -324,6 +330,8 @@ def _cases_for(G):
                             ("none", None)):
         kw = {**gpt_oss, "policy": policy}
         cases.append(({**kw, "weights": weights} if weights else kw, "skewed", 207, 2))
+    cases.append(({**gpt_oss, "policy": "feplb-split", "weights": "per-microbatch", "recopy_weights": True},
+                  "skewed", 207, 2))
     # Non-gated experts (Nemotron-H's relu^2), with biases, rows and weights moving and per-step copies
     for policy, weights in (("feplb-split", "per-microbatch"), ("feplb-split@ema", "per-step"), ("none", None)):
         kw = {"policy": policy, "gpus_per_node": G, "gated": False, "activation": "relu2", "expert_bias": True,

@@ -1,0 +1,99 @@
+"""Expert weights a helper received, let go after its forward and copied to it again for the backward
+(``FEPLBConfig.recopy_weights``, the paper's scheme).
+
+A helper computes rows of other GPUs' experts with weights their owners sent it this micro-batch. The hosted GEMMs'
+backward needs those weights again (the input gradient multiplies by them), so by default autograd keeps them from
+the forward to the backward. With a :class:`Recopy` the hosted GEMMs save them as a recipe instead
+(``feplb.experts.rebuilt_in_backward``), whose rebuild reads what the same exchange receives a second time, in the
+backward. That second exchange runs first in the backward of a collective that every rank of the exchange reaches
+before any hosted GEMM's backward, in the same order everywhere (phase 2: the results-home exchange, which carries
+the hosted GEMMs' outputs; the peers' direct path: the reverse all-to-all). Gradients of the received weights still
+return to their owners through the first exchange's backward.
+
+The owners send the same tensors again. They are saved as autograd would save them: through an enclosing
+``rebuilt_in_backward`` block's hooks where an adapter derives its experts' weights per forward (so they are not held
+either), else as they are. Before copying, the ranks of the exchange agree (one host collective) that every owner
+still has them as the forward read them: an in-place change in between (an optimizer step before the backward)
+raises the same RuntimeError on all of them, naming the rank and the expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from feplb.dispatch import Exchange, Received
+
+__all__ = ["Recopy"]
+
+_NO_RANK = (1 << 63) - 1
+
+
+class Recopy:
+    """One exchange of expert weights (``ex``), run again in the backward.
+
+    Args:
+        ex: the exchange that carried the weights in the forward (weight items only).
+        spec: this rank's sends in the exchange's order, ``("w", part, expert)`` each (``feplb.phase2.materialize``).
+        sends: the tensors this rank sent (views of its weights; the same order).
+        control: the layer's ``feplb.control.Control``. scope: "node" or "group": the ranks of the exchange
+            (``Exchange.layout.cross_node`` says which), for the agreement.
+        rank: this EP rank (in errors).
+    """
+
+    def __init__(self, ex: Exchange, spec: tuple, sends: list[torch.Tensor], control, scope: str, rank: int):
+        if len(spec) != len(sends):
+            raise ValueError(f"{ex.op}: {len(spec)} sends specified, {len(sends)} given")
+        self.ex, self.control, self.scope, self.rank = ex, control, scope, rank
+        self.experts = tuple((s[1], s[2]) for s in spec)
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._unpack: Callable | None = None
+        if hooks is not None and getattr(hooks[0], "feplb_rebuilt", False):
+            pack, self._unpack = hooks   # an adapter's block: its derived weights are saved as its recipe
+            self._saved = [pack(t.detach()) for t in sends]
+        else:
+            self._saved = [(t.detach(), t._version) for t in sends]
+        self.got: Received | None = None
+
+    def _sends(self) -> tuple[list[torch.Tensor], int | None, str]:
+        """The tensors to send again; the index of the first this rank cannot send as the forward read it (None if
+        none) and why."""
+        out = []
+        for i, saved in enumerate(self._saved):
+            if self._unpack is not None:
+                try:
+                    out.append(self._unpack(saved))
+                except RuntimeError as exc:   # the enclosing block's recipe: changed in place, or freed
+                    return out, i, str(exc)
+                continue
+            t, v = saved
+            if t._version != v:
+                return out, i, f"version {v} -> {t._version}"
+            out.append(t)
+        return out, None, ""
+
+    def run(self) -> None:
+        """Collective over the ranks of the exchange: agree that every owner can send what it sent in the forward,
+        then run the exchange again (no autograd); :meth:`received` gives the result."""
+        sends, bad, why = self._sends()
+        # the lowest rank that cannot, and its first such send's part and expert: (rank << 40) | (expert << 8) | part
+        code = _NO_RANK if bad is None else self.rank << 40 | self.experts[bad][1] << 8 | self.experts[bad][0]
+        agreed = self.control.all_reduce_min(torch.tensor([code], dtype=torch.int64), self.scope,
+                                             f"{self.ex.op}, again for the backward")
+        code = int(agreed[0])
+        if code != _NO_RANK:
+            r, e, part = code >> 40, code >> 8 & (1 << 32) - 1, code & 255
+            raise RuntimeError(f"{self.ex.op}, again for the backward (FEPLBConfig.recopy_weights): part {part} of "
+                               f"expert {e}'s weights was modified in place on EP rank {r} between the forward and "
+                               "its backward, and its helpers need them as the forward read them"
+                               f"{f' ({why})' if bad is not None else ''}; step the optimizer after the backward")
+        got, _ = self.ex.issue(sends)
+        self.got = self.ex.received(got, sends[0].new_empty(0) if sends else torch.empty(0))
+
+    def received(self) -> Received:
+        """What the exchange received: the forward's while the forward uses it, then the backward's."""
+        if self.got is None:
+            raise RuntimeError(f"{self.ex.op}: the hosted GEMMs' backward needs the expert weights copied again, and "
+                               "they were not (the collective that copies them has not run its backward)")
+        return self.got

@@ -1,0 +1,261 @@
+"""``FEPLBConfig.recopy_weights`` on 4 gloo ranks (2 nodes x 2 GPUs): a helper lets go of the expert weights it
+received once its forward has used them, and the owners copy them to it again in the backward.
+
+* the same outputs and gradients, bit for bit, as the layer that holds them (two micro-batches accumulated), in
+  phase 2 (``feplb-split``, rows and weights to helpers) and on the peers' direct path (``fastermoe`` shadowing),
+  also under ``torch.autocast`` (the GEMMs' bf16 casts of the weights are made again too);
+* memory, followed through weak references: without it every received weight buffer is held from the forward to
+  the backward; with it none is (the rows sent to helpers still are: the GEMMs' weight gradients need them), each
+  exchange that carried weights runs once more inside the backward and receives as many buffers, and nothing
+  received outlives the backward;
+* an owner that changes its weights in place between the forward and the backward (an optimizer step too early)
+  makes every rank raise the same error, naming that rank, in the backward;
+* the option needs weights='per-microbatch'.
+
+(The exact match with a dense reference and with plain EP: ``tests/runtime/test_layer.py``.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from feplb.testing import run_dist
+
+pytestmark = pytest.mark.dist
+
+H, FF, E, K, W, G = 16, 24, 16, 2, 4, 2
+TOKENS = (40, 24, 32, 16)
+HOT = 5   # the expert most tokens pick
+
+_WEIGHT_OPS = ("phase-2 weights to helpers", "weights to helpers", "phase-2 rows and weights to helpers")
+_ROWS_OP = "phase-2 rows to helpers"
+
+
+def _layer(policy: str, recopy: bool, joined: bool = False):
+    """The layer; ``joined``: as the adapters that derive their experts' weights every forward (torchtitan's [w1 |
+    w3], Megatron's per-expert modules), whose block around the layer saves them as recipes too."""
+    import weakref
+
+    from feplb import FEPLBConfig, MoELayer
+    from feplb.dropin import joined_for_forward
+
+    class Joined(MoELayer):
+        _joined = None
+        made: list | None = None   # weak references to the memory of every join made
+
+        def _join(self, w1, w2):
+            out = w1 * 1.0, w2 * 1.0   # new tensors each forward (as a join or cast makes)
+            self.made = (self.made or []) + [weakref.ref(w.untyped_storage()) for w in out]
+            return out
+
+        def expert_weights(self):
+            return self._joined if self._joined is not None else self._join(self.w1, self.w2)
+
+        def forward(self, x, routing):
+            with joined_for_forward(self, "joined experts"):
+                return super().forward(x, routing=routing)
+
+    torch.manual_seed(7)   # the same experts for both layers of a pair
+    cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2, policy=policy,
+                      weights="per-microbatch", recopy_weights=recopy, router="external", min_chunk=2,
+                      min_straggler_rows=0, plan_wait_ms=60_000)
+    return (Joined if joined else MoELayer)(cfg)
+
+
+def _inputs(rank: int, mb: int):
+    """Tokens, routing (most tokens pick expert HOT first: a straggler every policy balances), upstream gradient."""
+    gen = torch.Generator().manual_seed(100 * rank + mb)
+    T = TOKENS[rank]
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    hot = torch.rand(T, generator=gen) < 0.8
+    ids[hot, 0] = HOT
+    ids[hot & (ids[:, 1] == HOT), 1] = (HOT + 1) % E
+    gates = torch.softmax(torch.randn(T, K, generator=gen), dim=-1)
+    return x, (ids, gates), torch.randn(T, H, generator=gen)
+
+
+class _Spy:
+    """Weak references to the buffers each exchange returns, by kind: weights received in the forward, rows to
+    helpers, weights received again in the backward (``Recopy.run``)."""
+
+    KINDS = ("weights", "rows", "again")
+
+    def __init__(self):
+        import weakref
+
+        from feplb import dispatch, recopy
+
+        self.weakref, self.dispatch, self.recopy = weakref, dispatch, recopy
+        self.bufs: dict[str, list] = {k: [] for k in self.KINDS}
+        self.runs = 0
+
+    def __enter__(self):
+        call, run = self.dispatch.Exchange.__call__, self.recopy.Recopy.run
+        self._orig = call, run
+
+        def spy_call(ex, *a, **kw):
+            got = call(ex, *a, **kw)
+            kind = "weights" if ex.op in _WEIGHT_OPS else "rows" if ex.op == _ROWS_OP else None
+            if kind is not None:
+                self.bufs[kind].extend(self._ref(b) for b in got.bufs.values())
+            return got
+
+        def spy_run(rc):
+            run(rc)
+            self.runs += 1
+            self.bufs["again"].extend(self._ref(b) for b in rc.got.bufs.values())
+
+        self.dispatch.Exchange.__call__, self.recopy.Recopy.run = spy_call, spy_run
+        return self
+
+    def __exit__(self, *exc):
+        self.dispatch.Exchange.__call__, self.recopy.Recopy.run = self._orig
+
+    def _ref(self, b: torch.Tensor):
+        """A weak reference to b's memory (its storage: alive while any view of it is, such as a buffer cut from a
+        larger receive)."""
+        return self.weakref.ref(b.untyped_storage())
+
+    def mark(self) -> dict[str, int]:
+        return {k: len(v) for k, v in self.bufs.items()}
+
+    def since(self, mark: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """Per kind: (buffers received since ``mark``, how many of them are alive)."""
+        return {k: (len(v) - mark[k], sum(r() is not None for r in v[mark[k]:])) for k, v in self.bufs.items()}
+
+
+def _pair_rank(rank: int, world: int, policy: str, autocast: bool, joined: bool) -> dict:
+    """Both layers on the same two micro-batches (a backward after each): what each received and held, between
+    each forward and its backward and after it."""
+    import gc
+
+    from feplb.testing import DerivedWeights
+
+    out = {}
+    for recopy in (False, True):
+        layer = _layer(policy, recopy, joined)
+        res = {"between": [], "after": [], "runs": [], "copies": 0, "moved": 0, "grads": [], "derived": []}
+        with _Spy() as spy, DerivedWeights() as watch:
+            for mb in range(2):
+                x, routing, dy = _inputs(rank, mb)
+                x.requires_grad_(True)
+                mark, runs, joins = spy.mark(), spy.runs, len(getattr(layer, "made", None) or ())
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    y = layer(x, routing=routing)
+                gc.collect()
+                res["between"].append(spy.since(mark))
+                res["derived"].append((watch.made, watch.alive()))   # the received weights and their casts
+                made = getattr(layer, "made", None) or []
+                res.setdefault("joins", []).append(sum(r() is not None for r in made[joins:]))
+                (y.float() * dy).sum().backward()
+                del y
+                gc.collect()
+                res["after"].append(spy.since(mark))
+                res["runs"].append(spy.runs - runs)
+                res["moved"] += layer.last_stats.rows_moved
+                res["copies"] += layer.last_stats.weight_copies
+                res["grads"].append(x.grad)
+        res["grads"] += [layer.w1.grad, layer.w2.grad]
+        out[recopy] = res
+        layer.close()
+    return out
+
+
+@pytest.mark.parametrize("policy,autocast,joined", [("feplb-split", False, False), ("fastermoe", False, False),
+                                                    ("feplb-split", True, False), ("fastermoe", False, True)],
+                         ids=["phase2", "direct_path", "phase2_autocast", "direct_path_joined"])
+def test_recopied_weights_give_the_same_gradients_and_are_not_held(policy, autocast, joined):
+    results = run_dist(_pair_rank, W, policy, autocast, joined, timeout_s=300)
+    assert sum(r[True]["copies"] for r in results) > 0, "no weights were copied: the test would check nothing"
+    assert sum(sum(n for n, _ in (c["weights"] for c in r[True]["between"])) for r in results) > 0, \
+        "no rank received weights"
+    for rank, res in enumerate(results):
+        keep, again = res[False], res[True]
+        # the same plans, the same numbers
+        assert (keep["moved"], keep["copies"]) == (again["moved"], again["copies"]), rank
+        assert again["moved"] > 0, (rank, "balancing moved no row")
+        for k, (a, b) in enumerate(zip(keep["grads"], again["grads"], strict=True)):
+            assert torch.equal(a, b), (rank, k, "gradients differ", (a - b).abs().max().item())
+        assert keep["runs"] == [0, 0], (rank, keep["runs"])
+        for mb in range(2):
+            held, between, after = keep["between"][mb], again["between"][mb], again["after"][mb]
+            # without recopy every received weight buffer is held from the forward to the backward (under autocast,
+            # their bf16 casts); with it none
+            if not autocast:
+                assert held["weights"][1] == held["weights"][0], (rank, mb, held)
+            assert keep["derived"][mb][0] == (2 * (mb + 1) if joined else 0), (rank, "recipes without recopy", keep)
+            assert keep["derived"][mb][1] == 0, (rank, mb, "the join held", keep["derived"])
+            if joined:   # the owners send them again from the join made again, not from one held
+                assert keep["joins"][mb] == again["joins"][mb] == 0, (rank, mb, keep["joins"], again["joins"])
+            made, alive = again["derived"][mb]
+            assert alive == 0, (rank, mb, "weights the recipes derive (casts included) held", made, alive)
+            assert between["weights"][0] == held["weights"][0], (rank, mb, "the same copies", between, held)
+            assert between["weights"][1] == 0, (rank, mb, "received weights held until the backward", between)
+            if policy == "feplb-split" and not autocast:   # the rows for helpers travel apart, and stay (the
+                # GEMMs' weight gradients need them; under autocast, their bf16 casts)
+                assert between["rows"][1] == between["rows"][0], (rank, mb, between)
+            # the weights exchange ran again in the backward (here, on every rank of a node that copied any),
+            # receiving as many buffers as in the forward
+            assert after["again"][0] == between["weights"][0], (rank, mb, after)
+            assert again["runs"][mb] <= 1, (rank, mb, again["runs"])
+            for kind, (_, alive) in (*after.items(), *keep["after"][mb].items()):
+                assert alive == 0, (rank, mb, kind, "outlives the backward", after, keep["after"][mb])
+    assert all(sum(r[True]["runs"]) > 0 for r in results if sum(n for n, _ in
+               (c["weights"] for c in r[True]["between"]))), "a rank that received weights never received them again"
+    # the hosted GEMMs saved the received weights as recipes (and, under autocast, their casts too)
+    made = [r[True]["derived"][-1][0] for r in results]
+    assert sum(made) > 0, made
+
+
+def _stepped_early_rank(rank: int, world: int, policy: str, who: str, joined: bool = False) -> dict:
+    """A forward, then an in-place change of the experts' weights before its backward: on the one rank that sends
+    weights to helpers (``who="owner"``) or on every rank (``"all"``); the error each rank raises."""
+    layer = _layer(policy, True, joined)
+    x, routing, dy = _inputs(rank, 0)
+    y = layer(x.requires_grad_(True), routing=routing)
+    sent = sum(1 for e, src, _ in layer.last_plan.weight_copies if src == rank)
+    owner = min(src for _, src, _ in layer.last_plan.weight_copies)
+    if who == "all" or rank == owner:
+        with torch.no_grad():
+            layer.w1.mul_(0.5)
+    try:
+        (y * dy).sum().backward()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    layer.close()
+    return {"error": error, "owner": owner, "sent": sent}
+
+
+@pytest.mark.parametrize("policy,who,joined", [("feplb-split", "all", False), ("fastermoe", "owner", False),
+                                               ("fastermoe", "all", False), ("fastermoe", "owner", True)])
+def test_weights_changed_before_the_backward_raise_on_every_rank(policy, who, joined):
+    """Phase 2 agrees over the node (its copies stay in it: a node that copied nothing meets autograd's own check);
+    the direct path, whose copies cross nodes here, over the group: every rank names the same rank and expert."""
+    results = run_dist(_stepped_early_rank, W, policy, who, joined, timeout_s=300)
+    owner = results[0]["owner"]
+    assert results[owner]["sent"] > 0
+    scope = G if policy == "feplb-split" else W
+    for rank, res in enumerate(results):
+        err = res["error"]
+        assert err is not None, (rank, "no error")
+        senders = [r for r in range(rank // scope * scope, (rank // scope + 1) * scope)
+                   if results[r]["sent"] and (who == "all" or r == owner)]
+        if not senders:
+            assert "modified by an inplace operation" in err, (rank, err)
+            continue
+        assert "again for the backward" in err and f"on EP rank {senders[0]} " in err, (rank, err)
+        assert "modified in place" in err and "step the optimizer after the backward" in err, (rank, err)
+    if policy == "fastermoe":   # one agreement: the same message everywhere
+        assert len({res["error"].split(" read them")[0] for res in results}) == 1, [r["error"] for r in results]
+
+
+def test_recopy_needs_per_microbatch_weights():
+    from feplb import FEPLBConfig
+
+    with pytest.raises(ValueError, match="recopy_weights needs weights='per-microbatch'"):
+        FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, weights="per-step", recopy_weights=True)
+    with pytest.raises(TypeError, match="recopy_weights must be a bool"):
+        FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, weights="per-microbatch", recopy_weights="yes")
