@@ -41,8 +41,9 @@ def _compare(runs: dict[str, dict[str, torch.Tensor]], ref: dict[str, tuple[torc
     misses any element-wise bound (on the CPU too). So each tensor passes when its largest error is within TOL of
     its largest element, or within twice the error torch's own fp32 makes on the same math (``ref``'s floor).
 
-    A "feplb-split+checkpoint" run (the layer under activation checkpointing, its recompute replaying the plan) must
-    equal "feplb-split" within the same bound ("checkpoint_on").
+    A "feplb-split+checkpoint" run (the layer under activation checkpointing, its recompute replaying the plan) and a
+    "feplb-split+recopy" run (``recopy_weights``: the helpers receive the weights again in the backward) must equal
+    "feplb-split" within the same bound ("checkpoint_on", "recopy_on").
 
     Returns {"ok": bool, "<tensor>": {"on_off": rel, "none_ref": rel, "split_ref": rel, "scale": max |ref|}}, the
     errors relative to the scale, so a failing GPU run says which tensor is off, and by how much.
@@ -57,6 +58,8 @@ def _compare(runs: dict[str, dict[str, torch.Tensor]], ref: dict[str, tuple[torc
             # the recompute replays the plan: the run without checkpointing (bit for bit on the CPU, where
             # tests/runtime/test_checkpoint.py asserts it; within the bound where a GPU library may sum otherwise)
             errs["checkpoint_on"] = max_abs_error(runs["feplb-split+checkpoint"][name], on)
+        if "feplb-split+recopy" in runs:
+            errs["recopy_on"] = max_abs_error(runs["feplb-split+recopy"][name], on)
         if ref is not None:
             errs |= {"none_ref": max_abs_error(off, want), "split_ref": max_abs_error(on, want)}
         ok &= all(e <= bound for e in errs.values())
@@ -99,13 +102,14 @@ def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto", device=
     for x in xs:
         x[:, 0] = x[:, 0].abs() + 1
     runs, layers = {}, []
-    for run in ("none", "feplb-split", "feplb-split+checkpoint"):
-        policy = run.removesuffix("+checkpoint")
+    for run in ("none", "feplb-split", "feplb-split+checkpoint", "feplb-split+recopy"):
+        policy = run.split("+")[0]
         torch.manual_seed(0)
         layer = MoELayer(FEPLBConfig(hidden=H, ffn=F, num_experts=E, top_k=K, gpus_per_node=world,
                                      dyn=2, policy=policy, transport=transport, plan_wait_ms=10_000.0,
                                      min_straggler_rows=0, min_chunk=8,
-                                     weights="per-microbatch", device=device, copy_path=copy_path))
+                                     weights="per-microbatch", device=device, copy_path=copy_path,
+                                     recopy_weights=run.endswith("+recopy")))
         load_global_weights(layer, router, w1, w2)
         x = xs[rank].to(device, copy=True).requires_grad_(True)
         if run.endswith("+checkpoint"):
@@ -117,12 +121,15 @@ def _gpu_worker(rank, world, transport, one_gpu=False, copy_path="auto", device=
         runs[run] = {"out": y.detach().cpu(), "dx": x.grad.cpu(), "dw1": layer.w1.grad.cpu(),
                      "dw2": layer.w2.grad.cpu(), "drouter": layer.router.weight.grad.cpu()}
         moved = layer.last_stats.rows_moved
+        if run.endswith("+recopy"):
+            recopied = layer.last_stats.weight_copies   # copies this rank's node made, each received again
         layers.append(layer)
     # Free NVSHMEM buffers and IPC engines, newest first: the first layer initialised NVSHMEM and finalises it, and
     # NVSHMEM is not re-initialised after a finalize, so no layer is closed while another still uses it.
     for layer in reversed(layers):
         layer.close()
-    return _compare(runs, _dense_reference(rank, world, router, w1, w2, xs, K)) | {"moved": moved}
+    return _compare(runs, _dense_reference(rank, world, router, w1, w2, xs, K)) | {"moved": moved,
+                                                                                  "recopied": recopied}
 
 
 @pytest.mark.gpu
@@ -309,7 +316,8 @@ def test_gpu_worker_on_cpu():
                        collective_timeout_s=30.0)
     for res in results:
         assert res["ok"], res
-    assert results[0]["moved"] > 0, results
+        assert "recopy_on" in res["dx"], res
+    assert results[0]["moved"] > 0 and results[0]["recopied"] > 0, results
 
 
 def test_compare_names_the_tensor_off():
