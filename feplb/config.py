@@ -72,10 +72,12 @@ class FEPLBConfig:
     recopy_weights: with weights='per-microbatch', a helper lets go of the expert weights it received once its
         forward has used them, and their owners copy them to it again in the backward (the paper's scheme): a
         helper holds no received weights from a micro-batch's forward to its backward, for a second pass of the
-        copy path per layer and micro-batch in the backward, and one node agreement (a host collective) that no
-        owner changed those weights in place meanwhile. Rows received for helpers go in an exchange of their own
-        (the forward's activations keep them). False (default): the weights are held until the backward.
-        Activation checkpointing frees them either way (the recompute copies them again).
+        copy path per layer and micro-batch in the backward, and one agreement (a host collective over the node, or
+        the group where the copies cross nodes) that no owner changed those weights in place meanwhile. Rows
+        received for helpers go in an exchange of their own (the forward's activations keep them). False
+        (default): the weights are held until the backward. Activation checkpointing frees them either way (the
+        recompute copies them again); under other saved-tensor hooks (``save_on_cpu``, an offloading hook) and
+        without autograd the option does nothing, and those hooks decide.
     refresh_every: micro-batches between the policy state's slow refreshes (``@ema`` dynamic sets, EPLB replicas).
     plan_wait_ms: grace after the static GEMM before falling back to computing at home. None (default): on a
         CPU, wait for the plan (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer). No

@@ -35,6 +35,15 @@ from feplb.transport import Transport
 __all__ = ["Exchange", "PeerComm", "Received", "all_to_all_rows"]
 
 
+def _run_once(ctx) -> None:
+    """Run ``ctx.on_backward`` (if any) and let go of it: autograd keeps ``ctx`` as long as the graph, and what the
+    callable holds (weights received again) must not outlive this backward. A second backward through the same
+    graph (``retain_graph``) runs it no more, on every rank alike."""
+    fn, ctx.on_backward = ctx.on_backward, None
+    if fn is not None:
+        fn()
+
+
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MD: torch.Tensor, transport: Transport, send_splits: tuple, recv_splits: tuple, out,
@@ -47,8 +56,7 @@ class _AllToAllRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
-        if ctx.on_backward is not None:
-            ctx.on_backward()
+        _run_once(ctx)
         m = ctx.split_matrix
         grad_MD = ctx.transport.all_to_all(grad_RD.contiguous(), ctx.recv_splits, ctx.send_splits,
                                            split_matrix=None if m is None else m.t().contiguous())
@@ -71,8 +79,8 @@ def all_to_all_rows(x_MD: torch.Tensor, transport: Transport, send_splits: Seque
             ``Transport.all_to_all``); backward uses its transpose.
         anchor: an optional empty tensor that requires grad whenever autograd records on ANY rank: the backward
             all-to-all (a collective) then runs on every rank even where ``x_MD`` itself needs no gradient.
-        on_backward: optional callable run first in the backward (on every rank that calls this, in the same order
-            as the backward all-to-all: ``feplb.recopy.Recopy.run``).
+        on_backward: optional callable run first in the (first) backward, on every rank that calls this, in the same
+            order as the backward all-to-all (``feplb.recopy.Recopy.run``).
     Returns:
         recv_RD: [R, D], rank s's rows in block s.
     """
@@ -178,8 +186,7 @@ class _ExchangeFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _tail, *grads):
         # What i sent j, j now sends i: each source gets the gradient of its whole block back in one piece.
-        if ctx.on_backward is not None:
-            ctx.on_backward()
+        _run_once(ctx)
         ex = ctx.ex
         lay = ex.layout
         back = {q: [g.contiguous()] for q, g in zip(lay.recv, grads, strict=True)}
@@ -316,8 +323,8 @@ class Exchange:
         anchor: an empty tensor requiring grad whenever autograd records (on every rank), so that every rank runs
         the backward. pending: a future of ``(buffers, event)`` from ``start`` or ``issue(..., handoff=True)`` with
         the same sends (the copies already ran, beside the compute). on_backward: a callable run first in the
-        backward, on every rank of the exchange in the same order (``feplb.recopy.Recopy.run``); not run where the
-        exchange is not active on this rank."""
+        (first) backward, on every rank of the exchange in the same order (``feplb.recopy.Recopy.run``); not run
+        where the exchange is not active on this rank."""
         if not self.active:
             return Received(tail=anchor[:0].reshape(-1), items={}, bufs={}, at={})
         tail, *bufs = _ExchangeFn.apply(self, pending, on_backward, anchor, *sends)

@@ -217,7 +217,8 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
         wsends = materialize(p2.wspec, h_RD, local)
         rcv_w, w_base = p2.wexchange(wsends, layer._anchor(h_RD), pending=p2.wpending), 0
         if p2.wexchange.active and rebuilding_applies():
-            recopy = Recopy(p2.wexchange, p2.wspec, wsends, layer.control, "node", layer.rank)
+            recopy = Recopy(p2.wexchange, p2.wspec, wsends, layer.control,
+                            "group" if p2.wexchange.layout.cross_node else "node", layer.rank)
     with span(tl, "dynamic_gemm"):
         y_hosted = hosted_gemm(layer, lay.hosted, moves, p2.copies, lambda js: rcv.joined(js).view(-1, H), rcv_w,
                                w_base, dev, recopy=recopy)

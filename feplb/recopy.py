@@ -76,6 +76,8 @@ class Recopy:
     def run(self) -> None:
         """Collective over the ranks of the exchange: agree that every owner can send what it sent in the forward,
         then run the exchange again (no autograd); :meth:`received` gives the result."""
+        if self._saved is None:
+            raise RuntimeError(f"{self.ex.op}: the weights were already copied again for this backward")
         sends, bad, why = self._sends()
         # the lowest rank that cannot, and its first such send's part and expert: (rank << 40) | (expert << 8) | part
         code = _NO_RANK if bad is None else self.rank << 40 | self.experts[bad][1] << 8 | self.experts[bad][0]
@@ -89,6 +91,7 @@ class Recopy:
                                "its backward, and its helpers need them as the forward read them"
                                f"{f' ({why})' if bad is not None else ''}; step the optimizer after the backward")
         got, _ = self.ex.issue(sends)
+        self._saved = None   # (an adapter's packs keep its recipe, and its weights derived again, alive)
         self.got = self.ex.received(got, sends[0].new_empty(0) if sends else torch.empty(0))
 
     def received(self) -> Received:

@@ -105,7 +105,8 @@ def _digest(obj: object) -> int:
 def layer_stats(config: FEPLBConfig, counts: Counts, p2, plan, *, recv_grew: bool, experts_placed: int,
                 planned_ranks: range | None = None) -> LayerStats:
     """What one forward did (``LayerStats``), from its counts and its executed phase 2 (``feplb.phase2.Phase2``);
-    copy bytes are counted from the items exchanged (in-node exchanges carry the moves' rows first, then weights).
+    copy bytes are counted from the items exchanged (in-node exchanges carry the moves' rows first, then weights;
+    with ``recopy_weights`` the weights in an exchange of their own, counted once: the forward's copies).
     planned_ranks: the GPUs this rank plans for (its node's under a node plan), None for all; the stragglers are
     taken over them."""
     from feplb.sched.metrics import token_straggler
@@ -115,7 +116,8 @@ def layer_stats(config: FEPLBConfig, counts: Counts, p2, plan, *, recv_grew: boo
         after[m.src] -= m.rows
         after[m.dst] += m.rows
     elem = torch.empty((), dtype=config.dtype).element_size()
-    items = p2.exchange.items if p2.exchange is not None else []
+    items = (p2.exchange.items if p2.exchange is not None else []) + \
+        (p2.wexchange.items if p2.wexchange is not None else [])
     n_rows = len(p2.moves) if p2.layout is not None else 0
     row_bytes = sum(it.numel for it in items[:n_rows]) * elem
     w_bytes = sum(it.numel for it in items[n_rows:]) * elem

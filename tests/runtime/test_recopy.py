@@ -4,10 +4,14 @@ received once its forward has used them, and the owners copy them to it again in
 * the same outputs and gradients, bit for bit, as the layer that holds them (two micro-batches accumulated), in
   phase 2 (``feplb-split``, rows and weights to helpers) and on the peers' direct path (``fastermoe`` shadowing),
   also under ``torch.autocast`` (the GEMMs' bf16 casts of the weights are made again too);
-* memory, followed through weak references: without it every received weight buffer is held from the forward to
-  the backward; with it none is (the rows sent to helpers still are: the GEMMs' weight gradients need them), each
-  exchange that carried weights runs once more inside the backward and receives as many buffers, and nothing
-  received outlives the backward;
+* the same ``last_stats`` (bytes copied: the forward's);
+* memory, followed through weak references to storages: without it every received weight buffer is held from the
+  forward to the backward; with it none is (the rows sent to helpers still are: the GEMMs' weight gradients need
+  them), nor an adapter's derived weights on the owners; each exchange that carried weights runs once more inside
+  the backward and receives as many buffers; nothing received (nor derived) outlives the backward, with the output
+  and the loss still held;
+* a second backward through the same graph (``retain_graph``) copies nothing again and gives the same gradients;
+  a forward without autograd computes the same;
 * an owner that changes its weights in place between the forward and the backward (an optimizer step too early)
   makes every rank raise the same error, naming that rank, in the backward;
 * the option needs weights='per-microbatch'.
@@ -129,6 +133,7 @@ class _Spy:
 def _pair_rank(rank: int, world: int, policy: str, autocast: bool, joined: bool) -> dict:
     """Both layers on the same two micro-batches (a backward after each): what each received and held, between
     each forward and its backward and after it."""
+    import dataclasses
     import gc
 
     from feplb.testing import DerivedWeights
@@ -136,7 +141,9 @@ def _pair_rank(rank: int, world: int, policy: str, autocast: bool, joined: bool)
     out = {}
     for recopy in (False, True):
         layer = _layer(policy, recopy, joined)
-        res = {"between": [], "after": [], "runs": [], "copies": 0, "moved": 0, "grads": [], "derived": []}
+        res = {"between": [], "after": [], "runs": [], "copies": [], "moved": 0, "grads": [], "derived": [],
+               "stats": [], "joins_after": []}
+        keep_alive = []   # each micro-batch's output and loss, held as a training loop holds them until the next
         with _Spy() as spy, DerivedWeights() as watch:
             for mb in range(2):
                 x, routing, dy = _inputs(rank, mb)
@@ -149,13 +156,16 @@ def _pair_rank(rank: int, world: int, policy: str, autocast: bool, joined: bool)
                 res["derived"].append((watch.made, watch.alive()))   # the received weights and their casts
                 made = getattr(layer, "made", None) or []
                 res.setdefault("joins", []).append(sum(r() is not None for r in made[joins:]))
-                (y.float() * dy).sum().backward()
-                del y
+                loss = (y.float() * dy).sum()
+                loss.backward()
+                keep_alive[:] = [y, loss]
                 gc.collect()
                 res["after"].append(spy.since(mark))
+                res["joins_after"].append(sum(r() is not None for r in (getattr(layer, "made", None) or [])[joins:]))
                 res["runs"].append(spy.runs - runs)
                 res["moved"] += layer.last_stats.rows_moved
-                res["copies"] += layer.last_stats.weight_copies
+                res["copies"].append(layer.last_stats.weight_copies)
+                res["stats"].append(dataclasses.replace(layer.last_stats, plan_us=0.0))
                 res["grads"].append(x.grad)
         res["grads"] += [layer.w1.grad, layer.w2.grad]
         out[recopy] = res
@@ -168,13 +178,14 @@ def _pair_rank(rank: int, world: int, policy: str, autocast: bool, joined: bool)
                          ids=["phase2", "direct_path", "phase2_autocast", "direct_path_joined"])
 def test_recopied_weights_give_the_same_gradients_and_are_not_held(policy, autocast, joined):
     results = run_dist(_pair_rank, W, policy, autocast, joined, timeout_s=300)
-    assert sum(r[True]["copies"] for r in results) > 0, "no weights were copied: the test would check nothing"
+    assert sum(sum(r[True]["copies"]) for r in results) > 0, "no weights were copied: the test would check nothing"
     assert sum(sum(n for n, _ in (c["weights"] for c in r[True]["between"])) for r in results) > 0, \
         "no rank received weights"
     for rank, res in enumerate(results):
         keep, again = res[False], res[True]
-        # the same plans, the same numbers
-        assert (keep["moved"], keep["copies"]) == (again["moved"], again["copies"]), rank
+        # the same plans, the same numbers, the same report (bytes copied: the forward's)
+        assert keep["stats"] == again["stats"], rank
+        assert again["stats"][0].weight_bytes_moved > 0 or again["copies"][0] == 0, again["stats"][0]
         assert again["moved"] > 0, (rank, "balancing moved no row")
         for k, (a, b) in enumerate(zip(keep["grads"], again["grads"], strict=True)):
             assert torch.equal(a, b), (rank, k, "gradients differ", (a - b).abs().max().item())
@@ -199,9 +210,12 @@ def test_recopied_weights_give_the_same_gradients_and_are_not_held(policy, autoc
             # the weights exchange ran again in the backward (here, on every rank of a node that copied any),
             # receiving as many buffers as in the forward
             assert after["again"][0] == between["weights"][0], (rank, mb, after)
-            assert again["runs"][mb] <= 1, (rank, mb, again["runs"])
+            assert again["runs"][mb] == (again["copies"][mb] > 0), (rank, mb, again["runs"], again["copies"])
+            # with the output and the loss still held, as a loop holds them until its next micro-batch
             for kind, (_, alive) in (*after.items(), *keep["after"][mb].items()):
                 assert alive == 0, (rank, mb, kind, "outlives the backward", after, keep["after"][mb])
+            if joined:
+                assert keep["joins_after"][mb] == again["joins_after"][mb] == 0, (rank, mb, again["joins_after"])
     assert all(sum(r[True]["runs"]) > 0 for r in results if sum(n for n, _ in
                (c["weights"] for c in r[True]["between"]))), "a rank that received weights never received them again"
     # the hosted GEMMs saved the received weights as recipes (and, under autocast, their casts too)
@@ -259,3 +273,44 @@ def test_recopy_needs_per_microbatch_weights():
         FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, weights="per-step", recopy_weights=True)
     with pytest.raises(TypeError, match="recopy_weights must be a bool"):
         FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, weights="per-microbatch", recopy_weights="yes")
+
+
+def _twice_rank(rank: int, world: int) -> dict:
+    """A backward twice through one graph (``retain_graph``), and a forward without autograd: the same as the layer
+    that holds the weights, and the second backward copies nothing again."""
+    from feplb import recopy
+
+    runs = []
+    run = recopy.Recopy.run
+    recopy.Recopy.run = lambda rc: (runs.append(1), run(rc))[1]
+    out = {}
+    try:
+        for again in (False, True):
+            layer = _layer("feplb-split", again)
+            x, routing, dy = _inputs(rank, 0)
+            with torch.no_grad():
+                y0 = layer(x, routing=routing)
+            x.requires_grad_(True)
+            y = layer(x, routing=routing)
+            n = len(runs)
+            (y * dy).sum().backward(retain_graph=True)
+            first = len(runs) - n
+            (y * dy).sum().backward()
+            out[again] = {"y0": y0, "y": y.detach(), "grads": [x.grad, layer.w1.grad, layer.w2.grad],
+                          "runs": (first, len(runs) - n - first), "copies": layer.last_stats.weight_copies}
+            layer.close()
+    finally:
+        recopy.Recopy.run = run
+    return out
+
+
+def test_second_backward_and_no_grad_forward():
+    results = run_dist(_twice_rank, W, timeout_s=300)
+    assert any(r[True]["copies"] for r in results)
+    for rank, res in enumerate(results):
+        keep, again = res[False], res[True]
+        assert torch.equal(keep["y0"], again["y0"]) and torch.equal(keep["y"], again["y"]), rank
+        for a, b in zip(keep["grads"], again["grads"], strict=True):
+            assert torch.equal(a, b), (rank, (a - b).abs().max().item())
+        assert keep["runs"] == (0, 0), rank
+        assert again["runs"] == (int(again["copies"] > 0), 0), (rank, again["runs"], "copied in the first only")
