@@ -30,7 +30,7 @@ MARKER = "timing"
 # the two longest first.
 HEAVY = ("tests/examples/test_train_moe.py", "tests/hf/test_hf_architectures.py", "tests/megatron/test_megatron.py",
          "tests/hf/test_hf.py", "tests/titan/test_titan.py", "tests/runtime/test_checkpoint.py",
-         "tests/hf/test_hf_example.py", "tests/titan/test_titan_trainer.py")
+         "tests/hf/test_hf_example.py", "tests/titan/test_titan_trainer.py", "tests/runtime/test_recopy.py")
 
 
 def _timing(item: pytest.Item | None) -> bool:
