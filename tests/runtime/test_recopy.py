@@ -12,6 +12,8 @@ received once its forward has used them, and the owners copy them to it again in
   and the loss still held;
 * a second backward through the same graph (``retain_graph``) copies nothing again and gives the same gradients;
   a forward without autograd computes the same;
+* under activation checkpointing (both kinds), in phase 2 and on the direct path: nothing received is held between
+  the forward and the backward, the recompute receives it again, and recopy_weights copies nothing more;
 * an owner that changes its weights in place between the forward and the backward (an optimizer step too early)
   makes every rank raise the same error, naming that rank, in the backward;
 * the option needs weights='per-microbatch'.
@@ -314,3 +316,57 @@ def test_second_backward_and_no_grad_forward():
             assert torch.equal(a, b), (rank, (a - b).abs().max().item())
         assert keep["runs"] == (0, 0), rank
         assert again["runs"] == (int(again["copies"] > 0), 0), (rank, again["runs"], "copied in the first only")
+
+
+def _checkpointed_rank(rank: int, world: int, policy: str) -> dict:
+    """The layer (holding the weights, or copying them again) inside ``torch.utils.checkpoint``, both kinds: what
+    each received, and held between the forward and the backward."""
+    import gc
+
+    from torch.utils.checkpoint import checkpoint
+
+    out = {}
+    with _Spy() as spy:
+        for again in (False, True):
+            layer = _layer(policy, again)
+            x, routing, dy = _inputs(rank, 0)
+            for mode in ("plain", "reentrant", "non-reentrant"):
+                xx = x.clone().requires_grad_(True)
+                mark, runs = spy.mark(), spy.runs
+
+                def f(t, layer=layer, routing=routing):
+                    return torch.tanh(layer(t, routing=routing))
+
+                y = f(xx) if mode == "plain" else checkpoint(f, xx, use_reentrant=mode == "reentrant")
+                gc.collect()
+                between = spy.since(mark)
+                (y * dy).sum().backward()
+                gc.collect()
+                out[(again, mode)] = {"between": between, "after": spy.since(mark), "runs": spy.runs - runs,
+                                      "grad": xx.grad, "copies": layer.last_stats.weight_copies}
+            layer.close()
+    return out
+
+
+@pytest.mark.parametrize("policy", ["feplb-split", "fastermoe"])
+def test_under_activation_checkpointing(policy):
+    """Checkpointing frees the received weights itself (its recompute receives them again), in phase 2 and on the
+    direct path; with recopy_weights no copy is made again in the backward beyond the recompute's, and the
+    gradients are the same in every mode."""
+    results = run_dist(_checkpointed_rank, W, policy, timeout_s=300)
+    assert sum(r[(False, "plain")]["between"]["weights"][0] for r in results) > 0, "no weights received"
+    for rank, res in enumerate(results):
+        want = res[(False, "plain")]
+        n = want["between"]["weights"][0]
+        assert want["between"]["weights"][1] == n, (rank, "held without checkpointing", want)
+        for (again, mode), got in res.items():
+            assert torch.equal(got["grad"], want["grad"]), (rank, again, mode)
+            assert got["between"]["weights"][0] == n, (rank, again, mode, "the same copies", got)
+            assert got["after"]["again"][0] == (n if again and mode == "plain" else 0), (rank, again, mode, got)
+            if again or mode != "plain":
+                assert got["between"]["weights"][1] == 0, (rank, again, mode, "held until the backward", got)
+            if mode != "plain":   # the recompute receives them again (as the forward did)
+                assert got["after"]["weights"][0] == 2 * n, (rank, again, mode, got)
+                assert got["runs"] == 0, (rank, again, mode, "copied again beside the recompute")
+            for kind, (_, alive) in got["after"].items():
+                assert alive == 0, (rank, again, mode, kind, "outlives the backward", got)
