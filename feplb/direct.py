@@ -8,7 +8,7 @@ import torch
 
 from feplb.balance import PlanResult
 from feplb.dispatch import Exchange, all_to_all_rows
-from feplb.experts import expert_mlp, rebuilding_applies, span, to_device
+from feplb.experts import expert_mlp, span, to_device
 from feplb.layout import direct_layout, direct_split_matrix, inverse, weight_items, weight_sends
 from feplb.phase2 import Phase2, hosted_gemm, materialize
 from feplb.recopy import Recopy
@@ -51,10 +51,8 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     with span(tl, "copy_weights", "copy"):
         wsends = materialize(order, h, lambda e: layer._local_weights(e, slot_w))
         rcv = ex(wsends, layer._anchor(h))
-    recopy = None
-    if layer.config.recopy_weights and ex.active and rebuilding_applies():
-        # the reverse all-to-all's backward (every rank's, before the hosted GEMMs') copies the weights again
-        recopy = Recopy(ex, order, wsends, layer.control, "group" if ex.layout.cross_node else "node", r)
+    # (the reverse all-to-all's backward, every rank's and before the hosted GEMMs', copies the weights again)
+    recopy = Recopy.of(ex, order, wsends, layer.control, r) if layer.config.recopy_weights else None
     n_home = int(lay.kept_L.sum())
     # the hosted rows follow the kept ones in plan order
     start, pos = {}, n_home

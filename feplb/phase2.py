@@ -26,7 +26,7 @@ import torch
 
 from feplb.balance import PlanResult
 from feplb.dispatch import Exchange, Received
-from feplb.experts import expert_mlp, ready_event, rebuilding_applies, rebuilt_in_backward, span, to_device
+from feplb.experts import expert_mlp, ready_event, rebuilt_in_backward, span, to_device
 from feplb.layout import Item, Phase2Layout, inverse, phase2_layout, weight_items, weight_sends
 from feplb.recopy import Recopy
 from feplb.steps import Counts, Split
@@ -216,9 +216,7 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
     if p2.wexchange is not None:
         wsends = materialize(p2.wspec, h_RD, local)
         rcv_w, w_base = p2.wexchange(wsends, layer._anchor(h_RD), pending=p2.wpending), 0
-        if p2.wexchange.active and rebuilding_applies():
-            recopy = Recopy(p2.wexchange, p2.wspec, wsends, layer.control,
-                            "group" if p2.wexchange.layout.cross_node else "node", layer.rank)
+        recopy = Recopy.of(p2.wexchange, p2.wspec, wsends, layer.control, layer.rank)
     with span(tl, "dynamic_gemm"):
         y_hosted = hosted_gemm(layer, lay.hosted, moves, p2.copies, lambda js: rcv.joined(js).view(-1, H), rcv_w,
                                w_base, dev, recopy=recopy)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from feplb.dispatch import Exchange, Received
+from feplb.experts import rebuilding_applies
 
 __all__ = ["Recopy"]
 
@@ -37,15 +38,22 @@ class Recopy:
         ex: the exchange that carried the weights in the forward (weight items only).
         spec: this rank's sends in the exchange's order, ``("w", part, expert)`` each (``feplb.phase2.materialize``).
         sends: the tensors this rank sent (views of its weights; the same order).
-        control: the layer's ``feplb.control.Control``. scope: "node" or "group": the ranks of the exchange
-            (``Exchange.layout.cross_node`` says which), for the agreement.
+        control: the layer's ``feplb.control.Control``; the agreement runs over the ranks of the exchange: the node,
+            or the group where it crosses nodes.
         rank: this EP rank (in errors).
     """
 
-    def __init__(self, ex: Exchange, spec: tuple, sends: list[torch.Tensor], control, scope: str, rank: int):
+    @classmethod
+    def of(cls, ex: Exchange, spec: tuple, sends: list[torch.Tensor], control, rank: int) -> Recopy | None:
+        """The exchange's Recopy where this forward saves for a backward that uses it (the exchange active here,
+        :func:`feplb.experts.rebuilding_applies`: alike on every rank of the exchange), else None."""
+        return cls(ex, spec, sends, control, rank) if ex.active and rebuilding_applies() else None
+
+    def __init__(self, ex: Exchange, spec: tuple, sends: list[torch.Tensor], control, rank: int):
         if len(spec) != len(sends):
             raise ValueError(f"{ex.op}: {len(spec)} sends specified, {len(sends)} given")
-        self.ex, self.control, self.scope, self.rank = ex, control, scope, rank
+        self.ex, self.control, self.rank = ex, control, rank
+        self.scope = "group" if ex.layout.cross_node else "node"
         self.experts = tuple((s[1], s[2]) for s in spec)
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self._unpack: Callable | None = None
