@@ -398,6 +398,55 @@ def load_global_weights(layer, router_EH, w1_EH2F, w2_EFH, b1_E2F=None, b2_EH=No
             layer.b2.copy_(b2_EH[lo:lo + layer.num_local])
 
 
+class ReceivedBuffers:
+    """Watches the buffers the layer's exchanges return, inside ``with ReceivedBuffers() as seen:``, through weak
+    references to their storages (alive while any view of them is, such as a buffer cut from a larger receive), by
+    kind: ``weights`` (expert weights received in a forward: phase 2's exchange of rows and weights, or of weights
+    alone; the direct path's), ``rows`` (phase 2's rows to helpers, with ``recopy_weights``) and ``again`` (weights
+    received again in a backward, ``feplb.recopy.Recopy.run``). ``seen.runs`` counts those runs; ``seen.mark()`` and
+    ``seen.since(mark)`` give, per kind, the buffers received since and how many of them something still holds."""
+
+    WEIGHT_OPS = ("phase-2 rows and weights to helpers", "phase-2 weights to helpers", "weights to helpers")
+    ROWS_OP = "phase-2 rows to helpers"
+    KINDS = ("weights", "rows", "again")
+
+    def __init__(self) -> None:
+        self.bufs: dict[str, list[weakref.ref]] = {k: [] for k in self.KINDS}
+        self.runs = 0
+
+    def __enter__(self) -> ReceivedBuffers:
+        from feplb import dispatch, recopy
+
+        self._dispatch, self._recopy = dispatch, recopy
+        call, run = dispatch.Exchange.__call__, recopy.Recopy.run
+        self._orig = call, run
+
+        def spy_call(ex, *a, **kw):
+            got = call(ex, *a, **kw)
+            kind = "weights" if ex.op in self.WEIGHT_OPS else "rows" if ex.op == self.ROWS_OP else None
+            if kind is not None:
+                self.bufs[kind].extend(weakref.ref(b.untyped_storage()) for b in got.bufs.values())
+            return got
+
+        def spy_run(rc):
+            run(rc)
+            self.runs += 1
+            self.bufs["again"].extend(weakref.ref(b.untyped_storage()) for b in rc.got.bufs.values())
+
+        dispatch.Exchange.__call__, recopy.Recopy.run = spy_call, spy_run
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._dispatch.Exchange.__call__, self._recopy.Recopy.run = self._orig
+
+    def mark(self) -> dict[str, int]:
+        return {k: len(v) for k, v in self.bufs.items()}
+
+    def since(self, mark: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """Per kind: (buffers received since ``mark``, how many of them are alive)."""
+        return {k: (len(v) - mark[k], sum(r() is not None for r in v[mark[k]:])) for k, v in self.bufs.items()}
+
+
 class DerivedWeights:
     """Watches the weights that ``feplb.experts.rebuilt_in_backward`` derives (joined, cast: not views of the
     parameters; and their casts for the GEMMs under autocast) inside ``with DerivedWeights() as watch:``, through

@@ -540,45 +540,30 @@ def test_recompute_that_routes_otherwise_raises_on_every_rank(mode):
         assert r["ok"]
 
 
-# The exchange whose received buffers hold the expert weights a helper computes with (and the rows sent with them).
-_WEIGHT_OP = "phase-2 rows and weights to helpers"
-
-
 def _held_rank(rank: int, world: int, policy: str) -> dict:
-    """Which received weight buffers outlive the forward: weak references to every buffer the exchange
-    ``_WEIGHT_OP`` returns, counted before and after the backward, without checkpointing and with either kind."""
+    """Which received weight buffers outlive the forward (``feplb.testing.ReceivedBuffers``: weak references to the
+    storage of every buffer phase 2's exchange of rows and weights returns), counted before and after the backward,
+    without checkpointing and with either kind."""
     import gc
-    import weakref
 
-    from feplb import dispatch
+    from feplb.testing import ReceivedBuffers
 
     layer, _ = _layer(policy, "per-microbatch", seed=5)
-    bufs: list[weakref.ref] = []
-    call = dispatch.Exchange.__call__
-
-    def spy(ex, sends, anchor, **kw):
-        got = call(ex, sends, anchor, **kw)
-        if ex.op == _WEIGHT_OP:
-            bufs.extend(weakref.ref(b) for b in got.bufs.values())
-        return got
-
     out = {}
-    dispatch.Exchange.__call__ = spy
-    try:
+    with ReceivedBuffers() as seen:
         for mode in ("plain", "reentrant", "non-reentrant"):
-            bufs.clear()
+            mark = seen.mark()
             x, dy = _inputs(rank, 0)
             x.requires_grad_(True)
             f = _block(layer, "tanh")
             y = f(x) if mode == "plain" else checkpoint(f, x, use_reentrant=mode == "reentrant")
             gc.collect()
-            received, alive = len(bufs), sum(b() is not None for b in bufs)
+            received, alive = seen.since(mark)["weights"]
             (y * dy).sum().backward()
             gc.collect()
-            out[mode] = {"received": received, "alive_between": alive, "received_in_backward": len(bufs) - received,
-                         "alive_after": sum(b() is not None for b in bufs), "moved": layer.last_stats.rows_moved}
-    finally:
-        dispatch.Exchange.__call__ = call
+            total, alive_after = seen.since(mark)["weights"]
+            out[mode] = {"received": received, "alive_between": alive, "received_in_backward": total - received,
+                         "alive_after": alive_after, "moved": layer.last_stats.rows_moved}
     layer.close()
     return out
 

@@ -26,16 +26,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from feplb.testing import run_dist
+from feplb.testing import ReceivedBuffers, run_dist
 
 pytestmark = pytest.mark.dist
 
 H, FF, E, K, W, G = 16, 24, 16, 2, 4, 2
 TOKENS = (40, 24, 32, 16)
 HOT = 5   # the expert most tokens pick
-
-_WEIGHT_OPS = ("phase-2 weights to helpers", "weights to helpers", "phase-2 rows and weights to helpers")
-_ROWS_OP = "phase-2 rows to helpers"
 
 
 def _layer(policy: str, recopy: bool, joined: bool = False):
@@ -82,56 +79,6 @@ def _inputs(rank: int, mb: int):
     return x, (ids, gates), torch.randn(T, H, generator=gen)
 
 
-class _Spy:
-    """Weak references to the buffers each exchange returns, by kind: weights received in the forward, rows to
-    helpers, weights received again in the backward (``Recopy.run``)."""
-
-    KINDS = ("weights", "rows", "again")
-
-    def __init__(self):
-        import weakref
-
-        from feplb import dispatch, recopy
-
-        self.weakref, self.dispatch, self.recopy = weakref, dispatch, recopy
-        self.bufs: dict[str, list] = {k: [] for k in self.KINDS}
-        self.runs = 0
-
-    def __enter__(self):
-        call, run = self.dispatch.Exchange.__call__, self.recopy.Recopy.run
-        self._orig = call, run
-
-        def spy_call(ex, *a, **kw):
-            got = call(ex, *a, **kw)
-            kind = "weights" if ex.op in _WEIGHT_OPS else "rows" if ex.op == _ROWS_OP else None
-            if kind is not None:
-                self.bufs[kind].extend(self._ref(b) for b in got.bufs.values())
-            return got
-
-        def spy_run(rc):
-            run(rc)
-            self.runs += 1
-            self.bufs["again"].extend(self._ref(b) for b in rc.got.bufs.values())
-
-        self.dispatch.Exchange.__call__, self.recopy.Recopy.run = spy_call, spy_run
-        return self
-
-    def __exit__(self, *exc):
-        self.dispatch.Exchange.__call__, self.recopy.Recopy.run = self._orig
-
-    def _ref(self, b: torch.Tensor):
-        """A weak reference to b's memory (its storage: alive while any view of it is, such as a buffer cut from a
-        larger receive)."""
-        return self.weakref.ref(b.untyped_storage())
-
-    def mark(self) -> dict[str, int]:
-        return {k: len(v) for k, v in self.bufs.items()}
-
-    def since(self, mark: dict[str, int]) -> dict[str, tuple[int, int]]:
-        """Per kind: (buffers received since ``mark``, how many of them are alive)."""
-        return {k: (len(v) - mark[k], sum(r() is not None for r in v[mark[k]:])) for k, v in self.bufs.items()}
-
-
 def _pair_rank(rank: int, world: int, policy: str, autocast: bool, joined: bool) -> dict:
     """Both layers on the same two micro-batches (a backward after each): what each received and held, between
     each forward and its backward and after it."""
@@ -146,7 +93,7 @@ def _pair_rank(rank: int, world: int, policy: str, autocast: bool, joined: bool)
         res = {"between": [], "after": [], "runs": [], "copies": [], "moved": 0, "grads": [], "derived": [],
                "stats": [], "joins_after": []}
         keep_alive = []   # each micro-batch's output and loss, held as a training loop holds them until the next
-        with _Spy() as spy, DerivedWeights() as watch:
+        with ReceivedBuffers() as spy, DerivedWeights() as watch:
             for mb in range(2):
                 x, routing, dy = _inputs(rank, mb)
                 x.requires_grad_(True)
@@ -326,7 +273,7 @@ def _checkpointed_rank(rank: int, world: int, policy: str) -> dict:
     from torch.utils.checkpoint import checkpoint
 
     out = {}
-    with _Spy() as spy:
+    with ReceivedBuffers() as spy:
         for again in (False, True):
             layer = _layer(policy, again)
             x, routing, dy = _inputs(rank, 0)
