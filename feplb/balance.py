@@ -67,6 +67,15 @@ class _DaemonWorker:
         self._calls.put(None)
 
 
+def _copy_thread_init(device: torch.device) -> None:
+    # Grad mode is per thread and on in a new one: the copy thread records no autograd graph, so it never makes
+    # autograd views of weights the compute thread is using at the same moment (a titan test's rank once hung with
+    # both threads in such calls).
+    torch.set_grad_enabled(False)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def _serve(calls: queue.SimpleQueue) -> None:
     while (call := calls.get()) is not None:
         future, fn = call
@@ -108,9 +117,8 @@ class Balancer:
         self.plan_wait_s = plan_wait_s
         self.cap_s = _CPU_PLAN_CAP_S if group_timeout_s is None else min(_CPU_PLAN_CAP_S, group_timeout_s / 2)
         self.planner = _DaemonWorker("feplb-plan")
-        init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
         self.copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-copy",
-                                                            initializer=init[0], initargs=init[1])
+                                                            initializer=_copy_thread_init, initargs=(device,))
         self._planning: concurrent.futures.Future | None = None
 
     def submit_plan(self, fn: Callable[[], tuple[Any, float]]) -> concurrent.futures.Future | None:

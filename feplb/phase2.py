@@ -81,12 +81,11 @@ def materialize(spec: tuple, h_RD: torch.Tensor, local, detach: bool = False) ->
     Views, as they are (a weight may be strided, e.g. a transposed transformers parameter): no kernel runs here.
     The exchange flattens them when it issues the copies, on its own stream in order after the sends' ``ready``
     event; gradients come back in each tensor's shape."""
-    if detach:
-        # The copy thread's sends: views made without autograd, so that thread records no graph on tensors the
-        # compute thread is using at the same time (a titan test's rank once hung with both threads in such views).
-        with torch.no_grad():
-            return [t.detach() for t in materialize(spec, h_RD, local)]
-    return [h_RD[s[1]:s[2]] if s[0] == "rows" else local(s[2])[s[1]] for s in spec]
+    out = []
+    for s in spec:
+        t = h_RD[s[1]:s[2]] if s[0] == "rows" else local(s[2])[s[1]]
+        out.append(t.detach() if detach else t)
+    return out
 
 
 def start_phase2(layer, h_RD: torch.Tensor, counts: Counts, split: Split, slot_w, tl, ready,

@@ -469,3 +469,18 @@ def test_chrome_trace_of_spans_is_valid(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text()) == trace
     assert not list(tmp_path.glob("*.tmp"))
     assert np.isclose(xs[1]["dur"], 20.0)
+
+
+def test_the_copy_thread_records_no_autograd_graph():
+    """Grad mode is per thread: the copy thread's is off, so its sends never become autograd views of weights the
+    compute thread is using at the same moment, while the calling thread's stays on."""
+    from feplb.balance import Balancer
+
+    b = Balancer(plan_wait_s=None, device=torch.device("cpu"))
+    try:
+        w = torch.randn(3, 4, requires_grad=True)
+        assert b.copier.submit(torch.is_grad_enabled).result(timeout=10) is False
+        assert b.copier.submit(lambda: w[1].grad_fn).result(timeout=10) is None   # no autograd view
+        assert torch.is_grad_enabled() and w[1].grad_fn is not None
+    finally:
+        b.close()
