@@ -51,7 +51,8 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     with span(tl, "copy_weights", "copy"):
         wsends = materialize(order, h, lambda e: layer._local_weights(e, slot_w))
         rcv = ex(wsends, layer._anchor(h))
-    # (the reverse all-to-all's backward, every rank's and before the hosted GEMMs', copies the weights again)
+    # (copied again in the backward: from the gradient of the layer's expert outputs, MoELayer._experts; else first
+    # in the reverse all-to-all's backward, every rank's and before the hosted GEMMs')
     recopy = Recopy.of(ex, order, wsends, layer.control, r) if layer.config.recopy_weights else None
     n_home = int(lay.kept_L.sum())
     # the hosted rows follow the kept ones in plan order
@@ -81,4 +82,4 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
         y_back = y_back.index_select(0, to_device(inverse(lay.send_idx), dev))
     res = PlanResult(plan=plan, plan_us=plan_us, ready=1, error=None)
     return y_back, Phase2(result=res, fell_back=False, moves=moves, layout=None, exchange=ex, spec=order,
-                          pending=None, copies=copies, bank_bytes=slot_w.copied_bytes)
+                          pending=None, copies=copies, bank_bytes=slot_w.copied_bytes, recopy=recopy)

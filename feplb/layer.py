@@ -527,6 +527,10 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             y_MD, p2 = forward_direct(self, x_MD, counts, tl)
         else:
             y_MD, p2 = self._in_node(x_MD, counts, tl, dispatched=dispatched)
+        if p2.recopy is not None:
+            # recopy_weights: the weights go to the helpers again as soon as this output's gradient arrives, beside
+            # the backward of the reverse all-to-all (and of whatever follows the layer's experts)
+            p2.recopy.start_at(y_MD)
         y_MD = self._padded(y_MD, x_all)
         self._observe(counts, p2)
         kind = record_kind()
@@ -646,8 +650,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                 # read it.
                 concurrent.futures.wait([job.future])
             raise
-        y_RD, tail = dynamic_and_return(self, h_RD, y_static, split, p2, slot_w, tl)
-        p2 = dataclasses.replace(p2, bank_bytes=slot_w.copied_bytes)
+        y_RD, tail, recopy = dynamic_and_return(self, h_RD, y_static, split, p2, slot_w, tl)
+        p2 = dataclasses.replace(p2, bank_bytes=slot_w.copied_bytes, recopy=recopy)
         # the empty tails keep the exchanges' backward (collective) in the graph
         y_RD = torch.cat([y_RD, tail.view(0, self.config.hidden), slot_w.tail.view(0, self.config.hidden)])
         if dispatched:

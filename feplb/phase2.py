@@ -50,6 +50,7 @@ class Phase2:
     wexchange: Exchange | None = None  # recopy_weights: the weight copies in an exchange of their own (then
     wspec: tuple = ()                  # ``exchange`` carries rows only), this rank's sends in it,
     wpending: concurrent.futures.Future | None = None   # and its copies
+    recopy: Recopy | None = None       # recopy_weights: that exchange, run again in the backward
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -196,8 +197,8 @@ def _issue(layer, h_RD, slot_w, res, laid, launched, ready, tl) -> Phase2:
 
 def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, tl):
     """Steps 7-8: the rows hosted for others (their results go home at once, through the copy thread), the dynamic
-    rows kept at home meanwhile, then every result in RECEIVE order (for the reverse all-to-all), and a tail to
-    keep in the graph."""
+    rows kept at home meanwhile, then every result in RECEIVE order (for the reverse all-to-all), a tail to keep in
+    the graph, and the weights' ``Recopy`` (with ``recopy_weights`` where weights were copied, else None)."""
     c = layer.config
     H = c.hidden
     dev = h_RD.device
@@ -208,7 +209,7 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
             y_dyn = expert_mlp(h_RD[split.home.n_static:], slot_w.gemm(), to_device(np.cumsum(dyn_L), dev),
                                *c.glu) if dyn_L.any() else h_RD[:0]
         y_home = torch.cat([y_static, y_dyn])
-        return y_home.index_select(0, to_device(inverse(split.home.perm), dev)), layer._anchor(h_RD)
+        return y_home.index_select(0, to_device(inverse(split.home.perm), dev)), layer._anchor(h_RD), None
     lay, ex, moves = p2.layout, p2.exchange, p2.moves
     local = lambda e: layer._local_weights(e, slot_w)   # noqa: E731
     rcv = ex(materialize(p2.spec, h_RD, local), layer._anchor(h_RD), pending=p2.pending)
@@ -239,13 +240,14 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
             concurrent.futures.wait([pending])
         raise
     with span(tl, "copy_results", "copy"):
-        # (with recopy_weights, the weights go to the helpers again first in this exchange's backward: every rank
-        # of the node runs it, and before any hosted GEMM's backward, as it carries their outputs)
+        # (with recopy_weights, the weights go to the helpers again when the layer's output gradient arrives
+        # (MoELayer._experts), else first in this exchange's backward: every rank of the node runs it, and before
+        # any hosted GEMM's backward, as it carries their outputs)
         ret = rex(sends, layer._anchor(y_static), pending=pending, on_backward=None if recopy is None else recopy.run)
     with span(tl, "assemble"):
         parts = [y_static, y_kept] + [ret.items[j].view(-1, H) for j, _, _ in lay.out]
         y_recv = torch.cat(parts).index_select(0, to_device(lay.gather, dev))
-    return y_recv, torch.cat([*tails, ret.tail.reshape(-1)])
+    return y_recv, torch.cat([*tails, ret.tail.reshape(-1)]), recopy
 
 
 def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, weights: Received | None, w_base: int,

@@ -5,10 +5,14 @@ A helper computes rows of other GPUs' experts with weights their owners sent it 
 backward needs those weights again (the input gradient multiplies by them), so by default autograd keeps them from
 the forward to the backward. With a :class:`Recopy` the hosted GEMMs save them as a recipe instead
 (``feplb.experts.rebuilt_in_backward``), whose rebuild reads what the same exchange receives a second time, in the
-backward. That second exchange runs first in the backward of a collective that every rank of the exchange reaches
-before any hosted GEMM's backward, in the same order everywhere (phase 2: the results-home exchange, which carries
-the hosted GEMMs' outputs; the peers' direct path: the reverse all-to-all). Gradients of the received weights still
-return to their owners through the first exchange's backward.
+backward. That second exchange starts as soon as the gradient of the layer's expert outputs arrives
+(:meth:`Recopy.start_at`: a hook on the tensor ``MoELayer._experts`` returns, which every rank of the exchange
+reaches in the same order, before the backward of the reverse all-to-all and of every collective that carries the
+hosted GEMMs' outputs). On a GPU its copies then run on the copy stream beside that backward, and the compute stream
+waits for them only where the hosted GEMMs' backward reads them (:meth:`Recopy.received`). Where that hook has not
+run (a backward that starts inside the layer), it starts first in the backward of that collective (phase 2: the
+results-home exchange; the peers' direct path: the reverse all-to-all): :meth:`Recopy.run`. Gradients of the
+received weights still return to their owners through the first exchange's backward.
 
 The owners send the same tensors again. They are saved as autograd would save them: through an enclosing
 ``rebuilt_in_backward`` block's hooks where an adapter derives its experts' weights per forward (so they are not held
@@ -63,6 +67,7 @@ class Recopy:
         else:
             self._saved = [(t.detach(), t._version) for t in sends]
         self.got: Received | None = None
+        self._pending: tuple | None = None   # started in the backward, not yet read: (buffers, event, anchor)
 
     def _sends(self) -> tuple[list[torch.Tensor], int | None, str]:
         """The tensors to send again; the index of the first this rank cannot send as the forward read it (None if
@@ -81,11 +86,29 @@ class Recopy:
             out.append(t)
         return out, None, ""
 
-    def run(self) -> None:
-        """Collective over the ranks of the exchange: agree that every owner can send what it sent in the forward,
-        then run the exchange again (no autograd); :meth:`received` gives the result."""
+    def start_at(self, y: torch.Tensor) -> None:
+        """Start the exchange again (:meth:`start`) in the first backward that reaches ``y``'s gradient: ``y`` is the
+        layer's expert outputs, downstream of every collective whose backward would otherwise run it, on every rank
+        of the exchange. Nothing is registered where ``y`` records no graph."""
+        if not y.requires_grad:
+            return
+        cell = [self]
+
+        def hook(_grad):
+            rc, cell[0] = cell[0], None   # once (a second backward copies nothing again), and let go of it
+            if rc is not None:
+                rc.start()
+
+        y.register_hook(hook)
+
+    def start(self) -> dict[int, torch.Tensor] | None:
+        """Collective over the ranks of the exchange (once per backward; None, and nothing done, once started):
+        agree that every owner can send what it sent in the forward, then issue the exchange again without
+        autograd. Returns the buffers it receives ({source: buffer}). On a GPU its copies run on the copy stream
+        after what the calling thread's stream has queued so far, and that stream waits for them only in
+        :meth:`received`."""
         if self._saved is None:
-            raise RuntimeError(f"{self.ex.op}: the weights were already copied again for this backward")
+            return None
         sends, bad, why = self._sends()
         # the lowest rank that cannot, and its first such send's part and expert: (rank << 40) | (expert << 8) | part
         code = _NO_RANK if bad is None else self.rank << 40 | self.experts[bad][1] << 8 | self.experts[bad][0]
@@ -98,12 +121,32 @@ class Recopy:
                                f"expert {e}'s weights was modified in place on EP rank {r} between the forward and "
                                "its backward, and its helpers need them as the forward read them"
                                f"{f' ({why})' if bad is not None else ''}; step the optimizer after the backward")
-        got, _ = self.ex.issue(sends)
+        ready = None
+        if self.ex.device.type == "cuda":   # the sends (an adapter's recipe made them just now) are ready here
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.ex.device))
+        got, done = self.ex.issue(sends, ready, handoff=ready is not None)
         self._saved = None   # (an adapter's packs keep its recipe, and its weights derived again, alive)
-        self.got = self.ex.received(got, sends[0].new_empty(0) if sends else torch.empty(0))
+        self._pending = got, done, sends[0].new_empty(0) if sends else torch.empty(0)
+        return got
+
+    def run(self) -> None:
+        """:meth:`start`, where the gradient of the layer's outputs did not start it (``on_backward`` of the
+        collective whose backward comes first among those that carry the hosted GEMMs' outputs)."""
+        self.start()
 
     def received(self) -> Received:
-        """What the exchange received: the forward's while the forward uses it, then the backward's."""
+        """What the exchange received: the forward's while the forward uses it, then the backward's (on a GPU the
+        calling thread's stream waits for its copies here)."""
+        if self._pending is not None:
+            got, done, anchor = self._pending
+            self._pending = None
+            if done is not None:
+                cur = torch.cuda.current_stream(self.ex.device)
+                cur.wait_event(done)
+                for t in got.values():
+                    t.record_stream(cur)
+            self.got = self.ex.received(got, anchor)
         if self.got is None:
             raise RuntimeError(f"{self.ex.op}: the hosted GEMMs' backward needs the expert weights copied again, and "
                                "they were not (the collective that copies them has not run its backward)")

@@ -403,7 +403,7 @@ class ReceivedBuffers:
     references to their storages (alive while any view of them is, such as a buffer cut from a larger receive), by
     kind: ``weights`` (expert weights received in a forward: phase 2's exchange of rows and weights, or of weights
     alone; the direct path's), ``rows`` (phase 2's rows to helpers, with ``recopy_weights``) and ``again`` (weights
-    received again in a backward, ``feplb.recopy.Recopy.run``). ``seen.runs`` counts those runs; ``seen.mark()`` and
+    received again in a backward, ``feplb.recopy.Recopy.start``). ``seen.runs`` counts those runs; ``seen.mark()`` and
     ``seen.since(mark)`` give, per kind, the buffers received since and how many of them something still holds."""
 
     WEIGHT_OPS = ("phase-2 rows and weights to helpers", "phase-2 weights to helpers", "weights to helpers")
@@ -418,8 +418,8 @@ class ReceivedBuffers:
         from feplb import dispatch, recopy
 
         self._dispatch, self._recopy = dispatch, recopy
-        call, run = dispatch.Exchange.__call__, recopy.Recopy.run
-        self._orig = call, run
+        call, start = dispatch.Exchange.__call__, recopy.Recopy.start
+        self._orig = call, start
 
         def spy_call(ex, *a, **kw):
             got = call(ex, *a, **kw)
@@ -428,16 +428,18 @@ class ReceivedBuffers:
                 self.bufs[kind].extend(weakref.ref(b.untyped_storage()) for b in got.bufs.values())
             return got
 
-        def spy_run(rc):
-            run(rc)
-            self.runs += 1
-            self.bufs["again"].extend(weakref.ref(b.untyped_storage()) for b in rc.got.bufs.values())
+        def spy_start(rc):
+            got = start(rc)
+            if got is not None:   # (None: started already in this backward)
+                self.runs += 1
+                self.bufs["again"].extend(weakref.ref(b.untyped_storage()) for b in got.values())
+            return got
 
-        dispatch.Exchange.__call__, recopy.Recopy.run = spy_call, spy_run
+        dispatch.Exchange.__call__, recopy.Recopy.start = spy_call, spy_start
         return self
 
     def __exit__(self, *exc) -> None:
-        self._dispatch.Exchange.__call__, self._recopy.Recopy.run = self._orig
+        self._dispatch.Exchange.__call__, self._recopy.Recopy.start = self._orig
 
     def mark(self) -> dict[str, int]:
         return {k: len(v) for k, v in self.bufs.items()}

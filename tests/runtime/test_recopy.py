@@ -10,6 +10,8 @@ received once its forward has used them, and the owners copy them to it again in
   them), nor an adapter's derived weights on the owners; each exchange that carried weights runs once more inside
   the backward and receives as many buffers; nothing received (nor derived) outlives the backward, with the output
   and the loss still held;
+* the second copy starts when the gradient of the layer's expert outputs arrives, before the reverse all-to-all's
+  backward (on a GPU, on the copy stream beside it), in phase 2 and on the direct path;
 * a second backward through the same graph (``retain_graph``) copies nothing again and gives the same gradients;
   a forward without autograd computes the same;
 * under activation checkpointing (both kinds), in phase 2 and on the direct path: nothing received is held between
@@ -230,8 +232,15 @@ def _twice_rank(rank: int, world: int) -> dict:
     from feplb import recopy
 
     runs = []
-    run = recopy.Recopy.run
-    recopy.Recopy.run = lambda rc: (runs.append(1), run(rc))[1]
+    start = recopy.Recopy.start
+
+    def counted(rc):
+        got = start(rc)
+        if got is not None:
+            runs.append(1)
+        return got
+
+    recopy.Recopy.start = counted
     out = {}
     try:
         for again in (False, True):
@@ -249,7 +258,7 @@ def _twice_rank(rank: int, world: int) -> dict:
                           "runs": (first, len(runs) - n - first), "copies": layer.last_stats.weight_copies}
             layer.close()
     finally:
-        recopy.Recopy.run = run
+        recopy.Recopy.start = start
     return out
 
 
@@ -263,6 +272,52 @@ def test_second_backward_and_no_grad_forward():
             assert torch.equal(a, b), (rank, (a - b).abs().max().item())
         assert keep["runs"] == (0, 0), rank
         assert again["runs"] == (int(again["copies"] > 0), 0), (rank, again["runs"], "copied in the first only")
+
+
+def _order_rank(rank: int, world: int) -> dict:
+    """Per policy, what the backward runs, in order: the weights' exchange again ("again"), each all-to-all's
+    backward ("all_to_all": the reverse one first, then phase 1's)."""
+    from feplb import dispatch, recopy
+
+    log: list[str] = []
+    start, a2a = recopy.Recopy.start, dispatch._AllToAllRows.backward
+
+    def logged_start(rc):
+        got = start(rc)
+        if got is not None:
+            log.append("again")
+        return got
+
+    def logged_a2a(ctx, *grads):
+        log.append("all_to_all")
+        return a2a(ctx, *grads)
+
+    recopy.Recopy.start, dispatch._AllToAllRows.backward = logged_start, staticmethod(logged_a2a)
+    out = {}
+    try:
+        for policy in ("feplb-split", "fastermoe"):
+            layer = _layer(policy, True)
+            x, routing, dy = _inputs(rank, 0)
+            y = layer(x.requires_grad_(True), routing=routing)
+            log.clear()
+            (y * dy).sum().backward()
+            out[policy] = list(log)
+            layer.close()
+    finally:
+        recopy.Recopy.start, dispatch._AllToAllRows.backward = start, a2a
+    return out
+
+
+def test_the_weights_go_again_before_the_reverse_all_to_alls_backward():
+    """The second copy starts when the gradient of the layer's expert outputs arrives, before the backward of the
+    reverse all-to-all (on a GPU its copies run on the copy stream beside it), in phase 2 and on the direct path."""
+    results = run_dist(_order_rank, W, timeout_s=300)
+    for policy in ("feplb-split", "fastermoe"):
+        logs = [r[policy] for r in results]
+        assert any("again" in log for log in logs), (policy, "no weights copied again: the test would check nothing")
+        for rank, log in enumerate(logs):
+            assert log.count("all_to_all") == 2, (policy, rank, log)
+            assert log in (["again", "all_to_all", "all_to_all"], ["all_to_all", "all_to_all"]), (policy, rank, log)
 
 
 def _checkpointed_rank(rank: int, world: int, policy: str) -> dict:
