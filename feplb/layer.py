@@ -328,6 +328,33 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             return self.replicas.owned(e)
         raise RuntimeError(f"MoELayer: GPU {self.rank} holds no weights of expert {e}")
 
+    def _send_weights(self, slot_w) -> Callable[[int], tuple[torch.Tensor, ...]]:
+        """:meth:`_local_weights` for another thread: made now, on the forward's thread, from detached aliases of the
+        banks (no autograd metadata), so the copy thread indexes tensors that no other thread uses. Views of the
+        banks themselves, made there, would go through the autograd metadata of tensors the forward's GEMMs are
+        using at the same moment (a torch call holding the GIL there can wait for a lock the other thread holds
+        while it waits for the GIL)."""
+        slot = tuple(w.detach() for w in slot_w.parts)
+        bank = self.replicas.replica_bank
+        replica = None if bank is None else tuple(w.detach() for w in bank)
+        # (own experts outside the slots: only where experts are placed away from their owners)
+        own = () if self.placement.own_slots else tuple(w.detach() for w in self.expert_weights())
+        slot_pos, replica_of = dict(self.placement.slot_pos), dict(self.replicas.replica_of)
+        r, L = self.rank, self.num_local
+
+        def local(e: int) -> tuple[torch.Tensor, ...]:
+            i = slot_pos.get(e)
+            if i is not None:
+                return tuple(w[i] for w in slot)
+            j = replica_of.get(e)
+            if j is not None:
+                return tuple(w[j] for w in replica)
+            if e // L == r and own:
+                return tuple(w[e - r * L] for w in own)
+            raise RuntimeError(f"MoELayer: GPU {r} holds no weights of expert {e}")
+
+        return local
+
     def _anchor(self, t: torch.Tensor) -> torch.Tensor:
         """An empty 1-D tensor that requires grad whenever the layer's rows or expert weights do. Every exchange
         takes one, so whether its backward runs (a collective) never depends on what this rank sends."""
@@ -528,8 +555,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         else:
             y_MD, p2 = self._in_node(x_MD, counts, tl, dispatched=dispatched)
         if p2.recopy is not None:
-            # recopy_weights: the weights go to the helpers again as soon as this output's gradient arrives, beside
-            # the backward of the reverse all-to-all (and of whatever follows the layer's experts)
+            # recopy_weights: the weights go to the helpers again as soon as this output's gradient arrives, before
+            # the backward of the reverse all-to-all (on a GPU, beside it where the copy path allows: feplb.recopy)
             p2.recopy.start_at(y_MD)
         y_MD = self._padded(y_MD, x_all)
         self._observe(counts, p2)

@@ -75,7 +75,7 @@ def no_phase2() -> Phase2:
                   layout=None, exchange=None, spec=(), pending=None, copies=())
 
 
-def materialize(spec: tuple, h_RD: torch.Tensor, local, detach: bool = False) -> list[torch.Tensor]:
+def materialize(spec: tuple, h_RD: torch.Tensor, local) -> list[torch.Tensor]:
     """The tensors a send spec names: rows of h_RD ("rows", start, end) or a part of an expert's weights ("w", j, e):
     ``local(e)[j]``.
 
@@ -84,8 +84,7 @@ def materialize(spec: tuple, h_RD: torch.Tensor, local, detach: bool = False) ->
     event; gradients come back in each tensor's shape."""
     out = []
     for s in spec:
-        t = h_RD[s[1]:s[2]] if s[0] == "rows" else local(s[2])[s[1]]
-        out.append(t.detach() if detach else t)
+        out.append(h_RD[s[1]:s[2]] if s[0] == "rows" else local(s[2])[s[1]])
     return out
 
 
@@ -104,8 +103,10 @@ def start_phase2(layer, h_RD: torch.Tensor, counts: Counts, split: Split, slot_w
     end = torch.cuda.Event() if on_gpu else None
     launched = threading.Event()
     static_end = (lambda: launched.is_set() and end.query()) if on_gpu else None
-    future = layer._balancer.copier.submit(_phase2_job, layer, h_RD.detach(), counts, split, slot_w, state, plan_f,
-                                           static_end, launched, ready, tl, replay_plan)
+    # (the copy thread reads detached aliases only: see MoELayer._send_weights)
+    future = layer._balancer.copier.submit(_phase2_job, layer, h_RD.detach(), counts, split,
+                                           layer._send_weights(slot_w), state, plan_f, static_end, launched, ready,
+                                           tl, replay_plan)
     return Phase2Job(future=future, static_end=end, launched=launched)
 
 
@@ -143,16 +144,17 @@ def _lay_out(layer, plan, counts: Counts, split: Split, state, dtype, device):
     return moves, lay, copies, ex, order, wex, worder
 
 
-def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f, static_end, launched, ready,
+def _phase2_job(layer, h_RD, counts: Counts, split: Split, local, state, plan_f, static_end, launched, ready,
                 tl, replay_plan=None) -> Phase2:
     """On the copy thread: wait for the plan, check and lay it out, agree with the scope, issue the copies. A plan
     that is late, or that fails (the planner raised, or the plan is not executable here) on any rank of the scope,
     makes the whole scope compute at home: results never depend on it, so a failure is a warning, not a desync.
-    A replay (a recompute) lays out the plan its forward executed everywhere, with no agreement."""
+    A replay (a recompute) lays out the plan its forward executed everywhere, with no agreement. h_RD and ``local``
+    (``MoELayer._send_weights``) are detached: this thread touches no autograd metadata the forward's uses."""
     if replay_plan is not None:   # the recorded plan: no wait, no deadline
         res = PlanResult(plan=replay_plan, plan_us=0.0, ready=1, error=None)
         laid = _lay_out(layer, res.plan, counts, split, state, h_RD.dtype, h_RD.device)
-        return _issue(layer, h_RD, slot_w, res, laid, launched, ready, tl)
+        return _issue(layer, h_RD, local, res, laid, launched, ready, tl)
     res = layer._balancer.wait_plan(plan_f, static_end)
     laid, error = None, res.error
     if res.plan is not None:
@@ -174,10 +176,10 @@ def _phase2_job(layer, h_RD, counts: Counts, split: Split, slot_w, state, plan_f
     if int(agreed[0]) == 0:
         return Phase2(result=res, fell_back=True, moves=(), layout=None, exchange=None, spec=(), pending=None,
                       copies=())
-    return _issue(layer, h_RD, slot_w, res, laid, launched, ready, tl)
+    return _issue(layer, h_RD, local, res, laid, launched, ready, tl)
 
 
-def _issue(layer, h_RD, slot_w, res, laid, launched, ready, tl) -> Phase2:
+def _issue(layer, h_RD, local, res, laid, launched, ready, tl) -> Phase2:
     """Issue the copies of an agreed (or replayed) plan's layout ``laid`` (``_lay_out``)."""
     moves, lay, copies, ex, order, wex, worder = laid
     pending = wpending = None
@@ -185,12 +187,11 @@ def _issue(layer, h_RD, slot_w, res, laid, launched, ready, tl) -> Phase2:
         if h_RD.is_cuda:
             launched.wait()   # the static GEMM is queued before anything the copies hand to the compute stream
         with span(tl, "copy_rows", "copy", stream=getattr(layer.comm.copy, "stream", None)):
-            local = lambda e: layer._local_weights(e, slot_w)   # noqa: E731
             pending = concurrent.futures.Future()
-            pending.set_result(ex.issue(materialize(order, h_RD, local, detach=True), ready, handoff=True))
+            pending.set_result(ex.issue(materialize(order, h_RD, local), ready, handoff=True))
             if wex is not None and wex.active:
                 wpending = concurrent.futures.Future()
-                wpending.set_result(wex.issue(materialize(worder, h_RD, local, detach=True), ready, handoff=True))
+                wpending.set_result(wex.issue(materialize(worder, h_RD, local), ready, handoff=True))
     return Phase2(result=res, fell_back=False, moves=moves, layout=lay, exchange=ex, spec=order, pending=pending,
                   copies=copies, wexchange=wex, wspec=worder, wpending=wpending)
 
@@ -229,7 +230,8 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
         raise RuntimeError(f"MoELayer: GPU {layer.rank} exchanges weights for phase 2 but no results")
     sends = rex.sends_of({j: y_hosted[j] for j in lay.hosted})
     ready = ready_event(h_RD)
-    pending = rex.start(sends, layer._balancer.copier, ready=ready) if rex.active else None
+    # (detached here: the copy thread touches no autograd metadata this thread uses)
+    pending = rex.start([t.detach() for t in sends], layer._balancer.copier, ready=ready) if rex.active else None
     try:
         with span(tl, "dynamic_gemm"):
             kept = h_RD.index_select(0, to_device(lay.kept_idx, dev))

@@ -349,8 +349,59 @@ def _copy_bytes(rank, res):
         layer.close()
 
 
+def _copy_thread_sends(rank, res):
+    """The copy thread calls no torch function on a tensor linked to autograd (one that requires grad, or a view of
+    one): the forward's thread uses those at the same moment. Watched by a torch function mode on the copy thread;
+    per policy, the exchanges it issued (op, sends) and the calls on autograd tensors it made (function names)."""
+    import threading
+
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves
+
+    from feplb import dispatch
+
+    def linked(t):
+        return isinstance(t, torch.Tensor) and (t.requires_grad or (t._base is not None and t._base.requires_grad))
+
+    class Watch(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if any(linked(t) for t in tree_leaves((args, kwargs))):
+                self.calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **kwargs)
+
+    issue = dispatch.Exchange.issue
+    issued = []
+
+    def spy(ex, sends, *a, **kw):
+        if threading.current_thread().name.startswith("feplb-copy"):
+            issued.append((ex.op, len(sends)))
+        return issue(ex, sends, *a, **kw)
+
+    dispatch.Exchange.issue = spy
+    try:
+        for policy in ("feplb-split", "feplb-split+place"):
+            layer, xs = _layer(3, policy=policy, weights="per-microbatch")
+            watch = Watch()
+            layer._balancer.copier.submit(watch.__enter__).result()
+            issued.clear()
+            for _ in range(2):   # (+place: the second forward computes placed experts away from their owners)
+                x = xs[rank].clone().requires_grad_(True)
+                layer(x).sum().backward()
+            layer._balancer.copier.submit(watch.__exit__, None, None, None).result()
+            res[f"copy_thread/{policy}"] = (list(issued), watch.calls)
+            layer.close()
+    finally:
+        dispatch.Exchange.issue = issue
+
+
 def _worker(rank, world, tmp):
     res = {}
+    _copy_thread_sends(rank, res)
     _timeline(rank, res, tmp)
     _gpu_order(rank, res)
     _inputs(rank, res)
@@ -391,6 +442,13 @@ def test_grad_scaler_and_optimizer_identity():
 def test_runtime_schedule_optimizers_inputs_defaults(tmp_path):
     results = run_dist(_worker, W, str(tmp_path), timeout_s=400, collective_timeout_s=60)
     assert sum(r["moved"] for r in results) > 0
+    for policy in ("feplb-split", "feplb-split+place"):
+        issued = [x for r in results for x in r[f"copy_thread/{policy}"][0]]
+        ops = {op for op, n in issued if n}
+        assert {"phase-2 rows and weights to helpers", "phase-2 results home"} <= ops, (policy, issued)
+        for rank, res in enumerate(results):
+            calls = res[f"copy_thread/{policy}"][1]
+            assert not calls, (policy, rank, "the copy thread used autograd tensors", calls[:10])
     for rank, res in enumerate(results):
         t = res["timeline"]
         for name in ("counts", "phase1", "gather", "static_gemm", "plan", "agree", "dynamic_gemm", "phase1_reverse",
