@@ -8,8 +8,10 @@ the forward to the backward. With a :class:`Recopy` the hosted GEMMs save them a
 backward. That second exchange starts as soon as the gradient of the layer's expert outputs arrives
 (:meth:`Recopy.start_at`: a hook on the tensor ``MoELayer._experts`` returns, which every rank of the exchange
 reaches in the same order, before the backward of the reverse all-to-all and of every collective that carries the
-hosted GEMMs' outputs). On a GPU its copies then run on the copy stream beside that backward, and the compute stream
-waits for them only where the hosted GEMMs' backward reads them (:meth:`Recopy.received`). Where that hook has not
+hosted GEMMs' outputs). On a GPU, over CUDA IPC inside the node, its copies then run on the copy stream beside the
+reverse all-to-all's backward, and the compute stream waits for them when the hosted GEMMs' backward reads them
+(:meth:`Recopy.received`), or before, where the results-home exchange's backward queues behind them on the copy
+stream (elsewhere it waits at once: :meth:`Recopy.overlaps`). Where that hook has not
 run (a backward that starts inside the layer), it starts first in the backward of that collective (phase 2: the
 results-home exchange; the peers' direct path: the reverse all-to-all): :meth:`Recopy.run`. Gradients of the
 received weights still return to their owners through the first exchange's backward.
@@ -102,11 +104,11 @@ class Recopy:
         y.register_hook(hook)
 
     def start(self) -> dict[int, torch.Tensor] | None:
-        """Collective over the ranks of the exchange (once per backward; None, and nothing done, once started):
+        """Collective over the ranks of the exchange (once: None, and nothing done, once started):
         agree that every owner can send what it sent in the forward, then issue the exchange again without
         autograd. Returns the buffers it receives ({source: buffer}). On a GPU its copies run on the copy stream
-        after what the calling thread's stream has queued so far, and that stream waits for them only in
-        :meth:`received`."""
+        after what the calling thread's stream has queued so far, and that stream waits for them in
+        :meth:`received`, or at once where they must not overlap the next collective (:meth:`overlaps`)."""
         if self._saved is None:
             return None
         sends, bad, why = self._sends()
@@ -128,7 +130,27 @@ class Recopy:
         got, done = self.ex.issue(sends, ready, handoff=ready is not None)
         self._saved = None   # (an adapter's packs keep its recipe, and its weights derived again, alive)
         self._pending = got, done, sends[0].new_empty(0) if sends else torch.empty(0)
+        if not self.overlaps():
+            self._finish()
         return got
+
+    def overlaps(self) -> bool:
+        """Whether the copies may still run when the calling thread's stream goes on to the next collective (the
+        reverse all-to-all's backward): only over CUDA IPC inside the node, whose copies are copy-engine copies
+        ordered by events and host barriers. NVSHMEM's on-stream barriers on the transport's team, an NCCL
+        communicator of the node's, or a part crossing nodes through the transport itself would be in flight
+        beside that collective: there the stream waits for the copies at once."""
+        return self.ex.comm.copy.name == "ipc" and not self.ex.layout.cross_node
+
+    def _finish(self) -> None:
+        got, done, anchor = self._pending
+        self._pending = None
+        if done is not None:
+            cur = torch.cuda.current_stream(self.ex.device)
+            cur.wait_event(done)
+            for t in got.values():
+                t.record_stream(cur)
+        self.got = self.ex.received(got, anchor)
 
     def run(self) -> None:
         """:meth:`start`, where the gradient of the layer's outputs did not start it (``on_backward`` of the
@@ -139,14 +161,7 @@ class Recopy:
         """What the exchange received: the forward's while the forward uses it, then the backward's (on a GPU the
         calling thread's stream waits for its copies here)."""
         if self._pending is not None:
-            got, done, anchor = self._pending
-            self._pending = None
-            if done is not None:
-                cur = torch.cuda.current_stream(self.ex.device)
-                cur.wait_event(done)
-                for t in got.values():
-                    t.record_stream(cur)
-            self.got = self.ex.received(got, anchor)
+            self._finish()
         if self.got is None:
             raise RuntimeError(f"{self.ex.op}: the hosted GEMMs' backward needs the expert weights copied again, and "
                                "they were not (the collective that copies them has not run its backward)")

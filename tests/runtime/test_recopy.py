@@ -372,3 +372,17 @@ def test_under_activation_checkpointing(policy):
                 assert got["runs"] == 0, (rank, again, mode, "copied again beside the recompute")
             for kind, (_, alive) in got["after"].items():
                 assert alive == 0, (rank, again, mode, kind, "outlives the backward", got)
+
+
+def test_the_second_copy_overlaps_the_next_collective_only_over_cuda_ipc_inside_a_node():
+    """Over NVSHMEM (on-stream barriers on the transport's team), an NCCL copy path or a part crossing nodes, two
+    collectives must not be in flight together: the compute stream waits for the second copy at once there."""
+    from types import SimpleNamespace as NS
+
+    from feplb.recopy import Recopy
+
+    for name, cross, want in (("ipc", False, True), ("ipc", True, False), ("nvshmem", False, False),
+                              ("nccl", False, False), ("shm", False, False), ("gloo", False, False)):
+        rc = Recopy.__new__(Recopy)
+        rc.ex = NS(comm=NS(copy=NS(name=name)), layout=NS(cross_node=cross))
+        assert rc.overlaps() is want, (name, cross)
