@@ -68,9 +68,9 @@ class _DaemonWorker:
 
 
 def _copy_thread_init(device: torch.device) -> None:
-    # Grad mode is per thread and on in a new one: the copy thread records no autograd graph, so it never makes
-    # autograd views of weights the compute thread is using at the same moment (a titan test's rank once hung with
-    # both threads in such calls).
+    # Grad mode is per thread and on in a new one: the copy thread records no autograd graph. (It is also handed
+    # detached tensors only, MoELayer._send_weights: a titan test's rank hung, grad mode off or not, with this thread
+    # indexing weights the compute thread was using in its graph at the same moment.)
     torch.set_grad_enabled(False)
     if device.type == "cuda":
         torch.cuda.set_device(device)
