@@ -49,7 +49,7 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     spec = weight_sends(copies, r, 0, len(sizes))
     order = tuple(spec[k] for ks in ex.layout.send.values() for k in ks)
     with span(tl, "copy_weights", "copy"):
-        wsends = materialize(order, h, lambda e: layer._local_weights(e, slot_w))
+        wsends = materialize(order, h, layer._weights_of(slot_w))
         rcv = ex(wsends, layer._anchor(h))
     # (copied again in the backward: from the gradient of the layer's expert outputs, MoELayer._experts; else first
     # in the reverse all-to-all's backward, every rank's and before the hosted GEMMs')
@@ -77,7 +77,7 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     with span(tl, "phase1_reverse"):
         y_back = all_to_all_rows(y.index_select(0, to_device(inverse(lay.perm), dev)), layer.transport,
                                  lay.recv_splits, lay.send_splits, split_matrix=split_WW.t().contiguous(),
-                                 on_backward=None if recopy is None else recopy.run)
+                                 on_backward=None if recopy is None else recopy.start)
     if send_idx is not None:
         y_back = y_back.index_select(0, to_device(inverse(lay.send_idx), dev))
     res = PlanResult(plan=plan, plan_us=plan_us, ready=1, error=None)

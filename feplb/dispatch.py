@@ -80,7 +80,7 @@ def all_to_all_rows(x_MD: torch.Tensor, transport: Transport, send_splits: Seque
         anchor: an optional empty tensor that requires grad whenever autograd records on ANY rank: the backward
             all-to-all (a collective) then runs on every rank even where ``x_MD`` itself needs no gradient.
         on_backward: optional callable run first in the (first) backward, on every rank that calls this, in the same
-            order as the backward all-to-all (``feplb.recopy.Recopy.run``).
+            order as the backward all-to-all (``feplb.recopy.Recopy.start``).
     Returns:
         recv_RD: [R, D], rank s's rows in block s.
     """
@@ -323,7 +323,7 @@ class Exchange:
         anchor: an empty tensor requiring grad whenever autograd records (on every rank), so that every rank runs
         the backward. pending: a future of ``(buffers, event)`` from ``start`` or ``issue(..., handoff=True)`` with
         the same sends (the copies already ran, beside the compute). on_backward: a callable run first in the
-        (first) backward, on every rank of the exchange in the same order (``feplb.recopy.Recopy.run``); not run
+        (first) backward, on every rank of the exchange in the same order (``feplb.recopy.Recopy.start``); not run
         where the exchange is not active on this rank."""
         if not self.active:
             return Received(tail=anchor[:0].reshape(-1), items={}, bufs={}, at={})

@@ -315,21 +315,13 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         """int64 [E]: the GPU that computes each expert by default (its owner unless placed elsewhere)."""
         return self.placement.home_E.copy()
 
-    def _local_weights(self, e: int, slot_w) -> tuple[torch.Tensor, ...]:
-        """This rank's weights of expert e (views, one per part): a slot, a per-step replica, or its own
-        parameters."""
-        i = self.placement.slot_pos.get(e)
-        if i is not None:
-            return tuple(w[i] for w in slot_w.parts)
-        j = self.replicas.replica_of.get(e)
-        if j is not None:
-            return tuple(w[j] for w in self.replicas.replica_bank)
-        if e // self.num_local == self.rank:
-            return self.replicas.owned(e)
-        raise RuntimeError(f"MoELayer: GPU {self.rank} holds no weights of expert {e}")
+    def _weights_of(self, slot_w) -> Callable[[int], tuple[torch.Tensor, ...]]:
+        """This rank's weights of an expert e (views, one per part): a slot, a per-step replica, or its own
+        parameters (read when asked for)."""
+        return self._lookup(slot_w.parts, self.replicas.replica_bank, self.expert_weights)
 
     def _send_weights(self, slot_w) -> Callable[[int], tuple[torch.Tensor, ...]]:
-        """:meth:`_local_weights` for another thread: made now, on the forward's thread, from detached aliases of the
+        """:meth:`_weights_of` for another thread: made now, on the forward's thread, from detached aliases of the
         banks (no autograd metadata), so the copy thread indexes tensors that no other thread uses. Views of the
         banks themselves, made there, would go through the autograd metadata of tensors the forward's GEMMs are
         using at the same moment (a torch call holding the GIL there can wait for a lock the other thread holds
@@ -337,8 +329,12 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         slot = tuple(w.detach() for w in slot_w.parts)
         bank = self.replicas.replica_bank
         replica = None if bank is None else tuple(w.detach() for w in bank)
-        # (own experts outside the slots: only where experts are placed away from their owners)
-        own = () if self.placement.own_slots else tuple(w.detach() for w in self.expert_weights())
+        # the slots are the own experts unless experts are placed away from their owners
+        own = slot if self.placement.own_slots else tuple(w.detach() for w in self.expert_weights())
+        return self._lookup(slot, replica, lambda: own)
+
+    def _lookup(self, slot, replica, own: Callable[[], tuple[torch.Tensor, ...]]
+                ) -> Callable[[int], tuple[torch.Tensor, ...]]:
         slot_pos, replica_of = dict(self.placement.slot_pos), dict(self.replicas.replica_of)
         r, L = self.rank, self.num_local
 
@@ -349,8 +345,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             j = replica_of.get(e)
             if j is not None:
                 return tuple(w[j] for w in replica)
-            if e // L == r and own:
-                return tuple(w[e - r * L] for w in own)
+            if e // L == r:
+                return tuple(w[e - r * L] for w in own())
             raise RuntimeError(f"MoELayer: GPU {r} holds no weights of expert {e}")
 
         return local

@@ -212,7 +212,7 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
         y_home = torch.cat([y_static, y_dyn])
         return y_home.index_select(0, to_device(inverse(split.home.perm), dev)), layer._anchor(h_RD), None
     lay, ex, moves = p2.layout, p2.exchange, p2.moves
-    local = lambda e: layer._local_weights(e, slot_w)   # noqa: E731
+    local = layer._weights_of(slot_w)
     rcv = ex(materialize(p2.spec, h_RD, local), layer._anchor(h_RD), pending=p2.pending)
     rcv_w, w_base, recopy = rcv, len(moves), None
     if p2.wexchange is not None:
@@ -245,7 +245,7 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
         # (with recopy_weights, the weights go to the helpers again when the layer's output gradient arrives
         # (MoELayer._experts), else first in this exchange's backward: every rank of the node runs it, and before
         # any hosted GEMM's backward, as it carries their outputs)
-        ret = rex(sends, layer._anchor(y_static), pending=pending, on_backward=None if recopy is None else recopy.run)
+        ret = rex(sends, layer._anchor(y_static), pending=pending, on_backward=None if recopy is None else recopy.start)
     with span(tl, "assemble"):
         parts = [y_static, y_kept] + [ret.items[j].view(-1, H) for j, _, _ in lay.out]
         y_recv = torch.cat(parts).index_select(0, to_device(lay.gather, dev))

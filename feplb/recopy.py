@@ -13,7 +13,7 @@ reverse all-to-all's backward, and the compute stream waits for them when the ho
 (:meth:`Recopy.received`), or before, where the results-home exchange's backward queues behind them on the copy
 stream (elsewhere it waits at once: :meth:`Recopy.overlaps`). Where that hook has not
 run (a backward that starts inside the layer), it starts first in the backward of that collective (phase 2: the
-results-home exchange; the peers' direct path: the reverse all-to-all): :meth:`Recopy.run`. Gradients of the
+results-home exchange; the peers' direct path: the reverse all-to-all): :meth:`Recopy.start` there too. Gradients of the
 received weights still return to their owners through the first exchange's backward.
 
 The owners send the same tensors again. They are saved as autograd would save them: through an enclosing
@@ -104,7 +104,8 @@ class Recopy:
         y.register_hook(hook)
 
     def start(self) -> dict[int, torch.Tensor] | None:
-        """Collective over the ranks of the exchange (once: None, and nothing done, once started):
+        """Collective over the ranks of the exchange (once: None, and nothing done, once started; also the
+        ``on_backward`` of the first collective carrying the hosted GEMMs' outputs, where :meth:`start_at` did not run):
         agree that every owner can send what it sent in the forward, then issue the exchange again without
         autograd. Returns the buffers it receives ({source: buffer}). On a GPU its copies run on the copy stream
         after what the calling thread's stream has queued so far, and that stream waits for them in
@@ -151,11 +152,6 @@ class Recopy:
             for t in got.values():
                 t.record_stream(cur)
         self.got = self.ex.received(got, anchor)
-
-    def run(self) -> None:
-        """:meth:`start`, where the gradient of the layer's outputs did not start it (``on_backward`` of the
-        collective whose backward comes first among those that carry the hosted GEMMs' outputs)."""
-        self.start()
 
     def received(self) -> Received:
         """What the exchange received: the forward's while the forward uses it, then the backward's (on a GPU the
