@@ -57,6 +57,13 @@ def _non_negative(v: str) -> int:
     return i
 
 
+def _non_negative_float(v: str) -> float:
+    f = float(v)
+    if not 0 <= f < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {v}")
+    return f
+
+
 def _fraction(v: str) -> float:
     f = float(v)
     if not 0 <= f < 1:
@@ -95,6 +102,9 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eplb-groups", type=_positive, default=1,
                    help="eplb expert groups (hierarchical placement when the nodes divide them)")
     p.add_argument("--cost-table", default=None, help='measured GEMM table JSON {"rows": [..], "us": [..]}')
+    p.add_argument("--plan-us", type=_non_negative_float, default=None,
+                   help="planning time (us) the layer time and the overlap condition charge every plan (default: "
+                        "its measured CPU time on this machine, which varies with the machine and between runs)")
     p.add_argument("--no-validate", action="store_true", help="skip Plan.validate on every plan")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT.json", help="write the results as JSON")
@@ -330,7 +340,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     config = SimConfig(num_ranks=args.ep, gpus_per_node=args.gpus_per_node, tokens_per_rank=args.tokens_per_rank,
                        dyn=args.dyn, policies=policies, microbatches=args.microbatches, warmup=args.warmup,
                        seed=args.seed, refresh_every=args.refresh_every, eplb_slots=args.eplb_slots,
-                       replicas_mode=args.replicas, tau=args.tau, eplb_groups=args.eplb_groups,
+                       replicas_mode=args.replicas, tau=args.tau, eplb_groups=args.eplb_groups, plan_us=args.plan_us,
                        **({} if args.place_min_gain is None else {"place_min_gain": args.place_min_gain}),
                        min_chunk=args.min_chunk, validate=not args.no_validate, cost=cost,
                        shape_from_trace=args.hidden is None and args.ffn is None)
@@ -349,12 +359,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
     with tqdm(total=total, desc="simulate", unit="mb", disable=args.no_progress, file=sys.stderr) as bar:
         for w in workloads:
             results.append(simulate(w, config, progress=bar))
+    planning = "" if config.plan_us is None else f"; layer ms and hidden with {config.plan_us:g} us of planning"
     for key, r in zip(keys, results, strict=True):
         shape = r.expert_shape
         model = shape["model"] or "from the options"
         print(format_table(f"\n{key} (E={r.num_experts}, K={r.top_k}, W={config.num_ranks}, "
                            f"G={config.gpus_per_node}, S={config.tokens_per_rank}, dyn={config.dyn}; expert "
-                           f"H={shape['hidden']} F={shape['ffn']} ({model}))", r.summary()))
+                           f"H={shape['hidden']} F={shape['ffn']} ({model}){planning})", r.summary()))
     summary = summarize(results)
     if len(results) > 1:
         print(format_table("\nall workloads", summary))
@@ -380,7 +391,8 @@ one grouped call) at every --rows count on --device, fits the cost table (the cl
 knee where the time leaves the weight-read floor) and writes the JSON that `feplb simulate --cost-table` and
 CostModel.from_json read. Or, with --from-bench, takes the GEMM times of a bench/bench_kernels.py results file
 (the two GEMMs, without SwiGLU). Copy bandwidths are not measured here (one GPU cannot show a peer copy):
---ce-gbps / --net-gbps write given values.
+--ce-gbps / --net-gbps write given values, and so do --d2d-gbps / --copy-out-slowdown (a copy inside one GPU,
+e.g. bench_kernels.py's device copy, and the GEMM slowdown beside it, bench_overlap.py's sm_copy_slowdown_pct / 100).
 """
 
 
@@ -401,6 +413,13 @@ def _positive_float(v: str) -> float:
     f = float(v)
     if not (f > 0 and f != float("inf")):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {v}")
+    return f
+
+
+def _unit_interval(v: str) -> float:
+    f = float(v)
+    if not 0 <= f <= 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {v}")
     return f
 
 
@@ -455,6 +474,10 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
                    help="times within this fraction of the smallest count's are on the floor (default 0.10)")
     p.add_argument("--ce-gbps", type=_positive_float, default=None, help="copy-engine GB/s inside a node to record")
     p.add_argument("--net-gbps", type=_positive_float, default=None, help="GB/s per GPU between nodes to record")
+    p.add_argument("--d2d-gbps", type=_positive_float, default=None,
+                   help="GB/s copied by a copy inside one GPU (the copy path's copy-out of its inbox) to record")
+    p.add_argument("--copy-out-slowdown", type=_unit_interval, default=None,
+                   help="fraction (0-1) by which such a copy slows a GEMM beside it, to record")
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
@@ -507,7 +530,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
                 **machine_meta(device)}
     meta["command"] = command
     table = table_document(measured, hidden=hidden, ffn=ffn, meta=meta, floor_tolerance=args.floor_tolerance,
-                           ce_gbps=args.ce_gbps, net_gbps=args.net_gbps)
+                           ce_gbps=args.ce_gbps, net_gbps=args.net_gbps, d2d_gbps=args.d2d_gbps,
+                           copy_out_slowdown=args.copy_out_slowdown)
     print(f"{'rows/expert':>11} {'us/expert':>11} {'TFLOP/s':>8}")
     for m in measured:
         print(f"{m['rows']:>11} {m['us']:>11.2f} {m['tflops']:>8.2f}")

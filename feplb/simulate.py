@@ -9,9 +9,10 @@ token straggler ``max - mean`` of per-GPU rows, max/mean, GEMM straggler from th
 ``100 * mean / max``, rows and bytes copied, and planner latency of ``make_plan``: the CPU time of the planning
 thread (``planner_us``; what one dedicated core would take, free of waits for a shared CPU) and wall time
 (``planner_wall_us``); and how often the overlap condition holds (``pct_hidden``: on every GPU, planning time
-plus the plan's copy time fit under the GEMM of its static experts, so balancing costs nothing), and the layer's
-expert time with planning and copies on the critical path (``layer_ms``: per GPU, ``max(static GEMM, plan +
-copies) + the rest of its GEMM``; ``layer_speedup`` against plain EP's busiest GPU).
+plus the plan's copy time and the receivers' copy-outs fit under the GEMM of its static experts, so balancing
+costs nothing), and the layer's expert time with planning, copies, copy-outs and the results' return on the
+critical path (``layer_ms``: ``CostModel.layer_times``, busiest GPU; ``layer_speedup`` against plain EP's busiest
+GPU). The planning time in those two is the measured CPU time, or a fixed ``SimConfig.plan_us``.
 Means run over layers and micro-batches; a reduction is ``1 - mean(policy) / mean(plain EP)``.
 
 These are CPU simulations: token counts from the routing, and times from the cost model, never measured on a GPU.
@@ -46,6 +47,9 @@ class SimConfig:
     """What to simulate: topology, micro-batch size, policies and their options.
 
     cost: the cost model; its expert shape (hidden, ffn) applies to workloads that carry none (synthetic ones).
+    plan_us: the planning time (us) the layer time charges every plan; None: its measured CPU time on this
+        machine. A fixed figure makes the layer times and the overlap condition deterministic (the same on any
+        machine and in every run), where this machine's speed, which varies, otherwise enters them.
     shape_from_trace: a workload's own expert shape (its model's) replaces the cost model's; False keeps
         ``cost.hidden`` / ``cost.ffn`` for every workload.
     """
@@ -68,6 +72,7 @@ class SimConfig:
     min_chunk: int | None = None
     validate: bool = True
     cost: CostModel = field(default_factory=CostModel)
+    plan_us: float | None = None
     shape_from_trace: bool = True
 
     def __post_init__(self) -> None:
@@ -87,6 +92,10 @@ class SimConfig:
             raise ValueError(f"SimConfig.policies repeats a policy: {self.policies}")
         if not isinstance(self.cost, CostModel):
             raise TypeError(f"SimConfig.cost must be a CostModel, got {type(self.cost).__name__}")
+        if self.plan_us is not None and (isinstance(self.plan_us, bool) or not isinstance(self.plan_us, (int, float))
+                                         or not 0 <= self.plan_us < math.inf):
+            raise ValueError(f"SimConfig.plan_us must be None (measured) or a finite number of us >= 0, got "
+                             f"{self.plan_us!r}")
         if not isinstance(self.shape_from_trace, bool):
             raise TypeError(f"SimConfig.shape_from_trace must be a bool, got {self.shape_from_trace!r}")
 
@@ -241,13 +250,13 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
                 rec["copy_bytes"][layer, m] = cost.plan_copy_bytes(plan) + refresh * cost.weight_bytes
                 rec["planner_us"][layer, m] = (c1 - c0) / 1e3
                 rec["planner_wall_us"][layer, m] = (t1 - t0) / 1e3
-                # the overlap condition: planning plus copies fit under the static experts' GEMM on every GPU
-                static_W = cost.static_us_W(plan, counts_WE, topo)
-                ready_W = (c1 - c0) / 1e3 + cost.copy_us_W(plan, topo) if plan.moves else np.zeros(W)
-                rec["hidden"][layer, m] = bool(np.all(ready_W <= static_W))
-                # expert time of the layer with copies and planning on the critical path: each GPU runs its
-                # static experts, waits for the plan and its copies if they are not done yet, then the rest
-                rec["layer_ms"][layer, m] = float(np.max(np.maximum(static_W, ready_W) + g_after - static_W)) / 1e3
+                # the layer's expert time with planning, copies, copy-outs and the results' return on the
+                # critical path (CostModel.layer_times), and the overlap condition: planning and copies fit under
+                # the static experts' GEMM on every GPU
+                plan_us = (c1 - c0) / 1e3 if config.plan_us is None else config.plan_us
+                times = cost.layer_times(plan, counts_WE, topo, plan_us)
+                rec["hidden"][layer, m] = times.hidden
+                rec["layer_ms"][layer, m] = times.layer_us / 1e3
                 rec["layer_before_ms"][layer, m] = float(g_before.max()) / 1e3
                 # expert weights the busiest GPU holds beyond its own (bytes, and % of its own experts' weights)
                 extra = extra_weights(state, plan, topo)

@@ -8,6 +8,10 @@ rows per expert, i.e. ``rows * 6*H*F / throughput`` = 34.15 / 66.08 / 133.99 / 2
 and about 0.42 ms for 16 experts (26.25 us each) at up to 128 rows, where reading the weights is the floor.
 Times for another expert shape scale with ``H * F``. A measured table replaces it through ``from_json``
 (``feplb calibrate`` measures one on the machine at hand, at any expert shape).
+
+Layer time (``layer_times``): the forward expert time of one MoE layer on every GPU under a plan, with the
+planning, the copies, the copy path's copy-outs and the results' return on the critical path where the runtime
+puts them (see its docstring).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,6 +29,34 @@ from feplb.sched.topology import Topology
 
 _DEFAULT_ROWS = (128, 256, 512, 1024, 2048, 4096)
 _DEFAULT_US = (26.25, 34.15, 66.08, 133.99, 259.43, 512.83)
+
+
+class LayerTimes(NamedTuple):
+    """One MoE layer's forward expert time on every GPU under a plan (``CostModel.layer_times``), us, float64 [W].
+
+    static_W: the GEMM of the GPU's static experts, slowed by the copy-outs that run beside it.
+    ready_W: when the plan, its copies and their copy-outs are done: the GPU's dynamic work may start.
+    end_W: when its GEMMs are done and the results of the rows it had computed elsewhere are home, copied out.
+    """
+
+    static_W: np.ndarray
+    ready_W: np.ndarray
+    end_W: np.ndarray
+
+    @property
+    def hidden(self) -> bool:
+        """The overlap condition: on every GPU, planning and copies finish under its static experts' GEMM."""
+        return bool(np.all(self.ready_W <= self.static_W))
+
+    @property
+    def layer_us(self) -> float:
+        """The layer's time: its last GPU's end."""
+        return float(self.end_W.max())
+
+
+def _overlap(a0: np.ndarray, a1: np.ndarray, b0: np.ndarray, b1: np.ndarray) -> np.ndarray:
+    """Length of the intersection of intervals [a0, a1] and [b0, b1], elementwise."""
+    return np.maximum(0.0, np.minimum(a1, b1) - np.maximum(a0, b0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +69,11 @@ class CostModel:
     hidden, ffn, dtype_bytes: the simulated expert's shape and element size (weights 3*H*F, rows H elements).
     ce_gbps: copy-engine bandwidth between GPUs of a node (GB/s, one way; measured H100 peer copy ~375).
     net_gbps: per-GPU bandwidth between nodes (GB/s).
+    d2d_gbps: bytes copied per second (GB/s) by a copy inside one GPU: the in-node copy path lands every copy in
+        the receiver's inbox and copies it out into a tensor of its own (H200: 4.2 TB/s of reads and writes,
+        i.e. 2,100 GB/s copied).
+    copy_out_slowdown: the fraction by which such a same-GPU copy slows a GEMM running beside it, while it runs
+        (H200: 19-22%; a copy-engine copy between GPUs: about 0.5%, not modelled).
     """
 
     hidden: int = 6144
@@ -47,16 +85,22 @@ class CostModel:
     table_ffn: int = 2048
     ce_gbps: float = 375.0
     net_gbps: float = 50.0
+    d2d_gbps: float = 2100.0
+    copy_out_slowdown: float = 0.20
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "dtype_bytes", "table_hidden", "table_ffn"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"CostModel.{name} must be a positive int, got {v!r}")
-        for name in ("ce_gbps", "net_gbps"):
+        for name in ("ce_gbps", "net_gbps", "d2d_gbps"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"CostModel.{name} must be a positive number, got {v!r}")
+        v = self.copy_out_slowdown
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ValueError(f"CostModel.copy_out_slowdown must be a number in [0, 1] (a fraction of the GEMM's "
+                             f"speed), got {v!r}")
         rows, us = tuple(int(r) for r in self.table_rows), tuple(float(t) for t in self.table_us)
         if len(rows) < 2 or len(rows) != len(us):
             raise ValueError(f"CostModel: table_rows and table_us need the same length >= 2, got {len(rows)} and "
@@ -180,3 +224,65 @@ class CostModel:
     def copy_us(self, nbytes: float, inter_node: bool = False) -> float:
         """Time (us) to copy ``nbytes`` one way between two GPUs."""
         return nbytes / ((self.net_gbps if inter_node else self.ce_gbps) * 1e3)
+
+    def layer_times(self, plan: Plan, counts_WE: np.ndarray, topo: Topology, plan_us: float) -> LayerTimes:
+        """One layer's forward expert time on every GPU under ``plan`` (a first-order model of the runtime's order).
+
+        Every GPU starts its static experts' GEMM (``static_us_W``) at 0. Unless the plan moves nothing (then
+        nothing waits for it), each GPU's dynamic work waits for the plan (``plan_us``, the planner's time) and the
+        plan's copies (``copy_us_W``; one exchange, whose end both the senders and the receivers wait for), and on
+        a receiver for the copy-out of what it received inside its node (``d2d_gbps``): ``ready``. A copy-out
+        that runs beside the static GEMM slows it by ``copy_out_slowdown`` of the time they overlap. The dynamic
+        work starts at ``max(static, ready)``: on a helper first the rows it hosts, then its own dynamic experts'
+        rows kept at home. Rows copied from their home GPU (not rows computed where they come from, nor rows
+        dispatched straight to their GPU) send their results back: helper h's results reach home d after h's
+        hosted GEMMs, at the copy engines' rate for the larger of what h sends and what d receives (between
+        nodes at ``net_gbps``), and d copies them out of its inbox (results arriving from another node come
+        through the phase-1 transport, without a copy-out); that copy-out slows d's GEMM beside it alike, and d
+        ends when both its GEMMs and that copy-out are done. Second-order effects (a slowed GEMM moving the
+        overlap, a copy-engine copy slowing a GEMM by about 0.5%) are left out.
+
+        counts_WE: int [W, E] rows per (source rank, expert), the counts the plan was made from.
+        plan_us: the planner's time for this layer (us).
+        """
+        counts_WE = topo.check_counts(counts_WE)
+        W, G = topo.num_ranks, topo.gpus_per_node
+        static0 = self.static_us_W(plan, counts_WE, topo)
+        dyn = self.gemm_times_W(plan, counts_WE, topo) - static0
+        if not plan.moves:
+            return LayerTimes(static_W=static0, ready_W=np.zeros(W), end_W=static0 + dyn)
+        d2d = self.d2d_gbps * 1e3
+        s = self.copy_out_slowdown
+        rows_copied = not (plan.rows_from_source or plan.dispatched)
+        src = np.array([m.src for m in plan.moves])
+        dst = np.array([m.dst for m in plan.moves])
+        row_B = np.array([m.rows for m in plan.moves], dtype=np.float64) * self.row_bytes
+        intra = src // G == dst // G
+        # bytes each GPU receives through the in-node copy path this micro-batch, and copies out of its inbox
+        in_B = np.zeros(W)
+        if rows_copied:
+            np.add.at(in_B, dst[intra], row_B[intra])
+        for _, wsrc, wdst in plan.weight_copies:
+            if wsrc // G == wdst // G:
+                in_B[wdst] += self.weight_bytes
+        copy_out = in_B / d2d
+        ready = plan_us + self.copy_us_W(plan, topo) + copy_out
+        static = static0 + s * _overlap(ready - copy_out, ready, np.zeros(W), static0)
+        start = np.maximum(static, ready)
+        end = start + dyn
+        if rows_copied:
+            hosted = np.bincount(dst, weights=self.gemm_us(np.array([m.rows for m in plan.moves])), minlength=W)
+            hosted_end = start + hosted
+            ret_out = np.bincount(dst, weights=row_B, minlength=W)   # results each helper sends home
+            ret_in = np.bincount(src, weights=row_B, minlength=W)    # results each home receives
+            arrive = np.full(W, -np.inf)
+            for h, d, x in zip(dst.tolist(), src.tolist(), intra.tolist(), strict=True):
+                bw = (self.ce_gbps if x else self.net_gbps) * 1e3
+                arrive[d] = max(arrive[d], hosted_end[h] + max(ret_out[h], ret_in[d]) / bw)
+            ret_intra = np.bincount(src[intra], weights=row_B[intra], minlength=W)
+            back = np.isfinite(arrive)
+            co0 = np.where(back, arrive, 0.0)
+            co1 = co0 + ret_intra / d2d
+            end = end + s * _overlap(co0, co1, start, end)
+            end = np.where(back, np.maximum(end, co1), end)
+        return LayerTimes(static_W=static, ready_W=ready, end_W=end)

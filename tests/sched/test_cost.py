@@ -66,3 +66,92 @@ def test_gemm_times_under_a_plan_match_hand_sum():
     expect1 = g(20) + sum(g(m.rows) for m in plan.moves)
     assert cm.gemm_times_W(plan, counts, topo).tolist() == pytest.approx([expect0, expect1])
     assert cm.plan_copy_bytes(plan) == moved * cm.row_bytes + len(plan.weight_copies) * cm.weight_bytes
+
+
+def _two_gpu_case(e3_rows: int, *, policy: str = "feplb-split", from_source: bool = False):
+    """GPU 0 homes experts 0 (1000 rows, dynamic) and 1 (200); GPU 1 homes 2 (100, dynamic) and 3 (``e3_rows``).
+    Rows [0, 300) of expert 0 (or, ``from_source``, its 300 rows from source rank 1, computed there) run on GPU 1,
+    with expert 0's weights copied there."""
+    from feplb.sched import Move, Plan
+
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=1)
+    if from_source:
+        counts = np.array([[700, 200, 0, 0], [300, 0, 100, e3_rows]], dtype=np.int64)
+        move = Move(expert=0, src=0, dst=1, row_start=700, row_end=1000)
+    else:
+        counts = np.array([[1000, 200, 0, 0], [0, 0, 100, e3_rows]], dtype=np.int64)
+        move = Move(expert=0, src=0, dst=1, row_start=0, row_end=300)
+    plan = Plan(policy=policy, moves=(move,), weight_copies=((0, 0, 1),), dynamic_WD=np.array([[0], [2]]),
+                loads_before_W=np.array([1200, 100 + e3_rows]), loads_after_W=np.array([900, 400 + e3_rows]),
+                rows_from_source=from_source)
+    plan.validate(counts, topo)
+    # 10 us up to 100 rows, then 0.1 us per row; a row is 100 bytes, an expert's weights 30,000; the copy engines
+    # move 1,000 bytes per us, a copy inside one GPU 10,000; such a copy halves the speed of a GEMM beside it
+    cm = CostModel(hidden=50, ffn=100, table_hidden=50, table_ffn=100, table_rows=(100, 1000),
+                   table_us=(10.0, 100.0), ce_gbps=1.0, d2d_gbps=10.0, copy_out_slowdown=0.5)
+    return cm, plan, counts, topo
+
+
+def test_layer_times_by_hand_copy_out_beside_the_static_gemm_and_results_home_last():
+    cm, plan, counts, topo = _two_gpu_case(800)
+    t = cm.layer_times(plan, counts, topo, plan_us=5.0)
+    # GPU 0 sends 300 rows + the weights (60,000 bytes: 60 us), GPU 1 receives them and copies them out (6 us)
+    assert t.ready_W.tolist() == pytest.approx([5 + 60, 5 + 60 + 6])
+    # GPU 1's copy-out [65, 71] runs beside its static GEMM (expert 3, 80 us): 6 us at half speed costs 3 us
+    assert t.static_W.tolist() == pytest.approx([20, 80 + 3])
+    assert not t.hidden  # GPU 0's static GEMM (20 us) ends long before its copies
+    # GPU 1: starts at 83, hosts 300 rows (30 us) then its own 100 rows (10 us): 123. The results (30,000 bytes)
+    # leave at 113 and arrive at 143; GPU 0 copies them out (3 us) after its own 700 rows (65 + 70 = 135)
+    assert t.end_W.tolist() == pytest.approx([146, 123])
+    assert t.layer_us == pytest.approx(146)
+
+
+def test_layer_times_by_hand_results_copy_out_beside_the_homes_gemm():
+    cm, plan, counts, topo = _two_gpu_case(100)
+    t = cm.layer_times(plan, counts, topo, plan_us=5.0)
+    assert t.static_W.tolist() == pytest.approx([20, 10])  # GPU 1's copy-out [65, 71] after its static GEMM
+    # GPU 1: 71 + 30 (hosted) + 10 = 111; results leave at 101, arrive at 131, copied out [131, 134] beside GPU 0's
+    # own rows [65, 135]: 3 us at half speed delays them by 1.5 us
+    assert t.end_W.tolist() == pytest.approx([136.5, 111])
+
+
+def test_layer_times_rows_computed_where_they_come_from_send_no_results_home():
+    cm, plan, counts, topo = _two_gpu_case(800, policy="fastermoe", from_source=True)
+    t = cm.layer_times(plan, counts, topo, plan_us=5.0)
+    # only the weights move (30 us) and are copied out on GPU 1 (3 us, beside its static GEMM: +1.5 us)
+    assert t.ready_W.tolist() == pytest.approx([35, 38])
+    assert t.static_W.tolist() == pytest.approx([20, 81.5])
+    assert t.end_W.tolist() == pytest.approx([35 + 70, 81.5 + 30 + 10])
+
+
+@pytest.mark.parametrize("policy", ["none", "feplb", "feplb-split", "fastermoe", "lp"])
+def test_layer_times_bounds_on_planned_layers(policy):
+    rng = np.random.default_rng()
+    topo = Topology(num_ranks=8, gpus_per_node=4, num_experts=32, dyn=2)
+    cm = CostModel(hidden=1024, ffn=512)
+    slow = CostModel(hidden=1024, ffn=512, d2d_gbps=cm.d2d_gbps / 10, copy_out_slowdown=1.0)
+    for _ in range(5):
+        counts = rng.multinomial(2048, rng.dirichlet(np.full(32, 0.3)), size=8).astype(np.int64)
+        plan = make_plan(policy, counts, topo, min_chunk=None) if policy != "fastermoe" else \
+            make_plan(policy, counts, topo, cost=cm)
+        plan_us = float(rng.uniform(0, 200))
+        t = cm.layer_times(plan, counts, topo, plan_us)
+        gemm = cm.gemm_times_W(plan, counts, topo)
+        static0 = cm.static_us_W(plan, counts, topo)
+        if not plan.moves:
+            assert t.end_W.tolist() == pytest.approx(gemm.tolist()) and t.hidden
+            continue
+        # nothing ends before its GEMMs, its plan and copies, and the dynamic work after them
+        ready0 = plan_us + cm.copy_us_W(plan, topo)
+        assert np.all(t.ready_W >= ready0 - 1e-9) and np.all(t.static_W >= static0 - 1e-9)
+        assert np.all(t.end_W >= np.maximum(static0, ready0) + gemm - static0 - 1e-9)
+        # a slower same-GPU copy that stops the GEMM beside it never makes the layer faster
+        assert slow.layer_times(plan, counts, topo, plan_us).layer_us >= t.layer_us - 1e-9
+
+
+@pytest.mark.parametrize("kw, match", [({"d2d_gbps": 0}, "d2d_gbps must be a positive"),
+                                       ({"copy_out_slowdown": 1.5}, r"copy_out_slowdown must be a number in \[0, 1\]"),
+                                       ({"copy_out_slowdown": True}, "copy_out_slowdown")])
+def test_bad_copy_out_parameters(kw, match):
+    with pytest.raises(ValueError, match=match):
+        CostModel(**kw)

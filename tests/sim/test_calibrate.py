@@ -193,8 +193,12 @@ def test_cli_measures_writes_a_table_the_simulator_reads(tmp_path, capsys):
 
 def test_cli_from_bench(tmp_path, capsys):
     out = tmp_path / "h200.json"
-    assert main(["calibrate", "--from-bench", str(H200_BENCH), "--out", str(out)]) == 0
+    assert main(["calibrate", "--from-bench", str(H200_BENCH), "--out", str(out), "--d2d-gbps", "1900",
+                 "--copy-out-slowdown", "0.21"]) == 0
     doc = json.loads(out.read_text())
+    assert (doc["d2d_gbps"], doc["copy_out_slowdown"]) == (1900, 0.21) and "ce_gbps" not in doc
+    cm = CostModel.from_json(out)
+    assert (cm.d2d_gbps, cm.copy_out_slowdown) == (1900, 0.21)
     assert doc["rows"][0] == 128 and (doc["hidden"], doc["ffn"]) == (6144, 2048)
     assert doc["meta"]["bench_meta"]["device"] == "NVIDIA H200" and "no SwiGLU" in doc["meta"]["what"]
     assert CostModel.from_json(out).knee_rows == 128
@@ -245,7 +249,9 @@ def test_cli_names_a_shape_the_kernel_refuses(tmp_path, capsys):
                                            (["--device", "mps"], "expected cpu, cuda or cuda:N"),
                                            (["--floor-tolerance", "nan"], "expected a number in [0, 10)"),
                                            (["--floor-tolerance", "-1"], "expected a number in [0, 10)"),
-                                           (["--warmup", "0"], "expected an integer >= 1")])
+                                           (["--warmup", "0"], "expected an integer >= 1"),
+                                           (["--copy-out-slowdown", "1.2"], "expected a number in [0, 1]"),
+                                           (["--d2d-gbps", "0"], "expected a finite number > 0")])
 def test_cli_options_are_checked_before_any_work(option, match, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["calibrate", "--out", "x.json", *option])

@@ -312,3 +312,15 @@ def test_place_min_gain_out_of_range_names_the_option(flame_path, capsys):
         main(["simulate", str(flame_path), *FAST, "--place-min-gain", "1.5"])
     assert exit_.value.code == 2
     assert "--place-min-gain: expected a number in [0, 1), got 1.5" in capsys.readouterr().err
+
+
+def test_plan_us_is_charged_recorded_and_checked(tmp_path, flame_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["simulate", str(flame_path), *FAST, "--policies", "none,feplb", "--plan-us", "25",
+                 "--json", str(out)]) == 0
+    assert "with 25 us of planning" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["config"]["plan_us"] == 25 and doc["config"]["cost"]["d2d_gbps"] == 2100
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", str(flame_path), *FAST, "--plan-us", "-3"])
+    assert exit_.value.code == 2 and "--plan-us: expected a finite number >= 0, got -3" in capsys.readouterr().err

@@ -13,8 +13,9 @@ OURS = ("feplb", "feplb-split", "lp", "feplb@ema", "feplb-split@ema")
 def test_metrics_match_an_independent_replay():
     w = SyntheticWorkload(kind="dirichlet", num_experts=32, top_k=4, num_layers=2, alpha=0.3, seed=1)
     cfg = SimConfig(num_ranks=4, gpus_per_node=2, tokens_per_rank=128, dyn=2, microbatches=3, warmup=2,
-                    policies=("none", "feplb-split"))
+                    policies=("none", "feplb-split"), plan_us=30.0)
     res = simulate(w, cfg)
+    cm = CostModel()
     # replay: same micro-batches, same histories, straggler recomputed from loads by hand
     topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=32, dyn=2)
     gen = w.microbatches(np.random.default_rng(cfg.seed), 4, 128)
@@ -29,12 +30,33 @@ def test_metrics_match_an_independent_replay():
                 assert res.metrics["feplb-split"]["token_straggler"][layer, step - 2] == loads.max() - loads.mean()
                 before = c[layer].sum(axis=0).reshape(4, -1).sum(axis=1)
                 assert res.metrics["none"]["token_straggler"][layer, step - 2] == before.max() - before.mean()
+                # the layer time charges the fixed planning time, on top of the GEMMs of plain EP's busiest GPU
+                times = cm.layer_times(plan, c[layer], topo, 30.0)
+                assert res.metrics["feplb-split"]["layer_ms"][layer, step - 2] == pytest.approx(times.layer_us / 1e3)
+                assert res.metrics["feplb-split"]["hidden"][layer, step - 2] == times.hidden
+                plain = cm.gemm_us(c[layer].sum(axis=0)).reshape(4, -1).sum(axis=1).max() / 1e3
+                assert res.metrics["none"]["layer_ms"][layer, step - 2] == pytest.approx(plain)
     s = res.summary()
     m = res.metrics["feplb-split"]
     assert s["feplb-split"]["token_straggler_reduction"] == pytest.approx(
         1 - m["token_straggler"].mean() / m["token_straggler_before"].mean())
     assert s["none"]["token_straggler_reduction"] == 0 and s["none"]["ce_bytes_per_microbatch"] == 0
     assert s["feplb-split"]["samples"] == 6 and s["feplb-split"]["planner_us_p99"] > 0
+
+
+def test_a_fixed_planning_time_makes_layer_times_deterministic():
+    w = SyntheticWorkload(kind="zipf", num_experts=32, top_k=4, num_layers=2, alpha=1.0, seed=3)
+    kw = dict(num_ranks=8, gpus_per_node=4, tokens_per_rank=256, dyn=2, microbatches=3, warmup=1,
+              policies=("none", "feplb", "feplb-split@ema", "eplb"))
+    runs = [simulate(w, SimConfig(**kw, plan_us=plan_us)).metrics for plan_us in (40.0, 40.0, 400.0)]
+    for p in kw["policies"]:
+        for k in ("layer_ms", "hidden"):
+            assert np.array_equal(runs[0][p][k], runs[1][p][k]), (p, k)
+    # a longer plan delays every layer that moves rows, and hides no more of them
+    assert np.all(runs[2]["feplb"]["layer_ms"] >= runs[0]["feplb"]["layer_ms"])
+    assert runs[2]["feplb"]["layer_ms"].sum() > runs[0]["feplb"]["layer_ms"].sum()
+    assert runs[2]["feplb"]["hidden"].sum() <= runs[0]["feplb"]["hidden"].sum()
+    assert np.array_equal(runs[2]["none"]["layer_ms"], runs[0]["none"]["layer_ms"])
 
 
 def test_flame_no_policy_makes_things_worse(flame_path):
@@ -87,8 +109,9 @@ def test_counts_disagreeing_with_the_microbatch_size_are_refused():
 @pytest.mark.parametrize(
     "kw, match",
     [({"policies": ("none", "none")}, "repeats"), ({"policies": ("magic",)}, "unknown base policy"),
-     ({"microbatches": 0}, "microbatches must be"), ({"tokens_per_rank": -1}, "tokens_per_rank must be")],
-    ids=["repeated-policy", "unknown-policy", "zero-microbatches", "negative-tokens"],
+     ({"microbatches": 0}, "microbatches must be"), ({"tokens_per_rank": -1}, "tokens_per_rank must be"),
+     ({"plan_us": -1.0}, "plan_us must be None"), ({"plan_us": float("nan")}, "plan_us must be None")],
+    ids=["repeated-policy", "unknown-policy", "zero-microbatches", "negative-tokens", "negative-plan", "nan-plan"],
 )
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):
