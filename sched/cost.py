@@ -10,8 +10,8 @@ Times for another expert shape scale with ``H * F``. A measured table replaces i
 (``feplb calibrate`` measures one on the machine at hand, at any expert shape).
 
 Layer time (``layer_times``): the forward expert time of one MoE layer on every GPU under a plan, with the
-planning, the copies, the copy path's copy-outs and the results' return on the critical path where the runtime
-puts them (see its docstring).
+planning, the copies, the copy path's copy-outs and the results' return where the runtime puts them (the peers'
+plans: where those systems put them; see its docstring).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from feplb.sched.plan import Plan
+from feplb.sched.plan import Plan, policy_base
 from feplb.sched.topology import Topology
 
 _DEFAULT_ROWS = (128, 256, 512, 1024, 2048, 4096)
@@ -34,9 +34,12 @@ _DEFAULT_US = (26.25, 34.15, 66.08, 133.99, 259.43, 512.83)
 class LayerTimes(NamedTuple):
     """One MoE layer's forward expert time on every GPU under a plan (``CostModel.layer_times``), us, float64 [W].
 
-    static_W: the GEMM of the GPU's static experts, slowed by the copy-outs that run beside it.
-    ready_W: when the plan, its copies and their copy-outs are done: the GPU's dynamic work may start.
-    end_W: when its GEMMs are done and the results of the rows it had computed elsewhere are home, copied out.
+    static_W: the end of the GEMMs that wait for nothing (a FEPLB plan's static experts; a peer's experts whose
+        weights are at hand), slowed by the copy-outs that run beside them.
+    ready_W: when the plan (where the GPU waits for it), its copies and their copy-outs are done: the rest of the
+        GPU's GEMMs may start.
+    end_W: when its GEMMs and its sends are done, and the results of the rows it had computed elsewhere are home,
+        copied out.
     """
 
     static_W: np.ndarray
@@ -45,7 +48,8 @@ class LayerTimes(NamedTuple):
 
     @property
     def hidden(self) -> bool:
-        """The overlap condition: on every GPU, planning and copies finish under its static experts' GEMM."""
+        """The overlap condition: on every GPU, planning (where it overlaps the GEMMs) and copies finish under the
+        GEMMs that wait for nothing."""
         return bool(np.all(self.ready_W <= self.static_W))
 
     @property
@@ -185,13 +189,10 @@ class CostModel:
         rows = 0 if (plan.rows_from_source or plan.dispatched) else plan.rows_moved
         return rows * self.row_bytes + len(plan.weight_copies) * self.weight_bytes
 
-    def copy_us_W(self, plan: Plan, topo: Topology) -> np.ndarray:
-        """Per-GPU time (us, float64 [W]) of the copies the plan issues: for each GPU the larger of what it sends
-        and what it receives (copy engines run both ways at once), inside a node at ``ce_gbps``, between nodes at
-        ``net_gbps``. Rows computed where they come from (``rows_from_source``) or dispatched straight to their GPU
-        (``dispatched``) are not copied."""
+    def _copy_bytes(self, plan: Plan, topo: Topology) -> tuple[np.ndarray, np.ndarray]:
+        """Bytes each GPU sends and receives for the plan's copies, float64 [2, W] each ([in-node, between nodes])."""
         W, G = topo.num_ranks, topo.gpus_per_node
-        out_B = np.zeros((2, W))  # [intra, inter] bytes sent
+        out_B = np.zeros((2, W))
         in_B = np.zeros((2, W))
         if not (plan.rows_from_source or plan.dispatched):
             for m in plan.moves:
@@ -209,13 +210,26 @@ class CostModel:
                     out_B[k, src] += self.weight_bytes
             else:
                 out_B[k, src] += self.weight_bytes
-        both = np.maximum(out_B, in_B)
-        return both[0] / (self.ce_gbps * 1e3) + both[1] / (self.net_gbps * 1e3)
+        return out_B, in_B
+
+    def _link_us(self, b: np.ndarray) -> np.ndarray:
+        """Time (us) to move bytes ``b`` [2, W] ([in-node, between nodes]) one after the other."""
+        return b[0] / (self.ce_gbps * 1e3) + b[1] / (self.net_gbps * 1e3)
+
+    def copy_us_W(self, plan: Plan, topo: Topology) -> np.ndarray:
+        """Per-GPU time (us, float64 [W]) of the copies the plan issues: for each GPU the larger of what it sends
+        and what it receives (copy engines run both ways at once), inside a node at ``ce_gbps``, between nodes at
+        ``net_gbps``. Rows computed where they come from (``rows_from_source``) or dispatched straight to their GPU
+        (``dispatched``) are not copied."""
+        out_B, in_B = self._copy_bytes(plan, topo)
+        return self._link_us(np.maximum(out_B, in_B))
 
     def static_us_W(self, plan: Plan, counts_WE: np.ndarray, topo: Topology) -> np.ndarray:
-        """Per-GPU GEMM time (us, float64 [W]) of its static experts (at home, not in ``plan.dynamic_WD``): the
-        window that the plan and its copies must fit in to be hidden."""
+        """Per-GPU GEMM time (us, float64 [W]) of its static experts (at home, not in ``plan.dynamic_WD``; only
+        their rows no move takes): the window that the plan and its copies must fit in to be hidden."""
         n_E = topo.check_counts(counts_WE).sum(axis=0)
+        for m in plan.moves:
+            n_E[m.expert] -= m.row_end - m.row_start
         t_E = self.gemm_us(n_E)
         dyn = np.zeros(topo.num_experts, dtype=bool)
         dyn[plan.dynamic_WD.ravel()] = True
@@ -226,63 +240,92 @@ class CostModel:
         return nbytes / ((self.net_gbps if inter_node else self.ce_gbps) * 1e3)
 
     def layer_times(self, plan: Plan, counts_WE: np.ndarray, topo: Topology, plan_us: float) -> LayerTimes:
-        """One layer's forward expert time on every GPU under ``plan`` (a first-order model of the runtime's order).
+        """One layer's forward expert time on every GPU under ``plan``, from the end of the dispatch (a first-order
+        model; us).
 
-        Every GPU starts its static experts' GEMM (``static_us_W``) at 0. Unless the plan moves nothing (then
-        nothing waits for it), each GPU's dynamic work waits for the plan (``plan_us``, the planner's time) and the
-        plan's copies (``copy_us_W``; one exchange, whose end both the senders and the receivers wait for), and on
-        a receiver for the copy-out of what it received inside its node (``d2d_gbps``): ``ready``. A copy-out
-        that runs beside the static GEMM slows it by ``copy_out_slowdown`` of the time they overlap. The dynamic
-        work starts at ``max(static, ready)``: on a helper first the rows it hosts, then its own dynamic experts'
-        rows kept at home. Rows copied from their home GPU (not rows computed where they come from, nor rows
-        dispatched straight to their GPU) send their results back: helper h's results reach home d after h's
-        hosted GEMMs, at the copy engines' rate for the larger of what h sends and what d receives (between
-        nodes at ``net_gbps``), and d copies them out of its inbox (results arriving from another node come
-        through the phase-1 transport, without a copy-out); that copy-out slows d's GEMM beside it alike, and d
-        ends when both its GEMMs and that copy-out are done. Second-order effects (a slowed GEMM moving the
-        overlap, a copy-engine copy slowing a GEMM by about 0.5%) are left out.
+        FEPLB's plans (rows copied from their home GPU), in the runtime's order: every GPU starts its static
+        experts' GEMM (``static_us_W``) at once and plans meanwhile (``plan_us``; plain EP plans nothing); its
+        dynamic work waits for the plan and, where it takes part in the plan's copies, for its own sends, for the
+        sends of every GPU that sends to it (each sender's copies complete together) and for the copy-out of what
+        it received inside its node: the copy path lands every copy in the receiver's inbox and copies it into a
+        tensor of its own, a copy inside one GPU (``d2d_gbps``) that slows a GEMM beside it by
+        ``copy_out_slowdown`` of their overlap. That is ``ready``. The dynamic work starts at
+        ``max(static, ready)``: on a helper the rows it hosts first, then its send of their results home, then its
+        own dynamic experts' rows kept at home. A home receives those results once every helper of its has sent
+        them (no sooner than its inbound link allows) and once its own hosted GEMM and sends are issued, copies
+        them out (beside its GEMM, which it slows alike) and ends when both are done; a helper ends no sooner than
+        its sends.
+
+        The peers' plans, as those systems run them: EPLB's rows (``dispatched``) reach every copy of an expert in
+        the dispatch itself, split by its layout, which needs no plan in the micro-batch; FasterMoE
+        (``rows_from_source``) decides before the dispatch, so its planning delays everything, and computes a
+        shadowed expert's rows where they come from. Their GEMMs whose weights are at hand start at once; those
+        whose weights are copied this micro-batch wait for the copies and their copy-out; nothing goes home.
+        ``static_W`` is then the first kind's end, and the overlap condition says whether the copies hid under it.
+
+        Left out: the dispatch and the combine, the backward, and second-order effects (a slowed GEMM moving an
+        overlap, the 0.5% a copy-engine copy slows a GEMM).
 
         counts_WE: int [W, E] rows per (source rank, expert), the counts the plan was made from.
         plan_us: the planner's time for this layer (us).
         """
         counts_WE = topo.check_counts(counts_WE)
         W, G = topo.num_ranks, topo.gpus_per_node
-        static0 = self.static_us_W(plan, counts_WE, topo)
-        dyn = self.gemm_times_W(plan, counts_WE, topo) - static0
-        if not plan.moves:
-            return LayerTimes(static_W=static0, ready_W=np.zeros(W), end_W=static0 + dyn)
-        d2d = self.d2d_gbps * 1e3
         s = self.copy_out_slowdown
-        rows_copied = not (plan.rows_from_source or plan.dispatched)
-        src = np.array([m.src for m in plan.moves])
-        dst = np.array([m.dst for m in plan.moves])
-        row_B = np.array([m.rows for m in plan.moves], dtype=np.float64) * self.row_bytes
-        intra = src // G == dst // G
-        # bytes each GPU receives through the in-node copy path this micro-batch, and copies out of its inbox
-        in_B = np.zeros(W)
-        if rows_copied:
-            np.add.at(in_B, dst[intra], row_B[intra])
-        for _, wsrc, wdst in plan.weight_copies:
-            if wsrc // G == wdst // G:
-                in_B[wdst] += self.weight_bytes
-        copy_out = in_B / d2d
-        ready = plan_us + self.copy_us_W(plan, topo) + copy_out
-        static = static0 + s * _overlap(ready - copy_out, ready, np.zeros(W), static0)
+        d2d = self.d2d_gbps * 1e3
+        zeros = np.zeros(W)
+        gemm = self.gemm_times_W(plan, counts_WE, topo)
+        out_B, in_B = self._copy_bytes(plan, topo)
+        # the copies land once the receiver's own copies and every sender's are done, then are copied out
+        send_t = self._link_us(out_B)
+        copy_t = self._link_us(np.maximum(out_B, in_B))
+        pairs = [(m.src, m.dst) for m in plan.moves] if not (plan.rows_from_source or plan.dispatched) else []
+        pairs += [(src, dst) for _, src, dst in plan.weight_copies]
+        for src, dst in pairs:
+            copy_t[dst] = max(copy_t[dst], send_t[src])
+        copy_out = in_B[0] / d2d
+
+        if plan.rows_from_source or plan.dispatched:
+            p = 0.0 if plan.dispatched else float(plan_us)
+            copied = {(e, dst) for e, _, dst in plan.weight_copies}
+            waits = np.zeros(W)
+            for m in plan.moves:
+                if (m.expert, m.dst) in copied:
+                    waits[m.dst] += float(self.gemm_us(m.row_end - m.row_start))
+            recv = waits > 0
+            ready = np.where(recv, p + copy_t + copy_out, p)
+            local_end = p + gemm - waits
+            local_end = local_end + s * _overlap(ready - copy_out, ready, np.full(W, p), local_end)
+            end = np.where(recv, np.maximum(local_end, ready) + waits, local_end)
+            return LayerTimes(static_W=local_end, ready_W=np.where(recv, ready, local_end), end_W=end)
+
+        static0 = self.static_us_W(plan, counts_WE, topo)
+        dyn = gemm - static0
+        p = 0.0 if policy_base(plan.policy) == "none" else float(plan_us)
+        ready = p + copy_t + copy_out
+        static = static0 + s * _overlap(ready - copy_out, ready, zeros, static0)
         start = np.maximum(static, ready)
         end = start + dyn
-        if rows_copied:
-            hosted = np.bincount(dst, weights=self.gemm_us(np.array([m.rows for m in plan.moves])), minlength=W)
-            hosted_end = start + hosted
-            ret_out = np.bincount(dst, weights=row_B, minlength=W)   # results each helper sends home
-            ret_in = np.bincount(src, weights=row_B, minlength=W)    # results each home receives
-            arrive = np.full(W, -np.inf)
-            for h, d, x in zip(dst.tolist(), src.tolist(), intra.tolist(), strict=True):
-                bw = (self.ce_gbps if x else self.net_gbps) * 1e3
-                arrive[d] = max(arrive[d], hosted_end[h] + max(ret_out[h], ret_in[d]) / bw)
-            ret_intra = np.bincount(src[intra], weights=row_B[intra], minlength=W)
-            back = np.isfinite(arrive)
-            co0 = np.where(back, arrive, 0.0)
-            co1 = co0 + ret_intra / d2d
-            end = end + s * _overlap(co0, co1, start, end)
-            end = np.where(back, np.maximum(end, co1), end)
+        if not plan.moves:
+            return LayerTimes(static_W=static, ready_W=ready, end_W=end)
+        src = np.array([m.src for m in plan.moves])
+        dst = np.array([m.dst for m in plan.moves])
+        rows = np.array([m.row_end - m.row_start for m in plan.moves])
+        row_B = rows.astype(np.float64) * self.row_bytes
+        bw = np.where(src // G == dst // G, self.ce_gbps, self.net_gbps) * 1e3
+        hosted_end = start + np.bincount(dst, weights=self.gemm_us(rows), minlength=W)
+        ret_out = np.bincount(dst, weights=row_B / bw, minlength=W)   # each helper's sends of results home (us)
+        ret_in = np.bincount(src, weights=row_B / bw, minlength=W)    # each home's receives (us)
+        sent = hosted_end + ret_out
+        last = np.full(W, -np.inf)
+        first = np.full(W, np.inf)
+        np.maximum.at(last, src, sent[dst])
+        np.minimum.at(first, src, hosted_end[dst])
+        home = np.isfinite(last)
+        arrive = np.where(home, np.maximum(last, first + ret_in), 0.0)
+        intra = src // G == dst // G
+        co0 = np.maximum(arrive, sent)   # a home issues its receive after its own hosted GEMM and sends
+        co1 = co0 + np.bincount(src[intra], weights=row_B[intra], minlength=W) / d2d
+        end = end + np.where(home, s * _overlap(co0, co1, start, end), 0.0)
+        end = np.maximum(np.where(home, np.maximum(end, co1), end), np.where(ret_out > 0, sent, 0.0))
         return LayerTimes(static_W=static, ready_W=ready, end_W=end)

@@ -1,5 +1,6 @@
 """Cost model: the GEMM curve's shape, a measured table from JSON, per-GPU times under a plan, copy sizes."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -100,9 +101,9 @@ def test_layer_times_by_hand_copy_out_beside_the_static_gemm_and_results_home_la
     # GPU 1's copy-out [65, 71] runs beside its static GEMM (expert 3, 80 us): 6 us at half speed costs 3 us
     assert t.static_W.tolist() == pytest.approx([20, 80 + 3])
     assert not t.hidden  # GPU 0's static GEMM (20 us) ends long before its copies
-    # GPU 1: starts at 83, hosts 300 rows (30 us) then its own 100 rows (10 us): 123. The results (30,000 bytes)
-    # leave at 113 and arrive at 143; GPU 0 copies them out (3 us) after its own 700 rows (65 + 70 = 135)
-    assert t.end_W.tolist() == pytest.approx([146, 123])
+    # GPU 1: starts at 83, hosts 300 rows (30 us) then its own 100 rows (10 us): 123, but its send of the results
+    # (30,000 bytes) leaves at 113 and ends at 143; GPU 0 copies them out (3 us) after its own 700 rows (65 + 70)
+    assert t.end_W.tolist() == pytest.approx([146, 143])
     assert t.layer_us == pytest.approx(146)
 
 
@@ -110,21 +111,46 @@ def test_layer_times_by_hand_results_copy_out_beside_the_homes_gemm():
     cm, plan, counts, topo = _two_gpu_case(100)
     t = cm.layer_times(plan, counts, topo, plan_us=5.0)
     assert t.static_W.tolist() == pytest.approx([20, 10])  # GPU 1's copy-out [65, 71] after its static GEMM
-    # GPU 1: 71 + 30 (hosted) + 10 = 111; results leave at 101, arrive at 131, copied out [131, 134] beside GPU 0's
-    # own rows [65, 135]: 3 us at half speed delays them by 1.5 us
-    assert t.end_W.tolist() == pytest.approx([136.5, 111])
+    # GPU 1: 71 + 30 (hosted) + 10 = 111; results leave at 101, arrive at 131 (GPU 1 ends then), copied out
+    # [131, 134] beside GPU 0's own rows [65, 135]: 3 us at half speed delays them by 1.5 us
+    assert t.end_W.tolist() == pytest.approx([136.5, 131])
 
 
 def test_layer_times_rows_computed_where_they_come_from_send_no_results_home():
     cm, plan, counts, topo = _two_gpu_case(800, policy="fastermoe", from_source=True)
     t = cm.layer_times(plan, counts, topo, plan_us=5.0)
-    # only the weights move (30 us) and are copied out on GPU 1 (3 us, beside its static GEMM: +1.5 us)
-    assert t.ready_W.tolist() == pytest.approx([35, 38])
-    assert t.static_W.tolist() == pytest.approx([20, 81.5])
-    assert t.end_W.tolist() == pytest.approx([35 + 70, 81.5 + 30 + 10])
+    # FasterMoE plans before the dispatch (5 us), then every GEMM with its weights at hand runs: GPU 0 its 900 rows
+    # (90 us), GPU 1 its 900 own (90 us), beside the weights' copy (30 us) and their copy-out on GPU 1 ([35, 38],
+    # +1.5 us); GPU 1 then computes the 300 rows of expert 0 that came from it (30 us); nothing goes home
+    assert t.static_W.tolist() == pytest.approx([95, 96.5])
+    assert t.ready_W[1] == pytest.approx(38) and t.hidden
+    assert t.end_W.tolist() == pytest.approx([95, 126.5])
+    # EPLB's rows come with the dispatch and need no plan in the micro-batch
+    eplb = dataclasses.replace(plan, policy="eplb", rows_from_source=False, dispatched=True)
+    assert cm.layer_times(eplb, counts, topo, plan_us=5.0).end_W.tolist() == pytest.approx([90, 121.5])
 
 
-@pytest.mark.parametrize("policy", ["none", "feplb", "feplb-split", "fastermoe", "lp"])
+def test_layer_times_by_hand_a_receiver_waits_for_all_its_senders_copies():
+    from feplb.sched import Move, Plan
+
+    # GPU 0 homes expert 0 (1000 rows) and sends 300 of them to GPU 1, 100 to GPU 2, with the weights to both
+    topo = Topology(num_ranks=3, gpus_per_node=3, num_experts=3, dyn=1)
+    counts = np.array([[1000, 0, 0], [0, 100, 0], [0, 0, 100]], dtype=np.int64)
+    plan = Plan(policy="feplb-split", moves=(Move(0, 0, 1, 0, 300), Move(0, 0, 2, 300, 400)),
+                weight_copies=((0, 0, 1), (0, 0, 2)), dynamic_WD=np.array([[0], [1], [2]]),
+                loads_before_W=np.array([1000, 100, 100]), loads_after_W=np.array([600, 400, 200]))
+    plan.validate(counts, topo)
+    cm = _two_gpu_case(0)[0]
+    t = cm.layer_times(plan, counts, topo, plan_us=5.0)
+    # GPU 0 sends 100,000 bytes (100 us); GPU 2 receives only 40,000 but its copy-out waits for all of GPU 0's
+    # sends: 5 + 100 + 4, not 5 + 40 + 4
+    assert t.ready_W.tolist() == pytest.approx([105, 111, 109])
+    # GPU 1 hosts [111, 141] and sends 30 us of results (171), GPU 2 [109, 119] and 10 us (129); GPU 0, done with
+    # its own 600 rows at 165, copies 40,000 bytes of results out once both arrived: [171, 175]
+    assert t.end_W.tolist() == pytest.approx([175, 171, 129])
+
+
+@pytest.mark.parametrize("policy", ["none", "feplb", "feplb-split", "fastermoe", "eplb", "lp"])
 def test_layer_times_bounds_on_planned_layers(policy):
     rng = np.random.default_rng()
     topo = Topology(num_ranks=8, gpus_per_node=4, num_experts=32, dyn=2)
@@ -138,13 +164,16 @@ def test_layer_times_bounds_on_planned_layers(policy):
         t = cm.layer_times(plan, counts, topo, plan_us)
         gemm = cm.gemm_times_W(plan, counts, topo)
         static0 = cm.static_us_W(plan, counts, topo)
-        if not plan.moves:
+        # nothing ends before its GEMMs, or before planning where the plan delays them
+        waits = plan_us if policy == "fastermoe" else 0.0
+        assert np.all(static0 <= gemm + 1e-9) and np.all(t.end_W >= gemm + waits - 1e-9)
+        if policy == "none":
             assert t.end_W.tolist() == pytest.approx(gemm.tolist()) and t.hidden
-            continue
-        # nothing ends before its GEMMs, its plan and copies, and the dynamic work after them
-        ready0 = plan_us + cm.copy_us_W(plan, topo)
-        assert np.all(t.ready_W >= ready0 - 1e-9) and np.all(t.static_W >= static0 - 1e-9)
-        assert np.all(t.end_W >= np.maximum(static0, ready0) + gemm - static0 - 1e-9)
+        if policy in ("feplb", "feplb-split", "lp"):
+            # the dynamic work after the plan and the copies
+            ready0 = plan_us + cm.copy_us_W(plan, topo)
+            assert np.all(t.ready_W >= ready0 - 1e-9) and np.all(t.static_W >= static0 - 1e-9)
+            assert np.all(t.end_W >= np.maximum(static0, ready0) + gemm - static0 - 1e-9)
         # a slower same-GPU copy that stops the GEMM beside it never makes the layer faster
         assert slow.layer_times(plan, counts, topo, plan_us).layer_us >= t.layer_us - 1e-9
 
