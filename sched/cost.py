@@ -74,10 +74,13 @@ class CostModel:
     ce_gbps: copy-engine bandwidth between GPUs of a node (GB/s, one way; measured H100 peer copy ~375).
     net_gbps: per-GPU bandwidth between nodes (GB/s).
     d2d_gbps: bytes copied per second (GB/s) by a copy inside one GPU: the in-node copy path lands every copy in
-        the receiver's inbox and copies it out into a tensor of its own (H200: 4.2 TB/s of reads and writes,
-        i.e. 2,100 GB/s copied).
-    copy_out_slowdown: the fraction by which such a same-GPU copy slows a GEMM running beside it, while it runs
-        (H200: 19-22%; a copy-engine copy between GPUs: about 0.5%, not modelled).
+        the receiver's inbox and copies it out into a tensor of its own (H200: 4.2 TB/s of reads and writes, i.e.
+        2,100 GB/s copied; this project's 2026-11-30 H200 run, ``bench/results``: 4.23 TB/s).
+    copy_out_slowdown: how much longer a GEMM runs per unit of such a copy's time (at ``d2d_gbps``) beside it.
+        0.29 from that H200 run (``bench_overlap``: a 152 MB same-GPU copy, 72 us at 2,100 GB/s, lengthened the
+        static GEMM by 20.7 us); the design's notes measured a GEMM loop 19-22% slower while a copy loop ran.
+        Copy-engine copies slow GEMMs too (3.9% beside a PCIe host-to-device copy in that run, 0.5% in the
+        design's notes; not measured at NVLink rates) and are not modelled.
     """
 
     hidden: int = 6144
@@ -90,7 +93,7 @@ class CostModel:
     ce_gbps: float = 375.0
     net_gbps: float = 50.0
     d2d_gbps: float = 2100.0
-    copy_out_slowdown: float = 0.20
+    copy_out_slowdown: float = 0.29
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "dtype_bytes", "table_hidden", "table_ffn"):
@@ -263,8 +266,8 @@ class CostModel:
         whose weights are copied this micro-batch wait for the copies and their copy-out; nothing goes home.
         ``static_W`` is then the first kind's end, and the overlap condition says whether the copies hid under it.
 
-        Left out: the dispatch and the combine, the backward, and second-order effects (a slowed GEMM moving an
-        overlap, the 0.5% a copy-engine copy slows a GEMM).
+        Left out: the dispatch and the combine, the backward, what copy-engine copies slow a GEMM beside them
+        (see ``copy_out_slowdown``), and second-order effects (a slowed GEMM moving an overlap).
 
         counts_WE: int [W, E] rows per (source rank, expert), the counts the plan was made from.
         plan_us: the planner's time for this layer (us).
