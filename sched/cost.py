@@ -315,7 +315,8 @@ class CostModel:
         dst = np.array([m.dst for m in plan.moves])
         rows = np.array([m.row_end - m.row_start for m in plan.moves])
         row_B = rows.astype(np.float64) * self.row_bytes
-        bw = np.where(src // G == dst // G, self.ce_gbps, self.net_gbps) * 1e3
+        intra = src // G == dst // G
+        bw = np.where(intra, self.ce_gbps, self.net_gbps) * 1e3
         hosted_end = start + np.bincount(dst, weights=self.gemm_us(rows), minlength=W)
         ret_out = np.bincount(dst, weights=row_B / bw, minlength=W)   # each helper's sends of results home (us)
         ret_in = np.bincount(src, weights=row_B / bw, minlength=W)    # each home's receives (us)
@@ -326,7 +327,6 @@ class CostModel:
         np.minimum.at(first, src, hosted_end[dst])
         home = np.isfinite(last)
         arrive = np.where(home, np.maximum(last, first + ret_in), 0.0)
-        intra = src // G == dst // G
         co0 = np.maximum(arrive, sent)   # a home issues its receive after its own hosted GEMM and sends
         co1 = co0 + np.bincount(src[intra], weights=row_B[intra], minlength=W) / d2d
         end = end + np.where(home, s * _overlap(co0, co1, start, end), 0.0)
