@@ -32,7 +32,7 @@ from feplb.copy import CopyEngine
 from feplb.layout import Item, exchange_layout
 from feplb.transport import Transport
 
-__all__ = ["Exchange", "PeerComm", "Received", "all_to_all_rows"]
+__all__ = ["BackwardJoin", "Exchange", "PeerComm", "Received", "all_to_all_rows"]
 
 
 def _run_once(ctx) -> None:
@@ -170,8 +170,8 @@ class PeerComm:
 
 class _ExchangeFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ex: Exchange, pending, on_backward, anchor: torch.Tensor, *sends: torch.Tensor):
-        ctx.ex, ctx.on_backward = ex, on_backward
+    def forward(ctx, ex: Exchange, pending, on_backward, join, settle, anchor: torch.Tensor, *sends: torch.Tensor):
+        ctx.ex, ctx.on_backward, ctx.join, ctx.settle = ex, on_backward, join, settle
         ctx.send_shapes = [t.shape for t in sends]
         ctx.anchor_shape = anchor.shape
         got, done = pending.result() if pending is not None else ex.issue(list(sends))
@@ -188,20 +188,105 @@ class _ExchangeFn(torch.autograd.Function):
         # What i sent j, j now sends i: each source gets the gradient of its whole block back in one piece.
         _run_once(ctx)
         ex = ctx.ex
-        lay = ex.layout
-        back = {q: [g.contiguous()] for q, g in zip(lay.recv, grads, strict=True)}
-        got = ex.comm.run(back, {p: sum(ex.items[k].numel for k in ks) for p, ks in lay.send.items()},
-                          cross_node=lay.cross_node, intra_node=lay.intra_node, dtype=ex.dtype, device=ex.device,
-                          op=f"{ex.op}, backward", node_matrix=lay.node_matrix.T)
-        out = []
-        shapes = iter(ctx.send_shapes)
-        for p, ks in lay.send.items():
-            pos = 0
-            for k in ks:
-                n = ex.items[k].numel
-                out.append(got[p][pos:pos + n].view(next(shapes)))
-                pos += n
-        return (None, None, None, torch.zeros(ctx.anchor_shape, dtype=ex.dtype, device=ex.device), *out)
+        grad_anchor = torch.zeros(ctx.anchor_shape, dtype=ex.dtype, device=ex.device)
+        if ctx.settle is not None:   # a later exchange's backward, started on the copy thread, ends first
+            ctx.settle.settle()
+        join = ctx.join
+        if join is not None and join.armed:
+            # started on the copy thread; the gradients reach the sends where ``join`` finishes it (BackwardJoin)
+            join.start(ex, list(grads), ctx.send_shapes)
+            return (None, None, None, None, None, grad_anchor,
+                    *(torch.zeros((), dtype=ex.dtype, device=ex.device).expand(s) for s in ctx.send_shapes))
+        got, _ = ex.issue_backward(list(grads))
+        return (None, None, None, None, None, grad_anchor, *ex.send_grads(got, ctx.send_shapes))
+
+
+class _JoinFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, join: BackwardJoin, *sends: torch.Tensor):
+        ctx.join = join
+        return tuple(t.view_as(t) for t in sends)
+
+    @staticmethod
+    def backward(ctx, *_started):
+        return (None, *ctx.join.finish())
+
+
+class BackwardJoin:
+    """An exchange's backward started on the copy thread and finished where the gradients of its sends are used.
+
+    Autograd runs a node's backward before the nodes made earlier, so the backward of the results-home exchange
+    comes first in phase 2's backward. Run there in place, it would make the compute stream wait for its copies
+    before anything else of the layer's backward (and on the CPU, the calling thread for the exchange itself).
+    Started on the copy thread instead, the exchange runs beside what the backward computes next (the static
+    experts' and the kept rows' GEMMs, whose nodes are made after ``wrap``), and only the GEMMs that produced the
+    sends (made before ``wrap``) wait for it: ``wrap``'s node, the first of them to run, finishes the exchange (on a
+    GPU: the compute stream waits for the hand-off stream, no host wait). Where no such node runs (this rank sends
+    nothing, or its sends need no gradient), the next exchange's backward on this rank, which every rank of the
+    node runs after this one, waits for it first (``settle``): the copy path runs one exchange at a time.
+
+    Args:
+        copier: the copy thread (``Balancer.copier``).  tl: the forward's timeline (the exchange's span is recorded
+            there as ``copy_grads``), or None.
+    """
+
+    def __init__(self, copier: concurrent.futures.Executor, tl=None):
+        self.copier, self.tl = copier, tl
+        self.armed = False
+        self._future: concurrent.futures.Future | None = None
+        self._ex: Exchange | None = None
+        self._shapes: list = []
+
+    def wrap(self, sends: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The sends, through a node whose backward finishes the exchange (made right after the GEMMs that produced
+        them, where they need gradients). Arms the join where autograd records: the exchange's backward then starts
+        on the copy thread (else it runs in place)."""
+        self.armed = torch.is_grad_enabled()
+        if not sends or not self.armed or not any(t.requires_grad for t in sends):
+            return sends
+        return list(_JoinFn.apply(self, *sends))
+
+    def start(self, ex: Exchange, grads: list[torch.Tensor], shapes: list) -> None:
+        """Issue ``ex``'s backward with ``grads`` on the copy thread (an exchange left in flight by a backward that
+        failed before its ``finish`` ends first: one exchange per copy path at a time)."""
+        if self._future is not None:
+            concurrent.futures.wait([self._future])
+        ready = None
+        if ex.device.type == "cuda":   # the gradients are made on this stream, up to here
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(ex.device))
+        tl = self.tl
+
+        def run():
+            if tl is None:
+                return ex.issue_backward(grads, ready, handoff=True)
+            with tl.span("copy_grads", "copy"):
+                return ex.issue_backward(grads, ready, handoff=True)
+
+        self._ex, self._shapes = ex, shapes
+        self._future = self.copier.submit(run)
+
+    def settle(self) -> None:
+        """Wait until the exchange is done on the host, if it is still pending (its gradients, if any, were not
+        needed here); raises what it raised."""
+        fut, self._future = self._future, None
+        if fut is not None:
+            fut.result()
+
+    def finish(self) -> list[torch.Tensor]:
+        """The gradients of the sends (waits for the exchange; on a GPU the current stream waits for its copies)."""
+        fut, self._future = self._future, None
+        if fut is None:
+            raise RuntimeError("BackwardJoin.finish: the exchange's backward was not started (its node did not run "
+                               "before the sends' gradients were needed)")
+        got, done = fut.result()
+        ex = self._ex
+        if done is not None:
+            cur = torch.cuda.current_stream(ex.device)
+            cur.wait_event(done)
+            for t in got.values():
+                t.record_stream(cur)
+        return ex.send_grads(got, self._shapes)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -265,34 +350,66 @@ class Exchange:
         With ``handoff`` on CUDA everything this thread enqueues (flattening strided sends such as a transposed
         weight, the cross-node part) goes on the comm's worker stream, after ``ready``; the copy path then starts
         after that stream's work, and the hand-off stream waits for both."""
-        if not (handoff and self.device.type == "cuda"):
-            return self._issue(sends, ready, None, None)
-        if ready is None:
-            raise ValueError(f"{self.op}: a hand-off exchange on CUDA needs the sends' ready event (recorded on the "
-                             "stream that produced them): a worker thread cannot know that stream")
-        work = self.comm.worker_stream(self.device)
-        work.wait_event(ready)
-        with torch.cuda.stream(work):
-            return self._issue(sends, None, work, self.comm.handoff_stream(self.device))
-
-    def _issue(self, sends: list[torch.Tensor], ready, work, consumer):
         lay = self.layout
         pieces: dict[int, list[torch.Tensor]] = {}
         it = iter(sends)
         for p, ks in lay.send.items():
             pieces[p] = []
             for k in ks:
-                t = next(it).detach()
+                t = next(it)
                 if t.numel() != self.items[k].numel:
                     raise ValueError(f"{self.op}: item {k} ({self.items[k]}) given {t.numel()} elements")
+                pieces[p].append(t)
+        return self._run(pieces, lay.recv_numel, lay.node_matrix, self.op, ready, handoff)
+
+    def issue_backward(self, grads: list[torch.Tensor], ready=None, *, handoff: bool = False):
+        """The exchange's backward, without autograd: ``grads`` are those of what this rank received (in
+        ``layout.recv`` order); what i sent j, j now sends i, each source's whole block in one piece. Returns
+        ({destination of the forward: buffer of the gradients of what this rank sent it}, event or None), as
+        ``issue`` (``ready`` and ``handoff`` alike); ``send_grads`` splits it per send."""
+        lay = self.layout
+        back = {q: [g] for q, g in zip(lay.recv, grads, strict=True)}
+        recv = {p: sum(self.items[k].numel for k in ks) for p, ks in lay.send.items()}
+        return self._run(back, recv, lay.node_matrix.T, f"{self.op}, backward", ready, handoff)
+
+    def send_grads(self, got: dict[int, torch.Tensor], shapes: list) -> list[torch.Tensor]:
+        """``issue_backward``'s buffers as the gradient of each send (in ``sends_of`` order, each in its shape)."""
+        out = []
+        it = iter(shapes)
+        for p, ks in self.layout.send.items():
+            pos = 0
+            for k in ks:
+                n = self.items[k].numel
+                out.append(got[p][pos:pos + n].view(next(it)))
+                pos += n
+        return out
+
+    def _run(self, pieces, recv_numel, matrix, op, ready, handoff):
+        if not (handoff and self.device.type == "cuda"):
+            return self._issue(pieces, recv_numel, matrix, op, ready, None, None)
+        if ready is None:
+            raise ValueError(f"{op}: a hand-off exchange on CUDA needs the sends' ready event (recorded on the "
+                             "stream that produced them): a worker thread cannot know that stream")
+        work = self.comm.worker_stream(self.device)
+        work.wait_event(ready)
+        with torch.cuda.stream(work):
+            return self._issue(pieces, recv_numel, matrix, op, None, work, self.comm.handoff_stream(self.device))
+
+    def _issue(self, pieces, recv_numel, matrix, op, ready, work, consumer):
+        flat: dict[int, list[torch.Tensor]] = {}
+        for p, ts in pieces.items():
+            flat[p] = []
+            for t in ts:
+                t = t.detach()
                 if work is not None:
                     t.record_stream(work)   # made on the compute stream, read here: not reused before
-                pieces[p].append(t.reshape(-1).contiguous())
+                flat[p].append(t.reshape(-1).contiguous())
         if work is not None:
             ready = torch.cuda.Event()
             ready.record(work)              # the flattened sends exist (and the caller's ready has passed)
-        got = self.comm.run(pieces, lay.recv_numel, cross_node=lay.cross_node, intra_node=lay.intra_node,
-                            dtype=self.dtype, device=self.device, op=self.op, node_matrix=lay.node_matrix,
+        lay = self.layout
+        got = self.comm.run(flat, recv_numel, cross_node=lay.cross_node, intra_node=lay.intra_node,
+                            dtype=self.dtype, device=self.device, op=op, node_matrix=matrix,
                             ready=ready, consumer=consumer)
         done = None
         if consumer is not None:
@@ -317,17 +434,21 @@ class Exchange:
         return worker.submit(self.issue, list(sends), ready, handoff=True)
 
     def __call__(self, sends: list[torch.Tensor], anchor: torch.Tensor,
-                 pending: concurrent.futures.Future | None = None, on_backward=None) -> Received:
+                 pending: concurrent.futures.Future | None = None, on_backward=None,
+                 join: BackwardJoin | None = None, settle: BackwardJoin | None = None) -> Received:
         """Differentiable exchange: sends in ``sends_of`` order -> what this rank received.
 
         anchor: an empty tensor requiring grad whenever autograd records (on every rank), so that every rank runs
         the backward. pending: a future of ``(buffers, event)`` from ``start`` or ``issue(..., handoff=True)`` with
         the same sends (the copies already ran, beside the compute). on_backward: a callable run first in the
         (first) backward, on every rank of the exchange in the same order (``feplb.recopy.Recopy.start``); not run
-        where the exchange is not active on this rank."""
+        where the exchange is not active on this rank. join: the ``BackwardJoin`` that ``sends`` went through
+        (``join.wrap``): the backward starts there on the copy thread, and the sends' gradients wait for it only
+        where that node runs. settle: a ``BackwardJoin`` of an exchange made after this one, whose backward comes
+        before this one's: this backward waits for it to end first."""
         if not self.active:
             return Received(tail=anchor[:0].reshape(-1), items={}, bufs={}, at={})
-        tail, *bufs = _ExchangeFn.apply(self, pending, on_backward, anchor, *sends)
+        tail, *bufs = _ExchangeFn.apply(self, pending, on_backward, join, settle, anchor, *sends)
         return self.received(dict(zip(self.layout.recv, bufs, strict=True)), tail)
 
     def received(self, by_src: dict[int, torch.Tensor], tail: torch.Tensor) -> Received:

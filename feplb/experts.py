@@ -1,6 +1,7 @@
 """Small pieces every step of the MoE layer shares: the gated experts over grouped rows, weights derived from
 parameters that the backward derives again instead of keeping, host index arrays to the device without a blocking
-copy, the hand-off of device work to a helper thread, and timeline spans."""
+copy, the hand-off of device work to a helper thread, the order of the backward (``EarlyBackward``), and
+timeline spans."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 
 from feplb.timeline import Timeline
 
-__all__ = ["derived_cast", "expert_mlp", "ready_event", "rebuilding_applies", "rebuilt_in_backward", "span",
-           "to_device"]
+__all__ = ["EarlyBackward", "derived_cast", "expert_mlp", "ready_event", "rebuilding_applies", "rebuilt_in_backward",
+           "span", "to_device"]
 
 
 def expert_mlp(x_MH: torch.Tensor, weights: tuple[torch.Tensor, ...], offsets_L: torch.Tensor,
@@ -49,6 +50,58 @@ def expert_mlp(x_MH: torch.Tensor, weights: tuple[torch.Tensor, ...], offsets_L:
     if bias:
         y = y + _RowBias.apply(bias[1], group_M)
     return y if y.dtype == x_MH.dtype else y.to(x_MH.dtype)
+
+
+class EarlyBackward:
+    """Autograd nodes made now whose backward should run as if they were made later (``promote``).
+
+    Autograd runs a ready node's backward before those of nodes made earlier (a higher sequence number first). The
+    layer computes its static experts first in the forward, so that the copies run beside them; left alone, their
+    backward would then come last in phase 2's backward: after the hosted rows' GEMMs and after the exchange that
+    returns the gradients to their homes, which a home would wait for with nothing of its own queued. Promoted just
+    before the results-home exchange is made, they run right after that exchange's backward has started (on the
+    copy thread), beside its copies, as the static GEMM runs beside the forward's copies.
+
+    Only the order of nodes that are ready together changes (never what is computed, nor a dependency): ``capture``
+    records the nodes made since this object was made that lead to a tensor, ``promote`` gives them all one new
+    sequence number, the next the calling thread would give.
+    """
+
+    def __init__(self):
+        self.start = _next_sequence_nr() if torch.is_grad_enabled() else None
+        self.nodes: list = []
+
+    def capture(self, y: torch.Tensor) -> None:
+        """The nodes made since ``__init__`` (on this thread) that ``y`` was computed through."""
+        if self.start is None or y.grad_fn is None:
+            return
+        seen, stack = set(), [y.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            n = node._sequence_nr()
+            if self.start <= n < _LEAF_SEQUENCE_NR:   # (gradient accumulators run as soon as they are ready anyway)
+                self.nodes.append(node)
+                stack.extend(f for f, _ in node.next_functions)
+
+    def promote(self) -> None:
+        """Give the captured nodes the next sequence number (once)."""
+        if self.nodes:
+            n = _next_sequence_nr()
+            for node in self.nodes:
+                node._set_sequence_nr(n)
+            self.nodes = []
+
+
+_LEAF_SEQUENCE_NR = (1 << 64) - 1
+
+
+def _next_sequence_nr() -> int:
+    """The sequence number autograd gives the next node made on this thread (one node is made to read it)."""
+    with torch.enable_grad():
+        return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr() + 1
 
 
 class _RowBias(torch.autograd.Function):

@@ -69,7 +69,7 @@ from feplb.control import Control, group_timeout
 from feplb.copy import release_copy_engine, shared_copy_engine
 from feplb.direct import forward_direct
 from feplb.dispatch import PeerComm, all_to_all_rows
-from feplb.experts import expert_mlp, ready_event, span, to_device
+from feplb.experts import EarlyBackward, expert_mlp, ready_event, span, to_device
 from feplb.layout import (
     DirectLayout,
     HomeLayout,
@@ -657,7 +657,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         try:
             try:
                 with span(tl, "static_gemm"):
+                    early = EarlyBackward()
                     y_static = self._static_gemm(h_RD, split.home, slot_w)
+                    early.capture(y_static)
                 if want and not plan_first:
                     job = start_phase2(self, h_RD, counts, split, slot_w, tl, ready, replay_plan)
             finally:
@@ -673,7 +675,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                 # read it.
                 concurrent.futures.wait([job.future])
             raise
-        y_RD, tail, recopy = dynamic_and_return(self, h_RD, y_static, split, p2, slot_w, tl)
+        y_RD, tail, recopy = dynamic_and_return(self, h_RD, y_static, early, split, p2, slot_w, tl)
         p2 = dataclasses.replace(p2, bank_bytes=slot_w.copied_bytes, recopy=recopy)
         # the empty tails keep the exchanges' backward (collective) in the graph
         y_RD = torch.cat([y_RD, tail.view(0, self.config.hidden), slot_w.tail.view(0, self.config.hidden)])

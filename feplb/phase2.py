@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from feplb.balance import PlanResult
-from feplb.dispatch import Exchange, Received
-from feplb.experts import expert_mlp, ready_event, rebuilt_in_backward, span, to_device
+from feplb.dispatch import BackwardJoin, Exchange, Received
+from feplb.experts import EarlyBackward, expert_mlp, ready_event, rebuilt_in_backward, span, to_device
 from feplb.layout import Item, Phase2Layout, inverse, phase2_layout, weight_items, weight_sends
 from feplb.recopy import Recopy
 from feplb.steps import Counts, Split
@@ -196,10 +196,17 @@ def _issue(layer, h_RD, local, res, laid, launched, ready, tl) -> Phase2:
                   copies=copies, wexchange=wex, wspec=worder, wpending=wpending)
 
 
-def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, tl):
+def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split, p2: Phase2, slot_w, tl):
     """Steps 7-8: the rows hosted for others (their results go home at once, through the copy thread), the dynamic
     rows kept at home meanwhile, then every result in RECEIVE order (for the reverse all-to-all), a tail to keep in
-    the graph, and the weights' ``Recopy`` (with ``recopy_weights`` where weights were copied, else None)."""
+    the graph, and the weights' ``Recopy`` (with ``recopy_weights`` where weights were copied, else None).
+
+    early: the static experts' GEMM (``MoELayer._static_gemm``), promoted here, after the dynamic work and before
+    the results-home exchange is made. The backward then runs, in this order: the results-home exchange's backward,
+    started on the copy thread (``feplb.dispatch.BackwardJoin``); the static experts' backward, then the kept
+    rows', beside it; the hosted rows' once their gradients are in; the phase-2 exchanges' backward, which return
+    the gradients of the rows (and weights) to their homes. So the gradients' copies run beside this GPU's own
+    GEMMs, and a home waits for its helpers only after its own work, as in the forward."""
     c = layer.config
     H = c.hidden
     dev = h_RD.device
@@ -213,11 +220,14 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
         return y_home.index_select(0, to_device(inverse(split.home.perm), dev)), layer._anchor(h_RD), None
     lay, ex, moves = p2.layout, p2.exchange, p2.moves
     local = layer._weights_of(slot_w)
-    rcv = ex(materialize(p2.spec, h_RD, local), layer._anchor(h_RD), pending=p2.pending)
+    # the results-home exchange's backward runs on the copy thread (``join``); the phase-2 exchanges' backward,
+    # which come after it, wait for it to end
+    join = BackwardJoin(layer._balancer.copier, tl)
+    rcv = ex(materialize(p2.spec, h_RD, local), layer._anchor(h_RD), pending=p2.pending, settle=join)
     rcv_w, w_base, recopy = rcv, len(moves), None
     if p2.wexchange is not None:
         wsends = materialize(p2.wspec, h_RD, local)
-        rcv_w, w_base = p2.wexchange(wsends, layer._anchor(h_RD), pending=p2.wpending), 0
+        rcv_w, w_base = p2.wexchange(wsends, layer._anchor(h_RD), pending=p2.wpending, settle=join), 0
         recopy = Recopy.of(p2.wexchange, p2.wspec, wsends, layer.control, layer.rank)
     with span(tl, "dynamic_gemm"):
         y_hosted = hosted_gemm(layer, lay.hosted, moves, p2.copies, lambda js: rcv.joined(js).view(-1, H), rcv_w,
@@ -229,6 +239,9 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
     if recopy is not None and not rex.active:
         raise RuntimeError(f"MoELayer: GPU {layer.rank} exchanges weights for phase 2 but no results")
     sends = rex.sends_of({j: y_hosted[j] for j in lay.hosted})
+    # the backward's join, right after the GEMMs that made the sends: they alone wait for the gradients' copies
+    if rex.active:
+        sends = join.wrap(sends)
     ready = ready_event(h_RD)
     # (detached here: the copy thread touches no autograd metadata this thread uses)
     pending = rex.start([t.detach() for t in sends], layer._balancer.copier, ready=ready) if rex.active else None
@@ -245,7 +258,9 @@ def dynamic_and_return(layer, h_RD, y_static, split: Split, p2: Phase2, slot_w, 
         # (with recopy_weights, the weights go to the helpers again when the layer's output gradient arrives
         # (MoELayer._experts), else first in this exchange's backward: every rank of the node runs it, and before
         # any hosted GEMM's backward, as it carries their outputs)
-        ret = rex(sends, layer._anchor(y_static), pending=pending, on_backward=None if recopy is None else recopy.start)
+        early.promote()
+        ret = rex(sends, layer._anchor(y_static), pending=pending, on_backward=None if recopy is None else recopy.start,
+                  join=join)
     with span(tl, "assemble"):
         parts = [y_static, y_kept] + [ret.items[j].view(-1, H) for j, _, _ in lay.out]
         y_recv = torch.cat(parts).index_select(0, to_device(lay.gather, dev))

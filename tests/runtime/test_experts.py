@@ -1,10 +1,12 @@
-"""feplb.experts: the expert MLP over grouped rows, with biases."""
+"""feplb.experts: the expert MLP over grouped rows, with biases; the order of the backward (``EarlyBackward``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from feplb.experts import _RowBias, expert_mlp
+from feplb.experts import EarlyBackward, _RowBias, expert_mlp
 
 
 def test_row_bias_gradient_sums_in_fp32_whatever_the_bias_dtype():
@@ -45,3 +47,47 @@ def test_expert_mlp_with_biases_matches_a_per_expert_loop():
         g_want = torch.autograd.grad(want, ts, gy)
         for a, b in zip(g_got, g_want, strict=True):
             torch.testing.assert_close(a, b)
+
+
+def _two_branches(x, w1, w2, offsets, order: list, promote: bool):
+    """A grouped expert MLP made first (S) and another branch made after it (B); S promoted past B, or not."""
+    early = EarlyBackward()
+    s = expert_mlp(x * 2.0, (w1, w2), offsets)
+    early.capture(s)
+    b = (x * 3.0).cos() @ w1[0][:, :x.shape[1]]
+    if promote:
+        early.promote()
+    if s.requires_grad:
+        s.grad_fn.register_prehook(lambda g: order.append("S"))
+        b.grad_fn.register_prehook(lambda g: order.append("B"))
+    return s.square().sum() + b.sum()
+
+
+@pytest.mark.parametrize("how", ["plain", "reentrant", "non-reentrant"])
+def test_early_backward_runs_first_same_gradients(how):
+    """Promoted, the nodes made first run before those made after them, and every gradient is the same bit for bit
+    (also under checkpointing, whose recompute promotes again, and through a second backward); without autograd it
+    captures nothing."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 4, generator=gen, dtype=torch.float64)
+    w1 = torch.randn(2, 4, 6, generator=gen, dtype=torch.float64)
+    w2 = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64)
+    offsets = torch.tensor([3, 7])
+    grads, orders = {}, {}
+    for promote in (False, True):
+        ts = [t.clone().requires_grad_(True) for t in (x, w1, w2)]
+        order: list = []
+        f = lambda *a, promote=promote, order=order: _two_branches(*a, offsets, order, promote)  # noqa: E731
+        loss = f(*ts) if how == "plain" else checkpoint(f, *ts, use_reentrant=how == "reentrant")
+        loss.backward(retain_graph=True)
+        first = [t.grad.clone() for t in ts]
+        loss.backward()
+        grads[promote] = first + [t.grad for t in ts]
+        orders[promote] = order
+    assert orders[True][:2] == ["S", "B"] and orders[False][:2] == ["B", "S"], orders
+    for a, b in zip(grads[False], grads[True], strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        early = EarlyBackward()
+        early.capture(expert_mlp(x, (w1, w2), offsets))
+    assert early.start is None and early.nodes == []

@@ -1,0 +1,120 @@
+"""The order of phase 2's backward, on 4 gloo ranks as 2 nodes x 2 GPUs (the copy thread is the CPU stand-in for the
+copy stream, so the order the GPU would see is observable here):
+
+* the results-home exchange's backward (the gradients of the moved rows' results, home to helper) runs on the copy
+  thread, beside the static experts' backward, which starts before that exchange ends;
+* the phase-2 exchanges' backward (the rows' and weights' gradients back to their homes) start only after the
+  static experts' backward: a home does its own work before it waits for its helpers;
+* with the weights copied again for the backward (``recopy_weights``) too; and the gradients equal plain EP's.
+
+Without ``feplb.experts.EarlyBackward`` the static experts' backward comes last (after the phase-2 exchanges'), and
+without ``feplb.dispatch.BackwardJoin`` the results-home exchange's backward runs on the calling thread.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from feplb.testing import load_global_weights, run_dist
+
+pytestmark = pytest.mark.dist
+
+H, FF, E, K, W, G = 32, 48, 16, 2, 4, 2
+SLEEP_S = 0.6   # the static experts' backward, made long enough for 4 ranks on 2 cores to run the exchange beside it
+
+
+def _weights(seed):
+    gen = torch.Generator().manual_seed(seed)
+    router = torch.randn(E, H, generator=gen) / H ** 0.5
+    router[:, 0] = 0.0
+    router[[0, 1, 9], 0] = torch.tensor([4.0, 3.0, 3.5])    # GPU 0's and GPU 2's experts are hot: both nodes move
+    w1 = torch.randn(E, H, 2 * FF, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, FF, H, generator=gen) / FF ** 0.5
+    xs = [torch.randn(t, H, generator=gen) for t in (96, 80, 64, 72)]
+    for x in xs:
+        x[:, 0] = x[:, 0].abs() + 1.0
+    return router, w1, w2, xs
+
+
+class _Slow(torch.autograd.Function):
+    """Identity whose backward sleeps and logs its span: the static experts' backward made observable."""
+
+    @staticmethod
+    def forward(ctx, y, log, t0):
+        ctx.log, ctx.t0 = log, t0
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        import threading
+        import time
+
+        a = time.perf_counter() - ctx.t0
+        time.sleep(SLEEP_S)
+        ctx.log.append(("static backward", threading.current_thread().name, a, time.perf_counter() - ctx.t0))
+        return g, None, None
+
+
+def _order_rank(rank: int, world: int, recopy: bool) -> dict:
+    import threading
+    import time
+
+    from feplb import FEPLBConfig, MoELayer, dispatch
+
+    router, w1, w2, xs = _weights(5)
+    log: list = []
+    t0 = time.perf_counter()
+    issue = dispatch.Exchange.issue_backward
+
+    def spy(self, grads, ready=None, *, handoff=False):
+        a = time.perf_counter() - t0
+        try:
+            return issue(self, grads, ready, handoff=handoff)
+        finally:
+            log.append((self.op, threading.current_thread().name, a, time.perf_counter() - t0))
+
+    out = {}
+    dispatch.Exchange.issue_backward = spy
+    try:
+        for policy in ("feplb-split", "none"):
+            layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2,
+                                         policy=policy, weights="per-microbatch", recopy_weights=recopy,
+                                         min_straggler_rows=0, min_chunk=2))
+            load_global_weights(layer, router, w1, w2)
+            static = layer._static_gemm
+            layer._static_gemm = lambda *a, static=static: _Slow.apply(static(*a), log, t0)
+            x = xs[rank].clone().requires_grad_(True)
+            y = layer(x)
+            log.clear()
+            y.square().sum().backward()
+            out[policy] = {"log": list(log), "moved": layer.last_stats.rows_moved, "dx": x.grad,
+                           "dw1": layer.w1.grad, "dw2": layer.w2.grad, "drouter": layer.router.weight.grad}
+            layer.close()
+    finally:
+        dispatch.Exchange.issue_backward = issue
+    return out
+
+
+@pytest.mark.parametrize("recopy", [False, True], ids=["weights_held", "recopy_weights"])
+def test_the_static_experts_backward_runs_beside_the_gradients_copies_before_the_homes_wait(recopy):
+    results = run_dist(_order_rank, W, recopy, timeout_s=300)
+    assert all(r["feplb-split"]["moved"] > 0 for r in results[::G]), "both nodes must move rows"
+    for rank, res in enumerate(results):
+        log = res["feplb-split"]["log"]
+        (static,) = [e for e in log if e[0] == "static backward"]
+        home = [e for e in log if e[0] == "phase-2 results home"]
+        back = [e for e in log if e[0].startswith("phase-2 rows") or e[0].startswith("phase-2 weights")]
+        assert len(home) == 1 and len(back) == (2 if recopy else 1), (rank, log)
+        (home,) = home
+        assert home[1].startswith("feplb-copy"), (rank, "the results' gradients must go on the copy thread", log)
+        assert home[2] < static[3], (rank, "the results' gradients must be copied beside the static backward", log)
+        for b in back:
+            assert b[1] == static[1], (rank, log)
+            assert b[2] >= static[3], (rank, "a home must do its own work before it waits for its helpers", log)
+        # balancing changes where rows are computed, never what: plain EP's gradients
+        ref = res["none"]
+        for k in ("dx", "dw1", "dw2", "drouter"):
+            got, want = res["feplb-split"][k], ref[k]
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (rank, k)
+        assert [e[0] for e in ref["log"]] == ["static backward"], (rank, "plain EP exchanges nothing in phase 2")
