@@ -195,8 +195,8 @@ class _ExchangeFn(torch.autograd.Function):
         if join is not None and join.armed:
             # started on the copy thread; the gradients reach the sends where ``join`` finishes it (BackwardJoin)
             join.start(ex, list(grads), ctx.send_shapes)
-            return (None, None, None, None, None, grad_anchor,
-                    *(torch.zeros((), dtype=ex.dtype, device=ex.device).expand(s) for s in ctx.send_shapes))
+            zero = torch.zeros((), dtype=ex.dtype, device=ex.device)
+            return (None, None, None, None, None, grad_anchor, *(zero.expand(s) for s in ctx.send_shapes))
         got, _ = ex.issue_backward(list(grads))
         return (None, None, None, None, None, grad_anchor, *ex.send_grads(got, ctx.send_shapes))
 
@@ -217,76 +217,85 @@ class BackwardJoin:
 
     Autograd runs a node's backward before the nodes made earlier, so the backward of the results-home exchange
     comes first in phase 2's backward. Run there in place, it would make the compute stream wait for its copies
-    before anything else of the layer's backward (and on the CPU, the calling thread for the exchange itself).
-    Started on the copy thread instead, the exchange runs beside what the backward computes next (the static
-    experts' and the kept rows' GEMMs, whose nodes are made after ``wrap``), and only the GEMMs that produced the
-    sends (made before ``wrap``) wait for it: ``wrap``'s node, the first of them to run, finishes the exchange (on a
-    GPU: the compute stream waits for the hand-off stream, no host wait). Where no such node runs (this rank sends
-    nothing, or its sends need no gradient), the next exchange's backward on this rank, which every rank of the
-    node runs after this one, waits for it first (``settle``): the copy path runs one exchange at a time.
+    before anything else of the layer's backward (and the calling thread for the exchange's host part). Started
+    on the copy thread instead, the exchange runs beside what the backward computes next (the static experts' and
+    the kept rows' GEMMs, whose nodes run first: see ``feplb.experts.EarlyBackward``), and only the GEMMs that
+    produced the sends (made before ``wrap``) wait for it: ``wrap``'s node, the first of them to run, finishes the
+    exchange (the calling thread waits until the copy thread has issued it, host barriers included; on a GPU the
+    current stream then waits for its copies, a stream wait). Where no such node runs (this rank sends nothing, or
+    its sends need no gradient), the next exchange's backward on this rank, which every rank of the node runs
+    after this one, finishes it first (``settle``): the copy path runs one exchange at a time. Whatever is left
+    pending (a backward that raised, or one that never reached those nodes) is settled when the backward ends
+    (an autograd callback) and by the layer before its next forward or its close.
+
+    Only where the exchange may run beside other collectives (``may_run_beside``): inside a node, over the CUDA
+    IPC, shared-memory or gloo copy paths. An NCCL communicator or NVSHMEM's on-stream barriers in flight on the
+    copy thread while the autograd thread starts another collective (a data-parallel gradient hook, say) could
+    order them differently on different ranks; there the exchange's backward runs in place, as before.
 
     Args:
-        copier: the copy thread (``Balancer.copier``).  tl: the forward's timeline (the exchange's span is recorded
-            there as ``copy_grads``), or None.
+        copier: the copy thread (``Balancer.copier``).
     """
 
-    def __init__(self, copier: concurrent.futures.Executor, tl=None):
-        self.copier, self.tl = copier, tl
+    BESIDE = ("ipc", "shm", "gloo")
+
+    def __init__(self, copier: concurrent.futures.Executor):
+        self.copier = copier
         self.armed = False
         self._future: concurrent.futures.Future | None = None
         self._ex: Exchange | None = None
         self._shapes: list = []
 
-    def wrap(self, sends: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The sends, through a node whose backward finishes the exchange (made right after the GEMMs that produced
-        them, where they need gradients). Arms the join where autograd records: the exchange's backward then starts
-        on the copy thread (else it runs in place)."""
-        self.armed = torch.is_grad_enabled()
+    @classmethod
+    def may_run_beside(cls, ex: Exchange) -> bool:
+        """Whether ``ex``'s backward may run on the copy thread beside other collectives (see the class)."""
+        return ex.comm.copy.name in cls.BESIDE and not ex.layout.cross_node
+
+    def wrap(self, ex: Exchange, sends: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The sends of ``ex``, through a node whose backward finishes the exchange (made right after the GEMMs that
+        produced them, where they need gradients). Arms the join where autograd records and ``ex`` may run beside
+        other collectives: its backward then starts on the copy thread (else it runs in place)."""
+        self.armed = torch.is_grad_enabled() and ex.active and self.may_run_beside(ex)
         if not sends or not self.armed or not any(t.requires_grad for t in sends):
             return sends
         return list(_JoinFn.apply(self, *sends))
 
     def start(self, ex: Exchange, grads: list[torch.Tensor], shapes: list) -> None:
-        """Issue ``ex``'s backward with ``grads`` on the copy thread (an exchange left in flight by a backward that
-        failed before its ``finish`` ends first: one exchange per copy path at a time)."""
-        if self._future is not None:
-            concurrent.futures.wait([self._future])
+        """Issue ``ex``'s backward with ``grads`` on the copy thread; settled at the latest when this backward ends."""
+        self.settle()   # (a previous backward's, left pending: it ends, or raises, first)
         ready = None
         if ex.device.type == "cuda":   # the gradients are made on this stream, up to here
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(ex.device))
-        tl = self.tl
-
-        def run():
-            if tl is None:
-                return ex.issue_backward(grads, ready, handoff=True)
-            with tl.span("copy_grads", "copy"):
-                return ex.issue_backward(grads, ready, handoff=True)
-
         self._ex, self._shapes = ex, shapes
-        self._future = self.copier.submit(run)
+        self._future = self.copier.submit(ex.issue_backward, grads, ready, handoff=True)
+        torch.autograd.Variable._execution_engine.queue_callback(self.settle)
 
-    def settle(self) -> None:
-        """Wait until the exchange is done on the host, if it is still pending (its gradients, if any, were not
-        needed here); raises what it raised."""
-        fut, self._future = self._future, None
-        if fut is not None:
-            fut.result()
-
-    def finish(self) -> list[torch.Tensor]:
-        """The gradients of the sends (waits for the exchange; on a GPU the current stream waits for its copies)."""
+    def _take(self) -> tuple[dict[int, torch.Tensor], object] | None:
+        """The pending exchange's buffers, the current stream made to wait for them (None if none is pending)."""
         fut, self._future = self._future, None
         if fut is None:
-            raise RuntimeError("BackwardJoin.finish: the exchange's backward was not started (its node did not run "
-                               "before the sends' gradients were needed)")
+            return None
         got, done = fut.result()
-        ex = self._ex
         if done is not None:
-            cur = torch.cuda.current_stream(ex.device)
+            cur = torch.cuda.current_stream(self._ex.device)
             cur.wait_event(done)
             for t in got.values():
                 t.record_stream(cur)
-        return ex.send_grads(got, self._shapes)
+        return got
+
+    def settle(self) -> None:
+        """End the pending exchange, if any (its gradients, if any, are not needed here): the calling thread waits
+        for the copy thread, and on a GPU the current stream for its copies; raises what it raised."""
+        self._take()
+
+    def finish(self) -> list[torch.Tensor]:
+        """The gradients of the sends (waits for the exchange; on a GPU the current stream waits for its copies)."""
+        got = self._take()
+        if got is None:
+            raise RuntimeError("BackwardJoin.finish: the exchange's backward was not started (its node did not run "
+                               "before the sends' gradients were needed)")
+        return self._ex.send_grads(got, self._shapes)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -62,46 +62,46 @@ class EarlyBackward:
     before the results-home exchange is made, they run right after that exchange's backward has started (on the
     copy thread), beside its copies, as the static GEMM runs beside the forward's copies.
 
-    Only the order of nodes that are ready together changes (never what is computed, nor a dependency): ``capture``
-    records the nodes made since this object was made that lead to a tensor, ``promote`` gives them all one new
-    sequence number, the next the calling thread would give.
+    Only the order of nodes that are ready together changes, never a dependency: ``capture`` records the nodes made
+    on this thread between this object's making and the call that lead to a tensor, ``promote`` gives them all
+    one new sequence number, above every node made before. What is computed is the same, except for the order in
+    which a tensor's gradient sums three or more contributions (floating-point rounding); in the layer the static
+    GEMM's contributions go to rows and weights no other GEMM of the micro-batch touches.
     """
 
     def __init__(self):
-        self.start = _next_sequence_nr() if torch.is_grad_enabled() else None
+        self.start = _fresh_sequence_nr() if torch.is_grad_enabled() else None
         self.nodes: list = []
 
     def capture(self, y: torch.Tensor) -> None:
         """The nodes made since ``__init__`` (on this thread) that ``y`` was computed through."""
         if self.start is None or y.grad_fn is None:
             return
+        end = _fresh_sequence_nr()   # (other threads count their own: a node of theirs may lie in either range)
         seen, stack = set(), [y.grad_fn]
         while stack:
             node = stack.pop()
             if node is None or node in seen:
                 continue
             seen.add(node)
-            n = node._sequence_nr()
-            if self.start <= n < _LEAF_SEQUENCE_NR:   # (gradient accumulators run as soon as they are ready anyway)
+            if self.start < node._sequence_nr() < end:
                 self.nodes.append(node)
                 stack.extend(f for f, _ in node.next_functions)
 
     def promote(self) -> None:
-        """Give the captured nodes the next sequence number (once)."""
+        """Give the captured nodes a new sequence number, above every node made so far on this thread (once)."""
         if self.nodes:
-            n = _next_sequence_nr()
+            n = _fresh_sequence_nr()
             for node in self.nodes:
                 node._set_sequence_nr(n)
             self.nodes = []
 
 
-_LEAF_SEQUENCE_NR = (1 << 64) - 1
-
-
-def _next_sequence_nr() -> int:
-    """The sequence number autograd gives the next node made on this thread (one node is made to read it)."""
+def _fresh_sequence_nr() -> int:
+    """A sequence number no other node takes: that of a node made (and dropped) for it, above every node made
+    before on this thread and below every node made after."""
     with torch.enable_grad():
-        return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr() + 1
+        return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr()
 
 
 class _RowBias(torch.autograd.Function):

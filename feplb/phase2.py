@@ -222,7 +222,8 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
     local = layer._weights_of(slot_w)
     # the results-home exchange's backward runs on the copy thread (``join``); the phase-2 exchanges' backward,
     # which come after it, wait for it to end
-    join = BackwardJoin(layer._balancer.copier, tl)
+    join = BackwardJoin(layer._balancer.copier)
+    layer._join = join
     rcv = ex(materialize(p2.spec, h_RD, local), layer._anchor(h_RD), pending=p2.pending, settle=join)
     rcv_w, w_base, recopy = rcv, len(moves), None
     if p2.wexchange is not None:
@@ -240,8 +241,7 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
         raise RuntimeError(f"MoELayer: GPU {layer.rank} exchanges weights for phase 2 but no results")
     sends = rex.sends_of({j: y_hosted[j] for j in lay.hosted})
     # the backward's join, right after the GEMMs that made the sends: they alone wait for the gradients' copies
-    if rex.active:
-        sends = join.wrap(sends)
+    sends = join.wrap(rex, sends)
     ready = ready_event(h_RD)
     # (detached here: the copy thread touches no autograd metadata this thread uses)
     pending = rex.start([t.detach() for t in sends], layer._balancer.copier, ready=ready) if rex.active else None

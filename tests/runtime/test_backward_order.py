@@ -5,7 +5,8 @@ copy stream, so the order the GPU would see is observable here):
   thread, beside the static experts' backward, which starts before that exchange ends;
 * the phase-2 exchanges' backward (the rows' and weights' gradients back to their homes) start only after the
   static experts' backward: a home does its own work before it waits for its helpers;
-* with the weights copied again for the backward (``recopy_weights``) too; and the gradients equal plain EP's.
+* with the weights copied again for the backward (``recopy_weights``) too; and the gradients equal plain EP's;
+* only over copy paths that may run beside other collectives (CUDA IPC, shared memory, gloo, inside a node).
 
 Without ``feplb.experts.EarlyBackward`` the static experts' backward comes last (after the phase-2 exchanges'), and
 without ``feplb.dispatch.BackwardJoin`` the results-home exchange's backward runs on the calling thread.
@@ -88,7 +89,9 @@ def _order_rank(rank: int, world: int, recopy: bool) -> dict:
             y = layer(x)
             log.clear()
             y.square().sum().backward()
-            out[policy] = {"log": list(log), "moved": layer.last_stats.rows_moved, "dx": x.grad,
+            join = layer._join
+            out[policy] = {"pending": join is not None and join._future is not None, "log": list(log),
+                           "moved": layer.last_stats.rows_moved, "dx": x.grad,
                            "dw1": layer.w1.grad, "dw2": layer.w2.grad, "drouter": layer.router.weight.grad}
             layer.close()
     finally:
@@ -106,6 +109,7 @@ def test_the_static_experts_backward_runs_beside_the_gradients_copies_before_the
         home = [e for e in log if e[0] == "phase-2 results home"]
         back = [e for e in log if e[0].startswith("phase-2 rows") or e[0].startswith("phase-2 weights")]
         assert len(home) == 1 and len(back) == (2 if recopy else 1), (rank, log)
+        assert not res["feplb-split"]["pending"], (rank, "nothing may be left on the copy thread after the backward")
         (home,) = home
         assert home[1].startswith("feplb-copy"), (rank, "the results' gradients must go on the copy thread", log)
         assert home[2] < static[3], (rank, "the results' gradients must be copied beside the static backward", log)
@@ -118,3 +122,26 @@ def test_the_static_experts_backward_runs_beside_the_gradients_copies_before_the
             got, want = res["feplb-split"][k], ref[k]
             assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (rank, k)
         assert [e[0] for e in ref["log"]] == ["static backward"], (rank, "plain EP exchanges nothing in phase 2")
+
+
+def test_the_results_gradients_go_beside_other_collectives_only_over_copy_paths_that_allow_it():
+    """NCCL and NVSHMEM copy paths, or an exchange crossing nodes, keep the exchange's backward in place."""
+    from types import SimpleNamespace
+
+    from feplb.dispatch import BackwardJoin
+
+    def ex(name, cross):
+        return SimpleNamespace(comm=SimpleNamespace(copy=SimpleNamespace(name=name)),
+                               layout=SimpleNamespace(cross_node=cross), active=True)
+
+    for name in ("ipc", "shm", "gloo", "nccl", "nvshmem"):
+        for cross in (False, True):
+            want = name in ("ipc", "shm", "gloo") and not cross
+            assert BackwardJoin.may_run_beside(ex(name, cross)) is want, (name, cross)
+            join = BackwardJoin(None)
+            sends = [torch.ones(2, requires_grad=True)]
+            got = join.wrap(ex(name, cross), [t * 1 for t in sends])
+            assert join.armed is want and (got[0].grad_fn is not None)
+            with torch.no_grad():
+                join.wrap(ex(name, cross), [t * 1 for t in sends])
+            assert not join.armed
