@@ -246,7 +246,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         self._records = Records()
         # the last forward's BackwardJoin: an exchange its backward left on the copy thread ends before the next
         # forward's first (feplb.dispatch.BackwardJoin)
-        self._join = None
+        self._backward_join = None
         self.replicas = Replicas(self)
         self._hooks: list = []
         self._digest_key: tuple | None = None
@@ -640,8 +640,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         A replay (a recompute) executes its record's plan, or computes at home where its forward did.
         dispatched: x_MD are the rows at home already, in receive order (``forward_dispatched``): no phase 1 and
         no reverse all-to-all; the results come back in that order."""
-        if self._join is not None:
-            join, self._join = self._join, None
+        if self._backward_join is not None:
+            join, self._backward_join = self._backward_join, None
             join.settle()
         split = self._split(counts)
         if dispatched:

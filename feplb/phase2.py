@@ -223,7 +223,7 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
     # the results-home exchange's backward runs on the copy thread (``join``); the phase-2 exchanges' backward,
     # which come after it, wait for it to end
     join = BackwardJoin(layer._balancer.copier)
-    layer._join = join
+    layer._backward_join = join
     rcv = ex(materialize(p2.spec, h_RD, local), layer._anchor(h_RD), pending=p2.pending, settle=join)
     rcv_w, w_base, recopy = rcv, len(moves), None
     if p2.wexchange is not None:

@@ -89,7 +89,7 @@ def _order_rank(rank: int, world: int, recopy: bool) -> dict:
             y = layer(x)
             log.clear()
             y.square().sum().backward()
-            join = layer._join
+            join = layer._backward_join
             out[policy] = {"pending": join is not None and join._future is not None, "log": list(log),
                            "moved": layer.last_stats.rows_moved, "dx": x.grad,
                            "dw1": layer.w1.grad, "dw2": layer.w2.grad, "drouter": layer.router.weight.grad}
