@@ -12,7 +12,9 @@ thread (``planner_us``; what one dedicated core would take, free of waits for a 
 plus the plan's copy time and the receivers' copy-outs fit under the GEMM of its static experts, so balancing
 costs nothing), and the layer's expert time with planning, copies, copy-outs and the results' return on the
 critical path (``layer_ms``: ``CostModel.layer_times``, busiest GPU; ``layer_speedup`` against plain EP's busiest
-GPU). The planning time in those two is the measured CPU time, or a fixed ``SimConfig.plan_us``.
+GPU). The planning time in those two is the measured CPU time, or a fixed ``SimConfig.plan_us``. The layer's
+backward alike (``backward_ms``, ``backward_speedup``, ``pct_backward_hidden``: ``CostModel.backward_times``), and
+forward plus backward (``fwd_bwd_ms``, ``fwd_bwd_speedup``).
 Means run over layers and micro-batches; a reduction is ``1 - mean(policy) / mean(plain EP)``.
 
 These are CPU simulations: token counts from the routing, and times from the cost model, never measured on a GPU.
@@ -39,7 +41,8 @@ from feplb.sched.state import PLACE_MIN_GAIN
 DEFAULT_POLICIES = ("none", "feplb", "feplb-split", "fastermoe", "eplb", "lp")
 _METRICS = ("token_straggler", "token_straggler_before", "max_over_mean", "gemm_straggler_ms",
             "gemm_straggler_before_ms", "pct_of_ideal", "rows_moved", "copy_bytes", "planner_us", "planner_wall_us",
-            "hidden", "layer_ms", "layer_before_ms", "extra_weight_bytes", "extra_weight_pct")
+            "hidden", "layer_ms", "layer_before_ms", "backward_ms", "backward_before_ms", "backward_hidden",
+            "extra_weight_bytes", "extra_weight_pct")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +171,12 @@ def summarize(results: list[SimResult]) -> dict[str, dict[str, float]]:
             "pct_hidden": float(100 * cat["hidden"].mean()),
             "layer_ms": float(cat["layer_ms"].mean()),
             "layer_speedup": float(cat["layer_before_ms"].mean() / cat["layer_ms"].mean()),
+            "backward_ms": float(cat["backward_ms"].mean()),
+            "backward_speedup": float(cat["backward_before_ms"].mean() / cat["backward_ms"].mean()),
+            "pct_backward_hidden": float(100 * cat["backward_hidden"].mean()),
+            "fwd_bwd_ms": float(cat["layer_ms"].mean() + cat["backward_ms"].mean()),
+            "fwd_bwd_speedup": float((cat["layer_before_ms"].mean() + cat["backward_before_ms"].mean())
+                                     / (cat["layer_ms"].mean() + cat["backward_ms"].mean())),
             "extra_weight_bytes": float(cat["extra_weight_bytes"].mean()),
             "extra_weight_bytes_max": float(cat["extra_weight_bytes"].max()) if cat["extra_weight_bytes"].size else 0.0,
             "extra_weight_pct": float(cat["extra_weight_pct"].mean()),
@@ -258,6 +267,11 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
                 rec["hidden"][layer, m] = times.hidden
                 rec["layer_ms"][layer, m] = times.layer_us / 1e3
                 rec["layer_before_ms"][layer, m] = float(g_before.max()) / 1e3
+                # its backward (CostModel.backward_times), against plain EP's busiest GPU's
+                back = cost.backward_times(plan, counts_WE, topo)
+                rec["backward_ms"][layer, m] = back.layer_us / 1e3
+                rec["backward_before_ms"][layer, m] = cost.backward_factor * float(g_before.max()) / 1e3
+                rec["backward_hidden"][layer, m] = back.hidden
                 # expert weights the busiest GPU holds beyond its own (bytes, and % of its own experts' weights)
                 extra = extra_weights(state, plan, topo)
                 rec["extra_weight_bytes"][layer, m] = extra * cost.weight_bytes

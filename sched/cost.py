@@ -11,7 +11,7 @@ Times for another expert shape scale with ``H * F``. A measured table replaces i
 
 Layer time (``layer_times``): the forward expert time of one MoE layer on every GPU under a plan, with the
 planning, the copies, the copy path's copy-outs and the results' return where the runtime puts them (the peers'
-plans: where those systems put them; see its docstring).
+plans: where those systems put them; see its docstring). ``backward_times``: the same for the layer's backward.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ _DEFAULT_US = (26.25, 34.15, 66.08, 133.99, 259.43, 512.83)
 
 
 class LayerTimes(NamedTuple):
-    """One MoE layer's forward expert time on every GPU under a plan (``CostModel.layer_times``), us, float64 [W].
+    """One MoE layer's forward (``CostModel.layer_times``) or backward (``CostModel.backward_times``) expert time on
+    every GPU under a plan, us, float64 [W].
 
     static_W: the end of the GEMMs that wait for nothing (a FEPLB plan's static experts; a peer's experts whose
         weights are at hand), slowed by the copy-outs that run beside them.
@@ -76,6 +77,11 @@ class CostModel:
     d2d_gbps: bytes copied per second (GB/s) by a copy inside one GPU: the in-node copy path lands every copy in
         the receiver's inbox and copies it out into a tensor of its own (H200: 4.2 TB/s of reads and writes, i.e.
         2,100 GB/s copied; this project's 2026-11-30 H200 run, ``bench/results``: 4.23 TB/s).
+    backward_factor: an expert's backward GEMM time (input and weight gradients) over its forward time at the same
+        rows: 2 for GEMMs of equal speed (each gradient is one GEMM of the forward's size per projection). This
+        project's 2026-11-30 H200 run (``bench/results``, host wall-clock timing) measured ``torch._grouped_mm``'s
+        (dX + dW) / forward at 1.75-2.63 over its 24 GLM-5 cases, median 2.04 (2.01 at >= 1,024 rows per expert);
+        this project's own kernels 2.20-3.75, median 2.63 (their dW is the slower part).
     copy_out_slowdown: how much longer a GEMM runs per unit of such a copy's time (at ``d2d_gbps``) beside it.
         0.29 from that H200 run (``bench_overlap``: a 152 MB same-GPU copy, 72 us at 2,100 GB/s, lengthened the
         static GEMM by 20.7 us); the design's notes measured a GEMM loop 19-22% slower while a copy loop ran.
@@ -94,13 +100,14 @@ class CostModel:
     net_gbps: float = 50.0
     d2d_gbps: float = 2100.0
     copy_out_slowdown: float = 0.29
+    backward_factor: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "dtype_bytes", "table_hidden", "table_ffn"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"CostModel.{name} must be a positive int, got {v!r}")
-        for name in ("ce_gbps", "net_gbps", "d2d_gbps"):
+        for name in ("ce_gbps", "net_gbps", "d2d_gbps", "backward_factor"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"CostModel.{name} must be a positive number, got {v!r}")
@@ -332,3 +339,104 @@ class CostModel:
         end = end + np.where(home, s * _overlap(co0, co1, start, end), 0.0)
         end = np.maximum(np.where(home, np.maximum(end, co1), end), np.where(ret_out > 0, sent, 0.0))
         return LayerTimes(static_W=static, ready_W=ready, end_W=end)
+
+    def backward_times(self, plan: Plan, counts_WE: np.ndarray, topo: Topology) -> LayerTimes:
+        """One layer's backward expert time on every GPU under ``plan``, from the arrival of the gradients of its
+        expert outputs at their homes (the reverse all-to-all's backward done) to the input gradients ready for the
+        dispatch's backward (a first-order model, like ``layer_times``; us). Every GEMM's backward takes
+        ``backward_factor`` times its forward time.
+
+        FEPLB's plans, in the runtime's order (``docs/runtime.md``, *The backward*): the gradients of the moved
+        rows' results go from their homes to the helpers on the copy engines (each receiver waits for all of each
+        sender's copies, then copies them out of its inbox beside its GEMMs, as in the forward) while every GPU
+        computes its static experts' backward and then its kept dynamic rows'; a helper then computes the hosted
+        rows' backward once their gradients are in (``ready``), and sends the rows' input gradients home, with
+        the weight gradients of the experts whose weights this micro-batch copied to it (weights held for the step,
+        ``@ema``, reduce their gradients once per step: not here). The copy stream issues those sends after the
+        hosted GEMMs and a home's receive after its own GEMMs; a home ends once they are all in and copied out; a
+        helper no sooner than its sends. ``static_W`` is the end of the work that waits for nothing (static and
+        kept rows), and ``hidden`` says whether the gradients' copies hid under it.
+
+        The peers: EPLB's replicas accumulate their gradients over the step (reduced between steps) and its rows'
+        gradients go back in the dispatch's backward, so every GPU computes its backward and waits for nothing;
+        FasterMoE's shadows send their weight gradients to the experts' owners after their backward, which the
+        owners receive (reduced on the way, as its forward broadcast them: once per expert and kind of link) and
+        copy out before they end.
+
+        Left out: the dispatch's and combine's backward, weights copied again for the backward
+        (``recopy_weights``: one more weight copy per helper, at the start), and what ``layer_times`` leaves out.
+        """
+        counts_WE = topo.check_counts(counts_WE)
+        W, G = topo.num_ranks, topo.gpus_per_node
+        f, s = self.backward_factor, self.copy_out_slowdown
+        d2d = self.d2d_gbps * 1e3
+        gemm = self.gemm_times_W(plan, counts_WE, topo) * f
+        zeros = np.zeros(W)
+        if plan.dispatched:
+            return LayerTimes(static_W=gemm, ready_W=zeros, end_W=gemm)
+
+        def link(src, dst, nbytes, keys=None):
+            """Each GPU's send and receive bytes [2, W] ([in-node, between nodes]); with ``keys``, a receiver counts
+            the sends of one key once per kind of link (a reduction tree: FasterMoE's shadows' gradients)."""
+            out_B, in_B = np.zeros((2, W)), np.zeros((2, W))
+            seen = set()
+            for i, (a, b, n) in enumerate(zip(src, dst, nbytes, strict=True)):
+                k = int(a // G != b // G)
+                out_B[k, a] += n
+                if keys is None or (b, keys[i], k) not in seen:
+                    in_B[k, b] += n
+                    if keys is not None:
+                        seen.add((b, keys[i], k))
+            return out_B, in_B
+
+        def gather_home(sent_at, src, dst, nbytes, own_end, keys=None):
+            """Senders send ``nbytes`` to receivers once their own work ends (``sent_at``, before their sends):
+            when each receiver has them copied out, and each sender's sends done."""
+            out_B, in_B = link(src, dst, nbytes, keys)
+            sent = sent_at + self._link_us(out_B)
+            last = np.full(W, -np.inf)
+            first = np.full(W, np.inf)
+            np.maximum.at(last, np.asarray(dst, dtype=np.int64), sent[np.asarray(src, dtype=np.int64)])
+            np.minimum.at(first, np.asarray(dst, dtype=np.int64), sent_at[np.asarray(src, dtype=np.int64)])
+            recv = np.isfinite(last)
+            arrive = np.where(recv, np.maximum(last, first + self._link_us(in_B)), 0.0)
+            done = np.where(recv, np.maximum(arrive, own_end) + in_B[0] / d2d, 0.0)
+            return done, np.where(out_B.sum(axis=0) > 0, sent, 0.0)
+
+        if plan.rows_from_source:
+            # FasterMoE: each shadow's weight gradients to the expert's owner, after the shadow's backward
+            cps = plan.weight_copies
+            if not cps:
+                return LayerTimes(static_W=gemm, ready_W=zeros, end_W=gemm)
+            done, sent = gather_home(gemm, [d for _, _, d in cps], [o for _, o, _ in cps],
+                                     [self.weight_bytes] * len(cps), gemm, keys=[e for e, _, _ in cps])
+            end = np.maximum.reduce([gemm, done, sent])
+            return LayerTimes(static_W=gemm, ready_W=np.maximum(done, sent), end_W=end)
+
+        if not plan.moves:
+            return LayerTimes(static_W=gemm, ready_W=zeros, end_W=gemm)
+        src = np.array([m.src for m in plan.moves])
+        dst = np.array([m.dst for m in plan.moves])
+        rows = np.array([m.row_end - m.row_start for m in plan.moves])
+        row_B = rows.astype(np.float64) * self.row_bytes
+        hosted = np.bincount(dst, weights=self.gemm_us(rows), minlength=W) * f
+        own = gemm - hosted                    # static and kept rows: they wait for nothing
+        # the results' gradients, home -> helper, beside them; a receiver waits for all of each sender's copies
+        out_B, in_B = link(src, dst, row_B)
+        send_t = self._link_us(out_B)
+        copy_t = self._link_us(np.maximum(out_B, in_B))
+        for a, b in zip(src, dst, strict=True):
+            copy_t[b] = max(copy_t[b], send_t[a])
+        copy_out = in_B[0] / d2d
+        recv = in_B.sum(axis=0) > 0
+        ready = np.where(recv, copy_t + copy_out, 0.0)
+        own_end = own + np.where(recv, s * _overlap(ready - copy_out, ready, zeros, own), 0.0)
+        hosted_end = np.where(hosted > 0, np.maximum(own_end, ready) + hosted, own_end)
+        # the rows' input gradients and the copied weights' gradients, helper -> home, after the hosted GEMMs
+        back_src = [*dst.tolist(), *(d for _, _, d in plan.weight_copies)]
+        back_dst = [*src.tolist(), *(o for _, o, _ in plan.weight_copies)]
+        back_B = [*row_B.tolist(), *([self.weight_bytes] * len(plan.weight_copies))]
+        done, sent = gather_home(hosted_end, back_src, back_dst, back_B, hosted_end)
+        end = np.maximum.reduce([hosted_end, done, sent])
+        return LayerTimes(static_W=own_end, ready_W=ready, end_W=end)
+

@@ -150,6 +150,49 @@ def test_layer_times_by_hand_a_receiver_waits_for_all_its_senders_copies():
     assert t.end_W.tolist() == pytest.approx([175, 171, 129])
 
 
+def test_backward_times_by_hand_static_and_kept_rows_first_then_the_hosted_rows_and_the_gradients_home():
+    cm, plan, counts, topo = _two_gpu_case(800)
+    t = cm.backward_times(plan, counts, topo)
+    # every backward GEMM takes twice its forward: GPU 0's own 700 + 200 rows 180 us, GPU 1's own 100 + 800 rows
+    # 180 us and its 300 hosted rows 60 us. The results' gradients (30,000 bytes, 30 us) reach GPU 1 and are
+    # copied out at [30, 33], beside its own GEMMs (half speed: +1.5 us)
+    assert t.ready_W.tolist() == pytest.approx([0, 33]) and t.hidden
+    assert t.static_W.tolist() == pytest.approx([180, 181.5])
+    # GPU 1's hosted rows [181.5, 241.5], then the rows' and the weights' gradients home (60,000 bytes): 301.5; GPU 0
+    # copies them out (6 us) after its own GEMMs
+    assert t.end_W.tolist() == pytest.approx([307.5, 301.5])
+    # weights held for the step (no weight copy this micro-batch) return no weight gradient
+    held = dataclasses.replace(plan, weight_copies=())
+    assert cm.backward_times(held, counts, topo).end_W.tolist() == pytest.approx([274.5, 271.5])
+
+
+def test_backward_times_of_the_peers():
+    cm, plan, counts, topo = _two_gpu_case(800, policy="fastermoe", from_source=True)
+    # FasterMoE: GPU 0's 900 rows (180 us), GPU 1's 1200 (240 us), then GPU 1 sends its shadow's weight gradients
+    # (30 us) to expert 0's owner, which copies them out (3 us) after its own backward
+    assert cm.backward_times(plan, counts, topo).end_W.tolist() == pytest.approx([273, 270])
+    # EPLB: every GPU its backward, nothing in the micro-batch to wait for
+    eplb = dataclasses.replace(plan, policy="eplb", rows_from_source=False, dispatched=True)
+    assert cm.backward_times(eplb, counts, topo).end_W.tolist() == pytest.approx([180, 240])
+
+
+def test_backward_times_fastermoe_reduces_its_shadows_gradients_on_the_way():
+    from feplb.sched import Move, Plan
+
+    # expert 0 (GPU 0's) shadowed on GPUs 1 and 2, each computing its own rows of it
+    topo = Topology(num_ranks=3, gpus_per_node=3, num_experts=3, dyn=1)
+    counts = np.array([[500, 0, 0], [300, 100, 0], [200, 0, 100]], dtype=np.int64)
+    plan = Plan(policy="fastermoe", moves=(Move(0, 0, 1, 500, 800), Move(0, 0, 2, 800, 1000)),
+                weight_copies=((0, 0, 1), (0, 0, 2)), dynamic_WD=np.array([[0], [1], [2]]),
+                loads_before_W=np.array([1000, 100, 100]), loads_after_W=np.array([500, 400, 300]),
+                rows_from_source=True)
+    plan.validate(counts, topo)
+    cm = _two_gpu_case(0)[0]
+    # backward GEMMs 100 / 80 / 60 us; the shadows send their gradients (30 us each) at 110 and 90; the owner
+    # receives them reduced, once (30 us, not 60), and copies them out (3 us) once the last is in
+    assert cm.backward_times(plan, counts, topo).end_W.tolist() == pytest.approx([113, 110, 90])
+
+
 @pytest.mark.parametrize("policy", ["none", "feplb", "feplb-split", "fastermoe", "eplb", "lp"])
 def test_layer_times_bounds_on_planned_layers(policy):
     rng = np.random.default_rng()
@@ -176,11 +219,18 @@ def test_layer_times_bounds_on_planned_layers(policy):
             assert np.all(t.end_W >= np.maximum(static0, ready0) + gemm - static0 - 1e-9)
         # a slower same-GPU copy that stops the GEMM beside it never makes the layer faster
         assert slow.layer_times(plan, counts, topo, plan_us).layer_us >= t.layer_us - 1e-9
+        # the backward: no GPU ends before its backward GEMMs; plain EP's is exactly them
+        b = cm.backward_times(plan, counts, topo)
+        assert np.all(b.end_W >= cm.backward_factor * gemm - 1e-9) and np.all(b.static_W <= b.end_W + 1e-9)
+        if policy in ("none", "eplb"):
+            assert b.end_W.tolist() == pytest.approx((cm.backward_factor * gemm).tolist())
+        assert slow.backward_times(plan, counts, topo).layer_us >= b.layer_us - 1e-9
 
 
 @pytest.mark.parametrize("kw, match", [({"d2d_gbps": 0}, "d2d_gbps must be a positive"),
                                        ({"copy_out_slowdown": 1.5}, r"copy_out_slowdown must be a number in \[0, 1\]"),
-                                       ({"copy_out_slowdown": True}, "copy_out_slowdown")])
+                                       ({"copy_out_slowdown": True}, "copy_out_slowdown"),
+                                       ({"backward_factor": 0}, "backward_factor must be a positive")])
 def test_bad_copy_out_parameters(kw, match):
     with pytest.raises(ValueError, match=match):
         CostModel(**kw)

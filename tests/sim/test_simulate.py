@@ -36,12 +36,20 @@ def test_metrics_match_an_independent_replay():
                 assert res.metrics["feplb-split"]["hidden"][layer, step - 2] == times.hidden
                 plain = cm.gemm_us(c[layer].sum(axis=0)).reshape(4, -1).sum(axis=1).max() / 1e3
                 assert res.metrics["none"]["layer_ms"][layer, step - 2] == pytest.approx(plain)
+                # and the backward's
+                back = cm.backward_times(plan, c[layer], topo)
+                assert res.metrics["feplb-split"]["backward_ms"][layer, step - 2] == pytest.approx(back.layer_us / 1e3)
+                assert res.metrics["none"]["backward_ms"][layer, step - 2] == pytest.approx(2 * plain)
     s = res.summary()
     m = res.metrics["feplb-split"]
     assert s["feplb-split"]["token_straggler_reduction"] == pytest.approx(
         1 - m["token_straggler"].mean() / m["token_straggler_before"].mean())
     assert s["none"]["token_straggler_reduction"] == 0 and s["none"]["ce_bytes_per_microbatch"] == 0
     assert s["feplb-split"]["samples"] == 6 and s["feplb-split"]["planner_us_p99"] > 0
+    assert s["feplb-split"]["fwd_bwd_ms"] == pytest.approx(m["layer_ms"].mean() + m["backward_ms"].mean())
+    assert s["feplb-split"]["fwd_bwd_speedup"] == pytest.approx(
+        3 * res.metrics["none"]["layer_ms"].mean() / (m["layer_ms"].mean() + m["backward_ms"].mean()))
+    assert s["none"]["fwd_bwd_speedup"] == pytest.approx(1.0) and s["none"]["backward_speedup"] == pytest.approx(1.0)
 
 
 def test_a_fixed_planning_time_makes_layer_times_deterministic():
