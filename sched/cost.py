@@ -222,6 +222,13 @@ class CostModel:
                 out_B[k, src] += self.weight_bytes
         return out_B, in_B
 
+    def _moves(self, plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The plan's moves as arrays: source GPU, destination GPU, rows, and the rows' bytes (float64)."""
+        src = np.array([m.src for m in plan.moves])
+        dst = np.array([m.dst for m in plan.moves])
+        rows = np.array([m.row_end - m.row_start for m in plan.moves])
+        return src, dst, rows, rows.astype(np.float64) * self.row_bytes
+
     def _link_us(self, b: np.ndarray) -> np.ndarray:
         """Time (us) to move bytes ``b`` [2, W] ([in-node, between nodes]) one after the other."""
         return b[0] / (self.ce_gbps * 1e3) + b[1] / (self.net_gbps * 1e3)
@@ -318,10 +325,7 @@ class CostModel:
         end = start + dyn
         if not plan.moves:
             return LayerTimes(static_W=static, ready_W=ready, end_W=end)
-        src = np.array([m.src for m in plan.moves])
-        dst = np.array([m.dst for m in plan.moves])
-        rows = np.array([m.row_end - m.row_start for m in plan.moves])
-        row_B = rows.astype(np.float64) * self.row_bytes
+        src, dst, rows, row_B = self._moves(plan)
         intra = src // G == dst // G
         bw = np.where(intra, self.ce_gbps, self.net_gbps) * 1e3
         hosted_end = start + np.bincount(dst, weights=self.gemm_us(rows), minlength=W)
@@ -415,10 +419,7 @@ class CostModel:
 
         if not plan.moves:
             return LayerTimes(static_W=gemm, ready_W=zeros, end_W=gemm)
-        src = np.array([m.src for m in plan.moves])
-        dst = np.array([m.dst for m in plan.moves])
-        rows = np.array([m.row_end - m.row_start for m in plan.moves])
-        row_B = rows.astype(np.float64) * self.row_bytes
+        src, dst, rows, row_B = self._moves(plan)
         hosted = np.bincount(dst, weights=self.gemm_us(rows), minlength=W) * f
         own = gemm - hosted                    # static and kept rows: they wait for nothing
         # the results' gradients, home -> helper, beside them; a receiver waits for all of each sender's copies
