@@ -122,15 +122,15 @@ def _fmt_bytes(b: float) -> str:
 def format_table(title: str, summary: dict[str, dict[str, float]]) -> str:
     head = (f"{'policy':<22} {'straggler':>10} {'reduction':>9} {'max/mean':>8} {'GEMM ms':>8} {'% ideal':>7} "
             f"{'plan p50':>9} {'plan p99':>9} {'copies/mb':>10} {'hidden':>6} {'layer ms':>8} {'speedup':>7} "
-            f"{'f+b ms':>8} {'speedup':>7} {'worse':>5} {'extra wts':>9}")
+            f"{'train ms':>8} {'speedup':>7} {'worse':>5} {'extra wts':>9}")
     lines = [title, head, "-" * len(head)]
     for name, s in summary.items():
         lines.append(f"{name:<22} {s['token_straggler']:>10.1f} {100 * s['token_straggler_reduction']:>8.1f}% "
                      f"{s['max_over_mean']:>8.3f} {s['gemm_straggler_ms']:>8.3f} {s['pct_of_ideal']:>7.2f} "
                      f"{s['planner_us_p50']:>7.1f}us {s['planner_us_p99']:>7.1f}us "
                      f"{_fmt_bytes(s['ce_bytes_per_microbatch']):>10} {s['pct_hidden']:>5.0f}% "
-                     f"{s['layer_ms']:>8.3f} {s['layer_speedup']:>6.2f}x {s['fwd_bwd_ms']:>8.3f} "
-                     f"{s['fwd_bwd_speedup']:>6.2f}x {s['worse_than_none']:>5} "
+                     f"{s['layer_ms']:>8.3f} {s['layer_speedup']:>6.2f}x {s['train_ms']:>8.3f} "
+                     f"{s['train_speedup']:>6.2f}x {s['worse_than_none']:>5} "
                      f"{s['extra_weight_pct']:>8.1f}%")
     return "\n".join(lines)
 

@@ -14,7 +14,10 @@ costs nothing), and the layer's expert time with planning, copies, copy-outs and
 critical path (``layer_ms``: ``CostModel.layer_times``, busiest GPU; ``layer_speedup`` against plain EP's busiest
 GPU). The planning time in those two is the measured CPU time, or a fixed ``SimConfig.plan_us``. The layer's
 backward alike (``backward_ms``, ``backward_speedup``, ``pct_backward_hidden``: ``CostModel.backward_times``), and
-forward plus backward (``fwd_bwd_ms``, ``fwd_bwd_speedup``).
+forward plus backward (``fwd_bwd_ms``, ``fwd_bwd_speedup``). What a step costs the policies that hold copies of
+experts (``step_ms``: at each refresh, the gradients of the copies held over the step go to the owners, then the
+refresh's copies go out, each timed on its busiest GPU by ``CostModel.weights_us``; averaged over every micro-batch,
+so spread over the step), and all three together (``train_ms``, ``train_speedup``).
 Means run over layers and micro-batches; a reduction is ``1 - mean(policy) / mean(plain EP)``.
 
 These are CPU simulations: token counts from the routing, and times from the cost model, never measured on a GPU.
@@ -42,7 +45,7 @@ DEFAULT_POLICIES = ("none", "feplb", "feplb-split", "fastermoe", "eplb", "lp")
 _METRICS = ("token_straggler", "token_straggler_before", "max_over_mean", "gemm_straggler_ms",
             "gemm_straggler_before_ms", "pct_of_ideal", "rows_moved", "copy_bytes", "planner_us", "planner_wall_us",
             "hidden", "layer_ms", "layer_before_ms", "backward_ms", "backward_before_ms", "backward_hidden",
-            "extra_weight_bytes", "extra_weight_pct")
+            "step_ms", "extra_weight_bytes", "extra_weight_pct")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +180,10 @@ def summarize(results: list[SimResult]) -> dict[str, dict[str, float]]:
             "fwd_bwd_ms": float(cat["layer_ms"].mean() + cat["backward_ms"].mean()),
             "fwd_bwd_speedup": float((cat["layer_before_ms"].mean() + cat["backward_before_ms"].mean())
                                      / (cat["layer_ms"].mean() + cat["backward_ms"].mean())),
+            "step_ms": float(cat["step_ms"].mean()),
+            "train_ms": float(cat["layer_ms"].mean() + cat["backward_ms"].mean() + cat["step_ms"].mean()),
+            "train_speedup": float((cat["layer_before_ms"].mean() + cat["backward_before_ms"].mean())
+                                   / (cat["layer_ms"].mean() + cat["backward_ms"].mean() + cat["step_ms"].mean())),
             "extra_weight_bytes": float(cat["extra_weight_bytes"].mean()),
             "extra_weight_bytes_max": float(cat["extra_weight_bytes"].max()) if cat["extra_weight_bytes"].size else 0.0,
             "extra_weight_pct": float(cat["extra_weight_pct"].mean()),
@@ -204,6 +211,20 @@ def extra_weights(state: PolicyState, plan: Any, topo: Topology) -> int:
     for _, _, dst in plan.weight_copies:
         held[dst] += 1
     return int(held.max())
+
+
+def step_us(state: PolicyState, new_state: PolicyState, cost: CostModel, topo: Topology) -> float:
+    """The weight traffic of a step's end (us), for a refresh that turned ``state`` into ``new_state``: the
+    gradients of the copies held over the step (``state.resident``: ``@ema`` sets and EPLB replicas; the experts
+    ``+place`` put away from their owners) to their owners, then the copies the refresh sends. FEPLB's runtime does
+    both between micro-batches (``reduce_replica_grads`` before the optimizer step, ``refresh_replicas`` after it),
+    so neither hides behind a GEMM; EPLB's replicas are charged alike."""
+    owner = topo.default_home_E()
+    back = [(g, int(owner[e])) for e, g in state.resident]
+    if state.home_E is not None:
+        back += [(int(h), int(owner[e])) for e, h in enumerate(np.asarray(state.home_E).tolist()) if h != owner[e]]
+    out = [(src, dst) for _, src, dst in new_state.last_weight_copies]
+    return (cost.weights_us(back, topo) if back else 0.0) + (cost.weights_us(out, topo) if out else 0.0)
 
 
 def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResult:
@@ -272,6 +293,10 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
                 rec["backward_ms"][layer, m] = back.layer_us / 1e3
                 rec["backward_before_ms"][layer, m] = cost.backward_factor * float(g_before.max()) / 1e3
                 rec["backward_hidden"][layer, m] = back.hidden
+                # a refresh ends a step: the copies held over it return their gradients to the owners, then the
+                # refresh copies the new weights (both between the step's micro-batches: charged here, once)
+                if new_state.step == 1 or new_state.step % config.refresh_every == 0:
+                    rec["step_ms"][layer, m] = step_us(state, new_state, cost, topo) / 1e3
                 # expert weights the busiest GPU holds beyond its own (bytes, and % of its own experts' weights)
                 extra = extra_weights(state, plan, topo)
                 rec["extra_weight_bytes"][layer, m] = extra * cost.weight_bytes

@@ -252,6 +252,19 @@ class CostModel:
         dyn[plan.dynamic_WD.ravel()] = True
         return np.bincount(plan.home_of(topo), weights=np.where(dyn, 0.0, t_E), minlength=topo.num_ranks)
 
+    def weights_us(self, pairs, topo: Topology) -> float:
+        """The busiest GPU's time (us) to move one expert's weights (or their gradients) along each (src, dst) GPU
+        pair, all at once: per GPU the larger of what it sends and receives, inside a node at ``ce_gbps``, between
+        nodes at ``net_gbps``. What a step costs a policy that holds copies (``feplb.simulate``: the reduction of
+        their gradients to the owners, then the refresh's copies)."""
+        W, G = topo.num_ranks, topo.gpus_per_node
+        out_B, in_B = np.zeros((2, W)), np.zeros((2, W))
+        for a, b in pairs:
+            k = int(a // G != b // G)
+            out_B[k, a] += self.weight_bytes
+            in_B[k, b] += self.weight_bytes
+        return float(self._link_us(np.maximum(out_B, in_B)).max())
+
     def copy_us(self, nbytes: float, inter_node: bool = False) -> float:
         """Time (us) to copy ``nbytes`` one way between two GPUs."""
         return nbytes / ((self.net_gbps if inter_node else self.ce_gbps) * 1e3)
@@ -300,7 +313,8 @@ class CostModel:
         pairs += [(src, dst) for _, src, dst in plan.weight_copies]
         for src, dst in pairs:
             copy_t[dst] = max(copy_t[dst], send_t[src])
-        copy_out = in_B[0] / d2d
+        # (the peers' broadcasts land in place: no inbox to copy out of)
+        copy_out = zeros if (plan.rows_from_source or plan.dispatched) else in_B[0] / d2d
 
         if plan.rows_from_source or plan.dispatched:
             p = 0.0 if plan.dispatched else float(plan_us)
@@ -361,11 +375,17 @@ class CostModel:
         helper no sooner than its sends. ``static_W`` is the end of the work that waits for nothing (static and
         kept rows), and ``hidden`` says whether the gradients' copies hid under it.
 
-        The peers: EPLB's replicas accumulate their gradients over the step (reduced between steps) and its rows'
-        gradients go back in the dispatch's backward, so every GPU computes its backward and waits for nothing;
-        FasterMoE's shadows send their weight gradients to the experts' owners after their backward, which the
-        owners receive (reduced on the way, as its forward broadcast them: once per expert and kind of link) and
-        copy out before they end.
+        This order holds where the runtime starts the results' gradients on the copy thread: over the CUDA IPC,
+        shared-memory and gloo copy paths (``feplb.dispatch.BackwardJoin``); over NVSHMEM or NCCL copy paths that
+        exchange runs in place, before the static experts' backward, which this model does not follow.
+
+        The peers: EPLB's replicas accumulate their gradients over the step (reduced at the step: ``step_us``) and
+        its rows' gradients go back in the dispatch's backward, so every GPU computes its backward and waits for
+        nothing. FasterMoE computes its shadowed experts' backward first and reduces their weight gradients to the
+        owners in place on a side stream beside its other GEMMs (reduced on the way, as its forward broadcast them:
+        once per expert and kind of link); an owner waits for them after its own GEMMs. (EPLB's plans that copy
+        weights in the micro-batch alike.) ``ready_W`` is then when a GPU's part of the reduction is done, so
+        ``hidden`` says whether it hid under the GPU's GEMMs, as it says for FEPLB's copies.
 
         Left out: the dispatch's and combine's backward, weights copied again for the backward
         (``recopy_weights``: one more weight copy per helper, at the start), and what ``layer_times`` leaves out.
@@ -376,8 +396,6 @@ class CostModel:
         d2d = self.d2d_gbps * 1e3
         gemm = self.gemm_times_W(plan, counts_WE, topo) * f
         zeros = np.zeros(W)
-        if plan.dispatched:
-            return LayerTimes(static_W=gemm, ready_W=zeros, end_W=gemm)
 
         def link(src, dst, nbytes, keys=None):
             """Each GPU's send and receive bytes [2, W] ([in-node, between nodes]); with ``keys``, a receiver counts
@@ -393,9 +411,10 @@ class CostModel:
                         seen.add((b, keys[i], k))
             return out_B, in_B
 
-        def gather_home(sent_at, src, dst, nbytes, own_end, keys=None):
-            """Senders send ``nbytes`` to receivers once their own work ends (``sent_at``, before their sends):
-            when each receiver has them copied out, and each sender's sends done."""
+        def gather_home(sent_at, src, dst, nbytes, own_end, keys=None, copy_out=True):
+            """Senders send ``nbytes`` to receivers from ``sent_at``: when each receiver has them (copied out of
+            its inbox where ``copy_out``; its receive issued after its own GEMMs, ``own_end``, and its own
+            sends), and when each sender's sends are done (0 where none)."""
             out_B, in_B = link(src, dst, nbytes, keys)
             sent = sent_at + self._link_us(out_B)
             last = np.full(W, -np.inf)
@@ -403,19 +422,29 @@ class CostModel:
             np.maximum.at(last, np.asarray(dst, dtype=np.int64), sent[np.asarray(src, dtype=np.int64)])
             np.minimum.at(first, np.asarray(dst, dtype=np.int64), sent_at[np.asarray(src, dtype=np.int64)])
             recv = np.isfinite(last)
+            mine = np.where(out_B.sum(axis=0) > 0, sent, 0.0)
             arrive = np.where(recv, np.maximum(last, first + self._link_us(in_B)), 0.0)
-            done = np.where(recv, np.maximum(arrive, own_end) + in_B[0] / d2d, 0.0)
-            return done, np.where(out_B.sum(axis=0) > 0, sent, 0.0)
+            issued = np.maximum.reduce([arrive, own_end, mine])
+            done = np.where(recv, issued + (in_B[0] / d2d if copy_out else 0.0), 0.0)
+            return done, mine
 
-        if plan.rows_from_source:
-            # FasterMoE: each shadow's weight gradients to the expert's owner, after the shadow's backward
+        if plan.rows_from_source or plan.dispatched:
+            # the peers' copies of experts (FasterMoE's shadows; EPLB's replicas where the plan copies weights this
+            # micro-batch) reduce their weight gradients to the owners: computed first, then reduced in place on a
+            # side stream (FasterMoE's ncclReduce) beside the GPU's other GEMMs; the owner waits after its own
             cps = plan.weight_copies
             if not cps:
                 return LayerTimes(static_W=gemm, ready_W=zeros, end_W=gemm)
-            done, sent = gather_home(gemm, [d for _, _, d in cps], [o for _, o, _ in cps],
-                                     [self.weight_bytes] * len(cps), gemm, keys=[e for e, _, _ in cps])
-            end = np.maximum.reduce([gemm, done, sent])
-            return LayerTimes(static_W=gemm, ready_W=np.maximum(done, sent), end_W=end)
+            copied = {(e, d) for e, _, d in cps}
+            first_W = np.zeros(W)
+            for m in plan.moves:
+                if (m.expert, m.dst) in copied:
+                    first_W[m.dst] += f * float(self.gemm_us(m.row_end - m.row_start))
+            done, sent = gather_home(first_W, [d for _, _, d in cps], [o for _, o, _ in cps],
+                                     [self.weight_bytes] * len(cps), gemm, keys=[e for e, _, _ in cps],
+                                     copy_out=False)
+            ready = np.maximum(done, sent)
+            return LayerTimes(static_W=gemm, ready_W=ready, end_W=np.maximum(gemm, ready))
 
         if not plan.moves:
             return LayerTimes(static_W=gemm, ready_W=zeros, end_W=gemm)

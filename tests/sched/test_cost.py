@@ -120,14 +120,14 @@ def test_layer_times_rows_computed_where_they_come_from_send_no_results_home():
     cm, plan, counts, topo = _two_gpu_case(800, policy="fastermoe", from_source=True)
     t = cm.layer_times(plan, counts, topo, plan_us=5.0)
     # FasterMoE plans before the dispatch (5 us), then every GEMM with its weights at hand runs: GPU 0 its 900 rows
-    # (90 us), GPU 1 its 900 own (90 us), beside the weights' copy (30 us) and their copy-out on GPU 1 ([35, 38],
-    # +1.5 us); GPU 1 then computes the 300 rows of expert 0 that came from it (30 us); nothing goes home
-    assert t.static_W.tolist() == pytest.approx([95, 96.5])
-    assert t.ready_W[1] == pytest.approx(38) and t.hidden
-    assert t.end_W.tolist() == pytest.approx([95, 126.5])
+    # (90 us), GPU 1 its 900 own (90 us), beside the weights' copy (30 us, broadcast in place: no copy-out); GPU 1
+    # then computes the 300 rows of expert 0 that came from it (30 us); nothing goes home
+    assert t.static_W.tolist() == pytest.approx([95, 95])
+    assert t.ready_W[1] == pytest.approx(35) and t.hidden
+    assert t.end_W.tolist() == pytest.approx([95, 125])
     # EPLB's rows come with the dispatch and need no plan in the micro-batch
     eplb = dataclasses.replace(plan, policy="eplb", rows_from_source=False, dispatched=True)
-    assert cm.layer_times(eplb, counts, topo, plan_us=5.0).end_W.tolist() == pytest.approx([90, 121.5])
+    assert cm.layer_times(eplb, counts, topo, plan_us=5.0).end_W.tolist() == pytest.approx([90, 120])
 
 
 def test_layer_times_by_hand_a_receiver_waits_for_all_its_senders_copies():
@@ -168,29 +168,43 @@ def test_backward_times_by_hand_static_and_kept_rows_first_then_the_hosted_rows_
 
 def test_backward_times_of_the_peers():
     cm, plan, counts, topo = _two_gpu_case(800, policy="fastermoe", from_source=True)
-    # FasterMoE: GPU 0's 900 rows (180 us), GPU 1's 1200 (240 us), then GPU 1 sends its shadow's weight gradients
-    # (30 us) to expert 0's owner, which copies them out (3 us) after its own backward
-    assert cm.backward_times(plan, counts, topo).end_W.tolist() == pytest.approx([273, 270])
-    # EPLB: every GPU its backward, nothing in the micro-batch to wait for
-    eplb = dataclasses.replace(plan, policy="eplb", rows_from_source=False, dispatched=True)
+    # FasterMoE: GPU 1 computes its shadow's backward first (300 rows, 60 us) and reduces its weight gradients to
+    # expert 0's owner beside its other GEMMs ([60, 90]); the owner, busy 180 us with its own 900 rows, waits for
+    # nothing; GPU 1 ends with its 1200 rows at 240
+    t = cm.backward_times(plan, counts, topo)
+    assert t.end_W.tolist() == pytest.approx([180, 240])
+    assert t.ready_W.tolist() == pytest.approx([180, 90]) and t.hidden
+    # EPLB without copies in the micro-batch: every GPU its backward, nothing to wait for
+    eplb = dataclasses.replace(plan, policy="eplb", rows_from_source=False, dispatched=True, weight_copies=())
     assert cm.backward_times(eplb, counts, topo).end_W.tolist() == pytest.approx([180, 240])
 
 
 def test_backward_times_fastermoe_reduces_its_shadows_gradients_on_the_way():
     from feplb.sched import Move, Plan
 
-    # expert 0 (GPU 0's) shadowed on GPUs 1 and 2, each computing its own rows of it
+    # expert 0 (GPU 0's, 100 rows of its own) shadowed on GPUs 1 and 2, each computing its own 300 rows of it
     topo = Topology(num_ranks=3, gpus_per_node=3, num_experts=3, dyn=1)
-    counts = np.array([[500, 0, 0], [300, 100, 0], [200, 0, 100]], dtype=np.int64)
-    plan = Plan(policy="fastermoe", moves=(Move(0, 0, 1, 500, 800), Move(0, 0, 2, 800, 1000)),
+    counts = np.array([[100, 0, 0], [300, 100, 0], [300, 0, 100]], dtype=np.int64)
+    plan = Plan(policy="fastermoe", moves=(Move(0, 0, 1, 100, 400), Move(0, 0, 2, 400, 700)),
                 weight_copies=((0, 0, 1), (0, 0, 2)), dynamic_WD=np.array([[0], [1], [2]]),
-                loads_before_W=np.array([1000, 100, 100]), loads_after_W=np.array([500, 400, 300]),
+                loads_before_W=np.array([700, 100, 100]), loads_after_W=np.array([100, 400, 400]),
                 rows_from_source=True)
     plan.validate(counts, topo)
     cm = _two_gpu_case(0)[0]
-    # backward GEMMs 100 / 80 / 60 us; the shadows send their gradients (30 us each) at 110 and 90; the owner
-    # receives them reduced, once (30 us, not 60), and copies them out (3 us) once the last is in
-    assert cm.backward_times(plan, counts, topo).end_W.tolist() == pytest.approx([113, 110, 90])
+    t = cm.backward_times(plan, counts, topo)
+    # backward GEMMs 20 / 80 / 80 us; each shadow's first (60 us), then its gradients go (30 us): [60, 90]. The
+    # owner receives them reduced, once (30 us, not 60: done at 90, not 120), after its own 20 us
+    assert t.end_W.tolist() == pytest.approx([90, 90, 90])
+    assert t.static_W.tolist() == pytest.approx([20, 80, 80]) and not t.hidden
+
+
+def test_weights_us_by_hand_the_busiest_gpu_both_ways_per_link():
+    cm = _two_gpu_case(0)[0]   # 30,000 bytes of weights; 1,000 bytes/us in a node, 50,000 between nodes
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=4, dyn=1)
+    # GPU 0 sends two experts to GPU 1 (60 us) and receives one from GPU 2, across nodes (0.6 us), at once
+    assert cm.weights_us([(0, 1), (0, 1), (2, 0)], topo) == pytest.approx(60.6)
+    assert cm.weights_us([(1, 0), (0, 1)], topo) == pytest.approx(30)   # both ways at once
+    assert cm.weights_us([], topo) == 0
 
 
 @pytest.mark.parametrize("policy", ["none", "feplb", "feplb-split", "fastermoe", "eplb", "lp"])

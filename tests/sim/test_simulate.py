@@ -223,3 +223,34 @@ def test_extra_weights_in_the_summary():
         assert np.allclose(m["extra_weight_pct"], 100 * m["extra_weight_bytes"] / cost.weight_bytes / 4)
     # @ema holds the node's other dynamic experts all step: (4 - 1) x 2 per GPU at least
     assert res.metrics["feplb-split@ema"]["extra_weight_pct"].min() >= 100 * 6 / 4
+
+
+def test_step_traffic_lands_at_refreshes_for_policies_that_hold_copies():
+    """``step_ms``: the held copies' gradients back and the refresh's copies, at each refresh only (every 4th
+    micro-batch here), for the policies that hold copies; none for those that do not. ``train`` adds it."""
+    from feplb.simulate import step_us
+
+    w = SyntheticWorkload(kind="zipf", num_experts=32, top_k=4, num_layers=1, alpha=1.0, seed=5)
+    cfg = SimConfig(num_ranks=8, gpus_per_node=4, tokens_per_rank=256, dyn=2, microbatches=8, warmup=4,
+                    refresh_every=4, policies=("none", "feplb", "feplb@ema", "eplb"), plan_us=30.0)
+    res = simulate(w, cfg)
+    for p in ("none", "feplb"):
+        assert not res.metrics[p]["step_ms"].any(), p
+    for p in ("feplb@ema", "eplb"):
+        step = res.metrics[p]["step_ms"][0]
+        assert np.flatnonzero(step).tolist() == [3, 7], (p, step)   # micro-batches 8 and 12 of the run refresh
+    # the ema replicas: every GPU holds its node's other dynamic experts (3 GPUs x 2), both ways at each refresh
+    topo = cfg.topology(32)
+    cm = CostModel()
+    state = PolicyState(topo=topo, policy="feplb@ema", refresh_every=4)
+    gen = w.microbatches(np.random.default_rng(cfg.seed), 8, 256)
+    for _ in range(8):
+        new = state.observe(next(gen)[0])
+        state, prev = new, state
+    assert len(prev.resident) == 8 * 3 * 2 and len(state.last_weight_copies) == 8 * 3 * 2
+    assert res.metrics["feplb@ema"]["step_ms"][0, 3] == pytest.approx(step_us(prev, state, cm, topo) / 1e3)
+    assert step_us(prev, state, cm, topo) == pytest.approx(2 * cm.weights_us([(0, 1)] * 6, topo))
+    s = res.summary()["feplb@ema"]
+    m = res.metrics["feplb@ema"]
+    assert s["train_ms"] == pytest.approx(m["layer_ms"].mean() + m["backward_ms"].mean() + m["step_ms"].mean())
+    assert s["train_speedup"] < s["fwd_bwd_speedup"]
