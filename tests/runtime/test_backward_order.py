@@ -145,3 +145,44 @@ def test_the_results_gradients_go_beside_other_collectives_only_over_copy_paths_
             with torch.no_grad():
                 join.wrap(ex(name, cross), [t * 1 for t in sends])
             assert not join.armed
+
+
+def test_an_exchange_left_pending_is_settled_when_the_backward_ends_and_its_error_surfaces():
+    """A backward that starts the exchange but never reaches the node that finishes it (it stopped short) leaves
+    nothing on the copy thread: an autograd callback settles it at the backward's end, raising what it raised."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from feplb.dispatch import BackwardJoin
+
+    calls = []
+
+    def issue_backward(grads, ready, handoff):
+        calls.append((len(grads), ready, handoff))
+        if fail:
+            raise TimeoutError("copy path: a peer never came")
+        return {}, None
+
+    ex = SimpleNamespace(device=torch.device("cpu"), issue_backward=issue_backward)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as copier:
+        join = BackwardJoin(copier)
+
+        class Starts(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                join.start(ex, [g], [g.shape])
+                return g
+
+        for fail in (False, True):
+            x = torch.ones(3, requires_grad=True)
+            loss = Starts.apply(x).sum()
+            if fail:
+                with pytest.raises(TimeoutError, match="a peer never came"):
+                    loss.backward()
+            else:
+                loss.backward()
+            assert join._future is None and calls[-1] == (1, None, True)
