@@ -226,7 +226,7 @@ class BackwardJoin:
     its sends need no gradient), the next exchange's backward on this rank, which every rank of the node runs
     after this one, finishes it first (``settle``): the copy path runs one exchange at a time. Whatever is left
     pending (a backward that raised, or one that never reached those nodes) is settled when the backward ends
-    (an autograd callback) and by the layer before its next forward or its close.
+    (an autograd callback) and by the layer before its next forward (its close waits for the copy thread too).
 
     Only where the exchange may run beside other collectives (``may_run_beside``): inside a node, over the CUDA
     IPC, shared-memory or gloo copy paths. An NCCL communicator or NVSHMEM's on-stream barriers in flight on the
