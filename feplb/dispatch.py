@@ -174,13 +174,7 @@ class _ExchangeFn(torch.autograd.Function):
         ctx.ex, ctx.on_backward, ctx.join, ctx.settle = ex, on_backward, join, settle
         ctx.send_shapes = [t.shape for t in sends]
         ctx.anchor_shape = anchor.shape
-        got, done = pending.result() if pending is not None else ex.issue(list(sends))
-        if done is not None:
-            # issued by another thread for the hand-off stream: this stream waits for the copies, no host wait
-            cur = torch.cuda.current_stream(ex.device)
-            cur.wait_event(done)
-            for t in got.values():
-                t.record_stream(cur)
+        got = ex.handed(*pending.result()) if pending is not None else ex.issue(list(sends))[0]
         return (anchor.new_empty(0),) + tuple(got[q] for q in ex.layout.recv)
 
     @staticmethod
@@ -271,18 +265,12 @@ class BackwardJoin:
         self._future = self.copier.submit(ex.issue_backward, grads, ready, handoff=True)
         torch.autograd.Variable._execution_engine.queue_callback(self.settle)
 
-    def _take(self) -> tuple[dict[int, torch.Tensor], object] | None:
+    def _take(self) -> dict[int, torch.Tensor] | None:
         """The pending exchange's buffers, the current stream made to wait for them (None if none is pending)."""
         fut, self._future = self._future, None
         if fut is None:
             return None
-        got, done = fut.result()
-        if done is not None:
-            cur = torch.cuda.current_stream(self._ex.device)
-            cur.wait_event(done)
-            for t in got.values():
-                t.record_stream(cur)
-        return got
+        return self._ex.handed(*fut.result())
 
     def settle(self) -> None:
         """End the pending exchange, if any (its gradients, if any, are not needed here): the calling thread waits
@@ -432,6 +420,17 @@ class Exchange:
             done = torch.cuda.Event()
             done.record(consumer)
         return got, done
+
+    def handed(self, got: dict[int, torch.Tensor], done) -> dict[int, torch.Tensor]:
+        """``got`` of an exchange issued for the hand-off stream (``issue(..., handoff=True)``, on another thread),
+        for the calling thread: its current stream waits for ``done`` (no host wait) and the buffers are marked as
+        used there, for the allocator. ``done`` None (a CPU, or issued here): ``got`` as it is."""
+        if done is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(done)
+            for t in got.values():
+                t.record_stream(cur)
+        return got
 
     def start(self, sends: list[torch.Tensor], worker: concurrent.futures.Executor, *,
               ready=None) -> concurrent.futures.Future:

@@ -146,12 +146,7 @@ class Recopy:
     def _finish(self) -> None:
         got, done, anchor = self._pending
         self._pending = None
-        if done is not None:
-            cur = torch.cuda.current_stream(self.ex.device)
-            cur.wait_event(done)
-            for t in got.values():
-                t.record_stream(cur)
-        self.got = self.ex.received(got, anchor)
+        self.got = self.ex.received(self.ex.handed(got, done), anchor)
 
     def received(self) -> Received:
         """What the exchange received: the forward's while the forward uses it, then the backward's (on a GPU the
