@@ -229,6 +229,32 @@ class CostModel:
         rows = np.array([m.row_end - m.row_start for m in plan.moves])
         return src, dst, rows, rows.astype(np.float64) * self.row_bytes
 
+    @staticmethod
+    def _pair_bytes(topo: Topology, src, dst, nbytes, keys=None) -> tuple[np.ndarray, np.ndarray]:
+        """Each GPU's send and receive bytes, float64 [2, W] each ([in-node, between nodes]), for ``nbytes[i]``
+        sent from ``src[i]`` to ``dst[i]``; with ``keys``, a receiver counts the sends of one key once per kind of
+        link (a reduction tree: FasterMoE's shadows' gradients)."""
+        W, G = topo.num_ranks, topo.gpus_per_node
+        out_B, in_B = np.zeros((2, W)), np.zeros((2, W))
+        seen = set()
+        for i, (a, b, n) in enumerate(zip(src, dst, nbytes, strict=True)):
+            k = int(a // G != b // G)
+            out_B[k, a] += n
+            if keys is None or (b, keys[i], k) not in seen:
+                in_B[k, b] += n
+                if keys is not None:
+                    seen.add((b, keys[i], k))
+        return out_B, in_B
+
+    def _landed_us(self, out_B: np.ndarray, in_B: np.ndarray, pairs) -> np.ndarray:
+        """When each GPU's copies have landed (us, [W]): its own sends and receives, both ways at once, and every
+        copy of each GPU that sends to it (``pairs``: (src, dst); a sender's copies complete together)."""
+        send_t = self._link_us(out_B)
+        landed = self._link_us(np.maximum(out_B, in_B))
+        for a, b in pairs:
+            landed[b] = max(landed[b], send_t[a])
+        return landed
+
     def _link_us(self, b: np.ndarray) -> np.ndarray:
         """Time (us) to move bytes ``b`` [2, W] ([in-node, between nodes]) one after the other."""
         return b[0] / (self.ce_gbps * 1e3) + b[1] / (self.net_gbps * 1e3)
@@ -257,12 +283,9 @@ class CostModel:
         pair, all at once: per GPU the larger of what it sends and receives, inside a node at ``ce_gbps``, between
         nodes at ``net_gbps``. What a step costs a policy that holds copies (``feplb.simulate``: the reduction of
         their gradients to the owners, then the refresh's copies)."""
-        W, G = topo.num_ranks, topo.gpus_per_node
-        out_B, in_B = np.zeros((2, W)), np.zeros((2, W))
-        for a, b in pairs:
-            k = int(a // G != b // G)
-            out_B[k, a] += self.weight_bytes
-            in_B[k, b] += self.weight_bytes
+        pairs = list(pairs)
+        out_B, in_B = self._pair_bytes(topo, [a for a, _ in pairs], [b for _, b in pairs],
+                                       [self.weight_bytes] * len(pairs))
         return float(self._link_us(np.maximum(out_B, in_B)).max())
 
     def copy_us(self, nbytes: float, inter_node: bool = False) -> float:
@@ -307,12 +330,9 @@ class CostModel:
         gemm = self.gemm_times_W(plan, counts_WE, topo)
         out_B, in_B = self._copy_bytes(plan, topo)
         # the copies land once the receiver's own copies and every sender's are done, then are copied out
-        send_t = self._link_us(out_B)
-        copy_t = self._link_us(np.maximum(out_B, in_B))
         pairs = [(m.src, m.dst) for m in plan.moves] if not (plan.rows_from_source or plan.dispatched) else []
         pairs += [(src, dst) for _, src, dst in plan.weight_copies]
-        for src, dst in pairs:
-            copy_t[dst] = max(copy_t[dst], send_t[src])
+        copy_t = self._landed_us(out_B, in_B, pairs)
         # (the peers' broadcasts land in place: no inbox to copy out of)
         copy_out = zeros if (plan.rows_from_source or plan.dispatched) else in_B[0] / d2d
 
@@ -391,31 +411,17 @@ class CostModel:
         (``recopy_weights``: one more weight copy per helper, at the start), and what ``layer_times`` leaves out.
         """
         counts_WE = topo.check_counts(counts_WE)
-        W, G = topo.num_ranks, topo.gpus_per_node
+        W = topo.num_ranks
         f, s = self.backward_factor, self.copy_out_slowdown
         d2d = self.d2d_gbps * 1e3
         gemm = self.gemm_times_W(plan, counts_WE, topo) * f
         zeros = np.zeros(W)
 
-        def link(src, dst, nbytes, keys=None):
-            """Each GPU's send and receive bytes [2, W] ([in-node, between nodes]); with ``keys``, a receiver counts
-            the sends of one key once per kind of link (a reduction tree: FasterMoE's shadows' gradients)."""
-            out_B, in_B = np.zeros((2, W)), np.zeros((2, W))
-            seen = set()
-            for i, (a, b, n) in enumerate(zip(src, dst, nbytes, strict=True)):
-                k = int(a // G != b // G)
-                out_B[k, a] += n
-                if keys is None or (b, keys[i], k) not in seen:
-                    in_B[k, b] += n
-                    if keys is not None:
-                        seen.add((b, keys[i], k))
-            return out_B, in_B
-
         def gather_home(sent_at, src, dst, nbytes, own_end, keys=None, copy_out=True):
             """Senders send ``nbytes`` to receivers from ``sent_at``: when each receiver has them (copied out of
             its inbox where ``copy_out``; its receive issued after its own GEMMs, ``own_end``, and its own
             sends), and when each sender's sends are done (0 where none)."""
-            out_B, in_B = link(src, dst, nbytes, keys)
+            out_B, in_B = self._pair_bytes(topo, src, dst, nbytes, keys)
             sent = sent_at + self._link_us(out_B)
             last = np.full(W, -np.inf)
             first = np.full(W, np.inf)
@@ -452,11 +458,8 @@ class CostModel:
         hosted = np.bincount(dst, weights=self.gemm_us(rows), minlength=W) * f
         own = gemm - hosted                    # static and kept rows: they wait for nothing
         # the results' gradients, home -> helper, beside them; a receiver waits for all of each sender's copies
-        out_B, in_B = link(src, dst, row_B)
-        send_t = self._link_us(out_B)
-        copy_t = self._link_us(np.maximum(out_B, in_B))
-        for a, b in zip(src, dst, strict=True):
-            copy_t[b] = max(copy_t[b], send_t[a])
+        out_B, in_B = self._pair_bytes(topo, src, dst, row_B)
+        copy_t = self._landed_us(out_B, in_B, zip(src, dst, strict=True))
         copy_out = in_B[0] / d2d
         recv = in_B.sum(axis=0) > 0
         ready = np.where(recv, copy_t + copy_out, 0.0)
