@@ -224,7 +224,7 @@ def step_us(state: PolicyState, new_state: PolicyState, cost: CostModel, topo: T
     if state.home_E is not None:
         back += [(int(h), int(owner[e])) for e, h in enumerate(np.asarray(state.home_E).tolist()) if h != owner[e]]
     out = [(src, dst) for _, src, dst in new_state.last_weight_copies]
-    return (cost.weights_us(back, topo) if back else 0.0) + (cost.weights_us(out, topo) if out else 0.0)
+    return cost.weights_us(back, topo) + cost.weights_us(out, topo)
 
 
 def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResult:
@@ -295,7 +295,7 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
                 rec["backward_hidden"][layer, m] = back.hidden
                 # a refresh ends a step: the copies held over it return their gradients to the owners, then the
                 # refresh copies the new weights (both between the step's micro-batches: charged here, once)
-                if new_state.step == 1 or new_state.step % config.refresh_every == 0:
+                if new_state.refreshed:
                     rec["step_ms"][layer, m] = step_us(state, new_state, cost, topo) / 1e3
                 # expert weights the busiest GPU holds beyond its own (bytes, and % of its own experts' weights)
                 extra = extra_weights(state, plan, topo)

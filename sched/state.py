@@ -182,9 +182,12 @@ class PolicyState:
         if plan is not None and plan.weight_copies and self.reads_plans:
             resident = resident | {(e, dst) for e, _, dst in plan.weight_copies}
         new = replace(self, step=step, ema_E=ema, resident=resident, last_weight_copies=(), last_migrations=())
-        if step == 1 or step % self.refresh_every == 0:
-            new = new._refresh()
-        return new
+        return new._refresh() if new.refreshed else new
+
+    @property
+    def refreshed(self) -> bool:
+        """Whether the last ``observe`` refreshed (after the first micro-batch, then every ``refresh_every``)."""
+        return self.step == 1 or self.step % self.refresh_every == 0
 
     @property
     def reads_plans(self) -> bool:
