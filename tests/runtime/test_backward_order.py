@@ -14,28 +14,19 @@ without ``feplb.dispatch.BackwardJoin`` the results-home exchange's backward run
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from feplb.testing import load_global_weights, run_dist
+from feplb.testing import load_global_weights, load_module, run_dist
 
 pytestmark = pytest.mark.dist
 
-H, FF, E, K, W, G = 32, 48, 16, 2, 4, 2
+# the routing and weights of test_runtime.py (GPU 0's and GPU 2's experts are hot: both nodes move rows)
+_runtime = load_module(Path(__file__).with_name("test_runtime.py"))
+H, FF, E, K, W, G = _runtime.H, _runtime.FF, _runtime.E, _runtime.K, _runtime.W, _runtime.G
 SLEEP_S = 0.6   # the static experts' backward, made long enough for 4 ranks on 2 cores to run the exchange beside it
-
-
-def _weights(seed):
-    gen = torch.Generator().manual_seed(seed)
-    router = torch.randn(E, H, generator=gen) / H ** 0.5
-    router[:, 0] = 0.0
-    router[[0, 1, 9], 0] = torch.tensor([4.0, 3.0, 3.5])    # GPU 0's and GPU 2's experts are hot: both nodes move
-    w1 = torch.randn(E, H, 2 * FF, generator=gen) / H ** 0.5
-    w2 = torch.randn(E, FF, H, generator=gen) / FF ** 0.5
-    xs = [torch.randn(t, H, generator=gen) for t in (96, 80, 64, 72)]
-    for x in xs:
-        x[:, 0] = x[:, 0].abs() + 1.0
-    return router, w1, w2, xs
 
 
 class _Slow(torch.autograd.Function):
@@ -63,7 +54,7 @@ def _order_rank(rank: int, world: int, recopy: bool) -> dict:
 
     from feplb import FEPLBConfig, MoELayer, dispatch
 
-    router, w1, w2, xs = _weights(5)
+    router, w1, w2, xs = _runtime._weights(5)
     log: list = []
     t0 = time.perf_counter()
     issue = dispatch.Exchange.issue_backward
@@ -163,7 +154,7 @@ def test_an_exchange_left_pending_is_settled_when_the_backward_ends_and_its_erro
             raise TimeoutError("copy path: a peer never came")
         return {}, None
 
-    ex = SimpleNamespace(device=torch.device("cpu"), issue_backward=issue_backward)
+    ex = SimpleNamespace(device=torch.device("cpu"), issue_backward=issue_backward, handed=lambda got, done: got)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as copier:
         join = BackwardJoin(copier)
 
