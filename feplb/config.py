@@ -69,6 +69,14 @@ class FEPLBConfig:
     weights: "per-step" (helpers hold resident replicas, refreshed by ``refresh_replicas()`` after the optimizer
         step, gradients reduced by ``reduce_replica_grads()`` before it) or "per-microbatch" (weights travel with
         the rows every micro-batch, gradients return with the backward pass).
+    replicas: which weights an ``@ema`` policy holds for the step with weights='per-step'. "eager" (default):
+        every dynamic expert's weights on the other GPUs of its node, copied at each ``refresh_replicas()``.
+        "lazy": a weight is copied the first time a plan needs it in the step (in that micro-batch's phase-2
+        exchange) and then held until the next ``refresh_replicas()``; later plans of the step find it resident
+        and copy it no more. Its gradient accumulates on the held copy and reaches its owner at
+        ``reduce_replica_grads()``, like an eager replica's. Fewer bytes and less memory than eager, but each
+        first copy is in its micro-batch. Needs an ``@ema`` policy of the in-node planners (``feplb``,
+        ``feplb-split``, ``lp``), whose history then reads whole plans (``PolicyState.reads_plans``).
     recopy_weights: with weights='per-microbatch', a helper lets go of the expert weights it received once its
         forward has used them, and their owners copy them to it again in the backward (the paper's scheme): a
         helper holds no received weights from a micro-batch's forward to its backward, for a second pass of the
@@ -122,6 +130,7 @@ class FEPLBConfig:
     copy_path: str = "auto"
     device: str = "auto"
     weights: str = "per-step"
+    replicas: str = "eager"
     recopy_weights: bool = False
     refresh_every: int = 8
     plan_wait_ms: float | None = None
@@ -224,7 +233,15 @@ class FEPLBConfig:
             _pos_int("recv_capacity", self.recv_capacity, 0)
         from feplb.sched.plan import parse_policy
 
-        parse_policy(self.policy)
+        base, _, mode = parse_policy(self.policy)
+        if self.replicas not in ("eager", "lazy"):
+            raise ValueError(f"FEPLBConfig.replicas must be 'eager' or 'lazy', got {self.replicas!r}")
+        if self.replicas == "lazy" and (mode != "ema" or base not in ("feplb", "feplb-split", "lp")):
+            raise ValueError(f"FEPLBConfig.replicas='lazy' applies to the @ema sets of feplb, feplb-split and lp "
+                             f"(the weights a plan copies, held for the step), not to policy {self.policy!r}")
+        if self.replicas == "lazy" and self.weights != "per-step":
+            raise ValueError("FEPLBConfig.replicas='lazy' needs weights='per-step' (with 'per-microbatch' nothing is "
+                             "held between micro-batches)")
 
 
 @dataclass(frozen=True, kw_only=True)

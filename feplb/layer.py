@@ -206,7 +206,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # its share (closing may be collective, and a collection happens at different times on different ranks)
         self._copy = shared_copy_engine(c.copy_path, device, self.control, transport_kind=c.transport)
         self.comm = PeerComm(self.transport, self._copy, c.gpus_per_node)
-        self.state = PolicyState(topo=self.topo, policy=c.policy, refresh_every=c.refresh_every) \
+        self.state = PolicyState(topo=self.topo, policy=c.policy, refresh_every=c.refresh_every,
+                                 replicas_mode=c.replicas) \
             if (self.base != "none" or self.place) else None
         # The slow decisions the layer executes (placement, @ema sets, EPLB replicas): the policy state as of the
         # last adoption. Plans are made from it, so they always match the weights the GPUs hold.
@@ -682,6 +683,10 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                 concurrent.futures.wait([job.future])
             raise
         y_RD, tail, recopy = dynamic_and_return(self, h_RD, y_static, early, split, p2, slot_w, tl)
+        if replay is None and p2.copies and self._holds(self._plan_state):
+            # lazy replicas: what this plan copied is resident for the rest of the step (on every rank alike)
+            self._plan_state = dataclasses.replace(
+                self._plan_state, resident=self._plan_state.resident | {(e, d) for e, _, d in p2.copies})
         p2 = dataclasses.replace(p2, bank_bytes=slot_w.copied_bytes, recopy=recopy)
         # the empty tails keep the exchanges' backward (collective) in the graph
         y_RD = torch.cat([y_RD, tail.view(0, self.config.hidden), slot_w.tail.view(0, self.config.hidden)])
@@ -691,6 +696,11 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             y_back = all_to_all_rows(y_RD, self.transport, split.home.recv_splits, split.send_splits,
                                      split_matrix=split.split_WW.t().contiguous())
         return y_back, p2
+
+    def _holds(self, state) -> bool:
+        """Whether the weights a plan made from ``state`` copies are held until the next refresh (lazy replicas:
+        an ``@ema`` history that keeps them resident, ``PolicyState.reads_plans``, with weights='per-step')."""
+        return self.config.weights == "per-step" and state is not None and state.reads_plans
 
     def _plan_first(self, h_RD: torch.Tensor) -> bool:
         """Whether step 5 starts before the static GEMM (a CPU: it computes on this thread, and planning runs

@@ -118,19 +118,25 @@ def _lay_out(layer, plan, counts: Counts, split: Split, state, dtype, device):
     moves = tuple(m for m in plan.moves if m.row_end > m.row_start)
     lay = phase2_layout(split.home, moves, layer.placement.slot_pos, layer.rank)
     copies = tuple(plan.weight_copies)
+    hold = layer._holds(state)
+    if hold:
+        # lazy replicas: a recompute repeats a plan whose copies its forward made and the layer still holds
+        copies = tuple(cp for cp in copies if (cp[0], cp[2]) not in layer.replicas.lazy_pairs)
     for e, _, d in copies:
         if d == layer.rank and not any(m.expert == e and m.dst == d for m in moves):
             raise ValueError(f"plan copies expert {e}'s weights to GPU {d}, which computes none of its rows")
     for j in lay.hosted:
         e = moves[j].expert
         if not (any(cp[0] == e and cp[2] == layer.rank for cp in copies) or e in layer.replicas.replica_of
-                or e // layer.num_local == layer.rank):
+                or e in layer.replicas.held or e // layer.num_local == layer.rank):
             raise ValueError(f"GPU {layer.rank} would compute rows of expert {e} without its weights")
     sizes = layer.part_sizes
     rows = [Item(m.src, m.dst, m.rows * c.hidden) for m in moves]
     spec = {j: ("rows", a, b) for j, a, b in lay.out}
     wex, worder = None, ()
-    if c.recopy_weights and copies:   # (the copies are the same on every rank of the node)
+    # (the copies are the same on every rank of the node). With lazy replicas the weights travel in an exchange of
+    # their own too, without autograd: a helper holds them as leaves whose gradients go home at the step's end
+    if (c.recopy_weights or hold) and copies:
         ex = Exchange(layer.comm, rows, dtype=dtype, device=device, op="phase-2 rows to helpers")
         wex = Exchange(layer.comm, weight_items(copies, sizes), dtype=dtype, device=device,
                        op="phase-2 weights to helpers")
@@ -225,13 +231,17 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
     join = BackwardJoin(layer._balancer.copier)
     layer._backward_join = join
     rcv = ex(materialize(p2.spec, h_RD, local), layer._anchor(h_RD), pending=p2.pending, settle=join)
-    rcv_w, w_base, recopy = rcv, len(moves), None
-    if p2.wexchange is not None:
+    rcv_w, w_base, recopy, copies = rcv, len(moves), None, p2.copies
+    if p2.wexchange is not None and c.recopy_weights:
         wsends = materialize(p2.wspec, h_RD, local)
         rcv_w, w_base = p2.wexchange(wsends, layer._anchor(h_RD), pending=p2.wpending, settle=join), 0
         recopy = Recopy.of(p2.wexchange, p2.wspec, wsends, layer.control, layer.rank)
+    elif p2.wexchange is not None:
+        # lazy replicas: the copies are held from here to the step's end (the hosted GEMMs find them there)
+        hold_copies(layer, p2, h_RD, local)
+        copies = ()
     with span(tl, "dynamic_gemm"):
-        y_hosted = hosted_gemm(layer, lay.hosted, moves, p2.copies, lambda js: rcv.joined(js).view(-1, H), rcv_w,
+        y_hosted = hosted_gemm(layer, lay.hosted, moves, copies, lambda js: rcv.joined(js).view(-1, H), rcv_w,
                                w_base, dev, recopy=recopy)
     tails = [rcv.tail.reshape(-1)] if rcv_w is rcv else [rcv.tail.reshape(-1), rcv_w.tail.reshape(-1)]
     del rcv_w   # (with recopy_weights, what holds the received weights from here to the backward is a bug)
@@ -267,10 +277,32 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
     return y_recv, torch.cat([*tails, ret.tail.reshape(-1)]), recopy
 
 
+def hold_copies(layer, p2: Phase2, h_RD: torch.Tensor, local) -> None:
+    """Lazy replicas (``MoELayer._holds``): the plan's weight copies, received in an exchange of their own without
+    autograd, become this rank's held copies (``Replicas.hold``, one bank per source) until the next refresh, and
+    every rank notes the pairs the plan copied (the plans after this one find them resident). A copy to the
+    expert's owner is not held: the owner computes with its own parameters."""
+    wex, copies, L = p2.wexchange, p2.copies, layer.num_local
+    layer.replicas.note_lazy((e, d) for e, _, d in copies if d != e // L)
+    if not wex.active:
+        return
+    got = wex.handed(*p2.wpending.result()) if p2.wpending is not None else \
+        wex.issue(materialize(p2.wspec, h_RD, local))[0]
+    rcv = wex.received(got, h_RD[:0].reshape(-1))
+    n = len(copies)
+    for src in sorted({s for _, s, d in copies if d == layer.rank}):
+        ks = [k for k, (e, s, d) in enumerate(copies) if s == src and d == layer.rank and d != e // L]
+        if ks:
+            layer.replicas.hold([copies[k][0] for k in ks],
+                                tuple(rcv.joined([p * n + k for k in ks]).view(len(ks), *shape)
+                                      for p, shape in enumerate(layer.part_shapes)))
+
+
 def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, weights: Received | None, w_base: int,
                 device, recopy: Recopy | None = None) -> dict[int, torch.Tensor]:
     """The rows this GPU computes for others: one grouped launch per weight bank (the per-step replicas, each
-    source's weight copies received this micro-batch viewed in place, this rank's own parameters).
+    source's weight copies received this micro-batch viewed in place, the lazy replicas this rank holds, this rank's
+    own parameters).
 
     hosted: indices of the moves into this GPU; rows(js): their rows back to back ([N, H]); weights: the exchange
     that carried ``copies``, whose items ``w_base + j * len(copies) + k`` are copy k's part j (w1, w2, b1, b2).
@@ -284,10 +316,17 @@ def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, wei
     copy_k = {(e, d): k for k, (e, _, d) in enumerate(copies)}
     banks: dict[object, tuple] = {}
     groups: dict[object, list[tuple[int, int]]] = {}
+    held = layer.replicas.held
     for j in hosted:
         e = moves[j].expert
         k = copy_k.get((e, layer.rank))
-        if k is not None:
+        if e in held:
+            b = held[e][0]
+            key = ("held", b)
+            if key not in banks:
+                index = {x: i for x, (bb, i) in held.items() if bb == b}
+                banks[key] = (layer.replicas.held_banks[b], index, len(index))
+        elif k is not None:
             src = copies[k][1]
             key = ("copy", src)
             if key not in banks:

@@ -7,10 +7,14 @@ Other GPUs hold copies of it when
   placed on it (its SLOTS), built once per step (weights='per-step') or sent by the owners every micro-batch
   (weights='per-microbatch', a differentiable exchange);
 * the policy state keeps a resident replica of it there (``PolicyState.resident``: ``@ema`` dynamic sets, EPLB
-  replicas), weights='per-step' only: a per-step bank of replicas, so a plan copies rows only for those.
+  replicas), weights='per-step' only: a per-step bank of replicas, so a plan copies rows only for those;
+* a plan copied it there in this step under lazy ``@ema`` replicas (``FEPLBConfig.replicas='lazy'``,
+  ``PolicyState.reads_plans``), weights='per-step' only: the copies a micro-batch received are held (``hold``)
+  until the next refresh, and the plans after it find them resident.
 
-Per-step copies are leaves whose gradients accumulate over the step's micro-batches; ``reduce_grads`` sends them to
-the owners once per step. Whatever a plan needs beyond these, ``Plan.weight_copies`` copies per micro-batch.
+Per-step copies (held ones too) are leaves whose gradients accumulate over the step's micro-batches;
+``reduce_grads`` sends them to the owners once per step. Whatever a plan needs beyond these, ``Plan.weight_copies``
+copies per micro-batch.
 
 Staleness (per-step copies of weights the optimizer has changed) is detected without trusting version counters
 alone: fused and foreach optimizers write parameters without bumping them, so a global optimizer step hook marks
@@ -102,6 +106,11 @@ class Replicas:
         self.replica_of: dict[int, int] = {}             # expert -> index in the replica bank (this rank)
         self.replica_bank: tuple[torch.Tensor, ...] | None = None   # leaves [N, H, 2F], [N, F, H] (, [N, 2F], [N, H])
         self.slot_bank: tuple[torch.Tensor, ...] | None = None      # leaves [L, H, 2F], [L, F, H] (, [L, 2F], [L, H])
+        # lazy @ema replicas: (expert, gpu != owner) a plan copied this step, on any rank (a global fact: the plans
+        # are agreed over the group), and this rank's held copies: expert -> (bank, index), banks of leaves
+        self.lazy_pairs: frozenset[tuple[int, int]] = frozenset()
+        self.held: dict[int, tuple[int, int]] = {}
+        self.held_banks: list[tuple[torch.Tensor, ...]] = []
         self.ever_held = False        # some rank has held per-step copies (a global fact: pairs are global)
         self.generation = 0           # bumped by every refresh; a gradient of an older generation is late
         self.late_grad = False
@@ -125,17 +134,17 @@ class Replicas:
 
     def fresh(self) -> bool:
         """Whether the per-step copies still hold the owners' current weights (True when there are none)."""
-        if not self.pairs:
+        if not self.pairs and not self.lazy_pairs:
             return True
         return not self.stepped and self._versions == self.versions()
 
     def sync_requires(self) -> None:
         """Make the copies require grad where the owners' weights now do (experts frozen or unfrozen since the
         refresh: a copy made while they were frozen would send no gradient back). Local; every forward."""
-        if not self.pairs or self._requires == self.requires():
+        if not (self.pairs or self.lazy_pairs) or self._requires == self.requires():
             return
         req = tuple(w.requires_grad for w in self.own_weights())
-        for bank in (b for b in (self.replica_bank, self.slot_bank) if b is not None):
+        for bank in [b for b in (self.replica_bank, self.slot_bank) if b is not None] + self.held_banks:
             for leaf, r in zip(bank, req, strict=True):
                 if leaf.requires_grad != r:
                     self._watch(leaf.requires_grad_(r))
@@ -152,7 +161,12 @@ class Replicas:
             w._feplb_grad32 = None
 
     def _held(self) -> list[torch.Tensor]:
-        return list(self.replica_bank or ()) + list(self.slot_bank or ())
+        return list(self.replica_bank or ()) + list(self.slot_bank or ()) + [w for b in self.held_banks for w in b]
+
+    def all_pairs(self) -> list[tuple[int, int]]:
+        """Every (expert, GPU) holding a per-step copy besides the owner, refreshed or held (identical on every
+        rank), in a fixed order."""
+        return sorted(set(self.pairs) | self.lazy_pairs)
 
     def _watch(self, leaf: torch.Tensor) -> torch.Tensor:
         """A per-step leaf, with a hook noticing a gradient that arrives after a refresh replaced it (a refresh
@@ -250,6 +264,36 @@ class Replicas:
               else self.owned(e, own) for e in placement.my_slots]
         return SlotWeights(parts=self._bank(ws), tail=tail, copied_bytes=nbytes)
 
+    def note_lazy(self, pairs) -> None:
+        """(expert, GPU != owner) pairs a plan executed on every rank just copied, held from now to the next
+        refresh (lazy replicas; call on every rank alike)."""
+        new = frozenset(pairs) - self.lazy_pairs
+        if not new:
+            return
+        if not self.pairs and not self.lazy_pairs:
+            # the first copies held since the last refresh (if any) are of the owners' weights as they are now (the
+            # forward found nothing stale): staleness counts from here
+            self._versions, self._requires, self.stepped = self.versions(), self.requires(), False
+        self.lazy_pairs = self.lazy_pairs | new
+        self.ever_held = True
+
+    @torch.inference_mode(False)   # (a forward inside inference_mode: the held copies must still train later)
+    @torch.no_grad()
+    def hold(self, experts: list[int], parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Hold the weights of ``experts`` this rank received this micro-batch (``parts``: one [n, ...] tensor per
+        part, in the order of ``experts``) until the next refresh: returns them as watched leaves (requiring grad
+        where the owners' weights do), one bank, which this micro-batch's GEMMs and the step's later plans use."""
+        for e in experts:
+            if e in self.held:
+                raise RuntimeError(f"MoELayer: GPU {self._layer().rank} received expert {e}'s weights again in a step "
+                                   "that already holds them (lazy replicas)")
+        req = tuple(w.requires_grad for w in self.own_weights())
+        bank = tuple(self._watch(t.detach().requires_grad_(r)) for t, r in zip(parts, req, strict=True))
+        b = len(self.held_banks)
+        self.held_banks.append(bank)
+        self.held.update({e: (b, i) for i, e in enumerate(experts)})
+        return bank
+
     @torch.inference_mode(False)   # copies made inside inference_mode could never be trained
     @torch.no_grad()
     def refresh(self, placement: Placement, resident: frozenset[tuple[int, int]]) -> None:
@@ -266,6 +310,7 @@ class Replicas:
         self._requires = self.requires()
         self.ever_held = self.ever_held or bool(pairs)
         self.replica_bank, self.slot_bank, self.replica_of = None, None, {}
+        self.lazy_pairs, self.held, self.held_banks = frozenset(), {}, []
         if not pairs:
             return
         copies = [(e, e // lay.num_local, g) for e, g in pairs]
@@ -290,7 +335,8 @@ class Replicas:
         """Add the per-step copies' gradients to the owners' expert gradients (collective; once per step)."""
         lay = self._layer()
         r, L = lay.rank, lay.num_local
-        if not self.pairs:
+        pairs = self.all_pairs()
+        if not pairs:
             return
         shapes, sizes = lay.part_shapes, lay.part_sizes
         own = self.own_weights()
@@ -301,8 +347,13 @@ class Replicas:
 
         def grads_of(e: int) -> tuple[torch.Tensor, ...]:
             i = placement.slot_pos.get(e)
-            bank = self.slot_bank if i is not None else self.replica_bank
-            j = i if i is not None else self.replica_of[e]
+            if i is not None:
+                bank, j = self.slot_bank, i
+            elif e in self.replica_of:
+                bank, j = self.replica_bank, self.replica_of[e]
+            else:
+                b, j = self.held[e]
+                bank = self.held_banks[b]
             return tuple(g[j].to(gdt) if (g := _grad(b)) is not None else b.new_zeros(b[j].shape, dtype=gdt)
                          for b in bank)
 
@@ -312,7 +363,7 @@ class Replicas:
                 if e // L == r:           # own experts in the bank: their gradient stays here
                     for a, g in zip(adds, grads_of(e), strict=True):
                         a[e - r * L] += g
-        back = [(e, g, e // L) for e, g in self.pairs]    # (expert, holder -> owner)
+        back = [(e, g, e // L) for e, g in pairs]    # (expert, holder -> owner)
         items = [Item(g, o, sum(sizes)) for _, g, o in back]
         sends = {}
         for k, (e, g, _) in enumerate(back):

@@ -56,6 +56,20 @@ def test_config_rejects_bad_values(field, value, exc, needle):
         FEPLBConfig(**{**BASE, field: value})
 
 
+def test_config_lazy_replicas():
+    """replicas='lazy' holds what a plan copied: an @ema set of the in-node planners, with per-step weights."""
+    for policy in ("feplb@ema", "feplb-split@ema", "lp@ema", "feplb-split+place@ema"):
+        assert FEPLBConfig(**BASE, policy=policy, replicas="lazy").replicas == "lazy"
+    assert FEPLBConfig(**BASE).replicas == "eager"
+    with pytest.raises(ValueError, match="replicas must be 'eager' or 'lazy', got 'sometimes'"):
+        FEPLBConfig(**BASE, policy="feplb@ema", replicas="sometimes")
+    for policy in ("feplb", "feplb-split@current", "eplb", "fastermoe", "none"):
+        with pytest.raises(ValueError, match=f"not to policy '{policy}'"):
+            FEPLBConfig(**BASE, policy=policy, replicas="lazy")
+    with pytest.raises(ValueError, match="replicas='lazy' needs weights='per-step'"):
+        FEPLBConfig(**BASE, policy="feplb@ema", replicas="lazy", weights="per-microbatch")
+
+
 def test_config_non_gated_experts():
     cfg = FEPLBConfig(**BASE, gated=False, activation="relu2")
     assert cfg.glu == (None, "relu2", 1.702, False, False, None)

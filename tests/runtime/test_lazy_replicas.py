@@ -1,0 +1,178 @@
+"""Lazy ``@ema`` replicas (``FEPLBConfig(replicas="lazy")``) on 4 gloo ranks, as 2 nodes x 2 GPUs and 1 node x 4:
+
+* a weight a plan copies to a helper is held there until the next ``refresh_replicas()``: no (expert, GPU) pair
+  is copied twice in a step, the micro-batches after the first copy less than it, every rank notes the same held
+  pairs (those the plans copied, the owners left out), each rank holds exactly its own, and the plans' history
+  (the layer's adopted state) finds them resident;
+* outputs and every gradient over three accumulated micro-batches equal plain EP's once the held copies'
+  gradients are reduced, and nothing is left on the copies; two optimizer steps with a refresh between end where
+  plain EP does, and the refresh lets go of the held copies (the next step copies again);
+* under activation checkpointing the recompute copies nothing (the forward's copies are held) and the gradients
+  are bit for bit the uncheckpointed layer's;
+* an optimizer step without ``refresh_replicas()`` makes the next forward raise on every rank (held copies are
+  stale), also where they are the only copies; a layer that never refreshed holds copies without a false alarm.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from feplb.testing import load_global_weights, load_module, run_dist
+
+pytestmark = pytest.mark.dist
+
+# the routing of test_layer.py ("skewed": GPU 0's experts are hot)
+_layer_tests = load_module(Path(__file__).with_name("test_layer.py"))
+H, FF, E, K, W = _layer_tests.H, _layer_tests.FF, _layer_tests.E, _layer_tests.K, _layer_tests.W
+MICROBATCHES = 3
+
+
+def _build(G: int, policy: str, replicas: str, seed: int = 210, **kw):
+    from feplb import FEPLBConfig, MoELayer
+
+    router, w1, w2, xs, dys = _layer_tests.make_inputs("skewed", seed, G)
+    cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2, policy=policy,
+                      replicas=replicas, plan_wait_ms=60_000, min_straggler_rows=0, min_chunk=2, **kw)
+    layer = MoELayer(cfg)
+    load_global_weights(layer, router, w1, w2)
+    return layer, xs, dys
+
+
+def _grads(layer, x) -> dict:
+    return {"dx": x.grad.clone(), "drouter": layer.router.weight.grad.clone(), "dw1": layer.w1.grad.clone(),
+            "dw2": layer.w2.grad.clone()}
+
+
+def _accumulate(rank: int, G: int, policy: str, replicas: str = "eager", ckpt: bool = False) -> dict:
+    from torch.utils.checkpoint import checkpoint
+
+    layer, xs, dys = _build(G, policy, replicas)
+    with torch.no_grad():
+        layer(xs[rank])            # the history picks the @ema dynamic sets
+    layer.refresh_replicas()
+    holds = []
+    hold = layer.replicas.hold
+
+    def counting_hold(experts, parts):
+        holds.append(tuple(experts))
+        return hold(experts, parts)
+
+    layer.replicas.hold = counting_hold
+    x = xs[rank].clone().requires_grad_(True)
+    copied, outs = [], []
+    for _ in range(MICROBATCHES):
+        out = checkpoint(layer, x, use_reentrant=False) if ckpt else layer(x)
+        (out * dys[rank]).sum().backward()
+        outs.append(out.detach())
+        copied.append(tuple(layer.last_plan.weight_copies) if layer.last_plan is not None else ())
+    held_before = sorted(layer.replicas.held)
+    lazy_pairs = sorted(layer.replicas.lazy_pairs)
+    resident = sorted(layer._plan_state.resident) if layer._plan_state is not None else []
+    layer.reduce_replica_grads()
+    res = {"outs": outs, **_grads(layer, x), "copied": copied, "held": held_before, "lazy_pairs": lazy_pairs,
+           "resident": resident, "clean": layer.replicas.grads_clean(), "holds": len(holds)}
+    layer.close()
+    return res
+
+
+def _train(rank: int, G: int, policy: str, replicas: str = "eager", steps: int = 2) -> dict:
+    layer, xs, dys = _build(G, policy, replicas, refresh_every=MICROBATCHES)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    first_copies, held_after_refresh = [], []
+    for step in range(steps):
+        for mb in range(MICROBATCHES):
+            x = xs[rank] * (1 + 0.1 * mb + 0.05 * step)
+            (layer(x) * dys[rank]).sum().backward()
+            if mb == 0:
+                first_copies.append(layer.last_stats.weight_copies)
+        layer.reduce_replica_grads()
+        opt.step()
+        opt.zero_grad()
+        layer.refresh_replicas()
+        held_after_refresh.append(len(layer.replicas.held) + len(layer.replicas.lazy_pairs))
+    res = {"w1": layer.w1.detach().clone(), "w2": layer.w2.detach().clone(),
+           "router": layer.router.weight.detach().clone(), "first_copies": first_copies,
+           "held_after_refresh": held_after_refresh}
+    layer.close()
+    return res
+
+
+def _stale(rank: int, G: int) -> dict:
+    """An unattached optimizer steps after a micro-batch whose plan copied weights (held, and the only per-step
+    copies: lazy @ema keeps no eager replica): the next forward must raise; a layer built and run without any
+    refresh_replicas() must not."""
+    layer, xs, dys = _build(G, "feplb-split@ema", "lazy")
+    x = xs[rank]
+    for _ in range(2):               # never refreshed: the held copies are of the weights as they are
+        (layer(x) * dys[rank]).sum().backward()
+    unrefreshed_ok = bool(layer.replicas.lazy_pairs)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer.reduce_replica_grads()
+    opt.step()
+    try:
+        layer(x)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    layer.refresh_replicas()
+    out = layer(x)                   # refreshed: runs again
+    layer.close()
+    return {"unrefreshed_ok": unrefreshed_ok, "error": error, "after": bool(torch.isfinite(out).all())}
+
+
+def _worker(rank: int, world: int, G: int) -> dict:
+    torch.manual_seed(0)
+    res = {p: _accumulate(rank, G, p, "lazy") for p in ("feplb@ema", "feplb-split@ema")}
+    res["none"] = _accumulate(rank, G, "none")
+    res["ckpt"] = _accumulate(rank, G, "feplb-split@ema", "lazy", ckpt=True)
+    res["train"] = {"lazy": _train(rank, G, "feplb-split@ema", "lazy"), "none": _train(rank, G, "none")}
+    res["stale"] = _stale(rank, G)
+    return res
+
+
+def _close(got, want, what, tol=1e-5):
+    err = (got.double() - want.double()).abs().max().item()
+    scale = max(want.abs().max().item(), 1e-6)
+    assert err <= tol * scale, f"{what}: max abs error {err:.3g} > {tol * scale:.3g}"
+
+
+@pytest.mark.parametrize("gpus_per_node", [2, 4], ids=["2nodes_x_2gpus", "1node_x_4gpus"])
+def test_lazy_replicas_held_for_the_step_and_exact(gpus_per_node):
+    results = run_dist(_worker, W, gpus_per_node, timeout_s=400)
+    L = E // W
+    for policy in ("feplb@ema", "feplb-split@ema"):
+        per_rank = [res[policy] for res in results]
+        copied = per_rank[0]["copied"]
+        flat = [(e, d) for c in copied for e, _, d in c]
+        assert copied[0], f"{policy}: the first micro-batch copied no weights (nothing to hold)"
+        assert len(flat) == len(set(flat)), f"{policy}: a pair was copied twice in one step: {copied}"
+        assert sum(len(c) for c in copied[1:]) < len(copied[0]), f"{policy}: later micro-batches copied as much"
+        want = sorted((e, d) for e, d in flat if d != e // L)
+        for r, res in enumerate(per_rank):
+            assert res["copied"] == copied, f"{policy}: rank {r} executed other plans"
+            assert res["lazy_pairs"] == want, f"{policy} rank {r}: held pairs {res['lazy_pairs']} != {want}"
+            assert res["held"] == sorted(e for e, d in want if d == r), f"{policy} rank {r}: holds {res['held']}"
+            assert set(flat) <= set(res["resident"]), f"{policy} rank {r}: the plans' state lacks the held pairs"
+            assert res["clean"], f"{policy} rank {r}: gradients left on held copies after the reduction"
+            ref = results[r]["none"]
+            for i, (a, b) in enumerate(zip(res["outs"], ref["outs"], strict=True)):
+                _close(a, b, f"{policy} rank {r} micro-batch {i} output")
+            for k in ("dx", "drouter", "dw1", "dw2"):
+                _close(res[k], ref[k], f"{policy} rank {r} {k}")
+    assert sum(res["ckpt"]["holds"] for res in results) > 0
+    for r, res in enumerate(results):
+        ck, plain = res["ckpt"], res["feplb-split@ema"]
+        assert ck["holds"] == plain["holds"], f"rank {r}: the recompute held copies again ({ck['holds']})"
+        for k in ("dx", "drouter", "dw1", "dw2"):
+            assert torch.equal(ck[k], plain[k]), f"rank {r}: {k} under checkpointing differs"
+        lazy, none = res["train"]["lazy"], res["train"]["none"]
+        for k in ("w1", "w2", "router"):
+            _close(lazy[k], none[k], f"train rank {r} {k}", tol=2e-5)
+        assert lazy["held_after_refresh"] == [0, 0], f"rank {r}: the refresh kept held copies"
+        assert all(n > 0 for n in lazy["first_copies"]), f"rank {r}: a step after a refresh copied nothing"
+        st = res["stale"]
+        assert st["unrefreshed_ok"] and st["after"]
+        assert st["error"] is not None and "refresh_replicas" in st["error"], f"rank {r}: {st['error']}"
