@@ -39,6 +39,7 @@ import numpy as np
 from feplb.sched import CostModel, PolicyState, Topology, make_plan, parse_policy
 from feplb.sched.metrics import max_over_mean, token_straggler
 from feplb.sched.placement import check_min_gain
+from feplb.sched.plan import Plan
 from feplb.sched.state import PLACE_MIN_GAIN
 
 DEFAULT_POLICIES = ("none", "feplb", "feplb-split", "fastermoe", "eplb", "lp")
@@ -213,14 +214,19 @@ def extra_weights(state: PolicyState, plan: Any, topo: Topology) -> int:
     return int(held.max())
 
 
-def step_us(state: PolicyState, new_state: PolicyState, cost: CostModel, topo: Topology) -> float:
-    """The weight traffic of a step's end (us), for a refresh that turned ``state`` into ``new_state``: the
-    gradients of the copies held over the step (``state.resident``: ``@ema`` sets and EPLB replicas; the experts
-    ``+place`` put away from their owners) to their owners, then the copies the refresh sends. FEPLB's runtime does
-    both between micro-batches (``reduce_replica_grads`` before the optimizer step, ``refresh_replicas`` after it),
-    so neither hides behind a GEMM; EPLB's replicas are charged alike."""
+def step_us(state: PolicyState, new_state: PolicyState, cost: CostModel, topo: Topology,
+            plan: Plan | None = None) -> float:
+    """The weight traffic of a step's end (us), for a refresh that turned ``state`` into ``new_state`` after the
+    micro-batch that executed ``plan``: the gradients of the copies held over the step (``state.resident``:
+    ``@ema`` sets and EPLB replicas; under lazy replicas, ``state.reads_plans``, also what ``plan`` copied; the
+    experts ``+place`` put away from their owners) to their owners, then the copies the refresh sends. FEPLB's
+    runtime does both between micro-batches (``reduce_replica_grads`` before the optimizer step,
+    ``refresh_replicas`` after it), so neither hides behind a GEMM; EPLB's replicas are charged alike."""
     owner = topo.default_home_E()
-    back = [(g, int(owner[e])) for e, g in state.resident]
+    held = set(state.resident)
+    if plan is not None and state.reads_plans:
+        held |= {(e, d) for e, _, d in plan.weight_copies}
+    back = [(g, int(owner[e])) for e, g in held if g != owner[e]]
     if state.home_E is not None:
         back += [(int(h), int(owner[e])) for e, h in enumerate(np.asarray(state.home_E).tolist()) if h != owner[e]]
     out = [(src, dst) for _, src, dst in new_state.last_weight_copies]
@@ -289,14 +295,14 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
                 rec["layer_ms"][layer, m] = times.layer_us / 1e3
                 rec["layer_before_ms"][layer, m] = float(g_before.max()) / 1e3
                 # its backward (CostModel.backward_times), against plain EP's busiest GPU's
-                back = cost.backward_times(plan, counts_WE, topo)
+                back = cost.backward_times(plan, counts_WE, topo, held=state.reads_plans)
                 rec["backward_ms"][layer, m] = back.layer_us / 1e3
                 rec["backward_before_ms"][layer, m] = cost.backward_factor * float(g_before.max()) / 1e3
                 rec["backward_hidden"][layer, m] = back.hidden
                 # a refresh ends a step: the copies held over it return their gradients to the owners, then the
                 # refresh copies the new weights (both between the step's micro-batches: charged here, once)
                 if new_state.refreshed:
-                    rec["step_ms"][layer, m] = step_us(state, new_state, cost, topo) / 1e3
+                    rec["step_ms"][layer, m] = step_us(state, new_state, cost, topo, plan) / 1e3
                 # expert weights the busiest GPU holds beyond its own (bytes, and % of its own experts' weights)
                 extra = extra_weights(state, plan, topo)
                 rec["extra_weight_bytes"][layer, m] = extra * cost.weight_bytes

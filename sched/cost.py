@@ -378,7 +378,8 @@ class CostModel:
         end = np.maximum(np.where(home, np.maximum(end, co1), end), np.where(ret_out > 0, sent, 0.0))
         return LayerTimes(static_W=static, ready_W=ready, end_W=end)
 
-    def backward_times(self, plan: Plan, counts_WE: np.ndarray, topo: Topology) -> LayerTimes:
+    def backward_times(self, plan: Plan, counts_WE: np.ndarray, topo: Topology, *, held: bool = False
+                       ) -> LayerTimes:
         """One layer's backward expert time on every GPU under ``plan``, from the arrival of the gradients of its
         expert outputs at their homes (the reverse all-to-all's backward done) to the input gradients ready for the
         dispatch's backward (a first-order model, like ``layer_times``; us). Every GEMM's backward takes
@@ -389,8 +390,10 @@ class CostModel:
         sender's copies, then copies them out of its inbox beside its GEMMs, as in the forward) while every GPU
         computes its static experts' backward and then its kept dynamic rows'; a helper then computes the hosted
         rows' backward once their gradients are in (``ready``), and sends the rows' input gradients home, with
-        the weight gradients of the experts whose weights this micro-batch copied to it (weights held for the step,
-        ``@ema``, reduce their gradients once per step: not here). The copy stream issues those sends after the
+        the weight gradients of the experts whose weights this micro-batch copied to it. Weights held for the step
+        reduce their gradients once per step (``step_us``), not here: ``@ema`` replicas, and with ``held`` (lazy
+        ``@ema`` replicas, ``PolicyState.reads_plans``: the runtime holds what a plan copied until the step's end)
+        this plan's copies too. The copy stream issues those sends after the
         hosted GEMMs and a home's receive after its own GEMMs; a home ends once they are all in and copied out; a
         helper no sooner than its sends. ``static_W`` is the end of the work that waits for nothing (static and
         kept rows), and ``hidden`` says whether the gradients' copies hid under it.
@@ -465,10 +468,12 @@ class CostModel:
         ready = np.where(recv, copy_t + copy_out, 0.0)
         own_end = own + np.where(recv, s * _overlap(ready - copy_out, ready, zeros, own), 0.0)
         hosted_end = np.where(hosted > 0, np.maximum(own_end, ready) + hosted, own_end)
-        # the rows' input gradients and the copied weights' gradients, helper -> home, after the hosted GEMMs
-        back_src = [*dst.tolist(), *(d for _, _, d in plan.weight_copies)]
-        back_dst = [*src.tolist(), *(o for _, o, _ in plan.weight_copies)]
-        back_B = [*row_B.tolist(), *([self.weight_bytes] * len(plan.weight_copies))]
+        # the rows' input gradients and the copied weights' gradients (unless held), helper -> home, after the
+        # hosted GEMMs
+        cps = () if held else plan.weight_copies
+        back_src = [*dst.tolist(), *(d for _, _, d in cps)]
+        back_dst = [*src.tolist(), *(o for _, o, _ in cps)]
+        back_B = [*row_B.tolist(), *([self.weight_bytes] * len(cps))]
         done, sent = gather_home(hosted_end, back_src, back_dst, back_B, hosted_end)
         end = np.maximum.reduce([hosted_end, done, sent])
         return LayerTimes(static_W=own_end, ready_W=ready, end_W=end)

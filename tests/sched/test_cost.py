@@ -164,6 +164,10 @@ def test_backward_times_by_hand_static_and_kept_rows_first_then_the_hosted_rows_
     # weights held for the step (no weight copy this micro-batch) return no weight gradient
     held = dataclasses.replace(plan, weight_copies=())
     assert cm.backward_times(held, counts, topo).end_W.tolist() == pytest.approx([274.5, 271.5])
+    # lazy replicas hold the weights this micro-batch copied for the rest of the step: same as no weight copy
+    lazy = cm.backward_times(plan, counts, topo, held=True)
+    assert lazy.end_W.tolist() == pytest.approx([274.5, 271.5])
+    assert lazy.static_W.tolist() == t.static_W.tolist() and lazy.ready_W.tolist() == t.ready_W.tolist()
 
 
 def test_backward_times_of_the_peers():

@@ -1,5 +1,7 @@
 """The simulator: metrics against their definitions, the FLAME "never worse" check, and refusals."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -254,3 +256,49 @@ def test_step_traffic_lands_at_refreshes_for_policies_that_hold_copies():
     m = res.metrics["feplb@ema"]
     assert s["train_ms"] == pytest.approx(m["layer_ms"].mean() + m["backward_ms"].mean() + m["step_ms"].mean())
     assert s["train_speedup"] < s["fwd_bwd_speedup"]
+
+
+def test_step_traffic_of_lazy_replicas_counts_every_copy_of_the_step_once():
+    """Lazy replicas: what a step's plans copied (the last micro-batch's too) returns its gradients at the refresh,
+    each pair once, and no micro-batch's backward returns them; nothing held on an owner is charged."""
+    from feplb.sched import make_plan
+    from feplb.simulate import step_us
+
+    w = SyntheticWorkload(kind="zipf", num_experts=32, top_k=4, num_layers=1, alpha=1.2, seed=7)
+    topo = Topology(num_ranks=8, gpus_per_node=4, num_experts=32, dyn=2)
+    cm = CostModel()
+    state = PolicyState(topo=topo, policy="feplb-split@ema", refresh_every=4, replicas_mode="lazy")
+    gen = w.microbatches(np.random.default_rng(3), 8, 256)
+    copied, checked = set(), 0
+    for _ in range(8):
+        counts = next(gen)[0]
+        plan = make_plan("feplb-split@ema", counts, topo, state)
+        held = {(e, d) for e, _, d in plan.weight_copies}
+        assert not held & copied, "a lazy replica was copied twice in a step"
+        copied |= held
+        new = state.observe(counts, plan)
+        if plan.weight_copies:
+            # the backward sends the rows' gradients only: as if no weight had been copied
+            bare = dataclasses.replace(plan, weight_copies=())
+            assert cm.backward_times(plan, counts, topo, held=True).end_W.tolist() == \
+                cm.backward_times(bare, counts, topo).end_W.tolist()
+        if new.refreshed and state.step == 0:
+            copied = set()        # (the first micro-batch refreshes: a step of one)
+        elif new.refreshed:
+            owner = topo.default_home_E()
+            back = [(g, int(owner[e])) for e, g in copied if g != owner[e]]
+            assert copied and step_us(state, new, cm, topo, plan) == pytest.approx(cm.weights_us(back, topo))
+            # without the micro-batch's plan, its own copies would be missing
+            if held - set(state.resident):
+                assert step_us(state, new, cm, topo) < step_us(state, new, cm, topo, plan)
+            checked += 1
+            copied = set()
+        state = new
+    assert checked == 2
+    # a copy on its expert's owner (placement can compute an expert away from its owner) is never held there
+    base = PolicyState(topo=topo, policy="feplb@ema")
+    on_owner = dataclasses.replace(base, resident=frozenset({(0, 0)}))   # GPU 0 owns expert 0
+    away = dataclasses.replace(base, resident=frozenset({(0, 1)}))
+    assert step_us(on_owner, base, cm, topo) == 0.0
+    assert step_us(away, base, cm, topo) == pytest.approx(cm.weights_us([(1, 0)], topo))
+    assert cm.weights_us([(1, 0)], topo) > 0
