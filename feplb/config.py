@@ -275,8 +275,9 @@ class LayerStats:
     weight_bytes_in_W: bytes of expert weights each GPU of planned_ranks received for this micro-batch through the
     plan's copies (0 elsewhere; they sum to weight_bytes_moved): in training they stay allocated until the
     micro-batch's backward, whose input gradient needs them (with ``recopy_weights``, only during the forward, and
-    received again in the backward, not counted here). With ``+place`` and weights='per-microbatch' the bank
-    of experts placed on the GPU comes on top (in copy_bytes).
+    received again in the backward, not counted here; with lazy replicas, ``replicas='lazy'``, until the next
+    ``refresh_replicas()``, and the step's later micro-batches do not receive them again). With ``+place`` and
+    weights='per-microbatch' the bank of experts placed on the GPU comes on top (in copy_bytes).
     """
 
     loads_before_W: list[int]

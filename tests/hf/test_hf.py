@@ -308,11 +308,13 @@ def _compile_worker(rank: int, world: int) -> dict:
             "grad_rel": max(_rel(p.grad, grads[n]) for n, p in model.named_parameters())}
 
 
-def _check_training(rank: int, world: int) -> dict:
+def _check_training(rank: int, world: int, replicas: str = "eager", microbatches: int = 1) -> dict:
     """Three AdamW steps with feplb.hf.attach_optimizer (replica gradients reduced inside ``step()``, replicas
     refreshed after it) against the unmodified model trained on the same global batch: every rank's parameters
     (its expert shards, its copy of the rest) equal the unmodified model's after each step. The second step clips
-    with feplb.hf.clip_grad_norm_ (the unmodified model with torch's): same total norm, same clipped gradients."""
+    with feplb.hf.clip_grad_norm_ (the unmodified model with torch's): same total norm, same clipped gradients.
+    replicas='lazy': the weights a plan copies are held for the step (``held`` counts them before each step), and
+    a step's later micro-batches (``microbatches``, the same tokens) compute on them without copying."""
     import torch.distributed as dist
 
     import feplb.hf as fh
@@ -321,26 +323,28 @@ def _check_training(rank: int, world: int) -> dict:
     model = M.make_model("mixtral")
     ref = copy.deepcopy(model)
     fh.apply(model, policy="feplb-split@ema", gpus_per_node=min(2, world), min_chunk=1, plan_wait_ms=60_000,
-             min_straggler_rows=0)
+             min_straggler_rows=0, replicas=replicas)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     fh.attach_optimizer(model, opt)
     expert_ids = {id(p) for p in fh.expert_parameters(model)}
     ref_params = dict(ref.named_parameters())
-    worst, moved, from_replicas = 0.0, 0, 0
+    worst, moved, from_replicas, held = 0.0, 0, 0, 0
     clip = {}
     for step in range(3):
         ids = M.tokens(rank + world * step)
-        model(input_ids=ids, labels=ids).loss.backward()
-        stats = [m.last_stats for m in fh.experts_modules(model)]
-        moved += sum(st.rows_moved for st in stats)
-        # rows computed on resident replicas (no weights copied): their gradients reach the owners only through
-        # the reduction the optimizer hook runs
-        from_replicas += sum(st.rows_moved > 0 and st.weight_copies == 0 for st in stats)
+        for _ in range(microbatches):   # (the same tokens again: the held copies computed them without a copy)
+            model(input_ids=ids, labels=ids).loss.backward()
+            stats = [m.last_stats for m in fh.experts_modules(model)]
+            moved += sum(st.rows_moved for st in stats)
+            # rows computed on resident replicas (no weights copied): their gradients reach the owners only
+            # through the reduction the optimizer hook runs
+            from_replicas += sum(st.rows_moved > 0 and st.weight_copies == 0 for st in stats)
+            ref(input_ids=ids, labels=ids).loss.backward()
+        held += sum(len(m.replicas.lazy_pairs) for m in fh.experts_modules(model))
         for p in model.parameters():   # data parallelism over the group for what is not sharded
             if id(p) not in expert_ids and p.grad is not None:
                 dist.all_reduce(p.grad)
-        ref(input_ids=ids, labels=ids).loss.backward()
         for p in ref.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad)
@@ -375,7 +379,7 @@ def _check_training(rank: int, world: int) -> dict:
                 L = p.shape[0]
                 want = want[rank * L:(rank + 1) * L]
             worst = max(worst, _rel(p, want))
-    return {"param_rel": worst, "rows_moved": moved, "from_replicas": from_replicas, "clip": clip}
+    return {"param_rel": worst, "rows_moved": moved, "from_replicas": from_replicas, "held": held, "clip": clip}
 
 
 def _check_autocast(rank: int, world: int) -> dict:
@@ -650,7 +654,9 @@ def _count_replays(layers) -> list[int]:
 
 def _worker(rank: int, world: int) -> dict:
     M = _models()
-    results = {"training": _check_training(rank, world), "autocast": _check_autocast(rank, world),
+    results = {"training": _check_training(rank, world),
+               "training_lazy": _check_training(rank, world, replicas="lazy", microbatches=2),
+               "autocast": _check_autocast(rank, world),
                "fsdp": _check_fsdp(rank, world), "ddp": _check_ddp(rank, world),
                "checkpointing": _check_gradient_checkpointing(rank, world)}
     for arch in M.ARCHS:
@@ -719,6 +725,7 @@ def test_four_ranks_as_two_nodes_match_the_unmodified_model(four_ranks):
 def test_attach_optimizer_trains_like_the_unmodified_model_on_one_rank(one_rank):
     res = one_rank[0]["training"]
     assert res["param_rel"] <= TOL, res
+    assert one_rank[0]["training_lazy"]["param_rel"] <= TOL, one_rank[0]["training_lazy"]
     assert res["clip"]["clipped"] and res["clip"]["norm_rel"] <= TOL and res["clip"]["grad_rel"] <= TOL, res
     assert res["clip"]["inf_rel"] <= TOL, res
 
@@ -731,6 +738,11 @@ def test_attach_optimizer_trains_like_the_unmodified_model_on_four_ranks(four_ra
         clip = res["training"]["clip"]
         assert clip["clipped"] and clip["norm_rel"] <= TOL and clip["grad_rel"] <= TOL, (rank, clip)
         assert clip["inf_rel"] <= TOL, (rank, clip)
+        # lazy replicas: the weights the plans copied are held for the step and reduced in the optimizer's step
+        lazy = res["training_lazy"]
+        assert lazy["param_rel"] <= TOL and lazy["rows_moved"] > 0 and lazy["held"] > 0, (rank, lazy)
+        assert lazy["from_replicas"] > 0, (rank, lazy)
+        assert lazy["clip"]["clipped"] and lazy["clip"]["grad_rel"] <= TOL, (rank, lazy["clip"])
 
 
 def _assert_autocast(ranks: list[dict]) -> None:

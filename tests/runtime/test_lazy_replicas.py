@@ -9,6 +9,8 @@
   plain EP does, and the refresh lets go of the held copies (the next step copies again);
 * under activation checkpointing the recompute copies nothing (the forward's copies are held) and the gradients
   are bit for bit the uncheckpointed layer's;
+* copies held by a forward inside ``torch.inference_mode`` train in the micro-batches after it; in bf16 the held
+  copies' gradients match plain EP's;
 * an optimizer step without ``refresh_replicas()`` makes the next forward raise on every rank (held copies are
   stale), also where they are the only copies; a layer that never refreshed holds copies without a false alarm.
 """
@@ -46,13 +48,18 @@ def _grads(layer, x) -> dict:
             "dw2": layer.w2.grad.clone()}
 
 
-def _accumulate(rank: int, G: int, policy: str, replicas: str = "eager", ckpt: bool = False) -> dict:
+def _accumulate(rank: int, G: int, policy: str, replicas: str = "eager", ckpt: bool = False,
+                dtype: torch.dtype = torch.float32, inference_first: bool = False) -> dict:
     from torch.utils.checkpoint import checkpoint
 
-    layer, xs, dys = _build(G, policy, replicas)
+    layer, xs, dys = _build(G, policy, replicas, dtype=dtype)
+    xs, dys = [x.to(dtype) for x in xs], [d.to(dtype) for d in dys]
     with torch.no_grad():
         layer(xs[rank])            # the history picks the @ema dynamic sets
     layer.refresh_replicas()
+    if inference_first:
+        with torch.inference_mode():
+            layer(xs[rank])        # copies held from inside inference_mode must still train
     holds = []
     hold = layer.replicas.hold
 
@@ -128,6 +135,9 @@ def _worker(rank: int, world: int, G: int) -> dict:
     res = {p: _accumulate(rank, G, p, "lazy") for p in ("feplb@ema", "feplb-split@ema")}
     res["none"] = _accumulate(rank, G, "none")
     res["ckpt"] = _accumulate(rank, G, "feplb-split@ema", "lazy", ckpt=True)
+    res["inference_first"] = _accumulate(rank, G, "feplb-split@ema", "lazy", inference_first=True)
+    res["bf16"] = {p: _accumulate(rank, G, p, "lazy" if p != "none" else "eager", dtype=torch.bfloat16)
+                   for p in ("feplb-split@ema", "none")}
     res["train"] = {"lazy": _train(rank, G, "feplb-split@ema", "lazy"), "none": _train(rank, G, "none")}
     res["stale"] = _stale(rank, G)
     return res
@@ -168,6 +178,14 @@ def test_lazy_replicas_held_for_the_step_and_exact(gpus_per_node):
         assert ck["holds"] == plain["holds"], f"rank {r}: the recompute held copies again ({ck['holds']})"
         for k in ("dx", "drouter", "dw1", "dw2"):
             assert torch.equal(ck[k], plain[k]), f"rank {r}: {k} under checkpointing differs"
+        inf = res["inference_first"]
+        # the inference_mode forward made the copies (same input, same plan): the training micro-batches copy none
+        assert inf["lazy_pairs"] == plain["lazy_pairs"] and not any(inf["copied"]), (r, inf["copied"])
+        for k in ("dx", "drouter", "dw1", "dw2"):
+            _close(inf[k], res["none"][k], f"rank {r} {k} after an inference_mode forward")
+        # bf16: the held copies sum their micro-batches' gradients in fp32, as the owners' do
+        for k in ("dx", "drouter", "dw1", "dw2"):
+            _close(res["bf16"]["feplb-split@ema"][k], res["bf16"]["none"][k], f"bf16 rank {r} {k}", tol=2e-2)
         lazy, none = res["train"]["lazy"], res["train"]["none"]
         for k in ("w1", "w2", "router"):
             _close(lazy[k], none[k], f"train rank {r} {k}", tol=2e-5)
