@@ -293,7 +293,8 @@ class FEPLBExperts(MoELayer):
         super().refresh_replicas()
 
     def reduce_replica_grads(self) -> None:
-        if self.replicas.pairs and not self._warned_ddp and any(hasattr(p, "main_grad") for p in self.expert_params()):
+        if self.replicas.all_pairs() and not self._warned_ddp and \
+                any(hasattr(p, "main_grad") for p in self.expert_params()):
             self._warned_ddp = True
             warnings.warn(f"{self.megatron_name or type(self).__name__}: per-step expert copies under Megatron's "
                           "DistributedDataParallel: their gradients reach main_grad correctly only with "

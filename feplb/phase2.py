@@ -281,21 +281,24 @@ def hold_copies(layer, p2: Phase2, h_RD: torch.Tensor, local) -> None:
     """Lazy replicas (``MoELayer._holds``): the plan's weight copies, received in an exchange of their own without
     autograd, become this rank's held copies (``Replicas.hold``, one bank per source) until the next refresh, and
     every rank notes the pairs the plan copied (the plans after this one find them resident). A copy to the
-    expert's owner is not held: the owner computes with its own parameters."""
+    expert's owner is not held (plans make none: the owner computes with its own parameters)."""
     wex, copies, L = p2.wexchange, p2.copies, layer.num_local
     layer.replicas.note_lazy((e, d) for e, _, d in copies if d != e // L)
     if not wex.active:
         return
     got = wex.handed(*p2.wpending.result()) if p2.wpending is not None else \
         wex.issue(materialize(p2.wspec, h_RD, local))[0]
-    rcv = wex.received(got, h_RD[:0].reshape(-1))
     n = len(copies)
-    for src in sorted({s for _, s, d in copies if d == layer.rank}):
-        ks = [k for k, (e, s, d) in enumerate(copies) if s == src and d == layer.rank and d != e // L]
-        if ks:
-            layer.replicas.hold([copies[k][0] for k in ks],
-                                tuple(rcv.joined([p * n + k for k in ks]).view(len(ks), *shape)
-                                      for p, shape in enumerate(layer.part_shapes)))
+    # (outside inference_mode, where a forward may run: a join that must concatenate would make an inference
+    # tensor, which could never be trained)
+    with torch.inference_mode(False):
+        rcv = wex.received(got, torch.empty(0, device=h_RD.device))   # (no tail: not in the graph)
+        for src in sorted({s for _, s, d in copies if d == layer.rank}):
+            ks = [k for k, (e, s, d) in enumerate(copies) if s == src and d == layer.rank and d != e // L]
+            if ks:
+                layer.replicas.hold([copies[k][0] for k in ks],
+                                    tuple(rcv.joined([p * n + k for k in ks]).view(len(ks), *shape)
+                                          for p, shape in enumerate(layer.part_shapes)))
 
 
 def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, weights: Received | None, w_base: int,
