@@ -197,16 +197,18 @@ def summarize(results: list[SimResult]) -> dict[str, dict[str, float]]:
 
 def extra_weights(state: PolicyState, plan: Any, topo: Topology) -> int:
     """Experts' weights the busiest GPU holds beyond its own ``E / W`` experts while it computes this micro-batch:
-    the per-step copies the policy state keeps there (``@ema`` dynamic sets: ``state.resident``), the experts
+    the per-step copies the policy state keeps there (``@ema`` dynamic sets: ``state.resident``, none on an
+    expert's owner), the experts
     ``+place`` placed there away from their owners (who keep the parameters and the optimizer state), and the
     copies this plan sends it (kept until the micro-batch's backward). EPLB as published moves the experts into
     its physical layout, so it holds its redundant slots only (``eplb_slots`` per GPU)."""
     if parse_policy(state.policy)[0] == "eplb":
         return state.eplb_slots + int(np.bincount([c[2] for c in plan.weight_copies], minlength=1).max())
     held = np.zeros(topo.num_ranks, dtype=np.int64)
-    for _, g in state.resident:
-        held[g] += 1
     owner = topo.default_home_E()
+    for e, g in state.resident:
+        if g != owner[e]:   # (the owner holds its parameters: a replica there is no extra weight)
+            held[g] += 1
     home = owner if state.home_E is None else np.asarray(state.home_E)
     np.add.at(held, home[home != owner], 1)
     for _, _, dst in plan.weight_copies:

@@ -154,11 +154,12 @@ class Plan:
         counts_WE: integer [W, E], rows source rank s sends to expert e.
         Checks: every row of every expert is computed exactly once (move ranges inside [0, n_e), sorted, not
         overlapping; the rest stays home); moves start at the expert's home; FEPLB-family plans move only dynamic
-        experts and only inside a node; every (expert, destination) has its weights copied or resident; the
+        experts and only inside a node; every (expert, destination) has its weights copied or resident, or is the
+        expert's owner (a ``+place`` placement computes an expert away from it; its parameters stay there); the
         recorded loads equal the loads recomputed from the moves.
         """
         counts_WE = topo.check_counts(counts_WE)
-        W, E = topo.num_ranks, topo.num_experts
+        W, E, S = topo.num_ranks, topo.num_experts, topo.experts_per_rank
         n_E = counts_WE.sum(axis=0)
         home_E = self.home_of(topo)
         if home_E.shape != (E,):
@@ -228,9 +229,9 @@ class Plan:
                 if (e, src) not in dynamic:
                     raise ValueError(f"move {i}: policy {self.policy!r} moved expert {e}, which is not dynamic "
                                      f"on GPU {src}")
-            if (e, dst) not in resident and (e, dst) not in copies:
+            if (e, dst) not in resident and (e, dst) not in copies and dst != e // S:
                 raise ValueError(f"move {i}: GPU {dst} computes expert {e} without its weights "
-                                 "(no weight copy and no resident replica)")
+                                 "(no weight copy, no resident replica, not its owner)")
             if cum_E is not None and not (cum_E[dst, e] <= a and b <= cum_E[dst + 1, e]):
                 raise ValueError(f"move {i}: rows [{a}, {b}) of expert {e} do not all come from source rank {dst}")
             loads[src] -= b - a

@@ -385,6 +385,9 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     dyn_WD, neg_dyn_n_WD = _dynamic(n_E, topo, state, mode, place)
     dyn_WD.setflags(write=False)
     resident = frozenset() if state is None else state.resident
+    if home_E is not None and state.owners_away:
+        # an expert placed away from its owner: the owner keeps its parameters, so it computes rows without a copy
+        resident = resident | state.owners_away
 
     if base == "none":
         return _finish(policy, [], resident, dyn_WD, before_W, at_home_W, home_E, node=node)
@@ -576,7 +579,7 @@ def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | Non
     # is copied per micro-batch; a state that holds no replicas (a runtime keeping nothing per step) copies them
     moves = _moves(zip(pair_e[keep].tolist(), src[keep].tolist(), pair_g[keep].tolist(), start[keep].tolist(),
                        end[keep].tolist(), strict=True))
-    resident = state.resident
+    resident = state.resident if home_E is None else state.resident | state.owners_away
     copies = () if all((m.expert, m.dst) in resident for m in moves) else \
         tuple(sorted({(m.expert, m.src, m.dst) for m in moves if (m.expert, m.dst) not in resident}))
     loads.setflags(write=False)

@@ -98,6 +98,9 @@ class PolicyState:
     last_weight_copies: tuple[tuple[int, int, int], ...] = ()  # (expert, src, dst) the last refresh copied
     last_migrations: tuple[tuple[int, int, int], ...] = ()     # (expert, old home, new home) of the last refresh
     slots_WS: np.ndarray = field(init=False, repr=False)
+    # (expert, owner) of every expert placed away from its owner: the owner keeps its parameters, so a plan never
+    # copies it that expert's weights
+    owners_away: frozenset[tuple[int, int]] = field(init=False, repr=False)
     eplb_pairs: tuple | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,14 +118,17 @@ class PolicyState:
             raise ValueError(f"PolicyState.ema_shift must be <= 16, got {self.ema_shift}")
         check_min_gain(self.place_min_gain, "PolicyState.place_min_gain")
         topo = self.topo
-        slots = _known(self.home_E, topo)
-        if slots is None:
+        known = _known(self.home_E, topo)
+        if known is None:
             home = topo.default_home_E() if self.home_E is None else \
                 _check_home(self.home_E, topo, "PolicyState.home_E")
             home = _ro(home)
-            slots = slots_of(home, topo)
-            object.__setattr__(self, "home_E", _remember(home, (topo,), slots))
-        object.__setattr__(self, "slots_WS", slots)
+            owner = topo.default_home_E()
+            known = (slots_of(home, topo),
+                     frozenset((e, int(owner[e])) for e in np.flatnonzero(home != owner).tolist()))
+            object.__setattr__(self, "home_E", _remember(home, (topo,), known))
+        object.__setattr__(self, "slots_WS", known[0])
+        object.__setattr__(self, "owners_away", known[1])
         if self.ema_E is not None and _known(self.ema_E, topo) is None:
             ema = np.asarray(self.ema_E)
             if ema.shape != (topo.num_experts,) or ema.dtype.kind not in "iu" or (ema.size and ema.min() < 0):

@@ -323,3 +323,33 @@ def test_fastermoe_with_placement_matches_reference(seed):    # M22, M23
     plan = make_plan("fastermoe+place", counts, topo, state, cost=cost)
     plan.validate(counts, topo, state)
     assert plan.info["shadowed"] == _ref_fastermoe(counts, topo, cost, home_E=state.home_E.tolist())
+
+
+
+@pytest.mark.parametrize("policy", ["feplb+place", "feplb-split+place", "lp+place", "eplb+place"])
+def test_owners_keep_the_weights_of_experts_placed_away(policy):
+    """An expert that ``+place`` computes away from its owner: the owner keeps its parameters, so rows moved to the
+    owner need no weight copy; rows moved to any other GPU still do (nothing is resident here)."""
+    topo = Topology(num_ranks=4, gpus_per_node=4, num_experts=8, dyn=1)
+    # expert 0 (owner GPU 0) computed at home on GPU 1, expert 2 (owner GPU 1) at home on GPU 0
+    home = np.array([1, 0, 0, 1, 2, 2, 3, 3])
+    counts = np.ones((4, 8), dtype=np.int64)
+    counts[:, 0] = 40         # expert 0 is hot: its home GPU 1 sheds rows to the others, its owner GPU 0 among them
+    layout = None
+    if policy == "feplb+place":
+        counts[:, 0] = counts[:, 3] = 20   # two hot experts on GPU 1: the greedy moves expert 0 whole to GPU 0
+    if policy == "eplb+place":
+        layout = np.array([[1, 2, 0], [0, 3, 0], [4, 5, 0], [6, 7, 0]])   # expert 0's redundant slots everywhere
+    state = PolicyState(topo=topo, policy=policy, home_E=home, layout_WP=layout)
+    assert state.owners_away == {(0, 0), (2, 1)} and not state.resident
+    plan = make_plan(policy, counts, topo, state, min_chunk=1)
+    plan.validate(counts, topo, state)
+    moved_to = {(m.expert, m.dst) for m in plan.moves}
+    assert (0, 0) in moved_to, f"{policy}: no rows of expert 0 moved to its owner ({plan.moves})"
+    assert {(e, d) for e, _, d in plan.weight_copies} == moved_to - {(0, 0)}, plan.weight_copies
+    # a GPU other than the owner without a copy is refused
+    others = sorted(moved_to - {(0, 0)})
+    if others:
+        bad = dataclasses.replace(plan, weight_copies=tuple(c for c in plan.weight_copies if c[::2] != others[0]))
+        with pytest.raises(ValueError, match="without its weights"):
+            bad.validate(counts, topo, state)

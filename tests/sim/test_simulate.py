@@ -262,7 +262,7 @@ def test_step_traffic_of_lazy_replicas_counts_every_copy_of_the_step_once():
     """Lazy replicas: what a step's plans copied (the last micro-batch's too) returns its gradients at the refresh,
     each pair once, and no micro-batch's backward returns them; nothing held on an owner is charged."""
     from feplb.sched import make_plan
-    from feplb.simulate import step_us
+    from feplb.simulate import extra_weights, step_us
 
     w = SyntheticWorkload(kind="zipf", num_experts=32, top_k=4, num_layers=1, alpha=1.2, seed=7)
     topo = Topology(num_ranks=8, gpus_per_node=4, num_experts=32, dyn=2)
@@ -302,3 +302,6 @@ def test_step_traffic_of_lazy_replicas_counts_every_copy_of_the_step_once():
     assert step_us(on_owner, base, cm, topo) == 0.0
     assert step_us(away, base, cm, topo) == pytest.approx(cm.weights_us([(1, 0)], topo))
     assert cm.weights_us([(1, 0)], topo) > 0
+    # nor is it an extra weight there (the owner's parameters are its own experts')
+    nothing = make_plan("none", np.ones((8, 32), dtype=np.int64), topo)
+    assert extra_weights(on_owner, nothing, topo) == 0 and extra_weights(away, nothing, topo) == 1
