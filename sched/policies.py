@@ -285,11 +285,12 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
             dyn_WD: np.ndarray, before_W: np.ndarray, after: list[int] | np.ndarray, home_E: np.ndarray | None,
             rows_from_source: bool = False, weight_copies: tuple[tuple[int, int, int], ...] | None = None,
             info: dict | None = None, node: int | None = None, dispatched: bool = False, whole: bool = False,
-            ) -> Plan:
+            owners: frozenset[tuple[int, int]] = frozenset()) -> Plan:
     """dyn_WD, before_W (and ``after`` when an array): read-only int64 arrays that own their data (make_plan
     freezes them once); ``after`` as a list becomes a new frozen array. whole: raw holds tuples in Move's field
     order, at most one per (expert, dst), whose plain sort is the (expert, row_start) order and which have nothing
-    to join (the feplb greedy's whole experts; FasterMoE's per-source ranges; EPLB's replicas)."""
+    to join (the feplb greedy's whole experts; FasterMoE's per-source ranges; EPLB's replicas). owners: (expert,
+    GPU) pairs that hold an expert's weights besides ``resident`` (its owner, under a placement): no copy there."""
     new = tuple.__new__
     if not raw:
         moves = ()
@@ -300,8 +301,8 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
         raw.sort()
         moves = _moves(raw)
         if weight_copies is None:
-            weight_copies = tuple([t[:3] for t in raw if (t[0], t[2]) not in resident] if resident
-                                  else [t[:3] for t in raw])
+            weight_copies = tuple([t[:3] for t in raw if (t[0], t[2]) not in resident and (t[0], t[2]) not in owners]
+                                  if resident or owners else [t[:3] for t in raw])
     else:
         # pieces (-rows, expert, row_start, row_end, home, holder) away from home, in (expert, row_start) order;
         # a piece that starts where another of the same (expert, holder) ends follows it in that order
@@ -324,7 +325,8 @@ def _finish(policy: str, raw: list[tuple[int, int, int, int, int]], resident: fr
                 pb = b
             moves = tuple(joined)
         if weight_copies is None:
-            weight_copies = tuple([c for c in need if (c[0], c[2]) not in resident] if resident else need)
+            weight_copies = tuple([c for c in need if (c[0], c[2]) not in resident and (c[0], c[2]) not in owners]
+                                  if resident or owners else need)
     if isinstance(after, np.ndarray):
         after_W = after
     else:
@@ -385,9 +387,8 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     dyn_WD, neg_dyn_n_WD = _dynamic(n_E, topo, state, mode, place)
     dyn_WD.setflags(write=False)
     resident = frozenset() if state is None else state.resident
-    if home_E is not None and state.owners_away:
-        # an expert placed away from its owner: the owner keeps its parameters, so it computes rows without a copy
-        resident = resident | state.owners_away
+    # experts placed away from their owners: an owner keeps its parameters, so it computes their rows without a copy
+    owners = frozenset() if home_E is None else state.owners_away
 
     if base == "none":
         return _finish(policy, [], resident, dyn_WD, before_W, at_home_W, home_E, node=node)
@@ -420,7 +421,8 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
         after[g0:g0 + G] = L
     if back:
         raw = [p for p in raw if p[4] != p[5]]
-    return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E, node=node, whole=base == "feplb")
+    return _finish(policy, raw, resident, dyn_WD, before_W, after, home_E, node=node, whole=base == "feplb",
+                   owners=owners)
 
 
 @lru_cache(maxsize=64)
@@ -579,9 +581,10 @@ def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | Non
     # is copied per micro-batch; a state that holds no replicas (a runtime keeping nothing per step) copies them
     moves = _moves(zip(pair_e[keep].tolist(), src[keep].tolist(), pair_g[keep].tolist(), start[keep].tolist(),
                        end[keep].tolist(), strict=True))
-    resident = state.resident if home_E is None else state.resident | state.owners_away
-    copies = () if all((m.expert, m.dst) in resident for m in moves) else \
-        tuple(sorted({(m.expert, m.src, m.dst) for m in moves if (m.expert, m.dst) not in resident}))
+    resident = state.resident
+    owners = frozenset() if home_E is None else state.owners_away   # (an owner keeps its experts' parameters)
+    need = [m for m in moves if (m.expert, m.dst) not in resident and (m.expert, m.dst) not in owners]
+    copies = tuple(sorted({(m.expert, m.src, m.dst) for m in need})) if need else ()
     loads.setflags(write=False)
     return Plan._trusted(policy=policy, moves=moves, weight_copies=copies, dynamic_WD=dyn_WD, loads_before_W=before_W,
                          loads_after_W=loads, home_E=home_E, rows_from_source=False, dispatched=True, node=None,
