@@ -1,6 +1,7 @@
 """Lazy ``@ema`` replicas (``FEPLBConfig(replicas="lazy")``) on 4 gloo ranks, as 2 nodes x 2 GPUs and 1 node x 4:
 
-* a weight a plan copies to a helper is held there until the next ``refresh_replicas()``: no (expert, GPU) pair
+* a weight a plan copies to a helper is held there until the next ``refresh_replicas()`` (also with experts placed
+  away from their owners, ``+place``): no (expert, GPU) pair
   is copied twice in a step, the micro-batches after the first copy less than it, every rank notes the same held
   pairs (those the plans copied, the owners left out), each rank holds exactly its own, and the plans' history
   (the layer's adopted state) finds them resident;
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.dist
 _layer_tests = load_module(Path(__file__).with_name("test_layer.py"))
 H, FF, E, K, W = _layer_tests.H, _layer_tests.FF, _layer_tests.E, _layer_tests.K, _layer_tests.W
 MICROBATCHES = 3
+LAZY = ("feplb@ema", "feplb-split@ema", "feplb-split+place@ema")   # (+place: placement adopted at the refresh)
 
 
 def _build(G: int, policy: str, replicas: str, seed: int = 210, **kw):
@@ -80,7 +82,8 @@ def _accumulate(rank: int, G: int, policy: str, replicas: str = "eager", ckpt: b
     resident = sorted(layer._plan_state.resident) if layer._plan_state is not None else []
     layer.reduce_replica_grads()
     res = {"outs": outs, **_grads(layer, x), "copied": copied, "held": held_before, "lazy_pairs": lazy_pairs,
-           "resident": resident, "clean": layer.replicas.grads_clean(), "holds": len(holds)}
+           "resident": resident, "clean": layer.replicas.grads_clean(), "holds": len(holds),
+           "placed": len(layer.placement.placed_pairs)}
     layer.close()
     return res
 
@@ -132,7 +135,7 @@ def _stale(rank: int, G: int) -> dict:
 
 def _worker(rank: int, world: int, G: int) -> dict:
     torch.manual_seed(0)
-    res = {p: _accumulate(rank, G, p, "lazy") for p in ("feplb@ema", "feplb-split@ema")}
+    res = {p: _accumulate(rank, G, p, "lazy") for p in LAZY}
     res["none"] = _accumulate(rank, G, "none")
     res["ckpt"] = _accumulate(rank, G, "feplb-split@ema", "lazy", ckpt=True)
     res["inference_first"] = _accumulate(rank, G, "feplb-split@ema", "lazy", inference_first=True)
@@ -153,7 +156,7 @@ def _close(got, want, what, tol=1e-5):
 def test_lazy_replicas_held_for_the_step_and_exact(gpus_per_node):
     results = run_dist(_worker, W, gpus_per_node, timeout_s=400)
     L = E // W
-    for policy in ("feplb@ema", "feplb-split@ema"):
+    for policy in LAZY:
         per_rank = [res[policy] for res in results]
         copied = per_rank[0]["copied"]
         flat = [(e, d) for c in copied for e, _, d in c]
@@ -161,6 +164,7 @@ def test_lazy_replicas_held_for_the_step_and_exact(gpus_per_node):
         assert len(flat) == len(set(flat)), f"{policy}: a pair was copied twice in one step: {copied}"
         assert sum(len(c) for c in copied[1:]) < len(copied[0]), f"{policy}: later micro-batches copied as much"
         want = sorted((e, d) for e, d in flat if d != e // L)
+        assert ("+place" in policy) == (per_rank[0]["placed"] > 0), f"{policy}: {per_rank[0]['placed']} placed"
         for r, res in enumerate(per_rank):
             assert res["copied"] == copied, f"{policy}: rank {r} executed other plans"
             assert res["lazy_pairs"] == want, f"{policy} rank {r}: held pairs {res['lazy_pairs']} != {want}"
