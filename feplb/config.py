@@ -85,7 +85,10 @@ class FEPLBConfig:
         received for helpers go in an exchange of their own (the forward's activations keep them). False
         (default): the weights are held until the backward. Activation checkpointing frees them either way (the
         recompute copies them again); under other saved-tensor hooks (``save_on_cpu``, an offloading hook) and
-        without autograd the option does nothing, and those hooks decide.
+        without autograd the option does nothing, and those hooks decide. It covers the plans' copies to helpers,
+        not the bank of experts a ``+place`` placement computes on a GPU away from their owners (sent to it every
+        micro-batch with weights='per-microbatch'): the static experts' GEMM computes with that bank, which is
+        held until the backward as an owner's own weights are.
     refresh_every: micro-batches between the policy state's slow refreshes (``@ema`` dynamic sets, EPLB replicas).
     plan_wait_ms: grace after the static GEMM before falling back to computing at home. None (default): on a
         CPU, wait for the plan (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer). No
