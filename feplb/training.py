@@ -161,7 +161,7 @@ class TrainingSteps:
         identically on every rank: the ``+place`` placement (each GPU then keeps a bank of the experts placed on
         it), the ``@ema`` dynamic sets and EPLB replicas, and the resident replicas the policy state names
         (``PolicyState.resident``); a plan copies every other weight it needs per micro-batch
-        (``Plan.weight_copies``, executed as given).
+        (``Plan.weight_copies``, executed as given). The copies lazy replicas held over the step are let go.
         """
         if self.replicas.ever_held:
             # Agreed over the group, so that no rank enters the refresh exchange while another raises.
@@ -178,10 +178,10 @@ class TrainingSteps:
 
     @torch.no_grad()
     def reduce_replica_grads(self) -> None:
-        """Add the gradients accumulated on per-step copies (resident replicas, the bank of placed experts) to the
-        owners' expert gradients (collective; weights='per-step'). Call once per optimizer step, after the last
-        backward and before ``optimizer.step()`` (``attach_optimizer`` does it for you); a second call before the
-        next backward finds nothing to add and sends nothing."""
+        """Add the gradients accumulated on per-step copies (resident replicas, the bank of placed experts, the
+        copies lazy replicas hold) to the owners' expert gradients (collective; weights='per-step'). Call once per
+        optimizer step, after the last backward and before ``optimizer.step()`` (``attach_optimizer`` does it for
+        you); a second call before the next backward finds nothing to add and sends nothing."""
         self._reduce_replica_grads(None)
 
     def _reduce_replica_grads(self, refuse_held: str | None) -> None:
