@@ -352,8 +352,8 @@ class Replicas:
             elif e in self.replica_of:
                 bank, j = self.replica_bank, self.replica_of[e]
             else:
-                b, j = self.held[e]
-                bank = self.held_banks[b]
+                held_bank, j = self.held[e]
+                bank = self.held_banks[held_bank]
             return tuple(g[j].to(gdt) if (g := _grad(b)) is not None else b.new_zeros(b[j].shape, dtype=gdt)
                          for b in bank)
 
