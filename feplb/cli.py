@@ -90,7 +90,8 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
                         "more than this fraction (default: PolicyState's)")
     p.add_argument("--replicas", choices=("eager", "lazy"), default="eager",
                    help="@ema weights: 'eager' replicates the dynamic set in the node at each refresh (between steps),"
-                        " 'lazy' copies a weight on first use in the step and keeps it until the step ends")
+                        " 'lazy' copies a weight on first use in the step and keeps it until the step ends (the"
+                        " layer's FEPLBConfig(replicas=...))")
     p.add_argument("--tau", type=float, default=0.01, help="feplb stops at a node gap <= tau x node mean")
     p.add_argument("--min-chunk", type=_positive, default=None,
                    help="feplb-split's smallest piece in rows (default: the cost model's knee)")
