@@ -92,6 +92,9 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
                    help="@ema weights: 'eager' replicates the dynamic set in the node at each refresh (between steps),"
                         " 'lazy' copies a weight on first use in the step and keeps it until the step ends (the"
                         " layer's FEPLBConfig(replicas=...))")
+    p.add_argument("--recopy-weights", action="store_true",
+                   help="FEPLB's helpers receive the weights a plan copied again in the backward instead of holding "
+                        "them from the forward (the layer's FEPLBConfig(recopy_weights=True))")
     p.add_argument("--tau", type=float, default=0.01, help="feplb stops at a node gap <= tau x node mean")
     p.add_argument("--min-chunk", type=_positive, default=None,
                    help="feplb-split's smallest piece in rows (default: the cost model's knee)")
@@ -342,7 +345,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     config = SimConfig(num_ranks=args.ep, gpus_per_node=args.gpus_per_node, tokens_per_rank=args.tokens_per_rank,
                        dyn=args.dyn, policies=policies, microbatches=args.microbatches, warmup=args.warmup,
                        seed=args.seed, refresh_every=args.refresh_every, eplb_slots=args.eplb_slots,
-                       replicas_mode=args.replicas, tau=args.tau, eplb_groups=args.eplb_groups, plan_us=args.plan_us,
+                       replicas_mode=args.replicas, recopy_weights=args.recopy_weights, tau=args.tau,
+                       eplb_groups=args.eplb_groups, plan_us=args.plan_us,
                        **({} if args.place_min_gain is None else {"place_min_gain": args.place_min_gain}),
                        min_chunk=args.min_chunk, validate=not args.no_validate, cost=cost,
                        shape_from_trace=args.hidden is None and args.ffn is None)

@@ -59,6 +59,8 @@ class SimConfig:
         machine and in every run), where this machine's speed, which varies, otherwise enters them.
     shape_from_trace: a workload's own expert shape (its model's) replaces the cost model's; False keeps
         ``cost.hidden`` / ``cost.ffn`` for every workload.
+    recopy_weights: FEPLB's helpers let go of the weights a plan copied them after the forward and receive them
+        again at the start of the backward (``FEPLBConfig.recopy_weights``; ``CostModel.backward_times(recopy=)``).
     """
 
     num_ranks: int = 8
@@ -81,6 +83,7 @@ class SimConfig:
     cost: CostModel = field(default_factory=CostModel)
     plan_us: float | None = None
     shape_from_trace: bool = True
+    recopy_weights: bool = False
 
     def __post_init__(self) -> None:
         for name, lo in (("num_ranks", 1), ("gpus_per_node", 1), ("tokens_per_rank", 1), ("dyn", 0),
@@ -103,8 +106,9 @@ class SimConfig:
                                          or not 0 <= self.plan_us < math.inf):
             raise ValueError(f"SimConfig.plan_us must be None (measured) or a finite number of us >= 0, got "
                              f"{self.plan_us!r}")
-        if not isinstance(self.shape_from_trace, bool):
-            raise TypeError(f"SimConfig.shape_from_trace must be a bool, got {self.shape_from_trace!r}")
+        for name in ("shape_from_trace", "recopy_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"SimConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     def topology(self, num_experts: int) -> Topology:
         return Topology(num_ranks=self.num_ranks, gpus_per_node=self.gpus_per_node, num_experts=num_experts,
@@ -297,7 +301,8 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
                 rec["layer_ms"][layer, m] = times.layer_us / 1e3
                 rec["layer_before_ms"][layer, m] = float(g_before.max()) / 1e3
                 # its backward (CostModel.backward_times), against plain EP's busiest GPU's
-                back = cost.backward_times(plan, counts_WE, topo, held=state.reads_plans)
+                back = cost.backward_times(plan, counts_WE, topo, held=state.reads_plans,
+                                           recopy=config.recopy_weights)
                 rec["backward_ms"][layer, m] = back.layer_us / 1e3
                 rec["backward_before_ms"][layer, m] = cost.backward_factor * float(g_before.max()) / 1e3
                 rec["backward_hidden"][layer, m] = back.hidden

@@ -378,8 +378,8 @@ class CostModel:
         end = np.maximum(np.where(home, np.maximum(end, co1), end), np.where(ret_out > 0, sent, 0.0))
         return LayerTimes(static_W=static, ready_W=ready, end_W=end)
 
-    def backward_times(self, plan: Plan, counts_WE: np.ndarray, topo: Topology, *, held: bool = False
-                       ) -> LayerTimes:
+    def backward_times(self, plan: Plan, counts_WE: np.ndarray, topo: Topology, *, held: bool = False,
+                       recopy: bool = False) -> LayerTimes:
         """One layer's backward expert time on every GPU under ``plan``, from the arrival of the gradients of its
         expert outputs at their homes (the reverse all-to-all's backward done) to the input gradients ready for the
         dispatch's backward (a first-order model, like ``layer_times``; us). Every GEMM's backward takes
@@ -410,8 +410,12 @@ class CostModel:
         weights in the micro-batch alike.) ``ready_W`` is then when a GPU's part of the reduction is done, so
         ``hidden`` says whether it hid under the GPU's GEMMs, as it says for FEPLB's copies.
 
-        Left out: the dispatch's and combine's backward, weights copied again for the backward
-        (``recopy_weights``: one more weight copy per helper, at the start), and what ``layer_times`` leaves out.
+        recopy (FEPLB's plans; ``FEPLBConfig.recopy_weights``): the helpers let go of the weights they received
+        after the forward, and the plan's weight copies go to them again at the start of the backward, beside the
+        results' gradients (each receiver waits for all of each sender's copies and copies them out), so the
+        hosted rows' backward waits for both. The peers are modelled as published (no second copy).
+
+        Left out: the dispatch's and combine's backward, and what ``layer_times`` leaves out.
         """
         counts_WE = topo.check_counts(counts_WE)
         W = topo.num_ranks
@@ -460,9 +464,14 @@ class CostModel:
         src, dst, rows, row_B = self._moves(plan)
         hosted = np.bincount(dst, weights=self.gemm_us(rows), minlength=W) * f
         own = gemm - hosted                    # static and kept rows: they wait for nothing
-        # the results' gradients, home -> helper, beside them; a receiver waits for all of each sender's copies
-        out_B, in_B = self._pair_bytes(topo, src, dst, row_B)
-        copy_t = self._landed_us(out_B, in_B, zip(src, dst, strict=True))
+        # the results' gradients, home -> helper, beside them (with ``recopy``, the weights again too); a receiver
+        # waits for all of each sender's copies
+        cps = () if held else plan.weight_copies
+        again = cps if recopy else ()
+        in_src = [*src.tolist(), *(s for _, s, _ in again)]
+        in_dst = [*dst.tolist(), *(d for _, _, d in again)]
+        out_B, in_B = self._pair_bytes(topo, in_src, in_dst, [*row_B.tolist(), *([self.weight_bytes] * len(again))])
+        copy_t = self._landed_us(out_B, in_B, zip(in_src, in_dst, strict=True))
         copy_out = in_B[0] / d2d
         recv = in_B.sum(axis=0) > 0
         ready = np.where(recv, copy_t + copy_out, 0.0)
@@ -470,7 +479,6 @@ class CostModel:
         hosted_end = np.where(hosted > 0, np.maximum(own_end, ready) + hosted, own_end)
         # the rows' input gradients and the copied weights' gradients (unless held), helper -> home, after the
         # hosted GEMMs
-        cps = () if held else plan.weight_copies
         back_src = [*dst.tolist(), *(d for _, _, d in cps)]
         back_dst = [*src.tolist(), *(o for _, o, _ in cps)]
         back_B = [*row_B.tolist(), *([self.weight_bytes] * len(cps))]

@@ -164,6 +164,15 @@ def test_backward_times_by_hand_static_and_kept_rows_first_then_the_hosted_rows_
     # weights held for the step (no weight copy this micro-batch) return no weight gradient
     held = dataclasses.replace(plan, weight_copies=())
     assert cm.backward_times(held, counts, topo).end_W.tolist() == pytest.approx([274.5, 271.5])
+    # recopy_weights: the weights (30,000 bytes) go to GPU 1 again beside the results' gradients: 60 us, copied
+    # out at [60, 66] beside its own GEMMs (+3 us); its hosted rows [183, 243], their gradients home by 303, GPU 0
+    # copies them out after its own GEMMs: 309
+    again = cm.backward_times(plan, counts, topo, recopy=True)
+    assert again.ready_W.tolist() == pytest.approx([0, 66]) and again.hidden
+    assert again.static_W.tolist() == pytest.approx([180, 183])
+    assert again.end_W.tolist() == pytest.approx([309, 303])
+    assert cm.backward_times(plan, counts, topo, recopy=True, held=True).end_W.tolist() == pytest.approx(
+        [274.5, 271.5])   # (held weights are not copied per micro-batch: nothing to copy again)
     # lazy replicas hold the weights this micro-batch copied for the rest of the step: same as no weight copy
     lazy = cm.backward_times(plan, counts, topo, held=True)
     assert lazy.end_W.tolist() == pytest.approx([274.5, 271.5])

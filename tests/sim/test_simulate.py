@@ -305,3 +305,24 @@ def test_step_traffic_of_lazy_replicas_counts_every_copy_of_the_step_once():
     # nor is it an extra weight there (the owner's parameters are its own experts')
     nothing = make_plan("none", np.ones((8, 32), dtype=np.int64), topo)
     assert extra_weights(on_owner, nothing, topo) == 0 and extra_weights(away, nothing, topo) == 1
+
+
+def test_recopy_weights_lengthens_the_backward_of_plans_that_copy_weights_only():
+    """``recopy_weights``: FEPLB plans that copy weights per micro-batch receive them again in the backward (a
+    longer backward); plans that copy none, plain EP and the peers (modelled as published) are unchanged, and so
+    is every forward figure."""
+    w = SyntheticWorkload(kind="zipf", num_experts=32, top_k=4, num_layers=2, alpha=1.2, seed=5)
+    kw = dict(num_ranks=8, gpus_per_node=4, tokens_per_rank=256, dyn=2, microbatches=6, warmup=2,
+              policies=("none", "feplb", "feplb-split", "fastermoe", "eplb"), plan_us=30.0)
+    base, again = simulate(w, SimConfig(**kw)), simulate(w, SimConfig(**kw, recopy_weights=True))
+    for p in kw["policies"]:
+        a, b = base.metrics[p], again.metrics[p]
+        for k in ("layer_ms", "copy_bytes", "token_straggler", "step_ms"):
+            assert np.array_equal(a[k], b[k]), (p, k)
+        if p in ("feplb", "feplb-split"):
+            assert (b["backward_ms"] >= a["backward_ms"] - 1e-12).all(), p
+            assert (b["backward_ms"] > a["backward_ms"]).any(), f"{p}: no micro-batch copied weights"
+        else:
+            assert np.array_equal(a["backward_ms"], b["backward_ms"]), p
+    with pytest.raises(TypeError, match="recopy_weights must be a bool"):
+        SimConfig(recopy_weights=1)
