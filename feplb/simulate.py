@@ -109,6 +109,11 @@ class SimConfig:
         for name in ("shape_from_trace", "recopy_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SimConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        ema = [p for p in self.policies if parse_policy(p)[2] == "ema"]
+        if self.recopy_weights and ema:
+            raise ValueError(f"SimConfig.recopy_weights: the layer copies weights again only with per-micro-batch "
+                             f"weights, and the simulator holds the @ema sets of {ema} per step; simulate them "
+                             "without it")
 
     def topology(self, num_experts: int) -> Topology:
         return Topology(num_ranks=self.num_ranks, gpus_per_node=self.gpus_per_node, num_experts=num_experts,

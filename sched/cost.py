@@ -413,7 +413,10 @@ class CostModel:
         recopy (FEPLB's plans; ``FEPLBConfig.recopy_weights``): the helpers let go of the weights they received
         after the forward, and the plan's weight copies go to them again at the start of the backward, beside the
         results' gradients (each receiver waits for all of each sender's copies and copies them out), so the
-        hosted rows' backward waits for both. The peers are modelled as published (no second copy).
+        hosted rows' backward waits for both: the CUDA IPC copy path's order (the runtime starts that copy even
+        earlier, before the reverse all-to-all's backward; over other copy paths the compute stream waits for it
+        at once, and the host agreement before it is left out). The peers are modelled as published (no second
+        copy).
 
         Left out: the dispatch's and combine's backward, and what ``layer_times`` leaves out.
         """

@@ -51,6 +51,9 @@ def _remember(a: np.ndarray, against: tuple, derived: object = True) -> np.ndarr
     return a
 
 
+_HOME = object()   # tags what PolicyState derived from a placement (a home_E array), apart from other checked arrays
+
+
 def slots_of(home_E: np.ndarray, topo: Topology) -> np.ndarray:
     """int64 [W, S]: the experts at home on each GPU, ascending ids."""
     return _ro(np.argsort(home_E, kind="stable").reshape(topo.num_ranks, topo.experts_per_rank))
@@ -118,7 +121,7 @@ class PolicyState:
             raise ValueError(f"PolicyState.ema_shift must be <= 16, got {self.ema_shift}")
         check_min_gain(self.place_min_gain, "PolicyState.place_min_gain")
         topo = self.topo
-        known = _known(self.home_E, topo)
+        known = _known(self.home_E, _HOME, topo)
         if known is None:
             home = topo.default_home_E() if self.home_E is None else \
                 _check_home(self.home_E, topo, "PolicyState.home_E")
@@ -126,7 +129,7 @@ class PolicyState:
             owner = topo.default_home_E()
             known = (slots_of(home, topo),
                      frozenset((e, int(owner[e])) for e in np.flatnonzero(home != owner).tolist()))
-            object.__setattr__(self, "home_E", _remember(home, (topo,), known))
+            object.__setattr__(self, "home_E", _remember(home, (_HOME, topo), known))
         object.__setattr__(self, "slots_WS", known[0])
         object.__setattr__(self, "owners_away", known[1])
         if self.ema_E is not None and _known(self.ema_E, topo) is None:

@@ -327,3 +327,18 @@ def test_a_dynamic_set_repeating_an_expert_is_refused():
     with pytest.raises(ValueError, match="row d holds distinct experts"):
         PolicyState(topo=topo, policy="feplb@ema", dynamic_WD=np.array([[1, 1], [4, 5]]))
     PolicyState(topo=topo, policy="feplb@ema", dynamic_WD=np.array([[1, 0], [4, 5]]))
+
+
+def test_owners_away_follow_the_placement_and_arrays_keep_their_roles():
+    """``owners_away``: (expert, owner) of every expert placed away from its owner, derived once per placement;
+    an array a state checked in another role (its EMA) is checked again when given as a placement."""
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
+    assert PolicyState(topo=topo, policy="feplb+place").owners_away == frozenset()
+    home = np.array([1, 0, 0, 1, 2, 2, 3, 3])
+    st = PolicyState(topo=topo, policy="feplb+place", home_E=home)
+    assert st.owners_away == {(0, 0), (2, 1)}
+    again = st.observe(np.ones((4, 8), dtype=np.int64))   # (a refresh may move experts: derived again)
+    owner = topo.default_home_E()
+    assert again.owners_away == {(e, int(owner[e])) for e in range(8) if again.home_E[e] != owner[e]}
+    with pytest.raises(ValueError, match="home_E"):
+        PolicyState(topo=topo, policy="feplb+place", home_E=again.ema_E)

@@ -326,3 +326,5 @@ def test_recopy_weights_lengthens_the_backward_of_plans_that_copy_weights_only()
             assert np.array_equal(a["backward_ms"], b["backward_ms"]), p
     with pytest.raises(TypeError, match="recopy_weights must be a bool"):
         SimConfig(recopy_weights=1)
+    with pytest.raises(ValueError, match=r"recopy_weights: .*\['feplb@ema'\] per step"):
+        SimConfig(recopy_weights=True, policies=("none", "feplb@ema"))
