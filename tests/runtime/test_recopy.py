@@ -18,6 +18,9 @@ received once its forward has used them, and the owners copy them to it again in
   the forward and the backward, the recompute receives it again, and recopy_weights copies nothing more;
 * an owner that changes its weights in place between the forward and the backward (an optimizer step too early)
   makes every rank raise the same error, naming that rank, in the backward;
+* rows of an expert placed away from its owner (``+place``) that a plan moves back to the owner are computed there
+  with the owner's own parameters, no weights copied to it: bit for bit the same with the received weights held or
+  copied again, plain or under either kind of checkpointing, and as plain EP's up to rounding;
 * the option needs weights='per-microbatch'.
 
 (The exact match with a dense reference and with plain EP: ``tests/runtime/test_layer.py``.)
@@ -68,15 +71,16 @@ def _layer(policy: str, recopy: bool, joined: bool = False):
     return (Joined if joined else MoELayer)(cfg)
 
 
-def _inputs(rank: int, mb: int):
-    """Tokens, routing (most tokens pick expert HOT first: a straggler every policy balances), upstream gradient."""
+def _inputs(rank: int, mb: int, hot: float = 0.8):
+    """Tokens, routing (most tokens, ``hot`` of them, pick expert HOT first: a straggler every policy balances),
+    upstream gradient."""
     gen = torch.Generator().manual_seed(100 * rank + mb)
     T = TOKENS[rank]
     x = torch.randn(T, H, generator=gen)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
-    hot = torch.rand(T, generator=gen) < 0.8
-    ids[hot, 0] = HOT
-    ids[hot & (ids[:, 1] == HOT), 1] = (HOT + 1) % E
+    picks = torch.rand(T, generator=gen) < hot
+    ids[picks, 0] = HOT
+    ids[picks & (ids[:, 1] == HOT), 1] = (HOT + 1) % E
     gates = torch.softmax(torch.randn(T, K, generator=gen), dim=-1)
     return x, (ids, gates), torch.randn(T, H, generator=gen)
 
@@ -386,3 +390,73 @@ def test_the_second_copy_overlaps_the_next_collective_only_over_cuda_ipc_inside_
         rc = Recopy.__new__(Recopy)
         rc.ex = NS(comm=NS(copy=NS(name=name)), layout=NS(cross_node=cross))
         assert rc.overlaps() is want, (name, cross)
+
+
+def _owner_rank(rank: int, world: int) -> dict:
+    """``feplb-split+place@ema`` (expert HOT placed away from its owner, on the owner's node: 60% of the tokens pick
+    it; the plans move rows of it back to the owner), per micro-batch weights: the layer holding the received
+    weights and the one copying them again, each plain and under both kinds of checkpointing, over two accumulated
+    micro-batches; and plain EP on the same data."""
+    from torch.utils.checkpoint import checkpoint
+
+    out = {}
+    for policy, again, mode in [("none", False, "plain")] + [("feplb-split+place@ema", a, m) for a in (False, True)
+                                                             for m in ("plain", "reentrant", "non-reentrant")]:
+        layer = _layer(policy, again)
+        with torch.no_grad():
+            for mb in range(3):       # a history: the placement adopted at the refresh
+                x, routing, _ = _inputs(rank, mb, hot=0.6)
+                layer(x, routing=routing)
+        layer.refresh_replicas()
+        res = {"placed": layer.placement.placed_pairs, "outs": [], "dx": [], "owner_rows": 0, "copies": [],
+               "runs": 0}
+        for mb in range(3, 5):
+            x, routing, dy = _inputs(rank, mb, hot=0.6)
+            x.requires_grad_(True)
+
+            def f(t, layer=layer, routing=routing):
+                return torch.tanh(layer(t, routing=routing))
+
+            y = f(x) if mode == "plain" else checkpoint(f, x, use_reentrant=mode == "reentrant")
+            (y * dy).sum().backward()
+            res["outs"].append(y.detach())
+            res["dx"].append(x.grad)
+            plan = layer.last_plan
+            if plan is not None and plan.home_E is not None:
+                L = E // W
+                res["owner_rows"] += sum(m.row_end - m.row_start for m in plan.moves
+                                         if m.dst == m.expert // L != plan.home_E[m.expert])
+                res["copies"].append(tuple(plan.weight_copies))
+        res["dw"] = [layer.w1.grad, layer.w2.grad]
+        out[(policy, again, mode)] = res
+        layer.close()
+    return out
+
+
+def test_owners_compute_their_placed_experts_with_recopy_and_checkpointing():
+    """Rows of an expert placed away from its owner that a plan moves back to the owner are computed there with the
+    owner's own parameters (no weight copy to it): the same outputs and gradients, bit for bit, with the received
+    weights held or copied again in the backward, plain or under either kind of checkpointing; as plain EP's up to
+    rounding."""
+    results = run_dist(_owner_rank, W, timeout_s=400)
+    L = E // W
+    keys = [k for k in results[0] if k[0] != "none"]
+    want_key = ("feplb-split+place@ema", False, "plain")
+    assert any(e == HOT and h != HOT // L for e, h in results[0][want_key]["placed"]), results[0][want_key]["placed"]
+    for key in keys:
+        assert sum(r[key]["owner_rows"] for r in results) > 0, (key, "no rows moved back to an owner: the test "
+                                                                     "would not exercise it")
+    for rank, res in enumerate(results):
+        want, none = res[want_key], res[("none", False, "plain")]
+        for key in keys:
+            got = res[key]
+            for cps in got["copies"]:
+                assert not [c for c in cps if c[2] == c[0] // L], (rank, key, "weights copied to their owner", cps)
+            assert got["copies"] == want["copies"], (rank, key, "other plans")
+            for what in ("outs", "dx", "dw"):
+                for i, (a, b) in enumerate(zip(got[what], want[what], strict=True)):
+                    assert torch.equal(a, b), (rank, key, what, i, (a - b).abs().max().item())
+        for what in ("outs", "dx", "dw"):
+            for i, (a, b) in enumerate(zip(want[what], none[what], strict=True)):
+                err = (a - b).abs().max().item()
+                assert err <= 1e-5 * max(b.abs().max().item(), 1e-6), (rank, what, i, "differs from plain EP", err)
