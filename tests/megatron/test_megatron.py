@@ -479,17 +479,17 @@ def _two_layers_case(rank: int, world: int) -> dict:
 
 
 def _train_case(rank: int, world: int, policy: str, weights: str, experts: str = "sequential", *,
-                dispatcher: str = "feplb", arch: str = "softmax", **over) -> dict:
+                dispatcher: str = "feplb", arch: str = "softmax", replicas: str = "eager", **over) -> dict:
     """Two SGD steps of two accumulated micro-batches each, ours and Megatron's layer; the per-step calls. ``over``:
-    TransformerConfig fields; ``dispatcher``: apply's token_dispatcher."""
+    TransformerConfig fields; ``dispatcher``: apply's token_dispatcher; ``replicas``: FEPLBConfig's."""
     import feplb.megatron as fm
 
     moe, ref = make_moe(arch, experts=experts, **over), make_moe(arch, experts=experts, **over)
     fm.apply(moe, policy=policy, weights=weights, gpus_per_node=min(2, world), refresh_every=1,
-             token_dispatcher=dispatcher, **OPTS)
+             token_dispatcher=dispatcher, replicas=replicas, **OPTS)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (moe, ref)]
-    moved = 0
+    moved = held = 0
     for step in range(2):
         # step 0 runs each micro-batch's backward after its forward; step 1 both forwards first, as a pipeline
         # schedule interleaves them
@@ -499,6 +499,7 @@ def _train_case(rank: int, world: int, policy: str, weights: str, experts: str =
             for m in (moe, ref):
                 pending.append((m(x)[0], g))
             moved += _moved(moe)
+            held = max(held, len(moe.experts.replicas.all_pairs()))   # (the same on every rank)
             if step == 0:
                 for y, gy in pending:
                     y.backward(gy)
@@ -517,7 +518,8 @@ def _train_case(rank: int, world: int, policy: str, weights: str, experts: str =
         diff = (p.detach().double() - theirs[n].detach().double()).abs().max()
         upd = (theirs[n].detach().double() - start[n].double()).abs().max()
         err[n] = float(diff / upd) if upd else float(diff)
-    return {"err": err, "moved": moved, "final": {n: p.detach().clone() for n, p in moe.named_parameters()},
+    return {"err": err, "moved": moved, "held": held,
+            "final": {n: p.detach().clone() for n, p in moe.named_parameters()},
             "update": {n: float((theirs[n].detach().double() - start[n].double()).abs().max()) for n in theirs}}
 
 
@@ -596,10 +598,10 @@ def _state_case(rank: int, world: int, bias: bool = False) -> dict:
 
 
 def _ddp_case(rank: int, world: int, policy: str, weights: str, overlap: bool, experts: str = "sequential", *,
-              dispatcher: str = "feplb", arch: str = "softmax", **over) -> dict:
+              dispatcher: str = "feplb", arch: str = "softmax", replicas: str = "eager", **over) -> dict:
     """Megatron's DistributedDataParallel around ours and Megatron's layer: two steps of two micro-batches (the first
     under no_sync), reduce_replica_grads before finish_grad_sync, SGD on the reduced main_grad, refresh_replicas.
-    ``over``: TransformerConfig fields; ``dispatcher``: apply's token_dispatcher."""
+    ``over``: TransformerConfig fields; ``dispatcher``: apply's token_dispatcher; ``replicas``: FEPLBConfig's."""
     import contextlib
     import warnings
 
@@ -609,7 +611,7 @@ def _ddp_case(rank: int, world: int, policy: str, weights: str, overlap: bool, e
 
     moe, ref = make_moe(arch, experts=experts, **over), make_moe(arch, experts=experts, **over)
     fm.apply(moe, policy=policy, weights=weights, gpus_per_node=min(2, world), refresh_every=1,
-             token_dispatcher=dispatcher, **OPTS)
+             token_dispatcher=dispatcher, replicas=replicas, **OPTS)
     ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=overlap, grad_reduce_in_fp32=True)
     wrapped = [DistributedDataParallel(m.config, ddp_cfg, m) for m in (moe, ref)]
     first, err, moved, warned = 0.0, 0.0, 0, 0
@@ -812,6 +814,12 @@ def _job(rank: int, world: int) -> dict:
     for policy, weights in (("eplb", "per-step"), ("feplb-split@ema", "per-step"), ("feplb-split+place", "per-step"),
                             ("feplb-split+place", "per-microbatch")):
         res["train", policy, weights] = _train_case(rank, world, policy, weights)
+    # lazy @ema replicas: the weights a plan copies held for the step (both forwards before their backwards in the
+    # second step), their gradients reduced to the owners, also through Megatron's DDP buffers
+    res["train", "feplb-split@ema", "lazy"] = _train_case(rank, world, "feplb-split@ema", "per-step",
+                                                          replicas="lazy")
+    res["ddp", "feplb-split@ema", "per-step", False, "lazy"] = _ddp_case(rank, world, "feplb-split@ema", "per-step",
+                                                                         False, replicas="lazy")
     for policy, weights, overlap in (("eplb", "per-step", False), ("eplb", "per-microbatch", True),
                                      ("feplb-split+place", "per-microbatch", True)):
         res["ddp", policy, weights, overlap] = _ddp_case(rank, world, policy, weights, overlap)
@@ -1373,8 +1381,9 @@ def test_training_matches_megatron(job):
         assert res[0]["train-capacity", "feplb-split+place"]["moved"] > 0
         for key in (("train", "eplb", "per-step"), ("train", "feplb-split+place", "per-microbatch"),
                     ("train", "bias", "per-step"), ("train", "bias", "per-microbatch"),
-                    ("train", "shared-overlap", "per-step")):
+                    ("train", "shared-overlap", "per-step"), ("train", "feplb-split@ema", "lazy")):
             assert res[0][key]["moved"] > 0, key
+        assert res[0]["train", "feplb-split@ema", "lazy"]["held"] > 0, "lazy replicas held no copy"
         # the biases trained too (every expert's, per-step copies and per-micro-batch ones)
         for weights in ("per-step", "per-microbatch"):
             assert sum(n.startswith("experts.") and n.endswith(".bias")

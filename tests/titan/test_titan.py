@@ -251,7 +251,11 @@ TRAIN = [("feplb-split@ema", "per-step", torch.float32, "attach"), ("eplb", "per
          ("feplb-split@ema", "per-step", torch.bfloat16, "clip"), ("eplb", "per-step", torch.bfloat16, "attach"),
          # GPT-OSS's experts: their biases copied with the weights, their gradients reduced to the owners
          ("feplb-split@ema", "per-step", torch.float32, "clip", "gpt_oss"),
-         ("feplb-split+place", "per-step", torch.float32, "attach", "gpt_oss")]
+         ("feplb-split+place", "per-step", torch.float32, "attach", "gpt_oss"),
+         # lazy @ema replicas: the weights a plan copies held for the step, the join's ([w1 | w3]) and GPT-OSS's
+         ("feplb-split@ema", "per-step", torch.float32, "attach", "qwen3", "lazy"),
+         ("feplb@ema", "per-step", torch.bfloat16, "clip", "qwen3", "lazy"),
+         ("feplb-split@ema", "per-step", torch.float32, "clip", "gpt_oss", "lazy")]
 STEPS, MICRO, LR, MAX_NORM = 3, 2, 0.05, 5.0
 
 
@@ -262,7 +266,7 @@ def _train_inputs(rank: int, step: int, mb: int):
 
 
 def _train_case(rank: int, world: int, policy: str, weights: str, dtype: torch.dtype, upkeep: str,
-                arch: str = "qwen3") -> dict:
+                arch: str = "qwen3", replicas: str = "eager") -> dict:
     """STEPS SGD steps of MICRO accumulated micro-batches (this rank's own), with attach_optimizer or with
     reduce_replica_grads + clip_grad_norm_ + refresh_replicas; against fp64 SGD on every rank's micro-batches (and,
     for a bf16 layer, torchtitan's RoutedExperts trained alike)."""
@@ -274,7 +278,8 @@ def _train_case(rank: int, world: int, policy: str, weights: str, dtype: torch.d
     tt = copy.deepcopy(moe.routed_experts)
     start = {n: p.detach().clone() for n, p in tt.inner_experts.named_parameters()}
     ref = {n: w.double().requires_grad_() for n, w in start.items()}
-    ft.apply(moe, policy=policy, weights=weights, dtype=dtype, gpus_per_node=min(2, world), refresh_every=1, **OPTS)
+    ft.apply(moe, policy=policy, weights=weights, dtype=dtype, gpus_per_node=min(2, world), refresh_every=1,
+             replicas=replicas, **OPTS)
     ours = moe.routed_experts
     opt = torch.optim.SGD(moe.parameters(), lr=LR)
     if upkeep == "attach":
@@ -295,7 +300,7 @@ def _train_case(rank: int, world: int, policy: str, weights: str, dtype: torch.d
             x, scores, ids, gy = _train_inputs(rank, step, mb)
             (ours(x, scores, ids) * gy).sum().backward()
             moved += ours.last_stats.rows_moved
-            held = max(held, len(ours.replicas.pairs))
+            held = max(held, len(ours.replicas.all_pairs()))   # (refreshed or, lazy, held since the refresh)
             for r in range(world):   # the references see every rank's micro-batch
                 x, scores, ids, gy = _train_inputs(r, step, mb)
                 y = _dense_routed(x.double(), scores.double(), ids, ref)
