@@ -183,27 +183,30 @@ class _ExchangeFn(torch.autograd.Function):
         _run_once(ctx)
         ex = ctx.ex
         grad_anchor = torch.zeros(ctx.anchor_shape, dtype=ex.dtype, device=ex.device)
-        if ctx.settle is not None:   # a later exchange's backward, started on the copy thread, ends first
-            ctx.settle.settle()
         join = ctx.join
         if join is not None and join.armed:
-            # started on the copy thread; the gradients reach the sends where ``join`` finishes it (BackwardJoin)
+            # started on the copy thread (after what it runs already: one exchange at a time, in order); the
+            # gradients reach the sends where ``join`` finishes it (BackwardJoin)
             join.start(ex, list(grads), ctx.send_shapes)
             zero = torch.zeros((), dtype=ex.dtype, device=ex.device)
             return (None, None, None, None, None, grad_anchor, *(zero.expand(s) for s in ctx.send_shapes))
+        if ctx.settle is not None:   # a later exchange's backward, started on the copy thread, ends first
+            ctx.settle.settle()
         got, _ = ex.issue_backward(list(grads))
         return (None, None, None, None, None, grad_anchor, *ex.send_grads(got, ctx.send_shapes))
 
 
 class _JoinFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, join: BackwardJoin, *sends: torch.Tensor):
-        ctx.join = join
+    def forward(ctx, join: BackwardJoin, anchored: bool, *sends: torch.Tensor):
+        ctx.join, ctx.anchored = join, anchored
+        ctx.anchor = (sends[0].shape, sends[0].dtype, sends[0].device) if anchored else None
         return tuple(t.view_as(t) for t in sends)
 
     @staticmethod
     def backward(ctx, *_started):
-        return (None, *ctx.join.finish())
+        lead = (torch.zeros(ctx.anchor[0], dtype=ctx.anchor[1], device=ctx.anchor[2]),) if ctx.anchored else ()
+        return (None, None, *lead, *ctx.join.finish())
 
 
 class BackwardJoin:
@@ -218,9 +221,15 @@ class BackwardJoin:
     exchange (the calling thread waits until the copy thread has issued it, host barriers included; on a GPU the
     current stream then waits for its copies, a stream wait). Where no such node runs (this rank sends nothing, or
     its sends need no gradient), the next exchange's backward on this rank, which every rank of the node runs
-    after this one, finishes it first (``settle``): the copy path runs one exchange at a time. Whatever is left
-    pending (a backward that raised, or one that never reached those nodes) is settled when the backward ends
-    (an autograd callback) and by the layer before its next forward (its close waits for the copy thread too).
+    after this one, finishes it first (``settle``) where it runs in place; one started on the copy thread too
+    queues behind it there: the copy path runs one exchange at a time, in order. Whatever is left pending (a
+    backward that raised, or one that never reached those nodes) is settled when the backward ends (an autograd
+    callback) and by the layer before its next forward (its close waits for the copy thread too).
+
+    The phase-2 exchanges (rows and weights to the helpers) use it too, through ``wrap_anchored``: their backward,
+    which returns the rows' gradients to their homes, starts on the copy thread once the hosted rows' backward has
+    run, and the anchor's node, on every rank, finishes it after the kept rows' backward
+    (``feplb.phase2.dynamic_and_return``).
 
     Only where the exchange may run beside other collectives (``may_run_beside``): inside a node, over the CUDA
     IPC, shared-memory or gloo copy paths. An NCCL communicator or NVSHMEM's on-stream barriers in flight on the
@@ -252,7 +261,19 @@ class BackwardJoin:
         self.armed = torch.is_grad_enabled() and ex.active and self.may_run_beside(ex)
         if not sends or not self.armed or not any(t.requires_grad for t in sends):
             return sends
-        return list(_JoinFn.apply(self, *sends))
+        return list(_JoinFn.apply(self, False, *sends))
+
+    def wrap_anchored(self, ex: Exchange, anchor: torch.Tensor,
+                      sends: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``wrap`` with ``ex``'s anchor (``MoELayer._anchor``: it requires grad on every rank whenever autograd
+        records) through the same node: that node then runs on every rank, before the backward of whatever made
+        the anchor and the sends, and finishes the exchange there even where this rank sends nothing. Returns the
+        anchor and the sends, wrapped where the join is armed."""
+        self.armed = torch.is_grad_enabled() and ex.active and self.may_run_beside(ex) and anchor.requires_grad
+        if not self.armed:   # (in place: an anchor that needs no gradient would leave no node to finish it)
+            return anchor, sends
+        anchor, *sends = _JoinFn.apply(self, True, anchor, *sends)
+        return anchor, list(sends)
 
     def start(self, ex: Exchange, grads: list[torch.Tensor], shapes: list) -> None:
         """Issue ``ex``'s backward with ``grads`` on the copy thread; settled at the latest when this backward ends."""

@@ -70,14 +70,14 @@ class EarlyBackward:
     """
 
     def __init__(self):
-        self.start = _fresh_sequence_nr() if torch.is_grad_enabled() else None
+        self.start = fresh_sequence_nr() if torch.is_grad_enabled() else None
         self.nodes: list = []
 
     def capture(self, y: torch.Tensor) -> None:
         """The nodes made since ``__init__`` (on this thread) that ``y`` was computed through."""
         if self.start is None or y.grad_fn is None:
             return
-        end = _fresh_sequence_nr()   # (other threads count their own: a node of theirs may lie in either range)
+        end = fresh_sequence_nr()   # (other threads count their own: a node of theirs may lie in either range)
         seen, stack = set(), [y.grad_fn]
         while stack:
             node = stack.pop()
@@ -91,13 +91,13 @@ class EarlyBackward:
     def promote(self) -> None:
         """Give the captured nodes a new sequence number, above every node made so far on this thread (once)."""
         if self.nodes:
-            n = _fresh_sequence_nr()
+            n = fresh_sequence_nr()
             for node in self.nodes:
                 node._set_sequence_nr(n)
             self.nodes = []
 
 
-def _fresh_sequence_nr() -> int:
+def fresh_sequence_nr() -> int:
     """A sequence number no other node takes: that of a node made (and dropped) for it, above every node made
     before on this thread and below every node made after."""
     with torch.enable_grad():

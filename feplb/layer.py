@@ -245,7 +245,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         self._recv_grew = False
         # what forwards that activation checkpointing may recompute decided (feplb.recompute)
         self._records = Records()
-        # the last forward's BackwardJoin: an exchange its backward left on the copy thread ends before the next
+        # the last forward's BackwardJoins: exchanges its backward left on the copy thread end before the next
         # forward's first (feplb.dispatch.BackwardJoin)
         self._backward_join = None
         self.replicas = Replicas(self)
@@ -642,8 +642,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         dispatched: x_MD are the rows at home already, in receive order (``forward_dispatched``): no phase 1 and
         no reverse all-to-all; the results come back in that order."""
         if self._backward_join is not None:
-            join, self._backward_join = self._backward_join, None
-            join.settle()
+            joins, self._backward_join = self._backward_join, None
+            for join in joins:
+                join.settle()
         split = self._split(counts)
         if dispatched:
             self._recv_grew = False

@@ -10,7 +10,8 @@ as given). On a GPU the copies are issued only once the static GEMM is launched,
 hand-off stream, so nothing on the compute stream waits for them before it must.
 ``dynamic_and_return`` (main thread, after the static GEMM) finishes that exchange inside autograd, computes the rows
 hosted for other GPUs first (their homes wait for them), sends those results home through the copy thread, computes
-the dynamic rows kept at home meanwhile, and gathers every result into receive order.
+the dynamic rows kept at home meanwhile, and gathers every result into receive order; its backward runs in the
+mirrored order (see there).
 
 Legend: R rows at home on this rank after phase 1, H hidden, F ffn.
 """
@@ -26,7 +27,15 @@ import torch
 
 from feplb.balance import PlanResult
 from feplb.dispatch import BackwardJoin, Exchange, Received
-from feplb.experts import EarlyBackward, expert_mlp, ready_event, rebuilt_in_backward, span, to_device
+from feplb.experts import (
+    EarlyBackward,
+    expert_mlp,
+    fresh_sequence_nr,
+    ready_event,
+    rebuilt_in_backward,
+    span,
+    to_device,
+)
 from feplb.layout import Item, Phase2Layout, inverse, phase2_layout, weight_items, weight_sends
 from feplb.recopy import Recopy
 from feplb.steps import Counts, Split
@@ -208,11 +217,16 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
     the graph, and the weights' ``Recopy`` (with ``recopy_weights`` where weights were copied, else None).
 
     early: the static experts' GEMM (``MoELayer._static_gemm``), promoted here, after the dynamic work and before
-    the results-home exchange is made. The backward then runs, in this order: the results-home exchange's backward,
-    started on the copy thread (``feplb.dispatch.BackwardJoin``); the static experts' backward, then the kept
-    rows', beside it; the hosted rows' once their gradients are in; the phase-2 exchanges' backward, which return
-    the gradients of the rows (and weights) to their homes. So the gradients' copies run beside this GPU's own
-    GEMMs, and a home waits for its helpers only after its own work, as in the forward."""
+    the results-home exchange is made. The backward then mirrors the forward, in this order: the results-home
+    exchange's backward, started on the copy thread (``feplb.dispatch.BackwardJoin``); the static experts'
+    backward, beside it; the hosted rows' once their gradients are in; the phase-2 exchanges' backward, which
+    return the gradients of the rows (and weights) to their homes, started on the copy thread too; the kept rows'
+    backward, beside them; then each phase-2 exchange's join (through its anchor, on every rank) waits for it,
+    before phase 1's backward. So every copy runs beside this GPU's own GEMMs, a helper sends its homes' gradients
+    as soon as it has them, and a home waits for its helpers only after its own work. Over copy paths that may not
+    run beside other collectives (NCCL, NVSHMEM) or across nodes, the exchanges' backward run in place, and the
+    hosted rows' after the kept rows' (their exchange waits for every rank of the node: started before the kept
+    rows, it would make a helper wait for its homes' own work)."""
     c = layer.config
     H = c.hidden
     dev = h_RD.device
@@ -226,24 +240,41 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
         return y_home.index_select(0, to_device(inverse(split.home.perm), dev)), layer._anchor(h_RD), None
     lay, ex, moves = p2.layout, p2.exchange, p2.moves
     local = layer._weights_of(slot_w)
-    # the results-home exchange's backward runs on the copy thread (``join``); the phase-2 exchanges' backward,
-    # which come after it, wait for it to end
-    join = BackwardJoin(layer._balancer.copier)
-    layer._backward_join = join
-    rcv = ex(materialize(p2.spec, h_RD, local), layer._anchor(h_RD), pending=p2.pending, settle=join)
+    # The backward's joins (``BackwardJoin``): the results-home exchange's (``join``) and the phase-2 exchanges'
+    # (``joins[1:]``, through their anchors: finished on every rank, after the kept rows' backward) start on the
+    # copy thread where the copy path allows it; else they run in place, the phase-2 exchanges' after the
+    # results-home one has ended (``settle``)
+    copier = layer._balancer.copier
+    join = BackwardJoin(copier)
+    joins = [join]
+    layer._backward_join = joins
+
+    nodes = []   # the phase-2 exchanges' autograd nodes, in the order made
+
+    def exchange(x: Exchange, sends: list[torch.Tensor], pending) -> Received:
+        joins.append(BackwardJoin(copier))
+        anchor, sends = joins[-1].wrap_anchored(x, layer._anchor(h_RD), sends)
+        got = x(sends, anchor, pending=pending, join=joins[-1], settle=join)
+        nodes.append(got.tail.grad_fn)
+        return got
+
+    rcv = exchange(ex, materialize(p2.spec, h_RD, local), p2.pending)
     rcv_w, w_base, recopy, copies = rcv, len(moves), None, p2.copies
     if p2.wexchange is not None and c.recopy_weights:
         wsends = materialize(p2.wspec, h_RD, local)
-        rcv_w, w_base = p2.wexchange(wsends, layer._anchor(h_RD), pending=p2.wpending, settle=join), 0
+        rcv_w, w_base = exchange(p2.wexchange, wsends, p2.wpending), 0
         recopy = Recopy.of(p2.wexchange, p2.wspec, wsends, layer.control, layer.rank)
     elif p2.wexchange is not None:
         # lazy replicas: the copies are held from here to the step's end (the hosted GEMMs find them there)
         hold_copies(layer, p2, h_RD, local)
         copies = ()
+    # the hosted rows' nodes (from their GEMMs to the results-home join's), promoted below
+    hosted_first = EarlyBackward()
     with span(tl, "dynamic_gemm"):
         y_hosted = hosted_gemm(layer, lay.hosted, moves, copies, lambda js: rcv.joined(js).view(-1, H), rcv_w,
                                w_base, dev, recopy=recopy)
-    tails = [rcv.tail.reshape(-1)] if rcv_w is rcv else [rcv.tail.reshape(-1), rcv_w.tail.reshape(-1)]
+    # (1-D already: a reshape would add a node made here, which the phase-2 exchanges' backward would wait for)
+    tails = [rcv.tail] if rcv_w is rcv else [rcv.tail, rcv_w.tail]
     del rcv_w   # (with recopy_weights, what holds the received weights from here to the backward is a bug)
     back = [Item(m.dst, m.src, m.rows * H) for m in moves]
     rex = Exchange(layer.comm, back, dtype=h_RD.dtype, device=dev, op="phase-2 results home")
@@ -252,6 +283,8 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
     sends = rex.sends_of({j: y_hosted[j] for j in lay.hosted})
     # the backward's join, right after the GEMMs that made the sends: they alone wait for the gradients' copies
     sends = join.wrap(rex, sends)
+    for t in sends:
+        hosted_first.capture(t)
     ready = ready_event(h_RD)
     # (detached here: the copy thread touches no autograd metadata this thread uses)
     pending = rex.start([t.detach() for t in sends], layer._balancer.copier, ready=ready) if rex.active else None
@@ -265,6 +298,13 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
             concurrent.futures.wait([pending])
         raise
     with span(tl, "copy_results", "copy"):
+        # the backward's order (dynamic_and_return's docstring): where the phase-2 exchanges' backward starts on
+        # the copy thread, they and the hosted rows' nodes run before the kept rows' (the weights' exchange before
+        # the rows', as made), and the static experts' before all of them
+        if len(joins) > 1 and all(j.armed for j in joins[1:]):
+            for node in nodes:
+                node._set_sequence_nr(fresh_sequence_nr())
+            hosted_first.promote()
         # (with recopy_weights, the weights go to the helpers again when the layer's output gradient arrives
         # (MoELayer._experts), else first in this exchange's backward: every rank of the node runs it, and before
         # any hosted GEMM's backward, as it carries their outputs)

@@ -385,22 +385,23 @@ class CostModel:
         dispatch's backward (a first-order model, like ``layer_times``; us). Every GEMM's backward takes
         ``backward_factor`` times its forward time.
 
-        FEPLB's plans, in the runtime's order (``docs/runtime.md``, *The backward*): the gradients of the moved
-        rows' results go from their homes to the helpers on the copy engines (each receiver waits for all of each
-        sender's copies, then copies them out of its inbox beside its GEMMs, as in the forward) while every GPU
-        computes its static experts' backward and then its kept dynamic rows'; a helper then computes the hosted
-        rows' backward once their gradients are in (``ready``), and sends the rows' input gradients home, with
-        the weight gradients of the experts whose weights this micro-batch copied to it. Weights held for the step
-        reduce their gradients once per step (``step_us``), not here: ``@ema`` replicas, and with ``held`` (lazy
-        ``@ema`` replicas, ``PolicyState.reads_plans``: the runtime holds what a plan copied until the step's end)
-        this plan's copies too. The copy stream issues those sends after the
-        hosted GEMMs and a home's receive after its own GEMMs; a home ends once they are all in and copied out; a
-        helper no sooner than its sends. ``static_W`` is the end of the work that waits for nothing (static and
-        kept rows), and ``hidden`` says whether the gradients' copies hid under it.
+        FEPLB's plans, in the runtime's order (``docs/runtime.md``, *The backward*), the forward's mirrored: the
+        gradients of the moved rows' results go from their homes to the helpers on the copy engines (each receiver
+        waits for all of each sender's copies, then copies them out of its inbox beside its GEMMs, as in the
+        forward) while every GPU computes its static experts' backward; a helper then computes the hosted rows'
+        backward once their gradients are in (``ready``), and its copy engines send the rows' input gradients
+        home, with the weight gradients of the experts whose weights this micro-batch copied to it, beside its
+        kept dynamic rows' backward, which comes next. Weights held for the step reduce their gradients once per
+        step (``step_us``), not here: ``@ema`` replicas, and with ``held`` (lazy ``@ema`` replicas,
+        ``PolicyState.reads_plans``: the runtime holds what a plan copied until the step's end) this plan's copies
+        too. A home's receive is issued after its own GEMMs; a home ends once they are all in and copied out; a
+        helper no sooner than its sends. ``static_W`` is the end of the work that waits for nothing (the static
+        experts' backward), and ``hidden`` says whether the results' gradients hid under it.
 
-        This order holds where the runtime starts the results' gradients on the copy thread: over the CUDA IPC,
-        shared-memory and gloo copy paths (``feplb.dispatch.BackwardJoin``); over NVSHMEM or NCCL copy paths that
-        exchange runs in place, before the static experts' backward, which this model does not follow.
+        This order holds where the runtime runs the phase-2 exchanges' backward on the copy thread: over the CUDA
+        IPC, shared-memory and gloo copy paths inside a node (``feplb.dispatch.BackwardJoin``); over NVSHMEM or
+        NCCL copy paths they run in place, the results' gradients before the static experts' backward and the
+        rows' after the kept rows', which this model does not follow.
 
         The peers: EPLB's replicas accumulate their gradients over the step (reduced at the step: ``step_us``) and
         its rows' gradients go back in the dispatch's backward, so every GPU computes its backward and waits for
@@ -466,9 +467,10 @@ class CostModel:
             return LayerTimes(static_W=gemm, ready_W=zeros, end_W=gemm)
         src, dst, rows, row_B = self._moves(plan)
         hosted = np.bincount(dst, weights=self.gemm_us(rows), minlength=W) * f
-        own = gemm - hosted                    # static and kept rows: they wait for nothing
-        # the results' gradients, home -> helper, beside them (with ``recopy``, the weights again too); a receiver
-        # waits for all of each sender's copies
+        static = self.static_us_W(plan, counts_WE, topo) * f   # waits for nothing
+        kept = gemm - hosted - static          # the dynamic experts' rows kept at home: after the hosted rows
+        # the results' gradients, home -> helper, beside the static experts' backward (with ``recopy``, the weights
+        # again too); a receiver waits for all of each sender's copies
         cps = () if held else plan.weight_copies
         again = cps if recopy else ()
         in_src = [*src.tolist(), *(s for _, s, _ in again)]
@@ -478,14 +480,15 @@ class CostModel:
         copy_out = in_B[0] / d2d
         recv = in_B.sum(axis=0) > 0
         ready = np.where(recv, copy_t + copy_out, 0.0)
-        own_end = own + np.where(recv, s * _overlap(ready - copy_out, ready, zeros, own), 0.0)
-        hosted_end = np.where(hosted > 0, np.maximum(own_end, ready) + hosted, own_end)
-        # the rows' input gradients and the copied weights' gradients (unless held), helper -> home, after the
-        # hosted GEMMs
+        static_end = static + np.where(recv, s * _overlap(ready - copy_out, ready, zeros, static), 0.0)
+        hosted_end = np.where(hosted > 0, np.maximum(static_end, ready) + hosted, static_end)
+        own_end = hosted_end + kept
+        # the rows' input gradients and the copied weights' gradients (unless held), helper -> home, sent after the
+        # hosted GEMMs (beside the kept rows'), received after a home's own GEMMs
         back_src = [*dst.tolist(), *(d for _, _, d in cps)]
         back_dst = [*src.tolist(), *(o for _, o, _ in cps)]
         back_B = [*row_B.tolist(), *([self.weight_bytes] * len(cps))]
-        done, sent = gather_home(hosted_end, back_src, back_dst, back_B, hosted_end)
-        end = np.maximum.reduce([hosted_end, done, sent])
-        return LayerTimes(static_W=own_end, ready_W=ready, end_W=end)
+        done, sent = gather_home(hosted_end, back_src, back_dst, back_B, own_end)
+        end = np.maximum.reduce([own_end, done, sent])
+        return LayerTimes(static_W=static_end, ready_W=ready, end_W=end)
 

@@ -3,13 +3,18 @@ copy stream, so the order the GPU would see is observable here):
 
 * the results-home exchange's backward (the gradients of the moved rows' results, home to helper) runs on the copy
   thread, beside the static experts' backward, which starts before that exchange ends;
-* the phase-2 exchanges' backward (the rows' and weights' gradients back to their homes) start only after the
-  static experts' backward: a home does its own work before it waits for its helpers;
+* then a helper computes the hosted rows' backward, before the kept rows' (as the forward computes them);
+* the phase-2 exchanges' backward (the rows' and weights' gradients back to their homes) run on the copy thread
+  too, started after the static experts' backward and the hosted rows' and before the kept rows' ends: a helper
+  sends its gradients home beside its kept rows' backward, and a home waits for them only after its own work (the
+  anchored join's node, on every rank, before phase 1's backward);
 * with the weights copied again for the backward (``recopy_weights``) too; and the gradients equal plain EP's;
+* nothing is left on the copy thread when the backward ends;
 * only over copy paths that may run beside other collectives (CUDA IPC, shared memory, gloo, inside a node).
 
-Without ``feplb.experts.EarlyBackward`` the static experts' backward comes last (after the phase-2 exchanges'), and
-without ``feplb.dispatch.BackwardJoin`` the results-home exchange's backward runs on the calling thread.
+Without ``feplb.experts.EarlyBackward`` the static experts' backward comes last (after the phase-2 exchanges'),
+without ``feplb.dispatch.BackwardJoin`` the exchanges' backward run on the calling thread, and without the hosted
+rows' promotion (``feplb.phase2.dynamic_and_return``) the kept rows' backward comes before the hosted rows'.
 """
 
 from __future__ import annotations
@@ -27,14 +32,15 @@ pytestmark = pytest.mark.dist
 _runtime = load_module(Path(__file__).with_name("test_runtime.py"))
 H, FF, E, K, W, G = _runtime.H, _runtime.FF, _runtime.E, _runtime.K, _runtime.W, _runtime.G
 SLEEP_S = 0.6   # the static experts' backward, made long enough for 4 ranks on 2 cores to run the exchange beside it
+KEPT_S = 0.4    # the kept rows' backward, long enough for the phase-2 exchanges' backward to start beside it
 
 
 class _Slow(torch.autograd.Function):
-    """Identity whose backward sleeps and logs its span: the static experts' backward made observable."""
+    """Identity whose backward sleeps and logs its span: a GEMM's backward made observable."""
 
     @staticmethod
-    def forward(ctx, y, log, t0):
-        ctx.log, ctx.t0 = log, t0
+    def forward(ctx, y, log, t0, what="static backward", sleep_s=SLEEP_S):
+        ctx.log, ctx.t0, ctx.what, ctx.sleep_s = log, t0, what, sleep_s
         return y.view_as(y)
 
     @staticmethod
@@ -43,18 +49,20 @@ class _Slow(torch.autograd.Function):
         import time
 
         a = time.perf_counter() - ctx.t0
-        time.sleep(SLEEP_S)
-        ctx.log.append(("static backward", threading.current_thread().name, a, time.perf_counter() - ctx.t0))
-        return g, None, None
+        time.sleep(ctx.sleep_s)
+        ctx.log.append((ctx.what, threading.current_thread().name, a, time.perf_counter() - ctx.t0))
+        return g, None, None, None, None
 
 
-def _order_rank(rank: int, world: int, recopy: bool) -> dict:
+def _order_rank(rank: int, world: int, recopy: bool, hot: float = 1.0) -> dict:
+    import sys
     import threading
     import time
 
-    from feplb import FEPLBConfig, MoELayer, dispatch
+    from feplb import FEPLBConfig, MoELayer, dispatch, phase2
 
     router, w1, w2, xs = _runtime._weights(5)
+    router[[0, 1, 9], 0] *= hot   # (less hot: the helpers keep rows of their own dynamic experts too)
     log: list = []
     t0 = time.perf_counter()
     issue = dispatch.Exchange.issue_backward
@@ -66,8 +74,15 @@ def _order_rank(rank: int, world: int, recopy: bool) -> dict:
         finally:
             log.append((self.op, threading.current_thread().name, a, time.perf_counter() - t0))
 
+    mlp = phase2.expert_mlp
+
+    def logged_mlp(*a, **kw):   # the hosted rows' GEMMs (one per weight bank) and the kept rows' GEMM
+        kept = sys._getframe(1).f_code.co_name == "dynamic_and_return"
+        what = "kept backward" if kept else "hosted backward"
+        return _Slow.apply(mlp(*a, **kw), log, t0, what, KEPT_S if kept else 0.0)
+
     out = {}
-    dispatch.Exchange.issue_backward = spy
+    dispatch.Exchange.issue_backward, phase2.expert_mlp = spy, logged_mlp
     try:
         for policy in ("feplb-split", "none"):
             layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2,
@@ -80,20 +95,23 @@ def _order_rank(rank: int, world: int, recopy: bool) -> dict:
             y = layer(x)
             log.clear()
             y.square().sum().backward()
-            join = layer._backward_join
-            out[policy] = {"pending": join is not None and join._future is not None, "log": list(log),
+            joins = layer._backward_join or []
+            out[policy] = {"pending": any(j._future is not None for j in joins), "log": list(log),
                            "moved": layer.last_stats.rows_moved, "dx": x.grad,
                            "dw1": layer.w1.grad, "dw2": layer.w2.grad, "drouter": layer.router.weight.grad}
             layer.close()
     finally:
-        dispatch.Exchange.issue_backward = issue
+        dispatch.Exchange.issue_backward, phase2.expert_mlp = issue, mlp
     return out
 
 
-@pytest.mark.parametrize("recopy", [False, True], ids=["weights_held", "recopy_weights"])
-def test_the_static_experts_backward_runs_beside_the_gradients_copies_before_the_homes_wait(recopy):
-    results = run_dist(_order_rank, W, recopy, timeout_s=300)
+@pytest.mark.parametrize("recopy,hot", [(False, 1.0), (True, 1.0), (False, 0.6)],
+                         ids=["weights_held", "recopy_weights", "helpers_keep_rows"])
+def test_the_static_experts_backward_runs_beside_the_gradients_copies_before_the_homes_wait(recopy, hot):
+    results = run_dist(_order_rank, W, recopy, hot, timeout_s=300)
     assert all(r["feplb-split"]["moved"] > 0 for r in results[::G]), "both nodes must move rows"
+    both = [r for r in results if {"hosted backward", "kept backward"} <= {e[0] for e in r["feplb-split"]["log"]}]
+    assert hot == 1.0 or both, "no rank computes hosted and kept rows: the case would check nothing"
     for rank, res in enumerate(results):
         log = res["feplb-split"]["log"]
         (static,) = [e for e in log if e[0] == "static backward"]
@@ -104,9 +122,17 @@ def test_the_static_experts_backward_runs_beside_the_gradients_copies_before_the
         (home,) = home
         assert home[1].startswith("feplb-copy"), (rank, "the results' gradients must go on the copy thread", log)
         assert home[2] < static[3], (rank, "the results' gradients must be copied beside the static backward", log)
+        hosted = [e for e in log if e[0] == "hosted backward"]
+        kept = [e for e in log if e[0] == "kept backward"]
+        assert len(kept) <= 1, (rank, log)
+        for h in hosted:
+            assert h[1] == static[1] and h[2] >= static[3], (rank, "the hosted rows' backward after the static", log)
+            assert all(h[3] <= k[2] for k in kept), (rank, "the hosted rows' backward before the kept rows'", log)
         for b in back:
-            assert b[1] == static[1], (rank, log)
+            assert b[1].startswith("feplb-copy"), (rank, "the rows' gradients must go home on the copy thread", log)
             assert b[2] >= static[3], (rank, "a home must do its own work before it waits for its helpers", log)
+            assert all(b[2] >= h[3] for h in hosted), (rank, "sent home before the hosted rows' backward ran", log)
+            assert all(b[2] < k[3] for k in kept), (rank, "the rows' gradients must go home beside the kept", log)
         # balancing changes where rows are computed, never what: plain EP's gradients
         ref = res["none"]
         for k in ("dx", "dw1", "dw2", "drouter"):

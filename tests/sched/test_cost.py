@@ -150,33 +150,38 @@ def test_layer_times_by_hand_a_receiver_waits_for_all_its_senders_copies():
     assert t.end_W.tolist() == pytest.approx([175, 171, 129])
 
 
-def test_backward_times_by_hand_static_and_kept_rows_first_then_the_hosted_rows_and_the_gradients_home():
+def test_backward_times_by_hand_static_rows_first_then_the_hosted_rows_and_their_gradients_home_beside_the_kept():
     cm, plan, counts, topo = _two_gpu_case(800)
     t = cm.backward_times(plan, counts, topo)
-    # every backward GEMM takes twice its forward: GPU 0's own 700 + 200 rows 180 us, GPU 1's own 100 + 800 rows
-    # 180 us and its 300 hosted rows 60 us. The results' gradients (30,000 bytes, 30 us) reach GPU 1 and are
-    # copied out at [30, 33], beside its own GEMMs (half speed: +1.5 us)
+    # every backward GEMM takes twice its forward: GPU 0's static 200 rows 40 us and kept 700 rows 140 us; GPU 1's
+    # static 800 rows 160 us, its 300 hosted rows 60 us and its kept 100 rows 20 us. The results' gradients
+    # (30,000 bytes, 30 us) reach GPU 1 and are copied out at [30, 33], beside its static GEMM (half speed: +1.5 us)
     assert t.ready_W.tolist() == pytest.approx([0, 33]) and t.hidden
-    assert t.static_W.tolist() == pytest.approx([180, 181.5])
-    # GPU 1's hosted rows [181.5, 241.5], then the rows' and the weights' gradients home (60,000 bytes): 301.5; GPU 0
-    # copies them out (6 us) after its own GEMMs
-    assert t.end_W.tolist() == pytest.approx([307.5, 301.5])
-    # weights held for the step (no weight copy this micro-batch) return no weight gradient
+    assert t.static_W.tolist() == pytest.approx([40, 161.5])
+    # GPU 1's hosted rows [161.5, 221.5], then its kept rows [221.5, 241.5] while the rows' and the weights'
+    # gradients (60,000 bytes) go home: 281.5; GPU 0 copies them out (6 us) after its own GEMMs (180)
+    assert t.end_W.tolist() == pytest.approx([287.5, 281.5])
+    # weights held for the step (no weight copy this micro-batch) return no weight gradient: 30 us
     held = dataclasses.replace(plan, weight_copies=())
-    assert cm.backward_times(held, counts, topo).end_W.tolist() == pytest.approx([274.5, 271.5])
+    assert cm.backward_times(held, counts, topo).end_W.tolist() == pytest.approx([254.5, 251.5])
     # recopy_weights: the weights (30,000 bytes) go to GPU 1 again beside the results' gradients: 60 us, copied
-    # out at [60, 66] beside its own GEMMs (+3 us); its hosted rows [183, 243], their gradients home by 303, GPU 0
-    # copies them out after its own GEMMs: 309
+    # out at [60, 66] beside its static GEMM (+3 us); its hosted rows [163, 223], their gradients home by 283
+    # (beside its kept rows), GPU 0 copies them out after its own GEMMs: 289
     again = cm.backward_times(plan, counts, topo, recopy=True)
     assert again.ready_W.tolist() == pytest.approx([0, 66]) and again.hidden
-    assert again.static_W.tolist() == pytest.approx([180, 183])
-    assert again.end_W.tolist() == pytest.approx([309, 303])
+    assert again.static_W.tolist() == pytest.approx([40, 163])
+    assert again.end_W.tolist() == pytest.approx([289, 283])
     assert cm.backward_times(plan, counts, topo, recopy=True, held=True).end_W.tolist() == pytest.approx(
-        [274.5, 271.5])   # (held weights are not copied per micro-batch: nothing to copy again)
+        [254.5, 251.5])   # (held weights are not copied per micro-batch: nothing to copy again)
     # lazy replicas hold the weights this micro-batch copied for the rest of the step: same as no weight copy
     lazy = cm.backward_times(plan, counts, topo, held=True)
-    assert lazy.end_W.tolist() == pytest.approx([274.5, 271.5])
+    assert lazy.end_W.tolist() == pytest.approx([254.5, 251.5])
     assert lazy.static_W.tolist() == t.static_W.tolist() and lazy.ready_W.tolist() == t.ready_W.tolist()
+    # the results' gradients later than the static experts' backward: not hidden, and the hosted rows wait
+    late = cm.backward_times(plan, np.array([[1000, 200, 0, 0], [0, 0, 100, 100]]), topo)
+    assert late.static_W.tolist() == pytest.approx([40, 20]) and not late.hidden   # (the copy-out after it)
+    # GPU 1: hosted [33, 93], kept [93, 113], sends home by 153; GPU 0 copies them out after its 180: 186
+    assert late.end_W.tolist() == pytest.approx([186, 153])
 
 
 def test_backward_times_of_the_peers():
