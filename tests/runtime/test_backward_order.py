@@ -162,6 +162,14 @@ def test_the_results_gradients_go_beside_other_collectives_only_over_copy_paths_
             with torch.no_grad():
                 join.wrap(ex(name, cross), [t * 1 for t in sends])
             assert not join.armed
+            # the phase-2 exchanges' join, through the anchor: armed alike, and its node made even without sends
+            anchor = torch.zeros(0, requires_grad=True)
+            a, got = join.wrap_anchored(ex(name, cross), anchor * 1, [])
+            assert join.armed is want and got == [] and (a.grad_fn is not None) and \
+                (type(a.grad_fn).__name__ == "_JoinFnBackward") is want, (name, cross)
+            # an anchor that needs no gradient would leave no node to finish it: in place
+            a, _ = join.wrap_anchored(ex(name, cross), torch.zeros(0), [t * 1 for t in sends])
+            assert not join.armed and a.grad_fn is None
 
 
 def test_an_exchange_left_pending_is_settled_when_the_backward_ends_and_its_error_surfaces():
