@@ -73,12 +73,13 @@ class EarlyBackward:
         self.start = fresh_sequence_nr() if torch.is_grad_enabled() else None
         self.nodes: list = []
 
-    def capture(self, y: torch.Tensor) -> None:
-        """The nodes made since ``__init__`` (on this thread) that ``y`` was computed through."""
-        if self.start is None or y.grad_fn is None:
+    def capture(self, *ys: torch.Tensor) -> None:
+        """The nodes made since ``__init__`` (on this thread) that ``ys`` were computed through."""
+        stack = [y.grad_fn for y in ys if y.grad_fn is not None]
+        if self.start is None or not stack:
             return
         end = fresh_sequence_nr()   # (other threads count their own: a node of theirs may lie in either range)
-        seen, stack = set(), [y.grad_fn]
+        seen = set()
         while stack:
             node = stack.pop()
             if node is None or node in seen:

@@ -357,9 +357,11 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
 
     def _anchor(self, t: torch.Tensor) -> torch.Tensor:
         """An empty 1-D tensor that requires grad whenever the layer's rows or expert weights do. Every exchange
-        takes one, so whether its backward runs (a collective) never depends on what this rank sends."""
-        w1 = self.expert_weights()[0]
-        a = t[:0].reshape(-1) + w1[:0].reshape(-1)   # w1[:0] first: a strided w1 is never copied
+        takes one, so whether its backward runs (a collective) never depends on what this rank sends, nor on which
+        of them a backward asks for (``torch.autograd.grad(..., inputs=[w2])`` too: every part is in it)."""
+        a = t[:0].reshape(-1)
+        for w in self.expert_weights():   # w[:0] first: a strided weight is never copied
+            a = a + w[:0].reshape(-1)
         return a + self._grad_leaf if torch.is_grad_enabled() else a
 
     def extra_repr(self) -> str:
@@ -643,8 +645,14 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         no reverse all-to-all; the results come back in that order."""
         if self._backward_join is not None:
             joins, self._backward_join = self._backward_join, None
-            for join in joins:
-                join.settle()
+            errors = []
+            for join in joins:   # every one settled; the first error raised after
+                try:
+                    join.settle()
+                except BaseException as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
         split = self._split(counts)
         if dispatched:
             self._recv_grew = False

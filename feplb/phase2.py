@@ -283,8 +283,7 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
     sends = rex.sends_of({j: y_hosted[j] for j in lay.hosted})
     # the backward's join, right after the GEMMs that made the sends: they alone wait for the gradients' copies
     sends = join.wrap(rex, sends)
-    for t in sends:
-        hosted_first.capture(t)
+    hosted_first.capture(*sends)
     ready = ready_event(h_RD)
     # (detached here: the copy thread touches no autograd metadata this thread uses)
     pending = rex.start([t.detach() for t in sends], layer._balancer.copier, ready=ready) if rex.active else None
@@ -299,8 +298,8 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
         raise
     with span(tl, "copy_results", "copy"):
         # the backward's order (dynamic_and_return's docstring): where the phase-2 exchanges' backward starts on
-        # the copy thread, they and the hosted rows' nodes run before the kept rows' (the weights' exchange before
-        # the rows', as made), and the static experts' before all of them
+        # the copy thread, they and the hosted rows' nodes run before the kept rows' (the exchange made last, the
+        # weights' under recopy_weights, first: the higher number), and the static experts' before all of them
         if len(joins) > 1 and all(j.armed for j in joins[1:]):
             for node in nodes:
                 node._set_sequence_nr(fresh_sequence_nr())

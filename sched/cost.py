@@ -394,8 +394,9 @@ class CostModel:
         kept dynamic rows' backward, which comes next. Weights held for the step reduce their gradients once per
         step (``step_us``), not here: ``@ema`` replicas, and with ``held`` (lazy ``@ema`` replicas,
         ``PolicyState.reads_plans``: the runtime holds what a plan copied until the step's end) this plan's copies
-        too. A home's receive is issued after its own GEMMs; a home ends once they are all in and copied out; a
-        helper no sooner than its sends. ``static_W`` is the end of the work that waits for nothing (the static
+        too. Every GPU issues that exchange before its kept rows (the copy-outs of what a home receives slow them
+        where they overlap); a home ends once the gradients are all in and copied out; a helper no sooner than its
+        sends. ``static_W`` is the end of the work that waits for nothing (the static
         experts' backward), and ``hidden`` says whether the results' gradients hid under it.
 
         This order holds where the runtime runs the phase-2 exchanges' backward on the copy thread: over the CUDA
@@ -482,13 +483,16 @@ class CostModel:
         ready = np.where(recv, copy_t + copy_out, 0.0)
         static_end = static + np.where(recv, s * _overlap(ready - copy_out, ready, zeros, static), 0.0)
         hosted_end = np.where(hosted > 0, np.maximum(static_end, ready) + hosted, static_end)
-        own_end = hosted_end + kept
-        # the rows' input gradients and the copied weights' gradients (unless held), helper -> home, sent after the
-        # hosted GEMMs (beside the kept rows'), received after a home's own GEMMs
+        # the rows' input gradients and the copied weights' gradients (unless held), helper -> home: every GPU
+        # issues that exchange after its static and hosted rows, before its kept rows, whose backward runs beside
+        # it (a receiver's copy-out slows it where they overlap); the GPU waits for it after them
         back_src = [*dst.tolist(), *(d for _, _, d in cps)]
         back_dst = [*src.tolist(), *(o for _, o, _ in cps)]
         back_B = [*row_B.tolist(), *([self.weight_bytes] * len(cps))]
-        done, sent = gather_home(hosted_end, back_src, back_dst, back_B, own_end)
+        done, sent = gather_home(hosted_end, back_src, back_dst, back_B, hosted_end)
+        back_out = self._pair_bytes(topo, back_src, back_dst, back_B)[1][0] / d2d
+        own_end = hosted_end + kept + np.where(done > 0, s * _overlap(done - back_out, done, hosted_end,
+                                                                      hosted_end + kept), 0.0)
         end = np.maximum.reduce([own_end, done, sent])
         return LayerTimes(static_W=static_end, ready_W=ready, end_W=end)
 

@@ -211,3 +211,36 @@ def test_an_exchange_left_pending_is_settled_when_the_backward_ends_and_its_erro
             else:
                 loss.backward()
             assert join._future is None and calls[-1] == (1, None, True)
+
+
+def _partial_rank(rank: int, world: int) -> dict:
+    """``torch.autograd.grad`` for one parameter at a time (the input, w2 only, w1 only, the router only): every
+    rank must run the same exchanges' backward whatever it asks for."""
+    from feplb import FEPLBConfig, MoELayer
+
+    router, w1, w2, xs = _runtime._weights(5)
+    out = {}
+    for policy, recopy in (("feplb-split", False), ("feplb-split", True), ("none", False)):
+        layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2,
+                                     policy=policy, weights="per-microbatch", recopy_weights=recopy,
+                                     min_straggler_rows=0, min_chunk=2))
+        load_global_weights(layer, router, w1, w2)
+        got = {}
+        for name in ("x", "w2", "w1", "router"):
+            x = xs[rank].clone().requires_grad_(True)
+            what = {"x": x, "w2": layer.w2, "w1": layer.w1, "router": layer.router.weight}[name]
+            (got[name],) = torch.autograd.grad(layer(x).square().sum(), [what])
+        out[(policy, recopy)] = {"grads": got, "moved": layer.last_stats.rows_moved}
+        layer.close()
+    return out
+
+
+def test_a_backward_that_asks_for_one_parameter_runs_every_exchange_on_every_rank():
+    results = run_dist(_partial_rank, W, timeout_s=200, collective_timeout_s=20)
+    assert all(r[("feplb-split", False)]["moved"] > 0 for r in results[::G])
+    for rank, res in enumerate(results):
+        ref = res[("none", False)]["grads"]
+        for key in (("feplb-split", False), ("feplb-split", True)):
+            for name, want in ref.items():
+                got = res[key]["grads"][name]
+                assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (rank, key, name)

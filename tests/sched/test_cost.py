@@ -159,7 +159,7 @@ def test_backward_times_by_hand_static_rows_first_then_the_hosted_rows_and_their
     assert t.ready_W.tolist() == pytest.approx([0, 33]) and t.hidden
     assert t.static_W.tolist() == pytest.approx([40, 161.5])
     # GPU 1's hosted rows [161.5, 221.5], then its kept rows [221.5, 241.5] while the rows' and the weights'
-    # gradients (60,000 bytes) go home: 281.5; GPU 0 copies them out (6 us) after its own GEMMs (180)
+    # gradients (60,000 bytes) go home: 281.5; GPU 0, its own GEMMs done (180), copies them out (6 us)
     assert t.end_W.tolist() == pytest.approx([287.5, 281.5])
     # weights held for the step (no weight copy this micro-batch) return no weight gradient: 30 us
     held = dataclasses.replace(plan, weight_copies=())
@@ -180,8 +180,9 @@ def test_backward_times_by_hand_static_rows_first_then_the_hosted_rows_and_their
     # the results' gradients later than the static experts' backward: not hidden, and the hosted rows wait
     late = cm.backward_times(plan, np.array([[1000, 200, 0, 0], [0, 0, 100, 100]]), topo)
     assert late.static_W.tolist() == pytest.approx([40, 20]) and not late.hidden   # (the copy-out after it)
-    # GPU 1: hosted [33, 93], kept [93, 113], sends home by 153; GPU 0 copies them out after its 180: 186
-    assert late.end_W.tolist() == pytest.approx([186, 153])
+    # GPU 1: hosted [33, 93], kept [93, 113], sends home by 153; GPU 0 copies them out at [153, 159], beside its
+    # kept rows' backward [40, 180] (half speed: +3 us), and ends with it: 183
+    assert late.end_W.tolist() == pytest.approx([183, 153])
 
 
 def test_backward_times_of_the_peers():
