@@ -244,6 +244,7 @@ class BackwardJoin:
 
     def __init__(self, copier: concurrent.futures.Executor):
         self.copier = copier
+        self.after: BackwardJoin | None = None   # an earlier exchange's join, settled first (``wrap_anchored``)
         self.armed = False
         self._future: concurrent.futures.Future | None = None
         self._ex: Exchange | None = None
@@ -263,12 +264,15 @@ class BackwardJoin:
             return sends
         return list(_JoinFn.apply(self, False, *sends))
 
-    def wrap_anchored(self, ex: Exchange, anchor: torch.Tensor,
-                      sends: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def wrap_anchored(self, ex: Exchange, anchor: torch.Tensor, sends: list[torch.Tensor],
+                      after: BackwardJoin | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``wrap`` with ``ex``'s anchor (``MoELayer._anchor``: it requires grad on every rank whenever autograd
         records) through the same node: that node then runs on every rank, before the backward of whatever made
         the anchor and the sends, and finishes the exchange there even where this rank sends nothing. Returns the
-        anchor and the sends, wrapped where the join is armed."""
+        anchor and the sends, wrapped where the join is armed. after: the join of an exchange whose backward the
+        copy thread runs before this one's; ``finish`` settles it first, so that its error, if any, is the one
+        raised (not this exchange's, which would then time out)."""
+        self.after = after
         self.armed = torch.is_grad_enabled() and ex.active and self.may_run_beside(ex) and anchor.requires_grad
         if not self.armed:   # (in place: an anchor that needs no gradient would leave no node to finish it)
             return anchor, sends
@@ -300,6 +304,8 @@ class BackwardJoin:
 
     def finish(self) -> list[torch.Tensor]:
         """The gradients of the sends (waits for the exchange; on a GPU the current stream waits for its copies)."""
+        if self.after is not None:
+            self.after.settle()
         got = self._take()
         if got is None:
             raise RuntimeError("BackwardJoin.finish: the exchange's backward was not started (its node did not run "

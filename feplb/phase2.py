@@ -253,7 +253,7 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
 
     def exchange(x: Exchange, sends: list[torch.Tensor], pending) -> Received:
         joins.append(BackwardJoin(copier))
-        anchor, sends = joins[-1].wrap_anchored(x, layer._anchor(h_RD), sends)
+        anchor, sends = joins[-1].wrap_anchored(x, layer._anchor(h_RD), sends, after=join)
         got = x(sends, anchor, pending=pending, join=joins[-1], settle=join)
         nodes.append(got.tail.grad_fn)
         return got

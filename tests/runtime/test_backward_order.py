@@ -213,6 +213,78 @@ def test_an_exchange_left_pending_is_settled_when_the_backward_ends_and_its_erro
             assert join._future is None and calls[-1] == (1, None, True)
 
 
+
+def _two_joins_backward(copier, first, second) -> tuple:
+    """A backward that starts two exchanges' backward on ``copier`` (``first`` then ``second``: the error each
+    raises, or None) and finishes the second's join, which settles the first's (``after``). Returns (the error the
+    backward raised or None, the gradient the join gave, both joins)."""
+    from types import SimpleNamespace
+
+    from feplb.dispatch import BackwardJoin
+
+    def ex_of(error):
+        def issue_backward(grads, ready, handoff):
+            if error is not None:
+                raise error
+            return {0: grads[0].clone()}, None
+
+        return SimpleNamespace(device=torch.device("cpu"), issue_backward=issue_backward,
+                               handed=lambda got, done: got, send_grads=lambda got, shapes: [got[0].view(shapes[0])])
+
+    home, rows = BackwardJoin(copier), BackwardJoin(copier)
+    rows.after = home
+    seen = []
+
+    class Finishes(torch.autograd.Function):   # made first: its backward runs last
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.extend(rows.finish())
+            return g
+
+    class Starts(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            home.start(ex_of(first), [g], [g.shape])
+            rows.start(ex_of(second), [2 * g], [g.shape])
+            return g
+
+    try:
+        Starts.apply(Finishes.apply(torch.ones(3, requires_grad=True))).sum().backward()
+        error = None
+    except TimeoutError as exc:
+        error = exc
+    return error, seen, home, rows
+
+
+def test_a_join_raises_the_earlier_exchanges_error_first():
+    """The phase-2 exchanges' join settles the results-home exchange's first (the copy thread ran it before): where
+    that one failed, its error is the one raised, not the later exchange's (which would time out behind it)."""
+    import concurrent.futures
+
+    fail_home = TimeoutError("results home: a peer never came")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as copier:
+        error, seen, home, rows = _two_joins_backward(copier, None, None)
+        assert error is None and torch.equal(seen[0], 2 * torch.ones(3))
+        assert home._future is None and rows._future is None
+        for second in (None, TimeoutError("rows home: stalled")):
+            error, seen, home, rows = _two_joins_backward(copier, fail_home, second)
+            assert error is fail_home and not seen, error
+            assert home._future is None
+            if second is None:
+                rows.settle()
+            else:
+                with pytest.raises(TimeoutError, match="rows home"):
+                    rows.settle()   # (what is left ends too, with its own error)
+            assert rows._future is None
+
 def _partial_rank(rank: int, world: int) -> dict:
     """``torch.autograd.grad`` for one parameter at a time (the input, w2 only, w1 only, the router only): every
     rank must run the same exchanges' backward whatever it asks for."""
