@@ -172,6 +172,20 @@ def test_the_results_gradients_go_beside_other_collectives_only_over_copy_paths_
             assert not join.armed and a.grad_fn is None
 
 
+class _OnBackward(torch.autograd.Function):
+    """Identity whose backward calls ``fn(grad)`` first (a join's start or finish, as the layer's nodes do)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.fn(g)
+        return g, None
+
+
 def test_an_exchange_left_pending_is_settled_when_the_backward_ends_and_its_error_surfaces():
     """A backward that starts the exchange but never reaches the node that finishes it (it stopped short) leaves
     nothing on the copy thread: an autograd callback settles it at the backward's end, raising what it raised."""
@@ -191,27 +205,15 @@ def test_an_exchange_left_pending_is_settled_when_the_backward_ends_and_its_erro
     ex = SimpleNamespace(device=torch.device("cpu"), issue_backward=issue_backward, handed=lambda got, done: got)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as copier:
         join = BackwardJoin(copier)
-
-        class Starts(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.clone()
-
-            @staticmethod
-            def backward(ctx, g):
-                join.start(ex, [g], [g.shape])
-                return g
-
         for fail in (False, True):
             x = torch.ones(3, requires_grad=True)
-            loss = Starts.apply(x).sum()
+            loss = _OnBackward.apply(x, lambda g: join.start(ex, [g], [g.shape])).sum()
             if fail:
                 with pytest.raises(TimeoutError, match="a peer never came"):
                     loss.backward()
             else:
                 loss.backward()
             assert join._future is None and calls[-1] == (1, None, True)
-
 
 
 def _two_joins_backward(copier, first, second) -> tuple:
@@ -235,29 +237,14 @@ def _two_joins_backward(copier, first, second) -> tuple:
     rows.after = home
     seen = []
 
-    class Finishes(torch.autograd.Function):   # made first: its backward runs last
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+    def starts(g):
+        home.start(ex_of(first), [g], [g.shape])
+        rows.start(ex_of(second), [2 * g], [g.shape])
 
-        @staticmethod
-        def backward(ctx, g):
-            seen.extend(rows.finish())
-            return g
-
-    class Starts(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            home.start(ex_of(first), [g], [g.shape])
-            rows.start(ex_of(second), [2 * g], [g.shape])
-            return g
-
+    # the finishing node made first: its backward runs last
+    finished = _OnBackward.apply(torch.ones(3, requires_grad=True), lambda g: seen.extend(rows.finish()))
     try:
-        Starts.apply(Finishes.apply(torch.ones(3, requires_grad=True))).sum().backward()
+        _OnBackward.apply(finished, starts).sum().backward()
         error = None
     except TimeoutError as exc:
         error = exc
@@ -284,6 +271,7 @@ def test_a_join_raises_the_earlier_exchanges_error_first():
                 with pytest.raises(TimeoutError, match="rows home"):
                     rows.settle()   # (what is left ends too, with its own error)
             assert rows._future is None
+
 
 def _partial_rank(rank: int, world: int) -> dict:
     """``torch.autograd.grad`` for one parameter at a time (the input, w2 only, w1 only, the router only): every
