@@ -432,7 +432,7 @@ class CostModel:
         def gather_home(sent_at, src, dst, nbytes, own_end, keys=None, copy_out=True):
             """Senders send ``nbytes`` to receivers from ``sent_at``: when each receiver has them (copied out of
             its inbox where ``copy_out``; its receive issued after its own GEMMs, ``own_end``, and its own
-            sends), and when each sender's sends are done (0 where none)."""
+            sends), when each sender's sends are done (0 where none), and when each receiver's copy-out starts."""
             out_B, in_B = self._pair_bytes(topo, src, dst, nbytes, keys)
             sent = sent_at + self._link_us(out_B)
             last = np.full(W, -np.inf)
@@ -444,7 +444,7 @@ class CostModel:
             arrive = np.where(recv, np.maximum(last, first + self._link_us(in_B)), 0.0)
             issued = np.maximum.reduce([arrive, own_end, mine])
             done = np.where(recv, issued + (in_B[0] / d2d if copy_out else 0.0), 0.0)
-            return done, mine
+            return done, mine, issued
 
         if plan.rows_from_source or plan.dispatched:
             # the peers' copies of experts (FasterMoE's shadows; EPLB's replicas where the plan copies weights this
@@ -458,7 +458,7 @@ class CostModel:
             for m in plan.moves:
                 if (m.expert, m.dst) in copied:
                     first_W[m.dst] += f * float(self.gemm_us(m.row_end - m.row_start))
-            done, sent = gather_home(first_W, [d for _, _, d in cps], [o for _, o, _ in cps],
+            done, sent, _ = gather_home(first_W, [d for _, _, d in cps], [o for _, o, _ in cps],
                                      [self.weight_bytes] * len(cps), gemm, keys=[e for e, _, _ in cps],
                                      copy_out=False)
             ready = np.maximum(done, sent)
@@ -489,10 +489,9 @@ class CostModel:
         back_src = [*dst.tolist(), *(d for _, _, d in cps)]
         back_dst = [*src.tolist(), *(o for _, o, _ in cps)]
         back_B = [*row_B.tolist(), *([self.weight_bytes] * len(cps))]
-        done, sent = gather_home(hosted_end, back_src, back_dst, back_B, hosted_end)
-        back_out = self._pair_bytes(topo, back_src, back_dst, back_B)[1][0] / d2d
-        own_end = hosted_end + kept + np.where(done > 0, s * _overlap(done - back_out, done, hosted_end,
-                                                                      hosted_end + kept), 0.0)
+        done, sent, out_at = gather_home(hosted_end, back_src, back_dst, back_B, hosted_end)
+        own_end = hosted_end + kept + np.where(done > 0, s * _overlap(out_at, done, hosted_end, hosted_end + kept),
+                                               0.0)
         end = np.maximum.reduce([own_end, done, sent])
         return LayerTimes(static_W=static_end, ready_W=ready, end_W=end)
 
