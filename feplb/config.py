@@ -89,6 +89,12 @@ class FEPLBConfig:
         not the bank of experts a ``+place`` placement computes on a GPU away from their owners (sent to it every
         micro-batch with weights='per-microbatch'): the static experts' GEMM computes with that bank, which is
         held until the backward as an owner's own weights are.
+    reduce_in_fp32: with weights='per-step' and 16-bit weights, the per-step copies' gradients, which each copy sums
+        over the step in fp32, go to their owners at ``reduce_replica_grads()`` in fp32 (True, default: twice the
+        weights' bytes; an fp32 parameter then receives the sum to about 16 bits, so each micro-batch's gradient
+        is rounded as plain EP rounds it, once, out of the GEMM) or rounded to the weights' dtype (False: half the
+        bytes, and one more rounding, of the step's sum; Megatron's ``grad_reduce_in_fp32=False`` reduces so). The
+        owner adds them in fp32 either way. No effect on fp32 weights.
     refresh_every: micro-batches between the policy state's slow refreshes (``@ema`` dynamic sets, EPLB replicas).
     plan_wait_ms: grace after the static GEMM before falling back to computing at home. None (default): on a
         CPU, wait for the plan (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer). No
@@ -135,6 +141,7 @@ class FEPLBConfig:
     weights: str = "per-step"
     replicas: str = "eager"
     recopy_weights: bool = False
+    reduce_in_fp32: bool = True
     refresh_every: int = 8
     plan_wait_ms: float | None = None
     min_straggler_rows: int | None = None
@@ -185,12 +192,15 @@ class FEPLBConfig:
                                                   and 0 <= self.plan_wait_ms < float("inf")):
             raise ValueError(f"FEPLBConfig.plan_wait_ms must be None or a finite number >= 0, got "
                              f"{self.plan_wait_ms!r}")
-        for name in ("gate_on_input", "masked_routes", "recopy_weights"):
+        for name in ("gate_on_input", "masked_routes", "recopy_weights", "reduce_in_fp32"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FEPLBConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.recopy_weights and self.weights != "per-microbatch":
             raise ValueError("FEPLBConfig.recopy_weights needs weights='per-microbatch' (per-step replicas stay "
                              "resident: nothing is copied per micro-batch)")
+        if not self.reduce_in_fp32 and self.weights != "per-step":
+            raise ValueError("FEPLBConfig.reduce_in_fp32=False needs weights='per-step' (with 'per-microbatch' no copy "
+                             "holds gradients over a step: they return in each micro-batch's backward)")
         if self.masked_routes and self.router != "external":
             raise ValueError("FEPLBConfig.masked_routes needs router='external' (the layer's own router picks top_k "
                              "experts for every token)")

@@ -342,8 +342,10 @@ class Replicas:
         own = self.own_weights()
         w1 = own[0]
 
-        # summed in fp32 where the weights are bf16 / fp16 (the copies' fp32 sums, see _watch), sent and added so
+        # summed and added in fp32 where the weights are bf16 / fp16 (the copies' fp32 sums, see _watch); sent so,
+        # or rounded once to the weights' dtype (FEPLBConfig.reduce_in_fp32=False: half the bytes)
         gdt = torch.float32 if w1.dtype in (torch.bfloat16, torch.float16) else w1.dtype
+        wire = gdt if lay.config.reduce_in_fp32 else w1.dtype
 
         def grads_of(e: int) -> tuple[torch.Tensor, ...]:
             i = placement.slot_pos.get(e)
@@ -368,13 +370,13 @@ class Replicas:
         sends = {}
         for k, (e, g, _) in enumerate(back):
             if g == r:
-                sends[k] = torch.cat([t.reshape(-1) for t in grads_of(e)])
-        ex = Exchange(lay.comm, items, dtype=gdt, device=w1.device, op="reduction of replica gradients")
+                sends[k] = torch.cat([t.reshape(-1) for t in grads_of(e)]).to(wire)
+        ex = Exchange(lay.comm, items, dtype=wire, device=w1.device, op="reduction of replica gradients")
         got = ex(ex.sends_of(sends), w1.new_empty(0)).items
         for k, (e, _, o) in enumerate(back):
             if o == r and k in got:
                 for a, part, shape in zip(adds, got[k].split(sizes), shapes, strict=True):
-                    a[e - r * L] += part.view(shape)
+                    a[e - r * L] += part.view(shape)   # (type promotion: added in fp32)
         self.zero_grads()
         needed = [(t, a) for t, a in zip(own, adds, strict=True) if t.requires_grad]
         if needed:

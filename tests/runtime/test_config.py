@@ -70,6 +70,18 @@ def test_config_lazy_replicas():
         FEPLBConfig(**BASE, policy="feplb@ema", replicas="lazy", weights="per-microbatch")
 
 
+def test_config_reduce_in_fp32():
+    """reduce_in_fp32 (the per-step copies' gradients sent as fp32 sums, or rounded to the weights' dtype) is a bool,
+    and False applies to per-step weights only, which hold copies over a step."""
+    assert FEPLBConfig(**BASE).reduce_in_fp32 is True
+    assert FEPLBConfig(**BASE, reduce_in_fp32=False).reduce_in_fp32 is False
+    with pytest.raises(TypeError, match="reduce_in_fp32 must be a bool, got 0"):
+        FEPLBConfig(**BASE, reduce_in_fp32=0)
+    with pytest.raises(ValueError, match="reduce_in_fp32=False needs weights='per-step'"):
+        FEPLBConfig(**BASE, reduce_in_fp32=False, weights="per-microbatch")
+    assert FEPLBConfig(**BASE, weights="per-microbatch").reduce_in_fp32   # the default applies to any weights
+
+
 def test_config_non_gated_experts():
     cfg = FEPLBConfig(**BASE, gated=False, activation="relu2")
     assert cfg.glu == (None, "relu2", 1.702, False, False, None)

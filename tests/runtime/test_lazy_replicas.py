@@ -11,7 +11,8 @@
 * under activation checkpointing the recompute copies nothing (the forward's copies are held) and the gradients
   are bit for bit the uncheckpointed layer's;
 * copies held by a forward inside ``torch.inference_mode`` train in the micro-batches after it; in bf16 the held
-  copies' gradients match plain EP's;
+  copies' gradients match plain EP's, sent to their owners as fp32 sums (``reduce_in_fp32``, the default) or, lazy
+  and eager replicas alike, rounded to bf16 (``reduce_in_fp32=False``);
 * an optimizer step without ``refresh_replicas()`` makes the next forward raise on every rank (held copies are
   stale), also where they are the only copies; a layer that never refreshed holds copies without a false alarm.
 """
@@ -51,10 +52,12 @@ def _grads(layer, x) -> dict:
 
 
 def _accumulate(rank: int, G: int, policy: str, replicas: str = "eager", ckpt: bool = False,
-                dtype: torch.dtype = torch.float32, inference_first: bool = False) -> dict:
+                dtype: torch.dtype = torch.float32, inference_first: bool = False, **kw) -> dict:
     from torch.utils.checkpoint import checkpoint
 
-    layer, xs, dys = _build(G, policy, replicas, dtype=dtype)
+    import feplb.replicas
+
+    layer, xs, dys = _build(G, policy, replicas, dtype=dtype, **kw)
     xs, dys = [x.to(dtype) for x in xs], [d.to(dtype) for d in dys]
     with torch.no_grad():
         layer(xs[rank])            # the history picks the @ema dynamic sets
@@ -80,10 +83,21 @@ def _accumulate(rank: int, G: int, policy: str, replicas: str = "eager", ckpt: b
     held_before = sorted(layer.replicas.held)
     lazy_pairs = sorted(layer.replicas.lazy_pairs)
     resident = sorted(layer._plan_state.resident) if layer._plan_state is not None else []
-    layer.reduce_replica_grads()
+    wire, exchange = [], feplb.replicas.Exchange
+
+    def recording(*args, **kwargs):   # the dtype the replica gradients travel in
+        if kwargs.get("op") == "reduction of replica gradients":
+            wire.append(kwargs["dtype"])
+        return exchange(*args, **kwargs)
+
+    feplb.replicas.Exchange = recording
+    try:
+        layer.reduce_replica_grads()
+    finally:
+        feplb.replicas.Exchange = exchange
     res = {"outs": outs, **_grads(layer, x), "copied": copied, "held": held_before, "lazy_pairs": lazy_pairs,
            "resident": resident, "clean": layer.replicas.grads_clean(), "holds": len(holds),
-           "placed": len(layer.placement.placed_pairs)}
+           "placed": len(layer.placement.placed_pairs), "wire": wire}
     layer.close()
     return res
 
@@ -141,6 +155,9 @@ def _worker(rank: int, world: int, G: int) -> dict:
     res["inference_first"] = _accumulate(rank, G, "feplb-split@ema", "lazy", inference_first=True)
     res["bf16"] = {p: _accumulate(rank, G, p, "lazy" if p != "none" else "eager", dtype=torch.bfloat16)
                    for p in ("feplb-split@ema", "none")}
+    # the held copies' fp32 sums sent rounded to bf16 (half the bytes), lazy and eager replicas
+    res["bf16_wire"] = {m: _accumulate(rank, G, "feplb-split@ema", m, dtype=torch.bfloat16, reduce_in_fp32=False)
+                        for m in ("lazy", "eager")}
     res["train"] = {"lazy": _train(rank, G, "feplb-split@ema", "lazy"), "none": _train(rank, G, "none")}
     res["stale"] = _stale(rank, G)
     return res
@@ -187,9 +204,20 @@ def test_lazy_replicas_held_for_the_step_and_exact(gpus_per_node):
         assert inf["lazy_pairs"] == plain["lazy_pairs"] and not any(inf["copied"]), (r, inf["copied"])
         for k in ("dx", "drouter", "dw1", "dw2"):
             _close(inf[k], res["none"][k], f"rank {r} {k} after an inference_mode forward")
-        # bf16: the held copies sum their micro-batches' gradients in fp32, as the owners' do
+        # bf16: the held copies sum their micro-batches' gradients in fp32, as the owners' do, and send the sums in
+        # fp32 (reduce_in_fp32, the default) or rounded once to bf16
+        fp32_wire = res["bf16"]["feplb-split@ema"]
+        assert fp32_wire["wire"] == [torch.float32], (r, fp32_wire["wire"])
         for k in ("dx", "drouter", "dw1", "dw2"):
-            _close(res["bf16"]["feplb-split@ema"][k], res["bf16"]["none"][k], f"bf16 rank {r} {k}", tol=2e-2)
+            _close(fp32_wire[k], res["bf16"]["none"][k], f"bf16 rank {r} {k}", tol=2e-2)
+        for mode, got in res["bf16_wire"].items():
+            assert got["wire"] == [torch.bfloat16], (r, mode, got["wire"])
+            assert got["clean"], (r, mode)
+            for k in ("dx", "drouter", "dw1", "dw2"):
+                _close(got[k], res["bf16"]["none"][k], f"bf16 {mode} replicas, bf16 sums, rank {r} {k}", tol=2e-2)
+        # one rounding of each held copy's sum apart from the fp32 sums: a bf16 ulp or two of the owners' gradients
+        for k in ("dw1", "dw2"):
+            _close(res["bf16_wire"]["lazy"][k], fp32_wire[k], f"bf16 sums vs fp32 sums, rank {r} {k}", tol=2 ** -7)
         lazy, none = res["train"]["lazy"], res["train"]["none"]
         for k in ("w1", "w2", "router"):
             _close(lazy[k], none[k], f"train rank {r} {k}", tol=2e-5)
