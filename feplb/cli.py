@@ -6,6 +6,7 @@ Each subcommand is a pair (add_arguments(parser), run(args) -> exit code); ``mai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -95,6 +96,9 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recopy-weights", action="store_true",
                    help="FEPLB's helpers receive the weights a plan copied again in the backward instead of holding "
                         "them from the forward (the layer's FEPLBConfig(recopy_weights=True))")
+    p.add_argument("--no-reduce-in-fp32", action="store_true",
+                   help="held copies' gradients go to their owners at a step's end rounded to the weights' dtype "
+                        "(half the bytes) instead of as fp32 sums (the layer's FEPLBConfig(reduce_in_fp32=False))")
     p.add_argument("--tau", type=float, default=0.01, help="feplb stops at a node gap <= tau x node mean")
     p.add_argument("--min-chunk", type=_positive, default=None,
                    help="feplb-split's smallest piece in rows (default: the cost model's knee)")
@@ -342,6 +346,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     # an explicit --hidden / --ffn holds for every trace; otherwise each trace's model shape is used
     cost_kw = {k: v for k, v in (("hidden", args.hidden), ("ffn", args.ffn)) if v is not None}
     cost = _cost_table(args.cost_table, cost_kw) if args.cost_table else CostModel(**cost_kw)
+    if args.no_reduce_in_fp32:
+        cost = dataclasses.replace(cost, grad_dtype_bytes=cost.dtype_bytes)
     config = SimConfig(num_ranks=args.ep, gpus_per_node=args.gpus_per_node, tokens_per_rank=args.tokens_per_rank,
                        dyn=args.dyn, policies=policies, microbatches=args.microbatches, warmup=args.warmup,
                        seed=args.seed, refresh_every=args.refresh_every, eplb_slots=args.eplb_slots,

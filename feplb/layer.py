@@ -139,9 +139,10 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         c = self.config = config
         # the cost model's experts are gated (3 H F weights and multiply-adds per row); a non-gated expert's 2 H F
         # are those of a gated one 2F/3 wide
+        nbytes = torch.empty((), dtype=c.dtype).element_size()
         self._cost = c.cost if c.cost is not None else CostModel(
-            hidden=c.hidden, ffn=c.ffn if c.gated else max(1, 2 * c.ffn // 3),
-            dtype_bytes=torch.empty((), dtype=c.dtype).element_size())
+            hidden=c.hidden, ffn=c.ffn if c.gated else max(1, 2 * c.ffn // 3), dtype_bytes=nbytes,
+            grad_dtype_bytes=None if c.reduce_in_fp32 else nbytes)
         self.group = group
         W, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.world_size = W

@@ -232,7 +232,9 @@ def step_us(state: PolicyState, new_state: PolicyState, cost: CostModel, topo: T
     ``@ema`` sets and EPLB replicas; under lazy replicas, ``state.reads_plans``, also what ``plan`` copied; the
     experts ``+place`` put away from their owners) to their owners, then the copies the refresh sends. FEPLB's
     runtime does both between micro-batches (``reduce_replica_grads`` before the optimizer step,
-    ``refresh_replicas`` after it), so neither hides behind a GEMM; EPLB's replicas are charged alike."""
+    ``refresh_replicas`` after it), so neither hides behind a GEMM; EPLB's replicas are charged alike. The
+    gradients travel at ``CostModel.grad_bytes`` per expert (the runtime's fp32 sums of 16-bit copies, by
+    default: twice the weights' bytes)."""
     owner = topo.default_home_E()
     held = set(state.resident)
     if plan is not None and state.reads_plans:
@@ -241,7 +243,7 @@ def step_us(state: PolicyState, new_state: PolicyState, cost: CostModel, topo: T
     if state.home_E is not None:
         back += [(int(h), int(owner[e])) for e, h in enumerate(np.asarray(state.home_E).tolist()) if h != owner[e]]
     out = [(src, dst) for _, src, dst in new_state.last_weight_copies]
-    return cost.weights_us(back, topo) + cost.weights_us(out, topo)
+    return cost.weights_us(back, topo, grads=True) + cost.weights_us(out, topo)
 
 
 def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResult:

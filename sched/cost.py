@@ -72,6 +72,12 @@ class CostModel:
         expert of shape (table_hidden, table_ffn). Below table_rows[0] the time is flat (weight-read floor),
         between points linear, beyond the last point linear with the last slope. Zero rows cost nothing.
     hidden, ffn, dtype_bytes: the simulated expert's shape and element size (weights 3*H*F, rows H elements).
+    grad_dtype_bytes: element size of the per-step copies' gradients on their way to the owners at a step's end
+        (``weights_us(..., grads=True)``): the runtime sums a 16-bit copy's gradients over the step in fp32 and
+        sends that sum (``FEPLBConfig.reduce_in_fp32``, default True): None (default) is 4 where ``dtype_bytes`` is
+        below 4, else ``dtype_bytes``. Set it to ``dtype_bytes`` for ``reduce_in_fp32=False`` (the sum rounded
+        once to the weights' dtype, half the bytes). A gradient that returns in a micro-batch's backward (of a
+        weight copied for that micro-batch) travels in the weights' dtype.
     ce_gbps: copy-engine bandwidth between GPUs of a node (GB/s, one way; measured H100 peer copy ~375).
     net_gbps: per-GPU bandwidth between nodes (GB/s).
     d2d_gbps: bytes copied per second (GB/s) by a copy inside one GPU: the in-node copy path lands every copy in
@@ -92,6 +98,7 @@ class CostModel:
     hidden: int = 6144
     ffn: int = 2048
     dtype_bytes: int = 2
+    grad_dtype_bytes: int | None = None
     table_rows: tuple[int, ...] = _DEFAULT_ROWS
     table_us: tuple[float, ...] = _DEFAULT_US
     table_hidden: int = 6144
@@ -111,6 +118,9 @@ class CostModel:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"CostModel.{name} must be a positive number, got {v!r}")
+        v = self.grad_dtype_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ValueError(f"CostModel.grad_dtype_bytes must be a positive int or None, got {v!r}")
         v = self.copy_out_slowdown
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
             raise ValueError(f"CostModel.copy_out_slowdown must be a number in [0, 1] (a fraction of the GEMM's "
@@ -163,6 +173,14 @@ class CostModel:
     def weight_bytes(self) -> int:
         """Bytes of one expert's weights (gate/up H x 2F and down F x H)."""
         return 3 * self.hidden * self.ffn * self.dtype_bytes
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of one expert's weight gradients as a step's end sends them to the owner (``grad_dtype_bytes``)."""
+        g = self.grad_dtype_bytes
+        if g is None:
+            g = 4 if self.dtype_bytes < 4 else self.dtype_bytes
+        return 3 * self.hidden * self.ffn * g
 
     @property
     def row_bytes(self) -> int:
@@ -278,14 +296,15 @@ class CostModel:
         dyn[plan.dynamic_WD.ravel()] = True
         return np.bincount(plan.home_of(topo), weights=np.where(dyn, 0.0, t_E), minlength=topo.num_ranks)
 
-    def weights_us(self, pairs, topo: Topology) -> float:
-        """The busiest GPU's time (us) to move one expert's weights (or their gradients) along each (src, dst) GPU
-        pair, all at once: per GPU the larger of what it sends and receives, inside a node at ``ce_gbps``, between
-        nodes at ``net_gbps``. What a step costs a policy that holds copies (``feplb.simulate``: the reduction of
-        their gradients to the owners, then the refresh's copies)."""
+    def weights_us(self, pairs, topo: Topology, *, grads: bool = False) -> float:
+        """The busiest GPU's time (us) to move one expert's weights (or, with ``grads``, their step's gradients,
+        ``grad_bytes``) along each (src, dst) GPU pair, all at once: per GPU the larger of what it sends and
+        receives, inside a node at ``ce_gbps``, between nodes at ``net_gbps``. What a step costs a policy that
+        holds copies (``feplb.simulate``: the reduction of their gradients to the owners, then the refresh's
+        copies)."""
         pairs = list(pairs)
         out_B, in_B = self._pair_bytes(topo, [a for a, _ in pairs], [b for _, b in pairs],
-                                       [self.weight_bytes] * len(pairs))
+                                       [self.grad_bytes if grads else self.weight_bytes] * len(pairs))
         return float(self._link_us(np.maximum(out_B, in_B)).max())
 
     def copy_us(self, nbytes: float, inter_node: bool = False) -> float:

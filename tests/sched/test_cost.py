@@ -40,8 +40,11 @@ def test_shape_scaling_and_json_table(tmp_path):
      ({"table_rows": (1, 2), "table_us": (2.0, 1.0)}, "non-decreasing"),
      ({"table_rows": (1,), "table_us": (1.0,)}, "length >= 2"),
      ({"ce_gbps": 0}, "ce_gbps must be a positive"),
-     ({"hidden": 0}, "hidden must be a positive int")],
-    ids=["rows-not-ascending", "us-decreasing", "one-point", "zero-bandwidth", "zero-hidden"],
+     ({"hidden": 0}, "hidden must be a positive int"),
+     ({"grad_dtype_bytes": 0}, "grad_dtype_bytes must be a positive int or None, got 0"),
+     ({"grad_dtype_bytes": 2.0}, "grad_dtype_bytes must be a positive int or None")],
+    ids=["rows-not-ascending", "us-decreasing", "one-point", "zero-bandwidth", "zero-hidden", "zero-grad-bytes",
+         "float-grad-bytes"],
 )
 def test_bad_cost_model(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -224,6 +227,25 @@ def test_weights_us_by_hand_the_busiest_gpu_both_ways_per_link():
     assert cm.weights_us([(0, 1), (0, 1), (2, 0)], topo) == pytest.approx(60.6)
     assert cm.weights_us([(1, 0), (0, 1)], topo) == pytest.approx(30)   # both ways at once
     assert cm.weights_us([], topo) == 0
+
+
+def test_step_gradients_travel_as_the_runtime_sends_them():
+    """A step's end sends the held copies' gradients as the runtime does (``FEPLBConfig.reduce_in_fp32``): fp32 sums
+    of 16-bit weights' gradients by default, twice the weights' bytes; in the weights' dtype when asked; fp32 (or
+    wider) weights in their own dtype. Weights themselves travel in their dtype."""
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=4, dyn=1)
+    pairs = [(0, 1), (0, 1), (2, 0)]
+    shape = dict(hidden=10, ffn=50, ce_gbps=1.0, net_gbps=50.0)   # 1,500 elements per expert
+    bf16 = CostModel(**shape)
+    assert (bf16.weight_bytes, bf16.grad_bytes) == (3000, 6000)
+    # GPU 0 sends two experts' gradients to GPU 1 (2 x 6 us) and receives one from GPU 2 across nodes (0.12 us)
+    assert bf16.weights_us(pairs, topo, grads=True) == pytest.approx(12.12)
+    assert bf16.weights_us(pairs, topo) == pytest.approx(6.06)
+    rounded = CostModel(**shape, grad_dtype_bytes=2)
+    assert rounded.grad_bytes == 3000 and rounded.weights_us(pairs, topo, grads=True) == pytest.approx(6.06)
+    for nbytes in (4, 8):
+        wide = CostModel(**shape, dtype_bytes=nbytes)
+        assert wide.grad_bytes == wide.weight_bytes == 1500 * nbytes
 
 
 @pytest.mark.parametrize("policy", ["none", "feplb", "feplb-split", "fastermoe", "eplb", "lp"])

@@ -324,3 +324,22 @@ def test_plan_us_is_charged_recorded_and_checked(tmp_path, flame_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["simulate", str(flame_path), *FAST, "--plan-us", "-3"])
     assert exit_.value.code == 2 and "--plan-us: expected a finite number >= 0, got -3" in capsys.readouterr().err
+
+
+def test_no_reduce_in_fp32_halves_the_step_gradients_and_is_recorded(tmp_path, flame_path, capsys):
+    """``--no-reduce-in-fp32`` (the layer's ``FEPLBConfig(reduce_in_fp32=False)``): the held copies' gradients go
+    home in the weights' dtype, so a step's end costs a policy that holds copies less, and the JSON says so; the
+    forward and backward are the same."""
+    docs = {}
+    for name, flag in (("fp32", []), ("bf16", ["--no-reduce-in-fp32"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["simulate", str(flame_path), *FAST[:-7], "--policies", "none,feplb@ema", "--microbatches", "8",
+                     "--warmup", "1", "--refresh-every", "4", "--plan-us", "25", "--no-progress", *flag,
+                     "--json", str(out)]) == 0
+        docs[name] = json.loads(out.read_text())
+    capsys.readouterr()
+    assert docs["fp32"]["config"]["cost"]["grad_dtype_bytes"] is None
+    assert docs["bf16"]["config"]["cost"]["grad_dtype_bytes"] == docs["bf16"]["config"]["cost"]["dtype_bytes"] == 2
+    a, b = docs["fp32"]["policies"]["feplb@ema"], docs["bf16"]["policies"]["feplb@ema"]
+    assert a["fwd_bwd_ms"] == b["fwd_bwd_ms"]
+    assert 0 < b["step_ms"] < a["step_ms"] and b["train_ms"] < a["train_ms"]

@@ -251,7 +251,10 @@ def test_step_traffic_lands_at_refreshes_for_policies_that_hold_copies():
         state, prev = new, state
     assert len(prev.resident) == 8 * 3 * 2 and len(state.last_weight_copies) == 8 * 3 * 2
     assert res.metrics["feplb@ema"]["step_ms"][0, 3] == pytest.approx(step_us(prev, state, cm, topo) / 1e3)
-    assert step_us(prev, state, cm, topo) == pytest.approx(2 * cm.weights_us([(0, 1)] * 6, topo))
+    # the gradients as fp32 sums of the bf16 copies (twice the weights' bytes), then the refresh's bf16 copies
+    assert step_us(prev, state, cm, topo) == pytest.approx(3 * cm.weights_us([(0, 1)] * 6, topo))
+    rounded = dataclasses.replace(cm, grad_dtype_bytes=2)    # FEPLBConfig(reduce_in_fp32=False)
+    assert step_us(prev, state, rounded, topo) == pytest.approx(2 * cm.weights_us([(0, 1)] * 6, topo))
     s = res.summary()["feplb@ema"]
     m = res.metrics["feplb@ema"]
     assert s["train_ms"] == pytest.approx(m["layer_ms"].mean() + m["backward_ms"].mean() + m["step_ms"].mean())
@@ -287,7 +290,8 @@ def test_step_traffic_of_lazy_replicas_counts_every_copy_of_the_step_once():
         elif new.refreshed:
             owner = topo.default_home_E()
             back = [(g, int(owner[e])) for e, g in copied if g != owner[e]]
-            assert copied and step_us(state, new, cm, topo, plan) == pytest.approx(cm.weights_us(back, topo))
+            assert copied and step_us(state, new, cm, topo, plan) == pytest.approx(cm.weights_us(back, topo,
+                                                                                             grads=True))
             # without the micro-batch's plan, its own copies would be missing
             if held - set(state.resident):
                 assert step_us(state, new, cm, topo) < step_us(state, new, cm, topo, plan)
@@ -300,7 +304,7 @@ def test_step_traffic_of_lazy_replicas_counts_every_copy_of_the_step_once():
     on_owner = dataclasses.replace(base, resident=frozenset({(0, 0)}))   # GPU 0 owns expert 0
     away = dataclasses.replace(base, resident=frozenset({(0, 1)}))
     assert step_us(on_owner, base, cm, topo) == 0.0
-    assert step_us(away, base, cm, topo) == pytest.approx(cm.weights_us([(1, 0)], topo))
+    assert step_us(away, base, cm, topo) == pytest.approx(cm.weights_us([(1, 0)], topo, grads=True))
     assert cm.weights_us([(1, 0)], topo) > 0
     # nor is it an extra weight there (the owner's parameters are its own experts')
     nothing = make_plan("none", np.ones((8, 32), dtype=np.int64), topo)
