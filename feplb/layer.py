@@ -323,7 +323,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
     def _weights_of(self, slot_w) -> Callable[[int], tuple[torch.Tensor, ...]]:
         """This rank's weights of an expert e (views, one per part): a slot, a per-step replica, or its own
         parameters (read when asked for)."""
-        return self._lookup(slot_w.parts, self.replicas.replica_bank, self.expert_weights)
+        return self._lookup(slot_w.parts, self.replicas.replica_bank, self.expert_weights,
+                            self.replicas.mark_used)
 
     def _send_weights(self, slot_w) -> Callable[[int], tuple[torch.Tensor, ...]]:
         """:meth:`_weights_of` for another thread: made now, on the forward's thread, from detached aliases of the
@@ -338,8 +339,10 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         own = slot if self.placement.own_slots else tuple(w.detach() for w in self.expert_weights())
         return self._lookup(slot, replica, lambda: own)
 
-    def _lookup(self, slot, replica, own: Callable[[], tuple[torch.Tensor, ...]]
-                ) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    def _lookup(self, slot, replica, own: Callable[[], tuple[torch.Tensor, ...]],
+                used: Callable[[int], None] | None = None) -> Callable[[int], tuple[torch.Tensor, ...]]:
+        """used(e): called when a replica's weights are handed out (``Replicas.mark_used``: their gradient
+        may then be nonzero)."""
         slot_pos, replica_of = dict(self.placement.slot_pos), dict(self.replicas.replica_of)
         r, L = self.rank, self.num_local
 
@@ -349,6 +352,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                 return tuple(w[i] for w in slot)
             j = replica_of.get(e)
             if j is not None:
+                if used is not None:
+                    used(e)
                 return tuple(w[j] for w in replica)
             if e // L == r:
                 return tuple(w[e - r * L] for w in own())

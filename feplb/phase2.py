@@ -381,6 +381,7 @@ def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, wei
                 banks[key] = (parts_of, {copies[kk][0]: i for i, kk in enumerate(ks)}, len(ks))
         elif e in layer.replicas.replica_of:
             key = "replica"
+            layer.replicas.mark_used(e)
             bank = layer.replicas.replica_bank
             banks[key] = (bank, layer.replicas.replica_of, bank[0].shape[0])
         elif e // layer.num_local == layer.rank:

@@ -111,6 +111,9 @@ class Replicas:
         self.lazy_pairs: frozenset[tuple[int, int]] = frozenset()
         self.held: dict[int, tuple[int, int]] = {}
         self.held_banks: list[tuple[torch.Tensor, ...]] = []
+        # experts of the replica bank a forward with autograd on computed rows with, or sent weights from, since the
+        # refresh: the others' gradients are zero, and the reduction sends none of them
+        self.used: set[int] = set()
         self.ever_held = False        # some rank has held per-step copies (a global fact: pairs are global)
         self.generation = 0           # bumped by every refresh; a gradient of an older generation is late
         self.late_grad = False
@@ -189,11 +192,30 @@ class Replicas:
                 leaf.register_post_accumulate_grad_hook(_widen)
         return leaf
 
-    def agree(self, what: str) -> bool:
+    def mark_used(self, e: int) -> None:
+        """Note that this forward computes with (or sends) this rank's replica of expert e: its gradient may be
+        nonzero (only with autograd on; the forward's thread)."""
+        if torch.is_grad_enabled():
+            self.used.add(e)
+
+    def idle_flags(self, placement: Placement) -> torch.Tensor:
+        """int64 [len(all_pairs())]: 0 where this rank holds that pair's copy and may have a gradient to send, 1
+        elsewhere: where it holds none, or holds a replica (``replica_bank``) no forward of the step used (its
+        gradient is zero). The bank of placed experts and lazy replicas' held copies always send (a plan computes
+        with every held copy, and the static GEMM with every slot). Their MIN over the group is 0 exactly for the
+        pairs whose holder sends."""
+        r = self._layer().rank
+        return torch.tensor([0 if g == r and (e in placement.slot_pos or e not in self.replica_of or e in self.used)
+                             else 1 for e, g in self.all_pairs()], dtype=torch.int64)
+
+    def agree(self, what: str, extra: torch.Tensor | None = None) -> tuple[bool, torch.Tensor | None]:
         """Raise on every rank together if some rank's per-step copies lost or kept gradients (collective).
-        Returns whether every rank's copies are free of gradients."""
+        Returns whether every rank's copies are free of gradients, and the MIN over the group of ``extra`` (int64
+        flags agreed in the same collective; None without)."""
         lay = self._layer()
         flags = torch.tensor([int(self.grads_clean()), int(not self.late_grad)])
+        if extra is not None:
+            flags = torch.cat([flags, extra])
         agreed = lay.control.all_reduce_min(flags, "group", f"{what} check")
         if int(agreed[1]) == 0:
             raise RuntimeError(f"MoELayer.{what}: a backward pass ran through expert weight copies that "
@@ -202,7 +224,7 @@ class Replicas:
         if what == "refresh_replicas" and int(agreed[0]) == 0:
             raise RuntimeError("MoELayer.refresh_replicas: replica gradients were not reduced on some rank; call "
                                "reduce_replica_grads() before optimizer.step()")
-        return bool(agreed[0])
+        return bool(agreed[0]), None if extra is None else agreed[2:]
 
     # ------------------------------------------------------------------------------------------------ weights
     def owned(self, e: int, weights: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
@@ -309,7 +331,7 @@ class Replicas:
         self._versions = self.versions()
         self._requires = self.requires()
         self.ever_held = self.ever_held or bool(pairs)
-        self.replica_bank, self.slot_bank, self.replica_of = None, None, {}
+        self.replica_bank, self.slot_bank, self.replica_of, self.used = None, None, {}, set()
         self.lazy_pairs, self.held, self.held_banks = frozenset(), {}, []
         if not pairs:
             return
@@ -331,13 +353,19 @@ class Replicas:
 
     @torch.inference_mode(False)
     @torch.no_grad()
-    def reduce_grads(self, placement: Placement) -> None:
-        """Add the per-step copies' gradients to the owners' expert gradients (collective; once per step)."""
+    def reduce_grads(self, placement: Placement, idle: torch.Tensor | None = None) -> None:
+        """Add the per-step copies' gradients to the owners' expert gradients (collective; once per step).
+        idle: the group's MIN of ``idle_flags`` (the same on every rank): the pairs flagged 1 send nothing (their
+        copies' gradients are zero); None sends every pair."""
         lay = self._layer()
         r, L = lay.rank, lay.num_local
         pairs = self.all_pairs()
         if not pairs:
             return
+        if idle is not None:
+            if idle.shape != (len(pairs),):
+                raise RuntimeError(f"MoELayer: idle flags for {list(idle.shape)} pairs, {len(pairs)} held")
+            pairs = [pair for pair, f in zip(pairs, idle.tolist(), strict=True) if f == 0]
         shapes, sizes = lay.part_shapes, lay.part_sizes
         own = self.own_weights()
         w1 = own[0]
@@ -371,8 +399,10 @@ class Replicas:
         for k, (e, g, _) in enumerate(back):
             if g == r:
                 sends[k] = torch.cat([t.reshape(-1) for t in grads_of(e)]).to(wire)
-        ex = Exchange(lay.comm, items, dtype=wire, device=w1.device, op="reduction of replica gradients")
-        got = ex(ex.sends_of(sends), w1.new_empty(0)).items
+        got = {}
+        if items:   # (identical on every rank: from the agreed flags)
+            ex = Exchange(lay.comm, items, dtype=wire, device=w1.device, op="reduction of replica gradients")
+            got = ex(ex.sends_of(sends), w1.new_empty(0)).items
         for k, (e, _, o) in enumerate(back):
             if o == r and k in got:
                 for a, part, shape in zip(adds, got[k].split(sizes), shapes, strict=True):

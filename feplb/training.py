@@ -165,7 +165,7 @@ class TrainingSteps:
         """
         if self.replicas.ever_held:
             # Agreed over the group, so that no rank enters the refresh exchange while another raises.
-            self.replicas.agree("refresh_replicas")
+            self.replicas.agree("refresh_replicas")   # (raises where gradients were lost or left)
         if self.state is not None:
             # e.g. a state restored from a checkpoint: every rank must adopt the same slow decisions
             self.control.check_same(state_digest(self.state), "the policy state (MoELayer.state)",
@@ -187,11 +187,13 @@ class TrainingSteps:
     def _reduce_replica_grads(self, refuse_held: str | None) -> None:
         if not self.replicas.ever_held:
             return
-        if self.replicas.agree("reduce_replica_grads"):
+        # one collective agrees on both: whether any copy holds a gradient, and which copies a forward used
+        clean, idle = self.replicas.agree("reduce_replica_grads", self.replicas.idle_flags(self.placement))
+        if clean:
             return                      # no rank's copies hold a gradient
         if refuse_held is not None:
             raise RuntimeError(f"MoELayer.reduce_replica_grads: {refuse_held}")
-        self.replicas.reduce_grads(self.placement)
+        self.replicas.reduce_grads(self.placement, idle)
 
     @torch.no_grad()
     def average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None = None) -> None:

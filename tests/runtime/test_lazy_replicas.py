@@ -14,7 +14,9 @@
   copies' gradients match plain EP's, sent to their owners as fp32 sums (``reduce_in_fp32``, the default) or, lazy
   and eager replicas alike, rounded to bf16 (``reduce_in_fp32=False``);
 * an optimizer step without ``refresh_replicas()`` makes the next forward raise on every rank (held copies are
-  stale), also where they are the only copies; a layer that never refreshed holds copies without a false alarm.
+  stale), also where they are the only copies; a layer that never refreshed holds copies without a false alarm;
+* eager replicas: the reduction sends the gradients of the replicas some forward used, and no others (their
+  gradients are zero), agreed on every rank, and the owners' gradients equal plain EP's.
 """
 
 from __future__ import annotations
@@ -73,6 +75,18 @@ def _accumulate(rank: int, G: int, policy: str, replicas: str = "eager", ckpt: b
         return hold(experts, parts)
 
     layer.replicas.hold = counting_hold
+    reduction, reduce = {}, layer.replicas.reduce_grads
+
+    def capturing(placement, idle=None):   # the eager replicas' gradients as the reduction finds them
+        rep = layer.replicas
+        grads = [feplb.replicas._grad(b) for b in rep.replica_bank or ()]
+        reduction.update(pairs=rep.all_pairs(), idle=None if idle is None else idle.tolist(), used=sorted(rep.used),
+                         replicas=sorted(rep.replica_of),
+                         nonzero=sorted(e for e, j in rep.replica_of.items()
+                                        if any(g is not None and bool(g[j].ne(0).any()) for g in grads)))
+        return reduce(placement, idle)
+
+    layer.replicas.reduce_grads = capturing
     x = xs[rank].clone().requires_grad_(True)
     copied, outs = [], []
     for _ in range(MICROBATCHES):
@@ -97,7 +111,7 @@ def _accumulate(rank: int, G: int, policy: str, replicas: str = "eager", ckpt: b
         feplb.replicas.Exchange = exchange
     res = {"outs": outs, **_grads(layer, x), "copied": copied, "held": held_before, "lazy_pairs": lazy_pairs,
            "resident": resident, "clean": layer.replicas.grads_clean(), "holds": len(holds),
-           "placed": len(layer.placement.placed_pairs), "wire": wire}
+           "placed": len(layer.placement.placed_pairs), "wire": wire, "reduction": reduction}
     layer.close()
     return res
 
@@ -151,6 +165,7 @@ def _worker(rank: int, world: int, G: int) -> dict:
     torch.manual_seed(0)
     res = {p: _accumulate(rank, G, p, "lazy") for p in LAZY}
     res["none"] = _accumulate(rank, G, "none")
+    res["eager"] = {p: _accumulate(rank, G, p, "eager") for p in ("feplb@ema", "feplb-split@ema")}
     res["ckpt"] = _accumulate(rank, G, "feplb-split@ema", "lazy", ckpt=True)
     res["inference_first"] = _accumulate(rank, G, "feplb-split@ema", "lazy", inference_first=True)
     res["bf16"] = {p: _accumulate(rank, G, p, "lazy" if p != "none" else "eager", dtype=torch.bfloat16)
@@ -193,6 +208,26 @@ def test_lazy_replicas_held_for_the_step_and_exact(gpus_per_node):
                 _close(a, b, f"{policy} rank {r} micro-batch {i} output")
             for k in ("dx", "drouter", "dw1", "dw2"):
                 _close(res[k], ref[k], f"{policy} rank {r} {k}")
+    # eager replicas: the reduction sends the gradients of the replicas a forward used, and only those; every
+    # replica with a nonzero gradient is among them, and the owners end where plain EP's do
+    skipped = 0
+    for policy in ("feplb@ema", "feplb-split@ema"):
+        red0 = results[0]["eager"][policy]["reduction"]
+        pairs, idle = red0["pairs"], red0["idle"]
+        assert idle is not None and len(idle) == len(pairs), (policy, red0)
+        sent = {pair for pair, f in zip(pairs, idle, strict=True) if f == 0}
+        for r, res in enumerate(results):
+            got = res["eager"][policy]
+            red = got["reduction"]
+            assert (red["pairs"], red["idle"]) == (pairs, idle), f"{policy} rank {r}: another reduction"
+            assert set(red["nonzero"]) <= set(red["used"]) <= set(red["replicas"]), (policy, r, red)
+            assert {e for e, g in sent if g == r and e in red["replicas"]} == set(red["used"]), (policy, r, red)
+            skipped += len(red["replicas"]) - len(red["used"])
+            assert got["clean"], f"{policy} rank {r}: gradients left on replicas after the reduction"
+            ref = results[r]["none"]
+            for k in ("dx", "drouter", "dw1", "dw2"):
+                _close(got[k], ref[k], f"eager {policy} rank {r} {k}")
+    assert skipped > 0, "every eager replica was used: the test shows no gradient left unsent"
     assert sum(res["ckpt"]["holds"] for res in results) > 0
     for r, res in enumerate(results):
         ck, plain = res["ckpt"], res["feplb-split@ema"]
