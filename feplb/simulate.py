@@ -15,9 +15,9 @@ critical path (``layer_ms``: ``CostModel.layer_times``, busiest GPU; ``layer_spe
 GPU). The planning time in those two is the measured CPU time, or a fixed ``SimConfig.plan_us``. The layer's
 backward alike (``backward_ms``, ``backward_speedup``, ``pct_backward_hidden``: ``CostModel.backward_times``), and
 forward plus backward (``fwd_bwd_ms``, ``fwd_bwd_speedup``). What a step costs the policies that hold copies of
-experts (``step_ms``: at each refresh, the gradients of the copies held over the step go to the owners, then the
-refresh's copies go out, each timed on its busiest GPU by ``CostModel.weights_us``; averaged over every micro-batch,
-so spread over the step), and all three together (``train_ms``, ``train_speedup``).
+experts (``step_ms``: at each refresh, the gradients of the copies held over the step that its plans used go to
+the owners, then the refresh's copies go out, each timed on its busiest GPU by ``CostModel.weights_us``; averaged
+over every micro-batch, so spread over the step), and all three together (``train_ms``, ``train_speedup``).
 Means run over layers and micro-batches; a reduction is ``1 - mean(policy) / mean(plain EP)``.
 
 These are CPU simulations: token counts from the routing, and times from the cost model, never measured on a GPU.
@@ -225,8 +225,15 @@ def extra_weights(state: PolicyState, plan: Any, topo: Topology) -> int:
     return int(held.max())
 
 
+def plan_uses(plan: Plan) -> set[tuple[int, int]]:
+    """(expert, GPU) pairs whose weights on that GPU ``plan`` computes rows with (its moves' destinations) or copies
+    from (its weight copies' sources): where a copy held there gets a gradient (``Replicas.mark_used``)."""
+    used = {(m.expert, m.dst) for m in plan.moves if m.row_end > m.row_start}
+    return used | {(e, src) for e, src, _ in plan.weight_copies}
+
+
 def step_us(state: PolicyState, new_state: PolicyState, cost: CostModel, topo: Topology,
-            plan: Plan | None = None) -> float:
+            plan: Plan | None = None, used: set[tuple[int, int]] | None = None) -> float:
     """The weight traffic of a step's end (us), for a refresh that turned ``state`` into ``new_state`` after the
     micro-batch that executed ``plan``: the gradients of the copies held over the step (``state.resident``:
     ``@ema`` sets and EPLB replicas; under lazy replicas, ``state.reads_plans``, also what ``plan`` copied; the
@@ -234,11 +241,18 @@ def step_us(state: PolicyState, new_state: PolicyState, cost: CostModel, topo: T
     runtime does both between micro-batches (``reduce_replica_grads`` before the optimizer step,
     ``refresh_replicas`` after it), so neither hides behind a GEMM; EPLB's replicas are charged alike. The
     gradients travel at ``CostModel.grad_bytes`` per expert (the runtime's fp32 sums of 16-bit copies, by
-    default: twice the weights' bytes)."""
+    default: twice the weights' bytes).
+
+    used: the (expert, GPU) pairs the step's plans used (``plan_uses`` of each, ``plan``'s included): the runtime
+    sends the gradients of those held copies only (``Replicas.idle_flags``: an unused replica's is zero), and of
+    every copy of the experts ``+place`` puts away from their owners (computed by the static GEMM at their home).
+    None: every held copy sends."""
     owner = topo.default_home_E()
     held = set(state.resident)
     if plan is not None and state.reads_plans:
         held |= {(e, d) for e, _, d in plan.weight_copies}
+    if used is not None:
+        held &= used
     back = [(g, int(owner[e])) for e, g in held if g != owner[e]]
     if state.home_E is not None:
         back += [(int(h), int(owner[e])) for e, h in enumerate(np.asarray(state.home_E).tolist()) if h != owner[e]]
@@ -260,6 +274,7 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
                               replicas_mode=config.replicas_mode, place_min_gain=config.place_min_gain)
                   for _ in range(L)] for p in config.policies}
     metrics = {p: {k: np.zeros((L, M)) for k in _METRICS} for p in config.policies}
+    used: dict[str, list[set[tuple[int, int]]]] = {p: [set() for _ in range(L)] for p in config.policies}
     example: dict[str, Any] = {}
     gen = workload.microbatches(np.random.default_rng(config.seed), W, config.tokens_per_rank)
     for step in range(config.warmup + M):
@@ -282,6 +297,11 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
                     plan.validate(counts_WE, topo, state)
                 new_state = state.observe(counts_WE, plan)
                 states[p][layer] = new_state
+                # the held copies the step's plans use, whose gradients the refresh's reduction sends
+                used[p][layer] |= plan_uses(plan)
+                step_used = used[p][layer]
+                if new_state.refreshed:
+                    used[p][layer] = set()
                 if m < 0:
                     continue
                 rec = metrics[p]
@@ -316,7 +336,7 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
                 # a refresh ends a step: the copies held over it return their gradients to the owners, then the
                 # refresh copies the new weights (both between the step's micro-batches: charged here, once)
                 if new_state.refreshed:
-                    rec["step_ms"][layer, m] = step_us(state, new_state, cost, topo, plan) / 1e3
+                    rec["step_ms"][layer, m] = step_us(state, new_state, cost, topo, plan, step_used) / 1e3
                 # expert weights the busiest GPU holds beyond its own (bytes, and % of its own experts' weights)
                 extra = extra_weights(state, plan, topo)
                 rec["extra_weight_bytes"][layer, m] = extra * cost.weight_bytes

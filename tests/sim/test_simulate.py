@@ -229,8 +229,10 @@ def test_extra_weights_in_the_summary():
 
 def test_step_traffic_lands_at_refreshes_for_policies_that_hold_copies():
     """``step_ms``: the held copies' gradients back and the refresh's copies, at each refresh only (every 4th
-    micro-batch here), for the policies that hold copies; none for those that do not. ``train`` adds it."""
-    from feplb.simulate import step_us
+    micro-batch here), for the policies that hold copies; none for those that do not. ``train`` adds it. Only the
+    copies the step's plans used send their gradients (the others' are zero, and the runtime sends none)."""
+    from feplb.sched import make_plan
+    from feplb.simulate import plan_uses, step_us
 
     w = SyntheticWorkload(kind="zipf", num_experts=32, top_k=4, num_layers=1, alpha=1.0, seed=5)
     cfg = SimConfig(num_ranks=8, gpus_per_node=4, tokens_per_rank=256, dyn=2, microbatches=8, warmup=4,
@@ -246,12 +248,24 @@ def test_step_traffic_lands_at_refreshes_for_policies_that_hold_copies():
     cm = CostModel()
     state = PolicyState(topo=topo, policy="feplb@ema", refresh_every=4)
     gen = w.microbatches(np.random.default_rng(cfg.seed), 8, 256)
+    used = set()
     for _ in range(8):
-        new = state.observe(next(gen)[0])
-        state, prev = new, state
+        counts = next(gen)[0]
+        plan = make_plan("feplb@ema", counts, topo, state, tau=cfg.tau, cost=cm)
+        new = state.observe(counts, plan)
+        used |= {(m.expert, m.dst) for m in plan.moves if m.rows} | {(e, s) for e, s, _ in plan.weight_copies}
+        step_used, used = used, (set() if new.refreshed else used)
+        state, prev, last = new, state, plan
     assert len(prev.resident) == 8 * 3 * 2 and len(state.last_weight_copies) == 8 * 3 * 2
-    assert res.metrics["feplb@ema"]["step_ms"][0, 3] == pytest.approx(step_us(prev, state, cm, topo) / 1e3)
-    # the gradients as fp32 sums of the bf16 copies (twice the weights' bytes), then the refresh's bf16 copies
+    assert plan_uses(last) <= step_used and 0 < len(prev.resident & step_used) < len(prev.resident), step_used
+    assert res.metrics["feplb@ema"]["step_ms"][0, 3] == \
+        pytest.approx(step_us(prev, state, cm, topo, last, step_used) / 1e3)
+    # the used replicas' gradients (fp32 sums of the bf16 copies, twice the weights' bytes), then the refresh's copies
+    owner = topo.default_home_E()
+    back = [(g, int(owner[e])) for e, g in prev.resident & step_used]
+    assert step_us(prev, state, cm, topo, last, step_used) == \
+        pytest.approx(cm.weights_us(back, topo, grads=True) + cm.weights_us([(0, 1)] * 6, topo))
+    # every replica's: both ways at each refresh
     assert step_us(prev, state, cm, topo) == pytest.approx(3 * cm.weights_us([(0, 1)] * 6, topo))
     rounded = dataclasses.replace(cm, grad_dtype_bytes=2)    # FEPLBConfig(reduce_in_fp32=False)
     assert step_us(prev, state, rounded, topo) == pytest.approx(2 * cm.weights_us([(0, 1)] * 6, topo))
