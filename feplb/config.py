@@ -94,7 +94,9 @@ class FEPLBConfig:
         weights' bytes; an fp32 parameter then receives the sum to about 16 bits, so each micro-batch's gradient
         is rounded as plain EP rounds it, once, out of the GEMM) or rounded to the weights' dtype (False: half the
         bytes, and one more rounding, of the step's sum; Megatron's ``grad_reduce_in_fp32=False`` reduces so). The
-        owner adds them in fp32 either way. No effect on fp32 weights.
+        owner adds them in fp32 either way. Where the owners' parameters and gradients are themselves 16-bit (a
+        model trained in bf16 without fp32 master weights or gradient buffers), False costs next to no precision:
+        the owner's gradient is rounded to 16 bits anyway. No effect on fp32 weights.
     refresh_every: micro-batches between the policy state's slow refreshes (``@ema`` dynamic sets, EPLB replicas).
     plan_wait_ms: grace after the static GEMM before falling back to computing at home. None (default): on a
         CPU, wait for the plan (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer). No
