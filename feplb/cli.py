@@ -97,8 +97,8 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
                    help="FEPLB's helpers receive the weights a plan copied again in the backward instead of holding "
                         "them from the forward (the layer's FEPLBConfig(recopy_weights=True))")
     p.add_argument("--no-reduce-in-fp32", action="store_true",
-                   help="held copies' gradients go to their owners at a step's end rounded to the weights' dtype "
-                        "(half the bytes) instead of as fp32 sums (the layer's FEPLBConfig(reduce_in_fp32=False))")
+                   help="held copies' gradients go to their owners at a step's end rounded to bf16 (half the "
+                        "bytes) instead of as fp32 sums (the layer's FEPLBConfig(reduce_in_fp32=False), bf16 weights)")
     p.add_argument("--tau", type=float, default=0.01, help="feplb stops at a node gap <= tau x node mean")
     p.add_argument("--min-chunk", type=_positive, default=None,
                    help="feplb-split's smallest piece in rows (default: the cost model's knee)")

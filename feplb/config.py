@@ -91,12 +91,14 @@ class FEPLBConfig:
         held until the backward as an owner's own weights are.
     reduce_in_fp32: with weights='per-step' and 16-bit weights, the per-step copies' gradients, which each copy sums
         over the step in fp32, go to their owners at ``reduce_replica_grads()`` in fp32 (True, default: twice the
-        weights' bytes; an fp32 parameter then receives the sum to about 16 bits, so each micro-batch's gradient
-        is rounded as plain EP rounds it, once, out of the GEMM) or rounded to the weights' dtype (False: half the
-        bytes, and one more rounding, of the step's sum; Megatron's ``grad_reduce_in_fp32=False`` reduces so). The
-        owner adds them in fp32 either way. Where the owners' parameters and gradients are themselves 16-bit (a
-        model trained in bf16 without fp32 master weights or gradient buffers), False costs next to no precision:
-        the owner's gradient is rounded to 16 bits anyway. No effect on fp32 weights.
+        weights' bytes) or, for bf16 weights, rounded to bf16 (False: half the bytes, and one more rounding, at
+        bf16's precision, of the step's sum; Megatron's ``grad_reduce_in_fp32=False`` reduces so). fp16 sums stay
+        fp32 on the wire either way: a step's sum of micro-batch gradients that each fit fp16 need not fit it.
+        The owner adds them in fp32, and an fp32 parameter behind 16-bit weights receives the sum as 16-bit parts
+        (``expert_weights()``' dtype) to about twice their precision (one rounding at about 2^-16 of the sum, below
+        each micro-batch's own rounding out of its 16-bit GEMM). Where the owners' parameters and gradients are
+        themselves 16-bit (a model trained in bf16 without fp32 master weights or gradient buffers), False costs
+        next to no precision: the owner's gradient is rounded to 16 bits anyway. No effect on fp32 weights.
     refresh_every: micro-batches between the policy state's slow refreshes (``@ema`` dynamic sets, EPLB replicas).
     plan_wait_ms: grace after the static GEMM before falling back to computing at home. None (default): on a
         CPU, wait for the plan (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer). No

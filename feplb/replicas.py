@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import weakref
 
 import numpy as np
@@ -371,9 +372,10 @@ class Replicas:
         w1 = own[0]
 
         # summed and added in fp32 where the weights are bf16 / fp16 (the copies' fp32 sums, see _watch); sent so,
-        # or rounded once to the weights' dtype (FEPLBConfig.reduce_in_fp32=False: half the bytes)
+        # or rounded once to bf16 (FEPLBConfig.reduce_in_fp32=False: half the bytes). fp16 sums stay fp32 on the
+        # wire: a step's sum of micro-batch gradients that each fit fp16 need not fit it
         gdt = torch.float32 if w1.dtype in (torch.bfloat16, torch.float16) else w1.dtype
-        wire = gdt if lay.config.reduce_in_fp32 else w1.dtype
+        wire = w1.dtype if not lay.config.reduce_in_fp32 and w1.dtype == torch.bfloat16 else gdt
 
         def grads_of(e: int) -> tuple[torch.Tensor, ...]:
             i = placement.slot_pos.get(e)
@@ -408,17 +410,34 @@ class Replicas:
                 for a, part, shape in zip(adds, got[k].split(sizes), shapes, strict=True):
                     a[e - r * L] += part.view(shape)   # (type promotion: added in fp32)
         self.zero_grads()
-        needed = [(t, a) for t, a in zip(own, adds, strict=True) if t.requires_grad]
-        if needed:
-            # through expert_weights() (made with autograd on): the owner's parameters get the gradient whatever
-            # their layout. A bf16 / fp16 weight takes its fp32 sum as two parts of its dtype (the rounded sum and
-            # what rounding left), so fp32 parameters receive it to about 16 bits, not 8
-            his = [a.to(t.dtype) for t, a in needed]
-            los = [(t, (a - hi.to(a.dtype)).to(t.dtype)) for (t, a), hi in zip(needed, his, strict=True)
-                   if hi.dtype != a.dtype]
-            torch.autograd.backward([t for t, _ in needed], his, retain_graph=bool(los))
-            if los:   # a second pass: one backward call takes each tensor once
-                torch.autograd.backward([t for t, _ in los], [lo for _, lo in los])
+        needed = [(t, _parts(a, t.dtype)) for t, a in zip(own, adds, strict=True) if t.requires_grad]
+        # through expert_weights() (made with autograd on): the owner's parameters get the gradient whatever their
+        # layout, each weight its parts one backward pass at a time (one call takes each tensor once)
+        for i in range(max((len(ps) for _, ps in needed), default=0)):
+            now = [(t, ps[i]) for t, ps in needed if i < len(ps)]
+            more = any(i + 1 < len(ps) for _, ps in needed)
+            torch.autograd.backward([t for t, _ in now], [g for _, g in now], retain_graph=more)
+
+
+def _parts(a: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``a`` (a gradient summed in a wider dtype) as tensors of ``dtype`` that add up to it: itself where the dtypes
+    agree; else the rounded sum and what rounding left (an fp32 parameter behind a 16-bit weight then receives it
+    to about twice the weight's precision, not once), preceded, for fp16, by as many parts at fp16's largest value
+    as a sum beyond its range needs (each micro-batch's gradient fits fp16, the step's sum of them need not). A
+    non-finite sum is passed as it is, as plain EP's would be."""
+    if a.dtype == dtype:
+        return [a]
+    parts = []
+    if dtype == torch.float16:
+        top = torch.finfo(dtype).max
+        big = float(a.abs().max()) if a.numel() else 0.0
+        if math.isfinite(big):
+            for _ in range(math.ceil(big / top) - 1):
+                part = a.clamp(-top, top).to(dtype)
+                parts.append(part)
+                a = a - part.to(a.dtype)
+    hi = a.to(dtype)
+    return parts + [hi, (a - hi.to(a.dtype)).to(dtype)]
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor | None:

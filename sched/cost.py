@@ -75,9 +75,10 @@ class CostModel:
     grad_dtype_bytes: element size of the per-step copies' gradients on their way to the owners at a step's end
         (``weights_us(..., grads=True)``): the runtime sums a 16-bit copy's gradients over the step in fp32 and
         sends that sum (``FEPLBConfig.reduce_in_fp32``, default True): None (default) is 4 where ``dtype_bytes`` is
-        below 4, else ``dtype_bytes``. Set it to ``dtype_bytes`` for ``reduce_in_fp32=False`` (the sum rounded
-        once to the weights' dtype, half the bytes). A gradient that returns in a micro-batch's backward (of a
-        weight copied for that micro-batch) travels in the weights' dtype.
+        below 4, else ``dtype_bytes``. Set it to ``dtype_bytes`` for ``reduce_in_fp32=False`` with bf16 weights
+        (the sum rounded once to bf16, half the bytes; fp16 sums travel in fp32 either way). A gradient that
+        returns in a micro-batch's backward (of a weight copied for that micro-batch) travels in the weights'
+        dtype.
     ce_gbps: copy-engine bandwidth between GPUs of a node (GB/s, one way; measured H100 peer copy ~375).
     net_gbps: per-GPU bandwidth between nodes (GB/s).
     d2d_gbps: bytes copied per second (GB/s) by a copy inside one GPU: the in-node copy path lands every copy in

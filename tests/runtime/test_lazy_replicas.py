@@ -16,7 +16,9 @@
 * an optimizer step without ``refresh_replicas()`` makes the next forward raise on every rank (held copies are
   stale), also where they are the only copies; a layer that never refreshed holds copies without a false alarm;
 * eager replicas: the reduction sends the gradients of the replicas some forward used, and no others (their
-  gradients are zero), agreed on every rank, and the owners' gradients equal plain EP's.
+  gradients are zero), agreed on every rank, and the owners' gradients equal plain EP's;
+* fp16 weights of fp32 parameters: a step's sum of replica gradients beyond fp16's range (each micro-batch's within
+  it) reaches the owners finite and equal to plain EP's, sent in fp32 with ``reduce_in_fp32`` either way.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import feplb.replicas
 from feplb.testing import load_global_weights, load_module, run_dist
 
 pytestmark = pytest.mark.dist
@@ -56,8 +59,6 @@ def _grads(layer, x) -> dict:
 def _accumulate(rank: int, G: int, policy: str, replicas: str = "eager", ckpt: bool = False,
                 dtype: torch.dtype = torch.float32, inference_first: bool = False, **kw) -> dict:
     from torch.utils.checkpoint import checkpoint
-
-    import feplb.replicas
 
     layer, xs, dys = _build(G, policy, replicas, dtype=dtype, **kw)
     xs, dys = [x.to(dtype) for x in xs], [d.to(dtype) for d in dys]
@@ -138,6 +139,48 @@ def _train(rank: int, G: int, policy: str, replicas: str = "eager", steps: int =
     return res
 
 
+def _fp16_sums(rank: int, G: int, policy: str, scale: float, **kw) -> dict:
+    """fp32 parameters behind fp16 expert weights (as ``feplb.titan`` with ``dtype=float16`` makes them), upstream
+    gradients scaled so that each micro-batch's weight gradient fits fp16 and the step's sum of four does not."""
+    from feplb import FEPLBConfig, MoELayer
+
+    class Fp16Weights(MoELayer):
+        def _init_experts(self, L, H_, F_, device, dtype):
+            super()._init_experts(L, H_, F_, device, torch.float32)
+
+        def expert_weights(self):
+            return self.w1.to(torch.float16), self.w2.to(torch.float16)
+
+    router, w1, w2, xs, dys = _layer_tests.make_inputs("skewed", 210, G)
+    cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2, policy=policy,
+                      plan_wait_ms=60_000, min_straggler_rows=0, min_chunk=2, dtype=torch.float16, **kw)
+    layer = Fp16Weights(cfg)
+    load_global_weights(layer, router, w1, w2)
+    x = xs[rank].half()
+    with torch.no_grad():
+        layer(x)
+    layer.refresh_replicas()
+    wire, exchange = [], feplb.replicas.Exchange
+
+    def recording(*args, **kwargs):
+        if kwargs.get("op") == "reduction of replica gradients":
+            wire.append(kwargs["dtype"])
+        return exchange(*args, **kwargs)
+
+    mb = []
+    for _ in range(4):
+        (layer(x).float() * dys[rank] * scale).sum().backward()
+        mb.append(max(float(g.abs().max()) for g in (layer.w1.grad, layer.w2.grad)))
+    feplb.replicas.Exchange = recording
+    try:
+        layer.reduce_replica_grads()
+    finally:
+        feplb.replicas.Exchange = exchange
+    res = {"dw1": layer.w1.grad.clone(), "dw2": layer.w2.grad.clone(), "wire": wire, "sums": mb}
+    layer.close()
+    return res
+
+
 def _stale(rank: int, G: int) -> dict:
     """An unattached optimizer steps after a micro-batch whose plan copied weights (held, and the only per-step
     copies: lazy @ema keeps no eager replica): the next forward must raise; a layer built and run without any
@@ -175,6 +218,9 @@ def _worker(rank: int, world: int, G: int) -> dict:
                         for m in ("lazy", "eager")}
     res["train"] = {"lazy": _train(rank, G, "feplb-split@ema", "lazy"), "none": _train(rank, G, "none")}
     res["stale"] = _stale(rank, G)
+    res["fp16"] = {"none": _fp16_sums(rank, G, "none", 1000.0),
+                   "fp32": _fp16_sums(rank, G, "feplb-split@ema", 1000.0),
+                   "rounded": _fp16_sums(rank, G, "feplb-split@ema", 1000.0, reduce_in_fp32=False)}
     return res
 
 
@@ -228,6 +274,19 @@ def test_lazy_replicas_held_for_the_step_and_exact(gpus_per_node):
             for k in ("dx", "drouter", "dw1", "dw2"):
                 _close(got[k], ref[k], f"eager {policy} rank {r} {k}")
     assert skipped > 0, "every eager replica was used: the test shows no gradient left unsent"
+    # fp16 weights of fp32 parameters: a step's sum beyond fp16's range reaches the owners whole, in fp32 on the
+    # wire either way (reduce_in_fp32=False rounds bf16 sums only)
+    top = torch.finfo(torch.float16).max
+    assert max(res["fp16"]["none"]["sums"][-1] for res in results) > top, "no step sum beyond fp16's range"
+    for r, res in enumerate(results):
+        ref = res["fp16"]["none"]
+        assert ref["sums"][0] < top and torch.isfinite(ref["dw1"]).all(), (r, ref["sums"])   # one fits fp16
+        for mode in ("fp32", "rounded"):
+            got = res["fp16"][mode]
+            assert got["wire"] == [torch.float32], (r, mode, got["wire"])
+            for k in ("dw1", "dw2"):
+                assert torch.isfinite(got[k]).all(), f"rank {r} {mode}: {k} not finite"
+                _close(got[k], ref[k], f"fp16 weights, rank {r} {mode} {k}", tol=2e-3)
     assert sum(res["ckpt"]["holds"] for res in results) > 0
     for r, res in enumerate(results):
         ck, plain = res["ckpt"], res["feplb-split@ema"]
