@@ -567,6 +567,14 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             # the backward of the reverse all-to-all (on a GPU, beside it where the copy path allows: feplb.recopy)
             p2.recopy.start_at(y_MD)
         y_MD = self._padded(y_MD, x_all)
+        if self.config.weights == "per-step" and y_MD.requires_grad:
+            # a backward restricted to chosen tensors would leave out the per-step copies' share of the experts'
+            # gradients: refused in its backward, on every rank alike (_RestrictedBackward)
+            weights = sum(w[:0].reshape(-1) for w in self.expert_weights())
+            if isinstance(weights, torch.Tensor) and weights.grad_fn is not None:
+                full = self._grad_leaf[:0]
+                y_MD = _RestrictedBackward.apply(weakref.ref(self), (weights.grad_fn, full.grad_fn), y_MD, weights,
+                                                 full)
         self._observe(counts, p2)
         kind = record_kind()
         if kind is not None:
@@ -834,6 +842,40 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _RestrictedBackward(torch.autograd.Function):
+    """The identity on a per-step layer's expert outputs, made with two empty tensors: one from the expert weights,
+    one from the layer's zero-size leaf, which only a full backward reaches. Its backward raises where a backward
+    restricted to chosen tensors (``backward(inputs=...)``, ``torch.autograd.grad``) reaches the expert weights
+    while per-step copies (resident replicas, the ``+place`` bank, lazy replicas) hold part of their gradient: their
+    share would be left out, silently. The decision reads only what every rank shares (the backward's inputs, and
+    the copies, identical on every rank), so every rank raises at the same node, before any collective of the
+    layer's backward."""
+
+    @staticmethod
+    def forward(ctx, layer_ref, nodes, y, weights, full):
+        ctx.layer_ref, ctx.nodes = layer_ref, nodes
+        ctx.empty = [(t.dtype, t.device) for t in (weights, full)]
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        layer = ctx.layer_ref()
+        weights, full = ctx.nodes
+        if layer is not None and layer.replicas.all_pairs() and _executes(weights) and not _executes(full):
+            raise RuntimeError(
+                "MoELayer: a backward restricted to chosen tensors (backward(inputs=...), torch.autograd.grad) "
+                "reaches the experts' weights, but with weights='per-step' copies of them on other GPUs (replicas, "
+                "the +place bank) hold part of their gradient, which only a full backward accumulates (and "
+                "reduce_replica_grads() adds to the owners); run a full backward, or use weights='per-microbatch', "
+                "whose copies return their gradients within the backward itself")
+        return None, None, dy, *(torch.zeros(0, dtype=dt, device=dev) for dt, dev in ctx.empty)
+
+
+def _executes(node) -> bool:
+    """Whether the running backward executes autograd node ``node`` (not a leaf's: see _RestrictedBackward)."""
+    return bool(torch._C._will_engine_execute_node(node))
 
 
 def ignore_experts_in_ddp(module: nn.Module) -> list[str]:

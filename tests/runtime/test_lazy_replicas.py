@@ -17,6 +17,9 @@
   stale), also where they are the only copies; a layer that never refreshed holds copies without a false alarm;
 * eager replicas: the reduction sends the gradients of the replicas some forward used, and no others (their
   gradients are zero), agreed on every rank, and the owners' gradients equal plain EP's;
+* a backward restricted to chosen tensors (``backward(inputs=...)``, ``torch.autograd.grad``) that reaches the
+  experts' weights is refused on every rank while per-step copies hold part of their gradient (it would leave
+  their share out); one for the input alone is exact, and the layer trains on after a refusal;
 * fp16 weights of fp32 parameters: a step's sum of replica gradients beyond fp16's range (each micro-batch's within
   it) reaches the owners finite and equal to plain EP's, sent in fp32 with ``reduce_in_fp32`` either way.
 """
@@ -181,6 +184,36 @@ def _fp16_sums(rank: int, G: int, policy: str, scale: float, **kw) -> dict:
     return res
 
 
+def _restricted(rank: int, G: int, policy: str, replicas: str) -> dict:
+    """Backwards restricted to chosen tensors while per-step copies hold part of the experts' gradients: refused on
+    every rank where they reach the experts' weights, fine where they do not (the input's gradient), and the layer
+    trains on after a refusal."""
+    layer, xs, dys = _build(G, policy, replicas)
+    with torch.no_grad():
+        layer(xs[rank])
+    layer.refresh_replicas()
+    out = {}
+
+    def attempt(name, run):
+        x = xs[rank].clone().requires_grad_(True)
+        loss = (layer(x) * dys[rank]).sum()
+        try:
+            got = run(loss, x)
+            out[name] = None if got is None else got.clone()
+        except RuntimeError as exc:
+            out[name] = str(exc)
+
+    attempt("backward_inputs_w1", lambda loss, x: loss.backward(inputs=[layer.w1]))
+    attempt("grad_w2", lambda loss, x: torch.autograd.grad(loss, [layer.w2])[0])
+    attempt("grad_x", lambda loss, x: torch.autograd.grad(loss, [x])[0])
+    attempt("backward_inputs_x", lambda loss, x: loss.backward(inputs=[x]) or x.grad)
+    layer.zero_grad()
+    attempt("full", lambda loss, x: loss.backward() or x.grad)
+    out["held"] = bool(layer.replicas.all_pairs())
+    layer.close()
+    return out
+
+
 def _stale(rank: int, G: int) -> dict:
     """An unattached optimizer steps after a micro-batch whose plan copied weights (held, and the only per-step
     copies: lazy @ema keeps no eager replica): the next forward must raise; a layer built and run without any
@@ -218,6 +251,8 @@ def _worker(rank: int, world: int, G: int) -> dict:
                         for m in ("lazy", "eager")}
     res["train"] = {"lazy": _train(rank, G, "feplb-split@ema", "lazy"), "none": _train(rank, G, "none")}
     res["stale"] = _stale(rank, G)
+    res["restricted"] = {(p, m): _restricted(rank, G, p, m) for p, m in (("feplb-split@ema", "eager"),
+                                                                        ("feplb-split@ema", "lazy"), ("none", "eager"))}
     res["fp16"] = {"none": _fp16_sums(rank, G, "none", 1000.0),
                    "fp32": _fp16_sums(rank, G, "feplb-split@ema", 1000.0),
                    "rounded": _fp16_sums(rank, G, "feplb-split@ema", 1000.0, reduce_in_fp32=False)}
@@ -274,6 +309,19 @@ def test_lazy_replicas_held_for_the_step_and_exact(gpus_per_node):
             for k in ("dx", "drouter", "dw1", "dw2"):
                 _close(got[k], ref[k], f"eager {policy} rank {r} {k}")
     assert skipped > 0, "every eager replica was used: the test shows no gradient left unsent"
+    # a backward restricted to chosen tensors that reaches the experts' weights is refused on every rank where
+    # per-step copies hold part of their gradient; the input's gradient alone, and a full backward after, are fine
+    for (policy, mode) in (("feplb-split@ema", "eager"), ("feplb-split@ema", "lazy")):
+        for r, res in enumerate(results):
+            got, ref = res["restricted"][(policy, mode)], res["restricted"][("none", "eager")]
+            assert got["held"], (policy, mode, r)
+            for name in ("backward_inputs_w1", "grad_w2"):
+                assert isinstance(got[name], str) and "restricted to chosen tensors" in got[name], \
+                    (policy, mode, r, name, got[name])
+                assert not isinstance(ref[name], str), (r, name, ref[name])
+            for name in ("grad_x", "backward_inputs_x", "full"):
+                assert not isinstance(got[name], str), (policy, mode, r, name, got[name])
+                _close(got[name], ref[name], f"{policy} {mode} rank {r} {name}")
     # fp16 weights of fp32 parameters: a step's sum beyond fp16's range reaches the owners whole, in fp32 on the
     # wire either way (reduce_in_fp32=False rounds bf16 sums only)
     top = torch.finfo(torch.float16).max
