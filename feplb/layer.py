@@ -142,7 +142,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         nbytes = torch.empty((), dtype=c.dtype).element_size()
         self._cost = c.cost if c.cost is not None else CostModel(
             hidden=c.hidden, ffn=c.ffn if c.gated else max(1, 2 * c.ffn // 3), dtype_bytes=nbytes,
-            grad_dtype_bytes=None if c.reduce_in_fp32 else nbytes)
+            grad_dtype_bytes=None if c.reduce_in_fp32 or c.dtype != torch.bfloat16 else nbytes)
         self.group = group
         W, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.world_size = W
@@ -567,7 +567,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             # the backward of the reverse all-to-all (on a GPU, beside it where the copy path allows: feplb.recopy)
             p2.recopy.start_at(y_MD)
         y_MD = self._padded(y_MD, x_all)
-        if self.config.weights == "per-step" and y_MD.requires_grad:
+        if self.config.weights == "per-step" and (self.base != "none" or self.place) and y_MD.requires_grad:
             # a backward restricted to chosen tensors would leave out the per-step copies' share of the experts'
             # gradients: refused in its backward, on every rank alike (_RestrictedBackward)
             weights = sum(w[:0].reshape(-1) for w in self.expert_weights())
@@ -856,8 +856,7 @@ class _RestrictedBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer_ref, nodes, y, weights, full):
         ctx.layer_ref, ctx.nodes = layer_ref, nodes
-        ctx.empty = [(t.dtype, t.device) for t in (weights, full)]
-        return y.view_as(y)
+        return y.detach()   # (not a view: a caller may modify the outputs in place, as before)
 
     @staticmethod
     def backward(ctx, dy):
@@ -870,7 +869,7 @@ class _RestrictedBackward(torch.autograd.Function):
                 "the +place bank) hold part of their gradient, which only a full backward accumulates (and "
                 "reduce_replica_grads() adds to the owners); run a full backward, or use weights='per-microbatch', "
                 "whose copies return their gradients within the backward itself")
-        return None, None, dy, *(torch.zeros(0, dtype=dt, device=dev) for dt, dev in ctx.empty)
+        return None, None, dy, None, None   # (an empty gradient would become full-size zeros of every weight)
 
 
 def _executes(node) -> bool:

@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import math
 import weakref
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -410,34 +411,37 @@ class Replicas:
                 for a, part, shape in zip(adds, got[k].split(sizes), shapes, strict=True):
                     a[e - r * L] += part.view(shape)   # (type promotion: added in fp32)
         self.zero_grads()
-        needed = [(t, _parts(a, t.dtype)) for t, a in zip(own, adds, strict=True) if t.requires_grad]
         # through expert_weights() (made with autograd on): the owner's parameters get the gradient whatever their
-        # layout, each weight its parts one backward pass at a time (one call takes each tensor once)
-        for i in range(max((len(ps) for _, ps in needed), default=0)):
-            now = [(t, ps[i]) for t, ps in needed if i < len(ps)]
-            more = any(i + 1 < len(ps) for _, ps in needed)
-            torch.autograd.backward([t for t, _ in now], [g for _, g in now], retain_graph=more)
+        # layout, each weight its parts one backward pass at a time (one call takes each tensor once), each part made
+        # when its pass comes (fp16 sums far beyond its range take many)
+        now = [(t, next(ps), ps) for t, a in zip(own, adds, strict=True) if t.requires_grad
+               for ps in [_parts(a, t.dtype)]]
+        while now:
+            after = [(t, part, ps) for t, _, ps in now if (part := next(ps, None)) is not None]
+            torch.autograd.backward([t for t, _, _ in now], [g for _, g, _ in now], retain_graph=bool(after))
+            now = after
 
 
-def _parts(a: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+def _parts(a: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
     """``a`` (a gradient summed in a wider dtype) as tensors of ``dtype`` that add up to it: itself where the dtypes
     agree; else the rounded sum and what rounding left (an fp32 parameter behind a 16-bit weight then receives it
     to about twice the weight's precision, not once), preceded, for fp16, by as many parts at fp16's largest value
     as a sum beyond its range needs (each micro-batch's gradient fits fp16, the step's sum of them need not). A
     non-finite sum is passed as it is, as plain EP's would be."""
     if a.dtype == dtype:
-        return [a]
-    parts = []
+        yield a
+        return
     if dtype == torch.float16:
         top = torch.finfo(dtype).max
         big = float(a.abs().max()) if a.numel() else 0.0
         if math.isfinite(big):
             for _ in range(math.ceil(big / top) - 1):
                 part = a.clamp(-top, top).to(dtype)
-                parts.append(part)
+                yield part
                 a = a - part.to(a.dtype)
     hi = a.to(dtype)
-    return parts + [hi, (a - hi.to(a.dtype)).to(dtype)]
+    yield hi
+    yield (a - hi.to(a.dtype)).to(dtype)
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor | None:

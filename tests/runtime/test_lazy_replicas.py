@@ -209,6 +209,9 @@ def _restricted(rank: int, G: int, policy: str, replicas: str) -> dict:
     attempt("backward_inputs_x", lambda loss, x: loss.backward(inputs=[x]) or x.grad)
     layer.zero_grad()
     attempt("full", lambda loss, x: loss.backward() or x.grad)
+    # the experts' outputs stay modifiable in place (a post-expert hook that scales them, say)
+    layer.post_expert = lambda y, *_: y.mul_(2.0)
+    attempt("inplace", lambda loss, x: loss.backward() or x.grad)
     out["held"] = bool(layer.replicas.all_pairs())
     layer.close()
     return out
@@ -319,9 +322,10 @@ def test_lazy_replicas_held_for_the_step_and_exact(gpus_per_node):
                 assert isinstance(got[name], str) and "restricted to chosen tensors" in got[name], \
                     (policy, mode, r, name, got[name])
                 assert not isinstance(ref[name], str), (r, name, ref[name])
-            for name in ("grad_x", "backward_inputs_x", "full"):
+            for name in ("grad_x", "backward_inputs_x", "full", "inplace"):
                 assert not isinstance(got[name], str), (policy, mode, r, name, got[name])
                 _close(got[name], ref[name], f"{policy} {mode} rank {r} {name}")
+            _close(got["inplace"], 2 * got["full"], f"{policy} {mode} rank {r}: outputs doubled in place")
     # fp16 weights of fp32 parameters: a step's sum beyond fp16's range reaches the owners whole, in fp32 on the
     # wire either way (reduce_in_fp32=False rounds bf16 sums only)
     top = torch.finfo(torch.float16).max
