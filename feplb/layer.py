@@ -570,7 +570,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if self.config.weights == "per-step" and (self.base != "none" or self.place) and y_MD.requires_grad:
             # a backward restricted to chosen tensors would leave out the per-step copies' share of the experts'
             # gradients: refused in its backward, on every rank alike (_RestrictedBackward)
-            weights = sum(w[:0].reshape(-1) for w in self.expert_weights())
+            # (from the parameters themselves: an adapter's expert_weights() may cast or stack them all)
+            weights = sum(p[:0].reshape(-1) for p in self.expert_params() if p.requires_grad)
             if isinstance(weights, torch.Tensor) and weights.grad_fn is not None:
                 full = self._grad_leaf[:0]
                 y_MD = _RestrictedBackward.apply(weakref.ref(self), (weights.grad_fn, full.grad_fn), y_MD, weights,
@@ -845,13 +846,13 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
 
 
 class _RestrictedBackward(torch.autograd.Function):
-    """The identity on a per-step layer's expert outputs, made with two empty tensors: one from the expert weights,
-    one from the layer's zero-size leaf, which only a full backward reaches. Its backward raises where a backward
-    restricted to chosen tensors (``backward(inputs=...)``, ``torch.autograd.grad``) reaches the expert weights
-    while per-step copies (resident replicas, the ``+place`` bank, lazy replicas) hold part of their gradient: their
-    share would be left out, silently. The decision reads only what every rank shares (the backward's inputs, and
-    the copies, identical on every rank), so every rank raises at the same node, before any collective of the
-    layer's backward."""
+    """The identity on a per-step layer's expert outputs, made with two empty tensors: one from the expert
+    parameters, one from the layer's zero-size leaf, which only a full backward reaches. Its backward raises where a
+    backward restricted to chosen tensors (``backward(inputs=...)``, ``torch.autograd.grad``) reaches the expert
+    parameters while per-step copies (resident replicas, the ``+place`` bank, lazy replicas) hold part of their
+    gradient: their share would be left out, silently. The decision reads only what every rank shares (the
+    backward's inputs, and the copies, identical on every rank), so every rank raises at the same node, before any
+    collective of the layer's backward."""
 
     @staticmethod
     def forward(ctx, layer_ref, nodes, y, weights, full):
