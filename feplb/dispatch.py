@@ -21,6 +21,7 @@ Legend: M rows sent, R rows received, D row width, G GPUs per node.
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,10 +36,38 @@ from feplb.transport import Transport
 __all__ = ["BackwardJoin", "Exchange", "PeerComm", "Received", "all_to_all_rows"]
 
 
-def _run_once(ctx) -> None:
+def compiled_autograd_problem(op: str, *, forward: bool = False) -> str | None:
+    """Why the layer cannot run here under compiled autograd (``torch._dynamo.compiled_autograd``), or None: its
+    backward orders its nodes by the autograd engine's sequence numbers (copies beside compute, see
+    ``feplb.experts.EarlyBackward``) and runs collectives on its copy thread, neither of which a compiled backward
+    graph keeps (it failed there, or reordered the collectives between ranks). forward: asked by a forward that
+    records autograd (compiled autograd enabled, as torchtitan's train context does around forward and backward);
+    else by a backward node (running inside a compiled backward)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")   # (never imported: never enabled)
+    if ca is None or not (ca.compiled_autograd_enabled if forward else ca.in_compiled_autograd_region):
+        return None
+    return (f"feplb: {op}: the MoE layer's backward cannot run under compiled autograd "
+            "(torch._dynamo.compiled_autograd, torchtitan's experimental.enable_compiled_autograd): it orders copies "
+            "beside the compute by the autograd engine's node order and runs collectives on a copy thread, which a "
+            "compiled backward graph does not keep. Run the backward without compiled autograd (torch.compile of "
+            "the forward works).")
+
+
+def refuse_compiled_autograd(op: str) -> None:
+    """Raise ``compiled_autograd_problem(op)``: called first in every backward node of the layer that talks to other
+    ranks (and in its other backward hooks that do), so every rank raises there before any collective of the
+    backward."""
+    problem = compiled_autograd_problem(op)
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+def _run_once(ctx, op: str) -> None:
     """Run ``ctx.on_backward`` (if any) and let go of it: autograd keeps ``ctx`` as long as the graph, and what the
     callable holds (weights received again) must not outlive this backward. A second backward through the same
-    graph (``retain_graph``) runs it no more, on every rank alike."""
+    graph (``retain_graph``) runs it no more, on every rank alike. First refuses a compiled backward (``op``: names
+    the node)."""
+    refuse_compiled_autograd(op)
     fn, ctx.on_backward = ctx.on_backward, None
     if fn is not None:
         fn()
@@ -56,7 +85,7 @@ class _AllToAllRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
-        _run_once(ctx)
+        _run_once(ctx, "phase-1 all-to-all of rows, backward")
         m = ctx.split_matrix
         grad_MD = ctx.transport.all_to_all(grad_RD.contiguous(), ctx.recv_splits, ctx.send_splits,
                                            split_matrix=None if m is None else m.t().contiguous())
@@ -180,8 +209,8 @@ class _ExchangeFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _tail, *grads):
         # What i sent j, j now sends i: each source gets the gradient of its whole block back in one piece.
-        _run_once(ctx)
         ex = ctx.ex
+        _run_once(ctx, f"{ex.op}, backward")
         grad_anchor = torch.zeros(ctx.anchor_shape, dtype=ex.dtype, device=ex.device)
         join = ctx.join
         if join is not None and join.armed:
@@ -205,6 +234,7 @@ class _JoinFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *started):
         # the anchor's gradient (of an empty tensor) passes through; the sends' are the exchange's
+        refuse_compiled_autograd("copy path, backward")
         return (None, None, *started[:int(ctx.anchored)], *ctx.join.finish())
 
 

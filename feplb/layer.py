@@ -68,7 +68,7 @@ from feplb.config import (
 from feplb.control import Control, group_timeout
 from feplb.copy import release_copy_engine, shared_copy_engine
 from feplb.direct import forward_direct
-from feplb.dispatch import PeerComm, all_to_all_rows
+from feplb.dispatch import PeerComm, all_to_all_rows, compiled_autograd_problem, refuse_compiled_autograd
 from feplb.experts import EarlyBackward, expert_mlp, ready_event, span, to_device
 from feplb.layout import (
     DirectLayout,
@@ -551,6 +551,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                                        "than its first run's (weights='per-microbatch' with '+place'); use "
                                        "weights='per-step', or do not compile the checkpointed block")
             return self._padded(self._replay(self._valid(x_MD, replay.counts), replay), x_MD)
+        if problem is None and torch.is_grad_enabled():   # (every rank alike: the mode is the training loop's)
+            refused = compiled_autograd_problem("forward", forward=True)
+            problem = None if refused is None else (RuntimeError, refused)
         tl = self.last_timeline = Timeline(device_spans=self._device.type == "cuda") if self.config.timeline \
             else None
         with span(tl, "counts"):
@@ -861,6 +864,7 @@ class _RestrictedBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_compiled_autograd("the experts' output, backward")
         layer = ctx.layer_ref()
         weights, full = ctx.nodes
         if layer is not None and layer.replicas.all_pairs() and _executes(weights) and not _executes(full):

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from feplb.dispatch import Exchange, Received
+from feplb.dispatch import Exchange, Received, refuse_compiled_autograd
 from feplb.experts import rebuilding_applies
 
 __all__ = ["Recopy"]
@@ -97,6 +97,7 @@ class Recopy:
         cell = [self]
 
         def hook(_grad):
+            refuse_compiled_autograd("recopy of the weights for the backward")
             rc, cell[0] = cell[0], None   # once (a second backward copies nothing again), and let go of it
             if rc is not None:
                 rc.start()

@@ -1,7 +1,7 @@
 """torch.compile story of MoELayer, on 2 gloo ranks (1 node x 2 GPUs): routing and combine compile; the dispatch
 in between (collectives, CPU planning, data-dependent splits) is ``torch.compiler.disable``d, so the layer compiles
 into exactly two graphs with exactly one graph break, at the dispatch boundary; compiled output and gradients equal
-eager ones."""
+eager ones. Compiled autograd, which cannot keep the layer's backward, is refused on every rank."""
 
 from __future__ import annotations
 
@@ -51,3 +51,70 @@ def test_compile_breaks_exactly_at_dispatch():
         assert "_experts" in res["reasons"][0], res["reasons"]
         assert res["out"] and res["grads"], res
         assert res["moved"] > 0
+
+
+def _compiled_autograd_worker(rank, world, weights, policy):
+    from torch._dynamo.compiled_autograd import _enable
+
+    from feplb import FEPLBConfig, MoELayer
+
+    torch.manual_seed(rank)
+    layer = MoELayer(FEPLBConfig(hidden=16, ffn=32, num_experts=8, top_k=2, gpus_per_node=2, dyn=2, policy=policy,
+                                 min_chunk=2, plan_wait_ms=60_000, min_straggler_rows=0, weights=weights))
+    x = torch.randn(20 + 4 * rank, 16)
+    with torch.no_grad():
+        layer.router.weight[:, 0] = 0.0
+        layer.router.weight[0, 0] = 3.0     # GPU 0 is hot: balancing moves rows (and weights)
+
+    def step(refused):
+        xg = x.clone().requires_grad_(True)
+        out = layer(xg)
+        error = None
+        try:
+            if refused == "backward":
+                with _enable(torch.compile(backend="aot_eager")):
+                    out.sum().backward()
+            else:
+                out.sum().backward()
+                layer.reduce_replica_grads()
+        except Exception as exc:   # compiled autograd may wrap the layer's RuntimeError (Dynamo's Unsupported)
+            error = f"{type(exc).__name__}: {exc}"
+        return out.detach(), error, [xg.grad, layer.w1.grad, layer.w2.grad, layer.router.weight.grad]
+
+    want, err, grads_want = step(None)
+    assert err is None, err
+    grads_want = [g.clone() for g in grads_want]
+    moved = layer.last_stats.rows_moved
+    layer.zero_grad()
+
+    errors = {}
+    try:
+        with _enable(torch.compile(backend="aot_eager")):
+            layer(x.clone().requires_grad_(True))
+    except RuntimeError as exc:
+        errors["forward"] = str(exc)
+    with torch.no_grad(), _enable(torch.compile(backend="aot_eager")):
+        inference = layer(x)            # no autograd recorded: nothing to refuse
+    _, errors["backward"], _ = step("backward")
+    layer.zero_grad()
+    layer.zero_replica_grads()
+    # the refusals left nothing behind: an eager step after them is the first one's
+    got, err, grads = step(None)
+    return {"moved": moved, "errors": errors, "err": err, "inference": torch.equal(inference, want),
+            "out": torch.equal(got, want),
+            "grads": all(torch.equal(a, b) for a, b in zip(grads, grads_want, strict=True))}
+
+
+@pytest.mark.parametrize("weights,policy", [("per-step", "feplb-split"), ("per-microbatch", "feplb-split"),
+                                            ("per-step", "none")])
+def test_compiled_autograd_is_refused_on_every_rank(weights, policy):
+    """Compiled autograd (torchtitan's experimental.enable_compiled_autograd) cannot keep the layer's backward
+    (node order, collectives on the copy thread): a forward inside it, and a backward under it, raise a clear error
+    on every rank before any collective of theirs (the run would otherwise fail mid-backward on one rank and leave
+    its peer waiting); an eager step afterwards equals one before."""
+    for res in run_dist(_compiled_autograd_worker, 2, weights, policy, timeout_s=400, collective_timeout_s=120):
+        assert res["moved"] > 0 or policy == "none", res
+        assert set(res["errors"]) == {"forward", "backward"}, res
+        for where, msg in res["errors"].items():
+            assert msg is not None and "cannot run under compiled autograd" in msg, (where, msg)
+        assert res["err"] is None and res["inference"] and res["out"] and res["grads"], res
