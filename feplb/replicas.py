@@ -360,7 +360,6 @@ class Replicas:
         idle: the group's MIN of ``idle_flags`` (the same on every rank): the pairs flagged 1 send nothing (their
         copies' gradients are zero); None sends every pair."""
         lay = self._layer()
-        r, L = lay.rank, lay.num_local
         pairs = self.all_pairs()
         if not pairs:
             return
@@ -368,6 +367,21 @@ class Replicas:
             if idle.shape != (len(pairs),):
                 raise RuntimeError(f"MoELayer: idle flags for {list(idle.shape)} pairs, {len(pairs)} held")
             pairs = [pair for pair, f in zip(pairs, idle.tolist(), strict=True) if f == 0]
+        # Experts frozen (requires_grad_(False)) after a backward of the step: their parameters keep the gradient
+        # they had, and an optimizer steps it, as in plain EP, so the copies' share is added to it too (with
+        # requires_grad on for the addition only); a frozen parameter without a gradient gets none
+        frozen = [p for p in lay.expert_params() if not p.requires_grad and p.grad is not None]
+        for p in frozen:
+            p.requires_grad_(True)
+        try:
+            self._reduce(placement, pairs)
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+
+    def _reduce(self, placement: Placement, pairs: list[tuple[int, int]]) -> None:
+        lay = self._layer()
+        r, L = lay.rank, lay.num_local
         shapes, sizes = lay.part_shapes, lay.part_sizes
         own = self.own_weights()
         w1 = own[0]

@@ -251,6 +251,31 @@ def _usage_worker(rank, world):
     layer.reduce_replica_grads()
     res["unfrozen"] = (held, _close(layer.w1.grad, ref.w1.grad.double()), _close(layer.w2.grad, ref.w2.grad.double()))
 
+    # Experts frozen part way through a step (after its first backward, or after its last, before the reduction):
+    # as in plain EP their parameters keep the gradients of the backward passes made while they trained, the copies'
+    # share included, and stay frozen
+    ref_first, *_ = _layer(19, policy="none")
+    loss(ref_first, 100)
+    loss(ref, 100)                     # (ref: the backward passes 200 and 100)
+    for when in ("between", "after"):
+        layer, *_ = _layer(19, policy="feplb-split@ema", weights="per-step", refresh_every=1)
+        with torch.no_grad():
+            layer(xs[rank])
+        layer.refresh_replicas()
+        loss(layer, 100)
+        if when == "between":
+            layer.w1.requires_grad_(False)
+            layer.w2.requires_grad_(False)
+        loss(layer, 200)
+        layer.w1.requires_grad_(False)
+        layer.w2.requires_grad_(False)
+        held = not layer.replicas.grads_clean()
+        layer.reduce_replica_grads()
+        want = ref_first if when == "between" else ref
+        res[f"frozen_{when}"] = (held, _close(layer.w1.grad, want.w1.grad.double()),
+                                 _close(layer.w2.grad, want.w2.grad.double()),
+                                 not layer.w1.requires_grad and not layer.w2.requires_grad)
+
     # One rank in eval mode, the others training: refused on every rank (the histories would diverge), no hang
     layer, *_, xs = _layer(20, policy="feplb-split+place", weights="per-microbatch", refresh_every=1)
     layer.train(rank != 0)
@@ -280,10 +305,10 @@ def _usage_worker(rank, world):
 
 def test_layer_usage_and_misuse():
     results = run_dist(_usage_worker, 4, timeout_s=300, collective_timeout_s=30)
-    for key in ("discard_optimizer", "discard_layer", "unfrozen"):
+    for key in ("discard_optimizer", "discard_layer", "unfrozen", "frozen_between", "frozen_after"):
         assert any(res[key][0] for res in results), f"{key}: no per-step copy got a gradient; the case tests nothing"
         for rank, res in enumerate(results):
-            assert res[key][1:] == (True, True), f"rank {rank}: {key}: expert gradients differ from plain EP's"
+            assert all(res[key][1:]), f"rank {rank}: {key}: expert gradients differ from plain EP's (or unfrozen)"
     for rank, res in enumerate(results):
         assert res["fp64_weights"], f"rank {rank}: float64 routing weights were not taken as float32 ones"
         assert res["modes"] is not None and "different modes" in res["modes"] and \
