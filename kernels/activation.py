@@ -11,11 +11,14 @@ c) (the sigmoid sees the raw gate). It takes no ``limit``.
 
 Clamped (``limit``, as DeepSeek-V4, GLM-5 and Hunyuan-V4 experts compute SwiGLU, and Megatron's
 ``activation_func_clamp_value``): out = act(min(gate, limit)) * clamp(up, -limit, limit); the gradient passes the
-clamps where the input lies within them, bounds included (torch.clamp's rule).
+clamps where the input lies within them, by the installed torch's rule for an input on a bound
+(:func:`clamp_grad_at_bounds`: passed up to torch 2.13, not from torch 2.14), so that the layer's gradients follow
+the model's own torch.clamp.
 
 Clamped after the activation (``"silu_postclamp"``, :data:`POSTCLAMP_ACTS`: Step 3.7's experts): out =
 min(silu(gate), limit) * clamp(up, -limit, limit), ``limit`` required; the gate's gradient passes where silu(gate) <=
-limit (times silu's derivative, as autograd orders it: a NaN or infinite gate gets a NaN gradient).
+limit (< limit where torch's clamp passes none on a bound), times silu's derivative, as autograd orders it: a NaN or
+infinite gate gets a NaN gradient.
 
 ``interleaved``: gate and up alternate column by column (gate = h[:, 0::2], up = h[:, 1::2]: gpt-oss's weights)
 instead of side by side.
@@ -29,6 +32,7 @@ Computed in fp32 (fp64 for fp64 input), returned in the input dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,8 +42,8 @@ from ._checks import FLOAT_DTYPES, check_tensor
 from ._triton import alloc, autotune_configs, cdiv, check_launch_device, launch, tl, triton
 
 __all__ = ["ACTS", "PLAIN_ACTS", "POSTCLAMP_ACTS", "SOFTCAP_ACTS", "check_glu_act", "check_glu_input",
-           "check_glu_limit", "check_mlp_act", "glu_bwd_ref", "glu_bwd_triton", "glu_ref", "glu_triton",
-           "mlp_act_bwd_ref", "mlp_act_bwd_triton", "mlp_act_ref", "mlp_act_triton"]
+           "check_glu_limit", "check_mlp_act", "clamp_grad_at_bounds", "glu_bwd_ref", "glu_bwd_triton", "glu_ref",
+           "glu_triton", "mlp_act_bwd_ref", "mlp_act_bwd_triton", "mlp_act_ref", "mlp_act_triton"]
 
 # the activations of the gate that take a clamp (limit), in the order of the kernels' ACT constexpr
 ACTS = ("silu", "gelu_tanh", "gelu", "swiglu_oai")
@@ -91,6 +95,31 @@ def check_glu_act(act: str, alpha: float = 1.0, softcap: tuple[float, float] | N
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@functools.cache
+def clamp_grad_at_bounds() -> bool:
+    """Whether the installed torch's ``torch.clamp`` passes the gradient of an input equal to a (number) bound:
+    torch 2.13 and earlier do (bounds included), torch 2.14 does not (only inputs strictly inside pass). Read once
+    off torch's own autograd, on the CPU, for ``clamp(max=)`` and ``clamp(min, max)`` at both bounds; the clamped
+    activations' kernels and twins follow it."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64, requires_grad=True)
+        y = torch.cat([x[:1].clamp(max=1.0), x[1:].clamp(-1.0, 1.0)])
+        (g,) = torch.autograd.grad(y.sum(), x)
+    got = g.tolist()
+    if got not in ([1.0] * 3, [0.0] * 3):
+        raise RuntimeError(f"torch {torch.__version__}: torch.clamp's gradient at its bounds is {got} (clamp(max=1) "
+                           "at 1, clamp(-1, 1) at -1 and 1), neither all passed nor all stopped: the clamped "
+                           "activations cannot follow it")
+    return got[0] == 1.0
+
+
+def _within(x: Tensor, limit: float, both: bool) -> Tensor:
+    """Where torch.clamp(x, max=limit) (both: clamp(x, -limit, limit)) passes the gradient
+    (:func:`clamp_grad_at_bounds`; NaN: nowhere)."""
+    le = torch.le if clamp_grad_at_bounds() else torch.lt
+    return le(x.abs() if both else x, limit)
 
 
 def _halves(h: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
@@ -165,15 +194,15 @@ def glu_bwd_ref(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, act:
     elif act == "silu":
         d_gate = torch.ops.aten.silu_backward(g * up, gate)
     elif act == "silu_postclamp":   # torch.clamp's rule on the activation's output, before silu's derivative
-        d_gate = torch.ops.aten.silu_backward(torch.where(a <= limit, g * up, 0.0), gate)
+        d_gate = torch.ops.aten.silu_backward(torch.where(_within(a, limit, False), g * up, 0.0), gate)
         a = a.clamp(max=limit)
     else:
         d_gate = torch.ops.aten.gelu_backward(g * up, gate, approximate="tanh" if act == "gelu_tanh" else "none")
     d_up = g * a
     if limit is not None:   # torch.clamp's rule: the gradient passes where the input lies within the bounds
         if act not in POSTCLAMP_ACTS:
-            d_gate = torch.where(raw_gate <= limit, d_gate, 0.0)
-        d_up = torch.where((raw_up >= -limit) & (raw_up <= limit), d_up, 0.0)
+            d_gate = torch.where(_within(raw_gate, limit, False), d_gate, 0.0)
+        d_up = torch.where(_within(raw_up, limit, True), d_up, 0.0)
     return _join(d_gate, d_up, interleaved).to(h_M2F.dtype)
 
 
@@ -283,16 +312,17 @@ def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, cap_
 @triton.jit
 def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, alpha: tl.float64, cap_up: tl.float64,
                     ACC: tl.constexpr, CLAMP: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+                    ON_BOUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     rows, cols, mask = _tile(M, F, BLOCK_R, BLOCK_F)
     gate, up, g_offs, u_offs = _load_gate_up(h_ptr, rows, cols, mask, F, ACC, INTERLEAVED)
     g = tl.load(grad_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(ACC)
-    if CLAMP:   # a NaN input is inside no bound: its clamp passes no gradient (torch.clamp's where)
+    if CLAMP:   # a NaN input is inside no bound: its clamp passes no gradient (torch.clamp's where); ON_BOUND: an
+        # input on a bound passes it (clamp_grad_at_bounds)
         lim = tl.cast(limit, ACC)
         if ACT != 6:
-            gate_in = gate <= lim
+            gate_in = (gate <= lim) if ON_BOUND else (gate < lim)
             gate = tl.where(gate > lim, lim, gate)
-        up_in = (up >= -lim) & (up <= lim)
+        up_in = ((up >= -lim) & (up <= lim)) if ON_BOUND else ((up > -lim) & (up < lim))
         up = tl.where(up > lim, lim, tl.where(up < -lim, -lim, up))
     if ACT == 3:
         up = up + 1
@@ -303,7 +333,7 @@ def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, alpha: tl.
     a, da = _act_and_grad(gate, alpha, ACT, ACC)
     if CLAMP and ACT == 6:   # the clamp of the activation's output, applied before silu's derivative (as autograd
         # does: a NaN or infinite gate gets NaN)
-        d_gate = tl.where(a <= lim, g * up, 0.0) * da
+        d_gate = tl.where((a <= lim) if ON_BOUND else (a < lim), g * up, 0.0) * da
         a = tl.where(a > lim, lim, a)
     else:
         d_gate = g * up * da
@@ -369,7 +399,7 @@ def glu_bwd_triton(grad_MF: Tensor, h_M2F: Tensor, limit: float | None = None, a
         acc = tl.float64 if h_M2F.dtype == torch.float64 else tl.float32
         launch(_glu_bwd_kernel, _launch_grid(M, F), grad_MF, h_M2F, dh_M2F, M, F, float(limit or 0.0),
                *_act_args(act, alpha, softcap), ACC=acc, CLAMP=limit is not None, ACT=_ACT_ID[act],
-               INTERLEAVED=bool(interleaved), config=config)
+               INTERLEAVED=bool(interleaved), ON_BOUND=limit is None or clamp_grad_at_bounds(), config=config)
     return dh_M2F
 
 

@@ -80,7 +80,7 @@ def glu_f64(h_M2F, limit=None, act="silu", alpha=1.0, interleaved=False, softcap
     """The gated activation in float64 from its formulas (not torch's activation functions)."""
     h = h_M2F.double()
     gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=1)
-    if limit is not None:   # torch.clamp: its gradient passes where the input lies within the bounds, included
+    if limit is not None:   # torch.clamp (its gradient on a bound: the installed torch's rule)
         gate, up = gate if act == "silu_postclamp" else gate.clamp(max=limit), up.clamp(-limit, limit)
     if act == "silu_postclamp":   # the clamp after the activation
         return (gate / (1 + torch.exp(-gate))).clamp(max=limit) * up

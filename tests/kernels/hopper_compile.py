@@ -213,23 +213,26 @@ def other_jobs():
          {"grad_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*bf16", "limit": "fp64", "alpha": "fp64",
           "cap_up": "fp64"}),
     ):
+        # the backward's rule for an input on a clamp's bound: the installed torch's
+        bound = {"ON_BOUND": activation.clamp_grad_at_bounds()} if fn is activation._glu_bwd_kernel else {}
         for act_id, act in enumerate(activation.ACTS):   # SwiGLU, GeGLU (tanh, erf), gpt-oss's; plain and clamped
             for clamp in (False, True):
                 # gate and up side by side; gpt-oss's own (clamped, interleaved) too
                 for inter in (False, True) if act == "swiglu_oai" and clamp else (False,):
                     yield dict(name=f"{name} {act}" + (" clamped" if clamp else "") + (" interleaved" if inter else ""),
                                jit_fn=fn, types=types, div16=("F",), options=options,
-                               consts={**meta, "ACC": tl.float32, "CLAMP": clamp, "ACT": act_id, "INTERLEAVED": inter})
+                               consts={**meta, "ACC": tl.float32, "CLAMP": clamp, "ACT": act_id, "INTERLEAVED": inter,
+                                       **bound})
         for act in activation.POSTCLAMP_ACTS:   # Step 3.7's SwiGLU clamped after the activation (always clamped)
             yield dict(name=f"{name} {act}", jit_fn=fn, types=types, div16=("F",), options=options,
                        consts={**meta, "ACC": tl.float32, "CLAMP": True, "ACT": activation._ACT_ID[act],
-                               "INTERLEAVED": False})
+                               "INTERLEAVED": False, **bound})
         for act in activation.SOFTCAP_ACTS:   # Inkling 2's softcapped SwiGLU (no clamp), both layouts
             for inter in (False, True):
                 yield dict(name=f"{name} {act}" + (" interleaved" if inter else ""), jit_fn=fn, types=types,
                            div16=("F",), options=options,
                            consts={**meta, "ACC": tl.float32, "CLAMP": False, "ACT": activation._ACT_ID[act],
-                                   "INTERLEAVED": inter})
+                                   "INTERLEAVED": inter, **bound})
 
 
     for name, fn, types in (
