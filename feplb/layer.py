@@ -156,6 +156,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             self.close()      # what was built so far: threads, copy path, transport, hooks
             raise
         register(self)     # state dicts shard the experts over the EP group (feplb.sharded)
+        self._built_dtypes = tuple(p.dtype for p in self.expert_params())
 
     def _build(self, group: dist.ProcessGroup) -> None:
         """The rest of ``__init__``, once the Control exists (a failure here releases what was built). Its local
@@ -411,7 +412,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         """
         from feplb.kernels import permute, routing_metadata, unpermute
 
-        problem = forward_problem(self.config, self._device, self.router is not None, x, routing)
+        problem = self._cast_hint(forward_problem(self.config, self._device, self.router is not None, x, routing))
         if problem is not None:
             self._experts(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
         c = self.config
@@ -473,6 +474,22 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         with tl.span("combine"):
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
 
+    def _cast_hint(self, problem: tuple[type, str] | None) -> tuple[type, str] | None:
+        """``problem``, with the likely cause added to a wrong input dtype where the expert parameters no longer
+        have the dtypes the layer was built with: the model was cast after the layer was made (the layer computes
+        in ``FEPLBConfig.dtype``, fixed when it is built)."""
+        if problem is None or problem[0] is not TypeError or "dtype" not in problem[1]:
+            return problem
+        now = tuple(p.dtype for p in self.expert_params())
+        if now == self._built_dtypes:
+            return problem
+        was = ", ".join(sorted({str(d) for d in self._built_dtypes}))
+        cast = ", ".join(sorted({str(d) for d in now}))
+        return problem[0], (f"{problem[1]}. The layer's expert parameters were cast from {was} to {cast} after "
+                            f"it was built for {self.config.dtype} (model.to(dtype), .half() or .bfloat16() after "
+                            "building it or after feplb.hf.apply / feplb.titan / feplb.megatron replaced the experts): "
+                            "cast the model first, then build or apply")
+
     # whether post_expert needs each row's expert id (a subclass's per-expert step after the experts)
     post_expert_ids = False
 
@@ -522,7 +539,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if self.place or self.direct:   # (the same config on every rank)
             raise ValueError(f"{type(self).__name__}.forward_dispatched: {dispatched_policy_problem(c.policy)}")
         got, counts_L = dispatched_problem(c, self._device, self.num_local, rows, counts)
-        problem = got or problem
+        problem = self._cast_hint(got) or problem
         if problem is not None:
             self._experts(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
         L, r = self.num_local, self.rank

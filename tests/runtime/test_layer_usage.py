@@ -282,6 +282,13 @@ def _usage_worker(rank, world):
     with torch.no_grad():
         res["modes"] = error_of(lambda: [layer(xs[rank]) for _ in range(2)])
 
+    # The layer cast after it was built (model.to(torch.bfloat16) after building it or after feplb.hf.apply): the
+    # wrong input dtype is refused on every rank, naming the cast; an input of the built dtype still runs
+    layer, *_, xs = _layer(22, policy="feplb")
+    layer.to(torch.bfloat16)
+    res["cast"] = error_of(lambda: layer(xs[rank].to(torch.bfloat16)))
+    res["uncast"] = error_of(lambda: _layer(22, policy="feplb")[0](xs[rank].to(torch.bfloat16)))
+
     # float64 routing weights (Megatron's moe_router_dtype="fp64") with a bf16 layer weigh the outputs in fp32, as
     # float32 ones do, not rounded to bf16 first
     layer, *_, xs = _layer(21, policy="none", dtype=torch.bfloat16)
@@ -311,6 +318,10 @@ def test_layer_usage_and_misuse():
             assert all(res[key][1:]), f"rank {rank}: {key}: expert gradients differ from plain EP's (or unfrozen)"
     for rank, res in enumerate(results):
         assert res["fp64_weights"], f"rank {rank}: float64 routing weights were not taken as float32 ones"
+        assert res["cast"] is not None and "were cast from torch.float32 to torch.bfloat16" in res["cast"], \
+            res["cast"]
+        assert res["uncast"] is not None and "dtype" in res["uncast"] and "were cast" not in res["uncast"], \
+            res["uncast"]
         assert res["modes"] is not None and "different modes" in res["modes"] and \
             "eval on [0]" in res["modes"], res["modes"]
         assert res["ddp_ok"], f"rank {rank}: EP x DP output differs from the dense reference"
