@@ -858,6 +858,18 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             release_transport(self.transport)
         self.control.close()
 
+    def __deepcopy__(self, memo: dict) -> MoELayer:
+        raise TypeError(self._no_copy("deep-copied (copy.deepcopy)"))
+
+    def __reduce_ex__(self, protocol: int):
+        raise TypeError(self._no_copy("pickled (torch.save of the module, pickle)"))
+
+    def _no_copy(self, how: str) -> str:
+        return (f"{type(self).__name__} cannot be {how}: it holds its EP group's threads, copy path and transport, "
+                "which a copy cannot share. For a second model (an EMA or a reference model), copy the model before "
+                "FEPLB replaces its experts (feplb.hf.apply, feplb.titan, feplb.megatron) and replace them in both; "
+                "to save it, use state_dict() (feplb.dropin.full_state_dict for the whole model's weights)")
+
     def __enter__(self) -> MoELayer:
         return self
 

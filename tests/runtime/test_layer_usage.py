@@ -304,6 +304,14 @@ def _usage_worker(rank, world):
     layer, router, w1, w2, _ = _layer(16, router_bias=True)
     model = torch.nn.Sequential(torch.nn.Linear(H, H), layer)
     sd = full_state_dict(model, rank0_only=False)
+    # a copy of a model holding the layer (an EMA or reference model made with copy.deepcopy, torch.save of the
+    # module): refused, naming the layer and what to do, instead of failing on a module it cannot pickle
+    import copy
+    import io
+    import pickle
+
+    res["copies"] = [error_of(lambda: copy.deepcopy(model)), error_of(lambda: pickle.dumps(model)),
+                     error_of(lambda: torch.save(model, io.BytesIO()))]
     res["full_sd"] = (sorted(sd) == sorted(model.state_dict()) and torch.equal(sd["1.w1"], w1)
                       and torch.equal(sd["1.w2"], w2) and torch.equal(sd["1.router.weight"], router)
                       and torch.equal(sd["1.router_bias"], layer.router_bias))
@@ -344,6 +352,10 @@ def test_layer_usage_and_misuse():
         assert res["state_mismatch"] and res["state_mismatch"].startswith("ValueError") and \
             "policy state" in res["state_mismatch"], res["state_mismatch"]
         assert res["full_sd"], f"rank {rank}: full_state_dict of plain layers"
+        deep, pickled, saved = res["copies"]
+        assert deep is not None and "MoELayer cannot be deep-copied" in deep and "state_dict" in deep, deep
+        for msg in (pickled, saved):
+            assert msg is not None and "MoELayer cannot be pickled" in msg, msg
         assert res["inference_refresh"], f"rank {rank}: refresh / reduce inside inference_mode"
     router, w1, w2 = _epdp_dense()
     L = E // 2
