@@ -42,7 +42,25 @@ if __name__ == "feplb.kernels":
         "unpermute",
     ]
 else:
-    # This directory reached as a top-level ``kernels`` (the checkout's root on sys.path, as under ``python -m`` from
-    # it, while transformers probes for the Hugging Face ``kernels`` package by importing it): it defines nothing,
-    # so the operators are registered once, by feplb.kernels.
-    __all__ = []
+    # This directory reached as a top-level ``kernels`` (the checkout's root on sys.path, as under ``python -m`` or a
+    # notebook started in it): that name belongs to the Hugging Face ``kernels`` package, which transformers imports
+    # (and installs). Where that package is installed, it takes this module's place in sys.modules (the import
+    # returns it); elsewhere this module defines nothing. Either way the operators are registered once, by
+    # feplb.kernels.
+    def _hand_over() -> list[str]:
+        import importlib.machinery
+        import importlib.util
+        import os
+        import sys
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+        spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+        if spec is None or spec.loader is None:
+            return []
+        real = importlib.util.module_from_spec(spec)
+        sys.modules["kernels"] = real
+        spec.loader.exec_module(real)
+        return []
+
+    __all__ = _hand_over()

@@ -28,19 +28,32 @@ def test_stdlib_sched_is_not_shadowed(tmp_path):
                                  f"{proc.stderr[-500:]}"
 
 
-def test_kernels_dir_as_top_level_module_registers_nothing():
+def test_kernels_dir_as_top_level_module_hands_over_to_the_kernels_package():
     # From the checkout's root (on sys.path as '' under ``python -c`` or ``python -m``), ``import kernels`` finds this
-    # repository's kernels/ directory; transformers does exactly that when it probes for the Hugging Face ``kernels``
-    # package. It must define nothing, or feplb.kernels would register the operators' namespace a second time.
+    # repository's kernels/ directory first; transformers imports the Hugging Face ``kernels`` package (it installs
+    # it) by that name. The import must give that package where it is installed, and never define this folder's
+    # operators a second time (feplb.kernels registers them once).
+    import importlib.machinery
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", "import kernels, feplb.kernels; "
-                           "assert kernels.__file__.startswith(%r), kernels.__file__; "
-                           "assert kernels.__all__ == [] and not hasattr(kernels, 'permute'); "
-                           "import torch; torch.ops.feplb.permute; print('ok')" % str(root)],
-                          capture_output=True, text=True, timeout=120, cwd=root)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-1500:]
+    others = [p for p in sys.path if pathlib.Path(p or ".").resolve() != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", others)
+    want = None if spec is None else str(pathlib.Path(spec.origin).resolve())
+    code = ("import kernels, feplb.kernels, pathlib\n"
+            "got = getattr(kernels, '__file__', None)\n"
+            "print(got and str(pathlib.Path(got).resolve()))\n"
+            "assert not hasattr(kernels, 'permute') and not hasattr(kernels, 'grouped_mm')\n"
+            "import torch; torch.ops.feplb.permute\n")
+    if want is not None:   # what transformers reads off it
+        code += "import transformers.integrations.hub_kernels\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    got = proc.stdout.strip().splitlines()[0]
+    if want is None:
+        assert got.startswith(str(root)), got
+    else:
+        assert got == want, (got, want)
 
 
 @pytest.mark.parametrize("room", ["feplb.sched"])
