@@ -91,7 +91,10 @@ class TrainingSteps:
         return None
 
     def _steps_experts(self, opt: torch.optim.Optimizer) -> bool:
-        mine = {id(p) for p in self.expert_params()}
+        """Whether ``opt`` steps the expert parameters: holds them, or their fp32 main copies (Megatron's mixed
+        precision optimizer steps ``param.main_param`` and writes the result back through ``.data``, which no
+        version counter sees)."""
+        mine = {id(t) for p in self.expert_params() for t in (p, getattr(p, "main_param", None)) if t is not None}
         return any(id(p) in mine for g in opt.param_groups for p in g["params"])
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:

@@ -196,6 +196,26 @@ def _usage_worker(rank, world):
         layer.state = layer.state.observe(np.ones((world, E), dtype=np.int64))
     res["state_mismatch"] = error_of(layer.refresh_replicas)
 
+    # A mixed-precision optimizer that steps fp32 main copies of the experts (Megatron's: ``param.main_param``) and
+    # writes them back through .data, which bumps no version: its step still marks the per-step copies stale, so
+    # the next forward refuses them on every rank instead of computing with the old weights
+    layer, *_, xs = _layer(23, policy="eplb", weights="per-step")
+    with torch.no_grad():
+        layer(xs[rank])
+    layer.refresh_replicas()
+    mains = []
+    for p in layer.expert_params():
+        p.main_param = p.detach().clone().requires_grad_(True)
+        p.main_param.grad = torch.ones_like(p)
+        mains.append(p.main_param)
+    torch.optim.SGD(mains, lr=0.1).step()
+    for p in layer.expert_params():
+        p.data.copy_(p.main_param)
+    held = bool(layer.replicas.all_pairs())
+    res["main_params"] = (held, error_of(lambda: layer(xs[rank])))
+    layer.refresh_replicas()
+    res["main_params_refreshed"] = error_of(lambda: layer(xs[rank]))
+
     # refresh_replicas inside torch.inference_mode (an evaluation loop's, say): the copies still train afterwards,
     # and their gradients reach the owners as without it
     grads = []
@@ -349,6 +369,9 @@ def test_layer_usage_and_misuse():
         assert res["checkpoint"] is None, res["checkpoint"]
         assert res["late_grad"] and res["late_grad"].startswith("RuntimeError") and \
             "already replaced" in res["late_grad"], res["late_grad"]
+        held, stale = res["main_params"]
+        assert held and stale is not None and "changed since the last refresh_replicas()" in stale, stale
+        assert res["main_params_refreshed"] is None, res["main_params_refreshed"]
         assert res["state_mismatch"] and res["state_mismatch"].startswith("ValueError") and \
             "policy state" in res["state_mismatch"], res["state_mismatch"]
         assert res["full_sd"], f"rank {rank}: full_state_dict of plain layers"
