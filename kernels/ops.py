@@ -91,8 +91,12 @@ def _apply(function: type[torch.autograd.Function], op: torch._ops.OpOverload, *
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` gives matmul-class ops on ``device_type`` now, or None when it is off there."""
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    """The dtype ``torch.autocast`` gives matmul-class ops on ``device_type`` now, or None when it is off there.
+    (CPU and CUDA, the ops' devices, always have autocast: asking is skipped for them, as torch 2.10's
+    torch.compile cannot trace ``torch.amp.is_autocast_available``.)"""
+    if device_type not in ("cpu", "cuda") and not torch.amp.is_autocast_available(device_type):
+        return None
+    if not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
 
