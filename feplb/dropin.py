@@ -294,6 +294,16 @@ def set_state_dict_type(model: nn.Module, kind: str) -> None:
         m.set_state_dict_type(kind)
 
 
+# the levels a wrapper's state-dict hook removes from its entries' names (torch's checkpoint_wrapper and
+# offload_wrapper, which torchtitan's activation checkpointing applies; FSDP1's wrapper)
+_WRAPPER_LEVELS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def _state_dict_name(name: str) -> str:
+    """A module's name (``named_modules``) as ``state_dict()`` spells its entries."""
+    return ".".join(level for level in name.split(".") if level not in _WRAPPER_LEVELS)
+
+
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The model's state dict with every FEPLB layer's expert shards gathered back into the original names and
     shapes (with transformers ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F], or [E, H, 2F] and [E, F, H]
@@ -310,7 +320,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     meshes; every rank gathers them, also with rank0_only). A layer reachable under several names is gathered once
     and written under each.
     """
-    owners: dict[str, MoELayer] = {name: m for name, m in model.named_modules(remove_duplicate=False)
+    owners: dict[str, MoELayer] = {_state_dict_name(name): m for name, m in model.named_modules(remove_duplicate=False)
                                    if isinstance(m, MoELayer)}
     keep = not rank0_only or dist.get_rank(next(iter(owners.values())).group if owners else None) == 0
     sd = {}

@@ -412,7 +412,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         """
         from feplb.kernels import permute, routing_metadata, unpermute
 
-        problem = self._cast_hint(forward_problem(self.config, self._device, self.router is not None, x, routing))
+        problem = self._cast_hint(forward_problem(self.config, self._device, self.router is not None, x, routing)) \
+            or _selective_checkpoint_problem()
         if problem is not None:
             self._experts(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
         c = self.config
@@ -904,6 +905,25 @@ class _RestrictedBackward(torch.autograd.Function):
                 "reduce_replica_grads() adds to the owners); run a full backward, or use weights='per-microbatch', "
                 "whose copies return their gradients within the backward itself")
         return None, None, dy, None, None   # (an empty gradient would become full-size zeros of every weight)
+
+
+def _selective_checkpoint_problem() -> tuple[type, str] | None:
+    """torch's selective activation checkpointing (``create_selective_checkpoint_contexts``: torchtitan's op-level
+    mode) around this forward, or None. Its recompute must issue the forward's ops again, one by one, while the
+    layer's recompute replays what its forward did (``feplb.recompute``) with other ops; it failed there, in the
+    backward, with torch's "not found in storage". Refused at the forward, on every rank."""
+    caching = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
+    if caching is None or torch.compiler.is_compiling():
+        return None
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if not any(isinstance(m, caching) for m in _get_current_dispatch_mode_stack()):
+        return None
+    return RuntimeError, ("MoELayer.forward under selective activation checkpointing (torch's "
+                          "create_selective_checkpoint_contexts, torchtitan's op-level SelectiveAC): its recompute "
+                          "must repeat the forward's ops one by one, but the layer's recompute replays its forward "
+                          "with other ops; checkpoint whole blocks instead (torch.utils.checkpoint without a "
+                          "context_fn, torchtitan's FullAC), or leave the MoE layer out of the selective region")
 
 
 def _executes(node) -> bool:

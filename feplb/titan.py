@@ -76,6 +76,34 @@ __all__ = ["FEPLBGptOssRoutedExperts", "FEPLBRoutedExperts", "apply", "expert_pa
            "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer"]
 
 _NAMES = ("w1_EFD", "w2_EDF", "w3_EFD")
+
+try:   # torchtitan's module protocol: its init_states() initialises the parameters of such modules only
+    from torchtitan.protocols.module import Module as _TitanModule
+except ImportError:   # (torchtitan absent or of another layout: the shards are a plain module)
+    _TitanModule = nn.Module
+
+
+class _ExpertShards(_TitanModule):
+    """``inner_experts`` of a :class:`FEPLBRoutedExperts`: this rank's expert shards. torchtitan's
+    ``init_states()`` (its trainer's meta-device build: ``to_empty``, then ``init_states``) initialises them as
+    the unmodified model's experts module: each weight drawn whole, [E, ...], by that module's own initializer
+    (``param_init``), and this rank's experts ``lo ... lo + L`` kept, so the random draws, the shards' values and
+    everything initialised after them equal the unmodified model's."""
+
+    def __init__(self, num_experts: int, lo: int, param_init: dict | None):
+        nn.Module.__init__(self)
+        self.num_experts = num_experts
+        if param_init is not None:
+            self._param_init = {name: _whole_then_shard(fn, num_experts, lo) for name, fn in param_init.items()}
+
+
+def _whole_then_shard(init, num_experts: int, lo: int):
+    @torch.no_grad()
+    def shard_init(param: torch.Tensor) -> None:
+        whole = torch.empty((num_experts, *param.shape[1:]), dtype=param.dtype, device=param.device)
+        init(whole)
+        param.copy_(whole[lo:lo + param.shape[0]])
+    return shard_init
 _OSS_NAMES = ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")
 # the sigmoid slope of torchtitan's GPT-OSS swiglu (its default: GptOssGroupedExperts passes none)
 _OSS_ALPHA = 1.702
@@ -107,7 +135,7 @@ class _GateUp(torch.autograd.Function):
         return g[:, :F].to(ctx.dtypes[0]), g[:, F:].to(ctx.dtypes[1]), None
 
 
-class FEPLBRoutedExperts(MoELayer):
+class FEPLBRoutedExperts(MoELayer, _TitanModule):
     """An expert-parallel, balanced drop-in for a torchtitan ``RoutedExperts`` (made by :func:`apply`).
 
     Parameters: ``inner_experts.w1_EFD`` [L, F, D], ``inner_experts.w2_EDF`` [L, D, F] and ``inner_experts.w3_EFD``
@@ -125,7 +153,7 @@ class FEPLBRoutedExperts(MoELayer):
     _names = _NAMES   # the experts module's parameters, in its order
 
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, *weights: torch.Tensor,
-                 name: str = "") -> None:
+                 name: str = "", param_init: dict | None = None) -> None:
         if config.router != "external":
             raise ValueError(f"FEPLBRoutedExperts needs FEPLBConfig.router='external', got {config.router!r}")
         if len(weights) != len(self._names):
@@ -133,25 +161,34 @@ class FEPLBRoutedExperts(MoELayer):
                             f"{len(weights)} tensors")
         # Read by _init_experts, which MoELayer.__init__ calls before this constructor could set attributes.
         object.__setattr__(self, "_titan_full", (*weights, group))
+        object.__setattr__(self, "_titan_init", param_init)
         super().__init__(config, group)
         object.__delattr__(self, "_titan_full")
+        object.__delattr__(self, "_titan_init")
         self.titan_name = name
         self._joined: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _init_experts(self, L: int, H: int, F: int, device: torch.device, dtype: torch.dtype) -> None:
         full = self._titan_full
         lo = dist.get_rank(full[-1]) * L
-        inner = nn.Module()
+        inner = _ExpertShards(self.config.num_experts, lo, self._titan_init)
         for pname, w in zip(self._names, full[:-1], strict=True):
             with torch.no_grad():
                 # clone: the shard must not keep the full tensor's storage alive; the parameters keep their dtype
                 shard = w[lo:lo + L].to(device=device).clone()
             setattr(inner, pname, nn.Parameter(shard, requires_grad=w.requires_grad))
-        inner.num_experts = self.config.num_experts
         self.inner_experts = inner
 
     def expert_params(self) -> tuple[nn.Parameter, ...]:
         return tuple(getattr(self.inner_experts, n) for n in self._names)
+
+    def init_states(self, *, buffer_device: torch.device | None = None) -> None:
+        """torchtitan's initialisation (its trainer's ``to_empty``, then ``init_states``), in the replaced module's
+        place in the model's order: this rank's expert shards drawn as the unmodified model draws its experts
+        (``_ExpertShards``), then the per-step copies refreshed from them (collective over the EP group, as
+        torchtitan calls it on every rank)."""
+        self.inner_experts.init_states(buffer_device=buffer_device)
+        self.refresh_replicas()
 
     def _join(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The experts' weights (``expert_weights``) from ``params`` (``expert_params()``, by default the current
@@ -395,7 +432,8 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
                 inner = moe.routed_experts.inner_experts
                 cls = _class_of(inner)
                 made[key] = new = cls(configs[key], group, *(getattr(inner, p) for p in cls._names),
-                                      name=f"{name}.routed_experts" if name else "routed_experts")
+                                      name=f"{name}.routed_experts" if name else "routed_experts",
+                                      param_init=getattr(inner, "_param_init", None))
                 new.train(moe.routed_experts.training)
                 new.refresh_replicas()
     except BaseException:

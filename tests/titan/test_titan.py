@@ -24,6 +24,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("torchtitan.models.common.moe")
 
@@ -579,6 +580,34 @@ def _records_case(rank: int, world: int) -> dict:
     return out
 
 
+def _init_case(rank: int, world: int) -> dict:
+    """torchtitan's build order after apply (its trainer's ``to_empty``, then ``init_states``): the expert shards
+    drawn as the unmodified model draws its experts, so every parameter equals the unmodified model's under the
+    same seed; and ``full_state_dict`` of the model inside torchtitan's activation-checkpointing wrapper
+    (``checkpoint_wrapper``, whose state dict drops its own level from the names)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    import feplb.titan as ft
+
+    moe = make_moe("qwen3")
+    ref = copy.deepcopy(moe)
+    ft.apply(moe, policy="feplb-split", gpus_per_node=min(2, world), dtype=torch.float32, **OPTS)
+    for m in (moe, ref):
+        m.to_empty(device="cpu")
+        torch.manual_seed(11)
+        m.init_states()
+    got, want = ft.full_state_dict(moe, rank0_only=False), ref.state_dict()
+    out = {"keys": sorted(got) == sorted(want), "unequal": [k for k in want if not torch.equal(got[k], want[k])]}
+    wrapped, ref_wrapped = nn.Sequential(checkpoint_wrapper(moe)), nn.Sequential(checkpoint_wrapper(ref))
+    got, want = ft.full_state_dict(wrapped, rank0_only=False), ref_wrapped.state_dict()
+    out["wrapped_keys"] = sorted(got) == sorted(want)
+    out["wrapped_unequal"] = [k for k in want if k not in got or got[k].shape != want[k].shape
+                              or not torch.equal(got[k], want[k])]
+    x, _, _ = _inputs(rank)
+    out["forward"] = error_of(lambda: moe(x))   # the copies were refreshed from the new shards
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     res = {"routed": {(p, mode, arch): _routed_case(rank, world, p, mode, arch) for p in POLICIES for mode in MODES
                       for arch in ("qwen3", "gpt_oss") if arch == "qwen3" or mode in ("fp32", "bf16")},
@@ -588,7 +617,8 @@ def _worker(rank: int, world: int) -> dict:
            "train": {cfg: _train_case(rank, world, *cfg) for cfg in TRAIN},
            "accum": _accum_case(rank, world),
            "dcp": _dcp_case(rank, world),
-           "records": _records_case(rank, world)}
+           "records": _records_case(rank, world),
+           "init": _init_case(rank, world)}
     return res
 
 
@@ -755,8 +785,17 @@ def _assert_records(ranks: list[dict], world: int) -> None:
         assert "seen as the layer's output gradient arrived" in case["stepped"], (r, case["stepped"])
 
 
+def _assert_init(ranks: list[dict], world: int) -> None:
+    for r, res in enumerate(ranks):
+        case = res["init"]
+        assert case["keys"] and not case["unequal"], f"rank {r}: init_states after apply: {case}"
+        assert case["wrapped_keys"] and not case["wrapped_unequal"], f"rank {r}: under checkpoint_wrapper: {case}"
+        assert case["forward"] is None, (r, case["forward"])
+
+
 CHECKS = {"routed": _assert_routed, "moe": _assert_moe, "train": _assert_train, "scores": _assert_scores,
-          "errors": _assert_errors, "accum": _assert_accum, "dcp": _assert_dcp, "records": _assert_records}
+          "errors": _assert_errors, "accum": _assert_accum, "dcp": _assert_dcp, "records": _assert_records,
+          "init": _assert_init}
 
 
 @pytest.mark.parametrize("check", CHECKS.values(), ids=CHECKS.keys())
