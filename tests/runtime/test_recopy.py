@@ -331,6 +331,12 @@ def _checkpointed_rank(rank: int, world: int, policy: str) -> dict:
 
     from torch.utils.checkpoint import checkpoint
 
+    def settle(layer) -> None:
+        # The copy thread's last job let go: its worker drops a job's arguments (received buffers among them) only
+        # after waking whoever waited for its result, so a count taken right away could still see them
+        layer._balancer.copier.submit(lambda: None).result()
+        gc.collect()
+
     out = {}
     with ReceivedBuffers() as spy:
         for again in (False, True):
@@ -344,10 +350,10 @@ def _checkpointed_rank(rank: int, world: int, policy: str) -> dict:
                     return torch.tanh(layer(t, routing=routing))
 
                 y = f(xx) if mode == "plain" else checkpoint(f, xx, use_reentrant=mode == "reentrant")
-                gc.collect()
+                settle(layer)
                 between = spy.since(mark)
                 (y * dy).sum().backward()
-                gc.collect()
+                settle(layer)
                 out[(again, mode)] = {"between": between, "after": spy.since(mark), "runs": spy.runs - runs,
                                       "grad": xx.grad, "copies": layer.last_stats.weight_copies}
             layer.close()
