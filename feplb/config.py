@@ -408,13 +408,24 @@ def dispatched_problem(c: FEPLBConfig, device: torch.device, num_local: int, row
     if rows.dim() != 2 or rows.shape[1] != c.hidden:
         return (ValueError, f"MoELayer.forward_dispatched rows must be [rows, {c.hidden}], got shape "
                             f"{list(rows.shape)}"), None
-    if rows.dtype != c.dtype:
+    from feplb.kernels import autocast_dtype
+
+    # inside torch.autocast, as forward(): rows of another floating dtype (not float64) are cast to the layer's
+    autocast_ok = rows.is_floating_point() and rows.dtype != torch.float64 and autocast_dtype(rows.device.type) \
+        is not None
+    if rows.dtype != c.dtype and not autocast_ok:
         return (TypeError, f"MoELayer.forward_dispatched rows dtype must be {c.dtype} (FEPLBConfig.dtype), got "
-                           f"{rows.dtype}"), None
+                           f"{rows.dtype} (inside torch.autocast float16, bfloat16 or float32 rows are accepted, and "
+                           "cast to it)"), None
     if rows.device != device:
         return (ValueError, f"MoELayer.forward_dispatched rows are on {rows.device} but the layer's experts are on "
                             f"{device}"), None
-    got = int_counts(counts)
+    try:
+        got = int_counts(counts)
+    except Exception as exc:   # a tensor the host cannot read (on the meta device, a failed device copy): this
+        # rank's problem, which the others learn in the counts all-gather, like any other
+        return (ValueError, f"MoELayer.forward_dispatched counts could not be read on the host: "
+                            f"{type(exc).__name__}: {exc}"), None
     if got is None:
         kind = f"a {counts.dim()}-D {counts.dtype} tensor" if isinstance(counts, torch.Tensor) else f"{counts!r:.80}"
         return (TypeError, f"MoELayer.forward_dispatched counts must be a 1-D integer tensor or a list of ints, got "

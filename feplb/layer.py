@@ -517,7 +517,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         rows: [R, H] in ``config.dtype`` on the layer's device, local expert 0's rows first (expert ``rank * L``),
             then expert 1's, ...; counts: rows per local expert ([L] ints: a list, as DeepEP returns
             ``num_recv_tokens_per_expert_list``, or an integer tensor), summing to R. Returns [R, H] in
-            ``config.dtype`` (``post_expert`` applied), differentiable with respect to rows and the experts.
+            ``config.dtype`` (``post_expert`` applied), differentiable with respect to rows and the experts. Inside
+            ``torch.autocast`` the rows may be float16, bfloat16 or float32, as ``forward``'s input (cast to
+            ``config.dtype`` first, the outputs returned in the rows' dtype).
 
         Collective over the EP group (every rank calls it, once per micro-batch, in the same order as its other
         layers' forwards); a bad argument on one rank raises on every rank together. The experts stay at their
@@ -542,15 +544,18 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         got, counts_L = dispatched_problem(c, self._device, self.num_local, rows, counts)
         problem = self._cast_hint(got) or problem
         if problem is not None:
-            self._experts(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
+            # the peers learn it in the counts all-gather; raises
+            self._experts(None, None, None, problem, dispatched=True)
         L, r = self.num_local, self.rank
         counts_S = torch.zeros(c.num_experts, dtype=torch.int64)
         counts_S[r * L:(r + 1) * L] = torch.tensor(counts_L, dtype=torch.int64)
         # (no +place: every expert at its owner, so slot = expert and phase 1's receive order is the caller's)
-        y = self._experts(rows, counts_S, torch.zeros((), dtype=torch.int64), dispatched=True)
+        # Inside torch.autocast rows of another floating dtype (dispatched_problem allows it) are computed in the
+        # layer's dtype, as forward() does, and the outputs return in the rows' dtype.
+        y = self._experts(rows.to(c.dtype), counts_S, torch.zeros((), dtype=torch.int64), dispatched=True)
         expert_M = to_device(np.repeat(np.arange(r * L, (r + 1) * L), counts_L), self._device) \
             if self.post_expert_ids else None
-        return self._post_expert(y, expert_M)
+        return self._post_expert(y, expert_M).to(rows.dtype)
 
     @torch.compiler.disable
     def _experts(self, x_MD: torch.Tensor | None, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
@@ -575,7 +580,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         tl = self.last_timeline = Timeline(device_spans=self._device.type == "cuda") if self.config.timeline \
             else None
         with span(tl, "counts"):
-            counts = self._count(counts_S, bad, problem)
+            counts = self._count(counts_S, bad, problem, dispatched)
         placement, slot_of_E, plan_state = self.placement, self._slot_of_E, self._plan_state
         direct = counts.want_plan and self.direct
         x_all, x_MD = x_MD, self._valid(x_MD, counts)
@@ -656,8 +661,10 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
 
     # ------------------------------------------------------------------------------------------------ 2. count
     def _count(self, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
-               problem: tuple[type, str] | None) -> Counts:
-        """All-gather the counts (and every rank's problems); raise on every rank together if any rank has one."""
+               problem: tuple[type, str] | None, dispatched: bool) -> Counts:
+        """All-gather the counts (and every rank's problems); raise on every rank together if any rank has one.
+        Each rank's way of calling travels with them (training mode, autograd on, ``forward_dispatched``): ranks
+        that differ would run different collectives, in the forward or in its backward."""
         E = self.config.num_experts
         if problem is None:
             row = torch.cat([counts_S.to(torch.int64).reshape(-1), bad.to(torch.int64).reshape(1)]).cpu()
@@ -665,7 +672,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             row = torch.zeros(E + 1, dtype=torch.int64)
         self.replicas.sync_requires()
         row = torch.cat([row, torch.tensor([int(not self.replicas.fresh()), int(problem is not None), self.layer_id,
-                                            int(self.training), self._slow_digest()])])
+                                            int(self.training) | int(torch.is_grad_enabled()) << 1
+                                            | int(dispatched) << 2, self._slow_digest()])])
         gathered = self.control.all_gather(row, "all_gather of expert counts")
         if problem is not None:
             raise problem[0](problem[1])

@@ -234,9 +234,9 @@ class FEPLBExperts(MoELayer):
                    "set_decode_expert_padding, say): FEPLB's own dispatch takes each token's top-k routes, not "
                    "routing padded to capacity; turn it off")
         if wrong is not None:
-            self._experts(None, None, None, (TypeError, wrong))
+            self._experts(None, None, None, (TypeError, wrong), dispatched=own)
         if why is not None and not in_backward():
-            self._experts(None, None, None, (RuntimeError, f"{name}: {why}"))
+            self._experts(None, None, None, (RuntimeError, f"{name}: {why}"), dispatched=own)
         with joined_for_forward(self, name):
             if own:
                 y = self._dispatched_rows(x_TH, tokens_per_expert, routing)

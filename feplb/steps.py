@@ -37,9 +37,10 @@ class Split:
 
 def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float) -> Counts:
     """Read the all-gathered rows (int64 [W, E + 6]: counts per flat slot, this rank's routing flags (1: NaN or
-    inf, 2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs, its
-    training flag, the digest of its slow decisions), raising on every rank together when any rank reported a
-    problem or the ranks run different layers, in different modes or from different histories.
+    inf, 2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs, how it
+    calls it (bits: 1 training mode, 2 autograd on, 4 ``forward_dispatched``), the digest of its slow decisions),
+    raising on every rank together when any rank reported a problem or the ranks run different layers, in different
+    modes or from different histories.
 
     slots_WS: int64 [W, L] the experts at home on each GPU. balance: the policy balances (and W > 1).
     min_straggler: rows of token straggler below which balancing is not worth it.
@@ -55,12 +56,31 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             f"{layers.tolist()}); every rank of the EP group must run every MoE layer's forward, in the same order. "
             "A model that skips an experts module on some ranks (say, a multimodal model's vision experts on a "
             "micro-batch without images) cannot run under expert parallelism as it is; every rank stops this step")
-    training = gathered[:, E + 4]
-    if (training != training[0]).any():
-        raise RuntimeError(
-            f"MoELayer: the EP ranks run this layer in different modes (training on EP rank(s) "
-            f"{np.nonzero(training)[0].tolist()}, eval on {np.nonzero(training == 0)[0].tolist()}); the balancing "
-            "history follows training forwards only, so call model.train() or model.eval() on every rank alike")
+    # how each rank calls (bits: 1 training mode, 2 autograd on, 4 forward_dispatched), compared over the ranks
+    # without a problem of their own (theirs is raised below)
+    calls = gathered[:, E + 4][gathered[:, E + 2] == 0]
+    ranks = np.nonzero(gathered[:, E + 2] == 0)[0]
+
+    def differ(bit: int, what: str, on: str, off: str) -> str | None:
+        got = (calls & bit) != 0
+        if not (got != got[0]).any():
+            return None
+        return (f"MoELayer: the EP ranks {what} ({on} on EP rank(s) {ranks[got].tolist()}, {off} on "
+                f"{ranks[~got].tolist()})")
+
+    problem = differ(1, "run this layer in different modes", "training", "eval")
+    if problem is not None:
+        raise RuntimeError(f"{problem}; the balancing history follows training forwards only, so call model.train() "
+                           "or model.eval() on every rank alike")
+    problem = differ(2, "run this layer with autograd on some ranks and off on others", "autograd on",
+                     "off (torch.no_grad, inference_mode)")
+    if problem is not None:
+        raise RuntimeError(f"{problem}; its backward is collective, so run the forward under the same grad mode on "
+                           "every rank")
+    problem = differ(4, "call this layer in different ways", "forward_dispatched", "forward")
+    if problem is not None:
+        raise RuntimeError(f"{problem}; every rank must call the same method (forward_dispatched behind the "
+                           "caller's own dispatch, forward with FEPLB's)")
     digests = gathered[:, E + 5]
     if (digests != digests[0]).any():
         groups = {}

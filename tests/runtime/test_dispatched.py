@@ -224,6 +224,22 @@ def _errors_case(rank: int) -> dict:
     out["sum"] = error_of(lambda: layer.forward_dispatched(rows, counts))
     out["dtype"] = error_of(lambda: layer.forward_dispatched(rows.double() if rank == 2 else rows, [6, 0, 0, 0]))
     out["len"] = error_of(lambda: layer.forward_dispatched(rows, [6, 0, 0] if rank == 3 else [6, 0, 0, 0]))
+    # counts the host cannot read (a meta tensor) on rank 1: refused there, and the others learn it
+    meta = torch.empty(L, dtype=torch.int64, device="meta")
+    out["meta"] = error_of(lambda: layer.forward_dispatched(rows, meta if rank == 1 else [1, 2, 3, 0]))
+    # ranks that call differently would run different collectives: autograd off on rank 1 alone (its backward would
+    # wait for the others'), or the layer's own forward on rank 0
+    with torch.set_grad_enabled(rank != 1):
+        out["grad_mode"] = error_of(lambda: layer.forward_dispatched(rows, [1, 2, 3, 0]))
+    ids = torch.randint(0, E, (5, K))
+    out["method"] = error_of(lambda: layer(rows[:5], routing=(ids, torch.rand(5, K))) if rank == 0 else
+                             layer.forward_dispatched(rows, [1, 2, 3, 0]))
+    # inside torch.autocast, rows in the autocast dtype are accepted (as forward() accepts its input) and the
+    # outputs come back in it: the rows cast to the layer's dtype, the same computation
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = layer.forward_dispatched(rows.bfloat16(), [1, 2, 3, 0])
+        full = layer.forward_dispatched(rows.bfloat16().float(), [1, 2, 3, 0])
+    out["autocast"] = (half.dtype, full.dtype, torch.equal(half, full.bfloat16()))
     # the layer still works after the refusals (every rank left them together)
     y = layer.forward_dispatched(rows, [2, 2, 1, 1])
     out["after"] = (y.shape == rows.shape, bool(torch.isfinite(y).all()))
@@ -349,6 +365,15 @@ def test_forward_dispatched_refuses_bad_arguments_on_every_rank(ranks):
         assert ("dtype must be torch.float32" in e["dtype"]) == (rank == 2), e["dtype"]
         assert "EP rank(s) [2] refused" in e["dtype"] or rank == 2
         assert ("one count per local expert (4), got 3" in e["len"]) == (rank == 3), e["len"]
+        if rank == 1:
+            assert e["meta"].startswith("ValueError") and "counts could not be read on the host" in e["meta"], e["meta"]
+        else:
+            assert "EP rank(s) [1] refused" in e["meta"], e["meta"]
+        assert e["grad_mode"].startswith("RuntimeError") and "autograd on some ranks and off on others (autograd " \
+            "on on EP rank(s) [0, 2, 3], off (torch.no_grad, inference_mode) on [1])" in e["grad_mode"], e["grad_mode"]
+        assert e["method"].startswith("RuntimeError") and "call this layer in different ways (forward_dispatched " \
+            "on EP rank(s) [1, 2, 3], forward on [0])" in e["method"], e["method"]
+        assert e["autocast"] == (torch.bfloat16, torch.float32, True), e["autocast"]
         assert e["after"] == (True, True)
         assert e["empty"]
         for policy in ("feplb-split+place", "eplb"):
