@@ -33,11 +33,38 @@ __all__ = ["TrainingSteps"]
 _LAYERS: weakref.WeakSet[TrainingSteps] = weakref.WeakSet()
 
 
+def _memory(t: torch.Tensor) -> tuple[str, int] | None:
+    """Where ``t``'s elements live: its storage (device, address), or None where there is none to read (the meta
+    device, an empty storage, a tensor subclass without one). A DTensor's is its local shard's."""
+    t = getattr(t, "_local_tensor", t)
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except Exception:   # (a wrapper subclass with no storage of its own)
+        return None
+    return (str(t.device), ptr) if ptr else None
+
+
 def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
     """After any ``optimizer.step()``: a live layer whose experts it stepped, and that is not attached to it (an
-    attached one refreshes its copies itself), holds stale per-step copies."""
-    for layer in list(_LAYERS):
-        if layer not in _attached(opt) and layer._steps_experts(opt):
+    attached one refreshes its copies itself), holds stale per-step copies.
+
+    Stepped means: it holds the expert parameters, or their fp32 main copies (``param.main_param``, Megatron's
+    mixed-precision optimizers, which write back through ``.data``: no version counter moves), or any tensor in the
+    memory they live in. Megatron's DDP puts every expert parameter of a model chunk into one flat buffer, and its
+    distributed optimizer steps one shard of that buffer per expert-data-parallel rank (views of it in fp32, fp32
+    main copies of the parameters in the shard otherwise) and all-gathers the rest: a rank whose shard holds none
+    of a layer's parameters still receives that layer's new weights, so a step anywhere in the buffer marks every
+    layer in it. (Transformer Engine's and Apex's fused optimizers write through ``.data`` too.)"""
+    layers = list(_LAYERS)
+    if not layers:
+        return
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    memory = {_memory(p) for g in opt.param_groups for p in g["params"]}
+    for layer in layers:   # the memory of parameters whose main copies it stepped
+        memory.update(_memory(p) for p in layer.expert_params() if id(getattr(p, "main_param", None)) in held)
+    memory.discard(None)
+    for layer in layers:
+        if layer not in _attached(opt) and layer._steps_experts(held, memory):
             layer.replicas.stepped = True
             track_optimizer(opt)     # its state_dict() shards the experts' state like their parameters
 
@@ -90,12 +117,11 @@ class TrainingSteps:
             return f"the state serves policy {value.policy!r}, this layer runs {self.config.policy!r}"
         return None
 
-    def _steps_experts(self, opt: torch.optim.Optimizer) -> bool:
-        """Whether ``opt`` steps the expert parameters: holds them, or their fp32 main copies (Megatron's mixed
-        precision optimizer steps ``param.main_param`` and writes the result back through ``.data``, which no
-        version counter sees)."""
-        mine = {id(t) for p in self.expert_params() for t in (p, getattr(p, "main_param", None)) if t is not None}
-        return any(id(p) in mine for g in opt.param_groups for p in g["params"])
+    def _steps_experts(self, held: set[int], memory: set[tuple[str, int]]) -> bool:
+        """Whether an optimizer holding the tensors ``held`` (ids), which live in ``memory`` (``_memory``; with the
+        memory of parameters whose main copies it holds), steps this layer's expert weights (see ``_stepped``)."""
+        return any(id(p) in held or id(getattr(p, "main_param", None)) in held or _memory(p) in memory
+                   for p in self.expert_params())
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
         """Reduce replica gradients before and refresh the replicas after every ``optimizer.step()`` (per-step

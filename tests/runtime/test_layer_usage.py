@@ -216,6 +216,49 @@ def _usage_worker(rank, world):
     layer.refresh_replicas()
     res["main_params_refreshed"] = error_of(lambda: layer(xs[rank]))
 
+    # Megatron's DDP keeps every expert parameter of a model in one flat buffer; its distributed optimizer steps one
+    # shard of it per expert-data-parallel rank (views of the buffer in fp32, fp32 main copies of the parameters in
+    # the shard otherwise), writes through .data (no version counter moves), and all-gathers the other ranks'
+    # shards. Here this rank's shard holds only layer b's experts, and layer a's new weights arrive from the
+    # gather: layer a's next forward still refuses its stale copies, on every rank
+    res["flat_buffer"] = {}
+    for kind in ("fp32 shard", "main copies"):
+        a, *_, xs = _layer(23, policy="eplb", weights="per-step")
+        b, *_ = _layer(24, policy="eplb", weights="per-step")
+        params = list(a.expert_params()) + list(b.expert_params())
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        at = 0
+        for p in params:
+            p.data = flat[at:at + p.numel()].view_as(p)
+            at += p.numel()
+        for layer in (a, b):
+            with torch.no_grad():
+                layer(xs[rank])
+            layer.refresh_replicas()
+        cut = sum(p.numel() for p in a.expert_params())
+        if kind == "fp32 shard":
+            stepped = [torch.nn.Parameter(flat[cut:])]
+        else:
+            stepped = []
+            for p in b.expert_params():
+                p.main_param = p.detach().clone().requires_grad_(True)
+                stepped.append(p.main_param)
+        for t in stepped:
+            t.grad = torch.ones_like(t)
+        torch.optim.SGD(stepped, lr=0.1).step()
+        with torch.no_grad():
+            if kind == "main copies":
+                for p in b.expert_params():
+                    p.data.copy_(p.main_param)
+            flat[:cut] -= 0.1          # the other rank's shard, all-gathered
+        held = bool(a.replicas.all_pairs())
+        stale = error_of(lambda a=a, x=xs[rank]: a(x))
+        a.refresh_replicas()
+        b.refresh_replicas()
+        res["flat_buffer"][kind] = (held, stale, error_of(lambda a=a, x=xs[rank]: a(x)))
+        a.close()
+        b.close()
+
     # refresh_replicas inside torch.inference_mode (an evaluation loop's, say): the copies still train afterwards,
     # and their gradients reach the owners as without it
     grads = []
@@ -372,6 +415,9 @@ def test_layer_usage_and_misuse():
         held, stale = res["main_params"]
         assert held and stale is not None and "changed since the last refresh_replicas()" in stale, stale
         assert res["main_params_refreshed"] is None, res["main_params_refreshed"]
+        for kind, (held, stale, refreshed) in res["flat_buffer"].items():
+            assert held and stale is not None and "changed since the last refresh_replicas()" in stale, (kind, stale)
+            assert refreshed is None, (kind, refreshed)
         assert res["state_mismatch"] and res["state_mismatch"].startswith("ValueError") and \
             "policy state" in res["state_mismatch"], res["state_mismatch"]
         assert res["full_sd"], f"rank {rank}: full_state_dict of plain layers"
