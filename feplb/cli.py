@@ -72,20 +72,31 @@ def _fraction(v: str) -> float:
     return f
 
 
+# argparse names a value a type function cannot convert by the function's name ("invalid <name> value: '2.5'")
+for _f, _name in ((_positive, "positive integer"), (_non_negative, "non-negative integer"),
+                  (_non_negative_float, "non-negative number"), (_fraction, "fraction")):
+    _f.__name__ = _name
+
+
 def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE", help="routing workloads (forms below)")
     p.add_argument("--ep", type=_positive, default=8, help="EP ranks W (default 8)")
-    p.add_argument("--gpus-per-node", type=_positive, default=8, help="GPUs per node G, divides W (default 8)")
-    p.add_argument("--tokens-per-rank", type=_positive, default=2048, help="tokens per rank per micro-batch S")
+    p.add_argument("--gpus-per-node", type=_positive, default=None,
+                   help="GPUs per node G, divides W (default: min(8, W))")
+    p.add_argument("--tokens-per-rank", type=_positive, default=2048,
+                   help="tokens per rank per micro-batch S (default 2048)")
     p.add_argument("--dyn", type=_non_negative, default=4, help="dynamic experts per GPU (default 4)")
     p.add_argument("--policies", default="none,feplb,feplb-split,fastermoe,eplb,lp",
                    help="comma-separated policies (default: %(default)s)")
     p.add_argument("--microbatches", type=_positive, default=32, help="measured micro-batches (default 32)")
-    p.add_argument("--warmup", type=_non_negative, default=8, help="micro-batches that only feed the histories")
-    p.add_argument("--seed", type=_non_negative, default=0, help="seed of the micro-batch sampler")
+    p.add_argument("--warmup", type=_non_negative, default=8,
+                   help="micro-batches that only feed the histories (default 8)")
+    p.add_argument("--seed", type=_non_negative, default=0, help="seed of the micro-batch sampler (default 0)")
     p.add_argument("--refresh-every", type=_positive, default=8,
-                   help="micro-batches between history refreshes (@ema set, eplb replicas, +place placement)")
-    p.add_argument("--eplb-slots", type=_non_negative, default=1, help="eplb redundant expert slots per GPU")
+                   help="micro-batches between history refreshes (@ema set, eplb replicas, +place placement; one "
+                        "optimizer step; default 8)")
+    p.add_argument("--eplb-slots", type=_non_negative, default=1,
+                   help="eplb redundant expert slots per GPU (default 1)")
     p.add_argument("--place-min-gain", type=_fraction, default=None,
                    help="+place keeps plain EP's placement unless the new one lowers the most loaded node (GPU) by "
                         "more than this fraction (default: PolicyState's)")
@@ -99,14 +110,18 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reduce-in-fp32", action="store_true",
                    help="held copies' gradients go to their owners at a step's end rounded to bf16 (half the "
                         "bytes) instead of as fp32 sums (the layer's FEPLBConfig(reduce_in_fp32=False), bf16 weights)")
-    p.add_argument("--tau", type=float, default=0.01, help="feplb stops at a node gap <= tau x node mean")
+    p.add_argument("--tau", type=_non_negative_float, default=0.01,
+                   help="feplb stops at a node gap <= tau x node mean (default 0.01)")
     p.add_argument("--min-chunk", type=_positive, default=None,
                    help="feplb-split's smallest piece in rows (default: the cost model's knee)")
-    p.add_argument("--experts", type=_positive, default=None, help="E for npz traces (default: max id + 1)")
+    p.add_argument("--experts", type=_positive, default=None,
+                   help="E for npz traces and synthetic specs (default: an npz trace's max id + 1, a spec's E)")
     p.add_argument("--hidden", type=_positive, default=None,
-                   help="expert hidden size for bytes and GEMM times (default: the traced model's; else 6144)")
+                   help="expert hidden size for bytes and GEMM times, for every workload (default: the traced "
+                        "model's; else the cost table's, 6144)")
     p.add_argument("--ffn", type=_positive, default=None,
-                   help="expert ffn size for bytes and GEMM times (default: the traced model's; else 2048)")
+                   help="expert ffn size for bytes and GEMM times, for every workload (default: the traced "
+                        "model's; else the cost table's, 2048)")
     p.add_argument("--eplb-groups", type=_positive, default=1,
                    help="eplb expert groups (hierarchical placement when the nodes divide them)")
     p.add_argument("--cost-table", default=None, help='measured GEMM table JSON {"rows": [..], "us": [..]}')
@@ -186,21 +201,31 @@ def plot_results(results: list, path: str, fmt: str | None = None, titles: Seque
     plt.close(fig)
 
 
-def check_output(path: str, option: str) -> Path:
+def check_output(path: str, option: str, inputs: Sequence[tuple[str, str]] = ()) -> Path:
     """Refuse an output path that cannot be written (a directory, a missing or read-only folder), before any work:
-    a temporary file is created next to it and removed again."""
-    out = Path(path)
+    a temporary file is created next to it and removed again. The file written is the one the path names after
+    its symbolic links (the links stay links); an existing one must be a regular file (a device, a pipe or a
+    socket would be replaced by a file), and none of the command's ``inputs`` ((option, path) pairs: it would be
+    overwritten by the results)."""
+    given = Path(path)
+    out = Path(os.path.realpath(given))
     if out.is_dir():
-        raise UsageError(f"{option} {out}: is a directory; expected a file name")
+        raise UsageError(f"{option} {given}: is a directory; expected a file name")
+    if out.exists() and not out.is_file():
+        raise UsageError(f"{option} {given}: exists and is not a regular file (a device, a pipe or a socket), which "
+                         "the results would replace; name a file")
+    for what, inp in inputs:
+        if out.exists() and Path(inp).exists() and os.path.samefile(out, inp):
+            raise UsageError(f"{option} {given}: is the input {what} {inp}, which the results would overwrite")
     parent = out.parent
     if not parent.exists():
-        raise UsageError(f"{option} {out}: the folder {parent} does not exist")
+        raise UsageError(f"{option} {given}: the folder {parent} does not exist")
     if not parent.is_dir():
-        raise UsageError(f"{option} {out}: {parent} is not a folder")
+        raise UsageError(f"{option} {given}: {parent} is not a folder")
     try:
         fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".tmp")
     except OSError as err:
-        raise UsageError(f"{option} {out}: cannot write in {parent} ({err.strerror or err})") from err
+        raise UsageError(f"{option} {given}: cannot write in {parent} ({err.strerror or err})") from err
     os.close(fd)
     os.unlink(probe)
     return out
@@ -213,6 +238,14 @@ def _plot_format(out: Path) -> str:
     supported = Figure().canvas.get_supported_filetypes()
     if fmt not in supported:
         raise UsageError(f"--plot {out}: unknown image format {fmt!r}; expected one of {', '.join(sorted(supported))}")
+    if fmt == "pgf":
+        import shutil
+
+        import matplotlib
+
+        tex = matplotlib.rcParams["pgf.texsystem"]
+        if shutil.which(tex) is None:
+            raise UsageError(f"--plot {out}: matplotlib writes .pgf with {tex}, which is not installed here")
     return fmt
 
 
@@ -221,8 +254,7 @@ def check_trace_file(spec: str) -> None:
     format), with one line naming the file, before numpy or json meets it."""
     if spec.startswith("synthetic:"):
         return
-    head = spec.split(":")[0] if spec.split(":")[0].endswith(".json") else spec
-    path = Path(head)
+    path = Path(_trace_file(spec))
     if path.suffix not in (".npz", ".json") or not path.exists():
         return  # load_workload names an unknown form or a missing file
     if path.is_dir():
@@ -266,6 +298,36 @@ def _cost_table(path: str, kw: dict):
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise UsageError(f"--cost-table {path}: not a cost table of `feplb calibrate` "
                          f"({type(err).__name__}: {err})") from err
+
+
+def _trace_file(spec: str) -> str:
+    """The file a trace spec reads (an OLMoE counts spec's options stripped)."""
+    head = spec.split(":")[0]
+    return head if head.endswith(".json") else spec
+
+
+def _table_meta(path: str) -> dict:
+    """Where and how a cost table was measured (its ``meta``, as ``feplb calibrate`` writes it; {} if none)."""
+    try:
+        meta = json.loads(Path(path).read_text()).get("meta")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+# the command line's names for what SimConfig and the topology name in their messages
+_OPTIONS = {"SimConfig.policies": "--policies", "SimConfig.recopy_weights": "--recopy-weights",
+            "SimConfig.place_min_gain": "--place-min-gain", "SimConfig.eplb_groups": "--eplb-groups",
+            "PolicyState.eplb_groups": "--eplb-groups", "SimConfig.min_chunk": "--min-chunk",
+            "SimConfig.replicas_mode": "--replicas", "SimConfig.tau": "--tau",
+            "num_ranks (W=": "--ep (W=", "gpus_per_node (G=": "--gpus-per-node (G=", "dyn must": "--dyn must",
+            "num_experts (E=": "the experts (E="}
+
+
+def _option_names(msg: str) -> str:
+    for name, option in _OPTIONS.items():
+        msg = msg.replace(name, option)
+    return msg
 
 
 def _load(spec: str, num_experts: int | None):
@@ -316,13 +378,16 @@ def _write_outputs(writers: list[tuple[Path, Callable[[str], None]]]) -> None:
     """Write every output to a temporary file next to it, then rename them all into place: a failure leaves no
     partial file and no temporary one."""
     tmps: list[tuple[str, Path]] = []
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         for out, write in writers:
             fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
             os.close(fd)
             tmps.append((tmp, out))
             write(tmp)
-            os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
+            # mkstemp makes 0600: a file replaced keeps its mode, a new one gets what open() would give it
+            os.chmod(tmp, out.stat().st_mode & 0o7777 if out.is_file() else 0o666 & ~umask)
         for tmp, out in tmps:
             os.replace(tmp, out)
     finally:
@@ -336,34 +401,50 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from feplb.sched import CostModel
     from feplb.simulate import SimConfig, simulate, summarize
 
-    # Outputs first: a path that cannot be written must not cost a whole simulation.
-    json_out = check_output(args.json_out, "--json") if args.json_out else None
-    plot_out = check_output(args.plot, "--plot") if args.plot else None
+    # Outputs first: a path that cannot be written must not cost a whole simulation, nor overwrite an input.
+    inputs = [("trace", _trace_file(t)) for t in args.traces if not t.startswith("synthetic:")]
+    inputs += [("--cost-table", args.cost_table)] if args.cost_table else []
+    json_out = check_output(args.json_out, "--json", inputs) if args.json_out else None
+    plot_out = check_output(args.plot, "--plot", inputs) if args.plot else None
     if json_out and plot_out and json_out.resolve() == plot_out.resolve():
         raise UsageError(f"--json and --plot name the same file {json_out}")
     plot_fmt = _plot_format(plot_out) if plot_out else None
+    gpus = args.gpus_per_node or min(8, args.ep)
+    if args.ep % gpus:
+        raise UsageError(f"--gpus-per-node {gpus} must divide --ep {args.ep}")
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    # an explicit --hidden / --ffn holds for every trace; otherwise each trace's model shape is used
+    # an explicit --hidden / --ffn holds for every workload (SimConfig.hidden / ffn); the other dimension is the
+    # traced model's, or the cost table's for workloads of no model
     cost_kw = {k: v for k, v in (("hidden", args.hidden), ("ffn", args.ffn)) if v is not None}
     cost = _cost_table(args.cost_table, cost_kw) if args.cost_table else CostModel(**cost_kw)
+    table_meta = _table_meta(args.cost_table) if args.cost_table else None
     if args.no_reduce_in_fp32:
         cost = dataclasses.replace(cost, grad_dtype_bytes=cost.dtype_bytes)
-    config = SimConfig(num_ranks=args.ep, gpus_per_node=args.gpus_per_node, tokens_per_rank=args.tokens_per_rank,
-                       dyn=args.dyn, policies=policies, microbatches=args.microbatches, warmup=args.warmup,
-                       seed=args.seed, refresh_every=args.refresh_every, eplb_slots=args.eplb_slots,
-                       replicas_mode=args.replicas, recopy_weights=args.recopy_weights, tau=args.tau,
-                       eplb_groups=args.eplb_groups, plan_us=args.plan_us,
-                       **({} if args.place_min_gain is None else {"place_min_gain": args.place_min_gain}),
-                       min_chunk=args.min_chunk, validate=not args.no_validate, cost=cost,
-                       shape_from_trace=args.hidden is None and args.ffn is None)
+    try:
+        config = SimConfig(num_ranks=args.ep, gpus_per_node=gpus, tokens_per_rank=args.tokens_per_rank,
+                           dyn=args.dyn, policies=policies, microbatches=args.microbatches, warmup=args.warmup,
+                           seed=args.seed, refresh_every=args.refresh_every, eplb_slots=args.eplb_slots,
+                           replicas_mode=args.replicas, recopy_weights=args.recopy_weights, tau=args.tau,
+                           eplb_groups=args.eplb_groups, plan_us=args.plan_us,
+                           **({} if args.place_min_gain is None else {"place_min_gain": args.place_min_gain}),
+                           min_chunk=args.min_chunk, validate=not args.no_validate, cost=cost,
+                           hidden=args.hidden, ffn=args.ffn)
+    except (ValueError, TypeError) as err:
+        raise UsageError(_option_names(str(err))) from err
     workloads = [_load(t, args.experts) for t in args.traces]
     for spec, w in zip(args.traces, workloads, strict=True):
         try:
-            config.topology(w.num_experts)  # refuse a bad topology before any work
+            topo = config.topology(w.num_experts)  # refuse a bad topology, or policy options, before any work
         except ValueError as err:
-            hint = "" if args.experts is not None or not hasattr(w, "topk_ids_TLK") else \
-                " (E is the trace's largest expert id + 1; --experts sets it)"
-            raise UsageError(f"trace {spec}: {err}{hint}") from err
+            hint = "" if args.experts is not None or "num_experts" not in str(err) else \
+                " (E is the trace's largest expert id + 1; --experts sets it)" if hasattr(w, "topk_ids_TLK") else \
+                " (--experts sets E)"
+            raise UsageError(f"trace {spec}: {_option_names(str(err))}{hint}") from err
+        for policy in config.policies:
+            try:
+                config.policy_state(topo, policy)
+            except ValueError as err:
+                raise UsageError(f"trace {spec}: {_option_names(str(err))}") from err
         bound_microbatch(w, config.num_ranks, config.tokens_per_rank)
     keys = workload_keys([w.name for w in workloads], args.traces)
     results = []
@@ -372,25 +453,43 @@ def _run_simulate(args: argparse.Namespace) -> int:
         for w in workloads:
             results.append(simulate(w, config, progress=bar))
     planning = "" if config.plan_us is None else f"; layer ms and hidden with {config.plan_us:g} us of planning"
+    notes = [n for r in results for n in r.notes]
+    if table_meta is not None:
+        kind = table_meta.get("device_type")
+        if kind is None and isinstance(table_meta.get("bench_meta"), dict):   # (tables written before it was kept)
+            kind = "cuda" if table_meta["bench_meta"].get("cuda") else "cpu"
+        device = table_meta.get("device") or (table_meta.get("bench_meta") or {}).get("device") or ""
+        where = f"{kind} {device}".strip() if kind else "no record of where it was measured"
+        planning += f"; GEMM times from {args.cost_table} ({where})"
+        if kind != "cuda":
+            notes.append(f"--cost-table {args.cost_table} was not measured on a GPU ({where}): its times, and every "
+                         "time above, are not a GPU's")
+    given = " and ".join(f"--{k}" for k in ("hidden", "ffn") if getattr(args, k) is not None)
     for key, r in zip(keys, results, strict=True):
         shape = r.expert_shape
         model = shape["model"] or "from the options"
+        if shape["model"] and given:
+            model = f"{model}, {given} from the options"
         print(format_table(f"\n{key} (E={r.num_experts}, K={r.top_k}, W={config.num_ranks}, "
                            f"G={config.gpus_per_node}, S={config.tokens_per_rank}, dyn={config.dyn}; expert "
                            f"H={shape['hidden']} F={shape['ffn']} ({model}){planning})", r.summary()))
+    for note in dict.fromkeys(notes):
+        print(f"feplb simulate: note: {note}", file=sys.stderr)
     summary = summarize(results)
     if len(results) > 1:
         print(format_table("\nall workloads", summary))
     writers: list[tuple[Path, Callable[[str], None]]] = []
     if json_out:
-        doc = {"config": {**config.as_dict(), "traces": list(args.traces), "command": "feplb " + shlex.join(args.argv)},
+        doc = {"config": {**config.as_dict(), "traces": list(args.traces), "command": "feplb " + shlex.join(args.argv),
+                          "cost_table": None if table_meta is None else {"path": args.cost_table, "meta": table_meta}},
+               "notes": list(dict.fromkeys(notes)),
                "policies": summary,
                "workloads": {key: {"trace": spec, "expert_shape": r.expert_shape, "policies": r.summary(),
                                    "per_layer_token_straggler": {p: m["token_straggler"].mean(axis=1).tolist()
                                                                  for p, m in r.metrics.items()},
                                    "layers": list(r.layer_names), "example": r.example}
                              for key, spec, r in zip(keys, args.traces, results, strict=True)}}
-        writers.append((json_out, lambda tmp: Path(tmp).write_text(_json(doc))))
+        writers.append((json_out, lambda tmp: Path(tmp).write_text(_json(doc) + "\n")))
     if plot_out:
         writers.append((plot_out, lambda tmp: plot_results(results, tmp, fmt=plot_fmt, titles=keys)))
     _write_outputs(writers)
@@ -497,7 +596,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
     from feplb.calibrate import expert_us_from_bench, machine_meta, measure_expert_us, table_document
 
-    out = check_output(args.out, "--out")
+    out = check_output(args.out, "--out", [("--from-bench", args.from_bench)] if args.from_bench else ())
     command = "feplb " + shlex.join(args.argv)
     if args.from_bench:
         path = Path(args.from_bench)
@@ -515,6 +614,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         meta = {"source": f"bench_kernels file {path}", "what": f"{args.bench_impl} forward gate/up + down GEMMs "
                 "(no SwiGLU), uniform routing, per expert", "experts": shape["experts"],
                 "bench_meta": {k: v for k, v in doc["meta"].items() if k != "shape"}}
+        # where the bench ran, in calibrate's own terms (a CUDA build's bench records its CUDA version)
+        meta.update(device_type="cuda" if meta["bench_meta"].get("cuda") else "cpu",
+                    device=meta["bench_meta"].get("device"))
     else:
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto"
                               else args.device)
@@ -550,6 +652,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     fit = table["meta"]["fit"]
     print(f"knee {fit['knee_rows']} rows (floor {table['us'][0]:.2f} us); table rows {table['rows']}"
           + (f"; {fit['moved_points']} point(s) moved by the non-decreasing fit" if fit["moved_points"] else ""))
+    if meta.get("device_type") == "cpu":
+        print(f"measured on this machine's CPU ({meta.get('device')}, {meta.get('threads')} threads): CPU times, "
+              "no GPU's; the table records it (meta.device_type), and feplb simulate says so when it uses it")
     _write_outputs([(out, lambda tmp: Path(tmp).write_text(_json(table) + "\n"))])
     print(f"wrote {out}")
     return 0
@@ -682,6 +787,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"feplb {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # (outputs are written whole or not at all: nothing half-written is left)
+        print(f"feplb {args.command}: interrupted; nothing written", file=sys.stderr)
+        return 130
+    except BrokenPipeError:     # the reader of the output went away (| head): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ class SimConfig:
         machine and in every run), where this machine's speed, which varies, otherwise enters them.
     shape_from_trace: a workload's own expert shape (its model's) replaces the cost model's; False keeps
         ``cost.hidden`` / ``cost.ffn`` for every workload.
+    hidden, ffn: one dimension of the expert given for every workload (the command line's ``--hidden`` /
+        ``--ffn``): it replaces that dimension of the workload's own shape, or of the cost model's; None keeps it.
     recopy_weights: FEPLB's helpers let go of the weights a plan copied them after the forward and receive them
         again at the start of the backward (``FEPLBConfig.recopy_weights``; ``CostModel.backward_times(recopy=)``).
     """
@@ -84,6 +86,8 @@ class SimConfig:
     plan_us: float | None = None
     shape_from_trace: bool = True
     recopy_weights: bool = False
+    hidden: int | None = None
+    ffn: int | None = None
 
     def __post_init__(self) -> None:
         for name, lo in (("num_ranks", 1), ("gpus_per_node", 1), ("tokens_per_rank", 1), ("dyn", 0),
@@ -106,6 +110,10 @@ class SimConfig:
                                          or not 0 <= self.plan_us < math.inf):
             raise ValueError(f"SimConfig.plan_us must be None (measured) or a finite number of us >= 0, got "
                              f"{self.plan_us!r}")
+        for name in ("hidden", "ffn"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"SimConfig.{name} must be None or an int >= 1, got {v!r}")
         for name in ("shape_from_trace", "recopy_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SimConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -119,14 +127,28 @@ class SimConfig:
         return Topology(num_ranks=self.num_ranks, gpus_per_node=self.gpus_per_node, num_experts=num_experts,
                         dyn=self.dyn)
 
+    def policy_state(self, topo: Topology, policy: str) -> PolicyState:
+        """A fresh history of ``policy`` for one layer on ``topo``, with this configuration's options."""
+        return PolicyState(topo=topo, policy=policy, refresh_every=self.refresh_every, ema_shift=self.ema_shift,
+                           eplb_slots=self.eplb_slots, eplb_groups=self.eplb_groups,
+                           replicas_mode=self.replicas_mode, place_min_gain=self.place_min_gain)
+
     def cost_for(self, workload: Any) -> tuple[CostModel, dict[str, Any]]:
         """The cost model for ``workload`` and a record of the expert shape it uses (model, hidden, ffn, source)."""
         shape = getattr(workload, "expert_shape", None) if self.shape_from_trace else None
         if shape is None:
             why = "SimConfig.cost (shape_from_trace=False)" if not self.shape_from_trace else \
                 "SimConfig.cost (the workload names no model)"
-            return self.cost, {"model": None, "hidden": self.cost.hidden, "ffn": self.cost.ffn, "source": why}
-        return replace(self.cost, hidden=shape.hidden, ffn=shape.ffn), shape.as_dict()
+            got = {"model": None, "hidden": self.cost.hidden, "ffn": self.cost.ffn, "source": why}
+        else:
+            got = shape.as_dict()
+        given = [name for name in ("hidden", "ffn") if getattr(self, name) is not None]
+        if given:
+            got.update({name: getattr(self, name) for name in given},
+                       source=f"{got['source']}; {' and '.join(given)} given (SimConfig.{', SimConfig.'.join(given)})")
+        if (got["hidden"], got["ffn"]) == (self.cost.hidden, self.cost.ffn):
+            return self.cost, got
+        return replace(self.cost, hidden=got["hidden"], ffn=got["ffn"]), got
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -146,6 +168,7 @@ class SimResult:
     metrics: dict[str, dict[str, np.ndarray]]
     example: dict[str, Any]
     expert_shape: dict[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()      # what limits the result (``sampling_notes``)
 
     def summary(self) -> dict[str, dict[str, float]]:
         return summarize([self])
@@ -260,6 +283,46 @@ def step_us(state: PolicyState, new_state: PolicyState, cost: CostModel, topo: T
     return cost.weights_us(back, topo, grads=True) + cost.weights_us(out, topo)
 
 
+def sampling_notes(workload: Any, config: SimConfig) -> tuple[str, ...]:
+    """What the sampling of ``workload`` under ``config`` limits in the result, in words (empty when nothing):
+
+    * a per-token trace too short for a micro-batch: each rank takes S consecutive tokens (wrapping at the end),
+      so with S >= T every rank routes the whole trace (every micro-batch nearly or exactly the same: the seed
+      changes nothing), and with W x S > T the ranks' slices overlap;
+    * fewer sample starts than rank slices drawn: the measured micro-batches reuse slices the warm-up fed the
+      histories (new combinations, not unseen tokens);
+    * per-step costs (the step's gradient reduction and refresh: ``@ema``, ``eplb``, ``+place``) over a window
+      that is not a whole number of steps: only the refreshes inside the measured micro-batches are charged."""
+    notes = []
+    ids = getattr(workload, "topk_ids_TLK", None)
+    W, S, name = config.num_ranks, config.tokens_per_rank, workload.name
+    if ids is not None:
+        T = workload.num_tokens
+        if S >= T:
+            same = "the same" if S % T == 0 else "nearly the same"
+            notes.append(f"{name}: each rank's S={S} tokens wrap around the whole trace of T={T}: every rank routes "
+                         f"{same} tokens in every micro-batch ({workload.num_layers} distinct samples, one per "
+                         f"layer, whatever --seed); take S <= T / W = {T // W} for micro-batches that differ")
+        elif W * S > T:
+            notes.append(f"{name}: a micro-batch takes W x S = {W * S} tokens from a trace of T={T}: the ranks' "
+                         "slices overlap")
+        drawn = W * (config.warmup + config.microbatches)
+        starts = workload.sample_starts().size
+        if S < T and starts < drawn:
+            notes.append(f"{name}: {starts} sample starts for {drawn} rank slices: the slices repeat, and the "
+                         "measured micro-batches reuse slices the warm-up fed the histories")
+    stepped = []
+    for p in config.policies:
+        base, place, mode = parse_policy(p)
+        if mode == "ema" or place or base == "eplb":
+            stepped.append(p)
+    if stepped and config.microbatches % config.refresh_every:
+        notes.append(f"--microbatches {config.microbatches} is not a multiple of --refresh-every "
+                     f"{config.refresh_every}: the per-step costs of {', '.join(stepped)} count only the refreshes "
+                     "inside the measured micro-batches (too few or too many per micro-batch)")
+    return tuple(notes)
+
+
 def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResult:
     """Run every policy of ``config`` over ``warmup + microbatches`` micro-batches of ``workload``.
 
@@ -269,10 +332,7 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
     L, M, W = workload.num_layers, config.microbatches, config.num_ranks
     cost, shape = config.cost_for(workload)
     rows_per_rank = config.tokens_per_rank * workload.top_k
-    states = {p: [PolicyState(topo=topo, policy=p, refresh_every=config.refresh_every, ema_shift=config.ema_shift,
-                              eplb_slots=config.eplb_slots, eplb_groups=config.eplb_groups,
-                              replicas_mode=config.replicas_mode, place_min_gain=config.place_min_gain)
-                  for _ in range(L)] for p in config.policies}
+    states = {p: [config.policy_state(topo, p) for _ in range(L)] for p in config.policies}
     metrics = {p: {k: np.zeros((L, M)) for k in _METRICS} for p in config.policies}
     used: dict[str, list[set[tuple[int, int]]]] = {p: [set() for _ in range(L)] for p in config.policies}
     example: dict[str, Any] = {}
@@ -352,4 +412,4 @@ def simulate(workload: Any, config: SimConfig, progress: Any = None) -> SimResul
             progress.update(1)
     return SimResult(workload=workload.name, num_experts=topo.num_experts, top_k=workload.top_k,
                      layer_names=tuple(workload.layer_names), metrics=metrics, example=example,
-                     expert_shape=shape)
+                     expert_shape=shape, notes=sampling_notes(workload, config))

@@ -40,8 +40,34 @@ def test_bad_topology_is_a_clear_error(flame_path, capsys):
     rc = main(["simulate", str(flame_path), "--ep", "6", "--gpus-per-node", "3", "--no-progress"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert f"trace {flame_path}: Topology: num_ranks (W=6) must divide num_experts (E=64) (E is the trace's largest " \
+    assert f"trace {flame_path}: Topology: --ep (W=6) must divide the experts (E=64) (E is the trace's largest " \
         "expert id + 1; --experts sets it)" in err, err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--ep", "4", "--gpus-per-node", "8"], "--gpus-per-node 8 must divide --ep 4"),
+    (["--ep", "6"], "--gpus-per-node 4 must divide --ep 6"),
+    (["--dyn", "9"], "--dyn must be <= experts per rank E // W = 8, got dyn=9"),
+    (["--policies", "none,none"], "--policies repeats a policy"),
+    (["--policies", "eplb", "--eplb-groups", "3"], "--eplb-groups must divide E=64, got 3"),
+])
+def test_option_errors_name_the_options(args, words, flame_path, capsys, no_run):
+    assert main(["simulate", str(flame_path), *FAST, *args]) == 2
+    err = _one_line_error(capsys, words)
+    assert "SimConfig" not in err and "PolicyState" not in err and "--experts sets it" not in err, err
+
+
+def test_a_value_argparse_cannot_convert_is_named_in_words(flame_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", str(flame_path), "--ep", "2.5"])
+    assert exit_.value.code == 2 and "argument --ep: invalid positive integer value: '2.5'" in capsys.readouterr().err
+
+
+def test_gpus_per_node_defaults_to_one_node_of_at_most_8(flame_path, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["simulate", str(flame_path), "--ep", "4", "--tokens-per-rank", "64", "--dyn", "1", "--policies",
+                 "none,feplb", "--microbatches", "1", "--warmup", "0", "--no-progress", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["gpus_per_node"] == 4
 
 
 def test_console_script_help():
@@ -165,6 +191,123 @@ def test_output_path_is_checked_before_the_run(option, kind, tmp_path, flame_pat
     assert rc == 2
     _one_line_error(capsys, f"{option} {target}", why)
     assert sorted(tmp_path.rglob("*")) == before, "nothing written"
+
+
+def test_an_output_that_is_no_regular_file_is_refused(tmp_path, flame_path, capsys, no_run):
+    # a device (as root, replacing /dev/null broke the machine's); the device itself is left as it was
+    before = os.stat(os.devnull)
+    assert main(["simulate", str(flame_path), *FAST, "--json", os.devnull]) == 2
+    _one_line_error(capsys, f"--json {os.devnull}: exists and is not a regular file")
+    after = os.stat(os.devnull)
+    assert (after.st_mode, after.st_rdev) == (before.st_mode, before.st_rdev)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert main(["simulate", str(flame_path), *FAST, "--plot", str(fifo)]) == 2
+    _one_line_error(capsys, f"--plot {fifo}: exists and is not a regular file")
+
+
+def test_an_output_link_is_followed(tmp_path, flame_path, capsys):
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    target.write_text("{}")
+    link.symlink_to(target.name)
+    assert main(["simulate", str(flame_path), *FAST, "--json", str(link)]) == 0
+    assert link.is_symlink() and json.loads(target.read_text())["config"]["num_ranks"] == 8
+
+
+def test_a_replaced_output_keeps_its_mode_and_a_new_one_follows_the_umask(tmp_path, flame_path, capsys):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text("{}")
+    old.chmod(0o640)
+    mask = os.umask(0o027)
+    try:
+        for out in (old, new):
+            assert main(["simulate", str(flame_path), *FAST, "--json", str(out)]) == 0
+    finally:
+        os.umask(mask)
+    assert (old.stat().st_mode & 0o777, new.stat().st_mode & 0o777) == (0o640, 0o640)
+    assert old.read_text().endswith("}\n")
+
+
+def test_an_output_that_is_an_input_is_refused(tmp_path, flame_path, capsys, no_run):
+    trace = tmp_path / "t.npz"
+    shutil.copyfile(flame_path, trace)
+    link = tmp_path / "same.npz"
+    link.symlink_to(trace.name)
+    data = trace.read_bytes()
+    for out in (trace, link):
+        assert main(["simulate", str(trace), *FAST, "--json", str(out)]) == 2
+        _one_line_error(capsys, f"--json {out}: is the input trace {trace}, which the results would overwrite")
+    table = tmp_path / "cost.json"
+    table.write_text(json.dumps({"rows": [32, 128, 1024], "us": [20.0, 26.0, 130.0]}))
+    assert main(["simulate", str(trace), *FAST, "--cost-table", str(table), "--plot", str(table)]) == 2
+    _one_line_error(capsys, f"--plot {table}: is the input --cost-table {table}")
+    counts = tmp_path / "counts.json"
+    counts.write_text("{}")
+    assert main(["simulate", f"{counts}:model=olmoe", *FAST, "--json", str(counts)]) == 2
+    _one_line_error(capsys, f"is the input trace {counts}")
+    assert trace.read_bytes() == data and counts.read_text() == "{}"
+
+
+def test_plot_formats_matplotlib_cannot_write_here_are_refused_before_the_run(tmp_path, flame_path, capsys,
+                                                                             monkeypatch, no_run):
+    monkeypatch.setattr(shutil, "which", lambda name: None)    # no TeX installed
+    assert main(["simulate", str(flame_path), *FAST, "--plot", str(tmp_path / "r.pgf")]) == 2
+    _one_line_error(capsys, "matplotlib writes .pgf with", "which is not installed here")
+
+
+def test_an_interrupt_is_one_line_and_writes_nothing(tmp_path, flame_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(feplb.simulate, "simulate", interrupted)
+    assert main(["simulate", str(flame_path), *FAST, "--json", str(tmp_path / "r.json")]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "feplb simulate: interrupted; nothing written" and not list(tmp_path.iterdir())
+
+
+def test_hidden_or_ffn_alone_keeps_the_other_dimension_of_each_workload(tmp_path, flame_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["simulate", str(flame_path), "synthetic:zipf:E=64:K=6:L=2", *FAST, "--ffn", "512",
+                 "--json", str(out)]) == 0
+    assert "H=1024 F=512 (FLAME-MoE-290M-1.3B, --ffn from the options)" in capsys.readouterr().out
+    shapes = {k: (w["expert_shape"]["hidden"], w["expert_shape"]["ffn"])
+              for k, w in json.loads(out.read_text())["workloads"].items()}
+    # the traced model's hidden size; the synthetic workload's of the cost table (GLM-5's)
+    assert shapes == {"flame_moe_290m_prefill": (1024, 512), "synthetic-zipf-E64-K6": (6144, 512)}, shapes
+
+
+def test_what_limits_a_result_is_said_and_recorded(tmp_path, flame_path, capsys):
+    """The test trace holds 2,048 tokens: 8 ranks of 256 tokens differ, of 2,048 every rank routes the whole trace;
+    @ema's per-step costs over 3 micro-batches of a 2-micro-batch step are charged for one refresh."""
+    out = tmp_path / "r.json"
+    base = ["--ep", "8", "--gpus-per-node", "4", "--dyn", "1", "--warmup", "0", "--no-progress", "--json", str(out)]
+    assert main(["simulate", str(flame_path), *base, "--tokens-per-rank", "256", "--policies", "none,feplb",
+                 "--microbatches", "2"]) == 0
+    assert capsys.readouterr().err == "" and json.loads(out.read_text())["notes"] == []
+    assert main(["simulate", str(flame_path), *base, "--tokens-per-rank", "2048", "--policies", "none,feplb@ema",
+                 "--microbatches", "3", "--refresh-every", "2"]) == 0
+    err = capsys.readouterr().err
+    notes = json.loads(out.read_text())["notes"]
+    assert len(notes) == 2 and all(f"feplb simulate: note: {n}" in err for n in notes), (notes, err)
+    assert "every rank routes the same tokens in every micro-batch" in notes[0]
+    assert "--microbatches 3 is not a multiple of --refresh-every 2: the per-step costs of feplb@ema" in notes[1]
+
+
+@pytest.mark.parametrize("where, gpu", [({"device_type": "cpu", "device": "x86_64"}, False),
+                                        ({"device_type": "cuda", "device": "NVIDIA H200"}, True),
+                                        ({"bench_meta": {"device": "NVIDIA H200", "cuda": "13.0"}}, True),
+                                        ({}, False)])
+def test_a_cost_table_says_where_it_was_measured(where, gpu, tmp_path, flame_path, capsys):
+    table, out = tmp_path / "cost.json", tmp_path / "r.json"
+    table.write_text(json.dumps({"rows": [32, 128, 1024], "us": [20.0, 26.0, 130.0], "meta": where}))
+    assert main(["simulate", str(flame_path), *FAST, "--tokens-per-rank", "64", "--cost-table", str(table),
+                 "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(out.read_text())
+    assert doc["config"]["cost_table"] == {"path": str(table), "meta": where}
+    said = f"--cost-table {table} was not measured on a GPU"
+    assert (said in captured.err) == (not gpu) and (any(said in n for n in doc["notes"])) == (not gpu)
+    assert f"GEMM times from {table} (" in captured.out
 
 
 def test_unknown_plot_format_is_refused_before_the_run(tmp_path, flame_path, capsys, no_run):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from feplb.sched import CostModel, PolicyState, Topology, make_plan, token_straggler
-from feplb.simulate import SimConfig, simulate, summarize
+from feplb.simulate import SimConfig, sampling_notes, simulate, summarize
 from feplb.traces import ExpertShape, RoutingTrace, SyntheticWorkload, load_trace
 
 OURS = ("feplb", "feplb-split", "lp", "feplb@ema", "feplb-split@ema")
@@ -346,3 +346,60 @@ def test_recopy_weights_lengthens_the_backward_of_plans_that_copy_weights_only()
         SimConfig(recopy_weights=1)
     with pytest.raises(ValueError, match=r"recopy_weights: .*\['feplb@ema'\] per step"):
         SimConfig(recopy_weights=True, policies=("none", "feplb@ema"))
+
+
+def test_one_dimension_given_keeps_the_other_of_each_workload():
+    ids = np.random.default_rng().integers(0, 16, size=(512, 1, 2))
+    trace = RoutingTrace(name="t", topk_ids_TLK=ids, num_experts=16,
+                         expert_shape=ExpertShape(model="small", hidden=1024, ffn=704))
+    synthetic = SyntheticWorkload(kind="zipf", num_experts=16, top_k=2, num_layers=1, seed=0)
+    for given, want_trace, want_synthetic in (({"ffn": 512}, (1024, 512), (6144, 512)),
+                                              ({"hidden": 4096}, (4096, 704), (4096, 2048)),
+                                              ({}, (1024, 704), (6144, 2048))):
+        cfg = SimConfig(num_ranks=2, gpus_per_node=2, **given)
+        for w, want in ((trace, want_trace), (synthetic, want_synthetic)):
+            cost, shape = cfg.cost_for(w)
+            assert (cost.hidden, cost.ffn) == (shape["hidden"], shape["ffn"]) == want, (given, w.name)
+            assert all(f"SimConfig.{k}" in shape["source"] for k in given)
+    with pytest.raises(ValueError, match="SimConfig.ffn must be None or an int >= 1"):
+        SimConfig(ffn=0)
+
+
+def test_sampling_notes_say_what_the_micro_batches_are():
+    """Each claim of ``sampling_notes`` checked on the micro-batches themselves."""
+    rng = np.random.default_rng()
+    T, W = 64, 4
+    trace = RoutingTrace(name="t", topk_ids_TLK=rng.integers(0, 16, size=(T, 2, 2)), num_experts=16)
+
+    def draws(S, n=5):
+        gen = trace.microbatches(np.random.default_rng(), W, S)
+        return [next(gen) for _ in range(n)]
+
+    def notes(S, **kw):
+        return sampling_notes(trace, SimConfig(num_ranks=W, gpus_per_node=W, tokens_per_rank=S, dyn=1,
+                                               policies=("none", "feplb"), microbatches=2, warmup=0, **kw))
+
+    # S = T: every rank routes the whole trace, the same counts on every rank in every micro-batch
+    assert len(notes(T)) == 1 and "every rank routes the same tokens" in notes(T)[0]
+    mbs = draws(T)
+    assert all((mb == mbs[0][:, :1]).all() for mb in mbs)
+    # W x S > T (but S < T): the ranks' slices overlap
+    assert len(notes(T // 2)) == 1 and "the ranks' slices overlap" in notes(T // 2)[0]
+    # S <= T / W: nothing to say; the ranks' counts differ
+    assert notes(T // W) == ()
+    assert any((mb != mb[:, :1]).any() for mb in draws(T // W))
+    # few sample starts: slices repeat
+    starts = RoutingTrace(name="t", topk_ids_TLK=trace.topk_ids_TLK, num_experts=16, seq_offsets=np.array([0, 32, 64]))
+    got = sampling_notes(starts, SimConfig(num_ranks=W, gpus_per_node=W, tokens_per_rank=8, dyn=1,
+                                           policies=("none",), microbatches=2, warmup=1))
+    assert got == ("t: 2 sample starts for 12 rank slices: the slices repeat, and the measured micro-batches reuse "
+                   "slices the warm-up fed the histories",)
+    # per-step costs over a window of no whole steps, only for the policies that have them
+    assert notes(T // W, refresh_every=4) == ()
+    for policy in ("feplb@ema", "eplb", "feplb+place"):
+        cfg = SimConfig(num_ranks=W, gpus_per_node=2, tokens_per_rank=T // W, dyn=1, policies=(policy,),
+                        microbatches=6, warmup=0, refresh_every=4)
+        assert sampling_notes(trace, cfg) == (f"--microbatches 6 is not a multiple of --refresh-every 4: the "
+                                              f"per-step costs of {policy} count only the refreshes inside the "
+                                              "measured micro-batches (too few or too many per micro-batch)",)
+        assert sampling_notes(trace, dataclasses.replace(cfg, microbatches=8)) == ()
