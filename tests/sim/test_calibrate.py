@@ -171,7 +171,7 @@ def test_cli_measures_writes_a_table_the_simulator_reads(tmp_path, capsys):
                "--ce-gbps", "100"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "knee" in printed and f"wrote {out}" in printed
+    assert "knee" in printed and f"wrote {out}" in printed and "CPU times, no GPU's" in printed
     doc = json.loads(out.read_text())
     meta = doc["meta"]
     assert meta["source"] == "measured" and meta["device_type"] == "cpu" and meta["command"].startswith("feplb cal")
@@ -201,6 +201,13 @@ def test_cli_from_bench(tmp_path, capsys):
     assert (cm.d2d_gbps, cm.copy_out_slowdown) == (1900, 0.21)
     assert doc["rows"][0] == 128 and (doc["hidden"], doc["ffn"]) == (6144, 2048)
     assert doc["meta"]["bench_meta"]["device"] == "NVIDIA H200" and "no SwiGLU" in doc["meta"]["what"]
+    assert (doc["meta"]["device_type"], doc["meta"]["device"]) == ("cuda", "NVIDIA H200")
+    # the results file given as the output too: refused, and left as it was
+    bench = tmp_path / "bench.json"
+    bench.write_bytes(H200_BENCH.read_bytes())
+    assert main(["calibrate", "--from-bench", str(bench), "--out", str(bench)]) == 2
+    assert "is the input --from-bench" in capsys.readouterr().err
+    assert bench.read_bytes() == H200_BENCH.read_bytes()
     assert CostModel.from_json(out).knee_rows == 128
 
 
