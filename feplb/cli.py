@@ -169,10 +169,14 @@ def plot_results(results: list, path: str, fmt: str | None = None, titles: Seque
     n = len(results)
     fig, axes = plt.subplots(1, n + 1, figsize=(6 * (n + 1), 4.2), squeeze=False)
     titles = list(titles) if titles is not None else [r.workload for r in results]
+    # one colour per policy, in both panels (tab20 past ten policies, so that none repeats)
+    names = list(results[0].metrics)
+    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    color = {p: palette(i) for i, p in enumerate(names)}
     for ax, r, title in zip(axes[0], results, titles, strict=False):
         x = range(len(r.layer_names))
-        for i, (policy, m) in enumerate(r.metrics.items()):
-            ax.plot(x, m["token_straggler"].mean(axis=1), marker=".", label=policy, color=f"C{i % 10}")
+        for policy, m in r.metrics.items():
+            ax.plot(x, m["token_straggler"].mean(axis=1), marker=".", label=policy, color=color[policy])
         ax.set_xticks(list(x), r.layer_names, fontsize=7, rotation=90 if len(r.layer_names) > 12 else 0)
         ax.set_xlabel("MoE layer")
         ax.set_ylabel("token straggler (rows, mean over micro-batches)")
@@ -182,12 +186,12 @@ def plot_results(results: list, path: str, fmt: str | None = None, titles: Seque
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     ex, ax = results[0].example, axes[0][n]
-    color = {p: f"C{i % 10}" for i, p in enumerate(ex["loads_after"])}
     policies = [p for p in ex["loads_after"] if p != "none"]
     width = 0.8 / (len(policies) + 1)
     W = len(ex["loads_before"])
+    # (white, hatched: no policy's colour, tab's greys included)
     ax.bar([d - 0.4 + width / 2 for d in range(W)], ex["loads_before"], width, label="plain EP (before)",
-           color="0.6")
+           color="white", edgecolor="black", hatch="//", linewidth=0.5)
     for i, p in enumerate(policies):
         ax.bar([d - 0.4 + width * (i + 1.5) for d in range(W)], ex["loads_after"][p], width, label=p, color=color[p])
     mean = sum(ex["loads_before"]) / W
@@ -739,6 +743,11 @@ def _run_hf_check(args: argparse.Namespace) -> int:
             "date": time.strftime("%Y-%m-%d", time.gmtime())}
     print(hfcheck.table(outcomes))
     print(hfcheck.summary(outcomes) + f" ({wall:.0f} s)")
+    from feplb.sched.plan import parse_policy
+
+    if parse_policy(args.policy)[0] == "none" and not parse_policy(args.policy)[1]:
+        print(f"note: --policy {args.policy} balances nothing: 'exact' checks plain expert parallelism only",
+              file=sys.stderr)
     writers = []
     if args.markdown:
         writers.append((Path(args.markdown),

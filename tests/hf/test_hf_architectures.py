@@ -546,14 +546,16 @@ def test_cli_writes_the_table(tmp_path, capsys):
     from feplb.cli import main
 
     md, js = tmp_path / "hf.md", tmp_path / "hf.json"
-    assert main(["hf-check", "mixtral", "longcat_flash", "--markdown", str(md), "--json", str(js)]) == 0
+    # (llama: a dense model, named as a user may name one: no experts, not a recipe failure)
+    assert main(["hf-check", "mixtral", "longcat_flash", "llama", "--markdown", str(md), "--json", str(js)]) == 0
     printed = capsys.readouterr().out
-    assert "mixtral" in printed and "2 architectures: 2 exact" in printed, printed
+    assert "mixtral" in printed and "3 architectures: 2 exact, 1 no experts" in printed, printed
     text = md.read_text()
     assert "| `mixtral` | exact | 2 |" in text and "| `longcat_flash` | exact | 1 |" in text, text
     doc = json.loads(js.read_text())
     assert doc["meta"]["ranks"] == 2 and doc["meta"]["command"].startswith("feplb hf-check mixtral")
-    assert [o["status"] for o in doc["outcomes"]] == ["exact", "exact"]
+    assert {o["arch"]: o["status"] for o in doc["outcomes"]} == {"mixtral": "exact", "longcat_flash": "exact",
+                                                                 "llama": "no experts"}
 
 
 @pytest.mark.parametrize("argv, message", [
