@@ -14,6 +14,7 @@ scaler unscales and checks them, and agrees on that check over the EP group.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import weakref
 from typing import Any
@@ -33,15 +34,58 @@ __all__ = ["TrainingSteps"]
 _LAYERS: weakref.WeakSet[TrainingSteps] = weakref.WeakSet()
 
 
-def _memory(t: torch.Tensor) -> tuple[str, int] | None:
-    """Where ``t``'s elements live: its storage (device, address), or None where there is none to read (the meta
-    device, an empty storage, a tensor subclass without one). A DTensor's is its local shard's."""
+def _extent(t: torch.Tensor) -> tuple[tuple[int, int], int, int] | None:
+    """Where ``t``'s elements live: (its storage (device index, address), first byte, end byte), or None where there is
+    nothing to read (no elements, the meta device, a tensor subclass without a storage). A DTensor's is its local
+    shard's."""
     t = getattr(t, "_local_tensor", t)
+    n = t.numel()
     try:
-        ptr = t.untyped_storage().data_ptr()
+        ptr = t.untyped_storage().data_ptr() if n else 0
     except Exception:   # (a wrapper subclass with no storage of its own)
         return None
-    return (str(t.device), ptr) if ptr else None
+    if not ptr:
+        return None
+    first, size = t.storage_offset(), t.element_size()
+    span = n if t.is_contiguous() else 1 + sum((k - 1) * s for k, s in zip(t.shape, t.stride(), strict=True))
+    return (t.get_device(), ptr), first * size, (first + span) * size
+
+
+def _in_flat(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in a storage that holds more than it (a flat buffer of several parameters)."""
+    t = getattr(t, "_local_tensor", t)
+    try:
+        return t.untyped_storage().nbytes() > t.numel() * t.element_size()
+    except Exception:   # (a wrapper subclass with no storage of its own)
+        return False
+
+
+class _Spans:
+    """The bytes a set of tensors covers, per storage: merged [first, end) intervals, searched by bisection."""
+
+    def __init__(self, tensors) -> None:
+        by: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for ext in map(_extent, tensors):
+            if ext is not None:
+                by.setdefault(ext[0], []).append(ext[1:])
+        self._spans = {}
+        for key, spans in by.items():
+            merged: list[list[int]] = []
+            for lo, hi in sorted(spans):
+                if merged and lo <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], hi)
+                else:
+                    merged.append([lo, hi])
+            self._spans[key] = ([lo for lo, _ in merged], [hi for _, hi in merged])
+
+    def hits(self, t: torch.Tensor) -> bool:
+        """Whether any byte of ``t`` is among them."""
+        ext = _extent(t)
+        if ext is None or ext[0] not in self._spans:
+            return False
+        starts, ends = self._spans[ext[0]]
+        i = bisect.bisect_left(starts, ext[2]) - 1    # the last interval starting before t's end
+        return i >= 0 and ends[i] > ext[1]
 
 
 def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
@@ -49,24 +93,43 @@ def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
     attached one refreshes its copies itself), holds stale per-step copies.
 
     Stepped means: it holds the expert parameters, or their fp32 main copies (``param.main_param``, Megatron's
-    mixed-precision optimizers, which write back through ``.data``: no version counter moves), or any tensor in the
-    memory they live in. Megatron's DDP puts every expert parameter of a model chunk into one flat buffer, and its
-    distributed optimizer steps one shard of that buffer per expert-data-parallel rank (views of it in fp32, fp32
-    main copies of the parameters in the shard otherwise) and all-gathers the rest: a rank whose shard holds none
-    of a layer's parameters still receives that layer's new weights, so a step anywhere in the buffer marks every
-    layer in it. (Transformer Engine's and Apex's fused optimizers write through ``.data`` too.)"""
+    mixed-precision optimizers, which write back through ``.data``: no version counter moves); and, for the layers
+    with per-step copies, a tensor of any layer's expert weights' bytes (a view, a shard of a flat buffer) steps
+    every layer whose experts share that storage. Megatron's DDP puts every expert parameter of a model chunk into
+    one flat buffer, and its distributed optimizer steps one shard of that buffer per expert-data-parallel rank
+    (views of it in fp32, fp32 main copies of the parameters in the shard otherwise) and all-gathers the rest: a
+    rank whose shard holds none of a layer's parameters still receives that layer's new weights. (Transformer
+    Engine's and Apex's fused optimizers write through ``.data`` too.) A step of other parameters in such a buffer
+    marks no layer."""
     layers = list(_LAYERS)
     if not layers:
         return
-    held = {id(p) for g in opt.param_groups for p in g["params"]}
-    memory = {_memory(p) for g in opt.param_groups for p in g["params"]}
-    for layer in layers:   # the memory of parameters whose main copies it stepped
-        memory.update(_memory(p) for p in layer.expert_params() if id(getattr(p, "main_param", None)) in held)
-    memory.discard(None)
-    for layer in layers:
-        if layer not in _attached(opt) and layer._steps_experts(held, memory):
+    params = [p for g in opt.param_groups for p in g["params"]]
+    held = {id(p) for p in params}
+
+    def own(p) -> bool:
+        return id(p) in held or id(getattr(p, "main_param", None)) in held
+
+    marked = [layer for layer in layers if any(own(p) for p in layer.expert_params())]
+    if marked:
+        track_optimizer(opt)     # its state_dict() shards the experts' state like their parameters
+    # (the bytes it steps are read only where some per-step layer's experts live in a storage larger than
+    # themselves, a flat buffer: elsewhere a view of an expert parameter shares its version counter)
+    watched = [layer for layer in layers if layer.config.weights == "per-step"]
+    if any(layer not in marked for layer in watched) and any(_in_flat(p) for layer in watched
+                                                            for p in layer.expert_params()):
+        # the storages of the expert parameters it holds; where it holds none, of those whose bytes it holds
+        experts = [p for layer in layers for p in layer.expert_params() if _extent(p) is not None]
+        stepped = {_extent(p)[0] for p in experts if own(p)}
+        if not stepped:
+            spans = _Spans(params)
+            stepped = {_extent(p)[0] for p in experts if spans.hits(p)}
+        marked += [layer for layer in layers if layer.config.weights == "per-step" and layer not in marked
+                   and any(_extent(p) is not None and _extent(p)[0] in stepped for p in layer.expert_params())]
+    attached = _attached(opt)
+    for layer in marked:
+        if layer not in attached:
             layer.replicas.stepped = True
-            track_optimizer(opt)     # its state_dict() shards the experts' state like their parameters
 
 
 def _stepping(opt: torch.optim.Optimizer, *_: Any) -> None:
@@ -116,12 +179,6 @@ class TrainingSteps:
         if value.policy != self.config.policy and parse_policy(value.policy) != parse_policy(self.config.policy):
             return f"the state serves policy {value.policy!r}, this layer runs {self.config.policy!r}"
         return None
-
-    def _steps_experts(self, held: set[int], memory: set[tuple[str, int]]) -> bool:
-        """Whether an optimizer holding the tensors ``held`` (ids), which live in ``memory`` (``_memory``; with the
-        memory of parameters whose main copies it holds), steps this layer's expert weights (see ``_stepped``)."""
-        return any(id(p) in held or id(getattr(p, "main_param", None)) in held or _memory(p) in memory
-                   for p in self.expert_params())
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
         """Reduce replica gradients before and refresh the replicas after every ``optimizer.step()`` (per-step

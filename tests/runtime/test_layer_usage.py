@@ -220,12 +220,13 @@ def _usage_worker(rank, world):
     # shard of it per expert-data-parallel rank (views of the buffer in fp32, fp32 main copies of the parameters in
     # the shard otherwise), writes through .data (no version counter moves), and all-gathers the other ranks'
     # shards. Here this rank's shard holds only layer b's experts, and layer a's new weights arrive from the
-    # gather: layer a's next forward still refuses its stale copies, on every rank
+    # gather: layer a's next forward still refuses its stale copies, on every rank. A step of other parameters in
+    # the buffer (layer a's router: a layout that mixes experts with other parameters) marks nothing
     res["flat_buffer"] = {}
-    for kind in ("fp32 shard", "main copies"):
+    for kind in ("fp32 shard", "main copies", "other parameters"):
         a, *_, xs = _layer(23, policy="eplb", weights="per-step")
         b, *_ = _layer(24, policy="eplb", weights="per-step")
-        params = list(a.expert_params()) + list(b.expert_params())
+        params = list(a.expert_params()) + list(b.expert_params()) + [a.router.weight]
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         at = 0
         for p in params:
@@ -236,8 +237,11 @@ def _usage_worker(rank, world):
                 layer(xs[rank])
             layer.refresh_replicas()
         cut = sum(p.numel() for p in a.expert_params())
+        experts = cut + sum(p.numel() for p in b.expert_params())
         if kind == "fp32 shard":
-            stepped = [torch.nn.Parameter(flat[cut:])]
+            stepped = [torch.nn.Parameter(flat[cut:experts])]
+        elif kind == "other parameters":
+            stepped = [torch.nn.Parameter(flat[experts:])]
         else:
             stepped = []
             for p in b.expert_params():
@@ -250,9 +254,15 @@ def _usage_worker(rank, world):
             if kind == "main copies":
                 for p in b.expert_params():
                     p.data.copy_(p.main_param)
-            flat[:cut] -= 0.1          # the other rank's shard, all-gathered
+            if kind != "other parameters":
+                flat[:cut] -= 0.1          # the other rank's shard, all-gathered
         held = bool(a.replicas.all_pairs())
         stale = error_of(lambda a=a, x=xs[rank]: a(x))
+        if kind == "other parameters":   # the experts are as they were: the copies too
+            res["flat_buffer_other"] = (held, stale)
+            a.close()
+            b.close()
+            continue
         a.refresh_replicas()
         b.refresh_replicas()
         res["flat_buffer"][kind] = (held, stale, error_of(lambda a=a, x=xs[rank]: a(x)))
@@ -418,6 +428,7 @@ def test_layer_usage_and_misuse():
         for kind, (held, stale, refreshed) in res["flat_buffer"].items():
             assert held and stale is not None and "changed since the last refresh_replicas()" in stale, (kind, stale)
             assert refreshed is None, (kind, refreshed)
+        assert res["flat_buffer_other"] == (True, None), res["flat_buffer_other"]
         assert res["state_mismatch"] and res["state_mismatch"].startswith("ValueError") and \
             "policy state" in res["state_mismatch"], res["state_mismatch"]
         assert res["full_sd"], f"rank {rank}: full_state_dict of plain layers"
