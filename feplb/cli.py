@@ -415,7 +415,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     plot_fmt = _plot_format(plot_out) if plot_out else None
     gpus = args.gpus_per_node or min(8, args.ep)
     if args.ep % gpus:
-        raise UsageError(f"--gpus-per-node {gpus} must divide --ep {args.ep}")
+        raise UsageError(f"--gpus-per-node {gpus} must divide --ep {args.ep}"
+                         + ("" if args.gpus_per_node else " (the default, min(8, --ep); give --gpus-per-node)"))
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     # an explicit --hidden / --ffn holds for every workload (SimConfig.hidden / ffn); the other dimension is the
     # traced model's, or the cost table's for workloads of no model
@@ -717,7 +718,8 @@ def _run_hf_check(args: argparse.Namespace) -> int:
         raise UsageError(f"--gpus-per-node {gpn} must divide --ranks {args.ranks}")
     if args.markdown and args.json and Path(args.markdown).resolve() == Path(args.json).resolve():
         raise UsageError(f"--markdown and --json name the same file {args.markdown}")
-    outs = [check_output(f, opt) for f, opt in ((args.markdown, "--markdown"), (args.json, "--json")) if f]
+    md_out = check_output(args.markdown, "--markdown") if args.markdown else None
+    json_out = check_output(args.json, "--json") if args.json else None
     archs = list(dict.fromkeys(args.archs)) or hfcheck.moe_architectures()
     overrides = {"policy": args.policy, "gpus_per_node": gpn}
     try:   # a bad policy fails here, before any process starts
@@ -749,14 +751,13 @@ def _run_hf_check(args: argparse.Namespace) -> int:
         print(f"note: --policy {args.policy} balances nothing: 'exact' checks plain expert parallelism only",
               file=sys.stderr)
     writers = []
-    if args.markdown:
-        writers.append((Path(args.markdown),
-                        lambda tmp: Path(tmp).write_text(hfcheck.markdown(outcomes, meta))))
-    if args.json:
+    if md_out:
+        writers.append((md_out, lambda tmp: Path(tmp).write_text(hfcheck.markdown(outcomes, meta))))
+    if json_out:
         doc = {"meta": meta, "outcomes": got[0]}
-        writers.append((Path(args.json), lambda tmp: Path(tmp).write_text(_json(doc) + "\n")))
+        writers.append((json_out, lambda tmp: Path(tmp).write_text(_json(doc) + "\n")))
     _write_outputs(writers)
-    for out in outs:
+    for out, _ in writers:
         print(f"wrote {out}")
     return 1 if any(o.defect for o in outcomes) else 0
 

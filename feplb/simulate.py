@@ -287,10 +287,10 @@ def sampling_notes(workload: Any, config: SimConfig) -> tuple[str, ...]:
     """What the sampling of ``workload`` under ``config`` limits in the result, in words (empty when nothing):
 
     * a per-token trace too short for a micro-batch: each rank takes S consecutive tokens (wrapping at the end),
-      so with S >= T every rank routes the whole trace (every micro-batch nearly or exactly the same: the seed
-      changes nothing), and with W x S > T the ranks' slices overlap;
-    * fewer sample starts than rank slices drawn: the measured micro-batches reuse slices the warm-up fed the
-      histories (new combinations, not unseen tokens);
+      so with S a multiple of T every rank routes the whole trace in every micro-batch (the seed changes
+      nothing), with S > T the ranks differ in S mod T tokens only, and with W x S > T their slices overlap;
+    * fewer sample starts than rank slices drawn: slices repeat, so a measured micro-batch may hold slices the
+      histories have seen (a new combination, not unseen tokens);
     * per-step costs (the step's gradient reduction and refresh: ``@ema``, ``eplb``, ``+place``) over a window
       that is not a whole number of steps: only the refreshes inside the measured micro-batches are charged."""
     notes = []
@@ -298,19 +298,22 @@ def sampling_notes(workload: Any, config: SimConfig) -> tuple[str, ...]:
     W, S, name = config.num_ranks, config.tokens_per_rank, workload.name
     if ids is not None:
         T = workload.num_tokens
-        if S >= T:
-            same = "the same" if S % T == 0 else "nearly the same"
+        if S % T == 0:
             notes.append(f"{name}: each rank's S={S} tokens wrap around the whole trace of T={T}: every rank routes "
-                         f"{same} tokens in every micro-batch ({workload.num_layers} distinct samples, one per "
+                         f"the same tokens in every micro-batch ({workload.num_layers} distinct samples, one per "
                          f"layer, whatever --seed); take S <= T / W = {T // W} for micro-batches that differ")
+        elif S > T:
+            notes.append(f"{name}: each rank's S={S} tokens wrap around the whole trace of T={T}: every rank routes "
+                         f"all of it {S // T} time(s), and the ranks and micro-batches differ only in their other "
+                         f"{S % T} tokens")
         elif W * S > T:
             notes.append(f"{name}: a micro-batch takes W x S = {W * S} tokens from a trace of T={T}: the ranks' "
                          "slices overlap")
         drawn = W * (config.warmup + config.microbatches)
         starts = workload.sample_starts().size
         if S < T and starts < drawn:
-            notes.append(f"{name}: {starts} sample starts for {drawn} rank slices: the slices repeat, and the "
-                         "measured micro-batches reuse slices the warm-up fed the histories")
+            notes.append(f"{name}: {starts} sample starts for {drawn} rank slices: slices repeat, so a measured "
+                         "micro-batch may hold slices the histories have seen")
     stepped = []
     for p in config.policies:
         base, place, mode = parse_policy(p)

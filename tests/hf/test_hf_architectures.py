@@ -546,10 +546,13 @@ def test_cli_writes_the_table(tmp_path, capsys):
     from feplb.cli import main
 
     md, js = tmp_path / "hf.md", tmp_path / "hf.json"
+    (tmp_path / "target.md").write_text("")
+    md.symlink_to("target.md")      # written through: the link stays
     # (llama: a dense model, named as a user may name one: no experts, not a recipe failure)
     assert main(["hf-check", "mixtral", "longcat_flash", "llama", "--markdown", str(md), "--json", str(js)]) == 0
     printed = capsys.readouterr().out
     assert "mixtral" in printed and "3 architectures: 2 exact, 1 no experts" in printed, printed
+    assert md.is_symlink() and f"wrote {tmp_path / 'target.md'}" in printed, printed
     text = md.read_text()
     assert "| `mixtral` | exact | 2 |" in text and "| `longcat_flash` | exact | 1 |" in text, text
     doc = json.loads(js.read_text())

@@ -68,6 +68,8 @@ def test_gpus_per_node_defaults_to_one_node_of_at_most_8(flame_path, tmp_path, c
     assert main(["simulate", str(flame_path), "--ep", "4", "--tokens-per-rank", "64", "--dyn", "1", "--policies",
                  "none,feplb", "--microbatches", "1", "--warmup", "0", "--no-progress", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["config"]["gpus_per_node"] == 4
+    assert main(["simulate", str(flame_path), "--ep", "12", "--no-progress"]) == 2
+    _one_line_error(capsys, "--gpus-per-node 8 must divide --ep 12 (the default, min(8, --ep); give --gpus-per-node)")
 
 
 def test_console_script_help():

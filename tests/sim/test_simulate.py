@@ -7,7 +7,7 @@ import pytest
 
 from feplb.sched import CostModel, PolicyState, Topology, make_plan, token_straggler
 from feplb.simulate import SimConfig, sampling_notes, simulate, summarize
-from feplb.traces import ExpertShape, RoutingTrace, SyntheticWorkload, load_trace
+from feplb.traces import ExpertShape, RoutingTrace, SyntheticWorkload, load_trace, trace_counts
 
 OURS = ("feplb", "feplb-split", "lp", "feplb@ema", "feplb-split@ema")
 
@@ -367,12 +367,12 @@ def test_one_dimension_given_keeps_the_other_of_each_workload():
 
 def test_sampling_notes_say_what_the_micro_batches_are():
     """Each claim of ``sampling_notes`` checked on the micro-batches themselves."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(11)
     T, W = 64, 4
     trace = RoutingTrace(name="t", topk_ids_TLK=rng.integers(0, 16, size=(T, 2, 2)), num_experts=16)
 
-    def draws(S, n=5):
-        gen = trace.microbatches(np.random.default_rng(), W, S)
+    def draws(S, n=5, seed=0):
+        gen = trace.microbatches(np.random.default_rng(seed), W, S)
         return [next(gen) for _ in range(n)]
 
     def notes(S, **kw):
@@ -383,6 +383,17 @@ def test_sampling_notes_say_what_the_micro_batches_are():
     assert len(notes(T)) == 1 and "every rank routes the same tokens" in notes(T)[0]
     mbs = draws(T)
     assert all((mb == mbs[0][:, :1]).all() for mb in mbs)
+    assert len(notes(2 * T)) == 1 and "every rank routes the same tokens" in notes(2 * T)[0]
+    assert all((mb == 2 * mbs[0][:, :1]).all() for mb in draws(2 * T, seed=1))
+    # S > T, not a multiple: every rank routes the whole trace S // T times, plus S % T tokens of its own
+    S = T + T // 4
+    assert notes(S) == (f"t: each rank's S={S} tokens wrap around the whole trace of T={T}: every rank routes all of "
+                        f"it 1 time(s), and the ranks and micro-batches differ only in their other {T // 4} tokens",)
+    whole = trace_counts(trace.topk_ids_TLK[None], 16)[:, 0]       # [L, E]
+    for mb in draws(S):
+        rest = mb - whole[:, None, :]
+        assert (rest >= 0).all() and (rest.sum(axis=2) == (T // 4) * 2).all()
+    assert any((mb != mb[:, :1]).any() for mb in draws(S))
     # W x S > T (but S < T): the ranks' slices overlap
     assert len(notes(T // 2)) == 1 and "the ranks' slices overlap" in notes(T // 2)[0]
     # S <= T / W: nothing to say; the ranks' counts differ
@@ -392,8 +403,11 @@ def test_sampling_notes_say_what_the_micro_batches_are():
     starts = RoutingTrace(name="t", topk_ids_TLK=trace.topk_ids_TLK, num_experts=16, seq_offsets=np.array([0, 32, 64]))
     got = sampling_notes(starts, SimConfig(num_ranks=W, gpus_per_node=W, tokens_per_rank=8, dyn=1,
                                            policies=("none",), microbatches=2, warmup=1))
-    assert got == ("t: 2 sample starts for 12 rank slices: the slices repeat, and the measured micro-batches reuse "
-                   "slices the warm-up fed the histories",)
+    assert got == ("t: 2 sample starts for 12 rank slices: slices repeat, so a measured micro-batch may hold slices "
+                   "the histories have seen",)
+    gen = starts.microbatches(np.random.default_rng(0), W, 8)
+    slices = [tuple(c.ravel()) for _ in range(3) for c in next(gen).transpose(1, 0, 2)]   # each rank's counts
+    assert len(set(slices)) < len(slices) <= 12
     # per-step costs over a window of no whole steps, only for the policies that have them
     assert notes(T // W, refresh_every=4) == ()
     for policy in ("feplb@ema", "eplb", "feplb+place"):
