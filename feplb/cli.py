@@ -334,6 +334,28 @@ def _option_names(msg: str) -> str:
     return msg
 
 
+def _option_notes(args: argparse.Namespace, config, workloads: list) -> list[str]:
+    """Options that change nothing here, and traces whose expert count looks wrong."""
+    import numpy as np
+
+    from feplb.sched.plan import parse_policy
+
+    notes = []
+    for spec in dict.fromkeys(args.traces):
+        if args.traces.count(spec) > 1:
+            notes.append(f"trace {spec} is given {args.traces.count(spec)} times: 'all workloads' pools it as often")
+    if args.replicas == "lazy" and not any(parse_policy(p)[2] == "ema" for p in config.policies):
+        notes.append("--replicas lazy changes the @ema policies only, and none is simulated")
+    for spec, w in zip(args.traces, workloads, strict=True):
+        ids = getattr(w, "topk_ids_TLK", None)
+        if args.experts is None and ids is not None:
+            routed = np.unique(ids).size
+            if 2 * routed <= w.num_experts:
+                notes.append(f"trace {spec}: E={w.num_experts} (its largest expert id + 1), but it routes to {routed} "
+                             "experts only: check the trace, or give --experts")
+    return notes
+
+
 def _load(spec: str, num_experts: int | None):
     from feplb.traces import load_workload
 
@@ -452,13 +474,17 @@ def _run_simulate(args: argparse.Namespace) -> int:
                 raise UsageError(f"trace {spec}: {_option_names(str(err))}") from err
         bound_microbatch(w, config.num_ranks, config.tokens_per_rank)
     keys = workload_keys([w.name for w in workloads], args.traces)
+    # what the options leave without effect, or a trace that looks wrong: said before the run
+    early = _option_notes(args, config, workloads)
+    for note in early:
+        print(f"feplb simulate: note: {note}", file=sys.stderr)
     results = []
     total = len(workloads) * (config.warmup + config.microbatches)
     with tqdm(total=total, desc="simulate", unit="mb", disable=args.no_progress, file=sys.stderr) as bar:
         for w in workloads:
             results.append(simulate(w, config, progress=bar))
     planning = "" if config.plan_us is None else f"; layer ms and hidden with {config.plan_us:g} us of planning"
-    notes = [n for r in results for n in r.notes]
+    notes = early + [n for r in results for n in r.notes]
     if table_meta is not None:
         kind = table_meta.get("device_type")
         if kind is None and isinstance(table_meta.get("bench_meta"), dict):   # (tables written before it was kept)
@@ -478,7 +504,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         print(format_table(f"\n{key} (E={r.num_experts}, K={r.top_k}, W={config.num_ranks}, "
                            f"G={config.gpus_per_node}, S={config.tokens_per_rank}, dyn={config.dyn}; expert "
                            f"H={shape['hidden']} F={shape['ffn']} ({model}){planning})", r.summary()))
-    for note in dict.fromkeys(notes):
+    for note in dict.fromkeys(notes[len(early):]):
         print(f"feplb simulate: note: {note}", file=sys.stderr)
     summary = summarize(results)
     if len(results) > 1:

@@ -217,7 +217,13 @@ def load_trace(path: str | Path, num_experts: int | None = None) -> RoutingTrace
             if not ("expert_hidden" in keys and "expert_ffn" in keys):
                 raise ValueError(f"{path}: an expert shape needs both 'expert_hidden' and 'expert_ffn'")
             model = str(z["model"]) if "model" in keys else path.stem
-            shape = ExpertShape(model=model, hidden=int(z["expert_hidden"]), ffn=int(z["expert_ffn"]),
+            dims = {}
+            for k in ("expert_hidden", "expert_ffn"):
+                v = z[k]
+                if v.shape != () or v.dtype.kind not in "iuf" or v != np.floor(v):
+                    raise ValueError(f"{path}: {k} must be one whole number, got {v.dtype} {v.tolist()!r}")
+                dims[k] = int(v)
+            shape = ExpertShape(model=model, hidden=dims["expert_hidden"], ffn=dims["expert_ffn"],
                                 source=f"{path.name}: expert_hidden, expert_ffn")
     if num_experts is None:
         num_experts = hi + 1

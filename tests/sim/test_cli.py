@@ -488,3 +488,25 @@ def test_no_reduce_in_fp32_halves_the_step_gradients_and_is_recorded(tmp_path, f
     a, b = docs["fp32"]["policies"]["feplb@ema"], docs["bf16"]["policies"]["feplb@ema"]
     assert a["fwd_bwd_ms"] == b["fwd_bwd_ms"]
     assert 0 < b["step_ms"] < a["step_ms"] and b["train_ms"] < a["train_ms"]
+
+
+def test_options_without_effect_and_a_suspicious_expert_count_are_said_before_the_run(tmp_path, flame_path,
+                                                                                       capsys):
+    ids = np.random.default_rng(0).integers(0, 2, size=(1024, 1, 2))
+    ids[0, 0, 0] = 63               # one stray id: E = 64, 3 experts routed
+    sparse = tmp_path / "sparse.npz"
+    np.savez(sparse, topk_ids=ids)
+    out = tmp_path / "r.json"
+    assert main(["simulate", str(flame_path), str(flame_path), str(sparse), *FAST, "--replicas", "lazy",
+                 "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    want = [f"trace {flame_path} is given 2 times: 'all workloads' pools it as often",
+            "--replicas lazy changes the @ema policies only, and none is simulated",
+            f"trace {sparse}: E=64 (its largest expert id + 1), but it routes to 3 experts only: check the trace, "
+            "or give --experts"]
+    assert json.loads(out.read_text())["notes"][:3] == want
+    assert all(f"feplb simulate: note: {n}" in err for n in want), err
+    # none of them where they do not apply
+    assert main(["simulate", str(flame_path), str(sparse), *FAST, "--experts", "64", "--policies", "none,feplb@ema",
+                 "--replicas", "lazy", "--microbatches", "8", "--refresh-every", "4", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["notes"] == [], capsys.readouterr().err

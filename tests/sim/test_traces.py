@@ -1,6 +1,7 @@
 """Workloads: loaders, refusals, and micro-batch counts against a loop reference."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -145,6 +146,14 @@ def test_traces_carry_their_models_expert_shape(tmp_path, flame_path):
     np.savez(tmp_path / "half.npz", topk_ids=ids, expert_hidden=np.int64(512))
     with pytest.raises(ValueError, match="needs both 'expert_hidden' and 'expert_ffn'"):
         load_trace(tmp_path / "half.npz")
+    # a fractional or non-scalar size is refused, not truncated; a whole float is taken
+    for bad, words in ((np.float64(2.7), "expert_hidden must be one whole number, got float64 2.7"),
+                       (np.array([512, 512]), "expert_hidden must be one whole number, got int64 [512, 512]")):
+        np.savez(tmp_path / "bad.npz", topk_ids=ids, expert_hidden=bad, expert_ffn=np.int64(96))
+        with pytest.raises(ValueError, match=re.escape(words)):
+            load_trace(tmp_path / "bad.npz")
+    np.savez(tmp_path / "float.npz", topk_ids=ids, expert_hidden=np.float64(512.0), expert_ffn=np.int64(96))
+    assert load_trace(tmp_path / "float.npz").expert_shape.hidden == 512
     with pytest.raises(ValueError, match="ExpertShape.ffn must be a positive int, got 0"):
         ExpertShape(model="x", hidden=1, ffn=0)
 
