@@ -217,7 +217,8 @@ def permute_case(rows_per_expert: int, dist: str, impl: str, *, device: str, num
     copy_out = torch.empty_like(y)
     row_bytes = hidden * y.element_size()
     if impl == "permute":
-        fn, nbytes = (lambda: permute_triton(x, src, dst)), 2 * T * top_k * row_bytes
+        # the bytes it must move: T distinct rows read (each read for its K copies), T x K written
+        fn, nbytes = (lambda: permute_triton(x, src, dst)), (T + T * top_k) * row_bytes
         assert torch.equal(fn(), permute_ref(x, src, dst)), "permute differs from its twin"
     elif impl == "unpermute":
         fn, nbytes = (lambda: unpermute_triton(y, src, dst, weights)), (T * top_k + T) * row_bytes
@@ -276,7 +277,10 @@ def test_persistent_dw_smoke(benchmark):
 @pytest.mark.parametrize("impl", ["permute", "unpermute", "copy"])
 def test_permute_smoke(benchmark, impl):
     fn, nbytes, T = permute_case(8, "zipf", impl, device="cpu", num_experts=4, top_k=2, hidden=64)
-    assert nbytes > 0 and T == 16
+    # the bytes each must move (bf16 rows of 64): permute reads T rows and writes T x K, unpermute reads T x K and
+    # writes T, the copy reads and writes T x K
+    rows = {"permute": T + 2 * T, "unpermute": 2 * T + T, "copy": 2 * 2 * T}[impl]
+    assert T == 16 and nbytes == rows * 64 * 2, (impl, nbytes)
     benchmark.group = "interpreter smoke"
     benchmark(fn)
 

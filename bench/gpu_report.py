@@ -214,6 +214,15 @@ def _case(r: dict) -> str:
     return " ".join(str(p) for p in parts if p is not None)
 
 
+def _moved_gbps(r: dict) -> float | None:
+    """GB/s of a permute-bench row by the bytes its kernel must move: permute T distinct bf16 rows read and T x K
+    written (runs before 2026-12-05 recorded 2 x T x K rows, the copy's count, for it), unpermute and the copy as
+    recorded."""
+    if r.get("impl") == "permute" and all(_number(r.get(k)) for k in ("T", "K", "D", "us")) and r["us"] > 0:
+        return (r["T"] + r["T"] * r["K"]) * r["D"] * 2 / (r["us"] * 1e3)
+    return r.get("gbps")
+
+
 def _results(kernels: dict | None, bench: str) -> list[dict]:
     rows = (kernels or {}).get("results", [])
     return [r for r in rows if r.get("bench") == bench and "error" not in r]
@@ -275,7 +284,7 @@ def kernel_targets(kernels: dict | None) -> list[Row]:
                 vs(PERSISTENT_DW, "dw", {k[2:]: v for k, v in by.items() if k[:2] == ("feplb", "dw")})),
     ]
     perm = _results(kernels, "permute")
-    gbps = {(r["impl"], r["dist"], r["rows_per_expert"]): r.get("gbps") for r in perm}
+    gbps = {(r["impl"], r["dist"], r["rows_per_expert"]): _moved_gbps(r) for r in perm}
     for impl in ("permute", "unpermute"):
         pairs = [(v / gbps[("copy", d, n)], f"{d} {n}/expert") for (i, d, n), v in gbps.items()
                  if i == impl and v and gbps.get(("copy", d, n))]
@@ -305,9 +314,11 @@ def planner_targets(sched: dict | None) -> list[Row]:
         scaled = ""
         if limit > target:
             # bench_sched's method: the target holds for a reference core; a slower one gets a proportional limit,
-            # by its Python yardstick or by the none baseline against that one's reference time
+            # by its Python yardstick or its numpy one (before 2026-12-05: by the none baseline) against a reference
             if basis == "none" and _number(slowdown):
                 speed = f" (none's plan {slowdown:.1f}x its reference time)"
+            elif basis == "numpy" and _number(slowdown):
+                speed = f" (small numpy calls {slowdown:.1f}x their reference time)"
             else:
                 speed = f" (yardstick {yardstick:.0f} ms)" if _number(yardstick) else ""
             scaled = (f", the {target:.0f} us target scaled to this core's speed{speed}"
@@ -548,8 +559,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="the GPU check's output folder")
     parser.add_argument("--work", type=Path, default=None, help="its work folder (default: OUT)")
     args = parser.parse_args(argv)
-    report = build(args.out, args.work or args.out)
-    (args.out / "report.json").write_text(json.dumps(report, indent=1))
+    work = args.work or args.out
+    report = build(args.out, work)
+    kept = args.out / "report.json"
+    if kept.exists() and not (work / "steps.tsv").exists():
+        # a committed run's folder (bench/results/...): its step files stayed in the check's work folder, so a
+        # report rebuilt here would say NOT RUN where the run ran; the run's own report stays
+        print(f"gpu_report: kept {kept}: the check's step files (steps.tsv, junit_*.xml) are not in {work}, so the "
+              "report below cannot say what ran; pass --work with them to rebuild it", file=sys.stderr)
+    else:
+        kept.write_text(json.dumps(report, indent=1))
     print(render("steps", report["steps"]))
     print(render("targets (../shared/design/targets.md)", report["targets"]))
     verdicts = [r["verdict"] for r in (*report["steps"], *report["targets"])]

@@ -544,8 +544,23 @@ def test_planner_limit_scaled_to_a_slow_core_is_said_so(tmp_path):
     assert "scaled to this core's speed" in row["note"] and "above the unscaled" not in row["note"], row["note"]
 
 
+def test_planner_limit_scaled_by_the_numpy_yardstick_is_said_so(tmp_path):
+    # bench_sched scales a limit by whichever shows the core slower: its Python yardstick or its numpy one
+    out, work = _fake_run(tmp_path, sched={("E128-W8", "feplb-split"): 90.0, ("E128-W8", "feplb"): 130.0})
+    data = json.loads((work / "bench_sched.json").read_text())
+    for bench in data["benchmarks"]:   # numpy's small calls 2.4x slower than on the reference core, the loop 1.6x
+        bench["extra_info"].update(limit_p99_us=2.4 * bench["extra_info"]["limit_p99_us"], py_loop_ms=32.0,
+                                   slowdown=2.4, slowdown_basis="numpy")
+    (work / "bench_sched.json").write_text(json.dumps(data))
+    gr.main([str(out), "--work", str(work)])
+    row = _by_name(json.loads((out / "report.json").read_text())["targets"])["planner p99 <= 50 us (E128-W8, dyn=4)"]
+    assert row["verdict"] == "FAIL" and row["measured"].startswith("130.0 us (worst: feplb)"), row
+    assert "limit 120 us, the 50 us target scaled to this core's speed (small numpy calls 2.4x their reference " \
+        "time)" in row["note"], row["note"]
+
+
 def test_planner_limit_scaled_by_the_none_baseline_is_said_so(tmp_path):
-    # bench_sched scales a limit by whichever shows the core slower: its Python yardstick or the none baseline
+    # results of runs before 2026-12-05, whose bench_sched scaled a limit by the none baseline too
     out, work = _fake_run(tmp_path, sched={("E128-W8", "feplb-split"): 90.0, ("E128-W8", "feplb"): 130.0})
     data = json.loads((work / "bench_sched.json").read_text())
     for bench in data["benchmarks"]:   # none planned 2.4x slower than on the reference core, the loop 1.6x
@@ -558,3 +573,25 @@ def test_planner_limit_scaled_by_the_none_baseline_is_said_so(tmp_path):
     assert row["verdict"] == "FAIL" and row["measured"].startswith("130.0 us (worst: feplb)"), row
     assert "limit 120 us, the 50 us target scaled to this core's speed (none's plan 2.4x its reference time)" in \
         row["note"], row["note"]
+
+
+def test_permute_bandwidth_counts_the_bytes_the_kernel_moves():
+    """permute reads T distinct rows and writes T x K: a row of a run that recorded 2 x T x K rows (the copy's
+    count) is recounted from its T, K, D and time, so it is not credited with bytes it never moved."""
+    T, K, D, us = 8192, 8, 6144, 255.3
+    row = {"bench": "permute", "impl": "permute", "T": T, "K": K, "D": D, "us": us,
+           "bytes": 2 * T * K * D * 2, "gbps": 2 * T * K * D * 2 / (us * 1e3)}
+    assert gr._moved_gbps(row) == pytest.approx((T + T * K) * D * 2 / (us * 1e3))
+    assert gr._moved_gbps(row) == pytest.approx(row["gbps"] * (1 + K) / (2 * K))
+    copy = {"bench": "permute", "impl": "copy", "T": T, "K": K, "D": D, "us": 190.4, "gbps": 4230.0}
+    assert gr._moved_gbps(copy) == 4230.0 and gr._moved_gbps({"impl": "permute", "gbps": 3.0}) == 3.0
+
+
+def test_a_committed_runs_report_is_not_overwritten(tmp_path, capsys):
+    """A results folder holds the run's files but not its work folder's step files: the report it holds stays."""
+    out = tmp_path / "results"
+    shutil.copytree(ROOT / "bench" / "results" / "2026-11-30-h200", out)
+    before = (out / "report.json").read_bytes()
+    gr.main([str(out)])
+    assert (out / "report.json").read_bytes() == before
+    assert "kept" in capsys.readouterr().err
