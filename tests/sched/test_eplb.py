@@ -3,9 +3,10 @@
 plan on balanced and skewed routing.
 
 The reference uses lists and exact fractions only, nothing from feplb.sched but the Topology fields. Tie rules
-(the algorithm leaves them open; these are the ones feplb documents): replicas go to the lowest expert index
-among equal loads per replica; packing takes items by weight descending, then by (expert position, replica), to
-the lightest pack with room, lowest pack id among equals.
+(the algorithm leaves them open; these are the ones feplb documents): replicas go to the earliest position in
+the list replicated (a node's experts in EPLB's order, its groups heaviest first, in hierarchical mode; expert ids
+in global mode) among equal loads per replica; packing takes items by weight descending, then by (expert
+position, replica), to the lightest pack with room, lowest pack id among equals.
 """
 
 import math
