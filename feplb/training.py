@@ -118,14 +118,14 @@ def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
     watched = [layer for layer in layers if layer.config.weights == "per-step"]
     if any(layer not in marked for layer in watched) and any(_in_flat(p) for layer in watched
                                                             for p in layer.expert_params()):
+        where = {id(p): (p, _extent(p)) for layer in layers for p in layer.expert_params()}
         # the storages of the expert parameters it holds; where it holds none, of those whose bytes it holds
-        experts = [p for layer in layers for p in layer.expert_params() if _extent(p) is not None]
-        stepped = {_extent(p)[0] for p in experts if own(p)}
+        stepped = {ext[0] for p, ext in where.values() if ext is not None and own(p)}
         if not stepped:
             spans = _Spans(params)
-            stepped = {_extent(p)[0] for p in experts if spans.hits(p)}
-        marked += [layer for layer in layers if layer.config.weights == "per-step" and layer not in marked
-                   and any(_extent(p) is not None and _extent(p)[0] in stepped for p in layer.expert_params())]
+            stepped = {ext[0] for p, ext in where.values() if ext is not None and spans.hits(p)}
+        marked += [layer for layer in watched if layer not in marked
+                   and any((ext := where[id(p)][1]) is not None and ext[0] in stepped for p in layer.expert_params())]
     attached = _attached(opt)
     for layer in marked:
         if layer not in attached:
