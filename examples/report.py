@@ -206,7 +206,9 @@ def _md(meta: dict, summary: dict, load_step: int) -> str:
         "Token straggler: rows the busiest GPU computes above the mean, the time every other GPU waits for it in a "
         "synchronous MoE layer. \"Before\" is plain expert parallelism (each expert computed on its home GPU); "
         "\"after\" is where the balancing plan computed the rows. Balancing changes where a row is computed, never "
-        "what is computed, so the loss is the loss plain expert parallelism would give.",
+        "what is computed: each step's result equals plain expert parallelism's to floating-point rounding, whose "
+        "differences (other summation orders) grow over training, so a loss curve of plain expert parallelism "
+        "agrees for the first steps and then drifts apart, as any two runs that round differently do.",
         "",
         "## Loss",
         "",

@@ -533,7 +533,13 @@ def clear_previous_run(out: Path) -> None:
     """--overwrite: remove the previous run's checkpoint and report files from ``out`` (one rank; the caller then
     barriers). Called once every check has passed, so that a refused run leaves the previous one intact."""
     if out.is_dir():
-        shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
+        # the run's own checkpoint files only (step_N/ folders and the pointer): anything else there stays
+        ckpt = out / CKPT_DIR
+        for old in ckpt.glob("step_*"):
+            shutil.rmtree(old, ignore_errors=True)
+        (ckpt / CKPT_POINTER).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            ckpt.rmdir()     # (only when nothing else is left in it)
         try:
             for name in _report_module().FILES:
                 (out / name).unlink(missing_ok=True)

@@ -378,10 +378,20 @@ def test_out_dir_checks(train_moe, tmp_path):
     (run / "report.md").write_text("old report")
     (run / "notes.txt").write_text("a file of the user's")
     (run / "timeline.png").write_text("old timeline")
+    (run / "checkpoint" / "step_0000007").mkdir()
+    (run / "checkpoint" / "step_0000007" / "rank0.pt").write_text("old shard")
     train_moe.check_out_dir(run, resume=False, overwrite=True)
     assert (run / "report.md").exists(), "checking removes nothing: a run refused later keeps the previous one"
     train_moe.clear_previous_run(run)
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"], "the old run is gone, the user's file stays"
+    # a file of the user's in checkpoint/ stays too, with the folder; the run's own files there go
+    (run / "checkpoint" / "step_0000003").mkdir(parents=True)
+    (run / "checkpoint" / "latest.json").write_text(json.dumps({"step": 3}))
+    (run / "checkpoint" / "model_v3.pt").write_text("the user's")
+    train_moe.clear_previous_run(run)
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["model_v3.pt"]
+    (run / "checkpoint" / "model_v3.pt").unlink()
+    (run / "checkpoint").rmdir()
     train_moe.check_out_dir(run, resume=False)
 
 
