@@ -118,6 +118,15 @@ def train(args: argparse.Namespace) -> dict:
         raise demo.UsageError(f"--gpus-per-node {G} does not divide the world size {world}")
     if args.checkpoint is not None and args.checkpoint.exists() and not args.checkpoint.is_dir():
         raise demo.UsageError(f"--checkpoint {args.checkpoint} is a file, not a directory")
+    if args.steps < 1:
+        raise demo.UsageError(f"--steps: expected an integer >= 1, got {args.steps}")
+    # the report's and --save's folders can be written, before any training (checked alike on every rank)
+    for option, path in (("--out", args.out), ("--save", args.save)):
+        if path is not None:
+            try:
+                demo.check_out_dir(path, resume=False, overwrite=True)
+            except demo.UsageError as exc:
+                raise demo.UsageError(str(exc).replace("--out", option, 1)) from exc
     corpus, label = demo.read_corpus(None, args.text_bytes)
     data = demo.ByteStreams(corpus, rank=rank, world=world, batch=args.batch, seq_len=args.seq_len, device=device)
 
@@ -126,7 +135,10 @@ def train(args: argparse.Namespace) -> dict:
         for p in model.parameters():
             dist.broadcast(p, src=0)
     plan_wait = args.plan_wait_ms if args.plan_wait_ms is not None else (0.0 if device.type == "cuda" else 200.0)
-    names = feplb.hf.apply(model, policy=args.policy, gpus_per_node=G, dyn=args.dyn, plan_wait_ms=plan_wait)
+    try:   # (what apply refuses, it refuses on every rank together)
+        names = feplb.hf.apply(model, policy=args.policy, gpus_per_node=G, dyn=args.dyn, plan_wait_ms=plan_wait)
+    except ValueError as exc:
+        raise demo.UsageError(str(exc)) from exc
     model.train()
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -153,7 +165,7 @@ def train(args: argparse.Namespace) -> dict:
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         ids_BS, targets_BS = data.batch(step)
-        logits_BSV = model(input_ids=ids_BS).logits
+        logits_BSV = demo.forward_or_lower_lr(model, step + 1, input_ids=ids_BS).logits
         loss = F.cross_entropy(logits_BSV.reshape(-1, VOCAB), targets_BS.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -172,8 +184,8 @@ def train(args: argparse.Namespace) -> dict:
             if p.grad is not None:
                 p.grad /= world
         mean_loss = float(flat[-1])
-        if not math.isfinite(mean_loss):
-            raise RuntimeError(f"the loss became {mean_loss} at step {step + 1}; lower --lr")
+        if not math.isfinite(mean_loss):   # (the all-reduced value: every rank stops at the same step)
+            raise demo.UsageError(f"the loss became {mean_loss} at step {step + 1}; lower --lr")
         if args.clip > 0:   # the whole model's norm: expert shards counted on their owners, over the group
             feplb.hf.clip_grad_norm_(model, args.clip)
         optimizer.step()

@@ -237,6 +237,18 @@ def agree(error: str | None) -> str | None:
     return err if len(failed) == len(errors) and len({e for _, e in failed}) == 1 else f"(rank {rank}) {err}"
 
 
+def forward_or_lower_lr(model, step: int, *args, **kwargs):
+    """``model(*args, **kwargs)``; where the MoE layers refuse non-finite router logits (on every rank together:
+    weights grown too large by a finite loss's step), the UsageError that says what to do."""
+    try:
+        return model(*args, **kwargs)
+    except ValueError as exc:
+        if "contain NaN or inf" not in str(exc):
+            raise
+        raise UsageError(f"the router logits became inf or NaN at step {step} (weights grown too large); lower "
+                         "--lr") from exc
+
+
 def collective_check(fn, *args, **kwargs):
     """Run ``fn`` on every rank; if it raises UsageError on any rank, raise UsageError on all of them."""
     result, error = None, None
@@ -782,7 +794,7 @@ def train(args: argparse.Namespace, created: list[Path] | None = None) -> Path:
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * group["lr_scale"] * (min(1.0, (step + 1) / cfg.warmup) if cfg.warmup else 1.0)
         ids_BS, targets_BS = data.batch(step)
-        logits_BSV = model(ids_BS)
+        logits_BSV = forward_or_lower_lr(model, step + 1, ids_BS)
         loss = F.cross_entropy(logits_BSV.reshape(-1, VOCAB), targets_BS.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
