@@ -500,3 +500,13 @@ def test_step_stats_take_each_node_from_its_own_ranks(train_moe):
     assert got["token_straggler_before"] == pytest.approx(100 - 70)
     assert got["token_straggler_after"] == pytest.approx(90 - 70)
     assert got["layer_straggler_after"] == [pytest.approx(20.0)]
+
+
+def test_a_learning_rate_that_blows_up_the_weights_is_one_line(tmp_path):
+    """A finite loss can take a step that makes the next forward's router logits infinite: the MoE layer refuses
+    them on every rank, and the script says what to do, in one line, with no folder left behind."""
+    out = tmp_path / "lr"
+    proc = _plain("--out", str(out), *SMALL, "--lr", "1e9", "--warmup", "0", "--steps", "6")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "lower --lr" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists()

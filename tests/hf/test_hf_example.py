@@ -75,3 +75,33 @@ def test_example_with_gradient_checkpointing_has_the_same_losses():
                     collective_timeout_s=120)[0]["steps"]
     assert [s["loss"] for s in ckpt] == [s["loss"] for s in plain]
     assert [s["rows_moved"] for s in ckpt] == [s["rows_moved"] for s in plain] and sum(s["rows_moved"] for s in plain)
+
+
+def _refused(rank: int, world: int, argv: list[str]) -> str | None:
+    spec = importlib.util.spec_from_file_location("_feplb_hf_moe_example", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        mod.train(mod.build_parser().parse_args(argv))
+    except mod._demo().UsageError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--policy", "bogus"], "unknown base policy 'bogus'"),
+    (["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+    (["--out", "FILE"], "cannot write there"),
+    (["--save", "FILE"], "--save"),
+    (["--lr", "1e9", "--steps", "6"], "lower --lr"),
+], ids=["policy", "steps", "out", "save", "lr"])
+def test_example_refuses_with_one_error_on_every_rank(tmp_path, extra, words):
+    """What the example cannot run stops every rank with the same usage error (main prints it once), before any
+    training where it can be known before: no traceback per rank, no rank left waiting."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    argv = ["--hidden", "32", "--batch", "2", "--seq-len", "32", "--text-bytes", "40000", "--gpus-per-node", "2",
+            "--plan-wait-ms", "60000", *[str(afile) if a == "FILE" else a for a in extra]]
+    errors = run_dist(_refused, 2, argv, timeout_s=180, collective_timeout_s=60)
+    assert all(e is not None and words in e for e in errors), errors
+    assert afile.read_text() == ""
