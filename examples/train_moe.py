@@ -240,11 +240,11 @@ def agree(error: str | None) -> str | None:
 def forward_or_lower_lr(model, step: int, *args, **kwargs):
     """``model(*args, **kwargs)``; where the MoE layers refuse non-finite router logits (on every rank together:
     weights grown too large by a finite loss's step), the UsageError that says what to do."""
+    from feplb import NonFiniteRoutingError
+
     try:
         return model(*args, **kwargs)
-    except ValueError as exc:
-        if "contain NaN or inf" not in str(exc):
-            raise
+    except NonFiniteRoutingError as exc:
         raise UsageError(f"the router logits became inf or NaN at step {step} (weights grown too large); lower "
                          "--lr") from exc
 

@@ -15,6 +15,7 @@ _LAZY = {
     "MoELayer": "feplb.layer",
     "LayerStats": "feplb.layer",
     "join_stats": "feplb.steps",
+    "NonFiniteRoutingError": "feplb.steps",
     "ignore_experts_in_ddp": "feplb.layer",
 }
 

@@ -310,6 +310,16 @@ def _trace_file(spec: str) -> str:
     return head if head.endswith(".json") else spec
 
 
+def _measured_on(meta: dict) -> tuple[str | None, str]:
+    """Where a cost table (its ``meta``) or a bench_kernels run (its ``bench_meta``, for tables of --from-bench
+    written before calibrate recorded it) was measured: (device type or None, device name)."""
+    bench = meta.get("bench_meta") if isinstance(meta.get("bench_meta"), dict) else {}
+    kind = meta.get("device_type")
+    if kind is None and bench:
+        kind = "cuda" if bench.get("cuda") else "cpu"     # a CUDA build's bench records its CUDA version
+    return kind, meta.get("device") or bench.get("device") or ""
+
+
 def _table_meta(path: str) -> dict:
     """Where and how a cost table was measured (its ``meta``, as ``feplb calibrate`` writes it; {} if none)."""
     try:
@@ -486,10 +496,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     planning = "" if config.plan_us is None else f"; layer ms and hidden with {config.plan_us:g} us of planning"
     notes = early + [n for r in results for n in r.notes]
     if table_meta is not None:
-        kind = table_meta.get("device_type")
-        if kind is None and isinstance(table_meta.get("bench_meta"), dict):   # (tables written before it was kept)
-            kind = "cuda" if table_meta["bench_meta"].get("cuda") else "cpu"
-        device = table_meta.get("device") or (table_meta.get("bench_meta") or {}).get("device") or ""
+        kind, device = _measured_on(table_meta)
         where = f"{kind} {device}".strip() if kind else "no record of where it was measured"
         planning += f"; GEMM times from {args.cost_table} ({where})"
         if kind != "cuda":
@@ -645,9 +652,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         meta = {"source": f"bench_kernels file {path}", "what": f"{args.bench_impl} forward gate/up + down GEMMs "
                 "(no SwiGLU), uniform routing, per expert", "experts": shape["experts"],
                 "bench_meta": {k: v for k, v in doc["meta"].items() if k != "shape"}}
-        # where the bench ran, in calibrate's own terms (a CUDA build's bench records its CUDA version)
-        meta.update(device_type="cuda" if meta["bench_meta"].get("cuda") else "cpu",
-                    device=meta["bench_meta"].get("device"))
+        # where the bench ran, in calibrate's own terms
+        kind, device = _measured_on(meta)
+        meta.update(device_type=kind, device=device or None)
     else:
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto"
                               else args.device)
@@ -773,7 +780,8 @@ def _run_hf_check(args: argparse.Namespace) -> int:
     print(hfcheck.summary(outcomes) + f" ({wall:.0f} s)")
     from feplb.sched.plan import parse_policy
 
-    if parse_policy(args.policy)[0] == "none" and not parse_policy(args.policy)[1]:
+    base, place, _ = parse_policy(args.policy)
+    if base == "none" and not place:
         print(f"note: --policy {args.policy} balances nothing: 'exact' checks plain expert parallelism only",
               file=sys.stderr)
     writers = []

@@ -405,7 +405,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             gradient flows into topk_weights. float32 weights weigh the experts' outputs in float32 (the combine
             accumulates in fp32 whatever the layer's dtype), and so do float64 ones (cast to float32) in a layer of
             lower precision; others are cast to ``config.dtype``. Ids outside
-            [0, E) or non-finite weights raise on every rank together.
+            [0, E) or non-finite weights raise on every rank together (non-finite ones, or non-finite router
+            logits: ``feplb.NonFiniteRoutingError``, a ValueError).
 
         Under ``torch.compile`` the routing and the combine compile; the dispatch in between (communication, CPU
         planning) is excluded with ``torch.compiler.disable``, so the graph breaks exactly there.

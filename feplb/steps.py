@@ -11,7 +11,7 @@ import torch
 from feplb.config import FEPLBConfig, LayerStats
 from feplb.layout import HomeLayout
 
-__all__ = ["Counts", "Split", "layer_stats", "read_counts"]
+__all__ = ["Counts", "NonFiniteRoutingError", "Split", "layer_stats", "read_counts"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -35,6 +35,26 @@ class Split:
     split_WW: torch.Tensor      # int64 CPU [W, W]: rows rank s sends rank d in phase 1
 
 
+# The bits of a rank's way of calling a layer in its counts row, and what the ranks differing in one is refused as:
+# (bit, what differs, set, unset, what to do)
+_CALL_BITS = (
+    (1, "run this layer in different modes", "training", "eval",
+     "the balancing history follows training forwards only, so call model.train() or model.eval() on every rank "
+     "alike"),
+    (2, "run this layer with autograd on some ranks and off on others", "autograd on",
+     "off (torch.no_grad, inference_mode)",
+     "its backward is collective, so run the forward under the same grad mode on every rank"),
+    (4, "call this layer in different ways", "forward_dispatched", "forward",
+     "every rank must call the same method (forward_dispatched behind the caller's own dispatch, forward with "
+     "FEPLB's)"),
+)
+
+
+class NonFiniteRoutingError(ValueError):
+    """Router logits (or routing weights given to ``forward``) holding NaN or inf on some EP rank: raised on every
+    rank together, in the forward's counts all-gather (weights a too large learning rate grew, say)."""
+
+
 def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float) -> Counts:
     """Read the all-gathered rows (int64 [W, E + 6]: counts per flat slot, this rank's routing flags (1: NaN or
     inf, 2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs, how it
@@ -56,31 +76,15 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             f"{layers.tolist()}); every rank of the EP group must run every MoE layer's forward, in the same order. "
             "A model that skips an experts module on some ranks (say, a multimodal model's vision experts on a "
             "micro-batch without images) cannot run under expert parallelism as it is; every rank stops this step")
-    # how each rank calls (bits: 1 training mode, 2 autograd on, 4 forward_dispatched), compared over the ranks
-    # without a problem of their own (theirs is raised below)
-    calls = gathered[:, E + 4][gathered[:, E + 2] == 0]
+    # how each rank calls (_CALL_BITS), compared over the ranks without a problem of their own (theirs is raised
+    # below; the caller has none, so there is at least one)
     ranks = np.nonzero(gathered[:, E + 2] == 0)[0]
-
-    def differ(bit: int, what: str, on: str, off: str) -> str | None:
+    calls = gathered[ranks, E + 4]
+    for bit, what, on, off, advice in _CALL_BITS:
         got = (calls & bit) != 0
-        if not (got != got[0]).any():
-            return None
-        return (f"MoELayer: the EP ranks {what} ({on} on EP rank(s) {ranks[got].tolist()}, {off} on "
-                f"{ranks[~got].tolist()})")
-
-    problem = differ(1, "run this layer in different modes", "training", "eval")
-    if problem is not None:
-        raise RuntimeError(f"{problem}; the balancing history follows training forwards only, so call model.train() "
-                           "or model.eval() on every rank alike")
-    problem = differ(2, "run this layer with autograd on some ranks and off on others", "autograd on",
-                     "off (torch.no_grad, inference_mode)")
-    if problem is not None:
-        raise RuntimeError(f"{problem}; its backward is collective, so run the forward under the same grad mode on "
-                           "every rank")
-    problem = differ(4, "call this layer in different ways", "forward_dispatched", "forward")
-    if problem is not None:
-        raise RuntimeError(f"{problem}; every rank must call the same method (forward_dispatched behind the "
-                           "caller's own dispatch, forward with FEPLB's)")
+        if (got != got[0]).any():
+            raise RuntimeError(f"MoELayer: the EP ranks {what} ({on} on EP rank(s) {ranks[got].tolist()}, {off} on "
+                               f"{ranks[~got].tolist()}); {advice}")
     digests = gathered[:, E + 5]
     if (digests != digests[0]).any():
         groups = {}
@@ -100,8 +104,8 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
                          f"{id_ranks} (-1 only with FEPLBConfig.masked_routes: a slot routed to no expert)")
     bad_ranks = np.nonzero(gathered[:, E])[0].tolist()
     if bad_ranks:
-        raise ValueError(f"MoELayer: router logits (or routing weights) contain NaN or inf on EP rank(s) "
-                         f"{bad_ranks}; check the input and the router weights")
+        raise NonFiniteRoutingError(f"MoELayer: router logits (or routing weights) contain NaN or inf on EP "
+                                    f"rank(s) {bad_ranks}; check the input and the router weights")
     stale_ranks = np.nonzero(gathered[:, E + 1])[0].tolist()
     if stale_ranks:
         raise RuntimeError(f"MoELayer: expert weights changed since the last refresh_replicas() on EP rank(s) "

@@ -73,3 +73,9 @@ def test_sched_imports_without_torch(room):
     )
     proc = _run(code)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+def test_non_finite_routing_error_is_a_value_error():
+    import feplb
+
+    assert issubclass(feplb.NonFiniteRoutingError, ValueError) and "NonFiniteRoutingError" in feplb.__all__
