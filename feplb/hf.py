@@ -11,7 +11,8 @@ and balances every micro-batch like :class:`feplb.MoELayer` (it is one, with ``r
 What stays replicated (data parallel over the EP group): embeddings, attention, norms, routers (including
 DeepSeek-V3's ``e_score_correction_bias``), shared experts and dense MLPs: every parameter not in
 :func:`expert_parameters`. Their gradients cover this rank's tokens only: all-reduce them over the group (mean) as
-in plain data parallelism (with DDP, call ``feplb.ignore_experts_in_ddp(model)`` before wrapping), or shard them
+in plain data parallelism (DDP around the model leaves the shards alone: :func:`apply` calls
+``feplb.ignore_experts_in_ddp(model)``; around a part of it, call that on the part), or shard them
 with FSDP (``fully_shard(..., ignored_params=set(expert_parameters(m)))``, which averages them). Expert shards are
 never all-reduced: the dispatch's backward already sums every rank's gradient into the owner
 (:func:`average_expert_grads` divides them by W, for the global mean's gradient).
@@ -21,6 +22,9 @@ after it; or :func:`attach_optimizer` hooks both into ``optimizer.step()``. Grad
 reduces the replica gradients first and clips by the norm of the whole model's gradient (each expert shard counted
 on its owner, FSDP's DTensor gradients by their whole tensors), where ``torch.nn.utils.clip_grad_norm_`` would see
 this rank's shards only.
+
+transformers' ``Trainer``: :class:`feplb.hf.Trainer` (or :class:`feplb.hf.TrainerMixin` over another Trainer
+class) makes these calls where the Trainer needs them and checkpoints every rank's shards (``feplb/hf_trainer.py``).
 
 Checkpoints: ``model.state_dict()`` holds the expert shards as DTensors over the EP group (``feplb.sharded``;
 the optimizer's state of them likewise), for ``torch.distributed.checkpoint`` at any EP size;
@@ -37,7 +41,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -62,11 +66,23 @@ from feplb.dropin import (
     weights_digest,
     zero_replica_grads,
 )
-from feplb.layer import FEPLBConfig, MoELayer
+from feplb.layer import FEPLBConfig, MoELayer, ignore_experts_in_ddp
+
+if TYPE_CHECKING:   # imported when asked for (__getattr__): transformers' Trainer imports accelerate
+    from feplb.hf_trainer import Trainer, TrainerMixin
 
 __all__ = ["FEPLBExperts", "FEPLBLlama4TextMoe", "apply", "supported", "expert_parameters", "experts_modules",
            "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "zero_replica_grads",
-           "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer"]
+           "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer", "Trainer", "TrainerMixin"]
+
+
+def __getattr__(name: str) -> Any:
+    # transformers' Trainer (and accelerate, which it needs) imported only when asked for
+    if name in ("Trainer", "TrainerMixin"):
+        from feplb import hf_trainer
+
+        return getattr(hf_trainer, name)
+    raise AttributeError(f"module 'feplb.hf' has no attribute {name!r}")
 
 # the experts' call: transformers' standard names, and gpt-oss's
 _SIGNATURES = (("hidden_states", "top_k_index", "top_k_weights"),
@@ -758,4 +774,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
             for block_name in entry[1]:
                 outer, _, attr = block_name.rpartition(".")
                 setattr(model.get_submodule(outer), attr, wrapper)
+    # DDP around the model leaves the shards alone (it would broadcast rank 0's experts to every rank and average
+    # the shards of different experts, silently); DDP around a part of the model needs ignore_experts_in_ddp(part)
+    ignore_experts_in_ddp(model)
     return [name for name, _ in plans]

@@ -196,12 +196,15 @@ def load_state_dict_pre_hook(layer, state_dict: dict, prefix: str, local_metadat
 
 
 @contextlib.contextmanager
-def local_state_dicts(layers: Iterable) -> Iterator[None]:
-    """Within: the layers' ``state_dict()`` gives plain per-rank shards (``full_state_dict`` gathers them itself)."""
+def local_state_dicts(layers: Iterable, kind: str = "local") -> Iterator[None]:
+    """Within: the layers' ``state_dict()`` (and an optimizer's of their parameters) gives plain per-rank shards
+    (``full_state_dict`` gathers them itself), or what ``kind`` names (one of :data:`STATE_DICT_TYPES`)."""
+    if kind not in STATE_DICT_TYPES:
+        raise ValueError(f"state dict type must be one of {STATE_DICT_TYPES}, got {kind!r}")
     layers = list({id(lay): lay for lay in layers}.values())   # a layer reachable under several names: once
     before = [lay.__dict__.get("state_dict_type") for lay in layers]
     for lay in layers:
-        lay.state_dict_type = "local"
+        lay.state_dict_type = kind
     try:
         yield
     finally:

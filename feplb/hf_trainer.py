@@ -1,0 +1,245 @@
+"""transformers' ``Trainer`` for a model whose experts :func:`feplb.hf.apply` replaced.
+
+transformers' own ``Trainer`` runs such a model, but not the model's math: it would all-reduce the replicated
+parameters' gradients (DDP) and leave the expert shards' summed over the ranks (the dispatch's backward), clip by
+this rank's shards' norm (a different factor on every rank, so the replicated parameters drift apart), and save
+rank 0's experts alone as the model (``save_pretrained`` refuses the DTensor shards) and rank 0's optimizer state as
+everyone's. :class:`TrainerMixin` puts FEPLB's once-per-step calls where ``Trainer`` needs them:
+
+* the model is left out of DDP's parameter broadcast and all-reduce (``feplb.ignore_experts_in_ddp``; ``apply``
+  does it too);
+* after the last backward of each step, :func:`feplb.hf.average_expert_grads` (replica gradients reduced, expert
+  gradients divided by the ranks that summed them) before clipping; ``create_optimizer`` attaches the optimizer
+  (:func:`feplb.hf.attach_optimizer`: per-step expert copies refreshed after every step);
+* clipping and the logged ``grad_norm`` by :func:`feplb.hf.clip_grad_norm_`: the whole model's norm, every expert
+  counted once, equal on every rank;
+* ``save_model`` (and every checkpoint) writes the whole model (:func:`feplb.hf.full_state_dict`, gathered on
+  every rank, written by the main process), which plain transformers loads; a checkpoint also holds the model's
+  shards and the optimizer's state through ``torch.distributed.checkpoint`` (``model_feplb/``,
+  ``optimizer_feplb/``: each rank's experts at their global offsets), which ``resume_from_checkpoint`` and
+  ``load_best_model_at_end`` read, at this or another number of ranks. (transformers' own resume reads the
+  ``save_pretrained`` files with ``load_state_dict``, which skips experts saved in the hub's per-expert layout
+  with a warning only.)
+
+``feplb.hf.Trainer`` is ``TrainerMixin`` over ``transformers.Trainer``; put the mixin first over another Trainer
+subclass (TRL's, say): ``class MyTrainer(feplb.hf.TrainerMixin, SFTTrainer)``. Runs with DDP over CPU or GPU
+processes, or one process; DeepSpeed, FSDP through accelerate, TPUs, SageMaker model parallelism, transformers'
+tensor parallelism and ``torch.nn.DataParallel`` (several GPUs in one process) are refused at construction.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from feplb.dropin import (
+    attach_optimizer,
+    average_expert_grads,
+    clip_grad_norm_,
+    experts_modules,
+    full_state_dict,
+    refresh_replicas,
+)
+from feplb.layer import ignore_experts_in_ddp
+from feplb.sharded import local_state_dicts
+
+try:
+    import transformers
+except ImportError as e:   # pragma: no cover - the hf extra installs it
+    raise ImportError("feplb.hf.Trainer needs transformers (pip install 'feplb[hf]')") from e
+
+__all__ = ["TrainerMixin", "Trainer", "MODEL_DIR", "OPTIMIZER_DIR"]
+
+# in a checkpoint, torch.distributed.checkpoint folders: the model's shards as they run, and the optimizer's state
+MODEL_DIR = "model_feplb"
+OPTIMIZER_DIR = "optimizer_feplb"
+
+
+def trainer_problem(*, has_experts: bool, distributed_type: str, deepspeed: bool, fsdp: bool, n_gpu: int,
+                    tp_size: int, xla: bool, sagemaker_mp: bool) -> str | None:
+    """Why ``feplb.hf.Trainer`` cannot run this setup, or None."""
+    if not has_experts:
+        return ("the model holds no FEPLB experts module; call feplb.hf.apply(model) on every rank before making "
+                "the Trainer")
+    if deepspeed:
+        return ("DeepSpeed manages the gradients and the optimizer step, and ZeRO would shard the expert shards "
+                "again; run the replicated parameters with DDP (the default without a deepspeed config)")
+    if fsdp:
+        return ("FSDP through accelerate would shard the expert shards again; with FSDP2, call fully_shard yourself "
+                "with ignored_params=set(feplb.hf.expert_parameters(model)) and train with your own loop "
+                "(docs/hf.md, Training)")
+    if xla or sagemaker_mp:
+        return "TPUs and SageMaker model parallelism are not supported"
+    if tp_size > 1:
+        return f"transformers' tensor parallelism (tp_size {tp_size}) is not supported beside FEPLB's experts"
+    if n_gpu > 1:
+        return (f"one process drives {n_gpu} GPUs (torch.nn.DataParallel); launch one process per GPU "
+                "(torchrun)")
+    if distributed_type not in ("NO", "MULTI_CPU", "MULTI_GPU"):
+        return f"accelerate's distributed type {distributed_type} is not supported (expected NO, MULTI_CPU, MULTI_GPU)"
+    return None
+
+
+class TrainerMixin:
+    """FEPLB's per-step calls inside a transformers ``Trainer`` (module docstring). Put it first among the bases.
+
+    data_parallel_group: with several EP groups on different data (EP x DP: the world is larger than the EP group),
+        the ranks holding the same experts (``feplb.hf.average_expert_grads``' ``data_parallel_group``); DDP then
+        averages the replicated parameters over the whole world. None: the EP group is the whole world.
+    """
+
+    def __init__(self, *args: Any, data_parallel_group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        moes = experts_modules(self.model)
+        acc = self.accelerator
+        problem = trainer_problem(
+            has_experts=bool(moes), distributed_type=str(getattr(acc.distributed_type, "value", acc.distributed_type)),
+            deepspeed=bool(self.is_deepspeed_enabled), fsdp=bool(self.is_fsdp_enabled), n_gpu=self.args.n_gpu,
+            tp_size=self.get_tp_size(), xla=bool(getattr(self, "is_fsdp_xla_enabled", False)) or
+            transformers.utils.is_torch_xla_available(), sagemaker_mp=transformers.utils.is_sagemaker_mp_enabled())
+        if problem is None:
+            problem = _groups_problem(moes, data_parallel_group)
+        if problem is not None:
+            raise ValueError(f"feplb.hf.Trainer: {problem}")
+        ignore_experts_in_ddp(self.model)
+        self._feplb_dp_group = data_parallel_group
+        self._feplb_full: dict[str, torch.Tensor] | None = None
+        self._feplb_checkpointing = False
+
+    # ------------------------------------------------------------------------------------------ the step
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        optimizer = super().create_optimizer(*args, **kwargs)
+        attach_optimizer(self.model, _torch_optimizer(optimizer), getattr(self.accelerator, "scaler", None))
+        return optimizer
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        if self.accelerator.sync_gradients:   # the step's last backward: DDP has averaged the replicated gradients
+            average_expert_grads(self.model, self._feplb_dp_group)
+        return loss
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        self.accelerator.unscale_gradients()   # a GradScaler's (fp16); nothing otherwise
+        return clip_grad_norm_(self.model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if grad_norm is None:   # no clipping: the norm alone, as clip_grad_norm_ measures it
+            self.accelerator.unscale_gradients()
+            grad_norm = clip_grad_norm_(self.model, float("inf"))
+        return grad_norm
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the whole model (every rank's experts gathered: collective, so call it on every rank), as the
+        unmodified model's checkpoint: ``from_pretrained`` of the original class loads it. Inside a checkpoint,
+        also the model's shards as they run (``model_feplb/``), which resuming and ``load_best_model_at_end`` read."""
+        self._feplb_full = full_state_dict(self.model)
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self._feplb_full = None
+        if self._feplb_checkpointing:
+            import torch.distributed.checkpoint as dcp
+
+            with local_state_dicts(experts_modules(self.model), "sharded"):
+                dcp.save(self.model.state_dict(),
+                         checkpoint_id=os.path.join(output_dir or self.args.output_dir, MODEL_DIR))
+
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        self._feplb_checkpointing = True
+        try:
+            super()._save_checkpoint(*args, **kwargs)
+        finally:
+            self._feplb_checkpointing = False
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is None and self._feplb_full is not None:
+            state_dict = self._feplb_full
+        if state_dict is None:
+            raise RuntimeError("feplb.hf.Trainer._save: the expert shards are gathered by save_model(), on every "
+                               "rank; call save_model() instead")
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        with local_state_dicts(experts_modules(self.model), "sharded"):
+            state = get_optimizer_state_dict(self.model, _torch_optimizer(self.optimizer))
+            dcp.save({"optimizer": state}, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        self._load_model_shards(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        self._load_model_shards(self.state.best_model_checkpoint)
+
+    def _load_model_shards(self, checkpoint: str) -> None:
+        """The model's weights from a checkpoint's ``model_feplb/`` (each rank reads its experts, at any EP size).
+        transformers' own loading reads the checkpoint's ``save_pretrained`` files with ``load_state_dict``, which
+        skips, with a warning only, experts saved in another layout (per-expert matrices, as the hub's)."""
+        import torch.distributed.checkpoint as dcp
+
+        folder = os.path.join(checkpoint, MODEL_DIR)
+        if not os.path.isdir(folder):
+            raise ValueError(f"feplb.hf.Trainer: {checkpoint} holds no {MODEL_DIR}/ (the model's shards "
+                             "feplb.hf.Trainer writes into each checkpoint); load another checkpoint with "
+                             "from_pretrained, then call feplb.hf.apply")
+        with local_state_dicts(experts_modules(self.model), "sharded"):
+            state = self.model.state_dict()
+            dcp.load(state, checkpoint_id=folder)
+            self.model.load_state_dict(state)
+        refresh_replicas(self.model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        if checkpoint is None:
+            return
+        folder = os.path.join(checkpoint, OPTIMIZER_DIR)
+        names = transformers.trainer
+        if not os.path.isdir(folder):
+            if os.path.exists(os.path.join(checkpoint, names.OPTIMIZER_NAME)):
+                raise ValueError(f"feplb.hf.Trainer: {checkpoint} holds an optimizer state saved by transformers' "
+                                 "own Trainer (rank 0's alone, without the other ranks' experts); resume from a "
+                                 "checkpoint feplb.hf.Trainer wrote")
+            return
+        optimizer = _torch_optimizer(self.optimizer)
+        with local_state_dicts(experts_modules(self.model), "sharded"):
+            state = get_optimizer_state_dict(self.model, optimizer)
+            dcp.load({"optimizer": state}, checkpoint_id=folder)
+            set_optimizer_state_dict(self.model, optimizer, state)
+        scheduler = os.path.join(checkpoint, names.SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's ``AcceleratedOptimizer``."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _groups_problem(moes: list, dp_group: dist.ProcessGroup | None) -> str | None:
+    """The layers' EP group and ``data_parallel_group`` must cover the world once: EP size x DP size = world."""
+    if not dist.is_initialized():
+        return None if dp_group is None else "data_parallel_group given without torch.distributed initialised"
+    world = dist.get_world_size()
+    eps = {dist.get_world_size(m.group) for m in moes}
+    dp = 1 if dp_group is None else dist.get_world_size(dp_group)
+    if len(eps) != 1 or eps.pop() * dp != world:
+        sizes = sorted({dist.get_world_size(m.group) for m in moes})
+        return (f"the FEPLB layers' EP group size(s) {sizes} times the data-parallel group's {dp} must be the "
+                f"world size {world} (DDP averages the replicated parameters over the world); pass "
+                "data_parallel_group= (the ranks holding the same experts) when the EP group is smaller than the world")
+    return None
+
+
+class Trainer(TrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` for a model :func:`feplb.hf.apply` made expert-parallel (:class:`TrainerMixin`)."""

@@ -1,0 +1,225 @@
+"""feplb.hf.Trainer: transformers' own Trainer (DDP over 4 gloo ranks as 2 nodes x 2) trains a tiny Qwen3-MoE as it
+trains the unmodified model: the same logged losses and gradient norms, the same parameters after every step
+(gradient accumulation over two micro-batches, clipping active), with rows moving (feplb-split) and with per-step
+expert replicas (feplb-split@ema). Its checkpoints hold the whole model (plain transformers loads it) and every
+rank's optimizer state: resuming from the middle of a run ends where the uninterrupted run ends, and the optimizer
+state loads at another number of ranks. Setups it cannot run exactly are refused at construction."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5")
+pytest.importorskip("accelerate")
+
+from feplb.testing import run_dist  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+W, G = 4, 2
+STEPS = 4
+TOL = 1e-5
+
+
+def _models():
+    spec = importlib.util.spec_from_file_location("_feplb_hf_models", Path(__file__).with_name("models.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _dataset(n: int = 64, seq: int = 8) -> list[dict]:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, _models().VOCAB, (n, seq), generator=g)
+    return [{"input_ids": r, "labels": r.clone()} for r in ids]
+
+
+def _env(rank: int, world: int) -> None:
+    """What accelerate reads to see the process group run_dist made."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+
+def _args(out: str, optim: str, **kw):
+    import transformers as tf
+
+    base = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
+                learning_rate=0.05, max_grad_norm=0.5, optim=optim, use_cpu=True, ddp_backend="gloo", report_to=[],
+                logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0,
+                lr_scheduler_type="linear")
+    if optim == "sgd":
+        base["optim_args"] = "momentum=0.9"
+    base.update(kw)
+    return tf.TrainingArguments(**base)
+
+
+class _Snapshots:
+    """A TrainerCallback keeping the whole parameters after every step (gathered: collective on every rank)."""
+
+    def __init__(self, full):
+        self.full, self.steps = full, []
+
+    def __getattr__(self, name):           # every other TrainerCallback event: nothing
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.steps.append({k: v.detach().clone() for k, v in self.full(model).items()})
+
+
+def _train(rank, world, mode, out, optim, resume=None, save_steps=None):
+    _env(rank, world)
+    import feplb.hf
+
+    model = _models().make_model("qwen3_moe")
+    if mode == "plain":
+        import transformers as tf
+
+        cls, full = tf.Trainer, (lambda m: m.state_dict())
+    else:
+        feplb.hf.apply(model, policy=mode, gpus_per_node=G, min_straggler_rows=0, plan_wait_ms=60_000)
+        cls, full = feplb.hf.Trainer, (lambda m: feplb.hf.full_state_dict(m, rank0_only=False))
+    kw = {} if save_steps is None else dict(save_strategy="steps", save_steps=save_steps)
+    snaps = _Snapshots(full)
+    trainer = cls(model=model, args=_args(out, optim, **kw), train_dataset=_dataset(), callbacks=[snaps])
+    trainer.train(resume_from_checkpoint=resume)
+    logs = [(h["loss"], float(h["grad_norm"])) for h in trainer.state.log_history if "loss" in h]
+    return {"logs": logs, "steps": snaps.steps}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = float(b.abs().max())
+    return float((a - b).abs().max()) / (scale or 1.0)
+
+
+def _same_training(got: dict, want: dict, tol: float = TOL) -> None:
+    assert len(got["steps"]) == len(want["steps"]) > 0
+    for (loss, norm), (loss0, norm0) in zip(got["logs"], want["logs"], strict=True):
+        assert abs(loss - loss0) <= tol * abs(loss0) and abs(norm - norm0) <= tol * norm0, (got["logs"], want["logs"])
+    for step, (sd, ref) in enumerate(zip(got["steps"], want["steps"], strict=True)):
+        assert sd.keys() == ref.keys()
+        worst = max(ref, key=lambda k: _rel(sd[k], ref[k]))
+        assert _rel(sd[worst], ref[worst]) <= tol, (step, worst, _rel(sd[worst], ref[worst]))
+
+
+@pytest.fixture(scope="module")
+def plain():
+    with tempfile.TemporaryDirectory() as d:
+        runs = run_dist(_train, W, "plain", d, "sgd", timeout_s=300)
+    for r in runs[1:]:   # DDP keeps the unmodified model equal on every rank
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(r["steps"], runs[0]["steps"], strict=True) for k in a)
+    # clipping acts in every step (the norm is above max_grad_norm), so a norm counted wrong changes the step
+    assert all(norm > 0.5 for _, norm in runs[0]["logs"]), runs[0]["logs"]
+    return runs[0]
+
+
+@pytest.mark.parametrize("policy", ["feplb-split", "feplb-split@ema"])
+def test_trains_as_the_unmodified_model(plain, policy):
+    with tempfile.TemporaryDirectory() as d:
+        runs = run_dist(_train, W, policy, d, "sgd", timeout_s=300)
+    for r in runs:
+        _same_training(r, plain)
+
+
+def _checkpointed(rank, world, out):
+    """4 steps saving at steps 2 and 4 (AdamW: its state matters), the optimizer's whole state at each save
+    gathered by a callback; then a fresh model resumed from step 2's checkpoint."""
+    _env(rank, world)
+    import transformers as tf
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    import feplb.hf
+
+    first = _train(rank, world, "feplb-split", out, "adamw_torch", save_steps=2)
+    resumed = _train(rank, world, "feplb-split", out + "_resumed", "adamw_torch",
+                     resume=os.path.join(out, "checkpoint-2"), save_steps=2)
+    # the final model as plain transformers loads it from the last checkpoint
+    loaded = tf.Qwen3MoeForCausalLM.from_pretrained(os.path.join(out, "checkpoint-4")).state_dict()
+    files = sorted(os.listdir(os.path.join(out, "checkpoint-2")))
+    # the optimizer state saved at step 2, gathered whole, for the load at another number of ranks
+    model = _models().make_model("qwen3_moe")
+    feplb.hf.apply(model, policy="feplb-split", gpus_per_node=G)
+    trainer = feplb.hf.Trainer(model=model, args=_args(out + "_x", "adamw_torch"), train_dataset=_dataset())
+    trainer.create_optimizer_and_scheduler(num_training_steps=STEPS)
+    trainer._load_optimizer_and_scheduler(os.path.join(out, "checkpoint-2"))
+    whole = get_optimizer_state_dict(model, trainer.optimizer, options=StateDictOptions(full_state_dict=True))
+    return {"first": first, "resumed": resumed, "loaded": loaded, "files": files,
+            "opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr()}
+
+
+def _load_elsewhere(rank, world, out):
+    _env(rank, world)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    import feplb.hf
+
+    model = _models().make_model("qwen3_moe")
+    unsharded = model.model.layers[1].mlp.experts.gate_up_proj.detach().clone()
+    feplb.hf.apply(model, policy="feplb-split", gpus_per_node=1)
+    # DDP around the applied model (apply left the shards out of it) keeps each rank's own experts
+    torch.nn.parallel.DistributedDataParallel(model)
+    kept = torch.equal(model.model.layers[1].mlp.experts.gate_up_proj, unsharded.chunk(world)[rank])
+    trainer = feplb.hf.Trainer(model=model, args=_args(out + "_y", "adamw_torch"), train_dataset=_dataset())
+    trainer.create_optimizer_and_scheduler(num_training_steps=STEPS)
+    trainer._load_optimizer_and_scheduler(os.path.join(out, "checkpoint-2"))
+    whole = get_optimizer_state_dict(model, trainer.optimizer, options=StateDictOptions(full_state_dict=True))
+    return {"opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr(), "kept": kept}
+
+
+def test_checkpoints_resume_and_load_elsewhere():
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "run")
+        runs = run_dist(_checkpointed, W, out, timeout_s=400)
+        elsewhere = run_dist(_load_elsewhere, 2, out, timeout_s=200)
+    r0 = runs[0]
+    for r in runs:
+        # resumed at step 2: steps 3 and 4 end where the uninterrupted run's do (RNG, data order, weights and the
+        # optimizer's state restored)
+        assert len(r["resumed"]["steps"]) == 2
+        for sd, ref in zip(r["resumed"]["steps"], r["first"]["steps"][2:], strict=True):
+            worst = max(ref, key=lambda k: _rel(sd[k], ref[k]))
+            assert _rel(sd[worst], ref[worst]) <= 1e-6, (worst, _rel(sd[worst], ref[worst]))
+        # the checkpoint's model is the whole trained model, in the unmodified model's names and shapes
+        final = r["first"]["steps"][-1]
+        assert r["loaded"].keys() == final.keys()
+        assert all(torch.equal(r["loaded"][k], final[k]) for k in final)
+        assert r["opt_state"].keys() == r0["opt_state"].keys()
+    # DCP's folder for the optimizer, no rank-0-only optimizer.pt of transformers' own
+    assert "optimizer_feplb" in r0["files"] and "optimizer.pt" not in r0["files"], r0["files"]
+    # the optimizer state: every expert's moments there, and equal at 2 ranks to what 4 ranks load
+    expert_keys = [k for k in r0["opt_state"] if k.endswith(("gate_up_proj", "down_proj"))]
+    assert expert_keys and all(r0["opt_state"][k]["exp_avg"].shape[0] == 8 for k in expert_keys)
+    assert all(r0["opt_state"][k]["exp_avg"].abs().amax(dim=(1, 2)).gt(0).all() for k in expert_keys)
+    for r in elsewhere:
+        assert r["kept"]
+        assert r["lr"] == r0["lr"]
+        for k, st in r0["opt_state"].items():
+            for name, t in st.items():
+                assert torch.equal(r["opt_state"][k][name], t), (k, name)
+
+
+def test_refuses_what_it_cannot_run_exactly(tmp_path):
+    import feplb.hf
+    from feplb.hf_trainer import trainer_problem
+
+    with pytest.raises(ValueError, match=r"feplb.hf.Trainer: the model holds no FEPLB experts module; call "
+                                         r"feplb.hf.apply\(model\)"):
+        feplb.hf.Trainer(model=_models().make_model("qwen3_moe"), args=_args(str(tmp_path), "sgd", ddp_backend=None),
+                         train_dataset=_dataset())
+
+    ok = dict(has_experts=True, distributed_type="MULTI_CPU", deepspeed=False, fsdp=False, n_gpu=1, tp_size=1,
+              xla=False, sagemaker_mp=False)
+    assert trainer_problem(**ok) is None
+    assert trainer_problem(**{**ok, "distributed_type": "MULTI_GPU"}) is None
+    for change, words in [({"has_experts": False}, "feplb.hf.apply"), ({"deepspeed": True}, "DeepSpeed"),
+                          ({"fsdp": True}, "FSDP"), ({"n_gpu": 2}, "DataParallel"), ({"tp_size": 2}, "tensor"),
+                          ({"xla": True}, "TPU"), ({"distributed_type": "MEGATRON_LM"}, "MEGATRON_LM")]:
+        why = trainer_problem(**{**ok, **change})
+        assert why is not None and words in why, (change, why)
