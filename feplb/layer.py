@@ -667,12 +667,19 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         Each rank's way of calling travels with them (training mode, autograd on, ``forward_dispatched``): ranks
         that differ would run different collectives, in the forward or in its backward."""
         E = self.config.num_experts
+        # the per-step copies' owners changed since the copies were made: a sample of their bits, compared on the
+        # device (no host sync of its own: it travels in the counts' copy to the host), or-ed with what the
+        # optimizer step hook and the version counters tell
+        changed = self.replicas.changed()
         if problem is None:
-            row = torch.cat([counts_S.to(torch.int64).reshape(-1), bad.to(torch.int64).reshape(1)]).cpu()
+            counts = counts_S.to(torch.int64).reshape(-1)
+            row = torch.cat([counts, bad.to(torch.int64).reshape(1),
+                             counts.new_zeros(1) if changed is None else changed.to(counts.device)]).cpu()
         else:
-            row = torch.zeros(E + 1, dtype=torch.int64)
+            row = torch.zeros(E + 2, dtype=torch.int64)
         self.replicas.sync_requires()
-        row = torch.cat([row, torch.tensor([int(not self.replicas.fresh()), int(problem is not None), self.layer_id,
+        row[E + 1] |= int(not self.replicas.fresh())
+        row = torch.cat([row, torch.tensor([int(problem is not None), self.layer_id,
                                             int(self.training) | int(torch.is_grad_enabled()) << 1
                                             | int(dispatched) << 2, self._slow_digest()])])
         gathered = self.control.all_gather(row, "all_gather of expert counts")

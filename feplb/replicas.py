@@ -19,7 +19,9 @@ copies per micro-batch.
 Staleness (per-step copies of weights the optimizer has changed) is detected without trusting version counters
 alone: fused and foreach optimizers write parameters without bumping them, so a global optimizer step hook marks
 the layer stale whenever any optimizer steps one of its expert parameters (``MoELayer.attach_optimizer`` instead
-reduces and refreshes around the step, for the user).
+reduces and refreshes around the step, for the user), and a sample of the owners' bits taken when the copies are
+made is compared at every forward (:meth:`Replicas.changed`), for writes neither sees (through ``.data`` outside an
+optimizer).
 
 Legend: L experts per GPU, H hidden, F ffn, S slots per GPU (= L).
 """
@@ -98,6 +100,27 @@ class SlotWeights:
         return dataclasses.replace(self, gemm_parts=(*cast, *self.parts[2:]))
 
 
+_SAMPLED = 64   # elements per local expert and parameter in the staleness sample (Replicas.changed)
+
+
+def _places(p: torch.Tensor, experts: int, seed: int) -> torch.Tensor:
+    """Fixed random places in ``p`` (row-major element numbers, for ``torch.take``, whatever its strides):
+    ``_SAMPLED`` per expert it holds on average, on its device."""
+    n = p.numel()
+    g = torch.Generator().manual_seed(0x5EED + seed)
+    return torch.randint(max(n, 1), (min(n, _SAMPLED * max(experts, 1)),), generator=g).to(p.device)
+
+
+def _where(params) -> list:
+    """What the sampled places depend on: the parameters' identity, shape and device."""
+    return [(id(p), p.shape, p.device) for p in params]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as bytes: compared bit for bit (a NaN equals itself), whatever their dtype."""
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
 class Replicas:
     """The per-step copies of one layer on one rank (see the module docstring). ``layer`` is the owning
     ``MoELayer`` (held weakly): its ``expert_weights()``, ``comm``, ``control`` and sizes."""
@@ -122,6 +145,11 @@ class Replicas:
         self.stepped = False          # an optimizer stepped the owner's parameters since the last refresh
         self._versions: tuple[int, ...] = ()
         self._requires: tuple[bool, ...] = ()   # the owner's parameters' requires_grad at the last refresh
+        # a sample of the owner's parameters' bits when the copies were made (the third check of staleness, for
+        # writes nothing marks: through .data outside an optimizer, a master copy written back by hand), and
+        # where it was taken: (parameter, its indices) per parameter
+        self._sample = torch.zeros(0, dtype=torch.uint8)
+        self._sampled_at: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     # ------------------------------------------------------------------------------------------------ state
     def own_weights(self) -> tuple[torch.Tensor, ...]:
@@ -142,6 +170,31 @@ class Replicas:
         if not self.pairs and not self.lazy_pairs:
             return True
         return not self.stepped and self._versions == self.versions()
+
+    def changed(self) -> torch.Tensor | None:
+        """int64 [1] on the parameters' device, 1 where a sampled element of the owner's expert parameters has
+        other bits than when the per-step copies were made, computed without a host sync (the forward's counts
+        row carries it); None when there are no copies. A sample: 64 elements per local expert and parameter
+        (at fixed random places), so a write that changes a few elements only can escape it; the optimizer step
+        hook and the version counters (:meth:`fresh`) catch every optimizer step and every in-place op."""
+        if (not self.pairs and not self.lazy_pairs) or not self._sampled_at:
+            return None
+        if _where(self._layer().expert_params()) != _where(p for p, _ in self._sampled_at):
+            return torch.ones(1, dtype=torch.int64)   # parameters replaced since the copies were made
+        return (self._take(self._sampled_at) != self._sample).any().reshape(1).to(torch.int64)
+
+    def _mark(self) -> None:
+        """Sample the owner's expert parameters now (the copies are being made from them)."""
+        params = self._layer().expert_params()
+        if _where(p for p, _ in self._sampled_at) != _where(params):
+            self._sampled_at = tuple((p, _places(p, self._layer().num_local, k)) for k, p in enumerate(params))
+        self._sample = self._take(self._sampled_at)
+
+    @staticmethod
+    @torch.no_grad()
+    def _take(at) -> torch.Tensor:
+        """The sampled elements' bytes, all parameters in one uint8 tensor: one gather per parameter, one compare."""
+        return torch.cat([_bytes(torch.take(p.detach(), idx)) for p, idx in at])
 
     def sync_requires(self) -> None:
         """Make the copies require grad where the owners' weights now do (experts frozen or unfrozen since the
@@ -298,6 +351,7 @@ class Replicas:
             # the first copies held since the last refresh (if any) are of the owners' weights as they are now (the
             # forward found nothing stale): staleness counts from here
             self._versions, self._requires, self.stepped = self.versions(), self.requires(), False
+            self._mark()
         self.lazy_pairs = self.lazy_pairs | new
         self.ever_held = True
 
@@ -337,6 +391,7 @@ class Replicas:
         self.lazy_pairs, self.held, self.held_banks = frozenset(), {}, []
         if not pairs:
             return
+        self._mark()
         copies = [(e, e // lay.num_local, g) for e, g in pairs]
         own = self.own_weights()
         w1 = own[0]

@@ -216,6 +216,27 @@ def _usage_worker(rank, world):
     layer.refresh_replicas()
     res["main_params_refreshed"] = error_of(lambda: layer(xs[rank]))
 
+    # Writes that no optimizer step marks and no version counter shows: through .data outside any optimizer (a
+    # master copy written back by hand, as DeepSpeed's and apex's mixed precision do). The owners' sampled bits
+    # differ from the copies', so the next forward refuses them on every rank; here rank 2 alone changed one of
+    # its experts. Bits written back unchanged (and NaN among them) are no change
+    layer, *_, xs = _layer(23, policy="eplb", weights="per-step")
+    with torch.no_grad():
+        layer(xs[rank])
+    for p in layer.expert_params():
+        p.data[-1] = float("nan")
+    layer.refresh_replicas()
+    for p in layer.expert_params():
+        p.data.copy_(p.data.clone())
+    same = error_of(lambda: layer(xs[rank]))
+    if rank == 2:
+        for p in layer.expert_params():
+            p.data[0] += 0.01
+    res["data_write"] = (bool(layer.replicas.all_pairs()), same, error_of(lambda: layer(xs[rank])))
+    layer.refresh_replicas()
+    res["data_write_refreshed"] = error_of(lambda: layer(xs[rank]))
+    layer.close()
+
     # Megatron's DDP keeps every expert parameter of a model in one flat buffer; its distributed optimizer steps one
     # shard of it per expert-data-parallel rank (views of the buffer in fp32, fp32 main copies of the parameters in
     # the shard otherwise), writes through .data (no version counter moves), and all-gathers the other ranks'
@@ -425,6 +446,10 @@ def test_layer_usage_and_misuse():
         held, stale = res["main_params"]
         assert held and stale is not None and "changed since the last refresh_replicas()" in stale, stale
         assert res["main_params_refreshed"] is None, res["main_params_refreshed"]
+        held, same, stale = res["data_write"]
+        assert held and same is None, same
+        assert stale is not None and "changed since the last refresh_replicas() on EP rank(s) [2]" in stale, stale
+        assert res["data_write_refreshed"] is None, res["data_write_refreshed"]
         for kind, (held, stale, refreshed) in res["flat_buffer"].items():
             assert held and stale is not None and "changed since the last refresh_replicas()" in stale, (kind, stale)
             assert refreshed is None, (kind, refreshed)
