@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             print(f"hf_moe.py: error: {exc}", file=sys.stderr, flush=True)
         code = 2
+    except KeyboardInterrupt:   # Ctrl-C reaches every rank: one line each, no traceback
+        demo.stop(130, f"hf_moe.py: rank {dist.get_rank()}: interrupted", False, [])
     dist.destroy_process_group()
     return code
 

@@ -913,6 +913,9 @@ def main(argv: list[str] | None = None) -> int:
         report = train(args, created)
     except UsageError as exc:
         code, message, agreed = 2, f"train_moe.py: error: {exc}", True
+    except KeyboardInterrupt:   # Ctrl-C reaches every rank: one line each, no traceback; the newest checkpoint stays
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        code, message, agreed = 130, f"train_moe.py: rank {rank}: interrupted", False
     except Exception:  # a fault or a bug, possibly on this rank alone: the traceback says where
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         code, message, agreed = 1, f"train_moe.py: rank {rank} failed:\n{traceback.format_exc()}", False

@@ -510,3 +510,36 @@ def test_a_learning_rate_that_blows_up_the_weights_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "lower --lr" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not out.exists()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
+    """Ctrl-C (SIGINT to the whole foreground process group, torchrun and its workers) while training: each rank
+    says it was interrupted in one line, without a traceback, and no rank is aborted."""
+    import signal
+    import time
+
+    out, log = tmp_path / "run", tmp_path / "log.txt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+           "--gpus-per-node", "2", "--out", str(out), "--steps", "100000", *SMALL[:-2], "--log-every", "1"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 180
+            while "loss" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert proc.poll() is None and "loss" in log.read_text(), log.read_text()
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=90)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert proc.returncode != 0, text
+    assert sorted(line for line in text.splitlines() if line.startswith("train_moe.py: rank")) == [
+        "train_moe.py: rank 0: interrupted", "train_moe.py: rank 1: interrupted"], text
+    # (torchrun itself prints its own traceback of the signal; the workers print none)
+    assert "KeyboardInterrupt" not in text and f'File "{SCRIPT}"' not in text, text
+    assert "terminate called" not in text, text
