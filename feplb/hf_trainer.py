@@ -24,7 +24,9 @@ everyone's. :class:`TrainerMixin` puts FEPLB's once-per-step calls where ``Train
 ``feplb.hf.Trainer`` is ``TrainerMixin`` over ``transformers.Trainer``; put the mixin first over another Trainer
 subclass (TRL's, say): ``class MyTrainer(feplb.hf.TrainerMixin, SFTTrainer)``. Runs with DDP over CPU or GPU
 processes, or one process; DeepSpeed, FSDP through accelerate, TPUs, SageMaker model parallelism, transformers'
-tensor parallelism and ``torch.nn.DataParallel`` (several GPUs in one process) are refused at construction.
+tensor parallelism and ``torch.nn.DataParallel`` (several GPUs in one process) are refused at construction, and
+optimizers whose update reads statistics over a whole tensor (Adafactor, GaLore, ...: :func:`optimizer_problem`)
+when the optimizer is made.
 """
 
 from __future__ import annotations
@@ -103,6 +105,12 @@ class TrainerMixin:
             transformers.utils.is_torch_xla_available(), sagemaker_mp=transformers.utils.is_sagemaker_mp_enabled())
         if problem is None:
             problem = _groups_problem(moes, data_parallel_group)
+        if dist.is_initialized():   # refused on every rank together (a group given wrong on some ranks only, say)
+            views = [None] * dist.get_world_size()
+            dist.all_gather_object(views, problem)
+            ranks = [r for r, v in enumerate(views) if v is not None]
+            if ranks:
+                problem = views[ranks[0]] + ("" if len(ranks) == len(views) else f" (on rank(s) {ranks})")
         if problem is not None:
             raise ValueError(f"feplb.hf.Trainer: {problem}")
         ignore_experts_in_ddp(self.model)
@@ -113,6 +121,9 @@ class TrainerMixin:
     # ------------------------------------------------------------------------------------------ the step
     def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(*args, **kwargs)
+        problem = optimizer_problem(_torch_optimizer(optimizer))
+        if problem is not None:   # every rank runs the same optimizer: refused on every rank
+            raise ValueError(f"feplb.hf.Trainer: {problem}")
         attach_optimizer(self.model, _torch_optimizer(optimizer), getattr(self.accelerator, "scaler", None))
         return optimizer
 
@@ -238,7 +249,37 @@ def _groups_problem(moes: list, dp_group: dist.ProcessGroup | None) -> str | Non
         return (f"the FEPLB layers' EP group size(s) {sizes} times the data-parallel group's {dp} must be the "
                 f"world size {world} (DDP averages the replicated parameters over the world); pass "
                 "data_parallel_group= (the ranks holding the same experts) when the EP group is smaller than the world")
+    if dp_group is not None:
+        # the ranks holding this rank's experts: one from each EP group, this rank the only one in its own
+        me = dist.get_rank()
+        dp_ranks = set(dist.get_process_group_ranks(dp_group))
+        for m in moes:
+            common = dp_ranks & set(dist.get_process_group_ranks(m.group))
+            if common != {me}:
+                return (f"data_parallel_group (ranks {sorted(dp_ranks)}) must hold the ranks with this rank's experts, "
+                        f"one per EP group: it shares ranks {sorted(common)} with the EP group of rank {me} "
+                        f"({sorted(dist.get_process_group_ranks(m.group))}), where only rank {me} belongs")
     return None
+
+
+# optimizers whose update reads statistics over more than one element (a whole tensor's RMS, low-rank
+# projections, an update fused into the backward): on an expert shard they see this rank's experts only, where the
+# unmodified model's mix every expert of the tensor
+_RMS, _LOW_RANK, _IN_BACKWARD = ("its update clipping takes the RMS of the whole tensor",
+                                 "it projects whole matrices to low rank", "it steps inside the backward")
+_NOT_ELEMENTWISE = {"Adafactor": _RMS, "StableAdamW": _RMS, "GaLoreAdamW": _LOW_RANK, "GaLoreAdamW8bit": _LOW_RANK,
+                    "GaLoreAdafactor": _LOW_RANK, "APOLLOAdamW": _LOW_RANK, "LayerWiseDummyOptimizer": _IN_BACKWARD,
+                    "Lomo": _IN_BACKWARD, "AdaLomo": _IN_BACKWARD}
+
+
+def optimizer_problem(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why an optimizer would step the expert shards otherwise than the unmodified model's tensors, or None."""
+    why = _NOT_ELEMENTWISE.get(type(optimizer).__name__)
+    if why is None:
+        return None
+    return (f"{type(optimizer).__name__}: {why}, which on an expert shard covers this rank's experts only (the "
+            "unmodified model's covers every expert of the tensor); use an element-wise optimizer (AdamW, SGD, "
+            "Adagrad, RMSprop, Lion, AdEMAMix, schedule-free ...)")
 
 
 class Trainer(TrainerMixin, transformers.Trainer):

@@ -150,7 +150,19 @@ def _checkpointed(rank, world, out):
     trainer.create_optimizer_and_scheduler(num_training_steps=STEPS)
     trainer._load_optimizer_and_scheduler(os.path.join(out, "checkpoint-2"))
     whole = get_optimizer_state_dict(model, trainer.optimizer, options=StateDictOptions(full_state_dict=True))
-    return {"first": first, "resumed": resumed, "loaded": loaded, "files": files,
+    # EP 2 x DP 2 with ranks 2 and 3 passing their EP group as the data-parallel group (the right size, the wrong
+    # ranks): refused on every rank, naming them; the right groups are taken
+    import torch.distributed as dist
+
+    from feplb.testing import error_of
+
+    ep = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    dp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    model = _models().make_model("qwen3_moe")
+    feplb.hf.apply(model, group=ep, policy="feplb-split", gpus_per_node=2)
+    epdp = [error_of(lambda g=g: feplb.hf.Trainer(model=model, args=_args(out + "_z", "sgd"), train_dataset=_dataset(),
+                                                  data_parallel_group=g)) for g in (ep if rank >= 2 else dp, dp)]
+    return {"first": first, "resumed": resumed, "loaded": loaded, "files": files, "epdp": epdp,
             "opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr()}
 
 
@@ -170,7 +182,12 @@ def _load_elsewhere(rank, world, out):
     trainer.create_optimizer_and_scheduler(num_training_steps=STEPS)
     trainer._load_optimizer_and_scheduler(os.path.join(out, "checkpoint-2"))
     whole = get_optimizer_state_dict(model, trainer.optimizer, options=StateDictOptions(full_state_dict=True))
-    return {"opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr(), "kept": kept}
+    # an optimizer whose update reads a whole tensor's statistics: refused when the Trainer makes it
+    from feplb.testing import error_of
+
+    ada = feplb.hf.Trainer(model=model, args=_args(out + "_a", "adafactor"), train_dataset=_dataset())
+    return {"opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr(), "kept": kept,
+            "adafactor": error_of(ada.create_optimizer)}
 
 
 def test_checkpoints_resume_and_load_elsewhere():
@@ -197,8 +214,15 @@ def test_checkpoints_resume_and_load_elsewhere():
     expert_keys = [k for k in r0["opt_state"] if k.endswith(("gate_up_proj", "down_proj"))]
     assert expert_keys and all(r0["opt_state"][k]["exp_avg"].shape[0] == 8 for k in expert_keys)
     assert all(r0["opt_state"][k]["exp_avg"].abs().amax(dim=(1, 2)).gt(0).all() for k in expert_keys)
+    for rank, r in enumerate(runs):
+        wrong, right = r["epdp"]
+        assert wrong is not None and wrong.startswith("ValueError") and "data_parallel_group" in wrong and \
+            "(on rank(s) [2, 3])" in wrong, (rank, wrong)
+        assert right is None, right
     for r in elsewhere:
         assert r["kept"]
+        assert r["adafactor"] is not None and "Adafactor: its update clipping takes the RMS of the whole tensor" in \
+            r["adafactor"], r["adafactor"]
         assert r["lr"] == r0["lr"]
         for k, st in r0["opt_state"].items():
             for name, t in st.items():
@@ -218,6 +242,11 @@ def test_refuses_what_it_cannot_run_exactly(tmp_path):
               xla=False, sagemaker_mp=False)
     assert trainer_problem(**ok) is None
     assert trainer_problem(**{**ok, "distributed_type": "MULTI_GPU"}) is None
+    from feplb.hf_trainer import optimizer_problem
+
+    params = [torch.nn.Parameter(torch.ones(2, 3))]
+    assert optimizer_problem(torch.optim.AdamW(params)) is None and optimizer_problem(torch.optim.SGD(params)) is None
+    assert "whole tensor" in optimizer_problem(torch.optim.Adafactor(params))
     for change, words in [({"has_experts": False}, "feplb.hf.apply"), ({"deepspeed": True}, "DeepSpeed"),
                           ({"fsdp": True}, "FSDP"), ({"n_gpu": 2}, "DataParallel"), ({"tp_size": 2}, "tensor"),
                           ({"xla": True}, "TPU"), ({"distributed_type": "MEGATRON_LM"}, "MEGATRON_LM")]:
