@@ -22,7 +22,7 @@ everyone's. :class:`TrainerMixin` puts FEPLB's once-per-step calls where ``Train
   with a warning only.)
 
 ``feplb.hf.Trainer`` is ``TrainerMixin`` over ``transformers.Trainer``; put the mixin first over another Trainer
-subclass (TRL's, say): ``class MyTrainer(feplb.hf.TrainerMixin, SFTTrainer)``. Runs with DDP over CPU or GPU
+subclass (TRL's, say, not tested): ``class MyTrainer(feplb.hf.TrainerMixin, SFTTrainer)``. Runs with DDP over CPU or GPU
 processes, or one process; DeepSpeed, FSDP through accelerate, TPUs, SageMaker model parallelism, transformers'
 tensor parallelism and ``torch.nn.DataParallel`` (several GPUs in one process) are refused at construction, and
 optimizers whose update reads statistics over a whole tensor (Adafactor, GaLore, ...: :func:`optimizer_problem`)
