@@ -152,7 +152,8 @@ def train(args: argparse.Namespace) -> dict:
     if rank == 0:
         print(f"feplb + transformers: {type(model).__name__} ({args.arch}, {args.layers} layers, hidden "
               f"{args.hidden}), {len(names)} experts modules replaced ({names[0]}, ...): {E} experts, "
-              f"top-{first.config.top_k}, {E // world} per rank; {world} ranks = {world // G} nodes x {G} GPUs, "
+              f"top-{first.config.top_k}, {E // world} per rank; {world} ranks = {world // G} node(s) x {G} GPU(s)"
+              f"{' (modelled: CPU processes)' if device.type == 'cpu' else ''}, "
               f"policy {args.policy!r}; text: {label}", flush=True)
 
     start = 0

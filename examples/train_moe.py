@@ -780,8 +780,14 @@ def train(args: argparse.Namespace, created: list[Path] | None = None) -> Path:
             "platform": platform_line(device)}
     tokens_per_step = world * cfg.batch * cfg.seq_len
     if rank == 0:
-        print(f"feplb demo: {world} ranks = {world // cfg.gpus_per_node} nodes x {cfg.gpus_per_node} GPUs, "
-              f"{cfg.layers} MoE layers x {cfg.experts} experts (top-{cfg.top_k}, {cfg.dyn} dynamic per GPU), "
+        nodes = world // cfg.gpus_per_node
+        modelled = " (modelled: CPU processes)" if device.type == "cpu" else ""
+
+        def n(count: int, what: str) -> str:
+            return f"{count} {what}" + ("" if count == 1 else "s")
+
+        print(f"feplb demo: {n(world, 'rank')} = {n(nodes, 'node')} x {n(cfg.gpus_per_node, 'GPU')}{modelled}, "
+              f"{n(cfg.layers, 'MoE layer')} x {cfg.experts} experts (top-{cfg.top_k}, {cfg.dyn} dynamic per GPU), "
               f"policy {cfg.policy!r}, {tokens_per_step} tokens/step, text: {text_label} "
               f"({cfg.text_bytes} bytes budget)", flush=True)
         if start_step:
