@@ -103,14 +103,17 @@ class TrainerMixin:
             deepspeed=bool(self.is_deepspeed_enabled), fsdp=bool(self.is_fsdp_enabled), n_gpu=self.args.n_gpu,
             tp_size=self.get_tp_size(), xla=bool(getattr(self, "is_fsdp_xla_enabled", False)) or
             transformers.utils.is_torch_xla_available(), sagemaker_mp=transformers.utils.is_sagemaker_mp_enabled())
-        if problem is None:
-            problem = _groups_problem(moes, data_parallel_group)
-        if dist.is_initialized():   # refused on every rank together (a group given wrong on some ranks only, say)
-            views = [None] * dist.get_world_size()
-            dist.all_gather_object(views, problem)
-            ranks = [r for r, v in enumerate(views) if v is not None]
+        if not dist.is_initialized():
+            if problem is None and data_parallel_group is not None:
+                problem = "data_parallel_group given without torch.distributed initialised"
+        else:   # refused on every rank together (a group given wrong on some ranks only, say)
+            views: list = [None] * dist.get_world_size()
+            dist.all_gather_object(views, (problem, _group_info(moes, data_parallel_group)))
+            ranks = [r for r, (v, _) in enumerate(views) if v is not None]
             if ranks:
-                problem = views[ranks[0]] + ("" if len(ranks) == len(views) else f" (on rank(s) {ranks})")
+                problem = views[ranks[0]][0] + ("" if len(ranks) == len(views) else f" (on rank(s) {ranks})")
+            else:
+                problem = _groups_problem([info for _, info in views])
         if problem is not None:
             raise ValueError(f"feplb.hf.Trainer: {problem}")
         ignore_experts_in_ddp(self.model)
@@ -237,39 +240,53 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def _groups_problem(moes: list, dp_group: dist.ProcessGroup | None) -> str | None:
-    """The layers' EP group and ``data_parallel_group`` must cover the world once: EP size x DP size = world."""
-    if not dist.is_initialized():
-        return None if dp_group is None else "data_parallel_group given without torch.distributed initialised"
-    world = dist.get_world_size()
-    eps = {dist.get_world_size(m.group) for m in moes}
-    dp = 1 if dp_group is None else dist.get_world_size(dp_group)
-    if len(eps) != 1 or eps.pop() * dp != world:
-        sizes = sorted({dist.get_world_size(m.group) for m in moes})
-        return (f"the FEPLB layers' EP group size(s) {sizes} times the data-parallel group's {dp} must be the "
-                f"world size {world} (DDP averages the replicated parameters over the world); pass "
-                "data_parallel_group= (the ranks holding the same experts) when the EP group is smaller than the world")
-    if dp_group is not None:
-        # the ranks holding this rank's experts: one from each EP group, this rank the only one in its own
-        me = dist.get_rank()
-        dp_ranks = set(dist.get_process_group_ranks(dp_group))
-        for m in moes:
-            common = dp_ranks & set(dist.get_process_group_ranks(m.group))
-            if common != {me}:
-                return (f"data_parallel_group (ranks {sorted(dp_ranks)}) must hold the ranks with this rank's experts, "
-                        f"one per EP group: it shares ranks {sorted(common)} with the EP group of rank {me} "
-                        f"({sorted(dist.get_process_group_ranks(m.group))}), where only rank {me} belongs")
+def _group_info(moes: list, dp_group: dist.ProcessGroup | None) -> tuple:
+    """This rank's groups, for :func:`_groups_problem`: per FEPLB layer its EP group's ranks and this rank's index
+    there (which experts it holds), and the data-parallel group's ranks (None without one)."""
+    layers = tuple((tuple(dist.get_process_group_ranks(m.group)) if m.group is not None else
+                    tuple(range(dist.get_world_size())), m.rank) for m in moes)
+    return layers, None if dp_group is None else tuple(dist.get_process_group_ranks(dp_group))
+
+
+def _groups_problem(infos: list[tuple]) -> str | None:
+    """Whether the EP groups and the data-parallel groups (every rank's :func:`_group_info`) tile the world: without
+    data-parallel groups, every EP group is the world (DDP averages the replicated parameters over the world, the
+    expert gradients over the EP group); with them, each rank's data-parallel group holds, of every EP group, the
+    one rank holding the same experts (the same index there), and every rank in it names the same group."""
+    world = len(infos)
+    if len({len(layers) for layers, _ in infos}) != 1:
+        return "the ranks hold different numbers of FEPLB layers"
+    for r, (layers, dp) in enumerate(infos):
+        for j, (ep, index) in enumerate(layers):
+            if dp is None:
+                if len(ep) != world:
+                    return (f"the FEPLB layers' EP group ({len(ep)} ranks) is smaller than the world ({world}); "
+                            "pass data_parallel_group= (the ranks holding the same experts) to the Trainer")
+                continue
+            peers = [infos[m] for m in dp]
+            tiles = (r in dp and all(m_dp == dp for _, m_dp in peers) and len(ep) * len(dp) == world
+                     and len({m_layers[j][0] for m_layers, _ in peers}) == len(dp)
+                     and all(m_layers[j][1] == index for m_layers, _ in peers))
+            if not tiles:
+                return (f"data_parallel_group must hold, of every EP group, the rank holding the same experts (the "
+                        f"same index in its EP group), and name the same ranks on each of them: rank {r}'s holds "
+                        f"ranks {list(dp)}, its EP group is {list(ep)} (index {index}); EP size {len(ep)} x "
+                        f"data-parallel size {len(dp)} must be the world size {world}")
     return None
 
 
 # optimizers whose update reads statistics over more than one element (a whole tensor's RMS, low-rank
 # projections, an update fused into the backward): on an expert shard they see this rank's experts only, where the
 # unmodified model's mix every expert of the tensor
-_RMS, _LOW_RANK, _IN_BACKWARD = ("its update clipping takes the RMS of the whole tensor",
-                                 "it projects whole matrices to low rank", "it steps inside the backward")
+_RMS, _LOW_RANK, _IN_BACKWARD, _TRUST = ("its update clipping takes the RMS of the whole tensor",
+                                         "it projects whole matrices to low rank", "it steps inside the backward",
+                                         "its trust ratio takes the norms of the whole tensor")
 _NOT_ELEMENTWISE = {"Adafactor": _RMS, "StableAdamW": _RMS, "GaLoreAdamW": _LOW_RANK, "GaLoreAdamW8bit": _LOW_RANK,
                     "GaLoreAdafactor": _LOW_RANK, "APOLLOAdamW": _LOW_RANK, "LayerWiseDummyOptimizer": _IN_BACKWARD,
-                    "Lomo": _IN_BACKWARD, "AdaLomo": _IN_BACKWARD}
+                    "Lomo": _IN_BACKWARD, "AdaLomo": _IN_BACKWARD,
+                    **{name: _TRUST for name in ("LAMB", "LAMB8bit", "LAMB32bit", "LARS", "LARS8bit", "LARS32bit",
+                                                 "PytorchLARS", "FusedLAMB", "FusedMixedPrecisionLamb", "Lamb",
+                                                 "Lars", "NvLamb")}}
 
 
 def optimizer_problem(optimizer: torch.optim.Optimizer) -> str | None:

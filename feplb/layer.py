@@ -670,8 +670,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # the per-step copies' owners changed since the copies were made: a sample of their bits, compared on the
         # device (no host sync of its own: it travels in the counts' copy to the host), or-ed with what the
         # optimizer step hook and the version counters tell
-        changed = self.replicas.changed()
         if problem is None:
+            changed = self.replicas.changed()
             counts = counts_S.to(torch.int64).reshape(-1)
             row = torch.cat([counts, bad.to(torch.int64).reshape(1),
                              counts.new_zeros(1) if changed is None else changed.to(counts.device)]).cpu()

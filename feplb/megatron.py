@@ -48,8 +48,9 @@ backward, where Megatron's ``DistributedDataParallel`` sees them (with or withou
 ``weights="per-step"`` and a policy that keeps copies of experts on other GPUs, ``overlap_grad_reduce`` and
 ``overlap_param_gather`` must be off (the latter is refused) and, per optimizer step, :func:`reduce_replica_grads`
 run after the last backward and before Megatron reduces the gradients (``finish_grad_sync``, inside
-``finalize_model_grads``), :func:`refresh_replicas` after ``optimizer.step()``. Under Megatron's distributed
-optimizer the weights change through DDP's buffers, which a forgotten :func:`refresh_replicas` does not notice.
+``finalize_model_grads``), :func:`refresh_replicas` after ``optimizer.step()``. A forgotten :func:`refresh_replicas`
+is refused at the next forward on every rank, also under Megatron's distributed optimizer, whose weights change
+through DDP's flat buffers (docs/megatron.md).
 Under Megatron's DDP the gradients are in ``main_grad``: clip with Megatron's optimizer, not :func:`clip_grad_norm_`
 (which reads ``.grad``). Checkpoints: the model's ``state_dict()`` keeps Megatron's local names (plain per-rank
 shards, not for ``torch.distributed.checkpoint`` of ``state_dict()``);

@@ -100,20 +100,30 @@ class SlotWeights:
         return dataclasses.replace(self, gemm_parts=(*cast, *self.parts[2:]))
 
 
-_SAMPLED = 64   # elements per local expert and parameter in the staleness sample (Replicas.changed)
+_SAMPLED = 128   # elements per local expert in the staleness sample (Replicas.changed), over all its parameters
+_SAMPLED_MIN = 16   # and at least this many per parameter
 
 
-def _places(p: torch.Tensor, experts: int, seed: int) -> torch.Tensor:
-    """Fixed random places in ``p`` (row-major element numbers, for ``torch.take``, whatever its strides):
-    ``_SAMPLED`` per expert it holds on average, on its device."""
-    n = p.numel()
-    g = torch.Generator().manual_seed(0x5EED + seed)
-    return torch.randint(max(n, 1), (min(n, _SAMPLED * max(experts, 1)),), generator=g).to(p.device)
+def _places(params: list[torch.Tensor], experts: int) -> list[torch.Tensor]:
+    """Fixed random places in each parameter (row-major element numbers, for ``torch.take``, whatever its
+    strides), on its device: ``_SAMPLED`` per expert over all the parameters, shared by their sizes (an adapter with
+    one parameter per expert, Megatron's, gets as many as one with every expert in one tensor), at least
+    ``_SAMPLED_MIN`` each."""
+    total = sum(p.numel() for p in params) or 1
+    out = []
+    for k, p in enumerate(params):
+        n = p.numel()
+        count = min(n, max(_SAMPLED_MIN, round(_SAMPLED * max(experts, 1) * n / total)))
+        idx = torch.randint(max(n, 1), (count,), generator=torch.Generator().manual_seed(0x5EED + k))
+        if p.device.type == "cuda":   # from pinned memory: no host sync
+            idx = idx.pin_memory().to(p.device, non_blocking=True)
+        out.append(idx.to(p.device))
+    return out
 
 
 def _where(params) -> list:
-    """What the sampled places depend on: the parameters' identity, shape and device."""
-    return [(id(p), p.shape, p.device) for p in params]
+    """What the sampled places depend on: the parameters' identity, shape, dtype and device."""
+    return [(id(p), p.shape, p.dtype, p.device) for p in params]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -149,7 +159,8 @@ class Replicas:
         # writes nothing marks: through .data outside an optimizer, a master copy written back by hand), and
         # where it was taken: (parameter, its indices) per parameter
         self._sample = torch.zeros(0, dtype=torch.uint8)
-        self._sampled_at: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+        self._sample_key: list = []                      # _where of the parameters sampled (no reference kept)
+        self._sample_places: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------------------------------------ state
     def own_weights(self) -> tuple[torch.Tensor, ...]:
@@ -173,28 +184,33 @@ class Replicas:
 
     def changed(self) -> torch.Tensor | None:
         """int64 [1] on the parameters' device, 1 where a sampled element of the owner's expert parameters has
-        other bits than when the per-step copies were made, computed without a host sync (the forward's counts
-        row carries it); None when there are no copies. A sample: 64 elements per local expert and parameter
-        (at fixed random places), so a write that changes a few elements only can escape it; the optimizer step
-        hook and the version counters (:meth:`fresh`) catch every optimizer step and every in-place op."""
-        if (not self.pairs and not self.lazy_pairs) or not self._sampled_at:
+        other bits than when the per-step copies were made (or the parameters were replaced, cast or moved),
+        computed without a host sync (the forward's counts row carries it); None when there are no copies. A
+        sample (``_SAMPLED`` elements per local expert, at fixed random places), so a write that changes a few
+        elements only can escape it; the optimizer step hook and the version counters (:meth:`fresh`) catch every
+        optimizer step and every in-place op. Never raises."""
+        if (not self.pairs and not self.lazy_pairs) or not self._sample_key:
             return None
-        if _where(self._layer().expert_params()) != _where(p for p, _ in self._sampled_at):
-            return torch.ones(1, dtype=torch.int64)   # parameters replaced since the copies were made
-        return (self._take(self._sampled_at) != self._sample).any().reshape(1).to(torch.int64)
+        params = list(self._layer().expert_params())
+        if _where(params) != self._sample_key:
+            return torch.ones(1, dtype=torch.int64, device=params[0].device if params else None)
+        return (self._take(params, self._sample_places) != self._sample).any().reshape(1).to(torch.int64)
 
     def _mark(self) -> None:
         """Sample the owner's expert parameters now (the copies are being made from them)."""
-        params = self._layer().expert_params()
-        if _where(p for p, _ in self._sampled_at) != _where(params):
-            self._sampled_at = tuple((p, _places(p, self._layer().num_local, k)) for k, p in enumerate(params))
-        self._sample = self._take(self._sampled_at)
+        params = list(self._layer().expert_params())
+        if _where(params) != self._sample_key:
+            self._sample_places = _places(params, self._layer().num_local)
+            self._sample_key = _where(params)
+        self._sample = self._take(params, self._sample_places)
 
     @staticmethod
     @torch.no_grad()
-    def _take(at) -> torch.Tensor:
+    def _take(params: list[torch.Tensor], places: list[torch.Tensor]) -> torch.Tensor:
         """The sampled elements' bytes, all parameters in one uint8 tensor: one gather per parameter, one compare."""
-        return torch.cat([_bytes(torch.take(p.detach(), idx)) for p, idx in at])
+        if not params:
+            return torch.zeros(0, dtype=torch.uint8)
+        return torch.cat([_bytes(torch.take(p.detach(), idx)) for p, idx in zip(params, places, strict=True)])
 
     def sync_requires(self) -> None:
         """Make the copies require grad where the owners' weights now do (experts frozen or unfrozen since the

@@ -216,8 +216,9 @@ def test_checkpoints_resume_and_load_elsewhere():
     assert all(r0["opt_state"][k]["exp_avg"].abs().amax(dim=(1, 2)).gt(0).all() for k in expert_keys)
     for rank, r in enumerate(runs):
         wrong, right = r["epdp"]
-        assert wrong is not None and wrong.startswith("ValueError") and "data_parallel_group" in wrong and \
-            "(on rank(s) [2, 3])" in wrong, (rank, wrong)
+        assert wrong is not None and wrong.startswith("ValueError") and "data_parallel_group must hold" in wrong, \
+            (rank, wrong)
+        assert wrong == runs[0]["epdp"][0], "the same refusal on every rank"
         assert right is None, right
     for r in elsewhere:
         assert r["kept"]
@@ -242,7 +243,23 @@ def test_refuses_what_it_cannot_run_exactly(tmp_path):
               xla=False, sagemaker_mp=False)
     assert trainer_problem(**ok) is None
     assert trainer_problem(**{**ok, "distributed_type": "MULTI_GPU"}) is None
-    from feplb.hf_trainer import optimizer_problem
+    from feplb.hf_trainer import _groups_problem, optimizer_problem
+
+    # EP x DP group layouts, as every rank's (per layer: EP group's ranks, index there; data-parallel group's ranks)
+    def infos(eps, dps):
+        return [(((ep, ep.index(r)),) * 2, dp) for r in range(4)
+                for ep in [next(e for e in eps if r in e)] for dp in [None if dps is None else dps[r]]]
+
+    contiguous, strided = [(0, 1), (2, 3)], [(0, 2), (1, 3)]
+    assert _groups_problem(infos(contiguous, {0: (0, 2), 2: (0, 2), 1: (1, 3), 3: (1, 3)})) is None
+    assert _groups_problem(infos(strided, {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)})) is None
+    assert _groups_problem(infos([(0, 1, 2, 3)], None)) is None
+    for eps, dps in [(contiguous, None),                                            # EP smaller than the world
+                     (contiguous, {0: (0, 3), 3: (0, 3), 1: (1, 2), 2: (1, 2)}),   # other experts' ranks
+                     (contiguous, {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}),   # the EP groups themselves
+                     (contiguous, {0: (0, 2), 2: (1, 2), 1: (1, 3), 3: (1, 3)}),   # named differently by 0 and 2
+                     (contiguous, {0: (0, 2, 1, 3), 1: (0, 2, 1, 3), 2: (0, 2, 1, 3), 3: (0, 2, 1, 3)})]:  # too big
+        assert _groups_problem(infos(eps, dps)) is not None, (eps, dps)
 
     params = [torch.nn.Parameter(torch.ones(2, 3))]
     assert optimizer_problem(torch.optim.AdamW(params)) is None and optimizer_problem(torch.optim.SGD(params)) is None

@@ -382,6 +382,15 @@ def _usage_worker(rank, world):
     layer.to(torch.bfloat16)
     res["cast"] = error_of(lambda: layer(xs[rank].to(torch.bfloat16)))
     res["uncast"] = error_of(lambda: _layer(22, policy="feplb")[0](xs[rank].to(torch.bfloat16)))
+    # ... also with per-step copies held, cast on rank 0 alone: every rank refuses together (the staleness sample,
+    # of other bytes after the cast, must not raise first on rank 0 while the others wait in the counts' gather)
+    layer, *_, xs = _layer(23, policy="eplb", weights="per-step")
+    with torch.no_grad():
+        layer(xs[rank])
+    layer.refresh_replicas()
+    if rank == 0:
+        layer.to(torch.float16)
+    res["cast_copies"] = error_of(lambda: layer(xs[rank].to(torch.float16) if rank == 0 else xs[rank]))
 
     # float64 routing weights (Megatron's moe_router_dtype="fp64") with a bf16 layer weigh the outputs in fp32, as
     # float32 ones do, not rounded to bf16 first
@@ -424,6 +433,8 @@ def test_layer_usage_and_misuse():
             res["cast"]
         assert res["uncast"] is not None and "dtype" in res["uncast"] and "were cast" not in res["uncast"], \
             res["uncast"]
+        want = "were cast from torch.float32 to torch.float16" if rank == 0 else "EP rank(s) [0] refused"
+        assert res["cast_copies"] is not None and want in res["cast_copies"], res["cast_copies"]
         assert res["modes"] is not None and "different modes" in res["modes"] and \
             "eval on [0]" in res["modes"], res["modes"]
         assert res["ddp_ok"], f"rank {rank}: EP x DP output differs from the dense reference"
