@@ -263,19 +263,7 @@ def load_checkpoint(path: Path, model, optimizer) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    demo = _demo()
-    demo.init_distributed(args.device)
-    try:
-        train(args)
-        code = 0
-    except demo.UsageError as exc:
-        if dist.get_rank() == 0:
-            print(f"hf_moe.py: error: {exc}", file=sys.stderr, flush=True)
-        code = 2
-    except KeyboardInterrupt:   # Ctrl-C reaches every rank: one line each, no traceback
-        demo.stop(130, f"hf_moe.py: rank {dist.get_rank()}: interrupted", False, [])
-    dist.destroy_process_group()
-    return code
+    return _demo().run_example("hf_moe.py", args.device, lambda: train(args))
 
 
 if __name__ == "__main__":

@@ -131,17 +131,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    demo = _sibling("train_moe")
-    demo.init_distributed(args.device)
-    try:
-        run(args)
-        code = 0
-    except demo.UsageError as exc:   # raised on every rank together: one message, every rank exits with 2
-        demo.stop(2, f"hf_trainer.py: error: {exc}", True, [])
-    except KeyboardInterrupt:   # Ctrl-C reaches every rank: one line each, no traceback
-        demo.stop(130, f"hf_trainer.py: rank {dist.get_rank()}: interrupted", False, [])
-    dist.destroy_process_group()
-    return code
+    return _sibling("train_moe").run_example("hf_trainer.py", args.device, lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import sysconfig
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -881,6 +882,20 @@ def log_line(rec: dict) -> str:
                                                           rec["layer_straggler_after"], strict=True))
     return (f"step {rec['step']:5d}  loss {rec['loss']:.4f}  {rec['tokens_per_s']:8.0f} tok/s  "
             f"straggler/layer [{per_layer}] tokens  rows moved {rec['rows_moved']}")
+
+
+def run_example(script: str, device: str, fn: Callable[[], object]) -> int:
+    """The transformers examples' main: join the group, run ``fn``, and stop every rank cleanly on a usage error
+    (raised on every rank together: one message, status 2) or Ctrl-C (one line per rank, status 130)."""
+    try:
+        init_distributed(device)
+        fn()
+    except UsageError as exc:
+        stop(2, f"{script}: error: {exc}", True, [])
+    except KeyboardInterrupt:
+        stop(130, f"{script}: rank {dist.get_rank()}: interrupted", False, [])
+    dist.destroy_process_group()
+    return 0
 
 
 def stop(code: int, message: str, agreed: bool, created: list[Path]) -> None:
