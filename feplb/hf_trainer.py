@@ -61,9 +61,20 @@ MODEL_DIR = "model_feplb"
 OPTIMIZER_DIR = "optimizer_feplb"
 
 
+# the Trainer methods FEPLB's calls go into; transformers 5.0's Trainer clipped inside its training loop
+_HOOKED = ("_clip_grad_norm", "_get_grad_norm", "training_step", "create_optimizer", "_save_checkpoint",
+           "_load_from_checkpoint", "_load_best_model", "_save_optimizer_and_scheduler",
+           "_load_optimizer_and_scheduler")
+
+
 def trainer_problem(*, has_experts: bool, distributed_type: str, deepspeed: bool, fsdp: bool, n_gpu: int,
-                    tp_size: int, xla: bool, sagemaker_mp: bool) -> str | None:
-    """Why ``feplb.hf.Trainer`` cannot run this setup, or None."""
+                    tp_size: int, xla: bool, sagemaker_mp: bool, missing: tuple[str, ...] = ()) -> str | None:
+    """Why ``feplb.hf.Trainer`` cannot run this setup, or None. missing: the methods of :data:`_HOOKED` the
+    Trainer class lacks."""
+    if missing:
+        return (f"transformers {transformers.__version__}'s Trainer has no {', '.join(missing)}, where FEPLB's "
+                "per-step calls go (its training loop would clip this rank's experts only); use transformers >= "
+                "5.10 (tested with 5.25)")
     if not has_experts:
         return ("the model holds no FEPLB experts module; call feplb.hf.apply(model) on every rank before making "
                 "the Trainer")
@@ -102,7 +113,8 @@ class TrainerMixin:
             has_experts=bool(moes), distributed_type=str(getattr(acc.distributed_type, "value", acc.distributed_type)),
             deepspeed=bool(self.is_deepspeed_enabled), fsdp=bool(self.is_fsdp_enabled), n_gpu=self.args.n_gpu,
             tp_size=self.get_tp_size(), xla=bool(getattr(self, "is_fsdp_xla_enabled", False)) or
-            transformers.utils.is_torch_xla_available(), sagemaker_mp=transformers.utils.is_sagemaker_mp_enabled())
+            transformers.utils.is_torch_xla_available(), sagemaker_mp=transformers.utils.is_sagemaker_mp_enabled(),
+            missing=tuple(m for m in _HOOKED if not hasattr(transformers.Trainer, m)))
         if not dist.is_initialized():
             if problem is None and data_parallel_group is not None:
                 problem = "data_parallel_group given without torch.distributed initialised"

@@ -266,6 +266,7 @@ def test_refuses_what_it_cannot_run_exactly(tmp_path):
     assert "whole tensor" in optimizer_problem(torch.optim.Adafactor(params))
     for change, words in [({"has_experts": False}, "feplb.hf.apply"), ({"deepspeed": True}, "DeepSpeed"),
                           ({"fsdp": True}, "FSDP"), ({"n_gpu": 2}, "DataParallel"), ({"tp_size": 2}, "tensor"),
-                          ({"xla": True}, "TPU"), ({"distributed_type": "MEGATRON_LM"}, "MEGATRON_LM")]:
+                          ({"xla": True}, "TPU"), ({"distributed_type": "MEGATRON_LM"}, "MEGATRON_LM"),
+                          ({"missing": ("_clip_grad_norm",)}, "has no _clip_grad_norm")]:
         why = trainer_problem(**{**ok, **change})
         assert why is not None and words in why, (change, why)
