@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-bytes", type=int, default=1 << 20, help="bytes of standard-library source to read")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=5, help="logging_steps")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     return p
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
     G = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % G:
         raise demo.UsageError(f"--gpus-per-node {G} does not divide the world size {world}")
-    for name in ("max_steps", "save_steps", "batch", "accumulation", "seq_len"):
+    for name in ("max_steps", "save_steps", "batch", "accumulation", "seq_len", "log_every"):
         if getattr(args, name) < 1:
             raise demo.UsageError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
     if args.out.exists() and not args.out.is_dir():
@@ -105,9 +106,10 @@ def run(args: argparse.Namespace) -> dict:
     targs = transformers.TrainingArguments(
         output_dir=str(args.out), max_steps=args.max_steps, per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.accumulation, learning_rate=args.lr, max_grad_norm=args.clip,
-        lr_scheduler_type="cosine", warmup_steps=min(5, args.max_steps // 4),
-        logging_steps=max(1, args.max_steps // 10),
+        lr_scheduler_type="cosine", warmup_steps=min(5, args.max_steps // 4), logging_steps=args.log_every,
         save_strategy="steps", save_steps=args.save_steps, seed=args.seed, report_to=[], dataloader_num_workers=0,
+        # every parameter takes part in every step: no search for unused ones (and no warning about it)
+        ddp_find_unused_parameters=False,
         use_cpu=args.device == "cpu", ddp_backend="gloo" if args.device == "cpu" else "nccl")
     trainer = feplb.hf.Trainer(model=model, args=targs, train_dataset=data)
     trainer.train(resume_from_checkpoint=True if args.resume else None)

@@ -111,7 +111,9 @@ class TrainerMixin:
         acc = self.accelerator
         problem = trainer_problem(
             has_experts=bool(moes), distributed_type=str(getattr(acc.distributed_type, "value", acc.distributed_type)),
-            deepspeed=bool(self.is_deepspeed_enabled), fsdp=bool(self.is_fsdp_enabled), n_gpu=self.args.n_gpu,
+            # (FSDP asked for counts: accelerate drops it silently on the CPU)
+            deepspeed=bool(self.is_deepspeed_enabled), fsdp=bool(self.is_fsdp_enabled) or bool(self.args.fsdp),
+            n_gpu=self.args.n_gpu,
             tp_size=self.get_tp_size(), xla=bool(getattr(self, "is_fsdp_xla_enabled", False)) or
             transformers.utils.is_torch_xla_available(), sagemaker_mp=transformers.utils.is_sagemaker_mp_enabled(),
             missing=tuple(m for m in _HOOKED if not hasattr(transformers.Trainer, m)))
@@ -160,9 +162,11 @@ class TrainerMixin:
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write the whole model (every rank's experts gathered: collective, so call it on every rank), as the
-        unmodified model's checkpoint: ``from_pretrained`` of the original class loads it. Inside a checkpoint,
-        also the model's shards as they run (``model_feplb/``), which resuming and ``load_best_model_at_end`` read."""
+        """Write the whole model (every rank's experts gathered: collective, so call it on every rank, not under
+        ``if trainer.is_world_process_zero():`` as plain DDP allows, where rank 0 would wait for the others until
+        the process group's timeout), as the unmodified model's checkpoint: ``from_pretrained`` of the original class
+        loads it. Inside a checkpoint, also the model's shards as they run (``model_feplb/``), which resuming and
+        ``load_best_model_at_end`` read."""
         self._feplb_full = full_state_dict(self.model)
         try:
             super().save_model(output_dir, _internal_call)

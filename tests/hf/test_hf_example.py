@@ -131,7 +131,7 @@ def test_trainer_example_trains_checkpoints_resumes_and_saves(tmp_path):
 
     out = tmp_path / "run"
     small = ["--gpus-per-node", "2", "--hidden", "32", "--batch", "2", "--seq-len", "32", "--text-bytes", "40000",
-             "--save-steps", "2", "--out", str(out)]
+             "--save-steps", "2", "--log-every", "1", "--out", str(out)]
 
     def losses(proc):
         assert proc.returncode == 0, proc.stderr[-4000:]
