@@ -186,8 +186,11 @@ def _load_elsewhere(rank, world, out):
     from feplb.testing import error_of
 
     ada = feplb.hf.Trainer(model=model, args=_args(out + "_a", "adafactor"), train_dataset=_dataset())
+    # FSDP through accelerate, asked for in the arguments (on the CPU accelerate would drop it and run on)
+    fsdp = error_of(lambda: feplb.hf.Trainer(model=model, args=_args(out + "_f", "sgd", fsdp="full_shard"),
+                                             train_dataset=_dataset()))
     return {"opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr(), "kept": kept,
-            "adafactor": error_of(ada.create_optimizer)}
+            "adafactor": error_of(ada.create_optimizer), "fsdp": fsdp}
 
 
 def test_checkpoints_resume_and_load_elsewhere():
@@ -224,6 +227,8 @@ def test_checkpoints_resume_and_load_elsewhere():
         assert r["kept"]
         assert r["adafactor"] is not None and "Adafactor: its update clipping takes the RMS of the whole tensor" in \
             r["adafactor"], r["adafactor"]
+        assert r["fsdp"] is not None and "FSDP through accelerate would shard the expert shards again" in r["fsdp"], \
+            r["fsdp"]
         assert r["lr"] == r0["lr"]
         for k, st in r0["opt_state"].items():
             for name, t in st.items():
