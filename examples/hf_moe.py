@@ -233,6 +233,8 @@ def train(args: argparse.Namespace) -> dict:
             report.write_report(args.out, meta, steps)
             print(f"report: {args.out / 'report.md'}", flush=True)
     dist.barrier()
+    for moe in moes:   # their threads and copy paths, released before the process group goes
+        moe.close()
     return {"steps": steps, "summary": summary, "names": names}
 
 

@@ -128,6 +128,11 @@ def run(args: argparse.Namespace) -> dict:
         with torch.no_grad():
             plain = float(loaded(input_ids=batch, labels=batch).loss)
         print(f"\nheld-out loss: FEPLB model {ours:.6f}, plain transformers from {final} {plain:.6f}", flush=True)
+    dist.barrier()
+    # the layers' threads and copy paths, released before the process group goes (the Trainer and accelerate keep
+    # the model alive to the interpreter's exit, where threads still running abort the process)
+    for moe in feplb.hf.experts_modules(model):
+        moe.close()
     return {"step": trainer.state.global_step, "loss": ours, "plain_loss": plain}
 
 

@@ -885,8 +885,9 @@ def log_line(rec: dict) -> str:
 
 
 def run_example(script: str, device: str, fn: Callable[[], object]) -> int:
-    """The transformers examples' main: join the group, run ``fn``, and stop every rank cleanly on a usage error
-    (raised on every rank together: one message, status 2) or Ctrl-C (one line per rank, status 130)."""
+    """The transformers examples' main: join the group, run ``fn``, and stop every rank cleanly (:func:`stop`;
+    never returns): after ``fn`` with status 0, on a usage error (raised on every rank together: one message, status
+    2) or on Ctrl-C (one line per rank, status 130)."""
     try:
         init_distributed(device)
         fn()
@@ -894,12 +895,15 @@ def run_example(script: str, device: str, fn: Callable[[], object]) -> int:
         stop(2, f"{script}: error: {exc}", True, [])
     except KeyboardInterrupt:
         stop(130, f"{script}: rank {dist.get_rank()}: interrupted", False, [])
-    dist.destroy_process_group()
+    # done: the same clean stop (the Trainer and accelerate keep the model to the interpreter's exit, whose
+    # teardown can abort a process whose communication threads still hold tensors)
+    stop(0, "", True, [])
     return 0
 
 
 def stop(code: int, message: str, agreed: bool, created: list[Path]) -> None:
-    """Leave after an error, with the process group shut down cleanly on every rank; never returns.
+    """Leave after an error (or, for the transformers examples, after the run), with the process group shut down
+    cleanly on every rank; never returns.
 
     ``agreed``: every rank stops here on the same error (a UsageError is always raised on all of them together), so
     they wait for each other before closing their connections: a rank still inside its last collective must not see
