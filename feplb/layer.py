@@ -40,7 +40,9 @@ per node, M = T*K rows sent by this rank, R rows at home on this rank after phas
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -892,6 +894,17 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """At the interpreter's exit, release every layer still open (its threads, copy path and transport; local, no
+    collective): a script that ends without closing them (a transformers Trainer run keeps the model to the end)
+    could abort at teardown ("terminate called without an active exception", exit status 1) after a run that
+    succeeded: 2 runs of 12 of a short Trainer script on 2 gloo ranks, none of 8 with this."""
+    for layer in list(_LAYERS):
+        with contextlib.suppress(Exception):
+            layer.close()
 
 
 class _RestrictedBackward(torch.autograd.Function):

@@ -237,6 +237,14 @@ def _usage_worker(rank, world):
     res["data_write_refreshed"] = error_of(lambda: layer(xs[rank]))
     layer.close()
 
+    # At the interpreter's exit every layer still open is released (threads still running at teardown could abort
+    # a process whose run succeeded): the atexit function closes them, locally
+    from feplb.layer import _close_at_exit
+
+    left = _layer(24, policy="feplb-split", weights="per-step")[0]
+    _close_at_exit()
+    res["closed_at_exit"] = getattr(left, "_closed", False) and left._balancer.copier._shutdown
+
     # Megatron's DDP keeps every expert parameter of a model in one flat buffer; its distributed optimizer steps one
     # shard of it per expert-data-parallel rank (views of the buffer in fp32, fp32 main copies of the parameters in
     # the shard otherwise), writes through .data (no version counter moves), and all-gathers the other ranks'
@@ -461,6 +469,7 @@ def test_layer_usage_and_misuse():
         assert held and same is None, same
         assert stale is not None and "changed since the last refresh_replicas() on EP rank(s) [2]" in stale, stale
         assert res["data_write_refreshed"] is None, res["data_write_refreshed"]
+        assert res["closed_at_exit"], "a layer left open was not closed by the atexit function"
         for kind, (held, stale, refreshed) in res["flat_buffer"].items():
             assert held and stale is not None and "changed since the last refresh_replicas()" in stale, (kind, stale)
             assert refreshed is None, (kind, refreshed)
