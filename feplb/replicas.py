@@ -157,7 +157,7 @@ class Replicas:
         self._requires: tuple[bool, ...] = ()   # the owner's parameters' requires_grad at the last refresh
         # a sample of the owner's parameters' bits when the copies were made (the third check of staleness, for
         # writes nothing marks: through .data outside an optimizer, a master copy written back by hand), and
-        # where it was taken: (parameter, its indices) per parameter
+        # where it was taken: the parameters' _where and one index tensor per parameter
         self._sample = torch.zeros(0, dtype=torch.uint8)
         self._sample_key: list = []                      # _where of the parameters sampled (no reference kept)
         self._sample_places: list[torch.Tensor] = []
