@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from feplb.dropin import (
+    _agree,
     attach_optimizer,
     average_expert_grads,
     clip_grad_norm_,
@@ -121,8 +122,7 @@ class TrainerMixin:
             if problem is None and data_parallel_group is not None:
                 problem = "data_parallel_group given without torch.distributed initialised"
         else:   # refused on every rank together (a group given wrong on some ranks only, say)
-            views: list = [None] * dist.get_world_size()
-            dist.all_gather_object(views, (problem, _group_info(moes, data_parallel_group)))
+            views = _agree((problem, _group_info(moes, data_parallel_group)), None)
             ranks = [r for r, (v, _) in enumerate(views) if v is not None]
             if ranks:
                 problem = views[ranks[0]][0] + ("" if len(ranks) == len(views) else f" (on rank(s) {ranks})")
@@ -175,7 +175,7 @@ class TrainerMixin:
         if self._feplb_checkpointing:
             import torch.distributed.checkpoint as dcp
 
-            with local_state_dicts(experts_modules(self.model), "sharded"):
+            with self._sharded():
                 dcp.save(self.model.state_dict(),
                          checkpoint_id=os.path.join(output_dir or self.args.output_dir, MODEL_DIR))
 
@@ -185,6 +185,11 @@ class TrainerMixin:
             super()._save_checkpoint(*args, **kwargs)
         finally:
             self._feplb_checkpointing = False
+
+    def _sharded(self):
+        """Within: the expert shards (and their optimizer state) as DTensors, DCP's form, whatever the layers'
+        state-dict type."""
+        return local_state_dicts(experts_modules(self.model), "sharded")
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if state_dict is None and self._feplb_full is not None:
@@ -198,7 +203,7 @@ class TrainerMixin:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        with local_state_dicts(experts_modules(self.model), "sharded"):
+        with self._sharded():
             state = get_optimizer_state_dict(self.model, _torch_optimizer(self.optimizer))
             dcp.save({"optimizer": state}, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
         if self.args.should_save:
@@ -221,7 +226,7 @@ class TrainerMixin:
             raise ValueError(f"feplb.hf.Trainer: {checkpoint} holds no {MODEL_DIR}/ (the model's shards "
                              "feplb.hf.Trainer writes into each checkpoint); load another checkpoint with "
                              "from_pretrained, then call feplb.hf.apply")
-        with local_state_dicts(experts_modules(self.model), "sharded"):
+        with self._sharded():
             state = self.model.state_dict()
             dcp.load(state, checkpoint_id=folder)
             self.model.load_state_dict(state)
@@ -242,7 +247,7 @@ class TrainerMixin:
                                  "checkpoint feplb.hf.Trainer wrote")
             return
         optimizer = _torch_optimizer(self.optimizer)
-        with local_state_dicts(experts_modules(self.model), "sharded"):
+        with self._sharded():
             state = get_optimizer_state_dict(self.model, optimizer)
             dcp.load({"optimizer": state}, checkpoint_id=folder)
             set_optimizer_state_dict(self.model, optimizer, state)
