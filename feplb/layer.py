@@ -901,7 +901,7 @@ def _close_at_exit() -> None:
     """At the interpreter's exit, release every layer still open (its threads, copy path and transport; local, no
     collective): a script that ends without closing them (a transformers Trainer run keeps the model to the end)
     could abort at teardown ("terminate called without an active exception", exit status 1) after a run that
-    succeeded: 2 runs of 12 of a short Trainer script on 2 gloo ranks, none of 8 with this."""
+    succeeded."""
     for layer in list(_LAYERS):
         with contextlib.suppress(Exception):
             layer.close()
