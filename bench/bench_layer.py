@@ -30,6 +30,10 @@ barrier and reduced as the max over ranks (the step waits for the slowest rank).
   (``max_abs_diff_vs_plain``, ``max_abs_param_grad_diff_vs_plain``,
   ``exact``: within the tolerance ``exact_criterion`` states): balancing changes where a row is computed, never
   what;
+* plain EP written with torch alone (``TorchEP``: ``all_to_all_single``, ``torch._grouped_mm``), timed in the same
+  alternation on both routings, its output and gradients checked against FEPLB's plain EP (``torch_ep``,
+  ``plain_over_torch_ep``): what FEPLB's plain EP, the baseline of every other row, costs next to what an EP user
+  runs without FEPLB;
 * plain EP and ``feplb-split`` on perfectly balanced routing (``layer(x, routing=...)``, every GPU the same rows):
   what balancing costs when there is nothing to balance (``balanced_routing_overhead_pct``, target <= 2%);
 * on CUDA, the blocking host syncs of one training forward and backward per variant, by step (``host_syncs``): what
@@ -189,6 +193,7 @@ def _bench(rank, shape, setup, phases):
             layer.w2.copy_(layers["none"].w2)
     x = torch.randn(tokens, s["hidden"], generator=torch.Generator().manual_seed(2 + rank)).to(dev, dtype)
     x[:, 0] = x[:, 0].abs() + 1
+    torch_ep = TorchEP(layers["none"])     # the same experts, written with torch alone
 
     phases.begin("warm-up: first forward of every variant (Triton compiles and autotuning)")
     for layer in layers.values():
@@ -202,6 +207,17 @@ def _bench(rank, shape, setup, phases):
         t = torch.tensor([v], dtype=torch.float64, device=red_dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
+
+    # The baseline's first forward: where it cannot run (an exchange this backend refuses), every rank records why
+    # and FEPLB's variants are still measured; the run's check then fails on it (_check).
+    tep_error = None
+    try:
+        with torch.no_grad():
+            torch_ep(x)
+    except Exception as err:
+        tep_error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if max_over_ranks(float(tep_error is not None)):
+        torch_ep, tep_error = None, tep_error or "failed on another rank"
 
     def timed_ms(step) -> tuple[float, object]:
         """step() on every rank at once, fwd + bwd: (its time in ms, the slowest rank's), step's result."""
@@ -217,6 +233,7 @@ def _bench(rank, shape, setup, phases):
     phases.begin("skewed routing: timed forward + backward (the first 2 of each variant compile the backward)")
     times = {p: [] for p in layers}
     stats, outs = {}, {}
+    tep_times, tep_out = [], None
     copy_use = {p: dict.fromkeys(_copy_counters(layer), 0) for p, layer in layers.items()}
     for it in range(iters + 2):
         for policy, layer in layers.items():
@@ -247,13 +264,28 @@ def _bench(rank, shape, setup, phases):
                              "rows_moved": group["rows_moved"], "fell_back": group["fell_back"],
                              "plan_us": st.plan_us, "copy_bytes": group["copy_bytes"],
                              "weight_copies": group["weight_copies"], "experts_placed": st.experts_placed}
+        if torch_ep is None:
+            continue
+        xi = x.clone().requires_grad_(True)
+
+        def step(xi=xi):
+            y = torch_ep(xi)
+            y.float().sum().backward()
+            return y
+
+        t, y = timed_ms(step)
+        if it >= 2:
+            tep_times.append(t)
+        if it == 2:
+            tep_out = {"out": y.detach().float(), "grad": xi.grad.float(), **torch_ep.grads()}
+        torch_ep.zero_grad()
 
     # Each variant against plain EP: the output, the input gradient and the parameters' gradients (the expert
     # weights' gradients are where split rows' sums meet), max over ranks, next to plain EP's largest |value|.
     ref = outs["none"]
     scale = {k: max_over_ranks(float(t.abs().max())) if t.numel() else 0.0 for k, t in ref.items()}
     diffs = {p: {k: max_over_ranks(float((o[k] - t).abs().max())) if t.numel() else 0.0 for k, t in ref.items()}
-             for p, o in outs.items()}
+             for p, o in {**outs, **({"torch-ep": tep_out} if torch_ep is not None else {})}.items()}
 
     # Perfectly balanced routing: token t's k-th choice is expert (t * K + k) mod E on every rank, so each expert,
     # and each GPU, receives the same rows: nothing to balance, and whatever balancing costs shows.
@@ -263,7 +295,7 @@ def _bench(rank, shape, setup, phases):
     gates = torch.full((T, K), 1.0 / K, device=dev, dtype=dtype)
     even = {p: layers[p] for p in ("none", BALANCED)}
     even_times = {p: [] for p in even}
-    even_stats = {}
+    even_stats, even_tep = {}, []
     for it in range(iters + 2):
         for policy, layer in even.items():
             xi = x.clone().requires_grad_(True)
@@ -275,6 +307,13 @@ def _bench(rank, shape, setup, phases):
             group = _group_balance(layer.last_stats)
             even_stats[policy] = {"token_straggler_before": group["token_straggler_before"],
                                   "rows_moved": group["rows_moved"]}
+        if torch_ep is None:
+            continue
+        xi = x.clone().requires_grad_(True)
+        t, _ = timed_ms(lambda xi=xi: torch_ep(xi, routing=(ids, gates)).float().sum().backward())
+        if it >= 2:
+            even_tep.append(t)
+        torch_ep.zero_grad()
 
     syncs = {}
     if dev.type == "cuda":
@@ -302,11 +341,86 @@ def _bench(rank, shape, setup, phases):
                             "max_abs_param_grad_diff_vs_plain": {k: v for k, v in diffs[p].items()
                                                                  if k not in ("out", "grad")}}
                         for p, v in times.items()},
+            "torch_ep": {"error": tep_error} if torch_ep is None else
+            {"median_ms": float(np.median(tep_times)), "min_ms": float(np.min(tep_times)),
+             "balanced_routing_median_ms": float(np.median(even_tep)),
+             "max_abs_diff_vs_plain": diffs["torch-ep"]["out"], "max_abs_grad_diff_vs_plain": diffs["torch-ep"]["grad"],
+             "max_abs_param_grad_diff_vs_plain": {k: v for k, v in diffs["torch-ep"].items()
+                                                  if k not in ("out", "grad")}},
             "copy_probe": {k: max_over_ranks(v) for k, v in probe.items()},
             "scale": scale,
             "balanced_routing": {p: {"median_ms": float(np.median(v)), **even_stats[p]}
                                  for p, v in even_times.items()},
             "host_syncs": syncs, "conditions": conditions, "phase_s": dict(phases.seconds)}
+
+
+class TorchEP:
+    """Plain expert parallelism written with torch alone: the baseline FEPLB's own plain EP (policy ``none``) is
+    timed against, so that both are compared with what an EP user runs without FEPLB. The recipe of Megatron-Core's
+    all-to-all token dispatcher: route (fp32 softmax scores, top-k), sort the token copies by expert (so by owner:
+    expert e lives on rank e // L), exchange the per-expert counts with one ``all_to_all_single`` and read the split
+    sizes on the host (one blocking read per forward), exchange the rows with
+    ``all_to_all_single_autograd`` (torch's differentiable functional collective), group them by local expert, two
+    ``torch._grouped_mm`` with SwiGLU between, the reverse exchange, weigh by the gates and sum per token in fp32.
+
+    Its parameters are copies of ``layer``'s (router, w1, w2: the same global experts on every rank), leaves of their
+    own, so its gradients never touch the layer's. Only the layer's default experts (softmax router without bias,
+    SwiGLU, no biases, gate and up halves) are written here; another configuration raises."""
+
+    DEFAULTS = {"router": "softmax", "router_bias": False, "activation": "silu", "gated": True,
+                "glu_interleaved": False, "expert_bias": False, "swiglu_limit": None, "gate_on_input": False,
+                "masked_routes": False}
+
+    def __init__(self, layer):
+        c = layer.config
+        unsupported = {k: getattr(c, k) for k, v in self.DEFAULTS.items() if getattr(c, k) != v}
+        if unsupported:
+            raise ValueError(f"TorchEP writes the layer's default experts only, got {unsupported}")
+        self.num_experts, self.top_k = c.num_experts, c.top_k
+        self.params = {"router": layer.router.weight, "w1": layer.w1, "w2": layer.w2}
+        self.params = {k: v.detach().clone().requires_grad_(True) for k, v in self.params.items()}
+
+    def __call__(self, x_TD: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        p, E, K = self.params, self.num_experts, self.top_k
+        W = dist.get_world_size()
+        L = E // W
+        if routing is None:
+            scores_TE = F.linear(x_TD, p["router"]).float().softmax(-1)
+            ids_TK = scores_TE.detach().topk(K, dim=-1).indices
+            gates_TK = scores_TE.gather(-1, ids_TK).to(x_TD.dtype)
+        else:
+            ids_TK, gates_TK = routing
+        T, H = x_TD.shape
+        flat = ids_TK.reshape(-1)
+        order = flat.argsort(stable=True)                      # token copies by expert, so by owner rank
+        rows = x_TD.index_select(0, order // K)
+        counts_E = torch.bincount(flat, minlength=E)
+        got_E = torch.empty_like(counts_E)                      # [source rank, my local expert]
+        dist.all_to_all_single(got_E, counts_E)
+        send, recv = torch.stack([counts_E.view(W, L).sum(1), got_E.view(W, L).sum(1)]).tolist()
+        inbox = all_to_all_single_autograd(rows, recv, send, dist.group.WORLD)
+        local = torch.arange(L, device=x_TD.device).repeat(W)
+        perm = torch.repeat_interleave(local, got_E).argsort(stable=True)   # received rows by local expert
+        offs = got_E.view(W, L).sum(0).cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(inbox.index_select(0, perm), p["w1"], offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, p["w2"], offs=offs)
+        y = y.index_select(0, perm.argsort())                  # back in the order received
+        out = all_to_all_single_autograd(y, send, recv, dist.group.WORLD)
+        y_TKD = out.index_select(0, order.argsort()).view(T, K, H)
+        return (y_TKD.float() * gates_TK.float()[..., None]).sum(1).to(x_TD.dtype)
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return {f"{k}_grad": _grad_of(v) for k, v in (("w1", self.params["w1"]), ("w2", self.params["w2"]),
+                                                      ("router", self.params["router"]))}
+
+    def zero_grad(self) -> None:
+        for v in self.params.values():
+            v.grad = None
 
 
 def _grad_of(param: torch.Tensor) -> torch.Tensor:
@@ -510,6 +624,14 @@ def _report(benchmark, shape, setup, out, path, rel_tol: float, wall_s: float | 
                                "ranks)",
             "balanced_routing": even,
             "balanced_routing_overhead_pct": 100 * (even[BALANCED]["median_ms"] / even["none"]["median_ms"] - 1),
+            "torch_ep": {**out["torch_ep"], "exchange": _torch_ep_exchange(setup, cond)},
+            **({} if "error" in out["torch_ep"] else {
+                "plain_over_torch_ep": none["median_ms"] / out["torch_ep"]["median_ms"],
+                "plain_over_torch_ep_balanced_routing": even["none"]["median_ms"]
+                / out["torch_ep"]["balanced_routing_median_ms"]}),
+            "torch_ep_note": "plain EP written with torch alone (TorchEP: all_to_all_single with the split sizes read "
+                             "on the host, torch._grouped_mm), the same experts and inputs, timed in the same "
+                             "alternation: plain_over_torch_ep is FEPLB's plain EP (policy none) over it",
             "phase_s": out["phase_s"], "wall_s": wall_s,
             "copy_probe": out["copy_probe"],
             "copy_probe_note": "one copy-path exchange of 4 KiB between the node's ranks, alone: synced_us issued and "
@@ -556,6 +678,14 @@ def _report(benchmark, shape, setup, out, path, rel_tol: float, wall_s: float | 
               f"{probe['pipelined_us']:.0f} us each back to back")
     print(f"  balanced routing: plain EP {even['none']['median_ms']:.2f} ms, {BALANCED} "
           f"{even[BALANCED]['median_ms']:.2f} ms ({info['balanced_routing_overhead_pct']:+.1f}%)")
+    tep = info["torch_ep"]
+    if "error" in tep:
+        print(f"  plain EP written with torch alone ({tep['exchange']}): did not run: {tep['error']}")
+    else:
+        print(f"  plain EP written with torch alone ({tep['exchange']}): {tep['median_ms']:.2f} ms skewed, "
+              f"{tep['balanced_routing_median_ms']:.2f} ms balanced; FEPLB's plain EP over it "
+              f"{info['plain_over_torch_ep']:.2f}x skewed, {info['plain_over_torch_ep_balanced_routing']:.2f}x "
+              f"balanced; max |out - plain EP| {tep['max_abs_diff_vs_plain']:.2e}")
     print(f"  equal to plain EP ({info['exact_criterion']}): {info['exact']}")
     worst = {k: d / max(info["output_scale"][k], 1e-30) for k, d in info["max_abs_param_grad_diff_vs_plain"].items()}
     print("  parameter gradients, max |variant - plain EP| / max |plain EP|: "
@@ -570,10 +700,30 @@ def _report(benchmark, shape, setup, out, path, rel_tol: float, wall_s: float | 
     return info
 
 
+def _torch_ep_exchange(setup: dict, cond: dict) -> str:
+    """How TorchEP's rows travel in this run."""
+    if "nccl" in cond["backend"]:
+        return "NCCL all_to_all_single"
+    if setup["device"] == "cpu":
+        return "gloo all_to_all_single of CPU tensors"
+    return ("gloo all_to_all_single of CUDA tensors, which gloo stages through host memory: not how FEPLB's rows "
+            f"travel in this run (phase 1: {cond['phase1']}), so compare the two times with care")
+
+
 def _check(info: dict, rel_tol: float) -> None:
     """What every run must show, CPU or GPU: the numbers exist next to plain EP's, balancing computes the same
-    outputs and gradients, it balances skewed routing, and balanced routing leaves it nothing to move."""
+    outputs and gradients, it balances skewed routing, and balanced routing leaves it nothing to move; plain EP
+    written with torch alone computes what FEPLB's plain EP computes."""
     res, even = info["results"], info["balanced_routing"]
+    tep = info["torch_ep"]
+    assert "error" not in tep, f"plain EP written with torch alone did not run: {tep}"
+    for k in ("median_ms", "balanced_routing_median_ms"):
+        assert math.isfinite(tep[k]) and tep[k] > 0, tep
+    assert tep["max_abs_diff_vs_plain"] <= rel_tol * info["output_scale"]["out"], tep
+    assert tep["max_abs_grad_diff_vs_plain"] <= rel_tol * info["output_scale"]["grad"], tep
+    assert set(tep["max_abs_param_grad_diff_vs_plain"]) == {"w1_grad", "w2_grad", "router_grad"}, tep
+    for k, d in tep["max_abs_param_grad_diff_vs_plain"].items():
+        assert d <= rel_tol * info["output_scale"][k], (k, d)
     for p, ms in info["fwd_bwd_ms"].items():
         assert math.isfinite(ms) and ms > 0, (p, ms)
     assert "none" in info["fwd_bwd_ms"] and BALANCED in info["fwd_bwd_ms"]
@@ -665,6 +815,67 @@ def test_layer_gpu_shared(benchmark):
     assert (info["processes_per_gpu"], info["transport"], info["copy_path"]) == (2, setup["transport"], "ipc"), info
     _check(info, rel_tol=GPU_REL_TOL)
     _check_syncs(info)
+
+
+def _torch_ep_worker(rank, world, seed):
+    """TorchEP (fp32: torch._grouped_mm takes no fp64) against the dense single-process reference in fp64 on the
+    same values, weights and inputs drawn from ``seed``: this
+    rank's output, its input's gradient and the router's (this rank's tokens), and the reference's gradients of
+    every expert from this rank's tokens (the test sums them over the ranks for each owner). One expert gets no
+    row."""
+    from feplb import FEPLBConfig, MoELayer
+    from feplb.testing import dense_moe_reference, load_global_weights
+
+    H, F, E, K, T = 16, 24, 8, 2, 40
+    gen = torch.Generator().manual_seed(seed)
+    router = torch.randn(E, H, generator=gen, dtype=torch.float64)
+    w1 = torch.randn(E, H, 2 * F, generator=gen, dtype=torch.float64) / H ** 0.5
+    w2 = torch.randn(E, F, H, generator=gen, dtype=torch.float64) / F ** 0.5
+    x = torch.randn(world, T, H, generator=gen, dtype=torch.float64)
+    dy = torch.randn(world, T, H, generator=gen, dtype=torch.float64)
+    x[:, :, 0] = x[:, :, 0].abs() + 1
+    router[E - 1, 0] = -1e3                                 # expert E - 1: never chosen
+    router, w1, w2, x, dy = (t.float().double() for t in (router, w1, w2, x, dy))   # values fp32 holds
+    layer = MoELayer(FEPLBConfig(hidden=H, ffn=F, num_experts=E, top_k=K, policy="none", device="cpu"))
+    try:
+        load_global_weights(layer, router.float(), w1.float(), w2.float())
+        tep = TorchEP(layer)
+    finally:
+        layer.close()
+    xi = x[rank].float().requires_grad_(True)
+    y = tep(xi)
+    (y * dy[rank].float()).sum().backward()
+    got = {k: v.double() for k, v in {"out": y.detach(), "x": xi.grad, **tep.grads()}.items()}
+
+    ref = {k: v.clone().requires_grad_(True) for k, v in (("router", router), ("w1", w1), ("w2", w2))}
+    xr = x[rank].clone().requires_grad_(True)
+    yr = dense_moe_reference(xr, ref["router"], ref["w1"], ref["w2"], K)
+    (yr * dy[rank]).sum().backward()
+    want = {"out": yr.detach(), "x": xr.grad, "router_grad": ref["router"].grad, "w1_grad": ref["w1"].grad,
+            "w2_grad": ref["w2"].grad}
+    return got, want
+
+
+@pytest.mark.dist
+def test_torch_ep_matches_dense_reference():
+    """The baseline computes the layer's math: TorchEP on 2 gloo ranks against the dense fp64 reference (each
+    tensor within fp32's rounding of its own scale)."""
+    import random
+
+    world, seed = 2, random.randrange(2**31)
+    res = run_dist(_torch_ep_worker, world, seed, timeout_s=120)
+    L = res[0][0]["w1_grad"].shape[0]
+    for rank, (got, want) in enumerate(res):
+        for k in ("out", "x", "router_grad"):
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5 * float(want[k].abs().max()),
+                                       msg=lambda m, k=k, r=rank: f"seed {seed}, rank {r}, {k}: {m}")
+        for k in ("w1_grad", "w2_grad"):        # the owner's shard: every rank's tokens
+            full = sum(w[k] for _, w in res)
+            torch.testing.assert_close(got[k], full[rank * L:(rank + 1) * L], rtol=1e-5,
+                                       atol=1e-5 * float(full.abs().max()),
+                                       msg=lambda m, k=k, r=rank: f"seed {seed}, rank {r}, {k}: {m}")
+        assert got["out"].abs().max() > 0
+    assert not res[-1][0]["w1_grad"][-1].any()           # the expert no token chose: no gradient
 
 
 # ------------------------------------------------------------------------------------------------ real routing
