@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from feplb.dropin import (
+    _agree,
     agree_to_replace,
     attach_optimizer,
     average_expert_grads,
@@ -777,4 +778,51 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     # DDP around the model leaves the shards alone (it would broadcast rank 0's experts to every rank and average
     # the shards of different experts, silently); DDP around a part of the model needs ignore_experts_in_ddp(part)
     ignore_experts_in_ddp(model)
+    if world > 1 and plans:
+        _generate_in_step(model)
     return [name for name, _ in plans]
+
+
+def _generate_in_step(model: nn.Module) -> None:
+    """Make ``model.generate`` keep the ranks in step (on the instance; a model without ``generate`` is left alone).
+
+    Every forward of a FEPLB layer is collective, so a rank whose sequences end first must keep stepping with the
+    others: transformers' ``generate(synced_gpus=True)`` does that (it turns it on by itself under DeepSpeed ZeRO-3
+    and FSDP only). Here it is the default; ``synced_gpus=False`` and continuous batching (``generate_batch``,
+    ``cache_implementation="paged"``: each rank schedules its own forwards) are refused on every rank together,
+    since the ranks would run different numbers of forwards (gloo aborts the processes, NCCL hangs until its
+    timeout). One small all-gather over the world per ``generate`` call agrees on that; transformers' own step
+    check all-reduces over the world too."""
+    import functools
+
+    inner = getattr(model, "generate", None)
+    if inner is not None and not getattr(inner, "_feplb_in_step", False):
+        @functools.wraps(inner)
+        def generate(*args: Any, synced_gpus: bool | None = None, **kwargs: Any) -> Any:
+            problem = None
+            if synced_gpus is not None and not synced_gpus:
+                problem = ("synced_gpus=False: a rank whose sequences end first would stop calling the FEPLB layers, "
+                           "whose every forward is collective; leave synced_gpus unset (True)")
+            elif kwargs.get("cache_implementation") == "paged":
+                problem = _CONTINUOUS_BATCHING
+            views = _agree(problem, None)
+            bad = [r for r, v in enumerate(views) if v is not None]
+            if bad:
+                raise ValueError(f"{type(model).__name__}.generate with FEPLB experts: {views[bad[0]]}"
+                                 + ("" if len(bad) == len(views) else f" (on rank(s) {bad})"))
+            return inner(*args, synced_gpus=True, **kwargs)
+
+        generate._feplb_in_step = True
+        model.generate = generate
+    batch = getattr(model, "generate_batch", None)
+    if batch is not None and not getattr(batch, "_feplb_in_step", False):
+        @functools.wraps(batch)
+        def generate_batch(*args: Any, **kwargs: Any) -> Any:
+            raise ValueError(f"{type(model).__name__}.generate_batch with FEPLB experts: {_CONTINUOUS_BATCHING}")
+
+        generate_batch._feplb_in_step = True
+        model.generate_batch = generate_batch
+
+
+_CONTINUOUS_BATCHING = ("continuous batching schedules each rank's forwards on its own, and every forward of the "
+                        "FEPLB layers is collective; use generate() (it keeps the ranks in step)")

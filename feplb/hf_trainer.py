@@ -22,7 +22,9 @@ everyone's. :class:`TrainerMixin` puts FEPLB's once-per-step calls where ``Train
   with a warning only.)
 
 ``feplb.hf.Trainer`` is ``TrainerMixin`` over ``transformers.Trainer``; put the mixin first over another Trainer
-subclass (TRL's, say, not tested): ``class MyTrainer(feplb.hf.TrainerMixin, SFTTrainer)``. Runs with DDP over CPU or GPU
+subclass (TRL's, say: docs/hf.md, *TRL*): ``class MyTrainer(feplb.hf.TrainerMixin, SFTTrainer)``. While the Trainer
+is built, the given models' state dicts hold plain per-rank shards; ``sync_ref_model`` with a reference model
+whose parameters differ in shape from the model's is refused (:func:`ref_model_problem`). Runs with DDP over CPU or GPU
 processes, or one process; DeepSpeed, FSDP through accelerate, TPUs, SageMaker model parallelism, transformers'
 tensor parallelism and ``torch.nn.DataParallel`` (several GPUs in one process) are refused at construction, and
 optimizers whose update reads statistics over a whole tensor (Adafactor, GaLore, ...: :func:`optimizer_problem`)
@@ -55,7 +57,7 @@ try:
 except ImportError as e:   # pragma: no cover - the hf extra installs it
     raise ImportError("feplb.hf.Trainer needs transformers (pip install 'feplb[hf]')") from e
 
-__all__ = ["TrainerMixin", "Trainer", "MODEL_DIR", "OPTIMIZER_DIR"]
+__all__ = ["TrainerMixin", "Trainer", "MODEL_DIR", "OPTIMIZER_DIR", "ref_model_problem"]
 
 # in a checkpoint, torch.distributed.checkpoint folders: the model's shards as they run, and the optimizer's state
 MODEL_DIR = "model_feplb"
@@ -107,7 +109,12 @@ class TrainerMixin:
     """
 
     def __init__(self, *args: Any, data_parallel_group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        # Within the construction, the state dicts of the models given (the model, a reference model) hold plain
+        # per-rank shards: a Trainer subclass may read them there with tensor methods DTensors lack (TRL's DPO hashes
+        # model.state_dict() with .numpy() to name its cache of reference log-probs, and takes rank 0's hash).
+        given = [m for m in (*args, *kwargs.values()) if isinstance(m, nn.Module)]
+        with local_state_dicts([lay for m in given for lay in experts_modules(m)], "local"):
+            super().__init__(*args, **kwargs)
         moes = experts_modules(self.model)
         acc = self.accelerator
         problem = trainer_problem(
@@ -118,6 +125,8 @@ class TrainerMixin:
             tp_size=self.get_tp_size(), xla=bool(getattr(self, "is_fsdp_xla_enabled", False)) or
             transformers.utils.is_torch_xla_available(), sagemaker_mp=transformers.utils.is_sagemaker_mp_enabled(),
             missing=tuple(m for m in _HOOKED if not hasattr(transformers.Trainer, m)))
+        if problem is None and getattr(self.args, "sync_ref_model", False):
+            problem = ref_model_problem(self.model, getattr(self, "ref_model", None))
         if not dist.is_initialized():
             if problem is None and data_parallel_group is not None:
                 problem = "data_parallel_group given without torch.distributed initialised"
@@ -132,6 +141,7 @@ class TrainerMixin:
             raise ValueError(f"feplb.hf.Trainer: {problem}")
         ignore_experts_in_ddp(self.model)
         self._feplb_dp_group = data_parallel_group
+        self._feplb_flos_scale = _flos_scale(self.model, moes)
         self._feplb_full: dict[str, torch.Tensor] | None = None
         self._feplb_checkpointing = False
 
@@ -159,6 +169,11 @@ class TrainerMixin:
             self.accelerator.unscale_gradients()
             grad_norm = clip_grad_norm_(self.model, float("inf"))
         return grad_norm
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """transformers' estimate (6 x tokens x parameters) for the unmodified model: its count of this rank's
+        parameters scaled to every expert of each layer (``total_flos`` as the unmodified model's run logs it)."""
+        return int(round(super().floating_point_ops(inputs) * self._feplb_flos_scale))
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -254,6 +269,34 @@ class TrainerMixin:
         scheduler = os.path.join(checkpoint, names.SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def ref_model_problem(model: nn.Module, ref_model: nn.Module | None) -> str | None:
+    """Why ``sync_ref_model`` (TRL's ``SyncRefModelCallback``, which mixes the model's parameters into the reference
+    model's one by one, in order) cannot run with this reference model, or None: it must hold the same parameters
+    in the same shapes, its experts applied alike (a reference model TRL loads from the model's path holds every
+    expert, and broadcasting a shard into it, with one expert per rank, would even run)."""
+    if ref_model is None:
+        return None
+    mine = [tuple(p.shape) for p in model.parameters()]
+    theirs = [tuple(p.shape) for p in ref_model.parameters()]
+    if mine == theirs:
+        return None
+    return (f"sync_ref_model mixes the model's parameters into the reference model's one by one, but the two hold "
+            f"{len(mine)} and {len(theirs)} parameters, not all of the same shape (the model's experts are this "
+            "rank's shards): make the reference model with copy.deepcopy(model) before feplb.hf.apply, apply to "
+            "both alike and pass it as ref_model")
+
+
+def _flos_scale(model: nn.Module, moes: list) -> float:
+    """The unmodified model's parameter count (transformers' FLOP estimate counts parameters, embeddings left out)
+    over this rank's: each expert shard counts once per rank of its layer's EP group."""
+    mine = model.num_parameters(exclude_embeddings=True) if hasattr(model, "num_parameters") else \
+        sum(p.numel() for p in model.parameters())
+    shards = {id(p): (p, m) for m in moes for p in m.expert_params()}   # (a layer under several names: once)
+    extra = sum((dist.get_world_size(m.group) - 1) * p.numel() for p, m in shards.values()) \
+        if dist.is_initialized() else 0
+    return (mine + extra) / mine if mine else 1.0
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -91,7 +91,7 @@ def _train(rank, world, mode, out, optim, resume=None, save_steps=None):
     trainer = cls(model=model, args=_args(out, optim, **kw), train_dataset=_dataset(), callbacks=[snaps])
     trainer.train(resume_from_checkpoint=resume)
     logs = [(h["loss"], float(h["grad_norm"])) for h in trainer.state.log_history if "loss" in h]
-    return {"logs": logs, "steps": snaps.steps}
+    return {"logs": logs, "steps": snaps.steps, "flos": trainer.state.total_flos}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -126,6 +126,84 @@ def test_trains_as_the_unmodified_model(plain, policy):
         runs = run_dist(_train, W, policy, d, "sgd", timeout_s=300)
     for r in runs:
         _same_training(r, plain)
+        # transformers' FLOP estimate counts the unmodified model's parameters, every expert included
+        assert r["flos"] == pytest.approx(plain["flos"], rel=1e-9) and plain["flos"] > 0, (r["flos"], plain["flos"])
+
+
+def _subclasses(rank, world, out):
+    """Trainer subclasses as TRL's are made: one hashing model.state_dict() with .numpy() in its construction (DPO's
+    cache name of reference log-probs), one holding a reference model whose parameters a callback mixes into the
+    model's one by one (sync_ref_model)."""
+    _env(rank, world)
+    import dataclasses
+
+    import transformers as tf
+
+    import feplb.hf
+    from feplb.testing import error_of
+
+    class Hashing(tf.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.digest = sum(float(t.cpu().numpy().sum()) for t in self.model.state_dict().values())
+
+    class WithRef(tf.Trainer):
+        def __init__(self, model, ref_model, *args, **kwargs):
+            super().__init__(model, *args, **kwargs)
+            self.ref_model = ref_model
+
+    @dataclasses.dataclass
+    class RefArgs(tf.TrainingArguments):
+        sync_ref_model: bool = False
+
+    class FHashing(feplb.hf.TrainerMixin, Hashing):
+        pass
+
+    class FWithRef(feplb.hf.TrainerMixin, WithRef):
+        pass
+
+    model = _models().make_model("qwen3_moe")
+    twin = _models().make_model("qwen3_moe")
+    feplb.hf.apply(model, policy="feplb-split", gpus_per_node=G)
+    feplb.hf.apply(twin, policy="feplb-split", gpus_per_node=G)
+    plain_ref = _models().make_model("qwen3_moe")
+    hashing = FHashing(model=model, args=_args(out, "sgd"), train_dataset=_dataset())
+    # the model's state dict is sharded again after the construction
+    after = type(next(t for k, t in model.state_dict().items() if k.endswith("gate_up_proj"))).__name__
+
+    def with_ref(ref, sync):
+        return error_of(lambda: FWithRef(model, ref, args=RefArgs(**{**_args(out, "sgd").to_dict(), "output_dir": out,
+                                                                     "sync_ref_model": sync}),
+                                         train_dataset=_dataset()))
+
+    return {"digest": hashing.digest, "after": after, "sync_plain": with_ref(plain_ref, True),
+            "sync_applied": with_ref(twin, True), "nosync_plain": with_ref(plain_ref, False)}
+
+
+def test_trl_like_subclasses():
+    with tempfile.TemporaryDirectory() as d:
+        runs = run_dist(_subclasses, 2, d, timeout_s=200)
+    for r in runs:
+        assert r["digest"] != 0 and r["after"] == "DTensor", r
+        assert r["sync_plain"] is not None and r["sync_plain"].startswith("ValueError") and \
+            "sync_ref_model mixes the model's parameters" in r["sync_plain"], r["sync_plain"]
+        assert r["sync_plain"] == runs[0]["sync_plain"]
+        assert r["sync_applied"] is None and r["nosync_plain"] is None, r
+
+
+def test_ref_model_problem():
+    from feplb.hf_trainer import ref_model_problem
+
+    def net(*shapes):
+        m = torch.nn.Module()
+        for i, shape in enumerate(shapes):
+            m.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(shape)))
+        return m
+
+    assert ref_model_problem(net((4, 3), (2, 5)), None) is None
+    assert ref_model_problem(net((4, 3), (2, 5)), net((4, 3), (2, 5))) is None
+    for ref in (net((4, 3), (1, 5)), net((4, 3)), net((4, 3), (2, 5), (1,))):
+        assert "sync_ref_model" in (ref_model_problem(net((4, 3), (2, 5)), ref) or ""), ref
 
 
 def _checkpointed(rank, world, out):
