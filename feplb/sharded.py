@@ -133,12 +133,16 @@ def _global_shape(t: torch.Tensor, dim: int, world: int) -> torch.Size:
 
 
 def _sharded(layer, t: torch.Tensor, dim: int) -> torch.Tensor:
-    """``t``, this rank's shard, as the DTensor of the EP group's [E, ...] tensor (sharing its storage)."""
+    """``t``, this rank's shard, as the DTensor of the EP group's [E, ...] tensor (sharing its storage), marked with
+    this rank's index in the EP group (``_feplb_ep_rank``, kept by ``torch.save``): a DTensor unpickled on another
+    rank holds the saving rank's local part, which nothing else tells apart from the loading rank's."""
     DTensor, Shard = _dtensor()
     shape = _global_shape(t, dim, layer.world_size)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(t, _mesh(layer, t.device.type), [Shard(dim)], run_check=False, shape=shape,
-                              stride=stride)
+    out = DTensor.from_local(t, _mesh(layer, t.device.type), [Shard(dim)], run_check=False, shape=shape,
+                             stride=stride)
+    out._feplb_ep_rank = layer.rank
+    return out
 
 
 def _local(layer, key: str, value: Any, dim: int | None, like: torch.Tensor | None = None,
@@ -160,6 +164,13 @@ def _local(layer, key: str, value: Any, dim: int | None, like: torch.Tensor | No
                       + (f", shape {tuple(_global_shape(like, dim, W))}" if like is not None else ""))
             raise ValueError(f"{key}: a DTensor of shape {tuple(value.shape)} placed {list(value.placements)} over "
                              f"ranks {mesh.mesh.flatten().tolist()}; this rank's layer loads {layout}")
+        saved_by = getattr(value, "_feplb_ep_rank", None)
+        if saved_by is not None and saved_by != layer.rank:
+            raise ValueError(f"{key}: this DTensor's local part is the shard of EP rank {saved_by}, which saved it "
+                             f"(this is EP rank {layer.rank}): a state dict torch.save'd on one rank and loaded on "
+                             "every rank would give each rank the saving rank's experts. Load each rank's own "
+                             "shards: torch.distributed.checkpoint (dcp.save / dcp.load, at any EP size), one file "
+                             "per rank, or a whole state dict (full_state_dict(model)), which every rank loads")
         return value.to_local()
     whole = None if pname is None else layer.whole_shape(pname)
     if whole is not None and W > 1 and isinstance(value, torch.Tensor) and value.shape == whole:

@@ -12,7 +12,8 @@ as DTensors over the EP group (``feplb.sharded``), on gloo ranks:
 * the live optimizer state stays plain tensors; ``state_dict()`` to ``torch.save`` / ``torch.load(weights_only=True)``
   round-trips (the optimizer's too, into a fresh optimizer, local again at its first step), and
   ``load_state_dict`` takes the whole [E, ...] tensor too (this rank's rows); type ``"local"``
-  gives plain shards; a DTensor of another placement, optimizer state nested in a container or flat (LBFGS's) and
+  gives plain shards; a DTensor of another placement, another EP rank's file (the weights' and the optimizer's:
+  one rank's ``torch.save`` loaded on every rank), optimizer state nested in a container or flat (LBFGS's) and
   an unknown type are refused, naming what was wrong; an optimizer keeping other values in its state steps as
   before.
 """
@@ -24,7 +25,7 @@ import io
 import pytest
 import torch
 
-from feplb.testing import run_dist
+from feplb.testing import error_of, run_dist
 
 pytestmark = pytest.mark.dist
 
@@ -115,6 +116,16 @@ def _save(rank: int, world: int, path: str) -> dict:
     dist.barrier()
     layer.load_state_dict(torch.load(f"{path}_rank{rank % 2}.pt", weights_only=True))
     out["replica_file"] = all(torch.equal(getattr(layer, n), before[n]) for n in PARTS)
+    # the other EP rank's file (one rank's torch.save loaded on every rank): refused, the weights left as they were,
+    # the optimizer's state alike
+    torch.save(opt.state_dict(), f"{path}_opt_rank{rank}.pt")
+    dist.barrier()
+    other = (rank + 1) % 2
+    out["other_rank_file"] = error_of(lambda: layer.load_state_dict(torch.load(f"{path}_rank{other}.pt",
+                                                                               weights_only=True)))
+    out["other_rank_kept"] = all(torch.equal(getattr(layer, n), before[n]) for n in PARTS)
+    out["other_rank_opt"] = error_of(lambda: opt.load_state_dict(torch.load(f"{path}_opt_rank{other}.pt",
+                                                                            weights_only=True)))
     layer.refresh_replicas()
     _step(layer, opt, 2)
     out["continued"] = _gathered(layer, opt)
@@ -280,6 +291,9 @@ def test_saved_as_dtensors(runs):
         assert r["model_dtensors"] == sorted(PARTS), r["model_dtensors"]
         assert r["optim_dtensors"] == sorted(PARTS), r["optim_dtensors"]
         assert r["live_plain"] and r["replica_file"] and r["closed_sharded"], r
+        for k in ("other_rank_file", "other_rank_opt"):
+            assert r[k] is not None and r[k].startswith("ValueError") and "is the shard of EP rank" in r[k], (k, r[k])
+        assert r["other_rank_kept"]
     # the data-parallel replicas trained alike (the same tokens): what one saved is what the other would have
     for k, v in saved[0]["saved"].items():
         assert torch.equal(v, saved[2]["saved"][k]), k
