@@ -146,6 +146,14 @@ def agree_to_replace(api: str, group: dist.ProcessGroup | None, problems: list[s
         raise ValueError(f"{api}: {none_found()}")
 
 
+def mark_replaced(module: nn.Module, api: str, name: str) -> None:
+    """Mark the parameters of an experts module ``api`` replaced (``name``): an optimizer made before the
+    replacement holds them, steps tensors the model no longer uses and never trains its experts; its first
+    ``step()`` refuses that (``feplb.training``)."""
+    for p in module.parameters():
+        p._feplb_replaced = f"{api} replaced {name or '(the root)'}"
+
+
 # ---------------------------------------------------------------------------------------------------- helpers
 
 def experts_modules(model: nn.Module) -> list[MoELayer]:

@@ -59,6 +59,7 @@ from feplb.dropin import (
     full_state_dict,
     hooks_problem,
     layer_config,
+    mark_replaced,
     overrides_problem,
     reduce_replica_grads,
     refresh_replicas,
@@ -765,6 +766,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     # (every name of its experts lies under one of them: checked in _problem)
     wrapped: dict[int, FEPLBLlama4TextMoe] = {}
     for name, mod in plans:
+        mark_replaced(mod, "feplb.hf.apply", name)
         entry = blocks.get(id(mod))
         if entry is None:
             parent_name, _, child = name.rpartition(".")

@@ -481,7 +481,15 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
     def _cast_hint(self, problem: tuple[type, str] | None) -> tuple[type, str] | None:
         """``problem``, with the likely cause added to a wrong input dtype where the expert parameters no longer
         have the dtypes the layer was built with: the model was cast after the layer was made (the layer computes
-        in ``FEPLBConfig.dtype``, fixed when it is built)."""
+        in ``FEPLBConfig.dtype``, fixed when it is built); likewise to a wrong input device where they were moved."""
+        if problem is not None and problem[0] is ValueError and "the layer's experts are on" in problem[1]:
+            moved = sorted({str(p.device) for p in self.expert_params()} - {str(self._device)})
+            if moved:
+                return problem[0], (f"{problem[1]} (where it was built): its expert parameters were moved to "
+                                    f"{', '.join(moved)} after it was built (model.to(device), or accelerate's "
+                                    "prepare, after building it or after feplb.hf.apply / feplb.titan / "
+                                    "feplb.megatron replaced the experts); move the model first, then build or apply")
+            return problem
         if problem is None or problem[0] is not TypeError or "dtype" not in problem[1]:
             return problem
         now = tuple(p.dtype for p in self.expert_params())

@@ -61,6 +61,7 @@ from feplb.dropin import (
     is_dtensor,
     joined_for_forward,
     layer_config,
+    mark_replaced,
     reduce_replica_grads,
     refresh_replicas,
     set_state_dict_type,
@@ -442,6 +443,8 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
         for new in reversed(made.values()):
             new.close()
         raise
-    for _, moe, key in plans:
+    for name, moe, key in plans:
+        mark_replaced(moe.routed_experts.inner_experts, "feplb.titan.apply",
+                      f"{name}.routed_experts" if name else "routed_experts")
         moe.routed_experts = made[key]
     return [f"{name}.routed_experts" if name else "routed_experts" for name, _, _ in plans]

@@ -128,15 +128,50 @@ def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
                    and any((ext := where[id(p)][1]) is not None and ext[0] in stepped for p in layer.expert_params())]
     attached = _attached(opt)
     for layer in marked:
+        layer.__dict__.pop("_averaged", None)    # the step's averaging is done with
         if layer not in attached:
             layer.replicas.stepped = True
 
 
 def _stepping(opt: torch.optim.Optimizer, *_: Any) -> None:
-    """Before any ``optimizer.step()`` of an optimizer not yet tracked: the expert parameters' state it loaded as
-    DTensors (a sharded state dict) made local."""
+    """Before any ``optimizer.step()``: refused where it holds experts a drop-in's ``apply`` replaced (made before
+    it: it would step tensors the model no longer uses, and the experts would never train), checked again when its
+    parameter groups change; of an optimizer not yet tracked, the expert parameters' state it loaded as DTensors (a
+    sharded state dict) made local."""
+    count = sum(len(g["params"]) for g in opt.param_groups)
+    if opt.__dict__.get("_feplb_checked") != count:
+        problem = _replaced_problem(opt)
+        if problem is not None:
+            raise ValueError(f"{type(opt).__name__}.step(): {problem}")
+        opt._feplb_checked = count
     if not opt.__dict__.get("_feplb_sharded"):
         localize_state(opt)
+
+
+def _replaced_problem(opt: torch.optim.Optimizer) -> str | None:
+    """Why ``opt`` cannot step a FEPLB model: it holds experts a drop-in's ``apply`` replaced; or None."""
+    old = next((why for g in opt.param_groups for p in g["params"]
+                if (why := getattr(p, "_feplb_replaced", None)) is not None), None)
+    if old is None:
+        return None
+    return (f"this optimizer holds expert parameters from before {old} with FEPLB's (it was made before that "
+            "call): it would step tensors the model no longer uses, and the experts would never train. Make the "
+            "optimizer after apply")
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """``optimizer``, or the torch optimizer inside accelerate's ``AcceleratedOptimizer`` (whose ``step()`` steps
+    it); anything else that is no ``torch.optim.Optimizer`` is refused, naming it (a wrapper whose step does more
+    after its inner optimizer's, as Megatron's distributed optimizer all-gathers the new weights, would see its
+    copies refreshed too early)."""
+    inner = getattr(optimizer, "optimizer", None)
+    # (a torch.optim.Optimizer subclass that never ran Optimizer.__init__: it has no hooks of its own)
+    if type(optimizer).__name__ == "AcceleratedOptimizer" and isinstance(inner, torch.optim.Optimizer):
+        return inner
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    raise TypeError(f"attach_optimizer: expected a torch.optim.Optimizer (or accelerate's AcceleratedOptimizer), got "
+                    f"{type(optimizer).__name__}")
 
 
 register_optimizer_step_post_hook(_stepped)
@@ -190,7 +225,15 @@ class TrainingSteps:
         ``step(optimizer)`` then reduce the replica gradients first, so that they are unscaled and checked for
         inf / NaN with the owners' (a step hook runs too late: inside ``optimizer.step()``, after both). Without
         it, a scaler stepping a fused optimizer is refused (on every rank) when copies hold gradients; with a
-        non-fused one nothing can tell, and ``reduce_replica_grads()`` must be called before ``unscale_``."""
+        non-fused one nothing can tell, and ``reduce_replica_grads()`` must be called before ``unscale_``.
+
+        accelerate's ``AcceleratedOptimizer`` is taken for the torch optimizer it steps; another object that is no
+        ``torch.optim.Optimizer`` is refused, and so is an optimizer holding experts a drop-in's ``apply`` replaced
+        (made before it: the experts would never train)."""
+        optimizer = _torch_optimizer(optimizer)
+        problem = _replaced_problem(optimizer)
+        if problem is not None:
+            raise ValueError(f"MoELayer.attach_optimizer: {problem}")
         if scaler is not None:
             if not isinstance(scaler, torch.amp.GradScaler):
                 raise TypeError(f"MoELayer.attach_optimizer: scaler must be a torch.amp.GradScaler, got "
@@ -229,6 +272,7 @@ class TrainingSteps:
         and the next reduction would add them to the owners. Call it wherever the training loop discards the
         experts' gradients without a step (``layer.zero_grad()`` and an attached optimizer's ``zero_grad()`` do)."""
         self.replicas.zero_grads()
+        self.__dict__.pop("_averaged", None)
 
     def _adopt(self, state) -> None:
         """Execute the slow decisions of ``state`` from now on (placement, @ema sets, EPLB replicas)."""
@@ -249,6 +293,7 @@ class TrainingSteps:
         (``PolicyState.resident``); a plan copies every other weight it needs per micro-batch
         (``Plan.weight_copies``, executed as given). The copies lazy replicas held over the step are let go.
         """
+        self.__dict__.pop("_averaged", None)     # (after a step: the next average_expert_grads is the next step's)
         if self.replicas.ever_held:
             # Agreed over the group, so that no rank enters the refresh exchange while another raises.
             self.replicas.agree("refresh_replicas")   # (raises where gradients were lost or left)
@@ -289,7 +334,18 @@ class TrainingSteps:
         divide by the number of such ranks (EP group size x data-parallel group size). The dispatch's backward
         leaves the sum over the EP group's ranks; DDP or FSDP averaging the replicated parameters (the router) over
         all of those ranks then trains the mean of their losses. Once per optimizer step, after the last backward
-        and before clipping and ``optimizer.step()``."""
+        and before clipping and ``optimizer.step()``. A second call before the step would divide again (after
+        another backward of an accumulation, the first micro-batches' share twice): refused while an expert
+        parameter still holds the gradient tensor the last call divided and no optimizer step (of any optimizer
+        holding the experts), ``zero_replica_grads()`` (an attached optimizer's ``zero_grad()``, ``layer.zero_grad()``)
+        or ``refresh_replicas()`` came between; zeroing with ``set_to_none=True`` makes new tensors."""
+        done = self.__dict__.get("_averaged")
+        if done is not None and self._same_grads(done):
+            raise RuntimeError("MoELayer.average_expert_grads: called again before the optimizer step, on the "
+                               "gradients it already divided; call it once per step, after the step's last backward "
+                               "(with accelerate: under `if accelerator.sync_gradients:`, not after every backward "
+                               "of an accumulation). (A step a GradScaler skipped, then gradients zeroed in place, "
+                               "looks the same: zero them with set_to_none=True, or call zero_replica_grads() after)")
         self.reduce_replica_grads()
         ranks = self.world_size * (dist.get_world_size(data_parallel_group) if data_parallel_group is not None
                                    else 1)
@@ -298,6 +354,13 @@ class TrainingSteps:
                 if data_parallel_group is not None:
                     dist.all_reduce(p.grad, group=data_parallel_group)
                 p.grad.div_(ranks)
+        self._averaged = [None if p.grad is None else weakref.ref(p.grad) for p in self.expert_params()]
+
+    def _same_grads(self, mark: list) -> bool:
+        """Whether an expert parameter holds the very gradient tensor ``mark`` saw (not a new one, as a backward
+        after zeroing with ``set_to_none=True`` makes)."""
+        return any(m is not None and p.grad is not None and m() is p.grad
+                   for p, m in zip(self.expert_params(), mark, strict=True))
 
 
 def _attached(optimizer: torch.optim.Optimizer) -> list[TrainingSteps]:

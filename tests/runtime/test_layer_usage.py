@@ -390,6 +390,11 @@ def _usage_worker(rank, world):
     layer.to(torch.bfloat16)
     res["cast"] = error_of(lambda: layer(xs[rank].to(torch.bfloat16)))
     res["uncast"] = error_of(lambda: _layer(22, policy="feplb")[0](xs[rank].to(torch.bfloat16)))
+    # ... moved after it was built (model.to(device), accelerate's prepare, after apply): the input on the new
+    # device is refused on every rank, naming the move (meta stands in for a GPU here)
+    layer, *_, xs = _layer(24, policy="feplb")
+    layer.to("meta")
+    res["moved"] = error_of(lambda: layer(xs[rank].to("meta")))
     # ... also with per-step copies held, cast on rank 0 alone: every rank refuses together (the staleness sample,
     # of other bytes after the cast, must not raise first on rank 0 while the others wait in the counts' gather)
     layer, *_, xs = _layer(23, policy="eplb", weights="per-step")
@@ -441,6 +446,7 @@ def test_layer_usage_and_misuse():
             res["cast"]
         assert res["uncast"] is not None and "dtype" in res["uncast"] and "were cast" not in res["uncast"], \
             res["uncast"]
+        assert res["moved"] is not None and "were moved to meta after it was built" in res["moved"], res["moved"]
         want = "were cast from torch.float32 to torch.float16" if rank == 0 else "EP rank(s) [0] refused"
         assert res["cast_copies"] is not None and want in res["cast_copies"], res["cast_copies"]
         assert res["modes"] is not None and "different modes" in res["modes"] and \
