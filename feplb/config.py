@@ -117,7 +117,8 @@ class FEPLBConfig:
         says so; use bfloat16, or run the layer inside ``torch.autocast``). Inside ``torch.autocast`` the experts'
         GEMMs follow it like ``torch.matmul`` (their operands cast to the autocast dtype; float64 never is); rows
         travel in this dtype, and a float16, bfloat16 or float32 input is accepted and cast to this one (the
-        output comes back in the input's dtype). The layer's own router (``F.linear``) follows autocast too.
+        output comes back in the input's dtype). The layer's own router (``F.linear``) follows autocast too; its
+        scores are fp32, fp64 in a float64 layer (which computes in float64 throughout).
     timeline: record each forward's steps (``MoELayer.last_timeline``, a ``feplb.timeline.Timeline``).
     """
 

@@ -82,7 +82,7 @@ from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
 from feplb.recompute import Record, Records, checkpoint_frame, in_backward, record_kind
 from feplb.replicas import Placement, Replicas, state_fingerprint
 from feplb.sharded import ExpertShards, expert_named_params, register
-from feplb.steps import Counts, Split, layer_stats, read_counts
+from feplb.steps import STALE, Counts, Split, layer_stats, read_counts
 from feplb.timeline import Timeline
 from feplb.training import (
     _LAYERS,
@@ -98,6 +98,11 @@ __all__ = ["DirectLayout", "FEPLBConfig", "LayerStats", "MoELayer", "direct_layo
 # The next layer number (MoELayer.layer_id) of this process.
 _NEXT_LAYER_ID = 0
 _LAYER_ID_LOCK = threading.Lock()
+# The width of the counts all-gather's rows past their header, per EP group (its global ranks): the largest number of
+# experts of the layers built over it, agreed when each is built. Every row of the group is padded to it, so that
+# ranks running layers of different sizes in one forward meet in an all-gather of equal rows (and raise, naming the
+# layers) instead of one the backend aborts the process over.
+_COUNTS_WIDTH: dict[tuple[int, ...], int] = {}
 
 
 class MoELayer(TrainingSteps, ExpertShards, nn.Module):
@@ -174,11 +179,16 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # A number naming this layer alike on every rank of the group (the largest of the ranks' next numbers), sent
         # with every forward's counts: ranks that run different layers in one forward raise instead of mixing them.
         global _NEXT_LAYER_ID
-        got = self.control.all_gather(torch.tensor([_NEXT_LAYER_ID], dtype=torch.int64),
+        key = tuple(dist.get_process_group_ranks(self.group)) if self.group is not None else \
+            tuple(range(dist.get_world_size()))
+        got = self.control.all_gather(torch.tensor([_NEXT_LAYER_ID, max(_COUNTS_WIDTH.get(key, 0), c.num_experts)],
+                                                   dtype=torch.int64),
                                       "agreement on the layer number")
-        self.layer_id = int(got.max())
+        self.layer_id = int(got[:, 0].max())
         with _LAYER_ID_LOCK:   # layers of other groups may be built on other threads meanwhile
             _NEXT_LAYER_ID = max(_NEXT_LAYER_ID, self.layer_id + 1)
+            _COUNTS_WIDTH[key] = max(_COUNTS_WIDTH.get(key, 0), int(got[:, 1].max()))
+        self._counts_key = key
         if c.num_experts % W:
             raise ValueError(f"FEPLBConfig.num_experts ({c.num_experts}) must be divisible by the EP group size ({W})")
         L = self.num_local = c.num_experts // W
@@ -381,11 +391,16 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
     # ------------------------------------------------------------------------------------------------ 1. route
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Router: x_TD [T, H] -> (topk_ids_TK int64 [T, K], topk_weights_TK [T, K] in x's dtype, bad: int64 0-d
-        tensor, nonzero when a logit is NaN or inf). Scores in fp32 (from logits that ``torch.autocast``, like any
-        ``F.linear``, computes in its dtype); the bias (if any) affects selection only."""
+        tensor, nonzero when a logit or the selection bias is NaN or inf). Scores in fp32, fp64 in a float64 layer
+        (from logits that ``torch.autocast``, like any ``F.linear``, computes in its dtype); the bias (if any)
+        affects selection only."""
         c = self.config
-        logits_TE = F.linear(x_TD, self.router.weight).float()
-        bad = (~torch.isfinite(logits_TE).all()).long()
+        logits_TE = F.linear(x_TD, self.router.weight)
+        logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
+        bad = ~torch.isfinite(logits_TE).all()
+        if self.router_bias is not None:   # (a bias update that wrote NaN would drop its expert from selection)
+            bad = bad | ~torch.isfinite(self.router_bias).all()
+        bad = bad.long()
         scores_TE = logits_TE.softmax(-1) if c.router == "softmax" else logits_TE.sigmoid()
         sel_TE = scores_TE.detach() if self.router_bias is None else scores_TE.detach() + self.router_bias
         sel_TE = torch.nan_to_num(sel_TE, nan=0.0, posinf=0.0, neginf=0.0)
@@ -683,15 +698,17 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if problem is None:
             changed = self.replicas.changed()
             counts = counts_S.to(torch.int64).reshape(-1)
-            row = torch.cat([counts, bad.to(torch.int64).reshape(1),
-                             counts.new_zeros(1) if changed is None else changed.to(counts.device)]).cpu()
+            row = torch.cat([bad.to(torch.int64).reshape(1),
+                             counts.new_zeros(1) if changed is None else changed.to(counts.device), counts]).cpu()
         else:
-            row = torch.zeros(E + 2, dtype=torch.int64)
+            row = torch.zeros(2 + E, dtype=torch.int64)
         self.replicas.sync_requires()
-        row[E + 1] |= int(not self.replicas.fresh())
-        row = torch.cat([row, torch.tensor([int(problem is not None), self.layer_id,
-                                            int(self.training) | int(torch.is_grad_enabled()) << 1
-                                            | int(dispatched) << 2, self._slow_digest()])])
+        row[STALE] |= int(not self.replicas.fresh())
+        # (the header first, then the counts padded to the group's width: steps.read_counts)
+        row = torch.cat([row[:2], torch.tensor([int(problem is not None), self.layer_id,
+                                                int(self.training) | int(torch.is_grad_enabled()) << 1
+                                                | int(dispatched) << 2, self._slow_digest()]), row[2:],
+                         torch.zeros(_COUNTS_WIDTH[self._counts_key] - E, dtype=torch.int64)])
         gathered = self.control.all_gather(row, "all_gather of expert counts")
         if problem is not None:
             raise problem[0](problem[1])

@@ -55,12 +55,19 @@ class NonFiniteRoutingError(ValueError):
     rank together, in the forward's counts all-gather (weights a too large learning rate grew, say)."""
 
 
+# The counts all-gather's row (int64): a header of fixed width, then the counts, padded to the width every layer of
+# the group shares (layers of different E may meet in one all-gather when ranks run different layers)
+HEADER = ("flags", "stale", "problem", "layer", "calls", "digest")
+FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST = range(len(HEADER))
+
+
 def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float) -> Counts:
-    """Read the all-gathered rows (int64 [W, E + 6]: counts per flat slot, this rank's routing flags (1: NaN or
-    inf, 2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs, how it
-    calls it (bits: 1 training mode, 2 autograd on, 4 ``forward_dispatched``), the digest of its slow decisions),
-    raising on every rank together when any rank reported a problem or the ranks run different layers, in different
-    modes or from different histories.
+    """Read the all-gathered rows (int64 [W, len(HEADER) + E + padding]: this rank's routing flags (1: NaN or inf,
+    2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs, how it
+    calls it (bits: 1 training mode, 2 autograd on, 4 ``forward_dispatched``), the digest of its slow decisions;
+    then the counts per flat slot), raising on every rank together when any rank reported a problem or the ranks
+    run different layers, in different modes or from different histories. The header comes first, so the layer
+    numbers are read alike whatever layer (and number of experts) each rank runs.
 
     slots_WS: int64 [W, L] the experts at home on each GPU. balance: the policy balances (and W > 1).
     min_straggler: rows of token straggler below which balancing is not worth it.
@@ -69,7 +76,7 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
 
     W, L = slots_WS.shape
     E = W * L
-    layers = gathered[:, E + 3]
+    layers = gathered[:, LAYER]
     if (layers != layers[0]).any():
         raise RuntimeError(
             f"MoELayer: the EP ranks ran different MoE layers in one forward (layer number per EP rank: "
@@ -78,14 +85,14 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             "micro-batch without images) cannot run under expert parallelism as it is; every rank stops this step")
     # how each rank calls (_CALL_BITS), compared over the ranks without a problem of their own (theirs is raised
     # below; the caller has none, so there is at least one)
-    ranks = np.nonzero(gathered[:, E + 2] == 0)[0]
-    calls = gathered[ranks, E + 4]
+    ranks = np.nonzero(gathered[:, PROBLEM] == 0)[0]
+    calls = gathered[ranks, CALLS]
     for bit, what, on, off, advice in _CALL_BITS:
         got = (calls & bit) != 0
         if (got != got[0]).any():
             raise RuntimeError(f"MoELayer: the EP ranks {what} ({on} on EP rank(s) {ranks[got].tolist()}, {off} on "
                                f"{ranks[~got].tolist()}); {advice}")
-    digests = gathered[:, E + 5]
+    digests = gathered[:, DIGEST]
     if (digests != digests[0]).any():
         groups = {}
         for r, d in enumerate(digests.tolist()):
@@ -94,24 +101,25 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             f"MoELayer: the EP ranks plan from different balancing state (policy history and placement), EP ranks "
             f"grouped by what they hold: {sorted(groups.values())}; every rank must run the same forwards in the "
             "same mode and restore the same PolicyState")
-    input_ranks = np.nonzero(gathered[:, E + 2])[0].tolist()
+    input_ranks = np.nonzero(gathered[:, PROBLEM])[0].tolist()
     if input_ranks:
         raise ValueError(f"MoELayer: EP rank(s) {input_ranks} refused this forward (a malformed input, or what "
                          "feeds the layer there; see the error on that rank); every rank stops this step")
-    id_ranks = np.nonzero(gathered[:, E] & 2)[0].tolist()
+    id_ranks = np.nonzero(gathered[:, FLAGS] & 2)[0].tolist()
     if id_ranks:
         raise ValueError(f"MoELayer: routing passed to forward() holds expert ids outside [0, {E}) on EP rank(s) "
                          f"{id_ranks} (-1 only with FEPLBConfig.masked_routes: a slot routed to no expert)")
-    bad_ranks = np.nonzero(gathered[:, E])[0].tolist()
+    bad_ranks = np.nonzero(gathered[:, FLAGS])[0].tolist()
     if bad_ranks:
-        raise NonFiniteRoutingError(f"MoELayer: router logits (or routing weights) contain NaN or inf on EP "
-                                    f"rank(s) {bad_ranks}; check the input and the router weights")
-    stale_ranks = np.nonzero(gathered[:, E + 1])[0].tolist()
+        raise NonFiniteRoutingError(f"MoELayer: router logits (or routing weights, or the router's selection "
+                                    f"bias) contain NaN or inf on EP rank(s) {bad_ranks}; check the input and the "
+                                    "router weights")
+    stale_ranks = np.nonzero(gathered[:, STALE])[0].tolist()
     if stale_ranks:
         raise RuntimeError(f"MoELayer: expert weights changed since the last refresh_replicas() on EP rank(s) "
                            f"{stale_ranks}; call layer.refresh_replicas() after optimizer.step() "
                            "(weights='per-step'), or layer.attach_optimizer(optimizer) once")
-    counts_WS = np.ascontiguousarray(gathered[:, :E])
+    counts_WS = np.ascontiguousarray(gathered[:, len(HEADER):len(HEADER) + E])
     counts_WE = np.empty_like(counts_WS)
     counts_WE[:, slots_WS.reshape(-1)] = counts_WS
     loads_home = counts_WS.sum(axis=0).reshape(W, L).sum(axis=1)

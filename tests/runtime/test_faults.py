@@ -76,6 +76,14 @@ def _fault_worker(rank, world):
     res["inf"] = error_of(lambda: layer(inf))
     with torch.no_grad():
         res["after_nan_ok"] = torch.allclose(layer(x), ref(x), rtol=1e-5, atol=1e-6)
+    # a NaN in the selection bias on rank 3 (a bias update gone wrong): it would drop its expert from selection,
+    # silently; every rank raises, naming rank 3
+    biased, _ = _layer(rank, world, 5, router_bias=True)
+    if rank == 3:
+        with torch.no_grad():
+            biased.router_bias[1] = float("nan")
+    res["nan_bias"] = error_of(lambda: biased(x))
+    biased.close()
 
     # A slow planner on rank 1: node 0 (ranks 0, 1) computes at home, node 1 balances; outputs never change.
     slow, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", plan_wait_ms=1000,
@@ -203,6 +211,13 @@ def _fault_worker(rank, world):
     res["mixed"] = error_of(lambda: (other if rank == 0 else layer)(x))
     with torch.no_grad():
         res["mixed_after_same"] = torch.equal(layer(x), want)
+    # ... also layers of different sizes (a multimodal model's vision experts, twice as many as its text experts):
+    # their counts rows meet padded to one width, so the same error, not a backend abort of the process
+    bigger = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=2 * E, top_k=K, gpus_per_node=2))
+    res["mixed_sizes"] = error_of(lambda: (bigger if rank == 0 else layer)(x))
+    with torch.no_grad():
+        res["mixed_sizes_after"] = torch.equal(layer(x), want) and bigger(x).shape == x.shape
+    bigger.close()
 
     # Two checkpointed layers whose recomputes run in another order on rank 1 (separate backward calls): an error on
     # every rank, instead of one layer's recompute replaying the other's rows.
@@ -233,6 +248,8 @@ def test_faults_and_bad_input():
         # (a ValueError: what catches ValueError still catches it)
         assert res["nan"].startswith("NonFiniteRoutingError") and "rank(s) [2]" in res["nan"], res["nan"]
         assert res["inf"].startswith("NonFiniteRoutingError") and "rank(s) [1]" in res["inf"], res["inf"]
+        assert res["nan_bias"].startswith("NonFiniteRoutingError") and "rank(s) [3]" in res["nan_bias"], \
+            res["nan_bias"]
         assert res["after_nan_ok"]
         assert res["slow_same"], f"rank {rank}: output changed by a slow planner"
         assert res["slow_fell_back"] == (rank < 2), (rank, res["slow_fell_back"])
@@ -265,6 +282,9 @@ def test_faults_and_bad_input():
         if "no_gpu" in res:
             assert res["no_gpu"].startswith("RuntimeError") and "needs a CUDA GPU" in res["no_gpu"], res["no_gpu"]
         assert res["mixed"].startswith("RuntimeError") and "different MoE layers" in res["mixed"], res["mixed"]
+        assert res["mixed_sizes"].startswith("RuntimeError") and "different MoE layers" in res["mixed_sizes"], \
+            res["mixed_sizes"]
+        assert res["mixed_sizes_after"]
         assert res["mixed_after_same"], rank
         assert res["recompute_order"] is not None and "recompute different MoE layers" in res["recompute_order"], \
             res["recompute_order"]

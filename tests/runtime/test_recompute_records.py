@@ -10,13 +10,13 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from feplb.recompute import MAX_RECORDS, Record, Records, checkpoint_frame, hooks_active, in_backward, record_kind
-from feplb.steps import read_counts
+from feplb.steps import HEADER, read_counts
 
 
 def _record(counts_WE: np.ndarray, tag: str = "", kind: str = "hooks") -> Record:
     W, E = counts_WE.shape
     slots = np.arange(E).reshape(W, E // W)
-    gathered = np.concatenate([counts_WE, np.zeros((W, 6), dtype=np.int64)], axis=1)
+    gathered = np.concatenate([np.zeros((W, len(HEADER)), dtype=np.int64), counts_WE], axis=1)
     counts = read_counts(gathered, slots, balance=True, min_straggler=0.0)
     return Record(kind=kind, placement=tag, slot_of_E=torch.arange(E), plan_state=None, counts=counts, direct=False,
                   plan=None, fell_back=False)
