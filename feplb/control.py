@@ -163,7 +163,8 @@ class Control:
     # -- helpers ------------------------------------------------------------------------------------------------------
     def _scope(self, scope: str) -> dist.ProcessGroup | None:
         if self._closed:
-            raise RuntimeError("feplb: this Control was closed")
+            raise RuntimeError("feplb: this Control was closed (its MoE layer was closed: close(), the end of a "
+                               "`with layer:` block, or the interpreter's exit); build a new layer")
         if scope == "node":
             return self.node_group
         if scope == "group":

@@ -430,6 +430,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         """
         from feplb.kernels import permute, routing_metadata, unpermute
 
+        self._check_open()
         problem = self._cast_hint(forward_problem(self.config, self._device, self.router is not None, x, routing)) \
             or _selective_checkpoint_problem()
         if problem is not None:
@@ -564,6 +565,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         """:meth:`forward_dispatched` for a subclass whose own ``forward`` receives dispatched rows (Megatron's
         experts behind Megatron's token dispatcher); ``problem``: what the subclass found wrong with its other
         arguments on this rank, raised on every rank with the rest."""
+        self._check_open()
         c = self.config
         if self.place or self.direct:   # (the same config on every rank)
             raise ValueError(f"{type(self).__name__}.forward_dispatched: {dispatched_policy_problem(c.policy)}")
@@ -883,9 +885,15 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                                       experts_placed=len(self.placement.placed_pairs),
                                       planned_ranks=None if node is None else self.topo.node_ranks(node))
 
+    def _check_open(self) -> None:
+        if self.__dict__.get("_closed"):
+            raise RuntimeError(f"{type(self).__name__}: this layer was closed (close(), the end of a `with layer:` "
+                               "block, or the interpreter's exit): it holds no threads, copy path or process-group "
+                               "handles any more; build a new one")
+
     def close(self) -> None:
         """Release the helper threads, the copy path and the transport (NVSHMEM buffers). Idempotent; the layer
-        must not be used afterwards."""
+        must not be used afterwards (its forward refuses, naming it)."""
         if getattr(self, "_closed", False):
             return
         self._closed = True

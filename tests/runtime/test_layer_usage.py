@@ -244,6 +244,8 @@ def _usage_worker(rank, world):
     left = _layer(24, policy="feplb-split", weights="per-step")[0]
     _close_at_exit()
     res["closed_at_exit"] = getattr(left, "_closed", False) and left._balancer.copier._shutdown
+    # a closed layer's forward and per-step calls refuse, naming what happened (locally: it holds no group)
+    res["after_close"] = [error_of(lambda: left(xs[rank])), error_of(left.refresh_replicas)]
 
     # Megatron's DDP keeps every expert parameter of a model in one flat buffer; its distributed optimizer steps one
     # shard of it per expert-data-parallel rank (views of the buffer in fp32, fp32 main copies of the parameters in
@@ -476,6 +478,9 @@ def test_layer_usage_and_misuse():
         assert stale is not None and "changed since the last refresh_replicas() on EP rank(s) [2]" in stale, stale
         assert res["data_write_refreshed"] is None, res["data_write_refreshed"]
         assert res["closed_at_exit"], "a layer left open was not closed by the atexit function"
+        fwd, refresh = res["after_close"]
+        assert fwd is not None and "this layer was closed" in fwd and "build a new one" in fwd, fwd
+        assert refresh is not None and "its MoE layer was closed" in refresh, refresh
         for kind, (held, stale, refreshed) in res["flat_buffer"].items():
             assert held and stale is not None and "changed since the last refresh_replicas()" in stale, (kind, stale)
             assert refreshed is None, (kind, refreshed)
