@@ -1,0 +1,93 @@
+"""An accelerate training loop, as accelerate's docs teach it (``Accelerator(gradient_accumulation_steps=2)``,
+``prepare``, ``accumulate``, ``backward``, clipping under ``sync_gradients``), trains a model ``feplb.hf.apply`` made
+expert-parallel (4 gloo ranks as 2 nodes x 2, tiny Qwen3-MoE, rows moving) as the same loop trains the unmodified
+model under DDP, with FEPLB's two calls at the step (``average_expert_grads``, ``clip_grad_norm_``) and the
+prepared optimizer attached. With accelerate's own ``clip_grad_norm_`` (torch's over this rank's shards) instead,
+the ranks clip by different norms and the comparison fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5")
+pytest.importorskip("accelerate")
+
+from feplb.testing import run_dist  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+W, G, STEPS, ACCUM = 4, 2, 3, 2
+
+
+def _models():
+    spec = importlib.util.spec_from_file_location("_feplb_hf_models", Path(__file__).with_name("models.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _loop(rank: int, world: int, mode: str) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    import accelerate
+
+    import feplb.hf as fh
+
+    M = _models()
+    model = M.make_model("qwen3_moe")
+    if mode != "plain":
+        fh.apply(model, policy="feplb-split", gpus_per_node=G, min_straggler_rows=0, plan_wait_ms=60_000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, M.VOCAB, (2, 8), generator=g) for _ in range(world * STEPS * ACCUM)]
+    mine = batches[rank::world]          # each rank its own micro-batches
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    model, opt = acc.prepare(model, opt)
+    if mode != "plain":
+        fh.attach_optimizer(model, opt)
+    norms = []
+    for ids in mine:
+        with acc.accumulate(model):
+            acc.backward(model(input_ids=ids, labels=ids).loss)
+            if acc.sync_gradients:
+                if mode == "plain":
+                    norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
+                else:
+                    fh.average_expert_grads(acc.unwrap_model(model))
+                    clip = acc.clip_grad_norm_(model.parameters(), 0.5) if mode == "accelerate_clip" else \
+                        fh.clip_grad_norm_(acc.unwrap_model(model), 0.5)
+                    norms.append(float(clip))
+            opt.step()
+            opt.zero_grad()
+    inner = acc.unwrap_model(model)
+    full = inner.state_dict() if mode == "plain" else fh.full_state_dict(inner, rank0_only=False)
+    return {"params": {k: v.detach().clone() for k, v in full.items()}, "norms": norms}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) / (float(b.abs().max()) or 1.0)
+
+
+def _worst(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max(_rel(got[k], want[k]) for k in want)
+
+
+def test_accelerate_loop_trains_as_the_unmodified_model():
+    plain = run_dist(_loop, W, "plain", timeout_s=300)
+    feplb = run_dist(_loop, W, "feplb", timeout_s=300)
+    # clipping acts at every step: a norm counted wrong changes the step
+    assert len(plain[0]["norms"]) == STEPS and all(n > 0.5 for n in plain[0]["norms"]), plain[0]["norms"]
+    for r in feplb:
+        assert _worst(r["params"], plain[0]["params"]) <= 1e-5, _worst(r["params"], plain[0]["params"])
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], plain[0]["norms"], strict=True)), \
+            (r["norms"], plain[0]["norms"])
+    # accelerate's own clipping sees this rank's shards only: other norms on every rank, other parameters
+    local = run_dist(_loop, W, "accelerate_clip", timeout_s=300)
+    assert len({tuple(r["norms"]) for r in local}) > 1
+    assert max(_worst(r["params"], plain[0]["params"]) for r in local) > 1e-5
