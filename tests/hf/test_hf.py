@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
 import tempfile
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 
 pytest.importorskip("transformers", minversion="5")
 
-from feplb.testing import error_of, run_dist  # noqa: E402
+from feplb.testing import error_of, load_module, run_dist  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -34,10 +33,7 @@ EXPERT_KEYS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias
 
 
 def _models():
-    spec = importlib.util.spec_from_file_location("_feplb_hf_models", Path(__file__).with_name("models.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(Path(__file__).with_name("models.py"))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

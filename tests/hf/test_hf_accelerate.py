@@ -7,7 +7,6 @@ the ranks clip by different norms and the comparison fails."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 pytest.importorskip("transformers", minversion="5")
 pytest.importorskip("accelerate")
 
-from feplb.testing import run_dist  # noqa: E402
+from feplb.testing import load_module, run_dist  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -25,10 +24,7 @@ W, G, STEPS, ACCUM = 4, 2, 3, 2
 
 
 def _models():
-    spec = importlib.util.spec_from_file_location("_feplb_hf_models", Path(__file__).with_name("models.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(Path(__file__).with_name("models.py"))
 
 
 def _loop(rank: int, world: int, mode: str) -> dict:

@@ -6,7 +6,6 @@ different numbers of collective forwards, are refused on every rank together."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers", minversion="5")
 
-from feplb.testing import error_of, run_dist  # noqa: E402
+from feplb.testing import error_of, load_module, run_dist  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -22,10 +21,7 @@ W = 2
 
 
 def _models():
-    spec = importlib.util.spec_from_file_location("_feplb_hf_models", Path(__file__).with_name("models.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(Path(__file__).with_name("models.py"))
 
 
 def _generate(rank: int, world: int, arch: str) -> dict:

@@ -6,7 +6,6 @@ of an accumulation) is refused, the loops that zero or step between calls run.""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -16,16 +15,13 @@ import torch
 pytest.importorskip("transformers", minversion="5")
 pytest.importorskip("accelerate")
 
-from feplb.testing import error_of, run_dist  # noqa: E402
+from feplb.testing import error_of, load_module, run_dist  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
 
 def _models():
-    spec = importlib.util.spec_from_file_location("_feplb_hf_models", Path(__file__).with_name("models.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(Path(__file__).with_name("models.py"))
 
 
 def _loop(rank: int, world: int) -> dict:

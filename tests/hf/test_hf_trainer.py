@@ -7,7 +7,6 @@ state loads at another number of ranks. Setups it cannot run exactly are refused
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 pytest.importorskip("transformers", minversion="5")
 pytest.importorskip("accelerate")
 
-from feplb.testing import run_dist  # noqa: E402
+from feplb.testing import load_module, run_dist  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -28,10 +27,7 @@ TOL = 1e-5
 
 
 def _models():
-    spec = importlib.util.spec_from_file_location("_feplb_hf_models", Path(__file__).with_name("models.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(Path(__file__).with_name("models.py"))
 
 
 def _dataset(n: int = 64, seq: int = 8) -> list[dict]:
