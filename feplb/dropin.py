@@ -146,12 +146,15 @@ def agree_to_replace(api: str, group: dist.ProcessGroup | None, problems: list[s
         raise ValueError(f"{api}: {none_found()}")
 
 
-def mark_replaced(module: nn.Module, api: str, name: str) -> None:
+def mark_replaced(module: nn.Module, api: str, name: str, keep: nn.Module | None = None) -> None:
     """Mark the parameters of an experts module ``api`` replaced (``name``): an optimizer made before the
     replacement holds them, steps tensors the model no longer uses and never trains its experts; its first
-    ``step()`` refuses that (``feplb.training``)."""
+    ``step()`` refuses that (``feplb.training``). Those its replacement ``keep`` still holds (a norm it took over)
+    stay unmarked."""
+    kept = set() if keep is None else {id(p) for p in keep.parameters()}
     for p in module.parameters():
-        p._feplb_replaced = f"{api} replaced {name or '(the root)'}"
+        if id(p) not in kept:
+            p._feplb_replaced = f"{api} replaced {name or '(the root)'}"
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

@@ -75,7 +75,8 @@ if TYPE_CHECKING:   # imported when asked for (__getattr__): transformers' Train
 
 __all__ = ["FEPLBExperts", "FEPLBLlama4TextMoe", "apply", "supported", "expert_parameters", "experts_modules",
            "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "zero_replica_grads",
-           "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer", "Trainer", "TrainerMixin"]
+           "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer", "generate_in_step",
+           "Trainer", "TrainerMixin"]
 
 
 def __getattr__(name: str) -> Any:
@@ -766,7 +767,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     # (every name of its experts lies under one of them: checked in _problem)
     wrapped: dict[int, FEPLBLlama4TextMoe] = {}
     for name, mod in plans:
-        mark_replaced(mod, "feplb.hf.apply", name)
+        mark_replaced(mod, "feplb.hf.apply", name, keep=made[id(mod)])
         entry = blocks.get(id(mod))
         if entry is None:
             parent_name, _, child = name.rpartition(".")
@@ -781,32 +782,34 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     # the shards of different experts, silently); DDP around a part of the model needs ignore_experts_in_ddp(part)
     ignore_experts_in_ddp(model)
     if world > 1 and plans:
-        _generate_in_step(model)
+        generate_in_step(model)
     return [name for name, _ in plans]
 
 
-def _generate_in_step(model: nn.Module) -> None:
-    """Make ``model.generate`` keep the ranks in step (on the instance; a model without ``generate`` is left alone).
+def generate_in_step(model: nn.Module) -> bool:
+    """Make ``model.generate`` keep the ranks in step, on the instance; returns whether ``model`` has a ``generate``
+    (True also when it was kept in step before). :func:`apply` does this to the model it is given and
+    ``feplb.hf.Trainer`` to its model; call it on an outer model whose ``generate`` you use when ``apply`` was given
+    a part of it (its decoder, say). Local.
 
     Every forward of a FEPLB layer is collective, so a rank whose sequences end first must keep stepping with the
     others: transformers' ``generate(synced_gpus=True)`` does that (it turns it on by itself under DeepSpeed ZeRO-3
-    and FSDP only). Here it is the default; ``synced_gpus=False`` and continuous batching (``generate_batch``,
-    ``cache_implementation="paged"``: each rank schedules its own forwards) are refused on every rank together,
-    since the ranks would run different numbers of forwards (gloo aborts the processes, NCCL hangs until its
-    timeout). One small all-gather over the world per ``generate`` call agrees on that; transformers' own step
-    check all-reduces over the world too."""
+    and FSDP only; TRL's trainers call ``generate`` without it, transformers' ``Seq2SeqTrainer`` passes False).
+    Here ``synced_gpus`` is always True, whatever the caller passes (keeping in step changes no output: a finished
+    rank's extra forwards are discarded). Continuous batching (``generate_batch``, ``init_continuous_batching``,
+    ``continuous_batching_context_manager``, ``cache_implementation="paged"``: each rank schedules its own forwards,
+    and the ranks would run different numbers of them) is refused, on every rank together for ``generate`` (one
+    small all-gather over the world per call agrees on it; transformers' own step check all-reduces over the world
+    too)."""
     import functools
 
     inner = getattr(model, "generate", None)
-    if inner is not None and not getattr(inner, "_feplb_in_step", False):
+    if inner is None:
+        return False
+    if not getattr(inner, "_feplb_in_step", False):
         @functools.wraps(inner)
         def generate(*args: Any, synced_gpus: bool | None = None, **kwargs: Any) -> Any:
-            problem = None
-            if synced_gpus is not None and not synced_gpus:
-                problem = ("synced_gpus=False: a rank whose sequences end first would stop calling the FEPLB layers, "
-                           "whose every forward is collective; leave synced_gpus unset (True)")
-            elif kwargs.get("cache_implementation") == "paged":
-                problem = _CONTINUOUS_BATCHING
+            problem = _CONTINUOUS_BATCHING if kwargs.get("cache_implementation") == "paged" else None
             views = _agree(problem, None)
             bad = [r for r, v in enumerate(views) if v is not None]
             if bad:
@@ -816,14 +819,16 @@ def _generate_in_step(model: nn.Module) -> None:
 
         generate._feplb_in_step = True
         model.generate = generate
-    batch = getattr(model, "generate_batch", None)
-    if batch is not None and not getattr(batch, "_feplb_in_step", False):
-        @functools.wraps(batch)
-        def generate_batch(*args: Any, **kwargs: Any) -> Any:
-            raise ValueError(f"{type(model).__name__}.generate_batch with FEPLB experts: {_CONTINUOUS_BATCHING}")
+    for name in ("generate_batch", "init_continuous_batching", "continuous_batching_context_manager"):
+        fn = getattr(model, name, None)
+        if fn is not None and not getattr(fn, "_feplb_in_step", False):
+            def refuse(*args: Any, _name: str = name, **kwargs: Any) -> Any:
+                raise ValueError(f"{type(model).__name__}.{_name} with FEPLB experts: {_CONTINUOUS_BATCHING}")
 
-        generate_batch._feplb_in_step = True
-        model.generate_batch = generate_batch
+            refuse = functools.wraps(fn)(refuse)
+            refuse._feplb_in_step = True
+            setattr(model, name, refuse)
+    return True
 
 
 _CONTINUOUS_BATCHING = ("continuous batching schedules each rank's forwards on its own, and every forward of the "

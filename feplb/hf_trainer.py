@@ -140,6 +140,10 @@ class TrainerMixin:
         if problem is not None:
             raise ValueError(f"feplb.hf.Trainer: {problem}")
         ignore_experts_in_ddp(self.model)
+        if dist.is_initialized() and any(dist.get_world_size(m.group) > 1 for m in moes):
+            from feplb.hf import generate_in_step
+
+            generate_in_step(self.model)   # (apply may have been given a part of it)
         self._feplb_dp_group = data_parallel_group
         self._feplb_flos_scale = _flos_scale(self.model, moes)
         self._feplb_full: dict[str, torch.Tensor] | None = None

@@ -411,7 +411,12 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
         # An experts module no token of this input reached (e.g. a multimodal model's vision experts) has no stats.
         moved = sum(m.last_stats.rows_moved for m in fh.experts_modules(model) if m.last_stats is not None)
         idle = sum(m.last_stats is None for m in fh.experts_modules(model))
-        lost = f"gradient of {', '.join(missing[:3])} missing on one side" if missing else ""
+        # the model's own parameters marked as replaced ones (feplb.dropin.mark_replaced): an optimizer made after
+        # apply would be refused at its first step
+        marked = [n for n, p in model.named_parameters() if getattr(p, "_feplb_replaced", None)]
+        lost = f"gradient of {', '.join(missing[:3])} missing on one side" if missing else \
+            f"{', '.join(marked[:3])} marked as replaced (an optimizer made after apply would refuse it)" if marked \
+            else ""
         mine = ("", worst, moved, lost or (f"{', '.join(bad[:3])} differ by up to {worst:.2e}" if bad else ""), idle,
                 by64)
     except Exception as e:

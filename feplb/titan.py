@@ -445,6 +445,6 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
         raise
     for name, moe, key in plans:
         mark_replaced(moe.routed_experts.inner_experts, "feplb.titan.apply",
-                      f"{name}.routed_experts" if name else "routed_experts")
+                      f"{name}.routed_experts" if name else "routed_experts", keep=made[key])
         moe.routed_experts = made[key]
     return [f"{name}.routed_experts" if name else "routed_experts" for name, _, _ in plans]
