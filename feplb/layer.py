@@ -164,6 +164,28 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             raise
         register(self)     # state dicts shard the experts over the EP group (feplb.sharded)
         self._built_dtypes = tuple(p.dtype for p in self.expert_params())
+        self._note_params()
+        # load_state_dict(assign=True) replaces them knowingly
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._note_params())
+
+    def _note_params(self) -> None:
+        """Remember which parameter objects are the expert shards (weakly): :meth:`_params_problem`."""
+        self._expert_param_refs = tuple(weakref.ref(p) for p in self.expert_params())
+
+    def _params_problem(self) -> tuple[type, str] | None:
+        """Why the forward cannot run on these expert parameters: other objects than those the layer made (or
+        loaded with ``load_state_dict(assign=True)``) were registered in their place, as FSDP's ``fully_shard``
+        does to every parameter it shards, which here would gather into each rank's tensor the shards of other
+        ranks' experts."""
+        now = self.expert_params()
+        if len(now) == len(self._expert_param_refs) and all(r() is p for r, p in zip(self._expert_param_refs, now,
+                                                                                            strict=True)):
+            return None
+        return RuntimeError, (f"{type(self).__name__}: its expert parameters are no longer the tensors it holds its "
+                              "experts in: a wrapper registered others in their place (FSDP's fully_shard over "
+                              "them, which would gather the shards of other ranks' experts into this rank's). "
+                              "Leave the experts out: fully_shard(..., ignored_params=set(expert_parameters(model))) "
+                              "(feplb.hf / feplb.titan), and for DDP feplb.ignore_experts_in_ddp(model)")
 
     def _build(self, group: dist.ProcessGroup) -> None:
         """The rest of ``__init__``, once the Control exists (a failure here releases what was built). Its local
@@ -432,7 +454,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
 
         self._check_open()
         problem = self._cast_hint(forward_problem(self.config, self._device, self.router is not None, x, routing)) \
-            or _selective_checkpoint_problem()
+            or _selective_checkpoint_problem() or self._params_problem()
         if problem is not None:
             self._experts(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
         c = self.config
@@ -570,7 +592,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if self.place or self.direct:   # (the same config on every rank)
             raise ValueError(f"{type(self).__name__}.forward_dispatched: {dispatched_policy_problem(c.policy)}")
         got, counts_L = dispatched_problem(c, self._device, self.num_local, rows, counts)
-        problem = self._cast_hint(got) or problem
+        problem = self._cast_hint(got) or problem or self._params_problem()
         if problem is not None:
             # the peers learn it in the counts all-gather; raises
             self._experts(None, None, None, problem, dispatched=True)

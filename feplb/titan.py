@@ -70,7 +70,7 @@ from feplb.dropin import (
     zero_replica_grads,
 )
 from feplb.experts import checked_at_backward
-from feplb.layer import FEPLBConfig, MoELayer
+from feplb.layer import FEPLBConfig, MoELayer, ignore_experts_in_ddp
 
 __all__ = ["FEPLBGptOssRoutedExperts", "FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules",
            "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "zero_replica_grads",
@@ -447,4 +447,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
         mark_replaced(moe.routed_experts.inner_experts, "feplb.titan.apply",
                       f"{name}.routed_experts" if name else "routed_experts", keep=made[key])
         moe.routed_experts = made[key]
+    # DDP around the model leaves the shards alone (it would broadcast rank 0's experts to every rank and average
+    # the shards of different experts, silently); DDP around a part of the model needs ignore_experts_in_ddp(part)
+    ignore_experts_in_ddp(model)
     return [f"{name}.routed_experts" if name else "routed_experts" for name, _, _ in plans]
