@@ -57,6 +57,18 @@ def check_overrides(api: str, group: dist.ProcessGroup | None, overrides: dict[s
         raise TypeError(f"{api}: {views[ranks[0]]}" + ("" if len(ranks) == len(views) else f" (on EP rank(s) {ranks})"))
 
 
+def wrapper_problem(model: nn.Module) -> str | None:
+    """Why a drop-in's ``apply`` cannot take ``model`` as it is wrapped, or None: DDP keeps the parameters it was
+    built with (the replaced experts among them; its second step then fails on their missing gradients) and would
+    broadcast and average the new shards of different experts."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return ("  (the model): wrapped in DistributedDataParallel, which keeps the experts it was built with; apply "
+                "to the model first, then wrap it (apply leaves the new shards out of DDP)")
+    return None
+
+
 def layer_config(fields: dict[str, Any], overrides: dict[str, Any]) -> FEPLBConfig | str:
     """The FEPLBConfig of a module's FEPLB layer (external router), or why FEPLBConfig refuses it: a problem line
     for :func:`agree_to_replace`, so a rank whose config is bad does not raise alone."""
@@ -75,6 +87,9 @@ def hooks_problem(module: nn.Module, kinds: tuple[str, ...] = _HOOKS) -> str | N
     """Why replacing ``module`` would drop something it runs (its own hooks, an instance-level forward such as
     accelerate's offloading wrapper), or None. ``kinds``: the hook dictionaries that would be lost (a module FEPLB
     keeps but whose forward it does not run keeps its state-dict hooks, say)."""
+    if any(is_dtensor(p) for p in module.parameters()):   # (FSDP2 adds state-dict hooks too: this says why)
+        return (f"{type(module).__name__}'s weights are already sharded (DTensors: FSDP's fully_shard or tensor "
+                "parallelism ran before apply); apply first, then shard the rest with the experts left out")
     hooks = [k.strip("_") for k in kinds if getattr(module, k, None)]
     if hooks or "forward" in vars(module):
         return (f"{type(module).__name__} has hooks or a forward of its own "

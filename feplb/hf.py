@@ -66,6 +66,7 @@ from feplb.dropin import (
     set_state_dict_type,
     track_optimizer,
     weights_digest,
+    wrapper_problem,
     zero_replica_grads,
 )
 from feplb.layer import FEPLBConfig, MoELayer, ignore_experts_in_ddp
@@ -715,7 +716,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     world = dist.get_world_size(group)
     found = _candidates(model)
     # Every problem, a config FEPLBConfig refuses included, goes through the one agreement: all ranks raise together.
-    problems, plans = [], []
+    problems, plans = [why] if (why := wrapper_problem(model)) else [], []
     configs: dict[int, FEPLBConfig] = {}
     extras: dict[int, dict] = {}
     blocks = _llama4_blocks(model)

@@ -67,6 +67,7 @@ from feplb.dropin import (
     set_state_dict_type,
     track_optimizer,
     weights_digest,
+    wrapper_problem,
     zero_replica_grads,
 )
 from feplb.experts import checked_at_backward
@@ -386,7 +387,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: to
     found = [(name, m) for name, m in model.named_modules(remove_duplicate=False)
              if isinstance(m, tt.MoE) and not isinstance(m.routed_experts, FEPLBRoutedExperts)]
     # Every problem, the arguments' included, goes through the one agreement: all ranks raise together.
-    problems, plans = [], []
+    problems, plans = [why] if (why := wrapper_problem(model)) else [], []
     if dtype not in _DTYPES:
         problems.append(f"  dtype={dtype}: expected one of {_DTYPES}")
     # One FEPLB layer per GroupedExperts: MoEs (or RoutedExperts) sharing experts keep sharing them.

@@ -2,7 +2,9 @@
 an optimizer made before ``apply`` (it holds the replaced experts, which nothing trains) is refused when attached
 and at its first step; accelerate's ``AcceleratedOptimizer`` attaches as the torch optimizer it steps, anything
 else that is no optimizer is refused; ``average_expert_grads`` called again before the step (after every backward
-of an accumulation) is refused, the loops that zero or step between calls run."""
+of an accumulation) is refused, the loops that zero or step between calls run. FSDP2 over the expert shards
+(``ignored_params`` forgotten) is refused at the first forward, its ``MixedPrecisionPolicy`` feeding the experts
+another dtype is named, and ``apply`` after ``fully_shard`` or on a DDP-wrapped model is refused."""
 
 from __future__ import annotations
 
@@ -78,6 +80,33 @@ def _loop(rank: int, world: int) -> dict:
     out["unattached_step"] = error_of(lambda: (backward(model), fh.average_expert_grads(model)))
     # no backward between: the same gradients divided twice
     out["no_backward"] = error_of(lambda: fh.average_expert_grads(model))
+
+    # wrappers: FSDP over the experts (ignored_params forgotten) refused at the first forward; FSDP's
+    # MixedPrecisionPolicy feeding the experts bf16 named; apply after fully_shard, or on a DDP-wrapped model, refused
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def sharded(ignore: bool, **kw):
+        m = M.make_model("qwen3_moe")
+        fh.apply(m, gpus_per_node=world)
+        ignored = set(fh.expert_parameters(m)) if ignore else set()
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=ignored, **kw)
+        fully_shard(m, mesh=mesh, ignored_params=ignored, **kw)
+        return m
+
+    out["fsdp_forgotten"] = error_of(lambda: sharded(False)(input_ids=ids))
+    out["fsdp_ignored"] = error_of(lambda: sharded(True)(input_ids=ids))
+    out["fsdp_bf16"] = error_of(lambda: sharded(True, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))(
+        input_ids=ids))
+    late = M.make_model("qwen3_moe")
+    for layer in late.model.layers:
+        fully_shard(layer, mesh=mesh)
+    out["after_fsdp"] = error_of(lambda: fh.apply(late, gpus_per_node=world))
+    out["ddp_wrapped"] = error_of(lambda: fh.apply(torch.nn.parallel.DistributedDataParallel(M.make_model("mixtral")),
+                                                   gpus_per_node=world))
     return out
 
 
@@ -93,5 +122,13 @@ def test_training_loop_calls():
         for k in ("twice", "no_backward"):
             assert r[k] is not None and r[k].startswith("RuntimeError") and "called again before the optimizer step" \
                 in r[k], (rank, k, r[k])
+        assert r["fsdp_forgotten"] is not None and "no longer the tensors it holds its experts in" in \
+            r["fsdp_forgotten"] and "ignored_params" in r["fsdp_forgotten"], r["fsdp_forgotten"]
+        assert r["fsdp_ignored"] is None, r["fsdp_ignored"]
+        assert r["fsdp_bf16"] is not None and "MixedPrecisionPolicy" in r["fsdp_bf16"] and "torch.autocast" in \
+            r["fsdp_bf16"], r["fsdp_bf16"]
+        assert r["after_fsdp"] is not None and "already sharded" in r["after_fsdp"], r["after_fsdp"]
+        assert r["ddp_wrapped"] is not None and "wrapped in DistributedDataParallel" in r["ddp_wrapped"], \
+            r["ddp_wrapped"]
         assert r["zeroed"] is None and r["after_step"] is None and r["unattached_step"] is None and \
             r["ended_by_step"], (rank, r)
