@@ -51,6 +51,7 @@ from feplb.dropin import (
 )
 from feplb.layer import ignore_experts_in_ddp
 from feplb.sharded import local_state_dicts
+from feplb.training import _torch_optimizer
 
 try:
     import transformers
@@ -301,11 +302,6 @@ def _flos_scale(model: nn.Module, moes: list) -> float:
     extra = sum((dist.get_world_size(m.group) - 1) * p.numel() for p, m in shards.values()) \
         if dist.is_initialized() else 0
     return (mine + extra) / mine if mine else 1.0
-
-
-def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer under accelerate's ``AcceleratedOptimizer``."""
-    return getattr(optimizer, "optimizer", optimizer)
 
 
 def _group_info(moes: list, dp_group: dist.ProcessGroup | None) -> tuple:
