@@ -105,7 +105,8 @@ class Control:
         group: the EP process group (None: the default group), any backend.
         gpus_per_node: G, ranks per node; must divide the group size.
     Attributes:
-        rank, world_size: this rank's index in the EP group, W.  gpus_per_node: G.
+        rank, world_size: this rank's index in the EP group, W.  ranks: the EP group's GLOBAL ranks, in group
+        order.  gpus_per_node: G.
         group: the gloo control group over the EP group's ranks.  ep_group: the group given.
         node_group: the gloo group of this rank's node.  node_ranks: the node's GLOBAL ranks, in node order.
         node_rank: this rank's index in its node (0..G-1).
@@ -121,6 +122,7 @@ class Control:
         self.rank = dist.get_rank(group)
         self.world_size = world
         ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+        self.ranks = tuple(ranks)
         timeout = group_timeout(group)
         if _speaks_gloo(group):
             self.group = group

@@ -141,7 +141,7 @@ class TrainerMixin:
         if problem is not None:
             raise ValueError(f"feplb.hf.Trainer: {problem}")
         ignore_experts_in_ddp(self.model)
-        if dist.is_initialized() and any(dist.get_world_size(m.group) > 1 for m in moes):
+        if any(m.world_size > 1 for m in moes):
             from feplb.hf import generate_in_step
 
             generate_in_step(self.model)   # (apply may have been given a part of it)
@@ -299,16 +299,14 @@ def _flos_scale(model: nn.Module, moes: list) -> float:
     mine = model.num_parameters(exclude_embeddings=True) if hasattr(model, "num_parameters") else \
         sum(p.numel() for p in model.parameters())
     shards = {id(p): (p, m) for m in moes for p in m.expert_params()}   # (a layer under several names: once)
-    extra = sum((dist.get_world_size(m.group) - 1) * p.numel() for p, m in shards.values()) \
-        if dist.is_initialized() else 0
+    extra = sum((m.world_size - 1) * p.numel() for p, m in shards.values())
     return (mine + extra) / mine if mine else 1.0
 
 
 def _group_info(moes: list, dp_group: dist.ProcessGroup | None) -> tuple:
     """This rank's groups, for :func:`_groups_problem`: per FEPLB layer its EP group's ranks and this rank's index
     there (which experts it holds), and the data-parallel group's ranks (None without one)."""
-    layers = tuple((tuple(dist.get_process_group_ranks(m.group)) if m.group is not None else
-                    tuple(range(dist.get_world_size())), m.rank) for m in moes)
+    layers = tuple((m.control.ranks, m.rank) for m in moes)
     return layers, None if dp_group is None else tuple(dist.get_process_group_ranks(dp_group))
 
 

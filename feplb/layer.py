@@ -201,8 +201,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # A number naming this layer alike on every rank of the group (the largest of the ranks' next numbers), sent
         # with every forward's counts: ranks that run different layers in one forward raise instead of mixing them.
         global _NEXT_LAYER_ID
-        key = tuple(dist.get_process_group_ranks(self.group)) if self.group is not None else \
-            tuple(range(dist.get_world_size()))
+        key = self.control.ranks
         got = self.control.all_gather(torch.tensor([_NEXT_LAYER_ID, max(_COUNTS_WIDTH.get(key, 0), c.num_experts)],
                                                    dtype=torch.int64),
                                       "agreement on the layer number")
