@@ -637,7 +637,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             y_MD, p2 = forward_direct(self, x_MD, counts, tl)
         else:
             y_MD, p2 = self._in_node(x_MD, counts, tl, dispatched=dispatched)
-        if p2.recopy is not None:
+        if p2.recopy is None:
+            self._check_weights_at_backward(y_MD)
+        else:
             # recopy_weights: the weights go to the helpers again as soon as this output's gradient arrives, before
             # the backward of the reverse all-to-all (on a GPU, beside it where the copy path allows: feplb.recopy)
             p2.recopy.start_at(y_MD)
@@ -660,6 +662,40 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                                      fell_back=p2.fell_back, generation=self.replicas.generation,
                                      frame=None if frame is None else weakref.ref(frame), dispatched=dispatched))
         return y_MD
+
+    def _check_weights_at_backward(self, y_MD: torch.Tensor) -> None:
+        """Have the expert weights this forward's GEMMs saved (the parameters themselves: not under an autocast that
+        casts them) checked for in-place changes when y_MD's gradient arrives, before any of the layer's backward
+        collectives. An optimizer step between a forward and its backward (a training loop's mistake, which every
+        rank makes alike) then raises on every rank at that one point, as autograd's own check would, instead of
+        on the ranks whose GEMM backward comes first while a helper waits in the exchange that sends its homes'
+        gradients. (With ``recopy_weights`` the copies' agreement over the node does it, also for a change on one
+        rank only.) Only versions: writes autograd does not see either (``.data``) are not seen here."""
+        if not y_MD.requires_grad:
+            return
+        from feplb.kernels import autocast_dtype
+        cast = autocast_dtype(self._device.type)
+        saved = [p for p in self.expert_params() if p.requires_grad and p.dim() >= 2
+                 and (cast is None or p.dtype in (cast, torch.float64))]
+        if not saved:
+            return
+        versions = [p._version for p in saved]
+        layer = weakref.ref(self)
+
+        def check(grad: torch.Tensor) -> None:
+            for p, v in zip(saved, versions, strict=True):
+                if p._version != v:
+                    me = layer()
+                    name = next((n for n, q in me.named_parameters() if q is p), "an expert parameter") \
+                        if me is not None else "an expert parameter"
+                    raise RuntimeError(
+                        f"MoELayer (layer {me.layer_id if me is not None else '?'}): {name} {list(p.shape)} was "
+                        f"modified in place between the forward and its backward (version {v} -> {p._version}), as "
+                        "an optimizer step there does; the backward needs the experts' weights as the forward read "
+                        "them (step the optimizer after the backward). Raised on every rank that changed them, "
+                        "ahead of the layer's backward exchanges")
+
+        y_MD.register_hook(check)
 
     def _valid(self, x_MD: torch.Tensor, counts: Counts) -> torch.Tensor:
         """The grouped rows that go to an expert: all of them, but for masked routes (``masked_routes``), whose rows

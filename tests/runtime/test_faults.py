@@ -232,6 +232,45 @@ def _fault_worker(rank, world):
     with torch.no_grad():
         res["recompute_after_same"] = torch.equal(layer(x), want)
 
+    # An optimizer step between a forward and its backward (a loop's mistake every rank makes), rows moving: the
+    # backward raises on every rank at one point, ahead of the layer's exchanges (before, the ranks whose GEMM
+    # backward came first raised autograd's error while a helper waited in the exchange of its homes' gradients);
+    # the layer works on. Under an autocast that casts the weights the GEMMs saved their casts, as torch.matmul's
+    # do: no error, the gradient is the forward's weights'.
+    moved, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", plan_wait_ms=60_000,
+                      min_straggler_rows=0)
+    opt = torch.optim.SGD(moved.expert_params(), lr=0.1)
+
+    def early_step():
+        y = moved(x.clone().requires_grad_())
+        res["early_moved"] = moved.last_stats.rows_moved
+        y.square().sum().backward()    # gradients for the step
+        y = moved(x.clone().requires_grad_())
+        opt.step()
+        y.square().sum().backward()
+
+    res["early_step"] = error_of(early_step)
+    opt.zero_grad()
+    xr = x.clone().requires_grad_()
+    moved(xr).square().sum().backward()
+    xf = x.clone().requires_grad_()
+    ref_now, _ = _layer(rank, world, 1, policy="none")
+    ref_now.load_state_dict(moved.state_dict())
+    ref_now(xf).square().sum().backward()
+    res["early_after_same"] = torch.allclose(xr.grad, xf.grad, rtol=1e-5, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        xa = x.clone().requires_grad_()
+        moved(xa).square().sum().backward()
+        opt.zero_grad()
+        xb = x.clone().requires_grad_()
+        y = moved(xb)
+        moved.w1.grad = torch.ones_like(moved.w1)
+        opt.step()
+        res["early_autocast"] = error_of(lambda: y.square().sum().backward())
+    res["early_autocast_same"] = xb.grad is not None and torch.allclose(xb.grad, xa.grad, rtol=2e-2, atol=1e-3)
+    moved.close()
+    ref_now.close()
+
     # A stalled peer (rank 3 stops calling): the others time out naming the operation, no hang.
     if rank == 3:
         return res
@@ -241,6 +280,7 @@ def _fault_worker(rank, world):
 
 def test_faults_and_bad_input():
     results = run_dist(_fault_worker, 4, timeout_s=240, collective_timeout_s=8)
+    assert sum(res["early_moved"] for res in results) > 0
     for rank, res in enumerate(results):
         assert res["hidden"].startswith("ValueError") and f"[tokens, {H}]" in res["hidden"], res["hidden"]
         assert res["ndim"].startswith("ValueError"), res["ndim"]
@@ -289,6 +329,10 @@ def test_faults_and_bad_input():
         assert res["recompute_order"] is not None and "recompute different MoE layers" in res["recompute_order"], \
             res["recompute_order"]
         assert res["recompute_after_same"], rank
+        assert res["early_step"] is not None and "w1 [2, 16, 64] was modified in place between the forward and its " \
+            "backward" in res["early_step"], (rank, res["early_step"])
+        assert res["early_after_same"], rank
+        assert res["early_autocast"] is None and res["early_autocast_same"], (rank, res["early_autocast"])
         if rank != 3:
             assert res["stall"] is not None and "all_gather of expert counts" in res["stall"], res["stall"]
             assert res["stall"].startswith(("TimeoutError", "RuntimeError")), res["stall"]
