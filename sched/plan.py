@@ -33,9 +33,13 @@ def parse_policy(policy: str) -> tuple[str, bool, str]:
     """
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a str, got {type(policy).__name__}")
-    rest, _, mode = policy.partition("@")
+    rest, at, mode = policy.partition("@")
+    if at and not mode:
+        raise ValueError(f"policy {policy!r}: '@' names no dynamic-set mode; expected one of {DYNAMIC_MODES}")
     mode = mode or "current"
-    base, _, extra = rest.partition("+")
+    base, plus, extra = rest.partition("+")
+    if plus and not extra:
+        raise ValueError(f"policy {policy!r}: '+' names no modifier; only '+place' exists")
     if base not in BASE_POLICIES:
         raise ValueError(f"policy {policy!r}: unknown base policy {base!r}; expected one of {BASE_POLICIES} "
                          "optionally followed by '+place' and '@current' or '@ema'")

@@ -409,7 +409,9 @@ def make_plan(policy: str, counts_WE: np.ndarray, topo: Topology, state: PolicyS
     for g0 in range(g_first, g_end, G):
         i0 = g0 - g_first
         L = L_all[g0:g0 + G]
-        tau_gap = int(tau * sum(L) / G)
+        # (no gap exceeds the node's rows: a larger tau moves nothing, and a huge one must not overflow int())
+        total = sum(L)
+        tau_gap = int(min(tau * total / G, total))
         # the row lists are this call's own (tolist), the planners may consume them
         if base == "feplb":
             raw.extend((e, g0 + hi, g0 + lo, 0, n) for hi, lo, e, n in _greedy(L, dyn[i0:i0 + G], dyn_n[i0:i0 + G],

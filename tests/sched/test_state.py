@@ -268,6 +268,29 @@ def test_bad_planner_options(kw, match):
         make_plan("fastermoe" if "max_shadow" in kw else "feplb-split", c, topo, **kw)
 
 
+@pytest.mark.parametrize("policy, match", [("feplb+", "'\\+' names no modifier"), ("feplb@", "'@' names no"),
+                                           ("feplb+@", "names no"), ("feplb-split+@ema", "'\\+' names no"),
+                                           ("feplb+plac", "unknown modifier"), ("feplb@emma", "unknown dynamic-set")])
+def test_malformed_policy_names_are_refused(policy, match):
+    from feplb.sched import parse_policy
+
+    with pytest.raises(ValueError, match=match):
+        parse_policy(policy)
+
+
+def test_a_huge_tau_moves_nothing():
+    """No gap between GPUs exceeds the node's rows: any tau past that moves nothing, however large (finite)."""
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=2)
+    c = np.random.default_rng(3).integers(0, 500, size=(4, 8))
+    c[:, 0] += 3000
+    for policy in ("feplb", "feplb-split", "lp"):
+        assert make_plan(policy, c, topo).moves, policy
+        for tau in (4.0, 1e30, 1e308):
+            plan = make_plan(policy, c, topo, tau=tau)
+            assert (plan.moves == ()) == (policy != "lp"), (policy, tau)   # (lp ignores tau)
+            assert plan.loads_after_W.sum() == c.sum()
+
+
 def test_numpy_scalars_are_numbers_to_the_planner():
     topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=2)
     c = np.random.default_rng(0).integers(0, 500, size=(4, 8))

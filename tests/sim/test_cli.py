@@ -49,6 +49,8 @@ def test_bad_topology_is_a_clear_error(flame_path, capsys):
     (["--ep", "6"], "--gpus-per-node 4 must divide --ep 6"),
     (["--dyn", "9"], "--dyn must be <= experts per rank E // W = 8, got dyn=9"),
     (["--policies", "none,none"], "--policies repeats a policy"),
+    (["--policies", "feplb,feplb@current"], "'feplb' and 'feplb@current' (the same policy)"),
+    (["--policies", "feplb,feplb+"], "'+' names no modifier"),
     (["--policies", "eplb", "--eplb-groups", "3"], "--eplb-groups must divide E=64, got 3"),
 ])
 def test_option_errors_name_the_options(args, words, flame_path, capsys, no_run):
