@@ -5,6 +5,7 @@ Every message names the argument, what was expected and what was given.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -70,8 +71,20 @@ def check_num_experts(name: str, value: object) -> int:
     return value
 
 
-def check_rows(name: str, rows: int, what: str) -> None:
-    """``rows`` (described by ``what``, e.g. "M = T*K = 3 * 7") fits the kernels' 32-bit row indices."""
+def check_rows(name: str, rows: int, what: str, *factors: int) -> None:
+    """``rows`` (described by ``what`` and the ``factors`` it is the product of, e.g. "M = T*K", 3, 7) fits the
+    kernels' 32-bit row indices. The message is formatted only when it is raised: under ``torch.compile`` a size
+    turned into text is fixed to its value (one graph per token count, a dynamic one refused)."""
     if rows > MAX_ROWS:
         raise ValueError(f"{name}: expected at most {MAX_ROWS} rows (the kernels index rows with 32-bit integers), "
-                         f"got {what} = {rows}")
+                         f"got {what}{' = ' + ' * '.join(map(str, factors)) if factors else ''} = {rows}")
+
+
+def check_finite(value: float, name: str) -> bool:
+    """Whether ``value`` (a number) is finite; under ``torch.compile``, where it may be symbolic (a float argument
+    under ``dynamic=True``, which no message may format), a runtime check naming ``name`` instead (always True at
+    tracing)."""
+    if torch.compiler.is_compiling():
+        torch._check(value - value == 0, lambda: f"{name}: expected a finite number")   # (inf - inf is nan)
+        return True
+    return math.isfinite(value)

@@ -33,12 +33,11 @@ Computed in fp32 (fp64 for fp64 input), returned in the input dtype.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import Tensor
 
-from ._checks import FLOAT_DTYPES, check_tensor
+from ._checks import FLOAT_DTYPES, check_finite, check_tensor
 from ._triton import alloc, autotune_configs, cdiv, check_launch_device, launch, tl, triton
 
 __all__ = ["ACTS", "PLAIN_ACTS", "POSTCLAMP_ACTS", "SOFTCAP_ACTS", "check_glu_act", "check_glu_input",
@@ -67,7 +66,8 @@ def check_glu_limit(limit: float | None) -> None:
     """None (no clamp) or a finite number > 0."""
     if limit is None:
         return
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not check_finite(limit, "limit") \
+            or limit <= 0:
         raise ValueError(f"limit: expected None or a finite number > 0, got {limit!r}")
 
 
@@ -80,11 +80,11 @@ def check_glu_act(act: str, alpha: float = 1.0, softcap: tuple[float, float] | N
         raise ValueError(f"act: expected one of {ACTS + SOFTCAP_ACTS + POSTCLAMP_ACTS}, got {act!r}")
     if act in POSTCLAMP_ACTS and limit is None:
         raise ValueError(f"limit: {act} clamps after the activation and needs a limit, got None")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not check_finite(alpha, "alpha"):
         raise ValueError(f"alpha: expected a finite number, got {alpha!r}")
     if act in SOFTCAP_ACTS:
         if not isinstance(softcap, (tuple, list)) or len(softcap) != 2 or any(
-                isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0
+                isinstance(c, bool) or not isinstance(c, (int, float)) or not check_finite(c, "softcap") or c <= 0
                 for c in softcap):
             raise ValueError(f"softcap: {act} expects (c_gate, c_up), two finite numbers > 0, got {softcap!r}")
         if limit is not None:
@@ -128,7 +128,7 @@ def _halves(h: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
 
 def _join(d_gate: Tensor, d_up: Tensor, interleaved: bool) -> Tensor:
     if interleaved:
-        return torch.stack([d_gate, d_up], dim=2).reshape(d_gate.shape[0], -1)
+        return torch.stack([d_gate, d_up], dim=2).reshape(d_gate.shape[0], 2 * d_gate.shape[1])
     return torch.cat([d_gate, d_up], dim=1)
 
 

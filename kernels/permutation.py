@@ -31,7 +31,7 @@ def check_permute_inputs(x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor) ->
     """x_TD float [T, D] contiguous; src_idx_M int32 [T*K]; dst_idx_TK int32 [T, K] (shapes and dtypes only)."""
     check_tensor("dst_idx_TK", dst_idx_TK, dtypes=(torch.int32,), ndim=2, contiguous=True)
     T, K = dst_idx_TK.shape
-    check_rows("dst_idx_TK", T * K, f"M = T*K = {T} * {K}")
+    check_rows("dst_idx_TK", T * K, "M = T*K", T, K)
     check_tensor("src_idx_M", src_idx_M, dtypes=(torch.int32,), shape=(T * K,), contiguous=True)
     check_tensor("x_TD", x_TD, dtypes=FLOAT_DTYPES, ndim=2, contiguous=True)
     if x_TD.shape[0] != T:
@@ -44,7 +44,7 @@ def check_unpermute_inputs(y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor,
     """y_MD float [M, D] contiguous; index tensors as for permute; weights float [T, K] contiguous, or None."""
     check_tensor("dst_idx_TK", dst_idx_TK, dtypes=(torch.int32,), ndim=2, contiguous=True)
     T, K = dst_idx_TK.shape
-    check_rows("dst_idx_TK", T * K, f"M = T*K = {T} * {K}")
+    check_rows("dst_idx_TK", T * K, "M = T*K", T, K)
     check_tensor("src_idx_M", src_idx_M, dtypes=(torch.int32,), shape=(T * K,), contiguous=True)
     check_tensor("y_MD", y_MD, dtypes=FLOAT_DTYPES, ndim=2, contiguous=True)
     if y_MD.shape[0] != T * K:

@@ -63,7 +63,7 @@ class RoutingMetadata:
         check_tensor("dst_idx_TK", self.dst_idx_TK, dtypes=(torch.int32,), shape=(None, self.top_k))
         check_tensor("src_idx_M", self.src_idx_M, dtypes=(torch.int32,), shape=(self.dst_idx_TK.numel(),))
         t, k = self.dst_idx_TK.shape
-        check_rows("dst_idx_TK", self.dst_idx_TK.numel(), f"M = T*K = {t} * {k}")
+        check_rows("dst_idx_TK", self.dst_idx_TK.numel(), "M = T*K", t, k)
         devices = {name: getattr(self, name).device for name in ("counts_E", "offsets_E", "src_idx_M", "dst_idx_TK")}
         if len(set(devices.values())) > 1:
             raise ValueError(f"RoutingMetadata: expected all tensors on one device, got {devices}")
@@ -126,7 +126,7 @@ def check_routing_inputs(topk_ids_TK: Tensor, num_experts: int, *, check_values:
     if topk_ids_TK.shape[1] < 1:
         raise ValueError(f"topk_ids_TK: expected K >= 1 columns, got shape {list(topk_ids_TK.shape)}")
     t, k = topk_ids_TK.shape
-    check_rows("topk_ids_TK", t * k, f"M = T*K = {t} * {k}")
+    check_rows("topk_ids_TK", t * k, "M = T*K", t, k)
     if check_values and topk_ids_TK.numel() > 0:
         lo, hi = torch.stack(torch.aminmax(topk_ids_TK)).tolist()
         if lo < 0 or hi >= num_experts:

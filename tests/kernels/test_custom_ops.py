@@ -274,3 +274,45 @@ def test_exported_block_trains_like_eager(impl, strict, gen, kh):
     assert len(got) == 4
     for g, e in zip(got, want, strict=True):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_block_serves_every_token_count(dynamic, gen, kh):
+    """One graph for every token count T (torch.compile's static one for the first T where dynamic=None, then one
+    dynamic graph): no check may turn T into text, which would fix the graph to it (a compile per T, and with
+    fullgraph=True a hard failure past the recompile limit)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(expert_block, backend=counter, fullgraph=True, dynamic=dynamic)
+    for T in (13, 17, 5, 31, 40, 41, 42, 43, 44, 9):   # (none equal to a weight dim: duck sizing would tie them)
+        ids, E, x, w, w1, w2 = _problem(gen, kh, T=T, dtype=torch.float32)
+        out = compiled(x, w, w1, w2, ids, E)
+        torch.testing.assert_close(out, expert_block(x, w, w1, w2, ids, E))
+    assert counter.frame_count == (2 if dynamic is None else 1), counter.frame_count
+
+
+def test_glu_compiles_with_symbolic_floats(gen):
+    """Under dynamic=True a float argument is symbolic: glu's finiteness checks become runtime checks instead of
+    refusing to trace, and still refuse a non-finite value."""
+    h = torch.randn(7, 12, generator=gen)
+    torch._dynamo.reset()
+    compiled = torch.compile(fk.glu, backend="aot_eager", fullgraph=True, dynamic=True)
+    for args in ((), (1.5,), (None, "swiglu_oai", 1.702), (7.0, "swiglu_oai", 1.3)):
+        torch.testing.assert_close(compiled(h, *args), fk.glu(h, *args), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="alpha: expected a finite number"):
+        compiled(h, None, "swiglu_oai", float("inf"))
+    with pytest.raises(ValueError, match="alpha: expected a finite number, got inf"):
+        fk.glu(h, None, "swiglu_oai", float("inf"))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("act, limit, alpha", [("silu", None, 1.0), ("swiglu_oai", 7.0, 1.702)])
+def test_interleaved_glu_with_no_rows(impl, act, limit, alpha):
+    """An empty [0, 2F] block (an expert group with no rows) through interleaved gate/up columns, both ways."""
+    h = torch.zeros(0, 16, device=_dev(impl), requires_grad=True)
+    with impl_context(impl):
+        out = fk.glu(h, limit, act, alpha, interleaved=True)
+        (grad,) = torch.autograd.grad(out.sum(), h)
+    assert out.shape == (0, 8) and grad.shape == (0, 16)
