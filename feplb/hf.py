@@ -29,7 +29,8 @@ class) makes these calls where the Trainer needs them and checkpoints every rank
 Checkpoints: ``model.state_dict()`` holds the expert shards as DTensors over the EP group (``feplb.sharded``;
 the optimizer's state of them likewise), for ``torch.distributed.checkpoint`` at any EP size;
 :func:`full_state_dict` gathers them back into the original names and shapes, so
-``model.save_pretrained(d, state_dict=full)`` writes a checkpoint that plain transformers loads. Load full
+``model.save_pretrained(d, state_dict=full)`` writes a checkpoint that plain transformers loads (without a full
+state dict, ``save_pretrained`` is refused before it writes anything: :func:`saves_full_only`). Load full
 checkpoints before :func:`apply`, or after it with ``load_state_dict`` (each rank keeps its rows).
 :func:`set_state_dict_type` ``"local"``: plain per-rank shards instead.
 
@@ -75,9 +76,9 @@ if TYPE_CHECKING:   # imported when asked for (__getattr__): transformers' Train
     from feplb.hf_trainer import Trainer, TrainerMixin
 
 __all__ = ["FEPLBExperts", "FEPLBLlama4TextMoe", "apply", "supported", "expert_parameters", "experts_modules",
-           "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "zero_replica_grads",
-           "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer", "generate_in_step",
-           "Trainer", "TrainerMixin"]
+           "full_state_dict", "saves_full_only", "attach_optimizer", "average_expert_grads", "reduce_replica_grads",
+           "zero_replica_grads", "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer",
+           "generate_in_step", "Trainer", "TrainerMixin"]
 
 
 def __getattr__(name: str) -> Any:
@@ -782,9 +783,48 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     # DDP around the model leaves the shards alone (it would broadcast rank 0's experts to every rank and average
     # the shards of different experts, silently); DDP around a part of the model needs ignore_experts_in_ddp(part)
     ignore_experts_in_ddp(model)
+    if plans:
+        saves_full_only(model)
     if world > 1 and plans:
         generate_in_step(model)
     return [name for name, _ in plans]
+
+
+def saves_full_only(model: nn.Module) -> bool:
+    """Make ``model.save_pretrained`` (and ``push_to_hub``, which calls it) refuse, before it writes anything, a
+    call without a ``state_dict`` or with one holding the expert shards as DTensors: each rank holds its own
+    experts, which transformers cannot write (it failed deep in safetensors on some ranks, or, called on rank 0
+    only, waited for the other ranks until the process group's timeout, leaving a folder without weights), and
+    gathering them is collective. The message says what to do: ``full = feplb.hf.full_state_dict(model)`` on every
+    rank, then ``model.save_pretrained(d, state_dict=full)`` on rank 0. :func:`apply` does this to the model it is
+    given and ``feplb.hf.Trainer`` to its model (whose ``save_model`` gathers them). Returns whether ``model`` has a
+    ``save_pretrained``. Local."""
+    import functools
+
+    from feplb.sharded import is_dtensor
+
+    inner = getattr(model, "save_pretrained", None)
+    if inner is None:
+        return False
+    if getattr(inner, "_feplb_full_only", False):
+        return True
+
+    @functools.wraps(inner)
+    def save_pretrained(*args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
+        sharded = state_dict is not None and any(is_dtensor(v) for v in state_dict.values())
+        if state_dict is None or sharded:
+            raise ValueError(
+                f"{type(model).__name__}.save_pretrained with FEPLB experts: "
+                + ("the state_dict holds expert shards (DTensors: this rank's experts only)" if sharded else
+                   "without a state_dict it would write model.state_dict(), whose expert shards are DTensors (this "
+                   "rank's experts only), which transformers cannot write")
+                + "; gather every expert first, on every rank (collective): full = feplb.hf.full_state_dict(model), "
+                  "then on rank 0: model.save_pretrained(d, state_dict=full). Nothing was written")
+        return inner(*args, state_dict=state_dict, **kwargs)
+
+    save_pretrained._feplb_full_only = True
+    model.save_pretrained = save_pretrained
+    return True
 
 
 def generate_in_step(model: nn.Module) -> bool:

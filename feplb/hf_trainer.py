@@ -141,6 +141,10 @@ class TrainerMixin:
         if problem is not None:
             raise ValueError(f"feplb.hf.Trainer: {problem}")
         ignore_experts_in_ddp(self.model)
+        if moes:
+            from feplb.hf import saves_full_only
+
+            saves_full_only(self.model)   # (its save_model gathers the experts; a direct save_pretrained is refused)
         if any(m.world_size > 1 for m in moes):
             from feplb.hf import generate_in_step
 

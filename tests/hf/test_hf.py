@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import tempfile
 from pathlib import Path
 
@@ -147,6 +148,12 @@ def _check_state_dict(rank, world, arch, model, ids, M) -> dict:
     out["fresh_exact"] = _digest(fresh.state_dict()) == out["full_digest"]
     with torch.no_grad():
         out["fresh_logits_rel"] = _rel(fresh(input_ids=ids).logits, model(input_ids=ids).logits)
+    # save_pretrained of the shards themselves (called on any rank: rank 0 alone waited for the others in
+    # transformers' conversion until the timeout; every rank: safetensors failed on some): refused before writing
+    with tempfile.TemporaryDirectory() as d:
+        out["save_plain"] = error_of(lambda: model.save_pretrained(d))
+        out["save_shards"] = error_of(lambda: model.save_pretrained(d, state_dict=own))
+        out["save_wrote"] = sorted(os.listdir(d))
     if rank == 0:
         with tempfile.TemporaryDirectory() as d:
             model.save_pretrained(d, state_dict=on_rank0)
@@ -700,6 +707,10 @@ def _assert_state_dict(ranks: list[dict]) -> None:
         assert len({res["full_digest"] for res in per_rank}) == 1, f"{arch}: ranks gathered different checkpoints"
         for rank, res in enumerate(per_rank):
             assert res["own_slices"], (arch, rank)
+            for key, words in (("save_plain", "without a state_dict"), ("save_shards", "holds expert shards")):
+                assert res[key] is not None and res[key].startswith("ValueError") and words in res[key] \
+                    and "feplb.hf.full_state_dict(model)" in res[key], (arch, rank, res[key])
+            assert res["save_wrote"] == [], (arch, rank, res["save_wrote"])
             assert res["fresh_exact"], (arch, rank)
             assert res["fresh_logits_rel"] <= TOL, (arch, rank, res["fresh_logits_rel"])
             assert res["rank0_only_same"], (arch, rank)
