@@ -39,9 +39,11 @@ Legend: T tokens on this rank, K top-k, H hidden, F expert ffn, E experts, W EP 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -799,8 +801,6 @@ def saves_full_only(model: nn.Module) -> bool:
     rank, then ``model.save_pretrained(d, state_dict=full)`` on rank 0. :func:`apply` does this to the model it is
     given and ``feplb.hf.Trainer`` to its model (whose ``save_model`` gathers them). Returns whether ``model`` has a
     ``save_pretrained``. Local."""
-    import functools
-
     from feplb.sharded import is_dtensor
 
     inner = getattr(model, "save_pretrained", None)
@@ -808,22 +808,31 @@ def saves_full_only(model: nn.Module) -> bool:
         return False
     if getattr(inner, "_feplb_full_only", False):
         return True
+    cls, call = type(model).__name__, _weak_method(model, inner)
+    try:
+        signature = inspect.signature(inner)
+    except (TypeError, ValueError):
+        signature = None
 
-    @functools.wraps(inner)
-    def save_pretrained(*args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
+    def save_pretrained(*args: Any, **kwargs: Any) -> Any:
+        state_dict = kwargs.get("state_dict")
+        if "state_dict" not in kwargs and signature is not None:   # (given by position: the third argument)
+            try:
+                state_dict = signature.bind(*args, **kwargs).arguments.get("state_dict")
+            except TypeError:
+                return call(*args, **kwargs)   # (its own error for wrong arguments)
         sharded = state_dict is not None and any(is_dtensor(v) for v in state_dict.values())
         if state_dict is None or sharded:
             raise ValueError(
-                f"{type(model).__name__}.save_pretrained with FEPLB experts: "
+                f"{cls}.save_pretrained with FEPLB experts: "
                 + ("the state_dict holds expert shards (DTensors: this rank's experts only)" if sharded else
                    "without a state_dict it would write model.state_dict(), whose expert shards are DTensors (this "
                    "rank's experts only), which transformers cannot write")
                 + "; gather every expert first, on every rank (collective): full = feplb.hf.full_state_dict(model), "
                   "then on rank 0: model.save_pretrained(d, state_dict=full). Nothing was written")
-        return inner(*args, state_dict=state_dict, **kwargs)
+        return call(*args, **kwargs)
 
-    save_pretrained._feplb_full_only = True
-    model.save_pretrained = save_pretrained
+    model.save_pretrained = _like(save_pretrained, inner, _feplb_full_only=True)
     return True
 
 
@@ -842,34 +851,61 @@ def generate_in_step(model: nn.Module) -> bool:
     and the ranks would run different numbers of them) is refused, on every rank together for ``generate`` (one
     small all-gather over the world per call agrees on it; transformers' own step check all-reduces over the world
     too)."""
-    import functools
-
     inner = getattr(model, "generate", None)
     if inner is None:
         return False
+    cls = type(model).__name__
     if not getattr(inner, "_feplb_in_step", False):
-        @functools.wraps(inner)
+        call = _weak_method(model, inner)
+
         def generate(*args: Any, synced_gpus: bool | None = None, **kwargs: Any) -> Any:
             problem = _CONTINUOUS_BATCHING if kwargs.get("cache_implementation") == "paged" else None
             views = _agree(problem, None)
             bad = [r for r, v in enumerate(views) if v is not None]
             if bad:
-                raise ValueError(f"{type(model).__name__}.generate with FEPLB experts: {views[bad[0]]}"
+                raise ValueError(f"{cls}.generate with FEPLB experts: {views[bad[0]]}"
                                  + ("" if len(bad) == len(views) else f" (on rank(s) {bad})"))
-            return inner(*args, synced_gpus=True, **kwargs)
+            return call(*args, synced_gpus=True, **kwargs)
 
-        generate._feplb_in_step = True
-        model.generate = generate
+        model.generate = _like(generate, inner, _feplb_in_step=True)
     for name in ("generate_batch", "init_continuous_batching", "continuous_batching_context_manager"):
         fn = getattr(model, name, None)
         if fn is not None and not getattr(fn, "_feplb_in_step", False):
             def refuse(*args: Any, _name: str = name, **kwargs: Any) -> Any:
-                raise ValueError(f"{type(model).__name__}.{_name} with FEPLB experts: {_CONTINUOUS_BATCHING}")
+                raise ValueError(f"{cls}.{_name} with FEPLB experts: {_CONTINUOUS_BATCHING}")
 
-            refuse = functools.wraps(fn)(refuse)
-            refuse._feplb_in_step = True
-            setattr(model, name, refuse)
+            setattr(model, name, _like(refuse, fn, _feplb_in_step=True))
     return True
+
+
+def _weak_method(model: nn.Module, method: Any) -> Any:
+    """``method`` (``model``'s bound method, or another callable) as a callable that does not hold ``model``: a
+    wrapper kept on the instance that held it made a reference cycle, which only the garbage collector frees (a
+    model's memory kept after ``del model``)."""
+    func = getattr(method, "__func__", None)
+    if func is None or getattr(method, "__self__", None) is not model:
+        return method
+    me = weakref.ref(model)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return func(me(), *args, **kwargs)
+
+    return call
+
+
+def _like(wrapper: Any, wrapped: Any, **marks: Any) -> Any:
+    """``wrapper`` with ``wrapped``'s name, docstring and signature (``functools.wraps``, with the signature kept in
+    ``__signature__`` instead of the ``__wrapped__`` reference, which would hold the model through a bound method)
+    and the attributes ``marks``."""
+    import functools
+
+    functools.update_wrapper(wrapper, wrapped, updated=())
+    del wrapper.__wrapped__
+    with contextlib.suppress(TypeError, ValueError):   # (a callable without one)
+        wrapper.__signature__ = inspect.signature(wrapped)
+    for key, value in marks.items():
+        setattr(wrapper, key, value)
+    return wrapper
 
 
 _CONTINUOUS_BATCHING = ("continuous batching schedules each rank's forwards on its own, and every forward of the "

@@ -156,7 +156,7 @@ def _check_state_dict(rank, world, arch, model, ids, M) -> dict:
         out["save_wrote"] = sorted(os.listdir(d))
     if rank == 0:
         with tempfile.TemporaryDirectory() as d:
-            model.save_pretrained(d, state_dict=on_rank0)
+            model.save_pretrained(d, True, on_rank0)   # (state_dict by position: is_main_process, state_dict)
             loaded = type(fresh).from_pretrained(d, dtype=torch.float32)
             out["pretrained_exact"] = _digest(loaded.state_dict()) == out["full_digest"]
     out.update(_check_dcp(rank, world, arch, model, full, M))
@@ -285,6 +285,21 @@ def _check_errors(rank: int, world: int) -> dict:
                                                             **({"polcy": "none"} if rank == 2 else {})))
         out["one_rank_policy"] = error_of(lambda: fh.apply(M.make_model("qwen3_moe"),
                                                            policy="no-such-policy" if rank == 1 else "none"))
+        # the wrappers apply puts on the model (generate, save_pretrained) hold no reference to it: an applied model
+        # is freed when its last reference goes, without waiting for the garbage collector
+        import gc
+        import weakref
+
+        gc.collect()
+        gc.disable()
+        try:
+            applied = M.make_model("qwen3_moe")
+            fh.apply(applied, policy="none")
+            alive = weakref.ref(applied)
+            del applied
+            out["freed_without_gc"] = alive() is None
+        finally:
+            gc.enable()
     return out
 
 
@@ -894,6 +909,7 @@ def test_unrunnable_configurations_fail_on_every_rank(four_ranks):
             "(on EP rank(s) [2])" in err["one_rank_unknown"], (rank, err["one_rank_unknown"])
         assert err["one_rank_policy"].startswith("ValueError") and "no-such-policy" in err["one_rank_policy"] and \
             "(on EP rank(s) [1])" in err["one_rank_policy"], (rank, err["one_rank_policy"])
+        assert err["freed_without_gc"], rank
 
 
 @pytest.mark.slow
