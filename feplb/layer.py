@@ -675,7 +675,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             return
         from feplb.kernels import autocast_dtype
         cast = autocast_dtype(self._device.type)
-        saved = [p for p in self.expert_params() if p.requires_grad and p.dim() >= 2
+        # (the stacked weight matrices [L, ., .]: the GEMMs save those, not the biases [L, .])
+        saved = [p for p in self.expert_params() if p.requires_grad and p.dim() >= 3
                  and (cast is None or p.dtype in (cast, torch.float64))]
         if not saved:
             return

@@ -102,10 +102,11 @@ class SimConfig:
         object.__setattr__(self, "policies", tuple(self.policies))
         seen: dict[tuple[str, bool, str], str] = {}
         for p in self.policies:
-            same = seen.setdefault(parse_policy(p), p)
-            if same is not p:   # (also one spelled two ways: 'feplb' and 'feplb@current')
-                what = repr(p) if same == p else f"{same!r} and {p!r} (the same policy)"
+            key = parse_policy(p)
+            if key in seen:   # (also one spelled two ways: 'feplb' and 'feplb@current')
+                what = repr(p) if seen[key] == p else f"{seen[key]!r} and {p!r} (the same policy)"
                 raise ValueError(f"SimConfig.policies repeats a policy: {what} in {self.policies}")
+            seen[key] = p
         if not isinstance(self.cost, CostModel):
             raise TypeError(f"SimConfig.cost must be a CostModel, got {type(self.cost).__name__}")
         if self.plan_us is not None and (isinstance(self.plan_us, bool) or not isinstance(self.plan_us, (int, float))

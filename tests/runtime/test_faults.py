@@ -270,6 +270,14 @@ def _fault_worker(rank, world):
     res["early_autocast_same"] = xb.grad is not None and torch.allclose(xb.grad, xa.grad, rtol=2e-2, atol=1e-3)
     moved.close()
     ref_now.close()
+    # the experts' biases are not saved for the backward (torch's addmm does not object to a bias changed there)
+    biased_experts = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=2,
+                                          policy="feplb-split", weights="per-microbatch", expert_bias=True))
+    y = biased_experts(x.clone().requires_grad_())
+    with torch.no_grad():
+        biased_experts.b1.add_(0.5)
+    res["early_bias"] = error_of(lambda: y.square().sum().backward())
+    biased_experts.close()
 
     # A stalled peer (rank 3 stops calling): the others time out naming the operation, no hang.
     if rank == 3:
@@ -332,6 +340,7 @@ def test_faults_and_bad_input():
         assert res["early_step"] is not None and "w1 [2, 16, 64] was modified in place between the forward and its " \
             "backward" in res["early_step"], (rank, res["early_step"])
         assert res["early_after_same"], rank
+        assert res["early_bias"] is None, (rank, res["early_bias"])
         assert res["early_autocast"] is None and res["early_autocast_same"], (rank, res["early_autocast"])
         if rank != 3:
             assert res["stall"] is not None and "all_gather of expert counts" in res["stall"], res["stall"]
