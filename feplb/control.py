@@ -33,6 +33,7 @@ import contextlib
 import datetime
 import hashlib
 import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -78,10 +79,15 @@ def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
 # time.
 _GROUPS: dict[tuple, dist.ProcessGroup] = {}
 _GROUPS_LOCK = threading.Lock()
-_LOCKS: dict[dist.ProcessGroup | None, threading.Lock] = {}
+# (held weakly: a lock kept a group destroyed by destroy_process_group alive, with its sockets, after its layers
+# were closed; the default group, None, has one lock of its own)
+_LOCKS: weakref.WeakKeyDictionary[dist.ProcessGroup, threading.Lock] = weakref.WeakKeyDictionary()
+_DEFAULT_LOCK = threading.Lock()
 
 
 def _lock_of(group: dist.ProcessGroup | None) -> threading.Lock:
+    if group is None:
+        return _DEFAULT_LOCK
     with _GROUPS_LOCK:
         return _LOCKS.setdefault(group, threading.Lock())
 

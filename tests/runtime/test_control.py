@@ -168,3 +168,37 @@ def test_control_over_nccl_group():
         pytest.skip("needs 2 CUDA GPUs (NCCL refuses two ranks on one GPU)")
     for rank, res in enumerate(run_dist(_nccl_cases, 2, backend="nccl", timeout_s=120)):
         assert all(res.values()), (rank, res)
+
+
+def _groups_released(rank: int, world: int) -> dict:
+    """Layers over fresh subgroups, each closed and its group destroyed: nothing of feplb keeps a group alive (a
+    module-level lock table held every group ever used, with its gloo sockets)."""
+    import datetime
+    import gc
+    import os
+    import weakref
+
+    import torch.distributed as dist
+
+    from feplb import FEPLBConfig, MoELayer
+
+    refs, fds = [], []
+    for _ in range(6):
+        group = dist.new_group(list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=60))
+        layer = MoELayer(FEPLBConfig(hidden=16, ffn=16, num_experts=8, top_k=2, gpus_per_node=2, dyn=1,
+                                     policy="feplb-split", weights="per-microbatch"), group=group)
+        layer(torch.randn(24, 16)).square().sum().backward()
+        layer.close()
+        del layer
+        dist.destroy_process_group(group)
+        refs.append(weakref.ref(group))
+        del group
+        gc.collect()
+        fds.append(len(os.listdir("/proc/self/fd")))
+    return {"alive": sum(r() is not None for r in refs), "fds": fds}
+
+
+def test_closed_layers_release_their_groups():
+    for rank, res in enumerate(run_dist(_groups_released, 4, timeout_s=180, collective_timeout_s=60)):
+        assert res["alive"] == 0, (rank, res)
+        assert res["fds"][-1] <= res["fds"][1], (rank, res["fds"])   # (no sockets piling up per group)
