@@ -337,8 +337,11 @@ class BackwardJoin:
             self.after.settle()
         got = self._take()
         if got is None:
-            raise RuntimeError("BackwardJoin.finish: the exchange's backward was not started (its node did not run "
-                               "before the sends' gradients were needed)")
+            raise RuntimeError("MoELayer backward: an exchange's backward was not started (its node did not run "
+                               "before the sends' gradients were needed): a backward that starts inside the layer "
+                               "rather than at its output, as a zero-bubble pipeline schedule's weight pass does "
+                               "(torch.distributed.pipelining's stage_backward_weight), is not supported; use a "
+                               "schedule with whole backwards (1F1B, interleaved 1F1B, GPipe)")
         return self._ex.send_grads(got, self._shapes)
 
 
