@@ -21,6 +21,8 @@ Legend: M rows sent, R rows received, D row width, G GPUs per node.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import contextvars
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,7 +35,7 @@ from feplb.copy import CopyEngine
 from feplb.layout import Item, exchange_layout
 from feplb.transport import Transport
 
-__all__ = ["BackwardJoin", "Exchange", "PeerComm", "Received", "all_to_all_rows"]
+__all__ = ["BackwardJoin", "Exchange", "ForwardEntry", "PeerComm", "Received", "all_to_all_rows", "entered_through"]
 
 
 def compiled_autograd_problem(op: str, *, forward: bool = False) -> str | None:
@@ -62,12 +64,53 @@ def refuse_compiled_autograd(op: str) -> None:
         raise RuntimeError(problem)
 
 
+# The layer forward whose exchanges are being recorded on this thread (``entered_through``), or None.
+_ENTRY: contextvars.ContextVar[ForwardEntry | None] = contextvars.ContextVar("feplb_forward", default=None)
+
+
+class ForwardEntry:
+    """Where one layer forward's backward may start: the backward calls (autograd graph tasks) in which the gradient
+    of its output arrived (:meth:`arrived`, a hook on that output). Its exchanges' backward nodes check it before any
+    collective (:meth:`check`): a backward that starts inside the layer instead, as a zero-bubble pipeline schedule's
+    weight pass does (``torch.distributed.pipelining``'s ``stage_backward_weight`` restarts autograd from the nodes
+    that use the parameters), would reach those collectives on some ranks only, or need gradients of exchanges that
+    never ran their backward. Every rank then raises there, naming it."""
+
+    __slots__ = ("tasks",)
+
+    def __init__(self) -> None:
+        self.tasks: set[int] = set()
+
+    def arrived(self, grad: torch.Tensor) -> None:
+        self.tasks.add(torch._C._current_graph_task_id())
+
+    def check(self, op: str) -> None:
+        if torch._C._current_graph_task_id() not in self.tasks:
+            raise RuntimeError(
+                f"MoELayer backward ({op}): this backward started inside the layer, not at its output, as a "
+                "zero-bubble pipeline schedule's weight pass does (torch.distributed.pipelining's "
+                "stage_backward_weight): not supported, FEPLB's backward exchanges run from the layer's output; "
+                "use a schedule with whole backwards (1F1B, interleaved 1F1B, GPipe)")
+
+
+@contextlib.contextmanager
+def entered_through(entry: ForwardEntry | None):
+    """Within: the exchanges recorded on this thread belong to the forward ``entry`` (None: to none, unchecked)."""
+    token = _ENTRY.set(entry)
+    try:
+        yield
+    finally:
+        _ENTRY.reset(token)
+
+
 def _run_once(ctx, op: str) -> None:
     """Run ``ctx.on_backward`` (if any) and let go of it: autograd keeps ``ctx`` as long as the graph, and what the
     callable holds (weights received again) must not outlive this backward. A second backward through the same
     graph (``retain_graph``) runs it no more, on every rank alike. First refuses a compiled backward (``op``: names
-    the node)."""
+    the node), and a backward that started inside the layer (:class:`ForwardEntry`)."""
     refuse_compiled_autograd(op)
+    if ctx.entry is not None:
+        ctx.entry.check(op)
     fn, ctx.on_backward = ctx.on_backward, None
     if fn is not None:
         fn()
@@ -78,7 +121,7 @@ class _AllToAllRows(torch.autograd.Function):
     def forward(ctx, x_MD: torch.Tensor, transport: Transport, send_splits: tuple, recv_splits: tuple, out,
                 split_matrix, anchor, on_backward):
         ctx.transport, ctx.send_splits, ctx.recv_splits = transport, send_splits, recv_splits
-        ctx.on_backward = on_backward
+        ctx.on_backward, ctx.entry = on_backward, _ENTRY.get()
         ctx.split_matrix = split_matrix
         ctx.anchor_shape = None if anchor is None else anchor.shape
         return transport.all_to_all(x_MD, send_splits, recv_splits, out=out, split_matrix=split_matrix)
@@ -201,6 +244,7 @@ class _ExchangeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ex: Exchange, pending, on_backward, join, settle, anchor: torch.Tensor, *sends: torch.Tensor):
         ctx.ex, ctx.on_backward, ctx.join, ctx.settle = ex, on_backward, join, settle
+        ctx.entry = _ENTRY.get()
         ctx.send_shapes = [t.shape for t in sends]
         ctx.anchor_shape = anchor.shape
         got = ex.handed(*pending.result()) if pending is not None else ex.issue(list(sends))[0]
@@ -228,13 +272,15 @@ class _ExchangeFn(torch.autograd.Function):
 class _JoinFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, join: BackwardJoin, anchored: bool, *sends: torch.Tensor):
-        ctx.join, ctx.anchored = join, anchored
+        ctx.join, ctx.anchored, ctx.entry = join, anchored, _ENTRY.get()
         return tuple(t.view_as(t) for t in sends)
 
     @staticmethod
     def backward(ctx, *started):
         # the anchor's gradient (of an empty tensor) passes through; the sends' are the exchange's
         refuse_compiled_autograd("copy path, backward")
+        if ctx.entry is not None:
+            ctx.entry.check("copy path, backward")
         return (None, None, *started[:int(ctx.anchored)], *ctx.join.finish())
 
 
@@ -337,11 +383,8 @@ class BackwardJoin:
             self.after.settle()
         got = self._take()
         if got is None:
-            raise RuntimeError("MoELayer backward: an exchange's backward was not started (its node did not run "
-                               "before the sends' gradients were needed): a backward that starts inside the layer "
-                               "rather than at its output, as a zero-bubble pipeline schedule's weight pass does "
-                               "(torch.distributed.pipelining's stage_backward_weight), is not supported; use a "
-                               "schedule with whole backwards (1F1B, interleaved 1F1B, GPipe)")
+            raise RuntimeError("BackwardJoin.finish: the exchange's backward was not started (its node did not run "
+                               "before the sends' gradients were needed)")
         return self._ex.send_grads(got, self._shapes)
 
 

@@ -70,7 +70,14 @@ from feplb.config import (
 from feplb.control import Control, group_timeout
 from feplb.copy import release_copy_engine, shared_copy_engine
 from feplb.direct import forward_direct
-from feplb.dispatch import PeerComm, all_to_all_rows, compiled_autograd_problem, refuse_compiled_autograd
+from feplb.dispatch import (
+    ForwardEntry,
+    PeerComm,
+    all_to_all_rows,
+    compiled_autograd_problem,
+    entered_through,
+    refuse_compiled_autograd,
+)
 from feplb.experts import EarlyBackward, expert_mlp, ready_event, span, to_device
 from feplb.layout import (
     DirectLayout,
@@ -622,7 +629,12 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                     raise RuntimeError("MoELayer: a compiled forward cannot be recomputed under another placement "
                                        "than its first run's (weights='per-microbatch' with '+place'); use "
                                        "weights='per-step', or do not compile the checkpointed block")
-            return self._padded(self._replay(self._valid(x_MD, replay.counts), replay), x_MD)
+            entry = ForwardEntry() if torch.is_grad_enabled() else None
+            with entered_through(entry):
+                y_MD = self._padded(self._replay(self._valid(x_MD, replay.counts), replay), x_MD)
+            if entry is not None and y_MD.requires_grad:
+                y_MD.register_hook(entry.arrived)
+            return y_MD
         if problem is None and torch.is_grad_enabled():   # (every rank alike: the mode is the training loop's)
             refused = compiled_autograd_problem("forward", forward=True)
             problem = None if refused is None else (RuntimeError, refused)
@@ -633,10 +645,13 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         placement, slot_of_E, plan_state = self.placement, self._slot_of_E, self._plan_state
         direct = counts.want_plan and self.direct
         x_all, x_MD = x_MD, self._valid(x_MD, counts)
-        if direct:
-            y_MD, p2 = forward_direct(self, x_MD, counts, tl)
-        else:
-            y_MD, p2 = self._in_node(x_MD, counts, tl, dispatched=dispatched)
+        # (the backward nodes of this forward's exchanges check that their backward started at its output)
+        entry = ForwardEntry() if torch.is_grad_enabled() else None
+        with entered_through(entry):
+            if direct:
+                y_MD, p2 = forward_direct(self, x_MD, counts, tl)
+            else:
+                y_MD, p2 = self._in_node(x_MD, counts, tl, dispatched=dispatched)
         if p2.recopy is None:
             self._check_weights_at_backward(y_MD)
         else:
@@ -653,6 +668,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                 full = self._grad_leaf[:0]
                 y_MD = _RestrictedBackward.apply(weakref.ref(self), (weights.grad_fn, full.grad_fn), y_MD, weights,
                                                  full)
+        if entry is not None and y_MD.requires_grad:
+            y_MD.register_hook(entry.arrived)   # (the last hook on it: it runs before any node of the layer's)
         self._observe(counts, p2)
         kind = record_kind()
         if kind is not None:
