@@ -406,10 +406,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         """An empty 1-D tensor that requires grad whenever the layer's rows or expert weights do. Every exchange
         takes one, so whether its backward runs (a collective) never depends on what this rank sends, nor on which
         of them a backward asks for (``torch.autograd.grad(..., inputs=[w2])`` too: every part is in it)."""
-        a = t[:0].reshape(-1)
-        for w in self.expert_weights():   # w[:0] first: a strided weight is never copied
-            a = a + w[:0].reshape(-1)
-        return a + self._grad_leaf if torch.is_grad_enabled() else a
+        leaf = (self._grad_leaf,) if torch.is_grad_enabled() else ()
+        return _Anchor.apply(t, *self.expert_weights(), *leaf)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -647,6 +645,10 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         x_all, x_MD = x_MD, self._valid(x_MD, counts)
         # (the backward nodes of this forward's exchanges check that their backward started at its output)
         entry = ForwardEntry() if torch.is_grad_enabled() else None
+        if dispatched and entry is not None:
+            # (no phase 1 here, and a node whose plan moves nothing makes no exchange: this node, on the way to the
+            # expert parameters on every rank, checks where the backward started)
+            x_MD = _EnteredRows.apply(entry, x_MD, *self.expert_params())
         with entered_through(entry):
             if direct:
                 y_MD, p2 = forward_direct(self, x_MD, counts, tl)
@@ -1013,6 +1015,39 @@ def _close_at_exit() -> None:
     for layer in list(_LAYERS):
         with contextlib.suppress(Exception):
             layer.close()
+
+
+class _Anchor(torch.autograd.Function):
+    """An empty 1-D tensor (in the first input's dtype) made from the given tensors: autograd records it whenever one
+    of them requires grad, and its node lies on the path to each of them, so the backward of what takes it runs
+    whichever of them a backward asks for. It gives them no gradient: made of their empty slices
+    (``w[:0].reshape(-1)``, summed), it did, as full-size zeros: every anchored exchange's backward allocated and
+    filled a zero gradient the size of every expert weight of the layer, and of the rows, and added it to theirs."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+        ctx.inputs = 1 + len(others)
+        return t.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (None,) * ctx.inputs
+
+
+class _EnteredRows(torch.autograd.Function):
+    """The identity on the rows a caller dispatched itself (``forward_dispatched``), made with the expert parameters:
+    its node lies on the way to them on every rank, and its backward checks that the backward started at the
+    layer's output (``feplb.dispatch.ForwardEntry``), as the exchanges' do, before the parameters' gradients."""
+
+    @staticmethod
+    def forward(ctx, entry, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.entry, ctx.params = entry, len(params)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.entry.check("dispatched rows, backward")
+        return (None, grad, *(None,) * ctx.params)
 
 
 class _RestrictedBackward(torch.autograd.Function):
