@@ -2,7 +2,7 @@
 whole backwards (``Schedule1F1B``, 4 micro-batches in flight, each EP rank a pipeline stage of its own) trains exactly
 as plain EP on the whole batch; a zero-bubble schedule's weight pass (``stage_backward_weight``, after
 ``stage_backward_input``), which restarts autograd inside the layer, is refused on every rank together, naming it,
-and the layer works on."""
+and the layer works on, also where the caller dispatched the rows itself (``forward_dispatched``)."""
 
 from __future__ import annotations
 
@@ -95,17 +95,29 @@ def _worker(rank: int, world: int) -> dict:
         out[key + " after"] = torch.allclose(xs.grad, xr.grad, rtol=1e-5, atol=1e-6)
         layer.close()
         ref.close()
+    # rows a caller dispatched itself (forward_dispatched, DeepEP's way): node 0 moves rows, node 1 (balanced) makes
+    # no exchange at all, and still refuses the weight pass with the others
+    layer = _layer("feplb-split")
+    gen = torch.Generator().manual_seed(rank)
+    counts = ([40, 40], [2, 2], [8, 8], [8, 8])[rank]
+    rows = torch.randn(sum(counts), H, generator=gen).requires_grad_()
+    y = layer.forward_dispatched(rows, counts)
+    out["dispatched moved"] = layer.last_stats.rows_moved
+    out["dispatched zero-bubble"] = error_of(lambda: _split_backward(y, rows, torch.randn(y.shape), layer))
+    layer.close()
     return out
 
 
 def test_pipeline_schedules():
     results = run_dist(_worker, 4, timeout_s=300, collective_timeout_s=30)
-    for key in ("feplb-split", "feplb-split+recopy"):
+    for key in ("feplb-split", "feplb-split+recopy", "dispatched"):
         assert sum(res[key + " moved"] for res in results) > 0, key
     for rank, res in enumerate(results):
-        for key in ("feplb-split", "feplb-split+recopy", "none"):
-            assert res[key + " 1f1b"] < 1e-5, (rank, key, res[key + " 1f1b"])
+        for key in ("feplb-split", "feplb-split+recopy", "none", "dispatched"):
             err = res[key + " zero-bubble"]
             assert err is not None and "started inside the layer" in err and "stage_backward_weight" in err, \
                 (rank, key, err)
+            if key == "dispatched":
+                continue
+            assert res[key + " 1f1b"] < 1e-5, (rank, key, res[key + " 1f1b"])
             assert res[key + " after"], (rank, key)
