@@ -103,14 +103,19 @@ def entered_through(entry: ForwardEntry | None):
         _ENTRY.reset(token)
 
 
-def _run_once(ctx, op: str) -> None:
-    """Run ``ctx.on_backward`` (if any) and let go of it: autograd keeps ``ctx`` as long as the graph, and what the
-    callable holds (weights received again) must not outlive this backward. A second backward through the same
-    graph (``retain_graph``) runs it no more, on every rank alike. First refuses a compiled backward (``op``: names
-    the node), and a backward that started inside the layer (:class:`ForwardEntry`)."""
+def _refuse_backward(ctx, op: str) -> None:
+    """Before an exchange's backward (``op``: names the node): refuse a compiled backward, and one that started
+    inside the layer (``ctx.entry``: :class:`ForwardEntry`)."""
     refuse_compiled_autograd(op)
     if ctx.entry is not None:
         ctx.entry.check(op)
+
+
+def _run_once(ctx, op: str) -> None:
+    """Run ``ctx.on_backward`` (if any) and let go of it: autograd keeps ``ctx`` as long as the graph, and what the
+    callable holds (weights received again) must not outlive this backward. A second backward through the same
+    graph (``retain_graph``) runs it no more, on every rank alike. First :func:`_refuse_backward`."""
+    _refuse_backward(ctx, op)
     fn, ctx.on_backward = ctx.on_backward, None
     if fn is not None:
         fn()
@@ -278,9 +283,7 @@ class _JoinFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *started):
         # the anchor's gradient (of an empty tensor) passes through; the sends' are the exchange's
-        refuse_compiled_autograd("copy path, backward")
-        if ctx.entry is not None:
-            ctx.entry.check("copy path, backward")
+        _refuse_backward(ctx, "copy path, backward")
         return (None, None, *started[:int(ctx.anchored)], *ctx.join.finish())
 
 
