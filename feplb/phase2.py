@@ -231,11 +231,12 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
     H = c.hidden
     dev = h_RD.device
     if p2.layout is None:
-        # no moves: the dynamic slots compute at home (the home order's tail), one more grouped launch
+        # no moves: the dynamic slots compute at home (the home order's tail), one more grouped launch (none without
+        # dynamic rows: an empty tensor then, not a slice of the rows, whose backward fills full-size zeros)
         dyn_L = split.home.n_L - split.home.static_L
         with span(tl, "dynamic_gemm"):
             y_dyn = expert_mlp(h_RD[split.home.n_static:], slot_w.gemm(), to_device(np.cumsum(dyn_L), dev),
-                               *c.glu) if dyn_L.any() else h_RD[:0]
+                               *c.glu) if dyn_L.any() else h_RD.new_empty((0, H))
         y_home = torch.cat([y_static, y_dyn])
         return y_home.index_select(0, to_device(inverse(split.home.perm), dev)), layer._anchor(h_RD), None
     lay, ex, moves = p2.layout, p2.exchange, p2.moves
@@ -289,9 +290,11 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
     pending = rex.start([t.detach() for t in sends], layer._balancer.copier, ready=ready) if rex.active else None
     try:
         with span(tl, "dynamic_gemm"):
-            kept = h_RD.index_select(0, to_device(lay.kept_idx, dev))
-            y_kept = expert_mlp(kept, slot_w.gemm(), to_device(np.cumsum(lay.kept_L), dev), *c.glu) \
-                if lay.kept_idx.size else h_RD[:0]
+            # (no rows kept: an empty tensor made of nothing, not a slice of the rows, whose backward would
+            # allocate a full-size zero gradient of them and add it to theirs)
+            y_kept = expert_mlp(h_RD.index_select(0, to_device(lay.kept_idx, dev)), slot_w.gemm(),
+                                to_device(np.cumsum(lay.kept_L), dev), *c.glu) \
+                if lay.kept_idx.size else h_RD.new_empty((0, H))
     except BaseException:
         if pending is not None:   # the copy thread's results-home exchange ends before the error leaves
             concurrent.futures.wait([pending])
