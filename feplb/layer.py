@@ -786,7 +786,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # (the header first, then the counts padded to the group's width: steps.read_counts)
         row = torch.cat([row[:2], torch.tensor([int(problem is not None), self.layer_id,
                                                 int(self.training) | int(torch.is_grad_enabled()) << 1
-                                                | int(dispatched) << 2, self._slow_digest()]), row[2:],
+                                                | int(dispatched) << 2, self._slow_digest(),
+                                                self.__dict__.get("_opt_steps", 0), int(self._grads_dropped())]),
+                         row[2:],
                          torch.zeros(_COUNTS_WIDTH[self._counts_key] - E, dtype=torch.int64)])
         gathered = self.control.all_gather(row, "all_gather of expert counts")
         if problem is not None:

@@ -57,17 +57,19 @@ class NonFiniteRoutingError(ValueError):
 
 # The counts all-gather's row (int64): a header of fixed width, then the counts, padded to the width every layer of
 # the group shares (layers of different E may meet in one all-gather when ranks run different layers)
-HEADER = ("flags", "stale", "problem", "layer", "calls", "digest")
-FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST = range(len(HEADER))
+HEADER = ("flags", "stale", "problem", "layer", "calls", "digest", "steps", "dropped")
+FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, STEPS, DROPPED = range(len(HEADER))
 
 
 def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float) -> Counts:
     """Read the all-gathered rows (int64 [W, len(HEADER) + E + padding]: this rank's routing flags (1: NaN or inf,
     2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs, how it
-    calls it (bits: 1 training mode, 2 autograd on, 4 ``forward_dispatched``), the digest of its slow decisions;
-    then the counts per flat slot), raising on every rank together when any rank reported a problem or the ranks
-    run different layers, in different modes or from different histories. The header comes first, so the layer
-    numbers are read alike whatever layer (and number of experts) each rank runs.
+    calls it (bits: 1 training mode, 2 autograd on, 4 ``forward_dispatched``), the digest of its slow decisions,
+    the optimizer steps taken of its experts, whether it dropped the experts' gradients while per-step copies held
+    theirs; then the counts per flat slot), raising on every rank together when any rank reported a problem or the
+    ranks run different layers, in different modes, from different histories or after different numbers of
+    optimizer steps. The header comes first, so the layer numbers are read alike whatever layer (and number of
+    experts) each rank runs.
 
     slots_WS: int64 [W, L] the experts at home on each GPU. balance: the policy balances (and W > 1).
     min_straggler: rows of token straggler below which balancing is not worth it.
@@ -92,6 +94,16 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
         if (got != got[0]).any():
             raise RuntimeError(f"MoELayer: the EP ranks {what} ({on} on EP rank(s) {ranks[got].tolist()}, {off} on "
                                f"{ranks[~got].tolist()}); {advice}")
+    steps = gathered[ranks, STEPS]
+    if (steps != steps[0]).any():
+        raise RuntimeError(
+            f"MoELayer: the EP ranks' optimizers stepped this layer's experts different numbers of times (steps per "
+            f"EP rank: {dict(zip(ranks.tolist(), steps.tolist(), strict=True))}), as a torch.amp.GradScaler does "
+            "when an overflow in one rank's expert gradients (which that rank alone sees) skips its step and lowers "
+            "its scale there only: the ranks then scale their losses apart, and every expert's gradient sums them. "
+            "Pass the scaler to attach_optimizer(optimizer, scaler=scaler) (feplb.hf.attach_optimizer(model, "
+            "optimizer, scaler) for a model), which agrees its inf check over the EP group, and step the optimizer "
+            "on every rank alike; this training run cannot go on from here")
     digests = gathered[:, DIGEST]
     if (digests != digests[0]).any():
         groups = {}
@@ -114,6 +126,15 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
         raise NonFiniteRoutingError(f"MoELayer: router logits (or routing weights, or the router's selection "
                                     f"bias) contain NaN or inf on EP rank(s) {bad_ranks}; check the input and the "
                                     "router weights")
+    dropped_ranks = np.nonzero(gathered[:, DROPPED])[0].tolist()
+    if dropped_ranks:
+        raise RuntimeError(
+            f"MoELayer: the experts' gradients were dropped (zero_grad(set_to_none=True): the model's, or an "
+            f"optimizer's not attached to the layer) on EP rank(s) {dropped_ranks} while the per-step expert copies "
+            "there still held their share of the same backward: they are not parameters, zero_grad does not reach "
+            "them, and the next reduction would add them to the next step's gradients. Drop them with the experts' "
+            "gradients: layer.zero_grad(), layer.zero_replica_grads() (feplb.hf.zero_replica_grads(model) for a "
+            "model), or attach the optimizer (attach_optimizer), whose zero_grad() then does it; then go on")
     stale_ranks = np.nonzero(gathered[:, STALE])[0].tolist()
     if stale_ranks:
         raise RuntimeError(f"MoELayer: expert weights changed since the last refresh_replicas() on EP rank(s) "

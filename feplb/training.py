@@ -129,6 +129,10 @@ def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
     attached = _attached(opt)
     for layer in marked:
         layer.__dict__.pop("_averaged", None)    # the step's averaging is done with
+        # the steps taken of its experts, compared over the EP ranks in every forward (feplb.steps.read_counts): a
+        # torch.amp.GradScaler that skips a step on some ranks only (an overflow in one owner's expert gradients,
+        # which that rank alone sees, where the scaler is not attached) leaves the ranks scaling their losses apart
+        layer.__dict__["_opt_steps"] = layer.__dict__.get("_opt_steps", 0) + 1
         if layer not in attached:
             layer.replicas.stepped = True
 
@@ -274,6 +278,18 @@ class TrainingSteps:
         self.replicas.zero_grads()
         self.__dict__.pop("_averaged", None)
 
+    def _grads_dropped(self) -> bool:
+        """Whether the experts' gradients were dropped (``zero_grad(set_to_none=True)``: the model's, or an optimizer's
+        not attached to the layer) while this rank's per-step copies still hold their share of the backward those
+        came from: a backward the training loop discarded, whose copies' share the next reduction would add to the
+        next step's gradients. (After a backward every expert parameter holds a gradient, a zero one where no row
+        reached it; under Megatron's DistributedDataParallel they are in ``main_grad``, not told apart here, nor are
+        gradients zeroed in place.) Local; every forward."""
+        if not self.replicas.ever_held or self.replicas.grads_clean():
+            return False
+        own = [p for p in self.expert_params() if p.requires_grad]
+        return bool(own) and all(p.grad is None and not hasattr(p, "main_grad") for p in own)
+
     def _adopt(self, state) -> None:
         """Execute the slow decisions of ``state`` from now on (placement, @ema sets, EPLB replicas)."""
         if self.config.weights == "per-microbatch" and state is not None and state.resident:
@@ -345,7 +361,9 @@ class TrainingSteps:
                                "gradients it already divided; call it once per step, after the step's last backward "
                                "(with accelerate: under `if accelerator.sync_gradients:`, not after every backward "
                                "of an accumulation). (A step a GradScaler skipped, then gradients zeroed in place, "
-                               "looks the same: zero them with set_to_none=True, or call zero_replica_grads() after)")
+                               "looks the same where the scaler is not attached (attach_optimizer(optimizer, "
+                               "scaler=scaler)): zero them with set_to_none=True, or call zero_replica_grads() "
+                               "after)")
         self.reduce_replica_grads()
         ranks = self.world_size * (dist.get_world_size(data_parallel_group) if data_parallel_group is not None
                                    else 1)
@@ -406,7 +424,15 @@ class _ReducingScaler:
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         _reduce_attached(optimizer)
-        return super().step(optimizer, *args, **kwargs)
+        out = super().step(optimizer, *args, **kwargs)
+        # a step the scaler skipped (its inf check agreed over the group, _unscale_grads_) ends the step's averaging
+        # as a real step does (the optimizer's post-hook pops the mark there): else the next step's
+        # average_expert_grads, on gradients zeroed in place (the same tensors), was refused as a second call
+        state = self._per_optimizer_states.get(id(optimizer), {}) if self._enabled else {}
+        if any(bool(v.item()) for v in state.get("found_inf_per_device", {}).values()):
+            for lay in _attached(optimizer):
+                lay.__dict__.pop("_averaged", None)
+        return out
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:

@@ -1,0 +1,168 @@
+"""Training loops that go wrong between the EP ranks without any collective noticing, on 4 gloo ranks as 2 nodes x 2
+GPUs: each is refused on every rank at the next forward, or trains as plain EP does.
+
+* a ``torch.amp.GradScaler`` not passed to ``attach_optimizer``: an overflow in one rank's expert gradients (which
+  that rank alone sees) skips the step there only, and the ranks' loss scales part; every expert's gradient then sums
+  tokens scaled apart. Refused (the ranks' optimizer step counts differ). Passed, the skip is agreed and nothing
+  changes on any rank;
+* a step the attached scaler skipped, then gradients zeroed in place: the next step's ``average_expert_grads`` is no
+  second call (it was refused as one), and training equals plain EP's;
+* a backward discarded with ``model.zero_grad()`` while per-step expert copies hold their share of it (eager and
+  lazy replicas): refused until the copies' share is dropped too; then training equals plain EP's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from feplb.testing import error_bound, error_of, load_global_weights, run_dist
+
+pytestmark = pytest.mark.dist
+
+H, FF, E, K, W, G = 16, 24, 8, 2, 4, 2
+
+
+def _layer(policy: str, **kw):
+    from feplb import FEPLBConfig, MoELayer
+
+    gen = torch.Generator().manual_seed(3)
+    router = torch.randn(E, H, generator=gen) / H ** 0.5
+    router[:, 0] = 0.0
+    router[[0, 1], 0] = torch.tensor([4.0, 3.0])     # GPU 0's experts are hot: rows move
+    w1 = torch.randn(E, H, 2 * FF, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, FF, H, generator=gen) / FF ** 0.5
+    layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2, policy=policy,
+                                 min_straggler_rows=0, min_chunk=2, plan_wait_ms=60_000.0, **kw))
+    load_global_weights(layer, router, w1, w2)
+    return layer
+
+
+def _x(rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(48, H, generator=gen)
+    x[:, 0] = x[:, 0].abs() + 1.0
+    return x
+
+
+def _scaler_worker(rank, world):
+    res = {}
+    # 1. not attached: rank 0 sees an overflow in its experts' gradients, skips; the others step. Refused.
+    #    Attached: every rank skips, nothing changes; the next forward runs.
+    for attach in (False, True):
+        layer = _layer("none")
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        if attach:
+            layer.attach_optimizer(opt, scaler=scaler)
+        scaler.scale(layer(_x(rank, 0)).pow(2).mean()).backward()
+        if rank == 0:
+            layer.w1.grad.view(-1)[0] = float("inf")
+        before = layer.w1.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        res[f"attached={attach}"] = (torch.equal(layer.w1, before), scaler.get_scale(),
+                                     error_of(lambda layer=layer: layer(_x(rank, 1))))
+        layer.close()
+
+    # 2. attached scaler, average_expert_grads, gradients zeroed in place by the model, step 0 skipped (an overflow
+    #    on rank 1): the next step's average_expert_grads runs, and training equals plain EP's
+    finals, moved, errors = {}, 0, {}
+    for policy, kw in (("none", {}), ("feplb-split@ema", {"weights": "per-step"}),
+                       ("feplb-split", {"weights": "per-microbatch"})):
+        layer = _layer(policy, **kw)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        layer.attach_optimizer(opt, scaler=scaler)
+        try:
+            for step in range(3):
+                # (the model's zero_grad: an attached optimizer's would also end the step's averaging)
+                torch.nn.ModuleList([layer]).zero_grad(set_to_none=False)
+                for mb in range(2):
+                    scaler.scale(layer(_x(rank, 10 * step + mb)).pow(2).mean()).backward()
+                    moved += layer.last_stats.rows_moved if policy != "none" else 0
+                layer.average_expert_grads()
+                if step == 0 and rank == 1:
+                    layer.w2.grad.view(-1)[0] = float("nan")
+                scaler.step(opt)
+                scaler.update()
+            finals[policy] = (layer.w1.detach().clone(), layer.w2.detach().clone(), scaler.get_scale())
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            errors[policy] = f"{type(exc).__name__}: {exc}"
+        layer.close()
+    res["in_place"] = (finals, moved, errors)
+    return res
+
+
+def test_grad_scaler_loops():
+    res = run_dist(_scaler_worker, W, timeout_s=240, collective_timeout_s=60)
+    for r in range(W):
+        same, scale, err = res[r]["attached=False"]
+        assert same == (r == 0), (r, same)        # rank 0 skipped, the others stepped
+        assert scale == (128.0 if r == 0 else 256.0)
+        assert err is not None and "different numbers of times" in err and "attach_optimizer" in err, err
+        same, scale, err = res[r]["attached=True"]
+        assert same and scale == 128.0 and err is None, (r, same, scale, err)   # skipped everywhere
+
+        finals, moved, errors = res[r]["in_place"]
+        assert not errors, errors
+        ref = finals["none"]
+        assert ref[2] == 128.0, ref[2]      # one skip (agreed), no growth within 3 steps
+        for policy in ("feplb-split@ema", "feplb-split"):
+            got = finals[policy]
+            assert got[2] == ref[2], (policy, got[2], ref[2])
+            for a, b in zip(got[:2], ref[:2], strict=True):
+                _, bound = error_bound(b)
+                assert (a - b).abs().max().item() <= bound, (policy, r, (a - b).abs().max().item())
+    assert sum(res[r]["in_place"][1] for r in range(W)) > 0      # rows moved: balancing ran
+
+
+def _discard_worker(rank, world, policy, replicas):
+    res = {}
+    layers = {"bal": _layer(policy, weights="per-step", replicas=replicas), "ref": _layer("none")}
+    opts = {k: torch.optim.SGD(lay.parameters(), lr=0.1) for k, lay in layers.items()}
+    bal = layers["bal"]
+    with torch.no_grad():
+        bal(_x(rank, 99))
+    bal.refresh_replicas()
+    held = []
+    for step in range(3):
+        for k, lay in layers.items():
+            out = lay(_x(rank, step))
+            out.pow(2).mean().backward()
+            if step == 1:
+                # a loss spike the loop skips: the model's zero_grad, as torch tutorials write it
+                if k == "bal":
+                    held.append(not lay.replicas.grads_clean())
+                torch.nn.ModuleList([lay]).zero_grad()   # (a model's: it does not reach the layer's zero_grad)
+                continue
+            lay.reduce_replica_grads()
+            opts[k].step()
+            lay.refresh_replicas()
+            opts[k].zero_grad()
+        if step == 1:
+            res["refused"] = error_of(lambda: bal(_x(rank, 5)))
+            res["refused_again"] = error_of(lambda: bal(_x(rank, 5)))   # still there until dropped
+            bal.zero_replica_grads()
+    res["held"] = any(held)
+    res["moved"] = bal.last_stats.rows_moved
+    res["w"] = [(layers["bal"].w1.detach() - layers["ref"].w1.detach()).abs().max().item(),
+                error_bound(layers["ref"].w1.detach())[1],
+                (layers["bal"].w2.detach() - layers["ref"].w2.detach()).abs().max().item(),
+                error_bound(layers["ref"].w2.detach())[1]]
+    for lay in layers.values():
+        lay.close()
+    return res
+
+
+@pytest.mark.parametrize("policy,replicas", [("feplb-split@ema", "eager"), ("feplb@ema", "lazy")])
+def test_discarded_backward_with_per_step_copies(policy, replicas):
+    res = run_dist(_discard_worker, W, policy, replicas, timeout_s=240, collective_timeout_s=60)
+    assert any(r["held"] for r in res)          # some rank's copies held gradients of the discarded backward
+    for r in res:
+        assert r["refused"] is not None and "zero_replica_grads" in r["refused"] and "dropped" in r["refused"], \
+            r["refused"]
+        assert r["refused_again"] == r["refused"]
+        d1, b1, d2, b2 = r["w"]
+        assert d1 <= b1 and d2 <= b2, r["w"]     # after dropping them, the steps equal plain EP's
