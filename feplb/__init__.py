@@ -17,6 +17,7 @@ _LAZY = {
     "join_stats": "feplb.steps",
     "NonFiniteRoutingError": "feplb.steps",
     "ignore_experts_in_ddp": "feplb.layer",
+    "clip_grad_norm_": "feplb.dropin",
 }
 
 

@@ -783,6 +783,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             row = torch.zeros(2 + E, dtype=torch.int64)
         self.replicas.sync_requires()
         row[STALE] |= int(not self.replicas.fresh())
+        if row[STALE]:     # (2: an optimizer attached to the layer, whose step refreshed the copies, is not the cause)
+            row[STALE] |= 2 * int(bool(self.__dict__.get("_attached_to")))
         # (the header first, then the counts padded to the group's width: steps.read_counts)
         row = torch.cat([row[:2], torch.tensor([int(problem is not None), self.layer_id,
                                                 int(self.training) | int(torch.is_grad_enabled()) << 1

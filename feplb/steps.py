@@ -137,6 +137,15 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             "model), or attach the optimizer (attach_optimizer), whose zero_grad() then does it; then go on")
     stale_ranks = np.nonzero(gathered[:, STALE])[0].tolist()
     if stale_ranks:
+        if (gathered[stale_ranks, STALE] & 2).all():
+            # the attached optimizer's step refreshed the copies, and the weights changed after it
+            raise RuntimeError(
+                f"MoELayer: expert weights changed since the last refresh_replicas() on EP rank(s) {stale_ranks}, "
+                "after the step of the optimizer attached to the layer (which refreshes the copies): written after "
+                "it (copied back from fp32 master weights, loaded, set through .data?). Call "
+                "layer.refresh_replicas() after such a write (weights='per-step'); where it follows every step, "
+                "do not attach that optimizer: call layer.reduce_replica_grads() before its step and "
+                "layer.refresh_replicas() after the write")
         raise RuntimeError(f"MoELayer: expert weights changed since the last refresh_replicas() on EP rank(s) "
                            f"{stale_ranks}; call layer.refresh_replicas() after optimizer.step() "
                            "(weights='per-step'), or layer.attach_optimizer(optimizer) once")

@@ -248,6 +248,7 @@ class TrainingSteps:
         self._hooks += [optimizer.register_step_pre_hook(lambda opt, *_: self._reduce_in_step(opt)),
                         optimizer.register_step_post_hook(lambda *_: self.refresh_replicas())]
         _attach(optimizer, self)
+        self.__dict__.setdefault("_attached_to", weakref.WeakSet()).add(optimizer)
 
     def _reduce_in_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``reduce_replica_grads()`` from the step pre-hook. A GradScaler stepping a fused optimizer has set

@@ -6,9 +6,11 @@ GPUs: each is refused on every rank at the next forward, or trains as plain EP d
   tokens scaled apart. Refused (the ranks' optimizer step counts differ). Passed, the skip is agreed and nothing
   changes on any rank;
 * a step the attached scaler skipped, then gradients zeroed in place: the next step's ``average_expert_grads`` is no
-  second call (it was refused as one), and training equals plain EP's;
+  second call (it was refused as one), and training (clipped by ``feplb.clip_grad_norm_``) equals plain EP's;
 * a backward discarded with ``model.zero_grad()`` while per-step expert copies hold their share of it (eager and
-  lazy replicas): refused until the copies' share is dropped too; then training equals plain EP's.
+  lazy replicas): refused until the copies' share is dropped too; then training equals plain EP's;
+* expert weights written after the step of an optimizer attached to the layer (fp32 master weights copied back):
+  refused, naming the write after the attached step.
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ def _scaler_worker(rank, world):
 
     # 2. attached scaler, average_expert_grads, gradients zeroed in place by the model, step 0 skipped (an overflow
     #    on rank 1): the next step's average_expert_grads runs, and training equals plain EP's
-    finals, moved, errors = {}, 0, {}
+    import feplb
+
+    finals, moved, errors, norms = {}, 0, {}, {}
     for policy, kw in (("none", {}), ("feplb-split@ema", {"weights": "per-step"}),
                        ("feplb-split", {"weights": "per-microbatch"})):
         layer = _layer(policy, **kw)
@@ -85,6 +89,11 @@ def _scaler_worker(rank, world):
                 layer.average_expert_grads()
                 if step == 0 and rank == 1:
                     layer.w2.grad.view(-1)[0] = float("nan")
+                scaler.unscale_(opt)
+                # the replicated router averaged over the ranks, as DDP would (before clipping: its norm counts once)
+                torch.distributed.all_reduce(layer.router.weight.grad)
+                layer.router.weight.grad.div_(world)
+                norms.setdefault(policy, []).append(float(feplb.clip_grad_norm_(layer, 0.01)))
                 scaler.step(opt)
                 scaler.update()
             finals[policy] = (layer.w1.detach().clone(), layer.w2.detach().clone(), scaler.get_scale())
@@ -92,6 +101,7 @@ def _scaler_worker(rank, world):
             errors[policy] = f"{type(exc).__name__}: {exc}"
         layer.close()
     res["in_place"] = (finals, moved, errors)
+    res["norms"] = norms
     return res
 
 
@@ -107,6 +117,15 @@ def test_grad_scaler_loops():
 
         finals, moved, errors = res[r]["in_place"]
         assert not errors, errors
+        # feplb.clip_grad_norm_ on a bare layer: the whole group's norm, the per-step copies' share counted once
+        norms = res[r]["norms"]
+        assert {p: n[1:] for p, n in norms.items()} == {p: n[1:] for p, n in res[0]["norms"].items()}, (r, norms)
+        ref_norms = norms["none"]
+        # NaN on every rank at the skipped step (rank 1's NaN counts in the group's norm), then above max_norm
+        assert all(n[0] != n[0] for n in norms.values()) and all(n > 0.01 for n in ref_norms[1:]), norms
+        for policy in ("feplb-split@ema", "feplb-split"):
+            for a, b in zip(norms[policy][1:], ref_norms[1:], strict=True):
+                assert abs(a - b) <= 1e-5 * b, (policy, norms[policy], ref_norms)
         ref = finals["none"]
         assert ref[2] == 128.0, ref[2]      # one skip (agreed), no growth within 3 steps
         for policy in ("feplb-split@ema", "feplb-split"):
@@ -151,6 +170,14 @@ def _discard_worker(rank, world, policy, replicas):
                 error_bound(layers["ref"].w1.detach())[1],
                 (layers["bal"].w2.detach() - layers["ref"].w2.detach()).abs().max().item(),
                 error_bound(layers["ref"].w2.detach())[1]]
+    # fp32 master weights copied back after the step of an optimizer attached to the layer (which refreshed the
+    # copies in its step): refused, naming the write after the attached step, not asking to attach it
+    bal.attach_optimizer(opts["bal"])
+    bal(_x(rank, 7)).pow(2).mean().backward()
+    opts["bal"].step()
+    with torch.no_grad():
+        bal.w1.copy_(bal.w1.double().float())
+    res["written_after_attached_step"] = error_of(lambda: bal(_x(rank, 8)))
     for lay in layers.values():
         lay.close()
     return res
@@ -164,5 +191,7 @@ def test_discarded_backward_with_per_step_copies(policy, replicas):
         assert r["refused"] is not None and "zero_replica_grads" in r["refused"] and "dropped" in r["refused"], \
             r["refused"]
         assert r["refused_again"] == r["refused"]
+        err = r["written_after_attached_step"]
+        assert err is not None and "after the step of the optimizer attached to the layer" in err, err
         d1, b1, d2, b2 = r["w"]
         assert d1 <= b1 and d2 <= b2, r["w"]     # after dropping them, the steps equal plain EP's
