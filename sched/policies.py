@@ -20,9 +20,9 @@ Policies (``BASE[+place][@current|@ema]``, see ``parse_policy``):
   size): the lower bound for in-node, dynamic-only policies.
 * ``fastermoe``: FasterMoE's dynamic shadowing (He et al., PPoPP 2022; laekov/fastmoe ``shadow_policy.py``): the
   hottest experts, one at a time while FasterMoE's model of the iteration gets shorter (3x the busiest GPU's
-  forward GEMM for forward + backward, 4 all-to-all transfers of its rows, 2 weight transfers per shadowed expert:
-  broadcast and gradient reduction; times from ``cost``, i.e. the simulated expert shape), are broadcast to every
-  GPU and each source computes its own rows of them.
+  forward GEMM for forward + backward, 4 all-to-all transfers of its rows, one weight transfer per shadowed expert:
+  its ``send_model_time``, which leaves out the gradients' reduction; times from ``cost``, i.e. the simulated
+  expert shape), are broadcast to every GPU and each source computes its own rows of them.
 * ``eplb``: DeepSeek's EPLB: a full physical layout from the load history (``PolicyState``,
   ``feplb.sched.placement.eplb_layout``): equal slots per GPU, redundant slots to the heaviest experts, balanced
   packing, hierarchical or global; each expert's rows split evenly among its slots, dispatched straight to them.
@@ -472,6 +472,8 @@ def _fastermoe(policy: str, counts_WE: np.ndarray, n_E: np.ndarray, topo: Topolo
     # The rule takes them while the model's time drops, i.e. the longest prefix along which it falls: evaluated for
     # every prefix of a block at once (cumulative sums), blocks doubling until the time stops falling. A first
     # block of 16 holds what one iteration usually shadows (a second block costs as much as the first)
+    # (FasterMoE's loop also never reaches the last expert of its order of all E, a cold one unless every expert
+    # has rows: here every expert with rows may be shadowed)
     n_cand = min(E if max_shadow is None else max_shadow, int(np.count_nonzero(n_E)))
     order = np.argsort((n_E << bits) | rev_E)[::-1]
     shadow: list[int] = []
