@@ -105,7 +105,8 @@ class PlanResult:
 class Balancer:
     """The planner and copy threads of one layer.
 
-    plan_wait_s: grace after the static GEMM's end before giving up on the plan; None = wait for it (CPU default).
+    plan_wait_s: grace after the static GEMM's end before giving up on the plan; None = wait for it (CPU default,
+        and whenever ``torch.use_deterministic_algorithms(True)`` is on).
     device: the layer's device; on CUDA the copy thread makes it its current device (a new thread starts on
         device 0, whatever the main thread set).
     group_timeout_s: the control group's collective timeout (None: unknown). No wait for a plan lasts longer than
@@ -125,7 +126,12 @@ class Balancer:
         """Start planning; None when the planner is still busy with an earlier (late) plan: the micro-batch then
         computes at home at once instead of queueing behind it."""
         if self._planning is not None and not self._planning.done():
-            return None
+            if not torch.are_deterministic_algorithms_enabled():
+                return None
+            # reproducible runs: whether a micro-batch balances never depends on the planner's timing
+            concurrent.futures.wait([self._planning], timeout=self.cap_s)
+            if not self._planning.done():
+                return None
         self._planning = self.planner.submit(fn)
         return self._planning
 
@@ -141,7 +147,11 @@ class Balancer:
             future.add_done_callback(lambda _f: done.set())
             while not done.wait(_GPU_POLL_S) and not static_end():
                 pass
-        timeout = self.cap_s if self.plan_wait_s is None else min(self.plan_wait_s, self.cap_s)
+        # under torch.use_deterministic_algorithms(True), the plan is waited for, as on a CPU by default (no longer
+        # than the cap): a fallback decided by the clock changes the expert gradients' summation order from run to
+        # run (where rows are split, or per-step copies sum micro-batches), and lazy replicas' later plans
+        wait = self.plan_wait_s if not torch.are_deterministic_algorithms_enabled() else None
+        timeout = self.cap_s if wait is None else min(wait, self.cap_s)
         try:
             plan, plan_us = future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:

@@ -101,7 +101,9 @@ class FEPLBConfig:
         next to no precision: the owner's gradient is rounded to 16 bits anyway. No effect on fp32 weights.
     refresh_every: micro-batches between the policy state's slow refreshes (``@ema`` dynamic sets, EPLB replicas).
     plan_wait_ms: grace after the static GEMM before falling back to computing at home. None (default): on a
-        CPU, wait for the plan (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer). No
+        CPU, wait for the plan (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer). Under
+        ``torch.use_deterministic_algorithms(True)`` the plan is always waited for (run-to-run reproducibility:
+        where the clock decides which micro-batches balance, the expert gradients' summation order follows it). No
         wait lasts longer than half the EP group's collective timeout (nor than a minute): the peers wait for this
         rank meanwhile, and a stuck planner must make it compute at home, not make them time out.
     min_straggler_rows: balance only when the token straggler with every expert at its home is at least this many

@@ -38,7 +38,7 @@ from feplb.experts import (
 )
 from feplb.layout import Item, Phase2Layout, inverse, phase2_layout, weight_items, weight_sends
 from feplb.recopy import Recopy
-from feplb.steps import Counts, Split
+from feplb.steps import Counts, Split, _digest
 
 __all__ = ["Phase2", "Phase2Job", "dynamic_and_return", "hosted_gemm", "no_phase2", "start_phase2"]
 
@@ -177,17 +177,28 @@ def _phase2_job(layer, h_RD, counts: Counts, split: Split, local, state, plan_f,
             laid = _lay_out(layer, res.plan, counts, split, state, h_RD.dtype, h_RD.device)
         except Exception as exc:  # noqa: BLE001 - agreed below, then a fallback on every rank of the scope
             error = f"{type(exc).__name__}: {exc}"
+    # the plan's digest, and its negation: their minima over the scope are equal only where every rank laid out the
+    # same plan (made from the same counts and history, it is; a rank that planned otherwise, a bug or another
+    # version of the planner, would exchange rows the others do not expect)
+    digest = _digest(res.plan.fingerprint()) if laid is not None else 0
     with span(tl, "agree", "copy"):
         # readiness, success, and the lowest EP rank whose plan failed (the minimum of each)
         agreed = layer.control.all_reduce_min(
-            torch.tensor([int(laid is not None), int(error is None), layer.rank if error is not None else 1 << 62],
-                         dtype=torch.int64), layer._scope_group(state), "readiness agreement")
+            torch.tensor([int(laid is not None), int(error is None), layer.rank if error is not None else 1 << 62,
+                          digest, -digest], dtype=torch.int64), layer._scope_group(state), "readiness agreement")
     if int(agreed[1]) == 0:
         import warnings
 
         warnings.warn(f"MoELayer: the plan failed on EP rank {int(agreed[2])} of the {layer._scope_group(state)} "
                       f"({error or 'that rank warns why'}); this micro-batch computes at home", RuntimeWarning,
                       stacklevel=1)
+    elif int(agreed[0]) == 1 and int(agreed[3]) != -int(agreed[4]):
+        import warnings
+
+        warnings.warn(f"MoELayer: the ranks of the {layer._scope_group(state)} made different plans from the same "
+                      "counts (a planner bug, or different feplb versions on the ranks); this micro-batch computes "
+                      "at home", RuntimeWarning, stacklevel=1)
+        agreed[0] = 0
     if int(agreed[0]) == 0:
         return Phase2(result=res, fell_back=True, moves=(), layout=None, exchange=None, spec=(), pending=None,
                       copies=())

@@ -63,7 +63,9 @@ def apply_autotune_budget(spec: str | None = None) -> tuple[float, float] | None
     ``spec``, default the environment's :data:`AUTOTUNE_BUDGET_ENV`) instead of Triton's 25 + 100.
 
     Runs at import of feplb.kernels, so processes a test or benchmark spawns (they inherit the environment) are
-    time-boxed too. The choice gets noisier, never wrong: every config computes the same result. Unset, or
+    time-boxed too. The choice gets noisier, never wrong: every config computes the same result up to rounding (tiles
+    that split a reduction add it in another order; the winner, picked by timing per process, is not bitwise
+    reproducible from run to run, and ``torch.use_deterministic_algorithms`` does not reach it). Unset, or
     without Triton, or under the interpreter (which never tunes): no effect. Returns the budget applied.
     """
     budget = parse_autotune_budget(os.environ.get(AUTOTUNE_BUDGET_ENV) if spec is None else spec)

@@ -137,6 +137,35 @@ def _fault_worker(rank, world):
     res["failed_warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     res["failed_fell_back"] = failing.last_stats.fell_back
 
+    # A planner on rank 1 that makes another valid plan than its node's other rank (one row fewer in one move: a
+    # planner bug, or another feplb version there): the readiness agreement compares the plans' digests, and the
+    # node computes at home, both warning; outputs never change (the exchanges would otherwise read rows the other
+    # rank does not send)
+    diverging, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", min_straggler_rows=0)
+    if rank == 1:
+        import dataclasses
+
+        plan_fn = diverging._plan
+
+        def other(*args, **kwargs):
+            plan, us = plan_fn(*args, **kwargs)
+            moves = list(plan.moves)
+            i = next(i for i, m in enumerate(moves) if m.row_end - m.row_start >= 2)
+            m = moves[i]
+            moves[i] = m._replace(row_end=m.row_end - 1)
+            after = plan.loads_after_W.copy()
+            after[m.src] += 1
+            after[m.dst] -= 1
+            return dataclasses.replace(plan, moves=tuple(moves), loads_after_W=after), us
+
+        diverging._plan = other
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        res["diverged_same"] = torch.allclose(diverging(x), ref(x), rtol=1e-5, atol=1e-6)
+    res["diverged_warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    res["diverged_fell_back"] = diverging.last_stats.fell_back
+    diverging.close()
+
     # Receive capacity: too small with on_overflow="error" raises everywhere; "grow" grows and stays exact.
     small, _ = _layer(rank, world, 1, policy="feplb", recv_capacity=4, on_overflow="error", plan_wait_ms=60_000,
                       min_straggler_rows=0)
@@ -306,6 +335,9 @@ def test_faults_and_bad_input():
         if rank < 2:   # no second wait of plan_wait_ms (1 s) behind the busy planner
             assert res["busy_s"] < 0.8, res["busy_s"]
         assert res["failed_same"] and res["failed_fell_back"] == (rank < 2), (rank, res["failed_fell_back"])
+        assert res["diverged_same"] and res["diverged_fell_back"] == (rank < 2), (rank, res["diverged_fell_back"])
+        diverged = [w for w in res["diverged_warnings"] if "made different plans" in w]
+        assert len(diverged) == (rank < 2), (rank, res["diverged_warnings"])
         failed = [w for w in res["failed_warnings"] if "the plan failed" in w]
         if rank < 2:
             assert len(failed) == 1 and "on EP rank 1 of the node" in failed[0], (rank, res["failed_warnings"])

@@ -34,8 +34,9 @@ def _layer(policy: str, **kw):
     router[[0, 1], 0] = torch.tensor([4.0, 3.0])     # GPU 0's experts are hot: rows move
     w1 = torch.randn(E, H, 2 * FF, generator=gen) / H ** 0.5
     w2 = torch.randn(E, FF, H, generator=gen) / FF ** 0.5
+    kw.setdefault("plan_wait_ms", 60_000.0)
     layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2, policy=policy,
-                                 min_straggler_rows=0, min_chunk=2, plan_wait_ms=60_000.0, **kw))
+                                 min_straggler_rows=0, min_chunk=2, **kw))
     load_global_weights(layer, router, w1, w2)
     return layer
 
@@ -195,3 +196,43 @@ def test_discarded_backward_with_per_step_copies(policy, replicas):
         assert err is not None and "after the step of the optimizer attached to the layer" in err, err
         d1, b1, d2, b2 = r["w"]
         assert d1 <= b1 and d2 <= b2, r["w"]     # after dropping them, the steps equal plain EP's
+
+
+def _reproducible_worker(rank, world, deterministic):
+    import random
+    import time
+
+    torch.use_deterministic_algorithms(deterministic)
+    runs = []
+    for run in range(2):
+        # a planner whose time varies from plan to plan, beyond a 1 ms grace (a GPU's default grace is 0)
+        layer = _layer("feplb-split", weights="per-microbatch", plan_wait_ms=1.0)
+        plan_fn, rnd = layer._plan, random.Random(100 * run + rank)
+
+        def slow(*args, plan_fn=plan_fn, rnd=rnd, **kwargs):
+            time.sleep(rnd.choice((0.0, 0.03)))
+            return plan_fn(*args, **kwargs)
+
+        layer._plan = slow
+        fell_back = []
+        for mb in range(4):
+            layer(_x(rank, mb)).pow(2).mean().backward()
+            fell_back.append(layer.last_stats.fell_back)
+        runs.append((layer.w1.grad.clone(), layer.w2.grad.clone(), fell_back))
+        layer.close()
+    return runs
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_reproducible_under_deterministic_algorithms(deterministic):
+    """Under torch.use_deterministic_algorithms(True) the plan is always waited for: two runs whose planners take
+    different times give bitwise equal gradients, with no fallback. Without it, the clock decides (fallbacks)."""
+    res = run_dist(_reproducible_worker, W, deterministic, timeout_s=240, collective_timeout_s=60)
+    fallbacks = sum(f for r in res for run in r for f in run[2])
+    if deterministic:
+        assert fallbacks == 0
+        for r in res:
+            (a1, a2, _), (b1, b2, _) = r
+            assert torch.equal(a1, b1) and torch.equal(a2, b2)
+    else:
+        assert fallbacks > 0     # the grace is shorter than the planner: the clock decided
