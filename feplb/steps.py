@@ -103,7 +103,8 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             "its scale there only: the ranks then scale their losses apart, and every expert's gradient sums them. "
             "Pass the scaler to attach_optimizer(optimizer, scaler=scaler) (feplb.hf.attach_optimizer(model, "
             "optimizer, scaler) for a model), which agrees its inf check over the EP group, and step the optimizer "
-            "on every rank alike; this training run cannot go on from here")
+            "on every rank alike. The ranks' experts already differ in their steps: this layer refuses every forward "
+            "from here; rebuild the model (or restart the processes) and resume from a checkpoint")
     digests = gathered[:, DIGEST]
     if (digests != digests[0]).any():
         groups = {}

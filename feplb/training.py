@@ -283,10 +283,11 @@ class TrainingSteps:
         """Whether the experts' gradients were dropped (``zero_grad(set_to_none=True)``: the model's, or an optimizer's
         not attached to the layer) while this rank's per-step copies still hold their share of the backward those
         came from: a backward the training loop discarded, whose copies' share the next reduction would add to the
-        next step's gradients. (After a backward every expert parameter holds a gradient, a zero one where no row
-        reached it; under Megatron's DistributedDataParallel they are in ``main_grad``, not told apart here, nor are
-        gradients zeroed in place.) Local; every forward."""
-        if not self.replicas.ever_held or self.replicas.grads_clean():
+        next step's gradients. (After a backward every expert parameter the GEMMs read holds a gradient, a zero one
+        where no row reached it. Not told apart here: a ``+place`` bank, which the GEMMs read instead of the owners'
+        parameters, so that these get their gradients only at the reduction; Megatron's DistributedDataParallel,
+        which keeps them in ``main_grad``; gradients zeroed in place.) Local; every forward."""
+        if not self.replicas.ever_held or self.replicas.slot_bank is not None or self.replicas.grads_clean():
             return False
         own = [p for p in self.expert_params() if p.requires_grad]
         return bool(own) and all(p.grad is None and not hasattr(p, "main_grad") for p in own)
