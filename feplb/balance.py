@@ -121,6 +121,7 @@ class Balancer:
         self.copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-copy",
                                                             initializer=_copy_thread_init, initargs=(device,))
         self._planning: concurrent.futures.Future | None = None
+        self._waited_s = 0.0    # what submit_plan waited for an earlier plan (deterministic runs): off the cap
 
     def submit_plan(self, fn: Callable[[], tuple[Any, float]]) -> concurrent.futures.Future | None:
         """Start planning; None when the planner is still busy with an earlier (late) plan: the micro-batch then
@@ -128,10 +129,13 @@ class Balancer:
         if self._planning is not None and not self._planning.done():
             if not torch.are_deterministic_algorithms_enabled():
                 return None
-            # reproducible runs: whether a micro-batch balances never depends on the planner's timing
+            # reproducible runs: whether a micro-batch balances never depends on the planner's timing (this wait
+            # and the plan's share one cap: the peers wait in the readiness agreement meanwhile)
+            t0 = time.perf_counter()
             concurrent.futures.wait([self._planning], timeout=self.cap_s)
             if not self._planning.done():
                 return None
+            self._waited_s = time.perf_counter() - t0
         self._planning = self.planner.submit(fn)
         return self._planning
 
@@ -151,7 +155,8 @@ class Balancer:
         # than the cap): a fallback decided by the clock changes the expert gradients' summation order from run to
         # run (where rows are split, or per-step copies sum micro-batches), and lazy replicas' later plans
         wait = self.plan_wait_s if not torch.are_deterministic_algorithms_enabled() else None
-        timeout = self.cap_s if wait is None else min(wait, self.cap_s)
+        cap, self._waited_s = max(0.0, self.cap_s - self._waited_s), 0.0
+        timeout = cap if wait is None else min(wait, cap)
         try:
             plan, plan_us = future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:

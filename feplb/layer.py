@@ -774,23 +774,30 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # the per-step copies' owners changed since the copies were made: a sample of their bits, compared on the
         # device (no host sync of its own: it travels in the counts' copy to the host), or-ed with what the
         # optimizer step hook and the version counters tell
+        # (and the optimizer steps a GradScaler's fused optimizer skipped, counted on the device: in the same copy)
+        skips = self.__dict__.get("_opt_skips")
         if problem is None:
             changed = self.replicas.changed()
             counts = counts_S.to(torch.int64).reshape(-1)
             row = torch.cat([bad.to(torch.int64).reshape(1),
-                             counts.new_zeros(1) if changed is None else changed.to(counts.device), counts]).cpu()
+                             counts.new_zeros(1) if changed is None else changed.to(counts.device),
+                             counts.new_zeros(1) if skips is None else skips.to(counts.device), counts]).cpu()
         else:
-            row = torch.zeros(2 + E, dtype=torch.int64)
+            row = torch.cat([torch.zeros(2, dtype=torch.int64),
+                             torch.zeros(1, dtype=torch.int64) if skips is None else skips.cpu(),
+                             torch.zeros(E, dtype=torch.int64)])
         self.replicas.sync_requires()
         row[STALE] |= int(not self.replicas.fresh())
-        if row[STALE]:     # (2: an optimizer attached to the layer, whose step refreshed the copies, is not the cause)
+        if row[STALE] and not self.replicas.stepped:
+            # (2: an optimizer attached to the layer, whose step refreshed the copies, is not the cause)
             row[STALE] |= 2 * int(bool(self.__dict__.get("_attached_to")))
         # (the header first, then the counts padded to the group's width: steps.read_counts)
         row = torch.cat([row[:2], torch.tensor([int(problem is not None), self.layer_id,
                                                 int(self.training) | int(torch.is_grad_enabled()) << 1
                                                 | int(dispatched) << 2, self._slow_digest(),
-                                                self.__dict__.get("_opt_steps", 0), int(self._grads_dropped())]),
-                         row[2:],
+                                                self.__dict__.get("_opt_steps", 0) - int(row[2]),
+                                                int(self._grads_dropped())]),
+                         row[3:],
                          torch.zeros(_COUNTS_WIDTH[self._counts_key] - E, dtype=torch.int64)])
         gathered = self.control.all_gather(row, "all_gather of expert counts")
         if problem is not None:

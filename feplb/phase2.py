@@ -38,7 +38,7 @@ from feplb.experts import (
 )
 from feplb.layout import Item, Phase2Layout, inverse, phase2_layout, weight_items, weight_sends
 from feplb.recopy import Recopy
-from feplb.steps import Counts, Split, _digest
+from feplb.steps import Counts, Split, plan_digest
 
 __all__ = ["Phase2", "Phase2Job", "dynamic_and_return", "hosted_gemm", "no_phase2", "start_phase2"]
 
@@ -180,7 +180,7 @@ def _phase2_job(layer, h_RD, counts: Counts, split: Split, local, state, plan_f,
     # the plan's digest, and its negation: their minima over the scope are equal only where every rank laid out the
     # same plan (made from the same counts and history, it is; a rank that planned otherwise, a bug or another
     # version of the planner, would exchange rows the others do not expect)
-    digest = _digest(res.plan.fingerprint()) if laid is not None else 0
+    digest = plan_digest(res.plan) if laid is not None else 0
     with span(tl, "agree", "copy"):
         # readiness, success, and the lowest EP rank whose plan failed (the minimum of each)
         agreed = layer.control.all_reduce_min(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -160,9 +159,13 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
                   want_plan=bool(want))
 
 
-def _digest(obj: object) -> int:
-    """A process-independent 62-bit hash (Python's hash() of bytes is salted per process)."""
-    return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:8], "little") >> 2
+def plan_digest(plan) -> int:
+    """62 bits of what a plan makes the ranks exchange and compute (its moves, weight copies, dynamic sets and
+    loads), equal on every rank that made the same plan: Python's hash() of tuples of ints is not salted per
+    process, unlike its hash of strings and bytes. Cheap enough for every micro-batch: 5-12 us on a 64-GPU plan of
+    83 moves, where the sha256 of the whole fingerprint's repr took 208 us (this CPU)."""
+    return hash((plan.moves, plan.weight_copies, tuple(plan.dynamic_WD.ravel().tolist()),
+                 tuple(plan.loads_after_W.tolist()))) & ((1 << 62) - 1)
 
 
 def layer_stats(config: FEPLBConfig, counts: Counts, p2, plan, *, recv_grew: bool, experts_placed: int,
@@ -198,7 +201,7 @@ def layer_stats(config: FEPLBConfig, counts: Counts, p2, plan, *, recv_grew: boo
         rows_moved=sum(m.rows for m in p2.moves),
         copy_bytes=2 * row_bytes + w_bytes + p2.bank_bytes, weight_copies=len(p2.copies),
         plan_us=p2.result.plan_us, balanced=plan is not None, fell_back=p2.fell_back,
-        plan_fingerprint=_digest(plan.fingerprint()) if plan is not None else 0, recv_grew=recv_grew,
+        plan_fingerprint=plan_digest(plan) if plan is not None else 0, recv_grew=recv_grew,
         policy=config.policy, dynamic_WD=dyn.tolist(), experts_placed=experts_placed,
         rows_at_home_W=counts.loads_home_W.tolist(), counts_WE=counts.counts_WE.tolist(),
         row_bytes_moved=row_bytes, weight_bytes_moved=w_bytes, weight_bytes_in_W=w_in)

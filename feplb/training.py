@@ -127,12 +127,19 @@ def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
         marked += [layer for layer in watched if layer not in marked
                    and any((ext := where[id(p)][1]) is not None and ext[0] in stepped for p in layer.expert_params())]
     attached = _attached(opt)
+    # a fused optimizer a GradScaler steps is called even when the scaler found an inf: its kernel skips the update
+    # (found_inf, set on the optimizer for the call); counted as skipped on the device, no host sync here
+    found = getattr(opt, "found_inf", None)
+    skipped = (found.reshape(-1)[:1] > 0).to(torch.int64) if isinstance(found, torch.Tensor) else None
     for layer in marked:
         layer.__dict__.pop("_averaged", None)    # the step's averaging is done with
         # the steps taken of its experts, compared over the EP ranks in every forward (feplb.steps.read_counts): a
         # torch.amp.GradScaler that skips a step on some ranks only (an overflow in one owner's expert gradients,
         # which that rank alone sees, where the scaler is not attached) leaves the ranks scaling their losses apart
         layer.__dict__["_opt_steps"] = layer.__dict__.get("_opt_steps", 0) + 1
+        if skipped is not None:
+            before = layer.__dict__.get("_opt_skips")
+            layer.__dict__["_opt_skips"] = skipped.clone() if before is None else before + skipped.to(before.device)
         if layer not in attached:
             layer.replicas.stepped = True
 
@@ -287,7 +294,9 @@ class TrainingSteps:
         where no row reached it. Not told apart here: a ``+place`` bank, which the GEMMs read instead of the owners'
         parameters, so that these get their gradients only at the reduction; Megatron's DistributedDataParallel,
         which keeps them in ``main_grad``; gradients zeroed in place.) Local; every forward."""
-        if not self.replicas.ever_held or self.replicas.slot_bank is not None or self.replicas.grads_clean():
+        rep = self.replicas
+        # (only where this forward will add to the copies' gradients: an evaluation forward between is left alone)
+        if not rep.ever_held or rep.slot_bank is not None or not torch.is_grad_enabled() or rep.grads_clean():
             return False
         own = [p for p in self.expert_params() if p.requires_grad]
         return bool(own) and all(p.grad is None and not hasattr(p, "main_grad") for p in own)

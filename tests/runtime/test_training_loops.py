@@ -52,9 +52,10 @@ def _scaler_worker(rank, world):
     res = {}
     # 1. not attached: rank 0 sees an overflow in its experts' gradients, skips; the others step. Refused.
     #    Attached: every rank skips, nothing changes; the next forward runs.
-    for attach in (False, True):
+    #    A fused optimizer is stepped even then (its kernel skips the update): counted as skipped all the same.
+    for attach, fused in ((False, False), (True, False), (False, True)):
         layer = _layer("none")
-        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1, fused=fused)
         scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
         if attach:
             layer.attach_optimizer(opt, scaler=scaler)
@@ -65,7 +66,7 @@ def _scaler_worker(rank, world):
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-        res[f"attached={attach}"] = (torch.equal(layer.w1, before), scaler.get_scale(),
+        res[f"attached={attach}" + ("/fused" if fused else "")] = (torch.equal(layer.w1, before), scaler.get_scale(),
                                      error_of(lambda layer=layer: layer(_x(rank, 1))))
         layer.close()
 
@@ -109,10 +110,11 @@ def _scaler_worker(rank, world):
 def test_grad_scaler_loops():
     res = run_dist(_scaler_worker, W, timeout_s=240, collective_timeout_s=60)
     for r in range(W):
-        same, scale, err = res[r]["attached=False"]
-        assert same == (r == 0), (r, same)        # rank 0 skipped, the others stepped
-        assert scale == (128.0 if r == 0 else 256.0)
-        assert err is not None and "different numbers of times" in err and "attach_optimizer" in err, err
+        for case in ("attached=False", "attached=False/fused"):
+            same, scale, err = res[r][case]
+            assert same == (r == 0), (r, case, same)        # rank 0 skipped, the others stepped
+            assert scale == (128.0 if r == 0 else 256.0)
+            assert err is not None and "different numbers of times" in err and "attach_optimizer" in err, (case, err)
         same, scale, err = res[r]["attached=True"]
         assert same and scale == 128.0 and err is None, (r, same, scale, err)   # skipped everywhere
 
