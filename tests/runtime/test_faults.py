@@ -52,6 +52,16 @@ def _delay_next_plan(layer, seconds: float) -> None:
     layer._plan = slow
 
 
+def _warned_forward(layer, ref, x):
+    """(layer's output equals ref's, the RuntimeWarnings it gave, whether it fell back) of one forward."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        same = torch.allclose(layer(x), ref(x), rtol=1e-5, atol=1e-6)
+    return same, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], layer.last_stats.fell_back
+
+
 def _fault_worker(rank, world):
     from feplb import FEPLBConfig, MoELayer
 
@@ -129,13 +139,7 @@ def _fault_worker(rank, world):
             raise RuntimeError("injected planner failure")
 
         failing._plan = broken
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-        warnings.simplefilter("always")
-        res["failed_same"] = torch.allclose(failing(x), ref(x), rtol=1e-5, atol=1e-6)
-    res["failed_warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    res["failed_fell_back"] = failing.last_stats.fell_back
+    res["failed_same"], res["failed_warnings"], res["failed_fell_back"] = _warned_forward(failing, ref, x)
 
     # A planner on rank 1 that makes another valid plan than its node's other rank (one row fewer in one move: a
     # planner bug, or another feplb version there): the readiness agreement compares the plans' digests, and the
@@ -159,11 +163,7 @@ def _fault_worker(rank, world):
             return dataclasses.replace(plan, moves=tuple(moves), loads_after_W=after), us
 
         diverging._plan = other
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-        warnings.simplefilter("always")
-        res["diverged_same"] = torch.allclose(diverging(x), ref(x), rtol=1e-5, atol=1e-6)
-    res["diverged_warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    res["diverged_fell_back"] = diverging.last_stats.fell_back
+    res["diverged_same"], res["diverged_warnings"], res["diverged_fell_back"] = _warned_forward(diverging, ref, x)
     diverging.close()
 
     # Receive capacity: too small with on_overflow="error" raises everywhere; "grow" grows and stays exact.
