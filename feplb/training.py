@@ -238,9 +238,14 @@ class TrainingSteps:
         it, a scaler stepping a fused optimizer is refused (on every rank) when copies hold gradients; with a
         non-fused one nothing can tell, and ``reduce_replica_grads()`` must be called before ``unscale_``.
 
-        accelerate's ``AcceleratedOptimizer`` is taken for the torch optimizer it steps; another object that is no
+        accelerate's ``AcceleratedOptimizer`` is taken for the torch optimizer it steps, with its GradScaler when
+        ``scaler`` is not given; another object that is no
         ``torch.optim.Optimizer`` is refused, and so is an optimizer holding experts a drop-in's ``apply`` replaced
         (made before it: the experts would never train)."""
+        if scaler is None and type(optimizer).__name__ == "AcceleratedOptimizer":
+            # accelerate's prepared optimizer steps through its GradScaler (fp16): attached with it, or a step it
+            # skipped on one rank only would leave the others in this attachment's step collectives
+            scaler = getattr(optimizer, "scaler", None)
         optimizer = _torch_optimizer(optimizer)
         problem = _replaced_problem(optimizer)
         if problem is not None:

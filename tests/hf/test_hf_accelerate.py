@@ -62,7 +62,19 @@ def _loop(rank: int, world: int, mode: str) -> dict:
             opt.zero_grad()
     inner = acc.unwrap_model(model)
     full = inner.state_dict() if mode == "plain" else fh.full_state_dict(inner, rank0_only=False)
-    return {"params": {k: v.detach().clone() for k, v in full.items()}, "norms": norms}
+    out = {"params": {k: v.detach().clone() for k, v in full.items()}, "norms": norms}
+    if mode == "feplb":
+        # a prepared optimizer's GradScaler (accelerate makes one for fp16 on a GPU, none on a CPU: given here) is
+        # attached with it when attach_optimizer is given none
+        from accelerate.optimizer import AcceleratedOptimizer
+
+        from feplb.training import _ReducingScaler
+
+        scaled = AcceleratedOptimizer(torch.optim.SGD(inner.parameters(), lr=0.05), device_placement=False,
+                                      scaler=torch.amp.GradScaler("cpu"))
+        fh.attach_optimizer(inner, scaled)
+        out["scaler_attached"] = isinstance(scaled.scaler, _ReducingScaler)
+    return out
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -80,6 +92,7 @@ def test_accelerate_loop_trains_as_the_unmodified_model():
     # clipping acts at every step: a norm counted wrong changes the step
     assert len(plain[0]["norms"]) == STEPS and all(n > 0.5 for n in plain[0]["norms"]), plain[0]["norms"]
     for r in feplb:
+        assert r["scaler_attached"]
         assert _worst(r["params"], plain[0]["params"]) <= 1e-5, _worst(r["params"], plain[0]["params"])
         assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], plain[0]["norms"], strict=True)), \
             (r["norms"], plain[0]["norms"])
