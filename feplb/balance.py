@@ -121,7 +121,6 @@ class Balancer:
         self.copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="feplb-copy",
                                                             initializer=_copy_thread_init, initargs=(device,))
         self._planning: concurrent.futures.Future | None = None
-        self._waited_s = 0.0    # what submit_plan waited for an earlier plan (deterministic runs): off the cap
 
     def submit_plan(self, fn: Callable[[], tuple[Any, float]]) -> concurrent.futures.Future | None:
         """Start planning; None when the planner is still busy with an earlier (late) plan: the micro-batch then
@@ -135,8 +134,11 @@ class Balancer:
             concurrent.futures.wait([self._planning], timeout=self.cap_s)
             if not self._planning.done():
                 return None
-            self._waited_s = time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+        else:
+            waited = 0.0
         self._planning = self.planner.submit(fn)
+        self._planning.feplb_waited_s = waited   # (on the future: read by this plan's job alone, on the copy thread)
         return self._planning
 
     def wait_plan(self, future: concurrent.futures.Future | None, static_end: Callable[[], bool] | None,
@@ -146,6 +148,7 @@ class Balancer:
         deadline is ``plan_wait_s`` after now (None: wait for the plan)."""
         if future is None:
             return PlanResult(plan=None, plan_us=0.0, ready=0, error=None)
+        t0 = time.perf_counter()
         if static_end is not None:
             done = threading.Event()
             future.add_done_callback(lambda _f: done.set())
@@ -155,7 +158,8 @@ class Balancer:
         # than the cap): a fallback decided by the clock changes the expert gradients' summation order from run to
         # run (where rows are split, or per-step copies sum micro-batches), and lazy replicas' later plans
         wait = self.plan_wait_s if not torch.are_deterministic_algorithms_enabled() else None
-        cap, self._waited_s = max(0.0, self.cap_s - self._waited_s), 0.0
+        # (the cap bounds all of this plan's waits: for an earlier plan in submit_plan, for the static GEMM, here)
+        cap = max(0.0, self.cap_s - getattr(future, "feplb_waited_s", 0.0) - (time.perf_counter() - t0))
         timeout = cap if wait is None else min(wait, cap)
         try:
             plan, plan_us = future.result(timeout=timeout)

@@ -226,7 +226,8 @@ def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     replica gradients before it and refreshes the replicas after it (collective at every step). With a
     ``torch.amp.GradScaler``, pass it: its ``unscale_`` and ``step`` then reduce first, so the replicas' gradients
     are unscaled and checked for inf / NaN with the owners' (and :func:`clip_grad_norm_` after
-    ``scaler.unscale_`` sees them reduced). Clip with :func:`clip_grad_norm_` (it reduces first)."""
+    ``scaler.unscale_`` sees them reduced); accelerate's ``AcceleratedOptimizer`` brings its own when none is
+    given. Clip with :func:`clip_grad_norm_` (it reduces first)."""
     for m in experts_modules(model):
         m.attach_optimizer(optimizer, scaler)
 

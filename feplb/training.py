@@ -300,8 +300,10 @@ class TrainingSteps:
         parameters, so that these get their gradients only at the reduction; Megatron's DistributedDataParallel,
         which keeps them in ``main_grad``; gradients zeroed in place.) Local; every forward."""
         rep = self.replicas
-        # (only where this forward will add to the copies' gradients: an evaluation forward between is left alone)
-        if not rep.ever_held or rep.slot_bank is not None or not torch.is_grad_enabled() or rep.grads_clean():
+        # (an evaluation forward between is left alone; a training one without autograd is checked: a reentrant
+        # checkpoint's forward, whose recompute adds to the copies' gradients)
+        evaluation = not self.training and not torch.is_grad_enabled()
+        if not rep.ever_held or rep.slot_bank is not None or evaluation or rep.grads_clean():
             return False
         own = [p for p in self.expert_params() if p.requires_grad]
         return bool(own) and all(p.grad is None and not hasattr(p, "main_grad") for p in own)

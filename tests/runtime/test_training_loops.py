@@ -166,6 +166,14 @@ def _discard_worker(rank, world, policy, replicas):
         if step == 1:
             res["refused"] = error_of(lambda: bal(_x(rank, 5)))
             res["refused_again"] = error_of(lambda: bal(_x(rank, 5)))   # still there until dropped
+            # a reentrant checkpoint's forward (training mode, autograd off) is refused too; an evaluation pass is not
+            x5 = _x(rank, 5).requires_grad_(True)
+            res["refused_reentrant"] = error_of(
+                lambda x5=x5: torch.utils.checkpoint.checkpoint(bal, x5, use_reentrant=True))
+            bal.eval()
+            with torch.no_grad():
+                res["evaluation"] = error_of(lambda: bal(_x(rank, 5)))
+            bal.train()
             bal.zero_replica_grads()
     res["held"] = any(held)
     res["moved"] = bal.last_stats.rows_moved
@@ -193,7 +201,8 @@ def test_discarded_backward_with_per_step_copies(policy, replicas):
     for r in res:
         assert r["refused"] is not None and "zero_replica_grads" in r["refused"] and "dropped" in r["refused"], \
             r["refused"]
-        assert r["refused_again"] == r["refused"]
+        assert r["refused_again"] == r["refused"] and r["refused_reentrant"] == r["refused"]
+        assert r["evaluation"] is None, r["evaluation"]
         err = r["written_after_attached_step"]
         assert err is not None and "after the step of the optimizer attached to the layer" in err, err
         d1, b1, d2, b2 = r["w"]
