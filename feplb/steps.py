@@ -162,8 +162,8 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
 def plan_digest(plan) -> int:
     """62 bits of what a plan makes the ranks exchange and compute (its moves, weight copies, dynamic sets and
     loads), equal on every rank that made the same plan: Python's hash() of tuples of ints is not salted per
-    process, unlike its hash of strings and bytes. Cheap enough for every micro-batch: 5-12 us on a 64-GPU plan of
-    83 moves, where the sha256 of the whole fingerprint's repr took 208 us (this CPU)."""
+    process, unlike its hash of strings and bytes. Cheap enough for every micro-batch: no repr and no sha256 of the
+    whole fingerprint (``Plan.fingerprint``), whose cost grew with the plan's size."""
     return hash((plan.moves, plan.weight_copies, tuple(plan.dynamic_WD.ravel().tolist()),
                  tuple(plan.loads_after_W.tolist()))) & ((1 << 62) - 1)
 
