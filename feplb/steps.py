@@ -10,7 +10,7 @@ import torch
 from feplb.config import FEPLBConfig, LayerStats
 from feplb.layout import HomeLayout
 
-__all__ = ["Counts", "NonFiniteRoutingError", "Split", "layer_stats", "read_counts"]
+__all__ = ["Counts", "NonFiniteRoutingError", "Split", "layer_stats", "read_counts", "read_step", "step_row"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -58,6 +58,55 @@ class NonFiniteRoutingError(ValueError):
 # the group shares (layers of different E may meet in one all-gather when ranks run different layers)
 HEADER = ("flags", "stale", "problem", "layer", "calls", "digest", "steps", "dropped")
 FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, STEPS, DROPPED = range(len(HEADER))
+# The same row sent by a rank entering the step of an optimizer attached to layers of the group (``step_row``): its
+# LAYER is negative, so that a rank whose step was skipped (a GradScaler not attached with the optimizer, an overflow
+# it alone saw), already in the next forward's counts all-gather, meets it there and every rank raises together
+# instead of waiting in collectives the other side never runs.
+STEP_PROBLEM_UNATTACHED_SCALER = 1
+
+
+def step_row(layer_id: int, width: int, problem: int) -> torch.Tensor:
+    """The row a rank sends in the optimizer step's handshake (int64 [len(HEADER) + width]): LAYER ``-1 - layer_id``
+    (the first attached layer of the group), PROBLEM ``problem`` (``STEP_PROBLEM_*``, 0 for none)."""
+    row = torch.zeros(len(HEADER) + width, dtype=torch.int64)
+    row[LAYER] = -1 - layer_id
+    row[PROBLEM] = problem
+    return row
+
+
+def _step_skipped(forward: list[int], stepping: list[int]) -> str:
+    return (f"MoELayer: EP rank(s) {stepping} run the step of an optimizer attached to this layer while EP rank(s) "
+            f"{forward} went on to the next forward without it: the step was skipped on some ranks only, as a "
+            "torch.amp.GradScaler not attached with the optimizer does when an overflow in one rank's expert "
+            "gradients (which that rank alone sees) skips its step there. The step's collectives would never meet "
+            "the forward's; every rank stops here. Pass the scaler with the optimizer: attach_optimizer(optimizer, "
+            "scaler=scaler) (feplb.hf.attach_optimizer(model, optimizer, scaler) for a model), which agrees the "
+            "inf check over the EP group, and step the optimizer on every rank alike. The ranks' experts may "
+            "already differ in their steps: rebuild the model (or restart the processes) and resume from a "
+            "checkpoint")
+
+
+def read_step(gathered: np.ndarray) -> None:
+    """Read the optimizer step handshake's all-gathered rows (``step_row`` from ranks in the step, a forward's
+    counts row from a rank already in the next forward), raising on every rank together where the ranks are not all
+    in the same step or some rank's step is refused."""
+    layers = gathered[:, LAYER]
+    forward = np.nonzero(layers >= 0)[0].tolist()
+    if forward:
+        raise RuntimeError(_step_skipped(forward, np.nonzero(layers < 0)[0].tolist()))
+    if (layers != layers[0]).any():
+        raise RuntimeError(f"MoELayer: the EP ranks step optimizers attached to different layers first (the first "
+                           f"attached layer's number per EP rank: {(-1 - layers).tolist()}); attach the same "
+                           "optimizers to the same layers, in the same order, on every rank")
+    unattached = np.nonzero(gathered[:, PROBLEM] == STEP_PROBLEM_UNATTACHED_SCALER)[0].tolist()
+    if unattached:
+        raise RuntimeError(
+            f"MoELayer: a torch.amp.GradScaler not attached with the optimizer steps the optimizer attached to this "
+            f"layer on EP rank(s) {unattached}: it unscaled and checked the gradients before the per-step copies' "
+            "share was reduced into them (that share would be stepped scaled, its inf / NaN unseen), and a step it "
+            "skipped on one rank only would leave the others in this step's collectives. Pass it: "
+            "attach_optimizer(optimizer, scaler=scaler) (feplb.hf.attach_optimizer(model, optimizer, scaler) for a "
+            "model); nothing was stepped")
 
 
 def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float) -> Counts:
@@ -78,6 +127,8 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     W, L = slots_WS.shape
     E = W * L
     layers = gathered[:, LAYER]
+    if (layers < 0).any():      # ranks in an optimizer step this rank skipped (step_row)
+        raise RuntimeError(_step_skipped(np.nonzero(layers >= 0)[0].tolist(), np.nonzero(layers < 0)[0].tolist()))
     if (layers != layers[0]).any():
         raise RuntimeError(
             f"MoELayer: the EP ranks ran different MoE layers in one forward (layer number per EP rank: "

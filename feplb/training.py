@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import sys
 import weakref
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from feplb.replicas import state_digest
 from feplb.sharded import localize_state, track_optimizer
+from feplb.steps import STEP_PROBLEM_UNATTACHED_SCALER
 
 __all__ = ["TrainingSteps"]
 
@@ -235,8 +237,10 @@ class TrainingSteps:
         scaler: the ``torch.amp.GradScaler`` that steps ``optimizer``, if one does. Its ``unscale_(optimizer)`` and
         ``step(optimizer)`` then reduce the replica gradients first, so that they are unscaled and checked for
         inf / NaN with the owners' (a step hook runs too late: inside ``optimizer.step()``, after both). Without
-        it, a scaler stepping a fused optimizer is refused (on every rank) when copies hold gradients; with a
-        non-fused one nothing can tell, and ``reduce_replica_grads()`` must be called before ``unscale_``.
+        it, under a balancing policy, a scaler stepping the optimizer is refused at its first step, on every rank
+        (found in the step's callers; the step's handshake carries it). That handshake, the step's first
+        collective, is shaped like the forward's counts all-gather: a rank whose step was skipped (by the scaler,
+        or the loop) meets it in its next forward, and every rank raises together.
 
         accelerate's ``AcceleratedOptimizer`` is taken for the torch optimizer it steps, with its GradScaler when
         ``scaler`` is not given; another object that is no
@@ -257,10 +261,15 @@ class TrainingSteps:
             _reduce_before_unscale(scaler)
         if self in _attached(optimizer):
             return
+        _attach(optimizer, self)    # (first: its step handshake is the optimizer's first pre-hook)
         self._hooks += [optimizer.register_step_pre_hook(lambda opt, *_: self._reduce_in_step(opt)),
                         optimizer.register_step_post_hook(lambda *_: self.refresh_replicas())]
-        _attach(optimizer, self)
         self.__dict__.setdefault("_attached_to", weakref.WeakSet()).add(optimizer)
+
+    def _step_collective(self) -> bool:
+        """Whether the attached optimizer's step runs collectives of this layer (a balancing or placing policy
+        over several ranks: the replica gradients' reduction, the refresh and its agreements)."""
+        return self.world_size > 1 and (self.base != "none" or bool(self.place))
 
     def _reduce_in_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``reduce_replica_grads()`` from the step pre-hook. A GradScaler stepping a fused optimizer has set
@@ -424,8 +433,48 @@ def _attach(optimizer: torch.optim.Optimizer, layer: TrainingSteps) -> None:
         zero_grad.__doc__ = inner.__doc__
         optimizer._feplb_layers = refs
         optimizer.zero_grad = zero_grad
+        optimizer.register_step_pre_hook(lambda opt, *_: _step_handshake(opt))
     refs[:] = [r for r in refs if r() is not None] + [weakref.ref(layer)]
     track_optimizer(optimizer)     # its state_dict() shards the experts' state like their parameters
+
+
+def _step_handshake(optimizer: torch.optim.Optimizer) -> None:
+    """Before the step of an optimizer with attached layers whose step is collective: one handshake per EP group
+    (``MoELayer._step_handshake``), before any other collective of the step, carrying whether a GradScaler not
+    attached with it is stepping it. A rank whose step was skipped meets it in its next forward, and every rank
+    raises together instead of waiting in collectives the others never run."""
+    layers = [lay for lay in _attached(optimizer) if lay._step_collective()]
+    if not layers:
+        return
+    scaler = _stepping_scaler()
+    problem = STEP_PROBLEM_UNATTACHED_SCALER if (scaler is not None and scaler.is_enabled()
+                                                 and not isinstance(scaler, _ReducingScaler)) else 0
+    groups = []
+    try:
+        for lay in layers:     # (in the order attached: the same on every rank)
+            if not any(lay.group is g for g in groups):
+                groups.append(lay.group)
+                lay._step_handshake(problem)
+    except BaseException:
+        # a fused optimizer's GradScaler removes them only after a step; a retry would multiply the scale again
+        optimizer.__dict__.pop("grad_scale", None)
+        optimizer.__dict__.pop("found_inf", None)
+        raise
+
+
+def _stepping_scaler() -> torch.amp.GradScaler | None:
+    """The ``torch.amp.GradScaler`` whose ``step`` runs the optimizer step in progress (found in the callers'
+    frames: a scaler keeps no record of the optimizers it steps before it steps them), or None."""
+    frame = sys._getframe(1)
+    for _ in range(48):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code.co_name in ("step", "_maybe_opt_step"):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.amp.GradScaler):
+                return owner
+    return None
 
 
 class _ReducingScaler:

@@ -10,7 +10,11 @@ GPUs: each is refused on every rank at the next forward, or trains as plain EP d
 * a backward discarded with ``model.zero_grad()`` while per-step expert copies hold their share of it (eager and
   lazy replicas): refused until the copies' share is dropped too; then training equals plain EP's;
 * expert weights written after the step of an optimizer attached to the layer (fp32 master weights copied back):
-  refused, naming the write after the attached step.
+  refused, naming the write after the attached step;
+* an optimizer attached to balancing layers stepped on some ranks only (a GradScaler not attached with it, an
+  overflow one rank alone saw; or the loop's own condition): the ranks in the step and the one in the next forward
+  meet in the step's handshake and raise together, instead of stalling until the process group's timeout; a
+  GradScaler not attached with it is refused at its first step on every rank.
 """
 
 from __future__ import annotations
@@ -247,3 +251,61 @@ def test_reproducible_under_deterministic_algorithms(deterministic):
             assert torch.equal(a1, b1) and torch.equal(a2, b2)
     else:
         assert fallbacks > 0     # the grace is shorter than the planner: the clock decided
+
+
+def _partial_step_worker(rank, world, policy, weights):
+    res = {}
+    # two layers of one group, attached in the other order than the forward runs them: the step's handshake (on the
+    # first attached) meets the forward's first counts all-gather (of the other)
+    for case in ("scaler_overflow", "scaler_clean", "loop_condition", "attached_scaler"):
+        a, b = _layer(policy, weights=weights), _layer(policy, weights=weights)
+        opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=case != "loop_condition")
+        b.attach_optimizer(opt, scaler=scaler if case == "attached_scaler" else None)
+        a.attach_optimizer(opt, scaler=scaler if case == "attached_scaler" else None)
+        before = a.w1.detach().clone()
+        with torch.no_grad():
+            b(a(_x(rank, 99)))
+        a.refresh_replicas()
+        b.refresh_replicas()
+        scaler.scale(b(a(_x(rank, 0))).pow(2).mean()).backward()
+        if rank == 0 and case in ("scaler_overflow", "attached_scaler"):
+            a.w1.grad.view(-1)[0] = float("inf")
+
+        def step_then_forward(case=case, a=a, b=b, opt=opt, scaler=scaler):
+            if case == "loop_condition":
+                if rank != 2:          # a loss-spike skip on one rank only
+                    opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+            return b(a(_x(rank, 1)))
+
+        res[case] = (error_of(step_then_forward), torch.equal(a.w1, before))
+        a.close()
+        b.close()
+    return res
+
+
+@pytest.mark.parametrize("policy,weights", [("feplb-split@ema", "per-step"), ("feplb-split", "per-microbatch")])
+def test_step_on_some_ranks_only(policy, weights):
+    res = run_dist(_partial_step_worker, W, policy, weights, timeout_s=240, collective_timeout_s=60)
+    for r, got in enumerate(res):
+        # rank 0's step skipped (its own overflow, unseen by the others): every rank raises, rank 0 in its forward
+        err, same = got["scaler_overflow"]
+        assert err is not None and err.startswith("RuntimeError") and "skipped on some ranks only" in err, (r, err)
+        assert "EP rank(s) [1, 2, 3] run the step" in err and "attach_optimizer(optimizer, scaler=scaler)" in err
+        assert same, r          # nothing was stepped anywhere
+        # every rank steps, through a scaler not attached with the optimizer: refused before anything is stepped
+        err, same = got["scaler_clean"]
+        assert err is not None and "GradScaler not attached with the optimizer" in err and "[0, 1, 2, 3]" in err, \
+            (r, err)
+        assert same, r
+        # no scaler: the loop skips the step on rank 2
+        err, _ = got["loop_condition"]
+        assert err is not None and "EP rank(s) [0, 1, 3] run the step" in err and "EP rank(s) [2] went on" in err, \
+            (r, err)
+        # attached with the optimizer, the overflow skips the step on every rank and the next forward runs
+        err, same = got["attached_scaler"]
+        assert err is None and same, (r, err)
