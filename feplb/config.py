@@ -54,7 +54,9 @@ class FEPLBConfig:
         "external" (no router parameter: every forward takes ``routing=(topk_ids, topk_weights)``).
     router_bias: a per-expert bias buffer added to the scores for expert SELECTION only (auxiliary-loss-free
         balancing; it never enters the gate weights or the gradient).
-    gpus_per_node: G, GPUs of a node (the copy path's reach); divides the EP group size.
+    gpus_per_node: G, the EP group's ranks on one node, in the group's order (the copy path's reach): a node's GPU
+        count where the group spans whole nodes, the group's size where it lies within one node; divides the
+        EP group size.
     dyn: dynamic experts per GPU (clipped to E / W); policy: any ``feplb.sched`` policy name
         (``BASE[+place][@current|@ema]``), "none" = plain EP. ``+place`` computes experts where the placement from
         routing history puts them (weights='per-step' keeps a bank of the placed experts' weights on each GPU,

@@ -100,6 +100,14 @@ def _registered(group: dist.ProcessGroup) -> bool:
     return True
 
 
+def _smaller_group_hint(gpus_per_node: object, world: int) -> str:
+    """What to pass instead where ``gpus_per_node`` is a node's GPU count larger than the EP group."""
+    if isinstance(gpus_per_node, int) and not isinstance(gpus_per_node, bool) and gpus_per_node > world:
+        return (f" (it counts the EP group's ranks on one node, in the group's order: an EP group of {world} ranks "
+                f"within one node of {gpus_per_node} GPUs is gpus_per_node={world})")
+    return ""
+
+
 def _speaks_gloo(group: dist.ProcessGroup | None) -> bool:
     return "gloo" in str(dist.get_backend(group))
 
@@ -143,7 +151,7 @@ class Control:
         got = self.all_gather(torch.tensor([mine], dtype=torch.int64), "agreement on gpus_per_node")[:, 0].tolist()
         if not valid:
             raise ValueError(f"gpus_per_node must be a positive int dividing the EP group size ({world}), "
-                             f"got {gpus_per_node!r}")
+                             f"got {gpus_per_node!r}" + _smaller_group_hint(gpus_per_node, world))
         if len(set(got)) != 1:
             raise ValueError(f"gpus_per_node differs across the ranks of the EP group (per rank, -1 = invalid: "
                              f"{got}); every rank must pass the same value")

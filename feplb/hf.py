@@ -672,7 +672,8 @@ def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> di
     for name, mod in _candidates(model):
         why, cfg, _ = _module_config(mod, model, ep_size, blocks, name, config_overrides)
         if why is None and ep_size % cfg.gpus_per_node:
-            why = f"gpus_per_node={cfg.gpus_per_node} does not divide the EP group size {ep_size}"
+            why = f"gpus_per_node={cfg.gpus_per_node} does not divide the EP group size {ep_size}" + (
+                f" (an EP group within one node is gpus_per_node={ep_size})" if cfg.gpus_per_node > ep_size else "")
         out[name] = why
         if why is None:
             runnable.append((name, mod, cfg))

@@ -204,6 +204,8 @@ class FEPLBRoutedExperts(MoELayer, _TitanModule):
         made afresh outside a forward."""
         return self._joined if self._joined is not None else self._join()
 
+    @torch.compiler.disable(reason="FEPLB's forward plans on the host and runs its own collectives and threads: "
+                                   "it cannot be traced; compile torchtitan's blocks without fullgraph, or not at all")
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor,  # type: ignore[override]
                 topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor | None = None) -> torch.Tensor:

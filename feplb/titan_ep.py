@@ -127,8 +127,10 @@ class _Balanced:
         G = self.feplb_config.gpus_per_node
         if mesh is not None and mesh.size() % G:
             # (the same mesh and config on every rank: all raise)
+            hint = (f" (it counts the EP group's ranks on one node: an EP group of {mesh.size()} within one node of "
+                    f"{G} GPUs is gpus_per_node={mesh.size()})" if mesh.size() < G else "")
             raise ValueError(f"{type(self).__name__}: gpus_per_node={G} does not divide torchtitan's EP group "
-                             f"({mesh.size()} ranks); FEPLB balances over whole nodes of the EP group")
+                             f"({mesh.size()} ranks); FEPLB balances over whole nodes of the EP group" + hint)
         self._ep_mesh = mesh
 
     def __getstate__(self) -> dict:

@@ -88,6 +88,9 @@ def _control_cases(rank: int, world: int) -> dict:
     out["bad_gpn_one_rank"] = err is not None and err.startswith("ValueError") and (
         "must be a positive int dividing the EP group size (4), got 3" in err if rank == 1
         else "gpus_per_node differs across the ranks" in err)
+    # a node's GPU count larger than the EP group: the error says what to pass instead
+    err = error_of(lambda: Control(None, 8))
+    out["gpn_node_larger"] = err is not None and "got 8" in err and "is gpus_per_node=4)" in err
     err = error_of(lambda: Control(None, 4 if rank == 0 else 2))
     out["gpn_differs"] = err is not None and "gpus_per_node differs across the ranks" in err and "[4, 2, 2, 2]" in err
 

@@ -496,23 +496,19 @@ def _accum_case(rank: int, world: int) -> dict:
 
 def _dcp_case(rank: int, world: int) -> dict:
     """torchtitan's checkpoint path, as its ``CheckpointManager`` takes it: the model through its ``ModelWrapper``,
-    the optimizer's state through ``get_optimizer_state_dict`` flattened (as its ``OptimizersContainer``), one
-    ``dcp.save``; loaded by ``dcp.load`` into a MoE of other weights at another EP size (2 data-parallel replicas of
-    EP 2 on 4 ranks, EP 1 on one)."""
+    the optimizer as its ``OptimizersContainer`` (AdamW, attached to the layers: its flattened state, made by a
+    zero-lr step where none exists yet), one ``dcp.save``; loaded by ``dcp.load`` into a MoE of other weights at
+    another EP size (2 data-parallel replicas of EP 2 on 4 ranks, EP 1 on one)."""
     import tempfile
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torchtitan.components.checkpointer.base import ModelWrapper
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
 
     import feplb.titan as ft
 
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)
     gathered = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
     box = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(box)
@@ -520,9 +516,16 @@ def _dcp_case(rank: int, world: int) -> dict:
     def build(seed: int, group, ep: int):
         moe = make_moe("qwen3", seed=seed)
         ft.apply(moe, group=group, policy="feplb-split", gpus_per_node=min(2, ep), **OPTS)
-        opt = torch.optim.AdamW(moe.parameters(), lr=0.01)
+        cfg = OptimizersContainer.Config(
+            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 0.01})],
+            implementation="for-loop")
+        opt = OptimizersContainer(cfg, model_parts=[moe])
         ft.attach_optimizer(moe, opt)
         return moe, opt
+
+    def state(moe, opt):
+        return ft.full_state_dict(moe, rank0_only=False), get_optimizer_state_dict(moe, opt.optimizers,
+                                                                                    options=gathered)
 
     moe, opt = build(0, None, world)
     x, _, _ = _inputs(rank)
@@ -533,23 +536,21 @@ def _dcp_case(rank: int, world: int) -> dict:
             dist.all_reduce(p.grad)
     opt.step()
     opt.zero_grad()
-    dcp.save({"model": ModelWrapper(moe), "optim": get_optimizer_state_dict(moe, opt, options=flat)},
-             checkpoint_id=box[0])
-    want = ft.full_state_dict(moe, rank0_only=False), get_optimizer_state_dict(moe, opt, options=gathered)
+    dcp.save({"model": ModelWrapper(moe), "optimizer": opt}, checkpoint_id=box[0])
+    want = state(moe, opt)
     ep = max(1, world // 2)
     groups = [dist.new_group(list(range(i, i + ep))) for i in range(0, world, ep)]
     moe2, opt2 = build(1, groups[rank // ep], ep)
-    state = {"model": ModelWrapper(moe2), "optim": get_optimizer_state_dict(moe2, opt2, options=flat)}
-    dcp.load(state, checkpoint_id=box[0])
-    set_optimizer_state_dict(moe2, opt2, state["optim"], options=flat)
+    dcp.load({"model": ModelWrapper(moe2), "optimizer": opt2}, checkpoint_id=box[0])
     ft.refresh_replicas(moe2)
-    got = ft.full_state_dict(moe2, rank0_only=False), get_optimizer_state_dict(moe2, opt2, options=gathered)
+    got = state(moe2, opt2)
     moved = [k for k in want[1] if "inner_experts" in k and k.endswith("exp_avg")]
     return {"keys": [sorted(w) == sorted(g) for w, g in zip(want, got, strict=True)],
             "unequal": [k for w, g in zip(want, got, strict=True) for k in w
                         if isinstance(w[k], torch.Tensor) and not torch.equal(w[k], g[k])] +
                        [k for k in want[1] if not isinstance(want[1][k], torch.Tensor) and want[1][k] != got[1][k]],
-            "moments": moved, "moments_nonzero": all(bool(want[1][k].abs().sum() > 0) for k in moved)}
+            "moments": moved, "moments_nonzero": all(bool(want[1][k].abs().sum() > 0) for k in moved),
+            "forward": error_of(lambda: moe2(x))}
 
 
 def _records_case(rank: int, world: int) -> dict:
@@ -608,6 +609,35 @@ def _init_case(rank: int, world: int) -> dict:
     return out
 
 
+def _compile_case(rank: int, world: int) -> dict:
+    """torch.compile of the MoE as torchtitan compiles its blocks: without fullgraph, the compiled model's output
+    and gradients bit for bit the eager ones over two iterations (the experts run eager); with fullgraph (torchtitan's
+    default), refused, naming why."""
+    import feplb.titan as ft
+
+    moe = make_moe("deepseek")
+    ft.apply(moe, policy="feplb-split", gpus_per_node=min(2, world), dtype=torch.float32, **OPTS)
+    x, _, _ = _inputs(rank)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(50 + rank))
+
+    def run(model) -> list[torch.Tensor]:
+        xs = x.clone().requires_grad_()
+        y = model(xs)
+        y.backward(g)
+        got = [y.detach(), xs.grad] + [p.grad.clone() for p in moe.parameters()]
+        moe.zero_grad()
+        return got
+
+    ref = run(moe)
+    compiled = torch.compile(moe, backend="eager")
+    out = {"unequal": [i for it in range(2) for i, (a, b) in enumerate(zip(run(compiled), ref, strict=True))
+                       if not torch.equal(a, b)]}
+    torch._dynamo.reset()
+    out["fullgraph"] = error_of(lambda: torch.compile(moe, backend="eager", fullgraph=True)(x))
+    torch._dynamo.reset()
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     res = {"routed": {(p, mode, arch): _routed_case(rank, world, p, mode, arch) for p in POLICIES for mode in MODES
                       for arch in ("qwen3", "gpt_oss") if arch == "qwen3" or mode in ("fp32", "bf16")},
@@ -618,7 +648,8 @@ def _worker(rank: int, world: int) -> dict:
            "accum": _accum_case(rank, world),
            "dcp": _dcp_case(rank, world),
            "records": _records_case(rank, world),
-           "init": _init_case(rank, world)}
+           "init": _init_case(rank, world),
+           "compile": _compile_case(rank, world)}
     return res
 
 
@@ -762,6 +793,7 @@ def _assert_dcp(ranks: list[dict], world: int) -> None:
         assert case["keys"] == [True, True], f"rank {r}: {case}"
         assert not case["unequal"], f"rank {r}: loaded at another EP size, these differ: {case['unequal']}"
         assert len(case["moments"]) == 3 and case["moments_nonzero"], f"rank {r}: {case}"
+        assert case["forward"] is None, (r, case["forward"])    # the loaded model runs (its copies refreshed)
 
 
 def _assert_accum(ranks: list[dict], world: int) -> None:
@@ -793,9 +825,17 @@ def _assert_init(ranks: list[dict], world: int) -> None:
         assert case["forward"] is None, (r, case["forward"])
 
 
+def _assert_compile(ranks: list[dict], world: int) -> None:
+    for r, res in enumerate(ranks):
+        case = res["compile"]
+        assert not case["unequal"], (r, case["unequal"])
+        assert case["fullgraph"] is not None and "FEPLB's forward plans on the host" in case["fullgraph"], \
+            (r, case["fullgraph"])
+
+
 CHECKS = {"routed": _assert_routed, "moe": _assert_moe, "train": _assert_train, "scores": _assert_scores,
           "errors": _assert_errors, "accum": _assert_accum, "dcp": _assert_dcp, "records": _assert_records,
-          "init": _assert_init}
+          "init": _assert_init, "compile": _assert_compile}
 
 
 @pytest.mark.parametrize("check", CHECKS.values(), ids=CHECKS.keys())

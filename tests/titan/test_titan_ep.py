@@ -376,7 +376,10 @@ def _errors_case(rank: int) -> dict:
         indivisible = "no error"
     except Exception as e:   # noqa: BLE001 - the message is the result
         indivisible = f"{type(e).__name__}: {e}"
-    return {"differ": got, "engine": moe.routed_experts.inner_experts.engine is None, "indivisible": indivisible}
+    engine = moe.routed_experts.inner_experts.engine is None
+    # a node's GPU count larger than the EP group: the error says what to pass
+    larger = error_of(lambda: _build(_config(policy="feplb-split", gpus_per_node=8, **OPTS)).parallelize(pd))
+    return {"differ": got, "engine": engine, "indivisible": indivisible, "node_larger": larger}
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -475,6 +478,8 @@ def test_ranks_with_other_settings_raise_together(four_ranks):
         assert res["errors"]["engine"], r
         got = res["errors"]["indivisible"]
         assert got.startswith("ValueError") and "gpus_per_node=3 does not divide" in got, f"rank {r}: {got}"
+        got = res["errors"]["node_larger"]
+        assert got is not None and "gpus_per_node=8 does not divide" in got and "is gpus_per_node=4)" in got, (r, got)
 
 
 # ------------------------------------------------------------------------------------------- without processes
