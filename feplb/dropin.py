@@ -23,6 +23,8 @@ from torch import nn
 from feplb.experts import rebuilt_in_backward
 from feplb.layer import FEPLBConfig, MoELayer
 from feplb.sharded import expert_named_params, is_dtensor, local_state_dicts, track_optimizer
+from feplb.steps import ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_REDUCE, ENTRY_REFRESH
+from feplb.training import handshaken
 
 __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "zero_replica_grads", "average_expert_grads",
            "attach_optimizer", "clip_grad_norm_", "refresh_replicas", "full_state_dict", "set_state_dict_type",
@@ -195,8 +197,10 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 def reduce_replica_grads(model: nn.Module) -> None:
     """``reduce_replica_grads()`` of every FEPLB layer (collective): once per optimizer step, after the
     last backward and before gradient clipping and ``optimizer.step()``."""
-    for m in experts_modules(model):
-        m.reduce_replica_grads()
+    moes = experts_modules(model)
+    with handshaken(moes, ENTRY_REDUCE):
+        for m in moes:
+            m.reduce_replica_grads()
 
 
 def zero_replica_grads(model: nn.Module) -> None:
@@ -216,8 +220,10 @@ def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGrou
     by both sizes). Call it once per optimizer step, after the last backward and before clipping and
     ``optimizer.step()``, when the replicated parameters' gradients are averaged (FSDP's ``fully_shard`` and DDP
     do that) over the same ranks, so that the whole model follows the mean of the ranks' losses."""
-    for m in experts_modules(model):
-        m.average_expert_grads(data_parallel_group)
+    moes = experts_modules(model)
+    with handshaken(moes, ENTRY_AVERAGE, force=data_parallel_group is not None):
+        for m in moes:
+            m.average_expert_grads(data_parallel_group)
 
 
 def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -251,6 +257,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     if len(groups) != 1:
         raise ValueError("clip_grad_norm_: the model's FEPLB layers use different process groups; clip "
                          "each group's parameters yourself")
+    with handshaken(moes, ENTRY_CLIP, force=True):   # (its norm's all-reduce is collective under any policy)
+        return _clip_grad_norm(model, moes, max_norm, norm_type, error_if_nonfinite)
+
+
+def _clip_grad_norm(model: nn.Module, moes: list, max_norm: float, norm_type: float,
+                    error_if_nonfinite: bool) -> torch.Tensor:
     reduce_replica_grads(model)
     group = moes[0].group
     experts = expert_parameters(model)
@@ -306,8 +318,10 @@ def _by_device(ts: list[torch.Tensor]) -> dict:
 def refresh_replicas(model: nn.Module) -> None:
     """``refresh_replicas()`` of every FEPLB layer (collective): after every ``optimizer.step()`` and
     after any other change of the expert weights (loading a shard, say)."""
-    for m in experts_modules(model):
-        m.refresh_replicas()
+    moes = experts_modules(model)
+    with handshaken(moes, ENTRY_REFRESH):
+        for m in moes:
+            m.refresh_replicas()
 
 
 def set_state_dict_type(model: nn.Module, kind: str) -> None:

@@ -89,7 +89,7 @@ from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
 from feplb.recompute import Record, Records, checkpoint_frame, in_backward, record_kind
 from feplb.replicas import Placement, Replicas, state_fingerprint
 from feplb.sharded import ExpertShards, expert_named_params, register
-from feplb.steps import STALE, Counts, Split, layer_stats, read_counts, read_step, step_row
+from feplb.steps import ENTRIES, STALE, Counts, Split, layer_stats, read_counts, read_step, step_row
 from feplb.timeline import Timeline
 from feplb.training import (
     _LAYERS,
@@ -805,12 +805,13 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         return read_counts(gathered.numpy(), self.placement.slots_WS,
                            balance=self.base != "none" and self.world_size > 1, min_straggler=self._min_straggler)
 
-    def _step_handshake(self, problem: int) -> None:
-        """The first collective of an attached optimizer's step over this layer's group: an all-gather shaped like
-        the forward's counts (``feplb.steps.step_row``), so that a rank whose step was skipped, already in the next
-        forward's counts all-gather, meets it and every rank raises together (``read_step``, ``read_counts``)."""
-        row = step_row(self.layer_id, _COUNTS_WIDTH[self._counts_key], problem)
-        read_step(self.control.all_gather(row, "optimizer step handshake").numpy())
+    def _step_handshake(self, entry: int, problem: int = 0) -> None:
+        """The first collective of a call between a backward and the next forward over this layer's group
+        (``feplb.training.handshaken``): an all-gather shaped like the forward's counts (``feplb.steps.step_row``),
+        so that a rank that skipped the call, already in the next forward's counts all-gather, meets it and every
+        rank raises together (``read_step``, ``read_counts``)."""
+        row = step_row(self.layer_id, _COUNTS_WIDTH[self._counts_key], entry, problem)
+        read_step(self.control.all_gather(row, f"handshake of {ENTRIES[entry]}").numpy())
 
     # ------------------------------------------------------------------------------------------------ in node
     def _in_node(self, x_MD: torch.Tensor, counts: Counts, tl: Timeline | None,

@@ -99,6 +99,8 @@ from feplb.dropin import (
 from feplb.experts import checked_at_backward
 from feplb.layer import FEPLBConfig, MoELayer
 from feplb.recompute import in_backward
+from feplb.steps import ENTRY_REFRESH
+from feplb.training import handshaken
 
 __all__ = ["FEPLBExperts", "FEPLBSequentialMLP", "FEPLBTEGroupedMLP", "FEPLBGroupedMLP", "apply", "expert_parameters",
            "experts_modules", "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads",
@@ -278,6 +280,10 @@ class FEPLBExperts(MoELayer):
         return why
 
     def refresh_replicas(self) -> None:
+        with handshaken([self], ENTRY_REFRESH):   # (before the check's collective below)
+            self._check_then_refresh()
+
+    def _check_then_refresh(self) -> None:
         # Per-step copies read the weights now, right after the optimizer step. With forward pre-hooks on the
         # modules of the experts' parameters (Megatron's DDP with overlap_param_gather), the updated weights arrive
         # only in the next forward's hooks: the copies would be stale. Refused on every rank.

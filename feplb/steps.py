@@ -58,55 +58,75 @@ class NonFiniteRoutingError(ValueError):
 # the group shares (layers of different E may meet in one all-gather when ranks run different layers)
 HEADER = ("flags", "stale", "problem", "layer", "calls", "digest", "steps", "dropped")
 FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, STEPS, DROPPED = range(len(HEADER))
-# The same row sent by a rank entering the step of an optimizer attached to layers of the group (``step_row``): its
-# LAYER is negative, so that a rank whose step was skipped (a GradScaler not attached with the optimizer, an overflow
-# it alone saw), already in the next forward's counts all-gather, meets it there and every rank raises together
-# instead of waiting in collectives the other side never runs.
+# The same row sent by a rank entering one of the calls that run collectives between a backward and the next forward
+# (``step_row``: an attached optimizer's step, reduce_replica_grads, refresh_replicas, average_expert_grads,
+# clip_grad_norm_, an attached GradScaler's unscale_ and step): its LAYER is negative, so that a rank that skipped
+# the call (a GradScaler not attached with the optimizer skipping a step an overflow only that rank saw; the loop's
+# own condition), already in the next forward's counts all-gather, meets it there and every rank raises together
+# instead of waiting in collectives the others never run. Its CALLS field names the call (ENTRIES).
+ENTRIES = {1: "optimizer.step() of an optimizer attached to the layer", 2: "reduce_replica_grads()",
+           3: "refresh_replicas()", 4: "average_expert_grads()", 5: "feplb.clip_grad_norm_()",
+           6: "the unscale_() or step() of a GradScaler attached with the optimizer"}
+ENTRY_STEP, ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_SCALER = ENTRIES
 STEP_PROBLEM_UNATTACHED_SCALER = 1
 
 
-def step_row(layer_id: int, width: int, problem: int) -> torch.Tensor:
-    """The row a rank sends in the optimizer step's handshake (int64 [len(HEADER) + width]): LAYER ``-1 - layer_id``
-    (the first attached layer of the group), PROBLEM ``problem`` (``STEP_PROBLEM_*``, 0 for none)."""
+def step_row(layer_id: int, width: int, entry: int, problem: int = 0) -> torch.Tensor:
+    """The row a rank sends in the handshake of a call between a backward and the next forward (int64
+    [len(HEADER) + width]): LAYER ``-1 - layer_id``, CALLS the call (``ENTRIES``), PROBLEM ``problem``
+    (``STEP_PROBLEM_*``, 0 for none)."""
     row = torch.zeros(len(HEADER) + width, dtype=torch.int64)
     row[LAYER] = -1 - layer_id
+    row[CALLS] = entry
     row[PROBLEM] = problem
     return row
 
 
-def _step_skipped(forward: list[int], stepping: list[int]) -> str:
-    return (f"MoELayer: EP rank(s) {stepping} run the step of an optimizer attached to this layer while EP rank(s) "
-            f"{forward} went on to the next forward without it: the step was skipped on some ranks only, as a "
-            "torch.amp.GradScaler not attached with the optimizer does when an overflow in one rank's expert "
-            "gradients (which that rank alone sees) skips its step there. The step's collectives would never meet "
-            "the forward's; every rank stops here. Pass the scaler with the optimizer: attach_optimizer(optimizer, "
-            "scaler=scaler) (feplb.hf.attach_optimizer(model, optimizer, scaler) for a model), which agrees the "
-            "inf check over the EP group, and step the optimizer on every rank alike. The ranks' experts may "
-            "already differ in their steps: rebuild the model (or restart the processes) and resume from a "
-            "checkpoint")
+def _by_entry(gathered: np.ndarray, ranks: list[int]) -> str:
+    calls: dict[str, list[int]] = {}
+    for r in ranks:
+        calls.setdefault(ENTRIES.get(int(gathered[r, CALLS]), "?"), []).append(r)
+    return "; ".join(f"EP rank(s) {rs} in {what}" for what, rs in calls.items())
+
+
+def _skipped(gathered: np.ndarray) -> str:
+    layers = gathered[:, LAYER]
+    forward, calling = np.nonzero(layers >= 0)[0].tolist(), np.nonzero(layers < 0)[0].tolist()
+    return (f"MoELayer: {_by_entry(gathered, calling)}, while EP rank(s) {forward} went on to the next forward "
+            "without it: a part of the training step was skipped on some ranks only, as the loop's own condition "
+            "does, or a torch.amp.GradScaler not attached with the optimizer when an overflow in one rank's expert "
+            "gradients (which that rank alone sees) skips its step there. Their collectives would never meet; "
+            "every rank stops here. Run the same per-step calls on every rank; pass a scaler with the optimizer: "
+            "attach_optimizer(optimizer, scaler=scaler) (feplb.hf.attach_optimizer(model, optimizer, scaler) for "
+            "a model), which agrees its inf check over the EP group. The ranks' experts may already differ in "
+            "their steps: rebuild the model (or restart the processes) and resume from a checkpoint")
 
 
 def read_step(gathered: np.ndarray) -> None:
-    """Read the optimizer step handshake's all-gathered rows (``step_row`` from ranks in the step, a forward's
-    counts row from a rank already in the next forward), raising on every rank together where the ranks are not all
-    in the same step or some rank's step is refused."""
+    """Read a handshake's all-gathered rows (``step_row`` from ranks in a call between a backward and the next
+    forward, a forward's counts row from a rank already in the next forward), raising on every rank together where
+    the ranks are not all in the same call, or some rank's call is refused."""
     layers = gathered[:, LAYER]
-    forward = np.nonzero(layers >= 0)[0].tolist()
-    if forward:
-        raise RuntimeError(_step_skipped(forward, np.nonzero(layers < 0)[0].tolist()))
-    if (layers != layers[0]).any():
-        raise RuntimeError(f"MoELayer: the EP ranks step optimizers attached to different layers first (the first "
-                           f"attached layer's number per EP rank: {(-1 - layers).tolist()}); attach the same "
-                           "optimizers to the same layers, in the same order, on every rank")
+    if (layers >= 0).any():
+        raise RuntimeError(_skipped(gathered))
+    calls = gathered[:, CALLS]
+    if (calls != calls[0]).any() or (layers != layers[0]).any():
+        where = _by_entry(gathered, list(range(len(calls))))
+        raise RuntimeError(
+            f"MoELayer: the EP ranks are in different calls after the backward ({where}; the layer's number per "
+            f"EP rank: {(-1 - layers).tolist()}): a call skipped on some ranks only, or "
+            "optimizers attached to different layers. Run the same per-step calls on every rank, and attach the "
+            "same optimizers to the same layers, in the same order")
     unattached = np.nonzero(gathered[:, PROBLEM] == STEP_PROBLEM_UNATTACHED_SCALER)[0].tolist()
     if unattached:
         raise RuntimeError(
             f"MoELayer: a torch.amp.GradScaler not attached with the optimizer steps the optimizer attached to this "
-            f"layer on EP rank(s) {unattached}: it unscaled and checked the gradients before the per-step copies' "
-            "share was reduced into them (that share would be stepped scaled, its inf / NaN unseen), and a step it "
-            "skipped on one rank only would leave the others in this step's collectives. Pass it: "
+            f"layer on EP rank(s) {unattached}: its inf / NaN check is each rank's own, so a step it skips on one "
+            "rank only leaves the others in this step's collectives, and it unscales the gradients before the "
+            "per-step copies' share (weights='per-step') is reduced into them. Pass it: "
             "attach_optimizer(optimizer, scaler=scaler) (feplb.hf.attach_optimizer(model, optimizer, scaler) for a "
-            "model); nothing was stepped")
+            "model). Nothing was stepped, but the scaler has unscaled this step's gradients in place: after "
+            "attaching it, zero them and run the step again from its backward")
 
 
 def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float) -> Counts:
@@ -127,8 +147,8 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     W, L = slots_WS.shape
     E = W * L
     layers = gathered[:, LAYER]
-    if (layers < 0).any():      # ranks in an optimizer step this rank skipped (step_row)
-        raise RuntimeError(_step_skipped(np.nonzero(layers >= 0)[0].tolist(), np.nonzero(layers < 0)[0].tolist()))
+    if (layers < 0).any():      # ranks in a call between the backward and this forward that this rank skipped
+        raise RuntimeError(_skipped(gathered))
     if (layers != layers[0]).any():
         raise RuntimeError(
             f"MoELayer: the EP ranks ran different MoE layers in one forward (layer number per EP rank: "

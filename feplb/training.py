@@ -15,9 +15,12 @@ scaler unscales and checks them, and agrees on that check over the EP group.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import sys
+import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,9 +30,16 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from feplb.replicas import state_digest
 from feplb.sharded import localize_state, track_optimizer
-from feplb.steps import STEP_PROBLEM_UNATTACHED_SCALER
+from feplb.steps import (
+    ENTRY_AVERAGE,
+    ENTRY_REDUCE,
+    ENTRY_REFRESH,
+    ENTRY_SCALER,
+    ENTRY_STEP,
+    STEP_PROBLEM_UNATTACHED_SCALER,
+)
 
-__all__ = ["TrainingSteps"]
+__all__ = ["TrainingSteps", "handshaken"]
 
 # The live layers: one optimizer step hook for all of them, gone with them (a hook per layer stayed registered for
 # every layer never closed, and ran at every step of every optimizer).
@@ -190,6 +200,41 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 register_optimizer_step_post_hook(_stepped)
 register_optimizer_step_pre_hook(_stepping)
 
+# How deep this thread is inside calls that run collectives between a backward and the next forward: only the
+# outermost one handshakes (a model's clip_grad_norm_ reduces every layer's replica gradients inside its own).
+_CALLS = threading.local()
+
+
+@contextlib.contextmanager
+def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
+               problem: int = 0) -> Iterator[None]:
+    """Run the block as a call between a backward and the next forward (``feplb.steps.ENTRIES``): where it is the
+    outermost such call, it first handshakes once per EP group of ``layers`` (those over several ranks whose
+    per-step calls are collective, or all with ``force``: the call itself runs collectives over their groups), so
+    that a rank that skipped it, already in its next forward's counts all-gather, meets the others there and every
+    rank raises together (``MoELayer._step_handshake``), instead of waiting in collectives the others never run.
+    Covered: a rank whose next collective over the group is a FEPLB layer's forward or another of these calls. Not:
+    a collective of its own before (a caller's dispatch before ``forward_dispatched``), or layers over different
+    groups, where the ranks may still wait until the process group's timeout."""
+    if getattr(_CALLS, "depth", 0) == 0:
+        groups = []
+        for lay in layers:
+            if lay.world_size > 1 and (force or lay._step_collective()) and not any(lay.group is g for g in groups):
+                groups.append(lay.group)
+                lay._step_handshake(entry, problem)
+    with _inside():
+        yield
+
+
+@contextlib.contextmanager
+def _inside() -> Iterator[None]:
+    """A call nested in another (its handshake done, or none due: the hooks of one optimizer step)."""
+    _CALLS.depth = getattr(_CALLS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _CALLS.depth -= 1
+
 
 class TrainingSteps:
     """The layer's policy state (its history) and its methods around ``optimizer.step()`` (mixed into
@@ -263,13 +308,18 @@ class TrainingSteps:
             return
         _attach(optimizer, self)    # (first: its step handshake is the optimizer's first pre-hook)
         self._hooks += [optimizer.register_step_pre_hook(lambda opt, *_: self._reduce_in_step(opt)),
-                        optimizer.register_step_post_hook(lambda *_: self.refresh_replicas())]
+                        optimizer.register_step_post_hook(lambda *_: self._refresh_in_step())]
         self.__dict__.setdefault("_attached_to", weakref.WeakSet()).add(optimizer)
 
     def _step_collective(self) -> bool:
         """Whether the attached optimizer's step runs collectives of this layer (a balancing or placing policy
         over several ranks: the replica gradients' reduction, the refresh and its agreements)."""
         return self.world_size > 1 and (self.base != "none" or bool(self.place))
+
+    def _refresh_in_step(self) -> None:
+        """``refresh_replicas()`` from the step post-hook: the step's handshake ran in its pre-hook."""
+        with _inside():
+            self.refresh_replicas()
 
     def _reduce_in_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``reduce_replica_grads()`` from the step pre-hook. A GradScaler stepping a fused optimizer has set
@@ -336,6 +386,10 @@ class TrainingSteps:
         (``PolicyState.resident``); a plan copies every other weight it needs per micro-batch
         (``Plan.weight_copies``, executed as given). The copies lazy replicas held over the step are let go.
         """
+        with handshaken([self], ENTRY_REFRESH):
+            self._refresh_replicas()
+
+    def _refresh_replicas(self) -> None:
         self.__dict__.pop("_averaged", None)     # (after a step: the next average_expert_grads is the next step's)
         if self.replicas.ever_held:
             # Agreed over the group, so that no rank enters the refresh exchange while another raises.
@@ -356,7 +410,8 @@ class TrainingSteps:
         copies lazy replicas hold) to the owners' expert gradients (collective; weights='per-step'). Call once per
         optimizer step, after the last backward and before ``optimizer.step()`` (``attach_optimizer`` does it for
         you); a second call before the next backward finds nothing to add and sends nothing."""
-        self._reduce_replica_grads(None)
+        with handshaken([self], ENTRY_REDUCE):
+            self._reduce_replica_grads(None)
 
     def _reduce_replica_grads(self, refuse_held: str | None) -> None:
         if not self.replicas.ever_held:
@@ -382,6 +437,10 @@ class TrainingSteps:
         parameter still holds the gradient tensor the last call divided and no optimizer step (of any optimizer
         holding the experts), ``zero_replica_grads()`` (an attached optimizer's ``zero_grad()``, ``layer.zero_grad()``)
         or ``refresh_replicas()`` came between; zeroing with ``set_to_none=True`` makes new tensors."""
+        with handshaken([self], ENTRY_AVERAGE, force=data_parallel_group is not None):
+            self._average_expert_grads(data_parallel_group)
+
+    def _average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None) -> None:
         done = self.__dict__.get("_averaged")
         if done is not None and self._same_grads(done):
             raise RuntimeError("MoELayer.average_expert_grads: called again before the optimizer step, on the "
@@ -443,18 +502,17 @@ def _step_handshake(optimizer: torch.optim.Optimizer) -> None:
     (``MoELayer._step_handshake``), before any other collective of the step, carrying whether a GradScaler not
     attached with it is stepping it. A rank whose step was skipped meets it in its next forward, and every rank
     raises together instead of waiting in collectives the others never run."""
+    if getattr(_CALLS, "depth", 0):
+        return      # inside an attached GradScaler's step, which handshook
     layers = [lay for lay in _attached(optimizer) if lay._step_collective()]
     if not layers:
         return
     scaler = _stepping_scaler()
     problem = STEP_PROBLEM_UNATTACHED_SCALER if (scaler is not None and scaler.is_enabled()
                                                  and not isinstance(scaler, _ReducingScaler)) else 0
-    groups = []
     try:
-        for lay in layers:     # (in the order attached: the same on every rank)
-            if not any(lay.group is g for g in groups):
-                groups.append(lay.group)
-                lay._step_handshake(problem)
+        with handshaken(layers, ENTRY_STEP, problem=problem):   # (in the order attached: the same on every rank)
+            pass
     except BaseException:
         # a fused optimizer's GradScaler removes them only after a step; a retry would multiply the scale again
         optimizer.__dict__.pop("grad_scale", None)
@@ -486,12 +544,15 @@ class _ReducingScaler:
     again (attach the copy to use it so)."""
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        _reduce_attached(optimizer)
-        return super().unscale_(optimizer)
+        # (its inf check is collective over the attached layers' groups, plain EP's included)
+        with handshaken(_attached(optimizer), ENTRY_SCALER, force=True):
+            _reduce_attached(optimizer)
+            return super().unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        _reduce_attached(optimizer)
-        out = super().step(optimizer, *args, **kwargs)
+        with handshaken(_attached(optimizer), ENTRY_SCALER, force=True):
+            _reduce_attached(optimizer)
+            out = super().step(optimizer, *args, **kwargs)
         # a step the scaler skipped (its inf check agreed over the group, _unscale_grads_) ends the step's averaging
         # as a real step does (the optimizer's post-hook pops the mark there): else the next step's
         # average_expert_grads, on gradients zeroed in place (the same tensors), was refused as a second call

@@ -254,15 +254,22 @@ def test_reproducible_under_deterministic_algorithms(deterministic):
 
 
 def _partial_step_worker(rank, world, policy, weights):
+    import feplb
+
     res = {}
-    # two layers of one group, attached in the other order than the forward runs them: the step's handshake (on the
-    # first attached) meets the forward's first counts all-gather (of the other)
-    for case in ("scaler_overflow", "scaler_clean", "loop_condition", "attached_scaler"):
+    # two layers of one group, attached in the other order than the forward runs them: the handshake (on the first
+    # attached) meets the forward's first counts all-gather (of the other)
+    cases = ("scaler_overflow", "scaler_clean", "loop_condition", "attached_scaler_loop", "clip_then_step",
+             "reduce_skipped", "attached_scaler")
+    for case in cases:
         a, b = _layer(policy, weights=weights), _layer(policy, weights=weights)
-        opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
-        scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=case != "loop_condition")
-        b.attach_optimizer(opt, scaler=scaler if case == "attached_scaler" else None)
-        a.attach_optimizer(opt, scaler=scaler if case == "attached_scaler" else None)
+        model = torch.nn.ModuleList([a, b])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        attached = case in ("attached_scaler", "attached_scaler_loop")
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=case.startswith(("scaler", "attached")))
+        if case != "reduce_skipped":
+            b.attach_optimizer(opt, scaler=scaler if attached else None)
+            a.attach_optimizer(opt, scaler=scaler if attached else None)
         before = a.w1.detach().clone()
         with torch.no_grad():
             b(a(_x(rank, 99)))
@@ -272,10 +279,23 @@ def _partial_step_worker(rank, world, policy, weights):
         if rank == 0 and case in ("scaler_overflow", "attached_scaler"):
             a.w1.grad.view(-1)[0] = float("inf")
 
-        def step_then_forward(case=case, a=a, b=b, opt=opt, scaler=scaler):
-            if case == "loop_condition":
-                if rank != 2:          # a loss-spike skip on one rank only
-                    opt.step()
+        def step_then_forward(case=case, a=a, b=b, model=model, opt=opt, scaler=scaler):
+            if case in ("loop_condition", "attached_scaler_loop", "clip_then_step", "reduce_skipped") and rank == 2:
+                if case == "reduce_skipped":     # a loss-spike skip of reduce and step, then the loop's refresh
+                    a.refresh_replicas()
+                    b.refresh_replicas()
+                opt.zero_grad()
+                return b(a(_x(rank, 1)))        # a loss-spike skip on one rank only
+            if case == "clip_then_step":
+                feplb.clip_grad_norm_(model, 1.0)
+            if case == "reduce_skipped":
+                a.reduce_replica_grads()
+                b.reduce_replica_grads()
+                opt.step()
+                a.refresh_replicas()
+                b.refresh_replicas()
+            elif case in ("loop_condition", "clip_then_step"):
+                opt.step()
             else:
                 scaler.step(opt)
                 scaler.update()
@@ -291,21 +311,30 @@ def _partial_step_worker(rank, world, policy, weights):
 @pytest.mark.parametrize("policy,weights", [("feplb-split@ema", "per-step"), ("feplb-split", "per-microbatch")])
 def test_step_on_some_ranks_only(policy, weights):
     res = run_dist(_partial_step_worker, W, policy, weights, timeout_s=240, collective_timeout_s=60)
+    skipped = "a part of the training step was skipped on some ranks only"
     for r, got in enumerate(res):
         # rank 0's step skipped (its own overflow, unseen by the others): every rank raises, rank 0 in its forward
         err, same = got["scaler_overflow"]
-        assert err is not None and err.startswith("RuntimeError") and "skipped on some ranks only" in err, (r, err)
-        assert "EP rank(s) [1, 2, 3] run the step" in err and "attach_optimizer(optimizer, scaler=scaler)" in err
+        assert err is not None and err.startswith("RuntimeError") and skipped in err, (r, err)
+        assert "EP rank(s) [1, 2, 3] in optimizer.step() of an optimizer attached to the layer, while EP rank(s) " \
+               "[0] went on" in err and "attach_optimizer(optimizer, scaler=scaler)" in err, (r, err)
         assert same, r          # nothing was stepped anywhere
         # every rank steps, through a scaler not attached with the optimizer: refused before anything is stepped
         err, same = got["scaler_clean"]
         assert err is not None and "GradScaler not attached with the optimizer" in err and "[0, 1, 2, 3]" in err, \
             (r, err)
         assert same, r
-        # no scaler: the loop skips the step on rank 2
-        err, _ = got["loop_condition"]
-        assert err is not None and "EP rank(s) [0, 1, 3] run the step" in err and "EP rank(s) [2] went on" in err, \
-            (r, err)
+        # rank 2 skips: the optimizer's step (no scaler); an attached scaler's step; feplb.clip_grad_norm_ and the
+        # step; the reduction and the step, then refreshes as the others do after their step
+        for case, where in (("loop_condition", "optimizer.step()"), ("attached_scaler_loop", "GradScaler"),
+                            ("clip_then_step", "feplb.clip_grad_norm_()")):
+            err, _ = got[case]
+            assert err is not None and skipped in err and "while EP rank(s) [2] went on" in err, (r, case, err)
+            assert f"EP rank(s) [0, 1, 3] in {where}" in err or f"EP rank(s) [0, 1, 3] in the unscale_() or step() " \
+                f"of a {where}" in err, (r, case, err)
+        err, _ = got["reduce_skipped"]
+        assert err is not None and "different calls after the backward" in err and \
+            "EP rank(s) [0, 1, 3] in reduce_replica_grads(); EP rank(s) [2] in refresh_replicas()" in err, (r, err)
         # attached with the optimizer, the overflow skips the step on every rank and the next forward runs
         err, same = got["attached_scaler"]
         assert err is None and same, (r, err)
