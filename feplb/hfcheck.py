@@ -10,7 +10,8 @@ field at its default; parameters the initialisation leaves constant, such as gpt
 of a process group (balancing between two "GPUs" of a node, rows really moving), and compares the two on each rank's
 own input: logits, every expert shard's gradient (against the slice of the unmodified model's gradient summed over the
 ranks' inputs) and every other gradient (against the unmodified model's local one). Randomness inside the forward
-(router jitter, sampling routers such as PhiMoE's in training mode) is drawn from the same seed in both runs.
+(router jitter, sampling routers such as PhiMoE's in training mode) is drawn from the same seed in both runs, and the
+fp64 reference (for tensors whose fp32 rounding alone nears ``TOL``) is given the fp32 run's draws (``_Draws``).
 
 Each architecture ends in one of these outcomes (:class:`Outcome`):
 
@@ -278,6 +279,44 @@ def _run(model: torch.nn.Module, ids: torch.Tensor, seed: int) -> torch.Tensor:
     return y.detach()
 
 
+# The random-number ops a forward may call (torch functions and Tensor methods, by name)
+_RANDOM_OPS = frozenset({
+    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli", "multinomial",
+    "normal", "poisson", "exponential_", "uniform_", "normal_", "bernoulli_", "random_", "geometric_", "log_normal_",
+    "cauchy_"})
+
+
+class _Draws(torch.overrides.TorchFunctionMode):
+    """Record the random numbers a run draws (``replay=None``), or give a run in another dtype the ones another run
+    recorded, cast, in the order they were drawn (``replay``, a list of them): the fp64 reference of a forward that
+    samples (PhiMoE's router in training mode) then routes as the fp32 model did. ``matched`` turns False where the
+    replayed run draws otherwise (another op, count or shape): its result is then no reference."""
+
+    def __init__(self, replay: list[torch.Tensor] | None = None):
+        super().__init__()
+        self.drawn: list[torch.Tensor] = []
+        self.replay = None if replay is None else list(replay)
+        self.matched = True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", None) not in _RANDOM_OPS or not isinstance(out, torch.Tensor):
+            return out
+        if self.replay is None:
+            self.drawn.append(out.detach().clone())
+        elif not self.replay or self.replay[0].shape != out.shape:
+            self.matched = False
+        else:
+            with torch.no_grad():
+                out.copy_(self.replay.pop(0))
+        return out
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        if self.replay:    # draws the replayed run never made
+            self.matched = False
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = float(b.abs().max())
     diff = float((a.float() - b.float()).abs().max())
@@ -327,7 +366,8 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
     try:
         model = tiny_model(arch)
         ref = copy.deepcopy(model)
-        want = _run(ref, ids, seed)
+        with _Draws() as draws:
+            want = _run(ref, ids, seed)
         built = f"{type(model).__name__}"
         err = ""
     except Exception as e:  # the tiny-config recipe's limit: reported, never a FEPLB outcome
@@ -340,13 +380,15 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
                        in errs[0] else "not built", errs[0])
     # The same model in fp64, for tensors whose fp32 rounding alone nears TOL (see _close). It is a reference only
     # where it runs and its logits agree with the fp32 model's to fp32 rounding: a forward that draws random numbers
-    # (PhiMoE's router in training mode) draws other ones in fp64. Used on every rank or on none.
+    # (PhiMoE's router in training mode) is given the fp32 run's draws. Used on every rank or on none.
     try:
         ref64 = copy.deepcopy(model).double()
         if hasattr(ref64, "set_experts_implementation"):
             ref64.set_experts_implementation("eager")   # the default, torch._grouped_mm, has no fp64
-        want64, grads64 = _run(ref64, ids, seed), _grads(ref64)
-        if not _rel(want, want64) <= FP64_AGREES:
+        with _Draws(draws.drawn) as replayed:
+            want64 = _run(ref64, ids, seed)
+        grads64 = _grads(ref64)
+        if not replayed.matched or not _rel(want, want64) <= FP64_AGREES:
             want64, grads64 = None, {}
     except Exception:
         want64, grads64 = None, {}
