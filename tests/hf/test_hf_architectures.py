@@ -647,3 +647,33 @@ def test_ergo_in_bf16_with_its_fp32_norm_scales():
             # as close to fp32 as the unmodified bf16 module, and near it
             assert mine <= 1.25 * theirs + 1e-6 and between <= 1e-2, (k, mine, theirs, between)
             assert mine < 2e-2, (k, mine)
+
+
+def test_draws_replayed_into_the_fp64_reference():
+    """The fp64 reference of a sampling forward gets the fp32 run's draws, in order, cast; a replayed run that draws
+    otherwise (another shape, fewer or more draws) is no reference."""
+    from feplb.hfcheck import _Draws
+
+    def forward(dtype):
+        a = torch.rand(3, dtype=dtype)
+        b = torch.empty(2, 2, dtype=dtype).exponential_()
+        return a, b, torch.rand_like(b) > 0.5
+
+    torch.manual_seed(5)
+    with _Draws() as rec:
+        a32, b32, m32 = forward(torch.float32)
+    assert len(rec.drawn) == 3
+    torch.manual_seed(6)    # another seed: the replay, not the generator, decides
+    with _Draws(rec.drawn) as rep:
+        a64, b64, m64 = forward(torch.float64)
+    assert rep.matched and a64.dtype == torch.float64
+    assert torch.equal(a64, a32.double()) and torch.equal(b64, b32.double()) and torch.equal(m64, m32)
+    with _Draws(rec.drawn) as rep:
+        torch.rand(4, dtype=torch.float64)
+    assert not rep.matched                           # another shape
+    with _Draws(rec.drawn) as rep:
+        torch.rand(3, dtype=torch.float64)
+    assert not rep.matched                           # draws left over
+    with _Draws(rec.drawn[:1]) as rep:
+        forward(torch.float64)
+    assert not rep.matched                           # more draws than recorded
