@@ -176,11 +176,11 @@ def mark_replaced(module: nn.Module, api: str, name: str, keep: nn.Module | None
 
 # ---------------------------------------------------------------------------------------------------- helpers
 
-def experts_modules(model: nn.Module) -> list[MoELayer]:
+def experts_modules(model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> list[MoELayer]:
     """The model's FEPLB layers (``MoELayer``, which the adapters' experts modules are), in module order (each
-    once)."""
+    once). ``model`` may be a list of modules, as Megatron's virtual-pipeline chunks are."""
     seen, out = set(), []
-    for m in model.modules():
+    for m in (m for root in (model if isinstance(model, (list, tuple)) else [model]) for m in root.modules()):
         if isinstance(m, MoELayer) and id(m) not in seen:
             seen.add(id(m))
             out.append(m)

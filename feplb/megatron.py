@@ -29,8 +29,9 @@ own paths disagree are refused: a clamp under ``bias_activation_fusion``, whose 
 offset with the legacy GroupedMLP, which ignores both), padding to capacity
 (``moe_pad_expert_input_to_capacity``; behind Megatron's own token dispatcher it runs),
 fp8/fp4, latent projections, expert tensor parallelism and attention's without sequence parallelism (with it,
-each rank of a tensor-parallel group brings its own tokens, and FEPLB runs), overlapped shared experts or EP
-communication, delayed weight gradients, CUDA graphs, forward or backward hooks on the modules whose forward FEPLB
+each rank of a tensor-parallel group brings its own tokens, and FEPLB runs), overlapped EP communication, delayed
+weight gradients, CUDA graphs over the MoE layer (Transformer Engine's graphs of other parts only, such as
+``cuda_graph_scope=["attn"]``, run), forward or backward hooks on the modules whose forward FEPLB
 no longer runs (their forward pre-hooks it runs, with its whole input: Megatron's DDP waits there for the
 parameters' all-gather with ``overlap_param_gather``; one that returns new inputs is refused). The router's
 probabilities on the experts' inputs (``moe_apply_probs_on_input``) run as ``FEPLBConfig.gate_on_input``. Expert
@@ -46,8 +47,9 @@ together; one without MoE layers gets ``[]``.
 Weights travel per micro-batch by default (``weights="per-microbatch"``): the copies' gradients return inside the
 backward, where Megatron's ``DistributedDataParallel`` sees them (with or without ``overlap_grad_reduce``). With
 ``weights="per-step"`` and a policy that keeps copies of experts on other GPUs, ``overlap_grad_reduce`` and
-``overlap_param_gather`` must be off (the latter is refused) and, per optimizer step, :func:`reduce_replica_grads`
-run after the last backward and before Megatron reduces the gradients (``finish_grad_sync``, inside
+``overlap_param_gather`` must be off (both are refused: the former by :func:`reduce_replica_grads` given the
+DDP-wrapped model, as ``finalize_model_grads`` is) and, per optimizer step, :func:`reduce_replica_grads` run after
+the last backward and before Megatron reduces the gradients (``finish_grad_sync``, inside
 ``finalize_model_grads``), :func:`refresh_replicas` after ``optimizer.step()``. A forgotten :func:`refresh_replicas`
 is refused at the next forward on every rank, also under Megatron's distributed optimizer, whose weights change
 through DDP's flat buffers (docs/megatron.md).
@@ -91,11 +93,11 @@ from feplb.dropin import (
     hooks_problem,
     joined_for_forward,
     layer_config,
-    reduce_replica_grads,
     refresh_replicas,
     set_state_dict_type,
     zero_replica_grads,
 )
+from feplb.dropin import reduce_replica_grads as _reduce_replica_grads
 from feplb.experts import checked_at_backward
 from feplb.layer import FEPLBConfig, MoELayer
 from feplb.recompute import in_backward
@@ -620,6 +622,27 @@ _CONFIG_REFUSALS = (
 )
 
 
+# Transformer Engine's CUDA graphs of these parts only leave the MoE layer (router, dispatch, experts) eager
+_GRAPH_SCOPES_OUTSIDE_MOE = frozenset({"attn", "mlp", "mamba"})
+
+
+def _scopes(cfg: Any) -> list[str]:
+    scope = getattr(cfg, "cuda_graph_scope", None)
+    scope = [] if scope is None else scope if isinstance(scope, (list, tuple)) else [scope]
+    return [getattr(s, "name", s) for s in scope]
+
+
+def _graphs_leave_moe_out(cfg: Any) -> bool:
+    """Whether the config's CUDA graphs (Transformer Engine's, ``cuda_graph_impl="transformer_engine"``) capture
+    parts other than the MoE layer only (``cuda_graph_scope`` of attention, dense MLPs, Mamba): FEPLB's forward,
+    which plans on the CPU every micro-batch, then runs eagerly as in any run without graphs. An empty scope is the
+    whole layer; Megatron's own implementation (``"local"``) is refused whatever its scope."""
+    scopes = _scopes(cfg)
+    return getattr(cfg, "cuda_graph_impl", None) == "transformer_engine" and bool(scopes) and \
+        set(scopes) <= _GRAPH_SCOPES_OUTSIDE_MOE and not getattr(cfg, "enable_cuda_graph", False) and \
+        not getattr(cfg, "external_cuda_graph", False)
+
+
 # What FEPLB would lose of the expert modules it keeps but whose forward it does not run: forward hooks and backward
 # hooks. Their forward pre-hooks it runs (Megatron's DistributedDataParallel waits there for the parameters'
 # all-gather with overlap_param_gather); their state-dict hooks stay with them.
@@ -802,8 +825,11 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
                 "GroupedMLP"), {}, None
     for field, allowed, why in _CONFIG_REFUSALS:
         v = getattr(cfg, field, None)
+        if field == "cuda_graph_impl" and _graphs_leave_moe_out(cfg):
+            continue
         if v not in allowed and not (own and field in _OWN_DISPATCH_RUNS):
-            return f"{why} ({field}={v!r})", {}, None
+            return f"{why} ({field}={v!r}, cuda_graph_scope={_scopes(cfg)})" if field == "cuda_graph_impl" \
+                else f"{why} ({field}={v!r})", {}, None
     why, act_fields = _activation(cfg, kind)
     if why is not None:
         return why, {}, None
@@ -861,7 +887,7 @@ def _problem(moe: nn.Module, mc_experts, world: int, rank: int, dtype: torch.dty
 
 # ---------------------------------------------------------------------------------------------------- apply
 
-def apply(model: nn.Module, *, dtype: torch.dtype | None = None, token_dispatcher: str = "feplb",
+def apply(model: nn.Module | list[nn.Module], *, dtype: torch.dtype | None = None, token_dispatcher: str = "feplb",
           **config_overrides: Any) -> list[str]:
     """Replace the token dispatcher and experts of every Megatron-Core ``MoELayer`` of ``model``, in place, with
     FEPLB over the layer's own expert-parallel group, keeping this rank's experts (the same modules). Collective
@@ -879,8 +905,12 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, token_dispatche
         hidden, ffn, num_experts and top_k come from Megatron's config; the router is the model's own. The device
         defaults to the experts', ``weights`` to "per-microbatch" (see the module's docstring).
 
+    model: the model, or the list of its virtual-pipeline chunks (as Megatron's ``get_model`` returns them): pass
+        every chunk of this stage in one call (a chunk of dense layers on every stage is no error then; the names
+        returned start with the chunk's index).
+
     Returns the qualified names of the replaced experts modules ([] on a pipeline stage without MoE layers: call it
-    on every stage, or every virtual-pipeline chunk). Raises, on every rank together and before anything
+    on every stage). Raises, on every rank together and before anything
     is replaced: ValueError naming each MoE layer FEPLB cannot run exactly and why (see the module's docstring), or
     when the ranks' models differ; TypeError for an unknown or derived override; ImportError without
     Megatron-Core.
@@ -888,6 +918,8 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, token_dispatche
     if not dist.is_initialized():
         raise RuntimeError("feplb.megatron.apply needs torch.distributed initialised (and Megatron's parallel "
                            "state) first")
+    if isinstance(model, (list, tuple)):
+        model = nn.ModuleList(model)    # (the chunks' modules themselves, named by their index)
     mc_layer, mc_experts = _megatron()
     found = [(name, m) for name, m in model.named_modules()
              if isinstance(m, mc_layer.MoELayer) and not isinstance(m.experts, FEPLBExperts)]
@@ -967,6 +999,30 @@ def apply(model: nn.Module, *, dtype: torch.dtype | None = None, token_dispatche
         warnings.warn(f"feplb.megatron.apply: FEPLB's experts do not {' or '.join(ignored)}: the results are the same, "
                       "but their activations take the memory they take without these options", stacklevel=2)
     return [f"{name}.experts" if name else "experts" for name, _, _, _ in plans]
+
+
+def reduce_replica_grads(model: nn.Module | list[nn.Module]) -> None:
+    """``reduce_replica_grads()`` of every FEPLB layer of ``model`` (collective; the model, or the list of chunks
+    Megatron's ``finalize_model_grads`` is given): after a step's last backward, before Megatron reduces the
+    gradients. Refused, on every rank, where ``model`` holds a Megatron ``DistributedDataParallel`` with
+    ``overlap_grad_reduce`` around layers with per-step copies: it reduced their buckets during the backward, so
+    the copies' gradients would reach ``main_grad`` after the reduction (wrong expert gradients, no error). Given
+    the modules inside the wrappers, only a warning can say so (``FEPLBExperts.reduce_replica_grads``)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    roots = list(model) if isinstance(model, (list, tuple)) else [model]
+    overlapped = any(isinstance(m, DistributedDataParallel) and m.ddp_config.overlap_grad_reduce
+                     for root in roots for m in root.modules())
+    copies = [lay for lay in experts_modules(model)
+              if lay.config.weights == "per-step" and (lay.base != "none" or lay.place) and lay.world_size > 1]
+    if overlapped and copies:    # (the same config on every rank: all raise)
+        raise ValueError(
+            f"feplb.megatron.reduce_replica_grads: weights='per-step' (policy {copies[0].config.policy!r}) under "
+            "Megatron's DistributedDataParallel with overlap_grad_reduce=True: it reduces the experts' gradient "
+            "buckets during the backward, before this call can add the per-step copies' gradients to main_grad, "
+            "and they would be lost from the step. Use weights='per-microbatch' (the default, whose copies' "
+            "gradients return inside the backward), or overlap_grad_reduce=False")
+    _reduce_replica_grads(model)
 
 
 def _memory_options(config: Any) -> list[str]:

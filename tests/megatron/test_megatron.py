@@ -740,6 +740,49 @@ def _refusal_case(rank: int, world: int) -> dict:
     return out
 
 
+def _usage_case(rank: int, world: int) -> dict:
+    """Transformer Engine's CUDA graphs of the attention only leave the MoE layer eager: applied, and it runs; graphs
+    of the MoE layer (its router, or the whole layer), or Megatron's own implementation, refused. ``apply`` takes the
+    list of virtual-pipeline chunks, one of them dense. Per-step copies under Megatron's DDP with
+    ``overlap_grad_reduce``: refused on every rank by ``reduce_replica_grads`` given the DDP-wrapped chunk; given the
+    module inside, it warns (it cannot see the wrapper)."""
+    import warnings
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    import feplb.megatron as fm
+
+    out = {}
+    x, g = _inputs(rank)
+    for label, over in (("graph_attn", dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn"])),
+                        ("graph_router", dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe_router"])),
+                        ("graph_whole", dict(cuda_graph_impl="transformer_engine")),
+                        ("graph_local_attn", dict(cuda_graph_impl="local", cuda_graph_scope=["attn"]))):
+        moe = make_moe(**over)
+        out[label] = error_of(lambda m=moe: fm.apply(m, gpus_per_node=min(2, world), **OPTS))
+        if out[label] is None:
+            out[label + "/forward"] = error_of(lambda m=moe: m(x))
+    dense, moe = torch.nn.Sequential(torch.nn.Linear(H, H)), make_moe()
+    out["chunks"] = fm.apply([dense, moe], gpus_per_node=min(2, world), **OPTS)
+    out["chunks/forward"] = error_of(lambda: moe(x))
+    moe = make_moe()
+    fm.apply(moe, policy="feplb-split@ema", weights="per-step", gpus_per_node=min(2, world), **OPTS)
+    ddp = DistributedDataParallel(moe.config, DistributedDataParallelConfig(overlap_grad_reduce=True,
+                                                                            grad_reduce_in_fp32=True), moe)
+    ddp.zero_grad_buffer()
+    with torch.no_grad():
+        moe(x)
+    fm.refresh_replicas(moe)
+    ddp(x)[0].backward(g)
+    out["overlap"] = error_of(lambda: fm.reduce_replica_grads([ddp]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["overlap/inner"] = error_of(lambda: fm.reduce_replica_grads(moe))
+    out["overlap/warned"] = any("overlap_grad_reduce=False" in str(c.message) for c in caught)
+    ddp.finish_grad_sync()
+    return out
+
+
 def _job(rank: int, world: int) -> dict:
     _cpu_megatron(world)
     res = {}
@@ -842,6 +885,7 @@ def _job(rank: int, world: int) -> dict:
                                                                         "per-microbatch", True, **overlap)
     res["state"] = _state_case(rank, world)
     res["refusal"] = _refusal_case(rank, world)
+    res["usage"] = _usage_case(rank, world)
     return res
 
 
@@ -1608,6 +1652,21 @@ def test_refusals_on_every_rank(job):
         assert swap is not None and ("returned new inputs" in swap if rank == 0 else "EP rank(s) [0]" in swap), swap
         assert f["hook_in_backward"] is None, f["hook_in_backward"]
         assert f["hook_after_backward"] is not None
+
+
+def test_cuda_graphs_chunks_and_overlapped_grad_reduce(job):
+    world, res = job
+    for rank, r in enumerate(res):
+        u = r["usage"]
+        assert u["graph_attn"] is None and u["graph_attn/forward"] is None, u
+        for label in ("graph_router", "graph_whole", "graph_local_attn"):
+            assert u[label] is not None and u[label].startswith("ValueError") and "CUDA graphs" in u[label] and \
+                "cuda_graph_scope=" in u[label], (label, u[label])
+        assert u["chunks"] == ["1.experts"] and u["chunks/forward"] is None, u
+        if world > 1:
+            assert u["overlap"] is not None and u["overlap"].startswith("ValueError") and \
+                "overlap_grad_reduce=True" in u["overlap"], (rank, u["overlap"])
+            assert u["overlap/inner"] is None and u["overlap/warned"], (rank, u)
 
 
 def test_under_megatron_ddp_and_recompute(job):
