@@ -286,29 +286,61 @@ _RANDOM_OPS = frozenset({
     "cauchy_"})
 
 
+# Functions that draw inside (the mode sees them whole, not their draws): (name, argument index and default of
+# the probability or None, of the training flag or None)
+_OPAQUE_RANDOM = {"dropout": ((1, 0.5), (2, True)), "dropout1d": ((1, 0.5), (2, True)),
+                  "dropout2d": ((1, 0.5), (2, True)), "dropout3d": ((1, 0.5), (2, True)),
+                  "alpha_dropout": ((1, 0.5), (2, False)), "feature_alpha_dropout": ((1, 0.5), (2, False)),
+                  "dropout_": ((1, 0.5), (2, True)), "gumbel_softmax": (None, None),
+                  "rrelu": (None, (3, False)), "rrelu_": (None, (3, False))}
+
+
+def _draws_inside(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether the call ``name(*args, **kwargs)`` of an ``_OPAQUE_RANDOM`` function draws random numbers."""
+    prob, flag = _OPAQUE_RANDOM[name]
+
+    def arg(spec, names):
+        i, default = spec
+        for n in names:
+            if n in kwargs:
+                return kwargs[n]
+        return args[i] if len(args) > i else default
+
+    if flag is not None and not arg(flag, ("training", "train")):
+        return False
+    return prob is None or float(arg(prob, ("p",))) > 0
+
+
 class _Draws(torch.overrides.TorchFunctionMode):
     """Record the random numbers a run draws (``replay=None``), or give a run in another dtype the ones another run
-    recorded, cast, in the order they were drawn (``replay``, a list of them): the fp64 reference of a forward that
-    samples (PhiMoE's router in training mode) then routes as the fp32 model did. ``matched`` turns False where the
-    replayed run draws otherwise (another op, count or shape): its result is then no reference."""
+    recorded, cast, in the order they were drawn (``replay``, a list of (op, numbers)): the fp64 reference of a
+    forward that samples (PhiMoE's router in training mode) then routes as the fp32 model did. ``matched`` turns
+    False where the replayed run draws otherwise (another op, count or shape), and where either run calls a function
+    whose noise it cannot see (dropout with p > 0 in training, ``gumbel_softmax``, ``rrelu`` in training: the
+    numbers they draw inside are not theirs to replace): its result is then no reference."""
 
-    def __init__(self, replay: list[torch.Tensor] | None = None):
+    def __init__(self, replay: list[tuple[str, torch.Tensor]] | None = None):
         super().__init__()
-        self.drawn: list[torch.Tensor] = []
+        self.drawn: list[tuple[str, torch.Tensor]] = []
         self.replay = None if replay is None else list(replay)
         self.matched = True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if getattr(func, "__name__", None) not in _RANDOM_OPS or not isinstance(out, torch.Tensor):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", None)
+        if name in _OPAQUE_RANDOM and _draws_inside(name, args, kwargs):
+            self.matched = False
+            return out
+        if name not in _RANDOM_OPS or not isinstance(out, torch.Tensor):
             return out
         if self.replay is None:
-            self.drawn.append(out.detach().clone())
-        elif not self.replay or self.replay[0].shape != out.shape:
+            self.drawn.append((name, out.detach().clone()))
+        elif not self.replay or self.replay[0][0] != name or self.replay[0][1].shape != out.shape:
             self.matched = False
         else:
             with torch.no_grad():
-                out.copy_(self.replay.pop(0))
+                out.copy_(self.replay.pop(0)[1])
         return out
 
     def __exit__(self, *exc) -> None:

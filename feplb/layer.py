@@ -95,6 +95,7 @@ from feplb.training import (
     _LAYERS,
     TrainingSteps,
     _plain_scaler,  # noqa: F401 (named by GradScalers pickled when it lived here)
+    forward_began,
 )
 from feplb.transport import release_transport, shared_transport
 
@@ -799,6 +800,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                                                 int(self._grads_dropped())]),
                          row[3:],
                          torch.zeros(_COUNTS_WIDTH[self._counts_key] - E, dtype=torch.int64)])
+        forward_began(self.group)     # (its per-layer calls after the backward handshake again: training.handshaken)
         gathered = self.control.all_gather(row, "all_gather of expert counts")
         if problem is not None:
             raise problem[0](problem[1])

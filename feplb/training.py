@@ -203,6 +203,15 @@ register_optimizer_step_pre_hook(_stepping)
 # How deep this thread is inside calls that run collectives between a backward and the next forward: only the
 # outermost one handshakes (a model's clip_grad_norm_ reduces every layer's replica gradients inside its own).
 _CALLS = threading.local()
+# The per-layer calls a loop makes for every layer in turn (layer.reduce_replica_grads(), ...): handshaken once per
+# EP group until the group's next forward (forward_began), not once per layer. {id(group): entries}
+_PER_LAYER = (ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE)
+_SINCE_FORWARD: dict[int, set[int]] = {}
+
+
+def forward_began(group: Any) -> None:
+    """A forward of a layer over ``group`` began (its counts all-gather): its per-layer calls handshake again."""
+    _SINCE_FORWARD.pop(id(group), None)
 
 
 @contextlib.contextmanager
@@ -210,18 +219,26 @@ def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
                problem: int = 0) -> Iterator[None]:
     """Run the block as a call between a backward and the next forward (``feplb.steps.ENTRIES``): where it is the
     outermost such call, it first handshakes once per EP group of ``layers`` (those over several ranks whose
-    per-step calls are collective, or all with ``force``: the call itself runs collectives over their groups), so
+    per-step calls are collective, or all with ``force``: the call itself runs collectives over their groups; the
+    per-layer calls ``reduce_replica_grads``, ``refresh_replicas`` and ``average_expert_grads`` once per group
+    until its next forward, however many layers a loop calls them for), so
     that a rank that skipped it, already in its next forward's counts all-gather, meets the others there and every
     rank raises together (``MoELayer._step_handshake``), instead of waiting in collectives the others never run.
     Covered: a rank whose next collective over the group is a FEPLB layer's forward or another of these calls. Not:
-    a collective of its own before (a caller's dispatch before ``forward_dispatched``), or layers over different
-    groups, where the ranks may still wait until the process group's timeout."""
+    a collective of its own before (a caller's dispatch before ``forward_dispatched``, DDP's buffer broadcast at
+    the start of a forward, FSDP's all-gathers before the first FEPLB layer), a rank that skipped the backward
+    (the others wait in its exchanges), ranks outside the group (EP x DP's data-parallel peers), or layers over
+    different groups: there the ranks may still wait until the process group's timeout."""
     if getattr(_CALLS, "depth", 0) == 0:
         groups = []
         for lay in layers:
             if lay.world_size > 1 and (force or lay._step_collective()) and not any(lay.group is g for g in groups):
                 groups.append(lay.group)
+                done = _SINCE_FORWARD.setdefault(id(lay.group), set())
+                if entry in _PER_LAYER and entry in done:
+                    continue    # (this call of another layer of the group handshook since its last forward)
                 lay._step_handshake(entry, problem)
+                done.add(entry)
     with _inside():
         yield
 
@@ -517,6 +534,10 @@ def _step_handshake(optimizer: torch.optim.Optimizer) -> None:
         # a fused optimizer's GradScaler removes them only after a step; a retry would multiply the scale again
         optimizer.__dict__.pop("grad_scale", None)
         optimizer.__dict__.pop("found_inf", None)
+        if scaler is not None and scaler.is_enabled():
+            # nothing was stepped: the scaler's record of having unscaled this optimizer's gradients goes too, or a
+            # step redone from its backward would skip the unscaling and step scaled gradients
+            scaler._per_optimizer_states[id(optimizer)] = torch.amp.grad_scaler._refresh_per_optimizer_state()
         raise
 
 

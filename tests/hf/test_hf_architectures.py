@@ -109,7 +109,7 @@ def _defects(rank: int, world: int) -> dict:
         def slightly(self, hidden_states, top_k_index, top_k_weights):
             return original(self, hidden_states, top_k_index, top_k_weights) * (1 + 1e-4)
 
-        # PhiMoE's router draws random numbers in training mode (the fp64 model draws others: no reference there)
+        # PhiMoE's router draws random numbers in training mode (replayed into its fp64 reference: _Draws)
         fh.FEPLBExperts.forward = slightly
         out["slightly"] = hfcheck.check(["phimoe", "granitemoe"])
 
@@ -677,3 +677,19 @@ def test_draws_replayed_into_the_fp64_reference():
     with _Draws(rec.drawn[:1]) as rep:
         forward(torch.float64)
     assert not rep.matched                           # more draws than recorded
+    with _Draws(rec.drawn) as rep:
+        torch.randn(3, dtype=torch.float64)
+        torch.empty(2, 2, dtype=torch.float64).exponential_()
+        torch.rand(2, 2, dtype=torch.float64)
+    assert not rep.matched                           # another op (of the same shapes)
+    # functions that draw inside, whose noise the mode cannot replace: no reference where they draw
+    x = torch.randn(4, 4)
+    for fn, draws in ((lambda: torch.nn.functional.dropout(x, 0.5, True), True),
+                      (lambda: torch.nn.functional.dropout(x, p=0.0, training=True), False),
+                      (lambda: torch.nn.functional.dropout(x, 0.5, training=False), False),
+                      (lambda: torch.nn.functional.gumbel_softmax(x), True),
+                      (lambda: torch.nn.functional.rrelu(x, training=True), True),
+                      (lambda: torch.nn.functional.rrelu(x), False)):
+        with _Draws() as rec:
+            fn()
+        assert rec.matched == (not draws), (fn, draws)

@@ -303,8 +303,33 @@ def _partial_step_worker(rank, world, policy, weights):
             return b(a(_x(rank, 1)))
 
         res[case] = (error_of(step_then_forward), torch.equal(a.w1, before))
+        if case == "scaler_clean":
+            # as the refusal says: attach the scaler, zero the gradients, run the step again from its backward; the
+            # same as a loop attached from the start (the scaler's record of its refused step gone with it)
+            b.attach_optimizer(opt, scaler=scaler)
+            a.attach_optimizer(opt, scaler=scaler)
+            opt.zero_grad()
+            scaler.scale(b(a(_x(rank, 0))).pow(2).mean()).backward()
+            res["retry"] = error_of(lambda scaler=scaler, opt=opt: (scaler.step(opt), scaler.update()))
+            res["retry_w"] = a.w1.detach().clone()
         a.close()
         b.close()
+    # the reference of the retry: attached from the start, one step on the same batch
+    a, b = _layer(policy, weights=weights), _layer(policy, weights=weights)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    b.attach_optimizer(opt, scaler=scaler)
+    a.attach_optimizer(opt, scaler=scaler)
+    with torch.no_grad():
+        b(a(_x(rank, 99)))
+    a.refresh_replicas()
+    b.refresh_replicas()
+    scaler.scale(b(a(_x(rank, 0))).pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    res["fresh_w"] = a.w1.detach().clone()
+    a.close()
+    b.close()
     return res
 
 
@@ -338,3 +363,7 @@ def test_step_on_some_ranks_only(policy, weights):
         # attached with the optimizer, the overflow skips the step on every rank and the next forward runs
         err, same = got["attached_scaler"]
         assert err is None and same, (r, err)
+        # the retry after the refusal steps as a loop attached from the start
+        assert got["retry"] is None, (r, got["retry"])
+        diff = (got["retry_w"] - got["fresh_w"]).abs().max().item()
+        assert diff <= error_bound(got["fresh_w"])[1], (r, diff)
