@@ -793,6 +793,24 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     return [name for name, _ in plans]
 
 
+def _holds_shards(model: nn.Module | None, state_dict: dict) -> bool:
+    """Whether ``state_dict`` holds some FEPLB layer's expert entry as this rank's shard (a plain tensor of the
+    shard's shape: ``set_state_dict_type(model, "local")``) where the whole model's tensor goes."""
+    if model is None:
+        return False
+    from feplb.dropin import _state_dict_name
+    from feplb.sharded import expert_named_params
+
+    for name, m in model.named_modules():
+        if isinstance(m, MoELayer) and m.world_size > 1:
+            prefix = _state_dict_name(name) + "." if name else ""
+            for pname, _ in expert_named_params(m):
+                whole, got = m.whole_shape(pname), state_dict.get(prefix + pname)
+                if whole is not None and isinstance(got, torch.Tensor) and got.shape != whole:
+                    return True
+    return False
+
+
 def saves_full_only(model: nn.Module) -> bool:
     """Make ``model.save_pretrained`` (and ``push_to_hub``, which calls it) refuse, before it writes anything, a
     call without a ``state_dict`` or with one holding the expert shards as DTensors: each rank holds its own
@@ -810,6 +828,7 @@ def saves_full_only(model: nn.Module) -> bool:
     if getattr(inner, "_feplb_full_only", False):
         return True
     cls, call = type(model).__name__, _weak_method(model, inner)
+    model_ref = weakref.ref(model)
     try:
         signature = inspect.signature(inner)
     except (TypeError, ValueError):
@@ -822,7 +841,8 @@ def saves_full_only(model: nn.Module) -> bool:
                 state_dict = signature.bind(*args, **kwargs).arguments.get("state_dict")
             except TypeError:
                 return call(*args, **kwargs)   # (its own error for wrong arguments)
-        sharded = state_dict is not None and any(is_dtensor(v) for v in state_dict.values())
+        sharded = state_dict is not None and (any(is_dtensor(v) for v in state_dict.values())
+                                              or _holds_shards(model_ref(), state_dict))
         if state_dict is None or sharded:
             raise ValueError(
                 f"{cls}.save_pretrained with FEPLB experts: "

@@ -101,6 +101,17 @@ def trainer_problem(*, has_experts: bool, distributed_type: str, deepspeed: bool
     return None
 
 
+def _all_ranks(flag: bool) -> list[bool]:
+    """``flag`` of every rank of the job (collective)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [flag]
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, bool(flag))
+    return got
+
+
 class TrainerMixin:
     """FEPLB's per-step calls inside a transformers ``Trainer`` (module docstring). Put it first among the bases.
 
@@ -191,6 +202,7 @@ class TrainerMixin:
         the process group's timeout), as the unmodified model's checkpoint: ``from_pretrained`` of the original class
         loads it. Inside a checkpoint, also the model's shards as they run (``model_feplb/``), which resuming and
         ``load_best_model_at_end`` read."""
+        # (on EP rank 0 only: transformers' save_pretrained writes on the job's rank 0 alone, save_on_each_node or not)
         self._feplb_full = full_state_dict(self.model)
         try:
             super().save_model(output_dir, _internal_call)
@@ -246,7 +258,14 @@ class TrainerMixin:
         import torch.distributed.checkpoint as dcp
 
         folder = os.path.join(checkpoint, MODEL_DIR)
-        if not os.path.isdir(folder):
+        # (agreed: the load is collective, and a disk of one node's own may lack what another's holds)
+        missing = [r for r, seen in enumerate(_all_ranks(os.path.isfile(os.path.join(folder, ".metadata"))))
+                   if not seen]
+        if missing and os.path.isdir(folder):
+            raise ValueError(f"feplb.hf.Trainer: {folder} lacks DCP's .metadata on global rank(s) {missing}: "
+                             "checkpoints written through torch.distributed.checkpoint need one filesystem shared by "
+                             "every rank to be resumed from")
+        if missing:
             raise ValueError(f"feplb.hf.Trainer: {checkpoint} holds no {MODEL_DIR}/ (the model's shards "
                              "feplb.hf.Trainer writes into each checkpoint); load another checkpoint with "
                              "from_pretrained, then call feplb.hf.apply")

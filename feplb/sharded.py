@@ -74,7 +74,10 @@ class ExpertShards:
     def set_state_dict_type(self, kind: str) -> None:
         """What ``state_dict()`` gives for the expert shards, and the optimizer's ``state_dict()`` for their state:
         ``"sharded"`` (the default), DTensors sharded over the EP group, which ``torch.distributed.checkpoint``
-        saves and loads at any EP size; ``"local"``, plain per-rank tensors (``torch.save`` per rank).
+        saves and loads at any EP size; ``"local"``, plain per-rank tensors, for one ``torch.save`` file per rank
+        only, loaded on the same EP rank: nothing in them names their rank (another rank's file loads without an
+        error), and never through ``torch.distributed.checkpoint`` (``dcp.save``, ``get_state_dict``, torchtitan's
+        ``CheckpointManager``), which keeps one copy of the entries of one name, rank 0's, for every rank.
         ``load_state_dict`` takes both either way."""
         if kind not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict type must be one of {STATE_DICT_TYPES}, got {kind!r}")
@@ -310,7 +313,15 @@ def _state_local(own: tuple, name: str, value: Any) -> torch.Tensor:
     """The local part of a DTensor of optimizer state ``name`` of an expert parameter (``own``: its layer, name and
     shard dim, as :func:`_owners` gives it), stacked along dim 0 (none where the parameter's shard is no block)."""
     layer, pname, dim = own
-    return _local(layer, f"optimizer state {name!r} of {pname!r}", value, 0 if dim is not None else None)
+    key = f"optimizer state {name!r} of {pname!r}"
+    if dim is not None and is_dtensor(value) and value.dim() and value.shape[0] not in (layer.config.num_experts,
+                                                                                         layer.world_size):
+        # (the same state on every rank: all raise)
+        raise ValueError(f"{key}: {value.shape[0]} rows along its shard dim, neither one per expert "
+                         f"({layer.config.num_experts}) nor one per EP rank of this layer ({layer.world_size}): state "
+                         "kept per EP rank (a statistic over each rank's whole shard, as Adafactor's of a 2-D "
+                         "parameter) loads at the EP size it was saved at only")
+    return _local(layer, key, value, 0 if dim is not None else None)
 
 
 def localize_state(optimizer: torch.optim.Optimizer) -> None:

@@ -153,6 +153,13 @@ def _check_state_dict(rank, world, arch, model, ids, M) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out["save_plain"] = error_of(lambda: model.save_pretrained(d))
         out["save_shards"] = error_of(lambda: model.save_pretrained(d, state_dict=own))
+        # plain per-rank shards ("local" state-dict type) under the full names: refused alike where they are shards
+        import feplb.hf as fh
+
+        if world > 1:   # (one rank's shards are the whole tensors: that is a full checkpoint)
+            fh.set_state_dict_type(model, "local")
+            out["save_local"] = error_of(lambda: model.save_pretrained(d, state_dict=model.state_dict()))
+            fh.set_state_dict_type(model, "sharded")
         out["save_wrote"] = sorted(os.listdir(d))
     if rank == 0:
         with tempfile.TemporaryDirectory() as d:
@@ -722,7 +729,10 @@ def _assert_state_dict(ranks: list[dict]) -> None:
         assert len({res["full_digest"] for res in per_rank}) == 1, f"{arch}: ranks gathered different checkpoints"
         for rank, res in enumerate(per_rank):
             assert res["own_slices"], (arch, rank)
-            for key, words in (("save_plain", "without a state_dict"), ("save_shards", "holds expert shards")):
+            keys = (("save_plain", "without a state_dict"), ("save_shards", "holds expert shards"))
+            if len(ranks) > 1:    # (one rank's shards are the whole tensors)
+                keys += (("save_local", "holds expert shards"),)
+            for key, words in keys:
                 assert res[key] is not None and res[key].startswith("ValueError") and words in res[key] \
                     and "feplb.hf.full_state_dict(model)" in res[key], (arch, rank, res[key])
             assert res["save_wrote"] == [], (arch, rank, res["save_wrote"])

@@ -263,8 +263,16 @@ def _load_elsewhere(rank, world, out):
     # FSDP through accelerate, asked for in the arguments (on the CPU accelerate would drop it and run on)
     fsdp = error_of(lambda: feplb.hf.Trainer(model=model, args=_args(out + "_f", "sgd", fsdp="full_shard"),
                                              train_dataset=_dataset()))
+    # a checkpoint on a disk of each node's own: rank 1 does not see DCP's metadata; every rank raises (the load is
+    # collective: the ranks that see it waited in it)
+    import unittest.mock
+
+    real = os.path.isfile
+    unseen = (lambda p: False if p.endswith(".metadata") else real(p)) if rank == 1 else real
+    with unittest.mock.patch("feplb.hf_trainer.os.path.isfile", unseen):
+        node_local = error_of(lambda: trainer._load_model_shards(os.path.join(out, "checkpoint-2")))
     return {"opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr(), "kept": kept,
-            "adafactor": error_of(ada.create_optimizer), "fsdp": fsdp}
+            "adafactor": error_of(ada.create_optimizer), "fsdp": fsdp, "node_local": node_local}
 
 
 def test_checkpoints_resume_and_load_elsewhere():
@@ -299,6 +307,8 @@ def test_checkpoints_resume_and_load_elsewhere():
         assert right is None, right
     for r in elsewhere:
         assert r["kept"]
+        assert r["node_local"] is not None and "lacks DCP's .metadata on global rank(s) [1]" in r["node_local"], \
+            r["node_local"]
         assert r["adafactor"] is not None and "Adafactor: its update clipping takes the RMS of the whole tensor" in \
             r["adafactor"], r["adafactor"]
         assert r["fsdp"] is not None and "FSDP through accelerate would shard the expert shards again" in r["fsdp"], \

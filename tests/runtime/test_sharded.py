@@ -341,3 +341,48 @@ def test_files_whole_tensors_local_type_and_bad_input(runs):
         flat = r["flat_state"]
         assert flat is not None and "'flat'" in flat and "neither per expert" in flat, flat
         assert r["counting"] == [None, None, 2], r["counting"]
+
+
+def _per_rank_state_elsewhere(rank: int, world: int) -> dict:
+    """Adafactor's per-rank stacked statistic of a 2-D expert bias ([W, G]: it mixes the rank's experts) through the
+    full-state path (``set_optimizer_state_dict(full_state_dict=True)``): at the EP size it was saved at it loads
+    bit for bit; at another, refused on every rank, naming it (ranks got another rank's statistic, or none)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+
+    def adafactor(layer, grads=None):
+        """An Adafactor over the layer's biases and w1, stepped once on ``grads`` (zeros at lr 0 without: the state
+        a full state dict loads into, made as torchtitan's init_optim_state makes it)."""
+        params = [layer.b1, layer.b2, layer.w1]
+        opt = torch.optim.Adafactor(params, lr=1e-2 if grads else 0.0)
+        for p, g in zip(params, grads or [torch.zeros_like(p) for p in params], strict=True):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+        return opt
+
+    layer, _ = _layer(world, seed=0)
+    gen = torch.Generator().manual_seed(7 + rank)
+    ada = adafactor(layer, [torch.randn(p.shape, generator=gen) for p in (layer.b1, layer.b2, layer.w1)])
+    saved = get_optimizer_state_dict(layer, ada, options=full)
+    again = adafactor(layer)
+    out = {"same": error_of(lambda: set_optimizer_state_dict(layer, again, saved, options=full))}
+    out["same_equal"] = all(torch.equal(again.state[p][k], t) for p, st in ada.state.items() for k, t in st.items())
+    small, _ = _layer(world // 2, seed=1)
+    out["elsewhere"] = error_of(lambda: set_optimizer_state_dict(small, adafactor(small), saved, options=full))
+    layer.close()
+    small.close()
+    return out
+
+
+def test_per_rank_state_at_another_ep_size_refused():
+    for r in run_dist(_per_rank_state_elsewhere, 4, timeout_s=240, collective_timeout_s=60):
+        assert r["same"] is None and r["same_equal"], r
+        err = r["elsewhere"]
+        assert err is not None and err.startswith("ValueError") and "'col_var'" in err and \
+            "one per EP rank of this layer (2)" in err and "at the EP size it was saved at only" in err, err
