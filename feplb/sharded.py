@@ -314,13 +314,14 @@ def _state_local(own: tuple, name: str, value: Any) -> torch.Tensor:
     shard dim, as :func:`_owners` gives it), stacked along dim 0 (none where the parameter's shard is no block)."""
     layer, pname, dim = own
     key = f"optimizer state {name!r} of {pname!r}"
-    if dim is not None and is_dtensor(value) and value.dim() and value.shape[0] not in (layer.config.num_experts,
-                                                                                         layer.world_size):
+    W = layer.world_size
+    rows = W * layer.get_parameter(pname).shape[0]   # (state shaped like the parameter, stacked over the ranks)
+    if dim is not None and is_dtensor(value) and value.dim() and value.shape[0] not in (rows, W):
         # (the same state on every rank: all raise)
-        raise ValueError(f"{key}: {value.shape[0]} rows along its shard dim, neither one per expert "
-                         f"({layer.config.num_experts}) nor one per EP rank of this layer ({layer.world_size}): state "
-                         "kept per EP rank (a statistic over each rank's whole shard, as Adafactor's of a 2-D "
-                         "parameter) loads at the EP size it was saved at only")
+        raise ValueError(f"{key}: {value.shape[0]} rows along dim 0, neither the parameter's rows over this "
+                         f"layer's ranks ({rows}) nor one per EP rank of this layer ({W}): state kept per EP rank (a "
+                         "statistic over each rank's whole shard, as Adafactor's of a 2-D parameter) loads at the "
+                         "EP size it was saved at only")
     return _local(layer, key, value, 0 if dim is not None else None)
 
 
