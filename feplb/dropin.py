@@ -176,11 +176,16 @@ def mark_replaced(module: nn.Module, api: str, name: str, keep: nn.Module | None
 
 # ---------------------------------------------------------------------------------------------------- helpers
 
+def roots(model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> list[nn.Module]:
+    """``model`` as a list of modules: itself, or the modules of a list (Megatron's virtual-pipeline chunks)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def experts_modules(model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> list[MoELayer]:
     """The model's FEPLB layers (``MoELayer``, which the adapters' experts modules are), in module order (each
     once). ``model`` may be a list of modules, as Megatron's virtual-pipeline chunks are."""
     seen, out = set(), []
-    for m in (m for root in (model if isinstance(model, (list, tuple)) else [model]) for m in root.modules()):
+    for m in (m for root in roots(model) for m in root.modules()):
         if isinstance(m, MoELayer) and id(m) not in seen:
             seen.add(id(m))
             out.append(m)

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from feplb.control import _smaller_group_hint
 from feplb.dropin import (
     _agree,
     agree_to_replace,
@@ -672,8 +673,8 @@ def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> di
     for name, mod in _candidates(model):
         why, cfg, _ = _module_config(mod, model, ep_size, blocks, name, config_overrides)
         if why is None and ep_size % cfg.gpus_per_node:
-            why = f"gpus_per_node={cfg.gpus_per_node} does not divide the EP group size {ep_size}" + (
-                f" (an EP group within one node is gpus_per_node={ep_size})" if cfg.gpus_per_node > ep_size else "")
+            why = (f"gpus_per_node={cfg.gpus_per_node} does not divide the EP group size {ep_size}"
+                   + _smaller_group_hint(cfg.gpus_per_node, ep_size))
         out[name] = why
         if why is None:
             runnable.append((name, mod, cfg))

@@ -101,17 +101,6 @@ def trainer_problem(*, has_experts: bool, distributed_type: str, deepspeed: bool
     return None
 
 
-def _all_ranks(flag: bool) -> list[bool]:
-    """``flag`` of every rank of the job (collective)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return [flag]
-    got = [None] * dist.get_world_size()
-    dist.all_gather_object(got, bool(flag))
-    return got
-
-
 class TrainerMixin:
     """FEPLB's per-step calls inside a transformers ``Trainer`` (module docstring). Put it first among the bases.
 
@@ -259,8 +248,8 @@ class TrainerMixin:
 
         folder = os.path.join(checkpoint, MODEL_DIR)
         # (agreed: the load is collective, and a disk of one node's own may lack what another's holds)
-        missing = [r for r, seen in enumerate(_all_ranks(os.path.isfile(os.path.join(folder, ".metadata"))))
-                   if not seen]
+        seen = os.path.isfile(os.path.join(folder, ".metadata"))
+        missing = [r for r, ok in enumerate(_agree(seen, None) if dist.is_initialized() else [seen]) if not ok]
         if missing and os.path.isdir(folder):
             raise ValueError(f"feplb.hf.Trainer: {folder} lacks DCP's .metadata on global rank(s) {missing}: "
                              "checkpoints written through torch.distributed.checkpoint need one filesystem shared by "

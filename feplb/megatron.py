@@ -94,6 +94,7 @@ from feplb.dropin import (
     joined_for_forward,
     layer_config,
     refresh_replicas,
+    roots,
     set_state_dict_type,
     zero_replica_grads,
 )
@@ -1010,9 +1011,8 @@ def reduce_replica_grads(model: nn.Module | list[nn.Module]) -> None:
     the modules inside the wrappers, only a warning can say so (``FEPLBExperts.reduce_replica_grads``)."""
     from megatron.core.distributed import DistributedDataParallel
 
-    roots = list(model) if isinstance(model, (list, tuple)) else [model]
     overlapped = any(isinstance(m, DistributedDataParallel) and m.ddp_config.overlap_grad_reduce
-                     for root in roots for m in root.modules())
+                     for root in roots(model) for m in root.modules())
     copies = [lay for lay in experts_modules(model)
               if lay.config.weights == "per-step" and (lay.base != "none" or lay.place) and lay.world_size > 1]
     if overlapped and copies:    # (the same config on every rank: all raise)

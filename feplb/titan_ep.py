@@ -45,6 +45,7 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
 from feplb.config import FEPLBConfig, dispatched_policy_problem, int_counts
+from feplb.control import _smaller_group_hint
 from feplb.dropin import DERIVED, derived_for_forward
 from feplb.experts import checked_at_backward
 from feplb.layer import MoELayer
@@ -127,10 +128,9 @@ class _Balanced:
         G = self.feplb_config.gpus_per_node
         if mesh is not None and mesh.size() % G:
             # (the same mesh and config on every rank: all raise)
-            hint = (f" (it counts the EP group's ranks on one node: an EP group of {mesh.size()} within one node of "
-                    f"{G} GPUs is gpus_per_node={mesh.size()})" if mesh.size() < G else "")
             raise ValueError(f"{type(self).__name__}: gpus_per_node={G} does not divide torchtitan's EP group "
-                             f"({mesh.size()} ranks); FEPLB balances over whole nodes of the EP group" + hint)
+                             f"({mesh.size()} ranks); FEPLB balances over whole nodes of the EP group"
+                             + _smaller_group_hint(G, mesh.size()))
         self._ep_mesh = mesh
 
     def __getstate__(self) -> dict:
