@@ -206,7 +206,7 @@ def train(args: argparse.Namespace) -> dict:
         if rank == 0:
             print(f"checkpoint (torch.distributed.checkpoint, any number of ranks): {args.checkpoint}", flush=True)
     if args.save is not None:
-        full = feplb.hf.full_state_dict(model)   # collective; the full weights on rank 0
+        full = feplb.hf.full_state_dict(model, cpu_offload=True)   # collective; the full weights on rank 0's CPU
         if rank == 0:
             model.save_pretrained(args.save, state_dict=full)
             print(f"checkpoint (plain transformers, {len(full)} tensors): {args.save}", flush=True)

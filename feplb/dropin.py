@@ -350,7 +350,8 @@ def _state_dict_name(name: str) -> str:
     return ".".join(level for level in name.split(".") if level not in _WRAPPER_LEVELS)
 
 
-def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = False
+                    ) -> dict[str, torch.Tensor]:
     """The model's state dict with every FEPLB layer's expert shards gathered back into the original names and
     shapes (with transformers ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F], or [E, H, 2F] and [E, F, H]
     where the module was ``is_transposed``; with torchtitan
@@ -361,11 +362,19 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     layer's EP group.
 
     rank0_only: the full dict on rank 0 of the EP group and an empty dict elsewhere (True), or on every rank.
-    Tensors are detached, on the parameters' devices; the non-expert entries share storage with the model, except
-    those FSDP (``fully_shard``) holds as DTensors, which are gathered into plain tensors (collective over their
-    meshes; every rank gathers them, also with rank0_only). A layer reachable under several names is gathered once
-    and written under each.
+    cpu_offload: the tensors returned on the CPU (True), each gathered parameter moved there before the next is
+        gathered, so a device holds at most one expert parameter's whole tensor at a time beyond the model (as
+        ``StateDictOptions(cpu_offload=True)`` does for DCP's full state dict): what saving a checkpoint wants, where
+        the whole model's experts may not fit in one GPU's memory beside the training state. False: on the
+        parameters' devices, every expert parameter's whole tensor held there at once on the ranks that return it.
+    Tensors are detached; the non-expert entries share storage with the model where they stay on its device
+    (always without cpu_offload), except those FSDP (``fully_shard``) holds as DTensors, which are gathered into
+    plain tensors (collective over their meshes; every rank gathers them, also with rank0_only). A layer reachable
+    under several names is gathered once and written under each.
     """
+    def placed(t: Any) -> Any:   # (an entry may be another object: a module's _extra_state)
+        return t.cpu() if cpu_offload and isinstance(t, torch.Tensor) else t
+
     owners: dict[str, MoELayer] = {_state_dict_name(name): m for name, m in model.named_modules(remove_duplicate=False)
                                    if isinstance(m, MoELayer)}
     keep = not rank0_only or dist.get_rank(next(iter(owners.values())).group if owners else None) == 0
@@ -377,6 +386,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
             v = v.full_tensor()   # collective: every rank gathers, one tensor at a time
             if not keep:
                 continue          # and only the ranks that return it hold it
+            v = placed(v)         # one gathered tensor on the device at a time
         sd[k] = v
     full: dict[str, dict[str, torch.Tensor]] = {}   # local key -> the full model's entries it stands for
     gathered: dict[tuple[int, str], dict[str, torch.Tensor]] = {}   # (layer, parameter name): entries, relative
@@ -394,6 +404,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
                 else:
                     parts = [torch.empty_like(shard) for _ in range(W)]
                     dist.all_gather(parts, shard, group=group)
+                if parts is not None and cpu_offload:
+                    parts = [t.cpu() for t in parts]   # this parameter's device buffers freed before the next
                 # not returned (rank0_only, not rank 0): an empty mark that it was gathered
                 gathered[id(m), pname] = m.full_entries(pname, parts) if parts is not None else {}
             full[key] = {(f"{prefix}.{n}" if prefix else n): t for n, t in gathered[id(m), pname].items()}
@@ -409,7 +421,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     out: dict[str, torch.Tensor] = {}
     for k, v in sd.items():
         if k in full:
-            out.update(full[k])
+            out.update({n: placed(t) for n, t in full[k].items()})
         else:
-            out[k] = v
+            out[k] = placed(v)
     return out

@@ -14,7 +14,8 @@ everyone's. :class:`TrainerMixin` puts FEPLB's once-per-step calls where ``Train
 * clipping and the logged ``grad_norm`` by :func:`feplb.hf.clip_grad_norm_`: the whole model's norm, every expert
   counted once, equal on every rank;
 * ``save_model`` (and every checkpoint) writes the whole model (:func:`feplb.hf.full_state_dict`, gathered on
-  every rank, written by the main process), which plain transformers loads; a checkpoint also holds the model's
+  every rank into the CPU memory of EP rank 0, one parameter at a time through the device, written by the main
+  process), which plain transformers loads; a checkpoint also holds the model's
   shards and the optimizer's state through ``torch.distributed.checkpoint`` (``model_feplb/``,
   ``optimizer_feplb/``: each rank's experts at their global offsets), which ``resume_from_checkpoint`` and
   ``load_best_model_at_end`` read, at this or another number of ranks. (transformers' own resume reads the
@@ -192,7 +193,8 @@ class TrainerMixin:
         loads it. Inside a checkpoint, also the model's shards as they run (``model_feplb/``), which resuming and
         ``load_best_model_at_end`` read."""
         # (on EP rank 0 only: transformers' save_pretrained writes on the job's rank 0 alone, save_on_each_node or not)
-        self._feplb_full = full_state_dict(self.model)
+        # on the CPU, one parameter gathered on the device at a time: the whole model's experts need not fit there
+        self._feplb_full = full_state_dict(self.model, cpu_offload=True)
         try:
             super().save_model(output_dir, _internal_call)
         finally:

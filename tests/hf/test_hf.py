@@ -131,6 +131,9 @@ def _check_state_dict(rank, world, arch, model, ids, M) -> dict:
     on_rank0 = fh.full_state_dict(model)
     out["rank0_only_keys"] = len(on_rank0)
     out["rank0_only_same"] = rank != 0 or (list(on_rank0) == list(full) and _digest(on_rank0) == _digest(full))
+    offloaded = fh.full_state_dict(model, rank0_only=False, cpu_offload=True)
+    out["offload_same"] = (list(offloaded) == list(full) and _digest(offloaded) == _digest(full)
+                           and all(t.device.type == "cpu" for t in offloaded.values()))
     own = model.state_dict()
     own_slices = True
     for k, v in own.items():
@@ -738,7 +741,7 @@ def _assert_state_dict(ranks: list[dict]) -> None:
             assert res["save_wrote"] == [], (arch, rank, res["save_wrote"])
             assert res["fresh_exact"], (arch, rank)
             assert res["fresh_logits_rel"] <= TOL, (arch, rank, res["fresh_logits_rel"])
-            assert res["rank0_only_same"], (arch, rank)
+            assert res["rank0_only_same"] and res["offload_same"], (arch, rank)
             assert (res["rank0_only_keys"] > 0) == (rank == 0), (arch, rank, res["rank0_only_keys"])
         assert per_rank[0]["pretrained_exact"], arch
         # through torch.distributed.checkpoint into another EP size, and DCP's gathered state dict

@@ -586,6 +586,10 @@ def _state_case(rank: int, world: int, bias: bool = False) -> dict:
            "equal": all(sd[k] is None if v is None else torch.equal(sd[k], v) for k, v in want.items() if k in sd),
            "local_keys": sorted(moe.state_dict()),
            "sharded_same": same, "sharded_experts": sum("local_experts" in k for k in theirs)}
+    off = fm.full_state_dict(moe, rank0_only=False, cpu_offload=True)   # the extra states (None) pass through
+    out["offload_equal"] = sorted(off) == sorted(sd) and all(
+        off[k] is None if v is None else (off[k].device.type == "cpu" and torch.equal(off[k], v))
+        for k, v in sd.items())
     # state_dict() keeps Megatron's plain local shards (its distributed checkpoints go through sharded_state_dict);
     # the DTensor type of the other drop-ins is refused by name
     from torch.distributed.tensor import DTensor
@@ -1595,7 +1599,7 @@ def test_state_dicts_and_checkpoint(job):
     _, res = job
     for r in res:
         s = r["state"]
-        assert s["keys"] and s["equal"]
+        assert s["keys"] and s["equal"] and s["offload_equal"]
         assert s["local_keys"] == sorted(["router.weight"] + [f"experts.local_experts.{i}.linear_fc{j}.{k}"
                                                               for i in range(E // len(res)) for j in (1, 2)
                                                               for k in ("weight", "_extra_state")])
@@ -1609,7 +1613,7 @@ def test_state_dicts_and_checkpoint(job):
         assert s["te_extra"] == sorted(f"experts.local_experts.{e}.linear_fc1._extra_state" for e in range(E))
         if len(res) > 1:   # experts with biases (see _job): every expert's under its global index
             s = r["state_bias"]
-            assert s["keys"] and s["equal"] and s["sharded_same"] and s["ckpt_equal"]
+            assert s["keys"] and s["equal"] and s["offload_equal"] and s["sharded_same"] and s["ckpt_equal"]
             assert s["local_keys"] == sorted(["router.weight", "router.bias"] + [
                 f"experts.local_experts.{i}.linear_fc{j}.{k}" for i in range(E // len(res)) for j in (1, 2)
                 for k in ("weight", "bias", "_extra_state")])

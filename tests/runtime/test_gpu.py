@@ -178,7 +178,7 @@ def test_layer_two_processes_one_gpu_without_nvshmem():
     results = run_dist(_one_gpu_worker, 2, backend="gloo", timeout_s=115, collective_timeout_s=COLLECTIVE_S)
     for res, strided in results:
         assert res["ok"] and res["moved"] > 0, res
-        assert strided["ok"], strided
+        assert strided["ok"] and strided["offload"]["ok"], strided
     assert sum(s["moved"] for _, s in results) > 0 and sum(s["copies"] for _, s in results) > 0, results
 
 
@@ -230,9 +230,37 @@ def _strided_worker(rank, world, transport, device, copy_path):
                         "dgate_up": layer.gate_up_proj.grad.cpu(), "ddown": layer.down_proj.grad.cpu()}
         moved, copies = layer.last_stats.rows_moved, layer.last_stats.weight_copies
         layers.append(layer)
+    offload = _offload_check(layers[-1], {"gate_up_proj": gate_up, "down_proj": down}, rank, device)
     for layer in reversed(layers):
         layer.close()
-    return _compare(runs) | {"moved": moved, "copies": copies}
+    return _compare(runs) | {"moved": moved, "copies": copies, "offload": offload}
+
+
+def _offload_check(layer, want: dict[str, torch.Tensor], rank: int, device: str) -> dict:
+    """``full_state_dict(cpu_offload=True)`` gathers each expert parameter through the device and keeps it in CPU
+    memory: rank 0 gets the model's whole tensors on the CPU, bit for bit, and the device holds nothing of them
+    once it returns (without offloading, every whole tensor stays there); at its peak, about one parameter's."""
+    from feplb.dropin import full_state_dict
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    full = full_state_dict(layer, cpu_offload=True)
+    out = {"ok": True}
+    if rank == 0:
+        out["ok"] = sorted(full) == sorted(want) and all(
+            full[k].device.type == "cpu" and torch.equal(full[k], want[k].detach()) for k in want)
+    else:
+        out["ok"] = full == {}
+    if device == "cuda":
+        torch.cuda.synchronize()
+        largest = max(w.numel() * w.element_size() for w in want.values())
+        out |= {"held": torch.cuda.memory_allocated() - before, "peak": torch.cuda.max_memory_allocated() - before,
+                "largest": largest}
+        # a parameter's whole tensor, and the contiguous copy of this rank's strided shard beside it
+        out["ok"] = out["ok"] and out["held"] == 0 and out["peak"] <= 2 * largest
+    return out
 
 
 def _sync_worker(rank, world, transport, one_gpu):
@@ -305,7 +333,7 @@ def test_strided_worker_on_cpu():
     results = run_dist(_strided_worker, 2, "torch", "cpu", "auto", backend="gloo", timeout_s=120,
                        collective_timeout_s=30.0)
     for res in results:
-        assert res["ok"], res
+        assert res["ok"] and res["offload"]["ok"], res
     assert sum(r["moved"] for r in results) > 0 and sum(r["copies"] for r in results) > 0, results
 
 
