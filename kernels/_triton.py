@@ -65,7 +65,8 @@ def apply_autotune_budget(spec: str | None = None) -> tuple[float, float] | None
     Runs at import of feplb.kernels, so processes a test or benchmark spawns (they inherit the environment) are
     time-boxed too. The choice gets noisier, never wrong: every config computes the same result up to rounding (tiles
     that split a reduction add it in another order; the winner, picked by timing per process, is not bitwise
-    reproducible from run to run, and ``torch.use_deterministic_algorithms`` does not reach it). Unset, or
+    reproducible from run to run; under ``torch.use_deterministic_algorithms(True)`` :func:`launch` does not time
+    them, see :func:`deterministic_config`). Unset, or
     without Triton, or under the interpreter (which never tunes): no effect. Returns the budget applied.
     """
     budget = parse_autotune_budget(os.environ.get(AUTOTUNE_BUDGET_ENV) if spec is None else spec)
@@ -232,11 +233,37 @@ def ensure_descriptor_allocator() -> None:
 def launch(kernel, grid, *args, config: dict | None = None, **kwargs) -> None:
     """Launch an autotuned kernel; with ``config`` (block sizes, optional num_warps / num_stages), launch its
     JIT function with exactly that config instead (to test every GPU config under the interpreter, or to time
-    one config)."""
+    one config). Under ``torch.use_deterministic_algorithms(True)``, the config :func:`deterministic_config` picks
+    from the shapes alone instead of the autotuner's timing."""
     if config is None:
-        kernel[grid](*args, **kwargs)
+        fixed = deterministic_config(kernel, args, kwargs)
+        if fixed is None:
+            kernel[grid](*args, **kwargs)
+        else:
+            kernel.fn[grid](*args, **kwargs, **fixed.all_kwargs())
     else:
         kernel.fn[grid](*args, **kwargs, **config)
+
+
+def deterministic_config(kernel, args: tuple, kwargs: dict):
+    """Under ``torch.use_deterministic_algorithms(True)``, the config an autotuned kernel launches with: the first
+    of its configs that its ``early_config_prune`` keeps for these arguments (shared memory, dtype), a function of
+    the shapes and dtypes only, so every run and every rank computes with the same tiles. Triton's autotuner times
+    the configs instead and keeps the fastest, per process: tiles that split a reduction otherwise (the GEMMs'
+    BLOCK_K, the weight gradients' BLOCK_M) round differently, so two runs of the same job would differ in their
+    last bits. The first config is not the fastest everywhere: the flag costs kernel time (not measured: the
+    kernels have not yet run on a GPU).
+    None where the autotuner decides nothing (the flag off, a single config, not an autotuned kernel)."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return None
+    configs = getattr(kernel, "configs", None)
+    if not configs or len(configs) == 1 or not hasattr(kernel, "arg_names"):
+        return None
+    prune = getattr(kernel, "early_config_prune", None)
+    kept = prune(configs, dict(zip(kernel.arg_names, args, strict=False)), **kwargs) if prune else configs
+    if not kept:
+        raise RuntimeError(f"{getattr(kernel, 'base_fn', kernel)}: no config fits these arguments")
+    return kept[0]
 
 
 def require_triton(where: str) -> None:

@@ -479,3 +479,79 @@ def test_grouped_mm_backward_takes_the_dw_variant_asked_for(wanted, monkeypatch,
     assert other not in launched
     kh.close(w.grad.cpu(), kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu()), x.dtype,
              scale=2.0 * x.shape[0] ** 0.5)
+
+
+# ------------------------------------------------------------------------------------- deterministic algorithms
+
+class _SpyLaunch:
+    """Stands for an autotuner's JIT function: records the block sizes each launch passes, then launches."""
+
+    def __init__(self, fn):
+        self.fn, self.seen = fn, []
+
+    def __getitem__(self, grid):
+        run = self.fn[grid]
+
+        def launch(*args, **kwargs):
+            self.seen.append({k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")})
+            return run(*args, **kwargs)
+
+        return launch
+
+
+@contextlib.contextmanager
+def _deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kernel", ["forward", "dw"])
+def test_deterministic_algorithms_fix_the_config(kernel, dtype, gen, kh, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) the launcher does not let the autotuner time the configs (its
+    pick, the fastest per process, differs from run to run, and so do the bits of a reduction split otherwise): it
+    launches the first config the shared-memory rule keeps for the operands' dtype (the pure rule
+    ``fitting_configs`` says which), and the autotuner's choice stays empty. The kernel is given every GPU config,
+    so under the interpreter (which cannot time a kernel) an autotuner left to choose fails."""
+    configs, fallback, estimate, _ = KERNELS[kernel]
+    jit = gg._grouped_mm_kernel if kernel == "forward" else gg._grouped_mm_dw_kernel
+    monkeypatch.setattr(jit, "configs", kt._to_configs(configs))
+    monkeypatch.setattr(jit, "cache", {})
+    spy = _SpyLaunch(jit.fn)
+    monkeypatch.setattr(jit, "fn", spy)
+    x, w, dy, offsets = _inputs("multi-tile", dtype, gen)
+    with _deterministic(), poison_outputs():
+        if kernel == "forward":
+            got = gg.grouped_mm_triton(x, w, offsets, variant="classic")
+        else:
+            got = gg.grouped_mm_dw_triton(x, dy, offsets, variant="classic")
+    want = kh.grouped_mm_f64(x.cpu(), w.cpu(), offsets.cpu()) if kernel == "forward" else \
+        kh.grouped_mm_dw_f64(x.cpu(), dy.cpu(), offsets.cpu())
+    kh.close(got.cpu(), want, dtype, scale=2.0)
+    first = kt.fitting_configs(configs, fallback, estimate, x.element_size())[0]
+    assert spy.seen and all(s == {k: first[k] for k in s} for s in spy.seen), (spy.seen, first)
+    assert jit.cache == {}
+
+
+def test_deterministic_config_only_under_the_flag():
+    """No fixed config with the flag off, for a single config (Triton never times one) or for a plain function."""
+    class Tuned:
+        arg_names = ["x_ptr"]
+        configs = ["a", "b"]
+
+        @staticmethod
+        def early_config_prune(configs, named, **_):
+            assert named == {"x_ptr": 1}
+            return configs[1:]
+
+    assert kt.deterministic_config(Tuned, (1,), {}) is None
+    with _deterministic():
+        assert kt.deterministic_config(Tuned, (1,), {}) == "b"
+        Tuned.configs = ["a"]
+        assert kt.deterministic_config(Tuned, (1,), {}) is None
+        assert kt.deterministic_config(object(), (1,), {}) is None
