@@ -320,7 +320,7 @@ def _by_device(ts: list[torch.Tensor]) -> dict:
     return out
 
 
-def refresh_replicas(model: nn.Module) -> None:
+def refresh_replicas(model: nn.Module | list[nn.Module]) -> None:
     """``refresh_replicas()`` of every FEPLB layer (collective): after every ``optimizer.step()`` and
     after any other change of the expert weights (loading a shard, say)."""
     moes = experts_modules(model)

@@ -77,7 +77,8 @@ class ExpertShards:
         saves and loads at any EP size; ``"local"``, plain per-rank tensors, for one ``torch.save`` file per rank
         only, loaded on the same EP rank: nothing in them names their rank (another rank's file loads without an
         error), and never through ``torch.distributed.checkpoint`` (``dcp.save``, ``get_state_dict``, torchtitan's
-        ``CheckpointManager``), which keeps one copy of the entries of one name, rank 0's, for every rank.
+        ``CheckpointManager``), which writes one rank's copy of each entry whose name every rank shares (a
+        different rank for different entries) and loads it on every rank.
         ``load_state_dict`` takes both either way."""
         if kind not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict type must be one of {STATE_DICT_TYPES}, got {kind!r}")

@@ -768,6 +768,7 @@ def _usage_case(rank: int, world: int) -> dict:
             out[label + "/forward"] = error_of(lambda m=moe: m(x))
     dense, moe = torch.nn.Sequential(torch.nn.Linear(H, H)), make_moe()
     out["chunks"] = fm.apply([dense, moe], gpus_per_node=min(2, world), **OPTS)
+    out["chunks/refresh"] = error_of(lambda: fm.refresh_replicas([dense, moe]))   # (the chunks, as after a step)
     out["chunks/forward"] = error_of(lambda: moe(x))
     moe = make_moe()
     fm.apply(moe, policy="feplb-split@ema", weights="per-step", gpus_per_node=min(2, world), **OPTS)
@@ -1666,7 +1667,7 @@ def test_cuda_graphs_chunks_and_overlapped_grad_reduce(job):
         for label in ("graph_router", "graph_whole", "graph_local_attn"):
             assert u[label] is not None and u[label].startswith("ValueError") and "CUDA graphs" in u[label] and \
                 "cuda_graph_scope=" in u[label], (label, u[label])
-        assert u["chunks"] == ["1.experts"] and u["chunks/forward"] is None, u
+        assert u["chunks"] == ["1.experts"] and u["chunks/refresh"] is None and u["chunks/forward"] is None, u
         if world > 1:
             assert u["overlap"] is not None and u["overlap"].startswith("ValueError") and \
                 "overlap_grad_reduce=True" in u["overlap"], (rank, u["overlap"])
