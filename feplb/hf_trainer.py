@@ -165,6 +165,18 @@ class TrainerMixin:
         return optimizer
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if dist.is_initialized() and dist.get_world_size() > 1 and not isinstance(model, DistributedDataParallel):
+            # (alike on every rank, so every rank raises) accelerate's prepare_model(evaluation_mode=True), which
+            # evaluate() and predict() call before any train(), marks the model prepared, and train()'s prepare()
+            # then hands it back without DDP: each rank would step its replicated parameters on its own gradients
+            raise RuntimeError(
+                f"feplb.hf.Trainer: the model would train outside DistributedDataParallel on {dist.get_world_size()} "
+                "ranks, each rank stepping the replicated (non-expert) parameters on its own gradients, so the "
+                "ranks' models part (transformers' own Trainer does so silently): evaluate() or predict() before "
+                "the first train() made accelerate prepare the model for evaluation only. Evaluate inside train() "
+                "instead (TrainingArguments(eval_on_start=True)), or build the model and Trainer again")
         loss = super().training_step(model, inputs, *args, **kwargs)
         if self.accelerator.sync_gradients:   # the step's last backward: DDP has averaged the replicated gradients
             average_expert_grads(self.model, self._feplb_dp_group)

@@ -187,6 +187,45 @@ def test_trl_like_subclasses():
         assert r["sync_applied"] is None and r["nosync_plain"] is None, r
 
 
+def _evaluated_first(rank, world, out):
+    """evaluate() before the first train(): accelerate prepared the model for evaluation only, so train() would run
+    without DDP (the ranks' replicated parameters parting): refused on every rank, naming the way out, which then
+    trains with the ranks' replicated parameters equal."""
+    _env(rank, world)
+    import torch.distributed as dist
+
+    import feplb.hf
+    from feplb.testing import error_of
+
+    def trainer(**kw):
+        model = _models().make_model("qwen3_moe")
+        feplb.hf.apply(model, policy="feplb-split", gpus_per_node=G)
+        return feplb.hf.Trainer(model=model, args=_args(out, "sgd", per_device_eval_batch_size=2, **kw),
+                                train_dataset=_dataset(), eval_dataset=_dataset(7))
+
+    first = trainer()
+    loss = first.evaluate()["eval_loss"]
+    refused = error_of(first.train)
+    inside = trainer(eval_on_start=True)
+    inside.train()
+    evals = [h["eval_loss"] for h in inside.state.log_history if "eval_loss" in h]
+    replicated = torch.cat([p.detach().flatten() for n, p in inside.model.named_parameters() if "experts" not in n])
+    everyone = [torch.empty_like(replicated) for _ in range(world)]
+    dist.all_gather(everyone, replicated)
+    return {"loss": loss, "refused": refused, "evals": evals,
+            "equal": all(torch.equal(t, everyone[0]) for t in everyone)}
+
+
+def test_evaluate_before_train_is_refused_on_every_rank():
+    with tempfile.TemporaryDirectory() as d:
+        runs = run_dist(_evaluated_first, 2, d, timeout_s=200)
+    for r in runs:
+        assert r["loss"] == runs[0]["loss"] and r["refused"] is not None, r
+        assert r["refused"].startswith("RuntimeError") and "outside DistributedDataParallel" in r["refused"] and \
+            "eval_on_start=True" in r["refused"], r["refused"]
+        assert r["evals"] == [runs[0]["loss"]] and r["equal"], r
+
+
 def test_ref_model_problem():
     from feplb.hf_trainer import ref_model_problem
 
