@@ -92,6 +92,9 @@ def hooks_problem(module: nn.Module, kinds: tuple[str, ...] = _HOOKS) -> str | N
     if any(is_dtensor(p) for p in module.parameters()):   # (FSDP2 adds state-dict hooks too: this says why)
         return (f"{type(module).__name__}'s weights are already sharded (DTensors: FSDP's fully_shard or tensor "
                 "parallelism ran before apply); apply first, then shard the rest with the experts left out")
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        return (f"{type(module).__name__}'s weights are parametrized (torch.nn.utils.parametrize): FEPLB computes on "
+                "its own shards of the parameters, never on a parametrization's output")
     hooks = [k.strip("_") for k in kinds if getattr(module, k, None)]
     if hooks or "forward" in vars(module):
         return (f"{type(module).__name__} has hooks or a forward of its own "

@@ -490,6 +490,8 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
     block = None if llama4 is None else llama4[0]
     if llama4 is not None and name.rpartition(".")[0] not in llama4[1]:
         return f"a Llama 4 experts module also reachable as {name!r}, outside its MoE block", {}
+    if torch.nn.utils.parametrize.is_parametrized(module):   # (its weights then live under other names)
+        return hooks_problem(module), {}
     own = dict(module.named_parameters())
     # gated experts hold gate_up_proj; non-gated ones (Nemotron-H's) up_proj
     w1name = "gate_up_proj" if "gate_up_proj" in own else "up_proj" if "up_proj" in own else None
@@ -499,6 +501,14 @@ def _problem(module: nn.Module, model: nn.Module, world: int,
     why = hooks_problem(module) or (hooks_problem(block) if block is not None else None)
     if why is not None:
         return why, {}
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if leaf == "base_layer" and parent is not module and getattr(parent, "base_layer", None) is module:
+        # PEFT's LoRA on the expert weights (target_parameters): its ParamWrapper parametrizes them in its forward
+        # with a delta for every expert, [E, ...], around a module that would hold this rank's shards only
+        return (f"the base_layer of a {type(parent).__module__}.{type(parent).__name__} wrapper, whose forward may "
+                "change the weights FEPLB shards (PEFT's LoRA on the expert weights, target_parameters: not "
+                "supported; LoRA on other modules, attention say, is)"), {}
     biases = _biases(w1name)
     bias = sorted(n for n in own if "bias" in n)
     if bias and set(bias) != set(biases):

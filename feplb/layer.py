@@ -189,6 +189,12 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if len(now) == len(self._expert_param_refs) and all(r() is p for r, p in zip(self._expert_param_refs, now,
                                                                                             strict=True)):
             return None
+        if torch.nn.utils.parametrize.is_parametrized(self):
+            return RuntimeError, (f"{type(self).__name__}: its expert parameters are parametrized "
+                                  "(torch.nn.utils.parametrize, as PEFT's LoRA on the expert weights, "
+                                  "target_parameters, does in its forward): the layer computes on its own shards, "
+                                  "never on a parametrization's output. LoRA on the experts is not supported; on "
+                                  "other modules (attention, say) it is")
         return RuntimeError, (f"{type(self).__name__}: its expert parameters are no longer the tensors it holds its "
                               "experts in: a wrapper registered others in their place (FSDP's fully_shard over "
                               "them, which would gather the shards of other ranks' experts into this rank's). "

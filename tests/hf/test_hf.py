@@ -204,6 +204,22 @@ def _check_dcp(rank, world, arch, model, full, M) -> dict:
             "dcp_gathered_exact": _digest(gathered) == _digest(full)}
 
 
+class _BaseLayerWrapper(torch.nn.Module):
+    """Stands for PEFT's ParamWrapper (LoRA on a module's parameters): the wrapped module is its ``base_layer``."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, *args, **kwargs):
+        return self.base_layer(*args, **kwargs)
+
+
+class _Same(torch.nn.Module):
+    def forward(self, w):
+        return w
+
+
 class _OtherLayoutExperts(torch.nn.Module):
     """An experts module stored the other way round (gate_up_proj [E, H, 2F], down_proj [E, F, H]), or without a
     gate (up_proj only)."""
@@ -284,6 +300,22 @@ def _check_errors(rank: int, world: int) -> dict:
             fh.FEPLBExperts.refresh_replicas = real
         out["build_fails_clean"] = (len(built) == 2 and all(getattr(b, "_closed", False) for b in built)
                                     and len(_experts_names(broken)) == 2)
+        # PEFT's LoRA on the expert weights (target_parameters) wraps the experts module, its base_layer, and
+        # parametrizes the weights in its forward with a delta for every expert: refused at apply, untouched
+        wrapped = M.make_model("mixtral")
+        wrapped.model.layers[1].mlp.experts = _BaseLayerWrapper(wrapped.model.layers[1].mlp.experts)
+        out["peft_wrapped"] = error_of(lambda: fh.apply(wrapped))
+        out["peft_untouched"] = type(wrapped.model.layers[1].mlp.experts.base_layer).__name__ == "MixtralExperts"
+        from torch.nn.utils import parametrize
+
+        before = M.make_model("mixtral")
+        parametrize.register_parametrization(before.model.layers[0].mlp.experts, "down_proj", _Same())
+        out["parametrized_before"] = error_of(lambda: fh.apply(before))
+        # parametrized after apply: every forward refused, naming it
+        after = M.make_model("qwen3_moe")
+        fh.apply(after, policy="none")
+        parametrize.register_parametrization(after.model.layers[0].mlp.experts, "gate_up_proj", _Same())
+        out["parametrized_after"] = error_of(lambda: after(torch.randint(0, M.VOCAB, (1, 6))))
         fh.apply(ok, policy="none")
         out["applied"] = _experts_names(ok)
         out["twice"] = error_of(lambda: fh.apply(ok))
@@ -910,6 +942,11 @@ def test_unsupported_experts_are_refused_by_name_and_nothing_is_replaced(one_ran
     assert err["tied_supported"] == {"model.layers.0.mlp.experts": None, "model.layers.1.mlp.experts": (
         "expert weights tied to another experts module's (FEPLB would untie them)")}, err["tied_supported"]
     assert "injected build failure" in err["build_fails"] and err["build_fails_clean"], err["build_fails"]
+    assert "model.layers.1.mlp.experts.base_layer (MixtralExperts): the base_layer of a " in err["peft_wrapped"] and \
+        "._BaseLayerWrapper wrapper" in err["peft_wrapped"] and err["peft_untouched"], err["peft_wrapped"]
+    assert "MixtralExperts's weights are parametrized" in err["parametrized_before"], err["parametrized_before"]
+    assert err["parametrized_after"].startswith("RuntimeError") and \
+        "its expert parameters are parametrized" in err["parametrized_after"], err["parametrized_after"]
 
 
 @pytest.mark.slow
