@@ -7,6 +7,7 @@ state loads at another number of ranks. Setups it cannot run exactly are refused
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -80,8 +81,18 @@ def _train(rank, world, mode, out, optim, resume=None, save_steps=None):
 
         cls, full = tf.Trainer, (lambda m: m.state_dict())
     else:
-        feplb.hf.apply(model, policy=mode, gpus_per_node=G, min_straggler_rows=0, plan_wait_ms=60_000)
+        policy, _, layout = mode.partition("/")
+        groups = {}
+        if layout == "ep2xdp2":   # EP groups {0, 1} and {2, 3}; ranks 0 and 2 (1 and 3) hold the same experts
+            import torch.distributed as dist
+
+            eps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            groups = dict(group=eps[rank // 2])
+        feplb.hf.apply(model, policy=policy, gpus_per_node=G, min_straggler_rows=0, plan_wait_ms=60_000, **groups)
         cls, full = feplb.hf.Trainer, (lambda m: feplb.hf.full_state_dict(m, rank0_only=False))
+        if groups:
+            cls = functools.partial(cls, data_parallel_group=dps[rank % 2])
     kw = {} if save_steps is None else dict(save_strategy="steps", save_steps=save_steps)
     snaps = _Snapshots(full)
     trainer = cls(model=model, args=_args(out, optim, **kw), train_dataset=_dataset(), callbacks=[snaps])
@@ -116,8 +127,10 @@ def plain():
     return runs[0]
 
 
-@pytest.mark.parametrize("policy", ["feplb-split", "feplb-split@ema"])
+@pytest.mark.parametrize("policy", ["feplb-split", "feplb-split@ema", "feplb-split/ep2xdp2"])
 def test_trains_as_the_unmodified_model(plain, policy):
+    """On 4 ranks: EP over all 4, or EP 2 x data-parallel 2 (feplb-split/ep2xdp2: the Trainer given the
+    data-parallel group), against the unmodified model under DDP over the 4."""
     with tempfile.TemporaryDirectory() as d:
         runs = run_dist(_train, W, policy, d, "sgd", timeout_s=300)
     for r in runs:
