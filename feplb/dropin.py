@@ -366,9 +366,10 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: b
 
     rank0_only: the full dict on rank 0 of the EP group and an empty dict elsewhere (True), or on every rank.
     cpu_offload: the tensors returned on the CPU (True), each gathered parameter moved there before the next is
-        gathered, so a device holds at most one expert parameter's whole tensor at a time beyond the model (as
-        ``StateDictOptions(cpu_offload=True)`` does for DCP's full state dict): what saving a checkpoint wants, where
-        the whole model's experts may not fit in one GPU's memory beside the training state. False: on the
+        gathered, so a device holds at most one expert parameter's whole tensor (and this rank's copy of its shard)
+        at a time beyond the model (as ``StateDictOptions(cpu_offload=True)`` does for DCP's full state dict): what
+        saving a checkpoint wants, where the whole model's experts may not fit in one GPU's memory beside the
+        training state. Entries sharing the model's storage (tied weights) share one CPU copy. False: on the
         parameters' devices, every expert parameter's whole tensor held there at once on the ranks that return it.
     Tensors are detached; the non-expert entries share storage with the model where they stay on its device
     (always without cpu_offload), except those FSDP (``fully_shard``) holds as DTensors, which are gathered into
@@ -377,6 +378,19 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: b
     """
     def placed(t: Any) -> Any:   # (an entry may be another object: a module's _extra_state)
         return t.cpu() if cpu_offload and isinstance(t, torch.Tensor) else t
+
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def placed_once(t: Any) -> Any:
+        """``placed``, one CPU copy for the entries that are one tensor of the model (tied weights: embed_tokens and
+        lm_head), which save_pretrained then writes once, as without cpu_offload (every tensor here lives until the
+        return: no address is reused meanwhile)."""
+        if not (cpu_offload and isinstance(t, torch.Tensor)) or t.device.type == "cpu":
+            return t
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key not in copies:
+            copies[key] = t.cpu()
+        return copies[key]
 
     owners: dict[str, MoELayer] = {_state_dict_name(name): m for name, m in model.named_modules(remove_duplicate=False)
                                    if isinstance(m, MoELayer)}
@@ -388,6 +402,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: b
         if is_dtensor(v):
             v = v.full_tensor()   # collective: every rank gathers, one tensor at a time
             if not keep:
+                del v             # (freed before the next is gathered)
                 continue          # and only the ranks that return it hold it
             v = placed(v)         # one gathered tensor on the device at a time
         sd[k] = v
@@ -407,6 +422,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: b
                 else:
                     parts = [torch.empty_like(shard) for _ in range(W)]
                     dist.all_gather(parts, shard, group=group)
+                del shard   # (a copy where the parameter is strided: freed before the next parameter's)
                 if parts is not None and cpu_offload:
                     parts = [t.cpu() for t in parts]   # this parameter's device buffers freed before the next
                 # not returned (rank0_only, not rank 0): an empty mark that it was gathered
@@ -424,7 +440,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: b
     out: dict[str, torch.Tensor] = {}
     for k, v in sd.items():
         if k in full:
-            out.update({n: placed(t) for n, t in full[k].items()})
+            out.update({n: placed_once(t) for n, t in full[k].items()})
         else:
-            out[k] = placed(v)
+            out[k] = placed_once(v)
     return out

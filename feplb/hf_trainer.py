@@ -167,7 +167,8 @@ class TrainerMixin:
     def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
         from torch.nn.parallel import DistributedDataParallel
 
-        if dist.is_initialized() and dist.get_world_size() > 1 and not isinstance(model, DistributedDataParallel):
+        inner = getattr(model, "_orig_mod", model)   # (torch_compile: accelerate compiles the DDP-wrapped model)
+        if dist.is_initialized() and dist.get_world_size() > 1 and not isinstance(inner, DistributedDataParallel):
             # (alike on every rank, so every rank raises) accelerate's prepare_model(evaluation_mode=True), which
             # evaluate() and predict() call before any train(), marks the model prepared, and train()'s prepare()
             # then hands it back without DDP: each rank would step its replicated parameters on its own gradients

@@ -248,7 +248,9 @@ def launch(kernel, grid, *args, config: dict | None = None, **kwargs) -> None:
 def deterministic_config(kernel, args: tuple, kwargs: dict):
     """Under ``torch.use_deterministic_algorithms(True)``, the config an autotuned kernel launches with: the first
     of its configs that its ``early_config_prune`` keeps for these arguments (shared memory, dtype), a function of
-    the shapes and dtypes only, so every run and every rank computes with the same tiles. Triton's autotuner times
+    the shapes and dtypes (and, for the persistent variants, of the GPU's SM count, which sets their programs and
+    the weight gradients' row chunks) and never of timing, so every run on one kind of GPU computes with the same
+    tiles. Triton's autotuner times
     the configs instead and keeps the fastest, per process: tiles that split a reduction otherwise (the GEMMs'
     BLOCK_K, the weight gradients' BLOCK_M) round differently, so two runs of the same job would differ in their
     last bits. The first config is not the fastest everywhere: the flag costs kernel time (not measured: the

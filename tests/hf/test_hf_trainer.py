@@ -203,7 +203,7 @@ def test_trl_like_subclasses():
 def _evaluated_first(rank, world, out):
     """evaluate() before the first train(): accelerate prepared the model for evaluation only, so train() would run
     without DDP (the ranks' replicated parameters parting): refused on every rank, naming the way out, which then
-    trains with the ranks' replicated parameters equal."""
+    trains with the ranks' replicated parameters equal; torch_compile (DDP inside the compiled module) trains."""
     _env(rank, world)
     import torch.distributed as dist
 
@@ -219,13 +219,15 @@ def _evaluated_first(rank, world, out):
     first = trainer()
     loss = first.evaluate()["eval_loss"]
     refused = error_of(first.train)
+    # accelerate compiles the model after wrapping it in DDP (an OptimizedModule over DDP): not refused
+    compiled = error_of(trainer(torch_compile=True, torch_compile_backend="eager", max_steps=1).train)
     inside = trainer(eval_on_start=True)
     inside.train()
     evals = [h["eval_loss"] for h in inside.state.log_history if "eval_loss" in h]
     replicated = torch.cat([p.detach().flatten() for n, p in inside.model.named_parameters() if "experts" not in n])
     everyone = [torch.empty_like(replicated) for _ in range(world)]
     dist.all_gather(everyone, replicated)
-    return {"loss": loss, "refused": refused, "evals": evals,
+    return {"loss": loss, "refused": refused, "compiled": compiled, "evals": evals,
             "equal": all(torch.equal(t, everyone[0]) for t in everyone)}
 
 
@@ -236,7 +238,7 @@ def test_evaluate_before_train_is_refused_on_every_rank():
         assert r["loss"] == runs[0]["loss"] and r["refused"] is not None, r
         assert r["refused"].startswith("RuntimeError") and "outside DistributedDataParallel" in r["refused"] and \
             "eval_on_start=True" in r["refused"], r["refused"]
-        assert r["evals"] == [runs[0]["loss"]] and r["equal"], r
+        assert r["evals"] == [runs[0]["loss"]] and r["equal"] and r["compiled"] is None, r
 
 
 def test_ref_model_problem():

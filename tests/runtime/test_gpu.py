@@ -239,18 +239,25 @@ def _strided_worker(rank, world, transport, device, copy_path):
 def _offload_check(layer, want: dict[str, torch.Tensor], rank: int, device: str) -> dict:
     """``full_state_dict(cpu_offload=True)`` gathers each expert parameter through the device and keeps it in CPU
     memory: rank 0 gets the model's whole tensors on the CPU, bit for bit, and the device holds nothing of them
-    once it returns (without offloading, every whole tensor stays there); at its peak, about one parameter's."""
+    once it returns (without offloading, every whole tensor stays there); at its peak, about one parameter's. A
+    weight tied under two names (one Linear reachable twice) is one CPU tensor under both."""
     from feplb.dropin import full_state_dict
 
+    model = torch.nn.Module()
+    model.experts = layer
+    model.tied = model.again = torch.nn.Linear(4, 4, device=device)
+    want = {f"experts.{k}": v.detach() for k, v in want.items()} | {
+        f"{name}.{k}": v.detach().cpu() for name in ("tied", "again") for k, v in model.tied.state_dict().items()}
     if device == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    full = full_state_dict(layer, cpu_offload=True)
+    full = full_state_dict(model, cpu_offload=True)
     out = {"ok": True}
     if rank == 0:
         out["ok"] = sorted(full) == sorted(want) and all(
-            full[k].device.type == "cpu" and torch.equal(full[k], want[k].detach()) for k in want)
+            full[k].device.type == "cpu" and torch.equal(full[k], want[k]) for k in want) and \
+            full["tied.weight"].data_ptr() == full["again.weight"].data_ptr()
     else:
         out["ok"] = full == {}
     if device == "cuda":
