@@ -234,7 +234,7 @@ def launch(kernel, grid, *args, config: dict | None = None, **kwargs) -> None:
     """Launch an autotuned kernel; with ``config`` (block sizes, optional num_warps / num_stages), launch its
     JIT function with exactly that config instead (to test every GPU config under the interpreter, or to time
     one config). Under ``torch.use_deterministic_algorithms(True)``, the config :func:`deterministic_config` picks
-    from the shapes alone instead of the autotuner's timing."""
+    without timing instead of the autotuner's."""
     if config is None:
         fixed = deterministic_config(kernel, args, kwargs)
         if fixed is None:
@@ -250,12 +250,11 @@ def deterministic_config(kernel, args: tuple, kwargs: dict):
     of its configs that its ``early_config_prune`` keeps for these arguments (shared memory, dtype), a function of
     the shapes and dtypes (and, for the persistent variants, of the GPU's SM count, which sets their programs and
     the weight gradients' row chunks) and never of timing, so every run on one kind of GPU computes with the same
-    tiles. Triton's autotuner times
-    the configs instead and keeps the fastest, per process: tiles that split a reduction otherwise (the GEMMs'
-    BLOCK_K, the weight gradients' BLOCK_M) round differently, so two runs of the same job would differ in their
-    last bits. The first config is not the fastest everywhere: the flag costs kernel time (not measured: the
-    kernels have not yet run on a GPU).
-    None where the autotuner decides nothing (the flag off, a single config, not an autotuned kernel)."""
+    tiles. Triton's autotuner times the configs instead and keeps the fastest, per process: tiles that split a
+    reduction otherwise (the GEMMs' BLOCK_K, the weight gradients' BLOCK_M) round differently, so two runs of the
+    same job would differ in their last bits. The first config is not the fastest everywhere: the flag costs kernel
+    time (not measured: the kernels have not yet run on a GPU). None where the autotuner decides nothing (the flag
+    off, a single config, not an autotuned kernel)."""
     if not torch.are_deterministic_algorithms_enabled():
         return None
     configs = getattr(kernel, "configs", None)
