@@ -7,6 +7,8 @@ NVSHMEM. That proves correctness only: processes sharing one GPU time-slice it."
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -262,6 +264,10 @@ def _offload_check(layer, want: dict[str, torch.Tensor], rank: int, device: str)
         out["ok"] = full == {}
     if device == "cuda":
         torch.cuda.synchronize()
+        # gloo's worker thread drops its reference to a collective's tensors just after the caller's wait returns
+        deadline = time.monotonic() + 2.0
+        while torch.cuda.memory_allocated() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
         largest = max(w.numel() * w.element_size() for w in want.values())
         out |= {"held": torch.cuda.memory_allocated() - before, "peak": torch.cuda.max_memory_allocated() - before,
                 "largest": largest}
