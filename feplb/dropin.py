@@ -221,17 +221,23 @@ def zero_replica_grads(model: nn.Module) -> None:
         m.zero_replica_grads()
 
 
-def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGroup | None = None) -> None:
+def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGroup | None = None, *,
+                         divide: bool = True) -> None:
     """Make the expert shards' gradients the mean over the ranks' losses instead of the sum the dispatch leaves
     (collective): ``MoELayer.average_expert_grads`` of every FEPLB layer (replica gradients reduced,
     then divided by the EP group's size; with ``data_parallel_group``, EP x DP, first summed over it and divided
     by both sizes). Call it once per optimizer step, after the last backward and before clipping and
     ``optimizer.step()``, when the replicated parameters' gradients are averaged (FSDP's ``fully_shard`` and DDP
-    do that) over the same ranks, so that the whole model follows the mean of the ranks' losses."""
+    do that) over the same ranks, so that the whole model follows the mean of the ranks' losses.
+
+    divide=False: the sum of the ranks' losses' gradients instead (summed over ``data_parallel_group``, not
+    divided), where the replicated parameters' gradients are summed too: torchtitan's convention, whose FSDP does
+    not divide (the loss scaled by the global token count). Needed under EP x DP; with the EP group all the ranks
+    the dispatch already leaves the sum."""
     moes = experts_modules(model)
     with handshaken(moes, ENTRY_AVERAGE, force=data_parallel_group is not None):
         for m in moes:
-            m.average_expert_grads(data_parallel_group)
+            m.average_expert_grads(data_parallel_group, divide=divide)
 
 
 def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -442,22 +442,30 @@ class TrainingSteps:
         self.replicas.reduce_grads(self.placement, idle)
 
     @torch.no_grad()
-    def average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None = None) -> None:
+    def average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None = None, *,
+                             divide: bool = True) -> None:
         """Make the expert shards' gradients the mean over every rank that trains on its own data (collective):
         reduce the replica gradients (``reduce_replica_grads``), sum each shard's gradient over
         ``data_parallel_group`` if given (EP x DP: the ranks that hold the same experts, one per EP group), and
         divide by the number of such ranks (EP group size x data-parallel group size). The dispatch's backward
         leaves the sum over the EP group's ranks; DDP or FSDP averaging the replicated parameters (the router) over
-        all of those ranks then trains the mean of their losses. Once per optimizer step, after the last backward
+        all of those ranks then trains the mean of their losses.
+
+        divide=False: the sum over those ranks instead, where the replicated parameters' gradients are summed too
+        (torchtitan's convention: its FSDP does not divide, and the loss is scaled by the global token count); with
+        the EP group all the ranks, the dispatch's backward already leaves that sum, and only the replicas'
+        gradients are reduced.
+
+        Once per optimizer step, after the last backward
         and before clipping and ``optimizer.step()``. A second call before the step would divide again (after
         another backward of an accumulation, the first micro-batches' share twice): refused while an expert
         parameter still holds the gradient tensor the last call divided and no optimizer step (of any optimizer
         holding the experts), ``zero_replica_grads()`` (an attached optimizer's ``zero_grad()``, ``layer.zero_grad()``)
         or ``refresh_replicas()`` came between; zeroing with ``set_to_none=True`` makes new tensors."""
         with handshaken([self], ENTRY_AVERAGE, force=data_parallel_group is not None):
-            self._average_expert_grads(data_parallel_group)
+            self._average_expert_grads(data_parallel_group, divide)
 
-    def _average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None) -> None:
+    def _average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None, divide: bool = True) -> None:
         done = self.__dict__.get("_averaged")
         if done is not None and self._same_grads(done):
             raise RuntimeError("MoELayer.average_expert_grads: called again before the optimizer step, on the "
@@ -474,7 +482,8 @@ class TrainingSteps:
             if p.grad is not None:
                 if data_parallel_group is not None:
                     dist.all_reduce(p.grad, group=data_parallel_group)
-                p.grad.div_(ranks)
+                if divide:
+                    p.grad.div_(ranks)
         self._averaged = [None if p.grad is None else weakref.ref(p.grad) for p in self.expert_params()]
 
     def _same_grads(self, mark: list) -> bool:

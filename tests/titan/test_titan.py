@@ -494,6 +494,43 @@ def _accum_case(rank: int, world: int) -> dict:
     return out
 
 
+def _epdp_case(rank: int, world: int) -> dict:
+    """EP 2 x data-parallel 2 on 4 ranks (EP groups {0, 1} and {2, 3}; ranks 0 and 2, 1 and 3 hold the same experts):
+    each expert shard's gradient after ``average_expert_grads`` over the data-parallel group, against the fp64
+    reference over the 4 ranks' inputs: their mean (divide=True: FSDP's and DDP's default) or their sum
+    (divide=False: torchtitan's FSDP, which does not divide, the loss scaled by the global token count). Without
+    the call, each shard holds its EP group's sum only."""
+    import torch.distributed as dist
+
+    import feplb.titan as ft
+
+    eps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    out: dict = {}
+    for divide in (True, False, None):   # None: no call
+        moe = make_moe("qwen3")
+        full = {n: p.detach().clone() for n, p in moe.routed_experts.inner_experts.named_parameters()}
+        ft.apply(moe, group=eps[rank // 2], policy="feplb-split", gpus_per_node=2, dtype=torch.float32, **OPTS)
+        ours = moe.routed_experts
+        x, s, ids = _inputs(rank)
+        g = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(7 + rank))
+        (ours(x, s, ids) * g).sum().backward()
+        if divide is not None:
+            ft.average_expert_grads(moe, dps[rank % 2], divide=divide)
+        ws = {n: w.double().requires_grad_() for n, w in full.items()}
+        (_dense_routed(x.double(), s.double(), ids, ws) * g.double()).sum().backward()
+        L, lo = E // 2, (rank % 2) * (E // 2)
+        err = {}
+        for n, w in ws.items():
+            want = w.grad.clone()
+            dist.all_reduce(want)   # the sum over the 4 ranks' inputs
+            err[n] = _rel(ours.inner_experts.get_parameter(n).grad, want[lo:lo + L] / (world if divide else 1))
+        moved = torch.tensor([ours.last_stats.rows_moved])
+        dist.all_reduce(moved)
+        out[divide] = {"err": err, "moved": int(moved)}
+    return out
+
+
 def _dcp_case(rank: int, world: int) -> dict:
     """torchtitan's checkpoint path, as its ``CheckpointManager`` takes it: the model through its ``ModelWrapper``,
     the optimizer as its ``OptimizersContainer`` (AdamW, attached to the layers: its flattened state, made by a
@@ -650,6 +687,8 @@ def _worker(rank: int, world: int) -> dict:
            "records": _records_case(rank, world),
            "init": _init_case(rank, world),
            "compile": _compile_case(rank, world)}
+    if world == 4:
+        res["epdp"] = _epdp_case(rank, world)
     return res
 
 
@@ -806,6 +845,17 @@ def _assert_accum(ranks: list[dict], world: int) -> None:
             assert ours <= 2 * theirs, (r, name, e, e in res["accum"]["copied"], ours, theirs)
 
 
+def _assert_epdp(ranks: list[dict], world: int) -> None:
+    if world != 4:
+        return
+    for r, res in enumerate(ranks):
+        case = res["epdp"]
+        for divide in (True, False):
+            assert max(case[divide]["err"].values()) <= 1e-5, (r, divide, case[divide])
+        assert min(case[None]["err"].values()) > 0.1, (r, "without the call: the EP group's sum only", case[None])
+    assert ranks[0]["epdp"][True]["moved"] > 0 and ranks[0]["epdp"][False]["moved"] > 0, ranks[0]["epdp"]
+
+
 def _assert_records(ranks: list[dict], world: int) -> None:
     for r, res in enumerate(ranks):
         case = res["records"]
@@ -835,7 +885,7 @@ def _assert_compile(ranks: list[dict], world: int) -> None:
 
 CHECKS = {"routed": _assert_routed, "moe": _assert_moe, "train": _assert_train, "scores": _assert_scores,
           "errors": _assert_errors, "accum": _assert_accum, "dcp": _assert_dcp, "records": _assert_records,
-          "init": _assert_init, "compile": _assert_compile}
+          "init": _assert_init, "compile": _assert_compile, "epdp": _assert_epdp}
 
 
 @pytest.mark.parametrize("check", CHECKS.values(), ids=CHECKS.keys())
