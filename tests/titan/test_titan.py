@@ -12,6 +12,8 @@ as 2 nodes x 2, balancing on (feplb-split, rows really move) and off.
   final weights against fp64 SGD (and torchtitan's module trained alike, for a bf16 layer).
 * The whole ``MoE`` (router, bias, shared experts) against the unmodified one: the same parameter names, the same
   token counts for the load-balancing bias, output and gradients at bfloat16's precision.
+* EP 2 x data-parallel 2 (4 ranks): ``average_expert_grads`` over the data-parallel group gives the mean of the
+  ranks' gradients, or with ``divide=False`` their sum (torchtitan's convention), against the fp64 reference.
 * ``full_state_dict`` round-trips bit-exactly into an unmodified MoE (also one reachable under two names; shared
   experts stay shared); a checkpointed forward trains the same; ``ignore_experts_in_ddp`` finds the shards in their
   child module; what FEPLB cannot run is refused by name on every rank before anything is replaced.
