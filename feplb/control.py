@@ -59,7 +59,8 @@ def guard(op: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
         size = dist.get_world_size(group) if dist.is_initialized() else -1
         kind = TimeoutError if ("timed out" in text or "timeout" in text) else RuntimeError
         raise kind(f"feplb: {op} failed on global rank {rank} (group of {size}): a peer died or stalled "
-                   f"past the process group's timeout; backend said: {str(exc).splitlines()[0][:300]}") from exc
+                   "past the process group's timeout (or ran fewer forwards of the model: every rank must run every "
+                   f"forward, evaluation included); backend said: {str(exc).splitlines()[0][:300]}") from exc
 
 
 def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:

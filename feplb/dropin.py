@@ -241,15 +241,17 @@ def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGrou
 
 
 def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
-                     scaler: torch.amp.GradScaler | None = None) -> None:
+                     scaler: torch.amp.GradScaler | None = None, *, average_required: bool | None = None) -> None:
     """``attach_optimizer(optimizer, scaler)`` of every FEPLB layer: each ``optimizer.step()`` then reduces the
     replica gradients before it and refreshes the replicas after it (collective at every step). With a
     ``torch.amp.GradScaler``, pass it: its ``unscale_`` and ``step`` then reduce first, so the replicas' gradients
     are unscaled and checked for inf / NaN with the owners' (and :func:`clip_grad_norm_` after
     ``scaler.unscale_`` sees them reduced); accelerate's ``AcceleratedOptimizer`` brings its own when none is
-    given. Clip with :func:`clip_grad_norm_` (it reduces first)."""
+    given. Clip with :func:`clip_grad_norm_` (it reduces first). ``average_required`` (default: for accelerate's
+    ``AcceleratedOptimizer``): a step whose expert gradients :func:`average_expert_grads` did not divide since its
+    last backward is refused on every rank (``MoELayer.attach_optimizer``)."""
     for m in experts_modules(model):
-        m.attach_optimizer(optimizer, scaler)
+        m.attach_optimizer(optimizer, scaler, average_required=average_required)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,

@@ -39,10 +39,13 @@ class Split:
 _CALL_BITS = (
     (1, "run this layer in different modes", "training", "eval",
      "the balancing history follows training forwards only, so call model.train() or model.eval() on every rank "
-     "alike"),
+     "alike; or the ranks ran different numbers of forwards (an evaluation over shards of different lengths, as "
+     "accelerate's even_batches=False gives, or on some ranks only): every rank must run every forward"),
     (2, "run this layer with autograd on some ranks and off on others", "autograd on",
      "off (torch.no_grad, inference_mode)",
-     "its backward is collective, so run the forward under the same grad mode on every rank"),
+     "its backward is collective, so run the forward under the same grad mode on every rank; or the ranks ran "
+     "different numbers of forwards (an evaluation over shards of different lengths, as accelerate's "
+     "even_batches=False gives, or on some ranks only): every rank must run every forward"),
     (4, "call this layer in different ways", "forward_dispatched", "forward",
      "every rank must call the same method (forward_dispatched behind the caller's own dispatch, forward with "
      "FEPLB's)"),
@@ -68,7 +71,24 @@ ENTRIES = {1: "optimizer.step() of an optimizer attached to the layer", 2: "redu
            3: "refresh_replicas()", 4: "average_expert_grads()", 5: "feplb.clip_grad_norm_()",
            6: "the unscale_() or step() of a GradScaler attached with the optimizer"}
 ENTRY_STEP, ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_SCALER = ENTRIES
+# bits of a step row's PROBLEM
 STEP_PROBLEM_UNATTACHED_SCALER = 1
+STEP_PROBLEM_NOT_AVERAGED = 2
+
+
+def not_averaged(ranks: list[int] | None) -> str:
+    """The refusal of a step of an optimizer attached with ``average_required`` whose expert gradients
+    ``average_expert_grads`` did not divide since the step's last backward (on ``ranks``, None: this one)."""
+    where = "" if ranks is None else f" on EP rank(s) {ranks}"
+    return ("MoELayer: optimizer.step() of an optimizer whose loop averages the replicated parameters' gradients "
+            f"(accelerate's prepared optimizer: its DDP averages them), while the experts' gradients{where} are "
+            "not averaged: average_expert_grads was not called since the step's last backward (forgotten, called "
+            "after the step, or before the last backward of an accumulation). The dispatch leaves each expert's "
+            "gradient summed over the EP group's ranks, W times the mean the rest of the model follows. Nothing was "
+            "stepped: call feplb.hf.average_expert_grads(model) after the step's last backward, before clipping and "
+            "the step (with accelerate: under `if accelerator.sync_gradients:`), here before stepping again, or, "
+            "where a backward came after it, zero the gradients and redo the step from its first backward. For a "
+            "loss summed over the ranks, attach_optimizer(..., average_required=False)")
 
 
 def step_row(layer_id: int, width: int, entry: int, problem: int = 0) -> torch.Tensor:
@@ -118,7 +138,10 @@ def read_step(gathered: np.ndarray) -> None:
             f"EP rank: {(-1 - layers).tolist()}): a call skipped on some ranks only, or "
             "optimizers attached to different layers. Run the same per-step calls on every rank, and attach the "
             "same optimizers to the same layers, in the same order")
-    unattached = np.nonzero(gathered[:, PROBLEM] == STEP_PROBLEM_UNATTACHED_SCALER)[0].tolist()
+    unaveraged = np.nonzero(gathered[:, PROBLEM] & STEP_PROBLEM_NOT_AVERAGED)[0].tolist()
+    if unaveraged:
+        raise RuntimeError(not_averaged(unaveraged))
+    unattached = np.nonzero(gathered[:, PROBLEM] & STEP_PROBLEM_UNATTACHED_SCALER)[0].tolist()
     if unattached:
         raise RuntimeError(
             f"MoELayer: a torch.amp.GradScaler not attached with the optimizer steps the optimizer attached to this "

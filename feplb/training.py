@@ -36,7 +36,9 @@ from feplb.steps import (
     ENTRY_REFRESH,
     ENTRY_SCALER,
     ENTRY_STEP,
+    STEP_PROBLEM_NOT_AVERAGED,
     STEP_PROBLEM_UNATTACHED_SCALER,
+    not_averaged,
 )
 
 __all__ = ["TrainingSteps", "handshaken"]
@@ -144,7 +146,7 @@ def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
     found = getattr(opt, "found_inf", None)
     skipped = (found.reshape(-1)[:1] > 0).to(torch.int64) if isinstance(found, torch.Tensor) else None
     for layer in marked:
-        layer.__dict__.pop("_averaged", None)    # the step's averaging is done with
+        layer._forget_average()    # the step's averaging is done with
         # the steps taken of its experts, compared over the EP ranks in every forward (feplb.steps.read_counts): a
         # torch.amp.GradScaler that skips a step on some ranks only (an overflow in one owner's expert gradients,
         # which that rank alone sees, where the scaler is not attached) leaves the ranks scaling their losses apart
@@ -290,7 +292,8 @@ class TrainingSteps:
             return f"the state serves policy {value.policy!r}, this layer runs {self.config.policy!r}"
         return None
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None, *,
+                         average_required: bool | None = None) -> None:
         """Reduce replica gradients before and refresh the replicas after every ``optimizer.step()`` (per-step
         weights), so no optimizer, fused or not, can leave stale copies behind. Collective at every step. The
         optimizer's ``zero_grad()`` then also drops the copies' gradients (``zero_replica_grads``), so a backward
@@ -307,7 +310,17 @@ class TrainingSteps:
         accelerate's ``AcceleratedOptimizer`` is taken for the torch optimizer it steps, with its GradScaler when
         ``scaler`` is not given; another object that is no
         ``torch.optim.Optimizer`` is refused, and so is an optimizer holding experts a drop-in's ``apply`` replaced
-        (made before it: the experts would never train)."""
+        (made before it: the experts would never train).
+
+        average_required: the loop averages the replicated parameters' gradients over the ranks (DDP, FSDP's
+        default), so each step of ``optimizer`` (on several processes) is refused, on every rank, where the experts
+        hold gradients ``average_expert_grads`` did not divide since the step's last backward: forgotten, called
+        after the step, or before the last backward of an accumulation (their share would stay summed over the EP
+        group, W times the mean). None: for accelerate's ``AcceleratedOptimizer`` (accelerate's DDP averages), not
+        for a torch optimizer (its loop may sum). A step of ``torch.distributed.checkpoint``'s state
+        initialisation (an empty state, learning rates 0) is let through."""
+        if average_required is None:
+            average_required = type(optimizer).__name__ == "AcceleratedOptimizer"
         if scaler is None and type(optimizer).__name__ == "AcceleratedOptimizer":
             # accelerate's prepared optimizer steps through its GradScaler (fp16): attached with it, or a step it
             # skipped on one rank only would leave the others in this attachment's step collectives
@@ -321,6 +334,9 @@ class TrainingSteps:
                 raise TypeError(f"MoELayer.attach_optimizer: scaler must be a torch.amp.GradScaler, got "
                                 f"{type(scaler).__name__}")
             _reduce_before_unscale(scaler)
+        if average_required:
+            optimizer._feplb_average_required = True
+            self._watch_after_average()
         if self in _attached(optimizer):
             return
         _attach(optimizer, self)    # (first: its step handshake is the optimizer's first pre-hook)
@@ -365,7 +381,7 @@ class TrainingSteps:
         and the next reduction would add them to the owners. Call it wherever the training loop discards the
         experts' gradients without a step (``layer.zero_grad()`` and an attached optimizer's ``zero_grad()`` do)."""
         self.replicas.zero_grads()
-        self.__dict__.pop("_averaged", None)
+        self._forget_average()
 
     def _grads_dropped(self) -> bool:
         """Whether the experts' gradients were dropped (``zero_grad(set_to_none=True)``: the model's, or an optimizer's
@@ -407,7 +423,7 @@ class TrainingSteps:
             self._refresh_replicas()
 
     def _refresh_replicas(self) -> None:
-        self.__dict__.pop("_averaged", None)     # (after a step: the next average_expert_grads is the next step's)
+        self._forget_average()     # (after a step: the next average_expert_grads is the next step's)
         if self.replicas.ever_held:
             # Agreed over the group, so that no rank enters the refresh exchange while another raises.
             self.replicas.agree("refresh_replicas")   # (raises where gradients were lost or left)
@@ -485,6 +501,36 @@ class TrainingSteps:
                 if divide:
                     p.grad.div_(ranks)
         self._averaged = [None if p.grad is None else weakref.ref(p.grad) for p in self.expert_params()]
+        self.__dict__.pop("_grad_after_average", None)
+
+    def _forget_average(self) -> None:
+        """The step's averaging is over (a step, zeroed gradients, a refresh): the next is the next step's."""
+        self.__dict__.pop("_averaged", None)
+        self.__dict__.pop("_grad_after_average", None)
+
+    def _not_averaged(self) -> bool:
+        """Whether the expert gradients reach an optimizer step undivided: held, and ``average_expert_grads`` not
+        called on them since the last backward (no mark, new gradient tensors, or a backward that accumulated into
+        them after it: ``_watch_after_average``)."""
+        if not any(p.grad is not None for p in self.expert_params()):
+            return False
+        mark = self.__dict__.get("_averaged")
+        return mark is None or not self._same_grads(mark) or bool(self.__dict__.get("_grad_after_average"))
+
+    def _watch_after_average(self) -> None:
+        """Mark a backward that accumulates into the expert gradients after ``average_expert_grads`` divided them
+        (its share would stay summed): a hook on each expert parameter, once."""
+        if self.__dict__.get("_watching_average"):
+            return
+        self._watching_average = True
+        ref = weakref.ref(self)
+
+        def after_accumulate(_: torch.Tensor) -> None:
+            lay = ref()
+            if lay is not None and "_averaged" in lay.__dict__:
+                lay._grad_after_average = True
+
+        self._hooks += [p.register_post_accumulate_grad_hook(after_accumulate) for p in self.expert_params()]
 
     def _same_grads(self, mark: list) -> bool:
         """Whether an expert parameter holds the very gradient tensor ``mark`` saw (not a new one, as a backward
@@ -531,11 +577,12 @@ def _step_handshake(optimizer: torch.optim.Optimizer) -> None:
     if getattr(_CALLS, "depth", 0):
         return      # inside an attached GradScaler's step, which handshook
     layers = [lay for lay in _attached(optimizer) if lay._step_collective()]
+    problem = _average_problem(optimizer, handshaking=bool(layers))
     if not layers:
         return
     scaler = _stepping_scaler()
-    problem = STEP_PROBLEM_UNATTACHED_SCALER if (scaler is not None and scaler.is_enabled()
-                                                 and not isinstance(scaler, _ReducingScaler)) else 0
+    if scaler is not None and scaler.is_enabled() and not isinstance(scaler, _ReducingScaler):
+        problem |= STEP_PROBLEM_UNATTACHED_SCALER
     try:
         with handshaken(layers, ENTRY_STEP, problem=problem):   # (in the order attached: the same on every rank)
             pass
@@ -548,6 +595,22 @@ def _step_handshake(optimizer: torch.optim.Optimizer) -> None:
             # step redone from its backward would skip the unscaling and step scaled gradients
             scaler._per_optimizer_states[id(optimizer)] = torch.amp.grad_scaler._refresh_per_optimizer_state()
         raise
+
+
+def _average_problem(optimizer: torch.optim.Optimizer, *, handshaking: bool) -> int:
+    """``STEP_PROBLEM_NOT_AVERAGED`` where ``optimizer`` was attached with ``average_required`` and an attached
+    layer's expert gradients reach its step undivided (several processes only), else 0; raised here, on this rank,
+    where no handshake follows to agree it (no layer's step is collective: every rank sees alike)."""
+    if not optimizer.__dict__.get("_feplb_average_required") or not dist.is_initialized() or \
+            dist.get_world_size() == 1:
+        return 0
+    if not optimizer.state and all(float(g.get("lr", 1.0)) == 0.0 for g in optimizer.param_groups):
+        return 0    # torch.distributed.checkpoint initialising the state: one step at lr 0 on zero gradients
+    if not any(lay._not_averaged() for lay in _attached(optimizer)):
+        return 0
+    if not handshaking:
+        raise RuntimeError(not_averaged(None))
+    return STEP_PROBLEM_NOT_AVERAGED
 
 
 def _stepping_scaler() -> torch.amp.GradScaler | None:
@@ -580,7 +643,9 @@ class _ReducingScaler:
             return super().unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        with handshaken(_attached(optimizer), ENTRY_SCALER, force=True):
+        layers = _attached(optimizer)
+        problem = _average_problem(optimizer, handshaking=any(lay.world_size > 1 for lay in layers))
+        with handshaken(layers, ENTRY_SCALER, force=True, problem=problem):
             _reduce_attached(optimizer)
             out = super().step(optimizer, *args, **kwargs)
         # a step the scaler skipped (its inf check agreed over the group, _unscale_grads_) ends the step's averaging
@@ -589,7 +654,7 @@ class _ReducingScaler:
         state = self._per_optimizer_states.get(id(optimizer), {}) if self._enabled else {}
         if any(bool(v.item()) for v in state.get("found_inf_per_device", {}).values()):
             for lay in _attached(optimizer):
-                lay.__dict__.pop("_averaged", None)
+                lay._forget_average()
         return out
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,

@@ -100,3 +100,67 @@ def test_accelerate_loop_trains_as_the_unmodified_model():
     local = run_dist(_loop, W, "accelerate_clip", timeout_s=300)
     assert len({tuple(r["norms"]) for r in local}) > 1
     assert max(_worst(r["params"], plain[0]["params"]) for r in local) > 1e-5
+
+
+def _averaging(rank: int, world: int) -> dict:
+    """accelerate's prepared optimizer attached (its DDP averages the rest of the model): a step whose expert
+    gradients average_expert_grads did not divide since the last backward is refused on every rank, whether the
+    call was forgotten or came before the step's last backward; the step then runs once the loop does it right.
+    Under policy 'none' (no collective in the step, so no handshake) alike; a torch optimizer attached (its loop may
+    sum the losses) is not checked."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    import accelerate
+
+    import feplb.hf as fh
+    from feplb.testing import error_of
+
+    M = _models()
+    out = {}
+    for policy in ("feplb-split", "none"):
+        model = M.make_model("qwen3_moe")
+        fh.apply(model, policy=policy, gpus_per_node=G, min_straggler_rows=0, plan_wait_ms=60_000)
+        acc = accelerate.Accelerator(cpu=True)
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+        inner = acc.unwrap_model(model)
+        fh.attach_optimizer(inner, opt)
+
+        def backward(seed: int, acc=acc, model=model) -> None:
+            ids = torch.randint(0, M.VOCAB, (2, 8), generator=torch.Generator().manual_seed(100 * seed + rank))
+            acc.backward(model(input_ids=ids, labels=ids).loss)
+
+        backward(1)
+        backward(2)
+        out[policy, "forgotten"] = error_of(opt.step)
+        fh.average_expert_grads(inner)
+        out[policy, "then averaged"] = error_of(opt.step)
+        opt.zero_grad()
+        backward(3)
+        fh.average_expert_grads(inner)
+        backward(4)
+        out[policy, "before the last backward"] = error_of(opt.step)
+        opt.zero_grad()
+        backward(5)
+        backward(6)
+        fh.average_expert_grads(inner)
+        out[policy, "right"] = error_of(opt.step)
+        opt.zero_grad()
+    plain = torch.optim.SGD(inner.parameters(), lr=0.05)
+    fh.attach_optimizer(inner, plain)
+    backward(7)
+    out["torch optimizer"] = error_of(plain.step)
+    return out
+
+
+def test_unaveraged_expert_gradients_are_refused_at_the_step():
+    runs = run_dist(_averaging, 2, timeout_s=200)
+    for r in runs:
+        for policy in ("feplb-split", "none"):
+            for case in ("forgotten", "before the last backward"):
+                msg = r[policy, case]
+                assert msg is not None and msg.startswith("RuntimeError") and "are not averaged" in msg, \
+                    (policy, case, msg)
+            assert r[policy, "then averaged"] is None and r[policy, "right"] is None, r
+        assert r["torch optimizer"] is None, r
+    # agreed in the step's handshake: every rank names the ranks
+    assert "on EP rank(s) [0, 1]" in runs[0]["feplb-split", "forgotten"], runs[0]["feplb-split", "forgotten"]
