@@ -319,9 +319,8 @@ class TrainingSteps:
         group, W times the mean). None: for accelerate's ``AcceleratedOptimizer`` (accelerate's DDP averages), not
         for a torch optimizer (its loop may sum). A step of ``torch.distributed.checkpoint``'s state
         initialisation (an empty state, learning rates 0) is let through."""
-        if average_required is None:
-            average_required = type(optimizer).__name__ == "AcceleratedOptimizer"
-        if scaler is None and type(optimizer).__name__ == "AcceleratedOptimizer":
+        accelerated = type(optimizer).__name__ == "AcceleratedOptimizer"
+        if scaler is None and accelerated:
             # accelerate's prepared optimizer steps through its GradScaler (fp16): attached with it, or a step it
             # skipped on one rank only would leave the others in this attachment's step collectives
             scaler = getattr(optimizer, "scaler", None)
@@ -334,8 +333,11 @@ class TrainingSteps:
                 raise TypeError(f"MoELayer.attach_optimizer: scaler must be a torch.amp.GradScaler, got "
                                 f"{type(scaler).__name__}")
             _reduce_before_unscale(scaler)
-        if average_required:
-            optimizer._feplb_average_required = True
+        if average_required is not None:
+            optimizer._feplb_average_required = average_required
+        else:     # (the default decides once: a later attach of another layer keeps an explicit choice)
+            optimizer.__dict__.setdefault("_feplb_average_required", accelerated)
+        if optimizer._feplb_average_required:
             self._watch_after_average()
         if self in _attached(optimizer):
             return
@@ -382,6 +384,8 @@ class TrainingSteps:
         experts' gradients without a step (``layer.zero_grad()`` and an attached optimizer's ``zero_grad()`` do)."""
         self.replicas.zero_grads()
         self._forget_average()
+        self.__dict__.pop("_averaged_grads", None)     # (the experts' gradients are dropped with the copies')
+        self.__dict__.pop("_grad_after_average", None)
 
     def _grads_dropped(self) -> bool:
         """Whether the experts' gradients were dropped (``zero_grad(set_to_none=True)``: the model's, or an optimizer's
@@ -485,12 +489,12 @@ class TrainingSteps:
         done = self.__dict__.get("_averaged")
         if done is not None and self._same_grads(done):
             raise RuntimeError("MoELayer.average_expert_grads: called again before the optimizer step, on the "
-                               "gradients it already divided; call it once per step, after the step's last backward "
-                               "(with accelerate: under `if accelerator.sync_gradients:`, not after every backward "
-                               "of an accumulation). (A step a GradScaler skipped, then gradients zeroed in place, "
-                               "looks the same where the scaler is not attached (attach_optimizer(optimizer, "
-                               "scaler=scaler)): zero them with set_to_none=True, or call zero_replica_grads() "
-                               "after)")
+                               "gradients it already averaged (or summed, divide=False); call it once per step, "
+                               "after the step's last backward (with accelerate: under `if "
+                               "accelerator.sync_gradients:`, not after every backward of an accumulation). (A step "
+                               "a GradScaler skipped, then gradients zeroed in place, looks the same where the "
+                               "scaler is not attached (attach_optimizer(optimizer, scaler=scaler)): zero them with "
+                               "set_to_none=True, or call zero_replica_grads() after)")
         self.reduce_replica_grads()
         ranks = self.world_size * (dist.get_world_size(data_parallel_group) if data_parallel_group is not None
                                    else 1)
@@ -501,12 +505,14 @@ class TrainingSteps:
                 if divide:
                     p.grad.div_(ranks)
         self._averaged = [None if p.grad is None else weakref.ref(p.grad) for p in self.expert_params()]
+        # what the steps of an optimizer attached with average_required check: unlike the mark above, which a step
+        # ends (the next call is the next step's), it holds for every optimizer stepping these gradients
+        self._averaged_grads = self._averaged
         self.__dict__.pop("_grad_after_average", None)
 
     def _forget_average(self) -> None:
-        """The step's averaging is over (a step, zeroed gradients, a refresh): the next is the next step's."""
+        """The step's averaging is over (a step, zeroed gradients, a refresh): the next call is the next step's."""
         self.__dict__.pop("_averaged", None)
-        self.__dict__.pop("_grad_after_average", None)
 
     def _not_averaged(self) -> bool:
         """Whether the expert gradients reach an optimizer step undivided: held, and ``average_expert_grads`` not
@@ -514,7 +520,7 @@ class TrainingSteps:
         them after it: ``_watch_after_average``)."""
         if not any(p.grad is not None for p in self.expert_params()):
             return False
-        mark = self.__dict__.get("_averaged")
+        mark = self.__dict__.get("_averaged_grads")
         return mark is None or not self._same_grads(mark) or bool(self.__dict__.get("_grad_after_average"))
 
     def _watch_after_average(self) -> None:
@@ -527,7 +533,7 @@ class TrainingSteps:
 
         def after_accumulate(_: torch.Tensor) -> None:
             lay = ref()
-            if lay is not None and "_averaged" in lay.__dict__:
+            if lay is not None and "_averaged_grads" in lay.__dict__:
                 lay._grad_after_average = True
 
         self._hooks += [p.register_post_accumulate_grad_hook(after_accumulate) for p in self.expert_params()]
@@ -604,13 +610,28 @@ def _average_problem(optimizer: torch.optim.Optimizer, *, handshaking: bool) -> 
     if not optimizer.__dict__.get("_feplb_average_required") or not dist.is_initialized() or \
             dist.get_world_size() == 1:
         return 0
-    if not optimizer.state and all(float(g.get("lr", 1.0)) == 0.0 for g in optimizer.param_groups):
+    if not optimizer.state and _initialising_state():
         return 0    # torch.distributed.checkpoint initialising the state: one step at lr 0 on zero gradients
-    if not any(lay._not_averaged() for lay in _attached(optimizer)):
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    # (the layers whose experts this optimizer steps: another attached optimizer may step the rest of the model)
+    if not any(lay._not_averaged() for lay in _attached(optimizer) if any(id(p) in held for p in lay.expert_params())):
         return 0
     if not handshaking:
         raise RuntimeError(not_averaged(None))
     return STEP_PROBLEM_NOT_AVERAGED
+
+
+def _initialising_state() -> bool:
+    """Whether the optimizer step in progress is ``torch.distributed.checkpoint``'s initialisation of an empty
+    optimizer state (``_init_optim_state``: zero gradients, learning rates 0), found in the callers' frames."""
+    frame = sys._getframe(1)
+    for _ in range(24):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_init_optim_state" and "checkpoint" in frame.f_code.co_filename:
+            return True
+    return False
 
 
 def _stepping_scaler() -> torch.amp.GradScaler | None:
@@ -636,31 +657,35 @@ class _ReducingScaler:
     step, and so must every rank whose replicas it refreshes with. Pickled or deep-copied, it is the plain scaler
     again (attach the copy to use it so)."""
 
+    # (the layers are attached to the torch optimizer: accelerate's AcceleratedOptimizer given here is looked through,
+    # and given on to the scaler itself, which keys its state by it)
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         # (its inf check is collective over the attached layers' groups, plain EP's included)
-        with handshaken(_attached(optimizer), ENTRY_SCALER, force=True):
-            _reduce_attached(optimizer)
+        inner = _torch_optimizer(optimizer)
+        with handshaken(_attached(inner), ENTRY_SCALER, force=True):
+            _reduce_attached(inner)
             return super().unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        layers = _attached(optimizer)
-        problem = _average_problem(optimizer, handshaking=any(lay.world_size > 1 for lay in layers))
+        inner = _torch_optimizer(optimizer)
+        layers = _attached(inner)
+        problem = _average_problem(inner, handshaking=any(lay.world_size > 1 for lay in layers))
         with handshaken(layers, ENTRY_SCALER, force=True, problem=problem):
-            _reduce_attached(optimizer)
+            _reduce_attached(inner)
             out = super().step(optimizer, *args, **kwargs)
         # a step the scaler skipped (its inf check agreed over the group, _unscale_grads_) ends the step's averaging
         # as a real step does (the optimizer's post-hook pops the mark there): else the next step's
         # average_expert_grads, on gradients zeroed in place (the same tensors), was refused as a second call
         state = self._per_optimizer_states.get(id(optimizer), {}) if self._enabled else {}
         if any(bool(v.item()) for v in state.get("found_inf_per_device", {}).values()):
-            for lay in _attached(optimizer):
+            for lay in layers:
                 lay._forget_average()
         return out
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        layers, groups = _attached(optimizer), []
+        layers, groups = _attached(_torch_optimizer(optimizer)), []
         if layers:
             bad = any(bool(v.item()) for v in per_device.values())
             for lay in layers:

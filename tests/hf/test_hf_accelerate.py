@@ -149,6 +149,34 @@ def _averaging(rank: int, world: int) -> dict:
     fh.attach_optimizer(inner, plain)
     backward(7)
     out["torch optimizer"] = error_of(plain.step)
+    plain.zero_grad()
+    # a loop that sums: the flag turned off on the optimizer already attached
+    fh.attach_optimizer(inner, opt, average_required=False)
+    backward(8)
+    out["summing loop"] = error_of(opt.step)
+    opt.zero_grad()
+    # two prepared optimizers, the experts' and the rest's, both attached: the second step is not refused after
+    # the first (which ends the averaging call's own step), and the rest's never checks the experts
+    model = M.make_model("qwen3_moe")
+    fh.apply(model, policy="feplb-split", gpus_per_node=G, min_straggler_rows=0, plan_wait_ms=60_000)
+    experts = set(fh.expert_parameters(model))
+    acc = accelerate.Accelerator(cpu=True)
+    model, o1, o2 = acc.prepare(model, torch.optim.SGD(list(experts), lr=0.05),
+                                torch.optim.SGD([p for p in model.parameters() if p not in experts], lr=0.05))
+    inner = acc.unwrap_model(model)
+    fh.attach_optimizer(inner, o1)
+    fh.attach_optimizer(inner, o2)
+    backward(9, acc, model)
+    fh.average_expert_grads(inner)
+    out["two optimizers"] = [error_of(o.step) for o in (o2, o1)]
+    o1.zero_grad()
+    o2.zero_grad()
+    # a GradScaler given with accelerate's prepared optimizer, which it steps: checked through it
+    scaler = torch.amp.GradScaler("cpu")
+    fh.attach_optimizer(inner, o1, scaler)
+    ids = torch.randint(0, M.VOCAB, (2, 8), generator=torch.Generator().manual_seed(1000 + rank))
+    scaler.scale(model(input_ids=ids, labels=ids).loss).backward()
+    out["scaler, forgotten"] = error_of(lambda: scaler.step(o1))
     return out
 
 
@@ -161,6 +189,8 @@ def test_unaveraged_expert_gradients_are_refused_at_the_step():
                 assert msg is not None and msg.startswith("RuntimeError") and "are not averaged" in msg, \
                     (policy, case, msg)
             assert r[policy, "then averaged"] is None and r[policy, "right"] is None, r
-        assert r["torch optimizer"] is None, r
+        assert r["torch optimizer"] is None and r["summing loop"] is None, r
+        assert r["two optimizers"] == [None, None], r["two optimizers"]
+        assert r["scaler, forgotten"] is not None and "are not averaged" in r["scaler, forgotten"], r
     # agreed in the step's handshake: every rank names the ranks
     assert "on EP rank(s) [0, 1]" in runs[0]["feplb-split", "forgotten"], runs[0]["feplb-split", "forgotten"]
