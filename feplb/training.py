@@ -621,32 +621,32 @@ def _average_problem(optimizer: torch.optim.Optimizer, *, handshaking: bool) -> 
     return STEP_PROBLEM_NOT_AVERAGED
 
 
+def _caller(match: Any, depth: int) -> Any:
+    """The first of the frames above the caller of this function's caller (up to ``depth`` of them) that
+    ``match(frame)`` accepts, or None: what called the optimizer step in progress."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if match(frame):
+            return frame
+    return None
+
+
 def _initialising_state() -> bool:
     """Whether the optimizer step in progress is ``torch.distributed.checkpoint``'s initialisation of an empty
     optimizer state (``_init_optim_state``: zero gradients, learning rates 0), found in the callers' frames."""
-    frame = sys._getframe(1)
-    for _ in range(24):
-        frame = frame.f_back
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "_init_optim_state" and "checkpoint" in frame.f_code.co_filename:
-            return True
-    return False
+    return _caller(lambda f: f.f_code.co_name == "_init_optim_state" and "checkpoint" in f.f_code.co_filename,
+                   24) is not None
 
 
 def _stepping_scaler() -> torch.amp.GradScaler | None:
     """The ``torch.amp.GradScaler`` whose ``step`` runs the optimizer step in progress (found in the callers'
     frames: a scaler keeps no record of the optimizers it steps before it steps them), or None."""
-    frame = sys._getframe(1)
-    for _ in range(48):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        if frame.f_code.co_name in ("step", "_maybe_opt_step"):
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, torch.amp.GradScaler):
-                return owner
-    return None
+    frame = _caller(lambda f: f.f_code.co_name in ("step", "_maybe_opt_step")
+                    and isinstance(f.f_locals.get("self"), torch.amp.GradScaler), 48)
+    return None if frame is None else frame.f_locals["self"]
 
 
 class _ReducingScaler:
