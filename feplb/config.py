@@ -348,8 +348,9 @@ def forward_problem(c: FEPLBConfig, device: torch.device, has_router: bool, x: o
         return TypeError, (f"MoELayer input dtype must be {c.dtype} (FEPLBConfig.dtype), got {x.dtype} (inside "
                            "torch.autocast a float16, bfloat16 or float32 input is accepted, and cast to it; layers "
                            "around it that compute in another dtype, as FSDP's MixedPrecisionPolicy(param_dtype=...) "
-                           "makes those it shards while the experts stay out of it, feed it theirs: train in mixed "
-                           "precision with torch.autocast instead)")
+                           "makes those it shards while the experts stay out of it, feed it theirs: have the experts "
+                           "compute in that dtype, feplb.hf.apply(model, dtype=torch.bfloat16) say, or train in "
+                           "mixed precision with torch.autocast instead)")
     if x.device != device:
         return ValueError, f"MoELayer input is on {x.device} but the layer's experts are on {device}"
     if routing is None:

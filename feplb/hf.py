@@ -62,6 +62,7 @@ from feplb.dropin import (
     experts_modules,
     full_state_dict,
     hooks_problem,
+    joined_for_forward,
     layer_config,
     mark_replaced,
     overrides_problem,
@@ -73,6 +74,7 @@ from feplb.dropin import (
     wrapper_problem,
     zero_replica_grads,
 )
+from feplb.experts import checked_at_backward
 from feplb.layer import FEPLBConfig, MoELayer, ignore_experts_in_ddp
 
 if TYPE_CHECKING:   # imported when asked for (__getattr__): transformers' Trainer imports accelerate
@@ -127,7 +129,11 @@ class FEPLBExperts(MoELayer):
     ``zero_experts`` Z (LongCat-Flash's zero-computation experts), ids E ... E + Z - 1 return the token itself
     weighed by its gate, computed on the token's GPU (masked routes for the layer); transformers' ``gate_up_proj``
     holds E + Z experts there, the last Z never read: each rank keeps Z / W of them after its own L, so that
-    :func:`full_state_dict` gives back the original layout.
+    :func:`full_state_dict` gives back the original layout. The parameters keep the dtype of the module's; the
+    experts compute in ``config.dtype``: where the two differ (:func:`apply`'s ``dtype=``), the weights are cast
+    once per forward (derived again in the backward, their gradients cast back), and with ``cast_inputs`` (set by
+    ``apply`` when ``dtype=`` is given) the input is cast to ``config.dtype`` and the output returns in the input's
+    dtype; otherwise an input of another dtype is refused outside ``torch.autocast``.
     ``forward(hidden_states [T, H], top_k_index [T, K] int, top_k_weights [T, K] float) -> [T, H]`` returns
     ``sum_k w_k * down(act(gate(x)) * up(x))`` over each token's experts (act: SiLU or GeLU, ``config.activation``),
     like the module it replaces, with the
@@ -139,7 +145,7 @@ class FEPLBExperts(MoELayer):
                  down_proj: torch.Tensor, name: str = "", transposed: bool = False,
                  gate_up_proj_bias: torch.Tensor | None = None, down_proj_bias: torch.Tensor | None = None,
                  post_expert_norm: nn.Module | None = None, zero_experts: int = 0,
-                 per_expert_norm: bool = False) -> None:
+                 per_expert_norm: bool = False, cast_inputs: bool = False) -> None:
         if config.router != "external":
             raise ValueError(f"FEPLBExperts needs FEPLBConfig.router='external', got {config.router!r}")
         if per_expert_norm and post_expert_norm is None:
@@ -157,9 +163,12 @@ class FEPLBExperts(MoELayer):
             raise ValueError("FEPLBExperts: zero_experts need weights stored [out, in], FEPLBConfig.masked_routes and "
                              "a number divisible by the EP group size")
         object.__setattr__(self, "zero_experts", int(zero_experts))   # read by _init_experts()
+        # the weights cast for one forward (joined_for_forward), where the parameters' dtype is not config.dtype
+        object.__setattr__(self, "_joined", None)
         super().__init__(config, group)
         object.__delattr__(self, "_hf_full")
         self.hf_name = name
+        self.cast_inputs = bool(cast_inputs)
         if post_expert_norm is not None:
             self.post_expert_norm = post_expert_norm
         # Ergo's: a norm per expert, called with each row's expert id
@@ -173,19 +182,36 @@ class FEPLBExperts(MoELayer):
             if full is None:
                 continue
             with torch.no_grad():
-                # clone: the shard must not keep the full tensor's storage alive
-                shard = self.local_shard(pname, full).to(device=device, dtype=dtype).clone()
+                # clone: the shard must not keep the full tensor's storage alive; the parameters keep their dtype
+                shard = self.local_shard(pname, full).to(device=device).clone()
             setattr(self, pname, nn.Parameter(shard, requires_grad=full.requires_grad))
 
     def expert_weights(self) -> tuple[torch.Tensor, ...]:
         """(w1 [L, H, 2F], w2 [L, F, H]): ``gate_up_proj`` and ``down_proj`` themselves when transposed, else their
         strided transposed views; then (b1 [L, 2F], b2 [L, H]) = ``gate_up_proj_bias``, ``down_proj_bias`` where the
-        experts have biases."""
-        w1 = getattr(self, self.w1_name)
+        experts have biases. Cast to ``config.dtype`` where the parameters have another: then made once per forward
+        and shared by all its uses, made afresh outside a forward."""
+        joined = self.__dict__.get("_joined")
+        return joined if joined is not None else self._join()
+
+    def _join(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """:meth:`expert_weights` from ``params`` (``expert_params()``, in its order; by default the current
+        ones)."""
+        named = dict(self.named_parameters(recurse=False))
+        if params:
+            named = dict(zip(named, params, strict=True))
+        dt = self.config.dtype
+        w1, w2 = (w if w.dtype == dt else w.to(dt) for w in (named[self.w1_name], named["down_proj"]))
         if self.zero_experts:   # this rank's experts, not its share of the zero experts' unused rows
             w1 = w1[:self.num_local]
-        ws = (w1, self.down_proj) if self.is_transposed else (w1.transpose(1, 2), self.down_proj.transpose(1, 2))
-        return (*ws, *(getattr(self, b) for b in _biases(self.w1_name))) if self.config.expert_bias else ws
+        ws = (w1, w2) if self.is_transposed else (w1.transpose(1, 2), w2.transpose(1, 2))
+        if not self.config.expert_bias:
+            return ws
+        return (*ws, *(b if b.dtype == dt else b.to(dt) for b in (named[n] for n in _biases(self.w1_name))))
+
+    def _casts_weights(self) -> bool:
+        """Whether the experts compute in another dtype than their parameters'."""
+        return any(p.dtype != self.config.dtype for p in self.expert_params())
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,  # type: ignore[override]
                 top_k_weights: torch.Tensor | None = None, *, router_indices: torch.Tensor | None = None,
@@ -198,6 +224,16 @@ class FEPLBExperts(MoELayer):
                 (top_k_weights is not None and routing_weights is not None):
             raise TypeError("FEPLBExperts.forward: give the routing once, as (top_k_index, top_k_weights) or "
                             "(router_indices, routing_weights)")
+        x = hidden_states
+        if self.cast_inputs and isinstance(x, torch.Tensor) and x.is_floating_point():
+            x = x.to(self.config.dtype)
+        if not self._casts_weights():
+            return self._routed(x, ids, weights).to(hidden_states.dtype)
+        with joined_for_forward(self, self.hf_name or type(self).__name__):
+            y = checked_at_backward(self._routed(x, ids, weights))
+        return y.to(hidden_states.dtype)
+
+    def _routed(self, hidden_states: torch.Tensor, ids: Any, weights: Any) -> torch.Tensor:
         if not self.zero_experts or not isinstance(ids, torch.Tensor) or not isinstance(weights, torch.Tensor):
             return super().forward(hidden_states, routing=(ids, weights))
         # zero-computation experts: the token itself weighed by their gates, here; no route to the layer (ids out
@@ -651,29 +687,42 @@ def _version_hint() -> str:
 
 
 def _module_config(module: nn.Module, model: nn.Module, world: int, blocks: dict, name: str,
-                   overrides: dict[str, Any]) -> tuple[str | None, FEPLBConfig | None, dict]:
+                   overrides: dict[str, Any], dtype: torch.dtype | None = None
+                   ) -> tuple[str | None, FEPLBConfig | None, dict]:
     """(why FEPLB cannot run ``module`` on ``world`` EP ranks, or None; its layer's FEPLBConfig, or None; what the
     layer takes beside its config: ``transposed``, whether its weights are stored [in, out], ``zero_experts``,
     LongCat's zero-computation experts, and ``per_expert_norm``, whether its post-expert norm takes expert ids):
-    :func:`_problem`, then the config FEPLBConfig builds from it and ``overrides``. What :func:`apply` and
-    :func:`supported` both decide per module."""
+    :func:`_problem`, then the config FEPLBConfig builds from it and ``overrides`` (``dtype``: the experts' compute
+    dtype, by default their parameters'). What :func:`apply` and :func:`supported` both decide per module."""
     why, fields_of = _problem(module, model, world, blocks.get(id(module)), name)
     extras = {"transposed": fields_of.pop("transposed", False), "zero_experts": fields_of.pop("zero_experts", 0),
               "per_expert_norm": fields_of.pop("per_expert_norm", False)}
     if why is not None:
         return why, None, extras
+    if dtype is not None:
+        fields_of["dtype"] = dtype
     cfg = layer_config(fields_of, overrides)
     return (cfg, None, extras) if isinstance(cfg, str) else (None, cfg, extras)
 
 
-def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> dict[str, str | None]:
+def _dtype_problem(dtype: object) -> str | None:
+    """Why ``dtype`` (:func:`apply`'s) cannot be the experts' compute dtype, or None."""
+    if dtype is None or dtype in _DTYPES:
+        return None
+    return f"dtype={dtype!r}: expected None (the parameters' dtype) or one of {_DTYPES}"
+
+
+def supported(model: nn.Module, ep_size: int = 1, *, dtype: torch.dtype | None = None,
+              **config_overrides: Any) -> dict[str, str | None]:
     """What :func:`apply` would make of ``model`` on ``ep_size`` EP ranks, without a process group and without
     changing it: ``{qualified name: None}`` for every experts module FEPLB can run, ``{name: why not}`` for every
     one it cannot (the reason :func:`apply` gives). :func:`apply` replaces all of them or none: it raises unless
-    every value is None. Empty when the model holds no experts module it recognises. ``config_overrides`` are
-    checked as :func:`apply` checks them, ``gpus_per_node`` against ``ep_size`` included."""
+    every value is None. Empty when the model holds no experts module it recognises. ``dtype`` and
+    ``config_overrides`` are checked as :func:`apply` checks them, ``gpus_per_node`` against ``ep_size`` included."""
     if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
         raise ValueError(f"ep_size: expected an int >= 1, got {ep_size!r}")
+    if (why := _dtype_problem(dtype)) is not None:
+        raise ValueError(f"feplb.hf.supported: {why}")
     problem = overrides_problem(config_overrides)
     if problem is not None:
         raise TypeError(f"feplb.hf.supported: {problem}")
@@ -681,7 +730,7 @@ def supported(model: nn.Module, ep_size: int = 1, **config_overrides: Any) -> di
     blocks = _llama4_blocks(model)
     runnable = []
     for name, mod in _candidates(model):
-        why, cfg, _ = _module_config(mod, model, ep_size, blocks, name, config_overrides)
+        why, cfg, _ = _module_config(mod, model, ep_size, blocks, name, config_overrides, dtype)
         if why is None and ep_size % cfg.gpus_per_node:
             why = (f"gpus_per_node={cfg.gpus_per_node} does not divide the EP group size {ep_size}"
                    + _smaller_group_hint(cfg.gpus_per_node, ep_size))
@@ -710,11 +759,17 @@ def _tied(named: list[tuple[str, nn.Module, FEPLBConfig]]) -> list[tuple[str, nn
 
 # ---------------------------------------------------------------------------------------------------- apply
 
-def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_overrides: Any) -> list[str]:
+def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
+          **config_overrides: Any) -> list[str]:
     """Replace every transformers experts module of ``model``, in place, with a balanced expert-parallel
     :class:`FEPLBExperts` holding this rank's ``E / W`` experts. Collective over the EP group ``group`` (default:
     the world); ``torch.distributed`` must be initialised and every rank must hold the same full weights.
 
+    dtype: what the experts compute in, and their rows travel in (default: the parameters' dtype, as transformers
+        computes them). The parameters keep their own dtype (fp32 ones then get fp32 gradients), and the experts'
+        output returns in their input's dtype. With FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``
+        over the rest of the model (which leaves the experts out, and so feeds them bf16), pass that dtype: the
+        experts then compute as FSDP's would have.
     config_overrides: :class:`feplb.FEPLBConfig` fields (policy, gpus_per_node, dyn, weights, plan_wait_ms, ...).
         hidden, ffn, num_experts, top_k and dtype come from the module and the model config; the router is the
         model's own. The device defaults to the experts' (``"cuda"`` or ``"cpu"``).
@@ -732,11 +787,14 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
     found = _candidates(model)
     # Every problem, a config FEPLBConfig refuses included, goes through the one agreement: all ranks raise together.
     problems, plans = [why] if (why := wrapper_problem(model)) else [], []
+    if (why := _dtype_problem(dtype)) is not None:
+        problems.append(f"  {why}")
+        dtype = None
     configs: dict[int, FEPLBConfig] = {}
     extras: dict[int, dict] = {}
     blocks = _llama4_blocks(model)
     for name, mod in found:
-        why, cfg, extras[id(mod)] = _module_config(mod, model, world, blocks, name, config_overrides)
+        why, cfg, extras[id(mod)] = _module_config(mod, model, world, blocks, name, config_overrides, dtype)
         if why is None:
             configs[id(mod)] = cfg
             plans.append((name, mod))
@@ -770,7 +828,7 @@ def apply(model: nn.Module, *, group: dist.ProcessGroup | None = None, **config_
                     configs[id(mod)], group, w1, w2, name=name, **extras[id(mod)], gate_up_proj_bias=b1,
                     down_proj_bias=b2,
                     post_expert_norm=mod.post_expert_norm if getattr(mod, "has_post_expert_norm", False) or
-                    extras[id(mod)]["per_expert_norm"] else None)
+                    extras[id(mod)]["per_expert_norm"] else None, cast_inputs=dtype is not None)
                 new.train(mod.training)
                 new.refresh_replicas()
     except BaseException:
