@@ -193,6 +193,52 @@ class PolicyState:
         new = replace(self, step=step, ema_E=ema, resident=resident, last_weight_copies=(), last_migrations=())
         return new._refresh() if new.refreshed else new
 
+    # the settings a saved history must share with the state that takes it (to_dict / from_dict)
+    SETTINGS = ("policy", "refresh_every", "ema_shift", "eplb_slots", "eplb_groups", "replicas_mode", "place_min_gain")
+    _PAIRS = {"replicas": 2, "resident": 2, "last_weight_copies": 3, "last_migrations": 3}
+
+    def to_dict(self) -> dict:
+        """This history as plain values (ints, floats, strings, int64 arrays; None where unset): what
+        :meth:`from_dict` rebuilds, to save with a checkpoint."""
+        t = self.topo
+        out: dict = {"topology": [t.num_ranks, t.gpus_per_node, t.num_experts, t.dyn], "step": self.step}
+        out.update((k, getattr(self, k)) for k in self.SETTINGS)
+        for k in ("ema_E", "home_E", "dynamic_WD", "layout_WP"):
+            a = getattr(self, k)
+            out[k] = None if a is None else np.array(a, dtype=np.int64)
+        for k, n in self._PAIRS.items():
+            out[k] = np.array(sorted(getattr(self, k)), dtype=np.int64).reshape(-1, n)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict, like: PolicyState) -> PolicyState:
+        """The history :meth:`to_dict` gave, for a layer whose current state is ``like``: ValueError naming what
+        differs where its topology or settings (policy, refresh_every, ...) are not ``like``'s, or where it is no
+        such history (every array checked as the constructor checks it)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a saved policy state must be a dict, got {type(d).__name__}")
+        t = like.topo
+        want = {"topology": [t.num_ranks, t.gpus_per_node, t.num_experts, t.dyn],
+                **{k: getattr(like, k) for k in cls.SETTINGS}}
+        missing = sorted((set(want) | {"step", "ema_E", "home_E", "dynamic_WD", "layout_WP", *cls._PAIRS}) - set(d))
+        if missing:
+            raise ValueError(f"a saved policy state lacks {missing}")
+        got = {k: list(d[k]) if k == "topology" else d[k] for k in want}
+        differ = [f"{k} {got[k]!r} (the layer's: {want[k]!r})" for k in want if got[k] != want[k]]
+        if differ:
+            raise ValueError("the saved policy state is for another layer setup: " + ", ".join(differ))
+        arrays = {k: None if d[k] is None else np.asarray(d[k]) for k in ("ema_E", "home_E", "dynamic_WD", "layout_WP")}
+        pairs = {}
+        for k, n in cls._PAIRS.items():
+            a = np.asarray(d[k])
+            if a.dtype.kind not in "iu" or a.ndim != 2 or a.shape[1] != n:
+                raise ValueError(f"a saved policy state's {k} must be an integer array [N, {n}], got "
+                                 f"{a.dtype} {list(a.shape)}")
+            pairs[k] = tuple(tuple(int(v) for v in row) for row in a.tolist())
+        return cls(topo=t, **{k: getattr(like, k) for k in cls.SETTINGS}, step=d["step"], **arrays,
+                   replicas=pairs["replicas"], resident=frozenset(pairs["resident"]),
+                   last_weight_copies=pairs["last_weight_copies"], last_migrations=pairs["last_migrations"])
+
     @property
     def refreshed(self) -> bool:
         """Whether the last ``observe`` refreshed (after the first micro-batch, then every ``refresh_every``)."""

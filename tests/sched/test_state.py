@@ -365,3 +365,53 @@ def test_owners_away_follow_the_placement_and_arrays_keep_their_roles():
     assert again.owners_away == {(e, int(owner[e])) for e in range(8) if again.home_E[e] != owner[e]}
     with pytest.raises(ValueError, match="home_E"):
         PolicyState(topo=topo, policy="feplb+place", home_E=again.ema_E)
+
+
+@pytest.mark.parametrize("policy", ["feplb-split@ema", "lp@ema", "eplb", "feplb+place", "feplb-split+place@ema",
+                                    "fastermoe", "feplb"])
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_to_dict_round_trips_and_the_restored_history_plans_alike(policy, mode):
+    """A history after random micro-batches, through to_dict / from_dict: every field equal, and the two states
+    then plan and observe the same next micro-batches alike (plans, dynamic sets, placement, EPLB layout)."""
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=16, dyn=2)
+    rng = np.random.default_rng(sum(map(ord, policy + mode)))
+    fresh = PolicyState(topo=topo, policy=policy, refresh_every=3, replicas_mode=mode)
+    st = fresh
+    for _ in range(7):
+        c = rng.integers(0, 50, size=(4, 16))
+        c[:, int(rng.integers(16))] += 300
+        st = st.observe(c, make_plan(policy, c, topo, st))
+    d = st.to_dict()
+    assert all(isinstance(v, (int, float, str, list, np.ndarray)) or v is None for v in d.values()), d
+    back = PolicyState.from_dict(d, fresh)
+    for f in ("step", "replicas", "resident", "last_weight_copies", "last_migrations", *PolicyState.SETTINGS):
+        assert getattr(back, f) == getattr(st, f), f
+    for f in ("ema_E", "home_E", "dynamic_WD", "layout_WP"):
+        a, b = getattr(st, f), getattr(back, f)
+        assert (a is None and b is None) or np.array_equal(a, b), f
+    for _ in range(5):
+        c = rng.integers(0, 50, size=(4, 16))
+        c[:, int(rng.integers(16))] += 300
+        p, q = make_plan(policy, c, topo, st), make_plan(policy, c, topo, back)
+        assert p.fingerprint() == q.fingerprint()
+        st, back = st.observe(c, p), back.observe(c, q)
+        assert np.array_equal(st.home_E, back.home_E) and st.resident == back.resident
+
+
+def test_from_dict_refuses_another_setup_and_bad_arrays():
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=16, dyn=2)
+    st = PolicyState(topo=topo, policy="feplb@ema").observe(np.ones((4, 16), dtype=np.int64))
+    d = st.to_dict()
+    other = PolicyState(topo=Topology(num_ranks=2, gpus_per_node=2, num_experts=16, dyn=2), policy="feplb-split")
+    with pytest.raises(ValueError, match=r"another layer setup: topology \[4, 2, 16, 2\] \(the layer's: \[2, 2, 16, 2\]"
+                                         r"\), policy 'feplb@ema' \(the layer's: 'feplb-split'\)"):
+        PolicyState.from_dict(d, other)
+    like = PolicyState(topo=topo, policy="feplb@ema")
+    with pytest.raises(ValueError, match=r"lacks \['ema_E'\]"):
+        PolicyState.from_dict({k: v for k, v in d.items() if k != "ema_E"}, like)
+    with pytest.raises(ValueError, match="home_E"):
+        PolicyState.from_dict({**d, "home_E": np.zeros(16, dtype=np.int64)}, like)   # 16 experts on GPU 0
+    with pytest.raises(ValueError, match=r"resident must be an integer array \[N, 2\]"):
+        PolicyState.from_dict({**d, "resident": np.zeros((1, 3), dtype=np.int64)}, like)
+    with pytest.raises(ValueError, match="must be a dict"):
+        PolicyState.from_dict([1, 2], like)
