@@ -28,7 +28,7 @@ from feplb.training import handshaken
 
 __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "zero_replica_grads", "average_expert_grads",
            "attach_optimizer", "clip_grad_norm_", "refresh_replicas", "full_state_dict", "set_state_dict_type",
-           "track_optimizer"]
+           "track_optimizer", "policy_state_dict", "load_policy_state_dict"]
 
 
 # ---------------------------------------------------------------------------------------------------- apply
@@ -354,6 +354,83 @@ def set_state_dict_type(model: nn.Module, kind: str) -> None:
 # the levels a wrapper's state-dict hook removes from its entries' names (torch's checkpoint_wrapper and
 # offload_wrapper, which torchtitan's activation checkpointing applies; FSDP1's wrapper)
 _WRAPPER_LEVELS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def _named_layers(model: nn.Module | list[nn.Module]) -> list[tuple[str, MoELayer]]:
+    """(name, layer) of every FEPLB layer, in module order (each once): its name as ``state_dict()`` spells it,
+    prefixed by the chunk's index where ``model`` is a list of chunks."""
+    chunks = roots(model)
+    many = isinstance(model, (list, tuple))
+    seen, out = set(), []
+    for i, root in enumerate(chunks):
+        for name, m in root.named_modules():
+            if isinstance(m, MoELayer) and id(m) not in seen:
+                seen.add(id(m))
+                name = _state_dict_name(name)
+                out.append((f"{i}.{name}" if many else name, m))
+    return out
+
+
+def policy_state_dict(model: nn.Module | list[nn.Module]) -> dict[str, dict | None]:
+    """Every FEPLB layer's balancing history (``MoELayer.state``: the ``@ema`` load averages and dynamic sets, the
+    ``+place`` placement, EPLB's layout, the step count) as plain values, int64 tensors and Python numbers and
+    strings (``torch.load(..., weights_only=True)`` reads them), by layer name; None for a layer without one
+    (policy ``none``). Save it beside the weights: resumed without it, a layer starts its history afresh and plans
+    the next steps otherwise (the same math, other rows moved, so neither bit for bit the same run nor as well
+    balanced at first). The histories are the same on every rank of an EP group (``refresh_replicas`` checks it):
+    one rank's will do. Local."""
+    out: dict[str, dict | None] = {}
+    for name, layer in _named_layers(model):
+        st = layer.state
+        out[name] = None if st is None else {k: torch.from_numpy(v) if hasattr(v, "dtype") else v
+                                             for k, v in st.to_dict().items()}
+    return out
+
+
+def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[str, Any], *,
+                           strict: bool = True) -> list[str]:
+    """Restore the histories :func:`policy_state_dict` gave, then ``refresh_replicas`` (collective: call it on every
+    rank of the job, as that does, after loading the weights; the layers adopt the restored decisions and copy the
+    weights they name, and are refused on every rank unless every rank restored the same). strict: every layer's
+    history must be in ``state`` and be one for its topology (EP size, GPUs per node, experts, ``dyn``) and
+    settings (policy, ``refresh_every``, ...): otherwise ValueError on every rank, naming the layers, before
+    anything is restored. With ``strict=False`` such layers keep their own history (a run resumed at another EP
+    size, say). Returns the names of the layers that kept their own."""
+    from feplb.sched import PolicyState
+
+    if not isinstance(state, Mapping):
+        raise TypeError(f"load_policy_state_dict: state must be a mapping of layer names, got {type(state).__name__}")
+    restored, kept, problems = [], [], []
+    for name, layer in _named_layers(model):
+        saved, why = state.get(name), None
+        if name not in state:
+            why = "not in the saved state"
+        elif (saved is None) != (layer.state is None):
+            why = ("saved without a history (policy 'none')" if saved is None else
+                   f"saved with a history, the layer's policy {layer.config.policy!r} keeps none")
+        elif saved is not None:
+            try:
+                saved = PolicyState.from_dict({k: v.numpy() if isinstance(v, torch.Tensor) else v
+                                               for k, v in dict(saved).items()}, layer.state)
+            except (TypeError, ValueError) as e:
+                why = str(e)
+        if why is None:
+            restored.append((layer, saved))
+        else:
+            kept.append(name)
+            problems.append(f"  {name or '(the model itself)'}: {why}")
+    unknown = sorted(set(state) - {n for n, _ in _named_layers(model)})
+    if unknown:
+        problems.append(f"  names of no FEPLB layer of the model: {unknown}")
+    views = _agree(problems if strict else [], None) if dist.is_initialized() else [problems if strict else []]
+    bad = next((v for v in views if v), None)
+    if bad:
+        raise ValueError("load_policy_state_dict: the saved balancing histories do not fit the model's layers "
+                         "(strict=True):\n" + "\n".join(bad))
+    for layer, saved in restored:
+        layer.state = saved
+    refresh_replicas(model)
+    return kept
 
 
 def _state_dict_name(name: str) -> str:

@@ -64,8 +64,10 @@ from feplb.dropin import (
     hooks_problem,
     joined_for_forward,
     layer_config,
+    load_policy_state_dict,
     mark_replaced,
     overrides_problem,
+    policy_state_dict,
     reduce_replica_grads,
     refresh_replicas,
     set_state_dict_type,
@@ -83,7 +85,7 @@ if TYPE_CHECKING:   # imported when asked for (__getattr__): transformers' Train
 __all__ = ["FEPLBExperts", "FEPLBLlama4TextMoe", "apply", "supported", "expert_parameters", "experts_modules",
            "full_state_dict", "saves_full_only", "attach_optimizer", "average_expert_grads", "reduce_replica_grads",
            "zero_replica_grads", "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer",
-           "generate_in_step", "Trainer", "TrainerMixin"]
+           "generate_in_step", "Trainer", "TrainerMixin", "policy_state_dict", "load_policy_state_dict"]
 
 
 def __getattr__(name: str) -> Any:

@@ -93,6 +93,8 @@ from feplb.dropin import (
     hooks_problem,
     joined_for_forward,
     layer_config,
+    load_policy_state_dict,
+    policy_state_dict,
     refresh_replicas,
     roots,
     set_state_dict_type,
@@ -107,7 +109,8 @@ from feplb.training import handshaken
 
 __all__ = ["FEPLBExperts", "FEPLBSequentialMLP", "FEPLBTEGroupedMLP", "FEPLBGroupedMLP", "apply", "expert_parameters",
            "experts_modules", "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads",
-           "zero_replica_grads", "refresh_replicas", "clip_grad_norm_", "set_state_dict_type"]
+           "zero_replica_grads", "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "policy_state_dict",
+           "load_policy_state_dict"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (linear_fc1, linear_fc2) classes whose forward, with fp8 refused, is x @ weight.T

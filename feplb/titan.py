@@ -61,7 +61,9 @@ from feplb.dropin import (
     is_dtensor,
     joined_for_forward,
     layer_config,
+    load_policy_state_dict,
     mark_replaced,
+    policy_state_dict,
     reduce_replica_grads,
     refresh_replicas,
     set_state_dict_type,
@@ -75,7 +77,8 @@ from feplb.layer import FEPLBConfig, MoELayer, ignore_experts_in_ddp
 
 __all__ = ["FEPLBGptOssRoutedExperts", "FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules",
            "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "zero_replica_grads",
-           "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer"]
+           "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer", "policy_state_dict",
+           "load_policy_state_dict"]
 
 _NAMES = ("w1_EFD", "w2_EDF", "w3_EFD")
 

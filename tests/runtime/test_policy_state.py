@@ -1,0 +1,148 @@
+"""``feplb.dropin.policy_state_dict`` / ``load_policy_state_dict`` on 4 gloo ranks (2 nodes x 2 GPUs).
+
+* A layer trained three steps (skewed routing, the histories placing experts, choosing @ema sets, EPLB layouts),
+  its histories through ``torch.save`` and ``torch.load(weights_only=True)`` into a fresh layer holding the same
+  weights: the next step plans, places and computes alike, bit for bit (output, every gradient, the plan, the
+  placement, the copies held), where a fresh layer without them plans otherwise.
+* Refused on every rank, before anything is restored (strict): a history for another policy or EP layout, a
+  missing layer, a name of no layer; ``strict=False`` keeps the layers' own. A rank that restored another history
+  than its peers is refused on every rank by the refresh.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from feplb.testing import error_of, load_global_weights, run_dist
+
+pytestmark = pytest.mark.dist
+
+H, FF, E, K, W, G = 16, 32, 16, 2, 4, 2
+POLICIES = ("feplb-split+place@ema", "eplb", "feplb-split@ema")
+
+
+def _inputs(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    router = torch.randn(E, H, generator=gen) / H ** 0.5
+    router[:3] *= 4.0                                # skewed routing: experts 0-2 are hot
+    w1 = torch.randn(E, H, 2 * FF, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, FF, H, generator=gen) / FF ** 0.5
+    xs = [torch.randn(48, H, generator=gen) + 0.5 for _ in range(W)]
+    dys = [torch.randn(48, H, generator=gen) for _ in range(W)]
+    return router, w1, w2, xs, dys
+
+
+def _layer(policy: str, weights=None):
+    from feplb import FEPLBConfig, MoELayer
+
+    layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, plan_wait_ms=60_000,
+                                 min_straggler_rows=0, min_chunk=2, dyn=2, policy=policy, weights="per-step",
+                                 refresh_every=2))
+    router, w1, w2, _, _ = _inputs(5)
+    if weights is None:
+        load_global_weights(layer, router, w1, w2)
+    else:
+        layer.load_state_dict(weights)
+    layer.refresh_replicas()
+    return layer
+
+
+def _step(layer, rank: int, step: int) -> dict:
+    _, _, _, xs, dys = _inputs(5)
+    layer.zero_grad(set_to_none=True)
+    for mb in range(2):
+        x = (xs[rank] * (1 + 0.1 * mb + 0.05 * step)).requires_grad_(True)
+        out = layer(x)
+        (out * dys[rank]).sum().backward()
+    layer.reduce_replica_grads()
+    return {"out": out.detach(), "dx": x.grad, "grads": [p.grad.clone() for p in layer.parameters()],
+            "plan": layer.last_plan.fingerprint() if layer.last_plan is not None else None,
+            "home": layer.home_E.tolist(), "moved": layer.last_stats.rows_moved}
+
+
+def _trained(policy: str, rank: int):
+    layer = _layer(policy)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    for step in range(3):
+        _step(layer, rank, step)
+        opt.step()
+        layer.refresh_replicas()
+    return layer
+
+
+def _worker(rank: int, world: int) -> dict:
+    from feplb.dropin import load_policy_state_dict, policy_state_dict
+
+    out = {}
+    for policy in POLICIES:
+        layer = _trained(policy, rank)
+        buf = io.BytesIO()
+        torch.save(policy_state_dict(layer), buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        weights = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+        restored = _layer(policy, weights)
+        kept = load_policy_state_dict(restored, saved)
+        fresh = _layer(policy, weights)
+        runs = {name: _step(m, rank, 3) for name, m in (("trained", layer), ("restored", restored), ("fresh", fresh))}
+        a, b, c = runs["trained"], runs["restored"], runs["fresh"]
+        out[policy] = {
+            "kept": kept, "entries": sorted(saved), "step": int(saved[""]["step"]),
+            "equal": all(torch.equal(a[k], b[k]) for k in ("out", "dx")) and
+            all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"], strict=True)),
+            "same_plan": a["plan"] == b["plan"] and a["home"] == b["home"], "moved": a["moved"],
+            "fresh_differs": a["plan"] != c["plan"] or a["home"] != c["home"],
+        }
+        for m in (layer, restored, fresh):
+            m.close()
+    # refusals: another policy, a missing layer and an unknown name (strict); strict=False keeps the own history
+    layer = _trained("feplb-split@ema", rank)
+    saved = policy_state_dict(layer)
+    other = _layer("feplb@ema")
+    before = other.state.to_dict()["step"]
+    out["other_policy"] = error_of(lambda: load_policy_state_dict(other, saved))
+    out["missing"] = error_of(lambda: load_policy_state_dict(other, {}))
+    out["unknown"] = error_of(lambda: load_policy_state_dict(layer, {**saved, "nowhere": None}))
+    out["kept"] = load_policy_state_dict(other, saved, strict=False)
+    out["kept_step"] = (before, other.state.step)
+    # a rank restoring another history than its peers' (its own file, say): the refresh refuses on every rank
+    wrong = dict(saved[""])
+    if rank == 1:
+        wrong["step"] = torch.tensor(int(wrong["step"]) + 1) if isinstance(wrong["step"], torch.Tensor) else \
+            wrong["step"] + 1
+    out["apart"] = error_of(lambda: load_policy_state_dict(layer, {"": wrong}))
+    for m in (layer, other):
+        m.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_dist(_worker, W, timeout_s=300, collective_timeout_s=60)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_restored_histories_plan_and_compute_as_the_trained_layer(ranks, policy):
+    for rank, res in enumerate(ranks):
+        case = res[policy]
+        assert case["entries"] == [""] and case["step"] == 6 and case["kept"] == [], (rank, case)
+        assert case["same_plan"] and case["equal"], (rank, case)
+    assert any(res[policy]["moved"] > 0 for res in ranks), [res[policy]["moved"] for res in ranks]
+    # without the histories a fresh layer plans otherwise: the restore is what made them equal
+    assert any(res[policy]["fresh_differs"] for res in ranks), policy
+
+
+def test_histories_that_do_not_fit_are_refused_on_every_rank(ranks):
+    for rank, res in enumerate(ranks):
+        assert res["other_policy"] is not None and res["other_policy"].startswith("ValueError") and \
+            "policy 'feplb-split@ema' (the layer's: 'feplb@ema')" in res["other_policy"], (rank, res["other_policy"])
+        assert res["missing"] is not None and "(the model itself): not in the saved state" in res["missing"], \
+            (rank, res["missing"])
+        assert res["unknown"] is not None and "names of no FEPLB layer of the model: ['nowhere']" in \
+            res["unknown"], (rank, res["unknown"])
+        assert res["kept"] == [""] and res["kept_step"] == (0, 0), (rank, res["kept"], res["kept_step"])
+        assert res["apart"] is not None and "every rank must restore the same PolicyState" in res["apart"], \
+            (rank, res["apart"])
