@@ -35,6 +35,7 @@ when the optimizer is made.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -48,6 +49,8 @@ from feplb.dropin import (
     clip_grad_norm_,
     experts_modules,
     full_state_dict,
+    load_policy_state_dict,
+    policy_state_dict,
     refresh_replicas,
 )
 from feplb.layer import ignore_experts_in_ddp
@@ -59,11 +62,13 @@ try:
 except ImportError as e:   # pragma: no cover - the hf extra installs it
     raise ImportError("feplb.hf.Trainer needs transformers (pip install 'feplb[hf]')") from e
 
-__all__ = ["TrainerMixin", "Trainer", "MODEL_DIR", "OPTIMIZER_DIR", "ref_model_problem"]
+__all__ = ["TrainerMixin", "Trainer", "MODEL_DIR", "OPTIMIZER_DIR", "POLICY_FILE", "ref_model_problem"]
 
 # in a checkpoint, torch.distributed.checkpoint folders: the model's shards as they run, and the optimizer's state
 MODEL_DIR = "model_feplb"
 OPTIMIZER_DIR = "optimizer_feplb"
+# and the layers' balancing histories (feplb.dropin.policy_state_dict), which a resumed run continues
+POLICY_FILE = "policy_feplb.pt"
 
 
 # the Trainer methods FEPLB's calls go into; transformers 5.0's Trainer clipped inside its training loop
@@ -215,9 +220,13 @@ class TrainerMixin:
         if self._feplb_checkpointing:
             import torch.distributed.checkpoint as dcp
 
+            folder = output_dir or self.args.output_dir
             with self._sharded():
-                dcp.save(self.model.state_dict(),
-                         checkpoint_id=os.path.join(output_dir or self.args.output_dir, MODEL_DIR))
+                dcp.save(self.model.state_dict(), checkpoint_id=os.path.join(folder, MODEL_DIR))
+            if self.args.should_save:   # (the same on every rank of an EP group: one rank's)
+                path = os.path.join(folder, POLICY_FILE)
+                torch.save(policy_state_dict(self.model), path + ".tmp")
+                os.replace(path + ".tmp", path)   # never a half-written file under the name
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         self._feplb_checkpointing = True
@@ -277,7 +286,22 @@ class TrainerMixin:
             state = self.model.state_dict()
             dcp.load(state, checkpoint_id=folder)
             self.model.load_state_dict(state)
-        refresh_replicas(self.model)
+        # the balancing histories, where the checkpoint holds them (older ones do not), then the refresh
+        path = os.path.join(checkpoint, POLICY_FILE)
+        seen = os.path.isfile(path)
+        views = _agree(seen, None) if dist.is_initialized() else [seen]
+        if any(views) and not all(views):
+            raise ValueError(f"feplb.hf.Trainer: {path} is missing on global rank(s) "
+                             f"{[r for r, ok in enumerate(views) if not ok]}: checkpoints need one filesystem "
+                             "shared by every rank to be resumed from")
+        if not seen:
+            refresh_replicas(self.model)
+            return
+        kept = load_policy_state_dict(self.model, torch.load(path, weights_only=True), strict=False)
+        if kept:
+            warnings.warn(f"feplb.hf.Trainer: the balancing histories in {path} are for another setup (EP size, "
+                          f"policy, ...) than layer(s) {kept}, which start theirs afresh", RuntimeWarning,
+                          stacklevel=2)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         import torch.distributed.checkpoint as dcp

@@ -98,7 +98,8 @@ def _train(rank, world, mode, out, optim, resume=None, save_steps=None):
     trainer = cls(model=model, args=_args(out, optim, **kw), train_dataset=_dataset(), callbacks=[snaps])
     trainer.train(resume_from_checkpoint=resume)
     logs = [(h["loss"], float(h["grad_norm"])) for h in trainer.state.log_history if "loss" in h]
-    return {"logs": logs, "steps": snaps.steps, "flos": trainer.state.total_flos}
+    return {"logs": logs, "steps": snaps.steps, "flos": trainer.state.total_flos,
+            "policy": None if mode == "plain" else feplb.hf.policy_state_dict(model)}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -268,6 +269,22 @@ def _checkpointed(rank, world, out):
     first = _train(rank, world, "feplb-split", out, "adamw_torch", save_steps=2)
     resumed = _train(rank, world, "feplb-split", out + "_resumed", "adamw_torch",
                      resume=os.path.join(out, "checkpoint-2"), save_steps=2)
+    # @ema: the dynamic sets and the copies held for each step follow the layers' histories, which the checkpoint
+    # keeps; resumed from a copy of the checkpoint without them (an older checkpoint's), the histories start afresh
+    import shutil
+
+    import torch.distributed as dist
+
+    ema = _train(rank, world, "feplb-split@ema", out + "_ema", "adamw_torch", save_steps=2)
+    ckpt, bare = os.path.join(out + "_ema", "checkpoint-2"), out + "_ema_bare"
+    if rank == 0:
+        shutil.copytree(ckpt, bare)
+        os.remove(os.path.join(bare, "policy_feplb.pt"))
+    dist.barrier()
+    ema_resumed = _train(rank, world, "feplb-split@ema", out + "_ema_resumed", "adamw_torch", resume=ckpt,
+                         save_steps=2)
+    ema_bare = _train(rank, world, "feplb-split@ema", out + "_ema_bare_resumed", "adamw_torch", resume=bare,
+                      save_steps=2)
     # the final model as plain transformers loads it from the last checkpoint
     loaded = tf.Qwen3MoeForCausalLM.from_pretrained(os.path.join(out, "checkpoint-4")).state_dict()
     files = sorted(os.listdir(os.path.join(out, "checkpoint-2")))
@@ -291,7 +308,8 @@ def _checkpointed(rank, world, out):
     epdp = [error_of(lambda g=g: feplb.hf.Trainer(model=model, args=_args(out + "_z", "sgd"), train_dataset=_dataset(),
                                                   data_parallel_group=g)) for g in (ep if rank >= 2 else dp, dp)]
     return {"first": first, "resumed": resumed, "loaded": loaded, "files": files, "epdp": epdp,
-            "opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr()}
+            "opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr(), "ema": ema,
+            "ema_resumed": ema_resumed, "ema_bare": ema_bare}
 
 
 def _load_elsewhere(rank, world, out):
@@ -329,6 +347,18 @@ def _load_elsewhere(rank, world, out):
             "adafactor": error_of(ada.create_optimizer), "fsdp": fsdp, "node_local": node_local}
 
 
+def _same_policy(a: dict, b: dict) -> bool:
+    """Whether two policy_state_dict results are equal, entry by entry."""
+    def same(x, y):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return x == y
+    return a.keys() == b.keys() and all(
+        (a[n] is None) == (b[n] is None) and (a[n] is None or (a[n].keys() == b[n].keys() and
+                                                               all(same(a[n][k], b[n][k]) for k in a[n])))
+        for n in a)
+
+
 def test_checkpoints_resume_and_load_elsewhere():
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "run")
@@ -347,8 +377,21 @@ def test_checkpoints_resume_and_load_elsewhere():
         assert r["loaded"].keys() == final.keys()
         assert all(torch.equal(r["loaded"][k], final[k]) for k in final)
         assert r["opt_state"].keys() == r0["opt_state"].keys()
-    # DCP's folder for the optimizer, no rank-0-only optimizer.pt of transformers' own
+    # DCP's folder for the optimizer, no rank-0-only optimizer.pt of transformers' own; the balancing histories
     assert "optimizer_feplb" in r0["files"] and "optimizer.pt" not in r0["files"], r0["files"]
+    assert "policy_feplb.pt" in r0["files"], r0["files"]
+    for rank, r in enumerate(runs):
+        # @ema resumed with the histories: steps 3 and 4 bit for bit the uninterrupted run's, histories equal
+        assert len(r["ema_resumed"]["steps"]) == 2
+        # (the resumed Trainer's log history starts with the checkpoint's)
+        assert r["ema_resumed"]["logs"] == r["ema"]["logs"], (rank, r["ema_resumed"]["logs"], r["ema"]["logs"])
+        for sd, ref in zip(r["ema_resumed"]["steps"], r["ema"]["steps"][2:], strict=True):
+            assert all(torch.equal(sd[k], ref[k]) for k in ref), (rank, [k for k in ref if not torch.equal(sd[k],
+                                                                                                      ref[k])])
+        assert _same_policy(r["ema_resumed"]["policy"], r["ema"]["policy"]), rank
+        assert all(h is not None and int(h["step"]) > 0 for h in r["ema"]["policy"].values()), r["ema"]["policy"]
+        # without them the layers started afresh: another history at the end (fewer micro-batches seen)
+        assert not _same_policy(r["ema_bare"]["policy"], r["ema"]["policy"]), rank
     # the optimizer state: every expert's moments there, and equal at 2 ranks to what 4 ranks load
     expert_keys = [k for k in r0["opt_state"] if k.endswith(("gate_up_proj", "down_proj"))]
     assert expert_keys and all(r0["opt_state"][k]["exp_avg"].shape[0] == 8 for k in expert_keys)
