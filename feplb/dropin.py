@@ -357,61 +357,112 @@ _WRAPPER_LEVELS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
 def _named_layers(model: nn.Module | list[nn.Module]) -> list[tuple[str, MoELayer]]:
-    """(name, layer) of every FEPLB layer, in module order (each once): its name as ``state_dict()`` spells it,
-    prefixed by the chunk's index where ``model`` is a list of chunks."""
-    chunks = roots(model)
-    many = isinstance(model, (list, tuple))
+    """(name, layer) of every FEPLB layer, in module order (each once): its name as ``state_dict()`` spells it
+    without the wrappers' levels (DDP's ``module``, ``torch.compile``'s ``_orig_mod``, FSDP's and activation
+    checkpointing's: a model saved wrapped and loaded bare, or the reverse, names its layers alike), prefixed by the
+    chunk's index where ``model`` is a list of chunks."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def unwrapped(m: nn.Module) -> nn.Module:
+        while True:
+            inner = m.module if isinstance(m, DistributedDataParallel) else getattr(m, "_orig_mod", None) \
+                if type(m).__name__ == "OptimizedModule" else None
+            if not isinstance(inner, nn.Module):
+                return m
+            m = inner
+
     seen, out = set(), []
-    for i, root in enumerate(chunks):
-        for name, m in root.named_modules():
-            if isinstance(m, MoELayer) and id(m) not in seen:
-                seen.add(id(m))
-                name = _state_dict_name(name)
-                out.append((f"{i}.{name}" if many else name, m))
+
+    def walk(m: nn.Module, path: list[str], prefix: str) -> None:
+        m = unwrapped(m)
+        if isinstance(m, MoELayer) and id(m) not in seen:
+            seen.add(id(m))
+            out.append((prefix + ".".join(path), m))
+        for child_name, child in m.named_children():
+            walk(child, path if child_name in _WRAPPER_LEVELS else [*path, child_name], prefix)
+
+    many = isinstance(model, (list, tuple))
+    for i, root in enumerate(roots(model)):
+        walk(root, [], f"{i}." if many else "")
     return out
 
 
-def policy_state_dict(model: nn.Module | list[nn.Module]) -> dict[str, dict | None]:
+def _entry(layer: MoELayer) -> dict | None:
+    """``layer``'s history as :func:`policy_state_dict` keeps it (None for policy ``none``), with its EP group."""
+    st = layer.state
+    if st is None:
+        return None
+    out = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in st.to_dict().items()}
+    out["ep_ranks"] = list(layer.control.ranks)
+    return out
+
+
+def policy_state_dict(model: nn.Module | list[nn.Module]) -> dict[str, list[dict | None]]:
     """Every FEPLB layer's balancing history (``MoELayer.state``: the ``@ema`` load averages and dynamic sets, the
-    ``+place`` placement, EPLB's layout, the step count) as plain values, int64 tensors and Python numbers and
-    strings (``torch.load(..., weights_only=True)`` reads them), by layer name; None for a layer without one
-    (policy ``none``). Save it beside the weights: resumed without it, a layer starts its history afresh and plans
-    the next steps otherwise (the same math, other rows moved, so neither bit for bit the same run nor as well
-    balanced at first). The histories are the same on every rank of an EP group (``refresh_replicas`` checks it):
-    one rank's will do. Local."""
-    out: dict[str, dict | None] = {}
-    for name, layer in _named_layers(model):
-        st = layer.state
-        out[name] = None if st is None else {k: torch.from_numpy(v) if hasattr(v, "dtype") else v
-                                             for k, v in st.to_dict().items()}
+    ``+place`` placement, EPLB's layout, the step count), by layer name, one entry per EP group holding a layer of
+    that name (EP x DP: each group trains on its own data; pipeline stages name their layers alike), each with the
+    group's global ranks (``ep_ranks``); as int64 tensors and Python numbers and strings, which
+    ``torch.load(..., weights_only=True)`` reads; None for a layer without one (policy ``none``). Collective over
+    the job (an all-gather of objects): call it on every rank, then save it on one (the result is the same on
+    every rank). Save it beside the weights: resumed without it, a layer starts its history afresh and plans the
+    next steps otherwise (the same math, other rows moved, so neither bit for bit the same run nor as well balanced
+    at first)."""
+    mine = [(name, _entry(layer), list(layer.control.ranks)) for name, layer in _named_layers(model)]
+    views = _agree(mine, None) if dist.is_initialized() else [mine]
+    out: dict[str, list[dict | None]] = {}
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    for view in views:
+        for name, entry, ranks in view:
+            if (name, tuple(ranks)) not in seen:   # (the group's ranks hold the same: one's)
+                seen.add((name, tuple(ranks)))
+                out.setdefault(name, []).append(entry)
     return out
+
+
+def _pick(entries: Any, layer: MoELayer) -> tuple[dict | None, str | None]:
+    """(the saved entry of ``layer``'s EP group among ``entries``, why there is none)."""
+    ranks = list(layer.control.ranks)
+    if not isinstance(entries, (list, tuple)):
+        return None, f"saved as {type(entries).__name__}, expected a list of entries (policy_state_dict's form)"
+    if layer.state is None:
+        return (None, None) if any(e is None for e in entries) else \
+            (None, f"saved with a history, the layer's policy {layer.config.policy!r} keeps none")
+    found = [e for e in entries if isinstance(e, Mapping) and list(e.get("ep_ranks", ())) == ranks]
+    if found:
+        return found[0], None
+    groups = [list(e["ep_ranks"]) for e in entries if isinstance(e, Mapping) and "ep_ranks" in e]
+    if any(e is None for e in entries) and not groups:
+        return None, "saved without a history (policy 'none')"
+    return None, f"saved for the EP group(s) of global ranks {groups}, not for this layer's {ranks}"
 
 
 def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[str, Any], *,
                            strict: bool = True) -> list[str]:
-    """Restore the histories :func:`policy_state_dict` gave, then ``refresh_replicas`` (collective: call it on every
-    rank of the job, as that does, after loading the weights; the layers adopt the restored decisions and copy the
-    weights they name, and are refused on every rank unless every rank restored the same). strict: every layer's
-    history must be in ``state`` and be one for its topology (EP size, GPUs per node, experts, ``dyn``) and
-    settings (policy, ``refresh_every``, ...): otherwise ValueError on every rank, naming the layers, before
-    anything is restored. With ``strict=False`` such layers keep their own history (a run resumed at another EP
-    size, say). Returns the names of the layers that kept their own."""
+    """Restore the histories :func:`policy_state_dict` gave (each layer its own EP group's), then
+    ``refresh_replicas`` (collective: call it on every rank of the job, between steps, after loading the weights;
+    the layers adopt the restored decisions and copy the weights they name, and are refused on every rank unless
+    every rank of a group restored the same; a refused refresh puts the layers' own histories back). strict:
+    every layer's history must be in ``state``, saved by its EP group (the same global ranks), for its topology
+    (EP size, GPUs per node, experts, ``dyn``) and settings (policy, ``refresh_every``, ...): otherwise
+    ValueError on every rank, naming the layers, before anything is restored. With ``strict=False`` such layers
+    keep their own history (a run resumed at another EP size or on other ranks, say). Returns the names of the
+    layers that kept their own."""
     from feplb.sched import PolicyState
 
     if not isinstance(state, Mapping):
         raise TypeError(f"load_policy_state_dict: state must be a mapping of layer names, got {type(state).__name__}")
+    layers = _named_layers(model)
     restored, kept, problems = [], [], []
-    for name, layer in _named_layers(model):
-        saved, why = state.get(name), None
+    for name, layer in layers:
+        saved, why = None, None
         if name not in state:
             why = "not in the saved state"
-        elif (saved is None) != (layer.state is None):
-            why = ("saved without a history (policy 'none')" if saved is None else
-                   f"saved with a history, the layer's policy {layer.config.policy!r} keeps none")
-        elif saved is not None:
+        else:
+            saved, why = _pick(state[name], layer)
+        if why is None and saved is not None:
             try:
                 saved = PolicyState.from_dict({k: v.numpy() if isinstance(v, torch.Tensor) else v
-                                               for k, v in dict(saved).items()}, layer.state)
+                                               for k, v in dict(saved).items() if k != "ep_ranks"}, layer.state)
             except (TypeError, ValueError) as e:
                 why = str(e)
         if why is None:
@@ -419,7 +470,7 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
         else:
             kept.append(name)
             problems.append(f"  {name or '(the model itself)'}: {why}")
-    unknown = sorted(set(state) - {n for n, _ in _named_layers(model)})
+    unknown = sorted(set(state) - {n for n, _ in layers})
     if unknown:
         problems.append(f"  names of no FEPLB layer of the model: {unknown}")
     views = _agree(problems if strict else [], None) if dist.is_initialized() else [problems if strict else []]
@@ -427,9 +478,15 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
     if bad:
         raise ValueError("load_policy_state_dict: the saved balancing histories do not fit the model's layers "
                          "(strict=True):\n" + "\n".join(bad))
+    own = [(layer, layer.state) for layer, _ in restored]
     for layer, saved in restored:
         layer.state = saved
-    refresh_replicas(model)
+    try:
+        refresh_replicas(model)
+    except BaseException:
+        for layer, st in own:   # (refused on every rank alike: every rank puts its own back)
+            layer.state = st
+        raise
     return kept
 
 

@@ -34,6 +34,7 @@ when the optimizer is made.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any
@@ -223,10 +224,21 @@ class TrainerMixin:
             folder = output_dir or self.args.output_dir
             with self._sharded():
                 dcp.save(self.model.state_dict(), checkpoint_id=os.path.join(folder, MODEL_DIR))
-            if self.args.should_save:   # (the same on every rank of an EP group: one rank's)
-                path = os.path.join(folder, POLICY_FILE)
-                torch.save(policy_state_dict(self.model), path + ".tmp")
-                os.replace(path + ".tmp", path)   # never a half-written file under the name
+            histories = policy_state_dict(self.model)   # (collective: every EP group's, the same on every rank)
+            if self.args.should_save:
+                import tempfile
+
+                # never a half-written file under the name; a temporary name of this process's own (with
+                # save_on_each_node, one rank per node writes)
+                fd, tmp = tempfile.mkstemp(dir=folder, prefix=POLICY_FILE + ".")
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        torch.save(histories, f)
+                    os.replace(tmp, os.path.join(folder, POLICY_FILE))
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.remove(tmp)
+                    raise
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         self._feplb_checkpointing = True

@@ -560,6 +560,6 @@ def state_fingerprint(st) -> bytes:
 def state_digest(st) -> bytes:
     """The bytes of a PolicyState's slow decisions (equal on every rank that restored the same state)."""
     parts = [repr((st.policy, st.step, st.replicas, sorted(st.resident))).encode()]
-    for a in (st.ema_E, st.home_E, st.dynamic_WD):
+    for a in (st.ema_E, st.home_E, st.dynamic_WD, st.layout_WP):
         parts.append(b"-" if a is None else np.ascontiguousarray(a).tobytes())
     return b"|".join(parts)

@@ -285,6 +285,10 @@ def _checkpointed(rank, world, out):
                          save_steps=2)
     ema_bare = _train(rank, world, "feplb-split@ema", out + "_ema_bare_resumed", "adamw_torch", resume=bare,
                       save_steps=2)
+    # EP 2 x DP 2: each EP group trains on its own data, and resumes its own histories
+    epdp_first = _train(rank, world, "feplb-split@ema/ep2xdp2", out + "_epdp", "adamw_torch", save_steps=2)
+    epdp_resumed = _train(rank, world, "feplb-split@ema/ep2xdp2", out + "_epdp_resumed", "adamw_torch",
+                          resume=os.path.join(out + "_epdp", "checkpoint-2"), save_steps=2)
     # the final model as plain transformers loads it from the last checkpoint
     loaded = tf.Qwen3MoeForCausalLM.from_pretrained(os.path.join(out, "checkpoint-4")).state_dict()
     files = sorted(os.listdir(os.path.join(out, "checkpoint-2")))
@@ -309,7 +313,7 @@ def _checkpointed(rank, world, out):
                                                   data_parallel_group=g)) for g in (ep if rank >= 2 else dp, dp)]
     return {"first": first, "resumed": resumed, "loaded": loaded, "files": files, "epdp": epdp,
             "opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr(), "ema": ema,
-            "ema_resumed": ema_resumed, "ema_bare": ema_bare}
+            "ema_resumed": ema_resumed, "ema_bare": ema_bare, "epdp_first": epdp_first, "epdp_resumed": epdp_resumed}
 
 
 def _load_elsewhere(rank, world, out):
@@ -347,16 +351,15 @@ def _load_elsewhere(rank, world, out):
             "adafactor": error_of(ada.create_optimizer), "fsdp": fsdp, "node_local": node_local}
 
 
-def _same_policy(a: dict, b: dict) -> bool:
-    """Whether two policy_state_dict results are equal, entry by entry."""
-    def same(x, y):
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
-        return x == y
-    return a.keys() == b.keys() and all(
-        (a[n] is None) == (b[n] is None) and (a[n] is None or (a[n].keys() == b[n].keys() and
-                                                               all(same(a[n][k], b[n][k]) for k in a[n])))
-        for n in a)
+def _same_policy(a, b) -> bool:
+    """Whether two policy_state_dict results are equal, entry by entry (layer names -> lists of entries)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_policy(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_policy(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 def test_checkpoints_resume_and_load_elsewhere():
@@ -389,9 +392,16 @@ def test_checkpoints_resume_and_load_elsewhere():
             assert all(torch.equal(sd[k], ref[k]) for k in ref), (rank, [k for k in ref if not torch.equal(sd[k],
                                                                                                       ref[k])])
         assert _same_policy(r["ema_resumed"]["policy"], r["ema"]["policy"]), rank
-        assert all(h is not None and int(h["step"]) > 0 for h in r["ema"]["policy"].values()), r["ema"]["policy"]
+        assert all(len(hs) == 1 and hs[0]["ep_ranks"] == [0, 1, 2, 3] and int(hs[0]["step"]) > 0
+                   for hs in r["ema"]["policy"].values()), r["ema"]["policy"]
         # without them the layers started afresh: another history at the end (fewer micro-batches seen)
         assert not _same_policy(r["ema_bare"]["policy"], r["ema"]["policy"]), rank
+        # EP x DP: both groups' histories saved, each restored to its own group
+        assert [h["ep_ranks"] for h in r["epdp_first"]["policy"]["model.layers.0.mlp.experts"]] == [[0, 1], [2, 3]]
+        assert not _same_policy(*r["epdp_first"]["policy"]["model.layers.0.mlp.experts"]), "the groups' histories"
+        assert _same_policy(r["epdp_resumed"]["policy"], r["epdp_first"]["policy"]), rank
+        for sd, ref in zip(r["epdp_resumed"]["steps"], r["epdp_first"]["steps"][2:], strict=True):
+            assert all(torch.equal(sd[k], ref[k]) for k in ref), rank
     # the optimizer state: every expert's moments there, and equal at 2 ranks to what 4 ranks load
     expert_keys = [k for k in r0["opt_state"] if k.endswith(("gate_up_proj", "down_proj"))]
     assert expert_keys and all(r0["opt_state"][k]["exp_avg"].shape[0] == 8 for k in expert_keys)

@@ -4,9 +4,13 @@
   its histories through ``torch.save`` and ``torch.load(weights_only=True)`` into a fresh layer holding the same
   weights: the next step plans, places and computes alike, bit for bit (output, every gradient, the plan, the
   placement, the copies held), where a fresh layer without them plans otherwise.
+* The same as 2 EP groups of 2 ranks (EP x DP) training on their own data: each group gets its own history back
+  (one rank's alone would give the other group another's: refused by name).
 * Refused on every rank, before anything is restored (strict): a history for another policy or EP layout, a
   missing layer, a name of no layer; ``strict=False`` keeps the layers' own. A rank that restored another history
-  than its peers is refused on every rank by the refresh.
+  than its peers is refused on every rank by the refresh, and every layer keeps its own history; so is a restore
+  between the micro-batches of a step.
+* The layers' names leave out DDP's and ``torch.compile``'s wrapper levels.
 """
 
 from __future__ import annotations
@@ -35,12 +39,12 @@ def _inputs(seed: int):
     return router, w1, w2, xs, dys
 
 
-def _layer(policy: str, weights=None):
+def _layer(policy: str, weights=None, group=None):
     from feplb import FEPLBConfig, MoELayer
 
     layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, plan_wait_ms=60_000,
                                  min_straggler_rows=0, min_chunk=2, dyn=2, policy=policy, weights="per-step",
-                                 refresh_every=2))
+                                 refresh_every=2), group)
     router, w1, w2, _, _ = _inputs(5)
     if weights is None:
         load_global_weights(layer, router, w1, w2)
@@ -63,41 +67,58 @@ def _step(layer, rank: int, step: int) -> dict:
             "home": layer.home_E.tolist(), "moved": layer.last_stats.rows_moved}
 
 
-def _trained(policy: str, rank: int):
-    layer = _layer(policy)
+def _trained(policy: str, rank: int, group=None, data: int | None = None):
+    layer = _layer(policy, group=group)
     opt = torch.optim.SGD(layer.parameters(), lr=0.5)
     for step in range(3):
-        _step(layer, rank, step)
+        _step(layer, rank if data is None else data, step)
         opt.step()
         layer.refresh_replicas()
     return layer
 
 
-def _worker(rank: int, world: int) -> dict:
+def _restore_case(policy: str, rank: int, group=None, data: int | None = None) -> dict:
+    """Train, save (collective), restore into a fresh layer of the same weights, and step both (and a fresh one)."""
     from feplb.dropin import load_policy_state_dict, policy_state_dict
 
-    out = {}
-    for policy in POLICIES:
-        layer = _trained(policy, rank)
-        buf = io.BytesIO()
-        torch.save(policy_state_dict(layer), buf)
-        buf.seek(0)
-        saved = torch.load(buf, weights_only=True)
-        weights = {k: v.detach().clone() for k, v in layer.state_dict().items()}
-        restored = _layer(policy, weights)
-        kept = load_policy_state_dict(restored, saved)
-        fresh = _layer(policy, weights)
-        runs = {name: _step(m, rank, 3) for name, m in (("trained", layer), ("restored", restored), ("fresh", fresh))}
-        a, b, c = runs["trained"], runs["restored"], runs["fresh"]
-        out[policy] = {
-            "kept": kept, "entries": sorted(saved), "step": int(saved[""]["step"]),
-            "equal": all(torch.equal(a[k], b[k]) for k in ("out", "dx")) and
-            all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"], strict=True)),
-            "same_plan": a["plan"] == b["plan"] and a["home"] == b["home"], "moved": a["moved"],
-            "fresh_differs": a["plan"] != c["plan"] or a["home"] != c["home"],
-        }
-        for m in (layer, restored, fresh):
-            m.close()
+    layer = _trained(policy, rank, group, data)
+    buf = io.BytesIO()
+    torch.save(policy_state_dict(layer), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    weights = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+    restored = _layer(policy, weights, group)
+    kept = load_policy_state_dict(restored, saved)
+    fresh = _layer(policy, weights, group)
+    d = rank if data is None else data
+    runs = {name: _step(m, d, 3) for name, m in (("trained", layer), ("restored", restored), ("fresh", fresh))}
+    a, b, c = runs["trained"], runs["restored"], runs["fresh"]
+    out = {
+        "kept": kept, "entries": sorted(saved), "groups": [e["ep_ranks"] for e in saved[""]],
+        "step": [int(e["step"]) for e in saved[""]],
+        "equal": all(torch.equal(a[k], b[k]) for k in ("out", "dx")) and
+        all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"], strict=True)),
+        "same_plan": a["plan"] == b["plan"] and a["home"] == b["home"], "moved": a["moved"],
+        "fresh_differs": a["plan"] != c["plan"] or a["home"] != c["home"],
+    }
+    # one group's entry alone (as one rank's policy state would be): the other group's layers are refused by name
+    first = {"": [e for e in saved[""] if e["ep_ranks"] == [0, 1]]}
+    out["other_group"] = error_of(lambda: load_policy_state_dict(fresh, first))
+    for m in (layer, restored, fresh):
+        m.close()
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from feplb.dropin import _named_layers, load_policy_state_dict, policy_state_dict
+
+    out = {policy: _restore_case(policy, rank) for policy in POLICIES}
+    # EP x DP: EP groups {0, 1} and {2, 3}, one node each, their own data (ranks 0 and 2 the same tokens as each
+    # other, but the groups' skews differ)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    out["epdp"] = _restore_case("feplb-split@ema", rank, groups[rank // 2], data=rank % 2 + 2 * (rank // 2))
     # refusals: another policy, a missing layer and an unknown name (strict); strict=False keeps the own history
     layer = _trained("feplb-split@ema", rank)
     saved = policy_state_dict(layer)
@@ -108,12 +129,28 @@ def _worker(rank: int, world: int) -> dict:
     out["unknown"] = error_of(lambda: load_policy_state_dict(layer, {**saved, "nowhere": None}))
     out["kept"] = load_policy_state_dict(other, saved, strict=False)
     out["kept_step"] = (before, other.state.step)
-    # a rank restoring another history than its peers' (its own file, say): the refresh refuses on every rank
-    wrong = dict(saved[""])
+    # a rank restoring another history than its peers' (its own file, say): the refresh refuses on every rank, and
+    # every rank keeps its own history
+    own = layer.state
+    wrong = dict(saved[""][0])
     if rank == 1:
-        wrong["step"] = torch.tensor(int(wrong["step"]) + 1) if isinstance(wrong["step"], torch.Tensor) else \
-            wrong["step"] + 1
-    out["apart"] = error_of(lambda: load_policy_state_dict(layer, {"": wrong}))
+        wrong["step"] = wrong["step"] + 1
+    out["apart"] = error_of(lambda: load_policy_state_dict(layer, {"": [wrong]}))
+    out["apart_kept"] = layer.state is own
+    # between the micro-batches of a step (a copy holds a gradient the reduction has not added): refused, own kept
+    _, _, _, xs, dys = _inputs(5)
+    (layer(xs[rank]) * dys[rank]).sum().backward()
+    own = layer.state   # (the forward folded its micro-batch in)
+    out["mid_step"] = error_of(lambda: load_policy_state_dict(layer, saved))
+    out["mid_step_kept"] = layer.state is own
+    # names without the wrappers' levels: a MoE layer inside a module, bare, in DDP, compiled
+    from feplb.layer import ignore_experts_in_ddp
+
+    holder = torch.nn.Sequential(torch.nn.Linear(H, H), layer)
+    ignore_experts_in_ddp(holder)
+    ddp = torch.nn.parallel.DistributedDataParallel(holder)
+    out["names"] = [[n for n, _ in _named_layers(m)] for m in (holder, ddp, torch.compile(holder),
+                                                               torch.compile(ddp), [holder])]
     for m in (layer, other):
         m.close()
     return out
@@ -124,12 +161,19 @@ def ranks():
     return run_dist(_worker, W, timeout_s=300, collective_timeout_s=60)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", [*POLICIES, "epdp"])
 def test_restored_histories_plan_and_compute_as_the_trained_layer(ranks, policy):
     for rank, res in enumerate(ranks):
         case = res[policy]
-        assert case["entries"] == [""] and case["step"] == 6 and case["kept"] == [], (rank, case)
-        assert case["same_plan"] and case["equal"], (rank, case)
+        groups = [[0, 1], [2, 3]] if policy == "epdp" else [[0, 1, 2, 3]]
+        assert case["entries"] == [""] and case["groups"] == groups and case["step"] == [6] * len(groups), \
+            (rank, case)
+        assert case["kept"] == [] and case["same_plan"] and case["equal"], (rank, case)
+        if policy == "epdp" and rank >= 2:
+            assert case["other_group"] is not None and "saved for the EP group(s) of global ranks [[0, 1]], not for " \
+                "this layer's [2, 3]" in case["other_group"], (rank, case["other_group"])
+        elif policy == "epdp":   # (refused on every rank together: ranks 0 and 1 found their own)
+            assert case["other_group"] is not None and "[2, 3]" in case["other_group"], (rank, case["other_group"])
     assert any(res[policy]["moved"] > 0 for res in ranks), [res[policy]["moved"] for res in ranks]
     # without the histories a fresh layer plans otherwise: the restore is what made them equal
     assert any(res[policy]["fresh_differs"] for res in ranks), policy
@@ -146,3 +190,10 @@ def test_histories_that_do_not_fit_are_refused_on_every_rank(ranks):
         assert res["kept"] == [""] and res["kept_step"] == (0, 0), (rank, res["kept"], res["kept_step"])
         assert res["apart"] is not None and "every rank must restore the same PolicyState" in res["apart"], \
             (rank, res["apart"])
+        assert res["apart_kept"] and res["mid_step_kept"], rank
+        assert res["mid_step"] is not None and "reduce_replica_grads" in res["mid_step"], (rank, res["mid_step"])
+
+
+def test_layer_names_leave_out_the_wrappers(ranks):
+    for rank, res in enumerate(ranks):
+        assert res["names"] == [["1"], ["1"], ["1"], ["1"], ["0.1"]], (rank, res["names"])
