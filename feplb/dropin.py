@@ -440,8 +440,10 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
                            strict: bool = True) -> list[str]:
     """Restore the histories :func:`policy_state_dict` gave (each layer its own EP group's), then
     ``refresh_replicas`` (collective: call it on every rank of the job, between steps, after loading the weights;
-    the layers adopt the restored decisions and copy the weights they name, and are refused on every rank unless
-    every rank of a group restored the same; a refused refresh puts the layers' own histories back). strict:
+    the layers adopt the restored decisions and copy the weights they name). RuntimeError on every rank, before any
+    layer adopts anything, where the ranks of a group would restore different histories or a per-step copy holds
+    a gradient not yet reduced (a restore between the micro-batches of a step); should the refresh still fail,
+    the layers get their own histories back. strict:
     every layer's history must be in ``state``, saved by its EP group (the same global ranks), for its topology
     (EP size, GPUs per node, experts, ``dyn``) and settings (policy, ``refresh_every``, ...): otherwise
     ValueError on every rank, naming the layers, before anything is restored. With ``strict=False`` such layers
@@ -466,7 +468,7 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
             except (TypeError, ValueError) as e:
                 why = str(e)
         if why is None:
-            restored.append((layer, saved))
+            restored.append((name, layer, saved))
         else:
             kept.append(name)
             problems.append(f"  {name or '(the model itself)'}: {why}")
@@ -478,8 +480,28 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
     if bad:
         raise ValueError("load_policy_state_dict: the saved balancing histories do not fit the model's layers "
                          "(strict=True):\n" + "\n".join(bad))
-    own = [(layer, layer.state) for layer, _ in restored]
-    for layer, saved in restored:
+    # What the refresh would refuse, checked before any layer adopts anything (so that none is left half restored:
+    # its placement and copies adopted, its history its own), each check collective over the layer's EP group and
+    # raising on all its ranks alike; then agreed over the job, so that every rank raises together.
+    from feplb.replicas import state_digest
+
+    problems = []
+    for name, layer, saved in restored:
+        try:
+            if saved is not None:
+                layer.control.check_same(state_digest(saved), f"the restored policy state of {name or 'the layer'}",
+                                         "every rank must restore the same histories (the same file)")
+            if layer.replicas.ever_held:
+                layer.replicas.agree("refresh_replicas")
+        except (RuntimeError, ValueError) as e:
+            problems.append(f"  {name or '(the model itself)'}: {e}")
+    views = _agree(problems, None) if dist.is_initialized() else [problems]
+    bad = next((v for v in views if v), None)
+    if bad:
+        raise RuntimeError("load_policy_state_dict: nothing restored, on any rank (call it between steps, on "
+                           "every rank, with the same saved histories):\n" + "\n".join(bad))
+    own = [(layer, layer.state) for _, layer, _ in restored]
+    for _, layer, saved in restored:
         layer.state = saved
     try:
         refresh_replicas(model)

@@ -137,6 +137,17 @@ def _worker(rank: int, world: int) -> dict:
         wrong["step"] = wrong["step"] + 1
     out["apart"] = error_of(lambda: load_policy_state_dict(layer, {"": [wrong]}))
     out["apart_kept"] = layer.state is own
+    # two layers, the second's history restored apart on one rank: the first adopts nothing either
+    pair = torch.nn.ModuleList([_trained("feplb-split+place@ema", rank), _trained("feplb-split+place@ema", rank)])
+    two = policy_state_dict(pair)
+    if rank == 1:
+        two["1"] = [{**two["1"][0], "step": two["1"][0]["step"] + 1}]
+    before = [(m.state, m._plan_state, m.home_E.tolist()) for m in pair]
+    out["half"] = error_of(lambda: load_policy_state_dict(pair, two))
+    out["half_untouched"] = all(m.state is st and m._plan_state is ps and m.home_E.tolist() == home
+                                for m, (st, ps, home) in zip(pair, before, strict=True))
+    for m in pair:
+        m.close()
     # between the micro-batches of a step (a copy holds a gradient the reduction has not added): refused, own kept
     _, _, _, xs, dys = _inputs(5)
     (layer(xs[rank]) * dys[rank]).sum().backward()
@@ -188,10 +199,13 @@ def test_histories_that_do_not_fit_are_refused_on_every_rank(ranks):
         assert res["unknown"] is not None and "names of no FEPLB layer of the model: ['nowhere']" in \
             res["unknown"], (rank, res["unknown"])
         assert res["kept"] == [""] and res["kept_step"] == (0, 0), (rank, res["kept"], res["kept_step"])
-        assert res["apart"] is not None and "every rank must restore the same PolicyState" in res["apart"], \
-            (rank, res["apart"])
+        assert res["apart"] is not None and "nothing restored, on any rank" in res["apart"] and \
+            "differs across ranks" in res["apart"], (rank, res["apart"])
+        assert res["half"] is not None and "nothing restored" in res["half"] and res["half_untouched"], \
+            (rank, res["half"], res["half_untouched"])
         assert res["apart_kept"] and res["mid_step_kept"], rank
-        assert res["mid_step"] is not None and "reduce_replica_grads" in res["mid_step"], (rank, res["mid_step"])
+        assert res["mid_step"] is not None and "nothing restored, on any rank" in res["mid_step"] and \
+            "reduce_replica_grads" in res["mid_step"], (rank, res["mid_step"])
 
 
 def test_layer_names_leave_out_the_wrappers(ranks):
