@@ -407,7 +407,10 @@ def policy_state_dict(model: nn.Module | list[nn.Module]) -> dict[str, list[dict
     every rank). Save it beside the weights: resumed without it, a layer starts its history afresh and plans the
     next steps otherwise (the same math, other rows moved, so neither bit for bit the same run nor as well balanced
     at first)."""
-    mine = [(name, _entry(layer), list(layer.control.ranks)) for name, layer in _named_layers(model)]
+    me = dist.get_rank() if dist.is_initialized() else 0
+    # (one rank of each EP group sends its layers' histories, which the group's ranks share)
+    mine = [(name, _entry(layer), list(layer.control.ranks)) for name, layer in _named_layers(model)
+            if layer.control.ranks[0] == me]
     views = _agree(mine, None) if dist.is_initialized() else [mine]
     out: dict[str, list[dict | None]] = {}
     seen: set[tuple[str, tuple[int, ...]]] = set()
@@ -472,7 +475,10 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
         else:
             kept.append(name)
             problems.append(f"  {name or '(the model itself)'}: {why}")
-    unknown = sorted(set(state) - {n for n, _ in layers})
+    # a name no rank's model holds (pipeline stages hold layers of other names, or none)
+    names = {n for n, _ in layers}
+    every = set().union(*_agree(sorted(names), None)) if dist.is_initialized() else names
+    unknown = sorted(set(state) - every)
     if unknown:
         problems.append(f"  names of no FEPLB layer of the model: {unknown}")
     views = _agree(problems if strict else [], None) if dist.is_initialized() else [problems if strict else []]
@@ -501,14 +507,23 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
         raise RuntimeError("load_policy_state_dict: nothing restored, on any rank (call it between steps, on "
                            "every rank, with the same saved histories):\n" + "\n".join(bad))
     own = [(layer, layer.state) for _, layer, _ in restored]
-    for _, layer, saved in restored:
-        layer.state = saved
+    failed: BaseException | None = None
     try:
+        for _, layer, saved in restored:
+            layer.state = saved
         refresh_replicas(model)
-    except BaseException:
-        for layer, st in own:   # (refused on every rank alike: every rank puts its own back)
+    except Exception as e:   # noqa: BLE001 - agreed over the job below, then raised
+        failed = e
+    # (a refresh refused in one EP group raises on that group's ranks only: agreed, so that every rank raises)
+    views = _agree(None if failed is None else f"{type(failed).__name__}: {failed}", None) \
+        if dist.is_initialized() else [None if failed is None else str(failed)]
+    if failed is not None or any(v is not None for v in views):
+        for layer, st in own:
             layer.state = st
-        raise
+        if failed is not None:
+            raise failed
+        raise RuntimeError("load_policy_state_dict: the refresh after the restore was refused on other ranks: "
+                           + next(v for v in views if v is not None))
     return kept
 
 

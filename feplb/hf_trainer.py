@@ -234,6 +234,9 @@ class TrainerMixin:
                 try:
                     with os.fdopen(fd, "wb") as f:
                         torch.save(histories, f)
+                    umask = os.umask(0)
+                    os.umask(umask)
+                    os.chmod(tmp, 0o666 & ~umask)   # (mkstemp makes 0600; the other files follow the umask)
                     os.replace(tmp, os.path.join(folder, POLICY_FILE))
                 except BaseException:
                     with contextlib.suppress(OSError):
@@ -309,7 +312,17 @@ class TrainerMixin:
         if not seen:
             refresh_replicas(self.model)
             return
-        kept = load_policy_state_dict(self.model, torch.load(path, weights_only=True), strict=False)
+        saved, why = None, None
+        try:
+            saved = torch.load(path, weights_only=True)
+        except Exception as e:   # noqa: BLE001 - agreed below: every rank raises together
+            why = f"{type(e).__name__}: {e}"
+        views = _agree(why, None) if dist.is_initialized() else [why]
+        bad = [(r, v) for r, v in enumerate(views) if v is not None]
+        if bad:
+            raise ValueError(f"feplb.hf.Trainer: {path} could not be read on global rank(s) {[r for r, _ in bad]} "
+                             f"({bad[0][1]}); delete it to resume with the balancing histories afresh")
+        kept = load_policy_state_dict(self.model, saved, strict=False)
         if kept:
             warnings.warn(f"feplb.hf.Trainer: the balancing histories in {path} are for another setup (EP size, "
                           f"policy, ...) than layer(s) {kept}, which start theirs afresh", RuntimeWarning,

@@ -292,6 +292,8 @@ def _checkpointed(rank, world, out):
     # the final model as plain transformers loads it from the last checkpoint
     loaded = tf.Qwen3MoeForCausalLM.from_pretrained(os.path.join(out, "checkpoint-4")).state_dict()
     files = sorted(os.listdir(os.path.join(out, "checkpoint-2")))
+    modes = [os.stat(os.path.join(out, "checkpoint-2", f)).st_mode & 0o777 for f in ("policy_feplb.pt",
+                                                                                   "trainer_state.json")]
     # the optimizer state saved at step 2, gathered whole, for the load at another number of ranks
     model = _models().make_model("qwen3_moe")
     feplb.hf.apply(model, policy="feplb-split", gpus_per_node=G)
@@ -311,7 +313,7 @@ def _checkpointed(rank, world, out):
     feplb.hf.apply(model, group=ep, policy="feplb-split", gpus_per_node=2)
     epdp = [error_of(lambda g=g: feplb.hf.Trainer(model=model, args=_args(out + "_z", "sgd"), train_dataset=_dataset(),
                                                   data_parallel_group=g)) for g in (ep if rank >= 2 else dp, dp)]
-    return {"first": first, "resumed": resumed, "loaded": loaded, "files": files, "epdp": epdp,
+    return {"first": first, "resumed": resumed, "loaded": loaded, "files": files, "modes": modes, "epdp": epdp,
             "opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr(), "ema": ema,
             "ema_resumed": ema_resumed, "ema_bare": ema_bare, "epdp_first": epdp_first, "epdp_resumed": epdp_resumed}
 
@@ -347,8 +349,26 @@ def _load_elsewhere(rank, world, out):
     unseen = (lambda p: False if p.endswith(".metadata") else real(p)) if rank == 1 else real
     with unittest.mock.patch("feplb.hf_trainer.os.path.isfile", unseen):
         node_local = error_of(lambda: trainer._load_model_shards(os.path.join(out, "checkpoint-2")))
+    # the balancing histories unreadable on rank 1 alone: every rank raises, naming it (none waits in a collective)
+    real_load = torch.load
+
+    def unreadable(path, *a, **kw):
+        if rank == 1 and str(path).endswith("policy_feplb.pt"):
+            raise OSError("stale file handle")
+        return real_load(path, *a, **kw)
+
+    with unittest.mock.patch("feplb.hf_trainer.torch.load", unreadable):
+        policy_unread = error_of(lambda: trainer._load_model_shards(os.path.join(out, "checkpoint-2")))
+    # read at 2 ranks, the 4-rank histories are for another EP layout: the layers start afresh, with a warning
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer._load_model_shards(os.path.join(out, "checkpoint-2"))
+    afresh = [str(w.message) for w in caught if "start theirs afresh" in str(w.message)]
     return {"opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr(), "kept": kept,
-            "adafactor": error_of(ada.create_optimizer), "fsdp": fsdp, "node_local": node_local}
+            "adafactor": error_of(ada.create_optimizer), "fsdp": fsdp, "node_local": node_local,
+            "policy_unread": policy_unread, "afresh": afresh}
 
 
 def _same_policy(a, b) -> bool:
@@ -383,6 +403,7 @@ def test_checkpoints_resume_and_load_elsewhere():
     # DCP's folder for the optimizer, no rank-0-only optimizer.pt of transformers' own; the balancing histories
     assert "optimizer_feplb" in r0["files"] and "optimizer.pt" not in r0["files"], r0["files"]
     assert "policy_feplb.pt" in r0["files"], r0["files"]
+    assert r0["modes"][0] == r0["modes"][1], [oct(m) for m in r0["modes"]]   # (as the checkpoint's other files)
     for rank, r in enumerate(runs):
         # @ema resumed with the histories: steps 3 and 4 bit for bit the uninterrupted run's, histories equal
         assert len(r["ema_resumed"]["steps"]) == 2
@@ -416,6 +437,9 @@ def test_checkpoints_resume_and_load_elsewhere():
         assert r["kept"]
         assert r["node_local"] is not None and "lacks DCP's .metadata on global rank(s) [1]" in r["node_local"], \
             r["node_local"]
+        assert r["policy_unread"] is not None and "could not be read on global rank(s) [1] (OSError: stale file" \
+            in r["policy_unread"], r["policy_unread"]
+        assert len(r["afresh"]) == 1 and "model.layers.0.mlp.experts" in r["afresh"][0], r["afresh"]
         assert r["adafactor"] is not None and "Adafactor: its update clipping takes the RMS of the whole tensor" in \
             r["adafactor"], r["adafactor"]
         assert r["fsdp"] is not None and "FSDP through accelerate would shard the expert shards again" in r["fsdp"], \

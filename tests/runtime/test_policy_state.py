@@ -109,6 +109,33 @@ def _restore_case(policy: str, rank: int, group=None, data: int | None = None) -
     return out
 
 
+def _stages(rank: int, groups) -> dict:
+    """Pipeline stages as EP groups: {0, 1} hold layer "a", {2, 3} layer "b" (or, a dense stage, none)."""
+    from feplb.dropin import load_policy_state_dict, policy_state_dict
+
+    out = {}
+    stage, dense = torch.nn.Module(), torch.nn.Module()
+    layer = _trained("feplb-split@ema", rank, groups[rank // 2], data=rank)
+    setattr(stage, "ab"[rank // 2], layer)
+    if rank < 2:
+        dense.a = layer
+    saved = policy_state_dict(stage)
+    out["keys"] = sorted(saved)
+    out["named"] = error_of(lambda: out.__setitem__("kept", load_policy_state_dict(stage, saved)))
+    out["dense"] = error_of(lambda: load_policy_state_dict(dense, policy_state_dict(dense)))
+    # the refresh refused in group {2, 3} alone (after the checks passed): every rank raises, and keeps its own
+    own = layer.state
+    if rank >= 2:
+        def refused():
+            raise RuntimeError("a refresh refused here")
+        layer.refresh_replicas = refused
+    out["refused"] = error_of(lambda: load_policy_state_dict(stage, saved))
+    out["refused_kept"] = layer.state is own
+    vars(layer).pop("refresh_replicas", None)
+    layer.close()
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
@@ -119,6 +146,7 @@ def _worker(rank: int, world: int) -> dict:
     # other, but the groups' skews differ)
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     out["epdp"] = _restore_case("feplb-split@ema", rank, groups[rank // 2], data=rank % 2 + 2 * (rank // 2))
+    out["stages"] = _stages(rank, groups)
     # refusals: another policy, a missing layer and an unknown name (strict); strict=False keeps the own history
     layer = _trained("feplb-split@ema", rank)
     saved = policy_state_dict(layer)
@@ -206,6 +234,17 @@ def test_histories_that_do_not_fit_are_refused_on_every_rank(ranks):
         assert res["apart_kept"] and res["mid_step_kept"], rank
         assert res["mid_step"] is not None and "nothing restored, on any rank" in res["mid_step"] and \
             "reduce_replica_grads" in res["mid_step"], (rank, res["mid_step"])
+
+
+def test_pipeline_stages_with_other_layers_or_none(ranks):
+    """Stages whose EP groups hold layers of other names, or none (a dense stage), restore under strict=True; a
+    refresh refused in one group raises on every rank, each keeping its own history."""
+    for rank, res in enumerate(ranks):
+        st = res["stages"]
+        assert st["keys"] == ["a", "b"] and st["named"] is None and st["kept"] == [], (rank, st)
+        assert st["dense"] is None, (rank, st["dense"])
+        want = "a refresh refused here" if rank >= 2 else "the refresh after the restore was refused on other ranks"
+        assert st["refused"] is not None and want in st["refused"] and st["refused_kept"], (rank, st["refused"])
 
 
 def test_layer_names_leave_out_the_wrappers(ranks):
