@@ -139,6 +139,9 @@ def joined_for_forward(layer: MoELayer, name: str) -> Iterator[None]:
 
 
 def _agree(local: object, group: dist.ProcessGroup | None) -> list:
+    """Every rank's ``local`` over ``group`` (collective; ``[local]`` where torch.distributed is not initialised)."""
+    if not dist.is_initialized():
+        return [local]
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, local, group=group)
     return out
@@ -411,7 +414,7 @@ def policy_state_dict(model: nn.Module | list[nn.Module]) -> dict[str, list[dict
     # (one rank of each EP group sends its layers' histories, which the group's ranks share)
     mine = [(name, _entry(layer), list(layer.control.ranks)) for name, layer in _named_layers(model)
             if layer.control.ranks[0] == me]
-    views = _agree(mine, None) if dist.is_initialized() else [mine]
+    views = _agree(mine, None)
     out: dict[str, list[dict | None]] = {}
     seen: set[tuple[str, tuple[int, ...]]] = set()
     for view in views:
@@ -475,14 +478,13 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
         else:
             kept.append(name)
             problems.append(f"  {name or '(the model itself)'}: {why}")
-    # a name no rank's model holds (pipeline stages hold layers of other names, or none)
-    names = {n for n, _ in layers}
-    every = set().union(*_agree(sorted(names), None)) if dist.is_initialized() else names
-    unknown = sorted(set(state) - every)
-    if unknown:
-        problems.append(f"  names of no FEPLB layer of the model: {unknown}")
-    views = _agree(problems if strict else [], None) if dist.is_initialized() else [problems if strict else []]
-    bad = next((v for v in views if v), None)
+    # one agreement: every rank's problems, and its layers' names (unknown: a name no rank's model holds; pipeline
+    # stages hold layers of other names, or none)
+    views = _agree((problems if strict else [], sorted(n for n, _ in layers)), None)
+    unknown = sorted(set(state) - {n for _, names in views for n in names})
+    bad = next((list(v) for v, _ in views if v), [])
+    if unknown and strict:
+        bad.append(f"  names of no FEPLB layer of the model: {unknown}")
     if bad:
         raise ValueError("load_policy_state_dict: the saved balancing histories do not fit the model's layers "
                          "(strict=True):\n" + "\n".join(bad))
@@ -501,8 +503,7 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
                 layer.replicas.agree("refresh_replicas")
         except (RuntimeError, ValueError) as e:
             problems.append(f"  {name or '(the model itself)'}: {e}")
-    views = _agree(problems, None) if dist.is_initialized() else [problems]
-    bad = next((v for v in views if v), None)
+    bad = next((v for v in _agree(problems, None) if v), None)
     if bad:
         raise RuntimeError("load_policy_state_dict: nothing restored, on any rank (call it between steps, on "
                            "every rank, with the same saved histories):\n" + "\n".join(bad))
@@ -515,8 +516,7 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
     except Exception as e:   # noqa: BLE001 - agreed over the job below, then raised
         failed = e
     # (a refresh refused in one EP group raises on that group's ranks only: agreed, so that every rank raises)
-    views = _agree(None if failed is None else f"{type(failed).__name__}: {failed}", None) \
-        if dist.is_initialized() else [None if failed is None else str(failed)]
+    views = _agree(None if failed is None else f"{type(failed).__name__}: {failed}", None)
     if failed is not None or any(v is not None for v in views):
         for layer, st in own:
             layer.state = st

@@ -288,7 +288,7 @@ class TrainerMixin:
         folder = os.path.join(checkpoint, MODEL_DIR)
         # (agreed: the load is collective, and a disk of one node's own may lack what another's holds)
         seen = os.path.isfile(os.path.join(folder, ".metadata"))
-        missing = [r for r, ok in enumerate(_agree(seen, None) if dist.is_initialized() else [seen]) if not ok]
+        missing = [r for r, ok in enumerate(_agree(seen, None)) if not ok]
         if missing and os.path.isdir(folder):
             raise ValueError(f"feplb.hf.Trainer: {folder} lacks DCP's .metadata on global rank(s) {missing}: "
                              "checkpoints written through torch.distributed.checkpoint need one filesystem shared by "
@@ -304,7 +304,7 @@ class TrainerMixin:
         # the balancing histories, where the checkpoint holds them (older ones do not), then the refresh
         path = os.path.join(checkpoint, POLICY_FILE)
         seen = os.path.isfile(path)
-        views = _agree(seen, None) if dist.is_initialized() else [seen]
+        views = _agree(seen, None)
         if any(views) and not all(views):
             raise ValueError(f"feplb.hf.Trainer: {path} is missing on global rank(s) "
                              f"{[r for r, ok in enumerate(views) if not ok]}: checkpoints need one filesystem "
@@ -317,7 +317,7 @@ class TrainerMixin:
             saved = torch.load(path, weights_only=True)
         except Exception as e:   # noqa: BLE001 - agreed below: every rank raises together
             why = f"{type(e).__name__}: {e}"
-        views = _agree(why, None) if dist.is_initialized() else [why]
+        views = _agree(why, None)
         bad = [(r, v) for r, v in enumerate(views) if v is not None]
         if bad:
             raise ValueError(f"feplb.hf.Trainer: {path} could not be read on global rank(s) {[r for r, _ in bad]} "
