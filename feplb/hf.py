@@ -40,6 +40,7 @@ Legend: T tokens on this rank, K top-k, H hidden, F expert ffn, E experts, W EP 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import numbers
@@ -199,17 +200,18 @@ class FEPLBExperts(MoELayer):
     def _join(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """:meth:`expert_weights` from ``params`` (``expert_params()``, in its order; by default the current
         ones)."""
-        named = dict(self.named_parameters(recurse=False))
         if params:
-            named = dict(zip(named, params, strict=True))
+            get = dict(zip((n for n, _ in self.named_parameters(recurse=False)), params, strict=True)).__getitem__
+        else:   # (the common call, several times a forward: no walk over the parameters)
+            get = functools.partial(getattr, self)
         dt = self.config.dtype
-        w1, w2 = (w if w.dtype == dt else w.to(dt) for w in (named[self.w1_name], named["down_proj"]))
+        w1, w2 = (w if w.dtype == dt else w.to(dt) for w in (get(self.w1_name), get("down_proj")))
         if self.zero_experts:   # this rank's experts, not its share of the zero experts' unused rows
             w1 = w1[:self.num_local]
         ws = (w1, w2) if self.is_transposed else (w1.transpose(1, 2), w2.transpose(1, 2))
         if not self.config.expert_bias:
             return ws
-        return (*ws, *(b if b.dtype == dt else b.to(dt) for b in (named[n] for n in _biases(self.w1_name))))
+        return (*ws, *(b if b.dtype == dt else b.to(dt) for b in map(get, _biases(self.w1_name))))
 
     def _casts_weights(self) -> bool:
         """Whether the experts compute in another dtype than their parameters'."""
