@@ -34,7 +34,6 @@ when the optimizer is made.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from typing import Any
@@ -226,22 +225,13 @@ class TrainerMixin:
                 dcp.save(self.model.state_dict(), checkpoint_id=os.path.join(folder, MODEL_DIR))
             histories = policy_state_dict(self.model)   # (collective: every EP group's, the same on every rank)
             if self.args.should_save:
-                import tempfile
+                from pathlib import Path
 
-                # never a half-written file under the name; a temporary name of this process's own (with
-                # save_on_each_node, one rank per node writes)
-                fd, tmp = tempfile.mkstemp(dir=folder, prefix=POLICY_FILE + ".")
-                try:
-                    with os.fdopen(fd, "wb") as f:
-                        torch.save(histories, f)
-                    umask = os.umask(0)
-                    os.umask(umask)
-                    os.chmod(tmp, 0o666 & ~umask)   # (mkstemp makes 0600; the other files follow the umask)
-                    os.replace(tmp, os.path.join(folder, POLICY_FILE))
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.remove(tmp)
-                    raise
+                from feplb.cli import _write_outputs
+
+                # never a half-written file under the name: a temporary one of this process's own (with
+                # save_on_each_node, one rank per node writes), the umask's mode, then renamed
+                _write_outputs([(Path(folder) / POLICY_FILE, lambda tmp: torch.save(histories, tmp))])
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         self._feplb_checkpointing = True

@@ -195,6 +195,7 @@ class PolicyState:
 
     # the settings a saved history must share with the state that takes it (to_dict / from_dict)
     SETTINGS = ("policy", "refresh_every", "ema_shift", "eplb_slots", "eplb_groups", "replicas_mode", "place_min_gain")
+    _ARRAYS = ("ema_E", "home_E", "dynamic_WD", "layout_WP")
     _PAIRS = {"replicas": 2, "resident": 2, "last_weight_copies": 3, "last_migrations": 3}
 
     def to_dict(self) -> dict:
@@ -203,7 +204,7 @@ class PolicyState:
         t = self.topo
         out: dict = {"topology": [t.num_ranks, t.gpus_per_node, t.num_experts, t.dyn], "step": self.step}
         out.update((k, getattr(self, k)) for k in self.SETTINGS)
-        for k in ("ema_E", "home_E", "dynamic_WD", "layout_WP"):
+        for k in self._ARRAYS:
             a = getattr(self, k)
             out[k] = None if a is None else np.array(a, dtype=np.int64)
         for k, n in self._PAIRS.items():
@@ -220,14 +221,14 @@ class PolicyState:
         t = like.topo
         want = {"topology": [t.num_ranks, t.gpus_per_node, t.num_experts, t.dyn],
                 **{k: getattr(like, k) for k in cls.SETTINGS}}
-        missing = sorted((set(want) | {"step", "ema_E", "home_E", "dynamic_WD", "layout_WP", *cls._PAIRS}) - set(d))
+        missing = sorted((set(want) | {"step", *cls._ARRAYS, *cls._PAIRS}) - set(d))
         if missing:
             raise ValueError(f"a saved policy state lacks {missing}")
         got = {k: list(d[k]) if k == "topology" else d[k] for k in want}
         differ = [f"{k} {got[k]!r} (the layer's: {want[k]!r})" for k in want if got[k] != want[k]]
         if differ:
             raise ValueError("the saved policy state is for another layer setup: " + ", ".join(differ))
-        arrays = {k: None if d[k] is None else np.asarray(d[k]) for k in ("ema_E", "home_E", "dynamic_WD", "layout_WP")}
+        arrays = {k: None if d[k] is None else np.asarray(d[k]) for k in cls._ARRAYS}
         pairs = {}
         for k, n in cls._PAIRS.items():
             a = np.asarray(d[k])
