@@ -182,6 +182,18 @@ def mark_replaced(module: nn.Module, api: str, name: str, keep: nn.Module | None
 
 # ---------------------------------------------------------------------------------------------------- helpers
 
+class HoldsEngine:
+    """A module whose FEPLB layer is not a submodule but made at its first forward (``feplb.titan_ep``'s experts,
+    which torchtitan builds, shards and checkpoints as its own): ``engine``, the layer or None; ``make_engine()``
+    makes it now (collective over its EP group, as its first forward would). The balancing histories' save and
+    restore name such a layer after the module, and a restore makes the layers not made yet."""
+
+    engine: MoELayer | None
+
+    def make_engine(self) -> MoELayer:
+        raise NotImplementedError
+
+
 def roots(model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> list[nn.Module]:
     """``model`` as a list of modules: itself, or the modules of a list (Megatron's virtual-pipeline chunks)."""
     return list(model) if isinstance(model, (list, tuple)) else [model]
@@ -337,7 +349,10 @@ def _by_device(ts: list[torch.Tensor]) -> dict:
 def refresh_replicas(model: nn.Module | list[nn.Module]) -> None:
     """``refresh_replicas()`` of every FEPLB layer (collective): after every ``optimizer.step()`` and
     after any other change of the expert weights (loading a shard, say)."""
-    moes = experts_modules(model)
+    _refresh(experts_modules(model))
+
+
+def _refresh(moes: list[MoELayer]) -> None:
     with handshaken(moes, ENTRY_REFRESH):
         for m in moes:
             m.refresh_replicas()
@@ -359,11 +374,12 @@ def set_state_dict_type(model: nn.Module, kind: str) -> None:
 _WRAPPER_LEVELS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
-def _named_layers(model: nn.Module | list[nn.Module]) -> list[tuple[str, MoELayer]]:
+def _named_layers(model: nn.Module | list[nn.Module], make: bool = False) -> list[tuple[str, MoELayer]]:
     """(name, layer) of every FEPLB layer, in module order (each once): its name as ``state_dict()`` spells it
     without the wrappers' levels (DDP's ``module``, ``torch.compile``'s ``_orig_mod``, FSDP's and activation
     checkpointing's: a model saved wrapped and loaded bare, or the reverse, names its layers alike), prefixed by the
-    chunk's index where ``model`` is a list of chunks."""
+    chunk's index where ``model`` is a list of chunks. A :class:`HoldsEngine` module's layer goes by the module's
+    name: the one it made, or with ``make`` the one it makes now (collective) if it has none yet."""
     from torch.nn.parallel import DistributedDataParallel
 
     def unwrapped(m: nn.Module) -> nn.Module:
@@ -378,9 +394,11 @@ def _named_layers(model: nn.Module | list[nn.Module]) -> list[tuple[str, MoELaye
 
     def walk(m: nn.Module, path: list[str], prefix: str) -> None:
         m = unwrapped(m)
-        if isinstance(m, MoELayer) and id(m) not in seen:
-            seen.add(id(m))
-            out.append((prefix + ".".join(path), m))
+        layer = m if isinstance(m, MoELayer) else \
+            (m.make_engine() if make else m.engine) if isinstance(m, HoldsEngine) else None
+        if layer is not None and id(layer) not in seen:
+            seen.add(id(layer))
+            out.append((prefix + ".".join(path), layer))
         for child_name, child in m.named_children():
             walk(child, path if child_name in _WRAPPER_LEVELS else [*path, child_name], prefix)
 
@@ -409,7 +427,8 @@ def policy_state_dict(model: nn.Module | list[nn.Module]) -> dict[str, list[dict
     the job (an all-gather of objects): call it on every rank, then save it on one (the result is the same on
     every rank). Save it beside the weights: resumed without it, a layer starts its history afresh and plans the
     next steps otherwise (the same math, other rows moved, so neither bit for bit the same run nor as well balanced
-    at first)."""
+    at first). ``feplb.titan_ep``'s experts modules (:class:`HoldsEngine`) give their layers' under their own
+    names, once a forward has made them."""
     me = dist.get_rank() if dist.is_initialized() else 0
     # (one rank of each EP group sends its layers' histories, which the group's ranks share)
     mine = [(name, _entry(layer), list(layer.control.ranks)) for name, layer in _named_layers(model)
@@ -454,12 +473,13 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
     (EP size, GPUs per node, experts, ``dyn``) and settings (policy, ``refresh_every``, ...): otherwise
     ValueError on every rank, naming the layers, before anything is restored. With ``strict=False`` such layers
     keep their own history (a run resumed at another EP size or on other ranks, say). Returns the names of the
-    layers that kept their own."""
+    layers that kept their own. A ``feplb.titan_ep`` experts module that has not run a forward yet (a run resumed
+    before its first step) makes its layer first, as its first forward would (collective over its EP group)."""
     from feplb.sched import PolicyState
 
     if not isinstance(state, Mapping):
         raise TypeError(f"load_policy_state_dict: state must be a mapping of layer names, got {type(state).__name__}")
-    layers = _named_layers(model)
+    layers = _named_layers(model, make=True)
     restored, kept, problems = [], [], []
     for name, layer in layers:
         saved, why = None, None
@@ -512,7 +532,7 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
     try:
         for _, layer, saved in restored:
             layer.state = saved
-        refresh_replicas(model)
+        _refresh([layer for _, layer in layers])
     except Exception as e:   # noqa: BLE001 - agreed over the job below, then raised
         failed = e
     # (a refresh refused in one EP group raises on that group's ranks only: agreed, so that every rank raises)

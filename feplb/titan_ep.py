@@ -27,12 +27,19 @@ balance). Weights travel with the rows every micro-batch and their gradients ret
 (``weights="per-microbatch"``, the only mode here): no per-step call for the training loop to make, and FSDP, which
 unshards the expert weights only around the forward, sees ordinary gradients. The experts compute in bfloat16 like
 ``GroupedExperts`` (``dtype="float32"`` for an exact reference); the rows come back in the input's dtype.
+
+torchtitan checkpoints the experts' parameters as its own. The FEPLB layers' balancing histories join its
+checkpoints with a second override, ``feplb.titan_ep.feplb_checkpoint`` (:class:`FEPLBCheckpointManager`), so that a
+resumed run plans on as the uninterrupted one; without it a resumed run starts them afresh (the same math, other
+rows moved).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import io
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,18 +47,23 @@ import spmd_types as spmd
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torchtitan.components.checkpointer.base import BaseCheckpointManager
+from torchtitan.components.checkpointer.dcp import CheckpointManager
 from torchtitan.config import override
+from torchtitan.config.override import derive
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
 from feplb.config import FEPLBConfig, dispatched_policy_problem, int_counts
 from feplb.control import _smaller_group_hint
-from feplb.dropin import DERIVED, derived_for_forward
+from feplb.dropin import DERIVED, HoldsEngine, derived_for_forward, load_policy_state_dict, policy_state_dict
 from feplb.experts import checked_at_backward
 from feplb.layer import MoELayer
 from feplb.titan import oss_fields, oss_weights, swiglu_weights
 
-__all__ = ["FEPLBGptOssGroupedExperts", "FEPLBGroupedExperts", "convert", "engines", "feplb_experts"]
+__all__ = ["FEPLBCheckpointManager", "FEPLBGptOssGroupedExperts", "FEPLBGroupedExperts", "POLICY_STATES",
+           "PolicyStates", "convert", "engines", "feplb_checkpoint", "feplb_experts", "load_policy_state_dict",
+           "policy_state_dict"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # what the experts module and torchtitan's routing give FEPLB, or this mode fixes (dtype is the user's to choose)
@@ -106,7 +118,7 @@ class _Engine(MoELayer):
         return self._weights
 
 
-class _Balanced:
+class _Balanced(HoldsEngine):
     """What FEPLB's experts behind torchtitan's dispatch share, mixed into a torchtitan experts class (``_base``)
     whose parameters, names and forward signature they keep; ``_join(dtype, *shards)`` gives the engine its experts."""
 
@@ -161,7 +173,17 @@ class _Balanced:
         """The engine's experts in ``dt`` from this rank's shards ``local`` (``_local()``, in ``_params`` order)."""
         raise NotImplementedError
 
-    def _engine_for(self, x_RD: torch.Tensor) -> MoELayer:
+    def make_engine(self) -> MoELayer:
+        """The FEPLB layer, made now if no forward has made it yet (collective over torchtitan's EP group, as the
+        first forward is), on the device of this rank's expert shards: a restore of the balancing histories
+        before the first step (:class:`PolicyStates`) makes it."""
+        device = self._local()[0].device
+        if device.type == "meta":
+            raise RuntimeError(f"{type(self).__name__}: its experts are on the meta device; materialize the model "
+                               "(to_empty, init_weights) before restoring the balancing histories")
+        return self._engine_on(device)
+
+    def _engine_on(self, device: torch.device) -> MoELayer:
         if self._engine is not None:
             return self._engine
         name = type(self).__name__
@@ -173,7 +195,7 @@ class _Balanced:
             raise RuntimeError(f"{name}: torchtitan's EP mesh has {self._ep_mesh.ndim} dimensions; expected one")
         cfg = self.feplb_config
         if cfg.device == "auto":
-            cfg = dataclasses.replace(cfg, device=x_RD.device.type)
+            cfg = dataclasses.replace(cfg, device=device.type)
         engine = _Engine(cfg, self._ep_mesh.get_group())
         object.__setattr__(self, "_engine", engine)
         return engine
@@ -202,7 +224,7 @@ class _Balanced:
         return self._forward(x_RD, num_tokens_per_expert_E)
 
     def _forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        engine = self._engine_for(x_RD)
+        engine = self._engine_on(x_RD.device)
         dt = engine.config.dtype
         local = self._local()
         if local[0].shape[0] != engine.num_local:
@@ -332,3 +354,91 @@ def convert(config: Any, **settings: Any) -> list[str]:
 def engines(model: nn.Module) -> list[MoELayer]:
     """The FEPLB layers of ``model``'s experts made so far (their stats, policy states), in module order."""
     return [m.engine for m in model.modules() if isinstance(m, _Balanced) and m.engine is not None]
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+
+POLICY_STATES = "feplb_policy"   # the balancing histories' entry in torchtitan's checkpoints
+
+
+class PolicyStates:
+    """The FEPLB layers' balancing histories of ``model_parts`` as a ``Stateful`` for torchtitan's checkpoints
+    (``torch.distributed.checkpoint``): :func:`feplb.dropin.policy_state_dict`, every EP group's, one entry
+    (``histories``: the dict as ``torch.save`` writes it, which ``torch.load(..., weights_only=True)`` reads back),
+    the same on every rank, which DCP saves once; restored by :func:`feplb.dropin.load_policy_state_dict` with
+    ``strict=False``: a layer whose EP group or settings have none in the checkpoint (a run resumed at another EP
+    size, or with another policy) starts its history afresh, with a warning naming it. Both are collective over
+    the job, as DCP's save and load are. :class:`FEPLBCheckpointManager` holds one; with your own ``dcp.save`` /
+    ``dcp.load``, put one in the state dict you give them."""
+
+    def __init__(self, model_parts: nn.Module | list[nn.Module]):
+        parts = list(model_parts) if isinstance(model_parts, (list, tuple)) else [model_parts]
+        self._model = parts[0] if len(parts) == 1 else parts
+
+    def state_dict(self) -> dict[str, bytes]:
+        buf = io.BytesIO()
+        torch.save(policy_state_dict(self._model), buf)
+        return {"histories": buf.getvalue()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        blob = state_dict.get("histories") if isinstance(state_dict, dict) else None
+        if not isinstance(blob, bytes):
+            raise TypeError(f"feplb.titan_ep.PolicyStates: expected {{'histories': bytes}} (what its state_dict() "
+                            f"gives), got {type(state_dict).__name__}"
+                            + (f" with histories of type {type(blob).__name__}" if isinstance(state_dict, dict)
+                               else ""))
+        kept = load_policy_state_dict(self._model, torch.load(io.BytesIO(blob), weights_only=True), strict=False)
+        if kept:
+            warnings.warn(f"feplb.titan_ep: no balancing history in the checkpoint for FEPLB layer(s) {kept} (saved "
+                          "at another EP size, on other ranks, with other settings, or before their first "
+                          "forward); they start afresh: the same math, other rows moved at first", RuntimeWarning,
+                          stacklevel=2)
+
+
+class FEPLBCheckpointManager(CheckpointManager):
+    """torchtitan's ``CheckpointManager`` whose checkpoints also hold the FEPLB layers' balancing histories
+    (:class:`PolicyStates`, under :data:`POLICY_STATES`), so that a resumed run plans its next steps as the
+    uninterrupted one would (bit for bit the same steps where the run is otherwise deterministic). Everything else
+    is torchtitan's: torchtitan without FEPLB loads these checkpoints (the extra entry is not read), and a
+    checkpoint without the histories (torchtitan's own, or one saved before this was on) loads with a warning, the
+    histories starting afresh. Turned on by the override :func:`feplb_checkpoint`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module], states: dict[str, Any], **kwargs: Any):
+        super().__init__(config, model_parts=model_parts, states=states, **kwargs)
+        if self.enable:
+            self.states[POLICY_STATES] = PolicyStates(model_parts)
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        if POLICY_STATES in state_dict and not from_hf and not _saved_with(checkpoint_id, POLICY_STATES):
+            # (every rank reads the same metadata: all leave the entry out alike)
+            warnings.warn(f"feplb.titan_ep: the checkpoint {checkpoint_id} holds no FEPLB balancing histories (saved "
+                          "without FEPLBCheckpointManager); the layers start theirs afresh: the same math, other "
+                          "rows moved at first", RuntimeWarning, stacklevel=2)
+            state_dict = {k: v for k, v in state_dict.items() if k != POLICY_STATES}
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+
+def _saved_with(checkpoint_id: str, key: str) -> bool:
+    """Whether the DCP checkpoint ``checkpoint_id`` holds entries under ``key``."""
+    import torch.distributed.checkpoint as dcp
+
+    names = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    return any(n == key or n.startswith(key + ".") for n in names)
+
+
+@override(target=BaseCheckpointManager.Config,
+          description="FEPLB: the balancing histories in torchtitan's checkpoints")
+def feplb_checkpoint(cfg: BaseCheckpointManager.Config) -> FEPLBCheckpointManager.Config:
+    """torchtitan override (``--override.imports feplb.titan_ep.feplb_checkpoint``, beside
+    :func:`feplb_experts`): torchtitan's ``CheckpointManager.Config`` -> :class:`FEPLBCheckpointManager.Config`,
+    the same settings (one already FEPLB's stays as it is); other checkpoint managers raise."""
+    if type(cfg) is FEPLBCheckpointManager.Config:
+        return cfg
+    if type(cfg) is not CheckpointManager.Config:
+        raise ValueError(f"feplb.titan_ep.feplb_checkpoint replaces torchtitan's CheckpointManager (DCP); got "
+                         f"{type(cfg).__qualname__}")
+    return derive(cfg, FEPLBCheckpointManager.Config)

@@ -2,9 +2,10 @@
 warm-up schedule, gradient clipping over the expert-parallel mesh, the Qwen3-MoE load-balancing bias update, metrics
 and distributed checkpoints. The ``qwen3_moe_debug`` training config (64 experts, top-8; 1 of its 8 layers and the
 experts' hidden size 192 of 768, for the test's time and memory; FSDP 4 x EP 4 as 2 nodes x 2, selective activation
-checkpointing), FEPLB turned on by ``--override.imports`` in its parsed
-form; three steps against the same trainer without the override, then torchtitan without FEPLB resumed from FEPLB's
-step-2 checkpoint.
+checkpointing), FEPLB (``feplb-split@ema``) and its checkpoints' balancing histories turned on by
+``--override.imports`` in its parsed form; three steps against the same trainer without the overrides, then from
+the step-2 checkpoints: torchtitan without FEPLB resumed from FEPLB's, FEPLB resumed from its own (bit for bit its
+uninterrupted step 3), and FEPLB resumed from torchtitan's (no histories: a warning, then afresh).
 
 The test's own inputs: a word-level tokenizer written with ``tokenizers`` and a small text set (60 of its 1,000
 words, drawn uniformly), in torchtitan's formats (``tokenizer.json`` and ``tokenizer_config.json``; json lines with
@@ -31,8 +32,10 @@ import os  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import types  # noqa: E402
+import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from feplb.replicas import state_digest  # noqa: E402
 from feplb.testing import load_module, run_dist  # noqa: E402
 
 # test_titan_ep.py's CPU stand-ins, row count and relative error (loaded by path, as the ranks load this file)
@@ -41,7 +44,7 @@ _ep = load_module(Path(__file__).with_name("test_titan_ep.py"))
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 WORLD, LAYERS, SEQ, STEPS, SAVED, EXPERT_HIDDEN = 4, 1, 64, 3, 2, 192
-SETTINGS = '{"policy": "feplb-split", "gpus_per_node": 2, "min_chunk": 1, "min_straggler_rows": 0, ' \
+SETTINGS = '{"policy": "feplb-split@ema", "gpus_per_node": 2, "min_chunk": 1, "min_straggler_rows": 0, ' \
            '"plan_wait_ms": 60000}'
 WORDS, USED = 1000, 60   # the tokenizer's words; the texts use the first USED of them
 
@@ -107,6 +110,11 @@ def _cpu_trainer() -> None:
         dist.set_timeout = lambda timeout, group=None: distributed_c10d._set_pg_timeout(timeout, group)
 
 
+# run -> (FEPLB on, the run whose step-2 checkpoint it resumes from, or None)
+RUNS = {"ours": (True, None), "titan": (False, None), "resumed": (False, "ours"), "again": (True, "ours"),
+        "afresh": (True, "titan")}
+
+
 def _config(root: Path, run: str, feplb: bool):
     from torchtitan.config.override import OverrideConfig, parse_cli_imports
     from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
@@ -121,12 +129,13 @@ def _config(root: Path, run: str, feplb: bool):
     config.training.mixed_precision_param = "float32"
     config.training.disable_cuda_graphs = True   # torchtitan refuses them with its all-to-all dispatcher too
     config.checkpoint.enable, config.checkpoint.interval = True, SAVED
-    config.checkpoint.load_step = SAVED if run == "resumed" else -1
+    config.checkpoint.load_step = SAVED if RUNS[run][1] else -1
     config.model_spec.model.layers = config.model_spec.model.layers[:LAYERS]
     for layer in config.model_spec.model.layers:   # (the test's memory: full copies of every run are compared)
         layer.moe.routed_experts.inner_experts.hidden_dim = EXPERT_HIDDEN
-    if feplb:   # as `--override.imports 'feplb.titan_ep.feplb_experts={...}'` gives it
-        config.override = OverrideConfig(imports=parse_cli_imports([f"feplb.titan_ep.feplb_experts={SETTINGS}"]))
+    if feplb:   # as `--override.imports 'feplb.titan_ep.feplb_experts={...}' feplb.titan_ep.feplb_checkpoint` gives it
+        config.override = OverrideConfig(imports=parse_cli_imports([f"feplb.titan_ep.feplb_experts={SETTINGS}",
+                                                                    "feplb.titan_ep.feplb_checkpoint"]))
     parallelize = config.model_spec.parallelize_fn
 
     def cpu_parallelize(model, **kwargs):
@@ -195,23 +204,29 @@ def _job(rank: int, world: int, root: str) -> dict:
     root = Path(root)
     _cpu_trainer()
     os.environ["LOCAL_RANK"] = str(rank)
-    out = {}
-    for run, feplb in (("ours", True), ("titan", False), ("resumed", False)):
-        if run == "resumed":   # torchtitan without FEPLB, from FEPLB's checkpoint
+    out, warned = {}, {}
+    for run, (feplb, source) in RUNS.items():
+        if source is not None:   # resumed from another run's step-2 checkpoint
             if rank == 0:
-                shutil.copytree(root / "ours" / "checkpoint" / f"step-{SAVED}",
-                                root / "resumed" / "checkpoint" / f"step-{SAVED}")
+                shutil.copytree(root / source / "checkpoint" / f"step-{SAVED}",
+                                root / run / "checkpoint" / f"step-{SAVED}")
             dist.barrier()
         trainer = Trainer(_config(root, run, feplb))
         (model,) = trainer.model_parts
         _reinit(model)
         inners = [layer.moe.routed_experts.inner_experts for layer in model.layers.values()]
         res = {"classes": sorted({type(m).__name__ for m in inners}), "losses": {}, "norms": {}, "moved": {},
-               "labels": {}, "start": _full(model) if run != "resumed" else {}}
-        if run == "resumed":
-            trainer.checkpointer.load(step=SAVED)
-            res["loaded"], res["loaded_adam"] = _full(model), _adam_state(trainer, model)
-            res["loaded_lr"] = _lr_state(trainer)
+               "labels": {}, "start": _full(model) if source is None else {}}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if source is not None:
+                if feplb:   # the layers made before the load (as fresh), their histories' digests
+                    res["fresh"] = [state_digest(m.make_engine().state) for m in inners]
+                trainer.checkpointer.load(step=SAVED)
+                res["loaded"], res["loaded_adam"] = _full(model), _adam_state(trainer, model)
+                res["loaded_lr"] = _lr_state(trainer)
+                res["loaded_histories"] = [state_digest(m.engine.state) if m.engine is not None else None
+                                           for m in inners] if feplb else []
         log, fwd_bwd, opt_step = trainer.metrics_processor.log, trainer.forward_backward_step, trainer.optimizers.step
 
         def forward_backward(*, labels, _res=res, _trainer=trainer, _f=fwd_bwd, **kwargs):
@@ -231,11 +246,15 @@ def _job(rank: int, world: int, root: str) -> dict:
             if step == SAVED:
                 _res["saved"], _res["saved_adam"] = _full(_model), _adam_state(_trainer, _model)
                 _res["saved_lr"] = _lr_state(_trainer)
+                _res["saved_histories"] = [state_digest(m.engine.state) for m in _inners] if _feplb else []
             return _log(step, loss, max_loss, grad_norm, *args, **kwargs)
 
         trainer.metrics_processor.log, trainer.forward_backward_step = record, forward_backward
         trainer.optimizers.step = step
-        trainer.train()
+        with warnings.catch_warnings(record=True) as also:
+            warnings.simplefilter("always")
+            trainer.train()
+        warned[run] = [str(w.message) for w in [*caught, *also] if "feplb" in str(w.message)]
         res["final"] = _full(model)
         res["saved_steps"] = sorted(p.name for p in (root / run / "checkpoint").iterdir())
         trainer.close()
@@ -245,10 +264,17 @@ def _job(rank: int, world: int, root: str) -> dict:
         del trainer, model, inners
         out[run] = res
         if run == "titan":   # compared here, on each rank, to keep few of the full tensors alive at once
+            out["titan_losses"] = res["losses"]
             out["vs_titan"] = _vs_titan(out["ours"], out.pop("titan"))
         if run == "resumed":
             out["vs_resumed"] = _vs_resumed(out["ours"], out.pop("resumed"))
-    return {k: v for k, v in out.items() if k.startswith("vs_")}
+        if run == "again":
+            out["vs_again"] = _vs_again(out["ours"], out.pop("again"))
+        if run == "afresh":
+            out["vs_afresh"] = {"losses": (out.pop("afresh")["losses"], out.pop("titan_losses")),
+                                "moved": res["moved"], "histories": (res["fresh"], res["loaded_histories"])}
+    out["warned"] = warned
+    return {k: v for k, v in out.items() if k.startswith("vs_") or k == "warned"}
 
 
 def _vs_titan(ours: dict, titan: dict) -> dict:
@@ -282,6 +308,15 @@ def _vs_resumed(ours: dict, resumed: dict) -> dict:
             "lr": (resumed["loaded_lr"], ours["saved_lr"]),
             "same_labels": torch.equal(resumed["labels"][STEPS], ours["labels"][STEPS]),
             "off": _off(resumed["final"], ours["final"], ours["saved"])}
+
+
+def _vs_again(ours: dict, again: dict) -> dict:
+    """FEPLB resumed from its own step-2 checkpoint against its uninterrupted step 3, in numbers."""
+    return {"histories": (again["fresh"], again["loaded_histories"], ours["saved_histories"]),
+            "loaded_same": all(torch.equal(again["loaded"][n], w) for n, w in ours["saved"].items()),
+            "losses": (again["losses"], ours["losses"]), "moved": (again["moved"], ours["moved"]),
+            "final_same": sorted(again["final"]) == sorted(ours["final"])
+            and all(torch.equal(again["final"][n], w) for n, w in ours["final"].items())}
 
 
 @pytest.fixture(scope="module")
@@ -349,3 +384,33 @@ def test_a_feplb_checkpoint_is_torchtitans(trained):
         # one step from the same state: each parameter within 2% of FEPLB's update
         for n, err in c["off"].items():
             assert err <= 0.02, f"rank {r}: {n} off FEPLB's after the resumed step by {err:.2e} of its update"
+
+
+def test_a_resumed_run_carries_on_with_the_balancing_histories(trained):
+    for r, res in enumerate(trained):
+        c = res["vs_again"]
+        fresh, loaded, saved = c["histories"]
+        # the layers made at the load start afresh, and take the histories FEPLB's step 2 saved
+        assert loaded == saved and all(f != s for f, s in zip(fresh, saved, strict=True)), (r, c["histories"])
+        assert c["loaded_same"], r
+        # so the resumed step 3 is FEPLB's own, bit for bit: the same rows moved, loss and parameters
+        (again, ours), (moved_again, moved_ours) = c["losses"], c["moved"]
+        assert sorted(again) == [STEPS] and again[STEPS] == ours[STEPS], (r, again, ours)
+        assert moved_again[STEPS] == moved_ours[STEPS] and all(m > 0 for m in moved_again[STEPS]), (r, c["moved"])
+        assert c["final_same"], r
+        assert res["warned"]["again"] == [], (r, res["warned"]["again"])
+
+
+def test_a_checkpoint_without_histories_starts_them_afresh(trained):
+    for r, res in enumerate(trained):
+        # torchtitan's own step-2 checkpoint (no histories): FEPLB loads it, warns, and trains on from it
+        c = res["vs_afresh"]
+        assert any("holds no FEPLB balancing histories" in w for w in res["warned"]["afresh"]), res["warned"]
+        fresh, loaded = c["histories"]
+        assert loaded == fresh, (r, c["histories"])   # (the layers made before the load keep their fresh histories)
+        (afresh, titan) = c["losses"]
+        assert sorted(afresh) == [STEPS], (r, afresh)
+        assert abs(afresh[STEPS] - titan[STEPS]) <= 5e-4 * abs(titan[STEPS]), (r, afresh, titan)
+        assert all(m > 0 for m in c["moved"][STEPS]), (r, c["moved"])
+        # and FEPLB's runs from scratch warn of nothing
+        assert res["warned"]["ours"] == [], (r, res["warned"]["ours"])

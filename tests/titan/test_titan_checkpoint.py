@@ -1,0 +1,60 @@
+"""The pieces of ``feplb.titan_ep``'s checkpoint support that need no process group: the override that turns it on,
+the check of a checkpoint for the histories, and the refusal of a malformed entry. The whole path (torchtitan's
+trainer saving, loading and resuming bit for bit) is in test_titan_trainer.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.components.checkpointer.dcp")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torchtitan.components.checkpointer.base import BaseCheckpointManager  # noqa: E402
+from torchtitan.components.checkpointer.dcp import CheckpointManager  # noqa: E402
+
+from feplb import titan_ep  # noqa: E402
+
+
+def test_the_override_keeps_every_setting_and_builds_feplbs_manager():
+    cfg = CheckpointManager.Config(enable=True, interval=7, folder="ckpt", keep_latest_k=3, async_mode="async",
+                                   exclude_from_loading=["dataloader"])
+    got = titan_ep.feplb_checkpoint(cfg)
+    assert type(got) is titan_ep.FEPLBCheckpointManager.Config
+    assert got._owner is titan_ep.FEPLBCheckpointManager
+    for f in dataclasses.fields(cfg):
+        assert getattr(got, f.name) == getattr(cfg, f.name), f.name
+
+
+class _OtherManager(BaseCheckpointManager):   # (another checkpointer, as torchtitan's torch_checkpointing one)
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(BaseCheckpointManager.Config):
+        pass
+
+
+def test_the_override_refuses_another_checkpoint_manager():
+    with pytest.raises(ValueError, match="_OtherManager"):
+        titan_ep.feplb_checkpoint(_OtherManager.Config())
+    ours = titan_ep.FEPLBCheckpointManager.Config(interval=5)
+    assert titan_ep.feplb_checkpoint(ours) is ours
+
+
+def test_a_checkpoint_is_read_for_the_histories(tmp_path):
+    blob = io.BytesIO()
+    torch.save({"layers.0.moe": [None]}, blob)
+    with_histories, without = tmp_path / "with", tmp_path / "without"
+    dcp.save({"w": torch.randn(3), titan_ep.POLICY_STATES: {"histories": blob.getvalue()}},
+             checkpoint_id=str(with_histories), no_dist=True)
+    dcp.save({"w": torch.randn(3), "feplb_policy_other": torch.zeros(1)}, checkpoint_id=str(without), no_dist=True)
+    assert titan_ep._saved_with(str(with_histories), titan_ep.POLICY_STATES)
+    assert not titan_ep._saved_with(str(without), titan_ep.POLICY_STATES)
+
+
+@pytest.mark.parametrize("bad", [{"histories": 3}, {"other": b""}, [b""]])
+def test_a_malformed_entry_is_refused_naming_it(bad):
+    states = titan_ep.PolicyStates(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="PolicyStates: expected"):
+        states.load_state_dict(bad)
