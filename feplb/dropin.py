@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -28,7 +30,7 @@ from feplb.training import handshaken
 
 __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "zero_replica_grads", "average_expert_grads",
            "attach_optimizer", "clip_grad_norm_", "refresh_replicas", "full_state_dict", "set_state_dict_type",
-           "track_optimizer", "policy_state_dict", "load_policy_state_dict"]
+           "track_optimizer", "policy_state_dict", "load_policy_state_dict", "PolicyStates"]
 
 
 # ---------------------------------------------------------------------------------------------------- apply
@@ -545,6 +547,39 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
         raise RuntimeError("load_policy_state_dict: the refresh after the restore was refused on other ranks: "
                            + next(v for v in views if v is not None))
     return kept
+
+
+class PolicyStates:
+    """The FEPLB layers' balancing histories of a model (or of a list of its parts) as a ``Stateful`` for
+    ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``, torchtitan's ``CheckpointManager``): one entry,
+    ``histories``, :func:`policy_state_dict` as ``torch.save`` writes it (every EP group's, the same on every rank,
+    which DCP writes once), restored by :func:`load_policy_state_dict` with ``strict=False``: a layer whose EP group,
+    EP layout or settings have no history there (a run resumed at another EP size, or with another policy) starts
+    afresh, with a warning naming it. Both collective over the job, as DCP's save and load are. Put one in the state
+    dict you give ``dcp.save`` and ``dcp.load``; ``feplb.titan_ep.FEPLBCheckpointManager`` holds one in torchtitan's
+    trainer."""
+
+    def __init__(self, model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]):
+        parts = roots(model)
+        self._model = parts[0] if len(parts) == 1 else parts
+
+    def state_dict(self) -> dict[str, bytes]:
+        buf = io.BytesIO()
+        torch.save(policy_state_dict(self._model), buf)
+        return {"histories": buf.getvalue()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        blob = state_dict.get("histories") if isinstance(state_dict, Mapping) else None
+        if not isinstance(blob, bytes):
+            raise TypeError("PolicyStates.load_state_dict: expected {'histories': bytes} (what its state_dict() "
+                            f"gives), got {type(state_dict).__name__}"
+                            + (f" with histories of type {type(blob).__name__}" if isinstance(state_dict, Mapping)
+                               else ""))
+        kept = load_policy_state_dict(self._model, torch.load(io.BytesIO(blob), weights_only=True), strict=False)
+        if kept:
+            warnings.warn(f"feplb: no balancing history in the checkpoint for FEPLB layer(s) {kept} (saved at another "
+                          "EP size, on other ranks, with other settings, or before their first forward); they start "
+                          "afresh: the same math, other rows moved at first", RuntimeWarning, stacklevel=2)
 
 
 def _state_dict_name(name: str) -> str:

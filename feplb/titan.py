@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from feplb.dropin import (
+    PolicyStates,
     agree_to_replace,
     attach_optimizer,
     average_expert_grads,
@@ -78,7 +79,7 @@ from feplb.layer import FEPLBConfig, MoELayer, ignore_experts_in_ddp
 __all__ = ["FEPLBGptOssRoutedExperts", "FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules",
            "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "zero_replica_grads",
            "refresh_replicas", "clip_grad_norm_", "set_state_dict_type", "track_optimizer", "policy_state_dict",
-           "load_policy_state_dict"]
+           "load_policy_state_dict", "PolicyStates"]
 
 _NAMES = ("w1_EFD", "w2_EDF", "w3_EFD")
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +55,14 @@ from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
 from feplb.config import FEPLBConfig, dispatched_policy_problem, int_counts
 from feplb.control import _smaller_group_hint
-from feplb.dropin import DERIVED, HoldsEngine, derived_for_forward, load_policy_state_dict, policy_state_dict
+from feplb.dropin import (
+    DERIVED,
+    HoldsEngine,
+    PolicyStates,
+    derived_for_forward,
+    load_policy_state_dict,
+    policy_state_dict,
+)
 from feplb.experts import checked_at_backward
 from feplb.layer import MoELayer
 from feplb.titan import oss_fields, oss_weights, swiglu_weights
@@ -359,40 +365,6 @@ def engines(model: nn.Module) -> list[MoELayer]:
 # ---------------------------------------------------------------------------------------------------- checkpoints
 
 POLICY_STATES = "feplb_policy"   # the balancing histories' entry in torchtitan's checkpoints
-
-
-class PolicyStates:
-    """The FEPLB layers' balancing histories of ``model_parts`` as a ``Stateful`` for torchtitan's checkpoints
-    (``torch.distributed.checkpoint``): :func:`feplb.dropin.policy_state_dict`, every EP group's, one entry
-    (``histories``: the dict as ``torch.save`` writes it, which ``torch.load(..., weights_only=True)`` reads back),
-    the same on every rank, which DCP saves once; restored by :func:`feplb.dropin.load_policy_state_dict` with
-    ``strict=False``: a layer whose EP group or settings have none in the checkpoint (a run resumed at another EP
-    size, or with another policy) starts its history afresh, with a warning naming it. Both are collective over
-    the job, as DCP's save and load are. :class:`FEPLBCheckpointManager` holds one; with your own ``dcp.save`` /
-    ``dcp.load``, put one in the state dict you give them."""
-
-    def __init__(self, model_parts: nn.Module | list[nn.Module]):
-        parts = list(model_parts) if isinstance(model_parts, (list, tuple)) else [model_parts]
-        self._model = parts[0] if len(parts) == 1 else parts
-
-    def state_dict(self) -> dict[str, bytes]:
-        buf = io.BytesIO()
-        torch.save(policy_state_dict(self._model), buf)
-        return {"histories": buf.getvalue()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        blob = state_dict.get("histories") if isinstance(state_dict, dict) else None
-        if not isinstance(blob, bytes):
-            raise TypeError(f"feplb.titan_ep.PolicyStates: expected {{'histories': bytes}} (what its state_dict() "
-                            f"gives), got {type(state_dict).__name__}"
-                            + (f" with histories of type {type(blob).__name__}" if isinstance(state_dict, dict)
-                               else ""))
-        kept = load_policy_state_dict(self._model, torch.load(io.BytesIO(blob), weights_only=True), strict=False)
-        if kept:
-            warnings.warn(f"feplb.titan_ep: no balancing history in the checkpoint for FEPLB layer(s) {kept} (saved "
-                          "at another EP size, on other ranks, with other settings, or before their first "
-                          "forward); they start afresh: the same math, other rows moved at first", RuntimeWarning,
-                          stacklevel=2)
 
 
 class FEPLBCheckpointManager(CheckpointManager):

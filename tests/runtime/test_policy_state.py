@@ -11,6 +11,8 @@
   than its peers is refused on every rank by the refresh, and every layer keeps its own history; so is a restore
   between the micro-batches of a step.
 * The layers' names leave out DDP's and ``torch.compile``'s wrapper levels.
+* Through ``torch.distributed.checkpoint`` as a ``Stateful`` (``PolicyStates``): the next step bit for bit; a layer
+  of another policy keeps its own history, with a warning naming it.
 """
 
 from __future__ import annotations
@@ -136,12 +138,43 @@ def _stages(rank: int, groups) -> dict:
     return out
 
 
-def _worker(rank: int, world: int) -> dict:
+def _dcp_case(rank: int, root: str) -> dict:
+    """The histories as a ``Stateful`` entry of ``torch.distributed.checkpoint`` (``PolicyStates``): saved with
+    ``dcp.save``, loaded with ``dcp.load`` into a fresh layer of the same weights (the next step bit for bit the
+    trained layer's), and into a layer of another policy (a warning naming it; its own history kept)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from feplb.dropin import PolicyStates
+
+    layer = _trained("feplb-split@ema", rank)
+    weights = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+    dcp.save({"feplb_policy": PolicyStates(layer)}, checkpoint_id=root)
+    restored = _layer("feplb-split@ema", weights)
+    dcp.load({"feplb_policy": PolicyStates(restored)}, checkpoint_id=root)
+    loaded_step = int(restored.state.step)
+    a, b = _step(layer, rank, 3), _step(restored, rank, 3)
+    other = _layer("feplb@ema", weights)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp.load({"feplb_policy": PolicyStates([other])}, checkpoint_id=root)
+    out = {"equal": all(torch.equal(a[k], b[k]) for k in ("out", "dx")) and a["plan"] == b["plan"]
+           and all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"], strict=True)),
+           "steps": (loaded_step, int(other.state.step)),
+           "warned": [str(w.message) for w in caught if "balancing history" in str(w.message)]}
+    for m in (layer, restored, other):
+        m.close()
+    return out
+
+
+def _worker(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
     from feplb.dropin import _named_layers, load_policy_state_dict, policy_state_dict
 
     out = {policy: _restore_case(policy, rank) for policy in POLICIES}
+    out["dcp"] = _dcp_case(rank, root)
     # EP x DP: EP groups {0, 1} and {2, 3}, one node each, their own data (ranks 0 and 2 the same tokens as each
     # other, but the groups' skews differ)
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -196,8 +229,8 @@ def _worker(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_dist(_worker, W, timeout_s=300, collective_timeout_s=60)
+def ranks(tmp_path_factory):
+    return run_dist(_worker, W, str(tmp_path_factory.mktemp("policy-dcp")), timeout_s=300, collective_timeout_s=60)
 
 
 @pytest.mark.parametrize("policy", [*POLICIES, "epdp"])
@@ -250,3 +283,12 @@ def test_pipeline_stages_with_other_layers_or_none(ranks):
 def test_layer_names_leave_out_the_wrappers(ranks):
     for rank, res in enumerate(ranks):
         assert res["names"] == [["1"], ["1"], ["1"], ["1"], ["0.1"]], (rank, res["names"])
+
+
+def test_histories_through_torch_distributed_checkpoint(ranks):
+    for rank, res in enumerate(ranks):
+        case = res["dcp"]
+        assert case["equal"], rank
+        # the restored layer took the trained one's step count (6 micro-batches); the other policy's kept its own
+        assert case["steps"] == (6, 0), (rank, case["steps"])
+        assert len(case["warned"]) == 1 and "FEPLB layer(s) ['']" in case["warned"][0], (rank, case["warned"])

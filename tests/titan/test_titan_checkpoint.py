@@ -56,5 +56,5 @@ def test_a_checkpoint_is_read_for_the_histories(tmp_path):
 @pytest.mark.parametrize("bad", [{"histories": 3}, {"other": b""}, [b""]])
 def test_a_malformed_entry_is_refused_naming_it(bad):
     states = titan_ep.PolicyStates(torch.nn.Linear(2, 2))
-    with pytest.raises(TypeError, match="PolicyStates: expected"):
+    with pytest.raises(TypeError, match=r"PolicyStates.load_state_dict: expected"):
         states.load_state_dict(bad)
