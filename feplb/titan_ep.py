@@ -395,10 +395,13 @@ class FEPLBCheckpointManager(CheckpointManager):
 
 
 def _saved_with(checkpoint_id: str, key: str) -> bool:
-    """Whether the DCP checkpoint ``checkpoint_id`` holds entries under ``key``."""
-    import torch.distributed.checkpoint as dcp
-
-    names = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    """Whether the DCP checkpoint ``checkpoint_id`` (a local path, or a remote fsspec URI, as ``dcp.load`` and
+    torchtitan tell them apart) holds entries under ``key``."""
+    if "://" in str(checkpoint_id):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as Reader
+    else:
+        from torch.distributed.checkpoint import FileSystemReader as Reader
+    names = Reader(checkpoint_id).read_metadata().state_dict_metadata
     return any(n == key or n.startswith(key + ".") for n in names)
 
 

@@ -51,6 +51,10 @@ def test_a_checkpoint_is_read_for_the_histories(tmp_path):
     dcp.save({"w": torch.randn(3), "feplb_policy_other": torch.zeros(1)}, checkpoint_id=str(without), no_dist=True)
     assert titan_ep._saved_with(str(with_histories), titan_ep.POLICY_STATES)
     assert not titan_ep._saved_with(str(without), titan_ep.POLICY_STATES)
+    # a remote URI goes through fsspec, as dcp.load reads it (fsspec's local filesystem here)
+    pytest.importorskip("fsspec")
+    assert titan_ep._saved_with(f"file://{with_histories}", titan_ep.POLICY_STATES)
+    assert not titan_ep._saved_with(f"file://{without}", titan_ep.POLICY_STATES)
 
 
 @pytest.mark.parametrize("bad", [{"histories": 3}, {"other": b""}, [b""]])
