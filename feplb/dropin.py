@@ -557,7 +557,10 @@ class PolicyStates:
     EP layout or settings have no history there (a run resumed at another EP size, or with another policy) starts
     afresh, with a warning naming it. Both collective over the job, as DCP's save and load are. Put one in the state
     dict you give ``dcp.save`` and ``dcp.load``; ``feplb.titan_ep.FEPLBCheckpointManager`` holds one in torchtitan's
-    trainer."""
+    trainer. The restore refreshes the layers' copies of the expert weights (``refresh_replicas``): DCP loads the
+    tensors in place before any ``Stateful``, so they are the loaded weights; weights that another ``Stateful``
+    applies in its own ``load_state_dict`` may come after it, so call ``refresh_replicas`` after ``dcp.load`` there
+    (a stale copy is refused at the next forward on every rank otherwise)."""
 
     def __init__(self, model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]):
         parts = roots(model)

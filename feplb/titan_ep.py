@@ -59,6 +59,7 @@ from feplb.dropin import (
     DERIVED,
     HoldsEngine,
     PolicyStates,
+    _agree,
     derived_for_forward,
     load_policy_state_dict,
     policy_state_dict,
@@ -181,15 +182,18 @@ class _Balanced(HoldsEngine):
 
     def make_engine(self) -> MoELayer:
         """The FEPLB layer, made now if no forward has made it yet (collective over torchtitan's EP group, as the
-        first forward is), on the device of this rank's expert shards: a restore of the balancing histories
-        before the first step (:class:`PolicyStates`) makes it."""
-        device = self._local()[0].device
-        if device.type == "meta":
+        first forward is): a restore of the balancing histories before the first step (:class:`PolicyStates`)
+        makes it. Its device (``device="auto"``) is then the EP group's, as ``MoELayer`` finds it (CUDA over NCCL,
+        else the CPU), not the shards' (which CPU offload keeps on the host while the rows are on the GPU); a
+        forward whose rows are elsewhere raises on every rank, naming both."""
+        if self._local()[0].device.type == "meta":
             raise RuntimeError(f"{type(self).__name__}: its experts are on the meta device; materialize the model "
                                "(to_empty, init_weights) before restoring the balancing histories")
-        return self._engine_on(device)
+        return self._engine_on(None)
 
-    def _engine_on(self, device: torch.device) -> MoELayer:
+    def _engine_on(self, device: torch.device | None) -> MoELayer:
+        """The layer, made on its first call; ``device``: the rows' (``device="auto"`` becomes its type), or None
+        for the group's (``MoELayer``'s own rule)."""
         if self._engine is not None:
             return self._engine
         name = type(self).__name__
@@ -200,7 +204,7 @@ class _Balanced(HoldsEngine):
         if self._ep_mesh.ndim != 1:
             raise RuntimeError(f"{name}: torchtitan's EP mesh has {self._ep_mesh.ndim} dimensions; expected one")
         cfg = self.feplb_config
-        if cfg.device == "auto":
+        if cfg.device == "auto" and device is not None:
             cfg = dataclasses.replace(cfg, device=device.type)
         engine = _Engine(cfg, self._ep_mesh.get_group())
         object.__setattr__(self, "_engine", engine)
@@ -385,13 +389,33 @@ class FEPLBCheckpointManager(CheckpointManager):
             self.states[POLICY_STATES] = PolicyStates(model_parts)
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        if POLICY_STATES in state_dict and not from_hf and not _saved_with(checkpoint_id, POLICY_STATES):
-            # (every rank reads the same metadata: all leave the entry out alike)
+        if POLICY_STATES in state_dict and not from_hf and not _histories_saved(checkpoint_id):
             warnings.warn(f"feplb.titan_ep: the checkpoint {checkpoint_id} holds no FEPLB balancing histories (saved "
                           "without FEPLBCheckpointManager); the layers start theirs afresh: the same math, other "
                           "rows moved at first", RuntimeWarning, stacklevel=2)
             state_dict = {k: v for k, v in state_dict.items() if k != POLICY_STATES}
         super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+
+def _histories_saved(checkpoint_id: str) -> bool:
+    """Whether the checkpoint holds the histories (:data:`POLICY_STATES`), agreed over the job (collective): every
+    rank reads the metadata, and a read that fails on some ranks, or ranks that find different answers (node-local
+    checkpoints that differ), raise a RuntimeError on every rank, naming them, instead of leaving the others in the
+    load's first collective."""
+    try:
+        found, why = _saved_with(checkpoint_id, POLICY_STATES), None
+    except Exception as e:   # noqa: BLE001 - agreed below, then raised on every rank
+        found, why = None, f"{type(e).__name__}: {e}"
+    views = _agree((found, why), None)
+    failed = [r for r, (_, w) in enumerate(views) if w is not None]
+    if failed:
+        raise RuntimeError(f"feplb.titan_ep: reading the metadata of the checkpoint {checkpoint_id} failed on rank(s) "
+                           f"{failed}: {views[failed[0]][1]}")
+    if len({f for f, _ in views}) > 1:
+        raise RuntimeError(f"feplb.titan_ep: the checkpoint {checkpoint_id} holds the balancing histories on rank(s) "
+                           f"{[r for r, (f, _) in enumerate(views) if f]} and not on the others: the ranks read "
+                           "different checkpoints under that name")
+    return bool(views[0][0])
 
 
 def _saved_with(checkpoint_id: str, key: str) -> bool:

@@ -1,6 +1,7 @@
-"""The pieces of ``feplb.titan_ep``'s checkpoint support that need no process group: the override that turns it on,
-the check of a checkpoint for the histories, and the refusal of a malformed entry. The whole path (torchtitan's
-trainer saving, loading and resuming bit for bit) is in test_titan_trainer.py."""
+"""The pieces of ``feplb.titan_ep``'s checkpoint support around the load: the override that turns it on, the check
+of a checkpoint for the histories (agreed over 2 gloo ranks where they read otherwise), and the refusal of a
+malformed entry. The whole path (torchtitan's trainer saving, loading and resuming bit for bit) is in
+test_titan_trainer.py."""
 
 from __future__ import annotations
 
@@ -55,6 +56,43 @@ def test_a_checkpoint_is_read_for_the_histories(tmp_path):
     pytest.importorskip("fsspec")
     assert titan_ep._saved_with(f"file://{with_histories}", titan_ep.POLICY_STATES)
     assert not titan_ep._saved_with(f"file://{without}", titan_ep.POLICY_STATES)
+
+
+def _checkpoints(root) -> tuple[str, str]:
+    """Two DCP checkpoints under ``root``, with the histories' entry and without."""
+    blob = io.BytesIO()
+    torch.save({"layers.0.moe": [None]}, blob)
+    with_histories, without = root / "with", root / "without"
+    dcp.save({"w": torch.randn(3), titan_ep.POLICY_STATES: {"histories": blob.getvalue()}},
+             checkpoint_id=str(with_histories), no_dist=True)
+    dcp.save({"w": torch.randn(3)}, checkpoint_id=str(without), no_dist=True)
+    return str(with_histories), str(without)
+
+
+def test_the_histories_are_looked_for_before_the_load(tmp_path):
+    with_histories, without = _checkpoints(tmp_path)
+    assert titan_ep._histories_saved(with_histories) and not titan_ep._histories_saved(without)
+    with pytest.raises(RuntimeError, match=r"reading the metadata of the checkpoint .* failed on rank\(s\) \[0\]"):
+        titan_ep._histories_saved(str(tmp_path / "nowhere"))
+
+
+def _ranks_look(rank: int, world: int, paths: list[str]) -> str | None:
+    from feplb.testing import error_of
+
+    return error_of(lambda: titan_ep._histories_saved(paths[rank]))
+
+
+@pytest.mark.dist
+def test_ranks_that_read_otherwise_raise_together(tmp_path):
+    """A read that fails on one rank, or ranks that find different checkpoints, raise on every rank (2 gloo ranks),
+    instead of leaving the others in the load's first collective."""
+    from feplb.testing import run_dist
+
+    with_histories, without = _checkpoints(tmp_path)
+    for paths, want in (([with_histories, str(tmp_path / "nowhere")], "failed on rank(s) [1]"),
+                        ([without, with_histories], "holds the balancing histories on rank(s) [1] and not on")):
+        got = run_dist(_ranks_look, 2, paths, timeout_s=120, collective_timeout_s=30)
+        assert all(g is not None and g.startswith("RuntimeError") and want in g for g in got), got
 
 
 @pytest.mark.parametrize("bad", [{"histories": 3}, {"other": b""}, [b""]])

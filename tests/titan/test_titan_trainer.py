@@ -111,8 +111,8 @@ def _cpu_trainer() -> None:
 
 
 # run -> (FEPLB on, the run whose step-2 checkpoint it resumes from, or None)
-RUNS = {"ours": (True, None), "titan": (False, None), "resumed": (False, "ours"), "again": (True, "ours"),
-        "afresh": (True, "titan")}
+RUNS = {"ours": (True, None), "titan": (False, None), "resumed": (False, "ours"), "afresh": (True, "titan"),
+        "again": (True, "ours")}
 
 
 def _config(root: Path, run: str, feplb: bool):
@@ -220,8 +220,10 @@ def _job(rank: int, world: int, root: str) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if source is not None:
-                if feplb:   # the layers made before the load (as fresh), their histories' digests
+                if run == "afresh":   # layers made before the load: their fresh histories' digests
                     res["fresh"] = [state_digest(m.make_engine().state) for m in inners]
+                if run == "again":    # no layer yet: the load makes them
+                    res["made_before"] = [m.engine is not None for m in inners]
                 trainer.checkpointer.load(step=SAVED)
                 res["loaded"], res["loaded_adam"] = _full(model), _adam_state(trainer, model)
                 res["loaded_lr"] = _lr_state(trainer)
@@ -268,11 +270,11 @@ def _job(rank: int, world: int, root: str) -> dict:
             out["vs_titan"] = _vs_titan(out["ours"], out.pop("titan"))
         if run == "resumed":
             out["vs_resumed"] = _vs_resumed(out["ours"], out.pop("resumed"))
-        if run == "again":
-            out["vs_again"] = _vs_again(out["ours"], out.pop("again"))
         if run == "afresh":
             out["vs_afresh"] = {"losses": (out.pop("afresh")["losses"], out.pop("titan_losses")),
                                 "moved": res["moved"], "histories": (res["fresh"], res["loaded_histories"])}
+        if run == "again":   # (the fresh histories: the afresh run's, of the same settings, before its load)
+            out["vs_again"] = _vs_again(out["ours"], out.pop("again"), out["vs_afresh"]["histories"][0])
     out["warned"] = warned
     return {k: v for k, v in out.items() if k.startswith("vs_") or k == "warned"}
 
@@ -310,9 +312,10 @@ def _vs_resumed(ours: dict, resumed: dict) -> dict:
             "off": _off(resumed["final"], ours["final"], ours["saved"])}
 
 
-def _vs_again(ours: dict, again: dict) -> dict:
+def _vs_again(ours: dict, again: dict, fresh: list) -> dict:
     """FEPLB resumed from its own step-2 checkpoint against its uninterrupted step 3, in numbers."""
-    return {"histories": (again["fresh"], again["loaded_histories"], ours["saved_histories"]),
+    return {"histories": (fresh, again["loaded_histories"], ours["saved_histories"]),
+            "made_before": again["made_before"],
             "loaded_same": all(torch.equal(again["loaded"][n], w) for n, w in ours["saved"].items()),
             "losses": (again["losses"], ours["losses"]), "moved": (again["moved"], ours["moved"]),
             "final_same": sorted(again["final"]) == sorted(ours["final"])
@@ -390,7 +393,9 @@ def test_a_resumed_run_carries_on_with_the_balancing_histories(trained):
     for r, res in enumerate(trained):
         c = res["vs_again"]
         fresh, loaded, saved = c["histories"]
-        # the layers made at the load start afresh, and take the histories FEPLB's step 2 saved
+        # no layer before the load; the load makes them and gives them the histories FEPLB's step 2 saved (not the
+        # fresh ones a layer starts with)
+        assert c["made_before"] == [False], (r, c["made_before"])
         assert loaded == saved and all(f != s for f, s in zip(fresh, saved, strict=True)), (r, c["histories"])
         assert c["loaded_same"], r
         # so the resumed step 3 is FEPLB's own, bit for bit: the same rows moved, loss and parameters
