@@ -744,7 +744,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         row = self._records.candidates(local_counts_E.to(torch.int64).cpu().numpy(), self.rank,
                                        self.replicas.generation, self.replicas.ever_held, dispatched, self.layer_id)
         rows = self.control.all_gather(row, "recompute: finding the recorded forward").numpy()
-        return self._records.choose(rows, self.replicas.generation, self.replicas.ever_held)
+        return self._records.choose(rows, self.replicas.generation, self.replicas.ever_held, checkpoint_frame())
 
     def _replay(self, x_MD: torch.Tensor, rec: Record) -> torch.Tensor:
         """Execute a recorded forward again: its placement, policy state, counts and plan (or fallback); the same
@@ -775,8 +775,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
     def _count(self, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
                problem: tuple[type, str] | None, dispatched: bool) -> Counts:
         """All-gather the counts (and every rank's problems); raise on every rank together if any rank has one.
-        Each rank's way of calling travels with them (training mode, autograd on, ``forward_dispatched``): ranks
-        that differ would run different collectives, in the forward or in its backward."""
+        Each rank's way of calling travels with them (training mode, autograd on, ``forward_dispatched``, whether
+        it leaves a record for a recompute under saved-tensor hooks): ranks that differ would run different
+        collectives, in the forward or in its backward, or keep different records."""
         E = self.config.num_experts
         # the per-step copies' owners changed since the copies were made: a sample of their bits, compared on the
         # device (no host sync of its own: it travels in the counts' copy to the host), or-ed with what the
@@ -801,7 +802,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # (the header first, then the counts padded to the group's width: steps.read_counts)
         row = torch.cat([row[:2], torch.tensor([int(problem is not None), self.layer_id,
                                                 int(self.training) | int(torch.is_grad_enabled()) << 1
-                                                | int(dispatched) << 2, self._slow_digest(),
+                                                | int(dispatched) << 2 | int(record_kind() == "hooks") << 3,
+                                                self._slow_digest(),
                                                 self.__dict__.get("_opt_steps", 0) - int(row[2]),
                                                 int(self._grads_dropped())]),
                          row[3:],

@@ -17,9 +17,10 @@ forward none. A recompute finds its record in one all-gather of per-rank bit mas
 
 * under a checkpoint frame (non-reentrant checkpointing): a record of that very frame with equal counts (the layer
   called several times in the block: in forward order);
-* else the one ``hooks`` record never replayed, or of a checkpoint still alive, whose counts of every rank's rows per
-  expert equal the recompute's (a checkpoint nested in a recomputed one runs under a new frame, also on a second
-  backward; other saved-tensor hooks hold no frame; several cannot be told apart: refused);
+* else the one ``hooks`` record of a checkpoint still alive, or made under other saved-tensor hooks (they hold no
+  frame) and never replayed, whose counts of every rank's rows per expert equal the recompute's (a checkpoint
+  nested in a recomputed one runs under a new frame, also on a second backward; a checkpoint whose backward never
+  ran is gone, and so is its record's claim; several cannot be told apart: refused);
 * else the oldest ``no_grad`` record with equal counts (reentrant checkpointing, also nested with the other kind).
   A reentrant recompute builds a graph of its own, so an equal forward's record (old log-probabilities computed
   under ``no_grad`` in RL, say) computes the same function, up to rounding.
@@ -36,6 +37,7 @@ Legend: W EP ranks, E experts.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,6 +126,7 @@ class Record:
     generation: int = 0
     frame: Any = None                  # a weakref to the checkpoint frame it ran under (hooks records), or None
     dispatched: bool = False           # a forward_dispatched call (rows at home already, by local expert)
+    bound: bool = False                # a record bound to the frame of a checkpoint whose first run replayed it
 
     def local_counts_E(self, rank: int) -> np.ndarray:
         """int64 [E]: the rows this rank sent to each expert in that forward."""
@@ -144,10 +147,12 @@ class Records:
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, record: Record) -> None:
+    def add(self, record: Record, replayed: int = 0) -> None:
         if len(self._items) == self._items.maxlen:
             self._replayed.pop(self._items[0][0], None)
         self._items.append((self._next, record))
+        if replayed:
+            self._replayed[self._next] = replayed
         self._next += 1
 
     def first_seq(self) -> int:
@@ -206,21 +211,26 @@ class Records:
         masks = [
             self.mask(lambda rec, n: frame is not None and rec.frame is not None and rec.frame() is frame
                       and equal(rec)),
-            # never replayed, or of a checkpoint still alive (a nested one's, on a second backward): a fallback never
-            # takes a finished forward's record
-            self.mask(lambda rec, n: rec.kind == "hooks" and current(rec)
-                      and (n == 0 or (rec.frame is not None and rec.frame() is not None))),
-            self.mask(lambda rec, n: rec.kind == "no_grad" and current(rec)),
-            self.mask(lambda rec, n: not current(rec) and equal(rec)),
+            # of a checkpoint still alive (a nested one's, also on a second backward), or, made under other hooks
+            # (no frame), never replayed: a fallback never takes a finished forward's record, nor one whose
+            # checkpoint is gone (a forward whose backward never ran)
+            self.mask(lambda rec, n: rec.kind == "hooks" and not rec.bound and current(rec)
+                      and (rec.frame() is not None if rec.frame is not None else n == 0)),
+            self.mask(lambda rec, n: rec.kind == "no_grad" and not rec.bound and current(rec)),
+            self.mask(lambda rec, n: not rec.bound and not current(rec) and equal(rec)),
         ]
         return torch.tensor([*masks, int(frame is not None), int(hooks_active()), self.first_seq(), len(self),
                              layer_id], dtype=torch.int64)
 
-    def choose(self, rows: np.ndarray, generation: int, held: bool) -> Record:
+    def choose(self, rows: np.ndarray, generation: int, held: bool, frame: Any = None) -> Record:
         """The record every rank repeats, from every rank's :meth:`candidates` row (int64 [W, 9], the same on every
         rank, so every rank takes the same record or raises the same error): the first kind of candidate that all
         ranks share (among several ``hooks`` records not of the frame: refused, they cannot be told apart); taken
-        (:meth:`take`)."""
+        (:meth:`take`). frame: the active checkpoint frame (:func:`checkpoint_frame`, present on every rank alike,
+        as the rows agree): a record of another forward taken under it (the first run of a non-reentrant
+        checkpoint nested in a reentrant one's recompute, which is itself a replay) is bound to it, so that this
+        checkpoint's own recompute, under the same frame, repeats that very record and not another of equal
+        counts."""
         if len({int(r[8]) for r in rows}) != 1:
             raise RuntimeError(f"MoELayer: the EP ranks recompute different MoE layers at once (layer number per EP "
                                f"rank: {rows[:, 8].tolist()}); every rank must run the backward of every MoE layer, "
@@ -254,6 +264,9 @@ class Records:
                 f"last {len(self)} are kept)")
         if rec.generation != generation and held:
             raise refreshed()
+        if frame is not None and not by_frame:
+            # (every rank alike: the rows agree on the frame's presence and the record taken)
+            self.add(dataclasses.replace(rec, frame=weakref.ref(frame), bound=True), replayed=1)
         return rec
 
 

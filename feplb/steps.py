@@ -49,6 +49,10 @@ _CALL_BITS = (
     (4, "call this layer in different ways", "forward_dispatched", "forward",
      "every rank must call the same method (forward_dispatched behind the caller's own dispatch, forward with "
      "FEPLB's)"),
+    (8, "run this layer under saved-tensor hooks on some ranks only", "under hooks (non-reentrant activation "
+     "checkpointing, save_on_cpu)", "without",
+     "a forward under saved-tensor hooks leaves a record for its recompute, which every rank must keep alike: "
+     "checkpoint the layer (and use saved-tensor hooks) alike on every rank"),
 )
 
 
@@ -156,7 +160,8 @@ def read_step(gathered: np.ndarray) -> None:
 def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float) -> Counts:
     """Read the all-gathered rows (int64 [W, len(HEADER) + E + padding]: this rank's routing flags (1: NaN or inf,
     2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs, how it
-    calls it (bits: 1 training mode, 2 autograd on, 4 ``forward_dispatched``), the digest of its slow decisions,
+    calls it (bits: 1 training mode, 2 autograd on, 4 ``forward_dispatched``, 8 saved-tensor hooks active with
+    autograd on), the digest of its slow decisions,
     the optimizer steps taken of its experts, whether it dropped the experts' gradients while per-step copies held
     theirs; then the counts per flat slot), raising on every rank together when any rank reported a problem or the
     ranks run different layers, in different modes, from different histories or after different numbers of

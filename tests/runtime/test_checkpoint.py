@@ -22,6 +22,10 @@ x 2 GPUs), against the same layer run without checkpointing:
   (each call its own record, again on a second backward), refresh_replicas() where no copies are held, and
   save_on_cpu inside the block (two pending equal forwards refused on every rank); selective activation
   checkpointing refused on every rank;
+* a non-reentrant checkpoint nested in a reentrant one, two micro-batches of equal counts and different plans
+  pending together after a no_grad forward of the same batch: each inner recompute repeats what its first run (in
+  the outer recompute) repeated; a checkpointed forward whose backward never ran (dropped, or an exception in the
+  block) leaves no claim on later recomputes; saved-tensor hooks on some ranks only are refused at that forward;
 * a recompute that routes differently from its forward raises a clear error on every rank, and the layer works on;
 * memory: the weights (and rows) a helper received are held from the forward to the backward without checkpointing,
   and not at all under it (the recompute receives them again); nothing received outlives the backward.
@@ -29,6 +33,7 @@ x 2 GPUs), against the same layer run without checkpointing:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -499,6 +504,94 @@ def test_nested_twice_in_a_block_unheld_refresh_other_hooks_and_selective():
         assert res["ambiguous"] and "cannot be told apart" in res["ambiguous"], res["ambiguous"]
         assert res["sac"] and "MoELayer.forward under selective activation checkpointing" in res["sac"] and \
             res["after_sac_ok"], res["sac"]
+
+
+def _nesting_rank(rank: int, world: int) -> dict:
+    """A non-reentrant checkpoint nested in a reentrant one, whose first run (in the outer recompute, itself a
+    replay) must bind its frame to the record it repeats: two micro-batches of equal counts and different plans (the
+    first one's late), one backward of their sum, after a no_grad forward of the first one's batch (the record an
+    inner recompute would take otherwise). A checkpointed forward whose backward never ran (its output dropped, or
+    an exception after the layer in the block) leaves no claim on a later nested recompute of equal counts. A
+    forward under saved-tensor hooks on some ranks only is refused at that forward on every rank."""
+    from torch.autograd.graph import save_on_cpu
+
+    out = {}
+    ids, gates = _routing(rank, 3)
+    ref, _ = _layer("feplb-split", "per-step", seed=14, router="external")
+    ac, _ = _layer("feplb-split", "per-step", seed=14, router="external")
+    late = _make_late(ref, ac)
+
+    def inner(layer):
+        return lambda h: torch.tanh(layer(h, routing=(ids, gates)))
+
+    def nested(z):
+        return torch.cos(checkpoint(inner(ac), torch.sin(z), use_reentrant=False))
+
+    x0, _ = _inputs(rank, 70)
+    late["on"] = True
+    with torch.no_grad():
+        inner(ref)(torch.sin(x0)), inner(ac)(torch.sin(x0))
+    loss_r = loss_a = 0.0
+    pairs = []
+    for mb in range(2):
+        x, dy = _inputs(rank, 70 + mb)
+        xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        late["on"] = mb == 0
+        loss_r = loss_r + (torch.cos(inner(ref)(torch.sin(xr))) * dy).sum()
+        loss_a = loss_a + (checkpoint(nested, xa, use_reentrant=True) * dy).sum()
+        late["on"] = False
+        pairs.append((xr, xa))
+    loss_r.backward()
+    loss_a.backward()
+    out["bound"] = all(torch.equal(xa.grad, xr.grad) for xr, xa in pairs) and \
+        all((ac_w - ref_w).abs().max() <= 1e-6 * ref_w.abs().max() for ac_w, ref_w in
+            ((ac.w1.grad, ref.w1.grad), (ac.w2.grad, ref.w2.grad)))
+
+    def raising(h):
+        inner(ac)(h)
+        raise ValueError("after the layer")
+
+    skipped = []
+    for drop in ("output", "exception"):
+        ref.zero_grad(), ac.zero_grad()
+        x, dy = _inputs(rank, 80)
+        if drop == "output":
+            checkpoint(inner(ac), x.clone().requires_grad_(True), use_reentrant=False)   # its backward never runs
+        else:
+            with contextlib.suppress(ValueError):
+                checkpoint(raising, x.clone().requires_grad_(True), use_reentrant=False)
+        x, dy = _inputs(rank, 81)
+        xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        (torch.cos(inner(ref)(torch.sin(xr))) * dy).sum().backward()
+        try:
+            (checkpoint(nested, xa, use_reentrant=False) * dy).sum().backward()
+            skipped.append(torch.equal(xa.grad, xr.grad) and torch.equal(ac.w1.grad, ref.w1.grad))
+        except RuntimeError as exc:
+            skipped.append(str(exc))
+    out["skipped"] = skipped
+    x, dy = _inputs(rank, 90)
+    xa = x.clone().requires_grad_(True)
+    try:
+        with save_on_cpu() if rank < 2 else contextlib.nullcontext():
+            y = inner(ac)(xa)
+        (y * dy).sum().backward()
+        out["hooks_apart"] = None
+    except RuntimeError as exc:
+        out["hooks_apart"] = str(exc)
+    x, dy = _inputs(rank, 91)   # and the layer works on
+    xa = x.clone().requires_grad_(True)
+    (checkpoint(inner(ac), xa, use_reentrant=False) * dy).sum().backward()
+    out["after"] = bool(torch.isfinite(xa.grad).all())
+    ref.close(), ac.close()
+    return out
+
+
+def test_nested_first_runs_bind_their_frame_dropped_forwards_and_hooks_apart():
+    for r, res in enumerate(run_dist(_nesting_rank, W, timeout_s=300)):
+        assert res["bound"], r
+        assert res["skipped"] == [True, True], (r, res["skipped"])
+        assert res["hooks_apart"] and "under saved-tensor hooks on some ranks only" in res["hooks_apart"] and \
+            "[0, 1]" in res["hooks_apart"] and res["after"], (r, res["hooks_apart"])
 
 
 def _mismatch_rank(rank: int, world: int, mode: str) -> dict:
