@@ -589,8 +589,11 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         sent them to itself. The gates are the caller's: it weighs the outputs (or, for experts gated on their input,
         ``gate_on_input``, the rows before the call).
         """
-        if self._no_forward_dispatched is not None:   # (the same class on every rank)
-            raise TypeError(f"{type(self).__name__}.forward_dispatched: {self._no_forward_dispatched}")
+        if self._no_forward_dispatched is not None:
+            # (raised on every rank together, as any refusal here: a peer may be in the layer's forward meanwhile)
+            self._check_open()
+            self._experts(None, None, None, (TypeError, f"{type(self).__name__}.forward_dispatched: "
+                                                        f"{self._no_forward_dispatched}"), dispatched=True)
         return self._forward_dispatched(rows, counts)
 
     def _forward_dispatched(self, rows: torch.Tensor, counts: torch.Tensor | list[int],
@@ -600,10 +603,12 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         arguments on this rank, raised on every rank with the rest."""
         self._check_open()
         c = self.config
-        if self.place or self.direct:   # (the same config on every rank)
-            raise ValueError(f"{type(self).__name__}.forward_dispatched: {dispatched_policy_problem(c.policy)}")
+        # (the policy is the same on every rank, but a peer may call the layer's own forward meanwhile: every
+        # refusal here goes through the counts all-gather, so that all raise together)
+        policy = (ValueError, f"{type(self).__name__}.forward_dispatched: {dispatched_policy_problem(c.policy)}") \
+            if self.place or self.direct else None
         got, counts_L = dispatched_problem(c, self._device, self.num_local, rows, counts)
-        problem = self._cast_hint(got) or problem or self._params_problem()
+        problem = policy or self._cast_hint(got) or problem or self._params_problem()
         if problem is not None:
             # the peers learn it in the counts all-gather; raises
             self._experts(None, None, None, problem, dispatched=True)

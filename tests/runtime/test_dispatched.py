@@ -253,6 +253,12 @@ def _errors_case(rank: int) -> dict:
     for policy in ("feplb-split+place", "eplb"):
         placed = _layer(policy)
         out[policy] = error_of(lambda placed=placed: placed.forward_dispatched(rows, [6, 0, 0, 0]))
+        # refused while a peer calls the layer's own forward: every rank raises together (rank 2 too, whose forward
+        # would otherwise pair its collectives with the others' next forward), and the layer works on
+        out[policy + " apart"] = error_of(lambda placed=placed: placed(rows[:5], routing=(ids, torch.rand(5, K)))
+                                          if rank == 2 else placed.forward_dispatched(rows, [6, 0, 0, 0]))
+        y = placed(rows[:5], routing=(ids, torch.rand(5, K)))
+        out[policy + " after"] = y.shape == (5, H) and bool(torch.isfinite(y).all())
         placed.close()
     return out
 
@@ -378,6 +384,12 @@ def test_forward_dispatched_refuses_bad_arguments_on_every_rank(ranks):
         assert e["empty"]
         for policy in ("feplb-split+place", "eplb"):
             assert e[policy].startswith("ValueError") and f"policy {policy!r}" in e[policy], e[policy]
+            apart = e[policy + " apart"]
+            if rank == 2:
+                assert apart is not None and "EP rank(s) [0, 1, 3] refused" in apart, apart
+            else:
+                assert apart is not None and apart.startswith("ValueError") and f"policy {policy!r}" in apart, apart
+            assert e[policy + " after"], (rank, policy)
     assert ranks[3]["errors"]["hosted"] > 0   # rank 3 computed rows of rank 2's, with none of its own
 
 
