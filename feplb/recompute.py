@@ -25,8 +25,9 @@ forward none. A recompute finds its record in one all-gather of per-rank bit mas
   A reentrant recompute builds a graph of its own, so an equal forward's record (old log-probabilities computed
   under ``no_grad`` in RL, say) computes the same function, up to rounding.
 
-Among a frame's or the ``no_grad`` candidates, records replayed fewer times come first (a second backward through
-the same graph, with ``retain_graph=True``, replays a frame's records again, in order). Where per-step copies are
+Among a frame's or the ``no_grad`` candidates, records replayed fewer times in the current backward pass come first
+(a second backward through the same graph, with ``retain_graph=True``, replays a frame's records again, in order;
+so does a backward retried after one that raised midway). Where per-step copies are
 held, only records of their current generation are candidates; a match of an older one only means that
 ``refresh_replicas()`` ran between a forward and its recompute, which raises. Records are kept after a replay and
 age out.
@@ -143,17 +144,29 @@ class Records:
         self._items: collections.deque[tuple[int, Record]] = collections.deque(maxlen=max_records)
         self._next = 0
         self._replayed: dict[int, int] = {}   # seq -> times replayed
+        # seq -> (the backward pass (autograd graph task) of its last replays, how many there): the order among
+        # equal candidates counts this pass's replays only, so a backward retried after one that raised midway
+        # (with retain_graph=True) repeats the records in order again, as a second backward does
+        self._in_pass: dict[int, tuple[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._items)
 
     def add(self, record: Record, replayed: int = 0) -> None:
+        """Append ``record``; ``replayed``: times it counts as replayed already (in this backward pass)."""
         if len(self._items) == self._items.maxlen:
             self._replayed.pop(self._items[0][0], None)
+            self._in_pass.pop(self._items[0][0], None)
         self._items.append((self._next, record))
         if replayed:
             self._replayed[self._next] = replayed
+            self._in_pass[self._next] = (torch._C._current_graph_task_id(), replayed)
         self._next += 1
+
+    def _pass_count(self, seq: int) -> int:
+        """Times the record ``seq`` was replayed in the current backward pass."""
+        task, n = self._in_pass.get(seq, (None, 0))
+        return n if task == torch._C._current_graph_task_id() else 0
 
     def first_seq(self) -> int:
         """The sequence number of the oldest record kept (the next one's when none is kept)."""
@@ -168,11 +181,12 @@ class Records:
         return bits
 
     def least_replayed(self, bits: int) -> int:
-        """The bits of ``bits`` whose records were replayed the fewest times (a first recompute before a second
-        backward's, and within each pass the records in forward order)."""
-        fewest = min((self._replayed.get(self._items[i][0], 0) for i in range(len(self._items)) if bits >> i & 1),
-                     default=0)
-        return self.mask(lambda rec, n: n == fewest) & bits
+        """The bits of ``bits`` whose records were replayed the fewest times in the current backward pass (within a
+        pass the records in forward order; a second backward, or one retried after a backward that raised midway,
+        from the first again)."""
+        counts = [self._pass_count(seq) for seq, _ in self._items]
+        fewest = min((counts[i] for i in range(len(self._items)) if bits >> i & 1), default=0)
+        return sum(1 << i for i in range(len(self._items)) if bits >> i & 1 and counts[i] == fewest)
 
     def take(self, bits: int) -> Record:
         """Among the records whose bit is set in ``bits`` (agreed by every rank), the oldest of those replayed the
@@ -183,6 +197,7 @@ class Records:
         i = (bits & -bits).bit_length() - 1   # least_replayed kept only bits that name a record
         seq, rec = self._items[i]
         self._replayed[seq] = self._replayed.get(seq, 0) + 1
+        self._in_pass[seq] = (torch._C._current_graph_task_id(), self._pass_count(seq) + 1)
         return rec
 
     def replayed(self) -> int:

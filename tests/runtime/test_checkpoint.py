@@ -25,7 +25,8 @@ x 2 GPUs), against the same layer run without checkpointing:
 * a non-reentrant checkpoint nested in a reentrant one, two micro-batches of equal counts and different plans
   pending together after a no_grad forward of the same batch: each inner recompute repeats what its first run (in
   the outer recompute) repeated; a checkpointed forward whose backward never ran (dropped, or an exception in the
-  block) leaves no claim on later recomputes; saved-tensor hooks on some ranks only are refused at that forward;
+  block) leaves no claim on later recomputes; saved-tensor hooks on some ranks only are refused at that forward; a
+  backward that raised between two recomputes, retried, repeats them in order;
 * a recompute that routes differently from its forward raises a clear error on every rank, and the layer works on;
 * memory: the weights (and rows) a helper received are held from the forward to the backward without checkpointing,
   and not at all under it (the recompute receives them again); nothing received outlives the backward.
@@ -512,7 +513,8 @@ def _nesting_rank(rank: int, world: int) -> dict:
     first one's late), one backward of their sum, after a no_grad forward of the first one's batch (the record an
     inner recompute would take otherwise). A checkpointed forward whose backward never ran (its output dropped, or
     an exception after the layer in the block) leaves no claim on a later nested recompute of equal counts. A
-    forward under saved-tensor hooks on some ranks only is refused at that forward on every rank."""
+    forward under saved-tensor hooks on some ranks only is refused at that forward on every rank. A backward that
+    raised midway, retried, replays the records in order again."""
     from torch.autograd.graph import save_on_cpu
 
     out = {}
@@ -582,13 +584,41 @@ def _nesting_rank(rank: int, world: int) -> dict:
     xa = x.clone().requires_grad_(True)
     (checkpoint(inner(ac), xa, use_reentrant=False) * dy).sum().backward()
     out["after"] = bool(torch.isfinite(xa.grad).all())
+    # a backward that raised between the recomputes of two calls with equal counts (the first's plan late), retried
+    # through the same graph: the retry repeats the first call's record first again
+    from feplb.recompute import in_backward
+
+    fail = {"on": True}
+
+    def twice(layer):
+        def f(z):
+            late["on"] = True
+            y = layer(torch.sin(z), routing=(ids, gates))
+            late["on"] = False
+            if in_backward() and fail["on"]:
+                fail["on"] = False
+                raise MemoryError("between the two calls' recomputes")
+            return torch.tanh(layer(y, routing=(ids, gates)))
+        return f
+
+    ref.zero_grad(), ac.zero_grad()
+    x, dy = _inputs(rank, 92)
+    xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    yr, ya = twice(ref)(xr), checkpoint(twice(ac), xa, use_reentrant=False)
+    (yr * dy).sum().backward()
+    with contextlib.suppress(MemoryError):
+        (ya * dy).sum().backward(retain_graph=True)
+    xa.grad = None
+    ac.zero_grad()
+    (ya * dy).sum().backward()
+    out["retried"] = not fail["on"] and torch.equal(xa.grad, xr.grad) and torch.equal(ac.w1.grad, ref.w1.grad)
     ref.close(), ac.close()
     return out
 
 
-def test_nested_first_runs_bind_their_frame_dropped_forwards_and_hooks_apart():
+def test_nested_first_runs_bind_their_frame_dropped_forwards_hooks_apart_and_a_retried_backward():
     for r, res in enumerate(run_dist(_nesting_rank, W, timeout_s=300)):
-        assert res["bound"], r
+        assert res["bound"] and res["retried"], r
         assert res["skipped"] == [True, True], (r, res["skipped"])
         assert res["hooks_apart"] and "under saved-tensor hooks on some ranks only" in res["hooks_apart"] and \
             "[0, 1]" in res["hooks_apart"] and res["after"], (r, res["hooks_apart"])
