@@ -25,9 +25,12 @@ forward none. A recompute finds its record in one all-gather of per-rank bit mas
   A reentrant recompute builds a graph of its own, so an equal forward's record (old log-probabilities computed
   under ``no_grad`` in RL, say) computes the same function, up to rounding.
 
-Among a frame's or the ``no_grad`` candidates, records replayed fewer times in the current backward pass come first
-(a second backward through the same graph, with ``retain_graph=True``, replays a frame's records again, in order;
-so does a backward retried after one that raised midway). Where per-step copies are
+Among a frame's own candidates, records replayed fewer times in the current backward pass come first (a second
+backward through the same graph, with ``retain_graph=True``, replays them again, in order; so does a backward
+retried after one that raised midway); among the ``no_grad`` candidates, those replayed fewer times ever (each of
+several equal micro-batches, backwarded one by one, its own). A checkpoint whose first run is itself a replay (one
+nested in a reentrant checkpoint's recompute) binds its frame to the record it repeats, for its own recompute:
+kept beside the records, gone with the frame. Where per-step copies are
 held, only records of their current generation are candidates; a match of an older one only means that
 ``refresh_replicas()`` ran between a forward and its recompute, which raises. Records are kept after a replay and
 age out.
@@ -38,7 +41,6 @@ Legend: W EP ranks, E experts.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,7 +129,6 @@ class Record:
     generation: int = 0
     frame: Any = None                  # a weakref to the checkpoint frame it ran under (hooks records), or None
     dispatched: bool = False           # a forward_dispatched call (rows at home already, by local expert)
-    bound: bool = False                # a record bound to the frame of a checkpoint whose first run replayed it
 
     def local_counts_E(self, rank: int) -> np.ndarray:
         """int64 [E]: the rows this rank sent to each expert in that forward."""
@@ -144,29 +145,29 @@ class Records:
         self._items: collections.deque[tuple[int, Record]] = collections.deque(maxlen=max_records)
         self._next = 0
         self._replayed: dict[int, int] = {}   # seq -> times replayed
-        # seq -> (the backward pass (autograd graph task) of its last replays, how many there): the order among
-        # equal candidates counts this pass's replays only, so a backward retried after one that raised midway
-        # (with retain_graph=True) repeats the records in order again, as a second backward does
+        # seq -> (the backward pass (autograd graph task) of its last replays, how many there): a frame's own
+        # records are taken in order within each pass, so a backward retried after one that raised midway (with
+        # retain_graph=True) repeats them in order again, as a second backward does
         self._in_pass: dict[int, tuple[int, int]] = {}
+        # checkpoint frame -> the records bound to it ([record, (graph task, replays there)], oldest first): a
+        # checkpoint whose first run was itself a replay (nested in a reentrant checkpoint's recompute) repeats in
+        # its own recompute what that run repeated. Kept outside the window, gone with the frame.
+        self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, record: Record, replayed: int = 0) -> None:
-        """Append ``record``; ``replayed``: times it counts as replayed already (in this backward pass)."""
+    def add(self, record: Record) -> None:
         if len(self._items) == self._items.maxlen:
             self._replayed.pop(self._items[0][0], None)
             self._in_pass.pop(self._items[0][0], None)
         self._items.append((self._next, record))
-        if replayed:
-            self._replayed[self._next] = replayed
-            self._in_pass[self._next] = (torch._C._current_graph_task_id(), replayed)
         self._next += 1
 
-    def _pass_count(self, seq: int) -> int:
-        """Times the record ``seq`` was replayed in the current backward pass."""
-        task, n = self._in_pass.get(seq, (None, 0))
-        return n if task == torch._C._current_graph_task_id() else 0
+    @staticmethod
+    def _in_this_pass(entry: tuple[int, int] | None) -> int:
+        """Replays counted in ``entry`` (graph task, replays) that belong to the current backward pass."""
+        return entry[1] if entry is not None and entry[0] == torch._C._current_graph_task_id() else 0
 
     def first_seq(self) -> int:
         """The sequence number of the oldest record kept (the next one's when none is kept)."""
@@ -180,25 +181,41 @@ class Records:
                 bits |= 1 << i
         return bits
 
-    def least_replayed(self, bits: int) -> int:
-        """The bits of ``bits`` whose records were replayed the fewest times in the current backward pass (within a
-        pass the records in forward order; a second backward, or one retried after a backward that raised midway,
-        from the first again)."""
-        counts = [self._pass_count(seq) for seq, _ in self._items]
-        fewest = min((counts[i] for i in range(len(self._items)) if bits >> i & 1), default=0)
-        return sum(1 << i for i in range(len(self._items)) if bits >> i & 1 and counts[i] == fewest)
+    @staticmethod
+    def _fewest(counts: list[int], bits: int) -> int:
+        """The bits of ``bits`` whose ``counts`` are the smallest among them."""
+        named = [i for i in range(len(counts)) if bits >> i & 1]
+        fewest = min((counts[i] for i in named), default=0)
+        return sum(1 << i for i in named if counts[i] == fewest)
 
-    def take(self, bits: int) -> Record:
+    def least_replayed(self, bits: int, this_pass: bool = False) -> int:
+        """The bits of ``bits`` whose records were replayed the fewest times: ever (a first recompute before a
+        second backward's), or with ``this_pass`` in the current backward pass (a frame's own records: within a
+        pass in forward order; a second backward, or one retried after a backward that raised midway, from the
+        first again)."""
+        return self._fewest([self._in_this_pass(self._in_pass.get(seq)) if this_pass else self._replayed.get(seq, 0)
+                             for seq, _ in self._items], bits)
+
+    def take(self, bits: int, this_pass: bool = False) -> Record:
         """Among the records whose bit is set in ``bits`` (agreed by every rank), the oldest of those replayed the
-        fewest times; it is counted as replayed once more and kept."""
-        bits = self.least_replayed(bits)
+        fewest times (:meth:`least_replayed`); it is counted as replayed once more and kept."""
+        bits = self.least_replayed(bits, this_pass)
         if bits <= 0:
             raise ValueError(f"expected a non-empty mask, got {bits}")
         i = (bits & -bits).bit_length() - 1   # least_replayed kept only bits that name a record
         seq, rec = self._items[i]
         self._replayed[seq] = self._replayed.get(seq, 0) + 1
-        self._in_pass[seq] = (torch._C._current_graph_task_id(), self._pass_count(seq) + 1)
+        self._in_pass[seq] = (torch._C._current_graph_task_id(), self._in_this_pass(self._in_pass.get(seq)) + 1)
         return rec
+
+    def _take_bound(self, frame: Any, bits: int) -> Record:
+        """Among the records bound to ``frame`` whose bit is set, the oldest replayed the fewest times in this
+        pass; counted once more."""
+        entries = self._bound[frame]
+        bits = self._fewest([self._in_this_pass(e[1]) for e in entries], bits)
+        entry = entries[(bits & -bits).bit_length() - 1]
+        entry[1] = (torch._C._current_graph_task_id(), self._in_this_pass(entry[1]) + 1)
+        return entry[0]
 
     def replayed(self) -> int:
         """How many of the records kept were replayed (at least once)."""
@@ -207,10 +224,11 @@ class Records:
     def candidates(self, local_E: np.ndarray, rank: int, generation: int, held: bool, dispatched: bool,
                    layer_id: int) -> torch.Tensor:
         """This rank's row of the all-gather that picks the record a recompute repeats (:meth:`choose` reads every
-        rank's): int64 [9], the bit masks of the records that may be it, in the order they are preferred (of the
-        active checkpoint frame; ``hooks`` records never replayed or of a checkpoint still alive; ``no_grad``
-        ones; older per-step copies' ones, which only explain a refusal), then what every rank must share (under a
-        frame, under hooks, the oldest record's number, the records kept, the layer's number).
+        rank's): int64 [11], the bit masks of the records that may be it, in the order they are preferred (of the
+        active checkpoint frame; bound to it; ``hooks`` records of a checkpoint still alive, or made under other
+        hooks and never replayed; ``no_grad`` ones; older per-step copies' ones, which only explain a refusal),
+        then what every rank must share (under a frame, under hooks, the oldest record's number, the records kept,
+        those bound to the frame, the layer's number).
 
         local_E: int64 [E] the rows the recompute sends to each expert from this rank; generation / held: the
         per-step copies' generation now, and whether any are held (``Replicas``); dispatched: a
@@ -223,40 +241,50 @@ class Records:
         def current(rec: Record) -> bool:   # made with the per-step copies held now (any, when none are held)
             return (not held or rec.generation == generation) and equal(rec)
 
+        def alive(rec: Record) -> bool:
+            # the checkpoint it ran under still holds its saved tensors (its forward completed: a block that raised
+            # after the layer, its exception kept, keeps a frame that will never recompute)
+            f = rec.frame()
+            return f is not None and getattr(f, "forward_completed", True)
+
+        bound = self._bound.get(frame, []) if frame is not None else []
         masks = [
             self.mask(lambda rec, n: frame is not None and rec.frame is not None and rec.frame() is frame
                       and equal(rec)),
+            sum(1 << i for i, (rec, _) in enumerate(bound) if equal(rec)),
             # of a checkpoint still alive (a nested one's, also on a second backward), or, made under other hooks
             # (no frame), never replayed: a fallback never takes a finished forward's record, nor one whose
             # checkpoint is gone (a forward whose backward never ran)
-            self.mask(lambda rec, n: rec.kind == "hooks" and not rec.bound and current(rec)
-                      and (rec.frame() is not None if rec.frame is not None else n == 0)),
-            self.mask(lambda rec, n: rec.kind == "no_grad" and not rec.bound and current(rec)),
-            self.mask(lambda rec, n: not rec.bound and not current(rec) and equal(rec)),
+            self.mask(lambda rec, n: rec.kind == "hooks" and current(rec)
+                      and (alive(rec) if rec.frame is not None else n == 0)),
+            self.mask(lambda rec, n: rec.kind == "no_grad" and current(rec)),
+            self.mask(lambda rec, n: not current(rec) and equal(rec)),
         ]
         return torch.tensor([*masks, int(frame is not None), int(hooks_active()), self.first_seq(), len(self),
-                             layer_id], dtype=torch.int64)
+                             len(bound), layer_id], dtype=torch.int64)
 
     def choose(self, rows: np.ndarray, generation: int, held: bool, frame: Any = None) -> Record:
-        """The record every rank repeats, from every rank's :meth:`candidates` row (int64 [W, 9], the same on every
-        rank, so every rank takes the same record or raises the same error): the first kind of candidate that all
-        ranks share (among several ``hooks`` records not of the frame: refused, they cannot be told apart); taken
-        (:meth:`take`). frame: the active checkpoint frame (:func:`checkpoint_frame`, present on every rank alike,
-        as the rows agree): a record of another forward taken under it (the first run of a non-reentrant
+        """The record every rank repeats, from every rank's :meth:`candidates` row (int64 [W, 11], the same on
+        every rank, so every rank takes the same record or raises the same error): the first kind of candidate that
+        all ranks share (among several ``hooks`` records not of the frame: refused, they cannot be told apart);
+        taken (:meth:`take`). frame: the active checkpoint frame (:func:`checkpoint_frame`, present on every rank
+        alike, as the rows agree): a record of another forward taken under it (the first run of a non-reentrant
         checkpoint nested in a reentrant one's recompute, which is itself a replay) is bound to it, so that this
         checkpoint's own recompute, under the same frame, repeats that very record and not another of equal
         counts."""
-        if len({int(r[8]) for r in rows}) != 1:
+        if len({int(r[10]) for r in rows}) != 1:
             raise RuntimeError(f"MoELayer: the EP ranks recompute different MoE layers at once (layer number per EP "
-                               f"rank: {rows[:, 8].tolist()}); every rank must run the backward of every MoE layer, "
+                               f"rank: {rows[:, 10].tolist()}); every rank must run the backward of every MoE layer, "
                                "in the same order")
-        if len({tuple(int(v) for v in r[4:]) for r in rows}) != 1:
+        if len({tuple(int(v) for v in r[5:]) for r in rows}) != 1:
             raise RuntimeError(f"MoELayer: the ranks recompute differently or hold different forward records "
-                               f"(frame, hooks, first, count: {[[int(v) for v in r[4:8]] for r in rows]}); every "
-                               "rank must run the same forwards and checkpoint them alike")
-        by_frame, hooks, no_grad, older = (int(np.bitwise_and.reduce(rows[:, i])) for i in range(4))
+                               f"(frame, hooks, first, count, bound: {[[int(v) for v in r[5:10]] for r in rows]}); "
+                               "every rank must run the same forwards and checkpoint them alike")
+        by_frame, bound, hooks, no_grad, older = (int(np.bitwise_and.reduce(rows[:, i])) for i in range(5))
         if by_frame:
-            rec = self.take(by_frame)
+            rec = self.take(by_frame, this_pass=True)
+        elif bound:
+            rec = self._take_bound(frame, bound)
         elif hooks and hooks & (hooks - 1) == 0:
             rec = self.take(hooks)
         elif hooks:
@@ -279,9 +307,9 @@ class Records:
                 f"last {len(self)} are kept)")
         if rec.generation != generation and held:
             raise refreshed()
-        if frame is not None and not by_frame:
-            # (every rank alike: the rows agree on the frame's presence and the record taken)
-            self.add(dataclasses.replace(rec, frame=weakref.ref(frame), bound=True), replayed=1)
+        if frame is not None and not by_frame and not bound:
+            # (every rank alike: the rows agree on the frame's presence, its bound records and the record taken)
+            self._bound.setdefault(frame, []).append([rec, (torch._C._current_graph_task_id(), 1)])
         return rec
 
 
