@@ -10,17 +10,17 @@ that runs inside a backward pass (``torch.utils.checkpoint`` in either mode, tra
 no planning, no agreement, no history update. Its collectives still run, in the same order on every rank.
 
 Which forwards leave a record: one under saved-tensor hooks with grad enabled (non-reentrant checkpointing, in any
-mode) a ``hooks`` record, holding the checkpoint's frame when the hooks are ``torch.utils.checkpoint``'s; one under
+mode) a ``hooks`` record, holding the innermost ``torch.utils.checkpoint`` frame among the active hooks; one under
 ``no_grad`` in training mode (reentrant checkpointing runs its first forward so) a ``no_grad`` record; a plain
 forward none. A recompute finds its record in one all-gather of per-rank bit masks (a bit per record kept, at most
 ``MAX_RECORDS``), intersected, so that every rank takes the same one:
 
 * under a checkpoint frame (non-reentrant checkpointing): a record of that very frame with equal counts (the layer
   called several times in the block: in forward order);
-* else the one ``hooks`` record of a checkpoint still alive, or made under other saved-tensor hooks (they hold no
-  frame) and never replayed, whose counts of every rank's rows per expert equal the recompute's (a checkpoint
-  nested in a recomputed one runs under a new frame, also on a second backward; a checkpoint whose backward never
-  ran is gone, and so is its record's claim; several cannot be told apart: refused);
+* else the one ``hooks`` record of a checkpoint still alive, or made under saved-tensor hooks with no checkpoint
+  among them (no frame) and never replayed, whose counts of every rank's rows per expert equal the recompute's (a
+  checkpoint nested in a recomputed one runs under a new frame, also on a second backward; a checkpoint whose
+  backward never ran is gone, and so is its record's claim; several cannot be told apart: refused);
 * else the oldest ``no_grad`` record with equal counts (reentrant checkpointing, also nested with the other kind).
   A reentrant recompute builds a graph of its own, so an equal forward's record (old log-probabilities computed
   under ``no_grad`` in RL, say) computes the same function, up to rounding.
@@ -72,14 +72,30 @@ def hooks_active() -> bool:
     return _top_hooks() is not None
 
 
-def checkpoint_frame() -> Any | None:
-    """The ``torch.utils.checkpoint`` frame whose saved-tensor hooks are the active ones (non-reentrant
-    checkpointing: the same object in the forward and in its recompute), read from the pack hook's closure; None
-    under other hooks or none, or where torch keeps it otherwise."""
-    hooks = _top_hooks()
-    if hooks is None:
-        return None
-    fn = hooks[0]
+def _hooks_stack(depth: int = 16) -> list[tuple[Callable, Callable]]:
+    """The active saved-tensor hooks, the top ones first (at most ``depth``): torch exposes the top of its
+    thread-local stack only, so the pairs are popped and pushed back, unchanged and in order, before returning (not
+    where pushing is disabled, ``torch.autograd.graph.disable_saved_tensors_hooks``: then the top pair only)."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return [] if top is None else [top]
+    popped: list[tuple[Callable, Callable]] = []
+    try:
+        while len(popped) < depth:
+            hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if hooks is None:
+                break
+            popped.append(hooks)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+    finally:
+        for pack, unpack in reversed(popped):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return popped
+
+
+def _frame_of(pack: Callable) -> Any | None:
+    """The ``torch.utils.checkpoint`` frame a pack hook belongs to, read from its closure; None for other hooks."""
+    fn = pack
     for _ in range(4):   # the recompute's hook is wrapped by torch._dynamo.disable
         inner = getattr(fn, "__wrapped__", None) or getattr(fn, "_torchdynamo_orig_callable", None)
         if inner is None:
@@ -94,6 +110,24 @@ def checkpoint_frame() -> Any | None:
             value = value()
         if type(value).__name__ == "_CheckpointFrame":
             return value
+    return None
+
+
+def checkpoint_frame() -> Any | None:
+    """The innermost ``torch.utils.checkpoint`` frame among the active saved-tensor hooks (non-reentrant
+    checkpointing: the same object in the forward and in its recompute), also below other hooks pushed inside the
+    checkpointed block (``save_on_cpu`` there, pushed again in the recompute); None where no hooks are active (or
+    only FEPLB's own), or none of them is a checkpoint's (or torch keeps it otherwise)."""
+    top = _top_hooks()
+    if top is None:
+        return None
+    frame = _frame_of(top[0])
+    if frame is not None:
+        return frame
+    for pack, _ in _hooks_stack()[1:]:
+        frame = _frame_of(pack)
+        if frame is not None:
+            return frame
     return None
 
 
