@@ -383,6 +383,18 @@ def _load(spec: str, num_experts: int | None):
         raise UsageError(msg if Path(spec.split(":")[0]).name in msg else f"trace {spec}: {msg}") from err
 
 
+def bound_experts(workload, spec: str, num_ranks: int) -> None:
+    """Refuse an E whose per-micro-batch counts (W x L x E int64, and the policies' per-expert histories) would not
+    fit in MICROBATCH_BYTES_MAX: a trace's E is its largest expert id + 1, which one stray id makes enormous."""
+    E, L = int(workload.num_experts), int(workload.num_layers)
+    need = (num_ranks + 2) * L * E * 8
+    if need > MICROBATCH_BYTES_MAX:
+        where = "its largest expert id + 1" if hasattr(workload, "topk_ids_TLK") else "the experts"
+        raise UsageError(f"trace {spec}: E={E} ({where}) makes a micro-batch's counts W={num_ranks} x L={L} x E "
+                         f"about {need / 1e9:.1f} GB; the limit is {MICROBATCH_BYTES_MAX / 1e9:.1f} GB (a stray "
+                         "expert id? check the trace, or give --experts)")
+
+
 def bound_microbatch(workload, num_ranks: int, tokens_per_rank: int) -> None:
     """Refuse a --tokens-per-rank whose per-token micro-batch would not fit in MICROBATCH_BYTES_MAX."""
     ids = getattr(workload, "topk_ids_TLK", None)
@@ -470,6 +482,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         raise UsageError(_option_names(str(err))) from err
     workloads = [_load(t, args.experts) for t in args.traces]
     for spec, w in zip(args.traces, workloads, strict=True):
+        bound_experts(w, spec, config.num_ranks)
         try:
             topo = config.topology(w.num_experts)  # refuse a bad topology, or policy options, before any work
         except ValueError as err:

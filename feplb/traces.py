@@ -220,7 +220,7 @@ def load_trace(path: str | Path, num_experts: int | None = None) -> RoutingTrace
             dims = {}
             for k in ("expert_hidden", "expert_ffn"):
                 v = z[k]
-                if v.shape != () or v.dtype.kind not in "iuf" or v != np.floor(v):
+                if v.shape != () or v.dtype.kind not in "iuf" or not np.isfinite(v) or v != np.floor(v):
                     raise ValueError(f"{path}: {k} must be one whole number, got {v.dtype} {v.tolist()!r}")
                 dims[k] = int(v)
             shape = ExpertShape(model=model, hidden=dims["expert_hidden"], ffn=dims["expert_ffn"],
@@ -297,9 +297,17 @@ def load_olmoe(path: str | Path, model: str = "olmoe", domains: tuple[str, ...] 
     except (ValueError, TypeError) as err:   # ragged lists, or values that are not numbers
         raise ValueError(f"{path}: counts of {model}/{variant} must be numbers in a [domain][layer][expert] array "
                          f"of equal lengths ({err})") from err
-    if counts.ndim != 3 or np.any(counts < 0):
-        raise ValueError(f"{path}: counts of {model}/{variant} must be non-negative [domain][layer][expert]")
-    top_k = int(m.get("top_k", 1)) if variant == "topk" else 1
+    if counts.ndim != 3 or not np.all(counts >= 0) or not np.isfinite(counts).all():
+        raise ValueError(f"{path}: counts of {model}/{variant} must be finite, non-negative "
+                         "[domain][layer][expert]")
+    empty = np.argwhere(counts.sum(2) == 0)
+    if empty.size:
+        d, layer = empty[0]
+        raise ValueError(f"{path}: {model}/{variant} counts no token at all for domain {domains[d]!r}, layer "
+                         f"{layer}: nothing to draw its routing from")
+    top_k = m.get("top_k", 1) if variant == "topk" else 1
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"{path}: {model}'s top_k must be a whole number >= 1, got {top_k!r}")
     layers = tuple(f"L{v}" for v in data.get("layers", range(counts.shape[1])))
     return MultinomialWorkload(name=f"{model}-{'+'.join(domains)}", probs_DLE=counts / counts.sum(2, keepdims=True),
                                top_k=top_k, domains=domains, layer_names=layers, expert_shape=shape_for(model))

@@ -196,6 +196,12 @@ class Plan:
                 raise ValueError(f"weight copy {(e, src, dst)} names an expert or GPU out of range")
             if src != int(home_E[e]):
                 raise ValueError(f"weight copy {(e, src, dst)} must start at expert {e}'s home GPU {int(home_E[e])}")
+            if dst == src:
+                raise ValueError(f"weight copy {(e, src, dst)} copies expert {e}'s weights to its own home GPU")
+        if len(copies) != len(self.weight_copies):
+            seen: set = set()
+            dup = next(c for c in self.weight_copies if (c[0], c[2]) in seen or seen.add((c[0], c[2])))
+            raise ValueError(f"weight copy {dup} is given twice (expert {dup[0]}'s weights to GPU {dup[2]})")
         cum_E = None
         if self.rows_from_source:
             cum_E = np.zeros((W + 1, E), dtype=np.int64)

@@ -557,7 +557,8 @@ def _eplb(policy: str, n_E: np.ndarray, topo: Topology, state: PolicyState | Non
     W = topo.num_ranks
     q_E, r_E = np.divmod(n_E, copies_E)
     share = q_E[pair_e] * mult
-    loads = np.bincount(pair_g, weights=share, minlength=W).astype(np.int64)
+    loads = np.zeros(W, dtype=np.int64)
+    np.add.at(loads, pair_g, share)   # (in int64: bincount's float64 weights round sums past 2**53)
     r = r_E.tolist()
     todo = [(e, idx) for e, idx in shared if r[e]]
     if todo:

@@ -151,6 +151,17 @@ class PolicyState:
                                  " whose row d holds distinct experts at home on GPU d (home_E), got "
                                  f"{dyn.tolist() if dyn.size <= 64 else list(dyn.shape)}")
             object.__setattr__(self, "dynamic_WD", _remember(_ro(dyn), (topo, self.home_E)))
+        # the (expert, GPU) and (expert, GPU, GPU) pairs name experts and GPUs of this topology (a restored
+        # history's are checked here: an expert or GPU past the end fails only later, deep in a refresh)
+        for name, ids in (("resident", self.resident), ("replicas", self.replicas),
+                          ("last_weight_copies", self.last_weight_copies), ("last_migrations", self.last_migrations)):
+            n = 3 if name.startswith("last_") else 2
+            for row in ids:
+                if not (isinstance(row, tuple) and len(row) == n and all(type(v) is int for v in row)
+                        and 0 <= row[0] < topo.num_experts and all(0 <= v < topo.num_ranks for v in row[1:])):
+                    raise ValueError(f"PolicyState.{name} must hold ({'expert, GPU' if n == 2 else 'expert, GPU, GPU'})"
+                                     f" tuples of ints with experts in [0, {topo.num_experts}) and GPUs in "
+                                     f"[0, {topo.num_ranks}), got {row!r}")
         if self.topo.num_experts % self.eplb_groups:
             raise ValueError(f"PolicyState.eplb_groups must divide E={self.topo.num_experts}, got {self.eplb_groups}")
         pairs = None
@@ -236,7 +247,10 @@ class PolicyState:
                 raise ValueError(f"a saved policy state's {k} must be an integer array [N, {n}], got "
                                  f"{a.dtype} {list(a.shape)}")
             pairs[k] = tuple(tuple(int(v) for v in row) for row in a.tolist())
-        return cls(topo=t, **{k: getattr(like, k) for k in cls.SETTINGS}, step=d["step"], **arrays,
+        step = d["step"]
+        if isinstance(step, (np.integer, np.ndarray)) and np.ndim(step) == 0 and np.asarray(step).dtype.kind in "iu":
+            step = int(step)   # (a history saved with np.savez)
+        return cls(topo=t, **{k: getattr(like, k) for k in cls.SETTINGS}, step=step, **arrays,
                    replicas=pairs["replicas"], resident=frozenset(pairs["resident"]),
                    last_weight_copies=pairs["last_weight_copies"], last_migrations=pairs["last_migrations"])
 

@@ -87,8 +87,13 @@ class Topology:
 
         counts_WE: integer [W, E], counts_WE[s, e] = rows source rank s sends to expert e; never negative.
         """
-        if not isinstance(counts_WE, np.ndarray):
-            raise TypeError(f"{name} must be a numpy array, got {type(counts_WE).__name__}")
+        # (np.matrix indexes otherwise, and a masked array's mask would be ignored; other subclasses, np.memmap
+        # say, are taken as arrays)
+        if not isinstance(counts_WE, np.ndarray) or isinstance(counts_WE, (np.matrix, np.ma.MaskedArray)):
+            raise TypeError(f"{name} must be a numpy array (np.ndarray; not a matrix or masked array), got "
+                            f"{type(counts_WE).__name__}")
+        if type(counts_WE) is not np.ndarray:
+            counts_WE = np.asarray(counts_WE)
         if counts_WE.dtype.kind not in "iu":
             raise TypeError(f"{name} must have an integer dtype, got {counts_WE.dtype}")
         expect = (self.num_ranks, self.num_experts)

@@ -131,6 +131,10 @@ def test_validate_rows_from_source_range():                   # V4
 def test_validate_weight_copy_source_home_and_state():        # V5, V8, V9
     with pytest.raises(ValueError, match="must start at expert 0's home GPU 0"):
         _plan([Move(0, 0, 1, 0, 5)], ((0, 2, 1),)).validate(COUNTS, TOPO)
+    with pytest.raises(ValueError, match=r"weight copy \(0, 0, 0\) copies expert 0's weights to its own home GPU"):
+        _plan([Move(0, 0, 1, 0, 5)], ((0, 0, 1), (0, 0, 0))).validate(COUNTS, TOPO)
+    with pytest.raises(ValueError, match=r"weight copy \(0, 0, 1\) is given twice"):
+        _plan([Move(0, 0, 1, 0, 5)], ((0, 0, 1), (0, 0, 1))).validate(COUNTS, TOPO)
     with pytest.raises(ValueError, match="exactly E // W"):
         _plan([], (), home_E=np.array([0, 0, 0, 1, 2, 2, 3, 3])).validate(COUNTS, TOPO)
     other = PolicyState(topo=TOPO, policy="feplb-split", home_E=np.array([1, 0, 0, 1, 2, 3, 2, 3]))
@@ -154,6 +158,20 @@ def test_max_count_from_every_source_does_not_wrap():         # T1
     state = PolicyState(topo=topo, policy="feplb@ema").observe(counts)
     assert state.ema_rows_E[3] == 4 * topo.max_count
     assert make_plan("feplb", counts, topo).loads_before_W[1] == 4 * topo.max_count
+
+
+@pytest.mark.parametrize("policy", ["eplb", "eplb+place"])
+def test_eplb_loads_exact_near_the_count_bound(policy):
+    """EPLB's per-GPU loads near Topology.max_count (sums far past 2**53): added in int64, equal to the loads
+    recomputed from its moves (validate) and to the total rows."""
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=2048, dyn=1)
+    rng = np.random.default_rng(0)
+    counts = np.full((2, 2048), topo.max_count, dtype=np.int64) - rng.integers(0, 3, (2, 2048))
+    state = PolicyState(topo=topo, policy=policy, refresh_every=1)
+    state = state.observe(counts, make_plan(policy, counts, topo, state))   # the layout exists from here on
+    plan = make_plan(policy, counts, topo, state)
+    plan.validate(counts, topo, state)
+    assert int(plan.loads_after_W.sum()) == int(counts.sum())
 
 
 # ---------------------------------------------------------------------------------------------------- cost model

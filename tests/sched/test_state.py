@@ -415,3 +415,12 @@ def test_from_dict_refuses_another_setup_and_bad_arrays():
         PolicyState.from_dict({**d, "resident": np.zeros((1, 3), dtype=np.int64)}, like)
     with pytest.raises(ValueError, match="must be a dict"):
         PolicyState.from_dict([1, 2], like)
+    # pairs naming experts or GPUs outside the topology, refused here rather than deep in a later refresh
+    for key, row in (("resident", [16, 1]), ("resident", [3, 4]), ("replicas", [-1, 0]),
+                     ("last_weight_copies", [0, 0, 9]), ("last_migrations", [20, 0, 1])):
+        with pytest.raises(ValueError, match=rf"PolicyState.{key} must hold .* experts in \[0, 16\) and GPUs in "
+                                             rf"\[0, 4\), got \({row[0]}, "):
+            PolicyState.from_dict({**d, key: np.array([row], dtype=np.int64)}, like)
+    # an in-range pair, and a step saved as a 0-d array (np.savez), are taken
+    back = PolicyState.from_dict({**d, "resident": np.array([[3, 1]]), "step": np.array(d["step"])}, like)
+    assert back.resident == frozenset({(3, 1)}) and back.step == st.step and type(back.step) is int

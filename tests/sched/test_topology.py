@@ -1,5 +1,7 @@
 """Topology: its arithmetic and its refusals."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -49,7 +51,7 @@ def test_range_checks():
         t.node_ranks(2)
 
 
-def test_check_counts():
+def test_check_counts(tmp_path):
     t = Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=1)
     ok = t.check_counts(np.ones((2, 4), dtype=np.int32))
     assert ok.dtype == np.int64
@@ -63,3 +65,16 @@ def test_check_counts():
         t.check_counts(bad)
     with pytest.raises(TypeError, match="numpy array"):
         t.check_counts([[1, 2, 3, 4], [1, 2, 3, 4]])
+    # a matrix (which indexes otherwise) and a masked array (whose mask would be ignored) are refused by name; a
+    # memmap is taken as the array it is
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PendingDeprecationWarning)   # (numpy's, on making a matrix)
+        matrix = np.asmatrix(np.ones((2, 4), dtype=np.int64))
+    for sub in (matrix,
+                np.ma.masked_array(np.ones((2, 4), dtype=np.int64), mask=np.eye(2, 4, dtype=bool))):
+        with pytest.raises(TypeError, match=f"not a matrix or masked array\\), got {type(sub).__name__}"):
+            t.check_counts(sub)
+    mm = np.memmap(tmp_path / "counts.bin", dtype=np.int64, mode="w+", shape=(2, 4))
+    mm[:] = np.arange(8).reshape(2, 4)
+    got = t.check_counts(mm)
+    assert type(got) is np.ndarray and got.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]

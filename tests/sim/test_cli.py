@@ -343,6 +343,24 @@ def test_huge_tokens_per_rank_is_bounded_with_the_reason(flame_path, capsys, no_
     assert largest * 8 * L * K * (trace.topk_ids_TLK.itemsize + 16) <= cli.MICROBATCH_BYTES_MAX
 
 
+def test_a_stray_expert_id_is_bounded_with_the_reason(tmp_path, capsys, no_run):
+    """E is a trace's largest id + 1: one stray id past the counts' memory bound is refused before any work,
+    naming E and the bound; an E within it passes the check."""
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 16, size=(512, 2, 2), dtype=np.int64)
+    ids[rng.integers(512), 1, 0] = 2**33 - 1
+    path = tmp_path / "stray.npz"
+    np.savez(path, topk_ids=ids)
+    assert main(["simulate", str(path), *FAST]) == 2
+    _one_line_error(capsys, str(path), "E=8589934592 (its largest expert id + 1)", "the limit is 2.0 GB",
+                    "a stray expert id?")
+    from feplb.traces import load_trace
+
+    ids[ids > 15] = 15
+    np.savez(path, topk_ids=ids)
+    cli.bound_experts(load_trace(path), str(path), 8)
+
+
 def test_traces_of_one_name_in_two_folders_are_both_kept(tmp_path, flame_path, capsys):
     a, b = tmp_path / "a" / flame_path.name, tmp_path / "b" / flame_path.name
     for p in (a, b):
@@ -435,6 +453,9 @@ def test_unusable_cost_table(kind, why, tmp_path, flame_path, capsys, no_run):
     ("truncated", "Expecting"),
     ("ragged", "must be numbers in a [domain][layer][expert] array of equal lengths"),
     ("layer-names", "2 layer names for 3 layers of counts"),
+    ("fractional-top-k", "olmoe's top_k must be a whole number >= 1, got 2.7"),
+    ("no-token", "olmoe/topk counts no token at all for domain 'b', layer 1"),
+    ("infinite", "must be finite, non-negative [domain][layer][expert]"),
 ])
 def test_unusable_counts_file_names_the_file(kind, why, tmp_path, capsys, no_run):
     path = tmp_path / "counts.json"
@@ -444,6 +465,15 @@ def test_unusable_counts_file_names_the_file(kind, why, tmp_path, capsys, no_run
         text = json.dumps(doc)[:100]
     elif kind == "ragged":
         doc["models"]["olmoe"]["topk"]["a"][1] = doc["models"]["olmoe"]["topk"]["a"][1][:5]
+        text = json.dumps(doc)
+    elif kind == "fractional-top-k":
+        doc["models"]["olmoe"]["top_k"] = 2.7
+        text = json.dumps(doc)
+    elif kind == "no-token":
+        doc["models"]["olmoe"]["topk"]["b"][1] = [0] * 16
+        text = json.dumps(doc)
+    elif kind == "infinite":
+        doc["models"]["olmoe"]["topk"]["b"][2][3] = float("inf")   # (json writes Infinity, and reads it back)
         text = json.dumps(doc)
     else:
         doc["layers"] = [0, 7]

@@ -148,7 +148,8 @@ def test_traces_carry_their_models_expert_shape(tmp_path, flame_path):
         load_trace(tmp_path / "half.npz")
     # a fractional or non-scalar size is refused, not truncated; a whole float is taken
     for bad, words in ((np.float64(2.7), "expert_hidden must be one whole number, got float64 2.7"),
-                       (np.array([512, 512]), "expert_hidden must be one whole number, got int64 [512, 512]")):
+                       (np.array([512, 512]), "expert_hidden must be one whole number, got int64 [512, 512]"),
+                       (np.float64(np.inf), "expert_hidden must be one whole number, got float64 inf")):
         np.savez(tmp_path / "bad.npz", topk_ids=ids, expert_hidden=bad, expert_ffn=np.int64(96))
         with pytest.raises(ValueError, match=re.escape(words)):
             load_trace(tmp_path / "bad.npz")
