@@ -454,6 +454,12 @@ def _pick(entries: Any, layer: MoELayer) -> tuple[dict | None, str | None]:
     if layer.state is None:
         return (None, None) if any(e is None for e in entries) else \
             (None, f"saved with a history, the layer's policy {layer.config.policy!r} keeps none")
+    for e in entries:
+        if e is not None and not isinstance(e, Mapping):
+            return None, f"an entry is a {type(e).__name__}, expected a dict (policy_state_dict's form) or None"
+        got = None if e is None else e.get("ep_ranks")
+        if e is not None and not (isinstance(got, (list, tuple)) and all(type(r) is int for r in got)):
+            return None, f"an entry's ep_ranks is {got!r}, expected a list of global ranks"
     found = [e for e in entries if isinstance(e, Mapping) and list(e.get("ep_ranks", ())) == ranks]
     if found:
         return found[0], None
@@ -468,59 +474,83 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
     """Restore the histories :func:`policy_state_dict` gave (each layer its own EP group's), then
     ``refresh_replicas`` (collective: call it on every rank of the job, between steps, after loading the weights;
     the layers adopt the restored decisions and copy the weights they name). RuntimeError on every rank, before any
-    layer adopts anything, where the ranks of a group would restore different histories or a per-step copy holds
-    a gradient not yet reduced (a restore between the micro-batches of a step); should the refresh still fail,
-    the layers get their own histories back. strict:
+    layer adopts anything, where the ranks of a group would restore different histories (with ``strict=False``
+    too: some restoring, others keeping their own) or a per-step copy holds a gradient not yet reduced (a restore
+    between the micro-batches of a step, which is refused there only: elsewhere such a restore is taken, and the
+    step's later micro-batches plan from the restored history); should the refresh still fail, the layers get
+    their own histories back and adopt them again. strict:
     every layer's history must be in ``state``, saved by its EP group (the same global ranks), for its topology
     (EP size, GPUs per node, experts, ``dyn``) and settings (policy, ``refresh_every``, ...): otherwise
     ValueError on every rank, naming the layers, before anything is restored. With ``strict=False`` such layers
     keep their own history (a run resumed at another EP size or on other ranks, say). Returns the names of the
     layers that kept their own. A ``feplb.titan_ep`` experts module that has not run a forward yet (a run resumed
     before its first step) makes its layer first, as its first forward would (collective over its EP group)."""
+    import hashlib
+
+    from feplb.replicas import state_digest
     from feplb.sched import PolicyState
 
     if not isinstance(state, Mapping):
         raise TypeError(f"load_policy_state_dict: state must be a mapping of layer names, got {type(state).__name__}")
     layers = _named_layers(model, make=True)
-    restored, kept, problems = [], [], []
+    restored, kept, problems, decided = [], [], [], []
     for name, layer in layers:
         saved, why = None, None
-        if name not in state:
-            why = "not in the saved state"
-        else:
-            saved, why = _pick(state[name], layer)
-        if why is None and saved is not None:
-            try:
-                saved = PolicyState.from_dict({k: v.numpy() if isinstance(v, torch.Tensor) else v
-                                               for k, v in dict(saved).items() if k != "ep_ranks"}, layer.state)
-            except (TypeError, ValueError) as e:
-                why = str(e)
+        try:
+            if name not in state:
+                why = "not in the saved state"
+            else:
+                saved, why = _pick(state[name], layer)
+            if why is None and saved is not None:
+                try:
+                    saved = PolicyState.from_dict({k: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v
+                                                   for k, v in dict(saved).items() if k != "ep_ranks"}, layer.state)
+                except (TypeError, ValueError) as e:
+                    why = str(e)
+            digest = None if why is not None else \
+                "none" if saved is None else hashlib.sha256(state_digest(saved)).hexdigest()[:16]
+        except Exception as e:  # noqa: BLE001 - a malformed entry, named and agreed below on every rank
+            saved, why, digest = None, f"a malformed entry ({type(e).__name__}: {e})", None
         if why is None:
             restored.append((name, layer, saved))
         else:
             kept.append(name)
             problems.append(f"  {name or '(the model itself)'}: {why}")
-    # one agreement: every rank's problems, and its layers' names (unknown: a name no rank's model holds; pipeline
-    # stages hold layers of other names, or none)
-    views = _agree((problems if strict else [], sorted(n for n, _ in layers)), None)
-    unknown = sorted(set(state) - {n for _, names in views for n in names})
-    bad = next((list(v) for v, _ in views if v), [])
+        decided.append((name, tuple(layer.control.ranks), digest))
+    # one agreement: every rank's problems, its layers' names (unknown: a name no rank's model holds; pipeline
+    # stages hold layers of other names, or none), and what each of its layers would restore (the ranks of an EP
+    # group must restore the same, or all keep their own: with strict=False too, as one rank's stale file would
+    # make them differ, and the checks below are collective over the group)
+    views = _agree((problems if strict else [], sorted(n for n, _ in layers), decided), None)
+    unknown = sorted(set(state) - {n for _, names, _ in views for n in names})
+    bad = next((list(v) for v, _, _ in views if v), [])
     if unknown and strict:
         bad.append(f"  names of no FEPLB layer of the model: {unknown}")
     if bad:
         raise ValueError("load_policy_state_dict: the saved balancing histories do not fit the model's layers "
                          "(strict=True):\n" + "\n".join(bad))
+    by_layer: dict[tuple, dict] = {}
+    for r, (_, _, dec) in enumerate(views):
+        for name, ranks, digest in dec:
+            by_layer.setdefault((name, ranks), {}).setdefault(digest, []).append(r)
+
+    def what(d: str | None) -> str:
+        return "keeps its own" if d is None else "restores none (policy none)" if d == "none" else \
+            f"restores history {d}"
+
+    split = [f"  {name or '(the model itself)'} (EP group of global ranks {list(ranks)}): "
+             + "; ".join(f"{what(d)} on rank(s) {rs}" for d, rs in ds.items())
+             for (name, ranks), ds in by_layer.items() if len(ds) > 1]
+    if split:
+        raise RuntimeError("load_policy_state_dict: nothing restored, on any rank: the ranks of an EP group would "
+                           "restore different histories (give every rank the same saved histories, the same "
+                           "file):\n" + "\n".join(split))
     # What the refresh would refuse, checked before any layer adopts anything (so that none is left half restored:
     # its placement and copies adopted, its history its own), each check collective over the layer's EP group and
     # raising on all its ranks alike; then agreed over the job, so that every rank raises together.
-    from feplb.replicas import state_digest
-
     problems = []
-    for name, layer, saved in restored:
+    for name, layer, _ in restored:
         try:
-            if saved is not None:
-                layer.control.check_same(state_digest(saved), f"the restored policy state of {name or 'the layer'}",
-                                         "every rank must restore the same histories (the same file)")
             if layer.replicas.ever_held:
                 layer.replicas.agree("refresh_replicas")
         except (RuntimeError, ValueError) as e:
@@ -539,14 +569,23 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
         failed = e
     # (a refresh refused in one EP group raises on that group's ranks only: agreed, so that every rank raises)
     views = _agree(None if failed is None else f"{type(failed).__name__}: {failed}", None)
-    if failed is not None or any(v is not None for v in views):
-        for layer, st in own:
-            layer.state = st
-        if failed is not None:
-            raise failed
-        raise RuntimeError("load_policy_state_dict: the refresh after the restore was refused on other ranks: "
-                           + next(v for v in views if v is not None))
-    return kept
+    if failed is None and all(v is None for v in views):
+        return kept
+    # the layers get their own histories back, and adopt them again (placement, sets, copies: what a refresh
+    # partly did for the restored ones is undone), on every rank
+    for layer, st in own:
+        layer.state = st
+    try:
+        _refresh([layer for _, layer in layers])
+    except Exception as e:   # noqa: BLE001 - reported with the first failure
+        why = next(v for v in views if v is not None)
+        raise RuntimeError(f"load_policy_state_dict: the refresh after the restore failed ({why}), and so did the "
+                           f"refresh with the layers' own histories back ({type(e).__name__}: {e}); call "
+                           "refresh_replicas() before the next step") from failed
+    if failed is not None:
+        raise failed
+    raise RuntimeError("load_policy_state_dict: the refresh after the restore was refused on other ranks (the "
+                       "layers have their own histories back): " + next(v for v in views if v is not None))
 
 
 class PolicyStates:

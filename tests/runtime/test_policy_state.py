@@ -8,8 +8,10 @@
   (one rank's alone would give the other group another's: refused by name).
 * Refused on every rank, before anything is restored (strict): a history for another policy or EP layout, a
   missing layer, a name of no layer; ``strict=False`` keeps the layers' own. A rank that restored another history
-  than its peers is refused on every rank by the refresh, and every layer keeps its own history; so is a restore
-  between the micro-batches of a step.
+  than its peers is refused on every rank, and every layer keeps its own history (also with ``strict=False``, one
+  rank's file lacking a layer); so are a malformed entry, named, and a restore between the micro-batches of a step
+  where copies hold gradients. A refresh that fails once a layer adopted the restored placement: every layer gets
+  its own history back and adopts it again.
 * The layers' names leave out DDP's and ``torch.compile``'s wrapper levels.
 * Through ``torch.distributed.checkpoint`` as a ``Stateful`` (``PolicyStates``): the next step bit for bit; a layer
   of another policy keeps its own history, with a warning naming it.
@@ -207,7 +209,32 @@ def _worker(rank: int, world: int, root: str) -> dict:
     out["half"] = error_of(lambda: load_policy_state_dict(pair, two))
     out["half_untouched"] = all(m.state is st and m._plan_state is ps and m.home_E.tolist() == home
                                 for m, (st, ps, home) in zip(pair, before, strict=True))
-    for m in pair:
+    # strict=False, one rank's file lacking layer "0" (a stale copy): refused on every rank, not some restoring
+    stale = {k: v for k, v in two.items() if k != "0"} if rank == 1 else two
+    out["apart_lenient"] = error_of(lambda: load_policy_state_dict(pair, stale, strict=False))
+    # a malformed entry (ep_ranks not a list) on the ranks holding its layer: named, refused on every rank
+    out["malformed"] = error_of(lambda: load_policy_state_dict(pair, {**two, "1": [{**two["1"][0], "ep_ranks": 7}]}))
+    out["malformed_untouched"] = all(m.state is st and m._plan_state is ps and m.home_E.tolist() == home
+                                     for m, (st, ps, home) in zip(pair, before, strict=True))
+    # a refresh that fails after the checks, once the first layer adopted the restored placement (histories of
+    # layers trained on other data, each rank on the same tokens): every layer gets its own history back and adopts
+    # it again
+    others = torch.nn.ModuleList([_trained("feplb-split+place@ema", rank, data=1),
+                                  _trained("feplb-split+place@ema", rank, data=2)])
+    theirs = policy_state_dict(others)
+    fail = pair[1].replicas.refresh
+
+    def refresh_fails_once(*args, **kwargs):
+        vars(pair[1].replicas).pop("refresh")
+        raise RuntimeError("a refresh failed midway")
+
+    pair[1].replicas.refresh = refresh_fails_once
+    out["rollback"] = error_of(lambda: load_policy_state_dict(pair, theirs))
+    out["rollback_moved"] = [m.home_E.tolist() for m in others] != [home for _, _, home in before]
+    out["rollback_own"] = all(m.state is st and m._plan_state is st and m.home_E.tolist() == home
+                              for m, (st, _, home) in zip(pair, before, strict=True)) and fail is not None
+    out["rollback_steps"] = all(bool(torch.isfinite(_step(m, rank, 3)["out"]).all()) for m in pair)
+    for m in (*pair, *others):
         m.close()
     # between the micro-batches of a step (a copy holds a gradient the reduction has not added): refused, own kept
     _, _, _, xs, dys = _inputs(5)
@@ -260,8 +287,17 @@ def test_histories_that_do_not_fit_are_refused_on_every_rank(ranks):
         assert res["unknown"] is not None and "names of no FEPLB layer of the model: ['nowhere']" in \
             res["unknown"], (rank, res["unknown"])
         assert res["kept"] == [""] and res["kept_step"] == (0, 0), (rank, res["kept"], res["kept_step"])
-        assert res["apart"] is not None and "nothing restored, on any rank" in res["apart"] and \
-            "differs across ranks" in res["apart"], (rank, res["apart"])
+        assert res["apart"] is not None and "nothing restored, on any rank: the ranks of an EP group would " \
+            "restore different histories" in res["apart"], (rank, res["apart"])
+        assert res["apart_lenient"] is not None and "restore different histories" in res["apart_lenient"] and \
+            "0 (EP group of global ranks [0, 1, 2, 3]): restores history" in res["apart_lenient"] and \
+            "keeps its own on rank(s) [1]" in res["apart_lenient"], (rank, res["apart_lenient"])
+        assert res["malformed"] is not None and res["malformed"].startswith("ValueError") and \
+            "1: an entry's ep_ranks is 7, expected a list of global ranks" in res["malformed"] and \
+            res["malformed_untouched"], (rank, res["malformed"])
+        assert res["rollback"] is not None and "a refresh failed midway" in res["rollback"], (rank, res["rollback"])
+        assert res["rollback_moved"] and res["rollback_own"] and res["rollback_steps"], \
+            (rank, res["rollback_moved"], res["rollback_own"], res["rollback_steps"])
         assert res["half"] is not None and "nothing restored" in res["half"] and res["half_untouched"], \
             (rank, res["half"], res["half_untouched"])
         assert res["apart_kept"] and res["mid_step_kept"], rank
