@@ -33,6 +33,7 @@ Computed in fp32 (fp64 for fp64 input), returned in the input dtype.
 from __future__ import annotations
 
 import functools
+import numbers
 
 import torch
 from torch import Tensor
@@ -62,11 +63,15 @@ def check_glu_input(h_M2F: Tensor) -> None:
         raise ValueError(f"h_M2F: expected an even number of columns [M, 2F], got shape {list(h_M2F.shape)}")
 
 
+# a number: Python's, numpy's scalars (np.float32 say; numbers.Real), or torch.compile's symbolic float
+_REAL = (int, float, numbers.Real)
+
+
 def check_glu_limit(limit: float | None) -> None:
     """None (no clamp) or a finite number > 0."""
     if limit is None:
         return
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not check_finite(limit, "limit") \
+    if isinstance(limit, bool) or not isinstance(limit, _REAL) or not check_finite(limit, "limit") \
             or limit <= 0:
         raise ValueError(f"limit: expected None or a finite number > 0, got {limit!r}")
 
@@ -80,11 +85,11 @@ def check_glu_act(act: str, alpha: float = 1.0, softcap: tuple[float, float] | N
         raise ValueError(f"act: expected one of {ACTS + SOFTCAP_ACTS + POSTCLAMP_ACTS}, got {act!r}")
     if act in POSTCLAMP_ACTS and limit is None:
         raise ValueError(f"limit: {act} clamps after the activation and needs a limit, got None")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not check_finite(alpha, "alpha"):
+    if isinstance(alpha, bool) or not isinstance(alpha, _REAL) or not check_finite(alpha, "alpha"):
         raise ValueError(f"alpha: expected a finite number, got {alpha!r}")
     if act in SOFTCAP_ACTS:
         if not isinstance(softcap, (tuple, list)) or len(softcap) != 2 or any(
-                isinstance(c, bool) or not isinstance(c, (int, float)) or not check_finite(c, "softcap") or c <= 0
+                isinstance(c, bool) or not isinstance(c, _REAL) or not check_finite(c, "softcap") or c <= 0
                 for c in softcap):
             raise ValueError(f"softcap: {act} expects (c_gate, c_up), two finite numbers > 0, got {softcap!r}")
         if limit is not None:
@@ -231,9 +236,10 @@ def _act_and_grad(gate, alpha, ACT: tl.constexpr, ACC: tl.constexpr):
     """(act(gate), d act / d gate) in ACC: silu (ACT 0), gelu_tanh (1), gelu (2), gate * sigmoid(alpha * gate) (3,
     swiglu_oai's; its up + 1 is the caller's), relu(gate)^2 (4), alpha tanh(gate / alpha) sigmoid(gate) (5,
     silu_softcap's; alpha its gate's softcap; its up's softcap is the caller's), silu (6, silu_postclamp's; its clamp
-    is the caller's)."""
+    is the caller's). Constants and scalar arguments are made in ACC with ``tl.full``: ``tl.cast`` of a Python float
+    goes through an fp32 constant (fp64 rounded to fp32; the interpreter passes float arguments so too)."""
     if ACT == 5:
-        c = tl.cast(alpha, ACC)
+        c = tl.full([], alpha, ACC)
         s = tl.sigmoid(gate)
         t = _tanh(gate / c, ACC)
         a = c * t * s
@@ -245,19 +251,19 @@ def _act_and_grad(gate, alpha, ACT: tl.constexpr, ACC: tl.constexpr):
         r = tl.where(gate < 0, 0.0, gate)   # NaN stays NaN, as torch.relu keeps it
         return r * r, 2 * r
     elif ACT == 3:
-        a = tl.cast(alpha, ACC)
+        a = tl.full([], alpha, ACC)
         s = tl.sigmoid(a * gate)
         return gate * s, s + a * gate * s * (1 - s)
     elif ACT == 1:
         # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) = x * sigmoid(k (x + 0.044715 x^3)), k = 2 sqrt(2/pi)
-        k = tl.cast(1.5957691216057308, ACC)
-        c = tl.cast(0.044715, ACC)
+        k = tl.full([], 1.5957691216057308, ACC)
+        c = tl.full([], 0.044715, ACC)
         s = tl.sigmoid(k * (gate + c * gate * gate * gate))
         return gate * s, s + gate * s * (1 - s) * k * (1 + 3 * c * gate * gate)
     else:
         # x * Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2; derivative Phi(x) + x * phi(x)
-        cdf = 0.5 * (1 + tl.math.erf(gate * tl.cast(0.7071067811865476, ACC)))
-        pdf = tl.exp(-0.5 * gate * gate) * tl.cast(0.3989422804014327, ACC)
+        cdf = 0.5 * (1 + tl.math.erf(gate * tl.full([], 0.7071067811865476, ACC)))
+        pdf = tl.exp(-0.5 * gate * gate) * tl.full([], 0.3989422804014327, ACC)
         return gate * cdf, cdf + gate * pdf
 
 
@@ -292,14 +298,14 @@ def _glu_kernel(h_ptr, out_ptr, M, F, limit: tl.float64, alpha: tl.float64, cap_
     rows, cols, mask = _tile(M, F, BLOCK_R, BLOCK_F)
     gate, up, _, _ = _load_gate_up(h_ptr, rows, cols, mask, F, ACC, INTERLEAVED)
     if CLAMP:   # torch.clamp's: NaN stays NaN (tl.minimum would return the limit)
-        lim = tl.cast(limit, ACC)
+        lim = tl.full([], limit, ACC)
         if ACT != 6:   # ACT 6 clamps the activation's output instead of the gate
             gate = tl.where(gate > lim, lim, gate)
         up = tl.where(up > lim, lim, tl.where(up < -lim, -lim, up))
     if ACT == 3:
         up = up + 1
     elif ACT == 5:
-        cu = tl.cast(cap_up, ACC)
+        cu = tl.full([], cap_up, ACC)
         up = cu * _tanh(up / cu, ACC)
     a, _ = _act_and_grad(gate, alpha, ACT, ACC)
     if CLAMP and ACT == 6:
@@ -318,7 +324,7 @@ def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, alpha: tl.
     g = tl.load(grad_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(ACC)
     if CLAMP:   # a NaN input is inside no bound: its clamp passes no gradient (torch.clamp's where); ON_BOUND: an
         # input on a bound passes it (clamp_grad_at_bounds)
-        lim = tl.cast(limit, ACC)
+        lim = tl.full([], limit, ACC)
         if ACT != 6:
             gate_in = (gate <= lim) if ON_BOUND else (gate < lim)
             gate = tl.where(gate > lim, lim, gate)
@@ -327,7 +333,7 @@ def _glu_bwd_kernel(grad_ptr, h_ptr, dh_ptr, M, F, limit: tl.float64, alpha: tl.
     if ACT == 3:
         up = up + 1
     elif ACT == 5:
-        cu = tl.cast(cap_up, ACC)
+        cu = tl.full([], cap_up, ACC)
         tu = _tanh(up / cu, ACC)
         up = cu * tu
     a, da = _act_and_grad(gate, alpha, ACT, ACC)

@@ -195,8 +195,8 @@ def routing_metadata(topk_ids_TK: Tensor, num_experts: int, *, check: bool = Tru
     """
     check_routing_inputs(topk_ids_TK, num_experts, check_values=False)
     counts_E, offsets_E, src_idx_M, dst_idx_TK = _ROUTING_METADATA(topk_ids_TK.contiguous(), num_experts, check)
-    return RoutingMetadata(num_experts=num_experts, top_k=topk_ids_TK.shape[1], counts_E=counts_E,
-                           offsets_E=offsets_E, src_idx_M=src_idx_M, dst_idx_TK=dst_idx_TK, checked=True)
+    return RoutingMetadata._consistent(num_experts=num_experts, top_k=topk_ids_TK.shape[1], counts_E=counts_E,
+                                       offsets_E=offsets_E, src_idx_M=src_idx_M, dst_idx_TK=dst_idx_TK)
 
 
 # ---------------------------------------------------------------------------------------------------- permute

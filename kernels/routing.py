@@ -15,7 +15,7 @@ Sizes are bounded where the kernels' 32-bit indices or their O(M * E) expert com
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -37,9 +37,10 @@ class RoutingMetadata:
         offsets_E: int32 [E], END offsets, cumsum(counts_E) (torch._grouped_mm convention); offsets_E[-1] == M.
         src_idx_M: int32 [M], grouped row m came from the flat (t, k) index src_idx_M[m] = t*K + k.
         dst_idx_TK: int32 [T, K], the grouped row of (t, k).
-        checked: True when the index values are known to be consistent, as :func:`routing_metadata` builds them;
+        checked: True when the index values are known to be consistent: set by :func:`routing_metadata` alone (not
+            an argument; ``dataclasses.replace`` of such metadata, whose indices may then differ, is unchecked);
             :func:`feplb.kernels.permute` and :func:`feplb.kernels.unpermute` call :meth:`validate` on metadata
-            with ``checked=False`` (a hand-built one) before any kernel reads its indices.
+            with ``checked=False`` (a hand-built or edited one) before any kernel reads its indices.
 
     ``__post_init__`` checks types, dtypes, shapes, devices and sizes only (no device sync).
     """
@@ -50,13 +51,18 @@ class RoutingMetadata:
     offsets_E: Tensor
     src_idx_M: Tensor
     dst_idx_TK: Tensor
-    checked: bool = False
+    checked: bool = field(default=False, init=False)
+
+    @classmethod
+    def _consistent(cls, **fields) -> RoutingMetadata:
+        """Metadata whose index values are consistent by construction (``routing_metadata``'s): ``checked``."""
+        meta = cls(**fields)
+        object.__setattr__(meta, "checked", True)
+        return meta
 
     def __post_init__(self) -> None:
         check_num_experts("num_experts", self.num_experts)
         check_positive_int("top_k", self.top_k)
-        if not isinstance(self.checked, bool):
-            raise TypeError(f"checked: expected a bool, got {type(self.checked).__name__}")
         e = self.num_experts
         check_tensor("counts_E", self.counts_E, dtypes=(torch.int32,), shape=(e,))
         check_tensor("offsets_E", self.offsets_E, dtypes=(torch.int32,), shape=(e,))

@@ -150,6 +150,23 @@ def test_hand_built_metadata_is_validated_before_any_kernel(case, meta, dev):
         fk.unpermute(y, bad, w)
 
 
+def test_edited_metadata_is_validated_again(meta, dev):
+    """dataclasses.replace of routing_metadata's output is unchecked: its new indices are validated before any
+    kernel reads them; checked cannot be claimed by hand."""
+    import dataclasses
+
+    dst = meta.dst_idx_TK.clone()
+    dst[2, 1] = 9
+    bad = dataclasses.replace(meta, dst_idx_TK=dst)
+    assert meta.checked and not bad.checked
+    with pytest.raises(ValueError, match=r"dst_idx_TK.*\[0, 6\).*, 9\]"):
+        fk.unpermute(torch.randn(6, 8, device=dev), bad, torch.rand(3, 2, device=dev))
+    with pytest.raises(TypeError, match="checked"):
+        fk.RoutingMetadata(num_experts=meta.num_experts, top_k=meta.top_k, counts_E=meta.counts_E,
+                           offsets_E=meta.offsets_E, src_idx_M=meta.src_idx_M, dst_idx_TK=meta.dst_idx_TK,
+                           checked=True)
+
+
 def test_hand_built_valid_metadata_is_accepted(meta, dev):
     same = _tampered(meta, "src_idx_M", lambda t: None)
     x = torch.randn(3, 8, device=dev)

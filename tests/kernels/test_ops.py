@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,10 +103,18 @@ def test_glu(dtype, limit, act, gen, kh):
         assert torch.equal(fk.swiglu(h, limit), out)
 
 
-@pytest.mark.parametrize("limit", [0, -1.0, float("inf"), float("nan"), True, "2"])
+@pytest.mark.parametrize("limit", [0, -1.0, float("inf"), float("nan"), True, "2", np.float32(np.inf)])
 def test_glu_rejects_a_bad_limit(limit):
     with pytest.raises(ValueError, match="limit: expected None or a finite number > 0"):
         fk.swiglu(torch.randn(3, 4), limit)
+
+
+def test_glu_takes_numpy_scalars():
+    """A numpy scalar (a config read from a numpy array, say) is a number: the same result as the Python float."""
+    h = torch.randn(5, 8)
+    assert torch.equal(fk.glu(h, np.float32(2.5), "swiglu_oai", np.float64(1.702)), fk.glu(h, 2.5, "swiglu_oai", 1.702))
+    assert torch.equal(fk.glu(h, None, "silu_softcap", 1.0, False, (np.float32(4.0), np.int64(3))),
+                       fk.glu(h, None, "silu_softcap", 1.0, False, (4.0, 3)))
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu_new", "", None, "SILU"])
