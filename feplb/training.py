@@ -389,20 +389,52 @@ class TrainingSteps:
 
     def _grads_dropped(self) -> bool:
         """Whether the experts' gradients were dropped (``zero_grad(set_to_none=True)``: the model's, or an optimizer's
-        not attached to the layer) while this rank's per-step copies still hold their share of the backward those
-        came from: a backward the training loop discarded, whose copies' share the next reduction would add to the
-        next step's gradients. (After a backward every expert parameter the GEMMs read holds a gradient, a zero one
-        where no row reached it. Not told apart here: a ``+place`` bank, which the GEMMs read instead of the owners'
+        not attached to the layer), or changed in place (``zero_grad(set_to_none=False)``, any in-place op), while
+        this rank's per-step copies still hold their share of the backward those came from: a backward the training
+        loop discarded, whose copies' share the next reduction would add to the next step's gradients, or gradients
+        the loop scaled or zeroed while the copies' share was left as it was. (After a backward every expert
+        parameter the GEMMs read holds a gradient, a zero one where no row reached it; each accumulation's result
+        is noted, its tensor and version, by a hook, and a tensor of that version no more means that something
+        wrote it in place since. Not told apart here: a ``+place`` bank, which the GEMMs read instead of the owners'
         parameters, so that these get their gradients only at the reduction; Megatron's DistributedDataParallel,
-        which keeps them in ``main_grad``; gradients zeroed in place.) Local; every forward."""
+        which keeps them in ``main_grad``.) Local; every forward."""
         rep = self.replicas
         # (an evaluation forward between is left alone; a training one without autograd is checked: a reentrant
         # checkpoint's forward, whose recompute adds to the copies' gradients)
         evaluation = not self.training and not torch.is_grad_enabled()
-        if not rep.ever_held or rep.slot_bank is not None or evaluation or rep.grads_clean():
+        if not rep.ever_held or rep.slot_bank is not None:
             return False
-        own = [p for p in self.expert_params() if p.requires_grad]
-        return bool(own) and all(p.grad is None and not hasattr(p, "main_grad") for p in own)
+        own = [p for p in self.expert_params() if p.requires_grad and not hasattr(p, "main_grad")]
+        self._watch_accumulated(own)
+        if evaluation or rep.grads_clean() or not own:
+            return False
+        if all(p.grad is None for p in own):
+            return True
+        marks = self.__dict__.get("_accumulated", {})
+        for p in own:
+            mark = marks.get(p)
+            if p.grad is not None and mark is not None and mark[0]() is p.grad and p.grad._version != mark[1]:
+                return True
+        return False
+
+    def _watch_accumulated(self, params: list) -> None:
+        """Note, after every accumulation into an expert parameter's gradient, that tensor and its version
+        (``_grads_dropped``): a hook on each, once (from the first forward with per-step copies on, before its
+        backward)."""
+        if self.__dict__.get("_watching_accumulated") or not params:
+            return
+        self._watching_accumulated = True
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self._accumulated = WeakIdKeyDictionary()   # (parameters by identity: a tensor's == is elementwise)
+        ref = weakref.ref(self)
+
+        def accumulated(p: torch.Tensor) -> None:
+            lay = ref()
+            if lay is not None and p.grad is not None:
+                lay._accumulated[p] = (weakref.ref(p.grad), p.grad._version)
+
+        self._hooks += [p.register_post_accumulate_grad_hook(accumulated) for p in params]
 
     def _adopt(self, state) -> None:
         """Execute the slow decisions of ``state`` from now on (placement, @ema sets, EPLB replicas)."""

@@ -8,7 +8,8 @@ GPUs: each is refused on every rank at the next forward, or trains as plain EP d
 * a step the attached scaler skipped, then gradients zeroed in place: the next step's ``average_expert_grads`` is no
   second call (it was refused as one), and training (clipped by ``feplb.clip_grad_norm_``) equals plain EP's;
 * a backward discarded with ``model.zero_grad()`` while per-step expert copies hold their share of it (eager and
-  lazy replicas): refused until the copies' share is dropped too; then training equals plain EP's;
+  lazy replicas; the gradients set to None, or zeroed in place): refused until the copies' share is dropped too;
+  then training equals plain EP's;
 * expert weights written after the step of an optimizer attached to the layer (fp32 master weights copied back):
   refused, naming the write after the attached step;
 * an optimizer attached to balancing layers stepped on some ranks only (a GradScaler not attached with it, an
@@ -144,7 +145,7 @@ def test_grad_scaler_loops():
     assert sum(res[r]["in_place"][1] for r in range(W)) > 0      # rows moved: balancing ran
 
 
-def _discard_worker(rank, world, policy, replicas):
+def _discard_worker(rank, world, policy, replicas, set_to_none=True):
     res = {}
     layers = {"bal": _layer(policy, weights="per-step", replicas=replicas), "ref": _layer("none")}
     opts = {k: torch.optim.SGD(lay.parameters(), lr=0.1) for k, lay in layers.items()}
@@ -161,7 +162,8 @@ def _discard_worker(rank, world, policy, replicas):
                 # a loss spike the loop skips: the model's zero_grad, as torch tutorials write it
                 if k == "bal":
                     held.append(not lay.replicas.grads_clean())
-                torch.nn.ModuleList([lay]).zero_grad()   # (a model's: it does not reach the layer's zero_grad)
+                # (a model's: it does not reach the layer's zero_grad; in place or not)
+                torch.nn.ModuleList([lay]).zero_grad(set_to_none=set_to_none)
                 continue
             lay.reduce_replica_grads()
             opts[k].step()
@@ -198,9 +200,11 @@ def _discard_worker(rank, world, policy, replicas):
     return res
 
 
-@pytest.mark.parametrize("policy,replicas", [("feplb-split@ema", "eager"), ("feplb@ema", "lazy")])
-def test_discarded_backward_with_per_step_copies(policy, replicas):
-    res = run_dist(_discard_worker, W, policy, replicas, timeout_s=240, collective_timeout_s=60)
+@pytest.mark.parametrize("policy,replicas,set_to_none", [("feplb-split@ema", "eager", True),
+                                                         ("feplb@ema", "lazy", True),
+                                                         ("feplb-split@ema", "eager", False)])
+def test_discarded_backward_with_per_step_copies(policy, replicas, set_to_none):
+    res = run_dist(_discard_worker, W, policy, replicas, set_to_none, timeout_s=240, collective_timeout_s=60)
     assert any(r["held"] for r in res)          # some rank's copies held gradients of the discarded backward
     for r in res:
         assert r["refused"] is not None and "zero_replica_grads" in r["refused"] and "dropped" in r["refused"], \
