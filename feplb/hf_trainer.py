@@ -107,6 +107,31 @@ def trainer_problem(*, has_experts: bool, distributed_type: str, deepspeed: bool
     return None
 
 
+def _wrapped_in_construction(trainer: Any) -> str | None:
+    """Why the trainer cannot train exactly where its construction wrapped a module holding FEPLB experts in
+    ``DistributedDataParallel`` without ignoring them (TRL's PPOTrainer wraps the policy and the value model in a
+    module of its own and prepares it itself): DDP's construction broadcast rank 0's expert shards over every
+    rank's own, and such a trainer trains in a loop of its own (not ``Trainer.training_step``); None otherwise.
+    The same on every rank."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for name in ("model", "model_wrapped"):
+        ddp = getattr(trainer, name, None)
+        if not isinstance(ddp, DistributedDataParallel):
+            continue
+        experts = {id(p) for m in experts_modules(ddp.module) for p in m.expert_params()}
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+        held = [n for n, p in ddp.module.named_parameters() if id(p) in experts and n not in ignored]
+        if held:
+            return (f"the trainer's construction wrapped a module holding FEPLB experts in DistributedDataParallel "
+                    f"without ignoring them ({held[0]}, ...; {type(trainer).__name__}.{name} is "
+                    f"DistributedDataParallel({type(ddp.module).__name__})): its construction broadcast rank 0's "
+                    "expert shards over every rank's own. A trainer that wraps the model in a module of its own and "
+                    "trains in a loop of its own (TRL's PPOTrainer) is not supported: FEPLB averages the experts' "
+                    "gradients in Trainer.training_step")
+    return None
+
+
 class TrainerMixin:
     """FEPLB's per-step calls inside a transformers ``Trainer`` (module docstring). Put it first among the bases.
 
@@ -115,10 +140,22 @@ class TrainerMixin:
         averages the replicated parameters over the whole world. None: the EP group is the whole world.
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # after transformers.Trainer among the bases, every method here is shadowed by the Trainer's: the class would
+        # train as transformers' own Trainer does (each rank clipping its own experts, the replicated parameters
+        # drifting apart), silently
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if transformers.Trainer in mro and mro.index(TrainerMixin) > mro.index(transformers.Trainer):
+            raise TypeError(f"{cls.__name__}: put feplb.hf.TrainerMixin first among the bases, before every Trainer "
+                            f"class (class {cls.__name__}(feplb.hf.TrainerMixin, ...)): after transformers.Trainer "
+                            "its per-step calls are never reached, and the model would train otherwise than the "
+                            "unmodified model")
+
     def __init__(self, *args: Any, data_parallel_group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
         # Within the construction, the state dicts of the models given (the model, a reference model) hold plain
         # per-rank shards: a Trainer subclass may read them there with tensor methods DTensors lack (TRL's DPO hashes
-        # model.state_dict() with .numpy() to name its cache of reference log-probs, and takes rank 0's hash).
+        # model.state_dict() with .numpy() to name its cache of reference log-probs, each rank from its own shards: docs/hf.md, *TRL*).
         given = [m for m in (*args, *kwargs.values()) if isinstance(m, nn.Module)]
         with local_state_dicts([lay for m in given for lay in experts_modules(m)], "local"):
             super().__init__(*args, **kwargs)
@@ -134,6 +171,8 @@ class TrainerMixin:
             missing=tuple(m for m in _HOOKED if not hasattr(transformers.Trainer, m)))
         if problem is None and getattr(self.args, "sync_ref_model", False):
             problem = ref_model_problem(self.model, getattr(self, "ref_model", None))
+        if problem is None:
+            problem = _wrapped_in_construction(self)
         if not dist.is_initialized():
             if problem is None and data_parallel_group is not None:
                 problem = "data_parallel_group given without torch.distributed initialised"
@@ -166,7 +205,10 @@ class TrainerMixin:
         problem = optimizer_problem(_torch_optimizer(optimizer))
         if problem is not None:   # every rank runs the same optimizer: refused on every rank
             raise ValueError(f"feplb.hf.Trainer: {problem}")
-        attach_optimizer(self.model, _torch_optimizer(optimizer), getattr(self.accelerator, "scaler", None))
+        # (average_required: a step training_step's averaging did not precede, as in a Trainer subclass whose
+        # loop bypasses training_step, is refused on every rank)
+        attach_optimizer(self.model, _torch_optimizer(optimizer), getattr(self.accelerator, "scaler", None),
+                         average_required=True)
         return optimizer
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -143,7 +143,8 @@ def test_trains_as_the_unmodified_model(plain, policy):
 def _subclasses(rank, world, out):
     """Trainer subclasses as TRL's are made: one hashing model.state_dict() with .numpy() in its construction (DPO's
     cache name of reference log-probs), one holding a reference model whose parameters a callback mixes into the
-    model's one by one (sync_ref_model)."""
+    model's one by one (sync_ref_model), one wrapping the model in DDP in its construction and one stepping in a loop
+    of its own (TRL's PPOTrainer does both)."""
     _env(rank, world)
     import dataclasses
 
@@ -166,7 +167,25 @@ def _subclasses(rank, world, out):
     class RefArgs(tf.TrainingArguments):
         sync_ref_model: bool = False
 
+    class Wrapping(tf.Trainer):   # as TRL's PPOTrainer: the model in a module of its own, prepared (DDP) at once
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.model = torch.nn.parallel.DistributedDataParallel(torch.nn.ModuleDict({"policy": self.model}))
+
+    class OwnLoop(tf.Trainer):    # a loop of its own, not through training_step (PPOTrainer's train())
+        def train(self, *args, **kwargs):
+            self.create_optimizer()
+            batch = {k: torch.stack([d[k] for d in _dataset()[:2]]) for k in ("input_ids", "labels")}
+            self.model(**batch).loss.backward()
+            self.optimizer.step()
+
     class FHashing(feplb.hf.TrainerMixin, Hashing):
+        pass
+
+    class FWrapping(feplb.hf.TrainerMixin, Wrapping):
+        pass
+
+    class FOwnLoop(feplb.hf.TrainerMixin, OwnLoop):
         pass
 
     class FWithRef(feplb.hf.TrainerMixin, WithRef):
@@ -186,8 +205,14 @@ def _subclasses(rank, world, out):
                                                                      "sync_ref_model": sync}),
                                          train_dataset=_dataset()))
 
+    wrapped = _models().make_model("qwen3_moe")
+    feplb.hf.apply(wrapped, policy="feplb-split", gpus_per_node=G)
+    own = _models().make_model("qwen3_moe")
+    feplb.hf.apply(own, policy="feplb-split", gpus_per_node=G)
     return {"digest": hashing.digest, "after": after, "sync_plain": with_ref(plain_ref, True),
-            "sync_applied": with_ref(twin, True), "nosync_plain": with_ref(plain_ref, False)}
+            "sync_applied": with_ref(twin, True), "nosync_plain": with_ref(plain_ref, False),
+            "wrapping": error_of(lambda: FWrapping(model=wrapped, args=_args(out, "sgd"), train_dataset=_dataset())),
+            "own_loop": error_of(lambda: FOwnLoop(model=own, args=_args(out, "sgd"), train_dataset=_dataset()).train())}
 
 
 def test_trl_like_subclasses():
@@ -199,6 +224,11 @@ def test_trl_like_subclasses():
             "sync_ref_model mixes the model's parameters" in r["sync_plain"], r["sync_plain"]
         assert r["sync_plain"] == runs[0]["sync_plain"]
         assert r["sync_applied"] is None and r["nosync_plain"] is None, r
+        # a trainer wrapping the model in DDP in its construction (TRL's PPOTrainer), or stepping in a loop of its
+        # own: refused on every rank, at the construction and at the step
+        assert r["wrapping"] is not None and r["wrapping"].startswith("ValueError") and \
+            "wrapped a module holding FEPLB experts in DistributedDataParallel" in r["wrapping"], r["wrapping"]
+        assert r["own_loop"] is not None and "average_expert_grads" in r["own_loop"], r["own_loop"]
 
 
 def _evaluated_first(rank, world, out):
@@ -240,6 +270,23 @@ def test_evaluate_before_train_is_refused_on_every_rank():
         assert r["refused"].startswith("RuntimeError") and "outside DistributedDataParallel" in r["refused"] and \
             "eval_on_start=True" in r["refused"], r["refused"]
         assert r["evals"] == [runs[0]["loss"]] and r["equal"] and r["compiled"] is None, r
+
+
+def test_the_mixin_after_a_trainer_class_is_refused_at_class_creation():
+    """After transformers.Trainer among the bases, the mixin's per-step calls are shadowed (each rank would clip its
+    own experts): refused when the class is made; first among the bases, or over a Trainer subclass, it is taken."""
+    import transformers as tf
+
+    import feplb.hf
+
+    class Mine(tf.Trainer):
+        pass
+
+    for bases in ((tf.Trainer, feplb.hf.TrainerMixin), (Mine, feplb.hf.TrainerMixin)):
+        with pytest.raises(TypeError, match="put feplb.hf.TrainerMixin first among the bases"):
+            type("Late", bases, {})
+    assert type("Early", (feplb.hf.TrainerMixin, Mine), {}).__mro__[1] is feplb.hf.TrainerMixin
+    assert issubclass(feplb.hf.Trainer, tf.Trainer)
 
 
 def test_ref_model_problem():
