@@ -155,7 +155,8 @@ class TrainerMixin:
     def __init__(self, *args: Any, data_parallel_group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
         # Within the construction, the state dicts of the models given (the model, a reference model) hold plain
         # per-rank shards: a Trainer subclass may read them there with tensor methods DTensors lack (TRL's DPO hashes
-        # model.state_dict() with .numpy() to name its cache of reference log-probs, each rank from its own shards: docs/hf.md, *TRL*).
+        # model.state_dict() with .numpy() to name its cache of reference log-probs, each rank from its own shards:
+        # docs/hf.md, *TRL*).
         given = [m for m in (*args, *kwargs.values()) if isinstance(m, nn.Module)]
         with local_state_dicts([lay for m in given for lay in experts_modules(m)], "local"):
             super().__init__(*args, **kwargs)
