@@ -153,12 +153,13 @@ class TrainerMixin:
                             "unmodified model")
 
     def __init__(self, *args: Any, data_parallel_group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
-        # Within the construction, the state dicts of the models given (the model, a reference model) hold plain
-        # per-rank shards: a Trainer subclass may read them there with tensor methods DTensors lack (TRL's DPO hashes
-        # model.state_dict() with .numpy() to name its cache of reference log-probs, each rank from its own shards:
-        # docs/hf.md, *TRL*).
+        # Within the construction, the state dicts of the models given (the model, a reference model) hold, for each
+        # expert parameter, every rank's digest of its shard (the same on every rank; collective at the first
+        # state_dict(), which the ranks call together): a Trainer subclass may hash them there with tensor methods
+        # DTensors lack, and gets one name on every rank (TRL's DPO hashes model.state_dict() with .numpy() to name
+        # its cache of reference log-probs, which each rank then looks up).
         given = [m for m in (*args, *kwargs.values()) if isinstance(m, nn.Module)]
-        with local_state_dicts([lay for m in given for lay in experts_modules(m)], "local"):
+        with local_state_dicts([lay for m in given for lay in experts_modules(m)], "digest"):
             super().__init__(*args, **kwargs)
         moes = experts_modules(self.model)
         acc = self.accelerator

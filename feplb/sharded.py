@@ -183,9 +183,42 @@ def _local(layer, key: str, value: Any, dim: int | None, like: torch.Tensor | No
 
 
 # ------------------------------------------------------------------------------------------------ module hooks
+def _shard_digests(layer) -> dict[str, torch.Tensor]:
+    """{expert parameter name: int64 [W, 4]}, the SHA-256 of every EP rank's shard of it (its bytes), the same on
+    every rank (collective over the layer's EP group, once per ``local_state_dicts(..., "digest")``)."""
+    import hashlib
+
+    import numpy as np
+
+    got = layer.__dict__.get("_shard_digests")
+    if got is None:
+        named = expert_named_params(layer)
+        row = []
+        for _, p in named:
+            data = p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            row.append(np.frombuffer(hashlib.sha256(data.tobytes()).digest(), dtype=np.int64))
+        row = torch.from_numpy(np.concatenate(row) if row else np.zeros(0, np.int64)).clone()
+        gathered = layer.control.all_gather(row, "all_gather of the expert shards' digests")
+        got = {n: gathered[:, 4 * i:4 * i + 4].clone() for i, (n, _) in enumerate(named)}
+        layer.__dict__["_shard_digests"] = got
+    return got
+
+
 def state_dict_post_hook(layer, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     """``layer.state_dict()`` with the expert shards as DTensors (state-dict type ``"sharded"``); the parameters
-    themselves where ``keep_vars=True`` asked for them."""
+    themselves where ``keep_vars=True`` asked for them. Under the ``"digest"`` type (``local_state_dicts``: while
+    ``feplb.hf.TrainerMixin`` builds a Trainer), each expert parameter's entry is every rank's digest of its shard
+    instead (int64 [W, 4], the same on every rank, collective once): a Trainer subclass that hashes the state dict
+    in its construction then names what it caches alike on every rank (TRL's DPO, its reference log-probs)."""
+    if layer.state_dict_type == "digest":
+        keys = [prefix + n for n, _ in expert_named_params(layer)]
+        if any(isinstance(state_dict.get(k), torch.Tensor) and not isinstance(state_dict[k], nn.Parameter)
+               for k in keys):
+            digests = _shard_digests(layer)
+            for (pname, _), key in zip(expert_named_params(layer), keys, strict=True):
+                if key in state_dict:
+                    state_dict[key] = digests[pname]
+        return
     if layer.state_dict_type != "sharded":
         return
     for pname, _ in expert_named_params(layer):
@@ -213,8 +246,10 @@ def load_state_dict_pre_hook(layer, state_dict: dict, prefix: str, local_metadat
 @contextlib.contextmanager
 def local_state_dicts(layers: Iterable, kind: str = "local") -> Iterator[None]:
     """Within: the layers' ``state_dict()`` (and an optimizer's of their parameters) gives plain per-rank shards
-    (``full_state_dict`` gathers them itself), or what ``kind`` names (one of :data:`STATE_DICT_TYPES`)."""
-    if kind not in STATE_DICT_TYPES:
+    (``full_state_dict`` gathers them itself), or what ``kind`` names (one of :data:`STATE_DICT_TYPES`, or
+    ``"digest"``: each expert parameter's entry every EP rank's digest of its shard, see ``state_dict_post_hook``;
+    an optimizer's state plain per-rank)."""
+    if kind not in (*STATE_DICT_TYPES, "digest"):
         raise ValueError(f"state dict type must be one of {STATE_DICT_TYPES}, got {kind!r}")
     layers = list({id(lay): lay for lay in layers}.values())   # a layer reachable under several names: once
     before = [lay.__dict__.get("state_dict_type") for lay in layers]
@@ -223,6 +258,8 @@ def local_state_dicts(layers: Iterable, kind: str = "local") -> Iterator[None]:
     try:
         yield
     finally:
+        for lay in layers:
+            lay.__dict__.pop("_shard_digests", None)
         for lay, b in zip(layers, before, strict=True):
             if b is None:
                 del lay.state_dict_type
