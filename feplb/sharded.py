@@ -193,11 +193,10 @@ def _shard_digests(layer) -> dict[str, torch.Tensor]:
     got = layer.__dict__.get("_shard_digests")
     if got is None:
         named = expert_named_params(layer)
-        row = []
-        for _, p in named:
-            data = p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-            row.append(np.frombuffer(hashlib.sha256(data.tobytes()).digest(), dtype=np.int64))
-        row = torch.from_numpy(np.concatenate(row) if row else np.zeros(0, np.int64)).clone()
+        # (hashlib reads the host copy's buffer in place: no second copy of the shard)
+        digests = [np.frombuffer(hashlib.sha256(p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+                                 .digest(), dtype=np.int64) for _, p in named]
+        row = torch.from_numpy(np.concatenate(digests) if digests else np.zeros(0, np.int64)).clone()
         gathered = layer.control.all_gather(row, "all_gather of the expert shards' digests")
         got = {n: gathered[:, 4 * i:4 * i + 4].clone() for i, (n, _) in enumerate(named)}
         layer.__dict__["_shard_digests"] = got
@@ -211,11 +210,11 @@ def state_dict_post_hook(layer, state_dict: dict, prefix: str, local_metadata: A
     instead (int64 [W, 4], the same on every rank, collective once): a Trainer subclass that hashes the state dict
     in its construction then names what it caches alike on every rank (TRL's DPO, its reference log-probs)."""
     if layer.state_dict_type == "digest":
-        keys = [prefix + n for n, _ in expert_named_params(layer)]
+        keys = {prefix + n: n for n, _ in expert_named_params(layer)}
         if any(isinstance(state_dict.get(k), torch.Tensor) and not isinstance(state_dict[k], nn.Parameter)
                for k in keys):
             digests = _shard_digests(layer)
-            for (pname, _), key in zip(expert_named_params(layer), keys, strict=True):
+            for key, pname in keys.items():
                 if key in state_dict:
                     state_dict[key] = digests[pname]
         return
