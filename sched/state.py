@@ -6,6 +6,7 @@ All history is kept in integers (a fixed-point EMA) so that every rank derives b
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -29,6 +30,18 @@ def _ro(a: np.ndarray) -> np.ndarray:
 # derived from them): a state that observe() or a refresh derives with replace() keeps most of them, and checking
 # them again at every micro-batch would cost more than the history's own update.
 _CHECKED: dict[int, tuple] = {}
+# Set while observe() or a refresh derives the next state: its (expert, GPU) pairs come from a checked state and the
+# planner's own plans, and checking every pair again at every micro-batch would cost more than a plan.
+_DERIVING = threading.local()
+
+
+def _derive(state: PolicyState, **changes) -> PolicyState:
+    """``replace(state, **changes)`` from this module's own derivations (observe, a refresh): pairs not checked."""
+    _DERIVING.on = True
+    try:
+        return replace(state, **changes)
+    finally:
+        _DERIVING.on = False
 
 
 def _known(a: object, *against: object):
@@ -152,9 +165,12 @@ class PolicyState:
                                  f"{dyn.tolist() if dyn.size <= 64 else list(dyn.shape)}")
             object.__setattr__(self, "dynamic_WD", _remember(_ro(dyn), (topo, self.home_E)))
         # the (expert, GPU) and (expert, GPU, GPU) pairs name experts and GPUs of this topology (a restored
-        # history's are checked here: an expert or GPU past the end fails only later, deep in a refresh)
-        for name, ids in (("resident", self.resident), ("replicas", self.replicas),
-                          ("last_weight_copies", self.last_weight_copies), ("last_migrations", self.last_migrations)):
+        # history's are checked here: an expert or GPU past the end fails only later, deep in a refresh); not those
+        # this module derives (_derive)
+        pairs = () if getattr(_DERIVING, "on", False) else (
+            ("resident", self.resident), ("replicas", self.replicas),
+            ("last_weight_copies", self.last_weight_copies), ("last_migrations", self.last_migrations))
+        for name, ids in pairs:
             n = 3 if name.startswith("last_") else 2
             for row in ids:
                 if not (isinstance(row, tuple) and len(row) == n and all(type(v) is int for v in row)
@@ -201,7 +217,7 @@ class PolicyState:
                              f"needs the whole plan, got the plan of node {plan.node} only")
         if plan is not None and plan.weight_copies and self.reads_plans:
             resident = resident | {(e, dst) for e, _, dst in plan.weight_copies}
-        new = replace(self, step=step, ema_E=ema, resident=resident, last_weight_copies=(), last_migrations=())
+        new = _derive(self, step=step, ema_E=ema, resident=resident, last_weight_copies=(), last_migrations=())
         return new._refresh() if new.refreshed else new
 
     # the settings a saved history must share with the state that takes it (to_dict / from_dict)
@@ -304,7 +320,7 @@ class PolicyState:
             layout = eplb_layout(load, topo, self.eplb_slots, self.eplb_groups, home)
             replicas = eplb_replicas(layout, home)
             copies |= _sent(replicas, owner_l)
-        return replace(self, home_E=home, dynamic_WD=dynamic, layout_WP=layout, replicas=replicas,
+        return _derive(self, home_E=home, dynamic_WD=dynamic, layout_WP=layout, replicas=replicas,
                        resident=resident | set(replicas),
                        last_weight_copies=tuple(sorted(copies)), last_migrations=migrations)
 
