@@ -172,7 +172,8 @@ class TrainerMixin:
             transformers.utils.is_torch_xla_available(), sagemaker_mp=transformers.utils.is_sagemaker_mp_enabled(),
             missing=tuple(m for m in _HOOKED if not hasattr(transformers.Trainer, m)))
         if problem is None and getattr(self.args, "sync_ref_model", False):
-            problem = ref_model_problem(self.model, getattr(self, "ref_model", None))
+            problem = ref_model_problem(self.model, getattr(self, "ref_model", None),
+                                        takes_ref_model=_takes_ref_model(type(self)))
         if problem is None:
             problem = _wrapped_in_construction(self)
         if not dist.is_initialized():
@@ -386,11 +387,12 @@ class TrainerMixin:
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
 
-def ref_model_problem(model: nn.Module, ref_model: nn.Module | None) -> str | None:
+def ref_model_problem(model: nn.Module, ref_model: nn.Module | None, *, takes_ref_model: bool = True) -> str | None:
     """Why ``sync_ref_model`` (TRL's ``SyncRefModelCallback``, which mixes the model's parameters into the reference
     model's one by one, in order) cannot run with this reference model, or None: it must hold the same parameters
     in the same shapes, its experts applied alike (a reference model TRL loads from the model's path holds every
-    expert, and broadcasting a shard into it, with one expert per rank, would even run)."""
+    expert, and broadcasting a shard into it, with one expert per rank, would even run). takes_ref_model: the
+    trainer takes a ``ref_model`` argument (DPO's does; GRPO's and RLOO's load theirs from the model's path)."""
     if ref_model is None:
         return None
     mine = [tuple(p.shape) for p in model.parameters()]
@@ -399,8 +401,22 @@ def ref_model_problem(model: nn.Module, ref_model: nn.Module | None) -> str | No
         return None
     return (f"sync_ref_model mixes the model's parameters into the reference model's one by one, but the two hold "
             f"{len(mine)} and {len(theirs)} parameters, not all of the same shape (the model's experts are this "
-            "rank's shards): make the reference model with copy.deepcopy(model) before feplb.hf.apply, apply to "
-            "both alike and pass it as ref_model")
+            "rank's shards): " + ("make the reference model with copy.deepcopy(model) before feplb.hf.apply, apply "
+                                  "to both alike and pass it as ref_model" if takes_ref_model else
+                                  "this trainer takes no ref_model and loads its reference model from the model's "
+                                  "path, with every expert; set sync_ref_model=False"))
+
+
+def _takes_ref_model(cls: type) -> bool:
+    """Whether the Trainer class under ``TrainerMixin`` in ``cls``'s bases takes a ``ref_model`` argument."""
+    import inspect
+
+    init = next((vars(c)["__init__"] for c in cls.__mro__
+                 if "__init__" in vars(c) and c is not TrainerMixin and issubclass(c, transformers.Trainer)), None)
+    try:
+        return init is None or "ref_model" in inspect.signature(init).parameters
+    except (TypeError, ValueError):
+        return True
 
 
 def _flos_scale(model: nn.Module, moes: list) -> float:

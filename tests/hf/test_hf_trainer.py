@@ -303,7 +303,27 @@ def test_ref_model_problem():
     assert ref_model_problem(net((4, 3), (2, 5)), None) is None
     assert ref_model_problem(net((4, 3), (2, 5)), net((4, 3), (2, 5))) is None
     for ref in (net((4, 3), (1, 5)), net((4, 3)), net((4, 3), (2, 5), (1,))):
-        assert "sync_ref_model" in (ref_model_problem(net((4, 3), (2, 5)), ref) or ""), ref
+        why = ref_model_problem(net((4, 3), (2, 5)), ref) or ""
+        assert "sync_ref_model" in why and "pass it as ref_model" in why, ref
+        # a trainer loading its reference model itself (GRPO, RLOO) is not told to pass one
+        why = ref_model_problem(net((4, 3), (2, 5)), ref, takes_ref_model=False) or ""
+        assert "set sync_ref_model=False" in why and "pass it as ref_model" not in why, why
+
+
+def test_which_trainers_take_a_ref_model():
+    """The sync_ref_model refusal's advice follows the Trainer class under the mixin: TRL's DPOTrainer takes a
+    ref_model, GRPO's and RLOO's load theirs from the model's path."""
+    trl = pytest.importorskip("trl")
+    import feplb.hf
+    from feplb.hf_trainer import _takes_ref_model
+
+    def mixed(base):
+        return type("X", (feplb.hf.TrainerMixin, base), {})
+
+    assert _takes_ref_model(mixed(trl.DPOTrainer))
+    assert not _takes_ref_model(mixed(trl.GRPOTrainer))
+    assert not _takes_ref_model(mixed(trl.RLOOTrainer))
+    assert not _takes_ref_model(feplb.hf.Trainer)
 
 
 def _checkpointed(rank, world, out):
