@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -78,7 +80,9 @@ class ExpertShards:
         only, loaded on the same EP rank: nothing in them names their rank (another rank's file loads without an
         error), and never through ``torch.distributed.checkpoint`` (``dcp.save``, ``get_state_dict``, torchtitan's
         ``CheckpointManager``), which writes one rank's copy of each entry whose name every rank shares (a
-        different rank for different entries) and loads it on every rank.
+        different rank for different entries) and loads it on every rank: ``state_dict()`` under DCP's own calls
+        (``dcp.save`` / ``dcp.load`` of a Stateful object, ``get_state_dict``) raises; a dict made beforehand and
+        handed to ``dcp.save`` is not told apart.
         ``load_state_dict`` takes both either way."""
         if kind not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict type must be one of {STATE_DICT_TYPES}, got {kind!r}")
@@ -219,6 +223,10 @@ def state_dict_post_hook(layer, state_dict: dict, prefix: str, local_metadata: A
                     state_dict[key] = digests[pname]
         return
     if layer.state_dict_type != "sharded":
+        if layer.state_dict_type == "local" and layer.world_size > 1 and any(
+                isinstance(v := state_dict.get(prefix + n), torch.Tensor) and not isinstance(v, nn.Parameter)
+                for n, _ in expert_named_params(layer)):
+            _refuse_local_in_dcp(f"{type(layer).__name__} {prefix.rstrip('.') or '(root)'}.state_dict()")
         return
     for pname, _ in expert_named_params(layer):
         key = prefix + pname
@@ -231,6 +239,34 @@ def state_dict_post_hook(layer, state_dict: dict, prefix: str, local_metadata: A
                              "one block of the model's tensor, so it has no DTensor for torch.distributed.checkpoint; "
                              "use full_state_dict(model), or set_state_dict_type(model, 'local') for per-rank files")
         state_dict[key] = _sharded(layer, value, dim)
+
+
+_DCP_DIR = os.sep + os.path.join("torch", "distributed", "checkpoint") + os.sep
+
+
+def _dcp_caller(depth: int = 64) -> str | None:
+    """The function of ``torch.distributed.checkpoint`` among the callers' frames (up to ``depth``), or None."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if _DCP_DIR in frame.f_code.co_filename:
+            return f"{frame.f_globals.get('__name__', '?')}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return None
+
+
+def _refuse_local_in_dcp(what: str) -> None:
+    """Refuse state-dict type ``"local"`` expert shards asked for by ``torch.distributed.checkpoint`` (``dcp.save``
+    / ``dcp.load`` of a Stateful object, ``get_state_dict``): every rank holds the same names, so DCP would write
+    one rank's experts and load them on every rank. Every rank of the collective call asks alike, and all raise."""
+    caller = _dcp_caller()
+    if caller is not None:
+        raise RuntimeError(f"{what}: state-dict type 'local' (plain per-rank expert shards under names every rank "
+                           f"shares) asked for by torch.distributed.checkpoint ({caller}), which would write one "
+                           "rank's experts and load them on every rank. Use the 'sharded' type "
+                           "(set_state_dict_type(model, 'sharded'), the default) with torch.distributed.checkpoint; "
+                           "'local' is for one torch.save file per rank")
 
 
 def load_state_dict_pre_hook(layer, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
@@ -296,6 +332,10 @@ def optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict:
     state = dict(state_dict["state"])
     for p, key in _indexed(optimizer, state_dict):
         own = owners.get(id(p))
+        if own is not None and key in state and own[0].state_dict_type == "local" and own[0].world_size > 1 and \
+                any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in state[key].values()):
+            _refuse_local_in_dcp(f"{type(optimizer).__name__}.state_dict() (the state of expert parameter "
+                                 f"{own[1]!r})")
         if own is None or key not in state or own[0].state_dict_type != "sharded":
             continue
         layer, pname, dim = own

@@ -21,6 +21,7 @@ as DTensors over the EP group (``feplb.sharded``), on gloo ranks:
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -222,6 +223,7 @@ def _round_trips(layer, opt, path: str) -> dict:
     out["local_plain"] = (not any(isinstance(v, DTensor) for v in layer.state_dict().values())
                           and not any(isinstance(t, DTensor) for st in opt.state_dict()["state"].values()
                                       for t in st.values()))
+    out["local_in_dcp"] = _local_through_dcp(layer, opt, path)
     layer.set_state_dict_type("sharded")
     out["bad_type"] = error_of(lambda: layer.set_state_dict_type("full"))
     replicated = DTensor.from_local(layer.w1.detach().clone(), _mesh(layer, "cpu"), [Replicate()], run_check=False)
@@ -237,6 +239,39 @@ def _round_trips(layer, opt, path: str) -> dict:
     counting = _Counting([torch.zeros(3, requires_grad=True)], lr=0.1)
     out["counting"] = [error_of(counting.step), error_of(counting.step), counting.state["global_step"]]
     out.update(_per_rank_state(layer, path))
+    return out
+
+
+class _App:
+    """A ``torch.distributed.checkpoint.stateful.Stateful`` holding a layer and its optimizer, as DCP's tutorial
+    checkpoints a model."""
+
+    def __init__(self, layer, opt, which: str):
+        self.layer, self.opt, self.which = layer, opt, which
+
+    def state_dict(self):
+        return {"model": self.layer.state_dict()} if self.which == "model" else {"optim": self.opt.state_dict()}
+
+    def load_state_dict(self, sd):
+        raise AssertionError("never reached: its state_dict() is refused first")
+
+
+def _local_through_dcp(layer, opt, path: str) -> dict:
+    """State-dict type "local" asked for by torch.distributed.checkpoint (every rank alike): refused, nothing
+    written; the plain state dicts themselves still given."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from feplb.testing import error_of
+
+    where = path + "_local"
+    out = {"save_model": error_of(lambda: dcp.save({"app": _App(layer, opt, "model")}, checkpoint_id=where)),
+           "save_optim": error_of(lambda: dcp.save({"app": _App(layer, opt, "optim")}, checkpoint_id=where)),
+           "load_model": error_of(lambda: dcp.load({"app": _App(layer, opt, "model")}, checkpoint_id=path)),
+           "get_model": error_of(lambda: get_model_state_dict(layer)),
+           "get_optim": error_of(lambda: get_optimizer_state_dict(layer, opt))}
+    out["nothing_written"] = not os.path.exists(where) or not os.listdir(where)
+    out["plain_after"] = error_of(lambda: (layer.state_dict(), opt.state_dict()))
     return out
 
 
@@ -330,6 +365,12 @@ def test_files_whole_tensors_local_type_and_bad_input(runs):
     for r in loads[4]:
         assert r["file_round_trip"] and r["whole_tensor"] and r["optim_round_trip"] and r["optim_step_plain"]
         assert r["local_plain"] and r["whole_assigned"]
+        dcp = r["local_in_dcp"]
+        for k in ("save_model", "save_optim", "load_model", "get_model", "get_optim"):
+            assert dcp[k] is not None and "'local'" in dcp[k] and "torch.distributed.checkpoint" in dcp[k], (k, dcp)
+        assert "state_dict_saver" in dcp["save_model"] and "state_dict_loader" in dcp["load_model"], dcp
+        assert "w1" in dcp["save_optim"] or "w2" in dcp["save_optim"], dcp["save_optim"]
+        assert dcp["nothing_written"] and dcp["plain_after"] is None, dcp
         assert r["fresh_loaded_dtensors"] and r["fresh_local"] and r["tracked_local"] and r["tracked_steps"] is None
         W = len(loads[4])
         assert r["col_shape"] == [W, 2 * FF] and r["row_shape"] == [E, 1] and r["per_rank_equal"], r
