@@ -86,10 +86,22 @@ from feplb.layout import (
     home_layout,
 )
 from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
-from feplb.recompute import Record, Records, checkpoint_frame, in_backward, record_kind
+from feplb.recompute import Record, Records, checkpoint_frame, in_backward, record_kind, reentrant_inputs_need_grad
 from feplb.replicas import Placement, Replicas, state_fingerprint
 from feplb.sharded import ExpertShards, expert_named_params, register
-from feplb.steps import ENTRIES, STALE, Counts, Split, layer_stats, read_counts, read_step, step_row
+from feplb.steps import (
+    ENTRIES,
+    ENTRY_RECOMPUTE,
+    HEADER,
+    STALE,
+    Counts,
+    Split,
+    layer_stats,
+    read_counts,
+    read_recompute,
+    read_step,
+    step_row,
+)
 from feplb.timeline import Timeline
 from feplb.training import (
     _LAYERS,
@@ -746,9 +758,21 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         """The record of the forward a recompute repeats (``feplb.recompute``), agreed by every rank in one
         all-gather of bit masks (``Records.candidates``, ``Records.choose``; and a host sync for this rank's
         counts)."""
-        row = self._records.candidates(local_counts_E.to(torch.int64).cpu().numpy(), self.rank,
-                                       self.replicas.generation, self.replicas.ever_held, dispatched, self.layer_id)
-        rows = self.control.all_gather(row, "recompute: finding the recorded forward").numpy()
+        cand = self._records.candidates(local_counts_E.to(torch.int64).cpu().numpy(), self.rank,
+                                        self.replicas.generation, self.replicas.ever_held, dispatched, self.layer_id)
+        # shaped like the forward's counts row (feplb.steps.step_row): a rank that does not recompute, in the next
+        # forward's counts all-gather, meets it there and every rank raises (the candidates ride in the counts'
+        # place where they fit, else in an all-gather of their own after it)
+        width = _COUNTS_WIDTH[self._counts_key]
+        row = step_row(self.layer_id, width, ENTRY_RECOMPUTE)
+        inline = width >= cand.numel()
+        if inline:
+            row[len(HEADER):len(HEADER) + cand.numel()] = cand
+        what = "recompute: finding the recorded forward"
+        gathered = self.control.all_gather(row, what).numpy()
+        read_recompute(gathered)
+        rows = gathered[:, len(HEADER):len(HEADER) + cand.numel()] if inline else \
+            self.control.all_gather(cand, what).numpy()
         return self._records.choose(rows, self.replicas.generation, self.replicas.ever_held, checkpoint_frame())
 
     def _replay(self, x_MD: torch.Tensor, rec: Record) -> torch.Tensor:
@@ -805,9 +829,11 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             # (2: an optimizer attached to the layer, whose step refreshed the copies, is not the cause)
             row[STALE] |= 2 * int(bool(self.__dict__.get("_attached_to")))
         # (the header first, then the counts padded to the group's width: steps.read_counts)
+        grad = torch.is_grad_enabled()
         row = torch.cat([row[:2], torch.tensor([int(problem is not None), self.layer_id,
-                                                int(self.training) | int(torch.is_grad_enabled()) << 1
-                                                | int(dispatched) << 2 | int(record_kind() == "hooks") << 3,
+                                                int(self.training) | int(grad) << 1
+                                                | int(dispatched) << 2 | int(record_kind() == "hooks") << 3
+                                                | int(not grad and reentrant_inputs_need_grad()) << 4,
                                                 self._slow_digest(),
                                                 self.__dict__.get("_opt_steps", 0) - int(row[2]),
                                                 int(self._grads_dropped())]),

@@ -41,6 +41,8 @@ Legend: W EP ranks, E experts.
 from __future__ import annotations
 
 import collections
+import os
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,6 +131,27 @@ def checkpoint_frame() -> Any | None:
         if frame is not None:
             return frame
     return None
+
+
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def reentrant_inputs_need_grad(depth: int = 48) -> bool:
+    """Whether a forward running now under ``no_grad`` is a reentrant checkpoint's first run
+    (``torch.utils.checkpoint(..., use_reentrant=True)``, its ``CheckpointFunction.forward`` among the callers' frames,
+    up to ``depth``) whose inputs include a tensor needing grad: only then is its output differentiable and the
+    block recomputed in the backward (a rank whose inputs need none never recomputes it)."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_filename.endswith(_CHECKPOINT_FILE) and \
+                "run_function" in code.co_varnames:
+            args = frame.f_locals.get("args", ())
+            return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        frame = frame.f_back
+    return False
 
 
 def record_kind() -> str | None:

@@ -53,6 +53,11 @@ _CALL_BITS = (
      "checkpointing, save_on_cpu)", "without",
      "a forward under saved-tensor hooks leaves a record for its recompute, which every rank must keep alike: "
      "checkpoint the layer (and use saved-tensor hooks) alike on every rank"),
+    (16, "would recompute this forward on some ranks only (reentrant activation checkpointing)",
+     "inputs of the checkpointed block needing grad", "none needing grad",
+     "under torch.utils.checkpoint(..., use_reentrant=True) a rank whose checkpointed block's inputs need no grad "
+     "never recomputes it (its output needs no grad), and the recompute moves rows between the ranks: make those "
+     "inputs need grad on every rank alike (or use use_reentrant=False)"),
 )
 
 
@@ -71,10 +76,14 @@ FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, STEPS, DROPPED = range(len(HEADER))
 # the call (a GradScaler not attached with the optimizer skipping a step an overflow only that rank saw; the loop's
 # own condition), already in the next forward's counts all-gather, meets it there and every rank raises together
 # instead of waiting in collectives the others never run. Its CALLS field names the call (ENTRIES).
+# The recompute of a checkpointed forward (in its backward) sends the same row too (ENTRY_RECOMPUTE), carrying its
+# candidates (``feplb.recompute.Records.candidates``) after the header: a rank that does not recompute (its
+# checkpoint's output needed no grad there, or it skipped the backward), already in the next forward, meets it.
 ENTRIES = {1: "optimizer.step() of an optimizer attached to the layer", 2: "reduce_replica_grads()",
            3: "refresh_replicas()", 4: "average_expert_grads()", 5: "feplb.clip_grad_norm_()",
-           6: "the unscale_() or step() of a GradScaler attached with the optimizer"}
-ENTRY_STEP, ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_SCALER = ENTRIES
+           6: "the unscale_() or step() of a GradScaler attached with the optimizer",
+           7: "the recompute of a checkpointed forward (in its backward)"}
+ENTRY_STEP, ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_SCALER, ENTRY_RECOMPUTE = ENTRIES
 # bits of a step row's PROBLEM
 STEP_PROBLEM_UNATTACHED_SCALER = 1
 STEP_PROBLEM_NOT_AVERAGED = 2
@@ -116,6 +125,8 @@ def _by_entry(gathered: np.ndarray, ranks: list[int]) -> str:
 def _skipped(gathered: np.ndarray) -> str:
     layers = gathered[:, LAYER]
     forward, calling = np.nonzero(layers >= 0)[0].tolist(), np.nonzero(layers < 0)[0].tolist()
+    if (gathered[calling, CALLS] == ENTRY_RECOMPUTE).all():
+        return _not_recomputed(calling, forward)
     return (f"MoELayer: {_by_entry(gathered, calling)}, while EP rank(s) {forward} went on to the next forward "
             "without it: a part of the training step was skipped on some ranks only, as the loop's own condition "
             "does, or a torch.amp.GradScaler not attached with the optimizer when an overflow in one rank's expert "
@@ -125,6 +136,29 @@ def _skipped(gathered: np.ndarray) -> str:
             "attach_optimizer(optimizer, scaler=scaler) (feplb.hf.attach_optimizer(model, optimizer, scaler) for "
             "a model), which agrees its inf check over the EP group. The ranks' experts may already differ in "
             "their steps: rebuild the model (or restart the processes) and resume from a checkpoint")
+
+
+def _not_recomputed(recomputing: list[int], forward: list[int]) -> str:
+    return (f"MoELayer: EP rank(s) {recomputing} recompute a checkpointed forward of this layer in their backward, "
+            f"while EP rank(s) {forward} went on to the next forward without recomputing it: under reentrant "
+            "activation checkpointing (use_reentrant=True) a rank whose checkpointed block's inputs need no grad "
+            "never recomputes it (its output needs no grad), or the backward of that forward was skipped on some "
+            "ranks only. The recompute moves rows between the ranks, so every rank must run it: make the inputs of "
+            "the checkpointed block need grad on every rank alike (or use use_reentrant=False), and run every "
+            "backward on every rank; every rank stops here")
+
+
+def read_recompute(gathered: np.ndarray) -> None:
+    """Read the all-gathered rows of a recompute's search for its record (``step_row`` with ``ENTRY_RECOMPUTE``),
+    raising on every rank together where some rank went on to the next forward, is in another call, or recomputes
+    another layer."""
+    layers, calls = gathered[:, LAYER], gathered[:, CALLS]
+    if (layers >= 0).any() or (calls != ENTRY_RECOMPUTE).any():
+        read_step(gathered)     # (raises: the ranks are in different calls)
+    if (layers != layers[0]).any():
+        raise RuntimeError(f"MoELayer: the EP ranks recompute different MoE layers at once (layer number per EP rank: "
+                           f"{(-1 - layers).tolist()}); every rank must run the backward of every MoE layer, in the "
+                           "same order")
 
 
 def read_step(gathered: np.ndarray) -> None:
@@ -161,7 +195,7 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     """Read the all-gathered rows (int64 [W, len(HEADER) + E + padding]: this rank's routing flags (1: NaN or inf,
     2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs, how it
     calls it (bits: 1 training mode, 2 autograd on, 4 ``forward_dispatched``, 8 saved-tensor hooks active with
-    autograd on), the digest of its slow decisions,
+    autograd on, 16 inside a reentrant checkpoint whose inputs need grad), the digest of its slow decisions,
     the optimizer steps taken of its experts, whether it dropped the experts' gradients while per-step copies held
     theirs; then the counts per flat slot), raising on every rank together when any rank reported a problem or the
     ranks run different layers, in different modes, from different histories or after different numbers of

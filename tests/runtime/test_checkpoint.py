@@ -754,3 +754,45 @@ def test_checkpointing_frees_received_weights_until_the_recompute():
             assert got["received_in_backward"] == got["received"], (rank, mode, "the recompute copies again", got)
         for mode, got in res.items():
             assert got["alive_after"] == 0, (rank, mode, "outlives the backward", got)
+
+
+def _not_recomputing_rank(rank: int, world: int, case: str) -> dict:
+    """A rank that will not recompute a checkpointed forward the others recompute (the recompute moves rows between
+    the ranks, so it needs every rank): under reentrant checkpointing with the block's input needing no grad on EP
+    rank 1 only (its output needs none: it never recomputes), refused at the forward; a backward skipped on EP rank
+    1 only, which goes on to the next forward, refused there and in the others' recompute. Every rank raises, none
+    waits; the layer works on."""
+    layer, _ = _layer("feplb-split", "per-microbatch", seed=12)
+    x, dy = _inputs(rank, 30)
+    reentrant = case == "reentrant-inputs"
+    xa = x.clone().requires_grad_(not (reentrant and rank == 1))
+    out, error = None, None
+    try:
+        out = checkpoint(_block(layer, "tanh"), xa, use_reentrant=reentrant)
+        if rank != 1 or reentrant:
+            (out * dy).sum().backward()
+        else:
+            layer(x)        # the backward skipped here: on to the next forward
+    except RuntimeError as exc:
+        error = str(exc)
+    xb = x.clone().requires_grad_(True)
+    (layer(xb) * dy).sum().backward()
+    ok = bool(torch.isfinite(xb.grad).all())
+    moved = layer.last_stats.rows_moved
+    layer.close()
+    return {"error": error, "ok": ok, "moved": moved}
+
+
+@pytest.mark.parametrize("case", ["reentrant-inputs", "skipped-backward"])
+def test_a_rank_that_will_not_recompute_is_refused_on_every_rank(case):
+    results = run_dist(_not_recomputing_rank, W, case, timeout_s=300, collective_timeout_s=60)
+    for r in results:
+        assert r["error"] is not None, r
+        if case == "reentrant-inputs":
+            assert "would recompute this forward on some ranks only" in r["error"], r["error"]
+            assert "none needing grad on [1]" in r["error"], r["error"]
+        else:
+            assert "recompute a checkpointed forward of this layer" in r["error"], r["error"]
+            assert "EP rank(s) [1] went on to the next forward" in r["error"], r["error"]
+        assert r["ok"], r
+    assert any(r["moved"] for r in results)
