@@ -90,12 +90,14 @@ from feplb.recompute import Record, Records, checkpoint_frame, in_backward, reco
 from feplb.replicas import Placement, Replicas, state_fingerprint
 from feplb.sharded import ExpertShards, expert_named_params, register
 from feplb.steps import (
+    AUTOCAST_SHIFT,
     ENTRIES,
     ENTRY_RECOMPUTE,
     HEADER,
     STALE,
     Counts,
     Split,
+    autocast_code,
     layer_stats,
     read_counts,
     read_recompute,
@@ -829,11 +831,14 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             # (2: an optimizer attached to the layer, whose step refreshed the copies, is not the cause)
             row[STALE] |= 2 * int(bool(self.__dict__.get("_attached_to")))
         # (the header first, then the counts padded to the group's width: steps.read_counts)
+        from feplb.kernels import autocast_dtype
+
         grad = torch.is_grad_enabled()
         row = torch.cat([row[:2], torch.tensor([int(problem is not None), self.layer_id,
                                                 int(self.training) | int(grad) << 1
                                                 | int(dispatched) << 2 | int(record_kind() == "hooks") << 3
-                                                | int(not grad and reentrant_inputs_need_grad()) << 4,
+                                                | int(not grad and reentrant_inputs_need_grad()) << 4
+                                                | autocast_code(autocast_dtype(self._device.type)) << AUTOCAST_SHIFT,
                                                 self._slow_digest(),
                                                 self.__dict__.get("_opt_steps", 0) - int(row[2]),
                                                 int(self._grads_dropped())]),

@@ -60,6 +60,16 @@ _CALL_BITS = (
      "inputs need grad on every rank alike (or use use_reentrant=False)"),
 )
 
+# and, above those bits, the autocast the layer's device runs under (AUTOCASTS: its dtype; 0 off): rows balancing
+# moves to another rank are computed under that rank's autocast
+AUTOCAST_SHIFT = 5
+AUTOCASTS = (None, torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def autocast_code(dtype: torch.dtype | None) -> int:
+    """The CALLS field's code of an autocast dtype (``feplb.kernels.autocast_dtype``; None: off)."""
+    return AUTOCASTS.index(dtype) if dtype in AUTOCASTS else len(AUTOCASTS)
+
 
 class NonFiniteRoutingError(ValueError):
     """Router logits (or routing weights given to ``forward``) holding NaN or inf on some EP rank: raised on every
@@ -227,6 +237,14 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
         if (got != got[0]).any():
             raise RuntimeError(f"MoELayer: the EP ranks {what} ({on} on EP rank(s) {ranks[got].tolist()}, {off} on "
                                f"{ranks[~got].tolist()}); {advice}")
+    casts = calls >> AUTOCAST_SHIFT
+    if (casts != casts[0]).any():
+        names = [str(AUTOCASTS[c]).removeprefix("torch.") if c < len(AUTOCASTS) else "another dtype" for c in casts]
+        raise RuntimeError(
+            f"MoELayer: the EP ranks run this layer under different torch.autocast settings (per EP rank: "
+            f"{dict(zip(ranks.tolist(), [n.replace('None', 'off') for n in names], strict=True))}): a row balancing "
+            "moves to another rank would be computed under that rank's autocast, not its own. Run the forward under "
+            "the same torch.autocast (device type and dtype) on every rank")
     steps = gathered[ranks, STEPS]
     if (steps != steps[0]).any():
         raise RuntimeError(

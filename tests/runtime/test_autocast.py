@@ -114,6 +114,8 @@ def _worker(rank: int, world: int):
             "fp64_inside": error_of(lambda: _run(layer, *args, autocast=True, in_dtype=torch.float64)),
             "int_inside": error_of(lambda: _run(layer, args[0].long(), *args[1:], autocast=True,
                                                 in_dtype=torch.int64)),
+            # autocast on EP rank 1 only: the rows balancing moves there would compute in bf16
+            "autocast_one_rank": error_of(lambda: _run(layer, *args, autocast=rank == 1)),
         }
         res["after_refusals"] = _run(layer, *args, autocast=True)   # the layer still works, on every rank
     with _layer("feplb-split", torch.float32, w1, w2) as layer:
@@ -204,7 +206,7 @@ def test_autocast_layer_with_balancing_is_as_accurate_as_torch_autocast(ranks):
 
 def test_inputs_of_another_dtype_inside_autocast(ranks):
     """A bf16 input to a float32 layer (and a float32 input to a bf16 layer) inside autocast travels in the layer's
-    dtype and returns in its own; outside autocast it is refused, on every rank."""
+    dtype and returns in its own; outside autocast it is refused, on every rank; so is autocast on some ranks only."""
     for r, res in enumerate(ranks):
         run = res["ac_in"]
         assert run["out"].dtype == run["dx"].dtype == AC, (r, run["out"].dtype, run["dx"].dtype)
@@ -214,6 +216,10 @@ def test_inputs_of_another_dtype_inside_autocast(ranks):
         for case, dtype in (("bf16_outside", "bfloat16"), ("fp64_inside", "float64"), ("int_inside", "int64")):
             assert refused[case] is not None and refused[case].startswith("TypeError"), (r, case, refused[case])
             assert f"input dtype must be torch.float32 (FEPLBConfig.dtype), got torch.{dtype}" in refused[case]
+        one = refused["autocast_one_rank"]
+        assert one is not None and one.startswith("RuntimeError") and "different torch.autocast settings" in one, \
+            (r, one)
+        assert "1: 'bfloat16'" in one and "0: 'off'" in one, (r, one)
         torch.testing.assert_close(res["after_refusals"]["out"], res["ac_split"]["out"], rtol=0, atol=0)
         # the bf16 layer casts a float32 input as the bf16 layer's own caller would: the same numbers
         wide, bf = res["bf16_ac_fp32_in"], res["bf16_none"]
