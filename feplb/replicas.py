@@ -152,6 +152,8 @@ class Replicas:
         self.ever_held = False        # some rank has held per-step copies (a global fact: pairs are global)
         self.generation = 0           # bumped by every refresh; a gradient of an older generation is late
         self.late_grad = False
+        # indices into expert_params() of those that required grad in a training forward since the last reduction
+        self.trained: set[int] = set()
         self.stepped = False          # an optimizer stepped the owner's parameters since the last refresh
         self._versions: tuple[int, ...] = ()
         self._requires: tuple[bool, ...] = ()   # the owner's parameters' requires_grad at the last refresh
@@ -214,7 +216,12 @@ class Replicas:
 
     def sync_requires(self) -> None:
         """Make the copies require grad where the owners' weights now do (experts frozen or unfrozen since the
-        refresh: a copy made while they were frozen would send no gradient back). Local; every forward."""
+        refresh: a copy made while they were frozen would send no gradient back), and note which expert
+        parameters required grad in a training forward since the last reduction (``trained``). Local; every
+        forward."""
+        lay = self._layer()
+        if lay.training:
+            self.trained |= {i for i, p in enumerate(lay.expert_params()) if p.requires_grad}
         if not (self.pairs or self.lazy_pairs) or self._requires == self.requires():
             return
         req = tuple(w.requires_grad for w in self.own_weights())
@@ -230,6 +237,7 @@ class Replicas:
     def zero_grads(self) -> None:
         """Drop the gradients the per-step copies accumulated (what ``zero_grad`` does to the owners'): a backward
         whose gradients the training loop discards must not reach the owners at the next reduction."""
+        self.trained = set()
         for w in self._held():
             w.grad = None
             w._feplb_grad32 = None
@@ -405,6 +413,7 @@ class Replicas:
         self.ever_held = self.ever_held or bool(pairs)
         self.replica_bank, self.slot_bank, self.replica_of, self.used = None, None, {}, set()
         self.lazy_pairs, self.held, self.held_banks = frozenset(), {}, []
+        self.trained = set()
         if not pairs:
             return
         self._mark()
@@ -440,8 +449,11 @@ class Replicas:
             pairs = [pair for pair, f in zip(pairs, idle.tolist(), strict=True) if f == 0]
         # Experts frozen (requires_grad_(False)) after a backward of the step: their parameters keep the gradient
         # they had, and an optimizer steps it, as in plain EP, so the copies' share is added to it too (with
-        # requires_grad on for the addition only); a frozen parameter without a gradient gets none
-        frozen = [p for p in lay.expert_params() if not p.requires_grad and p.grad is not None]
+        # requires_grad on for the addition only); so is one without a gradient that required grad in a training
+        # forward since the last reduction (a +place bank, which the GEMMs read instead of the owners' parameters,
+        # holds all of the step's gradient until now); one frozen all along gets none
+        frozen = [p for i, p in enumerate(lay.expert_params())
+                  if not p.requires_grad and (p.grad is not None or i in self.trained)]
         for p in frozen:
             p.requires_grad_(True)
         try:

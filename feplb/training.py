@@ -206,9 +206,11 @@ register_optimizer_step_pre_hook(_stepping)
 # outermost one handshakes (a model's clip_grad_norm_ reduces every layer's replica gradients inside its own).
 _CALLS = threading.local()
 # The per-layer calls a loop makes for every layer in turn (layer.reduce_replica_grads(), ...): handshaken once per
-# EP group until the group's next forward (forward_began), not once per layer. {id(group): entries}
+# round over the EP group's layers until the group's next forward (forward_began), not once per layer; a layer
+# calling again starts a new round (a second call on some ranks only meets the others' next forward).
+# {id(group): {entry: ids of the layers that called it in this round}}
 _PER_LAYER = (ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE)
-_SINCE_FORWARD: dict[int, set[int]] = {}
+_SINCE_FORWARD: dict[int, dict[int, set[int]]] = {}
 
 
 def forward_began(group: Any) -> None:
@@ -236,11 +238,14 @@ def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
         for lay in layers:
             if lay.world_size > 1 and (force or lay._step_collective()) and not any(lay.group is g for g in groups):
                 groups.append(lay.group)
-                done = _SINCE_FORWARD.setdefault(id(lay.group), set())
-                if entry in _PER_LAYER and entry in done:
+                callers = _SINCE_FORWARD.setdefault(id(lay.group), {}).setdefault(entry, set())
+                mine = {id(x) for x in layers}
+                if entry in _PER_LAYER and callers and not callers & mine:
+                    callers |= mine
                     continue    # (this call of another layer of the group handshook since its last forward)
                 lay._step_handshake(entry, problem)
-                done.add(entry)
+                callers.clear()
+                callers |= mine
     with _inside():
         yield
 
@@ -342,7 +347,7 @@ class TrainingSteps:
         if self in _attached(optimizer):
             return
         _attach(optimizer, self)    # (first: its step handshake is the optimizer's first pre-hook)
-        self._hooks += [optimizer.register_step_pre_hook(lambda opt, *_: self._reduce_in_step(opt)),
+        self._hooks += [optimizer.register_step_pre_hook(self._reduce_in_step),
                         optimizer.register_step_post_hook(lambda *_: self._refresh_in_step())]
         self.__dict__.setdefault("_attached_to", weakref.WeakSet()).add(optimizer)
 
@@ -356,10 +361,33 @@ class TrainingSteps:
         with _inside():
             self.refresh_replicas()
 
-    def _reduce_in_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def _reduce_in_step(self, optimizer: torch.optim.Optimizer, args: tuple = (), kwargs: dict | None = None,
+                        ) -> tuple[tuple, dict] | None:
         """``reduce_replica_grads()`` from the step pre-hook. A GradScaler stepping a fused optimizer has set
         ``found_inf`` by then, from the owners' gradients alone: copies still holding gradients there would be
-        stepped scaled (non-finite ones unseen), so that raises on every rank."""
+        stepped scaled (non-finite ones unseen), so that raises on every rank. A step given a closure
+        (``optimizer.step(closure)``, LBFGS's only form) runs its backward inside the step: the closure is
+        wrapped to reduce after each call of it (``args[0]`` is the optimizer, as torch passes it)."""
+        self._reduce_before_step(optimizer)
+        kwargs = dict(kwargs or {})
+        in_kwargs = kwargs.get("closure") is not None
+        closure = kwargs["closure"] if in_kwargs else args[1] if len(args) > 1 else None
+        if closure is None:
+            return None
+
+        def reducing_closure(closure=closure):
+            loss = closure()
+            with _inside():      # (the step's handshake ran in its pre-hook)
+                self._reduce_replica_grads(None)
+            return loss
+
+        if in_kwargs:
+            kwargs["closure"] = reducing_closure
+        else:
+            args = (args[0], reducing_closure, *args[2:])
+        return args, kwargs
+
+    def _reduce_before_step(self, optimizer: torch.optim.Optimizer) -> None:
         scaled = hasattr(optimizer, "found_inf")
         try:
             self._reduce_replica_grads(
@@ -485,13 +513,25 @@ class TrainingSteps:
     def _reduce_replica_grads(self, refuse_held: str | None) -> None:
         if not self.replicas.ever_held:
             return
-        # one collective agrees on both: whether any copy holds a gradient, and which copies a forward used
-        clean, idle = self.replicas.agree("reduce_replica_grads", self.replicas.idle_flags(self.placement))
+        # one collective agrees on all: whether any copy holds a gradient, whether the owners' gradients are as the
+        # backward left them, and which copies a forward used
+        rep = self.replicas
+        clean, flags = rep.agree("reduce_replica_grads", torch.cat([
+            torch.tensor([int(not self._grads_dropped())], dtype=torch.int64), rep.idle_flags(self.placement)]))
         if clean:
             return                      # no rank's copies hold a gradient
         if refuse_held is not None:
             raise RuntimeError(f"MoELayer.reduce_replica_grads: {refuse_held}")
-        self.replicas.reduce_grads(self.placement, idle)
+        if int(flags[0]) == 0:
+            raise RuntimeError(
+                "MoELayer.reduce_replica_grads: on some EP rank the experts' gradients were changed in place "
+                "(torch.nn.utils.clip_grad_value_ or clip_grad_norm_, a scaling, zero_grad(set_to_none=False)) or "
+                "dropped after the backward, while the per-step copies still hold their share of it, which the "
+                "reduction would add unchanged. Nothing was reduced or stepped. Reduce first, then change them: "
+                "feplb.clip_grad_norm_(model, ...) (it reduces), or layer.reduce_replica_grads() before "
+                "clip_grad_value_ or any scaling; here zero the gradients (an attached optimizer's zero_grad(), "
+                "layer.zero_grad()) and run the step again from its backward")
+        rep.reduce_grads(self.placement, flags[1:])
 
     @torch.no_grad()
     def average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None = None, *,

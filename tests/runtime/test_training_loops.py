@@ -279,9 +279,13 @@ def _partial_step_worker(rank, world, policy, weights):
             b(a(_x(rank, 99)))
         a.refresh_replicas()
         b.refresh_replicas()
+        # an overflow in rank 0's expert gradients only, made by its backward (a change in place after it is
+        # refused where per-step copies hold their share: test_in_place_changes_before_the_reduction_are_refused)
+        overflow = a.w1.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf"))) \
+            if rank == 0 and case in ("scaler_overflow", "attached_scaler") else None
         scaler.scale(b(a(_x(rank, 0))).pow(2).mean()).backward()
-        if rank == 0 and case in ("scaler_overflow", "attached_scaler"):
-            a.w1.grad.view(-1)[0] = float("inf")
+        if overflow is not None:
+            overflow.remove()
 
         def step_then_forward(case=case, a=a, b=b, model=model, opt=opt, scaler=scaler):
             if case in ("loop_condition", "attached_scaler_loop", "clip_then_step", "reduce_skipped") and rank == 2:
@@ -371,3 +375,114 @@ def test_step_on_some_ranks_only(policy, weights):
         assert got["retry"] is None, (r, got["retry"])
         diff = (got["retry_w"] - got["fresh_w"]).abs().max().item()
         assert diff <= error_bound(got["fresh_w"])[1], (r, diff)
+
+
+def _loops_review_worker(rank, world):
+    """Four loops with per-step copies, each against the same loop on plain EP (fp64): the experts' gradients
+    changed in place before the reduction (clip_grad_value_, a scaling); an expert part frozen between two
+    micro-batches under +place (whose bank holds the step's whole gradient until the reduction); an attached
+    optimizer stepped with a closure; and a per-layer call made a second time on one rank only."""
+    res = {}
+
+    def pair(policy):
+        layers = {p: _layer(p, dtype=torch.float64) for p in (policy, "none")}
+        opts = {p: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.5) for p, m in layers.items()}
+        for p, m in layers.items():
+            m.attach_optimizer(opts[p])
+            with torch.no_grad():
+                m(_x(rank, 99).double())     # a history, so that copies and a +place bank exist
+            m.refresh_replicas()
+        return layers, opts
+
+    def diff(layers):
+        a, b = layers.values()
+        return max((getattr(a, n) - getattr(b, n)).abs().max().item() for n in ("w1", "w2"))
+
+    # 1. clip_grad_value_ / a scaling after the backward, before the attached step's reduction: refused on every
+    # rank, nothing stepped (before, the copies' share was added unclipped); as the refusal says, zero the gradients
+    # and redo the step from its backward, reducing first: trains as plain EP
+    def change(m, how):
+        if how == "clip_value":
+            torch.nn.utils.clip_grad_value_(m.parameters(), 1e-3)
+        else:
+            for q in m.parameters():
+                q.grad.mul_(0.5)
+
+    for how in ("clip_value", "scale"):
+        layers, opts = pair("feplb-split@ema")
+        errors, moved = [], 0
+        for step in range(2):
+            for p, m in layers.items():
+                (m(_x(rank, step).double()) ** 2).mean().backward()
+                moved += m.last_stats.rows_moved if p != "none" else 0
+                change(m, how)
+                errors.append(error_of(opts[p].step))
+                if errors[-1] is not None:
+                    opts[p].zero_grad()
+                    (m(_x(rank, step).double()) ** 2).mean().backward()
+                    m.reduce_replica_grads()      # the documented order: reduce, then change the gradients
+                    change(m, how)
+                    opts[p].step()
+                opts[p].zero_grad()
+        res[how] = {"errors": errors, "diff": diff(layers), "moved": moved}
+        for m in layers.values():
+            m.close()
+
+    # 2. w2 frozen between the step's two micro-batches under +place: it keeps (and steps) the first one's gradient
+    layers, opts = pair("feplb-split+place")
+    w2_before = layers["feplb-split+place"].w2.detach().clone()
+    for p, m in layers.items():
+        for mb in range(2):
+            (m(_x(rank, mb).double()) ** 2).mean().backward()
+            m.w2.requires_grad_(False)
+        opts[p].step()
+    res["frozen"] = {"diff": diff(layers), "w2_stepped": not torch.equal(layers["feplb-split+place"].w2, w2_before)}
+    for m in layers.values():
+        m.close()
+
+    # 3. optimizer.step(closure) of an attached optimizer: the closure's backward is reduced before the update
+    layers, opts = pair("feplb-split@ema")
+    for step in range(2):
+        for p, m in layers.items():
+            def closure(m=m, p=p, step=step):
+                opts[p].zero_grad()
+                loss = (m(_x(rank, step).double()) ** 2).mean()
+                loss.backward()
+                return loss
+            opts[p].step(closure) if step == 0 else opts[p].step(closure=closure)
+    res["closure"] = diff(layers)
+    for m in layers.values():
+        m.close()
+
+    # 4. refresh_replicas() called again on rank 0 only: it meets the others' next forward, every rank raises
+    layers, opts = pair("feplb-split@ema")
+    m = layers["feplb-split@ema"]
+    (m(_x(rank, 0).double()) ** 2).mean().backward()
+    opts["feplb-split@ema"].step()
+
+    def again():
+        if rank == 0:
+            m.refresh_replicas()
+        m(_x(rank, 1).double())
+    res["again"] = error_of(again)
+    for m in layers.values():
+        m.close()
+    return res
+
+
+def test_loops_from_a_review():
+    res = run_dist(_loops_review_worker, W, timeout_s=300, collective_timeout_s=60)
+    for r, got in enumerate(res):
+        for how in ("clip_value", "scale"):
+            errors = got[how]["errors"]     # (per step: the balancing layer's, plain EP's)
+            for e in errors[0::2]:
+                assert e is not None and "changed in place" in e and "Reduce first" in e, (r, how, errors)
+            assert errors[1::2] == [None, None], (r, how, errors)
+            assert got[how]["diff"] <= 1e-12, (r, how, got[how]["diff"])
+        assert got["frozen"]["diff"] <= 1e-12, (r, got["frozen"])
+        assert got["closure"] <= 1e-12, (r, got["closure"])
+        again = got["again"]
+        assert again is not None and "EP rank(s) [0] in refresh_replicas()" in again and \
+            "went on to the next forward" in again, (r, again)
+    assert sum(got["clip_value"]["moved"] for got in res) > 0
+    assert any(got["frozen"]["w2_stepped"] for got in res)
