@@ -86,7 +86,15 @@ from feplb.layout import (
     home_layout,
 )
 from feplb.phase2 import Phase2, dynamic_and_return, no_phase2, start_phase2
-from feplb.recompute import Record, Records, checkpoint_frame, in_backward, record_kind, reentrant_inputs_need_grad
+from feplb.recompute import (
+    Record,
+    Records,
+    checkpoint_frame,
+    in_backward,
+    outside_dispatch_modes,
+    record_kind,
+    reentrant_inputs_need_grad,
+)
 from feplb.replicas import Placement, Replicas, state_fingerprint
 from feplb.sharded import ExpertShards, expert_named_params, register
 from feplb.steps import (
@@ -760,21 +768,25 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         """The record of the forward a recompute repeats (``feplb.recompute``), agreed by every rank in one
         all-gather of bit masks (``Records.candidates``, ``Records.choose``; and a host sync for this rank's
         counts)."""
+        with outside_dispatch_modes():
+            return self._find_record_inside(local_counts_E, dispatched)
+
+    def _find_record_inside(self, local_counts_E: torch.Tensor, dispatched: bool) -> Record:
         cand = self._records.candidates(local_counts_E.to(torch.int64).cpu().numpy(), self.rank,
                                         self.replicas.generation, self.replicas.ever_held, dispatched, self.layer_id)
         # shaped like the forward's counts row (feplb.steps.step_row): a rank that does not recompute, in the next
         # forward's counts all-gather, meets it there and every rank raises (the candidates ride in the counts'
         # place where they fit, else in an all-gather of their own after it)
         width = _COUNTS_WIDTH[self._counts_key]
-        row = step_row(self.layer_id, width, ENTRY_RECOMPUTE)
-        inline = width >= cand.numel()
+        row = step_row(self.layer_id, width, ENTRY_RECOMPUTE, as_numpy=True)
+        inline = width >= cand.size
         if inline:
-            row[len(HEADER):len(HEADER) + cand.numel()] = cand
+            row[len(HEADER):len(HEADER) + cand.size] = cand
         what = "recompute: finding the recorded forward"
-        gathered = self.control.all_gather(row, what).numpy()
+        gathered = self.control.all_gather(torch.tensor(row.tolist(), dtype=torch.int64), what).numpy()
         read_recompute(gathered)
-        rows = gathered[:, len(HEADER):len(HEADER) + cand.numel()] if inline else \
-            self.control.all_gather(cand, what).numpy()
+        rows = gathered[:, len(HEADER):len(HEADER) + cand.size] if inline else \
+            self.control.all_gather(torch.tensor(cand.tolist(), dtype=torch.int64), what).numpy()
         return self._records.choose(rows, self.replicas.generation, self.replicas.ever_held, checkpoint_frame())
 
     def _replay(self, x_MD: torch.Tensor, rec: Record) -> torch.Tensor:
@@ -809,6 +821,11 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         Each rank's way of calling travels with them (training mode, autograd on, ``forward_dispatched``, whether
         it leaves a record for a recompute under saved-tensor hooks): ranks that differ would run different
         collectives, in the forward or in its backward, or keep different records."""
+        with outside_dispatch_modes():
+            return self._count_inside(counts_S, bad, problem, dispatched)
+
+    def _count_inside(self, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
+                      problem: tuple[type, str] | None, dispatched: bool) -> Counts:
         E = self.config.num_experts
         # the per-step copies' owners changed since the copies were made: a sample of their bits, compared on the
         # device (no host sync of its own: it travels in the counts' copy to the host), or-ed with what the

@@ -133,6 +133,18 @@ def checkpoint_frame() -> Any | None:
     return None
 
 
+def outside_dispatch_modes():
+    """A block run outside the active tensor dispatch modes: the counts all-gather of a forward and a recompute's
+    search for its record, host control that is no part of the computation. Under selective activation
+    checkpointing (torch's ``create_selective_checkpoint_contexts``, torchtitan's op-level mode, around
+    ``feplb.titan_ep``) the recompute is matched to its forward op by op, by each op's invocation count, and an
+    op the policy saved (torchtitan's saves every device-to-host copy) hands the recompute the forward's result:
+    the forward's and the recompute's control, which differ, must not take part."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 
@@ -279,7 +291,7 @@ class Records:
         return len(self._replayed)
 
     def candidates(self, local_E: np.ndarray, rank: int, generation: int, held: bool, dispatched: bool,
-                   layer_id: int) -> torch.Tensor:
+                   layer_id: int) -> np.ndarray:
         """This rank's row of the all-gather that picks the record a recompute repeats (:meth:`choose` reads every
         rank's): int64 [11], the bit masks of the records that may be it, in the order they are preferred (of the
         active checkpoint frame; bound to it; ``hooks`` records of a checkpoint still alive, or made under other
@@ -317,8 +329,8 @@ class Records:
             self.mask(lambda rec, n: rec.kind == "no_grad" and current(rec)),
             self.mask(lambda rec, n: not current(rec) and equal(rec)),
         ]
-        return torch.tensor([*masks, int(frame is not None), int(hooks_active()), self.first_seq(), len(self),
-                             len(bound), layer_id], dtype=torch.int64)
+        return np.array([*masks, int(frame is not None), int(hooks_active()), self.first_seq(), len(self),
+                         len(bound), layer_id], dtype=np.int64)
 
     def choose(self, rows: np.ndarray, generation: int, held: bool, frame: Any = None) -> Record:
         """The record every rank repeats, from every rank's :meth:`candidates` row (int64 [W, 11], the same on

@@ -114,15 +114,16 @@ def not_averaged(ranks: list[int] | None) -> str:
             "loss summed over the ranks, attach_optimizer(..., average_required=False)")
 
 
-def step_row(layer_id: int, width: int, entry: int, problem: int = 0) -> torch.Tensor:
+def step_row(layer_id: int, width: int, entry: int, problem: int = 0, *, as_numpy: bool = False,
+             ) -> torch.Tensor | np.ndarray:
     """The row a rank sends in the handshake of a call between a backward and the next forward (int64
     [len(HEADER) + width]): LAYER ``-1 - layer_id``, CALLS the call (``ENTRIES``), PROBLEM ``problem``
-    (``STEP_PROBLEM_*``, 0 for none)."""
-    row = torch.zeros(len(HEADER) + width, dtype=torch.int64)
+    (``STEP_PROBLEM_*``, 0 for none); a numpy array with ``as_numpy``."""
+    row = np.zeros(len(HEADER) + width, dtype=np.int64)
     row[LAYER] = -1 - layer_id
     row[CALLS] = entry
     row[PROBLEM] = problem
-    return row
+    return row if as_numpy else torch.from_numpy(row)
 
 
 def _by_entry(gathered: np.ndarray, ranks: list[int]) -> str:

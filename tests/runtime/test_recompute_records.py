@@ -107,7 +107,7 @@ def _agree(per_rank: list[Records], local_WE: np.ndarray, generation: int = 0, h
     rows stacked as the all-gather returns them, then every rank's choice (asserted the same)."""
     W = len(per_rank)
     ids = layer_ids or [7] * W
-    rows = np.stack([per_rank[r].candidates(local_WE[r], r, generation, held, dispatched, ids[r]).numpy()
+    rows = np.stack([per_rank[r].candidates(local_WE[r], r, generation, held, dispatched, ids[r])
                      for r in range(W)])
     got = [per_rank[r].choose(rows, generation, held) for r in range(W)]
     assert all(g.placement == got[0].placement for g in got)   # (each rank its own copy of the same record)
