@@ -14,8 +14,15 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _pos_int(name: str, v: object, lo: int = 1) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+    """A ``TypeError`` for a value that is no int (a bool, a float, a string), a ``ValueError`` below ``lo``."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"FEPLBConfig.{name} must be an int >= {lo}, got {v!r} ({type(v).__name__})")
+    if v < lo:
         raise ValueError(f"FEPLBConfig.{name} must be an int >= {lo}, got {v!r}")
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,10 +204,9 @@ class FEPLBConfig:
             raise ValueError(f"FEPLBConfig.on_overflow must be 'grow' or 'error', got {self.on_overflow!r}")
         if self.dtype not in _DTYPES:
             raise TypeError(f"FEPLBConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.plan_wait_ms is not None and not (isinstance(self.plan_wait_ms, (int, float))
-                                                  and 0 <= self.plan_wait_ms < float("inf")):
-            raise ValueError(f"FEPLBConfig.plan_wait_ms must be None or a finite number >= 0, got "
-                             f"{self.plan_wait_ms!r}")
+        if self.plan_wait_ms is not None and not (_number(self.plan_wait_ms) and 0 <= self.plan_wait_ms < float("inf")):
+            raise (ValueError if _number(self.plan_wait_ms) else TypeError)(
+                f"FEPLBConfig.plan_wait_ms must be None or a finite number >= 0, got {self.plan_wait_ms!r}")
         for name in ("gate_on_input", "masked_routes", "recopy_weights", "reduce_in_fp32"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FEPLBConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -214,9 +220,9 @@ class FEPLBConfig:
             raise ValueError("FEPLBConfig.masked_routes needs router='external' (the layer's own router picks top_k "
                              "experts for every token)")
         lim = self.swiglu_limit
-        if lim is not None and (isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim)
-                                or lim <= 0):
-            raise ValueError(f"FEPLBConfig.swiglu_limit must be None or a finite number > 0, got {lim!r}")
+        if lim is not None and (not _number(lim) or not math.isfinite(lim) or lim <= 0):
+            raise (ValueError if _number(lim) else TypeError)(
+                f"FEPLBConfig.swiglu_limit must be None or a finite number > 0, got {lim!r}")
         from feplb.kernels.activation import ACTS, PLAIN_ACTS, POSTCLAMP_ACTS, SOFTCAP_ACTS, check_glu_act
 
         if not isinstance(self.gated, bool):
@@ -229,8 +235,9 @@ class FEPLBConfig:
             raise ValueError("FEPLBConfig: swiglu_limit and glu_interleaved apply to gated experts only "
                              "(gated=False)")
         a = self.swiglu_alpha
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
-            raise ValueError(f"FEPLBConfig.swiglu_alpha must be a finite number, got {a!r}")
+        if not _number(a) or not math.isfinite(a):
+            raise (ValueError if _number(a) else TypeError)(
+                f"FEPLBConfig.swiglu_alpha must be a finite number, got {a!r}")
         if self.gated:
             try:
                 check_glu_act(self.activation, a, self.glu_softcap, self.swiglu_limit)
