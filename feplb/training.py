@@ -208,7 +208,7 @@ _CALLS = threading.local()
 # The per-layer calls a loop makes for every layer in turn (layer.reduce_replica_grads(), ...): handshaken once per
 # round over the EP group's layers until the group's next forward (forward_began), not once per layer; a layer
 # calling again starts a new round (a second call on some ranks only meets the others' next forward).
-# {id(group): {entry: ids of the layers that called it in this round}}
+# {id(group): {entry: the numbers (layer_id) of the layers that called it in this round}}
 _PER_LAYER = (ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE)
 _SINCE_FORWARD: dict[int, dict[int, set[int]]] = {}
 
@@ -239,7 +239,7 @@ def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
             if lay.world_size > 1 and (force or lay._step_collective()) and not any(lay.group is g for g in groups):
                 groups.append(lay.group)
                 callers = _SINCE_FORWARD.setdefault(id(lay.group), {}).setdefault(entry, set())
-                mine = {id(x) for x in layers}
+                mine = {x.layer_id for x in layers}   # (agreed over the group, never reused: an id() would be)
                 if entry in _PER_LAYER and callers and not callers & mine:
                     callers |= mine
                     continue    # (this call of another layer of the group handshook since its last forward)

@@ -595,13 +595,20 @@ def _check_fsdp(rank: int, world: int) -> dict:
     out["dcp_exact"] = _fsdp_dcp(rank, model, full)
     # a NaN in the last rank's expert gradient only: error_if_nonfinite raises on every rank, for the inf-norm too
     # (a MAX reduction may drop a NaN)
+    # (made by the backward: a change in place after it is refused where per-step copies hold their share)
     ids = M.tokens(rank)
+    hook = model.model.layers[0].mlp.experts.gate_up_proj.register_hook(_nan_first) if rank == world - 1 else None
     model(input_ids=ids, labels=ids).loss.backward()
-    if rank == world - 1:
-        with torch.no_grad():
-            model.model.layers[0].mlp.experts.gate_up_proj.grad.view(-1)[0] = float("nan")
+    if hook is not None:
+        hook.remove()
     out["nan_inf"] = error_of(lambda: fh.clip_grad_norm_(model, 1.0, float("inf"), error_if_nonfinite=True))
     return out
+
+
+def _nan_first(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone(memory_format=torch.contiguous_format)
+    grad.view(-1)[0] = float("nan")
+    return grad
 
 
 def _fsdp_dcp(rank: int, model, full: dict) -> bool:
