@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import collections
 import os
-import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +49,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from feplb.frames import caller_frame
 
 __all__ = ["MAX_RECORDS", "Record", "Records", "checkpoint_frame", "hooks_active", "in_backward", "record_kind"]
 
@@ -153,17 +154,10 @@ def reentrant_inputs_need_grad(depth: int = 48) -> bool:
     (``torch.utils.checkpoint(..., use_reentrant=True)``, its ``CheckpointFunction.forward`` among the callers' frames,
     up to ``depth``) whose inputs include a tensor needing grad: only then is its output differentiable and the
     block recomputed in the backward (a rank whose inputs need none never recomputes it)."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        code = frame.f_code
-        if code.co_name == "forward" and code.co_filename.endswith(_CHECKPOINT_FILE) and \
-                "run_function" in code.co_varnames:
-            args = frame.f_locals.get("args", ())
-            return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-        frame = frame.f_back
-    return False
+    frame = caller_frame(lambda f: f.f_code.co_name == "forward" and f.f_code.co_filename.endswith(_CHECKPOINT_FILE)
+                         and "run_function" in f.f_code.co_varnames, depth)
+    return frame is not None and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                     for a in frame.f_locals.get("args", ()))
 
 
 def record_kind() -> str | None:

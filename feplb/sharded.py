@@ -28,13 +28,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from feplb.frames import caller_frame
 
 __all__ = ["STATE_DICT_TYPES", "ExpertShards", "local_state_dicts", "localize_state", "track_optimizer"]
 
@@ -246,14 +247,8 @@ _DCP_DIR = os.sep + os.path.join("torch", "distributed", "checkpoint") + os.sep
 
 def _dcp_caller(depth: int = 64) -> str | None:
     """The function of ``torch.distributed.checkpoint`` among the callers' frames (up to ``depth``), or None."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        if _DCP_DIR in frame.f_code.co_filename:
-            return f"{frame.f_globals.get('__name__', '?')}.{frame.f_code.co_name}"
-        frame = frame.f_back
-    return None
+    frame = caller_frame(lambda f: _DCP_DIR in f.f_code.co_filename, depth)
+    return None if frame is None else f"{frame.f_globals.get('__name__', '?')}.{frame.f_code.co_name}"
 
 
 def _refuse_local_in_dcp(what: str) -> None:

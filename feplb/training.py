@@ -17,7 +17,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from feplb.frames import caller_frame
 from feplb.replicas import state_digest
 from feplb.sharded import localize_state, track_optimizer
 from feplb.steps import (
@@ -696,14 +696,7 @@ def _average_problem(optimizer: torch.optim.Optimizer, *, handshaking: bool) -> 
 def _caller(match: Any, depth: int) -> Any:
     """The first of the frames above the caller of this function's caller (up to ``depth`` of them) that
     ``match(frame)`` accepts, or None: what called the optimizer step in progress."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        if match(frame):
-            return frame
-    return None
+    return caller_frame(match, depth, skip=2)
 
 
 def _initialising_state() -> bool:
