@@ -236,8 +236,8 @@ class Replicas:
 
     def zero_grads(self) -> None:
         """Drop the gradients the per-step copies accumulated (what ``zero_grad`` does to the owners'): a backward
-        whose gradients the training loop discards must not reach the owners at the next reduction."""
-        self.trained = set()
+        whose gradients the training loop discards must not reach the owners at the next reduction. (``trained``
+        stays: a loop zeroes between a forward and its backward too.)"""
         for w in self._held():
             w.grad = None
             w._feplb_grad32 = None
@@ -508,6 +508,7 @@ class Replicas:
                 for a, part, shape in zip(adds, got[k].split(sizes), shapes, strict=True):
                     a[e - r * L] += part.view(shape)   # (type promotion: added in fp32)
         self.zero_grads()
+        self.trained = set()
         # through expert_weights() (made with autograd on): the owner's parameters get the gradient whatever their
         # layout, each weight its parts one backward pass at a time (one call takes each tensor once), each part made
         # when its pass comes (fp16 sums far beyond its range take many)

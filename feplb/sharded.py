@@ -256,7 +256,10 @@ def _refuse_local_in_dcp(what: str) -> None:
     / ``dcp.load`` of a Stateful object, ``get_state_dict``): every rank holds the same names, so DCP would write
     one rank's experts and load them on every rank. Every rank of the collective call asks alike, and all raise."""
     caller = _dcp_caller()
-    if caller is not None:
+    # (a checkpoint of this rank alone, dcp.save(..., no_dist=True), holds this rank's shards, as a torch.save file)
+    alone = caller is not None and caller_frame(
+        lambda f: _DCP_DIR in f.f_code.co_filename and f.f_locals.get("no_dist") is True, 64) is not None
+    if caller is not None and not alone:
         raise RuntimeError(f"{what}: state-dict type 'local' (plain per-rank expert shards under names every rank "
                            f"shares) asked for by torch.distributed.checkpoint ({caller}), which would write one "
                            "rank's experts and load them on every rank. Use the 'sharded' type "

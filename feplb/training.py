@@ -367,7 +367,8 @@ class TrainingSteps:
         ``found_inf`` by then, from the owners' gradients alone: copies still holding gradients there would be
         stepped scaled (non-finite ones unseen), so that raises on every rank. A step given a closure
         (``optimizer.step(closure)``, LBFGS's only form) runs its backward inside the step: the closure is
-        wrapped to reduce after each call of it (``args[0]`` is the optimizer, as torch passes it)."""
+        wrapped to refresh the copies before each call of it (the step may have moved the weights since) and to
+        reduce after it (``args[0]`` is the optimizer, as torch passes it)."""
         self._reduce_before_step(optimizer)
         kwargs = dict(kwargs or {})
         in_kwargs = kwargs.get("closure") is not None
@@ -376,8 +377,12 @@ class TrainingSteps:
             return None
 
         def reducing_closure(closure=closure):
-            loss = closure()
             with _inside():      # (the step's handshake ran in its pre-hook)
+                # the step may have moved the weights before this call (LBFGS's later evaluations, SAM's
+                # perturbation): the copies are made again from them first
+                self.refresh_replicas()
+            loss = closure()
+            with _inside():
                 self._reduce_replica_grads(None)
             return loss
 

@@ -272,6 +272,10 @@ def _local_through_dcp(layer, opt, path: str) -> dict:
            "get_optim": error_of(lambda: get_optimizer_state_dict(layer, opt))}
     out["nothing_written"] = not os.path.exists(where) or not os.listdir(where)
     out["plain_after"] = error_of(lambda: (layer.state_dict(), opt.state_dict()))
+    # a checkpoint of this rank alone (no_dist: its own shards, as a torch.save file per rank) is taken
+    alone = f"{path}_alone{layer.rank}"
+    out["alone"] = error_of(lambda: dcp.save({"app": _App(layer, opt, "model")}, checkpoint_id=alone, no_dist=True))
+    out["alone_written"] = os.path.isdir(alone) and bool(os.listdir(alone))
     return out
 
 
@@ -371,6 +375,7 @@ def test_files_whole_tensors_local_type_and_bad_input(runs):
         assert "state_dict_saver" in dcp["save_model"] and "state_dict_loader" in dcp["load_model"], dcp
         assert "w1" in dcp["save_optim"] or "w2" in dcp["save_optim"], dcp["save_optim"]
         assert dcp["nothing_written"] and dcp["plain_after"] is None, dcp
+        assert dcp["alone"] is None and dcp["alone_written"], dcp
         assert r["fresh_loaded_dtensors"] and r["fresh_local"] and r["tracked_local"] and r["tracked_steps"] is None
         W = len(loads[4])
         assert r["col_shape"] == [W, 2 * FF] and r["row_shape"] == [E, 1] and r["per_rank_equal"], r

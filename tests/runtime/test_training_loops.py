@@ -428,17 +428,23 @@ def _loops_review_worker(rank, world):
         for m in layers.values():
             m.close()
 
-    # 2. w2 frozen between the step's two micro-batches under +place: it keeps (and steps) the first one's gradient
-    layers, opts = pair("feplb-split+place")
-    w2_before = layers["feplb-split+place"].w2.detach().clone()
-    for p, m in layers.items():
-        for mb in range(2):
-            (m(_x(rank, mb).double()) ** 2).mean().backward()
-            m.w2.requires_grad_(False)
-        opts[p].step()
-    res["frozen"] = {"diff": diff(layers), "w2_stepped": not torch.equal(layers["feplb-split+place"].w2, w2_before)}
-    for m in layers.values():
-        m.close()
+    # 2. w2 frozen between the step's two micro-batches under +place: it keeps (and steps) the first one's gradient;
+    # also where the loop zeroes the gradients between the first forward and its backward
+    for zero_between in (False, True):
+        layers, opts = pair("feplb-split+place")
+        w2_before = layers["feplb-split+place"].w2.detach().clone()
+        for p, m in layers.items():
+            for mb in range(2):
+                loss = (m(_x(rank, mb).double()) ** 2).mean()
+                if zero_between and mb == 0:
+                    opts[p].zero_grad()
+                loss.backward()
+                m.w2.requires_grad_(False)
+            opts[p].step()
+        res[f"frozen{int(zero_between)}"] = {
+            "diff": diff(layers), "w2_stepped": not torch.equal(layers["feplb-split+place"].w2, w2_before)}
+        for m in layers.values():
+            m.close()
 
     # 3. optimizer.step(closure) of an attached optimizer: the closure's backward is reduced before the update
     layers, opts = pair("feplb-split@ema")
@@ -451,6 +457,25 @@ def _loops_review_worker(rank, world):
                 return loss
             opts[p].step(closure) if step == 0 else opts[p].step(closure=closure)
     res["closure"] = diff(layers)
+    for m in layers.values():
+        m.close()
+
+    # ... and LBFGS, whose step moves the weights between its closure's calls (the copies made again each call)
+    layers = {p: _layer(p, dtype=torch.float64) for p in ("feplb-split@ema", "none")}
+    for m in layers.values():
+        opt = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4)
+        m.attach_optimizer(opt)
+        with torch.no_grad():
+            m(_x(rank, 99).double())
+        m.refresh_replicas()
+        for step in range(2):
+            def closure(m=m, opt=opt, step=step):
+                opt.zero_grad()
+                loss = (m(_x(rank, step).double()) ** 2).mean()
+                loss.backward()
+                return loss
+            opt.step(closure)
+    res["lbfgs"] = diff(layers)
     for m in layers.values():
         m.close()
 
@@ -479,10 +504,12 @@ def test_loops_from_a_review():
                 assert e is not None and "changed in place" in e and "Reduce first" in e, (r, how, errors)
             assert errors[1::2] == [None, None], (r, how, errors)
             assert got[how]["diff"] <= 1e-12, (r, how, got[how]["diff"])
-        assert got["frozen"]["diff"] <= 1e-12, (r, got["frozen"])
+        for k in ("frozen0", "frozen1"):
+            assert got[k]["diff"] <= 1e-12, (r, k, got[k])
         assert got["closure"] <= 1e-12, (r, got["closure"])
+        assert got["lbfgs"] <= 1e-10, (r, got["lbfgs"])
         again = got["again"]
         assert again is not None and "EP rank(s) [0] in refresh_replicas()" in again and \
             "went on to the next forward" in again, (r, again)
     assert sum(got["clip_value"]["moved"] for got in res) > 0
-    assert any(got["frozen"]["w2_stepped"] for got in res)
+    assert all(any(got[k]["w2_stepped"] for got in res) for k in ("frozen0", "frozen1"))
