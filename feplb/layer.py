@@ -764,14 +764,11 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         return y_MD if missing == 0 else torch.cat([y_MD, y_MD.new_zeros((missing, y_MD.shape[1]))])
 
     # ------------------------------------------------------------------------------------------------ recompute
+    @outside_dispatch_modes
     def _find_record(self, local_counts_E: torch.Tensor, dispatched: bool = False) -> Record:
         """The record of the forward a recompute repeats (``feplb.recompute``), agreed by every rank in one
         all-gather of bit masks (``Records.candidates``, ``Records.choose``; and a host sync for this rank's
         counts)."""
-        with outside_dispatch_modes():
-            return self._find_record_inside(local_counts_E, dispatched)
-
-    def _find_record_inside(self, local_counts_E: torch.Tensor, dispatched: bool) -> Record:
         cand = self._records.candidates(local_counts_E.to(torch.int64).cpu().numpy(), self.rank,
                                         self.replicas.generation, self.replicas.ever_held, dispatched, self.layer_id)
         # shaped like the forward's counts row (feplb.steps.step_row): a rank that does not recompute, in the next
@@ -815,17 +812,13 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         return self._digest_key[2]
 
     # ------------------------------------------------------------------------------------------------ 2. count
+    @outside_dispatch_modes
     def _count(self, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
                problem: tuple[type, str] | None, dispatched: bool) -> Counts:
         """All-gather the counts (and every rank's problems); raise on every rank together if any rank has one.
         Each rank's way of calling travels with them (training mode, autograd on, ``forward_dispatched``, whether
         it leaves a record for a recompute under saved-tensor hooks): ranks that differ would run different
         collectives, in the forward or in its backward, or keep different records."""
-        with outside_dispatch_modes():
-            return self._count_inside(counts_S, bad, problem, dispatched)
-
-    def _count_inside(self, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
-                      problem: tuple[type, str] | None, dispatched: bool) -> Counts:
         E = self.config.num_experts
         # the per-step copies' owners changed since the copies were made: a sample of their bits, compared on the
         # device (no host sync of its own: it travels in the counts' copy to the host), or-ed with what the

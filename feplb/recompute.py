@@ -41,6 +41,7 @@ Legend: W EP ranks, E experts.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import weakref
 from collections.abc import Callable
@@ -134,8 +135,8 @@ def checkpoint_frame() -> Any | None:
     return None
 
 
-def outside_dispatch_modes():
-    """A block run outside the active tensor dispatch modes: the counts all-gather of a forward and a recompute's
+def outside_dispatch_modes(fn: Callable) -> Callable:
+    """``fn`` run outside the active tensor dispatch modes: the counts all-gather of a forward and a recompute's
     search for its record, host control that is no part of the computation. Under selective activation
     checkpointing (torch's ``create_selective_checkpoint_contexts``, torchtitan's op-level mode, around
     ``feplb.titan_ep``) the recompute is matched to its forward op by op, by each op's invocation count, and an
@@ -143,7 +144,12 @@ def outside_dispatch_modes():
     the forward's and the recompute's control, which differ, must not take part."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    return _disable_current_modes()
+    @functools.wraps(fn)
+    def outside(*args, **kwargs):
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return outside
 
 
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")

@@ -235,11 +235,11 @@ def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
     different groups: there the ranks may still wait until the process group's timeout."""
     if getattr(_CALLS, "depth", 0) == 0:
         groups = []
+        mine = {x.layer_id for x in layers}   # (agreed over the group, never reused: an id() would be)
         for lay in layers:
             if lay.world_size > 1 and (force or lay._step_collective()) and not any(lay.group is g for g in groups):
                 groups.append(lay.group)
                 callers = _SINCE_FORWARD.setdefault(id(lay.group), {}).setdefault(entry, set())
-                mine = {x.layer_id for x in layers}   # (agreed over the group, never reused: an id() would be)
                 if entry in _PER_LAYER and callers and not callers & mine:
                     callers |= mine
                     continue    # (this call of another layer of the group handshook since its last forward)
