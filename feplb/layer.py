@@ -487,7 +487,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
 
         self._check_open()
         problem = self._cast_hint(forward_problem(self.config, self._device, self.router is not None, x, routing)) \
-            or _selective_checkpoint_problem() or self._params_problem()
+            or self._params_problem()
         if problem is not None:
             self._experts(None, None, None, problem)   # the peers learn it in the counts all-gather; raises
         c = self.config
@@ -519,7 +519,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             # (masked routes counted in a bucket past the last and left out: a weighted bincount is not
             # deterministic on CUDA)
             ids = topk_ids_TK if skip_TK is None else topk_ids_TK.masked_fill(skip_TK, c.num_experts)
-            replay = self._find_record(torch.bincount(ids.reshape(-1), minlength=c.num_experts + 1)[:c.num_experts])
+            replay = self._find_record(_expert_counts(ids, c.num_experts))
         slot_of_E = self._slot_of_E if replay is None else replay.slot_of_E
         # Rows grouped by SLOT (home GPU, then the expert's place among that GPU's slots): every destination's rows
         # form one block whatever the placement, so phase 1 needs no extra gather. Masked routes go to one slot
@@ -694,16 +694,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             # recopy_weights: the weights go to the helpers again as soon as this output's gradient arrives, before
             # the backward of the reverse all-to-all (on a GPU, beside it where the copy path allows: feplb.recopy)
             p2.recopy.start_at(y_MD)
-        y_MD = self._padded(y_MD, x_all)
-        if self.config.weights == "per-step" and (self.base != "none" or self.place) and y_MD.requires_grad:
-            # a backward restricted to chosen tensors would leave out the per-step copies' share of the experts'
-            # gradients: refused in its backward, on every rank alike (_RestrictedBackward)
-            # (from the parameters themselves: an adapter's expert_weights() may cast or stack them all)
-            weights = sum(p[:0].reshape(-1) for p in self.expert_params() if p.requires_grad)
-            if isinstance(weights, torch.Tensor) and weights.grad_fn is not None:
-                full = self._grad_leaf[:0]
-                y_MD = _RestrictedBackward.apply(weakref.ref(self), (weights.grad_fn, full.grad_fn), y_MD, weights,
-                                                 full)
+        y_MD = self._restricted(self._padded(y_MD, x_all))
         if entry is not None and y_MD.requires_grad:
             y_MD.register_hook(entry.arrived)   # (the last hook on it: it runs before any node of the layer's)
         self._observe(counts, p2)
@@ -715,6 +706,21 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                                      fell_back=p2.fell_back, generation=self.replicas.generation,
                                      frame=None if frame is None else weakref.ref(frame), dispatched=dispatched))
         return y_MD
+
+    @outside_dispatch_modes
+    def _restricted(self, y_MD: torch.Tensor) -> torch.Tensor:
+        """y_MD, through :class:`_RestrictedBackward` where per-step copies hold part of the experts' gradients: a
+        backward restricted to chosen tensors would leave out their share, and is refused in its backward, on every
+        rank alike. A forward's own (its recompute, which replays, has none): outside the dispatch modes, so that
+        selective activation checkpointing sees the same ops in the forward and in its recompute."""
+        if self.config.weights != "per-step" or (self.base == "none" and not self.place) or not y_MD.requires_grad:
+            return y_MD
+        # (from the parameters themselves: an adapter's expert_weights() may cast or stack them all)
+        weights = sum(p[:0].reshape(-1) for p in self.expert_params() if p.requires_grad)
+        if not isinstance(weights, torch.Tensor) or weights.grad_fn is None:
+            return y_MD
+        full = self._grad_leaf[:0]
+        return _RestrictedBackward.apply(weakref.ref(self), (weights.grad_fn, full.grad_fn), y_MD, weights, full)
 
     def _check_weights_at_backward(self, y_MD: torch.Tensor) -> None:
         """Have the expert weights this forward's GEMMs saved (the parameters themselves: not under an autocast that
@@ -1021,8 +1027,10 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             return "node"
         return "group"
 
+    @outside_dispatch_modes
     def _observe(self, counts: Counts, p2: Phase2) -> None:
-        """Fold the micro-batch into the policy's history (training only) and report what the forward did."""
+        """Fold the micro-batch into the policy's history (training only) and report what the forward did. A
+        forward's own, host bookkeeping: outside the dispatch modes (as :meth:`_restricted`)."""
         plan = None if p2.fell_back else p2.result.plan
         planned_from = self._plan_state   # before _adopt below replaces it
         if self.state is not None and self.training:
@@ -1154,23 +1162,11 @@ class _RestrictedBackward(torch.autograd.Function):
         return None, None, dy, None, None   # (an empty gradient would become full-size zeros of every weight)
 
 
-def _selective_checkpoint_problem() -> tuple[type, str] | None:
-    """torch's selective activation checkpointing (``create_selective_checkpoint_contexts``: torchtitan's op-level
-    mode) around this forward, or None. Its recompute must issue the forward's ops again, one by one, while the
-    layer's recompute replays what its forward did (``feplb.recompute``) with other ops; it failed there, in the
-    backward, with torch's "not found in storage". Refused at the forward, on every rank."""
-    caching = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
-    if caching is None or torch.compiler.is_compiling():
-        return None
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    if not any(isinstance(m, caching) for m in _get_current_dispatch_mode_stack()):
-        return None
-    return RuntimeError, ("MoELayer.forward under selective activation checkpointing (torch's "
-                          "create_selective_checkpoint_contexts, torchtitan's op-level SelectiveAC): its recompute "
-                          "must repeat the forward's ops one by one, but the layer's recompute replays its forward "
-                          "with other ops; checkpoint whole blocks instead (torch.utils.checkpoint without a "
-                          "context_fn, torchtitan's FullAC), or leave the MoE layer out of the selective region")
+@outside_dispatch_modes
+def _expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert of ``ids`` (ids == num_experts: a masked route, left out): a recompute's key to its record,
+    host control outside the dispatch modes (selective activation checkpointing would match it to no forward op)."""
+    return torch.bincount(ids.reshape(-1), minlength=num_experts + 1)[:num_experts]
 
 
 def _executes(node) -> bool:

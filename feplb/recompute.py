@@ -136,12 +136,13 @@ def checkpoint_frame() -> Any | None:
 
 
 def outside_dispatch_modes(fn: Callable) -> Callable:
-    """``fn`` run outside the active tensor dispatch modes: the counts all-gather of a forward and a recompute's
-    search for its record, host control that is no part of the computation. Under selective activation
-    checkpointing (torch's ``create_selective_checkpoint_contexts``, torchtitan's op-level mode, around
-    ``feplb.titan_ep``) the recompute is matched to its forward op by op, by each op's invocation count, and an
-    op the policy saved (torchtitan's saves every device-to-host copy) hands the recompute the forward's result:
-    the forward's and the recompute's control, which differ, must not take part."""
+    """``fn`` run outside the active tensor dispatch modes: what only a forward does (the counts all-gather, its
+    stats and history, the per-step copies' guard) and what only a recompute does (its counts, the search for its
+    record), host control that is no part of the computation. Under selective activation checkpointing (torch's
+    ``create_selective_checkpoint_contexts``, torchtitan's op-level mode) the recompute is matched to its forward op
+    by op, by each op's invocation count, and an op the policy saved (torchtitan's saves every device-to-host copy,
+    every other matrix product) hands the recompute the forward's result: the recompute must dispatch the forward's
+    ops, in its order, and the control, which differs, must not take part."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     @functools.wraps(fn)

@@ -30,8 +30,8 @@ model's norm. Checkpoints: the model's ``state_dict()`` holds the expert shards 
 (``torch.distributed.checkpoint``) saves and loads them, at any EP size; :func:`full_state_dict` gives the original
 names and shapes.
 Activation checkpointing of whole blocks (non-reentrant ``torch.utils.checkpoint``, what torchtitan's ``full`` and
-per-layer modes wrap blocks in) replays each forward exactly; torch's selective activation checkpointing
-(torchtitan's op-level mode) is refused by the layer, on every rank.
+per-layer modes wrap blocks in) replays each forward exactly, and so does torch's selective activation
+checkpointing (torchtitan's op-level ``SelectiveAC``): the recompute dispatches the forward's ops, in its order.
 
 With torchtitan's own expert parallelism on (its dispatcher, DeepEP or HybridEP, FSDP over the shards), use
 ``feplb.titan_ep`` instead: FEPLB behind torchtitan's dispatch, turned on by torchtitan's override mechanism.

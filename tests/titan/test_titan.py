@@ -15,8 +15,9 @@ as 2 nodes x 2, balancing on (feplb-split, rows really move) and off.
 * EP 2 x data-parallel 2 (4 ranks): ``average_expert_grads`` over the data-parallel group gives the mean of the
   ranks' gradients, or with ``divide=False`` their sum (torchtitan's convention), against the fp64 reference.
 * ``full_state_dict`` round-trips bit-exactly into an unmodified MoE (also one reachable under two names; shared
-  experts stay shared); a checkpointed forward trains the same; ``ignore_experts_in_ddp`` finds the shards in their
-  child module; what FEPLB cannot run is refused by name on every rank before anything is replaced.
+  experts stay shared); a checkpointed forward trains the same, also under torchtitan's op-level ``SelectiveAC``;
+  ``ignore_experts_in_ddp`` finds the shards in their child module; what FEPLB cannot run is refused by name on
+  every rank before anything is replaced.
 
 Each gloo job runs every case of its world size in one process group."""
 
@@ -232,18 +233,25 @@ def _moe_case(rank: int, world: int, arch: str) -> dict:
                                                              strict=True))
     out["sd_keys"] = list(sd) == list(ref.state_dict())
 
-    # a checkpointed forward (non-reentrant, as torchtitan's activation checkpointing) gives the same gradients
+    # a checkpointed forward (non-reentrant, as torchtitan's activation checkpointing) gives the same gradients, and
+    # so does torchtitan's op-level selective one (its SelectiveAC wrapper: matrix products, topk and device-to-host
+    # copies saved, matched to the recompute's op by op)
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
     for p in moe.parameters():
         p.grad = None
     ck = {}
+    selective = SelectiveAC(SelectiveAC.Config())._wrap_block(moe)
     for name, fn in (("plain", lambda v: moe(v)),
-                     ("checkpoint", lambda v: torch.utils.checkpoint.checkpoint(moe, v, use_reentrant=False))):
+                     ("checkpoint", lambda v: torch.utils.checkpoint.checkpoint(moe, v, use_reentrant=False)),
+                     ("selective", lambda v: selective(v))):
         v = x.clone().requires_grad_()
         fn(v).backward(g)
         ck[name] = [v.grad.clone()] + [p.grad.clone() for p in moe.parameters()]
         for p in moe.parameters():
             p.grad = None
     out["checkpoint_equal"] = all(torch.equal(a, b) for a, b in zip(ck["plain"], ck["checkpoint"], strict=True))
+    out["selective_equal"] = all(torch.equal(a, b) for a, b in zip(ck["plain"], ck["selective"], strict=True))
     return out
 
 # Training: (policy, weights, layer dtype, per-step upkeep). The per-step policies hold copies of experts on other
@@ -759,6 +767,7 @@ def _assert_moe(ranks: list[dict], world: int) -> None:
             assert case["ddp_ignored"] == shard, where
             assert case["round_trip"], f"{where}: full_state_dict did not round-trip bit-exactly"
             assert case["checkpoint_equal"], f"{where}: a checkpointed forward gave other gradients"
+            assert case["selective_equal"], f"{where}: under torchtitan's SelectiveAC, other gradients"
 
 
 def _assert_train(ranks: list[dict], world: int) -> None:
