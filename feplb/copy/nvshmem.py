@@ -81,8 +81,11 @@ class NvshmemCopyEngine(CudaStreams):
             self._epoch += 1
             if not m.any():
                 return self._results(recv_numel, lambda q: torch.empty(0, dtype=dtype, device=self.device))
-            inbox = self._ensure_inbox(int(m.sum(0).max()) * elem)
+            # the copy stream waits for ``ready`` first: the signal words' first zeroing and barrier (and every
+            # later on-stream nvshmem call of this engine) then come after the transport's on-stream barriers that
+            # the compute stream queued before ``ready`` (no two nvshmem collectives of one PE run concurrently)
             self._after(ready)
+            inbox = self._ensure_inbox(int(m.sum(0).max()) * elem)
             h = self.stream.cuda_stream
             set_op, ge = int(nv.SignalOp.SIGNAL_SET), int(nv.ComparisonType.CMP_GE)
             sig = self._signal.data_ptr()
