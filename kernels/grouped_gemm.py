@@ -328,13 +328,17 @@ def _grouped_mm_persistent_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M, N, K, E, 
 
 
 # The 3-stage 128x128 tile (97 KiB) lets two programs share an SM, so that one's prologue and epilogue overlap
-# the other's main loop: with 256-512 rows per group a dW program runs only 4-8 steps of its reduction.
+# the other's main loop: with 256-512 rows per group a dW program runs only 4-8 steps of its reduction. The last
+# one is for fp32 with IEEE dots (no tensor cores): ptxas spills every other config kept for it to local memory
+# (about 10-26 KB per thread for the 64-row reductions, 3 KB for 32 rows on 4 warps), this one not
+# (tests/kernels/test_hopper_compile.py).
 DW_HOPPER_CONFIGS = [
     dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, num_warps=8, num_stages=4),
     dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=64, num_warps=8, num_stages=3),
     dict(BLOCK_K=128, BLOCK_N=256, BLOCK_M=64, num_warps=8, num_stages=3),
     dict(BLOCK_K=64, BLOCK_N=128, BLOCK_M=64, num_warps=4, num_stages=4),
     dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32, num_warps=4, num_stages=4),
+    _DW_FP32_IEEE := dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32, num_warps=8, num_stages=3),
 ]
 DW_FALLBACK_CONFIGS = [dict(BLOCK_K=64, BLOCK_N=64, BLOCK_M=32, num_warps=4, num_stages=3)]
 _DW_CONFIGS = autotune_configs(DW_HOPPER_CONFIGS, dict(BLOCK_K=32, BLOCK_N=32, BLOCK_M=32))
@@ -425,8 +429,10 @@ def _grouped_mm_dw_kernel(x_ptr, dy_ptr, dw_ptr, part_ptr, offsets_ptr, M, K, N,
 # two fit one SM in shared memory and in registers, so that one's prologue and epilogue overlap the other's main
 # loop (its tile loop is not flattened: a work item's row count varies). ptxas for sm_90 gives the 4-warp tiles
 # 171 and 218 registers per thread (two blocks of 128 threads fit the SM's 64K), the 8-warp ones 154 to 242 (two
-# blocks of 256 threads do not); tests/kernels/test_hopper_compile.py checks both limits for every config.
-DW_PERSISTENT_HOPPER_CONFIGS = [dict(c, PROGRAMS_PER_SM=2 if c["num_warps"] == 4 else 1) for c in DW_HOPPER_CONFIGS]
+# blocks of 256 threads do not); tests/kernels/test_hopper_compile.py checks both limits for every config. (Not
+# the fp32 IEEE tile: the persistent variant runs 16-bit operands only.)
+DW_PERSISTENT_HOPPER_CONFIGS = [dict(c, PROGRAMS_PER_SM=2 if c["num_warps"] == 4 else 1) for c in DW_HOPPER_CONFIGS
+                                if c is not _DW_FP32_IEEE]
 DW_PERSISTENT_FALLBACK_CONFIGS = [dict(c, PROGRAMS_PER_SM=1) for c in DW_FALLBACK_CONFIGS]
 _DW_PERSISTENT_CONFIGS = autotune_configs(DW_PERSISTENT_HOPPER_CONFIGS,
                                           dict(BLOCK_K=32, BLOCK_N=32, BLOCK_M=32, PROGRAMS_PER_SM=1))

@@ -6,8 +6,8 @@ to be 16-byte multiples). The GEMMs compile for every dtype they can be launched
 fp32 with TF32 or IEEE dots, fp64), each with the configs that the autotuner's shared-memory prune keeps for it:
 by default the first and the largest, with ``--all`` every one (fp16 too). One JSON line per compiled kernel:
 shared memory next to the prune's estimate, and for GEMMs whether Hopper's warpgroup MMA (wgmma),
-software-pipelined async copies or TMA loads were used, and the registers per thread (by the ptxas Triton
-ships). Exit status 1 when a kernel fails to compile or needs
+software-pipelined async copies or TMA loads were used, and the registers per thread and the bytes spilled to
+local memory (by the ptxas Triton ships). Exit status 1 when a kernel fails to compile or needs
 more shared memory than a block has (232,448 bytes). ``--only TEXT`` keeps the jobs whose name or dtype holds it.
 
     env -u TRITON_INTERPRET .venv/bin/python tests/kernels/hopper_compile.py [--all] [--only TEXT]
@@ -66,7 +66,7 @@ def compile_kernel(name, jit_fn, *, types, ones=(), div16=(), consts=None, optio
         return row
     ttgir = compiled.asm["ttgir"]
     shared = compiled.metadata.shared
-    row["registers"] = registers(compiled.asm["ptx"])
+    row["registers"], row["spill_bytes"] = registers(compiled.asm["ptx"])
     row.update(ok=shared <= _triton.SHARED_MEMORY_BYTES, shared_bytes=shared, shared_estimate=estimate,
                seconds=round(time.perf_counter() - start, 1), wgmma=len(re.findall(r"warp_group_dot", ttgir)) > 0,
                async_copies=len(re.findall(r"async_copy_global_to_local", ttgir)),
@@ -76,8 +76,9 @@ def compile_kernel(name, jit_fn, *, types, ones=(), div16=(), consts=None, optio
     return row
 
 
-def registers(ptx: str) -> int | None:
-    """Registers per thread of a kernel's sm_90 code, by the ptxas Triton ships (None when it has none)."""
+def registers(ptx: str) -> tuple[int | None, int | None]:
+    """Registers per thread of a kernel's sm_90 code and the bytes it spills to local memory (stores plus loads),
+    by the ptxas Triton ships (None, None when it has none)."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -86,14 +87,24 @@ def registers(ptx: str) -> int | None:
     # ptxas-blackwell is the newer of the two Triton ships (the PTX version it emits may be too new for the other)
     ptxas = next((p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists()), None)
     if ptxas is None:
-        return None
+        return None, None
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
         out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "kernel.cubin")],
                              capture_output=True, text=True, timeout=300)
-    found = re.findall(r"Used (\d+) registers", out.stdout + out.stderr)
-    return int(found[0]) if out.returncode == 0 and found else None
+    text = out.stdout + out.stderr
+    # (the kernel's own lines: ptxas reports each function of the PTX, the kernel's entry by its name)
+    entry = re.search(r"Compiling entry function '([^']+)'", text)
+    if entry is not None:
+        text = text[entry.start():]
+        nxt = re.search(r"Compiling entry function", text[1:])
+        text = text if nxt is None else text[:nxt.start() + 1]
+    found = re.findall(r"Used (\d+) registers", text)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if out.returncode != 0 or not found:
+        return None, None
+    return int(found[0]), sum(int(s) + int(ld) for s, ld in spills)
 
 
 def split(config: dict) -> tuple[dict, dict]:

@@ -60,3 +60,18 @@ def test_kernels_compile_for_hopper():
         threads = 32 * row["options"]["num_warps"]
         assert n * -(-row["registers"] // 8) * 8 * threads <= 65_536, row
         assert n * (row["shared_bytes"] + 1024) <= 233_472, row
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+def test_fp32_weight_gradient_has_a_config_without_spills():
+    """fp32 with IEEE dots (torch's default: TF32 off) computes dW without tensor cores, and ptxas spills the
+    64-row reductions' accumulators to local memory: among the configs the autotuner keeps for it one compiles
+    without any spill, so the autotuner can choose it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--all", "--only", "grouped_mm dW fp32-ieee"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and len(rows) >= 2 and all(r["ok"] for r in rows), (rows, proc.stderr[-2000:])
+    assert all(r["spill_bytes"] is not None for r in rows), rows
+    assert any(r["spill_bytes"] == 0 for r in rows), [(r["config"], r["spill_bytes"]) for r in rows]
