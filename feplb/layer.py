@@ -102,7 +102,6 @@ from feplb.steps import (
     ENTRIES,
     ENTRY_RECOMPUTE,
     HEADER,
-    STALE,
     Counts,
     Split,
     autocast_code,
@@ -379,7 +378,17 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
 
     def expert_params(self) -> tuple[nn.Parameter, ...]:
         """The parameters behind ``expert_weights()`` (what an optimizer steps)."""
-        return tuple(p for p in self.parameters(recurse=False) if self.router is None or p is not self.router.weight)
+        # (what parameters(recurse=False) yields, without its generators: this is called several times a forward)
+        router = None if self.router is None else self.router.weight
+        seen: set = set()
+        out = []
+        for p in self._parameters.values():
+            if p is None or p in seen:
+                continue
+            seen.add(p)
+            if p is not router:
+                out.append(p)
+        return tuple(out)
 
     def _set_placement(self, home_E: np.ndarray) -> None:
         self.placement = Placement.of(home_E, self.world_size, self.rank)
@@ -841,25 +850,27 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             row = torch.cat([torch.zeros(2, dtype=torch.int64),
                              torch.zeros(1, dtype=torch.int64) if skips is None else skips.cpu(),
                              torch.zeros(E, dtype=torch.int64)])
+        # (row is on the host here: its first three entries read as Python ints, no tensor op per flag)
+        flags, stale, skipped = row[:3].tolist()
         self.replicas.sync_requires()
-        row[STALE] |= int(not self.replicas.fresh())
-        if row[STALE] and not self.replicas.stepped:
+        stale |= int(not self.replicas.fresh())
+        if stale and not self.replicas.stepped:
             # (2: an optimizer attached to the layer, whose step refreshed the copies, is not the cause)
-            row[STALE] |= 2 * int(bool(self.__dict__.get("_attached_to")))
+            stale |= 2 * int(bool(self.__dict__.get("_attached_to")))
         # (the header first, then the counts padded to the group's width: steps.read_counts)
         from feplb.kernels import autocast_dtype
 
         grad = torch.is_grad_enabled()
-        row = torch.cat([row[:2], torch.tensor([int(problem is not None), self.layer_id,
-                                                int(self.training) | int(grad) << 1
-                                                | int(dispatched) << 2 | int(record_kind() == "hooks") << 3
-                                                | int(not grad and reentrant_inputs_need_grad()) << 4
-                                                | autocast_code(autocast_dtype(self._device.type)) << AUTOCAST_SHIFT,
-                                                self._slow_digest(),
-                                                self.__dict__.get("_opt_steps", 0) - int(row[2]),
-                                                int(self._grads_dropped())]),
+        row = torch.cat([torch.tensor([flags, stale, int(problem is not None), self.layer_id,
+                                       int(self.training) | int(grad) << 1
+                                       | int(dispatched) << 2 | int(record_kind() == "hooks") << 3
+                                       | int(not grad and reentrant_inputs_need_grad()) << 4
+                                       | autocast_code(autocast_dtype(self._device.type)) << AUTOCAST_SHIFT,
+                                       self._slow_digest(),
+                                       self.__dict__.get("_opt_steps", 0) - skipped,
+                                       int(self._grads_dropped())], dtype=torch.int64),
                          row[3:],
-                         torch.zeros(_COUNTS_WIDTH[self._counts_key] - E, dtype=torch.int64)])
+                         row.new_zeros(_COUNTS_WIDTH[self._counts_key] - E)])
         forward_began(self.group)     # (its per-layer calls after the backward handshake again: training.handshaken)
         gathered = self.control.all_gather(row, "all_gather of expert counts")
         if problem is not None:

@@ -216,10 +216,15 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     slots_WS: int64 [W, L] the experts at home on each GPU. balance: the policy balances (and W > 1).
     min_straggler: rows of token straggler below which balancing is not worth it.
     """
-    from feplb.sched.metrics import token_straggler
-
     W, L = slots_WS.shape
     E = W * L
+    # The usual case first: no rank reports a problem, flag, stale copy or dropped gradient, and every rank runs the
+    # same layer, the same way, from the same history and steps: nothing below can raise (one comparison instead of
+    # about twenty small numpy reductions). Otherwise the checks below run in full and raise as they always did.
+    head = gathered[:, :len(HEADER)]
+    if not (head[:, _ZERO_COLS].any() or (head[:, _EQUAL_COLS] != head[0, _EQUAL_COLS]).any()
+            or head[0, LAYER] < 0):
+        return _counts(gathered, slots_WS, W, L, balance=balance, min_straggler=min_straggler)
     layers = gathered[:, LAYER]
     if (layers < 0).any():      # ranks in a call between the backward and this forward that this rank skipped
         raise RuntimeError(_skipped(gathered))
@@ -304,6 +309,20 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
         raise RuntimeError(f"MoELayer: expert weights changed since the last refresh_replicas() on EP rank(s) "
                            f"{stale_ranks}; call layer.refresh_replicas() after optimizer.step() "
                            "(weights='per-step'), or layer.attach_optimizer(optimizer) once")
+    return _counts(gathered, slots_WS, W, L, balance=balance, min_straggler=min_straggler)
+
+
+# header columns that are 0 on every rank, and columns equal on every rank, when nothing is wrong (read_counts)
+_ZERO_COLS = [FLAGS, STALE, PROBLEM, DROPPED]
+_EQUAL_COLS = [LAYER, CALLS, DIGEST, STEPS]
+
+
+def _counts(gathered: np.ndarray, slots_WS: np.ndarray, W: int, L: int, *, balance: bool,
+            min_straggler: float) -> Counts:
+    """The counts part of :func:`read_counts`, once its header passed."""
+    from feplb.sched.metrics import token_straggler
+
+    E = W * L
     counts_WS = np.ascontiguousarray(gathered[:, len(HEADER):len(HEADER) + E])
     counts_WE = np.empty_like(counts_WS)
     counts_WE[:, slots_WS.reshape(-1)] = counts_WS

@@ -95,7 +95,8 @@ class Transport:
             return send_splits, recv_splits, None
         m = torch.as_tensor(split_matrix, dtype=torch.int64).cpu()
         r = self.rank
-        if m.shape != (W, W) or m[r].tolist() != send_splits or m[:, r].tolist() != recv_splits:
+        rows = m.tolist() if m.shape == (W, W) else None
+        if rows is None or rows[r] != send_splits or [row[r] for row in rows] != recv_splits:
             raise ValueError(f"split_matrix {list(m.shape)} disagrees with this rank's send/recv splits "
                              f"(rank {r}: send {send_splits}, recv {recv_splits})")
         return send_splits, recv_splits, m

@@ -75,17 +75,23 @@ def check_grouped_mm_inputs(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> N
     check_same_device(x_MK=x_MK, w_EKN=w_EKN, offsets_E=offsets_E)
 
 
+def _check_offsets_list(values: list[int], num_rows: int) -> None:
+    """:func:`check_offsets_values` on offsets already read to the host (the CPU twins read them anyway): the same
+    errors, without the device reductions."""
+    if values[0] < 0 or any(b < a for a, b in zip(values, values[1:], strict=False)):
+        raise ValueError(f"offsets_E: expected non-negative, non-decreasing end offsets, got {values}")
+    if values[-1] != num_rows:
+        raise ValueError(f"offsets_E: expected the last end offset to equal M = {num_rows}, got {values[-1]} "
+                         f"(offsets {values})")
+
+
 def check_offsets_values(offsets_E: Tensor, num_rows: int) -> None:
     """End offsets must be >= 0, non-decreasing and end at ``num_rows`` (one device->host sync on a GPU)."""
     first_bad = offsets_E[0] < 0
     decreasing = (offsets_E[1:] < offsets_E[:-1]).any()
     wrong_end = offsets_E[-1] != num_rows
     if torch.stack([first_bad, decreasing, wrong_end]).any().item():
-        values = offsets_E.tolist()
-        if first_bad.item() or decreasing.item():
-            raise ValueError(f"offsets_E: expected non-negative, non-decreasing end offsets, got {values}")
-        raise ValueError(f"offsets_E: expected the last end offset to equal M = {num_rows}, got {values[-1]} "
-                         f"(offsets {values})")
+        _check_offsets_list(offsets_E.tolist(), num_rows)
 
 
 # ---------------------------------------------------------------------------------------------------- references
@@ -93,10 +99,11 @@ def check_offsets_values(offsets_E: Tensor, num_rows: int) -> None:
 def grouped_mm_ref(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
     """Pure-torch twin: y_MN[rows of group e] = x_MK[rows of group e] @ w_EKN[e]. Returns [M, N] in x's dtype."""
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
-    check_offsets_values(offsets_E, x_MK.shape[0])
+    ends = offsets_E.tolist()
+    _check_offsets_list(ends, x_MK.shape[0])
     y_MN = alloc((x_MK.shape[0], w_EKN.shape[2]), x_MK.dtype, x_MK.device)
     start = 0
-    for e, end in enumerate(offsets_E.tolist()):
+    for e, end in enumerate(ends):
         if end > start:
             y_MN[start:end] = x_MK[start:end] @ w_EKN[e]
         start = end
@@ -113,10 +120,11 @@ def grouped_mm_dw_ref(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor) -> Tensor:
         dw_EKN [E, K, N] in x's dtype.
     """
     check_dw_inputs(x_MK, dy_MN, offsets_E)
-    check_offsets_values(offsets_E, x_MK.shape[0])
+    ends = offsets_E.tolist()
+    _check_offsets_list(ends, x_MK.shape[0])
     dw_EKN = x_MK.new_zeros(offsets_E.shape[0], x_MK.shape[1], dy_MN.shape[1])
     start = 0
-    for e, end in enumerate(offsets_E.tolist()):
+    for e, end in enumerate(ends):
         if end > start:
             dw_EKN[e] = x_MK[start:end].T @ dy_MN[start:end]
         start = end
