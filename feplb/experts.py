@@ -405,12 +405,13 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def ready_event(t: torch.Tensor) -> torch.cuda.Event | None:
-    """The event that work a worker thread issues must wait for: recorded now on the calling thread's stream,
-    after whatever produced ``t`` (None on a CPU, where the calling thread's work is already done)."""
+    """The event that work a worker thread issues must wait for: recorded now on the calling thread's stream of
+    ``t``'s device (not the current device's, should the two differ), after whatever produced ``t`` (None on a CPU,
+    where the calling thread's work is already done)."""
     if not t.is_cuda:
         return None
     ev = torch.cuda.Event()
-    ev.record()
+    ev.record(torch.cuda.current_stream(t.device))
     return ev
 
 
