@@ -525,10 +525,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # A recompute by activation checkpointing groups its rows as its forward did (feplb.recompute)
         replay = None
         if not torch.compiler.is_compiling() and in_backward():
-            # (masked routes counted in a bucket past the last and left out: a weighted bincount is not
-            # deterministic on CUDA)
-            ids = topk_ids_TK if skip_TK is None else topk_ids_TK.masked_fill(skip_TK, c.num_experts)
-            replay = self._find_record(_expert_counts(ids, c.num_experts))
+            replay = self._find_record(_expert_counts(topk_ids_TK, skip_TK, c.num_experts))
         slot_of_E = self._slot_of_E if replay is None else replay.slot_of_E
         # Rows grouped by SLOT (home GPU, then the expert's place among that GPU's slots): every destination's rows
         # form one block whatever the placement, so phase 1 needs no extra gather. Masked routes go to one slot
@@ -644,8 +641,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             # the peers learn it in the counts all-gather; raises
             self._experts(None, None, None, problem, dispatched=True)
         L, r = self.num_local, self.rank
-        counts_S = torch.zeros(c.num_experts, dtype=torch.int64)
-        counts_S[r * L:(r + 1) * L] = torch.tensor(counts_L, dtype=torch.int64)
+        counts_S = _dispatched_counts(c.num_experts, r * L, counts_L)
         # (no +place: every expert at its owner, so slot = expert and phase 1's receive order is the caller's)
         # Inside torch.autocast rows of another floating dtype (dispatched_problem allows it) are computed in the
         # layer's dtype, as forward() does, and the outputs return in the rows' dtype.
@@ -691,7 +687,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if dispatched and entry is not None:
             # (no phase 1 here, and a node whose plan moves nothing makes no exchange: this node, on the way to the
             # expert parameters on every rank, checks where the backward started)
-            x_MD = _EnteredRows.apply(entry, x_MD, *self.expert_params())
+            x_MD = _entered_rows(entry, x_MD, *self.expert_params())
         with entered_through(entry):
             if direct:
                 y_MD, p2 = forward_direct(self, x_MD, counts, tl)
@@ -1174,9 +1170,32 @@ class _RestrictedBackward(torch.autograd.Function):
 
 
 @outside_dispatch_modes
-def _expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Rows per expert of ``ids`` (ids == num_experts: a masked route, left out): a recompute's key to its record,
-    host control outside the dispatch modes (selective activation checkpointing would match it to no forward op)."""
+def _entered_rows(entry, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    """:class:`_EnteredRows` of a ``forward_dispatched`` forward, outside the dispatch modes: its recompute, which
+    replays, has none, and selective activation checkpointing must see the same ops in both (its view_as would
+    shift every later view of the recompute by one)."""
+    return _EnteredRows.apply(entry, x, *params)
+
+
+@outside_dispatch_modes
+def _dispatched_counts(num_experts: int, first: int, counts_L: list[int]) -> torch.Tensor:
+    """int64 [E]: a ``forward_dispatched`` call's rows per expert (its own experts', from ``first``), host control
+    outside the dispatch modes (under selective activation checkpointing a saved slice would hand the recompute the
+    forward's tensor, and the recompute's counts would stay zero)."""
+    counts_S = torch.zeros(num_experts, dtype=torch.int64)
+    counts_S[first:first + len(counts_L)] = torch.tensor(counts_L, dtype=torch.int64)
+    return counts_S
+
+
+@outside_dispatch_modes
+def _expert_counts(ids: torch.Tensor, skip: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+    """Rows per expert of ``ids``, masked routes (``skip``) left out: a recompute's key to its record, host control
+    outside the dispatch modes (selective activation checkpointing would match it to no forward op), the masking
+    included: a masked_fill here would be handed a forward's masked_fill output (the gates')."""
+    if skip is not None:
+        # (masked routes counted in a bucket past the last and left out: a weighted bincount is not
+        # deterministic on CUDA)
+        ids = ids.masked_fill(skip, num_experts)
     return torch.bincount(ids.reshape(-1), minlength=num_experts + 1)[:num_experts]
 
 

@@ -869,3 +869,64 @@ def test_a_rank_that_will_not_recompute_is_refused_on_every_rank(case):
             assert "EP rank(s) [1] went on to the next forward" in r["error"], r["error"]
         assert r["ok"], r
     assert any(r["moved"] for r in results)
+
+
+def _selective_more_rank(rank: int, world: int, case: str, mode: str) -> dict:
+    """Selective activation checkpointing of what runs only in a forward or only in a recompute elsewhere: masked
+    routes (the recompute's counts mask the ids), lazy @ema replicas (a forward holds the weights its plan copied,
+    its recompute finds them resident) and ``forward_dispatched`` (its forward's entry node and counts): the op
+    lists and bit-equal gradients, against the layer without checkpointing."""
+    kw = {"masked": dict(router="external", masked_routes=True), "lazy": dict(replicas="lazy"),
+          "dispatched": {}}[case]
+    policy = "feplb-split@ema" if case == "lazy" else "feplb-split"
+    ref, ref_opt = _layer(policy, "per-step", seed=3, **kw)
+    ac, ac_opt = _layer(policy, "per-step", seed=3, **kw)
+    moved = 0
+    for step in range(2):
+        for mb in range(2):
+            x, dy = _inputs(rank, 3 * step + mb)
+            if case == "masked":
+                ids, gates = _routing(rank, seed=3 * step + mb)
+                ids[::3, 1] = -1
+
+                def block(layer, ids=ids, gates=gates):
+                    return _external_block(layer, ids, gates)
+            elif case == "dispatched":
+                gen = torch.Generator().manual_seed(1000 * rank + 3 * step + mb)
+                counts = [int(c) + (30 if rank == 0 and i == 0 else 0)
+                          for i, c in enumerate(torch.randint(0, 12, (ac.num_local,), generator=gen))]
+                x = torch.randn(sum(counts), H, generator=gen)
+                dy = torch.randn(sum(counts), H, generator=gen)
+
+                def block(layer, counts=counts):
+                    return lambda z: torch.tanh(layer.forward_dispatched(torch.sin(z) * 2.0, counts))
+            else:
+                def block(layer):
+                    return _block(layer, "tanh")
+            xr, xa = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            out_r = block(ref)(xr)
+            log = []
+            out_a = _checkpoint(block(ac), xa, mode, log)
+            assert torch.equal(out_a, out_r), (case, mode, step, mb, "output")
+            (out_r * dy).sum().backward()
+            (out_a * dy).sum().backward()
+            _same_ops(log, (case, mode, step, mb))
+            moved += ref.last_stats.rows_moved
+            want = {"x": xr.grad, **{n: p.grad for n, p in ref.named_parameters() if p.grad is not None}}
+            got = {"x": xa.grad, **{n: p.grad for n, p in ac.named_parameters() if p.grad is not None}}
+            assert want.keys() == got.keys(), (case, mode)
+            _compare(got, want, (case, mode, step, mb))
+        ref_opt.step(), ac_opt.step()
+        ref_opt.zero_grad(), ac_opt.zero_grad()
+    held = len(ac.replicas.lazy_pairs) if case == "lazy" else None
+    ref.close(), ac.close()
+    return {"moved": moved, "lazy": held}
+
+
+@pytest.mark.parametrize("case", ["masked", "lazy", "dispatched"])
+@pytest.mark.parametrize("mode", SELECTIVE)
+def test_selective_masked_routes_lazy_replicas_and_forward_dispatched(case, mode):
+    results = run_dist(_selective_more_rank, W, case, mode, timeout_s=300)
+    assert sum(r["moved"] for r in results) > 0, (case, mode, "balancing moved no row")
+    if case == "lazy":
+        assert results[0]["lazy"] is not None

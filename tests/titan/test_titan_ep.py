@@ -602,3 +602,56 @@ def test_cuda_graph_capture_refused(monkeypatch):
     mod = _config(policy="feplb-split", gpus_per_node=2).routed_experts.inner_experts.build()
     with pytest.raises(RuntimeError, match="--training.disable_cuda_graphs"):
         mod(torch.randn(3, D), torch.tensor([3] + [0] * (E - 1)))
+
+
+def _selective_first_forward_case(rank: int, world: int) -> dict:
+    """torchtitan's op-level SelectiveAC around the experts and an op it saves (``aten.max``), the FEPLB layer made
+    by the first forward, inside that region: the recompute is handed the forward's own ops' outputs (none of the
+    layer's construction: its agreement's collectives and max, on CUDA its device-to-host copies, which torchtitan's
+    policy saves), bit for bit the module without checkpointing."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    _cpu_torchtitan()
+    pd, ctx = _dims("partial_dtensor")
+    mods = []
+    for _ in range(2):
+        moe = _build(_config("qwen3", policy="feplb-split", gpus_per_node=2, dtype="float32", **OPTS))
+        moe.parallelize(pd)
+        mods.append(moe)
+
+    class Block(torch.nn.Module):
+        def __init__(self, moe):
+            super().__init__()
+            self.moe = moe
+
+        def forward(self, x, scores, ids, counts):
+            y = self.moe.routed_experts(x, scores, ids, counts)
+            return y / y.abs().max()
+
+    plain, selective = Block(mods[0]), SelectiveAC(SelectiveAC.Config())._wrap_block(Block(mods[1]))
+    out = {"equal": [], "moved": 0}
+    for mb in range(2):
+        x, scores, ids = _inputs(rank + 10 * mb)
+        g = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(7 + rank + mb))
+        counts = torch.bincount(ids.reshape(-1), minlength=E)
+        got = []
+        for block, moe in ((plain, mods[0]), (selective, mods[1])):
+            xx, ss = x.clone().requires_grad_(), scores.clone().requires_grad_()
+            with ctx():
+                y = block(xx, ss, ids, counts)
+            y.backward(g)
+            inner = moe.routed_experts.inner_experts
+            got.append([y.detach(), xx.grad, ss.grad] + [_local(p.grad).clone() for p in inner.parameters()])
+            for p in moe.parameters():
+                p.grad = None
+        out["equal"].append(all(torch.equal(a, b) for a, b in zip(*got, strict=True)))
+        out["moved"] += _moved(mods[1].routed_experts.inner_experts)
+    for moe in mods:
+        moe.routed_experts.inner_experts.close()
+    return out
+
+
+def test_selective_ac_with_the_layer_made_inside_its_region():
+    for r, res in enumerate(run_dist(_selective_first_forward_case, WORLD, timeout_s=300, collective_timeout_s=120)):
+        assert res["equal"] == [True, True], (r, res)
+        assert res["moved"] > 0, (r, res)
