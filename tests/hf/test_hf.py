@@ -665,22 +665,35 @@ def _check_ddp(rank: int, world: int) -> dict:
 
 def _check_gradient_checkpointing(rank: int, world: int) -> dict:
     """transformers' gradient checkpointing of the decoder layers (non-reentrant, its default, for every
-    architecture; reentrant for Mixtral) on a model with FEPLB applied, against the same model without: two SGD
-    steps with attach_optimizer, the recompute replaying each layer's forward (feplb.recompute). Returns, per case,
-    the largest relative difference of the losses and of the parameters after the steps, the rows moved, the
-    replays and the records never replayed."""
+    architecture; reentrant for Mixtral; selective for Qwen3-MoE: torch's ``create_selective_checkpoint_contexts``
+    through transformers' ``context_fn``, the matrix products and top-k saved, as torchtitan's op-level mode does)
+    on a model with FEPLB applied, against the same model without: two SGD steps with attach_optimizer, the
+    recompute replaying each layer's forward (feplb.recompute). Returns, per case, the largest relative difference
+    of the losses and of the parameters after the steps, the rows moved, the replays and the records never
+    replayed."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
     import feplb.hf as fh
+
+    def saved(ctx, op, *args, **kwargs):
+        keep = op in (torch.ops.aten.mm.default, torch.ops.aten.topk.default) or str(op).startswith("feplb.grouped_mm")
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     M = _models()
     out = {}
-    for arch, reentrant in [*((a, False) for a in M.ARCHS), ("mixtral", True)]:
+    for arch, mode in [*((a, "non-reentrant") for a in M.ARCHS), ("mixtral", "reentrant"), ("qwen3_moe", "selective")]:
         base = M.make_model(arch)
         plain, ckpt = copy.deepcopy(base), copy.deepcopy(base)
         for m in (plain, ckpt):
             fh.apply(m, policy="feplb-split@ema", gpus_per_node=min(2, world), min_chunk=1, plan_wait_ms=60_000,
                      min_straggler_rows=0)
             m.train()
-        ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        kwargs = {"use_reentrant": mode == "reentrant"}
+        if mode == "selective":
+            kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, saved)
+        ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         replays = _count_replays(fh.experts_modules(ckpt))
         opts = [torch.optim.SGD(m.parameters(), lr=0.2) for m in (plain, ckpt)]
         for m, o in zip((plain, ckpt), opts, strict=True):
@@ -701,7 +714,7 @@ def _check_gradient_checkpointing(rank: int, world: int) -> dict:
         want = dict(plain.named_parameters())
         for n, p in ckpt.named_parameters():
             param_rel = max(param_rel, _rel(p, want[n]))
-        out[(arch, reentrant)] = {"loss_rel": loss_rel, "param_rel": param_rel, "rows_moved": moved,
+        out[(arch, mode)] = {"loss_rel": loss_rel, "param_rel": param_rel, "rows_moved": moved,
                                   "records_left": sum(len(e._records) - e._records.replayed()
                                                       for e in fh.experts_modules(ckpt)),
                                   "replays": replays[0], "layers": len(fh.experts_modules(ckpt))}
@@ -887,8 +900,8 @@ def test_ddp_for_the_rest_trains_like_the_unmodified_model_on_four_ranks(four_ra
 
 def _assert_gradient_checkpointing(ranks: list[dict], world: int) -> None:
     for rank, res in enumerate(ranks):
-        for (arch, reentrant), case in res["checkpointing"].items():
-            what = (rank, arch, "reentrant" if reentrant else "non-reentrant", case)
+        for (arch, mode), case in res["checkpointing"].items():
+            what = (rank, arch, mode, case)
             assert case["replays"] == 2 * case["layers"], what   # every layer's forward recomputed, both steps
             assert case["loss_rel"] <= TOL and case["param_rel"] <= TOL, what
             assert case["records_left"] == 0, what
