@@ -661,7 +661,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             if replay is None and dispatched:   # (no +place: slot = expert)
                 replay = self._find_record(counts_S, dispatched=True)
             elif replay is None:   # a compiled forward() grouped the rows with the current placement
-                replay = self._find_record(counts_S[self._slot_of_E])
+                replay = self._find_record(_by_slot(counts_S, self._slot_of_E))
                 if replay.placement is not self.placement:
                     raise RuntimeError("MoELayer: a compiled forward cannot be recomputed under another placement "
                                        "than its first run's (weights='per-microbatch' with '+place'); use "
@@ -1006,7 +1006,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             self._recv_buf = None
             self._recv_grew = True
         if self._recv_buf is None:
-            self._recv_buf = x_MD.new_empty((cap, c.hidden))
+            # (outside the dispatch modes: a forward's own allocation, which its recompute, finding the buffer,
+            # does not repeat; selective activation checkpointing matches the recompute's ops to the forward's)
+            self._recv_buf = outside_dispatch_modes(x_MD.new_empty)((cap, c.hidden))
         return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits, out=self._recv_buf,
                                split_matrix=split_WW, anchor=anchor)
 
@@ -1185,6 +1187,13 @@ def _dispatched_counts(num_experts: int, first: int, counts_L: list[int]) -> tor
     counts_S = torch.zeros(num_experts, dtype=torch.int64)
     counts_S[first:first + len(counts_L)] = torch.tensor(counts_L, dtype=torch.int64)
     return counts_S
+
+
+@outside_dispatch_modes
+def _by_slot(counts_S: torch.Tensor, slot_of_E: torch.Tensor) -> torch.Tensor:
+    """A compiled forward's recompute: its rows per expert, from its rows per slot (recompute only: outside the
+    dispatch modes)."""
+    return counts_S[slot_of_E]
 
 
 @outside_dispatch_modes
