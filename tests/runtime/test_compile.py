@@ -1,7 +1,9 @@
 """torch.compile story of MoELayer, on 2 gloo ranks (1 node x 2 GPUs): routing and combine compile; the dispatch
 in between (collectives, CPU planning, data-dependent splits) is ``torch.compiler.disable``d, so the layer compiles
 into exactly two graphs with exactly one graph break, at the dispatch boundary; compiled output and gradients equal
-eager ones. Compiled autograd, which cannot keep the layer's backward, is refused on every rank."""
+eager ones, and so do a compiled block checkpointed selectively (torch's ``create_selective_checkpoint_contexts``)
+and the eager layer, bit for bit. Compiled autograd, which cannot keep the layer's backward, is refused on every
+rank."""
 
 from __future__ import annotations
 
@@ -39,7 +41,32 @@ def _compile_worker(rank, world):
     out = compiled(xc)
     out.sum().backward()
     grads_c = [xc.grad, layer.w1.grad, layer.router.weight.grad]
+    layer.zero_grad()
+
+    # a compiled block checkpointed selectively (torch.compile around torchtitan's op-level SelectiveAC): the same
+    # as the eager layer, bit for bit
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def saved(ctx, op, *args, **kwargs):
+        keep = op == torch.ops.aten.mm.default or str(op).startswith("feplb.grouped_mm")
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def block(z):
+        return checkpoint(lambda v: torch.tanh(layer(torch.sin(v))), z, use_reentrant=False,
+                          context_fn=partial(create_selective_checkpoint_contexts, saved))
+
+    torch._dynamo.reset()
+    sac = []
+    for run in (lambda v: torch.tanh(layer(torch.sin(v))), torch.compile(block, backend="aot_eager")):
+        xs = x.clone().requires_grad_(True)
+        y = run(xs)
+        (y * torch.cos(x)).sum().backward()
+        sac.append([y.detach(), xs.grad, layer.w1.grad.clone(), layer.router.weight.grad.clone()])
+        layer.zero_grad()
     return {"graphs": explain.graph_count, "breaks": explain.graph_break_count,
+            "sac": all(torch.equal(a, b) for a, b in zip(*sac, strict=True)),
             "reasons": [str(b.reason) for b in explain.break_reasons], "moved": layer.last_stats.rows_moved,
             "out": torch.allclose(out, eager, rtol=1e-5, atol=1e-6),
             "grads": all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads_c, grads_e, strict=True))}
@@ -50,6 +77,7 @@ def test_compile_breaks_exactly_at_dispatch():
         assert res["graphs"] == 2 and res["breaks"] == 1, res
         assert "_experts" in res["reasons"][0], res["reasons"]
         assert res["out"] and res["grads"], res
+        assert res["sac"], "a compiled selectively checkpointed block differs from the eager layer"
         assert res["moved"] > 0
 
 
