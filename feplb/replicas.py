@@ -228,7 +228,7 @@ class Replicas:
         for bank in [b for b in (self.replica_bank, self.slot_bank) if b is not None] + self.held_banks:
             for leaf, r in zip(bank, req, strict=True):
                 if leaf.requires_grad != r:
-                    self._watch(leaf.requires_grad_(r))
+                    self._watch(leaf.requires_grad_(r), slot=bank is self.slot_bank)
         self._requires = self.requires()
 
     def grads_clean(self) -> bool:
@@ -250,14 +250,26 @@ class Replicas:
         rank), in a fixed order."""
         return sorted(set(self.pairs) | self.lazy_pairs)
 
-    def _watch(self, leaf: torch.Tensor) -> torch.Tensor:
+    def _watch(self, leaf: torch.Tensor, *, slot: bool = False) -> torch.Tensor:
         """A per-step leaf, with a hook noticing a gradient that arrives after a refresh replaced it (a refresh
         between a forward and its backward would otherwise lose that gradient silently). A bf16 / fp16 leaf sums
         its micro-batches' gradients in fp32 (``_grad``), as the owner's fp32 parameters (mixed precision) or an
         fp32 main-grad buffer do: summed in the leaf's own dtype, the most loaded experts', whose copies take
-        the most rows, would lose precision with every micro-batch of the step."""
+        the most rows, would lose precision with every micro-batch of the step. slot: a leaf of the ``+place``
+        bank, which the GEMMs read instead of the owner's parameters: each gradient it accumulates also gives
+        those a zero gradient where they hold none (``MoELayer._hold_zero_grads``)."""
         if leaf.requires_grad:
             gen, me = self.generation, weakref.ref(self)
+            if slot and not getattr(leaf, "_feplb_slot", False):
+                leaf._feplb_slot = True
+
+                def owners(_leaf: torch.Tensor) -> None:
+                    rep = me()
+                    lay = rep._layer() if rep is not None else None
+                    if lay is not None:
+                        lay._hold_zero_grads()
+
+                leaf.register_post_accumulate_grad_hook(owners)
 
             def hook(grad: torch.Tensor) -> torch.Tensor:
                 rep = me()
@@ -334,14 +346,14 @@ class Replicas:
         """Copy k's parts from the items an exchange of ``n`` copies received, in their shapes."""
         return tuple(got[j * n + k].view(shape) for j, shape in enumerate(self._layer().part_shapes))
 
-    def _bank(self, ws: list[tuple[torch.Tensor, ...]], req: tuple[bool, ...] | None = None,
+    def _bank(self, ws: list[tuple[torch.Tensor, ...]], req: tuple[bool, ...] | None = None, *, slot: bool = False,
               ) -> tuple[torch.Tensor, ...]:
         """The experts ``ws`` (one tuple of parts each) stacked part by part; with ``req``, as watched leaves that
-        require grad where the owner's parts do."""
+        require grad where the owner's parts do (slot: of the ``+place`` bank, see ``_watch``)."""
         stacked = tuple(torch.stack([w[j] for w in ws]) for j in range(len(ws[0])))
         if req is None:
             return stacked
-        return tuple(self._watch(t.requires_grad_(r)) for t, r in zip(stacked, req, strict=True))
+        return tuple(self._watch(t.requires_grad_(r), slot=slot) for t, r in zip(stacked, req, strict=True))
 
     def forward_slot_weights(self, placement: Placement, anchor: torch.Tensor) -> SlotWeights:
         """This forward's weights of this rank's slots. With weights='per-microbatch' and experts placed away from
@@ -431,7 +443,7 @@ class Replicas:
             self.replica_bank = self._bank([self._received(got, index[(e, r)], n) for e in mine], req)
         if not placement.own_slots:
             self.slot_bank = self._bank([self._received(got, index[(e, r)], n) if e // lay.num_local != r
-                                         else self.owned(e, own) for e in placement.my_slots], req)
+                                         else self.owned(e, own) for e in placement.my_slots], req, slot=True)
 
     @torch.inference_mode(False)
     @torch.no_grad()

@@ -428,14 +428,14 @@ class TrainingSteps:
         the loop scaled or zeroed while the copies' share was left as it was. (After a backward every expert
         parameter the GEMMs read holds a gradient, a zero one where no row reached it; each accumulation's result
         is noted, its tensor and version, by a hook, and a tensor of that version no more means that something
-        wrote it in place since. Not told apart here: a ``+place`` bank, which the GEMMs read instead of the owners'
-        parameters, so that these get their gradients only at the reduction; Megatron's DistributedDataParallel,
-        which keeps them in ``main_grad``.) Local; every forward."""
+        wrote it in place since; under a ``+place`` bank, which the GEMMs read instead of the owners' parameters,
+        these hold a zero gradient until the reduction, noted alike (``_hold_zero_grads``). Not told apart here:
+        Megatron's DistributedDataParallel, which keeps them in ``main_grad``.) Local; every forward."""
         rep = self.replicas
         # (an evaluation forward between is left alone; a training one without autograd is checked: a reentrant
         # checkpoint's forward, whose recompute adds to the copies' gradients)
         evaluation = not self.training and not torch.is_grad_enabled()
-        if not rep.ever_held or rep.slot_bank is not None:
+        if not rep.ever_held:
             return False
         own = [p for p in self.expert_params() if p.requires_grad and not hasattr(p, "main_grad")]
         self._watch_accumulated(own)
@@ -449,6 +449,25 @@ class TrainingSteps:
             if p.grad is not None and mark is not None and mark[0]() is p.grad and p.grad._version != mark[1]:
                 return True
         return False
+
+    @torch.no_grad()
+    def _hold_zero_grads(self) -> None:
+        """Under a ``+place`` bank with per-step weights the GEMMs read the bank, not the owner's expert parameters,
+        which get the step's gradient only at the reduction (``reduce_replica_grads``). From the step's first
+        backward until then (a post-accumulate hook of the bank's leaves calls this) each of them that trained
+        holds a zero gradient, as plain EP's hold theirs after a backward, noted as an accumulation is: a loop
+        that drops it (a model's ``zero_grad``) or changes it in place (torch's clipping, a scaling) before the
+        reduction is then refused (``_grads_dropped``) instead of the bank's share being added unchanged, and the
+        reduction adds into it. Local."""
+        trained = self.replicas.trained
+        params = [p for i, p in enumerate(self.expert_params())
+                  if p.grad is None and p.requires_grad and i in trained and not hasattr(p, "main_grad")]
+        if not params:
+            return
+        self._watch_accumulated(params)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+            self._accumulated[p] = (weakref.ref(p.grad), p.grad._version)
 
     def _watch_accumulated(self, params: list) -> None:
         """Note, after every accumulation into an expert parameter's gradient, that tensor and its version

@@ -8,8 +8,8 @@ GPUs: each is refused on every rank at the next forward, or trains as plain EP d
 * a step the attached scaler skipped, then gradients zeroed in place: the next step's ``average_expert_grads`` is no
   second call (it was refused as one), and training (clipped by ``feplb.clip_grad_norm_``) equals plain EP's;
 * a backward discarded with ``model.zero_grad()`` while per-step expert copies hold their share of it (eager and
-  lazy replicas; the gradients set to None, or zeroed in place): refused until the copies' share is dropped too;
-  then training equals plain EP's;
+  lazy replicas, a ``+place`` bank; the gradients set to None, or zeroed in place): refused until the copies' share
+  is dropped too; then training equals plain EP's;
 * expert weights written after the step of an optimizer attached to the layer (fp32 master weights copied back):
   refused, naming the write after the attached step;
 * an optimizer attached to balancing layers stepped on some ranks only (a GradScaler not attached with it, an
@@ -202,7 +202,10 @@ def _discard_worker(rank, world, policy, replicas, set_to_none=True):
 
 @pytest.mark.parametrize("policy,replicas,set_to_none", [("feplb-split@ema", "eager", True),
                                                          ("feplb@ema", "lazy", True),
-                                                         ("feplb-split@ema", "eager", False)])
+                                                         ("feplb-split@ema", "eager", False),
+                                                         # the bank's owners hold zero gradients until the reduction
+                                                         ("feplb-split+place", "eager", True),
+                                                         ("feplb-split+place", "eager", False)])
 def test_discarded_backward_with_per_step_copies(policy, replicas, set_to_none):
     res = run_dist(_discard_worker, W, policy, replicas, set_to_none, timeout_s=240, collective_timeout_s=60)
     assert any(r["held"] for r in res)          # some rank's copies held gradients of the discarded backward
@@ -402,14 +405,19 @@ def _loops_review_worker(rank, world):
     # rank, nothing stepped (before, the copies' share was added unclipped); as the refusal says, zero the gradients
     # and redo the step from its backward, reducing first: trains as plain EP
     def change(m, how):
-        if how == "clip_value":
+        if how.startswith("clip_value"):
             torch.nn.utils.clip_grad_value_(m.parameters(), 1e-3)
+        elif how.startswith("clip_norm"):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-2)
         else:
             for q in m.parameters():
                 q.grad.mul_(0.5)
 
-    for how in ("clip_value", "scale"):
-        layers, opts = pair("feplb-split@ema")
+    # (under +place the owners' parameters hold a zero gradient from the backward to the reduction, the bank the
+    # step's whole gradient: changed in place, the zeros are seen as changed)
+    for how, policy in (("clip_value", "feplb-split@ema"), ("scale", "feplb-split@ema"),
+                        ("clip_value+place", "feplb-split+place"), ("clip_norm+place", "feplb-split+place")):
+        layers, opts = pair(policy)
         errors, moved = [], 0
         for step in range(2):
             for p, m in layers.items():
@@ -498,7 +506,7 @@ def _loops_review_worker(rank, world):
 def test_loops_from_a_review():
     res = run_dist(_loops_review_worker, W, timeout_s=300, collective_timeout_s=60)
     for r, got in enumerate(res):
-        for how in ("clip_value", "scale"):
+        for how in ("clip_value", "scale", "clip_value+place", "clip_norm+place"):
             errors = got[how]["errors"]     # (per step: the balancing layer's, plain EP's)
             for e in errors[0::2]:
                 assert e is not None and "changed in place" in e and "Reduce first" in e, (r, how, errors)
