@@ -121,12 +121,15 @@ class CopyEngine:
 
     def _problem(self, send, recv_numel, dtype, device, ready, consumer) -> str | None:
         """Why these arguments are invalid on this rank, or None (no collective)."""
-        if not isinstance(send, Mapping) or not isinstance(recv_numel, Mapping):
+        # (fast paths first: the layer passes dicts, lists and ints, whose exact types answer the abstract-class
+        # checks below without their cost; any other type takes those checks as before)
+        if not (type(send) is dict or isinstance(send, Mapping)) or \
+                not (type(recv_numel) is dict or isinstance(recv_numel, Mapping)):
             return (f"send and recv_numel must be mappings (peer -> pieces, peer -> elements), got "
                     f"{type(send).__name__} and {type(recv_numel).__name__}")
         for p in list(send) + list(recv_numel):
-            if not isinstance(p, numbers.Integral) or isinstance(p, bool) or not 0 <= p < self.node_size \
-                    or p == self.node_rank:
+            if not (type(p) is int or isinstance(p, numbers.Integral) and not isinstance(p, bool)) \
+                    or not 0 <= p < self.node_size or p == self.node_rank:
                 return (f"copy-path peer must be another GPU of the node (0..{self.node_size - 1}, "
                         f"not {self.node_rank}), got {p!r}")
         for p, n in recv_numel.items():
@@ -145,14 +148,14 @@ class CopyEngine:
         if not _same_device(dev, self.device):
             return f"the {self.name} copy path moves tensors on {self.device}, got device={dev}"
         for p, pieces in send.items():
-            if isinstance(pieces, torch.Tensor) or not isinstance(pieces, Sequence):
+            if type(pieces) is not list and (isinstance(pieces, torch.Tensor) or not isinstance(pieces, Sequence)):
                 return f"send[{p}] must be a list of tensors (the pieces for peer {p}), got {type(pieces).__name__}"
             for i, t in enumerate(pieces):
                 if not isinstance(t, torch.Tensor):
                     return f"send[{p}][{i}] must be a tensor, got {type(t).__name__}"
                 if t.dtype != dtype:
                     return f"send[{p}][{i}] must have dtype {dtype} (engines move bytes, never cast), got {t.dtype}"
-                if not _same_device(t.device, self.device):
+                if t.device != self.device and not _same_device(t.device, self.device):
                     return f"the {self.name} copy path sends tensors on {self.device}, send[{p}][{i}] is on {t.device}"
                 if not t.is_contiguous():
                     return (f"send[{p}][{i}] must be contiguous (each piece is one flat copy), got a view of shape "
@@ -188,23 +191,26 @@ class CopyEngine:
             m = np.asarray(matrix)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"copy path ({op}): matrix must be a {g} x {g} array of element counts: {exc}") from exc
-        if m.shape != (g, g) or not (np.issubdtype(m.dtype, np.integer) or m.dtype == np.bool_ and not m.any()):
+        # (dtype.kind "iu": the integer dtypes, as np.issubdtype(dtype, np.integer), without its cost)
+        if m.shape != (g, g) or not (m.dtype.kind in "iu" or m.dtype == np.bool_ and not m.any()):
             raise ValueError(f"copy path ({op}): matrix must be a {g} x {g} array of integer element counts, got "
                              f"shape {m.shape} of {m.dtype}")
         m = m.astype(np.int64, copy=False)
-        if (m < 0).any() or m.diagonal().any():
+        # (the counts as Python ints, read once: the checks below compare a few numbers, cheaper than array ops)
+        ml = m.tolist()
+        if any(v < 0 for r in ml for v in r) or any(ml[i][i] for i in range(g)):
             raise ValueError(f"copy path ({op}): matrix must hold counts >= 0 with a zero diagonal (no rank sends "
-                             f"to itself), got {m.tolist()}")
+                             f"to itself), got {ml}")
         send_n, recv_n = self._sizes(send, recv_numel)
         for p in range(g):
             if p == me:
                 continue
-            if send_n[p] != m[me, p]:
+            if send_n[p] != ml[me][p]:
                 raise ValueError(f"copy path ({op}): node rank {me} sends {send_n[p]} elements to node rank {p} but "
-                                 f"matrix[{me}][{p}] is {int(m[me, p])}; send must match this rank's row")
-            if recv_n[p] != m[p, me]:
+                                 f"matrix[{me}][{p}] is {ml[me][p]}; send must match this rank's row")
+            if recv_n[p] != ml[p][me]:
                 raise ValueError(f"copy path ({op}): node rank {me} expects {recv_n[p]} elements from node rank {p} "
-                                 f"but matrix[{p}][{me}] is {int(m[p, me])}; recv_numel must match this rank's "
+                                 f"but matrix[{p}][{me}] is {ml[p][me]}; recv_numel must match this rank's "
                                  "column")
         return m
 

@@ -148,8 +148,13 @@ class PeerInboxEngine(CopyEngine):
                 self._write(p, parity, offsets[p], pieces, dtype)
         self._writes_done(parity)
         self.control.barrier("node", f"copy path ({op}): end of writes")
-        col = send_GG[:, me]
-        blocks = {q: (int(col[:q].sum()) * elem, int(col[q])) for q in range(g) if col[q] or q in recv_numel}
+        # each sender's block in this rank's half: its offset (what lower node ranks send) and size, as Python ints
+        col = send_GG[:, me].tolist()
+        blocks, pos = {}, 0
+        for q in range(g):
+            if col[q] or q in recv_numel:
+                blocks[q] = (pos * elem, col[q])
+            pos += col[q]
         got = self._read(parity, blocks, dtype, consumer)
         return self._results(recv_numel, got.__getitem__)
 
