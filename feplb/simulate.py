@@ -235,10 +235,10 @@ def extra_weights(state: PolicyState, plan: Any, topo: Topology) -> int:
     the per-step copies the policy state keeps there (``@ema`` dynamic sets: ``state.resident``, none on an
     expert's owner), the experts
     ``+place`` placed there away from their owners (who keep the parameters and the optimizer state), and the
-    copies this plan sends it (kept until the micro-batch's backward). EPLB as published moves the experts into
-    its physical layout, so it holds its redundant slots only (``eplb_slots`` per GPU)."""
-    if parse_policy(state.policy)[0] == "eplb":
-        return state.eplb_slots + int(np.bincount([c[2] for c in plan.weight_copies], minlength=1).max())
+    copies this plan sends it (kept until the micro-batch's backward). EPLB's layout alike: the simulator keeps
+    every expert's parameters on its owner and charges each slot of the layout away from the owner as a copy
+    re-sent at every step (``step_us``, the copy bytes), so a GPU holds every such slot (``state.resident``), not
+    only its ``eplb_slots`` redundant ones: balanced packing leaves few experts on their owners."""
     held = np.zeros(topo.num_ranks, dtype=np.int64)
     owner = topo.default_home_E()
     for e, g in state.resident:
