@@ -356,8 +356,19 @@ def _option_notes(args: argparse.Namespace, config, workloads: list) -> list[str
             notes.append(f"trace {spec} is given {args.traces.count(spec)} times: 'all workloads' pools it as often")
     if args.replicas == "lazy" and not any(parse_policy(p)[2] == "ema" for p in config.policies):
         notes.append("--replicas lazy changes the @ema policies only, and none is simulated")
+    bases = {parse_policy(p)[0] for p in config.policies}
+    # options of one policy family given for a run without it (their defaults say nothing)
+    for option, given, family in (("--min-chunk", args.min_chunk is not None, {"feplb-split"}),
+                                  ("--tau", args.tau != 0.01, {"feplb", "feplb-split"}),
+                                  ("--eplb-slots", args.eplb_slots != 1, {"eplb"}),
+                                  ("--eplb-groups", args.eplb_groups != 1, {"eplb"}),
+                                  ("--recopy-weights", args.recopy_weights, {"feplb", "feplb-split", "lp"})):
+        if given and not bases & family:
+            notes.append(f"{option} changes the {', '.join(sorted(family))} policies only, and none is simulated")
     for spec, w in zip(args.traces, workloads, strict=True):
         ids = getattr(w, "topk_ids_TLK", None)
+        if args.experts is not None and ids is None and not spec.startswith("synthetic:"):
+            notes.append(f"trace {spec}: --experts {args.experts} is not used: its counts give E={w.num_experts}")
         if args.experts is None and ids is not None:
             routed = np.unique(ids).size
             if 2 * routed <= w.num_experts:

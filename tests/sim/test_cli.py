@@ -542,3 +542,27 @@ def test_options_without_effect_and_a_suspicious_expert_count_are_said_before_th
     assert main(["simulate", str(flame_path), str(sparse), *FAST, "--experts", "64", "--policies", "none,feplb@ema",
                  "--replicas", "lazy", "--microbatches", "8", "--refresh-every", "4", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["notes"] == [], capsys.readouterr().err
+
+
+def test_options_of_policies_not_simulated_and_experts_of_counts_are_said(tmp_path, flame_path, capsys):
+    """An option of one policy family (--min-chunk, --tau, --eplb-slots, --eplb-groups, --recopy-weights) given
+    for a run without it, and --experts for OLMoE counts (whose E is their own), change nothing: said in a note."""
+    counts = np.random.default_rng(0).integers(1, 50, size=(2, 3, 16)).tolist()
+    olmoe = tmp_path / "counts.json"
+    olmoe.write_text(json.dumps({"layers": [0, 7, 15],
+                                 "models": {"olmoe": {"top_k": 2, "topk": {"a": counts[0], "b": counts[1]}}}}))
+    out = tmp_path / "r.json"
+    assert main(["simulate", str(olmoe), *FAST, "--policies", "none,lp", "--experts", "32", "--min-chunk", "7",
+                 "--tau", "0.5", "--eplb-slots", "2", "--eplb-groups", "2", "--json", str(out)]) == 0
+    notes = json.loads(out.read_text())["notes"]
+    assert notes == ["--min-chunk changes the feplb-split policies only, and none is simulated",
+                     "--tau changes the feplb, feplb-split policies only, and none is simulated",
+                     "--eplb-slots changes the eplb policies only, and none is simulated",
+                     "--eplb-groups changes the eplb policies only, and none is simulated",
+                     f"trace {olmoe}: --experts 32 is not used: its counts give E=16"], notes
+    capsys.readouterr()
+    # where they apply, nothing is said
+    assert main(["simulate", str(flame_path), *FAST, "--policies", "none,feplb-split,eplb", "--experts", "64",
+                 "--min-chunk", "7", "--tau", "0.5", "--eplb-slots", "2", "--recopy-weights",
+                 "--microbatches", "8", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["notes"] == [], capsys.readouterr().err
