@@ -35,6 +35,11 @@ __all__ = ["KNOWN_MODELS", "ExpertShape", "MultinomialWorkload", "RoutingTrace",
            "load_workload", "shape_for", "trace_counts"]
 
 
+# The largest expert hidden / ffn size taken (far above any model's): a larger one is a corrupt or mistaken trace,
+# whose layer times would be absurd
+MAX_EXPERT_DIM = 2 ** 20
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExpertShape:
     """One routed expert of a model: hidden size H and expert ffn width F (SwiGLU: weights 3 * H * F), and where
@@ -50,6 +55,9 @@ class ExpertShape:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"ExpertShape.{name} must be a positive int, got {v!r}")
+            if v > MAX_EXPERT_DIM:
+                raise ValueError(f"ExpertShape.{name} must be at most {MAX_EXPERT_DIM} (2**20: no model's hidden or "
+                                 f"expert ffn size comes near), got {v!r}")
             object.__setattr__(self, name, int(v))
 
     def as_dict(self) -> dict[str, object]:
@@ -222,6 +230,8 @@ def load_trace(path: str | Path, num_experts: int | None = None) -> RoutingTrace
                 v = z[k]
                 if v.shape != () or v.dtype.kind not in "iuf" or not np.isfinite(v) or v != np.floor(v):
                     raise ValueError(f"{path}: {k} must be one whole number, got {v.dtype} {v.tolist()!r}")
+                if not 1 <= v <= MAX_EXPERT_DIM:
+                    raise ValueError(f"{path}: {k} must be between 1 and {MAX_EXPERT_DIM} (2**20), got {v.tolist()!r}")
                 dims[k] = int(v)
             shape = ExpertShape(model=model, hidden=dims["expert_hidden"], ffn=dims["expert_ffn"],
                                 source=f"{path.name}: expert_hidden, expert_ffn")

@@ -149,7 +149,10 @@ def test_traces_carry_their_models_expert_shape(tmp_path, flame_path):
     # a fractional or non-scalar size is refused, not truncated; a whole float is taken
     for bad, words in ((np.float64(2.7), "expert_hidden must be one whole number, got float64 2.7"),
                        (np.array([512, 512]), "expert_hidden must be one whole number, got int64 [512, 512]"),
-                       (np.float64(np.inf), "expert_hidden must be one whole number, got float64 inf")):
+                       (np.float64(np.inf), "expert_hidden must be one whole number, got float64 inf"),
+                       # a size no model comes near would give absurd layer times
+                       (np.float64(1e30), "expert_hidden must be between 1 and 1048576 (2**20), got 1e+30"),
+                       (np.int64(0), "expert_hidden must be between 1 and 1048576 (2**20), got 0")):
         np.savez(tmp_path / "bad.npz", topk_ids=ids, expert_hidden=bad, expert_ffn=np.int64(96))
         with pytest.raises(ValueError, match=re.escape(words)):
             load_trace(tmp_path / "bad.npz")
@@ -157,6 +160,9 @@ def test_traces_carry_their_models_expert_shape(tmp_path, flame_path):
     assert load_trace(tmp_path / "float.npz").expert_shape.hidden == 512
     with pytest.raises(ValueError, match="ExpertShape.ffn must be a positive int, got 0"):
         ExpertShape(model="x", hidden=1, ffn=0)
+    with pytest.raises(ValueError, match=r"ExpertShape.hidden must be at most 1048576 \(2\*\*20"):
+        ExpertShape(model="x", hidden=2 ** 20 + 1, ffn=1)
+    assert ExpertShape(model="x", hidden=2 ** 20, ffn=1).hidden == 2 ** 20
 
 
 def test_olmoe_counts_carry_the_model_shape(tmp_path):
