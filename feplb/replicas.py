@@ -217,10 +217,11 @@ class Replicas:
     def sync_requires(self) -> None:
         """Make the copies require grad where the owners' weights now do (experts frozen or unfrozen since the
         refresh: a copy made while they were frozen would send no gradient back), and note which expert
-        parameters required grad in a training forward since the last reduction (``trained``). Local; every
+        parameters required grad in a forward that may have a backward (in training mode, or with autograd on:
+        a loop may train in eval mode, dropout off) since the last reduction (``trained``). Local; every
         forward."""
         lay = self._layer()
-        if lay.training:
+        if lay.training or torch.is_grad_enabled():
             self.trained |= {i for i, p in enumerate(lay.expert_params()) if p.requires_grad}
         if not (self.pairs or self.lazy_pairs) or self._requires == self.requires():
             return

@@ -381,9 +381,10 @@ def test_step_on_some_ranks_only(policy, weights):
 
 
 def _loops_review_worker(rank, world):
-    """Four loops with per-step copies, each against the same loop on plain EP (fp64): the experts' gradients
+    """Five loops with per-step copies, each against the same loop on plain EP (fp64): the experts' gradients
     changed in place before the reduction (clip_grad_value_, a scaling); an expert part frozen between two
-    micro-batches under +place (whose bank holds the step's whole gradient until the reduction); an attached
+    micro-batches under +place (whose bank holds the step's whole gradient until the reduction); +place trained in
+    eval mode; an attached
     optimizer stepped with a closure; and a per-layer call made a second time on one rank only."""
     res = {}
 
@@ -454,6 +455,22 @@ def _loops_review_worker(rank, world):
         for m in layers.values():
             m.close()
 
+    # 2b. trained in eval mode (autograd on; a loop keeping dropout off) under +place: the owners hold their zero
+    # gradients as in training mode (before, the reduction took them for dropped and refused the step)
+    layers, opts = pair("feplb-split+place")
+    errors = []
+    for step in range(2):
+        for p, m in layers.items():
+            m.eval()
+            for mb in range(2):
+                errors.append(error_of(lambda m=m, mb=mb, step=step: (m(_x(rank, 10 * step + mb).double()) ** 2)
+                                       .mean().backward()))
+            errors.append(error_of(opts[p].step))
+            opts[p].zero_grad()
+    res["eval_mode"] = {"diff": diff(layers), "errors": [e for e in errors if e is not None]}
+    for m in layers.values():
+        m.close()
+
     # 3. optimizer.step(closure) of an attached optimizer: the closure's backward is reduced before the update
     layers, opts = pair("feplb-split@ema")
     for step in range(2):
@@ -514,6 +531,7 @@ def test_loops_from_a_review():
             assert got[how]["diff"] <= 1e-12, (r, how, got[how]["diff"])
         for k in ("frozen0", "frozen1"):
             assert got[k]["diff"] <= 1e-12, (r, k, got[k])
+        assert not got["eval_mode"]["errors"] and got["eval_mode"]["diff"] <= 1e-12, (r, got["eval_mode"])
         assert got["closure"] <= 1e-12, (r, got["closure"])
         assert got["lbfgs"] <= 1e-10, (r, got["lbfgs"])
         again = got["again"]
