@@ -227,9 +227,9 @@ class Replicas:
             return
         req = tuple(w.requires_grad for w in self.own_weights())
         for bank in [b for b in (self.replica_bank, self.slot_bank) if b is not None] + self.held_banks:
-            for leaf, r in zip(bank, req, strict=True):
+            for j, (leaf, r) in enumerate(zip(bank, req, strict=True)):
                 if leaf.requires_grad != r:
-                    self._watch(leaf.requires_grad_(r), slot=bank is self.slot_bank)
+                    self._watch(leaf.requires_grad_(r), j, slot=bank is self.slot_bank)
         self._requires = self.requires()
 
     def grads_clean(self) -> bool:
@@ -251,14 +251,16 @@ class Replicas:
         rank), in a fixed order."""
         return sorted(set(self.pairs) | self.lazy_pairs)
 
-    def _watch(self, leaf: torch.Tensor, *, slot: bool = False) -> torch.Tensor:
+    def _watch(self, leaf: torch.Tensor, part: int, *, slot: bool = False) -> torch.Tensor:
         """A per-step leaf, with a hook noticing a gradient that arrives after a refresh replaced it (a refresh
         between a forward and its backward would otherwise lose that gradient silently). A bf16 / fp16 leaf sums
         its micro-batches' gradients in fp32 (``_grad``), as the owner's fp32 parameters (mixed precision) or an
         fp32 main-grad buffer do: summed in the leaf's own dtype, the most loaded experts', whose copies take
-        the most rows, would lose precision with every micro-batch of the step. slot: a leaf of the ``+place``
-        bank, which the GEMMs read instead of the owner's parameters: each gradient it accumulates also gives
-        those a zero gradient where they hold none (``MoELayer._hold_zero_grads``)."""
+        the most rows, would lose precision with every micro-batch of the step. part: which of the owner's
+        ``expert_weights()`` the leaf copies: a gradient arriving once that part no longer requires grad (frozen
+        between a forward and its backward) is taken as zero, as autograd leaves a frozen parameter alone. slot: a
+        leaf of the ``+place`` bank, which the GEMMs read instead of the owner's parameters: each gradient it
+        accumulates also gives those a zero gradient where they hold none (``MoELayer._hold_zero_grads``)."""
         if leaf.requires_grad:
             gen, me = self.generation, weakref.ref(self)
             if slot and not getattr(leaf, "_feplb_slot", False):
@@ -274,8 +276,13 @@ class Replicas:
 
             def hook(grad: torch.Tensor) -> torch.Tensor:
                 rep = me()
-                if rep is not None and rep.generation != gen:
+                if rep is None:
+                    return grad
+                if rep.generation != gen:
                     rep.late_grad = True
+                # (the owners' requires_grad as at the last forward: the common case, one look at a few flags)
+                if rep.requires() != rep._requires and not rep.own_weights()[part].requires_grad:
+                    return torch.zeros_like(grad)
                 return grad
 
             leaf.register_hook(hook)
@@ -354,7 +361,8 @@ class Replicas:
         stacked = tuple(torch.stack([w[j] for w in ws]) for j in range(len(ws[0])))
         if req is None:
             return stacked
-        return tuple(self._watch(t.requires_grad_(r), slot=slot) for t, r in zip(stacked, req, strict=True))
+        return tuple(self._watch(t.requires_grad_(r), j, slot=slot)
+                     for j, (t, r) in enumerate(zip(stacked, req, strict=True)))
 
     def forward_slot_weights(self, placement: Placement, anchor: torch.Tensor) -> SlotWeights:
         """This forward's weights of this rank's slots. With weights='per-microbatch' and experts placed away from
@@ -403,7 +411,8 @@ class Replicas:
                 raise RuntimeError(f"MoELayer: GPU {self._layer().rank} received expert {e}'s weights again in a step "
                                    "that already holds them (lazy replicas)")
         req = tuple(w.requires_grad for w in self.own_weights())
-        bank = tuple(self._watch(t.detach().requires_grad_(r)) for t, r in zip(parts, req, strict=True))
+        bank = tuple(self._watch(t.detach().requires_grad_(r), j)
+                     for j, (t, r) in enumerate(zip(parts, req, strict=True)))
         b = len(self.held_banks)
         self.held_banks.append(bank)
         self.held.update({e: (b, i) for i, e in enumerate(experts)})

@@ -471,6 +471,29 @@ def _loops_review_worker(rank, world):
     for m in layers.values():
         m.close()
 
+    # 2c. w2 frozen between a micro-batch's forward and its backward: autograd leaves plain EP's w2 alone in that
+    # backward, and the per-step copies' share of it is dropped alike (+place's bank, @ema replicas, lazy ones)
+    for policy, kw in (("feplb-split+place", {}), ("feplb-split@ema", {}), ("feplb@ema", {"replicas": "lazy"})):
+        layers = {p: _layer(p, dtype=torch.float64, **(kw if p != "none" else {})) for p in (policy, "none")}
+        opts = {p: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.5) for p, m in layers.items()}
+        for p, m in layers.items():
+            m.attach_optimizer(opts[p])
+            with torch.no_grad():
+                m(_x(rank, 99).double())
+            m.refresh_replicas()
+            for step in range(2):
+                for mb in range(2):
+                    y = m(_x(rank, 10 * step + mb).double())
+                    if step == 1 and mb == 1:
+                        m.w2.requires_grad_(False)
+                    (y ** 2).mean().backward()
+                opts[p].step()
+                m.w2.requires_grad_(True)
+                opts[p].zero_grad()
+        res[f"frozen_fwd_bwd {policy}"] = diff(layers)
+        for m in layers.values():
+            m.close()
+
     # 3. optimizer.step(closure) of an attached optimizer: the closure's backward is reduced before the update
     layers, opts = pair("feplb-split@ema")
     for step in range(2):
@@ -531,6 +554,8 @@ def test_loops_from_a_review():
             assert got[how]["diff"] <= 1e-12, (r, how, got[how]["diff"])
         for k in ("frozen0", "frozen1"):
             assert got[k]["diff"] <= 1e-12, (r, k, got[k])
+        for k in [k for k in got if k.startswith("frozen_fwd_bwd")]:
+            assert got[k] <= 1e-12, (r, k, got[k])
         assert not got["eval_mode"]["errors"] and got["eval_mode"]["diff"] <= 1e-12, (r, got["eval_mode"])
         assert got["closure"] <= 1e-12, (r, got["closure"])
         assert got["lbfgs"] <= 1e-10, (r, got["lbfgs"])
@@ -539,3 +564,4 @@ def test_loops_from_a_review():
             "went on to the next forward" in again, (r, again)
     assert sum(got["clip_value"]["moved"] for got in res) > 0
     assert all(any(got[k]["w2_stepped"] for got in res) for k in ("frozen0", "frozen1"))
+    assert len([k for k in res[0] if k.startswith("frozen_fwd_bwd")]) == 3
