@@ -257,8 +257,10 @@ class Replicas:
         its micro-batches' gradients in fp32 (``_grad``), as the owner's fp32 parameters (mixed precision) or an
         fp32 main-grad buffer do: summed in the leaf's own dtype, the most loaded experts', whose copies take
         the most rows, would lose precision with every micro-batch of the step. part: which of the owner's
-        ``expert_weights()`` the leaf copies: a gradient arriving once that part no longer requires grad (frozen
-        between a forward and its backward) is taken as zero, as autograd leaves a frozen parameter alone. slot: a
+        ``expert_weights()`` the leaf copies: the elements of a gradient that come from a parameter that no longer
+        requires grad (frozen between a forward and its backward, or, where a part joins several parameters, as
+        torchtitan's [w1 | w3] or Megatron's experts, since the step's earlier micro-batches) are taken as zero, as
+        autograd leaves a frozen parameter alone (``_keep``). slot: a
         leaf of the ``+place`` bank, which the GEMMs read instead of the owner's parameters: each gradient it
         accumulates also gives those a zero gradient where they hold none (``MoELayer._hold_zero_grads``)."""
         if leaf.requires_grad:
@@ -274,22 +276,45 @@ class Replicas:
 
                 leaf.register_post_accumulate_grad_hook(owners)
 
+            rows = getattr(leaf, "_feplb_rows", None)
+
             def hook(grad: torch.Tensor) -> torch.Tensor:
                 rep = me()
                 if rep is None:
                     return grad
                 if rep.generation != gen:
                     rep.late_grad = True
-                # (the owners' requires_grad as at the last forward: the common case, one look at a few flags)
-                if rep.requires() != rep._requires and not rep.own_weights()[part].requires_grad:
-                    return torch.zeros_like(grad)
-                return grad
+                # (every expert parameter requiring grad: the common case, one look at a few flags)
+                keep = rep._keep(part, rows)
+                return grad if keep is None else grad * keep.to(grad.dtype)
 
             leaf.register_hook(hook)
             if leaf.dtype in (torch.bfloat16, torch.float16) and not getattr(leaf, "_feplb_wide", False):
                 leaf._feplb_wide = True
                 leaf.register_post_accumulate_grad_hook(_widen)
         return leaf
+
+    def _keep(self, part: int, rows: tuple[int, ...] | None) -> torch.Tensor | None:
+        """What of a gradient of part ``part``'s copies (of the owners' local experts ``rows``, one per copy) reaches
+        the owners: None where every expert parameter requires grad; else 1 where the element comes from a
+        parameter that requires grad, 0 where from a frozen one (the layer's ``_join`` of 0 / 1 tensors shaped as
+        its parameters, where it derives its weights from them; made once per set of flags). Read off this rank's
+        parameters, as the copies' requires_grad is (the ranks freeze alike)."""
+        req = self.requires()
+        if all(req):
+            return None
+        lay = self._layer()
+        params = lay.expert_params()
+        key = (req, tuple((p.device, p.dtype) for p in params))
+        cache = self.__dict__.get("_keep_masks")
+        if cache is None or cache[0] != key:
+            with torch.no_grad():
+                flags = [torch.full(p.shape, float(p.requires_grad), dtype=p.dtype, device=p.device) for p in params]
+                join = getattr(lay, "_join", None)
+                masks = tuple(m.detach() for m in (join(*flags) if join is not None else flags))
+            self._keep_masks = cache = (key, masks)
+        mask = cache[1][part]
+        return mask[:1] if rows is None else mask[list(rows)]
 
     def mark_used(self, e: int) -> None:
         """Note that this forward computes with (or sends) this rank's replica of expert e: its gradient may be
@@ -355,12 +380,15 @@ class Replicas:
         return tuple(got[j * n + k].view(shape) for j, shape in enumerate(self._layer().part_shapes))
 
     def _bank(self, ws: list[tuple[torch.Tensor, ...]], req: tuple[bool, ...] | None = None, *, slot: bool = False,
-              ) -> tuple[torch.Tensor, ...]:
+              experts: list[int] | None = None) -> tuple[torch.Tensor, ...]:
         """The experts ``ws`` (one tuple of parts each) stacked part by part; with ``req``, as watched leaves that
         require grad where the owner's parts do (slot: of the ``+place`` bank, see ``_watch``)."""
         stacked = tuple(torch.stack([w[j] for w in ws]) for j in range(len(ws[0])))
         if req is None:
             return stacked
+        rows = None if experts is None else tuple(e % self._layer().num_local for e in experts)
+        for t in stacked:
+            t._feplb_rows = rows     # (the owners' local experts, copy by copy: see _keep)
         return tuple(self._watch(t.requires_grad_(r), j, slot=slot)
                      for j, (t, r) in enumerate(zip(stacked, req, strict=True)))
 
@@ -411,8 +439,11 @@ class Replicas:
                 raise RuntimeError(f"MoELayer: GPU {self._layer().rank} received expert {e}'s weights again in a step "
                                    "that already holds them (lazy replicas)")
         req = tuple(w.requires_grad for w in self.own_weights())
-        bank = tuple(self._watch(t.detach().requires_grad_(r), j)
-                     for j, (t, r) in enumerate(zip(parts, req, strict=True)))
+        rows = tuple(e % self._layer().num_local for e in experts)
+        leaves = [t.detach() for t in parts]
+        for t in leaves:
+            t._feplb_rows = rows
+        bank = tuple(self._watch(t.requires_grad_(r), j) for j, (t, r) in enumerate(zip(leaves, req, strict=True)))
         b = len(self.held_banks)
         self.held_banks.append(bank)
         self.held.update({e: (b, i) for i, e in enumerate(experts)})
@@ -450,10 +481,11 @@ class Replicas:
         req = tuple(w.requires_grad for w in own)
         if mine:
             self.replica_of = {e: j for j, e in enumerate(mine)}
-            self.replica_bank = self._bank([self._received(got, index[(e, r)], n) for e in mine], req)
+            self.replica_bank = self._bank([self._received(got, index[(e, r)], n) for e in mine], req, experts=mine)
         if not placement.own_slots:
             self.slot_bank = self._bank([self._received(got, index[(e, r)], n) if e // lay.num_local != r
-                                         else self.owned(e, own) for e in placement.my_slots], req, slot=True)
+                                         else self.owned(e, own) for e in placement.my_slots], req, slot=True,
+                                        experts=list(placement.my_slots))
 
     @torch.inference_mode(False)
     @torch.no_grad()

@@ -915,3 +915,45 @@ def test_without_torchtitan_apply_names_the_extra(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "torchtitan.models.common", None)
     with pytest.raises(ImportError, match=r"feplb\.titan needs torchtitan >= 0\.3 \(pip install 'feplb\[titan\]'\)"):
         ft._torchtitan()
+
+
+def _part_frozen_case(rank: int, world: int, when: str) -> dict:
+    """torchtitan's w3 alone frozen (a) between the step's two micro-batches or (b) between the second's forward and
+    its backward: the copies hold one part for [w1 | w3], and the owners' reduced gradients must be plain EP's
+    (policy 'none'), where autograd gives w3 nothing of the backwards after the freeze (+place, @ema, lazy @ema)."""
+    import feplb.titan as ft
+
+    base = make_moe("qwen3")
+    out = {}
+    for policy, replicas in (("feplb-split+place", "eager"), ("feplb-split@ema", "eager"), ("feplb@ema", "lazy")):
+        grads, moved = {}, 0
+        for p in (policy, "none"):
+            moe = copy.deepcopy(base)
+            ft.apply(moe, policy=p, weights="per-step", dtype=torch.float32, gpus_per_node=min(2, world),
+                     refresh_every=1, replicas=replicas if p != "none" else "eager", **OPTS)
+            ex = moe.routed_experts
+            with torch.no_grad():
+                ex(*_inputs(rank + 50))
+            ft.refresh_replicas(moe)
+            w3 = ex.inner_experts.w3_EFD
+            for mb in range(2):
+                if when == "between" and mb == 1:
+                    w3.requires_grad_(False)
+                y = ex(*_inputs(rank + 10 * mb))
+                if when == "fwd_bwd" and mb == 1:
+                    w3.requires_grad_(False)
+                (y ** 2).mean().backward()
+                moved += ex.last_stats.rows_moved if p != "none" else 0
+            ft.reduce_replica_grads(moe)
+            grads[p] = {n: q.grad.clone() for n, q in ex.named_parameters()}
+        out[policy, replicas] = (max(_rel(grads[policy][n], grads["none"][n]) for n in grads["none"]), moved)
+    return out
+
+
+@pytest.mark.parametrize("when", ["between", "fwd_bwd"])
+def test_part_frozen_within_a_step_matches_plain_ep(when):
+    runs = run_dist(_part_frozen_case, 4, when, timeout_s=200)
+    for r in runs:
+        for key, (err, _) in r.items():
+            assert err <= 1e-5, (when, key, err)
+    assert all(moved > 0 for _, moved in runs[0].values()), runs[0]
