@@ -563,7 +563,6 @@ class Replicas:
                     a[e - r * L] += part.view(shape)   # (type promotion: added in fp32)
         self.zero_grads()
         self.trained = set()
-        lay._drop_zero_grads()    # (the sum becomes the gradient itself: no zeros beside it at the peak)
         # through expert_weights() (made with autograd on): the owner's parameters get the gradient whatever their
         # layout, each weight its parts one backward pass at a time (one call takes each tensor once), each part made
         # when its pass comes (fp16 sums far beyond its range take many)

@@ -458,30 +458,17 @@ class TrainingSteps:
         holds a zero gradient, as plain EP's hold theirs after a backward, noted as an accumulation is: a loop
         that drops it (a model's ``zero_grad``) or changes it in place (torch's clipping, a scaling) before the
         reduction is then refused (``_grads_dropped``) instead of the bank's share being added unchanged, and the
-        reduction adds into it. Local."""
+        reduction adds into it (also what a write through ``.data``, which no version counter sees, put there, as
+        plain EP's gradient would keep it). Local."""
         trained = self.replicas.trained
         params = [p for i, p in enumerate(self.expert_params())
                   if p.grad is None and p.requires_grad and i in trained and not hasattr(p, "main_grad")]
         if not params:
             return
         self._watch_accumulated(params)
-        from torch.utils.weak import WeakIdKeyDictionary
-
-        held = self.__dict__.setdefault("_zero_grads", WeakIdKeyDictionary())
         for p in params:
             p.grad = torch.zeros_like(p)
             self._accumulated[p] = (weakref.ref(p.grad), p.grad._version)
-            held[p] = (weakref.ref(p.grad), p.grad._version)
-
-    def _drop_zero_grads(self) -> None:
-        """Before the reduction adds the step's gradient: let go of the zero gradients ``_hold_zero_grads`` gave
-        that are still as it gave them (the reduction refused any changed in place), so that the sum becomes the
-        gradient itself instead of being added into them beside it (one whose version moved holds more: an
-        accumulation, where the GEMMs also read the owners' parameters). Local."""
-        held = self.__dict__.pop("_zero_grads", None)
-        for p, (ref, version) in list((held or {}).items()):
-            if p.grad is not None and ref() is p.grad and p.grad._version == version:
-                p.grad = None
 
     def _watch_accumulated(self, params: list) -> None:
         """Note, after every accumulation into an expert parameter's gradient, that tensor and its version

@@ -471,6 +471,22 @@ def _loops_review_worker(rank, world):
     for m in layers.values():
         m.close()
 
+    # 2d. weight decay added to the gradients through .data (no version counter sees it) before the attached step
+    # under +place: the owners' zero gradients carry it into the reduction, which adds the bank's share to it, as
+    # plain EP's gradients keep it (a reduction that let the zeros go would lose it)
+    layers, opts = pair("feplb-split+place")
+    for step in range(2):
+        for p, m in layers.items():
+            for mb in range(2):
+                (m(_x(rank, 10 * step + mb).double()) ** 2).mean().backward()
+            for q in (m.w1, m.w2):
+                q.grad.data.add_(q.data, alpha=0.1)
+            opts[p].step()
+            opts[p].zero_grad()
+    res["data_decay"] = diff(layers)
+    for m in layers.values():
+        m.close()
+
     # 2c. w2 frozen between a micro-batch's forward and its backward: autograd leaves plain EP's w2 alone in that
     # backward, and the per-step copies' share of it is dropped alike (+place's bank, @ema replicas, lazy ones)
     for policy, kw in (("feplb-split+place", {}), ("feplb-split@ema", {}), ("feplb@ema", {"replicas": "lazy"})):
@@ -554,6 +570,7 @@ def test_loops_from_a_review():
             assert got[how]["diff"] <= 1e-12, (r, how, got[how]["diff"])
         for k in ("frozen0", "frozen1"):
             assert got[k]["diff"] <= 1e-12, (r, k, got[k])
+        assert got["data_decay"] <= 1e-12, (r, got["data_decay"])
         for k in [k for k in got if k.startswith("frozen_fwd_bwd")]:
             assert got[k] <= 1e-12, (r, k, got[k])
         assert not got["eval_mode"]["errors"] and got["eval_mode"]["diff"] <= 1e-12, (r, got["eval_mode"])
