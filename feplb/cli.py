@@ -369,6 +369,8 @@ def _option_notes(args: argparse.Namespace, config, workloads: list) -> list[str
         ids = getattr(w, "topk_ids_TLK", None)
         if args.experts is not None and ids is None and not spec.startswith("synthetic:"):
             notes.append(f"trace {spec}: --experts {args.experts} is not used: its counts give E={w.num_experts}")
+        elif args.experts is not None and args.experts != w.num_experts and spec.startswith("synthetic:"):
+            notes.append(f"trace {spec}: --experts {args.experts} is not used: the spec's E={w.num_experts} is")
         if args.experts is None and ids is not None:
             routed = np.unique(ids).size
             if 2 * routed <= w.num_experts:

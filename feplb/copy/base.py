@@ -191,7 +191,8 @@ class CopyEngine:
             m = np.asarray(matrix)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"copy path ({op}): matrix must be a {g} x {g} array of element counts: {exc}") from exc
-        # (dtype.kind "iu": the integer dtypes, as np.issubdtype(dtype, np.integer), without its cost)
+        # (dtype.kind "iu": the signed and unsigned integer dtypes, without np.issubdtype's cost; unlike it, numpy's
+        # timedelta64 is refused too, which no count is)
         if m.shape != (g, g) or not (m.dtype.kind in "iu" or m.dtype == np.bool_ and not m.any()):
             raise ValueError(f"copy path ({op}): matrix must be a {g} x {g} array of integer element counts, got "
                              f"shape {m.shape} of {m.dtype}")

@@ -561,6 +561,14 @@ def test_options_of_policies_not_simulated_and_experts_of_counts_are_said(tmp_pa
                      "--eplb-groups changes the eplb policies only, and none is simulated",
                      f"trace {olmoe}: --experts 32 is not used: its counts give E=16"], notes
     capsys.readouterr()
+    # a synthetic spec's own E wins over --experts (which only sets its default)
+    spec = "synthetic:zipf:E=16:K=2:L=2"
+    assert main(["simulate", spec, *FAST, "--policies", "none,feplb", "--experts", "32", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["notes"] == [f"trace {spec}: --experts 32 is not used: the spec's E=16 is"]
+    assert main(["simulate", "synthetic:zipf:K=2:L=2", *FAST, "--policies", "none,feplb", "--experts", "32",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["notes"] == []
+    capsys.readouterr()
     # where they apply, nothing is said
     assert main(["simulate", str(flame_path), *FAST, "--policies", "none,feplb-split,eplb", "--experts", "64",
                  "--min-chunk", "7", "--tau", "0.5", "--eplb-slots", "2", "--recopy-weights",

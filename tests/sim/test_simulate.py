@@ -175,7 +175,8 @@ def test_pooled_summary_marks_mixed_shapes():
 def test_extra_weights_held_per_gpu():
     """The memory metric (expert weights the busiest GPU holds beyond its own): nothing for plain EP; for
     per-micro-batch policies the copies a plan sends the GPU receiving most; (G - 1) x dyn eager replicas per GPU
-    under @ema after a refresh; the experts +place puts on a GPU away from their owners; EPLB's redundant slots."""
+    under @ema after a refresh; the experts +place puts on a GPU away from their owners; the slots of EPLB's
+    layout away from their owners."""
     from feplb.sched import parse_policy
     from feplb.simulate import extra_weights
 
