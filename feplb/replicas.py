@@ -152,7 +152,8 @@ class Replicas:
         self.ever_held = False        # some rank has held per-step copies (a global fact: pairs are global)
         self.generation = 0           # bumped by every refresh; a gradient of an older generation is late
         self.late_grad = False
-        # indices into expert_params() of those that required grad in a training forward since the last reduction
+        # indices into expert_params() of those that required grad when a backward reached the copies, since the
+        # last reduction (the copies' gradient hook, _watch)
         self.trained: set[int] = set()
         self.stepped = False          # an optimizer stepped the owner's parameters since the last refresh
         self._versions: tuple[int, ...] = ()
@@ -216,13 +217,7 @@ class Replicas:
 
     def sync_requires(self) -> None:
         """Make the copies require grad where the owners' weights now do (experts frozen or unfrozen since the
-        refresh: a copy made while they were frozen would send no gradient back), and note which expert
-        parameters required grad in a forward that may have a backward (in training mode, or with autograd on:
-        a loop may train in eval mode, dropout off) since the last reduction (``trained``). Local; every
-        forward."""
-        lay = self._layer()
-        if lay.training or torch.is_grad_enabled():
-            self.trained |= {i for i, p in enumerate(lay.expert_params()) if p.requires_grad}
+        refresh: a copy made while they were frozen would send no gradient back). Local; every forward."""
         if not (self.pairs or self.lazy_pairs) or self._requires == self.requires():
             return
         req = tuple(w.requires_grad for w in self.own_weights())
@@ -237,8 +232,9 @@ class Replicas:
 
     def zero_grads(self) -> None:
         """Drop the gradients the per-step copies accumulated (what ``zero_grad`` does to the owners'): a backward
-        whose gradients the training loop discards must not reach the owners at the next reduction. (``trained``
-        stays: a loop zeroes between a forward and its backward too.)"""
+        whose gradients the training loop discards must not reach the owners at the next reduction; nor do they
+        count as trained any more (``trained``: a backward sets it)."""
+        self.trained = set()
         for w in self._held():
             w.grad = None
             w._feplb_grad32 = None
@@ -284,8 +280,12 @@ class Replicas:
                     return grad
                 if rep.generation != gen:
                     rep.late_grad = True
+                # the expert parameters a backward reached the copies while they required grad (``trained``: a
+                # forward alone, an evaluation with autograd on, trains nothing, as in plain EP)
+                req = rep.requires()
+                rep.trained.update(i for i, r in enumerate(req) if r)
                 # (every expert parameter requiring grad: the common case, one look at a few flags)
-                keep = rep._keep(part, rows)
+                keep = rep._keep(part, rows, req)
                 return grad if keep is None else grad * keep.to(grad.dtype)
 
             leaf.register_hook(hook)
@@ -294,13 +294,12 @@ class Replicas:
                 leaf.register_post_accumulate_grad_hook(_widen)
         return leaf
 
-    def _keep(self, part: int, rows: tuple[int, ...] | None) -> torch.Tensor | None:
+    def _keep(self, part: int, rows: tuple[int, ...] | None, req: tuple[bool, ...]) -> torch.Tensor | None:
         """What of a gradient of part ``part``'s copies (of the owners' local experts ``rows``, one per copy) reaches
         the owners: None where every expert parameter requires grad; else 1 where the element comes from a
         parameter that requires grad, 0 where from a frozen one (the layer's ``_join`` of 0 / 1 tensors shaped as
         its parameters, where it derives its weights from them; made once per set of flags). Read off this rank's
-        parameters, as the copies' requires_grad is (the ranks freeze alike)."""
-        req = self.requires()
+        parameters (``req``: their ``requires()`` now), as the copies' requires_grad is (the ranks freeze alike)."""
         if all(req):
             return None
         lay = self._layer()

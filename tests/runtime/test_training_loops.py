@@ -487,6 +487,29 @@ def _loops_review_worker(rank, world):
     for m in layers.values():
         m.close()
 
+    # 2e. an evaluation forward with autograd on (no backward) while w2 trains, w2 frozen for the step's
+    # micro-batches and at the step: no backward reached w2, plain EP's w2 holds no gradient and weight decay
+    # leaves it alone; so under +place (whose owners' gradients come from the reduction)
+    layers = {p: _layer(p, dtype=torch.float64) for p in ("feplb-split+place", "none")}
+    for m in layers.values():
+        opt = torch.optim.SGD(m.parameters(), lr=0.2, weight_decay=0.1)
+        m.attach_optimizer(opt)
+        with torch.no_grad():
+            m(_x(rank, 99).double())
+        m.refresh_replicas()
+        for step in range(2):
+            m.eval()
+            m(_x(rank, 50 + step).double())      # autograd on, the output dropped
+            m.train()
+            m.w2.requires_grad_(False)
+            (m(_x(rank, step).double()) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            m.w2.requires_grad_(True)
+    res["eval_then_frozen"] = diff(layers)
+    for m in layers.values():
+        m.close()
+
     # 2c. w2 frozen between a micro-batch's forward and its backward: autograd leaves plain EP's w2 alone in that
     # backward, and the per-step copies' share of it is dropped alike (+place's bank, @ema replicas, lazy ones)
     for policy, kw in (("feplb-split+place", {}), ("feplb-split@ema", {}), ("feplb@ema", {"replicas": "lazy"})):
@@ -571,6 +594,7 @@ def test_loops_from_a_review():
         for k in ("frozen0", "frozen1"):
             assert got[k]["diff"] <= 1e-12, (r, k, got[k])
         assert got["data_decay"] <= 1e-12, (r, got["data_decay"])
+        assert got["eval_then_frozen"] <= 1e-12, (r, got["eval_then_frozen"])
         for k in [k for k in got if k.startswith("frozen_fwd_bwd")]:
             assert got[k] <= 1e-12, (r, k, got[k])
         assert not got["eval_mode"]["errors"] and got["eval_mode"]["diff"] <= 1e-12, (r, got["eval_mode"])
