@@ -502,9 +502,9 @@ class Replicas:
             pairs = [pair for pair, f in zip(pairs, idle.tolist(), strict=True) if f == 0]
         # Experts frozen (requires_grad_(False)) after a backward of the step: their parameters keep the gradient
         # they had, and an optimizer steps it, as in plain EP, so the copies' share is added to it too (with
-        # requires_grad on for the addition only); so is one without a gradient that required grad in a training
-        # forward since the last reduction (a +place bank, which the GEMMs read instead of the owners' parameters,
-        # holds all of the step's gradient until now); one frozen all along gets none
+        # requires_grad on for the addition only); so is one without a gradient that required grad when a backward
+        # reached the copies since the last reduction (a +place bank, which the GEMMs read instead of the owners'
+        # parameters, holds all of the step's gradient until now); one frozen all along gets none
         frozen = [p for i, p in enumerate(lay.expert_params())
                   if not p.requires_grad and (p.grad is not None or i in self.trained)]
         for p in frozen:
