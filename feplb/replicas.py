@@ -256,9 +256,10 @@ class Replicas:
         ``expert_weights()`` the leaf copies: the elements of a gradient that come from a parameter that no longer
         requires grad (frozen between a forward and its backward, or, where a part joins several parameters, as
         torchtitan's [w1 | w3] or Megatron's experts, since the step's earlier micro-batches) are taken as zero, as
-        autograd leaves a frozen parameter alone (``_keep``). slot: a
-        leaf of the ``+place`` bank, which the GEMMs read instead of the owner's parameters: each gradient it
-        accumulates also gives those a zero gradient where they hold none (``MoELayer._hold_zero_grads``)."""
+        autograd leaves a frozen parameter alone (``_keep``); the parameters that require grad then count as trained
+        (``trained``). slot: a leaf of the ``+place`` bank, which the GEMMs read instead of the owner's parameters:
+        each gradient it accumulates also gives those a zero gradient where they hold none
+        (``MoELayer._hold_zero_grads``)."""
         if leaf.requires_grad:
             gen, me = self.generation, weakref.ref(self)
             if slot and not getattr(leaf, "_feplb_slot", False):
@@ -560,8 +561,7 @@ class Replicas:
             if o == r and k in got:
                 for a, part, shape in zip(adds, got[k].split(sizes), shapes, strict=True):
                     a[e - r * L] += part.view(shape)   # (type promotion: added in fp32)
-        self.zero_grads()
-        self.trained = set()
+        self.zero_grads()     # (and trained)
         # through expert_weights() (made with autograd on): the owner's parameters get the gradient whatever their
         # layout, each weight its parts one backward pass at a time (one call takes each tensor once), each part made
         # when its pass comes (fp16 sums far beyond its range take many)
