@@ -472,14 +472,18 @@ class TrainingSteps:
 
     def _watch_accumulated(self, params: list) -> None:
         """Note, after every accumulation into an expert parameter's gradient, that tensor and its version
-        (``_grads_dropped``): a hook on each, once (from the first forward with per-step copies on, before its
-        backward)."""
-        if self.__dict__.get("_watching_accumulated") or not params:
-            return
-        self._watching_accumulated = True
-        from torch.utils.weak import WeakIdKeyDictionary
+        (``_grads_dropped``): a hook on each of ``params`` (which require grad) not yet watched (from the first
+        forward with per-step copies on, before its backward; one unfrozen or replaced later, at the next)."""
+        hooked = self.__dict__.get("_accumulated_hooked")
+        if hooked is None:
+            from torch.utils.weak import WeakIdKeyDictionary
 
-        self._accumulated = WeakIdKeyDictionary()   # (parameters by identity: a tensor's == is elementwise)
+            # (parameters by identity: a tensor's == is elementwise)
+            self._accumulated = WeakIdKeyDictionary()
+            self._accumulated_hooked = hooked = WeakIdKeyDictionary()
+        new = [p for p in params if p not in hooked]
+        if not new:
+            return
         ref = weakref.ref(self)
 
         def accumulated(p: torch.Tensor) -> None:
@@ -487,7 +491,9 @@ class TrainingSteps:
             if lay is not None and p.grad is not None:
                 lay._accumulated[p] = (weakref.ref(p.grad), p.grad._version)
 
-        self._hooks += [p.register_post_accumulate_grad_hook(accumulated) for p in params]
+        for p in new:
+            self._hooks.append(p.register_post_accumulate_grad_hook(accumulated))
+            hooked[p] = True
 
     def _adopt(self, state) -> None:
         """Execute the slow decisions of ``state`` from now on (placement, @ema sets, EPLB replicas)."""

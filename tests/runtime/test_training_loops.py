@@ -510,6 +510,23 @@ def _loops_review_worker(rank, world):
     for m in layers.values():
         m.close()
 
+    # 2f. w2 frozen through the first forwards, unfrozen later: a scaling of its gradient after a backward, before
+    # the reduction, is refused on every rank as w1's is (its accumulations are watched from its first forward
+    # requiring grad on, not only those of the parameters that required grad at the layer's first)
+    layers, opts = pair("feplb-split@ema")
+    m = layers["feplb-split@ema"]
+    errors = []
+    for step in range(2):
+        m.w2.requires_grad_(step == 1)
+        (m(_x(rank, step).double()) ** 2).mean().backward()
+        if step == 1:
+            m.w2.grad.mul_(0.5)
+        errors.append(error_of(opts["feplb-split@ema"].step))
+        opts["feplb-split@ema"].zero_grad()
+    res["unfrozen_scaled"] = errors
+    for m in layers.values():
+        m.close()
+
     # 2c. w2 frozen between a micro-batch's forward and its backward: autograd leaves plain EP's w2 alone in that
     # backward, and the per-step copies' share of it is dropped alike (+place's bank, @ema replicas, lazy ones)
     for policy, kw in (("feplb-split+place", {}), ("feplb-split@ema", {}), ("feplb@ema", {"replicas": "lazy"})):
@@ -595,6 +612,8 @@ def test_loops_from_a_review():
             assert got[k]["diff"] <= 1e-12, (r, k, got[k])
         assert got["data_decay"] <= 1e-12, (r, got["data_decay"])
         assert got["eval_then_frozen"] <= 1e-12, (r, got["eval_then_frozen"])
+        first, second = got["unfrozen_scaled"]
+        assert first is None and second is not None and "changed in place" in second, (r, got["unfrozen_scaled"])
         for k in [k for k in got if k.startswith("frozen_fwd_bwd")]:
             assert got[k] <= 1e-12, (r, k, got[k])
         assert not got["eval_mode"]["errors"] and got["eval_mode"]["diff"] <= 1e-12, (r, got["eval_mode"])
