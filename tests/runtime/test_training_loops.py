@@ -388,9 +388,10 @@ def _loops_review_worker(rank, world):
     optimizer stepped with a closure; and a per-layer call made a second time on one rank only."""
     res = {}
 
-    def pair(policy):
-        layers = {p: _layer(p, dtype=torch.float64) for p in (policy, "none")}
-        opts = {p: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.5) for p, m in layers.items()}
+    def pair(policy, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.5), **kw):
+        """The balancing layer (``kw`` its config's) and plain EP's, each with an attached ``optimizer(params)``."""
+        layers = {p: _layer(p, dtype=torch.float64, **(kw if p != "none" else {})) for p in (policy, "none")}
+        opts = {p: optimizer(m.parameters()) for p, m in layers.items()}
         for p, m in layers.items():
             m.attach_optimizer(opts[p])
             with torch.no_grad():
@@ -490,13 +491,9 @@ def _loops_review_worker(rank, world):
     # 2e. an evaluation forward with autograd on (no backward) while w2 trains, w2 frozen for the step's
     # micro-batches and at the step: no backward reached w2, plain EP's w2 holds no gradient and weight decay
     # leaves it alone; so under +place (whose owners' gradients come from the reduction)
-    layers = {p: _layer(p, dtype=torch.float64) for p in ("feplb-split+place", "none")}
-    for m in layers.values():
-        opt = torch.optim.SGD(m.parameters(), lr=0.2, weight_decay=0.1)
-        m.attach_optimizer(opt)
-        with torch.no_grad():
-            m(_x(rank, 99).double())
-        m.refresh_replicas()
+    layers, opts = pair("feplb-split+place", lambda ps: torch.optim.SGD(ps, lr=0.2, weight_decay=0.1))
+    for p, m in layers.items():
+        opt = opts[p]
         for step in range(2):
             m.eval()
             m(_x(rank, 50 + step).double())      # autograd on, the output dropped
@@ -530,13 +527,8 @@ def _loops_review_worker(rank, world):
     # 2c. w2 frozen between a micro-batch's forward and its backward: autograd leaves plain EP's w2 alone in that
     # backward, and the per-step copies' share of it is dropped alike (+place's bank, @ema replicas, lazy ones)
     for policy, kw in (("feplb-split+place", {}), ("feplb-split@ema", {}), ("feplb@ema", {"replicas": "lazy"})):
-        layers = {p: _layer(p, dtype=torch.float64, **(kw if p != "none" else {})) for p in (policy, "none")}
-        opts = {p: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.5) for p, m in layers.items()}
+        layers, opts = pair(policy, **kw)
         for p, m in layers.items():
-            m.attach_optimizer(opts[p])
-            with torch.no_grad():
-                m(_x(rank, 99).double())
-            m.refresh_replicas()
             for step in range(2):
                 for mb in range(2):
                     y = m(_x(rank, 10 * step + mb).double())
