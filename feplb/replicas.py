@@ -273,7 +273,7 @@ class Replicas:
 
                 leaf.register_post_accumulate_grad_hook(owners)
 
-            rows = getattr(leaf, "_feplb_rows", None)
+            rows = leaf._feplb_rows
 
             def hook(grad: torch.Tensor) -> torch.Tensor:
                 rep = me()
@@ -295,7 +295,7 @@ class Replicas:
                 leaf.register_post_accumulate_grad_hook(_widen)
         return leaf
 
-    def _keep(self, part: int, rows: tuple[int, ...] | None, req: tuple[bool, ...]) -> torch.Tensor | None:
+    def _keep(self, part: int, rows: tuple[int, ...], req: tuple[bool, ...]) -> torch.Tensor | None:
         """What of a gradient of part ``part``'s copies (of the owners' local experts ``rows``, one per copy) reaches
         the owners: None where every expert parameter requires grad; else 1 where the element comes from a
         parameter that requires grad, 0 where from a frozen one (the layer's ``_join`` of 0 / 1 tensors shaped as
@@ -314,7 +314,7 @@ class Replicas:
                 masks = tuple(m.detach() for m in (join(*flags) if join is not None else flags))
             self._keep_masks = cache = (key, masks)
         mask = cache[1][part]
-        return mask[:1] if rows is None else mask[list(rows)]
+        return mask[list(rows)]
 
     def mark_used(self, e: int) -> None:
         """Note that this forward computes with (or sends) this rank's replica of expert e: its gradient may be
@@ -379,14 +379,15 @@ class Replicas:
         """Copy k's parts from the items an exchange of ``n`` copies received, in their shapes."""
         return tuple(got[j * n + k].view(shape) for j, shape in enumerate(self._layer().part_shapes))
 
-    def _bank(self, ws: list[tuple[torch.Tensor, ...]], req: tuple[bool, ...] | None = None, *, slot: bool = False,
-              experts: list[int] | None = None) -> tuple[torch.Tensor, ...]:
-        """The experts ``ws`` (one tuple of parts each) stacked part by part; with ``req``, as watched leaves that
-        require grad where the owner's parts do (slot: of the ``+place`` bank, see ``_watch``)."""
+    def _bank(self, ws: list[tuple[torch.Tensor, ...]], req: tuple[bool, ...] | None = None,
+              experts: list[int] | None = None, *, slot: bool = False) -> tuple[torch.Tensor, ...]:
+        """The experts ``ws`` (one tuple of parts each) stacked part by part; with ``req`` and ``experts`` (their
+        ids, in ``ws``'s order), as watched leaves that require grad where the owner's parts do (slot: of the
+        ``+place`` bank, see ``_watch``)."""
         stacked = tuple(torch.stack([w[j] for w in ws]) for j in range(len(ws[0])))
         if req is None:
             return stacked
-        rows = None if experts is None else tuple(e % self._layer().num_local for e in experts)
+        rows = tuple(e % self._layer().num_local for e in experts)
         for t in stacked:
             t._feplb_rows = rows     # (the owners' local experts, copy by copy: see _keep)
         return tuple(self._watch(t.requires_grad_(r), j, slot=slot)
@@ -481,11 +482,11 @@ class Replicas:
         req = tuple(w.requires_grad for w in own)
         if mine:
             self.replica_of = {e: j for j, e in enumerate(mine)}
-            self.replica_bank = self._bank([self._received(got, index[(e, r)], n) for e in mine], req, experts=mine)
+            self.replica_bank = self._bank([self._received(got, index[(e, r)], n) for e in mine], req, mine)
         if not placement.own_slots:
             self.slot_bank = self._bank([self._received(got, index[(e, r)], n) if e // lay.num_local != r
-                                         else self.owned(e, own) for e in placement.my_slots], req, slot=True,
-                                        experts=list(placement.my_slots))
+                                         else self.owned(e, own) for e in placement.my_slots], req,
+                                        list(placement.my_slots), slot=True)
 
     @torch.inference_mode(False)
     @torch.no_grad()
