@@ -175,6 +175,7 @@ def _local(layer, key: str, value: Any, dim: int | None, like: torch.Tensor | No
                              f"ranks {mesh.mesh.flatten().tolist()}; this rank's layer loads {layout}")
         saved_by = getattr(value, "_feplb_ep_rank", None)
         if saved_by is not None and saved_by != layer.rank:
+            _refusal_met(layer)
             raise ValueError(f"{key}: this DTensor's local part is the shard of EP rank {saved_by}, which saved it "
                              f"(this is EP rank {layer.rank}): a state dict torch.save'd on one rank and loaded on "
                              "every rank would give each rank the saving rank's experts. Load each rank's own "
@@ -185,6 +186,22 @@ def _local(layer, key: str, value: Any, dim: int | None, like: torch.Tensor | No
     if whole is not None and W > 1 and isinstance(value, torch.Tensor) and value.shape == whole:
         return layer.local_shard(pname, value).clone()
     return value
+
+
+def _refusal_met(layer) -> None:
+    """Before this rank refuses a state dict another EP rank saved: the handshake of that refusal over the layer's
+    EP group (``feplb.steps.ENTRY_LOAD``), so that the ranks that loaded it without an error (the saving rank's own,
+    when one rank's ``torch.save`` file is loaded on every rank, as accelerate's ``load_state`` does), already in
+    their next forward or per-step call, raise there too instead of waiting for this rank; ranks refusing alike meet
+    here. Whatever the handshake says (or a peer gone), this rank then raises its own refusal."""
+    from feplb.steps import ENTRY_LOAD
+
+    handshake = getattr(layer, "_step_handshake", None)
+    if handshake is None or layer.world_size <= 1 or layer.__dict__.get("_closed") \
+            or getattr(layer, "control", None) is None:
+        return
+    with contextlib.suppress(Exception):   # noqa: BLE001 - this rank's own refusal follows
+        handshake(ENTRY_LOAD)
 
 
 # ------------------------------------------------------------------------------------------------ module hooks

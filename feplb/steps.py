@@ -92,8 +92,11 @@ FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, STEPS, DROPPED = range(len(HEADER))
 ENTRIES = {1: "optimizer.step() of an optimizer attached to the layer", 2: "reduce_replica_grads()",
            3: "refresh_replicas()", 4: "average_expert_grads()", 5: "feplb.clip_grad_norm_()",
            6: "the unscale_() or step() of a GradScaler attached with the optimizer",
-           7: "the recompute of a checkpointed forward (in its backward)"}
-ENTRY_STEP, ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_SCALER, ENTRY_RECOMPUTE = ENTRIES
+           7: "the recompute of a checkpointed forward (in its backward)",
+           8: "the refusal of a state dict whose expert shards another EP rank saved (load_state_dict)"}
+ENTRY_STEP, ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_SCALER, ENTRY_RECOMPUTE, ENTRY_LOAD = ENTRIES
+# (ENTRY_LOAD: a rank refusing, in load_state_dict, a state dict another EP rank torch.save'd sends it before raising,
+# so that the ranks that loaded theirs, already in their next forward or per-step call, raise too: feplb.sharded)
 # bits of a step row's PROBLEM
 STEP_PROBLEM_UNATTACHED_SCALER = 1
 STEP_PROBLEM_NOT_AVERAGED = 2
@@ -133,7 +136,25 @@ def _by_entry(gathered: np.ndarray, ranks: list[int]) -> str:
     return "; ".join(f"EP rank(s) {rs} in {what}" for what, rs in calls.items())
 
 
+def refused_load(gathered: np.ndarray) -> str | None:
+    """The error of the ranks that went on after some refused, in ``load_state_dict``, a state dict whose expert
+    shards another EP rank saved (their ``ENTRY_LOAD`` rows), or None where no rank did."""
+    refusing = np.nonzero((gathered[:, LAYER] < 0) & (gathered[:, CALLS] == ENTRY_LOAD))[0].tolist()
+    if not refusing:
+        return None
+    others = [r for r in range(len(gathered)) if r not in refusing]
+    return (f"MoELayer: EP rank(s) {refusing} refused, in load_state_dict, a state dict whose expert shards another "
+            f"EP rank saved (see the error there), while EP rank(s) {others} loaded it and went on: one rank's "
+            "torch.save'd state dict (accelerate's save_state, which writes the main process's alone) loaded on every "
+            "rank would give every rank that rank's experts. Every rank stops here; the ranks' weights now differ in "
+            "what they loaded: load each rank's own shards (torch.distributed.checkpoint, at any EP size; one file "
+            "per rank; or a whole state dict, full_state_dict(model), which every rank loads) on every rank again")
+
+
 def _skipped(gathered: np.ndarray) -> str:
+    load = refused_load(gathered)
+    if load is not None:
+        return load
     layers = gathered[:, LAYER]
     forward, calling = np.nonzero(layers >= 0)[0].tolist(), np.nonzero(layers < 0)[0].tolist()
     if (gathered[calling, CALLS] == ENTRY_RECOMPUTE).all():
@@ -177,6 +198,9 @@ def read_step(gathered: np.ndarray) -> None:
     forward, a forward's counts row from a rank already in the next forward), raising on every rank together where
     the ranks are not all in the same call, or some rank's call is refused."""
     layers = gathered[:, LAYER]
+    load = refused_load(gathered)
+    if load is not None:
+        raise ValueError(load)
     if (layers >= 0).any():
         raise RuntimeError(_skipped(gathered))
     calls = gathered[:, CALLS]
@@ -227,7 +251,8 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
         return _counts(gathered, slots_WS, W, L, balance=balance, min_straggler=min_straggler)
     layers = gathered[:, LAYER]
     if (layers < 0).any():      # ranks in a call between the backward and this forward that this rank skipped
-        raise RuntimeError(_skipped(gathered))
+        load = refused_load(gathered)
+        raise RuntimeError(_skipped(gathered)) if load is None else ValueError(load)
     if (layers != layers[0]).any():
         raise RuntimeError(
             f"MoELayer: the EP ranks ran different MoE layers in one forward (layer number per EP rank: "

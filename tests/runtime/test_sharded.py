@@ -432,3 +432,52 @@ def test_per_rank_state_at_another_ep_size_refused():
         err = r["elsewhere"]
         assert err is not None and err.startswith("ValueError") and "'col_var'" in err and \
             "one per EP rank of this layer (2)" in err and "at the EP size it was saved at only" in err, err
+
+
+def _one_rank_file(rank, world, path):
+    """One rank's ``torch.save`` of the layer's and the optimizer's state dicts (accelerate's ``save_state`` writes
+    the main process's alone) loaded on every rank (its ``load_state``): EP rank 0 loads its own experts, the others
+    refuse theirs; rank 0 then meets the refusal in its next forward, or in its next per-step call, and raises too,
+    instead of waiting for ranks that never come."""
+    import torch.distributed as dist
+
+    from feplb import FEPLBConfig, MoELayer
+
+    layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=2, policy="feplb-split",
+                                 min_chunk=2, min_straggler_rows=0))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    layer.attach_optimizer(opt)
+    layer(torch.randn(8, H)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    if rank == 0:
+        torch.save({"model": layer.state_dict(), "optim": opt.state_dict()}, path)
+    dist.barrier()
+    saved = torch.load(path, weights_only=True)
+    out = {"model": error_of(lambda: layer.load_state_dict(saved["model"]))}
+    if rank == 0:
+        out["forward"] = error_of(lambda: layer(torch.randn(8, H)))
+    layer.load_state_dict(layer.state_dict())     # (every rank its own again)
+    out["optim"] = error_of(lambda: opt.load_state_dict(saved["optim"]))
+    if rank == 0:
+        out["step"] = error_of(layer.refresh_replicas)
+    # every rank usable again: a forward of every rank together
+    opt.zero_grad()
+    out["after"] = error_of(lambda: layer(torch.randn(8, H)))
+    layer.close()
+    return out
+
+
+def test_one_rank_file_refused_on_every_rank(tmp_path):
+    res = run_dist(_one_rank_file, 4, str(tmp_path / "rank0.pt"), timeout_s=180, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        assert r["after"] is None, (rank, r["after"])
+        if rank == 0:
+            for k in ("forward", "step"):
+                assert r[k] is not None and r[k].startswith("ValueError") and "EP rank(s) [1, 2, 3] refused" in r[k] \
+                    and "accelerate's save_state" in r[k], (k, r[k])
+            assert r["model"] is None and r["optim"] is None, r
+        else:
+            for k in ("model", "optim"):
+                assert r[k] is not None and r[k].startswith("ValueError") and "is the shard of EP rank 0" in r[k], \
+                    (rank, k, r[k])
