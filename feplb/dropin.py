@@ -291,6 +291,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
         raise ValueError("clip_grad_norm_: the model's FEPLB layers use different process groups; clip "
                          "each group's parameters yourself")
     with handshaken(moes, ENTRY_CLIP, force=True):   # (its norm's all-reduce is collective under any policy)
+        # the arguments alike on every rank (one small host all-gather): another norm_type on one rank reduces with
+        # another op and size (the ranks' collectives then mismatch), another max_norm scales by another factor
+        # there (the replicated parameters drift apart, silently)
+        moes[0].control.check_same(
+            repr((float(max_norm), float(norm_type), bool(error_if_nonfinite))).encode(),
+            "clip_grad_norm_'s arguments (max_norm, norm_type, error_if_nonfinite)",
+            "every rank must clip with the same arguments (every rank scales every gradient by one factor); "
+            "nothing was clipped")
         return _clip_grad_norm(model, moes, max_norm, norm_type, error_if_nonfinite)
 
 

@@ -617,3 +617,41 @@ def test_loops_from_a_review():
     assert sum(got["clip_value"]["moved"] for got in res) > 0
     assert all(any(got[k]["w2_stepped"] for got in res) for k in ("frozen0", "frozen1"))
     assert len([k for k in res[0] if k.startswith("frozen_fwd_bwd")]) == 3
+
+
+def _clip_args_worker(rank, world):
+    """feplb.clip_grad_norm_ with an argument that differs on one rank: another max_norm would scale every gradient
+    there by another factor (the replicated router drifting apart, silently), another norm_type reduce with another
+    op and size (the ranks' collectives mismatched). Refused on every rank, nothing clipped; then the same
+    arguments clip alike."""
+    import torch.distributed as dist
+
+    import feplb
+
+    layer = _layer("feplb-split")
+    res = {}
+    for case, args in (("max_norm", (0.01 if rank == 2 else 1.0, 2.0)),
+                       ("norm_type", (0.01, float("inf") if rank == 2 else 2.0)),
+                       ("error_if_nonfinite", (0.01, 2.0, rank == 2))):
+        layer(_x(rank, 0)).sum().backward()
+        dist.all_reduce(layer.router.weight.grad)     # (DDP's averaging of the replicated router, as a sum)
+        before = layer.router.weight.grad.clone()
+        res[case] = error_of(lambda a=args: feplb.clip_grad_norm_(layer, *a[:2], error_if_nonfinite=a[2:] == (True,)))
+        res[case + "_kept"] = torch.equal(layer.router.weight.grad, before)
+        layer.zero_grad()
+    layer(_x(rank, 1)).sum().backward()
+    dist.all_reduce(layer.router.weight.grad)
+    res["norm"] = float(feplb.clip_grad_norm_(layer, 0.01))
+    res["router_grad"] = layer.router.weight.grad.clone()
+    layer.close()
+    return res
+
+
+def test_clip_arguments_differing_on_one_rank():
+    res = run_dist(_clip_args_worker, W, timeout_s=180, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        for case in ("max_norm", "norm_type", "error_if_nonfinite"):
+            assert r[case] is not None and r[case].startswith("ValueError") and "clip_grad_norm_'s arguments" in \
+                r[case] and "differs across ranks" in r[case], (rank, case, r[case])
+            assert r[case + "_kept"], (rank, case)
+        assert r["norm"] == res[0]["norm"] and torch.equal(r["router_grad"], res[0]["router_grad"]), rank
