@@ -492,14 +492,26 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
     ValueError on every rank, naming the layers, before anything is restored. With ``strict=False`` such layers
     keep their own history (a run resumed at another EP size or on other ranks, say). Returns the names of the
     layers that kept their own. A ``feplb.titan_ep`` experts module that has not run a forward yet (a run resumed
-    before its first step) makes its layer first, as its first forward would (collective over its EP group)."""
+    before its first step) makes its layer first, as its first forward would (collective over its EP group). A
+    ``state`` that is no mapping on some rank, or ``strict`` differing between the ranks, is refused on every
+    rank."""
+    return _load_policy_state(model, state, strict, None)
+
+
+def _load_policy_state(model: nn.Module | list[nn.Module], state: Any, strict: bool, refused: str | None
+                       ) -> list[str]:
+    """:func:`load_policy_state_dict`; ``refused``: why this rank's ``state`` cannot be read at all (a
+    :class:`PolicyStates` blob that is no ``torch.save`` file), refused on every rank in the first agreement, as a
+    ``state`` that is no mapping is, before any collective the peers would wait in."""
     import hashlib
 
     from feplb.replicas import state_digest
     from feplb.sched import PolicyState
 
-    if not isinstance(state, Mapping):
-        raise TypeError(f"load_policy_state_dict: state must be a mapping of layer names, got {type(state).__name__}")
+    if refused is None and not isinstance(state, Mapping):
+        refused = f"load_policy_state_dict: state must be a mapping of layer names, got {type(state).__name__}"
+    if refused is not None:
+        state = {}      # (every layer "not in the saved state" here: the refusal below comes first)
     layers = _named_layers(model, make=True)
     restored, kept, problems, decided = [], [], [], []
     for name, layer in layers:
@@ -529,7 +541,21 @@ def load_policy_state_dict(model: nn.Module | list[nn.Module], state: Mapping[st
     # stages hold layers of other names, or none), and what each of its layers would restore (the ranks of an EP
     # group must restore the same, or all keep their own: with strict=False too, as one rank's stale file would
     # make them differ, and the checks below are collective over the group)
-    views = _agree((problems if strict else [], sorted(n for n, _ in layers), decided), None)
+    # (and whether each rank's state could be read, and its strict: a rank refusing alone, or alone going on to the
+    # collectives below, would leave the others waiting there)
+    views = _agree((problems if strict else [], sorted(n for n, _ in layers), decided, refused, bool(strict)), None)
+    unread = [r for r, v in enumerate(views) if v[3] is not None]
+    if unread:
+        raise TypeError(views[unread[0]][3]
+                        + ("" if len(unread) == len(views) else f" (on rank(s) {unread})") + "; nothing restored, on "
+                        "any rank: give every rank the same saved histories (policy_state_dict's result)")
+    stricts = [bool(v[4]) for v in views]
+    if len(set(stricts)) > 1:
+        on = [r for r, x in enumerate(stricts) if x]
+        raise ValueError(f"load_policy_state_dict: strict differs across ranks (True on rank(s) {on}, False on "
+                         f"{[r for r in range(len(stricts)) if r not in on]}); nothing restored, on any rank: pass "
+                         "the same strict on every rank")
+    views = [v[:3] for v in views]
     unknown = sorted(set(state) - {n for _, names, _ in views for n in names})
     bad = next((list(v) for v, _, _ in views if v), [])
     if unknown and strict:
@@ -619,13 +645,20 @@ class PolicyStates:
         return {"histories": buf.getvalue()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        # (what cannot be read on one rank is refused on every rank, in the restore's first agreement)
         blob = state_dict.get("histories") if isinstance(state_dict, Mapping) else None
+        saved, refused = None, None
         if not isinstance(blob, bytes):
-            raise TypeError("PolicyStates.load_state_dict: expected {'histories': bytes} (what its state_dict() "
-                            f"gives), got {type(state_dict).__name__}"
-                            + (f" with histories of type {type(blob).__name__}" if isinstance(state_dict, Mapping)
-                               else ""))
-        kept = load_policy_state_dict(self._model, torch.load(io.BytesIO(blob), weights_only=True), strict=False)
+            refused = ("PolicyStates.load_state_dict: expected {'histories': bytes} (what its state_dict() gives), "
+                       f"got {type(state_dict).__name__}"
+                       + (f" with histories of type {type(blob).__name__}" if isinstance(state_dict, Mapping) else ""))
+        else:
+            try:
+                saved = torch.load(io.BytesIO(blob), weights_only=True)
+            except Exception as e:  # noqa: BLE001 - agreed in the restore, raised on every rank
+                refused = ("PolicyStates.load_state_dict: its histories are no torch.save file "
+                           f"({type(e).__name__}: {e})")
+        kept = _load_policy_state(self._model, saved, False, refused)
         if kept:
             warnings.warn(f"feplb: no balancing history in the checkpoint for FEPLB layer(s) {kept} (saved at another "
                           "EP size, on other ranks, with other settings, or before their first forward); they start "

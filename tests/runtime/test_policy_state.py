@@ -328,3 +328,34 @@ def test_histories_through_torch_distributed_checkpoint(ranks):
         # the restored layer took the trained one's step count (6 micro-batches); the other policy's kept its own
         assert case["steps"] == (6, 0), (rank, case["steps"])
         assert len(case["warned"]) == 1 and "FEPLB layer(s) ['']" in case["warned"][0], (rank, case["warned"])
+
+
+def _one_rank_bad_worker(rank: int, world: int) -> dict:
+    """What cannot be read on one rank (a state that is no mapping; a ``PolicyStates`` blob of another type, or no
+    ``torch.save`` file), and ``strict`` given otherwise on one rank: refused on every rank together, before any
+    collective the others would wait in; the layer runs on afterwards."""
+    from feplb.dropin import PolicyStates, load_policy_state_dict, policy_state_dict
+
+    layer, x = _layer("feplb-split@ema"), _inputs(0)[3][rank]
+    layer(x)
+    saved = policy_state_dict(layer)
+    sd = PolicyStates(layer).state_dict()
+    out = {"mapping": error_of(lambda: load_policy_state_dict(layer, saved if rank != 1 else [saved])),
+           "blob_type": error_of(lambda: PolicyStates(layer).load_state_dict(sd if rank != 1 else {"histories": "x"})),
+           "blob": error_of(lambda: PolicyStates(layer).load_state_dict(sd if rank != 1 else {"histories": b"x"})),
+           "strict": error_of(lambda: load_policy_state_dict(layer, dict(saved, extra=[None]), strict=rank != 1))}
+    out["after"] = error_of(lambda: layer(x))
+    layer.close()
+    return out
+
+
+def test_unreadable_on_one_rank_refused_on_every_rank():
+    res = run_dist(_one_rank_bad_worker, W, timeout_s=180, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        assert r["after"] is None, (rank, r["after"])
+        for case, want in (("mapping", "TypeError: load_policy_state_dict: state must be a mapping"),
+                           ("blob_type", "TypeError: PolicyStates.load_state_dict: expected {'histories': bytes}"),
+                           ("blob", "TypeError: PolicyStates.load_state_dict: its histories are no torch.save"),
+                           ("strict", "ValueError: load_policy_state_dict: strict differs across ranks")):
+            assert r[case] is not None and r[case].startswith(want), (rank, case, r[case])
+            assert case == "strict" or "(on rank(s) [1])" in r[case], (rank, case, r[case])
