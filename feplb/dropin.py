@@ -26,7 +26,7 @@ from feplb.experts import rebuilt_in_backward
 from feplb.layer import FEPLBConfig, MoELayer
 from feplb.sharded import expert_named_params, is_dtensor, local_state_dicts, track_optimizer
 from feplb.steps import ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_REDUCE, ENTRY_REFRESH
-from feplb.training import handshaken
+from feplb.training import average_args, handshaken
 
 __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "zero_replica_grads", "average_expert_grads",
            "attach_optimizer", "clip_grad_norm_", "refresh_replicas", "full_state_dict", "set_state_dict_type",
@@ -252,7 +252,7 @@ def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGrou
     not divide (the loss scaled by the global token count). Needed under EP x DP; with the EP group all the ranks
     the dispatch already leaves the sum."""
     moes = experts_modules(model)
-    with handshaken(moes, ENTRY_AVERAGE, force=data_parallel_group is not None):
+    with handshaken(moes, ENTRY_AVERAGE, force=True, args=average_args(data_parallel_group, divide)):
         for m in moes:
             m.average_expert_grads(data_parallel_group, divide=divide)
 
@@ -290,15 +290,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     if len(groups) != 1:
         raise ValueError("clip_grad_norm_: the model's FEPLB layers use different process groups; clip "
                          "each group's parameters yourself")
-    with handshaken(moes, ENTRY_CLIP, force=True):   # (its norm's all-reduce is collective under any policy)
-        # the arguments alike on every rank (one small host all-gather): another norm_type on one rank reduces with
-        # another op and size (the ranks' collectives then mismatch), another max_norm scales by another factor
-        # there (the replicated parameters drift apart, silently)
-        moes[0].control.check_same(
-            repr((float(max_norm), float(norm_type), bool(error_if_nonfinite))).encode(),
-            "clip_grad_norm_'s arguments (max_norm, norm_type, error_if_nonfinite)",
-            "every rank must clip with the same arguments (every rank scales every gradient by one factor); "
-            "nothing was clipped")
+    # (its arguments agreed in the handshake: another norm_type on one rank would reduce with another op and size,
+    # the ranks' collectives mismatched; another max_norm scale every gradient there by another factor, the
+    # replicated parameters drifting apart silently)
+    with handshaken(moes, ENTRY_CLIP, force=True,   # (its norm's all-reduce is collective under any policy)
+                    args=(float(max_norm), float(norm_type), bool(error_if_nonfinite))):
         return _clip_grad_norm(model, moes, max_norm, norm_type, error_if_nonfinite)
 
 

@@ -874,12 +874,12 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         return read_counts(gathered.numpy(), self.placement.slots_WS,
                            balance=self.base != "none" and self.world_size > 1, min_straggler=self._min_straggler)
 
-    def _step_handshake(self, entry: int, problem: int = 0) -> None:
+    def _step_handshake(self, entry: int, problem: int = 0, args: int = 0) -> None:
         """The first collective of a call between a backward and the next forward over this layer's group
         (``feplb.training.handshaken``): an all-gather shaped like the forward's counts (``feplb.steps.step_row``),
         so that a rank that skipped the call, already in the next forward's counts all-gather, meets it and every
         rank raises together (``read_step``, ``read_counts``)."""
-        row = step_row(self.layer_id, _COUNTS_WIDTH[self._counts_key], entry, problem)
+        row = step_row(self.layer_id, _COUNTS_WIDTH[self._counts_key], entry, problem, args=args)
         read_step(self.control.all_gather(row, f"handshake of {ENTRIES[entry]}").numpy())
 
     # ------------------------------------------------------------------------------------------------ in node

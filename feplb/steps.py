@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,6 +98,10 @@ ENTRIES = {1: "optimizer.step() of an optimizer attached to the layer", 2: "redu
 ENTRY_STEP, ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_SCALER, ENTRY_RECOMPUTE, ENTRY_LOAD = ENTRIES
 # (ENTRY_LOAD: a rank refusing, in load_state_dict, a state dict another EP rank torch.save'd sends it before raising,
 # so that the ranks that loaded theirs, already in their next forward or per-step call, raise too: feplb.sharded)
+# what a step row's DIGEST agrees, for the calls that take arguments every rank must pass alike (``args_digest``
+# of them; 0 for the other calls): a rank passing others would compute apart silently, or run other collectives
+ENTRY_ARGS = {ENTRY_AVERAGE: "average_expert_grads()'s arguments (divide, data_parallel_group)",
+              ENTRY_CLIP: "clip_grad_norm_'s arguments (max_norm, norm_type, error_if_nonfinite)"}
 # bits of a step row's PROBLEM
 STEP_PROBLEM_UNATTACHED_SCALER = 1
 STEP_PROBLEM_NOT_AVERAGED = 2
@@ -117,15 +122,24 @@ def not_averaged(ranks: list[int] | None) -> str:
             "loss summed over the ranks, attach_optimizer(..., average_required=False)")
 
 
-def step_row(layer_id: int, width: int, entry: int, problem: int = 0, *, as_numpy: bool = False,
+def args_digest(args: tuple) -> int:
+    """A step row's DIGEST of a call's arguments (a tuple of ints, floats, bools, None and tuples of those), equal
+    on every rank that passed the same: 63 bits of the SHA-256 of their repr (Python's hash() of a NaN is its
+    object's, another on every rank)."""
+    return int.from_bytes(hashlib.sha256(repr(args).encode()).digest()[:8], "little") >> 1
+
+
+def step_row(layer_id: int, width: int, entry: int, problem: int = 0, *, args: int = 0, as_numpy: bool = False,
              ) -> torch.Tensor | np.ndarray:
     """The row a rank sends in the handshake of a call between a backward and the next forward (int64
     [len(HEADER) + width]): LAYER ``-1 - layer_id``, CALLS the call (``ENTRIES``), PROBLEM ``problem``
-    (``STEP_PROBLEM_*``, 0 for none); a numpy array with ``as_numpy``."""
+    (``STEP_PROBLEM_*``, 0 for none), DIGEST ``args`` (``args_digest`` of its arguments, ``ENTRY_ARGS``); a numpy
+    array with ``as_numpy``."""
     row = np.zeros(len(HEADER) + width, dtype=np.int64)
     row[LAYER] = -1 - layer_id
     row[CALLS] = entry
     row[PROBLEM] = problem
+    row[DIGEST] = args
     return row if as_numpy else torch.from_numpy(row)
 
 
@@ -211,6 +225,16 @@ def read_step(gathered: np.ndarray) -> None:
             f"EP rank: {(-1 - layers).tolist()}): a call skipped on some ranks only, or "
             "optimizers attached to different layers. Run the same per-step calls on every rank, and attach the "
             "same optimizers to the same layers, in the same order")
+    digests = gathered[:, DIGEST]
+    if (digests != digests[0]).any():
+        groups: dict[int, list[int]] = {}
+        for r, d in enumerate(digests.tolist()):
+            groups.setdefault(d, []).append(r)
+        raise ValueError(
+            f"MoELayer: {ENTRY_ARGS.get(int(calls[0]), 'the arguments of ' + ENTRIES.get(int(calls[0]), '?'))} "
+            f"differs across ranks (EP ranks grouped by what they passed: {sorted(groups.values())}): every rank "
+            "must pass the same (each rank would otherwise scale its gradients by another factor, or run other "
+            "collectives); nothing was done, on any rank")
     unaveraged = np.nonzero(gathered[:, PROBLEM] & STEP_PROBLEM_NOT_AVERAGED)[0].tolist()
     if unaveraged:
         raise RuntimeError(not_averaged(unaveraged))

@@ -38,6 +38,7 @@ from feplb.steps import (
     ENTRY_STEP,
     STEP_PROBLEM_NOT_AVERAGED,
     STEP_PROBLEM_UNATTACHED_SCALER,
+    args_digest,
     not_averaged,
 )
 
@@ -220,7 +221,7 @@ def forward_began(group: Any) -> None:
 
 @contextlib.contextmanager
 def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
-               problem: int = 0) -> Iterator[None]:
+               problem: int = 0, args: tuple = ()) -> Iterator[None]:
     """Run the block as a call between a backward and the next forward (``feplb.steps.ENTRIES``): where it is the
     outermost such call, it first handshakes once per EP group of ``layers`` (those over several ranks whose
     per-step calls are collective, or all with ``force``: the call itself runs collectives over their groups; the
@@ -232,7 +233,8 @@ def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
     a collective of its own before (a caller's dispatch before ``forward_dispatched``, DDP's buffer broadcast at
     the start of a forward, FSDP's all-gathers before the first FEPLB layer), a rank that skipped the backward
     (the others wait in its exchanges), ranks outside the group (EP x DP's data-parallel peers), or layers over
-    different groups: there the ranks may still wait until the process group's timeout."""
+    different groups: there the ranks may still wait until the process group's timeout. ``args``: the call's
+    arguments every rank must pass alike (``feplb.steps.ENTRY_ARGS``), refused on every rank where they differ."""
     if getattr(_CALLS, "depth", 0) == 0:
         groups = []
         mine = {x.layer_id for x in layers}   # (agreed over the group, never reused: an id() would be)
@@ -243,11 +245,19 @@ def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
                 if entry in _PER_LAYER and callers and not callers & mine:
                     callers |= mine
                     continue    # (this call of another layer of the group handshook since its last forward)
-                lay._step_handshake(entry, problem)
+                lay._step_handshake(entry, problem, args_digest(args) if args else 0)
                 callers.clear()
                 callers |= mine
     with _inside():
         yield
+
+
+def average_args(data_parallel_group: dist.ProcessGroup | None, divide: bool) -> tuple:
+    """What ``average_expert_grads`` agrees over the EP group (``handshaken``'s ``args``): ``divide`` and the
+    data-parallel group's ranks. A rank dividing alone, or summing over another group, would leave its experts'
+    gradients at another scale than the others', silently: its handshake is forced under every policy."""
+    dp = None if data_parallel_group is None else tuple(dist.get_process_group_ranks(data_parallel_group))
+    return (bool(divide), dp)
 
 
 @contextlib.contextmanager
@@ -585,7 +595,7 @@ class TrainingSteps:
         parameter still holds the gradient tensor the last call divided and no optimizer step (of any optimizer
         holding the experts), ``zero_replica_grads()`` (an attached optimizer's ``zero_grad()``, ``layer.zero_grad()``)
         or ``refresh_replicas()`` came between; zeroing with ``set_to_none=True`` makes new tensors."""
-        with handshaken([self], ENTRY_AVERAGE, force=data_parallel_group is not None):
+        with handshaken([self], ENTRY_AVERAGE, force=True, args=average_args(data_parallel_group, divide)):
             self._average_expert_grads(data_parallel_group, divide)
 
     def _average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None, divide: bool = True) -> None:

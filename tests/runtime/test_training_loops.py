@@ -655,3 +655,46 @@ def test_clip_arguments_differing_on_one_rank():
                 r[case] and "differs across ranks" in r[case], (rank, case, r[case])
             assert r[case + "_kept"], (rank, case)
         assert r["norm"] == res[0]["norm"] and torch.equal(r["router_grad"], res[0]["router_grad"]), rank
+
+
+def _average_args_worker(rank, world):
+    """average_expert_grads with arguments that differ on one rank: divide=False there (or a data-parallel group
+    given there alone) would leave that rank's experts' gradients at another scale than the others', silently,
+    under plain EP too. Refused on every rank, nothing divided; then the same arguments divide alike."""
+    import torch.distributed as dist
+
+    from feplb.dropin import average_expert_grads, reduce_replica_grads
+
+    singles = [dist.new_group([r]) for r in range(world)]   # (collective: every rank makes every group)
+    res = {}
+    for policy in ("none", "feplb-split"):
+        layer = _layer(policy)
+        for case, kw in (("divide", {"divide": rank != 2}),
+                         ("group", {"data_parallel_group": singles[rank] if rank == 2 else None})):
+            layer(_x(rank, 0)).sum().backward()
+            reduce_replica_grads(layer)
+            before = [p.grad.clone() for p in layer.expert_params()]
+            res[policy, case] = error_of(lambda kw=kw: average_expert_grads(layer, **kw))
+            res[policy, case, "kept"] = all(torch.equal(p.grad, b) for p, b in zip(layer.expert_params(), before,
+                                                                                     strict=True))
+            layer.zero_grad()
+        layer(_x(rank, 1)).sum().backward()
+        reduce_replica_grads(layer)
+        before = [p.grad.clone() for p in layer.expert_params()]
+        average_expert_grads(layer)
+        res[policy, "divided"] = all(torch.equal(p.grad, b / world) for p, b in zip(layer.expert_params(), before,
+                                                                                     strict=True))
+        layer.close()
+    return res
+
+
+def test_average_arguments_differing_on_one_rank():
+    res = run_dist(_average_args_worker, W, timeout_s=180, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        for policy in ("none", "feplb-split"):
+            for case in ("divide", "group"):
+                err = r[policy, case]
+                assert err is not None and err.startswith("ValueError") and "average_expert_grads()'s arguments" \
+                    in err and "differs across ranks" in err and "[[0, 1, 3], [2]]" in err, (rank, policy, case, err)
+                assert r[policy, case, "kept"], (rank, policy, case)
+            assert r[policy, "divided"], (rank, policy)
