@@ -434,15 +434,28 @@ def policy_state_dict(model: nn.Module | list[nn.Module]) -> dict[str, list[dict
     every rank). Save it beside the weights: resumed without it, a layer starts its history afresh and plans the
     next steps otherwise (the same math, other rows moved, so neither bit for bit the same run nor as well balanced
     at first). ``feplb.titan_ep``'s experts modules (:class:`HoldsEngine`) give their layers' under their own
-    names, once a forward has made them."""
+    names, once a forward has made them. RuntimeError on every rank between the micro-batches of a step where a
+    per-step copy holds a gradient not yet reduced (``load_policy_state_dict`` refuses that restore alike): the
+    history then holds the step's earlier micro-batches, which a run resumed at the step's start would fold in
+    twice, planning otherwise than the uninterrupted run."""
     me = dist.get_rank() if dist.is_initialized() else 0
+    layers = _named_layers(model)
     # (one rank of each EP group sends its layers' histories, which the group's ranks share)
-    mine = [(name, _entry(layer), list(layer.control.ranks)) for name, layer in _named_layers(model)
+    mine = [(name, _entry(layer), list(layer.control.ranks)) for name, layer in layers
             if layer.control.ranks[0] == me]
-    views = _agree(mine, None)
+    # (every rank its layers whose copies hold gradients: a rank whose copies no backward reached has none)
+    midway = [name or "(the model itself)" for name, layer in layers
+              if layer.replicas.ever_held and not layer.replicas.grads_clean()]
+    views = _agree((mine, midway), None)
+    bad = [f"  {name} on rank {r}" for r, (_, names) in enumerate(views) for name in names]
+    if bad:
+        raise RuntimeError("policy_state_dict: called between the micro-batches of a step (per-step copies hold "
+                           "gradients not yet reduced), where the histories hold the step's earlier micro-batches "
+                           "and a run resumed from them at the step's start would plan otherwise than this one; "
+                           "save after reduce_replica_grads() / the optimizer step:\n" + "\n".join(bad))
     out: dict[str, list[dict | None]] = {}
     seen: set[tuple[str, tuple[int, ...]]] = set()
-    for view in views:
+    for view, _ in views:
         for name, entry, ranks in view:
             if (name, tuple(ranks)) not in seen:   # (the group's ranks hold the same: one's)
                 seen.add((name, tuple(ranks)))

@@ -171,9 +171,12 @@ def _dcp_case(rank: int, root: str) -> dict:
 
 
 def _worker(rank: int, world: int, root: str) -> dict:
-    import torch.distributed as dist
+    import os
 
-    from feplb.dropin import _named_layers, load_policy_state_dict, policy_state_dict
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from feplb.dropin import PolicyStates, _named_layers, load_policy_state_dict, policy_state_dict
 
     out = {policy: _restore_case(policy, rank) for policy in POLICIES}
     out["dcp"] = _dcp_case(rank, root)
@@ -242,6 +245,12 @@ def _worker(rank: int, world: int, root: str) -> dict:
     own = layer.state   # (the forward folded its micro-batch in)
     out["mid_step"] = error_of(lambda: load_policy_state_dict(layer, saved))
     out["mid_step_kept"] = layer.state is own
+    # nor saved there (the histories hold the step's first micro-batch: a run resumed at the step's start would
+    # fold it in twice and plan otherwise), also through DCP, which then writes nothing
+    out["mid_step_save"] = error_of(lambda: policy_state_dict(layer))
+    mid_dir = os.path.join(root, "mid_step")
+    out["mid_step_dcp"] = error_of(lambda: dcp.save({"policy": PolicyStates(layer)}, checkpoint_id=mid_dir))
+    out["mid_step_dcp_files"] = sorted(os.listdir(mid_dir)) if os.path.isdir(mid_dir) else []
     # names without the wrappers' levels: a MoE layer inside a module, bare, in DDP, compiled
     from feplb.layer import ignore_experts_in_ddp
 
@@ -303,6 +312,11 @@ def test_histories_that_do_not_fit_are_refused_on_every_rank(ranks):
         assert res["apart_kept"] and res["mid_step_kept"], rank
         assert res["mid_step"] is not None and "nothing restored, on any rank" in res["mid_step"] and \
             "reduce_replica_grads" in res["mid_step"], (rank, res["mid_step"])
+        for key in ("mid_step_save", "mid_step_dcp"):
+            assert res[key] is not None and "policy_state_dict: called between the micro-batches of a step" in \
+                res[key] and "(the model itself) on rank " in res[key], (rank, key, res[key])
+        assert not any(f.endswith(".distcp") or f == ".metadata" for f in res["mid_step_dcp_files"]), \
+            (rank, res["mid_step_dcp_files"])
 
 
 def test_pipeline_stages_with_other_layers_or_none(ranks):
