@@ -452,7 +452,8 @@ def policy_state_dict(model: nn.Module | list[nn.Module]) -> dict[str, list[dict
         raise RuntimeError("policy_state_dict: called between the micro-batches of a step (per-step copies hold "
                            "gradients not yet reduced), where the histories hold the step's earlier micro-batches "
                            "and a run resumed from them at the step's start would plan otherwise than this one; "
-                           "save after reduce_replica_grads() / the optimizer step:\n" + "\n".join(bad))
+                           "call it (and dcp.save / dcp.load of PolicyStates, which call it) between steps, after "
+                           "reduce_replica_grads() / the optimizer step:\n" + "\n".join(bad))
     out: dict[str, list[dict | None]] = {}
     seen: set[tuple[str, tuple[int, ...]]] = set()
     for view, _ in views:
