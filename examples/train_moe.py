@@ -458,19 +458,28 @@ def set_rng_state(state: dict, device: str) -> None:
 
 def save_checkpoint(out: Path, *, step: int, cfg: TrainConfig, model, optimizer, history: dict | None,
                     rank: int, local_rank: int) -> None:
-    """Every rank writes its shard into checkpoint/step_N/; after a barrier, latest.json is switched to step_N.
+    """Every rank writes its shard into checkpoint/step_N/; once every rank has, latest.json is switched to step_N.
 
-    A crash at any point leaves latest.json naming the previous complete checkpoint.
+    A crash at any point leaves latest.json naming the previous complete checkpoint; a rank that cannot write its
+    file raises UsageError on every rank.
     """
     step_dir = out / CKPT_DIR / f"step_{step:07d}"
-    step_dir.mkdir(parents=True, exist_ok=True)
     state = {"step": step, "data_position": step, "config_hash": cfg.digest(), "config": dataclasses.asdict(cfg),
              "rank": rank, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "rng": rng_state(cfg.device), "history": history,
              # The layers' planning history (EMA of loads, frozen dynamic sets) lives outside their state_dict.
              "policy_states": [moe.state for moe in model.moe_layers()]}
-    atomic_torch_save(state, step_dir / f"rank{rank}.pt")
-    dist.barrier()
+    # a rank that cannot write its file (disk full, say) stops every rank together, the pointer left on the last
+    # complete checkpoint, instead of leaving the others in the barrier until the process group's timeout
+    error = None
+    try:
+        step_dir.mkdir(parents=True, exist_ok=True)
+        atomic_torch_save(state, step_dir / f"rank{rank}.pt")
+    except OSError as exc:
+        error = f"cannot write the checkpoint of step {step} ({type(exc).__name__}: {exc})"
+    err = agree(error)
+    if err is not None:
+        raise UsageError(f"{err}; the last complete checkpoint stays in {out / CKPT_DIR}")
     if local_rank == 0:  # one writer per node, so a node-local --out works too
         pointer = {"step": step, "dir": step_dir.name, "config_hash": cfg.digest(), "config": dataclasses.asdict(cfg)}
         atomic_write_bytes(out / CKPT_DIR / CKPT_POINTER, json.dumps(pointer, indent=1).encode())

@@ -543,3 +543,43 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
     # (torchrun itself prints its own traceback of the signal; the workers print none)
     assert "KeyboardInterrupt" not in text and f'File "{SCRIPT}"' not in text, text
     assert "terminate called" not in text, text
+
+
+def _save_failing_on_rank_1(rank: int, world: int, out: str) -> str | None:
+    """save_checkpoint on 2 gloo ranks whose rank 1 cannot write its file (disk full): what each rank raises."""
+    import errno
+    import types
+
+    module = _load("train_moe")
+    if rank == 1:
+        def full(obj, path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        module.atomic_torch_save = full
+
+    @dataclasses.dataclass
+    class Cfg:
+        device: str = "cpu"
+
+        def digest(self) -> str:
+            return "cfg"
+
+    model = types.SimpleNamespace(state_dict=lambda: {"w": torch.ones(2)}, moe_layers=lambda: [])
+    optimizer = types.SimpleNamespace(state_dict=lambda: {})
+    try:
+        module.save_checkpoint(Path(out), step=3, cfg=Cfg(), model=model, optimizer=optimizer, history=None,
+                               rank=rank, local_rank=rank)
+    except module.UsageError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_checkpoint_one_rank_cannot_write_stops_every_rank(tmp_path):
+    """One rank's failed write (disk full) raises on every rank at once, naming it, instead of leaving the others
+    in the barrier until the process group's timeout; the pointer is not switched."""
+    from feplb.testing import run_dist
+
+    errors = run_dist(_save_failing_on_rank_1, 2, str(tmp_path), timeout_s=120, collective_timeout_s=20)
+    for err in errors:
+        assert err is not None and "(rank 1) cannot write the checkpoint of step 3 (OSError" in err and \
+            "No space left on device" in err, errors
+    assert not (tmp_path / "checkpoint" / "latest.json").exists()
