@@ -674,7 +674,7 @@ def _average_args_worker(rank, world):
             layer(_x(rank, 0)).sum().backward()
             reduce_replica_grads(layer)
             before = [p.grad.clone() for p in layer.expert_params()]
-            res[policy, case] = error_of(lambda kw=kw: average_expert_grads(layer, **kw))
+            res[policy, case] = error_of(lambda kw=kw, m=layer: average_expert_grads(m, **kw))
             res[policy, case, "kept"] = all(torch.equal(p.grad, b) for p, b in zip(layer.expert_params(), before,
                                                                                      strict=True))
             layer.zero_grad()
