@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,7 +36,8 @@ from feplb.copy import CopyEngine
 from feplb.layout import Item, exchange_layout
 from feplb.transport import Transport
 
-__all__ = ["BackwardJoin", "Exchange", "ForwardEntry", "PeerComm", "Received", "all_to_all_rows", "entered_through"]
+__all__ = ["BackwardJoin", "Exchange", "ForwardEntry", "PeerComm", "Received", "all_to_all_rows", "entered_through",
+           "settle_abandoned"]
 
 
 def compiled_autograd_problem(op: str, *, forward: bool = False) -> str | None:
@@ -287,6 +289,34 @@ class _JoinFn(torch.autograd.Function):
         return (None, None, *started[:int(ctx.anchored)], *ctx.join.finish())
 
 
+# The joins whose exchange's backward was started on a copy thread and not taken yet, with the autograd graph task
+# that started them (BackwardJoin.start; in start order). A backward that succeeds settles its own in its callback;
+# one that raises leaves them (autograd runs queue_callback's callbacks only when the backward succeeds), still
+# running collectives on their copy threads: settle_abandoned ends them before the next collective of a forward or
+# a step call, which would otherwise meet them on the same gloo groups in a different order on different ranks.
+_STARTED: dict[int, tuple[BackwardJoin, int]] = {}
+_STARTED_LOCK = threading.Lock()
+
+
+def settle_abandoned() -> None:
+    """End every exchange's backward that a backward other than the running one (any, outside a backward) started
+    on a copy thread and never took: a backward that raised left it in flight. Called, on the calling thread,
+    before a layer's forward or a step call runs its first collective (``MoELayer._experts``,
+    ``feplb.training.handshaken``): every rank's copy threads then finish what they started, in the same order,
+    before the next collective over the same groups. Raises the first of their errors, after settling all."""
+    task = torch._C._current_graph_task_id()
+    with _STARTED_LOCK:
+        stale = [join for join, started in _STARTED.values() if started != task]
+    errors = []
+    for join in stale:
+        try:
+            join.settle()
+        except BaseException as exc:  # noqa: BLE001 - every one settled; the first error raised after
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
 class BackwardJoin:
     """An exchange's backward started on the copy thread and finished where the gradients of its sends are used.
 
@@ -366,6 +396,8 @@ class BackwardJoin:
             ready.record(torch.cuda.current_stream(ex.device))
         self._ex, self._shapes = ex, shapes
         self._future = self.copier.submit(ex.issue_backward, grads, ready, handoff=True)
+        with _STARTED_LOCK:
+            _STARTED[id(self)] = (self, torch._C._current_graph_task_id())
         torch.autograd.Variable._execution_engine.queue_callback(self.settle)
 
     def _take(self) -> dict[int, torch.Tensor] | None:
@@ -373,6 +405,8 @@ class BackwardJoin:
         fut, self._future = self._future, None
         if fut is None:
             return None
+        with _STARTED_LOCK:
+            _STARTED.pop(id(self), None)
         return self._ex.handed(*fut.result())
 
     def settle(self) -> None:

@@ -77,6 +77,7 @@ from feplb.dispatch import (
     compiled_autograd_problem,
     entered_through,
     refuse_compiled_autograd,
+    settle_abandoned,
 )
 from feplb.experts import EarlyBackward, expert_mlp, ready_event, span, to_device
 from feplb.layout import (
@@ -656,6 +657,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                  dispatched: bool = False) -> torch.Tensor:
         """Grouped rows x_MD [M, H] (by slot, then token, then k) -> expert outputs y_MD [M, H], same order.
         dispatched: x_MD are this rank's rows at home already, by local expert (``forward_dispatched``)."""
+        # (an earlier backward that raised may have left exchanges on copy threads, this layer's or another's: they
+        # end before this forward's first collective meets them on the same groups)
+        settle_abandoned()
         if problem is None and in_backward():
             # activation checkpointing recomputing the layer: execute what its forward did (feplb.recompute)
             if replay is None and dispatched:   # (no +place: slot = expert)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from feplb.dispatch import settle_abandoned
 from feplb.frames import caller_frame
 from feplb.replicas import state_digest
 from feplb.sharded import localize_state, track_optimizer
@@ -236,6 +237,7 @@ def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
     different groups: there the ranks may still wait until the process group's timeout. ``args``: the call's
     arguments every rank must pass alike (``feplb.steps.ENTRY_ARGS``), refused on every rank where they differ."""
     if getattr(_CALLS, "depth", 0) == 0:
+        settle_abandoned()   # (a backward that raised may have left exchanges on copy threads: they end first)
         groups = []
         mine = {x.layer_id for x in layers}   # (agreed over the group, never reused: an id() would be)
         for lay in layers:

@@ -304,3 +304,77 @@ def test_a_backward_that_asks_for_one_parameter_runs_every_exchange_on_every_ran
             for name, want in ref.items():
                 got = res[key]["grads"][name]
                 assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (rank, key, name)
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity whose backward raises (an out-of-memory error in the static experts' backward, on every rank)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise torch.OutOfMemoryError("injected: out of memory in the static experts' backward")
+
+
+def _failed_backward_rank(rank: int, world: int) -> dict:
+    import time
+
+    from feplb import FEPLBConfig, MoELayer, dispatch
+
+    h, e = 16, 8
+    gen = torch.Generator().manual_seed(1)
+    router = torch.randn(e, h, generator=gen) / h ** 0.5
+    router[:, 0] = 0.0
+    router[[0, 1], 0] = 4.0   # GPU 0's experts are hot: rows move to GPU 1 and their results come home
+    w1, w2 = torch.randn(e, h, 64, generator=gen) / h ** 0.5, torch.randn(e, 32, h, generator=gen) / 32 ** 0.5
+
+    def make():
+        layer = MoELayer(FEPLBConfig(hidden=h, ffn=32, num_experts=e, top_k=2, gpus_per_node=2, dyn=2, min_chunk=2,
+                                     policy="feplb-split", weights="per-microbatch", min_straggler_rows=0))
+        load_global_weights(layer, router, w1, w2)
+        return layer
+
+    first, second = make(), make()
+    x = torch.randn(40, h, generator=torch.Generator().manual_seed(100 + rank))
+    x[:, 0] = x[:, 0].abs() + 1.0
+    with torch.no_grad():
+        want = [first(x), second(x)]
+    issue = dispatch.Exchange.issue_backward
+
+    def slow(self, *a, **kw):   # rank 1 copies the results' gradients late (a large exchange, a busy host)
+        if self.op == "phase-2 results home" and rank == 1:
+            time.sleep(0.5)
+        return issue(self, *a, **kw)
+
+    dispatch.Exchange.issue_backward = slow
+    static = second._static_gemm
+    second._static_gemm = lambda *a: _RaiseInBackward.apply(static(*a))
+    out = {}
+    try:
+        second(first(x.clone().requires_grad_())).sum().backward()
+    except torch.OutOfMemoryError as exc:
+        out["backward"] = str(exc)
+    del second._static_gemm
+    out["moved"] = second.last_stats.rows_moved
+    # the loop skips the micro-batch and goes on: the next forward starts at the first layer, then the second
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out["same"] = [torch.equal(first(x), want[0]), torch.equal(second(x), want[1])]
+    out["next_s"] = time.perf_counter() - t0
+    first.close()
+    second.close()
+    return out
+
+
+def test_a_backward_that_raises_leaves_no_exchange_beside_the_next_forward():
+    """A backward that raises (on every rank) after a layer's results-home exchange started on its copy thread never
+    runs the callback that settles it: the next forward (of any layer over the same ranks) ends it before its first
+    collective, which otherwise met the copy thread's collectives on the same gloo group in a different order on the
+    two ranks (both waited out the group's timeout)."""
+    results = run_dist(_failed_backward_rank, 2, timeout_s=120, collective_timeout_s=10)
+    for rank, res in enumerate(results):
+        assert "injected" in res.get("backward", ""), (rank, res)
+        assert res["same"] == [True, True] and res["next_s"] < 5.0, (rank, res)
+    assert sum(res["moved"] for res in results) > 0
