@@ -402,9 +402,13 @@ class BackwardJoin:
 
     def _take(self) -> dict[int, torch.Tensor] | None:
         """The pending exchange's buffers, the current stream made to wait for them (None if none is pending)."""
-        fut, self._future = self._future, None
+        fut = self._future
         if fut is None:
             return None
+        # (the exchange ends before the join lets go of it: interrupted here, a KeyboardInterrupt say, it stays
+        # pending, for settle_abandoned or the next settle, instead of running on unseen beside what comes next)
+        concurrent.futures.wait([fut])
+        self._future = None
         with _STARTED_LOCK:
             _STARTED.pop(id(self), None)
         return self._ex.handed(*fut.result())

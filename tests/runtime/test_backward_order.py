@@ -378,3 +378,45 @@ def test_a_backward_that_raises_leaves_no_exchange_beside_the_next_forward():
         assert "injected" in res.get("backward", ""), (rank, res)
         assert res["same"] == [True, True] and res["next_s"] < 5.0, (rank, res)
     assert sum(res["moved"] for res in results) > 0
+
+
+def test_a_join_interrupted_while_it_waits_keeps_its_exchange_pending():
+    """A KeyboardInterrupt while the autograd thread waits for a join's exchange (finish, settle) leaves the exchange
+    pending, not forgotten while the copy thread still runs it: the next forward settles it first
+    (``settle_abandoned``), before a collective of its own could meet the copy thread's."""
+    import concurrent.futures
+    import signal
+    import threading
+    from types import SimpleNamespace
+
+    from feplb.dispatch import BackwardJoin, settle_abandoned
+
+    release = threading.Event()
+    ran = []
+
+    def issue_backward(grads, ready, handoff):
+        release.wait(10)
+        ran.append(len(grads))
+        return {}, None
+
+    ex = SimpleNamespace(device=torch.device("cpu"), issue_backward=issue_backward, handed=lambda got, done: got)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as copier:
+        join = BackwardJoin(copier)
+        x = torch.ones(3, requires_grad=True)
+
+        def start_then_wait(g):
+            join.start(ex, [g], [g.shape])
+            join.settle()   # interrupted while the copy thread still runs the exchange
+
+        old = signal.signal(signal.SIGALRM, signal.default_int_handler)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with pytest.raises(KeyboardInterrupt):
+                _OnBackward.apply(x, start_then_wait).sum().backward()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert join._future is not None and not ran
+        threading.Timer(0.2, release.set).start()
+        settle_abandoned()   # (what the next forward does first)
+        assert ran == [1] and join._future is None
