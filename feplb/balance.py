@@ -165,7 +165,10 @@ class Balancer:
             plan, plan_us = future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             return PlanResult(plan=None, plan_us=0.0, ready=0, error=None)
-        except Exception as exc:  # the planner's error is agreed with the node, then raised everywhere
+        except BaseException as exc:  # noqa: BLE001 - the planner's error is agreed with the scope, which falls back
+            # (any: a planner's SystemExit or GeneratorExit raised here left this rank before the readiness agreement,
+            # its peers waiting there until the timeout, and ended the caller's process; no signal reaches a thread
+            # other than the main one, so nothing here is the user's interrupt)
             return PlanResult(plan=None, plan_us=0.0, ready=0, error=f"{type(exc).__name__}: {exc}")
         return PlanResult(plan=plan, plan_us=plan_us, ready=1, error=None)
 

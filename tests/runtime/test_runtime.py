@@ -543,3 +543,21 @@ def test_the_copy_thread_records_no_autograd_graph():
         assert torch.is_grad_enabled() and w[1].grad_fn is not None
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, SystemExit, GeneratorExit])
+def test_any_planner_error_is_a_failed_plan(exc):
+    """Whatever the planner thread raises becomes the failed plan the copy thread agrees on with its scope (every
+    rank then computes at home), a BaseException that is no Exception too: raised on the copy thread, it left that
+    rank before the readiness agreement (its peers waited there until the group's timeout) and ended the caller."""
+    from feplb.balance import Balancer
+
+    def plan():
+        raise exc("injected in the planner")
+
+    b = Balancer(plan_wait_s=None, device=torch.device("cpu"))
+    try:
+        got = b.copier.submit(b.wait_plan, b.submit_plan(plan), None).result(timeout=10)
+    finally:
+        b.close()
+    assert got.plan is None and got.ready == 0 and got.error == f"{exc.__name__}: injected in the planner", got
