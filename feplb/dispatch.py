@@ -330,9 +330,10 @@ class BackwardJoin:
     current stream then waits for its copies, a stream wait). Where no such node runs (this rank sends nothing, or
     its sends need no gradient), the next exchange's backward on this rank, which every rank of the node runs
     after this one, finishes it first (``settle``) where it runs in place; one started on the copy thread too
-    queues behind it there: the copy path runs one exchange at a time, in order. Whatever is left pending (a
-    backward that raised, or one that never reached those nodes) is settled when the backward ends (an autograd
-    callback) and by the layer before its next forward (its close waits for the copy thread too).
+    queues behind it there: the copy path runs one exchange at a time, in order. Whatever is left pending is
+    settled when the backward ends (an autograd callback: one that never reached those nodes), or, where the
+    backward raised (autograd then runs no callback), before the next forward's or step call's first collective,
+    by any layer (``settle_abandoned``); a layer's close waits for its copy thread too.
 
     The phase-2 exchanges (rows and weights to the helpers) use it too, through ``wrap_anchored``: their backward,
     which returns the rows' gradients to their homes, starts on the copy thread once the hosted rows' backward has
