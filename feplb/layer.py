@@ -784,6 +784,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         """The record of the forward a recompute repeats (``feplb.recompute``), agreed by every rank in one
         all-gather of bit masks (``Records.candidates``, ``Records.choose``; and a host sync for this rank's
         counts)."""
+        settle_abandoned()   # (before its all-gather, as a forward's counts: an earlier backward's that raised)
         cand = self._records.candidates(local_counts_E.to(torch.int64).cpu().numpy(), self.rank,
                                         self.replicas.generation, self.replicas.ever_held, dispatched, self.layer_id)
         # shaped like the forward's counts row (feplb.steps.step_row): a rank that does not recompute, in the next
