@@ -255,10 +255,11 @@ def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
 
 
 def average_args(data_parallel_group: dist.ProcessGroup | None, divide: bool) -> tuple:
-    """What ``average_expert_grads`` agrees over the EP group (``handshaken``'s ``args``): ``divide`` and the
-    data-parallel group's ranks. A rank dividing alone, or summing over another group, would leave its experts'
-    gradients at another scale than the others', silently: its handshake is forced under every policy."""
-    dp = None if data_parallel_group is None else tuple(dist.get_process_group_ranks(data_parallel_group))
+    """What ``average_expert_grads`` agrees over the EP group (``handshaken``'s ``args``): ``divide`` and the size
+    of the data-parallel group (each EP rank has its own, of other ranks; one of a single rank sums nothing, as
+    None). A rank dividing alone, or summing over more ranks, would leave its experts' gradients at another scale
+    than the others', silently: its handshake is forced under every policy."""
+    dp = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
     return (bool(divide), dp)
 
 

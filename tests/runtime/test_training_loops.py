@@ -660,17 +660,18 @@ def test_clip_arguments_differing_on_one_rank():
 def _average_args_worker(rank, world):
     """average_expert_grads with arguments that differ on one rank: divide=False there (or a data-parallel group
     given there alone) would leave that rank's experts' gradients at another scale than the others', silently,
-    under plain EP too. Refused on every rank, nothing divided; then the same arguments divide alike."""
+    under plain EP too. Refused on every rank, nothing divided; then the same arguments divide alike. (Under EP x DP
+    each EP rank passes a group of other ranks: what must agree is its size.)"""
     import torch.distributed as dist
 
     from feplb.dropin import average_expert_grads, reduce_replica_grads
 
-    singles = [dist.new_group([r]) for r in range(world)]   # (collective: every rank makes every group)
+    pair = dist.new_group([2, 3])   # (collective: every rank makes it)
     res = {}
     for policy in ("none", "feplb-split"):
         layer = _layer(policy)
         for case, kw in (("divide", {"divide": rank != 2}),
-                         ("group", {"data_parallel_group": singles[rank] if rank == 2 else None})):
+                         ("group", {"data_parallel_group": pair if rank >= 2 else None})):
             layer(_x(rank, 0)).sum().backward()
             reduce_replica_grads(layer)
             before = [p.grad.clone() for p in layer.expert_params()]
@@ -694,7 +695,8 @@ def test_average_arguments_differing_on_one_rank():
         for policy in ("none", "feplb-split"):
             for case in ("divide", "group"):
                 err = r[policy, case]
+                sides = "[[0, 1, 3], [2]]" if case == "divide" else "[[0, 1], [2, 3]]"
                 assert err is not None and err.startswith("ValueError") and "average_expert_grads()'s arguments" \
-                    in err and "differs across ranks" in err and "[[0, 1, 3], [2]]" in err, (rank, policy, case, err)
+                    in err and "differs across ranks" in err and sides in err, (rank, policy, case, err)
                 assert r[policy, case, "kept"], (rank, policy, case)
             assert r[policy, "divided"], (rank, policy)
