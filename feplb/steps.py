@@ -100,7 +100,7 @@ ENTRY_STEP, ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_SCALER
 # so that the ranks that loaded theirs, already in their next forward or per-step call, raise too: feplb.sharded)
 # what a step row's DIGEST agrees, for the calls that take arguments every rank must pass alike (``args_digest``
 # of them; 0 for the other calls): a rank passing others would compute apart silently, or run other collectives
-ENTRY_ARGS = {ENTRY_AVERAGE: "average_expert_grads()'s arguments (divide, data_parallel_group)",
+ENTRY_ARGS = {ENTRY_AVERAGE: "average_expert_grads()'s arguments (divide, the data_parallel_group's size)",
               ENTRY_CLIP: "clip_grad_norm_'s arguments (max_norm, norm_type, error_if_nonfinite)"}
 # bits of a step row's PROBLEM
 STEP_PROBLEM_UNATTACHED_SCALER = 1
