@@ -652,7 +652,9 @@ class TrainingSteps:
             if lay is not None and "_averaged_grads" in lay.__dict__:
                 lay._grad_after_average = True
 
-        self._hooks += [p.register_post_accumulate_grad_hook(after_accumulate) for p in self.expert_params()]
+        # (frozen experts, as under PEFT's LoRA on other modules, get no gradient, and torch refuses a hook on them)
+        self._hooks += [p.register_post_accumulate_grad_hook(after_accumulate) for p in self.expert_params()
+                        if p.requires_grad]
 
     def _same_grads(self, mark: list) -> bool:
         """Whether an expert parameter holds the very gradient tensor ``mark`` saw (not a new one, as a backward

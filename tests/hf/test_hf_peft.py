@@ -106,3 +106,51 @@ def test_lora_on_attention_is_exact_and_on_the_experts_refused():
         assert refused is not None and refused.startswith("RuntimeError") and \
             "its expert parameters are parametrized" in refused, (rank, refused)
     assert sum(r["peft first"]["moved"] + r["apply first"]["moved"] for r in runs) > 0, runs
+
+
+def _trainer(rank: int, world: int, out: str) -> dict:
+    """transformers' Trainer on the unmodified model with LoRA on the attention, and feplb.hf.Trainer on the applied
+    one (the experts frozen by PEFT, so holding no gradient): two steps of two micro-batches, clipping, a checkpoint."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    import transformers as tf
+    from peft import get_peft_model
+
+    import feplb.hf as fh
+
+    M = _models()
+    g = torch.Generator().manual_seed(5)
+    data = [{"input_ids": r, "labels": r.clone()} for r in torch.randint(0, M.VOCAB, (16, 8), generator=g)]
+    res = {}
+    for mode in ("plain", "feplb"):
+        base = M.make_model("qwen3_moe")
+        if mode == "feplb":
+            fh.apply(base, policy="feplb-split", gpus_per_node=world, min_straggler_rows=0, plan_wait_ms=60_000)
+        model = get_peft_model(base, _lora("attention"))
+        args = tf.TrainingArguments(output_dir=os.path.join(out, mode), per_device_train_batch_size=2,
+                                    gradient_accumulation_steps=2, max_steps=2, learning_rate=0.5, max_grad_norm=0.1,
+                                    optim="sgd", use_cpu=True, ddp_backend="gloo", report_to=[], logging_steps=1,
+                                    save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True)
+        cls = tf.Trainer if mode == "plain" else fh.Trainer
+        trainer = cls(model=model, args=args, train_dataset=data)
+        res[mode] = {"error": error_of(trainer.train)}
+        res[mode]["lora"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        res[mode]["logs"] = [(h["loss"], float(h["grad_norm"])) for h in trainer.state.log_history if "loss" in h]
+    return res
+
+
+@pytest.mark.slow
+def test_lora_on_attention_trains_with_the_trainer(tmp_path):
+    """feplb.hf.Trainer with LoRA on the attention (frozen experts): it trained as transformers' Trainer trains the
+    unmodified model with the same LoRA (its optimizer's attachment registered a hook on each expert parameter, which
+    torch refuses on one that requires no gradient: every rank raised in create_optimizer)."""
+    runs = run_dist(_trainer, 2, str(tmp_path), timeout_s=240, collective_timeout_s=60)
+    for rank, r in enumerate(runs):
+        assert r["plain"]["error"] is None and r["feplb"]["error"] is None, (rank, r["plain"]["error"],
+                                                                            r["feplb"]["error"])
+        got, want = r["feplb"], r["plain"]
+        assert got["lora"].keys() == want["lora"].keys() and want["lora"]
+        assert max(_rel(got["lora"][n], want["lora"][n]) for n in want["lora"]) <= TOL, rank
+        assert len(got["logs"]) == len(want["logs"]) == 2
+        for (loss, norm), (loss0, norm0) in zip(got["logs"], want["logs"], strict=True):
+            assert abs(loss - loss0) <= TOL * loss0 and abs(norm - norm0) <= TOL * norm0 and norm0 > 0.1, r["feplb"]
