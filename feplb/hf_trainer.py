@@ -47,6 +47,7 @@ from feplb.dropin import (
     attach_optimizer,
     average_expert_grads,
     clip_grad_norm_,
+    expert_parameters,
     experts_modules,
     full_state_dict,
     load_policy_state_dict,
@@ -78,9 +79,11 @@ _HOOKED = ("_clip_grad_norm", "_get_grad_norm", "training_step", "create_optimiz
 
 
 def trainer_problem(*, has_experts: bool, distributed_type: str, deepspeed: bool, fsdp: bool, n_gpu: int,
-                    tp_size: int, xla: bool, sagemaker_mp: bool, missing: tuple[str, ...] = ()) -> str | None:
+                    tp_size: int, xla: bool, sagemaker_mp: bool, missing: tuple[str, ...] = (),
+                    full_eval: str | None = None) -> str | None:
     """Why ``feplb.hf.Trainer`` cannot run this setup, or None. missing: the methods of :data:`_HOOKED` the
-    Trainer class lacks."""
+    Trainer class lacks. full_eval: the argument asking the Trainer to cast the model for evaluation
+    (``bf16_full_eval``, ``fp16_full_eval``), if one does."""
     if missing:
         return (f"transformers {transformers.__version__}'s Trainer has no {', '.join(missing)}, where FEPLB's "
                 "per-step calls go (its training loop would clip this rank's experts only); use transformers >= "
@@ -102,8 +105,25 @@ def trainer_problem(*, has_experts: bool, distributed_type: str, deepspeed: bool
     if n_gpu > 1:
         return (f"one process drives {n_gpu} GPUs (torch.nn.DataParallel); launch one process per GPU "
                 "(torchrun)")
+    if full_eval is not None:
+        # (transformers casts the model itself in evaluation_loop, outside train(): the layers, built for the
+        # model's dtype, refused the cast input at the first forward, on every rank, the model left cast)
+        return (f"{full_eval}=True makes the Trainer cast the whole model for evaluate() and predict() outside "
+                "train(), after feplb.hf.apply built its experts for the model's dtype; FEPLB's layers compute in "
+                "the dtype they were built for, and refuse a model cast after apply. Cast the model before "
+                f"feplb.hf.apply instead, or leave {full_eval} off and evaluate under autocast (bf16=True / "
+                "fp16=True)")
     if distributed_type not in ("NO", "MULTI_CPU", "MULTI_GPU"):
         return f"accelerate's distributed type {distributed_type} is not supported (expected NO, MULTI_CPU, MULTI_GPU)"
+    return None
+
+
+def _full_eval_cast(args: Any, moes: list) -> str | None:
+    """``bf16_full_eval`` or ``fp16_full_eval`` where it is set and would cast expert parameters to another dtype
+    (a model cast before ``apply`` to that dtype is left as it is); None otherwise."""
+    for name, dtype in (("bf16_full_eval", torch.bfloat16), ("fp16_full_eval", torch.float16)):
+        if getattr(args, name, False) and any(p.dtype != dtype for m in moes for p in m.expert_params()):
+            return name
     return None
 
 
@@ -170,7 +190,8 @@ class TrainerMixin:
             n_gpu=self.args.n_gpu,
             tp_size=self.get_tp_size(), xla=bool(getattr(self, "is_fsdp_xla_enabled", False)) or
             transformers.utils.is_torch_xla_available(), sagemaker_mp=transformers.utils.is_sagemaker_mp_enabled(),
-            missing=tuple(m for m in _HOOKED if not hasattr(transformers.Trainer, m)))
+            missing=tuple(m for m in _HOOKED if not hasattr(transformers.Trainer, m)),
+            full_eval=_full_eval_cast(self.args, moes))
         if problem is None and getattr(self.args, "sync_ref_model", False):
             problem = ref_model_problem(self.model, getattr(self, "ref_model", None),
                                         takes_ref_model=_takes_ref_model(type(self)))
@@ -212,6 +233,7 @@ class TrainerMixin:
         # loop bypasses training_step, is refused on every rank)
         attach_optimizer(self.model, _torch_optimizer(optimizer), getattr(self.accelerator, "scaler", None),
                          average_required=True)
+        _refresh_after_mode_switch(_torch_optimizer(optimizer), self.model)
         return optimizer
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -385,6 +407,38 @@ class TrainerMixin:
         scheduler = os.path.join(checkpoint, names.SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def _refresh_after_mode_switch(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """An optimizer with ``eval()`` and ``train()`` (schedule-free's, which the Trainer calls around evaluation and
+    at each training step) moves the parameters in place between its training and evaluation points: the per-step
+    copies of the experts (weights='per-step', ``@ema``) would keep the other point's weights (refused at the next
+    forward, on every rank, asking for ``refresh_replicas()``, which a Trainer's user cannot place). After a switch
+    that wrote the expert parameters, the copies are made again from them: ``refresh_replicas`` (collective; the
+    Trainer switches on every rank together, and every rank's optimizer writes its own shards alike)."""
+    import weakref
+
+    if optimizer.__dict__.get("_feplb_mode_refresh") or not all(
+            callable(getattr(optimizer, name, None)) for name in ("eval", "train")):
+        return
+    model_ref = weakref.ref(model)
+
+    def refreshing(inner):
+        def switch(*args: Any, **kwargs: Any) -> Any:
+            m = model_ref()
+            experts = [] if m is None else expert_parameters(m)
+            before = [p._version for p in experts]
+            out = inner(*args, **kwargs)
+            if any(p._version != v for p, v in zip(experts, before, strict=True)):
+                refresh_replicas(m)
+            return out
+
+        switch.__doc__ = getattr(inner, "__doc__", None)
+        return switch
+
+    for name in ("eval", "train"):
+        setattr(optimizer, name, refreshing(getattr(optimizer, name)))
+    optimizer._feplb_mode_refresh = True
 
 
 def ref_model_problem(model: nn.Module, ref_model: nn.Module | None, *, takes_ref_model: bool = True) -> str | None:

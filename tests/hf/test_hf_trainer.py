@@ -556,6 +556,89 @@ def test_refuses_what_it_cannot_run_exactly(tmp_path):
     for change, words in [({"has_experts": False}, "feplb.hf.apply"), ({"deepspeed": True}, "DeepSpeed"),
                           ({"fsdp": True}, "FSDP"), ({"n_gpu": 2}, "DataParallel"), ({"tp_size": 2}, "tensor"),
                           ({"xla": True}, "TPU"), ({"distributed_type": "MEGATRON_LM"}, "MEGATRON_LM"),
-                          ({"missing": ("_clip_grad_norm",)}, "has no _clip_grad_norm")]:
+                          ({"missing": ("_clip_grad_norm",)}, "has no _clip_grad_norm"),
+                          ({"full_eval": "fp16_full_eval"}, "fp16_full_eval=True makes the Trainer cast")]:
         why = trainer_problem(**{**ok, **change})
         assert why is not None and words in why, (change, why)
+
+
+class _ScheduleFreeLike(torch.optim.SGD):
+    """schedule-free's interface, which the Trainer calls: eval() moves every parameter in place to its evaluation
+    point (here half the weights), train() back."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.training = True
+
+    @torch.no_grad()
+    def eval(self):
+        if self.training:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["train_point"] = p.detach().clone()
+                    p.mul_(0.5)
+            self.training = False
+
+    @torch.no_grad()
+    def train(self):
+        if not self.training:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.copy_(self.state[p].pop("train_point"))
+            self.training = True
+
+
+def _mode_switch(rank, world, out):
+    """An optimizer with eval() / train() (schedule-free's) under per-step expert copies (feplb-split@ema),
+    evaluating after every step, against transformers' Trainer on the unmodified model; bf16_full_eval (the Trainer
+    casts the model for evaluate() outside train()) refused at construction, unless the model is bf16 already."""
+    _env(rank, world)
+    import transformers as tf
+
+    import feplb.hf
+    from feplb.testing import error_of
+
+    res = {}
+    for mode in ("plain", "feplb-split@ema"):
+        model = _models().make_model("qwen3_moe")
+        cls = tf.Trainer
+        if mode != "plain":
+            feplb.hf.apply(model, policy=mode, gpus_per_node=world, min_straggler_rows=0, plan_wait_ms=60_000)
+            cls = feplb.hf.Trainer
+        opt = _ScheduleFreeLike(model.parameters(), lr=0.05)
+        trainer = cls(model=model, args=_args(out + mode, "sgd", max_steps=3, eval_strategy="steps", eval_steps=1,
+                                              per_device_eval_batch_size=2),
+                      train_dataset=_dataset(), eval_dataset=_dataset(7), optimizers=(opt, None))
+        res[mode] = {"error": error_of(trainer.train)}
+        res[mode]["evals"] = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+        res[mode]["params"] = {k: v.detach().clone() for k, v in (
+            model.state_dict() if mode == "plain" else feplb.hf.full_state_dict(model, rank0_only=False)).items()}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = _models().make_model("qwen3_moe").to(dtype)
+        feplb.hf.apply(model, policy="feplb-split", gpus_per_node=world)
+        res["full_eval", dtype] = error_of(lambda m=model: feplb.hf.Trainer(
+            model=m, args=_args(out + "_fe", "sgd", bf16_full_eval=True), train_dataset=_dataset()))
+    return res
+
+
+def test_optimizer_mode_switches_refresh_copies_and_full_eval_casts_are_refused():
+    """schedule-free's eval() / train(), which the Trainer calls, write the expert parameters in place: the per-step
+    copies are made again after such a switch (before, the first evaluation was refused on every rank, asking for a
+    refresh_replicas() a Trainer's user cannot place); the evaluations and the parameters then equal the unmodified
+    model's. bf16_full_eval, whose cast of the model the layers refuse at the forward after training, is refused when
+    the Trainer is made, on every rank."""
+    with tempfile.TemporaryDirectory() as d:
+        runs = run_dist(_mode_switch, 2, d, timeout_s=240, collective_timeout_s=60)
+    for rank, r in enumerate(runs):
+        got, want = r["feplb-split@ema"], r["plain"]
+        assert got["error"] is None and want["error"] is None, (rank, got["error"], want["error"])
+        assert len(got["evals"]) == len(want["evals"]) == 3
+        assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(got["evals"], want["evals"], strict=True)), \
+            (got["evals"], want["evals"])
+        assert got["params"].keys() == want["params"].keys()
+        assert max(_rel(got["params"][k], want["params"][k]) for k in want["params"]) <= TOL, rank
+        refused = r["full_eval", torch.float32]
+        assert refused is not None and refused.startswith("ValueError") and "bf16_full_eval=True" in refused and \
+            "Cast the model before feplb.hf.apply" in refused, refused
+        assert refused == runs[0]["full_eval", torch.float32]
+        assert r["full_eval", torch.bfloat16] is None, r["full_eval", torch.bfloat16]
