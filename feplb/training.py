@@ -625,6 +625,8 @@ class TrainingSteps:
         # ends (the next call is the next step's), it holds for every optimizer stepping these gradients
         self._averaged_grads = self._averaged
         self.__dict__.pop("_grad_after_average", None)
+        if "_watching_average" in self.__dict__:
+            self._watch_after_average()   # (an expert parameter unfrozen since the attach gets its hook too)
 
     def _forget_average(self) -> None:
         """The step's averaging is over (a step, zeroed gradients, a refresh): the next call is the next step's."""
@@ -641,10 +643,17 @@ class TrainingSteps:
 
     def _watch_after_average(self) -> None:
         """Mark a backward that accumulates into the expert gradients after ``average_expert_grads`` divided them
-        (its share would stay summed): a hook on each expert parameter, once."""
-        if self.__dict__.get("_watching_average"):
+        (its share would stay summed): a hook on each expert parameter that requires a gradient, once (frozen
+        ones, as under PEFT's LoRA on other modules, get none, and torch refuses a hook on them: hooked once
+        unfrozen, at the next ``average_expert_grads``, before any backward after it)."""
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        hooked = self.__dict__.get("_watching_average")
+        if hooked is None:
+            hooked = self._watching_average = WeakIdKeyDictionary()
+        todo = [p for p in self.expert_params() if p.requires_grad and p not in hooked]
+        if not todo:
             return
-        self._watching_average = True
         ref = weakref.ref(self)
 
         def after_accumulate(_: torch.Tensor) -> None:
@@ -652,9 +661,9 @@ class TrainingSteps:
             if lay is not None and "_averaged_grads" in lay.__dict__:
                 lay._grad_after_average = True
 
-        # (frozen experts, as under PEFT's LoRA on other modules, get no gradient, and torch refuses a hook on them)
-        self._hooks += [p.register_post_accumulate_grad_hook(after_accumulate) for p in self.expert_params()
-                        if p.requires_grad]
+        self._hooks += [p.register_post_accumulate_grad_hook(after_accumulate) for p in todo]
+        for p in todo:
+            hooked[p] = True
 
     def _same_grads(self, mark: list) -> bool:
         """Whether an expert parameter holds the very gradient tensor ``mark`` saw (not a new one, as a backward

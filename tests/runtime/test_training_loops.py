@@ -700,3 +700,47 @@ def test_average_arguments_differing_on_one_rank():
                     in err and "differs across ranks" in err and sides in err, (rank, policy, case, err)
                 assert r[policy, case, "kept"], (rank, policy, case)
             assert r[policy, "divided"], (rank, policy)
+
+
+def _frozen_then_average_worker(rank, world):
+    """An optimizer attached with average_required while the experts are frozen (PEFT's LoRA on other modules):
+    attaching works (torch refuses a gradient hook on a parameter that requires none); once the experts are
+    unfrozen, a backward after average_expert_grads (its share left summed) is still refused at the step, on every
+    rank, and a step in the right order trains as the same loop on plain EP."""
+    from feplb.dropin import attach_optimizer, average_expert_grads
+
+    res = {}
+    for policy in ("none", "feplb-split@ema"):
+        layer = _layer(policy, weights="per-step") if "@" in policy else _layer(policy)
+        for p in layer.expert_params():
+            p.requires_grad_(False)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        res[policy, "attach"] = error_of(lambda m=layer, o=opt: attach_optimizer(m, o, average_required=True))
+        for p in layer.expert_params():
+            p.requires_grad_(True)
+        layer(_x(rank, 0)).sum().backward()
+        average_expert_grads(layer)
+        layer(_x(rank, 1)).sum().backward()          # after the average: its share stays summed
+        before = [p.detach().clone() for p in layer.expert_params()]
+        res[policy, "late"] = error_of(opt.step)
+        res[policy, "kept"] = all(torch.equal(p, b) for p, b in zip(layer.expert_params(), before, strict=True))
+        opt.zero_grad()
+        layer(_x(rank, 2)).sum().backward()
+        average_expert_grads(layer)
+        opt.step()
+        res[policy, "w"] = [p.detach().clone() for p in layer.expert_params()]
+        layer.close()
+    return res
+
+
+def test_experts_unfrozen_after_attach_keep_the_average_check():
+    res = run_dist(_frozen_then_average_worker, W, timeout_s=180, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        for policy in ("none", "feplb-split@ema"):
+            assert r[policy, "attach"] is None, (rank, policy, r[policy, "attach"])
+            late = r[policy, "late"]
+            assert late is not None and late.startswith("RuntimeError") and "are not averaged" in late, \
+                (rank, policy, late)
+            assert r[policy, "kept"], (rank, policy)
+            for a, b in zip(r["feplb-split@ema", "w"], r["none", "w"], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
