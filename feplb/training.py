@@ -452,7 +452,14 @@ class TrainingSteps:
             return False
         own = [p for p in self.expert_params() if p.requires_grad and not hasattr(p, "main_grad")]
         self._watch_accumulated(own)
-        if evaluation or rep.grads_clean() or not own:
+        if not evaluation and rep.grads_clean():
+            # nothing held: whatever the owners' gradients are now is where the copies' next share starts from.
+            # A parameter frozen through the step's first micro-batches (no accumulation notes it) would otherwise
+            # keep the note of an earlier step, whose tensor a reduction or a zero_grad(set_to_none=False) has
+            # written since, and be taken for dropped once unfrozen
+            self._note_current_grads()
+            return False
+        if evaluation or not own:
             return False
         if all(p.grad is None for p in own):
             return True
@@ -462,6 +469,18 @@ class TrainingSteps:
             if p.grad is not None and mark is not None and mark[0]() is p.grad and p.grad._version != mark[1]:
                 return True
         return False
+
+    def _note_current_grads(self) -> None:
+        """Note every watched expert parameter's gradient as it is now (tensor and version; none where it has
+        none), as an accumulation would (``_grads_dropped``, while no copy holds a gradient). Local."""
+        marks = self.__dict__.get("_accumulated")
+        if marks is None:
+            return
+        for p in self.expert_params():
+            if p.grad is None or hasattr(p, "main_grad"):
+                marks.pop(p, None)
+            elif p in self._accumulated_hooked:
+                marks[p] = (weakref.ref(p.grad), p.grad._version)
 
     @torch.no_grad()
     def _hold_zero_grads(self) -> None:

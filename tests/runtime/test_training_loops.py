@@ -744,3 +744,49 @@ def test_experts_unfrozen_after_attach_keep_the_average_check():
             assert r[policy, "kept"], (rank, policy)
             for a, b in zip(r["feplb-split@ema", "w"], r["none", "w"], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _unfrozen_mid_step_worker(rank, world, policy, kw):
+    """w2 frozen for the step's first micro-batches and unfrozen before a later one, its gradient zeroed in place
+    before (an attached optimizer's zero_grad(set_to_none=False) discarding a backward; the model's after a step):
+    trains as plain EP. Before, the note of w2's last accumulation (an earlier backward, whose tensor the zero_grad
+    wrote since) was taken for a gradient changed in place while the copies held a share, and the forward after the
+    unfreeze was refused on every rank."""
+    layers = {p: _layer(p, dtype=torch.float64, **(kw if p != "none" else {})) for p in (policy, "none")}
+    errors = []
+    for p, m in layers.items():
+        opt = torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.5)
+        m.attach_optimizer(opt)
+        with torch.no_grad():
+            m(_x(rank, 99).double())
+        m.refresh_replicas()
+
+        def loop(m=m, opt=opt):
+            (m(_x(rank, 0).double()) ** 2).mean().backward()
+            y = m(_x(rank, 1).double())
+            m.w2.requires_grad_(False)                       # frozen between a forward and its backward
+            (y ** 2).mean().backward()
+            opt.zero_grad(set_to_none=False)                 # a discarded accumulation (attached: the copies too)
+            for step in range(2):
+                (m(_x(rank, 10 * step + 2).double()) ** 2).mean().backward()    # w2 frozen
+                m.w2.requires_grad_(True)                    # unfrozen between the micro-batches
+                (m(_x(rank, 10 * step + 3).double()) ** 2).mean().backward()
+                opt.step()
+                torch.nn.ModuleList([m]).zero_grad(set_to_none=False)       # the model's, after the step
+                m.w2.requires_grad_(False)
+        errors.append(error_of(loop))
+    a, b = layers.values()
+    diff = max((getattr(a, n) - getattr(b, n)).abs().max().item() for n in ("w1", "w2"))
+    moved = a.last_stats.rows_moved
+    for m in layers.values():
+        m.close()
+    return errors, diff, moved
+
+
+@pytest.mark.parametrize("policy,kw", [("feplb-split@ema", {}), ("feplb@ema", {"replicas": "lazy"}),
+                                       ("feplb-split+place", {})])
+def test_unfrozen_between_micro_batches_after_zero_grad(policy, kw):
+    res = run_dist(_unfrozen_mid_step_worker, W, policy, kw, timeout_s=240, collective_timeout_s=60)
+    for r, (errors, diff, _) in enumerate(res):
+        assert errors == [None, None], (r, errors)
+        assert diff <= 1e-12, (r, diff)
