@@ -346,8 +346,13 @@ class Replicas:
                                "refresh_replicas() had already replaced, so their gradients were lost; call "
                                "refresh_replicas() only after the backward of every earlier forward")
         if what == "refresh_replicas" and int(agreed[0]) == 0:
-            raise RuntimeError("MoELayer.refresh_replicas: replica gradients were not reduced on some rank; call "
-                               "reduce_replica_grads() before optimizer.step()")
+            raise RuntimeError(
+                "MoELayer.refresh_replicas: replica gradients were not reduced on some rank: its per-step copies "
+                "hold a backward's share since the last reduction, which a refresh would lose. Refresh after the "
+                "step's reduction (reduce_replica_grads() before optimizer.step(), then refresh_replicas(); "
+                "attach_optimizer does both), not between the micro-batches of a step; where the loop discarded "
+                "that backward (model.zero_grad(), an optimizer not attached), drop the copies' share first: "
+                "zero_replica_grads() (layer.zero_grad() and an attached optimizer's zero_grad() do)")
         return bool(agreed[0]), None if extra is None else agreed[2:]
 
     # ------------------------------------------------------------------------------------------------ weights

@@ -461,12 +461,16 @@ class TrainingSteps:
             return False
         if evaluation or not own:
             return False
-        if all(p.grad is None for p in own):
-            return True
+        # (judged: the parameters noted since, by an accumulation or that note; one frozen all along and unfrozen
+        # now has no gradient as plain EP's has none, and nothing of the copies' share is its)
         marks = self.__dict__.get("_accumulated", {})
         for p in own:
             mark = marks.get(p)
-            if p.grad is not None and mark is not None and mark[0]() is p.grad and p.grad._version != mark[1]:
+            if mark is None:
+                continue
+            if p.grad is None:
+                return True
+            if mark[0]() is p.grad and p.grad._version != mark[1]:
                 return True
         return False
 

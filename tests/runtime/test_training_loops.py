@@ -746,22 +746,39 @@ def test_experts_unfrozen_after_attach_keep_the_average_check():
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _unfrozen_mid_step_worker(rank, world, policy, kw):
-    """w2 frozen for the step's first micro-batches and unfrozen before a later one, its gradient zeroed in place
-    before (an attached optimizer's zero_grad(set_to_none=False) discarding a backward; the model's after a step):
-    trains as plain EP. Before, the note of w2's last accumulation (an earlier backward, whose tensor the zero_grad
-    wrote since) was taken for a gradient changed in place while the copies held a share, and the forward after the
-    unfreeze was refused on every rank."""
+def _unfrozen_mid_step_worker(rank, world, policy, kw, variant):
+    """w2 frozen for the step's first micro-batches and unfrozen before a later one ("zeroed": its gradient zeroed
+    in place before (an attached optimizer's zero_grad(set_to_none=False) discarding a backward; the model's after a
+    step): trains as plain EP. Before, the note of w2's last accumulation (an earlier backward, whose tensor the
+    zero_grad wrote since) was taken for a gradient changed in place while the copies held a share, and the forward
+    after the unfreeze was refused on every rank. "frozen_all_along": w2 never had a gradient, see below."""
     layers = {p: _layer(p, dtype=torch.float64, **(kw if p != "none" else {})) for p in (policy, "none")}
     errors = []
-    for p, m in layers.items():
+    for m in layers.values():
         opt = torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.5)
         m.attach_optimizer(opt)
         with torch.no_grad():
             m(_x(rank, 99).double())
         m.refresh_replicas()
 
+        def frozen_all_along(m=m, opt=opt):
+            # no zero_grad at all: w2 frozen from the first backward on, w1 between the next forward and its
+            # backward, w2 unfrozen: its gradient is None as plain EP's (before, taken for dropped under any policy
+            # with per-step copies, all of the parameters trained then having none)
+            y = m(_x(rank, 0).double())
+            m.w2.requires_grad_(False)
+            (y ** 2).mean().backward()
+            opt.step()
+            y = m(_x(rank, 1).double())
+            m.w1.requires_grad_(False)
+            (y ** 2).mean().backward()
+            m.w2.requires_grad_(True)
+            (m(_x(rank, 2).double()) ** 2).mean().backward()
+            opt.step()
+
         def loop(m=m, opt=opt):
+            if variant == "frozen_all_along":
+                return frozen_all_along()
             (m(_x(rank, 0).double()) ** 2).mean().backward()
             y = m(_x(rank, 1).double())
             m.w2.requires_grad_(False)                       # frozen between a forward and its backward
@@ -783,10 +800,37 @@ def _unfrozen_mid_step_worker(rank, world, policy, kw):
     return errors, diff, moved
 
 
+@pytest.mark.parametrize("variant", ["zeroed", "frozen_all_along"])
 @pytest.mark.parametrize("policy,kw", [("feplb-split@ema", {}), ("feplb@ema", {"replicas": "lazy"}),
                                        ("feplb-split+place", {})])
-def test_unfrozen_between_micro_batches_after_zero_grad(policy, kw):
-    res = run_dist(_unfrozen_mid_step_worker, W, policy, kw, timeout_s=240, collective_timeout_s=60)
+def test_unfrozen_between_micro_batches(policy, kw, variant):
+    res = run_dist(_unfrozen_mid_step_worker, W, policy, kw, variant, timeout_s=240, collective_timeout_s=60)
     for r, (errors, diff, _) in enumerate(res):
         assert errors == [None, None], (r, errors)
         assert diff <= 1e-12, (r, diff)
+
+
+def _refresh_mid_step_worker(rank, world):
+    """refresh_replicas() while the per-step copies hold a backward's share: between the micro-batches of a step,
+    and after a backward the loop discarded with the model's zero_grad. Refused on every rank, the message naming
+    both ways out (before, it asked only for reduce_replica_grads() before optimizer.step(), which fits neither)."""
+    res = {}
+    for case in ("between", "discarded"):
+        layer = _layer("feplb-split@ema")
+        with torch.no_grad():
+            layer(_x(rank, 99))
+        layer.refresh_replicas()
+        layer(_x(rank, 0)).pow(2).mean().backward()
+        if case == "discarded":
+            torch.nn.ModuleList([layer]).zero_grad()
+        res[case] = error_of(layer.refresh_replicas)
+        layer.close()
+    return res
+
+
+def test_refresh_between_micro_batches_names_the_way_out():
+    res = run_dist(_refresh_mid_step_worker, W, timeout_s=120, collective_timeout_s=60)
+    for r, got in enumerate(res):
+        for case, err in got.items():
+            assert err is not None and "not between the micro-batches of a step" in err and \
+                "zero_replica_grads()" in err, (r, case, err)
