@@ -350,8 +350,9 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             # the attached optimizer's step refreshed the copies, and the weights changed after it
             raise RuntimeError(
                 f"MoELayer: expert weights changed since the last refresh_replicas() on EP rank(s) {stale_ranks}, "
-                "after the step of the optimizer attached to the layer (which refreshes the copies): written after "
-                "it (copied back from fp32 master weights, loaded, set through .data?). Call "
+                "after the last step of the optimizer attached to the layer (which refreshes the copies), or before "
+                "its first step, after the copies were first made: written there (copied back from fp32 master "
+                "weights, loaded, set through .data?). Call "
                 "layer.refresh_replicas() after such a write (weights='per-step'); where it follows every step, "
                 "do not attach that optimizer: call layer.reduce_replica_grads() before its step and "
                 "layer.refresh_replicas() after the write")

@@ -215,7 +215,7 @@ def test_discarded_backward_with_per_step_copies(policy, replicas, set_to_none):
         assert r["refused_again"] == r["refused"] and r["refused_reentrant"] == r["refused"]
         assert r["evaluation"] is None, r["evaluation"]
         err = r["written_after_attached_step"]
-        assert err is not None and "after the step of the optimizer attached to the layer" in err, err
+        assert err is not None and "after the last step of the optimizer attached to the layer" in err, err
         d1, b1, d2, b2 = r["w"]
         assert d1 <= b1 and d2 <= b2, r["w"]     # after dropping them, the steps equal plain EP's
 
