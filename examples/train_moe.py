@@ -475,7 +475,7 @@ def save_checkpoint(out: Path, *, step: int, cfg: TrainConfig, model, optimizer,
     try:
         step_dir.mkdir(parents=True, exist_ok=True)
         atomic_torch_save(state, step_dir / f"rank{rank}.pt")
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - agreed below (a full disk makes torch.save raise a RuntimeError)
         error = f"cannot write the checkpoint of step {step} ({type(exc).__name__}: {exc})"
     err = agree(error)
     if err is not None:

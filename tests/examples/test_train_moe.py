@@ -545,14 +545,17 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
     assert "terminate called" not in text, text
 
 
-def _save_failing_on_rank_1(rank: int, world: int, out: str) -> str | None:
-    """save_checkpoint on 2 gloo ranks whose rank 1 cannot write its file (disk full): what each rank raises."""
+def _save_failing_on_rank_1(rank: int, world: int, out: str, how: str = "os") -> str | None:
+    """save_checkpoint on 2 gloo ranks whose rank 1 cannot write its file (disk full): what each rank raises.
+    how: "os", an OSError; "torch", torch.save's own error on a full device (a RuntimeError of its zip writer)."""
     import errno
     import types
 
     module = _load("train_moe")
     if rank == 1:
         def full(obj, path):
+            if how == "torch":
+                torch.save(obj, "/dev/full")   # (ENOSPC on every write)
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         module.atomic_torch_save = full
 
@@ -582,4 +585,16 @@ def test_a_checkpoint_one_rank_cannot_write_stops_every_rank(tmp_path):
     for err in errors:
         assert err is not None and "(rank 1) cannot write the checkpoint of step 3 (OSError" in err and \
             "No space left on device" in err, errors
+    assert not (tmp_path / "checkpoint" / "latest.json").exists()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_checkpoint_torch_save_cannot_write_stops_every_rank(tmp_path):
+    """A full disk makes torch.save raise a RuntimeError (its zip writer's), not an OSError: it too stops every
+    rank at once, naming the rank."""
+    from feplb.testing import run_dist
+
+    errors = run_dist(_save_failing_on_rank_1, 2, str(tmp_path), "torch", timeout_s=120, collective_timeout_s=20)
+    for err in errors:
+        assert err is not None and "(rank 1) cannot write the checkpoint of step 3 (RuntimeError" in err, errors
     assert not (tmp_path / "checkpoint" / "latest.json").exists()
