@@ -37,7 +37,7 @@ from feplb.layout import Item, exchange_layout
 from feplb.transport import Transport
 
 __all__ = ["BackwardJoin", "Exchange", "ForwardEntry", "PeerComm", "Received", "all_to_all_rows", "entered_through",
-           "settle_abandoned"]
+           "forget_joins", "settle_abandoned"]
 
 
 def compiled_autograd_problem(op: str, *, forward: bool = False) -> str | None:
@@ -315,6 +315,16 @@ def settle_abandoned() -> None:
             errors.append(exc)
     if errors:
         raise errors[0]
+
+
+def forget_joins(copier: concurrent.futures.Executor) -> None:
+    """Drop the joins started on ``copier`` from those ``settle_abandoned`` ends: its layer closed it (shut down,
+    what it ran finished, what was queued cancelled). Left there, they kept the closed layer's exchanges and
+    gradient buffers alive until another layer's next forward, which then settled them against the released copy
+    path (a cancelled one raising ``CancelledError`` in that unrelated forward, on this rank only)."""
+    with _STARTED_LOCK:
+        for key in [key for key, (join, _) in _STARTED.items() if join.copier is copier]:
+            del _STARTED[key]
 
 
 class BackwardJoin:

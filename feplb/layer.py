@@ -76,6 +76,7 @@ from feplb.dispatch import (
     all_to_all_rows,
     compiled_autograd_problem,
     entered_through,
+    forget_joins,
     refuse_compiled_autograd,
     settle_abandoned,
 )
@@ -1077,6 +1078,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # (also a layer whose construction failed part way: what it got to build)
         if getattr(self, "_balancer", None) is not None:
             self._balancer.close()
+            # (what a backward that raised left on the copy thread ended or was cancelled with it: nothing of this
+            # layer's is left for settle_abandoned, which kept it alive, and settled it in another layer's forward)
+            forget_joins(self._balancer.copier)
         # the copy path first: an NVSHMEM one frees its buffers before the transport may finalise NVSHMEM
         if getattr(self, "_copy", None) is not None:
             release_copy_engine(self._copy)

@@ -420,3 +420,50 @@ def test_a_join_interrupted_while_it_waits_keeps_its_exchange_pending():
         threading.Timer(0.2, release.set).start()
         settle_abandoned()   # (what the next forward does first)
         assert ran == [1] and join._future is None
+
+
+def _failed_backward_then_close_rank(rank: int, world: int) -> dict:
+    import gc
+
+    from feplb import FEPLBConfig, MoELayer, dispatch
+
+    h, e = 16, 8
+    gen = torch.Generator().manual_seed(1)
+    router = torch.randn(e, h, generator=gen) / h ** 0.5
+    router[:, 0] = 0.0
+    router[[0, 1], 0] = 4.0   # GPU 0's experts are hot: rows move to GPU 1 and their results come home
+    w1, w2 = torch.randn(e, h, 64, generator=gen) / h ** 0.5, torch.randn(e, 32, h, generator=gen) / 32 ** 0.5
+
+    def make():
+        layer = MoELayer(FEPLBConfig(hidden=h, ffn=32, num_experts=e, top_k=2, gpus_per_node=2, dyn=2, min_chunk=2,
+                                     policy="feplb-split", weights="per-microbatch", min_straggler_rows=0))
+        load_global_weights(layer, router, w1, w2)
+        return layer
+
+    layer = make()
+    x = torch.randn(40, h, generator=torch.Generator().manual_seed(100 + rank))
+    x[:, 0] = x[:, 0].abs() + 1.0
+    static = layer._static_gemm
+    layer._static_gemm = lambda *a: _RaiseInBackward.apply(static(*a))
+    out = {}
+    try:
+        layer(x.clone().requires_grad_()).sum().backward()
+    except torch.OutOfMemoryError:
+        out["raised"] = True
+    copier = layer._balancer.copier
+    out["pending"] = sum(j.copier is copier for j, _ in dispatch._STARTED.values())
+    layer.close()   # the loop gives the model up (rebuilds it after the out-of-memory error, say)
+    del layer, static
+    gc.collect()
+    out["left"] = sum(j.copier is copier for j, _ in dispatch._STARTED.values())
+    return out
+
+
+def test_a_closed_layer_leaves_no_abandoned_exchange():
+    """A layer closed after a backward that raised (nothing of its forwards after it) leaves none of its joins for
+    ``settle_abandoned``: they kept its exchanges' buffers alive, and another layer's next forward settled them
+    against the closed layer's released copy path (a cancelled one raising CancelledError there)."""
+    results = run_dist(_failed_backward_then_close_rank, 2, timeout_s=120, collective_timeout_s=10)
+    for rank, res in enumerate(results):
+        assert res.get("raised") and res["pending"] >= 1, (rank, res)
+        assert res["left"] == 0, (rank, res)
