@@ -453,7 +453,7 @@ def _failed_backward_then_close_rank(rank: int, world: int) -> dict:
     copier = layer._balancer.copier
     out["pending"] = sum(j.copier is copier for j, _ in dispatch._STARTED.values())
     layer.close()   # the loop gives the model up (rebuilds it after the out-of-memory error, say)
-    del layer, static
+    del layer
     gc.collect()
     out["left"] = sum(j.copier is copier for j, _ in dispatch._STARTED.values())
     return out
