@@ -306,6 +306,22 @@ def test_a_backward_that_asks_for_one_parameter_runs_every_exchange_on_every_ran
                 assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (rank, key, name)
 
 
+def _hot_layer(h: int = 16, e: int = 8):
+    """A feplb-split layer over 2 ranks (one node) whose GPU 0 experts are hot: rows move to GPU 1 and their
+    results come home, the same weights on every call."""
+    from feplb import FEPLBConfig, MoELayer
+
+    gen = torch.Generator().manual_seed(1)
+    router = torch.randn(e, h, generator=gen) / h ** 0.5
+    router[:, 0] = 0.0
+    router[[0, 1], 0] = 4.0
+    w1, w2 = torch.randn(e, h, 64, generator=gen) / h ** 0.5, torch.randn(e, 32, h, generator=gen) / 32 ** 0.5
+    layer = MoELayer(FEPLBConfig(hidden=h, ffn=32, num_experts=e, top_k=2, gpus_per_node=2, dyn=2, min_chunk=2,
+                                 policy="feplb-split", weights="per-microbatch", min_straggler_rows=0))
+    load_global_weights(layer, router, w1, w2)
+    return layer
+
+
 class _RaiseInBackward(torch.autograd.Function):
     """Identity whose backward raises (an out-of-memory error in the static experts' backward, on every rank)."""
 
@@ -321,22 +337,10 @@ class _RaiseInBackward(torch.autograd.Function):
 def _failed_backward_rank(rank: int, world: int) -> dict:
     import time
 
-    from feplb import FEPLBConfig, MoELayer, dispatch
+    from feplb import dispatch
 
-    h, e = 16, 8
-    gen = torch.Generator().manual_seed(1)
-    router = torch.randn(e, h, generator=gen) / h ** 0.5
-    router[:, 0] = 0.0
-    router[[0, 1], 0] = 4.0   # GPU 0's experts are hot: rows move to GPU 1 and their results come home
-    w1, w2 = torch.randn(e, h, 64, generator=gen) / h ** 0.5, torch.randn(e, 32, h, generator=gen) / 32 ** 0.5
-
-    def make():
-        layer = MoELayer(FEPLBConfig(hidden=h, ffn=32, num_experts=e, top_k=2, gpus_per_node=2, dyn=2, min_chunk=2,
-                                     policy="feplb-split", weights="per-microbatch", min_straggler_rows=0))
-        load_global_weights(layer, router, w1, w2)
-        return layer
-
-    first, second = make(), make()
+    h = 16
+    first, second = _hot_layer(h), _hot_layer(h)
     x = torch.randn(40, h, generator=torch.Generator().manual_seed(100 + rank))
     x[:, 0] = x[:, 0].abs() + 1.0
     with torch.no_grad():
@@ -425,22 +429,10 @@ def test_a_join_interrupted_while_it_waits_keeps_its_exchange_pending():
 def _failed_backward_then_close_rank(rank: int, world: int) -> dict:
     import gc
 
-    from feplb import FEPLBConfig, MoELayer, dispatch
+    from feplb import dispatch
 
-    h, e = 16, 8
-    gen = torch.Generator().manual_seed(1)
-    router = torch.randn(e, h, generator=gen) / h ** 0.5
-    router[:, 0] = 0.0
-    router[[0, 1], 0] = 4.0   # GPU 0's experts are hot: rows move to GPU 1 and their results come home
-    w1, w2 = torch.randn(e, h, 64, generator=gen) / h ** 0.5, torch.randn(e, 32, h, generator=gen) / 32 ** 0.5
-
-    def make():
-        layer = MoELayer(FEPLBConfig(hidden=h, ffn=32, num_experts=e, top_k=2, gpus_per_node=2, dyn=2, min_chunk=2,
-                                     policy="feplb-split", weights="per-microbatch", min_straggler_rows=0))
-        load_global_weights(layer, router, w1, w2)
-        return layer
-
-    layer = make()
+    h = 16
+    layer = _hot_layer(h)
     x = torch.randn(40, h, generator=torch.Generator().manual_seed(100 + rank))
     x[:, 0] = x[:, 0].abs() + 1.0
     static = layer._static_gemm
