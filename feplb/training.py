@@ -342,6 +342,7 @@ class TrainingSteps:
             # accelerate's prepared optimizer steps through its GradScaler (fp16): attached with it, or a step it
             # skipped on one rank only would leave the others in this attachment's step collectives
             scaler = getattr(optimizer, "scaler", None)
+        keyed = optimizer     # (the object the scaler keys its per-optimizer state by)
         optimizer = _torch_optimizer(optimizer)
         problem = _replaced_problem(optimizer)
         if problem is not None:
@@ -351,6 +352,9 @@ class TrainingSteps:
                 raise TypeError(f"MoELayer.attach_optimizer: scaler must be a torch.amp.GradScaler, got "
                                 f"{type(scaler).__name__}")
             _reduce_before_unscale(scaler)
+            scalers = self.__dict__.setdefault("_scalers", [])
+            if not any(sr() is scaler and kr() is keyed for sr, kr in scalers):
+                scalers.append((weakref.ref(scaler), weakref.ref(keyed)))
         if average_required is not None:
             optimizer._feplb_average_required = average_required
         else:     # (the default decides once: a later attach of another layer keeps an explicit choice)
@@ -643,6 +647,8 @@ class TrainingSteps:
                     dist.all_reduce(p.grad, group=data_parallel_group)
                 if divide:
                     p.grad.div_(ranks)
+        if data_parallel_group is not None:
+            self._agree_unscaled_overflow(data_parallel_group)
         self._averaged = [None if p.grad is None else weakref.ref(p.grad) for p in self.expert_params()]
         # what the steps of an optimizer attached with average_required check: unlike the mark above, which a step
         # ends (the next call is the next step's), it holds for every optimizer stepping these gradients
@@ -650,6 +656,32 @@ class TrainingSteps:
         self.__dict__.pop("_grad_after_average", None)
         if "_watching_average" in self.__dict__:
             self._watch_after_average()   # (an expert parameter unfrozen since the attach gets its hook too)
+
+    def _agree_unscaled_overflow(self, data_parallel_group: dist.ProcessGroup) -> None:
+        """An attached GradScaler that already unscaled this step (a loop calling ``scaler.unscale_`` before
+        ``average_expert_grads``) checked for inf / NaN before the sum over ``data_parallel_group`` brought in the
+        data-parallel peers' gradients, and agreed on it over the EP group only: an overflow in one EP group's
+        experts would then skip the step there and step inf into the other replicas' experts, their scales apart.
+        Agree the check over the data-parallel group too (after the EP agreement every EP group's ranks agree, and
+        every data-parallel group holds one rank of each EP group, so a maximum over it is every rank's)."""
+        from torch.amp.grad_scaler import OptState
+
+        for sref, oref in self.__dict__.get("_scalers", ()):
+            scaler, opt = sref(), oref()
+            if scaler is None or opt is None or not scaler.is_enabled():
+                continue
+            state = scaler._per_optimizer_states.get(id(opt))
+            if not state or state.get("stage") is not OptState.UNSCALED:
+                continue
+            per_device = state["found_inf_per_device"]
+            device = next(iter(per_device)) if per_device else scaler._scale.device
+            bad = torch.tensor([float(any(bool(v.item()) for v in per_device.values()))], device=device)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=data_parallel_group)
+            if bool(bad.item()):
+                for v in per_device.values():
+                    v.fill_(1.0)
+                if not per_device:
+                    per_device[device] = torch.ones((), dtype=torch.float32, device=device)
 
     def _forget_average(self) -> None:
         """The step's averaging is over (a step, zeroed gradients, a refresh): the next call is the next step's."""

@@ -834,3 +834,58 @@ def test_refresh_between_micro_batches_names_the_way_out():
         for case, err in got.items():
             assert err is not None and "not between the micro-batches of a step" in err and \
                 "zero_replica_grads()" in err, (r, case, err)
+
+
+def _epdp_unscale_first_worker(rank, world):
+    """EP x DP (EP groups {0, 1}, {2, 3}; data-parallel groups {0, 2}, {1, 3}) with an attached GradScaler, the loop
+    unscaling before ``average_expert_grads`` (a clipping loop: backward, ``scaler.unscale_``, average, clip, step).
+    An overflow in rank 0's expert gradients is agreed over its EP group by the unscale, and reaches rank 2 only in
+    the average's sum over the data-parallel group, after rank 2's scaler found its gradients finite: EP group
+    {2, 3} stepped inf into its experts and kept its scale while {0, 1} skipped, the replicas silently apart."""
+    import torch.distributed as dist
+
+    from feplb import FEPLBConfig, MoELayer
+
+    eps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    ep, dp = eps[rank // 2], dps[rank % 2]
+    gen = torch.Generator().manual_seed(3)
+    router = torch.randn(E, H, generator=gen) / H ** 0.5
+    w1 = torch.randn(E, H, 2 * FF, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, FF, H, generator=gen) / FF ** 0.5
+    res = {}
+    for policy in ("none", "feplb-split@ema"):
+        for order in ("unscale_first", "average_first"):
+            layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=2, dyn=2,
+                                         policy=policy, min_straggler_rows=0, min_chunk=2, plan_wait_ms=60_000.0),
+                             group=ep)
+            load_global_weights(layer, router, w1, w2)
+            opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+            scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+            layer.attach_optimizer(opt, scaler=scaler)
+            before = [p.detach().clone() for p in layer.parameters()]
+            scaler.scale(layer(_x(rank, 0)).pow(2).mean()).backward()
+            dist.all_reduce(layer.router.weight.grad)      # DDP over all four ranks
+            layer.router.weight.grad.div_(world)
+            layer.reduce_replica_grads()
+            if rank == 0:
+                layer.w1.grad.view(-1)[0] = float("inf")   # an overflow in rank 0's experts alone
+            if order == "unscale_first":
+                scaler.unscale_(opt)
+                layer.average_expert_grads(dp)
+            else:
+                layer.average_expert_grads(dp)
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            res[policy, order] = (scaler.get_scale(), all(torch.equal(p, b) for p, b in
+                                                          zip(layer.parameters(), before, strict=True)))
+            layer.close()
+    return res
+
+
+def test_epdp_scaler_unscaled_before_average():
+    res = run_dist(_epdp_unscale_first_worker, W, timeout_s=180, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        for key, (scale, kept) in r.items():
+            assert scale == 128.0 and kept, (rank, key, scale, kept)   # skipped on every rank of both replicas
