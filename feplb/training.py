@@ -352,9 +352,12 @@ class TrainingSteps:
                 raise TypeError(f"MoELayer.attach_optimizer: scaler must be a torch.amp.GradScaler, got "
                                 f"{type(scaler).__name__}")
             _reduce_before_unscale(scaler)
+            # (keyed by the object its unscale_ is given: accelerate's loop gives the torch optimizer, a plain
+            # loop the object it attached; both are looked up)
             scalers = self.__dict__.setdefault("_scalers", [])
-            if not any(sr() is scaler and kr() is keyed for sr, kr in scalers):
-                scalers.append((weakref.ref(scaler), weakref.ref(keyed)))
+            for key in {id(keyed): keyed, id(optimizer): optimizer}.values():
+                if not any(sr() is scaler and kr() is key for sr, kr in scalers):
+                    scalers.append((weakref.ref(scaler), weakref.ref(key)))
         if average_required is not None:
             optimizer._feplb_average_required = average_required
         else:     # (the default decides once: a later attach of another layer keeps an explicit choice)
@@ -670,7 +673,7 @@ class TrainingSteps:
             scaler, opt = sref(), oref()
             if scaler is None or opt is None or not scaler.is_enabled():
                 continue
-            state = scaler._per_optimizer_states.get(id(opt))
+            state = scaler._per_optimizer_states.get(id(opt)) if id(opt) in scaler._per_optimizer_states else None
             if not state or state.get("stage") is not OptState.UNSCALED:
                 continue
             per_device = state["found_inf_per_device"]
