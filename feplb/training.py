@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -203,6 +203,30 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 register_optimizer_step_post_hook(_stepped)
 register_optimizer_step_pre_hook(_stepping)
+
+
+def _versioned_unscale(unscale_grads: Callable) -> Callable:
+    """``GradScaler._unscale_grads_`` that also bumps the version of every gradient it unscaled: its fused kernel
+    (``_amp_foreach_non_finite_check_and_unscale_``) divides them in place without the version counter autograd
+    keeps, so a scaler not attached to the optimizer, unscaling before ``reduce_replica_grads`` (the owners'
+    gradients divided by the scale, the per-step copies' share still scaled), escaped the reduction's refusal of
+    gradients changed in place, and the reduction added the copies' share at the scale, silently. (An attached
+    scaler reduces before it unscales: the reduction after it finds nothing to add.)"""
+
+    def unscale(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        out = unscale_grads(self, optimizer, *args, **kwargs)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.layout is torch.strided:
+                    torch.autograd.graph.increment_version(p.grad)
+        return out
+
+    unscale._feplb_versioned = True   # type: ignore[attr-defined]
+    return unscale
+
+
+if not getattr(torch.amp.GradScaler._unscale_grads_, "_feplb_versioned", False):
+    torch.amp.GradScaler._unscale_grads_ = _versioned_unscale(torch.amp.GradScaler._unscale_grads_)
 
 # How deep this thread is inside calls that run collectives between a backward and the next forward: only the
 # outermost one handshakes (a model's clip_grad_norm_ reduces every layer's replica gradients inside its own).

@@ -889,3 +889,50 @@ def test_epdp_scaler_unscaled_before_average():
     for rank, r in enumerate(res):
         for key, (scale, kept) in r.items():
             assert scale == 128.0 and kept, (rank, key, scale, kept)   # skipped on every rank of both replicas
+
+
+def _unscale_before_reduce_worker(rank, world):
+    """A GradScaler not attached (the optimizer neither), the loop unscaling before ``reduce_replica_grads``: the
+    owners' gradients divided by the scale in place, the per-step copies' share still scaled. The scaler's fused
+    unscale kernel left the gradients' version counters alone, so the reduction's refusal of gradients changed in
+    place missed it and added the copies' share at 256 times its size, silently; a ``grad.mul_`` of the same factor
+    was refused. Both are refused now, on every rank."""
+    from feplb.testing import error_of
+
+    res = {}
+    for how in ("unscale_", "mul_"):
+        layer = _layer("feplb-split@ema", weights="per-step")
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        errs = []
+        for step in range(2):
+            scaler.scale(layer(_x(rank, step)).pow(2).mean()).backward()
+            if how == "unscale_":
+                scaler.unscale_(opt)
+            else:
+                for p in layer.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(1 / 256.0)
+            err = error_of(layer.reduce_replica_grads)
+            errs.append(err)
+            if err:
+                break
+            if how == "unscale_":
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            layer.refresh_replicas()
+            opt.zero_grad()
+            layer.zero_replica_grads()
+        res[how] = errs
+        layer.close()
+    return res
+
+
+def test_unattached_scaler_unscaling_before_the_reduction_is_refused():
+    res = run_dist(_unscale_before_reduce_worker, W, timeout_s=180, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        for how in ("unscale_", "mul_"):
+            err = r[how][-1]
+            assert err is not None and "changed in place" in err, (rank, how, r[how])
