@@ -479,9 +479,13 @@ class TrainingSteps:
         # (an evaluation forward between is left alone; a training one without autograd is checked: a reentrant
         # checkpoint's forward, whose recompute adds to the copies' gradients)
         evaluation = not self.training and not torch.is_grad_enabled()
-        if not rep.ever_held:
-            return False
         own = [p for p in self.expert_params() if p.requires_grad and not hasattr(p, "main_grad")]
+        if not rep.ever_held:
+            # (watched already: lazy replicas are first held inside this forward, whose backward's accumulations
+            # must be noted for the reduction to tell an in-place change after them (a scaling, an unscale))
+            if self.config.weights == "per-step" and self.base != "none":
+                self._watch_accumulated(own)
+            return False
         self._watch_accumulated(own)
         if not evaluation and rep.grads_clean():
             # nothing held: whatever the owners' gradients are now is where the copies' next share starts from.

@@ -936,3 +936,27 @@ def test_unattached_scaler_unscaling_before_the_reduction_is_refused():
         for how in ("unscale_", "mul_"):
             err = r[how][-1]
             assert err is not None and "changed in place" in err, (rank, how, r[how])
+
+
+def _lazy_first_step_scaled_worker(rank, world):
+    """Lazy replicas (``feplb@ema``, ``replicas="lazy"``) on a fresh layer: the first copies are held inside the
+    step's first forward, whose start found none held and watched no accumulation, so the backward's gradients were
+    never noted and an in-place change before the reduction (a scaling, torch's clipping) went through, the copies'
+    share added unchanged, silently. Refused on every rank, as from the second step on."""
+    from feplb.testing import error_of
+
+    layer = _layer("feplb@ema", weights="per-step", replicas="lazy")
+    layer(_x(rank, 0)).pow(2).mean().backward()
+    held = bool(layer.replicas.ever_held)
+    for p in layer.expert_params():
+        p.grad.mul_(0.5)
+    err = error_of(layer.reduce_replica_grads)
+    layer.close()
+    return held, err
+
+
+def test_lazy_replicas_first_step_in_place_change_is_refused():
+    res = run_dist(_lazy_first_step_scaled_worker, W, timeout_s=180, collective_timeout_s=60)
+    assert any(held for held, _ in res), res     # a plan copied lazily: there is a share to refuse
+    for rank, (_, err) in enumerate(res):
+        assert err is not None and "changed in place" in err, (rank, err)
