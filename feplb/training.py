@@ -225,8 +225,10 @@ def _versioned_unscale(unscale_grads: Callable) -> Callable:
     return unscale
 
 
-if not getattr(torch.amp.GradScaler._unscale_grads_, "_feplb_versioned", False):
-    torch.amp.GradScaler._unscale_grads_ = _versioned_unscale(torch.amp.GradScaler._unscale_grads_)
+# (a private method of torch's: where a torch release renames it, nothing is wrapped, and such a loop goes as before)
+_UNSCALE = getattr(torch.amp.GradScaler, "_unscale_grads_", None)
+if callable(_UNSCALE) and not getattr(_UNSCALE, "_feplb_versioned", False):
+    torch.amp.GradScaler._unscale_grads_ = _versioned_unscale(_UNSCALE)
 
 # How deep this thread is inside calls that run collectives between a backward and the next forward: only the
 # outermost one handshakes (a model's clip_grad_norm_ reduces every layer's replica gradients inside its own).
