@@ -165,6 +165,14 @@ def refused_load(gathered: np.ndarray) -> str | None:
             "per rank; or a whole state dict, full_state_dict(model), which every rank loads) on every rank again")
 
 
+def _ranks_by(values: np.ndarray) -> list[list[int]]:
+    """The ranks grouped by their value (a digest column of the all-gathered rows), sorted: [[0, 1, 3], [2]]."""
+    groups: dict[int, list[int]] = {}
+    for r, v in enumerate(values.tolist()):
+        groups.setdefault(v, []).append(r)
+    return sorted(groups.values())
+
+
 def _skipped(gathered: np.ndarray) -> str:
     load = refused_load(gathered)
     if load is not None:
@@ -227,12 +235,9 @@ def read_step(gathered: np.ndarray) -> None:
             "same optimizers to the same layers, in the same order")
     digests = gathered[:, DIGEST]
     if (digests != digests[0]).any():
-        groups: dict[int, list[int]] = {}
-        for r, d in enumerate(digests.tolist()):
-            groups.setdefault(d, []).append(r)
         raise ValueError(
             f"MoELayer: {ENTRY_ARGS.get(int(calls[0]), 'the arguments of ' + ENTRIES.get(int(calls[0]), '?'))} "
-            f"differs across ranks (EP ranks grouped by what they passed: {sorted(groups.values())}): every rank "
+            f"differs across ranks (EP ranks grouped by what they passed: {_ranks_by(digests)}): every rank "
             "must pass the same (each rank would otherwise scale its gradients by another factor, or run other "
             "collectives); nothing was done, on any rank")
     unaveraged = np.nonzero(gathered[:, PROBLEM] & STEP_PROBLEM_NOT_AVERAGED)[0].tolist()
@@ -313,12 +318,9 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             "from here; rebuild the model (or restart the processes) and resume from a checkpoint")
     digests = gathered[:, DIGEST]
     if (digests != digests[0]).any():
-        groups = {}
-        for r, d in enumerate(digests.tolist()):
-            groups.setdefault(d, []).append(r)
         raise RuntimeError(
             f"MoELayer: the EP ranks plan from different balancing state (policy history and placement), EP ranks "
-            f"grouped by what they hold: {sorted(groups.values())}; every rank must run the same forwards in the "
+            f"grouped by what they hold: {_ranks_by(digests)}; every rank must run the same forwards in the "
             "same mode and restore the same PolicyState")
     input_ranks = np.nonzero(gathered[:, PROBLEM])[0].tolist()
     if input_ranks:

@@ -703,7 +703,7 @@ class TrainingSteps:
             scaler, opt = sref(), oref()
             if scaler is None or opt is None or not scaler.is_enabled():
                 continue
-            state = scaler._per_optimizer_states.get(id(opt)) if id(opt) in scaler._per_optimizer_states else None
+            state = scaler._per_optimizer_states.get(id(opt))   # (a defaultdict: .get adds nothing)
             if not state or state.get("stage") is not OptState.UNSCALED:
                 continue
             per_device = state["found_inf_per_device"]
