@@ -252,7 +252,8 @@ def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGrou
     not divide (the loss scaled by the global token count). Needed under EP x DP; with the EP group all the ranks
     the dispatch already leaves the sum."""
     moes = experts_modules(model)
-    with handshaken(moes, ENTRY_AVERAGE, force=True, args=average_args(data_parallel_group, divide)):
+    args, problem = average_args(moes, data_parallel_group, divide)
+    with handshaken(moes, ENTRY_AVERAGE, force=True, problem=problem, args=args):
         for m in moes:
             m.average_expert_grads(data_parallel_group, divide=divide)
 

@@ -100,11 +100,17 @@ ENTRY_STEP, ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_SCALER
 # so that the ranks that loaded theirs, already in their next forward or per-step call, raise too: feplb.sharded)
 # what a step row's DIGEST agrees, for the calls that take arguments every rank must pass alike (``args_digest``
 # of them; 0 for the other calls): a rank passing others would compute apart silently, or run other collectives
-ENTRY_ARGS = {ENTRY_AVERAGE: "average_expert_grads()'s arguments (divide, the data_parallel_group's size)",
+ENTRY_ARGS = {ENTRY_AVERAGE: "average_expert_grads()'s arguments (divide, the data_parallel_group's size, whether "
+                            "the layers met that group before)",
               ENTRY_CLIP: "clip_grad_norm_'s arguments (max_norm, norm_type, error_if_nonfinite)"}
 # bits of a step row's PROBLEM
 STEP_PROBLEM_UNATTACHED_SCALER = 1
 STEP_PROBLEM_NOT_AVERAGED = 2
+STEP_PROBLEM_BAD_DP_GROUP = 4     # average_expert_grads' data_parallel_group cannot be that rank's (dp_group_problem)
+
+DP_GROUP_HINT = ("Under EP x DP, pass the group of the ranks that hold the same experts, one per EP group (Megatron's "
+                 "expert data-parallel group, not its dense data-parallel group; with a DeviceMesh of dims "
+                 "(\"dp\", \"ep\"), mesh[\"dp\"].get_group()); with the EP group all the ranks, pass none")
 
 
 def not_averaged(ranks: list[int] | None) -> str:
@@ -240,6 +246,13 @@ def read_step(gathered: np.ndarray) -> None:
             f"differs across ranks (EP ranks grouped by what they passed: {_ranks_by(digests)}): every rank "
             "must pass the same (each rank would otherwise scale its gradients by another factor, or run other "
             "collectives); nothing was done, on any rank")
+    bad_dp = np.nonzero(gathered[:, PROBLEM] & STEP_PROBLEM_BAD_DP_GROUP)[0].tolist()
+    if bad_dp:
+        raise ValueError(
+            f"MoELayer: the data_parallel_group average_expert_grads was given on EP rank(s) {bad_dp} cannot be "
+            "theirs: it holds other ranks of the layer's own EP group, which hold other experts (whose gradients "
+            "it would add into each shard's, silently), or not the rank itself. Nothing was done, on any rank. "
+            + DP_GROUP_HINT)
     unaveraged = np.nonzero(gathered[:, PROBLEM] & STEP_PROBLEM_NOT_AVERAGED)[0].tolist()
     if unaveraged:
         raise RuntimeError(not_averaged(unaveraged))

@@ -27,16 +27,19 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from feplb.control import guard
 from feplb.dispatch import settle_abandoned
 from feplb.frames import caller_frame
 from feplb.replicas import state_digest
 from feplb.sharded import localize_state, track_optimizer
 from feplb.steps import (
+    DP_GROUP_HINT,
     ENTRY_AVERAGE,
     ENTRY_REDUCE,
     ENTRY_REFRESH,
     ENTRY_SCALER,
     ENTRY_STEP,
+    STEP_PROBLEM_BAD_DP_GROUP,
     STEP_PROBLEM_NOT_AVERAGED,
     STEP_PROBLEM_UNATTACHED_SCALER,
     args_digest,
@@ -280,13 +283,42 @@ def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
         yield
 
 
-def average_args(data_parallel_group: dist.ProcessGroup | None, divide: bool) -> tuple:
-    """What ``average_expert_grads`` agrees over the EP group (``handshaken``'s ``args``): ``divide`` and the size
-    of the data-parallel group (each EP rank has its own, of other ranks; one of a single rank sums nothing, as
-    None). A rank dividing alone, or summing over more ranks, would leave its experts' gradients at another scale
-    than the others', silently: its handshake is forced under every policy."""
-    dp = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
-    return (bool(divide), dp)
+def average_args(layers: list[TrainingSteps], data_parallel_group: dist.ProcessGroup | None,
+                 divide: bool) -> tuple[tuple, int]:
+    """What ``average_expert_grads`` agrees over the EP group: ``handshaken``'s ``args`` (``divide``, the size of
+    the data-parallel group (each EP rank has its own, of other ranks; one of a single rank sums nothing, as None),
+    and whether the group is new to one of ``layers``, whose first call checks it over its ranks) and ``problem``
+    (``STEP_PROBLEM_BAD_DP_GROUP`` where the group cannot be this rank's: ``dp_group_problem``). A rank dividing
+    alone, or summing over more ranks, would leave its experts' gradients at another scale than the others',
+    silently: its handshake is forced under every policy."""
+    if data_parallel_group is None:
+        return (bool(divide), 1, False), 0
+    bad = dp_group_problem(layers, data_parallel_group) is not None
+    new = not bad and any(lay._dp_key(data_parallel_group) not in lay.__dict__.get("_dp_checked", ())
+                          for lay in layers)
+    return (bool(divide), dist.get_world_size(data_parallel_group), new), STEP_PROBLEM_BAD_DP_GROUP if bad else 0
+
+
+def dp_group_problem(layers: list[TrainingSteps], data_parallel_group: dist.ProcessGroup) -> str | None:
+    """Why ``data_parallel_group`` cannot be this rank's EP x DP group for ``layers`` (it must hold this rank and,
+    besides it, only ranks of other EP groups: those holding the same experts), or None. A group holding other
+    ranks of a layer's own EP group (the world, the dense data-parallel group of a model whose experts are sharded
+    over more ranks than its other parameters) would add other experts' gradients into each shard's, silently
+    (the shards have one shape)."""
+    me = dist.get_rank()
+    try:
+        ranks = set(dist.get_process_group_ranks(data_parallel_group))
+    except (ValueError, RuntimeError, KeyError):
+        ranks = set()
+    if me not in ranks:
+        return (f"it does not hold this rank (global rank {me}): a group made by dist.new_group without it is "
+                "only a placeholder here")
+    for lay in layers:
+        ep = set(dist.get_process_group_ranks(lay.group if lay.group is not None else dist.group.WORLD))
+        if ranks & ep != {me}:
+            return (f"it holds global ranks {sorted(ranks & ep - {me})} of the layer's own EP group (global ranks "
+                    f"{sorted(ep)}), which hold other experts")
+    return None
 
 
 @contextlib.contextmanager
@@ -658,7 +690,8 @@ class TrainingSteps:
         parameter still holds the gradient tensor the last call divided and no optimizer step (of any optimizer
         holding the experts), ``zero_replica_grads()`` (an attached optimizer's ``zero_grad()``, ``layer.zero_grad()``)
         or ``refresh_replicas()`` came between; zeroing with ``set_to_none=True`` makes new tensors."""
-        with handshaken([self], ENTRY_AVERAGE, force=True, args=average_args(data_parallel_group, divide)):
+        args, problem = average_args([self], data_parallel_group, divide)
+        with handshaken([self], ENTRY_AVERAGE, force=True, problem=problem, args=args):
             self._average_expert_grads(data_parallel_group, divide)
 
     def _average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None, divide: bool = True) -> None:
@@ -671,6 +704,8 @@ class TrainingSteps:
                                "a GradScaler skipped, then gradients zeroed in place, looks the same where the "
                                "scaler is not attached (attach_optimizer(optimizer, scaler=scaler)): zero them with "
                                "set_to_none=True, or call zero_replica_grads() after)")
+        if data_parallel_group is not None:
+            self._check_dp_group(data_parallel_group)
         self.reduce_replica_grads()
         ranks = self.world_size * (dist.get_world_size(data_parallel_group) if data_parallel_group is not None
                                    else 1)
@@ -689,6 +724,44 @@ class TrainingSteps:
         self.__dict__.pop("_grad_after_average", None)
         if "_watching_average" in self.__dict__:
             self._watch_after_average()   # (an expert parameter unfrozen since the attach gets its hook too)
+
+    def _dp_key(self, data_parallel_group: dist.ProcessGroup) -> tuple[int, ...]:
+        """``_dp_checked``'s key of a data-parallel group: its global ranks."""
+        return tuple(dist.get_process_group_ranks(data_parallel_group))
+
+    def _check_dp_group(self, data_parallel_group: dist.ProcessGroup) -> None:
+        """Refuse a data-parallel group that cannot be EP x DP's (``dp_group_problem``; the handshake refused it on
+        every rank already, unless another layer's call of the group handshook for it), and, the first time this
+        layer meets it, one whose ranks hold other experts than this one: another position in their EP group, of
+        another size or over another number of experts (the data-parallel groups made across the EP groups' ranks
+        in another order). That check gathers over the group, then agrees over the EP group: every rank raises
+        together (the ranks that meet in a group or an EP group all raise where one does)."""
+        problem = dp_group_problem([self], data_parallel_group)
+        if problem is not None:
+            raise ValueError(f"MoELayer.average_expert_grads: data_parallel_group cannot be this rank's: {problem}. "
+                             f"{DP_GROUP_HINT}")
+        key = self._dp_key(data_parallel_group)
+        checked = self.__dict__.setdefault("_dp_checked", set())
+        if key in checked:
+            return
+        device = next((p.device for p in self.expert_params()), torch.device("cpu"))
+        mine = torch.tensor([self.rank, self.world_size, self.config.num_experts], dtype=torch.int64, device=device)
+        parts = [torch.empty_like(mine) for _ in key]
+        with guard("average_expert_grads' check of data_parallel_group", data_parallel_group):
+            dist.all_gather(parts, mine, group=data_parallel_group)
+        table = torch.stack(parts).cpu()
+        same = bool((table == table[0]).all())
+        agreed = self.control.all_reduce_min(torch.tensor([int(same)], dtype=torch.int64), "group",
+                                             "average_expert_grads' check of data_parallel_group")
+        if not same:
+            held = "; ".join(f"global rank {g}: EP rank {int(r)} of {int(w)}, {int(e)} experts"
+                             for g, (r, w, e) in zip(key, table.tolist(), strict=True))
+            raise ValueError("MoELayer.average_expert_grads: the ranks of data_parallel_group hold other experts "
+                             f"({held}); nothing was summed. {DP_GROUP_HINT}")
+        if not bool(agreed[0]):
+            raise ValueError("MoELayer.average_expert_grads: on another rank of this EP group, the ranks of its "
+                             "data_parallel_group hold other experts; nothing was summed. " + DP_GROUP_HINT)
+        checked.add(key)
 
     def _agree_unscaled_overflow(self, data_parallel_group: dist.ProcessGroup) -> None:
         """An attached GradScaler that already unscaled this step (a loop calling ``scaler.unscale_`` before

@@ -504,3 +504,68 @@ def test_layer_usage_and_misuse():
     assert all(res["epdp"]["moved"] > 0 for res in results[:2]), [res["epdp"]["moved"] for res in results]
     # the two EP groups placed their experts differently (else the DDP case proves nothing)
     assert results[0]["home_E"] != results[2]["home_E"], (results[0]["home_E"], results[2]["home_E"])
+
+
+def _dp_group_worker(rank, world):
+    """average_expert_grads under EP x DP (EP groups {0,1}, {2,3}) given data-parallel groups that cannot be: the
+    world or the EP group itself (other experts' gradients added into each shard's, silently: the shards have one
+    shape), and groups made across the EP groups' ranks in the crossed order ({0,3}, {1,2}: EP rank 0's experts
+    summed with EP rank 1's). Each is refused on every rank, nothing summed or divided; then the right groups
+    ({0,2}, {1,3}) sum over the replicas and divide by 4, over two steps (the second without a new check)."""
+    import torch.distributed as dist
+
+    from feplb.dropin import average_expert_grads
+
+    eps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    ep, dp = eps[rank // 2], dps[rank % 2]
+    cross = crossed[0] if rank in (0, 3) else crossed[1]
+    res = {}
+    for policy in ("none", "feplb-split@ema"):
+        layer, *_ = _layer(19, group=ep, policy=policy)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        layer.attach_optimizer(opt)
+        for case, group in (("world", dist.group.WORLD), ("ep", ep), ("crossed", cross), ("right", dp),
+                            ("again", dp)):
+            layer(_epdp_input(len(res), rank)).pow(2).mean().backward()
+            layer.reduce_replica_grads()
+            before = [p.grad.clone() for p in layer.expert_params()]
+            want = [b.clone() for b in before]
+            for w in want:
+                dist.all_reduce(w, group=dp)     # (the independent reference: summed over the right group)
+            if case == "again":
+                res[policy, case] = error_of(lambda m=layer, g=group: m.average_expert_grads(g))
+            else:
+                res[policy, case] = error_of(lambda m=layer, g=group: average_expert_grads(m, g))
+            got = [p.grad for p in layer.expert_params()]
+            if res[policy, case] is None:
+                res[policy, case, "grads"] = all(torch.allclose(g, w / 4, rtol=1e-6, atol=1e-7)
+                                                 for g, w in zip(got, want, strict=True))
+                opt.step()
+            else:
+                res[policy, case, "grads"] = all(torch.equal(g, b) for g, b in zip(got, before, strict=True))
+            opt.zero_grad(set_to_none=True)
+        res[policy, "checks"] = len(layer.__dict__.get("_dp_checked", ()))
+        layer.close()
+    return res
+
+
+def test_data_parallel_group_that_cannot_be_refused_on_every_rank():
+    results = run_dist(_dp_group_worker, 4, timeout_s=240, collective_timeout_s=30)
+    for rank, res in enumerate(results):
+        for policy in ("none", "feplb-split@ema"):
+            for case in ("world", "ep"):
+                err = res[policy, case]
+                assert err is not None and err.startswith("ValueError") and "cannot be" in err and \
+                    "Nothing was done, on any rank" in err and "expert data-parallel group" in err, \
+                    (rank, policy, case, err)
+            err = res[policy, "crossed"]
+            assert err is not None and err.startswith("ValueError") and "hold other experts" in err, \
+                (rank, policy, err)
+            for case in ("world", "ep", "crossed"):
+                assert res[policy, case, "grads"], f"rank {rank} {policy} {case}: gradients changed by a refusal"
+            for case in ("right", "again"):
+                assert res[policy, case] is None, (rank, policy, case, res[policy, case])
+                assert res[policy, case, "grads"], f"rank {rank} {policy} {case}: not the mean over the 4 ranks"
+            assert res[policy, "checks"] == 1, (rank, policy, res[policy, "checks"])
