@@ -37,7 +37,7 @@ from feplb.layout import Item, exchange_layout
 from feplb.transport import Transport
 
 __all__ = ["BackwardJoin", "Exchange", "ForwardEntry", "PeerComm", "Received", "all_to_all_rows", "entered_through",
-           "forget_joins", "settle_abandoned"]
+           "forget_joins", "settle_abandoned", "settle_joins"]
 
 
 def compiled_autograd_problem(op: str, *, forward: bool = False) -> str | None:
@@ -302,13 +302,30 @@ def settle_abandoned() -> None:
     """End every exchange's backward that a backward other than the running one (any, outside a backward) started
     on a copy thread and never took: a backward that raised left it in flight. Called, on the calling thread,
     before a layer's forward or a step call runs its first collective (``MoELayer._experts``,
-    ``feplb.training.handshaken``): every rank's copy threads then finish what they started, in the same order,
-    before the next collective over the same groups. Raises the first of their errors, after settling all."""
+    ``feplb.training.handshaken``) and by a layer's close (``settle_joins``): every rank's
+    copy threads then finish what they started, in the same order, before the next collective over the same
+    groups. Raises the first of their errors, after settling all."""
     task = torch._C._current_graph_task_id()
     with _STARTED_LOCK:
         stale = [join for join, started in _STARTED.values() if started != task]
+    _settle_all(stale)
+
+
+def settle_joins(copier: concurrent.futures.Executor) -> None:
+    """End every exchange's backward started on ``copier`` and not taken (a backward that raised left it in flight):
+    its layer is closing it. Waited for, never cancelled: the copy thread of a peer may have started it already
+    (the peers' copy threads run it whatever their main threads do next), and one cancelled here while a peer's ran
+    left that peer's collective to meet this rank's next one on the same group (the next layer's construction:
+    both waited out the group's timeout, or paired a barrier with an all-gather). Raises the first of their errors,
+    after settling all."""
+    with _STARTED_LOCK:
+        mine = [join for join, _ in _STARTED.values() if join.copier is copier]
+    _settle_all(mine)
+
+
+def _settle_all(joins: list[BackwardJoin]) -> None:
     errors = []
-    for join in stale:
+    for join in joins:
         try:
             join.settle()
         except BaseException as exc:  # noqa: BLE001 - every one settled; the first error raised after
@@ -319,9 +336,8 @@ def settle_abandoned() -> None:
 
 def forget_joins(copier: concurrent.futures.Executor) -> None:
     """Drop the joins started on ``copier`` from those ``settle_abandoned`` ends: its layer closed it (shut down,
-    what it ran finished, what was queued cancelled). Left there, they kept the closed layer's exchanges and
-    gradient buffers alive until another layer's next forward, which then settled them against the released copy
-    path (a cancelled one raising ``CancelledError`` in that unrelated forward, on this rank only)."""
+    after ``settle_joins``). Left there, they kept the closed layer's exchanges and gradient buffers alive until
+    another layer's next forward, which then settled them against the released copy path."""
     with _STARTED_LOCK:
         for key in [key for key, (join, _) in _STARTED.items() if join.copier is copier]:
             del _STARTED[key]

@@ -79,6 +79,7 @@ from feplb.dispatch import (
     forget_joins,
     refuse_compiled_autograd,
     settle_abandoned,
+    settle_joins,
 )
 from feplb.experts import EarlyBackward, expert_mlp, ready_event, span, to_device
 from feplb.layout import (
@@ -1076,10 +1077,18 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         for h in getattr(self, "_hooks", ()):
             h.remove()
         # (also a layer whose construction failed part way: what it got to build)
+        error = None
         if getattr(self, "_balancer", None) is not None:
+            # what a backward that raised left on the copy thread ends first, waited for: the balancer's close
+            # cancels what is still queued, and a peer's copy thread may have started it already (that peer then
+            # waited in it, and its collective met this rank's next one: the next layer's construction)
+            try:
+                settle_joins(self._balancer.copier)
+            except BaseException as exc:  # noqa: BLE001 - the layer is released all the same; raised at the end
+                error = exc
             self._balancer.close()
-            # (what a backward that raised left on the copy thread ended or was cancelled with it: nothing of this
-            # layer's is left for settle_abandoned, which kept it alive, and settled it in another layer's forward)
+            # (nothing of this layer's is left for settle_abandoned, which kept it alive, and settled it in another
+            # layer's forward)
             forget_joins(self._balancer.copier)
         # the copy path first: an NVSHMEM one frees its buffers before the transport may finalise NVSHMEM
         if getattr(self, "_copy", None) is not None:
@@ -1087,6 +1096,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if getattr(self, "transport", None) is not None:
             release_transport(self.transport)
         self.control.close()
+        if error is not None:   # (the exchange's error: a peer never came, say)
+            raise error
 
     def __deepcopy__(self, memo: dict) -> MoELayer:
         raise TypeError(self._no_copy("deep-copied (copy.deepcopy)"))

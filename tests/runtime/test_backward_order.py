@@ -306,9 +306,9 @@ def test_a_backward_that_asks_for_one_parameter_runs_every_exchange_on_every_ran
                 assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (rank, key, name)
 
 
-def _hot_layer(h: int = 16, e: int = 8):
-    """A feplb-split layer over 2 ranks (one node) whose GPU 0 experts are hot: rows move to GPU 1 and their
-    results come home, the same weights on every call."""
+def _hot_layer(h: int = 16, e: int = 8, policy: str = "feplb-split"):
+    """A feplb-split layer (or of ``policy``) over 2 ranks (one node) whose GPU 0 experts are hot: rows move to GPU 1
+    and their results come home, the same weights on every call."""
     from feplb import FEPLBConfig, MoELayer
 
     gen = torch.Generator().manual_seed(1)
@@ -317,7 +317,7 @@ def _hot_layer(h: int = 16, e: int = 8):
     router[[0, 1], 0] = 4.0
     w1, w2 = torch.randn(e, h, 64, generator=gen) / h ** 0.5, torch.randn(e, 32, h, generator=gen) / 32 ** 0.5
     layer = MoELayer(FEPLBConfig(hidden=h, ffn=32, num_experts=e, top_k=2, gpus_per_node=2, dyn=2, min_chunk=2,
-                                 policy="feplb-split", weights="per-microbatch", min_straggler_rows=0))
+                                 policy=policy, weights="per-microbatch", min_straggler_rows=0))
     load_global_weights(layer, router, w1, w2)
     return layer
 
@@ -459,3 +459,65 @@ def test_a_closed_layer_leaves_no_abandoned_exchange():
     for rank, res in enumerate(results):
         assert res.get("raised") and res["pending"] >= 1, (rank, res)
         assert res["left"] == 0, (rank, res)
+
+
+def _raising_backward(layer, x: torch.Tensor, busy_s: float = 0.0) -> bool:
+    """A forward of ``layer`` and a backward that raises (out of memory in its static experts' backward, on every
+    rank) after the results-home exchange's backward started on the copy thread; busy_s: that thread is busy that
+    long first (an earlier job), so the exchange is still queued when the backward raised. Whether it raised."""
+    import time
+
+    static = layer._static_gemm
+    layer._static_gemm = lambda *a: _RaiseInBackward.apply(static(*a))
+    try:
+        y = layer(x.clone().requires_grad_())
+        if busy_s:
+            layer._balancer.copier.submit(time.sleep, busy_s)
+        y.sum().backward()
+    except torch.OutOfMemoryError:
+        return True
+    finally:
+        del layer._static_gemm
+    return False
+
+
+def _x_grad(layer, x: torch.Tensor) -> torch.Tensor:
+    xg = x.clone().requires_grad_()
+    layer(xg).square().sum().backward()
+    return xg.grad
+
+
+def _close_then_rebuild_rank(rank: int, world: int, rounds: int) -> dict:
+    from feplb import dispatch
+
+    h = 16
+    x = torch.randn(40, h, generator=torch.Generator().manual_seed(100 + rank))
+    x[:, 0] = x[:, 0].abs() + 1.0
+    with _hot_layer(h, policy="none") as ref:
+        want = _x_grad(ref, x)
+    out = {"raised": 0, "pending": []}
+    for i in range(rounds):
+        layer = _hot_layer(h)   # (the first collectives of a new layer: right after the last one's close)
+        out["raised"] += _raising_backward(layer, x, busy_s=0.2 if rank == i % 2 else 0.0)
+        copier = layer._balancer.copier
+        out["pending"].append(sum(j.copier is copier for j, _ in dispatch._STARTED.values()))
+        layer.close()   # the loop gives the model up after the out-of-memory error and builds it again
+    with _hot_layer(h) as layer:
+        out["grad"] = (_x_grad(layer, x) - want).abs().max().item() / want.abs().max().item()
+        out["moved"] = layer.last_stats.rows_moved
+    return out
+
+
+def test_a_layer_built_after_closing_one_whose_backward_raised_meets_its_peers():
+    """A layer closed after a backward that raised, its results-home exchange's backward still queued on the copy
+    thread of one rank (busy with an earlier job) and started on the other's: the close cancelled it on the first
+    rank, so the other's copy thread waited in it while the first rank went on to the next layer's construction,
+    whose collective met it on the same gloo group (both ranks waited out the group's timeout). The close now waits
+    for it; over rounds with either rank's copy thread busy, every new layer is built, and balances exactly."""
+    rounds = 6
+    results = run_dist(_close_then_rebuild_rank, 2, rounds, timeout_s=150, collective_timeout_s=10)
+    for rank, res in enumerate(results):
+        assert res["raised"] == rounds and min(res["pending"]) >= 1, (rank, res)
+        assert res["grad"] <= 1e-5, (rank, res)
+    assert sum(res["moved"] for res in results) > 0
+
