@@ -301,8 +301,8 @@ _STARTED_LOCK = threading.Lock()
 def settle_abandoned() -> None:
     """End every exchange's backward that a backward other than the running one (any, outside a backward) started
     on a copy thread and never took: a backward that raised left it in flight. Called, on the calling thread,
-    before a layer's forward or a step call runs its first collective (``MoELayer._experts``,
-    ``feplb.training.handshaken``) and by a layer's close (``settle_joins``): every rank's
+    before a layer's construction, forward or a step call runs its first collective (``MoELayer.__init__``,
+    ``MoELayer._experts``, ``feplb.training.handshaken``) and by a layer's close (``settle_joins``): every rank's
     copy threads then finish what they started, in the same order, before the next collective over the same
     groups. Raises the first of their errors, after settling all."""
     task = torch._C._current_graph_task_id()

@@ -171,6 +171,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # the group itself, not None: a layer stays on the group it was built on (after destroy_process_group and a
         # new init_process_group, not on the new default group with its old rank numbers)
         group = group if group is not None else dist.group.WORLD
+        # (an earlier backward that raised may have left exchanges on copy threads, of a layer not closed: they end
+        # before this construction's first collective meets them on the same groups)
+        settle_abandoned()
         from feplb.sched import policies as sched_policies
         from feplb.sched.cost import CostModel
 

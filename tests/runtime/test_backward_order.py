@@ -521,3 +521,32 @@ def test_a_layer_built_after_closing_one_whose_backward_raised_meets_its_peers()
         assert res["grad"] <= 1e-5, (rank, res)
     assert sum(res["moved"] for res in results) > 0
 
+
+def _rebuild_without_close_rank(rank: int, world: int) -> dict:
+    h = 16
+    x = torch.randn(40, h, generator=torch.Generator().manual_seed(100 + rank))
+    x[:, 0] = x[:, 0].abs() + 1.0
+    with _hot_layer(h, policy="none") as ref:
+        want = _x_grad(ref, x)
+    first = _hot_layer(h)
+    out = {"raised": _raising_backward(first, x, busy_s=0.2 if rank == 0 else 0.0)}
+    # the loop rebuilds the model after the out-of-memory error and keeps the old one (its copy thread still runs
+    # the exchange's backward, later on rank 0): the new layer's construction is collective over the same groups
+    second = _hot_layer(h)
+    out["grads"] = [(_x_grad(layer, x) - want).abs().max().item() / want.abs().max().item()
+                    for layer in (second, first)]
+    out["moved"] = second.last_stats.rows_moved
+    second.close()
+    first.close()
+    return out
+
+
+def test_a_layer_built_after_a_backward_that_raised_ends_the_abandoned_exchange_first():
+    """A new layer built (the old one left open) right after a backward that raised: its construction's first
+    collective met the old layer's copy thread still running the abandoned exchange's backward on the same gloo
+    group, in another order on each rank (both waited out the group's timeout). The construction settles it first
+    (``settle_abandoned``); both layers then balance exactly."""
+    results = run_dist(_rebuild_without_close_rank, 2, timeout_s=120, collective_timeout_s=10)
+    for rank, res in enumerate(results):
+        assert res["raised"] and max(res["grads"]) <= 1e-5, (rank, res)
+    assert sum(res["moved"] for res in results) > 0
