@@ -306,9 +306,9 @@ def test_a_backward_that_asks_for_one_parameter_runs_every_exchange_on_every_ran
                 assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (rank, key, name)
 
 
-def _hot_layer(h: int = 16, e: int = 8, policy: str = "feplb-split"):
-    """A feplb-split layer (or of ``policy``) over 2 ranks (one node) whose GPU 0 experts are hot: rows move to GPU 1
-    and their results come home, the same weights on every call."""
+def _hot_layer(h: int = 16, e: int = 8, policy: str = "feplb-split", **kw):
+    """A feplb-split layer (or of ``policy``, ``kw`` for its config) over 2 ranks (one node) whose GPU 0 experts are
+    hot: rows move to GPU 1 and their results come home, the same weights on every call."""
     from feplb import FEPLBConfig, MoELayer
 
     gen = torch.Generator().manual_seed(1)
@@ -317,7 +317,7 @@ def _hot_layer(h: int = 16, e: int = 8, policy: str = "feplb-split"):
     router[[0, 1], 0] = 4.0
     w1, w2 = torch.randn(e, h, 64, generator=gen) / h ** 0.5, torch.randn(e, 32, h, generator=gen) / 32 ** 0.5
     layer = MoELayer(FEPLBConfig(hidden=h, ffn=32, num_experts=e, top_k=2, gpus_per_node=2, dyn=2, min_chunk=2,
-                                 policy=policy, weights="per-microbatch", min_straggler_rows=0))
+                                 policy=policy, min_straggler_rows=0, **{"weights": "per-microbatch", **kw}))
     load_global_weights(layer, router, w1, w2)
     return layer
 
@@ -550,3 +550,75 @@ def test_a_layer_built_after_a_backward_that_raised_ends_the_abandoned_exchange_
     for rank, res in enumerate(results):
         assert res["raised"] and max(res["grads"]) <= 1e-5, (rank, res)
     assert sum(res["moved"] for res in results) > 0
+
+
+def _step_after_raised_rank(rank: int, world: int) -> dict:
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    h = 16
+
+    def x_of(i: int) -> torch.Tensor:
+        x = torch.randn(40, h, generator=torch.Generator().manual_seed(1000 * i + rank))
+        x[:, 0] = x[:, 0].abs() + 1.0
+        return x.requires_grad_()
+
+    def end_raises(g):
+        raise torch.OutOfMemoryError("injected: out of memory after the layer's backward")
+
+    out = {}
+    for key, kw, ckpt in (("none", {"policy": "none"}, False),
+                          ("per-step @ema", {"policy": "feplb-split@ema", "weights": "per-step"}, False),
+                          ("lazy @ema", {"policy": "feplb@ema", "weights": "per-step", "replicas": "lazy"}, False),
+                          ("per-microbatch", {}, False), ("none, recomputed", {"policy": "none"}, True),
+                          ("per-microbatch, recomputed", {}, True)):
+        layer = _hot_layer(h, **kw)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.01)
+        layer.attach_optimizer(opt)
+        run = functools.partial(checkpoint, layer, use_reentrant=False) if ckpt else layer
+        raised, moved = [], 0
+        for step in range(2):
+            # a backward that raises, inside the layer (its static experts') or after it (the layer's input), and
+            # the loop's skipping of the micro-batch: the gradients dropped, the step done with the next ones
+            static = layer._static_gemm
+            if step == 0:
+                layer._static_gemm = lambda *a, static=static: _RaiseInBackward.apply(static(*a))
+            x = x_of(10 * step)
+            try:
+                y = run(x)
+                if step == 1:
+                    x.register_hook(end_raises)
+                y.square().mean().backward()
+            except torch.OutOfMemoryError:
+                raised.append(step)
+            layer.__dict__.pop("_static_gemm", None)
+            opt.zero_grad()
+            for mb in (1, 2):
+                run(x_of(10 * step + mb)).square().mean().backward()
+                moved += layer.last_stats.rows_moved
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            out[key] = {"y": layer(x_of(99)), "w1": layer.w1.detach().clone(), "w2": layer.w2.detach().clone(),
+                        "router": layer.router.weight.detach().clone(), "raised": raised, "moved": moved}
+        layer.close()
+    return out
+
+
+def test_a_step_after_a_backward_that_raised_equals_plain_eps():
+    """A backward that raised on every rank (inside the layer after its copy thread started an exchange's backward,
+    or after the layer's whole backward), the loop then dropping the gradients (an attached optimizer's zero_grad)
+    and stepping with the next micro-batches: the weights and the next outputs equal plain EP's, with per-step
+    replicas (eager and lazy), per-micro-batch copies, and under activation checkpointing (the raised backward's
+    recompute, then the next ones)."""
+    results = run_dist(_step_after_raised_rank, 2, timeout_s=200, collective_timeout_s=20)
+    for rank, res in enumerate(results):
+        for key, got in res.items():
+            want = res["none, recomputed" if "recomputed" in key else "none"]
+            assert got["raised"] == [0, 1], (rank, key, got["raised"])
+            for name in ("y", "w1", "w2", "router"):
+                err = (got[name] - want[name]).abs().max() / want[name].abs().max()
+                assert err <= 1e-5, (rank, key, name, float(err))
+    for key in ("per-step @ema", "lazy @ema", "per-microbatch", "per-microbatch, recomputed"):
+        assert sum(res[key]["moved"] for res in results) > 0, key
