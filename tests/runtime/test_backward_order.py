@@ -622,3 +622,75 @@ def test_a_step_after_a_backward_that_raised_equals_plain_eps():
                 assert err <= 1e-5, (rank, key, name, float(err))
     for key in ("per-step @ema", "lazy @ema", "per-microbatch", "per-microbatch, recomputed"):
         assert sum(res[key]["moved"] for res in results) > 0, key
+
+
+def _raised_on_one_rank(rank: int, world: int) -> dict:
+    import time
+
+    h = 16
+
+    def x_of(i: int) -> torch.Tensor:
+        x = torch.randn(40, h, generator=torch.Generator().manual_seed(1000 * i + rank))
+        x[:, 0] = x[:, 0].abs() + 1.0
+        return x.requires_grad_()
+
+    def end_raises(g):
+        raise torch.OutOfMemoryError("injected: out of memory after the layer's backward")
+
+    out = {"raised": []}
+    # 1. rank 0's backward raises after the layer's (its exchanges all ran): the next step goes on, exactly
+    for key in ("none", "feplb-split"):
+        layer = _hot_layer(h, policy=key)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.01)
+        layer.attach_optimizer(opt)
+        x = x_of(0)
+        y = layer(x)
+        if rank == 0:
+            x.register_hook(end_raises)
+        try:
+            y.square().mean().backward()
+        except torch.OutOfMemoryError:
+            out["raised"].append(key)
+        opt.zero_grad()
+        layer(x_of(1)).square().mean().backward()
+        opt.step()
+        with torch.no_grad():
+            out[key] = (layer(x_of(2)), layer.w1.detach().clone(), layer.w2.detach().clone())
+        out[key + " moved"] = layer.last_stats.rows_moved
+        layer.close()
+    # 2. rank 0's backward raises inside the layer: rank 1 waits in the backward's exchanges, rank 0 in its next
+    #    forward's first collective; both raise once the group's timeout has passed
+    layer = _hot_layer(h)
+    static = layer._static_gemm
+    if rank == 0:
+        layer._static_gemm = lambda *a: _RaiseInBackward.apply(static(*a))
+    y = layer(x_of(3))
+    t0 = time.perf_counter()
+    try:
+        try:
+            y.square().mean().backward()
+        except torch.OutOfMemoryError:   # (rank 0: the loop skips the micro-batch)
+            out["raised"].append("inside")
+        layer.__dict__.pop("_static_gemm", None)
+        layer(x_of(4)).square().mean().backward()
+        out["inside"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["inside"] = f"{type(exc).__name__}: {exc}"
+    out["inside_s"] = time.perf_counter() - t0
+    return out
+
+
+def test_a_backward_that_raised_on_one_rank():
+    """A backward that raised on one rank only (its peers finished theirs): where it raised after the layer's
+    backward, the next step goes on and equals plain EP's; where it raised inside it, the peers wait in the
+    exchanges it never joins and it waits in its next forward's first collective: every rank raises after the
+    group's timeout (not before, not never, and no collective paired with another)."""
+    timeout = 6
+    results = run_dist(_raised_on_one_rank, 2, timeout_s=150, collective_timeout_s=timeout)
+    for rank, res in enumerate(results):
+        assert res["raised"] == (["none", "feplb-split", "inside"] if rank == 0 else []), (rank, res["raised"])
+        for got, want in zip(res["feplb-split"], res["none"], strict=True):
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), rank
+        assert res["inside"].startswith("TimeoutError"), (rank, res["inside"])
+        assert timeout - 1 <= res["inside_s"] <= 2.5 * timeout, (rank, res["inside_s"])
+    assert sum(res["feplb-split moved"] for res in results) > 0
