@@ -63,7 +63,7 @@ def _demo():
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Train a small transformers MoE model with FEPLB (run under torchrun).",
+    p = _demo().RankZeroParser(description="Train a small transformers MoE model with FEPLB (run under torchrun).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--arch", choices=sorted(ARCHS), default="qwen3_moe", help="architecture (scaled down)")
     p.add_argument("--steps", type=int, default=40)

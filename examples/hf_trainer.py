@@ -39,8 +39,9 @@ def _sibling(name: str):
 
 def build_parser() -> argparse.ArgumentParser:
     arch = sorted(_sibling("hf_moe").ARCHS)
-    p = argparse.ArgumentParser(description="Train a small transformers MoE model with feplb.hf.Trainer (run under "
-                                            "torchrun).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _sibling("train_moe").RankZeroParser(
+        description="Train a small transformers MoE model with feplb.hf.Trainer (run under torchrun).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--arch", choices=arch, default="qwen3_moe", help="architecture (scaled down)")
     p.add_argument("--out", type=Path, required=True, help="the Trainer's output_dir: checkpoints, final model")
     p.add_argument("--max-steps", type=int, default=40)

@@ -144,8 +144,19 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class RankZeroParser(argparse.ArgumentParser):
+    """argparse that reports a bad option on rank 0 alone: under torchrun every rank parses the same command line
+    and fails alike, before any process group exists; each would otherwise print its own usage and error."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = RankZeroParser(
         description="Train a small MoE transformer with FEPLB load balancing (run under torchrun).",
         formatter_class=_HelpFormatter)
     run = p.add_argument_group("run")

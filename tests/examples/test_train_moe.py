@@ -292,6 +292,27 @@ def test_config_rejects_what_it_cannot_run(train_moe, change, message):
     assert train_moe.TrainConfig(**base).digest() != train_moe.TrainConfig(**{**base, "seed": 1}).digest()
 
 
+@pytest.mark.parametrize("script", ["train_moe", "hf_moe", "hf_trainer"])
+def test_a_bad_option_is_reported_by_rank_zero_alone(script, monkeypatch, capsys):
+    """Under torchrun every rank parses the same command line and fails alike, before any process group exists:
+    rank 0 prints the usage and the one error line, the other ranks nothing; all exit with status 2."""
+    if script != "train_moe":
+        pytest.importorskip("transformers")
+    parser = _load(script).build_parser()
+    for rank, lines in (("0", 1), ("3", 0)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args(["--out", "x", "--no-such-option"])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count(": error: ") == lines, (rank, err)
+        assert err.count("usage: ") == lines, (rank, err)
+    monkeypatch.delenv("RANK")   # plain python, no torchrun: the one process reports it
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--out", "x", "--no-such-option"])
+    assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
 def _fake_steps(rng: np.random.Generator, n: int, layers: int = 2, world: int = 4) -> list[dict]:
     steps = []
     for i in range(n):
