@@ -531,9 +531,11 @@ def _run_simulate(args: argparse.Namespace) -> int:
     given = " and ".join(f"--{k}" for k in ("hidden", "ffn") if getattr(args, k) is not None)
     for key, r in zip(keys, results, strict=True):
         shape = r.expert_shape
-        model = shape["model"] or "from the options"
-        if shape["model"] and given:
-            model = f"{model}, {given} from the options"
+        if shape["model"]:
+            model = f"{shape['model']}, {given} from the options" if given else shape["model"]
+        else:   # a workload of no model (synthetic): the cost table's shape, but for what the options gave
+            model = f"no model: {given} from the options, the rest the cost table's" if given else \
+                "no model: the cost table's"
         print(format_table(f"\n{key} (E={r.num_experts}, K={r.top_k}, W={config.num_ranks}, "
                            f"G={config.gpus_per_node}, S={config.tokens_per_rank}, dyn={config.dyn}; expert "
                            f"H={shape['hidden']} F={shape['ffn']} ({model}){planning})", r.summary()))

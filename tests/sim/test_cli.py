@@ -273,11 +273,17 @@ def test_hidden_or_ffn_alone_keeps_the_other_dimension_of_each_workload(tmp_path
     out = tmp_path / "r.json"
     assert main(["simulate", str(flame_path), "synthetic:zipf:E=64:K=6:L=2", *FAST, "--ffn", "512",
                  "--json", str(out)]) == 0
-    assert "H=1024 F=512 (FLAME-MoE-290M-1.3B, --ffn from the options)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "H=1024 F=512 (FLAME-MoE-290M-1.3B, --ffn from the options)" in printed
+    assert "H=6144 F=512 (no model: --ffn from the options, the rest the cost table's)" in printed
     shapes = {k: (w["expert_shape"]["hidden"], w["expert_shape"]["ffn"])
               for k, w in json.loads(out.read_text())["workloads"].items()}
     # the traced model's hidden size; the synthetic workload's of the cost table (GLM-5's)
     assert shapes == {"flame_moe_290m_prefill": (1024, 512), "synthetic-zipf-E64-K6": (6144, 512)}, shapes
+    # without --hidden / --ffn a synthetic workload's shape is the cost table's, and the header says so
+    assert main(["simulate", "synthetic:zipf:E=64:K=6:L=2", *FAST]) == 0
+    printed = capsys.readouterr().out
+    assert "H=6144 F=2048 (no model: the cost table's)" in printed and "from the options" not in printed, printed
 
 
 def test_what_limits_a_result_is_said_and_recorded(tmp_path, flame_path, capsys):
