@@ -118,8 +118,10 @@ def to_chrome_trace(timelines: Sequence[Timeline | Sequence[Span]], path: str | 
     return trace
 
 
-def plot(spans: Sequence[Span], path: str | os.PathLike, *, title: str = "MoE layer forward") -> None:
-    """A PNG of one forward's spans, one row per lane."""
+def plot(spans: Timeline | Sequence[Span], path: str | os.PathLike, *, title: str = "MoE layer forward") -> None:
+    """A PNG of one forward's spans (a ``Timeline``, such as ``layer.last_timeline``, or its ``spans()``), one row
+    per lane."""
+    spans = spans.spans() if isinstance(spans, Timeline) else list(spans)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -530,6 +530,18 @@ def test_chrome_trace_of_spans_is_valid(tmp_path):
     assert np.isclose(xs[1]["dur"], 20.0)
 
 
+def test_plot_takes_a_timeline_or_its_spans(tmp_path):
+    """``plot`` takes what ``to_chrome_trace`` takes for one forward: ``layer.last_timeline`` itself, or its spans."""
+    from feplb.timeline import Timeline, plot
+
+    tl = Timeline()
+    tl.add("static_gemm", "compute", 0.0, 50.0)
+    tl.add("copy_rows", "copy", 10.0, 30.0)
+    plot(tl, tmp_path / "a.png")
+    plot(tl.spans(), tmp_path / "b.png")
+    assert all((tmp_path / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in ("a.png", "b.png"))
+
+
 def test_the_copy_thread_records_no_autograd_graph():
     """Grad mode is per thread: the copy thread's is off, so its sends never become autograd views of weights the
     compute thread is using at the same moment, while the calling thread's stays on."""
