@@ -169,9 +169,18 @@ class Replicas:
     def own_weights(self) -> tuple[torch.Tensor, ...]:
         """The layer's ``expert_weights()`` made with autograd on, also inside ``no_grad``: whether the copies need
         a gradient is read off them, and a layer whose weights are computed from its parameters (cast, joined:
-        ``feplb.titan``) would otherwise hand out weights that need none."""
+        ``feplb.titan``) would otherwise hand out weights that need none. Inside a forward such a layer hands out
+        the weights that forward derived (``_join``, once per forward), without autograd in a forward under
+        ``no_grad``: derived again here with it, so that lazy replicas held in such a forward (an evaluation, a
+        warm-up) still send their gradients home at the reduction."""
+        lay = self._layer()
         with torch.enable_grad():
-            return self._layer().expert_weights()
+            ws = lay.expert_weights()
+            join = getattr(lay, "_join", None)
+            if join is not None and not all(w.requires_grad for w in ws) and \
+                    any(p.requires_grad for p in lay.expert_params()):
+                ws = join()
+            return ws
 
     def versions(self) -> tuple[int, ...]:
         return tuple(p._version for p in self._layer().expert_params())

@@ -957,3 +957,44 @@ def test_part_frozen_within_a_step_matches_plain_ep(when):
         for key, (err, _) in r.items():
             assert err <= 1e-5, (when, key, err)
     assert all(moved > 0 for _, moved in runs[0].values()), runs[0]
+
+
+def _no_grad_forward_case(rank: int, world: int) -> dict:
+    """Lazy replicas first copied in a forward under ``no_grad`` (an evaluation inside the step, or a training-mode
+    warm-up after the refresh): the step's later micro-batches compute with those held copies, whose gradients must
+    still reach the owners at the reduction, as plain EP's (policy 'none') do. [w1 | w3] is derived from the
+    parameters once per forward, without autograd under ``no_grad``."""
+    import feplb.titan as ft
+
+    base = make_moe("qwen3")
+    out = {}
+    for mode in ("eval", "train"):
+        grads, moved, held = {}, 0, 0
+        for p in ("feplb@ema", "none"):
+            moe = copy.deepcopy(base)
+            ft.apply(moe, policy=p, weights="per-step", dtype=torch.float32, gpus_per_node=min(2, world),
+                     refresh_every=2, replicas="lazy" if p != "none" else "eager", **OPTS)
+            ex = moe.routed_experts
+            ft.refresh_replicas(moe)
+            moe.train(mode == "train")
+            with torch.no_grad():
+                moe(_inputs(rank + 50)[0])     # (the whole MoE: its router and bias route)
+            moe.train()
+            held += len(ex.replicas.lazy_pairs)
+            for mb in range(2):
+                (moe(_inputs(rank + 10 * mb)[0]) ** 2).mean().backward()
+                moved += ex.last_stats.rows_moved if p != "none" else 0
+            ft.reduce_replica_grads(moe)
+            grads[p] = {n: q.grad.clone() for n, q in ex.named_parameters()}
+            ex.close()
+        out[mode] = (max(_rel(grads["feplb@ema"][n], grads["none"][n]) for n in grads["none"]), moved, held)
+    return out
+
+
+def test_lazy_replicas_held_in_a_no_grad_forward_send_their_gradients():
+    runs = run_dist(_no_grad_forward_case, 4, timeout_s=200)
+    for r in runs:
+        for mode, (err, _, _) in r.items():
+            assert err <= 1e-5, (mode, err)
+    # rows moved, and the no_grad forward held copies (the case this covers)
+    assert all(moved > 0 and held > 0 for moved, held in ((m, h) for _, m, h in runs[0].values())), runs[0]
