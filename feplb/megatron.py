@@ -145,7 +145,7 @@ class FEPLBExperts(MoELayer):
     state_dict_type = "local"
 
     def __init__(self, config: FEPLBConfig, group: dist.ProcessGroup | None, experts: nn.Module,
-                 name: str = "", token_dispatcher: str = "feplb") -> None:
+                 name: str = "", token_dispatcher: str = "feplb", layer_config: Any = None) -> None:
         if config.router != "external":
             raise ValueError(f"{type(self).__name__} needs FEPLBConfig.router='external', got {config.router!r}")
         why = _token_dispatcher_problem(token_dispatcher, config.policy)
@@ -157,6 +157,10 @@ class FEPLBExperts(MoELayer):
         object.__delattr__(self, "_megatron_src")
         self.megatron_name = name
         self.megatron_config = experts.config
+        # The MoE layer's config, which its router reads (the model's: Megatron's set_decode_expert_padding flips
+        # it). SequentialMLP deep-copies it when moe_ffn_hidden_size differs from ffn_hidden_size, so the experts'
+        # own config does not see such a change.
+        self.megatron_layer_config = experts.config if layer_config is None else layer_config
         # "feplb": FEPLBTokenDispatcher hands over the routing and FEPLB dispatches; "megatron": Megatron's own
         # token dispatcher hands over the rows of this rank's experts, grouped by local expert
         self.token_dispatcher = token_dispatcher
@@ -236,7 +240,8 @@ class FEPLBExperts(MoELayer):
         # replay's own collectives (the next forward refuses them).
         kept = self.kept_modules()
         why = self._run_pre_hooks(kept, (x_TH,)) or _lost_hooks(kept)
-        if why is None and not own and getattr(self.megatron_config, "moe_pad_expert_input_to_capacity", False):
+        if why is None and not own and any(getattr(c, "moe_pad_expert_input_to_capacity", False)
+                                           for c in (self.megatron_layer_config, self.megatron_config)):
             # turned on after apply (Megatron's inference decode padding, set_decode_expert_padding): the routing map
             # then holds up to capacity routes per token, not its top k, which FEPLB's dispatch cannot tell apart
             why = ("moe_pad_expert_input_to_capacity was turned on after feplb.megatron.apply (by "
@@ -984,7 +989,7 @@ def apply(model: nn.Module | list[nn.Module], *, dtype: torch.dtype | None = Non
     try:
         for name, moe, cfg, cls in plans:
             new = cls(cfg, group, moe.experts, name=f"{name}.experts" if name else "experts",
-                      token_dispatcher=token_dispatcher)
+                      token_dispatcher=token_dispatcher, layer_config=moe.config)
             made.append((moe, new, None))
             new.train(moe.experts.training)
             new.refresh_replicas()

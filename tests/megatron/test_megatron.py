@@ -1696,6 +1696,39 @@ def test_under_megatron_ddp_and_recompute(job):
                 assert case["warned"] == (1 if key[2] == "per-step" else 0), (key, case["warned"])
 
 
+def _decode_padding_case(rank: int, world: int) -> dict:
+    """Padding to capacity turned on after apply on the model's config, as Megatron's set_decode_expert_padding sets
+    it (``get_model_config(model)``, which the router reads): SequentialMLP experts whose moe_ffn_hidden_size differs
+    from ffn_hidden_size hold a deep copy of that config, which does not see the change."""
+    import feplb.megatron as fm
+
+    _cpu_megatron(world)
+    over = dict(moe_token_dispatcher_type="alltoall")
+    moe, ref = make_moe("softmax", **over), make_moe("softmax", **over)
+    fm.apply(moe, policy="feplb-split", gpus_per_node=min(2, world), **OPTS)
+    out = {"copied": moe.experts.megatron_config is not moe.config}
+    x, g = _inputs(rank)
+    for m in (moe, ref):
+        m.config.moe_pad_expert_input_to_capacity, m.config.moe_expert_capacity_factor = True, 1.0
+    out["padded"] = error_of(lambda: moe(x))
+    for m in (moe, ref):
+        m.config.moe_pad_expert_input_to_capacity, m.config.moe_expert_capacity_factor = False, None
+    ours, theirs = _grads(moe, x, g), _grads(ref, x, g)
+    out["err"] = {n: _rel(ours[n], theirs[n]) for n in theirs}
+    return out
+
+
+def test_decode_padding_on_the_models_config_is_refused():
+    """The router pads the routing map to capacity (more than k routes per token), which FEPLB's dispatch would
+    read as top-k routes: silently wrong outputs. Refused on every rank; the layer works again once it is off."""
+    res = run_dist(_decode_padding_case, 2, timeout_s=300)
+    for r in res:
+        assert r["copied"]   # (the case this covers: the experts' config is Megatron's deep copy)
+        assert "moe_pad_expert_input_to_capacity was turned on after" in (r["padded"] or ""), r["padded"]
+        for n, e in r["err"].items():
+            assert e <= 1e-5, (n, e)
+
+
 def _own_dispatcher_refusal_case(rank: int, world: int) -> dict:
     """Behind Megatron's dispatcher: the policies that move tokens, and an unknown dispatcher, refused on every rank
     with nothing replaced; bad dispatched probabilities on one rank stop every rank; a direct forward_dispatched
