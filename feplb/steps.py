@@ -239,13 +239,8 @@ def read_step(gathered: np.ndarray) -> None:
             f"EP rank: {(-1 - layers).tolist()}): a call skipped on some ranks only, or "
             "optimizers attached to different layers. Run the same per-step calls on every rank, and attach the "
             "same optimizers to the same layers, in the same order")
-    digests = gathered[:, DIGEST]
-    if (digests != digests[0]).any():
-        raise ValueError(
-            f"MoELayer: {ENTRY_ARGS.get(int(calls[0]), 'the arguments of ' + ENTRIES.get(int(calls[0]), '?'))} "
-            f"differs across ranks (EP ranks grouped by what they passed: {_ranks_by(digests)}): every rank "
-            "must pass the same (each rank would otherwise scale its gradients by another factor, or run other "
-            "collectives); nothing was done, on any rank")
+    # (before the arguments' digests: a rank with such a group passed another size, or the same one not new to
+    # its layers, and the digests' message would name the size or the flag, not the group)
     bad_dp = np.nonzero(gathered[:, PROBLEM] & STEP_PROBLEM_BAD_DP_GROUP)[0].tolist()
     if bad_dp:
         raise ValueError(
@@ -253,6 +248,13 @@ def read_step(gathered: np.ndarray) -> None:
             "theirs: it holds other ranks of the layer's own EP group, which hold other experts (whose gradients "
             "it would add into each shard's, silently), or not the rank itself. Nothing was done, on any rank. "
             + DP_GROUP_HINT)
+    digests = gathered[:, DIGEST]
+    if (digests != digests[0]).any():
+        raise ValueError(
+            f"MoELayer: {ENTRY_ARGS.get(int(calls[0]), 'the arguments of ' + ENTRIES.get(int(calls[0]), '?'))} "
+            f"differs across ranks (EP ranks grouped by what they passed: {_ranks_by(digests)}): every rank "
+            "must pass the same (each rank would otherwise scale its gradients by another factor, or run other "
+            "collectives); nothing was done, on any rank")
     unaveraged = np.nonzero(gathered[:, PROBLEM] & STEP_PROBLEM_NOT_AVERAGED)[0].tolist()
     if unaveraged:
         raise RuntimeError(not_averaged(unaveraged))

@@ -696,5 +696,7 @@ def test_a_backward_that_raised_on_one_rank():
         assert res["inside"].startswith("TimeoutError") or (
             res["inside"].startswith("RuntimeError") and "a peer died or stalled" in res["inside"]), \
             (rank, res["inside"])
-        assert timeout - 1 <= res["inside_s"] <= 6 * timeout, (rank, res["inside_s"])
+        # (not before the timeout; a peer that reached its wait later than the rank timing out first may see the
+        # connection close a little before its own timeout)
+        assert timeout / 2 <= res["inside_s"] <= 6 * timeout, (rank, res["inside_s"])
     assert sum(res["feplb-split moved"] for res in results) > 0

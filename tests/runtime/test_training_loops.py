@@ -658,10 +658,11 @@ def test_clip_arguments_differing_on_one_rank():
 
 
 def _average_args_worker(rank, world):
-    """average_expert_grads with arguments that differ on one rank: divide=False there (or a data-parallel group
-    given there alone) would leave that rank's experts' gradients at another scale than the others', silently,
-    under plain EP too. Refused on every rank, nothing divided; then the same arguments divide alike. (Under EP x DP
-    each EP rank passes a group of other ranks: what must agree is its size.)"""
+    """average_expert_grads with arguments that differ on one rank: divide=False there would leave that rank's
+    experts' gradients at another scale than the others', silently, under plain EP too; a data-parallel group given
+    on two ranks alone (of ranks of the EP group itself) would sum other experts' gradients there. Refused on every
+    rank, nothing divided; then the same arguments divide alike. (Under EP x DP each EP rank passes a group of other
+    ranks: what must agree is its size.)"""
     import torch.distributed as dist
 
     from feplb.dropin import average_expert_grads, reduce_replica_grads
@@ -695,9 +696,13 @@ def test_average_arguments_differing_on_one_rank():
         for policy in ("none", "feplb-split"):
             for case in ("divide", "group"):
                 err = r[policy, case]
-                sides = "[[0, 1, 3], [2]]" if case == "divide" else "[[0, 1], [2, 3]]"
-                assert err is not None and err.startswith("ValueError") and "average_expert_grads()'s arguments" \
-                    in err and "differs across ranks" in err and sides in err, (rank, policy, case, err)
+                if case == "divide":
+                    assert err is not None and err.startswith("ValueError") and "average_expert_grads()'s " \
+                        "arguments" in err and "differs across ranks" in err and "[[0, 1, 3], [2]]" in err, \
+                        (rank, policy, case, err)
+                else:   # (a group of ranks of the EP group itself: named as such, not as a size that differs)
+                    assert err is not None and err.startswith("ValueError") and "given on EP rank(s) [2, 3] " \
+                        "cannot be theirs" in err and "differs across ranks" not in err, (rank, policy, case, err)
                 assert r[policy, case, "kept"], (rank, policy, case)
             assert r[policy, "divided"], (rank, policy)
 
