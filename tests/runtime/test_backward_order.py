@@ -19,6 +19,7 @@ rows' promotion (``feplb.phase2.dynamic_and_return``) the kept rows' backward co
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -552,20 +553,23 @@ def test_a_layer_built_after_a_backward_that_raised_ends_the_abandoned_exchange_
     assert sum(res["moved"] for res in results) > 0
 
 
-def _step_after_raised_rank(rank: int, world: int) -> dict:
-    import functools
+def _hot_input(rank: int, h: int, i: int) -> torch.Tensor:
+    """Rank ``rank``'s i-th input for ``_hot_layer(h)``: its routing column positive (the hot experts), needing grad."""
+    x = torch.randn(40, h, generator=torch.Generator().manual_seed(1000 * i + rank))
+    x[:, 0] = x[:, 0].abs() + 1.0
+    return x.requires_grad_()
 
+
+def _end_raises(g):
+    """A gradient hook that raises as an out-of-memory error would, after the layer's backward."""
+    raise torch.OutOfMemoryError("injected: out of memory after the layer's backward")
+
+
+def _step_after_raised_rank(rank: int, world: int) -> dict:
     from torch.utils.checkpoint import checkpoint
 
     h = 16
-
-    def x_of(i: int) -> torch.Tensor:
-        x = torch.randn(40, h, generator=torch.Generator().manual_seed(1000 * i + rank))
-        x[:, 0] = x[:, 0].abs() + 1.0
-        return x.requires_grad_()
-
-    def end_raises(g):
-        raise torch.OutOfMemoryError("injected: out of memory after the layer's backward")
+    x_of = functools.partial(_hot_input, rank, h)
 
     out = {}
     for key, kw, ckpt in (("none", {"policy": "none"}, False),
@@ -588,7 +592,7 @@ def _step_after_raised_rank(rank: int, world: int) -> dict:
             try:
                 y = run(x)
                 if step == 1:
-                    x.register_hook(end_raises)
+                    x.register_hook(_end_raises)
                 y.square().mean().backward()
             except torch.OutOfMemoryError:
                 raised.append(step)
@@ -628,14 +632,7 @@ def _raised_on_one_rank(rank: int, world: int) -> dict:
     import time
 
     h = 16
-
-    def x_of(i: int) -> torch.Tensor:
-        x = torch.randn(40, h, generator=torch.Generator().manual_seed(1000 * i + rank))
-        x[:, 0] = x[:, 0].abs() + 1.0
-        return x.requires_grad_()
-
-    def end_raises(g):
-        raise torch.OutOfMemoryError("injected: out of memory after the layer's backward")
+    x_of = functools.partial(_hot_input, rank, h)
 
     out = {"raised": []}
     # 1. rank 0's backward raises after the layer's (its exchanges all ran): the next step goes on, exactly
@@ -646,7 +643,7 @@ def _raised_on_one_rank(rank: int, world: int) -> dict:
         x = x_of(0)
         y = layer(x)
         if rank == 0:
-            x.register_hook(end_raises)
+            x.register_hook(_end_raises)
         try:
             y.square().mean().backward()
         except torch.OutOfMemoryError:
