@@ -140,9 +140,12 @@ class RoutingTrace:
             if off.dtype.kind not in "iu" or off.ndim != 1 or off.size < 2:
                 raise ValueError(f"{self.name}: seq_offsets must be a 1-D integer array [n + 1], got {off.dtype} "
                                  f"{list(off.shape)}")
-            if off[0] != 0 or off[-1] != T or np.any(np.diff(off) <= 0):
+            # compared as Python ints: np.diff of an unsigned array wraps (a fall reads as a huge rise), and an
+            # unsigned offset past int64 would wrap in the cast
+            vals = off.tolist()
+            if vals[0] != 0 or vals[-1] != T or any(b <= a for a, b in zip(vals, vals[1:], strict=False)):
                 raise ValueError(f"{self.name}: seq_offsets must rise strictly from 0 to T={T}, got "
-                                 f"{off[:3].tolist()}...{off[-2:].tolist()}")
+                                 f"{vals[:3]}...{vals[-2:]}")
             object.__setattr__(self, "seq_offsets", off.astype(np.int64))
         if not self.layer_names:
             object.__setattr__(self, "layer_names", tuple(str(i) for i in range(L)))

@@ -71,10 +71,16 @@ def test_flame_layout(flame_path):
         ({"ids": np.zeros((4, 2, 2), np.int64)}, "no 'topk_ids' or 'prefill_topk_ids'", ValueError),
         ({"topk_ids": np.zeros((4, 2, 2), np.int64), "seq_offsets": np.array([0, 3])}, "seq_offsets must rise",
          ValueError),
+        # unsigned offsets that fall (np.diff wraps a fall into a huge rise), or one past int64 (the cast wraps it)
+        ({"topk_ids": np.zeros((4, 2, 2), np.int64), "seq_offsets": np.array([0, 3, 2, 4], np.uint32)},
+         "seq_offsets must rise", ValueError),
+        ({"topk_ids": np.zeros((4, 2, 2), np.int64), "seq_offsets": np.array([0, 2**64 - 1, 4], np.uint64)},
+         "seq_offsets must rise", ValueError),
         ({"topk_ids": np.zeros((4, 2, 2), np.int64), "topk_weights": np.zeros((4, 2))}, "gate weights must have",
          ValueError),
     ],
-    ids=["float-ids", "2d-ids", "negative-id", "id-too-large", "no-ids", "bad-offsets", "bad-weights"],
+    ids=["float-ids", "2d-ids", "negative-id", "id-too-large", "no-ids", "bad-offsets", "falling-unsigned-offsets",
+         "unsigned-offset-past-int64", "bad-weights"],
 )
 def test_bad_trace_files(tmp_path, arrays, match, exc):
     path = tmp_path / "bad.npz"
