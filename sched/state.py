@@ -186,6 +186,9 @@ class PolicyState:
             if known is not None and known[0] == self.eplb_slots:
                 pairs = known[1]
             else:
+                kind = np.asarray(self.layout_WP).dtype
+                if kind.kind not in "iu":   # (the int64 copy would truncate a fractional id: 2.7 -> expert 2)
+                    raise ValueError(f"PolicyState.layout_WP must be an integer array of expert ids, got {kind}")
                 layout = _ro(self.layout_WP)
                 pairs = _layout_pairs(layout, self.home_E, self.topo, self.eplb_slots)
                 object.__setattr__(self, "layout_WP", _remember(layout, (topo, self.home_E),

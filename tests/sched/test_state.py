@@ -421,6 +421,13 @@ def test_from_dict_refuses_another_setup_and_bad_arrays():
         with pytest.raises(ValueError, match=rf"PolicyState.{key} must hold .* experts in \[0, 16\) and GPUs in "
                                              rf"\[0, 4\), got \({row[0]}, "):
             PolicyState.from_dict({**d, key: np.array([row], dtype=np.int64)}, like)
+    # an EPLB layout of fractional expert ids is no layout (the int64 cast would truncate it to one, silently)
+    st = PolicyState(topo=topo, policy="eplb").observe(np.ones((4, 16), dtype=np.int64))
+    ed = st.to_dict()
+    with pytest.raises(ValueError, match="layout_WP must be an integer array of expert ids, got float64"):
+        PolicyState.from_dict({**ed, "layout_WP": ed["layout_WP"] + 0.5}, PolicyState(topo=topo, policy="eplb"))
+    with pytest.raises(ValueError, match="layout_WP must be an integer array"):
+        PolicyState(topo=topo, policy="eplb", layout_WP=np.full((4, 5), 1.5))
     # an in-range pair, and a step saved as a 0-d array (np.savez), are taken
     back = PolicyState.from_dict({**d, "resident": np.array([[3, 1]]), "step": np.array(d["step"])}, like)
     assert back.resident == frozenset({(3, 1)}) and back.step == st.step and type(back.step) is int
