@@ -126,6 +126,13 @@ class CostModel:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
             raise ValueError(f"CostModel.copy_out_slowdown must be a number in [0, 1] (a fraction of the GEMM's "
                              f"speed), got {v!r}")
+        # whole numbers of rows and real numbers of us, taken as they are: int() / float() would truncate a row
+        # count of 128.9, or read a bool or a string of a hand-written table as a number
+        for name, ok in (("table_rows", (int, np.integer)), ("table_us", (int, float, np.integer, np.floating))):
+            bad = [v for v in getattr(self, name) if isinstance(v, (bool, np.bool_)) or not isinstance(v, ok)]
+            if bad:
+                what = "whole numbers of rows" if name == "table_rows" else "numbers of us"
+                raise ValueError(f"CostModel.{name} must hold {what}, got {bad[0]!r}")
         rows, us = tuple(int(r) for r in self.table_rows), tuple(float(t) for t in self.table_us)
         if len(rows) < 2 or len(rows) != len(us):
             raise ValueError(f"CostModel: table_rows and table_us need the same length >= 2, got {len(rows)} and "
@@ -157,10 +164,11 @@ class CostModel:
             raise ValueError(f"{path}: a cost table needs keys 'rows' and 'us', got {got}")
         data.pop("meta", None)
         kw: dict[str, object] = {"table_rows": tuple(data.pop("rows")), "table_us": tuple(data.pop("us"))}
+        # (as written: the constructor refuses a shape that is not a positive int, which int() would truncate)
         if "hidden" in data:
-            kw["table_hidden"] = kw["hidden"] = int(data.pop("hidden"))
+            kw["table_hidden"] = kw["hidden"] = data.pop("hidden")
         if "ffn" in data:
-            kw["table_ffn"] = kw["ffn"] = int(data.pop("ffn"))
+            kw["table_ffn"] = kw["ffn"] = data.pop("ffn")
         kw.update(data)
         kw.update(overrides)
         return cls(**kw)

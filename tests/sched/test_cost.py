@@ -56,6 +56,17 @@ def test_bad_json(tmp_path):
     path.write_text(json.dumps({"rows": [1, 2]}))
     with pytest.raises(ValueError, match="needs keys 'rows' and 'us'"):
         CostModel.from_json(path)
+    # a hand-written table's values as written: a fractional row count or shape, a bool, a string is refused,
+    # never truncated or converted (128.9 rows read as 128, "hidden": true as H = 1)
+    for doc, match in (({"rows": [128.9, 256], "us": [1, 2]}, r"table_rows must hold whole numbers of rows, got 128.9"),
+                       ({"rows": [True, 256], "us": [1, 2]}, r"table_rows must hold whole numbers of rows, got True"),
+                       ({"rows": [128, 256], "us": ["1", 2]}, r"table_us must hold numbers of us, got '1'"),
+                       ({"rows": [128, 256], "us": [1, 2], "hidden": 2048.7},
+                        r"hidden must be a positive int, got 2048.7"),
+                       ({"rows": [128, 256], "us": [1, 2], "ffn": True}, r"ffn must be a positive int, got True")):
+        path.write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match=match):
+            CostModel.from_json(path)
 
 
 def test_gemm_times_under_a_plan_match_hand_sum():
