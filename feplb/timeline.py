@@ -7,7 +7,8 @@ phase 1 reversed and the combine, each on the lane it ran on: ``compute`` (the m
 stream itself). On the CPU a span is wall-clock time; on a GPU, device spans are CUDA events resolved when the
 timeline is read (``spans()`` synchronises on them, so read it after the step, not inside it).
 
-Export: ``to_chrome_trace`` writes Chrome-trace JSON (open it in Perfetto or chrome://tracing), ``plot`` a PNG.
+Export: ``to_chrome_trace`` writes Chrome-trace JSON (open it in Perfetto or chrome://tracing), ``plot`` an image
+(PNG, SVG, PDF, ... by the path's suffix).
 """
 
 from __future__ import annotations
@@ -119,13 +120,22 @@ def to_chrome_trace(timelines: Sequence[Timeline | Sequence[Span]], path: str | 
 
 
 def plot(spans: Timeline | Sequence[Span], path: str | os.PathLike, *, title: str = "MoE layer forward") -> None:
-    """A PNG of one forward's spans (a ``Timeline``, such as ``layer.last_timeline``, or its ``spans()``), one row
-    per lane."""
+    """An image of one forward's spans (a ``Timeline``, such as ``layer.last_timeline``, or its ``spans()``), one
+    row per lane, in the format of ``path``'s suffix (``.png``, ``.svg``, ``.pdf``, ...; PNG without one)."""
     spans = spans.spans() if isinstance(spans, Timeline) else list(spans)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    p = Path(path)
+    # (written through a temporary name, whose suffix would otherwise choose the format)
+    fmt = p.suffix[1:].lower() or "png"
+    supported = Figure().canvas.get_supported_filetypes()   # (a figure pyplot does not track)
+    if fmt not in supported:
+        raise ValueError(f"timeline plot {p}: unknown image format {fmt!r}; expected one of "
+                         f"{', '.join(sorted(supported))}")
 
     lanes = [lane for lane in LANES if any(s.lane == lane for s in spans)]
     lanes += sorted({s.lane for s in spans} - set(lanes))
@@ -145,8 +155,10 @@ def plot(spans: Timeline | Sequence[Span], path: str | os.PathLike, *, title: st
     ax.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.05 * len(lanes)), ncol=6,
               fontsize=7, frameon=False)
     fig.tight_layout()
-    p = Path(path)
-    tmp = p.with_name(p.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, p)
+    tmp = p.with_name(p.name + ".tmp")
+    try:
+        fig.savefig(tmp, dpi=120, format=fmt)
+        os.replace(tmp, p)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)

@@ -540,6 +540,14 @@ def test_plot_takes_a_timeline_or_its_spans(tmp_path):
     plot(tl, tmp_path / "a.png")
     plot(tl.spans(), tmp_path / "b.png")
     assert all((tmp_path / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in ("a.png", "b.png"))
+    # the path's suffix names the format (a PNG named .svg or .pdf is no such file); an unknown one is refused, and
+    # no file or temporary file is left
+    plot(tl, tmp_path / "c.svg")
+    plot(tl, tmp_path / "d.pdf")
+    assert b"<svg" in (tmp_path / "c.svg").read_bytes()[:1000] and (tmp_path / "d.pdf").read_bytes()[:5] == b"%PDF-"
+    with pytest.raises(ValueError, match=r"e\.xyz: unknown image format 'xyz'; expected one of .*png"):
+        plot(tl, tmp_path / "e.xyz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "b.png", "c.svg", "d.pdf"]
 
 
 def test_the_copy_thread_records_no_autograd_graph():
