@@ -393,6 +393,8 @@ def _options(parts: list[str], spec: str, allowed: dict[str, type]) -> dict[str,
         if not eq or key not in allowed:
             raise ValueError(f"trace spec {spec!r}: bad option {part!r}; expected KEY=VALUE with KEY in "
                              f"{sorted(allowed)}")
+        if key in out:   # (two values of one option contradict: neither is taken silently)
+            raise ValueError(f"trace spec {spec!r}: option {key} is given twice")
         try:
             out[key] = allowed[key](value)
         except ValueError as err:

@@ -100,6 +100,13 @@ def test_missing_file_and_bad_spec(tmp_path):
         load_workload("synthetic:uniform")
     with pytest.raises(ValueError, match="top_k=9 exceeds num_experts=8"):
         load_workload("synthetic:zipf:E=8:K=9")
+    # an option given twice: the last value was taken silently (E=16 simulated as E=8)
+    with pytest.raises(ValueError, match="'synthetic:zipf:E=16:K=2:E=8': option E is given twice"):
+        load_workload("synthetic:zipf:E=16:K=2:E=8")
+    path = tmp_path / "counts.json"
+    path.write_text(json.dumps({"models": {"a": {"top_k": 1, "topk": {"d": [[1, 1]]}}}}))
+    with pytest.raises(ValueError, match="option model is given twice"):
+        load_workload(f"{path}:model=a:model=b")
 
 
 def test_olmoe_domains_per_rank(tmp_path):
