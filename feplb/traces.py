@@ -298,9 +298,16 @@ def load_olmoe(path: str | Path, model: str = "olmoe", domains: tuple[str, ...] 
     if model not in models:
         raise ValueError(f"{path}: unknown model {model!r}; available: {sorted(models)}")
     m = models[model]
+    if not isinstance(m, dict):
+        raise ValueError(f"{path}: models.{model} must be an object with 'top_k' and the variants 'topk' / 'top1', "
+                         f"got a {type(m).__name__}")
     if variant not in m:
-        raise ValueError(f"{path}: unknown variant {variant!r} for {model}; available: topk, top1")
+        raise ValueError(f"{path}: unknown variant {variant!r} for {model}; available: "
+                         f"{sorted(v for v in m if v in ('topk', 'top1'))}")
     by_dom = m[variant]
+    if not isinstance(by_dom, dict):
+        raise ValueError(f"{path}: models.{model}.{variant} must map each domain to its [layer][expert] counts, got a "
+                         f"{type(by_dom).__name__}")
     domains = tuple(sorted(by_dom)) if domains is None else tuple(domains)
     missing = [d for d in domains if d not in by_dom]
     if missing or not domains:

@@ -125,6 +125,14 @@ def test_olmoe_domains_per_rank(tmp_path):
         load_workload(f"{path}:model=m:domains=a,zz")
     with pytest.raises(ValueError, match="unknown model"):
         load_workload(f"{path}:model=x")
+    # a model or variant entry of another JSON type is named as such (a string model entry passed the 'in' test
+    # as a substring and failed in indexing; a list was called an unknown variant, a list of domains 'unknown')
+    for entry, match in (("xtopkx", r"models.m must be an object .* got a str"),
+                         ([1], r"models.m must be an object .* got a list"),
+                         ({"top_k": 2, "topk": [[1, 2]]}, r"models.m.topk must map each domain .* got a list")):
+        path.write_text(json.dumps({**doc, "models": {"m": entry}}))
+        with pytest.raises(ValueError, match=match):
+            load_workload(f"{path}:model=m")
 
 
 def test_synthetic_is_seeded_and_drifts():
