@@ -219,6 +219,9 @@ def load_trace(path: str | Path, num_experts: int | None = None) -> RoutingTrace
         for k in w_keys:
             if k in keys:
                 w = z[k]
+                # (complex weights lost their imaginary part with a warning, text failed naming no key)
+                if w.dtype.kind not in "iuf":
+                    raise ValueError(f"{path}: {k} must hold real numbers, got {w.dtype}")
                 weights = (w.astype(np.float32) / 1e4) if k.endswith("_e4") else w.astype(np.float32)
                 break
         offsets = z["seq_offsets"] if "seq_offsets" in keys else None

@@ -78,9 +78,13 @@ def test_flame_layout(flame_path):
          "seq_offsets must rise", ValueError),
         ({"topk_ids": np.zeros((4, 2, 2), np.int64), "topk_weights": np.zeros((4, 2))}, "gate weights must have",
          ValueError),
+        ({"topk_ids": np.zeros((4, 2, 2), np.int64), "topk_weights": np.full((4, 2, 2), "a")},
+         "topk_weights must hold real numbers, got <U1", ValueError),
+        ({"prefill_topk_ids": np.zeros((4, 2, 2), np.int64), "prefill_topk_scores": np.ones((4, 2, 2), np.complex64)},
+         "prefill_topk_scores must hold real numbers, got complex64", ValueError),
     ],
     ids=["float-ids", "2d-ids", "negative-id", "id-too-large", "no-ids", "bad-offsets", "falling-unsigned-offsets",
-         "unsigned-offset-past-int64", "bad-weights"],
+         "unsigned-offset-past-int64", "bad-weights", "text-weights", "complex-scores"],
 )
 def test_bad_trace_files(tmp_path, arrays, match, exc):
     path = tmp_path / "bad.npz"
