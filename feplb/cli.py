@@ -18,6 +18,8 @@ import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from feplb.files import write_outputs
+
 SIMULATE_EPILOG = """\
 TRACE forms:
   PATH.npz                     per-token trace: topk_ids [T, L, K] (+ optional topk_weights[_e4], seq_offsets),
@@ -435,27 +437,6 @@ def workload_keys(names: Sequence[str], specs: Sequence[str]) -> list[str]:
     return out
 
 
-def _write_outputs(writers: list[tuple[Path, Callable[[str], None]]]) -> None:
-    """Write every output to a temporary file next to it, then rename them all into place: a failure leaves no
-    partial file and no temporary one."""
-    tmps: list[tuple[str, Path]] = []
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        for out, write in writers:
-            fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-            os.close(fd)
-            tmps.append((tmp, out))
-            write(tmp)
-            # mkstemp makes 0600: a file replaced keeps its mode, a new one gets what open() would give it
-            os.chmod(tmp, out.stat().st_mode & 0o7777 if out.is_file() else 0o666 & ~umask)
-        for tmp, out in tmps:
-            os.replace(tmp, out)
-    finally:
-        for tmp, _ in tmps:
-            Path(tmp).unlink(missing_ok=True)
-
-
 def _run_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -558,7 +539,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         writers.append((json_out, lambda tmp: Path(tmp).write_text(_json(doc) + "\n")))
     if plot_out:
         writers.append((plot_out, lambda tmp: plot_results(results, tmp, fmt=plot_fmt, titles=keys)))
-    _write_outputs(writers)
+    write_outputs(writers)
     return 0
 
 
@@ -721,7 +702,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     if meta.get("device_type") == "cpu":
         print(f"measured on this machine's CPU ({meta.get('device')}, {meta.get('threads')} threads): CPU times, "
               "no GPU's; the table records it (meta.device_type), and feplb simulate says so when it uses it")
-    _write_outputs([(out, lambda tmp: Path(tmp).write_text(_json(table) + "\n"))])
+    write_outputs([(out, lambda tmp: Path(tmp).write_text(_json(table) + "\n"))])
     print(f"wrote {out}")
     return 0
 
@@ -818,7 +799,7 @@ def _run_hf_check(args: argparse.Namespace) -> int:
     if json_out:
         doc = {"meta": meta, "outcomes": got[0]}
         writers.append((json_out, lambda tmp: Path(tmp).write_text(_json(doc) + "\n")))
-    _write_outputs(writers)
+    write_outputs(writers)
     for out, _ in writers:
         print(f"wrote {out}")
     return 1 if any(o.defect for o in outcomes) else 0

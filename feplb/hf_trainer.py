@@ -294,11 +294,11 @@ class TrainerMixin:
             if self.args.should_save:
                 from pathlib import Path
 
-                from feplb.cli import _write_outputs
+                from feplb.files import write_outputs
 
                 # never a half-written file under the name: a temporary one of this process's own (with
                 # save_on_each_node, one rank per node writes), the umask's mode, then renamed
-                _write_outputs([(Path(folder) / POLICY_FILE, lambda tmp: torch.save(histories, tmp))])
+                write_outputs([(Path(folder) / POLICY_FILE, lambda tmp: torch.save(histories, tmp))])
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         self._feplb_checkpointing = True

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import threading
 import time
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from feplb.files import write_outputs
 
 __all__ = ["LANES", "Span", "Timeline", "plot", "to_chrome_trace"]
 
@@ -104,6 +107,9 @@ def to_chrome_trace(timelines: Sequence[Timeline | Sequence[Span]], path: str | 
     for tl in timelines:
         spans = tl.spans() if isinstance(tl, Timeline) else list(tl)
         for s in spans:
+            if not (math.isfinite(s.start_us) and math.isfinite(s.end_us)):   # (JSON has no NaN or inf)
+                raise ValueError(f"to_chrome_trace: span {s.name!r} on lane {s.lane!r} has a time that is not a "
+                                 f"finite number (start_us={s.start_us}, end_us={s.end_us})")
             tid = tids.setdefault(s.lane, len(tids))
             events.append({"name": s.name, "cat": "feplb", "ph": "X", "pid": pid, "tid": tid,
                            "ts": round(offset + s.start_us, 3), "dur": round(max(s.end_us - s.start_us, 0.0), 3)})
@@ -112,10 +118,7 @@ def to_chrome_trace(timelines: Sequence[Timeline | Sequence[Span]], path: str | 
                for lane, t in tids.items()]
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
     if path is not None:
-        p = Path(path)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(trace))
-        os.replace(tmp, p)
+        write_outputs([(Path(path), lambda tmp: Path(tmp).write_text(json.dumps(trace, allow_nan=False)))])
     return trace
 
 
@@ -155,10 +158,7 @@ def plot(spans: Timeline | Sequence[Span], path: str | os.PathLike, *, title: st
     ax.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.05 * len(lanes)), ncol=6,
               fontsize=7, frameon=False)
     fig.tight_layout()
-    tmp = p.with_name(p.name + ".tmp")
     try:
-        fig.savefig(tmp, dpi=120, format=fmt)
-        os.replace(tmp, p)
+        write_outputs([(p, lambda tmp: fig.savefig(tmp, dpi=120, format=fmt))])
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)

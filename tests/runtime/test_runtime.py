@@ -528,6 +528,12 @@ def test_chrome_trace_of_spans_is_valid(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text()) == trace
     assert not list(tmp_path.glob("*.tmp"))
     assert np.isclose(xs[1]["dur"], 20.0)
+    # a time that is not a finite number (JSON has none) is refused by name, and the file written before stays whole
+    before = (tmp_path / "t.json").read_bytes()
+    bad = [*spans, Span(name="recv_rows", lane="copy", start_us=5.0, end_us=float("nan"))]
+    with pytest.raises(ValueError, match=r"span 'recv_rows' on lane 'copy' has a time that is not a finite number"):
+        to_chrome_trace([bad], tmp_path / "t.json")
+    assert (tmp_path / "t.json").read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
 
 
 def test_plot_takes_a_timeline_or_its_spans(tmp_path):

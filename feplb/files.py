@@ -1,0 +1,32 @@
+"""Output files written whole or not at all: each through a temporary file beside it, renamed into place once every
+one is written, so a failure (or a kill) leaves neither a partial file nor a temporary one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["write_outputs"]
+
+
+def write_outputs(writers: list[tuple[Path, Callable[[str], None]]]) -> None:
+    """Write every output to a temporary file next to it, then rename them all into place: a failure leaves no
+    partial file and no temporary one."""
+    tmps: list[tuple[str, Path]] = []
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        for out, write in writers:
+            fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+            os.close(fd)
+            tmps.append((tmp, out))
+            write(tmp)
+            # mkstemp makes 0600: a file replaced keeps its mode, a new one gets what open() would give it
+            os.chmod(tmp, out.stat().st_mode & 0o7777 if out.is_file() else 0o666 & ~umask)
+        for tmp, out in tmps:
+            os.replace(tmp, out)
+    finally:
+        for tmp, _ in tmps:
+            Path(tmp).unlink(missing_ok=True)
