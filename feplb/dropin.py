@@ -130,12 +130,14 @@ def derived_for_forward(holder: object, attr: str, make: Callable[..., tuple[tor
 @contextlib.contextmanager
 def joined_for_forward(layer: MoELayer, name: str) -> Iterator[None]:
     """``layer._joined``: the experts' weights ``layer._join()`` derives from ``layer.expert_params()``
-    (:func:`derived_for_forward`, the parameters named as in the layer)."""
+    (:func:`derived_for_forward`, the parameters named as in the layer), and ``layer._joined_with_grad``: whether
+    they were derived with autograd on."""
     names = {id(p): n for n, p in layer.named_parameters()}
     ps = layer.expert_params()
     params = {names.get(id(p), f"parameter {k} of the experts"): p for k, p in enumerate(ps)}
     if len(params) != len(ps):
         raise RuntimeError(f"{name}: the experts' parameters {[names.get(id(p)) for p in ps]} name one twice")
+    layer._joined_with_grad = torch.is_grad_enabled()   # (whether the weights below carry autograd: own_weights)
     with derived_for_forward(layer, "_joined", layer._join, params, name):
         yield
 

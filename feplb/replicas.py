@@ -172,13 +172,14 @@ class Replicas:
         ``feplb.titan``) would otherwise hand out weights that need none. Inside a forward such a layer hands out
         the weights that forward derived (``_join``, once per forward), without autograd in a forward under
         ``no_grad``: derived again here with it, so that lazy replicas held in such a forward (an evaluation, a
-        warm-up) still send their gradients home at the reduction."""
+        warm-up) still send their gradients home at the reduction. Those a forward derived with autograd are handed
+        out as they are, also where some parameters are frozen (their weights then need no gradient)."""
         lay = self._layer()
         with torch.enable_grad():
             ws = lay.expert_weights()
             join = getattr(lay, "_join", None)
-            if join is not None and not all(w.requires_grad for w in ws) and \
-                    any(p.requires_grad for p in lay.expert_params()):
+            if join is not None and getattr(lay, "_joined", None) is not None and \
+                    not getattr(lay, "_joined_with_grad", True) and any(p.requires_grad for p in lay.expert_params()):
                 ws = join()
             return ws
 

@@ -991,6 +991,37 @@ def _no_grad_forward_case(rank: int, world: int) -> dict:
     return out
 
 
+def _own_weights_case(rank: int, world: int) -> dict:
+    """What ``Replicas.own_weights`` hands out inside a forward with w2 frozen: the forward's own [w1 | w3] and w2
+    where that forward derived them with autograd (no second join of every local expert), derived again with it
+    where the forward ran under ``no_grad``."""
+    import feplb.titan as ft
+    from feplb.dropin import joined_for_forward
+
+    moe = make_moe("qwen3")
+    ft.apply(moe, policy="feplb@ema", weights="per-step", dtype=torch.float32, gpus_per_node=world,
+             replicas="lazy", **OPTS)
+    ex = moe.routed_experts
+    ex.inner_experts.w2_EDF.requires_grad_(False)
+    out = {}
+    try:
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad), joined_for_forward(ex, "experts"):
+                cached, own = ex._joined, ex.replicas.own_weights()
+                out[grad] = ([a is b for a, b in zip(own, cached, strict=True)], [w.requires_grad for w in own],
+                             [w.grad_fn is not None for w in own])
+    finally:
+        ex.close()
+    return out
+
+
+def test_own_weights_of_a_part_frozen_layer_are_the_forwards_own():
+    for r in run_dist(_own_weights_case, 2, timeout_s=120):
+        assert r[True] == ([True, True], [True, False], [True, False]), r   # (w2: a frozen view, no grad)
+        same, needs, tracked = r[False]
+        assert same == [False, False] and needs[0] and tracked[0], r     # [w1 | w3] derived again, with autograd
+
+
 def test_lazy_replicas_held_in_a_no_grad_forward_send_their_gradients():
     runs = run_dist(_no_grad_forward_case, 4, timeout_s=200)
     for r in runs:
