@@ -533,13 +533,24 @@ class TrainingSteps:
         # (judged: the parameters noted since, by an accumulation or that note; one frozen all along and unfrozen
         # now has no gradient as plain EP's has none, and nothing of the copies' share is its)
         marks = self.__dict__.get("_accumulated", {})
+        # Gradients that share one version counter: where the forward stacked several parameters (Megatron's
+        # per-expert biases, say), the first backward's accumulation keeps the stack's gradient's slices, views of
+        # one storage, as the parameters' .grad, and every later accumulation into any of them bumps the counter
+        # of all. Each is then judged by the last accumulation noted into its storage.
+        latest: dict[int, int] = {}
+        for p in own:
+            mark = marks.get(p)
+            if mark is not None and p.grad is not None and mark[0]() is p.grad:
+                key = p.grad.untyped_storage().data_ptr()
+                latest[key] = max(latest.get(key, mark[1]), mark[1])
         for p in own:
             mark = marks.get(p)
             if mark is None:
                 continue
             if p.grad is None:
                 return True
-            if mark[0]() is p.grad and p.grad._version != mark[1]:
+            if mark[0]() is p.grad and p.grad._version not in (mark[1],
+                                                               latest.get(p.grad.untyped_storage().data_ptr())):
                 return True
         return False
 

@@ -858,6 +858,9 @@ def _job(rank: int, world: int) -> dict:
             rank, world, "softmax", "feplb-split", torch.bfloat16, **oss)
         for weights in ("per-step", "per-microbatch"):
             res["train", "bias", weights] = _train_case(rank, world, "feplb-split+place", weights, **oss)
+        # resident replicas of biased experts: the per-expert biases are stacked per forward, so their gradients
+        # are views of one storage sharing a version counter (no false "changed in place" at the reduction)
+        res["train", "bias", "eplb"] = _train_case(rank, world, "eplb", "per-step", **bias)
         res["ddp", "bias", "per-microbatch", True] = _ddp_case(rank, world, "feplb-split+place", "per-microbatch",
                                                                True, **bias)
         res["state_bias"] = _state_case(rank, world, bias=True)
@@ -1586,12 +1589,12 @@ def test_training_matches_megatron(job):
     if world > 1:
         assert res[0]["train-capacity", "feplb-split+place"]["moved"] > 0
         for key in (("train", "eplb", "per-step"), ("train", "feplb-split+place", "per-microbatch"),
-                    ("train", "bias", "per-step"), ("train", "bias", "per-microbatch"),
+                    ("train", "bias", "per-step"), ("train", "bias", "per-microbatch"), ("train", "bias", "eplb"),
                     ("train", "shared-overlap", "per-step"), ("train", "feplb-split@ema", "lazy")):
             assert res[0][key]["moved"] > 0, key
         assert res[0]["train", "feplb-split@ema", "lazy"]["held"] > 0, "lazy replicas held no copy"
         # the biases trained too (every expert's, per-step copies and per-micro-batch ones)
-        for weights in ("per-step", "per-microbatch"):
+        for weights in ("per-step", "per-microbatch", "eplb"):
             assert sum(n.startswith("experts.") and n.endswith(".bias")
                        for n in res[0]["train", "bias", weights]["err"]) == 2 * E // world
 
