@@ -298,6 +298,9 @@ def load_olmoe(path: str | Path, model: str = "olmoe", domains: tuple[str, ...] 
         raise FileNotFoundError(f"OLMoE counts file not found: {path}")
     data = json.loads(path.read_text())
     models = data.get("models", {}) if isinstance(data, dict) else {}
+    if not isinstance(models, dict):
+        raise ValueError(f"{path}: 'models' must be an object mapping model names to their counts, got a "
+                         f"{type(models).__name__}")
     if model not in models:
         raise ValueError(f"{path}: unknown model {model!r}; available: {sorted(models)}")
     m = models[model]

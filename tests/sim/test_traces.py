@@ -137,6 +137,10 @@ def test_olmoe_domains_per_rank(tmp_path):
         path.write_text(json.dumps({**doc, "models": {"m": entry}}))
         with pytest.raises(ValueError, match=match):
             load_workload(f"{path}:model=m")
+    for models in (["m"], "xmx"):   # (the container itself: a list or a string passed the `in` test)
+        path.write_text(json.dumps({**doc, "models": models}))
+        with pytest.raises(ValueError, match=r"'models' must be an object mapping model names .* got a (list|str)"):
+            load_workload(f"{path}:model=m")
 
 
 def test_synthetic_is_seeded_and_drifts():
