@@ -129,6 +129,7 @@ class CostModel:
         # whole numbers of rows and real numbers of us, taken as they are: int() / float() would truncate a row
         # count of 128.9, or read a bool or a string of a hand-written table as a number
         for name, ok in (("table_rows", (int, np.integer)), ("table_us", (int, float, np.integer, np.floating))):
+            object.__setattr__(self, name, tuple(getattr(self, name)))   # (read once: an iterator given works too)
             bad = [v for v in getattr(self, name) if isinstance(v, (bool, np.bool_)) or not isinstance(v, ok)]
             if bad:
                 what = "whole numbers of rows" if name == "table_rows" else "numbers of us"

@@ -32,6 +32,9 @@ def test_shape_scaling_and_json_table(tmp_path):
     assert (cm.hidden, cm.ffn, cm.knee_rows, cm.ce_gbps) == (1024, 512, 64, 100.0)
     assert cm.gemm_us(544) == pytest.approx(55.0)
     assert cm.copy_us(1e6) == pytest.approx(10.0)
+    # the table given as iterators (read once) is taken as the tuples
+    assert CostModel(table_rows=iter((64, 1024)), table_us=(u for u in (10.0, 100.0))).gemm_us(544) == \
+        pytest.approx(CostModel(table_rows=(64, 1024), table_us=(10.0, 100.0)).gemm_us(544))
 
 
 @pytest.mark.parametrize(
