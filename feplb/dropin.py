@@ -441,7 +441,7 @@ def policy_state_dict(model: nn.Module | list[nn.Module]) -> dict[str, list[dict
     per-step copy holds a gradient not yet reduced (``load_policy_state_dict`` refuses that restore alike): the
     history then holds the step's earlier micro-batches, which a run resumed at the step's start would fold in
     twice, planning otherwise than the uninterrupted run. Where no per-step copy holds a gradient (per-micro-batch
-    weights, a policy that keeps none) nothing marks the middle of a step, and such a save is taken: the same
+    weights, a policy that keeps no copies) nothing marks the middle of a step, and such a save is taken: the same
     math, other plans after the resume. Save between steps."""
     me = dist.get_rank() if dist.is_initialized() else 0
     layers = _named_layers(model)

@@ -1,5 +1,6 @@
 """Output files written whole or not at all: each through a temporary file beside it, renamed into place once every
-one is written, so a failure (or a kill) leaves neither a partial file nor a temporary one."""
+one is written, so a failure (an exception, Ctrl-C) leaves neither a partial file nor a temporary one; a process
+killed outright may leave a hidden temporary file beside it, never a partial file under the name."""
 
 from __future__ import annotations
 
