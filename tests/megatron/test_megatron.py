@@ -528,6 +528,35 @@ def _train_case(rank: int, world: int, policy: str, weights: str, experts: str =
             "update": {n: float((theirs[n].detach().double() - start[n].double()).abs().max()) for n in theirs}}
 
 
+def _bias_grads_changed_case(rank: int, world: int, **over) -> tuple[int, str | None]:
+    """eplb's resident replicas of biased experts (held from the second step on, once there is a history): the
+    second step's two micro-batches' backwards, then one expert bias's gradient scaled in place before the
+    reduction. The biases' gradients are views of one storage (stacked per forward), whose version counter every
+    accumulation bumps: judged by that storage's last accumulation, the change after it is still refused. The
+    copies held then, and the error (None if none)."""
+    import feplb.megatron as fm
+
+    moe = make_moe("softmax", **over)
+    fm.apply(moe, policy="eplb", weights="per-step", gpus_per_node=min(2, world), refresh_every=1, **OPTS)
+    opt = torch.optim.SGD(moe.parameters(), lr=0.1)
+    bias = next(p for n, p in moe.named_parameters() if n.startswith("experts.") and n.endswith(".bias"))
+    for step in range(2):
+        for mb in range(2):
+            x, g = _inputs(rank + 10 * step + 100 * mb)
+            moe(x)[0].backward(g)
+        held = len(moe.experts.replicas.all_pairs())
+        if step == 1:
+            bias.grad.mul_(2.0)
+        try:
+            fm.reduce_replica_grads(moe)
+        except RuntimeError as err:
+            return held, str(err)
+        opt.step()
+        opt.zero_grad()
+        fm.refresh_replicas(moe)
+    return held, None
+
+
 def _sharded_fields(sd: dict) -> dict:
     """Every field of each entry of a Megatron sharded state dict that a distributed checkpoint stores or reads."""
     out = {}
@@ -861,6 +890,7 @@ def _job(rank: int, world: int) -> dict:
         # resident replicas of biased experts: the per-expert biases are stacked per forward, so their gradients
         # are views of one storage sharing a version counter (no false "changed in place" at the reduction)
         res["train", "bias", "eplb"] = _train_case(rank, world, "eplb", "per-step", **bias)
+        res["bias_grads_changed"] = _bias_grads_changed_case(rank, world, **bias)
         res["ddp", "bias", "per-microbatch", True] = _ddp_case(rank, world, "feplb-split+place", "per-microbatch",
                                                                True, **bias)
         res["state_bias"] = _state_case(rank, world, bias=True)
@@ -1593,7 +1623,12 @@ def test_training_matches_megatron(job):
                     ("train", "shared-overlap", "per-step"), ("train", "feplb-split@ema", "lazy")):
             assert res[0][key]["moved"] > 0, key
         assert res[0]["train", "feplb-split@ema", "lazy"]["held"] > 0, "lazy replicas held no copy"
-        # the biases trained too (every expert's, per-step copies and per-micro-batch ones)
+        # a bias's gradient changed in place after the backward is refused, on every rank
+        assert res[0]["bias_grads_changed"][0] > 0, "eplb held no copy in the second step"
+        assert all("changed in place" in (r["bias_grads_changed"][1] or "") for r in res), [r["bias_grads_changed"]
+                                                                                          for r in res]
+        # the biases trained too (every expert's: the +place bank's per-step copies, eplb's resident replicas,
+        # per-micro-batch copies)
         for weights in ("per-step", "per-microbatch", "eplb"):
             assert sum(n.startswith("experts.") and n.endswith(".bias")
                        for n in res[0]["train", "bias", weights]["err"]) == 2 * E // world
