@@ -205,10 +205,10 @@ def expert_us_from_bench(doc: dict, *, impl: str = "torch_grouped_mm", dist: str
     if not isinstance(shape, dict) or not {"hidden", "ffn", "local_experts"} <= set(shape):
         raise ValueError("bench_kernels meta.shape must give hidden, ffn and local_experts, got "
                          f"{sorted(shape) if isinstance(shape, dict) else shape!r}")
-    try:
-        experts, hidden, ffn = (int(shape[k]) for k in ("local_experts", "hidden", "ffn"))
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"bench_kernels meta.shape must hold integers, got {shape}") from err
+    experts, hidden, ffn = (shape[k] for k in ("local_experts", "hidden", "ffn"))
+    # (as written: int() would truncate a hidden of 2048.7, or read true as 1 and "2048" as a number)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (experts, hidden, ffn)):
+        raise ValueError(f"bench_kernels meta.shape must hold integers, got {shape}")
     if min(experts, hidden, ffn) < 1:
         raise ValueError(f"bench_kernels meta.shape must hold positive local_experts, hidden and ffn, got {shape}")
     found: dict[int, dict[str, dict]] = {}

@@ -154,6 +154,11 @@ def _rec(proj, r, **kw):
     (_bench_doc([]), "dense", "impl must be one of"),
     ({"meta": {"shape": {"hidden": 64, "ffn": 32, "local_experts": 0}}, "results": []}, "torch_grouped_mm",
      "positive local_experts"),
+    # a shape as written, never truncated or converted (hidden 64.5 read as 64, true as 1)
+    ({"meta": {"shape": {"hidden": 64.5, "ffn": 32, "local_experts": 2}}, "results": []}, "torch_grouped_mm",
+     "meta.shape must hold integers"),
+    ({"meta": {"shape": {"hidden": 64, "ffn": 32, "local_experts": True}}, "results": []}, "torch_grouped_mm",
+     "meta.shape must hold integers"),
     (_bench_doc([{k: v for k, v in _rec("gate_up", 128, us=1.0).items() if k != "rows_per_expert"}]),
      "torch_grouped_mm", "no positive integer rows_per_expert"),
     (_bench_doc([_rec("gate_up", 128, us=1.0), _rec("down", 128, us=None)]), "torch_grouped_mm", "us: None"),
