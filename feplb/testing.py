@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 __all__ = ["DistError", "DerivedWeights", "dense_moe_reference", "error_bound", "error_of", "free_port",
@@ -81,10 +81,18 @@ def _load(file: str, qualname: str) -> Callable:
 # No feplb module: the kernels choose the Triton interpreter at import from the environment a job gives its ranks.
 # Not numpy.random on purpose, but a module below may import it: each rank draws its global state afresh (_child).
 _PRELOAD = ("numpy", "torch", "torch.distributed", "triton", "transformers")
-# Imported too where the caller has imported them when the server starts (a test run that collected the Megatron-Core
-# or torchtitan tests): 6 and 5 s more of CPU per rank of their jobs, 12 s once in the server, which a run of other
-# tests does not pay.
-_PRELOAD_IF_LOADED = ("megatron.core.transformer.moe.moe_layer", "torchtitan.models.common.moe")
+# Imported too where the caller has imported the key when the server starts (a test run that collected those tests),
+# so that a run of other tests does not pay for them in its server:
+_PRELOAD_IF_LOADED: dict[str, tuple[str, ...]] = {
+    # Megatron-Core's and torchtitan's MoE layers: 6 and 5 s more of CPU per rank of their jobs, 12 s once
+    "megatron.core.transformer.moe.moe_layer": ("megatron.core.transformer.moe.moe_layer",),
+    "torchtitan.models.common.moe": ("torchtitan.models.common.moe",),
+    # transformers' model registry, its model base class and its Trainer (``import transformers`` loads neither):
+    # about 2.5 s of CPU per rank of a job that builds a model or a Trainer, 3 s once
+    "transformers.modeling_utils": ("transformers.models", "transformers.modeling_utils", "transformers.trainer"),
+    # a test module a rank loads by path imports pytest: 0.15 s per rank of every job
+    "pytest": ("pytest",),
+}
 # the server's environment while it loads them (_ensure_forkserver)
 _SERVER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _SERVER_LOCK = threading.Lock()
@@ -114,13 +122,18 @@ def _start_method(backend: str) -> str:
     return "spawn" if torch.cuda.is_available() else "forkserver"
 
 
+def _preload(loaded: Collection[str]) -> list[str]:
+    """What a forkserver started now imports, given the names of the modules the caller has loaded."""
+    return [*_PRELOAD, *(m for key, mods in _PRELOAD_IF_LOADED.items() if key in loaded for m in mods)]
+
+
 def _ensure_forkserver(ctx: Any) -> None:
     """Start this process's forkserver (once; again if it died) with the preloaded modules, and with one thread for
     OpenMP and OpenBLAS while they load: numpy sizes its BLAS pool at import, which a forked rank keeps, where a
     spawned one imported numpy under its job's ``OMP_NUM_THREADS``."""
     from multiprocessing import forkserver
 
-    ctx.set_forkserver_preload([*_PRELOAD, *(m for m in _PRELOAD_IF_LOADED if m in sys.modules)])
+    ctx.set_forkserver_preload(_preload(sys.modules))
     with _SERVER_LOCK:
         saved = {k: os.environ.get(k) for k in _SERVER_ENV}
         os.environ.update(_SERVER_ENV)

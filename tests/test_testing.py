@@ -66,6 +66,26 @@ def test_run_dist_start_method(monkeypatch):
         run_dist(_report, 2, "never")
 
 
+def test_forkserver_preloads_what_the_callers_tests_use():
+    """The server imports the heavy third-party modules the caller has loaded (the tests it collected use them), so
+    that each rank need not; not those of tests not collected."""
+    bare = testing._preload({"sys", "torch"})
+    assert bare == list(testing._PRELOAD) and "transformers.trainer" not in bare
+    assert "torch" in bare and "transformers" in bare
+    with_hf = testing._preload({"torch", "transformers.modeling_utils", "pytest"})
+    assert with_hf[:len(bare)] == bare
+    assert {"transformers.models", "transformers.modeling_utils", "transformers.trainer", "pytest"} <= set(with_hf)
+    assert not any(m.startswith(("megatron", "torchtitan")) for m in with_hf), with_hf
+    everything = testing._preload(set(testing._PRELOAD_IF_LOADED))
+    assert {m for mods in testing._PRELOAD_IF_LOADED.values() for m in mods} <= set(everything)
+    import importlib.util
+
+    for name in everything:   # each exists where its package is installed (the server skips one that fails)
+        top = name.partition(".")[0]
+        if importlib.util.find_spec(top) is not None:
+            assert importlib.util.find_spec(name) is not None, name
+
+
 def test_run_dist_reports_the_failing_rank():
     with pytest.raises(DistError, match=r"(?s)rank 1: ValueError: rank one refuses"):
         run_dist(_fail_on_one, 2, collective_timeout_s=10)
