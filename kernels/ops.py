@@ -403,6 +403,8 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
     comes back in it; their gradients return in their own dtypes through the casts. Each call casts the whole w
     it is given (autocast's weight cache is torch's own).
     """
+    check_tensor("x_MK", x_MK)   # before the cast, which reads their attributes
+    check_tensor("w_EKN", w_EKN)
     x_MK, w_EKN = autocast_matmul_inputs(x_MK, w_EKN)
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
     check_rows("x_MK", x_MK.shape[0], "M")

@@ -215,6 +215,18 @@ def test_grouped_mm_rejects(w_shape, w_dtype, offsets, exc, match, dev):
         fk.grouped_mm(x, torch.randn(w_shape, dtype=w_dtype, device=dev), torch.tensor(offsets, device=dev))
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+@pytest.mark.parametrize("which", ["x_MK", "w_EKN"])
+def test_grouped_mm_rejects_a_non_tensor(which, autocast, dev):
+    # The autocast cast ran before any check: a list for x (and, inside torch.autocast, for w) failed with
+    # "AttributeError: 'list' object has no attribute 'device'", naming no argument.
+    args = {"x_MK": torch.randn(6, 4, device=dev), "w_EKN": torch.randn(2, 4, 3, device=dev)}
+    args[which] = args[which].tolist()
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast), \
+            pytest.raises(TypeError, match=rf"{which}: expected a torch.Tensor, got list"):
+        fk.grouped_mm(args["x_MK"], args["w_EKN"], torch.tensor([2, 6], device=dev))
+
+
 def test_swiglu_rejects(dev):
     with pytest.raises(ValueError, match=r"h_M2F.*even.*\[3, 5\]"):
         fk.swiglu(torch.randn(3, 5, device=dev))
