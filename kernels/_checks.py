@@ -62,6 +62,14 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def check_bool(name: str, value: object) -> bool:
+    """A bool (a flag that turns a check off must not be turned off by None or 0, which torch's schema would read as
+    False)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+    return value
+
+
 def check_num_experts(name: str, value: object) -> int:
     """An int in [1, MAX_EXPERTS]."""
     check_positive_int(name, value)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ._checks import FLOAT_DTYPES, MAX_EXPERTS, check_rows, check_tensor
+from ._checks import FLOAT_DTYPES, MAX_EXPERTS, check_bool, check_rows, check_tensor
 from ._triton import use_triton
 from .activation import (
     check_glu_act,
@@ -194,6 +194,7 @@ def routing_metadata(topk_ids_TK: Tensor, num_experts: int, *, check: bool = Tru
         :class:`RoutingMetadata` (all tensors int32, on the ids' device).
     """
     check_routing_inputs(topk_ids_TK, num_experts, check_values=False)
+    check_bool("check", check)
     counts_E, offsets_E, src_idx_M, dst_idx_TK = _ROUTING_METADATA(topk_ids_TK.contiguous(), num_experts, check)
     return RoutingMetadata._consistent(num_experts=num_experts, top_k=topk_ids_TK.shape[1], counts_E=counts_E,
                                        offsets_E=offsets_E, src_idx_M=src_idx_M, dst_idx_TK=dst_idx_TK)
@@ -405,6 +406,7 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
     """
     check_tensor("x_MK", x_MK)   # before the cast, which reads their attributes
     check_tensor("w_EKN", w_EKN)
+    check_bool("check", check)
     x_MK, w_EKN = autocast_matmul_inputs(x_MK, w_EKN)
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
     check_rows("x_MK", x_MK.shape[0], "M")

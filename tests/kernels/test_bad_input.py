@@ -227,6 +227,17 @@ def test_grouped_mm_rejects_a_non_tensor(which, autocast, dev):
         fk.grouped_mm(args["x_MK"], args["w_EKN"], torch.tensor([2, 6], device=dev))
 
 
+@pytest.mark.parametrize("value", [None, 0, "no"], ids=["None", "int", "str"])
+def test_check_flags_must_be_bools(value, dev):
+    # torch's schema turned check=None (or 0) into False: on a GPU the id range or the offsets went unchecked,
+    # while the CPU twins check regardless; an id out of range then gave metadata that permute reads out of bounds.
+    with pytest.raises(TypeError, match=rf"check: expected a bool, got {value!r}"):
+        fk.routing_metadata(torch.tensor([[0, 5]], device=dev), E, check=value)
+    with pytest.raises(TypeError, match=rf"check: expected a bool, got {value!r}"):
+        fk.grouped_mm(torch.randn(6, 4, device=dev), torch.randn(2, 4, 3, device=dev),
+                      torch.tensor([2, 6], device=dev), check=value)
+
+
 def test_swiglu_rejects(dev):
     with pytest.raises(ValueError, match=r"h_M2F.*even.*\[3, 5\]"):
         fk.swiglu(torch.randn(3, 5, device=dev))
