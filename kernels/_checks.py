@@ -96,3 +96,12 @@ def check_finite(value: float, name: str) -> bool:
         torch._check(value - value == 0, lambda: f"{name}: expected a finite number")   # (inf - inf is nan)
         return True
     return math.isfinite(value)
+
+
+def check_positive(value: float, name: str, what: str = "a number > 0") -> bool:
+    """Whether ``value`` (a finite number) is > 0; under ``torch.compile``, where it may be symbolic (no message may
+    format it), a runtime check saying "``name``: expected ``what``" instead (always True at tracing)."""
+    if torch.compiler.is_compiling():
+        torch._check(value > 0, lambda: f"{name}: expected {what}")
+        return True
+    return value > 0

@@ -38,7 +38,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from ._checks import FLOAT_DTYPES, check_finite, check_tensor
+from ._checks import FLOAT_DTYPES, check_finite, check_positive, check_tensor
 from ._triton import alloc, autotune_configs, cdiv, check_launch_device, launch, tl, triton
 
 __all__ = ["ACTS", "PLAIN_ACTS", "POSTCLAMP_ACTS", "SOFTCAP_ACTS", "check_glu_act", "check_glu_input",
@@ -72,7 +72,7 @@ def check_glu_limit(limit: float | None) -> None:
     if limit is None:
         return
     if isinstance(limit, bool) or not isinstance(limit, _REAL) or not check_finite(limit, "limit") \
-            or limit <= 0:
+            or not check_positive(limit, "limit"):
         raise ValueError(f"limit: expected None or a finite number > 0, got {limit!r}")
 
 
@@ -89,7 +89,8 @@ def check_glu_act(act: str, alpha: float = 1.0, softcap: tuple[float, float] | N
         raise ValueError(f"alpha: expected a finite number, got {alpha!r}")
     if act in SOFTCAP_ACTS:
         if not isinstance(softcap, (tuple, list)) or len(softcap) != 2 or any(
-                isinstance(c, bool) or not isinstance(c, _REAL) or not check_finite(c, "softcap") or c <= 0
+                isinstance(c, bool) or not isinstance(c, _REAL) or not check_finite(c, "softcap")
+                or not check_positive(c, "softcap", "numbers > 0")
                 for c in softcap):
             raise ValueError(f"softcap: {act} expects (c_gate, c_up), two finite numbers > 0, got {softcap!r}")
         if limit is not None:

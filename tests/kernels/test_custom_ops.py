@@ -307,6 +307,28 @@ def test_glu_compiles_with_symbolic_floats(gen):
         fk.glu(h, None, "swiglu_oai", float("inf"))
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    ((-0.5,), "limit: expected a number > 0"),
+    ((0.0, "swiglu_oai", 1.702), "limit: expected a number > 0"),
+    ((None, "silu_softcap", 1.0, False, (-1.0, 3.0)), "softcap: expected numbers > 0"),
+    ((None, "silu_softcap", 1.0, False, (2.0, 0.0)), "softcap: expected numbers > 0"),
+], ids=["limit-negative", "limit-zero", "softcap-negative", "softcap-zero"])
+def test_glu_compiled_refuses_a_non_positive_limit_or_softcap(args, message, gen):
+    """Under dynamic=True, a limit or softcap <= 0 is refused with a message naming it, as a non-finite one is: the
+    eager check's message, which formats the value, failed to trace for a symbolic float (Dynamo's "BUILD_STRING
+    type error" or "repr_impl not implemented" instead)."""
+    h = torch.randn(7, 12, generator=gen)
+    torch._dynamo.reset()
+    compiled = torch.compile(fk.glu, backend="aot_eager", fullgraph=True, dynamic=True)
+    compiled(h, 1.5)
+    compiled(h, None, "silu_softcap", 1.0, False, (2.0, 3.0))
+    with pytest.raises(RuntimeError) as err:
+        compiled(h, *args)
+    assert message in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match="limit|softcap"):
+        fk.glu(h, *args)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("act, limit, alpha", [("silu", None, 1.0), ("swiglu_oai", 7.0, 1.702)])
 def test_interleaved_glu_with_no_rows(impl, act, limit, alpha):
