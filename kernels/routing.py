@@ -26,7 +26,7 @@ from ._triton import alloc, cdiv, check_launch_device, next_power_of_2, tl, trit
 __all__ = ["RoutingMetadata", "check_routing_inputs", "routing_metadata_ref", "routing_metadata_triton"]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)   # compared by identity: its tensors have no truth value
 class RoutingMetadata:
     """Where every (token, expert) row goes. Build it with :func:`feplb.kernels.routing_metadata`.
 

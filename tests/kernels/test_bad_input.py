@@ -167,6 +167,16 @@ def test_edited_metadata_is_validated_again(meta, dev):
                            checked=True)
 
 
+def test_metadata_compares_and_hashes_by_identity(meta):
+    """Two metadata objects compare as objects (a field-wise == would ask a tensor for its truth value and raise)."""
+    import dataclasses
+
+    twin = dataclasses.replace(meta, **{f: getattr(meta, f).clone() for f in ("counts_E", "offsets_E", "src_idx_M",
+                                                                              "dst_idx_TK")})
+    assert meta == meta and (meta == twin) is False and (meta != twin) is True
+    assert len({meta, twin, meta}) == 2
+
+
 def test_hand_built_valid_metadata_is_accepted(meta, dev):
     same = _tampered(meta, "src_idx_M", lambda t: None)
     x = torch.randn(3, 8, device=dev)
