@@ -695,7 +695,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
                            copy_out_slowdown=args.copy_out_slowdown)
     print(f"{'rows/expert':>11} {'us/expert':>11} {'TFLOP/s':>8}")
     for m in measured:
-        print(f"{m['rows']:>11} {m['us']:>11.2f} {m['tflops']:>8.2f}")
+        # four significant digits: a CPU's or a tiny shape's rate is far below 0.01 TFLOP/s
+        print(f"{m['rows']:>11} {m['us']:>11.2f} {m['tflops']:>8.4g}")
     fit = table["meta"]["fit"]
     print(f"knee {fit['knee_rows']} rows (floor {table['us'][0]:.2f} us); table rows {table['rows']}"
           + (f"; {fit['moved_points']} point(s) moved by the non-decreasing fit" if fit["moved_points"] else ""))

@@ -183,6 +183,11 @@ def test_cli_measures_writes_a_table_the_simulator_reads(tmp_path, capsys):
     assert doc["hidden"] == 128 and doc["ffn"] == 64 and doc["ce_gbps"] == 100
     measured = {m["rows"]: m["us"] for m in meta["measured"]}
     assert sorted(measured) == [4, 16, 64, 256, 1024, 4096]
+    # the printed rate keeps its significant digits, however small (a CPU's at 4 rows is far below 0.01 TFLOP/s)
+    lines = {int(line.split()[0]): line.split() for line in printed.splitlines() if line.split()[:1] and
+             line.split()[0].isdigit()}
+    for m in meta["measured"]:
+        assert float(lines[m["rows"]][2]) == pytest.approx(m["tflops"], rel=1e-3) and float(lines[m["rows"]][2]) > 0
     # the table is the non-decreasing fit of the recorded measurements from the knee on
     fit = isotonic_ref([measured[r] for r in sorted(measured)])
     k = sorted(measured).index(doc["rows"][0])
