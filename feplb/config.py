@@ -186,6 +186,8 @@ class FEPLBConfig:
             raise ValueError(f"FEPLBConfig.top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         if self.router not in ("softmax", "sigmoid", "external"):
             raise ValueError(f"FEPLBConfig.router must be 'softmax', 'sigmoid' or 'external', got {self.router!r}")
+        if not isinstance(self.router_bias, bool):
+            raise TypeError(f"FEPLBConfig.router_bias must be a bool, got {self.router_bias!r}")
         if self.router == "external" and self.router_bias:
             raise ValueError("FEPLBConfig.router_bias needs the layer's own router (router='softmax' or 'sigmoid')")
         if not isinstance(self.timeline, bool):
@@ -207,6 +209,9 @@ class FEPLBConfig:
         if self.plan_wait_ms is not None and not (_number(self.plan_wait_ms) and 0 <= self.plan_wait_ms < float("inf")):
             raise (ValueError if _number(self.plan_wait_ms) else TypeError)(
                 f"FEPLBConfig.plan_wait_ms must be None or a finite number >= 0, got {self.plan_wait_ms!r}")
+        if not (_number(self.tau) and 0 <= self.tau < float("inf")):   # make_plan's rule, checked here, not per plan
+            raise (ValueError if _number(self.tau) else TypeError)(
+                f"FEPLBConfig.tau must be a finite number >= 0, got {self.tau!r}")
         for name in ("gate_on_input", "masked_routes", "recopy_weights", "reduce_in_fp32"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FEPLBConfig.{name} must be a bool, got {getattr(self, name)!r}")

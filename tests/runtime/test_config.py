@@ -50,6 +50,14 @@ BASE = dict(hidden=16, ffn=32, num_experts=8, top_k=2)
     ("gated", 0, TypeError, "gated must be a bool"),
     ("glu_interleaved", "yes", TypeError, "glu_interleaved must be a bool"),
     ("expert_bias", None, TypeError, "expert_bias must be a bool"),
+    ("router_bias", "no", TypeError, "router_bias must be a bool"),   # truthy: it made the bias buffer
+    ("router_bias", 1, TypeError, "router_bias must be a bool"),
+    # refused by the planner only at the forward, where every micro-batch then computed at home with a warning
+    ("tau", -0.5, ValueError, "tau must be a finite number >= 0"),
+    ("tau", float("nan"), ValueError, "tau must be a finite number >= 0"),
+    ("tau", float("inf"), ValueError, "tau must be a finite number >= 0"),
+    ("tau", "0.01", TypeError, "tau must be a finite number >= 0"),
+    ("tau", True, TypeError, "tau must be a finite number >= 0"),
     ("activation", "relu2", ValueError,
      r"one of \('silu', 'gelu_tanh', 'gelu', 'swiglu_oai', 'silu_softcap', 'silu_postclamp'\) \(gated experts\)"),
     ("activation", "silu_postclamp", ValueError, "silu_postclamp clamps after the activation and needs a limit"),
