@@ -470,14 +470,16 @@ def glu(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: flo
     (gpt-oss's and MiniMax-M3's: gate * sigmoid(alpha * gate) * (up + 1)) or ``"silu_softcap"`` (Inkling 2's:
     cap(gate, c_gate) * sigmoid(gate) * cap(up, c_up), cap(x, c) = c tanh(x / c), ``softcap`` = (c_gate, c_up)).
     With ``limit``, the clamped form act(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4's experts,
-    Megatron's ``activation_func_clamp_value``; gpt-oss clamps at 7).
+    Megatron's ``activation_func_clamp_value``; gpt-oss clamps at 7); ``"silu_postclamp"`` (Step 3.7's) clamps after
+    the activation instead, min(silu(gate), limit) * clamp(up, -limit, limit), and needs ``limit``.
 
     Args:
         h_M2F: float [M, 2F], contiguous (gate columns first, then up; alternating, gate first, if ``interleaved``:
             gpt-oss's layout).
         limit: None, or a finite number > 0.
-        act: one of ``feplb.kernels.activation.ACTS``.
-        alpha: swiglu_oai's sigmoid slope (a finite number; the other activations ignore it).
+        act: one of ``feplb.kernels.activation.ACTS``, ``SOFTCAP_ACTS`` or ``POSTCLAMP_ACTS``.
+        alpha: swiglu_oai's sigmoid slope (a finite number; the other activations ignore it). The default, 1.0, is
+            not gpt-oss's: pass its 1.702 (``FEPLBConfig.swiglu_alpha``'s default).
         softcap: (c_gate, c_up), finite numbers > 0, with ``"silu_softcap"`` (which takes no limit); None otherwise.
 
     Returns:
