@@ -209,8 +209,12 @@ class FEPLBConfig:
         if self.plan_wait_ms is not None and not (_number(self.plan_wait_ms) and 0 <= self.plan_wait_ms < float("inf")):
             raise (ValueError if _number(self.plan_wait_ms) else TypeError)(
                 f"FEPLBConfig.plan_wait_ms must be None or a finite number >= 0, got {self.plan_wait_ms!r}")
-        if not (_number(self.tau) and 0 <= self.tau < float("inf")):   # make_plan's rule, checked here, not per plan
-            raise (ValueError if _number(self.tau) else TypeError)(
+        from feplb.sched.policies import _REAL
+
+        # make_plan's rule (numpy scalars included), checked here rather than refused at every forward's plan
+        tau_number = isinstance(self.tau, _REAL) and not isinstance(self.tau, bool)
+        if not (tau_number and 0 <= self.tau < float("inf")):
+            raise (ValueError if tau_number else TypeError)(
                 f"FEPLBConfig.tau must be a finite number >= 0, got {self.tau!r}")
         for name in ("gate_on_input", "masked_routes", "recopy_weights", "reduce_in_fp32"):
             if not isinstance(getattr(self, name), bool):

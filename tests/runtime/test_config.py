@@ -69,6 +69,13 @@ def test_config_rejects_bad_values(field, value, exc, needle):
         FEPLBConfig(**{**BASE, field: value})
 
 
+def test_config_takes_the_tau_the_planner_takes():
+    import numpy as np
+
+    assert FEPLBConfig(**BASE, tau=np.float32(0.05)).tau == np.float32(0.05)
+    assert FEPLBConfig(**BASE, tau=0).tau == 0
+
+
 def test_config_lazy_replicas():
     """replicas='lazy' holds what a plan copied: an @ema set of the in-node planners, with per-step weights."""
     for policy in ("feplb@ema", "feplb-split@ema", "lp@ema", "feplb-split+place@ema"):
