@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from feplb.sched.policies import _REAL  # the planner's numbers (numpy scalars included)
+
 __all__ = ["FEPLBConfig", "LayerStats", "forward_problem"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -209,8 +211,6 @@ class FEPLBConfig:
         if self.plan_wait_ms is not None and not (_number(self.plan_wait_ms) and 0 <= self.plan_wait_ms < float("inf")):
             raise (ValueError if _number(self.plan_wait_ms) else TypeError)(
                 f"FEPLBConfig.plan_wait_ms must be None or a finite number >= 0, got {self.plan_wait_ms!r}")
-        from feplb.sched.policies import _REAL
-
         # make_plan's rule (numpy scalars included), checked here rather than refused at every forward's plan
         tau_number = isinstance(self.tau, _REAL) and not isinstance(self.tau, bool)
         if not (tau_number and 0 <= self.tau < float("inf")):
