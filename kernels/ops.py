@@ -233,8 +233,8 @@ def permute(x_TD: Tensor, meta: RoutingMetadata) -> Tensor:
 
     Args:
         x_TD: float (fp32/bf16/fp16/fp64) [T, D], contiguous.
-        meta: the :class:`RoutingMetadata` of this batch; a hand-built one (``checked=False``) has its index
-            values validated first (one device->host sync on a GPU).
+        meta: the :class:`RoutingMetadata` of this batch; a hand-built one (``checked=False``), or one whose index
+            tensors were changed in place, has its index values validated first (one device->host sync on a GPU).
 
     Returns:
         x_MD [M, D] in x's dtype; differentiable w.r.t. x.
@@ -308,8 +308,8 @@ def unpermute(y_MD: Tensor, meta: RoutingMetadata, topk_weights_TK: Tensor) -> T
 
     Args:
         y_MD: float [M, D], contiguous, in grouped order.
-        meta: the :class:`RoutingMetadata` of this batch; a hand-built one (``checked=False``) has its index
-            values validated first (one device->host sync on a GPU).
+        meta: the :class:`RoutingMetadata` of this batch; a hand-built one (``checked=False``), or one whose index
+            tensors were changed in place, has its index values validated first (one device->host sync on a GPU).
         topk_weights_TK: float [T, K], contiguous (any float dtype; its gradient comes back in that dtype).
 
     Returns:
@@ -323,9 +323,11 @@ def unpermute(y_MD: Tensor, meta: RoutingMetadata, topk_weights_TK: Tensor) -> T
 def _check_meta(meta: object) -> None:
     if not isinstance(meta, RoutingMetadata):
         raise TypeError(f"meta: expected a RoutingMetadata (from routing_metadata()), got {type(meta).__name__}")
-    if not meta.checked:
+    if not meta.checked or meta.changed_in_place():
         # Kernels index rows with these values: an out-of-range one would read or write out of bounds.
         meta.validate()
+        if meta.checked:   # changed in place, and still consistent: checked again as it is now
+            object.__setattr__(meta, "_versions", meta._index_versions())
 
 
 # ---------------------------------------------------------------------------------------------------- grouped_mm

@@ -40,7 +40,9 @@ class RoutingMetadata:
         checked: True when the index values are known to be consistent: set by :func:`routing_metadata` alone (not
             an argument; ``dataclasses.replace`` of such metadata, whose indices may then differ, is unchecked);
             :func:`feplb.kernels.permute` and :func:`feplb.kernels.unpermute` call :meth:`validate` on metadata
-            with ``checked=False`` (a hand-built or edited one) before any kernel reads its indices.
+            with ``checked=False`` (a hand-built or edited one) before any kernel reads its indices, and, in eager
+            mode, on checked metadata whose index tensors were since changed in place (their version counters
+            moved; not tracked for metadata built under ``torch.compile`` or of inference tensors).
 
     ``__post_init__`` checks types, dtypes, shapes, devices and sizes only (no device sync).
     """
@@ -52,13 +54,29 @@ class RoutingMetadata:
     src_idx_M: Tensor
     dst_idx_TK: Tensor
     checked: bool = field(default=False, init=False)
+    # the index tensors' version counters when checked (None: not tracked)
+    _versions: tuple[int, ...] | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def _consistent(cls, **fields) -> RoutingMetadata:
         """Metadata whose index values are consistent by construction (``routing_metadata``'s): ``checked``."""
         meta = cls(**fields)
         object.__setattr__(meta, "checked", True)
+        object.__setattr__(meta, "_versions", meta._index_versions())
         return meta
+
+    def _index_versions(self) -> tuple[int, ...] | None:
+        """The index tensors' version counters, or None where they cannot be read (while torch.compile traces;
+        inference tensors have none)."""
+        tensors = (self.counts_E, self.offsets_E, self.src_idx_M, self.dst_idx_TK)
+        if torch.compiler.is_compiling() or any(t.is_inference() for t in tensors):
+            return None
+        return tuple(t._version for t in tensors)
+
+    def changed_in_place(self) -> bool:
+        """Whether an index tensor of checked metadata was changed in place since it was checked (False where that
+        is not tracked)."""
+        return self._versions is not None and self._index_versions() not in (None, self._versions)
 
     def __post_init__(self) -> None:
         check_num_experts("num_experts", self.num_experts)

@@ -167,6 +167,32 @@ def test_edited_metadata_is_validated_again(meta, dev):
                            checked=True)
 
 
+def test_metadata_changed_in_place_is_validated_again(meta, dev, monkeypatch):
+    """An index tensor of routing_metadata's output changed in place (its version counter moved) is validated before
+    a kernel reads it, as a hand-built one is; once found consistent, it is not validated again."""
+    x, w = torch.randn(3, 8, device=dev), torch.rand(3, 2, device=dev)
+    want = fk.permute(x, meta)
+    saved, saved_dst = meta.src_idx_M.clone(), meta.dst_idx_TK.clone()
+    meta.src_idx_M[0] = 7
+    assert meta.checked and meta.changed_in_place()
+    with pytest.raises(ValueError, match=r"src_idx_M.*\[0, 6\).*, 7\]"):
+        fk.permute(x, meta)
+    meta.dst_idx_TK[0, 0] = -1
+    with pytest.raises(ValueError, match="src_idx_M|dst_idx_TK"):
+        fk.unpermute(torch.randn(6, 8, device=dev), meta, w)
+    meta.src_idx_M.copy_(saved)
+    meta.dst_idx_TK.copy_(saved_dst)
+    calls = []
+    real = fk.RoutingMetadata.validate
+    monkeypatch.setattr(fk.RoutingMetadata, "validate", lambda self: calls.append(1) or real(self))
+    assert torch.equal(fk.permute(x, meta), want)   # consistent again: validated once, then trusted
+    assert torch.equal(fk.permute(x, meta), want) and len(calls) == 1 and not meta.changed_in_place()
+    with torch.inference_mode():   # inference tensors have no version counter: nothing to track
+        inf = fk.routing_metadata(torch.tensor([[0, 1], [2, 1], [0, 2]], device=dev), 3)
+        assert inf.checked and not inf.changed_in_place()
+        fk.permute(x, inf)
+
+
 def test_metadata_compares_and_hashes_by_identity(meta):
     """Two metadata objects compare as objects (a field-wise == would ask a tensor for its truth value and raise)."""
     import dataclasses
