@@ -271,8 +271,9 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
                 rank, ok, out = results.get(timeout=min(remaining, 0.5))
                 outs[rank] = (ok, out)
             except queue.Empty:
-                # A child killed by a signal never reports; stop waiting for it once it is gone.
-                dead = [r for r, p in enumerate(procs) if r not in outs and not p.is_alive() and p.exitcode != 0]
+                # A child killed by a signal, or ended by os._exit, never reports; stop waiting for it once it is
+                # gone (one that reported flushed its result into the queue before it exited: read first).
+                dead = [r for r, p in enumerate(procs) if r not in outs and not p.is_alive()]
                 if dead and results.empty():
                     time.sleep(0.2)
                     if results.empty():

@@ -91,6 +91,22 @@ def test_run_dist_reports_the_failing_rank():
         run_dist(_fail_on_one, 2, collective_timeout_s=10)
 
 
+def _exit_quietly_on_one(rank, world_size):
+    if rank == 1:
+        os._exit(0)   # gone with status 0, without reporting
+    return rank
+
+
+def test_run_dist_reports_a_rank_gone_without_reporting_at_once():
+    with pytest.raises(DistError) as info:
+        run_dist(_exit_quietly_on_one, 2, timeout_s=120, collective_timeout_s=10)
+    msg = str(info.value)
+    # reported when it is gone, not after the job's timeout with the stragglers
+    assert "rank 1: process exited with code 0 without reporting" in msg and "did not finish" not in msg, msg
+    assert "rank 0" not in msg
+    assert [r for r in run_dist(_fail_on_one, 1)] == [0]   # a rank that reported and exited is not mistaken for it
+
+
 def _stuck_helper(release):
     release.wait()
 
