@@ -87,9 +87,12 @@ _PRELOAD_IF_LOADED: dict[str, tuple[str, ...]] = {
     # Megatron-Core's and torchtitan's MoE layers: 6 and 5 s more of CPU per rank of their jobs, 12 s once
     "megatron.core.transformer.moe.moe_layer": ("megatron.core.transformer.moe.moe_layer",),
     "torchtitan.models.common.moe": ("torchtitan.models.common.moe",),
-    # transformers' model registry, its model base class and its Trainer (``import transformers`` loads neither):
-    # about 2.5 s of CPU per rank of a job that builds a model or a Trainer, 3 s once
-    "transformers.modeling_utils": ("transformers.models", "transformers.modeling_utils", "transformers.trainer"),
+    # transformers' model registry and model base class (``import transformers`` loads neither): about 1.5 s of CPU
+    # per rank of a job that builds a model, 1.5 s once
+    "transformers.modeling_utils": ("transformers.models", "transformers.modeling_utils"),
+    # its Trainer (2 s per rank) only where the caller has it: it imports pyarrow, whose allocator starts a thread,
+    # which a server should not hold when it forks unless the caller asked for it
+    "transformers.trainer": ("transformers.trainer",),
     # a test module a rank loads by path imports pytest: 0.15 s per rank of every job
     "pytest": ("pytest",),
 }
@@ -229,7 +232,10 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
         collective_timeout_s: ``init_process_group(timeout=...)``: any collective that waits longer raises.
         threads: ``torch.set_num_threads`` in every child (keep 1 on small machines).
         env: extra environment variables for the children (which get the caller's environment, with these and
-            ``OMP_NUM_THREADS=threads`` on top).
+            ``OMP_NUM_THREADS=threads`` on top). A forked rank's modules preloaded by the server (see ``_PRELOAD``;
+            torch's Dynamo and Inductor where Megatron-Core, torchtitan or transformers' model code is among them)
+            read the variables they read at import from the caller's environment when the server started: a job
+            that sets one of those starts its ranks afresh with ``FEPLB_RUN_DIST_START=spawn``.
         backend: "gloo" (CPU tensors) or "nccl" (one GPU per rank, rank % device_count).
     Raises:
         DistError: a rank raised (its traceback is in the message), died, or did not finish in time.
