@@ -107,10 +107,12 @@ def entered_through(entry: ForwardEntry | None):
 
 def _refuse_backward(ctx, op: str) -> None:
     """Before an exchange's backward (``op``: names the node): refuse a compiled backward, and one that started
-    inside the layer (``ctx.entry``: :class:`ForwardEntry`)."""
+    inside the layer (``ctx.entry``: :class:`ForwardEntry`); then end what an earlier backward that raised left on
+    the copy threads (:func:`settle_abandoned`), before this backward's collectives meet it on the same groups."""
     refuse_compiled_autograd(op)
     if ctx.entry is not None:
         ctx.entry.check(op)
+    settle_abandoned()
 
 
 def _run_once(ctx, op: str) -> None:
@@ -292,8 +294,9 @@ class _JoinFn(torch.autograd.Function):
 # The joins whose exchange's backward was started on a copy thread and not taken yet, with the autograd graph task
 # that started them (BackwardJoin.start; in start order). A backward that succeeds settles its own in its callback;
 # one that raises leaves them (autograd runs queue_callback's callbacks only when the backward succeeds), still
-# running collectives on their copy threads: settle_abandoned ends them before the next collective of a forward or
-# a step call, which would otherwise meet them on the same gloo groups in a different order on different ranks.
+# running collectives on their copy threads: settle_abandoned ends them before the next collective of a forward, a
+# backward or a step call, which would otherwise meet them on the same gloo groups in a different order on
+# different ranks.
 _STARTED: dict[int, tuple[BackwardJoin, int]] = {}
 _STARTED_LOCK = threading.Lock()
 
@@ -301,10 +304,13 @@ _STARTED_LOCK = threading.Lock()
 def settle_abandoned() -> None:
     """End every exchange's backward that a backward other than the running one (any, outside a backward) started
     on a copy thread and never took: a backward that raised left it in flight. Called, on the calling thread,
-    before a layer's construction, forward or a step call runs its first collective (``MoELayer.__init__``,
-    ``MoELayer._experts``, ``feplb.training.handshaken``) and by a layer's close (``settle_joins``): every rank's
-    copy threads then finish what they started, in the same order, before the next collective over the same
-    groups. Raises the first of their errors, after settling all."""
+    before a layer's construction, forward, backward or a step call runs its first collective
+    (``MoELayer.__init__``, ``MoELayer._experts``, the backward nodes and hooks of the layer that talk to other
+    ranks: ``_refuse_backward``, ``feplb.recopy.Recopy.start_at``; ``feplb.training.handshaken``) and by a
+    layer's close (``settle_joins``): every rank's copy threads then finish what they started, in the same order,
+    before the next collective over the same groups. Nothing to wait for where no backward raised (the running
+    backward's own joins are left alone): a look at a dict. Raises the first of their errors, after settling
+    all."""
     task = torch._C._current_graph_task_id()
     with _STARTED_LOCK:
         stale = [join for join, started in _STARTED.values() if started != task]
@@ -358,8 +364,8 @@ class BackwardJoin:
     after this one, finishes it first (``settle``) where it runs in place; one started on the copy thread too
     queues behind it there: the copy path runs one exchange at a time, in order. Whatever is left pending is
     settled when the backward ends (an autograd callback: one that never reached those nodes), or, where the
-    backward raised (autograd then runs no callback), before the next forward's or step call's first collective,
-    by any layer (``settle_abandoned``); a layer's close waits for its copy thread too.
+    backward raised (autograd then runs no callback), before the next forward's, backward's or step call's first
+    collective, by any layer (``settle_abandoned``); a layer's close waits for its copy thread too.
 
     The phase-2 exchanges (rows and weights to the helpers) use it too, through ``wrap_anchored``: their backward,
     which returns the rows' gradients to their homes, starts on the copy thread once the hosted rows' backward has

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from feplb.dispatch import Exchange, Received, refuse_compiled_autograd
+from feplb.dispatch import Exchange, Received, refuse_compiled_autograd, settle_abandoned
 from feplb.experts import rebuilding_applies
 
 __all__ = ["Recopy"]
@@ -98,6 +98,7 @@ class Recopy:
 
         def hook(_grad):
             refuse_compiled_autograd("recopy of the weights for the backward")
+            settle_abandoned()   # (an earlier backward's that raised: it ends before this backward's collectives)
             rc, cell[0] = cell[0], None   # once (a second backward copies nothing again), and let go of it
             if rc is not None:
                 rc.start()

@@ -697,3 +697,113 @@ def test_a_backward_that_raised_on_one_rank():
         # connection close a little before its own timeout)
         assert timeout / 2 <= res["inside_s"] <= 6 * timeout, (rank, res["inside_s"])
     assert sum(res["feplb-split moved"] for res in results) > 0
+
+
+def _backward_after_raised(rank: int, h: int, kw: dict, n_layers: int) -> dict:
+    """Two micro-batches forward through ``n_layers`` layers (``_hot_layer(h, **kw)``), the first one's backward
+    raising in the first layer's static experts' backward (after its results-home exchange's backward started on
+    the copy thread), then the second's backward, nothing between (no forward, step call or construction). Returns
+    the second backward's largest gradient error against plain EP's (or its error), the collectives its autograd
+    thread started, how many exchanges the raised backward left, and the rows moved."""
+    import threading
+
+    from feplb import dispatch, recopy
+
+    x_of = functools.partial(_hot_input, rank, h)
+    main = threading.get_ident()
+    refs = [_hot_layer(h, policy="none") for _ in range(n_layers)]
+    x = y = x_of(2)
+    for ref in refs:
+        y = ref(y)
+    y.square().sum().backward()
+    want = {"x": x.grad, **{f"{i}.{n}": p.grad for i, ref in enumerate(refs) for n, p in ref.named_parameters()}}
+    for ref in refs:
+        ref.close()
+    layers = [_hot_layer(h, **kw) for _ in range(n_layers)]
+    out = {}
+    static = layers[0]._static_gemm
+    layers[0]._static_gemm = lambda *a: _RaiseInBackward.apply(static(*a))
+    xs, ys = [x_of(1), x_of(2)], []
+    for xi in xs:   # (as a pipeline schedule does: both forwards first)
+        y = xi
+        for layer in layers:
+            y = layer(y)
+        ys.append(y)
+        layers[0].__dict__.pop("_static_gemm", None)
+    try:
+        ys[0].square().sum().backward()
+    except torch.OutOfMemoryError:
+        out["raised"] = True
+    abandoned = [join._future for join, _ in dispatch._STARTED.values()]
+    out["abandoned"] = len(abandoned)
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)   # (the loop drops what the raised backward accumulated)
+    # each collective the autograd thread starts in the second backward (the reverse all-to-all's backward, an
+    # exchange's backward run in place, the weights' copy again): had the exchanges the raised backward left on the
+    # copy threads ended (and been taken) before it? Not: it may meet them on the same group in another order on
+    # each rank (both wait out the group's timeout); raised here instead, on every rank alike.
+    met = []
+
+    def check(what):
+        if threading.get_ident() != main:
+            return
+        task = torch._C._current_graph_task_id()
+        left = sum(t != task for _, t in dispatch._STARTED.values())
+        met.append(what)
+        if left or not all(f.done() for f in abandoned):
+            raise RuntimeError(f"{what}: started while {left} exchange(s) of the raised backward were pending")
+
+    def spied(fn, what=None):
+        def spy(*a, **k):
+            check(what or a[0].op)
+            return fn(*a, **k)
+        return spy
+
+    issue_backward, recopy_start = dispatch.Exchange.issue_backward, recopy.Recopy.start
+    for layer in layers:   # (each layer's transport: its own)
+        layer.transport.all_to_all = spied(layer.transport.all_to_all, "all-to-all")
+    dispatch.Exchange.issue_backward = spied(issue_backward)
+    recopy.Recopy.start = spied(recopy_start, "recopy")
+    try:
+        ys[1].square().sum().backward()
+        got = {"x": xs[1].grad, **{f"{i}.{n}": p.grad for i, layer in enumerate(layers)
+                                   for n, p in layer.named_parameters()}}
+        out["err"] = max(float((got[n] - w).abs().max() / w.abs().max()) for n, w in want.items())
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["err"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for layer in layers:
+            del layer.transport.all_to_all
+        dispatch.Exchange.issue_backward, recopy.Recopy.start = issue_backward, recopy_start
+    out["met"] = met
+    out["moved"] = sum(layer.last_stats.rows_moved for layer in layers)
+    for layer in layers:
+        layer.close()
+    return out
+
+
+_AFTER_RAISED = {"one layer": ({}, 1), "recopy_weights": ({"recopy_weights": True}, 1),
+                 "two layers, the first raises": ({}, 2)}
+
+
+def _backward_after_raised_rank(rank: int, world: int) -> dict:
+    return {key: _backward_after_raised(rank, 16, kw, n) for key, (kw, n) in _AFTER_RAISED.items()}
+
+
+def test_a_backward_after_one_that_raised_ends_the_abandoned_exchange_first():
+    """Two micro-batches forward (as pipeline schedules do), the first one's backward raising on every rank after a
+    results-home exchange's backward started on the copy thread, then the second one's backward at once (no
+    forward, step call or construction between): its first collective (the reverse all-to-all's backward, or the
+    weights' copy again) met the abandoned exchange on the same gloo group in another order on each rank (both
+    waited out the group's timeout, in most runs). The layer's backward now ends it first (``settle_abandoned``,
+    before each collective of its nodes and hooks): checked at every collective the autograd thread starts in the
+    second backward, which raises there where it was not (every rank alike, no timeout to wait out); the gradients
+    then equal plain EP's: one layer, with recopy_weights, and two layers where the abandoned exchange is the other
+    layer's."""
+    results = run_dist(_backward_after_raised_rank, 2, timeout_s=200, collective_timeout_s=20)
+    for rank, res in enumerate(results):
+        for key, got in res.items():
+            assert got.get("raised") and got["abandoned"] >= 1 and got["met"], (rank, key, got)
+            assert isinstance(got["err"], float) and got["err"] <= 1e-5, (rank, key, got["err"])
+    for key in _AFTER_RAISED:
+        assert sum(res[key]["moved"] for res in results) > 0, key
