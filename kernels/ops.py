@@ -323,11 +323,8 @@ def unpermute(y_MD: Tensor, meta: RoutingMetadata, topk_weights_TK: Tensor) -> T
 def _check_meta(meta: object) -> None:
     if not isinstance(meta, RoutingMetadata):
         raise TypeError(f"meta: expected a RoutingMetadata (from routing_metadata()), got {type(meta).__name__}")
-    if not meta.checked or meta.changed_in_place():
-        # Kernels index rows with these values: an out-of-range one would read or write out of bounds.
-        meta.validate()
-        if meta.checked:   # changed in place, and still consistent: checked again as it is now
-            object.__setattr__(meta, "_versions", meta._index_versions())
+    # Kernels index rows with these values: an out-of-range one would read or write out of bounds.
+    meta._validate_unless_checked()
 
 
 # ---------------------------------------------------------------------------------------------------- grouped_mm

@@ -78,6 +78,15 @@ class RoutingMetadata:
         is not tracked)."""
         return self._versions is not None and self._index_versions() not in (None, self._versions)
 
+    def _validate_unless_checked(self) -> None:
+        """:meth:`validate` unless checked and unchanged since; checked metadata changed in place and found
+        consistent is checked again as it is now."""
+        if self.checked and not self.changed_in_place():
+            return
+        self.validate()
+        if self.checked:
+            object.__setattr__(self, "_versions", self._index_versions())
+
     def __post_init__(self) -> None:
         check_num_experts("num_experts", self.num_experts)
         check_positive_int("top_k", self.top_k)
