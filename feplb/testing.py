@@ -78,7 +78,6 @@ def _load(file: str, qualname: str) -> Callable:
 
 # What a forkserver imports once, before it forks the ranks of every later job: the third-party modules each rank
 # of a job would otherwise import afresh (about 5 s of CPU per rank on a small machine, most of a short test's time).
-# No feplb module: the kernels choose the Triton interpreter at import from the environment a job gives its ranks.
 # Not numpy.random on purpose, but a module below may import it: each rank draws its global state afresh (_child).
 _PRELOAD = ("numpy", "torch", "torch.distributed", "triton", "transformers")
 # Imported too where the caller has imported the key when the server starts (a test run that collected those tests),
@@ -96,6 +95,12 @@ _PRELOAD_IF_LOADED: dict[str, tuple[str, ...]] = {
     # a test module a rank loads by path imports pytest: 0.15 s per rank of every job
     "pytest": ("pytest",),
 }
+# The caller's own feplb modules are imported too (the layer, its kernels, the adapters its tests imported): about
+# 0.4 s of CPU per rank of a layer's job. They read these variables at import (feplb.kernels: the Triton interpreter
+# and the autotuning budget), so a job whose ranks would see other values than the running server had when it
+# imported them starts its ranks afresh instead (run_dist).
+_IMPORT_ENV = ("TRITON_INTERPRET", "FEPLB_AUTOTUNE_MS")
+_server_env: dict[str, str | None] = {}   # _IMPORT_ENV as the running server saw it (_ensure_forkserver)
 # the server's environment while it loads them (_ensure_forkserver)
 _SERVER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _SERVER_LOCK = threading.Lock()
@@ -127,7 +132,8 @@ def _start_method(backend: str) -> str:
 
 def _preload(loaded: Collection[str]) -> list[str]:
     """What a forkserver started now imports, given the names of the modules the caller has loaded."""
-    return [*_PRELOAD, *(m for key, mods in _PRELOAD_IF_LOADED.items() if key in loaded for m in mods)]
+    own = sorted(m for m in loaded if m == "feplb" or m.startswith("feplb."))
+    return [*_PRELOAD, *(m for key, mods in _PRELOAD_IF_LOADED.items() if key in loaded for m in mods), *own]
 
 
 def _ensure_forkserver(ctx: Any) -> None:
@@ -141,7 +147,13 @@ def _ensure_forkserver(ctx: Any) -> None:
         saved = {k: os.environ.get(k) for k in _SERVER_ENV}
         os.environ.update(_SERVER_ENV)
         try:
+            server = getattr(forkserver, "_forkserver", None)
+            before = getattr(server, "_forkserver_pid", None)
+            seen = {k: os.environ.get(k) for k in _IMPORT_ENV}
             forkserver.ensure_running()
+            if getattr(server, "_forkserver_pid", None) != before or before is None:   # started now, with seen
+                _server_env.clear()
+                _server_env.update(seen)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -235,7 +247,9 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
             ``OMP_NUM_THREADS=threads`` on top). A forked rank's modules preloaded by the server (see ``_PRELOAD``;
             torch's Dynamo and Inductor where Megatron-Core, torchtitan or transformers' model code is among them)
             read the variables they read at import from the caller's environment when the server started: a job
-            that sets one of those starts its ranks afresh with ``FEPLB_RUN_DIST_START=spawn``.
+            that sets one of those starts its ranks afresh with ``FEPLB_RUN_DIST_START=spawn``. The caller's feplb
+            modules are preloaded too; a job whose ``TRITON_INTERPRET`` or ``FEPLB_AUTOTUNE_MS`` (which they read at
+            import) differs from the server's gets spawned ranks without asking.
         backend: "gloo" (CPU tensors) or "nccl" (one GPU per rank, rank % device_count).
     Raises:
         DistError: a rank raised (its traceback is in the message), died, or did not finish in time.
@@ -252,6 +266,8 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
     ctx = mp.get_context(method)
     if method == "forkserver":
         _ensure_forkserver(ctx)
+        if any(child_env.get(k) != _server_env.get(k) for k in _IMPORT_ENV):
+            method, ctx = "spawn", mp.get_context("spawn")   # the server's feplb modules would not see them
     results = ctx.Queue()
     port = free_port()
     # a spawned rank inherits the caller's stdout and stderr as they are now

@@ -78,6 +78,10 @@ def test_forkserver_preloads_what_the_callers_tests_use():
     assert "transformers.trainer" not in with_hf   # (pyarrow's allocator thread) only where the caller has it
     assert "transformers.trainer" in testing._preload({"transformers.trainer"})
     assert not any(m.startswith(("megatron", "torchtitan")) for m in with_hf), with_hf
+    # the caller's own feplb modules, whichever it has loaded (the layer's jobs then import none afresh)
+    own = testing._preload({"torch", "feplb", "feplb.layer", "feplb.kernels", "feplbx", "other.feplb"})
+    assert own[len(bare):] == ["feplb", "feplb.kernels", "feplb.layer"], own
+    assert not any(m.startswith("feplb") for m in bare)
     everything = testing._preload(set(testing._PRELOAD_IF_LOADED))
     assert {m for mods in testing._PRELOAD_IF_LOADED.values() for m in mods} <= set(everything)
     import importlib.util
@@ -86,6 +90,41 @@ def test_forkserver_preloads_what_the_callers_tests_use():
         top = name.partition(".")[0]
         if importlib.util.find_spec(top) is not None:
             assert importlib.util.find_spec(name) is not None, name
+
+
+def _import_time_state(rank, world_size):
+    import sys
+
+    preloaded = "feplb.kernels" in sys.modules
+    import feplb.kernels
+
+    return {"parent": os.getppid(), "env": os.environ.get("TRITON_INTERPRET"), "preloaded": preloaded,
+            "interpret": feplb.kernels.INTERPRET}
+
+
+def test_ranks_see_the_import_time_variables_their_job_gives(monkeypatch):
+    """feplb's modules preloaded by the server read TRITON_INTERPRET (and FEPLB_AUTOTUNE_MS) at import: a job that
+    gives its ranks other values than the server had starts them afresh, where feplb.kernels reads the job's."""
+    import feplb.kernels  # noqa: F401 - loaded in the caller, as a test run that collected the kernel tests has it
+
+    monkeypatch.delenv("FEPLB_RUN_DIST_START", raising=False)
+    if testing._start_method("gloo") != "forkserver":
+        pytest.skip("ranks start afresh on this host (spawn): nothing is preloaded")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fresh_server = not testing._server_env   # none started yet: the next one preloads feplb.kernels
+    usual = run_dist(_import_time_state, 2)
+    assert all(r["env"] == "1" and r["interpret"] is True for r in usual), usual
+    assert all(r["parent"] != os.getpid() and (r["preloaded"] or not fresh_server) for r in usual), usual
+    for value in ("0", None):
+        env_now = {} if value is None else {"TRITON_INTERPRET": value}
+        if value is None:
+            monkeypatch.delenv("TRITON_INTERPRET")
+        other = run_dist(_import_time_state, 2, env=env_now)
+        assert all(r["env"] == value and r["interpret"] is False for r in other), (value, other)
+        assert all(r["parent"] == os.getpid() for r in other), other   # spawned by the caller itself
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    again = run_dist(_import_time_state, 2)
+    assert all(r["env"] == "1" and r["interpret"] is True for r in again), again
 
 
 def test_run_dist_reports_the_failing_rank():
