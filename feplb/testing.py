@@ -89,9 +89,13 @@ _PRELOAD_IF_LOADED: dict[str, tuple[str, ...]] = {
     # transformers' model registry and model base class (``import transformers`` loads neither): about 1.5 s of CPU
     # per rank of a job that builds a model, 1.5 s once
     "transformers.modeling_utils": ("transformers.models", "transformers.modeling_utils"),
-    # its Trainer (2 s per rank) only where the caller has it: it imports pyarrow, whose allocator starts a thread,
-    # which a server should not hold when it forks unless the caller asked for it
-    "transformers.trainer": ("transformers.trainer",),
+    # its Trainer with feplb's mixin (1.5 s per rank of a Trainer's job: accelerate, datasets, pyarrow, peft), where
+    # the caller has the Trainer or accelerate, which the Trainer's tests import when collected; and TRL's trainers
+    # (0.4 s more). pyarrow's allocator would start a thread in the server, which then forked every rank while
+    # holding it: _SERVER_ENV turns it off.
+    "accelerate": ("transformers.trainer", "feplb.hf_trainer"),
+    "transformers.trainer": ("transformers.trainer", "feplb.hf_trainer"),
+    "trl": ("trl.trainer.sft_trainer", "trl.trainer.dpo_trainer", "trl.trainer.grpo_trainer"),
     # a test module a rank loads by path imports pytest: 0.15 s per rank of every job
     "pytest": ("pytest",),
 }
@@ -101,8 +105,10 @@ _PRELOAD_IF_LOADED: dict[str, tuple[str, ...]] = {
 # imported them starts its ranks afresh instead (run_dist).
 _IMPORT_ENV = ("TRITON_INTERPRET", "FEPLB_AUTOTUNE_MS")
 _server_env: dict[str, str | None] = {}   # _IMPORT_ENV as the running server saw it (_ensure_forkserver)
-# the server's environment while it loads them (_ensure_forkserver)
-_SERVER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# the server's environment while it loads them (_ensure_forkserver): no thread pools, no allocator thread (the
+# server forks every rank from its one thread)
+_SERVER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "JE_ARROW_MALLOC_CONF": "background_thread:false"}
 _SERVER_LOCK = threading.Lock()
 
 
@@ -133,7 +139,8 @@ def _start_method(backend: str) -> str:
 def _preload(loaded: Collection[str]) -> list[str]:
     """What a forkserver started now imports, given the names of the modules the caller has loaded."""
     own = sorted(m for m in loaded if m == "feplb" or m.startswith("feplb."))
-    return [*_PRELOAD, *(m for key, mods in _PRELOAD_IF_LOADED.items() if key in loaded for m in mods), *own]
+    mods = [*_PRELOAD, *(m for key, mods in _PRELOAD_IF_LOADED.items() if key in loaded for m in mods), *own]
+    return list(dict.fromkeys(mods))
 
 
 def _ensure_forkserver(ctx: Any) -> None:

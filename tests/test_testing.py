@@ -75,8 +75,12 @@ def test_forkserver_preloads_what_the_callers_tests_use():
     with_hf = testing._preload({"torch", "transformers.modeling_utils", "pytest"})
     assert with_hf[:len(bare)] == bare
     assert {"transformers.models", "transformers.modeling_utils", "pytest"} <= set(with_hf)
-    assert "transformers.trainer" not in with_hf   # (pyarrow's allocator thread) only where the caller has it
-    assert "transformers.trainer" in testing._preload({"transformers.trainer"})
+    assert "transformers.trainer" not in with_hf   # only where the caller has the Trainer's tests
+    for key in ("transformers.trainer", "accelerate"):
+        assert {"transformers.trainer", "feplb.hf_trainer"} <= set(testing._preload({key}))
+    assert "trl.trainer.sft_trainer" in testing._preload({"trl"})
+    both = testing._preload({"accelerate", "transformers.trainer", "feplb.hf_trainer"})
+    assert len(both) == len(set(both)), both   # each once
     assert not any(m.startswith(("megatron", "torchtitan")) for m in with_hf), with_hf
     # the caller's own feplb modules, whichever it has loaded (the layer's jobs then import none afresh)
     own = testing._preload({"torch", "feplb", "feplb.layer", "feplb.kernels", "feplbx", "other.feplb"})
@@ -125,6 +129,45 @@ def test_ranks_see_the_import_time_variables_their_job_gives(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     again = run_dist(_import_time_state, 2)
     assert all(r["env"] == "1" and r["interpret"] is True for r in again), again
+
+
+_SERVER_THREADS = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import accelerate, trl  # noqa: F401 - as a run that collected the Trainer's and TRL's tests has them
+import job
+from multiprocessing import forkserver
+from feplb import testing
+print(testing.run_dist(job.loaded, 2))
+pid = forkserver._forkserver._forkserver_pid
+print(sorted(open(f"/proc/{pid}/task/{t}/comm").read().strip() for t in os.listdir(f"/proc/{pid}/task")))
+"""
+
+
+def test_the_server_preloads_the_trainer_and_holds_no_thread_but_its_own(tmp_path):
+    """Where the caller has the Trainer's dependencies, the server imports the Trainer, TRL's trainers and
+    feplb's mixin once (pyarrow with them), yet forks every rank from its only thread: pyarrow's allocator would
+    start one of its own unless told not to."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("accelerate")
+    pytest.importorskip("trl")
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs /proc")
+    env = {k: v for k, v in os.environ.items() if k != "FEPLB_RUN_DIST_START"}
+    if testing._start_method("gloo") != "forkserver" and "FEPLB_RUN_DIST_START" not in os.environ:
+        pytest.skip("ranks start afresh on this host (spawn): no server")
+    (tmp_path / "job.py").write_text("import sys\n\n\ndef loaded(rank, world):\n"
+                                     "    return sorted(m for m in ('transformers.trainer', 'feplb.hf_trainer', "
+                                     "'trl.trainer.sft_trainer', 'pyarrow') if m in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", _SERVER_THREADS, str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    ranks, threads = proc.stdout.strip().splitlines()[-2:]
+    want = sorted(["transformers.trainer", "feplb.hf_trainer", "trl.trainer.sft_trainer", "pyarrow"])
+    assert ranks == repr([want, want]), ranks
+    assert len(eval(threads)) == 1, threads   # noqa: S307 - a list of names this test printed
 
 
 def test_run_dist_reports_the_failing_rank():
