@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from feplb.sched.policies import _REAL  # the planner's numbers (numpy scalars included)
@@ -15,21 +16,38 @@ __all__ = ["FEPLBConfig", "LayerStats", "forward_problem"]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _pos_int(name: str, v: object, lo: int = 1) -> None:
-    """A ``TypeError`` for a value that is no int (a bool, a float, a string), a ``ValueError`` below ``lo``."""
-    if isinstance(v, bool) or not isinstance(v, int):
+def _pos_int(name: str, v: object, lo: int = 1) -> int:
+    """``v`` as a Python int: a ``TypeError`` for a value that is no int (a bool or ``np.bool_``, a float, even a
+    whole one, a string), a ``ValueError`` below ``lo``. Numpy integers are taken."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"FEPLBConfig.{name} must be an int >= {lo}, got {v!r} ({type(v).__name__})")
     if v < lo:
         raise ValueError(f"FEPLBConfig.{name} must be an int >= {lo}, got {v!r}")
+    return int(v)
 
 
 def _number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A real number: Python's or numpy's (the planner's ``_REAL``), not a bool."""
+    return isinstance(v, _REAL) and not isinstance(v, bool)
+
+
+def _plain(v: object) -> object:
+    """A numpy scalar as the Python int or float it holds (anything else as it is): a config given numpy sizes
+    compares, hashes, prints and serialises as one given Python's numbers."""
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.floating):   # np.float64 included, a float subclass whose repr differs
+        return float(v)
+    return v
 
 
 @dataclass(frozen=True, kw_only=True)
 class FEPLBConfig:
     """Configuration of one MoE layer (identical on every rank of the EP group; checked at construction).
+
+    Where an int is asked a numpy integer is taken too (not a bool, nor a float, even a whole one), and where a
+    number is asked (plan_wait_ms, tau, swiglu_alpha, swiglu_limit) numpy's real scalars: they are stored as
+    Python's int and float, so the config compares, hashes and prints as one given Python's numbers.
 
     hidden, ffn: H and F of the gated experts. num_experts: E (divisible by the EP group size). top_k: K.
     activation: the experts' gated activation act(gate) * up: "silu" (SwiGLU, default), "gelu_tanh" (GeGLU with
@@ -180,10 +198,10 @@ class FEPLBConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn", "num_experts", "top_k", "gpus_per_node", "refresh_every"):
-            _pos_int(name, getattr(self, name))
-        _pos_int("dyn", self.dyn, 0)
+            object.__setattr__(self, name, _pos_int(name, getattr(self, name)))
+        object.__setattr__(self, "dyn", _pos_int("dyn", self.dyn, 0))
         if self.min_straggler_rows is not None:
-            _pos_int("min_straggler_rows", self.min_straggler_rows, 0)
+            object.__setattr__(self, "min_straggler_rows", _pos_int("min_straggler_rows", self.min_straggler_rows, 0))
         if self.top_k > self.num_experts:
             raise ValueError(f"FEPLBConfig.top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         if self.router not in ("softmax", "sigmoid", "external"):
@@ -212,7 +230,7 @@ class FEPLBConfig:
             raise (ValueError if _number(self.plan_wait_ms) else TypeError)(
                 f"FEPLBConfig.plan_wait_ms must be None or a finite number >= 0, got {self.plan_wait_ms!r}")
         # make_plan's rule (numpy scalars included), checked here rather than refused at every forward's plan
-        tau_number = isinstance(self.tau, _REAL) and not isinstance(self.tau, bool)
+        tau_number = _number(self.tau)
         if not (tau_number and 0 <= self.tau < float("inf")):
             raise (ValueError if tau_number else TypeError)(
                 f"FEPLBConfig.tau must be a finite number >= 0, got {self.tau!r}")
@@ -266,9 +284,11 @@ class FEPLBConfig:
             raise TypeError(f"FEPLBConfig.cost must be a feplb.sched.cost.CostModel or None, got "
                             f"{type(self.cost).__name__}")
         if self.min_chunk is not None:
-            _pos_int("min_chunk", self.min_chunk)
+            object.__setattr__(self, "min_chunk", _pos_int("min_chunk", self.min_chunk))
         if self.recv_capacity is not None:
-            _pos_int("recv_capacity", self.recv_capacity, 0)
+            object.__setattr__(self, "recv_capacity", _pos_int("recv_capacity", self.recv_capacity, 0))
+        for name in ("plan_wait_ms", "tau", "swiglu_alpha", "swiglu_limit"):   # checked numbers, numpy's as Python's
+            object.__setattr__(self, name, _plain(getattr(self, name)))
         from feplb.sched.plan import parse_policy
 
         base, _, mode = parse_policy(self.policy)

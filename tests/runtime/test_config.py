@@ -76,6 +76,76 @@ def test_config_takes_the_tau_the_planner_takes():
     assert FEPLBConfig(**BASE, tau=0).tau == 0
 
 
+_INT_FIELDS = {"hidden": 64, "ffn": 48, "num_experts": 8, "top_k": 3, "gpus_per_node": 2, "refresh_every": 5,
+               "dyn": 0, "min_straggler_rows": 7, "min_chunk": 4, "recv_capacity": 0}
+_NUMBER_FIELDS = {"plan_wait_ms": 2.5, "tau": 0.125, "swiglu_alpha": 1.5, "swiglu_limit": 7.25}
+
+
+def _same_config(a: FEPLBConfig, b: FEPLBConfig) -> None:
+    """Equal, and equal in every way a config is compared or written: its hash, repr, and the repr of its fields
+    that every rank's layer checks for agreement (MoELayer compares it over the EP group)."""
+    assert a == b and hash(a) == hash(b) and repr(a) == repr(b)
+    assert repr(dataclasses.asdict(a)) == repr(dataclasses.asdict(b))
+
+
+@pytest.mark.parametrize("np_type", ["int64", "int32", "uint16"])
+def test_config_takes_numpy_integers_as_ints(np_type):
+    """Sizes computed with numpy (np.int64 from an array's sum, say) are ints, stored as Python's: a config from
+    them equals one from Python's ints, so ranks that built theirs either way agree."""
+    import numpy as np
+
+    rng = np.random.default_rng()
+    for name, value in _INT_FIELDS.items():
+        value = value + int(rng.integers(0, 3)) * (name not in ("top_k", "num_experts", "gpus_per_node"))
+        got = FEPLBConfig(**{**BASE, name: getattr(np, np_type)(value)})
+        assert type(getattr(got, name)) is int and getattr(got, name) == value, name
+        _same_config(got, FEPLBConfig(**{**BASE, name: value}))
+    low = {"dyn": 0, "min_straggler_rows": 0, "recv_capacity": 0}
+    for name in _INT_FIELDS:   # the bound and its message as for a Python int
+        lo = low.get(name, 1)
+        if np_type == "uint16" and lo == 0:
+            continue
+        msg = rf"FEPLBConfig.{name} must be an int >= {lo}, got np.{np_type}\({lo - 1}\)"
+        with pytest.raises(ValueError, match=msg):
+            FEPLBConfig(**{**BASE, name: getattr(np, np_type)(lo - 1)})
+
+
+@pytest.mark.parametrize("name", list(_INT_FIELDS))
+def test_config_refuses_numpy_bools_and_whole_floats_as_ints(name):
+    import numpy as np
+
+    for bad in (np.bool_(True), np.float64(4.0), np.float32(4.0)):
+        msg = rf"FEPLBConfig.{name} must be an int >= \d, got .*\({type(bad).__name__}\)"
+        with pytest.raises(TypeError, match=msg):
+            FEPLBConfig(**{**BASE, name: bad})
+
+
+@pytest.mark.parametrize("np_type", ["float64", "float32", "float16", "int64"])
+def test_config_takes_numpy_numbers_as_numbers(np_type):
+    """plan_wait_ms, tau, swiglu_alpha and swiglu_limit take numpy's real scalars, stored as Python's float (int
+    for a numpy integer): np.float64, a float subclass, too, whose repr is not a float's."""
+    import numpy as np
+
+    rng = np.random.default_rng()
+    for name, value in _NUMBER_FIELDS.items():
+        value = value + int(rng.integers(0, 4))   # exact in float16 as in the others
+        if np_type == "int64":
+            value = int(value)
+        got = FEPLBConfig(**{**BASE, name: getattr(np, np_type)(value)})
+        assert type(getattr(got, name)) is type(value) and getattr(got, name) == value, name
+        _same_config(got, FEPLBConfig(**{**BASE, name: value}))
+    assert FEPLBConfig(**BASE, swiglu_alpha=np.float32(1.5)).glu[2] == 1.5
+    for name, bad in (("plan_wait_ms", -1.0), ("tau", float("nan")), ("swiglu_alpha", float("inf")),
+                      ("swiglu_limit", 0.0)):
+        if np_type == "int64" and name in ("tau", "swiglu_alpha"):
+            continue
+        with pytest.raises(ValueError, match=f"FEPLBConfig.{name} must be"):
+            FEPLBConfig(**{**BASE, name: getattr(np, np_type)(bad)})
+    for name in _NUMBER_FIELDS:
+        with pytest.raises(TypeError, match=f"FEPLBConfig.{name} must be"):
+            FEPLBConfig(**{**BASE, name: np.bool_(True)})
+
+
 def test_config_lazy_replicas():
     """replicas='lazy' holds what a plan copied: an @ema set of the in-node planners, with per-step weights."""
     for policy in ("feplb@ema", "feplb-split@ema", "lp@ema", "feplb-split+place@ema"):
