@@ -93,7 +93,9 @@ def check_finite(value: float, name: str) -> bool:
     under ``dynamic=True``, which no message may format), a runtime check naming ``name`` instead (always True at
     tracing)."""
     if torch.compiler.is_compiling():
-        torch._check(value - value == 0, lambda: f"{name}: expected a finite number")   # (inf - inf is nan)
+        # (abs(nan) < inf is False; value - value == 0, which says the same, fails Inductor's lowering for a float
+        # only known at run time, numpy's float64 scalar's)
+        torch._check(abs(value) < math.inf, lambda: f"{name}: expected a finite number")
         return True
     return math.isfinite(value)
 

@@ -420,6 +420,38 @@ def _caps(softcap: list[float] | None) -> tuple[float, float] | None:
     return None if softcap is None else tuple(softcap)
 
 
+def _traced_numbers(limit: object, alpha: object, softcap: object) -> tuple[object, object, object, bool]:
+    """Under ``torch.compile``: ``glu``'s numbers with each numpy scalar as a float, and whether there was one.
+    Dynamo traces a numpy scalar (np.float32(7.0), say) as a 0-d array whose value is known only at run time: as
+    such the number checks would refuse it (and no message could format it while tracing), and ``float()`` of it is
+    a float known only at run time too, whose range the compiler's own checks cannot all state (it takes a symbol
+    for a finite number): each is checked as a tensor, at run time, with a message naming it. (A 0-d numeric array,
+    which Dynamo cannot tell from a numpy scalar, is taken too; a numpy bool or complex number is refused, as eager
+    refuses it.)"""
+    import numpy as np
+
+    seen = False
+
+    def number(v: object, name: str, positive: bool, expected: str) -> object:
+        nonlocal seen
+        if not (isinstance(v, np.ndarray) and v.ndim == 0):
+            return v
+        t = torch.as_tensor(v)
+        if t.dtype == torch.bool or t.is_complex():
+            raise ValueError(f"{name}: expected a finite real number, got a numpy "
+                             f"{'bool' if t.dtype == torch.bool else 'complex number'}")
+        torch._assert_async(torch.isfinite(t) & (t > 0) if positive else torch.isfinite(t),
+                            f"{name}: expected {expected}")
+        seen = True
+        return float(v)
+
+    limit = number(limit, "limit", True, "a finite number > 0")
+    alpha = number(alpha, "alpha", False, "a finite number")
+    if isinstance(softcap, (tuple, list)):
+        softcap = tuple(number(c, "softcap", True, "finite numbers > 0") for c in softcap)
+    return limit, alpha, softcap, seen
+
+
 def _glu_impl(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: float = 1.0,
               interleaved: bool = False, softcap: list[float] | None = None) -> Tensor:
     if use_triton(h_M2F):
@@ -481,15 +513,25 @@ def glu(h_M2F: Tensor, limit: float | None = None, act: str = "silu", alpha: flo
             not gpt-oss's: pass its 1.702 (``FEPLBConfig.swiglu_alpha``'s default).
         softcap: (c_gate, c_up), finite numbers > 0, with ``"silu_softcap"`` (which takes no limit); None otherwise.
 
+    Numbers may be Python's or numpy's scalars, under ``torch.compile`` too.
+
     Returns:
         out_MF [M, F] in h's dtype; differentiable.
     """
+    from_numpy = False
+    if torch.compiler.is_compiling():   # numpy scalars, which Dynamo traces as arrays, as the numbers they hold
+        limit, alpha, softcap, from_numpy = _traced_numbers(limit, alpha, softcap)
     check_glu_input(h_M2F)
     check_glu_limit(limit)
     check_glu_act(act, alpha, softcap, limit)
     check_rows("h_M2F", h_M2F.shape[0], "M")
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved: expected a bool, got {interleaved!r}")
+    if from_numpy:
+        # A number known only at run time, which no operator takes as its float argument (the compiler would need
+        # its value to trace the call): the pure-torch twin's ops take it, and the compiler differentiates them
+        # (torch's own rules, which the operator's backward follows: torch.clamp's at the bounds included).
+        return glu_ref(h_M2F, limit, act, alpha, interleaved, None if softcap is None else tuple(softcap))
     return _apply(_GLU_FN, _GLU, h_M2F, None if limit is None else float(limit), act, float(alpha), interleaved,
                   None if softcap is None else [float(c) for c in softcap])
 

@@ -329,6 +329,53 @@ def test_glu_compiled_refuses_a_non_positive_limit_or_softcap(args, message, gen
         fk.glu(h, *args)
 
 
+def _glu_forms(h, limit, alpha, c_gate, c_up):
+    """glu's clamped, gpt-oss, softcapped and clamped-after forms side by side, with the caller's numbers."""
+    return torch.cat([fk.glu(h, limit), fk.glu(h, limit, "swiglu_oai", alpha, True),
+                      fk.glu(h, None, "silu_softcap", 1.0, False, (c_gate, c_up)), fk.glu(h, limit, "silu_postclamp")],
+                     dim=1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_glu_compiled_takes_numpy_scalars(backend, dynamic, gen):
+    """Numpy scalars as limit, alpha and softcaps, which eager takes, under torch.compile(fullgraph=True) too (Dynamo
+    traces them as arrays whose values it knows only at run time): the outputs and input gradients are eager's with
+    the same numbers as Python floats, for new values too, and a value out of range is refused at run time with a
+    message naming it."""
+    import numpy as np
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_glu_forms, backend=backend, fullgraph=True, dynamic=dynamic)
+    for _ in range(2):
+        h = (3 * torch.randn(9, 12, generator=gen)).requires_grad_()
+        weight = torch.randn(9, 24, generator=gen)
+        limit, alpha, c_gate, c_up = (0.5 + 2 * torch.rand(4, generator=gen)).tolist()
+        numbers = (np.float32(limit), np.float64(alpha), np.float16(c_gate), np.int64(round(c_up) + 1))
+        out = compiled(h, *numbers)
+        (grad,) = torch.autograd.grad((out * weight).sum(), h)
+        want = _glu_forms(h, *(float(v) for v in numbers))
+        (want_grad,) = torch.autograd.grad((want * weight).sum(), h)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(grad, want_grad)
+        torch.testing.assert_close(_glu_forms(h, *numbers), want, rtol=0, atol=0)   # eager takes them alike
+    if backend != "aot_eager":   # (the checks are the traced graph's, whichever backend compiles it)
+        return
+    h = torch.randn(9, 12, generator=gen)
+    good = (np.float32(1.0), np.float64(1.5), np.float32(2.0), np.float32(3.0))
+    for at, bad, message in ((0, -1.0, "limit: expected a finite number > 0"), (0, float("nan"), "limit: expected"),
+                             (1, float("inf"), "alpha: expected a finite number"),
+                             (2, 0.0, "softcap: expected finite numbers > 0"),
+                             (3, float("inf"), "softcap: expected finite numbers > 0")):
+        numbers = list(good)
+        numbers[at] = type(good[at])(bad)
+        with pytest.raises(RuntimeError, match=message):
+            compiled(h, *numbers)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="limit: expected a finite real number, got a numpy bool"):
+        torch.compile(fk.glu, backend=backend, fullgraph=True, dynamic=dynamic)(h, np.bool_(True))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("act, limit, alpha", [("silu", None, 1.0), ("swiglu_oai", 7.0, 1.702)])
 def test_interleaved_glu_with_no_rows(impl, act, limit, alpha):
