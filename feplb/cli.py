@@ -74,6 +74,15 @@ def _fraction(v: str) -> float:
     return f
 
 
+def _policy_names(v: str) -> tuple[str, ...]:
+    """Comma-separated policy names, each stripped; an empty one ("feplb," or "feplb,,lp", a slip that would drop
+    a policy from the comparison unsaid) is refused."""
+    names = tuple(name.strip() for name in v.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated policy names, none empty, got {v!r}")
+    return names
+
+
 # argparse names a value a type function cannot convert by the function's name ("invalid <name> value: '2.5'")
 for _f, _name in ((_positive, "positive integer"), (_non_negative, "non-negative integer"),
                   (_non_negative_float, "non-negative number"), (_fraction, "fraction")):
@@ -88,7 +97,7 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-rank", type=_positive, default=2048,
                    help="tokens per rank per micro-batch S (default 2048)")
     p.add_argument("--dyn", type=_non_negative, default=4, help="dynamic experts per GPU (default 4)")
-    p.add_argument("--policies", default="none,feplb,feplb-split,fastermoe,eplb,lp",
+    p.add_argument("--policies", type=_policy_names, default="none,feplb,feplb-split,fastermoe,eplb,lp",
                    help="comma-separated policies (default: %(default)s)")
     p.add_argument("--microbatches", type=_positive, default=32, help="measured micro-batches (default 32)")
     p.add_argument("--warmup", type=_non_negative, default=8,
@@ -455,7 +464,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.ep % gpus:
         raise UsageError(f"--gpus-per-node {gpus} must divide --ep {args.ep}"
                          + ("" if args.gpus_per_node else " (the default, min(8, --ep); give --gpus-per-node)"))
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    policies = args.policies
     # an explicit --hidden / --ffn holds for every workload (SimConfig.hidden / ffn); the other dimension is the
     # traced model's, or the cost table's for workloads of no model
     cost_kw = {k: v for k, v in (("hidden", args.hidden), ("ffn", args.ffn)) if v is not None}

@@ -59,6 +59,22 @@ def test_option_errors_name_the_options(args, words, flame_path, capsys, no_run)
     assert "SimConfig" not in err and "PolicyState" not in err and "--experts sets it" not in err, err
 
 
+@pytest.mark.parametrize("policies", ["feplb,", "feplb,,lp", ",none", "none, ,feplb", ""])
+def test_an_empty_policy_name_is_refused(policies, flame_path, capsys, no_run):
+    """A trailing or doubled comma named no policy, and the run compared one policy fewer, unsaid."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", str(flame_path), *FAST, "--policies", policies])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert f"argument --policies: expected comma-separated policy names, none empty, got {policies!r}" in err, err
+
+
+def test_policy_names_are_stripped(flame_path, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert main(["simulate", str(flame_path), *FAST, "--policies", " none , feplb ", "--json", str(out)]) == 0
+    assert list(json.loads(out.read_text())["policies"]) == ["none", "feplb"]
+
+
 def test_a_value_argparse_cannot_convert_is_named_in_words(flame_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["simulate", str(flame_path), "--ep", "2.5"])
