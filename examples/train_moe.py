@@ -720,6 +720,40 @@ def make_config(args, world: int, corpus_sha: str, text_label: str) -> TrainConf
         seed=args.seed, device=args.device, text=text_label, text_bytes=args.text_bytes, corpus_sha256=corpus_sha)
 
 
+def params_per_rank(cfg: TrainConfig) -> int:
+    """Parameters each rank holds: the replicated ones (embedding, positions, attention, norms, routers) and its
+    E / W experts' w1 [D, 2F] and w2 [F, D] in every layer."""
+    D, local_experts = cfg.hidden, cfg.experts // cfg.world_size
+    per_layer = 2 * D + 4 * D * D + cfg.experts * D + local_experts * 3 * D * cfg.ffn   # norms, qkv, proj, router
+    return VOCAB * D + cfg.seq_len * D + D + cfg.layers * per_layer   # embedding, positions, final norm
+
+
+def memory_for_ranks(device: str, local_rank: int) -> tuple[int, str]:
+    """(bytes, description) of the memory each rank of this machine can have at most: a GPU's, or the machine's
+    physical memory shared by its ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(local_rank).total_memory
+        return total, f"{total / 2**30:.1f} GiB of GPU {local_rank}"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return total // ranks, (f"{total / ranks / 2**30:.1f} GiB per rank ({total / 2**30:.1f} GiB of memory on this "
+                            f"machine, {ranks} rank{'s' if ranks > 1 else ''} on it)")
+
+
+def check_memory(cfg: TrainConfig, local_rank: int) -> None:
+    """Refuse a model whose fp32 parameters, gradients and AdamW's two states alone (a lower bound of what training
+    holds) exceed the memory a rank can have: a slip such as ``--hidden 6400000`` would otherwise be found by an
+    allocation failing (or the machine's OOM killer) only while the model is built."""
+    n = params_per_rank(cfg)
+    need = 16 * n   # 4 bytes each for the parameter, its gradient, and AdamW's exp_avg and exp_avg_sq
+    limit, where = memory_for_ranks(cfg.device, local_rank)
+    if need > limit:
+        raise UsageError(
+            f"--hidden {cfg.hidden} and --ffn {cfg.ffn} (--layers {cfg.layers}, --experts {cfg.experts}) make "
+            f"{n:.3g} parameters per rank, which need at least {need / 2**30:.1f} GiB (fp32, with their gradients "
+            f"and AdamW's two states), more than the limit of {where}; lower --hidden or --ffn")
+
+
 def make_moe_config(cfg: TrainConfig, transport: str, plan_wait_ms: float | None,
                     min_straggler_rows: int | None = None):
     import feplb
@@ -753,6 +787,7 @@ def train(args: argparse.Namespace, created: list[Path] | None = None) -> Path:
     if len(set(gather(corpus_sha))) != 1:  # the same answer on every rank, so all of them stop here together
         raise UsageError("--text: the ranks read different text; every rank must see the same corpus")
     cfg = collective_check(make_config, args, world, corpus_sha, text_label)
+    collective_check(check_memory, cfg, local_rank)   # before any weight is allocated
     moe_config = collective_check(make_moe_config, cfg, args.transport, args.plan_wait_ms)
     data = collective_check(ByteStreams, corpus, rank=rank, world=world, batch=cfg.batch, seq_len=cfg.seq_len,
                             device=device)

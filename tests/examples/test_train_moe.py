@@ -227,6 +227,22 @@ def test_missing_text_exits_with_a_message(tmp_path):
     assert not (tmp_path / "a").exists(), "a refused run leaves no empty --out behind"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("option, value", [("--hidden", "64000000000"), ("--ffn", "1000000000000")])
+def test_a_model_too_large_for_the_memory_is_refused_before_it_is_built(option, value, tmp_path):
+    """A slip in --hidden or --ffn is refused with the memory it needs and the limit (exit 2, one line, no --out
+    left behind), not found by an allocation failing (or the OOM killer) while the model is built."""
+    out = tmp_path / "run"
+    proc = _plain("--out", str(out), *SMALL, option, value, "--steps", "2")
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("train_moe.py: error: --hidden ") and len(err.splitlines()) == 1, err
+    assert f"{option} {value}" in err and "GiB (fp32, with their gradients" in err, err
+    assert re.search(r"more than the limit of [\d.]+ GiB per rank \([\d.]+ GiB of memory on this machine, 1 rank on "
+                     r"it\); lower --hidden or --ffn", err), err
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Pieces, in-process
 
@@ -290,6 +306,46 @@ def test_config_rejects_what_it_cannot_run(train_moe, change, message):
     with pytest.raises(train_moe.UsageError, match=message.replace("(", r"\(").replace(".", r"\.")):
         train_moe.TrainConfig(**{**base, **change})
     assert train_moe.TrainConfig(**base).digest() != train_moe.TrainConfig(**{**base, "seed": 1}).digest()
+
+
+def _built_model_sizes(rank: int, world: int, change: dict) -> tuple[int, int]:
+    """(parameters this rank's model holds, bytes of its parameters, gradients and AdamW states after one step)."""
+    train_moe = _load("train_moe")
+    cfg = train_moe.TrainConfig(**{**_BASE, "world_size": world, **change})
+    torch.manual_seed(cfg.seed)
+    model = train_moe.MoETransformer(cfg, train_moe.make_moe_config(cfg, "torch", None), None)
+    optimizer = train_moe.make_optimizer(model, cfg)
+    ids_BS = torch.randint(0, train_moe.VOCAB, (cfg.batch, cfg.seq_len))
+    model(ids_BS).square().mean().backward()
+    optimizer.step()
+    held = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    held += [t for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    for moe in model.moe_layers():
+        moe.close()
+    return sum(p.numel() for p in model.parameters()), sum(t.numel() * t.element_size() for t in held)
+
+
+@pytest.mark.dist
+def test_the_memory_check_counts_what_a_rank_holds(train_moe):
+    """The check's parameter count is the built model's on each rank, and its bytes (a lower bound of training's)
+    what parameters, gradients and AdamW's states hold after a step; it refuses only above the limit."""
+    from feplb.testing import run_dist
+
+    rng = np.random.default_rng()
+    change = {"hidden": 4 * int(rng.integers(4, 12)), "ffn": int(rng.integers(8, 40)),
+              "layers": int(rng.integers(1, 3)), "seq_len": int(rng.integers(4, 12))}
+    world = 2
+    cfg = train_moe.TrainConfig(**{**_BASE, "world_size": world, **change})
+    got = run_dist(_built_model_sizes, world, change)
+    n = train_moe.params_per_rank(cfg)
+    assert [g[0] for g in got] == [n] * world, (got, n)
+    assert [g[1] for g in got] == [16 * n] * world, (got, n)
+    limit, _ = train_moe.memory_for_ranks("cpu", 0)
+    assert limit > 16 * n
+    train_moe.check_memory(cfg, 0)
+    big = dataclasses.replace(cfg, ffn=limit // (cfg.layers * cfg.experts // world * 3 * cfg.hidden * 16) + 1)
+    with pytest.raises(train_moe.UsageError, match=rf"--ffn {big.ffn} .* more than the limit of"):
+        train_moe.check_memory(big, 0)
 
 
 @pytest.mark.parametrize("script", ["train_moe", "hf_moe", "hf_trainer"])
