@@ -149,10 +149,12 @@ def _ensure_forkserver(ctx: Any) -> None:
     spawned one imported numpy under its job's ``OMP_NUM_THREADS``."""
     from multiprocessing import forkserver
 
-    ctx.set_forkserver_preload(_preload(sys.modules))
+    # one module that imports the others, going past any that raises (feplb._preload)
+    ctx.set_forkserver_preload(["feplb._preload"])
+    server_env = {**_SERVER_ENV, "FEPLB_RUN_DIST_PRELOAD": ",".join(_preload(sys.modules))}
     with _SERVER_LOCK:
-        saved = {k: os.environ.get(k) for k in _SERVER_ENV}
-        os.environ.update(_SERVER_ENV)
+        saved = {k: os.environ.get(k) for k in server_env}
+        os.environ.update(server_env)
         try:
             server = getattr(forkserver, "_forkserver", None)
             before = getattr(server, "_forkserver_pid", None)
@@ -256,7 +258,8 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
             read the variables they read at import from the caller's environment when the server started: a job
             that sets one of those starts its ranks afresh with ``FEPLB_RUN_DIST_START=spawn``. The caller's feplb
             modules are preloaded too; a job whose ``TRITON_INTERPRET`` or ``FEPLB_AUTOTUNE_MS`` (which they read at
-            import) differs from the server's gets spawned ranks without asking.
+            import) differs from the server's gets spawned ranks without asking. A module whose preload raises is
+            left out (``feplb._preload``): a rank that imports it meets its error.
         backend: "gloo" (CPU tensors) or "nccl" (one GPU per rank, rank % device_count).
     Raises:
         DistError: a rank raised (its traceback is in the message), died, or did not finish in time.

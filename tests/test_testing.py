@@ -170,6 +170,48 @@ def test_the_server_preloads_the_trainer_and_holds_no_thread_but_its_own(tmp_pat
     assert len(eval(threads)) == 1, threads   # noqa: S307 - a list of names this test printed
 
 
+def _import_in_rank(rank, world_size, name):
+    import importlib
+    import sys
+
+    failed = dict(getattr(sys.modules.get("feplb._preload"), "failed", {}))
+    try:
+        importlib.import_module(name)
+    except (RuntimeError, SystemExit) as exc:
+        return failed, f"{type(exc).__name__}: {exc}"
+    return failed, None
+
+
+def test_run_dist_survives_preloaded_modules_that_raise(monkeypatch, tmp_path):
+    """multiprocessing's forkserver goes past a preloaded module whose import raises an ImportError only; another
+    error would end it, and every later job's ranks with it. The server goes past those too: a rank that imports
+    the module meets the error itself, and later jobs start from the same server."""
+    from multiprocessing import forkserver
+
+    if testing._start_method("gloo") != "forkserver":
+        pytest.skip("run_dist starts its ranks without a forkserver here")
+    tag = uuid.uuid4().hex[:12]
+    broken, leaving = f"feplb_test_broken_{tag}", f"feplb_test_exits_{tag}"
+    (tmp_path / f"{broken}.py").write_text("raise RuntimeError('broken at import')\n")
+    (tmp_path / f"{leaving}.py").write_text("raise SystemExit(3)\n")
+    # the server imports what its environment's path finds (Python 3.11's forkserver does not take the caller's
+    # sys.path); a rank has the caller's sys.path
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(tmp_path), os.environ.get("PYTHONPATH")))))
+    monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.setattr(testing, "_PRELOAD", (*testing._PRELOAD, broken, leaving, "json"))
+    forkserver._forkserver._stop()   # the next job's server preloads them
+    try:
+        failed, error = run_dist(_import_in_rank, 2, broken)[1]
+        assert failed == {broken: "RuntimeError: broken at import", leaving: "SystemExit: 3"}, failed
+        assert error == "RuntimeError: broken at import"
+        server = forkserver._forkserver._forkserver_pid
+        assert run_dist(_import_in_rank, 3, leaving) == [(failed, "SystemExit: 3")] * 3
+        assert run_dist(_import_in_rank, 2, "json") == [(failed, None)] * 2
+        assert forkserver._forkserver._forkserver_pid == server, "the server died and was started again"
+    finally:
+        forkserver._forkserver._stop()   # later tests' jobs start a server without the modules
+
+
 def test_run_dist_reports_the_failing_rank():
     with pytest.raises(DistError, match=r"(?s)rank 1: ValueError: rank one refuses"):
         run_dist(_fail_on_one, 2, collective_timeout_s=10)

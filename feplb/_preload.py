@@ -1,0 +1,16 @@
+"""The one module run_dist's forkserver preloads (``feplb.testing``): it imports the modules named in the server's
+``FEPLB_RUN_DIST_PRELOAD`` (comma-separated) in turn, going past any whose import raises. multiprocessing's server
+goes past an ImportError only; anything else would end it, and every later job's ranks with it. A module left out so
+is imported by a rank that needs it, which then meets the error itself and reports it as any rank's error."""
+
+from __future__ import annotations
+
+import os
+
+failed: dict[str, str] = {}   # {module: its error} of those the server could not import
+
+for _name in filter(None, os.environ.get("FEPLB_RUN_DIST_PRELOAD", "").split(",")):
+    try:
+        __import__(_name)
+    except BaseException as _exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt from a module's import too
+        failed[_name] = f"{type(_exc).__name__}: {_exc}"
