@@ -2,6 +2,7 @@
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -106,68 +107,63 @@ def _import_time_state(rank, world_size):
             "interpret": feplb.kernels.INTERPRET}
 
 
-def test_ranks_see_the_import_time_variables_their_job_gives(monkeypatch):
-    """feplb's modules preloaded by the server read TRITON_INTERPRET (and FEPLB_AUTOTUNE_MS) at import: a job that
-    gives its ranks other values than the server had starts them afresh, where feplb.kernels reads the job's."""
-    import feplb.kernels  # noqa: F401 - loaded in the caller, as a test run that collected the kernel tests has it
+@pytest.fixture
+def own_server(monkeypatch):
+    """A forkserver of the test's own in place of this process's (which later tests' jobs keep, with its preload):
+    ``own_server(*modules)`` sets what it preloads when the test's first job starts it."""
+    from multiprocessing import forkserver
 
     monkeypatch.delenv("FEPLB_RUN_DIST_START", raising=False)
     if testing._start_method("gloo") != "forkserver":
-        pytest.skip("ranks start afresh on this host (spawn): nothing is preloaded")
+        pytest.skip("run_dist starts its ranks without a forkserver here")
+    server = forkserver.ForkServer()
+    monkeypatch.setattr(forkserver, "_forkserver", server)
+    for name in ("ensure_running", "get_inherited_fds", "connect_to_new_process", "set_forkserver_preload"):
+        monkeypatch.setattr(forkserver, name, getattr(server, name))
+    monkeypatch.setattr(testing, "_server_env", {})
+
+    def preload(*modules: str):
+        monkeypatch.setattr(testing, "_preload", lambda loaded: list(modules))
+        return server
+
+    yield preload
+    server._stop()
+
+
+def test_ranks_see_the_import_time_variables_their_job_gives(monkeypatch, own_server):
+    """feplb's modules preloaded by the server read TRITON_INTERPRET (and FEPLB_AUTOTUNE_MS) at import: a job that
+    gives its ranks other values than the server had starts them afresh, where feplb.kernels reads the job's."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    fresh_server = not testing._server_env   # none started yet: the next one preloads feplb.kernels
+    own_server("torch", "torch.distributed", "feplb.kernels")
     usual = run_dist(_import_time_state, 2)
     assert all(r["env"] == "1" and r["interpret"] is True for r in usual), usual
-    assert all(r["parent"] != os.getpid() and (r["preloaded"] or not fresh_server) for r in usual), usual
-    for value in ("0", None):
-        env_now = {} if value is None else {"TRITON_INTERPRET": value}
-        if value is None:
-            monkeypatch.delenv("TRITON_INTERPRET")
-        other = run_dist(_import_time_state, 2, env=env_now)
-        assert all(r["env"] == value and r["interpret"] is False for r in other), (value, other)
-        assert all(r["parent"] == os.getpid() for r in other), other   # spawned by the caller itself
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert all(r["parent"] != os.getpid() and r["preloaded"] for r in usual), usual   # forked by the server
+    other = run_dist(_import_time_state, 2, env={"TRITON_INTERPRET": "0"})
+    assert all(r["env"] == "0" and r["interpret"] is False for r in other), other
+    assert all(r["parent"] == os.getpid() for r in other), other   # spawned by the caller itself
     again = run_dist(_import_time_state, 2)
-    assert all(r["env"] == "1" and r["interpret"] is True for r in again), again
+    assert all(r["env"] == "1" and r["interpret"] is True and r["parent"] != os.getpid() for r in again), again
 
 
-_SERVER_THREADS = """
-import os, sys
-sys.path.insert(0, sys.argv[1])
-import accelerate, trl  # noqa: F401 - as a run that collected the Trainer's and TRL's tests has them
-import job
-from multiprocessing import forkserver
-from feplb import testing
-print(testing.run_dist(job.loaded, 2))
-pid = forkserver._forkserver._forkserver_pid
-print(sorted(open(f"/proc/{pid}/task/{t}/comm").read().strip() for t in os.listdir(f"/proc/{pid}/task")))
-"""
-
-
-def test_the_server_preloads_the_trainer_and_holds_no_thread_but_its_own(tmp_path):
-    """Where the caller has the Trainer's dependencies, the server imports the Trainer, TRL's trainers and
-    feplb's mixin once (pyarrow with them), yet forks every rank from its only thread: pyarrow's allocator would
-    start one of its own unless told not to."""
-    import subprocess
+def _loaded_in_rank(rank, world_size, names):
     import sys
 
-    pytest.importorskip("accelerate")
-    pytest.importorskip("trl")
+    return sorted(m for m in names if m in sys.modules)
+
+
+def test_the_server_holds_no_thread_but_its_own(own_server):
+    """The server forks every rank from its only thread, with transformers' Trainer preloaded too: pyarrow's
+    allocator, which the Trainer imports, would start a thread of its own unless told not to."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("pyarrow")
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("needs /proc")
-    env = {k: v for k, v in os.environ.items() if k != "FEPLB_RUN_DIST_START"}
-    if testing._start_method("gloo") != "forkserver" and "FEPLB_RUN_DIST_START" not in os.environ:
-        pytest.skip("ranks start afresh on this host (spawn): no server")
-    (tmp_path / "job.py").write_text("import sys\n\n\ndef loaded(rank, world):\n"
-                                     "    return sorted(m for m in ('transformers.trainer', 'feplb.hf_trainer', "
-                                     "'trl.trainer.sft_trainer', 'pyarrow') if m in sys.modules)\n")
-    proc = subprocess.run([sys.executable, "-c", _SERVER_THREADS, str(tmp_path)], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    ranks, threads = proc.stdout.strip().splitlines()[-2:]
-    want = sorted(["transformers.trainer", "feplb.hf_trainer", "trl.trainer.sft_trainer", "pyarrow"])
-    assert ranks == repr([want, want]), ranks
-    assert len(eval(threads)) == 1, threads   # noqa: S307 - a list of names this test printed
+    server = own_server("torch", "torch.distributed", "transformers.trainer")
+    names = ["transformers.trainer", "pyarrow"]
+    assert run_dist(_loaded_in_rank, 2, names) == [sorted(names)] * 2
+    tasks = f"/proc/{server._forkserver_pid}/task"
+    threads = [Path(tasks, t, "comm").read_text().strip() for t in os.listdir(tasks)]
+    assert len(threads) == 1, threads
 
 
 def _import_in_rank(rank, world_size, name):
@@ -182,14 +178,10 @@ def _import_in_rank(rank, world_size, name):
     return failed, None
 
 
-def test_run_dist_survives_preloaded_modules_that_raise(monkeypatch, tmp_path):
+def test_run_dist_survives_preloaded_modules_that_raise(monkeypatch, tmp_path, own_server):
     """multiprocessing's forkserver goes past a preloaded module whose import raises an ImportError only; another
     error would end it, and every later job's ranks with it. The server goes past those too: a rank that imports
     the module meets the error itself, and later jobs start from the same server."""
-    from multiprocessing import forkserver
-
-    if testing._start_method("gloo") != "forkserver":
-        pytest.skip("run_dist starts its ranks without a forkserver here")
     tag = uuid.uuid4().hex[:12]
     broken, leaving = f"feplb_test_broken_{tag}", f"feplb_test_exits_{tag}"
     (tmp_path / f"{broken}.py").write_text("raise RuntimeError('broken at import')\n")
@@ -198,18 +190,14 @@ def test_run_dist_survives_preloaded_modules_that_raise(monkeypatch, tmp_path):
     # sys.path); a rank has the caller's sys.path
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(tmp_path), os.environ.get("PYTHONPATH")))))
     monkeypatch.syspath_prepend(tmp_path)
-    monkeypatch.setattr(testing, "_PRELOAD", (*testing._PRELOAD, broken, leaving, "json"))
-    forkserver._forkserver._stop()   # the next job's server preloads them
-    try:
-        failed, error = run_dist(_import_in_rank, 2, broken)[1]
-        assert failed == {broken: "RuntimeError: broken at import", leaving: "SystemExit: 3"}, failed
-        assert error == "RuntimeError: broken at import"
-        server = forkserver._forkserver._forkserver_pid
-        assert run_dist(_import_in_rank, 3, leaving) == [(failed, "SystemExit: 3")] * 3
-        assert run_dist(_import_in_rank, 2, "json") == [(failed, None)] * 2
-        assert forkserver._forkserver._forkserver_pid == server, "the server died and was started again"
-    finally:
-        forkserver._forkserver._stop()   # later tests' jobs start a server without the modules
+    server = own_server("torch", "torch.distributed", broken, leaving, "json")
+    failed, error = run_dist(_import_in_rank, 2, broken)[1]
+    assert failed == {broken: "RuntimeError: broken at import", leaving: "SystemExit: 3"}, failed
+    assert error == "RuntimeError: broken at import"
+    pid = server._forkserver_pid
+    assert run_dist(_import_in_rank, 3, leaving) == [(failed, "SystemExit: 3")] * 3
+    assert run_dist(_import_in_rank, 2, "json") == [(failed, None)] * 2
+    assert server._forkserver_pid == pid, "the server died and was started again"
 
 
 def test_run_dist_reports_the_failing_rank():
