@@ -12,5 +12,5 @@ failed: dict[str, str] = {}   # {module: its error} of those the server could no
 for _name in filter(None, os.environ.get("FEPLB_RUN_DIST_PRELOAD", "").split(",")):
     try:
         __import__(_name)
-    except BaseException as _exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt from a module's import too
+    except (Exception, SystemExit) as _exc:  # noqa: BLE001 - SystemExit from a module's import too
         failed[_name] = f"{type(_exc).__name__}: {_exc}"

@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 __all__ = ["DistError", "DerivedWeights", "dense_moe_reference", "error_bound", "error_of", "free_port",
@@ -100,11 +100,20 @@ _PRELOAD_IF_LOADED: dict[str, tuple[str, ...]] = {
     "pytest": ("pytest",),
 }
 # The caller's own feplb modules are imported too (the layer, its kernels, the adapters its tests imported): about
-# 0.4 s of CPU per rank of a layer's job. They read these variables at import (feplb.kernels: the Triton interpreter
-# and the autotuning budget), so a job whose ranks would see other values than the running server had when it
-# imported them starts its ranks afresh instead (run_dist).
-_IMPORT_ENV = ("TRITON_INTERPRET", "FEPLB_AUTOTUNE_MS")
-_server_env: dict[str, str | None] = {}   # _IMPORT_ENV as the running server saw it (_ensure_forkserver)
+# 0.4 s of CPU per rank of a layer's job. These variables are read at import by them (feplb.kernels: the Triton
+# interpreter and the autotuning budget) and by torch's Dynamo configuration, which feplb.layer loads (whether
+# torch.compile is off), so a job whose ranks would see other values than the running server had when it imported
+# them starts its ranks afresh instead (run_dist). Not every variable torch's configurations read (Inductor's, say:
+# torch sets some of them itself while it compiles, in the caller too), which run_dist's doc says.
+_IMPORT_ENV = ("TRITON_INTERPRET", "FEPLB_AUTOTUNE_MS", "TORCH_COMPILE_DISABLE")
+
+
+def _import_env(env: Mapping[str, str]) -> dict[str, str | None]:
+    """The values in ``env`` of the variables preloaded modules read at import (``_IMPORT_ENV``)."""
+    return {k: env.get(k) for k in _IMPORT_ENV}
+
+
+_server_env: dict[str, str | None] = {}   # _import_env as the running server saw it (_ensure_forkserver)
 # the server's environment while it loads them (_ensure_forkserver): no thread pools, no allocator thread (the
 # server forks every rank from its one thread)
 _SERVER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -138,7 +147,7 @@ def _start_method(backend: str) -> str:
 
 def _preload(loaded: Collection[str]) -> list[str]:
     """What a forkserver started now imports, given the names of the modules the caller has loaded."""
-    own = sorted(m for m in loaded if m == "feplb" or m.startswith("feplb."))
+    own = sorted(m for m in list(loaded) if m == "feplb" or m.startswith("feplb."))
     mods = [*_PRELOAD, *(m for key, mods in _PRELOAD_IF_LOADED.items() if key in loaded for m in mods), *own]
     return list(dict.fromkeys(mods))
 
@@ -158,7 +167,7 @@ def _ensure_forkserver(ctx: Any) -> None:
         try:
             server = getattr(forkserver, "_forkserver", None)
             before = getattr(server, "_forkserver_pid", None)
-            seen = {k: os.environ.get(k) for k in _IMPORT_ENV}
+            seen = _import_env(os.environ)
             forkserver.ensure_running()
             if getattr(server, "_forkserver_pid", None) != before or before is None:   # started now, with seen
                 _server_env.clear()
@@ -197,7 +206,8 @@ _STACK_WAIT_S = 3.0
 
 
 def _child(rank: int, world_size: int, port: int, file: str, qualname: str, args: tuple, collective_timeout_s: float,
-           threads: int, env: dict, results: Any, backend: str, fds: tuple = (), stack_file: str | None = None) -> None:
+           threads: int, env: dict, results: Any, backend: str, fds: tuple = (), stack_file: str | None = None,
+           feplb_file: str | None = None) -> None:
     if stack_file is not None:
         # kept open for the process's life: faulthandler writes to its descriptor from the signal handler, with no
         # lock and no GIL, so the stacks come out even where a thread hangs in native code holding the GIL
@@ -221,6 +231,12 @@ def _child(rank: int, world_size: int, port: int, file: str, qualname: str, args
 
         np.random.seed()
     try:
+        ours = sys.modules["feplb"].__file__
+        if feplb_file is not None and os.path.realpath(ours) != feplb_file:
+            # a server imports from the path its environment gives (Python 3.11's forkserver ignores the caller's
+            # sys.path), which may find another copy than the caller's sys.path did
+            raise RuntimeError(f"this rank runs feplb from {ours}, the caller's is {feplb_file}: the forkserver found "
+                               f"another copy (FEPLB_RUN_DIST_START=spawn starts the ranks with the caller's)")
         import torch
         import torch.distributed as dist
 
@@ -239,7 +255,9 @@ def _child(rank: int, world_size: int, port: int, file: str, qualname: str, args
             # A rank that failed must not wait on peers in a teardown barrier.
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
-        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        failed = getattr(sys.modules.get("feplb._preload"), "failed", None)
+        note = f"\n(the forkserver could not preload {sorted(failed)}: {failed})" if failed else ""
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}{note}"))
 
 
 def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0, collective_timeout_s: float = 30.0,
@@ -254,12 +272,14 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
         threads: ``torch.set_num_threads`` in every child (keep 1 on small machines).
         env: extra environment variables for the children (which get the caller's environment, with these and
             ``OMP_NUM_THREADS=threads`` on top). A forked rank's modules preloaded by the server (see ``_PRELOAD``;
-            torch's Dynamo and Inductor where Megatron-Core, torchtitan or transformers' model code is among them)
-            read the variables they read at import from the caller's environment when the server started: a job
-            that sets one of those starts its ranks afresh with ``FEPLB_RUN_DIST_START=spawn``. The caller's feplb
-            modules are preloaded too; a job whose ``TRITON_INTERPRET`` or ``FEPLB_AUTOTUNE_MS`` (which they read at
-            import) differs from the server's gets spawned ranks without asking. A module whose preload raises is
-            left out (``feplb._preload``): a rank that imports it meets its error.
+            the caller's feplb modules; torch's Dynamo and Inductor, which feplb.layer, Megatron-Core, torchtitan and
+            transformers' model code load) read the variables they read at import from the caller's environment when
+            the server started. A job whose ``TRITON_INTERPRET``, ``FEPLB_AUTOTUNE_MS`` or ``TORCH_COMPILE_DISABLE``
+            differs from the server's gets spawned ranks without asking; one that sets another such variable (an
+            Inductor or Dynamo setting) starts its ranks afresh with ``FEPLB_RUN_DIST_START=spawn``. A module whose
+            preload raises is left out (``feplb._preload``): a rank that imports it meets its error, and a rank's
+            error names what was left out. A rank whose feplb is not the caller's copy (the server found another on
+            its path) fails, saying so.
         backend: "gloo" (CPU tensors) or "nccl" (one GPU per rank, rank % device_count).
     Raises:
         DistError: a rank raised (its traceback is in the message), died, or did not finish in time.
@@ -276,8 +296,8 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
     ctx = mp.get_context(method)
     if method == "forkserver":
         _ensure_forkserver(ctx)
-        if any(child_env.get(k) != _server_env.get(k) for k in _IMPORT_ENV):
-            method, ctx = "spawn", mp.get_context("spawn")   # the server's feplb modules would not see them
+        if _import_env(child_env) != _server_env:
+            method, ctx = "spawn", mp.get_context("spawn")   # the server's modules would not see them
     results = ctx.Queue()
     port = free_port()
     # a spawned rank inherits the caller's stdout and stderr as they are now
@@ -286,7 +306,7 @@ def run_dist(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0
     stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(world_size)]
     procs = [ctx.Process(target=_child, args=(r, world_size, port, os.path.abspath(file), fn.__qualname__, args,
                                                collective_timeout_s, threads, child_env, results, backend, fds,
-                                               stack_files[r]),
+                                               stack_files[r], os.path.realpath(sys.modules["feplb"].__file__)),
                           daemon=True)
              for r in range(world_size)]
     outs: dict[int, tuple[bool, Any]] = {}

@@ -158,7 +158,7 @@ def test_the_server_holds_no_thread_but_its_own(own_server):
     pytest.importorskip("pyarrow")
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("needs /proc")
-    server = own_server("torch", "torch.distributed", "transformers.trainer")
+    server = own_server("torch", "torch.distributed", "transformers.trainer", "pyarrow")
     names = ["transformers.trainer", "pyarrow"]
     assert run_dist(_loaded_in_rank, 2, names) == [sorted(names)] * 2
     tasks = f"/proc/{server._forkserver_pid}/task"
@@ -198,6 +198,32 @@ def test_run_dist_survives_preloaded_modules_that_raise(monkeypatch, tmp_path, o
     assert run_dist(_import_in_rank, 3, leaving) == [(failed, "SystemExit: 3")] * 3
     assert run_dist(_import_in_rank, 2, "json") == [(failed, None)] * 2
     assert server._forkserver_pid == pid, "the server died and was started again"
+    # a rank's error names what the server left out (a module may fail otherwise on a second import)
+    with pytest.raises(DistError, match=rf"could not preload \['{broken}', '{leaving}'\]"):
+        run_dist(_fail_on_one, 2)
+
+
+def _feplb_file(rank, world_size):
+    import feplb
+
+    return feplb.__file__
+
+
+def test_a_rank_running_another_copy_of_feplb_fails_saying_so(monkeypatch):
+    """The server imports feplb from the path its environment gives, which may find another copy than the caller's
+    sys.path: a rank that runs another copy than the caller's refuses to, naming both."""
+    import feplb
+
+    here = os.path.realpath(feplb.__file__)
+    assert run_dist(_feplb_file, 2) == [feplb.__file__] * 2
+    real = os.path.realpath
+
+    def elsewhere(path):   # the caller's copy as seen from the job: somewhere else
+        return "/elsewhere/feplb/__init__.py" if real(path) == here else real(path)
+
+    monkeypatch.setattr(testing.os.path, "realpath", elsewhere)
+    with pytest.raises(DistError, match=r"runs feplb from \S+, the caller's is /elsewhere/feplb/__init__.py"):
+        run_dist(_feplb_file, 2)
 
 
 def test_run_dist_reports_the_failing_rank():
