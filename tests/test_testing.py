@@ -166,6 +166,26 @@ def test_the_server_holds_no_thread_but_its_own(own_server):
     assert len(threads) == 1, threads
 
 
+def _gc_state(rank, world_size):
+    import gc
+
+    import torch
+
+    return {"frozen": gc.get_freeze_count(),
+            "walked": any(o is torch.nn.Module.__init__ for o in gc.get_objects())}
+
+
+def test_ranks_collections_skip_the_servers_objects(monkeypatch, own_server):
+    """The server freezes what it preloaded (gc.freeze): a rank's garbage collections never walk those objects (nor
+    copy the pages they lie on), and a rank spawned afresh walks its own as usual."""
+    own_server("torch", "torch.distributed")
+    forked = run_dist(_gc_state, 2)
+    assert all(r["frozen"] > 10_000 and not r["walked"] for r in forked), forked
+    monkeypatch.setenv("FEPLB_RUN_DIST_START", "spawn")
+    spawned = run_dist(_gc_state, 2)
+    assert all(r["frozen"] == 0 and r["walked"] for r in spawned), spawned
+
+
 def _import_in_rank(rank, world_size, name):
     import importlib
     import sys
