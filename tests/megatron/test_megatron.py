@@ -43,8 +43,9 @@ Megatron-Core expects CUDA where its CPU path reaches: the router moves its weig
 ``torch.cuda.current_device()``, its gating GEMM names Transformer Engine's GEMM, which it imports only when
 Transformer Engine is installed, and its checkpoint saves and restores the CUDA RNG state. The gloo workers point
 the first at the CPU, define the second as absent and make the third a no-op (``_cpu_megatron``). The legacy
-GroupedMLP's grouped GEMM (the CUDA-only ``grouped_gemm`` package) becomes one matmul per expert and its
-``torch.compile``'d activation the plain function; TEGroupedMLP gets a stand-in of Transformer Engine's grouped
+GroupedMLP's grouped GEMM (the CUDA-only ``grouped_gemm`` package) becomes one matmul per expert, and Megatron's
+``torch.compile``'d functions (``megatron.core.jit.jit_fuser``: activations, fused GeGLU, the router's expert bias) the
+plain functions they wrap; TEGroupedMLP gets a stand-in of Transformer Engine's grouped
 linear (no CPU build); the alltoall dispatcher's host copies of its split sizes (on a side CUDA stream) become
 plain numpy conversions. Nothing of feplb is patched."""
 
@@ -92,6 +93,10 @@ def _cpu_megatron(world: int) -> None:
     td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = SimpleNamespace()
     td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _splits_on_host
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    # Megatron-Core's jit_fuser functions (torch.compile'd: activations, the router's expert bias, fused GeGLU and
+    # squared ReLU) run as the plain functions they wrap: Inductor compiling each one in every rank cost about a
+    # third of this file's CPU time, and none of them is FEPLB's
+    torch._dynamo.config.disable = True
 
 
 @contextlib.contextmanager
