@@ -12,12 +12,12 @@ words, drawn uniformly), in torchtitan's formats (``tokenizer.json`` and ``token
 a ``text`` field for its ``c4_test`` loader).
 
 CPU stand-ins, besides test_titan_ep.py's (device type, uneven all-to-all): flex attention (no CPU backward in
-torch) is causal SDPA in both runs, FSDP reduces with SUM then scales (``set_force_sum_reduction_for_comms``), as
-gloo has no PREMUL_SUM, torchtitan's device module is ``torch.cpu`` (with device index 0),
-its device-memory monitor reports zeros, and ``torch.distributed.set_timeout``, which torchtitan 0.3.0's trainer calls
-after its first step and torch 2.13 does not have (on any device), sets the group's timeout through c10d. DTensor's
-random initialisation on a CPU mesh gives every shard the same numbers, so the parameters are drawn again (see
-``_reinit``). Nothing of feplb is patched."""
+torch) is torchtitan's own SDPA backend in both runs (causal, without flex's document masks, which are not built),
+FSDP reduces with SUM then scales (``set_force_sum_reduction_for_comms``), as gloo has no PREMUL_SUM, torchtitan's
+device module is ``torch.cpu`` (with device index 0), its device-memory monitor reports zeros, and
+``torch.distributed.set_timeout``, which torchtitan 0.3.0's trainer calls after its first step and torch 2.13 does
+not have (on any device), sets the group's timeout through c10d. DTensor's random initialisation on a CPU mesh gives
+every shard the same numbers, so the parameters are drawn again (see ``_reinit``). Nothing of feplb is patched."""
 
 from __future__ import annotations
 
@@ -69,16 +69,6 @@ def _assets(root: Path) -> None:
             f.write(json.dumps({"text": " ".join(words[i] for i in ids)}) + "\n")
 
 
-class _CausalSDPA(torch.nn.Module):
-    """Flex attention's CPU stand-in: causal scaled-dot-product attention on [B, L, N, H]."""
-
-    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
-            enable_gqa=enable_gqa)
-        return out.transpose(1, 2)
-
-
 def _cpu_trainer() -> None:
     """torchtitan's trainer on the CPU (see the module docstring)."""
     import torch.distributed as dist
@@ -117,6 +107,7 @@ RUNS = {"ours": (True, None), "titan": (False, None), "resumed": (False, "ours")
 
 def _config(root: Path, run: str, feplb: bool):
     from torchtitan.config.override import OverrideConfig, parse_cli_imports
+    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
 
     config = qwen3_moe_debug()
@@ -133,6 +124,7 @@ def _config(root: Path, run: str, feplb: bool):
     config.model_spec.model.layers = config.model_spec.model.layers[:LAYERS]
     for layer in config.model_spec.model.layers:   # (the test's memory: full copies of every run are compared)
         layer.moe.routed_experts.inner_experts.hidden_dim = EXPERT_HIDDEN
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()   # (flex attention: no CPU backward)
     if feplb:   # as `--override.imports 'feplb.titan_ep.feplb_experts={...}' feplb.titan_ep.feplb_checkpoint` gives it
         config.override = OverrideConfig(imports=parse_cli_imports([f"feplb.titan_ep.feplb_experts={SETTINGS}",
                                                                     "feplb.titan_ep.feplb_checkpoint"]))
@@ -142,8 +134,6 @@ def _config(root: Path, run: str, feplb: bool):
         from torch.distributed.fsdp import FSDPModule
 
         model = parallelize(model, **kwargs)
-        for layer in model.layers.values():
-            layer.attention.inner_attention = _CausalSDPA()
         for mod in model.modules():
             if isinstance(mod, FSDPModule):
                 mod.set_force_sum_reduction_for_comms(True)
