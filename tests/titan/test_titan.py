@@ -96,23 +96,20 @@ def _inputs(rank: int, arch: str = "qwen3"):
 
 
 def _dense_routed(x, scores, ids, ws: dict):
-    """sum_k s_k * w2_e(silu(w1_e x) * w3_e x), every token and expert looped (fp64 leaves); GPT-OSS's experts
-    (``ws`` holds mlp1_weight_EGD, ...): sum_k s_k * (mlp2_e g(mlp1_e x + b1_e) + b2_e), g its clamped gate on the
-    interleaved rows."""
-    x_TD, s_TK, ids_TK = x.reshape(-1, D), scores.reshape(-1, K), ids.reshape(-1, K)
-    out = torch.zeros_like(x_TD)
-    for t in range(x_TD.shape[0]):
-        for k in range(K):
-            e = int(ids_TK[t, k])
-            if "mlp1_weight_EGD" in ws:
-                h = ws["mlp1_weight_EGD"][e] @ x_TD[t] + ws["mlp1_bias_EG"][e]
-                gate, up = h[0::2].clamp(max=OSS_LIMIT), h[1::2].clamp(-OSS_LIMIT, OSS_LIMIT)
-                y = ws["mlp2_weight_EDF"][e] @ (gate * torch.sigmoid(1.702 * gate) * (up + 1)) + ws["mlp2_bias_ED"][e]
-            else:
-                h = torch.nn.functional.silu(ws["w1_EFD"][e] @ x_TD[t]) * (ws["w3_EFD"][e] @ x_TD[t])
-                y = ws["w2_EDF"][e] @ h
-            out[t] = out[t] + s_TK[t, k] * y
-    return out.view(x.shape)
+    """sum_k s_k * w2_e(silu(w1_e x) * w3_e x) for every token, with each token's own K experts' weights gathered
+    (no grouping, no permutation; fp64 leaves); GPT-OSS's experts (``ws`` holds mlp1_weight_EGD, ...):
+    sum_k s_k * (mlp2_e g(mlp1_e x + b1_e) + b2_e), g its clamped gate on the interleaved rows."""
+    x_TD, s_TK, ids_TK = x.reshape(-1, D), scores.reshape(-1, K), ids.reshape(-1, K).long()
+    if "mlp1_weight_EGD" in ws:
+        h_TKG = torch.einsum("tkgd,td->tkg", ws["mlp1_weight_EGD"][ids_TK], x_TD) + ws["mlp1_bias_EG"][ids_TK]
+        gate, up = h_TKG[..., 0::2].clamp(max=OSS_LIMIT), h_TKG[..., 1::2].clamp(-OSS_LIMIT, OSS_LIMIT)
+        y_TKD = torch.einsum("tkdf,tkf->tkd", ws["mlp2_weight_EDF"][ids_TK],
+                             gate * torch.sigmoid(1.702 * gate) * (up + 1)) + ws["mlp2_bias_ED"][ids_TK]
+    else:
+        h_TKF = torch.nn.functional.silu(torch.einsum("tkfd,td->tkf", ws["w1_EFD"][ids_TK], x_TD)) * \
+            torch.einsum("tkfd,td->tkf", ws["w3_EFD"][ids_TK], x_TD)
+        y_TKD = torch.einsum("tkdf,tkf->tkd", ws["w2_EDF"][ids_TK], h_TKF)
+    return (s_TK.unsqueeze(-1) * y_TKD).sum(1).view(x.shape)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
