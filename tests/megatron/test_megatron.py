@@ -73,7 +73,6 @@ OPTS = dict(min_chunk=1, plan_wait_ms=60_000, min_straggler_rows=0)
 def _cpu_megatron(world: int) -> None:
     """Megatron's parallel state over this gloo job (EP = every rank), and its CUDA-only spots on the CPU."""
     import megatron.core.tensor_parallel.random as mr
-    import megatron.core.transformer.moe.experts as mx
     import megatron.core.transformer.moe.grouped_gemm_util as gg
     import megatron.core.transformer.moe.moe_utils as mu
     import megatron.core.transformer.moe.token_dispatcher as td
@@ -84,19 +83,17 @@ def _cpu_megatron(world: int) -> None:
         mu.te_general_gemm = None
     mr._get_cuda_rng_state = lambda *a, **k: torch.zeros(1)
     mr._set_cuda_rng_state = lambda *a, **k: None
-    # the legacy GroupedMLP's grouped GEMM (the CUDA-only grouped_gemm package) as one matmul per expert, and its
-    # fused activation (torch.compile'd) as the plain function
+    # the legacy GroupedMLP's grouped GEMM (the CUDA-only grouped_gemm package) as one matmul per expert
     gg.grouped_gemm = gg.ops = SimpleNamespace(gmm=_gmm)
-    mx.jit_fuser = lambda fn: fn
+    # Megatron-Core's jit_fuser functions (torch.compile'd: activations, GroupedMLP's, the router's expert bias,
+    # fused GeGLU and squared ReLU, the flex dispatcher's preprocessing) run as the plain functions they wrap:
+    # Inductor compiling each one in every rank cost about a third of this file's CPU time, and none is FEPLB's
+    torch._dynamo.config.disable = True
     # the alltoall token dispatcher moves its split sizes to the host on a side CUDA stream: on the CPU they are on
     # the host already, and become the numpy arrays its all-to-all takes
     td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = SimpleNamespace()
     td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _splits_on_host
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
-    # Megatron-Core's jit_fuser functions (torch.compile'd: activations, the router's expert bias, fused GeGLU and
-    # squared ReLU) run as the plain functions they wrap: Inductor compiling each one in every rank cost about a
-    # third of this file's CPU time, and none of them is FEPLB's
-    torch._dynamo.config.disable = True
 
 
 @contextlib.contextmanager
@@ -130,9 +127,6 @@ def _cpu_deepep() -> None:
     td.fused_combine = lambda x, group, handle, async_finish=False, allocate_on_comm_stream=False: \
         (_DeepEPCombine.apply(x, group, handle), None)
     td.set_deepep_num_sms = lambda num_sms: None
-    # its preprocessing is torch.compile'd (megatron.core.jit): run it eagerly, as the other dispatchers run
-    pre = td.MoEFlexTokenDispatcher.dispatch_preprocess
-    td.MoEFlexTokenDispatcher.dispatch_preprocess = getattr(pre, "_torchdynamo_orig_callable", pre)
 
 
 def _a2a_rows(t: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
