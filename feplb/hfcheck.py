@@ -389,6 +389,50 @@ def _close(got: torch.Tensor, want: torch.Tensor, want64: torch.Tensor | None) -
     return rel, _rel(got, want64) <= 4 * _rel(want, want64) + TOL
 
 
+def _against_fp64(model: torch.nn.Module, src64: torch.nn.Module | None, ids: torch.Tensor, seed: int,
+                  draws: _Draws, want: torch.Tensor, over: list[tuple], group) -> tuple[list[str], list[str]]:
+    """The tensors of ``over`` (this rank's (name, FEPLB's, the fp32 model's, expert parameter name or None) beyond
+    ``TOL`` of the unmodified fp32 model) judged against the same model in fp64 (``src64``, a copy of the unmodified
+    model, converted here; see :func:`_close`): (the names of those wrong, of those within the fp64 bound).
+    Collective: every rank calls it, with its own ``over``, possibly empty. The fp64 model is a reference only where
+    it runs on every rank and its logits agree with the fp32 model's to fp32 rounding (``FP64_AGREES``); a forward
+    that draws random numbers (PhiMoE's router in training mode) is given the fp32 run's draws. Elsewhere every
+    tensor of ``over`` is wrong."""
+    import feplb.hf as fh
+
+    try:
+        ref64 = src64.double()
+        if hasattr(ref64, "set_experts_implementation"):
+            ref64.set_experts_implementation("eager")   # the default, torch._grouped_mm, has no fp64
+        with _Draws(draws.drawn) as replayed:
+            want64 = _run(ref64, ids, seed)
+        if not replayed.matched or not _rel(want, want64) <= FP64_AGREES:
+            want64 = None
+    except Exception:   # (src64 None: the copy failed) no reference
+        want64 = None
+    if not all(_agree(group, want64 is not None)):
+        return [n for n, *_ in over], []
+    grads64, params64 = _grads(ref64), dict(ref64.named_parameters())
+    # The fp64 model's expert gradients summed over every rank's input, as the fp32 ones were.
+    expert_ids = {id(p) for p in fh.expert_parameters(model)}
+    summed64 = {}
+    for n, p in model.named_parameters():
+        if id(p) in expert_ids:
+            summed64[n] = grads64[n].clone() if grads64[n] is not None else torch.zeros_like(params64[n])
+            dist.all_reduce(summed64[n], group=group)
+    bad, by64 = [], []
+    for n, got_t, want_t, expert in over:
+        if n == "logits":
+            w64 = want64
+        elif expert is not None and grads64[n] is not None:
+            owner, _, pname = n.rpartition(".")
+            w64 = model.get_submodule(owner).local_shard(pname, summed64[n])
+        else:
+            w64 = grads64[n]
+        (by64 if _close(got_t, want_t, w64)[1] else bad).append(n)
+    return bad, by64
+
+
 def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outcome:
     import feplb.hf as fh
 
@@ -410,22 +454,12 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
         # an architecture whose tiny models all built but none held experts (a dense model named on the command line)
         return Outcome(arch, "no experts" if errs[0].startswith("LookupError") and "holds no experts module"
                        in errs[0] else "not built", errs[0])
-    # The same model in fp64, for tensors whose fp32 rounding alone nears TOL (see _close). It is a reference only
-    # where it runs and its logits agree with the fp32 model's to fp32 rounding: a forward that draws random numbers
-    # (PhiMoE's router in training mode) is given the fp32 run's draws. Used on every rank or on none.
+    # A copy of the unmodified model for the fp64 reference (_against_fp64), run only where the fp32 comparison
+    # needs it.
     try:
-        ref64 = copy.deepcopy(model).double()
-        if hasattr(ref64, "set_experts_implementation"):
-            ref64.set_experts_implementation("eager")   # the default, torch._grouped_mm, has no fp64
-        with _Draws(draws.drawn) as replayed:
-            want64 = _run(ref64, ids, seed)
-        grads64 = _grads(ref64)
-        if not replayed.matched or not _rel(want, want64) <= FP64_AGREES:
-            want64, grads64 = None, {}
+        src64 = copy.deepcopy(model)
     except Exception:
-        want64, grads64 = None, {}
-    if not all(_agree(group, want64 is not None)):
-        want64, grads64 = None, {}
+        src64 = None
     kinds = sorted({type(m).__name__ for _, m in fh._candidates(model)})
     try:
         names = fh.apply(model, group=group, **overrides)
@@ -447,25 +481,20 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
     try:
         got = _run(model, ids, seed)
         fh.reduce_replica_grads(model)
-        worst, ok = _close(got, want, want64)
-        bad = [] if ok else ["logits"]
-        by64 = ["logits"] if ok and worst > TOL else []   # passed against fp64 only
+        # (name, FEPLB's tensor, the fp32 reference's, the expert parameter or None) of every tensor compared
+        compared = [("logits", got, want, None)]
         ref_grads, ref_params = _grads(ref), dict(ref.named_parameters())
         expert_ids = {id(p) for p in fh.expert_parameters(model)}
-        # The unmodified model's expert gradients over every rank's input (fp32 and fp64): one all-reduce per
-        # expert parameter, in the model's order and of its full shape on every rank, whatever is missing where.
+        # The unmodified model's expert gradients over every rank's input: one all-reduce per expert parameter, in
+        # the model's order and of its full shape on every rank, whatever is missing where.
         summed = {}
         for n, p in model.named_parameters():
             if id(p) in expert_ids:
-                zero = torch.zeros_like(ref_params[n])
-                pair = [ref_grads[n] if ref_grads[n] is not None else zero,
-                        grads64[n].to(zero.dtype) if grads64.get(n) is not None else zero]
-                both = torch.stack(pair)
-                dist.all_reduce(both, group=group)
-                summed[n] = both
+                summed[n] = ref_grads[n].clone() if ref_grads[n] is not None else torch.zeros_like(ref_params[n])
+                dist.all_reduce(summed[n], group=group)
         missing = []
         for n, p in model.named_parameters():
-            g_ref, g64 = ref_grads[n], grads64.get(n)
+            g_ref = ref_grads[n]
             if (p.grad is None) != (g_ref is None):
                 missing.append(n)
                 continue
@@ -473,15 +502,13 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
                 continue
             if id(p) in expert_ids:   # this rank's slice of the sum, as its layer cuts it
                 owner, _, pname = n.rpartition(".")
-                layer = model.get_submodule(owner)
-                g_ref = layer.local_shard(pname, summed[n][0])
-                g64 = layer.local_shard(pname, summed[n][1]) if g64 is not None else None
-            rel, ok = _close(p.grad, g_ref, g64)
-            worst = max(worst, rel)
-            if not ok:
-                bad.append(n)
-            elif rel > TOL:
-                by64.append(n)
+                compared.append((n, p.grad, model.get_submodule(owner).local_shard(pname, summed[n]), n))
+            else:
+                compared.append((n, p.grad, g_ref, None))
+        rels = [_rel(got_t, want_t) for _, got_t, want_t, _ in compared]
+        worst = max(rels)
+        # beyond TOL of the fp32 model: checked against the fp64 reference below, or wrong
+        over = [c for c, rel in zip(compared, rels, strict=True) if rel > TOL]
         # An experts module no token of this input reached (e.g. a multimodal model's vision experts) has no stats.
         moved = sum(m.last_stats.rows_moved for m in fh.experts_modules(model) if m.last_stats is not None)
         idle = sum(m.last_stats is None for m in fh.experts_modules(model))
@@ -491,22 +518,30 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
         lost = f"gradient of {', '.join(missing[:3])} missing on one side" if missing else \
             f"{', '.join(marked[:3])} marked as replaced (an optimizer made after apply would refuse it)" if marked \
             else ""
-        mine = ("", worst, moved, lost or (f"{', '.join(bad[:3])} differ by up to {worst:.2e}" if bad else ""), idle,
-                by64)
+        mine = ("", worst, moved, lost, idle, len(over))
     except Exception as e:
-        mine = (f"{type(e).__name__}: {_first_line(e)}", 0.0, 0, "", 0, [])
+        over = []
+        mine = (f"{type(e).__name__}: {_first_line(e)}", 0.0, 0, "", 0, 0)
     ranks = _agree(group, mine)
     rows = sum(r[2] for r in ranks)
     failed = [r[0] for r in ranks if r[0]]
     if failed:
         return Outcome(arch, "error", failed[0], len(names), rows)
     worst = max(r[1] for r in ranks)
-    wrong = [r[3] for r in ranks if r[3]]
+    lost = [r[3] for r in ranks if r[3]]
+    if lost:
+        return Outcome(arch, "WRONG", lost[0], len(names), rows, worst)
+    bad, by64 = [], []
+    if any(r[5] for r in ranks):   # every rank runs the fp64 reference, or none
+        bad, by64 = _against_fp64(model, src64, ids, seed, draws, want, over, group)
+    verdicts = _agree(group, (bad, by64))
+    wrong = [b for b, _ in verdicts if b]
     if wrong:
-        return Outcome(arch, "WRONG", wrong[0], len(names), rows, worst)
+        return Outcome(arch, "WRONG", f"{', '.join(wrong[0][:3])} differ by up to {worst:.2e}", len(names), rows,
+                       worst)
     idle = min(r[4] for r in ranks)
     detail = f"{built} ({', '.join(kinds)})"
-    by64 = sorted({n for r in ranks for n in r[5]})
+    by64 = sorted({n for _, b64 in verdicts for n in b64})
     if by64:
         detail += (f"; {len(by64)} tensor(s) beyond {TOL:g} of the fp32 model, within 4x its fp32 rounding error "
                    f"of fp64: {', '.join(by64[:2])}{', ...' if len(by64) > 2 else ''}")
