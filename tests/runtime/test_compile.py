@@ -133,14 +133,28 @@ def _compiled_autograd_worker(rank, world, weights, policy):
             "grads": all(torch.equal(a, b) for a, b in zip(grads, grads_want, strict=True))}
 
 
-@pytest.mark.parametrize("weights,policy", [("per-step", "feplb-split"), ("per-microbatch", "feplb-split"),
-                                            ("per-step", "none")])
-def test_compiled_autograd_is_refused_on_every_rank(weights, policy):
+CA_CASES = [("per-step", "feplb-split"), ("per-microbatch", "feplb-split"), ("per-step", "none")]
+
+
+def _compiled_autograd_cases(rank, world):
+    """Every case of ``CA_CASES`` in turn, in one job: Dynamo's set-up of its first compile in a process (several
+    seconds on a CPU) is paid once."""
+    return {case: _compiled_autograd_worker(rank, world, *case) for case in CA_CASES}
+
+
+@pytest.fixture(scope="module")
+def compiled_autograd_runs():
+    return run_dist(_compiled_autograd_cases, 2, timeout_s=400, collective_timeout_s=120)
+
+
+@pytest.mark.parametrize("weights,policy", CA_CASES)
+def test_compiled_autograd_is_refused_on_every_rank(compiled_autograd_runs, weights, policy):
     """Compiled autograd (torchtitan's experimental.enable_compiled_autograd) cannot keep the layer's backward
     (node order, collectives on the copy thread): a forward inside it, and a backward under it, raise a clear error
     on every rank before any collective of theirs (the run would otherwise fail mid-backward on one rank and leave
     its peer waiting); an eager step afterwards equals one before."""
-    for res in run_dist(_compiled_autograd_worker, 2, weights, policy, timeout_s=400, collective_timeout_s=120):
+    for ranks in compiled_autograd_runs:
+        res = ranks[(weights, policy)]
         assert res["moved"] > 0 or policy == "none", res
         assert set(res["errors"]) == {"forward", "backward"}, res
         for where, msg in res["errors"].items():
