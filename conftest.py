@@ -24,6 +24,7 @@ def _interpreter_patches_the_language_once_per_launch() -> None:
     functions this wraps (3.9)."""
     import functools
     import inspect
+    import threading
 
     try:
         import triton.language as tl
@@ -36,22 +37,21 @@ def _interpreter_patches_the_language_once_per_launch() -> None:
     original, launch = ti._patch_lang, ti.GridExecutor.__call__
     launched: list[frozenset] = []   # the language modules each running launch patched (their scopes not restored)
     kept: set[int] = set()           # modules a helper's call patched outside every launch's: patched for good
-    launching = False
+    launching = threading.local()    # .now: this thread's launch is about to patch
 
     @functools.cache
     def langs_of(fn) -> frozenset:
         return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
 
     def patch_lang(fn):
-        nonlocal launching
         langs = langs_of(fn)
-        if not launching:   # a helper's call
+        if not getattr(launching, "now", False):   # a helper's call
             patched = frozenset().union(*launched)
             if launched and langs <= patched | kept:
                 return ti._LangPatchScope()
             kept.update(langs - patched)
             return original(fn)
-        launching = False
+        launching.now = False
         scope = original(fn)
         launched.append(langs)
         restore = scope.restore
@@ -64,12 +64,11 @@ def _interpreter_patches_the_language_once_per_launch() -> None:
         return scope
 
     def launch_once(self, *args, **kwargs):
-        nonlocal launching
-        launching = True
+        launching.now = True
         try:
             return launch(self, *args, **kwargs)
         finally:
-            launching = False
+            launching.now = False
 
     ti._patch_lang, ti.GridExecutor.__call__ = patch_lang, launch_once
 
