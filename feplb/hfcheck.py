@@ -389,6 +389,22 @@ def _close(got: torch.Tensor, want: torch.Tensor, want64: torch.Tensor | None) -
     return rel, _rel(got, want64) <= 4 * _rel(want, want64) + TOL
 
 
+def _summed_expert_grads(model: torch.nn.Module, ref: torch.nn.Module, group) -> dict[str, torch.Tensor]:
+    """The unmodified model ``ref``'s expert gradients summed over every rank's input, by the names of ``model``'s
+    expert parameters (collective): one all-reduce per expert parameter, in the model's order and of its full shape
+    on every rank, zeros where a rank has none."""
+    import feplb.hf as fh
+
+    grads, params = _grads(ref), dict(ref.named_parameters())
+    expert_ids = {id(p) for p in fh.expert_parameters(model)}
+    summed = {}
+    for n, p in model.named_parameters():
+        if id(p) in expert_ids:
+            summed[n] = grads[n].clone() if grads[n] is not None else torch.zeros_like(params[n])
+            dist.all_reduce(summed[n], group=group)
+    return summed
+
+
 def _against_fp64(model: torch.nn.Module, src64: torch.nn.Module | None, ids: torch.Tensor, seed: int,
                   draws: _Draws, want: torch.Tensor, over: list[tuple], group) -> tuple[list[str], list[str]]:
     """The tensors of ``over`` (this rank's (name, FEPLB's, the fp32 model's, expert parameter name or None) beyond
@@ -398,8 +414,6 @@ def _against_fp64(model: torch.nn.Module, src64: torch.nn.Module | None, ids: to
     it runs on every rank and its logits agree with the fp32 model's to fp32 rounding (``FP64_AGREES``); a forward
     that draws random numbers (PhiMoE's router in training mode) is given the fp32 run's draws. Elsewhere every
     tensor of ``over`` is wrong."""
-    import feplb.hf as fh
-
     try:
         ref64 = src64.double()
         if hasattr(ref64, "set_experts_implementation"):
@@ -412,14 +426,7 @@ def _against_fp64(model: torch.nn.Module, src64: torch.nn.Module | None, ids: to
         want64 = None
     if not all(_agree(group, want64 is not None)):
         return [n for n, *_ in over], []
-    grads64, params64 = _grads(ref64), dict(ref64.named_parameters())
-    # The fp64 model's expert gradients summed over every rank's input, as the fp32 ones were.
-    expert_ids = {id(p) for p in fh.expert_parameters(model)}
-    summed64 = {}
-    for n, p in model.named_parameters():
-        if id(p) in expert_ids:
-            summed64[n] = grads64[n].clone() if grads64[n] is not None else torch.zeros_like(params64[n])
-            dist.all_reduce(summed64[n], group=group)
+    grads64, summed64 = _grads(ref64), _summed_expert_grads(model, ref64, group)
     bad, by64 = [], []
     for n, got_t, want_t, expert in over:
         if n == "logits":
@@ -483,15 +490,7 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
         fh.reduce_replica_grads(model)
         # (name, FEPLB's tensor, the fp32 reference's, the expert parameter or None) of every tensor compared
         compared = [("logits", got, want, None)]
-        ref_grads, ref_params = _grads(ref), dict(ref.named_parameters())
-        expert_ids = {id(p) for p in fh.expert_parameters(model)}
-        # The unmodified model's expert gradients over every rank's input: one all-reduce per expert parameter, in
-        # the model's order and of its full shape on every rank, whatever is missing where.
-        summed = {}
-        for n, p in model.named_parameters():
-            if id(p) in expert_ids:
-                summed[n] = ref_grads[n].clone() if ref_grads[n] is not None else torch.zeros_like(ref_params[n])
-                dist.all_reduce(summed[n], group=group)
+        ref_grads, summed = _grads(ref), _summed_expert_grads(model, ref, group)
         missing = []
         for n, p in model.named_parameters():
             g_ref = ref_grads[n]
@@ -500,7 +499,7 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
                 continue
             if g_ref is None:
                 continue
-            if id(p) in expert_ids:   # this rank's slice of the sum, as its layer cuts it
+            if n in summed:   # an expert parameter: this rank's slice of the sum, as its layer cuts it
                 owner, _, pname = n.rpartition(".")
                 compared.append((n, p.grad, model.get_submodule(owner).local_shard(pname, summed[n]), n))
             else:
