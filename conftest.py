@@ -43,6 +43,7 @@ def _interpreter_patches_the_language_once_per_launch() -> None:
     def langs_of(fn) -> frozenset:
         return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
 
+    @functools.wraps(original)
     def patch_lang(fn):
         langs = langs_of(fn)
         if not getattr(launching, "now", False):   # a helper's call

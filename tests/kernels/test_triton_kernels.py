@@ -268,6 +268,11 @@ def test_the_interpreter_patches_the_language_once_per_launch(monkeypatch, gen):
     @triton.jit helper inside it (the kernels' own, tl.sum, tl.cdiv), and the kernel computes the same."""
     import inspect
 
+    from triton.runtime import interpreter
+
+    if getattr(interpreter._patch_lang, "__wrapped__", None) is None:
+        pytest.skip(f"conftest.py's patch does not apply to Triton {triton.__version__}'s interpreter (the kernels "
+                    "run as they are, more slowly)")
     calls = []
     getmembers = inspect.getmembers
     monkeypatch.setattr(inspect, "getmembers", lambda obj, *a: calls.append(obj) or getmembers(obj, *a))
