@@ -17,8 +17,8 @@ def _interpreter_patches_the_language_once_per_launch() -> None:
     builtin found by ``inspect.getmembers`` over the language's modules, restored when the launch ends), and again at
     every call of a ``@triton.jit`` helper inside it (``InterpretedFunction.__call__``: ``tl.sum``, ``tl.cdiv``, the
     kernels' own helpers), once per program of the grid. Those calls find nothing left to patch: the launch patched
-    the modules a helper of the kernels' sees, and a helper's patch of any other module (``triton.language.core``,
-    which ``tl.sum``'s module sees) is never restored. Here a helper's call inside a launch skips the patching when
+    the modules the kernels' helpers see, and a helper's patch of any other module (``triton.language.core``, which
+    ``tl.sum``'s module sees) is never restored. Here a helper's call inside a launch skips the patching when
     every language module it sees is patched already, and patches as before otherwise. The kernels compute the same;
     the interpreted kernel tests take about a sixth less time. Applied only where Triton's interpreter has the
     functions this wraps (3.9)."""
