@@ -407,8 +407,8 @@ def _summed_expert_grads(model: torch.nn.Module, ref: torch.nn.Module, group) ->
 
 def _against_fp64(model: torch.nn.Module, src64: torch.nn.Module | None, ids: torch.Tensor, seed: int,
                   draws: _Draws, want: torch.Tensor, over: list[tuple], group) -> tuple[list[str], list[str]]:
-    """The tensors of ``over`` (this rank's (name, FEPLB's, the fp32 model's, expert parameter name or None) beyond
-    ``TOL`` of the unmodified fp32 model) judged against the same model in fp64 (``src64``, a copy of the unmodified
+    """The tensors of ``over`` (this rank's (name, FEPLB's, the fp32 model's) beyond ``TOL`` of the unmodified fp32
+    model) judged against the same model in fp64 (``src64``, a copy of the unmodified
     model, converted here; see :func:`_close`): (the names of those wrong, of those within the fp64 bound).
     Collective: every rank calls it, with its own ``over``, possibly empty. The fp64 model is a reference only where
     it runs on every rank and its logits agree with the fp32 model's to fp32 rounding (``FP64_AGREES``); a forward
@@ -428,10 +428,10 @@ def _against_fp64(model: torch.nn.Module, src64: torch.nn.Module | None, ids: to
         return [n for n, *_ in over], []
     grads64, summed64 = _grads(ref64), _summed_expert_grads(model, ref64, group)
     bad, by64 = [], []
-    for n, got_t, want_t, expert in over:
+    for n, got_t, want_t in over:
         if n == "logits":
             w64 = want64
-        elif expert is not None and grads64[n] is not None:
+        elif n in summed64 and grads64[n] is not None:   # an expert parameter: its slice of the sum
             owner, _, pname = n.rpartition(".")
             w64 = model.get_submodule(owner).local_shard(pname, summed64[n])
         else:
@@ -488,8 +488,8 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
     try:
         got = _run(model, ids, seed)
         fh.reduce_replica_grads(model)
-        # (name, FEPLB's tensor, the fp32 reference's, the expert parameter or None) of every tensor compared
-        compared = [("logits", got, want, None)]
+        # (name, FEPLB's tensor, the fp32 reference's) of every tensor compared
+        compared = [("logits", got, want)]
         ref_grads, summed = _grads(ref), _summed_expert_grads(model, ref, group)
         missing = []
         for n, p in model.named_parameters():
@@ -501,10 +501,9 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
                 continue
             if n in summed:   # an expert parameter: this rank's slice of the sum, as its layer cuts it
                 owner, _, pname = n.rpartition(".")
-                compared.append((n, p.grad, model.get_submodule(owner).local_shard(pname, summed[n]), n))
-            else:
-                compared.append((n, p.grad, g_ref, None))
-        rels = [_rel(got_t, want_t) for _, got_t, want_t, _ in compared]
+                g_ref = model.get_submodule(owner).local_shard(pname, summed[n])
+            compared.append((n, p.grad, g_ref))
+        rels = [_rel(got_t, want_t) for _, got_t, want_t in compared]
         worst = max(rels)
         # beyond TOL of the fp32 model: checked against the fp64 reference below, or wrong
         over = [c for c, rel in zip(compared, rels, strict=True) if rel > TOL]
@@ -519,7 +518,6 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
             else ""
         mine = ("", worst, moved, lost, idle, len(over))
     except Exception as e:
-        over = []
         mine = (f"{type(e).__name__}: {_first_line(e)}", 0.0, 0, "", 0, 0)
     ranks = _agree(group, mine)
     rows = sum(r[2] for r in ranks)
@@ -530,10 +528,9 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
     lost = [r[3] for r in ranks if r[3]]
     if lost:
         return Outcome(arch, "WRONG", lost[0], len(names), rows, worst)
-    bad, by64 = [], []
-    if any(r[5] for r in ranks):   # every rank runs the fp64 reference, or none
-        bad, by64 = _against_fp64(model, src64, ids, seed, draws, want, over, group)
-    verdicts = _agree(group, (bad, by64))
+    # every rank runs the fp64 reference (and agrees on its verdicts), or none
+    verdicts = _agree(group, _against_fp64(model, src64, ids, seed, draws, want, over, group)) \
+        if any(r[5] for r in ranks) else []
     wrong = [b for b, _ in verdicts if b]
     if wrong:
         return Outcome(arch, "WRONG", f"{', '.join(wrong[0][:3])} differ by up to {worst:.2e}", len(names), rows,
