@@ -107,6 +107,7 @@ from feplb.steps import (
     HEADER,
     Counts,
     Split,
+    args_digest,
     autocast_code,
     layer_stats,
     read_counts,
@@ -254,7 +255,10 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if c.num_experts % W:
             raise ValueError(f"FEPLBConfig.num_experts ({c.num_experts}) must be divisible by the EP group size ({W})")
         L = self.num_local = c.num_experts // W
-        self.base, self.place, _ = parse_policy(c.policy)
+        self.base, self.place, mode = parse_policy(c.policy)
+        # per-step copies of other ranks' experts (held to the next refresh), which take their holder's
+        # requires_grad flags: the forward agrees the flags over the group (``_frozen_code``)
+        self._copies_per_step = c.weights == "per-step" and (self.place or mode == "ema" or self.base == "eplb")
         self.in_node_policy = self.base in INTRA_NODE_BASES or self.base == "none"
         self.direct = self.base in DIRECT_BASES
         self.topo = Topology(num_ranks=W, gpus_per_node=c.gpus_per_node, num_experts=c.num_experts,
@@ -874,7 +878,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                                        | autocast_code(autocast_dtype(self._device.type)) << AUTOCAST_SHIFT,
                                        self._slow_digest(),
                                        self.__dict__.get("_opt_steps", 0) - skipped,
-                                       int(self._grads_dropped())], dtype=torch.int64),
+                                       int(self._grads_dropped()), self._frozen_code()], dtype=torch.int64),
                          row[3:],
                          row.new_zeros(_COUNTS_WIDTH[self._counts_key] - E)])
         forward_began(self.group)     # (its per-layer calls after the backward handshake again: training.handshaken)
@@ -883,6 +887,19 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             raise problem[0](problem[1])
         return read_counts(gathered.numpy(), self.placement.slots_WS,
                            balance=self.base != "none" and self.world_size > 1, min_straggler=self._min_straggler)
+
+    def _frozen_code(self) -> int:
+        """The counts row's FROZEN field: 0 where the layer keeps no per-step copies of other ranks' experts, else a
+        nonzero digest of which of this rank's expert parameters require grad (a copy takes its holder's flags,
+        ``Replicas.sync_requires`` and ``Replicas._keep``, so the ranks must freeze alike: ``read_counts``); 0 also
+        without autograd, whose forward makes no gradient (every rank's CALLS field says whether it records)."""
+        if not self._copies_per_step or not torch.is_grad_enabled():
+            return 0
+        req = self.replicas.requires()
+        key = self.__dict__.get("_frozen_key")
+        if key is None or key[0] != req:
+            self._frozen_key = key = (req, args_digest(("requires_grad",) + req) | 1)
+        return key[1]
 
     def _step_handshake(self, entry: int, problem: int = 0, args: int = 0) -> None:
         """The first collective of a call between a backward and the next forward over this layer's group

@@ -310,7 +310,8 @@ class Replicas:
         the owners: None where every expert parameter requires grad; else 1 where the element comes from a
         parameter that requires grad, 0 where from a frozen one (the layer's ``_join`` of 0 / 1 tensors shaped as
         its parameters, where it derives its weights from them; made once per set of flags). Read off this rank's
-        parameters (``req``: their ``requires()`` now), as the copies' requires_grad is (the ranks freeze alike)."""
+        parameters (``req``: their ``requires()`` now), as the copies' requires_grad is: the ranks freeze alike (a
+        training forward with the ranks' flags apart is refused on every rank: ``MoELayer._frozen_code``)."""
         if all(req):
             return None
         lay = self._layer()

@@ -79,8 +79,8 @@ class NonFiniteRoutingError(ValueError):
 
 # The counts all-gather's row (int64): a header of fixed width, then the counts, padded to the width every layer of
 # the group shares (layers of different E may meet in one all-gather when ranks run different layers)
-HEADER = ("flags", "stale", "problem", "layer", "calls", "digest", "steps", "dropped")
-FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, STEPS, DROPPED = range(len(HEADER))
+HEADER = ("flags", "stale", "problem", "layer", "calls", "digest", "steps", "dropped", "frozen")
+FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, STEPS, DROPPED, FROZEN = range(len(HEADER))
 # The same row sent by a rank entering one of the calls that run collectives between a backward and the next forward
 # (``step_row``: an attached optimizer's step, reduce_replica_grads, refresh_replicas, average_expert_grads,
 # clip_grad_norm_, an attached GradScaler's unscale_ and step): its LAYER is negative, so that a rank that skipped
@@ -276,10 +276,11 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     calls it (bits: 1 training mode, 2 autograd on, 4 ``forward_dispatched``, 8 saved-tensor hooks active with
     autograd on, 16 inside a reentrant checkpoint whose inputs need grad), the digest of its slow decisions,
     the optimizer steps taken of its experts, whether it dropped the experts' gradients while per-step copies held
-    theirs; then the counts per flat slot), raising on every rank together when any rank reported a problem or the
-    ranks run different layers, in different modes, from different histories or after different numbers of
-    optimizer steps. The header comes first, so the layer numbers are read alike whatever layer (and number of
-    experts) each rank runs.
+    theirs, a digest of which of its expert parameters require grad (0 where the layer keeps no per-step copies);
+    then the counts per flat slot), raising on every rank together when any rank reported a problem or the
+    ranks run different layers, in different modes, from different histories, after different numbers of
+    optimizer steps or with experts frozen apart. The header comes first, so the layer numbers are read alike
+    whatever layer (and number of experts) each rank runs.
 
     slots_WS: int64 [W, L] the experts at home on each GPU. balance: the policy balances (and W > 1).
     min_straggler: rows of token straggler below which balancing is not worth it.
@@ -337,6 +338,15 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             f"MoELayer: the EP ranks plan from different balancing state (policy history and placement), EP ranks "
             f"grouped by what they hold: {_ranks_by(digests)}; every rank must run the same forwards in the "
             "same mode and restore the same PolicyState")
+    frozen = gathered[:, FROZEN]
+    if (frozen != frozen[0]).any():
+        raise RuntimeError(
+            f"MoELayer: the EP ranks' expert parameters differ in which of them require grad (EP ranks grouped by "
+            f"their experts' requires_grad flags: {_ranks_by(frozen)}), and this layer keeps per-step copies of "
+            "experts on other ranks (weights='per-step' with an @ema, +place or eplb policy): a copy takes its "
+            "holder's flags, so the share of a trainable expert's gradient computed on a rank whose own experts are "
+            "frozen would be lost. Freeze (requires_grad_) the expert parameters alike on every EP rank, or use "
+            "weights='per-microbatch', whose copies return their gradients to the owners as they are")
     input_ranks = np.nonzero(gathered[:, PROBLEM])[0].tolist()
     if input_ranks:
         raise ValueError(f"MoELayer: EP rank(s) {input_ranks} refused this forward (a malformed input, or what "
@@ -381,7 +391,7 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
 
 # header columns that are 0 on every rank, and columns equal on every rank, when nothing is wrong (read_counts)
 _ZERO_COLS = [FLAGS, STALE, PROBLEM, DROPPED]
-_EQUAL_COLS = [LAYER, CALLS, DIGEST, STEPS]
+_EQUAL_COLS = [LAYER, CALLS, DIGEST, STEPS, FROZEN]
 
 
 def _counts(gathered: np.ndarray, slots_WS: np.ndarray, W: int, L: int, *, balance: bool,

@@ -15,7 +15,9 @@ GPUs: each is refused on every rank at the next forward, or trains as plain EP d
 * an optimizer attached to balancing layers stepped on some ranks only (a GradScaler not attached with it, an
   overflow one rank alone saw; or the loop's own condition): the ranks in the step and the one in the next forward
   meet in the step's handshake and raise together, instead of stalling until the process group's timeout; a
-  GradScaler not attached with it is refused at its first step on every rank.
+  GradScaler not attached with it is refused at its first step on every rank;
+* expert parameters frozen on one rank only, under per-step copies (which take their holder's flags): refused on
+  every rank at the training forward; per-micro-batch copies train as plain EP.
 """
 
 from __future__ import annotations
@@ -965,3 +967,61 @@ def test_lazy_replicas_first_step_in_place_change_is_refused():
     assert any(held for held, _ in res), res     # a plan copied lazily: there is a share to refuse
     for rank, (_, err) in enumerate(res):
         assert err is not None and "changed in place" in err, (rank, err)
+
+
+def _frozen_apart_worker(rank, world):
+    """Expert parameters frozen on one rank only (rank 1's w2: "freeze experts 2 and 3", which live there). A per-step
+    copy of another rank's expert takes its holder's requires_grad flags, so rank 1's copies of GPU 0's hot experts
+    made no gradient, and their owner's w2 gradient silently lacked rank 1's share. Now the training forward of a
+    layer that keeps per-step copies (eager and lazy @ema replicas, EPLB's replicas, a +place bank) is refused on
+    every rank, naming the ranks by their flags; a forward without autograd is not (it makes no gradient), and once
+    the ranks freeze alike the layer trains as plain EP. With weights='per-microbatch' the copies return their
+    gradients to the owners as they are: frozen apart, it trains as plain EP."""
+    res = {}
+
+    def grads(m, x):
+        y = m(x)
+        (y ** 2).mean().backward()
+        m.reduce_replica_grads()
+        return [None if p.grad is None else p.grad.clone() for p in (m.w1, m.w2)], m.last_stats.rows_moved
+
+    x = _x(rank, 0).double()
+    base = _layer("none", dtype=torch.float64)
+    base.w2.requires_grad_(rank != 1)
+    res["none", "apart"] = grads(base, x)[0]
+    base.w2.grad = base.w1.grad = None
+    base.w2.requires_grad_(True)
+    res["none", "alike"] = grads(base, x)[0]
+    base.close()
+    for policy, kw in (("feplb-split@ema", {}), ("feplb@ema", {"replicas": "lazy"}), ("eplb", {}),
+                       ("feplb-split+place", {}), ("feplb-split", {"weights": "per-microbatch"})):
+        m = _layer(policy, dtype=torch.float64, **kw)
+        m.w2.requires_grad_(rank != 1)
+        with torch.no_grad():
+            m(_x(rank, 99).double())            # the history (no gradient: not refused)
+        m.refresh_replicas()
+        if kw.get("weights") == "per-microbatch":
+            res[policy, "apart"] = grads(m, x)
+        else:
+            res[policy, "refused"] = error_of(lambda m=m: m(x))
+            m.w2.requires_grad_(True)           # frozen alike (none): trains as plain EP
+            res[policy, "alike"] = grads(m, x)
+        m.close()
+    return res
+
+
+def test_experts_frozen_on_one_rank_only():
+    res = run_dist(_frozen_apart_worker, W, timeout_s=240, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        for policy in ("feplb-split@ema", "feplb@ema", "eplb", "feplb-split+place"):
+            err = r[policy, "refused"]
+            assert err is not None and err.startswith("RuntimeError") and "differ in which of them require grad" \
+                in err and "[[0, 2, 3], [1]]" in err and "weights='per-microbatch'" in err, (rank, policy, err)
+        for policy, case in (("feplb-split@ema", "alike"), ("feplb@ema", "alike"), ("eplb", "alike"),
+                             ("feplb-split+place", "alike"), ("feplb-split", "apart")):
+            got, moved = r[policy, case]
+            assert sum(x[policy, case][1] for x in res) > 0, (policy, case, "rows must move")
+            for name, a, b in zip(("w1", "w2"), got, r["none", case], strict=True):
+                assert (a is None) == (b is None), (rank, policy, case, name)
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"{rank} {policy} {case} {name}")
