@@ -256,9 +256,12 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             raise ValueError(f"FEPLBConfig.num_experts ({c.num_experts}) must be divisible by the EP group size ({W})")
         L = self.num_local = c.num_experts // W
         self.base, self.place, mode = parse_policy(c.policy)
-        # per-step copies of other ranks' experts (held to the next refresh), which take their holder's
-        # requires_grad flags: the forward agrees the flags over the group (``_frozen_code``)
-        self._copies_per_step = c.weights == "per-step" and (self.place or mode == "ema" or self.base == "eplb")
+        # per-step copies of other ranks' experts (held to the next refresh: @ema replicas of the in-node policies,
+        # a +place bank, EPLB's replicas), which take their holder's requires_grad flags: the forward agrees the
+        # flags over the ranks that share copies (``_frozen_code``), a node's where the copies stay in it
+        ema_set = mode == "ema" and self.base in INTRA_NODE_BASES
+        self._copies_per_step = c.weights == "per-step" and (self.place or ema_set or self.base == "eplb")
+        self._frozen_within = c.gpus_per_node if not (self.place or self.base == "eplb") else 0
         self.in_node_policy = self.base in INTRA_NODE_BASES or self.base == "none"
         self.direct = self.base in DIRECT_BASES
         self.topo = Topology(num_ranks=W, gpus_per_node=c.gpus_per_node, num_experts=c.num_experts,
@@ -886,14 +889,15 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if problem is not None:
             raise problem[0](problem[1])
         return read_counts(gathered.numpy(), self.placement.slots_WS,
-                           balance=self.base != "none" and self.world_size > 1, min_straggler=self._min_straggler)
+                           balance=self.base != "none" and self.world_size > 1, min_straggler=self._min_straggler,
+                           frozen_within=self._frozen_within)
 
     def _frozen_code(self) -> int:
         """The counts row's FROZEN field: 0 where the layer keeps no per-step copies of other ranks' experts, else a
         nonzero digest of which of this rank's expert parameters require grad (a copy takes its holder's flags,
-        ``Replicas.sync_requires`` and ``Replicas._keep``, so the ranks must freeze alike: ``read_counts``); 0 also
-        without autograd, whose forward makes no gradient (every rank's CALLS field says whether it records)."""
-        if not self._copies_per_step or not torch.is_grad_enabled():
+        ``Replicas.sync_requires`` and ``Replicas._keep``, so the ranks must freeze alike: ``read_counts``). Also
+        without autograd: a reentrant checkpoint's forward runs without it, and its recompute compares nothing."""
+        if not self._copies_per_step:
             return 0
         req = self.replicas.requires()
         key = self.__dict__.get("_frozen_key")

@@ -270,20 +270,36 @@ def read_step(gathered: np.ndarray) -> None:
             "attaching it, zero them and run the step again from its backward")
 
 
-def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float) -> Counts:
+def _frozen_apart(gathered: np.ndarray, within: int) -> tuple[list[int], list[list[int]]] | None:
+    """The first block of ranks whose FROZEN fields differ (the ranks, and them grouped by that field), or None:
+    blocks of ``within`` consecutive ranks (a node's, where per-step copies stay in their node), or the whole group
+    (``within`` 0)."""
+    frozen = gathered[:, FROZEN]
+    n = within or len(frozen)
+    for start in range(0, len(frozen), n):
+        block = frozen[start:start + n]
+        if (block != block[0]).any():
+            return list(range(start, start + len(block))), [[start + r for r in g] for g in _ranks_by(block)]
+    return None
+
+
+def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float,
+                frozen_within: int = 0) -> Counts:
     """Read the all-gathered rows (int64 [W, len(HEADER) + E + padding]: this rank's routing flags (1: NaN or inf,
     2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs, how it
     calls it (bits: 1 training mode, 2 autograd on, 4 ``forward_dispatched``, 8 saved-tensor hooks active with
     autograd on, 16 inside a reentrant checkpoint whose inputs need grad), the digest of its slow decisions,
     the optimizer steps taken of its experts, whether it dropped the experts' gradients while per-step copies held
-    theirs, a digest of which of its expert parameters require grad (0 where the layer keeps no per-step copies);
+    theirs, a digest of which of its expert parameters require grad (0 where the layer keeps no per-step copies of
+    other ranks' experts);
     then the counts per flat slot), raising on every rank together when any rank reported a problem or the
     ranks run different layers, in different modes, from different histories, after different numbers of
     optimizer steps or with experts frozen apart. The header comes first, so the layer numbers are read alike
     whatever layer (and number of experts) each rank runs.
 
     slots_WS: int64 [W, L] the experts at home on each GPU. balance: the policy balances (and W > 1).
-    min_straggler: rows of token straggler below which balancing is not worth it.
+    min_straggler: rows of token straggler below which balancing is not worth it. frozen_within: the ranks whose
+    FROZEN fields must agree: blocks of that many consecutive ranks (a node's), or all of them (0).
     """
     W, L = slots_WS.shape
     E = W * L
@@ -292,7 +308,7 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     # about twenty small numpy reductions). Otherwise the checks below run in full and raise as they always did.
     head = gathered[:, :len(HEADER)]
     if not (head[:, _ZERO_COLS].any() or (head[:, _EQUAL_COLS] != head[0, _EQUAL_COLS]).any()
-            or head[0, LAYER] < 0):
+            or head[0, LAYER] < 0 or (head[:, FROZEN].any() and _frozen_apart(gathered, frozen_within))):
         return _counts(gathered, slots_WS, W, L, balance=balance, min_straggler=min_straggler)
     layers = gathered[:, LAYER]
     if (layers < 0).any():      # ranks in a call between the backward and this forward that this rank skipped
@@ -338,15 +354,17 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             f"MoELayer: the EP ranks plan from different balancing state (policy history and placement), EP ranks "
             f"grouped by what they hold: {_ranks_by(digests)}; every rank must run the same forwards in the "
             "same mode and restore the same PolicyState")
-    frozen = gathered[:, FROZEN]
-    if (frozen != frozen[0]).any():
+    apart = _frozen_apart(gathered, frozen_within)
+    if apart is not None:
         raise RuntimeError(
-            f"MoELayer: the EP ranks' expert parameters differ in which of them require grad (EP ranks grouped by "
-            f"their experts' requires_grad flags: {_ranks_by(frozen)}), and this layer keeps per-step copies of "
-            "experts on other ranks (weights='per-step' with an @ema, +place or eplb policy): a copy takes its "
-            "holder's flags, so the share of a trainable expert's gradient computed on a rank whose own experts are "
-            "frozen would be lost. Freeze (requires_grad_) the expert parameters alike on every EP rank, or use "
-            "weights='per-microbatch', whose copies return their gradients to the owners as they are")
+            f"MoELayer: the EP ranks' expert parameters differ in which of them require grad (EP ranks "
+            f"{apart[0]} grouped by their experts' requires_grad flags: {apart[1]}), and this layer keeps per-step "
+            "copies of experts on other ranks (weights='per-step' with feplb, feplb-split or lp @ema, +place or "
+            "eplb): a copy takes its holder's flags, so the share of a trainable expert's gradient computed on a "
+            "rank whose own experts are frozen would be lost. Freeze (requires_grad_) the expert parameters alike "
+            "on every EP rank (the same local parameters: with weights='per-step' a rank cannot freeze experts the "
+            "others train), or use weights='per-microbatch', whose copies return their gradients to the owners as "
+            "they are (there experts frozen on some ranks only train as in plain EP)")
     input_ranks = np.nonzero(gathered[:, PROBLEM])[0].tolist()
     if input_ranks:
         raise ValueError(f"MoELayer: EP rank(s) {input_ranks} refused this forward (a malformed input, or what "
@@ -389,9 +407,10 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     return _counts(gathered, slots_WS, W, L, balance=balance, min_straggler=min_straggler)
 
 
-# header columns that are 0 on every rank, and columns equal on every rank, when nothing is wrong (read_counts)
+# header columns that are 0 on every rank, and columns equal on every rank, when nothing is wrong (read_counts; and
+# FROZEN equal over the ranks that share per-step copies: _frozen_apart)
 _ZERO_COLS = [FLAGS, STALE, PROBLEM, DROPPED]
-_EQUAL_COLS = [LAYER, CALLS, DIGEST, STEPS, FROZEN]
+_EQUAL_COLS = [LAYER, CALLS, DIGEST, STEPS]
 
 
 def _counts(gathered: np.ndarray, slots_WS: np.ndarray, W: int, L: int, *, balance: bool,

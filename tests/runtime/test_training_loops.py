@@ -16,8 +16,8 @@ GPUs: each is refused on every rank at the next forward, or trains as plain EP d
   overflow one rank alone saw; or the loop's own condition): the ranks in the step and the one in the next forward
   meet in the step's handshake and raise together, instead of stalling until the process group's timeout; a
   GradScaler not attached with it is refused at its first step on every rank;
-* expert parameters frozen on one rank only, under per-step copies (which take their holder's flags): refused on
-  every rank at the training forward; per-micro-batch copies train as plain EP.
+* expert parameters frozen on some ranks only, under per-step copies (which take their holder's flags) across them:
+  refused on every rank at the forward; layers without such copies train as plain EP.
 """
 
 from __future__ import annotations
@@ -970,13 +970,18 @@ def test_lazy_replicas_first_step_in_place_change_is_refused():
 
 
 def _frozen_apart_worker(rank, world):
-    """Expert parameters frozen on one rank only (rank 1's w2: "freeze experts 2 and 3", which live there). A per-step
-    copy of another rank's expert takes its holder's requires_grad flags, so rank 1's copies of GPU 0's hot experts
-    made no gradient, and their owner's w2 gradient silently lacked rank 1's share. Now the training forward of a
-    layer that keeps per-step copies (eager and lazy @ema replicas, EPLB's replicas, a +place bank) is refused on
-    every rank, naming the ranks by their flags; a forward without autograd is not (it makes no gradient), and once
-    the ranks freeze alike the layer trains as plain EP. With weights='per-microbatch' the copies return their
-    gradients to the owners as they are: frozen apart, it trains as plain EP."""
+    """Expert parameters frozen on some ranks only ("one": rank 1's w2, "freeze experts 2 and 3", which live there;
+    "node": ranks 2 and 3's, node 1's). A per-step copy of another rank's expert takes its holder's requires_grad
+    flags, so rank 1's copies of GPU 0's hot experts made no gradient, and their owner's w2 gradient silently lacked
+    rank 1's share. Now a forward of a layer that keeps per-step copies across the frozen boundary (eager and lazy
+    @ema replicas inside a node, EPLB's replicas and a +place bank across nodes) is refused on every rank, with
+    autograd or without (a reentrant checkpoint's forward runs without it); once the ranks freeze alike the layer
+    trains as plain EP. Layers without such copies train as plain EP, frozen apart: in-node @ema copies with whole
+    nodes frozen, fastermoe@ema (which keeps none), per-micro-batch weights (whose copies return their gradients
+    to the owners as they are)."""
+    from torch.utils.checkpoint import checkpoint
+
+    frozen = {"one": rank == 1, "node": rank >= 2, "alike": False}
     res = {}
 
     def grads(m, x):
@@ -986,41 +991,53 @@ def _frozen_apart_worker(rank, world):
         return [None if p.grad is None else p.grad.clone() for p in (m.w1, m.w2)], m.last_stats.rows_moved
 
     x = _x(rank, 0).double()
-    base = _layer("none", dtype=torch.float64)
-    base.w2.requires_grad_(rank != 1)
-    res["none", "apart"] = grads(base, x)[0]
-    base.w2.grad = base.w1.grad = None
-    base.w2.requires_grad_(True)
-    res["none", "alike"] = grads(base, x)[0]
-    base.close()
-    for policy, kw in (("feplb-split@ema", {}), ("feplb@ema", {"replicas": "lazy"}), ("eplb", {}),
-                       ("feplb-split+place", {}), ("feplb-split", {"weights": "per-microbatch"})):
+    for case in frozen:
+        base = _layer("none", dtype=torch.float64)
+        base.w2.requires_grad_(not frozen[case])
+        res["none", case] = grads(base, x)[0]
+        base.close()
+    for policy, kw, case, refused in (
+            ("feplb-split@ema", {}, "one", True), ("feplb@ema", {"replicas": "lazy"}, "one", True),
+            ("eplb", {}, "one", True), ("feplb-split+place", {}, "one", True), ("eplb", {}, "node", True),
+            ("feplb-split@ema", {}, "node", False), ("fastermoe@ema", {}, "one", False),
+            ("feplb-split", {"weights": "per-microbatch"}, "one", False)):
         m = _layer(policy, dtype=torch.float64, **kw)
-        m.w2.requires_grad_(rank != 1)
         with torch.no_grad():
-            m(_x(rank, 99).double())            # the history (no gradient: not refused)
+            m(_x(rank, 99).double())            # the history
         m.refresh_replicas()
-        if kw.get("weights") == "per-microbatch":
-            res[policy, "apart"] = grads(m, x)
-        else:
-            res[policy, "refused"] = error_of(lambda m=m: m(x))
+        m.w2.requires_grad_(not frozen[case])
+        if refused:
+            res[policy, case, "refused"] = error_of(lambda m=m: m(x))
+            res[policy, case, "refused without autograd"] = error_of(
+                lambda m=m: checkpoint(m, x.clone().requires_grad_(), use_reentrant=True))
             m.w2.requires_grad_(True)           # frozen alike (none): trains as plain EP
-            res[policy, "alike"] = grads(m, x)
+            case = "alike"
+        res[policy, case] = grads(m, x)
         m.close()
     return res
 
 
-def test_experts_frozen_on_one_rank_only():
+def test_experts_frozen_on_some_ranks_only():
     res = run_dist(_frozen_apart_worker, W, timeout_s=240, collective_timeout_s=60)
     for rank, r in enumerate(res):
-        for policy in ("feplb-split@ema", "feplb@ema", "eplb", "feplb-split+place"):
-            err = r[policy, "refused"]
-            assert err is not None and err.startswith("RuntimeError") and "differ in which of them require grad" \
-                in err and "[[0, 2, 3], [1]]" in err and "weights='per-microbatch'" in err, (rank, policy, err)
-        for policy, case in (("feplb-split@ema", "alike"), ("feplb@ema", "alike"), ("eplb", "alike"),
-                             ("feplb-split+place", "alike"), ("feplb-split", "apart")):
-            got, moved = r[policy, case]
-            assert sum(x[policy, case][1] for x in res) > 0, (policy, case, "rows must move")
+        for policy, case in (("feplb-split@ema", "one"), ("feplb@ema", "one"), ("eplb", "one"),
+                             ("feplb-split+place", "one"), ("eplb", "node")):
+            # (the in-node policies' copies stay in their node: its ranks are compared, the others' across nodes)
+            groups = {("one", True): "EP ranks [0, 1] grouped by their experts' requires_grad flags: [[0], [1]]",
+                      ("one", False): "EP ranks [0, 1, 2, 3] grouped by their experts' requires_grad flags: "
+                                      "[[0, 2, 3], [1]]",
+                      ("node", False): "EP ranks [0, 1, 2, 3] grouped by their experts' requires_grad flags: "
+                                       "[[0, 1], [2, 3]]"}[case, "@ema" in policy]
+            for how in ("refused", "refused without autograd"):
+                err = r[policy, case, how]
+                assert err is not None and err.startswith("RuntimeError") and "differ in which of them require " \
+                    "grad" in err and groups in err and "weights='per-microbatch'" in err, (rank, policy, case, err)
+        trained = [(p, "alike") for p in ("feplb-split@ema", "feplb@ema", "eplb", "feplb-split+place")] + \
+            [("feplb-split@ema", "node"), ("fastermoe@ema", "one"), ("feplb-split", "one")]
+        for policy, case in trained:
+            got, _ = r[policy, case]
+            if policy != "fastermoe@ema":
+                assert sum(x[policy, case][1] for x in res) > 0, (policy, case, "rows must move")
             for name, a, b in zip(("w1", "w2"), got, r["none", case], strict=True):
                 assert (a is None) == (b is None), (rank, policy, case, name)
                 if a is not None:
