@@ -683,8 +683,13 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                                        "than its first run's (weights='per-microbatch' with '+place'); use "
                                        "weights='per-step', or do not compile the checkpointed block")
             entry = ForwardEntry() if torch.is_grad_enabled() else None
+            rows = self._valid(x_MD, replay.counts)
+            if dispatched and entry is not None:
+                # as the forward's (below): rows that need no grad of their own need it here too, through the expert
+                # parameters, so that the recompute records (and saves for its backward) what the forward did
+                rows = _entered_rows(entry, rows, *self.expert_params())
             with entered_through(entry):
-                y_MD = self._padded(self._replay(self._valid(x_MD, replay.counts), replay), x_MD)
+                y_MD = self._padded(self._replay(rows, replay), x_MD)
             if entry is not None and y_MD.requires_grad:
                 y_MD.register_hook(entry.arrived)
             return y_MD
