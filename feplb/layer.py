@@ -690,6 +690,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                 rows = _entered_rows(entry, rows, *self.expert_params())
             with entered_through(entry):
                 y_MD = self._padded(self._replay(rows, replay), x_MD)
+            self._watch_backward_flags(y_MD)
             if entry is not None and y_MD.requires_grad:
                 y_MD.register_hook(entry.arrived)
             return y_MD
@@ -721,6 +722,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             # the backward of the reverse all-to-all (on a GPU, beside it where the copy path allows: feplb.recopy)
             p2.recopy.start_at(y_MD)
         y_MD = self._restricted(self._padded(y_MD, x_all))
+        self._watch_backward_flags(y_MD)
         if entry is not None and y_MD.requires_grad:
             y_MD.register_hook(entry.arrived)   # (the last hook on it: it runs before any node of the layer's)
         self._observe(counts, p2)
@@ -896,6 +898,44 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         return read_counts(gathered.numpy(), self.placement.slots_WS,
                            balance=self.base != "none" and self.world_size > 1, min_straggler=self._min_straggler,
                            frozen_within=self._frozen_within)
+
+    def _watch_backward_flags(self, y_MD: torch.Tensor) -> None:
+        """Where the layer keeps per-step copies across ranks, note this rank's expert parameters' requires_grad
+        flags when y_MD's gradient arrives (every backward of the layer starts there, on every rank): the copies'
+        gradient hook masks with the flags then (``Replicas._keep``), so a rank that froze its experts between a
+        forward and its backward while others did not would lose its copies' share of that backward silently; the
+        reduction agrees the noted flags over the ranks that share copies (``_backward_flags_apart``)."""
+        if not self._copies_per_step or not y_MD.requires_grad:
+            return
+        me = weakref.ref(self)
+
+        def note(_grad: torch.Tensor) -> None:
+            layer = me()
+            if layer is not None:
+                rep = layer.replicas
+                rep.backward_flags = args_digest((rep.backward_flags,) + rep.requires())
+
+        y_MD.register_hook(note)
+
+    def _backward_flags_vector(self) -> torch.Tensor:
+        """int64 [2 x blocks] for the reduction's MIN over the group (``Replicas.agree``): for this rank's block of
+        ranks sharing copies (its node, or the whole group), the noted flags and their negation; for the others the
+        largest int64 (ignored by the MIN). Empty where the layer keeps no per-step copies across ranks."""
+        if not self._copies_per_step:
+            return torch.zeros(0, dtype=torch.int64)
+        n = self._frozen_within or self.world_size
+        out = torch.full((2 * (self.world_size // n),), torch.iinfo(torch.int64).max, dtype=torch.int64)
+        b = self.rank // n
+        code = self.replicas.backward_flags
+        out[2 * b], out[2 * b + 1] = code, -code
+        return out
+
+    def _backward_flags_apart(self, agreed: torch.Tensor) -> list[list[int]]:
+        """The blocks of ranks (as rank lists) whose noted backward flags differ, from the MIN of
+        ``_backward_flags_vector`` over the group."""
+        n = self._frozen_within or self.world_size
+        pairs = agreed.view(-1, 2).tolist()
+        return [list(range(b * n, b * n + n)) for b, (lo, neg_hi) in enumerate(pairs) if lo != -neg_hi]
 
     def _frozen_code(self) -> int:
         """The counts row's FROZEN field: 0 where the layer keeps no per-step copies of other ranks' experts, else a

@@ -155,6 +155,9 @@ class Replicas:
         # indices into expert_params() of those that required grad when a backward reached the copies, since the
         # last reduction (the copies' gradient hook, _watch)
         self.trained: set[int] = set()
+        # the expert parameters' requires_grad flags at every backward of the layer since the last reduction, as one
+        # running digest (MoELayer._note_backward_flags): the ranks sharing copies must agree on it at the reduction
+        self.backward_flags = 0
         self.stepped = False          # an optimizer stepped the owner's parameters since the last refresh
         self._versions: tuple[int, ...] = ()
         self._requires: tuple[bool, ...] = ()   # the owner's parameters' requires_grad at the last refresh
@@ -245,6 +248,7 @@ class Replicas:
         whose gradients the training loop discards must not reach the owners at the next reduction; nor do they
         count as trained any more (``trained``: a backward sets it)."""
         self.trained = set()
+        self.backward_flags = 0
         for w in self._held():
             w.grad = None
             w._feplb_grad32 = None
@@ -311,7 +315,8 @@ class Replicas:
         parameter that requires grad, 0 where from a frozen one (the layer's ``_join`` of 0 / 1 tensors shaped as
         its parameters, where it derives its weights from them; made once per set of flags). Read off this rank's
         parameters (``req``: their ``requires()`` now), as the copies' requires_grad is: the ranks freeze alike (a
-        training forward with the ranks' flags apart is refused on every rank: ``MoELayer._frozen_code``)."""
+        forward with the ranks' flags apart is refused on every rank, ``MoELayer._frozen_code``, and a reduction
+        after a backward that ran with them apart, ``MoELayer._watch_backward_flags``)."""
         if all(req):
             return None
         lay = self._layer()

@@ -663,8 +663,21 @@ class TrainingSteps:
         # one collective agrees on all: whether any copy holds a gradient, whether the owners' gradients are as the
         # backward left them, and which copies a forward used
         rep = self.replicas
+        frozen = self._backward_flags_vector()
+        nf = 1 + frozen.numel()
         clean, flags = rep.agree("reduce_replica_grads", torch.cat([
-            torch.tensor([int(not self._grads_dropped())], dtype=torch.int64), rep.idle_flags(self.placement)]))
+            torch.tensor([int(not self._grads_dropped())], dtype=torch.int64), frozen,
+            rep.idle_flags(self.placement)]))
+        apart = self._backward_flags_apart(flags[1:nf]) if nf > 1 else []
+        if apart:
+            raise RuntimeError(
+                f"MoELayer.reduce_replica_grads: the expert parameters of EP ranks {apart[0]} differed in which of "
+                "them require grad at a backward of this step (some rank froze or unfroze its experts between a "
+                "forward and its backward, the others not), and this layer keeps per-step copies of experts across "
+                "those ranks: a copy's gradient follows its holder's flags, so a share of a trainable expert's "
+                "gradient was lost. Nothing was reduced or stepped. Discard the step's gradients (zero_grad() of an "
+                "attached optimizer, or layer.zero_grad()) and run it again with the experts frozen alike on every "
+                "EP rank, or use weights='per-microbatch'")
         if clean:
             return                      # no rank's copies hold a gradient
         if refuse_held is not None:
@@ -678,7 +691,7 @@ class TrainingSteps:
                 "feplb.clip_grad_norm_(model, ...) (it reduces), or layer.reduce_replica_grads() before "
                 "clip_grad_value_ or any scaling; here zero the gradients (an attached optimizer's zero_grad(), "
                 "layer.zero_grad()) and run the step again from its backward")
-        rep.reduce_grads(self.placement, flags[1:])
+        rep.reduce_grads(self.placement, flags[nf:])
 
     @torch.no_grad()
     def average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None = None, *,

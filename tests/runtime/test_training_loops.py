@@ -17,7 +17,8 @@ GPUs: each is refused on every rank at the next forward, or trains as plain EP d
   meet in the step's handshake and raise together, instead of stalling until the process group's timeout; a
   GradScaler not attached with it is refused at its first step on every rank;
 * expert parameters frozen on some ranks only, under per-step copies (which take their holder's flags) across them:
-  refused on every rank at the forward; layers without such copies train as plain EP.
+  refused on every rank at the forward (frozen between a forward and its backward: at the reduction); layers
+  without such copies train as plain EP.
 """
 
 from __future__ import annotations
@@ -1042,3 +1043,58 @@ def test_experts_frozen_on_some_ranks_only():
                 assert (a is None) == (b is None), (rank, policy, case, name)
                 if a is not None:
                     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"{rank} {policy} {case} {name}")
+
+
+def _frozen_between_worker(rank, world):
+    """Experts frozen between a forward and its backward on some ranks only: the copies' gradient hook masks with its
+    holder's flags at the backward, so a rank freezing alone lost its copies' share of that backward. The reduction
+    now agrees the flags every rank noted at each backward, over the ranks sharing copies (a node's for the in-node
+    policies' @ema copies, the group's for eplb), and refuses on every rank, nothing reduced; after the step's
+    gradients are discarded the layer trains as plain EP. Frozen alike (all ranks, or a whole node under in-node
+    copies): trains as plain EP frozen the same way."""
+    cases = {"one": rank == 1, "node": rank >= 2, "all": True, "none": False}
+    x = _x(rank, 0).double()
+
+    def step(m, freeze):
+        y = m(x)
+        m.w2.requires_grad_(not freeze)           # frozen between the forward and its backward
+        (y ** 2).mean().backward()
+        err = error_of(m.reduce_replica_grads)
+        m.w2.requires_grad_(True)
+        return err, [None if p.grad is None else p.grad.clone() for p in (m.w1, m.w2)], m.last_stats.rows_moved
+
+    res = {}
+    for case in ("node", "all", "none"):
+        base = _layer("none", dtype=torch.float64)
+        res["none", case] = step(base, cases[case])[1]
+        base.close()
+    for policy, case in (("feplb-split@ema", "one"), ("eplb", "one"), ("feplb-split@ema", "node"),
+                         ("feplb-split@ema", "all")):
+        m = _layer(policy, dtype=torch.float64)
+        with torch.no_grad():
+            m(_x(rank, 99).double())            # the history
+        m.refresh_replicas()
+        res[policy, case] = step(m, cases[case])
+        if case == "one":                       # discarded, then again frozen alike (not at all)
+            m.zero_grad()
+            res[policy, case, "again"] = step(m, False)
+        m.close()
+    return res
+
+
+def test_experts_frozen_between_forward_and_backward_on_some_ranks_only():
+    res = run_dist(_frozen_between_worker, W, timeout_s=240, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        for policy, ranks in (("feplb-split@ema", [0, 1]), ("eplb", [0, 1, 2, 3])):
+            err = r[policy, "one"][0]
+            assert err is not None and err.startswith("RuntimeError") and f"EP ranks {ranks} differed in which" \
+                in err and "Nothing was reduced" in err, (rank, policy, err)
+        for key, want in ((("feplb-split@ema", "one", "again"), "none"), (("eplb", "one", "again"), "none"),
+                          (("feplb-split@ema", "node"), "node"), (("feplb-split@ema", "all"), "all")):
+            err, got, _ = r[key]
+            assert err is None, (rank, key, err)
+            assert sum(x[key][2] for x in res) > 0, (key, "rows must move")
+            for name, a, b in zip(("w1", "w2"), got, r["none", want], strict=True):
+                assert (a is None) == (b is None), (rank, key, name)
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"{rank} {key} {name}")
