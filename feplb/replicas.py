@@ -156,7 +156,7 @@ class Replicas:
         # last reduction (the copies' gradient hook, _watch)
         self.trained: set[int] = set()
         # the expert parameters' requires_grad flags at every backward of the layer since the last reduction, as one
-        # running digest (MoELayer._note_backward_flags): the ranks sharing copies must agree on it at the reduction
+        # running digest (MoELayer._watch_backward_flags): the ranks sharing copies must agree on it at the reduction
         self.backward_flags = 0
         self.stepped = False          # an optimizer stepped the owner's parameters since the last refresh
         self._versions: tuple[int, ...] = ()

@@ -669,15 +669,18 @@ class TrainingSteps:
             torch.tensor([int(not self._grads_dropped())], dtype=torch.int64), frozen,
             rep.idle_flags(self.placement)]))
         apart = self._backward_flags_apart(flags[1:nf]) if nf > 1 else []
+        # (every rank passes here together, also where nothing is reduced: the next reduction compares the backwards
+        # after this one only, whatever a rank's local zero_replica_grads() reset meanwhile)
+        rep.backward_flags = 0
         if apart:
             raise RuntimeError(
                 f"MoELayer.reduce_replica_grads: the expert parameters of EP ranks {apart[0]} differed in which of "
-                "them require grad at a backward of this step (some rank froze or unfroze its experts between a "
-                "forward and its backward, the others not), and this layer keeps per-step copies of experts across "
-                "those ranks: a copy's gradient follows its holder's flags, so a share of a trainable expert's "
-                "gradient was lost. Nothing was reduced or stepped. Discard the step's gradients (zero_grad() of an "
-                "attached optimizer, or layer.zero_grad()) and run it again with the experts frozen alike on every "
-                "EP rank, or use weights='per-microbatch'")
+                "them require grad at a backward since the last reduction (some rank froze or unfroze its experts "
+                "between a forward and its backward, the others not), and this layer keeps per-step copies of experts "
+                "across those ranks: a copy's gradient follows its holder's flags, so a share of an expert's "
+                "gradient was lost or left. Nothing was reduced or stepped. Discard the step's gradients (zero_grad() "
+                "of an attached optimizer, or layer.zero_grad()) and run it again with the experts frozen alike on "
+                "every EP rank, or use weights='per-microbatch'")
         if clean:
             return                      # no rank's copies hold a gradient
         if refuse_held is not None:

@@ -1079,6 +1079,19 @@ def _frozen_between_worker(rank, world):
             m.zero_grad()
             res[policy, case, "again"] = step(m, False)
         m.close()
+    # a reduction with nothing to reduce (the input's gradient only), then a rank's own zero_replica_grads(), which is
+    # local: the next step is not refused (each reduction starts the comparison afresh on every rank)
+    m = _layer("feplb-split@ema", dtype=torch.float64)
+    with torch.no_grad():
+        m(_x(rank, 99).double())
+    m.refresh_replicas()
+    xg = x.clone().requires_grad_()
+    torch.autograd.grad((m(xg) ** 2).mean(), xg)
+    m.reduce_replica_grads()
+    if rank == 0:
+        m.zero_replica_grads()
+    res["feplb-split@ema", "local zero"] = step(m, False)
+    m.close()
     return res
 
 
@@ -1090,7 +1103,8 @@ def test_experts_frozen_between_forward_and_backward_on_some_ranks_only():
             assert err is not None and err.startswith("RuntimeError") and f"EP ranks {ranks} differed in which" \
                 in err and "Nothing was reduced" in err, (rank, policy, err)
         for key, want in ((("feplb-split@ema", "one", "again"), "none"), (("eplb", "one", "again"), "none"),
-                          (("feplb-split@ema", "node"), "node"), (("feplb-split@ema", "all"), "all")):
+                          (("feplb-split@ema", "node"), "node"), (("feplb-split@ema", "all"), "all"),
+                          (("feplb-split@ema", "local zero"), "none")):
             err, got, _ = r[key]
             assert err is None, (rank, key, err)
             assert sum(x[key][2] for x in res) > 0, (key, "rows must move")
