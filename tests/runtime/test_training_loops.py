@@ -1112,3 +1112,46 @@ def test_experts_frozen_between_forward_and_backward_on_some_ranks_only():
                 assert (a is None) == (b is None), (rank, key, name)
                 if a is not None:
                     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"{rank} {key} {name}")
+
+
+def _unfrozen_before_reduction_worker(rank, world):
+    """w2 frozen at a step's forward on every rank and unfrozen alike before the reduction (between the forward and
+    its backward, or after the backward): plain EP leaves its gradient None (the forward's graph never had it), and
+    an optimizer with momentum does not move it. Before, the reduction added the copies' (zero) share into it, and the
+    step moved it by the momentum (up to 3.8e-2); now it keeps none, as in plain EP."""
+    res = {}
+    for when in ("before backward", "after backward"):
+        for policy in ("none", "feplb-split@ema", "eplb", "feplb-split+place"):
+            m = _layer(policy, dtype=torch.float64)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+            m.attach_optimizer(opt)
+            with torch.no_grad():
+                m(_x(rank, 99).double())
+            m.refresh_replicas()
+            (m(_x(rank, 0).double()) ** 2).mean().backward()     # every expert trains: momentum buffers
+            opt.step()
+            opt.zero_grad()
+            m.w2.requires_grad_(False)                           # frozen at the forward
+            y = m(_x(rank, 1).double())
+            if when == "before backward":
+                m.w2.requires_grad_(True)
+            (y ** 2).mean().backward()
+            m.w2.requires_grad_(True)
+            opt.step()
+            res[when, policy] = (m.w2.grad is None, m.w1.detach().clone(), m.w2.detach().clone(),
+                                 m.last_stats.rows_moved)
+            m.close()
+    return res
+
+
+def test_experts_unfrozen_before_the_reduction_keep_no_gradient():
+    res = run_dist(_unfrozen_before_reduction_worker, W, timeout_s=240, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        for when in ("before backward", "after backward"):
+            assert r[when, "none"][0], (rank, when, "plain EP leaves w2's gradient None")
+            for policy in ("feplb-split@ema", "eplb", "feplb-split+place"):
+                none_grad, w1, w2, _ = r[when, policy]
+                assert none_grad, (rank, when, policy)
+                assert sum(x[when, policy][3] for x in res) > 0, (when, policy, "rows must move")
+                torch.testing.assert_close(w1, r[when, "none"][1], rtol=1e-9, atol=1e-12)
+                torch.testing.assert_close(w2, r[when, "none"][2], rtol=1e-9, atol=1e-12)
