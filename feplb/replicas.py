@@ -298,10 +298,7 @@ class Replicas:
                 # the expert parameters a backward reached the copies while they required grad (``trained``: a
                 # forward alone, an evaluation with autograd on, trains nothing, as in plain EP)
                 req = rep.requires()
-                # (and required it when the copies were last made or synced, at the forward: one unfrozen between a
-                # forward and its backward was not in that forward's graph, and trains nothing, as in plain EP)
-                fwd = rep._requires
-                rep.trained.update(i for i, r in enumerate(req) if r and (len(fwd) != len(req) or fwd[i]))
+                rep.trained.update(i for i, r in enumerate(req) if r)
                 # (every expert parameter requiring grad: the common case, one look at a few flags)
                 keep = rep._keep(part, rows, req)
                 return grad if keep is None else grad * keep.to(grad.dtype)
@@ -531,25 +528,15 @@ class Replicas:
         # requires_grad on for the addition only); so is one without a gradient that required grad when a backward
         # reached the copies since the last reduction (a +place bank, which the GEMMs read instead of the owners'
         # parameters, holds all of the step's gradient until now); one frozen all along gets none
-        params = list(lay.expert_params())
-        frozen = [p for i, p in enumerate(params) if not p.requires_grad and (p.grad is not None or i in self.trained)]
-        # and one that requires grad now without a gradient, which no backward reached while it required grad (frozen
-        # at every backward since the last reduction, unfrozen since, on every rank alike: the copies' share of it is
-        # zero) keeps none, as in plain EP: a zero gradient would be stepped (momentum, weight decay moving it). (Not
-        # one with a main-grad buffer, Megatron's DDP: its gradient is there, never in .grad.)
-        untouched = [p for i, p in enumerate(params) if p.requires_grad and p.grad is None and i not in self.trained
-                     and not hasattr(p, "main_grad")]
+        frozen = [p for i, p in enumerate(lay.expert_params())
+                  if not p.requires_grad and (p.grad is not None or i in self.trained)]
         for p in frozen:
             p.requires_grad_(True)
-        for p in untouched:
-            p.requires_grad_(False)
         try:
             self._reduce(placement, pairs)
         finally:
             for p in frozen:
                 p.requires_grad_(False)
-            for p in untouched:
-                p.requires_grad_(True)
 
     def _reduce(self, placement: Placement, pairs: list[tuple[int, int]]) -> None:
         lay = self._layer()
