@@ -276,11 +276,12 @@ def _frozen_apart(gathered: np.ndarray, within: int) -> tuple[list[int], list[li
     (``within`` 0)."""
     frozen = gathered[:, FROZEN]
     n = within or len(frozen)
-    for start in range(0, len(frozen), n):
-        block = frozen[start:start + n]
-        if (block != block[0]).any():
-            return list(range(start, start + len(block))), [[start + r for r in g] for g in _ranks_by(block)]
-    return None
+    blocks = frozen.reshape(-1, n)       # (the forward's fast path: one comparison, however many nodes)
+    apart = np.flatnonzero((blocks != blocks[:, :1]).any(axis=1))
+    if not apart.size:
+        return None
+    start = int(apart[0]) * n
+    return list(range(start, start + n)), [[start + r for r in g] for g in _ranks_by(frozen[start:start + n])]
 
 
 def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float,
