@@ -257,8 +257,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         L = self.num_local = c.num_experts // W
         self.base, self.place, mode = parse_policy(c.policy)
         # per-step copies of other ranks' experts (held to the next refresh: @ema replicas of the in-node policies,
-        # a +place bank, EPLB's replicas), which take their holder's requires_grad flags: the forward agrees the
-        # flags over the ranks that share copies (``_frozen_code``), a node's where the copies stay in it
+        # a +place bank, EPLB's replicas), whose share follows their holder's requires_grad flags: the forward agrees
+        # the flags over the ranks that share copies (``_frozen_code``), a node's where the copies stay in it
         ema_set = mode == "ema" and self.base in INTRA_NODE_BASES
         self._copies_per_step = c.weights == "per-step" and (self.place or ema_set or self.base == "eplb")
         self._frozen_within = c.gpus_per_node if not (self.place or self.base == "eplb") else 0
@@ -415,7 +415,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
     def _weights_of(self, slot_w) -> Callable[[int], tuple[torch.Tensor, ...]]:
         """This rank's weights of an expert e (views, one per part): a slot, a per-step replica, or its own
         parameters (read when asked for)."""
-        return self._lookup(slot_w.parts, self.replicas.replica_bank, self.expert_weights,
+        return self._lookup(slot_w.parts, self.replicas.view(self.replicas.replica_bank), self.expert_weights,
                             self.replicas.mark_used)
 
     def _send_weights(self, slot_w) -> Callable[[int], tuple[torch.Tensor, ...]]:
@@ -732,6 +732,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             self._records.add(Record(kind=kind, placement=placement, slot_of_E=slot_of_E, plan_state=plan_state,
                                      counts=counts, direct=direct, plan=None if p2.fell_back else p2.result.plan,
                                      fell_back=p2.fell_back, generation=self.replicas.generation,
+                                     requires=self.replicas.forward_requires(),
                                      frame=None if frame is None else weakref.ref(frame), dispatched=dispatched))
         return y_MD
 
@@ -824,8 +825,13 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
     def _replay(self, x_MD: torch.Tensor, rec: Record) -> torch.Tensor:
         """Execute a recorded forward again: its placement, policy state, counts and plan (or fallback); the same
         collectives in the same order on every rank, no planning, no agreement, no history update."""
+        if rec.kind == "hooks":
+            self._check_recompute_flags(rec.requires)
         saved = self.placement, self._slot_of_E, self._plan_state
         self.placement, self._slot_of_E, self._plan_state = rec.placement, rec.slot_of_E, rec.plan_state
+        # a non-reentrant checkpoint's recompute refills what its forward's graph saves: the per-step copies are
+        # taken with that forward's flags; a reentrant one's builds the graph the backward runs, with the flags now
+        self.replicas.begin_forward(rec.requires if rec.kind == "hooks" else None)
         try:
             if rec.direct:
                 y_MD, _ = forward_direct(self, x_MD, rec.counts, None, replay_plan=rec.plan)
@@ -834,6 +840,30 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         finally:
             self.placement, self._slot_of_E, self._plan_state = saved
         return y_MD
+
+    def _check_recompute_flags(self, requires: tuple[bool, ...]) -> None:
+        """Raise where the expert parameters' requires_grad flags changed, between a non-reentrant checkpoint's
+        forward (``requires``) and its recompute, in a way that changes which of the experts' weights the GEMMs
+        take with autograd: the recompute would save other tensors than its forward, which torch's checkpoint
+        refuses for any module (plain EP's too), but only once it sees them, maybe on some ranks after the layer's
+        first collective. Here every rank that changed its flags alike raises before any collective of the
+        recompute (the ranks sharing per-step copies must change them alike, ``_frozen_code``)."""
+        rep = self.replicas
+        now = rep.requires()
+        if not requires or now == tuple(requires) or rep.part_requires(now) == rep.part_requires(tuple(requires)):
+            return
+        from torch.utils.checkpoint import CheckpointError
+
+        names = {id(p): n for n, p in self.named_parameters()}
+        changed = [f"{names.get(id(p), f'expert parameter {i}')} ({was} at the forward, {is_} now)"
+                   for i, (p, was, is_) in enumerate(zip(self.expert_params(), requires, now, strict=True))
+                   if was != is_]
+        raise CheckpointError(
+            "MoELayer: the experts' requires_grad flags changed between a non-reentrant activation checkpoint's "
+            f"forward and its recompute in this backward: {', '.join(changed)}. The recompute would save other "
+            "tensors than the forward did, which torch's checkpoint refuses for any module; change the flags "
+            "before the checkpointed forward or after its backward, or use a reentrant checkpoint, which builds "
+            "its graph at the recompute")
 
     def _slow_digest(self) -> int:
         """56 bits of the slow decisions this forward plans from (the adopted policy state, the placement): equal
@@ -872,7 +902,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                              torch.zeros(E, dtype=torch.int64)])
         # (row is on the host here: its first three entries read as Python ints, no tensor op per flag)
         flags, stale, skipped = row[:3].tolist()
-        self.replicas.sync_requires()
+        self.replicas.begin_forward()
         stale |= int(not self.replicas.fresh())
         if stale and not self.replicas.stepped:
             # (2: an optimizer attached to the layer, whose step refreshed the copies, is not the cause)
@@ -939,8 +969,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
 
     def _frozen_code(self) -> int:
         """The counts row's FROZEN field: 0 where the layer keeps no per-step copies of other ranks' experts, else a
-        nonzero digest of which of this rank's expert parameters require grad (a copy takes its holder's flags,
-        ``Replicas.sync_requires`` and ``Replicas._keep``, so the ranks must freeze alike: ``read_counts``). Also
+        nonzero digest of which of this rank's expert parameters require grad (a copy's share follows its holder's
+        flags, ``Replicas.view`` and ``Replicas._keep``, so the ranks must freeze alike: ``read_counts``). Also
         without autograd: a reentrant checkpoint's forward runs without it, and its recompute compares nothing."""
         if not self._copies_per_step:
             return 0

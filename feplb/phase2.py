@@ -383,7 +383,7 @@ def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, wei
             key = ("held", b)
             if key not in banks:
                 index = {x: i for x, (bb, i) in held.items() if bb == b}
-                banks[key] = (layer.replicas.held_banks[b], index, len(index))
+                banks[key] = (layer.replicas.view(layer.replicas.held_banks[b]), index, len(index))
         elif k is not None:
             src = copies[k][1]
             key = ("copy", src)
@@ -398,7 +398,7 @@ def hosted_gemm(layer, hosted: list[int], moves: tuple, copies: tuple, rows, wei
         elif e in layer.replicas.replica_of:
             key = "replica"
             layer.replicas.mark_used(e)
-            bank = layer.replicas.replica_bank
+            bank = layer.replicas.view(layer.replicas.replica_bank)
             banks[key] = (bank, layer.replicas.replica_of, bank[0].shape[0])
         elif e // layer.num_local == layer.rank:
             key = "own"

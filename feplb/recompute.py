@@ -185,8 +185,8 @@ class Record:
     by (``feplb.replicas.Placement``, its device map); plan_state: the policy state it planned from; counts: the
     gathered ``feplb.steps.Counts``; direct: it took the peers' direct path; plan: the plan it executed (None: none,
     or it fell back); fell_back: the node agreed to compute at home; generation: the per-step copies it computed
-    with (``Replicas.generation``); frame: a weak reference to the ``torch.utils.checkpoint`` frame it ran under
-    (:func:`checkpoint_frame`), or None."""
+    with (``Replicas.generation``); requires: the flags it took them with (``Replicas.forward_requires``); frame: a
+    weak reference to the ``torch.utils.checkpoint`` frame it ran under (:func:`checkpoint_frame`), or None."""
 
     kind: str
     placement: Any
@@ -199,6 +199,7 @@ class Record:
     generation: int = 0
     frame: Any = None                  # a weakref to the checkpoint frame it ran under (hooks records), or None
     dispatched: bool = False           # a forward_dispatched call (rows at home already, by local expert)
+    requires: tuple = ()               # the expert parameters' requires_grad flags it took per-step copies with
 
     def local_counts_E(self, rank: int) -> np.ndarray:
         """int64 [E]: the rows this rank sent to each expert in that forward."""

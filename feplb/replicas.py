@@ -13,8 +13,10 @@ Other GPUs hold copies of it when
   until the next refresh, and the plans after it find them resident.
 
 Per-step copies (held ones too) are leaves whose gradients accumulate over the step's micro-batches;
-``reduce_grads`` sends them to the owners once per step. Whatever a plan needs beyond these, ``Plan.weight_copies``
-copies per micro-batch.
+``reduce_grads`` sends them to the owners once per step. Each forward takes them through a node of its own that
+holds its expert parameters' requires_grad flags (``Replicas.view``), so that each backward trains through the
+copies what plain EP's graph of that forward trains: flags changed between forwards and backwards included.
+Whatever a plan needs beyond these, ``Plan.weight_copies`` copies per micro-batch.
 
 Staleness (per-step copies of weights the optimizer has changed) is detected without trusting version counters
 alone: fused and foreach optimizers write parameters without bumping them, so a global optimizer step hook marks
@@ -39,6 +41,7 @@ import torch
 
 from feplb.dispatch import Exchange
 from feplb.layout import Item, weight_items, weight_sends
+from feplb.recompute import outside_dispatch_modes
 
 __all__ = ["Placement", "Replicas", "SlotWeights", "state_digest"]
 
@@ -160,7 +163,10 @@ class Replicas:
         self.backward_flags = 0
         self.stepped = False          # an optimizer stepped the owner's parameters since the last refresh
         self._versions: tuple[int, ...] = ()
-        self._requires: tuple[bool, ...] = ()   # the owner's parameters' requires_grad at the last refresh
+        # the running forward's expert parameters' requires_grad flags and grad mode (begin_forward), and the banks
+        # as its graph takes them (view: bank id -> (bank, view))
+        self._fwd: tuple[tuple[bool, ...], bool] | None = None
+        self._views: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         # a sample of the owner's parameters' bits when the copies were made (the third check of staleness, for
         # writes nothing marks: through .data outside an optimizer, a master copy written back by hand), and
         # where it was taken: the parameters' _where and one index tensor per parameter
@@ -228,17 +234,61 @@ class Replicas:
             return torch.zeros(0, dtype=torch.uint8)
         return torch.cat([_bytes(torch.take(p.detach(), idx)) for p, idx in zip(params, places, strict=True)])
 
-    def sync_requires(self) -> None:
-        """Make the copies require grad where the owners' weights now do (experts frozen or unfrozen since the
-        refresh: a copy made while they were frozen would send no gradient back). Local; every forward."""
-        if not (self.pairs or self.lazy_pairs) or self._requires == self.requires():
-            return
-        req = tuple(w.requires_grad for w in self.own_weights())
-        for bank in [b for b in (self.replica_bank, self.slot_bank) if b is not None] + self.held_banks:
-            for j, (leaf, r) in enumerate(zip(bank, req, strict=True)):
-                if leaf.requires_grad != r:
-                    self._watch(leaf.requires_grad_(r), j, slot=bank is self.slot_bank)
-        self._requires = self.requires()
+    def begin_forward(self, requires: tuple[bool, ...] | None = None) -> None:
+        """Note the flags a forward starting now takes the per-step copies with: which expert parameters require
+        grad (``requires``: a recompute's forward's, recorded; else now) and whether autograd is on. Every forward
+        (and every replay of one) calls this before it reads a bank (:meth:`view`). Local."""
+        self._fwd = (tuple(requires) if requires else self.requires(), torch.is_grad_enabled())
+        self._views = {}
+
+    def forward_requires(self) -> tuple[bool, ...]:
+        """The flags the running forward takes the copies with (:meth:`begin_forward`), for its record."""
+        return self.requires() if self._fwd is None else self._fwd[0]
+
+    def view(self, bank: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...] | None:
+        """A bank of per-step copies (``replica_bank``, ``slot_bank``, one of ``held_banks``) as the running
+        forward's GEMMs take it. The copies are leaves that keep requiring grad from the refresh on, and each
+        forward takes them through a node of its own (:class:`_Gate`), which holds that forward's flags, as plain
+        EP's graph holds its parameters' flags from its forward: a part that no parameter requiring grad then
+        feeds is taken without a gradient, and the node's backward passes on only what comes from parameters that
+        required grad at the forward and still do at the backward (autograd leaves alone one frozen since). Flags
+        that change between the forwards of two micro-batches before their backwards then give each backward its
+        own forward's flags. Under ``no_grad`` the bank itself (no graph is made). One view per bank and forward."""
+        if bank is None:
+            return None
+        if self._fwd is None:
+            self.begin_forward()
+        req, grad = self._fwd
+        if not grad:
+            return bank
+        hit = self._views.get(id(bank))
+        if hit is not None and hit[0] is bank:
+            return hit[1]
+        diff = self.part_requires(req)
+        out = _gate(weakref.ref(self), self.generation, req, diff, bank) if any(diff) else \
+            tuple(t.detach() for t in bank)
+        self._views[id(bank)] = (bank, out)
+        return out
+
+    def part_requires(self, req: tuple[bool, ...]) -> tuple[bool, ...]:
+        """For each part of the experts' weights (``MoELayer.part_shapes``), whether a parameter requiring grad
+        under the flags ``req`` feeds it (where a layer joins several parameters into one part, torchtitan's
+        [w1 | w3], any of them). Cached per set of flags; read off the weights the layer derives when ``req`` are
+        the flags now, else off their masks (:meth:`_masks`)."""
+        n = len(self._layer().part_shapes)
+        if all(req):
+            return (True,) * n
+        if not any(req):
+            return (False,) * n
+        cache = self.__dict__.setdefault("_part_req", {})
+        hit = cache.get(req)
+        if hit is None:
+            if req == self.requires():
+                hit = tuple(w.requires_grad for w in self.own_weights())
+            else:
+                hit = tuple(bool(m.any()) for m in self._masks(req))
+            cache[req] = hit
+        return hit
 
     def grads_clean(self) -> bool:
         return not any(_grad(w) is not None for w in self._held())
@@ -261,76 +311,57 @@ class Replicas:
         rank), in a fixed order."""
         return sorted(set(self.pairs) | self.lazy_pairs)
 
-    def _watch(self, leaf: torch.Tensor, part: int, *, slot: bool = False) -> torch.Tensor:
-        """A per-step leaf, with a hook noticing a gradient that arrives after a refresh replaced it (a refresh
-        between a forward and its backward would otherwise lose that gradient silently). A bf16 / fp16 leaf sums
-        its micro-batches' gradients in fp32 (``_grad``), as the owner's fp32 parameters (mixed precision) or an
-        fp32 main-grad buffer do: summed in the leaf's own dtype, the most loaded experts', whose copies take
-        the most rows, would lose precision with every micro-batch of the step. part: which of the owner's
-        ``expert_weights()`` the leaf copies: the elements of a gradient that come from a parameter that no longer
-        requires grad (frozen between a forward and its backward, or, where a part joins several parameters, as
-        torchtitan's [w1 | w3] or Megatron's experts, since the step's earlier micro-batches) are taken as zero, as
-        autograd leaves a frozen parameter alone (``_keep``); the parameters that require grad then count as trained
-        (``trained``). slot: a leaf of the ``+place`` bank, which the GEMMs read instead of the owner's parameters:
-        each gradient it accumulates also gives those a zero gradient where they hold none
-        (``MoELayer._hold_zero_grads``)."""
-        if leaf.requires_grad:
-            gen, me = self.generation, weakref.ref(self)
-            if slot and not getattr(leaf, "_feplb_slot", False):
-                leaf._feplb_slot = True
+    def _watch(self, leaf: torch.Tensor, *, slot: bool = False) -> torch.Tensor:
+        """A per-step leaf (requiring grad from now on: each forward's node, :meth:`view`, decides what of it a
+        backward trains). A bf16 / fp16 leaf sums its micro-batches' gradients in fp32 (``_grad``), as the owner's
+        fp32 parameters (mixed precision) or an fp32 main-grad buffer do: summed in the leaf's own dtype, the most
+        loaded experts', whose copies take the most rows, would lose precision with every micro-batch of the step.
+        slot: a leaf of the ``+place`` bank, which the GEMMs read instead of the owner's parameters: each gradient
+        it accumulates also gives those a zero gradient where they hold none (``MoELayer._hold_zero_grads``)."""
+        leaf.requires_grad_(True)
+        me = weakref.ref(self)
+        if slot and not getattr(leaf, "_feplb_slot", False):
+            leaf._feplb_slot = True
 
-                def owners(_leaf: torch.Tensor) -> None:
-                    rep = me()
-                    lay = rep._layer() if rep is not None else None
-                    if lay is not None:
-                        lay._hold_zero_grads()
-
-                leaf.register_post_accumulate_grad_hook(owners)
-
-            rows = leaf._feplb_rows
-
-            def hook(grad: torch.Tensor) -> torch.Tensor:
+            def owners(_leaf: torch.Tensor) -> None:
                 rep = me()
-                if rep is None:
-                    return grad
-                if rep.generation != gen:
-                    rep.late_grad = True
-                # the expert parameters a backward reached the copies while they required grad (``trained``: a
-                # forward alone, an evaluation with autograd on, trains nothing, as in plain EP)
-                req = rep.requires()
-                rep.trained.update(i for i, r in enumerate(req) if r)
-                # (every expert parameter requiring grad: the common case, one look at a few flags)
-                keep = rep._keep(part, rows, req)
-                return grad if keep is None else grad * keep.to(grad.dtype)
+                lay = rep._layer() if rep is not None else None
+                if lay is not None:
+                    lay._hold_zero_grads()
 
-            leaf.register_hook(hook)
-            if leaf.dtype in (torch.bfloat16, torch.float16) and not getattr(leaf, "_feplb_wide", False):
-                leaf._feplb_wide = True
-                leaf.register_post_accumulate_grad_hook(_widen)
+            leaf.register_post_accumulate_grad_hook(owners)
+        if leaf.dtype in (torch.bfloat16, torch.float16) and not getattr(leaf, "_feplb_wide", False):
+            leaf._feplb_wide = True
+            leaf.register_post_accumulate_grad_hook(_widen)
         return leaf
 
-    def _keep(self, part: int, rows: tuple[int, ...], req: tuple[bool, ...]) -> torch.Tensor | None:
-        """What of a gradient of part ``part``'s copies (of the owners' local experts ``rows``, one per copy) reaches
-        the owners: None where every expert parameter requires grad; else 1 where the element comes from a
-        parameter that requires grad, 0 where from a frozen one (the layer's ``_join`` of 0 / 1 tensors shaped as
-        its parameters, where it derives its weights from them; made once per set of flags). Read off this rank's
-        parameters (``req``: their ``requires()`` now), as the copies' requires_grad is: the ranks freeze alike (a
-        forward with the ranks' flags apart is refused on every rank, ``MoELayer._frozen_code``, and a reduction
-        after a backward that ran with them apart, ``MoELayer._watch_backward_flags``)."""
-        if all(req):
-            return None
+    def _masks(self, req: tuple[bool, ...]) -> tuple[torch.Tensor, ...]:
+        """One tensor per part of the experts' weights, shaped as the owner's: 1 where the element comes from a
+        parameter requiring grad under the flags ``req``, 0 where from one that does not (the layer's ``_join`` of
+        0 / 1 tensors shaped as its parameters, where it derives its weights from them). Made once per set of
+        flags (the last one kept)."""
         lay = self._layer()
         params = lay.expert_params()
         key = (req, tuple((p.device, p.dtype) for p in params))
         cache = self.__dict__.get("_keep_masks")
         if cache is None or cache[0] != key:
             with torch.no_grad():
-                flags = [torch.full(p.shape, float(p.requires_grad), dtype=p.dtype, device=p.device) for p in params]
+                flags = [torch.full(p.shape, float(r), dtype=p.dtype, device=p.device)
+                         for p, r in zip(params, req, strict=True)]
                 join = getattr(lay, "_join", None)
                 masks = tuple(m.detach() for m in (join(*flags) if join is not None else flags))
             self._keep_masks = cache = (key, masks)
-        mask = cache[1][part]
-        return mask[list(rows)]
+        return cache[1]
+
+    def _keep(self, part: int, rows: tuple[int, ...], req: tuple[bool, ...]) -> torch.Tensor | None:
+        """What of a gradient of part ``part``'s copies (of the owners' local experts ``rows``, one per copy) reaches
+        the owners under the flags ``req``: None where every expert parameter requires grad, else the copies' rows
+        of :meth:`_masks`. The owners' flags are read off this rank's parameters: the ranks freeze alike (a
+        forward with the ranks' flags apart is refused on every rank, ``MoELayer._frozen_code``, and a reduction
+        after a backward that ran with them apart, ``MoELayer._watch_backward_flags``)."""
+        if all(req):
+            return None
+        return self._masks(req)[part][list(rows)]
 
     def mark_used(self, e: int) -> None:
         """Note that this forward computes with (or sends) this rank's replica of expert e: its gradient may be
@@ -400,26 +431,24 @@ class Replicas:
         """Copy k's parts from the items an exchange of ``n`` copies received, in their shapes."""
         return tuple(got[j * n + k].view(shape) for j, shape in enumerate(self._layer().part_shapes))
 
-    def _bank(self, ws: list[tuple[torch.Tensor, ...]], req: tuple[bool, ...] | None = None,
-              experts: list[int] | None = None, *, slot: bool = False) -> tuple[torch.Tensor, ...]:
-        """The experts ``ws`` (one tuple of parts each) stacked part by part; with ``req`` and ``experts`` (their
-        ids, in ``ws``'s order), as watched leaves that require grad where the owner's parts do (slot: of the
-        ``+place`` bank, see ``_watch``)."""
+    def _bank(self, ws: list[tuple[torch.Tensor, ...]], experts: list[int] | None = None, *,
+              slot: bool = False) -> tuple[torch.Tensor, ...]:
+        """The experts ``ws`` (one tuple of parts each) stacked part by part; with ``experts`` (their ids, in ``ws``'s
+        order), as watched leaves (slot: of the ``+place`` bank, see ``_watch``)."""
         stacked = tuple(torch.stack([w[j] for w in ws]) for j in range(len(ws[0])))
-        if req is None:
+        if experts is None:
             return stacked
         rows = tuple(e % self._layer().num_local for e in experts)
         for t in stacked:
             t._feplb_rows = rows     # (the owners' local experts, copy by copy: see _keep)
-        return tuple(self._watch(t.requires_grad_(r), j, slot=slot)
-                     for j, (t, r) in enumerate(zip(stacked, req, strict=True)))
+        return tuple(self._watch(t, slot=slot) for t in stacked)
 
     def forward_slot_weights(self, placement: Placement, anchor: torch.Tensor) -> SlotWeights:
         """This forward's weights of this rank's slots. With weights='per-microbatch' and experts placed away from
         their owners, the owners send them now (a differentiable exchange hung on ``anchor``)."""
         lay = self._layer()
         if lay.config.weights == "per-step" or not placement.placed_pairs:
-            parts = self.slot_bank if self.slot_bank is not None else lay.expert_weights()
+            parts = self.view(self.slot_bank) if self.slot_bank is not None else lay.expert_weights()
             return SlotWeights(parts=tuple(parts), tail=anchor[:0].reshape(-1), copied_bytes=0)
         copies = [(e, e // lay.num_local, h) for e, h in placement.placed_pairs]
         own = lay.expert_weights()
@@ -445,7 +474,7 @@ class Replicas:
         if not self.pairs and not self.lazy_pairs:
             # the first copies held since the last refresh (if any) are of the owners' weights as they are now (the
             # forward found nothing stale): staleness counts from here
-            self._versions, self._requires, self.stepped = self.versions(), self.requires(), False
+            self._versions, self.stepped = self.versions(), False
             self._mark()
         self.lazy_pairs = self.lazy_pairs | new
         self.ever_held = True
@@ -454,18 +483,18 @@ class Replicas:
     @torch.no_grad()
     def hold(self, experts: list[int], parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Hold the weights of ``experts`` this rank received this micro-batch (``parts``: one [n, ...] tensor per
-        part, in the order of ``experts``) until the next refresh: returns them as watched leaves (requiring grad
-        where the owners' weights do), one bank, which this micro-batch's GEMMs and the step's later plans use."""
+        part, in the order of ``experts``) until the next refresh: returns them as watched leaves (each forward's
+        node decides what of them trains, :meth:`view`), one bank, which this micro-batch's GEMMs and the step's
+        later plans use."""
         for e in experts:
             if e in self.held:
                 raise RuntimeError(f"MoELayer: GPU {self._layer().rank} received expert {e}'s weights again in a step "
                                    "that already holds them (lazy replicas)")
-        req = tuple(w.requires_grad for w in self.own_weights())
         rows = tuple(e % self._layer().num_local for e in experts)
         leaves = [t.detach() for t in parts]
         for t in leaves:
             t._feplb_rows = rows
-        bank = tuple(self._watch(t.requires_grad_(r), j) for j, (t, r) in enumerate(zip(leaves, req, strict=True)))
+        bank = tuple(self._watch(t) for t in leaves)
         b = len(self.held_banks)
         self.held_banks.append(bank)
         self.held.update({e: (b, i) for i, e in enumerate(experts)})
@@ -484,7 +513,6 @@ class Replicas:
         self.generation += 1
         self.stepped = False
         self._versions = self.versions()
-        self._requires = self.requires()
         self.ever_held = self.ever_held or bool(pairs)
         self.replica_bank, self.slot_bank, self.replica_of, self.used = None, None, {}, set()
         self.lazy_pairs, self.held, self.held_banks = frozenset(), {}, []
@@ -500,13 +528,12 @@ class Replicas:
         got = ex(ex.sends_of(sends), w1.new_empty(0)).items
         n = len(copies)
         mine = [e for e, g in keep if g == r and e not in placement.slot_pos]
-        req = tuple(w.requires_grad for w in own)
         if mine:
             self.replica_of = {e: j for j, e in enumerate(mine)}
-            self.replica_bank = self._bank([self._received(got, index[(e, r)], n) for e in mine], req, mine)
+            self.replica_bank = self._bank([self._received(got, index[(e, r)], n) for e in mine], mine)
         if not placement.own_slots:
             self.slot_bank = self._bank([self._received(got, index[(e, r)], n) if e // lay.num_local != r
-                                         else self.owned(e, own) for e in placement.my_slots], req,
+                                         else self.owned(e, own) for e in placement.my_slots],
                                         list(placement.my_slots), slot=True)
 
     @torch.inference_mode(False)
@@ -525,18 +552,28 @@ class Replicas:
             pairs = [pair for pair, f in zip(pairs, idle.tolist(), strict=True) if f == 0]
         # Experts frozen (requires_grad_(False)) after a backward of the step: their parameters keep the gradient
         # they had, and an optimizer steps it, as in plain EP, so the copies' share is added to it too (with
-        # requires_grad on for the addition only); so is one without a gradient that required grad when a backward
-        # reached the copies since the last reduction (a +place bank, which the GEMMs read instead of the owners'
-        # parameters, holds all of the step's gradient until now); one frozen all along gets none
-        frozen = [p for i, p in enumerate(lay.expert_params())
-                  if not p.requires_grad and (p.grad is not None or i in self.trained)]
+        # requires_grad on for the addition only); so is one without a gradient that a backward trained through the
+        # copies since the last reduction (a +place bank, which the GEMMs read instead of the owners' parameters,
+        # holds all of the step's gradient until now); one frozen all along gets none
+        params = list(lay.expert_params())
+        frozen = [p for i, p in enumerate(params) if not p.requires_grad and (p.grad is not None or i in self.trained)]
+        # And one that requires grad now without a gradient, which no backward trained since the last reduction
+        # (frozen at each forward or backward of the step, unfrozen since, on every rank alike: the copies' share of
+        # it is zero) keeps none, as in plain EP: a zero gradient would be stepped (momentum, weight decay). Not one
+        # with a main-grad buffer (Megatron's DDP), whose gradient is there, never in .grad.
+        untouched = [p for i, p in enumerate(params) if p.requires_grad and p.grad is None and i not in self.trained
+                     and not hasattr(p, "main_grad")]
         for p in frozen:
             p.requires_grad_(True)
+        for p in untouched:
+            p.requires_grad_(False)
         try:
             self._reduce(placement, pairs)
         finally:
             for p in frozen:
                 p.requires_grad_(False)
+            for p in untouched:
+                p.requires_grad_(True)
 
     def _reduce(self, placement: Placement, pairs: list[tuple[int, int]]) -> None:
         lay = self._layer()
@@ -593,6 +630,53 @@ class Replicas:
             after = [(t, part, ps) for t, _, ps in now if (part := next(ps, None)) is not None]
             torch.autograd.backward([t for t, _, _ in now], [g for _, g, _ in now], retain_graph=bool(after))
             now = after
+
+
+class _Gate(torch.autograd.Function):
+    """The identity on a bank of per-step copies, one node per forward (``Replicas.view``), holding that forward's
+    flags ``req`` (which expert parameters required grad) and the copies' generation. Outputs for parts no such
+    parameter fed are not differentiable. Its backward notes a gradient after a refresh replaced the copies
+    (``late_grad``), counts the parameters requiring grad both then and now as trained (``trained``), and masks
+    each part's gradient to the elements those feed (``Replicas._keep``): what plain EP's graph, made with the
+    forward's flags, and its gradient accumulation, which skips a parameter frozen since, give the owners."""
+
+    @staticmethod
+    def forward(ctx, rep_ref, gen: int, req: tuple[bool, ...], diff: tuple[bool, ...], *bank: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.rep_ref, ctx.gen, ctx.req, ctx.diff = rep_ref, gen, req, diff
+        ctx.rows = bank[0]._feplb_rows
+        out = tuple(t.view_as(t) for t in bank)
+        ctx.mark_non_differentiable(*(o for o, d in zip(out, diff, strict=True) if not d))
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        lead = (None,) * 4
+        rep = ctx.rep_ref()
+        if rep is None or all(g is None for g in grads):
+            return (*lead, *grads)
+        if rep.generation != ctx.gen:
+            rep.late_grad = True
+        now = rep.requires()
+        eff = tuple(a and b for a, b in zip(ctx.req, now, strict=True)) if len(now) == len(ctx.req) else now
+        rep.trained.update(i for i, r in enumerate(eff) if r)
+        live = rep.part_requires(now)
+        out = []
+        for j, g in enumerate(grads):
+            if g is None or not (ctx.diff[j] and live[j]):
+                out.append(None)
+                continue
+            keep = rep._keep(j, ctx.rows, eff)
+            out.append(g if keep is None else g * keep.to(g.dtype))
+        return (*lead, *out)
+
+
+@outside_dispatch_modes
+def _gate(rep_ref, gen: int, req: tuple[bool, ...], diff: tuple[bool, ...],
+          bank: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """:class:`_Gate` on ``bank``, outside the dispatch modes: a recompute under selective activation checkpointing
+    must dispatch its forward's ops, and whether a forward's views come from here is bookkeeping, not computation."""
+    return _Gate.apply(rep_ref, gen, req, diff, *bank)
 
 
 def _parts(a: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:

@@ -16,9 +16,11 @@ GPUs: each is refused on every rank at the next forward, or trains as plain EP d
   overflow one rank alone saw; or the loop's own condition): the ranks in the step and the one in the next forward
   meet in the step's handshake and raise together, instead of stalling until the process group's timeout; a
   GradScaler not attached with it is refused at its first step on every rank;
-* expert parameters frozen on some ranks only, under per-step copies (which take their holder's flags) across them:
-  refused on every rank at the forward (frozen between a forward and its backward: at the reduction); layers
-  without such copies train as plain EP.
+* expert parameters frozen on some ranks only, under per-step copies (whose share follows their holder's flags)
+  across them: refused on every rank at the forward (frozen between a forward and its backward: at the
+  reduction); layers without such copies train as plain EP;
+* expert parameters frozen or unfrozen alike between a forward and its backward, or between the forwards of two
+  micro-batches before their backwards: trains as plain EP (each forward takes the copies with its own flags).
 """
 
 from __future__ import annotations
@@ -1112,3 +1114,119 @@ def test_experts_frozen_between_forward_and_backward_on_some_ranks_only():
                 assert (a is None) == (b is None), (rank, key, name)
                 if a is not None:
                     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"{rank} {key} {name}")
+
+
+_ORDERS = ("unfrozen before the step", "unfrozen before the backward", "frozen for the second forward",
+           "unfrozen for the second forward", "frozen for both backwards", "reentrant checkpoint unfrozen")
+
+
+def _flag_orders_worker(rank, world, policy, kw):
+    """w2's requires_grad flag changed between a forward and its backward, or between the forwards of two
+    micro-batches before their backwards (a pipelined order), on every rank alike, each order trained for a step
+    and followed by a plain one, with SGD with momentum attached, against plain EP run the same way. Plain EP's
+    graph takes a parameter with its flag at the forward, and its backward skips one frozen since: the per-step
+    copies' share must follow both (before, a copy took the flag of the last forward, and its share of an earlier
+    micro-batch was lost: off by up to 0.29), and a parameter no backward trained keeps no gradient (before, it got
+    a zero one, which momentum then stepped)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def xs(step):
+        return _x(rank, step).double(), _x(rank, step + 50).double()
+
+    def run(m, order):
+        x1, x2 = xs(0)
+        w2 = m.w2
+        if order == "unfrozen before the step":
+            w2.requires_grad_(False)
+            (m(x1) ** 2).mean().backward()
+            w2.requires_grad_(True)
+        elif order == "unfrozen before the backward":
+            w2.requires_grad_(False)
+            y = m(x1)
+            w2.requires_grad_(True)
+            (y ** 2).mean().backward()
+        elif order == "frozen for the second forward":
+            y1 = m(x1)
+            w2.requires_grad_(False)
+            y2 = m(x2)
+            w2.requires_grad_(True)
+            (y1 ** 2).mean().backward()
+            (y2 ** 2).mean().backward()
+        elif order == "unfrozen for the second forward":
+            w2.requires_grad_(False)
+            y1 = m(x1)
+            w2.requires_grad_(True)
+            y2 = m(x2)
+            (y1 ** 2 + y2).mean().backward()      # (one backward through both micro-batches)
+        elif order == "frozen for both backwards":
+            y1 = m(x1)
+            w2.requires_grad_(False)
+            y2 = m(x2)
+            (y1 ** 2).mean().backward()
+            (y2 ** 2).mean().backward()
+            w2.requires_grad_(True)
+        else:
+            w2.requires_grad_(False)
+            y = checkpoint(m, x1.clone().requires_grad_(), use_reentrant=True)
+            w2.requires_grad_(True)
+            (y ** 2).mean().backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in (m.w1, m.w2)]
+        return grads
+
+    res = {}
+    for order in _ORDERS:
+        out = {}
+        for p in (policy, "none"):
+            m = _layer(p, dtype=torch.float64, **(kw if p != "none" else {}))
+            opt = torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.5)
+            m.attach_optimizer(opt)
+            with torch.no_grad():
+                m(_x(rank, 99).double())        # the history
+            m.refresh_replicas()
+            run(m, order)
+            m.reduce_replica_grads()
+            grads = [None if q.grad is None else q.grad.clone() for q in (m.w1, m.w2)]
+            moved = m.last_stats.rows_moved
+            opt.step()
+            opt.zero_grad()
+            (m(xs(1)[0]) ** 2).mean().backward()      # a plain step after: momentum carries what the first stepped
+            opt.step()
+            out[p] = grads, [q.detach().clone() for q in (m.w1, m.w2)], moved
+            m.close()
+        res[order] = out
+    # changed between a non-reentrant checkpoint's forward and its recompute: torch's checkpoint refuses that for any
+    # module (the recompute saves other tensors); refused on every rank before the recompute's first collective
+    # (before, some ranks raised torch's error inside the recompute while others waited in its exchanges)
+    for p in (policy, "none"):
+        for frozen_at in ("forward", "backward"):
+            m = _layer(p, dtype=torch.float64, **(kw if p != "none" else {}))
+            with torch.no_grad():
+                m(_x(rank, 99).double())
+            m.refresh_replicas()
+            m.w2.requires_grad_(frozen_at != "forward")
+            y = checkpoint(m, xs(0)[0].requires_grad_(), use_reentrant=False)
+            m.w2.requires_grad_(frozen_at == "forward")
+            res[p, "non-reentrant", frozen_at] = error_of(lambda y=y: (y ** 2).mean().backward())
+            m.close()
+    return res
+
+
+@pytest.mark.parametrize("policy,kw", [("feplb-split@ema", {}), ("feplb@ema", {"replicas": "lazy"}), ("eplb", {}),
+                                       ("feplb-split+place", {})])
+def test_flags_changed_between_forwards_and_backwards_train_as_plain_ep(policy, kw):
+    res = run_dist(_flag_orders_worker, W, policy, kw, timeout_s=240, collective_timeout_s=60)
+    for order in _ORDERS:
+        assert sum(r[order][policy][2] for r in res) > 0, (order, "rows must move")
+        for rank, r in enumerate(res):
+            (g, w, _), (g0, w0, _) = r[order][policy], r[order]["none"]
+            for name, a, b in zip(("w1 grad", "w2 grad", "w1", "w2"), g + w, g0 + w0, strict=True):
+                assert (a is None) == (b is None), (rank, order, name, a is None)
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"{rank} {order} {name}")
+    for rank, r in enumerate(res):
+        for p in (policy, "none"):
+            for frozen_at, was, now in (("forward", False, True), ("backward", True, False)):
+                err = r[p, "non-reentrant", frozen_at]
+                assert err is not None and err.startswith("CheckpointError: MoELayer: the experts' requires_grad "
+                                                          "flags changed between a non-reentrant") \
+                    and f"w2 ({was} at the forward, {now} now)" in err, (rank, p, frozen_at, err)

@@ -916,8 +916,10 @@ def test_without_torchtitan_apply_names_the_extra(monkeypatch):
 
 def _part_frozen_case(rank: int, world: int, when: str) -> dict:
     """torchtitan's w3 alone frozen (a) between the step's two micro-batches or (b) between the second's forward and
-    its backward: the copies hold one part for [w1 | w3], and the owners' reduced gradients must be plain EP's
-    (policy 'none'), where autograd gives w3 nothing of the backwards after the freeze (+place, @ema, lazy @ema)."""
+    its backward, or (c) for the second's forward only, unfrozen before both backwards (a pipelined order): the
+    copies hold one part for [w1 | w3], and the owners' reduced gradients must be plain EP's (policy 'none'), where
+    autograd gives w3 nothing of the backwards after the freeze, and in (c) w3 the first micro-batch's gradient
+    only, whose forward took it (+place, @ema, lazy @ema)."""
     import feplb.titan as ft
 
     base = make_moe("qwen3")
@@ -933,21 +935,29 @@ def _part_frozen_case(rank: int, world: int, when: str) -> dict:
                 ex(*_inputs(rank + 50))
             ft.refresh_replicas(moe)
             w3 = ex.inner_experts.w3_EFD
+            ys = []
             for mb in range(2):
-                if when == "between" and mb == 1:
+                if when in ("between", "pipelined") and mb == 1:
                     w3.requires_grad_(False)
                 y = ex(*_inputs(rank + 10 * mb))
                 if when == "fwd_bwd" and mb == 1:
                     w3.requires_grad_(False)
-                (y ** 2).mean().backward()
                 moved += ex.last_stats.rows_moved if p != "none" else 0
+                if when == "pipelined":
+                    ys.append(y)
+                else:
+                    (y ** 2).mean().backward()
+            if when == "pipelined":
+                w3.requires_grad_(True)
+                for y in ys:
+                    (y ** 2).mean().backward()
             ft.reduce_replica_grads(moe)
             grads[p] = {n: q.grad.clone() for n, q in ex.named_parameters()}
         out[policy, replicas] = (max(_rel(grads[policy][n], grads["none"][n]) for n in grads["none"]), moved)
     return out
 
 
-@pytest.mark.parametrize("when", ["between", "fwd_bwd"])
+@pytest.mark.parametrize("when", ["between", "fwd_bwd", "pipelined"])
 def test_part_frozen_within_a_step_matches_plain_ep(when):
     runs = run_dist(_part_frozen_case, 4, when, timeout_s=200)
     for r in runs:
