@@ -841,13 +841,16 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             self.placement, self._slot_of_E, self._plan_state = saved
         return y_MD
 
+    @outside_dispatch_modes
     def _check_recompute_flags(self, requires: tuple[bool, ...]) -> None:
         """Raise where the expert parameters' requires_grad flags changed, between a non-reentrant checkpoint's
         forward (``requires``) and its recompute, in a way that changes which of the experts' weights the GEMMs
         take with autograd: the recompute would save other tensors than its forward, which torch's checkpoint
         refuses for any module (plain EP's too), but only once it sees them, maybe on some ranks after the layer's
         first collective. Here every rank that changed its flags alike raises before any collective of the
-        recompute (the ranks sharing per-step copies must change them alike, ``_frozen_code``)."""
+        recompute (the ranks sharing per-step copies must change them alike, ``_frozen_code``). Outside the dispatch
+        modes: under selective activation checkpointing the recompute must dispatch its forward's ops only, and
+        telling which parts the flags feed may compute masks (``Replicas.part_requires``)."""
         rep = self.replicas
         now = rep.requires()
         if not requires or now == tuple(requires) or rep.part_requires(now) == rep.part_requires(tuple(requires)):

@@ -270,11 +270,14 @@ class Replicas:
         self._views[id(bank)] = (bank, out)
         return out
 
+    @outside_dispatch_modes
     def part_requires(self, req: tuple[bool, ...]) -> tuple[bool, ...]:
         """For each part of the experts' weights (``MoELayer.part_shapes``), whether a parameter requiring grad
         under the flags ``req`` feeds it (where a layer joins several parameters into one part, torchtitan's
         [w1 | w3], any of them). Cached per set of flags; read off the weights the layer derives when ``req`` are
-        the flags now, else off their masks (:meth:`_masks`)."""
+        the flags now, else off their masks (:meth:`_masks`). Outside the dispatch modes: a recompute under
+        selective activation checkpointing dispatches its forward's ops only, and this may compute (once per set
+        of flags, on some ranks only: the cache is each rank's)."""
         n = len(self._layer().part_shapes)
         if all(req):
             return (True,) * n
@@ -335,6 +338,7 @@ class Replicas:
             leaf.register_post_accumulate_grad_hook(_widen)
         return leaf
 
+    @outside_dispatch_modes
     def _masks(self, req: tuple[bool, ...]) -> tuple[torch.Tensor, ...]:
         """One tensor per part of the experts' weights, shaped as the owner's: 1 where the element comes from a
         parameter requiring grad under the flags ``req``, 0 where from one that does not (the layer's ``_join`` of
@@ -516,6 +520,7 @@ class Replicas:
         self.ever_held = self.ever_held or bool(pairs)
         self.replica_bank, self.slot_bank, self.replica_of, self.used = None, None, {}, set()
         self.lazy_pairs, self.held, self.held_banks = frozenset(), {}, []
+        self._fwd, self._views = None, {}      # (the last forward's views would keep the replaced banks alive)
         self.trained = set()
         if not pairs:
             return

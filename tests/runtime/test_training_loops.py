@@ -1230,3 +1230,32 @@ def test_flags_changed_between_forwards_and_backwards_train_as_plain_ep(policy, 
                 assert err is not None and err.startswith("CheckpointError: MoELayer: the experts' requires_grad "
                                                           "flags changed between a non-reentrant") \
                     and f"w2 ({was} at the forward, {now} now)" in err, (rank, p, frozen_at, err)
+
+
+def _old_banks_worker(rank, world):
+    """The per-step copies a refresh replaced are freed by it, as the parameters' old values are by an optimizer
+    step: the last forward's views of them (``Replicas.view``) are dropped with them (before, they kept the old
+    bank until the next forward, two banks held at the refresh's peak)."""
+    import gc
+    import weakref
+
+    m = _layer("feplb-split@ema", dtype=torch.float64)
+    with torch.no_grad():
+        m(_x(rank, 99).double())
+    m.refresh_replicas()
+    (m(_x(rank, 0).double()) ** 2).mean().backward()
+    m.reduce_replica_grads()
+    banks = [b for b in (m.replicas.replica_bank, m.replicas.slot_bank) if b is not None]
+    refs = [weakref.ref(t) for b in banks for t in b]
+    del banks
+    m.refresh_replicas()
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    m.close()
+    return len(refs), alive
+
+
+def test_a_refresh_frees_the_copies_it_replaced():
+    res = run_dist(_old_banks_worker, W, timeout_s=120, collective_timeout_s=60)
+    assert sum(n for n, _ in res) > 0, res
+    assert all(alive == 0 for _, alive in res), res

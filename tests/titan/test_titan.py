@@ -966,6 +966,60 @@ def test_part_frozen_within_a_step_matches_plain_ep(when):
     assert all(moved > 0 for _, moved in runs[0].values()), runs[0]
 
 
+def _part_frozen_selective_case(rank: int, world: int) -> dict:
+    """torchtitan's w1 alone frozen at a forward under selective activation checkpointing and unfrozen before its
+    backward ([w1 | w3] still needs grad, so the recompute saves what its forward did): trains as plain EP (policy
+    'none'), w1 without a gradient. Before, the layer's check of the flags between a forward and its recompute
+    derived masks by torch ops inside the recompute's dispatch mode, on the ranks that had not yet made them: plain
+    EP raised torch's "encountered during backward but not found in storage" on every rank, and lazy replicas
+    on some, the others waiting in the recompute's exchanges."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    import feplb.titan as ft
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    base = make_moe("qwen3")
+    out = {}
+    for policy, replicas in (("feplb@ema", "lazy"), ("feplb-split@ema", "eager"), ("none", "eager")):
+        moe = copy.deepcopy(base)
+        ft.apply(moe, policy=policy, weights="per-step", dtype=torch.float32, gpus_per_node=min(2, world),
+                 refresh_every=1, replicas=replicas, **OPTS)
+        ex = moe.routed_experts
+        with torch.no_grad():
+            ex(*_inputs(rank + 50))
+        ft.refresh_replicas(moe)
+        w1 = ex.inner_experts.w1_EFD
+        w1.requires_grad_(False)
+        y = checkpoint(ex, *_inputs(rank), use_reentrant=False,
+                       context_fn=functools.partial(create_selective_checkpoint_contexts, policy_fn))
+        w1.requires_grad_(True)
+        err = error_of(lambda y=y: (y ** 2).mean().backward())
+        if err is None:
+            err = error_of(lambda moe=moe: ft.reduce_replica_grads(moe))
+        out[policy] = (err, {n: None if q.grad is None else q.grad.clone() for n, q in ex.named_parameters()},
+                       ex.last_stats.rows_moved if policy != "none" else 0)
+        ex.close()
+    return out
+
+
+def test_part_frozen_under_selective_checkpointing_matches_plain_ep():
+    runs = run_dist(_part_frozen_selective_case, 4, timeout_s=200, collective_timeout_s=60)
+    for rank, r in enumerate(runs):
+        for policy, (err, grads, _) in r.items():
+            assert err is None, (rank, policy, err)
+            assert grads["inner_experts.w1_EFD"] is None, (rank, policy)
+            for name, want in r["none"][1].items():
+                assert (grads[name] is None) == (want is None), (rank, policy, name)
+                if want is not None:
+                    assert _rel(grads[name], want) <= 1e-5, (rank, policy, name, _rel(grads[name], want))
+    for policy in ("feplb@ema", "feplb-split@ema"):
+        assert sum(r[policy][2] for r in runs) > 0, (policy, "rows must move")
+
+
 def _no_grad_forward_case(rank: int, world: int) -> dict:
     """Lazy replicas first copied in a forward under ``no_grad`` (an evaluation inside the step, or a training-mode
     warm-up after the refresh): the step's later micro-batches compute with those held copies, whose gradients must
