@@ -687,7 +687,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             if dispatched and entry is not None:
                 # as the forward's (below): rows that need no grad of their own need it here too, through the expert
                 # parameters, so that the recompute records (and saves for its backward) what the forward did
-                rows = _entered_rows(entry, rows, *self.expert_params())
+                rows = _entered_rows(entry, rows, *self.expert_params(), self._grad_leaf)
             with entered_through(entry):
                 y_MD = self._padded(self._replay(rows, replay), x_MD)
             self._watch_backward_flags(y_MD)
@@ -708,8 +708,11 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         entry = ForwardEntry() if torch.is_grad_enabled() else None
         if dispatched and entry is not None:
             # (no phase 1 here, and a node whose plan moves nothing makes no exchange: this node, on the way to the
-            # expert parameters on every rank, checks where the backward started)
-            x_MD = _entered_rows(entry, x_MD, *self.expert_params())
+            # expert parameters on every rank, checks where the backward started. With the layer's zero-size leaf
+            # the rows need grad on every rank, as phase 1's anchor makes forward()'s: where neither they nor the
+            # expert parameters did, the output needed grad only on ranks whose plan made an exchange, and only
+            # those ran the layer's backward (or a checkpoint's recompute), waiting for the others)
+            x_MD = _entered_rows(entry, x_MD, *self.expert_params(), self._grad_leaf)
         with entered_through(entry):
             if direct:
                 y_MD, p2 = forward_direct(self, x_MD, counts, tl)

@@ -6,9 +6,9 @@ expert) stands in for DeepEP's ``Buffer.dispatch`` / ``combine``. Against a dens
 tokens: the outputs, the gradients of the tokens (through the experts and the gates), and each rank's expert weight
 gradients, for plain EP and the balancing policies (per-micro-batch and per-step weights); rows really move where
 balancing is on. Activation checkpointing around dispatch + experts + combine gives the same gradients bit for
-bit (also with tokens that need no grad, as a first layer's); the layer's own ``forward`` on the same routing gives
-the same output; a bad argument on one rank raises on every rank; a policy that moves the dispatch itself
-(``+place``, the peers' direct policies) is refused by name.
+bit (also with tokens that need no grad, as a first layer's, and with frozen experts besides); the layer's own
+``forward`` on the same routing gives the same output; a bad argument on one rank raises on every rank; a policy
+that moves the dispatch itself (``+place``, the peers' direct policies) is refused by name.
 """
 
 from __future__ import annotations
@@ -147,29 +147,57 @@ def _checkpoint_case(rank: int) -> dict:
     """Non-reentrant checkpointing around dispatch + experts + combine: the recompute replays the forward's plan.
     Also with tokens that need no grad (a first layer's, behind a frozen embedding): the rows need it through the
     expert parameters, in the recompute as in the forward (before, the recompute saved fewer tensors, and torch's
-    checkpoint raised on every rank)."""
+    checkpoint raised on every rank). And with the expert parameters frozen too ("frozen"): nothing the layer
+    reads needs grad, yet its output needs it on every rank, as forward()'s does (before, only on the ranks whose
+    plan made an exchange: only those ran the layer's backward, and the checkpoint's recompute, waiting for the
+    others until the timeout)."""
     from torch.utils.checkpoint import checkpoint
 
     router, _, _ = _weights()
     same, moved = {}, {}
-    for need in (True, False):
+    for need in (True, False, "frozen"):
         grads = []
         for ckpt in (False, True):
             layer = _layer("feplb-split")
+            if need == "frozen":
+                layer.w1.requires_grad_(False)
+                layer.w2.requires_grad_(False)
             x, gy = _tokens(rank, step=1)
-            x.requires_grad_(need)
+            x.requires_grad_(need is True)
             ids, gates = _route(x, router)
             out = checkpoint(_moe, layer, x, ids, gates, use_reentrant=False) if ckpt else \
                 _moe(layer, x, ids, gates)
             (out * gy).sum().backward()
             stats = layer.last_stats
-            grads.append([x.grad.clone() if need else x.grad, layer.w1.grad.clone(), layer.w2.grad.clone(),
-                          stats.rows_moved if rank == stats.planned_ranks[0] else 0])
+            grads.append([None if t is None else t.clone() for t in (x.grad, layer.w1.grad, layer.w2.grad)]
+                         + [stats.rows_moved if rank == stats.planned_ranks[0] else 0])
             layer.close()
-        same[need] = (grads[0][0] is None) == (grads[1][0] is None) and \
-            all(a is None or torch.equal(a, b) for a, b in zip(grads[0][:3], grads[1][:3], strict=True))
+        same[need] = all((a is None) == (b is None) and (a is None or torch.equal(a, b))
+                         for a, b in zip(grads[0][:3], grads[1][:3], strict=True)) and \
+            (need != "frozen" or all(g is None for g in grads[1][:3]))
         moved[need] = grads[1][3]
     return {"same": same, "moved": moved}
+
+
+def _frozen_checkpoint_case(rank: int) -> dict:
+    """``forward_dispatched`` alone under a non-reentrant checkpoint, per-step weights, its rows needing no grad and
+    its expert parameters frozen (nothing it reads needs grad): every rank runs the backward through it, recompute
+    included (before, the ranks whose plan hosted moved rows met the exchanges' backward while the others
+    recomputed, and every rank waited until the timeout)."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = _layer("feplb-split", "per-step")
+    layer.w1.requires_grad_(False)
+    layer.w2.requires_grad_(False)
+    counts = [40, 8, 0, 0] if rank % 2 == 0 else [6, 2, 0, 0]
+    rows = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(rank))
+    y = checkpoint(lambda r: layer.forward_dispatched(r, counts), rows, use_reentrant=False)
+    err = error_of(lambda: (y ** 2).mean().backward()) if y.requires_grad else "the output needs no grad"
+    stats = layer.last_stats
+    out = {"error": err, "grads": [layer.w1.grad, layer.w2.grad],
+           "moved": stats.rows_moved if rank == stats.planned_ranks[0] else 0}
+    layer.close()
+    return out
 
 
 def _hf_case(rank: int, arch: str) -> dict:
@@ -341,6 +369,7 @@ CASES = (("none", "per-microbatch"), ("feplb-split", "per-microbatch"), ("feplb"
 
 def _worker(rank: int, world: int) -> dict:
     return {"exact": {case: _exact_case(rank, *case) for case in CASES}, "checkpoint": _checkpoint_case(rank),
+            "frozen checkpoint": _frozen_checkpoint_case(rank),
             "errors": _errors_case(rank), "hf": {arch: _hf_case(rank, arch) for arch in HF_ARCHS}}
 
 
@@ -368,8 +397,15 @@ def test_forward_dispatched_under_activation_checkpointing(ranks):
     for rank, res in enumerate(ranks):
         for need, same in res["checkpoint"]["same"].items():
             assert same, f"rank {rank}: checkpointed gradients differ (tokens requiring grad: {need})"
-    for need in (True, False):   # the replayed forward had moved rows
+    for need in (True, False, "frozen"):   # the replayed forward had moved rows
         assert sum(res["checkpoint"]["moved"][need] for res in ranks) > 0, need
+
+
+def test_forward_dispatched_with_nothing_needing_grad_under_activation_checkpointing(ranks):
+    for rank, res in enumerate(ranks):
+        got = res["frozen checkpoint"]
+        assert got["error"] is None and got["grads"] == [None, None], (rank, got)
+    assert sum(res["frozen checkpoint"]["moved"] for res in ranks) > 0
 
 
 def test_forward_dispatched_refuses_bad_arguments_on_every_rank(ranks):
