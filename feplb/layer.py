@@ -938,7 +938,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
     def _watch_backward_flags(self, y_MD: torch.Tensor) -> None:
         """Where the layer keeps per-step copies across ranks, note this rank's expert parameters' requires_grad
         flags when y_MD's gradient arrives (every backward of the layer starts there, on every rank): the copies'
-        gradient hook masks with the flags then (``Replicas._keep``), so a rank that froze its experts between a
+        node masks with this rank's flags then (``feplb.replicas._Gate``), so a rank that froze its experts between a
         forward and its backward while others did not would lose its copies' share of that backward silently; the
         reduction agrees the noted flags over the ranks that share copies (``_backward_flags_apart``)."""
         if not self._copies_per_step or not y_MD.requires_grad:

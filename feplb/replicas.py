@@ -176,13 +176,13 @@ class Replicas:
 
     # ------------------------------------------------------------------------------------------------ state
     def own_weights(self) -> tuple[torch.Tensor, ...]:
-        """The layer's ``expert_weights()`` made with autograd on, also inside ``no_grad``: whether the copies need
-        a gradient is read off them, and a layer whose weights are computed from its parameters (cast, joined:
-        ``feplb.titan``) would otherwise hand out weights that need none. Inside a forward such a layer hands out
-        the weights that forward derived (``_join``, once per forward), without autograd in a forward under
-        ``no_grad``: derived again here with it, so that lazy replicas held in such a forward (an evaluation, a
-        warm-up) still send their gradients home at the reduction. Those a forward derived with autograd are handed
-        out as they are, also where some parameters are frozen (their weights then need no gradient)."""
+        """The layer's ``expert_weights()`` made with autograd on, also inside ``no_grad``: which parts need a
+        gradient is read off them (``part_requires``), and the reduction adds the copies' share through them; a
+        layer whose weights are computed from its parameters (cast, joined: ``feplb.titan``) would otherwise hand
+        out weights that need none. Inside a forward such a layer hands out the weights that forward derived
+        (``_join``, once per forward), without autograd in a forward under ``no_grad``: derived again here with it.
+        Those a forward derived with autograd are handed out as they are, also where some parameters are frozen
+        (their weights then need no gradient)."""
         lay = self._layer()
         with torch.enable_grad():
             ws = lay.expert_weights()
