@@ -808,8 +808,10 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         all-gather of bit masks (``Records.candidates``, ``Records.choose``; and a host sync for this rank's
         counts)."""
         settle_abandoned()   # (before its all-gather, as a forward's counts: an earlier backward's that raised)
+        now = self.replicas.requires()
         cand = self._records.candidates(local_counts_E.to(torch.int64).cpu().numpy(), self.rank,
-                                        self.replicas.generation, self.replicas.ever_held, dispatched, self.layer_id)
+                                        self.replicas.generation, self.replicas.ever_held, dispatched, self.layer_id,
+                                        refused=lambda rec: rec.kind == "hooks" and self._flags_changed(rec, now))
         # shaped like the forward's counts row (feplb.steps.step_row): a rank that does not recompute, in the next
         # forward's counts all-gather, meets it there and every rank raises (the candidates ride in the counts'
         # place where they fit, else in an all-gather of their own after it)
@@ -823,13 +825,12 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         read_recompute(gathered)
         rows = gathered[:, len(HEADER):len(HEADER) + cand.size] if inline else \
             self.control.all_gather(torch.tensor(cand.tolist(), dtype=torch.int64), what).numpy()
-        return self._records.choose(rows, self.replicas.generation, self.replicas.ever_held, checkpoint_frame())
+        return self._records.choose(rows, self.replicas.generation, self.replicas.ever_held, checkpoint_frame(),
+                                    refusal=lambda ranks, rec: self._flags_error(ranks, rec.requires, now))
 
     def _replay(self, x_MD: torch.Tensor, rec: Record) -> torch.Tensor:
         """Execute a recorded forward again: its placement, policy state, counts and plan (or fallback); the same
         collectives in the same order on every rank, no planning, no agreement, no history update."""
-        if rec.kind == "hooks":
-            self._check_recompute_flags(rec.requires)
         saved = self.placement, self._slot_of_E, self._plan_state
         self.placement, self._slot_of_E, self._plan_state = rec.placement, rec.slot_of_E, rec.plan_state
         # a non-reentrant checkpoint's recompute refills what its forward's graph saves: the per-step copies are
@@ -844,32 +845,32 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             self.placement, self._slot_of_E, self._plan_state = saved
         return y_MD
 
-    @outside_dispatch_modes
-    def _check_recompute_flags(self, requires: tuple[bool, ...]) -> None:
-        """Raise where the expert parameters' requires_grad flags changed, between a non-reentrant checkpoint's
-        forward (``requires``) and its recompute, in a way that changes which of the experts' weights the GEMMs
-        take with autograd: the recompute would save other tensors than its forward, which torch's checkpoint
-        refuses for any module (plain EP's too), but only once it sees them, maybe on some ranks after the layer's
-        first collective. Here every rank that changed its flags alike raises before any collective of the
-        recompute (the ranks sharing per-step copies must change them alike, ``_frozen_code``). Outside the dispatch
-        modes: under selective activation checkpointing the recompute must dispatch its forward's ops only, and
-        telling which parts the flags feed may compute masks (``Replicas.part_requires``)."""
-        rep = self.replicas
-        now = rep.requires()
-        if not requires or now == tuple(requires) or rep.part_requires(now) == rep.part_requires(tuple(requires)):
-            return
+    def _flags_changed(self, rec: Record, now: tuple[bool, ...]) -> bool:
+        """Whether the expert parameters' requires_grad flags (``now``) changed since a non-reentrant checkpoint's
+        forward (``rec``) in a way that changes which of the experts' weights its GEMMs take with autograd: its
+        recompute would save other tensors than the forward, which torch's checkpoint refuses for any module (plain
+        EP's too), but only once it sees them, on the ranks that changed them, maybe after the recompute's first
+        collective. ``_find_record`` tells every rank, which all raise before the recompute's exchanges. Called
+        outside the dispatch modes (``_find_record``): telling which parts the flags feed may compute masks
+        (``Replicas.part_requires``), which a selective activation checkpoint's recompute must not dispatch."""
+        rep, was = self.replicas, tuple(rec.requires)
+        return bool(was) and now != was and rep.part_requires(now) != rep.part_requires(was)
+
+    def _flags_error(self, ranks: list[int], was: tuple[bool, ...], now: tuple[bool, ...]) -> Exception:
+        """The error every rank raises when the recompute's record is one whose flags ``ranks`` changed since
+        (``_flags_changed``), naming the parameters on the ranks that changed them."""
         from torch.utils.checkpoint import CheckpointError
 
         names = {id(p): n for n, p in self.named_parameters()}
-        changed = [f"{names.get(id(p), f'expert parameter {i}')} ({was} at the forward, {is_} now)"
-                   for i, (p, was, is_) in enumerate(zip(self.expert_params(), requires, now, strict=True))
-                   if was != is_]
-        raise CheckpointError(
+        changed = [f"{names.get(id(p), f'expert parameter {i}')} ({a} at the forward, {b} now)"
+                   for i, (p, a, b) in enumerate(zip(self.expert_params(), was, now, strict=True)) if a != b]
+        here = f" (here: {', '.join(changed)})" if self.rank in ranks else ""
+        return CheckpointError(
             "MoELayer: the experts' requires_grad flags changed between a non-reentrant activation checkpoint's "
-            f"forward and its recompute in this backward: {', '.join(changed)}. The recompute would save other "
-            "tensors than the forward did, which torch's checkpoint refuses for any module; change the flags "
+            f"forward and its recompute in this backward, on EP rank(s) {ranks}{here}. The recompute would save "
+            "other tensors than the forward did, which torch's checkpoint refuses for any module; change the flags "
             "before the checkpointed forward or after its backward, or use a reentrant checkpoint, which builds "
-            "its graph at the recompute")
+            "its graph at the recompute. Raised on every EP rank, before the recompute's exchanges")
 
     def _slow_digest(self) -> int:
         """56 bits of the slow decisions this forward plans from (the adopted policy state, the placement): equal

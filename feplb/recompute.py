@@ -41,6 +41,7 @@ Legend: W EP ranks, E experts.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import weakref
@@ -151,6 +152,21 @@ def outside_dispatch_modes(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return outside
+
+
+def outside_selective_checkpoint() -> contextlib.AbstractContextManager:
+    """A context outside the active dispatch modes where selective activation checkpointing's are among them, else
+    one that changes nothing. For a forward's own scratch work that writes in place into a tensor it just made (say,
+    weights joined and cast in one pass): a policy that saves every op caches the new tensor, and torch then refuses
+    the write ("Tensor cached during selective activation checkpoint has been mutated"). Hidden from the modes in
+    the forward and in its recompute alike, the work is redone at the recompute, not saved."""
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    sac = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+    if any(isinstance(m, sac) for m in _get_current_dispatch_mode_stack()):
+        return _disable_current_modes()
+    return contextlib.nullcontext()
 
 
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
@@ -267,24 +283,34 @@ class Records:
         return self._fewest([self._in_this_pass(self._in_pass.get(seq)) if this_pass else self._replayed.get(seq, 0)
                              for seq, _ in self._items], bits)
 
-    def take(self, bits: int, this_pass: bool = False) -> Record:
-        """Among the records whose bit is set in ``bits`` (agreed by every rank), the oldest of those replayed the
-        fewest times (:meth:`least_replayed`); it is counted as replayed once more and kept."""
+    def _pick(self, bits: int, this_pass: bool = False) -> int:
+        """The index of the record :meth:`take` takes from ``bits``, taking nothing."""
         bits = self.least_replayed(bits, this_pass)
         if bits <= 0:
             raise ValueError(f"expected a non-empty mask, got {bits}")
-        i = (bits & -bits).bit_length() - 1   # least_replayed kept only bits that name a record
+        return (bits & -bits).bit_length() - 1   # least_replayed kept only bits that name a record
+
+    def _take_at(self, i: int) -> Record:
+        """The i-th oldest record, counted as replayed once more (ever, and in this backward pass)."""
         seq, rec = self._items[i]
         self._replayed[seq] = self._replayed.get(seq, 0) + 1
         self._in_pass[seq] = (torch._C._current_graph_task_id(), self._in_this_pass(self._in_pass.get(seq)) + 1)
         return rec
 
-    def _take_bound(self, frame: Any, bits: int) -> Record:
-        """Among the records bound to ``frame`` whose bit is set, the oldest replayed the fewest times in this
-        pass; counted once more."""
-        entries = self._bound[frame]
-        bits = self._fewest([self._in_this_pass(e[1]) for e in entries], bits)
-        entry = entries[(bits & -bits).bit_length() - 1]
+    def take(self, bits: int, this_pass: bool = False) -> Record:
+        """Among the records whose bit is set in ``bits`` (agreed by every rank), the oldest of those replayed the
+        fewest times (:meth:`least_replayed`); it is counted as replayed once more and kept."""
+        return self._take_at(self._pick(bits, this_pass))
+
+    def _pick_bound(self, frame: Any, bits: int) -> int:
+        """The index, among the records bound to ``frame``, of the oldest whose bit is set that was replayed the
+        fewest times in this pass."""
+        bits = self._fewest([self._in_this_pass(e[1]) for e in self._bound[frame]], bits)
+        return (bits & -bits).bit_length() - 1
+
+    def _take_bound_at(self, frame: Any, j: int) -> Record:
+        """The j-th record bound to ``frame``, counted as replayed once more in this pass."""
+        entry = self._bound[frame][j]
         entry[1] = (torch._C._current_graph_task_id(), self._in_this_pass(entry[1]) + 1)
         return entry[0]
 
@@ -293,17 +319,20 @@ class Records:
         return len(self._replayed)
 
     def candidates(self, local_E: np.ndarray, rank: int, generation: int, held: bool, dispatched: bool,
-                   layer_id: int) -> np.ndarray:
+                   layer_id: int, refused: Callable[[Record], bool] | None = None) -> np.ndarray:
         """This rank's row of the all-gather that picks the record a recompute repeats (:meth:`choose` reads every
-        rank's): int64 [11], the bit masks of the records that may be it, in the order they are preferred (of the
+        rank's): int64 [13], the bit masks of the records that may be it, in the order they are preferred (of the
         active checkpoint frame; bound to it; ``hooks`` records of a checkpoint still alive, or made under other
         hooks and never replayed; ``no_grad`` ones; older per-step copies' ones, which only explain a refusal),
         then what every rank must share (under a frame, under hooks, the oldest record's number, the records kept,
-        those bound to the frame, the layer's number).
+        those bound to the frame, the layer's number), then the records this rank refuses to repeat (kept; bound to
+        the frame).
 
         local_E: int64 [E] the rows the recompute sends to each expert from this rank; generation / held: the
         per-step copies' generation now, and whether any are held (``Replicas``); dispatched: a
-        ``forward_dispatched`` call (whose records only it repeats)."""
+        ``forward_dispatched`` call (whose records only it repeats); refused: whether this rank cannot repeat a
+        record (say, the experts' requires_grad flags changed since its forward under a non-reentrant checkpoint):
+        every rank then raises together if the record agreed on is one some rank refuses."""
         frame = checkpoint_frame()
 
         def equal(rec: Record) -> bool:
@@ -331,40 +360,43 @@ class Records:
             self.mask(lambda rec, n: rec.kind == "no_grad" and current(rec)),
             self.mask(lambda rec, n: not current(rec) and equal(rec)),
         ]
+        no = [self.mask(lambda rec, n: refused(rec)),
+              sum(1 << i for i, (rec, _) in enumerate(bound) if refused(rec))] if refused is not None else [0, 0]
         return np.array([*masks, int(frame is not None), int(hooks_active()), self.first_seq(), len(self),
-                         len(bound), layer_id], dtype=np.int64)
+                         len(bound), layer_id, *no], dtype=np.int64)
 
-    def choose(self, rows: np.ndarray, generation: int, held: bool, frame: Any = None) -> Record:
-        """The record every rank repeats, from every rank's :meth:`candidates` row (int64 [W, 11], the same on
+    def choose(self, rows: np.ndarray, generation: int, held: bool, frame: Any = None,
+               refusal: Callable[[list[int], Record], Exception] | None = None) -> Record:
+        """The record every rank repeats, from every rank's :meth:`candidates` row (int64 [W, 13], the same on
         every rank, so every rank takes the same record or raises the same error): the first kind of candidate that
         all ranks share (among several ``hooks`` records not of the frame: refused, they cannot be told apart);
         taken (:meth:`take`). frame: the active checkpoint frame (:func:`checkpoint_frame`, present on every rank
         alike, as the rows agree): a record of another forward taken under it (the first run of a non-reentrant
         checkpoint nested in a reentrant one's recompute, which is itself a replay) is bound to it, so that this
         checkpoint's own recompute, under the same frame, repeats that very record and not another of equal
-        counts."""
+        counts. refusal: the error to raise, on every rank, when the record agreed on is one that some ranks (the
+        list) refuse to repeat (``candidates``'s ``refused``); nothing is taken then."""
         if len({int(r[10]) for r in rows}) != 1:
             raise RuntimeError(f"MoELayer: the EP ranks recompute different MoE layers at once (layer number per EP "
                                f"rank: {rows[:, 10].tolist()}); every rank must run the backward of every MoE layer, "
                                "in the same order")
-        if len({tuple(int(v) for v in r[5:]) for r in rows}) != 1:
+        if len({tuple(int(v) for v in r[5:10]) for r in rows}) != 1:
             raise RuntimeError(f"MoELayer: the ranks recompute differently or hold different forward records "
                                f"(frame, hooks, first, count, bound: {[[int(v) for v in r[5:10]] for r in rows]}); "
                                "every rank must run the same forwards and checkpoint them alike")
         by_frame, bound, hooks, no_grad, older = (int(np.bitwise_and.reduce(rows[:, i])) for i in range(5))
+
         if by_frame:
-            rec = self.take(by_frame, this_pass=True)
+            i, col = self._pick(by_frame, this_pass=True), 11
         elif bound:
-            rec = self._take_bound(frame, bound)
-        elif hooks and hooks & (hooks - 1) == 0:
-            rec = self.take(hooks)
+            i, col = self._pick_bound(frame, bound), 12
+        elif hooks and hooks & (hooks - 1) == 0 or no_grad and not hooks:
+            i, col = self._pick(hooks or no_grad), 11
         elif hooks:
             raise RuntimeError(
                 f"MoELayer: {bin(hooks).count('1')} recorded forwards of this layer under saved-tensor hooks have "
                 "the same counts on every rank as this recompute, and none was made under its checkpoint frame: "
                 "the one it repeats cannot be told apart; backward each such micro-batch before the next equal one")
-        elif no_grad:
-            rec = self.take(no_grad)
         elif older:
             # the same on every rank (refresh_replicas is collective): all raise, none enters the replay
             raise refreshed()
@@ -376,6 +408,13 @@ class Records:
                 "torch.utils.checkpoint's default preserve_rng_state=True), or its forward left no record (only a "
                 "forward under no_grad, or under saved-tensor hooks with grad enabled, does; the "
                 f"last {len(self)} are kept)")
+        refusing = [w for w in range(rows.shape[0]) if int(rows[w, col]) >> i & 1]
+        if refusing:
+            # (nothing taken: the same record stays the candidate of a backward retried once that is put right)
+            rec = self._items[i][1] if col == 11 else self._bound[frame][i][0]
+            raise refusal(refusing, rec) if refusal is not None else RuntimeError(
+                f"MoELayer: EP ranks {refusing} refuse to repeat the forward this recompute repeats")
+        rec = self._take_at(i) if col == 11 else self._take_bound_at(frame, i)
         if rec.generation != generation and held:
             raise refreshed()
         if frame is not None and not by_frame and not bound:

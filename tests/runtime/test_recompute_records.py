@@ -101,16 +101,34 @@ def test_which_forwards_leave_which_record_and_what_a_recompute_sees():
     assert seen[4][2] is seen[5][2] and seen[6][2] is seen[7][2] and seen[4][2] is not seen[6][2]
 
 
+class _Refused(Exception):
+    pass
+
+
 def _agree(per_rank: list[Records], local_WE: np.ndarray, generation: int = 0, held: bool = False,
-           dispatched: bool = False, layer_ids: list[int] | None = None) -> Record:
+           dispatched: bool = False, layer_ids: list[int] | None = None,
+           refused: list[set[str]] | None = None) -> Record:
     """What the layer's _find_record does, each rank's row computed from its own records, without processes: the
-    rows stacked as the all-gather returns them, then every rank's choice (asserted the same)."""
+    rows stacked as the all-gather returns them, then every rank's choice (asserted the same). refused: per rank,
+    the records (by placement tag) it refuses to repeat; a refusal raises ``_Refused(ranks, tag)``, asserted the
+    same on every rank."""
     W = len(per_rank)
     ids = layer_ids or [7] * W
-    rows = np.stack([per_rank[r].candidates(local_WE[r], r, generation, held, dispatched, ids[r])
+    rows = np.stack([per_rank[r].candidates(local_WE[r], r, generation, held, dispatched, ids[r],
+                                            None if refused is None else lambda rec, r=r: rec.placement in refused[r])
                      for r in range(W)])
-    got = [per_rank[r].choose(rows, generation, held) for r in range(W)]
-    assert all(g.placement == got[0].placement for g in got)   # (each rank its own copy of the same record)
+    got: list[Record | tuple] = []
+    for r in range(W):
+        try:
+            got.append(per_rank[r].choose(rows, generation, held,
+                                          refusal=lambda ranks, rec: _Refused(ranks, rec.placement)))
+        except _Refused as e:
+            got.append((tuple(e.args[0]), e.args[1]))
+    # each rank its own copy of the same record, or the same refusal
+    seen = {g if isinstance(g, tuple) else g.placement for g in got}
+    assert len(seen) == 1, got
+    if isinstance(got[0], tuple):
+        raise _Refused(list(got[0][0]), got[0][1])
     return got[0]
 
 
@@ -243,3 +261,37 @@ def test_under_checkpoint_frames_each_recompute_takes_its_own_frames_record():
     y = checkpoint(block, x, [("d1", other + 2, other + 2)], 1, True, use_reentrant=False)
     with pytest.raises(RuntimeError, match=r"refresh_replicas\(\) ran between a forward and its recompute"):
         y.sum().backward()
+
+
+def test_a_record_some_ranks_refuse_is_refused_on_every_rank_and_left_untaken():
+    """A recompute whose record some ranks refuse to repeat (the layer: the experts' requires_grad flags changed
+    there since a non-reentrant checkpoint's forward): every rank raises the same error naming those ranks, before
+    any takes it; the same choice, refused by none, then takes it (before, the refusing ranks raised alone, after
+    the agreement, while the others went on into the recompute's exchanges). Refusing records not chosen changes
+    nothing. Random forwards as in the brute-force test, against the choice made without refusals."""
+    import copy
+
+    rng = np.random.default_rng(9)
+    seen = {"refused": 0, "taken": 0}
+    for trial in range(60):
+        W, E, n = int(rng.choice([1, 2, 4])), 8, int(rng.integers(1, 6))
+        counts = [rng.integers(0, 3, size=(W, E)).astype(np.int64) for _ in range(n)]
+        kinds = [str(rng.choice(["hooks", "no_grad"])) for _ in range(n)]
+        target = counts[int(rng.integers(0, n))]
+        per_rank = _ranks(counts, kinds)
+        try:
+            want = _agree(copy.deepcopy(per_rank), target).placement
+        except RuntimeError:
+            continue   # several equal hooks records: refused before any refusal is read
+        refused = [{str(i) for i in range(n) if rng.random() < 0.3} for _ in range(W)]
+        ranks = [r for r in range(W) if want in refused[r]]
+        if ranks:
+            with pytest.raises(_Refused) as e:
+                _agree(per_rank, target, refused=refused)
+            assert e.value.args == (ranks, want), (trial, e.value.args)
+            seen["refused"] += 1
+        else:
+            seen["taken"] += 1
+        # taken once nobody refuses (a refused choice took nothing), as without refusals
+        assert _agree(per_rank, target, refused=[set()] * W if ranks else refused).placement == want, trial
+    assert min(seen.values()) >= 5, seen

@@ -1195,20 +1195,27 @@ def _flag_orders_worker(rank, world, policy, kw):
             m.close()
         res[order] = out
     # changed between a non-reentrant checkpoint's forward and its recompute: torch's checkpoint refuses that for any
-    # module (the recompute saves other tensors); refused on every rank before the recompute's first collective
-    # (before, some ranks raised torch's error inside the recompute while others waited in its exchanges)
+    # module (the recompute saves other tensors); refused on every rank before the recompute's exchanges, also where
+    # only some ranks changed them (before, the ranks that changed them raised, torch's error inside the recompute or
+    # ours after its first collective, while the others waited in its exchanges)
     for p in (policy, "none"):
         for frozen_at in ("forward", "backward"):
-            m = _layer(p, dtype=torch.float64, **(kw if p != "none" else {}))
-            with torch.no_grad():
-                m(_x(rank, 99).double())
-            m.refresh_replicas()
-            m.w2.requires_grad_(frozen_at != "forward")
-            y = checkpoint(m, xs(0)[0].requires_grad_(), use_reentrant=False)
-            m.w2.requires_grad_(frozen_at == "forward")
-            res[p, "non-reentrant", frozen_at] = error_of(lambda y=y: (y ** 2).mean().backward())
-            m.close()
+            for who in _CHANGED_ON:
+                changes = rank in _CHANGED_ON[who]
+                m = _layer(p, dtype=torch.float64, **(kw if p != "none" else {}))
+                with torch.no_grad():
+                    m(_x(rank, 99).double())
+                m.refresh_replicas()
+                m.w2.requires_grad_(frozen_at != "forward")
+                y = checkpoint(m, xs(0)[0].requires_grad_(), use_reentrant=False)
+                if changes:
+                    m.w2.requires_grad_(frozen_at == "forward")
+                res[p, "non-reentrant", frozen_at, who] = error_of(lambda y=y: (y ** 2).mean().backward())
+                m.close()
     return res
+
+
+_CHANGED_ON = {"every rank": [0, 1, 2, 3], "rank 1": [1], "node 1": [2, 3]}
 
 
 @pytest.mark.parametrize("policy,kw", [("feplb-split@ema", {}), ("feplb@ema", {"replicas": "lazy"}), ("eplb", {}),
@@ -1226,10 +1233,14 @@ def test_flags_changed_between_forwards_and_backwards_train_as_plain_ep(policy, 
     for rank, r in enumerate(res):
         for p in (policy, "none"):
             for frozen_at, was, now in (("forward", False, True), ("backward", True, False)):
-                err = r[p, "non-reentrant", frozen_at]
-                assert err is not None and err.startswith("CheckpointError: MoELayer: the experts' requires_grad "
-                                                          "flags changed between a non-reentrant") \
-                    and f"w2 ({was} at the forward, {now} now)" in err, (rank, p, frozen_at, err)
+                for who, ranks in _CHANGED_ON.items():
+                    err = r[p, "non-reentrant", frozen_at, who]
+                    assert err is not None and err.startswith(
+                        "CheckpointError: MoELayer: the experts' requires_grad flags changed between a non-reentrant"
+                        f" activation checkpoint's forward and its recompute in this backward, on EP rank(s) {ranks}"
+                    ), (rank, p, frozen_at, who, err)
+                    here = f"(here: w2 ({was} at the forward, {now} now))"
+                    assert (here in err) == (rank in ranks), (rank, p, frozen_at, who, err)
 
 
 def _old_banks_worker(rank, world):
