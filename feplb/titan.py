@@ -75,6 +75,7 @@ from feplb.dropin import (
 )
 from feplb.experts import checked_at_backward
 from feplb.layer import FEPLBConfig, MoELayer, ignore_experts_in_ddp
+from feplb.recompute import outside_selective_checkpoint
 
 __all__ = ["FEPLBGptOssRoutedExperts", "FEPLBRoutedExperts", "apply", "expert_parameters", "experts_modules",
            "full_state_dict", "attach_optimizer", "average_expert_grads", "reduce_replica_grads", "zero_replica_grads",
@@ -125,9 +126,10 @@ class _GateUp(torch.autograd.Function):
     @staticmethod
     def forward(w1: torch.Tensor, w3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         L, F, D = w1.shape
-        out = torch.empty((L, 2 * F, D), dtype=dtype, device=w1.device)
-        out[:, :F].copy_(w1)
-        out[:, F:].copy_(w3)
+        with outside_selective_checkpoint():   # (written in place: a policy saving every op would refuse that)
+            out = torch.empty((L, 2 * F, D), dtype=dtype, device=w1.device)
+            out[:, :F].copy_(w1)
+            out[:, F:].copy_(w3)
         return out
 
     @staticmethod

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from feplb.control import Control
+from feplb.recompute import outside_dispatch_modes
 
 __all__ = ["CopyEngine", "PeerMemoryUnavailable"]
 
@@ -54,6 +55,7 @@ class CopyEngine:
         self._closed = False
 
     # -- public API ---------------------------------------------------------------------------------------------------
+    @outside_dispatch_modes
     def exchange(self, send: Mapping[int, Sequence[torch.Tensor]], recv_numel: Mapping[int, int], *,
                  dtype: torch.dtype, device: torch.device, op: str, matrix=None,
                  ready: torch.cuda.Event | None = None, consumer: torch.cuda.Stream | None = None,
@@ -86,6 +88,8 @@ class CopyEngine:
 
         Blocking: on CUDA nothing in here waits for the device (no ``.item()``, blocking copy or synchronize), except
         when the inboxes grow. May be called from a worker thread; one exchange in flight per engine at a time.
+        Runs outside the active dispatch modes: a transport, no part of the computation (a selective activation
+        checkpoint saving views would cache one of an inbox, then refuse the engine's next write into it).
         """
         if self._closed:
             raise RuntimeError(f"copy path ({op}): the {self.name} engine was closed")

@@ -9,9 +9,10 @@ x 2 GPUs), against the same layer run without checkpointing:
   the layer last in the checkpointed block and followed by an op that saves its output;
 * the last of each step's recomputes would find its plan late: it replays the recorded plan and never plans;
 * selective activation checkpointing (torch's ``create_selective_checkpoint_contexts``, torchtitan's op-level mode),
-  with the matrix products saved, or nearly every op's output: bit for bit as above, and the recompute dispatches
-  its forward's ops in the forward's order (torch hands a saved output to the call of the same op and invocation
-  count), also for three recomputes in autograd's order;
+  with the matrix products saved, nearly every op's output, or every one (for fastermoe, the peers' direct path and
+  per-step copies): bit for bit as above, and the recompute dispatches its forward's ops in the forward's order
+  (torch hands a saved output to the call of the same op and invocation count), also for three recomputes in
+  autograd's order;
 * recomputes come in any order (three micro-batches forward, then one backward of their sum); ``no_grad`` forwards
   in training mode (one of the very first micro-batch's input, its plan late) are never taken by a non-reentrant
   recompute; a reentrant one may take the equal one, and the parameters' gradients add the micro-batches in
@@ -81,6 +82,7 @@ def _block(layer, tail: str):
 
 
 SELECTIVE = ("selective-mm", "selective-most")
+SAC_MODES = (*SELECTIVE, "selective-all")
 # allocations whose results are written in place afterwards, in-place ops and collectives: selective activation
 # checkpointing refuses a saved tensor modified later ("Tensor cached during selective activation checkpoint has been
 # mutated"), whatever the layer; every other op's output is saved by the "most" policy
@@ -90,7 +92,8 @@ _NEVER_SAVED = ("empty", "new_empty", "new_zeros", "zeros", "zeros_like", "empty
 
 def _sac_policy(ctx, op, *args, kind: str, **kwargs):
     """selective-mm: the matrix products saved (torch's aten.mm, feplb's grouped GEMM), the rest recomputed;
-    selective-most: every op's output saved but for those of _NEVER_SAVED, in-place ops and collectives. A
+    selective-most: every op's output saved but for those of _NEVER_SAVED, in-place ops and collectives;
+    selective-all: every op's output saved (a policy that refuses any module writing into a tensor it made). A
     recompute that issued other ops than its forward, or in another order, would then be handed the outputs of
     other calls of the same op (matched by op and invocation count)."""
     from torch.utils.checkpoint import CheckpointPolicy
@@ -98,6 +101,8 @@ def _sac_policy(ctx, op, *args, kind: str, **kwargs):
     name = str(op)
     if kind == "selective-mm":
         keep = op == torch.ops.aten.mm.default or name.startswith("feplb.grouped_mm")
+    elif kind == "selective-all":
+        keep = True
     else:
         base = name.split(".")[1] if name.count(".") >= 2 else name
         keep = not (base.endswith("_") or name.startswith("c10d") or base in _NEVER_SAVED)
@@ -112,7 +117,7 @@ def _checkpoint(fn, x, mode: str, log: list | None = None):
 
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    if mode not in SELECTIVE:
+    if mode not in SAC_MODES:
         return checkpoint(fn, x, use_reentrant=mode == "reentrant")
     block = fn if log is None else _logged(fn, log)
     return checkpoint(block, x, use_reentrant=False,
@@ -180,7 +185,7 @@ def _steps(rank: int, policy: str, weights: str, mode: str, tail: str) -> dict:
             # must its recompute, whose plan would be on time
             late["on"] = mb == 1
             out_r = _block(ref, tail)(xr)
-            log = [] if mode in SELECTIVE else None
+            log = [] if mode in SAC_MODES else None
             out_a = _checkpoint(_block(ac, tail), xa, mode, log)
             late["on"] = False
             fell_back += ref.last_stats.fell_back
@@ -923,6 +928,22 @@ def _selective_more_rank(rank: int, world: int, case: str, mode: str) -> dict:
         ref_opt.zero_grad(), ac_opt.zero_grad()
     ref.close(), ac.close()
     return {"moved": moved, "lazy": held}
+
+
+def _save_all_rank(rank: int, world: int, policy: str) -> dict:
+    return _steps(rank, policy, "per-step", "selective-all", "tanh")
+
+
+@pytest.mark.parametrize("policy", ["fastermoe", "feplb-split@ema", "eplb"])
+def test_a_selective_policy_saving_every_op(policy):
+    """Selective activation checkpointing whose policy saves every op's output, allocations and views included:
+    bit for bit as without checkpointing, the recompute dispatching its forward's ops. The layer writes into
+    nothing SAC saw it make: fastermoe's shadowing (the direct path's node exchange on the copy path) made a view
+    of the copy engine's inbox in the forward, which the engine's next write then mutated (torch: "Tensor cached
+    during selective activation checkpoint has been mutated" on the ranks that sent, the others waiting in the
+    recompute's exchanges); the copy path now runs outside the dispatch modes, as a transport."""
+    results = run_dist(_save_all_rank, W, policy, timeout_s=300, collective_timeout_s=60)
+    assert sum(r["moved"] for r in results) > 0, (policy, "balancing moved no row")
 
 
 @pytest.mark.parametrize("case", ["masked", "lazy", "dispatched", "capacity"])

@@ -15,7 +15,8 @@ as 2 nodes x 2, balancing on (feplb-split, rows really move) and off.
 * EP 2 x data-parallel 2 (4 ranks): ``average_expert_grads`` over the data-parallel group gives the mean of the
   ranks' gradients, or with ``divide=False`` their sum (torchtitan's convention), against the fp64 reference.
 * ``full_state_dict`` round-trips bit-exactly into an unmodified MoE (also one reachable under two names; shared
-  experts stay shared); a checkpointed forward trains the same, also under torchtitan's op-level ``SelectiveAC``;
+  experts stay shared); a checkpointed forward trains the same, also under torchtitan's op-level ``SelectiveAC``
+  and under a selective policy saving every op's output;
   ``ignore_experts_in_ddp`` finds the shards in their child module; what FEPLB cannot run is refused by name on
   every rank before anything is replaced.
 
@@ -1018,6 +1019,59 @@ def test_part_frozen_under_selective_checkpointing_matches_plain_ep():
                     assert _rel(grads[name], want) <= 1e-5, (rank, policy, name, _rel(grads[name], want))
     for policy in ("feplb@ema", "feplb-split@ema"):
         assert sum(r[policy][2] for r in runs) > 0, (policy, "rows must move")
+
+
+def _save_all_case(rank: int, world: int) -> dict:
+    """Selective activation checkpointing with a policy that saves every op's output (allocations included), against
+    no checkpointing: bit for bit, the input's and every parameter's gradient. Before, the layer's [w1 | w3] join
+    wrote w1 and w3 into a tensor it had just allocated, which such a policy saves: torch refused the write ("Tensor
+    cached during selective activation checkpoint has been mutated") on every rank, where torchtitan's own experts
+    (which cast each weight apart) train."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    import feplb.titan as ft
+
+    def save_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE
+
+    base = make_moe("qwen3")
+    out = {}
+    for policy in ("none", "feplb-split@ema"):
+        for how in ("plain", "selective"):
+            moe = copy.deepcopy(base)
+            ft.apply(moe, policy=policy, weights="per-step", dtype=torch.float32, gpus_per_node=min(2, world),
+                     refresh_every=1, **OPTS)
+            ex = moe.routed_experts
+            with torch.no_grad():
+                ex(*_inputs(rank + 50))
+            ft.refresh_replicas(moe)
+            x, scores, ids = _inputs(rank)
+            x.requires_grad_()
+            y = ex(x, scores, ids) if how == "plain" else checkpoint(
+                ex, x, scores, ids, use_reentrant=False,
+                context_fn=functools.partial(create_selective_checkpoint_contexts, save_all))
+            err = error_of(lambda y=y: (y ** 2).mean().backward())
+            if err is None:
+                err = error_of(lambda moe=moe: ft.reduce_replica_grads(moe))
+            out[policy, how] = (err, {"x": x.grad, **{n: q.grad for n, q in ex.named_parameters()}},
+                                ex.last_stats.rows_moved if policy != "none" else 0)
+            ex.close()
+    return out
+
+
+def test_a_selective_policy_saving_every_op_matches_no_checkpointing():
+    runs = run_dist(_save_all_case, 4, timeout_s=200, collective_timeout_s=60)
+    for rank, r in enumerate(runs):
+        for policy in ("none", "feplb-split@ema"):
+            (err, grads, _), (err0, want, _) = r[policy, "selective"], r[policy, "plain"]
+            assert err is None and err0 is None, (rank, policy, err, err0)
+            assert grads.keys() == want.keys()
+            for name, g in grads.items():
+                assert (g is None) == (want[name] is None) and (g is None or torch.equal(g, want[name])), \
+                    (rank, policy, name)
+    assert sum(r["feplb-split@ema", "selective"][2] for r in runs) > 0, "rows must move"
 
 
 def _no_grad_forward_case(rank: int, world: int) -> dict:
