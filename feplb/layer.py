@@ -682,61 +682,75 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                     raise RuntimeError("MoELayer: a compiled forward cannot be recomputed under another placement "
                                        "than its first run's (weights='per-microbatch' with '+place'); use "
                                        "weights='per-step', or do not compile the checkpointed block")
-            entry = ForwardEntry() if torch.is_grad_enabled() else None
-            rows = self._valid(x_MD, replay.counts)
-            if dispatched and entry is not None:
-                # as the forward's (below): rows that need no grad of their own need it here too, through the expert
-                # parameters, so that the recompute records (and saves for its backward) what the forward did
-                rows = _entered_rows(entry, rows, *self.expert_params(), self._grad_leaf)
-            with entered_through(entry):
-                y_MD = self._padded(self._replay(rows, replay), x_MD)
-            self._watch_backward_flags(y_MD)
-            if entry is not None and y_MD.requires_grad:
-                y_MD.register_hook(entry.arrived)
+            # (a forward that found nothing needing grad on any rank made no graph: neither does its recompute, which
+            # saves what it saved)
+            with torch.no_grad() if replay.grad_free else contextlib.nullcontext():
+                entry = ForwardEntry() if torch.is_grad_enabled() else None
+                rows = self._valid(x_MD, replay.counts)
+                if dispatched and entry is not None:
+                    # as the forward's (below): rows that need no grad of their own need it here too, through the
+                    # expert parameters, so that the recompute records (and saves for its backward) what the forward
+                    # did
+                    rows = _entered_rows(entry, rows, *self.expert_params(), self._grad_leaf)
+                with entered_through(entry):
+                    y_MD = self._padded(self._replay(rows, replay), x_MD)
+                self._watch_backward_flags(y_MD)
+                if entry is not None and y_MD.requires_grad:
+                    y_MD.register_hook(entry.arrived)
             return y_MD
         if problem is None and torch.is_grad_enabled():   # (every rank alike: the mode is the training loop's)
             refused = compiled_autograd_problem("forward", forward=True)
             problem = None if refused is None else (RuntimeError, refused)
         tl = self.last_timeline = Timeline(device_spans=self._device.type == "cuda") if self.config.timeline \
             else None
+        # (from the parameters themselves: an adapter's expert_weights() derive from them)
+        needs = problem is None and torch.is_grad_enabled() and (
+            x_MD.requires_grad or any(p.requires_grad for p in self.expert_params()))
         with span(tl, "counts"):
-            counts = self._count(counts_S, bad, problem, dispatched)
-        placement, slot_of_E, plan_state = self.placement, self._slot_of_E, self._plan_state
-        direct = counts.want_plan and self.direct
-        x_all, x_MD = x_MD, self._valid(x_MD, counts)
-        # (the backward nodes of this forward's exchanges check that their backward started at its output)
-        entry = ForwardEntry() if torch.is_grad_enabled() else None
-        if dispatched and entry is not None:
-            # (no phase 1 here, and a node whose plan moves nothing makes no exchange: this node, on the way to the
-            # expert parameters on every rank, checks where the backward started. With the layer's zero-size leaf
-            # the rows need grad on every rank, as phase 1's anchor makes forward()'s: where neither they nor the
-            # expert parameters did, the output needed grad only on ranks whose plan made an exchange, and only
-            # those ran the layer's backward (or a checkpoint's recompute), waiting for the others)
-            x_MD = _entered_rows(entry, x_MD, *self.expert_params(), self._grad_leaf)
-        with entered_through(entry):
-            if direct:
-                y_MD, p2 = forward_direct(self, x_MD, counts, tl)
-            else:
-                y_MD, p2 = self._in_node(x_MD, counts, tl, dispatched=dispatched)
-        if p2.recopy is None:
-            self._check_weights_at_backward(y_MD)
-        else:
-            # recopy_weights: the weights go to the helpers again as soon as this output's gradient arrives, before
-            # the backward of the reverse all-to-all (on a GPU, beside it where the copy path allows: feplb.recopy)
-            p2.recopy.start_at(y_MD)
-        y_MD = self._restricted(self._padded(y_MD, x_all))
-        self._watch_backward_flags(y_MD)
-        if entry is not None and y_MD.requires_grad:
-            y_MD.register_hook(entry.arrived)   # (the last hook on it: it runs before any node of the layer's)
-        self._observe(counts, p2)
+            counts = self._count(counts_S, bad, problem, dispatched, needs)
+        # autograd on, yet nothing the layer reads needs grad on any rank (frozen experts behind frozen layers, an
+        # evaluation with grad on): as torch's own ops, the layer then makes an output that needs none, and no
+        # backward runs through it (which the anchors would make every rank run). Agreed: a rank whose rows need
+        # grad makes every rank keep the graph, as its backward exchanges are collective.
+        grad_free = torch.is_grad_enabled() and not counts.needs_grad
         kind = record_kind()
-        if kind is not None:
-            frame = checkpoint_frame() if kind == "hooks" else None
-            self._records.add(Record(kind=kind, placement=placement, slot_of_E=slot_of_E, plan_state=plan_state,
-                                     counts=counts, direct=direct, plan=None if p2.fell_back else p2.result.plan,
-                                     fell_back=p2.fell_back, generation=self.replicas.generation,
-                                     requires=self.replicas.forward_requires(),
-                                     frame=None if frame is None else weakref.ref(frame), dispatched=dispatched))
+        with torch.no_grad() if grad_free else contextlib.nullcontext():
+            placement, slot_of_E, plan_state = self.placement, self._slot_of_E, self._plan_state
+            direct = counts.want_plan and self.direct
+            x_all, x_MD = x_MD, self._valid(x_MD, counts)
+            # (the backward nodes of this forward's exchanges check that their backward started at its output)
+            entry = ForwardEntry() if torch.is_grad_enabled() else None
+            if dispatched and entry is not None:
+                # (no phase 1 here, and a node whose plan moves nothing makes no exchange: this node, on the way to the
+                # expert parameters on every rank, checks where the backward started. With the layer's zero-size leaf
+                # the rows need grad on every rank, as phase 1's anchor makes forward()'s: where neither they nor the
+                # expert parameters did, the output needed grad only on ranks whose plan made an exchange, and only
+                # those ran the layer's backward (or a checkpoint's recompute), waiting for the others)
+                x_MD = _entered_rows(entry, x_MD, *self.expert_params(), self._grad_leaf)
+            with entered_through(entry):
+                if direct:
+                    y_MD, p2 = forward_direct(self, x_MD, counts, tl)
+                else:
+                    y_MD, p2 = self._in_node(x_MD, counts, tl, dispatched=dispatched)
+            if p2.recopy is None:
+                self._check_weights_at_backward(y_MD)
+            else:
+                # recopy_weights: the weights go to the helpers again as soon as this output's gradient arrives, before
+                # the backward of the reverse all-to-all (on a GPU, beside it where the copy path allows: feplb.recopy)
+                p2.recopy.start_at(y_MD)
+            y_MD = self._restricted(self._padded(y_MD, x_all))
+            self._watch_backward_flags(y_MD)
+            if entry is not None and y_MD.requires_grad:
+                y_MD.register_hook(entry.arrived)   # (the last hook on it: it runs before any node of the layer's)
+            self._observe(counts, p2)
+            if kind is not None:
+                frame = checkpoint_frame() if kind == "hooks" else None
+                self._records.add(Record(kind=kind, placement=placement, slot_of_E=slot_of_E, plan_state=plan_state,
+                                         counts=counts, direct=direct, plan=None if p2.fell_back else p2.result.plan,
+                                         fell_back=p2.fell_back, generation=self.replicas.generation,
+                                         requires=self.replicas.forward_requires(),
+                                         frame=None if frame is None else weakref.ref(frame), dispatched=dispatched,
+                                         grad_free=grad_free))
         return y_MD
 
     @outside_dispatch_modes
@@ -886,11 +900,12 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
     # ------------------------------------------------------------------------------------------------ 2. count
     @outside_dispatch_modes
     def _count(self, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
-               problem: tuple[type, str] | None, dispatched: bool) -> Counts:
+               problem: tuple[type, str] | None, dispatched: bool, needs: bool = False) -> Counts:
         """All-gather the counts (and every rank's problems); raise on every rank together if any rank has one.
         Each rank's way of calling travels with them (training mode, autograd on, ``forward_dispatched``, whether
         it leaves a record for a recompute under saved-tensor hooks): ranks that differ would run different
-        collectives, in the forward or in its backward, or keep different records."""
+        collectives, in the forward or in its backward, or keep different records. ``needs``: this rank's rows or
+        expert parameters need grad (or-ed over the ranks: ``Counts.needs_grad``)."""
         E = self.config.num_experts
         # the per-step copies' owners changed since the copies were made: a sample of their bits, compared on the
         # device (no host sync of its own: it travels in the counts' copy to the host), or-ed with what the
@@ -925,7 +940,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                                        | autocast_code(autocast_dtype(self._device.type)) << AUTOCAST_SHIFT,
                                        self._slow_digest(),
                                        self.__dict__.get("_opt_steps", 0) - skipped,
-                                       int(self._grads_dropped()), self._frozen_code()], dtype=torch.int64),
+                                       int(self._grads_dropped()), self._frozen_code(), int(needs)],
+                                      dtype=torch.int64),
                          row[3:],
                          row.new_zeros(_COUNTS_WIDTH[self._counts_key] - E)])
         forward_began(self.group)     # (its per-layer calls after the backward handshake again: training.handshaken)

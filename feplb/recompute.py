@@ -202,7 +202,9 @@ class Record:
     gathered ``feplb.steps.Counts``; direct: it took the peers' direct path; plan: the plan it executed (None: none,
     or it fell back); fell_back: the node agreed to compute at home; generation: the per-step copies it computed
     with (``Replicas.generation``); requires: the flags it took them with (``Replicas.forward_requires``); frame: a
-    weak reference to the ``torch.utils.checkpoint`` frame it ran under (:func:`checkpoint_frame`), or None."""
+    weak reference to the ``torch.utils.checkpoint`` frame it ran under (:func:`checkpoint_frame`), or None;
+    grad_free: it ran with autograd on but made no graph, nothing it read needing grad on any rank (its recompute
+    makes none either)."""
 
     kind: str
     placement: Any
@@ -216,6 +218,7 @@ class Record:
     frame: Any = None                  # a weakref to the checkpoint frame it ran under (hooks records), or None
     dispatched: bool = False           # a forward_dispatched call (rows at home already, by local expert)
     requires: tuple = ()               # the expert parameters' requires_grad flags it took per-step copies with
+    grad_free: bool = False            # autograd was on, but nothing the layer read needed grad on any rank
 
     def local_counts_E(self, rank: int) -> np.ndarray:
         """int64 [E]: the rows this rank sent to each expert in that forward."""

@@ -23,6 +23,7 @@ class Counts:
     loads_default_W: np.ndarray  # int64 [W]: rows per GPU with every expert at its owner (plain EP)
     loads_home_W: np.ndarray    # int64 [W]: rows per GPU with the current placement, before balancing
     want_plan: bool             # balancing is on and the straggler is worth it (identical everywhere)
+    needs_grad: bool = True     # autograd on and, on some rank, the rows or the expert parameters need grad
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -79,8 +80,8 @@ class NonFiniteRoutingError(ValueError):
 
 # The counts all-gather's row (int64): a header of fixed width, then the counts, padded to the width every layer of
 # the group shares (layers of different E may meet in one all-gather when ranks run different layers)
-HEADER = ("flags", "stale", "problem", "layer", "calls", "digest", "steps", "dropped", "frozen")
-FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, STEPS, DROPPED, FROZEN = range(len(HEADER))
+HEADER = ("flags", "stale", "problem", "layer", "calls", "digest", "steps", "dropped", "frozen", "needs")
+FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, STEPS, DROPPED, FROZEN, NEEDS = range(len(HEADER))
 # The same row sent by a rank entering one of the calls that run collectives between a backward and the next forward
 # (``step_row``: an attached optimizer's step, reduce_replica_grads, refresh_replicas, average_expert_grads,
 # clip_grad_norm_, an attached GradScaler's unscale_ and step): its LAYER is negative, so that a rank that skipped
@@ -292,7 +293,8 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     autograd on, 16 inside a reentrant checkpoint whose inputs need grad), the digest of its slow decisions,
     the optimizer steps taken of its experts, whether it dropped the experts' gradients while per-step copies held
     theirs, a digest of which of its expert parameters require grad (0 where the layer keeps no per-step copies of
-    other ranks' experts);
+    other ranks' experts), whether its rows or expert parameters need grad (autograd on; or-ed over the ranks:
+    ``Counts.needs_grad``);
     then the counts per flat slot), raising on every rank together when any rank reported a problem or the
     ranks run different layers, in different modes, from different histories, after different numbers of
     optimizer steps or with experts frozen apart. The header comes first, so the layer numbers are read alike
@@ -427,7 +429,7 @@ def _counts(gathered: np.ndarray, slots_WS: np.ndarray, W: int, L: int, *, balan
     want = balance and token_straggler(loads_home) >= max(min_straggler, 1e-9)
     return Counts(counts_WS=counts_WS, counts_WE=counts_WE,
                   loads_default_W=counts_WE.sum(axis=0).reshape(W, L).sum(axis=1), loads_home_W=loads_home,
-                  want_plan=bool(want))
+                  want_plan=bool(want), needs_grad=bool(gathered[:, NEEDS].any()))
 
 
 def plan_digest(plan) -> int:

@@ -148,9 +148,10 @@ def _checkpoint_case(rank: int) -> dict:
     Also with tokens that need no grad (a first layer's, behind a frozen embedding): the rows need it through the
     expert parameters, in the recompute as in the forward (before, the recompute saved fewer tensors, and torch's
     checkpoint raised on every rank). And with the expert parameters frozen too ("frozen"): nothing the layer
-    reads needs grad, yet its output needs it on every rank, as forward()'s does (before, only on the ranks whose
-    plan made an exchange: only those ran the layer's backward, and the checkpoint's recompute, waiting for the
-    others until the timeout)."""
+    reads needs grad on any rank, so its output needs none, on every rank, as torch's own ops' would not (earlier,
+    only on the ranks whose plan made an exchange: only those ran the layer's backward, and the checkpoint's
+    recompute, waiting for the others until the timeout; then on every rank, a backward running through the layer
+    for nothing)."""
     from torch.utils.checkpoint import checkpoint
 
     router, _, _ = _weights()
@@ -167,7 +168,10 @@ def _checkpoint_case(rank: int) -> dict:
             ids, gates = _route(x, router)
             out = checkpoint(_moe, layer, x, ids, gates, use_reentrant=False) if ckpt else \
                 _moe(layer, x, ids, gates)
-            (out * gy).sum().backward()
+            if need == "frozen":
+                assert not out.requires_grad, (rank, ckpt, "nothing needs grad: neither does the output")
+            else:
+                (out * gy).sum().backward()
             stats = layer.last_stats
             grads.append([None if t is None else t.clone() for t in (x.grad, layer.w1.grad, layer.w2.grad)]
                          + [stats.rows_moved if rank == stats.planned_ranks[0] else 0])
@@ -180,23 +184,35 @@ def _checkpoint_case(rank: int) -> dict:
 
 
 def _frozen_checkpoint_case(rank: int) -> dict:
-    """``forward_dispatched`` alone under a non-reentrant checkpoint, per-step weights, its rows needing no grad and
-    its expert parameters frozen (nothing it reads needs grad): every rank runs the backward through it, recompute
-    included (before, the ranks whose plan hosted moved rows met the exchanges' backward while the others
-    recomputed, and every rank waited until the timeout)."""
+    """``forward_dispatched`` alone, under a non-reentrant checkpoint and without, per-step weights, its expert
+    parameters frozen and its rows needing no grad on any rank, or on rank 1 only. On no rank: nothing it reads
+    needs grad, and its output needs none on any rank (as torch's own ops'; before, it needed grad on every rank,
+    and a backward ran through the layer's exchanges for nothing; earlier still, only on the ranks whose plan made
+    an exchange, and every rank waited until the timeout). On rank 1 only: the output needs grad on every rank
+    (the ranks agree in the counts all-gather), every rank runs the backward, recompute included, and rank 1's
+    rows' gradient equals the one without checkpointing."""
     from torch.utils.checkpoint import checkpoint
 
-    layer = _layer("feplb-split", "per-step")
-    layer.w1.requires_grad_(False)
-    layer.w2.requires_grad_(False)
-    counts = [40, 8, 0, 0] if rank % 2 == 0 else [6, 2, 0, 0]
-    rows = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(rank))
-    y = checkpoint(lambda r: layer.forward_dispatched(r, counts), rows, use_reentrant=False)
-    err = error_of(lambda: (y ** 2).mean().backward()) if y.requires_grad else "the output needs no grad"
-    stats = layer.last_stats
-    out = {"error": err, "grads": [layer.w1.grad, layer.w2.grad],
-           "moved": stats.rows_moved if rank == stats.planned_ranks[0] else 0}
-    layer.close()
+    out = {}
+    for needs_on in ((), (1,)):
+        got = {}
+        for ckpt in (False, True):
+            layer = _layer("feplb-split", "per-step")
+            layer.w1.requires_grad_(False)
+            layer.w2.requires_grad_(False)
+            counts = [40, 8, 0, 0] if rank % 2 == 0 else [6, 2, 0, 0]
+            rows = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(rank))
+            rows.requires_grad_(rank in needs_on)
+            y = checkpoint(lambda r, layer=layer, counts=counts: layer.forward_dispatched(r, counts), rows,
+                           use_reentrant=False) if ckpt else layer.forward_dispatched(rows, counts)
+            needs = y.requires_grad
+            err = error_of(lambda y=y: (y ** 2).mean().backward()) if needs else None
+            stats = layer.last_stats
+            got[ckpt] = {"needs": needs, "error": err, "grads": [layer.w1.grad, layer.w2.grad],
+                         "rows": None if rows.grad is None else rows.grad.clone(),
+                         "moved": stats.rows_moved if rank == stats.planned_ranks[0] else 0}
+            layer.close()
+        out[needs_on] = got
     return out
 
 
@@ -403,9 +419,16 @@ def test_forward_dispatched_under_activation_checkpointing(ranks):
 
 def test_forward_dispatched_with_nothing_needing_grad_under_activation_checkpointing(ranks):
     for rank, res in enumerate(ranks):
-        got = res["frozen checkpoint"]
-        assert got["error"] is None and got["grads"] == [None, None], (rank, got)
-    assert sum(res["frozen checkpoint"]["moved"] for res in ranks) > 0
+        for needs_on, by_ckpt in res["frozen checkpoint"].items():
+            for ckpt, got in by_ckpt.items():
+                assert got["needs"] == bool(needs_on), (rank, needs_on, ckpt, "the output needs grad")
+                assert got["error"] is None and got["grads"] == [None, None], (rank, needs_on, ckpt, got)
+                assert (got["rows"] is not None) == (rank in needs_on), (rank, needs_on, ckpt)
+            if by_ckpt[False]["rows"] is not None:
+                assert torch.equal(by_ckpt[True]["rows"], by_ckpt[False]["rows"]), (rank, needs_on)
+    for needs_on in ((), (1,)):
+        for ckpt in (False, True):
+            assert sum(res["frozen checkpoint"][needs_on][ckpt]["moved"] for res in ranks) > 0, (needs_on, ckpt)
 
 
 def test_forward_dispatched_refuses_bad_arguments_on_every_rank(ranks):

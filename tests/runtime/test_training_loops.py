@@ -35,15 +35,21 @@ pytestmark = pytest.mark.dist
 H, FF, E, K, W, G = 16, 24, 8, 2, 4, 2
 
 
-def _layer(policy: str, **kw):
-    from feplb import FEPLBConfig, MoELayer
-
+def _weights() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The global router [E, H], w1 [E, H, 2F] and w2 [E, F, H] every test layer starts from."""
     gen = torch.Generator().manual_seed(3)
     router = torch.randn(E, H, generator=gen) / H ** 0.5
     router[:, 0] = 0.0
     router[[0, 1], 0] = torch.tensor([4.0, 3.0])     # GPU 0's experts are hot: rows move
     w1 = torch.randn(E, H, 2 * FF, generator=gen) / H ** 0.5
     w2 = torch.randn(E, FF, H, generator=gen) / FF ** 0.5
+    return router, w1, w2
+
+
+def _layer(policy: str, **kw):
+    from feplb import FEPLBConfig, MoELayer
+
+    router, w1, w2 = _weights()
     kw.setdefault("plan_wait_ms", 60_000.0)
     layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2, policy=policy,
                                  min_straggler_rows=0, min_chunk=2, **kw))
@@ -1270,3 +1276,85 @@ def test_a_refresh_frees_the_copies_it_replaced():
     res = run_dist(_old_banks_worker, W, timeout_s=120, collective_timeout_s=60)
     assert sum(n for n, _ in res) > 0, res
     assert all(alive == 0 for _, alive in res), res
+
+
+_GRAD_FREE_CASES = ("nothing trains", "the router trains", "rank 1's tokens need grad")
+
+
+def _grad_free_worker(rank, world, policy):
+    """The expert parameters frozen and the tokens needing no grad, under autograd (frozen experts behind frozen
+    layers, an evaluation with grad on), with and without activation checkpointing: where nothing the layer's
+    experts read needs grad on any rank, its output needs grad only through the gates (the router), as plain
+    torch's would, and no node of the layer's own (its exchanges, anchors, the experts' GEMMs) is in the graph, so
+    no backward runs through it (before, the anchors made its output need grad on every rank, and every backward ran
+    the layer's exchanges for nothing); where one rank's tokens need grad, every rank keeps the graph (its backward
+    exchanges are collective). Outputs and gradients against the dense fp64 reference of this rank's tokens."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from feplb.testing import dense_moe_reference
+
+    def save_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE
+
+    router, w1, w2 = (t.double() for t in _weights())
+    res = {}
+    for case in _GRAD_FREE_CASES:
+        for ckpt in ("none", "non-reentrant", "selective"):
+            m = _layer(policy, dtype=torch.float64)
+            with torch.no_grad():
+                m(_x(rank, 99).double())        # the history
+            m.refresh_replicas()
+            m.w1.requires_grad_(False)
+            m.w2.requires_grad_(False)
+            m.router.weight.requires_grad_(case != "nothing trains")
+            x = _x(rank, 0).double().requires_grad_(case == "rank 1's tokens need grad" and rank == 1)
+            dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+            if ckpt == "none":
+                y = m(x)
+            else:
+                y = checkpoint(m, x, use_reentrant=False, context_fn=functools.partial(
+                    create_selective_checkpoint_contexts, save_all) if ckpt == "selective" else
+                    torch.utils.checkpoint.noop_context_fn)
+            nodes, seen, todo = set(), set(), [y.grad_fn]
+            while todo:
+                fn = todo.pop()
+                if fn is not None and fn not in seen:
+                    seen.add(fn)
+                    nodes.add(type(fn).__name__)
+                    todo.extend(f for f, _ in fn.next_functions)
+            rx = x.detach().clone().requires_grad_(x.requires_grad)
+            rr = router.clone().requires_grad_(m.router.weight.requires_grad)
+            ry = dense_moe_reference(rx, rr, w1, w2, K)
+            torch.testing.assert_close(y, ry, rtol=1e-9, atol=1e-12, msg=f"{policy} {case} {ckpt} output")
+            if y.requires_grad:
+                (y * dy).sum().backward()
+                (ry * dy).sum().backward()
+                for got, want, what in ((m.router.weight.grad, rr.grad, "router"), (x.grad, rx.grad, "x")):
+                    assert (got is None) == (want is None), (policy, case, ckpt, what)
+                    if want is not None:
+                        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12,
+                                                   msg=f"{policy} {case} {ckpt} {what} grad")
+            res[case, ckpt] = (y.requires_grad, sorted(nodes), m.last_stats.rows_moved,
+                               [p.grad is None for p in (m.w1, m.w2)])
+            m.close()
+    return res
+
+
+@pytest.mark.parametrize("policy", ["feplb-split", "feplb-split@ema", "eplb", "fastermoe"])
+def test_nothing_needing_grad_on_any_rank_makes_no_graph_through_the_layer(policy):
+    res = run_dist(_grad_free_worker, W, policy, timeout_s=240, collective_timeout_s=60)
+    layer_nodes = ("_Anchor", "_Exchange", "_AllToAllRows", "_JoinFn", "_Gate", "Entered", "_Restricted", "_glu",
+                   "grouped_mm")
+    for rank, r in enumerate(res):
+        for (case, ckpt), (needs, nodes, _, no_expert_grads) in r.items():
+            assert needs == (case != "nothing trains"), (rank, case, ckpt, needs)
+            ours = [n for n in nodes if any(k.lower() in n.lower() for k in layer_nodes)]
+            if case == "rank 1's tokens need grad":
+                assert ours, (rank, case, ckpt, "the layer's graph is kept on every rank", nodes)
+            else:
+                assert not ours, (rank, case, ckpt, "no node of the layer's", ours)
+            assert all(no_expert_grads), (rank, case, ckpt)
+    for case in _GRAD_FREE_CASES:
+        assert sum(r[case, "none"][2] for r in res) > 0, (policy, case, "rows must move")
