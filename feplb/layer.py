@@ -559,7 +559,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             w_TK = w_TK.masked_fill(skip_TK, 0)
         y_MD = self._experts(x_MD, meta.counts_E[:c.num_experts], bad, replay=replay)
         # each row's expert, for a post-expert step that depends on it (scattered on the device: no host sync)
-        expert_M = topk_ids_TK.new_empty(y_MD.shape[0]).index_put_(
+        # (out of place: a selective activation checkpoint saving every op caches the new tensor, and refuses a write)
+        expert_M = topk_ids_TK.new_empty(y_MD.shape[0]).index_put(
             (meta.dst_idx_TK.reshape(-1).long(),), topk_ids_TK.reshape(-1)) if self.post_expert_ids else None
         y_MD = self._post_expert(y_MD, expert_M)
         tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone

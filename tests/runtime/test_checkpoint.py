@@ -54,12 +54,21 @@ H, FF, E, K, W, G = 16, 24, 16, 2, 4, 2
 TOKENS = (40, 24, 32, 16)
 
 
-def _layer(policy: str, weights: str, seed: int, **kw):
+def _layer(policy: str, weights: str, seed: int, ids: bool = False, **kw):
+    """ids: a layer whose post-expert step takes each row's expert (``post_expert_ids``, as feplb.hf's per-expert
+    norm): it scales each row by its expert's number."""
     from feplb import FEPLBConfig, MoELayer
 
+    class WithIds(MoELayer):
+        post_expert_ids = True
+
+        def post_expert(self, y_MD, expert_M=None):
+            return y_MD * (1.0 + 0.01 * expert_M.to(y_MD.dtype))[:, None]
+
     torch.manual_seed(seed)     # the same router and expert weights for both layers of a pair
-    layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2, policy=policy,
-                                 weights=weights, min_chunk=2, min_straggler_rows=0, refresh_every=2, **kw))
+    cls = WithIds if ids else MoELayer
+    layer = cls(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=G, dyn=2, policy=policy,
+                            weights=weights, min_chunk=2, min_straggler_rows=0, refresh_every=2, **kw))
     opt = torch.optim.SGD(layer.parameters(), lr=0.5)
     layer.attach_optimizer(opt)
     return layer, opt
@@ -169,11 +178,11 @@ def _compare(got: dict, want: dict, what: str, exact: bool = True) -> None:
         assert torch.equal(got[k], want[k]) if exact else err <= 1e-6 * want[k].abs().max().item(), (what, k, err)
 
 
-def _steps(rank: int, policy: str, weights: str, mode: str, tail: str) -> dict:
+def _steps(rank: int, policy: str, weights: str, mode: str, tail: str, ids: bool = False) -> dict:
     """Two optimizer steps of three micro-batches, a backward after each forward: the layer without
     checkpointing (ref) and with (ac) side by side on the same data."""
-    ref, ref_opt = _layer(policy, weights, seed=3)
-    ac, ac_opt = _layer(policy, weights, seed=3)
+    ref, ref_opt = _layer(policy, weights, seed=3, ids=ids)
+    ac, ac_opt = _layer(policy, weights, seed=3, ids=ids)
     late = _make_late(ref, ac)
     replays = _count_replays(ac)
     moved = fell_back = 0
@@ -931,17 +940,20 @@ def _selective_more_rank(rank: int, world: int, case: str, mode: str) -> dict:
 
 
 def _save_all_rank(rank: int, world: int, policy: str) -> dict:
-    return _steps(rank, policy, "per-step", "selective-all", "tanh")
+    ids = policy.endswith(" ids")
+    return _steps(rank, policy.removesuffix(" ids"), "per-step", "selective-all", "tanh", ids=ids)
 
 
-@pytest.mark.parametrize("policy", ["fastermoe", "feplb-split@ema", "eplb"])
+@pytest.mark.parametrize("policy", ["fastermoe", "feplb-split@ema", "eplb", "feplb-split ids"])
 def test_a_selective_policy_saving_every_op(policy):
     """Selective activation checkpointing whose policy saves every op's output, allocations and views included:
     bit for bit as without checkpointing, the recompute dispatching its forward's ops. The layer writes into
     nothing SAC saw it make: fastermoe's shadowing (the direct path's node exchange on the copy path) made a view
     of the copy engine's inbox in the forward, which the engine's next write then mutated (torch: "Tensor cached
     during selective activation checkpoint has been mutated" on the ranks that sent, the others waiting in the
-    recompute's exchanges); the copy path now runs outside the dispatch modes, as a transport."""
+    recompute's exchanges); the copy path now runs outside the dispatch modes, as a transport. "ids": a layer whose
+    post-expert step takes each row's expert (feplb.hf's per-expert norm), whose ids were scattered in place into a
+    new tensor (the same error on every rank)."""
     results = run_dist(_save_all_rank, W, policy, timeout_s=300, collective_timeout_s=60)
     assert sum(r["moved"] for r in results) > 0, (policy, "balancing moved no row")
 

@@ -111,6 +111,32 @@ def _comm_cases(rank: int, world: int) -> dict:
     k_in = next(k for k, it in enumerate(all_pairs) if it.dst == rank)
     got = ex(ex.sends_of({k_out: t}), t[:0]).items[k_in]
     out["intra"] = torch.equal(got, torch.arange(4.0) + 100 * node_peer)
+
+    # The transport and the copy path run outside the active dispatch modes: communication, no part of the
+    # computation (their callers' autograd nodes are). Their buffers, made and written in there, are then never seen
+    # by selective activation checkpointing, whose policy may save every op's output and would refuse the writes.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(world, 3, generator=torch.Generator().manual_seed(rank))
+    t2 = t[:2]
+    with Seen() as seen:
+        y = tr.all_to_all(x, [1] * world, [1] * world)
+        lp = ctl.node_ranks.index(node_peer)   # (the copy path names the node's GPUs by their place in it)
+        got = comm.copy.exchange({lp: [t, t2]}, {lp: 6}, dtype=torch.float32, device=torch.device("cpu"),
+                                 op="under a mode")
+        probe = x.sum()   # (the mode does see the computation)
+    out["outside_modes"] = seen.ops == ["aten.sum.default"] and probe.shape == () and y.shape == (world, 3) \
+        and torch.equal(got[lp], torch.cat([torch.arange(4.0) + 100 * node_peer,
+                                                   torch.arange(2.0) + 100 * node_peer]))
     tr.close()
     dist.barrier()
     return out
