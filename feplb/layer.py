@@ -704,9 +704,11 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             problem = None if refused is None else (RuntimeError, refused)
         tl = self.last_timeline = Timeline(device_spans=self._device.type == "cuda") if self.config.timeline \
             else None
-        # (from the parameters themselves: an adapter's expert_weights() derive from them)
+        # (what the GEMMs read: the weights, which an adapter derives from its own tensors, as feplb.titan_ep's
+        # engine, holding no parameters, from its module's shards; and the parameters themselves)
         needs = problem is None and torch.is_grad_enabled() and (
-            x_MD.requires_grad or any(p.requires_grad for p in self.expert_params()))
+            x_MD.requires_grad or any(w.requires_grad for w in self.expert_weights())
+            or any(p.requires_grad for p in self.expert_params()))
         with span(tl, "counts"):
             counts = self._count(counts_S, bad, problem, dispatched, needs)
         # autograd on, yet nothing the layer reads needs grad on any rank (frozen experts behind frozen layers, an

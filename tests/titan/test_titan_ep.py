@@ -382,12 +382,37 @@ def _errors_case(rank: int) -> dict:
     return {"differ": got, "engine": engine, "indivisible": indivisible, "node_larger": larger}
 
 
+def _frozen_tokens_case(rank: int) -> dict:
+    """Tokens needing no grad on any rank (everything below the experts frozen: fine-tuning the experts alone), the
+    shards trainable: the experts' and the scores' gradients against the fp64 reference. The engine holds no
+    parameters (its weights are joined from the module's shards each forward): before, the layer took nothing it
+    read for needing grad, computed without a graph on every rank, and the shards got no gradient, silently."""
+    pd, ctx = _dims("partial_dtensor")
+    full = _full_weights("qwen3")
+    x, scores, ids = _inputs(rank)
+    g = torch.randn(*TOKENS, D, generator=torch.Generator().manual_seed(7 + rank))
+    want_w, yr, _, gsr = _reference(rank, full, x, scores, ids, g)
+    L, lo = E // WORLD, rank * (E // WORLD)
+    moe = _build(_config(policy="feplb-split", gpus_per_node=2, dtype="float32", **OPTS))
+    moe.parallelize(pd)
+    inner = moe.routed_experts.inner_experts
+    ss = scores.clone().requires_grad_()
+    with ctx():
+        y = moe.routed_experts(x.clone(), ss, ids, torch.bincount(ids.reshape(-1), minlength=E))
+    y.backward(g)
+    out = {"out": _rel(y.detach(), yr), "scores": _rel(ss.grad, gsr), "moved": _moved(inner),
+           **{n: None if p.grad is None else _rel(_local(p.grad), want_w[n][lo:lo + L])
+              for n, p in inner.named_parameters()}}
+    inner.close()
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     _cpu_torchtitan()
     return {"routed": {(b, a): _routed_case(rank, b, a) for b in BACKENDS for a in ("qwen3", "gpt_oss")
                        if a == "qwen3" or b == "partial_dtensor"},
             "tail": _tail_case(rank), "typecheck": _typecheck_case(rank), "train": _train_case(rank),
-            "fsdp": _fsdp_case(rank), "errors": _errors_case(rank)}
+            "fsdp": _fsdp_case(rank), "errors": _errors_case(rank), "frozen tokens": _frozen_tokens_case(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -430,6 +455,14 @@ def test_routed_experts_behind_torchtitans_dispatch(four_ranks):
                 assert [p[1:3] for p in case["params"]] == [(kind, (lead, *s)) for s in shapes], where
                 assert case["cls"] == ("FEPLBGroupedExperts" if arch == "qwen3" else "FEPLBGptOssGroupedExperts")
                 assert f"policy='{policy}', gpus_per_node=2, dtype={dtype}" in case["repr"], case["repr"]
+
+
+def test_experts_train_behind_tokens_that_need_no_grad(four_ranks):
+    for r, res in enumerate(four_ranks):
+        case = res["frozen tokens"]
+        for what in ("out", "scores", *NAMES):
+            assert case[what] is not None and case[what] <= 1e-5, (r, what, case[what])
+    assert four_ranks[0]["frozen tokens"]["moved"] > 0
 
 
 def test_rows_past_the_counts_come_back_as_zeros(four_ranks):
