@@ -1358,3 +1358,61 @@ def test_nothing_needing_grad_on_any_rank_makes_no_graph_through_the_layer(polic
             assert all(no_expert_grads), (rank, case, ckpt)
     for case in _GRAD_FREE_CASES:
         assert sum(r[case, "none"][2] for r in res) > 0, (policy, case, "rows must move")
+
+
+def _frozen_rank_training_worker(rank, world, policy, weights):
+    """ESFT-style fine-tuning: the experts of EP rank 1 (experts 2 and 3) frozen and left out of its optimizer, as
+    transformers' Trainer builds it (over the parameters that require grad), for three steps of SGD with momentum;
+    then unfrozen and added to it (a parameter group of their own), two steps more. Against the dense fp64
+    reference trained alike (every rank's loss a sum over its tokens; each rank's router its own, unreduced). Before,
+    the ranks' optimizers had stepped the layer's experts different numbers of times (rank 1's none), and the second
+    forward was refused on every rank as a GradScaler's skipped step, even in plain EP."""
+    from feplb.testing import dense_moe_reference
+
+    L = E // world
+    m = _layer(policy, dtype=torch.float64, weights=weights)
+    if rank == 1:
+        m.w1.requires_grad_(False)
+        m.w2.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.2, momentum=0.5)
+
+    router, w1, w2 = (t.double() for t in _weights())
+    routers = [router.clone().requires_grad_() for _ in range(world)]
+    w1s = [w1[r * L:(r + 1) * L].clone().requires_grad_(r != 1) for r in range(world)]
+    w2s = [w2[r * L:(r + 1) * L].clone().requires_grad_(r != 1) for r in range(world)]
+    ref = torch.optim.SGD(routers + [w for w in w1s + w2s if w.requires_grad], lr=0.2, momentum=0.5)
+    moved = 0
+    for step in range(5):
+        if step == 3:
+            if rank == 1:
+                m.w1.requires_grad_(True)
+                m.w2.requires_grad_(True)
+                opt.add_param_group({"params": [m.w1, m.w2]})
+            w1s[1].requires_grad_(True)
+            w2s[1].requires_grad_(True)
+            ref.add_param_group({"params": [w1s[1], w2s[1]]})
+        (m(_x(rank, step).double()) ** 2).mean().backward()
+        m.reduce_replica_grads()
+        opt.step()
+        opt.zero_grad()
+        m.refresh_replicas()
+        moved += m.last_stats.rows_moved
+        loss = sum((dense_moe_reference(_x(r, step).double(), routers[r], torch.cat(w1s), torch.cat(w2s), K) ** 2)
+                   .mean() for r in range(world))
+        loss.backward()
+        ref.step()
+        ref.zero_grad()
+    got = [m.router.weight.detach().clone(), m.w1.detach().clone(), m.w2.detach().clone()]
+    m.close()
+    return got, [routers[rank].detach(), w1s[rank].detach(), w2s[rank].detach()], moved
+
+
+@pytest.mark.parametrize("policy,weights", [("none", "per-step"), ("feplb-split", "per-microbatch"),
+                                            ("feplb-split", "per-step"), ("fastermoe", "per-microbatch")])
+def test_experts_frozen_on_one_rank_and_left_out_of_its_optimizer_train(policy, weights):
+    res = run_dist(_frozen_rank_training_worker, W, policy, weights, timeout_s=240, collective_timeout_s=60)
+    for rank, (got, want, _) in enumerate(res):
+        for name, a, b in zip(("router", "w1", "w2"), got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"{policy} {weights} rank {rank} {name}")
+    if policy != "none":
+        assert sum(r[2] for r in res) > 0, "rows must move"
