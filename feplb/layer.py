@@ -105,8 +105,6 @@ from feplb.steps import (
     ENTRIES,
     ENTRY_RECOMPUTE,
     HEADER,
-    NEEDS_GRAD,
-    NEEDS_TRAINABLE,
     Counts,
     Split,
     args_digest,
@@ -938,10 +936,6 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         from feplb.kernels import autocast_dtype
 
         grad = torch.is_grad_enabled()
-        # (trainable since this rank's last forward: the optimizer steps of a rank whose experts were frozen, maybe
-        # left out of its optimizer, are not compared until it has taken the others' count: steps.read_counts)
-        trainable_now = any(p.requires_grad for p in self.expert_params())
-        trainable = trainable_now and self.__dict__.get("_trainable_before", True)
         row = torch.cat([torch.tensor([flags, stale, int(problem is not None), self.layer_id,
                                        int(self.training) | int(grad) << 1
                                        | int(dispatched) << 2 | int(record_kind() == "hooks") << 3
@@ -949,24 +943,18 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                                        | autocast_code(autocast_dtype(self._device.type)) << AUTOCAST_SHIFT,
                                        self._slow_digest(),
                                        self.__dict__.get("_opt_steps", 0) - skipped,
-                                       int(self._grads_dropped()), self._frozen_code(),
-                                       NEEDS_GRAD * int(needs) + NEEDS_TRAINABLE * int(trainable)],
+                                       int(self._grads_dropped()), self._frozen_code(), int(needs)],
                                       dtype=torch.int64),
                          row[3:],
                          row.new_zeros(_COUNTS_WIDTH[self._counts_key] - E)])
+        self.__dict__.pop("_idle_stepped", None)   # (a frozen layer no optimizer holds: one step counted per forward)
         forward_began(self.group)     # (its per-layer calls after the backward handshake again: training.handshaken)
         gathered = self.control.all_gather(row, "all_gather of expert counts")
         if problem is not None:
             raise problem[0](problem[1])
-        counts = read_counts(gathered.numpy(), self.placement.slots_WS,
-                             balance=self.base != "none" and self.world_size > 1, min_straggler=self._min_straggler,
-                             frozen_within=self._frozen_within)
-        if not trainable and counts.steps is not None:
-            # experts all frozen here (or since the last forward), maybe given to no optimizer: the count of the
-            # ranks whose experts train, so that this rank's agrees once they train here too
-            self._opt_steps = counts.steps + skipped
-        self._trainable_before = trainable_now
-        return counts
+        return read_counts(gathered.numpy(), self.placement.slots_WS,
+                           balance=self.base != "none" and self.world_size > 1, min_straggler=self._min_straggler,
+                           frozen_within=self._frozen_within)
 
     def _watch_backward_flags(self, y_MD: torch.Tensor) -> None:
         """Where the layer keeps per-step copies across ranks, note this rank's expert parameters' requires_grad

@@ -24,7 +24,6 @@ class Counts:
     loads_home_W: np.ndarray    # int64 [W]: rows per GPU with the current placement, before balancing
     want_plan: bool             # balancing is on and the straggler is worth it (identical everywhere)
     needs_grad: bool = True     # autograd on and, on some rank, the rows or the expert parameters need grad
-    steps: int | None = None    # the optimizer steps of the ranks whose experts train (None: no rank's do)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -83,8 +82,6 @@ class NonFiniteRoutingError(ValueError):
 # the group shares (layers of different E may meet in one all-gather when ranks run different layers)
 HEADER = ("flags", "stale", "problem", "layer", "calls", "digest", "steps", "dropped", "frozen", "needs")
 FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, STEPS, DROPPED, FROZEN, NEEDS = range(len(HEADER))
-# NEEDS' bits: the rows or the expert weights need grad (autograd on); some expert parameter requires grad
-NEEDS_GRAD, NEEDS_TRAINABLE = 1, 2
 # The same row sent by a rank entering one of the calls that run collectives between a backward and the next forward
 # (``step_row``: an attached optimizer's step, reduce_replica_grads, refresh_replicas, average_expert_grads,
 # clip_grad_norm_, an attached GradScaler's unscale_ and step): its LAYER is negative, so that a rank that skipped
@@ -297,9 +294,7 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     the optimizer steps taken of its experts, whether it dropped the experts' gradients while per-step copies held
     theirs, a digest of which of its expert parameters require grad (0 where the layer keeps no per-step copies of
     other ranks' experts), whether its rows or expert parameters need grad (autograd on; or-ed over the ranks:
-    ``Counts.needs_grad``) and whether some expert parameter of it requires grad (``NEEDS_*`` bits; the optimizer
-    steps are compared over the ranks whose experts train: a rank whose experts are all frozen need not give them to
-    its optimizer, and takes the others' count, ``Counts.steps``);
+    ``Counts.needs_grad``);
     then the counts per flat slot), raising on every rank together when any rank reported a problem or the
     ranks run different layers, in different modes, from different histories, after different numbers of
     optimizer steps or with experts frozen apart. The header comes first, so the layer numbers are read alike
@@ -317,8 +312,7 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     head = gathered[:, :len(HEADER)]
     if not (head[:, _ZERO_COLS].any() or (head[:, _EQUAL_COLS] != head[0, _EQUAL_COLS]).any()
             or head[0, LAYER] < 0 or (head[:, FROZEN].any() and _frozen_apart(gathered, frozen_within))):
-        return _counts(gathered, slots_WS, W, L, balance=balance, min_straggler=min_straggler,
-                       steps=int(head[0, STEPS]))
+        return _counts(gathered, slots_WS, W, L, balance=balance, min_straggler=min_straggler)
     layers = gathered[:, LAYER]
     if (layers < 0).any():      # ranks in a call between the backward and this forward that this rank skipped
         load = refused_load(gathered)
@@ -346,14 +340,11 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             f"{dict(zip(ranks.tolist(), [n.replace('None', 'off') for n in names], strict=True))}): a row balancing "
             "moves to another rank would be computed under that rank's autocast, not its own. Run the forward under "
             "the same torch.autocast (device type and dtype) on every rank")
-    # (over the ranks whose experts train: one whose experts are all frozen, ESFT's experts of other tasks, need not
-    # give them to its optimizer, as transformers' Trainer does not; it takes the others' count)
-    training = ranks[(gathered[ranks, NEEDS] & NEEDS_TRAINABLE) != 0]
-    steps = gathered[training, STEPS]
-    if (steps != steps[:1]).any():
+    steps = gathered[ranks, STEPS]
+    if (steps != steps[0]).any():
         raise RuntimeError(
             f"MoELayer: the EP ranks' optimizers stepped this layer's experts different numbers of times (steps per "
-            f"EP rank: {dict(zip(training.tolist(), steps.tolist(), strict=True))}), as a torch.amp.GradScaler does "
+            f"EP rank: {dict(zip(ranks.tolist(), steps.tolist(), strict=True))}), as a torch.amp.GradScaler does "
             "when an overflow in one rank's expert gradients (which that rank alone sees) skips its step and lowers "
             "its scale there only: the ranks then scale their losses apart, and every expert's gradient sums them. "
             "Pass the scaler to attach_optimizer(optimizer, scaler=scaler) (feplb.hf.attach_optimizer(model, "
@@ -416,8 +407,7 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
         raise RuntimeError(f"MoELayer: expert weights changed since the last refresh_replicas() on EP rank(s) "
                            f"{stale_ranks}; call layer.refresh_replicas() after optimizer.step() "
                            "(weights='per-step'), or layer.attach_optimizer(optimizer) once")
-    return _counts(gathered, slots_WS, W, L, balance=balance, min_straggler=min_straggler,
-                   steps=int(steps[0]) if steps.size else None)
+    return _counts(gathered, slots_WS, W, L, balance=balance, min_straggler=min_straggler)
 
 
 # header columns that are 0 on every rank, and columns equal on every rank, when nothing is wrong (read_counts; and
@@ -427,7 +417,7 @@ _EQUAL_COLS = [LAYER, CALLS, DIGEST, STEPS]
 
 
 def _counts(gathered: np.ndarray, slots_WS: np.ndarray, W: int, L: int, *, balance: bool,
-            min_straggler: float, steps: int | None = None) -> Counts:
+            min_straggler: float) -> Counts:
     """The counts part of :func:`read_counts`, once its header passed."""
     from feplb.sched.metrics import token_straggler
 
@@ -439,7 +429,7 @@ def _counts(gathered: np.ndarray, slots_WS: np.ndarray, W: int, L: int, *, balan
     want = balance and token_straggler(loads_home) >= max(min_straggler, 1e-9)
     return Counts(counts_WS=counts_WS, counts_WE=counts_WE,
                   loads_default_W=counts_WE.sum(axis=0).reshape(W, L).sum(axis=1), loads_home_W=loads_home,
-                  want_plan=bool(want), needs_grad=bool((gathered[:, NEEDS] & NEEDS_GRAD).any()), steps=steps)
+                  want_plan=bool(want), needs_grad=bool(gathered[:, NEEDS].any()))
 
 
 def plan_digest(plan) -> int:

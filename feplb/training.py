@@ -151,6 +151,21 @@ def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
     found = getattr(opt, "found_inf", None)
     skipped = (found.reshape(-1)[:1] > 0).to(torch.int64) if isinstance(found, torch.Tensor) else None
     for layer in marked:
+        layer.__dict__["_held"] = True
+    # a layer whose expert parameters here all require no grad and that no optimizer ever held (frozen and left out
+    # of the optimizer, as transformers' Trainer builds it over what requires grad: ESFT's experts of other tasks)
+    # counts this step as its own, once between two of its forwards: its count keeps pace with the ranks whose
+    # optimizers step theirs, and a step a GradScaler skips here is missing here too
+    idle = [layer for layer in layers if layer not in marked and not layer.__dict__.get("_held")
+            and not layer.__dict__.get("_idle_stepped") and layer.expert_params()
+            and not any(p.requires_grad for p in layer.expert_params())]
+    for layer in idle:
+        layer.__dict__["_idle_stepped"] = True
+        layer.__dict__["_opt_steps"] = layer.__dict__.get("_opt_steps", 0) + 1
+        if skipped is not None:
+            before = layer.__dict__.get("_opt_skips")
+            layer.__dict__["_opt_skips"] = skipped.clone() if before is None else before + skipped.to(before.device)
+    for layer in marked:
         layer._forget_average()    # the step's averaging is done with
         # the steps taken of its experts, compared over the EP ranks in every forward (feplb.steps.read_counts): a
         # torch.amp.GradScaler that skips a step on some ranks only (an overflow in one owner's expert gradients,

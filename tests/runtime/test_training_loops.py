@@ -1416,3 +1416,39 @@ def test_experts_frozen_on_one_rank_and_left_out_of_its_optimizer_train(policy, 
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"{policy} {weights} rank {rank} {name}")
     if policy != "none":
         assert sum(r[2] for r in res) > 0, "rows must move"
+
+
+def _frozen_rank_scaler_worker(rank, world, case, fused):
+    """A torch.amp.GradScaler not attached, skipping a step on some ranks only while rank 1's experts are frozen:
+    left out of its optimizer ("out"), or in it ("in"); the overflow in rank 0's expert gradients, or in rank 1's
+    router gradient ("on frozen"). The ranks' loss scales part (rank 1's tokens reach the other ranks' experts
+    scaled apart), whatever rank 1 trains: the next forward is refused on every rank, as with every rank training.
+    A rank whose experts are frozen and no optimizer holds counts its optimizer's steps as the layer's, so a skip
+    there or elsewhere shows."""
+    m = _layer("none")
+    if rank == 1:
+        m.w1.requires_grad_(False)
+        m.w2.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad or case == "in"], lr=0.1, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for step in range(3):
+        err = error_of(lambda step=step: scaler.scale((m(_x(rank, step)) ** 2).mean()).backward())
+        if err is not None:
+            m.close()
+            return step, err
+        if step == 1 and rank == (1 if case == "on frozen" else 0):
+            (m.router.weight if case == "on frozen" else m.w1).grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    m.close()
+    return None, None
+
+
+@pytest.mark.parametrize("case", ["out", "in", "on frozen"])
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_scaler_skipping_apart_is_refused_beside_a_frozen_rank(case, fused):
+    res = run_dist(_frozen_rank_scaler_worker, W, case, fused, timeout_s=120, collective_timeout_s=60)
+    for rank, (step, err) in enumerate(res):
+        assert step == 2 and err is not None and "stepped this layer's experts different numbers of times" in err, \
+            (rank, case, step, err)
