@@ -121,6 +121,7 @@ from feplb.training import (
     TrainingSteps,
     _plain_scaler,  # noqa: F401 (named by GradScalers pickled when it lived here)
     forward_began,
+    scaler_skips,
 )
 from feplb.transport import release_transport, shared_transport
 
@@ -316,6 +317,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             else:
                 self.router_bias = None
             self._device = device
+            # the steps this process's GradScalers skipped before the layer was made (its forwards compare those
+            # skipped since: feplb.training.scaler_skips)
+            self._skips_base = scaler_skips(device)
             # a zero-size leaf that puts every collective's backward in the graph whenever autograd records
             self._grad_leaf = torch.zeros(0, device=device, dtype=c.dtype, requires_grad=True)
             self._set_placement(self.topo.default_home_E())
@@ -913,8 +917,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # the per-step copies' owners changed since the copies were made: a sample of their bits, compared on the
         # device (no host sync of its own: it travels in the counts' copy to the host), or-ed with what the
         # optimizer step hook and the version counters tell
-        # (and the optimizer steps a GradScaler's fused optimizer skipped, counted on the device: in the same copy)
-        skips = self.__dict__.get("_opt_skips")
+        # (and the steps this process's GradScalers skipped, counted on the device: in the same copy)
+        skips, base = scaler_skips(self._device), self.__dict__.get("_skips_base")
+        skips = skips if base is None or skips is None else skips - base
         if problem is None:
             changed = self.replicas.changed()
             counts = counts_S.to(torch.int64).reshape(-1)
@@ -942,12 +947,11 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                                        | int(not grad and reentrant_inputs_need_grad()) << 4
                                        | autocast_code(autocast_dtype(self._device.type)) << AUTOCAST_SHIFT,
                                        self._slow_digest(),
-                                       self.__dict__.get("_opt_steps", 0) - skipped,
+                                       skipped,
                                        int(self._grads_dropped()), self._frozen_code(), int(needs)],
                                       dtype=torch.int64),
                          row[3:],
                          row.new_zeros(_COUNTS_WIDTH[self._counts_key] - E)])
-        self.__dict__.pop("_idle_stepped", None)   # (a frozen layer no optimizer holds: one step counted per forward)
         forward_began(self.group)     # (its per-layer calls after the backward handshake again: training.handshaken)
         gathered = self.control.all_gather(row, "all_gather of expert counts")
         if problem is not None:

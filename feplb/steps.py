@@ -80,8 +80,8 @@ class NonFiniteRoutingError(ValueError):
 
 # The counts all-gather's row (int64): a header of fixed width, then the counts, padded to the width every layer of
 # the group shares (layers of different E may meet in one all-gather when ranks run different layers)
-HEADER = ("flags", "stale", "problem", "layer", "calls", "digest", "steps", "dropped", "frozen", "needs")
-FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, STEPS, DROPPED, FROZEN, NEEDS = range(len(HEADER))
+HEADER = ("flags", "stale", "problem", "layer", "calls", "digest", "skips", "dropped", "frozen", "needs")
+FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, SKIPS, DROPPED, FROZEN, NEEDS = range(len(HEADER))
 # The same row sent by a rank entering one of the calls that run collectives between a backward and the next forward
 # (``step_row``: an attached optimizer's step, reduce_replica_grads, refresh_replicas, average_expert_grads,
 # clip_grad_norm_, an attached GradScaler's unscale_ and step): its LAYER is negative, so that a rank that skipped
@@ -291,13 +291,13 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs, how it
     calls it (bits: 1 training mode, 2 autograd on, 4 ``forward_dispatched``, 8 saved-tensor hooks active with
     autograd on, 16 inside a reentrant checkpoint whose inputs need grad), the digest of its slow decisions,
-    the optimizer steps taken of its experts, whether it dropped the experts' gradients while per-step copies held
-    theirs, a digest of which of its expert parameters require grad (0 where the layer keeps no per-step copies of
-    other ranks' experts), whether its rows or expert parameters need grad (autograd on; or-ed over the ranks:
-    ``Counts.needs_grad``);
+    the steps its process's GradScalers skipped (``feplb.training.scaler_skips``), whether it dropped the experts'
+    gradients while per-step copies held theirs, a digest of which of its expert parameters require grad (0 where the
+    layer keeps no per-step copies of other ranks' experts), whether its rows or expert parameters need grad (autograd
+    on; or-ed over the ranks: ``Counts.needs_grad``);
     then the counts per flat slot), raising on every rank together when any rank reported a problem or the
-    ranks run different layers, in different modes, from different histories, after different numbers of
-    optimizer steps or with experts frozen apart. The header comes first, so the layer numbers are read alike
+    ranks run different layers, in different modes, from different histories, after GradScalers skipped different
+    steps or with experts frozen apart. The header comes first, so the layer numbers are read alike
     whatever layer (and number of experts) each rank runs.
 
     slots_WS: int64 [W, L] the experts at home on each GPU. balance: the policy balances (and W > 1).
@@ -340,13 +340,14 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             f"{dict(zip(ranks.tolist(), [n.replace('None', 'off') for n in names], strict=True))}): a row balancing "
             "moves to another rank would be computed under that rank's autocast, not its own. Run the forward under "
             "the same torch.autocast (device type and dtype) on every rank")
-    steps = gathered[ranks, STEPS]
-    if (steps != steps[0]).any():
+    skips = gathered[ranks, SKIPS]
+    if (skips != skips[0]).any():
         raise RuntimeError(
-            f"MoELayer: the EP ranks' optimizers stepped this layer's experts different numbers of times (steps per "
-            f"EP rank: {dict(zip(ranks.tolist(), steps.tolist(), strict=True))}), as a torch.amp.GradScaler does "
-            "when an overflow in one rank's expert gradients (which that rank alone sees) skips its step and lowers "
-            "its scale there only: the ranks then scale their losses apart, and every expert's gradient sums them. "
+            f"MoELayer: the EP ranks' torch.amp.GradScalers skipped different numbers of optimizer steps (steps "
+            f"skipped per EP rank: {dict(zip(ranks.tolist(), skips.tolist(), strict=True))}), as a scaler not "
+            "attached does when an overflow in one rank's expert gradients (which that rank alone sees) skips its "
+            "step and lowers its scale there only: the ranks then scale their losses apart, and every expert's "
+            "gradient sums them. "
             "Pass the scaler to attach_optimizer(optimizer, scaler=scaler) (feplb.hf.attach_optimizer(model, "
             "optimizer, scaler) for a model), which agrees its inf check over the EP group, and step the optimizer "
             "on every rank alike. The ranks' experts already differ in their steps: this layer refuses every forward "
@@ -413,7 +414,7 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
 # header columns that are 0 on every rank, and columns equal on every rank, when nothing is wrong (read_counts; and
 # FROZEN equal over the ranks that share per-step copies: _frozen_apart)
 _ZERO_COLS = [FLAGS, STALE, PROBLEM, DROPPED]
-_EQUAL_COLS = [LAYER, CALLS, DIGEST, STEPS]
+_EQUAL_COLS = [LAYER, CALLS, DIGEST, SKIPS]
 
 
 def _counts(gathered: np.ndarray, slots_WS: np.ndarray, W: int, L: int, *, balance: bool,

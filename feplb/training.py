@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -146,34 +147,8 @@ def _stepped(opt: torch.optim.Optimizer, *_: Any) -> None:
         marked += [layer for layer in watched if layer not in marked
                    and any((ext := where[id(p)][1]) is not None and ext[0] in stepped for p in layer.expert_params())]
     attached = _attached(opt)
-    # a fused optimizer a GradScaler steps is called even when the scaler found an inf: its kernel skips the update
-    # (found_inf, set on the optimizer for the call); counted as skipped on the device, no host sync here
-    found = getattr(opt, "found_inf", None)
-    skipped = (found.reshape(-1)[:1] > 0).to(torch.int64) if isinstance(found, torch.Tensor) else None
-    for layer in marked:
-        layer.__dict__["_held"] = True
-    # a layer whose expert parameters here all require no grad and that no optimizer ever held (frozen and left out
-    # of the optimizer, as transformers' Trainer builds it over what requires grad: ESFT's experts of other tasks)
-    # counts this step as its own, once between two of its forwards: its count keeps pace with the ranks whose
-    # optimizers step theirs, and a step a GradScaler skips here is missing here too
-    idle = [layer for layer in layers if layer not in marked and not layer.__dict__.get("_held")
-            and not layer.__dict__.get("_idle_stepped") and layer.expert_params()
-            and not any(p.requires_grad for p in layer.expert_params())]
-    for layer in idle:
-        layer.__dict__["_idle_stepped"] = True
-        layer.__dict__["_opt_steps"] = layer.__dict__.get("_opt_steps", 0) + 1
-        if skipped is not None:
-            before = layer.__dict__.get("_opt_skips")
-            layer.__dict__["_opt_skips"] = skipped.clone() if before is None else before + skipped.to(before.device)
     for layer in marked:
         layer._forget_average()    # the step's averaging is done with
-        # the steps taken of its experts, compared over the EP ranks in every forward (feplb.steps.read_counts): a
-        # torch.amp.GradScaler that skips a step on some ranks only (an overflow in one owner's expert gradients,
-        # which that rank alone sees, where the scaler is not attached) leaves the ranks scaling their losses apart
-        layer.__dict__["_opt_steps"] = layer.__dict__.get("_opt_steps", 0) + 1
-        if skipped is not None:
-            before = layer.__dict__.get("_opt_skips")
-            layer.__dict__["_opt_skips"] = skipped.clone() if before is None else before + skipped.to(before.device)
         if layer not in attached:
             layer.replicas.stepped = True
 
@@ -244,6 +219,47 @@ def _versioned_unscale(unscale_grads: Callable) -> Callable:
 
 
 # (a private method of torch's: where a torch release renames it, nothing is wrapped, and such a loop goes as before)
+# The steps any torch.amp.GradScaler of this process skipped (an inf or NaN found), by the scaler's device, counted
+# on it (no host sync): every forward compares them over the EP ranks (feplb.steps.read_counts). A scaler not attached
+# with the optimizer (attach_optimizer(..., scaler=)) skips where only some ranks saw an overflow (in their own
+# experts' gradients, which that rank alone sees): the ranks then scale their losses apart, and every expert's
+# gradient sums them. (Counting the optimizers' steps of each layer's experts told it only where every rank's
+# optimizers held their experts alike: a rank whose experts were frozen and left out of its optimizer, ESFT's, or
+# optimizers stepped per parameter, or an optimizer wrapping another, were refused as if a scaler had skipped.)
+_SCALER_SKIPS: dict[torch.device, torch.Tensor] = {}
+
+
+def scaler_skips(device: torch.device) -> torch.Tensor | None:
+    """int64 [1] on ``device``: the steps this process's GradScalers skipped so far (None: none counted)."""
+    if not _SCALER_SKIPS:
+        return None
+    return sum(t.to(device, non_blocking=True) for t in _SCALER_SKIPS.values())
+
+
+def _counting_update(update: Callable) -> Callable:
+    """``GradScaler.update`` that first counts the step it ends as skipped where its inf checks found one (the same
+    found_inf tensors ``update`` combines, on the scaler's device)."""
+
+    @functools.wraps(update)
+    def counted(self: Any, new_scale: Any = None) -> Any:
+        if getattr(self, "_enabled", False) and new_scale is None and getattr(self, "_scale", None) is not None:
+            found = [f for state in self._per_optimizer_states.values()
+                     for f in state.get("found_inf_per_device", {}).values()]
+            if found:
+                dev = self._scale.device
+                skipped = (sum(f.to(dev, non_blocking=True) for f in found) > 0).to(torch.int64).reshape(1)
+                before = _SCALER_SKIPS.get(dev)
+                _SCALER_SKIPS[dev] = skipped if before is None else before + skipped
+        return update(self, new_scale)
+
+    return counted
+
+
+_UPDATE = getattr(torch.amp.GradScaler, "update", None)
+if _UPDATE is not None and not getattr(_UPDATE, "_feplb_counts_skips", False):
+    torch.amp.GradScaler.update = _counting_update(_UPDATE)
+    torch.amp.GradScaler.update._feplb_counts_skips = True
+
 _UNSCALE = getattr(torch.amp.GradScaler, "_unscale_grads_", None)
 if callable(_UNSCALE) and not getattr(_UNSCALE, "_feplb_versioned", False):
     torch.amp.GradScaler._unscale_grads_ = _versioned_unscale(_UNSCALE)

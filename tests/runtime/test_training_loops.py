@@ -130,7 +130,8 @@ def test_grad_scaler_loops():
             same, scale, err = res[r][case]
             assert same == (r == 0), (r, case, same)        # rank 0 skipped, the others stepped
             assert scale == (128.0 if r == 0 else 256.0)
-            assert err is not None and "different numbers of times" in err and "attach_optimizer" in err, (case, err)
+            assert err is not None and "skipped different numbers of optimizer steps" in err and \
+                "attach_optimizer" in err, (case, err)
         same, scale, err = res[r]["attached=True"]
         assert same and scale == 128.0 and err is None, (r, same, scale, err)   # skipped everywhere
 
@@ -1366,7 +1367,8 @@ def _frozen_rank_training_worker(rank, world, policy, weights):
     then unfrozen and added to it (a parameter group of their own), two steps more. Against the dense fp64
     reference trained alike (every rank's loss a sum over its tokens; each rank's router its own, unreduced). Before,
     the ranks' optimizers had stepped the layer's experts different numbers of times (rank 1's none), and the second
-    forward was refused on every rank as a GradScaler's skipped step, even in plain EP."""
+    forward was refused on every rank as a GradScaler's skipped step, even in plain EP (the scalers' skips are
+    compared now)."""
     from feplb.testing import dense_moe_reference
 
     L = E // world
@@ -1421,34 +1423,44 @@ def test_experts_frozen_on_one_rank_and_left_out_of_its_optimizer_train(policy, 
 def _frozen_rank_scaler_worker(rank, world, case, fused):
     """A torch.amp.GradScaler not attached, skipping a step on some ranks only while rank 1's experts are frozen:
     left out of its optimizer ("out"), or in it ("in"); the overflow in rank 0's expert gradients, or in rank 1's
-    router gradient ("on frozen"). The ranks' loss scales part (rank 1's tokens reach the other ranks' experts
-    scaled apart), whatever rank 1 trains: the next forward is refused on every rank, as with every rank training.
-    A rank whose experts are frozen and no optimizer holds counts its optimizer's steps as the layer's, so a skip
-    there or elsewhere shows."""
+    router gradient ("on frozen"), or rank 1's router stepped by an optimizer of its own, its scaler skipping that
+    one ("router apart", where rank 1's experts' optimizer steps on). The ranks' loss scales part (rank 1's tokens
+    reach the other ranks' experts scaled apart), whatever rank 1 trains: the next forward is refused on every rank,
+    as with every rank training. The scalers' skipped steps are compared, not the optimizers' steps of the experts
+    (which a rank leaving its frozen experts out of its optimizer, or stepping them with other optimizers, counts
+    apart)."""
     m = _layer("none")
     if rank == 1:
         m.w1.requires_grad_(False)
         m.w2.requires_grad_(False)
-    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad or case == "in"], lr=0.1, fused=fused)
+    aux = torch.ones(1, requires_grad=True)   # (another part of the model, in the loss)
+    if case == "router apart":
+        opts = [torch.optim.SGD([m.router.weight], lr=0.1, fused=fused),
+                torch.optim.SGD([aux] + [p for p in (m.w1, m.w2) if p.requires_grad], lr=0.1, fused=fused)]
+    else:
+        opts = [torch.optim.SGD([aux] + [p for p in m.parameters() if p.requires_grad or case == "in"], lr=0.1,
+                                fused=fused)]
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     for step in range(3):
-        err = error_of(lambda step=step: scaler.scale((m(_x(rank, step)) ** 2).mean()).backward())
+        err = error_of(lambda step=step: scaler.scale((m(_x(rank, step)) ** 2).mean() * aux).backward())
         if err is not None:
             m.close()
             return step, err
-        if step == 1 and rank == (1 if case == "on frozen" else 0):
-            (m.router.weight if case == "on frozen" else m.w1).grad.view(-1)[0] = float("inf")
-        scaler.step(opt)
+        if step == 1 and rank == (1 if case in ("on frozen", "router apart") else 0):
+            (m.w1 if case in ("out", "in") else m.router.weight).grad.view(-1)[0] = float("inf")
+        for opt in opts:
+            scaler.step(opt)
         scaler.update()
-        opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
     m.close()
     return None, None
 
 
-@pytest.mark.parametrize("case", ["out", "in", "on frozen"])
+@pytest.mark.parametrize("case", ["out", "in", "on frozen", "router apart"])
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_a_scaler_skipping_apart_is_refused_beside_a_frozen_rank(case, fused):
     res = run_dist(_frozen_rank_scaler_worker, W, case, fused, timeout_s=120, collective_timeout_s=60)
     for rank, (step, err) in enumerate(res):
-        assert step == 2 and err is not None and "stepped this layer's experts different numbers of times" in err, \
+        assert step == 2 and err is not None and "skipped different numbers of optimizer steps" in err, \
             (rank, case, step, err)
