@@ -212,16 +212,18 @@ def _versioned_unscale(unscale_grads: Callable) -> Callable:
             for p in group["params"]:
                 if p.grad is not None and p.grad.layout is torch.strided:
                     torch.autograd.graph.increment_version(p.grad)
+        # (whether update counts this optimizer's inf checks: _counting_update)
+        self.__dict__.setdefault("_feplb_counted", {})[id(optimizer)] = _counted_optimizer(optimizer)
         return out
 
     unscale._feplb_versioned = True   # type: ignore[attr-defined]
     return unscale
 
 
-# (a private method of torch's: where a torch release renames it, nothing is wrapped, and such a loop goes as before)
-# The steps any torch.amp.GradScaler of this process skipped (an inf or NaN found), by the scaler's device, counted
-# on it (no host sync): every forward compares them over the EP ranks (feplb.steps.read_counts). A scaler not attached
-# with the optimizer (attach_optimizer(..., scaler=)) skips where only some ranks saw an overflow (in their own
+# The steps this process's torch.amp.GradScalers skipped (an inf or NaN found) where they step an optimizer holding
+# a parameter of a live layer and attached to none (an attached scaler's check is agreed over the EP group already),
+# by the scaler's device, counted on it (no host sync): every forward compares them over the EP ranks, those since the
+# layer was made (feplb.steps.read_counts). Such a scaler skips where only some ranks saw an overflow (in their own
 # experts' gradients, which that rank alone sees): the ranks then scale their losses apart, and every expert's
 # gradient sums them. (Counting the optimizers' steps of each layer's experts told it only where every rank's
 # optimizers held their experts alike: a rank whose experts were frozen and left out of its optimizer, ESFT's, or
@@ -233,17 +235,31 @@ def scaler_skips(device: torch.device) -> torch.Tensor | None:
     """int64 [1] on ``device``: the steps this process's GradScalers skipped so far (None: none counted)."""
     if not _SCALER_SKIPS:
         return None
-    return sum(t.to(device, non_blocking=True) for t in _SCALER_SKIPS.values())
+    # (a copy to the host waits for the device: a non-blocking one could be read before it lands)
+    return sum(t.to(device, non_blocking=device.type != "cpu") for t in _SCALER_SKIPS.values())
+
+
+def _counted_optimizer(optimizer: Any) -> bool:
+    """Whether a scaler's skip of ``optimizer`` counts (``scaler_skips``): it holds a parameter of a live layer (its
+    router's, or its experts': a rank whose experts are frozen and left out still steps its router), and no layer is
+    attached to it. A scaler of another model, or of a probe on some ranks only, is none of the layers' business."""
+    if _attached(optimizer):
+        return False
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return any(id(p) in held for layer in list(_LAYERS) if not getattr(layer, "_closed", False)
+               for p in layer.parameters())
 
 
 def _counting_update(update: Callable) -> Callable:
-    """``GradScaler.update`` that first counts the step it ends as skipped where its inf checks found one (the same
-    found_inf tensors ``update`` combines, on the scaler's device)."""
+    """``GradScaler.update`` that first counts the step it ends as skipped where the inf checks of the optimizers it
+    counts (``_counted_optimizer``, noted at their unscale) found one (the same found_inf tensors ``update``
+    combines, on the scaler's device); also where a new scale is given."""
 
     @functools.wraps(update)
     def counted(self: Any, new_scale: Any = None) -> Any:
-        if getattr(self, "_enabled", False) and new_scale is None and getattr(self, "_scale", None) is not None:
-            found = [f for state in self._per_optimizer_states.values()
+        counted_ids = self.__dict__.pop("_feplb_counted", {})
+        if getattr(self, "_enabled", False) and getattr(self, "_scale", None) is not None:
+            found = [f for key, state in self._per_optimizer_states.items() if counted_ids.get(key)
                      for f in state.get("found_inf_per_device", {}).values()]
             if found:
                 dev = self._scale.device
@@ -260,6 +276,7 @@ if _UPDATE is not None and not getattr(_UPDATE, "_feplb_counts_skips", False):
     torch.amp.GradScaler.update = _counting_update(_UPDATE)
     torch.amp.GradScaler.update._feplb_counts_skips = True
 
+# (a private method of torch's: where a torch release renames it, nothing is wrapped, and such a loop goes as before)
 _UNSCALE = getattr(torch.amp.GradScaler, "_unscale_grads_", None)
 if callable(_UNSCALE) and not getattr(_UNSCALE, "_feplb_versioned", False):
     torch.amp.GradScaler._unscale_grads_ = _versioned_unscale(_UNSCALE)

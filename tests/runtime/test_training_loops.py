@@ -1464,3 +1464,54 @@ def test_a_scaler_skipping_apart_is_refused_beside_a_frozen_rank(case, fused):
     for rank, (step, err) in enumerate(res):
         assert step == 2 and err is not None and "skipped different numbers of optimizer steps" in err, \
             (rank, case, step, err)
+
+
+def _scaler_scope_worker(rank, world, case):
+    """Which GradScalers' skips the layer compares. "probe": rank 0 alone also trains a probe of its own (a linear
+    map of the layer's detached output) under a scaler of its own, which skips once: none of the layer's business,
+    never refused (before this session's final change, any scaler's skip was counted). "new scale": the layer's
+    scaler, not attached, skips on rank 0 only, then every rank sets the scale by hand (update(new_scale=...)): the
+    ranks stepped apart all the same, refused at the next forward."""
+    m = _layer("none")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    probe = torch.nn.Linear(H, 1)
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
+    probe_scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for step in range(3):
+        err = error_of(lambda step=step: m(_x(rank, step)))
+        if err is not None:
+            m.close()
+            return step, err
+        y = m(_x(rank, step))
+        if case == "probe":
+            (y ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if rank == 0:
+                probe_scaler.scale(probe(y.detach()).pow(2).mean()).backward()
+                if step == 0:
+                    probe.weight.grad.view(-1)[0] = float("inf")
+                probe_scaler.step(probe_opt)
+                probe_scaler.update()
+                probe_opt.zero_grad()
+        else:
+            scaler.scale((y ** 2).mean()).backward()
+            if step == 0 and rank == 0:
+                m.w1.grad.view(-1)[0] = float("inf")
+            scaler.step(opt)
+            scaler.update(new_scale=256.0)
+            opt.zero_grad()
+    m.close()
+    return None, None
+
+
+@pytest.mark.parametrize("case", ["probe", "new scale"])
+def test_the_scalers_whose_skips_the_layer_compares(case):
+    res = run_dist(_scaler_scope_worker, W, case, timeout_s=120, collective_timeout_s=60)
+    for rank, (step, err) in enumerate(res):
+        if case == "probe":
+            assert err is None, (rank, err)
+        else:
+            assert step == 1 and err is not None and "skipped different numbers of optimizer steps" in err, \
+                (rank, step, err)
