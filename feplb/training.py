@@ -213,7 +213,7 @@ def _versioned_unscale(unscale_grads: Callable) -> Callable:
                 if p.grad is not None and p.grad.layout is torch.strided:
                     torch.autograd.graph.increment_version(p.grad)
         # (whether update counts this optimizer's inf checks: _counting_update)
-        self.__dict__.setdefault("_feplb_counted", {})[id(optimizer)] = _counted_optimizer(optimizer)
+        self.__dict__.setdefault("_feplb_counted", {})[id(optimizer)] = _counted_optimizer(self, optimizer)
         return out
 
     unscale._feplb_versioned = True   # type: ignore[attr-defined]
@@ -239,28 +239,33 @@ def scaler_skips(device: torch.device) -> torch.Tensor | None:
     return sum(t.to(device, non_blocking=device.type != "cpu") for t in _SCALER_SKIPS.values())
 
 
-def _counted_optimizer(optimizer: Any) -> bool:
-    """Whether a scaler's skip of ``optimizer`` counts (``scaler_skips``): it holds a parameter of a live layer (its
-    router's, or its experts': a rank whose experts are frozen and left out still steps its router), and no layer is
-    attached to it. A scaler of another model, or of a probe on some ranks only, is none of the layers' business."""
-    if _attached(optimizer):
-        return False
+def _counted_optimizer(scaler: Any, optimizer: Any) -> tuple[bool, bool]:
+    """What ``scaler``'s unscale of ``optimizer`` notes for its ``update`` (``_counting_update``): (it holds a
+    parameter of a live layer: its router's, or its experts', as a rank whose experts are frozen and left out still
+    steps its router; its inf check is agreed over the EP group: the scaler was attached with it)."""
+    inner = optimizer.optimizer if type(optimizer).__name__ == "AcceleratedOptimizer" else optimizer
+    agreed = isinstance(scaler, _ReducingScaler) and bool(_attached(inner))
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return any(id(p) in held for layer in list(_LAYERS) if not getattr(layer, "_closed", False)
-               for p in layer.parameters())
+    return (any(id(p) in held for layer in list(_LAYERS) if not getattr(layer, "_closed", False)
+                for p in layer.parameters()), agreed)
 
 
 def _counting_update(update: Callable) -> Callable:
-    """``GradScaler.update`` that first counts the step it ends as skipped where the inf checks of the optimizers it
-    counts (``_counted_optimizer``, noted at their unscale) found one (the same found_inf tensors ``update``
-    combines, on the scaler's device); also where a new scale is given."""
+    """``GradScaler.update`` that first counts the step it ends as skipped (an inf found by any of its optimizers'
+    checks: the same found_inf tensors ``update`` combines into the scale, on the scaler's device), where the scaler
+    steps some optimizer holding a live layer's parameters and not every check of its was agreed over the EP group
+    (``_counted_optimizer``, noted at each unscale): a scaler of another model, or of a probe on some ranks only, is
+    none of the layers' business, and an attached scaler's checks are agreed already. Also where a new scale is
+    given."""
 
     @functools.wraps(update)
     def counted(self: Any, new_scale: Any = None) -> Any:
         counted_ids = self.__dict__.pop("_feplb_counted", {})
         if getattr(self, "_enabled", False) and getattr(self, "_scale", None) is not None:
-            found = [f for key, state in self._per_optimizer_states.items() if counted_ids.get(key)
-                     for f in state.get("found_inf_per_device", {}).values()]
+            notes = list(counted_ids.values())
+            count = any(rel for rel, _ in notes) and not all(agr for _, agr in notes)
+            found = [f for state in self._per_optimizer_states.values()
+                     for f in state.get("found_inf_per_device", {}).values()] if count else []
             if found:
                 dev = self._scale.device
                 skipped = (sum(f.to(dev, non_blocking=True) for f in found) > 0).to(torch.int64).reshape(1)

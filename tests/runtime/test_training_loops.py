@@ -1515,3 +1515,47 @@ def test_the_scalers_whose_skips_the_layer_compares(case):
         else:
             assert step == 1 and err is not None and "skipped different numbers of optimizer steps" in err, \
                 (rank, step, err)
+
+
+def _scaler_optimizers_worker(rank, world, case):
+    """One GradScaler stepping the layer's optimizer and a second one; rank 0 alone overflows. "head": a head after
+    the layer in an optimizer of its own, the overflow in the head's gradients (the scale, combined from every
+    optimizer's check, parts all the same: refused). "attached + head": the same with the scaler attached with the
+    layer's optimizer (its agreement covers that optimizer's check only: refused). "attached + router": the scaler
+    attached with the experts' optimizer, the router in a second one, the overflow in both on rank 0 (the experts'
+    skip is agreed, both scales halve alike: runs). Returns (the step refused at or None, the error, the scale)."""
+    m = _layer("none")
+    head = torch.nn.Linear(H, H)
+    if case == "attached + router":
+        opts = [torch.optim.SGD([m.w1, m.w2], lr=0.1), torch.optim.SGD([m.router.weight], lr=0.1)]
+    else:
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(head.parameters(), lr=0.1)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    if case.startswith("attached"):
+        m.attach_optimizer(opts[0], scaler=scaler)
+    for step in range(3):
+        err = error_of(lambda step=step: scaler.scale(head(m(_x(rank, step))).pow(2).mean()).backward())
+        if err is not None:
+            m.close()
+            return step, err, scaler.get_scale()
+        if step == 0 and rank == 0:
+            for t in ((m.w1, m.router.weight) if case == "attached + router" else (head.weight,)):
+                t.grad.view(-1)[0] = float("inf")
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        for opt in opts:
+            opt.zero_grad()
+    m.close()
+    return None, None, scaler.get_scale()
+
+
+@pytest.mark.parametrize("case", ["head", "attached + head", "attached + router"])
+def test_a_scaler_over_several_optimizers_is_compared_by_its_scale(case):
+    res = run_dist(_scaler_optimizers_worker, W, case, timeout_s=120, collective_timeout_s=60)
+    for rank, (step, err, scale) in enumerate(res):
+        if case == "attached + router":
+            assert err is None and scale == 128.0, (rank, err, scale)
+        else:
+            assert step == 1 and err is not None and "skipped different numbers of optimizer steps" in err, \
+                (rank, step, err)
