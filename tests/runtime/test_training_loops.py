@@ -1420,6 +1420,15 @@ def test_experts_frozen_on_one_rank_and_left_out_of_its_optimizer_train(policy, 
         assert sum(r[2] for r in res) > 0, "rows must move"
 
 
+def _scaled_step(scaler, opts) -> None:
+    """One step of every optimizer in ``opts`` through ``scaler``, its update, the gradients zeroed."""
+    for opt in opts:
+        scaler.step(opt)
+    scaler.update()
+    for opt in opts:
+        opt.zero_grad()
+
+
 def _frozen_rank_scaler_worker(rank, world, case, fused):
     """A torch.amp.GradScaler not attached, skipping a step on some ranks only while rank 1's experts are frozen:
     left out of its optimizer ("out"), or in it ("in"); the overflow in rank 0's expert gradients, or in rank 1's
@@ -1448,11 +1457,7 @@ def _frozen_rank_scaler_worker(rank, world, case, fused):
             return step, err
         if step == 1 and rank == (1 if case in ("on frozen", "router apart") else 0):
             (m.w1 if case in ("out", "in") else m.router.weight).grad.view(-1)[0] = float("inf")
-        for opt in opts:
-            scaler.step(opt)
-        scaler.update()
-        for opt in opts:
-            opt.zero_grad()
+        _scaled_step(scaler, opts)
     m.close()
     return None, None
 
@@ -1541,11 +1546,7 @@ def _scaler_optimizers_worker(rank, world, case):
         if step == 0 and rank == 0:
             for t in ((m.w1, m.router.weight) if case == "attached + router" else (head.weight,)):
                 t.grad.view(-1)[0] = float("inf")
-        for opt in opts:
-            scaler.step(opt)
-        scaler.update()
-        for opt in opts:
-            opt.zero_grad()
+        _scaled_step(scaler, opts)
     m.close()
     return None, None, scaler.get_scale()
 
