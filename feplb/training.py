@@ -179,17 +179,24 @@ def _replaced_problem(opt: torch.optim.Optimizer) -> str | None:
             "optimizer after apply")
 
 
+def _inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (whose ``step()`` steps it), else
+    ``optimizer`` itself."""
+    inner = getattr(optimizer, "optimizer", None)
+    # (a torch.optim.Optimizer subclass that never ran Optimizer.__init__: it has no hooks of its own)
+    if type(optimizer).__name__ == "AcceleratedOptimizer" and isinstance(inner, torch.optim.Optimizer):
+        return inner
+    return optimizer
+
+
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """``optimizer``, or the torch optimizer inside accelerate's ``AcceleratedOptimizer`` (whose ``step()`` steps
     it); anything else that is no ``torch.optim.Optimizer`` is refused, naming it (a wrapper whose step does more
     after its inner optimizer's, as Megatron's distributed optimizer all-gathers the new weights, would see its
     copies refreshed too early)."""
-    inner = getattr(optimizer, "optimizer", None)
-    # (a torch.optim.Optimizer subclass that never ran Optimizer.__init__: it has no hooks of its own)
-    if type(optimizer).__name__ == "AcceleratedOptimizer" and isinstance(inner, torch.optim.Optimizer):
+    inner = _inner_optimizer(optimizer)
+    if isinstance(inner, torch.optim.Optimizer):
         return inner
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
     raise TypeError(f"attach_optimizer: expected a torch.optim.Optimizer (or accelerate's AcceleratedOptimizer), got "
                     f"{type(optimizer).__name__}")
 
@@ -243,8 +250,7 @@ def _counted_optimizer(scaler: Any, optimizer: Any) -> tuple[bool, bool]:
     """What ``scaler``'s unscale of ``optimizer`` notes for its ``update`` (``_counting_update``): (it holds a
     parameter of a live layer: its router's, or its experts', as a rank whose experts are frozen and left out still
     steps its router; its inf check is agreed over the EP group: the scaler was attached with it)."""
-    inner = optimizer.optimizer if type(optimizer).__name__ == "AcceleratedOptimizer" else optimizer
-    agreed = isinstance(scaler, _ReducingScaler) and bool(_attached(inner))
+    agreed = isinstance(scaler, _ReducingScaler) and bool(_attached(_inner_optimizer(optimizer)))
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     return (any(id(p) in held for layer in list(_LAYERS) if not getattr(layer, "_closed", False)
                 for p in layer.parameters()), agreed)
