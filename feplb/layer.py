@@ -93,8 +93,8 @@ from feplb.recompute import (
     Record,
     Records,
     checkpoint_frame,
+    hidden_from_selective_checkpoint,
     in_backward,
-    outside_dispatch_modes,
     record_kind,
     reentrant_inputs_need_grad,
 )
@@ -760,12 +760,12 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                                          grad_free=grad_free))
         return y_MD
 
-    @outside_dispatch_modes
+    @hidden_from_selective_checkpoint
     def _restricted(self, y_MD: torch.Tensor) -> torch.Tensor:
         """y_MD, through :class:`_RestrictedBackward` where per-step copies hold part of the experts' gradients: a
         backward restricted to chosen tensors would leave out their share, and is refused in its backward, on every
-        rank alike. A forward's own (its recompute, which replays, has none): outside the dispatch modes, so that
-        selective activation checkpointing sees the same ops in the forward and in its recompute."""
+        rank alike. A forward's own (its recompute, which replays, has none): hidden from selective checkpointing,
+        so that selective activation checkpointing sees the same ops in the forward and in its recompute."""
         if self.config.weights != "per-step" or (self.base == "none" and not self.place) or not y_MD.requires_grad:
             return y_MD
         # (from the parameters themselves: an adapter's expert_weights() may cast or stack them all)
@@ -823,7 +823,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         return y_MD if missing == 0 else torch.cat([y_MD, y_MD.new_zeros((missing, y_MD.shape[1]))])
 
     # ------------------------------------------------------------------------------------------------ recompute
-    @outside_dispatch_modes
+    @hidden_from_selective_checkpoint
     def _find_record(self, local_counts_E: torch.Tensor, dispatched: bool = False) -> Record:
         """The record of the forward a recompute repeats (``feplb.recompute``), agreed by every rank in one
         all-gather of bit masks (``Records.candidates``, ``Records.choose``; and a host sync for this rank's
@@ -872,7 +872,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         recompute would save other tensors than the forward, which torch's checkpoint refuses for any module (plain
         EP's too), but only once it sees them, on the ranks that changed them, maybe after the recompute's first
         collective. ``_find_record`` tells every rank, which all raise before the recompute's exchanges. Called
-        outside the dispatch modes (``_find_record``): telling which parts the flags feed may compute masks
+        hidden from selective checkpointing (``_find_record``): telling which parts the flags feed may compute masks
         (``Replicas.part_requires``), which a selective activation checkpoint's recompute must not dispatch."""
         rep, was = self.replicas, tuple(rec.requires)
         return bool(was) and now != was and rep.part_requires(now) != rep.part_requires(was)
@@ -905,7 +905,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         return self._digest_key[2]
 
     # ------------------------------------------------------------------------------------------------ 2. count
-    @outside_dispatch_modes
+    @hidden_from_selective_checkpoint
     def _count(self, counts_S: torch.Tensor | None, bad: torch.Tensor | None,
                problem: tuple[type, str] | None, dispatched: bool, needs: bool = False) -> Counts:
         """All-gather the counts (and every rank's problems); raise on every rank together if any rank has one.
@@ -1143,9 +1143,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             self._recv_buf = None
             self._recv_grew = True
         if self._recv_buf is None:
-            # (outside the dispatch modes: a forward's own allocation, which its recompute, finding the buffer,
+            # (hidden from selective checkpointing: a forward's own allocation, which its recompute, finding the buffer,
             # does not repeat; selective activation checkpointing matches the recompute's ops to the forward's)
-            self._recv_buf = outside_dispatch_modes(x_MD.new_empty)((cap, c.hidden))
+            self._recv_buf = hidden_from_selective_checkpoint(x_MD.new_empty)((cap, c.hidden))
         return all_to_all_rows(x_MD, self.transport, send_splits, recv_splits, out=self._recv_buf,
                                split_matrix=split_WW, anchor=anchor)
 
@@ -1173,10 +1173,10 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             return "node"
         return "group"
 
-    @outside_dispatch_modes
+    @hidden_from_selective_checkpoint
     def _observe(self, counts: Counts, p2: Phase2) -> None:
         """Fold the micro-batch into the policy's history (training only) and report what the forward did. A
-        forward's own, host bookkeeping: outside the dispatch modes (as :meth:`_restricted`)."""
+        forward's own, host bookkeeping: hidden from selective checkpointing (as :meth:`_restricted`)."""
         plan = None if p2.fell_back else p2.result.plan
         planned_from = self._plan_state   # before _adopt below replaces it
         if self.state is not None and self.training:
@@ -1321,35 +1321,35 @@ class _RestrictedBackward(torch.autograd.Function):
         return None, None, dy, None, None   # (an empty gradient would become full-size zeros of every weight)
 
 
-@outside_dispatch_modes
+@hidden_from_selective_checkpoint
 def _entered_rows(entry, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-    """:class:`_EnteredRows` of a ``forward_dispatched`` forward, outside the dispatch modes: its recompute, which
-    replays, has none, and selective activation checkpointing must see the same ops in both (its view_as would
+    """:class:`_EnteredRows` of a ``forward_dispatched`` forward, hidden from selective checkpointing: its recompute,
+    which replays, has none, and selective activation checkpointing must see the same ops in both (its view_as would
     shift every later view of the recompute by one)."""
     return _EnteredRows.apply(entry, x, *params)
 
 
-@outside_dispatch_modes
+@hidden_from_selective_checkpoint
 def _dispatched_counts(num_experts: int, first: int, counts_L: list[int]) -> torch.Tensor:
     """int64 [E]: a ``forward_dispatched`` call's rows per expert (its own experts', from ``first``), host control
-    outside the dispatch modes (under selective activation checkpointing a saved slice would hand the recompute the
-    forward's tensor, and the recompute's counts would stay zero)."""
+    hidden from selective checkpointing (there a saved slice would hand the recompute the forward's tensor, and the
+    recompute's counts would stay zero)."""
     counts_S = torch.zeros(num_experts, dtype=torch.int64)
     counts_S[first:first + len(counts_L)] = torch.tensor(counts_L, dtype=torch.int64)
     return counts_S
 
 
-@outside_dispatch_modes
+@hidden_from_selective_checkpoint
 def _by_slot(counts_S: torch.Tensor, slot_of_E: torch.Tensor) -> torch.Tensor:
     """A compiled forward's recompute: its rows per expert, from its rows per slot (recompute only: outside the
     dispatch modes)."""
     return counts_S[slot_of_E]
 
 
-@outside_dispatch_modes
+@hidden_from_selective_checkpoint
 def _expert_counts(ids: torch.Tensor, skip: torch.Tensor | None, num_experts: int) -> torch.Tensor:
     """Rows per expert of ``ids``, masked routes (``skip``) left out: a recompute's key to its record, host control
-    outside the dispatch modes (selective activation checkpointing would match it to no forward op), the masking
+    hidden from selective checkpointing (which would match it to no forward op), the masking
     included: a masked_fill here would be handed a forward's masked_fill output (the gates')."""
     if skip is not None:
         # (masked routes counted in a bucket past the last and left out: a weighted bincount is not

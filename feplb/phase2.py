@@ -37,7 +37,7 @@ from feplb.experts import (
     to_device,
 )
 from feplb.layout import Item, Phase2Layout, inverse, phase2_layout, weight_items, weight_sends
-from feplb.recompute import outside_dispatch_modes
+from feplb.recompute import hidden_from_selective_checkpoint
 from feplb.recopy import Recopy
 from feplb.steps import Counts, Split, plan_digest
 
@@ -331,7 +331,7 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
     return y_recv, torch.cat([*tails, ret.tail.reshape(-1)]), recopy
 
 
-@outside_dispatch_modes
+@hidden_from_selective_checkpoint
 def hold_copies(layer, p2: Phase2, h_RD: torch.Tensor, local) -> None:
     """Lazy replicas (``MoELayer._holds``): the plan's weight copies, received in an exchange of their own without
     autograd, become this rank's held copies (``Replicas.hold``, one bank per source) until the next refresh, and

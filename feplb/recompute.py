@@ -136,19 +136,22 @@ def checkpoint_frame() -> Any | None:
     return None
 
 
-def outside_dispatch_modes(fn: Callable) -> Callable:
-    """``fn`` run outside the active tensor dispatch modes: what only a forward does (the counts all-gather, its
-    stats and history, the per-step copies' guard) and what only a recompute does (its counts, the search for its
-    record), host control that is no part of the computation. Under selective activation checkpointing (torch's
-    ``create_selective_checkpoint_contexts``, torchtitan's op-level mode) the recompute is matched to its forward op
-    by op, by each op's invocation count, and an op the policy saved (torchtitan's saves every device-to-host copy,
-    every other matrix product) hands the recompute the forward's result: the recompute must dispatch the forward's
-    ops, in its order, and the control, which differs, must not take part."""
-    from torch.utils._python_dispatch import _disable_current_modes
+def hidden_from_selective_checkpoint(fn: Callable) -> Callable:
+    """``fn`` run outside selective activation checkpointing: what only a forward does (the counts all-gather, its
+    stats and history, the per-step copies' guard), what only a recompute does (its counts, the search for its
+    record), and communication that writes into buffers it just made (the transports, the copy path). Under
+    selective activation checkpointing (torch's ``create_selective_checkpoint_contexts``, torchtitan's op-level
+    mode) the recompute is matched to its forward op by op, by each op's invocation count, and an op the policy
+    saved (torchtitan's saves every device-to-host copy, every other matrix product) hands the recompute the
+    forward's result: the recompute must dispatch the forward's ops, in its order, and the control, which differs,
+    must not take part; a policy saving every op would cache the communication's new buffers and then refuse their
+    writes. Where such a checkpoint's mode is active, ``fn`` runs outside every active dispatch mode (a tool's mode
+    entered around it misses ``fn``'s ops there); elsewhere the modes see it whole (CommDebugMode counts the
+    layer's collectives, a memory tracker its buffers)."""
 
     @functools.wraps(fn)
     def outside(*args, **kwargs):
-        with _disable_current_modes():
+        with outside_selective_checkpoint():
             return fn(*args, **kwargs)
 
     return outside
@@ -160,9 +163,12 @@ def outside_selective_checkpoint() -> contextlib.AbstractContextManager:
     weights joined and cast in one pass): a policy that saves every op caches the new tensor, and torch then refuses
     the write ("Tensor cached during selective activation checkpoint has been mutated"). Hidden from the modes in
     the forward and in its recompute alike, the work is redone at the recompute, not saved."""
+    from torch._C import _len_torch_dispatch_stack
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
     from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
+    if not _len_torch_dispatch_stack():
+        return contextlib.nullcontext()
     sac = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
     if any(isinstance(m, sac) for m in _get_current_dispatch_mode_stack()):
         return _disable_current_modes()

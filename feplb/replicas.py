@@ -41,7 +41,7 @@ import torch
 
 from feplb.dispatch import Exchange
 from feplb.layout import Item, weight_items, weight_sends
-from feplb.recompute import outside_dispatch_modes
+from feplb.recompute import hidden_from_selective_checkpoint
 
 __all__ = ["Placement", "Replicas", "SlotWeights", "state_digest"]
 
@@ -270,7 +270,7 @@ class Replicas:
         self._views[id(bank)] = (bank, out)
         return out
 
-    @outside_dispatch_modes
+    @hidden_from_selective_checkpoint
     def part_requires(self, req: tuple[bool, ...]) -> tuple[bool, ...]:
         """For each part of the experts' weights (``MoELayer.part_shapes``), whether a parameter requiring grad
         under the flags ``req`` feeds it (where a layer joins several parameters into one part, torchtitan's
@@ -338,7 +338,7 @@ class Replicas:
             leaf.register_post_accumulate_grad_hook(_widen)
         return leaf
 
-    @outside_dispatch_modes
+    @hidden_from_selective_checkpoint
     def _masks(self, req: tuple[bool, ...]) -> tuple[torch.Tensor, ...]:
         """One tensor per part of the experts' weights, shaped as the owner's: 1 where the element comes from a
         parameter requiring grad under the flags ``req``, 0 where from one that does not (the layer's ``_join`` of
@@ -676,11 +676,12 @@ class _Gate(torch.autograd.Function):
         return (*lead, *out)
 
 
-@outside_dispatch_modes
+@hidden_from_selective_checkpoint
 def _gate(rep_ref, gen: int, req: tuple[bool, ...], diff: tuple[bool, ...],
           bank: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """:class:`_Gate` on ``bank``, outside the dispatch modes: a recompute under selective activation checkpointing
-    must dispatch its forward's ops, and whether a forward's views come from here is bookkeeping, not computation."""
+    """:class:`_Gate` on ``bank``, hidden from selective checkpointing: a recompute under selective activation
+    checkpointing must dispatch its forward's ops, and whether a forward's views come from here is bookkeeping,
+    not computation."""
     return _Gate.apply(rep_ref, gen, req, diff, *bank)
 
 

@@ -66,7 +66,7 @@ from feplb.dropin import (
 )
 from feplb.experts import checked_at_backward
 from feplb.layer import MoELayer
-from feplb.recompute import outside_dispatch_modes
+from feplb.recompute import hidden_from_selective_checkpoint
 from feplb.titan import oss_fields, oss_weights, swiglu_weights
 
 __all__ = ["FEPLBCheckpointManager", "FEPLBGptOssGroupedExperts", "FEPLBGroupedExperts", "POLICY_STATES",
@@ -207,11 +207,11 @@ class _Balanced(HoldsEngine):
         cfg = self.feplb_config
         if cfg.device == "auto" and device is not None:
             cfg = dataclasses.replace(cfg, device=device.type)
-        # (outside the dispatch modes: made by the first forward, inside a selective activation checkpointing region
-        # where torchtitan's op-level mode wraps the block, its agreement's collectives, max, .item() and (CUDA)
-        # device-to-host copies would be recorded as that forward's ops, and handed to its recompute's first calls
-        # of the same ops, which made none of them)
-        engine = outside_dispatch_modes(_Engine)(cfg, self._ep_mesh.get_group())
+        # (hidden from selective checkpointing: made by the first forward, inside a selective activation
+        # checkpointing region where torchtitan's op-level mode wraps the block, its agreement's collectives, max,
+        # .item() and (CUDA) device-to-host copies would be recorded as that forward's ops, and handed to its
+        # recompute's first calls of the same ops, which made none of them)
+        engine = hidden_from_selective_checkpoint(_Engine)(cfg, self._ep_mesh.get_group())
         object.__setattr__(self, "_engine", engine)
         return engine
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from feplb.control import Control, _registered, guard
-from feplb.recompute import outside_dispatch_modes
+from feplb.recompute import hidden_from_selective_checkpoint
 
 __all__ = ["NVSHMEM_HINT", "NvshmemTransport", "TRANSPORTS", "TorchTransport", "Transport", "make_transport",
            "nvshmem_modules", "nvshmem_shared_gpu"]
@@ -70,9 +70,10 @@ class Transport:
         Returns:
             recv_RD: [R, D] on send_MD's device (a view of ``out`` when given).
 
-        The transports run outside the active dispatch modes (``feplb.recompute.outside_dispatch_modes``): a
-        transport, no part of the computation (the caller's autograd node is), whose staging writes into buffers it
-        just made, which a selective activation checkpoint saving every op would cache and then refuse.
+        The transports run hidden from selective activation checkpointing
+        (``feplb.recompute.hidden_from_selective_checkpoint``): a transport, no part of the computation (the
+        caller's autograd node is), whose staging writes into buffers it just made, which a policy saving every op
+        would cache and then refuse. Other dispatch modes see them.
         """
         raise NotImplementedError
 
@@ -133,7 +134,7 @@ class TorchTransport(Transport):
         self._cpu_native = "gloo" in backend or "cpu" in backend or "mpi" in backend
         self._backend = backend
 
-    @outside_dispatch_modes
+    @hidden_from_selective_checkpoint
     def all_to_all(self, send_MD, send_splits, recv_splits, out=None, split_matrix=None):
         send_splits, recv_splits, _ = self._splits(send_MD, send_splits, recv_splits, split_matrix)
         recv = _recv_view(out, send_MD, sum(recv_splits))
@@ -314,7 +315,7 @@ class NvshmemTransport(Transport):
         if self._own_control:
             self.control.close()
 
-    @outside_dispatch_modes
+    @hidden_from_selective_checkpoint
     def all_to_all(self, send_MD, send_splits, recv_splits, out=None, split_matrix=None):
         if not send_MD.is_cuda:
             raise ValueError(f"the nvshmem transport moves CUDA tensors only, got send_MD on {send_MD.device}")

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from feplb.control import Control
-from feplb.recompute import outside_dispatch_modes
+from feplb.recompute import hidden_from_selective_checkpoint
 
 __all__ = ["CopyEngine", "PeerMemoryUnavailable"]
 
@@ -55,7 +55,7 @@ class CopyEngine:
         self._closed = False
 
     # -- public API ---------------------------------------------------------------------------------------------------
-    @outside_dispatch_modes
+    @hidden_from_selective_checkpoint
     def exchange(self, send: Mapping[int, Sequence[torch.Tensor]], recv_numel: Mapping[int, int], *,
                  dtype: torch.dtype, device: torch.device, op: str, matrix=None,
                  ready: torch.cuda.Event | None = None, consumer: torch.cuda.Stream | None = None,
@@ -88,8 +88,9 @@ class CopyEngine:
 
         Blocking: on CUDA nothing in here waits for the device (no ``.item()``, blocking copy or synchronize), except
         when the inboxes grow. May be called from a worker thread; one exchange in flight per engine at a time.
-        Runs outside the active dispatch modes: a transport, no part of the computation (a selective activation
-        checkpoint saving views would cache one of an inbox, then refuse the engine's next write into it).
+        Runs hidden from selective activation checkpointing (other dispatch modes see it): a transport, no part of
+        the computation (a policy saving views would cache one of an inbox, then refuse the engine's next write into
+        it).
         """
         if self._closed:
             raise RuntimeError(f"copy path ({op}): the {self.name} engine was closed")

@@ -112,10 +112,14 @@ def _comm_cases(rank: int, world: int) -> dict:
     got = ex(ex.sends_of({k_out: t}), t[:0]).items[k_in]
     out["intra"] = torch.equal(got, torch.arange(4.0) + 100 * node_peer)
 
-    # The transport and the copy path run outside the active dispatch modes: communication, no part of the
-    # computation (their callers' autograd nodes are). Their buffers, made and written in there, are then never seen
-    # by selective activation checkpointing, whose policy may save every op's output and would refuse the writes.
+    # The transport and the copy path run outside selective activation checkpointing's dispatch modes: communication,
+    # no part of the computation (their callers' autograd nodes are), whose buffers, made and written in there, a
+    # policy saving every op would cache and then refuse the writes. Any other mode (CommDebugMode, a memory
+    # tracker) sees them.
+    from functools import partial
+
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     class Seen(TorchDispatchMode):
         def __init__(self):
@@ -128,15 +132,33 @@ def _comm_cases(rank: int, world: int) -> dict:
 
     x = torch.randn(world, 3, generator=torch.Generator().manual_seed(rank))
     t2 = t[:2]
-    with Seen() as seen:
+    lp = ctl.node_ranks.index(node_peer)   # (the copy path names the node's GPUs by their place in it)
+
+    want = torch.cat([torch.arange(4.0) + 100 * node_peer, torch.arange(2.0) + 100 * node_peer])
+
+    def communicate(tag: str):
         y = tr.all_to_all(x, [1] * world, [1] * world)
-        lp = ctl.node_ranks.index(node_peer)   # (the copy path names the node's GPUs by their place in it)
         got = comm.copy.exchange({lp: [t, t2]}, {lp: 6}, dtype=torch.float32, device=torch.device("cpu"),
-                                 op="under a mode")
-        probe = x.sum()   # (the mode does see the computation)
-    out["outside_modes"] = seen.ops == ["aten.sum.default"] and probe.shape == () and y.shape == (world, 3) \
-        and torch.equal(got[lp], torch.cat([torch.arange(4.0) + 100 * node_peer,
-                                                   torch.arange(2.0) + 100 * node_peer]))
+                                 op=f"under a mode, {tag}")
+        probe = x.sum()   # (the modes do see the computation)
+        return y, got, probe
+
+    def right(y, got, probe) -> bool:
+        return y.shape == (world, 3) and probe.shape == () and got[lp].equal(want)
+
+    with Seen() as seen:
+        res = communicate("plain")
+    ok = right(*res)
+    out["modes_see_communication"] = ok and "c10d.alltoall_base_.default" in seen.ops \
+        and "aten.sum.default" in seen.ops, seen.ops
+    save_all = partial(create_selective_checkpoint_contexts, lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE)
+    sac, _ = save_all()
+    with Seen() as around, sac, Seen() as inside:
+        res = communicate("selective checkpoint")
+    ok = right(*res)
+    # (the outer mode also sees what the checkpoint's mode does with the probe: it saves a detached copy)
+    out["outside_selective_checkpoint"] = ok and inside.ops == ["aten.sum.default"] \
+        and set(around.ops) == {"aten.sum.default", "aten.detach.default"}, (inside.ops, around.ops)
     tr.close()
     dist.barrier()
     return out
@@ -145,7 +167,7 @@ def _comm_cases(rank: int, world: int) -> dict:
 def test_comm_paths():
     results = run_dist(_comm_cases, 4, timeout_s=120)
     for rank, res in enumerate(results):
-        failed = {k: v for k, v in res.items() if not v}
+        failed = {k: v for k, v in res.items() if not (v[0] if isinstance(v, tuple) else v)}
         assert not failed, (rank, failed)
 
 

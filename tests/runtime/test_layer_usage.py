@@ -6,6 +6,7 @@
 * A rank whose input needs no gradient while its peers' do: the backward collectives still run on every rank.
 * ``module.eval()`` forwards leave the policy history and the placement alone.
 * Routing from a router outside the layer (``layer(x, routing=(ids, weights))``) equals the layer's own.
+* torch's CommDebugMode counts the layer's collectives.
 * Misuse gives the same clear error on every rank, never a hang: a malformed input or routing on ONE rank, activation
   checkpointing around the layer, ``refresh_replicas()`` between a forward and its backward, and a restored
   policy state that differs across ranks.
@@ -416,6 +417,19 @@ def _usage_worker(rank, world):
     res["fp64_weights"] = torch.equal(layer(x, routing=(ids, w64)), layer(x, routing=(ids, w64.float()))) and \
         not torch.equal(layer(x, routing=(ids, w64)), layer(x, routing=(ids, w64.to(torch.bfloat16))))
 
+    # torch's CommDebugMode around a training step counts the layer's collectives: the counts' all-gather and the
+    # rows' all-to-alls (dispatch and combine, and their backwards); the copy path runs beside, on its own thread
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    layer, router, w1, w2, xs = _layer(24, policy="feplb-split")
+    x = xs[rank].clone().requires_grad_(True)
+    with CommDebugMode() as cdm:
+        y = layer(x)
+        y.sum().backward()
+    res["comm_debug"] = ({str(k): v for k, v in cdm.get_comm_counts().items()}, layer.last_stats.rows_moved,
+                         _close(y.detach(), dense_moe_reference(xs[rank].double(), router.double(), w1.double(),
+                                                                w2.double(), K)))
+
     # feplb.dropin.full_state_dict on layers built directly: every expert gathered, the rest (router) kept
     from feplb.dropin import full_state_dict
 
@@ -487,6 +501,8 @@ def test_layer_usage_and_misuse():
         assert res["flat_buffer_other"] == (True, None), res["flat_buffer_other"]
         assert res["state_mismatch"] and res["state_mismatch"].startswith("ValueError") and \
             "policy state" in res["state_mismatch"], res["state_mismatch"]
+        counts, _, same = res["comm_debug"]
+        assert same and counts == {"c10d.allgather_": 1, "c10d.alltoall_base_": 4}, (rank, counts, same)
         assert res["full_sd"], f"rank {rank}: full_state_dict of plain layers"
         deep, pickled, saved = res["copies"]
         assert deep is not None and "MoELayer cannot be deep-copied" in deep and "state_dict" in deep, deep
@@ -502,6 +518,7 @@ def test_layer_usage_and_misuse():
         assert _close(ep["w1"], w1[lo:lo + L]) and _close(ep["w2"], w2[lo:lo + L]), f"rank {rank}: EP x DP experts"
         assert res["root_shard_kept"] and res["root_grad_own"], (rank, res["root_shard_kept"], res["root_grad_own"])
     assert all(res["epdp"]["moved"] > 0 for res in results[:2]), [res["epdp"]["moved"] for res in results]
+    assert sum(res["comm_debug"][1] for res in results) > 0, "CommDebugMode: no rows moved; the case tests no copy"
     # the two EP groups placed their experts differently (else the DDP case proves nothing)
     assert results[0]["home_E"] != results[2]["home_E"], (results[0]["home_E"], results[2]["home_E"])
 
