@@ -18,6 +18,7 @@ import bisect
 import contextlib
 import dataclasses
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -240,6 +241,11 @@ _SCALER_SKIPS: dict[torch.device, torch.Tensor] = {}
 
 def scaler_skips(device: torch.device) -> torch.Tensor | None:
     """int64 [1] on ``device``: the steps this process's GradScalers skipped so far (None: none counted)."""
+    if _SHARDED_SCALER_MODULE in sys.modules:
+        # FSDP's ShardedGradScaler, its own update and unscale: wrapped once its module is imported (importing it
+        # here would load FSDP into every process that imports feplb, a second's cost); a forward comes between
+        # making one and its first update
+        _wrap_scaler_class(sys.modules[_SHARDED_SCALER_MODULE].ShardedGradScaler)
     if not _SCALER_SKIPS:
         return None
     # (a copy to the host waits for the device: a non-blocking one could be read before it lands)
@@ -282,15 +288,24 @@ def _counting_update(update: Callable) -> Callable:
     return counted
 
 
-_UPDATE = getattr(torch.amp.GradScaler, "update", None)
-if _UPDATE is not None and not getattr(_UPDATE, "_feplb_counts_skips", False):
-    torch.amp.GradScaler.update = _counting_update(_UPDATE)
-    torch.amp.GradScaler.update._feplb_counts_skips = True
+def _wrap_scaler_class(cls: type) -> None:
+    """Wrap ``cls``'s own ``update`` (``_counting_update``) and ``_unscale_grads_`` (``_versioned_unscale``), where
+    it defines them and they are not wrapped yet: torch's GradScaler, and a subclass defining its own (FSDP's
+    ShardedGradScaler, whose checks are agreed over its own process group: counted all the same, as that group need
+    not hold the EP group's ranks)."""
+    update = cls.__dict__.get("update")
+    if callable(update) and not getattr(update, "_feplb_counts_skips", False):
+        cls.update = _counting_update(update)
+        cls.update._feplb_counts_skips = True
+    # (a private method of torch's: where a torch release renames it, nothing is wrapped, and such a loop goes as
+    # before)
+    unscale = cls.__dict__.get("_unscale_grads_")
+    if callable(unscale) and not getattr(unscale, "_feplb_versioned", False):
+        cls._unscale_grads_ = _versioned_unscale(unscale)
 
-# (a private method of torch's: where a torch release renames it, nothing is wrapped, and such a loop goes as before)
-_UNSCALE = getattr(torch.amp.GradScaler, "_unscale_grads_", None)
-if callable(_UNSCALE) and not getattr(_UNSCALE, "_feplb_versioned", False):
-    torch.amp.GradScaler._unscale_grads_ = _versioned_unscale(_UNSCALE)
+
+_SHARDED_SCALER_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
+_wrap_scaler_class(torch.amp.GradScaler)
 
 # How deep this thread is inside calls that run collectives between a backward and the next forward: only the
 # outermost one handshakes (a model's clip_grad_norm_ reduces every layer's replica gradients inside its own).

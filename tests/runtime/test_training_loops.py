@@ -1522,6 +1522,44 @@ def test_the_scalers_whose_skips_the_layer_compares(case):
                 (rank, step, err)
 
 
+def _sharded_scaler_worker(rank, world, case):
+    """FSDP's ShardedGradScaler (its own update and unscale), not attached, imported after the layer's first forward;
+    rank 0 alone overflows. "apart": each rank's scaler agrees its checks over a group of that rank alone, so rank 0
+    alone skips: refused at the next forward on every rank. "agreed": over the whole world, every rank skips and
+    halves its scale: runs. Returns (the step refused at or None, the error, the scale)."""
+    import torch.distributed as dist
+
+    m = _layer("none")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(_x(rank, 9))
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    singles = [dist.new_group([r]) for r in range(world)]
+    scaler = ShardedGradScaler("cpu", init_scale=256.0,
+                               process_group=singles[rank] if case == "apart" else dist.group.WORLD)
+    for step in range(3):
+        err = error_of(lambda step=step: scaler.scale((m(_x(rank, step)) ** 2).mean()).backward())
+        if err is not None:
+            m.close()
+            return step, err, scaler.get_scale()
+        if step == 0 and rank == 0:
+            m.w1.grad.view(-1)[0] = float("inf")
+        _scaled_step(scaler, [opt])
+    m.close()
+    return None, None, scaler.get_scale()
+
+
+@pytest.mark.parametrize("case", ["apart", "agreed"])
+def test_a_sharded_grad_scaler_skipping_apart_is_refused(case):
+    res = run_dist(_sharded_scaler_worker, W, case, timeout_s=120, collective_timeout_s=60)
+    for rank, (step, err, scale) in enumerate(res):
+        if case == "agreed":
+            assert err is None and scale == 128.0, (rank, err, scale)
+        else:
+            assert step == 1 and err is not None and "skipped different numbers of optimizer steps" in err, \
+                (rank, step, err)
+
+
 def _scaler_optimizers_worker(rank, world, case):
     """One GradScaler stepping the layer's optimizer and a second one; rank 0 alone overflows. "head": a head after
     the layer in an optimizer of its own, the overflow in the head's gradients (the scale, combined from every
