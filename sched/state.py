@@ -215,13 +215,36 @@ class PolicyState:
         ema = x if self.ema_E is None else self.ema_E + ((x - self.ema_E) >> self.ema_shift)
         step = self.step + 1
         resident = self.resident
-        if plan is not None and self.reads_plans and plan.node is not None:
-            raise ValueError(f"PolicyState.observe: {self.policy!r} keeps the weights a plan copied resident, so it "
-                             f"needs the whole plan, got the plan of node {plan.node} only")
+        if plan is not None and self.reads_plans:
+            self._check_plan(plan)
         if plan is not None and plan.weight_copies and self.reads_plans:
             resident = resident | {(e, dst) for e, _, dst in plan.weight_copies}
         new = _derive(self, step=step, ema_E=ema, resident=resident, last_weight_copies=(), last_migrations=())
         return new._refresh() if new.refreshed else new
+
+    def _check_plan(self, plan: Plan) -> None:
+        """Refuse a plan ``observe`` cannot fold into this history: one not made by this policy over this topology,
+        whose copies would name experts or GPUs this history has not (a checkpoint of it could then never be
+        loaded back), or one node's plan only. Cheap: the shapes and the copies, not the moves."""
+        if not isinstance(plan, Plan):
+            raise TypeError(f"PolicyState.observe: plan must be the feplb.sched.Plan executed for these counts (or "
+                            f"None), got {type(plan).__name__}")
+        if plan.policy != self.policy:
+            raise ValueError(f"PolicyState.observe: the plan was made by policy {plan.policy!r}, this history is "
+                             f"{self.policy!r}'s")
+        t = self.topo
+        if plan.dynamic_WD.shape != (t.num_ranks, t.dyn) or plan.loads_before_W.shape != (t.num_ranks,):
+            raise ValueError(f"PolicyState.observe: the plan covers {plan.dynamic_WD.shape[0]} GPUs with "
+                             f"{plan.dynamic_WD.shape[1]} dynamic experts each, this history's topology "
+                             f"{t.num_ranks} with {t.dyn}")
+        bad = [c for c in plan.weight_copies
+               if not (0 <= c[0] < t.num_experts and 0 <= c[1] < t.num_ranks and 0 <= c[2] < t.num_ranks)]
+        if bad:
+            raise ValueError(f"PolicyState.observe: the plan copies weights {bad[:3]} (expert, src, dst) outside "
+                             f"this history's {t.num_experts} experts on {t.num_ranks} GPUs")
+        if plan.node is not None:
+            raise ValueError(f"PolicyState.observe: {self.policy!r} keeps the weights a plan copied resident, so it "
+                             f"needs the whole plan, got the plan of node {plan.node} only")
 
     # the settings a saved history must share with the state that takes it (to_dict / from_dict)
     SETTINGS = ("policy", "refresh_every", "ema_shift", "eplb_slots", "eplb_groups", "replicas_mode", "place_min_gain")

@@ -68,6 +68,43 @@ def test_a_history_that_reads_plans_refuses_a_node_plan():
     assert eager.observe(c, make_plan("feplb@ema", c, topo, eager, tau=0, node=1)).step == 2
 
 
+def test_a_history_that_reads_plans_refuses_a_plan_not_its_own():
+    """A plan of another topology, policy or kind folded into a lazy @ema history would keep copies of experts or
+    GPUs it has not resident, silently: the next refresh, the simulator, and loading a checkpoint of it back fail
+    far away. observe refuses it, naming what differs; the state is unchanged (observe is pure)."""
+    from feplb.sched import Plan
+
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=1)
+    big = Topology(num_ranks=4, gpus_per_node=4, num_experts=64, dyn=4)
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        c = rng.integers(0, 50, size=(2, 4))
+        c[0, rng.integers(4)] += 500
+        lazy = PolicyState(topo=topo, policy="feplb@ema", replicas_mode="lazy").observe(c)
+        cb = rng.integers(0, 5, size=(4, 64))
+        cb[0, 60 + rng.integers(4)] += 5000
+        foreign = make_plan("feplb-split", cb, big)
+        assert foreign.weight_copies, "the foreign plan must copy weights (else the case tests little)"
+        with pytest.raises(ValueError, match="made by policy 'feplb-split'"):
+            lazy.observe(c, foreign)
+        same_policy = make_plan("feplb@ema", cb, big, PolicyState(topo=big, policy="feplb@ema").observe(cb))
+        with pytest.raises(ValueError, match="covers 4 GPUs with 4 dynamic experts each, this history's topology 2"):
+            lazy.observe(c, same_policy)
+        # copies out of range in a plan of the right shape (made by hand)
+        own = make_plan("feplb@ema", c, topo, lazy, tau=0)
+        forged = Plan(policy=own.policy, moves=own.moves, weight_copies=((60, 0, 1),), dynamic_WD=own.dynamic_WD,
+                      loads_before_W=own.loads_before_W, loads_after_W=own.loads_after_W)
+        with pytest.raises(ValueError, match=r"copies weights \[\(60, 0, 1\)\]"):
+            lazy.observe(c, forged)
+        with pytest.raises(TypeError, match="plan must be the feplb.sched.Plan"):
+            lazy.observe(c, "feplb@ema")
+        got = lazy.observe(c, own)
+        assert got.resident == frozenset((e, d) for e, _, d in own.weight_copies)
+        # the history taken this way saves and loads back
+        back = PolicyState.from_dict(got.to_dict(), PolicyState(topo=topo, policy="feplb@ema", replicas_mode="lazy"))
+        assert back.resident == got.resident and back.step == got.step
+
+
 def test_eager_replicas_fill_the_node_at_each_refresh():
     topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
     c = np.array([[9, 1, 0, 0, 0, 0, 0, 0]] * 4, dtype=np.int64)
