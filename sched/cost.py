@@ -145,10 +145,12 @@ class CostModel:
         object.__setattr__(self, "table_rows", rows)
         object.__setattr__(self, "table_us", us)
         # one interpolation table for integer rows: 0 -> 0, 1..rows[0] flat, linear in between, and the last slope
-        # carried to a point far beyond any row count; times already scaled to this expert's shape
+        # carried to a point past any row count (2**64: an expert's rows, summed over the sources, stay below the
+        # planner's bound of 2**62, Topology.max_count; np.interp holds its last value past its last point);
+        # times already scaled to this expert's shape
         scale = (self.hidden * self.ffn) / (self.table_hidden * self.table_ffn)
         slope = (us[-1] - us[-2]) / (rows[-1] - rows[-2])
-        far = float(2**40)
+        far = float(2**64)
         floor = ((1.0,), (us[0],)) if rows[0] > 1 else ((), ())
         xs = np.array([0.0, *floor[0], *rows, far])
         ys = np.array([0.0, *floor[1], *us, us[-1] + (far - rows[-1]) * slope]) * scale

@@ -22,6 +22,23 @@ def test_default_curve_floor_linear_and_zero():
     assert cm.weight_bytes == 3 * 6144 * 2048 * 2 and cm.row_bytes == 6144 * 2
 
 
+def test_the_last_slope_holds_for_every_row_count_the_planner_takes():
+    """Past the table the time grows along its last slope for any count the planner accepts (an expert's rows up to
+    2**62), not flat from some point on (a simulation of huge micro-batches then read a straggler's GEMM as free)."""
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        rows = np.cumsum(rng.integers(1, 5000, size=rng.integers(2, 6)))
+        us = np.cumsum(rng.uniform(1.0, 300.0, size=rows.size))
+        cm = CostModel(table_rows=tuple(int(r) for r in rows), table_us=tuple(float(u) for u in us))
+        slope = (us[-1] - us[-2]) / (rows[-1] - rows[-2])
+        for n in (int(rows[-1]) + 1, 2**39, 2**41, 2**44, 2**50, 2**62):
+            want = us[-1] + (n - rows[-1]) * slope
+            assert cm.gemm_us(n) == pytest.approx(want, rel=1e-9), (n, list(rows), list(us))
+    big = Topology(num_ranks=4, gpus_per_node=4, num_experts=32, dyn=2)
+    cm = CostModel()
+    assert cm.gemm_us(4 * big.max_count) > cm.gemm_us(2 * big.max_count) > cm.gemm_us(big.max_count)
+
+
 def test_shape_scaling_and_json_table(tmp_path):
     half = CostModel(hidden=3072)
     assert half.gemm_us(1024) == pytest.approx(CostModel().gemm_us(1024) / 2)
