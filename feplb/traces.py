@@ -108,7 +108,8 @@ def _check_ids(ids: np.ndarray, name: str, num_experts: int | None) -> int:
 class RoutingTrace:
     """A per-token routing trace.
 
-    topk_ids_TLK: integer [T, L, K] expert ids, all in [0, num_experts).
+    topk_ids_TLK: integer [T, L, K] expert ids, all in [0, num_experts); an id repeated in a token's top-k counts
+        a row per entry (as ``MoELayer`` computes routing given so).
     seq_offsets: int64 [n + 1] sample boundaries (0 = first, T = last), or None (every token may start).
     topk_weights_TLK: float32 [T, L, K] gate weights, or None.
     expert_shape: the expert shape of the model that produced the trace, or None (unknown).
@@ -230,7 +231,13 @@ def load_trace(path: str | Path, num_experts: int | None = None) -> RoutingTrace
         if "expert_hidden" in keys or "expert_ffn" in keys:
             if not ("expert_hidden" in keys and "expert_ffn" in keys):
                 raise ValueError(f"{path}: an expert shape needs both 'expert_hidden' and 'expert_ffn'")
-            model = str(z["model"]) if "model" in keys else path.stem
+            model = path.stem
+            if "model" in keys:
+                v = z["model"]
+                if v.shape != () or v.dtype.kind != "U":
+                    raise ValueError(f"{path}: model must be one string (the model's name), got {v.dtype} "
+                                     f"{list(v.shape)}")
+                model = str(v)
             dims = {}
             for k in ("expert_hidden", "expert_ffn"):
                 v = z[k]
@@ -290,6 +297,18 @@ class MultinomialWorkload:
             yield rng.multinomial(tokens_per_rank * self.top_k, p_WLE).transpose(1, 0, 2).astype(np.int64)
 
 
+_NONE = object()
+
+
+def _leaves(x: object) -> Iterator[object]:
+    """The values of nested JSON lists, depth first (anything that is not a list is a value)."""
+    if isinstance(x, list):
+        for v in x:
+            yield from _leaves(v)
+    else:
+        yield x
+
+
 def load_olmoe(path: str | Path, model: str = "olmoe", domains: tuple[str, ...] | None = None,
                variant: str = "topk") -> MultinomialWorkload:
     """The OLMoE repository's per-domain expert counts (``expert_counts_by_domain.json``) as a workload."""
@@ -318,11 +337,16 @@ def load_olmoe(path: str | Path, model: str = "olmoe", domains: tuple[str, ...] 
     missing = [d for d in domains if d not in by_dom]
     if missing or not domains:
         raise ValueError(f"{path}: unknown domains {missing}; available: {sorted(by_dom)}")
+    what = (f"{path}: counts of {model}/{variant} must be numbers in a [domain][layer][expert] array of equal "
+            f"lengths")
+    # (each value as JSON gave it: a float64 conversion would take the string "1" for a count, true for 1)
+    bad = next((v for d in domains for v in _leaves(by_dom[d]) if type(v) not in (int, float)), _NONE)
+    if bad is not _NONE:
+        raise ValueError(f"{what}, got {bad!r}")
     try:
         counts = np.asarray([by_dom[d] for d in domains], dtype=np.float64)  # [D, L, E]
-    except (ValueError, TypeError) as err:   # ragged lists, or values that are not numbers
-        raise ValueError(f"{path}: counts of {model}/{variant} must be numbers in a [domain][layer][expert] array "
-                         f"of equal lengths ({err})") from err
+    except (ValueError, TypeError) as err:   # ragged lists
+        raise ValueError(f"{what} ({err})") from err
     if counts.ndim != 3 or not np.all(counts >= 0) or not np.isfinite(counts).all():
         raise ValueError(f"{path}: counts of {model}/{variant} must be finite, non-negative "
                          "[domain][layer][expert]")

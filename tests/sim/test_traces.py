@@ -137,6 +137,12 @@ def test_olmoe_domains_per_rank(tmp_path):
         path.write_text(json.dumps({**doc, "models": {"m": entry}}))
         with pytest.raises(ValueError, match=match):
             load_workload(f"{path}:model=m")
+    # counts that are not numbers: strings were parsed ("1", " 3 ", "4e0"), true read as 1
+    for counts, got in (([[1, 0, 0, 0], [0, " 3 ", 0, "4e0"]], "' 3 '"), ([[1, True, 0, 0], [0, 1, 0, 0]], "True"),
+                        ([[0, 1, 0, 0], [0, 1, 0, None]], "None"), ([[0, 1, 0, 0], [0, 1, 0, {}]], "{}")):
+        path.write_text(json.dumps({**doc, "models": {"m": {"top_k": 2, "topk": {"a": counts}}}}))
+        with pytest.raises(ValueError, match=f"must be numbers in a .* got {re.escape(got)}$"):
+            load_workload(f"{path}:model=m")
     for models in (["m"], "xmx"):   # (the container itself: a list or a string passed the `in` test)
         path.write_text(json.dumps({**doc, "models": models}))
         with pytest.raises(ValueError, match=r"'models' must be an object mapping model names .* got a (list|str)"):
@@ -183,6 +189,12 @@ def test_traces_carry_their_models_expert_shape(tmp_path, flame_path):
                        (np.float64(1e30), "expert_hidden must be between 1 and 1048576 (2**20), got 1e+30"),
                        (np.int64(0), "expert_hidden must be between 1 and 1048576 (2**20), got 0")):
         np.savez(tmp_path / "bad.npz", topk_ids=ids, expert_hidden=bad, expert_ffn=np.int64(96))
+        with pytest.raises(ValueError, match=re.escape(words)):
+            load_trace(tmp_path / "bad.npz")
+    # the model's name is one string: an array was printed as the name ("[1 2]")
+    for bad, words in ((np.array([1, 2]), "model must be one string (the model's name), got int64 [2]"),
+                       (np.array(["a", "b"]), "model must be one string (the model's name), got <U1 [2]")):
+        np.savez(tmp_path / "bad.npz", topk_ids=ids, expert_hidden=np.int64(512), expert_ffn=np.int64(96), model=bad)
         with pytest.raises(ValueError, match=re.escape(words)):
             load_trace(tmp_path / "bad.npz")
     np.savez(tmp_path / "float.npz", topk_ids=ids, expert_hidden=np.float64(512.0), expert_ffn=np.int64(96))
