@@ -77,7 +77,7 @@ def test_a_history_that_reads_plans_refuses_a_plan_not_its_own():
     topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=1)
     big = Topology(num_ranks=4, gpus_per_node=4, num_experts=64, dyn=4)
     rng = np.random.default_rng(7)
-    for trial in range(20):
+    for _ in range(20):
         c = rng.integers(0, 50, size=(2, 4))
         c[0, rng.integers(4)] += 500
         lazy = PolicyState(topo=topo, policy="feplb@ema", replicas_mode="lazy").observe(c)
