@@ -53,6 +53,16 @@ def _positive(v: str) -> int:
     return i
 
 
+def _expert_dim(v: str) -> int:
+    from feplb.traces import MAX_EXPERT_DIM
+
+    i = _positive(v)
+    if i > MAX_EXPERT_DIM:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_EXPERT_DIM} (2**20: no model's hidden or expert "
+                                         f"ffn size comes near), got {v}")
+    return i
+
+
 def _non_negative(v: str) -> int:
     i = int(v)
     if i < 0:
@@ -84,7 +94,8 @@ def _policy_names(v: str) -> tuple[str, ...]:
 
 
 # argparse names a value a type function cannot convert by the function's name ("invalid <name> value: '2.5'")
-for _f, _name in ((_positive, "positive integer"), (_non_negative, "non-negative integer"),
+for _f, _name in ((_positive, "positive integer"), (_expert_dim, "expert size"),
+                  (_non_negative, "non-negative integer"),
                   (_non_negative_float, "non-negative number"), (_fraction, "fraction")):
     _f.__name__ = _name
 
@@ -127,10 +138,10 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
                    help="feplb-split's smallest piece in rows (default: the cost model's knee)")
     p.add_argument("--experts", type=_positive, default=None,
                    help="E for npz traces and synthetic specs (default: an npz trace's max id + 1, a spec's E)")
-    p.add_argument("--hidden", type=_positive, default=None,
+    p.add_argument("--hidden", type=_expert_dim, default=None,
                    help="expert hidden size for bytes and GEMM times, for every workload (default: the traced "
                         "model's; else the cost table's, 6144)")
-    p.add_argument("--ffn", type=_positive, default=None,
+    p.add_argument("--ffn", type=_expert_dim, default=None,
                    help="expert ffn size for bytes and GEMM times, for every workload (default: the traced "
                         "model's; else the cost table's, 2048)")
     p.add_argument("--eplb-groups", type=_positive, default=1,
@@ -343,7 +354,8 @@ def _table_meta(path: str) -> dict:
 # the command line's names for what SimConfig and the topology name in their messages
 _OPTIONS = {"SimConfig.policies": "--policies", "SimConfig.recopy_weights": "--recopy-weights",
             "SimConfig.place_min_gain": "--place-min-gain", "SimConfig.eplb_groups": "--eplb-groups",
-            "PolicyState.eplb_groups": "--eplb-groups", "SimConfig.min_chunk": "--min-chunk",
+            "PolicyState.eplb_groups": "--eplb-groups", "PolicyState.eplb_slots": "--eplb-slots",
+            "SimConfig.min_chunk": "--min-chunk",
             "SimConfig.replicas_mode": "--replicas", "SimConfig.tau": "--tau",
             "num_ranks (W=": "--ep (W=", "gpus_per_node (G=": "--gpus-per-node (G=", "dyn must": "--dyn must",
             "num_experts (E=": "the experts (E="}
@@ -434,6 +446,21 @@ def bound_microbatch(workload, num_ranks: int, tokens_per_rank: int) -> None:
             f"{MICROBATCH_BYTES_MAX / 1e9:.1f} GB (--tokens-per-rank <= {MICROBATCH_BYTES_MAX // per_token} here)")
 
 
+def bound_metrics(workload, config) -> None:
+    """Refuse a --microbatches whose per-micro-batch metrics (every policy's, per layer, float64) would not fit in
+    MICROBATCH_BYTES_MAX."""
+    from feplb.simulate import _METRICS
+
+    per_mb = len(config.policies) * len(_METRICS) * int(workload.num_layers) * 8
+    need = per_mb * config.microbatches
+    if need > MICROBATCH_BYTES_MAX:
+        raise UsageError(f"--microbatches {config.microbatches}: the metrics of {workload.name} "
+                         f"({len(config.policies)} policies x {len(_METRICS)} x L={workload.num_layers} per "
+                         f"micro-batch) take about {need / 1e9:.1f} GB; the limit is "
+                         f"{MICROBATCH_BYTES_MAX / 1e9:.1f} GB (--microbatches <= {MICROBATCH_BYTES_MAX // per_mb} "
+                         "here)")
+
+
 def workload_keys(names: Sequence[str], specs: Sequence[str]) -> list[str]:
     """One distinct key per workload: its name, or the trace spec where two workloads share a name (two files of
     one name in different folders), numbered where the specs repeat too."""
@@ -499,6 +526,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
             except ValueError as err:
                 raise UsageError(f"trace {spec}: {_option_names(str(err))}") from err
         bound_microbatch(w, config.num_ranks, config.tokens_per_rank)
+        if config.tokens_per_rank * w.top_k > topo.max_count:
+            # (a rank's S tokens of top-k may all reach one expert: found only mid-run, in the planner's counts)
+            raise UsageError(f"--tokens-per-rank {config.tokens_per_rank}: trace {spec}'s S x K = "
+                             f"{config.tokens_per_rank * w.top_k} rows from one rank could reach one expert, past the "
+                             f"planner's bound of {topo.max_count} per (source, expert) for W={topo.num_ranks}, "
+                             f"E={topo.num_experts}")
+        bound_metrics(w, config)
     keys = workload_keys([w.name for w in workloads], args.traces)
     # what the options leave without effect, or a trace that looks wrong: said before the run
     early = _option_notes(args, config, workloads)

@@ -134,6 +134,12 @@ class PolicyState:
             raise ValueError(f"PolicyState.ema_shift must be <= 16, got {self.ema_shift}")
         check_min_gain(self.place_min_gain, "PolicyState.place_min_gain")
         topo = self.topo
+        if parse_policy(self.policy)[0] == "eplb" and self.eplb_slots > topo.num_experts:
+            # (past E - E // W slots every GPU could hold every expert: more only repeat experts on one GPU, whose
+            # rows they split among themselves there, and the layout grows with them: a slip for a small count that
+            # would exhaust memory)
+            raise ValueError(f"PolicyState.eplb_slots must be at most E = {topo.num_experts} (redundant slots per "
+                             f"GPU: past E - E // W every GPU holds every expert), got {self.eplb_slots}")
         known = _known(self.home_E, _HOME, topo)
         if known is None:
             home = topo.default_home_E() if self.home_E is None else \

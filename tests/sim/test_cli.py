@@ -365,6 +365,50 @@ def test_huge_tokens_per_rank_is_bounded_with_the_reason(flame_path, capsys, no_
     assert largest * 8 * L * K * (trace.topk_ids_TLK.itemsize + 16) <= cli.MICROBATCH_BYTES_MAX
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--tokens-per-rank", "300000000000000000"],
+     ["--tokens-per-rank 300000000000000000:", "S x K = 2400000000000000000 rows from one rank could reach one "
+      "expert, past the planner's bound of 17592186044416 per (source, expert) for W=4, E=32"]),
+    (["--microbatches", "100000000000000000000"],
+     ["--microbatches 100000000000000000000: the metrics of synthetic-zipf-E32-K8 (2 policies x",
+      "the limit is 2.0 GB"]),
+    (["--eplb-slots", "1000000", "--policies", "none,eplb"],
+     ["--eplb-slots must be at most E = 32 (redundant slots per GPU", "got 1000000"]),
+])
+def test_options_past_what_a_run_can_hold_are_refused_before_it_naming_the_option(args, words, capsys, no_run):
+    """Sizes no run could hold (they ran into the planner's bound mid-run, exhausted memory, or failed in numpy
+    without naming the option) are refused before any work, as one line naming the option."""
+    base = ["simulate", "synthetic:zipf:E=32:L=1:K=8", "--ep", "4", "--gpus-per-node", "4", "--dyn", "2",
+            "--microbatches", "2", "--warmup", "0", "--policies", "none,feplb"]
+    assert main(base + args) == 2
+    _one_line_error(capsys, *words)
+    # the largest --microbatches offered is taken
+    from feplb.simulate import SimConfig
+    from feplb.traces import SyntheticWorkload
+
+    w = SyntheticWorkload(num_experts=32, top_k=8, num_layers=3)
+    err = None
+    try:
+        cli.bound_metrics(w, SimConfig(num_ranks=4, gpus_per_node=4, microbatches=10**12))
+    except cli.UsageError as e:
+        err = str(e)
+    largest = int(err.rsplit("--microbatches <= ", 1)[1].split(" ")[0])
+    cli.bound_metrics(w, SimConfig(num_ranks=4, gpus_per_node=4, microbatches=largest))
+    with pytest.raises(cli.UsageError, match=f"--microbatches {largest + 1}:"):
+        cli.bound_metrics(w, SimConfig(num_ranks=4, gpus_per_node=4, microbatches=largest + 1))
+
+
+@pytest.mark.parametrize("option, value", [("--hidden", "4611686018427387904"), ("--ffn", "1048577")])
+def test_an_expert_size_no_model_comes_near_is_refused(option, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "synthetic:zipf:E=32:L=1:K=8", "--ep", "4", option, value])
+    assert exit_.value.code == 2
+    assert f"argument {option}: expected at most 1048576 (2**20" in capsys.readouterr().err
+    assert main(["simulate", "synthetic:zipf:E=32:L=1:K=8", "--ep", "4", "--gpus-per-node", "4", "--dyn", "1",
+                 "--microbatches", "1", "--warmup", "0", "--policies", "none", "--no-progress", option,
+                 "1048576"]) == 0
+
+
 def test_a_stray_expert_id_is_bounded_with_the_reason(tmp_path, capsys, no_run):
     """E is a trace's largest id + 1: one stray id past the counts' memory bound is refused before any work,
     naming E and the bound; an E within it passes the check."""
