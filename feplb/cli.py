@@ -6,16 +6,19 @@ Each subcommand is a pair (add_arguments(parser), run(args) -> exit code); ``mai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import shlex
+import signal
 import sys
 import tempfile
+import threading
 import zipfile
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from feplb.files import write_outputs
@@ -870,6 +873,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(BaseException):
+    """SIGTERM (a job scheduler's time limit, ``kill``) raised as an exception, as Ctrl-C raises KeyboardInterrupt:
+    the outputs' cleanup runs, so no temporary file is left beside them."""
+
+
+@contextlib.contextmanager
+def _terminate_as_exception() -> Iterator[None]:
+    """SIGTERM raises :class:`_Terminated` inside (the main thread only: signal handlers live there); the previous
+    handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``feplb`` console script."""
     parser = build_parser()
@@ -880,13 +906,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args._run(args)
+        with _terminate_as_exception():
+            return args._run(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"feplb {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:   # (outputs are written whole or not at all: nothing half-written is left)
         print(f"feplb {args.command}: interrupted; nothing written", file=sys.stderr)
         return 130
+    except _Terminated:
+        print(f"feplb {args.command}: terminated; nothing written", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BrokenPipeError:     # the reader of the output went away (| head): stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -285,6 +285,30 @@ def test_an_interrupt_is_one_line_and_writes_nothing(tmp_path, flame_path, capsy
     assert err.strip() == "feplb simulate: interrupted; nothing written" and not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("when", ["simulating", "writing"])
+def test_a_sigterm_is_one_line_and_writes_nothing(when, tmp_path, flame_path, capsys, monkeypatch):
+    """SIGTERM (a scheduler's time limit) ends the run as Ctrl-C does: one line, status 143, neither output written
+    and no temporary file left beside them (the plot's writer is killed midway, after the JSON's was written);
+    the previous SIGTERM handler is back after."""
+    import signal
+
+    def killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not end the run")
+
+    if when == "simulating":
+        monkeypatch.setattr(feplb.simulate, "simulate", killed)
+    else:
+        monkeypatch.setattr(cli, "plot_results", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["simulate", str(flame_path), *FAST, "--json", str(tmp_path / "r.json"), "--plot",
+                 str(tmp_path / "r.png")]) == 143
+    err = capsys.readouterr().err
+    assert err.strip() == "feplb simulate: terminated; nothing written" and not list(tmp_path.iterdir()), \
+        (err, list(tmp_path.iterdir()))
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_hidden_or_ffn_alone_keeps_the_other_dimension_of_each_workload(tmp_path, flame_path, capsys):
     out = tmp_path / "r.json"
     assert main(["simulate", str(flame_path), "synthetic:zipf:E=64:K=6:L=2", *FAST, "--ffn", "512",
