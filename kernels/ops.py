@@ -10,8 +10,10 @@ called). The public functions apply a ``torch.autograd.Function`` per op that re
 the operator past its autograd kernel: that costs the least host time per call in eager mode, where the operator's
 Python autograd kernel (like a ``torch.library.custom_op`` with registered autograd) hops between Python and the
 dispatcher on every call (``bench/bench_ops_host.py`` measures both side by side). First derivatives only. Value
-checks that need the data (expert-id range, offsets) run inside the real implementations, each as one
-device->host sync on a GPU; ``check=False`` skips them where the caller built the inputs itself.
+checks that need the data (expert-id range, offsets, and the index values of permute / unpermute, which the
+public functions check once per metadata) run inside the real implementations, each as one device->host sync on a
+GPU; ``check=False`` skips them where the caller built or checked the inputs itself (the public functions and the
+backward passes do).
 """
 
 from __future__ import annotations
@@ -54,7 +56,13 @@ from .permutation import (
     unpermute_ref,
     unpermute_triton,
 )
-from .routing import RoutingMetadata, check_routing_inputs, routing_metadata_ref, routing_metadata_triton
+from .routing import (
+    RoutingMetadata,
+    check_permutation_values,
+    check_routing_inputs,
+    routing_metadata_ref,
+    routing_metadata_triton,
+)
 
 __all__ = ["autocast_dtype", "autocast_matmul_inputs", "glu", "grouped_mm", "mlp_act", "permute", "routing_metadata",
            "swiglu", "unpermute"]
@@ -202,30 +210,33 @@ def routing_metadata(topk_ids_TK: Tensor, num_experts: int, *, check: bool = Tru
 
 # ---------------------------------------------------------------------------------------------------- permute
 
-def _permute_impl(x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor) -> Tensor:
+def _permute_impl(x_TD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, check: bool = True) -> Tensor:
+    if check:
+        check_permute_inputs(x_TD, src_idx_M, dst_idx_TK)
+        check_permutation_values(src_idx_M, dst_idx_TK)
     if use_triton(x_TD):
         return permute_triton(x_TD, src_idx_M, dst_idx_TK)
     return permute_ref(x_TD, src_idx_M, dst_idx_TK)
 
 
-def _permute_fake(x_TD, src_idx_M, dst_idx_TK):
+def _permute_fake(x_TD, src_idx_M, dst_idx_TK, check=True):
     check_permute_inputs(x_TD, src_idx_M, dst_idx_TK)
     return x_TD.new_empty(src_idx_M.shape[0], x_TD.shape[1])
 
 
-_PERMUTE = _operator("permute(Tensor x_TD, Tensor src_idx_M, Tensor dst_idx_TK) -> Tensor", _permute_impl,
-                     _permute_fake)
+_PERMUTE = _operator("permute(Tensor x_TD, Tensor src_idx_M, Tensor dst_idx_TK, bool check=True) -> Tensor",
+                     _permute_impl, _permute_fake)
 
 
 def _permute_setup(ctx, inputs, output):
-    _, src_idx_M, dst_idx_TK = inputs
+    _, src_idx_M, dst_idx_TK, _ = inputs
     ctx.save_for_backward(src_idx_M, dst_idx_TK)
 
 
 def _permute_backward(ctx, grad_MD: Tensor):
     src_idx_M, dst_idx_TK = ctx.saved_tensors
     # Each token's gradient is the sum of its K grouped rows: an unweighted unpermute (a gather, no atomics).
-    return _below_autograd(_UNPERMUTE, grad_MD.contiguous(), src_idx_M, dst_idx_TK, None), None, None
+    return _below_autograd(_UNPERMUTE, grad_MD.contiguous(), src_idx_M, dst_idx_TK, None, False), None, None, None
 
 
 def permute(x_TD: Tensor, meta: RoutingMetadata) -> Tensor:
@@ -240,45 +251,52 @@ def permute(x_TD: Tensor, meta: RoutingMetadata) -> Tensor:
         x_MD [M, D] in x's dtype; differentiable w.r.t. x.
     """
     _check_meta(meta)
-    return _apply(_Permute, _PERMUTE, x_TD, meta.src_idx_M, meta.dst_idx_TK)
+    return _apply(_Permute, _PERMUTE, x_TD, meta.src_idx_M, meta.dst_idx_TK, False)
 
 
 # ---------------------------------------------------------------------------------------------------- unpermute
 
-def _unpermute_impl(y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_weights_TK: Tensor | None) -> Tensor:
+def _unpermute_impl(y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor, topk_weights_TK: Tensor | None,
+                    check: bool = True) -> Tensor:
+    if check:
+        check_unpermute_inputs(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
+        check_permutation_values(src_idx_M, dst_idx_TK)
     if use_triton(y_MD):
         return unpermute_triton(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
     return unpermute_ref(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
 
 
-def _unpermute_fake(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK):
+def _unpermute_fake(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK, check=True):
     check_unpermute_inputs(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
     return y_MD.new_empty(dst_idx_TK.shape[0], y_MD.shape[1])
 
 
 def _unpermute_bwd_impl(grad_TD: Tensor, y_MD: Tensor, src_idx_M: Tensor, dst_idx_TK: Tensor,
-                        topk_weights_TK: Tensor, need_dw: bool) -> tuple[Tensor, Tensor]:
+                        topk_weights_TK: Tensor, need_dw: bool, check: bool = True) -> tuple[Tensor, Tensor]:
+    if check:
+        check_unpermute_inputs(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
+        check_permutation_values(src_idx_M, dst_idx_TK)
     if use_triton(y_MD):
         return unpermute_bwd_triton(grad_TD, y_MD, src_idx_M, dst_idx_TK, topk_weights_TK, need_dw)
     return unpermute_bwd_ref(grad_TD, y_MD, src_idx_M, dst_idx_TK, topk_weights_TK, need_dw)
 
 
-def _unpermute_bwd_fake(grad_TD, y_MD, src_idx_M, dst_idx_TK, topk_weights_TK, need_dw):
+def _unpermute_bwd_fake(grad_TD, y_MD, src_idx_M, dst_idx_TK, topk_weights_TK, need_dw, check=True):
     check_unpermute_inputs(y_MD, src_idx_M, dst_idx_TK, topk_weights_TK)
     dw = topk_weights_TK.new_empty(dst_idx_TK.shape) if need_dw else topk_weights_TK.new_empty(0)
     return torch.empty_like(y_MD), dw
 
 
 _UNPERMUTE = _operator(
-    "unpermute(Tensor y_MD, Tensor src_idx_M, Tensor dst_idx_TK, Tensor? topk_weights_TK) -> Tensor",
+    "unpermute(Tensor y_MD, Tensor src_idx_M, Tensor dst_idx_TK, Tensor? topk_weights_TK, bool check=True) -> Tensor",
     _unpermute_impl, _unpermute_fake)
 _UNPERMUTE_BWD = _operator(
     "unpermute_bwd(Tensor grad_TD, Tensor y_MD, Tensor src_idx_M, Tensor dst_idx_TK, Tensor topk_weights_TK, "
-    "bool need_dw) -> (Tensor, Tensor)", _unpermute_bwd_impl, _unpermute_bwd_fake)
+    "bool need_dw, bool check=True) -> (Tensor, Tensor)", _unpermute_bwd_impl, _unpermute_bwd_fake)
 
 
 def _unpermute_setup(ctx, inputs, output):
-    y_MD, src_idx_M, dst_idx_TK, topk_weights_TK = inputs
+    y_MD, src_idx_M, dst_idx_TK, topk_weights_TK, _ = inputs
     ctx.has_weights = topk_weights_TK is not None
     ctx.need_dw = ctx.has_weights and ctx.needs_input_grad[3]
     # y is needed only for the weights' gradient.
@@ -289,11 +307,11 @@ def _unpermute_backward(ctx, grad_TD: Tensor):
     y_MD, src_idx_M, dst_idx_TK, topk_weights_TK = ctx.saved_tensors
     grad_TD = grad_TD.contiguous()
     if not ctx.has_weights:
-        return _below_autograd(_PERMUTE, grad_TD, src_idx_M, dst_idx_TK), None, None, None
+        return _below_autograd(_PERMUTE, grad_TD, src_idx_M, dst_idx_TK, False), None, None, None, None
     y_for_dw = y_MD if ctx.need_dw else grad_TD.new_empty(src_idx_M.shape[0], grad_TD.shape[1])
     dy_MD, dw_TK = _below_autograd(_UNPERMUTE_BWD, grad_TD, y_for_dw, src_idx_M, dst_idx_TK, topk_weights_TK,
-                                   ctx.need_dw)
-    return dy_MD, None, None, dw_TK if ctx.need_dw else None
+                                   ctx.need_dw, False)
+    return dy_MD, None, None, dw_TK if ctx.need_dw else None, None
 
 
 _Permute = _differentiable(_PERMUTE, _permute_setup, _permute_backward)
@@ -317,7 +335,7 @@ def unpermute(y_MD: Tensor, meta: RoutingMetadata, topk_weights_TK: Tensor) -> T
     """
     _check_meta(meta)
     check_tensor("topk_weights_TK", topk_weights_TK, dtypes=FLOAT_DTYPES)
-    return _apply(_Unpermute, _UNPERMUTE, y_MD, meta.src_idx_M, meta.dst_idx_TK, topk_weights_TK)
+    return _apply(_Unpermute, _UNPERMUTE, y_MD, meta.src_idx_M, meta.dst_idx_TK, topk_weights_TK, False)
 
 
 def _check_meta(meta: object) -> None:
@@ -340,19 +358,19 @@ def _grouped_mm_fake(x_MK, w_EKN, offsets_E, check):
     return x_MK.new_empty(x_MK.shape[0], w_EKN.shape[2])
 
 
-def _grouped_mm_dw_impl(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor) -> Tensor:
+def _grouped_mm_dw_impl(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, check: bool = True) -> Tensor:
     if use_triton(x_MK):
-        return grouped_mm_dw_triton(x_MK, dy_MN, offsets_E, check_values=False)
+        return grouped_mm_dw_triton(x_MK, dy_MN, offsets_E, check_values=check)
     return grouped_mm_dw_ref(x_MK, dy_MN, offsets_E)
 
 
-def _grouped_mm_dw_fake(x_MK, dy_MN, offsets_E):
+def _grouped_mm_dw_fake(x_MK, dy_MN, offsets_E, check=True):
     return x_MK.new_empty(offsets_E.shape[0], x_MK.shape[1], dy_MN.shape[1])
 
 
 _GROUPED_MM = _operator("grouped_mm(Tensor x_MK, Tensor w_EKN, Tensor offsets_E, bool check) -> Tensor",
                         _grouped_mm_impl, _grouped_mm_fake)
-_GROUPED_MM_DW = _operator("grouped_mm_dw(Tensor x_MK, Tensor dy_MN, Tensor offsets_E) -> Tensor",
+_GROUPED_MM_DW = _operator("grouped_mm_dw(Tensor x_MK, Tensor dy_MN, Tensor offsets_E, bool check=True) -> Tensor",
                            _grouped_mm_dw_impl, _grouped_mm_dw_fake)
 
 
@@ -369,7 +387,7 @@ def _grouped_mm_backward(ctx, grad_MN: Tensor):
         # The forward already checked the offsets; the transposed weights are a strided view, not a copy.
         dx = _below_autograd(_GROUPED_MM, grad_MN, w_EKN.transpose(1, 2), offsets_E, False)
     if ctx.needs_input_grad[1]:
-        dw = _below_autograd(_GROUPED_MM_DW, x_MK, grad_MN, offsets_E)
+        dw = _below_autograd(_GROUPED_MM_DW, x_MK, grad_MN, offsets_E, False)
     return dx, dw, None, None
 
 

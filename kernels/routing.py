@@ -109,27 +109,12 @@ class RoutingMetadata:
             ValueError naming the first inconsistent field, what was expected and what was given.
         """
         M = self.num_rows
-        src = self.src_idx_M.long()
-        dst = self.dst_idx_TK.reshape(-1).long()
-        zero = torch.zeros((), dtype=torch.long, device=src.device)
-        src_lo, src_hi = (torch.aminmax(src) if M else (zero, zero))
-        dst_lo, dst_hi = (torch.aminmax(dst) if M else (zero, zero))
-        # Inverse check on clamped indices, so an out-of-range value cannot fault here; it is reported above.
-        roundtrip = src[dst.clamp(0, max(M - 1, 0))] if M else src
-        mismatches = (roundtrip != torch.arange(M, device=src.device)).sum()
         counts = self.counts_E.long()
         bad_offsets = (self.offsets_E.long() != counts.cumsum(0)).sum()
-        stats = torch.stack([src_lo, src_hi, dst_lo, dst_hi, mismatches, counts.min(), counts.sum(), bad_offsets])
-        src_lo, src_hi, dst_lo, dst_hi, mismatches, counts_min, counts_sum, bad_offsets = stats.tolist()
-        if M and (src_lo < 0 or src_hi >= M):
-            raise ValueError(f"src_idx_M: expected indices in [0, {M}) (M = T*K rows), got values in "
-                             f"[{src_lo}, {src_hi}]")
-        if M and (dst_lo < 0 or dst_hi >= M):
-            raise ValueError(f"dst_idx_TK: expected indices in [0, {M}) (M = T*K rows), got values in "
-                             f"[{dst_lo}, {dst_hi}]")
-        if mismatches:
-            raise ValueError(f"dst_idx_TK: expected the inverse permutation of src_idx_M "
-                             f"(src_idx_M[dst_idx_TK[t, k]] == t*K + k), got {mismatches} of {M} rows that differ")
+        stats = torch.stack([*_permutation_stats(self.src_idx_M, self.dst_idx_TK), counts.min(), counts.sum(),
+                             bad_offsets]).tolist()
+        _raise_permutation(M, *stats[:5])
+        counts_min, counts_sum, bad_offsets = stats[5:]
         if counts_min < 0 or counts_sum != M:
             raise ValueError(f"counts_E: expected non-negative counts summing to M = {M}, got min {counts_min}, "
                              f"sum {counts_sum}")
@@ -266,3 +251,40 @@ def routing_metadata_triton(
     _scatter_kernel[(num_blocks,)](topk_ids_TK, base_EB, src_idx_M, dst_idx_TK, M, E, num_blocks,
                                    BLOCK_M=block_m, BLOCK_E=block_e)
     return counts_E, offsets_E, src_idx_M, dst_idx_TK
+
+
+def _permutation_stats(src_idx_M: torch.Tensor, dst_idx_TK: torch.Tensor) -> list[torch.Tensor]:
+    """0-d tensors (no sync): the ranges of src_idx_M and dst_idx_TK, and how many rows break the inverse
+    relation src_idx_M[dst_idx_TK[t, k]] == t*K + k (checked on clamped indices, so an out-of-range value cannot
+    fault here)."""
+    M = src_idx_M.numel()
+    src = src_idx_M.long()
+    dst = dst_idx_TK.reshape(-1).long()
+    zero = torch.zeros((), dtype=torch.long, device=src.device)
+    src_lo, src_hi = (torch.aminmax(src) if M else (zero, zero))
+    dst_lo, dst_hi = (torch.aminmax(dst) if M and dst.numel() else (zero, zero))
+    roundtrip = src[dst.clamp(0, max(M - 1, 0))] if M else src
+    mismatches = (roundtrip != torch.arange(roundtrip.numel(), device=src.device)).sum() if M else zero
+    return [src_lo, src_hi, dst_lo, dst_hi, mismatches]
+
+
+def _raise_permutation(M: int, src_lo: int, src_hi: int, dst_lo: int, dst_hi: int, mismatches: int) -> None:
+    if M and (src_lo < 0 or src_hi >= M):
+        raise ValueError(f"src_idx_M: expected indices in [0, {M}) (M = T*K rows), got values in "
+                         f"[{src_lo}, {src_hi}]")
+    if M and (dst_lo < 0 or dst_hi >= M):
+        raise ValueError(f"dst_idx_TK: expected indices in [0, {M}) (M = T*K rows), got values in "
+                         f"[{dst_lo}, {dst_hi}]")
+    if mismatches:
+        raise ValueError(f"dst_idx_TK: expected the inverse permutation of src_idx_M "
+                         f"(src_idx_M[dst_idx_TK[t, k]] == t*K + k), got {mismatches} of {M} rows that differ")
+
+
+def check_permutation_values(src_idx_M: torch.Tensor, dst_idx_TK: torch.Tensor) -> None:
+    """src_idx_M and dst_idx_TK hold indices in [0, M) that are inverse permutations of each other (one
+    device->host sync on a GPU): what the permute and unpermute kernels index rows with.
+
+    Raises:
+        ValueError naming the first inconsistent tensor, what was expected and what was given.
+    """
+    _raise_permutation(src_idx_M.numel(), *torch.stack(_permutation_stats(src_idx_M, dst_idx_TK)).tolist())

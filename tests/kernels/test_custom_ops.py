@@ -63,6 +63,10 @@ def test_opcheck(impl, gen, kh):
         (torch.ops.feplb.grouped_mm.default, (x_MD, w1, meta.offsets_E, True)),
         (torch.ops.feplb.grouped_mm.default, (x_MD, w1, meta.offsets_E.long(), False)),
         (torch.ops.feplb.grouped_mm_dw.default, (x_MD.detach(), h.detach(), meta.offsets_E)),
+        (torch.ops.feplb.permute.default, (x, src, dst, False)),
+        (torch.ops.feplb.unpermute.default, (x_MD, src, dst, w, False)),
+        (torch.ops.feplb.unpermute_bwd.default, (grad, x_MD.detach(), src, dst, w.detach(), True, False)),
+        (torch.ops.feplb.grouped_mm_dw.default, (x_MD.detach(), h.detach(), meta.offsets_E, False)),
         (torch.ops.feplb.glu.default, (h, None)),
         (torch.ops.feplb.glu.default, (h, 0.5)),
         (torch.ops.feplb.glu.default, (h, None, "gelu_tanh")),
@@ -87,6 +91,48 @@ def test_opcheck(impl, gen, kh):
     with impl_context(impl):
         for op, args in cases:
             torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_operators_called_directly_check_their_index_values(impl, gen, kh):
+    """The operators called directly (an exported graph, a caller of torch.ops.feplb) check the index values they
+    read rows with, as the public ops check their metadata: an index out of range read out of bounds on the Triton
+    path (garbage, or a crash) and wrapped around on the twin (a negative one); offsets short of M dropped rows from
+    dW on the Triton path. Each is a ValueError naming the tensor, on every path."""
+    ids, E, x, w, w1, _ = _problem(gen, kh, device=_dev(impl))
+    meta = fk.routing_metadata(ids, E)
+    M, T = meta.num_rows, x.shape[0]
+    x_MD = fk.permute(x, meta).detach()
+    grad = torch.randn(x.shape, dtype=torch.float64, generator=gen).to(x.device)
+    h = torch.randn(M, 12, dtype=torch.float64, generator=gen).to(x.device)
+    x, w = x.detach(), w.detach()
+    pos = int(torch.randint(M, (1,), generator=gen))
+    for name, bad_value, match in (("src", -2, r"src_idx_M: expected indices in \[0, %d\)" % M),
+                                   ("src", 10**7, r"src_idx_M: expected indices in \[0, %d\)" % M),
+                                   ("dst", -1, r"dst_idx_TK: expected indices in \[0, %d\)" % M),
+                                   ("dst", M, r"dst_idx_TK: expected indices in \[0, %d\)" % M),
+                                   # in range, but not the inverse of the other
+                                   ("swap", None, "dst_idx_TK: expected the inverse permutation of src_idx_M")):
+        src, dst = meta.src_idx_M.clone(), meta.dst_idx_TK.clone()
+        if name == "src":
+            src[pos] = bad_value
+        elif name == "dst":
+            dst.view(-1)[pos] = bad_value
+        else:
+            src[[0, M - 1]] = src[[M - 1, 0]]
+        calls = {"permute": lambda s=src, d=dst: torch.ops.feplb.permute(x, s, d),
+                 "unpermute": lambda s=src, d=dst: torch.ops.feplb.unpermute(x_MD, s, d, w),
+                 "unpermute (no weights)": lambda s=src, d=dst: torch.ops.feplb.unpermute(x_MD, s, d, None),
+                 "unpermute_bwd": lambda s=src, d=dst: torch.ops.feplb.unpermute_bwd(grad, x_MD, s, d, w, True)}
+        with impl_context(impl):
+            for what, call in calls.items():
+                with pytest.raises(ValueError, match=match):
+                    call()
+                    pytest.fail(f"{what} {name}={bad_value}: no error")
+    offsets = meta.offsets_E.clamp(max=M - 1)   # (the last row in no group)
+    with impl_context(impl), pytest.raises(ValueError, match=f"last end offset to equal M = {M}, got {M - 1}"):
+        torch.ops.feplb.grouped_mm_dw(x_MD, h, offsets)
+    assert T * 2 == M
 
 
 def test_gradcheck_expert_block(gen, kh):
