@@ -145,9 +145,11 @@ def hidden_from_selective_checkpoint(fn: Callable) -> Callable:
     saved (torchtitan's saves every device-to-host copy, every other matrix product) hands the recompute the
     forward's result: the recompute must dispatch the forward's ops, in its order, and the control, which differs,
     must not take part; a policy saving every op would cache the communication's new buffers and then refuse their
-    writes. Where such a checkpoint's mode is active, ``fn`` runs outside every active dispatch mode (a tool's mode
-    entered around it misses ``fn``'s ops there); elsewhere the modes see it whole (CommDebugMode counts the
-    layer's collectives, a memory tracker its buffers)."""
+    writes. Where such a checkpoint's mode is active, and in a backward pass (torch's CommDebugMode fails on a
+    collective in a backward that recomputed a checkpoint, a KeyError in its module tracker, whatever module makes
+    the collective), ``fn`` runs outside every active dispatch mode (a tool's mode entered around it misses ``fn``'s
+    ops there); in a forward outside selective checkpointing the modes see it whole (CommDebugMode counts the
+    layer's forward collectives, a memory tracker its buffers)."""
 
     @functools.wraps(fn)
     def outside(*args, **kwargs):
@@ -158,9 +160,10 @@ def hidden_from_selective_checkpoint(fn: Callable) -> Callable:
 
 
 def outside_selective_checkpoint() -> contextlib.AbstractContextManager:
-    """A context outside the active dispatch modes where selective activation checkpointing's are among them, else
-    one that changes nothing. For a forward's own scratch work that writes in place into a tensor it just made (say,
-    weights joined and cast in one pass): a policy that saves every op caches the new tensor, and torch then refuses
+    """A context outside the active dispatch modes where selective activation checkpointing's are among them, or in
+    a backward pass (see :func:`hidden_from_selective_checkpoint`), else one that changes nothing. For a forward's
+    own scratch work that writes in place into a tensor it just made (say, weights joined and cast in one pass): a
+    policy that saves every op caches the new tensor, and torch then refuses
     the write ("Tensor cached during selective activation checkpoint has been mutated"). Hidden from the modes in
     the forward and in its recompute alike, the work is redone at the recompute, not saved."""
     from torch._C import _len_torch_dispatch_stack
@@ -169,6 +172,8 @@ def outside_selective_checkpoint() -> contextlib.AbstractContextManager:
 
     if not _len_torch_dispatch_stack():
         return contextlib.nullcontext()
+    if in_backward():
+        return _disable_current_modes()
     sac = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
     if any(isinstance(m, sac) for m in _get_current_dispatch_mode_stack()):
         return _disable_current_modes()

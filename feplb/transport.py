@@ -73,7 +73,7 @@ class Transport:
         The transports run hidden from selective activation checkpointing
         (``feplb.recompute.hidden_from_selective_checkpoint``): a transport, no part of the computation (the
         caller's autograd node is), whose staging writes into buffers it just made, which a policy saving every op
-        would cache and then refuse. Other dispatch modes see them.
+        would cache and then refuse. Other dispatch modes see them in a forward, none in a backward pass.
         """
         raise NotImplementedError
 

@@ -88,9 +88,9 @@ class CopyEngine:
 
         Blocking: on CUDA nothing in here waits for the device (no ``.item()``, blocking copy or synchronize), except
         when the inboxes grow. May be called from a worker thread; one exchange in flight per engine at a time.
-        Runs hidden from selective activation checkpointing (other dispatch modes see it): a transport, no part of
-        the computation (a policy saving views would cache one of an inbox, then refuse the engine's next write into
-        it).
+        Runs hidden from selective activation checkpointing (other dispatch modes see it in a forward, none in a
+        backward pass): a transport, no part of the computation (a policy saving views would cache one of an inbox,
+        then refuse the engine's next write into it).
         """
         if self._closed:
             raise RuntimeError(f"copy path ({op}): the {self.name} engine was closed")

@@ -6,13 +6,15 @@
 * A rank whose input needs no gradient while its peers' do: the backward collectives still run on every rank.
 * ``module.eval()`` forwards leave the policy history and the placement alone.
 * Routing from a router outside the layer (``layer(x, routing=(ids, weights))``) equals the layer's own.
-* torch's CommDebugMode counts the layer's collectives.
+* torch's CommDebugMode counts the layer's forward collectives, also beside activation checkpointing.
 * Misuse gives the same clear error on every rank, never a hang: a malformed input or routing on ONE rank, activation
   checkpointing around the layer, ``refresh_replicas()`` between a forward and its backward, and a restored
   policy state that differs across ranks.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -417,18 +419,34 @@ def _usage_worker(rank, world):
     res["fp64_weights"] = torch.equal(layer(x, routing=(ids, w64)), layer(x, routing=(ids, w64.float()))) and \
         not torch.equal(layer(x, routing=(ids, w64)), layer(x, routing=(ids, w64.to(torch.bfloat16))))
 
-    # torch's CommDebugMode around a training step counts the layer's collectives: the counts' all-gather and the
-    # rows' all-to-alls (dispatch and combine, and their backwards); the copy path runs beside, on its own thread
+    # torch's CommDebugMode around a training step counts the layer's forward collectives: the counts' all-gather
+    # and the rows' all-to-alls (dispatch and combine; the copy path runs beside, on its own thread). In a backward
+    # they run outside the modes: CommDebugMode's module tracker fails (KeyError) on any collective in a backward
+    # that recomputed a checkpoint, so a mode around the backward, or inside the checkpointed block, must still run.
     from torch.distributed.tensor.debug import CommDebugMode
 
     layer, router, w1, w2, xs = _layer(24, policy="feplb-split")
+    want = dense_moe_reference(xs[rank].double(), router.double(), w1.double(), w2.double(), K)
     x = xs[rank].clone().requires_grad_(True)
     with CommDebugMode() as cdm:
         y = layer(x)
         y.sum().backward()
+    grad = x.grad
     res["comm_debug"] = ({str(k): v for k, v in cdm.get_comm_counts().items()}, layer.last_stats.rows_moved,
-                         _close(y.detach(), dense_moe_reference(xs[rank].double(), router.double(), w1.double(),
-                                                                w2.double(), K)))
+                         _close(y.detach(), want))
+
+    def inside(t):
+        with CommDebugMode():
+            return layer(t)
+
+    for reentrant in (False, True):
+        for where in ("backward", "inside"):
+            x = xs[rank].clone().requires_grad_(True)
+            y = checkpoint(layer if where == "backward" else inside, x, use_reentrant=reentrant)
+            with CommDebugMode() if where == "backward" else contextlib.nullcontext():
+                err = error_of(lambda y=y: y.sum().backward())
+            res[f"comm_debug_{where}_{reentrant}"] = (err, err is None and torch.equal(x.grad, grad)
+                                                      and _close(y.detach(), want))
 
     # feplb.dropin.full_state_dict on layers built directly: every expert gathered, the rest (router) kept
     from feplb.dropin import full_state_dict
@@ -502,7 +520,11 @@ def test_layer_usage_and_misuse():
         assert res["state_mismatch"] and res["state_mismatch"].startswith("ValueError") and \
             "policy state" in res["state_mismatch"], res["state_mismatch"]
         counts, _, same = res["comm_debug"]
-        assert same and counts == {"c10d.allgather_": 1, "c10d.alltoall_base_": 4}, (rank, counts, same)
+        assert same and counts == {"c10d.allgather_": 1, "c10d.alltoall_base_": 2}, (rank, counts, same)
+        for reentrant in (False, True):
+            for where in ("backward", "inside"):
+                err, same = res[f"comm_debug_{where}_{reentrant}"]
+                assert err is None and same, (rank, where, reentrant, err)
         assert res["full_sd"], f"rank {rank}: full_state_dict of plain layers"
         deep, pickled, saved = res["copies"]
         assert deep is not None and "MoELayer cannot be deep-copied" in deep and "state_dict" in deep, deep
