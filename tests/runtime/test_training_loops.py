@@ -1523,22 +1523,38 @@ def test_the_scalers_whose_skips_the_layer_compares(case):
 
 
 def _sharded_scaler_worker(rank, world, case):
-    """FSDP's ShardedGradScaler (its own update and unscale), not attached, imported after the layer's first forward;
-    rank 0 alone overflows. "apart": each rank's scaler agrees its checks over a group of that rank alone, so rank 0
-    alone skips: refused at the next forward on every rank. "agreed": over the whole world, every rank skips and
-    halves its scale: runs. Returns (the step refused at or None, the error, the scale)."""
+    """FSDP's ShardedGradScaler (its own update and unscale), not attached, imported after the layer's first forward
+    (or, "late", made between the first step's forward and its backward: no forward comes between it and its first
+    update); rank 0 alone overflows. "apart": each rank's scaler agrees its checks over a group of that rank alone,
+    so rank 0 alone skips: refused at the next forward on every rank. "agreed": over the whole world, every rank
+    skips and halves its scale: runs. Returns (the step refused at or None, the error, the scale)."""
     import torch.distributed as dist
 
     m = _layer("none")
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     m(_x(rank, 9))
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
     singles = [dist.new_group([r]) for r in range(world)]
-    scaler = ShardedGradScaler("cpu", init_scale=256.0,
-                               process_group=singles[rank] if case == "apart" else dist.group.WORLD)
+
+    def make():
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler("cpu", init_scale=256.0,
+                                 process_group=dist.group.WORLD if case == "agreed" else singles[rank])
+
+    import sys
+
+    # (the late case tests a scaler whose class nothing wrapped before it was made)
+    assert case != "apart late" or "torch.distributed.fsdp.sharded_grad_scaler" not in sys.modules, \
+        "FSDP's scaler module is imported already: the late case would test nothing"
+    scaler = None if case == "apart late" else make()
     for step in range(3):
-        err = error_of(lambda step=step: scaler.scale((m(_x(rank, step)) ** 2).mean()).backward())
+        def step_loss(step=step):
+            nonlocal scaler
+            y = m(_x(rank, step))
+            scaler = scaler or make()
+            scaler.scale((y ** 2).mean()).backward()
+
+        err = error_of(step_loss)
         if err is not None:
             m.close()
             return step, err, scaler.get_scale()
@@ -1549,7 +1565,7 @@ def _sharded_scaler_worker(rank, world, case):
     return None, None, scaler.get_scale()
 
 
-@pytest.mark.parametrize("case", ["apart", "agreed"])
+@pytest.mark.parametrize("case", ["apart", "apart late", "agreed"])
 def test_a_sharded_grad_scaler_skipping_apart_is_refused(case):
     res = run_dist(_sharded_scaler_worker, W, case, timeout_s=120, collective_timeout_s=60)
     for rank, (step, err, scale) in enumerate(res):
