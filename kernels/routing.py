@@ -42,7 +42,8 @@ class RoutingMetadata:
             :func:`feplb.kernels.permute` and :func:`feplb.kernels.unpermute` call :meth:`validate` on metadata
             with ``checked=False`` (a hand-built or edited one) before any kernel reads its indices, and, in eager
             mode, on checked metadata whose index tensors were since changed in place (their version counters
-            moved; not tracked for metadata built under ``torch.compile`` or of inference tensors).
+            moved; not tracked for metadata built under ``torch.compile`` or of inference tensors, nor for writes
+            through ``.data``, which torch does not count: call :meth:`validate` after such an edit).
 
     ``__post_init__`` checks types, dtypes, shapes, devices and sizes only (no device sync).
     """
