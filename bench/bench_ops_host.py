@@ -55,7 +55,7 @@ def _baseline_ops():
             # as the former registration did: dX through the custom op itself
             x, w, offsets = ctx.saved_tensors
             dx = gm(grad_MN, w.transpose(1, 2), offsets, False) if ctx.needs_input_grad[0] else None
-            dw = ops._GROUPED_MM_DW(x, grad_MN, offsets) if ctx.needs_input_grad[1] else None
+            dw = ops._GROUPED_MM_DW(x, grad_MN, offsets, False) if ctx.needs_input_grad[1] else None
             return dx, dw, None, None
 
         gm.register_autograd(gm_backward, setup_context=ops._grouped_mm_setup)
