@@ -295,9 +295,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
                          "each group's parameters yourself")
     # (its arguments agreed in the handshake: another norm_type on one rank would reduce with another op and size,
     # the ranks' collectives mismatched; another max_norm scale every gradient there by another factor, the
-    # replicated parameters drifting apart silently)
+    # replicated parameters drifting apart silently; so would another part of the model on one rank, its FEPLB
+    # layers or its parameters: a rank clipping one layer where the others clip the model)
     with handshaken(moes, ENTRY_CLIP, force=True,   # (its norm's all-reduce is collective under any policy)
-                    args=(float(max_norm), float(norm_type), bool(error_if_nonfinite))):
+                    args=(float(max_norm), float(norm_type), bool(error_if_nonfinite),
+                          tuple(m.layer_id for m in moes), sum(1 for _ in model.parameters()))):
         return _clip_grad_norm(model, moes, max_norm, norm_type, error_if_nonfinite)
 
 

@@ -103,7 +103,8 @@ ENTRY_STEP, ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_SCALER
 # of them; 0 for the other calls): a rank passing others would compute apart silently, or run other collectives
 ENTRY_ARGS = {ENTRY_AVERAGE: "average_expert_grads()'s arguments (divide, the data_parallel_group's size, whether "
                             "the layers met that group before)",
-              ENTRY_CLIP: "clip_grad_norm_'s arguments (max_norm, norm_type, error_if_nonfinite)"}
+              ENTRY_CLIP: "clip_grad_norm_'s arguments (max_norm, norm_type, error_if_nonfinite, and the part of "
+                          "the model: its FEPLB layers and how many parameters it has)"}
 # bits of a step row's PROBLEM
 STEP_PROBLEM_UNATTACHED_SCALER = 1
 STEP_PROBLEM_NOT_AVERAGED = 2

@@ -656,6 +656,20 @@ def _clip_args_worker(rank, world):
     res["norm"] = float(feplb.clip_grad_norm_(layer, 0.01))
     res["router_grad"] = layer.router.weight.grad.clone()
     layer.close()
+    # another part of the model on one rank: rank 2 clips one of two layers where the others clip both (its norm
+    # then counted only that layer's gradients, and the other layer's stayed unclipped there, silently; under
+    # per-step copies the norms' collectives differed in size, and gloo aborted rank 2's process)
+    for policy, weights in (("feplb-split", "per-microbatch"), ("feplb-split@ema", "per-step")):
+        model = torch.nn.Sequential(_layer(policy, weights=weights), _layer(policy, weights=weights))
+        model(_x(rank, 2)).sum().backward()
+        for m in model:
+            dist.all_reduce(m.router.weight.grad)
+        before = [p.grad.clone() for p in model.parameters()]
+        res["part", policy] = error_of(lambda m=model: feplb.clip_grad_norm_(m[0] if rank == 2 else m, 0.01))
+        res["part", policy, "kept"] = all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before,
+                                                                              strict=True))
+        for m in model:
+            m.close()
     return res
 
 
@@ -667,6 +681,11 @@ def test_clip_arguments_differing_on_one_rank():
                 r[case] and "differs across ranks" in r[case], (rank, case, r[case])
             assert r[case + "_kept"], (rank, case)
         assert r["norm"] == res[0]["norm"] and torch.equal(r["router_grad"], res[0]["router_grad"]), rank
+        for policy in ("feplb-split", "feplb-split@ema"):
+            err = r["part", policy]
+            assert err is not None and err.startswith("ValueError") and "the part of the model" in err and \
+                "[[0, 1, 3], [2]]" in err, (rank, policy, err)
+            assert r["part", policy, "kept"], (rank, policy)
 
 
 def _average_args_worker(rank, world):
