@@ -278,6 +278,19 @@ def collective_check(fn, *args, **kwargs):
 # Data: bytes of real text, one contiguous slice per rank, B parallel streams per slice
 
 
+def _read_up_to(f, n: int) -> bytes:
+    """Up to ``n`` bytes of ``f``, read in 16 MiB pieces: ``f.read(n)`` reserves all n bytes first, so a huge
+    --text-bytes failed with a MemoryError however small the files."""
+    parts, left = [], n
+    while left > 0:
+        part = f.read(min(left, 1 << 24))
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
 def read_corpus(text: Path | None, budget: int) -> tuple[bytes, str]:
     """Read up to ``budget`` bytes of text, in a deterministic order; returns the bytes and a description."""
     if text is None:
@@ -292,7 +305,7 @@ def read_corpus(text: Path | None, budget: int) -> tuple[bytes, str]:
     try:
         if root.is_file():
             with open(root, "rb") as f:
-                chunks.append(f.read(budget))
+                chunks.append(_read_up_to(f, budget))
             total = len(chunks[0])
         else:
             for dirpath, dirnames, filenames in os.walk(root):
@@ -305,7 +318,7 @@ def read_corpus(text: Path | None, budget: int) -> tuple[bytes, str]:
                     if not path.is_file():
                         continue
                     with open(path, "rb") as f:
-                        data = f.read(budget - total)
+                        data = _read_up_to(f, budget - total)
                     chunks.append(data)
                     total += len(data)
                     if total >= budget:
