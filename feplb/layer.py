@@ -948,11 +948,13 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                                        | autocast_code(autocast_dtype(self._device.type)) << AUTOCAST_SHIFT,
                                        self._slow_digest(),
                                        skipped,
-                                       int(self._grads_dropped()), self._frozen_code(), int(needs)],
+                                       int(self._grads_dropped()), self._frozen_code(), int(needs),
+                                       # (its per-layer calls after the backward handshake again, and the calls
+                                       # made since, compared: training.handshaken)
+                                       forward_began(self.group)],
                                       dtype=torch.int64),
                          row[3:],
                          row.new_zeros(_COUNTS_WIDTH[self._counts_key] - E)])
-        forward_began(self.group)     # (its per-layer calls after the backward handshake again: training.handshaken)
         gathered = self.control.all_gather(row, "all_gather of expert counts")
         if problem is not None:
             raise problem[0](problem[1])

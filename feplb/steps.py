@@ -80,8 +80,8 @@ class NonFiniteRoutingError(ValueError):
 
 # The counts all-gather's row (int64): a header of fixed width, then the counts, padded to the width every layer of
 # the group shares (layers of different E may meet in one all-gather when ranks run different layers)
-HEADER = ("flags", "stale", "problem", "layer", "calls", "digest", "skips", "dropped", "frozen", "needs")
-FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, SKIPS, DROPPED, FROZEN, NEEDS = range(len(HEADER))
+HEADER = ("flags", "stale", "problem", "layer", "calls", "digest", "skips", "dropped", "frozen", "needs", "rounds")
+FLAGS, STALE, PROBLEM, LAYER, CALLS, DIGEST, SKIPS, DROPPED, FROZEN, NEEDS, ROUNDS = range(len(HEADER))
 # The same row sent by a rank entering one of the calls that run collectives between a backward and the next forward
 # (``step_row``: an attached optimizer's step, reduce_replica_grads, refresh_replicas, average_expert_grads,
 # clip_grad_norm_, an attached GradScaler's unscale_ and step): its LAYER is negative, so that a rank that skipped
@@ -295,7 +295,8 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     the steps its process's GradScalers skipped (``feplb.training.scaler_skips``), whether it dropped the experts'
     gradients while per-step copies held theirs, a digest of which of its expert parameters require grad (0 where the
     layer keeps no per-step copies of other ranks' experts), whether its rows or expert parameters need grad (autograd
-    on; or-ed over the ranks: ``Counts.needs_grad``);
+    on; or-ed over the ranks: ``Counts.needs_grad``), a digest of the per-layer calls made over the group since its
+    last forward (``feplb.training.forward_began``: which call, for which layers; 0 for none);
     then the counts per flat slot), raising on every rank together when any rank reported a problem or the
     ranks run different layers, in different modes, from different histories, after GradScalers skipped different
     steps or with experts frozen apart. The header comes first, so the layer numbers are read alike
@@ -341,6 +342,16 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             f"{dict(zip(ranks.tolist(), [n.replace('None', 'off') for n in names], strict=True))}): a row balancing "
             "moves to another rank would be computed under that rank's autocast, not its own. Run the forward under "
             "the same torch.autocast (device type and dtype) on every rank")
+    rounds = gathered[ranks, ROUNDS]
+    if (rounds != rounds[0]).any():
+        raise RuntimeError(
+            f"MoELayer: the EP ranks made different per-layer calls (reduce_replica_grads, refresh_replicas, "
+            f"average_expert_grads) since the group's last forward: EP ranks grouped by the calls and layers: "
+            f"{_ranks_by(rounds)}. Each handshakes once per round, so a rank that left out a layer (average_expert_"
+            "grads of one layer of two, say) went unseen there, and its experts' gradients or copies now differ from "
+            "the others' (a rank dividing one layer's gradients alone steps them at another scale): call them for "
+            "every layer on every rank alike. The ranks' experts may already differ: this step is refused on every "
+            "rank; resume from a checkpoint")
     skips = gathered[ranks, SKIPS]
     if (skips != skips[0]).any():
         raise RuntimeError(
@@ -415,7 +426,7 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
 # header columns that are 0 on every rank, and columns equal on every rank, when nothing is wrong (read_counts; and
 # FROZEN equal over the ranks that share per-step copies: _frozen_apart)
 _ZERO_COLS = [FLAGS, STALE, PROBLEM, DROPPED]
-_EQUAL_COLS = [LAYER, CALLS, DIGEST, SKIPS]
+_EQUAL_COLS = [LAYER, CALLS, DIGEST, SKIPS, ROUNDS]
 
 
 def _counts(gathered: np.ndarray, slots_WS: np.ndarray, W: int, L: int, *, balance: bool,

@@ -335,11 +335,18 @@ _CALLS = threading.local()
 # {id(group): {entry: the numbers (layer_id) of the layers that called it in this round}}
 _PER_LAYER = (ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE)
 _SINCE_FORWARD: dict[int, dict[int, set[int]]] = {}
+# {id(group): {(entry, layer_id) of every per-layer call made over the group since its last forward}}
+_ROUND_CALLS: dict[int, set[tuple[int, int]]] = {}
 
 
-def forward_began(group: Any) -> None:
-    """A forward of a layer over ``group`` began (its counts all-gather): its per-layer calls handshake again."""
+def forward_began(group: Any) -> int:
+    """A forward of a layer over ``group`` began (its counts all-gather): its per-layer calls handshake again.
+    Returns the digest of the per-layer calls made over the group since its last forward (which call, for which
+    layers; 0 for none), which that all-gather compares: each handshakes once per round, so a rank leaving out a
+    layer's call is seen there only."""
     _SINCE_FORWARD.pop(id(group), None)
+    calls = _ROUND_CALLS.pop(id(group), None)
+    return args_digest(tuple(sorted(calls))) if calls else 0
 
 
 @contextlib.contextmanager
@@ -358,9 +365,9 @@ def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
     (the others wait in its exchanges), ranks outside the group (EP x DP's data-parallel peers), or layers over
     different groups: there the ranks may still wait until the process group's timeout. ``args``: the call's
     arguments every rank must pass alike (``feplb.steps.ENTRY_ARGS``), refused on every rank where they differ."""
+    groups = []
     if getattr(_CALLS, "depth", 0) == 0:
         settle_abandoned()   # (a backward that raised may have left exchanges on copy threads: they end first)
-        groups = []
         mine = {x.layer_id for x in layers}   # (agreed over the group, never reused: an id() would be)
         for lay in layers:
             if lay.world_size > 1 and (force or lay._step_collective()) and not any(lay.group is g for g in groups):
@@ -369,11 +376,31 @@ def handshaken(layers: list[TrainingSteps], entry: int, *, force: bool = False,
                 if entry in _PER_LAYER and callers and not callers & mine:
                     callers |= mine
                     continue    # (this call of another layer of the group handshook since its last forward)
-                lay._step_handshake(entry, problem, args_digest(args) if args else 0)
+                try:
+                    lay._step_handshake(entry, problem, args_digest(args) if args else 0)
+                except BaseException:
+                    _forget_round(groups)   # (refused on every rank together: the round starts again)
+                    raise
                 callers.clear()
                 callers |= mine
-    with _inside():
-        yield
+    try:
+        with _inside():
+            yield
+    except BaseException:
+        _forget_round(groups)
+        raise
+    if entry in _PER_LAYER:
+        # (the next forward compares these: forward_began)
+        for g in groups:
+            _ROUND_CALLS.setdefault(id(g), set()).update((entry, x.layer_id) for x in layers if x.group is g)
+
+
+def _forget_round(groups: list) -> None:
+    """A per-step call over ``groups`` raised: the calls made since their last forward are no longer compared (a
+    refusal raises on every rank together; a call raising on some ranks only is refused at the next forward by
+    what it left undone)."""
+    for g in groups:
+        _ROUND_CALLS.pop(id(g), None)
 
 
 def average_args(layers: list[TrainingSteps], data_parallel_group: dist.ProcessGroup | None,

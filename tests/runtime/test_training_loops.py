@@ -721,6 +721,38 @@ def _average_args_worker(rank, world):
     return res
 
 
+def _average_some_layers_worker(rank, world, policy, weights):
+    """Two layers over one group; rank 1 averages the first layer's expert gradients only, the others both. Each
+    per-layer call handshakes once per round, so that went unseen there; the step's gradients then differ in scale on
+    rank 1 (4x in the second layer), and the next forward must refuse on every rank (it trained on silently). The
+    same loop with every rank averaging both runs."""
+    model = torch.nn.Sequential(_layer(policy, weights=weights), _layer(policy, weights=weights))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    res = {}
+    for case in ("all", "one left out"):
+        model(_x(rank, 0)).sum().backward()
+        for m in model if case == "all" or rank != 1 else model[:1]:
+            m.average_expert_grads()
+        opt.step()
+        opt.zero_grad()
+        for m in model:
+            m.refresh_replicas()
+        res[case] = error_of(lambda: model(_x(rank, 1)))
+    for m in model:
+        m.close()
+    return res
+
+
+@pytest.mark.parametrize("policy,weights", [("none", "per-step"), ("feplb-split", "per-microbatch")])
+def test_a_layer_left_out_of_average_expert_grads_on_one_rank_is_refused(policy, weights):
+    res = run_dist(_average_some_layers_worker, W, policy, weights, timeout_s=180, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        assert r["all"] is None, (rank, r["all"])
+        err = r["one left out"]
+        assert err is not None and err.startswith("RuntimeError") and "made different per-layer calls" in err and \
+            "[[0, 2, 3], [1]]" in err, (rank, err)
+
+
 def test_average_arguments_differing_on_one_rank():
     res = run_dist(_average_args_worker, W, timeout_s=180, collective_timeout_s=60)
     for rank, r in enumerate(res):
