@@ -440,6 +440,22 @@ def _against_fp64(model: torch.nn.Module, src64: torch.nn.Module | None, ids: to
     return bad, by64
 
 
+_OURS = "[feplb] "
+
+
+def _raised_in_feplb(e: BaseException) -> bool:
+    """Whether feplb's own code (other than this module's tiny-model recipe) was on the stack where ``e`` was
+    raised."""
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    tb = e.__traceback__
+    while tb is not None:
+        name = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if name.startswith(here) and name != os.path.abspath(__file__):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outcome:
     import feplb.hf as fh
 
@@ -453,10 +469,14 @@ def _check_one(arch: str, rank: int, world: int, group, overrides: dict) -> Outc
             want = _run(ref, ids, seed)
         built = f"{type(model).__name__}"
         err = ""
-    except Exception as e:  # the tiny-config recipe's limit: reported, never a FEPLB outcome
-        err = f"{type(e).__name__}: {_first_line(e)}"
+    except Exception as e:  # the tiny-config recipe's limit: reported, never a FEPLB outcome, unless FEPLB's own
+        # code raised it (finding the experts modules: feplb.hf._candidates): a defect, not a limit of the recipe
+        err = (_OURS if _raised_in_feplb(e) else "") + f"{type(e).__name__}: {_first_line(e)}"
     # Every rank goes on to the collective apply only if every rank built and ran its model.
     errs = [e for e in _agree(group, err) if e]
+    ours = [e for e in errs if e.startswith(_OURS)]
+    if ours:
+        return Outcome(arch, "error", ours[0].removeprefix(_OURS))
     if errs:
         # an architecture whose tiny models all built but none held experts (a dense model named on the command line)
         return Outcome(arch, "no experts" if errs[0].startswith("LookupError") and "holds no experts module"

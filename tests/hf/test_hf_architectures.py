@@ -213,6 +213,18 @@ def _defects(rank: int, world: int) -> dict:
         out["raising"] = hfcheck.check(["olmoe"])[0]
     finally:
         fh.FEPLBExperts.forward = original
+    # feplb's own code failing while the tiny model is built (its experts modules' detector, feplb.hf._candidates,
+    # failing in a helper it calls): an error, not a limit of the tiny-config recipe ("not built", which exits 0)
+    shared = fh._shared_stack
+
+    def failing(name, mod):
+        raise RuntimeError("a detector that fails")
+
+    fh._shared_stack = failing
+    try:
+        out["feplb_build"] = hfcheck.check(["mixtral"])[0]
+    finally:
+        fh._shared_stack = shared
     out["restored"] = hfcheck.check(["mixtral"])[0]
     out["slightly"] = [vars(o) for o in out["slightly"]]
     return {k: v if isinstance(v, list) else vars(v) for k, v in out.items()} | \
@@ -311,6 +323,8 @@ def test_the_check_reports_defects():
         want = "WRONG" if res["zero_experts_in_experts"] else "exact"
         assert res["zero_experts_lost"]["status"] == want, res["zero_experts_lost"]
         assert res["raising"]["status"] == "error" and "a forward that fails" in res["raising"]["detail"], res
+        assert res["feplb_build"]["status"] == "error" and "a detector that fails" in res["feplb_build"]["detail"], \
+            res["feplb_build"]
         assert res["restored"]["status"] == "exact", res["restored"]
 
 
