@@ -18,7 +18,6 @@ import bisect
 import contextlib
 import dataclasses
 import functools
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -241,11 +240,6 @@ _SCALER_SKIPS: dict[torch.device, torch.Tensor] = {}
 
 def scaler_skips(device: torch.device) -> torch.Tensor | None:
     """int64 [1] on ``device``: the steps this process's GradScalers skipped so far (None: none counted)."""
-    if _SHARDED_SCALER_MODULE in sys.modules:
-        # FSDP's ShardedGradScaler, its own update and unscale: wrapped as one is made (_wrapping_init), and here
-        # for one made before feplb was imported (importing its module here would load FSDP into every process
-        # that imports feplb, a second's cost)
-        _wrap_scaler_class(sys.modules[_SHARDED_SCALER_MODULE].ShardedGradScaler)
     if not _SCALER_SKIPS:
         return None
     # (a copy to the host waits for the device: a non-blocking one could be read before it lands)
@@ -304,27 +298,34 @@ def _wrap_scaler_class(cls: type) -> None:
         cls._unscale_grads_ = _versioned_unscale(unscale)
 
 
-def _wrapping_init(init: Callable) -> Callable:
-    """``GradScaler.__init__`` that first wraps the instance's classes defining their own ``update`` or
-    ``_unscale_grads_`` (FSDP's ShardedGradScaler, whose ``__init__`` calls it; a subclass of the user's): made
-    whenever, before or after a forward, such a scaler's skips are counted."""
+def _wrapping(method: Callable) -> Callable:
+    """``GradScaler.__init__`` or ``__setstate__`` (unpickling) that first wraps the instance's classes defining their
+    own ``update`` or ``_unscale_grads_`` (FSDP's ShardedGradScaler, whose ``__init__`` calls GradScaler's; a
+    subclass of the user's), however late their module was imported: every such scaler's skips are counted."""
 
-    @functools.wraps(init)
-    def wrapping(self: Any, *args: Any, **kwargs: Any) -> None:
+    @functools.wraps(method)
+    def wrapping(self: Any, *args: Any, **kwargs: Any) -> Any:
         for cls in type(self).__mro__:
             if cls is torch.amp.GradScaler:
                 break
             _wrap_scaler_class(cls)
-        init(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
 
     wrapping._feplb_wraps_subclasses = True   # type: ignore[attr-defined]
     return wrapping
 
 
-_SHARDED_SCALER_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
-_wrap_scaler_class(torch.amp.GradScaler)
-if not getattr(torch.amp.GradScaler.__init__, "_feplb_wraps_subclasses", False):
-    torch.amp.GradScaler.__init__ = _wrapping_init(torch.amp.GradScaler.__init__)
+# torch's GradScaler and the subclasses that exist already (a scaler made before feplb was imported); later ones as
+# their scalers are made or unpickled
+_SCALER_CLASSES = [torch.amp.GradScaler]
+while _SCALER_CLASSES:
+    _cls = _SCALER_CLASSES.pop()
+    _wrap_scaler_class(_cls)
+    _SCALER_CLASSES.extend(_cls.__subclasses__())
+for _name in ("__init__", "__setstate__"):
+    _method = torch.amp.GradScaler.__dict__.get(_name)
+    if callable(_method) and not getattr(_method, "_feplb_wraps_subclasses", False):
+        setattr(torch.amp.GradScaler, _name, _wrapping(_method))
 
 # How deep this thread is inside calls that run collectives between a backward and the next forward: only the
 # outermost one handshakes (a model's clip_grad_norm_ reduces every layer's replica gradients inside its own).
