@@ -163,9 +163,9 @@ def outside_selective_checkpoint() -> contextlib.AbstractContextManager:
     """A context outside the active dispatch modes where selective activation checkpointing's are among them, or in
     a backward pass (see :func:`hidden_from_selective_checkpoint`), else one that changes nothing. For a forward's
     own scratch work that writes in place into a tensor it just made (say, weights joined and cast in one pass): a
-    policy that saves every op caches the new tensor, and torch then refuses
-    the write ("Tensor cached during selective activation checkpoint has been mutated"). Hidden from the modes in
-    the forward and in its recompute alike, the work is redone at the recompute, not saved."""
+    policy that saves every op caches the new tensor, and torch then refuses the write ("Tensor cached during
+    selective activation checkpoint has been mutated"). Hidden from the modes in the forward and in its recompute
+    alike, the work is redone at the recompute, not saved."""
     from torch._C import _len_torch_dispatch_stack
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
     from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode

@@ -223,8 +223,8 @@ class PolicyState:
         resident = self.resident
         if plan is not None and self.reads_plans:
             self._check_plan(plan)
-        if plan is not None and plan.weight_copies and self.reads_plans:
-            resident = resident | {(e, dst) for e, _, dst in plan.weight_copies}
+            if plan.weight_copies:
+                resident = resident | {(e, dst) for e, _, dst in plan.weight_copies}
         new = _derive(self, step=step, ema_E=ema, resident=resident, last_weight_copies=(), last_migrations=())
         return new._refresh() if new.refreshed else new
 
