@@ -18,7 +18,6 @@ transparent huge pages) cuts that cost for both, and is recorded in the JSON.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -26,6 +25,7 @@ import time
 import pytest
 import torch
 
+from feplb.files import write_json
 from feplb.testing import run_dist
 
 WORLD = 4
@@ -91,9 +91,7 @@ def test_copy_cpu(benchmark):
             "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "")}
     if not benchmark.disabled:
-        os.makedirs("runs", exist_ok=True)
-        with open("runs/bench_copy_cpu.json", "w") as f:
-            json.dump(info, f, indent=1)
+        write_json("runs/bench_copy_cpu.json", info)
     benchmark.extra_info.update(info)
     print(f"\n[CPU] copy path exchange, {WORLD} processes as one node, per-peer block S, median over "
           f"{cfg['iters']} (max over ranks):")

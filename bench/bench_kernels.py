@@ -35,11 +35,11 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from feplb.files import write_json
 from feplb.kernels import HAVE_TRITON, INTERPRET
 from feplb.kernels.activation import glu_triton
 from feplb.kernels.grouped_gemm import grouped_mm_dw_ref, grouped_mm_dw_triton, grouped_mm_ref, grouped_mm_triton
@@ -332,7 +332,7 @@ def test_results_are_written_after_every_row(tmp_path, monkeypatch):
     doc = json.loads(out.read_text())
     assert [r["impl"] for r in doc["results"]] == ["copy", "permute"]
     assert {"device", "torch", "triton", "cuda", "command", "shape"} <= set(doc["meta"])
-    assert not out.with_suffix(".tmp").exists()
+    assert os.listdir(tmp_path) == ["kernels.json"]         # no temporary file left
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -429,8 +429,7 @@ RESULTS: list[dict] = []
 def record(row: dict) -> None:
     """Keep a result row and rewrite the JSON at once, so a run stopped at its time limit keeps what it measured."""
     RESULTS.append(row)
-    out = Path(os.environ.get("FEPLB_BENCH_KERNELS_JSON", "runs/bench_kernels.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = os.environ.get("FEPLB_BENCH_KERNELS_JSON", "runs/bench_kernels.json")
     import triton
 
     meta = {"device": torch.cuda.get_device_name() if CUDA else platform.processor() or platform.machine(),
@@ -438,9 +437,7 @@ def record(row: dict) -> None:
             "cuda": torch.version.cuda, "python": platform.python_version(), "command": " ".join(sys.argv),
             "shape": {"hidden": HIDDEN, "ffn": FFN, "local_experts": LOCAL_EXPERTS, "top_k": TOP_K,
                       "dtype": "bfloat16"}}
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
-    tmp.replace(out)
+    write_json(out, {"meta": meta, "results": RESULTS})
 
 
 # GPU sleep queued before each timed round (~2 ms on an H200's ~2 GHz clock): longer than the host needs to issue

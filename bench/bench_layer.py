@@ -51,7 +51,9 @@ The JSON states the conditions of the run: ``processes_per_gpu``, ``transport`` 
 setup, warm-up with the compiles, timed loops) and ``wall_s`` (the whole run, spawn included).
 
 Results go to ``runs/bench_layer_cpu.json``, or for the GPU tests to ``$FEPLB_BENCH_LAYER_JSON`` (default
-``runs/bench_layer_gpu.json``), and to ``benchmark.extra_info``:
+``runs/bench_layer_gpu.json``), each written whole after the run's checks with their outcome (``checks``:
+``"passed"`` or ``"failed: ..."``), and not at all under ``--benchmark-disable`` (the test suite's smoke runs); and
+to ``benchmark.extra_info``:
 ``.venv/bin/pytest bench/bench_layer.py -s -p no:randomly``. ``test_layer_cpu_trace`` (below) runs the layer on
 real routing.
 """
@@ -72,6 +74,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from feplb.files import write_json
 from feplb.testing import run_dist
 from feplb.transport import nvshmem_unavailable
 
@@ -601,7 +604,7 @@ def _conditions(setup: dict, out: dict) -> dict:
             "backend": c["backend"], "control": "gloo (feplb.control)", "timing": timing}
 
 
-def _report(benchmark, shape, setup, out, path, rel_tol: float, wall_s: float | None = None) -> dict:
+def _report(benchmark, shape, setup, out, rel_tol: float, wall_s: float | None = None) -> dict:
     res, even, scale = out["results"], out["balanced_routing"], out["scale"]
     none, bal = res["none"], res[BALANCED]
     device = "cpu" if setup["device"] == "cpu" else "gpu"
@@ -654,9 +657,6 @@ def _report(benchmark, shape, setup, out, path, rel_tol: float, wall_s: float | 
                                "and backward, the gloo-staged transport's own waits excluded (counted apart); "
                                "host_syncs_per_forward: the whole forward, the counts all-gather's own included",
             gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(info, indent=1))
     benchmark.extra_info.update(info)
     where = device.upper() if (cond["processes_per_gpu"] or 1) <= 1 else \
         f"GPU, {cond['processes_per_gpu']} processes on one GPU"
@@ -700,6 +700,25 @@ def _report(benchmark, shape, setup, out, path, rel_tol: float, wall_s: float | 
     return info
 
 
+def _write_checked(benchmark, path: str, info: dict, *checks) -> None:
+    """Run the checks, then write the JSON with their outcome (``checks``: ``"passed"``, or ``"failed: ..."`` and the
+    error, which is raised again): a run whose checks fail keeps its numbers, marked as such. Under
+    ``--benchmark-disable`` (the test suite's smoke runs) nothing is written, so a smoke run never replaces a
+    measurement's file."""
+    try:
+        for check in checks:
+            check()
+    except BaseException as e:
+        info["checks"] = f"failed: {type(e).__name__}: {e}"
+        raise
+    else:
+        info["checks"] = "passed"
+    finally:
+        benchmark.extra_info["checks"] = info.get("checks", "failed: not run")
+        if not benchmark.disabled:
+            write_json(path, info)
+
+
 def _torch_ep_exchange(setup: dict, cond: dict) -> str:
     """How TorchEP's rows travel in this run."""
     if "nccl" in cond["backend"]:
@@ -708,6 +727,29 @@ def _torch_ep_exchange(setup: dict, cond: dict) -> str:
         return "gloo all_to_all_single of CPU tensors"
     return ("gloo all_to_all_single of CUDA tensors, which gloo stages through host memory: not how FEPLB's rows "
             f"travel in this run (phase 1: {cond['phase1']}), so compare the two times with care")
+
+
+def test_write_checked_records_the_checks_outcome(tmp_path):
+    class Bench:                                            # what _write_checked reads of pytest-benchmark's fixture
+        def __init__(self, disabled):
+            self.disabled, self.extra_info = disabled, {}
+
+    def bad():
+        raise AssertionError("rows moved 0")
+
+    out = tmp_path / "runs" / "r.json"
+    _write_checked(Bench(False), str(out), {"ms": 1.0}, lambda: None)
+    assert json.loads(out.read_text()) == {"ms": 1.0, "checks": "passed"}
+    bench = Bench(False)
+    with pytest.raises(AssertionError, match="rows moved 0"):
+        _write_checked(bench, str(out), {"ms": 2.0}, lambda: None, bad, lambda: pytest.fail("ran after a failure"))
+    assert json.loads(out.read_text()) == {"ms": 2.0, "checks": "failed: AssertionError: rows moved 0"}
+    assert bench.extra_info == {"checks": "failed: AssertionError: rows moved 0"}
+    # a smoke run (--benchmark-disable) writes nothing, passed or failed
+    with pytest.raises(AssertionError):
+        _write_checked(Bench(True), str(tmp_path / "smoke.json"), {}, bad)
+    _write_checked(Bench(True), str(tmp_path / "smoke.json"), {}, lambda: None)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["r.json", "runs"]
 
 
 def _check(info: dict, rel_tol: float) -> None:
@@ -765,10 +807,10 @@ def _check_syncs(info: dict) -> None:
 def test_layer_cpu_gloo(benchmark):
     shape, setup = SHAPES["cpu"], _setup("cpu")
     out = run_dist(_bench_worker, shape["world"], shape, setup, timeout_s=600)[0]
-    info = _report(benchmark, shape, setup, out, "runs/bench_layer_cpu.json", rel_tol=1e-5)
+    info = _report(benchmark, shape, setup, out, rel_tol=1e-5)
     # The timing itself is in extra_info; the fixture records the (cheap) report call so the JSON has an entry.
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    _check(info, rel_tol=1e-5)
+    _write_checked(benchmark, "runs/bench_layer_cpu.json", info, lambda: _check(info, rel_tol=1e-5))
 
 
 # bf16: a row computed on another GPU, or in a group of another size, may round differently (other tile shapes).
@@ -786,11 +828,10 @@ def test_layer_gpu_nccl(benchmark):
     setup = _setup("cuda", processes_per_gpu=1)
     t0 = time.perf_counter()
     out = run_dist(_bench_worker, shape["world"], shape, setup, timeout_s=600, backend="nccl", env=_gpu_env(setup))[0]
-    info = _report(benchmark, shape, setup, out, os.environ.get("FEPLB_BENCH_LAYER_JSON", "runs/bench_layer_gpu.json"),
-                   GPU_REL_TOL, time.perf_counter() - t0)
+    info = _report(benchmark, shape, setup, out, GPU_REL_TOL, time.perf_counter() - t0)
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    _check(info, rel_tol=GPU_REL_TOL)
-    _check_syncs(info)
+    _write_checked(benchmark, os.environ.get("FEPLB_BENCH_LAYER_JSON", "runs/bench_layer_gpu.json"), info,
+                   lambda: _check(info, rel_tol=GPU_REL_TOL), lambda: _check_syncs(info))
 
 
 @pytest.mark.gpu
@@ -809,12 +850,15 @@ def test_layer_gpu_shared(benchmark):
     # gloo's collective timeout outlasts a peer's first-call compiles; the run's limit stops a hang with an error.
     out = run_dist(_bench_worker, shape["world"], shape, setup, timeout_s=60, collective_timeout_s=45,
                    env=_gpu_env(setup))[0]
-    info = _report(benchmark, shape, setup, out, os.environ.get("FEPLB_BENCH_LAYER_JSON", "runs/bench_layer_gpu.json"),
-                   GPU_REL_TOL, time.perf_counter() - t0)
+    info = _report(benchmark, shape, setup, out, GPU_REL_TOL, time.perf_counter() - t0)
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    assert (info["processes_per_gpu"], info["transport"], info["copy_path"]) == (2, setup["transport"], "ipc"), info
-    _check(info, rel_tol=GPU_REL_TOL)
-    _check_syncs(info)
+
+    def conditions():
+        assert (info["processes_per_gpu"], info["transport"], info["copy_path"]) == (2, setup["transport"], "ipc"), \
+            info
+
+    _write_checked(benchmark, os.environ.get("FEPLB_BENCH_LAYER_JSON", "runs/bench_layer_gpu.json"), info,
+                   conditions, lambda: _check(info, rel_tol=GPU_REL_TOL), lambda: _check_syncs(info))
 
 
 def _torch_ep_worker(rank, world, seed):
@@ -951,7 +995,6 @@ def _join_ranks(per_rank: list[dict], key) -> dict:
 def test_layer_cpu_trace(benchmark):
     """The MoE layer itself (not the simulator) on real routing: ESFT trace ids fed to ``layer(x, routing=...)`` on
     4 gloo ranks (2 nodes x 2); token stragglers are device-independent, the outputs equal plain EP's."""
-    from pathlib import Path
 
     root = Path(os.environ.get("FEPLB_TRACES", Path(__file__).resolve().parents[2] / "shared" / "routing_traces"))
     path = root / "esft_deepseek_v2_lite" / "esft_vanilla_lite_law.npz"
@@ -971,9 +1014,6 @@ def test_layer_cpu_trace(benchmark):
     info = {"trace": str(path), "shape": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
             "results": table, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
             "command": "pytest bench/bench_layer.py -s -p no:randomly -k trace"}
-    os.makedirs("runs", exist_ok=True)
-    with open("runs/bench_layer_trace_cpu.json", "w") as f:
-        json.dump(info, f, indent=1)
     benchmark.extra_info.update(info)
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     print(f"\nMoELayer on real routing (ESFT law, layers {list(s['layers'])}, EP {s['world']} as "
@@ -983,6 +1023,10 @@ def test_layer_cpu_trace(benchmark):
         print(f"  {policy:20s} token straggler {r['token_straggler_before']:7.1f} -> {r['token_straggler_after']:7.1f} "
               f"({100 * r['reduction']:5.1f}% lower)  rows moved {r['rows_moved']:7.1f}  "
               f"max |out - plain EP| {r['max_abs_diff_vs_none']:.2e}")
-    for policy, r in table.items():
-        assert r["max_abs_diff_vs_none"] <= 1e-4, (policy, r)
-    assert table["feplb-split"]["token_straggler_after"] < table["feplb-split"]["token_straggler_before"]
+
+    def check():
+        for policy, r in table.items():
+            assert r["max_abs_diff_vs_none"] <= 1e-4, (policy, r)
+        assert table["feplb-split"]["token_straggler_after"] < table["feplb-split"]["token_straggler_before"]
+
+    _write_checked(benchmark, "runs/bench_layer_trace_cpu.json", info, check)

@@ -19,7 +19,6 @@ with ``--benchmark-disable``, as in CI).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -27,6 +26,7 @@ import time
 import pytest
 import torch
 
+from feplb.files import write_json
 from feplb.kernels import grouped_mm, ops, swiglu
 
 CALLS = 2000
@@ -146,9 +146,7 @@ def test_ops_host_time(benchmark, device):
             "rounds": rounds, "us_per_call": results}
     benchmark.extra_info.update(info)
     if not benchmark.disabled:
-        os.makedirs("runs", exist_ok=True)
-        with open(f"runs/bench_ops_host_{dev.type}.json", "w") as f:
-            json.dump(info, f, indent=1)
+        write_json(f"runs/bench_ops_host_{dev.type}.json", info)
     label = "GPU (host issue)" if dev.type == "cuda" else "CPU"
     print(f"\n[{label}] host us per call, fastest of {rounds} rounds of {calls} calls, 8 rows:")
     for op, modes in results.items():

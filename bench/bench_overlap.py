@@ -46,7 +46,6 @@ nothing.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -60,6 +59,7 @@ import numpy as np
 import pytest
 import torch
 
+from feplb.files import write_json
 from feplb.sched import CostModel, PolicyState, Topology, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -363,9 +363,7 @@ def test_overlap_gpu(benchmark):
             "command": " ".join(sys.argv), "trace": str(path), "layer": w["layer"], "gpu": w["gpu"],
             "static_rows": w["static_rows"], "copy_bytes": w["copy_bytes"], "rows_out": w["rows_out"],
             "weights_out": w["weights_out"], "loads_before": w["loads_before"], "loads_after": w["loads_after"]}
-    out = Path(os.environ.get("FEPLB_BENCH_OVERLAP_JSON", "runs/bench_overlap.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(info, indent=1))
+    write_json(os.environ.get("FEPLB_BENCH_OVERLAP_JSON", "runs/bench_overlap.json"), info)
     benchmark.extra_info.update(info)
     benchmark.pedantic(gemm, rounds=3, iterations=1)
     print(f"\n[GPU {info['device']}] static GEMM of GPU {w['gpu']} ({sum(w['static_rows'])} rows): {g:.3f} ms")

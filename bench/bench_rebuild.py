@@ -20,8 +20,6 @@ On a CPU the times are this CPU's and the shape is small; on a GPU one layer of 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import platform
 import time
 import weakref
@@ -30,6 +28,7 @@ import pytest
 import torch
 
 from feplb.experts import expert_mlp, rebuilt_in_backward
+from feplb.files import write_json
 
 ROUNDS = 5
 
@@ -104,9 +103,7 @@ def test_rebuild_cost(benchmark, device):
             "join_bytes": join_bytes, "rounds": rounds, "results": results}
     benchmark.extra_info.update(info)
     if not benchmark.disabled:
-        os.makedirs("runs", exist_ok=True)
-        with open(f"runs/bench_rebuild_{dev.type}.json", "w") as f:
-            json.dump(info, f, indent=1)
+        write_json(f"runs/bench_rebuild_{dev.type}.json", info)
     label = "GPU" if dev.type == "cuda" else "CPU"
     print(f"\n[{label}] experts L={L} H={H} F={F}, {M} rows, bf16; fastest of {rounds} rounds; w1|w3 "
           f"{join_bytes / 2 ** 20:.1f} MiB:")

@@ -64,6 +64,7 @@ import pytest
 import torch
 
 from feplb.experts import expert_mlp
+from feplb.files import write_json
 from feplb.sched import CostModel, Plan, PolicyState, Topology, make_plan
 from feplb.sched.metrics import gemm_straggler, token_straggler
 from feplb.simulate import SimConfig
@@ -404,13 +405,6 @@ def machine_info(device: str) -> dict:
             "timings": "GPU (CUDA events)" if device == "cuda" else "CPU wall clock, pure-torch twins: not GPU figures",
             "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
             "python": platform.python_version(), "command": " ".join(sys.argv)}
-
-
-def write_json(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(path)
 
 
 def run(workload, out: Path, *, device: str, dtype: torch.dtype, hidden: int, ffn: int, ranks: int = EP,

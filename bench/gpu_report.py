@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -568,7 +569,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_report: kept {kept}: the check's step files (steps.tsv, junit_*.xml) are not in {work}, so the "
               "report below cannot say what ran; pass --work with them to rebuild it", file=sys.stderr)
     else:
-        kept.write_text(json.dumps(report, indent=1))
+        # whole or not at all, without importing feplb (the report is made whatever state the package is in)
+        tmp = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(report, indent=1))
+            os.replace(tmp, kept)
+        finally:
+            tmp.unlink(missing_ok=True)
     print(render("steps", report["steps"]))
     print(render("targets (../shared/design/targets.md)", report["targets"]))
     verdicts = [r["verdict"] for r in (*report["steps"], *report["targets"])]

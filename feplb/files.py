@@ -4,12 +4,13 @@ killed outright may leave a hidden temporary file beside it, never a partial fil
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["write_outputs"]
+__all__ = ["write_json", "write_outputs"]
 
 
 def write_outputs(writers: list[tuple[Path, Callable[[str], None]]]) -> None:
@@ -31,3 +32,13 @@ def write_outputs(writers: list[tuple[Path, Callable[[str], None]]]) -> None:
     finally:
         for tmp, _ in tmps:
             Path(tmp).unlink(missing_ok=True)
+
+
+def write_json(path: str | os.PathLike, doc, *, indent: int | None = 1, allow_nan: bool = True) -> Path:
+    """Write ``doc`` as JSON to ``path`` (its folder made if missing), whole or not at all: a value JSON cannot hold
+    (an object; NaN or infinity with ``allow_nan=False``) raises before anything is written. Returns the path."""
+    out = Path(path)
+    text = json.dumps(doc, indent=indent, allow_nan=allow_nan)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_outputs([(out, lambda tmp: Path(tmp).write_text(text + "\n"))])
+    return out
