@@ -741,6 +741,12 @@ def params_per_rank(cfg: TrainConfig) -> int:
     return VOCAB * D + cfg.seq_len * D + D + cfg.layers * per_layer   # embedding, positions, final norm
 
 
+def activation_bytes_per_rank(cfg: TrainConfig) -> int:
+    """A lower bound of the bytes one training forward keeps for its backward on each rank: every block's input
+    [B, S, D] and the logits [B, S, V], in fp32 (attention, the experts' rows and the rest come on top)."""
+    return 4 * cfg.batch * cfg.seq_len * (cfg.layers * cfg.hidden + VOCAB)
+
+
 def memory_for_ranks(device: str, local_rank: int) -> tuple[int, str]:
     """(bytes, description) of the memory each rank of this machine can have at most: a GPU's, or the machine's
     physical memory shared by its ranks (torchrun's LOCAL_WORLD_SIZE)."""
@@ -754,9 +760,10 @@ def memory_for_ranks(device: str, local_rank: int) -> tuple[int, str]:
 
 
 def check_memory(cfg: TrainConfig, local_rank: int) -> None:
-    """Refuse a model whose fp32 parameters, gradients and AdamW's two states alone (a lower bound of what training
-    holds) exceed the memory a rank can have: a slip such as ``--hidden 6400000`` would otherwise be found by an
-    allocation failing (or the machine's OOM killer) only while the model is built."""
+    """Refuse a run whose fp32 parameters, gradients and AdamW's two states, with the activations a forward keeps
+    at the least (lower bounds of what training holds), exceed the memory a rank can have: a slip such as
+    ``--hidden 6400000`` or ``--batch 1000000`` would otherwise be found by an allocation failing (or the machine's
+    OOM killer) only while the model is built or in the first step."""
     n = params_per_rank(cfg)
     need = 16 * n   # 4 bytes each for the parameter, its gradient, and AdamW's exp_avg and exp_avg_sq
     limit, where = memory_for_ranks(cfg.device, local_rank)
@@ -765,6 +772,13 @@ def check_memory(cfg: TrainConfig, local_rank: int) -> None:
             f"--hidden {cfg.hidden} and --ffn {cfg.ffn} (--layers {cfg.layers}, --experts {cfg.experts}) make "
             f"{n:.3g} parameters per rank, which need at least {need / 2**30:.1f} GiB (fp32, with their gradients "
             f"and AdamW's two states), more than the limit of {where}; lower --hidden or --ffn")
+    act = activation_bytes_per_rank(cfg)
+    if need + act > limit:
+        raise UsageError(
+            f"--batch {cfg.batch} x --seq-len {cfg.seq_len} tokens per rank keep at least {act / 2**30:.1f} GiB of "
+            f"activations for the backward (each of the {cfg.layers} layers' input of --hidden {cfg.hidden} and the "
+            f"logits, fp32), which with the model's {need / 2**30:.1f} GiB is more than the limit of {where}; lower "
+            "--batch or --seq-len")
 
 
 def make_moe_config(cfg: TrainConfig, transport: str, plan_wait_ms: float | None,

@@ -308,44 +308,66 @@ def test_config_rejects_what_it_cannot_run(train_moe, change, message):
     assert train_moe.TrainConfig(**base).digest() != train_moe.TrainConfig(**{**base, "seed": 1}).digest()
 
 
-def _built_model_sizes(rank: int, world: int, change: dict) -> tuple[int, int]:
-    """(parameters this rank's model holds, bytes of its parameters, gradients and AdamW states after one step)."""
+def _built_model_sizes(rank: int, world: int, change: dict) -> tuple[int, int, int]:
+    """(parameters this rank's model holds, bytes of its parameters, gradients and AdamW states after one step,
+    bytes of the distinct storages the forward saved for the backward)."""
     train_moe = _load("train_moe")
     cfg = train_moe.TrainConfig(**{**_BASE, "world_size": world, **change})
     torch.manual_seed(cfg.seed)
     model = train_moe.MoETransformer(cfg, train_moe.make_moe_config(cfg, "torch", None), None)
     optimizer = train_moe.make_optimizer(model, cfg)
     ids_BS = torch.randint(0, train_moe.VOCAB, (cfg.batch, cfg.seq_len))
-    model(ids_BS).square().mean().backward()
+    saved: dict[tuple, int] = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            s = t.untyped_storage()
+            saved[(s.data_ptr(), s.nbytes())] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids_BS).square().mean()
+    loss.backward()
     optimizer.step()
     held = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
     held += [t for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
     for moe in model.moe_layers():
         moe.close()
-    return sum(p.numel() for p in model.parameters()), sum(t.numel() * t.element_size() for t in held)
+    return (sum(p.numel() for p in model.parameters()), sum(t.numel() * t.element_size() for t in held),
+            sum(saved.values()))
 
 
 @pytest.mark.dist
 def test_the_memory_check_counts_what_a_rank_holds(train_moe):
     """The check's parameter count is the built model's on each rank, and its bytes (a lower bound of training's)
-    what parameters, gradients and AdamW's states hold after a step; it refuses only above the limit."""
+    what parameters, gradients and AdamW's states hold after a step; its activation bytes are at most what a
+    forward saves for the backward; it refuses only above the limit, naming --batch when activations pass it."""
     from feplb.testing import run_dist
 
     rng = np.random.default_rng()
     change = {"hidden": 4 * int(rng.integers(4, 12)), "ffn": int(rng.integers(8, 40)),
-              "layers": int(rng.integers(1, 3)), "seq_len": int(rng.integers(4, 12))}
+              "layers": int(rng.integers(1, 3)), "seq_len": int(rng.integers(4, 12)), "batch": int(rng.integers(1, 4))}
     world = 2
     cfg = train_moe.TrainConfig(**{**_BASE, "world_size": world, **change})
     got = run_dist(_built_model_sizes, world, change)
     n = train_moe.params_per_rank(cfg)
     assert [g[0] for g in got] == [n] * world, (got, n)
     assert [g[1] for g in got] == [16 * n] * world, (got, n)
+    act = train_moe.activation_bytes_per_rank(cfg)
+    assert all(g[2] >= act for g in got), (got, act)
     limit, _ = train_moe.memory_for_ranks("cpu", 0)
     assert limit > 16 * n
     train_moe.check_memory(cfg, 0)
     big = dataclasses.replace(cfg, ffn=limit // (cfg.layers * cfg.experts // world * 3 * cfg.hidden * 16) + 1)
     with pytest.raises(train_moe.UsageError, match=rf"--ffn {big.ffn} .* more than the limit of"):
         train_moe.check_memory(big, 0)
+    tokens = (limit - 16 * n) // (4 * (cfg.layers * cfg.hidden + train_moe.VOCAB)) + 1
+    fits = dataclasses.replace(cfg, batch=(tokens - 1) // cfg.seq_len)
+    train_moe.check_memory(fits, 0)
+    many = dataclasses.replace(cfg, batch=-(-tokens // cfg.seq_len))
+    with pytest.raises(train_moe.UsageError, match=rf"--batch {many.batch} x --seq-len {cfg.seq_len} tokens per "
+                                                   r"rank .* more than the limit of .*; lower --batch or --seq-len"):
+        train_moe.check_memory(many, 0)
 
 
 @pytest.mark.parametrize("script", ["train_moe", "hf_moe", "hf_trainer"])
