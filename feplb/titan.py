@@ -198,6 +198,20 @@ class FEPLBRoutedExperts(MoELayer, _TitanModule):
         self.inner_experts.init_states(buffer_device=buffer_device)
         self.refresh_replicas()
 
+    def parallelize(self, parallel_dims) -> None:
+        """torchtitan's ``parallelize``: refused with its tensor or expert parallelism on (every rank parallelizes
+        alike, so every rank raises). FEPLB is the expert parallelism and takes each rank's own tokens; under TP
+        torchtitan gives the MoE the same tokens on every TP rank and sums the routed outputs over them."""
+        on = [f"{name}={getattr(parallel_dims, name, '?')}" for name in ("tp", "ep")
+              if getattr(parallel_dims, f"{name}_enabled", False)]
+        if on:
+            raise ValueError(
+                f"{self.titan_name or type(self).__name__}: torchtitan's parallelism {', '.join(on)} is on around "
+                "routed experts made by feplb.titan.apply, which are the model's expert parallelism over their EP "
+                "group and take local tensors: parallelize with tp=1 and ep=1 (with torchtitan's expert parallelism "
+                "on, use feplb.titan_ep instead)")
+        super().parallelize(parallel_dims)
+
     def _join(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The experts' weights (``expert_weights``) from ``params`` (``expert_params()``, by default the current
         ones)."""
@@ -216,6 +230,12 @@ class FEPLBRoutedExperts(MoELayer, _TitanModule):
                 topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor | None = None) -> torch.Tensor:
         del num_local_tokens_per_expert_E
+        if any(is_dtensor(t) for t in (x_BLD, topk_scores_BLK, topk_expert_ids_BLK)):
+            raise TypeError(
+                f"{self.titan_name or type(self).__name__}: got DTensor inputs (a sharding plan redistributes the "
+                "MoE's tokens, such as torchtitan's tensor or context parallelism); routed experts made by "
+                "feplb.titan.apply are the expert parallelism themselves and take each rank's own tokens as local "
+                "tensors")
         with joined_for_forward(self, self.titan_name or type(self).__name__):
             y = checked_at_backward(super().forward(x_BLD.to(self.config.dtype),
                                                     routing=(topk_expert_ids_BLK, topk_scores_BLK)))

@@ -435,6 +435,21 @@ def _errors_case(rank: int, world: int) -> dict:
     out["again"] = error_of(lambda: ft.apply(moe))
     out["dispatched"] = error_of(lambda: moe.routed_experts.forward_dispatched(torch.zeros(0, D),
                                                                                [0] * moe.routed_experts.num_local))
+    # torchtitan's tensor or expert parallelism around the replaced experts: refused as it parallelizes; tokens a
+    # sharding plan made DTensors: refused at the forward
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    for name, degrees in (("tp", dict(dp_shard=1, tp=world, ep=1)), ("ep", dict(dp_shard=world, tp=1, ep=world))):
+        pd = ParallelDims(dp_replicate=1, cp=1, pp=1, world_size=world, **degrees)
+        parallel = make_moe("qwen3")
+        ft.apply(parallel, gpus_per_node=min(2, world))
+        out[f"parallel_{name}"] = error_of(lambda pd=pd, m=parallel: m.parallelize(pd))
+    x, scores, ids = _inputs(rank)
+    mesh = init_device_mesh("cpu", (world,))
+    out["dtensor"] = error_of(lambda: moe.routed_experts(distribute_tensor(x, mesh, [Replicate()]), scores, ids))
+    out["local_after"] = tuple(moe.routed_experts(x, scores, ids).shape)
 
     # one MoE under two names, and two MoEs sharing one RoutedExperts: both stay shared, and full_state_dict writes
     # the full experts under every name
@@ -826,6 +841,12 @@ def _assert_errors(ranks: list[dict], world: int) -> None:
         assert "already replaced" in err["again"], err["again"]
         assert err["dispatched"].startswith("TypeError") and "torchtitan's routing" in err["dispatched"], \
             err["dispatched"]
+        if world > 1:
+            for name in ("tp", "ep"):
+                assert err[f"parallel_{name}"].startswith("ValueError") and \
+                    f"torchtitan's parallelism {name}={world} is on" in err[f"parallel_{name}"], err
+        assert err["dtensor"].startswith("TypeError") and "got DTensor inputs" in err["dtensor"], err["dtensor"]
+        assert err["local_after"] == (*TOKENS, D)
         if world == 4:
             assert "6 experts are not divisible by the EP group size 4" in err["indivisible"], err["indivisible"]
             assert "EP rank(s) [1, 2, 3] hold other" in err["different_weights"], err["different_weights"]
