@@ -105,6 +105,8 @@ from feplb.steps import (
     ENTRIES,
     ENTRY_RECOMPUTE,
     HEADER,
+    LAYER,
+    PROBLEM,
     Counts,
     Split,
     args_digest,
@@ -956,11 +958,18 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                          row[3:],
                          row.new_zeros(_COUNTS_WIDTH[self._counts_key] - E)])
         gathered = self.control.all_gather(row, "all_gather of expert counts")
+        refused = None
+        if gathered[:, PROBLEM].any() and (gathered[:, LAYER] >= 0).all():
+            # Every rank is in a forward's counts and one refused its input (all read that from the same rows, so
+            # all take part): each learns what each refused, to say it (only on this failing path).
+            refused = self.control.all_gather_object(
+                None if problem is None else f"{problem[0].__name__}: {problem[1]}", "group",
+                "all_gather of the errors of a refused forward")
         if problem is not None:
             raise problem[0](problem[1])
         return read_counts(gathered.numpy(), self.placement.slots_WS,
                            balance=self.base != "none" and self.world_size > 1, min_straggler=self._min_straggler,
-                           frozen_within=self._frozen_within)
+                           frozen_within=self._frozen_within, refused=refused)
 
     def _watch_backward_flags(self, y_MD: torch.Tensor) -> None:
         """Where the layer keeps per-step copies across ranks, note this rank's expert parameters' requires_grad

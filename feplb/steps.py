@@ -287,7 +287,7 @@ def _frozen_apart(gathered: np.ndarray, within: int) -> tuple[list[int], list[li
 
 
 def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, min_straggler: float,
-                frozen_within: int = 0) -> Counts:
+                frozen_within: int = 0, refused: list[str | None] | None = None) -> Counts:
     """Read the all-gathered rows (int64 [W, len(HEADER) + E + padding]: this rank's routing flags (1: NaN or inf,
     2: ids out of range), its replicas-stale flag, its bad-input flag, the number of the layer it runs, how it
     calls it (bits: 1 training mode, 2 autograd on, 4 ``forward_dispatched``, 8 saved-tensor hooks active with
@@ -305,6 +305,7 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     slots_WS: int64 [W, L] the experts at home on each GPU. balance: the policy balances (and W > 1).
     min_straggler: rows of token straggler below which balancing is not worth it. frozen_within: the ranks whose
     FROZEN fields must agree: blocks of that many consecutive ranks (a node's), or all of them (0).
+    refused: each rank's error where it refused its input (None where it did not), to say in the error raised here.
     """
     W, L = slots_WS.shape
     E = W * L
@@ -383,8 +384,14 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             "they are (there experts frozen on some ranks only train as in plain EP)")
     input_ranks = np.nonzero(gathered[:, PROBLEM])[0].tolist()
     if input_ranks:
-        raise ValueError(f"MoELayer: EP rank(s) {input_ranks} refused this forward (a malformed input, or what "
-                         "feeds the layer there; see the error on that rank); every rank stops this step")
+        said: dict[str, list[int]] = {}
+        for r in input_ranks:
+            if refused is not None and refused[r]:
+                said.setdefault(refused[r], []).append(r)
+        why = "; ".join(f"on EP rank(s) {ranks}: {error}" for error, ranks in said.items()) if said else \
+            "a malformed input, or what feeds the layer there; see the error on that rank"
+        raise ValueError(f"MoELayer: EP rank(s) {input_ranks} refused this forward ({why}); every rank stops this "
+                         "step")
     id_ranks = np.nonzero(gathered[:, FLAGS] & 2)[0].tolist()
     if id_ranks:
         raise ValueError(f"MoELayer: routing passed to forward() holds expert ids outside [0, {E}) on EP rank(s) "

@@ -438,9 +438,12 @@ def test_forward_dispatched_refuses_bad_arguments_on_every_rank(ranks):
             assert e["sum"].startswith("ValueError") and "add up to 7 rows but rows holds 6" in e["sum"], e["sum"]
         else:
             assert e["sum"].startswith("ValueError") and "EP rank(s) [1] refused" in e["sum"], e["sum"]
-        assert ("dtype must be torch.float32" in e["dtype"]) == (rank == 2), e["dtype"]
-        assert "EP rank(s) [2] refused" in e["dtype"] or rank == 2
-        assert ("one count per local expert (4), got 3" in e["len"]) == (rank == 3), e["len"]
+        # the refusing rank raises its own error; the others say which rank refused, and what it said
+        assert "dtype must be torch.float32" in e["dtype"], e["dtype"]
+        assert e["dtype"].startswith("TypeError") if rank == 2 else \
+            "EP rank(s) [2] refused this forward (on EP rank(s) [2]: TypeError: " in e["dtype"], e["dtype"]
+        assert "one count per local expert (4), got 3" in e["len"], e["len"]
+        assert ("EP rank(s) [3] refused" in e["len"]) == (rank != 3), e["len"]
         if rank == 1:
             assert e["meta"].startswith("ValueError") and "counts could not be read on the host" in e["meta"], e["meta"]
         else:
@@ -457,6 +460,9 @@ def test_forward_dispatched_refuses_bad_arguments_on_every_rank(ranks):
             apart = e[policy + " apart"]
             if rank == 2:
                 assert apart is not None and "EP rank(s) [0, 1, 3] refused" in apart, apart
+                # the three refused alike: said once, for the three
+                assert apart.count(f"policy {policy!r}") == 1 and "(on EP rank(s) [0, 1, 3]: ValueError: " in apart, \
+                    apart
             else:
                 assert apart is not None and apart.startswith("ValueError") and f"policy {policy!r}" in apart, apart
             assert e[policy + " after"], (rank, policy)

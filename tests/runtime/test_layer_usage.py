@@ -483,6 +483,9 @@ def test_layer_usage_and_misuse():
         assert res["moved"] is not None and "were moved to meta after it was built" in res["moved"], res["moved"]
         want = "were cast from torch.float32 to torch.float16" if rank == 0 else "EP rank(s) [0] refused"
         assert res["cast_copies"] is not None and want in res["cast_copies"], res["cast_copies"]
+        if rank:   # the peers say what the refusing rank refused, with its error's type
+            assert "(on EP rank(s) [0]: TypeError: " in res["cast_copies"] and \
+                "were cast from torch.float32 to torch.float16" in res["cast_copies"], res["cast_copies"]
         assert res["modes"] is not None and "different modes" in res["modes"] and \
             "eval on [0]" in res["modes"], res["modes"]
         assert res["ddp_ok"], f"rank {rank}: EP x DP output differs from the dense reference"
@@ -492,6 +495,8 @@ def test_layer_usage_and_misuse():
             assert res["bad_one"].startswith("ValueError") and f"[tokens, {H}]" in res["bad_one"], res["bad_one"]
         else:
             assert res["bad_one"].startswith("ValueError") and "EP rank(s) [2]" in res["bad_one"], res["bad_one"]
+            assert "(on EP rank(s) [2]: ValueError: " in res["bad_one"] and f"[tokens, {H}]" in res["bad_one"], \
+                res["bad_one"]
         assert res["after_bad_ok"]
         assert res["routing_same"], f"rank {rank}: routing passed in differs from the layer's own"
         assert res["routing_bad_id"].startswith("ValueError") and "outside [0, 8)" in res["routing_bad_id"] and \
