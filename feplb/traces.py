@@ -198,6 +198,15 @@ def _check_mb(num_ranks: int, tokens_per_rank: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
+def _member(z, path: Path, key: str) -> np.ndarray:
+    """The npz archive's array ``key``; numpy gives a member that is no .npy file as its raw bytes."""
+    v = z[key]
+    if not isinstance(v, np.ndarray):
+        raise ValueError(f"{path}: {key} is not an .npy array (the archive holds another kind of file under that "
+                         "name)")
+    return v
+
+
 def load_trace(path: str | Path, num_experts: int | None = None) -> RoutingTrace:
     """Load a per-token trace from an npz file (layouts in the module docstring).
 
@@ -214,33 +223,39 @@ def load_trace(path: str | Path, num_experts: int | None = None) -> RoutingTrace
             ids_key, w_keys = "prefill_topk_ids", ("prefill_topk_scores",)
         else:
             raise ValueError(f"{path}: no 'topk_ids' or 'prefill_topk_ids' array; found {sorted(keys)}")
-        ids = z[ids_key]
+        ids = _member(z, path, ids_key)
         hi = _check_ids(ids, f"{path}:{ids_key}", num_experts)
         weights = None
         for k in w_keys:
             if k in keys:
-                w = z[k]
+                w = _member(z, path, k)
                 # (complex weights lost their imaginary part with a warning, text failed naming no key)
                 if w.dtype.kind not in "iuf":
                     raise ValueError(f"{path}: {k} must hold real numbers, got {w.dtype}")
                 weights = (w.astype(np.float32) / 1e4) if k.endswith("_e4") else w.astype(np.float32)
                 break
-        offsets = z["seq_offsets"] if "seq_offsets" in keys else None
-        layer_names = tuple(str(v) for v in z["moe_layers"]) if "moe_layers" in keys else ()
+        offsets = _member(z, path, "seq_offsets") if "seq_offsets" in keys else None
+        layer_names = ()
+        if "moe_layers" in keys:
+            names = _member(z, path, "moe_layers")
+            if names.ndim != 1:
+                raise ValueError(f"{path}: moe_layers must be a 1-D array of the layers' names, got shape "
+                                 f"{list(names.shape)}")
+            layer_names = tuple(str(v) for v in names)
         shape = shape_for(path.stem)
         if "expert_hidden" in keys or "expert_ffn" in keys:
             if not ("expert_hidden" in keys and "expert_ffn" in keys):
                 raise ValueError(f"{path}: an expert shape needs both 'expert_hidden' and 'expert_ffn'")
             model = path.stem
             if "model" in keys:
-                v = z["model"]
+                v = _member(z, path, "model")
                 if v.shape != () or v.dtype.kind != "U":
                     raise ValueError(f"{path}: model must be one string (the model's name), got {v.dtype} "
                                      f"{list(v.shape)}")
                 model = str(v)
             dims = {}
             for k in ("expert_hidden", "expert_ffn"):
-                v = z[k]
+                v = _member(z, path, k)
                 if v.shape != () or v.dtype.kind not in "iuf" or not np.isfinite(v) or v != np.floor(v):
                     raise ValueError(f"{path}: {k} must be one whole number, got {v.dtype} {v.tolist()!r}")
                 if not 1 <= v <= MAX_EXPERT_DIM:
@@ -316,7 +331,12 @@ def load_olmoe(path: str | Path, model: str = "olmoe", domains: tuple[str, ...] 
     if not path.is_file():
         raise FileNotFoundError(f"OLMoE counts file not found: {path}")
     data = json.loads(path.read_text())
-    models = data.get("models", {}) if isinstance(data, dict) else {}
+    if not isinstance(data, dict) or "models" not in data:
+        raise ValueError(f"{path}: must be a JSON object with 'models' (the OLMoE repository's "
+                         f"expert_counts_by_domain.json), got "
+                         + (f"an object with keys {sorted(data)}" if isinstance(data, dict) else
+                            f"a {type(data).__name__}"))
+    models = data["models"]
     if not isinstance(models, dict):
         raise ValueError(f"{path}: 'models' must be an object mapping model names to their counts, got a "
                          f"{type(models).__name__}")
@@ -355,10 +375,17 @@ def load_olmoe(path: str | Path, model: str = "olmoe", domains: tuple[str, ...] 
         d, layer = empty[0]
         raise ValueError(f"{path}: {model}/{variant} counts no token at all for domain {domains[d]!r}, layer "
                          f"{layer}: nothing to draw its routing from")
-    top_k = m.get("top_k", 1) if variant == "topk" else 1
+    if variant == "topk" and "top_k" not in m:
+        raise ValueError(f"{path}: models.{model} has no 'top_k': the experts each token of its 'topk' counts went to")
+    top_k = m["top_k"] if variant == "topk" else 1
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"{path}: {model}'s top_k must be a whole number >= 1, got {top_k!r}")
-    layers = tuple(f"L{v}" for v in data.get("layers", range(counts.shape[1])))
+    numbers = data.get("layers", list(range(counts.shape[1])))
+    if not isinstance(numbers, list) or len(numbers) != counts.shape[1] or \
+            any(isinstance(v, bool) or not isinstance(v, int) for v in numbers):
+        raise ValueError(f"{path}: 'layers' must be a list of the {counts.shape[1]} counted layers' numbers, got "
+                         f"{numbers!r}")
+    layers = tuple(f"L{v}" for v in numbers)
     return MultinomialWorkload(name=f"{model}-{'+'.join(domains)}", probs_DLE=counts / counts.sum(2, keepdims=True),
                                top_k=top_k, domains=domains, layer_names=layers, expert_shape=shape_for(model))
 

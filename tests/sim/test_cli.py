@@ -148,6 +148,20 @@ def _bad_trace(kind: str, tmp_path: pathlib.Path, flame_path: pathlib.Path, monk
     if kind == "directory":
         path.mkdir()
         return path, "is a directory"
+    if kind.startswith("raw-"):   # a member that is no .npy file: numpy gives its bytes, not an array
+        import zipfile
+
+        member = kind.removeprefix("raw-")
+        ids = np.random.default_rng().integers(0, 16, size=(8, 2, 2))
+        arrays = {"topk_ids": ids, "expert_hidden": np.int64(64), "expert_ffn": np.int64(32),
+                  "moe_layers": np.array(["a", "b"]), "seq_offsets": np.array([0, 8])}
+        np.savez(path, **{k: v for k, v in arrays.items() if k != member})
+        with zipfile.ZipFile(path, "a") as z:
+            z.writestr(f"{member}.npy", b"not an array")
+        return path, f"{member} is not an .npy array"
+    if kind == "moe-layers-0d":
+        np.savez(path, topk_ids=np.zeros((4, 1, 2), np.int64), moe_layers=np.array("L0"))
+        return path, "moe_layers must be a 1-D array of the layers' names, got shape []"
     assert kind == "unreadable"
     shutil.copyfile(flame_path, path)
     if os.geteuid() != 0:
@@ -164,7 +178,9 @@ def _bad_trace(kind: str, tmp_path: pathlib.Path, flame_path: pathlib.Path, monk
     return path, "cannot read the file (Permission denied)"
 
 
-@pytest.mark.parametrize("kind", ["empty", "truncated", "not-zip", "damaged-member", "directory", "unreadable"])
+@pytest.mark.parametrize("kind", ["empty", "truncated", "not-zip", "damaged-member", "directory", "unreadable",
+                                  "raw-topk_ids", "raw-expert_hidden", "raw-moe_layers", "raw-seq_offsets",
+                                  "moe-layers-0d"])
 def test_unusable_trace_file(kind, tmp_path, flame_path, monkeypatch, capsys):
     path, why = _bad_trace(kind, tmp_path, flame_path, monkeypatch)
     out = tmp_path / "out"
@@ -542,7 +558,14 @@ def test_unusable_cost_table(kind, why, tmp_path, flame_path, capsys, no_run):
 @pytest.mark.parametrize("kind, why", [
     ("truncated", "Expecting"),
     ("ragged", "must be numbers in a [domain][layer][expert] array of equal lengths"),
-    ("layer-names", "2 layer names for 3 layers of counts"),
+    ("layer-names", "'layers' must be a list of the 3 counted layers' numbers, got [0, 7]"),
+    ("layer-number", "'layers' must be a list of the 3 counted layers' numbers, got 5"),
+    ("layer-strings", "'layers' must be a list of the 3 counted layers' numbers, got ['0', '7', '15']"),
+    ("no-top-k", "models.olmoe has no 'top_k'"),
+    ("a-list", "must be a JSON object with 'models' (the OLMoE repository's expert_counts_by_domain.json), got a "
+               "list"),
+    ("no-models", "must be a JSON object with 'models' (the OLMoE repository's expert_counts_by_domain.json), got "
+                  "an object with keys ['layers', 'modles']"),
     ("fractional-top-k", "olmoe's top_k must be a whole number >= 1, got 2.7"),
     ("no-token", "olmoe/topk counts no token at all for domain 'b', layer 1"),
     ("infinite", "must be finite, non-negative [domain][layer][expert]"),
@@ -565,6 +588,17 @@ def test_unusable_counts_file_names_the_file(kind, why, tmp_path, capsys, no_run
     elif kind == "infinite":
         doc["models"]["olmoe"]["topk"]["b"][2][3] = float("inf")   # (json writes Infinity, and reads it back)
         text = json.dumps(doc)
+    elif kind == "layer-number":   # ('int' object is not iterable)
+        text = json.dumps({**doc, "layers": 5})
+    elif kind == "layer-strings":
+        text = json.dumps({**doc, "layers": ["0", "7", "15"]})
+    elif kind == "no-top-k":       # (was simulated as top-1 without a word)
+        del doc["models"]["olmoe"]["top_k"]
+        text = json.dumps(doc)
+    elif kind == "a-list":         # (was "unknown model 'olmoe'; available: []")
+        text = json.dumps([doc])
+    elif kind == "no-models":
+        text = json.dumps({"layers": doc["layers"], "modles": doc["models"]})
     else:
         doc["layers"] = [0, 7]
         text = json.dumps(doc)
