@@ -30,6 +30,11 @@ __all__ = ["BENCH_IMPLS", "FLOOR_TOLERANCE", "check_row_counts", "expert_us_from
 # A row count whose time is within this fraction of the smallest row count's time is still on the weight-read
 # floor: the knee is the largest such row count.
 FLOOR_TOLERANCE = 0.10
+# A sweep whose first two row counts' times grow as their rows do (their ratio over the rows' ratio in this band:
+# the two points on one line through the origin), with no point on the floor between them, starts past the floor:
+# the first point is already on the linear part. A first point on the floor grows less (the first H200 sweep: 23.3 us
+# at 128 rows, 30.1 us at 256, 0.65 of the ratio), or, before a line that starts past the floor, more.
+FLOOR_MISSED = (0.8, 1.25)
 # the grouped GEMMs of bench/bench_kernels.py whose records give an expert's time
 BENCH_IMPLS = ("torch_grouped_mm", "feplb")
 # GPU cycles of sleep queued before each timed call, so the host issues the call while the GPU still sleeps and
@@ -72,7 +77,8 @@ def fit_table(rows: Sequence[int], us: Sequence[float], *, floor_tolerance: floa
     with its neighbours instead of lifting every point after it. The knee is the largest row count whose fitted
     time is within ``floor_tolerance`` of the first one's: the table starts there (``CostModel`` is flat below its
     first point, and its knee is that point), so the points below the knee are dropped. At least one point must lie
-    past the knee. info: the knee, the raw and the fitted times, and how many points the fit moved.
+    past the knee, and the first must lie on the floor (a first segment whose time grows as its rows do, within
+    ``FLOOR_MISSED``, is refused). info: the knee, the raw and the fitted times, and how many points the fit moved.
     """
     us = [float(t) for t in us]
     if len(rows) != len(us):
@@ -90,6 +96,13 @@ def fit_table(rows: Sequence[int], us: Sequence[float], *, floor_tolerance: floa
     if knee == len(rows) - 1:
         raise ValueError(f"every fitted time is within {floor_tolerance:.0%} of the first ({fit[0]:.2f} us at "
                          f"{rows[0]} rows): the sweep never leaves the weight-read floor; measure larger row counts")
+    if knee == 0 and FLOOR_MISSED[0] <= (fit[1] / fit[0]) / (rows[1] / rows[0]) <= FLOOR_MISSED[1]:
+        # CostModel is flat below its first point: a first point already on the linear part (a sweep that began
+        # too high, or a bench run stopped before its smaller row counts) would charge every smaller expert its time
+        raise ValueError(f"the time grows about as the rows from the first row count on ({fit[0]:.2f} us at {rows[0]} "
+                         f"rows, {fit[1]:.2f} us at {rows[1]}): no point lies on the weight-read floor, and the table "
+                         "would charge an expert with fewer rows the first point's time; measure smaller row counts (a "
+                         "bench run stopped early keeps only its largest)")
     if fit[-1] <= fit[-2]:
         # CostModel carries the last segment's slope past the table: a flat end would make more rows free
         raise ValueError(f"the fitted curve ends flat ({fit[-1]:.2f} us at {rows[-2]} and {rows[-1]} rows; measured "

@@ -340,8 +340,9 @@ def _measured_on(meta: dict) -> tuple[str | None, str]:
     written before calibrate recorded it) was measured: (device type or None, device name)."""
     bench = meta.get("bench_meta") if isinstance(meta.get("bench_meta"), dict) else {}
     kind = meta.get("device_type")
-    if kind is None and bench:
-        kind = "cuda" if bench.get("cuda") else "cpu"     # a CUDA build's bench records its CUDA version
+    if kind is None and "cuda" in bench:
+        # a CUDA build's bench records its CUDA version, a CPU build's None; a file without the key: unknown
+        kind = "cuda" if bench["cuda"] else "cpu"
     return kind, meta.get("device") or bench.get("device") or ""
 
 
@@ -659,21 +660,24 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="cost table JSON to write")
     p.add_argument("--from-bench", default=None, metavar="FILE",
                    help="derive the table from a bench_kernels.py results JSON instead of measuring")
-    p.add_argument("--bench-impl", default="torch_grouped_mm", choices=("torch_grouped_mm", "feplb"),
+    p.add_argument("--bench-impl", default=None, choices=("torch_grouped_mm", "feplb"),
                    help="with --from-bench: whose times (default torch_grouped_mm)")
-    p.add_argument("--hidden", type=_positive, default=6144, help="expert hidden size H (default 6144, GLM-5)")
-    p.add_argument("--ffn", type=_positive, default=2048, help="expert ffn width F (default 2048, GLM-5)")
-    p.add_argument("--experts", type=_positive, default=16, help="experts timed together (default 16)")
-    p.add_argument("--rows", type=_rows_list, default=[32, 64, 128, 256, 512, 1024, 2048, 4096],
+    # (measuring options default to None: given with --from-bench, which takes all of it from the file, they are
+    # refused instead of ignored; _MEASURE_DEFAULTS fills them in otherwise)
+    p.add_argument("--hidden", type=_positive, default=None, help="expert hidden size H (default 6144, GLM-5)")
+    p.add_argument("--ffn", type=_positive, default=None, help="expert ffn width F (default 2048, GLM-5)")
+    p.add_argument("--experts", type=_positive, default=None, help="experts timed together (default 16)")
+    p.add_argument("--rows", type=_rows_list, default=None,
                    help="rows per expert to time, comma-separated ascending (default 32,64,...,4096)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--device", default="auto", type=lambda v: v if v == "auto" else _device(v),
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"), help="(default bfloat16)")
+    p.add_argument("--device", default=None, type=lambda v: v if v == "auto" else _device(v),
                    help="cuda, cuda:N or cpu (default: cuda when present)")
-    p.add_argument("--impl", default="torch", choices=("torch", "feplb"),
+    p.add_argument("--impl", default=None, choices=("torch", "feplb"),
                    help="torch: torch._grouped_mm (default); feplb: feplb.kernels (Triton on a GPU)")
-    p.add_argument("--repeats", type=_positive, default=10, help="timed calls per row count (median taken)")
-    p.add_argument("--warmup", type=_positive, default=3,
-                   help="untimed calls first, at least 1 (the first call compiles and tunes kernels)")
+    p.add_argument("--repeats", type=_positive, default=None, help="timed calls per row count (median taken, "
+                   "default 10)")
+    p.add_argument("--warmup", type=_positive, default=None,
+                   help="untimed calls first, at least 1 (the first call compiles and tunes kernels; default 3)")
     p.add_argument("--floor-tolerance", type=_tolerance, default=0.10,
                    help="times within this fraction of the smallest count's are on the floor (default 0.10)")
     p.add_argument("--ce-gbps", type=_positive_float, default=None, help="copy-engine GB/s inside a node to record")
@@ -684,11 +688,26 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
                    help="fraction (0-1) by which such a copy slows a GEMM beside it, to record")
 
 
+_MEASURE_DEFAULTS = {"hidden": 6144, "ffn": 2048, "experts": 16, "rows": [32, 64, 128, 256, 512, 1024, 2048, 4096],
+                     "dtype": "bfloat16", "device": "auto", "impl": "torch", "repeats": 10, "warmup": 3}
+
+
 def _run_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from feplb.calibrate import expert_us_from_bench, machine_meta, measure_expert_us, table_document
 
+    given = [f"--{k}" for k in _MEASURE_DEFAULTS if getattr(args, k) is not None]
+    if args.from_bench and given:
+        raise UsageError(f"{', '.join(given)} with --from-bench: the table's shape, rows and device are the bench "
+                         "file's, and nothing is measured; leave them out")
+    if not args.from_bench and args.bench_impl is not None:
+        raise UsageError("--bench-impl is for --from-bench (whose times a bench file's table takes); to measure "
+                         "with feplb's kernels, use --impl feplb")
+    for k, v in _MEASURE_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.bench_impl = args.bench_impl or "torch_grouped_mm"
     out = check_output(args.out, "--out", [("--from-bench", args.from_bench)] if args.from_bench else ())
     command = "feplb " + shlex.join(args.argv)
     if args.from_bench:
@@ -707,6 +726,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         meta = {"source": f"bench_kernels file {path}", "what": f"{args.bench_impl} forward gate/up + down GEMMs "
                 "(no SwiGLU), uniform routing, per expert", "experts": shape["experts"],
                 "bench_meta": {k: v for k, v in doc["meta"].items() if k != "shape"}}
+        if isinstance(doc["meta"]["shape"].get("dtype"), str):
+            meta["dtype"] = doc["meta"]["shape"]["dtype"]
         # where the bench ran, in calibrate's own terms
         kind, device = _measured_on(meta)
         meta.update(device_type=kind, device=device or None)
@@ -723,10 +744,10 @@ def _run_calibrate(args: argparse.Namespace) -> int:
             measured = measure_expert_us(args.rows, hidden=hidden, ffn=ffn, experts=args.experts,
                                          dtype=getattr(torch, args.dtype), device=device, impl=args.impl,
                                          repeats=args.repeats, warmup=args.warmup)
-        except torch.OutOfMemoryError as err:
-            raise UsageError(f"out of memory on {device} timing {args.experts} experts of H={hidden} F={ffn} at up to "
-                             f"{args.rows[-1]} rows per expert: use fewer --experts or smaller --rows") from err
         except (RuntimeError, *_triton_errors()) as err:  # e.g. torch._grouped_mm refusing a shape or dtype
+            if isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err):   # (the CPU's)
+                raise UsageError(f"out of memory on {device} timing {args.experts} experts of H={hidden} F={ffn} at up "
+                                 f"to {args.rows[-1]} rows per expert: use fewer --experts or smaller --rows") from err
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             hint = " (--impl feplb runs any shape and dtype)" if args.impl == "torch" else ""
             raise UsageError(f"--impl {args.impl} cannot run H={hidden} F={ffn} in {args.dtype} on {device}: "
@@ -736,9 +757,13 @@ def _run_calibrate(args: argparse.Namespace) -> int:
                 "experts": args.experts, "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup,
                 **machine_meta(device)}
     meta["command"] = command
-    table = table_document(measured, hidden=hidden, ffn=ffn, meta=meta, floor_tolerance=args.floor_tolerance,
-                           ce_gbps=args.ce_gbps, net_gbps=args.net_gbps, d2d_gbps=args.d2d_gbps,
-                           copy_out_slowdown=args.copy_out_slowdown)
+    try:
+        table = table_document(measured, hidden=hidden, ffn=ffn, meta=meta, floor_tolerance=args.floor_tolerance,
+                               ce_gbps=args.ce_gbps, net_gbps=args.net_gbps, d2d_gbps=args.d2d_gbps,
+                               copy_out_slowdown=args.copy_out_slowdown)
+    except ValueError as err:   # (the times cannot make a table: too few row counts, no floor, a flat end)
+        raise UsageError(f"--from-bench {args.from_bench}: {err}" if args.from_bench else
+                         f"the times measured cannot make a cost table: {err}") from err
     print(f"{'rows/expert':>11} {'us/expert':>11} {'TFLOP/s':>8}")
     for m in measured:
         # four significant digits: a CPU's or a tiny shape's rate is far below 0.01 TFLOP/s
@@ -747,8 +772,10 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     print(f"knee {fit['knee_rows']} rows (floor {table['us'][0]:.2f} us); table rows {table['rows']}"
           + (f"; {fit['moved_points']} point(s) moved by the non-decreasing fit" if fit["moved_points"] else ""))
     if meta.get("device_type") == "cpu":
-        print(f"measured on this machine's CPU ({meta.get('device')}, {meta.get('threads')} threads): CPU times, "
-              "no GPU's; the table records it (meta.device_type), and feplb simulate says so when it uses it")
+        where = f"the bench file's times were measured on a CPU ({meta.get('device')})" if args.from_bench else \
+            f"measured on this machine's CPU ({meta.get('device')}, {meta.get('threads')} threads)"
+        print(f"{where}: CPU times, no GPU's; the table records it (meta.device_type), and feplb simulate says so "
+              "when it uses it")
     write_outputs([(out, lambda tmp: Path(tmp).write_text(_json(table) + "\n"))])
     print(f"wrote {out}")
     return 0

@@ -140,8 +140,17 @@ class CostModel:
                              f"{len(us)}")
         if rows[0] <= 0 or any(b <= a for a, b in zip(rows, rows[1:], strict=False)):
             raise ValueError(f"CostModel.table_rows must be positive and strictly ascending, got {list(rows)}")
+        if rows[-1] >= 2**46:
+            # (an expert's rows stay below 2**46 for any topology the planner takes, Topology.max_count; far
+            # beyond, the interpolation's points would no longer ascend)
+            raise ValueError(f"CostModel.table_rows must stay below 2**46 rows (the most an expert's rows reach in "
+                             f"the planner), got {rows[-1]}")
         if any(not math.isfinite(t) or t <= 0 for t in us) or any(b < a for a, b in zip(us, us[1:], strict=False)):
             raise ValueError(f"CostModel.table_us must be positive and non-decreasing, got {list(us)}")
+        if us[-1] <= us[-2]:
+            # the last slope is carried past the table: a flat end would make any number of rows past it free
+            raise ValueError(f"CostModel.table_us must grow over its last segment (its slope is carried past the "
+                             f"table), got {us[-2]:g} us at {rows[-2]} rows and {us[-1]:g} us at {rows[-1]}")
         object.__setattr__(self, "table_rows", rows)
         object.__setattr__(self, "table_us", us)
         # one interpolation table for integer rows: 0 -> 0, 1..rows[0] flat, linear in between, and the last slope

@@ -62,9 +62,16 @@ def test_shape_scaling_and_json_table(tmp_path):
      ({"ce_gbps": 0}, "ce_gbps must be a positive"),
      ({"hidden": 0}, "hidden must be a positive int"),
      ({"grad_dtype_bytes": 0}, "grad_dtype_bytes must be a positive int or None, got 0"),
-     ({"grad_dtype_bytes": 2.0}, "grad_dtype_bytes must be a positive int or None")],
+     ({"grad_dtype_bytes": 2.0}, "grad_dtype_bytes must be a positive int or None"),
+     # a flat last segment: its slope, carried past the table, made any number of rows past it free
+     ({"table_rows": (128, 256, 4096), "table_us": (20.0, 40.0, 40.0)},
+      r"must grow over its last segment .* got 40 us at 256 rows and 40 us at 4096"),
+     # far past what an expert's rows reach: the interpolation's points no longer ascended, and every lookup failed
+     ({"table_rows": (128, 2**70), "table_us": (20.0, 40.0)},
+      r"must stay below 2\*\*46 rows .* got 1180591620717411303424"),
+     ({"table_rows": (128, 2**46), "table_us": (20.0, 40.0)}, r"must stay below 2\*\*46 rows")],
     ids=["rows-not-ascending", "us-decreasing", "one-point", "zero-bandwidth", "zero-hidden", "zero-grad-bytes",
-         "float-grad-bytes"],
+         "float-grad-bytes", "flat-end", "rows-past-2**64", "rows-2**46"],
 )
 def test_bad_cost_model(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -56,8 +56,11 @@ def test_fit_table_on_random_curves(seed):
     fit = np.array(isotonic_ref(us.tolist()))
     assert np.allclose(isotonic(us.tolist()), fit, rtol=1e-12)
     inside = np.nonzero(fit <= fit[0] * (1 + tol))[0]
-    if inside[-1] == rows.size - 1 or fit[-1] <= fit[-2]:
-        with pytest.raises(ValueError, match="never leaves the weight-read floor|ends flat"):
+    # the first two points on one line through the origin (times grow as the rows): none on the floor
+    linear = inside[-1] == 0 and 0.8 <= (fit[1] / fit[0]) / (rows[1] / rows[0]) <= 1.25
+    if inside[-1] == rows.size - 1 or fit[-1] <= fit[-2] or linear:
+        with pytest.raises(ValueError, match="never leaves the weight-read floor|ends flat|no point lies on the "
+                                             "weight-read floor"):
             fit_table(rows.tolist(), us.tolist(), floor_tolerance=tol)
         return
     t_rows, t_us, info = fit_table(rows.tolist(), us.tolist(), floor_tolerance=tol)
@@ -78,11 +81,22 @@ def test_fit_table_on_random_curves(seed):
     ([64, 128], [10.0], "same length"),
     ([64, 128], [10.0, float("nan")], "finite and > 0"),
     ([64, 128], [0.0, 20.0], "finite and > 0"),
-    ([64, 128, 256, 512], [10.0, 20.0, 40.0, 39.0], "ends flat"),
+    ([64, 128, 256, 512], [10.0, 10.5, 40.0, 39.0], "ends flat"),
+    # the two largest row counts of a sweep stopped early: both on the line, the floor never measured
+    ([2048, 4096], [233.5, 460.1], r"grows about as the rows .* no point lies on the weight-read floor"),
+    ([512, 1024, 4096], [70.0, 138.0, 540.0], r"no point lies on the weight-read floor"),
 ])
 def test_fit_table_refusals(rows, us, match):
     with pytest.raises(ValueError, match=match):
         fit_table(rows, us)
+
+
+def test_a_first_point_on_the_floor_is_kept():
+    """A first segment that grows less than its rows (a floor point before the line) or more (a line that starts
+    past the floor) starts on the floor: the table keeps it."""
+    for us in ([23.3, 30.1, 52.0], [20.0, 80.0, 200.0]):
+        t_rows, _, info = fit_table([128, 256, 512], us)
+        assert t_rows == [128, 256, 512] and info["knee_rows"] == 128
 
 
 @pytest.mark.parametrize("impl", ["torch", "feplb"])
@@ -219,6 +233,61 @@ def test_cli_from_bench(tmp_path, capsys):
     assert "is the input --from-bench" in capsys.readouterr().err
     assert bench.read_bytes() == H200_BENCH.read_bytes()
     assert CostModel.from_json(out).knee_rows == 128
+
+
+def test_cli_from_bench_takes_everything_from_the_file(tmp_path, capsys):
+    """Measuring options beside --from-bench are refused (they were ignored: a table of the file's shape written
+    after --hidden 2048); --bench-impl without it too; the bench's dtype reaches the table's meta; a file that
+    does not say whether its torch had CUDA is not called a CPU's."""
+    out = tmp_path / "t.json"
+    for extra, words in ((["--hidden", "2048", "--ffn", "1408"], "--hidden, --ffn with --from-bench"),
+                         (["--rows", "1,2", "--device", "cpu", "--impl", "feplb"], "--rows, --device, --impl with "
+                                                                                  "--from-bench"),
+                         (["--dtype", "float32"], "--dtype with --from-bench")):
+        assert main(["calibrate", "--from-bench", str(H200_BENCH), "--out", str(out), *extra]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "leave them out" in err and len(err.strip().splitlines()) == 1, err
+    assert main(["calibrate", "--bench-impl", "feplb", "--out", str(out), "--device", "cpu"]) == 2
+    assert "--bench-impl is for --from-bench" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["calibrate", "--from-bench", str(H200_BENCH), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]["dtype"] == "bfloat16"
+    capsys.readouterr()
+    # one row count left: the message names the file
+    doc = _bench_doc([_rec("gate_up", 128, us=10.0), _rec("down", 128, us=5.0)])
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(doc))
+    assert main(["calibrate", "--from-bench", str(one), "--out", str(out)]) == 2
+    assert f"--from-bench {one}: a cost table needs at least 2 measured row counts, got 1" in capsys.readouterr().err
+    # no 'cuda' key in the bench's meta: where it ran is unknown, not "a CPU"
+    doc = _bench_doc([_rec(p, r, us=u) for r, u in ((64, 10.0), (128, 10.2), (256, 30.0))
+                      for p in ("gate_up", "down")])
+    for cuda, kind in (("absent", None), (None, "cpu"), ("13.0", "cuda")):
+        meta = {**doc["meta"], "device": "somewhere"} | ({} if cuda == "absent" else {"cuda": cuda})
+        path = tmp_path / "b.json"
+        path.write_text(json.dumps({**doc, "meta": meta}))
+        assert main(["calibrate", "--from-bench", str(path), "--out", str(out)]) == 0
+        assert json.loads(out.read_text())["meta"]["device_type"] == kind
+        printed = capsys.readouterr().out
+        assert ("the bench file's times were measured on a CPU" in printed) == (kind == "cpu"), printed
+        assert "this machine" not in printed
+
+
+def test_cli_a_cpu_out_of_memory_is_said_so(tmp_path, capsys, monkeypatch):
+    """The CPU allocator's failure is a RuntimeError: it was blamed on --impl torch (and --impl feplb advised)."""
+    import feplb.calibrate
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 262144000000 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(feplb.calibrate, "measure_expert_us", no_memory)
+    out = tmp_path / "t.json"
+    assert main(["calibrate", "--out", str(out), "--device", "cpu", "--rows", "32,1000000000"]) == 2
+    err = capsys.readouterr().err
+    assert "out of memory on cpu timing 16 experts of H=6144 F=2048 at up to 1000000000 rows per expert: use fewer " \
+        "--experts or smaller --rows" in err and "--impl feplb" not in err, err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("case", ["missing-folder", "bad-json", "not-utf8", "flat-curve", "no-such-gpu"])
