@@ -21,6 +21,8 @@ INTRA_NODE_BASES = frozenset({"feplb", "feplb-split", "lp"})
 
 BASE_POLICIES = ("none", "feplb", "feplb-split", "fastermoe", "eplb", "lp")
 DYNAMIC_MODES = ("current", "ema")
+# the base policies that pick a GPU's dynamic experts, which '@ema' picks from history: the others have no such set
+DYNAMIC_SET_POLICIES = ("feplb", "feplb-split", "lp")
 
 
 def parse_policy(policy: str) -> tuple[str, bool, str]:
@@ -29,7 +31,8 @@ def parse_policy(policy: str) -> tuple[str, bool, str]:
     ``+place`` adds the slow-timescale cross-node placement from routing history. ``@current`` (default) picks
     each GPU's dynamic experts from the current micro-batch's counts (their weights move with the rows);
     ``@ema`` picks them from the EMA of past micro-batches, frozen for a refresh period, with their weights
-    replicated inside the node once per period (per-micro-batch copies are then rows only).
+    replicated inside the node once per period (per-micro-batch copies are then rows only); only the bases with
+    dynamic experts (``DYNAMIC_SET_POLICIES``) take it.
     """
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a str, got {type(policy).__name__}")
@@ -47,6 +50,10 @@ def parse_policy(policy: str) -> tuple[str, bool, str]:
         raise ValueError(f"policy {policy!r}: unknown modifier '+{extra}'; only '+place' exists")
     if mode not in DYNAMIC_MODES:
         raise ValueError(f"policy {policy!r}: unknown dynamic-set mode '@{mode}'; expected one of {DYNAMIC_MODES}")
+    if mode == "ema" and base not in DYNAMIC_SET_POLICIES:
+        # (it changed nothing: a simulation of 'eplb' beside 'eplb@ema' compared a policy with itself)
+        raise ValueError(f"policy {policy!r}: '@ema' picks the dynamic experts of {DYNAMIC_SET_POLICIES}; {base!r} "
+                         "has none, so it would change nothing")
     return base, extra == "place", mode
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from feplb.sched.placement import _check_home, check_min_gain, eplb_layout, eplb_replicas, place_experts
-from feplb.sched.plan import Plan, parse_policy
+from feplb.sched.plan import DYNAMIC_SET_POLICIES, Plan, parse_policy
 from feplb.sched.topology import Topology
 
 EMA_FRAC_BITS = 16  # fixed-point fraction bits of ema_E
@@ -316,7 +316,7 @@ class PolicyState:
     @property
     def _ema_set(self) -> bool:
         base, _, mode = parse_policy(self.policy)
-        return mode == "ema" and base in ("feplb", "feplb-split", "lp")
+        return mode == "ema" and base in DYNAMIC_SET_POLICIES
 
     def _refresh(self) -> PolicyState:
         topo = self.topo

@@ -307,12 +307,29 @@ def test_bad_planner_options(kw, match):
 
 @pytest.mark.parametrize("policy, match", [("feplb+", "'\\+' names no modifier"), ("feplb@", "'@' names no"),
                                            ("feplb+@", "names no"), ("feplb-split+@ema", "'\\+' names no"),
-                                           ("feplb+plac", "unknown modifier"), ("feplb@emma", "unknown dynamic-set")])
+                                           ("feplb+plac", "unknown modifier"), ("feplb@emma", "unknown dynamic-set"),
+                                           # '@ema' on a base without dynamic experts changed nothing
+                                           ("none@ema", "'none' has none, so it would change nothing"),
+                                           ("eplb@ema", "'eplb' has none"), ("fastermoe+place@ema", "'fastermoe'")])
 def test_malformed_policy_names_are_refused(policy, match):
-    from feplb.sched import parse_policy
+    from feplb import FEPLBConfig
+    from feplb.sched import PolicyState, parse_policy
 
     with pytest.raises(ValueError, match=match):
         parse_policy(policy)
+    with pytest.raises(ValueError, match=match):
+        FEPLBConfig(hidden=8, ffn=8, num_experts=4, top_k=2, policy=policy)
+    with pytest.raises(ValueError, match=match):
+        PolicyState(topo=Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=1), policy=policy)
+
+
+@pytest.mark.parametrize("policy", ["none", "eplb@current", "fastermoe+place", "feplb@ema", "feplb-split+place@ema",
+                                    "lp@ema"])
+def test_policy_names_with_their_modifiers_are_taken(policy):
+    from feplb.sched import parse_policy
+
+    base, place, mode = parse_policy(policy)
+    assert base + ("+place" if place else "") + "@" + mode == (policy if "@" in policy else policy + "@current")
 
 
 def test_a_huge_tau_moves_nothing():
