@@ -124,8 +124,14 @@ class TrainConfig:
             raise UsageError(f"--router-lr-scale: expected a finite number >= 0, got {self.router_lr_scale}")
         if not (self.bias_rate >= 0 and math.isfinite(self.bias_rate)):
             raise UsageError(f"--bias-rate: expected a finite number >= 0, got {self.bias_rate}")
-        if self.warmup < 0 or self.weight_decay < 0 or self.clip < 0:
-            raise UsageError("--warmup, --weight-decay and --clip must be >= 0")
+        if self.warmup < 0:
+            raise UsageError(f"--warmup: expected an integer >= 0, got {self.warmup}")
+        # (NaN passed a '< 0' test: --clip nan turned clipping off, --weight-decay nan failed at step 2 asking to
+        # lower --lr)
+        for name in ("weight_decay", "clip"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise UsageError(f"--{name.replace('_', '-')}: expected a finite number >= 0, got "
+                                 f"{getattr(self, name)}")
 
     def digest(self) -> str:
         """Hash of the fields that decide the trajectory (the text's description is left out: its bytes' hash is

@@ -297,7 +297,12 @@ _BASE = dict(layers=2, hidden=32, heads=4, ffn=32, experts=16, top_k=2, router="
     ({"hidden": 30}, "--hidden 30 is not divisible by --heads 4"),
     ({"top_k": 17}, "--top-k 17 exceeds --experts 16"),
     ({"lr": float("nan")}, "--lr"),
-], ids=["experts-vs-world", "node-vs-world", "dyn-too-large", "heads", "top-k", "lr-nan"])
+    ({"weight_decay": float("nan")}, "--weight-decay: expected a finite number >= 0, got nan"),
+    ({"clip": float("nan")}, "--clip: expected a finite number >= 0, got nan"),
+    ({"clip": float("inf")}, "--clip: expected a finite number >= 0, got inf"),
+    ({"warmup": -1}, "--warmup: expected an integer >= 0, got -1"),
+], ids=["experts-vs-world", "node-vs-world", "dyn-too-large", "heads", "top-k", "lr-nan", "weight-decay-nan",
+        "clip-nan", "clip-inf", "warmup"])
 def test_config_rejects_what_it_cannot_run(train_moe, change, message):
     base = _BASE
     train_moe.TrainConfig(**base)

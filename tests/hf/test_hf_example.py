@@ -107,6 +107,28 @@ def test_example_refuses_with_one_error_on_every_rank(tmp_path, extra, words):
     assert afile.read_text() == ""
 
 
+def _refused_each(rank: int, world: int, argvs: list[list[str]]) -> list[str | None]:
+    return [_refused(rank, world, argv) for argv in argvs]
+
+
+def test_example_refuses_bad_numbers_before_any_work():
+    """Options a run cannot use are refused by name on every rank before any collective: a 0 was a ZeroDivisionError
+    on one rank (--log-every: after the first step, its peers waiting on it), NaN went through."""
+    base = ["--hidden", "32", "--batch", "2", "--seq-len", "32", "--text-bytes", "40000", "--gpus-per-node", "2"]
+    cases = [(["--log-every", "0"], "--log-every: expected an integer >= 1, got 0"),
+             (["--batch", "0"], "--batch: expected an integer >= 1, got 0"),
+             (["--seq-len", "-1"], "--seq-len: expected an integer >= 1, got -1"),
+             (["--text-bytes", "0"], "--text-bytes: expected an integer >= 1, got 0"),
+             (["--layers", "0"], "--layers: expected an integer >= 1, got 0"),
+             (["--lr", "nan"], "--lr: expected a positive finite number, got nan"),
+             (["--clip", "nan"], "--clip: expected a finite number >= 0 (0: no clipping), got nan"),
+             (["--clip", "-1"], "--clip: expected a finite number >= 0 (0: no clipping), got -1.0")]
+    got = run_dist(_refused_each, 2, [base + extra for extra, _ in cases], timeout_s=180, collective_timeout_s=60)
+    for errors in got:
+        for (extra, words), err in zip(cases, errors, strict=True):
+            assert err is not None and words in err, (extra, err)
+
+
 TRAINER_EXAMPLE = EXAMPLE.with_name("hf_trainer.py")
 
 
