@@ -446,6 +446,13 @@ def init_expert_weights(model: MoETransformer, cfg: TrainConfig, rank: int) -> N
 # Checkpoints: per rank, written atomically, committed by a pointer file once every rank has written
 
 
+def _new_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (mkstemp's files are 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -453,7 +460,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, _new_file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -465,6 +472,7 @@ def atomic_torch_save(obj, path: Path) -> None:
     os.close(fd)
     try:
         torch.save(obj, tmp)
+        os.chmod(tmp, _new_file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -572,7 +580,9 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool = False) -> None:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-test-"):
             pass
     except OSError as exc:
-        raise UsageError(f"--out {out}: cannot write there ({type(exc).__name__}: {exc})") from exc
+        # (the error without the test file's random name: every rank then says the same, and it is said once)
+        why = exc.strerror or type(exc).__name__
+        raise UsageError(f"--out {out}: cannot write there ({type(exc).__name__}: {why} in {existing})") from exc
     if overwrite:
         return
     pointer = read_pointer(out) if not resume else None

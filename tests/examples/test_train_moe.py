@@ -442,6 +442,15 @@ def test_smoothing_is_a_trailing_mean(report):
 def test_atomic_save_leaves_the_old_file_when_writing_fails(train_moe, tmp_path):
     target = tmp_path / "ckpt.pt"
     train_moe.atomic_torch_save({"step": 1}, target)
+    # saved files take the mode open() would give them under the umask, as latest.json does (were 0600)
+    old = os.umask(0o027)
+    try:
+        train_moe.atomic_torch_save({"step": 1}, target)
+        train_moe.atomic_write_bytes(tmp_path / "latest.json", b"{}")
+    finally:
+        os.umask(old)
+    assert (target.stat().st_mode & 0o777, (tmp_path / "latest.json").stat().st_mode & 0o777) == (0o640, 0o640)
+    (tmp_path / "latest.json").unlink()
 
     class Unpicklable:
         def __reduce__(self):
@@ -453,13 +462,26 @@ def test_atomic_save_leaves_the_old_file_when_writing_fails(train_moe, tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
 
-def test_out_dir_checks(train_moe, tmp_path):
+def test_out_dir_checks(train_moe, tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with pytest.raises(train_moe.UsageError, match="--out .*: cannot write there"):
         train_moe.check_out_dir(blocker / "run", resume=False)
     with pytest.raises(train_moe.UsageError, match="--out .*: cannot write there .*is not a directory"):
         train_moe.check_out_dir(blocker / "deeper" / "run", resume=False)
+    # a folder that cannot be written: the message names it, and not the write test's random file (each rank's
+    # own: the ranks' messages differed, so the error was printed with a rank's prefix)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    def denied(*args, dir=None, **kwargs):  # noqa: A002 (NamedTemporaryFile's own keyword)
+        raise PermissionError(13, "Permission denied", str(Path(dir) / ".write-test-x7q2"))
+
+    with monkeypatch.context() as m:
+        m.setattr(train_moe.tempfile, "NamedTemporaryFile", denied)
+        with pytest.raises(train_moe.UsageError) as err:
+            train_moe.check_out_dir(ro / "run", resume=False)
+    assert str(err.value) == f"--out {ro / 'run'}: cannot write there (PermissionError: Permission denied in {ro})"
+    ro.rmdir()
     run = tmp_path / "new" / "run"
     train_moe.check_out_dir(run, resume=False)
     assert sorted(tmp_path.iterdir()) == [blocker], "checking creates nothing, and the write test leaves nothing"
