@@ -380,8 +380,9 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
                         gated: bool = True, glu_softcap: tuple[float, float] | None = None):
     """Single-process dense MoE (no dispatch, no kernels), the independent reference of ``MoELayer``.
 
-    Expert selection uses fp32 logits exactly as the layer computes them (so ties resolve the same way); gates
-    and expert math run in x's dtype. Every expert is applied with plain matmuls to the tokens that chose it.
+    Expert selection uses the logits as the layer computes them (so ties resolve the same way): in x's and the
+    router's dtype, then scored in fp32 at least (fp64 for fp64 inputs); gates and expert math run in x's dtype.
+    Every expert is applied with plain matmuls to the tokens that chose it.
 
     Args:
         x_TD: [T, H]; router_EH: [E, H]; w1_EH2F: [E, H, 2F]; w2_EFH: [E, F, H]; bias_E: optional fp32 [E]
@@ -398,7 +399,9 @@ def dense_moe_reference(x_TD, router_EH, w1_EH2F, w2_EFH, top_k: int, router: st
     import torch
 
     F2 = w1_EH2F.shape[-1] // 2
-    logits32 = torch.nn.functional.linear(x_TD.detach().float(), router_EH.detach().float())
+    dt = torch.promote_types(x_TD.dtype, router_EH.dtype)
+    logits32 = torch.nn.functional.linear(x_TD.detach().to(dt), router_EH.detach().to(dt))
+    logits32 = logits32.to(torch.promote_types(dt, torch.float32))
     sel = logits32.softmax(-1) if router == "softmax" else logits32.sigmoid()
     if bias_E is not None:
         sel = sel + bias_E

@@ -375,3 +375,35 @@ def test_plan_scope_follows_the_policy_history():
     assert MoELayer._plan_node(layer(None, eager), eager) is None    # one node: the whole plan is the node's
     assert MoELayer._scope_group(layer(None, lazy), lazy) == "node"
     assert MoELayer._scope_group(layer(None, None, in_node=False), None) == "group"
+
+
+def _bf16_selection_worker(rank, world):
+    """A bf16 layer (plain EP, one rank) and the dense reference on the same bf16 values: each token's output."""
+    from feplb import FEPLBConfig, MoELayer
+    from feplb.testing import dense_moe_reference, load_global_weights
+
+    H, F, E, K, T = 64, 16, 16, 2, 4096
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    router = torch.randn(E, H, generator=g).bfloat16()
+    w1 = (torch.randn(E, H, 2 * F, generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, F, H, generator=g) / F ** 0.5).bfloat16()
+    x = torch.randn(T, H, generator=g).bfloat16()
+    layer = MoELayer(FEPLBConfig(hidden=H, ffn=F, num_experts=E, top_k=K, dtype=torch.bfloat16, policy="none",
+                                 device="cpu"))
+    try:
+        load_global_weights(layer, router, w1, w2)
+        with torch.no_grad():
+            got = layer(x).float()
+    finally:
+        layer.close()
+    with torch.no_grad():
+        want = dense_moe_reference(x, router, w1, w2, K).float()
+    return got, want
+
+
+def test_reference_selects_the_experts_a_bf16_layer_selects():
+    """dense_moe_reference scores a bf16 model's logits as the layer does (a bf16 GEMM, then fp32): with fp32 GEMM
+    logits about 0.5% of tokens chose other experts, whose outputs then differed by their whole size."""
+    got, want = run_dist(_bf16_selection_worker, 1, timeout_s=120)[0]
+    per_token = (got - want).abs().amax(-1) / want.abs().amax(-1).clamp_min(1e-3)
+    assert per_token.max() < 0.1, (int((per_token >= 0.1).sum()), float(per_token.max()))
