@@ -231,7 +231,19 @@ def expert_us_from_bench(doc: dict, *, impl: str = "torch_grouped_mm", dist: str
             r = row.get("rows_per_expert")
             if isinstance(r, bool) or not isinstance(r, int) or r < 1:
                 raise ValueError(f"results[{i}] ({impl} forward) has no positive integer rows_per_expert: {r!r}")
-            found.setdefault(r, {})[row.get("proj")] = row
+            proj = row.get("proj")
+            if proj in found.get(r, {}):   # (the last one was kept without a word: two runs in one file)
+                raise ValueError(f"results[{i}]: a second {impl} forward {proj!r} record at {r} rows per expert; one "
+                                 "run's results per file")
+            # the GEMM the record timed, where it says ([M, K] x [K, N]), is the shape's
+            want = {"M": r * experts, "K": hidden if proj == "gate_up" else ffn,
+                    "N": 2 * ffn if proj == "gate_up" else hidden}
+            apart = {k: row[k] for k in want if k in row and row[k] != want[k]}
+            if proj in ("gate_up", "down") and apart:
+                raise ValueError(f"results[{i}] ({impl} forward {proj} at {r} rows per expert) timed a GEMM of "
+                                 f"{apart}, not the meta.shape's {want} (hidden {hidden}, ffn {ffn}, {experts} "
+                                 "experts)")
+            found.setdefault(r, {})[proj] = row
     if not found:
         impls = sorted({str(r.get("impl")) for r in doc["results"]
                         if isinstance(r, dict) and r.get("bench") == "grouped_mm"})

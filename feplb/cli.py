@@ -540,6 +540,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
     keys = workload_keys([w.name for w in workloads], args.traces)
     # what the options leave without effect, or a trace that looks wrong: said before the run
     early = _option_notes(args, config, workloads)
+    if args.cost_table:
+        missing = [k for k in ("hidden", "ffn") if k not in json.loads(Path(args.cost_table).read_text())]
+        if missing:   # (a hand-written table of the --cost-table help's form)
+            early.append(f"--cost-table {args.cost_table} gives no {' or '.join(missing)}: its times are taken as "
+                         f"measured on an expert of H={cost.table_hidden} F={cost.table_ffn} (the cost model's "
+                         "default) and scaled to each workload's expert")
     for note in early:
         print(f"feplb simulate: note: {note}", file=sys.stderr)
     results = []

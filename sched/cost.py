@@ -115,6 +115,9 @@ class CostModel:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"CostModel.{name} must be a positive int, got {v!r}")
+            if name != "dtype_bytes" and v > 2**20:   # (as feplb.traces.ExpertShape and simulate's --hidden)
+                raise ValueError(f"CostModel.{name} must be at most 1048576 (2**20: no model's hidden or expert "
+                                 f"width comes near), got {v}")
         for name in ("ce_gbps", "net_gbps", "d2d_gbps", "backward_factor"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -175,6 +178,10 @@ class CostModel:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"{path}: a cost table needs keys 'rows' and 'us', got {got}")
         data.pop("meta", None)
+        inner = sorted(k for k in ("table_rows", "table_us", "table_hidden", "table_ffn") if k in data)
+        if inner:   # (they silently replaced the file's rows, us, hidden or ffn)
+            raise ValueError(f"{path}: a cost table gives its points and shape as 'rows', 'us', 'hidden' and 'ffn', "
+                             f"not {inner}")
         kw: dict[str, object] = {"table_rows": tuple(data.pop("rows")), "table_us": tuple(data.pop("us"))}
         # (as written: the constructor refuses a shape that is not a positive int, which int() would truncate)
         if "hidden" in data:

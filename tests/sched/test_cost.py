@@ -90,7 +90,14 @@ def test_bad_json(tmp_path):
                        ({"rows": [128, 256], "us": ["1", 2]}, r"table_us must hold numbers of us, got '1'"),
                        ({"rows": [128, 256], "us": [1, 2], "hidden": 2048.7},
                         r"hidden must be a positive int, got 2048.7"),
-                       ({"rows": [128, 256], "us": [1, 2], "ffn": True}, r"ffn must be a positive int, got True")):
+                       ({"rows": [128, 256], "us": [1, 2], "ffn": True}, r"ffn must be a positive int, got True"),
+                       ({"rows": [128, 256], "us": [1, 2], "hidden": 10**9},
+                        r"CostModel.hidden must be at most 1048576 \(2\*\*20.* got 1000000000"),
+                       # the constructor's names beside the file's: they replaced them without a word
+                       ({"rows": [128, 256], "us": [1, 2], "table_rows": [1, 2]},
+                        r"gives its points and shape as 'rows', 'us', 'hidden' and 'ffn', not \['table_rows'\]"),
+                       ({"rows": [128, 256], "us": [1, 2], "table_hidden": 7, "table_us": [1, 3]},
+                        r"not \['table_hidden', 'table_us'\]")):
         path.write_text(json.dumps(doc))
         with pytest.raises(ValueError, match=match):
             CostModel.from_json(path)

@@ -176,10 +176,25 @@ def _rec(proj, r, **kw):
     (_bench_doc([{k: v for k, v in _rec("gate_up", 128, us=1.0).items() if k != "rows_per_expert"}]),
      "torch_grouped_mm", "no positive integer rows_per_expert"),
     (_bench_doc([_rec("gate_up", 128, us=1.0), _rec("down", 128, us=None)]), "torch_grouped_mm", "us: None"),
+    # two runs in one file: the last record was kept without a word
+    (_bench_doc([_rec("gate_up", 128, us=1.0), _rec("down", 128, us=1.0), _rec("down", 128, us=9.0)]),
+     "torch_grouped_mm", r"results\[2\]: a second torch_grouped_mm forward 'down' record at 128 rows per expert"),
+    # records of another shape than the meta's (hidden 64, ffn 32, 2 experts)
+    (_bench_doc([_rec("gate_up", 128, us=1.0, M=256, K=64, N=96), _rec("down", 128, us=1.0)]), "torch_grouped_mm",
+     r"results\[0\] \(torch_grouped_mm forward gate_up at 128 rows per expert\) timed a GEMM of \{'N': 96\}, not "
+     r"the meta.shape's \{'M': 256, 'K': 64, 'N': 64\}"),
+    (_bench_doc([_rec("gate_up", 128, us=1.0), _rec("down", 128, us=1.0, M=128, K=32, N=64)]), "torch_grouped_mm",
+     r"timed a GEMM of \{'M': 128\}"),
 ])
 def test_from_bench_refusals(doc, impl, match):
     with pytest.raises(ValueError, match=match):
         expert_us_from_bench(doc, impl=impl)
+
+
+def test_from_bench_takes_records_of_its_shape():
+    got, _ = expert_us_from_bench(_bench_doc([_rec("gate_up", 128, us=2.0, M=256, K=64, N=64),
+                                              _rec("down", 128, us=1.0, M=256, K=32, N=64)]))
+    assert [(g["rows"], g["us"]) for g in got] == [(128, 1.5)]
 
 
 @pytest.mark.timing   # the fit needs times that grow with the rows: a busy CPU beside it can flatten them

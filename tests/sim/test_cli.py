@@ -376,6 +376,22 @@ def test_a_cost_table_says_where_it_was_measured(where, gpu, tmp_path, flame_pat
     assert f"GEMM times from {table} (" in captured.out
 
 
+@pytest.mark.parametrize("shape", [{}, {"hidden": 1024}, {"hidden": 1024, "ffn": 704}])
+def test_a_cost_table_without_its_shape_is_said_to_be_the_default(shape, tmp_path, flame_path, capsys):
+    """A table of the --cost-table help's form ({"rows", "us"}) is taken as measured on the default expert and
+    scaled: said, since its times were scaled without a word."""
+    table, out = tmp_path / "cost.json", tmp_path / "r.json"
+    table.write_text(json.dumps({"rows": [32, 128, 1024], "us": [20.0, 26.0, 130.0], **shape}))
+    assert main(["simulate", str(flame_path), *FAST, "--tokens-per-rank", "64", "--cost-table", str(table),
+                 "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    missing = [k for k in ("hidden", "ffn") if k not in shape]
+    said = f"--cost-table {table} gives no {' or '.join(missing)}: its times are taken as measured on an expert of " \
+           f"H={shape.get('hidden', 6144)} F=2048"
+    assert (said in err) == bool(missing), err
+    assert any(said in n for n in json.loads(out.read_text())["notes"]) == bool(missing)
+
+
 def test_unknown_plot_format_is_refused_before_the_run(tmp_path, flame_path, capsys, no_run):
     assert main(["simulate", str(flame_path), *FAST, "--plot", str(tmp_path / "r.xyz")]) == 2
     _one_line_error(capsys, f"--plot {tmp_path / 'r.xyz'}: unknown image format 'xyz'", "png")
