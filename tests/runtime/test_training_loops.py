@@ -1038,7 +1038,7 @@ def _frozen_apart_worker(rank, world):
     @ema replicas inside a node, EPLB's replicas and a +place bank across nodes) is refused on every rank, with
     autograd or without (a reentrant checkpoint's forward runs without it); once the ranks freeze alike the layer
     trains as plain EP. Layers without such copies train as plain EP, frozen apart: in-node @ema copies with whole
-    nodes frozen, fastermoe@ema (which keeps none), per-micro-batch weights (whose copies return their gradients
+    nodes frozen, fastermoe (which keeps none), per-micro-batch weights (whose copies return their gradients
     to the owners as they are)."""
     from torch.utils.checkpoint import checkpoint
 
@@ -1060,7 +1060,7 @@ def _frozen_apart_worker(rank, world):
     for policy, kw, case, refused in (
             ("feplb-split@ema", {}, "one", True), ("feplb@ema", {"replicas": "lazy"}, "one", True),
             ("eplb", {}, "one", True), ("feplb-split+place", {}, "one", True), ("eplb", {}, "node", True),
-            ("feplb-split@ema", {}, "node", False), ("fastermoe@ema", {}, "one", False),
+            ("feplb-split@ema", {}, "node", False), ("fastermoe", {}, "one", False),
             ("feplb-split", {"weights": "per-microbatch"}, "one", False)):
         m = _layer(policy, dtype=torch.float64, **kw)
         with torch.no_grad():
@@ -1094,10 +1094,10 @@ def test_experts_frozen_on_some_ranks_only():
                 assert err is not None and err.startswith("RuntimeError") and "differ in which of them require " \
                     "grad" in err and groups in err and "weights='per-microbatch'" in err, (rank, policy, case, err)
         trained = [(p, "alike") for p in ("feplb-split@ema", "feplb@ema", "eplb", "feplb-split+place")] + \
-            [("feplb-split@ema", "node"), ("fastermoe@ema", "one"), ("feplb-split", "one")]
+            [("feplb-split@ema", "node"), ("fastermoe", "one"), ("feplb-split", "one")]
         for policy, case in trained:
             got, _ = r[policy, case]
-            if policy != "fastermoe@ema":
+            if policy != "fastermoe":
                 assert sum(x[policy, case][1] for x in res) > 0, (policy, case, "rows must move")
             for name, a, b in zip(("w1", "w2"), got, r["none", case], strict=True):
                 assert (a is None) == (b is None), (rank, policy, case, name)
