@@ -53,6 +53,11 @@ class CopyEngine:
         self.device = torch.device(self.device_type) if device is None else torch.device(device)
         self._busy = threading.Lock()
         self._closed = False
+        # exchanges begun on this rank, refused ones included: engines that can carry it in their end-of-writes
+        # collective compare it over the node, so a rank that left an exchange the others ran (a local refusal it
+        # caught) stops there instead of pairing its next exchange's data with theirs (_out_of_step)
+        self.calls = 0
+        self._broken: str | None = None   # why no exchange of this engine can be trusted any more
 
     # -- public API ---------------------------------------------------------------------------------------------------
     @hidden_from_selective_checkpoint
@@ -76,7 +81,9 @@ class CopyEngine:
                 sends node rank j; tuple of tuples, list or integer array), identical on every rank of the node, and
                 given on every rank of the node or on none of them (the caller's guarantee). This rank's ``send``
                 and ``recv_numel`` must match its row and column: a ValueError otherwise, raised on this rank alone
-                before any collective. Without it the engine agrees on the sizes (one node all-gather) and every
+                before any collective; if that rank goes on to another exchange, the node's ranks raise RuntimeError
+                there (the engines that can tell: the CPU ones, IPC), never pairing its data with the refused
+                exchange's. Without it the engine agrees on the sizes (one node all-gather) and every
                 rank checks the whole exchange, so bad arguments on one rank raise ValueError on all of them.
             ready: CUDA engines only: an event the pieces depend on; the copies start after it (default: an event
                 recorded now on the calling thread's current stream).
@@ -94,9 +101,12 @@ class CopyEngine:
         """
         if self._closed:
             raise RuntimeError(f"copy path ({op}): the {self.name} engine was closed")
+        if self._broken is not None:
+            raise RuntimeError(f"copy path ({op}): the {self.name} engine {self._broken}")
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(f"copy path ({op}): another exchange of this {self.name} engine is in flight; an "
                                "engine runs one exchange at a time (wait for it, or use one engine per thread)")
+        self.calls += 1
         try:
             with torch.no_grad():
                 return self._exchange(send, recv_numel, dtype=dtype, device=device, op=op, matrix=matrix,
@@ -118,6 +128,17 @@ class CopyEngine:
         self.close()
 
     # -- for engines --------------------------------------------------------------------------------------------------
+    def _out_of_step(self, op: str, lowest: int, highest: int) -> RuntimeError:
+        """The error of an exchange whose ranks began different numbers of exchanges (``calls``); the engine refuses
+        every exchange after it (the ranks' inbox halves and counters are apart)."""
+        self._broken = (f"stopped at an exchange its node's ranks were not all at (the {lowest}th to the {highest}th "
+                        "one it began); it cannot be used again")
+        return RuntimeError(
+            f"copy path ({op}): the node's ranks are at different exchanges (from the {lowest}th to the {highest}th "
+            "this engine began): a rank left an exchange its peers ran (an error raised there on that rank alone, "
+            "and caught), so its next exchange met theirs; every rank of the node stops here, and this engine "
+            "cannot be used again")
+
     def _exchange(self, send, recv_numel, *, dtype, device, op, matrix, ready, consumer) -> dict[int, torch.Tensor]:
         raise NotImplementedError
 

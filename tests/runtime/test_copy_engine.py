@@ -514,8 +514,8 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
     out["slow_peers"] = ok
     slow.close()
 
-    # Arguments against the matrix: ValueError on this rank before any collective. Every rank errs alike here,
-    # except in "alone", where only node rank 0 calls (a collective would leave it waiting for the others).
+    # Arguments against the matrix: ValueError on this rank before any collective. Every rank errs alike here (a
+    # refusal on one rank alone: at the end, "out_of_step").
     send, recv, _, good = _full_args(400, me, g, 2)
     off = [row[:] for row in good]
     off[(me + 1) % g][me] += 1
@@ -544,9 +544,6 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
         out[f"bad_{name}_fast"] = time.monotonic() - t0 < 1.0
     out["bad_gloo"] = _expect_value_error(
         lambda: gloo.exchange(send, recv, dtype=torch.float32, device=cpu, op="bad", matrix=off), "expects 2")
-    if me == 0:
-        out["bad_alone"] = _expect_value_error(
-            lambda: fast.exchange(send, recv, dtype=torch.float32, device=cpu, op="alone", matrix=off), "expects")
     out["bad_kept_counter"] = fast.exchanges == counter
     dist.barrier()
     ok = True
@@ -593,6 +590,23 @@ def _matrix_cases(rank: int, world: int, g: int) -> dict:
     out["dispatch_bad_matrix"] = _expect_value_error(
         lambda: comm.run({}, {}, cross_node=False, dtype=torch.float32, device=cpu, op="d", node_matrix=bad_nm),
         "matrix")
+
+    # Node rank 0 alone is refused an exchange its peers run (its matrix apart), catches the ValueError and goes on:
+    # its next exchange meets theirs. Every rank raises there, naming it (none takes the other exchange's data: the
+    # shm engine compares the exchanges begun in its end-of-writes collective, gloo in each block's header), and
+    # the engine refuses every exchange after.
+    s_, r_, _, m_ = _full_args(500, me, g, 3)
+    for eng in (fast, gloo):
+        if me == 0:
+            out[f"bad_alone_{eng.name}"] = _expect_value_error(
+                lambda e=eng: e.exchange(send, recv, dtype=torch.float32, device=cpu, op="alone", matrix=off),
+                "expects")
+        got = error_of(lambda e=eng: e.exchange(s_, r_, dtype=torch.float32, device=cpu,
+                                                op="next" if me == 0 else "refused on rank 0", matrix=m_))
+        out[f"out_of_step_{eng.name}"] = got is not None and got.startswith("RuntimeError: copy path (") and \
+            "the node's ranks are at different exchanges" in got
+        again = error_of(lambda e=eng: e.exchange(s_, r_, dtype=torch.float32, device=cpu, op="again", matrix=m_))
+        out[f"refused_after_{eng.name}"] = again is not None and "it cannot be used again" in again
     for e in (fast, mixed):
         e.close()
     out["tokens"] = tokens
@@ -612,7 +626,7 @@ def test_shm_matrix_path(g):
         tokens, one_half = res.pop("tokens"), res.pop("one_half")
         failed = {k: v for k, v in res.items() if not (all(v) if isinstance(v, list) else v)}
         assert not failed, (rank, failed)
-        assert ("bad_alone" in res) == (rank % g == 0)
+        assert ("bad_alone_shm" in res) == ("bad_alone_gloo" in res) == (rank % g == 0)
         for t in tokens:
             assert glob.glob(f"/dev/shm/feplb-{t}*") == [], t
         # One half instead of two: the slow reader reads what the fast ranks wrote for the next exchange.
