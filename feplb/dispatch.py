@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -76,17 +77,26 @@ class ForwardEntry:
     collective (:meth:`check`): a backward that starts inside the layer instead, as a zero-bubble pipeline schedule's
     weight pass does (``torch.distributed.pipelining``'s ``stage_backward_weight`` restarts autograd from the nodes
     that use the parameters), would reach those collectives on some ranks only, or need gradients of exchanges that
-    never ran their backward. Every rank then raises there, naming it."""
+    never ran their backward. Every rank then raises there, naming it. ``layer``: the layer of the forward (held
+    weakly): a backward after its ``close()`` is refused there too, naming it (it failed in the copy thread's
+    executor, or ran on a closed transport)."""
 
-    __slots__ = ("tasks",)
+    __slots__ = ("tasks", "layer")
 
-    def __init__(self) -> None:
+    def __init__(self, layer=None) -> None:
         self.tasks: set[int] = set()
+        self.layer = None if layer is None else weakref.ref(layer)
 
     def arrived(self, grad: torch.Tensor) -> None:
         self.tasks.add(torch._C._current_graph_task_id())
 
     def check(self, op: str) -> None:
+        layer = None if self.layer is None else self.layer()
+        if layer is not None and layer.__dict__.get("_closed"):
+            raise RuntimeError(
+                f"{type(layer).__name__} backward ({op}): the layer was closed between this forward and its backward "
+                "(close(), or the end of a `with layer:` block holding the forward): its threads and copy path are "
+                "gone; run the backward before closing it")
         if torch._C._current_graph_task_id() not in self.tasks:
             raise RuntimeError(
                 f"MoELayer backward ({op}): this backward started inside the layer, not at its output, as a "

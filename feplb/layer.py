@@ -692,7 +692,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             # (a forward that found nothing needing grad on any rank made no graph: neither does its recompute, which
             # saves what it saved)
             with torch.no_grad() if replay.grad_free else contextlib.nullcontext():
-                entry = ForwardEntry() if torch.is_grad_enabled() else None
+                entry = ForwardEntry(self) if torch.is_grad_enabled() else None
                 rows = self._valid(x_MD, replay.counts)
                 if dispatched and entry is not None:
                     # as the forward's (below): rows that need no grad of their own need it here too, through the
@@ -728,7 +728,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             direct = counts.want_plan and self.direct
             x_all, x_MD = x_MD, self._valid(x_MD, counts)
             # (the backward nodes of this forward's exchanges check that their backward started at its output)
-            entry = ForwardEntry() if torch.is_grad_enabled() else None
+            entry = ForwardEntry(self) if torch.is_grad_enabled() else None
             if dispatched and entry is not None:
                 # (no phase 1 here, and a node whose plan moves nothing makes no exchange: this node, on the way to the
                 # expert parameters on every rank, checks where the backward started. With the layer's zero-size leaf

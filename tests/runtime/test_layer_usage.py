@@ -249,6 +249,14 @@ def _usage_worker(rank, world):
     res["closed_at_exit"] = getattr(left, "_closed", False) and left._balancer.copier._shutdown
     # a closed layer's forward and per-step calls refuse, naming what happened (locally: it holds no group)
     res["after_close"] = [error_of(lambda: left(xs[rank])), error_of(left.refresh_replicas)]
+    # closed between a forward and its backward (a `with layer:` block returning the loss): the backward refuses on
+    # every rank, naming it (it failed in the copy thread's executor: "cannot schedule new futures after shutdown")
+    res["closed_before_backward"] = {}
+    for policy in ("feplb-split", "none"):
+        closing = _layer(24, policy=policy)[0]
+        y = closing(xs[rank].clone().requires_grad_(True))
+        closing.close()
+        res["closed_before_backward"][policy] = error_of(lambda y=y: y.square().sum().backward())
 
     # Megatron's DDP keeps every expert parameter of a model in one flat buffer; its distributed optimizer steps one
     # shard of it per expert-data-parallel rank (views of the buffer in fp32, fp32 main copies of the parameters in
@@ -518,6 +526,9 @@ def test_layer_usage_and_misuse():
         fwd, refresh = res["after_close"]
         assert fwd is not None and "this layer was closed" in fwd and "build a new one" in fwd, fwd
         assert refresh is not None and "its MoE layer was closed" in refresh, refresh
+        for policy, err in res["closed_before_backward"].items():
+            assert err is not None and err.startswith("RuntimeError: MoELayer backward (") and \
+                "the layer was closed between this forward and its backward" in err, (policy, err)
         for kind, (held, stale, refreshed) in res["flat_buffer"].items():
             assert held and stale is not None and "changed since the last refresh_replicas()" in stale, (kind, stale)
             assert refreshed is None, (kind, refreshed)
