@@ -21,6 +21,7 @@ FEPLB model's.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -81,9 +82,15 @@ def run(args: argparse.Namespace) -> dict:
     G = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % G:
         raise demo.UsageError(f"--gpus-per-node {G} does not divide the world size {world}")
-    for name in ("max_steps", "save_steps", "batch", "accumulation", "seq_len", "log_every"):
+    for name in ("max_steps", "save_steps", "batch", "accumulation", "seq_len", "log_every", "hidden", "layers",
+                 "text_bytes"):
         if getattr(args, name) < 1:
             raise demo.UsageError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
+    # (--clip -1 trained without clipping, --lr 0 without learning, --lr nan failed in torch on every rank)
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise demo.UsageError(f"--lr: expected a positive finite number, got {args.lr}")
+    if not (args.clip >= 0 and math.isfinite(args.clip)):
+        raise demo.UsageError(f"--clip: expected a finite number >= 0 (0: no clipping), got {args.clip}")
     if args.out.exists() and not args.out.is_dir():
         raise demo.UsageError(f"--out {args.out} is a file, not a directory")
     last = transformers.trainer_utils.get_last_checkpoint(str(args.out)) if args.out.is_dir() else None
@@ -93,17 +100,21 @@ def run(args: argparse.Namespace) -> dict:
         raise demo.UsageError(f"--out {args.out} holds checkpoints of an earlier run ({Path(last).name}); pass "
                               "--resume to continue it, or another --out")
     corpus, _ = demo.read_corpus(None, args.text_bytes)
+    # (checked before cutting: a text shorter than one sequence failed in torch.frombuffer)
+    if len(corpus) // args.seq_len < (world + 1) * args.batch:
+        raise demo.UsageError(f"--text-bytes {args.text_bytes}: too few sequences of {args.seq_len} bytes for "
+                              f"{world} ranks of {args.batch} and a held-out batch")
     data = sequences(corpus, args.seq_len)
     held_out, data = data[-args.batch:], data[:-args.batch]
-    if len(data) < world * args.batch:
-        raise demo.UsageError(f"--text-bytes {args.text_bytes}: too few sequences of {args.seq_len} bytes for "
-                              f"{world} ranks of {args.batch}")
 
     model = hf_moe.build_model(args.arch, args.hidden, args.layers, args.seed)
     if args.device == "cuda":
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
-    feplb.hf.apply(model, policy=args.policy, gpus_per_node=G,
-                   plan_wait_ms=0.0 if args.device == "cuda" else 200.0)
+    try:   # (what apply refuses, it refuses on every rank together: one usage error, not a traceback per rank)
+        feplb.hf.apply(model, policy=args.policy, gpus_per_node=G,
+                       plan_wait_ms=0.0 if args.device == "cuda" else 200.0)
+    except ValueError as exc:
+        raise demo.UsageError(str(exc)) from exc
     targs = transformers.TrainingArguments(
         output_dir=str(args.out), max_steps=args.max_steps, per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.accumulation, learning_rate=args.lr, max_grad_norm=args.clip,

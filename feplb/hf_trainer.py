@@ -197,11 +197,15 @@ class TrainerMixin:
                                         takes_ref_model=_takes_ref_model(type(self)))
         if problem is None:
             problem = _wrapped_in_construction(self)
+        bad_dp = data_parallel_group is not None and not isinstance(data_parallel_group, dist.ProcessGroup)
+        if problem is None and bad_dp:   # (read on one rank, it failed there alone, its peers left waiting)
+            problem = ("data_parallel_group must be a torch.distributed.ProcessGroup (dist.new_group(ranks)), got "
+                       f"{type(data_parallel_group).__name__}")
         if not dist.is_initialized():
             if problem is None and data_parallel_group is not None:
                 problem = "data_parallel_group given without torch.distributed initialised"
         else:   # refused on every rank together (a group given wrong on some ranks only, say)
-            views = _agree((problem, _group_info(moes, data_parallel_group)), None)
+            views = _agree((problem, _group_info(moes, None if bad_dp else data_parallel_group)), None)
             ranks = [r for r, (v, _) in enumerate(views) if v is not None]
             if ranks:
                 problem = views[ranks[0]][0] + ("" if len(ranks) == len(views) else f" (on rank(s) {ranks})")

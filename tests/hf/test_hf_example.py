@@ -132,6 +132,40 @@ def test_example_refuses_bad_numbers_before_any_work():
 TRAINER_EXAMPLE = EXAMPLE.with_name("hf_trainer.py")
 
 
+def _trainer_refused_each(rank: int, world: int, argvs: list[list[str]]) -> list[str | None]:
+    spec = importlib.util.spec_from_file_location("_feplb_hf_trainer_example", TRAINER_EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    errors = []
+    for argv in argvs:
+        try:
+            mod.run(mod.build_parser().parse_args(argv))
+            errors.append(None)
+        except mod._sibling("train_moe").UsageError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_trainer_example_refuses_bad_options_before_any_work(tmp_path):
+    """As hf_moe.py: one usage error on every rank, naming the option (--clip -1 trained unclipped, --lr 0 without
+    learning, --text-bytes 10 failed in torch.frombuffer, --policy bogus was a traceback per rank)."""
+    base = ["--out", str(tmp_path / "out"), "--hidden", "32", "--batch", "2", "--seq-len", "32", "--gpus-per-node",
+            "2", "--text-bytes", "40000"]
+    cases = [(["--clip", "-1"], "--clip: expected a finite number >= 0 (0: no clipping), got -1.0"),
+             (["--lr", "0"], "--lr: expected a positive finite number, got 0.0"),
+             (["--lr", "nan"], "--lr: expected a positive finite number, got nan"),
+             (["--layers", "0"], "--layers: expected an integer >= 1, got 0"),
+             (["--text-bytes", "10"], "--text-bytes 10: too few sequences of 32 bytes for 2 ranks of 2 and a "
+                                      "held-out batch"),
+             (["--policy", "bogus"], "unknown base policy 'bogus'")]
+    got = run_dist(_trainer_refused_each, 2, [base + extra for extra, _ in cases], timeout_s=240,
+                   collective_timeout_s=60)
+    for errors in got:
+        for (extra, words), err in zip(cases, errors, strict=True):
+            assert err is not None and words in err, (extra, err)
+    assert not (tmp_path / "out").exists()
+
+
 def _torchrun(nproc: int, *args: str, timeout: int = 300):
     import os
     import subprocess

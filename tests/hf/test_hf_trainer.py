@@ -381,7 +381,9 @@ def _checkpointed(rank, world, out):
     model = _models().make_model("qwen3_moe")
     feplb.hf.apply(model, group=ep, policy="feplb-split", gpus_per_node=2)
     epdp = [error_of(lambda g=g: feplb.hf.Trainer(model=model, args=_args(out + "_z", "sgd"), train_dataset=_dataset(),
-                                                  data_parallel_group=g)) for g in (ep if rank >= 2 else dp, dp)]
+                                                  data_parallel_group=g))
+            # (a list of ranks on rank 0 alone: dist.new_group's argument, not a group; it failed there alone)
+            for g in (ep if rank >= 2 else dp, dp, [0, 2] if rank == 0 else dp)]
     return {"first": first, "resumed": resumed, "loaded": loaded, "files": files, "modes": modes, "epdp": epdp,
             "opt_state": whole["state"], "lr": trainer.lr_scheduler.get_last_lr(), "ema": ema,
             "ema_resumed": ema_resumed, "ema_bare": ema_bare, "epdp_first": epdp_first, "epdp_resumed": epdp_resumed}
@@ -497,7 +499,9 @@ def test_checkpoints_resume_and_load_elsewhere():
     assert expert_keys and all(r0["opt_state"][k]["exp_avg"].shape[0] == 8 for k in expert_keys)
     assert all(r0["opt_state"][k]["exp_avg"].abs().amax(dim=(1, 2)).gt(0).all() for k in expert_keys)
     for rank, r in enumerate(runs):
-        wrong, right = r["epdp"]
+        wrong, right, listed = r["epdp"]
+        assert listed == "ValueError: feplb.hf.Trainer: data_parallel_group must be a torch.distributed.ProcessGroup " \
+            "(dist.new_group(ranks)), got list (on rank(s) [0])", (rank, listed)
         assert wrong is not None and wrong.startswith("ValueError") and "data_parallel_group must hold" in wrong, \
             (rank, wrong)
         assert wrong == runs[0]["epdp"][0], "the same refusal on every rank"
