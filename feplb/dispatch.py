@@ -25,7 +25,6 @@ import contextlib
 import contextvars
 import sys
 import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -77,24 +76,25 @@ class ForwardEntry:
     collective (:meth:`check`): a backward that starts inside the layer instead, as a zero-bubble pipeline schedule's
     weight pass does (``torch.distributed.pipelining``'s ``stage_backward_weight`` restarts autograd from the nodes
     that use the parameters), would reach those collectives on some ranks only, or need gradients of exchanges that
-    never ran their backward. Every rank then raises there, naming it. ``layer``: the layer of the forward (held
-    weakly): a backward after its ``close()`` is refused there too, naming it (it failed in the copy thread's
-    executor, or ran on a closed transport)."""
+    never ran their backward. Every rank then raises there, naming it. ``layer``: the layer of the forward: a
+    backward after its ``close()`` is refused there too, naming it (it failed in the copy thread's executor, or ran
+    on a closed transport). The entry holds the layer's open flag (``_open``, a one-item list ``close()`` clears), not
+    the layer: a layer closed and dropped (a `with` block in a function returning the loss) is told apart too."""
 
-    __slots__ = ("tasks", "layer")
+    __slots__ = ("tasks", "open", "name")
 
     def __init__(self, layer=None) -> None:
         self.tasks: set[int] = set()
-        self.layer = None if layer is None else weakref.ref(layer)
+        self.open = None if layer is None else layer.__dict__.setdefault("_open", [True])
+        self.name = type(layer).__name__
 
     def arrived(self, grad: torch.Tensor) -> None:
         self.tasks.add(torch._C._current_graph_task_id())
 
     def check(self, op: str) -> None:
-        layer = None if self.layer is None else self.layer()
-        if layer is not None and layer.__dict__.get("_closed"):
+        if self.open is not None and not self.open[0]:
             raise RuntimeError(
-                f"{type(layer).__name__} backward ({op}): the layer was closed between this forward and its backward "
+                f"{self.name} backward ({op}): the layer was closed between this forward and its backward "
                 "(close(), or the end of a `with layer:` block holding the forward): its threads and copy path are "
                 "gone; run the backward before closing it")
         if torch._C._current_graph_task_id() not in self.tasks:

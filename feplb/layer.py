@@ -1214,6 +1214,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self.__dict__.get("_open", [True])[0] = False   # (the forwards' ForwardEntry objects hold it)
         _LAYERS.discard(self)
         for h in getattr(self, "_hooks", ()):
             h.remove()

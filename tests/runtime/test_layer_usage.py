@@ -251,12 +251,22 @@ def _usage_worker(rank, world):
     res["after_close"] = [error_of(lambda: left(xs[rank])), error_of(left.refresh_replicas)]
     # closed between a forward and its backward (a `with layer:` block returning the loss): the backward refuses on
     # every rank, naming it (it failed in the copy thread's executor: "cannot schedule new futures after shutdown")
+    # (also the layer dropped with its block: a `with` in a function that returns the loss)
+    import gc
+
+    def closed_loss(policy: str, x: torch.Tensor) -> torch.Tensor:
+        with _layer(24, policy=policy)[0] as closing:
+            return closing(x).square().sum()
+
     res["closed_before_backward"] = {}
     for policy in ("feplb-split", "none"):
         closing = _layer(24, policy=policy)[0]
         y = closing(xs[rank].clone().requires_grad_(True))
         closing.close()
         res["closed_before_backward"][policy] = error_of(lambda y=y: y.square().sum().backward())
+        loss = closed_loss(policy, xs[rank].clone().requires_grad_(True))
+        gc.collect()
+        res["closed_before_backward"][policy + " dropped"] = error_of(loss.backward)
 
     # Megatron's DDP keeps every expert parameter of a model in one flat buffer; its distributed optimizer steps one
     # shard of it per expert-data-parallel rank (views of the buffer in fp32, fp32 main copies of the parameters in
