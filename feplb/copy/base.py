@@ -81,9 +81,10 @@ class CopyEngine:
                 sends node rank j; tuple of tuples, list or integer array), identical on every rank of the node, and
                 given on every rank of the node or on none of them (the caller's guarantee). This rank's ``send``
                 and ``recv_numel`` must match its row and column: a ValueError otherwise, raised on this rank alone
-                before any collective; if that rank goes on to another exchange, the node's ranks raise RuntimeError
-                there (the engines that can tell: the CPU ones, IPC), never pairing its data with the refused
-                exchange's. Without it the engine agrees on the sizes (one node all-gather) and every
+                before any collective; if that rank goes on to another exchange given a matrix, the node's ranks
+                raise RuntimeError there (the engines that can tell: the CPU ones, IPC; where only some of them
+                must grow their inboxes for theirs, TimeoutError after the group's timeout), never pairing its data
+                with the refused exchange's. Without it the engine agrees on the sizes (one node all-gather) and every
                 rank checks the whole exchange, so bad arguments on one rank raise ValueError on all of them.
             ready: CUDA engines only: an event the pieces depend on; the copies start after it (default: an event
                 recorded now on the calling thread's current stream).
@@ -131,11 +132,11 @@ class CopyEngine:
     def _out_of_step(self, op: str, lowest: int, highest: int) -> RuntimeError:
         """The error of an exchange whose ranks began different numbers of exchanges (``calls``); the engine refuses
         every exchange after it (the ranks' inbox halves and counters are apart)."""
-        self._broken = (f"stopped at an exchange its node's ranks were not all at (the {lowest}th to the {highest}th "
-                        "one it began); it cannot be used again")
+        self._broken = (f"stopped at an exchange its node's ranks were not all at (its exchanges number {lowest} to "
+                        f"{highest}); it cannot be used again")
         return RuntimeError(
-            f"copy path ({op}): the node's ranks are at different exchanges (from the {lowest}th to the {highest}th "
-            "this engine began): a rank left an exchange its peers ran (an error raised there on that rank alone, "
+            f"copy path ({op}): the node's ranks are at different exchanges (this engine's exchanges number {lowest} "
+            f"to {highest}, counted on each rank as it begins one): a rank left an exchange its peers ran (an error raised there on that rank alone, "
             "and caught), so its next exchange met theirs; every rank of the node stops here, and this engine "
             "cannot be used again")
 
