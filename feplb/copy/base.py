@@ -136,9 +136,9 @@ class CopyEngine:
                         f"{highest}); it cannot be used again")
         return RuntimeError(
             f"copy path ({op}): the node's ranks are at different exchanges (this engine's exchanges number {lowest} "
-            f"to {highest}, counted on each rank as it begins one): a rank left an exchange its peers ran (an error raised there on that rank alone, "
-            "and caught), so its next exchange met theirs; every rank of the node stops here, and this engine "
-            "cannot be used again")
+            f"to {highest}, counted on each rank as it begins one): a rank left an exchange its peers ran (an error "
+            "raised there on that rank alone, and caught), so its next exchange met theirs; every rank of the node "
+            "stops here, and this engine cannot be used again")
 
     def _exchange(self, send, recv_numel, *, dtype, device, op, matrix, ready, consumer) -> dict[int, torch.Tensor]:
         raise NotImplementedError
