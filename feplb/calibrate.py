@@ -32,9 +32,10 @@ __all__ = ["BENCH_IMPLS", "FLOOR_TOLERANCE", "check_row_counts", "expert_us_from
 FLOOR_TOLERANCE = 0.10
 # A sweep whose first two row counts' times grow as their rows do (their ratio over the rows' ratio in this band:
 # the two points on one line through the origin), with no point on the floor between them, starts past the floor:
-# the first point is already on the linear part. A first point on the floor grows less (the first H200 sweep: 23.3 us
-# at 128 rows, 30.1 us at 256, 0.65 of the ratio), or, before a line that starts past the floor, more.
-FLOOR_MISSED = (0.8, 1.25)
+# the first point is already on the linear part (a bench run stopped after its two largest counts: 0.99). A first
+# point on the floor grows less (the first H200 run from 128 rows: torch._grouped_mm 0.65, feplb's kernels 0.77),
+# or, before a line that starts past the floor, more.
+FLOOR_MISSED = (0.9, 1.15)
 # the grouped GEMMs of bench/bench_kernels.py whose records give an expert's time
 BENCH_IMPLS = ("torch_grouped_mm", "feplb")
 # GPU cycles of sleep queued before each timed call, so the host issues the call while the GPU still sleeps and
