@@ -157,8 +157,9 @@ class CostModel:
         object.__setattr__(self, "table_rows", rows)
         object.__setattr__(self, "table_us", us)
         # one interpolation table for integer rows: 0 -> 0, 1..rows[0] flat, linear in between, and the last slope
-        # carried to a point past any row count (2**64: an expert's rows, summed over the sources, stay below the
-        # planner's bound of 2**62, Topology.max_count; np.interp holds its last value past its last point);
+        # carried to a point past any row count (2**64: an expert's rows, summed over the sources, stay below 2**46,
+        # W times Topology.max_count, and callers' sums below 2**62; np.interp holds its last value past its last
+        # point);
         # times already scaled to this expert's shape
         scale = (self.hidden * self.ffn) / (self.table_hidden * self.table_ffn)
         slope = (us[-1] - us[-2]) / (rows[-1] - rows[-2])
