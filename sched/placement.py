@@ -216,7 +216,9 @@ def eplb_layout(load_E: np.ndarray, topo: Topology, slots_per_gpu: int, num_grou
     E, W, G = topo.num_experts, topo.num_ranks, topo.gpus_per_node
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1 or E % num_groups:
         raise ValueError(f"num_groups must be a positive int dividing E={E}, got {num_groups!r}")
-    home = topo.default_home_E().tolist() if home_E is None else [int(h) for h in home_E]
+    # (checked as place_experts checks its owner_E: any values were taken, 99 or 0.7, and a short one failed later
+    # with an IndexError)
+    home = (topo.default_home_E() if home_E is None else _check_home(home_E, topo, "home_E")).tolist()
     nodes = topo.num_nodes
     if num_groups % nodes:
         nodes, G, num_groups = 1, W, 1  # EPLB's global policy: all GPUs one pool

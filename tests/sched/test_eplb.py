@@ -171,6 +171,16 @@ def test_no_history_is_plain_ep_and_bad_groups_are_refused():
         PolicyState(topo=topo, policy="eplb", eplb_groups=3)
     with pytest.raises(ValueError, match="num_groups must be a positive int dividing E=8"):
         eplb_layout(np.ones(8, dtype=np.int64), topo, 1, 5)
+    # home_E checked as place_experts checks owner_E (any values were taken; a short one was an IndexError later)
+    load = np.arange(1, 9, dtype=np.int64)
+    for home, words in ((np.full(8, 99), "home_E must give each of the W=4 GPUs exactly E // W = 2 experts"),
+                        (np.zeros(8, dtype=np.int64), "exactly E // W = 2 experts"),
+                        (np.full(8, 0.7), r"home_E must be an integer array of shape \[8\], got float64"),
+                        (np.arange(4), r"home_E must be an integer array of shape \[8\]")):
+        with pytest.raises(ValueError, match=words):
+            eplb_layout(load, topo, 1, 1, home)
+    mine = np.array([3, 3, 2, 2, 1, 1, 0, 0])
+    assert eplb_layout(load, topo, 1, 1, mine).shape == (4, 3)
     with pytest.raises(ValueError, match=r"layout_WP must have shape .* \[4, 3\]"):
         PolicyState(topo=topo, policy="eplb", layout_WP=np.zeros((4, 2), dtype=np.int64))
 
