@@ -6,9 +6,8 @@ path's size agreements, setup handshakes and end-of-writes barriers. It all runs
 (or picklable objects, for setup) in GLOO groups, so no control step ever launches a device kernel, copies a flag
 to or from a GPU, or waits for a stream: on a GPU the host decides while the device computes.
 
-Groups. ``Control(group, gpus_per_node)`` is collective over the EP group's ranks. It creates a gloo group over the
-same ranks (never the EP group itself, whatever its backend: the caller's own collectives on it, from another
-thread, would interleave with the copy thread's; one per set of ranks, shared by the Controls over them); and it
+Groups. ``Control(group, gpus_per_node)`` is collective over the EP group's ranks. It reuses the EP group when its
+backend speaks gloo (``"gloo"`` or ``"cpu:gloo,cuda:nccl"``), else creates a gloo group over the same ranks; and it
 creates the gloo group of this rank's node (node n holds EP ranks ``n*G .. n*G+G-1``; with one node it is the EP
 control group itself). Created groups inherit the EP group's timeout, so a stall fails after the same time on
 every path.
@@ -110,6 +109,10 @@ def _smaller_group_hint(gpus_per_node: object, world: int) -> str:
     return ""
 
 
+def _speaks_gloo(group: dist.ProcessGroup | None) -> bool:
+    return "gloo" in str(dist.get_backend(group))
+
+
 class Control:
     """The control plane of one EP group (see the module docstring). Constructing it is collective over the group.
 
@@ -136,11 +139,11 @@ class Control:
         ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
         self.ranks = tuple(ranks)
         timeout = group_timeout(group)
-        # A gloo group of its own, even where the EP group speaks gloo: the caller's collectives on the EP group (DDP's
-        # gradient all-reduces from the autograd thread, say) would otherwise share it with the copy thread's,
-        # in an order no rank agrees with the others on. Only the EP group's ranks create it (local
-        # synchronisation): the EP group may be a subgroup of the job.
-        self.group = self._new_group(ranks, timeout)
+        if _speaks_gloo(group):
+            self.group = group
+        else:
+            # Only the EP group's ranks create it (local synchronisation): the EP group may be a subgroup of the job.
+            self.group = self._new_group(ranks, timeout)
         self._locks = {id(self.group): _lock_of(self.group)}
         self._closed = False
         # Every rank must cut the group into the same nodes before any rank creates its node's group (a rank that
