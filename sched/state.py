@@ -151,6 +151,13 @@ class PolicyState:
             object.__setattr__(self, "home_E", _remember(home, (_HOME, topo), known))
         object.__setattr__(self, "slots_WS", known[0])
         object.__setattr__(self, "owners_away", known[1])
+        if known[1] and not parse_policy(self.policy)[1]:
+            # only '+place' moves experts from their owners (a history edited or of another layer: eplb's plans then
+            # failed at the next forward, naming no history; the others fell back to plain EP for good)
+            moved = sorted(e for e, _ in known[1])
+            raise ValueError(f"PolicyState.home_E places experts {moved[:8]}{' ...' if len(moved) > 8 else ''} away "
+                             f"from their owners, but policy {self.policy!r} has no '+place' (only placement moves "
+                             "experts: its home_E is the owners', e // (E // W))")
         if self.ema_E is not None and _known(self.ema_E, topo) is None:
             ema = np.asarray(self.ema_E)
             if ema.shape != (topo.num_experts,) or ema.dtype.kind not in "iu" or (ema.size and ema.min() < 0):

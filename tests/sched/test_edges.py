@@ -137,7 +137,7 @@ def test_validate_weight_copy_source_home_and_state():        # V5, V8, V9
         _plan([Move(0, 0, 1, 0, 5)], ((0, 0, 1), (0, 0, 1))).validate(COUNTS, TOPO)
     with pytest.raises(ValueError, match="exactly E // W"):
         _plan([], (), home_E=np.array([0, 0, 0, 1, 2, 2, 3, 3])).validate(COUNTS, TOPO)
-    other = PolicyState(topo=TOPO, policy="feplb-split", home_E=np.array([1, 0, 0, 1, 2, 3, 2, 3]))
+    other = PolicyState(topo=TOPO, policy="feplb-split+place", home_E=np.array([1, 0, 0, 1, 2, 3, 2, 3]))
     with pytest.raises(ValueError, match="differs from the placement"):
         _plan([], ()).validate(COUNTS, TOPO, other)
 

@@ -182,10 +182,31 @@ def test_bad_state_arguments():
 def test_inconsistent_derived_fields_are_refused(field, value, match):
     topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=1)
     with pytest.raises(ValueError, match=match):
-        PolicyState(topo=topo, policy="feplb@ema", **{field: np.asarray(value) if field != "place_min_gain" else value})
+        PolicyState(topo=topo, policy="feplb+place@ema",
+                    **{field: np.asarray(value) if field != "place_min_gain" else value})
     # the same fields, consistent, are accepted
-    PolicyState(topo=topo, policy="feplb@ema", home_E=np.array([1, 0, 1, 0]), dynamic_WD=np.array([[1], [0]]),
+    PolicyState(topo=topo, policy="feplb+place@ema", home_E=np.array([1, 0, 1, 0]), dynamic_WD=np.array([[1], [0]]),
                 ema_E=np.array([0, 1, 2, 3]))
+
+
+@pytest.mark.parametrize("policy", ["feplb@ema", "feplb-split", "eplb", "lp", "fastermoe", "none"])
+def test_a_placement_without_place_is_refused(policy):
+    """Only '+place' moves experts from their owners: a history holding another home_E (edited, or another
+    layer's) was taken; eplb's plans then failed at the next forward naming no history, the others fell back to plain
+    EP for good. Refused by name, directly and through from_dict."""
+    topo = Topology(num_ranks=4, gpus_per_node=2, num_experts=8, dyn=1)
+    moved = np.roll(topo.default_home_E(), 2)
+    with pytest.raises(ValueError, match=rf"home_E places experts \[0, 1, 2, 3, 4, 5, 6, 7\] away from their "
+                                         rf"owners, but policy '{policy}' has no '\+place'"):
+        PolicyState(topo=topo, policy=policy, home_E=moved)
+    like = PolicyState(topo=topo, policy=policy)
+    saved = like.to_dict()
+    saved["home_E"] = moved
+    with pytest.raises(ValueError, match="has no '\\+place'"):
+        PolicyState.from_dict(saved, like)
+    placed = policy.split("@")[0] + "+place" + ("@" + policy.split("@")[1] if "@" in policy else "")
+    if policy != "none":
+        assert PolicyState(topo=topo, policy=placed, home_E=moved).home_E.tolist() == moved.tolist()
 
 
 def _node_loads(home, load, topo):
