@@ -118,14 +118,7 @@ def train(args: argparse.Namespace) -> dict:
         raise demo.UsageError(f"--gpus-per-node {G} does not divide the world size {world}")
     if args.checkpoint is not None and args.checkpoint.exists() and not args.checkpoint.is_dir():
         raise demo.UsageError(f"--checkpoint {args.checkpoint} is a file, not a directory")
-    # (alike on every rank, before any collective: a 0 was a ZeroDivisionError on one rank, its peers waiting)
-    for name in ("steps", "layers", "hidden", "batch", "seq_len", "text_bytes", "log_every"):
-        if getattr(args, name) < 1:
-            raise demo.UsageError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise demo.UsageError(f"--lr: expected a positive finite number, got {args.lr}")
-    if not (args.clip >= 0 and math.isfinite(args.clip)):
-        raise demo.UsageError(f"--clip: expected a finite number >= 0 (0: no clipping), got {args.clip}")
+    demo.check_options(args, ("steps", "layers", "hidden", "batch", "seq_len", "text_bytes", "log_every"))
     # the report's and --save's folders can be written, before any training (checked alike on every rank)
     for option, path in (("--out", args.out), ("--save", args.save)):
         if path is not None:

@@ -21,7 +21,6 @@ FEPLB model's.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -82,15 +81,8 @@ def run(args: argparse.Namespace) -> dict:
     G = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % G:
         raise demo.UsageError(f"--gpus-per-node {G} does not divide the world size {world}")
-    for name in ("max_steps", "save_steps", "batch", "accumulation", "seq_len", "log_every", "hidden", "layers",
-                 "text_bytes"):
-        if getattr(args, name) < 1:
-            raise demo.UsageError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
-    # (--clip -1 trained without clipping, --lr 0 without learning, --lr nan failed in torch on every rank)
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise demo.UsageError(f"--lr: expected a positive finite number, got {args.lr}")
-    if not (args.clip >= 0 and math.isfinite(args.clip)):
-        raise demo.UsageError(f"--clip: expected a finite number >= 0 (0: no clipping), got {args.clip}")
+    demo.check_options(args, ("max_steps", "save_steps", "batch", "accumulation", "seq_len", "log_every", "hidden",
+                              "layers", "text_bytes"))
     if args.out.exists() and not args.out.is_dir():
         raise demo.UsageError(f"--out {args.out} is a file, not a directory")
     last = transformers.trainer_utils.get_last_checkpoint(str(args.out)) if args.out.is_dir() else None

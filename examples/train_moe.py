@@ -297,6 +297,19 @@ def _read_up_to(f, n: int) -> bytes:
     return b"".join(parts)
 
 
+def check_options(args: argparse.Namespace, positive: tuple[str, ...]) -> None:
+    """The Hugging Face examples' numeric options, alike on every rank before any collective: ``positive`` integers
+    >= 1 (a 0 was a ZeroDivisionError on one rank, its peers waiting), ``--lr`` positive and ``--clip`` >= 0, both
+    finite (--clip -1 trained without clipping, --lr 0 without learning, NaN went through)."""
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise UsageError(f"--lr: expected a positive finite number, got {args.lr}")
+    if not (args.clip >= 0 and math.isfinite(args.clip)):
+        raise UsageError(f"--clip: expected a finite number >= 0 (0: no clipping), got {args.clip}")
+
+
 def read_corpus(text: Path | None, budget: int) -> tuple[bytes, str]:
     """Read up to ``budget`` bytes of text, in a deterministic order; returns the bytes and a description."""
     if text is None:
