@@ -32,11 +32,20 @@ def expert_mlp(x_MH: torch.Tensor, weights: tuple[torch.Tensor, ...], offsets_L:
     in x's dtype: inside ``torch.autocast`` the GEMMs (and the SwiGLU between them) run in the autocast dtype, and
     their result is cast back, so the rows the layer exchanges keep the layer's dtype.
     """
-    from feplb.kernels import glu, grouped_mm, mlp_act
+    from feplb.kernels import autocast_matmul_inputs, glu, grouped_mm, mlp_act
 
     w1_LH2F, w2_LFH, *bias = weights
+    if w1_LH2F.shape[0] == 0 and x_MH.shape[0] > 0:
+        raise ValueError(f"expert_mlp: {x_MH.shape[0]} rows for no expert (weights of 0 experts)")
     if w1_LH2F.shape[0] == 0 or x_MH.shape[0] == 0:
         return x_MH.new_zeros((0, w2_LFH.shape[-1])) + (x_MH.sum() + sum(w.sum() for w in weights)) * 0
+    # Inside torch.autocast the weights' casts are made here (grouped_mm then casts nothing) and declared derived:
+    # in a rebuilt_in_backward block (received weights under recopy_weights) the backward casts the rebuilt
+    # weights again instead of autograd keeping these casts from the forward to the backward.
+    cast = autocast_matmul_inputs(w1_LH2F, w2_LFH)
+    if cast[0] is not w1_LH2F or cast[1] is not w2_LFH:
+        derived_cast(cast, (w1_LH2F, w2_LFH))
+        w1_LH2F, w2_LFH = cast
     h = grouped_mm(x_MH, w1_LH2F, offsets_L, check=False)
     group_M = None
     if bias:   # each row's expert: the number of group ends at or before it (on the device, no host sync)

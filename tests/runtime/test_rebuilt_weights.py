@@ -520,3 +520,24 @@ def test_on_the_device_gradients_bit_equal_and_the_join_not_kept(device, autocas
         # exactly the bf16 join, by what each run saves (a 512-byte multiple: the allocator rounds nothing here)
         join_bytes = n * h * 2 * f * 2
         assert kept_bytes - rebuilt_bytes >= join_bytes, (kept_bytes, rebuilt_bytes, join_bytes)
+
+
+def test_autocast_casts_of_the_weights_are_not_kept(monkeypatch):
+    """Inside torch.autocast the GEMMs' bf16 casts of derived weights are derived again in the backward too: the
+    block keeps nothing of a weight's shape (grouped_mm cast them, undeclared, and the block kept both casts from
+    the forward to the backward: the received banks of recopy_weights under autocast), and the gradients equal the
+    plain run's bit for bit."""
+    from feplb import experts
+
+    kept = []
+    real = experts._Kept.of
+    monkeypatch.setattr(experts._Kept, "of", staticmethod(lambda t: kept.append(tuple(t.shape)) or real(t)))
+    params = _params(4)
+    x = torch.randn(sum(SIZES), H, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _run(params, x, _Join(torch.float32), False, one=False)
+        kept.clear()
+        got = _run(params, x, _Join(torch.float32), True, one=False)
+    assert not {(L, H, 2 * F), (L, F, H)} & set(kept), kept
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
