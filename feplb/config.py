@@ -129,8 +129,10 @@ class FEPLBConfig:
         themselves 16-bit (a model trained in bf16 without fp32 master weights or gradient buffers), False costs
         next to no precision: the owner's gradient is rounded to 16 bits anyway. No effect on fp32 weights.
     refresh_every: micro-batches between the policy state's slow refreshes (``@ema`` dynamic sets, EPLB replicas).
-    plan_wait_ms: grace after the static GEMM before falling back to computing at home. None (default): on a
-        CPU, wait for the plan (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer). Under
+    plan_wait_ms: grace after the static GEMM before falling back to computing at home (on a GPU; on a CPU, where
+        the static GEMM runs on the main thread beside the wait, the grace counts from the wait's start, so a plan
+        ready within the static GEMM may still miss a short grace). None (default): on a CPU, wait for the plan
+        (there is no GEMM worth hiding it behind), on a GPU 0 (never delay the layer). Under
         ``torch.use_deterministic_algorithms(True)`` the plan is always waited for (run-to-run reproducibility:
         where the clock decides which micro-batches balance, the expert gradients' summation order follows it). No
         wait lasts longer than half the EP group's collective timeout (nor than a minute): the peers wait for this
