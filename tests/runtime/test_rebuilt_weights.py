@@ -522,11 +522,21 @@ def test_on_the_device_gradients_bit_equal_and_the_join_not_kept(device, autocas
         assert kept_bytes - rebuilt_bytes >= join_bytes, (kept_bytes, rebuilt_bytes, join_bytes)
 
 
+class _Derived(_Join):
+    """A join deriving both weights (w2 copied, not a view of its parameter): as the received banks of
+    recopy_weights, every weight derived from a buffer."""
+
+    def __call__(self, w1, w2, w3):
+        joined, w2t = super().__call__(w1, w2, w3)
+        return joined, w2t.mul(1)
+
+
 def test_autocast_casts_of_the_weights_are_not_kept(monkeypatch):
     """Inside torch.autocast the GEMMs' bf16 casts of derived weights are derived again in the backward too: the
-    block keeps nothing of a weight's shape (grouped_mm cast them, undeclared, and the block kept both casts from
-    the forward to the backward: the received banks of recopy_weights under autocast), and the gradients equal the
-    plain run's bit for bit."""
+    block keeps nothing of a derived weight's shape (grouped_mm cast them, undeclared, and the block kept both casts
+    from the forward to the backward: the received banks of recopy_weights under autocast), and the gradients equal
+    the plain run's bit for bit. A weight that is a view of its parameter (w2 in _Join: torchtitan's, in its own
+    dtype) is no derived weight: its cast is kept, as autograd keeps it without the block."""
     from feplb import experts
 
     kept = []
@@ -534,10 +544,11 @@ def test_autocast_casts_of_the_weights_are_not_kept(monkeypatch):
     monkeypatch.setattr(experts._Kept, "of", staticmethod(lambda t: kept.append(tuple(t.shape)) or real(t)))
     params = _params(4)
     x = torch.randn(sum(SIZES), H, generator=torch.Generator().manual_seed(5), requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        want = _run(params, x, _Join(torch.float32), False, one=False)
-        kept.clear()
-        got = _run(params, x, _Join(torch.float32), True, one=False)
-    assert not {(L, H, 2 * F), (L, F, H)} & set(kept), kept
-    for a, b in zip(got, want, strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    for join, derived in ((_Derived, {(L, H, 2 * F), (L, F, H)}), (_Join, {(L, H, 2 * F)})):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = _run(params, x, join(torch.float32), False, one=False)
+            kept.clear()
+            got = _run(params, x, join(torch.float32), True, one=False)
+        assert not derived & set(kept), (join.__name__, kept)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
