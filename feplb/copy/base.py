@@ -129,6 +129,14 @@ class CopyEngine:
         self.close()
 
     # -- for engines --------------------------------------------------------------------------------------------------
+    def _in_step(self, op: str, stage: str) -> None:
+        """One node all-reduce comparing the exchanges begun (``calls``: min and -max, equal on every rank in step),
+        which is also a barrier: raises ``_out_of_step``'s error on every rank of the node where they differ."""
+        got = self.control.all_reduce_min(torch.tensor([self.calls, -self.calls], dtype=torch.int64), "node",
+                                          f"copy path ({op}): {stage}").tolist()
+        if got[0] != -got[1]:
+            raise self._out_of_step(op, got[0], -got[1])
+
     def _out_of_step(self, op: str, lowest: int, highest: int) -> RuntimeError:
         """The error of an exchange whose ranks began different numbers of exchanges (``calls``); the engine refuses
         every exchange after it (the ranks' inbox halves and counters are apart)."""

@@ -27,10 +27,7 @@ class GlooCopyEngine(CopyEngine):
             # A known matrix is checked on each rank alone: a rank that left a refused exchange its peers ran (and
             # caught the error) would meet theirs in the all-to-all below, with data of another exchange or sizes
             # gloo aborts the process on. The exchanges begun are compared first, in a collective of fixed size.
-            got = self.control.all_reduce_min(torch.tensor([self.calls, -self.calls], dtype=torch.int64), "node",
-                                              f"copy path ({op}): exchanges in step").tolist()
-            if got[0] != -got[1]:
-                raise self._out_of_step(op, got[0], -got[1])
+            self._in_step(op, "exchanges in step")
         me, g = self.node_rank, self.node_size
         send_splits, recv_splits = m[me].tolist(), m[:, me].tolist()
         parts = [t.reshape(-1) for p in range(g) for t in send.get(p, ())]

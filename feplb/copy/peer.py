@@ -147,11 +147,8 @@ class PeerInboxEngine(CopyEngine):
             if pieces:
                 self._write(p, parity, offsets[p], pieces, dtype)
         self._writes_done(parity)
-        # the end barrier, which also compares the exchanges begun (min and -max): equal on every rank in step
-        got = self.control.all_reduce_min(torch.tensor([self.calls, -self.calls], dtype=torch.int64), "node",
-                                          f"copy path ({op}): end of writes").tolist()
-        if got[0] != -got[1]:
-            raise self._out_of_step(op, got[0], -got[1])
+        # the end barrier, which also compares the exchanges begun
+        self._in_step(op, "end of writes")
         # each sender's block in this rank's half: its offset (what lower node ranks send) and size, as Python ints
         col = send_GG[:, me].tolist()
         blocks, pos = {}, 0
