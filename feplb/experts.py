@@ -43,9 +43,8 @@ def expert_mlp(x_MH: torch.Tensor, weights: tuple[torch.Tensor, ...], offsets_L:
     # in a rebuilt_in_backward block (received weights under recopy_weights) the backward casts the rebuilt
     # weights again instead of autograd keeping these casts from the forward to the backward.
     cast = autocast_matmul_inputs(w1_LH2F, w2_LFH)
-    if cast[0] is not w1_LH2F or cast[1] is not w2_LFH:
-        derived_cast(cast, (w1_LH2F, w2_LFH))
-        w1_LH2F, w2_LFH = cast
+    derived_cast(cast, (w1_LH2F, w2_LFH))   # (nothing outside a block, nor for a weight left as it was)
+    w1_LH2F, w2_LFH = cast
     h = grouped_mm(x_MH, w1_LH2F, offsets_L, check=False)
     group_M = None
     if bias:   # each row's expert: the number of group ends at or before it (on the device, no host sync)
