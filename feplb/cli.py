@@ -346,13 +346,14 @@ def _measured_on(meta: dict) -> tuple[str | None, str]:
     return kind, meta.get("device") or bench.get("device") or ""
 
 
-def _table_meta(path: str) -> dict:
-    """Where and how a cost table was measured (its ``meta``, as ``feplb calibrate`` writes it; {} if none)."""
+def _table_doc(path: str) -> dict:
+    """A cost table's document as read, for what the model does not keep: its ``meta`` (where and how it was
+    measured, as ``feplb calibrate`` writes it) and which keys it gives; {} if it is no JSON object."""
     try:
-        meta = json.loads(Path(path).read_text()).get("meta")
-    except (OSError, ValueError, AttributeError):
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
         return {}
-    return meta if isinstance(meta, dict) else {}
+    return doc if isinstance(doc, dict) else {}
 
 
 # the command line's names for what SimConfig and the topology name in their messages
@@ -500,7 +501,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     # traced model's, or the cost table's for workloads of no model
     cost_kw = {k: v for k, v in (("hidden", args.hidden), ("ffn", args.ffn)) if v is not None}
     cost = _cost_table(args.cost_table, cost_kw) if args.cost_table else CostModel(**cost_kw)
-    table_meta = _table_meta(args.cost_table) if args.cost_table else None
+    table_doc = _table_doc(args.cost_table) if args.cost_table else None
+    table_meta = None if table_doc is None else \
+        table_doc["meta"] if isinstance(table_doc.get("meta"), dict) else {}
     if args.no_reduce_in_fp32:
         cost = dataclasses.replace(cost, grad_dtype_bytes=cost.dtype_bytes)
     try:
@@ -540,8 +543,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     keys = workload_keys([w.name for w in workloads], args.traces)
     # what the options leave without effect, or a trace that looks wrong: said before the run
     early = _option_notes(args, config, workloads)
-    if args.cost_table:
-        missing = [k for k in ("hidden", "ffn") if k not in json.loads(Path(args.cost_table).read_text())]
+    if table_doc is not None:
+        missing = [k for k in ("hidden", "ffn") if k not in table_doc]
         if missing:   # (a hand-written table of the --cost-table help's form)
             early.append(f"--cost-table {args.cost_table} gives no {' or '.join(missing)}: its times are taken as "
                          f"measured on an expert of H={cost.table_hidden} F={cost.table_ffn} (the cost model's "
