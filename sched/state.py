@@ -287,9 +287,14 @@ class PolicyState:
         t = like.topo
         want = {"topology": [t.num_ranks, t.gpus_per_node, t.num_experts, t.dyn],
                 **{k: getattr(like, k) for k in cls.SETTINGS}}
-        missing = sorted((set(want) | {"step", *cls._ARRAYS, *cls._PAIRS}) - set(d))
+        known = set(want) | {"step", *cls._ARRAYS, *cls._PAIRS}
+        missing = sorted(known - set(d))
         if missing:
             raise ValueError(f"a saved policy state lacks {missing}")
+        # (a key no history of this version writes: another format, or a mistyped one, never ignored silently)
+        unknown = sorted(map(repr, set(d) - known))
+        if unknown:
+            raise ValueError(f"a saved policy state holds keys no policy history has: {', '.join(unknown)}")
         got = {k: list(d[k]) if k == "topology" else d[k] for k in want}
         differ = [f"{k} {got[k]!r} (the layer's: {want[k]!r})" for k in want if got[k] != want[k]]
         if differ:

@@ -486,6 +486,8 @@ def test_from_dict_refuses_another_setup_and_bad_arrays():
         PolicyState.from_dict({k: v for k, v in d.items() if k != "ema_E"}, like)
     with pytest.raises(ValueError, match="home_E"):
         PolicyState.from_dict({**d, "home_E": np.zeros(16, dtype=np.int64)}, like)   # 16 experts on GPU 0
+    with pytest.raises(ValueError, match=r"holds keys no policy history has: 'ema'$"):
+        PolicyState.from_dict({**d, "ema": d["ema_E"]}, like)      # a mistyped key is not ignored
     with pytest.raises(ValueError, match=r"resident must be an integer array \[N, 2\]"):
         PolicyState.from_dict({**d, "resident": np.zeros((1, 3), dtype=np.int64)}, like)
     with pytest.raises(ValueError, match="must be a dict"):
