@@ -322,10 +322,16 @@ def sampling_notes(workload: Any, config: SimConfig) -> tuple[str, ...]:
         base, place, mode = parse_policy(p)
         if mode == "ema" or place or base == "eplb":
             stepped.append(p)
-    if stepped and config.microbatches % config.refresh_every:
-        notes.append(f"--microbatches {config.microbatches} is not a multiple of --refresh-every "
-                     f"{config.refresh_every}: the per-step costs of {', '.join(stepped)} count only the refreshes "
-                     "inside the measured micro-batches (too few or too many per micro-batch)")
+    # the refreshes the measured micro-batches hold (PolicyState.refreshed: after the first micro-batch, then every
+    # refresh_every), against the M / refresh_every a whole number of steps holds
+    w, M, r = config.warmup, config.microbatches, config.refresh_every
+    refreshes = sum(1 for s in range(w + 1, w + M + 1) if s == 1 or s % r == 0)
+    if stepped and refreshes * r != M:
+        why = (f"--microbatches {M} is not a multiple of --refresh-every {r}" if M % r else
+               f"with --warmup {w} the measured micro-batches hold {refreshes} refreshes (the first micro-batch's "
+               f"refresh among them), not {M // r}")
+        notes.append(f"{why}: the per-step costs of {', '.join(stepped)} count only the refreshes inside the "
+                     "measured micro-batches (too few or too many per micro-batch)")
     return tuple(notes)
 
 

@@ -344,7 +344,7 @@ def test_hidden_or_ffn_alone_keeps_the_other_dimension_of_each_workload(tmp_path
 
 def test_what_limits_a_result_is_said_and_recorded(tmp_path, flame_path, capsys):
     """The test trace holds 2,048 tokens: 8 ranks of 256 tokens differ, of 2,048 every rank routes the whole trace;
-    @ema's per-step costs over 3 micro-batches of a 2-micro-batch step are charged for one refresh."""
+    @ema's per-step costs over 3 micro-batches of a 2-micro-batch step count the window's refreshes only."""
     out = tmp_path / "r.json"
     base = ["--ep", "8", "--gpus-per-node", "4", "--dyn", "1", "--warmup", "0", "--no-progress", "--json", str(out)]
     assert main(["simulate", str(flame_path), *base, "--tokens-per-rank", "256", "--policies", "none,feplb",
@@ -680,7 +680,8 @@ def test_options_without_effect_and_a_suspicious_expert_count_are_said_before_th
     assert all(f"feplb simulate: note: {n}" in err for n in want), err
     # none of them where they do not apply
     assert main(["simulate", str(flame_path), str(sparse), *FAST, "--experts", "64", "--policies", "none,feplb@ema",
-                 "--replicas", "lazy", "--microbatches", "8", "--refresh-every", "4", "--json", str(out)]) == 0
+                 "--replicas", "lazy", "--microbatches", "8", "--refresh-every", "4", "--warmup", "4", "--json",
+                 str(out)]) == 0
     assert json.loads(out.read_text())["notes"] == [], capsys.readouterr().err
 
 
@@ -712,5 +713,5 @@ def test_options_of_policies_not_simulated_and_experts_of_counts_are_said(tmp_pa
     # where they apply, nothing is said
     assert main(["simulate", str(flame_path), *FAST, "--policies", "none,feplb-split,eplb", "--experts", "64",
                  "--min-chunk", "7", "--tau", "0.5", "--eplb-slots", "2", "--recopy-weights",
-                 "--microbatches", "8", "--json", str(out)]) == 0
+                 "--microbatches", "8", "--warmup", "8", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["notes"] == [], capsys.readouterr().err

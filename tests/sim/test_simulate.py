@@ -421,4 +421,11 @@ def test_sampling_notes_say_what_the_micro_batches_are():
         assert sampling_notes(trace, cfg) == (f"--microbatches 6 is not a multiple of --refresh-every 4: the "
                                               f"per-step costs of {policy} count only the refreshes inside the "
                                               "measured micro-batches (too few or too many per micro-batch)",)
-        assert sampling_notes(trace, dataclasses.replace(cfg, microbatches=8)) == ()
+        # a whole number of steps, but without warm-up the window holds the first micro-batch's refresh too: 3
+        # refreshes over 8 micro-batches of 4-micro-batch steps (steps 1, 4 and 8)
+        assert sampling_notes(trace, dataclasses.replace(cfg, microbatches=8)) == (
+            f"with --warmup 0 the measured micro-batches hold 3 refreshes (the first micro-batch's refresh among "
+            f"them), not 2: the per-step costs of {policy} count only the refreshes inside the measured "
+            "micro-batches (too few or too many per micro-batch)",)
+        assert sampling_notes(trace, dataclasses.replace(cfg, microbatches=8, warmup=1)) == ()
+        assert sampling_notes(trace, dataclasses.replace(cfg, microbatches=8, warmup=4)) == ()
