@@ -146,10 +146,13 @@ def check_dw_inputs(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor) -> None:
 
 def _dot_meta(t: Tensor) -> dict:
     """Compile-time arguments of the dot: accumulator dtype, input precision, interpreter upcast."""
-    # fp32 follows torch's own switch (full precision by default); other dtypes take Triton's default.
+    # fp32 follows torch's own switch for matmuls (full precision by default); other dtypes take Triton's default.
+    # (read through fp32_precision, which allow_tf32 = True/False also sets: allow_tf32 itself raises once a program
+    # has set TF32 through fp32_precision, torch's API since 2.9; "none" inherits torch.backends.fp32_precision,
+    # whose own default is full precision)
     precision = None
     if t.dtype == torch.float32:
-        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        precision = "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "ieee"
     return dict(ACC=tl.float64 if t.dtype == torch.float64 else tl.float32, DOT_PRECISION=precision,
                 # The interpreter computes bf16 dots wrongly; it gets fp32 tiles (exact products of bf16 values).
                 UPCAST=(not t.is_cuda) and t.dtype == torch.bfloat16)

@@ -113,7 +113,7 @@ def split(config: dict) -> tuple[dict, dict]:
 
 
 # Each dtype a GEMM can be launched with on a GPU: (name, Triton pointer type, itemsize, compile-time arguments).
-# fp32 runs TF32 or IEEE dots, following torch.backends.cuda.matmul.allow_tf32.
+# fp32 runs TF32 or IEEE dots, following torch.backends.cuda.matmul.fp32_precision (allow_tf32).
 DTYPES = {
     "bf16": ("*bf16", 2, {"ACC": tl.float32, "DOT_PRECISION": None, "UPCAST": False}),
     "fp16": ("*fp16", 2, {"ACC": tl.float32, "DOT_PRECISION": None, "UPCAST": False}),

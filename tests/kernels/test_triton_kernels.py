@@ -27,6 +27,7 @@ from feplb.kernels.grouped_gemm import (
     DW_HOPPER_CONFIGS,
     FWD_FALLBACK_CONFIGS,
     FWD_HOPPER_CONFIGS,
+    _dot_meta,
     grouped_mm_dw_ref,
     grouped_mm_dw_triton,
     grouped_mm_ref,
@@ -194,6 +195,45 @@ def test_grouped_mm_backward_kernels(case, dtype, gen, kh):
     # Empty groups get a zero gradient, not garbage.
     empty = torch.diff(offsets.cpu(), prepend=offsets.new_zeros(1).cpu()) == 0
     assert torch.all(dw.cpu()[empty] == 0)
+
+
+@pytest.fixture
+def matmul_precision():
+    """torch.backends.cuda.matmul's fp32 precision, restored after the test (set through either API)."""
+    m = torch.backends.cuda.matmul
+    before = m.fp32_precision
+    yield m
+    m.fp32_precision = before
+
+
+@pytest.mark.parametrize("how, want", [("fp32_precision=tf32", "tf32"), ("fp32_precision=ieee", "ieee"),
+                                       ("allow_tf32=True", "tf32"), ("allow_tf32=False", "ieee"),
+                                       ("global tf32", "tf32"), ("default", "ieee")])
+def test_fp32_dots_follow_torchs_matmul_precision_set_either_way(how, want, matmul_precision, gen, kh):
+    """fp32 GEMMs take TF32 dots where torch's matmuls do, set through torch's current API (fp32_precision, on which
+    reading the older allow_tf32 raises) or the older one; the kernels run with either (TF32 is the GPU's: the
+    interpreter computes both in fp32)."""
+    before = torch.backends.fp32_precision
+    try:
+        if how == "global tf32":
+            matmul_precision.fp32_precision = "none"         # (inherits the global setting)
+            torch.backends.fp32_precision = "tf32"
+        elif how.startswith("fp32_precision="):
+            matmul_precision.fp32_precision = how.split("=")[1]
+        elif how.startswith("allow_tf32="):
+            matmul_precision.allow_tf32 = how.endswith("True")
+        else:
+            matmul_precision.fp32_precision = "none"
+        x, w, offsets = _gmm_inputs("multi-tile", torch.float32, torch.int32, gen)
+        assert _dot_meta(x)["DOT_PRECISION"] == want
+        assert _dot_meta(x.to(torch.bfloat16))["DOT_PRECISION"] is None
+        y = grouped_mm_triton(x, w, offsets)
+        dw = grouped_mm_dw_triton(x, y, offsets)
+        kh.close(y.cpu(), kh.grouped_mm_f64(x.cpu(), w.cpu(), offsets.cpu()), torch.float32, scale=2.0)
+        kh.close(dw.cpu(), kh.grouped_mm_dw_f64(x.cpu(), y.cpu(), offsets.cpu()), torch.float32,
+                 scale=2.0 * x.shape[0] ** 0.5)
+    finally:
+        torch.backends.fp32_precision = before
 
 
 def test_grouped_mm_kernels_strided_inputs(gen, kh):
