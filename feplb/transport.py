@@ -360,13 +360,16 @@ class Shares:
 
     def __init__(self) -> None:
         self._held: dict[tuple, list] = {}
+        # [object, close, users] of a process group since destroyed: no key reaches them, their users still count
+        self._orphans: list[list] = []
 
     def take(self, key: tuple, make: Callable[[], tuple[Any, Callable[[], None]]]) -> Any:
         """The object under ``key`` (which may hold process groups), made by ``make() -> (object, its close)`` if
-        there is none. Objects of a process group since destroyed (on every rank) are forgotten first: no key can
-        reach them again, and their users keep what they hold."""
+        there is none. Objects of a process group since destroyed (on every rank) are taken off their keys first:
+        no key can reach them again, and their users keep what they hold (the last of them to give it back still
+        closes it)."""
         for k in [k for k in self._held if any(isinstance(x, dist.ProcessGroup) and not _registered(x) for x in k)]:
-            del self._held[k]
+            self._orphans.append(self._held.pop(k))
         held = self._held.get(key)
         if held is None:
             obj, close = make()
@@ -381,6 +384,13 @@ class Shares:
                 held[2] -= 1
                 if held[2] <= 0:
                     del self._held[key]
+                    held[1]()
+                return True
+        for i, held in enumerate(self._orphans):
+            if held[0] is obj:
+                held[2] -= 1
+                if held[2] <= 0:
+                    del self._orphans[i]
                     held[1]()
                 return True
         return False

@@ -485,6 +485,8 @@ def _lifecycle_worker(rank, world):
     # 5. The default group is destroyed and another made, its ranks in reverse order: a layer built on the first
     # still runs on it (the group it was built with), not on the new default group with its old rank numbers.
     layer, x = _layer(rank, world, 1, policy="feplb-split", min_straggler_rows=0)
+    other = _layer(rank, world, 1, policy="feplb-split", min_straggler_rows=0)[0]    # sharing its copy path
+    res["old_shared"] = other.comm.copy is layer.comm.copy
     with torch.no_grad():
         before = layer(x)
     port = [free_port() if rank == 0 else None]
@@ -495,6 +497,9 @@ def _lifecycle_worker(rank, world):
     fresh = _layer(rank, world, 1, policy="feplb-split", min_straggler_rows=0)[0]
     # the old group's shared copy path (kept by made[2], never closed) is forgotten; the old layer still holds its own
     res["engines_after_reinit"] = len(copy_mod._SHARED)
+    # ... and its users still count: closing one of them leaves the copy path open for the other
+    other.close()
+    res["old_engine_open"] = not layer.comm.copy._closed
     with torch.no_grad():
         res["old_group"] = error_of(lambda: res.__setitem__("old_group_same", torch.equal(layer(x), before)))
         res["fresh"] = error_of(lambda: fresh(x))
@@ -522,5 +527,6 @@ def test_lifecycle_faults():
         assert res["shared_engine"] and res["after_first_closed"], res
         assert res["engines_kept"] == 1 and res["engines_after"] == 1, res
         assert res["threads_after"][0] == res["threads_after"][1], res["threads_after"]
+        assert res["old_shared"] and res["old_engine_open"], (rank, res)
         assert res["old_group"] is None and res["old_group_same"], (rank, res["old_group"])
         assert res["fresh"] is None and res["engines_after_reinit"] == 1, (rank, res)
