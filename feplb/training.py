@@ -460,7 +460,10 @@ class TrainingSteps:
     def state(self):
         """The policy's history (``feplb.sched.PolicyState``: load averages, dynamic sets, placement), or None for
         plain EP. Not in ``state_dict()``: save it beside (it pickles) and assign it back on every rank, then call
-        ``refresh_replicas()``, which checks the ranks restored the same one."""
+        ``refresh_replicas()``, which checks the ranks restored the same one. A history assigned must be of this
+        layer's topology and policy, with the config's ``refresh_every`` and ``replicas`` (ValueError otherwise);
+        its other settings (``ema_shift``, ``eplb_slots``, ``eplb_groups``, ``place_min_gain``) are the layer's
+        from then on."""
         return self.__dict__.get("_policy_state")
 
     @state.setter
@@ -487,6 +490,13 @@ class TrainingSteps:
             return f"the state was made for {value.topo}, this layer's topology is {self.topo}"
         if value.policy != self.config.policy and parse_policy(value.policy) != parse_policy(self.config.policy):
             return f"the state serves policy {value.policy!r}, this layer runs {self.config.policy!r}"
+        # the history's settings that are the config's too (the others, ema_shift, eplb_slots, ..., have no field
+        # there: a history assigned is how they are set)
+        differ = [f"{k}={getattr(value, k)!r} (FEPLBConfig.{f}={getattr(self.config, f)!r})"
+                  for k, f in (("refresh_every", "refresh_every"), ("replicas_mode", "replicas"))
+                  if getattr(value, k) != getattr(self.config, f)]
+        if differ:
+            return "the state's " + ", ".join(differ) + " differ from the layer's config"
         return None
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None, *,

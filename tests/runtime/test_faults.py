@@ -210,8 +210,11 @@ def _fault_worker(rank, world):
     res["state_policy"] = error_of(lambda: restore(PolicyState(topo=step.topo, policy="feplb-split")))
     res["state_type"] = error_of(lambda: restore(dict(vars(own))))
     res["state_none"] = error_of(lambda: restore(None))
+    # the settings the config holds too (a pickled history of another run's): not adopted silently
+    res["state_settings"] = error_of(lambda: restore(PolicyState(topo=step.topo, policy="feplb-split@ema",
+                                                                 refresh_every=3, replicas_mode="lazy")))
     res["state_kept"] = step.state is own
-    restore(PolicyState(topo=step.topo, policy="feplb-split@ema"))
+    restore(PolicyState(topo=step.topo, policy="feplb-split@ema", ema_shift=3))       # no config field: taken
     res["state_taken"] = step.state is not own
     restore(own)
     step.refresh_replicas()
@@ -356,6 +359,10 @@ def test_faults_and_bad_input():
         assert "serves policy 'feplb-split'" in res["state_policy"], res["state_policy"]
         assert "expected a feplb.sched.PolicyState, got dict" in res["state_type"], res["state_type"]
         assert "needs a PolicyState, got None" in res["state_none"], res["state_none"]
+        assert res["state_settings"] == (
+            "ValueError: MoELayer.state: the state's refresh_every=3 (FEPLBConfig.refresh_every=8), "
+            "replicas_mode='lazy' (FEPLBConfig.replicas='eager') differ from the layer's config; the layer keeps its "
+            "own"), res["state_settings"]
         assert res["state_kept"] and res["state_taken"]
         assert res["config"].startswith("ValueError") and "differs across ranks" in res["config"], res["config"]
         assert "feplb[nvshmem]" in res["nvshmem"], res["nvshmem"]

@@ -59,13 +59,13 @@ def make_biases(seed: int):
 def _run_layer(rank, world, cfg_kwargs, routing, seed, microbatches=1):
     from feplb import FEPLBConfig, MoELayer
     from feplb.replicas import state_digest
-    from feplb.sched.state import PolicyState
 
     G = cfg_kwargs["gpus_per_node"]
     router_EH, w1, w2, xs, dys = make_inputs(routing, seed, G, cfg_kwargs.get("router", "softmax"))
-    replicas_mode = cfg_kwargs.get("replicas_mode")   # a history the user assigns (the layer builds eager ones)
+    replicas_mode = cfg_kwargs.get("replicas_mode")   # FEPLBConfig.replicas
     cfg = FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, plan_wait_ms=60_000, min_straggler_rows=0, min_chunk=2,
-                      **{k: v for k, v in cfg_kwargs.items() if k != "replicas_mode"})
+                      **{k: v for k, v in cfg_kwargs.items() if k != "replicas_mode"},
+                      **({} if replicas_mode is None else {"replicas": replicas_mode}))
     layer = MoELayer(cfg)
     biases = make_biases(seed) if cfg.expert_bias else ()
     if not cfg.gated:   # non-gated experts: w1 [E, H, F] (the gate half's columns), b1 [E, F]
@@ -73,8 +73,7 @@ def _run_layer(rank, world, cfg_kwargs, routing, seed, microbatches=1):
                                                        for b in biases)
     load_global_weights(layer, router_EH, w1, w2, *biases)
     if replicas_mode is not None:
-        layer.state = PolicyState(topo=layer.topo, policy=cfg.policy, refresh_every=cfg.refresh_every,
-                                  replicas_mode=replicas_mode)
+        assert layer.state.replicas_mode == replicas_mode
     if cfg.weights == "per-step":
         with torch.no_grad():
             layer(xs[rank])            # a micro-batch that tells the layer which experts are dynamic
