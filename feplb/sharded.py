@@ -396,24 +396,38 @@ def optimizer_load_pre_hook(optimizer: torch.optim.Optimizer, state_dict: dict) 
         own = owners.get(id(p))
         if own is None or key not in state:
             continue
-        state[key] = {name: _state_local(own, name, v) if is_dtensor(v) else v for name, v in state[key].items()}
+        live = optimizer.state.get(p)
+        live = live if isinstance(live, dict) else {}
+        state[key] = {name: _state_local(own, name, v, live.get(name)) if is_dtensor(v) else v
+                      for name, v in state[key].items()}
     state_dict["state"] = state
     return state_dict
 
 
-def _state_local(own: tuple, name: str, value: Any) -> torch.Tensor:
+def _state_local(own: tuple, name: str, value: Any, live: Any = None) -> torch.Tensor:
     """The local part of a DTensor of optimizer state ``name`` of an expert parameter (``own``: its layer, name and
-    shard dim, as :func:`_owners` gives it), stacked along dim 0 (none where the parameter's shard is no block)."""
+    shard dim, as :func:`_owners` gives it), stacked along dim 0 (none where the parameter's shard is no block).
+    ``live``: the optimizer's own state of that name, if it holds one: the DTensor must be W of it stacked."""
     layer, pname, dim = own
     key = f"optimizer state {name!r} of {pname!r}"
     W = layer.world_size
+    per_rank = ("state kept per EP rank (a statistic over each rank's whole shard, as Adafactor's of a 2-D "
+                "parameter) loads at the EP size it was saved at only")
+    if dim is not None and is_dtensor(value) and value.dim() and isinstance(live, torch.Tensor) and \
+            not is_dtensor(live) and live.dim() == value.dim():
+        # (any state of the parameter's rank, per expert or per rank: [n, ...] here is [W * n, ...] stacked; a
+        # per-rank one of another EP size, whose rows the stacking would hand out wrongly, differs)
+        want = (W * live.shape[0], *live.shape[1:])
+        if tuple(value.shape) != want:
+            raise ValueError(f"{key}: shape {tuple(value.shape)}, but this rank's optimizer holds it as "
+                             f"{tuple(live.shape)}, {want} over this layer's {W} EP ranks: {per_rank}")
+        return _local(layer, key, value, 0)
     rows = W * layer.get_parameter(pname).shape[0]   # (state shaped like the parameter, stacked over the ranks)
     if dim is not None and is_dtensor(value) and value.dim() and value.shape[0] not in (rows, W):
         # (the same state on every rank: all raise)
         raise ValueError(f"{key}: {value.shape[0]} rows along dim 0, neither the parameter's rows over this "
-                         f"layer's ranks ({rows}) nor one per EP rank of this layer ({W}): state kept per EP rank (a "
-                         "statistic over each rank's whole shard, as Adafactor's of a 2-D parameter) loads at the "
-                         "EP size it was saved at only")
+                         f"layer's ranks ({rows}) nor one per EP rank of this layer ({W}), and the optimizer holds "
+                         f"no state of it to compare with (step it once before loading): {per_rank}")
     return _local(layer, key, value, 0 if dim is not None else None)
 
 

@@ -426,12 +426,73 @@ def _per_rank_state_elsewhere(rank: int, world: int) -> dict:
     return out
 
 
+class _Gram(torch.optim.SGD):
+    """SGD keeping a [G, G] statistic of every 2-D parameter's gradient (Shampoo's preconditioner statistics are so
+    shaped): of a 2-D expert bias b1 [L, G] a per-rank state whose rows are neither 1 nor L."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.dim() == 2:
+                    self.state[p].setdefault("gram", torch.zeros(p.shape[1], p.shape[1])).add_(p.grad.T @ p.grad)
+        return super().step(closure)
+
+
+def _gram_state(rank: int, world: int) -> dict:
+    """A per-rank state of b1 of G rows ([G, G], stacked over the EP ranks to [W * G, G]): back at the EP size it was
+    saved at through the optimizer's own load_state_dict and the full-state path, bit for bit; at another, refused
+    on every rank, naming it."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def gram(layer, grads=None):
+        opt = _Gram([layer.b1], lr=0.0 if grads is None else 1e-2)
+        layer.b1.grad = grads if grads is not None else torch.zeros_like(layer.b1)
+        opt.step()
+        opt.zero_grad()
+        return opt
+
+    layer, _ = _layer(world, seed=0)
+    opt = gram(layer, torch.randn(layer.b1.shape, generator=torch.Generator().manual_seed(3 + rank)))
+    want = opt.state[layer.b1]["gram"].clone()
+    sd = opt.state_dict()
+    out = {"saved": list(sd["state"][0]["gram"].shape)}
+    again = gram(layer)
+    out["own"] = error_of(lambda: again.load_state_dict(sd))
+    out["own_equal"] = torch.equal(again.state[layer.b1]["gram"], want)
+    full = StateDictOptions(full_state_dict=True)
+    saved = get_optimizer_state_dict(layer, opt, options=full)
+    again = gram(layer)
+    out["full"] = error_of(lambda: set_optimizer_state_dict(layer, again, saved, options=full))
+    out["full_equal"] = torch.equal(again.state[layer.b1]["gram"], want)
+    small, _ = _layer(world // 2, seed=1)
+    out["elsewhere"] = error_of(lambda: set_optimizer_state_dict(small, gram(small), saved, options=full))
+    layer.close()
+    small.close()
+    return out
+
+
+def test_per_rank_state_of_any_rows_loads_at_its_ep_size():
+    for r in run_dist(_gram_state, 4, timeout_s=240, collective_timeout_s=60):
+        assert r["saved"] == [4 * 2 * FF, 2 * FF], r
+        assert r["own"] is None and r["own_equal"], r
+        assert r["full"] is None and r["full_equal"], r
+        err = r["elsewhere"]
+        assert err is not None and err.startswith("ValueError") and "'gram'" in err and \
+            "at the EP size it was saved at only" in err, err
+
+
 def test_per_rank_state_at_another_ep_size_refused():
     for r in run_dist(_per_rank_state_elsewhere, 4, timeout_s=240, collective_timeout_s=60):
         assert r["same"] is None and r["same_equal"], r
         err = r["elsewhere"]
         assert err is not None and err.startswith("ValueError") and "'col_var'" in err and \
-            "one per EP rank of this layer (2)" in err and "at the EP size it was saved at only" in err, err
+            "holds it as (1, 48), (2, 48) over this layer's 2 EP ranks" in err and \
+            "at the EP size it was saved at only" in err, err
 
 
 def _one_rank_file(rank, world, path):
