@@ -185,14 +185,16 @@ class Plan:
         if self.dynamic_WD.shape != (W, topo.dyn):
             raise ValueError(f"plan.dynamic_WD must have shape [W, dyn] = [{W}, {topo.dyn}], "
                              f"got {list(self.dynamic_WD.shape)}")
+        # (the loops below read Python ints: indexing numpy arrays element by element costs several times more)
+        home_l, n_l, dyn_l = home_E.tolist(), n_E.tolist(), self.dynamic_WD.tolist()
         for d in range(W):
-            row = [int(e) for e in self.dynamic_WD[d]]
+            row = dyn_l[d]
             if len(set(row)) != len(row):
                 raise ValueError(f"plan.dynamic_WD[{d}] repeats an expert: {row}")
             for e in row:
-                if not 0 <= e < E or int(home_E[e]) != d:
+                if not 0 <= e < E or home_l[e] != d:
                     raise ValueError(f"plan.dynamic_WD[{d}] holds expert {e}, which is not at home on GPU {d}")
-        dynamic = {(int(e), d) for d in range(W) for e in self.dynamic_WD[d]}
+        dynamic = {(e, d) for d in range(W) for e in dyn_l[d]}
         if base == "none" and self.moves:
             raise ValueError(f"policy 'none' must not move rows, got {len(self.moves)} moves")
 
@@ -201,21 +203,27 @@ class Plan:
         for e, src, dst in self.weight_copies:
             if not (0 <= e < E and 0 <= dst < W):
                 raise ValueError(f"weight copy {(e, src, dst)} names an expert or GPU out of range")
-            if src != int(home_E[e]):
-                raise ValueError(f"weight copy {(e, src, dst)} must start at expert {e}'s home GPU {int(home_E[e])}")
+            if src != home_l[e]:
+                raise ValueError(f"weight copy {(e, src, dst)} must start at expert {e}'s home GPU {home_l[e]}")
             if dst == src:
                 raise ValueError(f"weight copy {(e, src, dst)} copies expert {e}'s weights to its own home GPU")
         if len(copies) != len(self.weight_copies):
             seen: set = set()
             dup = next(c for c in self.weight_copies if (c[0], c[2]) in seen or seen.add((c[0], c[2])))
             raise ValueError(f"weight copy {dup} is given twice (expert {dup[0]}'s weights to GPU {dup[2]})")
-        cum_E = None
-        if self.rows_from_source:
-            cum_E = np.zeros((W + 1, E), dtype=np.int64)
-            np.cumsum(counts_WE, axis=0, out=cum_E[1:])
+        src_rows = None
+        if self.rows_from_source and self.moves:
+            # each move's source rank's rows of its expert, [start, end), read at once for every move (moves checked
+            # for range first, in the loop, before these are compared)
+            cum = np.zeros((W + 1, E), dtype=np.int64)
+            np.cumsum(counts_WE, axis=0, out=cum[1:])
+            e_m = np.array([m.expert if isinstance(m, Move) and 0 <= m.expert < E else 0 for m in self.moves])
+            d_m = np.array([m.dst if isinstance(m, Move) and 0 <= m.dst < W else 0 for m in self.moves])
+            src_rows = list(zip(cum[d_m, e_m].tolist(), cum[d_m + 1, e_m].tolist(), strict=True))
 
-        loads = np.zeros(W, dtype=np.int64)
-        np.add.at(loads, home_E, n_E)
+        loads_np = np.zeros(W, dtype=np.int64)
+        np.add.at(loads_np, home_E, n_E)
+        loads = loads_np.tolist()
         prev: tuple[int, int] = (-1, -1)
         prev_end = 0
         for i, m in enumerate(self.moves):
@@ -226,12 +234,12 @@ class Plan:
                 raise ValueError(f"move {i}: expert {e} out of range [0, {E})")
             if not 0 <= dst < W:
                 raise ValueError(f"move {i}: destination GPU {dst} out of range [0, {W})")
-            if src != int(home_E[e]):
-                raise ValueError(f"move {i}: src {src} is not expert {e}'s home GPU {int(home_E[e])}")
+            if src != home_l[e]:
+                raise ValueError(f"move {i}: src {src} is not expert {e}'s home GPU {home_l[e]}")
             if dst == src:
                 raise ValueError(f"move {i}: expert {e} moves from GPU {src} to itself")
-            if not 0 <= a < b <= int(n_E[e]):
-                raise ValueError(f"move {i}: rows [{a}, {b}) of expert {e} outside [0, {int(n_E[e])}) or empty")
+            if not 0 <= a < b <= n_l[e]:
+                raise ValueError(f"move {i}: rows [{a}, {b}) of expert {e} outside [0, {n_l[e]}) or empty")
             if (e, a) <= prev:
                 raise ValueError(f"move {i}: moves must be sorted by (expert, row_start), got {(e, a)} after {prev}")
             if prev[0] == e and a < prev_end:
@@ -249,13 +257,13 @@ class Plan:
             if (e, dst) not in resident and (e, dst) not in copies and dst != e // S:
                 raise ValueError(f"move {i}: GPU {dst} computes expert {e} without its weights "
                                  "(no weight copy, no resident replica, not its owner)")
-            if cum_E is not None and not (cum_E[dst, e] <= a and b <= cum_E[dst + 1, e]):
+            if src_rows is not None and not (src_rows[i][0] <= a and b <= src_rows[i][1]):
                 raise ValueError(f"move {i}: rows [{a}, {b}) of expert {e} do not all come from source rank {dst}")
             loads[src] -= b - a
             loads[dst] += b - a
         before = np.asarray(n_E.reshape(W, topo.experts_per_rank).sum(axis=1), dtype=np.int64)
         if not np.array_equal(self.loads_before_W, before):
             raise ValueError(f"plan.loads_before_W {self.loads_before_W.tolist()} != plain-EP loads {before.tolist()}")
-        if not np.array_equal(self.loads_after_W, loads):
+        if self.loads_after_W.tolist() != loads:
             raise ValueError(f"plan.loads_after_W {self.loads_after_W.tolist()} != loads recomputed from the moves "
-                             f"{loads.tolist()}")
+                             f"{loads}")
