@@ -30,6 +30,14 @@ def forward_direct(layer, x_MD: torch.Tensor, counts: Counts, tl: Timeline | Non
     else:
         with span(tl, "plan", "compute"):
             plan, plan_us = layer._plan(counts.counts_WE, layer._plan_state, None)
+        # Every rank made this plan from the same counts and state: one that is not executable (a planner's bug)
+        # raises the same ValueError on every rank here, before any collective, instead of failing in the layouts on
+        # some ranks while the others wait in phase 1. (A replayed plan was checked in its forward.)
+        try:
+            plan.validate(counts.counts_WE, layer.topo, layer._plan_state)
+        except ValueError as e:
+            raise ValueError(f"MoELayer: the {layer.config.policy!r} plan is not executable (every rank made the same "
+                             f"plan and refuses it): {e}") from e
     moves = tuple(m for m in plan.moves if m.row_end > m.row_start)
     for m in moves:
         if m.src != int(layer.placement.home_E[m.expert]):

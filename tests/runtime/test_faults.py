@@ -4,6 +4,8 @@ replicas, and a stalled peer that ends in a timeout naming the operation instead
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -537,3 +539,60 @@ def test_lifecycle_faults():
         assert res["old_shared"] and res["old_engine_open"], (rank, res)
         assert res["old_group"] is None and res["old_group_same"], (rank, res["old_group"])
         assert res["fresh"] is None and res["engines_after_reinit"] == 1, (rank, res)
+
+
+def _bad_direct_plan_worker(rank, world):
+    """The peers' direct path handed a plan that is not executable (a move past its expert's rows, or two moves over
+    the same rows: a planner's bug), made alike on every rank: the same ValueError on every rank, at once, naming
+    the violation; the layer then runs on, equal to plain EP."""
+    import dataclasses
+    import time
+
+    res = {}
+    ref, x = _layer(rank, world, 3, policy="none")
+    x = x.repeat(8, 1)          # (rows enough for FasterMoE to shadow)
+    with torch.no_grad():
+        want = ref(x)
+    ref.close()
+    for policy in ("fastermoe", "eplb"):
+        layer, _ = _layer(rank, world, 3, policy=policy, weights="per-microbatch", min_straggler_rows=0,
+                          refresh_every=1)
+        with torch.no_grad():
+            layer(x)            # (EPLB's replicas from the history of this micro-batch)
+        plan_fn = layer._plan
+        for how in ("beyond", "overlap"):
+            def bad(*args, how=how, **kwargs):
+                plan, us = plan_fn(*args, **kwargs)
+                moves = list(plan.moves)
+                m = next(m for m in moves if m.row_end - m.row_start >= 2)
+                if how == "beyond":
+                    moves[moves.index(m)] = m._replace(row_end=m.row_end + 3)
+                else:
+                    moves.insert(moves.index(m), m._replace(row_end=m.row_start + 1))
+                return dataclasses.replace(plan, moves=tuple(moves)), us
+
+            layer._plan = bad
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                res[f"{policy}_{how}"] = error_of(lambda: layer(x))
+            res[f"{policy}_{how}_s"] = time.perf_counter() - t0
+            layer._plan = plan_fn
+        with torch.no_grad():
+            got = layer(x)
+        res[f"{policy}_moved"] = layer.last_stats.rows_moved
+        res[f"{policy}_after"] = (got - want).abs().max().item()
+        layer.close()
+    return res
+
+
+def test_a_direct_plan_not_executable_is_refused_on_every_rank():
+    for res in run_dist(_bad_direct_plan_worker, 4, timeout_s=120, collective_timeout_s=8):
+        for policy in ("fastermoe", "eplb"):
+            for how, why in (("beyond", r"move \d+: rows \[\d+, \d+\) of expert \d+ (outside|do not all come|overlap)"),
+                             ("overlap", "moves must be sorted|overlap a previous move")):
+                err = res[f"{policy}_{how}"]
+                assert err is not None and err.startswith(f"ValueError: MoELayer: the '{policy}' plan is not "
+                                                          "executable"), (policy, how, err)
+                assert re.search(why, err), (policy, how, err)
+                assert res[f"{policy}_{how}_s"] < 4.0, res      # at once, not after the 8 s timeout
+            assert res[f"{policy}_moved"] > 0 and res[f"{policy}_after"] < 1e-5, res
