@@ -573,7 +573,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if tl is None:
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
         with tl.span("combine"):
-            return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
+            y = unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
+        tl.close()       # (what ends later, a late plan, goes to its late spans)
+        return y
 
     def _cast_hint(self, problem: tuple[type, str] | None) -> tuple[type, str] | None:
         """``problem``, with the likely cause added to a wrong input dtype where the expert parameters no longer
@@ -666,6 +668,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         # Inside torch.autocast rows of another floating dtype (dispatched_problem allows it) are computed in the
         # layer's dtype, as forward() does, and the outputs return in the rows' dtype.
         y = self._experts(rows.to(c.dtype), counts_S, torch.zeros((), dtype=torch.int64), dispatched=True)
+        if self.last_timeline is not None:
+            self.last_timeline.close()
         expert_M = to_device(np.repeat(np.arange(r * L, (r + 1) * L), counts_L), self._device) \
             if self.post_expert_ids else None
         return self._post_expert(y, expert_M).to(rows.dtype)

@@ -46,6 +46,10 @@ class Span:
 class Timeline:
     """Spans of one forward. Thread-safe (the planner and copy threads record into it too).
 
+    The layer closes it when its forward returns: what ends after that (a plan the forward stopped waiting for, which
+    its planner thread finishes later) is kept apart, in :meth:`late`, so that ``spans()`` is the same whenever it is
+    read after the forward.
+
     device_spans: record CUDA events on the current stream (GPU) instead of wall-clock time.
     """
 
@@ -53,7 +57,10 @@ class Timeline:
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
         self._host: list[Span] = []
+        self._late: list[Span] = []
+        self._closed = False
         self._device: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._device_late: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []
         self._base = None
         if device_spans:
             self._base = torch.cuda.Event(enable_timing=True)
@@ -64,7 +71,19 @@ class Timeline:
 
     def add(self, name: str, lane: str, start_us: float, end_us: float) -> None:
         with self._lock:
-            self._host.append(Span(name=name, lane=lane, start_us=start_us, end_us=end_us))
+            (self._late if self._closed else self._host).append(Span(name=name, lane=lane, start_us=start_us,
+                                                                     end_us=end_us))
+
+    def close(self) -> None:
+        """The forward returned: spans added from now on go to :meth:`late`."""
+        with self._lock:
+            self._closed = True
+
+    def late(self) -> list[Span]:
+        """Spans that ended after the forward returned (its late plan's, on the planner lane), sorted by start."""
+        with self._lock:
+            host, device = list(self._late), list(self._device_late)
+        return self._sorted(host, device)
 
     @contextlib.contextmanager
     def span(self, name: str, lane: str = "compute", *, stream=None) -> Iterator[None]:
@@ -77,7 +96,7 @@ class Timeline:
             yield
             b.record(s)
             with self._lock:
-                self._device.append((name, lane, a, b))
+                (self._device_late if self._closed else self._device).append((name, lane, a, b))
             return
         t = self._now_us()
         try:
@@ -86,9 +105,14 @@ class Timeline:
             self.add(name, lane, t, self._now_us())
 
     def spans(self) -> list[Span]:
-        """Every span, sorted by start (synchronises on a GPU timeline's events)."""
-        out = list(self._host)
-        for name, lane, a, b in self._device:
+        """Every span of the forward, sorted by start (synchronises on a GPU timeline's events); not the late ones."""
+        with self._lock:
+            host, device = list(self._host), list(self._device)
+        return self._sorted(host, device)
+
+    def _sorted(self, host: list[Span], device: list) -> list[Span]:
+        out = list(host)
+        for name, lane, a, b in device:
             b.synchronize()
             out.append(Span(name=name, lane=lane, start_us=self._base.elapsed_time(a) * 1e3,
                             end_us=self._base.elapsed_time(b) * 1e3))

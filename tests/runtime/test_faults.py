@@ -99,11 +99,13 @@ def _fault_worker(rank, world):
 
     # A slow planner on rank 1: node 0 (ranks 0, 1) computes at home, node 1 balances; outputs never change.
     slow, _ = _layer(rank, world, 1, policy="feplb-split", weights="per-microbatch", plan_wait_ms=1000,
-                     min_straggler_rows=0)
+                     min_straggler_rows=0, timeline=True)
     if rank == 1:
         _delay_next_plan(slow, 3.0)
     with torch.no_grad():
         out = slow(x)
+        first = slow.last_timeline
+        res["slow_spans"] = first.spans()       # (as the forward returned)
         res["slow_same"] = torch.allclose(out, ref(x), rtol=1e-5, atol=1e-6)
     res["slow_fell_back"] = slow.last_stats.fell_back
     res["slow_balanced"] = slow.last_stats.balanced
@@ -116,6 +118,13 @@ def _fault_worker(rank, world):
     res["busy_s"] = time.perf_counter() - t0
     res["busy_same"] = torch.allclose(out, ref(x), rtol=1e-5, atol=1e-6)
     res["busy_fell_back"] = slow.last_stats.fell_back
+    # the late plan's span, which ends after its forward returned, is kept apart: the forward's spans stay as read
+    for _ in range(100):
+        if first.late() or rank != 1:
+            break
+        time.sleep(0.05)
+    res["slow_late"] = [(s.name, s.lane) for s in first.late()]
+    res["slow_spans_after"] = first.spans() == res.pop("slow_spans")
 
     # A planner stuck past the group's collective timeout (8 s here) while plans are waited for (plan_wait_ms None,
     # the CPU default): its rank gives up after half the timeout and computes at home; its peers, waiting in the
@@ -336,6 +345,8 @@ def test_faults_and_bad_input():
         assert res["slow_same"], f"rank {rank}: output changed by a slow planner"
         assert res["slow_fell_back"] == (rank < 2), (rank, res["slow_fell_back"])
         assert res["slow_balanced"] == (rank >= 2), (rank, res["slow_balanced"])
+        assert res["slow_late"] == ([("plan", "planner")] if rank == 1 else []), (rank, res["slow_late"])
+        assert res["slow_spans_after"], rank
         assert res["busy_same"] and res["busy_fell_back"] == (rank < 2), (rank, res["busy_fell_back"])
         if rank < 2:   # no second wait of plan_wait_ms (1 s) behind the busy planner
             assert res["busy_s"] < 0.8, res["busy_s"]
