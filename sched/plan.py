@@ -7,6 +7,7 @@ then by the source's grouped order (token t, then k). Row ranges of a Move index
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -211,15 +212,19 @@ class Plan:
             seen: set = set()
             dup = next(c for c in self.weight_copies if (c[0], c[2]) in seen or seen.add((c[0], c[2])))
             raise ValueError(f"weight copy {dup} is given twice (expert {dup[0]}'s weights to GPU {dup[2]})")
-        src_rows = None
+        src_rows, cum = None, None
         if self.rows_from_source and self.moves:
             # each move's source rank's rows of its expert, [start, end), read at once for every move (moves checked
-            # for range first, in the loop, before these are compared)
+            # for range first, in the loop, before these are compared; fields of no integer type leave the loop to
+            # read them one by one, after it checked the earlier moves)
             cum = np.zeros((W + 1, E), dtype=np.int64)
             np.cumsum(counts_WE, axis=0, out=cum[1:])
-            e_m = np.array([m.expert if isinstance(m, Move) and 0 <= m.expert < E else 0 for m in self.moves])
-            d_m = np.array([m.dst if isinstance(m, Move) and 0 <= m.dst < W else 0 for m in self.moves])
-            src_rows = list(zip(cum[d_m, e_m].tolist(), cum[d_m + 1, e_m].tolist(), strict=True))
+            try:
+                e_m = np.array([m.expert if isinstance(m, Move) and 0 <= m.expert < E else 0 for m in self.moves])
+                d_m = np.array([m.dst if isinstance(m, Move) and 0 <= m.dst < W else 0 for m in self.moves])
+                src_rows = list(zip(cum[d_m, e_m].tolist(), cum[d_m + 1, e_m].tolist(), strict=True))
+            except (TypeError, ValueError, IndexError):
+                src_rows = None
 
         loads_np = np.zeros(W, dtype=np.int64)
         np.add.at(loads_np, home_E, n_E)
@@ -229,7 +234,12 @@ class Plan:
         for i, m in enumerate(self.moves):
             if not isinstance(m, Move):
                 raise TypeError(f"plan.moves[{i}] must be a Move, got {type(m).__name__}")
-            e, src, dst, a, b = m.expert, m.src, m.dst, m.row_start, m.row_end
+            e, src, dst, a, b = m
+            # (the rows as Python ints: a numpy scalar would turn the loads below into its own, narrower, type)
+            try:
+                a, b = operator.index(a), operator.index(b)
+            except TypeError:
+                raise TypeError(f"plan.moves[{i}]: row_start and row_end must be integers, got {m}") from None
             if not 0 <= e < E:
                 raise ValueError(f"move {i}: expert {e} out of range [0, {E})")
             if not 0 <= dst < W:
@@ -257,7 +267,9 @@ class Plan:
             if (e, dst) not in resident and (e, dst) not in copies and dst != e // S:
                 raise ValueError(f"move {i}: GPU {dst} computes expert {e} without its weights "
                                  "(no weight copy, no resident replica, not its owner)")
-            if src_rows is not None and not (src_rows[i][0] <= a and b <= src_rows[i][1]):
+            lo, hi = src_rows[i] if src_rows is not None else (None, None) if cum is None else \
+                (int(cum[dst, e]), int(cum[dst + 1, e]))
+            if lo is not None and not (lo <= a and b <= hi):
                 raise ValueError(f"move {i}: rows [{a}, {b}) of expert {e} do not all come from source rank {dst}")
             loads[src] -= b - a
             loads[dst] += b - a
