@@ -128,6 +128,27 @@ def test_validate_rows_from_source_range():                   # V4
         _plan([Move(0, 0, 1, 4, 9)], ((0, 0, 1),), rows_from_source=True, policy="fastermoe").validate(COUNTS, TOPO)
 
 
+def test_validate_moves_of_numpy_integer_fields():
+    """Move fields of a narrow numpy type (a caller's plan): rows counted as Python ints, the decision and the
+    message those of plain ints, however large the loads; a row bound of no integer type refused by name."""
+    big = COUNTS * 20_000                  # expert 0: 400,000 rows, beyond int16 and uint8
+    topo_plan = make_plan("feplb-split", big, TOPO, min_chunk=1)
+    for t in (np.int16, np.uint8, np.int32, np.int64):
+        moves = (Move(*(t(v) for v in (0, 0, 1, 0, 100)), ),) if t == np.uint8 else \
+            (Move(*(t(v) for v in (0, 0, 1, 0, 30_000)), ),)
+        rows = int(moves[0].row_end)
+        loads = topo_plan.loads_before_W.copy()
+        loads[0] -= rows
+        loads[1] += rows
+        plan = dataclasses.replace(topo_plan, moves=moves, weight_copies=((0, 0, 1),), loads_after_W=loads)
+        plan.validate(big, TOPO)
+        wrong = dataclasses.replace(plan, loads_after_W=loads + 1)
+        with pytest.raises(ValueError, match=rf"recomputed from the moves \[{int(loads[0])}, {int(loads[1])}, "):
+            wrong.validate(big, TOPO)
+    with pytest.raises(TypeError, match=r"plan.moves\[0\]: row_start and row_end must be integers"):
+        _plan([Move(0, 0, 1, 0, 5.0)], ((0, 0, 1),)).validate(COUNTS, TOPO)
+
+
 def test_validate_weight_copy_source_home_and_state():        # V5, V8, V9
     with pytest.raises(ValueError, match="must start at expert 0's home GPU 0"):
         _plan([Move(0, 0, 1, 0, 5)], ((0, 2, 1),)).validate(COUNTS, TOPO)
