@@ -297,10 +297,52 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     # the ranks' collectives mismatched; another max_norm scale every gradient there by another factor, the
     # replicated parameters drifting apart silently; so would another part of the model on one rank, its FEPLB
     # layers or its parameters: a rank clipping one layer where the others clip the model)
-    with handshaken(moes, ENTRY_CLIP, force=True,   # (its norm's all-reduce is collective under any policy)
-                    args=(float(max_norm), float(norm_type), bool(error_if_nonfinite),
-                          tuple(m.layer_id for m in moes), sum(1 for _ in model.parameters()))):
+    # EP x DP: the data-parallel group the layers' average_expert_grads last summed over (its size agreed here too,
+    # so that every EP rank compares the call over its replicas below, or none does)
+    dp = next((g for g in (m.__dict__.get("_dp_group_used") for m in moes) if g is not None), None)
+    args = (float(max_norm), float(norm_type), bool(error_if_nonfinite), tuple(m.layer_id for m in moes),
+            sum(1 for _ in model.parameters()), 0 if dp is None else dist.get_world_size(dp))
+    with handshaken(moes, ENTRY_CLIP, force=True, args=args):   # (its norm's all-reduce is collective anyway)
+        if dp is not None:
+            _check_clip_replicas(moes, dp, args)
         return _clip_grad_norm(model, moes, max_norm, norm_type, error_if_nonfinite)
+
+
+def _check_clip_replicas(moes: list, dp: dist.ProcessGroup, args: tuple) -> None:
+    """Under EP x DP the handshake compares the call over the EP group only: each replica (EP group) would scale its
+    gradients by its own norm's factor, and the replicas drift apart silently, where their calls differ or where
+    the expert gradients are not averaged over the replicas yet (each replica's own, so their norms differ). One
+    all-gather over ``dp`` of the call's digest and whether this rank's experts are averaged, then the verdict agreed
+    over the EP group: every rank raises together."""
+    from feplb.control import guard
+    from feplb.steps import args_digest
+
+    lay = moes[0]
+    unaveraged = any(m._not_averaged() for m in moes)
+    device = next((p.device for p in lay.expert_params()), torch.device("cpu"))
+    mine = torch.tensor([args_digest(args), int(unaveraged)], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(dp))]
+    with guard("clip_grad_norm_'s comparison over the data-parallel group", dp):
+        dist.all_gather(parts, mine, group=dp)
+    table = torch.stack(parts).cpu().tolist()
+    apart = any(row[0] != table[0][0] for row in table)
+    late = any(row[1] for row in table)
+    ok = lay.control.all_reduce_min(torch.tensor([int(not apart), int(not late)], dtype=torch.int64), "group",
+                                    "clip_grad_norm_'s comparison over the data-parallel group").tolist()
+    ranks = dist.get_process_group_ranks(dp)
+    if not ok[0]:
+        where = f" (global ranks {ranks})" if apart else " (on another rank of this EP group)"
+        raise ValueError("clip_grad_norm_: the data-parallel replicas of the experts passed other arguments (max_norm, "
+                         f"norm_type, error_if_nonfinite, or another part of the model){where}: each replica would "
+                         "scale its gradients by another factor, the replicas drifting apart. Nothing was clipped, "
+                         "on any rank: pass the same on every rank")
+    if not ok[1]:
+        where = (f" on global rank(s) {[g for g, row in zip(ranks, table, strict=True) if row[1]]}" if late else
+                 " on another rank of this EP group's replicas")
+        raise RuntimeError("clip_grad_norm_: the expert gradients are not averaged over the data-parallel group yet"
+                           f"{where}: average_expert_grads(model, data_parallel_group) was not called since the last "
+                           "backward. Each replica's norm would be its own, and the replicas would drift apart. "
+                           "Nothing was clipped, on any rank: call average_expert_grads first, then clip")
 
 
 def _clip_grad_norm(model: nn.Module, moes: list, max_norm: float, norm_type: float,
@@ -318,14 +360,16 @@ def _clip_grad_norm(model: nn.Module, moes: list, max_norm: float, norm_type: fl
     sharded = [g for p, g in zip(params, grads, strict=True) if id(p) in expert_ids]
     device = grads[0].device if grads else experts[0].device
     norm_type = float(norm_type)
+    # (the per-tensor norms, each in its gradient's dtype, summed in fp32, or in fp64 for a model with fp64 gradients)
+    acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
 
     def local(gs):
         if not gs:
-            return torch.zeros((), dtype=torch.float32, device=device)
+            return torch.zeros((), dtype=acc, device=device)
         norm = torch.nn.utils.get_total_norm(gs, norm_type)
         if is_dtensor(norm):
             norm = norm.full_tensor()
-        return norm.to(device=device, dtype=torch.float32)
+        return norm.to(device=device, dtype=acc)
 
     shard_norm = local(sharded)
     if norm_type == float("inf"):

@@ -721,6 +721,89 @@ def _average_args_worker(rank, world):
     return res
 
 
+def _epdp_replicas_apart_worker(rank, world):
+    """EP x DP (EP groups {0, 1}, {2, 3}; data-parallel groups {0, 2}, {1, 3}): the per-step calls compared over
+    the EP group only let the replicas part silently where they differ across it: divide=False in one replica (its
+    experts summed, the other's averaged), experts frozen in one replica (its w2 summed with the other's w1, and the
+    other replica left waiting), another max_norm in one replica, or clipping before averaging (each replica its own
+    norm). Each refused on every rank, nothing summed or clipped; the same calls in order clip alike, in fp64 for an
+    fp64 model."""
+    import torch.distributed as dist
+
+    import feplb
+    from feplb import FEPLBConfig, MoELayer
+    from feplb.dropin import average_expert_grads
+
+    eps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    ep, dp = eps[rank // 2], dps[rank % 2]
+    second = rank >= 2       # (the second replica)
+    router, w1, w2 = _weights()
+    res = {}
+    for policy in ("none", "feplb-split"):
+        layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=2, dyn=2, policy=policy,
+                                     min_straggler_rows=0, min_chunk=2, plan_wait_ms=60_000.0, dtype=torch.float64),
+                         group=ep)
+        load_global_weights(layer, router.double(), w1.double(), w2.double())
+
+        def backward(step, freeze=False, m=layer):
+            m.w1.requires_grad_(not freeze)
+            m.zero_grad()
+            m(_x(rank, step).double()).pow(2).mean().backward()
+            dist.all_reduce(m.router.weight.grad)            # DDP over all four ranks (a sum)
+            m.w1.requires_grad_(True)
+            return [None if p.grad is None else p.grad.clone() for p in m.expert_params()]
+
+        def kept(before, m=layer):
+            return all((p.grad is None) == (b is None) and (b is None or torch.equal(p.grad, b))
+                       for p, b in zip(m.expert_params(), before, strict=True))
+
+        before = backward(0)
+        res[policy, "divide"] = error_of(lambda m=layer: average_expert_grads(m, dp, divide=not second))
+        before = backward(1, freeze=second)
+        res[policy, "frozen"] = error_of(lambda m=layer: average_expert_grads(m, dp))
+        res[policy, "frozen_kept"] = kept(before)
+        backward(2)
+        average_expert_grads(layer, dp)
+        router_grad = layer.router.weight.grad.clone()
+        res[policy, "clip_args"] = error_of(lambda m=layer: feplb.clip_grad_norm_(m, 0.02 if second else 0.01))
+        res[policy, "clip_args_kept"] = torch.equal(layer.router.weight.grad, router_grad)
+        backward(3)
+        router_grad = layer.router.weight.grad.clone()
+        res[policy, "clip_first"] = error_of(lambda m=layer: feplb.clip_grad_norm_(m, 0.01))
+        res[policy, "clip_first_kept"] = torch.equal(layer.router.weight.grad, router_grad)
+        average_expert_grads(layer, dp)
+        norm = feplb.clip_grad_norm_(layer, 0.01)
+        res[policy, "norm"] = (norm.dtype, float(norm))
+        res[policy, "router_grad"] = layer.router.weight.grad.clone()
+        layer.close()
+    return res
+
+
+def test_epdp_replicas_calls_apart_are_refused():
+    res = run_dist(_epdp_replicas_apart_worker, W, timeout_s=180, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        for policy in ("none", "feplb-split"):
+            err = r[policy, "divide"]
+            assert err is not None and err.startswith("ValueError") and "replicas of these experts) differ" in err \
+                and "divide=False" in err, (rank, policy, err)
+            err = r[policy, "frozen"]
+            assert err is not None and err.startswith("ValueError") and "gradients of [w2]" in err and \
+                "gradients of [w1, w2]" in err, (rank, policy, err)
+            assert r[policy, "frozen_kept"], (rank, policy)
+            err = r[policy, "clip_args"]
+            assert err is not None and err.startswith("ValueError") and "replicas of the experts passed other " \
+                "arguments" in err, (rank, policy, err)
+            assert r[policy, "clip_args_kept"], (rank, policy)
+            err = r[policy, "clip_first"]
+            assert err is not None and err.startswith("RuntimeError") and "not averaged over the data-parallel " \
+                "group yet" in err, (rank, policy, err)
+            assert r[policy, "clip_first_kept"], (rank, policy)
+            assert r[policy, "norm"][0] == torch.float64 and r[policy, "norm"] == res[0][policy, "norm"], \
+                (rank, policy, r[policy, "norm"])
+            assert torch.equal(r[policy, "router_grad"], res[0][policy, "router_grad"]), (rank, policy)
+
+
 def _average_some_layers_worker(rank, world, policy, weights):
     """Two layers over one group; rank 1 averages the first layer's expert gradients only, the others both. Each
     per-layer call handshakes once per round, so that went unseen there; the step's gradients then differ in scale on
