@@ -422,12 +422,10 @@ def _state_local(own: tuple, name: str, value: Any, live: Any = None) -> torch.T
             raise ValueError(f"{key}: shape {tuple(value.shape)}, but this rank's optimizer holds it as "
                              f"{tuple(live.shape)}, {want} over this layer's {W} EP ranks: {per_rank}")
         return _local(layer, key, value, 0)
-    rows = W * layer.get_parameter(pname).shape[0]   # (state shaped like the parameter, stacked over the ranks)
-    if dim is not None and is_dtensor(value) and value.dim() and value.shape[0] not in (rows, W):
-        # (the same state on every rank: all raise)
-        raise ValueError(f"{key}: {value.shape[0]} rows along dim 0, neither the parameter's rows over this "
-                         f"layer's ranks ({rows}) nor one per EP rank of this layer ({W}), and the optimizer holds "
-                         f"no state of it to compare with (step it once before loading): {per_rank}")
+    # Without state of its own to compare with (a fresh optimizer loading a per-rank file of a sharded state_dict()),
+    # the DTensor's mesh says the EP size it was saved at (``_local`` refuses another), and at that size the local
+    # part is this rank's own state, whatever its rows. (torch's set_optimizer_state_dict, the way in for DCP and
+    # full state dicts, which may come from another EP size, makes the optimizer's state before it loads.)
     return _local(layer, key, value, 0 if dim is not None else None)
 
 

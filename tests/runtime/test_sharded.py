@@ -464,6 +464,14 @@ def _gram_state(rank: int, world: int) -> dict:
     again = gram(layer)
     out["own"] = error_of(lambda: again.load_state_dict(sd))
     out["own_equal"] = torch.equal(again.state[layer.b1]["gram"], want)
+    # a fresh optimizer (no state to compare with: the DTensor's mesh, of this EP size, is what is checked), hooked
+    # before it loads, or after (its state localized then)
+    from feplb.sharded import track_optimizer
+
+    hooked, late = _Gram([layer.b1], lr=0.0), _Gram([layer.b1], lr=0.0)
+    track_optimizer(hooked)
+    out["fresh"] = error_of(lambda: (hooked.load_state_dict(sd), late.load_state_dict(sd), track_optimizer(late)))
+    out["fresh_equal"] = all(torch.equal(o.state[layer.b1]["gram"], want) for o in (hooked, late))
     full = StateDictOptions(full_state_dict=True)
     saved = get_optimizer_state_dict(layer, opt, options=full)
     again = gram(layer)
@@ -480,6 +488,7 @@ def test_per_rank_state_of_any_rows_loads_at_its_ep_size():
     for r in run_dist(_gram_state, 4, timeout_s=240, collective_timeout_s=60):
         assert r["saved"] == [4 * 2 * FF, 2 * FF], r
         assert r["own"] is None and r["own_equal"], r
+        assert r["fresh"] is None and r["fresh_equal"], r
         assert r["full"] is None and r["full_equal"], r
         err = r["elsewhere"]
         assert err is not None and err.startswith("ValueError") and "'gram'" in err and \
