@@ -239,9 +239,11 @@ class Control:
         with self.collective(scope, op) as g:
             dist.barrier(group=g)
 
-    def check_same(self, blob: bytes, what: str, hint: str = "") -> None:
+    def check_same(self, blob: bytes, what: str, hint: str = "", fields: dict[str, str] | None = None) -> None:
         """Raise ValueError on every rank of the group unless ``blob`` is byte-identical on all of them (one
-        all-gather of a 56-bit hash). The message names ``what``, which ranks hold which version, and ``hint``."""
+        all-gather of a 56-bit hash). The message names ``what``, which ranks hold which version, and ``hint``;
+        with ``fields`` (what ``blob`` is made of, by name, as text), also the fields that differ and each rank's
+        value (a second all-gather, only where they differ: every rank sees that alike)."""
         if not isinstance(blob, bytes | bytearray):
             raise ValueError(f"Control.check_same: blob must be bytes, got {type(blob).__name__}")
         digest = int.from_bytes(hashlib.sha256(blob).digest()[:7], "little")
@@ -252,8 +254,15 @@ class Control:
         if len(versions) > 1:
             mine = versions[digest]
             others = [rs for h, rs in versions.items() if h != digest]
+            detail = ""
+            if fields is not None:
+                got = self.all_gather_object(dict(fields), "group", f"consistency check of {what}: its fields")
+                names = sorted({k for d in got for k in d}, key=lambda k: (k not in fields, k))
+                apart = [k for k in names if len({d.get(k, "(none)") for d in got}) > 1]
+                detail = "; " + "; ".join(f"{k}: " + ", ".join(f"rank {r} {d.get(k, '(none)')}"
+                                                            for r, d in enumerate(got)) for k in apart[:8])
             raise ValueError(f"feplb: {what} differs across ranks: rank {self.rank} holds the version of ranks "
-                             f"{mine}, ranks {others} hold other versions" + (f"; {hint}" if hint else ""))
+                             f"{mine}, ranks {others} hold other versions{detail}" + (f"; {hint}" if hint else ""))
 
     def close(self) -> None:
         """Stop using this control plane (local, idempotent; later calls raise RuntimeError). The gloo groups it

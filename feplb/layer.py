@@ -241,8 +241,10 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         from feplb.sched.topology import Topology
 
         c, W = self.config, self.world_size
+        fields = {f.name: repr(getattr(c, f.name)) for f in dataclasses.fields(c)}
         self.control.check_same(repr(dataclasses.asdict(c)).encode() + repr((W, c.gpus_per_node)).encode(),
-                                "FEPLBConfig", "every rank of the EP group must build the layer with the same config")
+                                "FEPLBConfig", "every rank of the EP group must build the layer with the same config",
+                                fields={**fields, "EP group size": repr(W)})
         # A number naming this layer alike on every rank of the group (the largest of the ranks' next numbers), sent
         # with every forward's counts: ranks that run different layers in one forward raise instead of mixing them.
         global _NEXT_LAYER_ID

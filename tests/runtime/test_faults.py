@@ -377,7 +377,8 @@ def test_faults_and_bad_input():
             "replicas_mode='lazy' (FEPLBConfig.replicas='eager') differ from the layer's config; the layer keeps its "
             "own"), res["state_settings"]
         assert res["state_kept"] and res["state_taken"]
-        assert res["config"].startswith("ValueError") and "differs across ranks" in res["config"], res["config"]
+        assert res["config"].startswith("ValueError") and "differs across ranks" in res["config"] and \
+            f"; ffn: rank 0 {FF}, rank 1 {FF}, rank 2 {FF}, rank 3 {FF + 8}; every rank" in res["config"], res["config"]
         assert "feplb[nvshmem]" in res["nvshmem"], res["nvshmem"]
         if "no_gpu" in res:
             assert res["no_gpu"].startswith("RuntimeError") and "needs a CUDA GPU" in res["no_gpu"], res["no_gpu"]
