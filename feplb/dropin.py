@@ -54,7 +54,12 @@ def overrides_problem(overrides: dict[str, Any]) -> str | None:
 
 def check_overrides(api: str, group: dist.ProcessGroup | None, overrides: dict[str, Any]) -> None:
     """TypeError, on every rank together (collective), when some rank passed overrides :func:`overrides_problem`
-    refuses."""
+    refuses; ValueError, on this rank (outside the group's collectives), when it is not a member of ``group``."""
+    if group is not None and dist.is_initialized():
+        members = dist.get_process_group_ranks(group)
+        if dist.get_rank() not in members:
+            raise ValueError(f"{api}: global rank {dist.get_rank()} is not a member of group= (global ranks "
+                             f"{members}); pass each rank its own EP group, the one holding it")
     views = _agree(overrides_problem(overrides), group)
     ranks = [r for r, v in enumerate(views) if v is not None]
     if ranks:

@@ -327,6 +327,12 @@ def _check_errors(rank: int, world: int) -> dict:
                                                             **({"polcy": "none"} if rank == 2 else {})))
         out["one_rank_policy"] = error_of(lambda: fh.apply(M.make_model("qwen3_moe"),
                                                            policy="no-such-policy" if rank == 1 else "none"))
+        # a group that does not hold the rank (ranks 2 and 3 given ranks 0 and 1's): refused there by name, while the
+        # group's own ranks apply over it
+        import torch.distributed as dist
+
+        pair = dist.new_group([0, 1])
+        out["not_member"] = error_of(lambda: fh.apply(M.make_model("qwen3_moe"), group=pair, policy="none"))
         # the wrappers apply puts on the model (generate, save_pretrained) hold no reference to it: an applied model
         # is freed when its last reference goes, without waiting for the garbage collector
         import gc
@@ -979,6 +985,9 @@ def test_unrunnable_configurations_fail_on_every_rank(four_ranks):
             "(on EP rank(s) [2])" in err["one_rank_unknown"], (rank, err["one_rank_unknown"])
         assert err["one_rank_policy"].startswith("ValueError") and "no-such-policy" in err["one_rank_policy"] and \
             "(on EP rank(s) [1])" in err["one_rank_policy"], (rank, err["one_rank_policy"])
+        assert err["not_member"] == (None if rank < 2 else f"ValueError: feplb.hf.apply: global rank {rank} is not a "
+                                     "member of group= (global ranks [0, 1]); pass each rank its own EP group, the "
+                                     "one holding it"), (rank, err["not_member"])
         assert err["freed_without_gc"], rank
 
 
