@@ -379,21 +379,18 @@ class Shares:
 
     def give(self, obj: Any) -> bool:
         """One user less of ``obj``; the last one closes it. False: ``obj`` is not shared here."""
-        for key, held in list(self._held.items()):
-            if held[0] is obj:
-                held[2] -= 1
-                if held[2] <= 0:
-                    del self._held[key]
-                    held[1]()
-                return True
-        for i, held in enumerate(self._orphans):
-            if held[0] is obj:
-                held[2] -= 1
-                if held[2] <= 0:
-                    del self._orphans[i]
-                    held[1]()
-                return True
-        return False
+        # (under its key, or among the orphans: where it is, and its key or index there)
+        found = next(((self._held, k) for k, h in self._held.items() if h[0] is obj), None) or \
+            next(((self._orphans, i) for i, h in enumerate(self._orphans) if h[0] is obj), None)
+        if found is None:
+            return False
+        where, at = found
+        held = where[at]
+        held[2] -= 1
+        if held[2] <= 0:
+            del where[at]
+            held[1]()
+        return True
 
     def __len__(self) -> int:
         return len(self._held)
