@@ -234,12 +234,11 @@ class Plan:
         for i, m in enumerate(self.moves):
             if not isinstance(m, Move):
                 raise TypeError(f"plan.moves[{i}] must be a Move, got {type(m).__name__}")
-            e, src, dst, a, b = m
-            # (the rows as Python ints: a numpy scalar would turn the loads below into its own, narrower, type)
+            # (as Python ints: a numpy scalar would turn the loads below into its own, narrower, type)
             try:
-                a, b = operator.index(a), operator.index(b)
+                e, src, dst, a, b = map(operator.index, m)
             except TypeError:
-                raise TypeError(f"plan.moves[{i}]: row_start and row_end must be integers, got {m}") from None
+                raise TypeError(f"plan.moves[{i}]: its fields must be integers, got {m}") from None
             if not 0 <= e < E:
                 raise ValueError(f"move {i}: expert {e} out of range [0, {E})")
             if not 0 <= dst < W:

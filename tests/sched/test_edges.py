@@ -145,8 +145,11 @@ def test_validate_moves_of_numpy_integer_fields():
         wrong = dataclasses.replace(plan, loads_after_W=loads + 1)
         with pytest.raises(ValueError, match=rf"recomputed from the moves \[{int(loads[0])}, {int(loads[1])}, "):
             wrong.validate(big, TOPO)
-    with pytest.raises(TypeError, match=r"plan.moves\[0\]: row_start and row_end must be integers"):
-        _plan([Move(0, 0, 1, 0, 5.0)], ((0, 0, 1),)).validate(COUNTS, TOPO)
+    good = _plan([Move(0, 0, 1, 0, 5)], ((0, 0, 1),))
+    for bad in (Move(0, 0, 1, 0, 5.0), Move(0.0, 0, 1, 0, 5), Move(0, 0, 1.0, 0, 5)):
+        for kw in ({}, {"rows_from_source": True, "policy": "fastermoe"}):
+            with pytest.raises(TypeError, match=r"plan.moves\[0\]: its fields must be integers"):
+                dataclasses.replace(good, moves=(bad,), **kw).validate(COUNTS, TOPO)
 
 
 def test_validate_weight_copy_source_home_and_state():        # V5, V8, V9
