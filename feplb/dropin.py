@@ -26,7 +26,7 @@ from feplb.experts import rebuilt_in_backward
 from feplb.layer import FEPLBConfig, MoELayer
 from feplb.sharded import expert_named_params, is_dtensor, local_state_dicts, track_optimizer
 from feplb.steps import ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_REDUCE, ENTRY_REFRESH
-from feplb.training import average_args, handshaken
+from feplb.training import average_args, check_dp_peers, dp_peers_checked, handshaken
 
 __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "zero_replica_grads", "average_expert_grads",
            "attach_optimizer", "clip_grad_norm_", "refresh_replicas", "full_state_dict", "set_state_dict_type",
@@ -261,8 +261,15 @@ def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGrou
     moes = experts_modules(model)
     args, problem = average_args(moes, data_parallel_group, divide)
     with handshaken(moes, ENTRY_AVERAGE, force=True, problem=problem, args=args):
-        for m in moes:
-            m.average_expert_grads(data_parallel_group, divide=divide)
+        if data_parallel_group is not None and moes:
+            # the replicas compared once for the whole model (each layer's own check of the group first: it names a
+            # group of other experts), not once per layer
+            for m in moes:
+                m._check_dp_group(data_parallel_group)
+            check_dp_peers(moes, data_parallel_group, divide)
+        with dp_peers_checked():
+            for m in moes:
+                m.average_expert_grads(data_parallel_group, divide=divide)
 
 
 def attach_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -309,7 +316,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
             sum(1 for _ in model.parameters()), 0 if dp is None else dist.get_world_size(dp))
     with handshaken(moes, ENTRY_CLIP, force=True, args=args):   # (its norm's all-reduce is collective anyway)
         if dp is not None:
-            _check_clip_replicas(moes, dp, args)
+            # (the layers' ids are agreed within each EP group only, and differ between replicas where one built
+            # other layers before: their number goes across instead)
+            _check_clip_replicas(moes, dp, (*args[:3], len(moes), *args[4:]))
         return _clip_grad_norm(model, moes, max_norm, norm_type, error_if_nonfinite)
 
 
@@ -365,8 +374,10 @@ def _clip_grad_norm(model: nn.Module, moes: list, max_norm: float, norm_type: fl
     sharded = [g for p, g in zip(params, grads, strict=True) if id(p) in expert_ids]
     device = grads[0].device if grads else experts[0].device
     norm_type = float(norm_type)
-    # (the per-tensor norms, each in its gradient's dtype, summed in fp32, or in fp64 for a model with fp64 gradients)
-    acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    # (the per-tensor norms, each in its gradient's dtype, summed in fp32, or in fp64 for a model with fp64
+    # parameters: read from the model, alike on every rank, not from the gradients this rank happens to hold, as the
+    # norms' all-reduce must be of one dtype on every rank)
+    acc = torch.float64 if any(p.dtype == torch.float64 for p in model.parameters()) else torch.float32
 
     def local(gs):
         if not gs:

@@ -404,6 +404,65 @@ def _forget_round(groups: list) -> None:
         _ROUND_CALLS.pop(id(g), None)
 
 
+def check_dp_peers(layers: list[TrainingSteps], data_parallel_group: dist.ProcessGroup, divide: bool) -> None:
+    """Refuse, on every rank, an ``average_expert_grads`` whose data-parallel peers (the other EP groups' ranks holding
+    these experts) pass another ``divide`` or hold gradients of other expert parameters (experts frozen in one
+    replica only): the handshake compares the call over the EP group only, and the sums pair each rank's gradients
+    with its peers' in order, so one replica dividing alone, or a gradient summed with another parameter's, would go
+    on silently. One all-gather over the group for all of ``layers`` (a model's: one check per step, not one per
+    layer), then the verdict agreed over each of their EP groups."""
+    import hashlib
+
+    params = [p for lay in layers for p in lay.expert_params()]
+    flags = [int(p.grad is not None) for p in params]
+    # (which of them hold one, as one int64: a bit each, or a digest where there are more than 62)
+    held = sum(f << i for i, f in enumerate(flags)) if len(flags) <= 62 else \
+        int(hashlib.sha256(bytes(flags)).hexdigest()[:15], 16)
+    device = next((p.device for p in params), torch.device("cpu"))
+    mine = torch.tensor([int(bool(divide)), len(params), sum(flags), held], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(data_parallel_group))]
+    op = "average_expert_grads' comparison over data_parallel_group"
+    with guard(op, data_parallel_group):
+        dist.all_gather(parts, mine, group=data_parallel_group)
+    table = torch.stack(parts).cpu().tolist()
+    same = all(row == table[0] for row in table)
+    agreed = True
+    for lay in {id(lay.control): lay for lay in layers}.values():    # (each EP group's control plane once)
+        agreed &= bool(lay.control.all_reduce_min(torch.tensor([int(same)], dtype=torch.int64), "group", op)[0])
+    hint = "nothing was summed. Pass the same divide on every rank, and freeze the experts alike in every replica"
+    if not same:
+        names = []
+        for lay in layers:
+            name_of = {id(p): n for n, p in lay.named_parameters()}
+            names += [name_of.get(id(p), f"expert parameter {i}") for i, p in enumerate(lay.expert_params())]
+        ranks = dist.get_process_group_ranks(data_parallel_group)
+
+        def grads(n: int, count: int, mask: int) -> str:
+            if n > 62 or n != len(params):
+                return f"{count} of {n} expert parameters"
+            return "[" + ", ".join(names[i] for i in range(n) if mask >> i & 1) + "]"
+
+        rows = "; ".join(f"global rank {g}: divide={bool(d)}, gradients of {grads(n, c, h)}"
+                         for g, (d, n, c, h) in zip(ranks, table, strict=True))
+        raise ValueError("MoELayer.average_expert_grads: the ranks of data_parallel_group (the replicas of these "
+                         f"experts) differ ({rows}); {hint}")
+    if not agreed:
+        raise ValueError("MoELayer.average_expert_grads: on another rank of this EP group, the ranks of its "
+                         f"data_parallel_group differ in divide or in which expert parameters hold gradients; {hint}")
+
+
+@contextlib.contextmanager
+def dp_peers_checked() -> Iterator[None]:
+    """Within: the layers' ``average_expert_grads`` leave out their own comparison over the data-parallel group
+    (a model's call made one, :func:`check_dp_peers`, for all its layers)."""
+    before = getattr(_CALLS, "dp_peers_checked", False)
+    _CALLS.dp_peers_checked = True
+    try:
+        yield
+    finally:
+        _CALLS.dp_peers_checked = before
+
+
 def average_args(layers: list[TrainingSteps], data_parallel_group: dist.ProcessGroup | None,
                  divide: bool) -> tuple[tuple, int]:
     """What ``average_expert_grads`` agrees over the EP group: ``handshaken``'s ``args`` (``divide``, the size of
@@ -865,8 +924,8 @@ class TrainingSteps:
         if data_parallel_group is not None:
             self._check_dp_group(data_parallel_group)
         self.reduce_replica_grads()
-        if data_parallel_group is not None:
-            self._check_dp_peers(data_parallel_group, divide)
+        if data_parallel_group is not None and not getattr(_CALLS, "dp_peers_checked", False):
+            check_dp_peers([self], data_parallel_group, divide)
         ranks = self.world_size * (dist.get_world_size(data_parallel_group) if data_parallel_group is not None
                                    else 1)
         for p in self.expert_params():
@@ -884,8 +943,11 @@ class TrainingSteps:
         # ends (the next call is the next step's), it holds for every optimizer stepping these gradients
         self._averaged_grads = self._averaged
         self.__dict__.pop("_grad_after_average", None)
-        if "_watching_average" in self.__dict__:
-            self._watch_after_average()   # (an expert parameter unfrozen since the attach gets its hook too)
+        if "_watching_average" in self.__dict__ or data_parallel_group is not None:
+            # (an expert parameter unfrozen since the attach gets its hook too; under EP x DP, clip_grad_norm_ reads
+            # the mark, so gradients zeroed in place, the same tensors, are not taken for averaged ones after a
+            # backward)
+            self._watch_after_average()
 
     def _dp_key(self, data_parallel_group: dist.ProcessGroup) -> tuple[int, ...]:
         """``_dp_checked``'s key of a data-parallel group: its global ranks."""
@@ -924,50 +986,6 @@ class TrainingSteps:
             raise ValueError("MoELayer.average_expert_grads: on another rank of this EP group, the ranks of its "
                              "data_parallel_group hold other experts; nothing was summed. " + DP_GROUP_HINT)
         checked.add(key)
-
-    def _check_dp_peers(self, data_parallel_group: dist.ProcessGroup, divide: bool) -> None:
-        """Refuse, on every rank, a call whose data-parallel peers (the other EP groups' ranks holding these experts)
-        pass another ``divide`` or hold gradients of other expert parameters (experts frozen in one replica only):
-        the handshake compares the call over the EP group only, and the sums below pair each rank's gradients with
-        its peers' in order, so one replica dividing alone, or a gradient summed with another parameter's, would
-        go on silently. One all-gather over the group, then the verdict agreed over the EP group."""
-        import hashlib
-
-        params = list(self.expert_params())
-        flags = [int(p.grad is not None) for p in params]
-        # (which of them hold one, as one int64: a bit each, or a digest where there are more than 62, as an adapter's
-        # per-expert parameters may be)
-        held = sum(f << i for i, f in enumerate(flags)) if len(flags) <= 62 else \
-            int(hashlib.sha256(bytes(flags)).hexdigest()[:15], 16)
-        device = next((p.device for p in params), torch.device("cpu"))
-        mine = torch.tensor([int(bool(divide)), len(params), sum(flags), held], dtype=torch.int64, device=device)
-        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(data_parallel_group))]
-        with guard("average_expert_grads' comparison over data_parallel_group", data_parallel_group):
-            dist.all_gather(parts, mine, group=data_parallel_group)
-        table = torch.stack(parts).cpu().tolist()
-        same = all(row == table[0] for row in table)
-        agreed = self.control.all_reduce_min(torch.tensor([int(same)], dtype=torch.int64), "group",
-                                             "average_expert_grads' comparison over data_parallel_group")
-        if not same:
-            name_of = {id(p): n for n, p in self.named_parameters()}
-            names = [name_of.get(id(p), f"expert parameter {i}") for i, p in enumerate(params)]
-            ranks = dist.get_process_group_ranks(data_parallel_group)
-
-            def grads(n: int, count: int, mask: int) -> str:
-                if n > 62 or n != len(params):
-                    return f"{count} of {n} expert parameters"
-                return "[" + ", ".join(names[i] for i in range(n) if mask >> i & 1) + "]"
-
-            rows = "; ".join(f"global rank {g}: divide={bool(d)}, gradients of {grads(n, c, h)}"
-                             for g, (d, n, c, h) in zip(ranks, table, strict=True))
-            raise ValueError("MoELayer.average_expert_grads: the ranks of data_parallel_group (the replicas of "
-                             f"these experts) differ ({rows}); nothing was summed. Pass the same divide on every "
-                             "rank, and freeze the experts alike in every replica")
-        if not bool(agreed[0]):
-            raise ValueError("MoELayer.average_expert_grads: on another rank of this EP group, the ranks of its "
-                             "data_parallel_group differ in divide or in which expert parameters hold gradients; "
-                             "nothing was summed. Pass the same divide on every rank, and freeze the experts alike "
-                             "in every replica")
 
     def _agree_unscaled_overflow(self, data_parallel_group: dist.ProcessGroup) -> None:
         """An attached GradScaler that already unscaled this step (a loop calling ``scaler.unscale_`` before

@@ -740,6 +740,10 @@ def _epdp_replicas_apart_worker(rank, world):
     second = rank >= 2       # (the second replica)
     router, w1, w2 = _weights()
     res = {}
+    # the first replica builds a layer more first: the layers' ids (agreed within each EP group) differ between the
+    # replicas, which compare their calls all the same
+    MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=2), group=ep).close() \
+        if not second else None
     for policy in ("none", "feplb-split"):
         layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=2, dyn=2, policy=policy,
                                      min_straggler_rows=0, min_chunk=2, plan_wait_ms=60_000.0, dtype=torch.float64),
@@ -773,6 +777,15 @@ def _epdp_replicas_apart_worker(rank, world):
         res[policy, "clip_first"] = error_of(lambda m=layer: feplb.clip_grad_norm_(m, 0.01))
         res[policy, "clip_first_kept"] = torch.equal(layer.router.weight.grad, router_grad)
         average_expert_grads(layer, dp)
+        # a step of an optimizer not attached, its gradients zeroed in place (the same tensors), and the next backward:
+        # not taken for averaged ones
+        opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        layer(_x(rank, 4).double()).pow(2).mean().backward()
+        dist.all_reduce(layer.router.weight.grad)
+        res[policy, "clip_in_place"] = error_of(lambda m=layer: feplb.clip_grad_norm_(m, 0.01))
+        average_expert_grads(layer, dp)
         norm = feplb.clip_grad_norm_(layer, 0.01)
         res[policy, "norm"] = (norm.dtype, float(norm))
         res[policy, "router_grad"] = layer.router.weight.grad.clone()
@@ -799,6 +812,8 @@ def test_epdp_replicas_calls_apart_are_refused():
             assert err is not None and err.startswith("RuntimeError") and "not averaged over the data-parallel " \
                 "group yet" in err, (rank, policy, err)
             assert r[policy, "clip_first_kept"], (rank, policy)
+            err = r[policy, "clip_in_place"]
+            assert err is not None and "not averaged over the data-parallel group yet" in err, (rank, policy, err)
             assert r[policy, "norm"][0] == torch.float64 and r[policy, "norm"] == res[0][policy, "norm"], \
                 (rank, policy, r[policy, "norm"])
             assert torch.equal(r[policy, "router_grad"], res[0][policy, "router_grad"]), (rank, policy)
