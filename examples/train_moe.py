@@ -126,6 +126,8 @@ class TrainConfig:
             raise UsageError(f"--bias-rate: expected a finite number >= 0, got {self.bias_rate}")
         if self.warmup < 0:
             raise UsageError(f"--warmup: expected an integer >= 0, got {self.warmup}")
+        if not -(2**63) <= self.seed < 2**63:
+            raise UsageError(f"--seed: expected an integer in [-2**63, 2**63), got {self.seed}")
         # (NaN passed a '< 0' test: --clip nan turned clipping off, --weight-decay nan failed at step 2 asking to
         # lower --lr)
         for name in ("weight_decay", "clip"):
@@ -448,7 +450,9 @@ def init_expert_weights(model: MoETransformer, cfg: TrainConfig, rank: int) -> N
     with torch.no_grad():
         for layer, moe in enumerate(model.moe_layers()):
             for j in range(e_local):
-                g = torch.Generator().manual_seed((cfg.seed * 1_000_003 + layer) * 1_000_003 + rank * e_local + j)
+                # (folded into the seeds torch takes: a --seed of 2e7 or more made the product overflow them)
+                g = torch.Generator().manual_seed(
+                    ((cfg.seed * 1_000_003 + layer) * 1_000_003 + rank * e_local + j) % 2**63)
                 for w in (moe.w1, moe.w2):
                     fan_in = w.shape[1]
                     draw = torch.randn(w.shape[1:], generator=g) / math.sqrt(fan_in)

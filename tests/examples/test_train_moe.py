@@ -301,8 +301,9 @@ _BASE = dict(layers=2, hidden=32, heads=4, ffn=32, experts=16, top_k=2, router="
     ({"clip": float("nan")}, "--clip: expected a finite number >= 0, got nan"),
     ({"clip": float("inf")}, "--clip: expected a finite number >= 0, got inf"),
     ({"warmup": -1}, "--warmup: expected an integer >= 0, got -1"),
+    ({"seed": 2**63}, "--seed: expected an integer in"),
 ], ids=["experts-vs-world", "node-vs-world", "dyn-too-large", "heads", "top-k", "lr-nan", "weight-decay-nan",
-        "clip-nan", "clip-inf", "warmup"])
+        "clip-nan", "clip-inf", "warmup", "seed"])
 def test_config_rejects_what_it_cannot_run(train_moe, change, message):
     base = _BASE
     train_moe.TrainConfig(**base)
@@ -311,6 +312,22 @@ def test_config_rejects_what_it_cannot_run(train_moe, change, message):
     with pytest.raises(train_moe.UsageError, match=message.replace("(", r"\(").replace(".", r"\.")):
         train_moe.TrainConfig(**{**base, **change})
     assert train_moe.TrainConfig(**base).digest() != train_moe.TrainConfig(**{**base, "seed": 1}).digest()
+
+
+def test_expert_weights_are_drawn_from_any_seed(train_moe):
+    """Every seed the config takes draws the experts' weights (a --seed of 2e7 or more overflowed torch's seed in the
+    per-expert product); a small one draws what it always drew."""
+    import types
+
+    for seed in (-(2**63), -1, 0, 5, 10**12, 2**63 - 1):
+        cfg = train_moe.TrainConfig(**{**_BASE, "seed": seed})
+        e = cfg.experts // cfg.world_size
+        moe = types.SimpleNamespace(w1=torch.zeros(e, 4, 6), w2=torch.zeros(e, 3, 4))
+        train_moe.init_expert_weights(types.SimpleNamespace(moe_layers=lambda m=moe: [m]), cfg, 1)
+        assert all(bool(w[j].abs().sum() > 0) for w in (moe.w1, moe.w2) for j in range(e)), seed
+        if seed == 5:
+            g = torch.Generator().manual_seed((5 * 1_000_003 + 0) * 1_000_003 + 1 * e + 2)
+            assert torch.equal(moe.w1[2], torch.randn(4, 6, generator=g) / 2.0)
 
 
 def _built_model_sizes(rank: int, world: int, change: dict) -> tuple[int, int, int]:

@@ -122,7 +122,9 @@ def test_example_refuses_bad_numbers_before_any_work():
              (["--layers", "0"], "--layers: expected an integer >= 1, got 0"),
              (["--lr", "nan"], "--lr: expected a positive finite number, got nan"),
              (["--clip", "nan"], "--clip: expected a finite number >= 0 (0: no clipping), got nan"),
-             (["--clip", "-1"], "--clip: expected a finite number >= 0 (0: no clipping), got -1.0")]
+             (["--clip", "-1"], "--clip: expected a finite number >= 0 (0: no clipping), got -1.0"),
+             (["--gpus-per-node", "0"], "--gpus-per-node: expected an integer >= 1, got 0"),    # (was the default)
+             (["--seed", str(2**64)], "--seed: expected an integer in [-2**63, 2**64)")]
     got = run_dist(_refused_each, 2, [base + extra for extra, _ in cases], timeout_s=180, collective_timeout_s=60)
     for errors in got:
         for (extra, words), err in zip(cases, errors, strict=True):
@@ -157,7 +159,10 @@ def test_trainer_example_refuses_bad_options_before_any_work(tmp_path):
              (["--layers", "0"], "--layers: expected an integer >= 1, got 0"),
              (["--text-bytes", "10"], "--text-bytes 10: too few sequences of 32 bytes for 2 ranks of 2 and a "
                                       "held-out batch"),
-             (["--policy", "bogus"], "unknown base policy 'bogus'")]
+             (["--policy", "bogus"], "unknown base policy 'bogus'"),
+             (["--gpus-per-node", "0"], "--gpus-per-node: expected an integer >= 1, got 0"),
+             (["--seed", "-1"], "--seed: expected an integer in [0, 2**32) (transformers' set_seed (numpy's) takes "
+                                "no other), got -1")]
     got = run_dist(_trainer_refused_each, 2, [base + extra for extra, _ in cases], timeout_s=240,
                    collective_timeout_s=60)
     for errors in got:
