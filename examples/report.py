@@ -254,10 +254,23 @@ def _timeline_text(spans) -> str:
     if not any(s.name == "plan" for s in spans):
         return text + "This forward made no plan (its straggler was below the layer's threshold)."
     beside = [n for n in ("plan", "agree", "copy_rows") if overlaps(n)]
+    if beside:
+        after = f"{', '.join(beside)} ran beside the static GEMM."
+    else:
+        # (read off the spans: which came first, not a guess from their lengths)
+        plan = [s for s in spans if s.name == "plan"]
+        gemm = [s for s in spans if s.name == "static_gemm"]
+        order = ""
+        if plan and gemm:
+            if max(s.end_us for s in plan) <= min(s.start_us for s in gemm):
+                order = ": planning ended before the static GEMM began"
+            elif max(s.end_us for s in gemm) <= min(s.start_us for s in plan):
+                order = ": the static GEMM ended before planning began"
+        after = (f"nothing ran beside the static GEMM{order} (on a CPU the planner thread holds Python's GIL while "
+                 "it plans, and the main thread's work waits for it; on a GPU the overlap condition is plan + copies "
+                 "<= static GEMM).")
     return text + (f"Here the static experts' GEMM took {total('static_gemm'):.2f} ms and planning "
-                   f"{total('plan'):.2f} ms; " + (f"{', '.join(beside)} ran beside the static GEMM." if beside else
-                   "nothing ran beside the static GEMM, which was shorter than the planning (on a GPU the overlap "
-                   "condition is plan + copies <= static GEMM; this small CPU model is far from it)."))
+                   f"{total('plan'):.2f} ms; " + after)
 
 
 def write_report(out: Path, meta: dict, steps: list[dict], timeline=None) -> dict:

@@ -741,3 +741,24 @@ def test_a_checkpoint_torch_save_cannot_write_stops_every_rank(tmp_path):
     for err in errors:
         assert err is not None and "(rank 1) cannot write the checkpoint of step 3 (RuntimeError" in err, errors
     assert not (tmp_path / "checkpoint" / "latest.json").exists()
+
+
+def test_timeline_text_says_what_its_spans_show(report):
+    """report.md's sentence on the timeline reads the order off the spans (it said the static GEMM was shorter than
+    the planning beside numbers saying the reverse)."""
+    from feplb.timeline import Span
+
+    def spans(plan, gemm, copy=None):
+        out = [Span(name="plan", lane="planner", start_us=plan[0], end_us=plan[1]),
+               Span(name="static_gemm", lane="compute", start_us=gemm[0], end_us=gemm[1])]
+        if copy is not None:
+            out.append(Span(name="copy_rows", lane="copy", start_us=copy[0], end_us=copy[1]))
+        return out
+
+    first = report._timeline_text(spans((3882, 4013), (4055, 4515)))
+    assert "static experts' GEMM took 0.46 ms and planning 0.13 ms; nothing ran beside the static GEMM: planning " \
+        "ended before the static GEMM began" in first and "shorter" not in first, first
+    assert "the static GEMM ended before planning began" in report._timeline_text(spans((500, 600), (100, 200)))
+    both = report._timeline_text(spans((100, 300), (200, 400), copy=(250, 260)))
+    assert "plan, copy_rows ran beside the static GEMM." in both, both
+    assert "made no plan" in report._timeline_text([Span(name="static_gemm", lane="compute", start_us=0, end_us=1)])
