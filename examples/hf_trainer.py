@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise demo.UsageError(f"--gpus-per-node: expected an integer >= 1, got {args.gpus_per_node}")
     if not 0 <= args.seed < 2**32:
-        raise demo.UsageError(f"--seed: expected an integer in [0, 2**32) (transformers' set_seed (numpy's) takes no other), got {args.seed}")
+        raise demo.UsageError("--seed: expected an integer in [0, 2**32) (transformers' set_seed (numpy's) takes no "
+                              f"other), got {args.seed}")
     G = args.gpus_per_node if args.gpus_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % G:
         raise demo.UsageError(f"--gpus-per-node {G} does not divide the world size {world}")

@@ -573,7 +573,7 @@ def _bad_direct_plan_worker(rank, world):
             layer(x)            # (EPLB's replicas from the history of this micro-batch)
         plan_fn = layer._plan
         for how in ("beyond", "overlap"):
-            def bad(*args, how=how, **kwargs):
+            def bad(*args, how=how, plan_fn=plan_fn, **kwargs):
                 plan, us = plan_fn(*args, **kwargs)
                 moves = list(plan.moves)
                 m = next(m for m in moves if m.row_end - m.row_start >= 2)
@@ -586,7 +586,7 @@ def _bad_direct_plan_worker(rank, world):
             layer._plan = bad
             t0 = time.perf_counter()
             with torch.no_grad():
-                res[f"{policy}_{how}"] = error_of(lambda: layer(x))
+                res[f"{policy}_{how}"] = error_of(lambda layer=layer: layer(x))
             res[f"{policy}_{how}_s"] = time.perf_counter() - t0
             layer._plan = plan_fn
         with torch.no_grad():
