@@ -152,6 +152,22 @@ def _wrapped_in_construction(trainer: Any) -> str | None:
     return None
 
 
+def _experts_alone_problem(model: nn.Module) -> str | None:
+    """Why the Trainer cannot train ``model`` on several ranks where only FEPLB's expert shards train, or None:
+    accelerate wraps the model in DistributedDataParallel, the shards stay out of it (each rank holds other
+    experts), and DDP refuses a model with no parameter of its own to train (in train(), with torch's message)."""
+    experts = {id(p) for p in expert_parameters(model)}
+    if any(p.requires_grad for p in model.parameters() if id(p) not in experts):
+        return None
+    if not any(p.requires_grad for p in model.parameters() if id(p) in experts):
+        return None      # (nothing trains at all: the Trainer's own business)
+    return ("only the experts train (every parameter outside them is frozen): accelerate wraps the model in "
+            "DistributedDataParallel, which FEPLB's expert shards stay out of, and DDP refuses a model with no "
+            "parameter of its own to train. Leave a parameter outside the experts trainable (the router, say), or "
+            "train the experts alone with your own loop (feplb.hf.attach_optimizer and average_expert_grads, no "
+            "DDP: docs/hf.md)")
+
+
 class TrainerMixin:
     """FEPLB's per-step calls inside a transformers ``Trainer`` (module docstring). Put it first among the bases.
 
@@ -197,6 +213,8 @@ class TrainerMixin:
                                         takes_ref_model=_takes_ref_model(type(self)))
         if problem is None:
             problem = _wrapped_in_construction(self)
+        if problem is None and moes and dist.is_initialized() and dist.get_world_size() > 1:
+            problem = _experts_alone_problem(self.model)
         bad_dp = data_parallel_group is not None and not isinstance(data_parallel_group, dist.ProcessGroup)
         if problem is None and bad_dp:   # (read on one rank, it failed there alone, its peers left waiting)
             problem = ("data_parallel_group must be a torch.distributed.ProcessGroup (dist.new_group(ranks)), got "

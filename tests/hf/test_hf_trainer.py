@@ -274,6 +274,35 @@ def test_evaluate_before_train_is_refused_on_every_rank():
         assert r["evals"] == [runs[0]["loss"]] and r["equal"] and r["compiled"] is None, r
 
 
+def _experts_alone(rank, world, out):
+    """Only the experts trainable (ESFT's expert-only fine-tuning): accelerate's DDP, which the expert shards stay
+    out of, would have no parameter to train and raise in train() with torch's message; refused at construction on
+    every rank, naming the way out; with the router trainable too it trains."""
+    _env(rank, world)
+    import feplb.hf
+    from feplb.testing import error_of
+
+    def trainer(router: bool):
+        model = _models().make_model("qwen3_moe")
+        feplb.hf.apply(model, policy="feplb-split", gpus_per_node=G)
+        for name, p in model.named_parameters():
+            p.requires_grad_(".experts." in name or (router and name.endswith("mlp.gate.weight")))
+        return feplb.hf.Trainer(model=model, args=_args(out, "sgd", max_steps=1), train_dataset=_dataset())
+
+    alone = error_of(lambda: trainer(router=False))
+    with_router = error_of(lambda: trainer(router=True).train())
+    return {"alone": alone, "with_router": with_router}
+
+
+def test_experts_alone_trainable_is_refused_at_construction():
+    with tempfile.TemporaryDirectory() as d:
+        runs = run_dist(_experts_alone, 2, d, timeout_s=200)
+    for r in runs:
+        assert r["alone"] is not None and r["alone"].startswith("ValueError: feplb.hf.Trainer: only the experts "
+                                                                "train") and "your own loop" in r["alone"], r
+        assert r["with_router"] is None, r
+
+
 def test_the_mixin_after_a_trainer_class_is_refused_at_class_creation():
     """After transformers.Trainer among the bases, the mixin's per-step calls are shadowed (each rank would clip its
     own experts): refused when the class is made; first among the bases, or over a Trainer subclass, it is taken."""
