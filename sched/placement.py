@@ -211,11 +211,15 @@ def eplb_layout(load_E: np.ndarray, topo: Topology, slots_per_gpu: int, num_grou
     an expert may fill several slots, also on one GPU.
     """
     load = _check_load(load_E, topo)
-    if isinstance(slots_per_gpu, bool) or not isinstance(slots_per_gpu, int) or slots_per_gpu < 0:
+    # (numpy integers taken, as make_plan takes them; a bool is no count)
+    if isinstance(slots_per_gpu, bool | np.bool_) or not isinstance(slots_per_gpu, numbers.Integral) or \
+            slots_per_gpu < 0:
         raise ValueError(f"slots_per_gpu must be an int >= 0, got {slots_per_gpu!r}")
     E, W, G = topo.num_experts, topo.num_ranks, topo.gpus_per_node
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1 or E % num_groups:
+    if isinstance(num_groups, bool | np.bool_) or not isinstance(num_groups, numbers.Integral) or num_groups < 1 or \
+            E % num_groups:
         raise ValueError(f"num_groups must be a positive int dividing E={E}, got {num_groups!r}")
+    slots_per_gpu, num_groups = int(slots_per_gpu), int(num_groups)
     # (checked as place_experts checks its owner_E: any values were taken, 99 or 0.7, and a short one failed later
     # with an IndexError)
     home = (topo.default_home_E() if home_E is None else _check_home(home_E, topo, "home_E")).tolist()

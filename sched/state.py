@@ -139,7 +139,7 @@ class PolicyState:
             # rows they split among themselves there, and the layout grows with them: a slip for a small count that
             # would exhaust memory)
             raise ValueError(f"PolicyState.eplb_slots must be at most E = {topo.num_experts} (redundant slots per "
-                             f"GPU: past E - E // W every GPU holds every expert), got {self.eplb_slots}")
+                             f"GPU: from E - E // W on, every GPU can hold every expert), got {self.eplb_slots}")
         known = _known(self.home_E, _HOME, topo)
         if known is None:
             home = topo.default_home_E() if self.home_E is None else \

@@ -90,6 +90,18 @@ def test_place_experts_keeps_the_owners_without_a_gain():     # P3
     assert place_experts(np.array([4, 0, 0, 2]), topo).tolist() == [0, 0, 1, 1]
 
 
+def test_eplb_layout_takes_numpy_integers_and_refuses_bools():
+    topo = Topology(num_ranks=2, gpus_per_node=2, num_experts=4, dyn=0)
+    load = np.array([9, 1, 1, 1])
+    want = eplb_layout(load, topo, 1, num_groups=2)
+    assert np.array_equal(eplb_layout(load, topo, np.int64(1), num_groups=np.int32(2)), want)
+    for bad in (True, np.bool_(True), 1.0, -1):
+        with pytest.raises(ValueError, match="slots_per_gpu must be an int >= 0"):
+            eplb_layout(load, topo, bad)
+    with pytest.raises(ValueError, match="num_groups must be a positive int dividing E=4"):
+        eplb_layout(load, topo, 1, num_groups=np.bool_(True))
+
+
 def test_eplb_layout_ties():                                  # P4, P5
     # replication ties go to the lower expert: [2, 1] -> 3 + 1 copies, not 2 + 2
     assert eplb_layout(np.array([2, 1]), Topology(num_ranks=1, gpus_per_node=1, num_experts=2, dyn=0), 2).tolist() \
