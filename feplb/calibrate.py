@@ -269,7 +269,7 @@ def expert_us_from_bench(doc: dict, *, impl: str = "torch_grouped_mm", dist: str
 def table_document(measured: Sequence[dict], *, hidden: int, ffn: int, meta: dict,
                    floor_tolerance: float = FLOOR_TOLERANCE, **fields: object) -> dict:
     """The cost-table JSON for ``CostModel.from_json``: rows, us, hidden, ffn, any other CostModel field given
-    (ce_gbps, net_gbps, d2d_gbps, copy_out_slowdown), and ``meta`` (what was measured, where and how; ignored by
+    (dtype_bytes, ce_gbps, net_gbps, d2d_gbps, copy_out_slowdown), and ``meta`` (what was measured, where and how; ignored by
     the model). Raises ValueError unless it makes a valid CostModel."""
     table_rows, table_us, info = fit_table([m["rows"] for m in measured], [m["us"] for m in measured],
                                            floor_tolerance=floor_tolerance)

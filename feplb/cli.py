@@ -673,8 +673,9 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
                    help="with --from-bench: whose times (default torch_grouped_mm)")
     # (measuring options default to None: given with --from-bench, which takes all of it from the file, they are
     # refused instead of ignored; _MEASURE_DEFAULTS fills them in otherwise)
-    p.add_argument("--hidden", type=_positive, default=None, help="expert hidden size H (default 6144, GLM-5)")
-    p.add_argument("--ffn", type=_positive, default=None, help="expert ffn width F (default 2048, GLM-5)")
+    # (the cost model's own limits on the shape, checked before the sweep rather than after it)
+    p.add_argument("--hidden", type=_expert_dim, default=None, help="expert hidden size H (default 6144, GLM-5)")
+    p.add_argument("--ffn", type=_expert_dim, default=None, help="expert ffn width F (default 2048, GLM-5)")
     p.add_argument("--experts", type=_positive, default=None, help="experts timed together (default 16)")
     p.add_argument("--rows", type=_rows_list, default=None,
                    help="rows per expert to time, comma-separated ascending (default 32,64,...,4096)")
@@ -766,10 +767,15 @@ def _run_calibrate(args: argparse.Namespace) -> int:
                 "experts": args.experts, "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup,
                 **machine_meta(device)}
     meta["command"] = command
+    # the element size the times were measured in: the model's weight and row bytes (a float32 table read as bf16
+    # halved every copy beside fp32 GEMM times); a bench file that names no dtype ran bench_kernels' bfloat16
+    dt = getattr(torch, str(meta.get("dtype", "bfloat16")), None)
+    if not isinstance(dt, torch.dtype):
+        raise UsageError(f"--from-bench {args.from_bench}: meta.shape.dtype {meta.get('dtype')!r} is no torch dtype")
     try:
         table = table_document(measured, hidden=hidden, ffn=ffn, meta=meta, floor_tolerance=args.floor_tolerance,
-                               ce_gbps=args.ce_gbps, net_gbps=args.net_gbps, d2d_gbps=args.d2d_gbps,
-                               copy_out_slowdown=args.copy_out_slowdown)
+                               dtype_bytes=dt.itemsize, ce_gbps=args.ce_gbps, net_gbps=args.net_gbps,
+                               d2d_gbps=args.d2d_gbps, copy_out_slowdown=args.copy_out_slowdown)
     except ValueError as err:   # (the times cannot make a table: too few row counts, no floor, a flat end)
         raise UsageError(f"--from-bench {args.from_bench}: {err}" if args.from_bench else
                          f"the times measured cannot make a cost table: {err}") from err

@@ -222,7 +222,9 @@ def test_cli_measures_writes_a_table_the_simulator_reads(tmp_path, capsys):
     k = sorted(measured).index(doc["rows"][0])
     assert doc["rows"] == sorted(measured)[k:] and np.allclose(doc["us"], fit[k:], rtol=1e-12)
     cm = CostModel.from_json(out)
-    assert (cm.hidden, cm.ffn, cm.ce_gbps, cm.knee_rows) == (128, 64, 100.0, doc["rows"][0])
+    # float32 times, float32 bytes (the model's default element size is bf16's)
+    assert (cm.hidden, cm.ffn, cm.ce_gbps, cm.knee_rows, cm.dtype_bytes) == (128, 64, 100.0, doc["rows"][0], 4)
+    assert cm.weight_bytes == 3 * 128 * 64 * 4
     sim_json = tmp_path / "sim.json"
     assert main(["simulate", "synthetic:zipf:E=16:K=2:L=1", "--ep", "4", "--gpus-per-node", "4", "--tokens-per-rank",
                  "64", "--dyn", "1", "--policies", "none,feplb-split", "--microbatches", "1", "--warmup", "0",
@@ -270,7 +272,7 @@ def test_cli_from_bench_takes_everything_from_the_file(tmp_path, capsys):
     assert "--bench-impl is for --from-bench" in capsys.readouterr().err
     assert not out.exists()
     assert main(["calibrate", "--from-bench", str(H200_BENCH), "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["meta"]["dtype"] == "bfloat16"
+    assert json.loads(out.read_text())["meta"]["dtype"] == "bfloat16" and CostModel.from_json(out).dtype_bytes == 2
     capsys.readouterr()
     # one row count left: the message names the file
     doc = _bench_doc([_rec("gate_up", 128, us=10.0), _rec("down", 128, us=5.0)])
@@ -392,3 +394,15 @@ def test_gpu_timer_order_on_stand_ins(monkeypatch):
     got = cal._time_us(lambda: order.append("call"), torch.device("cuda"), repeats=3, warmup=2)
     assert got == pytest.approx([1500.0, 500.0, 2000.0])
     assert order == ["call", "call", "sync"] + ["sleep", "start", "call", "end", "sync"] * 3
+
+
+def test_cli_refuses_a_shape_the_cost_model_cannot_take_before_measuring(tmp_path, capsys):
+    """--hidden / --ffn above the cost model's 2**20 are refused as options (they were measured first, the whole
+    sweep, then refused by the table)."""
+    out = tmp_path / "t.json"
+    for option in ("--hidden", "--ffn"):
+        with pytest.raises(SystemExit) as exc:
+            main(["calibrate", "--out", str(out), option, str(2**20 + 8), "--device", "cpu"])
+        assert exc.value.code == 2
+        assert f"{option}: expected at most 1048576" in capsys.readouterr().err
+    assert not out.exists()
