@@ -225,13 +225,17 @@ def expert_us_from_bench(doc: dict, *, impl: str = "torch_grouped_mm", dist: str
         raise ValueError(f"bench_kernels meta.shape must hold integers, got {shape}")
     if min(experts, hidden, ffn) < 1:
         raise ValueError(f"bench_kernels meta.shape must hold positive local_experts, hidden and ffn, got {shape}")
+    if max(hidden, ffn) > 2**20:    # (the cost model's limit: CostModel.hidden and .ffn)
+        raise ValueError(f"bench_kernels meta.shape's hidden and ffn must be at most 2**20, got {shape}"[:300])
     found: dict[int, dict[str, dict]] = {}
     for i, row in enumerate(doc["results"]):
         if (isinstance(row, dict) and row.get("bench") == "grouped_mm" and row.get("op") == "forward"
                 and row.get("impl") == impl and row.get("dist") == dist):
             r = row.get("rows_per_expert")
-            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-                raise ValueError(f"results[{i}] ({impl} forward) has no positive integer rows_per_expert: {r!r}")
+            if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < 2**46:
+                # (2**46: the cost model's limit on an expert's rows; a JSON integer beyond a float overflowed)
+                raise ValueError(f"results[{i}] ({impl} forward) has no positive integer rows_per_expert below "
+                                 f"2**46: {r!r}"[:300])
             proj = row.get("proj")
             if proj in found.get(r, {}):   # (the last one was kept without a word: two runs in one file)
                 raise ValueError(f"results[{i}]: a second {impl} forward {proj!r} record at {r} rows per expert; one "
@@ -269,8 +273,8 @@ def expert_us_from_bench(doc: dict, *, impl: str = "torch_grouped_mm", dist: str
 def table_document(measured: Sequence[dict], *, hidden: int, ffn: int, meta: dict,
                    floor_tolerance: float = FLOOR_TOLERANCE, **fields: object) -> dict:
     """The cost-table JSON for ``CostModel.from_json``: rows, us, hidden, ffn, any other CostModel field given
-    (dtype_bytes, ce_gbps, net_gbps, d2d_gbps, copy_out_slowdown), and ``meta`` (what was measured, where and how; ignored by
-    the model). Raises ValueError unless it makes a valid CostModel."""
+    (dtype_bytes, ce_gbps, net_gbps, d2d_gbps, copy_out_slowdown), and ``meta`` (what was measured, where and
+    how; ignored by the model). Raises ValueError unless it makes a valid CostModel."""
     table_rows, table_us, info = fit_table([m["rows"] for m in measured], [m["us"] for m in measured],
                                            floor_tolerance=floor_tolerance)
     given = {k: v for k, v in fields.items() if v is not None}

@@ -351,7 +351,7 @@ def _table_doc(path: str) -> dict:
     measured, as ``feplb calibrate`` writes it) and which keys it gives; {} if it is no JSON object."""
     try:
         doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return doc if isinstance(doc, dict) else {}
 
@@ -728,6 +728,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
             raise UsageError(f"--from-bench {path}: cannot read the file ({err.strerror or err})") from err
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise UsageError(f"--from-bench {path}: not JSON ({err})") from err
+        except RecursionError:
+            raise UsageError(f"--from-bench {path}: not a bench_kernels results file (its JSON is nested too "
+                             "deeply to read)") from None
         try:
             measured, shape = expert_us_from_bench(doc, impl=args.bench_impl)
         except ValueError as err:

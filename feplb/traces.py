@@ -330,7 +330,10 @@ def load_olmoe(path: str | Path, model: str = "olmoe", domains: tuple[str, ...] 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"OLMoE counts file not found: {path}")
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except RecursionError:
+        raise ValueError(f"{path}: not an OLMoE counts file (its JSON is nested too deeply to read)") from None
     if not isinstance(data, dict) or "models" not in data:
         raise ValueError(f"{path}: must be a JSON object with 'models' (the OLMoE repository's "
                          f"expert_counts_by_domain.json), got "
@@ -354,6 +357,8 @@ def load_olmoe(path: str | Path, model: str = "olmoe", domains: tuple[str, ...] 
         raise ValueError(f"{path}: models.{model}.{variant} must map each domain to its [layer][expert] counts, got a "
                          f"{type(by_dom).__name__}")
     domains = tuple(sorted(by_dom)) if domains is None else tuple(domains)
+    if not by_dom:
+        raise ValueError(f"{path}: models.{model}.{variant} lists no domain")
     missing = [d for d in domains if d not in by_dom]
     if missing or not domains:
         raise ValueError(f"{path}: unknown domains {missing}; available: {sorted(by_dom)}")
@@ -370,7 +375,13 @@ def load_olmoe(path: str | Path, model: str = "olmoe", domains: tuple[str, ...] 
     if counts.ndim != 3 or not np.all(counts >= 0) or not np.isfinite(counts).all():
         raise ValueError(f"{path}: counts of {model}/{variant} must be finite, non-negative "
                          "[domain][layer][expert]")
-    empty = np.argwhere(counts.sum(2) == 0)
+    with np.errstate(over="ignore"):
+        sums = counts.sum(2)
+    if not np.isfinite(sums).all():    # (finite counts near 1e308 whose sum overflows)
+        d, layer = np.argwhere(~np.isfinite(sums))[0]
+        raise ValueError(f"{path}: {model}/{variant} counts of domain {domains[d]!r}, layer {layer} sum beyond a "
+                         "float64's range")
+    empty = np.argwhere(sums == 0)
     if empty.size:
         d, layer = empty[0]
         raise ValueError(f"{path}: {model}/{variant} counts no token at all for domain {domains[d]!r}, layer "
@@ -412,10 +423,12 @@ class SyntheticWorkload:
                 raise ValueError(f"synthetic {name} must be a positive int, got {v!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"synthetic top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        if not (self.alpha > 0 and np.isfinite(self.alpha)):
-            raise ValueError(f"synthetic alpha must be > 0, got {self.alpha}")
-        if not (self.drift >= 0 and np.isfinite(self.drift)):
-            raise ValueError(f"synthetic drift must be >= 0, got {self.drift}")
+        # (bounded: a drift of 1e308 overflowed the walk's log-popularities into NaN probabilities mid-run, far past
+        # any popularity that differs from one-hot)
+        if not (0 < self.alpha <= 1e6):
+            raise ValueError(f"synthetic alpha must be in (0, 1e6], got {self.alpha}")
+        if not (0 <= self.drift <= 1e6):
+            raise ValueError(f"synthetic drift must be in [0, 1e6], got {self.drift}")
         rng = np.random.default_rng(self.seed)
         E, L = self.num_experts, self.num_layers
         if self.kind == "zipf":

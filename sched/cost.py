@@ -137,7 +137,12 @@ class CostModel:
             if bad:
                 what = "whole numbers of rows" if name == "table_rows" else "numbers of us"
                 raise ValueError(f"CostModel.{name} must hold {what}, got {bad[0]!r}")
-        rows, us = tuple(int(r) for r in self.table_rows), tuple(float(t) for t in self.table_us)
+        try:
+            rows, us = tuple(int(r) for r in self.table_rows), tuple(float(t) for t in self.table_us)
+        except OverflowError:   # (a JSON integer of hundreds of digits)
+            digits = max(len(str(abs(int(t)))) for t in self.table_us)
+            raise ValueError(f"CostModel.table_us must hold numbers a float can hold, got one of {digits} "
+                             "digits") from None
         if len(rows) < 2 or len(rows) != len(us):
             raise ValueError(f"CostModel: table_rows and table_us need the same length >= 2, got {len(rows)} and "
                              f"{len(us)}")
@@ -174,7 +179,10 @@ class CostModel:
         """Load a measured table: ``{"rows": [...], "us": [...], "hidden": H, "ffn": F}`` (hidden/ffn optional,
         the shape the table was measured at) plus any other CostModel field; a ``meta`` entry (where and how it
         was measured, as ``feplb calibrate`` writes it) is ignored."""
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except RecursionError:
+            raise ValueError(f"{path}: not a cost table (its JSON is nested too deeply to read)") from None
         if not isinstance(data, dict) or "rows" not in data or "us" not in data:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"{path}: a cost table needs keys 'rows' and 'us', got {got}")

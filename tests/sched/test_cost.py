@@ -97,10 +97,16 @@ def test_bad_json(tmp_path):
                        ({"rows": [128, 256], "us": [1, 2], "table_rows": [1, 2]},
                         r"gives its points and shape as 'rows', 'us', 'hidden' and 'ffn', not \['table_rows'\]"),
                        ({"rows": [128, 256], "us": [1, 2], "table_hidden": 7, "table_us": [1, 3]},
-                        r"not \['table_hidden', 'table_us'\]")):
+                        r"not \['table_hidden', 'table_us'\]"),
+                       # a JSON integer beyond a float (OverflowError from float())
+                       ({"rows": [128, 256], "us": [1, 10**400]},
+                        r"table_us must hold numbers a float can hold, got one of 401 digits")):
         path.write_text(json.dumps(doc))
         with pytest.raises(ValueError, match=match):
             CostModel.from_json(path)
+    path.write_text("[" * 100_000 + "]" * 100_000)     # (json's RecursionError)
+    with pytest.raises(ValueError, match="not a cost table .its JSON is nested too deeply to read"):
+        CostModel.from_json(path)
 
 
 def test_gemm_times_under_a_plan_match_hand_sum():

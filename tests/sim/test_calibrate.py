@@ -311,7 +311,8 @@ def test_cli_a_cpu_out_of_memory_is_said_so(tmp_path, capsys, monkeypatch):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("case", ["missing-folder", "bad-json", "not-utf8", "flat-curve", "no-such-gpu"])
+@pytest.mark.parametrize("case", ["missing-folder", "bad-json", "not-utf8", "flat-curve", "no-such-gpu", "deep-json",
+                                  "huge-rows", "huge-shape"])
 def test_cli_refusals_write_nothing(tmp_path, capsys, case):
     out = tmp_path / "cost.json"
     if case == "missing-folder":
@@ -327,6 +328,21 @@ def test_cli_refusals_write_nothing(tmp_path, capsys, case):
         argv, match = ["--from-bench", str(bad)], "not JSON"
     elif case == "no-such-gpu":
         argv, match = ["--device", f"cuda:{torch.cuda.device_count() + 3}"], "no such CUDA device here"
+    elif case == "deep-json":    # (json's RecursionError was a traceback)
+        bad = tmp_path / "bench.json"
+        bad.write_text("[" * 100_000 + "]" * 100_000)
+        argv, match = ["--from-bench", str(bad)], "its JSON is nested too deeply to read"
+    elif case in ("huge-rows", "huge-shape"):    # (a JSON integer beyond a float: an OverflowError traceback)
+        doc = _bench_doc([_rec(p, r, us=10.0 * r) for p in ("gate_up", "down") for r in (64, 128)])
+        if case == "huge-rows":
+            doc["results"][0]["rows_per_expert"] = 10**400
+            match = "has no positive integer rows_per_expert below 2**46"
+        else:
+            doc["meta"]["shape"]["hidden"] = 10**400
+            match = "hidden and ffn must be at most 2**20"
+        bad = tmp_path / "bench.json"
+        bad.write_text(json.dumps(doc))
+        argv = ["--from-bench", str(bad)]
     else:
         flat = tmp_path / "bench.json"
         flat.write_text(json.dumps(_bench_doc([_rec("gate_up", r, us=10.0) for r in (64, 128)]

@@ -585,6 +585,9 @@ def test_unusable_cost_table(kind, why, tmp_path, flame_path, capsys, no_run):
     ("fractional-top-k", "olmoe's top_k must be a whole number >= 1, got 2.7"),
     ("no-token", "olmoe/topk counts no token at all for domain 'b', layer 1"),
     ("infinite", "must be finite, non-negative [domain][layer][expert]"),
+    ("overflowing", "olmoe/topk counts of domain 'b', layer 2 sum beyond a float64's range"),
+    ("no-domain", "models.olmoe.topk lists no domain"),
+    ("deep", "not an OLMoE counts file (its JSON is nested too deeply to read)"),
 ])
 def test_unusable_counts_file_names_the_file(kind, why, tmp_path, capsys, no_run):
     path = tmp_path / "counts.json"
@@ -604,6 +607,14 @@ def test_unusable_counts_file_names_the_file(kind, why, tmp_path, capsys, no_run
     elif kind == "infinite":
         doc["models"]["olmoe"]["topk"]["b"][2][3] = float("inf")   # (json writes Infinity, and reads it back)
         text = json.dumps(doc)
+    elif kind == "overflowing":    # (a RuntimeWarning, then probabilities "that do not sum to 1")
+        doc["models"]["olmoe"]["topk"]["b"][2] = [1e308] * 16
+        text = json.dumps(doc)
+    elif kind == "no-domain":      # (was "unknown domains []; available: []")
+        doc["models"]["olmoe"]["topk"] = {}
+        text = json.dumps(doc)
+    elif kind == "deep":           # (json's RecursionError)
+        text = "[" * 100_000 + "]" * 100_000
     elif kind == "layer-number":   # ('int' object is not iterable)
         text = json.dumps({**doc, "layers": 5})
     elif kind == "layer-strings":

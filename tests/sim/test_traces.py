@@ -162,6 +162,20 @@ def test_synthetic_is_seeded_and_drifts():
     assert big.max() > 4 * big.mean()
 
 
+def test_synthetic_refuses_popularities_past_any_meaning():
+    """alpha and drift are bounded (a drift of 1e308 overflowed the walk into NaN probabilities mid-run); the bounds
+    themselves still draw valid micro-batches."""
+    for kw, match in (({"drift": 1e308}, r"drift must be in \[0, 1e6\], got 1e\+308"),
+                      ({"drift": float("nan")}, "drift must be in"), ({"drift": -1.0}, "drift must be in"),
+                      ({"alpha": 1e7}, r"alpha must be in \(0, 1e6\], got 10000000"), ({"alpha": 0.0}, "alpha")):
+        with pytest.raises(ValueError, match=match):
+            SyntheticWorkload(num_experts=8, top_k=2, **kw)
+    for kind in ("zipf", "dirichlet"):
+        gen = SyntheticWorkload(kind=kind, num_experts=8, top_k=2, drift=1e6, alpha=1e6).microbatches(
+            np.random.default_rng(0), 2, 16)
+        assert all(np.all(next(gen).sum(axis=2) == 32) for _ in range(5))
+
+
 def test_routing_trace_validates_directly():
     with pytest.raises(ValueError, match="top-k K=5 exceeds num_experts=4"):
         RoutingTrace(name="x", topk_ids_TLK=np.zeros((3, 1, 5), np.int64), num_experts=4)
