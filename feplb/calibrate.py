@@ -237,6 +237,9 @@ def expert_us_from_bench(doc: dict, *, impl: str = "torch_grouped_mm", dist: str
                 raise ValueError(f"results[{i}] ({impl} forward) has no positive integer rows_per_expert below "
                                  f"2**46: {r!r}"[:300])
             proj = row.get("proj")
+            if proj not in ("gate_up", "down"):   # (a record without one was taken for "a second run's")
+                raise ValueError(f"results[{i}] ({impl} forward at {r} rows per expert) has no proj 'gate_up' or "
+                                 f"'down': {proj!r}")
             if proj in found.get(r, {}):   # (the last one was kept without a word: two runs in one file)
                 raise ValueError(f"results[{i}]: a second {impl} forward {proj!r} record at {r} rows per expert; one "
                                  "run's results per file")
@@ -244,7 +247,7 @@ def expert_us_from_bench(doc: dict, *, impl: str = "torch_grouped_mm", dist: str
             want = {"M": r * experts, "K": hidden if proj == "gate_up" else ffn,
                     "N": 2 * ffn if proj == "gate_up" else hidden}
             apart = {k: row[k] for k in want if k in row and row[k] != want[k]}
-            if proj in ("gate_up", "down") and apart:
+            if apart:
                 raise ValueError(f"results[{i}] ({impl} forward {proj} at {r} rows per expert) timed a GEMM of "
                                  f"{apart}, not the meta.shape's {want} (hidden {hidden}, ffn {ffn}, {experts} "
                                  "experts)")

@@ -92,11 +92,23 @@ class SimConfig:
     def __post_init__(self) -> None:
         for name, lo in (("num_ranks", 1), ("gpus_per_node", 1), ("tokens_per_rank", 1), ("dyn", 0),
                          ("microbatches", 1), ("warmup", 0), ("seed", 0), ("refresh_every", 1), ("eplb_slots", 0),
-                         ("eplb_groups", 1)):
+                         ("eplb_groups", 1), ("ema_shift", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"SimConfig.{name} must be an int >= {lo}, got {v!r}")
         check_min_gain(self.place_min_gain, "SimConfig.place_min_gain")
+        # (the planner's and the history's own rules, refused here by their SimConfig names rather than later by
+        # simulate() without them)
+        if isinstance(self.tau, bool) or not (isinstance(self.tau, int | float) and 0 <= self.tau < math.inf):
+            raise ValueError(f"SimConfig.tau must be a finite number >= 0, got {self.tau!r}")
+        if self.min_chunk is not None and (isinstance(self.min_chunk, bool) or not isinstance(self.min_chunk, int)
+                                           or self.min_chunk < 1):
+            raise ValueError(f"SimConfig.min_chunk must be None (the cost model's knee) or an int >= 1, got "
+                             f"{self.min_chunk!r}")
+        if self.replicas_mode not in ("eager", "lazy"):
+            raise ValueError(f"SimConfig.replicas_mode must be 'eager' or 'lazy', got {self.replicas_mode!r}")
+        if isinstance(self.policies, str):   # (its letters were taken for policies: "policy 'f'")
+            raise TypeError(f"SimConfig.policies must be a sequence of policy names, got the string {self.policies!r}")
         if not self.policies:
             raise ValueError("SimConfig.policies must name at least one policy")
         object.__setattr__(self, "policies", tuple(self.policies))
@@ -117,7 +129,7 @@ class SimConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"SimConfig.{name} must be None or an int >= 1, got {v!r}")
-        for name in ("shape_from_trace", "recopy_weights"):
+        for name in ("shape_from_trace", "recopy_weights", "validate"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SimConfig.{name} must be a bool, got {getattr(self, name)!r}")
         ema = [p for p in self.policies if parse_policy(p)[2] == "ema"]

@@ -176,6 +176,10 @@ def _rec(proj, r, **kw):
     (_bench_doc([{k: v for k, v in _rec("gate_up", 128, us=1.0).items() if k != "rows_per_expert"}]),
      "torch_grouped_mm", "no positive integer rows_per_expert"),
     (_bench_doc([_rec("gate_up", 128, us=1.0), _rec("down", 128, us=None)]), "torch_grouped_mm", "us: None"),
+    # a record naming no GEMM (it was called a second run's)
+    (_bench_doc([_rec("gate_up", 128, us=1.0), {k: v for k, v in _rec("down", 128, us=1.0).items() if k != "proj"}]),
+     "torch_grouped_mm", r"results\[1\] \(torch_grouped_mm forward at 128 rows per expert\) has no proj 'gate_up' "
+     r"or 'down': None"),
     # two runs in one file: the last record was kept without a word
     (_bench_doc([_rec("gate_up", 128, us=1.0), _rec("down", 128, us=1.0), _rec("down", 128, us=9.0)]),
      "torch_grouped_mm", r"results\[2\]: a second torch_grouped_mm forward 'down' record at 128 rows per expert"),

@@ -429,3 +429,19 @@ def test_sampling_notes_say_what_the_micro_batches_are():
             "micro-batches (too few or too many per micro-batch)",)
         assert sampling_notes(trace, dataclasses.replace(cfg, microbatches=8, warmup=1)) == ()
         assert sampling_notes(trace, dataclasses.replace(cfg, microbatches=8, warmup=4)) == ()
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    ({"tau": -1.0}, ValueError, r"SimConfig.tau must be a finite number >= 0, got -1.0"),
+    ({"tau": float("inf")}, ValueError, "SimConfig.tau must be"),
+    ({"min_chunk": 0}, ValueError, r"SimConfig.min_chunk must be None \(the cost model's knee\) or an int >= 1"),
+    ({"replicas_mode": "bogus"}, ValueError, "SimConfig.replicas_mode must be 'eager' or 'lazy', got 'bogus'"),
+    ({"ema_shift": -1}, ValueError, "SimConfig.ema_shift must be an int >= 0, got -1"),
+    ({"validate": "no"}, TypeError, "SimConfig.validate must be a bool, got 'no'"),
+    ({"policies": "feplb"}, TypeError, "SimConfig.policies must be a sequence of policy names, got the string"),
+], ids=["tau-negative", "tau-inf", "min-chunk", "replicas-mode", "ema-shift", "validate", "policies-string"])
+def test_config_refuses_planner_options_by_their_names(kw, error, match):
+    """The planner's and the history's options are refused by SimConfig itself, naming the field (simulate() raised
+    later without the name, "no" validated, a string's letters were taken for policies)."""
+    with pytest.raises(error, match=match):
+        SimConfig(**kw)
