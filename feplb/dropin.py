@@ -26,7 +26,14 @@ from feplb.experts import rebuilt_in_backward
 from feplb.layer import FEPLBConfig, MoELayer
 from feplb.sharded import expert_named_params, is_dtensor, local_state_dicts, track_optimizer
 from feplb.steps import ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_REDUCE, ENTRY_REFRESH
-from feplb.training import average_args, check_dp_peers, dp_peers_checked, handshaken
+from feplb.training import (
+    GRAD_BUFFERS_REFUSAL,
+    average_args,
+    check_dp_peers,
+    dp_peers_checked,
+    handshaken,
+    holds_grad_buffers,
+)
 
 __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "zero_replica_grads", "average_expert_grads",
            "attach_optimizer", "clip_grad_norm_", "refresh_replicas", "full_state_dict", "set_state_dict_type",
@@ -261,6 +268,8 @@ def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGrou
     moes = experts_modules(model)
     args, problem = average_args(moes, data_parallel_group, divide)
     with handshaken(moes, ENTRY_AVERAGE, force=True, problem=problem, args=args):
+        if holds_grad_buffers(moes):   # (agreed in the handshake's arguments: every rank raises)
+            raise ValueError(f"average_expert_grads: {GRAD_BUFFERS_REFUSAL}")
         if data_parallel_group is not None and moes:
             # the replicas compared once for the whole model (each layer's own check of the group first: it names a
             # group of other experts), not once per layer
@@ -313,8 +322,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     # so that every EP rank compares the call over its replicas below, or none does)
     dp = next((g for g in (m.__dict__.get("_dp_group_used") for m in moes) if g is not None), None)
     args = (float(max_norm), float(norm_type), bool(error_if_nonfinite), tuple(m.layer_id for m in moes),
-            sum(1 for _ in model.parameters()), 0 if dp is None else dist.get_world_size(dp))
+            sum(1 for _ in model.parameters()), 0 if dp is None else dist.get_world_size(dp),
+            holds_grad_buffers(moes))
     with handshaken(moes, ENTRY_CLIP, force=True, args=args):   # (its norm's all-reduce is collective anyway)
+        if args[-1]:
+            raise ValueError(f"clip_grad_norm_: {GRAD_BUFFERS_REFUSAL}")
         if dp is not None:
             # (the layers' ids are agreed within each EP group only, and differ between replicas where one built
             # other layers before: their number goes across instead)

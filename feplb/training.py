@@ -471,12 +471,27 @@ def average_args(layers: list[TrainingSteps], data_parallel_group: dist.ProcessG
     (``STEP_PROBLEM_BAD_DP_GROUP`` where the group cannot be this rank's: ``dp_group_problem``). A rank dividing
     alone, or summing over more ranks, would leave its experts' gradients at another scale than the others',
     silently: its handshake is forced under every policy."""
+    grad_buffers = holds_grad_buffers(layers)
     if data_parallel_group is None:
-        return (bool(divide), 1, False), 0
+        return (bool(divide), 1, False, grad_buffers), 0
     bad = dp_group_problem(layers, data_parallel_group) is not None
     new = not bad and any(lay._dp_key(data_parallel_group) not in lay.__dict__.get("_dp_checked", ())
                           for lay in layers)
-    return (bool(divide), dist.get_world_size(data_parallel_group), new), STEP_PROBLEM_BAD_DP_GROUP if bad else 0
+    return ((bool(divide), dist.get_world_size(data_parallel_group), new, grad_buffers),
+            STEP_PROBLEM_BAD_DP_GROUP if bad else 0)
+
+
+def holds_grad_buffers(layers: list[TrainingSteps]) -> bool:
+    """Whether the layers' expert parameters keep their gradients in Megatron DDP's buffers (``main_grad``, their
+    ``.grad`` None): ``average_expert_grads`` and ``clip_grad_norm_``, which read ``.grad``, would find none and do
+    nothing. Agreed in their handshakes' arguments, then refused on every rank."""
+    return any(hasattr(p, "main_grad") and p.grad is None for lay in layers for p in lay.expert_params())
+
+
+GRAD_BUFFERS_REFUSAL = ("the expert parameters keep their gradients in Megatron DDP's buffers (main_grad; their "
+                        ".grad is None): this call reads .grad and would find nothing (a clipping norm of 0, nothing "
+                        "averaged). Under Megatron's DDP, Megatron reduces, averages and clips them (its optimizer's "
+                        "clip_grad: docs/megatron.md). Nothing was done, on any rank")
 
 
 def dp_group_problem(layers: list[TrainingSteps], data_parallel_group: dist.ProcessGroup) -> str | None:
@@ -912,6 +927,8 @@ class TrainingSteps:
             self._average_expert_grads(data_parallel_group, divide)
 
     def _average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None, divide: bool = True) -> None:
+        if holds_grad_buffers([self]):   # (agreed in the handshake's arguments: every rank raises)
+            raise ValueError(f"MoELayer.average_expert_grads: {GRAD_BUFFERS_REFUSAL}")
         done = self.__dict__.get("_averaged")
         if done is not None and self._same_grads(done):
             raise RuntimeError("MoELayer.average_expert_grads: called again before the optimizer step, on the "

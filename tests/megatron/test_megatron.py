@@ -813,6 +813,13 @@ def _usage_case(rank: int, world: int) -> dict:
         out["overlap/inner"] = error_of(lambda: fm.reduce_replica_grads(moe))
     out["overlap/warned"] = any("overlap_grad_reduce=False" in str(c.message) for c in caught)
     ddp.finish_grad_sync()
+    # the gradients in DDP's buffers (main_grad, .grad None): the calls that read .grad refuse instead of clipping by
+    # a norm of 0 and averaging nothing
+    main_grads = [p.main_grad.clone() for p in fm.expert_parameters(moe)]
+    out["ddp/clip"] = error_of(lambda: fm.clip_grad_norm_(moe, 1e-3))
+    out["ddp/average"] = error_of(lambda: fm.average_expert_grads(moe))
+    out["ddp/kept"] = all(torch.equal(p.main_grad, m) for p, m in zip(fm.expert_parameters(moe), main_grads,
+                                                                      strict=True))
     return out
 
 
@@ -1709,6 +1716,11 @@ def test_cuda_graphs_chunks_and_overlapped_grad_reduce(job):
             assert u["overlap"] is not None and u["overlap"].startswith("ValueError") and \
                 "overlap_grad_reduce=True" in u["overlap"], (rank, u["overlap"])
             assert u["overlap/inner"] is None and u["overlap/warned"], (rank, u)
+            for call in ("clip", "average"):
+                err = u["ddp/" + call]
+                assert err is not None and err.startswith("ValueError") and "Megatron DDP's buffers (main_grad" in \
+                    err and "Nothing was done, on any rank" in err, (rank, call, err)
+            assert u["ddp/kept"], rank
 
 
 def test_under_megatron_ddp_and_recompute(job):
