@@ -29,10 +29,10 @@ from feplb.steps import ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_REDUCE, ENTRY_REFRESH
 from feplb.training import (
     GRAD_BUFFERS_REFUSAL,
     average_args,
-    check_dp_peers,
     dp_peers_checked,
     handshaken,
     holds_grad_buffers,
+    prepare_and_compare,
 )
 
 __all__ = ["experts_modules", "expert_parameters", "reduce_replica_grads", "zero_replica_grads", "average_expert_grads",
@@ -270,12 +270,16 @@ def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGrou
     with handshaken(moes, ENTRY_AVERAGE, force=True, problem=problem, args=args):
         if holds_grad_buffers(moes):   # (agreed in the handshake's arguments: every rank raises)
             raise ValueError(f"average_expert_grads: {GRAD_BUFFERS_REFUSAL}")
+        # every layer prepared (its refusals, its replica gradients reduced), then, under EP x DP, the replicas
+        # compared once for the whole model, a replica's refusal among what they compare (each layer's own check of
+        # the group first: it names a group of other experts): every rank raises together before any sum
         if data_parallel_group is not None and moes:
-            # the replicas compared once for the whole model (each layer's own check of the group first: it names a
-            # group of other experts), not once per layer
             for m in moes:
                 m._check_dp_group(data_parallel_group)
-            check_dp_peers(moes, data_parallel_group, divide)
+            prepare_and_compare(moes, data_parallel_group, divide)
+        else:
+            for m in moes:
+                m._average_prepare()
         with dp_peers_checked():
             for m in moes:
                 m.average_expert_grads(data_parallel_group, divide=divide)

@@ -404,7 +404,21 @@ def _forget_round(groups: list) -> None:
         _ROUND_CALLS.pop(id(g), None)
 
 
-def check_dp_peers(layers: list[TrainingSteps], data_parallel_group: dist.ProcessGroup, divide: bool) -> None:
+def prepare_and_compare(layers: list[TrainingSteps], data_parallel_group: dist.ProcessGroup, divide: bool) -> None:
+    """Every layer's ``_average_prepare`` (its refusals, its replica gradients reduced), then the comparison over the
+    data-parallel group, which also carries whether a replica refused: its error is raised there, and every other
+    replica raises with it, before any sum (which a refusing replica would never reach)."""
+    refused: BaseException | None = None
+    try:
+        for lay in layers:
+            lay._average_prepare()
+    except (RuntimeError, ValueError) as err:
+        refused = err
+    check_dp_peers(layers, data_parallel_group, divide, refused=refused)
+
+
+def check_dp_peers(layers: list[TrainingSteps], data_parallel_group: dist.ProcessGroup, divide: bool, *,
+                   refused: BaseException | None = None) -> None:
     """Refuse, on every rank, an ``average_expert_grads`` whose data-parallel peers (the other EP groups' ranks holding
     these experts) pass another ``divide`` or hold gradients of other expert parameters (experts frozen in one
     replica only): the handshake compares the call over the EP group only, and the sums pair each rank's gradients
@@ -419,23 +433,31 @@ def check_dp_peers(layers: list[TrainingSteps], data_parallel_group: dist.Proces
     held = sum(f << i for i, f in enumerate(flags)) if len(flags) <= 62 else \
         int(hashlib.sha256(bytes(flags)).hexdigest()[:15], 16)
     device = next((p.device for p in params), torch.device("cpu"))
-    mine = torch.tensor([int(bool(divide)), len(params), sum(flags), held], dtype=torch.int64, device=device)
+    mine = torch.tensor([int(bool(divide)), len(params), sum(flags), held, int(refused is not None)],
+                        dtype=torch.int64, device=device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(data_parallel_group))]
     op = "average_expert_grads' comparison over data_parallel_group"
     with guard(op, data_parallel_group):
         dist.all_gather(parts, mine, group=data_parallel_group)
     table = torch.stack(parts).cpu().tolist()
-    same = all(row == table[0] for row in table)
+    same = all(row == table[0] for row in table) and not table[0][4]
     agreed = True
     for lay in {id(lay.control): lay for lay in layers}.values():    # (each EP group's control plane once)
         agreed &= bool(lay.control.all_reduce_min(torch.tensor([int(same)], dtype=torch.int64), "group", op)[0])
+    if refused is not None:
+        raise refused
+    ranks = dist.get_process_group_ranks(data_parallel_group)
+    gave_up = [g for g, row in zip(ranks, table, strict=True) if row[4]]
+    if gave_up:
+        raise RuntimeError(f"MoELayer.average_expert_grads: the replica of global rank(s) {gave_up} refused the "
+                           "call (its error says why; the replica gradients' reduction, say); nothing was summed, "
+                           "on any rank")
     hint = "nothing was summed. Pass the same divide on every rank, and freeze the experts alike in every replica"
     if not same:
         names = []
         for lay in layers:
             name_of = {id(p): n for n, p in lay.named_parameters()}
             names += [name_of.get(id(p), f"expert parameter {i}") for i, p in enumerate(lay.expert_params())]
-        ranks = dist.get_process_group_ranks(data_parallel_group)
 
         def grads(n: int, count: int, mask: int) -> str:
             if n > 62 or n != len(params):
@@ -443,7 +465,7 @@ def check_dp_peers(layers: list[TrainingSteps], data_parallel_group: dist.Proces
             return "[" + ", ".join(names[i] for i in range(n) if mask >> i & 1) + "]"
 
         rows = "; ".join(f"global rank {g}: divide={bool(d)}, gradients of {grads(n, c, h)}"
-                         for g, (d, n, c, h) in zip(ranks, table, strict=True))
+                         for g, (d, n, c, h, _) in zip(ranks, table, strict=True))
         raise ValueError("MoELayer.average_expert_grads: the ranks of data_parallel_group (the replicas of these "
                          f"experts) differ ({rows}); {hint}")
     if not agreed:
@@ -927,6 +949,19 @@ class TrainingSteps:
             self._average_expert_grads(data_parallel_group, divide)
 
     def _average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None, divide: bool = True) -> None:
+        if data_parallel_group is not None:
+            self._check_dp_group(data_parallel_group)
+        if data_parallel_group is None or getattr(_CALLS, "dp_peers_checked", False):
+            # (the model's call prepared and compared every layer before summing any)
+            if not getattr(_CALLS, "dp_peers_checked", False):
+                self._average_prepare()
+        else:
+            prepare_and_compare([self], data_parallel_group, divide)
+        self._average_sum(data_parallel_group, divide)
+
+    def _average_prepare(self) -> None:
+        """What comes before any sum over the data-parallel group (this rank's refusals, and the replica gradients
+        reduced over the EP group: collective there)."""
         if holds_grad_buffers([self]):   # (agreed in the handshake's arguments: every rank raises)
             raise ValueError(f"MoELayer.average_expert_grads: {GRAD_BUFFERS_REFUSAL}")
         done = self.__dict__.get("_averaged")
@@ -938,17 +973,16 @@ class TrainingSteps:
                                "a GradScaler skipped, then gradients zeroed in place, looks the same where the "
                                "scaler is not attached (attach_optimizer(optimizer, scaler=scaler)): zero them with "
                                "set_to_none=True, or call zero_replica_grads() after)")
-        if data_parallel_group is not None:
-            self._check_dp_group(data_parallel_group)
         self.reduce_replica_grads()
-        if data_parallel_group is not None and not getattr(_CALLS, "dp_peers_checked", False):
-            check_dp_peers([self], data_parallel_group, divide)
+
+    def _average_sum(self, data_parallel_group: dist.ProcessGroup | None, divide: bool) -> None:
         ranks = self.world_size * (dist.get_world_size(data_parallel_group) if data_parallel_group is not None
                                    else 1)
         for p in self.expert_params():
             if p.grad is not None:
                 if data_parallel_group is not None:
-                    dist.all_reduce(p.grad, group=data_parallel_group)
+                    with guard("average_expert_grads' sum over data_parallel_group", data_parallel_group):
+                        dist.all_reduce(p.grad, group=data_parallel_group)
                 if divide:
                     p.grad.div_(ranks)
         if data_parallel_group is not None:

@@ -140,7 +140,8 @@ class CostModel:
         try:
             rows, us = tuple(int(r) for r in self.table_rows), tuple(float(t) for t in self.table_us)
         except OverflowError:   # (a JSON integer of hundreds of digits)
-            digits = max(len(str(abs(int(t)))) for t in self.table_us)
+            # (integers only: an inf or NaN beside it is refused by the finiteness check below, once this passes)
+            digits = max(len(str(abs(int(t)))) for t in self.table_us if isinstance(t, int | np.integer))
             raise ValueError(f"CostModel.table_us must hold numbers a float can hold, got one of {digits} "
                              "digits") from None
         if len(rows) < 2 or len(rows) != len(us):

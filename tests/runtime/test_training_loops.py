@@ -793,6 +793,52 @@ def _epdp_replicas_apart_worker(rank, world):
     return res
 
 
+def _epdp_one_replica_refuses_worker(rank, world):
+    """EP x DP with per-step copies; one replica's reduction of the copies' gradients refuses (its experts' gradients
+    scaled in place before it): that replica raises its own error, the other one names it, both before any sum over
+    the data-parallel group (the other replica waited in that sum until the timeout)."""
+    import torch.distributed as dist
+
+    from feplb import FEPLBConfig, MoELayer
+    from feplb.dropin import attach_optimizer, average_expert_grads
+
+    eps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    ep, dp = eps[rank // 2], dps[rank % 2]
+    layer = MoELayer(FEPLBConfig(hidden=H, ffn=FF, num_experts=E, top_k=K, gpus_per_node=2, dyn=2,
+                                 policy="feplb-split@ema", refresh_every=1, min_straggler_rows=0, min_chunk=2,
+                                 plan_wait_ms=60_000.0), group=ep)
+    load_global_weights(layer, *_weights())
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    attach_optimizer(layer, opt)
+    for step in range(2):
+        layer(_x(rank, step)).pow(2).mean().backward()
+        average_expert_grads(layer, dp)
+        opt.step()
+        opt.zero_grad()
+    layer(_x(rank, 5)).pow(2).mean().backward()
+    held = layer.replicas.all_pairs() != ()
+    if rank < 2:
+        layer.w1.grad.mul_(0.5)      # the loop's mistake, in the first replica only
+    err = error_of(lambda: average_expert_grads(layer, dp))
+    layer.close()
+    return {"held": held, "err": err}
+
+
+def test_epdp_one_replica_refusing_stops_every_replica():
+    res = run_dist(_epdp_one_replica_refuses_worker, W, timeout_s=180, collective_timeout_s=60)
+    for rank, r in enumerate(res):
+        err = r["err"]
+        assert r["held"], rank
+        if rank < 2:
+            assert err is not None and "reduce_replica_grads: on some EP rank the experts' gradients were changed " \
+                "in place" in err, (rank, err)
+        else:
+            assert err == (f"RuntimeError: MoELayer.average_expert_grads: the replica of global rank(s) [{rank - 2}] "
+                           "refused the call (its error says why; the replica gradients' reduction, say); nothing "
+                           "was summed, on any rank"), (rank, err)
+
+
 def test_epdp_replicas_calls_apart_are_refused():
     res = run_dist(_epdp_replicas_apart_worker, W, timeout_s=180, collective_timeout_s=60)
     for rank, r in enumerate(res):

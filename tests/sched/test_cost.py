@@ -100,6 +100,8 @@ def test_bad_json(tmp_path):
                         r"not \['table_hidden', 'table_us'\]"),
                        # a JSON integer beyond a float (OverflowError from float())
                        ({"rows": [128, 256], "us": [1, 10**400]},
+                        r"table_us must hold numbers a float can hold, got one of 401 digits"),
+                       ({"rows": [128, 256], "us": [float("inf"), 10**400]},
                         r"table_us must hold numbers a float can hold, got one of 401 digits")):
         path.write_text(json.dumps(doc))
         with pytest.raises(ValueError, match=match):
