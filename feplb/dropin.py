@@ -268,8 +268,10 @@ def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGrou
     moes = experts_modules(model)
     args, problem = average_args(moes, data_parallel_group, divide)
     with handshaken(moes, ENTRY_AVERAGE, force=True, problem=problem, args=args):
-        if holds_grad_buffers(moes):   # (agreed in the handshake's arguments: every rank raises)
+        if data_parallel_group is None and holds_grad_buffers(moes):   # (agreed in the handshake's arguments)
             raise ValueError(f"average_expert_grads: {GRAD_BUFFERS_REFUSAL}")
+        # (with a data-parallel group, the layers' preparation raises it, and the comparison below carries it to the
+        # other replicas, which the handshake does not reach)
         # every layer prepared (its refusals, its replica gradients reduced), then, under EP x DP, the replicas
         # compared once for the whole model, a replica's refusal among what they compare (each layer's own check of
         # the group first: it names a group of other experts): every rank raises together before any sum
@@ -329,12 +331,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
             sum(1 for _ in model.parameters()), 0 if dp is None else dist.get_world_size(dp),
             holds_grad_buffers(moes))
     with handshaken(moes, ENTRY_CLIP, force=True, args=args):   # (its norm's all-reduce is collective anyway)
-        if args[-1]:
-            raise ValueError(f"clip_grad_norm_: {GRAD_BUFFERS_REFUSAL}")
         if dp is not None:
             # (the layers' ids are agreed within each EP group only, and differ between replicas where one built
-            # other layers before: their number goes across instead)
+            # other layers before: their number goes across instead; the Megatron-buffers flag among the rest, so
+            # that the replicas raise it together, below)
             _check_clip_replicas(moes, dp, (*args[:3], len(moes), *args[4:]))
+        if args[-1]:
+            raise ValueError(f"clip_grad_norm_: {GRAD_BUFFERS_REFUSAL}")
         return _clip_grad_norm(model, moes, max_norm, norm_type, error_if_nonfinite)
 
 
@@ -363,7 +366,8 @@ def _check_clip_replicas(moes: list, dp: dist.ProcessGroup, args: tuple) -> None
     if not ok[0]:
         where = f" (global ranks {ranks})" if apart else " (on another rank of this EP group)"
         raise ValueError("clip_grad_norm_: the data-parallel replicas of the experts passed other arguments (max_norm, "
-                         f"norm_type, error_if_nonfinite, or another part of the model){where}: each replica would "
+                         "norm_type, error_if_nonfinite, or another part of the model), or one holds its expert "
+                         f"gradients in Megatron DDP's main_grad buffers{where}: each replica would "
                          "scale its gradients by another factor, the replicas drifting apart. Nothing was clipped, "
                          "on any rank: pass the same on every rank")
     if not ok[1]:

@@ -102,9 +102,11 @@ ENTRY_STEP, ENTRY_REDUCE, ENTRY_REFRESH, ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_SCALER
 # what a step row's DIGEST agrees, for the calls that take arguments every rank must pass alike (``args_digest``
 # of them; 0 for the other calls): a rank passing others would compute apart silently, or run other collectives
 ENTRY_ARGS = {ENTRY_AVERAGE: "average_expert_grads()'s arguments (divide, the data_parallel_group's size, whether "
-                            "the layers met that group before)",
-              ENTRY_CLIP: "clip_grad_norm_'s arguments (max_norm, norm_type, error_if_nonfinite, and the part of "
-                          "the model: its FEPLB layers and how many parameters it has)"}
+                            "the layers met that group before, whether the expert gradients live in Megatron DDP's "
+                            "main_grad buffers)",
+              ENTRY_CLIP: "clip_grad_norm_'s arguments (max_norm, norm_type, error_if_nonfinite, the part of the "
+                          "model: its FEPLB layers and how many parameters it has, the data-parallel group's size, "
+                          "whether the expert gradients live in Megatron DDP's main_grad buffers)"}
 # bits of a step row's PROBLEM
 STEP_PROBLEM_UNATTACHED_SCALER = 1
 STEP_PROBLEM_NOT_AVERAGED = 2

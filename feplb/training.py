@@ -412,7 +412,7 @@ def prepare_and_compare(layers: list[TrainingSteps], data_parallel_group: dist.P
     try:
         for lay in layers:
             lay._average_prepare()
-    except (RuntimeError, ValueError) as err:
+    except Exception as err:   # noqa: BLE001 - carried to the other replicas, then raised here
         refused = err
     check_dp_peers(layers, data_parallel_group, divide, refused=refused)
 
@@ -475,8 +475,8 @@ def check_dp_peers(layers: list[TrainingSteps], data_parallel_group: dist.Proces
 
 @contextlib.contextmanager
 def dp_peers_checked() -> Iterator[None]:
-    """Within: the layers' ``average_expert_grads`` leave out their own comparison over the data-parallel group
-    (a model's call made one, :func:`check_dp_peers`, for all its layers)."""
+    """Within: the layers' ``average_expert_grads`` leave out their own preparation and comparison over the
+    data-parallel group (a model's call made them, :func:`prepare_and_compare`, for all its layers)."""
     before = getattr(_CALLS, "dp_peers_checked", False)
     _CALLS.dp_peers_checked = True
     try:

@@ -789,6 +789,24 @@ def _epdp_replicas_apart_worker(rank, world):
         norm = feplb.clip_grad_norm_(layer, 0.01)
         res[policy, "norm"] = (norm.dtype, float(norm))
         res[policy, "router_grad"] = layer.router.weight.grad.clone()
+        if policy == "none":
+            # one replica's expert gradients in Megatron DDP's buffers (main_grad, .grad None): refused there, and
+            # the other replica raises with it at once (the handshake reaches the EP group only)
+            import time
+
+            for call in ("average", "clip"):
+                backward(10)
+                if call == "clip":
+                    average_expert_grads(layer, dp)
+                if not second:
+                    for p in layer.expert_params():
+                        p.main_grad, p.grad = p.grad.clone(), None
+                t0 = time.perf_counter()
+                res["buffers", call] = error_of(lambda c=call, m=layer: average_expert_grads(m, dp) if c == "average"
+                                                else feplb.clip_grad_norm_(m, 0.01))
+                res["buffers", call, "s"] = time.perf_counter() - t0
+                for p in layer.expert_params():
+                    p.__dict__.pop("main_grad", None)
         layer.close()
     return res
 
@@ -863,6 +881,13 @@ def test_epdp_replicas_calls_apart_are_refused():
             assert r[policy, "norm"][0] == torch.float64 and r[policy, "norm"] == res[0][policy, "norm"], \
                 (rank, policy, r[policy, "norm"])
             assert torch.equal(r[policy, "router_grad"], res[0][policy, "router_grad"]), (rank, policy)
+        for call, other in (("average", f"the replica of global rank(s) [{rank % 2}] refused the call"),
+                            ("clip", "clip_grad_norm_: the data-parallel replicas of the experts passed other "
+                                     "arguments")):
+            err = r["buffers", call]
+            mine = "Megatron DDP's buffers (main_grad" if call == "average" and rank < 2 else other
+            assert err is not None and mine in err, (rank, call, err)
+            assert r["buffers", call, "s"] < 4.0, (rank, call, r["buffers", call, "s"])     # at once, not a timeout
 
 
 def _average_some_layers_worker(rank, world, policy, weights):
