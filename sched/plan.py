@@ -81,6 +81,15 @@ class Move(NamedTuple):
         return self.row_end - self.row_start
 
 
+def _index_below(v: object, n: int) -> int:
+    """``v`` as an index into ``n`` items, or 0 where it is none (of no integer type, or out of range)."""
+    try:
+        i = operator.index(v)
+    except TypeError:
+        return 0
+    return i if 0 <= i < n else 0
+
+
 def _frozen(a: np.ndarray) -> np.ndarray:
     """An int64 array nobody else can write: ``a`` itself when it already is one (read-only, owning its data)."""
     if isinstance(a, np.ndarray) and a.dtype == np.int64 and not a.flags.writeable and a.base is None:
@@ -212,19 +221,15 @@ class Plan:
             seen: set = set()
             dup = next(c for c in self.weight_copies if (c[0], c[2]) in seen or seen.add((c[0], c[2])))
             raise ValueError(f"weight copy {dup} is given twice (expert {dup[0]}'s weights to GPU {dup[2]})")
-        src_rows, cum = None, None
+        src_rows = None
         if self.rows_from_source and self.moves:
-            # each move's source rank's rows of its expert, [start, end), read at once for every move (moves checked
-            # for range first, in the loop, before these are compared; fields of no integer type leave the loop to
-            # read them one by one, after it checked the earlier moves)
+            # each move's source rank's rows of its expert, [start, end), read at once for every move (a field out of
+            # range or of no integer type reads a placeholder: the loop refuses that move before comparing these)
             cum = np.zeros((W + 1, E), dtype=np.int64)
             np.cumsum(counts_WE, axis=0, out=cum[1:])
-            try:
-                e_m = np.array([m.expert if isinstance(m, Move) and 0 <= m.expert < E else 0 for m in self.moves])
-                d_m = np.array([m.dst if isinstance(m, Move) and 0 <= m.dst < W else 0 for m in self.moves])
-                src_rows = list(zip(cum[d_m, e_m].tolist(), cum[d_m + 1, e_m].tolist(), strict=True))
-            except (TypeError, ValueError, IndexError):
-                src_rows = None
+            e_m = np.array([_index_below(m.expert, E) if isinstance(m, Move) else 0 for m in self.moves])
+            d_m = np.array([_index_below(m.dst, W) if isinstance(m, Move) else 0 for m in self.moves])
+            src_rows = list(zip(cum[d_m, e_m].tolist(), cum[d_m + 1, e_m].tolist(), strict=True))
 
         loads_np = np.zeros(W, dtype=np.int64)
         np.add.at(loads_np, home_E, n_E)
@@ -266,9 +271,7 @@ class Plan:
             if (e, dst) not in resident and (e, dst) not in copies and dst != e // S:
                 raise ValueError(f"move {i}: GPU {dst} computes expert {e} without its weights "
                                  "(no weight copy, no resident replica, not its owner)")
-            lo, hi = src_rows[i] if src_rows is not None else (None, None) if cum is None else \
-                (int(cum[dst, e]), int(cum[dst + 1, e]))
-            if lo is not None and not (lo <= a and b <= hi):
+            if src_rows is not None and not (src_rows[i][0] <= a and b <= src_rows[i][1]):
                 raise ValueError(f"move {i}: rows [{a}, {b}) of expert {e} do not all come from source rank {dst}")
             loads[src] -= b - a
             loads[dst] += b - a
