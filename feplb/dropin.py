@@ -29,7 +29,8 @@ from feplb.steps import ENTRY_AVERAGE, ENTRY_CLIP, ENTRY_REDUCE, ENTRY_REFRESH
 from feplb.training import (
     GRAD_BUFFERS_REFUSAL,
     average_args,
-    dp_peers_checked,
+    averages_prepared,
+    compare_over_replicas,
     handshaken,
     holds_grad_buffers,
     prepare_and_compare,
@@ -282,7 +283,7 @@ def average_expert_grads(model: nn.Module, data_parallel_group: dist.ProcessGrou
         else:
             for m in moes:
                 m._average_prepare()
-        with dp_peers_checked():
+        with averages_prepared():
             for m in moes:
                 m.average_expert_grads(data_parallel_group, divide=divide)
 
@@ -347,21 +348,14 @@ def _check_clip_replicas(moes: list, dp: dist.ProcessGroup, args: tuple) -> None
     the expert gradients are not averaged over the replicas yet (each replica's own, so their norms differ). One
     all-gather over ``dp`` of the call's digest and whether this rank's experts are averaged, then the verdict agreed
     over the EP group: every rank raises together."""
-    from feplb.control import guard
     from feplb.steps import args_digest
 
-    lay = moes[0]
-    unaveraged = any(m._not_averaged() for m in moes)
-    device = next((p.device for p in lay.expert_params()), torch.device("cpu"))
-    mine = torch.tensor([args_digest(args), int(unaveraged)], dtype=torch.int64, device=device)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(dp))]
-    with guard("clip_grad_norm_'s comparison over the data-parallel group", dp):
-        dist.all_gather(parts, mine, group=dp)
-    table = torch.stack(parts).cpu().tolist()
+    table, ok = compare_over_replicas(
+        moes, dp, [args_digest(args), int(any(m._not_averaged() for m in moes))],
+        lambda t: [all(row[0] == t[0][0] for row in t), not any(row[1] for row in t)],
+        "clip_grad_norm_'s comparison over the data-parallel group")
     apart = any(row[0] != table[0][0] for row in table)
     late = any(row[1] for row in table)
-    ok = lay.control.all_reduce_min(torch.tensor([int(not apart), int(not late)], dtype=torch.int64), "group",
-                                    "clip_grad_norm_'s comparison over the data-parallel group").tolist()
     ranks = dist.get_process_group_ranks(dp)
     if not ok[0]:
         where = f" (global ranks {ranks})" if apart else " (on another rank of this EP group)"

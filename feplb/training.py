@@ -404,6 +404,26 @@ def _forget_round(groups: list) -> None:
         _ROUND_CALLS.pop(id(g), None)
 
 
+def compare_over_replicas(layers: list[TrainingSteps], data_parallel_group: dist.ProcessGroup, row: list[int],
+                          verdicts: Callable[[list[list[int]]], list[bool]],
+                          op: str) -> tuple[list[list[int]], list[bool]]:
+    """EP x DP's comparison of a call across the replicas: every rank's ``row`` of ints over ``data_parallel_group``
+    (one all-gather, on the layers' device), then the ``verdicts`` this rank reads off that table agreed (their
+    minimum) over each of the layers' EP groups, so that a rank whose replicas are in order still raises with an EP
+    peer whose replicas are not. Returns (the table, the agreed verdicts)."""
+    device = next((p.device for lay in layers for p in lay.expert_params()), torch.device("cpu"))
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(data_parallel_group))]
+    with guard(op, data_parallel_group):
+        dist.all_gather(parts, mine, group=data_parallel_group)
+    table = torch.stack(parts).cpu().tolist()
+    agreed = [int(v) for v in verdicts(table)]
+    for lay in {id(lay.control): lay for lay in layers}.values():    # (each EP group's control plane once)
+        got = lay.control.all_reduce_min(torch.tensor(agreed, dtype=torch.int64), "group", op).tolist()
+        agreed = [min(a, g) for a, g in zip(agreed, got, strict=True)]
+    return table, [bool(v) for v in agreed]
+
+
 def prepare_and_compare(layers: list[TrainingSteps], data_parallel_group: dist.ProcessGroup, divide: bool) -> None:
     """Every layer's ``_average_prepare`` (its refusals, its replica gradients reduced), then the comparison over the
     data-parallel group, which also carries whether a replica refused: its error is raised there, and every other
@@ -432,18 +452,11 @@ def check_dp_peers(layers: list[TrainingSteps], data_parallel_group: dist.Proces
     # (which of them hold one, as one int64: a bit each, or a digest where there are more than 62)
     held = sum(f << i for i, f in enumerate(flags)) if len(flags) <= 62 else \
         int(hashlib.sha256(bytes(flags)).hexdigest()[:15], 16)
-    device = next((p.device for p in params), torch.device("cpu"))
-    mine = torch.tensor([int(bool(divide)), len(params), sum(flags), held, int(refused is not None)],
-                        dtype=torch.int64, device=device)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(data_parallel_group))]
-    op = "average_expert_grads' comparison over data_parallel_group"
-    with guard(op, data_parallel_group):
-        dist.all_gather(parts, mine, group=data_parallel_group)
-    table = torch.stack(parts).cpu().tolist()
+    table, (agreed,) = compare_over_replicas(
+        layers, data_parallel_group, [int(bool(divide)), len(params), sum(flags), held, int(refused is not None)],
+        lambda t: [all(row == t[0] for row in t) and not t[0][4]],
+        "average_expert_grads' comparison over data_parallel_group")
     same = all(row == table[0] for row in table) and not table[0][4]
-    agreed = True
-    for lay in {id(lay.control): lay for lay in layers}.values():    # (each EP group's control plane once)
-        agreed &= bool(lay.control.all_reduce_min(torch.tensor([int(same)], dtype=torch.int64), "group", op)[0])
     if refused is not None:
         raise refused
     ranks = dist.get_process_group_ranks(data_parallel_group)
@@ -474,15 +487,15 @@ def check_dp_peers(layers: list[TrainingSteps], data_parallel_group: dist.Proces
 
 
 @contextlib.contextmanager
-def dp_peers_checked() -> Iterator[None]:
+def averages_prepared() -> Iterator[None]:
     """Within: the layers' ``average_expert_grads`` leave out their own preparation and comparison over the
     data-parallel group (a model's call made them, :func:`prepare_and_compare`, for all its layers)."""
-    before = getattr(_CALLS, "dp_peers_checked", False)
-    _CALLS.dp_peers_checked = True
+    before = getattr(_CALLS, "averages_prepared", False)
+    _CALLS.averages_prepared = True
     try:
         yield
     finally:
-        _CALLS.dp_peers_checked = before
+        _CALLS.averages_prepared = before
 
 
 def average_args(layers: list[TrainingSteps], data_parallel_group: dist.ProcessGroup | None,
@@ -951,10 +964,10 @@ class TrainingSteps:
     def _average_expert_grads(self, data_parallel_group: dist.ProcessGroup | None, divide: bool = True) -> None:
         if data_parallel_group is not None:
             self._check_dp_group(data_parallel_group)
-        if data_parallel_group is None or getattr(_CALLS, "dp_peers_checked", False):
-            # (the model's call prepared and compared every layer before summing any)
-            if not getattr(_CALLS, "dp_peers_checked", False):
-                self._average_prepare()
+        if getattr(_CALLS, "averages_prepared", False):
+            pass    # (the model's call prepared, and compared, every layer before summing any)
+        elif data_parallel_group is None:
+            self._average_prepare()
         else:
             prepare_and_compare([self], data_parallel_group, divide)
         self._average_sum(data_parallel_group, divide)
@@ -1019,21 +1032,15 @@ class TrainingSteps:
         checked = self.__dict__.setdefault("_dp_checked", set())
         if key in checked:
             return
-        device = next((p.device for p in self.expert_params()), torch.device("cpu"))
-        mine = torch.tensor([self.rank, self.world_size, self.config.num_experts], dtype=torch.int64, device=device)
-        parts = [torch.empty_like(mine) for _ in key]
-        with guard("average_expert_grads' check of data_parallel_group", data_parallel_group):
-            dist.all_gather(parts, mine, group=data_parallel_group)
-        table = torch.stack(parts).cpu()
-        same = bool((table == table[0]).all())
-        agreed = self.control.all_reduce_min(torch.tensor([int(same)], dtype=torch.int64), "group",
-                                             "average_expert_grads' check of data_parallel_group")
-        if not same:
-            held = "; ".join(f"global rank {g}: EP rank {int(r)} of {int(w)}, {int(e)} experts"
-                             for g, (r, w, e) in zip(key, table.tolist(), strict=True))
+        table, (agreed,) = compare_over_replicas(
+            [self], data_parallel_group, [self.rank, self.world_size, self.config.num_experts],
+            lambda t: [all(row == t[0] for row in t)], "average_expert_grads' check of data_parallel_group")
+        if any(row != table[0] for row in table):
+            held = "; ".join(f"global rank {g}: EP rank {r} of {w}, {e} experts"
+                             for g, (r, w, e) in zip(key, table, strict=True))
             raise ValueError("MoELayer.average_expert_grads: the ranks of data_parallel_group hold other experts "
                              f"({held}); nothing was summed. {DP_GROUP_HINT}")
-        if not bool(agreed[0]):
+        if not agreed:
             raise ValueError("MoELayer.average_expert_grads: on another rank of this EP group, the ranks of its "
                              "data_parallel_group hold other experts; nothing was summed. " + DP_GROUP_HINT)
         checked.add(key)
