@@ -142,7 +142,8 @@ def test_validate_rows_from_source_range():                   # V4
 
 def test_validate_moves_of_numpy_integer_fields():
     """Move fields of a narrow numpy type (a caller's plan): rows counted as Python ints, the decision and the
-    message those of plain ints, however large the loads; a row bound of no integer type refused by name."""
+    message those of plain ints, however large the loads; a field of no integer type (a float, a bool) refused by
+    name."""
     big = COUNTS * 20_000                  # expert 0: 400,000 rows, beyond int16 and uint8
     topo_plan = make_plan("feplb-split", big, TOPO, min_chunk=1)
     for t in (np.int16, np.uint8, np.int32, np.int64):
@@ -158,7 +159,8 @@ def test_validate_moves_of_numpy_integer_fields():
         with pytest.raises(ValueError, match=rf"recomputed from the moves \[{int(loads[0])}, {int(loads[1])}, "):
             wrong.validate(big, TOPO)
     good = _plan([Move(0, 0, 1, 0, 5)], ((0, 0, 1),))
-    for bad in (Move(0, 0, 1, 0, 5.0), Move(0.0, 0, 1, 0, 5), Move(0, 0, 1.0, 0, 5)):
+    for bad in (Move(0, 0, 1, 0, 5.0), Move(0.0, 0, 1, 0, 5), Move(0, 0, 1.0, 0, 5), Move(0, 0, True, 0, 5),
+                Move(False, 0, 1, 0, 5), Move(0, 0, 1, np.bool_(False), 5)):
         for kw in ({}, {"rows_from_source": True, "policy": "fastermoe"}):
             with pytest.raises(TypeError, match=r"plan.moves\[0\]: its fields must be integers"):
                 dataclasses.replace(good, moves=(bad,), **kw).validate(COUNTS, TOPO)
