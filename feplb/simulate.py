@@ -30,6 +30,8 @@ copy bytes and the overlap condition all depend on it.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -47,6 +49,21 @@ _METRICS = ("token_straggler", "token_straggler_before", "max_over_mean", "gemm_
             "gemm_straggler_before_ms", "pct_of_ideal", "rows_moved", "copy_bytes", "planner_us", "planner_wall_us",
             "hidden", "layer_ms", "layer_before_ms", "backward_ms", "backward_before_ms", "backward_hidden",
             "step_ms", "extra_weight_bytes", "extra_weight_pct")
+
+
+def _as_int(v: object) -> int | None:
+    """``v`` as a Python int when it is an integer (a numpy one too; not a bool), else None."""
+    if isinstance(v, bool | np.bool_):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
+def _as_number(v: numbers.Real) -> int | float:
+    """A real number as a Python int or float (a numpy scalar's value, in the type its reports print)."""
+    return v if type(v) in (int, float) else (operator.index(v) if isinstance(v, numbers.Integral) else float(v))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,18 +110,22 @@ class SimConfig:
         for name, lo in (("num_ranks", 1), ("gpus_per_node", 1), ("tokens_per_rank", 1), ("dyn", 0),
                          ("microbatches", 1), ("warmup", 0), ("seed", 0), ("refresh_every", 1), ("eplb_slots", 0),
                          ("eplb_groups", 1), ("ema_shift", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"SimConfig.{name} must be an int >= {lo}, got {v!r}")
-        check_min_gain(self.place_min_gain, "SimConfig.place_min_gain")
+            v = _as_int(getattr(self, name))
+            if v is None or v < lo:
+                raise ValueError(f"SimConfig.{name} must be an int >= {lo}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, v)
+        object.__setattr__(self, "place_min_gain", check_min_gain(self.place_min_gain, "SimConfig.place_min_gain"))
         # (the planner's and the history's own rules, refused here by their SimConfig names rather than later by
         # simulate() without them)
-        if isinstance(self.tau, bool) or not (isinstance(self.tau, int | float) and 0 <= self.tau < math.inf):
+        if isinstance(self.tau, bool) or not (isinstance(self.tau, numbers.Real) and 0 <= self.tau < math.inf):
             raise ValueError(f"SimConfig.tau must be a finite number >= 0, got {self.tau!r}")
-        if self.min_chunk is not None and (isinstance(self.min_chunk, bool) or not isinstance(self.min_chunk, int)
-                                           or self.min_chunk < 1):
-            raise ValueError(f"SimConfig.min_chunk must be None (the cost model's knee) or an int >= 1, got "
-                             f"{self.min_chunk!r}")
+        object.__setattr__(self, "tau", _as_number(self.tau))
+        if self.min_chunk is not None:
+            v = _as_int(self.min_chunk)
+            if v is None or v < 1:
+                raise ValueError(f"SimConfig.min_chunk must be None (the cost model's knee) or an int >= 1, got "
+                                 f"{self.min_chunk!r}")
+            object.__setattr__(self, "min_chunk", v)
         if self.replicas_mode not in ("eager", "lazy"):
             raise ValueError(f"SimConfig.replicas_mode must be 'eager' or 'lazy', got {self.replicas_mode!r}")
         if isinstance(self.policies, str):   # (its letters were taken for policies: "policy 'f'")
@@ -121,17 +142,23 @@ class SimConfig:
             seen[key] = p
         if not isinstance(self.cost, CostModel):
             raise TypeError(f"SimConfig.cost must be a CostModel, got {type(self.cost).__name__}")
-        if self.plan_us is not None and (isinstance(self.plan_us, bool) or not isinstance(self.plan_us, (int, float))
-                                         or not 0 <= self.plan_us < math.inf):
-            raise ValueError(f"SimConfig.plan_us must be None (measured) or a finite number of us >= 0, got "
-                             f"{self.plan_us!r}")
+        if self.plan_us is not None:
+            if (isinstance(self.plan_us, bool) or not isinstance(self.plan_us, numbers.Real)
+                    or not 0 <= self.plan_us < math.inf):
+                raise ValueError(f"SimConfig.plan_us must be None (measured) or a finite number of us >= 0, got "
+                                 f"{self.plan_us!r}")
+            object.__setattr__(self, "plan_us", _as_number(self.plan_us))
         for name in ("hidden", "ffn"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"SimConfig.{name} must be None or an int >= 1, got {v!r}")
+            if getattr(self, name) is not None:
+                v = _as_int(getattr(self, name))
+                if v is None or v < 1:
+                    raise ValueError(f"SimConfig.{name} must be None or an int >= 1, got {getattr(self, name)!r}")
+                object.__setattr__(self, name, v)
         for name in ("shape_from_trace", "recopy_weights", "validate"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"SimConfig.{name} must be a bool, got {getattr(self, name)!r}")
+            v = getattr(self, name)
+            if not isinstance(v, bool | np.bool_):
+                raise TypeError(f"SimConfig.{name} must be a bool, got {v!r}")
+            object.__setattr__(self, name, bool(v))
         ema = [p for p in self.policies if parse_policy(p)[2] == "ema"]
         if self.recopy_weights and ema:
             raise ValueError(f"SimConfig.recopy_weights: the layer copies weights again only with per-micro-batch "

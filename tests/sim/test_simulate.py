@@ -445,3 +445,27 @@ def test_config_refuses_planner_options_by_their_names(kw, error, match):
     later without the name, "no" validated, a string's letters were taken for policies)."""
     with pytest.raises(error, match=match):
         SimConfig(**kw)
+
+
+@pytest.mark.parametrize("np_type", ["int64", "int32", "uint16"])
+def test_config_takes_numpy_numbers_as_python_ones(np_type):
+    """A sweep's numpy scalars (np.arange, an array's items) configure the simulator as the Python numbers they
+    hold, stored as those (SimConfig refused np.int64(8) as "not an int"); numpy bools and whole floats stay refused
+    where an int is asked."""
+    t = getattr(np, np_type)
+    got = SimConfig(num_ranks=t(4), gpus_per_node=t(2), tokens_per_rank=t(64), dyn=t(1), microbatches=t(3),
+                    warmup=t(1), seed=t(5), refresh_every=t(2), ema_shift=t(1), eplb_slots=t(1), eplb_groups=t(1),
+                    min_chunk=t(3), hidden=t(32), ffn=t(48), plan_us=t(7), tau=np.float32(0.25),
+                    place_min_gain=np.float64(0.125), validate=np.bool_(False))
+    want = SimConfig(num_ranks=4, gpus_per_node=2, tokens_per_rank=64, dyn=1, microbatches=3, warmup=1, seed=5,
+                     refresh_every=2, ema_shift=1, eplb_slots=1, eplb_groups=1, min_chunk=3, hidden=32, ffn=48,
+                     plan_us=7, tau=0.25, place_min_gain=0.125, validate=False)
+    assert got == want
+    for f in dataclasses.fields(SimConfig):
+        assert type(getattr(got, f.name)) is type(getattr(want, f.name)), f.name
+    for name in ("num_ranks", "min_chunk", "hidden"):
+        for bad in (np.bool_(True), np.float64(4.0)):
+            with pytest.raises(ValueError, match=rf"SimConfig.{name} must be .*an int >= 1, got"):
+                SimConfig(**{name: bad})
+    with pytest.raises(ValueError, match="SimConfig.num_ranks must be an int >= 1"):
+        SimConfig(num_ranks=t(0))
