@@ -31,7 +31,10 @@ core's speed changes within a second (one 10^6 loop read 79 ms before the timing
 the fastest plans are compared with the core at its fastest in the same stretch of time. ``none`` is timed
 alternating with each policy too and reported (``none_*``, and its slowdown against ``NONE_REF_US``), not used to
 scale the limit.
-``extra_info`` holds the statistics of the policy and of ``none``, the yardsticks and the limit; with
+``Plan.validate`` of each policy's plans is timed alternating with them too and reported (``validate_*``), not
+asserted: the layer runs it on the critical path for the peers' policies (``feplb.direct``: a plan checked before
+phase 1) and on the copy thread for the in-node ones.
+``extra_info`` holds the statistics of the policy, of ``none`` and of the check, the yardsticks and the limit; with
 ``--benchmark-enable`` pytest-benchmark adds its own wall-time statistics.
 """
 
@@ -122,7 +125,9 @@ def test_planner_latency(benchmark, shape, policy):
     name, kw = (policy[:-6], {"node": 0}) if policy.endswith("[node]") else (policy, {})
     topo, state, counts = _inputs(shape, name)
     base_topo, base_state, _ = _inputs(shape, "none")
-    make_plan(name, counts[0], topo, state, **kw).validate(counts[0], topo, state)
+    plans = [make_plan(name, c, topo, state, **kw) for c in counts]
+    for c, plan in zip(counts, plans, strict=True):
+        plan.validate(c, topo, state)
     cycle = itertools.cycle(counts)
     benchmark.group = f"planner {shape} dyn=4"
     benchmark.pedantic(lambda: make_plan(name, next(cycle), topo, state, **kw), rounds=2000, iterations=1,
@@ -133,11 +138,13 @@ def test_planner_latency(benchmark, shape, policy):
 
     def measure() -> tuple[dict, float, float | None]:
         gc.collect()
-        (cpu, base, calls), yardstick = _cpu_us([lambda i: make_plan(name, counts[i], topo, state, **kw),
-                                                 lambda i: make_plan("none", counts[i], base_topo, base_state, **kw),
-                                                 _np_calls], n)
+        (cpu, base, calls, check), yardstick = _cpu_us(
+            [lambda i: make_plan(name, counts[i], topo, state, **kw),
+             lambda i: make_plan("none", counts[i], base_topo, base_state, **kw),
+             _np_calls,
+             lambda i: plans[i].validate(counts[i], topo, state)], n)
         stat = {}
-        for key, t in (("", cpu), ("none_", base), ("np_calls_", calls)):
+        for key, t in (("", cpu), ("none_", base), ("np_calls_", calls), ("validate_", check)):
             stat.update({f"{key}cpu_p50_us": float(np.percentile(t, 50)),
                          f"{key}cpu_p99_us": float(np.percentile(t, 99)),
                          f"{key}fastest_p99_us": float(np.percentile(t.min(axis=0), 99))})

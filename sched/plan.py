@@ -241,9 +241,9 @@ class Plan:
                 raise TypeError(f"plan.moves[{i}] must be a Move, got {type(m).__name__}")
             # (as Python ints: a numpy scalar would turn the loads below into its own, narrower, type)
             try:
-                if any(isinstance(f, bool) for f in m):      # (a bool passes operator.index as 0 or 1)
-                    raise TypeError
                 e, src, dst, a, b = map(operator.index, m)
+                if bool in map(type, m):      # (a bool passes operator.index as 0 or 1)
+                    raise TypeError
             except TypeError:
                 raise TypeError(f"plan.moves[{i}]: its fields must be integers, got {m}") from None
             if not 0 <= e < E:
