@@ -945,6 +945,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if stale and not self.replicas.stepped:
             # (2: an optimizer attached to the layer, whose step refreshed the copies, is not the cause)
             stale |= 2 * int(bool(self.__dict__.get("_attached_to")))
+        stale |= 4 * int(self.replicas.unfinished)     # (a refresh, or the attached step ending in one, raised)
         # (the header first, then the counts padded to the group's width: steps.read_counts)
         from feplb.kernels import autocast_dtype
 

@@ -162,6 +162,9 @@ class Replicas:
         # running digest (MoELayer._watch_backward_flags): the ranks sharing copies must agree on it at the reduction
         self.backward_flags = 0
         self.stepped = False          # an optimizer stepped the owner's parameters since the last refresh
+        # a refresh began and has not completed (it raised: the copies' bookkeeping may name banks never received),
+        # or an attached optimizer's step began whose refresh has not run (its step or a step hook raised)
+        self.unfinished = False
         self._versions: tuple[int, ...] = ()
         # the running forward's expert parameters' requires_grad flags and grad mode (begin_forward), and the banks
         # as its graph takes them (view: bank id -> (bank, view))
@@ -199,7 +202,10 @@ class Replicas:
         return tuple(p.requires_grad for p in self._layer().expert_params())
 
     def fresh(self) -> bool:
-        """Whether the per-step copies still hold the owners' current weights (True when there are none)."""
+        """Whether the per-step copies still hold the owners' current weights (True when there are none; False
+        after a refresh that did not complete)."""
+        if self.unfinished:
+            return False
         if not self.pairs and not self.lazy_pairs:
             return True
         return not self.stepped and self._versions == self.versions()

@@ -416,6 +416,13 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
             "reduce_replica_grads(), as average_expert_grads and feplb.clip_grad_norm_ do)")
     stale_ranks = np.nonzero(gathered[:, STALE])[0].tolist()
     if stale_ranks:
+        unfinished = np.nonzero(gathered[:, STALE] & 4)[0].tolist()
+        if unfinished:
+            raise RuntimeError(
+                f"MoELayer: the per-step expert copies on EP rank(s) {unfinished} were not refreshed: a "
+                "refresh_replicas(), or the step of an optimizer attached to the layer (whose step hook "
+                "refreshes them), raised before the refresh completed. Call layer.refresh_replicas() on every rank "
+                "(feplb.hf.refresh_replicas(model) for a model) before the next forward (weights='per-step')")
         if (gathered[stale_ranks, STALE] & 2).all():
             # the attached optimizer's step refreshed the copies, and the weights changed after it
             raise RuntimeError(

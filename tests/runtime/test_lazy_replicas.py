@@ -372,3 +372,73 @@ def test_lazy_replicas_held_for_the_step_and_exact(gpus_per_node):
         st = res["stale"]
         assert st["unrefreshed_ok"] and st["after"]
         assert st["error"] is not None and "refresh_replicas" in st["error"], f"rank {r}: {st['error']}"
+
+
+def _failed_refresh_worker(rank: int, world: int) -> dict:
+    """A refresh of the per-step copies that raises part way (its exchange, on every rank: an OOM receiving them),
+    and an attached optimizer's step whose refresh never runs (a step post-hook registered before attaching raises):
+    the next forward refuses on every rank, naming the unfinished refresh, instead of computing (a ``+place`` bank
+    dropped and never received had the rank compute placed experts' rows with its own experts' weights); after
+    ``refresh_replicas()`` the outputs are plain EP's on the same weights again."""
+    from feplb.testing import error_of
+
+    out = {}
+    for case in ("exchange", "post_hook"):
+        layer, xs, dys = _build(2, "feplb-split+place@ema", "eager")
+        ref, _, _ = _build(2, "none", "eager")
+        x, dy = xs[rank], dys[rank]
+        opt = torch.optim.SGD(layer.parameters(), lr=1e-2)
+        if case == "post_hook":
+            fail = [False]
+
+            def hook(*_):
+                if fail[0]:
+                    raise ValueError("a step hook of the user's")
+
+            opt.register_step_post_hook(hook)      # (before attaching: it runs before the layer's refresh)
+        layer.attach_optimizer(opt)
+        errors = []
+        for step in range(2):
+            for _ in range(2):
+                (layer(x.clone().requires_grad_()) * dy).sum().backward()
+            orig = feplb.replicas.Exchange
+            if step == 1 and case == "exchange":
+                class Failing(orig):
+                    def __call__(self, *a, **k):
+                        if self.op == "refresh of per-step expert copies":
+                            raise torch.OutOfMemoryError("out of memory receiving the refreshed copies")
+                        return super().__call__(*a, **k)
+
+                feplb.replicas.Exchange = Failing
+            elif step == 1:
+                fail[0] = True
+            try:
+                errors.append(error_of(opt.step))
+            finally:
+                feplb.replicas.Exchange = orig
+                if case == "post_hook":
+                    fail[0] = False
+            opt.zero_grad()
+        ref.load_state_dict(layer.state_dict())
+        with torch.no_grad():
+            refused = error_of(lambda: layer(x))
+            layer.refresh_replicas()
+            got, want = layer(x), ref(x)
+        out[case] = {"errors": errors, "placed": len(layer.placement.placed_pairs), "refused": refused,
+                     "got": got, "want": want}
+        layer.close()
+        ref.close()
+    return out
+
+
+def test_a_refresh_that_raised_is_refused_until_done_again():
+    results = run_dist(_failed_refresh_worker, W, timeout_s=300, collective_timeout_s=20)
+    for r, res in enumerate(results):
+        for case, got in res.items():
+            assert got["errors"][0] is None, (r, case, got["errors"])
+            want_error = "OutOfMemoryError: out of memory" if case == "exchange" else "ValueError: a step hook"
+            assert got["errors"][1].startswith(want_error), (r, case, got["errors"])
+            assert got["placed"] > 0, f"rank {r} {case}: no expert placed away from its owner (nothing to lose)"
+            assert got["refused"] is not None and "were not refreshed" in got["refused"] and \
+                "refresh_replicas()" in got["refused"], (r, case, got["refused"])
+            assert torch.equal(got["got"], got["want"]), (r, case, (got["got"] - got["want"]).abs().max())
