@@ -255,21 +255,23 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M, N, K, E, M_BUCKET,
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < row_end
     n_ok = offs_n < N
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = (w_ptr + group.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk
-              + offs_n.to(tl.int64)[None, :] * stride_wn)
+    # 64-bit offsets along K too: a column-major x (stride M along K) or a weight with 2**25 elements between its
+    # K rows passes 2**31 within a tile (the pointers are made from k0 at every step: a 32-bit BLOCK_K * stride
+    # added at each step wrapped the same way)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + group.to(tl.int64) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
-        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        ks = k0 + offs_k
+        k_ok = ks < K
+        ks64 = ks.to(tl.int64)
+        a = tl.load(x_rows + ks64[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + ks64[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=ACC)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -374,13 +376,15 @@ def _dw_store(acc, group, chunk, experts, chunks, offs_k, offs_n, K, N, NUM_PART
     k_ok = offs_k < K
     n_ok = offs_n < N
     parts = tl.where(chunks > 1, chunks, 0)
+    # (64-bit offsets: an expert of K * N >= 2**31 weights wrote its last rows 2**32 elements before dw)
+    k64 = offs_k.to(tl.int64)
+    n64 = offs_n.to(tl.int64)
     if tl.sum(tl.where(experts == group, parts, 0), axis=0) == 0:
-        dw_ptrs = (dw_ptr + group.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk
-                   + offs_n[None, :] * stride_wn)
+        dw_ptrs = dw_ptr + group.to(tl.int64) * stride_we + k64[:, None] * stride_wk + n64[None, :] * stride_wn
         tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
     else:
         slot = tl.sum(tl.where(experts < group, parts, 0), axis=0) + chunk
-        part_ptrs = part_ptr + slot.to(tl.int64) * K * N + offs_k[:, None] * N + offs_n[None, :]
+        part_ptrs = part_ptr + slot.to(tl.int64) * K * N + k64[:, None] * N + n64[None, :]
         slot_ok = (offs_k * 0 + slot) < NUM_PARTS  # a bound the slot never reaches (kept as a guard)
         tl.store(part_ptrs, acc.to(part_ptr.dtype.element_ty), mask=(k_ok & slot_ok)[:, None] & n_ok[None, :])
 
@@ -522,7 +526,7 @@ def _dw_reduce_kernel(part_ptr, dw_ptr, offsets_ptr, M, KN, E, CHUNK, NUM_PARTS,
     parts = tl.where(split, chunks, 0)
     count = tl.sum(tl.where(experts == group, parts, 0), axis=0)
     base = tl.sum(tl.where(experts < group, parts, 0), axis=0)
-    offs = pid_b * BLOCK + tl.arange(0, BLOCK)
+    offs = pid_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)    # (K * N may pass 2**31)
     ok = offs < KN
     acc = tl.zeros([BLOCK], dtype=ACC)
     for p in range(0, count):

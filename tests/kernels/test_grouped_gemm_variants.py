@@ -108,6 +108,28 @@ def test_unchecked_bad_offsets_are_clamped(variant, gen, kh):
     kh.close(y[30:], xd[30:] @ wd[2], x.dtype, scale=2.0)
 
 
+
+@needs_kernels
+def test_classic_forward_offsets_along_k_are_64_bit():
+    """A column-major x (stride M along K, a transposed view of a [K, M] activation) of 70 million rows: the
+    classic kernel's offsets along K pass 2**31 inside one tile (column 31 at 2.17e9 elements). They are 64-bit:
+    with 32-bit ones it read column 31 at the wrapped offset (where this storage holds 1000s) and gave 1031, not
+    32. The storage is 8.7 GB of address space, of which only the columns read and the wrapped place are touched."""
+    M, K, N, S = 4, 32, 16, 70_000_000
+    wrapped = (31 * S + 2**31) % 2**32 - 2**31             # column 31's offset in 32-bit arithmetic
+    O = -wrapped + 2**20                                    # x's storage offset: the wrapped read stays inside
+    try:
+        base = torch.empty(O + 31 * S + M + 16, dtype=torch.float16, device=DEVICE)
+    except (RuntimeError, MemoryError) as e:   # (an environment's limit on address space, not the kernel's)
+        pytest.skip(f"cannot reserve {2 * (O + 31 * S) / 1e9:.1f} GB of address space here: {e}")
+    x = torch.as_strided(base, (M, K), (1, S), O)
+    x.fill_(1.0)                                            # (writes the K columns only)
+    base[O + wrapped:O + wrapped + M] = 1000.0
+    w = torch.ones(1, K, N, dtype=torch.float16, device=DEVICE)
+    y = gg.grouped_mm_triton(x, w, torch.tensor([M], device=DEVICE), variant="classic")
+    assert torch.equal(y.cpu(), torch.full((M, N), float(K), dtype=torch.float16)), y[0, :4].tolist()
+    del base, x
+
 def test_persistent_rejects_operands_it_cannot_take():
     x = torch.randn(8, 6)  # rows of 24 bytes: not a multiple of 16
     w = torch.randn(2, 6, 8)
