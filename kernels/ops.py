@@ -347,7 +347,17 @@ def _check_meta(meta: object) -> None:
 
 # ---------------------------------------------------------------------------------------------------- grouped_mm
 
+def _check_grouped_limits(x_MK: Tensor, name: str, t: Tensor) -> None:
+    """The kernels' limits on rows and groups, checked in the operators themselves too: a call of
+    ``torch.ops.feplb.grouped_mm`` / ``grouped_mm_dw`` skips the wrapper's checks, and the kernels index rows with
+    32-bit integers."""
+    check_rows("x_MK", x_MK.shape[0], "M")
+    if t.shape[0] > MAX_EXPERTS:
+        raise ValueError(f"{name}: expected at most {MAX_EXPERTS} groups (experts), got shape {list(t.shape)}")
+
+
 def _grouped_mm_impl(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, check: bool) -> Tensor:
+    _check_grouped_limits(x_MK, "w_EKN", w_EKN)
     if use_triton(x_MK):
         return grouped_mm_triton(x_MK, w_EKN, offsets_E, check_values=check)
     return grouped_mm_ref(x_MK, w_EKN, offsets_E)  # checks the offsets always: cheap on the host
@@ -355,16 +365,19 @@ def _grouped_mm_impl(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, check: bool
 
 def _grouped_mm_fake(x_MK, w_EKN, offsets_E, check):
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
+    _check_grouped_limits(x_MK, "w_EKN", w_EKN)
     return x_MK.new_empty(x_MK.shape[0], w_EKN.shape[2])
 
 
 def _grouped_mm_dw_impl(x_MK: Tensor, dy_MN: Tensor, offsets_E: Tensor, check: bool = True) -> Tensor:
+    _check_grouped_limits(x_MK, "offsets_E", offsets_E)
     if use_triton(x_MK):
         return grouped_mm_dw_triton(x_MK, dy_MN, offsets_E, check_values=check)
     return grouped_mm_dw_ref(x_MK, dy_MN, offsets_E)
 
 
 def _grouped_mm_dw_fake(x_MK, dy_MN, offsets_E, check=True):
+    _check_grouped_limits(x_MK, "offsets_E", offsets_E)
     return x_MK.new_empty(offsets_E.shape[0], x_MK.shape[1], dy_MN.shape[1])
 
 
@@ -426,9 +439,7 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offsets_E: Tensor, *, check: bool = 
     check_bool("check", check)
     x_MK, w_EKN = autocast_matmul_inputs(x_MK, w_EKN)
     check_grouped_mm_inputs(x_MK, w_EKN, offsets_E)
-    check_rows("x_MK", x_MK.shape[0], "M")
-    if w_EKN.shape[0] > MAX_EXPERTS:
-        raise ValueError(f"w_EKN: expected at most {MAX_EXPERTS} groups (experts), got shape {list(w_EKN.shape)}")
+    _check_grouped_limits(x_MK, "w_EKN", w_EKN)
     return _apply(_GroupedMM, _GROUPED_MM, x_MK, w_EKN, offsets_E, check)
 
 

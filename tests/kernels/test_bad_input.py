@@ -89,6 +89,22 @@ def test_grouped_mm_and_swiglu_reject_sizes_past_the_bounds():
         fk.grouped_mm(on_meta(6, 4), on_meta(MAX_EXPERTS + 1, 4, 3), on_meta(MAX_EXPERTS + 1, dtype=torch.int32))
     with pytest.raises(ValueError, match=rf"h_M2F.*at most {MAX_ROWS} rows.*M = {2**31}"):
         fk.swiglu(on_meta(2**31, 8))
+    # the operators themselves too (torch.ops.feplb.*: no wrapper's checks before them)
+    ops = torch.ops.feplb
+    with pytest.raises(ValueError, match=rf"x_MK.*at most {MAX_ROWS} rows.*M = {2**31}"):
+        ops.grouped_mm(on_meta(2**31, 4), on_meta(2, 4, 3), on_meta(2, dtype=torch.int32), True)
+    with pytest.raises(ValueError, match=rf"w_EKN.*at most {MAX_EXPERTS} groups.*\[{MAX_EXPERTS + 1}, 4, 3\]"):
+        ops.grouped_mm(on_meta(6, 4), on_meta(MAX_EXPERTS + 1, 4, 3), on_meta(MAX_EXPERTS + 1, dtype=torch.int32), True)
+    with pytest.raises(ValueError, match=rf"x_MK.*at most {MAX_ROWS} rows.*M = {2**31}"):
+        ops.grouped_mm_dw(on_meta(2**31, 4), on_meta(2**31, 3), on_meta(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=rf"offsets_E.*at most {MAX_EXPERTS} groups.*\[{MAX_EXPERTS + 1}\]"):
+        ops.grouped_mm_dw(on_meta(6, 4), on_meta(6, 3), on_meta(MAX_EXPERTS + 1, dtype=torch.int32))
+    # (and the CPU operators' own implementations, not only their meta ones)
+    many = torch.full((MAX_EXPERTS + 1,), 6, dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"offsets_E.*at most {MAX_EXPERTS} groups"):
+        ops.grouped_mm_dw(torch.zeros(6, 4), torch.zeros(6, 3), many)
+    with pytest.raises(ValueError, match=rf"w_EKN.*at most {MAX_EXPERTS} groups"):
+        ops.grouped_mm(torch.zeros(6, 4), torch.zeros(1, 4, 3).expand(MAX_EXPERTS + 1, 4, 3), many, True)
 
 
 def test_permute_rejects(meta, dev):
