@@ -574,9 +574,11 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone
         if tl is None:
             return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
-        with tl.span("combine"):
-            y = unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
-        tl.close()       # (what ends later, a late plan, goes to its late spans)
+        try:
+            with tl.span("combine"):
+                y = unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
+        finally:
+            tl.close()       # (what ends later, a late plan, goes to its late spans)
         return y
 
     def _cast_hint(self, problem: tuple[type, str] | None) -> tuple[type, str] | None:
@@ -714,8 +716,9 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if problem is None and torch.is_grad_enabled():   # (every rank alike: the mode is the training loop's)
             refused = compiled_autograd_problem("forward", forward=True)
             problem = None if refused is None else (RuntimeError, refused)
-        tl = self.last_timeline = Timeline(device_spans=self._device.type == "cuda") if self.config.timeline \
-            else None
+        # (made the layer's last_timeline with its last_stats, by _observe: a forward that raises leaves both as the
+        # last forward that returned had them)
+        tl = Timeline(device_spans=self._device.type == "cuda") if self.config.timeline else None
         # (what the GEMMs read: the weights, which an adapter derives from its own tensors, as feplb.titan_ep's
         # engine, holding no parameters, from its module's shards; and the parameters themselves)
         needs = problem is None and torch.is_grad_enabled() and (
@@ -757,7 +760,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
             self._watch_backward_flags(y_MD)
             if entry is not None and y_MD.requires_grad:
                 y_MD.register_hook(entry.arrived)   # (the last hook on it: it runs before any node of the layer's)
-            self._observe(counts, p2)
+            self._observe(counts, p2, tl)
             if kind is not None:
                 frame = checkpoint_frame() if kind == "hooks" else None
                 self._records.add(Record(kind=kind, placement=placement, slot_of_E=slot_of_E, plan_state=plan_state,
@@ -1192,7 +1195,7 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         return "group"
 
     @hidden_from_selective_checkpoint
-    def _observe(self, counts: Counts, p2: Phase2) -> None:
+    def _observe(self, counts: Counts, p2: Phase2, tl: Timeline | None) -> None:
         """Fold the micro-batch into the policy's history (training only) and report what the forward did. A
         forward's own, host bookkeeping: hidden from selective checkpointing (as :meth:`_restricted`)."""
         plan = None if p2.fell_back else p2.result.plan
@@ -1204,6 +1207,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
                 self._adopt(self.state)   # nothing resident to keep consistent: slow decisions apply at once
         self.last_plan = plan
         self.last_plan_inputs = (counts.counts_WE, planned_from)
+        if self.config.timeline:
+            self.last_timeline = tl
         node = self._plan_node(planned_from)
         self.last_stats = layer_stats(self.config, counts, p2, plan, recv_grew=self._recv_grew,
                                       experts_placed=len(self.placement.placed_pairs),

@@ -125,6 +125,25 @@ def _fault_worker(rank, world):
         time.sleep(0.05)
     res["slow_late"] = [(s.name, s.lane) for s in first.late()]
     res["slow_spans_after"] = first.spans() == res.pop("slow_spans")
+    # A forward that raises (refused input on one rank; an out-of-memory in the static GEMM on every rank) leaves
+    # last_timeline, as last_stats, the last returned forward's: not the failed one's, open, whose spans change later
+    kept, stats = slow.last_timeline, slow.last_stats
+    bad_x = x.clone()
+    if rank == 1:
+        bad_x[0, 0] = float("nan")
+
+    def oom(*_a, **_k):
+        raise torch.OutOfMemoryError("out of memory in the static GEMM")
+
+    with torch.no_grad():
+        res["timeline_refused"] = error_of(lambda: slow(bad_x))
+        slow._static_gemm = oom
+        res["timeline_oom"] = error_of(lambda: slow(x))
+        del slow._static_gemm
+    res["timeline_kept"] = slow.last_timeline is kept and slow.last_stats is stats
+    with torch.no_grad():
+        slow(x)
+    res["timeline_next"] = slow.last_timeline is not kept and slow.last_timeline._closed
 
     # A planner stuck past the group's collective timeout (8 s here) while plans are waited for (plan_wait_ms None,
     # the CPU default): its rank gives up after half the timeout and computes at home; its peers, waiting in the
@@ -343,6 +362,9 @@ def test_faults_and_bad_input():
             res["nan_bias"]
         assert res["after_nan_ok"]
         assert res["slow_same"], f"rank {rank}: output changed by a slow planner"
+        assert res["timeline_refused"].startswith("NonFiniteRoutingError"), res["timeline_refused"]
+        assert res["timeline_oom"].startswith("OutOfMemoryError"), res["timeline_oom"]
+        assert res["timeline_kept"] and res["timeline_next"], f"rank {rank}: a failed forward replaced last_timeline"
         assert res["slow_fell_back"] == (rank < 2), (rank, res["slow_fell_back"])
         assert res["slow_balanced"] == (rank >= 2), (rank, res["slow_balanced"])
         assert res["slow_late"] == ([("plan", "planner")] if rank == 1 else []), (rank, res["slow_late"])
