@@ -143,14 +143,19 @@ class _Balanced(HoldsEngine):
         object.__setattr__(self, "_engine", None)   # not a submodule: no state of its own in state_dict()
 
     def parallelize(self, parallel_dims) -> None:
-        super().parallelize(parallel_dims)
+        # (checked first, the same mesh and config on every rank: all raise, before torchtitan's sharding, whose
+        # dispatch otherwise fails at the first forward naming no option: "shape '[3, -1]' is invalid")
         mesh = parallel_dims.get_optional_mesh("ep")
-        G = self.feplb_config.gpus_per_node
+        G, E = self.feplb_config.gpus_per_node, self.feplb_config.num_experts
+        if mesh is not None and E % mesh.size():
+            raise ValueError(f"{type(self).__name__}: torchtitan's expert_parallel_degree {mesh.size()} does not "
+                             f"divide the {E} experts; expert parallelism gives every rank of the EP group the same "
+                             "number of experts")
         if mesh is not None and mesh.size() % G:
-            # (the same mesh and config on every rank: all raise)
             raise ValueError(f"{type(self).__name__}: gpus_per_node={G} does not divide torchtitan's EP group "
                              f"({mesh.size()} ranks); FEPLB balances over whole nodes of the EP group"
                              + _smaller_group_hint(G, mesh.size()))
+        super().parallelize(parallel_dims)
         self._ep_mesh = mesh
 
     def __getstate__(self) -> dict:
@@ -324,6 +329,14 @@ class FEPLBGptOssGroupedExperts(_Balanced, GptOssGroupedExperts):
 
 
 def _replacement(cfg: GroupedExperts.Config, settings: dict[str, Any]) -> GroupedExperts.Config:
+    if type(cfg) in (FEPLBGroupedExperts.Config, FEPLBGptOssGroupedExperts.Config):
+        # converted already (convert() and the feplb_experts override both applied, or either twice): the same
+        # settings leave it as it is
+        if cfg.feplb == dict(settings):
+            return cfg
+        raise ValueError(f"feplb.titan_ep: this {type(cfg).__qualname__} was converted to FEPLB's already, with "
+                         f"settings {cfg.feplb}, and is given {dict(settings)} now (convert() and the "
+                         "feplb_experts override both applied?): apply one of them")
     cls = {GroupedExperts.Config: FEPLBGroupedExperts, GptOssGroupedExperts.Config: FEPLBGptOssGroupedExperts}.get(
         type(cfg))
     if cls is None:

@@ -566,6 +566,58 @@ def test_torchtitans_override_mechanism():
                         _config())
 
 
+
+def test_converting_twice():
+    """convert() and the feplb_experts override both applied (the override matches FEPLB's own config, a subclass):
+    with the same settings the config stays as it is; with others both are named (it said FEPLB's own experts were
+    ones it does not compute)."""
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+
+    import feplb.titan_ep as fte
+
+    settings = {"policy": "feplb-split", "gpus_per_node": 2}
+    cfg = _config()
+    fte.convert(cfg, **settings)
+    inner = cfg.routed_experts.inner_experts
+    assert fte.convert(cfg, **settings) == ["routed_experts.inner_experts"]
+    assert cfg.routed_experts.inner_experts is inner and inner.feplb == settings
+    apply_overrides(OverrideConfig(imports=[("feplb.titan_ep.feplb_experts", settings)]), cfg)
+    assert cfg.routed_experts.inner_experts is inner
+    for again in (lambda: fte.convert(cfg, policy="feplb", gpus_per_node=2),
+                  lambda: fte.feplb_experts(inner, policy="feplb", gpus_per_node=2)):
+        with pytest.raises(ValueError, match=r"converted to FEPLB's already, with settings \{'policy': 'feplb-split'"
+                                             r".*given \{'policy': 'feplb'.*apply one of them"):
+            again()
+    assert cfg.routed_experts.inner_experts is inner
+
+
+def test_parallelize_refuses_an_ep_group_feplb_cannot_balance():
+    """An expert_parallel_degree that does not divide the experts, or that gpus_per_node does not divide: refused
+    by name at parallelize (torchtitan's dispatch failed at the first forward with a reshape error)."""
+    import feplb.titan_ep as fte
+
+    class Mesh:
+        def __init__(self, n):
+            self.n = n
+
+        def size(self):
+            return self.n
+
+    class Dims:
+        def __init__(self, n):
+            self.n = n
+
+        def get_optional_mesh(self, name):
+            return Mesh(self.n) if name == "ep" else None
+
+    mod = _config(policy="feplb-split", gpus_per_node=2).routed_experts.inner_experts.build()
+    assert isinstance(mod, fte.FEPLBGroupedExperts) and E == 8
+    with pytest.raises(ValueError, match=f"expert_parallel_degree 6 does not divide the {E} experts"):
+        mod.parallelize(Dims(6))
+    with pytest.raises(ValueError, match="gpus_per_node=2 does not divide torchtitan's EP group \\(1 ranks\\)"):
+        mod.parallelize(Dims(1))
+    assert mod._ep_mesh is None
+
 def test_experts_feplb_does_not_compute_are_refused():
     """Another GroupedExperts subclass (a low-precision one, say), a swapped grouped GEMM (low-precision converters)
     and a GPT-OSS clamp that is no number > 0; GPT-OSS's experts themselves convert."""
