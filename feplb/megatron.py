@@ -601,6 +601,32 @@ def _dispatcher_class():
     return FEPLBTokenDispatcher
 
 
+def _watch_grad_buffer_resets() -> None:
+    """Have Megatron's ``DistributedDataParallel.zero_grad_buffer`` (once, for the class) mark the FEPLB layers of
+    its module whose per-step copies hold gradients: it zeroes the experts' ``main_grad`` in place, a backward the
+    training loop discards, and the copies' share of it would reach the next step's gradients at the next reduction
+    (``_grads_dropped`` tells ``.grad`` apart by its version counter; ``main_grad``, a view of the bucket that the
+    backward hooks and Megatron's reduction write, it cannot). The next forward then refuses on every rank, as for a
+    model's ``zero_grad``, until ``feplb.megatron.zero_replica_grads(model)`` drops the copies' share too."""
+    try:
+        from megatron.core.distributed import DistributedDataParallel
+    except ImportError:
+        return
+    inner = DistributedDataParallel.zero_grad_buffer
+    if getattr(inner, "_feplb_watched", False):
+        return
+
+    @functools.wraps(inner)
+    def zero_grad_buffer(self, *args: Any, **kwargs: Any) -> Any:
+        for m in self.module.modules():
+            if isinstance(m, MoELayer) and m.replicas.ever_held and not m.replicas.grads_clean():
+                m._grad_buffers_zeroed = True
+        return inner(self, *args, **kwargs)
+
+    zero_grad_buffer._feplb_watched = True
+    DistributedDataParallel.zero_grad_buffer = zero_grad_buffer
+
+
 # ---------------------------------------------------------------------------------------------------- discovery
 
 def _megatron():
@@ -1003,6 +1029,8 @@ def apply(model: nn.Module | list[nn.Module], *, dtype: torch.dtype | None = Non
     for moe, new, dispatcher in made:
         moe.experts = new
         moe.token_dispatcher = dispatcher
+    if made:
+        _watch_grad_buffer_resets()
     ignored = sorted({opt for _, moe, _, _ in plans for opt in _memory_options(moe.config)})
     if ignored:
         warnings.warn(f"feplb.megatron.apply: FEPLB's experts do not {' or '.join(ignored)}: the results are the same, "

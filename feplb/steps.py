@@ -407,11 +407,13 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
     if dropped_ranks:
         raise RuntimeError(
             f"MoELayer: the experts' gradients were dropped or changed in place (zero_grad: the model's, or an "
-            f"optimizer's not attached to the layer; or an in-place op on them) on EP rank(s) {dropped_ranks} while "
+            f"optimizer's not attached to the layer, or Megatron's zero_grad_buffer; or an in-place op on them) on "
+            f"EP rank(s) {dropped_ranks} while "
             "the per-step expert copies there still held their share of the same backward: they are not "
             "parameters, zero_grad does not reach them, and the next reduction would add them, as they are, to the "
             "experts' gradients. Drop them with the experts' gradients: layer.zero_grad(), "
-            "layer.zero_replica_grads() (feplb.hf.zero_replica_grads(model) for a model), or attach the optimizer "
+            "layer.zero_replica_grads() (zero_replica_grads(model) of feplb.hf, feplb.megatron or feplb.titan for a "
+            "model), or attach the optimizer "
             "(attach_optimizer), whose zero_grad() then does it; then go on (or change the gradients only after "
             "reduce_replica_grads(), as average_expert_grads and feplb.clip_grad_norm_ do)")
     stale_ranks = np.nonzero(gathered[:, STALE])[0].tolist()

@@ -750,8 +750,9 @@ class TrainingSteps:
         parameter the GEMMs read holds a gradient, a zero one where no row reached it; each accumulation's result
         is noted, its tensor and version, by a hook, and a tensor of that version no more means that something
         wrote it in place since; under a ``+place`` bank, which the GEMMs read instead of the owners' parameters,
-        these hold a zero gradient until the reduction, noted alike (``_hold_zero_grads``). Not told apart here:
-        Megatron's DistributedDataParallel, which keeps them in ``main_grad``.) Local; every forward."""
+        these hold a zero gradient until the reduction, noted alike (``_hold_zero_grads``). Megatron's
+        DistributedDataParallel keeps them in ``main_grad``, whose zeroing ``feplb.megatron`` marks
+        (``_grad_buffers_zeroed``).) Local; every forward."""
         rep = self.replicas
         # (an evaluation forward between is left alone; a training one without autograd is checked: a reentrant
         # checkpoint's forward, whose recompute adds to the copies' gradients)
@@ -770,8 +771,13 @@ class TrainingSteps:
             # keep the note of an earlier step, whose tensor a reduction or a zero_grad(set_to_none=False) has
             # written since, and be taken for dropped once unfrozen
             self._note_current_grads()
+            self.__dict__.pop("_grad_buffers_zeroed", None)
             return False
-        if evaluation or not own:
+        if evaluation:
+            return False
+        if self.__dict__.get("_grad_buffers_zeroed"):   # (Megatron's zero_grad_buffer: feplb.megatron)
+            return True
+        if not own:
             return False
         # (judged: the parameters noted since, by an accumulation or that note; one frozen all along and unfrozen
         # now has no gradient as plain EP's has none, and nothing of the copies' share is its)

@@ -1489,6 +1489,22 @@ def _distopt_job(rank: int, world: int) -> dict:
         again = error_of(lambda m=m, ids=ids: m(ids, pos, mask))
         out[str(dtype)] = {"held": held, "moved": int(moved), "err": err, "grads": len(ref_g), "stale": stale,
                            "again": again, "marked": marked}
+        if half:
+            continue
+        # a backward the loop discards (Megatron's zero_grad_buffer, no step) while the copies hold their share:
+        # the next forward refuses on every rank (the share reached the next step's main_grad, silently); after
+        # zero_replica_grads the step is Megatron's own again
+        ddp.zero_grad_buffer()
+        m(ids, pos, mask, labels=ids.roll(-1, 1)).float().mean().backward()
+        ddp.zero_grad_buffer()
+        discarded = error_of(lambda m=m, ids=ids: m(ids, pos, mask))
+        fm.zero_replica_grads(m)
+        with torch.no_grad():
+            theirs = dict(rm.named_parameters())
+            for n, p in m.named_parameters():
+                theirs[n].copy_(p)
+        after = off(train(m, ddp, opt, 2, True, update=False), train(rm, rddp, ropt, 2, False, update=False))
+        out[str(dtype)].update(discarded=discarded, after_discard=after)
     ps.destroy_model_parallel()
     return out
 
@@ -1511,6 +1527,10 @@ def test_megatrons_distributed_optimizer_with_per_step_copies():
                 (rank, dtype, case["stale"])
             assert case["again"] is None, (rank, dtype, case["again"])
             assert case["marked"] == [True, True], (rank, dtype, case["marked"])
+            if dtype == "torch.float32":
+                assert case["discarded"] is not None and "Megatron's zero_grad_buffer" in case["discarded"], \
+                    (rank, case["discarded"])
+                assert case["after_discard"] <= 1e-5, (rank, case["after_discard"])
     assert any(case["held"] for r in res for k, case in r.items() if k != "edp")
 
 
