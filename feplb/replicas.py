@@ -409,7 +409,9 @@ class Replicas:
                 "step's reduction (reduce_replica_grads() before optimizer.step(), then refresh_replicas(); "
                 "attach_optimizer does both), not between the micro-batches of a step; where the loop discarded "
                 "that backward (model.zero_grad(), an optimizer not attached), drop the copies' share first: "
-                "zero_replica_grads() (layer.zero_grad() and an attached optimizer's zero_grad() do)")
+                "zero_replica_grads() (layer.zero_grad() and an attached optimizer's zero_grad() do). If an "
+                "optimizer stepped since that backward without the reduction, its step missed the copies' share of "
+                "the experts' gradients: run that step again from its backward")
         return bool(agreed[0]), None if extra is None else agreed[2:]
 
     # ------------------------------------------------------------------------------------------------ weights
