@@ -25,8 +25,9 @@ import contextlib
 import contextvars
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -619,13 +620,21 @@ class Exchange:
         return got
 
     def start(self, sends: list[torch.Tensor], worker: concurrent.futures.Executor, *,
-              ready=None) -> concurrent.futures.Future:
+              ready=None, timed: Callable[[], Any] | None = None) -> concurrent.futures.Future:
         """Issue the exchange on ``worker`` (the copy thread); finish it with ``self(sends, anchor, pending=<the
         returned future>)``. The tensors must not change meanwhile. ready (CUDA, required): the event recorded
-        after the sends were produced (``feplb.experts.ready_event``)."""
+        after the sends were produced (``feplb.experts.ready_event``). timed: a context manager factory entered
+        around the issue on the worker (a timeline's span of the copy lane), or None."""
         if ready is None and self.device.type == "cuda":
             raise ValueError(f"{self.op}: Exchange.start on CUDA needs the sends' ready event")
-        return worker.submit(self.issue, list(sends), ready, handoff=True)
+        if timed is None:
+            return worker.submit(self.issue, list(sends), ready, handoff=True)
+
+        def issue(sends: list[torch.Tensor], ready) -> Any:
+            with timed():
+                return self.issue(sends, ready, handoff=True)
+
+        return worker.submit(issue, list(sends), ready)
 
     def __call__(self, sends: list[torch.Tensor], anchor: torch.Tensor,
                  pending: concurrent.futures.Future | None = None, on_backward=None,

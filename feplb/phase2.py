@@ -19,6 +19,7 @@ Legend: R rows at home on this rank after phase 1, H hidden, F ffn.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -299,7 +300,12 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
     hosted_first.capture(*sends)
     ready = ready_event(h_RD)
     # (detached here: the copy thread touches no autograd metadata this thread uses)
-    pending = rex.start([t.detach() for t in sends], layer._balancer.copier, ready=ready) if rex.active else None
+    # (its span on the copy lane is the copy thread's, beside the kept rows' GEMM below; what this thread then waits
+    # for it is wait_results)
+    timed = None if tl is None else functools.partial(
+        tl.span, "copy_results", "copy", stream=getattr(layer.comm.copy, "stream", None))
+    pending = rex.start([t.detach() for t in sends], layer._balancer.copier, ready=ready, timed=timed) \
+        if rex.active else None
     try:
         with span(tl, "dynamic_gemm"):
             # (no rows kept: an empty tensor made of nothing, not a slice of the rows, whose backward would
@@ -311,7 +317,7 @@ def dynamic_and_return(layer, h_RD, y_static, early: EarlyBackward, split: Split
         if pending is not None:   # the copy thread's results-home exchange ends before the error leaves
             concurrent.futures.wait([pending])
         raise
-    with span(tl, "copy_results", "copy"):
+    with span(tl, "wait_results"):
         # the backward's order (dynamic_and_return's docstring): where the phase-2 exchanges' backward starts on
         # the copy thread, they and the hosted rows' nodes run before the kept rows' (the exchange made last, the
         # weights' under recopy_weights, first: the higher number), and the static experts' before all of them

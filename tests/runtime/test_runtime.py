@@ -463,9 +463,14 @@ def test_runtime_schedule_optimizers_inputs_defaults(tmp_path):
             assert t["copy_rows"][0] == "copy"
             assert t["copy_rows"][1] < t["static_gemm"][2], "phase-2 copies must start beside the static GEMM"
             assert t["copy_rows"][2] <= t["dynamic_gemm"][1] + 1.0, "the dynamic GEMM must wait for its copies"
+        if "copy_results" in t:
+            # the results' exchange, timed on the copy thread that issued it; the compute thread's wait for it apart
+            assert t["copy_results"][0] == "copy" and t["wait_results"][0] == "compute", (rank, t)
+            assert t["copy_results"][2] <= t["wait_results"][2], (rank, t["copy_results"], t["wait_results"])
         assert t["dynamic_gemm"][1] >= t["static_gemm"][2]
         assert t["phase1_reverse"][1] >= t["dynamic_gemm"][2] and t["combine"][1] >= t["phase1_reverse"][2]
     assert any("copy_rows" in r["timeline"] for r in results)
+    assert any("copy_results" in r["timeline"] for r in results)
     for rank, res in enumerate(results):
         cpu, gpu = res["gpu_order"][True], res["gpu_order"][False]
         assert cpu["plan_start"] < cpu["static_end"], "CPU order: planning starts beside the static GEMM"
