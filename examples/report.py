@@ -239,8 +239,9 @@ def _md(meta: dict, summary: dict, load_step: int) -> str:
     return "\n".join(lines)
 
 
-def _timeline_text(spans) -> str:
-    """What the timeline shows, read off its spans: whether planning and the copies ran beside the static GEMM."""
+def _timeline_text(spans, late=()) -> str:
+    """What the timeline shows, read off its spans: whether planning and the copies ran beside the static GEMM
+    (``late``: the spans that ended after the forward returned, a plan it stopped waiting for)."""
     def total(name: str) -> float:
         return sum(s.end_us - s.start_us for s in spans if s.name == name) / 1e3
 
@@ -252,7 +253,15 @@ def _timeline_text(spans) -> str:
             "planner thread and the copy thread (the CPU stand-in for a GPU's copy stream); `counts` includes the "
             "wait for the other ranks. `timeline.json` opens in Perfetto (ui.perfetto.dev) or chrome://tracing. ")
     if not any(s.name == "plan" for s in spans):
+        if any(s.name == "plan" for s in late):
+            return text + ("This forward's plan was not ready in time (the layer's plan_wait_ms): every rank of its "
+                           "node computed its rows at home; the plan, which ended later, is not drawn.")
         return text + "This forward made no plan (its straggler was below the layer's threshold)."
+    if any(s.name == "plan" and s.lane == "compute" for s in spans):
+        # FasterMoE's and EPLB's path (feplb.direct): no static GEMM, no planner thread
+        return text + (f"This policy plans on the main thread before phase 1 ({total('plan'):.2f} ms) and sends each "
+                       "row straight to the GPU that computes it: there is no static GEMM for planning or copies to "
+                       "hide behind.")
     beside = [n for n in ("plan", "agree", "copy_rows") if overlaps(n)]
     if beside:
         after = f"{', '.join(beside)} ran beside the static GEMM."
@@ -275,7 +284,8 @@ def _timeline_text(spans) -> str:
 
 def write_report(out: Path, meta: dict, steps: list[dict], timeline=None) -> dict:
     """Write report.json, loss.png, straggler.png, loads.png and report.md into ``out`` (and, given one forward's
-    ``feplb.timeline`` spans, timeline.png and the Chrome-trace timeline.json); returns the summary.
+    ``feplb.timeline`` Timeline or its spans, timeline.png and the Chrome-trace timeline.json); returns the
+    summary.
 
     ``steps`` are the per-step records of the training loop; the per-GPU load bars show the last step.
     """
@@ -286,6 +296,9 @@ def write_report(out: Path, meta: dict, steps: list[dict], timeline=None) -> dic
     plot_loss(steps, out / "loss.png")
     plot_straggler(steps, out / "straggler.png", summary, meta["config"]["policy"])
     plot_loads(last, meta["config"]["gpus_per_node"], out / "loads.png")
+    late = []
+    if timeline is not None and hasattr(timeline, "late"):   # (a Timeline: its spans, and its late ones apart)
+        timeline, late = timeline.spans(), timeline.late()
     if timeline:
         from feplb.timeline import plot, to_chrome_trace
 
@@ -296,6 +309,6 @@ def write_report(out: Path, meta: dict, steps: list[dict], timeline=None) -> dic
     md = _md(meta, summary, last["step"])
     if timeline:
         md += "\n".join(["", "## One MoE layer forward, step by step", "", "![timeline](timeline.png)", "",
-                          _timeline_text(timeline), ""])
+                          _timeline_text(timeline, late), ""])
     _write_text(out / "report.md", md)
     return summary

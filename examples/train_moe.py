@@ -952,7 +952,7 @@ def train(args: argparse.Namespace, created: list[Path] | None = None) -> Path:
         meta["run_wall_s"] = run_s
         meta["resumed_from"] = start_step
         last = moes[0].last_timeline
-        write_report(out, meta, history["steps"], timeline=last.spans() if last is not None else None)
+        write_report(out, meta, history["steps"], timeline=last)
     dist.barrier()
     for moe in moes:
         moe.close()

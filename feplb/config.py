@@ -325,7 +325,8 @@ class LayerStats:
     FasterMoE shadows), plus the whole group's per-micro-batch placement bank (``+place`` with
     weights='per-microbatch'). weight_copies: experts' weights a plan copied to a helper this micro-batch
     (planned_ranks). experts_placed: experts whose home is not their owner (whole group). plan_us: wall time of
-    this rank's planner call (0 when no plan was made).
+    this rank's planner call (0 when no plan was made, and when it was not ready by the deadline: that late plan's
+    time is its span in the timeline's ``late()``).
     balanced: the plan was executed; fell_back: a plan was wanted but not ready in time on some rank of the scope,
     so every rank there computed at home. plan_fingerprint: hash of the executed plan (equal on every rank of the
     plan's scope; nodes that fell back report 0). counts_WE: rows each EP rank sent each expert (the all-gathered

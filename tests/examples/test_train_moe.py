@@ -761,4 +761,13 @@ def test_timeline_text_says_what_its_spans_show(report):
     assert "the static GEMM ended before planning began" in report._timeline_text(spans((500, 600), (100, 200)))
     both = report._timeline_text(spans((100, 300), (200, 400), copy=(250, 260)))
     assert "plan, copy_rows ran beside the static GEMM." in both, both
-    assert "made no plan" in report._timeline_text([Span(name="static_gemm", lane="compute", start_us=0, end_us=1)])
+    gemm_only = [Span(name="static_gemm", lane="compute", start_us=0, end_us=1)]
+    assert "made no plan" in report._timeline_text(gemm_only)
+    # a plan the forward stopped waiting for (its span among the late ones): not taken for a plan never made
+    late = report._timeline_text(gemm_only, [Span(name="plan", lane="planner", start_us=0, end_us=5)])
+    assert "plan was not ready in time" in late and "made no plan" not in late, late
+    # FasterMoE's and EPLB's path plans on the main thread before phase 1, with no static GEMM
+    direct = report._timeline_text([Span(name="plan", lane="compute", start_us=0, end_us=50),
+                                    Span(name="phase1", lane="compute", start_us=50, end_us=90)])
+    assert "plans on the main thread before phase 1 (0.05 ms)" in direct and "static experts' GEMM took" not in \
+        direct, direct
