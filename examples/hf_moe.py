@@ -26,6 +26,7 @@ Shape legend: B sequences per rank, S sequence length, V = 256 byte values, L Mo
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -121,11 +122,13 @@ def train(args: argparse.Namespace) -> dict:
     G = args.gpus_per_node if args.gpus_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % G:
         raise demo.UsageError(f"--gpus-per-node {G} does not divide the world size {world}")
+    _needs_transformers(demo, "hf_moe.py")
     if args.checkpoint is not None and args.checkpoint.exists() and not args.checkpoint.is_dir():
         raise demo.UsageError(f"--checkpoint {args.checkpoint} is a file, not a directory")
     demo.check_options(args, ("steps", "layers", "hidden", "batch", "seq_len", "text_bytes", "log_every"))
-    # the report's and --save's folders can be written, before any training (checked alike on every rank)
-    for option, path in (("--out", args.out), ("--save", args.save)):
+    # the report's, --save's and --checkpoint's folders can be written, before any training (checked alike on every
+    # rank)
+    for option, path in (("--out", args.out), ("--save", args.save), ("--checkpoint", args.checkpoint)):
         if path is not None:
             try:
                 demo.check_out_dir(path, resume=False, overwrite=True)
@@ -162,7 +165,7 @@ def train(args: argparse.Namespace) -> dict:
 
     start = 0
     if args.resume is not None:
-        start = load_checkpoint(args.resume, model, optimizer)
+        start = load_checkpoint(args.resume, model, optimizer, _shape(args))
         feplb.hf.refresh_replicas(model)       # the loaded weights -> the resident replicas
         if rank == 0:
             print(f"resumed at step {start} from {args.resume}", flush=True)
@@ -206,7 +209,7 @@ def train(args: argparse.Namespace) -> dict:
             print(demo.log_line(rec), flush=True)
 
     if args.checkpoint is not None:
-        save_checkpoint(args.checkpoint, model, optimizer, max(start, args.steps))
+        save_checkpoint(args.checkpoint, model, optimizer, max(start, args.steps), _shape(args))
         if rank == 0:
             print(f"checkpoint (torch.distributed.checkpoint, any number of ranks): {args.checkpoint}", flush=True)
     if args.save is not None:
@@ -228,7 +231,7 @@ def train(args: argparse.Namespace) -> dict:
             args.out.mkdir(parents=True, exist_ok=True)
             meta = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "world_size": world,
                     "platform": demo.platform_line(device), "torch": torch.__version__, "transport": "torch",
-                    "config": {"gpus_per_node": G, "layers": args.layers, "experts": E,
+                    "config": {"gpus_per_node": G, "layers": args.layers, "moe_layers": len(names), "experts": E,
                                "top_k": first.config.top_k, "hidden": args.hidden, "ffn": first.config.ffn,
                                "dyn": min(args.dyn, E // world), "policy": args.policy,
                                "router": f"{type(model).__name__}'s own", "text": label,
@@ -242,27 +245,80 @@ def train(args: argparse.Namespace) -> dict:
     return {"steps": steps, "summary": summary, "names": names}
 
 
-def save_checkpoint(path: Path, model, optimizer, step: int) -> None:
+CKPT_POINTER = "latest.json"   # in --checkpoint: which of its step_* folders is the checkpoint
+
+
+def _needs_transformers(demo, script: str) -> None:
+    """One usage line, on every rank, where transformers (or accelerate, which its Trainer needs) is missing."""
+    import importlib.util
+
+    missing = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise demo.UsageError(f"{script} needs {' and '.join(missing)}: pip install -e '.[hf]'")
+
+
+def _shape(args: argparse.Namespace) -> dict:
+    """What a checkpoint's tensors depend on: a --resume with other values cannot load it."""
+    return {"arch": args.arch, "hidden": args.hidden, "layers": args.layers}
+
+
+def save_checkpoint(path: Path, model, optimizer, step: int, shape: dict) -> None:
     """The model and optimizer through ``torch.distributed.checkpoint`` (collective): each rank writes its expert
-    shards and their optimizer state at their global offsets (DTensors, ``feplb.sharded``), the replicated rest once."""
+    shards and their optimizer state at their global offsets (DTensors, ``feplb.sharded``), the replicated rest once,
+    into a new ``step_*`` folder of ``path``; then rank 0 points ``path/latest.json`` at it (written atomically) and
+    removes the older ones. A save that fails part way leaves the previous checkpoint in charge."""
+    import shutil
+    import uuid
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    demo = _demo()
+    name = [f"step_{step:07d}-{uuid.uuid4().hex[:8]}"]   # (new: never the folder the pointer names)
+    dist.broadcast_object_list(name, src=0)
+    folder = path / name[0]
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=path)
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=folder)
+    dist.barrier()   # (every rank's shards are written before the pointer moves)
+    if dist.get_rank() == 0:
+        pointer = {"step": step, "dir": folder.name, "model": shape}
+        demo.atomic_write_bytes(path / CKPT_POINTER, json.dumps(pointer, indent=1).encode())
+        for old in path.glob("step_*"):
+            if old.name != folder.name:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
 
 
-def load_checkpoint(path: Path, model, optimizer) -> int:
+def load_checkpoint(path: Path, model, optimizer, shape: dict) -> int:
     """Load a :func:`save_checkpoint` into this run's model and optimizer, whatever its number of ranks (each
-    reads its own experts); returns the step it was written at."""
+    reads its own experts); returns the step it was written at. A checkpoint of another model, or none, stops every
+    rank with one usage line."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    if not (path / ".metadata").is_file():
-        raise _demo().UsageError(f"--resume: {path} holds no torch.distributed.checkpoint (no .metadata)")
+    demo = _demo()
+    try:
+        pointer = json.loads((path / CKPT_POINTER).read_text())
+    except FileNotFoundError:
+        raise demo.UsageError(f"--resume: {path} holds no checkpoint of this script (no {CKPT_POINTER})") from None
+    except (OSError, ValueError) as exc:
+        raise demo.UsageError(f"--resume: cannot read {path / CKPT_POINTER} ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(pointer, dict) or not isinstance(pointer.get("dir"), str) or \
+            not isinstance(pointer.get("model"), dict):
+        raise demo.UsageError(f"--resume: {path / CKPT_POINTER} is not a pointer this script wrote")
+    if pointer["model"] != shape:
+        diffs = "; ".join(f"--{k}: checkpoint {pointer['model'].get(k)!r}, now {v!r}" for k, v in shape.items()
+                          if pointer["model"].get(k) != v)
+        raise demo.UsageError(f"--resume: the checkpoint in {path} is of another model ({diffs})")
+    folder = path / pointer["dir"]
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
-    dcp.load(state, checkpoint_id=path)
+    try:   # (torch.distributed.checkpoint raises on every rank together)
+        dcp.load(state, checkpoint_id=folder)
+    except Exception as exc:  # noqa: BLE001 - a checkpoint that does not load is the user's input
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise demo.UsageError(f"--resume: cannot load the checkpoint in {folder} ({type(exc).__name__}: "
+                              f"{first[:300]})") from exc
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
 

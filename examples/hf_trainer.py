@@ -72,11 +72,12 @@ def sequences(corpus: bytes, seq_len: int) -> list[dict[str, torch.Tensor]]:
 
 def run(args: argparse.Namespace) -> dict:
     """Apply, train, save and reload (every rank; collective). Returns the final losses."""
+    demo, hf_moe = _sibling("train_moe"), _sibling("hf_moe")
+    hf_moe._needs_transformers(demo, "hf_trainer.py")
     import transformers
 
     import feplb.hf
 
-    demo, hf_moe = _sibling("train_moe"), _sibling("hf_moe")
     world = dist.get_world_size()
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise demo.UsageError(f"--gpus-per-node: expected an integer >= 1, got {args.gpus_per_node}")
@@ -88,8 +89,7 @@ def run(args: argparse.Namespace) -> dict:
         raise demo.UsageError(f"--gpus-per-node {G} does not divide the world size {world}")
     demo.check_options(args, ("max_steps", "save_steps", "batch", "accumulation", "seq_len", "log_every", "hidden",
                               "layers", "text_bytes"))
-    if args.out.exists() and not args.out.is_dir():
-        raise demo.UsageError(f"--out {args.out} is a file, not a directory")
+    demo.check_out_dir(args.out, resume=False, overwrite=True)   # (writable; its checkpoints are checked below)
     last = transformers.trainer_utils.get_last_checkpoint(str(args.out)) if args.out.is_dir() else None
     if args.resume and last is None:
         raise demo.UsageError(f"--resume: no checkpoint-N folder in {args.out}")

@@ -180,7 +180,7 @@ def _md(meta: dict, summary: dict, load_step: int) -> str:
         "",
         f"{meta['world_size']} ranks modelled as {meta['world_size'] // cfg['gpus_per_node']} nodes x "
         f"{cfg['gpus_per_node']} GPUs ({meta['platform']}; torch {meta['torch']}, transport {meta['transport']}). "
-        f"Model: {cfg['layers']} transformer layers whose MLPs are FEPLB MoE layers, {cfg['experts']} experts, "
+        f"Model: {_layers_text(cfg)}, {cfg['experts']} experts, "
         f"top-{cfg['top_k']}, hidden {cfg['hidden']}, expert FFN {cfg['ffn']}, {cfg['dyn']} dynamic experts per GPU, "
         f"{cfg.get('router', 'softmax')} router with no auxiliary loss"
         + (f" (expert selection bias, step {cfg['bias_rate']:g})" if cfg.get("bias_rate") else "")
@@ -237,6 +237,14 @@ def _md(meta: dict, summary: dict, load_step: int) -> str:
     lines += ["`report.json` holds every step (loss, straggler before/after per layer, rows moved, per-GPU loads, "
               "wall time) and the full configuration.", ""]
     return "\n".join(lines)
+
+
+def _layers_text(cfg: dict) -> str:
+    """The model's layers, and which of them are FEPLB MoE layers (a model may keep dense MLPs in some)."""
+    moe = cfg.get("moe_layers", cfg["layers"])
+    if moe == cfg["layers"]:
+        return f"{cfg['layers']} transformer layers whose MLPs are FEPLB MoE layers"
+    return f"{cfg['layers']} transformer layers, {moe} of them with FEPLB MoE layers as MLPs (numbered 0.. below)"
 
 
 def _timeline_text(spans, late=()) -> str:

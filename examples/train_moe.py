@@ -544,14 +544,21 @@ def save_checkpoint(out: Path, *, step: int, cfg: TrainConfig, model, optimizer,
     dist.barrier()
 
 
-def read_pointer(out: Path) -> dict | None:
+def read_pointer(out: Path, option: str = "--resume") -> dict | None:
+    """The checkpoint pointer in ``out`` (None without one); one that cannot be read, or is not one this script
+    writes, is a usage error naming ``option``, the argument that led here."""
     path = out / CKPT_DIR / CKPT_POINTER
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
+        pointer = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise UsageError(f"--resume: cannot read {path} ({type(exc).__name__}: {exc})") from exc
+        raise UsageError(f"{option}: cannot read {path} ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(pointer, dict) or not isinstance(pointer.get("dir"), str) or \
+            type(pointer.get("step")) is not int:
+        raise UsageError(f"{option}: {path} is not a checkpoint pointer this script wrote (expected an object with "
+                         "'step' and 'dir')")
+    return pointer
 
 
 def config_mismatch(saved: dict, cfg: TrainConfig) -> str:
@@ -602,7 +609,7 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool = False) -> None:
         raise UsageError(f"--out {out}: cannot write there ({type(exc).__name__}: {why} in {existing})") from exc
     if overwrite:
         return
-    pointer = read_pointer(out) if not resume else None
+    pointer = read_pointer(out, "--out") if not resume else None
     if pointer is not None:
         raise UsageError(f"--out {out} already holds a run (checkpoint at step {pointer.get('step')}); "
                          f"pass --resume to continue it, --overwrite to replace it, or choose another --out")

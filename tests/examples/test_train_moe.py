@@ -771,3 +771,34 @@ def test_timeline_text_says_what_its_spans_show(report):
                                     Span(name="phase1", lane="compute", start_us=50, end_us=90)])
     assert "plans on the main thread before phase 1 (0.05 ms)" in direct and "static experts' GEMM took" not in \
         direct, direct
+
+
+def test_a_pointer_this_script_did_not_write_is_a_usage_error(train_moe, tmp_path):
+    """A checkpoint pointer edited by hand (JSON but not an object, no 'dir'): one usage line naming the argument
+    that led to it (--resume, or --out when starting a run there), not an AttributeError or KeyError traceback."""
+    ckpt = tmp_path / train_moe.CKPT_DIR
+    ckpt.mkdir()
+    for text in ("[1, 2]", '{"step": 3}', '{"step": "3", "dir": "step_3"}', "{truncated"):
+        (ckpt / train_moe.CKPT_POINTER).write_text(text)
+        with pytest.raises(train_moe.UsageError, match=r"^--resume: .*latest\.json"):
+            train_moe.read_pointer(tmp_path)
+        with pytest.raises(train_moe.UsageError, match=r"^--out: .*latest\.json"):
+            train_moe.check_out_dir(tmp_path, resume=False)
+    (ckpt / train_moe.CKPT_POINTER).write_text('{"step": 3, "dir": "step_3"}')
+    assert train_moe.read_pointer(tmp_path) == {"step": 3, "dir": "step_3"}
+
+
+def test_report_names_the_moe_layers_among_the_models(report):
+    assert report._layers_text({"layers": 2}) == "2 transformer layers whose MLPs are FEPLB MoE layers"
+    assert report._layers_text({"layers": 2, "moe_layers": 1}).startswith(
+        "2 transformer layers, 1 of them with FEPLB MoE layers as MLPs")
+
+
+def test_hf_examples_without_transformers_say_what_to_install(train_moe, monkeypatch):
+    hf_moe = _load("hf_moe")
+    import importlib.util as iu
+
+    real = iu.find_spec
+    monkeypatch.setattr(iu, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    with pytest.raises(train_moe.UsageError, match=r"hf_moe.py needs accelerate: pip install -e '\.\[hf\]'"):
+        hf_moe._needs_transformers(train_moe, "hf_moe.py")

@@ -53,16 +53,29 @@ def test_example_trains_balances_reports_and_saves(tmp_path, capfd):
     assert [n for n, _ in model.named_modules() if n.endswith("mlp.experts")] == ranks[0]["names"]
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
 
+    # the checkpoint is a step folder and the pointer naming it (written after every rank's shards)
+    first = sorted(p.name for p in dcp_dir.iterdir())
+    assert len(first) == 2 and first[0] == "latest.json" and first[1].startswith("step_0000003-"), first
+
     # --resume on 2 ranks (EP 2) from the 4 ranks' torch.distributed.checkpoint, nothing left to train: the full
-    # weights it gathers are the saving run's, bit for bit
+    # weights it gathers are the saving run's, bit for bit; its own checkpoint into the same folder is a new step
+    # folder, the pointer moved to it and the old one gone (a save failing part way leaves the old one in charge)
     resume = ["--steps", "3", "--hidden", "32", "--gpus-per-node", "2", "--text-bytes", "40000",
-              "--resume", str(dcp_dir), "--save", str(again)]
+              "--resume", str(dcp_dir), "--save", str(again), "--checkpoint", str(dcp_dir)]
     resumed = run_dist(_run_example, 2, resume, timeout_s=240, collective_timeout_s=120)
     assert resumed[0]["steps"] == [] and resumed[0]["summary"] is None
     assert "resumed at step 3 from" in capfd.readouterr().out
     reloaded = AutoModelForCausalLM.from_pretrained(again)
     want, got = model.state_dict(), reloaded.state_dict()
     assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
+    second = sorted(p.name for p in dcp_dir.iterdir())
+    assert len(second) == 2 and second[0] == "latest.json" and second[1].startswith("step_0000003-") and \
+        second[1] != first[1], (first, second)
+    # a checkpoint of another model: one usage line on every rank, before any training
+    other = ["--steps", "4", "--hidden", "16", "--gpus-per-node", "2", "--text-bytes", "40000",
+             "--resume", str(dcp_dir)]
+    with pytest.raises(Exception, match="another model \\(--hidden: checkpoint 32, now 16\\)"):
+        run_dist(_run_example, 2, other, timeout_s=240, collective_timeout_s=120)
 
 
 def test_example_with_gradient_checkpointing_has_the_same_losses():
