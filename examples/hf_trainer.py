@@ -70,6 +70,23 @@ def sequences(corpus: bytes, seq_len: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
+def checkpoint_mismatch(folder: Path, config) -> str | None:
+    """How the model saved in a Trainer checkpoint differs from ``config`` (its architecture and sizes, read from the
+    checkpoint's config.json), or None: such a checkpoint cannot load, and the Trainer says so in a long traceback."""
+    import json
+
+    try:
+        saved = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None   # (no readable config: the Trainer's own load decides)
+    if not isinstance(saved, dict):
+        return None
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {getattr(config, k, None)!r}" for k in keys
+             if saved.get(k) != getattr(config, k, None)]
+    return "; ".join(diffs) or None
+
+
 def run(args: argparse.Namespace) -> dict:
     """Apply, train, save and reload (every rank; collective). Returns the final losses."""
     demo, hf_moe = _sibling("train_moe"), _sibling("hf_moe")
@@ -105,6 +122,10 @@ def run(args: argparse.Namespace) -> dict:
     held_out, data = data[-args.batch:], data[:-args.batch]
 
     model = hf_moe.build_model(args.arch, args.hidden, args.layers, args.seed)
+    if args.resume:
+        why = checkpoint_mismatch(Path(last), model.config)
+        if why is not None:
+            raise demo.UsageError(f"--resume: {Path(last).name} in {args.out} is of another model ({why})")
     if args.device == "cuda":
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     try:   # (what apply refuses, it refuses on every rank together: one usage error, not a traceback per rank)

@@ -802,3 +802,19 @@ def test_hf_examples_without_transformers_say_what_to_install(train_moe, monkeyp
     monkeypatch.setattr(iu, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
     with pytest.raises(train_moe.UsageError, match=r"hf_moe.py needs accelerate: pip install -e '\.\[hf\]'"):
         hf_moe._needs_transformers(train_moe, "hf_moe.py")
+
+
+def test_hf_trainer_resume_of_another_model_is_named(tmp_path):
+    """hf_trainer.py --resume from a checkpoint of another model: the fields that differ, read from its config.json
+    (the Trainer's load raised a traceback of 130 lines)."""
+    from types import SimpleNamespace
+
+    trainer = _load("hf_trainer")
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, '
+                                        '"vocab_size": 256}')
+    now = SimpleNamespace(model_type="qwen3_moe", hidden_size=32, num_hidden_layers=2, vocab_size=256)
+    assert trainer.checkpoint_mismatch(folder, now) == "hidden_size: checkpoint 64, now 32"
+    assert trainer.checkpoint_mismatch(folder, SimpleNamespace(**{**vars(now), "hidden_size": 64})) is None
+    assert trainer.checkpoint_mismatch(tmp_path, now) is None     # (no config.json: the Trainer's load decides)
