@@ -521,6 +521,8 @@ class Replicas:
         r = lay.rank
         keep = sorted((e, g) for e, g in resident if g != int(placement.home_E[e]) and g != e // lay.num_local)
         pairs = sorted(set(keep) | set(placement.placed_pairs))
+        if pairs or self.ever_held:   # (pairs are global: every rank alike) until the copies below are made
+            self.unfinished = True
         self.pairs = tuple(pairs)
         self.generation += 1
         self.stepped = False
@@ -531,6 +533,7 @@ class Replicas:
         self._fwd, self._views = None, {}      # (the last forward's views would keep the replaced banks alive)
         self.trained = set()
         if not pairs:
+            self.unfinished = False
             return
         self._mark()
         copies = [(e, e // lay.num_local, g) for e, g in pairs]
@@ -548,6 +551,7 @@ class Replicas:
             self.slot_bank = self._bank([self._received(got, index[(e, r)], n) if e // lay.num_local != r
                                          else self.owned(e, own) for e in placement.my_slots],
                                         list(placement.my_slots), slot=True)
+        self.unfinished = False
 
     @torch.inference_mode(False)
     @torch.no_grad()

@@ -688,7 +688,7 @@ class TrainingSteps:
         wrapped to refresh the copies before each call of it (the step may have moved the weights since) and to
         reduce after it (``args[0]`` is the optimizer, as torch passes it)."""
         self._reduce_before_step(optimizer)
-        if self.config.weights == "per-step":
+        if self.config.weights == "per-step" and self.replicas.ever_held:
             # the step's post-hook refreshes the copies; a step or step hook raising before it leaves them stale
             self.replicas.unfinished = True
         kwargs = dict(kwargs or {})
@@ -884,9 +884,10 @@ class TrainingSteps:
 
     def _refresh_replicas(self) -> None:
         self._forget_average()     # (after a step: the next average_expert_grads is the next step's)
-        if self.config.weights == "per-step":
+        if self.config.weights == "per-step" and self.replicas.ever_held:
             # until it completes: one that raises part way leaves banks dropped or never received, and the next
-            # forward must refuse them rather than compute with the owners' own weights in their place
+            # forward must refuse them rather than compute with the owners' own weights in their place (a layer
+            # that never held copies has none to leave stale; Replicas.refresh marks the first it makes)
             self.replicas.unfinished = True
         if self.replicas.ever_held:
             # Agreed over the group, so that no rank enters the refresh exchange while another raises.

@@ -428,12 +428,32 @@ def _failed_refresh_worker(rank: int, world: int) -> dict:
                      "got": got, "want": want}
         layer.close()
         ref.close()
+    # a layer that holds no per-step copies (feplb@current with per-step weights): a step hook raising leaves nothing
+    # stale, and the next forward runs
+    layer, xs, dys = _build(2, "feplb", "eager", weights="per-step")
+    opt = torch.optim.SGD(layer.parameters(), lr=1e-2)
+
+    def hook(*_):
+        raise ValueError("a step hook of the user's")
+
+    handle = opt.register_step_post_hook(hook)
+    layer.attach_optimizer(opt)
+    (layer(xs[rank].clone().requires_grad_()) * dys[rank]).sum().backward()
+    out["no_copies"] = {"step": error_of(opt.step), "held": layer.replicas.ever_held}
+    handle.remove()
+    opt.zero_grad()
+    with torch.no_grad():
+        out["no_copies"]["next"] = error_of(lambda: layer(xs[rank]))
+    layer.close()
     return out
 
 
 def test_a_refresh_that_raised_is_refused_until_done_again():
     results = run_dist(_failed_refresh_worker, W, timeout_s=300, collective_timeout_s=20)
     for r, res in enumerate(results):
+        none = res.pop("no_copies")
+        assert none["step"].startswith("ValueError: a step hook") and not none["held"], (r, none)
+        assert none["next"] is None, (r, none["next"])
         for case, got in res.items():
             assert got["errors"][0] is None, (r, case, got["errors"])
             want_error = "OutOfMemoryError: out of memory" if case == "exchange" else "ValueError: a step hook"
