@@ -566,20 +566,21 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if skip_TK is not None:   # masked routes weigh nothing (their rows are zero, but post_expert may change them)
             w_TK = w_TK.masked_fill(skip_TK, 0)
         y_MD = self._experts(x_MD, meta.counts_E[:c.num_experts], bad, replay=replay)
-        # each row's expert, for a post-expert step that depends on it (scattered on the device: no host sync)
-        # (out of place: a selective activation checkpoint saving every op caches the new tensor, and refuses a write)
-        expert_M = topk_ids_TK.new_empty(y_MD.shape[0]).index_put(
-            (meta.dst_idx_TK.reshape(-1).long(),), topk_ids_TK.reshape(-1)) if self.post_expert_ids else None
-        y_MD = self._post_expert(y_MD, expert_M)
         tl = self.last_timeline if replay is None else None   # a recompute leaves the last forward's timeline alone
-        if tl is None:
-            return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
         try:
+            # each row's expert, for a post-expert step that depends on it (scattered on the device: no host sync)
+            # (out of place: a selective activation checkpoint saving every op caches the new tensor, and refuses a
+            # write)
+            expert_M = topk_ids_TK.new_empty(y_MD.shape[0]).index_put(
+                (meta.dst_idx_TK.reshape(-1).long(),), topk_ids_TK.reshape(-1)) if self.post_expert_ids else None
+            y_MD = self._post_expert(y_MD, expert_M)
+            if tl is None:
+                return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
             with tl.span("combine"):
-                y = unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
+                return unpermute(y_MD, meta, w_TK).reshape(x.shape).to(x.dtype)
         finally:
-            tl.close()       # (what ends later, a late plan, goes to its late spans)
-        return y
+            if tl is not None:
+                tl.close()       # (what ends later, a late plan, goes to its late spans; also after an error)
 
     def _cast_hint(self, problem: tuple[type, str] | None) -> tuple[type, str] | None:
         """``problem``, with the likely cause added to a wrong input dtype where the expert parameters no longer

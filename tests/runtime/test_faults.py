@@ -144,6 +144,13 @@ def _fault_worker(rank, world):
     with torch.no_grad():
         slow(x)
     res["timeline_next"] = slow.last_timeline is not kept and slow.last_timeline._closed
+    # a post-expert step raising after the experts' results: the forward's own timeline and stats, closed
+    kept = slow.last_timeline
+    slow._post_expert = oom
+    with torch.no_grad():
+        res["timeline_post"] = error_of(lambda: slow(x))
+    del slow._post_expert
+    res["timeline_post_closed"] = slow.last_timeline is not kept and slow.last_timeline._closed
 
     # A planner stuck past the group's collective timeout (8 s here) while plans are waited for (plan_wait_ms None,
     # the CPU default): its rank gives up after half the timeout and computes at home; its peers, waiting in the
@@ -365,6 +372,8 @@ def test_faults_and_bad_input():
         assert res["timeline_refused"].startswith("NonFiniteRoutingError"), res["timeline_refused"]
         assert res["timeline_oom"].startswith("OutOfMemoryError"), res["timeline_oom"]
         assert res["timeline_kept"] and res["timeline_next"], f"rank {rank}: a failed forward replaced last_timeline"
+        assert res["timeline_post"].startswith("OutOfMemoryError") and res["timeline_post_closed"], \
+            (rank, res["timeline_post"])
         assert res["slow_fell_back"] == (rank < 2), (rank, res["slow_fell_back"])
         assert res["slow_balanced"] == (rank >= 2), (rank, res["slow_balanced"])
         assert res["slow_late"] == ([("plan", "planner")] if rank == 1 else []), (rank, res["slow_late"])
