@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -136,7 +137,14 @@ class Plan:
         if type(self.moves) is not tuple:
             object.__setattr__(self, "moves", tuple(self.moves))
         if type(self.weight_copies) is not tuple:
-            object.__setattr__(self, "weight_copies", tuple(tuple(int(v) for v in c) for c in self.weight_copies))
+            # (operator.index: a float or a string is refused, not truncated by int(); validate refuses a bool)
+            try:
+                copies = tuple(tuple(operator.index(v) if type(v) is not bool else v for v in c)
+                               for c in self.weight_copies)
+            except TypeError:
+                raise TypeError(f"Plan.weight_copies must hold (expert, src, dst) tuples of integers, got "
+                                f"{self.weight_copies!r}") from None
+            object.__setattr__(self, "weight_copies", copies)
         for name in ("dynamic_WD", "loads_before_W", "loads_after_W"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         if self.home_E is not None:
@@ -209,6 +217,15 @@ class Plan:
             raise ValueError(f"policy 'none' must not move rows, got {len(self.moves)} moves")
 
         resident = getattr(state, "resident", frozenset()) if state is not None else frozenset()
+        wc = self.weight_copies
+        # (the common case, Python ints, checked in three C-level passes: a peer's plan holds hundreds of copies)
+        if wc and not (set(map(type, wc)) == {tuple} and set(map(len, wc)) == {3}
+                       and set(map(type, chain.from_iterable(wc))) == {int}):
+            for i, cp in enumerate(wc):
+                if not isinstance(cp, tuple) or len(cp) != 3 or bool in map(type, cp) or \
+                        not all(isinstance(v, int | np.integer) for v in cp):
+                    raise TypeError(f"plan.weight_copies[{i}] must be an (expert, src, dst) tuple of integers, got "
+                                    f"{cp!r}")
         copies = {(e, dst): src for e, src, dst in self.weight_copies}
         for e, src, dst in self.weight_copies:
             if not (0 <= e < E and 0 <= dst < W):

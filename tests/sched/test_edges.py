@@ -166,6 +166,17 @@ def test_validate_moves_of_numpy_integer_fields():
                 dataclasses.replace(good, moves=(bad,), **kw).validate(COUNTS, TOPO)
 
 
+
+def test_validate_weight_copies_of_no_integer_type():
+    """A weight copy's fields are checked as a move's: a bool, a float or a numpy bool refused by name (they
+    validated, a True as GPU 1); a list of copies given to Plan is not truncated by int() (1.9 became 1)."""
+    for bad in ((0, 0, True), (0, False, 1), (0, 0, 1.0), (0.0, 0, 1), (np.bool_(False), 0, 1), (0, 1)):
+        with pytest.raises(TypeError, match=r"plan.weight_copies\[0\] must be an \(expert, src, dst\) tuple"):
+            _plan([Move(0, 0, 1, 0, 5)], (bad,)).validate(COUNTS, TOPO)
+    with pytest.raises(TypeError, match="Plan.weight_copies must hold .* tuples of integers"):
+        _plan([Move(0, 0, 1, 0, 5)], [(0, 0, 1.9)])
+    _plan([Move(0, 0, 1, 0, 5)], [(np.int64(0), np.int32(0), 1)]).validate(COUNTS, TOPO)   # numpy ints: ints
+
 def test_validate_weight_copy_source_home_and_state():        # V5, V8, V9
     with pytest.raises(ValueError, match="must start at expert 0's home GPU 0"):
         _plan([Move(0, 0, 1, 0, 5)], ((0, 2, 1),)).validate(COUNTS, TOPO)
