@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -362,14 +363,17 @@ _OPTIONS = {"SimConfig.policies": "--policies", "SimConfig.recopy_weights": "--r
             "PolicyState.eplb_groups": "--eplb-groups", "PolicyState.eplb_slots": "--eplb-slots",
             "SimConfig.min_chunk": "--min-chunk",
             "SimConfig.replicas_mode": "--replicas", "SimConfig.tau": "--tau",
-            "num_ranks (W=": "--ep (W=", "gpus_per_node (G=": "--gpus-per-node (G=", "dyn must": "--dyn must",
+            "num_ranks (W=": "--ep (W=", "gpus_per_node (G=": "--gpus-per-node (G=", "SimConfig.dyn must": "--dyn must",
+            "dyn must": "--dyn must",
             "num_experts (E=": "the experts (E="}
 
 
+# (one pass, longest name first: a replacement is never replaced again, "SimConfig.dyn must" before "dyn must")
+_OPTION_NAMES = re.compile("|".join(re.escape(k) for k in sorted(_OPTIONS, key=len, reverse=True)))
+
+
 def _option_names(msg: str) -> str:
-    for name, option in _OPTIONS.items():
-        msg = msg.replace(name, option)
-    return msg
+    return _OPTION_NAMES.sub(lambda m: _OPTIONS[m.group(0)], msg)
 
 
 def _option_notes(args: argparse.Namespace, config, workloads: list) -> list[str]:

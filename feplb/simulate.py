@@ -166,8 +166,13 @@ class SimConfig:
                              "without it")
 
     def topology(self, num_experts: int) -> Topology:
-        return Topology(num_ranks=self.num_ranks, gpus_per_node=self.gpus_per_node, num_experts=num_experts,
-                        dyn=self.dyn)
+        W = self.num_ranks
+        if num_experts % W == 0 and self.dyn > num_experts // W:
+            # (by this field's name: the topology's message names its own; FEPLBConfig clips its dyn instead)
+            raise ValueError(f"SimConfig.dyn must be <= experts per rank E // W = {num_experts // W}, got "
+                             f"dyn={self.dyn} (E={num_experts}, W={W}; the layer clips FEPLBConfig.dyn to E // W, "
+                             "the simulator takes it as given)")
+        return Topology(num_ranks=W, gpus_per_node=self.gpus_per_node, num_experts=num_experts, dyn=self.dyn)
 
     def policy_state(self, topo: Topology, policy: str) -> PolicyState:
         """A fresh history of ``policy`` for one layer on ``topo``, with this configuration's options."""

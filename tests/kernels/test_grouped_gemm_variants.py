@@ -117,14 +117,14 @@ def test_classic_forward_offsets_along_k_are_64_bit():
     32. The storage is 8.7 GB of address space, of which only the columns read and the wrapped place are touched."""
     M, K, N, S = 4, 32, 16, 70_000_000
     wrapped = (31 * S + 2**31) % 2**32 - 2**31             # column 31's offset in 32-bit arithmetic
-    O = -wrapped + 2**20                                    # x's storage offset: the wrapped read stays inside
+    at = -wrapped + 2**20                                   # x's storage offset: the wrapped read stays inside
     try:
-        base = torch.empty(O + 31 * S + M + 16, dtype=torch.float16, device=DEVICE)
+        base = torch.empty(at + 31 * S + M + 16, dtype=torch.float16, device=DEVICE)
     except (RuntimeError, MemoryError) as e:   # (an environment's limit on address space, not the kernel's)
-        pytest.skip(f"cannot reserve {2 * (O + 31 * S) / 1e9:.1f} GB of address space here: {e}")
-    x = torch.as_strided(base, (M, K), (1, S), O)
+        pytest.skip(f"cannot reserve {2 * (at + 31 * S) / 1e9:.1f} GB of address space here: {e}")
+    x = torch.as_strided(base, (M, K), (1, S), at)
     x.fill_(1.0)                                            # (writes the K columns only)
-    base[O + wrapped:O + wrapped + M] = 1000.0
+    base[at + wrapped:at + wrapped + M] = 1000.0
     w = torch.ones(1, K, N, dtype=torch.float16, device=DEVICE)
     y = gg.grouped_mm_triton(x, w, torch.tensor([M], device=DEVICE), variant="classic")
     assert torch.equal(y.cpu(), torch.full((M, N), float(K), dtype=torch.float16)), y[0, :4].tolist()

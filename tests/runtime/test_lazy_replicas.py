@@ -391,7 +391,7 @@ def _failed_refresh_worker(rank: int, world: int) -> dict:
         if case == "post_hook":
             fail = [False]
 
-            def hook(*_):
+            def hook(*_, fail=fail):
                 if fail[0]:
                     raise ValueError("a step hook of the user's")
 
@@ -421,7 +421,7 @@ def _failed_refresh_worker(rank: int, world: int) -> dict:
             opt.zero_grad()
         ref.load_state_dict(layer.state_dict())
         with torch.no_grad():
-            refused = error_of(lambda: layer(x))
+            refused = error_of(lambda layer=layer, x=x: layer(x))
             layer.refresh_replicas()
             got, want = layer(x), ref(x)
         out[case] = {"errors": errors, "placed": len(layer.placement.placed_pairs), "refused": refused,

@@ -447,6 +447,15 @@ def test_config_refuses_planner_options_by_their_names(kw, error, match):
         SimConfig(**kw)
 
 
+def test_dyn_past_the_experts_per_rank_is_named_by_its_field():
+    """SimConfig.dyn above a workload's E // W: refused naming SimConfig.dyn (the topology's message named its own
+    field; the layer clips its dyn instead, which the message says)."""
+    cfg = SimConfig(num_ranks=8, gpus_per_node=8, dyn=4, policies=("feplb",), microbatches=1, warmup=0)
+    wl = SyntheticWorkload(kind="zipf", num_experts=16, top_k=2, num_layers=1, alpha=1.0, drift=0.0, seed=0)
+    with pytest.raises(ValueError, match=r"^SimConfig.dyn must be <= experts per rank E // W = 2, got dyn=4 "
+                                         r"\(E=16, W=8; the layer clips FEPLBConfig.dyn"):
+        simulate(wl, cfg)
+
 @pytest.mark.parametrize("np_type", ["int64", "int32", "uint16"])
 def test_config_takes_numpy_numbers_as_python_ones(np_type):
     """A sweep's numpy scalars (np.arange, an array's items) configure the simulator as the Python numbers they
