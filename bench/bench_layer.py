@@ -1,9 +1,11 @@
 """Forward + backward time of one MoELayer with balancing on vs off, measured in the same process group and run.
 
-Variants: plain EP; ``feplb-split`` with resident replicas (weights once per step), over the default copy path
-(shared memory on CPUs) and over gloo; ``feplb-split`` with the weights copied every micro-batch (``copy_bytes`` and
-``weight_copies`` show the difference in traffic); ``feplb-split+place`` (placement from routing history, then
-in-node balancing); ``eplb`` (redundant experts, rows dispatched straight to the replicas).
+Variants: plain EP; ``feplb-split`` over the default copy path (shared memory on CPUs) and over gloo; ``feplb-split``
+configured with ``weights="per-microbatch"`` (the same work: ``feplb-split`` picks its dynamic experts per
+micro-batch and holds no per-step copies, so it copies their weights every micro-batch under either setting, as
+``copy_bytes`` and ``weight_copies`` show; resident replicas are ``@ema``'s, ``+place``'s and ``eplb``'s);
+``feplb-split+place`` (placement from routing history, then in-node balancing, its bank held for the step);
+``eplb`` (redundant experts, rows dispatched straight to the replicas).
 
 * ``test_layer_cpu_gloo``: 4 gloo processes on the CPU (2 nodes x 2 "GPUs"), a small layer (H=64, F=128, E=16,
   top-2, 256 tokens per rank) on skewed routing. CPU NUMBERS: they show the runtime's overhead and that the
@@ -52,10 +54,10 @@ setup, warm-up with the compiles, timed loops) and ``wall_s`` (the whole run, sp
 
 Results go to ``runs/bench_layer_cpu.json``, or for the GPU tests to ``$FEPLB_BENCH_LAYER_JSON`` (default
 ``runs/bench_layer_gpu.json``), each written whole after the run's checks with their outcome (``checks``:
-``"passed"`` or ``"failed: ..."``), and not at all under ``--benchmark-disable`` (the test suite's smoke runs); and
-to ``benchmark.extra_info``:
-``.venv/bin/pytest bench/bench_layer.py -s -p no:randomly``. ``test_layer_cpu_trace`` (below) runs the layer on
-real routing.
+``"passed"`` or ``"failed: ..."``), and not at all under ``--benchmark-disable`` (the test suite's smoke runs, and
+the project's pytest defaults: give ``--benchmark-enable``); and to ``benchmark.extra_info``:
+``.venv/bin/pytest bench/bench_layer.py -s -p no:randomly --benchmark-enable``. ``test_layer_cpu_trace`` (below)
+runs the layer on real routing.
 """
 
 from __future__ import annotations
@@ -1013,7 +1015,7 @@ def test_layer_cpu_trace(benchmark):
                          "max_abs_diff_vs_none": max(r["max_abs_diff_vs_none"] for r in rows)}
     info = {"trace": str(path), "shape": {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()},
             "results": table, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-            "command": "pytest bench/bench_layer.py -s -p no:randomly -k trace"}
+            "command": "pytest bench/bench_layer.py -s -p no:randomly --benchmark-enable -k trace"}
     benchmark.extra_info.update(info)
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     print(f"\nMoELayer on real routing (ESFT law, layers {list(s['layers'])}, EP {s['world']} as "
