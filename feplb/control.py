@@ -60,7 +60,8 @@ def guard(op: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
         kind = TimeoutError if ("timed out" in text or "timeout" in text) else RuntimeError
         raise kind(f"feplb: {op} failed on global rank {rank} (group of {size}): a peer died or stalled "
                    "past the process group's timeout (or ran fewer forwards of the model: every rank must run every "
-                   f"forward, evaluation included); backend said: {str(exc).splitlines()[0][:300]}") from exc
+                   "forward, evaluation included; or abandoned a backward that raised on it alone: the layers' "
+                   f"backwards are collective too); backend said: {str(exc).splitlines()[0][:300]}") from exc
 
 
 def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:

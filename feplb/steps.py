@@ -432,11 +432,13 @@ def read_counts(gathered: np.ndarray, slots_WS: np.ndarray, *, balance: bool, mi
                 "after the last step of the optimizer attached to the layer (which refreshes the copies), or before "
                 "its first step, after the copies were first made: written there (copied back from fp32 master "
                 "weights, loaded, set through .data?). Call "
-                "layer.refresh_replicas() after such a write (weights='per-step'); where it follows every step, "
+                "layer.refresh_replicas() (refresh_replicas(model) of feplb.hf, feplb.megatron or feplb.titan for a "
+                "model) after such a write (weights='per-step'); where it follows every step, "
                 "do not attach that optimizer: call layer.reduce_replica_grads() before its step and "
                 "layer.refresh_replicas() after the write")
         raise RuntimeError(f"MoELayer: expert weights changed since the last refresh_replicas() on EP rank(s) "
-                           f"{stale_ranks}; call layer.refresh_replicas() after optimizer.step() "
+                           f"{stale_ranks}; call layer.refresh_replicas() (refresh_replicas(model) of feplb.hf, "
+                           "feplb.megatron or feplb.titan for a model) after optimizer.step() or a load "
                            "(weights='per-step'), or layer.attach_optimizer(optimizer) once")
     return _counts(gathered, slots_WS, W, L, balance=balance, min_straggler=min_straggler)
 
