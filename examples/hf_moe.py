@@ -248,11 +248,12 @@ def train(args: argparse.Namespace) -> dict:
 CKPT_POINTER = "latest.json"   # in --checkpoint: which of its step_* folders is the checkpoint
 
 
-def _needs_transformers(demo, script: str) -> None:
-    """One usage line, on every rank, where transformers (or accelerate, which its Trainer needs) is missing."""
+def _needs_transformers(demo, script: str, modules: tuple[str, ...] = ("transformers",)) -> None:
+    """One usage line, on every rank, where one of ``modules`` (transformers; accelerate for its Trainer) is
+    missing."""
     import importlib.util
 
-    missing = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise demo.UsageError(f"{script} needs {' and '.join(missing)}: pip install -e '.[hf]'")
 
@@ -280,13 +281,20 @@ def save_checkpoint(path: Path, model, optimizer, step: int, shape: dict) -> Non
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=folder)
     dist.barrier()   # (every rank's shards are written before the pointer moves)
+    error = None
     if dist.get_rank() == 0:
-        pointer = {"step": step, "dir": folder.name, "model": shape}
-        demo.atomic_write_bytes(path / CKPT_POINTER, json.dumps(pointer, indent=1).encode())
-        for old in path.glob("step_*"):
-            if old.name != folder.name:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        try:
+            pointer = {"step": step, "dir": folder.name, "model": shape}
+            demo.atomic_write_bytes(path / CKPT_POINTER, json.dumps(pointer, indent=1).encode())
+        except OSError as exc:
+            error = f"--checkpoint {path}: cannot write {CKPT_POINTER} ({type(exc).__name__}: {exc})"
+        else:
+            for old in path.glob("step_*"):
+                if old.name != folder.name:
+                    shutil.rmtree(old, ignore_errors=True)
+    error = demo.agree(error)   # (every rank stops together; the previous checkpoint stays in charge)
+    if error is not None:
+        raise demo.UsageError(error)
 
 
 def load_checkpoint(path: Path, model, optimizer, shape: dict) -> int:
@@ -306,16 +314,18 @@ def load_checkpoint(path: Path, model, optimizer, shape: dict) -> int:
     if not isinstance(pointer, dict) or not isinstance(pointer.get("dir"), str) or \
             not isinstance(pointer.get("model"), dict):
         raise demo.UsageError(f"--resume: {path / CKPT_POINTER} is not a pointer this script wrote")
-    if pointer["model"] != shape:
-        diffs = "; ".join(f"--{k}: checkpoint {pointer['model'].get(k)!r}, now {v!r}" for k, v in shape.items()
-                          if pointer["model"].get(k) != v)
+    diffs = "; ".join(f"--{k}: checkpoint {pointer['model'].get(k)!r}, now {v!r}" for k, v in shape.items()
+                      if pointer["model"].get(k) != v)
+    if diffs:   # (only what this run's tensors depend on: a pointer may record more)
         raise demo.UsageError(f"--resume: the checkpoint in {path} is of another model ({diffs})")
     folder = path / pointer["dir"]
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
-    try:   # (torch.distributed.checkpoint raises on every rank together)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:   # (torch.distributed.checkpoint raises on every rank together; its CheckpointException is no Exception)
         dcp.load(state, checkpoint_id=folder)
-    except Exception as exc:  # noqa: BLE001 - a checkpoint that does not load is the user's input
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a checkpoint that does not load is input
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise demo.UsageError(f"--resume: cannot load the checkpoint in {folder} ({type(exc).__name__}: "
                               f"{first[:300]})") from exc

@@ -90,7 +90,7 @@ def checkpoint_mismatch(folder: Path, config) -> str | None:
 def run(args: argparse.Namespace) -> dict:
     """Apply, train, save and reload (every rank; collective). Returns the final losses."""
     demo, hf_moe = _sibling("train_moe"), _sibling("hf_moe")
-    hf_moe._needs_transformers(demo, "hf_trainer.py")
+    hf_moe._needs_transformers(demo, "hf_trainer.py", ("transformers", "accelerate"))
     import transformers
 
     import feplb.hf

@@ -512,7 +512,7 @@ def test_out_dir_checks(train_moe, tmp_path, monkeypatch):
     assert (run / "kept.txt").exists(), "a folder with content stays"
     (run / "kept.txt").unlink()
     (run / "checkpoint").mkdir()
-    (run / "checkpoint" / "latest.json").write_text(json.dumps({"step": 7}))
+    (run / "checkpoint" / "latest.json").write_text(json.dumps({"step": 7, "dir": "step_0000007"}))
     with pytest.raises(train_moe.UsageError, match="already holds a run \\(checkpoint at step 7\\); pass --resume"):
         train_moe.check_out_dir(run, resume=False)
     train_moe.check_out_dir(run, resume=True)
@@ -800,8 +800,9 @@ def test_hf_examples_without_transformers_say_what_to_install(train_moe, monkeyp
 
     real = iu.find_spec
     monkeypatch.setattr(iu, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
-    with pytest.raises(train_moe.UsageError, match=r"hf_moe.py needs accelerate: pip install -e '\.\[hf\]'"):
-        hf_moe._needs_transformers(train_moe, "hf_moe.py")
+    hf_moe._needs_transformers(train_moe, "hf_moe.py")     # (hf_moe.py builds no Trainer: accelerate not needed)
+    with pytest.raises(train_moe.UsageError, match=r"hf_trainer.py needs accelerate: pip install -e '\.\[hf\]'"):
+        hf_moe._needs_transformers(train_moe, "hf_trainer.py", ("transformers", "accelerate"))
 
 
 def test_hf_trainer_resume_of_another_model_is_named(tmp_path):

@@ -76,6 +76,15 @@ def test_example_trains_balances_reports_and_saves(tmp_path, capfd):
              "--resume", str(dcp_dir)]
     with pytest.raises(Exception, match="another model \\(--hidden: checkpoint 32, now 16\\)"):
         run_dist(_run_example, 2, other, timeout_s=240, collective_timeout_s=120)
+    # a pointer naming a folder that is gone (deleted, or the pointer copied alone): one usage line on every rank
+    # (torch.distributed.checkpoint's CheckpointException is no Exception: it escaped as a long traceback)
+    import json
+
+    pointer = json.loads((dcp_dir / "latest.json").read_text())
+    (dcp_dir / "latest.json").write_text(json.dumps({**pointer, "dir": "step_0000003-gone"}))
+    with pytest.raises(Exception, match="UsageError: --resume: cannot load the checkpoint in .*step_0000003-gone "
+                                        "\\(CheckpointException"):
+        run_dist(_run_example, 2, resume[:-2], timeout_s=240, collective_timeout_s=120)
 
 
 def test_example_with_gradient_checkpointing_has_the_same_losses():
