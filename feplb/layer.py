@@ -717,8 +717,8 @@ class MoELayer(TrainingSteps, ExpertShards, nn.Module):
         if problem is None and torch.is_grad_enabled():   # (every rank alike: the mode is the training loop's)
             refused = compiled_autograd_problem("forward", forward=True)
             problem = None if refused is None else (RuntimeError, refused)
-        # (made the layer's last_timeline with its last_stats, by _observe: a forward that raises leaves both as the
-        # last forward that returned had them)
+        # (made the layer's last_timeline with its last_stats, by _observe: a forward that raises before then leaves
+        # both as the last forward that returned had them)
         tl = Timeline(device_spans=self._device.type == "cuda") if self.config.timeline else None
         # (what the GEMMs read: the weights, which an adapter derives from its own tensors, as feplb.titan_ep's
         # engine, holding no parameters, from its module's shards; and the parameters themselves)
