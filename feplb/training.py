@@ -688,7 +688,7 @@ class TrainingSteps:
         wrapped to refresh the copies before each call of it (the step may have moved the weights since) and to
         reduce after it (``args[0]`` is the optimizer, as torch passes it)."""
         self._reduce_before_step(optimizer)
-        if self.config.weights == "per-step" and self.replicas.ever_held:
+        if self.replicas.ever_held:     # (copies are held with per-step weights only)
             # the step's post-hook refreshes the copies; a step or step hook raising before it leaves them stale
             self.replicas.unfinished = True
         kwargs = dict(kwargs or {})
@@ -884,12 +884,12 @@ class TrainingSteps:
 
     def _refresh_replicas(self) -> None:
         self._forget_average()     # (after a step: the next average_expert_grads is the next step's)
-        if self.config.weights == "per-step" and self.replicas.ever_held:
-            # until it completes: one that raises part way leaves banks dropped or never received, and the next
-            # forward must refuse them rather than compute with the owners' own weights in their place (a layer
-            # that never held copies has none to leave stale; Replicas.refresh marks the first it makes)
+        if self.replicas.ever_held:     # (copies are held with per-step weights only)
+            # Unfinished until Replicas.refresh completes: one that raises part way leaves banks dropped or never
+            # received, and the next forward must refuse them rather than compute with the owners' own weights in
+            # their place (a layer that never held copies has none to leave stale; Replicas.refresh marks the first
+            # it makes).
             self.replicas.unfinished = True
-        if self.replicas.ever_held:
             # Agreed over the group, so that no rank enters the refresh exchange while another raises.
             self.replicas.agree("refresh_replicas")   # (raises where gradients were lost or left)
         if self.state is not None:
@@ -901,7 +901,6 @@ class TrainingSteps:
             return
         resident = self._plan_state.resident if self._plan_state is not None and self.base != "none" else frozenset()
         self.replicas.refresh(self.placement, frozenset(resident) if self.world_size > 1 else frozenset())
-        self.replicas.unfinished = False
 
     @torch.no_grad()
     def reduce_replica_grads(self) -> None:
