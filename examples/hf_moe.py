@@ -245,9 +245,6 @@ def train(args: argparse.Namespace) -> dict:
     return {"steps": steps, "summary": summary, "names": names}
 
 
-CKPT_POINTER = "latest.json"   # in --checkpoint: which of its step_* folders is the checkpoint
-
-
 def _needs_transformers(demo, script: str, modules: tuple[str, ...] = ("transformers",)) -> None:
     """One usage line, on every rank, where one of ``modules`` (transformers; accelerate for its Trainer) is
     missing."""
@@ -266,8 +263,9 @@ def _shape(args: argparse.Namespace) -> dict:
 def save_checkpoint(path: Path, model, optimizer, step: int, shape: dict) -> None:
     """The model and optimizer through ``torch.distributed.checkpoint`` (collective): each rank writes its expert
     shards and their optimizer state at their global offsets (DTensors, ``feplb.sharded``), the replicated rest once,
-    into a new ``step_*`` folder of ``path``; then rank 0 points ``path/latest.json`` at it (written atomically) and
-    removes the older ones. A save that fails part way leaves the previous checkpoint in charge."""
+    into a new ``step_*`` folder of ``path``; then rank 0 points ``path/latest.json`` (``train_moe.CKPT_POINTER``)
+    at it (written atomically) and removes the older ones. A save that fails part way leaves the previous checkpoint
+    in charge."""
     import shutil
     import uuid
 
@@ -285,9 +283,9 @@ def save_checkpoint(path: Path, model, optimizer, step: int, shape: dict) -> Non
     if dist.get_rank() == 0:
         try:
             pointer = {"step": step, "dir": folder.name, "model": shape}
-            demo.atomic_write_bytes(path / CKPT_POINTER, json.dumps(pointer, indent=1).encode())
+            demo.atomic_write_bytes(path / demo.CKPT_POINTER, json.dumps(pointer, indent=1).encode())
         except OSError as exc:
-            error = f"--checkpoint {path}: cannot write {CKPT_POINTER} ({type(exc).__name__}: {exc})"
+            error = f"--checkpoint {path}: cannot write {demo.CKPT_POINTER} ({type(exc).__name__}: {exc})"
         else:
             for old in path.glob("step_*"):
                 if old.name != folder.name:
@@ -305,15 +303,11 @@ def load_checkpoint(path: Path, model, optimizer, shape: dict) -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     demo = _demo()
-    try:
-        pointer = json.loads((path / CKPT_POINTER).read_text())
-    except FileNotFoundError:
-        raise demo.UsageError(f"--resume: {path} holds no checkpoint of this script (no {CKPT_POINTER})") from None
-    except (OSError, ValueError) as exc:
-        raise demo.UsageError(f"--resume: cannot read {path / CKPT_POINTER} ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(pointer, dict) or not isinstance(pointer.get("dir"), str) or \
-            not isinstance(pointer.get("model"), dict):
-        raise demo.UsageError(f"--resume: {path / CKPT_POINTER} is not a pointer this script wrote")
+    pointer = demo.read_pointer_file(path / demo.CKPT_POINTER, "--resume")   # (the form train_moe.py writes too)
+    if pointer is None:
+        raise demo.UsageError(f"--resume: {path} holds no checkpoint of this script (no {demo.CKPT_POINTER})")
+    if not isinstance(pointer.get("model"), dict):
+        raise demo.UsageError(f"--resume: {path / demo.CKPT_POINTER} is not a pointer this script wrote (no 'model')")
     diffs = "; ".join(f"--{k}: checkpoint {pointer['model'].get(k)!r}, now {v!r}" for k, v in shape.items()
                       if pointer["model"].get(k) != v)
     if diffs:   # (only what this run's tensors depend on: a pointer may record more)

@@ -547,7 +547,12 @@ def save_checkpoint(out: Path, *, step: int, cfg: TrainConfig, model, optimizer,
 def read_pointer(out: Path, option: str = "--resume") -> dict | None:
     """The checkpoint pointer in ``out`` (None without one); one that cannot be read, or is not one this script
     writes, is a usage error naming ``option``, the argument that led here."""
-    path = out / CKPT_DIR / CKPT_POINTER
+    return read_pointer_file(out / CKPT_DIR / CKPT_POINTER, option)
+
+
+def read_pointer_file(path: Path, option: str) -> dict | None:
+    """A checkpoint pointer file (an object naming its ``step`` and the ``dir`` holding it; this script's, and
+    hf_moe.py's), or None where there is none; unreadable, or of another form, a usage error naming ``option``."""
     if not path.exists():
         return None
     try:
