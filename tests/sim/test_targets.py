@@ -40,3 +40,15 @@ def test_esft_eplb_never_worse_than_plain_ep(shared_traces, ep):
     s = summarize([simulate(t, cfg) for t in traces])
     assert s["eplb"]["worse_than_none"] == 0  # of 2 x 26 x 4 samples; 0 of 1,664 over 32 (docs/simulation.md)
     assert s["eplb"]["token_straggler_reduction"] >= 0.90  # 95.7% / 95.2% over 32 micro-batches
+
+
+def test_no_table_sample_is_below_the_layers_planning_gate(shared_traces):
+    """The layer plans nothing for a micro-batch whose plain-EP token straggler is below min_straggler_rows (the cost
+    model's knee by default); the simulator plans every one. At the tables' settings (W = 8, 2,048 tokens per rank,
+    8 warm-up and 32 measured micro-batches) no sample of the traces is below that gate, so the tables show what
+    the layer would do (docs/simulation.md, "What the layer does differently")."""
+    for f in ("esft_deepseek_v2_lite/esft_vanilla_lite_intent.npz", "esft_deepseek_v2_lite/esft_vanilla_lite_law.npz",
+              "flame_moe_290m/flame_moe_290m_iter5473_routing.npz"):
+        cfg = SimConfig(policies=("none",), plan_us=50)
+        before = simulate(load_trace(shared_traces / f), cfg).metrics["none"]["token_straggler_before"]
+        assert before.size and before.min() >= cfg.cost.knee_rows, (f, before.min(), cfg.cost.knee_rows)
